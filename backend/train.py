@@ -1,0 +1,335 @@
+"""Train one rank and measure what it allocates (imported only inside a launched rank).
+
+CPU: the torch profiler's memory timeline records every allocation and free with a category
+(PARAMETER, GRADIENT, OPTIMIZER_STATE, ACTIVATION, TEMPORARY, ...), so the live total at every
+instant, and hence the peak, is exact. The profiler runs from before the model is built, so every
+tensor is seen being created rather than guessed as pre-existing.
+
+CUDA: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` / ``memory_stats``. A CUDA
+counter is never read on a CPU host (it would silently return 0).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+STEP_MARK = "planner::step::"
+
+
+def build_model(job: dict[str, Any]) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(job["model_config"])
+    model_type = fields.pop("model_type")
+    config = AutoConfig.for_model(model_type, **fields)
+    config.use_cache = False
+    torch.manual_seed(int(job.get("seed", 0)))
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation=job["attn_implementation"], dtype=torch.float32
+    )
+    if job["checkpointing"] == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def synthetic_batch(job: dict[str, Any], step: int, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(int(job.get("seed", 0)) * 100003 + step)
+    vocab = int(job["model_config"]["vocab_size"])
+    shape = (int(job["micro_batch"]), int(job["seq_len"]))
+    return torch.randint(0, vocab, shape, generator=generator).to(device)
+
+
+def _init_distributed(job: dict[str, Any]) -> None:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=job.get("dist_backend") or None)
+
+
+def _deepspeed_engine(job: dict[str, Any], model: torch.nn.Module):
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters()], config=job["ds_config"]
+    )
+    return engine
+
+
+def _train_steps(job: dict[str, Any], engine, device: torch.device, on_step) -> list[float]:
+    step_seconds: list[float] = []
+    total = int(job["warmup_steps"]) + int(job["steps"])
+    accumulation = int(job.get("gradient_accumulation", 1))
+    for step in range(total):
+        start = time.perf_counter()
+        with torch.profiler.record_function(f"{STEP_MARK}{step}"):
+            for micro in range(accumulation):
+                tokens = synthetic_batch(job, step * accumulation + micro, device)
+                loss = engine(input_ids=tokens, labels=tokens).loss
+                engine.backward(loss)
+                engine.step()
+                del loss, tokens
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        step_seconds.append(time.perf_counter() - start)
+        on_step(step, total)
+    return step_seconds
+
+
+def run_rank(job: dict[str, Any], rank: int) -> dict[str, Any]:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if job["device"] == "cuda" \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    _init_distributed(job)
+    progress = _progress_writer(job, rank)
+    if device.type == "cpu":
+        measured = _run_profiled_cpu(job, device, progress)
+    else:
+        measured = _run_cuda(job, device, progress)
+    measured["rank"] = rank
+    measured["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
+    return measured
+
+
+def _progress_writer(job: dict[str, Any], rank: int):
+    path = os.path.join(job["out_dir"], f"progress{rank}.txt")
+
+    def write(step: int, total: int) -> None:
+        with open(path, "a") as handle:
+            handle.write(f"{step + 1} {total} {time.time():.3f}\n")
+
+    return write
+
+
+def _run_profiled_cpu(job: dict[str, Any], device: torch.device, progress) -> dict[str, Any]:
+    trace = bool(job.get("trace_peak"))
+    profiler = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU],
+        profile_memory=True,
+        with_stack=trace,  # only to name the source line of each allocation live at the peak
+    )
+    with profiler:
+        model = build_model(job)
+        engine = _deepspeed_engine(job, model)
+        del model
+        step_seconds = _train_steps(job, engine, device, progress)
+    timeline = summarize_timeline(profiler, int(job["warmup_steps"]))
+    timeline["by_category_resident"] = resident_by_category(engine, timeline["resident_bytes"])
+    if trace:
+        timeline["live_at_peak"] = live_at(profiler, timeline["peak_time_ns"])
+        timeline["live_at_end"] = live_at(profiler, timeline["end_time_ns"])
+    timeline["step_seconds"] = _median(step_seconds[int(job["warmup_steps"]):])
+    timeline["tokens_per_second"] = _tokens_per_second(job, timeline["step_seconds"])
+    timeline["all_step_seconds"] = step_seconds
+    return timeline
+
+
+def _run_cuda(job: dict[str, Any], device: torch.device, progress) -> dict[str, Any]:
+    torch.cuda.reset_peak_memory_stats(device)
+    model = build_model(job).to(device)
+    engine = _deepspeed_engine(job, model)
+    del model
+    warmup = int(job["warmup_steps"])
+    resident_after: list[int] = []
+
+    def on_step(step: int, total: int) -> None:
+        resident_after.append(torch.cuda.memory_allocated(device))
+        if step + 1 == warmup:
+            torch.cuda.reset_peak_memory_stats(device)
+        progress(step, total)
+
+    step_seconds = _train_steps(job, engine, device, on_step)
+    stats = torch.cuda.memory_stats(device)
+    seconds = _median(step_seconds[warmup:])
+    return {
+        "peak_bytes": int(torch.cuda.max_memory_allocated(device)),
+        "resident_bytes": int(resident_after[-1]),
+        "reserved_peak_bytes": int(torch.cuda.max_memory_reserved(device)),
+        "device_name": torch.cuda.get_device_name(device),
+        "memory_stats": {k: int(v) for k, v in stats.items() if isinstance(v, (int, float))},
+        "by_category_resident": resident_by_category(engine, int(resident_after[-1])),
+        "step_seconds": seconds,
+        "tokens_per_second": _tokens_per_second(job, seconds),
+        "all_step_seconds": step_seconds,
+    }
+
+
+def _innermost_optimizer(engine) -> torch.optim.Optimizer | None:
+    optimizer = engine.optimizer
+    for _ in range(4):  # ZeRO / BF16_Optimizer wrap the torch optimizer one level deep
+        if optimizer is None or (isinstance(optimizer, torch.optim.Optimizer)
+                                 and not hasattr(optimizer, "optimizer")):
+            break
+        optimizer = getattr(optimizer, "optimizer", None)
+    return optimizer
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def resident_by_category(engine, resident_bytes: int) -> dict[str, int]:
+    """What stays between steps, attributed by looking at the engine's own tensors.
+
+    Each storage is counted once, in the first category that reaches it: the 16-bit or fp32
+    model parameters (ZeRO-3: the rank's ``ds_tensor`` partitions), the fp32 master copies the
+    optimizer steps on, the optimizer's states, gradients; the rest of the live total is
+    framework buffers (DeepSpeed's flat buffers and buckets, communication scratch).
+    """
+    seen: set[tuple[int, int]] = set()
+    totals = {"parameters": 0, "master_weights": 0, "optimizer_states": 0, "gradients": 0}
+
+    def add(category: str, tensor) -> None:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            return
+        key = _storage_key(tensor)
+        if key[0] == 0 or key in seen:
+            return
+        seen.add(key)
+        totals[category] += key[1]
+
+    module_params = list(engine.module.parameters())
+    for param in module_params:
+        add("parameters", getattr(param, "ds_tensor", None))
+        add("parameters", param.data)
+    optimizer = _innermost_optimizer(engine)
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                add("master_weights", param)
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    add("optimizer_states", value)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                add("gradients", param.grad)
+    for param in module_params:
+        add("gradients", param.grad)
+    totals["buffers"] = max(0, resident_bytes - sum(totals.values()))
+    return totals
+
+
+def _tokens_per_second(job: dict[str, Any], step_seconds: float) -> float:
+    tokens = int(job["micro_batch"]) * int(job["seq_len"]) * int(job.get("gradient_accumulation", 1))
+    return tokens / step_seconds if step_seconds > 0 else 0.0
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def _raw_events(profiler) -> tuple[list[tuple[int, int]], dict[int, tuple[int, int]]]:
+    """Allocator totals over time and the step windows, from the profiler's raw event tree.
+
+    Every CPU allocation and free made while profiling carries ``total_allocated``: the live
+    total of the c10 CPU allocator right after it (ProfiledCPUMemoryReporter in c10/core/
+    CPUAllocator.cpp counts exactly the bytes allocated while memory profiling is on). The
+    categorizing ``_memory_profile()`` is not used: on DeepSpeed's graphs it fails with
+    "duplicate outputs" (seen with torch 2.13.0 and DeepSpeed 0.19.8), and it is slow.
+    """
+    from torch._C._profiler import _EventType
+
+    totals: list[tuple[int, int]] = []
+    windows: dict[int, tuple[int, int]] = {}
+    stack = list(profiler.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        kind = event.typed[0]
+        if kind == _EventType.Allocation and event.typed[1].device.type == "cpu":
+            totals.append((event.start_time_ns, int(event.typed[1].total_allocated)))
+        elif kind == _EventType.TorchOp and event.name.startswith(STEP_MARK):
+            start = event.start_time_ns
+            windows[int(event.name[len(STEP_MARK):])] = (start, start + event.duration_time_ns)
+    totals.sort()
+    return totals, windows
+
+
+def summarize_timeline(profiler, warmup_steps: int) -> dict[str, Any]:
+    """Live bytes over the run.
+
+    ``resident_bytes`` is the live total when the last step ends (what stays between steps);
+    ``peak_bytes`` the highest live total from the first training step on (the first step
+    allocates the optimizer states, so it belongs to what a job has to survive);
+    ``steady_peak_bytes`` the same over the measured steps only; ``init_peak_bytes`` the highest
+    total while the model is built and wrapped, before training.
+    """
+    totals, windows = _raw_events(profiler)
+    if not windows:
+        raise RuntimeError("no training step was recorded by the profiler")
+    train_start = windows[min(windows)][0]
+    steady_first = min(windows) + warmup_steps
+    steady_start = windows[steady_first][0] if steady_first in windows else train_start
+    last_end = windows[max(windows)][1]
+    init_peak = peak = steady_peak = resident = peak_time = 0
+    for t, total in totals:
+        if t < train_start:
+            init_peak = max(init_peak, total)
+        elif t <= last_end:
+            if total > peak:
+                peak, peak_time = total, t
+            resident = total
+            if t >= steady_start:
+                steady_peak = max(steady_peak, total)
+    return {
+        "peak_bytes": int(peak),
+        "steady_peak_bytes": int(steady_peak),
+        "resident_bytes": int(resident),
+        "init_peak_bytes": int(init_peak),
+        "peak_time_ns": int(peak_time),
+        "end_time_ns": int(last_end),
+        "device_name": "cpu",
+    }
+
+
+def _allocation_site(event) -> str:
+    """The innermost DeepSpeed / transformers / planner frame above an allocation."""
+    from torch._C._profiler import _EventType
+
+    node = event.parent
+    fallback = ""
+    while node is not None:
+        if node.typed[0] == _EventType.PyCall:
+            name = node.name
+            if any(part in name for part in ("deepspeed/", "transformers/", "backend/")):
+                return name.split("site-packages/")[-1]
+            fallback = fallback or name
+        elif not fallback and node.typed[0] == _EventType.TorchOp:
+            fallback = node.name
+        node = node.parent
+    return fallback or "?"
+
+
+def live_at(profiler, time_ns: int, top: int = 25) -> list[dict[str, Any]]:
+    """Allocations live at one instant, grouped by the function that made them."""
+    from torch._C._profiler import _EventType
+
+    live: dict[int, tuple[int, Any]] = {}
+    events = []
+    stack = list(profiler.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.typed[0] == _EventType.Allocation and event.start_time_ns <= time_ns:
+            events.append(event)
+    for event in sorted(events, key=lambda e: e.start_time_ns):
+        fields = event.typed[1]
+        if fields.alloc_size > 0:
+            live[fields.ptr] = (fields.alloc_size, event)
+        else:
+            live.pop(fields.ptr, None)
+    sites: dict[str, list[int]] = {}
+    for size, event in live.values():
+        entry = sites.setdefault(_allocation_site(event), [0, 0])
+        entry[0] += size
+        entry[1] += 1
+    ranked = sorted(sites.items(), key=lambda item: -item[1][0])[:top]
+    return [{"site": site, "bytes": total, "count": count} for site, (total, count) in ranked]

@@ -1,0 +1,391 @@
+"""What each framework really holds, phase by phase: the textbook states plus its buffers.
+
+Every buffer term names the source that allocates it. The DeepSpeed terms were read from
+DeepSpeed 0.19.8 (deepspeed/runtime/...) and confirmed allocation by allocation with the
+verification backend's peak trace (``backend.train.live_at``); the torch terms from torch 2.13.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from planner.activations import Activations
+from planner.architecture import Architecture, layer_parameters
+from planner.schema import MemoryItem, Phase
+
+if TYPE_CHECKING:
+    from planner.memory import Setup
+
+FP32 = 4
+# engine.py, buffered_allreduce_fallback(elements_per_buffer=500000000): ZeRO-0 all-reduces the
+# gradients through flat copies of at most this many elements.
+DS_ALLREDUCE_FALLBACK_ELEMENTS = 500_000_000
+# torch DDP's default bucket_cap_mb (torch/nn/parallel/distributed.py).
+DDP_BUCKET_CAP_BYTES = 25 * 2**20
+
+
+@dataclass
+class PhasePlan:
+    phases: list[Phase]
+    resident_bytes: int
+    buffers: list[MemoryItem]
+    notes: list[str] = field(default_factory=list)
+    host_resident_bytes: int = 0
+    host_peak_bytes: int = 0
+    host_pinned_bytes: int = 0
+    nvme_bytes: int = 0
+
+
+def _item(name: str, nbytes: int, component: str, source: str = "") -> MemoryItem:
+    return MemoryItem(name=name, bytes=int(nbytes), component=component, source=source)
+
+
+def _phase(name: str, items: list[MemoryItem]) -> Phase:
+    kept = [i for i in items if i.bytes > 0]
+    return Phase(name=name, bytes=sum(i.bytes for i in kept), items=kept)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --- the backward sweep ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SweepPoint:
+    label: str
+    activation_bytes: int
+    grad_elements: int  # gradient elements produced so far
+    in_flight_elements: int  # of which produced since the last block boundary (not yet reduced)
+    transient_bytes: int
+
+
+def backward_sweep(acts: Activations | None, numels: list[int], arch: Architecture | None) -> list[SweepPoint]:
+    """Live activations and produced gradients at each moment of the backward pass where the
+    live total can peak: the loss, after the LM head, the start and the end of every block (last
+    to first), and the end. A block's saved activations are freed by the end of its backward,
+    and its parameters' gradients exist from then on."""
+    total = sum(numels)
+    if acts is None or arch is None:
+        return [SweepPoint("backward", 0, total, max(numels), 0)]
+    per_layer = layer_parameters(arch)
+    # Backward meets the LM head and final norm first and the input embeddings last; a tied
+    # head's gradient is the embedding's, allocated at the head.
+    embedding = arch.vocab_size * arch.hidden_size + arch.learned_positions * arch.hidden_size
+    late = 0 if arch.tie_word_embeddings else embedding
+    head = total - per_layer * arch.num_layers - late
+    body = acts.saved_bytes - acts.head_saved_bytes
+    points = [SweepPoint("start of backward", acts.saved_bytes, 0, 0, acts.loss_transient_bytes),
+              SweepPoint("after the LM head", body, head, head, 0)]
+    recompute = acts.layer_saved_bytes if acts.checkpointed else 0
+    for index in range(arch.num_layers):
+        block = arch.num_layers - index
+        live = body - index * acts.layer_kept_bytes
+        produced = head + index * per_layer
+        points.append(SweepPoint(f"start of block {block} backward", live + recompute, produced,
+                                 0, acts.layer_transient_bytes))
+        points.append(SweepPoint(f"end of block {block} backward", live - acts.layer_kept_bytes,
+                                 produced + per_layer, per_layer, 0))
+    points.append(SweepPoint("end of backward", 0, total, late or per_layer, 0))
+    return points
+
+
+# --- DeepSpeed -------------------------------------------------------------------------------
+
+def _adam_temporaries(elements: int, setup: "Setup") -> int:
+    """Temporaries of the optimizer step over ``elements`` (one tensor, or the largest one).
+
+    CPU ranks step with torch.optim.AdamW's single-tensor path, which allocates
+    exp_avg_sq.sqrt() and its division by the bias correction before the in-place add: two fp32
+    tensors of the parameter's size (torch/optim/adam.py, _single_tensor_adam). On CUDA,
+    DeepSpeed steps with FusedAdam (multi_tensor_apply, no temporaries) and torch with the
+    foreach path, whose _foreach_sqrt makes one fp32 copy of the group's exp_avg_sq. SGD
+    allocates none worth counting."""
+    if not setup.request.optimizer.startswith("adamw"):
+        return 0
+    if setup.device == "cpu":
+        return 2 * FP32 * elements
+    return 0 if setup.strategy.framework == "deepspeed" else FP32 * elements
+
+
+def _optimizer_items(setup: "Setup", elements: int, where: str) -> list[MemoryItem]:
+    from planner.precision import bits_to_bytes, optimizer_state_bits
+
+    items = []
+    if setup.zero.offload_optimizer == "none":
+        items.append(_item(f"fp32 master weights ({where})", FP32 * elements, "optimizer_states",
+                           "ZeRO paper Sec. 3.1; DeepSpeed keeps an fp32 copy even for fp32 training"))
+        items.append(_item(f"{setup.request.optimizer} states ({where})",
+                           bits_to_bytes(elements, optimizer_state_bits(setup.request.optimizer)),
+                           "optimizer_states", "exp_avg and exp_avg_sq"))
+    return items
+
+
+def _activation_items(point: SweepPoint) -> list[MemoryItem]:
+    return [
+        _item("saved activations", point.activation_bytes, "activations"),
+        _item("backward transients", point.transient_bytes, "activations",
+              "gradients of the loss (2 x fp32 tokens x vocab) or of one block's intermediates"),
+    ]
+
+
+def _zero0_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
+    """ZeRO stage 0: the DeepSpeed engine without partitioning. bf16/fp16 go through
+    FP16_UnfusedOptimizer (deepspeed/runtime/fp16/unfused_optimizer.py): an fp32 master per
+    parameter, fp32 gradients made in step(); fp32 trains the torch optimizer directly."""
+    psi, wb = sum(numels), setup.weight_bytes
+    largest = max(numels)
+    mixed = setup.recipe.master_bits > 0
+    weights = _item("weights", wb * psi, "parameters")
+    states = _optimizer_items(setup, psi, "full") if mixed else [
+        i for i in _optimizer_items(setup, psi, "full") if "master" not in i.name]
+    resident = [weights, *states]
+    grads = _item("gradients", wb * psi, "gradients")
+    phases = []
+    for point in backward_sweep(acts, numels, setup.arch):
+        phases.append(_phase(point.label, resident + _activation_items(point) + [
+            _item("gradients so far", wb * point.grad_elements, "gradients")]))
+    flat = min(psi, DS_ALLREDUCE_FALLBACK_ELEMENTS) * wb
+    phases.append(_phase("gradient all-reduce", resident + [grads, _item(
+        "flat all-reduce bucket", flat, "buffers", "engine.py buffered_allreduce_fallback")]))
+    step = resident + [grads, _item("Adam temporaries (largest parameter)", _adam_temporaries(largest, setup),
+                                    "buffers", "torch.optim.AdamW single-tensor step")]
+    if mixed:
+        step.append(_item("fp32 gradients for the master step", FP32 * psi, "buffers",
+                          "unfused_optimizer.py step(): p.grad = fp16 grad .float()"))
+    phases.append(_phase("optimizer step", step))
+    return PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident),
+                     buffers=[i for p in phases for i in p.items if i.component == "buffers"])
+
+
+def _partition_span(numels: list[int], dp: int) -> tuple[int, int]:
+    """(partition size, largest sum of whole parameters touching one rank's partition).
+
+    ZeRO-1/2 flatten the 16-bit parameters in order and cut the flat buffer into dp equal
+    partitions; grads_in_partition holds every parameter that overlaps the partition, whole
+    (stage_1_and_2.py: total_size = sum of params_in_partition numels)."""
+    total = sum(numels)
+    part = _ceil_div(total, dp)
+    best, start = 0, 0
+    offsets = []
+    for n in numels:
+        offsets.append((start, start + n))
+        start += n
+    for rank in range(dp):
+        lo, hi = rank * part, (rank + 1) * part
+        touching = sum(e - s for s, e in offsets if s < hi and e > lo)
+        best = max(best, touching)
+    return part, best
+
+
+def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
+    """ZeRO stages 1 and 2 (deepspeed/runtime/zero/stage_1_and_2.py)."""
+    z, wb, dp = setup.zero, setup.weight_bytes, setup.shard_size
+    psi = sum(numels)
+    part, touching = _partition_span(numels, dp)
+    stage = z.stage
+    weights = _item("flat 16-bit weights (full)", wb * psi, "parameters",
+                    "flatten_dense_tensors_aligned of the bit16 groups")
+    resident = [weights, *_optimizer_items(setup, part, f"1/{dp} partition")]
+    bucket = _item(f"ipg reduce bucket ({z.reduce_bucket_size:,} elements)",
+                   wb * z.reduce_bucket_size * (2 if z.overlap else 1) if z.contiguous_gradients else 0,
+                   "buffers", "stage_1_and_2.py: torch.empty(reduce_bucket_size) per ipg buffer")
+    in_partition = _item("grads_in_partition (params touching this partition)", wb * touching, "buffers",
+                         "stage_1_and_2.py copy_grads_in_partition")
+    phases = []
+    for point in backward_sweep(acts, numels, setup.arch):
+        items = resident + _activation_items(point)
+        if stage == 1:
+            # Stage 1 keeps every param.grad until the accumulation boundary, then reduces
+            # through the bucket into grads_in_partition (reduce_gradients at the boundary).
+            items.append(_item("16-bit gradients", wb * point.grad_elements, "gradients"))
+            if point.label == "end of backward":
+                items += [bucket, in_partition]
+        elif point.grad_elements:
+            # Stage 2 reduces from the first gradient hook on; the worst rank is the one whose
+            # partition holds the last parameters, reduced first, so its bucket and
+            # grads_in_partition exist from the LM head on.
+            items += [_item("16-bit gradients not yet reduced", wb * point.in_flight_elements, "gradients"),
+                      bucket, in_partition]
+        phases.append(_phase(point.label, items))
+    offloaded = z.offload_optimizer != "none"
+    step = resident + [] if offloaded else resident + [
+        _item("fp32 gradient partition", FP32 * part, "buffers", "stage_1_and_2.py step(): single_grad_partition"),
+        _item("Adam temporaries (flat partition)", _adam_temporaries(part, setup), "buffers",
+              "torch.optim.AdamW single-tensor step on the flat fp32 partition")]
+    phases.append(_phase("optimizer step", step))
+    plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident),
+                     buffers=[i for p in phases for i in p.items if i.component == "buffers"])
+    if offloaded:
+        _offload_optimizer_host(plan, setup, part)
+    return plan
+
+
+def _offload_optimizer_host(plan: PhasePlan, setup: "Setup", part: int) -> None:
+    """ZeRO-Offload: the fp32 partition, its gradient and the Adam moments live on the host
+    (DeepSpeedCPUAdam steps there). Host memory is per node: every local rank keeps its own."""
+    from planner.precision import bits_to_bytes, optimizer_state_bits
+
+    per_rank = FP32 * part * 2 + bits_to_bytes(part, optimizer_state_bits(setup.request.optimizer))
+    ranks = setup.request.gpus
+    target = setup.zero.offload_optimizer
+    if target == "nvme":
+        plan.nvme_bytes += per_rank * ranks
+        plan.host_peak_bytes += FP32 * part * 2 * ranks  # swap buffers for one partition in flight
+        plan.host_resident_bytes += FP32 * part * ranks
+    else:
+        plan.host_resident_bytes += per_rank * ranks
+        plan.host_peak_bytes += per_rank * ranks
+    if setup.zero.pin_memory:
+        plan.host_pinned_bytes += FP32 * part * 2 * ranks
+    plan.notes.append(f"optimizer offloaded to {target}: {per_rank:,} bytes per rank on the host side")
+
+
+def _persistent_numel(numels: list[int], threshold: int) -> int:
+    return sum(n for n in numels if n <= threshold)
+
+
+def _zero3_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
+    """ZeRO stage 3 (deepspeed/runtime/zero/stage3.py, partition_parameters.py)."""
+    z, wb, dp = setup.zero, setup.weight_bytes, setup.shard_size
+    psi = sum(numels)
+    part = _ceil_div(psi, dp)
+    persistent = _persistent_numel(numels, z.param_persistence_threshold)
+    largest = max(numels)
+    offload_params = z.offload_params != "none"
+    resident = [
+        _item(f"16-bit parameter partition (1/{dp})", 0 if offload_params else wb * part, "parameters",
+              "partition_parameters.py ds_tensor, defragmented into one flat buffer"),
+        _item("persistent small parameters (kept whole)", wb * persistent, "buffers",
+              f"stage3_param_persistence_threshold={z.param_persistence_threshold:,}"),
+        *_optimizer_items(setup, part, f"1/{dp} partition"),
+        _item(f"16-bit gradient partition (1/{dp})", wb * part, "gradients",
+              "stage3.py _setup_for_real_optimizer: grad partitions buffer"),
+        _item(f"ipg reduce bucket ({z.reduce_bucket_size:,} elements)", wb * z.reduce_bucket_size, "buffers",
+              "stage3.py _setup_for_real_optimizer: __ipg_bucket_flat_buffer"),
+        _item("last gathered parameter kept between steps", wb * largest, "buffers",
+              "partition_parameters.py _allgather_params_sequential"),
+    ]
+    gathered = _zero3_gathered(setup, numels)
+    phases = []
+    for point in backward_sweep(acts, numels, setup.arch):
+        phases.append(_phase(point.label, resident + _activation_items(point) + [
+            _item("gathered 16-bit parameters", gathered, "buffers", _gathered_source(setup, numels)),
+            _item("16-bit gradients not yet reduced", wb * point.in_flight_elements, "gradients")]))
+    offloaded = z.offload_optimizer != "none"
+    step = resident if offloaded else resident + [
+        _item("fp32 gradient partition", FP32 * part, "buffers", "stage3.py: fp32 grad of each sub-group"),
+        _item("Adam temporaries (flat partition)", _adam_temporaries(min(part, z.sub_group_size), setup),
+              "buffers", "torch.optim.AdamW single-tensor step per sub_group_size group")]
+    phases.append(_phase("optimizer step", step))
+    plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident),
+                     buffers=[i for p in phases for i in p.items if i.component == "buffers"])
+    if offloaded:
+        _offload_optimizer_host(plan, setup, part)
+    if offload_params:
+        plan.host_resident_bytes += wb * part * setup.request.gpus
+        plan.host_peak_bytes += wb * part * setup.request.gpus
+        if z.offload_params == "nvme":
+            plan.nvme_bytes += wb * part * setup.request.gpus
+        plan.notes.append(f"parameters offloaded to {z.offload_params}: each rank's 1/{dp} partition lives off the device")
+    return plan
+
+
+def _zero3_gathered(setup: "Setup", numels: list[int]) -> int:
+    """Parameters all-gathered at the start of backward. DeepSpeed releases a parameter after
+    its module unless it will be used again within stage3_max_reuse_distance elements; in
+    backward every parameter is reused, so when the whole model is within that distance nothing
+    is released between forward and backward (partitioned_param_coordinator.py,
+    release_sub_module). Otherwise what stays is bounded by max_live_parameters plus the
+    prefetch bucket."""
+    z, wb, psi = setup.zero, setup.weight_bytes, sum(numels)
+    persistent = _persistent_numel(numels, z.param_persistence_threshold)
+    gatherable = psi - persistent
+    if z.max_reuse_distance >= psi:
+        return wb * gatherable
+    return wb * min(gatherable, z.max_live_parameters + z.prefetch_bucket_size + max(numels))
+
+
+def _gathered_source(setup: "Setup", numels: list[int]) -> str:
+    if setup.zero.max_reuse_distance >= sum(numels):
+        return (f"stage3_max_reuse_distance({setup.zero.max_reuse_distance:,}) covers the whole model, "
+                "so gathered parameters stay until backward")
+    return "stage3_max_live_parameters + stage3_prefetch_bucket_size"
+
+
+# --- torch DDP and FSDP ----------------------------------------------------------------------
+
+def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
+    """torch DDP (autocast for the mixed recipes: fp32 weights, which are the master copy) and
+    FSDP (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD) with a mixed-precision policy."""
+    s, r = setup.strategy, setup.recipe
+    psi = sum(numels)
+    shard = setup.shard_size if s.shards_parameters else 1
+    part = _ceil_div(psi, shard)
+    mixed = r.master_bits > 0
+    store_bytes = FP32 if mixed or r.weight_bits == 32 else r.weight_bits // 8
+    compute_bytes = r.weight_bits // 8
+    offload = setup.zero.offload_params != "none"
+    from planner.precision import bits_to_bytes, optimizer_state_bits
+
+    states = bits_to_bytes(part if s.shards_optimizer else psi, optimizer_state_bits(setup.request.optimizer))
+    resident = [
+        _item("weights" + (" (fp32, the master copy)" if mixed else ""),
+              0 if offload else store_bytes * (part if s.shards_parameters else psi), "parameters"),
+        _item(f"{setup.request.optimizer} states", 0 if offload else states, "optimizer_states"),
+    ]
+    if s.name == "ddp":
+        # The Reducer allocates its flat buckets when DDP wraps the model and keeps them; with
+        # the default gradient_as_bucket_view=False they are a second copy of every gradient
+        # (torch/nn/parallel/distributed.py docstring of gradient_as_bucket_view).
+        resident.append(_item("DDP gradient buckets (a copy of the gradients)", store_bytes * psi, "buffers",
+                              "torch DDP Reducer, gradient_as_bucket_view=False"))
+    per_unit = max(numels) if not setup.arch else max(layer_parameters(setup.arch), max(numels))
+    phases = []
+    for point in backward_sweep(acts, numels, setup.arch):
+        items = resident + _activation_items(point)
+        if s.name == "ddp":
+            items.append(_item("gradients (full)", store_bytes * point.grad_elements, "gradients"))
+            if mixed:
+                items.append(_item("autocast copies of the weights", compute_bytes * psi, "buffers",
+                                   "torch.autocast caches 16-bit casts of the weights for the iteration"))
+        else:
+            unsharded = compute_bytes * (psi if s.params_unsharded_in_step else 2 * per_unit)
+            # FSDP reduce-scatters each unit after its backward: the unsharded gradients of one
+            # unit are in flight at a time.
+            items += [
+                _item("all-gathered units (current and prefetched)", unsharded, "buffers",
+                      "FSDP paper Sec. 3.2: one unit in use plus one prefetched (backward_prefetch)"),
+                _item("unsharded gradients of the current unit", compute_bytes * point.in_flight_elements, "buffers",
+                      "FSDP reduce-scatters each unit's gradients after its backward"),
+                _item("sharded gradients", store_bytes * _ceil_div(point.grad_elements, shard), "gradients"),
+            ]
+        phases.append(_phase(point.label, items))
+    grad_bytes = store_bytes * (part if s.shards_gradients else psi)
+    phases.append(_phase("optimizer step", resident + [
+        _item("gradients", 0 if offload else grad_bytes, "gradients"),
+        _item("optimizer step temporaries",
+              _adam_temporaries(_ceil_div(max(numels), shard) if setup.device == "cpu" else part, setup),
+              "buffers", "torch.optim.AdamW: single-tensor on CPU, foreach on CUDA")]))
+    plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident),
+                     buffers=[i for p in phases for i in p.items if i.component == "buffers"])
+    if offload:
+        per_rank = store_bytes * part * 2 + states
+        plan.host_resident_bytes = per_rank * setup.request.gpus
+        plan.host_peak_bytes = per_rank * setup.request.gpus
+        plan.notes.append("FSDP CPUOffload: parameters, gradients and optimizer states of each shard on the host")
+    if s.name == "ddp":
+        plan.notes.append(f"DDP buckets of {DDP_BUCKET_CAP_BYTES // 2**20} MiB (bucket_cap_mb) hold a full copy of the gradients")
+    return plan
+
+
+def phases_for(setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
+    s = setup.strategy
+    if s.framework == "deepspeed":
+        if s.zero_stage == 0:
+            return _zero0_phases(setup, acts, numels)
+        if s.zero_stage in (1, 2):
+            return _zero12_phases(setup, acts, numels)
+        return _zero3_phases(setup, acts, numels)
+    return _torch_phases(setup, acts, numels)

@@ -1,0 +1,61 @@
+"""The GPU catalogue (data/gpus.yaml): capacity, peak throughput, CUDA context overhead."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from planner.errors import PlannerError, UnknownNameError, unknown
+from planner.units import MIB
+
+GPU_PATH = Path(__file__).parent / "data" / "gpus.yaml"
+
+
+class Gpu(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    vendor_name: str
+    memory_mib: int = Field(ge=0)
+    peak_tflops: dict[str, float]
+    bf16: bool
+    nvlink: str
+    pcie: str
+    cuda_context_mib: int = Field(ge=0)
+    source: str
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory_mib * MIB
+
+    @property
+    def cuda_context_bytes(self) -> int:
+        return self.cuda_context_mib * MIB
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.name == "cpu"
+
+
+@lru_cache(maxsize=1)
+def load_gpus() -> dict[str, Gpu]:
+    data = yaml.safe_load(GPU_PATH.read_text())
+    gpus = [Gpu.model_validate(entry) for entry in data["gpus"]]
+    return {g.name: g for g in gpus}
+
+
+def gpu(name: str) -> Gpu:
+    gpus = load_gpus()
+    found = gpus.get(name) or gpus.get(name.lower())
+    if found is None:
+        raise UnknownNameError(unknown("gpu", name, list(gpus)))
+    return found
+
+
+def check_precision(g: Gpu, precision: str) -> None:
+    if precision.startswith("bf16") and not g.bf16:
+        raise PlannerError(f"precision {precision} needs bfloat16, which {g.name} ({g.vendor_name}) does not support; "
+                           "use fp16-mixed or fp32")

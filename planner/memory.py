@@ -1,0 +1,216 @@
+"""Per-device memory of one training configuration: the orchestrator.
+
+The textbook model states (parameters, gradients, optimizer states) follow the ZeRO paper.
+What the frameworks really hold is modelled as *phases*: the live set at the moments a step
+can peak (the start of backward, the end of backward, the gradient reduction, the optimizer
+step). Each phase is a list of named items; resident is what survives the step; the peak is the
+largest phase. The items beyond the textbook states are the framework's buffers, each named
+after the DeepSpeed / torch source that allocates it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner import buffers as buf
+from planner.activations import Activations, estimate_activations
+from planner.architecture import Architecture, parameter_numels
+from planner.catalogue import ResolvedModel, catalogue_model, model_from_config, raw_parameters
+from planner.dsconfig import ZeroSettings, parse_ds_config, with_overrides
+from planner.errors import PlannerError
+from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
+from planner.precision import RECIPES, Recipe, bits_to_bytes, optimizer_state_bits
+from planner.schema import (EstimateRequest, EstimateResult, HostMemory, MemoryItem, ModelSummary,
+                            PerDevice, Phase)
+from planner.strategies import Strategy, check_offload, shard_group_size, strategy as lookup_strategy
+from planner.units import GIB, fmt_bytes
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A request resolved into typed mechanisms: the input of every term below."""
+
+    request: EstimateRequest
+    model: ResolvedModel
+    strategy: Strategy
+    recipe: Recipe
+    gpu: Gpu
+    zero: ZeroSettings
+    world_size: int
+    shard_size: int
+
+    @property
+    def arch(self) -> Architecture | None:
+        return self.model.architecture
+
+    @property
+    def psi(self) -> int:
+        return self.model.parameters
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.recipe.weight_bits // 8
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.gpu.is_cpu else "cuda"
+
+
+def resolve_model(request: EstimateRequest) -> ResolvedModel:
+    if request.model is not None:
+        return catalogue_model(request.model)
+    if request.model_config_ is not None:
+        return model_from_config(request.model_config_)
+    return raw_parameters(request.params)
+
+
+def _zero_settings(request: EstimateRequest, s: Strategy) -> ZeroSettings:
+    settings = parse_ds_config(request.ds_config) if request.ds_config is not None else ZeroSettings()
+    if request.ds_config is not None and s.zero_stage is not None and settings.stage != s.zero_stage:
+        raise PlannerError(f"strategy {s.name} contradicts ds_config zero_optimization.stage({settings.stage}); "
+                           f"use strategy zero{settings.stage} or change the config")
+    settings = with_overrides(
+        settings, reduce_bucket_size=request.reduce_bucket_size,
+        allgather_bucket_size=request.allgather_bucket_size,
+        prefetch_bucket_size=request.prefetch_bucket_size,
+        param_persistence_threshold=request.param_persistence_threshold,
+        max_live_parameters=request.max_live_parameters, max_reuse_distance=request.max_reuse_distance)
+    offload_optimizer = request.offload_optimizer if request.offload_optimizer != "none" else settings.offload_optimizer
+    offload_params = request.offload_params if request.offload_params != "none" else settings.offload_params
+    from dataclasses import replace
+    return replace(settings, stage=s.zero_stage or 0, offload_optimizer=offload_optimizer,
+                   offload_params=offload_params)
+
+
+def resolve(request: EstimateRequest) -> Setup:
+    s = lookup_strategy(request.strategy)
+    g = lookup_gpu(request.gpu)
+    zero = _zero_settings(request, s)
+    precision = request.precision
+    if request.ds_config is not None and zero.precision and zero.precision != precision \
+            and "precision" not in request.model_fields_set:
+        precision = zero.precision  # the config's bf16/fp16 block, unless --precision was given
+    check_precision(g, precision)
+    check_offload(s, zero.offload_optimizer, zero.offload_params)
+    if s.framework == "deepspeed" and precision == "bf16-pure":
+        raise PlannerError("precision bf16-pure (no fp32 master) is not what DeepSpeed's bf16 mode does: "
+                           "it always keeps fp32 master weights; use bf16-mixed with zero0-3, or ddp/fsdp for bf16-pure")
+    if s.shard_within_node and request.nodes < 2:
+        raise PlannerError(f"hsdp shards inside a node and replicates across nodes; nodes({request.nodes}) must be at least 2")
+    model = resolve_model(request)
+    shard = shard_group_size(s, request.gpus, request.nodes)
+    return Setup(request=request.model_copy(update={"precision": precision}), model=model, strategy=s,
+                 recipe=RECIPES[precision], gpu=g, zero=zero,
+                 world_size=request.world_size, shard_size=shard)
+
+
+# --- textbook model states -------------------------------------------------------------------
+
+def _shard(count: int, setup: Setup, sharded: bool) -> int:
+    return -(-count // setup.shard_size) if sharded else count
+
+
+def textbook_states(setup: Setup) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer states) in bytes per device, as the ZeRO paper counts
+    them: 16-bit weights and grads, K bytes of optimizer state per parameter, each divided over
+    the shard group where the strategy shards it, and zero on the device where it is offloaded."""
+    s, r, psi = setup.strategy, setup.recipe, setup.psi
+    k_bits = r.master_bits + optimizer_state_bits(setup.request.optimizer)
+    params = bits_to_bytes(_shard(psi, setup, s.shards_parameters), r.weight_bits)
+    grads = bits_to_bytes(_shard(psi, setup, s.shards_gradients), r.grad_bits)
+    optim = bits_to_bytes(_shard(psi, setup, s.shards_optimizer), k_bits)
+    if setup.zero.offload_params != "none":
+        params = 0
+        if s.framework == "torch":
+            grads = 0  # FSDP CPUOffload moves gradients to the host with the parameters
+    if setup.zero.offload_optimizer != "none":
+        optim = 0
+    return params, grads, optim
+
+
+def activations(setup: Setup) -> Activations | None:
+    if setup.arch is None:
+        return None
+    req = setup.request
+    compute = 4 if setup.recipe.compute == "fp32" else 2
+    return estimate_activations(setup.arch, micro_batch=req.micro_batch, seq_len=req.seq_len,
+                                compute_bytes=compute, attention=req.attention,
+                                checkpointing=req.checkpointing, device=setup.device)
+
+
+# --- the orchestrator -----------------------------------------------------------------------
+
+def _numels(setup: Setup) -> list[int]:
+    if setup.arch is not None:
+        return parameter_numels(setup.arch)
+    return [setup.psi]  # only a count: one flat tensor is the best that can be said
+
+
+def estimate(request: EstimateRequest) -> EstimateResult:
+    setup = resolve(request)
+    params_b, grads_b, optim_b = textbook_states(setup)
+    acts = activations(setup)
+    plan = buf.phases_for(setup, acts, _numels(setup))
+    framework = setup.gpu.cuda_context_bytes
+    peak_phase = max(plan.phases, key=lambda p: p.bytes)
+    peak = peak_phase.bytes + framework
+    resident = plan.resident_bytes + framework
+    act_at_peak = sum(i.bytes for i in peak_phase.items if i.component == "activations")
+    textbook_at_peak = params_b + grads_b + optim_b
+    buffers_at_peak = max(0, peak_phase.bytes - act_at_peak - textbook_at_peak)
+    capacity = _capacity(setup)
+    fits = capacity > 0 and peak <= capacity
+    notes = _notes(setup, acts, plan, peak_phase, capacity, peak)
+    return EstimateResult(
+        parameters=setup.psi,
+        model=ModelSummary(name=setup.model.name, source=setup.model.source, parameters=setup.psi,
+                           architecture=setup.arch.model_dump() if setup.arch else None),
+        strategy=setup.strategy.name, world_size=setup.world_size, dp_size=setup.world_size,
+        shard_size=setup.shard_size, gpu=setup.gpu.name,
+        per_device=PerDevice(
+            parameters_bytes=params_b, gradients_bytes=grads_b, optimizer_states_bytes=optim_b,
+            activations_bytes=act_at_peak if acts is not None else None,
+            buffers_bytes=buffers_at_peak, framework_bytes=framework,
+            resident_bytes=resident, peak_bytes=peak, peak_phase=peak_phase.name),
+        host=HostMemory(resident_bytes=plan.host_resident_bytes, peak_bytes=plan.host_peak_bytes,
+                        pinned_bytes=plan.host_pinned_bytes),
+        nvme_bytes=plan.nvme_bytes, device_capacity_bytes=capacity, fits=fits,
+        headroom_bytes=capacity - peak, phases=list(plan.phases), buffers=list(plan.buffers),
+        notes=notes, request=setup.request)
+
+
+def _capacity(setup: Setup) -> int:
+    if setup.request.device_memory_gib is not None:
+        return int(setup.request.device_memory_gib * GIB)
+    return setup.gpu.memory_bytes
+
+
+def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_phase: Phase,
+           capacity: int, peak: int) -> list[str]:
+    s, r = setup.strategy, setup.recipe
+    notes = [
+        f"parameters: {setup.psi:,} x {r.weight_bits} bits"
+        + (f", sharded over {setup.shard_size} ranks" if s.shards_parameters else ", replicated on every rank"),
+        f"gradients: {r.grad_bits}-bit" + (f", sharded over {setup.shard_size}" if s.shards_gradients else ", full on every rank"),
+        f"optimizer states: {setup.request.optimizer}"
+        + (f" + fp32 master ({r.master_bits} bits)" if r.master_bits else "")
+        + (f", sharded over {setup.shard_size}" if s.shards_optimizer else ", full on every rank")
+        + (f", offloaded to {setup.zero.offload_optimizer}" if setup.zero.offload_optimizer != "none" else ""),
+    ]
+    if acts is None:
+        notes.append("activations: unknown (only a parameter count was given); the peak excludes them")
+    else:
+        notes.append(f"activations: {acts.saved_bytes:,} bytes saved for backward at micro_batch "
+                     f"{setup.request.micro_batch} x seq_len {setup.request.seq_len} "
+                     f"({setup.request.attention}, checkpointing {setup.request.checkpointing})")
+    notes.append(f"peak occurs during {peak_phase.name}")
+    notes.extend(plan.notes)
+    if setup.gpu.is_cpu:
+        notes.append("cpu ranks: no CUDA context; capacity is host memory shared by the ranks of a node")
+    else:
+        notes.append(f"framework: CUDA context and library workspaces {setup.gpu.cuda_context_mib} MiB "
+                     f"on {setup.gpu.name} (gpus.yaml, calibratable)")
+    if capacity > 0:
+        verdict = "fits" if peak <= capacity else "does NOT fit"
+        notes.append(f"{verdict}: peak {fmt_bytes(peak)} vs {fmt_bytes(capacity)} on each {setup.gpu.name}")
+    return notes

@@ -1,0 +1,136 @@
+"""The one schema: request and response of the REST API, the CLI's flags and --json output, the
+web form's fields and the verification backend's input.
+
+Field names are the CLI's long flags with ``-`` turned into ``_``. Input models are frozen and
+forbid unknown fields; every field's ``description`` is its CLI help, OpenAPI text and form label.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from planner.activations import Attention, Checkpointing
+from planner.precision import Optimizer, Precision
+from planner.strategies import OffloadDevice, StrategyName
+
+MAX_GPUS_PER_NODE = 1024
+MAX_NODES = 100_000
+MAX_TOKENS = 1 << 24  # micro_batch * seq_len beyond 16M tokens per device is not a training step
+
+
+class EstimateRequest(BaseModel):
+    """What to estimate: a model, a strategy and the cluster it runs on."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=(), populate_by_name=True)
+
+    model: str | None = Field(None, description="catalogue model name (see `planner models`)",
+                              examples=["mistral-7b-v0.1"])
+    model_config_: dict[str, Any] | None = Field(
+        None, alias="model_config",
+        description="a Hugging Face config.json as an object (what --model-file reads)")
+    params: int | None = Field(None, gt=0, le=10**14,
+                               description="a raw parameter count, when only model states are wanted")
+    strategy: StrategyName = Field("zero3", description="distributed strategy")
+    gpus: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE, description="GPUs (or CPU ranks) per node")
+    nodes: int = Field(1, ge=1, le=MAX_NODES, description="number of nodes")
+    gpu: str = Field("a100-80gb", description="device type (see `planner gpus`), or cpu")
+    device_memory_gib: float | None = Field(
+        None, gt=0, le=1 << 20, description="override the device's capacity in GiB (needed for --gpu cpu to judge fit)")
+    precision: Precision = Field("bf16-mixed", description="precision recipe")
+    optimizer: Optimizer = Field("adamw", description="optimizer")
+    micro_batch: int = Field(1, ge=1, le=1 << 16, description="sequences per device per micro-step")
+    seq_len: int = Field(2048, ge=1, le=1 << 22, description="tokens per sequence")
+    gradient_accumulation: int = Field(1, ge=1, le=1 << 16, description="micro-steps per optimizer step")
+    checkpointing: Checkpointing = Field("none", description="activation checkpointing")
+    attention: Attention = Field("sdpa", description="attention implementation (sdpa = flash/memory-efficient)")
+    offload_optimizer: OffloadDevice = Field("none", description="where optimizer states live")
+    offload_params: OffloadDevice = Field("none", description="where parameters live (zero3 / fsdp)")
+    ds_config: dict[str, Any] | None = Field(None, description="a DeepSpeed JSON config (what --ds-config reads)")
+    reduce_bucket_size: int | None = Field(None, ge=1, le=10**12, description="DeepSpeed reduce_bucket_size (elements)")
+    allgather_bucket_size: int | None = Field(None, ge=1, le=10**12, description="DeepSpeed allgather_bucket_size (elements)")
+    prefetch_bucket_size: int | None = Field(None, ge=0, le=10**12, description="DeepSpeed stage3_prefetch_bucket_size (elements)")
+    param_persistence_threshold: int | None = Field(
+        None, ge=0, le=10**12, description="DeepSpeed stage3_param_persistence_threshold (elements)")
+    max_live_parameters: int | None = Field(None, ge=0, le=10**13, description="DeepSpeed stage3_max_live_parameters (elements)")
+    max_reuse_distance: int | None = Field(None, ge=0, le=10**13, description="DeepSpeed stage3_max_reuse_distance (elements)")
+
+    @model_validator(mode="after")
+    def _one_model(self) -> "EstimateRequest":
+        given = [name for name, value in (("model", self.model), ("model_config", self.model_config_),
+                                          ("params", self.params)) if value is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of model, model_config (--model-file) or params; got {given or 'none'}")
+        if self.micro_batch * self.seq_len > MAX_TOKENS:
+            raise ValueError(f"micro_batch({self.micro_batch}) * seq_len({self.seq_len}) = "
+                             f"{self.micro_batch * self.seq_len} tokens exceeds {MAX_TOKENS} per device")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus * self.nodes
+
+
+class MemoryItem(BaseModel):
+    """One named term of the estimate, with where it comes from."""
+
+    name: str
+    bytes: int
+    component: Literal["parameters", "gradients", "optimizer_states", "activations", "buffers", "framework"]
+    source: str = ""
+
+
+class Phase(BaseModel):
+    """What is live on a device at one moment of a step; the peak is the largest phase."""
+
+    name: str
+    bytes: int
+    items: list[MemoryItem]
+
+
+class PerDevice(BaseModel):
+    parameters_bytes: int = Field(description="weights held between steps (textbook, sharded as the strategy does)")
+    gradients_bytes: int = Field(description="gradients in the training dtype (textbook, sharded as the strategy does)")
+    optimizer_states_bytes: int = Field(description="fp32 master weights and optimizer moments")
+    activations_bytes: int | None = Field(description="saved activations at the peak; null when unknown (--params)")
+    buffers_bytes: int = Field(description="framework buffers beyond the textbook states, at the peak")
+    framework_bytes: int = Field(description="CUDA context and allocator overhead")
+    resident_bytes: int = Field(description="held between steps")
+    peak_bytes: int = Field(description="highest live total during a step")
+    peak_phase: str = Field(description="the moment of the step the peak occurs in")
+
+
+class HostMemory(BaseModel):
+    resident_bytes: int = Field(description="host RAM held by offload per node")
+    peak_bytes: int = Field(description="highest host RAM per node during a step")
+    pinned_bytes: int = Field(description="of which page-locked")
+
+
+class ModelSummary(BaseModel):
+    name: str
+    source: str
+    parameters: int
+    architecture: dict[str, Any] | None
+
+
+class EstimateResult(BaseModel):
+    """The answer to `planner estimate`; field names are the public contract (tests freeze them)."""
+
+    parameters: int
+    model: ModelSummary
+    strategy: str
+    world_size: int
+    dp_size: int
+    shard_size: int
+    gpu: str
+    per_device: PerDevice
+    host: HostMemory
+    nvme_bytes: int
+    device_capacity_bytes: int
+    fits: bool
+    headroom_bytes: int
+    phases: list[Phase]
+    buffers: list[MemoryItem]
+    notes: list[str]
+    request: EstimateRequest

@@ -1,0 +1,75 @@
+"""Distributed strategies: what each one shards, over which group, and what it may offload.
+
+ZeRO paper (Rajbhandari et al. 2020, Sec. 5): stage 1 partitions optimizer states, stage 2 also
+gradients, stage 3 also parameters. FSDP paper (Zhao et al. 2023, Sec. 3.2): FULL_SHARD is
+ZeRO-3-like; SHARD_GRAD_OP keeps parameters unsharded from forward through backward;
+HYBRID_SHARD shards inside a node and replicates across nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from planner.errors import PlannerError
+
+StrategyName = Literal["ddp", "fsdp", "fsdp-grad-op", "hsdp", "zero0", "zero1", "zero2", "zero3"]
+OffloadDevice = Literal["none", "cpu", "nvme"]
+STRATEGIES: tuple[str, ...] = ("ddp", "zero0", "zero1", "zero2", "zero3", "fsdp", "fsdp-grad-op", "hsdp")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    framework: Literal["torch", "deepspeed"]
+    shards_optimizer: bool
+    shards_gradients: bool
+    shards_parameters: bool
+    zero_stage: int | None = None
+    shard_within_node: bool = False  # HSDP: the shard group is one node's GPUs
+    params_unsharded_in_step: bool = False  # SHARD_GRAD_OP keeps gathered params fwd -> bwd
+
+
+_TABLE: dict[str, Strategy] = {
+    "ddp": Strategy("ddp", "torch", False, False, False),
+    "zero0": Strategy("zero0", "deepspeed", False, False, False, zero_stage=0),
+    "zero1": Strategy("zero1", "deepspeed", True, False, False, zero_stage=1),
+    "zero2": Strategy("zero2", "deepspeed", True, True, False, zero_stage=2),
+    "zero3": Strategy("zero3", "deepspeed", True, True, True, zero_stage=3),
+    "fsdp": Strategy("fsdp", "torch", True, True, True),
+    "fsdp-grad-op": Strategy("fsdp-grad-op", "torch", True, True, True, params_unsharded_in_step=True),
+    "hsdp": Strategy("hsdp", "torch", True, True, True, shard_within_node=True),
+}
+
+
+def strategy(name: str) -> Strategy:
+    try:
+        return _TABLE[name]
+    except KeyError:
+        raise PlannerError(f"strategy {name!r} is unknown; choose one of {', '.join(STRATEGIES)}") from None
+
+
+def shard_group_size(s: Strategy, gpus_per_node: int, nodes: int) -> int:
+    """How many ranks a sharded state is divided over (the data-parallel group, or one node for HSDP)."""
+    return gpus_per_node if s.shard_within_node else gpus_per_node * nodes
+
+
+def check_offload(s: Strategy, offload_optimizer: str, offload_params: str) -> None:
+    """Refuse combinations the frameworks do not implement, naming both settings."""
+    if offload_optimizer != "none" and not s.shards_optimizer:
+        raise PlannerError(
+            f"offload_optimizer={offload_optimizer} needs a sharded optimizer (zero1-3 or an FSDP variant); "
+            f"strategy {s.name} keeps the optimizer on the device")
+    if offload_params != "none":
+        if s.name not in ("zero3", "fsdp", "hsdp"):
+            raise PlannerError(
+                f"offload_params={offload_params} needs zero3 (ZeRO-Infinity) or fsdp/hsdp (CPU offload); "
+                f"strategy {s.name} does not offload parameters")
+        if s.framework == "torch" and offload_params == "nvme":
+            raise PlannerError(f"offload_params=nvme is not available with {s.name}: FSDP offloads to CPU only")
+    if s.framework == "torch" and offload_optimizer == "nvme":
+        raise PlannerError(f"offload_optimizer=nvme is not available with {s.name}: FSDP offloads to CPU only")
+    if s.framework == "torch" and s.shards_optimizer and (offload_optimizer == "cpu") != (offload_params == "cpu"):
+        raise PlannerError(
+            f"{s.name} offloads parameters, gradients and optimizer states together (CPUOffload(offload_params=True)); "
+            f"set offload_optimizer and offload_params both to cpu, got {offload_optimizer} and {offload_params}")
