@@ -11,6 +11,7 @@ counter is never read on a CPU host (it would silently return 0).
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import time
@@ -73,6 +74,12 @@ def _train_steps(job: dict[str, Any], engine, device: torch.device, on_step) -> 
                 engine.backward(loss)
                 engine.step()
                 del loss, tokens
+            # At a step's end, gloo's worker threads may still hold (and later free) the
+            # gradients and scratch of the last collectives, and DeepSpeed leaves some tensors in
+            # reference cycles: when either lets go varies from run to run. A barrier, then a
+            # collection, makes "resident" what the job really keeps between steps, every run.
+            torch.distributed.barrier()
+            gc.collect()
         if device.type == "cuda":
             torch.cuda.synchronize()
         step_seconds.append(time.perf_counter() - start)

@@ -47,6 +47,7 @@ class Architecture(BaseModel):
     o_bias: bool = Field(description="attention output projection has a bias")
     mlp_bias: bool = Field(description="MLP projections have biases")
     fused_qkv: bool = Field(default=False, description="one fused QKV projection (GPT-2, Falcon, Phi-3)")
+    fused_gate_up: bool = Field(default=False, description="gate and up projections fused in one matrix (Phi-3)")
     tie_word_embeddings: bool = Field(description="the LM head reuses the input embedding")
     learned_positions: int = Field(ge=0, le=MAX_VOCAB,
                                    description="rows of a learned position embedding (GPT-2); 0 for RoPE")
@@ -143,9 +144,16 @@ def parameter_numels(a: Architecture) -> list[int]:
     attention += [q * h] + ([h] if a.o_bias else [])
     inner = a.intermediate_size
     expert = [h * inner] * (2 if a.mlp == "gated" else 1) + [inner * h]
+    if a.fused_gate_up:
+        expert = [2 * h * inner, inner * h]
     if a.mlp_bias:
         expert = [h * inner, inner] * (2 if a.mlp == "gated" else 1) + [inner * h, h]
-    mlp = ([h * a.num_experts] + [n * a.num_experts for n in expert]) if a.is_moe else expert
+    if a.is_moe:
+        # transformers 5 (MixtralExperts) fuses gate and up: gate_up_proj (E, 2I, h), down_proj (E, h, I)
+        up = sum(expert[:-1]) if a.mlp == "gated" else expert[0]
+        mlp = [h * a.num_experts, up * a.num_experts, expert[-1] * a.num_experts]
+    else:
+        mlp = expert
     layer = attention + mlp + norm * a.norms_per_layer
     out += layer * a.num_layers + norm
     if not a.tie_word_embeddings:
@@ -299,7 +307,7 @@ def _read_mixtral(f: _Fields) -> dict[str, Any]:
 def _read_phi3(f: _Fields) -> dict[str, Any]:
     fields = _llama_like(f, _PHI3, qkv_bias=False, norms=2, tied_default=False)
     fields["hidden_dropout"] = max(f.prob("resid_pdrop"), f.prob("embd_pdrop"))
-    return fields | dict(fused_qkv=True)
+    return fields | dict(fused_qkv=True, fused_gate_up=True)  # Phi3MLP.gate_up_proj
 
 
 def _read_gpt2(f: _Fields) -> dict[str, Any]:

@@ -1,0 +1,216 @@
+"""Launch a configuration through the real `deepspeed` launcher and collect every rank's record.
+
+The launcher runs in its own process session, so a timeout, a crashing rank or Ctrl-C ends the
+whole group: no rank is left behind. Heavy imports (torch, deepspeed) happen only in the ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from planner.dsconfig import build_ds_config
+from planner.errors import PlannerError
+from planner.memory import resolve
+from planner.schema import EstimateRequest
+
+WORKER = Path(__file__).with_name("worker.py")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class ProbeResult:
+    status: str  # ok | oom | crashed | timeout | interrupted | launcher-error
+    ranks: list[dict[str, Any]]
+    job: dict[str, Any]
+    log_tail: str
+    seconds: float
+    message: str = ""
+    returncode: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_dir: Path) -> dict[str, Any]:
+    """What every rank needs: the architecture, the DeepSpeed config the prediction assumed."""
+    setup = resolve(request)
+    if setup.strategy.framework != "deepspeed":
+        raise PlannerError(f"strategy {setup.strategy.name}: this probe launches DeepSpeed strategies "
+                           "(zero0-zero3) only")
+    if setup.model.config is None:
+        raise PlannerError("a real run needs an architecture: give --model or --model-file, not --params")
+    ds_config = build_ds_config(stage=setup.zero.stage, precision=setup.request.precision,
+                                micro_batch=request.micro_batch,
+                                gradient_accumulation=request.gradient_accumulation,
+                                optimizer=request.optimizer, zero=setup.zero)
+    if setup.gpu.is_cpu:
+        # CPU ranks: DeepSpeed's FusedAdam needs CUDA; torch's AdamW is what the model predicts.
+        ds_config["optimizer"]["params"]["torch_adam"] = True
+    return {
+        "model_config": setup.model.config,
+        "attn_implementation": request.attention,
+        "checkpointing": request.checkpointing,
+        "micro_batch": request.micro_batch,
+        "seq_len": request.seq_len,
+        "gradient_accumulation": request.gradient_accumulation,
+        "steps": steps,
+        "warmup_steps": warmup_steps,
+        "ds_config": ds_config,
+        "device": "cpu" if setup.gpu.is_cpu else "cuda",
+        "dist_backend": "gloo" if setup.gpu.is_cpu else None,
+        "out_dir": str(out_dir),
+        "seed": 0,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launcher_command(job_path: Path, request: EstimateRequest, hostfile: str | None = None) -> list[str]:
+    deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).with_name("deepspeed"))
+    command = [deepspeed, "--num_gpus", str(request.gpus), "--master_port", str(_free_port())]
+    if request.nodes > 1:
+        command += ["--num_nodes", str(request.nodes)]
+        if hostfile:
+            command += ["--hostfile", hostfile]
+    return command + [str(WORKER), "--job", str(job_path)]
+
+
+def _environment(job: dict[str, Any]) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["HF_HUB_OFFLINE"] = "1"  # nothing is ever downloaded
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    if job["device"] == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def end_group(process: subprocess.Popen, grace_seconds: float = 5.0) -> None:
+    """SIGTERM the launcher's whole process group, then SIGKILL what is left."""
+    if process.poll() is not None and not _group_alive(process.pid):
+        return
+    for sig, wait in ((signal.SIGTERM, grace_seconds), (signal.SIGKILL, grace_seconds)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if process.poll() is not None and not _group_alive(process.pid):
+                return
+            time.sleep(0.05)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def run_probe(request: EstimateRequest, *, out_dir: Path, steps: int = 2, warmup_steps: int = 1,
+              timeout_seconds: float = 900.0, hostfile: str | None = None,
+              on_progress=None) -> ProbeResult:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    job = worker_job(request, steps=steps, warmup_steps=warmup_steps, out_dir=out_dir)
+    job_path = out_dir / "job.json"
+    job_path.write_text(json.dumps(job, indent=1))
+    log_path = out_dir / "launcher.log"
+    command = launcher_command(job_path, request, hostfile)
+    start = time.monotonic()
+    status, message, returncode = "ok", "", None
+    with open(log_path, "w") as log:
+        try:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                       env=_environment(job), start_new_session=True)
+        except OSError as exc:
+            return ProbeResult("launcher-error", [], job, "", 0.0, f"cannot start the deepspeed launcher: {exc}")
+        try:
+            returncode = _wait(process, start, timeout_seconds, out_dir, on_progress)
+            if returncode is None:
+                status, message = "timeout", f"no result after {timeout_seconds:.0f} s; all ranks ended"
+        except KeyboardInterrupt:
+            status, message = "interrupted", "interrupted (Ctrl-C); all ranks ended"
+        finally:
+            end_group(process)
+    ranks = _collect(out_dir, request.world_size)
+    if status == "ok":
+        status, message = _verdict(ranks, returncode, request.world_size)
+    return ProbeResult(status, ranks, job, _tail(log_path), time.monotonic() - start, message, returncode)
+
+
+def _wait(process: subprocess.Popen, start: float, timeout: float, out_dir: Path, on_progress) -> int | None:
+    seen = 0
+    while True:
+        code = process.poll()
+        if on_progress is not None:
+            seen = _report_progress(out_dir, seen, on_progress)
+        if code is not None:
+            return code
+        if time.monotonic() - start > timeout:
+            return None
+        time.sleep(0.2)
+
+
+def _report_progress(out_dir: Path, seen: int, on_progress) -> int:
+    path = out_dir / "progress0.txt"
+    if not path.exists():
+        return seen
+    lines = path.read_text().splitlines()
+    for line in lines[seen:]:
+        step, total, _ = line.split()
+        on_progress(int(step), int(total))
+    return len(lines)
+
+
+def _collect(out_dir: Path, world_size: int) -> list[dict[str, Any]]:
+    ranks = []
+    for rank in range(world_size):
+        path = out_dir / f"rank{rank}.json"
+        if path.exists():
+            try:
+                ranks.append(json.loads(path.read_text()))
+            except json.JSONDecodeError:
+                ranks.append({"rank": rank, "status": "crashed", "error": "unreadable rank record"})
+        else:
+            ranks.append({"rank": rank, "status": "missing", "error": "the rank left no record"})
+    return ranks
+
+
+def _verdict(ranks: list[dict[str, Any]], returncode: int | None, world: int) -> tuple[str, str]:
+    failed = [r for r in ranks if r.get("status") != "ok"]
+    if not failed and returncode == 0:
+        return "ok", f"{world} ranks trained"
+    if any(r.get("status") == "oom" for r in failed):
+        first = next(r for r in failed if r.get("status") == "oom")
+        return "oom", f"rank {first['rank']} ran out of memory: {first.get('error', '')[:300]}"
+    if failed:
+        first = failed[0]
+        return "crashed", f"rank {first['rank']} {first.get('status')}: {first.get('error', '')[:300]}"
+    return "launcher-error", f"the launcher exited with code {returncode}"
+
+
+def _tail(path: Path, limit: int = 6000) -> str:
+    try:
+        return path.read_text(errors="replace")[-limit:]
+    except OSError:
+        return ""

@@ -1,0 +1,158 @@
+"""The `planner` CLI: its public flags and JSON fields are frozen; bad input is one line, exit 2."""
+
+import json
+
+import pytest
+
+from cli.main import main
+
+ESTIMATE_FIELDS = {"parameters", "model", "strategy", "world_size", "dp_size", "shard_size", "gpu", "per_device",
+                   "host", "nvme_bytes", "device_capacity_bytes", "fits", "headroom_bytes", "phases", "buffers",
+                   "notes", "request"}
+PER_DEVICE_FIELDS = {"parameters_bytes", "gradients_bytes", "optimizer_states_bytes", "activations_bytes",
+                     "buffers_bytes", "framework_bytes", "resident_bytes", "peak_bytes", "peak_phase"}
+HOST_FIELDS = {"resident_bytes", "peak_bytes", "pinned_bytes"}
+ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus", "--nodes", "--gpu",
+                  "--device-memory-gib", "--precision", "--optimizer", "--micro-batch", "--seq-len",
+                  "--gradient-accumulation", "--checkpointing", "--attention", "--offload-optimizer",
+                  "--offload-params", "--ds-config", "--reduce-bucket-size", "--allgather-bucket-size",
+                  "--prefetch-bucket-size", "--param-persistence-threshold", "--max-live-parameters",
+                  "--max-reuse-distance", "--json"}
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_estimate_flags_are_frozen():
+    from cli.main import build_parser
+
+    parser = build_parser()
+    estimate = parser._subparsers._group_actions[0].choices["estimate"]
+    flags = {s for a in estimate._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+    assert flags == ESTIMATE_FLAGS
+
+
+def test_estimate_json_fields_are_frozen(capsys):
+    code, out, _ = run(capsys, "estimate", "--model", "llama-3-8b", "--strategy", "zero3", "--gpus", "8", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert set(data) == ESTIMATE_FIELDS
+    assert set(data["per_device"]) == PER_DEVICE_FIELDS
+    assert set(data["host"]) == HOST_FIELDS
+    assert data["parameters"] == 8_030_261_248
+    assert all(isinstance(data["per_device"][k], int) for k in PER_DEVICE_FIELDS - {"peak_phase"})
+    d = data["per_device"]
+    assert d["peak_bytes"] >= d["resident_bytes"] > 0
+    assert data["notes"] and all(isinstance(n, str) for n in data["notes"])
+
+
+def test_estimate_table_labels_units_and_verdict(capsys):
+    code, out, _ = run(capsys, "estimate", "--model", "mistral-7b-v0.1", "--strategy", "ddp", "--precision",
+                       "bf16-pure", "--gpu", "a100-80gb")
+    assert code == 0
+    assert "GiB" in out and "GB" in out
+    assert "DOES NOT FIT" in out and "headroom" in out
+
+
+def test_models_json_lists_every_entry(capsys):
+    code, out, _ = run(capsys, "models", "--json")
+    rows = json.loads(out)
+    assert code == 0 and len(rows) >= 15
+    mistral = next(r for r in rows if r["name"] == "mistral-7b-v0.1")
+    assert mistral["parameters"] == 7_241_732_096 and mistral["config"]["model_type"] == "mistral"
+
+
+def test_model_file_accepts_hf_config_json_and_yaml(capsys, tmp_path):
+    hf = tmp_path / "config.json"
+    hf.write_text(json.dumps({"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+                              "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+                              "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True,
+                              "_name_or_path": "meta-llama/Llama-3.2-1B", "architectures": ["LlamaForCausalLM"]}))
+    code, out, _ = run(capsys, "estimate", "--model-file", str(hf), "--json")
+    assert code == 0 and json.loads(out)["parameters"] == 1_235_814_400
+    yml = tmp_path / "mine.yaml"
+    yml.write_text("name: tiny\nconfig:\n  model_type: gpt2\n  n_embd: 64\n  n_layer: 2\n  n_head: 4\n  vocab_size: 100\n")
+    code, out, _ = run(capsys, "estimate", "--model-file", str(yml), "--json")
+    assert code == 0 and json.loads(out)["model"]["name"] == "tiny"
+
+
+def test_params_only_reports_activations_unknown(capsys):
+    code, out, _ = run(capsys, "estimate", "--params", "1000000000", "--strategy", "zero2", "--gpus", "4", "--json")
+    assert code == 0 and json.loads(out)["per_device"]["activations_bytes"] is None
+
+
+def test_ds_config_sets_stage_buckets_and_offload(capsys, tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                               "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000000,
+                                                     "offload_optimizer": {"device": "cpu", "pin_memory": True}}}))
+    code, out, _ = run(capsys, "estimate", "--model", "llama-3-8b", "--strategy", "zero2", "--gpus", "8",
+                       "--ds-config", str(cfg), "--json")
+    data = json.loads(out)
+    assert code == 0
+    assert data["per_device"]["optimizer_states_bytes"] == 0  # offloaded
+    assert data["host"]["resident_bytes"] > 0 and data["host"]["pinned_bytes"] > 0
+    assert any(b["name"].startswith("ipg reduce bucket (1,000,000") for b in data["buffers"])
+    # an explicit flag wins over the file
+    code, out, _ = run(capsys, "estimate", "--model", "llama-3-8b", "--strategy", "zero2", "--gpus", "8",
+                       "--ds-config", str(cfg), "--reduce-bucket-size", "3000000", "--json")
+    assert any(b["name"].startswith("ipg reduce bucket (3,000,000") for b in json.loads(out)["buffers"])
+
+
+BAD = [
+    (["estimate", "--model", "llama-9"], "unknown model 'llama-9'"),
+    (["estimate", "--model", "gpt2", "--gpus", "0"], "--gpus: got 0"),
+    (["estimate", "--model", "gpt2", "--gpus", "-3"], "--gpus: got -3"),
+    (["estimate", "--model", "gpt2", "--seq-len", "99999999999"], "--seq-len"),
+    (["estimate", "--model", "gpt2", "--micro-batch", "4096", "--seq-len", "1000000"], "exceeds"),
+    (["estimate", "--model", "gpt2", "--strategy", "zero9"], "invalid choice: 'zero9'"),
+    (["estimate", "--model", "gpt2", "--gpus", "two"], "invalid int value: 'two'"),
+    (["estimate", "--params", "0"], "--params: got 0"),
+    (["estimate", "--model", "gpt2", "--params", "10"], "give exactly one of"),
+    (["estimate"], "give exactly one of"),
+    (["estimate", "--model", "gpt2", "--gpu", "tpu-v5"], "unknown gpu 'tpu-v5'"),
+    (["estimate", "--model", "gpt2", "--gpu", "v100-32gb"], "does not support"),
+    (["estimate", "--model", "gpt2", "--strategy", "ddp", "--offload-optimizer", "cpu"], "offload_optimizer=cpu"),
+    (["estimate", "--model", "gpt2", "--strategy", "hsdp"], "nodes(1) must be at least 2"),
+    (["estimate", "--model", "gpt2", "--strategy", "zero2", "--precision", "bf16-pure"], "bf16-pure"),
+    (["estimate", "--model-file", "/no/such/file.json"], "cannot be read"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD, ids=[" ".join(a[1:]) for a, _ in BAD])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err and out == ""
+
+
+@pytest.mark.parametrize("content,message", [
+    ("{not json", "malformed YAML/JSON at line 1"),
+    ('{"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 30}', "not divisible by num_attention_heads(30)"),
+    ("[1, 2]", "must be a JSON object"),
+])
+def test_bad_model_files(capsys, tmp_path, content, message):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    code, _, err = run(capsys, "estimate", "--model-file", str(path))
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"zero_optimization": {"stage": 5}}, "stage must be 0, 1, 2 or 3, got 5"),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_sise": 5}}, "unknown key 'reduce_bucket_sise'"),
+    ({"zero_optimisation": {}}, "unknown key 'zero_optimisation'"),
+    ({"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}}, "offload_param needs stage 3"),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": -1}}, "reduce_bucket_size must be at least 1"),
+    ({"zero_optimization": {"stage": 3}}, "contradicts ds_config zero_optimization.stage(3)"),
+])
+def test_bad_ds_configs(capsys, tmp_path, config, message):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    code, _, err = run(capsys, "estimate", "--model", "gpt2", "--strategy", "zero2", "--ds-config", str(path))
+    assert code == 2 and message in err, err
