@@ -80,6 +80,10 @@ def _train_steps(job: dict[str, Any], engine, device: torch.device, on_step) -> 
             # collection, makes "resident" what the job really keeps between steps, every run.
             torch.distributed.barrier()
             gc.collect()
+            # The allocator's total is only sampled at allocation events of profiled threads;
+            # frees made on gloo's threads show up at the next one, so make one now.
+            sample = torch.empty(1)
+            del sample
         if device.type == "cuda":
             torch.cuda.synchronize()
         step_seconds.append(time.perf_counter() - start)

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 EXIT_USAGE = 2
 # Fields read from a file by the CLI: the flag names the file, the request holds its content.
-FILE_FLAGS = {"model_config_": "--model-file", "ds_config": "--ds-config"}
+FILE_FLAGS = {"model_config_": "--model-file", "ds_config": "--ds-config", "topology_text": "--topology-file"}
 
 
 class CliError(Exception):
@@ -76,6 +76,8 @@ def _read_file_flag(name: str, path: str) -> Any:
     if name == "model_config_":
         resolved = model_from_file(path)  # validates and names the file in every error
         return {"name": resolved.name, "config": resolved.config}
+    if name == "topology_text":
+        return read_topology_text(path)
     file = Path(path)
     try:
         if file.stat().st_size > MAX_MODEL_FILE_BYTES:
@@ -113,6 +115,24 @@ def validation_message(exc: ValidationError) -> str:
     return f"{_flag(field)}:{shown} {message}"
 
 
+def read_topology_text(path: str) -> str:
+    from planner.topology import MAX_TOPOLOGY_BYTES
+
+    try:
+        if path == "-":
+            text = sys.stdin.read(MAX_TOPOLOGY_BYTES + 1)
+        else:
+            with open(path, encoding="utf-8", errors="strict") as handle:
+                text = handle.read(MAX_TOPOLOGY_BYTES + 1)
+    except OSError as exc:
+        raise CliError(f"--topology-file {path}: cannot be read ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise CliError(f"--topology-file {path}: not a text file") from None
+    if len(text.encode()) > MAX_TOPOLOGY_BYTES:
+        raise CliError(f"--topology-file {path}: larger than {MAX_TOPOLOGY_BYTES} bytes; not nvidia-smi topo -m output")
+    return text
+
+
 # --- commands --------------------------------------------------------------------------------
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -147,11 +167,11 @@ def cmd_gpus(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from planner.memory import estimate
+    from planner.plan import estimate_with_time
     from planner.schema import EstimateRequest
 
     request = request_from_args(args, EstimateRequest)
-    result = estimate(request)
+    result = estimate_with_time(request)
     if args.json:
         print(result.model_dump_json(indent=2, by_alias=True))
     else:
@@ -169,8 +189,70 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
+def cmd_topo(args: argparse.Namespace) -> int:
+    from planner.gpus import gpu as lookup_gpu
+    from planner.presets import PRESETS, preset_topology
+    from planner.topology import parse_topology
+
+    if args.list:
+        for p in PRESETS.values():
+            print(f"{p.name:<24} {p.gpus} x {p.gpu:<10} {p.description}")
+        return 0
+    if args.preset:
+        topo = preset_topology(args.preset)
+    else:
+        if args.file is None and sys.stdin.isatty():
+            raise CliError("give --file F, --preset NAME, or pipe `nvidia-smi topo -m` into stdin")
+        text = read_topology_text(args.file or "-")
+        topo = parse_topology(text, lookup_gpu(args.gpu), source=args.file or "stdin")
+    if args.svg:
+        from planner.emit import write_files
+        from planner.render import topology_svg
+
+        target = Path(args.svg)
+        write_files(target.parent if str(target.parent) else ".", {target.name: topology_svg(topo)})
+    if args.json:
+        print(topo.model_dump_json(indent=2))
+        return 0
+    from cli.render import topology_table
+
+    print(topology_table(topo))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from planner.plan import plan
+    from planner.schema import PlanRequest
+
+    request = request_from_args(args, PlanRequest)
+    result = plan(request)
+    if args.emit:
+        if not result.candidates:
+            raise CliError("no candidate to emit")
+        pick = result.recommended if args.pick is None else _pick(result, args.pick)
+        if pick is None:
+            raise CliError("nothing fits, so nothing is emitted; see the rejected reasons")
+        from planner.emit import emit_files, write_files
+
+        written = write_files(args.emit, emit_files(request, pick))
+        print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+    if args.json:
+        print(result.model_dump_json(indent=2, by_alias=True))
+    else:
+        from cli.render import plan_table
+
+        print(plan_table(result))
+    return 0
+
+
+def _pick(result, index: int):
+    if not 1 <= index <= len(result.candidates):
+        raise CliError(f"--pick {index}: choose 1..{len(result.candidates)} (the candidate's rank)")
+    return result.candidates[index - 1]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from planner.schema import EstimateRequest
+    from planner.schema import EstimateRequest, PlanRequest
 
     parser = OneLineParser(prog="planner", description=(
         "How many bytes every GPU holds under each distributed strategy, and which one to use."))
@@ -186,6 +268,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_schema_flags(est, EstimateRequest)
     est.add_argument("--json", action="store_true", help="print the result as one JSON object")
     est.set_defaults(handler=cmd_estimate)
+    topo = sub.add_parser("topo", help="parse `nvidia-smi topo -m` (a file or stdin) or show a preset")
+    topo.add_argument("--file", help="a file with `nvidia-smi topo -m` output (default: stdin)")
+    topo.add_argument("--preset", help="a preset machine instead (see --list)")
+    topo.add_argument("--list", action="store_true", help="list the presets")
+    topo.add_argument("--gpu", default="a100-80gb", help="GPU type, which decides what each link code means")
+    topo.add_argument("--svg", metavar="FILE", help="write a picture of the topology")
+    topo.add_argument("--json", action="store_true", help="print the parsed topology as JSON")
+    topo.set_defaults(handler=cmd_topo)
+    pl = sub.add_parser("plan", help="rank every strategy x micro-batch x checkpointing x offload that fits")
+    add_schema_flags(pl, PlanRequest)
+    pl.add_argument("--emit", metavar="DIR", help="write the DeepSpeed config, launch command and hostfile")
+    pl.add_argument("--pick", type=int, help="emit the candidate of this rank instead of the recommended one")
+    pl.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    pl.set_defaults(handler=cmd_plan)
     return parser
 
 

@@ -36,6 +36,12 @@ def estimate_table(r: EstimateResult) -> str:
         lines += ["", f"  {'per node (offload)':<28} {'GiB':>12} {'GB':>12}",
                   _row("host RAM peak", r.host.peak_bytes), _row("of which pinned", r.host.pinned_bytes),
                   _row("NVMe", r.nvme_bytes)]
+    if r.time is not None:
+        t = r.time
+        lines += ["", f"  time per step on {t.topology}: {t.step_seconds:.3f} s (compute {t.compute_seconds:.3f} s, "
+                      f"communication {t.communication_seconds:.3f} s of which exposed {t.exposed_communication_seconds:.3f} s"
+                      + (f", offload {t.offload_seconds:.3f} s" if t.offload_seconds else "")
+                      + f"); {t.tokens_per_second:,.0f} tokens/s, MFU {t.mfu:.2f}"]
     lines.append("")
     if r.device_capacity_bytes > 0:
         headroom = r.headroom_bytes
@@ -45,4 +51,60 @@ def estimate_table(r: EstimateResult) -> str:
     else:
         lines.append(f"peak {d.peak_bytes / GIB:,.2f} GiB per rank (no capacity known for {r.gpu}; "
                      "pass --device-memory-gib to judge the fit)")
+    return "\n".join(lines)
+
+
+def topology_table(t) -> str:
+    n = len(t.gpus)
+    head = "        " + "".join(f"GPU{i:<5}" for i in range(n)) + "NUMA"
+    lines = [f"{t.source}: {n} x {t.gpu_type}, NVLink groups {t.nvlink_groups}", "", head]
+    for i, row in enumerate(t.matrix):
+        numa = t.gpus[i].numa_node
+        lines.append(f"GPU{i:<5}" + "".join(f"{c:<8}" for c in row) + ("" if numa is None else str(numa)))
+    lines += ["", "modelled links (unidirectional GB/s):"]
+    kinds = {}
+    for link in t.links:
+        kinds.setdefault((link.code, link.kind, link.bandwidth_gbps, link.latency_us), []).append(f"{link.a}-{link.b}")
+    for (code, kind, bw, lat), pairs in sorted(kinds.items(), key=lambda kv: -kv[0][2]):
+        lines.append(f"  {code:<5} {kind:<32} {bw:>8.1f} GB/s  {lat:>4.1f} us  ({len(pairs)} pairs)")
+    for nic in t.nics:
+        lines.append(f"  NIC {nic.name}{' (' + nic.device + ')' if nic.device and nic.device != nic.name else ''}: "
+                     f"nearest GPUs {nic.nearest_gpus or 'none'}")
+    return "\n".join(lines)
+
+
+def plan_table(r) -> str:
+    req = r.request
+    lines = [f"{req.model or 'custom model'}: {req.gpus * req.nodes} x {req.gpu} ({req.nodes} node(s)), "
+             f"global batch {req.global_batch} x {req.seq_len} tokens, objective {req.objective}",
+             f"topology: {r.topology.source}; best ring {r.topology.ring} at {r.topology.ring_bandwidth_gbps:.1f} GB/s",
+             "",
+             f"  {'#':>3} {'strategy':<13} {'mb':>4} {'accum':>5} {'ckpt':<5} {'offload':<11} {'peak GiB':>9} "
+             f"{'step s':>8} {'exposed comm s':>15} {'tokens/s':>10} {'MFU':>5}"]
+    for k, c in enumerate(r.candidates, 1):
+        if not c.fits:
+            continue
+        lines.append(f"  {k:>3} {c.strategy:<13} {c.micro_batch:>4} {c.gradient_accumulation:>5} {c.checkpointing:<5} "
+                     f"{c.offload_optimizer + '/' + c.offload_params:<11} {c.per_device.peak_bytes / GIB:>9.2f} "
+                     f"{c.step_seconds:>8.3f} {c.exposed_communication_seconds:>15.3f} {c.tokens_per_second:>10,.0f} "
+                     f"{c.mfu:>5.2f}")
+    rejected = [c for c in r.candidates if not c.fits]
+    if rejected:
+        lines += ["", "rejected:"]
+        seen = set()
+        for c in rejected:
+            if c.rejected_reason and c.strategy not in seen:
+                seen.add(c.strategy)
+                lines.append(f"  {c.rejected_reason}")
+    best = r.recommended
+    lines.append("")
+    if best:
+        lines.append(f"recommended: {best.strategy}, micro-batch {best.micro_batch} x {best.gradient_accumulation} "
+                     f"accumulation, checkpointing {best.checkpointing}, offload {best.offload_optimizer}/"
+                     f"{best.offload_params}: {best.step_seconds:.3f} s per step, peak {best.per_device.peak_bytes / GIB:.2f} GiB")
+    else:
+        lines.append("nothing fits this cluster")
+    lines.append("smallest GPU count that trains (micro-batch 1, full checkpointing): " +
+                 ", ".join(f"{k} {v if v is not None else 'none'}" for k, v in r.min_gpus.items()))
+    lines.extend(f"note: {n}" for n in r.notes)
     return "\n".join(lines)

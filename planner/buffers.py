@@ -79,7 +79,10 @@ def backward_sweep(acts: Activations | None, numels: list[int], arch: Architectu
     points = [SweepPoint("start of backward", acts.saved_bytes, 0, 0, acts.loss_transient_bytes),
               SweepPoint("after the LM head", body, head, head, 0)]
     recompute = acts.layer_saved_bytes if acts.checkpointed else 0
-    for index in range(arch.num_layers):
+    # Live activations fall and produced gradients rise linearly with the block index, so every
+    # phase total is linear in it and its maximum is at the first or the last block: the blocks
+    # between can never be the peak and are not listed.
+    for index in sorted({0, arch.num_layers - 1}):
         block = arch.num_layers - index
         live = body - index * acts.layer_kept_bytes
         produced = head + index * per_layer
@@ -165,17 +168,22 @@ def _partition_span(numels: list[int], dp: int) -> tuple[int, int]:
     ZeRO-1/2 flatten the 16-bit parameters in order and cut the flat buffer into dp equal
     partitions; grads_in_partition holds every parameter that overlaps the partition, whole
     (stage_1_and_2.py: total_size = sum of params_in_partition numels)."""
+    import bisect
+    from itertools import accumulate
+
     total = sum(numels)
     part = _ceil_div(total, dp)
-    best, start = 0, 0
-    offsets = []
-    for n in numels:
-        offsets.append((start, start + n))
-        start += n
-    for rank in range(dp):
-        lo, hi = rank * part, (rank + 1) * part
-        touching = sum(e - s for s, e in offsets if s < hi and e > lo)
-        best = max(best, touching)
+    ends = list(accumulate(numels))  # parameter k spans [ends[k] - numels[k], ends[k])
+    best = 0
+    for rank in range(min(dp, total)):
+        lo, hi = rank * part, min((rank + 1) * part, total)
+        if lo >= hi:
+            break
+        first = bisect.bisect_right(ends, lo)  # first parameter ending after lo
+        last = bisect.bisect_left(ends, hi)  # last parameter starting before hi
+        last = min(last, len(numels) - 1)
+        start = ends[first] - numels[first]
+        best = max(best, ends[last] - start)
     return part, best
 
 

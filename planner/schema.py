@@ -55,6 +55,9 @@ class EstimateRequest(BaseModel):
         None, ge=0, le=10**12, description="DeepSpeed stage3_param_persistence_threshold (elements)")
     max_live_parameters: int | None = Field(None, ge=0, le=10**13, description="DeepSpeed stage3_max_live_parameters (elements)")
     max_reuse_distance: int | None = Field(None, ge=0, le=10**13, description="DeepSpeed stage3_max_reuse_distance (elements)")
+    topology: str | None = Field(None, description="topology preset for the time model; default: the preset of --gpu")
+    topology_text: str | None = Field(None, max_length=64 * 1024,
+                                      description="pasted `nvidia-smi topo -m` output (what --topology-file reads)")
 
     @model_validator(mode="after")
     def _one_model(self) -> "EstimateRequest":
@@ -114,6 +117,20 @@ class ModelSummary(BaseModel):
     architecture: dict[str, Any] | None
 
 
+class TimeEstimate(BaseModel):
+    """One step on the modelled interconnect (planner/timing.py)."""
+
+    step_seconds: float
+    compute_seconds: float
+    communication_seconds: float
+    exposed_communication_seconds: float
+    offload_seconds: float
+    tokens_per_second: float = Field(description="over all GPUs")
+    mfu: float = Field(description="model FLOPs utilization (no recomputation counted)")
+    ring_bandwidth_gbps: float = Field(description="slowest link of the ring, GB/s")
+    topology: str
+
+
 class EstimateResult(BaseModel):
     """The answer to `planner estimate`; field names are the public contract (tests freeze them)."""
 
@@ -134,3 +151,85 @@ class EstimateResult(BaseModel):
     buffers: list[MemoryItem]
     notes: list[str]
     request: EstimateRequest
+    time: TimeEstimate | None = Field(None, description="the time model; null for --params or cpu ranks")
+
+
+# --- planning --------------------------------------------------------------------------------
+
+Objective = Literal["time", "cost", "memory"]
+
+
+class PlanRequest(BaseModel):
+    """What to plan: a model, the cluster and its wiring, the batch to reach."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=(), populate_by_name=True)
+
+    model: str | None = Field(None, description="catalogue model name", examples=["llama-3-8b"])
+    model_config_: dict[str, Any] | None = Field(None, alias="model_config",
+                                                 description="a Hugging Face config.json as an object")
+    gpu: str = Field("h100-80gb", description="device type (see `planner gpus`)")
+    gpus: int = Field(8, ge=1, le=MAX_GPUS_PER_NODE, description="GPUs per node")
+    nodes: int = Field(1, ge=1, le=MAX_NODES, description="number of nodes")
+    topology: str | None = Field(None, description="topology preset (see `planner topo --list`); default: the preset of --gpu")
+    topology_text: str | None = Field(None, max_length=64 * 1024,
+                                      description="pasted `nvidia-smi topo -m` output (what --topology-file reads)")
+    fabric: str | None = Field(None, description="inter-node fabric (ib-hdr, ib-ndr, roce-200g, eth-100g, ...); default: the preset's")
+    nics_per_node: int | None = Field(None, ge=1, le=64, description="NICs per node for inter-node traffic; default: the preset's")
+    seq_len: int = Field(4096, ge=1, le=1 << 22, description="tokens per sequence")
+    global_batch: int = Field(256, ge=1, le=1 << 24, description="sequences per optimizer step, over all GPUs")
+    objective: Objective = Field("time", description="rank by step time, by GPU-hours per token, or by memory")
+    precision: Precision = Field("bf16-mixed", description="precision recipe")
+    optimizer: Optimizer = Field("adamw", description="optimizer")
+    attention: Attention = Field("sdpa", description="attention implementation")
+    headroom: float = Field(0.05, ge=0.0, lt=0.9, description="fraction of device memory kept free")
+    compute_efficiency: float = Field(0.45, gt=0.0, le=1.0, description="achievable fraction of peak TFLOP/s")
+
+    @model_validator(mode="after")
+    def _one_model(self) -> "PlanRequest":
+        given = [n for n, v in (("model", self.model), ("model_config", self.model_config_)) if v is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of model or model_config (--model-file); got {given or 'none'}")
+        if self.topology is not None and self.topology_text is not None:
+            raise ValueError("give --topology or --topology-file, not both")
+        return self
+
+
+class Candidate(BaseModel):
+    strategy: str
+    micro_batch: int
+    gradient_accumulation: int
+    checkpointing: str
+    offload_optimizer: str
+    offload_params: str
+    fits: bool
+    per_device: PerDevice
+    step_seconds: float
+    compute_seconds: float
+    communication_seconds: float
+    exposed_communication_seconds: float
+    offload_seconds: float
+    tokens_per_second: float
+    mfu: float
+    rejected_reason: str | None
+
+
+class TopologySummary(BaseModel):
+    source: str
+    gpu_type: str
+    gpus_per_node: int
+    nodes: int
+    nvlink_groups: list[list[int]]
+    ring: list[int]
+    ring_bandwidth_gbps: float = Field(description="slowest link of the best ring over the node's GPUs, GB/s")
+    inter_node_gbps_per_gpu: float | None = Field(description="fabric bandwidth per GPU across nodes, GB/s")
+
+
+class PlanResult(BaseModel):
+    recommended: Candidate | None
+    candidates: list[Candidate]
+    candidates_evaluated: int
+    min_gpus: dict[str, int | None] = Field(description="smallest total GPU count each strategy trains on (micro-batch 1)")
+    max_micro_batch: dict[str, int | None] = Field(description="largest micro-batch that fits, per strategy")
+    topology: TopologySummary
+    notes: list[str]
+    request: PlanRequest

@@ -42,7 +42,7 @@ def resident_asserted(fields) -> bool:
 CPU_RUNS = [
     _run("llama-zero0-bf16", LLAMA, "zero0", "bf16-mixed"),
     _run("llama-zero0-fp32-ckpt", LLAMA, "zero0", "fp32", ckpt="full"),
-    _run("llama-zero1-bf16-small", LLAMA, "zero1", "bf16-mixed", small=True, seq=256),
+    _run("llama-zero1-bf16-small-s512", LLAMA, "zero1", "bf16-mixed", small=True, micro=4, seq=512),
     _run("llama-zero1-fp32", LLAMA, "zero1", "fp32"),
     _run("llama-zero2-fp32", LLAMA, "zero2", "fp32"),
     _run("llama-zero2-bf16", LLAMA, "zero2", "bf16-mixed"),

@@ -8,7 +8,7 @@ from cli.main import main
 
 ESTIMATE_FIELDS = {"parameters", "model", "strategy", "world_size", "dp_size", "shard_size", "gpu", "per_device",
                    "host", "nvme_bytes", "device_capacity_bytes", "fits", "headroom_bytes", "phases", "buffers",
-                   "notes", "request"}
+                   "notes", "request", "time"}
 PER_DEVICE_FIELDS = {"parameters_bytes", "gradients_bytes", "optimizer_states_bytes", "activations_bytes",
                      "buffers_bytes", "framework_bytes", "resident_bytes", "peak_bytes", "peak_phase"}
 HOST_FIELDS = {"resident_bytes", "peak_bytes", "pinned_bytes"}
@@ -17,7 +17,7 @@ ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus",
                   "--gradient-accumulation", "--checkpointing", "--attention", "--offload-optimizer",
                   "--offload-params", "--ds-config", "--reduce-bucket-size", "--allgather-bucket-size",
                   "--prefetch-bucket-size", "--param-persistence-threshold", "--max-live-parameters",
-                  "--max-reuse-distance", "--json"}
+                  "--max-reuse-distance", "--topology", "--topology-file", "--json"}
 
 
 def run(capsys, *argv):

@@ -1,0 +1,390 @@
+"""The recommender: every strategy x micro-batch x checkpointing x offload (x GPU count) that
+reaches the global batch, memory and time for each, ranked by the objective, every rejection
+explained.
+
+Speed: each phase of the memory model is affine in the micro-batch (activations scale with the
+tokens), so two estimates per (GPU count, strategy, checkpointing, offload) give every micro-batch
+exactly, and numpy evaluates the whole grid at once.
+"""
+
+from __future__ import annotations
+
+import time as wallclock
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner import timing
+from planner.catalogue import catalogue_model, model_from_config
+from planner.errors import PlannerError
+from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
+from planner.memory import estimate
+from planner.presets import default_preset_for, preset, preset_topology
+from planner.schema import (Candidate, EstimateRequest, EstimateResult, PlanRequest, PlanResult, TimeEstimate,
+                            TopologySummary)
+from planner.strategies import STRATEGIES, strategy as lookup_strategy
+from planner.topology import Topology, parse_topology
+from planner.units import GB, GIB
+
+OFFLOADS = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"), ("nvme", "nvme"))
+DEFAULT_FABRIC, DEFAULT_NICS = "ib-hdr", 1
+PCIE_DEVICE_TO_HOST_GBPS = {"gen3": 12.0, "gen4": 24.0, "gen5": 48.0, "none": 24.0}
+NVME_GBPS = 5.0  # one PCIe Gen4 NVMe drive, sequential (vendor datasheets: 5-7 GB/s); calibratable
+
+
+@dataclass(frozen=True)
+class Combo:
+    gpus: int
+    strategy: str
+    checkpointing: str
+    offload_optimizer: str
+    offload_params: str
+
+
+def _offloads(name: str) -> list[tuple[str, str]]:
+    s = lookup_strategy(name)
+    if s.name == "zero3":
+        return list(OFFLOADS)
+    if s.name in ("fsdp", "hsdp"):
+        return [("none", "none"), ("cpu", "cpu")]  # FSDP CPUOffload moves params, grads and states together
+    if s.framework == "torch":
+        return [("none", "none")]
+    if s.shards_optimizer:
+        return [("none", "none"), ("cpu", "none"), ("nvme", "none")]
+    return [("none", "none")]
+
+
+def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstimate | None:
+    """The time model for one estimate's configuration (None without an architecture, or on CPU)."""
+    g = lookup_gpu(request.gpu)
+    if g.is_cpu or result.model.architecture is None:
+        return None
+    model_fields = {"model": request.model} if request.model else {"model_config": request.model_config_}
+    world = request.gpus * request.nodes
+    per_rank = request.micro_batch * request.gradient_accumulation
+    plan_req = PlanRequest(**model_fields, gpu=request.gpu, gpus=request.gpus, nodes=request.nodes,
+                           topology=request.topology, topology_text=request.topology_text,
+                           seq_len=request.seq_len, global_batch=per_rank * world,
+                           precision=result.request.precision, optimizer=request.optimizer,
+                           attention=request.attention)
+    topo, fabric_name, nics = _topology(plan_req, g)
+    combo = Combo(request.gpus, request.strategy, request.checkpointing, result.request.offload_optimizer
+                  if request.offload_optimizer != "none" else request.offload_optimizer, request.offload_params)
+    from planner.architecture import Architecture
+
+    arch = Architecture.model_validate(result.model.architecture)
+    t = _step_times(plan_req, combo, np.array([request.micro_batch]), per_rank, result.parameters, arch, g,
+                    topo, timing.fabric(fabric_name), nics)[0]
+    return TimeEstimate(step_seconds=t.step_seconds, compute_seconds=t.compute_seconds,
+                        communication_seconds=t.communication_seconds,
+                        exposed_communication_seconds=t.exposed_communication_seconds,
+                        offload_seconds=t.offload_seconds, tokens_per_second=t.tokens_per_second, mfu=t.mfu,
+                        ring_bandwidth_gbps=t.ring_bandwidth_gbps, topology=topo.source)
+
+
+def estimate_with_time(request: EstimateRequest) -> EstimateResult:
+    result = estimate(request)
+    return result.model_copy(update={"time": estimate_time(request, result)})
+
+
+def _topology(req: PlanRequest, g: Gpu) -> tuple[Topology, str, int]:
+    fabric, nics = DEFAULT_FABRIC, DEFAULT_NICS
+    if req.topology_text is not None:
+        topo = parse_topology(req.topology_text, g, source="pasted nvidia-smi topo -m")
+    else:
+        name = req.topology or default_preset_for(g.name)
+        if name is None:
+            text = "\t" + "\t".join(f"GPU{i}" for i in range(req.gpus)) + "\n" + "".join(
+                f"GPU{i}\t" + "\t".join(" X " if i == j else "PHB" for j in range(req.gpus)) + "\n"
+                for i in range(req.gpus))
+            topo = parse_topology(text, g, source=f"assumed: {req.gpus} GPUs under one PCIe host bridge")
+        else:
+            p = preset(name)
+            if p.gpu != g.name:
+                raise PlannerError(f"topology preset {name} is built from {p.gpu}, but gpu is {g.name}")
+            topo, fabric, nics = preset_topology(name), p.fabric, p.nics_per_node
+    if len(topo.gpus) < req.gpus:
+        raise PlannerError(f"gpus({req.gpus}) exceeds the {len(topo.gpus)} GPUs of the topology ({topo.source})")
+    return topo, req.fabric or fabric, req.nics_per_node or nics
+
+
+def _gpu_counts(req: PlanRequest) -> list[int]:
+    counts = {req.gpus}
+    k = 1
+    while k < req.gpus:
+        counts.add(k)
+        k *= 2
+    return sorted(c for c in counts if req.global_batch % (c * req.nodes) == 0)
+
+
+def _estimate(req: PlanRequest, combo: Combo, micro: int, model_fields: dict) -> EstimateResult:
+    return estimate(EstimateRequest(
+        **model_fields, strategy=combo.strategy, gpus=combo.gpus, nodes=req.nodes, gpu=req.gpu,
+        precision=req.precision, optimizer=req.optimizer, micro_batch=micro, seq_len=req.seq_len,
+        checkpointing=combo.checkpointing, attention=req.attention,
+        offload_optimizer=combo.offload_optimizer, offload_params=combo.offload_params))
+
+
+def _divisors(n: int) -> np.ndarray:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return np.array(sorted(set(small + [n // d for d in small])), dtype=np.int64)
+
+
+class _Grid:
+    """Everything about one combo that the vectorized evaluation needs."""
+
+    def __init__(self, combo: Combo, one: EstimateResult, two: EstimateResult):
+        self.combo = combo
+        self.one = one
+        self.constant = np.array([2 * a.bytes - b.bytes for a, b in zip(one.phases, two.phases)], dtype=np.float64)
+        self.slope = np.array([b.bytes - a.bytes for a, b in zip(one.phases, two.phases)], dtype=np.float64)
+        self.framework = one.per_device.framework_bytes
+
+    def peaks(self, micro: np.ndarray) -> np.ndarray:
+        return (self.constant[:, None] + self.slope[:, None] * micro[None, :]).max(axis=0) + self.framework
+
+
+def plan(req: PlanRequest) -> PlanResult:
+    started = wallclock.perf_counter()
+    g = lookup_gpu(req.gpu)
+    check_precision(g, req.precision)
+    model = catalogue_model(req.model) if req.model else model_from_config(req.model_config_)
+    arch = model.architecture
+    model_fields = {"model": req.model} if req.model else {"model_config": req.model_config_}
+    world_max = req.gpus * req.nodes
+    if req.global_batch % world_max:
+        raise PlannerError(f"global_batch({req.global_batch}) is not divisible by gpus({req.gpus}) * "
+                           f"nodes({req.nodes}) = {world_max}")
+    topo, fabric_name, nics = _topology(req, g)
+    capacity = g.memory_bytes
+    usable = capacity * (1 - req.headroom)
+    grids = []
+    for gpus in _gpu_counts(req):
+        for name in STRATEGIES:
+            if name == "hsdp" and req.nodes < 2:
+                continue
+            for ckpt in ("none", "full"):
+                for off_opt, off_par in _offloads(name):
+                    combo = Combo(gpus, name, ckpt, off_opt, off_par)
+                    grids.append(_Grid(combo, _estimate(req, combo, 1, model_fields),
+                                       _estimate(req, combo, 2, model_fields)))
+    fabric = timing.fabric(fabric_name)
+    rows: list[tuple[Combo, int, float, bool, timing.StepTime]] = []
+    evaluated = 0
+    for grid in grids:
+        per_rank = req.global_batch // (grid.combo.gpus * req.nodes)
+        micro = _divisors(per_rank)
+        peaks = grid.peaks(micro)
+        times = _step_times(req, grid.combo, micro, per_rank, model.parameters, arch, g, topo, fabric, nics)
+        evaluated += micro.size
+        for k, mb in enumerate(micro):
+            rows.append((grid.combo, int(mb), float(peaks[k]), bool(peaks[k] <= usable), times[k]))
+    return _rank(req, rows, grids, usable, capacity, topo, fabric, nics, model_fields, evaluated, started, g)
+
+
+def _collective_volumes(req: PlanRequest, combo: Combo, psi: int, micro: np.ndarray, per_rank: int,
+                        wb: int) -> list[tuple[str, np.ndarray, int, float, str]]:
+    """(what, bytes per step, ring passes, message bytes, group) for the strategy's collectives."""
+    accumulation = per_rank / micro
+    s = lookup_strategy(combo.strategy)
+    step = np.ones_like(micro, dtype=np.float64)
+    grads = psi * wb
+    layer = max(psi // max(1, 100), 1) * wb  # FSDP units / ZeRO-3 prefetch: about a block at a time
+    if s.name == "ddp":
+        master = 4 if req.precision in ("bf16-mixed", "fp16-mixed", "fp32") else wb
+        return [("gradient all-reduce", step * psi * master, 2, 25 * 2**20, "world")]
+    if s.name == "zero0":
+        return [("gradient all-reduce", step * grads, 2, min(psi, 500_000_000) * wb, "world")]
+    if s.name == "zero1":
+        return [("gradient reduce-scatter", step * grads, 1, 500_000_000 * wb, "world"),
+                ("parameter all-gather", step * grads, 1, 500_000_000 * wb, "world")]
+    if s.name == "zero2":
+        return [("gradient reduce-scatter", accumulation * grads, 1, 500_000_000 * wb, "world"),
+                ("parameter all-gather", step * grads, 1, 500_000_000 * wb, "world")]
+    gathers = 1 if s.params_unsharded_in_step else 2
+    items = [("parameter all-gathers", accumulation * gathers * grads, 1, min(layer, 50_000_000 * wb), "shard"),
+             ("gradient reduce-scatter", accumulation * grads, 1, layer, "shard")]
+    if s.name == "hsdp":
+        items.append(("replica all-reduce across nodes", accumulation * grads / req.gpus, 2, layer, "replicas"))
+    return items
+
+
+def _step_times(req: PlanRequest, combo: Combo, micro: np.ndarray, per_rank: int, psi: int, arch, g: Gpu,
+                topo: Topology, fabric: dict, nics: int) -> list[timing.StepTime]:
+    wb = 4 if req.precision == "fp32" else 2
+    dtype = "fp32" if req.precision == "fp32" else ("bf16" if req.precision.startswith("bf16") else "fp16")
+    if req.precision == "fp32":
+        dtype = "tf32" if "tf32" in g.peak_tflops else "fp32"
+    peak_flops = g.peak_tflops[dtype] * 1e12
+    tokens_rank = per_rank * req.seq_len
+    flops = tokens_rank * timing.flops_per_token(arch, req.seq_len, combo.checkpointing)
+    compute = flops / (peak_flops * req.compute_efficiency)
+    ring, ring_bw, ring_lat = timing.node_ring(topo, combo.gpus)
+    inter_bw = nics * fabric["gbps"] * fabric["efficiency"]
+    nodes = req.nodes
+    comm = np.zeros_like(micro, dtype=np.float64)
+    for _, volume, passes, message, group in _collective_volumes(req, combo, psi, micro, per_rank, wb):
+        for k in range(micro.size):
+            v = float(volume[k])
+            if group == "replicas":
+                # each GPU all-reduces its shard with its replicas; the node's GPUs share the NICs
+                comm[k] += timing.ring_collective_seconds(v, nodes, inter_bw / combo.gpus,
+                                                          fabric["latency_us"], message, passes)
+                continue
+            comm[k] += timing.ring_collective_seconds(v, combo.gpus, ring_bw, ring_lat, message, passes)
+            if nodes > 1 and group == "world":
+                comm[k] += timing.ring_collective_seconds(v, nodes, inter_bw, fabric["latency_us"], message, passes)
+    s = lookup_strategy(combo.strategy)
+    if s.framework == "torch" or s.zero_stage == 3:
+        window = compute if s.shards_parameters else compute * timing.BACKWARD_FRACTION
+    else:
+        window = 0.0  # ZeRO 0-2: overlap_comm defaults to false (DeepSpeedZeroConfig)
+    offload = _offload_seconds(combo, psi, per_rank / micro, combo.gpus * nodes, wb, g)
+    results = []
+    world = combo.gpus * nodes
+    model_flops = tokens_rank * timing.model_flops_per_token(arch, req.seq_len)
+    for k in range(micro.size):
+        exposed = max(0.0, float(comm[k]) - window)
+        step = compute + exposed + float(offload[k])
+        tokens = tokens_rank * world
+        results.append(timing.StepTime(
+            compute_seconds=compute, communication_seconds=float(comm[k]), exposed_communication_seconds=exposed,
+            offload_seconds=float(offload[k]), step_seconds=step, tokens_per_second=tokens / step,
+            mfu=model_flops / (step * peak_flops), ring_bandwidth_gbps=ring_bw, ring=ring))
+    return results
+
+
+def _offload_seconds(combo: Combo, psi: int, accumulation: np.ndarray, world: int, wb: int, g: Gpu) -> np.ndarray:
+    shard = psi / world
+    pcie = PCIE_DEVICE_TO_HOST_GBPS.get(g.pcie, 24.0) * 1e9
+    seconds = np.zeros_like(accumulation, dtype=np.float64)
+    if combo.offload_optimizer != "none":
+        # gradients down, updated 16-bit parameters up, then DeepSpeedCPUAdam on the host
+        seconds += 2 * shard * wb / pcie + shard / timing.CPU_ADAM_PARAMS_PER_SECOND
+        if combo.offload_optimizer == "nvme":
+            seconds += 2 * shard * 16 / (NVME_GBPS * 1e9)  # read and write master + moments
+    if combo.offload_params != "none":
+        seconds += accumulation * 2 * shard * wb / pcie  # each micro-step fetches the shard twice
+        if combo.offload_params == "nvme":
+            seconds += accumulation * 2 * shard * wb / (NVME_GBPS * 1e9)
+    return seconds
+
+
+def _reason(combo: Combo, peak: float, usable: float, capacity: int, headroom: float, e: EstimateResult) -> str:
+    d = e.per_device
+    unsharded = []
+    s = lookup_strategy(combo.strategy)
+    if not s.shards_parameters and d.parameters_bytes:
+        unsharded.append(f"{d.parameters_bytes / GB:.1f} GB of params")
+    if not s.shards_gradients and d.gradients_bytes:
+        unsharded.append(f"{d.gradients_bytes / GB:.1f} GB of grads")
+    what = ("optimizer states are sharded but " if s.shards_optimizer else "nothing is sharded: ") \
+        + " and ".join(unsharded) + " are not" if unsharded else \
+        f"the peak is {d.peak_phase} with {(d.activations_bytes or 0) / GB:.1f} GB of activations"
+    return (f"{combo.strategy}: {peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable of {capacity / GIB:.1f} GiB "
+            f"on each GPU ({headroom:.0%} kept free): {what}")
+
+
+def _candidate(combo: Combo, mb: int, per_rank: int, fits: bool, t: timing.StepTime, e: EstimateResult,
+               reason: str | None) -> Candidate:
+    return Candidate(strategy=combo.strategy, micro_batch=mb, gradient_accumulation=per_rank // mb,
+                     checkpointing=combo.checkpointing, offload_optimizer=combo.offload_optimizer,
+                     offload_params=combo.offload_params, fits=fits, per_device=e.per_device,
+                     step_seconds=t.step_seconds, compute_seconds=t.compute_seconds,
+                     communication_seconds=t.communication_seconds,
+                     exposed_communication_seconds=t.exposed_communication_seconds,
+                     offload_seconds=t.offload_seconds, tokens_per_second=t.tokens_per_second, mfu=t.mfu,
+                     rejected_reason=reason)
+
+
+def _score(req: PlanRequest, combo: Combo, peak: float, t: timing.StepTime) -> float:
+    if req.objective == "memory":
+        return (peak, t.step_seconds)
+    if req.objective == "cost":
+        return (combo.gpus * req.nodes / t.tokens_per_second, peak)  # GPU-seconds per token
+    # equal step times (communication hidden under compute): less traffic, then less memory
+    return (t.step_seconds, t.communication_seconds, peak)
+
+
+def _rank(req, rows, grids, usable, capacity, topo, fabric, nics, model_fields, evaluated, started, g) -> PlanResult:
+    best: dict[Combo, tuple] = {}
+    for combo, mb, peak, fits, t in rows:
+        # a fitting candidate by the objective; one that fits nowhere shown at its smallest peak
+        key = (not fits, _score(req, combo, peak, t) if fits else (peak,))
+        if combo not in best or key < best[combo][0]:
+            best[combo] = (key, mb, peak, fits, t)
+    full = [c for c in best if c.gpus == req.gpus]
+    candidates = []
+    for combo in sorted(full, key=lambda c: best[c][0]):
+        _, mb, peak, fits, t = best[combo]
+        per_rank = req.global_batch // (combo.gpus * req.nodes)
+        e = _estimate(req, combo, mb, model_fields)
+        reason = None if fits else _reason(combo, peak, usable, capacity, req.headroom, e)
+        candidates.append(_candidate(combo, mb, per_rank, fits, t, e, reason))
+    fitting = [c for c in candidates if c.fits]
+    recommended = fitting[0] if fitting else None
+    max_micro = _max_micro(req, rows)
+    min_gpus = {name: _min_gpus(req, name, usable, model_fields) for name in STRATEGIES}
+    ring, ring_bw, _ = timing.node_ring(topo, req.gpus)
+    inter = nics * fabric["gbps"] * fabric["efficiency"] / req.gpus if req.nodes > 1 else None
+    notes = [f"{evaluated:,} candidates evaluated in {wallclock.perf_counter() - started:.3f} s",
+             f"ring over GPUs {list(ring)}: slowest link {ring_bw:.1f} GB/s ({topo.source})",
+             f"compute at {req.compute_efficiency:.0%} of {g.name}'s peak dense TFLOP/s"]
+    if recommended is None:
+        notes.append("nothing fits: see each candidate's rejected_reason, and min_gpus for the GPU count that would")
+    return PlanResult(recommended=recommended, candidates=candidates, candidates_evaluated=evaluated,
+                      min_gpus=min_gpus, max_micro_batch=max_micro,
+                      topology=TopologySummary(source=topo.source, gpu_type=topo.gpu_type, gpus_per_node=req.gpus,
+                                               nodes=req.nodes, nvlink_groups=topo.nvlink_groups, ring=list(ring),
+                                               ring_bandwidth_gbps=ring_bw, inter_node_gbps_per_gpu=inter),
+                      notes=notes, request=req)
+
+
+def _max_micro(req: PlanRequest, rows) -> dict[str, int | None]:
+    """The largest micro-batch that fits on the full cluster, per strategy (any checkpointing/offload)."""
+    out: dict[str, int | None] = {}
+    for combo, mb, _, fits, _ in rows:
+        out.setdefault(combo.strategy, None)
+        if fits and combo.gpus == req.gpus and (out[combo.strategy] is None or mb > out[combo.strategy]):
+            out[combo.strategy] = mb
+    return out
+
+
+MAX_SEARCH_GPUS = 1 << 16
+
+
+def _min_gpus(req: PlanRequest, name: str, usable: float, model_fields: dict) -> int | None:
+    """The smallest total GPU count (GPUs per node as given, growing the node count, or fewer GPUs
+    on one node) on which the strategy trains at micro-batch 1 with full checkpointing and no
+    offload. Per-device memory never grows with more GPUs (tests/test_properties.py), so a doubling
+    search then a bisection finds it."""
+    if name == "hsdp":
+        return None if req.gpus < 1 else _search(req, name, usable, model_fields, per_node=req.gpus, first_nodes=2)
+    return _search(req, name, usable, model_fields, per_node=req.gpus, first_nodes=1)
+
+
+def _fits(req: PlanRequest, name: str, usable: float, model_fields: dict, gpus: int, nodes: int) -> bool:
+    e = estimate(EstimateRequest(**model_fields, strategy=name, gpus=gpus, nodes=nodes, gpu=req.gpu,
+                                 precision=req.precision, optimizer=req.optimizer, micro_batch=1,
+                                 seq_len=req.seq_len, checkpointing="full", attention=req.attention))
+    return e.per_device.peak_bytes <= usable
+
+
+def _search(req, name, usable, model_fields, per_node: int, first_nodes: int) -> int | None:
+    if first_nodes == 1:
+        for gpus in range(1, per_node + 1):
+            if _fits(req, name, usable, model_fields, gpus, 1):
+                return gpus
+    nodes = max(first_nodes, 2)
+    while nodes * per_node <= MAX_SEARCH_GPUS:
+        if _fits(req, name, usable, model_fields, per_node, nodes):
+            low = max(first_nodes, nodes // 2)
+            while low < nodes:
+                mid = (low + nodes) // 2
+                if _fits(req, name, usable, model_fields, per_node, mid):
+                    nodes = mid
+                else:
+                    low = mid + 1
+            return nodes * per_node
+        nodes *= 2
+    return None

@@ -1,0 +1,91 @@
+"""Topology presets for common machines, written as `nvidia-smi topo -m` text and read back by the
+same parser as a user's paste, plus each machine's inter-node fabric."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from planner.errors import UnknownNameError, unknown
+from planner.gpus import gpu as lookup_gpu
+from planner.topology import Topology, parse_topology
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    gpu: str
+    gpus: int
+    description: str
+    code: Callable[[int, int], str]  # link code between GPU i and GPU j (i != j)
+    numa: Callable[[int], int]
+    nics_per_node: int
+    fabric: str
+    source: str
+
+
+def _all(code: str) -> Callable[[int, int], str]:
+    return lambda i, j: code
+
+
+def _sockets(half: int, inside: str) -> Callable[[int, int], str]:
+    return lambda i, j: inside if (i < half) == (j < half) else "SYS"
+
+
+def _pairs(i: int, j: int) -> str:
+    if i // 2 == j // 2:
+        return "NV4"
+    return "NODE" if (i < 4) == (j < 4) else "SYS"
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in [
+    Preset("dgx-a100", "a100-80gb", 8, "DGX A100: 8x A100 SXM4 on 6 NVSwitches (NV12 everywhere), 8 HDR NICs",
+           _all("NV12"), lambda i: (3, 3, 1, 1, 7, 7, 5, 5)[i], 8, "ib-hdr",
+           "shared/topologies/dgx_a100_8gpu_10nic.txt; NVIDIA DGX A100 user guide"),
+    Preset("hgx-h100", "h100-80gb", 8, "DGX/HGX H100: 8x H100 SXM5 on NVSwitch (NV18), 8 NDR NICs",
+           _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-ndr", "NVIDIA DGX H100 user guide"),
+    Preset("hgx-h200", "h200", 8, "HGX H200: 8x H200 SXM on NVSwitch (NV18), 8 NDR NICs",
+           _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-ndr", "NVIDIA HGX H200 datasheet"),
+    Preset("hgx-b200", "b200", 8, "HGX B200: 8x B200 on NVSwitch (NV18, NVLink 5), 8 XDR-class NICs",
+           _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-ndr", "NVIDIA HGX B200 datasheet"),
+    Preset("pcie-8x-rtx4090", "rtx-4090", 8, "8x RTX 4090 on PCIe only, two sockets (SYS across)",
+           _sockets(4, "NODE"), lambda i: 0 if i < 4 else 1, 2, "eth-100g",
+           "shared/topologies/pcie_8x_rtx4090_all_sys_tabs.txt (NVIDIA/go-gpuallocator#17)"),
+    Preset("pcie-8x-l40s", "l40s", 8, "8x L40S on PCIe switches (PXB inside a socket, SYS across)",
+           _sockets(4, "PXB"), lambda i: 0 if i < 4 else 1, 2, "roce-200g", "typical 2-socket PCIe server"),
+    Preset("a6000-nvlink-pairs", "rtx-a6000", 8, "8x RTX A6000 with NVLink bridges in pairs, two sockets",
+           _pairs, lambda i: 0 if i < 4 else 1, 2, "ib-hdr",
+           "shared/topologies/rtx_a6000_8gpu_nvlink_bridge_pairs_2nic.txt (UNIGE HPC forum)"),
+    Preset("workstation-2x-rtx4090", "rtx-4090", 2, "2x RTX 4090 under one host bridge (PHB)",
+           _all("PHB"), lambda i: 0, 1, "eth-25g", "typical single-socket workstation"),
+]}
+
+
+def preset_names() -> list[str]:
+    return sorted(PRESETS)
+
+
+def preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise UnknownNameError(unknown("topology preset", name, list(PRESETS))) from None
+
+
+def preset_text(p: Preset) -> str:
+    cols = [f"GPU{i}" for i in range(p.gpus)]
+    lines = ["\t" + "\t".join(cols + ["CPU Affinity", "NUMA Affinity"])]
+    for i in range(p.gpus):
+        codes = [" X " if i == j else p.code(i, j) for j in range(p.gpus)]
+        lines.append("\t".join([f"GPU{i}"] + codes + ["N/A", str(p.numa(i))]))
+    return "\n".join(lines) + "\n"
+
+
+def preset_topology(name: str) -> Topology:
+    p = preset(name)
+    return parse_topology(preset_text(p), lookup_gpu(p.gpu), source=f"preset {p.name}")
+
+
+def default_preset_for(gpu_name: str) -> str | None:
+    """The preset a bare --gpu implies (the first one built from that GPU)."""
+    return next((p.name for p in PRESETS.values() if p.gpu == gpu_name), None)

@@ -1,0 +1,60 @@
+"""SVG pictures, rendered on the server so they need no JavaScript (topology, memory bars)."""
+
+from __future__ import annotations
+
+import math
+from html import escape
+
+from planner.topology import Topology
+
+_COLOURS = [(200.0, "#1b7837"), (100.0, "#5aae61"), (40.0, "#a6dba0"), (20.0, "#f4a582"), (0.0, "#d6604d")]
+
+
+def _colour(gbps: float) -> str:
+    return next(c for limit, c in _COLOURS if gbps >= limit)
+
+
+def topology_svg(t: Topology, width: int = 640) -> str:
+    """GPUs on a circle (NICs outside), every GPU pair a line coloured and labelled by its modelled
+    unidirectional bandwidth in GB/s."""
+    n = len(t.gpus)
+    cx = cy = width / 2
+    r = width * 0.32
+    pos = {g.index: (cx + r * math.cos(2 * math.pi * g.index / n - math.pi / 2),
+                     cy + r * math.sin(2 * math.pi * g.index / n - math.pi / 2)) for g in t.gpus}
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{width + 60}" '
+             f'viewBox="0 0 {width} {width + 60}" font-family="sans-serif" font-size="11">',
+             f'<title>{escape(t.gpu_type)} topology: {n} GPUs</title>',
+             f'<rect width="100%" height="100%" fill="white"/>']
+    for link in sorted(t.links, key=lambda l: l.bandwidth_gbps):
+        (x1, y1), (x2, y2) = pos[link.a], pos[link.b]
+        stroke = 1 + 5 * min(link.bandwidth_gbps, 400) / 400
+        parts.append(f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" stroke="{_colour(link.bandwidth_gbps)}" '
+                     f'stroke-width="{stroke:.1f}" opacity="0.8"><title>GPU{link.a}-GPU{link.b}: {escape(link.code)}, '
+                     f'{link.bandwidth_gbps:.1f} GB/s ({escape(link.kind)})</title></line>')
+        if n <= 8:
+            mx, my = (x1 + x2) / 2, (y1 + y2) / 2
+            parts.append(f'<text x="{mx:.1f}" y="{my:.1f}" fill="#333" text-anchor="middle">{escape(link.code)}</text>')
+    for g in t.gpus:
+        x, y = pos[g.index]
+        numa = f"NUMA {g.numa_node}" if g.numa_node is not None else ""
+        parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="22" fill="#2166ac"/>'
+                     f'<text x="{x:.1f}" y="{y + 4:.1f}" fill="white" text-anchor="middle">GPU{g.index}</text>'
+                     f'<text x="{x:.1f}" y="{y + 36:.1f}" text-anchor="middle">{escape(numa)}</text>')
+    for k, nic in enumerate(t.nics):
+        angle = 2 * math.pi * (k + 0.5) / max(len(t.nics), 1) - math.pi / 2
+        x, y = cx + r * 1.35 * math.cos(angle), cy + r * 1.35 * math.sin(angle)
+        parts.append(f'<rect x="{x - 24:.1f}" y="{y - 10:.1f}" width="48" height="20" fill="#999"/>'
+                     f'<text x="{x:.1f}" y="{y + 4:.1f}" fill="white" text-anchor="middle">{escape(nic.name)}</text>')
+        for gi in nic.nearest_gpus:
+            gx, gy = pos[gi]
+            parts.append(f'<line x1="{x:.1f}" y1="{y:.1f}" x2="{gx:.1f}" y2="{gy:.1f}" stroke="#999" stroke-dasharray="3,3"/>')
+    legend_y = width + 20
+    for k, (limit, colour) in enumerate(_COLOURS):
+        x = 20 + k * 120
+        label = f">= {limit:.0f} GB/s" if limit else "< 20 GB/s"
+        parts.append(f'<rect x="{x}" y="{legend_y}" width="14" height="14" fill="{colour}"/>'
+                     f'<text x="{x + 18}" y="{legend_y + 11}">{label}</text>')
+    parts.append(f'<text x="20" y="{legend_y + 34}">link colour and width: modelled unidirectional bandwidth (GB/s)</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)

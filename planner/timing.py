@@ -1,0 +1,118 @@
+"""Time of one optimizer step: compute from the architecture's FLOPs, communication on the real
+interconnect with an α-β ring model, and the part of it that overlap does not hide.
+
+- FLOPs: 2 per multiply-add for every matmul parameter a token passes through, plus attention's
+  QKᵀ and AV (4·seq·q_width per token per layer), x3 for forward and backward, +1 forward with full
+  checkpointing (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training", Sec. 5.1).
+- Communication volume per GPU (ZeRO paper, Sec. 7): all-reduce of the gradients = 2Ψ (DDP,
+  ZeRO-1/2); ZeRO-3 and FSDP gather the parameters twice and reduce-scatter the gradients: 3Ψ,
+  for every micro-batch. Rings move (n-1)/n of each volume through every GPU; a ring runs at its
+  slowest link (Patarasuk & Yuan 2009, bandwidth-optimal all-reduce); each message pays the ring's
+  latency, and messages are the framework's buckets, so small buckets are latency-bound.
+- Across nodes the collective is hierarchical: inside the node on its ring, then between nodes over
+  the NICs, shared by the node's GPUs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from functools import lru_cache
+
+from planner.architecture import Architecture, active_parameter_count
+from planner.topology import Topology, link_rates
+
+# Achievable fraction of peak dense TFLOP/s for transformer training: PaLM reports 46.2 % MFU
+# (Chowdhery et al. 2022, Table 3), MegaScale 55.2 % (Jiang et al. 2024). Calibratable.
+DEFAULT_COMPUTE_EFFICIENCY = 0.45
+# Of the compute, backward is 2/3 (the x3 above): what bucketed gradient reduction can hide behind.
+BACKWARD_FRACTION = 2 / 3
+# DeepSpeedCPUAdam updates about 1e9 parameters per second per rank on a server CPU (ZeRO-Offload
+# paper, Ren et al. 2021, Sec. 5: CPU Adam 5-7x faster than PyTorch's). Calibratable.
+CPU_ADAM_PARAMS_PER_SECOND = 1.0e9
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_seconds: float
+    communication_seconds: float
+    exposed_communication_seconds: float
+    offload_seconds: float
+    step_seconds: float
+    tokens_per_second: float
+    mfu: float
+    ring_bandwidth_gbps: float
+    ring: tuple[int, ...]
+
+
+def matmul_parameters(a: Architecture) -> int:
+    """Parameters used as matmul weights by one token: everything active but the embedding lookup
+    (a tied head is a matmul with the embedding matrix)."""
+    lookup = a.vocab_size * a.hidden_size + a.learned_positions * a.hidden_size
+    head = a.vocab_size * a.hidden_size if a.tie_word_embeddings else 0
+    return active_parameter_count(a) - lookup + head
+
+
+def flops_per_token(a: Architecture, seq_len: int, checkpointing: str) -> float:
+    forward = 2 * matmul_parameters(a) + 4 * a.num_layers * seq_len * a.q_width
+    passes = 4 if checkpointing == "full" else 3
+    return forward * passes
+
+
+def model_flops_per_token(a: Architecture, seq_len: int) -> float:
+    """What MFU counts: forward + backward, no recomputation."""
+    return 3 * (2 * matmul_parameters(a) + 4 * a.num_layers * seq_len * a.q_width)
+
+
+# --- rings on the node's topology -------------------------------------------------------------
+
+@lru_cache(maxsize=256)
+def _best_ring(bandwidth: tuple[tuple[float, ...], ...], n: int) -> tuple[tuple[int, ...], float]:
+    """The ring over GPUs 0..n-1 whose slowest link is fastest (NCCL searches rings the same way).
+    Exhaustive for n <= 8 (5,040 rings), a nearest-neighbour chain beyond."""
+    if n == 1:
+        return (0,), float("inf")
+    if n <= 8:
+        best, best_bw = (), -1.0
+        for rest in itertools.permutations(range(1, n)):
+            ring = (0, *rest)
+            bw = min(bandwidth[ring[k]][ring[(k + 1) % n]] for k in range(n))
+            if bw > best_bw:
+                best, best_bw = ring, bw
+        return best, best_bw
+    ring, left = [0], set(range(1, n))
+    while left:
+        last = ring[-1]
+        nxt = max(left, key=lambda j: bandwidth[last][j])
+        ring.append(nxt)
+        left.remove(nxt)
+    return tuple(ring), min(bandwidth[ring[k]][ring[(k + 1) % n]] for k in range(n))
+
+
+def node_ring(t: Topology, n: int) -> tuple[tuple[int, ...], float, float]:
+    """(ring, bottleneck GB/s, worst hop latency µs) over the node's first n GPUs."""
+    size = len(t.gpus)
+    bw = [[0.0] * size for _ in range(size)]
+    lat = [[0.0] * size for _ in range(size)]
+    for link in t.links:
+        bw[link.a][link.b] = bw[link.b][link.a] = link.bandwidth_gbps
+        lat[link.a][link.b] = lat[link.b][link.a] = link.latency_us
+    ring, bottleneck = _best_ring(tuple(tuple(row[:n]) for row in bw[:n]), n)
+    latency = max((lat[ring[k]][ring[(k + 1) % n]] for k in range(n)), default=0.0) if n > 1 else 0.0
+    return ring, bottleneck, latency
+
+
+def ring_collective_seconds(volume_bytes: float, ranks: int, bandwidth_gbps: float, latency_us: float,
+                            message_bytes: float, phases: int) -> float:
+    """α-β time of `phases` ring passes (reduce-scatter = 1, all-gather = 1, all-reduce = 2) over
+    `volume_bytes`, split into messages of `message_bytes`."""
+    if ranks <= 1 or volume_bytes <= 0:
+        return 0.0
+    messages = max(1.0, volume_bytes / max(message_bytes, 1.0))
+    bandwidth_term = phases * (ranks - 1) / ranks * volume_bytes / (bandwidth_gbps * 1e9)
+    latency_term = phases * (ranks - 1) * messages * latency_us * 1e-6
+    return bandwidth_term + latency_term
+
+
+def fabric(name: str) -> dict:
+    return link_rates()["fabric"][name]
