@@ -61,11 +61,31 @@ def _deepspeed_engine(job: dict[str, Any], model: torch.nn.Module):
     return engine
 
 
+def _injected_fault(step: int) -> None:
+    """PLANNER_FAULT=kind:rank:step makes one rank fail on purpose, so that failure handling
+    (a crash, an out-of-memory error, a hang) can be exercised end to end: kind is crash, oom or
+    hang. Unset in normal use."""
+    spec = os.environ.get("PLANNER_FAULT")
+    if not spec:
+        return
+    kind, rank, at = spec.split(":")
+    if int(rank) != int(os.environ.get("RANK", "0")) or int(at) != step:
+        return
+    if kind == "crash":
+        raise RuntimeError(f"injected crash at step {step}")
+    if kind == "oom":
+        raise MemoryError(f"injected out of memory at step {step}")
+    if kind == "hang":
+        while True:
+            time.sleep(1)
+
+
 def _train_steps(job: dict[str, Any], engine, device: torch.device, on_step) -> list[float]:
     step_seconds: list[float] = []
     total = int(job["warmup_steps"]) + int(job["steps"])
     accumulation = int(job.get("gradient_accumulation", 1))
     for step in range(total):
+        _injected_fault(step)
         start = time.perf_counter()
         with torch.profiler.record_function(f"{STEP_MARK}{step}"):
             for micro in range(accumulation):

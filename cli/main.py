@@ -245,6 +245,77 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress_printer():
+    tty = sys.stderr.isatty()
+
+    def show(step: int, total: int) -> None:
+        if tty:
+            filled = int(30 * step / total)
+            sys.stderr.write(f"\r  [{'#' * filled}{'.' * (30 - filled)}] step {step}/{total}")
+            if step == total:
+                sys.stderr.write("\n")
+        else:
+            sys.stderr.write(f"  step {step}/{total} done\n")
+        sys.stderr.flush()
+
+    return show
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from planner.schema import EstimateRequest
+
+    request = request_from_args(args, EstimateRequest)
+    try:
+        from backend.verify import verify
+    except ImportError as exc:
+        raise CliError(f"planner verify needs the backend extra (pip install -e '.[backend]'): {exc}") from None
+    print(f"planner: launching {request.strategy} on {request.world_size} x {request.gpu} ...", file=sys.stderr)
+    try:
+        record = verify(request, steps=args.steps, warmup_steps=args.warmup, scale=args.scale,
+                        timeout_seconds=args.timeout, tolerance=args.tolerance / 100, db=args.db,
+                        hostfile=args.hostfile, on_progress=_progress_printer())
+    except KeyboardInterrupt:
+        print("planner: interrupted; every rank was ended and the run is recorded as interrupted", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(record, indent=2))
+    else:
+        from cli.render import verify_table
+
+        print(verify_table(record))
+    if record["status"] == "interrupted":
+        print("planner: interrupted; every rank was ended and the run is recorded as interrupted", file=sys.stderr)
+        return 130
+    return 0 if record["status"] == "ok" else 1
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    try:
+        from backend.store import RunStore
+    except ImportError as exc:
+        raise CliError(f"planner runs needs the backend extra: {exc}") from None
+    store = RunStore(args.db)
+    if args.show is not None:
+        run = store.get(args.show)
+        if args.json:
+            print(json.dumps(run, indent=2))
+        else:
+            from cli.render import verify_table
+
+            print(verify_table(run["record"]))
+        return 0
+    rows = store.list(args.limit)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'id':>4} {'status':<12} {'model':<22} {'strategy':<12} {'ranks':>5} {'pred peak MB':>13} {'meas peak MB':>13}")
+    for r in rows:
+        pred = f"{r['predicted_peak_bytes'] / 1e6:,.1f}" if r["predicted_peak_bytes"] else "-"
+        meas = f"{r['measured_peak_bytes'] / 1e6:,.1f}" if r["measured_peak_bytes"] else "-"
+        print(f"{r['id']:>4} {r['status']:<12} {r['model'][:22]:<22} {r['strategy']:<12} {r['world_size']:>5} {pred:>13} {meas:>13}")
+    return 0
+
+
 def _pick(result, index: int):
     if not 1 <= index <= len(result.candidates):
         raise CliError(f"--pick {index}: choose 1..{len(result.candidates)} (the candidate's rank)")
@@ -282,6 +353,23 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--pick", type=int, help="emit the candidate of this rank instead of the recommended one")
     pl.add_argument("--json", action="store_true", help="print the result as one JSON object")
     pl.set_defaults(handler=cmd_plan)
+    ver = sub.add_parser("verify", help="launch the configuration through deepspeed, measure every rank, compare")
+    add_schema_flags(ver, EstimateRequest)
+    ver.add_argument("--steps", type=int, default=3, help="measured steps (default: 3)")
+    ver.add_argument("--warmup", type=int, default=1, help="warm-up steps before measuring (default: 1)")
+    ver.add_argument("--scale", type=float, default=1.0, help="shrink the model by this factor (0, 1] to fit the machine")
+    ver.add_argument("--timeout", type=float, help="seconds before the run is ended (default: sized to the run)")
+    ver.add_argument("--tolerance", type=float, default=5.0, help="verdict tolerance in percent (default: 5)")
+    ver.add_argument("--db", help="runs database (default: the user's data directory)")
+    ver.add_argument("--hostfile", help="deepspeed hostfile for multi-node runs")
+    ver.add_argument("--json", action="store_true", help="print the record as one JSON object")
+    ver.set_defaults(handler=cmd_verify)
+    runs = sub.add_parser("runs", help="list past verify runs, or show one")
+    runs.add_argument("show", nargs="?", type=int, metavar="ID", help="show this run")
+    runs.add_argument("--db", help="runs database (default: the user's data directory)")
+    runs.add_argument("--limit", type=int, default=100, help="most recent runs to list")
+    runs.add_argument("--json", action="store_true", help="print JSON")
+    runs.set_defaults(handler=cmd_runs)
     return parser
 
 
@@ -289,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     from planner.errors import PlannerError
 
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] and argv[0] == "runs" and len(argv) > 1 and argv[1] == "show":
+        argv = ["runs"] + argv[2:]  # `planner runs show ID` reads as `planner runs ID`
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse already printed its one-line usage error

@@ -108,3 +108,32 @@ def plan_table(r) -> str:
                  ", ".join(f"{k} {v if v is not None else 'none'}" for k, v in r.min_gpus.items()))
     lines.extend(f"note: {n}" for n in r.notes)
     return "\n".join(lines)
+
+
+def verify_table(record: dict) -> str:
+    pred = record["prediction"]["per_device"]
+    measured = record.get("measured") or {}
+    lines = [f"run {record.get('id', '?')}: {record['status']} - {record.get('message', '')}"]
+    if record.get("scaled"):
+        lines.append(f"note: {record['scaled']}")
+    ranks = [r for r in measured.get("ranks", []) if r.get("status") == "ok"]
+    if ranks:
+        lines += ["", f"  {'per device (worst rank)':<28} {'predicted MB':>14} {'measured MB':>14} {'error':>8}"]
+        for key, label in (("resident_bytes", "resident between steps"), ("peak_bytes", "peak")):
+            p, m = pred[key], measured[key]
+            lines.append(f"  {label:<28} {p / 1e6:>14,.2f} {m / 1e6:>14,.2f} {100 * (p - m) / m:>+7.2f}%")
+        cats = ranks[0].get("by_category_resident") or {}
+        if cats:
+            lines.append("  measured resident by category, rank 0 (MB): " +
+                         ", ".join(f"{k} {v / 1e6:,.2f}" for k, v in cats.items()))
+        for r in measured.get("ranks", []):
+            if r.get("status") == "ok":
+                lines.append(f"  rank {r['rank']}: peak {r['peak_bytes'] / 1e6:,.2f} MB, resident "
+                             f"{r['resident_bytes'] / 1e6:,.2f} MB, step {r['step_seconds']:.3f} s")
+        e = record.get("errors") or {}
+        verdict = "WITHIN" if e.get("within_tolerance") else "OUTSIDE"
+        lines.append(f"verdict: {verdict} the {100 * record.get('tolerance', 0.05):.0f}% tolerance")
+    else:
+        for r in measured.get("ranks", []):
+            lines.append(f"  rank {r.get('rank')}: {r.get('status')} {r.get('error', '')[:200]}")
+    return "\n".join(lines)

@@ -1,0 +1,161 @@
+"""`planner verify`: predict, launch, measure every rank, compare, keep the record."""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.metadata
+import os
+import platform
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from backend.launch import run_probe
+from backend.store import RunStore
+from planner.catalogue import catalogue_model, model_from_config
+from planner.errors import PlannerError
+from planner.memory import estimate
+from planner.schema import EstimateRequest
+
+DEFAULT_TOLERANCE = 0.05
+
+
+def scale_config(config: dict[str, Any], factor: float) -> tuple[dict[str, Any], str]:
+    """Shrink a model for a machine too small for it, keeping its family and shape ratios: fewer
+    layers, fewer heads of the same width (GQA ratio kept), hidden and MLP width in proportion."""
+    if not 0 < factor <= 1:
+        raise PlannerError(f"--scale must be in (0, 1], got {factor}")
+    if factor == 1:
+        return config, ""
+    from planner.architecture import from_hf_config
+
+    a = from_hf_config(config)
+    group = a.num_attention_heads // a.num_key_value_heads
+    kv = max(1, round(a.num_key_value_heads * factor))
+    heads = kv * group
+    hidden = heads * a.head_dim
+    inner = max(1, round(a.intermediate_size * hidden / a.hidden_size))
+    layers = max(1, round(a.num_layers * factor))
+    scaled = dict(config)
+    names = {"gpt2": ("n_layer", "n_embd", "n_head", "n_inner")}.get(a.model_type)
+    if names:
+        scaled.update({names[0]: layers, names[1]: hidden, names[2]: heads, names[3]: inner})
+    else:
+        scaled.update(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                      intermediate_size=inner)
+        if "num_key_value_heads" in config or a.num_key_value_heads != a.num_attention_heads:
+            scaled["num_key_value_heads"] = kv
+        if "head_dim" in config:
+            scaled["head_dim"] = a.head_dim
+        if a.model_type == "falcon":
+            scaled.pop("intermediate_size")
+            scaled["ffn_hidden_size"] = inner
+    note = (f"scaled by {factor}: {a.num_layers}->{layers} layers, hidden {a.hidden_size}->{hidden}, "
+            f"heads {a.num_attention_heads}->{heads} (kv {a.num_key_value_heads}->{kv}), MLP {a.intermediate_size}->{inner}; "
+            "the prediction is for the scaled model")
+    return scaled, note
+
+
+@contextmanager
+def device_lock(request: EstimateRequest, lock_dir: Path) -> Iterator[None]:
+    """One verify run at a time per device set; a second is refused, not interleaved."""
+    devices = os.environ.get("CUDA_VISIBLE_DEVICES", "all") if request.gpu != "cpu" else "cpu"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    path = lock_dir / f"verify-{request.gpu}-{devices.replace(',', '_')}.lock"
+    handle = open(path, "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise PlannerError(f"another planner verify is running on the same devices ({devices}); "
+                           f"wait for it to finish (lock {path})") from None
+    try:
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+
+
+def environment() -> dict[str, Any]:
+    versions = {}
+    for package in ("torch", "deepspeed", "transformers", "planner"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {"versions": versions, "python": platform.python_version(), "host": platform.node(),
+            "platform": platform.platform()}
+
+
+def _pct(predicted: int, measured: int | None) -> float | None:
+    return None if not measured else 100.0 * (predicted - measured) / measured
+
+
+def verify(request: EstimateRequest, *, steps: int = 3, warmup_steps: int = 1, scale: float = 1.0,
+           timeout_seconds: float | None = None, tolerance: float = DEFAULT_TOLERANCE, db: str | None = None,
+           hostfile: str | None = None, on_progress: Callable[[int, int], None] | None = None,
+           work_dir: str | None = None) -> dict[str, Any]:
+    if not 1 <= steps <= 1000 or not 0 <= warmup_steps <= 100:
+        raise PlannerError(f"steps must be 1..1000 and warmup 0..100, got steps {steps}, warmup {warmup_steps}")
+    scale_note = ""
+    if scale != 1.0:
+        base = catalogue_model(request.model) if request.model else model_from_config(request.model_config_)
+        if base.config is None:
+            raise PlannerError("--scale needs an architecture (--model or --model-file)")
+        scaled, scale_note = scale_config(base.config, scale)
+        request = request.model_copy(update={"model": None, "model_config_": {"name": f"{base.name}-scaled", "config": scaled}})
+    prediction = estimate(request)
+    store = RunStore(db)
+    store.mark_interrupted()
+    record: dict[str, Any] = {
+        "status": "running", "message": "", "model": prediction.model.name, "scaled": scale_note or None,
+        "request": request.model_dump(by_alias=True), "prediction": prediction.model_dump(by_alias=True),
+        "measured": None, "errors": None, "tolerance": tolerance, "environment": environment(),
+        "steps": steps, "warmup_steps": warmup_steps,
+    }
+    run_id = store.start(record)
+    record["id"] = run_id
+    timeout = timeout_seconds or (180.0 + 60.0 * (steps + warmup_steps) * max(1, request.gradient_accumulation))
+    out_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix=f"planner-run{run_id}-"))
+    try:
+        with device_lock(request, store.path.parent):
+            result = run_probe(request, out_dir=out_dir, steps=steps, warmup_steps=warmup_steps,
+                               timeout_seconds=timeout, hostfile=hostfile, on_progress=on_progress)
+    except PlannerError as exc:
+        record.update(status="refused", message=str(exc))
+        store.finish(run_id, record)
+        raise
+    except KeyboardInterrupt:
+        record.update(status="interrupted", message="interrupted (Ctrl-C) before the ranks started")
+        store.finish(run_id, record)
+        raise
+    progress = out_dir / "progress0.txt"
+    completed = len(progress.read_text().splitlines()) if progress.exists() else 0
+    record.update(status=result.status, message=result.message, log_tail=result.log_tail[-4000:],
+                  wall_seconds=result.seconds, work_dir=str(out_dir), steps_completed=completed)
+    if result.status != "ok":
+        record["message"] += f" (after {completed} of {steps + warmup_steps} steps)"
+    ok_ranks = [r for r in result.ranks if r.get("status") == "ok"]
+    if ok_ranks:
+        peak = max(r["peak_bytes"] for r in ok_ranks)
+        resident = max(r["resident_bytes"] for r in ok_ranks)
+        seconds = max(r["step_seconds"] for r in ok_ranks)
+        record["measured"] = {"peak_bytes": peak, "resident_bytes": resident, "step_seconds": seconds,
+                              "tokens_per_second": min(r["tokens_per_second"] for r in ok_ranks) * request.world_size,
+                              "ranks": result.ranks}
+        d = prediction.per_device
+        errors = {"peak_pct": _pct(d.peak_bytes, peak), "resident_pct": _pct(d.resident_bytes, resident)}
+        errors["within_tolerance"] = all(abs(v) <= 100 * tolerance for v in errors.values() if v is not None)
+        record["errors"] = errors
+    else:
+        record["measured"] = {"ranks": result.ranks}
+        if result.status == "oom":
+            fits = "would fit" if prediction.fits else "would not fit"
+            record["message"] += (f"; the prediction said the peak ({prediction.per_device.peak_bytes:,} bytes) "
+                                  f"{fits} on {request.gpu}")
+    store.finish(run_id, record)
+    return record
