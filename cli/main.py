@@ -264,7 +264,13 @@ def _progress_printer():
 def cmd_verify(args: argparse.Namespace) -> int:
     from planner.schema import EstimateRequest
 
-    request = request_from_args(args, EstimateRequest)
+    if args.plan:
+        given = [k for k in vars(args) if k in EstimateRequest.model_fields]
+        if given:
+            raise CliError(f"--plan FILE already says what to run; drop --{given[0].rstrip('_').replace('_', '-')}")
+        request = _request_from_plan(args.plan)
+    else:
+        request = request_from_args(args, EstimateRequest)
     try:
         from backend.verify import verify
     except ImportError as exc:
@@ -287,6 +293,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print("planner: interrupted; every rank was ended and the run is recorded as interrupted", file=sys.stderr)
         return 130
     return 0 if record["status"] == "ok" else 1
+
+
+def _request_from_plan(path: str):
+    from planner.catalogue import parse_json_text
+    from planner.schema import EstimateRequest
+
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise CliError(f"--plan {path}: cannot be read ({exc.strerror})") from None
+    data = parse_json_text(text, f"--plan {path}")
+    if not isinstance(data, dict) or not isinstance(data.get("estimate_request"), dict):
+        raise CliError(f"--plan {path}: not a plan.json written by `planner plan --emit` (no estimate_request)")
+    try:
+        return EstimateRequest.model_validate(data["estimate_request"])
+    except ValidationError as exc:
+        raise CliError(f"--plan {path}: {validation_message(exc)}") from None
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
@@ -313,6 +336,29 @@ def cmd_runs(args: argparse.Namespace) -> int:
         pred = f"{r['predicted_peak_bytes'] / 1e6:,.1f}" if r["predicted_peak_bytes"] else "-"
         meas = f"{r['measured_peak_bytes'] / 1e6:,.1f}" if r["measured_peak_bytes"] else "-"
         print(f"{r['id']:>4} {r['status']:<12} {r['model'][:22]:<22} {r['strategy']:<12} {r['world_size']:>5} {pred:>13} {meas:>13}")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from planner.profiles import fit_profile, save_profile
+
+    try:
+        from backend.store import RunStore
+    except ImportError as exc:
+        raise CliError(f"planner calibrate reads verify runs and needs the backend extra: {exc}") from None
+    store = RunStore(args.db)
+    runs = [(row["id"], store.get(row["id"])["record"]) for row in store.list(10_000) if row["status"] == "ok"]
+    profile = fit_profile(args.name, runs, args.gpu)
+    path = save_profile(profile)
+    if args.json:
+        print(profile.model_dump_json(indent=2))
+        return 0
+    print(f"profile {profile.name} for {profile.gpu}: compute efficiency {profile.compute_efficiency:.4f} "
+          f"from {len(profile.runs)} runs (saved to {path})")
+    for r in profile.residuals:
+        print(f"  run {r.run_id:>4}: measured {r.measured_step_seconds:.3f} s, fitted {r.predicted_step_seconds:.3f} s "
+              f"({r.error_pct:+.1f}%)")
+    print(f"note: {profile.note}")
     return 0
 
 
@@ -355,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(handler=cmd_plan)
     ver = sub.add_parser("verify", help="launch the configuration through deepspeed, measure every rank, compare")
     add_schema_flags(ver, EstimateRequest)
+    ver.add_argument("--plan", metavar="FILE", help="run the candidate of a plan.json written by `planner plan --emit`")
     ver.add_argument("--steps", type=int, default=3, help="measured steps (default: 3)")
     ver.add_argument("--warmup", type=int, default=1, help="warm-up steps before measuring (default: 1)")
     ver.add_argument("--scale", type=float, default=1.0, help="shrink the model by this factor (0, 1] to fit the machine")
@@ -364,6 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--hostfile", help="deepspeed hostfile for multi-node runs")
     ver.add_argument("--json", action="store_true", help="print the record as one JSON object")
     ver.set_defaults(handler=cmd_verify)
+    cal = sub.add_parser("calibrate", help="fit efficiency constants from stored verify runs into a named profile")
+    cal.add_argument("--name", required=True, help="profile name, used later with --profile")
+    cal.add_argument("--gpu", help="only runs on this GPU type")
+    cal.add_argument("--db", help="runs database (default: the user's data directory)")
+    cal.add_argument("--json", action="store_true", help="print the profile as JSON")
+    cal.set_defaults(handler=cmd_calibrate)
     runs = sub.add_parser("runs", help="list past verify runs, or show one")
     runs.add_argument("show", nargs="?", type=int, metavar="ID", help="show this run")
     runs.add_argument("--db", help="runs database (default: the user's data directory)")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from planner.dsconfig import ZeroSettings, build_ds_config
 from planner.errors import PlannerError
-from planner.schema import Candidate, PlanRequest
+from planner.schema import Candidate, EstimateRequest, PlanRequest
 from planner.strategies import strategy as lookup_strategy
 
 TRAIN_SCRIPT = "train.py"  # the user's training script; the commands name it as a placeholder to replace
@@ -43,9 +43,44 @@ def emit_files(req: PlanRequest, c: Candidate) -> dict[str, str]:
         files["launch.sh"] = ("#!/usr/bin/env bash\n# planner: " + _summary(req, c) + "\nset -euo pipefail\n"
                               f"torchrun --nproc_per_node {req.gpus}{rdzv} {TRAIN_SCRIPT} "
                               "--settings torch_settings.json \"$@\"\n")
-    files["plan.json"] = json.dumps({"request": req.model_dump(by_alias=True), "candidate": c.model_dump()},
+    files["job.sbatch"] = _sbatch(req, c, s.framework)
+    files["plan.json"] = json.dumps({"request": req.model_dump(by_alias=True), "candidate": c.model_dump(),
+                                     "estimate_request": estimate_request_for(req, c).model_dump(by_alias=True)},
                                     indent=2) + "\n"
     return files
+
+
+def estimate_request_for(req: PlanRequest, c: Candidate) -> EstimateRequest:
+    """The candidate as an estimate/verify request (what `planner verify --plan plan.json` runs)."""
+    model = {"model": req.model} if req.model else {"model_config": req.model_config_}
+    return EstimateRequest(**model, strategy=c.strategy, gpus=req.gpus, nodes=req.nodes, gpu=req.gpu,
+                           precision=req.precision, optimizer=req.optimizer, micro_batch=c.micro_batch,
+                           seq_len=req.seq_len, gradient_accumulation=c.gradient_accumulation,
+                           checkpointing=c.checkpointing, attention=req.attention,
+                           offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
+                           topology=req.topology, topology_text=req.topology_text)
+
+
+def _sbatch(req: PlanRequest, c: Candidate, framework: str) -> str:
+    """A Slurm batch script: one task per node, the launcher starts the node's GPUs."""
+    if framework == "deepspeed":
+        run = (f"deepspeed --num_gpus {req.gpus} --num_nodes $SLURM_NNODES --hostfile hostfile "
+               f"--master_addr $MASTER_ADDR {TRAIN_SCRIPT} --deepspeed --deepspeed_config ds_config.json")
+        hostfile = 'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed "s/$/ slots=%d/" > hostfile\n' % req.gpus
+    else:
+        run = (f"srun torchrun --nnodes $SLURM_NNODES --nproc_per_node {req.gpus} --rdzv_backend c10d "
+               f"--rdzv_endpoint $MASTER_ADDR:29500 {TRAIN_SCRIPT} --settings torch_settings.json")
+        hostfile = ""
+    return ("#!/usr/bin/env bash\n"
+            f"#SBATCH --job-name=planner-{c.strategy}\n"
+            f"#SBATCH --nodes={req.nodes}\n"
+            "#SBATCH --ntasks-per-node=1\n"
+            f"#SBATCH --gpus-per-node={req.gpus}\n"
+            "#SBATCH --exclusive\n"
+            f"# planner: {_summary(req, c)}\n"
+            "set -euo pipefail\n"
+            'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
+            + hostfile + run + "\n")
 
 
 def _summary(req: PlanRequest, c: Candidate) -> str:

@@ -57,7 +57,7 @@ def _offloads(name: str) -> list[tuple[str, str]]:
 def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstimate | None:
     """The time model for one estimate's configuration (None without an architecture, or on CPU)."""
     g = lookup_gpu(request.gpu)
-    if g.is_cpu or result.model.architecture is None:
+    if result.model.architecture is None or (g.is_cpu and request.profile is None):
         return None
     model_fields = {"model": request.model} if request.model else {"model_config": request.model_config_}
     world = request.gpus * request.nodes
@@ -66,7 +66,8 @@ def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstim
                            topology=request.topology, topology_text=request.topology_text,
                            seq_len=request.seq_len, global_batch=per_rank * world,
                            precision=result.request.precision, optimizer=request.optimizer,
-                           attention=request.attention)
+                           attention=request.attention, profile=request.profile)
+    plan_req = _apply_profile(plan_req)
     topo, fabric_name, nics = _topology(plan_req, g)
     combo = Combo(request.gpus, request.strategy, request.checkpointing, result.request.offload_optimizer
                   if request.offload_optimizer != "none" else request.offload_optimizer, request.offload_params)
@@ -144,8 +145,20 @@ class _Grid:
         return (self.constant[:, None] + self.slope[:, None] * micro[None, :]).max(axis=0) + self.framework
 
 
+def _apply_profile(req: PlanRequest) -> PlanRequest:
+    if req.profile is None:
+        return req
+    from planner.profiles import load_profile
+
+    profile = load_profile(req.profile)
+    if profile.gpu != req.gpu:
+        raise PlannerError(f"profile {profile.name} was fitted on {profile.gpu}, but gpu is {req.gpu}")
+    return req.model_copy(update={"compute_efficiency": profile.compute_efficiency})
+
+
 def plan(req: PlanRequest) -> PlanResult:
     started = wallclock.perf_counter()
+    req = _apply_profile(req)
     g = lookup_gpu(req.gpu)
     check_precision(g, req.precision)
     model = catalogue_model(req.model) if req.model else model_from_config(req.model_config_)

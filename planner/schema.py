@@ -58,6 +58,7 @@ class EstimateRequest(BaseModel):
     topology: str | None = Field(None, description="topology preset for the time model; default: the preset of --gpu")
     topology_text: str | None = Field(None, max_length=64 * 1024,
                                       description="pasted `nvidia-smi topo -m` output (what --topology-file reads)")
+    profile: str | None = Field(None, description="calibration profile saved by `planner calibrate`")
 
     @model_validator(mode="after")
     def _one_model(self) -> "EstimateRequest":
@@ -183,6 +184,7 @@ class PlanRequest(BaseModel):
     attention: Attention = Field("sdpa", description="attention implementation")
     headroom: float = Field(0.05, ge=0.0, lt=0.9, description="fraction of device memory kept free")
     compute_efficiency: float = Field(0.45, gt=0.0, le=1.0, description="achievable fraction of peak TFLOP/s")
+    profile: str | None = Field(None, description="calibration profile saved by `planner calibrate` (sets the efficiency)")
 
     @model_validator(mode="after")
     def _one_model(self) -> "PlanRequest":

@@ -17,7 +17,7 @@ ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus",
                   "--gradient-accumulation", "--checkpointing", "--attention", "--offload-optimizer",
                   "--offload-params", "--ds-config", "--reduce-bucket-size", "--allgather-bucket-size",
                   "--prefetch-bucket-size", "--param-persistence-threshold", "--max-live-parameters",
-                  "--max-reuse-distance", "--topology", "--topology-file", "--json"}
+                  "--max-reuse-distance", "--topology", "--topology-file", "--profile", "--json"}
 
 
 def run(capsys, *argv):
