@@ -87,6 +87,55 @@ def launcher_command(job_path: Path, request: EstimateRequest, hostfile: str | N
     return command + [str(WORKER), "--job", str(job_path)]
 
 
+BUILD_OPS = ("ShareMemCommBuilder",)  # DeepSpeed's TorchBackend builds this on CPU in every rank (comm/torch.py)
+
+
+def extensions_dir() -> Path:
+    """A torch-extensions directory of the planner's own, one per Python and torch: another venv's
+    rebuild of the same op never races with ours."""
+    import hashlib
+
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "planner"
+    try:
+        import importlib.metadata
+
+        torch_version = importlib.metadata.version("torch")
+    except Exception:
+        torch_version = "unknown"
+    key = hashlib.sha1(f"{sys.executable}|{torch_version}".encode()).hexdigest()[:12]
+    return base / f"torch_extensions-{key}"
+
+
+def prepare_extensions(env: dict[str, str], timeout_seconds: float = 900.0) -> None:
+    """Build DeepSpeed's JIT ops once, before any rank starts.
+
+    torch's cpp_extension guards a build with a bare lock file (FileBaton); a process killed while
+    it holds that file (a timeout, Ctrl-C) leaves it behind, and every later rank then waits for it
+    forever. Here one planner process at a time builds, under an fcntl lock the kernel releases if
+    the holder dies, and removes a baton left by a build that was killed; the ranks then only load."""
+    import fcntl
+
+    directory = extensions_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    env["TORCH_EXTENSIONS_DIR"] = str(directory)
+    with open(directory / ".planner-build.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        for baton in directory.glob("*/lock"):
+            baton.unlink(missing_ok=True)
+        code = ("from deepspeed.accelerator import get_accelerator\n"
+                f"for name in {BUILD_OPS!r}:\n"
+                "    builder = get_accelerator().create_op_builder(name)\n"
+                "    if builder is not None and builder.is_compatible():\n"
+                "        builder.load(verbose=False)\n")
+        try:
+            done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                  timeout=timeout_seconds, start_new_session=True)
+        except subprocess.TimeoutExpired:
+            raise PlannerError(f"building DeepSpeed's CPU ops took over {timeout_seconds:.0f} s") from None
+        if done.returncode != 0:
+            raise PlannerError("building DeepSpeed's CPU ops failed: " + (done.stderr.strip().splitlines() or ["?"])[-1])
+
+
 def _environment(job: dict[str, Any]) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -129,7 +178,9 @@ def _group_alive(pgid: int) -> bool:
 
 def run_probe(request: EstimateRequest, *, out_dir: Path, steps: int = 2, warmup_steps: int = 1,
               timeout_seconds: float = 900.0, hostfile: str | None = None,
-              on_progress=None) -> ProbeResult:
+              on_progress=None, cancel=None) -> ProbeResult:
+    """``cancel``: an object with ``is_set()`` (a threading.Event); when set, every rank is ended
+    and the result is 'cancelled'."""
     out_dir.mkdir(parents=True, exist_ok=True)
     job = worker_job(request, steps=steps, warmup_steps=warmup_steps, out_dir=out_dir)
     job_path = out_dir / "job.json"
@@ -138,15 +189,20 @@ def run_probe(request: EstimateRequest, *, out_dir: Path, steps: int = 2, warmup
     command = launcher_command(job_path, request, hostfile)
     start = time.monotonic()
     status, message, returncode = "ok", "", None
+    env = _environment(job)
+    if job["device"] == "cpu":
+        prepare_extensions(env)
     with open(log_path, "w") as log:
         try:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                       env=_environment(job), start_new_session=True)
+                                       env=env, start_new_session=True)
         except OSError as exc:
             return ProbeResult("launcher-error", [], job, "", 0.0, f"cannot start the deepspeed launcher: {exc}")
         try:
-            returncode = _wait(process, start, timeout_seconds, out_dir, on_progress)
-            if returncode is None:
+            returncode = _wait(process, start, timeout_seconds, out_dir, on_progress, cancel)
+            if returncode is None and cancel is not None and cancel.is_set():
+                status, message = "cancelled", "cancelled; all ranks ended"
+            elif returncode is None:
                 status, message = "timeout", f"no result after {timeout_seconds:.0f} s; all ranks ended"
         except KeyboardInterrupt:
             status, message = "interrupted", "interrupted (Ctrl-C); all ranks ended"
@@ -158,9 +214,12 @@ def run_probe(request: EstimateRequest, *, out_dir: Path, steps: int = 2, warmup
     return ProbeResult(status, ranks, job, _tail(log_path), time.monotonic() - start, message, returncode)
 
 
-def _wait(process: subprocess.Popen, start: float, timeout: float, out_dir: Path, on_progress) -> int | None:
+def _wait(process: subprocess.Popen, start: float, timeout: float, out_dir: Path, on_progress,
+          cancel=None) -> int | None:
     seen = 0
     while True:
+        if cancel is not None and cancel.is_set():
+            return None
         code = process.poll()
         if on_progress is not None:
             seen = _report_progress(out_dir, seen, on_progress)

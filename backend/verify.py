@@ -98,7 +98,7 @@ def _pct(predicted: int, measured: int | None) -> float | None:
 def verify(request: EstimateRequest, *, steps: int = 3, warmup_steps: int = 1, scale: float = 1.0,
            timeout_seconds: float | None = None, tolerance: float = DEFAULT_TOLERANCE, db: str | None = None,
            hostfile: str | None = None, on_progress: Callable[[int, int], None] | None = None,
-           work_dir: str | None = None) -> dict[str, Any]:
+           work_dir: str | None = None, cancel=None, on_start: Callable[[int], None] | None = None) -> dict[str, Any]:
     if not 1 <= steps <= 1000 or not 0 <= warmup_steps <= 100:
         raise PlannerError(f"steps must be 1..1000 and warmup 0..100, got steps {steps}, warmup {warmup_steps}")
     scale_note = ""
@@ -119,12 +119,15 @@ def verify(request: EstimateRequest, *, steps: int = 3, warmup_steps: int = 1, s
     }
     run_id = store.start(record)
     record["id"] = run_id
+    if on_start is not None:
+        on_start(run_id)
     timeout = timeout_seconds or (180.0 + 60.0 * (steps + warmup_steps) * max(1, request.gradient_accumulation))
     out_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix=f"planner-run{run_id}-"))
     try:
         with device_lock(request, store.path.parent):
             result = run_probe(request, out_dir=out_dir, steps=steps, warmup_steps=warmup_steps,
-                               timeout_seconds=timeout, hostfile=hostfile, on_progress=on_progress)
+                               timeout_seconds=timeout, hostfile=hostfile, on_progress=on_progress,
+                               cancel=cancel)
     except PlannerError as exc:
         record.update(status="refused", message=str(exc))
         store.finish(run_id, record)

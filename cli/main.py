@@ -362,6 +362,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from web.app import create_app
+    except ImportError as exc:
+        raise CliError(f"planner serve needs the web extra (pip install -e '.[web]'): {exc}") from None
+    uvicorn.run(create_app(args.db), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
 def _pick(result, index: int):
     if not 1 <= index <= len(result.candidates):
         raise CliError(f"--pick {index}: choose 1..{len(result.candidates)} (the candidate's rank)")
@@ -417,6 +428,11 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--db", help="runs database (default: the user's data directory)")
     cal.add_argument("--json", action="store_true", help="print the profile as JSON")
     cal.set_defaults(handler=cmd_calibrate)
+    serve = sub.add_parser("serve", help="serve the REST API (/v1, /docs) and the web page (/)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    serve.add_argument("--db", help="runs database (default: the user's data directory)")
+    serve.set_defaults(handler=cmd_serve)
     runs = sub.add_parser("runs", help="list past verify runs, or show one")
     runs.add_argument("show", nargs="?", type=int, metavar="ID", help="show this run")
     runs.add_argument("--db", help="runs database (default: the user's data directory)")

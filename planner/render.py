@@ -58,3 +58,42 @@ def topology_svg(t: Topology, width: int = 640) -> str:
     parts.append(f'<text x="20" y="{legend_y + 34}">link colour and width: modelled unidirectional bandwidth (GB/s)</text>')
     parts.append("</svg>")
     return "\n".join(parts)
+
+
+_PARTS = [("parameters_bytes", "parameters", "#2166ac"), ("gradients_bytes", "gradients", "#67a9cf"),
+          ("optimizer_states_bytes", "optimizer states", "#fdb863"), ("activations_bytes", "activations", "#d6604d"),
+          ("buffers_bytes", "buffers", "#999999"), ("framework_bytes", "framework", "#4d4d4d")]
+
+
+def memory_bars_svg(rows: list[tuple[str, dict]], capacity_bytes: int, width: int = 720) -> str:
+    """One stacked bar per strategy (peak phase components, GiB) against the device capacity line."""
+    gib = 2 ** 30
+    height = 40 + 28 * len(rows) + 40
+    left, right = 170, width - 20
+    top_value = max([capacity_bytes] + [sum((d.get(k) or 0) for k, _, _ in _PARTS) for _, d in rows]) or 1
+    scale = (right - left) / top_value
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+           f'font-size="11"><title>per-GPU memory at the peak, by component (GiB)</title>'
+           f'<rect width="100%" height="100%" fill="white"/>']
+    for k, (label, d) in enumerate(rows):
+        y = 30 + 28 * k
+        out.append(f'<text x="{left - 6}" y="{y + 14}" text-anchor="end">{escape(label)}</text>')
+        x = float(left)
+        for key, name, colour in _PARTS:
+            value = d.get(key) or 0
+            w = value * scale
+            if w > 0:
+                out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="20" fill="{colour}">'
+                           f'<title>{name}: {value / gib:.2f} GiB</title></rect>')
+            x += w
+        total = sum((d.get(key) or 0) for key, _, _ in _PARTS)
+        out.append(f'<text x="{x + 4:.1f}" y="{y + 14}">{total / gib:.1f} GiB</text>')
+    cx = left + capacity_bytes * scale
+    out.append(f'<line x1="{cx:.1f}" y1="20" x2="{cx:.1f}" y2="{height - 40}" stroke="black" stroke-dasharray="4,3"/>'
+               f'<text x="{cx:.1f}" y="14" text-anchor="middle">capacity {capacity_bytes / gib:.1f} GiB</text>')
+    for k, (_, name, colour) in enumerate(_PARTS):
+        x = 20 + k * 115
+        out.append(f'<rect x="{x}" y="{height - 28}" width="12" height="12" fill="{colour}"/>'
+                   f'<text x="{x + 16}" y="{height - 18}">{name}</text>')
+    out.append("</svg>")
+    return "\n".join(out)

@@ -7,6 +7,6 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --disable-pip-version-check torch==2.13.0
-python -m pip install --quiet --disable-pip-version-check -e '.[backend,test]'
+python -m pip install --quiet --disable-pip-version-check -e '.[backend,web,test]'
 export PATH="$PWD/.venv/bin:$PATH"
 python -m pytest -q "$@"

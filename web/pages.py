@@ -1,0 +1,142 @@
+"""The web page: a form whose inputs travel in the GET query (a plan is shared by link), the plan
+rendered on the server (tables and SVG, no JavaScript), the launch files to copy or download, and
+a verify button when the server has a token."""
+
+from __future__ import annotations
+
+import json
+import typing
+from pathlib import Path
+from urllib.parse import urlencode
+
+from fastapi import FastAPI, Form, HTTPException, Request
+from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse
+from fastapi.templating import Jinja2Templates
+from pydantic import ValidationError
+
+from planner.catalogue import load_catalogue, parse_json_text
+from planner.emit import emit_files
+from planner.errors import PlannerError
+from planner.gpus import load_gpus
+from planner.plan import plan
+from planner.precision import Optimizer, Precision
+from planner.presets import PRESETS, preset_topology
+from planner.render import memory_bars_svg, topology_svg
+from planner.schema import PlanRequest
+from planner.topology import parse_topology
+
+TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
+FORM_FIELDS = ("model", "gpu", "gpus", "nodes", "topology", "seq_len", "global_batch", "precision", "optimizer",
+               "model_config", "topology_text")
+DEFAULTS = {"model": "llama-3-8b", "gpu": "h100-80gb", "gpus": 8, "nodes": 1, "topology": "", "seq_len": 4096,
+            "global_batch": 256, "precision": "bf16-mixed", "optimizer": "adamw"}
+
+
+def _form(request: Request) -> dict[str, typing.Any]:
+    q = request.query_params
+    return {k: q.get(k, DEFAULTS.get(k, "")) for k in FORM_FIELDS}
+
+
+def _plan_request(form: dict[str, typing.Any]) -> PlanRequest:
+    fields: dict[str, typing.Any] = {k: v for k, v in form.items() if v not in ("", None)}
+    if fields.get("model_config"):
+        fields["model_config"] = parse_json_text(fields["model_config"], "model_config")
+        fields.pop("model", None)
+    if fields.get("topology_text"):
+        fields.pop("topology", None)
+    try:
+        return PlanRequest.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "form"
+        raise PlannerError(f"{where}: {first.get('msg', 'invalid').removeprefix('Value error, ')}") from None
+
+
+def _page(request: Request, form: dict, **extra) -> HTMLResponse:
+    context = dict(request=request, form=form, models=list(load_catalogue()), gpus=[g for g in load_gpus() if g != "cpu"],
+                   topologies=sorted(PRESETS), precisions=typing.get_args(Precision),
+                   optimizers=typing.get_args(Optimizer), result=None, error=None)
+    context.update(extra)
+    return TEMPLATES.TemplateResponse(request, "index.html", context, status_code=extra.get("status", 200))
+
+
+def add_pages(app: FastAPI) -> None:
+    from web.app import _token
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def index(request: Request) -> HTMLResponse:
+        form = _form(request)
+        if "model" not in request.query_params and "model_config" not in request.query_params:
+            return _page(request, form)
+        try:
+            req = _plan_request(form)
+            result = plan(req)
+        except PlannerError as exc:
+            return _page(request, form, error=str(exc), status=422)
+        rows = []
+        seen = set()
+        for c in result.candidates:
+            if c.strategy in seen:
+                continue
+            seen.add(c.strategy)
+            rows.append((f"{c.strategy}{'' if c.fits else ' (no fit)'}", c.per_device.model_dump()))
+        from planner.gpus import gpu
+
+        bars = memory_bars_svg(rows, gpu(req.gpu).memory_bytes)
+        topo = parse_topology(req.topology_text, gpu(req.gpu)) if req.topology_text else \
+            preset_topology(req.topology) if req.topology else None
+        if topo is None:
+            from planner.presets import default_preset_for
+
+            name = default_preset_for(req.gpu)
+            topo = preset_topology(name) if name else None
+        files = sorted(emit_files(req, result.recommended).items()) if result.recommended else []
+        query = urlencode({k: v for k, v in form.items() if v not in ("", None)})
+        return _page(request, form, result=result, req=req, bars=bars,
+                     topology_svg=topology_svg(topo) if topo else "", files=files, query=query,
+                     notes="; ".join(result.notes), token_configured=_token() is not None)
+
+    @app.get("/download/{name}", response_class=PlainTextResponse, include_in_schema=False)
+    def download(name: str, request: Request) -> PlainTextResponse:
+        try:
+            req = _plan_request(_form(request))
+            result = plan(req)
+        except PlannerError as exc:
+            raise HTTPException(422, str(exc)) from None
+        if result.recommended is None:
+            raise HTTPException(404, "nothing fits, so there is nothing to download")
+        files = emit_files(req, result.recommended)
+        if name not in files:
+            raise HTTPException(404, f"no file {name!r}; files: {', '.join(sorted(files))}")
+        return PlainTextResponse(files[name], headers={"Content-Disposition": f'attachment; filename="{name}"'})
+
+    @app.post("/verify", include_in_schema=False)
+    def verify_page(request: Request, token: str = Form("")) -> RedirectResponse:
+        import hmac
+
+        from planner.emit import estimate_request_for
+        from web.app import VerifyBody
+
+        expected = _token()
+        if expected is None or not hmac.compare_digest(token, expected):
+            raise HTTPException(401, "wrong or missing token")
+        try:
+            req = _plan_request(_form(request))
+            result = plan(req)
+        except PlannerError as exc:
+            raise HTTPException(422, str(exc)) from None
+        if result.recommended is None:
+            raise HTTPException(422, "nothing fits, so nothing is run")
+        run_id = app.state.jobs.start(VerifyBody(request=estimate_request_for(req, result.recommended)))
+        return RedirectResponse(f"/runs/{run_id}", status_code=303)
+
+    @app.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
+    def run_page(run_id: int, request: Request) -> HTMLResponse:
+        from cli.render import verify_table
+
+        try:
+            run = app.state.jobs.store().get(run_id)
+        except PlannerError as exc:
+            raise HTTPException(404, str(exc)) from None
+        table = verify_table(run["record"]) if run["status"] != "running" else "running ..."
+        return TEMPLATES.TemplateResponse(request, "run.html", {"run": run, "table": table, "progress": None})
