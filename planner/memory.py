@@ -10,7 +10,7 @@ after the DeepSpeed / torch source that allocates it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner import buffers as buf
 from planner.activations import Activations, estimate_activations
@@ -77,7 +77,6 @@ def _zero_settings(request: EstimateRequest, s: Strategy) -> ZeroSettings:
         max_live_parameters=request.max_live_parameters, max_reuse_distance=request.max_reuse_distance)
     offload_optimizer = request.offload_optimizer if request.offload_optimizer != "none" else settings.offload_optimizer
     offload_params = request.offload_params if request.offload_params != "none" else settings.offload_params
-    from dataclasses import replace
     return replace(settings, stage=s.zero_stage or 0, offload_optimizer=offload_optimizer,
                    offload_params=offload_params)
 

@@ -53,6 +53,8 @@ def test_ok_run_is_recorded_and_listed(tmp_path):
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all({"rank", "peak_bytes", "resident_bytes", "step_seconds", "by_category_resident"} <= set(r) for r in ranks)
     assert record["environment"]["versions"]["deepspeed"]
+    # DeepSpeed's shm all-reduce segments of this run are gone (backend.launch.remove_shm_segments)
+    assert not list(Path("/dev/shm").glob("deepspeed_*")) if Path("/dev/shm").is_dir() else True
     stored = RunStore(db).get(record["id"])
     assert stored["status"] == "ok" and stored["record"]["measured"]["peak_bytes"] == record["measured"]["peak_bytes"]
 

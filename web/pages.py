@@ -60,6 +60,18 @@ def _page(request: Request, form: dict, **extra) -> HTMLResponse:
     return TEMPLATES.TemplateResponse(request, "index.html", context, status_code=extra.get("status", 200))
 
 
+def _recommended(request: Request, nothing_status: int, nothing_message: str):
+    """The form's plan request and its recommended candidate, or the HTTP error to answer."""
+    try:
+        req = _plan_request(_form(request))
+        result = plan(req)
+    except PlannerError as exc:
+        raise HTTPException(422, str(exc)) from None
+    if result.recommended is None:
+        raise HTTPException(nothing_status, nothing_message)
+    return req, result.recommended
+
+
 def add_pages(app: FastAPI) -> None:
     from web.app import _token
 
@@ -98,14 +110,8 @@ def add_pages(app: FastAPI) -> None:
 
     @app.get("/download/{name}", response_class=PlainTextResponse, include_in_schema=False)
     def download(name: str, request: Request) -> PlainTextResponse:
-        try:
-            req = _plan_request(_form(request))
-            result = plan(req)
-        except PlannerError as exc:
-            raise HTTPException(422, str(exc)) from None
-        if result.recommended is None:
-            raise HTTPException(404, "nothing fits, so there is nothing to download")
-        files = emit_files(req, result.recommended)
+        req, candidate = _recommended(request, 404, "nothing fits, so there is nothing to download")
+        files = emit_files(req, candidate)
         if name not in files:
             raise HTTPException(404, f"no file {name!r}; files: {', '.join(sorted(files))}")
         return PlainTextResponse(files[name], headers={"Content-Disposition": f'attachment; filename="{name}"'})
@@ -120,14 +126,8 @@ def add_pages(app: FastAPI) -> None:
         expected = _token()
         if expected is None or not hmac.compare_digest(token, expected):
             raise HTTPException(401, "wrong or missing token")
-        try:
-            req = _plan_request(_form(request))
-            result = plan(req)
-        except PlannerError as exc:
-            raise HTTPException(422, str(exc)) from None
-        if result.recommended is None:
-            raise HTTPException(422, "nothing fits, so nothing is run")
-        run_id = app.state.jobs.start(VerifyBody(request=estimate_request_for(req, result.recommended)))
+        req, candidate = _recommended(request, 422, "nothing fits, so nothing is run")
+        run_id = app.state.jobs.start(VerifyBody(request=estimate_request_for(req, candidate)))
         return RedirectResponse(f"/runs/{run_id}", status_code=303)
 
     @app.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
