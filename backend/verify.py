@@ -7,7 +7,6 @@ import importlib.metadata
 import os
 import platform
 import tempfile
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator

@@ -210,7 +210,7 @@ def cmd_topo(args: argparse.Namespace) -> int:
         from planner.render import topology_svg
 
         target = Path(args.svg)
-        write_files(target.parent if str(target.parent) else ".", {target.name: topology_svg(topo)})
+        write_files(target.parent, {target.name: topology_svg(topo)})
     if args.json:
         print(topo.model_dump_json(indent=2))
         return 0

@@ -218,7 +218,7 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
                       bucket, in_partition]
         phases.append(_phase(point.label, items))
     offloaded = z.offload_optimizer != "none"
-    step = resident + [] if offloaded else resident + [
+    step = resident if offloaded else resident + [
         _item("fp32 gradient partition", FP32 * part, "buffers", "stage_1_and_2.py step(): single_grad_partition"),
         _item("Adam temporaries (flat partition)", _adam_temporaries(part, setup), "buffers",
               "torch.optim.AdamW single-tensor step on the flat fp32 partition")]

@@ -20,7 +20,7 @@ from planner.dsconfig import ZeroSettings, parse_ds_config, with_overrides
 from planner.errors import PlannerError
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.precision import RECIPES, Recipe, bits_to_bytes, optimizer_state_bits
-from planner.schema import (EstimateRequest, EstimateResult, HostMemory, MemoryItem, ModelSummary,
+from planner.schema import (EstimateRequest, EstimateResult, HostMemory, ModelSummary,
                             PerDevice, Phase)
 from planner.strategies import Strategy, check_offload, shard_group_size, strategy as lookup_strategy
 from planner.units import GIB, fmt_bytes

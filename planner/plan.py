@@ -69,8 +69,8 @@ def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstim
                            attention=request.attention, profile=request.profile)
     plan_req = _apply_profile(plan_req)
     topo, fabric_name, nics = _topology(plan_req, g)
-    combo = Combo(request.gpus, request.strategy, request.checkpointing, result.request.offload_optimizer
-                  if request.offload_optimizer != "none" else request.offload_optimizer, request.offload_params)
+    combo = Combo(request.gpus, request.strategy, request.checkpointing, request.offload_optimizer,
+                  request.offload_params)
     from planner.architecture import Architecture
 
     arch = Architecture.model_validate(result.model.architecture)
@@ -136,7 +136,6 @@ class _Grid:
 
     def __init__(self, combo: Combo, one: EstimateResult, two: EstimateResult):
         self.combo = combo
-        self.one = one
         self.constant = np.array([2 * a.bytes - b.bytes for a, b in zip(one.phases, two.phases)], dtype=np.float64)
         self.slope = np.array([b.bytes - a.bytes for a, b in zip(one.phases, two.phases)], dtype=np.float64)
         self.framework = one.per_device.framework_bytes
@@ -202,7 +201,7 @@ def _collective_volumes(req: PlanRequest, combo: Combo, psi: int, micro: np.ndar
     s = lookup_strategy(combo.strategy)
     step = np.ones_like(micro, dtype=np.float64)
     grads = psi * wb
-    layer = max(psi // max(1, 100), 1) * wb  # FSDP units / ZeRO-3 prefetch: about a block at a time
+    layer = max(psi // 100, 1) * wb  # FSDP units / ZeRO-3 prefetch: about a block at a time
     if s.name == "ddp":
         master = 4 if req.precision in ("bf16-mixed", "fp16-mixed", "fp32") else wb
         return [("gradient all-reduce", step * psi * master, 2, 25 * 2**20, "world")]

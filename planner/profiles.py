@@ -3,7 +3,6 @@ as JSON files and applied by name (`--profile NAME`)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import statistics
@@ -12,7 +11,6 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from planner.architecture import from_hf_config
 from planner.errors import PlannerError, UnknownNameError, unknown
 from planner.gpus import gpu as lookup_gpu
 from planner.timing import flops_per_token

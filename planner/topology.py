@@ -71,15 +71,16 @@ def _split(line: str) -> list[str]:
 def _header(lines: list[str]) -> tuple[int, list[str], list[str]]:
     for number, line in enumerate(lines):
         cells = [c for c in _split(line) if c]
-        if cells and cells[0] == "GPU0" and not _is_row_label_line(cells):
+        if cells and cells[0] == "GPU0" and not _is_data_row(cells):
             devices = [c for c in cells if _DEVICE.match(c)]
             extra = [c for c in cells if not _DEVICE.match(c)]
             return number, devices, extra
     raise PlannerError("topology: no header line with GPU0 ... found; paste the output of `nvidia-smi topo -m`")
 
 
-def _is_row_label_line(cells: list[str]) -> bool:
-    return len(cells) > 1 and cells[1] in ("X",) or any(_NV.match(c) or c in CODES[1:] for c in cells[1:2])
+def _is_data_row(cells: list[str]) -> bool:
+    """The GPU0 data row, not the header: its second cell is a link code (X, SYS, NV12, ...)."""
+    return len(cells) > 1 and (cells[1] in CODES or _NV.match(cells[1]) is not None)
 
 
 def _check_code(code: str, line_no: int, line: str) -> str:

@@ -4,7 +4,6 @@ a verify button when the server has a token."""
 
 from __future__ import annotations
 
-import json
 import typing
 from pathlib import Path
 from urllib.parse import urlencode
