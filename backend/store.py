@@ -134,6 +134,8 @@ class RunStore:
         return [dict(r) for r in rows]
 
     def get(self, run_id: int) -> dict[str, Any]:
+        if not 1 <= run_id < 2**63:  # a SQLite rowid
+            raise PlannerError(f"no run with id {run_id} in {self.path}: run ids are positive 64-bit integers")
         with self._connect() as db:
             row = db.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
         if row is None:

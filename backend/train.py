@@ -100,8 +100,8 @@ def _train_steps(job: dict[str, Any], engine, device: torch.device, on_step) -> 
             # collection, makes "resident" what the job really keeps between steps, every run.
             torch.distributed.barrier()
             gc.collect()
-            # The allocator's total is only sampled at allocation events of profiled threads;
-            # frees made on gloo's threads show up at the next one, so make one now.
+            # The allocator's total (global, see count_every_thread) is only sampled at
+            # allocation events of the profiled thread: make one now, after gloo's threads let go.
             sample = torch.empty(1)
             del sample
         if device.type == "cuda":
@@ -138,8 +138,30 @@ def _progress_writer(job: dict[str, Any], rank: int):
     return write
 
 
+def count_every_thread() -> None:
+    """Make the CPU allocator's live total count allocations and frees made on every thread.
+
+    c10's ProfiledCPUMemoryReporter (c10/core/CPUAllocator.cpp) updates its total only on
+    threads where memory profiling is on, unless FLAGS_caffe2_report_cpu_memory_usage is set.
+    The profiler is on in the training thread alone, so a tensor whose last reference gloo's
+    worker thread drops (a reduced gradient bucket, say) was never subtracted: the total kept it
+    for good, in about half the ZeRO-1/2 runs, and gloo's own scratch was never added. With the
+    flag set the total is global; the profiler still samples it at each allocation event of the
+    training thread. The flag is an exported C10 global of libc10, set here through ctypes.
+    """
+    import ctypes
+    import glob
+
+    found = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "*c10.*")))
+    if not found:
+        raise RuntimeError("libc10 not found beside torch: cannot count frees on gloo's threads")
+    library = ctypes.CDLL(found[0])
+    ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+
+
 def _run_profiled_cpu(job: dict[str, Any], device: torch.device, progress) -> dict[str, Any]:
     trace = bool(job.get("trace_peak"))
+    count_every_thread()
     profiler = torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU],
         profile_memory=True,
@@ -155,6 +177,7 @@ def _run_profiled_cpu(job: dict[str, Any], device: torch.device, progress) -> di
     if trace:
         timeline["live_at_peak"] = live_at(profiler, timeline["peak_time_ns"])
         timeline["live_at_end"] = live_at(profiler, timeline["end_time_ns"])
+        _write_last_step_events(profiler, job, int(os.environ.get("RANK", "0")))
     timeline["step_seconds"] = _median(step_seconds[int(job["warmup_steps"]):])
     timeline["tokens_per_second"] = _tokens_per_second(job, timeline["step_seconds"])
     timeline["all_step_seconds"] = step_seconds
@@ -319,6 +342,31 @@ def summarize_timeline(profiler, warmup_steps: int) -> dict[str, Any]:
         "end_time_ns": int(last_end),
         "device_name": "cpu",
     }
+
+
+def _write_last_step_events(profiler, job: dict[str, Any], rank: int, smallest_bytes: int = 65536) -> None:
+    """With trace_peak: every allocation and free of at least ``smallest_bytes`` in the last step,
+    in order, with the live total after it and the site that made it, to trace{rank}.json in the
+    job's directory (the raw material for explaining a miss)."""
+    import json
+
+    from torch._C._profiler import _EventType
+
+    _, windows = _raw_events(profiler)
+    start, end = windows[max(windows)]
+    rows = []
+    stack = list(profiler.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.typed[0] == _EventType.Allocation and start <= event.start_time_ns <= end:
+            fields = event.typed[1]
+            if abs(fields.alloc_size) >= smallest_bytes:
+                rows.append((event.start_time_ns - start, int(fields.alloc_size), int(fields.total_allocated),
+                             _allocation_site(event)))
+    rows.sort()
+    with open(os.path.join(job["out_dir"], f"trace{rank}.json"), "w") as handle:
+        json.dump(rows, handle)
 
 
 def _allocation_site(event) -> str:

@@ -28,7 +28,6 @@ from planner.peers import (accelerate_adam_training_bytes, deepspeed_zero2_gpu_b
 from planner.schema import EstimateRequest  # noqa: E402
 from tests.real_runs import CPU_RUNS, KNOWN_MISSES  # noqa: E402
 
-START, END = "<!-- accuracy:start -->", "<!-- accuracy:end -->"
 MB = 10**6
 
 
@@ -110,14 +109,9 @@ def main() -> int:
     out.write_text(text)
     print(text)
     if args.readme:
-        readme = Path(args.readme)
-        content = readme.read_text()
-        if START not in content or END not in content:
-            print(f"{readme}: no {START} ... {END} block to replace", file=sys.stderr)
-            return 2
-        before, rest = content.split(START, 1)
-        _, after = rest.split(END, 1)
-        readme.write_text(f"{before}{START}\n{text}{END}{after}")
+        from bench.readme import replace_block
+
+        return replace_block(args.readme, "accuracy", text)
     return 0
 
 

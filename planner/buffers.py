@@ -202,21 +202,34 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
     in_partition = _item("grads_in_partition (params touching this partition)", wb * touching, "buffers",
                          "stage_1_and_2.py copy_grads_in_partition")
     phases = []
-    for point in backward_sweep(acts, numels, setup.arch):
+    # Stage 2 reduces whenever the bucket would overflow; the worst rank is the one whose
+    # partition holds the last parameters (the LM head, reduced first), so its grads_in_partition
+    # exists from the first such reduction on. Stage 1, and stage 2 when the whole model fits one
+    # bucket, reduce once, at the end of backward.
+    first = _first_reduction(numels, z.reduce_bucket_size) if stage == 2 else None
+    sweep = backward_sweep(acts, numels, setup.arch)
+    for point in sweep:
         items = resident + _activation_items(point)
+        reduced = point.label == "end of backward" or (first is not None and point.grad_elements >= first[0])
         if stage == 1:
             # Stage 1 keeps every param.grad until the accumulation boundary, then reduces
             # through the bucket into grads_in_partition (reduce_gradients at the boundary).
             items.append(_item("16-bit gradients", wb * point.grad_elements, "gradients"))
-            if point.label == "end of backward":
+            if reduced:
                 items += [bucket, in_partition]
         elif point.grad_elements:
-            # Stage 2 reduces from the first gradient hook on; the worst rank is the one whose
-            # partition holds the last parameters, reduced first, so its bucket and
-            # grads_in_partition exist from the LM head on.
+            # Each gradient is copied into the bucket by its hook and freed: only the gradients
+            # of the current block are in flight. The bucket exists from the first hook on.
             items += [_item("16-bit gradients not yet reduced", wb * point.in_flight_elements, "gradients"),
-                      bucket, in_partition]
+                      bucket] + ([in_partition] if reduced else [])
         phases.append(_phase(point.label, items))
+    if first is not None and acts is not None and setup.arch is not None:
+        produced, trigger = first
+        items = resident + [_item("saved activations", _activations_when_produced(acts, setup.arch, numels, produced),
+                                  "activations"),
+                            _item("16-bit gradient that overflowed the bucket", wb * trigger, "gradients"),
+                            bucket, in_partition]
+        phases.append(_phase(f"first bucket reduction ({produced:,} gradient elements in)", items))
     offloaded = z.offload_optimizer != "none"
     step = resident if offloaded else resident + [
         _item("fp32 gradient partition", FP32 * part, "buffers", "stage_1_and_2.py step(): single_grad_partition"),
@@ -228,6 +241,37 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
     if offloaded:
         _offload_optimizer_host(plan, setup, part)
     return plan
+
+
+def _first_reduction(numels: list[int], bucket_elements: int) -> tuple[int, int] | None:
+    """When ZeRO-2 first reduces during backward: (gradient elements produced before it, the
+    element count of the parameter whose hook triggers it), or None when no bucket overflows.
+
+    stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads reduces the bucket when
+    ``bucket.elements + param.numel() > reduce_bucket_size`` and adds the parameter's count to
+    the bucket afterwards, also for a parameter larger than the bucket (reduced on its own at the
+    next trigger). Hooks fire in reverse registration order."""
+    produced = in_bucket = 0
+    for numel in reversed(numels):
+        if in_bucket and in_bucket + numel > bucket_elements:
+            return produced, numel
+        in_bucket += numel
+        produced += numel
+    return None
+
+
+def _activations_when_produced(acts: Activations, arch: Architecture, numels: list[int], produced: int) -> int:
+    """Saved activations still live when backward has produced ``produced`` gradient elements: the
+    blocks not yet finished keep theirs, the current one (recomputed under checkpointing) too."""
+    per_layer = layer_parameters(arch)
+    late = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size + \
+        arch.learned_positions * arch.hidden_size
+    head = sum(numels) - per_layer * arch.num_layers - late
+    body = acts.saved_bytes - acts.head_saved_bytes
+    if produced <= head:
+        return body
+    done = min(arch.num_layers - 1, (produced - head) // per_layer)
+    return body - done * acts.layer_kept_bytes + (acts.layer_saved_bytes if acts.checkpointed else 0)
 
 
 def _offload_optimizer_host(plan: PhasePlan, setup: "Setup", part: int) -> None:
@@ -272,8 +316,6 @@ def _zero3_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
               "stage3.py _setup_for_real_optimizer: grad partitions buffer"),
         _item(f"ipg reduce bucket ({z.reduce_bucket_size:,} elements)", wb * z.reduce_bucket_size, "buffers",
               "stage3.py _setup_for_real_optimizer: __ipg_bucket_flat_buffer"),
-        _item("last gathered parameter kept between steps", wb * largest, "buffers",
-              "partition_parameters.py _allgather_params_sequential"),
     ]
     gathered = _zero3_gathered(setup, numels)
     phases = []

@@ -9,6 +9,7 @@ exactly, and numpy evaluates the whole grid at once.
 
 from __future__ import annotations
 
+import math
 import time as wallclock
 from dataclasses import dataclass
 
@@ -80,7 +81,8 @@ def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstim
                         communication_seconds=t.communication_seconds,
                         exposed_communication_seconds=t.exposed_communication_seconds,
                         offload_seconds=t.offload_seconds, tokens_per_second=t.tokens_per_second, mfu=t.mfu,
-                        ring_bandwidth_gbps=t.ring_bandwidth_gbps, topology=topo.source)
+                        ring_bandwidth_gbps=t.ring_bandwidth_gbps if math.isfinite(t.ring_bandwidth_gbps) else None,
+                        topology=topo.source)
 
 
 def estimate_with_time(request: EstimateRequest) -> EstimateResult:
@@ -340,7 +342,8 @@ def _rank(req, rows, grids, usable, capacity, topo, fabric, nics, model_fields, 
     ring, ring_bw, _ = timing.node_ring(topo, req.gpus)
     inter = nics * fabric["gbps"] * fabric["efficiency"] / req.gpus if req.nodes > 1 else None
     notes = [f"{evaluated:,} candidates evaluated in {wallclock.perf_counter() - started:.3f} s",
-             f"ring over GPUs {list(ring)}: slowest link {ring_bw:.1f} GB/s ({topo.source})",
+             (f"ring over GPUs {list(ring)}: slowest link {ring_bw:.1f} GB/s ({topo.source})"
+              if math.isfinite(ring_bw) else f"one GPU per node: no ring ({topo.source})"),
              f"compute at {req.compute_efficiency:.0%} of {g.name}'s peak dense TFLOP/s"]
     if recommended is None:
         notes.append("nothing fits: see each candidate's rejected_reason, and min_gpus for the GPU count that would")
@@ -348,7 +351,8 @@ def _rank(req, rows, grids, usable, capacity, topo, fabric, nics, model_fields, 
                       min_gpus=min_gpus, max_micro_batch=max_micro,
                       topology=TopologySummary(source=topo.source, gpu_type=topo.gpu_type, gpus_per_node=req.gpus,
                                                nodes=req.nodes, nvlink_groups=topo.nvlink_groups, ring=list(ring),
-                                               ring_bandwidth_gbps=ring_bw, inter_node_gbps_per_gpu=inter),
+                                               ring_bandwidth_gbps=ring_bw if math.isfinite(ring_bw) else None,
+                                               inter_node_gbps_per_gpu=inter),
                       notes=notes, request=req)
 
 

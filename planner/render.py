@@ -60,17 +60,30 @@ def topology_svg(t: Topology, width: int = 640) -> str:
     return "\n".join(parts)
 
 
-_PARTS = [("parameters_bytes", "parameters", "#2166ac"), ("gradients_bytes", "gradients", "#67a9cf"),
-          ("optimizer_states_bytes", "optimizer states", "#fdb863"), ("activations_bytes", "activations", "#d6604d"),
-          ("buffers_bytes", "buffers", "#999999"), ("framework_bytes", "framework", "#4d4d4d")]
+_PARTS = [("parameters", "parameters", "#2166ac"), ("gradients", "gradients", "#67a9cf"),
+          ("optimizer_states", "optimizer states", "#fdb863"), ("activations", "activations", "#d6604d"),
+          ("buffers", "buffers", "#999999"), ("framework", "framework", "#4d4d4d")]
 
 
-def memory_bars_svg(rows: list[tuple[str, dict]], capacity_bytes: int, width: int = 720) -> str:
-    """One stacked bar per strategy (peak phase components, GiB) against the device capacity line."""
+def peak_components(result) -> dict[str, int]:
+    """What is live at an estimate's peak, summed by component (an EstimateResult: its peak phase's
+    items plus the framework overhead). The parts add up to ``per_device.peak_bytes`` exactly,
+    unlike the textbook per-component figures, which are not all live at the same moment."""
+    phase = max(result.phases, key=lambda p: p.bytes)
+    parts = {key: 0 for key, _, _ in _PARTS}
+    for item in phase.items:
+        parts[item.component] += item.bytes
+    parts["framework"] += result.per_device.peak_bytes - phase.bytes
+    return parts
+
+
+def memory_bars_svg(rows: list[tuple[str, dict[str, int]]], capacity_bytes: int, width: int = 720) -> str:
+    """One stacked bar per strategy (bytes live at its peak by component, in GiB; see
+    ``peak_components``) against the device's capacity line."""
     gib = 2 ** 30
     height = 40 + 28 * len(rows) + 40
-    left, right = 170, width - 20
-    top_value = max([capacity_bytes] + [sum((d.get(k) or 0) for k, _, _ in _PARTS) for _, d in rows]) or 1
+    left, right = 170, width - 80
+    top_value = max([capacity_bytes] + [sum(d.values()) for _, d in rows]) or 1
     scale = (right - left) / top_value
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
            f'font-size="11"><title>per-GPU memory at the peak, by component (GiB)</title>'
@@ -80,14 +93,13 @@ def memory_bars_svg(rows: list[tuple[str, dict]], capacity_bytes: int, width: in
         out.append(f'<text x="{left - 6}" y="{y + 14}" text-anchor="end">{escape(label)}</text>')
         x = float(left)
         for key, name, colour in _PARTS:
-            value = d.get(key) or 0
+            value = d.get(key, 0)
             w = value * scale
             if w > 0:
                 out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="20" fill="{colour}">'
                            f'<title>{name}: {value / gib:.2f} GiB</title></rect>')
             x += w
-        total = sum((d.get(key) or 0) for key, _, _ in _PARTS)
-        out.append(f'<text x="{x + 4:.1f}" y="{y + 14}">{total / gib:.1f} GiB</text>')
+        out.append(f'<text class="total" x="{x + 4:.1f}" y="{y + 14}">{sum(d.values()) / gib:.2f} GiB</text>')
     cx = left + capacity_bytes * scale
     out.append(f'<line x1="{cx:.1f}" y1="20" x2="{cx:.1f}" y2="{height - 40}" stroke="black" stroke-dasharray="4,3"/>'
                f'<text x="{cx:.1f}" y="14" text-anchor="middle">capacity {capacity_bytes / gib:.1f} GiB</text>')

@@ -128,7 +128,7 @@ class TimeEstimate(BaseModel):
     offload_seconds: float
     tokens_per_second: float = Field(description="over all GPUs")
     mfu: float = Field(description="model FLOPs utilization (no recomputation counted)")
-    ring_bandwidth_gbps: float = Field(description="slowest link of the ring, GB/s")
+    ring_bandwidth_gbps: float | None = Field(description="slowest link of the ring, GB/s; null on one GPU (no ring)")
     topology: str
 
 
@@ -222,7 +222,8 @@ class TopologySummary(BaseModel):
     nodes: int
     nvlink_groups: list[list[int]]
     ring: list[int]
-    ring_bandwidth_gbps: float = Field(description="slowest link of the best ring over the node's GPUs, GB/s")
+    ring_bandwidth_gbps: float | None = Field(
+        description="slowest link of the best ring over the node's GPUs, GB/s; null on one GPU (no ring)")
     inter_node_gbps_per_gpu: float | None = Field(description="fabric bandwidth per GPU across nodes, GB/s")
 
 

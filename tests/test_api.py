@@ -60,7 +60,7 @@ def test_plan_and_its_errors(client):
                                       "seq_len": 4096, "global_batch": 256})
     assert r.status_code == 200 and r.json()["recommended"]["fits"]
     r = client.post("/v1/plan", json={"model": "gpt2", "gpus": 8, "global_batch": 100})
-    assert r.status_code == 422 and "not divisible" in r.json()["detail"]
+    assert r.status_code == 422 and "not divisible" in r.json()["detail"][0]["msg"]
     r = client.post("/v1/plan", json={"model": "gpt2", "topology": "dgx-z"})
     assert r.status_code == 404
 
@@ -71,7 +71,7 @@ def test_topology_route(client):
     r = client.post("/v1/topology", json={"text": text, "gpu": "a100-80gb"})
     assert r.status_code == 200 and r.json()["matrix"][0][1] == "NV12"
     r = client.post("/v1/topology", json={"text": "garbage", "gpu": "a100-80gb"})
-    assert r.status_code == 422 and "no header line" in r.json()["detail"]
+    assert r.status_code == 422 and "no header line" in r.json()["detail"][0]["msg"]
     r = client.post("/v1/topology", json={"text": "x" * (70 * 1024)})
     assert r.status_code == 422
 

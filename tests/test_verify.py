@@ -45,7 +45,6 @@ def test_ok_run_is_recorded_and_listed(tmp_path):
     from backend.verify import verify
 
     db = tmp_path / "runs.sqlite"
-    # zero3: its resident is reproducible on gloo (tests/real_runs.py, RESIDENT_UNSTABLE)
     record = verify(request(strategy="zero3"), steps=1, warmup_steps=1, db=str(db), work_dir=str(tmp_path / "w"))
     assert record["status"] == "ok" and record["errors"]["within_tolerance"]
     assert {"status", "request", "prediction", "measured", "errors", "environment"} <= set(record)

@@ -9,14 +9,15 @@ POST /v1/verify 401.
 from __future__ import annotations
 
 import hmac
+import re
 from contextlib import asynccontextmanager
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import Body, Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi import Body, Depends, FastAPI, Header, HTTPException, Path as PathParam, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
@@ -57,6 +58,33 @@ class VerifyBody(BaseModel):
 class RunStarted(BaseModel):
     id: int
     status: str
+
+
+# A run id is a SQLite rowid: a positive 64-bit integer (https://www.sqlite.org/lang_createtable.html#rowid).
+RunId = Annotated[int, PathParam(ge=1, le=2**63 - 1, description="the run's id, as POST /v1/verify returned it")]
+
+
+class Message(BaseModel):
+    """The body of every error other than 422: what went wrong, in a sentence."""
+
+    detail: str
+
+
+# Error bodies as documented in the OpenAPI schema. 422 keeps FastAPI's own shape (a list of
+# {loc, msg, type}) for domain errors too, so a client parses one format.
+ERRORS = {404: {"model": Message, "description": "an unknown model, GPU, topology preset or run"},
+          413: {"model": Message, "description": f"a request body over {MAX_BODY_BYTES} bytes"}}
+AUTH_ERRORS = {401: {"model": Message, "description": "no token configured, or a missing or wrong bearer token"},
+               409: {"model": Message, "description": "the device set is busy, or the run is not running"}}
+_FIELD_PREFIX = re.compile(r"^(--)?([A-Za-z_][\w.\[\]-]*)(\(|:| must| is| =)")
+
+
+def validation_detail(message: str) -> list[dict[str, Any]]:
+    """A domain error as one FastAPI validation error; loc names the field the message starts with
+    (``hidden_size(4096) is not divisible ...`` -> body.hidden_size)."""
+    match = _FIELD_PREFIX.match(message)
+    loc = ["body", *match.group(2).replace("-", "_").split(".")] if match else ["body"]
+    return [{"loc": loc, "msg": message, "type": "value_error"}]
 
 
 def _token() -> str | None:
@@ -125,7 +153,7 @@ class Jobs:
         threading.Thread(target=work, daemon=True, name=f"verify-{devices}").start()
         started.wait(timeout=60)
         if "id" not in holder:
-            raise HTTPException(422, holder.get("error", "the run could not start"))
+            raise HTTPException(422, validation_detail(holder.get("error", "the run could not start")))
         return holder["id"]
 
     def cancel(self, run_id: int) -> dict[str, Any]:
@@ -151,7 +179,7 @@ def create_app(db: str | None = None) -> FastAPI:
             pass
         yield
 
-    app = FastAPI(title="planner", version=__version__, lifespan=lifespan,
+    app = FastAPI(title="planner", version=__version__, lifespan=lifespan, responses=ERRORS,
                   description="Per-GPU memory, strategy and interconnect planning for distributed training.")
     app.state.jobs = jobs
 
@@ -172,7 +200,7 @@ def create_app(db: str | None = None) -> FastAPI:
 
     @app.exception_handler(PlannerError)
     async def _invalid(_: Request, exc: PlannerError):
-        return JSONResponse({"detail": str(exc)}, status_code=422)
+        return JSONResponse({"detail": validation_detail(str(exc))}, status_code=422)
 
     @app.get("/healthz", tags=["service"])
     def healthz() -> dict[str, str]:
@@ -214,7 +242,7 @@ def create_app(db: str | None = None) -> FastAPI:
         return plan(body)
 
     @app.post("/v1/verify", tags=["runs"], response_model=RunStarted, status_code=202,
-              dependencies=[Depends(require_token)])
+              dependencies=[Depends(require_token)], responses=AUTH_ERRORS)
     def verify_route(body: VerifyBody = Body(..., examples=[{"request": VERIFY_EXAMPLE, "steps": 2}])) -> RunStarted:
         from planner.memory import resolve
 
@@ -226,14 +254,14 @@ def create_app(db: str | None = None) -> FastAPI:
         return jobs.store().list(limit)
 
     @app.get("/v1/runs/{run_id}", tags=["runs"])
-    def run(run_id: int) -> dict[str, Any]:
+    def run(run_id: RunId) -> dict[str, Any]:
         try:
             return jobs.store().get(run_id)
         except PlannerError as exc:
             raise HTTPException(404, str(exc)) from None
 
-    @app.delete("/v1/runs/{run_id}", tags=["runs"], dependencies=[Depends(require_token)])
-    def cancel(run_id: int) -> dict[str, Any]:
+    @app.delete("/v1/runs/{run_id}", tags=["runs"], dependencies=[Depends(require_token)], responses=AUTH_ERRORS)
+    def cancel(run_id: RunId) -> dict[str, Any]:
         try:
             return jobs.cancel(run_id)
         except PlannerError as exc:

@@ -14,13 +14,14 @@ from fastapi.templating import Jinja2Templates
 from pydantic import ValidationError
 
 from planner.catalogue import load_catalogue, parse_json_text
-from planner.emit import emit_files
+from planner.emit import emit_files, estimate_request_for
 from planner.errors import PlannerError
 from planner.gpus import load_gpus
 from planner.plan import plan
 from planner.precision import Optimizer, Precision
 from planner.presets import PRESETS, preset_topology
-from planner.render import memory_bars_svg, topology_svg
+from planner.memory import estimate
+from planner.render import memory_bars_svg, peak_components, topology_svg
 from planner.schema import PlanRequest
 from planner.topology import parse_topology
 
@@ -84,13 +85,15 @@ def add_pages(app: FastAPI) -> None:
             result = plan(req)
         except PlannerError as exc:
             return _page(request, form, error=str(exc), status=422)
-        rows = []
+        rows, best = [], []
         seen = set()
-        for c in result.candidates:
+        for c in result.candidates:  # ranked: the first of each strategy is its best setting
             if c.strategy in seen:
                 continue
             seen.add(c.strategy)
-            rows.append((f"{c.strategy}{'' if c.fits else ' (no fit)'}", c.per_device.model_dump()))
+            best.append(c)
+            components = peak_components(estimate(estimate_request_for(req, c)))
+            rows.append((f"{c.strategy}{'' if c.fits else ' (no fit)'}", components))
         from planner.gpus import gpu
 
         bars = memory_bars_svg(rows, gpu(req.gpu).memory_bytes)
@@ -103,7 +106,7 @@ def add_pages(app: FastAPI) -> None:
             topo = preset_topology(name) if name else None
         files = sorted(emit_files(req, result.recommended).items()) if result.recommended else []
         query = urlencode({k: v for k, v in form.items() if v not in ("", None)})
-        return _page(request, form, result=result, req=req, bars=bars,
+        return _page(request, form, result=result, req=req, bars=bars, best=best,
                      topology_svg=topology_svg(topo) if topo else "", files=files, query=query,
                      notes="; ".join(result.notes), token_configured=_token() is not None)
 
@@ -119,7 +122,6 @@ def add_pages(app: FastAPI) -> None:
     def verify_page(request: Request, token: str = Form("")) -> RedirectResponse:
         import hmac
 
-        from planner.emit import estimate_request_for
         from web.app import VerifyBody
 
         expected = _token()

@@ -1,0 +1,94 @@
+"""End to end in a real browser: headless Chromium (Debian's `chromium`) driven by Playwright
+fills the form on a live server, submits it, and checks the ranked table and the chart against the
+core's own plan for the same inputs.
+
+CI installs chromium and sets PLANNER_REQUIRE_BROWSER=1, so there a missing browser fails the
+test instead of skipping it. PLANNER_SCREENSHOT=PATH also saves the result page (the README's
+picture: docs/result-page.png).
+"""
+
+import os
+import shutil
+import socket
+import threading
+import time
+
+import pytest
+
+REQUIRED = os.environ.get("PLANNER_REQUIRE_BROWSER") == "1"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _need(condition: bool, why: str) -> None:
+    if not condition:
+        if REQUIRED:
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    uvicorn = pytest.importorskip("uvicorn")
+    from web.app import create_app
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = uvicorn.Config(create_app(str(tmp_path_factory.mktemp("web") / "runs.sqlite")),
+                            host="127.0.0.1", port=port, log_level="warning")
+    instance = uvicorn.Server(config)
+    thread = threading.Thread(target=instance.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not instance.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert instance.started, "uvicorn did not start"
+    yield f"http://127.0.0.1:{port}"
+    instance.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_form_to_ranked_table_and_chart(server):
+    _need(CHROMIUM is not None, "Debian's chromium is not installed (apt-get install chromium)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _need(False, "playwright (the Python package) is not installed")
+    from planner.plan import plan
+    from planner.schema import PlanRequest
+
+    expected = plan(PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, topology="hgx-h100",
+                                seq_len=4096, global_batch=256))
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page.goto(server + "/")
+        page.select_option("select[name=model]", "llama-3-8b")
+        page.select_option("select[name=gpu]", "h100-80gb")
+        page.fill("input[name=gpus]", "8")
+        page.select_option("select[name=topology]", "hgx-h100")
+        page.fill("input[name=seq_len]", "4096")
+        page.fill("input[name=global_batch]", "256")
+        page.click("button[type=submit]")
+        page.wait_for_selector("#strategies")
+        assert "model=llama-3-8b" in page.url and "global_batch=256" in page.url  # the link carries the inputs
+        best = expected.recommended
+        assert page.locator("#recommended").inner_text().startswith(f"Recommended: {best.strategy}")
+        strategies = {c.strategy for c in expected.candidates}
+        assert page.locator("#strategies tr").count() == len(strategies) + 1  # the best setting of each
+        assert page.locator("#candidates tr").count() == len(expected.candidates) + 1  # all, folded
+        first = page.locator("#strategies tr").nth(1).locator("td")
+        assert first.nth(1).inner_text() == best.strategy
+        assert first.nth(2).inner_text() == "yes"
+        assert first.nth(6).inner_text() == f"{best.per_device.peak_bytes / 2**30:.2f}"
+        assert first.nth(7).inner_text() == f"{best.step_seconds:.3f}"
+        totals = page.locator("#bars svg text.total")  # each bar adds up to its strategy's peak
+        assert totals.nth(0).text_content() == f"{best.per_device.peak_bytes / 2**30:.2f} GiB"
+        bars = page.locator("#bars svg")
+        assert bars.count() == 1 and bars.bounding_box()["width"] > 200  # the chart is drawn, not just present
+        assert "capacity" in page.locator("#bars").inner_text() or "capacity" in bars.inner_html()
+        assert page.locator("#topology svg").count() == 1
+        if os.environ.get("PLANNER_SCREENSHOT"):
+            page.set_viewport_size({"width": 1200, "height": 1250})  # form, verdict, table and chart
+            page.screenshot(path=os.environ["PLANNER_SCREENSHOT"])
+        browser.close()
