@@ -42,19 +42,9 @@ class ProbeResult:
 def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_dir: Path) -> dict[str, Any]:
     """What every rank needs: the architecture, the DeepSpeed config the prediction assumed."""
     setup = resolve(request)
-    if setup.strategy.framework != "deepspeed":
-        raise PlannerError(f"strategy {setup.strategy.name}: this probe launches DeepSpeed strategies "
-                           "(zero0-zero3) only")
     if setup.model.config is None:
         raise PlannerError("a real run needs an architecture: give --model or --model-file, not --params")
-    ds_config = build_ds_config(stage=setup.zero.stage, precision=setup.request.precision,
-                                micro_batch=request.micro_batch,
-                                gradient_accumulation=request.gradient_accumulation,
-                                optimizer=request.optimizer, zero=setup.zero)
-    if setup.gpu.is_cpu:
-        # CPU ranks: DeepSpeed's FusedAdam needs CUDA; torch's AdamW is what the model predicts.
-        ds_config["optimizer"]["params"]["torch_adam"] = True
-    return {
+    common = {
         "model_config": setup.model.config,
         "attn_implementation": request.attention,
         "checkpointing": request.checkpointing,
@@ -63,12 +53,38 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         "gradient_accumulation": request.gradient_accumulation,
         "steps": steps,
         "warmup_steps": warmup_steps,
-        "ds_config": ds_config,
         "device": "cpu" if setup.gpu.is_cpu else "cuda",
         "dist_backend": "gloo" if setup.gpu.is_cpu else None,
         "out_dir": str(out_dir),
         "seed": 0,
     }
+    if setup.strategy.framework == "torch":
+        return common | {"framework": "torch", "torch": _torch_settings(request, setup)}
+    ds_config = build_ds_config(stage=setup.zero.stage, precision=setup.request.precision,
+                                micro_batch=request.micro_batch,
+                                gradient_accumulation=request.gradient_accumulation,
+                                optimizer=request.optimizer, zero=setup.zero)
+    if setup.gpu.is_cpu:
+        # CPU ranks: DeepSpeed's FusedAdam needs CUDA; torch's AdamW is what the model predicts.
+        ds_config["optimizer"]["params"]["torch_adam"] = True
+    return common | {"framework": "deepspeed", "ds_config": ds_config}
+
+
+TORCH_SHARDING = {"fsdp": "FULL_SHARD", "fsdp-grad-op": "SHARD_GRAD_OP", "hsdp": "HYBRID_SHARD"}
+TORCH_COMPUTE = {"bf16-mixed": ("bf16", False), "fp16-mixed": ("fp16", False), "bf16-pure": ("bf16", True),
+                 "fp32": (None, False)}
+
+
+def _torch_settings(request: EstimateRequest, setup) -> dict[str, Any]:
+    """How the rank wraps the model for a torch strategy (backend/train.py _torch_engine)."""
+    if request.optimizer not in ("adamw", "sgd"):
+        raise PlannerError(f"optimizer {request.optimizer}: the torch strategies' probe trains with torch's own "
+                           "optimizers, adamw or sgd")
+    dtype, pure = TORCH_COMPUTE[request.precision]
+    return {"strategy": setup.strategy.name, "sharding": TORCH_SHARDING.get(setup.strategy.name),
+            "compute_dtype": dtype, "pure_16bit": pure, "optimizer": request.optimizer,
+            "offload": setup.zero.offload_params != "none",
+            "replicas": request.nodes, "shard_size": request.gpus}
 
 
 def _free_port() -> int:
@@ -89,7 +105,19 @@ def remove_shm_segments(port: int) -> None:
 
 
 def launcher_command(job_path: Path, request: EstimateRequest, hostfile: str | None = None,
-                     port: int | None = None) -> list[str]:
+                     port: int | None = None, framework: str = "deepspeed", device: str = "cuda") -> list[str]:
+    """The real launcher: `deepspeed` for ZeRO, torch.distributed.run (torchrun) for DDP/FSDP.
+
+    torchrun starts the ranks of one node. On CPU ranks, a multi-node torch job (HSDP) is run on
+    this host with every node's ranks (gpus x nodes processes, a 2-D device mesh); on GPUs,
+    run the emitted torchrun command on each node instead (planner plan --emit)."""
+    if framework == "torch":
+        if request.nodes > 1 and device != "cpu":
+            raise PlannerError(f"nodes={request.nodes}: a multi-node {request.strategy} run is started on each node "
+                               "by torchrun; use the sbatch script from `planner plan --emit`")
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                "--nproc_per_node", str(request.gpus * request.nodes), "--master_port", str(port or _free_port()),
+                str(WORKER), "--job", str(job_path)]
     deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).with_name("deepspeed"))
     command = [deepspeed, "--num_gpus", str(request.gpus), "--master_port", str(port or _free_port())]
     if request.nodes > 1:
@@ -199,11 +227,11 @@ def run_probe(request: EstimateRequest, *, out_dir: Path, steps: int = 2, warmup
     job_path.write_text(json.dumps(job, indent=1))
     log_path = out_dir / "launcher.log"
     port = _free_port()
-    command = launcher_command(job_path, request, hostfile, port)
+    command = launcher_command(job_path, request, hostfile, port, job["framework"], job["device"])
     start = time.monotonic()
     status, message, returncode = "ok", "", None
     env = _environment(job)
-    if job["device"] == "cpu":
+    if job["device"] == "cpu" and job["framework"] == "deepspeed":
         prepare_extensions(env)
     with open(log_path, "w") as log:
         try:

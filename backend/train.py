@@ -47,9 +47,119 @@ def synthetic_batch(job: dict[str, Any], step: int, device: torch.device) -> tor
 
 
 def _init_distributed(job: dict[str, Any]) -> None:
+    if job.get("framework", "deepspeed") == "torch":
+        torch.distributed.init_process_group(backend=job.get("dist_backend") or "nccl")
+        return
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=job.get("dist_backend") or None)
+
+
+class TorchEngine:
+    """DDP or FSDP behind the DeepSpeed engine's three calls (forward, backward, step), so one
+    training loop measures both frameworks. Gradient accumulation as the torch docs prescribe:
+    no_sync() on every micro-batch but the last, one optimizer step per accumulation boundary."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 autocast_dtype: torch.dtype | None, accumulation: int, device: torch.device):
+        self.module, self.optimizer = module, optimizer
+        self.autocast_dtype, self.accumulation, self.device = autocast_dtype, accumulation, device
+        self.micro = 0
+        self._no_sync = None
+
+    def __call__(self, **inputs):
+        if self.micro % self.accumulation != self.accumulation - 1:
+            self._no_sync = self.module.no_sync()
+            self._no_sync.__enter__()
+        if self.autocast_dtype is None:
+            return self.module(**inputs)
+        with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype):
+            return self.module(**inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.accumulation).backward()
+        if self._no_sync is not None:
+            self._no_sync.__exit__(None, None, None)
+            self._no_sync = None
+
+    def step(self) -> None:
+        self.micro += 1
+        if self.micro % self.accumulation == 0:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+
+def _decoder_layer_class(model: torch.nn.Module) -> type:
+    """The transformer block class, FSDP's wrapping unit (transformers names it in
+    ``_no_split_modules``: LlamaDecoderLayer, GPT2Block, ...)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in names:
+            return type(module)
+    raise RuntimeError(f"no transformer block class found in {type(model).__name__} ({sorted(names)})")
+
+
+def _torch_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.device) -> TorchEngine:
+    """torch DDP or FSDP (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD) as planner.buffers models them."""
+
+    settings = job["torch"]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[settings["compute_dtype"]]
+    if settings["pure_16bit"]:
+        model = model.to(dtype)
+    model = model.to(device)
+    if settings["strategy"] == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+        autocast = None if settings["pure_16bit"] else dtype
+    else:
+        wrapped = _fully_shard(model, settings, dtype, device)
+        autocast = None
+    optimizer = _torch_optimizer(job, wrapped)
+    return TorchEngine(wrapped, optimizer, autocast_dtype=autocast,
+                       accumulation=int(job.get("gradient_accumulation", 1)), device=device)
+
+
+def _fully_shard(model: torch.nn.Module, settings: dict[str, Any], dtype, device: torch.device) -> torch.nn.Module:
+    """FSDP2 (torch.distributed.fsdp.fully_shard, the per-parameter-sharding FSDP that also runs
+    on CPU ranks over gloo; FSDP1 refuses a CPU-only host): every transformer block is a unit,
+    then the root (embeddings, final norm, LM head). SHARD_GRAD_OP keeps each unit gathered from
+    forward to backward (reshard_after_forward=False); HYBRID_SHARD shards over a node and
+    replicates across nodes on a 2-D mesh (replicate, shard)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    world = torch.distributed.get_world_size()
+    if settings["sharding"] == "HYBRID_SHARD":
+        mesh = init_device_mesh(device.type, (settings["replicas"], settings["shard_size"]),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,))
+    mixed = MixedPrecisionPolicy() if dtype is None or settings["pure_16bit"] else \
+        MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    options = dict(mesh=mesh, reshard_after_forward=settings["sharding"] != "SHARD_GRAD_OP", mp_policy=mixed,
+                   offload_policy=CPUOffloadPolicy() if settings["offload"] else OffloadPolicy())
+    block = _decoder_layer_class(model)
+    for module in list(model.modules()):
+        if isinstance(module, block):
+            fully_shard(module, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def _torch_optimizer(job: dict[str, Any], module: torch.nn.Module) -> torch.optim.Optimizer:
+    name = job["torch"]["optimizer"]
+    params = [p for p in module.parameters() if p.requires_grad]
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-4, momentum=0.9)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
+    raise RuntimeError(f"optimizer {name!r} is not available to the torch strategies' probe")
+
+
+def _engine(job: dict[str, Any], model: torch.nn.Module, device: torch.device):
+    if job.get("framework", "deepspeed") == "torch":
+        return _torch_engine(job, model, device)
+    return _deepspeed_engine(job, model)
 
 
 def _deepspeed_engine(job: dict[str, Any], model: torch.nn.Module):
@@ -169,7 +279,7 @@ def _run_profiled_cpu(job: dict[str, Any], device: torch.device, progress) -> di
     )
     with profiler:
         model = build_model(job)
-        engine = _deepspeed_engine(job, model)
+        engine = _engine(job, model, device)
         del model
         step_seconds = _train_steps(job, engine, device, progress)
     timeline = summarize_timeline(profiler, int(job["warmup_steps"]))
@@ -187,7 +297,7 @@ def _run_profiled_cpu(job: dict[str, Any], device: torch.device, progress) -> di
 def _run_cuda(job: dict[str, Any], device: torch.device, progress) -> dict[str, Any]:
     torch.cuda.reset_peak_memory_stats(device)
     model = build_model(job).to(device)
-    engine = _deepspeed_engine(job, model)
+    engine = _engine(job, model, device)
     del model
     warmup = int(job["warmup_steps"])
     resident_after: list[int] = []
@@ -241,6 +351,8 @@ def resident_by_category(engine, resident_bytes: int) -> dict[str, int]:
     totals = {"parameters": 0, "master_weights": 0, "optimizer_states": 0, "gradients": 0}
 
     def add(category: str, tensor) -> None:
+        if hasattr(tensor, "to_local"):  # FSDP2's DTensor: this rank's shard
+            tensor = tensor.to_local()
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
             return
         key = _storage_key(tensor)

@@ -1,0 +1,135 @@
+"""Speed next to `accelerate estimate-memory`, on the same architecture from a local config.json.
+
+    python bench/speed.py [--model llama-3-8b] [--repeat 7] [--readme README.md]
+
+Writes the catalogue entry's config.json to a temporary directory, then times, each as the median
+of REPEAT runs in this one process (imports done beforehand):
+  - planner: one `estimate` (ZeRO-3, 8 GPUs, activations included) and one full `plan`, both from
+    that config.json (planner.catalogue.model_from_file, as `--model-file` does);
+  - accelerate: what `accelerate estimate-memory DIR --library_name transformers` does after its
+    Hub look-up (which needs the network, so is skipped): AutoConfig.from_pretrained(DIR), the
+    model built on the meta device under init_empty_weights, calculate_maximum_sizes and
+    estimate_training_usage (accelerate/commands/estimate.py).
+Also times both as fresh command-line processes (imports included). The figures are ratios from
+one run on one machine, not absolute promises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+ACCELERATE_PIPELINE = """
+import sys, torch
+from transformers import AutoConfig, AutoModel
+from accelerate import init_empty_weights
+from accelerate.utils import calculate_maximum_sizes
+from accelerate.commands.estimate import estimate_training_usage
+config = AutoConfig.from_pretrained(sys.argv[1])
+with init_empty_weights():
+    model = AutoModel.from_config(config, dtype=torch.float32)
+total, largest = calculate_maximum_sizes(model)
+print(total, estimate_training_usage(total, "float16"))
+"""
+
+
+def _median_seconds(function, repeat: int) -> float:
+    function()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _process_seconds(command: list[str], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--readme", help="replace the speed block of this README")
+    args = parser.parse_args()
+
+    import torch
+    from accelerate import init_empty_weights
+    from accelerate.commands.estimate import estimate_training_usage
+    from accelerate.utils import calculate_maximum_sizes
+    from transformers import AutoConfig, AutoModel
+
+    from planner.catalogue import load_catalogue, model_from_file
+    from planner.plan import estimate_with_time, plan
+    from planner.schema import EstimateRequest, PlanRequest
+
+    entry = load_catalogue()[args.model]
+    with tempfile.TemporaryDirectory() as tmp:
+        config_path = Path(tmp) / "config.json"
+        config_path.write_text(json.dumps(entry.config))
+
+        def planner_estimate():
+            config = model_from_file(config_path).config
+            return estimate_with_time(EstimateRequest(model_config=config, strategy="zero3", gpus=8, gpu="h100-80gb",
+                                                      seq_len=4096, micro_batch=1))
+
+        def planner_plan():
+            config = model_from_file(config_path).config
+            return plan(PlanRequest(model_config=config, gpu="h100-80gb", gpus=8, topology="hgx-h100",
+                                    seq_len=4096, global_batch=256))
+
+        def accelerate_estimate():
+            config = AutoConfig.from_pretrained(tmp)
+            with init_empty_weights():
+                model = AutoModel.from_config(config, dtype=torch.float32)
+            total, _ = calculate_maximum_sizes(model)
+            return estimate_training_usage(total, "float16")
+
+        evaluated = planner_plan().candidates_evaluated
+        ours_estimate = _median_seconds(planner_estimate, args.repeat)
+        ours_plan = _median_seconds(planner_plan, args.repeat)
+        theirs = _median_seconds(accelerate_estimate, args.repeat)
+        planner_cli = Path(sys.executable).with_name("planner")
+        cli_ours = _process_seconds([str(planner_cli), "estimate", "--model-file", str(config_path),
+                                     "--strategy", "zero3", "--gpus", "8", "--gpu", "h100-80gb",
+                                     "--seq-len", "4096", "--json"], max(3, args.repeat // 2))
+        cli_theirs = _process_seconds([sys.executable, "-c", ACCELERATE_PIPELINE, tmp], max(3, args.repeat // 2))
+
+    rows = [
+        ("planner estimate (ZeRO-3, activations, time model)", ours_estimate, cli_ours),
+        (f"planner plan ({evaluated:,} candidates, all strategies)", ours_plan, None),
+        ("accelerate estimate-memory pipeline (model states only)", theirs, cli_theirs),
+    ]
+    lines = ["| what | in-process median (ms) | vs accelerate | fresh process median (s) |", "|---|---:|---:|---:|"]
+    for name, seconds, process in rows:
+        lines.append(f"| {name} | {1000 * seconds:,.1f} | {seconds / theirs:.2f}x | "
+                     f"{process:.2f} |" if process is not None else
+                     f"| {name} | {1000 * seconds:,.1f} | {seconds / theirs:.2f}x | n/a |")
+    lines.append(f"\n`python bench/speed.py --model {args.model} --repeat {args.repeat}` on this machine; "
+                 "the same config.json for both; accelerate's Hub look-up (network) is left out.")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.readme:
+        from bench.readme import replace_block
+
+        return replace_block(args.readme, "speed", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
