@@ -84,7 +84,7 @@ def _torch_settings(request: EstimateRequest, setup) -> dict[str, Any]:
     return {"strategy": setup.strategy.name, "sharding": TORCH_SHARDING.get(setup.strategy.name),
             "compute_dtype": dtype, "pure_16bit": pure, "optimizer": request.optimizer,
             "offload": setup.zero.offload_params != "none",
-            "replicas": request.nodes, "shard_size": request.gpus}
+            "replicas": request.world_size // setup.shard_size, "shard_size": setup.shard_size}
 
 
 def _free_port() -> int:

@@ -110,8 +110,10 @@ def _torch_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.dev
     if settings["strategy"] == "ddp":
         wrapped = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
+        wrapped.register_comm_hook(None, COUNTER.ddp_hook())
         autocast = None if settings["pure_16bit"] else dtype
     else:
+        COUNTER.wrap_torch_distributed()
         wrapped = _fully_shard(model, settings, dtype, device)
         autocast = None
     optimizer = _torch_optimizer(job, wrapped)
@@ -169,6 +171,114 @@ def _deepspeed_engine(job: dict[str, Any], model: torch.nn.Module):
         model=model, model_parameters=[p for p in model.parameters()], config=job["ds_config"]
     )
     return engine
+
+
+class CollectiveCounter:
+    """Bytes per collective over one step, for the torch strategies (DeepSpeed's have its comms
+    logger). FSDP2 calls torch.distributed's Python functions, so they are wrapped here; DDP's
+    Reducer calls the process group from C++, so DDP gets a comm hook that counts each bucket and
+    then does what the built-in one does (allreduce_hook: divide by the world, all-reduce)."""
+
+    # all-gathers count their output (the whole unit), reduce-scatters their input (the whole
+    # unit's gradients): the payload the time model sends. FSDP2 in torch 2.13 calls the *_single
+    # forms (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py).
+    NAMES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+             "reduce_scatter_single", "broadcast", "all_to_all_single")
+
+    def __init__(self):
+        self.on = False
+        self.counts: dict[str, dict[int, int]] = {}
+        self.seconds: dict[str, float] = {}
+        self._originals: dict[str, Any] = {}
+
+    def add(self, name: str, nbytes: int, seconds: float = 0.0) -> None:
+        if self.on:
+            sizes = self.counts.setdefault(name, {})
+            sizes[nbytes] = sizes.get(nbytes, 0) + 1
+            self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def wrap_torch_distributed(self) -> None:
+        import torch.distributed as dist
+
+        for name in self.NAMES:
+            original = getattr(dist, name, None)
+            if original is None or name in self._originals:
+                continue
+            self._originals[name] = original
+
+            def counted(*args, _name=name, _original=original, **kwargs):
+                tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+                tensor = tensors[1] if "reduce_scatter" in _name and len(tensors) > 1 else \
+                    (tensors[0] if tensors else None)
+                if tensor is None or not self.on:
+                    return _original(*args, **kwargs)
+                # In the counted step each collective is waited for, as DeepSpeed's comms logger
+                # does, so that its time is its own.
+                start = time.perf_counter()
+                work = _original(*args, **kwargs)
+                if work is not None and hasattr(work, "wait"):
+                    work.wait()
+                self.add(_name, tensor.numel() * tensor.element_size(), time.perf_counter() - start)
+                return work
+
+            setattr(dist, name, counted)
+
+    def ddp_hook(self):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        def hook(state, bucket):
+            buffer = bucket.buffer()
+            if not self.on:
+                return default_hooks.allreduce_hook(state, bucket)
+            start = time.perf_counter()
+            future = default_hooks.allreduce_hook(state, bucket)
+            future.wait()
+            self.add("all_reduce (DDP bucket)", buffer.numel() * buffer.element_size(), time.perf_counter() - start)
+            return future
+
+        return hook
+
+
+COUNTER = CollectiveCounter()
+
+
+def _count_collectives(job: dict[str, Any], engine, device: torch.device) -> dict[str, Any]:
+    """One more step, after the measured ones and outside their memory windows, with every
+    collective's message size and time counted: DeepSpeed's comms logger
+    (deepspeed/utils/comms_logging.py) for ZeRO, CollectiveCounter for torch.
+    Returns {op: {"calls": n, "bytes": total payload, "seconds": total time}}."""
+    deepspeed_run = job.get("framework", "deepspeed") == "deepspeed"
+    if deepspeed_run:
+        import deepspeed.comm as ds_comm
+
+        logger = ds_comm.comms_logger
+        logger.comms_dict = {}
+        logger.enabled, logger.prof_all, logger.verbose = True, True, False
+    else:
+        COUNTER.counts, COUNTER.seconds, COUNTER.on = {}, {}, True
+    try:
+        for micro in range(int(job.get("gradient_accumulation", 1))):
+            tokens = synthetic_batch(job, 10_000 + micro, device)
+            loss = engine(input_ids=tokens, labels=tokens).loss
+            engine.backward(loss)
+            engine.step()
+            del loss, tokens
+    finally:
+        if deepspeed_run:
+            logger.enabled = False
+            counts = {name: {int(size): int(entry[0]) for size, entry in sizes.items()}
+                      for name, sizes in logger.comms_dict.items()}
+            # The logger's latencies are in ms and cumulative per op name: its timer is read with
+            # elapsed(reset=False) after each call (deepspeed/comm/comm.py timed_op), so the
+            # largest is the op's total in the counted step.
+            seconds = {name: max(max(entry[1]) for entry in sizes.values()) / 1000.0
+                       for name, sizes in logger.comms_dict.items()}
+        else:
+            COUNTER.on = False
+            counts, seconds = COUNTER.counts, COUNTER.seconds
+    return {name: {"calls": sum(sizes.values()), "bytes": sum(size * n for size, n in sizes.items()),
+                   "seconds": float(seconds.get(name, 0.0))}
+            for name, sizes in sorted(counts.items())}
 
 
 def _injected_fault(step: int) -> None:
@@ -282,7 +392,9 @@ def _run_profiled_cpu(job: dict[str, Any], device: torch.device, progress) -> di
         engine = _engine(job, model, device)
         del model
         step_seconds = _train_steps(job, engine, device, progress)
+        collectives = _count_collectives(job, engine, device)
     timeline = summarize_timeline(profiler, int(job["warmup_steps"]))
+    timeline["collectives"] = collectives
     timeline["by_category_resident"] = resident_by_category(engine, timeline["resident_bytes"])
     if trace:
         timeline["live_at_peak"] = live_at(profiler, timeline["peak_time_ns"])
@@ -310,11 +422,15 @@ def _run_cuda(job: dict[str, Any], device: torch.device, progress) -> dict[str, 
 
     step_seconds = _train_steps(job, engine, device, on_step)
     stats = torch.cuda.memory_stats(device)
+    peak_allocated = int(torch.cuda.max_memory_allocated(device))
+    peak_reserved = int(torch.cuda.max_memory_reserved(device))
+    collectives = _count_collectives(job, engine, device)
     seconds = _median(step_seconds[warmup:])
     return {
-        "peak_bytes": int(torch.cuda.max_memory_allocated(device)),
+        "peak_bytes": peak_allocated,
         "resident_bytes": int(resident_after[-1]),
-        "reserved_peak_bytes": int(torch.cuda.max_memory_reserved(device)),
+        "reserved_peak_bytes": peak_reserved,
+        "collectives": collectives,
         "device_name": torch.cuda.get_device_name(device),
         "memory_stats": {k: int(v) for k, v in stats.items() if isinstance(v, (int, float))},
         "by_category_resident": resident_by_category(engine, int(resident_after[-1])),

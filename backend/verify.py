@@ -90,6 +90,18 @@ def environment() -> dict[str, Any]:
             "platform": platform.platform()}
 
 
+def _communication(request: EstimateRequest, ranks: list[dict]) -> dict:
+    """Collective payload per step: measured on rank 0 (one counted step after the measured ones)
+    next to what the time model sends."""
+    from planner.plan import collective_volumes
+
+    measured = ranks[0].get("collectives") or {}
+    return {"measured_rank0": measured,
+            "measured_bytes_per_step": sum(v["bytes"] for v in measured.values()),
+            "modelled": collective_volumes(request),
+            "modelled_bytes_per_step": sum(v["bytes_per_step"] for v in collective_volumes(request))}
+
+
 def _pct(predicted: int, measured: int | None) -> float | None:
     return None if not measured else 100.0 * (predicted - measured) / measured
 
@@ -153,6 +165,7 @@ def verify(request: EstimateRequest, *, steps: int = 3, warmup_steps: int = 1, s
         errors = {"peak_pct": _pct(d.peak_bytes, peak), "resident_pct": _pct(d.resident_bytes, resident)}
         errors["within_tolerance"] = all(abs(v) <= 100 * tolerance for v in errors.values() if v is not None)
         record["errors"] = errors
+        record["communication"] = _communication(request, ok_ranks)
     else:
         record["measured"] = {"ranks": result.ranks}
         if result.status == "oom":

@@ -130,6 +130,13 @@ def verify_table(record: dict) -> str:
             if r.get("status") == "ok":
                 lines.append(f"  rank {r['rank']}: peak {r['peak_bytes'] / 1e6:,.2f} MB, resident "
                              f"{r['resident_bytes'] / 1e6:,.2f} MB, step {r['step_seconds']:.3f} s")
+        comm = record.get("communication") or {}
+        if comm.get("measured_rank0"):
+            lines.append("  collectives per step, rank 0 (payload MB): " + ", ".join(
+                f"{name} {v['calls']}x {v['bytes'] / 1e6:,.2f}" for name, v in comm["measured_rank0"].items()))
+            lines.append(f"  collective payload per step: measured {comm['measured_bytes_per_step'] / 1e6:,.2f} MB, "
+                         f"time model {comm['modelled_bytes_per_step'] / 1e6:,.2f} MB ("
+                         + ", ".join(m["what"] for m in comm["modelled"]) + ")")
         e = record.get("errors") or {}
         verdict = "WITHIN" if e.get("within_tolerance") else "OUTSIDE"
         lines.append(f"verdict: {verdict} the {100 * record.get('tolerance', 0.05):.0f}% tolerance")

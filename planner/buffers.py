@@ -391,7 +391,8 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
         # (torch/nn/parallel/distributed.py docstring of gradient_as_bucket_view).
         resident.append(_item("DDP gradient buckets (a copy of the gradients)", store_bytes * psi, "buffers",
                               "torch DDP Reducer, gradient_as_bucket_view=False"))
-    per_unit = max(numels) if not setup.arch else max(layer_parameters(setup.arch), max(numels))
+    block = layer_parameters(setup.arch) if setup.arch else max(numels)
+    root = psi - block * setup.arch.num_layers if setup.arch else max(numels)
     phases = []
     for point in backward_sweep(acts, numels, setup.arch):
         items = resident + _activation_items(point)
@@ -401,16 +402,7 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
                 items.append(_item("autocast copies of the weights", compute_bytes * psi, "buffers",
                                    "torch.autocast caches 16-bit casts of the weights for the iteration"))
         else:
-            unsharded = compute_bytes * (psi if s.params_unsharded_in_step else 2 * per_unit)
-            # FSDP reduce-scatters each unit after its backward: the unsharded gradients of one
-            # unit are in flight at a time.
-            items += [
-                _item("all-gathered units (current and prefetched)", unsharded, "buffers",
-                      "FSDP paper Sec. 3.2: one unit in use plus one prefetched (backward_prefetch)"),
-                _item("unsharded gradients of the current unit", compute_bytes * point.in_flight_elements, "buffers",
-                      "FSDP reduce-scatters each unit's gradients after its backward"),
-                _item("sharded gradients", store_bytes * _ceil_div(point.grad_elements, shard), "gradients"),
-            ]
+            items += _fsdp_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes)
         phases.append(_phase(point.label, items))
     grad_bytes = store_bytes * (part if s.shards_gradients else psi)
     phases.append(_phase("optimizer step", resident + [
@@ -428,6 +420,47 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     if s.name == "ddp":
         plan.notes.append(f"DDP buckets of {DDP_BUCKET_CAP_BYTES // 2**20} MiB (bucket_cap_mb) hold a full copy of the gradients")
     return plan
+
+
+def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: int, shard: int,
+                compute_bytes: int, store_bytes: int) -> list[MemoryItem]:
+    """What FSDP2 (torch.distributed.fsdp.fully_shard, per-parameter sharding) holds beyond the
+    sharded states at one moment of backward, with every transformer block a unit and the root
+    (embeddings, final norm, LM head) the last one.
+
+    _fsdp_param_group.py: a unit is all-gathered into one flat output of its unsharded size,
+    then copied out into the parameters; the root is gathered again at the start of backward
+    and stays so to its end (its embedding's gradient comes last); the previous block is
+    prefetched while the current one runs backward; after a unit's backward its unsharded
+    gradients are reduce-scattered from one flat input, and the shard is kept in the
+    parameter's dtype (fp32 under mixed precision). On CPU ranks gloo's all-gather holds a
+    scratch copy of its output on the worker thread while it runs (measured by the backend)."""
+    gloo_copy = 2 if setup.device == "cpu" else 1
+    keep_gathered = setup.strategy.params_unsharded_in_step  # SHARD_GRAD_OP: no reshard after forward
+    if keep_gathered:
+        gathered = compute_bytes * max(0, psi - point.grad_elements + point.in_flight_elements)
+        source = "SHARD_GRAD_OP (reshard_after_forward=False): every unit stays gathered until its backward"
+    else:
+        current = 0 if point.label == "start of backward" else block
+        gathered = compute_bytes * (root + current)
+        source = "the root unit and the block in backward, gathered"
+    prefetch = 0 if point.label == "end of backward" or keep_gathered else compute_bytes * block * gloo_copy
+    head_grads = point.grad_elements - point.in_flight_elements if point.label.startswith("start of block") else 0
+    items = [
+        _item("all-gathered units", gathered, "buffers", source),
+        _item("prefetched block (all-gather output" + (" and gloo's scratch)" if gloo_copy == 2 else ")"), prefetch,
+              "buffers", "FSDP paper Sec. 3.2: the next unit's all-gather overlaps the current unit's backward"),
+        _item("unsharded gradients in flight", compute_bytes * point.in_flight_elements, "gradients",
+              "a unit's gradients until its reduce-scatter"),
+        _item("reduce-scatter input of the finished unit", compute_bytes * point.in_flight_elements
+              if point.label.startswith("end of") else 0, "buffers", "foreach_reduce: one flat input per unit"),
+        _item("sharded gradients", store_bytes * _ceil_div(point.grad_elements, shard), "gradients"),
+    ]
+    if point.label.startswith("start of block"):
+        # the root's gradients (LM head, final norm) wait unsharded for the root's reduce-scatter
+        items.append(_item("root gradients (unsharded, until the end of backward)",
+                           compute_bytes * min(head_grads, root), "gradients"))
+    return items
 
 
 def phases_for(setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:

@@ -58,6 +58,8 @@ def estimate_request_for(req: PlanRequest, c: Candidate) -> EstimateRequest:
                            seq_len=req.seq_len, gradient_accumulation=c.gradient_accumulation,
                            checkpointing=c.checkpointing, attention=req.attention,
                            offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
+                           hsdp_shard_size=c.hsdp_shard_size if c.strategy == "hsdp" and c.hsdp_shard_size != req.gpus
+                           else None,
                            topology=req.topology, topology_text=req.topology_text)
 
 

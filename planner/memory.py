@@ -94,10 +94,8 @@ def resolve(request: EstimateRequest) -> Setup:
     if s.framework == "deepspeed" and precision == "bf16-pure":
         raise PlannerError("precision bf16-pure (no fp32 master) is not what DeepSpeed's bf16 mode does: "
                            "it always keeps fp32 master weights; use bf16-mixed with zero0-3, or ddp/fsdp for bf16-pure")
-    if s.shard_within_node and request.nodes < 2:
-        raise PlannerError(f"hsdp shards inside a node and replicates across nodes; nodes({request.nodes}) must be at least 2")
     model = resolve_model(request)
-    shard = shard_group_size(s, request.gpus, request.nodes)
+    shard = shard_group_size(s, request.gpus, request.nodes, request.hsdp_shard_size)
     return Setup(request=request.model_copy(update={"precision": precision}), model=model, strategy=s,
                  recipe=RECIPES[precision], gpu=g, zero=zero,
                  world_size=request.world_size, shard_size=shard)
@@ -213,3 +211,12 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
         verdict = "fits" if peak <= capacity else "does NOT fit"
         notes.append(f"{verdict}: peak {fmt_bytes(peak)} vs {fmt_bytes(capacity)} on each {setup.gpu.name}")
     return notes
+
+
+def cpu_rank_bytes(result: EstimateResult, ranks_per_node: int) -> tuple[int, int]:
+    """(peak, resident) one CPU rank holds in all: on `--gpu cpu` the "device" and the host are
+    the same RAM, so what offload moves to the host (per node, shared by the node's ranks) is
+    measured in the rank's own allocations too."""
+    share = max(1, ranks_per_node)
+    return (result.per_device.peak_bytes + result.host.peak_bytes // share,
+            result.per_device.resident_bytes + result.host.resident_bytes // share)

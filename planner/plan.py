@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner import timing
+from planner.architecture import layer_parameters
 from planner.catalogue import catalogue_model, model_from_config
 from planner.errors import PlannerError
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
@@ -40,6 +41,13 @@ class Combo:
     checkpointing: str
     offload_optimizer: str
     offload_params: str
+    shard: int | None = None  # hsdp: GPUs per shard group
+
+
+def _hsdp_shards(gpus: int, nodes: int) -> list[int]:
+    """HSDP shard group sizes worth planning: every divisor of a node's GPUs from 2 up (groups of
+    consecutive ranks, as DeviceMesh builds them), the whole node only when there are 2+ nodes."""
+    return [d for d in range(2, gpus + 1) if gpus % d == 0 and (d < gpus or nodes > 1)]
 
 
 def _offloads(name: str) -> list[tuple[str, str]]:
@@ -53,6 +61,32 @@ def _offloads(name: str) -> list[tuple[str, str]]:
     if s.shards_optimizer:
         return [("none", "none"), ("cpu", "none"), ("nvme", "none")]
     return [("none", "none")]
+
+
+def collective_volumes(request: EstimateRequest) -> list[dict]:
+    """What the time model sends per optimizer step for this configuration, per collective:
+    payload bytes (before the ring's 2(n-1)/n or (n-1)/n factor), message size and group."""
+    result = estimate(request)
+    if result.model.architecture is None:
+        return []
+    from planner.architecture import Architecture
+    from planner.memory import resolve
+
+    zero = resolve(request).zero
+    combo = Combo(request.gpus, request.strategy, request.checkpointing, zero.offload_optimizer, zero.offload_params,
+                  _combo_shard(request))
+    buckets = Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size)
+    model_fields = {"model": request.model} if request.model else {"model_config": request.model_config_}
+    per_rank = request.micro_batch * request.gradient_accumulation
+    plan_req = PlanRequest(**model_fields, gpu=request.gpu, gpus=request.gpus, nodes=request.nodes,
+                           seq_len=request.seq_len, global_batch=per_rank * request.gpus * request.nodes,
+                           precision=result.request.precision, optimizer=request.optimizer)
+    wb = 4 if request.precision == "fp32" else 2
+    arch = Architecture.model_validate(result.model.architecture)
+    rows = _collective_volumes(plan_req, combo, result.parameters, np.array([request.micro_batch]), per_rank, wb,
+                               arch, buckets)
+    return [{"what": what, "bytes_per_step": int(volume[0]), "message_bytes": int(message), "group": group}
+            for what, volume, _, message, group in rows]
 
 
 def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstimate | None:
@@ -70,13 +104,16 @@ def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstim
                            attention=request.attention, profile=request.profile)
     plan_req = _apply_profile(plan_req)
     topo, fabric_name, nics = _topology(plan_req, g)
-    combo = Combo(request.gpus, request.strategy, request.checkpointing, request.offload_optimizer,
-                  request.offload_params)
     from planner.architecture import Architecture
+    from planner.memory import resolve
 
+    zero = resolve(request).zero  # offload and bucket sizes as resolved, --ds-config included
+    combo = Combo(request.gpus, request.strategy, request.checkpointing, zero.offload_optimizer, zero.offload_params,
+                  _combo_shard(request))
+    buckets = Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size)
     arch = Architecture.model_validate(result.model.architecture)
     t = _step_times(plan_req, combo, np.array([request.micro_batch]), per_rank, result.parameters, arch, g,
-                    topo, timing.fabric(fabric_name), nics)[0]
+                    topo, timing.fabric(fabric_name), nics, buckets)[0]
     return TimeEstimate(step_seconds=t.step_seconds, compute_seconds=t.compute_seconds,
                         communication_seconds=t.communication_seconds,
                         exposed_communication_seconds=t.exposed_communication_seconds,
@@ -120,12 +157,17 @@ def _gpu_counts(req: PlanRequest) -> list[int]:
     return sorted(c for c in counts if req.global_batch % (c * req.nodes) == 0)
 
 
+def _combo_shard(request: EstimateRequest) -> int | None:
+    return (request.hsdp_shard_size or request.gpus) if request.strategy == "hsdp" else None
+
+
 def _estimate(req: PlanRequest, combo: Combo, micro: int, model_fields: dict) -> EstimateResult:
     return estimate(EstimateRequest(
         **model_fields, strategy=combo.strategy, gpus=combo.gpus, nodes=req.nodes, gpu=req.gpu,
         precision=req.precision, optimizer=req.optimizer, micro_batch=micro, seq_len=req.seq_len,
         checkpointing=combo.checkpointing, attention=req.attention,
-        offload_optimizer=combo.offload_optimizer, offload_params=combo.offload_params))
+        offload_optimizer=combo.offload_optimizer, offload_params=combo.offload_params,
+        hsdp_shard_size=combo.shard if combo.strategy == "hsdp" and combo.shard != combo.gpus else None))
 
 
 def _divisors(n: int) -> np.ndarray:
@@ -154,7 +196,8 @@ def _apply_profile(req: PlanRequest) -> PlanRequest:
     profile = load_profile(req.profile)
     if profile.gpu != req.gpu:
         raise PlannerError(f"profile {profile.name} was fitted on {profile.gpu}, but gpu is {req.gpu}")
-    return req.model_copy(update={"compute_efficiency": profile.compute_efficiency})
+    return req.model_copy(update={"compute_efficiency": profile.compute_efficiency,
+                                  "link_efficiency": profile.link_efficiency})
 
 
 def plan(req: PlanRequest) -> PlanResult:
@@ -175,11 +218,10 @@ def plan(req: PlanRequest) -> PlanResult:
     grids = []
     for gpus in _gpu_counts(req):
         for name in STRATEGIES:
-            if name == "hsdp" and req.nodes < 2:
-                continue
-            for ckpt in ("none", "full"):
+            shards = _hsdp_shards(gpus, req.nodes) if name == "hsdp" else [None]
+            for shard, ckpt in ((sh, c) for sh in shards for c in ("none", "full")):
                 for off_opt, off_par in _offloads(name):
-                    combo = Combo(gpus, name, ckpt, off_opt, off_par)
+                    combo = Combo(gpus, name, ckpt, off_opt, off_par, shard)
                     grids.append(_Grid(combo, _estimate(req, combo, 1, model_fields),
                                        _estimate(req, combo, 2, model_fields)))
     fabric = timing.fabric(fabric_name)
@@ -196,35 +238,57 @@ def plan(req: PlanRequest) -> PlanResult:
     return _rank(req, rows, grids, usable, capacity, topo, fabric, nics, model_fields, evaluated, started, g)
 
 
+@dataclass(frozen=True)
+class Buckets:
+    """DeepSpeed's message sizes in elements (deepspeed/runtime/zero/config.py defaults)."""
+
+    reduce: int = 500_000_000
+    allgather: int = 500_000_000
+    prefetch: int = 50_000_000
+
+
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP bucket_cap_mb=25 (torch/nn/parallel/distributed.py)
+
+
 def _collective_volumes(req: PlanRequest, combo: Combo, psi: int, micro: np.ndarray, per_rank: int,
-                        wb: int) -> list[tuple[str, np.ndarray, int, float, str]]:
-    """(what, bytes per step, ring passes, message bytes, group) for the strategy's collectives."""
+                        wb: int, arch=None, buckets: Buckets = Buckets()) -> list[tuple[str, np.ndarray, int, float, str]]:
+    """(what, bytes per step, ring passes, message bytes, group) for the strategy's collectives.
+
+    Message sizes are what the frameworks really send: DDP's 25 MiB buckets, DeepSpeed's reduce
+    and all-gather buckets (capped by the model), and for ZeRO-3 and FSDP one transformer block
+    at a time (the FSDP unit; ZeRO-3 fetches a module's parameters, at most prefetch_bucket_size)."""
     accumulation = per_rank / micro
     s = lookup_strategy(combo.strategy)
     step = np.ones_like(micro, dtype=np.float64)
     grads = psi * wb
-    layer = max(psi // 100, 1) * wb  # FSDP units / ZeRO-3 prefetch: about a block at a time
+    block = layer_parameters(arch) if arch is not None else max(psi // 100, 1)
+    reduce_msg = min(psi, buckets.reduce) * wb
+    gather_msg = min(psi, buckets.allgather) * wb
     if s.name == "ddp":
         master = 4 if req.precision in ("bf16-mixed", "fp16-mixed", "fp32") else wb
-        return [("gradient all-reduce", step * psi * master, 2, 25 * 2**20, "world")]
+        return [("gradient all-reduce", step * psi * master, 2, min(psi * master, DDP_BUCKET_BYTES), "world")]
     if s.name == "zero0":
-        return [("gradient all-reduce", step * grads, 2, min(psi, 500_000_000) * wb, "world")]
+        return [("gradient all-reduce", step * grads, 2, reduce_msg, "world")]
     if s.name == "zero1":
-        return [("gradient reduce-scatter", step * grads, 1, 500_000_000 * wb, "world"),
-                ("parameter all-gather", step * grads, 1, 500_000_000 * wb, "world")]
+        return [("gradient reduce-scatter", step * grads, 1, reduce_msg, "world"),
+                ("parameter all-gather", step * grads, 1, gather_msg, "world")]
     if s.name == "zero2":
-        return [("gradient reduce-scatter", accumulation * grads, 1, 500_000_000 * wb, "world"),
-                ("parameter all-gather", step * grads, 1, 500_000_000 * wb, "world")]
+        return [("gradient reduce-scatter", accumulation * grads, 1, reduce_msg, "world"),
+                ("parameter all-gather", step * grads, 1, gather_msg, "world")]
     gathers = 1 if s.params_unsharded_in_step else 2
-    items = [("parameter all-gathers", accumulation * gathers * grads, 1, min(layer, 50_000_000 * wb), "shard"),
-             ("gradient reduce-scatter", accumulation * grads, 1, layer, "shard")]
+    unit = block * wb
+    gather_unit = min(unit, buckets.prefetch * wb) if s.framework == "deepspeed" else unit
+    items = [("parameter all-gathers", accumulation * gathers * grads, 1, gather_unit, "shard"),
+             ("gradient reduce-scatter", accumulation * grads, 1,
+              min(unit, reduce_msg) if s.framework == "deepspeed" else unit, "shard")]
     if s.name == "hsdp":
-        items.append(("replica all-reduce across nodes", accumulation * grads / req.gpus, 2, layer, "replicas"))
+        shard = combo.shard or combo.gpus
+        items.append(("replica all-reduce of each shard", accumulation * grads / shard, 2, unit / shard, "replicas"))
     return items
 
 
 def _step_times(req: PlanRequest, combo: Combo, micro: np.ndarray, per_rank: int, psi: int, arch, g: Gpu,
-                topo: Topology, fabric: dict, nics: int) -> list[timing.StepTime]:
+                topo: Topology, fabric: dict, nics: int, buckets: Buckets = Buckets()) -> list[timing.StepTime]:
     wb = 4 if req.precision == "fp32" else 2
     dtype = "fp32" if req.precision == "fp32" else ("bf16" if req.precision.startswith("bf16") else "fp16")
     if req.precision == "fp32":
@@ -234,16 +298,26 @@ def _step_times(req: PlanRequest, combo: Combo, micro: np.ndarray, per_rank: int
     flops = tokens_rank * timing.flops_per_token(arch, req.seq_len, combo.checkpointing)
     compute = flops / (peak_flops * req.compute_efficiency)
     ring, ring_bw, ring_lat = timing.node_ring(topo, combo.gpus)
-    inter_bw = nics * fabric["gbps"] * fabric["efficiency"]
+    ring_bw *= req.link_efficiency
+    _, shard_bw, shard_lat = timing.node_ring(topo, combo.shard) if combo.shard else (None, ring_bw, ring_lat)
+    shard_bw *= req.link_efficiency if combo.shard else 1.0
+    inter_bw = nics * fabric["gbps"] * fabric["efficiency"] * req.link_efficiency
     nodes = req.nodes
     comm = np.zeros_like(micro, dtype=np.float64)
-    for _, volume, passes, message, group in _collective_volumes(req, combo, psi, micro, per_rank, wb):
+    for _, volume, passes, message, group in _collective_volumes(req, combo, psi, micro, per_rank, wb, arch, buckets):
         for k in range(micro.size):
             v = float(volume[k])
             if group == "replicas":
-                # each GPU all-reduces its shard with its replicas; the node's GPUs share the NICs
+                # each GPU all-reduces its shard with the GPUs at its place in the other shard groups:
+                # inside the node over the node's ring (the links between groups), then across
+                # nodes, where the node's GPUs share the NICs
+                inside = combo.gpus // (combo.shard or combo.gpus)
+                comm[k] += timing.ring_collective_seconds(v, inside, ring_bw, ring_lat, message, passes)
                 comm[k] += timing.ring_collective_seconds(v, nodes, inter_bw / combo.gpus,
                                                           fabric["latency_us"], message, passes)
+                continue
+            if group == "shard" and combo.shard:
+                comm[k] += timing.ring_collective_seconds(v, combo.shard, shard_bw, shard_lat, message, passes)
                 continue
             comm[k] += timing.ring_collective_seconds(v, combo.gpus, ring_bw, ring_lat, message, passes)
             if nodes > 1 and group == "world":
@@ -303,7 +377,8 @@ def _candidate(combo: Combo, mb: int, per_rank: int, fits: bool, t: timing.StepT
                reason: str | None) -> Candidate:
     return Candidate(strategy=combo.strategy, micro_batch=mb, gradient_accumulation=per_rank // mb,
                      checkpointing=combo.checkpointing, offload_optimizer=combo.offload_optimizer,
-                     offload_params=combo.offload_params, fits=fits, per_device=e.per_device,
+                     offload_params=combo.offload_params, hsdp_shard_size=combo.shard, fits=fits,
+                     per_device=e.per_device,
                      step_seconds=t.step_seconds, compute_seconds=t.compute_seconds,
                      communication_seconds=t.communication_seconds,
                      exposed_communication_seconds=t.exposed_communication_seconds,

@@ -25,12 +25,21 @@ class Residual(BaseModel):
     error_pct: float
 
 
+class CommunicationResidual(BaseModel):
+    run_id: int
+    measured_seconds: float = Field(description="time of the counted step's collectives on rank 0")
+    predicted_seconds: float = Field(description="the α-β ring model with the fitted link efficiency")
+    error_pct: float
+
+
 class Profile(BaseModel):
     name: str
     gpu: str
     compute_efficiency: float = Field(description="achieved fraction of the GPU's peak dense TFLOP/s")
+    link_efficiency: float = Field(1.0, description="achieved fraction of the modelled link bandwidth")
     runs: list[int]
     residuals: list[Residual]
+    communication_residuals: list[CommunicationResidual] = []
     note: str
 
 
@@ -90,6 +99,52 @@ def _dtype(precision: str, peak: dict[str, float]) -> str:
     return "bf16" if precision.startswith("bf16") else "fp16"
 
 
+PASSES = {"all_reduce": 2}  # ring passes per collective (all-reduce = reduce-scatter + all-gather)
+
+
+def _run_links(record: dict[str, Any]) -> tuple[float, float, float] | None:
+    """(bandwidth term at the modelled link rates, latency term, measured seconds) of the
+    collectives a verify run timed in its counted step, or None when it timed none."""
+    comm = (record.get("communication") or {}).get("measured_rank0") or {}
+    timed = {op: v for op, v in comm.items() if v.get("seconds", 0) > 0 and v["bytes"] > 0}
+    if record.get("status") != "ok" or not timed:
+        return None
+    from planner import timing
+    from planner.plan import _topology
+    from planner.schema import PlanRequest
+
+    request = record["request"]
+    model = {"model": request["model"]} if request.get("model") else {"model_config": request.get("model_config")}
+    plan_req = PlanRequest(**model, gpu=request["gpu"], gpus=request["gpus"], nodes=request["nodes"],
+                           topology=request.get("topology"), topology_text=request.get("topology_text"),
+                           seq_len=request["seq_len"])
+    topo, _, _ = _topology(plan_req, lookup_gpu(request["gpu"]))
+    _, bandwidth, latency = timing.node_ring(topo, request["gpus"])
+    ranks = request["gpus"] * request["nodes"]
+    bandwidth_term = latency_term = measured = 0.0
+    for op, v in timed.items():
+        passes = PASSES.get(op.split(" ")[0], 1)
+        message = v["bytes"] / max(1, v["calls"])
+        bandwidth_term += timing.ring_collective_seconds(v["bytes"], ranks, bandwidth, 0.0, message, passes)
+        latency_term += timing.ring_collective_seconds(v["bytes"], ranks, float("inf"), latency, message, passes)
+        measured += v["seconds"]
+    return bandwidth_term, latency_term, measured
+
+
+def _fit_links(samples: list[tuple[int, tuple[float, float, float]]]) -> tuple[float, list[CommunicationResidual]]:
+    """The link efficiency e that makes bandwidth_term / e + latency_term the measured time: the
+    median over runs, and each run's residual with it."""
+    ratios = [bw / (seconds - lat) for _, (bw, lat, seconds) in samples if seconds > lat and bw > 0]
+    if not ratios:
+        return 1.0, []
+    efficiency = statistics.median(ratios)
+    residuals = [CommunicationResidual(run_id=run_id, measured_seconds=seconds,
+                                       predicted_seconds=bw / efficiency + lat,
+                                       error_pct=100 * (bw / efficiency + lat - seconds) / seconds)
+                 for run_id, (bw, lat, seconds) in samples]
+    return efficiency, residuals
+
+
 def fit_profile(name: str, runs: list[tuple[int, dict[str, Any]]], gpu_name: str | None = None) -> Profile:
     """Median achieved efficiency over the runs of one GPU type, and each run's residual."""
     samples = []
@@ -112,8 +167,14 @@ def fit_profile(name: str, runs: list[tuple[int, dict[str, Any]]], gpu_name: str
                           predicted_step_seconds=flops / (peak * efficiency),
                           error_pct=100 * (flops / (peak * efficiency) - seconds) / seconds)
                  for run_id, _, flops, seconds, peak in samples]
-    note = ("compute efficiency fitted as the median over the runs of achieved FLOP/s (measured step time, "
-            "communication included) over the GPU's peak; link efficiencies keep their defaults "
-            "(data/links.yaml) until runs record per-collective sizes")
+    link_samples = [(run_id, links) for run_id, record in runs
+                    if any(run_id == s[0] for s in samples) and (links := _run_links(record)) is not None]
+    link_efficiency, link_residuals = _fit_links(link_samples)
+    note = ("compute efficiency: the median over the runs of achieved FLOP/s (measured step time, communication "
+            "included) over the GPU's peak. Link efficiency: the median over the runs of the modelled "
+            "bandwidth-bound time of the collectives each run timed (data/links.yaml rates, α-β ring) over their "
+            f"measured time less the latency term ({len(link_samples)} runs with timed collectives"
+            + ("; none, so it stays 1.0" if not link_samples else "") + ")")
     return Profile(name=_check_name(name), gpu=next(iter(gpus)), compute_efficiency=min(1.0, efficiency),
-                   runs=[s[0] for s in samples], residuals=residuals, note=note)
+                   link_efficiency=min(4.0, link_efficiency), runs=[s[0] for s in samples], residuals=residuals,
+                   communication_residuals=link_residuals, note=note)

@@ -47,6 +47,9 @@ class EstimateRequest(BaseModel):
     attention: Attention = Field("sdpa", description="attention implementation (sdpa = flash/memory-efficient)")
     offload_optimizer: OffloadDevice = Field("none", description="where optimizer states live")
     offload_params: OffloadDevice = Field("none", description="where parameters live (zero3 / fsdp)")
+    hsdp_shard_size: int | None = Field(
+        None, ge=2, le=MAX_GPUS_PER_NODE * MAX_NODES,
+        description="hsdp: GPUs per shard group, consecutive ranks (default: one node's GPUs); divides the world size")
     ds_config: dict[str, Any] | None = Field(None, description="a DeepSpeed JSON config (what --ds-config reads)")
     reduce_bucket_size: int | None = Field(None, ge=1, le=10**12, description="DeepSpeed reduce_bucket_size (elements)")
     allgather_bucket_size: int | None = Field(None, ge=1, le=10**12, description="DeepSpeed allgather_bucket_size (elements)")
@@ -184,7 +187,9 @@ class PlanRequest(BaseModel):
     attention: Attention = Field("sdpa", description="attention implementation")
     headroom: float = Field(0.05, ge=0.0, lt=0.9, description="fraction of device memory kept free")
     compute_efficiency: float = Field(0.45, gt=0.0, le=1.0, description="achievable fraction of peak TFLOP/s")
-    profile: str | None = Field(None, description="calibration profile saved by `planner calibrate` (sets the efficiency)")
+    link_efficiency: float = Field(1.0, gt=0.0, le=4.0,
+                                   description="achieved fraction of the modelled (realistic) link bandwidths")
+    profile: str | None = Field(None, description="calibration profile saved by `planner calibrate` (sets the efficiencies)")
 
     @model_validator(mode="after")
     def _one_model(self) -> "PlanRequest":
@@ -203,6 +208,7 @@ class Candidate(BaseModel):
     checkpointing: str
     offload_optimizer: str
     offload_params: str
+    hsdp_shard_size: int | None = Field(None, description="hsdp: GPUs per shard group; null for other strategies")
     fits: bool
     per_device: PerDevice
     step_seconds: float

@@ -49,9 +49,22 @@ def strategy(name: str) -> Strategy:
         raise PlannerError(f"strategy {name!r} is unknown; choose one of {', '.join(STRATEGIES)}") from None
 
 
-def shard_group_size(s: Strategy, gpus_per_node: int, nodes: int) -> int:
-    """How many ranks a sharded state is divided over (the data-parallel group, or one node for HSDP)."""
-    return gpus_per_node if s.shard_within_node else gpus_per_node * nodes
+def shard_group_size(s: Strategy, gpus_per_node: int, nodes: int, hsdp_shard_size: int | None = None) -> int:
+    """How many ranks a sharded state is divided over: the data-parallel group, or for HSDP one
+    shard group (a node's GPUs by default, or fewer: e.g. the two GPUs of an NVLink pair)."""
+    world = gpus_per_node * nodes
+    if not s.shard_within_node:
+        if hsdp_shard_size is not None:
+            raise PlannerError(f"hsdp_shard_size={hsdp_shard_size} applies to hsdp only, not to strategy {s.name}")
+        return world
+    shard = gpus_per_node if hsdp_shard_size is None else hsdp_shard_size
+    if world % shard:
+        raise PlannerError(f"hsdp_shard_size({shard}) must divide the world size gpus({gpus_per_node}) * "
+                           f"nodes({nodes}) = {world}")
+    if shard >= world:
+        raise PlannerError(f"hsdp with a single shard group (all {world} GPUs) is fsdp: give nodes >= 2, or an "
+                           f"hsdp_shard_size smaller than gpus({gpus_per_node}) that divides it")
+    return shard
 
 
 def check_offload(s: Strategy, offload_optimizer: str, offload_params: str) -> None:

@@ -48,7 +48,7 @@ def test_estimate_equals_the_cli_json(client, capsys):
     ({"model": "gpt2", "surprise": 1}, 422, "Extra inputs are not permitted"),
     ({"model_config": {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 30}}, 422,
      "not divisible by num_attention_heads(30)"),
-    ({"model": "gpt2", "strategy": "hsdp"}, 422, "nodes(1) must be at least 2"),
+    ({"model": "gpt2", "strategy": "hsdp"}, 422, "is fsdp: give nodes >= 2"),
 ])
 def test_estimate_errors(client, body, status, message):
     r = client.post("/v1/estimate", json=body)

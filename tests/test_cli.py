@@ -15,7 +15,7 @@ HOST_FIELDS = {"resident_bytes", "peak_bytes", "pinned_bytes"}
 ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus", "--nodes", "--gpu",
                   "--device-memory-gib", "--precision", "--optimizer", "--micro-batch", "--seq-len",
                   "--gradient-accumulation", "--checkpointing", "--attention", "--offload-optimizer",
-                  "--offload-params", "--ds-config", "--reduce-bucket-size", "--allgather-bucket-size",
+                  "--offload-params", "--hsdp-shard-size", "--ds-config", "--reduce-bucket-size", "--allgather-bucket-size",
                   "--prefetch-bucket-size", "--param-persistence-threshold", "--max-live-parameters",
                   "--max-reuse-distance", "--topology", "--topology-file", "--profile", "--json"}
 
@@ -116,7 +116,11 @@ BAD = [
     (["estimate", "--model", "gpt2", "--gpu", "tpu-v5"], "unknown gpu 'tpu-v5'"),
     (["estimate", "--model", "gpt2", "--gpu", "v100-32gb"], "does not support"),
     (["estimate", "--model", "gpt2", "--strategy", "ddp", "--offload-optimizer", "cpu"], "offload_optimizer=cpu"),
-    (["estimate", "--model", "gpt2", "--strategy", "hsdp"], "nodes(1) must be at least 2"),
+    (["estimate", "--model", "gpt2", "--strategy", "hsdp"], "single shard group (all 1 GPUs) is fsdp"),
+    (["estimate", "--model", "gpt2", "--strategy", "hsdp", "--gpus", "8", "--hsdp-shard-size", "3"],
+     "hsdp_shard_size(3) must divide the world size"),
+    (["estimate", "--model", "gpt2", "--strategy", "zero3", "--gpus", "8", "--hsdp-shard-size", "2"],
+     "applies to hsdp only"),
     (["estimate", "--model", "gpt2", "--strategy", "zero2", "--precision", "bf16-pure"], "bf16-pure"),
     (["estimate", "--model-file", "/no/such/file.json"], "cannot be read"),
 ]

@@ -133,8 +133,14 @@ def test_calibrate_fits_a_profile_that_estimate_and_plan_apply(tmp_path, monkeyp
     profile = fit_profile("cpu-test", runs)
     assert 0 < profile.compute_efficiency <= 1 and profile.runs == [record["id"]]
     assert abs(profile.residuals[0].error_pct) < 1e-6  # one run: the fit reproduces it
+    # the run timed its collectives (DeepSpeed's comms logger), so the link efficiency is fitted too
+    assert record["communication"]["measured_bytes_per_step"] > 0
+    assert profile.link_efficiency != 1.0 and abs(profile.communication_residuals[0].error_pct) < 1e-6
     save_profile(profile)
     assert load_profile("cpu-test").compute_efficiency == profile.compute_efficiency
     timed = estimate_with_time(request(strategy="zero1", profile="cpu-test"))
     assert timed.time is not None
     assert abs(timed.time.compute_seconds - record["measured"]["step_seconds"]) / record["measured"]["step_seconds"] < 0.01
+    save_profile(profile.model_copy(update={"name": "cpu-test-nominal", "link_efficiency": 1.0}))
+    nominal = estimate_with_time(request(strategy="zero1", profile="cpu-test-nominal")).time
+    assert timed.time.communication_seconds != nominal.communication_seconds  # the link efficiency is applied
