@@ -90,6 +90,20 @@ def environment() -> dict[str, Any]:
             "platform": platform.platform()}
 
 
+def _components(prediction, rank: dict) -> dict[str, dict[str, Any]]:
+    """Resident bytes by component, predicted (the estimate's "between steps" phase) and measured
+    on rank 0 (backend/train.py resident_by_category: the engine's own tensors; whatever they do
+    not reach is framework buffers). Informational: the verdict is on the totals."""
+    from planner.memory import resident_by_component
+
+    measured = rank.get("by_category_resident") or {}
+    measured_by = {"parameters": measured.get("parameters", 0), "gradients": measured.get("gradients", 0),
+                   "optimizer_states": measured.get("master_weights", 0) + measured.get("optimizer_states", 0),
+                   "buffers": measured.get("buffers", 0)}
+    return {name: {"predicted": value, "measured": measured_by[name], "error_pct": _pct(value, measured_by[name])}
+            for name, value in resident_by_component(prediction).items()}
+
+
 def _communication(request: EstimateRequest, ranks: list[dict]) -> dict:
     """Collective payload per step: measured on rank 0 (one counted step after the measured ones)
     next to what the time model sends."""
@@ -164,6 +178,7 @@ def verify(request: EstimateRequest, *, steps: int = 3, warmup_steps: int = 1, s
         d = prediction.per_device
         errors = {"peak_pct": _pct(d.peak_bytes, peak), "resident_pct": _pct(d.resident_bytes, resident)}
         errors["within_tolerance"] = all(abs(v) <= 100 * tolerance for v in errors.values() if v is not None)
+        errors["resident_components"] = _components(prediction, ok_ranks[0])
         record["errors"] = errors
         record["communication"] = _communication(request, ok_ranks)
     else:

@@ -3,7 +3,7 @@
     python bench/gpu_check.py [--gpu h200] [--model llama-3-8b] [--layers 2] [--out bench/results/gpu_check.json]
 
 Trains a catalogue model at full width but few layers on one GPU with ZeRO-0 (the DeepSpeed engine
-without partitioning), bf16-mixed, over sequence lengths, micro-batches, checkpointing on and off,
+without partitioning, through `deepspeed`) and torch DDP (through torchrun), bf16-mixed, over sequence lengths, micro-batches, checkpointing on and off,
 and SDPA and eager attention. Every run records torch.cuda.max_memory_allocated, max_memory_reserved
 and memory_stats. The script then prints:
 
@@ -68,15 +68,15 @@ def main() -> int:
     base = catalogue_model(args.model)
     config = dict(base.config, num_hidden_layers=args.layers)
     results = {"device": torch.cuda.get_device_name(0), "context": cuda_context_bytes(), "runs": []}
-    for seq, micro, ckpt, attention in GRID:
-        request = EstimateRequest(model_config=config, strategy="zero0", gpus=1, gpu=args.gpu, precision="bf16-mixed",
+    for strategy, (seq, micro, ckpt, attention) in [(s, g) for s in ("zero0", "ddp") for g in GRID]:
+        request = EstimateRequest(model_config=config, strategy=strategy, gpus=1, gpu=args.gpu, precision="bf16-mixed",
                                   micro_batch=micro, seq_len=seq, checkpointing=ckpt, attention=attention)
         predicted = estimate(request).per_device
         with tempfile.TemporaryDirectory() as tmp:
             started = time.monotonic()
             run = run_probe(request, out_dir=Path(tmp), steps=2, warmup_steps=1, timeout_seconds=300)
         rank = run.ranks[0] if run.ranks else {}
-        row = {"seq_len": seq, "micro_batch": micro, "checkpointing": ckpt, "attention": attention,
+        row = {"strategy": strategy, "seq_len": seq, "micro_batch": micro, "checkpointing": ckpt, "attention": attention,
                "status": run.status, "seconds": time.monotonic() - started,
                "predicted_peak_bytes": predicted.peak_bytes - predicted.framework_bytes,
                "measured_allocated_peak_bytes": rank.get("peak_bytes"),
@@ -86,10 +86,10 @@ def main() -> int:
             row["error_pct"] = 100 * (row["predicted_peak_bytes"] - row["measured_allocated_peak_bytes"]) / \
                 row["measured_allocated_peak_bytes"]
             row["reserved_over_allocated"] = row["measured_reserved_peak_bytes"] / row["measured_allocated_peak_bytes"] - 1
-            print(f"seq {seq:>5} mb {micro} ckpt {ckpt:<4} {attention:<5}: allocated peak error {row['error_pct']:+.2f}%, "
+            print(f"{strategy:<5} seq {seq:>5} mb {micro} ckpt {ckpt:<4} {attention:<5}: allocated peak error {row['error_pct']:+.2f}%, "
                   f"reserved +{100 * row['reserved_over_allocated']:.1f}%")
         else:
-            print(f"seq {seq:>5} mb {micro} ckpt {ckpt:<4} {attention:<5}: {run.status}: {run.message}")
+            print(f"{strategy:<5} seq {seq:>5} mb {micro} ckpt {ckpt:<4} {attention:<5}: {run.status}: {run.message}")
         results["runs"].append(row)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

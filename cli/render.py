@@ -84,7 +84,8 @@ def plan_table(r) -> str:
     for k, c in enumerate(r.candidates, 1):
         if not c.fits:
             continue
-        lines.append(f"  {k:>3} {c.strategy:<13} {c.micro_batch:>4} {c.gradient_accumulation:>5} {c.checkpointing:<5} "
+        name = f"{c.strategy}/{c.hsdp_shard_size}" if c.hsdp_shard_size else c.strategy  # hsdp: shard group size
+        lines.append(f"  {k:>3} {name:<13} {c.micro_batch:>4} {c.gradient_accumulation:>5} {c.checkpointing:<5} "
                      f"{c.offload_optimizer + '/' + c.offload_params:<11} {c.per_device.peak_bytes / GIB:>9.2f} "
                      f"{c.step_seconds:>8.3f} {c.exposed_communication_seconds:>15.3f} {c.tokens_per_second:>10,.0f} "
                      f"{c.mfu:>5.2f}")
@@ -110,6 +111,17 @@ def plan_table(r) -> str:
     return "\n".join(lines)
 
 
+def _component_rows(components: dict) -> list[str]:
+    """Resident by component under the resident total (measured: the engine's own tensors)."""
+    rows = []
+    for name, c in components.items():
+        if c["predicted"] or c["measured"]:
+            error = f"{c['error_pct']:>+7.2f}%" if c["error_pct"] is not None else "     n/a"
+            rows.append(f"    {name.replace('_', ' '):<26} {c['predicted'] / 1e6:>14,.2f} "
+                        f"{c['measured'] / 1e6:>14,.2f} {error}")
+    return rows
+
+
 def verify_table(record: dict) -> str:
     pred = record["prediction"]["per_device"]
     measured = record.get("measured") or {}
@@ -122,10 +134,8 @@ def verify_table(record: dict) -> str:
         for key, label in (("resident_bytes", "resident between steps"), ("peak_bytes", "peak")):
             p, m = pred[key], measured[key]
             lines.append(f"  {label:<28} {p / 1e6:>14,.2f} {m / 1e6:>14,.2f} {100 * (p - m) / m:>+7.2f}%")
-        cats = ranks[0].get("by_category_resident") or {}
-        if cats:
-            lines.append("  measured resident by category, rank 0 (MB): " +
-                         ", ".join(f"{k} {v / 1e6:,.2f}" for k, v in cats.items()))
+            if key == "resident_bytes":
+                lines += _component_rows((record.get("errors") or {}).get("resident_components") or {})
         for r in measured.get("ranks", []):
             if r.get("status") == "ok":
                 lines.append(f"  rank {r['rank']}: peak {r['peak_bytes'] / 1e6:,.2f} MB, resident "

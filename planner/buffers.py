@@ -31,6 +31,7 @@ class PhasePlan:
     resident_bytes: int
     buffers: list[MemoryItem]
     notes: list[str] = field(default_factory=list)
+    resident: list[MemoryItem] = field(default_factory=list)  # what is held between steps
     host_resident_bytes: int = 0
     host_peak_bytes: int = 0
     host_pinned_bytes: int = 0
@@ -158,7 +159,7 @@ def _zero0_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
         step.append(_item("fp32 gradients for the master step", FP32 * psi, "buffers",
                           "unfused_optimizer.py step(): p.grad = fp16 grad .float()"))
     phases.append(_phase("optimizer step", step))
-    return PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident),
+    return PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
                      buffers=[i for p in phases for i in p.items if i.component == "buffers"])
 
 
@@ -196,6 +197,9 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
     weights = _item("flat 16-bit weights (full)", wb * psi, "parameters",
                     "flatten_dense_tensors_aligned of the bit16 groups")
     resident = [weights, *_optimizer_items(setup, part, f"1/{dp} partition")]
+    if z.offload_optimizer != "none":
+        resident.append(_item("offload staging buffer on the device (largest parameter)", wb * max(numels), "buffers",
+                              "stage_1_and_2.py __init__: temp_grad_buffer_for_gpu_offload"))
     bucket = _item(f"ipg reduce bucket ({z.reduce_bucket_size:,} elements)",
                    wb * z.reduce_bucket_size * (2 if z.overlap else 1) if z.contiguous_gradients else 0,
                    "buffers", "stage_1_and_2.py: torch.empty(reduce_bucket_size) per ipg buffer")
@@ -236,10 +240,16 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
         _item("Adam temporaries (flat partition)", _adam_temporaries(part, setup), "buffers",
               "torch.optim.AdamW single-tensor step on the flat fp32 partition")]
     phases.append(_phase("optimizer step", step))
-    plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident),
+    plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
                      buffers=[i for p in phases for i in p.items if i.component == "buffers"])
     if offloaded:
         _offload_optimizer_host(plan, setup, part)
+        # ZeRO-1/2 also keep, per rank on the host, a 16-bit copy of the partition and a staging
+        # buffer of the largest parameter (stage_1_and_2.py __init__:
+        # param_buffer_of_bit16_for_cpu_offload_groups, temp_grad_buffer_for_cpu_offload)
+        extra = (wb * part + wb * max(numels)) * setup.request.gpus
+        plan.host_resident_bytes += extra
+        plan.host_peak_bytes += extra
     return plan
 
 
@@ -304,7 +314,6 @@ def _zero3_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     psi = sum(numels)
     part = _ceil_div(psi, dp)
     persistent = _persistent_numel(numels, z.param_persistence_threshold)
-    largest = max(numels)
     offload_params = z.offload_params != "none"
     resident = [
         _item(f"16-bit parameter partition (1/{dp})", 0 if offload_params else wb * part, "parameters",
@@ -329,7 +338,7 @@ def _zero3_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
         _item("Adam temporaries (flat partition)", _adam_temporaries(min(part, z.sub_group_size), setup),
               "buffers", "torch.optim.AdamW single-tensor step per sub_group_size group")]
     phases.append(_phase("optimizer step", step))
-    plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident),
+    plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
                      buffers=[i for p in phases for i in p.items if i.component == "buffers"])
     if offloaded:
         _offload_optimizer_host(plan, setup, part)
@@ -399,8 +408,7 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
         if s.name == "ddp":
             items.append(_item("gradients (full)", store_bytes * point.grad_elements, "gradients"))
             if mixed:
-                items.append(_item("autocast copies of the weights", compute_bytes * psi, "buffers",
-                                   "torch.autocast caches 16-bit casts of the weights for the iteration"))
+                items.append(_autocast_copies(setup, point, psi, block, root, compute_bytes))
         else:
             items += _fsdp_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes)
         phases.append(_phase(point.label, items))
@@ -410,7 +418,7 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
         _item("optimizer step temporaries",
               _adam_temporaries(_ceil_div(max(numels), shard) if setup.device == "cpu" else part, setup),
               "buffers", "torch.optim.AdamW: single-tensor on CPU, foreach on CUDA")]))
-    plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident),
+    plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
                      buffers=[i for p in phases for i in p.items if i.component == "buffers"])
     if offload:
         per_rank = store_bytes * part * 2 + states
@@ -420,6 +428,21 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     if s.name == "ddp":
         plan.notes.append(f"DDP buckets of {DDP_BUCKET_CAP_BYTES // 2**20} MiB (bucket_cap_mb) hold a full copy of the gradients")
     return plan
+
+
+def _autocast_copies(setup: "Setup", point: SweepPoint, psi: int, block: int, root: int,
+                     compute_bytes: int) -> MemoryItem:
+    """torch.autocast casts each weight to 16 bits once per forward (its cast cache); each linear
+    saves its cast weight for backward, so without checkpointing all of them live until their
+    layer's backward. Under checkpointing the blocks save nothing: only the LM head's cast stays,
+    plus the cast weights of the one block being recomputed."""
+    if setup.request.checkpointing != "full" or setup.arch is None:
+        return _item("autocast copies of the weights", compute_bytes * psi, "buffers",
+                     "torch.autocast's cast cache; each linear saves its 16-bit weight for backward")
+    head = setup.arch.vocab_size * setup.arch.hidden_size  # the LM head's matmul (tied or not)
+    recomputed = block if point.label.startswith("start of block") else 0
+    return _item("autocast copies of the weights (LM head, recomputed block)", compute_bytes * (head + recomputed),
+                 "buffers", "checkpointed blocks keep no cast weights; recomputation casts one block's again")
 
 
 def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: int, shard: int,

@@ -37,6 +37,9 @@ def emit_files(req: PlanRequest, c: Candidate) -> dict[str, str]:
         settings = {"strategy": s.name, "fsdp_sharding_strategy": sharding, "micro_batch": c.micro_batch,
                     "gradient_accumulation": c.gradient_accumulation, "precision": req.precision,
                     "activation_checkpointing": c.checkpointing, "cpu_offload": c.offload_params == "cpu"}
+        if s.name == "hsdp":  # a 2-D device mesh (replicate, shard) of consecutive ranks
+            shard = c.hsdp_shard_size or req.gpus
+            settings["device_mesh"] = {"replicate": req.gpus * req.nodes // shard, "shard": shard}
         files["torch_settings.json"] = json.dumps(settings, indent=2) + "\n"
         rdzv = " --nnodes {n} --node_rank $NODE_RANK --rdzv_backend c10d --rdzv_endpoint $MASTER_ADDR:29500".format(
             n=req.nodes) if req.nodes > 1 else " --standalone"

@@ -172,8 +172,22 @@ def estimate(request: EstimateRequest) -> EstimateResult:
         host=HostMemory(resident_bytes=plan.host_resident_bytes, peak_bytes=plan.host_peak_bytes,
                         pinned_bytes=plan.host_pinned_bytes),
         nvme_bytes=plan.nvme_bytes, device_capacity_bytes=capacity, fits=fits,
-        headroom_bytes=capacity - peak, phases=list(plan.phases), buffers=list(plan.buffers),
+        headroom_bytes=capacity - peak,
+        phases=[_phase_of("between steps (resident)", plan.resident)] + list(plan.phases), buffers=list(plan.buffers),
         notes=notes, request=setup.request)
+
+
+def _phase_of(name: str, items: list) -> Phase:
+    kept = [i for i in items if i.bytes > 0]
+    return Phase(name=name, bytes=sum(i.bytes for i in kept), items=kept)
+
+
+def resident_by_component(result: EstimateResult) -> dict[str, int]:
+    """The predicted bytes held between steps, by component (the "between steps" phase)."""
+    totals = {"parameters": 0, "gradients": 0, "optimizer_states": 0, "buffers": 0}
+    for item in result.phases[0].items:
+        totals[item.component if item.component in totals else "buffers"] += item.bytes
+    return totals
 
 
 def _capacity(setup: Setup) -> int:

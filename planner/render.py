@@ -25,8 +25,8 @@ def topology_svg(t: Topology, width: int = 640) -> str:
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{width + 60}" '
              f'viewBox="0 0 {width} {width + 60}" font-family="sans-serif" font-size="11">',
              f'<title>{escape(t.gpu_type)} topology: {n} GPUs</title>',
-             f'<rect width="100%" height="100%" fill="white"/>']
-    for link in sorted(t.links, key=lambda l: l.bandwidth_gbps):
+             '<rect width="100%" height="100%" fill="white"/>']
+    for link in sorted(t.links, key=lambda link: link.bandwidth_gbps):
         (x1, y1), (x2, y2) = pos[link.a], pos[link.b]
         stroke = 1 + 5 * min(link.bandwidth_gbps, 400) / 400
         parts.append(f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" stroke="{_colour(link.bandwidth_gbps)}" '

@@ -33,7 +33,8 @@ class GpuRow(BaseModel):
 class Nic(BaseModel):
     name: str = Field(description="column label (NIC0, or an old mlx5_N label)")
     device: str | None = Field(description="device from the NIC Legend (mlx5_0), when given")
-    nearest_gpus: list[int] = Field(description="GPUs at PIX/PXB distance (share a PCIe switch)")
+    nearest_gpus: list[int] = Field(
+        description="GPUs at the NIC's closest PCIe distance (PIX, then PXB, PHB, NODE; none if all are SYS)")
 
 
 class Link(BaseModel):
@@ -143,6 +144,11 @@ def _affinity(rest: list[str], extra: list[str]) -> tuple[str | None, int | None
     return (cpu if cpu not in (None, "N/A") else None), numa_node
 
 
+# nvidia-smi's PCIe distances, nearest first (its Legend: PIX one switch, PXB several, PHB the host
+# bridge, NODE within a NUMA node); SYS crosses the inter-socket link and is nobody's "nearest".
+PCIE_DISTANCE = ("PIX", "PXB", "PHB", "NODE")
+
+
 def parse_topology(text: str, gpu: Gpu, source: str = "nvidia-smi topo -m") -> Topology:
     if len(text.encode()) > MAX_TOPOLOGY_BYTES:
         raise PlannerError(f"topology: {len(text.encode())} bytes is more than nvidia-smi prints "
@@ -171,7 +177,9 @@ def parse_topology(text: str, gpu: Gpu, source: str = "nvidia-smi topo -m") -> T
     for d in devices:
         if d.startswith("GPU"):
             continue
-        near = [i for i, g in enumerate(gpu_labels) if rows[g][0][index[d]] in ("PIX", "PXB")]
+        codes = [rows[g][0][index[d]] for g in gpu_labels]
+        best = next((c for c in PCIE_DISTANCE if c in codes), None)
+        near = [i for i, c in enumerate(codes) if c == best]
         nics.append(Nic(name=d, device=legend.get(d, d if d.startswith("mlx") else None), nearest_gpus=near))
     links = [link_between(i, j, matrix[i][j], gpu) for i in range(len(matrix)) for j in range(i + 1, len(matrix))]
     return Topology(gpus=gpus, nics=nics, matrix=matrix, links=links, nvlink_groups=_nvlink_groups(matrix),

@@ -120,7 +120,11 @@ def test_verify_job_runs_is_listed_and_cancel_ends_it(client, monkeypatch):
     assert run["status"] == "ok" and run["record"]["measured"]["peak_bytes"] > 0
     monkeypatch.setenv("PLANNER_FAULT", "hang:0:1")
     run_id = client.post("/v1/verify", json=body, headers=auth).json()["id"]
-    time.sleep(15)
+    deadline = time.monotonic() + 120  # the rank hangs at step 1: step 0 is reported done first
+    while time.monotonic() < deadline and "progress" not in client.get(f"/v1/runs/{run_id}").json():
+        time.sleep(1)
+    assert client.get(f"/v1/runs/{run_id}").json()["progress"] == {"steps_done": 1, "steps_total": 2}
+    assert "1 of 2 done" in client.get(f"/runs/{run_id}").text
     cancelled = client.delete(f"/v1/runs/{run_id}", headers=auth)
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
 

@@ -37,11 +37,11 @@ def test_a6000_bridge_pairs_and_two_sockets():
     assert t.nvlink_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert t.matrix[0][1] == "NV4" and t.matrix[0][2] == "NODE" and t.matrix[0][4] == "SYS"
     assert [g.numa_node for g in t.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
-    bw = {(l.a, l.b): l.bandwidth_gbps for l in t.links}
+    bw = {(k.a, k.b): k.bandwidth_gbps for k in t.links}
     assert bw[(0, 1)] > bw[(0, 2)] > bw[(0, 4)]
     # NV4 on GA102 bridges is not NV4 between A100s
     a100 = parse_topology(read(SHARED / "rtx_a6000_8gpu_nvlink_bridge_pairs_2nic.txt"), gpu("a100-80gb"))
-    assert {(l.a, l.b): l.bandwidth_gbps for l in a100.links}[(0, 1)] > bw[(0, 1)]
+    assert {(k.a, k.b): k.bandwidth_gbps for k in a100.links}[(0, 1)] > bw[(0, 1)]
 
 
 def test_pcie_tabs_with_empty_fields():
@@ -54,6 +54,16 @@ def test_pcie_tabs_with_empty_fields():
 def test_two_gpu_phb_workstation():
     t = parse_topology(read(FIXTURES / "rtx5090_2gpu_phb_tabs.txt"), gpu("rtx-4090"))
     assert t.matrix == [["X", "PHB"], ["PHB", "X"]] and t.gpus[1].numa_node == 0 and t.nics == []
+
+
+def test_rtx4090_box_all_sys_with_empty_fields():
+    # 8x RTX 4090, tab-separated with an empty field before GPU NUMA ID (NVIDIA/go-gpuallocator issue #17)
+    t = parse_topology(read(FIXTURES / "rtx4090_8gpu_all_sys_2nic_tabs.txt"), gpu("rtx-4090"))
+    assert all(code == "SYS" for i, row in enumerate(t.matrix) for j, code in enumerate(row) if i != j)
+    assert [n.name for n in t.nics] == ["NIC0", "NIC1"] and t.nics[0].nearest_gpus == [6]
+    assert t.gpus[4].numa_node == 1 and t.gpus[3].cpu_affinity == "0-55,112-167"
+    assert t.nvlink_groups == [[i] for i in range(8)]
+    assert max(k.bandwidth_gbps for k in t.links) < 64  # every ring crosses the sockets
 
 
 def test_old_mlx5_labels_and_no_numa_column():

@@ -116,6 +116,7 @@ class Jobs:
         self.lock = threading.Lock()
         self.cancels: dict[int, threading.Event] = {}
         self.busy: set[str] = set()
+        self.progress: dict[int, tuple[int, int]] = {}  # run id -> (steps done, steps in all)
 
     def store(self):
         from backend.store import RunStore
@@ -139,10 +140,15 @@ class Jobs:
             self.cancels[run_id] = cancel
             started.set()
 
+        def on_progress(done: int, total: int) -> None:
+            if "id" in holder:
+                self.progress[holder["id"]] = (done, total)
+
         def work() -> None:
             try:
                 verify(body.request, steps=body.steps, warmup_steps=body.warmup_steps,
-                       timeout_seconds=body.timeout_seconds, db=self.db, cancel=cancel, on_start=on_start)
+                       timeout_seconds=body.timeout_seconds, db=self.db, cancel=cancel, on_start=on_start,
+                       on_progress=on_progress)
             except Exception as exc:  # recorded by verify() as refused; keep the reason for the caller
                 holder["error"] = str(exc)
             finally:
@@ -256,9 +262,13 @@ def create_app(db: str | None = None) -> FastAPI:
     @app.get("/v1/runs/{run_id}", tags=["runs"])
     def run(run_id: RunId) -> dict[str, Any]:
         try:
-            return jobs.store().get(run_id)
+            out = jobs.store().get(run_id)
         except PlannerError as exc:
             raise HTTPException(404, str(exc)) from None
+        if out["status"] == "running" and run_id in jobs.progress:
+            done, total = jobs.progress[run_id]
+            out["progress"] = {"steps_done": done, "steps_total": total}
+        return out
 
     @app.delete("/v1/runs/{run_id}", tags=["runs"], dependencies=[Depends(require_token)], responses=AUTH_ERRORS)
     def cancel(run_id: RunId) -> dict[str, Any]:

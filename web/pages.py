@@ -140,4 +140,6 @@ def add_pages(app: FastAPI) -> None:
         except PlannerError as exc:
             raise HTTPException(404, str(exc)) from None
         table = verify_table(run["record"]) if run["status"] != "running" else "running ..."
-        return TEMPLATES.TemplateResponse(request, "run.html", {"run": run, "table": table, "progress": None})
+        done = app.state.jobs.progress.get(run_id) if run["status"] == "running" else None
+        progress = f"{done[0]} of {done[1]} done" if done else None
+        return TEMPLATES.TemplateResponse(request, "run.html", {"run": run, "table": table, "progress": progress})
