@@ -15,7 +15,7 @@ from backend.launch import run_probe
 from backend.store import RunStore
 from planner.catalogue import catalogue_model, model_from_config
 from planner.errors import PlannerError
-from planner.memory import estimate
+from planner.memory import cpu_rank_bytes, estimate
 from planner.schema import EstimateRequest
 
 DEFAULT_TOLERANCE = 0.05
@@ -100,8 +100,14 @@ def _components(prediction, rank: dict) -> dict[str, dict[str, Any]]:
     measured_by = {"parameters": measured.get("parameters", 0), "gradients": measured.get("gradients", 0),
                    "optimizer_states": measured.get("master_weights", 0) + measured.get("optimizer_states", 0),
                    "buffers": measured.get("buffers", 0)}
-    return {name: {"predicted": value, "measured": measured_by[name], "error_pct": _pct(value, measured_by[name])}
+    rows = {name: {"predicted": value, "measured": measured_by[name], "error_pct": _pct(value, measured_by[name])}
             for name, value in resident_by_component(prediction).items()}
+    if prediction.gpu == "cpu" and prediction.host.resident_bytes:
+        # on CPU ranks the offloaded states are in the same RAM, so the measured categories above
+        # include them; the prediction keeps them apart, as host memory
+        share = prediction.host.resident_bytes // max(1, prediction.request.gpus)
+        rows["host_offload_share"] = {"predicted": share, "measured": 0, "error_pct": None}
+    return rows
 
 
 def _communication(request: EstimateRequest, ranks: list[dict]) -> dict:
@@ -114,6 +120,19 @@ def _communication(request: EstimateRequest, ranks: list[dict]) -> dict:
             "measured_bytes_per_step": sum(v["bytes"] for v in measured.values()),
             "modelled": collective_volumes(request),
             "modelled_bytes_per_step": sum(v["bytes_per_step"] for v in collective_volumes(request))}
+
+
+def check_devices(request: EstimateRequest) -> None:
+    """Refuse, before anything is launched or recorded, a GPU run on a machine without the GPUs
+    (this node's share: --gpus; other nodes are the hostfile's business). CPU ranks need none."""
+    if request.gpu == "cpu":
+        return
+    import torch
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < request.gpus:
+        raise PlannerError(f"gpu {request.gpu}: this machine has {found} CUDA device(s), the run needs gpus({request.gpus}); "
+                           "verify on CPU ranks with --gpu cpu, or run where the GPUs are")
 
 
 def _pct(predicted: int, measured: int | None) -> float | None:
@@ -134,6 +153,7 @@ def verify(request: EstimateRequest, *, steps: int = 3, warmup_steps: int = 1, s
         scaled, scale_note = scale_config(base.config, scale)
         request = request.model_copy(update={"model": None, "model_config_": {"name": f"{base.name}-scaled", "config": scaled}})
     prediction = estimate(request)
+    check_devices(request)
     store = RunStore(db)
     store.mark_interrupted()
     record: dict[str, Any] = {
@@ -175,8 +195,11 @@ def verify(request: EstimateRequest, *, steps: int = 3, warmup_steps: int = 1, s
         record["measured"] = {"peak_bytes": peak, "resident_bytes": resident, "step_seconds": seconds,
                               "tokens_per_second": min(r["tokens_per_second"] for r in ok_ranks) * request.world_size,
                               "ranks": result.ranks}
-        d = prediction.per_device
-        errors = {"peak_pct": _pct(d.peak_bytes, peak), "resident_pct": _pct(d.resident_bytes, resident)}
+        predicted_peak, predicted_resident = (cpu_rank_bytes(prediction, request.gpus) if request.gpu == "cpu"
+                                              else (prediction.per_device.peak_bytes, prediction.per_device.resident_bytes))
+        # on CPU ranks the host is the same RAM: what offload moves there is the rank's too
+        record["predicted_rank"] = {"peak_bytes": predicted_peak, "resident_bytes": predicted_resident}
+        errors = {"peak_pct": _pct(predicted_peak, peak), "resident_pct": _pct(predicted_resident, resident)}
         errors["within_tolerance"] = all(abs(v) <= 100 * tolerance for v in errors.values() if v is not None)
         errors["resident_components"] = _components(prediction, ok_ranks[0])
         record["errors"] = errors

@@ -117,13 +117,13 @@ def _component_rows(components: dict) -> list[str]:
     for name, c in components.items():
         if c["predicted"] or c["measured"]:
             error = f"{c['error_pct']:>+7.2f}%" if c["error_pct"] is not None else "     n/a"
-            rows.append(f"    {name.replace('_', ' '):<26} {c['predicted'] / 1e6:>14,.2f} "
-                        f"{c['measured'] / 1e6:>14,.2f} {error}")
+            measured = f"{c['measured'] / 1e6:>14,.2f}" if c["error_pct"] is not None or c["measured"] else f"{'-':>14}"
+            rows.append(f"    {name.replace('_', ' '):<26} {c['predicted'] / 1e6:>14,.2f} {measured} {error}")
     return rows
 
 
 def verify_table(record: dict) -> str:
-    pred = record["prediction"]["per_device"]
+    pred = record.get("predicted_rank") or record["prediction"]["per_device"]
     measured = record.get("measured") or {}
     lines = [f"run {record.get('id', '?')}: {record['status']} - {record.get('message', '')}"]
     if record.get("scaled"):

@@ -169,22 +169,18 @@ def _partition_span(numels: list[int], dp: int) -> tuple[int, int]:
     ZeRO-1/2 flatten the 16-bit parameters in order and cut the flat buffer into dp equal
     partitions; grads_in_partition holds every parameter that overlaps the partition, whole
     (stage_1_and_2.py: total_size = sum of params_in_partition numels)."""
-    import bisect
-    from itertools import accumulate
+    import numpy as np
 
-    total = sum(numels)
+    sizes = np.asarray(numels, dtype=np.int64)
+    total = int(sizes.sum())
     part = _ceil_div(total, dp)
-    ends = list(accumulate(numels))  # parameter k spans [ends[k] - numels[k], ends[k])
-    best = 0
-    for rank in range(min(dp, total)):
-        lo, hi = rank * part, min((rank + 1) * part, total)
-        if lo >= hi:
-            break
-        first = bisect.bisect_right(ends, lo)  # first parameter ending after lo
-        last = bisect.bisect_left(ends, hi)  # last parameter starting before hi
-        last = min(last, len(numels) - 1)
-        start = ends[first] - numels[first]
-        best = max(best, ends[last] - start)
+    ends = np.cumsum(sizes)  # parameter k spans [ends[k] - sizes[k], ends[k])
+    lo = np.arange(min(dp, total), dtype=np.int64) * part
+    lo = lo[lo < total]
+    hi = np.minimum(lo + part, total)
+    first = np.searchsorted(ends, lo, side="right")  # first parameter ending after lo
+    last = np.minimum(np.searchsorted(ends, hi, side="left"), len(sizes) - 1)  # last one starting before hi
+    best = int((ends[last] - (ends[first] - sizes[first])).max()) if lo.size else 0
     return part, best
 
 

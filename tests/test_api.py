@@ -129,6 +129,19 @@ def test_verify_job_runs_is_listed_and_cancel_ends_it(client, monkeypatch):
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
 
 
+def test_page_verify_button_needs_the_token_and_the_devices(client, monkeypatch):
+    query = {"model": "llama-3-8b", "gpu": "h100-80gb", "gpus": 8, "seq_len": 4096, "global_batch": 256}
+    assert "run the recommended configuration" not in client.get("/", params=query).text  # no token: no button
+    monkeypatch.setenv("PLANNER_API_TOKEN", "s3cret")
+    assert "run the recommended configuration" in client.get("/", params=query).text
+    wrong = client.post("/verify", params=query, data={"token": "nope"}, follow_redirects=False)
+    assert wrong.status_code == 401
+    # the token is right, but this CPU-only test machine has no H100s: refused before anything starts
+    refused = client.post("/verify", params=query, data={"token": "s3cret"}, follow_redirects=False)
+    assert refused.status_code == 422 and "CUDA device" in refused.text
+    assert client.get("/v1/runs").json() == []  # nothing recorded, nothing launched
+
+
 def test_page_form_and_result(client):
     page = client.get("/")
     assert page.status_code == 200 and "<form" in page.text and "mistral-7b-v0.1" in page.text
