@@ -359,7 +359,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"  run {r.run_id:>4}: measured {r.measured_step_seconds:.3f} s, fitted {r.predicted_step_seconds:.3f} s "
               f"({r.error_pct:+.1f}%)")
     print(f"link efficiency {profile.link_efficiency:.4f} from {len(profile.communication_residuals)} runs "
-          "with timed collectives")
+          "with timed collectives" + "".join(f"; {kind} {value:.4f}" for kind, value in profile.link_efficiencies.items()))
     for r in profile.communication_residuals:
         print(f"  run {r.run_id:>4}: collectives measured {r.measured_seconds:.4f} s, fitted "
               f"{r.predicted_seconds:.4f} s ({r.error_pct:+.1f}%)")

@@ -104,6 +104,7 @@ def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstim
                            attention=request.attention, profile=request.profile)
     plan_req = _apply_profile(plan_req)
     topo, fabric_name, nics = _topology(plan_req, g)
+    plan_req = _apply_link_profile(plan_req, topo)
     from planner.architecture import Architecture
     from planner.memory import resolve
 
@@ -200,6 +201,19 @@ def _apply_profile(req: PlanRequest) -> PlanRequest:
                                   "link_efficiency": profile.link_efficiency})
 
 
+def _apply_link_profile(req: PlanRequest, topo: Topology) -> PlanRequest:
+    """With a profile: the link efficiency fitted for the kind of this topology's ring bottleneck,
+    where the profile's runs measured that kind (else its overall one, set by _apply_profile)."""
+    if req.profile is None:
+        return req
+    from planner.profiles import load_profile
+
+    ring, _, _ = timing.node_ring(topo, req.gpus)
+    kind = timing.ring_bottleneck_kind(topo, ring)
+    per_kind = load_profile(req.profile).link_efficiencies
+    return req.model_copy(update={"link_efficiency": per_kind[kind]}) if kind in per_kind else req
+
+
 def plan(req: PlanRequest) -> PlanResult:
     started = wallclock.perf_counter()
     req = _apply_profile(req)
@@ -213,6 +227,7 @@ def plan(req: PlanRequest) -> PlanResult:
         raise PlannerError(f"global_batch({req.global_batch}) is not divisible by gpus({req.gpus}) * "
                            f"nodes({req.nodes}) = {world_max}")
     topo, fabric_name, nics = _topology(req, g)
+    req = _apply_link_profile(req, topo)
     capacity = g.memory_bytes
     usable = capacity * (1 - req.headroom)
     grids = []

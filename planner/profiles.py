@@ -36,7 +36,9 @@ class Profile(BaseModel):
     name: str
     gpu: str
     compute_efficiency: float = Field(description="achieved fraction of the GPU's peak dense TFLOP/s")
-    link_efficiency: float = Field(1.0, description="achieved fraction of the modelled link bandwidth")
+    link_efficiency: float = Field(1.0, description="achieved fraction of the modelled link bandwidth, over all runs")
+    link_efficiencies: dict[str, float] = Field(
+        {}, description="the same per link type (the kind of the ring's slowest link), where runs measured it")
     runs: list[int]
     residuals: list[Residual]
     communication_residuals: list[CommunicationResidual] = []
@@ -102,9 +104,9 @@ def _dtype(precision: str, peak: dict[str, float]) -> str:
 PASSES = {"all_reduce": 2}  # ring passes per collective (all-reduce = reduce-scatter + all-gather)
 
 
-def _run_links(record: dict[str, Any]) -> tuple[float, float, float] | None:
-    """(bandwidth term at the modelled link rates, latency term, measured seconds) of the
-    collectives a verify run timed in its counted step, or None when it timed none."""
+def _run_links(record: dict[str, Any]) -> tuple[float, float, float, str] | None:
+    """(bandwidth term at the modelled link rates, latency term, measured seconds, the kind of the
+    ring's slowest link) of the collectives a verify run timed in its counted step, or None."""
     comm = (record.get("communication") or {}).get("measured_rank0") or {}
     timed = {op: v for op, v in comm.items() if v.get("seconds", 0) > 0 and v["bytes"] > 0}
     if record.get("status") != "ok" or not timed:
@@ -119,7 +121,7 @@ def _run_links(record: dict[str, Any]) -> tuple[float, float, float] | None:
                            topology=request.get("topology"), topology_text=request.get("topology_text"),
                            seq_len=request["seq_len"])
     topo, _, _ = _topology(plan_req, lookup_gpu(request["gpu"]))
-    _, bandwidth, latency = timing.node_ring(topo, request["gpus"])
+    ring, bandwidth, latency = timing.node_ring(topo, request["gpus"])
     ranks = request["gpus"] * request["nodes"]
     bandwidth_term = latency_term = measured = 0.0
     for op, v in timed.items():
@@ -128,21 +130,28 @@ def _run_links(record: dict[str, Any]) -> tuple[float, float, float] | None:
         bandwidth_term += timing.ring_collective_seconds(v["bytes"], ranks, bandwidth, 0.0, message, passes)
         latency_term += timing.ring_collective_seconds(v["bytes"], ranks, float("inf"), latency, message, passes)
         measured += v["seconds"]
-    return bandwidth_term, latency_term, measured
+    return bandwidth_term, latency_term, measured, timing.ring_bottleneck_kind(topo, ring) or "none"
 
 
-def _fit_links(samples: list[tuple[int, tuple[float, float, float]]]) -> tuple[float, list[CommunicationResidual]]:
+def _fit_links(samples: list[tuple[int, tuple[float, float, float, str]]]
+               ) -> tuple[float, dict[str, float], list[CommunicationResidual]]:
     """The link efficiency e that makes bandwidth_term / e + latency_term the measured time: the
-    median over runs, and each run's residual with it."""
-    ratios = [bw / (seconds - lat) for _, (bw, lat, seconds) in samples if seconds > lat and bw > 0]
-    if not ratios:
-        return 1.0, []
-    efficiency = statistics.median(ratios)
-    residuals = [CommunicationResidual(run_id=run_id, measured_seconds=seconds,
-                                       predicted_seconds=bw / efficiency + lat,
-                                       error_pct=100 * (bw / efficiency + lat - seconds) / seconds)
-                 for run_id, (bw, lat, seconds) in samples]
-    return efficiency, residuals
+    median over all runs, the median per link type, and each run's residual with its type's e."""
+    def ratio(bw: float, lat: float, seconds: float) -> float | None:
+        return bw / (seconds - lat) if seconds > lat and bw > 0 else None
+
+    usable = [(run_id, s) for run_id, s in samples if ratio(*s[:3]) is not None]
+    if not usable:
+        return 1.0, {}, []
+    overall = statistics.median(ratio(*s[:3]) for _, s in usable)
+    per_kind = {kind: statistics.median(ratio(*s[:3]) for _, s in usable if s[3] == kind)
+                for kind in sorted({s[3] for _, s in usable})}
+    residuals = []
+    for run_id, (bw, lat, seconds, kind) in usable:
+        predicted = bw / per_kind[kind] + lat
+        residuals.append(CommunicationResidual(run_id=run_id, measured_seconds=seconds, predicted_seconds=predicted,
+                                               error_pct=100 * (predicted - seconds) / seconds))
+    return overall, per_kind, residuals
 
 
 def fit_profile(name: str, runs: list[tuple[int, dict[str, Any]]], gpu_name: str | None = None) -> Profile:
@@ -169,12 +178,14 @@ def fit_profile(name: str, runs: list[tuple[int, dict[str, Any]]], gpu_name: str
                  for run_id, _, flops, seconds, peak in samples]
     link_samples = [(run_id, links) for run_id, record in runs
                     if any(run_id == s[0] for s in samples) and (links := _run_links(record)) is not None]
-    link_efficiency, link_residuals = _fit_links(link_samples)
+    link_efficiency, per_kind, link_residuals = _fit_links(link_samples)
     note = ("compute efficiency: the median over the runs of achieved FLOP/s (measured step time, communication "
             "included) over the GPU's peak. Link efficiency: the median over the runs of the modelled "
             "bandwidth-bound time of the collectives each run timed (data/links.yaml rates, α-β ring) over their "
             f"measured time less the latency term ({len(link_samples)} runs with timed collectives"
             + ("; none, so it stays 1.0" if not link_samples else "") + ")")
     return Profile(name=_check_name(name), gpu=next(iter(gpus)), compute_efficiency=min(1.0, efficiency),
-                   link_efficiency=min(4.0, link_efficiency), runs=[s[0] for s in samples], residuals=residuals,
+                   link_efficiency=min(4.0, link_efficiency),
+                   link_efficiencies={k: min(4.0, v) for k, v in per_kind.items()},
+                   runs=[s[0] for s in samples], residuals=residuals,
                    communication_residuals=link_residuals, note=note)

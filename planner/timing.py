@@ -102,6 +102,15 @@ def node_ring(t: Topology, n: int) -> tuple[tuple[int, ...], float, float]:
     return ring, bottleneck, latency
 
 
+def ring_bottleneck_kind(t: Topology, ring: tuple[int, ...]) -> str | None:
+    """The link type (data/links.yaml kind) of the ring's slowest hop, None for one GPU."""
+    if len(ring) < 2:
+        return None
+    links = {frozenset((k.a, k.b)): k for k in t.links}
+    hops = [links[frozenset((ring[i], ring[(i + 1) % len(ring)]))] for i in range(len(ring))]
+    return min(hops, key=lambda k: k.bandwidth_gbps).kind
+
+
 def ring_collective_seconds(volume_bytes: float, ranks: int, bandwidth_gbps: float, latency_us: float,
                             message_bytes: float, phases: int) -> float:
     """α-β time of `phases` ring passes (reduce-scatter = 1, all-gather = 1, all-reduce = 2) over

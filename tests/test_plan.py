@@ -174,3 +174,28 @@ def test_emitted_plan_runs_through_verify_plan(tmp_path, capsys):
     capsys.readouterr()
     assert main(["verify", "--plan", str(tmp_path / "plan.json"), "--gpus", "2"]) == 2
     assert "--plan FILE already says what to run" in capsys.readouterr().err
+
+
+def test_calibrated_link_efficiency_per_link_type_is_applied(tmp_path, monkeypatch):
+    from planner import timing
+    from planner.plan import estimate_with_time
+    from planner.presets import preset_topology
+    from planner.profiles import Profile, _fit_links, save_profile
+    from planner.schema import EstimateRequest
+
+    overall, per_kind, residuals = _fit_links([(1, (1.0, 0.1, 2.1, "a")), (2, (1.0, 0.1, 1.1, "b")),
+                                               (3, (2.0, 0.0, 4.0, "a"))])
+    assert per_kind == {"a": 0.5, "b": 1.0} and overall == 0.5 and all(abs(r.error_pct) < 1e-9 for r in residuals)
+    monkeypatch.setenv("PLANNER_PROFILES", str(tmp_path))
+    topo = preset_topology("a6000-nvlink-pairs")
+    kind = timing.ring_bottleneck_kind(topo, timing.node_ring(topo, 2)[0])
+    assert kind is not None
+    for name, value in (("nominal", 1.0), ("half", 0.5)):
+        save_profile(Profile(name=name, gpu="rtx-a6000", compute_efficiency=0.45, link_efficiency=1.0,
+                             link_efficiencies={kind: value}, runs=[], residuals=[], note="test"))
+    kw = dict(model="llama-3.2-1b", strategy="ddp", gpus=2, gpu="rtx-a6000", topology="a6000-nvlink-pairs",
+              seq_len=2048)
+    nominal = estimate_with_time(EstimateRequest(profile="nominal", **kw)).time
+    half = estimate_with_time(EstimateRequest(profile="half", **kw)).time
+    # the bandwidth-bound all-reduce takes about twice as long at half the link efficiency
+    assert 1.8 < half.communication_seconds / nominal.communication_seconds <= 2.0

@@ -136,6 +136,7 @@ def test_calibrate_fits_a_profile_that_estimate_and_plan_apply(tmp_path, monkeyp
     # the run timed its collectives (DeepSpeed's comms logger), so the link efficiency is fitted too
     assert record["communication"]["measured_bytes_per_step"] > 0
     assert profile.link_efficiency != 1.0 and abs(profile.communication_residuals[0].error_pct) < 1e-6
+    assert list(profile.link_efficiencies.values()) == [profile.link_efficiency]  # one run, one link type
     save_profile(profile)
     assert load_profile("cpu-test").compute_efficiency == profile.compute_efficiency
     timed = estimate_with_time(request(strategy="zero1", profile="cpu-test"))
