@@ -142,6 +142,6 @@ def test_calibrate_fits_a_profile_that_estimate_and_plan_apply(tmp_path, monkeyp
     timed = estimate_with_time(request(strategy="zero1", profile="cpu-test"))
     assert timed.time is not None
     assert abs(timed.time.compute_seconds - record["measured"]["step_seconds"]) / record["measured"]["step_seconds"] < 0.01
-    save_profile(profile.model_copy(update={"name": "cpu-test-nominal", "link_efficiency": 1.0}))
+    save_profile(profile.model_copy(update={"name": "cpu-test-nominal", "link_efficiency": 1.0, "link_efficiencies": {}}))
     nominal = estimate_with_time(request(strategy="zero1", profile="cpu-test-nominal")).time
     assert timed.time.communication_seconds != nominal.communication_seconds  # the link efficiency is applied
