@@ -257,12 +257,7 @@ def _count_collectives(job: dict[str, Any], engine, device: torch.device) -> dic
     else:
         COUNTER.counts, COUNTER.seconds, COUNTER.on = {}, {}, True
     try:
-        for micro in range(int(job.get("gradient_accumulation", 1))):
-            tokens = synthetic_batch(job, 10_000 + micro, device)
-            loss = engine(input_ids=tokens, labels=tokens).loss
-            engine.backward(loss)
-            engine.step()
-            del loss, tokens
+        _optimizer_step(job, engine, device, first_batch=10_000)
     finally:
         if deepspeed_run:
             logger.enabled = False
@@ -300,6 +295,17 @@ def _injected_fault(step: int) -> None:
             time.sleep(1)
 
 
+def _optimizer_step(job: dict[str, Any], engine, device: torch.device, first_batch: int) -> None:
+    """One optimizer step: gradient_accumulation micro-batches, synthetic batches numbered from
+    first_batch (the engine steps the optimizer at the accumulation boundary)."""
+    for micro in range(int(job.get("gradient_accumulation", 1))):
+        tokens = synthetic_batch(job, first_batch + micro, device)
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        engine.backward(loss)
+        engine.step()
+        del loss, tokens
+
+
 def _train_steps(job: dict[str, Any], engine, device: torch.device, on_step) -> list[float]:
     step_seconds: list[float] = []
     total = int(job["warmup_steps"]) + int(job["steps"])
@@ -308,12 +314,7 @@ def _train_steps(job: dict[str, Any], engine, device: torch.device, on_step) -> 
         _injected_fault(step)
         start = time.perf_counter()
         with torch.profiler.record_function(f"{STEP_MARK}{step}"):
-            for micro in range(accumulation):
-                tokens = synthetic_batch(job, step * accumulation + micro, device)
-                loss = engine(input_ids=tokens, labels=tokens).loss
-                engine.backward(loss)
-                engine.step()
-                del loss, tokens
+            _optimizer_step(job, engine, device, first_batch=step * accumulation)
             # At a step's end, gloo's worker threads may still hold (and later free) the
             # gradients and scratch of the last collectives, and DeepSpeed leaves some tensors in
             # reference cycles: when either lets go varies from run to run. A barrier, then a

@@ -116,10 +116,11 @@ def _communication(request: EstimateRequest, ranks: list[dict]) -> dict:
     from planner.plan import collective_volumes
 
     measured = ranks[0].get("collectives") or {}
+    modelled = collective_volumes(request)
     return {"measured_rank0": measured,
             "measured_bytes_per_step": sum(v["bytes"] for v in measured.values()),
-            "modelled": collective_volumes(request),
-            "modelled_bytes_per_step": sum(v["bytes_per_step"] for v in collective_volumes(request))}
+            "modelled": modelled,
+            "modelled_bytes_per_step": sum(v["bytes_per_step"] for v in modelled)}
 
 
 def check_devices(request: EstimateRequest) -> None:

@@ -62,6 +62,16 @@ class SweepPoint:
     transient_bytes: int
 
 
+def _head_and_late(arch: Architecture, numels: list[int]) -> tuple[int, int]:
+    """(gradient elements backward produces before the first block: LM head and final norm;
+    those it produces after the last block: the untied input embeddings). Backward meets the LM
+    head and final norm first and the input embeddings last; a tied head's gradient is the
+    embedding's, allocated at the head."""
+    embedding = arch.vocab_size * arch.hidden_size + arch.learned_positions * arch.hidden_size
+    late = 0 if arch.tie_word_embeddings else embedding
+    return sum(numels) - layer_parameters(arch) * arch.num_layers - late, late
+
+
 def backward_sweep(acts: Activations | None, numels: list[int], arch: Architecture | None) -> list[SweepPoint]:
     """Live activations and produced gradients at each moment of the backward pass where the
     live total can peak: the loss, after the LM head, the start and the end of every block (last
@@ -71,11 +81,7 @@ def backward_sweep(acts: Activations | None, numels: list[int], arch: Architectu
     if acts is None or arch is None:
         return [SweepPoint("backward", 0, total, max(numels), 0)]
     per_layer = layer_parameters(arch)
-    # Backward meets the LM head and final norm first and the input embeddings last; a tied
-    # head's gradient is the embedding's, allocated at the head.
-    embedding = arch.vocab_size * arch.hidden_size + arch.learned_positions * arch.hidden_size
-    late = 0 if arch.tie_word_embeddings else embedding
-    head = total - per_layer * arch.num_layers - late
+    head, late = _head_and_late(arch, numels)
     body = acts.saved_bytes - acts.head_saved_bytes
     points = [SweepPoint("start of backward", acts.saved_bytes, 0, 0, acts.loss_transient_bytes),
               SweepPoint("after the LM head", body, head, head, 0)]
@@ -270,9 +276,7 @@ def _activations_when_produced(acts: Activations, arch: Architecture, numels: li
     """Saved activations still live when backward has produced ``produced`` gradient elements: the
     blocks not yet finished keep theirs, the current one (recomputed under checkpointing) too."""
     per_layer = layer_parameters(arch)
-    late = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size + \
-        arch.learned_positions * arch.hidden_size
-    head = sum(numels) - per_layer * arch.num_layers - late
+    head, _ = _head_and_late(arch, numels)
     body = acts.saved_bytes - acts.head_saved_bytes
     if produced <= head:
         return body
@@ -404,7 +408,7 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
         if s.name == "ddp":
             items.append(_item("gradients (full)", store_bytes * point.grad_elements, "gradients"))
             if mixed:
-                items.append(_autocast_copies(setup, point, psi, block, root, compute_bytes))
+                items.append(_autocast_copies(setup, point, psi, block, compute_bytes))
         else:
             items += _fsdp_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes)
         phases.append(_phase(point.label, items))
@@ -426,8 +430,7 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     return plan
 
 
-def _autocast_copies(setup: "Setup", point: SweepPoint, psi: int, block: int, root: int,
-                     compute_bytes: int) -> MemoryItem:
+def _autocast_copies(setup: "Setup", point: SweepPoint, psi: int, block: int, compute_bytes: int) -> MemoryItem:
     """torch.autocast casts each weight to 16 bits once per forward (its cast cache); each linear
     saves its cast weight for backward, so without checkpointing all of them live until their
     layer's backward. Under checkpointing the blocks save nothing: only the LM head's cast stays,
@@ -464,7 +467,6 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
         gathered = compute_bytes * (root + current)
         source = "the root unit and the block in backward, gathered"
     prefetch = 0 if point.label == "end of backward" or keep_gathered else compute_bytes * block * gloo_copy
-    head_grads = point.grad_elements - point.in_flight_elements if point.label.startswith("start of block") else 0
     items = [
         _item("all-gathered units", gathered, "buffers", source),
         _item("prefetched block (all-gather output" + (" and gloo's scratch)" if gloo_copy == 2 else ")"), prefetch,
@@ -477,6 +479,7 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
     ]
     if point.label.startswith("start of block"):
         # the root's gradients (LM head, final norm) wait unsharded for the root's reduce-scatter
+        head_grads = point.grad_elements - point.in_flight_elements
         items.append(_item("root gradients (unsharded, until the end of backward)",
                            compute_bytes * min(head_grads, root), "gradients"))
     return items

@@ -11,7 +11,7 @@ from pathlib import Path
 from planner.dsconfig import ZeroSettings, build_ds_config
 from planner.errors import PlannerError
 from planner.schema import Candidate, EstimateRequest, PlanRequest
-from planner.strategies import strategy as lookup_strategy
+from planner.strategies import explicit_hsdp_shard, strategy as lookup_strategy
 
 TRAIN_SCRIPT = "train.py"  # the user's training script; the commands name it as a placeholder to replace
 
@@ -61,8 +61,7 @@ def estimate_request_for(req: PlanRequest, c: Candidate) -> EstimateRequest:
                            seq_len=req.seq_len, gradient_accumulation=c.gradient_accumulation,
                            checkpointing=c.checkpointing, attention=req.attention,
                            offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
-                           hsdp_shard_size=c.hsdp_shard_size if c.strategy == "hsdp" and c.hsdp_shard_size != req.gpus
-                           else None,
+                           hsdp_shard_size=explicit_hsdp_shard(c.strategy, c.hsdp_shard_size, req.gpus),
                            topology=req.topology, topology_text=req.topology_text)
 
 

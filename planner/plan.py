@@ -24,7 +24,7 @@ from planner.memory import estimate
 from planner.presets import default_preset_for, preset, preset_topology
 from planner.schema import (Candidate, EstimateRequest, EstimateResult, PlanRequest, PlanResult, TimeEstimate,
                             TopologySummary)
-from planner.strategies import STRATEGIES, strategy as lookup_strategy
+from planner.strategies import STRATEGIES, explicit_hsdp_shard, strategy as lookup_strategy
 from planner.topology import Topology, parse_topology
 from planner.units import GB, GIB
 
@@ -70,12 +70,8 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
     if result.model.architecture is None:
         return []
     from planner.architecture import Architecture
-    from planner.memory import resolve
 
-    zero = resolve(request).zero
-    combo = Combo(request.gpus, request.strategy, request.checkpointing, zero.offload_optimizer, zero.offload_params,
-                  _combo_shard(request))
-    buckets = Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size)
+    combo, buckets = _resolved_combo(request)
     model_fields = {"model": request.model} if request.model else {"model_config": request.model_config_}
     per_rank = request.micro_batch * request.gradient_accumulation
     plan_req = PlanRequest(**model_fields, gpu=request.gpu, gpus=request.gpus, nodes=request.nodes,
@@ -102,16 +98,11 @@ def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstim
                            seq_len=request.seq_len, global_batch=per_rank * world,
                            precision=result.request.precision, optimizer=request.optimizer,
                            attention=request.attention, profile=request.profile)
-    plan_req = _apply_profile(plan_req)
     topo, fabric_name, nics = _topology(plan_req, g)
-    plan_req = _apply_link_profile(plan_req, topo)
+    plan_req = _apply_profile(plan_req, topo)
     from planner.architecture import Architecture
-    from planner.memory import resolve
 
-    zero = resolve(request).zero  # offload and bucket sizes as resolved, --ds-config included
-    combo = Combo(request.gpus, request.strategy, request.checkpointing, zero.offload_optimizer, zero.offload_params,
-                  _combo_shard(request))
-    buckets = Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size)
+    combo, buckets = _resolved_combo(request)
     arch = Architecture.model_validate(result.model.architecture)
     t = _step_times(plan_req, combo, np.array([request.micro_batch]), per_rank, result.parameters, arch, g,
                     topo, timing.fabric(fabric_name), nics, buckets)[0]
@@ -158,8 +149,16 @@ def _gpu_counts(req: PlanRequest) -> list[int]:
     return sorted(c for c in counts if req.global_batch % (c * req.nodes) == 0)
 
 
-def _combo_shard(request: EstimateRequest) -> int | None:
-    return (request.hsdp_shard_size or request.gpus) if request.strategy == "hsdp" else None
+def _resolved_combo(request: EstimateRequest) -> tuple[Combo, Buckets]:
+    """One estimate's configuration as the time model takes it, with offload and bucket sizes as
+    resolved (--ds-config included)."""
+    from planner.memory import resolve
+
+    zero = resolve(request).zero
+    shard = (request.hsdp_shard_size or request.gpus) if request.strategy == "hsdp" else None
+    combo = Combo(request.gpus, request.strategy, request.checkpointing, zero.offload_optimizer, zero.offload_params,
+                  shard)
+    return combo, Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size)
 
 
 def _estimate(req: PlanRequest, combo: Combo, micro: int, model_fields: dict) -> EstimateResult:
@@ -168,7 +167,7 @@ def _estimate(req: PlanRequest, combo: Combo, micro: int, model_fields: dict) ->
         precision=req.precision, optimizer=req.optimizer, micro_batch=micro, seq_len=req.seq_len,
         checkpointing=combo.checkpointing, attention=req.attention,
         offload_optimizer=combo.offload_optimizer, offload_params=combo.offload_params,
-        hsdp_shard_size=combo.shard if combo.strategy == "hsdp" and combo.shard != combo.gpus else None))
+        hsdp_shard_size=explicit_hsdp_shard(combo.strategy, combo.shard, combo.gpus)))
 
 
 def _divisors(n: int) -> np.ndarray:
@@ -189,7 +188,9 @@ class _Grid:
         return (self.constant[:, None] + self.slope[:, None] * micro[None, :]).max(axis=0) + self.framework
 
 
-def _apply_profile(req: PlanRequest) -> PlanRequest:
+def _apply_profile(req: PlanRequest, topo: Topology) -> PlanRequest:
+    """With a profile: its compute efficiency, and the link efficiency fitted for the kind of this
+    topology's ring bottleneck where its runs measured that kind, else its overall one."""
     if req.profile is None:
         return req
     from planner.profiles import load_profile
@@ -197,26 +198,14 @@ def _apply_profile(req: PlanRequest) -> PlanRequest:
     profile = load_profile(req.profile)
     if profile.gpu != req.gpu:
         raise PlannerError(f"profile {profile.name} was fitted on {profile.gpu}, but gpu is {req.gpu}")
-    return req.model_copy(update={"compute_efficiency": profile.compute_efficiency,
-                                  "link_efficiency": profile.link_efficiency})
-
-
-def _apply_link_profile(req: PlanRequest, topo: Topology) -> PlanRequest:
-    """With a profile: the link efficiency fitted for the kind of this topology's ring bottleneck,
-    where the profile's runs measured that kind (else its overall one, set by _apply_profile)."""
-    if req.profile is None:
-        return req
-    from planner.profiles import load_profile
-
     ring, _, _ = timing.node_ring(topo, req.gpus)
     kind = timing.ring_bottleneck_kind(topo, ring)
-    per_kind = load_profile(req.profile).link_efficiencies
-    return req.model_copy(update={"link_efficiency": per_kind[kind]}) if kind in per_kind else req
+    return req.model_copy(update={"compute_efficiency": profile.compute_efficiency,
+                                  "link_efficiency": profile.link_efficiencies.get(kind, profile.link_efficiency)})
 
 
 def plan(req: PlanRequest) -> PlanResult:
     started = wallclock.perf_counter()
-    req = _apply_profile(req)
     g = lookup_gpu(req.gpu)
     check_precision(g, req.precision)
     model = catalogue_model(req.model) if req.model else model_from_config(req.model_config_)
@@ -227,7 +216,7 @@ def plan(req: PlanRequest) -> PlanResult:
         raise PlannerError(f"global_batch({req.global_batch}) is not divisible by gpus({req.gpus}) * "
                            f"nodes({req.nodes}) = {world_max}")
     topo, fabric_name, nics = _topology(req, g)
-    req = _apply_link_profile(req, topo)
+    req = _apply_profile(req, topo)
     capacity = g.memory_bytes
     usable = capacity * (1 - req.headroom)
     grids = []
@@ -314,8 +303,9 @@ def _step_times(req: PlanRequest, combo: Combo, micro: np.ndarray, per_rank: int
     compute = flops / (peak_flops * req.compute_efficiency)
     ring, ring_bw, ring_lat = timing.node_ring(topo, combo.gpus)
     ring_bw *= req.link_efficiency
-    _, shard_bw, shard_lat = timing.node_ring(topo, combo.shard) if combo.shard else (None, ring_bw, ring_lat)
-    shard_bw *= req.link_efficiency if combo.shard else 1.0
+    if combo.shard:  # hsdp: the shard group's own ring
+        _, shard_bw, shard_lat = timing.node_ring(topo, combo.shard)
+        shard_bw *= req.link_efficiency
     inter_bw = nics * fabric["gbps"] * fabric["efficiency"] * req.link_efficiency
     nodes = req.nodes
     comm = np.zeros_like(micro, dtype=np.float64)

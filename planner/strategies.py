@@ -67,6 +67,12 @@ def shard_group_size(s: Strategy, gpus_per_node: int, nodes: int, hsdp_shard_siz
     return shard
 
 
+def explicit_hsdp_shard(strategy_name: str, shard: int | None, gpus_per_node: int) -> int | None:
+    """The hsdp_shard_size a request must carry for a planned shard group: None when it is the
+    default (one node's GPUs) or the strategy is not hsdp."""
+    return shard if strategy_name == "hsdp" and shard != gpus_per_node else None
+
+
 def check_offload(s: Strategy, offload_optimizer: str, offload_params: str) -> None:
     """Refuse combinations the frameworks do not implement, naming both settings."""
     if offload_optimizer != "none" and not s.shards_optimizer:
