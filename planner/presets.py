@@ -41,7 +41,7 @@ def _pairs(i: int, j: int) -> str:
 PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("dgx-a100", "a100-80gb", 8, "DGX A100: 8x A100 SXM4 on 6 NVSwitches (NV12 everywhere), 8 HDR NICs",
            _all("NV12"), lambda i: (3, 3, 1, 1, 7, 7, 5, 5)[i], 8, "ib-hdr",
-           "shared/topologies/dgx_a100_8gpu_10nic.txt; NVIDIA DGX A100 user guide"),
+           "tests/fixtures/topologies/dgx_a100_8gpu_10nic.txt; NVIDIA DGX A100 user guide"),
     Preset("hgx-h100", "h100-80gb", 8, "DGX/HGX H100: 8x H100 SXM5 on NVSwitch (NV18), 8 NDR NICs",
            _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-ndr", "NVIDIA DGX H100 user guide"),
     Preset("hgx-h200", "h200", 8, "HGX H200: 8x H200 SXM on NVSwitch (NV18), 8 NDR NICs",
@@ -50,12 +50,12 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-ndr", "NVIDIA HGX B200 datasheet"),
     Preset("pcie-8x-rtx4090", "rtx-4090", 8, "8x RTX 4090 on PCIe only, two sockets (SYS across)",
            _sockets(4, "NODE"), lambda i: 0 if i < 4 else 1, 2, "eth-100g",
-           "shared/topologies/pcie_8x_rtx4090_all_sys_tabs.txt (NVIDIA/go-gpuallocator#17)"),
+           "tests/fixtures/topologies/pcie_8x_rtx4090_all_sys_tabs.txt (NVIDIA/go-gpuallocator#17)"),
     Preset("pcie-8x-l40s", "l40s", 8, "8x L40S on PCIe switches (PXB inside a socket, SYS across)",
            _sockets(4, "PXB"), lambda i: 0 if i < 4 else 1, 2, "roce-200g", "typical 2-socket PCIe server"),
     Preset("a6000-nvlink-pairs", "rtx-a6000", 8, "8x RTX A6000 with NVLink bridges in pairs, two sockets",
            _pairs, lambda i: 0 if i < 4 else 1, 2, "ib-hdr",
-           "shared/topologies/rtx_a6000_8gpu_nvlink_bridge_pairs_2nic.txt (UNIGE HPC forum)"),
+           "tests/fixtures/topologies/rtx_a6000_8gpu_nvlink_bridge_pairs_2nic.txt (UNIGE HPC forum)"),
     Preset("workstation-2x-rtx4090", "rtx-4090", 2, "2x RTX 4090 under one host bridge (PHB)",
            _all("PHB"), lambda i: 0, 1, "eth-25g", "typical single-socket workstation"),
 ]}

@@ -1,5 +1,6 @@
 """The REST API and the page: every route x outcome, status code and message."""
 
+from pathlib import Path
 import pytest
 
 pytest.importorskip("fastapi")
@@ -66,8 +67,7 @@ def test_plan_and_its_errors(client):
 
 
 def test_topology_route(client):
-    text = open("../shared/topologies/dgx_a100_8gpu_10nic.txt").read() if __import__("os").path.exists(
-        "../shared/topologies/dgx_a100_8gpu_10nic.txt") else "\tGPU0\tGPU1\nGPU0\t X \tNV12\nGPU1\tNV12\t X \n"
+    text = (Path(__file__).parent / "fixtures" / "topologies" / "dgx_a100_8gpu_10nic.txt").read_text()
     r = client.post("/v1/topology", json={"text": text, "gpu": "a100-80gb"})
     assert r.status_code == 200 and r.json()["matrix"][0][1] == "NV12"
     r = client.post("/v1/topology", json={"text": "garbage", "gpu": "a100-80gb"})

@@ -11,7 +11,7 @@ from planner.errors import PlannerError
 from planner.plan import plan
 from planner.schema import PlanRequest
 
-SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "topologies"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "topologies"
 
 
 def first(r):
@@ -64,7 +64,7 @@ def test_communication_bound_job_shifts_toward_less_traffic_on_slow_wiring():
 
 
 def test_same_gpus_different_wiring_different_predictions():
-    pcie = (SHARED / "rtx_a6000_8gpu_nvlink_bridge_pairs_2nic.txt").read_text().replace("NV4", "PHB")
+    pcie = (FIXTURES / "rtx_a6000_8gpu_nvlink_bridge_pairs_2nic.txt").read_text().replace("NV4", "PHB")
     kw = dict(model="llama-3.2-1b", gpu="rtx-a6000", gpus=2, seq_len=2048, global_batch=64)
     bridged = plan(PlanRequest(topology="a6000-nvlink-pairs", **kw))
     plain = plan(PlanRequest(topology_text=pcie, **kw))
@@ -123,7 +123,7 @@ def test_cli_plan_json_and_emit(tmp_path, capsys):
 
 def test_cli_topo(tmp_path, capsys):
     svg = tmp_path / "t.svg"
-    code = main(["topo", "--file", str(SHARED / "dgx_a100_8gpu_10nic.txt"), "--gpu", "a100-80gb", "--json",
+    code = main(["topo", "--file", str(FIXTURES / "dgx_a100_8gpu_10nic.txt"), "--gpu", "a100-80gb", "--json",
                  "--svg", str(svg)])
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and len(data["gpus"]) == 8 and data["matrix"][0][1] == "NV12" and svg.read_text().startswith("<svg")

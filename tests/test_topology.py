@@ -10,18 +10,17 @@ from planner.presets import PRESETS, preset_topology
 from planner.render import topology_svg
 from planner.topology import parse_topology
 
-SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "topologies"
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "topologies"
 
 
 def read(path: Path) -> str:
     if not path.exists():
-        pytest.fail(f"{path} is missing (shared/ sits beside the checkout)")
+        pytest.fail(f"{path} is missing (tests/fixtures/topologies ships with the repo)")
     return path.read_text()
 
 
 def test_dgx_a100_nvswitch_with_ten_nics():
-    t = parse_topology(read(SHARED / "dgx_a100_8gpu_10nic.txt"), gpu("a100-80gb"))
+    t = parse_topology(read(FIXTURES / "dgx_a100_8gpu_10nic.txt"), gpu("a100-80gb"))
     assert len(t.gpus) == 8 and len(t.nics) == 10
     assert all(code == "NV12" for i, row in enumerate(t.matrix) for j, code in enumerate(row) if i != j)
     assert t.nvlink_groups == [list(range(8))]
@@ -33,19 +32,19 @@ def test_dgx_a100_nvswitch_with_ten_nics():
 
 
 def test_a6000_bridge_pairs_and_two_sockets():
-    t = parse_topology(read(SHARED / "rtx_a6000_8gpu_nvlink_bridge_pairs_2nic.txt"), gpu("rtx-a6000"))
+    t = parse_topology(read(FIXTURES / "rtx_a6000_8gpu_nvlink_bridge_pairs_2nic.txt"), gpu("rtx-a6000"))
     assert t.nvlink_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert t.matrix[0][1] == "NV4" and t.matrix[0][2] == "NODE" and t.matrix[0][4] == "SYS"
     assert [g.numa_node for g in t.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
     bw = {(k.a, k.b): k.bandwidth_gbps for k in t.links}
     assert bw[(0, 1)] > bw[(0, 2)] > bw[(0, 4)]
     # NV4 on GA102 bridges is not NV4 between A100s
-    a100 = parse_topology(read(SHARED / "rtx_a6000_8gpu_nvlink_bridge_pairs_2nic.txt"), gpu("a100-80gb"))
+    a100 = parse_topology(read(FIXTURES / "rtx_a6000_8gpu_nvlink_bridge_pairs_2nic.txt"), gpu("a100-80gb"))
     assert {(k.a, k.b): k.bandwidth_gbps for k in a100.links}[(0, 1)] > bw[(0, 1)]
 
 
 def test_pcie_tabs_with_empty_fields():
-    t = parse_topology(read(SHARED / "pcie_8x_rtx4090_all_sys_tabs.txt"), gpu("rtx-4090"))
+    t = parse_topology(read(FIXTURES / "pcie_8x_rtx4090_all_sys_tabs.txt"), gpu("rtx-4090"))
     assert len(t.gpus) == 8 and len(t.nics) == 2
     assert t.nvlink_groups == [[i] for i in range(8)]
     assert t.gpus[4].cpu_affinity == "56-111,168-223" and t.gpus[4].numa_node == 1
