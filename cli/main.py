@@ -177,7 +177,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         from planner.emit import emit_estimate_files, write_files
 
         written = write_files(args.emit, emit_estimate_files(result, script))
-        print(f"wrote {', '.join(str(p) for p in written)}; see LAUNCH.md", file=sys.stderr)
+        _report_emitted(written)
     if args.json:
         print(result.model_dump_json(indent=2, by_alias=True))
     else:
@@ -242,7 +242,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from planner.emit import emit_files, write_files
 
         written = write_files(args.emit, emit_files(request, pick, script))
-        print(f"wrote {', '.join(str(p) for p in written)}; see LAUNCH.md", file=sys.stderr)
+        _report_emitted(written)
     if args.json:
         print(result.model_dump_json(indent=2, by_alias=True))
     else:
@@ -250,6 +250,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         print(plan_table(result))
     return 0
+
+
+def _report_emitted(written: list[Path]) -> None:
+    print(f"wrote {', '.join(str(p) for p in written)}; see LAUNCH.md", file=sys.stderr)
+    if not any(p.name == "launch.sh" for p in written):
+        guide = next(p for p in written if p.name == "LAUNCH.md").read_text()
+        reason = next(line for line in guide.splitlines() if line.startswith("No launch.sh"))
+        print(f"planner: note: {reason}", file=sys.stderr)
 
 
 def _script(args: argparse.Namespace):

@@ -77,6 +77,7 @@ class _Launch:
     shard_size: int
     script: Script | None
     summary: str
+    unavailable: str | None = None  # why the planner's trainer cannot run it (then no launch.sh / job.sbatch)
 
     @property
     def world(self) -> int:
@@ -119,15 +120,11 @@ def estimate_request_for(req: PlanRequest, c: Candidate) -> EstimateRequest:
 
 def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: Script | None) -> dict[str, str]:
     setup = resolve(est)
-    if script is None and setup.model.config is None:
-        raise PlannerError("--emit with --params: the planner's trainer needs an architecture (--model or "
-                           "--model-file); or name your own training script with --script")
-    if script is None and setup.strategy.framework == "torch" and est.optimizer not in TRAINER_OPTIMIZERS:
-        raise PlannerError(f"optimizer {est.optimizer}: the planner's trainer runs {setup.strategy.name} with "
-                           f"{' or '.join(TRAINER_OPTIMIZERS)}; name your own training script with --script")
+    unavailable = None if script is not None else _trainer_unavailable(setup, est)
     launch = _Launch(request=setup.request, framework=setup.strategy.framework, strategy=setup.strategy.name,
                      zero_stage=setup.strategy.zero_stage, precision=setup.request.precision,
-                     is_cpu=setup.gpu.is_cpu, shard_size=setup.shard_size, script=script, summary=summary)
+                     is_cpu=setup.gpu.is_cpu, shard_size=setup.shard_size, script=script, summary=summary,
+                     unavailable=unavailable)
     files: dict[str, str] = {}
     if launch.framework == "deepspeed":
         config = build_ds_config(stage=setup.zero.stage, precision=launch.precision, micro_batch=est.micro_batch,
@@ -141,13 +138,24 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
         files["ds_config.json"] = json.dumps(config, indent=2) + "\n"
     files["accelerate_config.yaml"] = yaml.safe_dump(accelerate_config(launch), sort_keys=False)
     files["trainer_args.json"] = json.dumps(trainer_arguments(launch), indent=2) + "\n"
-    files["launch.sh"] = _launch_sh(launch)
-    files["job.sbatch"] = _sbatch(launch)
-    if launch.framework == "deepspeed" and est.nodes > 1:
-        files["hostfile"] = _hostfile(launch)
+    if unavailable is None:
+        files["launch.sh"] = _launch_sh(launch)
+        files["job.sbatch"] = _sbatch(launch)
+        if launch.framework == "deepspeed" and est.nodes > 1:
+            files["hostfile"] = _hostfile(launch)
     files["plan.json"] = json.dumps(plan_doc, indent=2) + "\n"
     files["LAUNCH.md"] = _guide(launch, sorted(files) + ["LAUNCH.md"])
     return files
+
+
+def _trainer_unavailable(setup, est: EstimateRequest) -> str | None:
+    """Why the planner's own trainer cannot run this configuration, if it cannot."""
+    if setup.model.config is None:
+        return "the planner's trainer needs an architecture (--model or --model-file), not --params"
+    if setup.strategy.framework == "torch" and est.optimizer not in TRAINER_OPTIMIZERS:
+        return (f"the planner's trainer runs {setup.strategy.name} with {' or '.join(TRAINER_OPTIMIZERS)}, "
+                f"not {est.optimizer}")
+    return None
 
 
 # --- accelerate and the HF Trainer -----------------------------------------------------------
@@ -227,7 +235,9 @@ def trainer_arguments(launch: _Launch) -> dict[str, Any]:
     }
     fsdp = launch.framework == "torch" and launch.strategy != "ddp"
     if req.checkpointing == "full" and not fsdp:
-        # non-reentrant, as backend/train.py enables it
+        # non-reentrant, as backend/train.py enables it. transformers 5.24 calls these
+        # activation_checkpointing(_kwargs) and keeps the old names until v6 (training_args.py:1541);
+        # the old names are the ones every transformers 5 release accepts.
         args["gradient_checkpointing"] = True
         args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
     if launch.is_cpu:
@@ -443,8 +453,13 @@ def _guide(launch: _Launch, names: list[str]) -> str:
     out = [f"# Launching {launch.strategy} on {req.nodes} x {req.gpus} {req.gpu}", "",
            f"planner: {launch.summary}", "", "## Files", ""]
     out += [f"- `{name}`: {roles[name]}" for name in names]
-    out += ["", "## Run it", "", f"`./launch.sh` runs {_what_runs(launch)}."]
-    if req.nodes > 1:
+    out += ["", "## Run it", ""]
+    if launch.unavailable:
+        out += [f"No launch.sh or job.sbatch: {launch.unavailable}. Emit again with `--script 'your_train.py ARGS'` "
+                "to get them for your own script."]
+    else:
+        out += [f"`./launch.sh` runs {_what_runs(launch)}."]
+    if req.nodes > 1 and not launch.unavailable:
         out += ["", "Several nodes: under Slurm, `sbatch job.sbatch` (it derives the node rank from `SLURM_NODEID` and "
                 "the master address from the first host of the allocation). Otherwise "
                 + ("fill `hostfile` and run `./launch.sh` on its first node." if launch.framework == "deepspeed"

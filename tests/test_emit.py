@@ -326,6 +326,8 @@ def test_hostfile_only_where_deepspeed_spans_nodes(tmp_path):
     assert names(strategy="zero3", nodes=2) == common | {"ds_config.json", "hostfile"}
     assert names(strategy="fsdp", nodes=2) == common
     assert names(strategy="ddp") == common
+    # the planner's trainer runs torch strategies with adamw or sgd: no launch.sh for adamw-8bit, and LAUNCH.md says why
+    assert names(strategy="fsdp", optimizer="adamw-8bit") == common - {"launch.sh", "job.sbatch"}
 
 
 def test_launch_sh_fails_clearly_without_the_planners_trainer(tmp_path):
@@ -352,8 +354,14 @@ def test_cli_script_flag(tmp_path, capsys):
     assert "--script: empty" in capsys.readouterr().err
     assert main(base + ["--emit", str(tmp_path / "b"), "--script", "train.py --cfg 'x y'"]) == 0
     assert "train.py --cfg 'x y' \"$@\"" in (tmp_path / "b" / "launch.sh").read_text()
-    assert main(["estimate", "--params", "7000000000", "--strategy", "zero3", "--emit", str(tmp_path / "c")]) == 2
-    assert "the planner's trainer needs an architecture" in capsys.readouterr().err
+    # without an architecture the planner's trainer cannot run: the configs are written, no launch.sh, and why
+    assert main(["estimate", "--params", "7000000000", "--strategy", "zero3", "--emit", str(tmp_path / "c")]) == 0
+    assert "note: No launch.sh or job.sbatch: the planner's trainer needs an architecture" in capsys.readouterr().err
+    assert {p.name for p in (tmp_path / "c").iterdir()} == {"ds_config.json", "accelerate_config.yaml",
+                                                           "trainer_args.json", "plan.json", "LAUNCH.md"}
+    assert main(["estimate", "--params", "7000000000", "--strategy", "zero3", "--emit", str(tmp_path / "e"),
+                 "--script", "train.py"]) == 0
+    assert (tmp_path / "e" / "launch.sh").exists()
     assert main(["plan", "--model", "gpt2", "--gpu", "h100-80gb", "--gpus", "8", "--global-batch", "64",
                  "--seq-len", "512", "--emit", str(tmp_path / "d"), "--script", "run.py --fast"]) == 0
     assert "run.py --fast" in (tmp_path / "d" / "job.sbatch").read_text()
