@@ -269,10 +269,9 @@ def _q(words: list[str] | tuple[str, ...]) -> str:
 def _preamble(launch: _Launch) -> str:
     """Find the planner's trainer (installed, or a checkout named by PLANNER_ROOT) and set the
     environment the ranks expect."""
-    lines = [
-        "# The files this script reads: $PLANNER_PLAN (what to run), $PLANNER_DS_CONFIG (DeepSpeed's JSON)",
-        'export PLANNER_PLAN="$here/plan.json"',
-    ]
+    lines = ["# The emitted files, for the training script too: $PLANNER_PLAN (what to run)"
+             + (", $PLANNER_DS_CONFIG (DeepSpeed's JSON)" if launch.framework == "deepspeed" else ""),
+             'export PLANNER_PLAN="$here/plan.json"']
     if launch.framework == "deepspeed":
         lines.append('export PLANNER_DS_CONFIG="$here/ds_config.json"')
     if launch.script is None:
@@ -328,7 +327,8 @@ def _launch_sh(launch: _Launch) -> str:
             run = f'torchrun --standalone --nproc_per_node {req.gpus} {_target(launch, "-m")} "$@"'
     elif launch.framework == "deepspeed":
         head += [f"# {req.nodes} nodes: run this on the first node of the hostfile; DeepSpeed's launcher starts",
-                 "# the other nodes over ssh (pdsh). Under Slurm submit job.sbatch instead (no ssh needed)."]
+                 "# the other nodes over ssh (pdsh), in this directory at the same path (a shared filesystem).",
+                 "# Under Slurm submit job.sbatch instead (no ssh needed)."]
         body += [
             "# the hostfile must list every node: one line per node, `HOSTNAME slots=GPUS`",
             f'nodes=$(grep -cE "^[^#[:space:]]+[[:space:]]+slots=" "$here/hostfile" || true)',
@@ -372,7 +372,8 @@ def _sbatch(launch: _Launch) -> str:
         "# Submit from this directory: sbatch job.sbatch [more arguments for the training script]",
         f"# Runs {_what_runs(launch)}.",
         f"# --nodes: the plan's {req.nodes} node(s); --ntasks-per-node=1: one launcher per node, which starts",
-        f"# that node's {req.gpus} ranks.",
+        f"# that node's {req.gpus} ranks." + (" Every node reads this directory at the same path (a shared filesystem)."
+                                             if req.nodes > 1 else ""),
         "set -euo pipefail",
         "# sbatch runs a copy of this file: the emitted files are in the directory it was submitted from",
         'here="${SLURM_SUBMIT_DIR:-$PWD}"',
@@ -468,15 +469,23 @@ def _guide(launch: _Launch, names: list[str]) -> str:
             "For a script of your own that uses `transformers.Trainer` or `accelerate.Accelerator`, from this directory:",
             "", "```", f"{accelerate} {script}", "```", "",
             "with these `TrainingArguments` (trainer_args.json):", "", "```python",
-            "import json", "from transformers import TrainingArguments", "",
-            'args = TrainingArguments(output_dir="out", **json.load(open("trainer_args.json")))']
+            "import json", ""]
     if launch.strategy == "hsdp":
-        out += ["# HSDP: shard groups of %d, replicated %d times (accelerate_config.yaml carries the same)" % (
-            launch.shard_size, launch.world // launch.shard_size),
-            "from accelerate.parallelism_config import ParallelismConfig",
-            f"args.parallelism_config = ParallelismConfig(dp_replicate_size={launch.world // launch.shard_size}, "
-            f"dp_shard_size={launch.shard_size})"]
-    out += ["```", ""]
+        replicas = launch.world // launch.shard_size
+        out += ["from accelerate.parallelism_config import ParallelismConfig",
+                "from transformers import TrainingArguments", "",
+                f"# HSDP: shard groups of {launch.shard_size} consecutive ranks, replicated {replicas} times "
+                "(accelerate_config.yaml carries the same)",
+                'args = TrainingArguments(output_dir="out", **json.load(open("trainer_args.json")),',
+                f"                         parallelism_config=ParallelismConfig(dp_replicate_size={replicas}, "
+                f"dp_shard_size={launch.shard_size}))"]
+    else:
+        out += ["from transformers import TrainingArguments", "",
+                'args = TrainingArguments(output_dir="out", **json.load(open("trainer_args.json")))']
+    out += ["```", "",
+            "These arguments carry the same DeepSpeed / FSDP choice, so the script also runs under plain "
+            f"`torchrun --nproc_per_node {req.gpus} {script}`" + (" (with --nnodes, --node_rank and --master_addr "
+                                                                  "on each node)" if req.nodes > 1 else "") + ".", ""]
     if launch.precision == "bf16-pure":
         out += ["bf16-pure: load the model in bf16 (`from_pretrained(..., dtype=torch.bfloat16)`); "
                 "no autocast, no fp32 master copy.", ""]

@@ -371,3 +371,19 @@ def test_script_parse_errors():
     with pytest.raises(PlannerError, match="No closing quotation"):
         Script.parse("train.py 'open")
     assert Script.parse("a.py -x 'y z'") == Script("a.py", ("-x", "y z"))
+
+
+def test_trainer_entry_point_refuses_what_it_cannot_run_in_one_line(tmp_path, capsys):
+    from backend.worker import main as worker_main
+
+    assert worker_main(["--plan", str(tmp_path / "none.json")]) == 2
+    assert "--plan" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text('{"estimate_request": {"strategy": "zero9"}}')
+    assert worker_main(["--plan", str(tmp_path / "bad.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a runnable plan.json" in err
+    out = emitted(tmp_path, strategy="fsdp")
+    assert worker_main(["--plan", str(out / "plan.json"), "--deepspeed_config", str(out / "plan.json")]) == 2
+    assert "the plan's strategy fsdp is not a DeepSpeed one" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        worker_main(["--plan", str(out / "plan.json"), "--steps", "0"])
