@@ -178,6 +178,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
         written = write_files(args.emit, emit_estimate_files(result, script))
         _report_emitted(written)
+        if not result.fits and result.device_capacity_bytes:
+            print(f"planner: note: predicted peak {result.per_device.peak_bytes / 2**30:.2f} GiB does not fit "
+                  f"{result.device_capacity_bytes / 2**30:.2f} GiB of {result.gpu}; the files are written as asked",
+                  file=sys.stderr)
     if args.json:
         print(result.model_dump_json(indent=2, by_alias=True))
     else:

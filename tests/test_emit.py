@@ -354,6 +354,10 @@ def test_cli_script_flag(tmp_path, capsys):
     assert "--script: empty" in capsys.readouterr().err
     assert main(base + ["--emit", str(tmp_path / "b"), "--script", "train.py --cfg 'x y'"]) == 0
     assert "train.py --cfg 'x y' \"$@\"" in (tmp_path / "b" / "launch.sh").read_text()
+    assert "does not fit" not in capsys.readouterr().err
+    assert main(["estimate", "--model", "llama-3-70b", "--gpu", "h100-80gb", "--gpus", "2", "--strategy", "ddp",
+                 "--emit", str(tmp_path / "f")]) == 0
+    assert "GiB does not fit 79.65 GiB of h100-80gb; the files are written as asked" in capsys.readouterr().err
     # without an architecture the planner's trainer cannot run: the configs are written, no launch.sh, and why
     assert main(["estimate", "--params", "7000000000", "--strategy", "zero3", "--emit", str(tmp_path / "c")]) == 0
     assert "note: No launch.sh or job.sbatch: the planner's trainer needs an architecture" in capsys.readouterr().err
