@@ -70,7 +70,9 @@ class _Launch:
 
     request: EstimateRequest
     framework: str  # deepspeed | torch
-    strategy: str
+    strategy: str  # the name, shown only; the files follow the degrees below
+    fsdp: bool  # torch sharding its parameters (FSDP2), not DDP
+    reshard_after_forward: bool  # False for SHARD_GRAD_OP: units stay gathered from forward to backward
     zero_stage: int | None
     precision: str
     is_cpu: bool
@@ -82,6 +84,11 @@ class _Launch:
     @property
     def world(self) -> int:
         return self.request.world_size
+
+    @property
+    def replicas(self) -> int:
+        """HSDP's replicate degree (1 when one shard group spans the world)."""
+        return self.world // self.shard_size
 
 
 def emit_files(req: PlanRequest, c: Candidate, script: Script | None = None) -> dict[str, str]:
@@ -121,8 +128,11 @@ def estimate_request_for(req: PlanRequest, c: Candidate) -> EstimateRequest:
 def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: Script | None) -> dict[str, str]:
     setup = resolve(est)
     unavailable = None if script is not None else _trainer_unavailable(setup, est)
-    launch = _Launch(request=setup.request, framework=setup.strategy.framework, strategy=setup.strategy.name,
-                     zero_stage=setup.strategy.zero_stage, precision=setup.request.precision,
+    s = setup.strategy
+    launch = _Launch(request=setup.request, framework=s.framework, strategy=s.name,
+                     fsdp=s.framework == "torch" and s.shards_parameters,
+                     reshard_after_forward=not s.params_unsharded_in_step,
+                     zero_stage=s.zero_stage, precision=setup.request.precision,
                      is_cpu=setup.gpu.is_cpu, shard_size=setup.shard_size, script=script, summary=summary,
                      unavailable=unavailable)
     files: dict[str, str] = {}
@@ -164,7 +174,7 @@ def accelerate_config(launch: _Launch) -> dict[str, Any]:
     """``accelerate launch --config_file`` content (keys of accelerate 1.16's ClusterConfig)."""
     req = launch.request
     distributed = {"deepspeed": "DEEPSPEED", "torch": "MULTI_GPU"}[launch.framework]
-    if launch.framework == "torch" and launch.strategy != "ddp":
+    if launch.fsdp:
         distributed = "FSDP"
     if distributed == "MULTI_GPU" and launch.world == 1:
         distributed = "NO"  # accelerate refuses --multi_gpu with one process
@@ -194,11 +204,11 @@ def accelerate_config(launch: _Launch) -> dict[str, Any]:
     config["mixed_precision"] = ACCELERATE_PRECISION[launch.precision]
     if distributed == "FSDP":
         config["fsdp_config"] = _fsdp_plugin(launch)
-        if launch.strategy == "hsdp":
+        if launch.replicas > 1:
             # FSDP2's hybrid sharding is a 2-D mesh (dp_replicate, dp_shard) of consecutive ranks
             # (accelerate/parallelism_config.py), as backend/train.py builds it.
             config["parallelism_config"] = {
-                "parallelism_config_dp_replicate_size": launch.world // launch.shard_size,
+                "parallelism_config_dp_replicate_size": launch.replicas,
                 "parallelism_config_dp_shard_size": launch.shard_size,
             }
     return config
@@ -210,7 +220,7 @@ def _fsdp_plugin(launch: _Launch) -> dict[str, Any]:
     reshard_after_forward False, parameter offload = CPUOffloadPolicy."""
     return {
         "fsdp_version": 2,
-        "fsdp_reshard_after_forward": launch.strategy != "fsdp-grad-op",
+        "fsdp_reshard_after_forward": launch.reshard_after_forward,
         "fsdp_offload_params": launch.request.offload_params != "none",
         "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
         "fsdp_state_dict_type": "SHARDED_STATE_DICT",
@@ -233,8 +243,7 @@ def trainer_arguments(launch: _Launch) -> dict[str, Any]:
         "weight_decay": 0.0,
         "optim": TRAINER_OPTIM[req.optimizer],
     }
-    fsdp = launch.framework == "torch" and launch.strategy != "ddp"
-    if req.checkpointing == "full" and not fsdp:
+    if req.checkpointing == "full" and not launch.fsdp:
         # non-reentrant, as backend/train.py enables it. transformers 5.24 calls these
         # activation_checkpointing(_kwargs) and keeps the old names until v6 (training_args.py:1541);
         # the old names are the ones every transformers 5 release accepts.
@@ -244,7 +253,7 @@ def trainer_arguments(launch: _Launch) -> dict[str, Any]:
         args["use_cpu"] = True
     if launch.framework == "deepspeed":
         args["deepspeed"] = "ds_config.json"
-    elif fsdp:
+    elif launch.fsdp:
         # FSDP checkpoints inside its own units (fsdp_config activation_checkpointing), not with
         # gradient_checkpointing, which transformers warns adds an all-gather in backward.
         plugin = _fsdp_plugin(launch)
@@ -470,8 +479,8 @@ def _guide(launch: _Launch, names: list[str]) -> str:
             "", "```", f"{accelerate} {script}", "```", "",
             "with these `TrainingArguments` (trainer_args.json):", "", "```python",
             "import json", ""]
-    if launch.strategy == "hsdp":
-        replicas = launch.world // launch.shard_size
+    if launch.fsdp and launch.replicas > 1:
+        replicas = launch.replicas
         out += ["from accelerate.parallelism_config import ParallelismConfig",
                 "from transformers import TrainingArguments", "",
                 f"# HSDP: shard groups of {launch.shard_size} consecutive ranks, replicated {replicas} times "
