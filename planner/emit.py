@@ -469,6 +469,13 @@ def _guide(launch: _Launch, names: list[str]) -> str:
                 "to get them for your own script."]
     else:
         out += [f"`./launch.sh` runs {_what_runs(launch)}."]
+        if launch.script is None:
+            out += ["", "Arguments go to the trainer: `./launch.sh --steps 10 --warmup 2` trains longer; "
+                    "`PLANNER_OUT=DIR` moves the records; `PLANNER_ROOT=/path/to/planner` finds the trainer in a "
+                    "checkout that is not installed."]
+        elif launch.framework == "deepspeed":
+            out += ["", "Your script finds the DeepSpeed JSON at `$PLANNER_DS_CONFIG` (for example "
+                    "`deepspeed.initialize(..., config=os.environ[\"PLANNER_DS_CONFIG\"])`)."]
     if req.nodes > 1 and not launch.unavailable:
         out += ["", "Several nodes: under Slurm, `sbatch job.sbatch` (it derives the node rank from `SLURM_NODEID` and "
                 "the master address from the first host of the allocation). Otherwise "

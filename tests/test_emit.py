@@ -355,6 +355,10 @@ def test_cli_script_flag(tmp_path, capsys):
     assert main(base + ["--emit", str(tmp_path / "b"), "--script", "train.py --cfg 'x y'"]) == 0
     assert "train.py --cfg 'x y' \"$@\"" in (tmp_path / "b" / "launch.sh").read_text()
     assert "does not fit" not in capsys.readouterr().err
+    assert "$PLANNER_DS_CONFIG" in (tmp_path / "b" / "LAUNCH.md").read_text()
+    from cli.main import _request_from_plan  # what `planner verify --plan` reads
+
+    assert _request_from_plan(str(tmp_path / "b" / "plan.json")).strategy == "zero2"
     assert main(["estimate", "--model", "llama-3-70b", "--gpu", "h100-80gb", "--gpus", "2", "--strategy", "ddp",
                  "--emit", str(tmp_path / "f")]) == 0
     assert "GiB does not fit 79.65 GiB of h100-80gb; the files are written as asked" in capsys.readouterr().err
