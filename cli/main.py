@@ -171,7 +171,17 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from planner.schema import EstimateRequest
 
     request = request_from_args(args, EstimateRequest)
+    script = _script(args)
     result = estimate_with_time(request)
+    if args.emit:
+        from planner.emit import emit_estimate_files, write_files
+
+        written = write_files(args.emit, emit_estimate_files(result, script))
+        _report_emitted(written)
+        if not result.fits and result.device_capacity_bytes:
+            print(f"planner: note: predicted peak {result.per_device.peak_bytes / 2**30:.2f} GiB does not fit "
+                  f"{result.device_capacity_bytes / 2**30:.2f} GiB of {result.gpu}; the files are written as asked",
+                  file=sys.stderr)
     if args.json:
         print(result.model_dump_json(indent=2, by_alias=True))
     else:
@@ -225,6 +235,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from planner.schema import PlanRequest
 
     request = request_from_args(args, PlanRequest)
+    script = _script(args)
     result = plan(request)
     if args.emit:
         if not result.candidates:
@@ -234,8 +245,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise CliError("nothing fits, so nothing is emitted; see the rejected reasons")
         from planner.emit import emit_files, write_files
 
-        written = write_files(args.emit, emit_files(request, pick))
-        print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+        written = write_files(args.emit, emit_files(request, pick, script))
+        _report_emitted(written)
     if args.json:
         print(result.model_dump_json(indent=2, by_alias=True))
     else:
@@ -243,6 +254,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         print(plan_table(result))
     return 0
+
+
+def _report_emitted(written: list[Path]) -> None:
+    print(f"wrote {', '.join(str(p) for p in written)}; see LAUNCH.md", file=sys.stderr)
+    if not any(p.name == "launch.sh" for p in written):
+        guide = next(p for p in written if p.name == "LAUNCH.md").read_text()
+        reason = next(line for line in guide.splitlines() if line.startswith("No launch.sh"))
+        print(f"planner: note: {reason}", file=sys.stderr)
+
+
+def _script(args: argparse.Namespace):
+    """--script 'path/to/train.py ARGS': the user's training script in the emitted launch files."""
+    if args.script is None:
+        return None
+    if not args.emit:
+        raise CliError("--script names the training script of the emitted launch files: give --emit DIR too")
+    from planner.emit import Script
+
+    return Script.parse(args.script)
+
+
+def _add_emit_flags(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--emit", metavar="DIR", help=f"write launch files for {what}: launch.sh (deepspeed or "
+                        "torchrun), job.sbatch (Slurm), the DeepSpeed JSON, an accelerate config, HF Trainer "
+                        "arguments, plan.json; LAUNCH.md says how to run them")
+    parser.add_argument("--script", metavar="'PATH ARGS'", help="with --emit: the training script the launch files "
+                        "run, with its arguments (default: the planner's own trainer, python -m backend.worker)")
 
 
 def _progress_printer():
@@ -399,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     gpus.set_defaults(handler=cmd_gpus)
     est = sub.add_parser("estimate", help="per-device memory of one configuration")
     add_schema_flags(est, EstimateRequest)
+    _add_emit_flags(est, "this configuration")
     est.add_argument("--json", action="store_true", help="print the result as one JSON object")
     est.set_defaults(handler=cmd_estimate)
     topo = sub.add_parser("topo", help="parse `nvidia-smi topo -m` (a file or stdin) or show a preset")
@@ -411,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     topo.set_defaults(handler=cmd_topo)
     pl = sub.add_parser("plan", help="rank every strategy x micro-batch x checkpointing x offload that fits")
     add_schema_flags(pl, PlanRequest)
-    pl.add_argument("--emit", metavar="DIR", help="write the DeepSpeed config, launch command and hostfile")
+    _add_emit_flags(pl, "the recommended candidate (or --pick N)")
     pl.add_argument("--pick", type=int, help="emit the candidate of this rank instead of the recommended one")
     pl.add_argument("--json", action="store_true", help="print the result as one JSON object")
     pl.set_defaults(handler=cmd_plan)

@@ -149,7 +149,7 @@ def test_page_form_and_result(client):
                                 "global_batch": 256})
     assert r.status_code == 200
     assert 'id="candidates"' in r.text and "<svg" in r.text and "capacity" in r.text and "GiB" in r.text
-    assert "ds_config.json" in r.text or "torch_settings.json" in r.text
+    assert "accelerate_config.yaml" in r.text and "job.sbatch" in r.text and "LAUNCH.md" in r.text
     bad = client.get("/", params={"model": "llama-3-8b", "gpus": 8, "global_batch": 100})
     assert bad.status_code == 422 and "not divisible" in bad.text
     d = client.get("/download/launch.sh", params={"model": "llama-3-8b", "gpu": "h100-80gb", "gpus": 8})

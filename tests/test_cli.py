@@ -17,7 +17,8 @@ ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus",
                   "--gradient-accumulation", "--checkpointing", "--attention", "--offload-optimizer",
                   "--offload-params", "--hsdp-shard-size", "--ds-config", "--reduce-bucket-size", "--allgather-bucket-size",
                   "--prefetch-bucket-size", "--param-persistence-threshold", "--max-live-parameters",
-                  "--max-reuse-distance", "--topology", "--topology-file", "--profile", "--json"}
+                  "--max-reuse-distance", "--topology", "--topology-file", "--profile", "--json",
+                  "--emit", "--script"}
 
 
 def run(capsys, *argv):
