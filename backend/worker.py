@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(job["out_dir"])
     rank = int(os.environ.get("RANK", "0"))
     status_path = out_dir / f"rank{rank}.json"
+    from backend.procs import bind_rank
+
+    bind_rank(out_dir, rank)  # ends with the run's launcher and supervisor, whatever kills them
     try:
         from backend.train import run_rank  # heavy imports happen here, inside the rank
 

@@ -93,8 +93,8 @@ def test_verify_needs_a_token(client, monkeypatch):
     r = client.post("/v1/verify", json={"request": {"model": "nope", "gpu": "cpu"}},
                     headers={"Authorization": "Bearer s3cret"})
     assert r.status_code == 404
-    assert client.get("/v1/runs/12345").status_code == 404
-    assert client.get("/v1/runs").json() == []
+    assert client.get("/v1/runs/12345", headers={"Authorization": "Bearer s3cret"}).status_code == 404
+    assert client.get("/v1/runs", headers={"Authorization": "Bearer s3cret"}).json() == []
 
 
 @pytest.mark.deepspeed
@@ -114,17 +114,17 @@ def test_verify_job_runs_is_listed_and_cancel_ends_it(client, monkeypatch):
     run_id = r.json()["id"]
     assert client.post("/v1/verify", json=body, headers=auth).status_code == 409  # one at a time per device set
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and client.get(f"/v1/runs/{run_id}").json()["status"] == "running":
+    while time.monotonic() < deadline and client.get(f"/v1/runs/{run_id}", headers=auth).json()["status"] == "running":
         time.sleep(1)
-    run = client.get(f"/v1/runs/{run_id}").json()
+    run = client.get(f"/v1/runs/{run_id}", headers=auth).json()
     assert run["status"] == "ok" and run["record"]["measured"]["peak_bytes"] > 0
     monkeypatch.setenv("PLANNER_FAULT", "hang:0:1")
     run_id = client.post("/v1/verify", json=body, headers=auth).json()["id"]
     deadline = time.monotonic() + 120  # the rank hangs at step 1: step 0 is reported done first
-    while time.monotonic() < deadline and "progress" not in client.get(f"/v1/runs/{run_id}").json():
+    while time.monotonic() < deadline and "progress" not in client.get(f"/v1/runs/{run_id}", headers=auth).json():
         time.sleep(1)
-    assert client.get(f"/v1/runs/{run_id}").json()["progress"] == {"steps_done": 1, "steps_total": 2}
-    assert "1 of 2 done" in client.get(f"/runs/{run_id}").text
+    assert client.get(f"/v1/runs/{run_id}", headers=auth).json()["progress"] == {"steps_done": 1, "steps_total": 2}
+    assert "1 of 2 done" in client.get(f"/runs/{run_id}", headers=auth).text
     cancelled = client.delete(f"/v1/runs/{run_id}", headers=auth)
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
 
@@ -139,7 +139,7 @@ def test_page_verify_button_needs_the_token_and_the_devices(client, monkeypatch)
     # the token is right, but this CPU-only test machine has no H100s: refused before anything starts
     refused = client.post("/verify", params=query, data={"token": "s3cret"}, follow_redirects=False)
     assert refused.status_code == 422 and "CUDA device" in refused.text
-    assert client.get("/v1/runs").json() == []  # nothing recorded, nothing launched
+    assert client.get("/v1/runs", headers={"Authorization": "Bearer s3cret"}).json() == []  # nothing recorded
 
 
 def test_page_form_and_result(client):
