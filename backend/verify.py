@@ -202,9 +202,10 @@ def verify(request: EstimateRequest, *, steps: int = 3, warmup_steps: int = 1, s
     if on_start is not None:
         on_start(run_id)
     timeout = timeout_seconds or (180.0 + 60.0 * (steps + warmup_steps) * max(1, request.gradient_accumulation))
-    out_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix=f"planner-run{run_id}-"))
+    out_dir = Path(work_dir) if work_dir else None
     try:
         with device_lock(request) as lock_fds:
+            out_dir = out_dir or Path(tempfile.mkdtemp(prefix=f"planner-run{run_id}-"))  # not for a refused run
             result = run_probe(request, out_dir=out_dir, steps=steps, warmup_steps=warmup_steps,
                                timeout_seconds=timeout, hostfile=hostfile, on_progress=on_progress,
                                cancel=cancel, lock_fds=lock_fds, db=str(store.path), run_id=run_id)
@@ -215,7 +216,7 @@ def verify(request: EstimateRequest, *, steps: int = 3, warmup_steps: int = 1, s
     except KeyboardInterrupt as exc:
         why = str(exc) if isinstance(exc, Interrupted) else "Ctrl-C"
         record.update(status="interrupted", message=f"interrupted ({why}) before the ranks started",
-                      work_dir=str(out_dir))
+                      work_dir=str(out_dir) if out_dir else None)
         store.finish(run_id, record)
         raise
     progress = out_dir / "progress0.txt"
