@@ -198,12 +198,14 @@ def _environment(job: dict[str, Any]) -> dict[str, str]:
 def run_probe(request: EstimateRequest, *, out_dir: Path, steps: int = 2, warmup_steps: int = 1,
               timeout_seconds: float = 900.0, hostfile: str | None = None,
               on_progress=None, cancel=None, lock_fds: tuple[int, ...] = (), db: str | None = None,
-              run_id: int | None = None) -> ProbeResult:
+              run_id: int | None = None, registry: Path | None = None) -> ProbeResult:
     """``cancel``: an object with ``is_set()`` (a threading.Event); when set, every rank is ended
     and the result is 'cancelled' (or the event's ``status``/``message`` attributes, when it has
     them: the server sets 'interrupted' when it stops). ``lock_fds``: the device locks, held by the
     supervisor until the last process of the run is gone. ``db``/``run_id``: where the supervisor
-    records the run as interrupted if this process dies."""
+    records the run as interrupted if this process dies. ``registry``: where the supervisor
+    registers the run, so that the next verify removes its /dev/shm segments if the supervisor
+    itself is killed (backend.supervisor.clean_stale_runs)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     job = worker_job(request, steps=steps, warmup_steps=warmup_steps, out_dir=out_dir)
     job_path = out_dir / "job.json"
@@ -218,7 +220,8 @@ def run_probe(request: EstimateRequest, *, out_dir: Path, steps: int = 2, warmup
     log_path.write_bytes(b"")
     spec = {"command": command, "cwd": str(REPO_ROOT), "env": env, "log_path": str(log_path), "port": port,
             "state_path": str(out_dir / "supervisor.json"), "result_path": str(out_dir / "supervisor-result.json"),
-            "db": db, "run_id": run_id, "owner_pid": os.getpid(), "grace_seconds": GRACE_SECONDS}
+            "db": db, "run_id": run_id, "owner_pid": os.getpid(), "grace_seconds": GRACE_SECONDS,
+            "registry": str(registry) if registry else None}
     try:
         supervisor, stop_fd = _start_supervisor(spec, out_dir, env, lock_fds)
     except OSError as exc:

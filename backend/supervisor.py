@@ -58,6 +58,29 @@ def remove_shm_segments(port: int) -> int:
     return removed
 
 
+def registry_entry(registry: Path, port: int) -> Path:
+    return Path(registry) / f"{os.getuid()}-{port}.json"
+
+
+def clean_stale_runs(registry: Path) -> list[int]:
+    """Remove the /dev/shm segments of this user's runs whose supervisor is gone without cleaning
+    (it was SIGKILLed too): every supervisor registers its run (its identity and master port) in
+    the registry at start and unregisters at its end, so what is left names a dead run's port.
+    Returns the ports cleaned. Only runs of planner, only this user's: nothing else is touched."""
+    cleaned = []
+    for entry in Path(registry).glob(f"{os.getuid()}-*.json"):
+        try:
+            run = json.loads(entry.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if alive(*run["supervisor"]):
+            continue
+        remove_shm_segments(run["port"])
+        entry.unlink(missing_ok=True)
+        cleaned.append(run["port"])
+    return cleaned
+
+
 class Supervisor:
     def __init__(self, spec: dict, owner_fd: int):
         self.spec = spec
@@ -100,6 +123,11 @@ class Supervisor:
                                              preexec_fn=die_with_parent)
         state = {"supervisor": [pid, start], "launcher": list(identity(self.launcher.pid)), "port": spec["port"]}
         _write_atomic(Path(spec["state_path"]), state)
+        if spec.get("registry"):
+            try:
+                _write_atomic(registry_entry(spec["registry"], spec["port"]), state)
+            except OSError as exc:  # the run goes on; only a double kill would then leak its segments
+                print(f"planner supervisor: cannot register the run in {spec['registry']}: {exc}", flush=True)
 
     def watch(self) -> str | None:
         """Until the launcher exits (None) or the run must end: 'stop', 'owner-died', 'terminated'."""
@@ -146,6 +174,8 @@ class Supervisor:
         self.end_all(float(self.spec.get("grace_seconds", 5.0)))  # after a clean exit: stragglers only
         self._reap()
         removed = remove_shm_segments(self.spec["port"])
+        if self.spec.get("registry"):
+            registry_entry(self.spec["registry"], self.spec["port"]).unlink(missing_ok=True)
         result = {"returncode": self.launcher_code if reason is None else None, "reason": reason,
                   "shm_segments_removed": removed}
         _write_atomic(Path(self.spec["result_path"]), result)

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 
 from backend.launch import Interrupted, run_probe
 from backend.store import RunStore
+from backend.supervisor import clean_stale_runs
 from planner.catalogue import catalogue_model, model_from_config
 from planner.errors import PlannerError
 from planner.memory import cpu_rank_bytes, estimate
@@ -65,6 +66,11 @@ def lock_dir() -> Path:
     return Path(os.environ.get("PLANNER_LOCK_DIR") or LOCK_DIR)
 
 
+def run_registry() -> Path:
+    """Where each run's supervisor registers itself while it lives (backend.supervisor)."""
+    return lock_dir() / "runs"
+
+
 def device_names(request: EstimateRequest) -> list[str]:
     """The devices this host's share of the run uses: 'cpu', or one name per CUDA device, in
     CUDA_VISIBLE_DEVICES's own terms (the launchers take the first --gpus visible devices)."""
@@ -85,9 +91,10 @@ def device_lock(request: EstimateRequest) -> Iterator[tuple[int, ...]]:
     would release the supervisor's hold too."""
     directory = lock_dir()
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        if directory.stat().st_uid == os.getuid():
-            directory.chmod(0o1777)  # every user of the host locks here; only owners remove (sticky)
+        for shared in (directory, run_registry()):
+            shared.mkdir(parents=True, exist_ok=True)
+            if shared.stat().st_uid == os.getuid():
+                shared.chmod(0o1777)  # every user of the host locks here; only owners remove (sticky)
     except OSError as exc:
         raise PlannerError(f"device locks: cannot use {directory} ({exc.strerror})") from None
     fds: list[int] = []
@@ -206,9 +213,11 @@ def verify(request: EstimateRequest, *, steps: int = 3, warmup_steps: int = 1, s
     try:
         with device_lock(request) as lock_fds:
             out_dir = out_dir or Path(tempfile.mkdtemp(prefix=f"planner-run{run_id}-"))  # not for a refused run
+            clean_stale_runs(run_registry())  # segments of a run whose supervisor was killed
             result = run_probe(request, out_dir=out_dir, steps=steps, warmup_steps=warmup_steps,
                                timeout_seconds=timeout, hostfile=hostfile, on_progress=on_progress,
-                               cancel=cancel, lock_fds=lock_fds, db=str(store.path), run_id=run_id)
+                               cancel=cancel, lock_fds=lock_fds, db=str(store.path), run_id=run_id,
+                               registry=run_registry())
     except PlannerError as exc:
         record.update(status="refused", message=str(exc))
         store.finish(run_id, record)

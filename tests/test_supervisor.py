@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from backend.store import RunStore
-from backend.supervisor import SHM_DIR, shm_segments
+from backend.supervisor import SHM_DIR, clean_stale_runs, shm_segments
 from tests.own_run import live_processes, state, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +55,7 @@ OWNER = textwrap.dedent("""
     spec = {"command": [sys.executable, "-c", sys.argv[4], str(out)], "cwd": os.getcwd(), "env": env,
             "log_path": str(out / "launcher.log"), "port": port, "state_path": str(out / "supervisor.json"),
             "result_path": str(out / "supervisor-result.json"), "db": db, "run_id": run_id,
-            "owner_pid": os.getpid(), "grace_seconds": 2.0}
+            "owner_pid": os.getpid(), "grace_seconds": 2.0, "registry": sys.argv[5]}
     with device_lock(request) as fds:
         supervisor, stop_fd = _start_supervisor(spec, out, env, fds)
         print(run_id, flush=True)
@@ -71,7 +71,8 @@ def run(tmp_path, monkeypatch):
     work.mkdir()
     port = random.randrange(20000, 60000)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(work), str(db), str(port), LAUNCHER], cwd=ROOT,
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(work), str(db), str(port), LAUNCHER,
+                              str(tmp_path / "locks" / "runs")], cwd=ROOT,
                              env=env, stdout=subprocess.PIPE, text=True)
     run_id = int(owner.stdout.readline())
     assert wait_until(lambda: (work / "rank0.pid").exists() and (work / "supervisor.json").exists(), 30)
@@ -123,6 +124,18 @@ def test_sigkill_of_the_supervisor_ends_launcher_and_ranks(run, tmp_path):
     os.kill(supervisor_pid, signal.SIGKILL)
     # the launcher dies by PR_SET_PDEATHSIG, the rank (own session, SIGTERM ignored) by its watchdog
     assert wait_until(lambda: not live_processes(work), 10), live_processes(work)
+    # no one removed the run's segment: the next verify does, from the run's registry entry
+    assert segment.exists()
+    assert clean_stale_runs(tmp_path / "locks" / "runs") == [state(work)["port"]] and not segment.exists()
+    assert not list((tmp_path / "locks" / "runs").iterdir())
+
+
+def test_a_live_runs_segments_are_not_cleaned_as_stale(run, tmp_path):
+    owner, work, db, run_id, segment = run
+    assert clean_stale_runs(tmp_path / "locks" / "runs") == [] and segment.exists()
+    owner.kill()
+    assert wait_until(lambda: not live_processes(work), 15)
+    assert not segment.exists() and not list((tmp_path / "locks" / "runs").iterdir())  # unregistered at its end
 
 
 def test_sigterm_of_the_supervisor_still_cleans(run, tmp_path):
