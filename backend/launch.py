@@ -241,7 +241,9 @@ def run_probe(request: EstimateRequest, *, out_dir: Path, steps: int = 2, warmup
         outcome = _stop_supervisor(supervisor, stop_fd, spec)
     returncode = outcome.get("returncode")
     ranks = _collect(out_dir, request.world_size)
-    if status == "ok" and outcome.get("reason") == "terminated":
+    if status == "ok" and outcome.get("reason") == "launch-failed":
+        status, message = "launcher-error", f"cannot start the launcher: {outcome.get('error', '?')}"
+    elif status == "ok" and outcome.get("reason") == "terminated":
         status, message = "interrupted", "the run's supervisor was terminated; all ranks ended"
     elif status == "ok" and "reason" not in outcome:
         status, message = "launcher-error", (f"the run's supervisor ended without a result (exit "

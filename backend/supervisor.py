@@ -169,7 +169,12 @@ class Supervisor:
             signal.signal(sig, signal.SIG_IGN)  # the owner decides; its death is seen on the pipe
         signal.signal(signal.SIGTERM, self._on_term)
         become_subreaper()
-        self.start()
+        try:
+            self.start()
+        except OSError as exc:  # the launcher itself cannot be started (missing, not executable)
+            _write_atomic(Path(self.spec["result_path"]), {"returncode": None, "reason": "launch-failed",
+                                                           "error": f"{spec_command(self.spec)}: {exc}"})
+            return 0
         reason = self.watch()
         self.end_all(float(self.spec.get("grace_seconds", 5.0)))  # after a clean exit: stragglers only
         self._reap()
@@ -182,6 +187,10 @@ class Supervisor:
         if reason == "owner-died" and self.spec.get("db") and self.spec.get("run_id"):
             _record_interrupted(self.spec)
         return 0
+
+
+def spec_command(spec: dict) -> str:
+    return Path(spec["command"][0]).name
 
 
 def _record_interrupted(spec: dict) -> None:

@@ -349,6 +349,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
             print(verify_table(run["record"]))
         return 0
     rows = store.list(args.limit)
+    if not store.exists:  # reading creates nothing
+        print(f"planner: no runs recorded yet ({store.path} does not exist)", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

@@ -197,6 +197,13 @@ def test_run_records_are_behind_the_token_unless_public(tmp_path, monkeypatch):
         assert r.status_code == 401 and "Bearer" in r.text, path
         assert private.get(path, headers={"Authorization": "bearer s3cret"}).status_code == 200, path
     assert private.post("/v1/estimate", json={"model": "gpt2"}).status_code == 200  # planning stays open
+    # the page's verify form leaves a cookie keyed by the token (never the token) for the run pages
+    from web.pages import RUNS_COOKIE, _runs_pass
+
+    private.cookies.set(RUNS_COOKIE, _runs_pass("wrong"))
+    assert private.get(f"/runs/{run_id}").status_code == 401
+    private.cookies.set(RUNS_COOKIE, _runs_pass("s3cret"))
+    assert private.get(f"/runs/{run_id}").status_code == 200 and "s3cret" not in _runs_pass("s3cret")
     assert TestClient(create_app(str(db), public_runs=True)).get("/v1/runs").json()[0]["id"] == run_id
     monkeypatch.setenv("PLANNER_PUBLIC_RUNS", "1")
     assert TestClient(create_app(str(db))).get(f"/v1/runs/{run_id}").status_code == 200

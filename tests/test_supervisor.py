@@ -144,3 +144,16 @@ def test_sigterm_of_the_supervisor_still_cleans(run, tmp_path):
     assert wait_until(lambda: not live_processes(work), 15), live_processes(work)
     assert not segment.exists()
     assert json.loads((work / "supervisor-result.json").read_text())["reason"] == "terminated"
+
+
+def test_a_launcher_that_cannot_start_is_a_launcher_error(tmp_path, monkeypatch):
+    from backend import launch
+    from planner.schema import EstimateRequest
+
+    monkeypatch.setattr(launch, "launcher_command", lambda *a, **k: [str(tmp_path / "no-such-launcher")])
+    monkeypatch.setattr(launch, "prepare_extensions", lambda env: None)
+    request = EstimateRequest(model_config={"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+                                            "intermediate_size": 128, "num_hidden_layers": 1,
+                                            "num_attention_heads": 2}, gpu="cpu", gpus=2, strategy="zero2")
+    result = launch.run_probe(request, out_dir=tmp_path / "w", timeout_seconds=60)
+    assert result.status == "launcher-error" and "cannot start the launcher: no-such-launcher" in result.message

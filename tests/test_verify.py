@@ -99,7 +99,8 @@ def test_hang_times_out_and_leaves_no_orphan(tmp_path, monkeypatch):
     assert live_processes(work) == [] and segments(work) == []
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "sigkill"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGKILL],
+                         ids=["ctrl-c", "sigterm", "sighup", "sigkill"])
 def test_a_killed_cli_verify_leaves_no_rank_no_segment_and_records_interrupted(tmp_path, sig):
     from backend.store import RunStore
 
@@ -110,13 +111,14 @@ def test_a_killed_cli_verify_leaves_no_rank_no_segment_and_records_interrupted(t
     assert len(live_processes(work)) >= 4 and segments(work)  # supervisor, launcher group, 2 ranks
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == {signal.SIGINT: 130, signal.SIGTERM: 128 + 15, signal.SIGKILL: -9}[sig], err
+    assert proc.returncode == {signal.SIGINT: 130, signal.SIGTERM: 128 + 15, signal.SIGHUP: 128 + 1,
+                               signal.SIGKILL: -9}[sig], err
     assert wait_until(lambda: not live_processes(work), 15), live_processes(work)
     assert segments(work) == []
     run = RunStore(db).list()[0]
     assert run["status"] == "interrupted" and run["finished"] is not None, run
-    if sig == signal.SIGTERM:
-        assert "interrupted (SIGTERM)" in run["message"]
+    if sig in (signal.SIGTERM, signal.SIGHUP):
+        assert f"interrupted ({sig.name})" in run["message"]
 
 
 def test_two_runs_on_the_same_devices_are_refused_whatever_their_database(tmp_path):
