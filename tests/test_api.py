@@ -234,3 +234,15 @@ def test_an_unusable_database_is_503_with_the_reason(tmp_path, monkeypatch):
     r = TestClient(create_app(str(foreign))).post("/v1/verify", headers={"Authorization": "Bearer s3cret"}, json={
         "request": {"model": "gpt2", "strategy": "zero2", "gpus": 2, "gpu": "cpu"}})
     assert r.status_code == 503 and "another program" in r.json()["detail"]
+
+
+def test_a_run_of_another_process_is_not_cancelled_here(tmp_path, monkeypatch):
+    from backend.store import RunStore
+
+    db = tmp_path / "runs.sqlite"
+    run_id = RunStore(db, create=True).start({"model": "gpt2", "request": {"strategy": "zero2", "gpus": 2, "nodes": 1,
+                                              "gpu": "cpu"}, "prediction": {"per_device": {"peak_bytes": 1,
+                                              "resident_bytes": 1}}, "status": "running"})  # owned by this process
+    monkeypatch.setenv("PLANNER_API_TOKEN", "s3cret")
+    r = TestClient(create_app(str(db))).delete(f"/v1/runs/{run_id}", headers={"Authorization": "Bearer s3cret"})
+    assert r.status_code == 409 and "running in another planner process" in r.json()["detail"]

@@ -208,7 +208,6 @@ class Jobs:
         return RunStore(self.db)
 
     def start(self, body: VerifyBody) -> int:
-        from backend.store import StoreError
         from backend.verify import verify
 
         devices = body.request.gpu
@@ -256,8 +255,11 @@ class Jobs:
     def cancel(self, run_id: int) -> dict[str, Any]:
         run = self.store().get(run_id)
         event = self.cancels.get(run_id)
-        if run["status"] != "running" or event is None:
+        if run["status"] != "running":
             raise HTTPException(409, f"run {run_id} is {run['status']}, not running")
+        if event is None:
+            raise HTTPException(409, f"run {run_id} is running in another planner process (a CLI verify or "
+                                     "another server); end it there: Ctrl-C or SIGTERM")
         event.set()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and self.store().get(run_id)["status"] == "running":
