@@ -68,6 +68,7 @@ def test_ok_run_is_recorded_and_listed(tmp_path):
     # DeepSpeed's shm all-reduce segments of this run (its own master port) are gone; other jobs'
     # segments on a shared host are none of this test's business
     assert not segments(tmp_path / "w") and not live_processes(tmp_path / "w")
+    assert not list((tmp_path / "locks" / "runs").iterdir())  # the supervisor unregistered the run
     stored = RunStore(db).get(record["id"])
     assert stored["status"] == "ok" and stored["record"]["measured"]["peak_bytes"] == record["measured"]["peak_bytes"]
 
@@ -114,7 +115,7 @@ def test_a_killed_cli_verify_leaves_no_rank_no_segment_and_records_interrupted(t
     assert proc.returncode == {signal.SIGINT: 130, signal.SIGTERM: 128 + 15, signal.SIGHUP: 128 + 1,
                                signal.SIGKILL: -9}[sig], err
     assert wait_until(lambda: not live_processes(work), 15), live_processes(work)
-    assert segments(work) == []
+    assert segments(work) == [] and not list((tmp_path / "locks" / "runs").iterdir())
     run = RunStore(db).list()[0]
     assert run["status"] == "interrupted" and run["finished"] is not None, run
     if sig in (signal.SIGTERM, signal.SIGHUP):
