@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
     status_path = out_dir / f"rank{rank}.json"
+    from backend.procs import bind_rank
+
+    bind_rank(out_dir, rank)  # ends with the run's launcher and supervisor, whatever kills them
     try:
         from backend.train import run_rank  # heavy imports happen here, inside the rank
 

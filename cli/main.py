@@ -314,13 +314,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise CliError(f"planner verify needs the backend extra (pip install -e '.[backend]'): {exc}") from None
     print(f"planner: launching {request.strategy} on {request.world_size} x {request.gpu} ...", file=sys.stderr)
+    received = _stop_on_signals()
     try:
         record = verify(request, steps=args.steps, warmup_steps=args.warmup, scale=args.scale,
                         timeout_seconds=args.timeout, tolerance=args.tolerance / 100, db=args.db,
                         hostfile=args.hostfile, on_progress=_progress_printer())
     except KeyboardInterrupt:
         print("planner: interrupted; every rank was ended and the run is recorded as interrupted", file=sys.stderr)
-        return 130
+        return 128 + received[0] if received else 130
     if args.json:
         print(json.dumps(record, indent=2))
     else:
@@ -329,8 +330,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(verify_table(record))
     if record["status"] == "interrupted":
         print("planner: interrupted; every rank was ended and the run is recorded as interrupted", file=sys.stderr)
-        return 130
+        return 128 + received[0] if received else 130
     return 0 if record["status"] == "ok" else 1
+
+
+def _stop_on_signals() -> list[int]:
+    """SIGTERM and SIGHUP end a verify as Ctrl-C does: every rank ended, the run recorded as
+    interrupted, exit 128 + the signal. A repeated signal does not cut that cleanup short (the
+    run's supervisor would still finish it if this process were killed)."""
+    import signal
+
+    from backend.launch import Interrupted
+
+    received: list[int] = []
+
+    def stop(signum, _frame):
+        if not received:
+            received.append(signum)
+            raise Interrupted(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+    return received
 
 
 def _request_from_plan(path: str):
@@ -366,6 +387,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
             print(verify_table(run["record"]))
         return 0
     rows = store.list(args.limit)
+    if not store.exists:  # reading creates nothing
+        print(f"planner: no runs recorded yet ({store.path} does not exist)", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -412,7 +435,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from web.app import create_app
     except ImportError as exc:
         raise CliError(f"planner serve needs the web extra (pip install -e '.[web]'): {exc}") from None
-    uvicorn.run(create_app(args.db), host=args.host, port=args.port, log_level="info")
+    from backend.store import RunStore
+
+    RunStore(args.db).mark_interrupted()  # a database that is not ours or is corrupt: exit 2 with the reason
+    uvicorn.run(create_app(args.db, public_runs=args.public_runs or None), host=args.host, port=args.port,
+                log_level="info")
     return 0
 
 
@@ -476,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     serve.add_argument("--db", help="runs database (default: the user's data directory)")
+    serve.add_argument("--public-runs", action="store_true",
+                       help="serve run records (GET /v1/runs) without the token even when one is configured "
+                            "(default: PLANNER_PUBLIC_RUNS=1, else behind the token)")
     serve.set_defaults(handler=cmd_serve)
     runs = sub.add_parser("runs", help="list past verify runs, or show one")
     runs.add_argument("show", nargs="?", type=int, metavar="ID", help="show this run")
