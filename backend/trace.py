@@ -1,0 +1,266 @@
+"""Any causal LM transformers can build: the parameters counted on the meta device, the
+activations measured by tracing one training step on fake tensors.
+
+The analytic core reads a fixed set of model types (planner/architecture.py). For any other,
+this adapter builds the model with transformers exactly as the verification backend does, counts
+its parameters on the meta device (tied weights once, in registration order, the order DeepSpeed
+flattens them in), and runs one forward and backward under ``FakeTensorMode`` (tensors with
+shapes and dtypes but no storage, so a 70B model traces on a laptop) inside torch's
+``MemTracker`` (torch/distributed/_tools/mem_tracker.py, the tracker torchtitan's memory
+estimator uses). The tracker sees every tensor the step allocates and frees, categorised as
+parameter, gradient, activation or temporary; a timeline of its live total, with the moments each
+decoder block starts its forward and its backward, gives the figures the memory model needs
+(catalogue.TracedProfile). The result is fed to the same phase model as an analytic architecture.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from planner.catalogue import TracedProfile
+from planner.errors import PlannerError
+from planner.memory import traced_setting
+
+EXTRA = "pip install -e '.[backend]'"
+
+
+def _imports():
+    try:
+        import torch
+        import transformers
+    except ImportError as exc:
+        raise PlannerError(f"tracing a model_type without an analytic reader needs the backend extra "
+                           f"(torch and transformers): {EXTRA} ({exc.name} is not installed)") from None
+    return torch, transformers
+
+
+def _hf_config(transformers, config: dict[str, Any], name: str):
+    fields = {k: v for k, v in config.items() if not k.startswith("_")}
+    model_type = fields.pop("model_type", None)
+    try:
+        hf = transformers.AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PlannerError(f"{name}: transformers {transformers.__version__} cannot build model_type "
+                           f"{model_type!r} either: {str(exc).splitlines()[0][:200]}") from None
+    hf.use_cache = False  # training: no KV cache (backend/train.py does the same)
+    return hf
+
+
+def _build(transformers, hf, attention: str, dtype):
+    try:
+        return transformers.AutoModelForCausalLM.from_config(hf, attn_implementation=attention, dtype=dtype)
+    except ValueError as exc:  # no causal-LM head for this type, or the attention is not offered
+        raise PlannerError(f"model_type {hf.model_type!r}: transformers cannot build it as a causal LM "
+                           f"with attention {attention!r}: {str(exc).splitlines()[0][:200]}") from None
+
+
+def _blocks(torch, model) -> tuple[str, list]:
+    """The decoder blocks: the ModuleList of transformers' block class (``_no_split_modules``,
+    FSDP's wrapping unit), else the longest ModuleList."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    lists = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    typed = [(fqn, m) for fqn, m in lists if type(m[0]).__name__ in names]
+    chosen = max(typed or lists, key=lambda pair: len(pair[1]), default=None)
+    if chosen is None:
+        raise PlannerError(f"{type(model).__name__}: no list of decoder blocks found to trace")
+    return chosen[0], list(chosen[1])
+
+
+@dataclass
+class _Count:
+    parameters: int
+    numels: tuple[int, ...]
+    blocks_parameters: int
+    layer_parameters: int
+    late_parameters: int
+    lm_head_elements: int
+    block_class: str
+    blocks_path: str
+    num_layers: int
+
+
+def count_parameters(config: dict[str, Any], name: str = "model") -> _Count:
+    """transformers' own count on the meta device: ``sum(p.numel() for p in model.parameters())``."""
+    torch, transformers = _imports()
+    hf = _hf_config(transformers, config, name)
+    with torch.device("meta"):
+        model = _build(transformers, hf, "eager", torch.float32)
+    params = list(model.parameters())
+    path, blocks = _blocks(torch, model)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    head = model.get_output_embeddings()
+    head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+    # Parameters used before the first block (token and learned position embeddings): backward
+    # produces their gradients last, unless one is the tied LM head's weight.
+    first = next(iter(blocks[0].parameters()), None)
+    order = [p for p in params]
+    before = order[:next((i for i, p in enumerate(order) if p is first), 0)]
+    late = sum(p.numel() for p in before if id(p) not in in_blocks and id(p) not in head_ids)
+    blocks_total = sum(p.numel() for p in params if id(p) in in_blocks)
+    return _Count(parameters=sum(p.numel() for p in params), numels=tuple(p.numel() for p in params),
+                  blocks_parameters=blocks_total, layer_parameters=blocks_total // len(blocks),
+                  late_parameters=late,
+                  lm_head_elements=head.weight.numel() if head is not None else 0,
+                  block_class=type(blocks[0]).__name__, blocks_path=path, num_layers=len(blocks))
+
+
+# --- the trace -------------------------------------------------------------------------------
+
+@dataclass
+class _Trace:
+    saved: int = 0  # live activations when the forward returned
+    kept: list[int] = field(default_factory=list)  # per block: what it leaves live until its backward
+    loss_transient: int = 0
+    layer_transients: list[int] = field(default_factory=list)  # per block, above act at its backward start
+
+
+def _tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    class Timeline(MemTracker):
+        """MemTracker that also keeps, after every op, the live activation and temporary bytes,
+        and where each module's forward and backward begin and end in that timeline."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.act: list[int] = [0]
+            self.tmp: list[int] = [0]
+            self.marks: list[tuple[str, str, int]] = []  # (module fqn, state, timeline index)
+
+        def _now(self) -> tuple[int, int]:
+            act = sum(snap.get(_MemRefType.ACT, 0) for snap in self._curr_mem_snap.values())
+            tmp = sum(snap.get(_MemRefType.TEMP, 0) for snap in self._curr_mem_snap.values())
+            return act, tmp
+
+        def _update_peak_stats(self, peak_state) -> None:  # every op: record, skip per-module peaks
+            act, tmp = self._now()
+            self.act.append(act)
+            self.tmp.append(tmp)
+
+        def _mark(self, module, state: str) -> None:
+            self._update_peak_stats(None)
+            self.marks.append((self._mod_tracker.get_known_fqn(module) or "", state, len(self.act) - 1))
+
+        def _pre_fw_hook(self, module, inputs) -> None:
+            super()._pre_fw_hook(module, inputs)
+            self._mark(module, "bw-fw" if self._mod_tracker.is_bw else "pre_fw")
+
+        def _pre_bw_hook(self, module, args) -> None:
+            super()._pre_bw_hook(module, args)
+            if module is not None:
+                self._mark(module, "pre_bw")
+
+        def _post_bw_hook(self, module, args) -> None:
+            super()._post_bw_hook(module, args)
+            if module is not None:
+                self._mark(module, "post_bw")
+
+    return Timeline
+
+
+@contextmanager
+def _eager_masks(transformers):
+    """transformers looks for packed sequences in the position ids and, on a tensor it cannot read
+    (a fake one, as under torch.compile), keeps the packed-sequence mask to be safe
+    (masking_utils.find_packed_sequence_indices), which materialises an attention mask and turns
+    off SDPA's is_causal and GQA paths. The traced step stands for an eager step on one unpacked
+    sequence per row, whose positions are 0..seq_len-1: no packed sequences, as eager finds."""
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+def _run(torch, transformers, hf, *, micro_batch: int, seq_len: int, dtype, attention: str,
+         checkpointing: bool, blocks_path: str) -> _Trace:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    with mode:
+        model = _build(transformers, hf, attention, dtype)
+        if checkpointing:
+            # as backend/train.py trains it
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        tokens = torch.randint(0, hf.vocab_size, (micro_batch, seq_len))
+    tracker = _tracker_class()()
+    tracker.track_external(model)
+    with mode, tracker, _eager_masks(transformers):
+        loss = model(input_ids=tokens, labels=tokens).loss  # the training loop's call
+        tracker._update_peak_stats(None)
+        forward_end = len(tracker.act) - 1
+        loss.backward()
+    return _measure(tracker, forward_end, blocks_path, checkpointing)
+
+
+def _measure(t, forward_end: int, blocks_path: str, checkpointing: bool) -> _Trace:
+    live = [a + b for a, b in zip(t.act, t.tmp)]
+    block = re.compile(r"(?:.*\.)?" + re.escape(blocks_path) + r"\.\d+")  # ModTracker prefixes the root's class
+
+    def is_block(fqn: str) -> bool:
+        return block.fullmatch(fqn) is not None
+
+    starts = [(fqn, i) for fqn, state, i in t.marks if state == "pre_fw" and i <= forward_end]
+    block_starts = [i for fqn, i in starts if is_block(fqn)]
+    last_fqn = next(fqn for fqn, _ in reversed(starts) if is_block(fqn))
+    after = next((i for fqn, i in starts if i > block_starts[-1] and fqn != last_fqn
+                  and not fqn.startswith(last_fqn + ".")), forward_end)
+    bounds = block_starts + [after]
+    kept = [t.act[bounds[k + 1]] - t.act[bounds[k]] for k in range(len(block_starts))]
+    pre_bw = {fqn: i for fqn, state, i in t.marks if state == "pre_bw" and is_block(fqn)}
+    post_bw = {fqn: i for fqn, state, i in t.marks if state == "post_bw" and is_block(fqn)}
+    saved = t.act[forward_end]
+    first_bw = min(pre_bw.values(), default=len(live) - 1)
+    loss_transient = max(live[forward_end:first_bw + 1]) - saved
+    transients = []
+    for fqn, start in pre_bw.items():
+        end = post_bw.get(fqn, len(live) - 1)
+        transients.append(max(live[start:end + 1]) - t.act[start])
+    return _Trace(saved=saved, kept=kept, loss_transient=max(0, loss_transient),
+                  layer_transients=transients)
+
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def trace_profile(config: dict[str, Any], *, micro_batch: int, seq_len: int, compute: str,
+                  attention: str, checkpointing: str, name: str = "model",
+                  count: _Count | None = None) -> TracedProfile:
+    """Count and trace one training step of ``config`` at this setting (see the module doc)."""
+    torch, transformers = _imports()
+    count = count or count_parameters(config, name)
+    hf = _hf_config(transformers, config, name)
+    dtype = getattr(torch, DTYPES[compute])
+    run = dict(micro_batch=micro_batch, seq_len=seq_len, dtype=dtype, attention=attention,
+               blocks_path=count.blocks_path)
+    plain = _run(torch, transformers, hf, checkpointing=False, **run)
+    step = _run(torch, transformers, hf, checkpointing=True, **run) if checkpointing == "full" else plain
+    layer_saved = max(plain.kept)
+    recompute = layer_saved if checkpointing == "full" else 0
+    layer_transient = max([0] + [x - recompute for x in step.layer_transients])
+    assumptions = (
+        f"transformers {transformers.__version__} builds it as {count.block_class} x {count.num_layers} "
+        f"({count.blocks_path}); one block kept until its backward is the mean over blocks, "
+        "the block recomputed under checkpointing the largest",
+        f"weights and activations in {compute} (the module cast to the compute dtype, as DeepSpeed's "
+        "bf16/fp16 engine runs it); labels are the input ids, loss by transformers' own causal-LM loss",
+        f"attention {attention!r} as transformers runs it on CPU kernels: the same saved tensors as CUDA's "
+        "SDPA kernels (output and logsumexp), but a dropout > 0 would save a float noise tensor where CUDA saves a bool mask",
+        "no time model: step time needs the analytic architecture's FLOPs",
+    )
+    return TracedProfile(
+        model_type=str(config.get("model_type")), parameters=count.parameters, numels=count.numels,
+        num_layers=count.num_layers, layer_parameters=count.layer_parameters,
+        blocks_parameters=count.blocks_parameters, late_parameters=count.late_parameters,
+        lm_head_elements=count.lm_head_elements, saved_bytes=step.saved,
+        layer_saved_bytes=layer_saved, layer_kept_bytes=sum(step.kept) // len(step.kept),
+        loss_transient_bytes=step.loss_transient, layer_transient_bytes=layer_transient,
+        setting=traced_setting(micro_batch, seq_len, compute, attention, checkpointing),
+        assumptions=assumptions)
