@@ -16,6 +16,7 @@ decoder block starts its forward and its backward, gives the figures the memory 
 from __future__ import annotations
 
 import re
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,9 @@ from planner.errors import PlannerError
 from planner.memory import traced_setting
 
 EXTRA = "pip install -e '.[backend]'"
+# A trace walks every block in Python (about 0.3-0.5 s per block at 4k tokens on this project's
+# 2-core machine); the deepest published LLMs have 61-126 blocks (DeepSeek-V3, Llama-3.1-405B).
+MAX_TRACED_LAYERS = 256
 
 
 def _imports():
@@ -37,6 +41,19 @@ def _imports():
     return torch, transformers
 
 
+@contextmanager
+def _quiet(transformers):
+    """transformers' config validation warns about token ids outside a small vocabulary and the
+    like; the estimate's notes say what matters, so its log is kept to errors while tracing."""
+    logging = transformers.utils.logging
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
 def _hf_config(transformers, config: dict[str, Any], name: str):
     fields = {k: v for k, v in config.items() if not k.startswith("_")}
     model_type = fields.pop("model_type", None)
@@ -46,6 +63,10 @@ def _hf_config(transformers, config: dict[str, Any], name: str):
         raise PlannerError(f"{name}: transformers {transformers.__version__} cannot build model_type "
                            f"{model_type!r} either: {str(exc).splitlines()[0][:200]}") from None
     hf.use_cache = False  # training: no KV cache (backend/train.py does the same)
+    layers = getattr(hf, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers > MAX_TRACED_LAYERS:
+        raise PlannerError(f"{name}: num_hidden_layers({layers}) is more than a trace walks "
+                           f"(limit {MAX_TRACED_LAYERS})")
     return hf
 
 
@@ -85,9 +106,10 @@ class _Count:
 def count_parameters(config: dict[str, Any], name: str = "model") -> _Count:
     """transformers' own count on the meta device: ``sum(p.numel() for p in model.parameters())``."""
     torch, transformers = _imports()
-    hf = _hf_config(transformers, config, name)
-    with torch.device("meta"):
-        model = _build(transformers, hf, "eager", torch.float32)
+    with _quiet(transformers):
+        hf = _hf_config(transformers, config, name)
+        with torch.device("meta"):
+            model = _build(transformers, hf, "eager", torch.float32)
     params = list(model.parameters())
     path, blocks = _blocks(torch, model)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
@@ -186,8 +208,9 @@ def _run(torch, transformers, hf, *, micro_batch: int, seq_len: int, dtype, atte
     with mode:
         model = _build(transformers, hf, attention, dtype)
         if checkpointing:
-            # as backend/train.py trains it
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            with warnings.catch_warnings():  # transformers 5 renames it; backend/train.py calls the same
+                warnings.simplefilter("ignore", FutureWarning)
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         tokens = torch.randint(0, hf.vocab_size, (micro_batch, seq_len))
     tracker = _tracker_class()()
@@ -236,12 +259,13 @@ def trace_profile(config: dict[str, Any], *, micro_batch: int, seq_len: int, com
     """Count and trace one training step of ``config`` at this setting (see the module doc)."""
     torch, transformers = _imports()
     count = count or count_parameters(config, name)
-    hf = _hf_config(transformers, config, name)
     dtype = getattr(torch, DTYPES[compute])
     run = dict(micro_batch=micro_batch, seq_len=seq_len, dtype=dtype, attention=attention,
                blocks_path=count.blocks_path)
-    plain = _run(torch, transformers, hf, checkpointing=False, **run)
-    step = _run(torch, transformers, hf, checkpointing=True, **run) if checkpointing == "full" else plain
+    with _quiet(transformers):
+        hf = _hf_config(transformers, config, name)
+        plain = _run(torch, transformers, hf, checkpointing=False, **run)
+        step = _run(torch, transformers, hf, checkpointing=True, **run) if checkpointing == "full" else plain
     layer_saved = max(plain.kept)
     recompute = layer_saved if checkpointing == "full" else 0
     layer_transient = max([0] + [x - recompute for x in step.layer_transients])
