@@ -260,6 +260,7 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
     else:
         notes.append(f"framework: CUDA context and library workspaces {setup.gpu.cuda_context_mib} MiB "
                      f"on {setup.gpu.name} (gpus.yaml, calibratable)")
+    notes.extend(f"time model: {caveat}" for caveat in setup.gpu.time_model_caveats)
     if capacity > 0:
         verdict = "fits" if peak <= capacity else "does NOT fit"
         notes.append(f"{verdict}: peak {fmt_bytes(peak)} vs {fmt_bytes(capacity)} on each {setup.gpu.name}")
