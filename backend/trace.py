@@ -44,14 +44,22 @@ def _imports():
 @contextmanager
 def _quiet(transformers):
     """transformers' config validation warns about token ids outside a small vocabulary and the
-    like; the estimate's notes say what matters, so its log is kept to errors while tracing."""
+    like; the estimate's notes say what matters, so the logs are kept to errors while tracing."""
+    import logging as std_logging
+
     logging = transformers.utils.logging
     level = logging.get_verbosity()
     logging.set_verbosity_error()
+    # FakeTensorMode logs the full stack of an op that fails on a config's bad values before it
+    # raises; the error is reported once, in one line, by the caller
+    fake_log = std_logging.getLogger("torch._subclasses.fake_tensor")
+    fake_level = fake_log.level
+    fake_log.setLevel(std_logging.CRITICAL)
     try:
         yield
     finally:
         logging.set_verbosity(level)
+        fake_log.setLevel(fake_level)
 
 
 def _hf_config(transformers, config: dict[str, Any], name: str):
@@ -59,9 +67,9 @@ def _hf_config(transformers, config: dict[str, Any], name: str):
     model_type = fields.pop("model_type", None)
     try:
         hf = transformers.AutoConfig.for_model(model_type, **fields)
-    except (ValueError, KeyError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - unknown type, or a value its config class refuses
         raise PlannerError(f"{name}: transformers {transformers.__version__} cannot build model_type "
-                           f"{model_type!r} either: {str(exc).splitlines()[0][:200]}") from None
+                           f"{model_type!r} either: {_first_line(exc)}") from None
     hf.use_cache = False  # training: no KV cache (backend/train.py does the same)
     layers = getattr(hf, "num_hidden_layers", None)
     if isinstance(layers, int) and layers > MAX_TRACED_LAYERS:
@@ -73,9 +81,14 @@ def _hf_config(transformers, config: dict[str, Any], name: str):
 def _build(transformers, hf, attention: str, dtype):
     try:
         return transformers.AutoModelForCausalLM.from_config(hf, attn_implementation=attention, dtype=dtype)
-    except ValueError as exc:  # no causal-LM head for this type, or the attention is not offered
+    except Exception as exc:  # noqa: BLE001 - a user's config inside a third-party constructor: any error is theirs
         raise PlannerError(f"model_type {hf.model_type!r}: transformers cannot build it as a causal LM "
-                           f"with attention {attention!r}: {str(exc).splitlines()[0][:200]}") from None
+                           f"with attention {attention!r}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200] if text else ''}"
 
 
 def _blocks(torch, model) -> tuple[str, list]:
@@ -101,6 +114,7 @@ class _Count:
     block_class: str
     blocks_path: str
     num_layers: int
+    experts: str | None = None  # the experts module and transformers' implementation, for MoE
 
 
 def count_parameters(config: dict[str, Any], name: str = "model") -> _Count:
@@ -122,11 +136,15 @@ def count_parameters(config: dict[str, Any], name: str = "model") -> _Count:
     before = order[:next((i for i, p in enumerate(order) if p is first), 0)]
     late = sum(p.numel() for p in before if id(p) not in in_blocks and id(p) not in head_ids)
     blocks_total = sum(p.numel() for p in params if id(p) in in_blocks)
+    expert_module = next((type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Experts")), None)
+    experts = (f"{expert_module} ({getattr(model.config, '_experts_implementation', None) or 'eager'})"
+               if expert_module else None)
     return _Count(parameters=sum(p.numel() for p in params), numels=tuple(p.numel() for p in params),
                   blocks_parameters=blocks_total, layer_parameters=blocks_total // len(blocks),
                   late_parameters=late,
                   lm_head_elements=head.weight.numel() if head is not None else 0,
-                  block_class=type(blocks[0]).__name__, blocks_path=path, num_layers=len(blocks))
+                  block_class=type(blocks[0]).__name__, blocks_path=path, num_layers=len(blocks),
+                  experts=experts)
 
 
 # --- the trace -------------------------------------------------------------------------------
@@ -215,11 +233,15 @@ def _run(torch, transformers, hf, *, micro_batch: int, seq_len: int, dtype, atte
         tokens = torch.randint(0, hf.vocab_size, (micro_batch, seq_len))
     tracker = _tracker_class()()
     tracker.track_external(model)
-    with mode, tracker, _eager_masks(transformers):
-        loss = model(input_ids=tokens, labels=tokens).loss  # the training loop's call
-        tracker._update_peak_stats(None)
-        forward_end = len(tracker.act) - 1
-        loss.backward()
+    try:
+        with mode, tracker, _eager_masks(transformers):
+            loss = model(input_ids=tokens, labels=tokens).loss  # the training loop's call
+            tracker._update_peak_stats(None)
+            forward_end = len(tracker.act) - 1
+            loss.backward()
+    except Exception as exc:  # noqa: BLE001 - the config's own inconsistency, met inside transformers
+        raise PlannerError(f"model_type {hf.model_type!r}: one training step of this config fails in "
+                           f"transformers {transformers.__version__}: {_first_line(exc)}") from None
     return _measure(tracker, forward_end, blocks_path, checkpointing)
 
 
@@ -262,9 +284,20 @@ def trace_profile(config: dict[str, Any], *, micro_batch: int, seq_len: int, com
     dtype = getattr(torch, DTYPES[compute])
     run = dict(micro_batch=micro_batch, seq_len=seq_len, dtype=dtype, attention=attention,
                blocks_path=count.blocks_path)
+    notes = []
     with _quiet(transformers):
         hf = _hf_config(transformers, config, name)
-        plain = _run(torch, transformers, hf, checkpointing=False, **run)
+        try:
+            plain = _run(torch, transformers, hf, checkpointing=False, **run)
+        except PlannerError:
+            if attention != "sdpa":
+                raise
+            # some families have no SDPA path (transformers raises for attn_implementation="sdpa"):
+            # what will run is eager attention, so that is what is traced
+            run["attention"] = "eager"
+            plain = _run(torch, transformers, hf, checkpointing=False, **run)
+            notes.append(f"transformers {transformers.__version__} has no SDPA path for model_type "
+                         f"{config.get('model_type')!r}: traced with eager attention, which is what will run")
         step = _run(torch, transformers, hf, checkpointing=True, **run) if checkpointing == "full" else plain
     layer_saved = max(plain.kept)
     recompute = layer_saved if checkpointing == "full" else 0
@@ -275,8 +308,11 @@ def trace_profile(config: dict[str, Any], *, micro_batch: int, seq_len: int, com
         "the block recomputed under checkpointing the largest",
         f"weights and activations in {compute} (the module cast to the compute dtype, as DeepSpeed's "
         "bf16/fp16 engine runs it); labels are the input ids, loss by transformers' own causal-LM loss",
-        f"attention {attention!r} as transformers runs it on CPU kernels: the same saved tensors as CUDA's "
-        "SDPA kernels (output and logsumexp), but a dropout > 0 would save a float noise tensor where CUDA saves a bool mask",
+        f"attention {run['attention']!r} as transformers runs it on CPU kernels: for SDPA the same saved tensors as "
+        "CUDA's kernels (output and logsumexp); a dropout > 0 would save a float noise tensor where CUDA saves a bool mask",
+        *notes,
+        *([f"MoE experts as {count.experts} dispatches them: one row per token and routed expert, "
+           "so the bytes do not depend on how the router splits the tokens"] if count.experts else []),
         "no time model: step time needs the analytic architecture's FLOPs",
     )
     return TracedProfile(

@@ -155,3 +155,42 @@ def test_api_traces_and_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     r = client.post("/v1/estimate", json=body)
     assert r.status_code == 422 and "pip install -e '.[backend]'" in r.json()["detail"][0]["msg"]
+
+
+def test_moe_without_a_reader_is_traced_independent_of_routing():
+    config = {"model_type": "olmoe", "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_experts": 4, "num_experts_per_tok": 2}
+    profile = trace_profile(config, micro_batch=1, seq_len=32, compute="bf16", attention="sdpa", checkpointing="none")
+    assert profile.parameters == _transformers_count(config)[0]
+    assert any("MoE experts as OlmoeExperts" in a and "do not depend on how the router" in a
+               for a in profile.assumptions)
+    again = trace_profile(config, micro_batch=1, seq_len=32, compute="bf16", attention="sdpa", checkpointing="none")
+    assert again.saved_bytes == profile.saved_bytes
+
+
+def test_a_family_without_sdpa_is_traced_with_what_will_run():
+    config = {"model_type": "bloom", "vocab_size": 1024, "hidden_size": 128, "n_layer": 2, "n_head": 4}
+    profile = trace_profile(config, micro_batch=1, seq_len=32, compute="bf16", attention="sdpa", checkpointing="none")
+    assert any("no SDPA path for model_type 'bloom': traced with eager attention" in a for a in profile.assumptions)
+    assert profile.setting.endswith("sdpa attention, checkpointing none")  # what was asked, answered with a note
+
+
+def test_a_config_that_fails_inside_transformers_is_one_line(tmp_path, capsys):
+    import json
+
+    path = tmp_path / "olmoe.json"  # num_experts_per_tok defaults to 8, more than its 4 experts
+    path.write_text(json.dumps({"model_type": "olmoe", "vocab_size": 1024, "hidden_size": 128, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "intermediate_size": 256, "num_experts": 4}))
+    code = main(["estimate", "--model-file", str(path), "--gpu", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "model_type 'olmoe': one training step of this config fails in transformers" in err
+    assert "k not in range" in err and "Traceback" not in err
+
+
+def test_too_deep_to_trace_is_refused_before_building():
+    from planner.errors import PlannerError
+
+    config = dict(TINY_OTHERS["starcoder2"], num_hidden_layers=5000)
+    with pytest.raises(PlannerError, match=r"num_hidden_layers\(5000\) is more than a trace walks \(limit 256\)"):
+        count_parameters(config)
