@@ -51,11 +51,11 @@ def hub_config(repo_id: str) -> tuple[dict[str, Any], str]:
         except errors.RepositoryNotFoundError:
             raise UnknownModelError(f"unknown model {repo_id!r}: no such Hugging Face Hub repository "
                                     "(or it is private and no token with access was given)") from None
-        except errors.EntryNotFoundError:
-            raise PlannerError(f"model {repo_id!r}: the repository has no config.json") from None
-        except errors.LocalEntryNotFoundError:
+        except errors.LocalEntryNotFoundError:  # a subclass of EntryNotFoundError: first
             raise PlannerError(f"model {repo_id!r}: the Hub cannot be reached and its config.json is not in "
                                f"the Hugging Face cache ({cache_dir or constants.HF_HUB_CACHE})") from None
+        except errors.EntryNotFoundError:
+            raise PlannerError(f"model {repo_id!r}: the repository has no config.json") from None
         except (errors.HfHubHTTPError, OSError) as exc:
             raise PlannerError(f"model {repo_id!r}: config.json could not be read from the Hub: "
                                f"{str(exc).splitlines()[0][:200]}") from None

@@ -143,8 +143,8 @@ def catalogue_model(name: str) -> ResolvedModel:
     entry = find_entry(name)
     if entry is None:
         known = list(aliases())
-        hint = (f"; {name!r} looks like a Hugging Face Hub id: the CLI and the API read its config.json "
-                "through huggingface_hub") if HUB_ID.match(name) else ""
+        hint = (f"; {name!r} looks like a Hugging Face Hub id: estimate and plan (CLI and API) read its "
+                "config.json through huggingface_hub") if HUB_ID.match(name) else ""
         raise UnknownModelError(unknown("model", name, [n for n in known if "/" not in n] or known) + hint)
     return _resolve(entry.name, entry.source, entry.config)
 

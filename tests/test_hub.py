@@ -122,3 +122,33 @@ def test_models_lists_aliases(capsys):
     code, out, _ = run(capsys, "models", "--json")
     rows = {r["name"]: r for r in json.loads(out)}
     assert "meta-llama/Llama-3.1-8B" in rows["llama-3.1-8b"]["aliases"]
+
+
+@pytest.mark.parametrize("error,message", [
+    ("GatedRepoError", "is gated on the Hugging Face Hub: accept its license there and give a token"),
+    ("RepositoryNotFoundError", "no such Hugging Face Hub repository"),
+    ("EntryNotFoundError", "the repository has no config.json"),
+    ("LocalEntryNotFoundError", "the Hub cannot be reached and its config.json is not in the Hugging Face cache"),
+])
+def test_hub_errors_are_one_line(tmp_path, monkeypatch, capsys, error, message):
+    """What hf_hub_download raises online (no network here: the download is replaced by the error)."""
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    seen = []
+
+    def download(repo_id, filename, **kwargs):
+        seen.append((repo_id, filename))
+        cls = getattr(errors, error)
+        exc = cls.__new__(cls)  # the HTTP errors want a live response; only the type matters here
+        Exception.__init__(exc, "simulated")
+        raise exc
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    code, out, err = run(capsys, "estimate", "--model", "someorg/private-model", "--gpu", "cpu")
+    assert seen == [("someorg/private-model", "config.json")]
+    assert code == 2 and out == "" and err.count("\n") == 1 and message in err
