@@ -194,3 +194,19 @@ def test_too_deep_to_trace_is_refused_before_building():
     config = dict(TINY_OTHERS["starcoder2"], num_hidden_layers=5000)
     with pytest.raises(PlannerError, match=r"num_hidden_layers\(5000\) is more than a trace walks \(limit 256\)"):
         count_parameters(config)
+
+
+def test_traced_real_size_llama_equals_the_analytic_estimate():
+    """Llama-3.2-1B at its real size (16 blocks, vocabulary 128k, 2k tokens): the trace of the
+    catalogue entry and the analytic estimate agree on the peak to 0.01% and on resident exactly."""
+    from planner.catalogue import load_catalogue
+
+    config = dict(load_catalogue()["llama-3.2-1b"].config)
+    request = EstimateRequest(model="llama-3.2-1b", strategy="zero3", gpus=8, gpu="h100-80gb", seq_len=2048)
+    profile = trace_profile(config, micro_batch=1, seq_len=2048, compute="bf16", attention="sdpa",
+                            checkpointing="none")
+    analytic = estimate(request)
+    traced = estimate(request, model=traced_model("llama-3.2-1b", "test", profile))
+    assert traced.parameters == analytic.parameters == 1_235_814_400
+    assert traced.per_device.resident_bytes == analytic.per_device.resident_bytes
+    assert traced.per_device.peak_bytes == pytest.approx(analytic.per_device.peak_bytes, rel=1e-4)
