@@ -8,6 +8,8 @@ catalogue request and names the extra to install for the rest.
 
 from __future__ import annotations
 
+import json
+
 from planner.catalogue import UnsupportedModelTypeError, raw_parameters, traced_model
 from planner.memory import estimate, resolve
 from planner.plan import estimate_with_time, plan
@@ -35,13 +37,13 @@ def plan_any(request: PlanRequest) -> PlanResult:
 def traced_estimate(request: EstimateRequest, exc: UnsupportedModelTypeError) -> EstimateResult:
     """The estimate of a model the core cannot read: parameters and activations measured by
     backend/trace.py at this request's setting, fed to the same phase model. No time model."""
-    from backend.trace import count_parameters, trace_profile
+    from backend.trace import cached_count, cached_trace
 
-    count = count_parameters(exc.config, exc.name)
+    text = json.dumps(exc.config, sort_keys=True, default=str)
+    count = cached_count(text, exc.name)
     # the request's effective settings (a ds_config may set the precision) before tracing at them
     setup = resolve(request, model=raw_parameters(count.parameters))
     req = setup.request
-    profile = trace_profile(exc.config, micro_batch=req.micro_batch, seq_len=req.seq_len,
-                            compute=setup.recipe.compute, attention=req.attention,
-                            checkpointing=req.checkpointing, name=exc.name, count=count)
+    profile = cached_trace(text, exc.name, req.micro_batch, req.seq_len, setup.recipe.compute, req.attention,
+                           req.checkpointing)
     return estimate(request, model=traced_model(exc.name, exc.source, profile))

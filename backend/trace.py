@@ -15,9 +15,11 @@ decoder block starts its forward and its backward, gives the figures the memory 
 
 from __future__ import annotations
 
+import json
 import re
 import warnings
 from contextlib import contextmanager
+from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -324,3 +326,18 @@ def trace_profile(config: dict[str, Any], *, micro_batch: int, seq_len: int, com
         loss_transient_bytes=step.loss_transient, layer_transient_bytes=layer_transient,
         setting=traced_setting(micro_batch, seq_len, compute, attention, checkpointing),
         assumptions=assumptions)
+
+
+# A server answers the same traced model again and again (a page reload, a client's retry); a
+# trace is seconds of Python, its result a few hundred bytes. Keyed by the config's JSON text.
+@lru_cache(maxsize=16)
+def cached_count(config_json: str, name: str) -> _Count:
+    return count_parameters(json.loads(config_json), name)
+
+
+@lru_cache(maxsize=64)
+def cached_trace(config_json: str, name: str, micro_batch: int, seq_len: int, compute: str, attention: str,
+                 checkpointing: str) -> TracedProfile:
+    return trace_profile(json.loads(config_json), micro_batch=micro_batch, seq_len=seq_len, compute=compute,
+                         attention=attention, checkpointing=checkpointing, name=name,
+                         count=cached_count(config_json, name))

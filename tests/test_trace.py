@@ -125,7 +125,7 @@ def test_without_the_backend_extra_the_extra_is_named(tmp_path, capsys, monkeypa
     import json
 
     path = tmp_path / "sc2.json"
-    path.write_text(json.dumps(TINY_OTHERS["starcoder2"]))
+    path.write_text(json.dumps(dict(TINY_OTHERS["starcoder2"], num_hidden_layers=1)))  # not in the trace cache
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
     code = main(["estimate", "--model-file", str(path), "--gpu", "cpu"])
     err = capsys.readouterr().err
@@ -153,6 +153,7 @@ def test_api_traces_and_names_the_extra(tmp_path, monkeypatch):
     assert r.status_code == 200, r.text
     assert any(n.startswith("traced: model_type 'stablelm'") for n in r.json()["notes"])
     monkeypatch.setitem(sys.modules, "torch", None)
+    body["model_config"] = dict(TINY_OTHERS["stablelm"], num_hidden_layers=1)  # not in the trace cache
     r = client.post("/v1/estimate", json=body)
     assert r.status_code == 422 and "pip install -e '.[backend]'" in r.json()["detail"][0]["msg"]
 
@@ -210,3 +211,12 @@ def test_traced_real_size_llama_equals_the_analytic_estimate():
     assert traced.parameters == analytic.parameters == 1_235_814_400
     assert traced.per_device.resident_bytes == analytic.per_device.resident_bytes
     assert traced.per_device.peak_bytes == pytest.approx(analytic.per_device.peak_bytes, rel=1e-4)
+
+
+def test_a_repeated_traced_estimate_is_answered_from_the_cache(monkeypatch):
+    import backend.trace as trace
+
+    request = EstimateRequest(model_config=dict(TINY_OTHERS["granite"], num_hidden_layers=2), gpu="cpu", seq_len=32)
+    first = estimate_any(request)
+    monkeypatch.setattr(trace, "_run", lambda *a, **k: pytest.fail("traced again"))
+    assert estimate_any(request) == first
