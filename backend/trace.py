@@ -256,6 +256,9 @@ def _measure(t, forward_end: int, blocks_path: str, checkpointing: bool) -> _Tra
 
     starts = [(fqn, i) for fqn, state, i in t.marks if state == "pre_fw" and i <= forward_end]
     block_starts = [i for fqn, i in starts if is_block(fqn)]
+    if not block_starts:
+        raise PlannerError(f"the traced forward never entered the blocks of {blocks_path}: "
+                           "this model's layout is not one the tracer can attribute")
     last_fqn = next(fqn for fqn, _ in reversed(starts) if is_block(fqn))
     after = next((i for fqn, i in starts if i > block_starts[-1] and fqn != last_fqn
                   and not fqn.startswith(last_fqn + ".")), forward_end)
@@ -301,7 +304,9 @@ def trace_profile(config: dict[str, Any], *, micro_batch: int, seq_len: int, com
             notes.append(f"transformers {transformers.__version__} has no SDPA path for model_type "
                          f"{config.get('model_type')!r}: traced with eager attention, which is what will run")
         step = _run(torch, transformers, hf, checkpointing=True, **run) if checkpointing == "full" else plain
-    layer_saved = max(plain.kept)
+    # A block's figures are what its forward leaves live; one that frees more than it keeps (its
+    # input saved by nobody) is counted as keeping nothing rather than as giving memory back.
+    layer_saved = max(0, *plain.kept)
     recompute = layer_saved if checkpointing == "full" else 0
     layer_transient = max([0] + [x - recompute for x in step.layer_transients])
     assumptions = (
@@ -322,7 +327,8 @@ def trace_profile(config: dict[str, Any], *, micro_batch: int, seq_len: int, com
         num_layers=count.num_layers, layer_parameters=count.layer_parameters,
         blocks_parameters=count.blocks_parameters, late_parameters=count.late_parameters,
         lm_head_elements=count.lm_head_elements, saved_bytes=step.saved,
-        layer_saved_bytes=layer_saved, layer_kept_bytes=sum(step.kept) // len(step.kept),
+        layer_saved_bytes=layer_saved, layer_kept_bytes=min(max(0, sum(step.kept) // len(step.kept)),
+                                                            step.saved // count.num_layers),
         loss_transient_bytes=step.loss_transient, layer_transient_bytes=layer_transient,
         setting=traced_setting(micro_batch, seq_len, compute, attention, checkpointing),
         assumptions=assumptions)

@@ -54,7 +54,7 @@ class TracedProfile(BaseModel):
     parameters: int = Field(gt=0)
     numels: tuple[int, ...] = Field(description="every parameter tensor's elements, registration order")
     num_layers: int = Field(gt=0, description="decoder blocks found (the ModuleList the forward walks)")
-    layer_parameters: int = Field(ge=0, description="parameters of the largest block")
+    layer_parameters: int = Field(ge=0, description="parameters of the mean block (all blocks / blocks)")
     blocks_parameters: int = Field(ge=0, description="parameters of all blocks together")
     late_parameters: int = Field(ge=0, description="parameters whose gradients backward produces after the "
                                  "last block (the untied input embeddings)")
