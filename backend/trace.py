@@ -19,8 +19,8 @@ import json
 import re
 import warnings
 from contextlib import contextmanager
-from functools import lru_cache
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from planner.catalogue import TracedProfile
@@ -164,7 +164,7 @@ def _tracker_class():
 
     class Timeline(MemTracker):
         """MemTracker that also keeps, after every op, the live activation and temporary bytes,
-        and where each module's forward and backward begin and end in that timeline."""
+        and where in that timeline each module's forward begins and its backward begins and ends."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -225,17 +225,20 @@ def _run(torch, transformers, hf, *, micro_batch: int, seq_len: int, dtype, atte
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode()
+    vocab = getattr(hf, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab <= 0:
+        raise PlannerError(f"model_type {hf.model_type!r}: its config has no vocab_size to draw tokens from")
     with mode:
         model = _build(transformers, hf, attention, dtype)
+        tokens = torch.randint(0, vocab, (micro_batch, seq_len))
+    tracker = _tracker_class()()
+    try:
         if checkpointing:
             with warnings.catch_warnings():  # transformers 5 renames it; backend/train.py calls the same
                 warnings.simplefilter("ignore", FutureWarning)
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
-        tokens = torch.randint(0, hf.vocab_size, (micro_batch, seq_len))
-    tracker = _tracker_class()()
-    tracker.track_external(model)
-    try:
+        tracker.track_external(model)
         with mode, tracker, _eager_masks(transformers):
             loss = model(input_ids=tokens, labels=tokens).loss  # the training loop's call
             tracker._update_peak_stats(None)
@@ -244,10 +247,10 @@ def _run(torch, transformers, hf, *, micro_batch: int, seq_len: int, dtype, atte
     except Exception as exc:  # noqa: BLE001 - the config's own inconsistency, met inside transformers
         raise PlannerError(f"model_type {hf.model_type!r}: one training step of this config fails in "
                            f"transformers {transformers.__version__}: {_first_line(exc)}") from None
-    return _measure(tracker, forward_end, blocks_path, checkpointing)
+    return _measure(tracker, forward_end, blocks_path)
 
 
-def _measure(t, forward_end: int, blocks_path: str, checkpointing: bool) -> _Trace:
+def _measure(t, forward_end: int, blocks_path: str) -> _Trace:
     live = [a + b for a, b in zip(t.act, t.tmp)]
     block = re.compile(r"(?:.*\.)?" + re.escape(blocks_path) + r"\.\d+")  # ModTracker prefixes the root's class
 
