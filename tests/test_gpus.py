@@ -74,3 +74,9 @@ def test_compute_time_scales_with_the_datasheet_throughput():
 
     assert compute("h100-80gb") / compute("b300") == pytest.approx(2250 / 989, rel=1e-6)
     assert compute("h100-80gb") / compute("rtx-5090") == pytest.approx(209.5 / 989, rel=1e-6)
+
+
+def test_vendors():
+    gpus = load_gpus()
+    assert gpus["cpu"].vendor == "none" and gpus["mi300x"].vendor == "amd"
+    assert {g.vendor for n, g in gpus.items() if n not in ("cpu", "mi300x")} == {"nvidia"}

@@ -21,11 +21,11 @@ from fastapi import Body, Depends, FastAPI, Header, HTTPException, Path as PathP
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from backend.anymodel import estimate_any, plan_any
 from planner import __version__
 from planner.catalogue import catalogue_model, load_catalogue
 from planner.errors import PlannerError, UnknownModelError, UnknownNameError
 from planner.gpus import gpu as lookup_gpu, load_gpus
-from backend.anymodel import estimate_any, plan_any
 from planner.presets import PRESETS
 from planner.schema import EstimateRequest, EstimateResult, PlanRequest, PlanResult
 from planner.topology import MAX_TOPOLOGY_BYTES, Topology, parse_topology
