@@ -221,10 +221,14 @@ def _eager_masks(transformers):
 
 
 def _run(torch, transformers, hf, *, micro_batch: int, seq_len: int, dtype, attention: str,
-         checkpointing: bool, blocks_path: str) -> _Trace:
+         checkpointing: bool, blocks_path: str, fake: bool = True) -> _Trace:
+    """One training step under the tracker; ``fake=False`` runs it on real CPU tensors (the
+    tests check the two agree)."""
+    from contextlib import nullcontext
+
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode = FakeTensorMode()
+    mode = FakeTensorMode() if fake else nullcontext()
     vocab = getattr(hf, "vocab_size", None)
     if not isinstance(vocab, int) or vocab <= 0:
         raise PlannerError(f"model_type {hf.model_type!r}: its config has no vocab_size to draw tokens from")

@@ -220,3 +220,16 @@ def test_a_repeated_traced_estimate_is_answered_from_the_cache(monkeypatch):
     first = estimate_any(request)
     monkeypatch.setattr(trace, "_run", lambda *a, **k: pytest.fail("traced again"))
     assert estimate_any(request) == first
+
+
+@pytest.mark.parametrize("model_type,checkpointing", [("starcoder2", False), ("granite", True)])
+def test_fake_tensors_trace_what_real_tensors_allocate(model_type, checkpointing):
+    """The same step on real CPU tensors, under the same tracker: fake tensors change nothing."""
+    from backend.trace import _hf_config, _run
+
+    config = TINY_OTHERS[model_type]
+    hf = _hf_config(transformers, config, model_type)
+    kwargs = dict(micro_batch=2, seq_len=64, dtype=torch.bfloat16, attention="sdpa", checkpointing=checkpointing,
+                  blocks_path="model.layers")
+    torch.manual_seed(0)
+    assert _run(torch, transformers, hf, fake=True, **kwargs) == _run(torch, transformers, hf, fake=False, **kwargs)
