@@ -71,10 +71,13 @@ def add_schema_flags(parser: argparse.ArgumentParser, model: type[BaseModel],
 
 
 def _read_file_flag(name: str, path: str) -> Any:
-    from planner.catalogue import MAX_MODEL_FILE_BYTES, model_from_file
+    from planner.catalogue import MAX_MODEL_FILE_BYTES, UnsupportedModelTypeError, model_from_file
 
     if name == "model_config_":
-        resolved = model_from_file(path)  # validates and names the file in every error
+        try:
+            resolved = model_from_file(path)  # validates and names the file in every error
+        except UnsupportedModelTypeError as exc:  # read, but only a trace can say more (estimate)
+            return {"name": exc.name, "source": path, "config": exc.config}
         return {"name": resolved.name, "config": resolved.config}
     if name == "topology_text":
         return read_topology_text(path)
@@ -142,13 +145,13 @@ def cmd_models(args: argparse.Namespace) -> int:
     for name, entry in load_catalogue().items():
         resolved = catalogue_model(name)
         rows.append({"name": name, "family": entry.family, "parameters": resolved.parameters,
-                     "source": entry.source, "config": entry.config})
+                     "aliases": list(entry.all_aliases), "source": entry.source, "config": entry.config})
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'name':<18} {'family':<9} {'parameters':>17}")
+    print(f"{'name':<18} {'family':<9} {'parameters':>17}  also answers to")
     for row in rows:
-        print(f"{row['name']:<18} {row['family']:<9} {row['parameters']:>17,}")
+        print(f"{row['name']:<18} {row['family']:<9} {row['parameters']:>17,}  {', '.join(row['aliases'])}")
     return 0
 
 
@@ -167,12 +170,12 @@ def cmd_gpus(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from planner.plan import estimate_with_time
+    from backend.anymodel import estimate_any
     from planner.schema import EstimateRequest
 
     request = request_from_args(args, EstimateRequest)
     script = _script(args)
-    result = estimate_with_time(request)
+    result = estimate_any(request)  # Hub ids, and tracing for a model_type without a reader
     if args.emit:
         from planner.emit import emit_estimate_files, write_files
 
@@ -231,12 +234,12 @@ def cmd_topo(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from planner.plan import plan
+    from backend.anymodel import plan_any
     from planner.schema import PlanRequest
 
     request = request_from_args(args, PlanRequest)
     script = _script(args)
-    result = plan(request)
+    result = plan_any(request)  # Hub ids read through huggingface_hub
     if args.emit:
         if not result.candidates:
             raise CliError("no candidate to emit")

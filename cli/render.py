@@ -12,6 +12,9 @@ def _row(label: str, num_bytes: int | None) -> str:
     return f"  {label:<28} {num_bytes / GIB:>12,.2f} {num_bytes / GB:>12,.2f}"
 
 
+CAVEATS = ("traced", "time model")
+
+
 def estimate_table(r: EstimateResult) -> str:
     d = r.per_device
     req = r.request
@@ -43,6 +46,9 @@ def estimate_table(r: EstimateResult) -> str:
                       + (f", offload {t.offload_seconds:.3f} s" if t.offload_seconds else "")
                       + f"); {t.tokens_per_second:,.0f} tokens/s, MFU {t.mfu:.2f}"]
     lines.append("")
+    # what the reader must know about where the numbers come from (a traced model, a GPU the time
+    # model only partly knows); the rest of the notes are in --json
+    lines += [f"note: {n}" for n in r.notes if n.startswith(CAVEATS)]
     if r.device_capacity_bytes > 0:
         headroom = r.headroom_bytes
         verdict = "FITS" if r.fits else "DOES NOT FIT"

@@ -25,8 +25,8 @@ class EstimateRequest(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=(), populate_by_name=True)
 
-    model: str | None = Field(None, description="catalogue model name (see `planner models`)",
-                              examples=["mistral-7b-v0.1"])
+    model: str | None = Field(None, description="catalogue model name or alias (see `planner models`), or a "
+                              "Hugging Face Hub id org/name whose config.json is read", examples=["mistral-7b-v0.1"])
     model_config_: dict[str, Any] | None = Field(
         None, alias="model_config",
         description="a Hugging Face config.json as an object (what --model-file reads)")
@@ -168,7 +168,8 @@ class PlanRequest(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=(), populate_by_name=True)
 
-    model: str | None = Field(None, description="catalogue model name", examples=["llama-3-8b"])
+    model: str | None = Field(None, description="catalogue model name or alias, or a Hugging Face Hub id org/name",
+                              examples=["llama-3-8b"])
     model_config_: dict[str, Any] | None = Field(None, alias="model_config",
                                                  description="a Hugging Face config.json as an object")
     gpu: str = Field("h100-80gb", description="device type (see `planner gpus`)")

@@ -42,8 +42,74 @@ def test_parameter_count_matches_transformers(name):
 
 
 def test_unknown_model_names_close_matches():
-    with pytest.raises(UnknownModelError, match="unknown model 'mistral-7b'.*mistral-7b-v0.1"):
-        catalogue_model("mistral-7b")
+    with pytest.raises(UnknownModelError, match="unknown model 'mistral-8b'.*mistral-7b"):
+        catalogue_model("mistral-8b")
+
+
+def test_current_entries_are_in_the_catalogue_with_their_published_sizes():
+    # Parameter counts as the model cards state them (rounded there): Llama-3.1 8B/70B, Llama-3.3 70B,
+    # Phi-4 14.7B, Mistral-Small-24B; the exact figure is transformers' own (parametrized test above).
+    approx = {"llama-3.1-8b": 8.03e9, "llama-3.1-70b": 70.6e9, "llama-3.1-405b": 405.9e9,
+              "llama-3.3-70b": 70.6e9, "phi-4": 14.66e9, "mistral-small-24b": 23.57e9}
+    for name, expected in approx.items():
+        assert catalogue_model(name).parameters == pytest.approx(expected, rel=0.005), name
+    assert catalogue_model("llama-3.1-8b").parameters == 8_030_261_248
+
+
+@pytest.mark.parametrize("typed,name", [
+    ("mistral-7b", "mistral-7b-v0.1"), ("Mistral-7B", "mistral-7b-v0.1"),
+    ("llama-3.1-8b", "llama-3.1-8b"), ("meta-llama/Llama-3.1-8B", "llama-3.1-8b"),
+    ("meta-llama/llama-3.1-8b-instruct", "llama-3.1-8b"), ("mistralai/Mistral-7B-v0.1", "mistral-7b-v0.1"),
+    ("microsoft/phi-4", "phi-4"), ("meta-llama/Llama-3.3-70B-Instruct", "llama-3.3-70b"),
+    ("mistralai/Mistral-Small-24B-Base-2501", "mistral-small-24b"), ("openai-community/gpt2", "gpt2"),
+])
+def test_aliases_and_hub_ids_resolve_in_one_place(typed, name):
+    assert catalogue_model(typed).name == name
+
+
+def test_every_hub_id_and_alias_is_listed_and_unique():
+    from planner.catalogue import aliases
+
+    table = aliases()
+    for entry in load_catalogue().values():
+        assert entry.hub_id is not None and entry.hub_id in entry.all_aliases
+        for alias in entry.all_aliases:
+            assert table[alias.lower()] == entry.name
+
+
+def test_an_alias_taken_twice_is_refused(tmp_path):
+    path = tmp_path / "models.yaml"
+    path.write_text(textwrap.dedent("""
+        models:
+          - name: a
+            family: llama
+            source: https://huggingface.co/x/a/blob/main/config.json
+            config: {model_type: llama, hidden_size: 64, num_attention_heads: 4, intermediate_size: 128,
+                     num_hidden_layers: 1, vocab_size: 10}
+          - name: b
+            family: llama
+            source: https://huggingface.co/x/b/blob/main/config.json
+            aliases: [A]
+            config: {model_type: llama, hidden_size: 64, num_attention_heads: 4, intermediate_size: 128,
+                     num_hidden_layers: 1, vocab_size: 10}
+    """))
+    with pytest.raises(PlannerError, match=r"models\[1\] \(b\): name or alias 'A' is already taken"):
+        load_catalogue.__wrapped__(path)
+
+
+def test_an_unknown_hub_like_name_says_how_it_is_read():
+    with pytest.raises(UnknownModelError, match="looks like a Hugging Face Hub id"):
+        catalogue_model("someone/some-model")
+
+
+def test_a_model_type_without_a_reader_is_its_own_error_carrying_the_config():
+    from planner.catalogue import UnsupportedModelTypeError
+
+    config = {"model_type": "starcoder2", "hidden_size": 64}
+    with pytest.raises(UnsupportedModelTypeError, match="model_type 'starcoder2' has no analytic reader.*"
+                       r"pip install -e '\.\[backend\]'") as caught:
+        model_from_config(config, name="sc2")
+    assert caught.value.config == config and caught.value.name == "sc2"
 
 
 @pytest.mark.parametrize("config,message", [

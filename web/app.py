@@ -25,12 +25,12 @@ from fastapi import Body, Depends, FastAPI, Header, HTTPException, Path as PathP
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from backend.anymodel import estimate_any, plan_any
 from backend.store import StoreError
 from planner import __version__
 from planner.catalogue import catalogue_model, load_catalogue
 from planner.errors import PlannerError, UnknownModelError, UnknownNameError
 from planner.gpus import gpu as lookup_gpu, load_gpus
-from planner.plan import estimate_with_time, plan
 from planner.presets import PRESETS
 from planner.schema import EstimateRequest, EstimateResult, PlanRequest, PlanResult
 from planner.topology import MAX_TOPOLOGY_BYTES, Topology, parse_topology
@@ -319,14 +319,14 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
     @app.get("/v1/models", tags=["catalogue"])
     def models() -> list[dict[str, Any]]:
         return [{"name": n, "family": e.family, "parameters": catalogue_model(n).parameters, "source": e.source,
-                 "config": e.config} for n, e in load_catalogue().items()]
+                 "aliases": list(e.all_aliases), "config": e.config} for n, e in load_catalogue().items()]
 
-    @app.get("/v1/models/{name}", tags=["catalogue"])
+    @app.get("/v1/models/{name:path}", tags=["catalogue"])  # :path, so a Hub id alias (org/name) reaches it
     def model(name: str) -> dict[str, Any]:
         resolved = catalogue_model(name)
         entry = load_catalogue()[resolved.name]
         return {"name": resolved.name, "family": entry.family, "parameters": resolved.parameters,
-                "source": entry.source, "config": entry.config,
+                "source": entry.source, "aliases": list(entry.all_aliases), "config": entry.config,
                 "architecture": resolved.architecture.model_dump() if resolved.architecture else None}
 
     @app.get("/v1/gpus", tags=["catalogue"])
@@ -345,11 +345,11 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
 
     @app.post("/v1/estimate", tags=["planning"], response_model=EstimateResult, response_model_by_alias=True)
     def estimate_route(body: EstimateRequest = Body(..., examples=[ESTIMATE_EXAMPLE])) -> EstimateResult:
-        return estimate_with_time(body)
+        return estimate_any(body)  # Hub ids; tracing for a model_type without a reader
 
     @app.post("/v1/plan", tags=["planning"], response_model=PlanResult, response_model_by_alias=True)
     def plan_route(body: PlanRequest = Body(..., examples=[PLAN_EXAMPLE])) -> PlanResult:
-        return plan(body)
+        return plan_any(body)  # Hub ids
 
     @app.post("/v1/verify", tags=["runs"], response_model=RunStarted, status_code=202,
               dependencies=[Depends(require_token)], responses=AUTH_ERRORS)
