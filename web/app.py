@@ -27,7 +27,8 @@ from planner.errors import PlannerError, UnknownModelError, UnknownNameError
 from planner.gpus import gpu as lookup_gpu, load_gpus
 from planner.plan import estimate_with_time, plan
 from planner.presets import PRESETS
-from planner.schema import EstimateRequest, EstimateResult, PlanRequest, PlanResult
+from planner.schema import (EstimateRequest, EstimateResult, GpuName, PlanRequest, PlanResult, TimeoutSeconds,
+                            VerifySteps, WarmupSteps)
 from planner.topology import MAX_TOPOLOGY_BYTES, Topology, parse_topology
 
 MAX_BODY_BYTES = 256 * 1024  # an estimate/plan body with a pasted config.json and topology is < 100 KiB
@@ -45,14 +46,14 @@ VERIFY_EXAMPLE = {"model_config": {"model_type": "llama", "vocab_size": 4096, "h
 
 class TopologyBody(BaseModel):
     text: str = Field(max_length=MAX_TOPOLOGY_BYTES, description="`nvidia-smi topo -m` output")
-    gpu: str = Field("a100-80gb", description="GPU type, which decides what each link code means")
+    gpu: GpuName = Field(description="GPU type, which decides what each link code means (see GET /v1/gpus)")
 
 
 class VerifyBody(BaseModel):
     request: EstimateRequest
-    steps: int = Field(2, ge=1, le=100)
-    warmup_steps: int = Field(1, ge=0, le=20)
-    timeout_seconds: float | None = Field(None, gt=0, le=86400)
+    steps: VerifySteps = 2
+    warmup_steps: WarmupSteps = 1
+    timeout_seconds: TimeoutSeconds | None = None
 
 
 class RunStarted(BaseModel):
