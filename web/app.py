@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Body, Depends, FastAPI, Header, HTTPException, Path as PathParam, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
@@ -86,6 +88,18 @@ def validation_detail(message: str) -> list[dict[str, Any]]:
     match = _FIELD_PREFIX.match(message)
     loc = ["body", *match.group(2).replace("-", "_").split(".")] if match else ["body"]
     return [{"loc": loc, "msg": message, "type": "value_error"}]
+
+
+def json_safe(value: Any) -> Any:
+    """A 422 echoes the rejected input; NaN and Infinity (which Python's JSON reader accepts in a
+    body) cannot be written back as JSON, so they are echoed as text instead of failing with a 500."""
+    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def _token() -> str | None:
@@ -204,6 +218,10 @@ def create_app(db: str | None = None) -> FastAPI:
     @app.exception_handler(UnknownNameError)
     async def _not_found(_: Request, exc: PlannerError):
         return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(RequestValidationError)
+    async def _unprocessable(_: Request, exc: RequestValidationError):
+        return JSONResponse({"detail": json_safe(jsonable_encoder(exc.errors()))}, status_code=422)
 
     @app.exception_handler(PlannerError)
     async def _invalid(_: Request, exc: PlannerError):
