@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import typing
 from pathlib import Path
@@ -59,6 +60,13 @@ def _catalogue(field: Any) -> Any:
     return found[0] if found else None
 
 
+def path_arg(text: str) -> str:
+    """A path flag: the operating system cannot name a file with a NUL byte in it."""
+    if "\x00" in text:
+        raise argparse.ArgumentTypeError(f"got {text!r}: a path cannot contain a NUL byte")
+    return text
+
+
 def schema_type(annotation: Any) -> Callable[[str], Any]:
     """An argparse type that validates a flag with a schema type (bounds, finiteness), so the
     CLI refuses what the API refuses, as a one-line usage error (exit 2)."""
@@ -84,7 +92,7 @@ def add_schema_flags(parser: argparse.ArgumentParser, model: type[BaseModel],
         flag = _flag(name)
         help_text = field.description or ""
         if name in FILE_FLAGS:
-            parser.add_argument(flag, dest=name, metavar="PATH", default=argparse.SUPPRESS,
+            parser.add_argument(flag, dest=name, metavar="PATH", type=path_arg, default=argparse.SUPPRESS,
                                 help=f"{help_text} (a file path)")
             continue
         choices = _choices(field.annotation)
@@ -212,11 +220,20 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def one_line(text: str) -> str:
+    """A message that stays one line on any terminal: control characters and line or paragraph
+    separators a user typed into a value (\\r, \\x1e, \\u2028, ...) are shown escaped."""
+    import unicodedata
+
+    return "".join(c.encode("unicode_escape").decode("ascii") if unicodedata.category(c) in ("Cc", "Zl", "Zp")
+                   else c for c in text)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (and exit code 2), not the whole usage text."""
 
     def error(self, message: str) -> typing.NoReturn:
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        print(one_line(f"{self.prog}: error: {message}"), file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
 
 
@@ -228,15 +245,29 @@ def _check_name(annotation: Any, value: str, flag: str) -> str:
         raise CliError(f"{flag}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
 
 
-def _check_output_path(path: str, flag: str) -> None:
-    """Refuse an output path that cannot name a file or directory before any work is done."""
+def _check_output_path(path: str, flag: str, kind: str) -> None:
+    """Refuse an output path that cannot be written as asked, before any work is done. A file is
+    replaced by renaming a new one over it, which must not replace a device such as /dev/null."""
     if not path.strip():
         raise CliError(f"{flag}: got {path!r}: give a path to write to")
     if "\x00" in path:
         raise CliError(f"{flag}: got {path!r}: a path cannot contain a NUL byte")
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return  # written fresh (a missing parent directory is created, or refused, when writing)
+    except OSError as exc:  # a name too long, a path through a file, no permission
+        raise CliError(f"{flag} {path}: cannot be written ({exc.strerror})") from None
+    if kind == "dir" and not stat.S_ISDIR(mode):
+        raise CliError(f"{flag} {path}: exists and is not a directory")
+    if kind == "file" and not stat.S_ISREG(mode):
+        raise CliError(f"{flag} {path}: not a regular file; give a file name to write the picture to")
 
 
 def cmd_topo(args: argparse.Namespace) -> int:
+    from planner.errors import PlannerError
     from planner.gpus import gpu as lookup_gpu
     from planner.presets import PRESETS, preset_topology
     from planner.schema import GpuName, PresetName, _gpu_names
@@ -261,12 +292,15 @@ def cmd_topo(args: argparse.Namespace) -> int:
         text = read_topology_text(args.file or "-")
         topo = parse_topology(text, gpu_type, source=args.file or "stdin")
     if args.svg is not None:
-        _check_output_path(args.svg, "--svg")
+        _check_output_path(args.svg, "--svg", "file")
         from planner.emit import write_files
         from planner.render import topology_svg
 
         target = Path(args.svg)
-        write_files(target.parent, {target.name: topology_svg(topo)})
+        try:
+            write_files(target.parent, {target.name: topology_svg(topo)})
+        except PlannerError as exc:  # write_files speaks of --emit, its usual caller
+            raise CliError(f"--svg {args.svg}: {str(exc).split(': ', 1)[-1]}") from None
     if args.json:
         print(topo.model_dump_json(indent=2))
         return 0
@@ -281,7 +315,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from planner.schema import PlanRequest
 
     if args.emit is not None:
-        _check_output_path(args.emit, "--emit")
+        _check_output_path(args.emit, "--emit", "dir")
     elif args.pick is not None:
         raise CliError(f"--pick {args.pick}: needs --emit DIR (it chooses the candidate that is written)")
     request = request_from_args(args, PlanRequest)
@@ -464,23 +498,23 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--json", action="store_true", help="print the result as one JSON object")
     est.set_defaults(handler=cmd_estimate)
     topo = sub.add_parser("topo", help="parse `nvidia-smi topo -m` (a file or stdin) or show a preset")
-    topo.add_argument("--file", help="a file with `nvidia-smi topo -m` output (default: stdin)")
+    topo.add_argument("--file", type=path_arg, help="a file with `nvidia-smi topo -m` output (default: stdin)")
     topo.add_argument("--preset", help="a preset machine instead (see --list)")
     topo.add_argument("--list", action="store_true", help="list the presets")
     topo.add_argument("--gpu", help="GPU type, which decides what each link code means; required with --file or "
                                      "stdin (see `planner gpus`), implied by --preset")
-    topo.add_argument("--svg", metavar="FILE", help="write a picture of the topology")
+    topo.add_argument("--svg", type=path_arg, metavar="FILE", help="write a picture of the topology")
     topo.add_argument("--json", action="store_true", help="print the parsed topology as JSON")
     topo.set_defaults(handler=cmd_topo)
     pl = sub.add_parser("plan", help="rank every strategy x micro-batch x checkpointing x offload that fits")
     add_schema_flags(pl, PlanRequest)
-    pl.add_argument("--emit", metavar="DIR", help="write the DeepSpeed config, launch command and hostfile")
+    pl.add_argument("--emit", type=path_arg, metavar="DIR", help="write the DeepSpeed config, launch command and hostfile")
     pl.add_argument("--pick", type=schema_type(RANK), help="emit the candidate of this rank instead of the recommended one")
     pl.add_argument("--json", action="store_true", help="print the result as one JSON object")
     pl.set_defaults(handler=cmd_plan)
     ver = sub.add_parser("verify", help="launch the configuration through deepspeed, measure every rank, compare")
     add_schema_flags(ver, EstimateRequest)
-    ver.add_argument("--plan", metavar="FILE", help="run the candidate of a plan.json written by `planner plan --emit`")
+    ver.add_argument("--plan", type=path_arg, metavar="FILE", help="run the candidate of a plan.json written by `planner plan --emit`")
     ver.add_argument("--steps", type=schema_type(VerifySteps), default=3, help="measured steps, 1-100 (default: 3)")
     ver.add_argument("--warmup", type=schema_type(WarmupSteps), default=1,
                      help="warm-up steps before measuring, 0-20 (default: 1)")
@@ -490,24 +524,24 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"seconds before the run is ended, (0, {MAX_TIMEOUT_SECONDS}] (default: sized to the run)")
     ver.add_argument("--tolerance", type=schema_type(TolerancePercent), default=5.0,
                      help="verdict tolerance in percent, (0, 100] (default: 5)")
-    ver.add_argument("--db", help="runs database (default: the user's data directory)")
-    ver.add_argument("--hostfile", help="deepspeed hostfile for multi-node runs")
+    ver.add_argument("--db", type=path_arg, help="runs database (default: the user's data directory)")
+    ver.add_argument("--hostfile", type=path_arg, help="deepspeed hostfile for multi-node runs")
     ver.add_argument("--json", action="store_true", help="print the record as one JSON object")
     ver.set_defaults(handler=cmd_verify)
     cal = sub.add_parser("calibrate", help="fit efficiency constants from stored verify runs into a named profile")
     cal.add_argument("--name", required=True, help="profile name, used later with --profile")
     cal.add_argument("--gpu", type=schema_type(GpuName), help="only runs on this GPU type")
-    cal.add_argument("--db", help="runs database (default: the user's data directory)")
+    cal.add_argument("--db", type=path_arg, help="runs database (default: the user's data directory)")
     cal.add_argument("--json", action="store_true", help="print the profile as JSON")
     cal.set_defaults(handler=cmd_calibrate)
     serve = sub.add_parser("serve", help="serve the REST API (/v1, /docs) and the web page (/)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=schema_type(Port), default=8000, help="port, 0-65535 (default: 8000)")
-    serve.add_argument("--db", help="runs database (default: the user's data directory)")
+    serve.add_argument("--db", type=path_arg, help="runs database (default: the user's data directory)")
     serve.set_defaults(handler=cmd_serve)
     runs = sub.add_parser("runs", help="list past verify runs, or show one")
     runs.add_argument("show", nargs="?", type=schema_type(RunIdNumber), metavar="ID", help="show this run")
-    runs.add_argument("--db", help="runs database (default: the user's data directory)")
+    runs.add_argument("--db", type=path_arg, help="runs database (default: the user's data directory)")
     runs.add_argument("--limit", type=schema_type(RunsLimit), default=100,
                       help=f"most recent runs to list, 1-{MAX_RUNS_LISTED} (default: 100)")
     runs.add_argument("--json", action="store_true", help="print JSON")
@@ -529,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except (PlannerError, CliError) as exc:
-        print(f"planner: error: {exc}", file=sys.stderr)
+        print(one_line(f"planner: error: {exc}"), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("planner: interrupted", file=sys.stderr)

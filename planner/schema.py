@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic_core import core_schema
 
 from planner.activations import Attention, Checkpointing
@@ -97,7 +97,14 @@ FabricName = Annotated[str, Field(max_length=64), CatalogueName("fabric", _fabri
 ProfileName = Annotated[str, Field(max_length=64), CatalogueName("profile", _profile_names, listed=False)]
 # A catalogue model name, or a Hugging Face Hub id ("org/name", resolved elsewhere). Only the shape
 # is checked here: an unknown catalogue name stays a 404 (planner.catalogue.catalogue_model).
-ModelName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
+def _printable_name(value: str) -> str:
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise ValueError("a model name cannot contain control characters (newlines, tabs, NUL, ...)")
+    return value
+
+
+ModelName = Annotated[str, Field(min_length=1, max_length=256, json_schema_extra={"pattern": r"^[^\x00-\x1f\x7f]+$"}),
+                      AfterValidator(_printable_name)]
 
 _COUNT = re.compile(r"^\s*([0-9](?:_?[0-9])*(?:\.[0-9](?:_?[0-9])*)?(?:[eE][+-]?[0-9]{1,2})?)\s*([kKmMbBtT]?)\s*$")
 _COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
