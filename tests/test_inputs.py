@@ -247,3 +247,18 @@ def test_nan_and_infinity_in_a_body_are_422_not_500(client, path, body):
     r = client.post(path, content=body, headers={"content-type": "application/json"})
     assert r.status_code == 422, r.text
     assert r.json()["detail"][0]["input"] in ("nan", "inf", "-inf")
+
+
+def test_a_config_json_keeps_its_exponent_floats(tmp_path):
+    """HF writes "rms_norm_eps": 1e-05; PyYAML (YAML 1.1) would read it as the string '1e-05', and
+    transformers' strict config then refuses the run. JSON is read as JSON."""
+    from planner.catalogue import model_from_file
+
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, '
+                    '"num_hidden_layers": 1, "num_attention_heads": 4, "rms_norm_eps": 1e-05, "rope_theta": 5e5}')
+    config = model_from_file(path).config
+    assert config["rms_norm_eps"] == 1e-05 and config["rope_theta"] == 500000.0
+    yaml_file = tmp_path / "mine.yaml"
+    yaml_file.write_text("config:\n  model_type: gpt2\n  n_embd: 64\n  n_layer: 2\n  n_head: 4\n  vocab_size: 100\n")
+    assert model_from_file(yaml_file).config["n_embd"] == 64  # YAML still reads
