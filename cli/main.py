@@ -480,6 +480,7 @@ def _pick(result, index: int):
 
 def build_parser() -> argparse.ArgumentParser:
     from planner.schema import (MAX_RUNS_LISTED, MAX_TIMEOUT_SECONDS, RANK, EstimateRequest, GpuName, ModelScale,
+                                NewProfileName,
                                 PlanRequest, Port, RunIdNumber, RunsLimit, TimeoutSeconds, TolerancePercent,
                                 VerifySteps, WarmupSteps)
 
@@ -529,7 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--json", action="store_true", help="print the record as one JSON object")
     ver.set_defaults(handler=cmd_verify)
     cal = sub.add_parser("calibrate", help="fit efficiency constants from stored verify runs into a named profile")
-    cal.add_argument("--name", required=True, help="profile name, used later with --profile")
+    cal.add_argument("--name", required=True, type=schema_type(NewProfileName),
+                     help="profile name, used later with --profile (1-64 letters, digits, '.', '_' or '-')")
     cal.add_argument("--gpu", type=schema_type(GpuName), help="only runs on this GPU type")
     cal.add_argument("--db", type=path_arg, help="runs database (default: the user's data directory)")
     cal.add_argument("--json", action="store_true", help="print the profile as JSON")

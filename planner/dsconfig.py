@@ -200,6 +200,24 @@ UNMODELLED_OFFLOAD = {
                                      "scale with cores", "0.8"),
 }
 
+# The precision blocks (runtime/precision_config.py): "enabled" is modelled (the precision).
+INERT_PRECISION = {
+    "auto_cast": "casts the inputs, which are integer token ids", "loss_scale": "a scalar",
+    "initial_scale_power": "a scalar", "loss_scale_window": "a scalar", "hysteresis": "a scalar",
+    "consecutive_hysteresis": "a scalar", "min_loss_scale": "a scalar",
+    "check_grad_overflow": "one scalar check per step",
+}
+UNMODELLED_PRECISION = {
+    "bf16_master_weights_and_grads": Unmodelled(_is(False), "bf16 master weights and gradients replace the fp32 "
+                                                "master copy", "false"),
+    "bf16_optimizer_states": Unmodelled(_is(False), "bf16 optimizer states halve the Adam moments", "false"),
+    "fp16_master_weights_and_grads": Unmodelled(_is(False), "fp16 master weights replace the fp32 master copy",
+                                                "false"),
+    "immediate_grad_update": Unmodelled(_is(False), "the BF16 optimizer applies each gradient as it arrives "
+                                        "instead of keeping them for the step", "false"),
+}
+PRECISION_KEYS = frozenset({"enabled"}) | frozenset(INERT_PRECISION) | frozenset(UNMODELLED_PRECISION)
+
 TOP_LEVEL_KEYS = MODELLED_TOP | frozenset(INERT_TOP) | frozenset(UNMODELLED_TOP) | REMOVED_TOP
 ZERO_KEYS = MODELLED_ZERO | frozenset(INERT_ZERO) | frozenset(UNMODELLED_ZERO) | REMOVED_ZERO
 OFFLOAD_KEYS = MODELLED_OFFLOAD | frozenset(INERT_OFFLOAD) | frozenset(NVME_ONLY_OFFLOAD) | frozenset(UNMODELLED_OFFLOAD)
@@ -327,6 +345,7 @@ def _optimizer(config: dict[str, Any]) -> str | None:
         return None
     if not isinstance(block, dict) or not isinstance(block.get("type", ""), str):
         raise PlannerError(f"ds_config.optimizer must be an object with a type, got {block!r}")
+    _check_keys(block, "ds_config.optimizer", {}, frozenset(), frozenset({"type", "params", "legacy_fusion"}))
     kind = block.get("type", "").lower()
     params = block.get("params") or {}
     if kind in ("adam", "adamw"):  # the same two fp32 moments (ops/adam/fused_adam.py, cpu_adam.py)
@@ -397,6 +416,9 @@ def parse_ds_config(config: Any) -> ZeroSettings:
         raise PlannerError(f"{where}.offload_optimizer needs stage 1, 2 or 3, got stage {stage}")
     if param_device != "none" and stage != 3:
         raise PlannerError(f"{where}.offload_param needs stage 3, got stage {stage}")
+    for name in ("bf16", "fp16"):
+        if isinstance(config.get(name), dict):
+            _check_keys(config[name], f"ds_config.{name}", UNMODELLED_PRECISION, frozenset(), PRECISION_KEYS)
     precision = _precision(config)
     _communication_dtype(config, precision)
     micro = _int_field(config, "train_micro_batch_size_per_gpu", "ds_config", 1)

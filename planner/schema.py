@@ -95,6 +95,15 @@ GpuName = Annotated[str, Field(max_length=64), CatalogueName("gpu", _gpu_names)]
 PresetName = Annotated[str, Field(max_length=64), CatalogueName("topology preset", _preset_names)]
 FabricName = Annotated[str, Field(max_length=64), CatalogueName("fabric", _fabric_names)]
 ProfileName = Annotated[str, Field(max_length=64), CatalogueName("profile", _profile_names, listed=False)]
+
+
+def _new_profile_name(value: str) -> str:
+    from planner.profiles import _check_name
+
+    return _check_name(value)
+
+
+NewProfileName = Annotated[str, AfterValidator(_new_profile_name)]  # what `planner calibrate --name` saves
 # A catalogue model name, or a Hugging Face Hub id ("org/name", resolved elsewhere). Only the shape
 # is checked here: an unknown catalogue name stays a 404 (planner.catalogue.catalogue_model).
 def _printable_name(value: str) -> str:

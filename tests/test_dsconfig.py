@@ -54,6 +54,9 @@ def run(capsys, config, tmp_path, *extra):
                                         "gradient_accumulation_steps(12) * world size(8)"),
     (zero3(cpu_offload=True, offload_optimizer={"device": "cpu"}), "sets both cpu_offload (deprecated) and "
                                                                     "offload_optimizer"),
+    (ZERO3 | {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+     "ds_config.bf16.bf16_master_weights_and_grads(true) is not modelled"),
+    (ZERO3 | {"bf16": {"enabled": True, "enabeld": True}}, "ds_config.bf16 has unknown key 'enabeld'"),
 ])
 def test_keys_that_would_change_memory_or_time_are_refused(capsys, tmp_path, config, message):
     code, out, err = run(capsys, config, tmp_path)
@@ -67,6 +70,7 @@ def test_keys_that_would_change_memory_or_time_are_refused(capsys, tmp_path, con
     ZERO3 | {"wall_clock_breakdown": True, "steps_per_print": 10, "gradient_clipping": 1.0,
              "scheduler": {"type": "WarmupLR", "params": {}}, "tensorboard": {"enabled": True}},
     ZERO3 | {"communication_data_type": "bf16", "gradient_clipping": "auto"},
+    ZERO3 | {"bf16": {"enabled": True, "check_grad_overflow": True, "immediate_grad_update": False}},
     zero3(stage3_gather_16bit_weights_on_model_save=True, ignore_unused_parameters=False),
     zero3(offload_param={"device": "cpu", "buffer_count": 8}),  # the NVMe swapper's keys do nothing on cpu
 ])
@@ -154,6 +158,9 @@ def test_every_key_deepspeed_reads_is_classified():
     assert sum(len(t) for t in tables) == len(set().union(*tables))  # no key in two tables
     offload = keys(DeepSpeedZeroOffloadParamConfig) | keys(DeepSpeedZeroOffloadOptimizerConfig)
     assert offload <= dsconfig.OFFLOAD_KEYS
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+
+    assert keys(DeepSpeedBF16Config) | keys(DeepSpeedFP16Config) <= dsconfig.PRECISION_KEYS
     top = [dsconfig.MODELLED_TOP, set(dsconfig.INERT_TOP), set(dsconfig.UNMODELLED_TOP), dsconfig.REMOVED_TOP]
     assert sum(len(t) for t in top) == len(set().union(*top))
     from deepspeed.runtime import config as ds_config

@@ -53,6 +53,7 @@ def client(tmp_path, monkeypatch):
     (["estimate", "--model", "gpt2", "--profile", ""], "unknown profile ''"),
     (["estimate", "--model", "", "--gpu", "cpu"], "--model: got '': String should have at least 1 character"),
     (["calibrate", "--name", "x", "--gpu", "tpu"], "argument --gpu: got 'tpu': unknown gpu 'tpu'"),
+    (["calibrate", "--name", "my box"], "argument --name: got 'my box': profile name 'my box' must be 1-64 letters"),
 ])
 def test_unknown_names_are_refused_with_the_choices(capsys, tmp_path, monkeypatch, argv, message):
     monkeypatch.setenv("PLANNER_PROFILES", str(tmp_path / "profiles"))
