@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Callable, Collection, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic_core import core_schema
@@ -29,25 +29,25 @@ MAX_PARAMS = 10**14  # 100 trillion parameters: far beyond any model trained
 
 # --- names: every field that names a catalogue entry is checked here, once, for CLI, API and page
 
-def _gpu_names() -> list[str]:
+def _gpu_names() -> Collection[str]:
     from planner.gpus import load_gpus  # cached: one YAML parse per process
 
-    return list(load_gpus())
+    return load_gpus().keys()
 
 
-def _preset_names() -> list[str]:
+def _preset_names() -> Collection[str]:
     from planner.presets import PRESETS
 
-    return list(PRESETS)
+    return PRESETS.keys()
 
 
-def _fabric_names() -> list[str]:
+def _fabric_names() -> Collection[str]:
     from planner.topology import link_rates  # cached
 
-    return list(link_rates()["fabric"])
+    return link_rates()["fabric"].keys()
 
 
-def _profile_names() -> list[str]:
+def _profile_names() -> Collection[str]:
     from planner.profiles import profiles_dir
 
     directory = profiles_dir()
@@ -63,11 +63,11 @@ class CatalogueName:
     time, so they are checked but not listed."""
 
     kind: str
-    names: Callable[[], list[str]]
+    names: Callable[[], Collection[str]]  # a cached catalogue's keys: checking a name is one look-up
     listed: bool = True
 
     def choices(self) -> list[str]:
-        return self.names()
+        return sorted(self.names())
 
     def check(self, value: str) -> str:
         known = self.names()
@@ -79,7 +79,7 @@ class CatalogueName:
         if not known:
             raise ValueError(f"unknown {self.kind} {value!r}; none exists yet"
                              + ("; save one with `planner calibrate`" if self.kind == "profile" else ""))
-        raise ValueError(unknown(self.kind, value, known))
+        raise ValueError(unknown(self.kind, value, list(known)))
 
     def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
         return core_schema.no_info_after_validator_function(self.check, handler(source))
@@ -106,8 +106,11 @@ def _new_profile_name(value: str) -> str:
 NewProfileName = Annotated[str, AfterValidator(_new_profile_name)]  # what `planner calibrate --name` saves
 # A catalogue model name, or a Hugging Face Hub id ("org/name", resolved elsewhere). Only the shape
 # is checked here: an unknown catalogue name stays a 404 (planner.catalogue.catalogue_model).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def _printable_name(value: str) -> str:
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+    if _CONTROL.search(value):
         raise ValueError("a model name cannot contain control characters (newlines, tabs, NUL, ...)")
     return value
 
