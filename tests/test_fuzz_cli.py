@@ -38,6 +38,7 @@ NUMBERS = ["0", "1", "-1", "2", "7", "255", "256", "1023", "1024", "1025", "6553
 NAMES = ["gpt2", "llama-3-8b", "LLAMA-3-8B", "meta-llama/Llama-3.1-8B", "h100-80gb", "cpu", "a100-80gb", "rtx-a6000",
          "hgx-h100", "dgx-a100", "a6000-nvlink-pairs", "ib-ndr", "eth-25g", "nope", "zero3", "hsdp", "time", "mine"]
 TEXT = st.text(max_size=24)
+CASES: dict[str, int] = {}
 
 
 def _bounds(field) -> list[str]:
@@ -151,6 +152,7 @@ def test_no_argv_gives_a_traceback(sandbox, capsys, monkeypatch, command):
                                      HealthCheck.filter_too_much])
     @given(argv=argvs(command))
     def check(argv):
+        CASES[command] = CASES.get(command, 0) + 1
         monkeypatch.setattr("sys.stdin", io.StringIO(""))  # topo reads stdin without --file
         try:
             code = main(argv)
@@ -165,3 +167,10 @@ def test_no_argv_gives_a_traceback(sandbox, capsys, monkeypatch, command):
 
     check()
     assert all(kind in ("verify", "serve") for kind, _ in sandbox)  # recorded, never launched or bound
+
+
+def test_the_fuzz_ran_its_cases():
+    """Runs after the fuzz (file order): each subcommand's search ran its cases, not a shortcut."""
+    if set(CASES) != set(COMMANDS):
+        pytest.skip("run with the fuzz above")
+    assert all(CASES[c] >= max(1, int(EXAMPLES[c] * SCALE)) for c in COMMANDS), CASES
