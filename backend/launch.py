@@ -45,6 +45,7 @@ class ProbeResult:
 def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_dir: Path) -> dict[str, Any]:
     """What every rank needs: the architecture, the DeepSpeed config the prediction assumed."""
     setup = resolve(request)
+    request = setup.request  # with what a --ds-config fixed: precision, micro-batch, accumulation, optimizer
     if setup.model.config is None:
         raise PlannerError("a real run needs an architecture: give --model or --model-file, not --params")
     common = {

@@ -368,6 +368,8 @@ def _zero3_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     if offload_params:
         plan.host_resident_bytes += wb * part * setup.request.gpus
         plan.host_peak_bytes += wb * part * setup.request.gpus
+        if z.offload_params == "cpu" and z.pin_params:  # partition_parameters.py: pin_memory(partitioned_tensor)
+            plan.host_pinned_bytes += wb * part * setup.request.gpus
         if z.offload_params == "nvme":
             plan.nvme_bytes += wb * part * setup.request.gpus
         plan.notes.append(f"parameters offloaded to {z.offload_params}: each rank's 1/{dp} partition lives off the device")

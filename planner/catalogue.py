@@ -90,8 +90,12 @@ class ResolvedModel(BaseModel):
 
 
 def _parse_text(text: str, source: str) -> Any:
+    try:  # JSON first: PyYAML (YAML 1.1) reads JSON's 1e-05, as in every Llama config.json, as a string
+        return json.loads(text)
+    except ValueError:
+        pass
     try:
-        return yaml.safe_load(text)  # YAML is a superset of JSON, so this reads both
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -16,7 +16,7 @@ from planner import buffers as buf
 from planner.activations import ActivationItem, Activations, estimate_activations
 from planner.architecture import Architecture, parameter_numels
 from planner.catalogue import ResolvedModel, catalogue_model, model_from_config, raw_parameters
-from planner.dsconfig import ZeroSettings, parse_ds_config, with_overrides
+from planner.dsconfig import ZeroSettings, batch_from_config, parse_ds_config, with_overrides
 from planner.errors import PlannerError
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.precision import RECIPES, Recipe, bits_to_bytes, optimizer_state_bits
@@ -81,6 +81,17 @@ def _zero_settings(request: EstimateRequest, s: Strategy) -> ZeroSettings:
                    offload_params=offload_params)
 
 
+def _from_config(request: EstimateRequest, zero: ZeroSettings) -> dict:
+    """What a ds_config fixes beyond ZeRO (its optimizer, micro-batch and accumulation), where the
+    request's own field was not given: explicit flags win, as for the precision."""
+    if request.ds_config is None:
+        return {}
+    micro, accumulation = batch_from_config(zero, request.world_size)
+    given = request.model_fields_set
+    found = {"optimizer": zero.optimizer, "micro_batch": micro, "gradient_accumulation": accumulation}
+    return {k: v for k, v in found.items() if v is not None and k not in given}
+
+
 def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Setup:
     """``model``: one resolved outside the core (a traced profile, catalogue.traced_model) in
     place of the request's own model fields."""
@@ -91,6 +102,7 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     if request.ds_config is not None and zero.precision and zero.precision != precision \
             and "precision" not in request.model_fields_set:
         precision = zero.precision  # the config's bf16/fp16 block, unless --precision was given
+    from_config = _from_config(request, zero)
     check_precision(g, precision)
     check_offload(s, zero.offload_optimizer, zero.offload_params)
     if s.framework == "deepspeed" and precision == "bf16-pure":
@@ -98,7 +110,7 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
                            "it always keeps fp32 master weights; use bf16-mixed with zero0-3, or ddp/fsdp for bf16-pure")
     model = model if model is not None else resolve_model(request)
     shard = shard_group_size(s, request.gpus, request.nodes, request.hsdp_shard_size)
-    return Setup(request=request.model_copy(update={"precision": precision}), model=model, strategy=s,
+    return Setup(request=request.model_copy(update={"precision": precision} | from_config), model=model, strategy=s,
                  recipe=RECIPES[precision], gpu=g, zero=zero,
                  world_size=request.world_size, shard_size=shard)
 

@@ -69,6 +69,7 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
     result = estimate(request)
     if result.model.architecture is None:
         return []
+    request = result.request  # with what a ds_config fixed (micro-batch, accumulation, optimizer)
     from planner.architecture import Architecture
 
     combo, buckets = _resolved_combo(request)
@@ -115,8 +116,8 @@ def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstim
 
 
 def estimate_with_time(request: EstimateRequest) -> EstimateResult:
-    result = estimate(request)
-    return result.model_copy(update={"time": estimate_time(request, result)})
+    result = estimate(request)  # result.request holds what a ds_config fixed (micro-batch, accumulation, optimizer)
+    return result.model_copy(update={"time": estimate_time(result.request, result)})
 
 
 def _topology(req: PlanRequest, g: Gpu) -> tuple[Topology, str, int]:

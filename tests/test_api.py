@@ -43,7 +43,7 @@ def test_estimate_equals_the_cli_json(client, capsys):
 
 @pytest.mark.parametrize("body,status,message", [
     ({"model": "nope"}, 404, "unknown model 'nope'"),
-    ({"model": "gpt2", "gpu": "tpu"}, 404, "unknown gpu 'tpu'"),
+    ({"model": "gpt2", "gpu": "tpu"}, 422, "unknown gpu 'tpu' (did you mean cpu?); choose from a100-40gb"),
     ({"model": "gpt2", "gpus": 0}, 422, "greater than or equal to 1"),
     ({"model": "gpt2", "strategy": "zero9"}, 422, "zero9"),
     ({"model": "gpt2", "surprise": 1}, 422, "Extra inputs are not permitted"),
@@ -63,7 +63,7 @@ def test_plan_and_its_errors(client):
     r = client.post("/v1/plan", json={"model": "gpt2", "gpus": 8, "global_batch": 100})
     assert r.status_code == 422 and "not divisible" in r.json()["detail"][0]["msg"]
     r = client.post("/v1/plan", json={"model": "gpt2", "topology": "dgx-z"})
-    assert r.status_code == 404
+    assert r.status_code == 422 and "choose from a6000-nvlink-pairs" in r.json()["detail"][0]["msg"]
 
 
 def test_topology_route(client):

@@ -94,8 +94,8 @@ def test_plan_is_fast():
 def test_bad_plan_inputs():
     with pytest.raises(PlannerError, match=r"global_batch\(100\) is not divisible by gpus\(8\) \* nodes\(1\) = 8"):
         plan(PlanRequest(model="gpt2", gpus=8, global_batch=100))
-    with pytest.raises(PlannerError, match="unknown topology preset 'dgx-z'"):
-        plan(PlanRequest(model="gpt2", topology="dgx-z"))
+    with pytest.raises(ValueError, match="unknown topology preset 'dgx-z'.*; choose from a6000-nvlink-pairs"):
+        PlanRequest(model="gpt2", topology="dgx-z")  # refused by the schema, before planning
     with pytest.raises(PlannerError, match="built from h100-80gb, but gpu is a100-80gb"):
         plan(PlanRequest(model="gpt2", gpu="a100-80gb", topology="hgx-h100"))
 
@@ -128,7 +128,7 @@ def test_cli_topo(tmp_path, capsys):
                  "--svg", str(svg)])
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and len(data["gpus"]) == 8 and data["matrix"][0][1] == "NV12" and svg.read_text().startswith("<svg")
-    assert main(["topo", "--file", "/no/such"]) == 2
+    assert main(["topo", "--file", "/no/such", "--gpu", "a100-80gb"]) == 2
     assert "cannot be read" in capsys.readouterr().err
 
 

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Body, Depends, FastAPI, Header, HTTPException, Path as PathParam, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
@@ -32,7 +34,8 @@ from planner.catalogue import catalogue_model, load_catalogue
 from planner.errors import PlannerError, UnknownModelError, UnknownNameError
 from planner.gpus import gpu as lookup_gpu, load_gpus
 from planner.presets import PRESETS
-from planner.schema import EstimateRequest, EstimateResult, PlanRequest, PlanResult
+from planner.schema import (EstimateRequest, EstimateResult, GpuName, PlanRequest, PlanResult, TimeoutSeconds,
+                            VerifySteps, WarmupSteps)
 from planner.topology import MAX_TOPOLOGY_BYTES, Topology, parse_topology
 
 MAX_BODY_BYTES = 256 * 1024  # an estimate/plan body with a pasted config.json and topology is < 100 KiB
@@ -51,14 +54,14 @@ VERIFY_EXAMPLE = {"model_config": {"model_type": "llama", "vocab_size": 4096, "h
 
 class TopologyBody(BaseModel):
     text: str = Field(max_length=MAX_TOPOLOGY_BYTES, description="`nvidia-smi topo -m` output")
-    gpu: str = Field("a100-80gb", description="GPU type, which decides what each link code means")
+    gpu: GpuName = Field(description="GPU type, which decides what each link code means (see GET /v1/gpus)")
 
 
 class VerifyBody(BaseModel):
     request: EstimateRequest
-    steps: int = Field(2, ge=1, le=100)
-    warmup_steps: int = Field(1, ge=0, le=20)
-    timeout_seconds: float | None = Field(None, gt=0, le=86400)
+    steps: VerifySteps = 2
+    warmup_steps: WarmupSteps = 1
+    timeout_seconds: TimeoutSeconds | None = None
 
 
 class RunStarted(BaseModel):
@@ -94,6 +97,18 @@ def validation_detail(message: str) -> list[dict[str, Any]]:
     match = _FIELD_PREFIX.match(message)
     loc = ["body", *match.group(2).replace("-", "_").split(".")] if match else ["body"]
     return [{"loc": loc, "msg": message, "type": "value_error"}]
+
+
+def json_safe(value: Any) -> Any:
+    """A 422 echoes the rejected input; NaN and Infinity (which Python's JSON reader accepts in a
+    body) cannot be written back as JSON, so they are echoed as text instead of failing with a 500."""
+    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def _token() -> str | None:
@@ -307,6 +322,10 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
     @app.exception_handler(UnknownNameError)
     async def _not_found(_: Request, exc: PlannerError):
         return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(RequestValidationError)
+    async def _unprocessable(_: Request, exc: RequestValidationError):
+        return JSONResponse({"detail": json_safe(jsonable_encoder(exc.errors()))}, status_code=422)
 
     @app.exception_handler(PlannerError)
     async def _invalid(_: Request, exc: PlannerError):
