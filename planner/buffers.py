@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from planner.activations import Activations
-from planner.architecture import Architecture, layer_parameters
+from planner.architecture import Architecture, blocks_parameters, layer_parameters
 from planner.schema import MemoryItem, Phase
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def _head_and_late(arch: Architecture, numels: list[int]) -> tuple[int, int]:
     embedding's, allocated at the head."""
     embedding = arch.vocab_size * arch.hidden_size + arch.learned_positions * arch.hidden_size
     late = 0 if arch.tie_word_embeddings else embedding
-    return sum(numels) - layer_parameters(arch) * arch.num_layers - late, late
+    return sum(numels) - blocks_parameters(arch) - late, late
 
 
 def backward_sweep(acts: Activations | None, numels: list[int], arch: Architecture | None) -> list[SweepPoint]:
@@ -401,7 +401,7 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
         resident.append(_item("DDP gradient buckets (a copy of the gradients)", store_bytes * psi, "buffers",
                               "torch DDP Reducer, gradient_as_bucket_view=False"))
     block = layer_parameters(setup.arch) if setup.arch else max(numels)
-    root = psi - block * setup.arch.num_layers if setup.arch else max(numels)
+    root = psi - blocks_parameters(setup.arch) if setup.arch else max(numels)
     phases = []
     for point in backward_sweep(acts, numels, setup.arch):
         items = resident + _activation_items(point)
