@@ -15,7 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from planner.architecture import Architecture
+from planner.architecture import Architecture, layer_specs
+from planner.errors import PlannerError
+from planner.layers import AttentionSpec, LayerSpec
 
 Attention = Literal["sdpa", "eager"]
 Checkpointing = Literal["none", "full"]
@@ -70,6 +72,39 @@ def _norm_saved(a: Architecture, tokens: int, b: int) -> int:
     if a.norm == "rmsnorm":
         return FP32 * tokens * h + b * tokens * h + b * tokens * h + FP32 * tokens
     return b * tokens * h + b * tokens * h + 2 * FP32 * tokens
+
+
+def _float_norm_saved(tokens: int, width: int, rows: int) -> int:
+    """An RMSNorm that multiplies its weight in fp32 (Olmo2RMSNorm: ``(weight * x).to(dtype)``;
+    Gemma3RMSNorm: ``x * (1 + weight.float())``): the fp32 input (saved by pow and the rsqrt
+    product), rsqrt per row, and the normalized fp32 tensor (saved for the weight's gradient).
+    Its cast-back output is saved only by a following linear (counted there)."""
+    return FP32 * tokens * width + FP32 * tokens * width + FP32 * rows
+
+
+def _block_norms_saved(a: Architecture, spec: LayerSpec, tokens: int, b: int) -> int:
+    """The block's hidden-width norms. Llama-style (weight * x.to(dtype)) for pre-norm blocks;
+    OLMo-2's post-norms and Gemma-3's sandwich norms multiply in fp32 (above), and the inputs of
+    attention and MLP (the residual stream or a pre-norm's output) are saved by their linears."""
+    if spec.norm_weight == "float":
+        inputs = 2 * b * tokens * a.hidden_size
+        return spec.norms * _float_norm_saved(tokens, a.hidden_size, tokens) + inputs
+    return spec.norms * _norm_saved(a, tokens, b)
+
+
+def _qk_norm_saved(s: AttentionSpec, tokens: int, b: int, float_weight: bool) -> int:
+    """q/k norms before RoPE. Qwen3RMSNorm per head: fp32 input, rsqrt per (token, head), and the
+    cast back (saved by ``weight * x``); its output is only multiplied by cos/sin, which saves
+    nothing large (cos/sin need no gradient). OLMo-2 (whole projection) and Gemma-3 multiply in fp32."""
+    if s.qk_norm == "none":
+        return 0
+    if s.qk_norm == "head":
+        q_rows, k_rows = tokens * s.num_heads, tokens * s.num_kv_heads
+    else:
+        q_rows = k_rows = tokens
+    if float_weight:
+        return _float_norm_saved(tokens, s.q_width, q_rows) + _float_norm_saved(tokens, s.kv_width, k_rows)
+    return (FP32 + b) * tokens * (s.q_width + s.kv_width) + FP32 * (q_rows + k_rows)
 
 
 def _uses_kv_repeat(a: Architecture, attention: Attention, seq_len: int) -> bool:
@@ -135,10 +170,64 @@ def _dropout_saved(a: Architecture, tokens: int, b: int, device: Device) -> int:
 
 def layer_saved_bytes(a: Architecture, tokens: int, seq_len: int, micro_batch: int, b: int,
                       attention: Attention, device: Device = "cuda") -> int:
-    norms = a.norms_per_layer * _norm_saved(a, tokens, b)
-    return (norms + _attention_saved(a, tokens, seq_len, micro_batch, b, attention, device)
-            + _mlp_saved(a, tokens, b) + _moe_router_saved(a, tokens)
-            + _dropout_saved(a, tokens, b, device))
+    """The largest block's saved set (every block's, when they are alike)."""
+    return max(block_saved_bytes(a, spec, tokens, seq_len, micro_batch, b, attention, device)
+               for spec in set(layer_specs(a)))
+
+
+def block_saved_bytes(a: Architecture, spec: LayerSpec, tokens: int, seq_len: int, micro_batch: int, b: int,
+                      attention: Attention, device: Device = "cuda") -> int:
+    """What one block saves for backward, from its layer spec."""
+    unmodelled(a)
+    attn = spec.attention
+    windowed = attn.window != "full" and attn.window_size < seq_len
+    if windowed and attention == "sdpa" and attn.num_kv_heads != attn.num_heads and not _uses_kv_repeat(a, attention, seq_len):
+        # a window shorter than the sequence needs a mask, and with a mask transformers repeats K/V
+        # to every query head (integrations/sdpa_attention.py, use_gqa_in_sdpa)
+        attention_bytes = _attention_saved(a, tokens, seq_len, micro_batch, b, attention, device)
+        attention_bytes += 2 * b * tokens * (attn.q_width - attn.kv_width)
+    else:
+        attention_bytes = _attention_saved(a, tokens, seq_len, micro_batch, b, attention, device)
+    float_weight = spec.norm_weight == "float"
+    return (_block_norms_saved(a, spec, tokens, b) + attention_bytes + _qk_norm_saved(attn, tokens, b, float_weight)
+            + _mlp_saved(a, tokens, b) + _moe_router_saved(a, tokens) + _dropout_saved(a, tokens, b, device))
+
+
+def unmodelled(a: Architecture) -> None:
+    """Refuse, naming what is missing, a stack whose activations the model cannot yet derive
+    (its parameter count and model states are exact: ``--params`` gives those alone)."""
+    missing = sorted({what for spec in layer_specs(a) for what in _missing(spec)})
+    if missing:
+        raise PlannerError(
+            f"{a.model_type}: activations are not modelled yet for {', '.join(missing)}; the parameter "
+            f"count and model states are exact (estimate with params={sum_params(a)} for those alone)")
+
+
+def _missing(spec: LayerSpec) -> list[str]:
+    out = []
+    if spec.attention.kind == "mla":
+        out.append("multi-head latent attention (MLA latent projections)")
+    if spec.mlp.is_moe and (spec.mlp.layout != "mixtral" or spec.mlp.shared_intermediate_size):
+        out.append(f"{spec.mlp.layout} MoE routing (router logits, top-k, dispatch buffers, per-expert inputs)")
+    if spec.attention.sinks:
+        out.append("attention sinks")
+    if spec.attention.qk_norm == "l2":
+        out.append("L2 q/k norm")
+    if spec.attention.window == "chunked":
+        out.append("chunked attention")
+    return out
+
+
+def sum_params(a: Architecture) -> int:
+    from planner.architecture import parameter_count
+    return parameter_count(a)
+
+
+def _final_norm_saved(a: Architecture, tokens: int, b: int) -> int:
+    """The final norm and its output (saved by the LM head)."""
+    if layer_specs(a)[-1].norm_weight == "float":  # the final norm is the blocks' norm class
+        return _float_norm_saved(tokens, a.hidden_size, tokens) + b * tokens * a.hidden_size
+    return _norm_saved(a, tokens, b)
 
 
 def _loss_saved(a: Architecture, tokens: int, b: int) -> int:
@@ -181,8 +270,15 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
                          device: Device = "cuda") -> Activations:
     tokens = micro_batch * seq_len
     b = compute_bytes
-    per_layer = layer_saved_bytes(a, tokens, seq_len, micro_batch, b, attention, device)
-    final_norm = _norm_saved(a, tokens, b)
+    if a.attention_implementation == "eager":
+        attention = "eager"  # transformers has no SDPA path for this family (see the architecture's notes)
+    specs = layer_specs(a)
+    per_spec = {spec: block_saved_bytes(a, spec, tokens, seq_len, micro_batch, b, attention, device)
+                for spec in set(specs)}
+    blocks = [per_spec[spec] for spec in specs]
+    per_layer = max(blocks)
+    all_blocks = sum(blocks)
+    final_norm = _final_norm_saved(a, tokens, b)
     loss = _loss_saved(a, tokens, b) + _rope_saved(a, seq_len, b)
     embed_dropout = _embedding_saved(a, tokens, b, device)
     items = [ActivationItem("final norm", final_norm), ActivationItem("logits / loss (fp32)", loss)]
@@ -196,11 +292,13 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
         extra = max(_loss_transient(a, tokens, b), recompute + _layer_backward_transient(a, tokens, b))
         items.append(ActivationItem("one block recomputed in backward", recompute))
     else:
-        saved = a.num_layers * per_layer + final_norm + loss + embed_dropout
-        items.insert(0, ActivationItem(f"{a.num_layers} blocks x {per_layer} B saved", a.num_layers * per_layer))
+        saved = all_blocks + final_norm + loss + embed_dropout
+        label = (f"{a.num_layers} blocks x {per_layer} B saved" if all_blocks == a.num_layers * per_layer
+                 else f"{a.num_layers} blocks saved (largest {per_layer} B)")
+        items.insert(0, ActivationItem(label, all_blocks))
         extra = _loss_transient(a, tokens, b)
     items.append(ActivationItem("backward transient at the loss", _loss_transient(a, tokens, b)))
-    kept = b * tokens * a.hidden_size if checkpointing == "full" else per_layer
+    kept = b * tokens * a.hidden_size if checkpointing == "full" else all_blocks // a.num_layers
     return Activations(saved_bytes=saved, peak_extra_bytes=extra, items=tuple(items),
                        layer_saved_bytes=per_layer, layer_kept_bytes=kept,
                        head_saved_bytes=saved - a.num_layers * kept,

@@ -321,7 +321,10 @@ def _read_gemma2(f: _Fields) -> dict[str, Any]:
     fields = _llama_like(f, _GEMMA2, qkv_bias=None, norms=4, tied_default=True, softcap=True)
     if "head_dim" not in f.fields:
         fields["head_dim"] = 256  # Gemma2Config default, independent of hidden_size
-    return fields
+    # Gemma2PreTrainedModel._supports_sdpa = False (soft-capped attention logits): eager runs
+    return fields | dict(attention_implementation="eager",
+                         notes=("gemma2: transformers 5 has no SDPA path (attention logit soft-capping); "
+                                "eager attention is predicted",))
 
 
 def _read_mixtral(f: _Fields) -> dict[str, Any]:
@@ -482,7 +485,7 @@ def _read_olmo2(f: _Fields) -> dict[str, Any]:
     # q_norm/k_norm over the whole projection (RMSNorm(heads * head_dim))
     fields = _llama_like(f, _OLMO2, qkv_bias=None, norms=2, tied_default=False)
     spec = LayerSpec(attention=_attention(fields, qk_norm="projection"), mlp=_dense(fields), norm="rmsnorm",
-                     norms=2, norm_placement="post")
+                     norms=2, norm_placement="post", norm_weight="float")
     return _stack(fields, [spec] * fields["num_layers"])
 
 
@@ -500,7 +503,8 @@ def _read_gemma3_text(f: _Fields) -> dict[str, Any]:
         raise PlannerError(f"{f.source}: attn_logit_softcapping is not modelled for gemma3 (its released "
                            "configs have none); remove it or use a config without it")
     return _stack(fields, [LayerSpec(attention=_attention(fields, qk_norm="head", **_window(f, k, window)),
-                                     mlp=_dense(fields), norm="rmsnorm", norms=4, norm_placement="sandwich")
+                                     mlp=_dense(fields), norm="rmsnorm", norms=4, norm_placement="sandwich",
+                                     norm_weight="float")
                            for k in kinds])
 
 
@@ -594,8 +598,9 @@ def _read_deepseek(f: _Fields, defaults: dict[str, Any], v3: bool) -> dict[str, 
                           aliases=("num_local_experts",))
     inner = f.int("moe_intermediate_size", 2048 if v3 else 1407)
     shared = f.int("n_shared_experts", 1 if v3 else 2)
-    moe = MlpSpec(gated=True, bias=fields["mlp_bias"], intermediate_size=inner, num_experts=experts,
-                  experts_per_token=k, shared_intermediate_size=inner * shared, layout="deepseek")
+    # DeepseekV2Experts never has biases; its shared experts are a DeepseekV2MLP (mlp_bias)
+    moe = MlpSpec(gated=True, intermediate_size=inner, num_experts=experts, experts_per_token=k,
+                  shared_intermediate_size=inner * shared, shared_bias=fields["mlp_bias"], layout="deepseek")
     dense_first = f.fields.get("first_k_dense_replace", 3 if v3 else 0) or 0
     layers = [LayerSpec(attention=mla, mlp=moe if i >= dense_first else _dense(fields), norm="rmsnorm", norms=2)
               for i in range(fields["num_layers"])]

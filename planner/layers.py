@@ -78,6 +78,7 @@ class MlpSpec(BaseModel):
     experts_per_token: int = Field(default=0, ge=0, description="routed experts each token goes to")
     shared_intermediate_size: int = Field(default=0, ge=0,
                                           description="inner width of the shared expert MLP every token goes through")
+    shared_bias: bool = Field(default=False, description="the shared expert MLP has biases (DeepSeek-V2 mlp_bias)")
     router_bias: bool = Field(default=False, description="the router has a bias (gpt-oss)")
     layout: MoeLayout = Field(default="mixtral", description="which transformers experts module (parameter order)")
 
@@ -95,6 +96,9 @@ class LayerSpec(BaseModel):
     norms: int = Field(ge=1, le=8, description="hidden-width norms in the block")
     norm_placement: NormPlacement = Field(default="pre", description="pre-norm, post-norm (OLMo-2), both "
                                           "(Gemma-2/3 sandwich) or one norm feeding attention and MLP (Falcon)")
+    norm_weight: Literal["cast", "float"] = Field(
+        default="cast", description="RMSNorm applies its weight after casting back (Llama: weight * x.to(dtype)) "
+        "or in fp32 before the cast (OLMo-2, Gemma-3); decides what autograd saves")
 
 
 def _linear(n_in: int, n_out: int, bias: bool) -> list[int]:
@@ -155,7 +159,7 @@ def mlp_numels(m: MlpSpec, hidden: int) -> list[int]:
     # transformers 5 fuses every expert's gate and up in one (E, 2I, h) parameter, down (E, h, I)
     experts = [e * up * hidden] + ([e * up] if m.bias else []) + [e * hidden * inner] + ([e * hidden] if m.bias else [])
     router = [hidden * e] + ([e] if m.router_bias else [])
-    shared = (dense_mlp_numels(True, False, False, hidden, m.shared_intermediate_size)
+    shared = (dense_mlp_numels(True, m.shared_bias, False, hidden, m.shared_intermediate_size)
               if m.shared_intermediate_size else [])
     if m.layout in ("mixtral", "gpt_oss"):  # MixtralSparseMoeBlock: gate, experts; GptOssMLP: router, experts
         return router + experts + shared

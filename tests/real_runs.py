@@ -17,6 +17,16 @@ MISTRAL = {"model_type": "mistral", "vocab_size": 4096, "hidden_size": 256, "int
            "max_position_embeddings": 4096, "sliding_window": 4096, "tie_word_embeddings": False}
 GPT2 = {"model_type": "gpt2", "vocab_size": 4096, "n_embd": 256, "n_layer": 4, "n_head": 4,
         "n_positions": 1024, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+# The 2025-2026 families (issue 11), tiny versions of the real shapes.
+QWEN3 = {"model_type": "qwen3", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+         "max_position_embeddings": 4096, "tie_word_embeddings": True}
+OLMO2 = {"model_type": "olmo2", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+         "max_position_embeddings": 4096, "tie_word_embeddings": False}
+GEMMA3 = {"model_type": "gemma3_text", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 1024,
+          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+          "sliding_window": 512, "sliding_window_pattern": 2, "max_position_embeddings": 4096}
 SMALL = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000,
          "prefetch_bucket_size": 1_000_000, "param_persistence_threshold": 10_000}
 
@@ -57,6 +67,7 @@ CPU_RUNS = [
     _run("llama-fsdp-bf16", LLAMA, "fsdp", "bf16-mixed"),
     _run("llama-fsdp-fp32", LLAMA, "fsdp", "fp32"),
     _run("mistral-zero3-bf16-4ranks-s1024", MISTRAL, "zero3", "bf16-mixed", gpus=4, micro=1, seq=1024),
+    _run("qwen3-zero2-bf16-small-s512", QWEN3, "zero2", "bf16-mixed", small=True, micro=4, seq=512),
 ]
 
 # Measured and reported by bench/accuracy.py (not in CI, to keep it short): the rest of the
@@ -73,6 +84,9 @@ BENCH_RUNS = [
     _run("llama-hsdp-bf16-2x2", LLAMA, "hsdp", "bf16-mixed", nodes=2),
     _run("llama-zero2-bf16-offload", LLAMA, "zero2", "bf16-mixed", offload="cpu"),
     _run("llama-zero3-bf16-offload", LLAMA, "zero3", "bf16-mixed", offload="cpu"),
+    _run("qwen3-zero3-fp32-small-ckpt", QWEN3, "zero3", "fp32", small=True, ckpt="full", micro=4, seq=256),
+    _run("olmo2-zero2-bf16-small-s512", OLMO2, "zero2", "bf16-mixed", small=True, micro=4, seq=512),
+    _run("gemma3-zero1-bf16-small-s512", GEMMA3, "zero1", "bf16-mixed", small=True, micro=4, seq=512),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than
