@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from planner.architecture import Architecture, layer_specs
+from planner.architecture import Architecture, layer_specs, uniform_layer_spec
 from planner.errors import PlannerError
-from planner.layers import AttentionSpec, LayerSpec
+from planner.layers import AttentionSpec, LayerSpec, MlpSpec
 
 Attention = Literal["sdpa", "eager"]
 Checkpointing = Literal["none", "full"]
@@ -180,17 +180,50 @@ def block_saved_bytes(a: Architecture, spec: LayerSpec, tokens: int, seq_len: in
     """What one block saves for backward, from its layer spec."""
     unmodelled(a)
     attn = spec.attention
-    windowed = attn.window != "full" and attn.window_size < seq_len
-    if windowed and attention == "sdpa" and attn.num_kv_heads != attn.num_heads and not _uses_kv_repeat(a, attention, seq_len):
-        # a window shorter than the sequence needs a mask, and with a mask transformers repeats K/V
-        # to every query head (integrations/sdpa_attention.py, use_gqa_in_sdpa)
-        attention_bytes = _attention_saved(a, tokens, seq_len, micro_batch, b, attention, device)
-        attention_bytes += 2 * b * tokens * (attn.q_width - attn.kv_width)
-    else:
-        attention_bytes = _attention_saved(a, tokens, seq_len, micro_batch, b, attention, device)
+    attention_bytes = _attention_saved(a, tokens, seq_len, micro_batch, b, attention, device)
+    # masking_utils skips the mask only while kv_length < the window (_ignore_causal_mask_sdpa), so a
+    # window no longer than the sequence gives the block a (micro_batch, 1, seq, seq) mask, which
+    # SDPA saves converted to the compute dtype (measured with saved-tensor hooks on CPU, bf16 and
+    # fp32, one per such block); with a mask transformers repeats K/V to every query head
+    # (integrations/sdpa_attention.py, use_gqa_in_sdpa).
+    if attn.window != "full" and attn.window_size <= seq_len and attention == "sdpa":
+        attention_bytes += b * micro_batch * seq_len * seq_len
+        if attn.num_kv_heads != attn.num_heads and not _uses_kv_repeat(a, attention, seq_len):
+            attention_bytes += 2 * b * tokens * (attn.q_width - attn.kv_width)
     float_weight = spec.norm_weight == "float"
+    if spec.mlp.is_moe and spec.mlp.layout != "mixtral":
+        mlp = _routed_saved(spec.mlp, a.hidden_size, tokens, b) + _router_saved(spec.mlp, a.hidden_size, tokens, b)
+        mlp += 4 * b * tokens * spec.mlp.shared_intermediate_size  # shared expert: a dense gated MLP
+    elif spec.mlp.is_moe or spec.mlp == uniform_layer_spec(a).mlp:
+        mlp = _mlp_saved(a, tokens, b) + _moe_router_saved(a, tokens)
+    else:
+        mlp = 4 * b * tokens * spec.mlp.intermediate_size  # a dense gated MLP of its own width (Llama-4, DeepSeek)
     return (_block_norms_saved(a, spec, tokens, b) + attention_bytes + _qk_norm_saved(attn, tokens, b, float_weight)
-            + _mlp_saved(a, tokens, b) + _moe_router_saved(a, tokens) + _dropout_saved(a, tokens, b, device))
+            + mlp + _dropout_saved(a, tokens, b, device))
+
+
+INDEX = 8  # int64 indices
+
+
+def _routed_saved(m: MlpSpec, hidden: int, tokens: int, b: int) -> int:
+    """transformers 5's default experts path, grouped_mm_experts_forward (integrations/moe.py), over
+    the S = tokens x top-k (token, expert) pairs: the gather ``hidden[perm // k]`` and
+    ``weights[perm]`` save their int64 indices, the gathered copy is saved by the up grouped_mm,
+    the (S, 2I) up output by the activation (chunk views keep all of it), act(gate) and the
+    product (S, I) for the product and the down grouped_mm, the (S, h) down output and the
+    (S,) routing weights by their product, and ``weighted[inv_perm]`` saves inv_perm."""
+    pairs = tokens * m.experts_per_token
+    inner = m.intermediate_size
+    indices = 3 * INDEX * pairs + (INDEX * pairs if m.bias else 0)  # bias rows gathered by expert id
+    return (indices + b * pairs * hidden + 4 * b * pairs * inner + b * pairs * hidden + b * pairs)
+
+
+def _router_saved(m: MlpSpec, hidden: int, tokens: int, b: int) -> int:
+    """Qwen3MoeTopKRouter: softmax(logits, float32) saves its fp32 output (tokens x experts), topk
+    its int64 indices, the in-place renormalisation (norm_topk_prob) the fp32 top-k values and
+    their sum. The router's input is the norm output, already saved by the router linear."""
+    k = m.experts_per_token
+    return FP32 * tokens * m.num_experts + INDEX * tokens * k + FP32 * tokens * k + FP32 * tokens
 
 
 def unmodelled(a: Architecture) -> None:
@@ -207,7 +240,7 @@ def _missing(spec: LayerSpec) -> list[str]:
     out = []
     if spec.attention.kind == "mla":
         out.append("multi-head latent attention (MLA latent projections)")
-    if spec.mlp.is_moe and (spec.mlp.layout != "mixtral" or spec.mlp.shared_intermediate_size):
+    if spec.mlp.is_moe and spec.mlp.layout not in ("mixtral", "qwen3_moe"):
         out.append(f"{spec.mlp.layout} MoE routing (router logits, top-k, dispatch buffers, per-expert inputs)")
     if spec.attention.sinks:
         out.append("attention sinks")
@@ -221,6 +254,12 @@ def _missing(spec: LayerSpec) -> list[str]:
 def sum_params(a: Architecture) -> int:
     from planner.architecture import parameter_count
     return parameter_count(a)
+
+
+def _extra_rope_tables(a: Architecture, seq_len: int, b: int) -> int:
+    """cos/sin tables beyond the first (Gemma-3: one for the sliding layers, one for the global)."""
+    tables = {spec.attention.rope_table for spec in layer_specs(a) if spec.attention.rope}
+    return max(len(tables) - 1, 0) * _rope_saved(a, seq_len, b)
 
 
 def _final_norm_saved(a: Architecture, tokens: int, b: int) -> int:
@@ -280,7 +319,7 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
     all_blocks = sum(blocks)
     final_norm = _final_norm_saved(a, tokens, b)
     loss = _loss_saved(a, tokens, b) + _rope_saved(a, seq_len, b)
-    embed_dropout = _embedding_saved(a, tokens, b, device)
+    embed_dropout = _embedding_saved(a, tokens, b, device) + _extra_rope_tables(a, seq_len, b)
     items = [ActivationItem("final norm", final_norm), ActivationItem("logits / loss (fp32)", loss)]
     if checkpointing == "full":
         # Each block keeps only its input (bytes of the residual stream); one block at a time is

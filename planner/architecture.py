@@ -502,7 +502,9 @@ def _read_gemma3_text(f: _Fields) -> dict[str, Any]:
     if f.fields.get("attn_logit_softcapping") is not None:
         raise PlannerError(f"{f.source}: attn_logit_softcapping is not modelled for gemma3 (its released "
                            "configs have none); remove it or use a config without it")
-    return _stack(fields, [LayerSpec(attention=_attention(fields, qk_norm="head", **_window(f, k, window)),
+    # Gemma3TextModel.rotary_emb keeps one table per layer type (rope_local_base_freq for sliding)
+    return _stack(fields, [LayerSpec(attention=_attention(fields, qk_norm="head", **_window(f, k, window),
+                                                          rope_table="local" if k == "sliding_attention" else "global"),
                                      mlp=_dense(fields), norm="rmsnorm", norms=4, norm_placement="sandwich",
                                      norm_weight="float")
                            for k in kinds])

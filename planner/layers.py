@@ -43,6 +43,8 @@ class AttentionSpec(BaseModel):
                             "the whole projection (OLMo-2), or a weightless L2 norm (Llama-4)")
     sinks: bool = Field(default=False, description="a learned sink logit per head (gpt-oss)")
     rope: bool = Field(default=True, description="rotary positions applied in this block")
+    rope_table: Literal["global", "local"] = Field(
+        default="global", description="which cos/sin table the block reads (Gemma-3's sliding layers have their own)")
     qkv_bias: bool = Field(default=False, description="query/key/value projections have biases")
     o_bias: bool = Field(default=False, description="output projection has a bias")
     fused_qkv: bool = Field(default=False, description="one fused QKV projection (GPT-2, Falcon, Phi-3)")

@@ -27,6 +27,10 @@ OLMO2 = {"model_type": "olmo2", "vocab_size": 4096, "hidden_size": 256, "interme
 GEMMA3 = {"model_type": "gemma3_text", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 1024,
           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
           "sliding_window": 512, "sliding_window_pattern": 2, "max_position_embeddings": 4096}
+QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688,
+             "moe_intermediate_size": 192, "num_experts": 8, "num_experts_per_tok": 2,
+             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+             "max_position_embeddings": 4096, "tie_word_embeddings": False}
 SMALL = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000,
          "prefetch_bucket_size": 1_000_000, "param_persistence_threshold": 10_000}
 
@@ -87,6 +91,7 @@ BENCH_RUNS = [
     _run("qwen3-zero3-fp32-small-ckpt", QWEN3, "zero3", "fp32", small=True, ckpt="full", micro=4, seq=256),
     _run("olmo2-zero2-bf16-small-s512", OLMO2, "zero2", "bf16-mixed", small=True, micro=4, seq=512),
     _run("gemma3-zero1-bf16-small-s512", GEMMA3, "zero1", "bf16-mixed", small=True, micro=4, seq=512),
+    _run("qwen3moe-zero2-bf16-small-s512", QWEN3_MOE, "zero2", "bf16-mixed", small=True, micro=4, seq=512),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than
