@@ -31,12 +31,22 @@ def build_model(job: dict[str, Any]) -> torch.nn.Module:
     config.use_cache = False
     torch.manual_seed(int(job.get("seed", 0)))
     model = AutoModelForCausalLM.from_config(
-        config, attn_implementation=job["attn_implementation"], dtype=torch.float32
+        config, attn_implementation=_attention_for(job), dtype=torch.float32
     )
     if job["checkpointing"] == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
+
+
+def _attention_for(job: dict[str, Any]) -> str:
+    """The requested attention, or eager for a family transformers has no SDPA path for (gemma2,
+    gpt_oss: ``_supports_sdpa = False``), as the planner predicts (Architecture.attention_implementation)."""
+    from planner.architecture import from_hf_config
+
+    if from_hf_config(dict(job["model_config"])).attention_implementation == "eager":
+        return "eager"
+    return job["attn_implementation"]
 
 
 def synthetic_batch(job: dict[str, Any], step: int, device: torch.device) -> torch.Tensor:

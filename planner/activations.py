@@ -180,13 +180,18 @@ def block_saved_bytes(a: Architecture, spec: LayerSpec, tokens: int, seq_len: in
     """What one block saves for backward, from its layer spec."""
     unmodelled(a)
     attn = spec.attention
-    attention_bytes = _attention_saved(a, tokens, seq_len, micro_batch, b, attention, device)
+    if attn.kind == "mla":
+        attention_bytes = _mla_saved(attn, tokens, seq_len, micro_batch, b, attention, device)
+    elif attn.sinks:
+        attention_bytes = _sink_attention_saved(attn, tokens, seq_len, micro_batch, b)
+    else:
+        attention_bytes = _attention_saved(a, tokens, seq_len, micro_batch, b, attention, device)
     # masking_utils skips the mask only while kv_length < the window (_ignore_causal_mask_sdpa), so a
     # window no longer than the sequence gives the block a (micro_batch, 1, seq, seq) mask, which
     # SDPA saves converted to the compute dtype (measured with saved-tensor hooks on CPU, bf16 and
     # fp32, one per such block); with a mask transformers repeats K/V to every query head
     # (integrations/sdpa_attention.py, use_gqa_in_sdpa).
-    if attn.window != "full" and attn.window_size <= seq_len and attention == "sdpa":
+    if attn.window != "full" and attn.window_size <= seq_len and attention == "sdpa" and not attn.sinks:
         attention_bytes += b * micro_batch * seq_len * seq_len
         if attn.num_kv_heads != attn.num_heads and not _uses_kv_repeat(a, attention, seq_len):
             attention_bytes += 2 * b * tokens * (attn.q_width - attn.kv_width)
@@ -205,6 +210,47 @@ def block_saved_bytes(a: Architecture, spec: LayerSpec, tokens: int, seq_len: in
 INDEX = 8  # int64 indices
 
 
+def _mla_saved(s: AttentionSpec, tokens: int, seq_len: int, micro_batch: int, b: int, attention: Attention,
+               device: Device) -> int:
+    """DeepseekV2/V3Attention (multi-head latent attention): the query LoRA (q_a_proj output through
+    q_a_layernorm: fp32 input, rsqrt, the cast back, and its output saved by q_b_proj), the K/V
+    latent through kv_a_layernorm likewise (in fp32 the norm's input is a view that keeps the whole
+    kv_a_proj output, latent plus RoPE key, alive), then attention, and its output saved by o_proj."""
+    heads, v = s.num_heads, s.v_head_dim
+    nope = s.head_dim - s.rope_head_dim
+
+    def latent_norm(width: int, storage: int) -> int:
+        return FP32 * tokens * storage + b * tokens * width + FP32 * tokens + b * tokens * width
+
+    lora = latent_norm(s.q_lora_rank, s.q_lora_rank) if s.q_lora_rank else 0
+    latent = latent_norm(s.kv_lora_rank, s.kv_lora_rank + (s.rope_head_dim if b == FP32 else 0))
+    out = b * tokens * heads * v
+    scores = micro_batch * heads * seq_len * seq_len
+    if attention == "eager":
+        probs = FP32 * scores + (b * scores if b != FP32 else 0)
+        return lora + latent + 2 * b * tokens * heads * s.head_dim + b * tokens * heads * (nope + v) + probs + out
+    if device == "cpu" and s.head_dim != v:
+        # CPU's flash kernel needs equal q/k and v head widths: SDPA falls back to its math path,
+        # which upcasts to fp32 and saves q, k, the fp32 probabilities and v (measured with
+        # saved-tensor hooks, bf16 and fp32)
+        return lora + latent + FP32 * (tokens * heads * (2 * s.head_dim + v) + scores) + out
+    # flash/efficient kernels: the concatenated query, the key assembled by expand_kv, the value (a
+    # view that keeps all of kv_b_proj's heads x (nope + v) output alive), the output, fp32 logsumexp
+    lse = FP32 * micro_batch * heads * seq_len
+    q = k = b * tokens * heads * s.head_dim
+    return lora + latent + q + k + b * tokens * heads * (nope + v) + out + lse
+
+
+def _sink_attention_saved(s: AttentionSpec, tokens: int, seq_len: int, micro_batch: int, b: int) -> int:
+    """gpt-oss's eager_attention_forward (modeling_gpt_oss.py), the only path transformers 5 has
+    for sinks: q and the repeated K/V saved by the two matmuls, the max over the logits plus the
+    sink column saves its int64 indices, softmax in the compute dtype saves its output (one extra
+    column for the sink, the scores are a view of it), and the transpose(1, 2).contiguous() copy
+    that o_proj saves. The mask is added, which saves nothing."""
+    rows = micro_batch * s.num_heads * seq_len
+    return 3 * b * tokens * s.q_width + b * rows * (seq_len + 1) + INDEX * rows + b * tokens * s.q_width
+
+
 def _routed_saved(m: MlpSpec, hidden: int, tokens: int, b: int) -> int:
     """transformers 5's default experts path, grouped_mm_experts_forward (integrations/moe.py), over
     the S = tokens x top-k (token, expert) pairs: the gather ``hidden[perm // k]`` and
@@ -214,16 +260,37 @@ def _routed_saved(m: MlpSpec, hidden: int, tokens: int, b: int) -> int:
     (S,) routing weights by their product, and ``weighted[inv_perm]`` saves inv_perm."""
     pairs = tokens * m.experts_per_token
     inner = m.intermediate_size
-    indices = 3 * INDEX * pairs + (INDEX * pairs if m.bias else 0)  # bias rows gathered by expert id
-    return (indices + b * pairs * hidden + 4 * b * pairs * inner + b * pairs * hidden + b * pairs)
+    indices = 3 * INDEX * pairs + (2 * INDEX * pairs if m.bias else 0)  # both biases gathered by expert id
+    # GptOssExperts._apply_gate (clamped SwiGLU): the clamps keep the (S, 2I) output, then
+    # sigmoid's output, the clamped gate, up + 1, glu, and their product (S, I) each
+    gate = (2 + 5) * inner if m.layout == "gpt_oss" else 4 * inner
+    weights = FP32 if m.layout == "deepseek" else b  # DeepSeek's routing weights stay fp32
+    return indices + b * pairs * hidden + b * pairs * gate + b * pairs * hidden + weights * pairs
 
 
 def _router_saved(m: MlpSpec, hidden: int, tokens: int, b: int) -> int:
     """Qwen3MoeTopKRouter: softmax(logits, float32) saves its fp32 output (tokens x experts), topk
     its int64 indices, the in-place renormalisation (norm_topk_prob) the fp32 top-k values and
     their sum. The router's input is the norm output, already saved by the router linear."""
-    k = m.experts_per_token
-    return FP32 * tokens * m.num_experts + INDEX * tokens * k + FP32 * tokens * k + FP32 * tokens
+    k, e = m.experts_per_token, m.num_experts
+    if m.router == "topk_softmax":
+        # GptOssTopKRouter: topk over the logits saves its indices, softmax over the k values its output
+        return INDEX * tokens * k + b * tokens * k
+    if m.router == "softmax":
+        return FP32 * tokens * e + INDEX * tokens * k + FP32 * tokens * k + FP32 * tokens
+    # DeepSeek (modeling_deepseek_v2/v3.py TopkRouter): the fp32 copy of the input (saved by the fp32
+    # router linear; the input itself in fp32), the fp32 scores (sigmoid or softmax output), the int64
+    # indices of every topk / max, the bool group mask of masked_fill, and the final top-k.
+    upcast = FP32 * tokens * hidden if b != FP32 else 0
+    out = upcast + FP32 * tokens * e + INDEX * tokens * k
+    if m.router == "sigmoid_grouped":
+        # top-2 per group, top groups, masked_fill's mask, and the in-place renormalisation
+        # (norm_topk_prob) saving the fp32 weights and their sum
+        out += INDEX * tokens * m.groups * 2 + INDEX * tokens * m.groups_kept + tokens * e
+        out += FP32 * tokens * k + FP32 * tokens
+    elif m.router == "softmax_grouped":
+        out += INDEX * tokens * m.groups + INDEX * tokens * m.groups_kept + tokens * e
+    return out
 
 
 def unmodelled(a: Architecture) -> None:
@@ -238,12 +305,8 @@ def unmodelled(a: Architecture) -> None:
 
 def _missing(spec: LayerSpec) -> list[str]:
     out = []
-    if spec.attention.kind == "mla":
-        out.append("multi-head latent attention (MLA latent projections)")
-    if spec.mlp.is_moe and spec.mlp.layout not in ("mixtral", "qwen3_moe"):
+    if spec.mlp.is_moe and spec.mlp.layout not in ("mixtral", "qwen3_moe", "gpt_oss", "deepseek"):
         out.append(f"{spec.mlp.layout} MoE routing (router logits, top-k, dispatch buffers, per-expert inputs)")
-    if spec.attention.sinks:
-        out.append("attention sinks")
     if spec.attention.qk_norm == "l2":
         out.append("L2 q/k norm")
     if spec.attention.window == "chunked":

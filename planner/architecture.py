@@ -575,9 +575,10 @@ def _read_gpt_oss(f: _Fields) -> dict[str, Any]:
     window = f.int("sliding_window", 128)
     kinds = _layer_types(f, n, ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)])
     moe = MlpSpec(gated=True, bias=True, intermediate_size=fields["intermediate_size"], num_experts=experts,
-                  experts_per_token=k, router_bias=True, layout="gpt_oss")
+                  experts_per_token=k, router_bias=True, layout="gpt_oss", router="topk_softmax")
+    # GptOssRMSNorm multiplies its weight before the cast back, like OLMo-2's
     layers = [LayerSpec(attention=_attention(fields, sinks=True, **_window(f, kind, window)), mlp=moe,
-                        norm="rmsnorm", norms=2) for kind in kinds]
+                        norm="rmsnorm", norms=2, norm_weight="float") for kind in kinds]
     return _stack(fields, layers, num_experts=experts, experts_per_token=k, attention_implementation="eager",
                   notes=("gpt_oss: transformers 5 has no SDPA path for attention sinks; eager attention is "
                          "predicted",))
@@ -601,8 +602,17 @@ def _read_deepseek(f: _Fields, defaults: dict[str, Any], v3: bool) -> dict[str, 
     inner = f.int("moe_intermediate_size", 2048 if v3 else 1407)
     shared = f.int("n_shared_experts", 1 if v3 else 2)
     # DeepseekV2Experts never has biases; its shared experts are a DeepseekV2MLP (mlp_bias)
+    if v3:  # DeepseekV3TopkRouter: sigmoid scores, always group-limited
+        router, groups, kept = "sigmoid_grouped", f.int("n_group", 8), f.int("topk_group", 4)
+    elif f.fields.get("topk_method", "greedy") == "group_limited_greedy":  # DeepseekV2TopkRouter
+        router, groups, kept = "softmax_grouped", f.int("n_group"), f.int("topk_group")
+    else:
+        router, groups, kept = "softmax_greedy", 0, 0
+    if groups and experts % groups:
+        raise PlannerError(f"{f.source}: n_routed_experts({experts}) is not divisible by n_group({groups})")
     moe = MlpSpec(gated=True, intermediate_size=inner, num_experts=experts, experts_per_token=k,
-                  shared_intermediate_size=inner * shared, shared_bias=fields["mlp_bias"], layout="deepseek")
+                  shared_intermediate_size=inner * shared, shared_bias=fields["mlp_bias"], layout="deepseek",
+                  router=router, groups=groups, groups_kept=kept)
     dense_first = f.fields.get("first_k_dense_replace", 3 if v3 else 0) or 0
     layers = [LayerSpec(attention=mla, mlp=moe if i >= dense_first else _dense(fields), norm="rmsnorm", norms=2)
               for i in range(fields["num_layers"])]
@@ -635,7 +645,7 @@ def _read_llama4_text(f: _Fields) -> dict[str, Any]:
     qk_norm = "l2" if f.bool("use_qk_norm", True) else "none"
     inner = fields["intermediate_size"]
     moe = MlpSpec(gated=True, intermediate_size=inner, num_experts=experts, experts_per_token=k,
-                  shared_intermediate_size=inner, layout="llama4")
+                  shared_intermediate_size=inner, layout="llama4", router="sigmoid_top1")
     dense = _dense(fields, f.int("intermediate_size_mlp", 16384))
     layers = [LayerSpec(attention=_attention(fields, rope=bool(r), qk_norm=qk_norm if r else "none",
                                              **_window(f, kind, chunk)),

@@ -83,6 +83,10 @@ class MlpSpec(BaseModel):
     shared_bias: bool = Field(default=False, description="the shared expert MLP has biases (DeepSeek-V2 mlp_bias)")
     router_bias: bool = Field(default=False, description="the router has a bias (gpt-oss)")
     layout: MoeLayout = Field(default="mixtral", description="which transformers experts module (parameter order)")
+    router: Literal["softmax", "topk_softmax", "sigmoid_grouped", "softmax_grouped", "softmax_greedy",
+                    "sigmoid_top1"] = Field(default="softmax", description="how the router scores and picks experts")
+    groups: int = Field(default=0, ge=0, description="expert groups for group-limited routing (DeepSeek n_group)")
+    groups_kept: int = Field(default=0, ge=0, description="groups each token may use (DeepSeek topk_group)")
 
     @property
     def is_moe(self) -> bool:

@@ -31,6 +31,16 @@ QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": 4096, "hidden_size": 256, 
              "moe_intermediate_size": 192, "num_experts": 8, "num_experts_per_tok": 2,
              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
              "max_position_embeddings": 4096, "tie_word_embeddings": False}
+GPT_OSS = {"model_type": "gpt_oss", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 192,
+           "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 4, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 64, "sliding_window": 128, "max_position_embeddings": 4096,
+           "pad_token_id": None, "eos_token_id": None}
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
+               "moe_intermediate_size": 128, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+               "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "num_hidden_layers": 3,
+               "num_attention_heads": 4, "q_lora_rank": 96, "kv_lora_rank": 64, "qk_rope_head_dim": 32,
+               "qk_nope_head_dim": 64, "v_head_dim": 64, "max_position_embeddings": 4096,
+               "pad_token_id": None, "eos_token_id": None, "bos_token_id": None}
 SMALL = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000,
          "prefetch_bucket_size": 1_000_000, "param_persistence_threshold": 10_000}
 
@@ -92,6 +102,8 @@ BENCH_RUNS = [
     _run("olmo2-zero2-bf16-small-s512", OLMO2, "zero2", "bf16-mixed", small=True, micro=4, seq=512),
     _run("gemma3-zero1-bf16-small-s512", GEMMA3, "zero1", "bf16-mixed", small=True, micro=4, seq=512),
     _run("qwen3moe-zero2-bf16-small-s512", QWEN3_MOE, "zero2", "bf16-mixed", small=True, micro=4, seq=512),
+    _run("gptoss-zero2-bf16-small-s256", GPT_OSS, "zero2", "bf16-mixed", small=True, micro=4, seq=256),
+    _run("deepseekv3-zero2-bf16-small-s256", DEEPSEEK_V3, "zero2", "bf16-mixed", small=True, micro=4, seq=256),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than
