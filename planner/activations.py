@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 from planner.architecture import Architecture, layer_specs, uniform_layer_spec
-from planner.errors import PlannerError
 from planner.layers import AttentionSpec, LayerSpec, MlpSpec
 
 Attention = Literal["sdpa", "eager"]
@@ -98,6 +97,10 @@ def _qk_norm_saved(s: AttentionSpec, tokens: int, b: int, float_weight: bool) ->
     nothing large (cos/sin need no gradient). OLMo-2 (whole projection) and Gemma-3 multiply in fp32."""
     if s.qk_norm == "none":
         return 0
+    if s.qk_norm == "l2":
+        # Llama4TextL2Norm after RoPE: fp32 input and rsqrt per (token, head); no weight, and its
+        # cast-back output is saved by attention (counted there)
+        return FP32 * tokens * (s.q_width + s.kv_width) + FP32 * tokens * (s.num_heads + s.num_kv_heads)
     if s.qk_norm == "head":
         q_rows, k_rows = tokens * s.num_heads, tokens * s.num_kv_heads
     else:
@@ -178,7 +181,6 @@ def layer_saved_bytes(a: Architecture, tokens: int, seq_len: int, micro_batch: i
 def block_saved_bytes(a: Architecture, spec: LayerSpec, tokens: int, seq_len: int, micro_batch: int, b: int,
                       attention: Attention, device: Device = "cuda") -> int:
     """What one block saves for backward, from its layer spec."""
-    unmodelled(a)
     attn = spec.attention
     if attn.kind == "mla":
         attention_bytes = _mla_saved(attn, tokens, seq_len, micro_batch, b, attention, device)
@@ -258,8 +260,14 @@ def _routed_saved(m: MlpSpec, hidden: int, tokens: int, b: int) -> int:
     the (S, 2I) up output by the activation (chunk views keep all of it), act(gate) and the
     product (S, I) for the product and the down grouped_mm, the (S, h) down output and the
     (S,) routing weights by their product, and ``weighted[inv_perm]`` saves inv_perm."""
-    pairs = tokens * m.experts_per_token
     inner = m.intermediate_size
+    if m.layout == "llama4":
+        # Llama4TextMoe/Llama4TextExperts: every expert runs on every token (bmm over E x tokens):
+        # hidden.repeat(E) and its product with the scores (a transposed copy), both saved, the
+        # (E*T, 2I) up output, act(gate), and the product saved by the down bmm
+        rows = tokens * m.num_experts
+        return b * rows * hidden + b * rows + b * rows * hidden + 4 * b * rows * inner
+    pairs = tokens * m.experts_per_token
     indices = 3 * INDEX * pairs + (2 * INDEX * pairs if m.bias else 0)  # both biases gathered by expert id
     # GptOssExperts._apply_gate (clamped SwiGLU): the clamps keep the (S, 2I) output, then
     # sigmoid's output, the clamped gate, up + 1, glu, and their product (S, I) each
@@ -276,6 +284,9 @@ def _router_saved(m: MlpSpec, hidden: int, tokens: int, b: int) -> int:
     if m.router == "topk_softmax":
         # GptOssTopKRouter: topk over the logits saves its indices, softmax over the k values its output
         return INDEX * tokens * k + b * tokens * k
+    if m.router == "sigmoid_top1":
+        # Llama4Router: topk's int64 indices, sigmoid's fp32 output over the scattered scores
+        return INDEX * tokens * k + FP32 * tokens * e
     if m.router == "softmax":
         return FP32 * tokens * e + INDEX * tokens * k + FP32 * tokens * k + FP32 * tokens
     # DeepSeek (modeling_deepseek_v2/v3.py TopkRouter): the fp32 copy of the input (saved by the fp32
@@ -291,32 +302,6 @@ def _router_saved(m: MlpSpec, hidden: int, tokens: int, b: int) -> int:
     elif m.router == "softmax_grouped":
         out += INDEX * tokens * m.groups + INDEX * tokens * m.groups_kept + tokens * e
     return out
-
-
-def unmodelled(a: Architecture) -> None:
-    """Refuse, naming what is missing, a stack whose activations the model cannot yet derive
-    (its parameter count and model states are exact: ``--params`` gives those alone)."""
-    missing = sorted({what for spec in layer_specs(a) for what in _missing(spec)})
-    if missing:
-        raise PlannerError(
-            f"{a.model_type}: activations are not modelled yet for {', '.join(missing)}; the parameter "
-            f"count and model states are exact (estimate with params={sum_params(a)} for those alone)")
-
-
-def _missing(spec: LayerSpec) -> list[str]:
-    out = []
-    if spec.mlp.is_moe and spec.mlp.layout not in ("mixtral", "qwen3_moe", "gpt_oss", "deepseek"):
-        out.append(f"{spec.mlp.layout} MoE routing (router logits, top-k, dispatch buffers, per-expert inputs)")
-    if spec.attention.qk_norm == "l2":
-        out.append("L2 q/k norm")
-    if spec.attention.window == "chunked":
-        out.append("chunked attention")
-    return out
-
-
-def sum_params(a: Architecture) -> int:
-    from planner.architecture import parameter_count
-    return parameter_count(a)
 
 
 def _extra_rope_tables(a: Architecture, seq_len: int, b: int) -> int:

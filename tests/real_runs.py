@@ -1,7 +1,7 @@
 """Real runs, declared as data: (name, request fields, tolerance). Executed by the verification
 backend on CPU ranks (gloo) in CI, and by tests/test_deepspeed_cpu.py.
 
-The architectures are small real configs of three families, built by transformers with random
+The architectures are small real configs of each family, built by transformers with random
 weights. "small" buckets are 2e6 elements: small next to DeepSpeed's 5e8 default, so that ZeRO-2
 reduces several buckets during backward.
 """
@@ -41,6 +41,11 @@ DEEPSEEK_V3 = {"model_type": "deepseek_v3", "vocab_size": 4096, "hidden_size": 2
                "num_attention_heads": 4, "q_lora_rank": 96, "kv_lora_rank": 64, "qk_rope_head_dim": 32,
                "qk_nope_head_dim": 64, "v_head_dim": 64, "max_position_embeddings": 4096,
                "pad_token_id": None, "eos_token_id": None, "bos_token_id": None}
+LLAMA4 = {"model_type": "llama4_text", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 128,
+          "intermediate_size_mlp": 512, "num_local_experts": 4, "num_experts_per_tok": 1,
+          "interleave_moe_layer_step": 2, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 64, "attention_chunk_size": 128, "max_position_embeddings": 4096,
+          "pad_token_id": None, "eos_token_id": None, "bos_token_id": None}
 SMALL = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000,
          "prefetch_bucket_size": 1_000_000, "param_persistence_threshold": 10_000}
 
@@ -104,6 +109,7 @@ BENCH_RUNS = [
     _run("qwen3moe-zero2-bf16-small-s512", QWEN3_MOE, "zero2", "bf16-mixed", small=True, micro=4, seq=512),
     _run("gptoss-zero2-bf16-small-s256", GPT_OSS, "zero2", "bf16-mixed", small=True, micro=4, seq=256),
     _run("deepseekv3-zero2-bf16-small-s256", DEEPSEEK_V3, "zero2", "bf16-mixed", small=True, micro=4, seq=256),
+    _run("llama4-zero2-bf16-small-s256", LLAMA4, "zero2", "bf16-mixed", small=True, micro=4, seq=256),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than

@@ -149,13 +149,43 @@ def test_layer_specs_follow_the_config_patterns():
     assert any("vision tower" in n for n in catalogue_model("gemma-3-4b").architecture.notes)
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3", "gpt-oss-20b", "llama-4-scout"])
-def test_unmodelled_activations_are_refused_naming_what_is_missing(name):
+@pytest.mark.parametrize("name", sorted(NEW_FAMILIES))
+def test_new_families_estimate_with_their_notes(name):
     from planner.memory import estimate
     from planner.schema import EstimateRequest
 
-    with pytest.raises(PlannerError, match="activations are not modelled yet for .*(MoE routing|latent)"):
-        estimate(EstimateRequest(model=name))
+    result = estimate(EstimateRequest(model=name, gpus=8, strategy="zero3", micro_batch=1, seq_len=4096))
+    assert result.parameters == catalogue_model(name).parameters
+    assert any(item.component == "activations" and item.bytes > 0 for phase in result.phases for item in phase.items)
+
+
+def test_sink_attention_is_predicted_eager_whatever_was_asked():
+    from planner.activations import estimate_activations
+
+    oss = catalogue_model("gpt-oss-20b").architecture
+    sdpa = estimate_activations(oss, micro_batch=1, seq_len=2048, compute_bytes=2, attention="sdpa")
+    eager = estimate_activations(oss, micro_batch=1, seq_len=2048, compute_bytes=2, attention="eager")
+    assert sdpa == eager
+
+
+def test_moe_activations_follow_the_routed_tokens():
+    """Qwen3-MoE's routed part grows with top-k (per (token, expert) pair), Llama-4's with every
+    expert (it runs all experts on all tokens)."""
+    from planner.activations import estimate_activations
+
+    def saved(config):
+        return estimate_activations(from_hf_config(config), micro_batch=1, seq_len=256, compute_bytes=2).saved_bytes
+
+    base = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "moe_intermediate_size": 128, "num_experts": 8, "vocab_size": 1000}
+    one, two = saved(base | {"num_experts_per_tok": 1}), saved(base | {"num_experts_per_tok": 2})
+    # one more pair per token and layer: 3 int64 indices, the gathered input and the down output
+    # (h each), 4 x I of the gated expert, its routing weight; the router saves 8 + 4 bytes more
+    per_pair = 3 * 8 + 2 * (256 + 256 + 4 * 128 + 1) + 8 + 4
+    assert two - one == 2 * 256 * per_pair
+    llama4 = {"model_type": "llama4_text", "num_hidden_layers": 1, "hidden_size": 256, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 128, "vocab_size": 1000}
+    assert saved(llama4 | {"num_local_experts": 8}) > saved(llama4 | {"num_local_experts": 4})
 
 
 def test_uniform_stacks_dump_as_before():
