@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_serializer, model_validator
 
 from planner.errors import PlannerError
 from planner.layers import (AttentionSpec, LayerSpec, MlpSpec, layer_numels, norm_numels,
@@ -71,6 +71,29 @@ class Architecture(BaseModel):
     notes: tuple[str, ...] = Field(default=(), description="what the reader assumed or left out")
 
     _blocks: list[list[int]] | None = PrivateAttr(default=None)
+
+    def __eq__(self, other: object) -> bool:
+        """Fields only: the memoised block numels (a private cache) do not make two models differ."""
+        return isinstance(other, Architecture) and self.__dict__ == other.__dict__
+
+    __hash__ = BaseModel.__hash__
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_runs(cls, data: Any) -> Any:
+        """Read back the dumped form: runs of equal blocks ({count, spec}) become ``count`` blocks."""
+        if isinstance(data, dict) and isinstance(data.get("layers"), (list, tuple)):
+            layers = []
+            for run in data["layers"]:
+                if isinstance(run, dict) and "count" in run:
+                    count = run["count"]
+                    if isinstance(count, bool) or not isinstance(count, int) or not 0 < count <= MAX_LAYERS:
+                        raise ValueError(f"layers: count must be a whole number of blocks, got {count!r}")
+                    layers += [{k: v for k, v in run.items() if k != "count"}] * count
+                else:
+                    layers.append(run)
+            data = data | {"layers": layers}
+        return data
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: Any) -> dict[str, Any]:

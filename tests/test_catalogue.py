@@ -188,6 +188,15 @@ def test_moe_activations_follow_the_routed_tokens():
     assert saved(llama4 | {"num_local_experts": 8}) > saved(llama4 | {"num_local_experts": 4})
 
 
+@pytest.mark.parametrize("name", sorted(NEW_FAMILIES))
+def test_dumped_architecture_reads_back(name):
+    from planner.architecture import Architecture
+
+    arch = catalogue_model(name).architecture
+    assert Architecture.model_validate(arch.model_dump()) == arch
+    assert Architecture.model_validate_json(arch.model_dump_json()) == arch
+
+
 def test_uniform_stacks_dump_as_before():
     dumped = catalogue_model("llama-3.2-1b").architecture.model_dump()
     assert "layers" not in dumped and "notes" not in dumped
