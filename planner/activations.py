@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from planner.architecture import Architecture, layer_specs, uniform_layer_spec
+from planner.architecture import Architecture, distinct_specs, layer_specs
 from planner.layers import AttentionSpec, LayerSpec, MlpSpec
 
 Attention = Literal["sdpa", "eager"]
@@ -175,7 +175,7 @@ def layer_saved_bytes(a: Architecture, tokens: int, seq_len: int, micro_batch: i
                       attention: Attention, device: Device = "cuda") -> int:
     """The largest block's saved set (every block's, when they are alike)."""
     return max(block_saved_bytes(a, spec, tokens, seq_len, micro_batch, b, attention, device)
-               for spec in set(layer_specs(a)))
+               for spec in distinct_specs(a).values())
 
 
 def block_saved_bytes(a: Architecture, spec: LayerSpec, tokens: int, seq_len: int, micro_batch: int, b: int,
@@ -201,10 +201,12 @@ def block_saved_bytes(a: Architecture, spec: LayerSpec, tokens: int, seq_len: in
     if spec.mlp.is_moe and spec.mlp.layout != "mixtral":
         mlp = _routed_saved(spec.mlp, a.hidden_size, tokens, b) + _router_saved(spec.mlp, a.hidden_size, tokens, b)
         mlp += 4 * b * tokens * spec.mlp.shared_intermediate_size  # shared expert: a dense gated MLP
-    elif spec.mlp.is_moe or spec.mlp == uniform_layer_spec(a).mlp:
+    elif spec.mlp.is_moe or not a.layers:
         mlp = _mlp_saved(a, tokens, b) + _moe_router_saved(a, tokens)
     else:
-        mlp = 4 * b * tokens * spec.mlp.intermediate_size  # a dense gated MLP of its own width (Llama-4, DeepSeek)
+        # a dense MLP of the block's own width (DeepSeek's first layers, Llama-4's dense layers):
+        # gate, act(gate), up and their product; plain: up and act(up)
+        mlp = (4 if spec.mlp.gated else 2) * b * tokens * spec.mlp.intermediate_size
     return (_block_norms_saved(a, spec, tokens, b) + attention_bytes + _qk_norm_saved(attn, tokens, b, float_weight)
             + mlp + _dropout_saved(a, tokens, b, device))
 
@@ -306,7 +308,7 @@ def _router_saved(m: MlpSpec, hidden: int, tokens: int, b: int) -> int:
 
 def _extra_rope_tables(a: Architecture, seq_len: int, b: int) -> int:
     """cos/sin tables beyond the first (Gemma-3: one for the sliding layers, one for the global)."""
-    tables = {spec.attention.rope_table for spec in layer_specs(a) if spec.attention.rope}
+    tables = {spec.attention.rope_table for spec in distinct_specs(a).values() if spec.attention.rope}
     return max(len(tables) - 1, 0) * _rope_saved(a, seq_len, b)
 
 
@@ -359,10 +361,12 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
     b = compute_bytes
     if a.attention_implementation == "eager":
         attention = "eager"  # transformers has no SDPA path for this family (see the architecture's notes)
-    specs = layer_specs(a)
-    per_spec = {spec: block_saved_bytes(a, spec, tokens, seq_len, micro_batch, b, attention, device)
-                for spec in set(specs)}
-    blocks = [per_spec[spec] for spec in specs]
+    per_spec = {key: block_saved_bytes(a, spec, tokens, seq_len, micro_batch, b, attention, device)
+                for key, spec in distinct_specs(a).items()}
+    if len(per_spec) == 1:
+        blocks = [next(iter(per_spec.values()))] * a.num_layers
+    else:
+        blocks = [per_spec[id(spec)] for spec in layer_specs(a)]
     per_layer = max(blocks)
     all_blocks = sum(blocks)
     final_norm = _final_norm_saved(a, tokens, b)

@@ -70,7 +70,7 @@ class Architecture(BaseModel):
         default="any", description="'eager' where transformers has no SDPA path for the family")
     notes: tuple[str, ...] = Field(default=(), description="what the reader assumed or left out")
 
-    _blocks: list[list[int]] | None = PrivateAttr(default=None)
+    _cache: dict[str, Any] | None = PrivateAttr(default=None)
 
     def __eq__(self, other: object) -> bool:
         """Fields only: the memoised block numels (a private cache) do not make two models differ."""
@@ -145,25 +145,53 @@ def uniform_layer_spec(a: Architecture) -> LayerSpec:
                      norm_placement=placement)
 
 
+def _memo(a: Architecture) -> dict[str, Any]:
+    """Per-instance results derived from the (frozen) fields; read directly, as pydantic's
+    attribute lookup for private attributes is slow on the plan search's hot path."""
+    private = a.__pydantic_private__
+    cache = private.get("_cache")  # type: ignore[union-attr]
+    if cache is None:
+        cache = private["_cache"] = {}  # type: ignore[index]
+    return cache
+
+
 def layer_specs(a: Architecture) -> tuple[LayerSpec, ...]:
     """The ordered blocks: the reader's explicit list, or ``num_layers`` alike blocks."""
-    return a.layers or (uniform_layer_spec(a),) * a.num_layers
+    if a.layers:
+        return a.layers
+    memo = _memo(a)
+    if memo.get("_uniform") is None:
+        memo["_uniform"] = (uniform_layer_spec(a),) * a.num_layers
+    return memo["_uniform"]
+
+
+def distinct_specs(a: Architecture) -> dict[int, LayerSpec]:
+    """The distinct block objects of the stack, by identity (readers reuse one object per kind),
+    so per-block arithmetic runs once per kind of block."""
+    memo = _memo(a)
+    if memo.get("_distinct") is None:
+        memo["_distinct"] = {id(spec): spec for spec in layer_specs(a)}
+    return memo["_distinct"]
 
 
 def _block_numels(a: Architecture) -> list[list[int]]:
     """Each block's parameter numels, computed once per Architecture (the plan search asks often)."""
-    if a._blocks is None:
-        memo: dict[LayerSpec, list[int]] = {}
-        for spec in layer_specs(a):
-            if spec not in memo:
-                memo[spec] = layer_numels(spec, a.hidden_size)
-        a._blocks = [memo[spec] for spec in layer_specs(a)]
-    return a._blocks
+    memo = _memo(a)
+    if memo.get("_blocks") is None:
+        per_kind = {key: layer_numels(spec, a.hidden_size) for key, spec in distinct_specs(a).items()}
+        if len(per_kind) == 1:
+            memo["_blocks"] = [next(iter(per_kind.values()))] * a.num_layers
+        else:
+            memo["_blocks"] = [per_kind[id(spec)] for spec in layer_specs(a)]
+    return memo["_blocks"]
 
 
 def block_parameters(a: Architecture) -> list[int]:
     """Parameters of each block, first to last."""
-    return [sum(numels) for numels in _block_numels(a)]
+    memo = _memo(a)
+    if memo.get("_block_sums") is None:
+        memo["_block_sums"] = [sum(numels) for numels in _block_numels(a)]
+    return memo["_block_sums"]
 
 
 def blocks_parameters(a: Architecture) -> int:
@@ -191,25 +219,32 @@ def embedding_parameters(a: Architecture) -> int:
 def parameter_numels(a: Architecture) -> list[int]:
     """Every parameter tensor's element count, in module registration order (the order
     DeepSpeed flattens them in), tied weights once."""
-    h = a.hidden_size
-    out = [a.vocab_size * h] + ([a.learned_positions * h] if a.learned_positions else [])
-    for numels in _block_numels(a):
-        out += numels
-    out += norm_numels(a.norm, h)
-    if not a.tie_word_embeddings:
-        out.append(a.vocab_size * h)
-    return out
+    memo = _memo(a)
+    if memo.get("_numels") is None:
+        h = a.hidden_size
+        out = [a.vocab_size * h] + ([a.learned_positions * h] if a.learned_positions else [])
+        for numels in _block_numels(a):
+            out += numels
+        out += norm_numels(a.norm, h)
+        if not a.tie_word_embeddings:
+            out.append(a.vocab_size * h)
+        memo["_numels"] = out
+    return list(memo["_numels"])
 
 
 def parameter_count(a: Architecture) -> int:
     """Exactly what ``sum(p.numel() for p in model.parameters())`` gives in transformers
     (tied weights counted once), checked for every catalogue entry by tests/test_catalogue.py."""
-    return sum(parameter_numels(a))
+    memo = _memo(a)
+    if memo.get("_count") is None:
+        memo["_count"] = sum(parameter_numels(a))
+    return memo["_count"]
 
 
 def active_parameter_count(a: Architecture) -> int:
     """Parameters one token passes through (MoE: only its routed experts), for FLOPs."""
-    inactive = sum(routed_inactive_numels(spec.mlp, a.hidden_size) for spec in layer_specs(a))
+    per_kind = {key: routed_inactive_numels(spec.mlp, a.hidden_size) for key, spec in distinct_specs(a).items()}
+    inactive = sum(per_kind[id(spec)] for spec in layer_specs(a))
     return parameter_count(a) - inactive
 
 
