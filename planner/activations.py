@@ -188,6 +188,9 @@ def block_saved_bytes(a: Architecture, spec: LayerSpec, tokens: int, seq_len: in
         attention_bytes = _sink_attention_saved(attn, tokens, seq_len, micro_batch, b)
     else:
         attention_bytes = _attention_saved(a, tokens, seq_len, micro_batch, b, attention, device)
+    if attn.logit_softcap and attention == "eager":
+        # Gemma2's eager_attention_forward: tanh(logits / cap) saves its output (compute dtype)
+        attention_bytes += b * micro_batch * attn.num_heads * seq_len * seq_len
     # masking_utils skips the mask only while kv_length < the window (_ignore_causal_mask_sdpa), so a
     # window no longer than the sequence gives the block a (micro_batch, 1, seq, seq) mask, which
     # SDPA saves converted to the compute dtype (measured with saved-tensor hooks on CPU, bf16 and

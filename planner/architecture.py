@@ -379,10 +379,20 @@ def _read_gemma2(f: _Fields) -> dict[str, Any]:
     fields = _llama_like(f, _GEMMA2, qkv_bias=None, norms=4, tied_default=True, softcap=True)
     if "head_dim" not in f.fields:
         fields["head_dim"] = 256  # Gemma2Config default, independent of hidden_size
-    # Gemma2PreTrainedModel._supports_sdpa = False (soft-capped attention logits): eager runs
-    return fields | dict(attention_implementation="eager",
-                         notes=("gemma2: transformers 5 has no SDPA path (attention logit soft-capping); "
-                                "eager attention is predicted",))
+    # Gemma2DecoderLayer: sandwich norms whose weight multiplies in fp32 (Gemma2RMSNorm), sliding
+    # and global layers alternating, attention logits soft-capped (attn_logit_softcapping, 50 by
+    # default) -- which is why Gemma2PreTrainedModel._supports_sdpa = False: eager runs
+    n = fields["num_layers"]
+    window = f.int("sliding_window", 4096)
+    softcap = f.fields.get("attn_logit_softcapping", 50.0) is not None
+    kinds = _layer_types(f, n, ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)])
+    return _stack(fields, [LayerSpec(attention=_attention(fields, logit_softcap=softcap, **_window(f, k, window)),
+                                     mlp=MlpSpec(gated=True, intermediate_size=fields["intermediate_size"]),
+                                     norm="rmsnorm", norms=4, norm_placement="sandwich", norm_weight="float")
+                           for k in kinds],
+                  attention_implementation="eager",
+                  notes=("gemma2: transformers 5 has no SDPA path (attention logit soft-capping); "
+                         "eager attention is predicted",))
 
 
 def _read_mixtral(f: _Fields) -> dict[str, Any]:

@@ -42,6 +42,7 @@ class AttentionSpec(BaseModel):
     qk_norm: QkNorm = Field(default="none", description="RMSNorm of q and k per head (Qwen3, Gemma-3), over "
                             "the whole projection (OLMo-2), or a weightless L2 norm (Llama-4)")
     sinks: bool = Field(default=False, description="a learned sink logit per head (gpt-oss)")
+    logit_softcap: bool = Field(default=False, description="tanh soft-capping of the attention logits (Gemma-2)")
     rope: bool = Field(default=True, description="rotary positions applied in this block")
     rope_table: Literal["global", "local"] = Field(
         default="global", description="which cos/sin table the block reads (Gemma-3's sliding layers have their own)")

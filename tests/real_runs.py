@@ -110,6 +110,8 @@ BENCH_RUNS = [
     _run("gptoss-zero2-bf16-small-s256", GPT_OSS, "zero2", "bf16-mixed", small=True, micro=4, seq=256),
     _run("deepseekv3-zero2-bf16-small-s256", DEEPSEEK_V3, "zero2", "bf16-mixed", small=True, micro=4, seq=256),
     _run("llama4-zero2-bf16-small-s256", LLAMA4, "zero2", "bf16-mixed", small=True, micro=4, seq=256),
+    _run("qwen3moe-zero3-bf16-small-ckpt", QWEN3_MOE, "zero3", "bf16-mixed", small=True, ckpt="full", micro=4, seq=256),
+    _run("gemma3-zero2-fp32-small-s1024", GEMMA3, "zero2", "fp32", small=True, micro=2, seq=1024),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than
