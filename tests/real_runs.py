@@ -47,6 +47,13 @@ LLAMA4 = {"model_type": "llama4_text", "vocab_size": 4096, "hidden_size": 256, "
           "interleave_moe_layer_step": 2, "num_hidden_layers": 4, "num_attention_heads": 4,
           "num_key_value_heads": 2, "head_dim": 64, "attention_chunk_size": 128, "max_position_embeddings": 4096,
           "pad_token_id": None, "eos_token_id": None, "bos_token_id": None}
+SMOLLM3 = {"model_type": "smollm3", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 4096, "pad_token_id": None, "eos_token_id": None, "bos_token_id": None}
+GEMMA2 = {"model_type": "gemma2", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 1024,
+          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+          "sliding_window": 128, "max_position_embeddings": 4096,
+          "pad_token_id": None, "eos_token_id": None, "bos_token_id": None}
 SMALL = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000,
          "prefetch_bucket_size": 1_000_000, "param_persistence_threshold": 10_000}
 
@@ -115,6 +122,8 @@ BENCH_RUNS = [
     _run("llama4-zero2-bf16-small-s256", LLAMA4, "zero2", "bf16-mixed", small=True, micro=4, seq=256),
     _run("qwen3moe-zero3-bf16-small-ckpt", QWEN3_MOE, "zero3", "bf16-mixed", small=True, ckpt="full", micro=4, seq=256),
     _run("gemma3-zero2-fp32-small-s1024", GEMMA3, "zero2", "fp32", small=True, micro=2, seq=1024),
+    _run("smollm3-zero1-bf16-small-s512", SMOLLM3, "zero1", "bf16-mixed", small=True, micro=4, seq=512),
+    _run("gemma2-zero2-fp32-small-eager", GEMMA2, "zero2", "fp32", small=True, micro=2, seq=256),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than
