@@ -345,8 +345,20 @@ def _loss_transient(a: Architecture, tokens: int, b: int) -> int:
 def _layer_backward_transient(a: Architecture, tokens: int, b: int) -> int:
     """Starting one block's backward: the gradient flowing in (tokens x hidden) and that of the
     MLP's widest intermediate."""
-    inner = a.intermediate_size * (a.experts_per_token if a.is_moe else 1)
+    if a.layers:
+        inner = max(_widest_intermediate(spec.mlp) for spec in distinct_specs(a).values())
+    else:
+        inner = a.intermediate_size * (a.experts_per_token if a.is_moe else 1)
     return b * tokens * inner + b * tokens * a.hidden_size
+
+
+def _widest_intermediate(m: MlpSpec) -> int:
+    """Per token: the MLP intermediate whose gradient is the widest (routed pairs x expert width,
+    every expert for Llama-4, the shared expert beside them)."""
+    if not m.is_moe:
+        return m.intermediate_size
+    routed = m.num_experts if m.layout == "llama4" else m.experts_per_token
+    return max(routed * m.intermediate_size, m.shared_intermediate_size)
 
 
 def _embedding_saved(a: Architecture, tokens: int, b: int, device: Device) -> int:
