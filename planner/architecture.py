@@ -292,6 +292,32 @@ class _Fields:
             raise PlannerError(f"{self.source}: {name} must be a probability in [0, 1), got {value!r}")
         return float(value)
 
+    def count(self, name: str, default: int) -> int:
+        """A whole number that may be 0 (first_k_dense_replace)."""
+        value = self.fields.get(name, default)
+        value = default if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise PlannerError(f"{self.source}: {name} must be a whole number >= 0, got {value!r}")
+        return value
+
+    def layer_indices(self, name: str, layers: int) -> set[int] | None:
+        """A list of layer indices (mlp_only_layers, moe_layers), or None when absent."""
+        value = self.fields.get(name)
+        if value is None:
+            return None
+        if not isinstance(value, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers
+                                              for i in value):
+            raise PlannerError(f"{self.source}: {name} must list layer indices in [0, {layers}), got {value!r}")
+        return set(value)
+
+    def layer_flags(self, name: str, default: list[int]) -> list[int]:
+        """One 0/1 flag per layer (no_rope_layers), or the config class's default pattern."""
+        value = self.fields.get(name) or default
+        if not isinstance(value, list) or len(value) != len(default) or any(v not in (0, 1) for v in value):
+            raise PlannerError(f"{self.source}: {name} must have one 0/1 entry per layer ({len(default)}), "
+                               f"got {value!r}")
+        return [int(v) for v in value]
+
     def _get(self, name: str, default: Any, aliases: tuple[str, ...]) -> Any:
         for key in (name, *aliases):
             if self.fields.get(key) is not None:
@@ -539,9 +565,7 @@ def _read_smollm3(f: _Fields) -> dict[str, Any]:
     fields = _llama_like(f, _SMOLLM3, qkv_bias=None, norms=2, tied_default=True)
     n = fields["num_layers"]
     interval = f.int("no_rope_layer_interval", 4)
-    rope = f.fields.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
-    if not isinstance(rope, list) or len(rope) != n:
-        raise PlannerError(f"{f.source}: no_rope_layers must have one entry per layer ({n}), got {rope!r}")
+    rope = f.layer_flags("no_rope_layers", [int((i + 1) % interval != 0) for i in range(n)])
     window = f.opt_int("sliding_window") if f.bool("use_sliding_window", False) else None
     kinds = _layer_types(f, n, ["sliding_attention" if window and not r else "full_attention" for r in rope])
     return _stack(fields, [LayerSpec(attention=_attention(fields, rope=bool(r), **_window(f, k, window)),
@@ -625,7 +649,7 @@ def _read_qwen3_moe(f: _Fields) -> dict[str, Any]:
     experts, k = _experts(f, "num_experts", "num_experts_per_tok", 128, 8)
     inner = f.int("moe_intermediate_size", 768)
     step = f.int("decoder_sparse_step", 1)
-    dense_only = set(f.fields.get("mlp_only_layers") or [])
+    dense_only = f.layer_indices("mlp_only_layers", fields["num_layers"]) or set()
     moe = MlpSpec(gated=True, intermediate_size=inner, num_experts=experts, experts_per_token=k, layout="qwen3_moe")
     layers = [spec.model_copy(update={"mlp": moe}) if i not in dense_only and (i + 1) % step == 0 else spec
               for i, spec in enumerate(fields["layers"])]
@@ -681,7 +705,7 @@ def _read_deepseek(f: _Fields, defaults: dict[str, Any], v3: bool) -> dict[str, 
     moe = MlpSpec(gated=True, intermediate_size=inner, num_experts=experts, experts_per_token=k,
                   shared_intermediate_size=inner * shared, shared_bias=fields["mlp_bias"], layout="deepseek",
                   router=router, groups=groups, groups_kept=kept)
-    dense_first = f.fields.get("first_k_dense_replace", 3 if v3 else 0) or 0
+    dense_first = f.count("first_k_dense_replace", 3 if v3 else 0)
     layers = [LayerSpec(attention=mla, mlp=moe if i >= dense_first else _dense(fields), norm="rmsnorm", norms=2)
               for i in range(fields["num_layers"])]
     fields.update(num_key_value_heads=heads, head_dim=nope + rope)
@@ -705,9 +729,11 @@ def _read_llama4_text(f: _Fields) -> dict[str, Any]:
     n = fields["num_layers"]
     experts, k = _experts(f, "num_local_experts", "num_experts_per_tok", 16, 1)
     step = f.int("interleave_moe_layer_step", 1)
-    moe_layers = set(f.fields.get("moe_layers") or range(step - 1, n, step))
+    moe_layers = f.layer_indices("moe_layers", n)
+    if moe_layers is None:
+        moe_layers = set(range(step - 1, n, step))
     interval = f.int("no_rope_layer_interval", 4)
-    rope = f.fields.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
+    rope = f.layer_flags("no_rope_layers", [int((i + 1) % interval != 0) for i in range(n)])
     chunk = f.opt_int("attention_chunk_size") if "attention_chunk_size" in f.fields else 8192
     kinds = _layer_types(f, n, ["chunked_attention" if r and chunk else "full_attention" for r in rope])
     qk_norm = "l2" if f.bool("use_qk_norm", True) else "none"

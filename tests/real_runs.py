@@ -54,6 +54,12 @@ GEMMA2 = {"model_type": "gemma2", "vocab_size": 4096, "hidden_size": 256, "inter
           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
           "sliding_window": 128, "max_position_embeddings": 4096,
           "pad_token_id": None, "eos_token_id": None, "bos_token_id": None}
+DEEPSEEK_V2 = {"model_type": "deepseek_v2", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
+               "moe_intermediate_size": 128, "n_routed_experts": 8, "num_experts_per_tok": 2,
+               "n_shared_experts": 2, "first_k_dense_replace": 1, "num_hidden_layers": 3,
+               "num_attention_heads": 4, "q_lora_rank": None, "kv_lora_rank": 64, "qk_rope_head_dim": 32,
+               "qk_nope_head_dim": 64, "v_head_dim": 64, "max_position_embeddings": 4096,
+               "pad_token_id": None, "eos_token_id": None, "bos_token_id": None}
 SMALL = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000,
          "prefetch_bucket_size": 1_000_000, "param_persistence_threshold": 10_000}
 
@@ -124,6 +130,7 @@ BENCH_RUNS = [
     _run("gemma3-zero2-fp32-small-s1024", GEMMA3, "zero2", "fp32", small=True, micro=2, seq=1024),
     _run("smollm3-zero1-bf16-small-s512", SMOLLM3, "zero1", "bf16-mixed", small=True, micro=4, seq=512),
     _run("gemma2-zero2-fp32-small-eager", GEMMA2, "zero2", "fp32", small=True, micro=2, seq=256),
+    _run("deepseekv2-zero3-fp32-small", DEEPSEEK_V2, "zero3", "fp32", small=True, micro=2, seq=256),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than

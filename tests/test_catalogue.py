@@ -62,6 +62,14 @@ def test_unknown_model_names_close_matches():
     ({"model_type": "bert"}, "model_type 'bert' is not supported"),
     ({"hidden_size": 8}, "model_type is required"),
     ({"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 4}, r"num_experts_per_tok\(4\) exceeds num_local_experts\(2\)"),
+    ({"model_type": "qwen3_moe", "num_hidden_layers": 4, "mlp_only_layers": [7]}, r"mlp_only_layers must list layer indices in \[0, 4\), got \[7\]"),
+    ({"model_type": "deepseek_v3", "first_k_dense_replace": -1}, "first_k_dense_replace must be a whole number >= 0, got -1"),
+    ({"model_type": "deepseek_v3", "n_routed_experts": 10, "n_group": 4}, r"n_routed_experts\(10\) is not divisible by n_group\(4\)"),
+    ({"model_type": "gemma3_text", "num_hidden_layers": 2, "layer_types": ["full_attention"]}, "layer_types must list one of"),
+    ({"model_type": "smollm3", "num_hidden_layers": 2, "no_rope_layers": [1, 2]}, "no_rope_layers must have one 0/1 entry per layer"),
+    ({"model_type": "gpt_oss", "num_local_experts": 2, "num_experts_per_tok": 4}, r"num_experts_per_tok\(4\) exceeds num_local_experts\(2\)"),
+    ({"model_type": "gemma3", "text_config": "big"}, "a gemma3 config needs its text_config"),
+    ({"model_type": "mistral3", "text_config": {"model_type": "llama"}}, "text_config.model_type 'llama' is not supported for mistral3"),
 ])
 def test_bad_configs_are_refused_naming_field_and_value(config, message):
     with pytest.raises(PlannerError, match=message):
@@ -162,10 +170,11 @@ def test_new_families_estimate_with_their_notes(name):
 def test_sink_attention_is_predicted_eager_whatever_was_asked():
     from planner.activations import estimate_activations
 
-    oss = catalogue_model("gpt-oss-20b").architecture
-    sdpa = estimate_activations(oss, micro_batch=1, seq_len=2048, compute_bytes=2, attention="sdpa")
-    eager = estimate_activations(oss, micro_batch=1, seq_len=2048, compute_bytes=2, attention="eager")
-    assert sdpa == eager
+    for name in ("gpt-oss-20b", "gemma-2-9b"):  # transformers 5: _supports_sdpa = False for both
+        arch = catalogue_model(name).architecture
+        sdpa = estimate_activations(arch, micro_batch=1, seq_len=2048, compute_bytes=2, attention="sdpa")
+        eager = estimate_activations(arch, micro_batch=1, seq_len=2048, compute_bytes=2, attention="eager")
+        assert sdpa == eager and arch.attention_implementation == "eager"
 
 
 def test_moe_activations_follow_the_routed_tokens():

@@ -11,14 +11,8 @@ import pytest
 
 from planner.activations import block_saved_bytes
 from planner.architecture import from_hf_config, layer_specs
-from tests.real_runs import DEEPSEEK_V3, GEMMA2, GEMMA3, GPT_OSS, LLAMA4, OLMO2, QWEN3, QWEN3_MOE, SMOLLM3
+from tests.real_runs import DEEPSEEK_V2, DEEPSEEK_V3, GEMMA2, GEMMA3, GPT_OSS, LLAMA4, OLMO2, QWEN3, QWEN3_MOE, SMOLLM3
 
-NO_TOKENS = {"pad_token_id": None, "eos_token_id": None, "bos_token_id": None}
-DEEPSEEK_V2 = {"model_type": "deepseek_v2", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
-               "moe_intermediate_size": 128, "n_routed_experts": 8, "num_experts_per_tok": 2,
-               "n_shared_experts": 2, "first_k_dense_replace": 1, "num_hidden_layers": 3,
-               "num_attention_heads": 4, "q_lora_rank": None, "kv_lora_rank": 64, "qk_rope_head_dim": 32,
-               "qk_nope_head_dim": 64, "v_head_dim": 64, "max_position_embeddings": 4096} | NO_TOKENS
 CASES = [
     ("qwen3", QWEN3, "bf16", 256), ("qwen3", QWEN3, "fp32", 256), ("olmo2", OLMO2, "bf16", 256),
     ("gemma3-window-eq-seq", GEMMA3, "bf16", 512), ("gemma3-window-lt-seq", GEMMA3, "fp32", 1024),
