@@ -5,6 +5,12 @@ defaults its transformers config class uses when a field is absent) onto one ``A
 Nothing is folded into "equivalent" numbers: gated or plain MLP, biases, the norms per layer,
 tied embeddings, learned positions and MoE experts are all stated, so the parameter count is the
 exact count of the modules transformers builds.
+
+The blocks are an ordered list of layer specs (planner/layers.py): the families whose blocks
+differ or carry more than the flat fields say (q/k norms, MLA, routed and shared experts,
+dense-then-MoE, sliding/global/chunked windows, attention sinks) give it explicitly; for the
+others it is ``num_layers`` alike blocks built from the flat fields. Counts, the flat DeepSpeed
+order, FLOPs and activations all read that one list.
 """
 
 from __future__ import annotations
