@@ -33,12 +33,22 @@ def scale_config(config: dict[str, Any], factor: float) -> tuple[dict[str, Any],
     from planner.architecture import from_hf_config
 
     a = from_hf_config(config)
+    from planner.architecture import layer_specs
+
+    if any((spec.mlp.is_moe and spec.mlp.layout != "mixtral") or spec.attention.kind == "mla"
+           for spec in layer_specs(a)):
+        raise PlannerError(f"--scale is not supported for {a.model_type} (its expert widths and counts, "
+                           "latent ranks and layer pattern would not shrink with it); verify a smaller "
+                           "config of the family with --model-file")
     group = a.num_attention_heads // a.num_key_value_heads
     kv = max(1, round(a.num_key_value_heads * factor))
     heads = kv * group
     hidden = heads * a.head_dim
     inner = max(1, round(a.intermediate_size * hidden / a.hidden_size))
     layers = max(1, round(a.num_layers * factor))
+    # a multimodal config (gemma3, llama4, mistral3) is scaled inside its text_config, the part
+    # the planner models and the backend trains
+    outer, config = config, (config.get("text_config") or {}) if "text_config" in config else config
     scaled = dict(config)
     names = {"gpt2": ("n_layer", "n_embd", "n_head", "n_inner")}.get(a.model_type)
     if names:
@@ -53,6 +63,8 @@ def scale_config(config: dict[str, Any], factor: float) -> tuple[dict[str, Any],
         if a.model_type == "falcon":
             scaled.pop("intermediate_size")
             scaled["ffn_hidden_size"] = inner
+    if config is not outer:
+        scaled = dict(outer, text_config=scaled)
     note = (f"scaled by {factor}: {a.num_layers}->{layers} layers, hidden {a.hidden_size}->{hidden}, "
             f"heads {a.num_attention_heads}->{heads} (kv {a.num_key_value_heads}->{kv}), MLP {a.intermediate_size}->{inner}; "
             "the prediction is for the scaled model")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from planner.activations import Activations
-from planner.architecture import layer_parameters
+from planner.architecture import blocks_parameters, layer_parameters
 from planner.schema import MemoryItem, Phase
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def layout(setup: "Setup") -> Layout | None:
     # Backward meets the input embeddings last; a tied head's gradient is the embedding's,
     # allocated at the head.
     embedding = arch.vocab_size * arch.hidden_size + arch.learned_positions * arch.hidden_size
-    return Layout(arch.num_layers, layer_parameters(arch), layer_parameters(arch) * arch.num_layers,
+    return Layout(arch.num_layers, layer_parameters(arch), blocks_parameters(arch),
                   0 if arch.tie_word_embeddings else embedding, arch.vocab_size * arch.hidden_size)
 
 

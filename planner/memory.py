@@ -262,9 +262,13 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
     if acts is None:
         notes.append("activations: unknown (only a parameter count was given); the peak excludes them")
     else:
+        eager_only = setup.arch is not None and setup.arch.attention_implementation == "eager"
         notes.append(f"activations: {acts.saved_bytes:,} bytes saved for backward at micro_batch "
                      f"{setup.request.micro_batch} x seq_len {setup.request.seq_len} "
-                     f"({setup.request.attention}, checkpointing {setup.request.checkpointing})")
+                     f"({'eager' if eager_only else setup.request.attention}, "
+                     f"checkpointing {setup.request.checkpointing})")
+    if setup.arch is not None:
+        notes.extend(setup.arch.notes)  # what the family's reader assumed (eager only, vision tower)
     notes.append(f"peak occurs during {peak_phase.name}")
     notes.extend(plan.notes)
     if setup.gpu.is_cpu:
