@@ -17,6 +17,7 @@ _COLOURS = [(200.0, "#1b7837"), (100.0, "#5aae61"), (40.0, "#a6dba0"), (20.0, "#
 _DASHES = ["", "9,4", "3,3", "12,3,3,3", "1,4", "6,6"]
 FONT_PX = 11
 CHAR_PX = 0.62 * FONT_PX  # sans-serif average advance is about 0.55 em; digits 0.556 em (Helvetica/DejaVu metrics)
+LABELLED_MAX_GPUS = 16  # above this the pairs (n(n-1)/2 = 120 at 16) are too many to label; the legend names them
 GPU_RADIUS = 24  # room for the GPU's name and its NUMA node inside the circle
 
 
@@ -134,7 +135,8 @@ def topology_svg(t: Topology, width: int = 640) -> str:
             gx, gy = pos[gi]
             parts.append(f'<line x1="{x:.1f}" y1="{y:.1f}" x2="{gx:.1f}" y2="{gy:.1f}" stroke="#999" stroke-dasharray="3,3"/>')
     labels = []
-    for _, links in sorted(classes, key=lambda kv: len(kv[1])):  # the rarest links are the ones worth naming
+    for _, links in sorted(classes, key=lambda kv: len(kv[1])) if n <= LABELLED_MAX_GPUS else []:
+        # the rarest links are the ones worth naming
         placed = _place_link_labels(links, pos, taken, t.links)
         if placed:
             labels += placed

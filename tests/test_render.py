@@ -160,3 +160,14 @@ def test_fabric_and_nics_reach_the_plan(client):
         expected = plan(PlanRequest(**params)).topology.inter_node_gbps_per_gpu
         assert shown[fabric] == pytest.approx(expected, abs=0.005)
     assert shown["eth-25g"] < shown["ib-ndr"]
+
+
+def test_a_large_parsed_topology_is_named_by_its_legend():
+    n = 32  # two classes: NVLink inside each 8-GPU board, SYS between boards
+    text = "\t" + "\t".join(f"GPU{i}" for i in range(n)) + "\n" + "".join(
+        f"GPU{i}\t" + "\t".join(" X " if i == j else "NV12" if i // 8 == j // 8 else "SYS" for j in range(n)) + "\n"
+        for i in range(n))
+    svg = ET.fromstring(topology_svg(parse_topology(text, gpu("a100-80gb"))))
+    legend = [t.text for t in svg.iter(SVG + "text") if t.get("class") == "link-class"]
+    assert len(legend) == 2 and "112 pairs" in legend[0] and "384 pairs" in legend[1]
+    assert not [t for t in svg.iter(SVG + "text") if t.get("class") == "link-label"]
