@@ -1,61 +1,169 @@
-"""SVG pictures, rendered on the server so they need no JavaScript (topology, memory bars)."""
+"""SVG pictures, rendered on the server so they need no JavaScript (topology, memory bars).
+
+Text is placed by geometry, not by trust: every label gets a box from ``text_box`` (a
+conservative width estimate for the 11 px sans-serif the pictures use) and is put where its box
+meets no other label, GPU, NIC or the capacity line."""
 
 from __future__ import annotations
 
 import math
 from html import escape
+from typing import NamedTuple
 
-from planner.topology import Topology
+from planner.topology import Link, Topology
 
 _COLOURS = [(200.0, "#1b7837"), (100.0, "#5aae61"), (40.0, "#a6dba0"), (20.0, "#f4a582"), (0.0, "#d6604d")]
+# One dash pattern per link class, so classes that share a bandwidth colour stay apart.
+_DASHES = ["", "9,4", "3,3", "12,3,3,3", "1,4", "6,6"]
+FONT_PX = 11
+CHAR_PX = 0.62 * FONT_PX  # sans-serif average advance is about 0.55 em; digits 0.556 em (Helvetica/DejaVu metrics)
+LABELLED_MAX_GPUS = 16  # above this the pairs (n(n-1)/2 = 120 at 16) are too many to label; the legend names them
+GPU_RADIUS = 24  # room for the GPU's name and its NUMA node inside the circle
+
+
+class Box(NamedTuple):
+    x0: float
+    y0: float
+    x1: float
+    y1: float
+
+    def meets(self, other: "Box") -> bool:
+        return self.x0 < other.x1 and other.x0 < self.x1 and self.y0 < other.y1 and other.y0 < self.y1
+
+    def crosses(self, x1: float, y1: float, x2: float, y2: float) -> bool:
+        """Whether the segment (x1, y1)-(x2, y2) passes through the box (Liang-Barsky clipping)."""
+        lo, hi = 0.0, 1.0
+        for p, q in ((x1 - x2, x1 - self.x0), (x2 - x1, self.x1 - x1), (y1 - y2, y1 - self.y0), (y2 - y1, self.y1 - y1)):
+            if p == 0:
+                if q < 0:
+                    return False
+                continue
+            t = q / p
+            if p < 0:
+                lo = max(lo, t)
+            else:
+                hi = min(hi, t)
+            if lo > hi:
+                return False
+        return True
+
+
+def text_box(text: str, x: float, y: float, anchor: str = "start", pad: float = 2.0) -> Box:
+    """The box an SVG <text> at baseline (x, y) covers, with `pad` pixels around it."""
+    w = len(text) * CHAR_PX
+    left = {"start": x, "middle": x - w / 2, "end": x - w}[anchor]
+    return Box(left - pad, y - FONT_PX - pad + 2, left + w + pad, y + 3 + pad)
+
+
+def strategy_label(c) -> str:
+    """How the page names a planned candidate (a PlanCandidate), in its table and its chart alike."""
+    return f"{c.strategy} (shard groups of {c.hsdp_shard_size})" if c.hsdp_shard_size else c.strategy
 
 
 def _colour(gbps: float) -> str:
     return next(c for limit, c in _COLOURS if gbps >= limit)
 
 
+def _link_classes(t: Topology) -> list[tuple[tuple[str, str, float], list[Link]]]:
+    """Links grouped by (code, kind, bandwidth), fastest class first."""
+    classes: dict[tuple[str, str, float], list[Link]] = {}
+    for link in t.links:
+        classes.setdefault((link.code, link.kind, link.bandwidth_gbps), []).append(link)
+    return sorted(classes.items(), key=lambda kv: (-kv[0][2], kv[0][0]))
+
+
+# Where along a link (0 = one GPU, 1 = the other) a label may sit, nearest the middle first.
+_ALONG = (0.5, 0.42, 0.58, 0.34, 0.66, 0.27, 0.73)
+
+
+def _place_link_labels(links: list[Link], pos: dict[int, tuple[float, float]], taken: list[Box],
+                       all_links: list[Link]) -> list[tuple[str, float, float, Box]] | None:
+    """A label on each of `links`, centred on its line, whose box meets nothing in `taken`, no
+    other label and no other link's line (so it names one link, never a crossing); None when one of
+    them finds no room (the class is then named by the legend alone)."""
+    placed: list[tuple[str, float, float, Box]] = []
+    for link in links:
+        (x1, y1), (x2, y2) = pos[link.a], pos[link.b]
+        others = [(pos[o.a], pos[o.b]) for o in all_links if o is not link]
+        for t in _ALONG:
+            x, y = x1 + t * (x2 - x1), y1 + t * (y2 - y1)
+            box = text_box(link.code, x, y + 4, "middle")
+            if not any(box.meets(b) for b in taken) and not any(box.meets(p[3]) for p in placed) \
+                    and not any(box.crosses(*a, *b) for a, b in others):
+                placed.append((link.code, x, y + 4, box))
+                break
+        else:
+            return None
+    return placed
+
+
 def topology_svg(t: Topology, width: int = 640) -> str:
-    """GPUs on a circle (NICs outside), every GPU pair a line coloured and labelled by its modelled
-    unidirectional bandwidth in GB/s."""
+    """GPUs on a circle (NICs outside), every GPU pair a line coloured by its modelled
+    unidirectional bandwidth in GB/s and dashed by its link class. A class's links carry their code
+    where every one of its labels finds room clear of the GPUs, NICs and other labels; the legend
+    names every class with its bandwidth and how many pairs it joins."""
     n = len(t.gpus)
     cx = cy = width / 2
     r = width * 0.32
     pos = {g.index: (cx + r * math.cos(2 * math.pi * g.index / n - math.pi / 2),
                      cy + r * math.sin(2 * math.pi * g.index / n - math.pi / 2)) for g in t.gpus}
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{width + 60}" '
-             f'viewBox="0 0 {width} {width + 60}" font-family="sans-serif" font-size="11">',
+    classes = _link_classes(t)
+    legend_y = width + 10
+    height = legend_y + 40 + 18 * len(classes)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="{FONT_PX}">',
              f'<title>{escape(t.gpu_type)} topology: {n} GPUs</title>',
              '<rect width="100%" height="100%" fill="white"/>']
-    for link in sorted(t.links, key=lambda link: link.bandwidth_gbps):
-        (x1, y1), (x2, y2) = pos[link.a], pos[link.b]
-        stroke = 1 + 5 * min(link.bandwidth_gbps, 400) / 400
-        parts.append(f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" stroke="{_colour(link.bandwidth_gbps)}" '
-                     f'stroke-width="{stroke:.1f}" opacity="0.8"><title>GPU{link.a}-GPU{link.b}: {escape(link.code)}, '
-                     f'{link.bandwidth_gbps:.1f} GB/s ({escape(link.kind)})</title></line>')
-        if n <= 8:
-            mx, my = (x1 + x2) / 2, (y1 + y2) / 2
-            parts.append(f'<text x="{mx:.1f}" y="{my:.1f}" fill="#333" text-anchor="middle">{escape(link.code)}</text>')
-    for g in t.gpus:
-        x, y = pos[g.index]
-        numa = f"NUMA {g.numa_node}" if g.numa_node is not None else ""
-        parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="22" fill="#2166ac"/>'
-                     f'<text x="{x:.1f}" y="{y + 4:.1f}" fill="white" text-anchor="middle">GPU{g.index}</text>'
-                     f'<text x="{x:.1f}" y="{y + 36:.1f}" text-anchor="middle">{escape(numa)}</text>')
+    taken = [Box(x - GPU_RADIUS - 2, y - GPU_RADIUS - 2, x + GPU_RADIUS + 2, y + GPU_RADIUS + 2) for x, y in pos.values()]
+    nic_pos = []
     for k, nic in enumerate(t.nics):
         angle = 2 * math.pi * (k + 0.5) / max(len(t.nics), 1) - math.pi / 2
         x, y = cx + r * 1.35 * math.cos(angle), cy + r * 1.35 * math.sin(angle)
-        parts.append(f'<rect x="{x - 24:.1f}" y="{y - 10:.1f}" width="48" height="20" fill="#999"/>'
-                     f'<text x="{x:.1f}" y="{y + 4:.1f}" fill="white" text-anchor="middle">{escape(nic.name)}</text>')
+        nic_pos.append((nic, x, y))
+        taken.append(Box(x - 26, y - 12, x + 26, y + 12))
+    dash = {key: _DASHES[k % len(_DASHES)] for k, (key, _) in enumerate(classes)}
+    for (code, kind, gbps), links in sorted(classes, key=lambda kv: kv[0][2]):  # fastest drawn on top
+        stroke = 1 + 5 * min(gbps, 400) / 400
+        style = f' stroke-dasharray="{dash[(code, kind, gbps)]}"' if dash[(code, kind, gbps)] else ""
+        for link in links:
+            (x1, y1), (x2, y2) = pos[link.a], pos[link.b]
+            parts.append(f'<line class="link" x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" '
+                         f'stroke="{_colour(gbps)}" stroke-width="{stroke:.1f}"{style} opacity="0.8">'
+                         f'<title>GPU{link.a}-GPU{link.b}: {escape(code)}, {gbps:.1f} GB/s ({escape(kind)})</title></line>')
+    for nic, x, y in nic_pos:
         for gi in nic.nearest_gpus:
             gx, gy = pos[gi]
             parts.append(f'<line x1="{x:.1f}" y1="{y:.1f}" x2="{gx:.1f}" y2="{gy:.1f}" stroke="#999" stroke-dasharray="3,3"/>')
-    legend_y = width + 20
-    for k, (limit, colour) in enumerate(_COLOURS):
-        x = 20 + k * 120
-        label = f">= {limit:.0f} GB/s" if limit else "< 20 GB/s"
-        parts.append(f'<rect x="{x}" y="{legend_y}" width="14" height="14" fill="{colour}"/>'
-                     f'<text x="{x + 18}" y="{legend_y + 11}">{label}</text>')
-    parts.append(f'<text x="20" y="{legend_y + 34}">link colour and width: modelled unidirectional bandwidth (GB/s)</text>')
+    labels = []
+    for _, links in sorted(classes, key=lambda kv: len(kv[1])) if n <= LABELLED_MAX_GPUS else []:
+        # the rarest links are the ones worth naming
+        placed = _place_link_labels(links, pos, taken, t.links)
+        if placed:
+            labels += placed
+            taken += [p[3] for p in placed]
+    for code, x, y, box in labels:
+        parts.append(f'<rect class="label-bg" x="{box.x0:.1f}" y="{box.y0:.1f}" width="{box.x1 - box.x0:.1f}" '
+                     f'height="{box.y1 - box.y0:.1f}" fill="white" opacity="0.85"/>'
+                     f'<text class="link-label" x="{x:.1f}" y="{y:.1f}" fill="#333" text-anchor="middle">{escape(code)}</text>')
+    for g in t.gpus:
+        x, y = pos[g.index]
+        numa = f"NUMA {g.numa_node}" if g.numa_node is not None else ""
+        parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{GPU_RADIUS}" fill="#2166ac"/>'
+                     f'<text x="{x:.1f}" y="{y + (0 if numa else 4):.1f}" fill="white" text-anchor="middle">GPU{g.index}</text>'
+                     f'<text x="{x:.1f}" y="{y + 12:.1f}" fill="white" font-size="9" text-anchor="middle">{escape(numa)}</text>')
+    for nic, x, y in nic_pos:
+        parts.append(f'<rect x="{x - 24:.1f}" y="{y - 10:.1f}" width="48" height="20" fill="#999"/>'
+                     f'<text x="{x:.1f}" y="{y + 4:.1f}" fill="white" text-anchor="middle">{escape(nic.name)}</text>')
+    pairs = n * (n - 1) // 2
+    for k, ((code, kind, gbps), links) in enumerate(classes):
+        y = legend_y + 18 * k
+        stroke = 1 + 5 * min(gbps, 400) / 400
+        style = f' stroke-dasharray="{dash[(code, kind, gbps)]}"' if dash[(code, kind, gbps)] else ""
+        count = f"all {pairs} pairs" if len(links) == pairs and pairs > 1 else f"{len(links)} pair{'s' if len(links) != 1 else ''}"
+        parts.append(f'<line x1="20" y1="{y + 6}" x2="60" y2="{y + 6}" stroke="{_colour(gbps)}" stroke-width="{stroke:.1f}"{style}/>'
+                     f'<text class="link-class" x="68" y="{y + 10}">{escape(code)}: {escape(kind)}, {gbps:.1f} GB/s, {count}</text>')
+    parts.append(f'<text x="20" y="{legend_y + 18 * len(classes) + 16}">line colour and width: modelled unidirectional '
+                 f'bandwidth (GB/s: green &gt;= 200, red &lt; 20); dash: link class</text>')
     parts.append("</svg>")
     return "\n".join(parts)
 
@@ -77,20 +185,33 @@ def peak_components(result) -> dict[str, int]:
     return parts
 
 
+def _value_label_x(bar_end: float, text: str, capacity_x: float) -> float:
+    """Where a bar's value label starts: just after the bar, unless its box would meet the
+    capacity line, then just after the line."""
+    x = bar_end + 4
+    box = text_box(text, x, 0)
+    return capacity_x + 5 if box.x0 <= capacity_x + 1 and box.x1 >= capacity_x - 1 else x
+
+
 def memory_bars_svg(rows: list[tuple[str, dict[str, int]]], capacity_bytes: int, width: int = 720) -> str:
     """One stacked bar per strategy (bytes live at its peak by component, in GiB; see
-    ``peak_components``) against the device's capacity line."""
+    ``peak_components``) against the device's capacity line. Each row's value label sits after its
+    bar or, where that would meet the capacity line, after the line; rows are 28 px apart, so labels
+    never meet each other."""
     gib = 2 ** 30
     height = 40 + 28 * len(rows) + 40
-    left, right = 170, width - 80
+    totals = [f"{sum(d.values()) / gib:.2f} GiB" for _, d in rows]
+    left = max([120.0] + [text_box(label, 0, 0).x1 + 10 for label, _ in rows])
+    right = width - 10 - max([text_box("000.00 GiB", 0, 0).x1] + [text_box(t, 0, 0).x1 for t in totals]) - 5
     top_value = max([capacity_bytes] + [sum(d.values()) for _, d in rows]) or 1
     scale = (right - left) / top_value
+    cx = left + capacity_bytes * scale
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-           f'font-size="11"><title>per-GPU memory at the peak, by component (GiB)</title>'
+           f'font-size="{FONT_PX}"><title>per-GPU memory at the peak, by component (GiB)</title>'
            f'<rect width="100%" height="100%" fill="white"/>']
-    for k, (label, d) in enumerate(rows):
+    for k, ((label, d), total) in enumerate(zip(rows, totals)):
         y = 30 + 28 * k
-        out.append(f'<text x="{left - 6}" y="{y + 14}" text-anchor="end">{escape(label)}</text>')
+        out.append(f'<text class="strategy" x="{left - 6:.1f}" y="{y + 14}" text-anchor="end">{escape(label)}</text>')
         x = float(left)
         for key, name, colour in _PARTS:
             value = d.get(key, 0)
@@ -99,10 +220,10 @@ def memory_bars_svg(rows: list[tuple[str, dict[str, int]]], capacity_bytes: int,
                 out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="20" fill="{colour}">'
                            f'<title>{name}: {value / gib:.2f} GiB</title></rect>')
             x += w
-        out.append(f'<text class="total" x="{x + 4:.1f}" y="{y + 14}">{sum(d.values()) / gib:.2f} GiB</text>')
-    cx = left + capacity_bytes * scale
-    out.append(f'<line x1="{cx:.1f}" y1="20" x2="{cx:.1f}" y2="{height - 40}" stroke="black" stroke-dasharray="4,3"/>'
-               f'<text x="{cx:.1f}" y="14" text-anchor="middle">capacity {capacity_bytes / gib:.1f} GiB</text>')
+        out.append(f'<text class="total" x="{_value_label_x(x, total, cx):.1f}" y="{y + 14}">{total}</text>')
+    out.append(f'<line class="capacity" x1="{cx:.1f}" y1="20" x2="{cx:.1f}" y2="{height - 40}" stroke="black" '
+               f'stroke-dasharray="4,3"/>'
+               f'<text x="{min(cx, width - 60):.1f}" y="14" text-anchor="middle">capacity {capacity_bytes / gib:.1f} GiB</text>')
     for k, (_, name, colour) in enumerate(_PARTS):
         x = 20 + k * 115
         out.append(f'<rect x="{x}" y="{height - 28}" width="12" height="12" fill="{colour}"/>'

@@ -48,12 +48,39 @@ def server(tmp_path_factory):
     thread.join(timeout=10)
 
 
-def test_form_to_ranked_table_and_chart(server):
+def _playwright():
     _need(CHROMIUM is not None, "Debian's chromium is not installed (apt-get install chromium)")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
         _need(False, "playwright (the Python package) is not installed")
+    return sync_playwright
+
+
+def _meets(a, b) -> bool:
+    return a["x"] < b["x"] + b["width"] and b["x"] < a["x"] + a["width"] and \
+        a["y"] < b["y"] + b["height"] and b["y"] < a["y"] + a["height"]
+
+
+def _labels_clear(page) -> None:
+    """As drawn by Chromium: no value label crosses the capacity line or meets another; no link
+    label meets another or a GPU."""
+    line = page.locator("#bars svg line.capacity").bounding_box()
+    totals = [t.bounding_box() for t in page.locator("#bars svg text.total").all()]
+    assert totals
+    for i, box in enumerate(totals):
+        assert not box["x"] <= line["x"] + line["width"] / 2 <= box["x"] + box["width"], (box, line)
+        assert not any(_meets(box, other) for other in totals[i + 1:])
+    labels = [t.bounding_box() for t in page.locator("#topology svg text.link-label").all()]
+    gpus = [c.bounding_box() for c in page.locator("#topology svg circle").all()]
+    assert gpus
+    for i, box in enumerate(labels):
+        assert not any(_meets(box, other) for other in labels[i + 1:] + gpus)
+    assert page.locator("#topology svg text.link-class").count() >= 1  # the legend names each link class
+
+
+def test_form_to_ranked_table_and_chart(server):
+    sync_playwright = _playwright()
     from planner.plan import plan
     from planner.schema import PlanRequest
 
@@ -88,7 +115,44 @@ def test_form_to_ranked_table_and_chart(server):
         assert bars.count() == 1 and bars.bounding_box()["width"] > 200  # the chart is drawn, not just present
         assert "capacity" in page.locator("#bars").inner_text() or "capacity" in bars.inner_html()
         assert page.locator("#topology svg").count() == 1
+        _labels_clear(page)
+        table = page.locator("#strategies td.strategy").all_inner_texts()
+        chart = [t.removesuffix(" (no fit)") for t in page.locator("#bars svg text.strategy").all_text_contents()]
+        assert chart == table  # one name for a strategy in the table and the chart
+        assert any("(shard groups of" in t for t in table)
         if os.environ.get("PLANNER_SCREENSHOT"):
             page.set_viewport_size({"width": 1200, "height": 1250})  # form, verdict, table and chart
             page.screenshot(path=os.environ["PLANNER_SCREENSHOT"])
+        browser.close()
+
+
+def test_fabric_inputs_and_a_labelled_topology(server):
+    """The fabric and NICs inputs reach the plan (the page's inter-node bandwidth is the core's),
+    and the NVLink-pair box's picture labels its NVLink pairs clear of everything else."""
+    sync_playwright = _playwright()
+    from planner.plan import plan
+    from planner.schema import PlanRequest
+    from planner.topology import link_rates
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page.goto(server + "/")
+        options = page.locator("select[name=fabric] option").evaluate_all("os => os.map(o => o.value)")
+        assert options == [""] + list(link_rates()["fabric"])  # the catalogue's fabrics, after "(preset's)"
+        page.select_option("select[name=model]", "llama-3-8b")
+        page.select_option("select[name=gpu]", "rtx-a6000")
+        page.select_option("select[name=topology]", "a6000-nvlink-pairs")
+        page.fill("input[name=nodes]", "2")
+        page.select_option("select[name=fabric]", "eth-25g")
+        page.fill("input[name=nics_per_node]", "1")
+        page.click("button[type=submit]")
+        page.wait_for_selector("#network")
+        assert "fabric=eth-25g" in page.url and "nics_per_node=1" in page.url
+        expected = plan(PlanRequest(model="llama-3-8b", gpu="rtx-a6000", gpus=8, nodes=2, topology="a6000-nvlink-pairs",
+                                    seq_len=4096, global_batch=256, fabric="eth-25g", nics_per_node=1))
+        assert page.locator("#inter-node").inner_text() == f"{expected.topology.inter_node_gbps_per_gpu:.2f}"
+        assert page.locator("select[name=fabric]").input_value() == "eth-25g"
+        _labels_clear(page)
+        assert page.locator("#topology svg text.link-label").all_text_contents() == ["NV4"] * 4
         browser.close()

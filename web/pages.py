@@ -21,15 +21,15 @@ from planner.plan import plan
 from planner.precision import Optimizer, Precision
 from planner.presets import PRESETS, preset_topology
 from planner.memory import estimate
-from planner.render import memory_bars_svg, peak_components, topology_svg
+from planner.render import memory_bars_svg, peak_components, strategy_label, topology_svg
 from planner.schema import PlanRequest
-from planner.topology import parse_topology
+from planner.topology import link_rates, parse_topology
 
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
-FORM_FIELDS = ("model", "gpu", "gpus", "nodes", "topology", "seq_len", "global_batch", "precision", "optimizer",
-               "model_config", "topology_text")
+FORM_FIELDS = ("model", "gpu", "gpus", "nodes", "topology", "fabric", "nics_per_node", "seq_len", "global_batch",
+               "precision", "optimizer", "model_config", "topology_text")
 DEFAULTS = {"model": "llama-3-8b", "gpu": "h100-80gb", "gpus": 8, "nodes": 1, "topology": "", "seq_len": 4096,
-            "global_batch": 256, "precision": "bf16-mixed", "optimizer": "adamw"}
+            "global_batch": 256, "precision": "bf16-mixed", "optimizer": "adamw", "fabric": "", "nics_per_node": ""}
 
 
 def _form(request: Request) -> dict[str, typing.Any]:
@@ -52,10 +52,21 @@ def _plan_request(form: dict[str, typing.Any]) -> PlanRequest:
         raise PlannerError(f"{where}: {first.get('msg', 'invalid').removeprefix('Value error, ')}") from None
 
 
+def _fabrics() -> list[tuple[str, str]]:
+    """The inter-node fabrics of the catalogue (data/links.yaml), each with its per-NIC rate."""
+    return [(name, f"{name} ({spec['gbps']:g} GB/s per NIC)") for name, spec in link_rates()["fabric"].items()]
+
+
+def _field_help() -> dict[str, str]:
+    """Each form field's description from the schema, shown as the input's tooltip."""
+    return {name: f.description or "" for name, f in PlanRequest.model_fields.items()}
+
+
 def _page(request: Request, form: dict, **extra) -> HTMLResponse:
     context = dict(request=request, form=form, models=list(load_catalogue()), gpus=[g for g in load_gpus() if g != "cpu"],
                    topologies=sorted(PRESETS), precisions=typing.get_args(Precision),
-                   optimizers=typing.get_args(Optimizer), result=None, error=None)
+                   optimizers=typing.get_args(Optimizer), fabrics=_fabrics(), field_help=_field_help(),
+                   strategy_label=strategy_label, result=None, error=None)
     context.update(extra)
     return TEMPLATES.TemplateResponse(request, "index.html", context, status_code=extra.get("status", 200))
 
@@ -104,7 +115,7 @@ def add_pages(app: FastAPI) -> None:
             seen.add(c.strategy)
             best.append(c)
             components = peak_components(estimate(estimate_request_for(req, c)))
-            rows.append((f"{c.strategy}{'' if c.fits else ' (no fit)'}", components))
+            rows.append((f"{strategy_label(c)}{'' if c.fits else ' (no fit)'}", components))
         from planner.gpus import gpu
 
         bars = memory_bars_svg(rows, gpu(req.gpu).memory_bytes)
