@@ -95,6 +95,7 @@ def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstim
     per_rank = request.micro_batch * request.gradient_accumulation
     plan_req = PlanRequest(**model_fields, gpu=request.gpu, gpus=request.gpus, nodes=request.nodes,
                            topology=request.topology, topology_text=request.topology_text,
+                           fabric=request.fabric, nics_per_node=request.nics_per_node,
                            seq_len=request.seq_len, global_batch=per_rank * world,
                            precision=result.request.precision, optimizer=request.optimizer,
                            attention=request.attention, profile=request.profile)
@@ -239,7 +240,7 @@ def plan(req: PlanRequest) -> PlanResult:
         evaluated += micro.size
         for k, mb in enumerate(micro):
             rows.append((grid.combo, int(mb), float(peaks[k]), bool(peaks[k] <= usable), times[k]))
-    return _rank(req, rows, grids, usable, capacity, topo, fabric, nics, model_fields, evaluated, started, g)
+    return _rank(req, rows, grids, usable, capacity, topo, fabric_name, nics, model_fields, evaluated, started, g)
 
 
 @dataclass(frozen=True)
@@ -291,6 +292,27 @@ def _collective_volumes(req: PlanRequest, combo: Combo, psi: int, micro: np.ndar
     return items
 
 
+def _group(combo: Combo, group: str, nodes: int) -> tuple[timing.Group, tuple[int, ...]]:
+    """The process group a collective runs over, and its members inside one node.
+
+    world / shard (ZeRO and FSDP shard over the whole data-parallel group): every GPU of every node.
+    HSDP's shard group: `shard` consecutive ranks (DeviceMesh's inner dimension), inside a node when
+    it fits there. HSDP's replica group: the GPUs at the same place in every shard group, so every
+    shard-th GPU of a node, and each of the node's `shard` replica groups crosses its NICs at once."""
+    g = combo.gpus
+    world = g * nodes
+    shard = combo.shard
+    if group == "replicas" and shard:
+        if shard < g:
+            return timing.Group(world // shard, g // shard, shard), tuple(range(0, g, shard))
+        return timing.Group(world // shard, 1, g), (0,)
+    if group == "shard" and shard:
+        if shard <= g:
+            return timing.Group(shard, shard, g // shard), tuple(range(shard))
+        return timing.Group(shard, g, 1), tuple(range(g))
+    return timing.Group(world, g, 1), tuple(range(g))
+
+
 def _step_times(req: PlanRequest, combo: Combo, micro: np.ndarray, per_rank: int, psi: int, arch, g: Gpu,
                 topo: Topology, fabric: dict, nics: int, buckets: Buckets = Buckets()) -> list[timing.StepTime]:
     wb = 4 if req.precision == "fp32" else 2
@@ -301,32 +323,19 @@ def _step_times(req: PlanRequest, combo: Combo, micro: np.ndarray, per_rank: int
     tokens_rank = per_rank * req.seq_len
     flops = tokens_rank * timing.flops_per_token(arch, req.seq_len, combo.checkpointing)
     compute = flops / (peak_flops * req.compute_efficiency)
-    ring, ring_bw, ring_lat = timing.node_ring(topo, combo.gpus)
-    ring_bw *= req.link_efficiency
-    if combo.shard:  # hsdp: the shard group's own ring
-        _, shard_bw, shard_lat = timing.node_ring(topo, combo.shard)
-        shard_bw *= req.link_efficiency
-    inter_bw = nics * fabric["gbps"] * fabric["efficiency"] * req.link_efficiency
+    ring, ring_bw, _ = timing.node_ring(topo, combo.gpus)
     nodes = req.nodes
+    nic_gbps = nics * fabric["gbps"] * fabric["efficiency"] * req.link_efficiency
     comm = np.zeros_like(micro, dtype=np.float64)
+    slowest = ring_bw * req.link_efficiency
     for _, volume, passes, message, group in _collective_volumes(req, combo, psi, micro, per_rank, wb, arch, buckets):
+        layout, members = _group(combo, group, nodes)
+        _, intra_bw, intra_lat = timing.ring_over(topo, members)
+        wire = timing.Wire(intra_bw * req.link_efficiency, intra_lat, nic_gbps, fabric["latency_us"])
         for k in range(micro.size):
-            v = float(volume[k])
-            if group == "replicas":
-                # each GPU all-reduces its shard with the GPUs at its place in the other shard groups:
-                # inside the node over the node's ring (the links between groups), then across
-                # nodes, where the node's GPUs share the NICs
-                inside = combo.gpus // (combo.shard or combo.gpus)
-                comm[k] += timing.ring_collective_seconds(v, inside, ring_bw, ring_lat, message, passes)
-                comm[k] += timing.ring_collective_seconds(v, nodes, inter_bw / combo.gpus,
-                                                          fabric["latency_us"], message, passes)
-                continue
-            if group == "shard" and combo.shard:
-                comm[k] += timing.ring_collective_seconds(v, combo.shard, shard_bw, shard_lat, message, passes)
-                continue
-            comm[k] += timing.ring_collective_seconds(v, combo.gpus, ring_bw, ring_lat, message, passes)
-            if nodes > 1 and group == "world":
-                comm[k] += timing.ring_collective_seconds(v, nodes, inter_bw, fabric["latency_us"], message, passes)
+            t = timing.collective_seconds(float(volume[k]), layout, wire, message, passes)
+            comm[k] += t.seconds
+            slowest = min(slowest, t.bottleneck_gbps)
     s = lookup_strategy(combo.strategy)
     if s.framework == "torch" or s.zero_stage == 3:
         window = compute if s.shards_parameters else compute * timing.BACKWARD_FRACTION
@@ -343,7 +352,7 @@ def _step_times(req: PlanRequest, combo: Combo, micro: np.ndarray, per_rank: int
         results.append(timing.StepTime(
             compute_seconds=compute, communication_seconds=float(comm[k]), exposed_communication_seconds=exposed,
             offload_seconds=float(offload[k]), step_seconds=step, tokens_per_second=tokens / step,
-            mfu=model_flops / (step * peak_flops), ring_bandwidth_gbps=ring_bw, ring=ring))
+            mfu=model_flops / (step * peak_flops), ring_bandwidth_gbps=slowest, ring=ring))
     return results
 
 
@@ -400,7 +409,16 @@ def _score(req: PlanRequest, combo: Combo, peak: float, t: timing.StepTime) -> f
     return (t.step_seconds, t.communication_seconds, peak)
 
 
-def _rank(req, rows, grids, usable, capacity, topo, fabric, nics, model_fields, evaluated, started, g) -> PlanResult:
+def _fabric_note(req: PlanRequest, fabric_name: str, nics: int) -> str:
+    f = timing.fabric(fabric_name)
+    node = nics * f["gbps"] * f["efficiency"] * req.link_efficiency
+    return (f"across nodes: {fabric_name} x {nics} NIC(s) per node, {node:.2f} GB/s achieved per node "
+            f"({node / req.gpus:.2f} GB/s per GPU); a collective whose group spans nodes runs at that rate: "
+            "all-gather and reduce-scatter as NCCL's flat ring, all-reduce the faster of its ring and tree")
+
+
+def _rank(req, rows, grids, usable, capacity, topo, fabric_name, nics, model_fields, evaluated, started, g) -> PlanResult:
+    fabric = timing.fabric(fabric_name)
     best: dict[Combo, tuple] = {}
     for combo, mb, peak, fits, t in rows:
         # a fitting candidate by the objective; one that fits nowhere shown at its smallest peak
@@ -425,6 +443,8 @@ def _rank(req, rows, grids, usable, capacity, topo, fabric, nics, model_fields, 
              (f"ring over GPUs {list(ring)}: slowest link {ring_bw:.1f} GB/s ({topo.source})"
               if math.isfinite(ring_bw) else f"one GPU per node: no ring ({topo.source})"),
              f"compute at {req.compute_efficiency:.0%} of {g.name}'s peak dense TFLOP/s"]
+    if req.nodes > 1:
+        notes.append(_fabric_note(req, fabric_name, nics))
     if recommended is None:
         notes.append("nothing fits: see each candidate's rejected_reason, and min_gpus for the GPU count that would")
     return PlanResult(recommended=recommended, candidates=candidates, candidates_evaluated=evaluated,

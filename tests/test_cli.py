@@ -17,7 +17,7 @@ ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus",
                   "--gradient-accumulation", "--checkpointing", "--attention", "--offload-optimizer",
                   "--offload-params", "--hsdp-shard-size", "--ds-config", "--reduce-bucket-size", "--allgather-bucket-size",
                   "--prefetch-bucket-size", "--param-persistence-threshold", "--max-live-parameters",
-                  "--max-reuse-distance", "--topology", "--topology-file", "--profile", "--json"}
+                  "--max-reuse-distance", "--topology", "--topology-file", "--fabric", "--nics-per-node", "--profile", "--json"}
 
 
 def run(capsys, *argv):
@@ -116,7 +116,7 @@ BAD = [
     (["estimate", "--model", "gpt2", "--gpu", "tpu-v5"], "unknown gpu 'tpu-v5'"),
     (["estimate", "--model", "gpt2", "--gpu", "v100-32gb"], "does not support"),
     (["estimate", "--model", "gpt2", "--strategy", "ddp", "--offload-optimizer", "cpu"], "offload_optimizer=cpu"),
-    (["estimate", "--model", "gpt2", "--strategy", "hsdp"], "single shard group (all 1 GPUs) is fsdp"),
+    (["estimate", "--model", "gpt2", "--strategy", "hsdp"], "single shard group (all 8 GPUs) is fsdp"),
     (["estimate", "--model", "gpt2", "--strategy", "hsdp", "--gpus", "8", "--hsdp-shard-size", "3"],
      "hsdp_shard_size(3) must divide the world size"),
     (["estimate", "--model", "gpt2", "--strategy", "zero3", "--gpus", "8", "--hsdp-shard-size", "2"],

@@ -199,3 +199,68 @@ def test_calibrated_link_efficiency_per_link_type_is_applied(tmp_path, monkeypat
     half = estimate_with_time(EstimateRequest(profile="half", **kw)).time
     # the bandwidth-bound all-reduce takes about twice as long at half the link efficiency
     assert 1.8 < half.communication_seconds / nominal.communication_seconds <= 2.0
+
+
+# --- multi-node: every collective whose group crosses nodes is bounded by the fabric ---------------
+
+def _by_strategy(r, name):
+    return next(c for c in r.candidates if c.strategy == name and c.fits)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3", "fsdp-grad-op"])
+def test_sharded_groups_across_nodes_are_bounded_by_the_fabric(strategy):
+    from planner.plan import estimate_with_time
+    from planner.schema import EstimateRequest
+
+    kw = dict(model="llama-3-8b", strategy=strategy, gpu="h100-80gb", gpus=8, nodes=2, nics_per_node=1,
+              seq_len=4096, micro_batch=1, gradient_accumulation=8)
+    slow = estimate_with_time(EstimateRequest(fabric="eth-25g", **kw)).time
+    fast = estimate_with_time(EstimateRequest(fabric="ib-ndr", **kw)).time
+    # eth-25g: 3.125 GB/s x 0.7 per node; ib-ndr: 50 GB/s x 0.85 (data/links.yaml): 19.4x apart, and
+    # the flat ring over 16 GPUs is bound by the NIC either way (the NVLink ring runs at 360 GB/s);
+    # the latency terms (15 vs 5 us per hop, ZeRO-3's 50M-element prefetch messages) make up the rest
+    assert slow.communication_seconds / fast.communication_seconds == pytest.approx(50 * 0.85 / (3.125 * 0.7), rel=0.05)
+    assert slow.exposed_communication_seconds > 0 and slow.step_seconds > 2 * fast.step_seconds
+
+
+def test_flat_ring_across_nodes_runs_at_the_nics_hand_derived():
+    """NCCL's all-gather/reduce-scatter across nodes is a flat ring (NVIDIA/nccl#471, #1473): each
+    byte crosses every node boundary, so the ring runs at min(node ring, node's NICs)."""
+    from planner import timing
+
+    wire = timing.Wire(intra_gbps=360.0, intra_latency_us=0.0, nic_gbps=2.0, nic_latency_us=0.0)
+    t = timing.collective_seconds(16e9, timing.Group(16, 8, 1), wire, 1e9, passes=1)
+    assert t.algorithm == "ring" and t.bottleneck_gbps == 2.0
+    assert t.seconds == pytest.approx(15 / 16 * 16e9 / 2e9)
+    # the same group inside one node never touches the NICs
+    inside = timing.collective_seconds(16e9, timing.Group(8, 8, 1), wire, 1e9, passes=1)
+    assert inside.seconds == pytest.approx(7 / 8 * 16e9 / 360e9)
+    # all-reduce on 2 nodes: NCCL's Tree sends the payload once across (ring: 2(N-1)/N times)
+    ar = timing.collective_seconds(16e9, timing.Group(16, 8, 1), wire, 1e9, passes=2)
+    assert ar.algorithm == "tree" and ar.seconds == pytest.approx(16e9 / 2e9)
+    # HSDP's replica groups: 8 of them cross one node's NICs at once, each with a 1/8 share
+    rep = timing.collective_seconds(2e9, timing.Group(2, 1, 8), wire, 1e9, passes=2)
+    assert rep.seconds == pytest.approx(min(2 * 1 / 2 * 2e9 / (2e9 / 8), 2e9 / (2e9 / 8)))
+
+
+def test_fsdp_communication_grows_with_nodes_on_a_slow_fabric():
+    from planner.plan import estimate_with_time
+    from planner.schema import EstimateRequest
+
+    kw = dict(model="llama-3-70b", strategy="fsdp", gpu="h100-80gb", gpus=8, seq_len=4096, checkpointing="full")
+    one = estimate_with_time(EstimateRequest(nodes=1, **kw)).time
+    four = estimate_with_time(EstimateRequest(nodes=4, fabric="eth-25g", nics_per_node=1, **kw)).time
+    fast = estimate_with_time(EstimateRequest(nodes=4, fabric="ib-ndr", nics_per_node=8, **kw)).time
+    assert four.communication_seconds > 20 * one.communication_seconds
+    assert one.communication_seconds < fast.communication_seconds < 2 * one.communication_seconds
+    assert four.ring_bandwidth_gbps < 3.0 < fast.ring_bandwidth_gbps  # the fabric is the ring's slowest hop
+
+
+def test_slow_fabric_changes_the_recommendation_to_hsdp():
+    kw = dict(model="llama-3-8b", gpu="h100-80gb", gpus=8, nodes=2, nics_per_node=1, global_batch=256)
+    slow = plan(PlanRequest(fabric="eth-25g", **kw))
+    fsdp = _by_strategy(slow, "fsdp")
+    # FSDP gathers and reduce-scatters over all 16 GPUs, through one 25GbE NIC per node;
+    # HSDP keeps them inside the node and sends only the replica all-reduce of 1/8 across
+    assert slow.recommended.strategy == "hsdp" and slow.recommended.step_seconds < 0.5 * fsdp.step_seconds
+    assert any("eth-25g" in n for n in slow.notes)
