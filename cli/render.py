@@ -91,12 +91,16 @@ def plan_table(r) -> str:
                      f"{c.mfu:>5.2f}")
     rejected = [c for c in r.candidates if not c.fits]
     if rejected:
-        lines += ["", "rejected:"]
+        lines += ["", "rejected (each strategy's closest setting to fitting; the reason names it):"]
         seen = set()
         for c in rejected:
             if c.rejected_reason and c.strategy not in seen:
                 seen.add(c.strategy)
-                lines.append(f"  {c.rejected_reason}")
+                count = sum(1 for o in rejected if o.strategy == c.strategy)
+                fit = [k for k, o in enumerate(r.candidates, 1) if o.fits and o.strategy == c.strategy]
+                others = (f" [{count} settings of {c.strategy} rejected" if count > 1 else f" [1 setting of {c.strategy} rejected") + (
+                    f"; other settings fit: #{', #'.join(map(str, fit))}]" if fit else "]")
+                lines.append(f"  {c.rejected_reason}{others}")
     best = r.recommended
     lines.append("")
     if best:
@@ -105,7 +109,7 @@ def plan_table(r) -> str:
                      f"{best.offload_params}: {best.step_seconds:.3f} s per step, peak {best.per_device.peak_bytes / GIB:.2f} GiB")
     else:
         lines.append("nothing fits this cluster")
-    lines.append("smallest GPU count that trains (micro-batch 1, full checkpointing): " +
+    lines.append("smallest GPU count that trains (micro-batch 1, full checkpointing, any offload or HSDP group the plan tries): " +
                  ", ".join(f"{k} {v if v is not None else 'none'}" for k, v in r.min_gpus.items()))
     lines.extend(f"note: {n}" for n in r.notes)
     return "\n".join(lines)

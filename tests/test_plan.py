@@ -31,7 +31,8 @@ def test_model_too_large_for_ddp_gets_a_sharded_strategy_and_the_rejection_says_
     assert first(r) in ("zero3", "fsdp", "fsdp-grad-op", "zero2", "zero1")
     ddp = next(c for c in r.candidates if c.strategy == "ddp")
     assert not ddp.fits
-    assert ddp.rejected_reason.startswith("ddp: ") and "GiB >" in ddp.rejected_reason and "are not" in ddp.rejected_reason
+    assert ddp.rejected_reason.startswith("ddp at micro-batch 1, checkpointing ")
+    assert "GiB >" in ddp.rejected_reason and "are not" in ddp.rejected_reason
     zero1 = next(c for c in r.candidates if c.strategy == "zero1" and not c.fits) if any(
         c.strategy == "zero1" and not c.fits for c in r.candidates) else None
     if zero1:
@@ -76,7 +77,10 @@ def test_inverse_questions():
     r = plan(PlanRequest(model="llama-3-70b", gpu="h100-80gb", gpus=8, topology="hgx-h100", seq_len=4096,
                          global_batch=256))
     assert r.min_gpus["ddp"] is None and r.min_gpus["zero2"] is None  # 2Ψ of unsharded weights is 141 GB
-    assert r.min_gpus["zero3"] is not None and r.min_gpus["zero3"] > 8  # 16Ψ = 1.13 TB over many GPUs
+    # 16Ψ = 1.13 TB of model states: on GPUs alone over many, with ZeRO-Infinity's NVMe offload (a
+    # setting the plan tries) on a few; either way consistent with the plan's own candidates
+    assert r.min_gpus["zero3"] is not None
+    assert (r.min_gpus["zero3"] <= 8) == any(c.fits for c in r.candidates if c.strategy == "zero3")
     small = plan(PlanRequest(model="llama-3.2-1b", gpu="h100-80gb", gpus=8, topology="hgx-h100", seq_len=2048,
                              global_batch=256))
     assert small.min_gpus["ddp"] == 1 and small.max_micro_batch["ddp"] >= 1
