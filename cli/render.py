@@ -32,6 +32,7 @@ def estimate_table(r: EstimateResult) -> str:
         _row("resident between steps", d.resident_bytes),
         _row(f"peak ({d.peak_phase})", d.peak_bytes),
     ]
+    lines += _peak_items(r)
     if r.host.peak_bytes or r.nvme_bytes:
         lines += ["", f"  {'per node (offload)':<28} {'GiB':>12} {'GB':>12}",
                   _row("host RAM peak", r.host.peak_bytes), _row("of which pinned", r.host.pinned_bytes),
@@ -52,6 +53,25 @@ def estimate_table(r: EstimateResult) -> str:
         lines.append(f"peak {d.peak_bytes / GIB:,.2f} GiB per rank (no capacity known for {r.gpu}; "
                      "pass --device-memory-gib to judge the fit)")
     return "\n".join(lines)
+
+
+def _peak_items(r: EstimateResult) -> list[str]:
+    """Every item live at the peak, so the buffers total is never a bare number; with --params the
+    table says what a parameter count alone makes the model assume."""
+    phase = next((p for p in r.phases if p.name == r.per_device.peak_phase), None)
+    if phase is None:
+        return []
+    lines = ["", f"  at the peak ({phase.name}), by item"]
+    for item in sorted(phase.items, key=lambda i: -i.bytes):
+        if item.bytes:
+            lines.append(f"    {item.name:<54} {item.bytes / GIB:>10,.2f} GiB {item.bytes / GB:>10,.2f} GB")
+    if r.model.architecture is None and r.per_device.buffers_bytes:
+        lines += ["  note: --params gives no layer sizes, so the model is taken as ONE tensor: what is sized by",
+                  "        a layer (ZeRO-3/FSDP's gathered parameters, gradients not yet reduced, buckets capped by",
+                  f"        the model) assumes the whole model here, {r.per_device.buffers_bytes / GIB:,.2f} GiB of buffers "
+                  "beyond the textbook states;",
+                  "        give --model or --model-file for per-layer sizes (and activations)"]
+    return lines
 
 
 def topology_table(t) -> str:

@@ -160,3 +160,27 @@ def test_bad_ds_configs(capsys, tmp_path, config, message):
     path.write_text(json.dumps(config))
     code, _, err = run(capsys, "estimate", "--model", "gpt2", "--strategy", "zero2", "--ds-config", str(path))
     assert code == 2 and message in err, err
+
+
+def _seconds(text: str, what: str) -> float:
+    import re
+
+    return float(re.search(rf"{what} ([0-9.]+) s", text).group(1))
+
+
+def test_estimate_describes_the_network(capsys):
+    argv = ["estimate", "--model", "llama-3-8b", "--strategy", "fsdp", "--nodes", "2", "--nics-per-node", "1"]
+    _, slow, _ = run(capsys, *argv, "--fabric", "eth-25g")
+    _, fast, _ = run(capsys, *argv, "--fabric", "ib-ndr")
+    assert _seconds(slow, "communication") > 10 * _seconds(fast, "communication")
+    code, out, _ = run(capsys, *argv, "--fabric", "ib-ndr", "--json")
+    assert code == 0 and json.loads(out)["request"]["fabric"] == "ib-ndr"
+
+
+def test_params_alone_says_the_buffers_assume_the_whole_model(capsys):
+    code, out, _ = run(capsys, "estimate", "--params", "7000000000", "--strategy", "zero3")
+    assert code == 0
+    assert "gathered 16-bit parameters" in out and "13.04 GiB" in out  # 7e9 x 2 bytes, gathered at once
+    assert "--params gives no layer sizes, so the model is taken as ONE tensor" in out
+    code, out, _ = run(capsys, "estimate", "--model", "llama-3-8b", "--strategy", "zero3")
+    assert "ONE tensor" not in out and "at the peak (start of backward), by item" in out

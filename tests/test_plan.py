@@ -268,3 +268,84 @@ def test_slow_fabric_changes_the_recommendation_to_hsdp():
     # HSDP keeps them inside the node and sends only the replica all-reduce of 1/8 across
     assert slow.recommended.strategy == "hsdp" and slow.recommended.step_seconds < 0.5 * fsdp.step_seconds
     assert any("eth-25g" in n for n in slow.notes)
+
+
+# --- ties, rejections and the inverse answers --------------------------------------------------
+
+def _llama8b_on_hgx():
+    return plan(PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, topology="hgx-h100", seq_len=4096,
+                            global_batch=256))
+
+
+def test_ties_within_the_time_models_uncertainty_go_to_headroom():
+    from planner.plan import MEMORY_TIE_FRACTION, TIE_TOLERANCE
+    from planner.units import GIB
+
+    r = _llama8b_on_hgx()
+    best = r.recommended
+    fitting = [c for c in r.candidates if c.fits]
+    fastest = min(c.step_seconds for c in fitting)
+    tied = [c for c in fitting if c.step_seconds <= fastest * (1 + TIE_TOLERANCE)]
+    assert len(tied) > 1 and best in tied
+    capacity = 79.65 * GIB
+    # no option as fast leaves materially (3% of the device) more memory free than the recommendation
+    assert best.per_device.peak_bytes <= min(c.per_device.peak_bytes for c in tied) + MEMORY_TIE_FRACTION * capacity
+    # the case: FSDP at 75.1 GiB of 75.7 usable was picked over ZeRO-3 at 49.8 GiB, same step time
+    assert best.per_device.peak_bytes < 0.6 * capacity
+    assert max(c.per_device.peak_bytes for c in tied) > best.per_device.peak_bytes + 10 * GIB
+    note = next(n for n in r.notes if n.startswith(f"recommended {best.strategy}"))
+    assert "within 1% of the best step time" in note and "leaves the most memory free" in note
+
+
+def test_rejections_name_the_setting_and_the_peak_phase():
+    r = _llama8b_on_hgx()
+    hsdp = next(c for c in r.candidates if c.strategy == "hsdp" and not c.fits)
+    assert any(c.strategy == "hsdp" and c.fits for c in r.candidates)  # other settings of hsdp fit
+    reason = hsdp.rejected_reason
+    assert reason.startswith(f"hsdp (shard groups of {hsdp.hsdp_shard_size}) at micro-batch {hsdp.micro_batch}, "
+                             f"checkpointing {hsdp.checkpointing}, offload {hsdp.offload_optimizer}/")
+    assert f"the peak is at {hsdp.per_device.peak_phase}, largest " in reason
+    ddp = next(c for c in r.candidates if c.strategy == "ddp")
+    # an optimizer-step peak is explained by the optimizer's items, not by "0.0 GB of activations"
+    assert ddp.per_device.peak_phase == "optimizer step"
+    assert "the peak is at optimizer step, largest adamw states 64.2 GB" in ddp.rejected_reason
+    assert "activations" not in ddp.rejected_reason
+
+
+def test_the_table_says_which_settings_of_a_rejected_strategy_fit(capsys):
+    from cli.render import plan_table
+
+    text = plan_table(_llama8b_on_hgx())
+    line = next(li for li in text.splitlines() if li.strip().startswith("hsdp (shard groups of"))
+    assert "other settings fit: #" in line
+
+
+@pytest.mark.parametrize("kw", [
+    dict(model="llama-3-8b", gpu="h100-80gb", gpus=8, topology="hgx-h100", seq_len=4096, global_batch=256),
+    dict(model="llama-2-13b", gpu="rtx-a6000", gpus=8, topology="a6000-nvlink-pairs", seq_len=2048, global_batch=64),
+    dict(model="llama-3-70b", gpu="h100-80gb", gpus=8, nodes=2, seq_len=4096, global_batch=256),
+], ids=["8b-hgx", "13b-a6000", "70b-2-nodes"])
+def test_inverse_answers_agree_with_the_plan(kw):
+    from planner.strategies import STRATEGIES
+
+    r = plan(PlanRequest(**kw))
+    world = kw["gpus"] * kw.get("nodes", 1)
+    for name in STRATEGIES:
+        fits_here = any(c.fits for c in r.candidates if c.strategy == name)
+        assert (r.min_gpus[name] is not None and r.min_gpus[name] <= world) == fits_here, name
+        assert (r.max_micro_batch[name] is not None) == fits_here, name
+        if fits_here:
+            best = max(c.micro_batch for c in r.candidates if c.strategy == name and c.fits)
+            assert r.max_micro_batch[name] >= best
+
+
+def test_estimate_and_plan_share_one_set_of_defaults():
+    from planner import schema
+    from planner.schema import EstimateRequest
+
+    for name in ("gpu", "gpus", "nodes", "seq_len", "precision", "optimizer", "attention", "topology",
+                 "topology_text", "fabric", "nics_per_node", "profile"):
+        assert EstimateRequest.model_fields[name].default == PlanRequest.model_fields[name].default, name
+    assert (PlanRequest.model_fields["gpu"].default, PlanRequest.model_fields["gpus"].default,
+            PlanRequest.model_fields["seq_len"].default) == (schema.DEFAULT_GPU, schema.DEFAULT_GPUS_PER_NODE,
+                                                            schema.DEFAULT_SEQ_LEN)
