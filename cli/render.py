@@ -127,6 +127,8 @@ def plan_table(r) -> str:
         lines.append(f"recommended: {best.strategy}, micro-batch {best.micro_batch} x {best.gradient_accumulation} "
                      f"accumulation, checkpointing {best.checkpointing}, offload {best.offload_optimizer}/"
                      f"{best.offload_params}: {best.step_seconds:.3f} s per step, peak {best.per_device.peak_bytes / GIB:.2f} GiB")
+        if r.faster_on_fewer_nodes:
+            lines.append(f"but fewer nodes do better on this fabric: --nodes {r.faster_on_fewer_nodes} (see the note)")
     else:
         lines.append("nothing fits this cluster")
     lines.append("smallest GPU count that trains (micro-batch 1, full checkpointing, any offload or HSDP group the plan tries): " +

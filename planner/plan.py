@@ -220,27 +220,50 @@ def plan(req: PlanRequest) -> PlanResult:
     req = _apply_profile(req, topo)
     capacity = g.memory_bytes
     usable = capacity * (1 - req.headroom)
-    grids = []
-    for gpus in _gpu_counts(req):
+    fabric = timing.fabric(fabric_name)
+    layout = (g, model, topo, fabric, nics, usable, model_fields)
+    rows, evaluated = _evaluate(req, _gpu_counts(req), *layout)
+    fewer = []
+    if req.nodes > 1 and req.objective != "memory":
+        for k in _fewer_nodes(req):
+            fewer_rows, count = _evaluate(req.model_copy(update={"nodes": k}), [req.gpus], *layout)
+            evaluated += count
+            fewer.append((k, fewer_rows))
+    return _rank(req, rows, fewer, usable, capacity, topo, fabric_name, nics, model_fields, evaluated, started, g)
+
+
+def _fewer_nodes(req: PlanRequest) -> list[int]:
+    """Node counts below the request's (halving) that still divide the global batch: on a slow
+    fabric the best plan may leave nodes idle rather than send every gather through their NICs."""
+    counts, k = [], req.nodes // 2
+    while k >= 1:
+        if req.global_batch % (req.gpus * k) == 0:
+            counts.append(k)
+        k //= 2
+    return counts
+
+
+def _evaluate(req: PlanRequest, counts: list[int], g: Gpu, model, topo: Topology, fabric: dict, nics: int,
+              usable: float, model_fields: dict) -> tuple[list[tuple], int]:
+    """(combo, micro-batch, peak bytes, fits, step time) for every setting on these GPU counts."""
+    rows: list[tuple[Combo, int, float, bool, timing.StepTime]] = []
+    evaluated = 0
+    for gpus in counts:
         for name in STRATEGIES:
             shards = _hsdp_shards(gpus, req.nodes) if name == "hsdp" else [None]
             for shard, ckpt in ((sh, c) for sh in shards for c in ("none", "full")):
                 for off_opt, off_par in _offloads(name):
                     combo = Combo(gpus, name, ckpt, off_opt, off_par, shard)
-                    grids.append(_Grid(combo, _estimate(req, combo, 1, model_fields),
-                                       _estimate(req, combo, 2, model_fields)))
-    fabric = timing.fabric(fabric_name)
-    rows: list[tuple[Combo, int, float, bool, timing.StepTime]] = []
-    evaluated = 0
-    for grid in grids:
-        per_rank = req.global_batch // (grid.combo.gpus * req.nodes)
-        micro = _divisors(per_rank)
-        peaks = grid.peaks(micro)
-        times = _step_times(req, grid.combo, micro, per_rank, model.parameters, arch, g, topo, fabric, nics)
-        evaluated += micro.size
-        for k, mb in enumerate(micro):
-            rows.append((grid.combo, int(mb), float(peaks[k]), bool(peaks[k] <= usable), times[k]))
-    return _rank(req, rows, grids, usable, capacity, topo, fabric_name, nics, model_fields, evaluated, started, g)
+                    grid = _Grid(combo, _estimate(req, combo, 1, model_fields), _estimate(req, combo, 2, model_fields))
+                    per_rank = req.global_batch // (gpus * req.nodes)
+                    micro = _divisors(per_rank)
+                    peaks = grid.peaks(micro)
+                    times = _step_times(req, combo, micro, per_rank, model.parameters, model.architecture, g, topo,
+                                        fabric, nics)
+                    evaluated += micro.size
+                    rows += [(combo, int(mb), float(peaks[k]), bool(peaks[k] <= usable), times[k])
+                             for k, mb in enumerate(micro)]
+    return rows, evaluated
 
 
 @dataclass(frozen=True)
@@ -490,6 +513,31 @@ def _why_recommended(req: PlanRequest, best: Candidate, fitting: list[Candidate]
                    f"({best.communication_seconds:.3f} s per step, {peak(best) / GIB:.1f} GiB peak)")
 
 
+def _fewer_nodes_advice(req: PlanRequest, best: Candidate, fewer: list[tuple[int, list]], fabric_name: str,
+                        nics: int) -> tuple[int | None, str | None]:
+    """The node count whose best fitting option beats the recommendation on all nodes by more than
+    the time model's uncertainty (by step time, or GPU-seconds per token for --objective cost)."""
+    def value(nodes: int, t) -> float:
+        return req.gpus * nodes / t.tokens_per_second if req.objective == "cost" else t.step_seconds
+
+    here = value(req.nodes, best)
+    winner = None
+    for k, rows in fewer:
+        fitting = [r for r in rows if r[3]]
+        if fitting:
+            row = min(fitting, key=lambda r: (value(k, r[4]), r[2]))
+            if value(k, row[4]) < here * (1 - TIE_TOLERANCE) and (winner is None or value(k, row[4]) < winner[2]):
+                winner = (k, row, value(k, row[4]))
+    if winner is None:
+        return None, None
+    k, (combo, mb, peak, _, t), v = winner
+    what = "s per step" if req.objective == "time" else "GPU-s per token"
+    return k, (f"fewer nodes do better: on {k} node(s) {_label(combo)} (micro-batch {mb}, checkpointing "
+               f"{combo.checkpointing}, offload {combo.offload_optimizer}/{combo.offload_params}) takes {v:.4g} {what} "
+               f"against {here:.4g} on {req.nodes} with the best option here: {fabric_name} x {nics} NIC(s) per node "
+               f"cannot carry what spanning the extra nodes sends (plan with --nodes {k}, or a faster fabric)")
+
+
 def _fabric_note(req: PlanRequest, fabric_name: str, nics: int) -> str:
     f = timing.fabric(fabric_name)
     node = nics * f["gbps"] * f["efficiency"] * req.link_efficiency
@@ -498,7 +546,7 @@ def _fabric_note(req: PlanRequest, fabric_name: str, nics: int) -> str:
             "all-gather and reduce-scatter as NCCL's flat ring, all-reduce the faster of its ring and tree")
 
 
-def _rank(req, rows, grids, usable, capacity, topo, fabric_name, nics, model_fields, evaluated, started, g) -> PlanResult:
+def _rank(req, rows, fewer, usable, capacity, topo, fabric_name, nics, model_fields, evaluated, started, g) -> PlanResult:
     fabric = timing.fabric(fabric_name)
     by_combo: dict[Combo, list[tuple]] = {}
     for row in rows:
@@ -534,12 +582,16 @@ def _rank(req, rows, grids, usable, capacity, topo, fabric_name, nics, model_fie
              f"compute at {req.compute_efficiency:.0%} of {g.name}'s peak dense TFLOP/s"]
     if req.nodes > 1:
         notes.append(_fabric_note(req, fabric_name, nics))
+    faster_on = None
     if recommended is not None:
         notes.append(_why_recommended(req, recommended, fitting, capacity))
+        faster_on, note = _fewer_nodes_advice(req, recommended, fewer, fabric_name, nics)
+        if note:
+            notes.append(note)
     if recommended is None:
         notes.append("nothing fits: see each candidate's rejected_reason, and min_gpus for the GPU count that would")
     return PlanResult(recommended=recommended, candidates=candidates, candidates_evaluated=evaluated,
-                      min_gpus=min_gpus, max_micro_batch=max_micro,
+                      min_gpus=min_gpus, max_micro_batch=max_micro, faster_on_fewer_nodes=faster_on,
                       topology=TopologySummary(source=topo.source, gpu_type=topo.gpu_type, gpus_per_node=req.gpus,
                                                nodes=req.nodes, nvlink_groups=topo.nvlink_groups, ring=list(ring),
                                                ring_bandwidth_gbps=ring_bw if math.isfinite(ring_bw) else None,

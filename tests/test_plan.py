@@ -349,3 +349,13 @@ def test_estimate_and_plan_share_one_set_of_defaults():
     assert (PlanRequest.model_fields["gpu"].default, PlanRequest.model_fields["gpus"].default,
             PlanRequest.model_fields["seq_len"].default) == (schema.DEFAULT_GPU, schema.DEFAULT_GPUS_PER_NODE,
                                                             schema.DEFAULT_SEQ_LEN)
+
+
+def test_a_fabric_too_slow_for_the_extra_nodes_says_fewer_nodes_do_better():
+    kw = dict(model="llama-3-70b", gpu="h100-80gb", gpus=8, nodes=4, seq_len=4096, global_batch=256)
+    slow = plan(PlanRequest(fabric="eth-25g", nics_per_node=1, **kw))
+    assert slow.faster_on_fewer_nodes is not None and slow.faster_on_fewer_nodes < 4
+    note = next(n for n in slow.notes if n.startswith("fewer nodes do better"))
+    assert f"on {slow.faster_on_fewer_nodes} node(s)" in note and "eth-25g x 1 NIC(s)" in note
+    fast = plan(PlanRequest(**kw))  # hgx-h100's own fabric: 8 NDR NICs per node
+    assert fast.faster_on_fewer_nodes is None and not any(n.startswith("fewer nodes") for n in fast.notes)
