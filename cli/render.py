@@ -124,7 +124,8 @@ def plan_table(r) -> str:
     best = r.recommended
     lines.append("")
     if best:
-        lines.append(f"recommended: {best.strategy}, micro-batch {best.micro_batch} x {best.gradient_accumulation} "
+        shard = f" (shard groups of {best.hsdp_shard_size})" if best.hsdp_shard_size else ""
+        lines.append(f"recommended: {best.strategy}{shard}, micro-batch {best.micro_batch} x {best.gradient_accumulation} "
                      f"accumulation, checkpointing {best.checkpointing}, offload {best.offload_optimizer}/"
                      f"{best.offload_params}: {best.step_seconds:.3f} s per step, peak {best.per_device.peak_bytes / GIB:.2f} GiB")
         if r.faster_on_fewer_nodes:

@@ -355,10 +355,9 @@ def _step_times(req: PlanRequest, combo: Combo, micro: np.ndarray, per_rank: int
         layout, members = _group(combo, group, nodes)
         _, intra_bw, intra_lat = timing.ring_over(topo, members)
         wire = timing.Wire(intra_bw * req.link_efficiency, intra_lat, nic_gbps, fabric["latency_us"])
-        for k in range(micro.size):
-            t = timing.collective_seconds(float(volume[k]), layout, wire, message, passes)
-            comm[k] += t.seconds
-            slowest = min(slowest, t.bottleneck_gbps)
+        t = timing.collective_seconds(np.asarray(volume, dtype=np.float64), layout, wire, message, passes)
+        comm += t.seconds
+        slowest = min(slowest, float(t.bottleneck_gbps.min()))
     s = lookup_strategy(combo.strategy)
     if s.framework == "torch" or s.zero_stage == 3:
         window = compute if s.shards_parameters else compute * timing.BACKWARD_FRACTION

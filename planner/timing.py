@@ -30,6 +30,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from planner.architecture import Architecture, active_parameter_count
 from planner.topology import Topology, link_rates
 
@@ -175,32 +177,47 @@ class Wire:
 
 @dataclass(frozen=True)
 class CollectiveTime:
-    seconds: float
-    algorithm: str  # "ring" (inside a node, or NCCL's flat ring across nodes) or "tree" (NCCL's Tree)
-    bottleneck_gbps: float  # the bandwidth the chosen algorithm ran at
+    """Per micro-batch setting when the volume is an array, else one number each."""
+
+    seconds: np.ndarray | float
+    algorithm: np.ndarray | str  # "ring" (inside a node, or NCCL's flat ring across nodes) or "tree"
+    bottleneck_gbps: np.ndarray | float  # the bandwidth the chosen algorithm ran at
 
 
-def collective_seconds(volume_bytes: float, group: Group, wire: Wire, message_bytes: float,
-                       passes: int) -> CollectiveTime:
-    """One collective (passes: 1 = all-gather or reduce-scatter, 2 = all-reduce) over `group`."""
-    if group.ranks <= 1 or volume_bytes <= 0:
-        return CollectiveTime(0.0, "ring", float("inf"))
-    if group.nodes == 1:
-        return CollectiveTime(ring_collective_seconds(volume_bytes, group.ranks, wire.intra_gbps,
-                                                      wire.intra_latency_us, message_bytes, passes),
-                              "ring", wire.intra_gbps)
-    nic_share = wire.nic_gbps / group.sharing_nics
-    ring_bw = min(wire.intra_gbps, nic_share)
-    ring = ring_collective_seconds(volume_bytes, group.ranks, ring_bw,
-                                   max(wire.intra_latency_us, wire.nic_latency_us), message_bytes, passes)
-    if passes != 2:
-        return CollectiveTime(ring, "ring", ring_bw)
-    tree = tree_all_reduce_seconds(volume_bytes, group, wire, nic_share, message_bytes)
-    return CollectiveTime(tree, "tree", nic_share) if tree < ring else CollectiveTime(ring, "ring", ring_bw)
+def _ring(volume: np.ndarray, ranks: int, bandwidth_gbps: float, latency_us: float, message_bytes: float,
+          phases: int) -> np.ndarray:
+    """ring_collective_seconds over an array of volumes."""
+    messages = np.maximum(1.0, volume / max(message_bytes, 1.0))
+    seconds = phases * (ranks - 1) / ranks * volume / (bandwidth_gbps * 1e9) + \
+        phases * (ranks - 1) * messages * latency_us * 1e-6
+    return np.where(volume > 0, seconds, 0.0)
 
 
-def tree_all_reduce_seconds(volume_bytes: float, group: Group, wire: Wire, nic_share: float,
-                            message_bytes: float) -> float:
+def collective_seconds(volume_bytes, group: Group, wire: Wire, message_bytes: float, passes: int) -> CollectiveTime:
+    """One collective (passes: 1 = all-gather or reduce-scatter, 2 = all-reduce) over `group`;
+    volume_bytes is one number or an array (one per micro-batch size)."""
+    scalar = np.ndim(volume_bytes) == 0
+    v = np.atleast_1d(np.asarray(volume_bytes, dtype=np.float64))
+    if group.ranks <= 1:
+        out = CollectiveTime(np.zeros_like(v), np.full(v.shape, "ring"), np.full(v.shape, np.inf))
+    elif group.nodes == 1:
+        out = CollectiveTime(_ring(v, group.ranks, wire.intra_gbps, wire.intra_latency_us, message_bytes, passes),
+                             np.full(v.shape, "ring"), np.full(v.shape, wire.intra_gbps))
+    else:
+        nic_share = wire.nic_gbps / group.sharing_nics
+        ring_bw = min(wire.intra_gbps, nic_share)
+        ring = _ring(v, group.ranks, ring_bw, max(wire.intra_latency_us, wire.nic_latency_us), message_bytes, passes)
+        tree = tree_all_reduce_seconds(v, group, wire, nic_share, message_bytes) if passes == 2 else np.full(v.shape, np.inf)
+        use_tree = tree < ring
+        out = CollectiveTime(np.where(use_tree, tree, ring), np.where(use_tree, "tree", "ring"),
+                             np.where(use_tree, nic_share, ring_bw))
+    if scalar:
+        return CollectiveTime(float(out.seconds[0]), str(out.algorithm[0]), float(out.bottleneck_gbps[0]))
+    return out
+
+
+def tree_all_reduce_seconds(volume_bytes: np.ndarray, group: Group, wire: Wire, nic_share: float,
+                            message_bytes: float) -> np.ndarray:
     """NCCL's Tree all-reduce: reduce along a chain inside the node, a double binary tree across
     nodes, broadcast back along the chain; pipelined, so the slowest stage sets the pace. Across
     nodes each node sends (and receives) 2x the payload, except on 2 nodes, where each of the two
@@ -208,7 +225,8 @@ def tree_all_reduce_seconds(volume_bytes: float, group: Group, wire: Wire, nic_s
     tree effect' of NVIDIA/nccl-tests#196). The chain moves the payload up and down its links in
     opposite directions: 1x per direction."""
     across = (1.0 if group.nodes == 2 else 2.0) * volume_bytes / (nic_share * 1e9)
-    inside = volume_bytes / (wire.intra_gbps * 1e9) if group.per_node > 1 else 0.0
-    messages = max(1.0, volume_bytes / max(message_bytes, 1.0))
+    inside = volume_bytes / (wire.intra_gbps * 1e9) if group.per_node > 1 else np.zeros_like(volume_bytes)
+    messages = np.maximum(1.0, volume_bytes / max(message_bytes, 1.0))
     hops = 2 * (group.per_node - 1 + math.ceil(math.log2(group.nodes)))
-    return max(across, inside) + hops * messages * max(wire.intra_latency_us, wire.nic_latency_us) * 1e-6
+    seconds = np.maximum(across, inside) + hops * messages * max(wire.intra_latency_us, wire.nic_latency_us) * 1e-6
+    return np.where(volume_bytes > 0, seconds, 0.0)
