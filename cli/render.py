@@ -97,7 +97,11 @@ def plan_table(r) -> str:
     req = r.request
     lines = [f"{req.model or 'custom model'}: {req.gpus * req.nodes} x {req.gpu} ({req.nodes} node(s)), "
              f"global batch {req.global_batch} x {req.seq_len} tokens, objective {req.objective}",
-             f"topology: {r.topology.source}; best ring {r.topology.ring} at {r.topology.ring_bandwidth_gbps:.1f} GB/s",
+             f"topology: {r.topology.source}; " + (
+                 f"best ring {r.topology.ring} at {r.topology.ring_bandwidth_gbps:.1f} GB/s"
+                 if r.topology.ring_bandwidth_gbps is not None else "one GPU per node, no ring")
+             + (f"; across nodes {r.topology.inter_node_gbps_per_gpu:.2f} GB/s per GPU"
+                if r.topology.inter_node_gbps_per_gpu is not None else ""),
              "",
              f"  {'#':>3} {'strategy':<13} {'mb':>4} {'accum':>5} {'ckpt':<5} {'offload':<11} {'peak GiB':>9} "
              f"{'step s':>8} {'exposed comm s':>15} {'tokens/s':>10} {'MFU':>5}"]

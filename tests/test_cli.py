@@ -184,3 +184,9 @@ def test_params_alone_says_the_buffers_assume_the_whole_model(capsys):
     assert "--params gives no layer sizes, so the model is taken as ONE tensor" in out
     code, out, _ = run(capsys, "estimate", "--model", "llama-3-8b", "--strategy", "zero3")
     assert "ONE tensor" not in out and "at the peak (start of backward), by item" in out
+
+
+@pytest.mark.parametrize("nodes", ["1", "2"])
+def test_plan_on_one_gpu_per_node_has_no_ring_and_no_traceback(capsys, nodes):
+    code, out, err = run(capsys, "plan", "--model", "gpt2", "--gpus", "1", "--nodes", nodes, "--global-batch", "8")
+    assert code == 0 and err == "" and "one GPU per node, no ring" in out
