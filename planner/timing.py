@@ -145,7 +145,13 @@ def ring_collective_seconds(volume_bytes: float, ranks: int, bandwidth_gbps: flo
 
 
 def fabric(name: str) -> dict:
-    return link_rates()["fabric"][name]
+    """A fabric's rates from data/links.yaml; an unknown name is the user's error (exit 2 / 422)."""
+    fabrics = link_rates()["fabric"]
+    if name not in fabrics:
+        from planner.errors import PlannerError, unknown
+
+        raise PlannerError(f"fabric: {unknown('fabric', name, list(fabrics))}")
+    return fabrics[name]
 
 
 # --- collectives over groups that may span nodes ------------------------------------------------

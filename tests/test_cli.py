@@ -190,3 +190,10 @@ def test_params_alone_says_the_buffers_assume_the_whole_model(capsys):
 def test_plan_on_one_gpu_per_node_has_no_ring_and_no_traceback(capsys, nodes):
     code, out, err = run(capsys, "plan", "--model", "gpt2", "--gpus", "1", "--nodes", nodes, "--global-batch", "8")
     assert code == 0 and err == "" and "one GPU per node, no ring" in out
+
+
+@pytest.mark.parametrize("command", ["estimate", "plan"])
+def test_an_unknown_fabric_is_one_line(capsys, command):
+    code, out, err = run(capsys, command, "--model", "gpt2", "--nodes", "2", "--fabric", "ib-nd")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "unknown fabric 'ib-nd'; did you mean ib-ndr" in err
