@@ -21,6 +21,8 @@ interconnect with an α-β ring model, and the part of it that overlap does not 
   (NVIDIA/nccl#457), so an all-reduce takes the faster of the two here. HSDP is hierarchical by
   construction (FSDP paper, Zhao et al. 2023, Sec. 3.2.2): a reduce-scatter inside the shard group,
   then an all-reduce of the 1/shard slice across the replicas, each its own collective.
+  Latency: NCCL pipelines a ring's chunks hop to hop, so one pass of one message costs the sum of
+  its hops' latencies (the fabric's at each node boundary); Tree pays its chain and its levels.
 """
 
 from __future__ import annotations
@@ -190,12 +192,13 @@ class CollectiveTime:
     bottleneck_gbps: np.ndarray | float  # the bandwidth the chosen algorithm ran at
 
 
-def _ring(volume: np.ndarray, ranks: int, bandwidth_gbps: float, latency_us: float, message_bytes: float,
+def _ring(volume: np.ndarray, ranks: int, bandwidth_gbps: float, pass_latency_us: float, message_bytes: float,
           phases: int) -> np.ndarray:
-    """ring_collective_seconds over an array of volumes."""
+    """ring_collective_seconds over an array of volumes, with the latency of one pass of one
+    message around the ring given whole (the sum along its hops: NCCL pipelines chunks hop to hop)."""
     messages = np.maximum(1.0, volume / max(message_bytes, 1.0))
     seconds = phases * (ranks - 1) / ranks * volume / (bandwidth_gbps * 1e9) + \
-        phases * (ranks - 1) * messages * latency_us * 1e-6
+        phases * messages * pass_latency_us * 1e-6
     return np.where(volume > 0, seconds, 0.0)
 
 
@@ -207,12 +210,16 @@ def collective_seconds(volume_bytes, group: Group, wire: Wire, message_bytes: fl
     if group.ranks <= 1:
         out = CollectiveTime(np.zeros_like(v), np.full(v.shape, "ring"), np.full(v.shape, np.inf))
     elif group.nodes == 1:
-        out = CollectiveTime(_ring(v, group.ranks, wire.intra_gbps, wire.intra_latency_us, message_bytes, passes),
+        out = CollectiveTime(_ring(v, group.ranks, wire.intra_gbps, (group.ranks - 1) * wire.intra_latency_us,
+                                   message_bytes, passes),
                              np.full(v.shape, "ring"), np.full(v.shape, wire.intra_gbps))
     else:
         nic_share = wire.nic_gbps / group.sharing_nics
         ring_bw = min(wire.intra_gbps, nic_share)
-        ring = _ring(v, group.ranks, ring_bw, max(wire.intra_latency_us, wire.nic_latency_us), message_bytes, passes)
+        # a pass visits ranks - 1 hops, of which one per node boundary crosses the fabric
+        crossings = group.nodes
+        pass_latency = (group.ranks - 1 - crossings) * wire.intra_latency_us + crossings * wire.nic_latency_us
+        ring = _ring(v, group.ranks, ring_bw, pass_latency, message_bytes, passes)
         tree = tree_all_reduce_seconds(v, group, wire, nic_share, message_bytes) if passes == 2 else np.full(v.shape, np.inf)
         use_tree = tree < ring
         out = CollectiveTime(np.where(use_tree, tree, ring), np.where(use_tree, "tree", "ring"),
@@ -233,6 +240,8 @@ def tree_all_reduce_seconds(volume_bytes: np.ndarray, group: Group, wire: Wire, 
     across = (1.0 if group.nodes == 2 else 2.0) * volume_bytes / (nic_share * 1e9)
     inside = volume_bytes / (wire.intra_gbps * 1e9) if group.per_node > 1 else np.zeros_like(volume_bytes)
     messages = np.maximum(1.0, volume_bytes / max(message_bytes, 1.0))
-    hops = 2 * (group.per_node - 1 + math.ceil(math.log2(group.nodes)))
-    seconds = np.maximum(across, inside) + hops * messages * max(wire.intra_latency_us, wire.nic_latency_us) * 1e-6
+    # up and down: the chain inside the node, then the tree's levels across nodes
+    latency_us = 2 * ((group.per_node - 1) * wire.intra_latency_us
+                      + math.ceil(math.log2(group.nodes)) * wire.nic_latency_us)
+    seconds = np.maximum(across, inside) + messages * latency_us * 1e-6
     return np.where(volume_bytes > 0, seconds, 0.0)
