@@ -242,6 +242,10 @@ def test_flat_ring_across_nodes_runs_at_the_nics_hand_derived():
     # all-reduce on 2 nodes: NCCL's Tree sends the payload once across (ring: 2(N-1)/N times)
     ar = timing.collective_seconds(16e9, timing.Group(16, 8, 1), wire, 1e9, passes=2)
     assert ar.algorithm == "tree" and ar.seconds == pytest.approx(16e9 / 2e9)
+    # latency: one pass sums its hops, 13 NVLink hops at 2 us and 2 node boundaries at 5 us
+    slow_hops = timing.Wire(intra_gbps=360.0, intra_latency_us=2.0, nic_gbps=2.0, nic_latency_us=5.0)
+    one_message = timing.collective_seconds(16e9, timing.Group(16, 8, 1), slow_hops, 16e9, passes=1)
+    assert one_message.seconds == pytest.approx(15 / 16 * 16e9 / 2e9 + (13 * 2 + 2 * 5) * 1e-6)
     # HSDP's replica groups: 8 of them cross one node's NICs at once, each with a 1/8 share
     rep = timing.collective_seconds(2e9, timing.Group(2, 1, 8), wire, 1e9, passes=2)
     assert rep.seconds == pytest.approx(min(2 * 1 / 2 * 2e9 / (2e9 / 8), 2e9 / (2e9 / 8)))
