@@ -35,6 +35,7 @@ def estimate_table(r: EstimateResult) -> str:
         _row("resident between steps", d.resident_bytes),
         _row(f"peak ({d.peak_phase})", d.peak_bytes),
     ]
+    lines += _peak_items(r)
     if r.host.peak_bytes or r.nvme_bytes:
         lines += ["", f"  {'per node (offload)':<28} {'GiB':>12} {'GB':>12}",
                   _row("host RAM peak", r.host.peak_bytes), _row("of which pinned", r.host.pinned_bytes),
@@ -60,6 +61,25 @@ def estimate_table(r: EstimateResult) -> str:
     return "\n".join(lines)
 
 
+def _peak_items(r: EstimateResult) -> list[str]:
+    """Every item live at the peak, so the buffers total is never a bare number; with --params the
+    table says what a parameter count alone makes the model assume."""
+    phase = next((p for p in r.phases if p.name == r.per_device.peak_phase), None)
+    if phase is None:
+        return []
+    lines = ["", f"  at the peak ({phase.name}), by item"]
+    for item in sorted(phase.items, key=lambda i: -i.bytes):
+        if item.bytes:
+            lines.append(f"    {item.name:<54} {item.bytes / GIB:>10,.2f} GiB {item.bytes / GB:>10,.2f} GB")
+    if r.model.architecture is None and r.per_device.buffers_bytes:
+        lines += ["  note: --params gives no layer sizes, so the model is taken as ONE tensor: what is sized by",
+                  "        a layer (ZeRO-3/FSDP's gathered parameters, gradients not yet reduced, buckets capped by",
+                  f"        the model) assumes the whole model here, {r.per_device.buffers_bytes / GIB:,.2f} GiB of buffers "
+                  "beyond the textbook states;",
+                  "        give --model or --model-file for per-layer sizes (and activations)"]
+    return lines
+
+
 def topology_table(t) -> str:
     n = len(t.gpus)
     head = "        " + "".join(f"GPU{i:<5}" for i in range(n)) + "NUMA"
@@ -83,8 +103,11 @@ def plan_table(r) -> str:
     req = r.request
     lines = [f"{req.model or 'custom model'}: {req.gpus * req.nodes} x {req.gpu} ({req.nodes} node(s)), "
              f"global batch {req.global_batch} x {req.seq_len} tokens, objective {req.objective}",
-             f"topology: {r.topology.source}; " + (f"best ring {r.topology.ring} at {r.topology.ring_bandwidth_gbps:.1f} GB/s"
-                                                   if r.topology.ring_bandwidth_gbps is not None else "one GPU, no ring"),
+             f"topology: {r.topology.source}; " + (
+                 f"best ring {r.topology.ring} at {r.topology.ring_bandwidth_gbps:.1f} GB/s"
+                 if r.topology.ring_bandwidth_gbps is not None else "one GPU per node, no ring")
+             + (f"; across nodes {r.topology.inter_node_gbps_per_gpu:.2f} GB/s per GPU"
+                if r.topology.inter_node_gbps_per_gpu is not None else ""),
              "",
              f"  {'#':>3} {'strategy':<13} {'mb':>4} {'accum':>5} {'ckpt':<5} {'offload':<11} {'peak GiB':>9} "
              f"{'step s':>8} {'exposed comm s':>15} {'tokens/s':>10} {'MFU':>5}"]
@@ -98,21 +121,28 @@ def plan_table(r) -> str:
                      f"{c.mfu:>5.2f}")
     rejected = [c for c in r.candidates if not c.fits]
     if rejected:
-        lines += ["", "rejected:"]
+        lines += ["", "rejected (each strategy's closest setting to fitting; the reason names it):"]
         seen = set()
         for c in rejected:
             if c.rejected_reason and c.strategy not in seen:
                 seen.add(c.strategy)
-                lines.append(f"  {c.rejected_reason}")
+                count = sum(1 for o in rejected if o.strategy == c.strategy)
+                fit = [k for k, o in enumerate(r.candidates, 1) if o.fits and o.strategy == c.strategy]
+                others = (f" [{count} settings of {c.strategy} rejected" if count > 1 else f" [1 setting of {c.strategy} rejected") + (
+                    f"; other settings fit: #{', #'.join(map(str, fit))}]" if fit else "]")
+                lines.append(f"  {c.rejected_reason}{others}")
     best = r.recommended
     lines.append("")
     if best:
-        lines.append(f"recommended: {best.strategy}, micro-batch {best.micro_batch} x {best.gradient_accumulation} "
+        shard = f" (shard groups of {best.hsdp_shard_size})" if best.hsdp_shard_size else ""
+        lines.append(f"recommended: {best.strategy}{shard}, micro-batch {best.micro_batch} x {best.gradient_accumulation} "
                      f"accumulation, checkpointing {best.checkpointing}, offload {best.offload_optimizer}/"
                      f"{best.offload_params}: {best.step_seconds:.3f} s per step, peak {best.per_device.peak_bytes / GIB:.2f} GiB")
+        if r.faster_on_fewer_nodes:
+            lines.append(f"but fewer nodes do better on this fabric: --nodes {r.faster_on_fewer_nodes} (see the note)")
     else:
         lines.append("nothing fits this cluster")
-    lines.append("smallest GPU count that trains (micro-batch 1, full checkpointing): " +
+    lines.append("smallest GPU count that trains (micro-batch 1, full checkpointing, any offload or HSDP group the plan tries): " +
                  ", ".join(f"{k} {v if v is not None else 'none'}" for k, v in r.min_gpus.items()))
     lines.extend(f"note: {n}" for n in r.notes)
     return "\n".join(lines)

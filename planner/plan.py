@@ -96,6 +96,7 @@ def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstim
     per_rank = request.micro_batch * request.gradient_accumulation
     plan_req = PlanRequest(**model_fields, gpu=request.gpu, gpus=request.gpus, nodes=request.nodes,
                            topology=request.topology, topology_text=request.topology_text,
+                           fabric=request.fabric, nics_per_node=request.nics_per_node,
                            seq_len=request.seq_len, global_batch=per_rank * world,
                            precision=result.request.precision, optimizer=request.optimizer,
                            attention=request.attention, profile=request.profile)
@@ -220,27 +221,50 @@ def plan(req: PlanRequest) -> PlanResult:
     req = _apply_profile(req, topo)
     capacity = g.memory_bytes
     usable = capacity * (1 - req.headroom)
-    grids = []
-    for gpus in _gpu_counts(req):
+    fabric = timing.fabric(fabric_name)
+    layout = (g, model, topo, fabric, nics, usable, model_fields)
+    rows, evaluated = _evaluate(req, _gpu_counts(req), *layout)
+    fewer = []
+    if req.nodes > 1 and req.objective != "memory":
+        for k in _fewer_nodes(req):
+            fewer_rows, count = _evaluate(req.model_copy(update={"nodes": k}), [req.gpus], *layout)
+            evaluated += count
+            fewer.append((k, fewer_rows))
+    return _rank(req, rows, fewer, usable, capacity, topo, fabric_name, nics, model_fields, evaluated, started, g)
+
+
+def _fewer_nodes(req: PlanRequest) -> list[int]:
+    """Node counts below the request's (halving) that still divide the global batch: on a slow
+    fabric the best plan may leave nodes idle rather than send every gather through their NICs."""
+    counts, k = [], req.nodes // 2
+    while k >= 1:
+        if req.global_batch % (req.gpus * k) == 0:
+            counts.append(k)
+        k //= 2
+    return counts
+
+
+def _evaluate(req: PlanRequest, counts: list[int], g: Gpu, model, topo: Topology, fabric: dict, nics: int,
+              usable: float, model_fields: dict) -> tuple[list[tuple], int]:
+    """(combo, micro-batch, peak bytes, fits, step time) for every setting on these GPU counts."""
+    rows: list[tuple[Combo, int, float, bool, timing.StepTime]] = []
+    evaluated = 0
+    for gpus in counts:
         for name in STRATEGIES:
             shards = _hsdp_shards(gpus, req.nodes) if name == "hsdp" else [None]
             for shard, ckpt in ((sh, c) for sh in shards for c in ("none", "full")):
                 for off_opt, off_par in _offloads(name):
                     combo = Combo(gpus, name, ckpt, off_opt, off_par, shard)
-                    grids.append(_Grid(combo, _estimate(req, combo, 1, model_fields),
-                                       _estimate(req, combo, 2, model_fields)))
-    fabric = timing.fabric(fabric_name)
-    rows: list[tuple[Combo, int, float, bool, timing.StepTime]] = []
-    evaluated = 0
-    for grid in grids:
-        per_rank = req.global_batch // (grid.combo.gpus * req.nodes)
-        micro = _divisors(per_rank)
-        peaks = grid.peaks(micro)
-        times = _step_times(req, grid.combo, micro, per_rank, model.parameters, arch, g, topo, fabric, nics)
-        evaluated += micro.size
-        for k, mb in enumerate(micro):
-            rows.append((grid.combo, int(mb), float(peaks[k]), bool(peaks[k] <= usable), times[k]))
-    return _rank(req, rows, grids, usable, capacity, topo, fabric, nics, model_fields, evaluated, started, g)
+                    grid = _Grid(combo, _estimate(req, combo, 1, model_fields), _estimate(req, combo, 2, model_fields))
+                    per_rank = req.global_batch // (gpus * req.nodes)
+                    micro = _divisors(per_rank)
+                    peaks = grid.peaks(micro)
+                    times = _step_times(req, combo, micro, per_rank, model.parameters, model.architecture, g, topo,
+                                        fabric, nics)
+                    evaluated += micro.size
+                    rows += [(combo, int(mb), float(peaks[k]), bool(peaks[k] <= usable), times[k])
+                             for k, mb in enumerate(micro)]
+    return rows, evaluated
 
 
 @dataclass(frozen=True)
@@ -292,6 +316,27 @@ def _collective_volumes(req: PlanRequest, combo: Combo, psi: int, micro: np.ndar
     return items
 
 
+def _group(combo: Combo, group: str, nodes: int) -> tuple[timing.Group, tuple[int, ...]]:
+    """The process group a collective runs over, and its members inside one node.
+
+    world / shard (ZeRO and FSDP shard over the whole data-parallel group): every GPU of every node.
+    HSDP's shard group: `shard` consecutive ranks (DeviceMesh's inner dimension), inside a node when
+    it fits there. HSDP's replica group: the GPUs at the same place in every shard group, so every
+    shard-th GPU of a node, and each of the node's `shard` replica groups crosses its NICs at once."""
+    g = combo.gpus
+    world = g * nodes
+    shard = combo.shard
+    if group == "replicas" and shard:
+        if shard < g:
+            return timing.Group(world // shard, g // shard, shard), tuple(range(0, g, shard))
+        return timing.Group(world // shard, 1, g), (0,)
+    if group == "shard" and shard:
+        if shard <= g:
+            return timing.Group(shard, shard, g // shard), tuple(range(shard))
+        return timing.Group(shard, g, 1), tuple(range(g))
+    return timing.Group(world, g, 1), tuple(range(g))
+
+
 def _step_times(req: PlanRequest, combo: Combo, micro: np.ndarray, per_rank: int, psi: int, arch, g: Gpu,
                 topo: Topology, fabric: dict, nics: int, buckets: Buckets = Buckets()) -> list[timing.StepTime]:
     wb = 4 if req.precision == "fp32" else 2
@@ -302,32 +347,18 @@ def _step_times(req: PlanRequest, combo: Combo, micro: np.ndarray, per_rank: int
     tokens_rank = per_rank * req.seq_len
     flops = tokens_rank * timing.flops_per_token(arch, req.seq_len, combo.checkpointing)
     compute = flops / (peak_flops * req.compute_efficiency)
-    ring, ring_bw, ring_lat = timing.node_ring(topo, combo.gpus)
-    ring_bw *= req.link_efficiency
-    if combo.shard:  # hsdp: the shard group's own ring
-        _, shard_bw, shard_lat = timing.node_ring(topo, combo.shard)
-        shard_bw *= req.link_efficiency
-    inter_bw = nics * fabric["gbps"] * fabric["efficiency"] * req.link_efficiency
+    ring, ring_bw, _ = timing.node_ring(topo, combo.gpus)
     nodes = req.nodes
+    nic_gbps = nics * fabric["gbps"] * fabric["efficiency"] * req.link_efficiency
     comm = np.zeros_like(micro, dtype=np.float64)
+    slowest = ring_bw * req.link_efficiency
     for _, volume, passes, message, group in _collective_volumes(req, combo, psi, micro, per_rank, wb, arch, buckets):
-        for k in range(micro.size):
-            v = float(volume[k])
-            if group == "replicas":
-                # each GPU all-reduces its shard with the GPUs at its place in the other shard groups:
-                # inside the node over the node's ring (the links between groups), then across
-                # nodes, where the node's GPUs share the NICs
-                inside = combo.gpus // (combo.shard or combo.gpus)
-                comm[k] += timing.ring_collective_seconds(v, inside, ring_bw, ring_lat, message, passes)
-                comm[k] += timing.ring_collective_seconds(v, nodes, inter_bw / combo.gpus,
-                                                          fabric["latency_us"], message, passes)
-                continue
-            if group == "shard" and combo.shard:
-                comm[k] += timing.ring_collective_seconds(v, combo.shard, shard_bw, shard_lat, message, passes)
-                continue
-            comm[k] += timing.ring_collective_seconds(v, combo.gpus, ring_bw, ring_lat, message, passes)
-            if nodes > 1 and group == "world":
-                comm[k] += timing.ring_collective_seconds(v, nodes, inter_bw, fabric["latency_us"], message, passes)
+        layout, members = _group(combo, group, nodes)
+        _, intra_bw, intra_lat = timing.ring_over(topo, members)
+        wire = timing.Wire(intra_bw * req.link_efficiency, intra_lat, nic_gbps, fabric["latency_us"])
+        t = timing.collective_seconds(np.asarray(volume, dtype=np.float64), layout, wire, message, passes)
+        comm += t.seconds
+        slowest = min(slowest, float(t.bottleneck_gbps.min()))
     s = lookup_strategy(combo.strategy)
     if s.framework == "torch" or s.zero_stage == 3:
         window = compute if s.shards_parameters else compute * timing.BACKWARD_FRACTION
@@ -344,7 +375,7 @@ def _step_times(req: PlanRequest, combo: Combo, micro: np.ndarray, per_rank: int
         results.append(timing.StepTime(
             compute_seconds=compute, communication_seconds=float(comm[k]), exposed_communication_seconds=exposed,
             offload_seconds=float(offload[k]), step_seconds=step, tokens_per_second=tokens / step,
-            mfu=model_flops / (step * peak_flops), ring_bandwidth_gbps=ring_bw, ring=ring))
+            mfu=model_flops / (step * peak_flops), ring_bandwidth_gbps=slowest, ring=ring))
     return results
 
 
@@ -364,7 +395,24 @@ def _offload_seconds(combo: Combo, psi: int, accumulation: np.ndarray, world: in
     return seconds
 
 
-def _reason(combo: Combo, peak: float, usable: float, capacity: int, headroom: float, e: EstimateResult) -> str:
+def _setting(combo: Combo, mb: int) -> str:
+    """The rejected setting in words, so it is not mistaken for the strategy's other settings."""
+    shard = f" (shard groups of {combo.shard})" if combo.shard else ""
+    return (f"{combo.strategy}{shard} at micro-batch {mb}, checkpointing {combo.checkpointing}, "
+            f"offload {combo.offload_optimizer}/{combo.offload_params}")
+
+
+def _peak_items(e: EstimateResult, count: int = 3) -> str:
+    """The peak phase's largest items, as the estimate names them."""
+    phase = next((p for p in e.phases if p.name == e.per_device.peak_phase), None)
+    if phase is None:
+        return ""
+    largest = sorted(phase.items, key=lambda i: -i.bytes)[:count]
+    return ", ".join(f"{i.name} {i.bytes / GB:.1f} GB" for i in largest)
+
+
+def _reason(combo: Combo, mb: int, peak: float, usable: float, capacity: int, headroom: float,
+            e: EstimateResult) -> str:
     d = e.per_device
     unsharded = []
     s = lookup_strategy(combo.strategy)
@@ -372,11 +420,11 @@ def _reason(combo: Combo, peak: float, usable: float, capacity: int, headroom: f
         unsharded.append(f"{d.parameters_bytes / GB:.1f} GB of params")
     if not s.shards_gradients and d.gradients_bytes:
         unsharded.append(f"{d.gradients_bytes / GB:.1f} GB of grads")
-    what = ("optimizer states are sharded but " if s.shards_optimizer else "nothing is sharded: ") \
-        + " and ".join(unsharded) + " are not" if unsharded else \
-        f"the peak is {d.peak_phase} with {(d.activations_bytes or 0) / GB:.1f} GB of activations"
-    return (f"{combo.strategy}: {peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable of {capacity / GIB:.1f} GiB "
-            f"on each GPU ({headroom:.0%} kept free): {what}")
+    what = (("optimizer states are sharded but " if s.shards_optimizer else "nothing is sharded: ")
+            + " and ".join(unsharded) + " are not; ") if unsharded else ""
+    return (f"{_setting(combo, mb)}: {peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable of {capacity / GIB:.1f} GiB "
+            f"on each GPU ({headroom:.0%} kept free): {what}the peak is at {d.peak_phase}, largest "
+            f"{_peak_items(e)}")
 
 
 def _candidate(combo: Combo, mb: int, per_rank: int, fits: bool, t: timing.StepTime, e: EstimateResult,
@@ -392,29 +440,135 @@ def _candidate(combo: Combo, mb: int, per_rank: int, fits: bool, t: timing.StepT
                      rejected_reason=reason)
 
 
-def _score(req: PlanRequest, combo: Combo, peak: float, t: timing.StepTime) -> float:
+# Options whose step times (or, for --objective cost, GPU-seconds per token) are closer than this
+# are a tie, and the one that leaves more memory free wins. The time model resolves no finer: its
+# compute and link efficiencies are fitted constants (`planner calibrate` reports the residuals per
+# run), and a prediction 1% faster at 99% of the memory is a promise it cannot keep, while the
+# headroom is what absorbs allocator fragmentation and a longer batch.
+TIE_TOLERANCE = 0.01
+# Peaks closer than this fraction of the device are a tie in turn, broken by less communication
+# (the time model's least certain term): the memory model is no finer, 31 of 31 verified runs
+# within 3% (README, accuracy table).
+MEMORY_TIE_FRACTION = 0.03
+
+
+def _objective(req: PlanRequest, combo: Combo, peak: float, t: timing.StepTime) -> float:
+    """What the objective minimizes: step seconds, GPU-seconds per token, or peak bytes."""
     if req.objective == "memory":
-        return (peak, t.step_seconds)
+        return peak
     if req.objective == "cost":
-        return (combo.gpus * req.nodes / t.tokens_per_second, peak)  # GPU-seconds per token
-    # equal step times (communication hidden under compute): less traffic, then less memory
-    return (t.step_seconds, t.communication_seconds, peak)
+        return combo.gpus * req.nodes / t.tokens_per_second
+    return t.step_seconds
 
 
-def _rank(req, rows, grids, usable, capacity, topo, fabric, nics, model_fields, evaluated, started, g) -> PlanResult:
+def _runs(items: list, key, width) -> list[list]:
+    """Items sorted by key, cut into runs whose keys lie within `width(first key)` of the run's first."""
+    rest, runs = sorted(items, key=key), []
+    while rest:
+        limit = key(rest[0]) + width(key(rest[0]))
+        runs.append([x for x in rest if key(x) <= limit])
+        rest = [x for x in rest if key(x) > limit]
+    return runs
+
+
+def _tie_order(req: PlanRequest, capacity: float, items: list, value, peak, traffic) -> list:
+    """Items best first: by the objective, where values within TIE_TOLERANCE are a tie ordered by
+    peak (more headroom first), and peaks within MEMORY_TIE_FRACTION of the device a tie ordered by
+    communication, then the objective."""
+    if req.objective == "memory":
+        return sorted(items, key=lambda x: (peak(x), value(x), traffic(x)))
+    ordered = []
+    for same_time in _runs(items, value, lambda v: v * TIE_TOLERANCE):
+        for same_memory in _runs(same_time, peak, lambda _: capacity * MEMORY_TIE_FRACTION):
+            ordered += sorted(same_memory, key=lambda x: (traffic(x), value(x), peak(x)))
+    return ordered
+
+
+def _label(c: Candidate | Combo) -> str:
+    shard = c.hsdp_shard_size if isinstance(c, Candidate) else c.shard
+    return f"{c.strategy}/{shard}" if shard else c.strategy
+
+
+def _why_recommended(req: PlanRequest, best: Candidate, fitting: list[Candidate], capacity: float) -> str:
+    """Why the recommendation won: by the objective, or how it won a tie."""
+    if req.objective == "memory":
+        return f"recommended {_label(best)}: the lowest peak of every fitting option"
+    value = (lambda c: c.step_seconds) if req.objective == "time" else (lambda c: req.gpus * req.nodes / c.tokens_per_second)
+    what = "step time" if req.objective == "time" else "GPU-seconds per token"
+    fastest = min(value(c) for c in fitting)
+    tied = [c for c in fitting if c is not best and value(c) <= fastest * (1 + TIE_TOLERANCE)]
+    if not tied:
+        return f"recommended {_label(best)}: the best {what} of every fitting option"
+    group = tied + [best]
+    peak = lambda c: c.per_device.peak_bytes  # noqa: E731
+    lowest, fullest = min(group, key=peak), max(group, key=peak)
+    text = (f"recommended {_label(best)}: {len(tied)} other option(s) are within {TIE_TOLERANCE:.0%} of the best "
+            f"{what} (the time model's uncertainty), peaks {peak(lowest) / GIB:.1f} to {peak(fullest) / GIB:.1f} GiB "
+            f"({_label(fullest)} the fullest); ")
+    same_memory = [c for c in group if peak(c) <= peak(lowest) + capacity * MEMORY_TIE_FRACTION]
+    if len(same_memory) == 1:
+        return text + f"it leaves the most memory free ({peak(best) / GIB:.1f} GiB peak)"
+    return text + (f"{len(same_memory)} of them peak within {MEMORY_TIE_FRACTION:.0%} of the device of the lowest "
+                   f"(the memory model's accuracy), and of those it communicates least "
+                   f"({best.communication_seconds:.3f} s per step, {peak(best) / GIB:.1f} GiB peak)")
+
+
+def _fewer_nodes_advice(req: PlanRequest, best: Candidate, fewer: list[tuple[int, list]], fabric_name: str,
+                        nics: int) -> tuple[int | None, str | None]:
+    """The node count whose best fitting option beats the recommendation on all nodes by more than
+    the time model's uncertainty (by step time, or GPU-seconds per token for --objective cost)."""
+    def value(nodes: int, t) -> float:
+        return req.gpus * nodes / t.tokens_per_second if req.objective == "cost" else t.step_seconds
+
+    here = value(req.nodes, best)
+    winner = None
+    for k, rows in fewer:
+        fitting = [r for r in rows if r[3]]
+        if fitting:
+            row = min(fitting, key=lambda r: (value(k, r[4]), r[2]))
+            if value(k, row[4]) < here * (1 - TIE_TOLERANCE) and (winner is None or value(k, row[4]) < winner[2]):
+                winner = (k, row, value(k, row[4]))
+    if winner is None:
+        return None, None
+    k, (combo, mb, peak, _, t), v = winner
+    what = "s per step" if req.objective == "time" else "GPU-s per token"
+    return k, (f"fewer nodes do better: on {k} node(s) {_label(combo)} (micro-batch {mb}, checkpointing "
+               f"{combo.checkpointing}, offload {combo.offload_optimizer}/{combo.offload_params}) takes {v:.4g} {what} "
+               f"against {here:.4g} on {req.nodes} with the best option here: {fabric_name} x {nics} NIC(s) per node "
+               f"cannot carry what spanning the extra nodes sends (plan with --nodes {k}, or a faster fabric)")
+
+
+def _fabric_note(req: PlanRequest, fabric_name: str, nics: int) -> str:
+    f = timing.fabric(fabric_name)
+    node = nics * f["gbps"] * f["efficiency"] * req.link_efficiency
+    return (f"across nodes: {fabric_name} x {nics} NIC(s) per node, {node:.2f} GB/s achieved per node "
+            f"({node / req.gpus:.2f} GB/s per GPU); a collective whose group spans nodes runs at that rate: "
+            "all-gather and reduce-scatter as NCCL's flat ring, all-reduce the faster of its ring and tree")
+
+
+def _rank(req, rows, fewer, usable, capacity, topo, fabric_name, nics, model_fields, evaluated, started, g) -> PlanResult:
+    fabric = timing.fabric(fabric_name)
+    by_combo: dict[Combo, list[tuple]] = {}
+    for row in rows:
+        by_combo.setdefault(row[0], []).append(row)
     best: dict[Combo, tuple] = {}
-    for combo, mb, peak, fits, t in rows:
-        # a fitting candidate by the objective; one that fits nowhere shown at its smallest peak
-        key = (not fits, _score(req, combo, peak, t) if fits else (peak,))
-        if combo not in best or key < best[combo][0]:
-            best[combo] = (key, mb, peak, fits, t)
-    full = [c for c in best if c.gpus == req.gpus]
+    for combo, options in by_combo.items():
+        if combo.gpus != req.gpus:
+            continue
+        fitting = [r for r in options if r[3]]
+        # a fitting setting by the objective (ties to headroom); one that fits nowhere at its smallest peak
+        best[combo] = (_tie_order(req, capacity, fitting, lambda r: _objective(req, r[0], r[2], r[4]), lambda r: r[2],
+                                  lambda r: r[4].communication_seconds)[0] if fitting
+                       else min(options, key=lambda r: r[2]))
+    ranked = _tie_order(req, capacity, [c for c in best if best[c][3]], lambda c: _objective(req, c, best[c][2], best[c][4]),
+                        lambda c: best[c][2], lambda c: best[c][4].communication_seconds)
+    ranked += sorted((c for c in best if not best[c][3]), key=lambda c: best[c][2])
     candidates = []
-    for combo in sorted(full, key=lambda c: best[c][0]):
+    for combo in ranked:
         _, mb, peak, fits, t = best[combo]
         per_rank = req.global_batch // (combo.gpus * req.nodes)
         e = _estimate(req, combo, mb, model_fields)
-        reason = None if fits else _reason(combo, peak, usable, capacity, req.headroom, e)
+        reason = None if fits else _reason(combo, mb, peak, usable, capacity, req.headroom, e)
         candidates.append(_candidate(combo, mb, per_rank, fits, t, e, reason))
     fitting = [c for c in candidates if c.fits]
     recommended = fitting[0] if fitting else None
@@ -427,10 +581,18 @@ def _rank(req, rows, grids, usable, capacity, topo, fabric, nics, model_fields, 
               if math.isfinite(ring_bw) else f"one GPU per node: no ring ({topo.source})"),
              f"compute at {req.compute_efficiency:.0%} of {g.name}'s peak dense TFLOP/s"]
     notes += [f"time model: {caveat}" for caveat in g.time_model_caveats]
+    if req.nodes > 1:
+        notes.append(_fabric_note(req, fabric_name, nics))
+    faster_on = None
+    if recommended is not None:
+        notes.append(_why_recommended(req, recommended, fitting, capacity))
+        faster_on, note = _fewer_nodes_advice(req, recommended, fewer, fabric_name, nics)
+        if note:
+            notes.append(note)
     if recommended is None:
         notes.append("nothing fits: see each candidate's rejected_reason, and min_gpus for the GPU count that would")
     return PlanResult(recommended=recommended, candidates=candidates, candidates_evaluated=evaluated,
-                      min_gpus=min_gpus, max_micro_batch=max_micro,
+                      min_gpus=min_gpus, max_micro_batch=max_micro, faster_on_fewer_nodes=faster_on,
                       topology=TopologySummary(source=topo.source, gpu_type=topo.gpu_type, gpus_per_node=req.gpus,
                                                nodes=req.nodes, nvlink_groups=topo.nvlink_groups, ring=list(ring),
                                                ring_bandwidth_gbps=ring_bw if math.isfinite(ring_bw) else None,
@@ -453,30 +615,37 @@ MAX_SEARCH_GPUS = 1 << 16
 
 def _min_gpus(req: PlanRequest, name: str, usable: float, model_fields: dict) -> int | None:
     """The smallest total GPU count (GPUs per node as given, growing the node count, or fewer GPUs
-    on one node) on which the strategy trains at micro-batch 1 with full checkpointing and no
-    offload. Per-device memory never grows with more GPUs (tests/test_properties.py), so a doubling
-    search then a bisection finds it."""
-    if name == "hsdp":
-        return None if req.gpus < 1 else _search(req, name, usable, model_fields, per_node=req.gpus, first_nodes=2)
-    return _search(req, name, usable, model_fields, per_node=req.gpus, first_nodes=1)
+    on one node) on which the strategy trains at micro-batch 1 with full checkpointing, in any
+    setting the plan itself tries: every offload it tries for the strategy, and for HSDP every
+    shard-group size (so HSDP in groups of 2 on one node counts, as the plan recommends it).
+    Per-device memory never grows with more GPUs (tests/test_properties.py), so a doubling search
+    then a bisection finds it."""
+    return _search(req, name, usable, model_fields, per_node=req.gpus)
 
 
 def _fits(req: PlanRequest, name: str, usable: float, model_fields: dict, gpus: int, nodes: int) -> bool:
-    e = estimate(EstimateRequest(**model_fields, strategy=name, gpus=gpus, nodes=nodes, gpu=req.gpu,
-                                 precision=req.precision, optimizer=req.optimizer, micro_batch=1,
-                                 seq_len=req.seq_len, checkpointing="full", attention=req.attention))
-    return e.per_device.peak_bytes <= usable
+    """Whether any of the plan's settings of the strategy fits this layout at micro-batch 1."""
+    shards = _hsdp_shards(gpus, nodes)[::-1] if name == "hsdp" else [None]
+    for shard in shards:
+        for off_opt, off_par in reversed(_offloads(name)):  # most offloaded first: the likeliest fit
+            e = estimate(EstimateRequest(**model_fields, strategy=name, gpus=gpus, nodes=nodes, gpu=req.gpu,
+                                         precision=req.precision, optimizer=req.optimizer, micro_batch=1,
+                                         seq_len=req.seq_len, checkpointing="full", attention=req.attention,
+                                         offload_optimizer=off_opt, offload_params=off_par,
+                                         hsdp_shard_size=explicit_hsdp_shard(name, shard, gpus)))
+            if e.per_device.peak_bytes <= usable:
+                return True
+    return False
 
 
-def _search(req, name, usable, model_fields, per_node: int, first_nodes: int) -> int | None:
-    if first_nodes == 1:
-        for gpus in range(1, per_node + 1):
-            if _fits(req, name, usable, model_fields, gpus, 1):
-                return gpus
-    nodes = max(first_nodes, 2)
+def _search(req, name, usable, model_fields, per_node: int) -> int | None:
+    for gpus in range(1, per_node + 1):
+        if _fits(req, name, usable, model_fields, gpus, 1):
+            return gpus
+    nodes = 2
     while nodes * per_node <= MAX_SEARCH_GPUS:
         if _fits(req, name, usable, model_fields, per_node, nodes):
-            low = max(first_nodes, nodes // 2)
+            low = max(2, nodes // 2)
             while low < nodes:
                 mid = (low + nodes) // 2
                 if _fits(req, name, usable, model_fields, per_node, mid):

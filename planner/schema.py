@@ -170,6 +170,14 @@ RunIdNumber = Annotated[int, Field(ge=1, le=2**63 - 1, description="a run's id")
 RunsLimit = Annotated[int, Field(ge=1, le=MAX_RUNS_LISTED, description="most recent runs to list")]
 RANK = Annotated[int, Field(ge=1, le=1 << 31, description="a candidate's rank in a plan")]
 Port = Annotated[int, Field(ge=0, le=65_535, description="TCP port")]
+# The one set of defaults of `estimate` and `plan` (and so of the API, the page and the CLI flags
+# generated from these models): a node of 8 H100 SXM GPUs, 4,096-token sequences (Llama 3's
+# pre-training length, Llama 3 paper Sec. 3.4). The same question asked of both gets the same cluster.
+DEFAULT_GPU = "h100-80gb"
+DEFAULT_GPUS_PER_NODE = 8
+DEFAULT_SEQ_LEN = 4096
+FABRIC_HELP = "inter-node fabric (ib-hdr, ib-ndr, roce-200g, eth-100g, ...); default: the topology preset's"
+NICS_HELP = "NICs per node for inter-node traffic; default: the topology preset's"
 
 
 class EstimateRequest(BaseModel):
@@ -185,15 +193,15 @@ class EstimateRequest(BaseModel):
     params: ParamCount | None = Field(
         None, description="a raw parameter count (7e9, 7B, 1.5T, 405_000_000_000), when only model states are wanted")
     strategy: StrategyName = Field("zero3", description="distributed strategy")
-    gpus: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE, description="GPUs (or CPU ranks) per node")
+    gpus: int = Field(DEFAULT_GPUS_PER_NODE, ge=1, le=MAX_GPUS_PER_NODE, description="GPUs (or CPU ranks) per node")
     nodes: int = Field(1, ge=1, le=MAX_NODES, description="number of nodes")
-    gpu: GpuName = Field("a100-80gb", description="device type (see `planner gpus`), or cpu")
+    gpu: GpuName = Field(DEFAULT_GPU, description="device type (see `planner gpus`), or cpu")
     device_memory_gib: float | None = Field(
         None, gt=0, le=1 << 20, description="override the device's capacity in GiB (needed for --gpu cpu to judge fit)")
     precision: Precision = Field("bf16-mixed", description="precision recipe")
     optimizer: Optimizer = Field("adamw", description="optimizer")
     micro_batch: int = Field(1, ge=1, le=1 << 16, description="sequences per device per micro-step")
-    seq_len: int = Field(2048, ge=1, le=1 << 22, description="tokens per sequence")
+    seq_len: int = Field(DEFAULT_SEQ_LEN, ge=1, le=1 << 22, description="tokens per sequence")
     gradient_accumulation: int = Field(1, ge=1, le=1 << 16, description="micro-steps per optimizer step")
     checkpointing: Checkpointing = Field("none", description="activation checkpointing")
     attention: Attention = Field("sdpa", description="attention implementation (sdpa = flash/memory-efficient)")
@@ -213,6 +221,8 @@ class EstimateRequest(BaseModel):
     topology: PresetName | None = Field(None, description="topology preset for the time model; default: the preset of --gpu")
     topology_text: str | None = Field(None, max_length=64 * 1024,
                                       description="pasted `nvidia-smi topo -m` output (what --topology-file reads)")
+    fabric: FabricName | None = Field(None, description=FABRIC_HELP)
+    nics_per_node: int | None = Field(None, ge=1, le=64, description=NICS_HELP)
     profile: ProfileName | None = Field(None, description="calibration profile saved by `planner calibrate`")
 
     @model_validator(mode="after")
@@ -331,15 +341,15 @@ class PlanRequest(BaseModel):
                                     examples=["llama-3-8b"])
     model_config_: dict[str, Any] | None = Field(None, alias="model_config",
                                                  description="a Hugging Face config.json as an object")
-    gpu: GpuName = Field("h100-80gb", description="device type (see `planner gpus`)")
-    gpus: int = Field(8, ge=1, le=MAX_GPUS_PER_NODE, description="GPUs per node")
+    gpu: GpuName = Field(DEFAULT_GPU, description="device type (see `planner gpus`)")
+    gpus: int = Field(DEFAULT_GPUS_PER_NODE, ge=1, le=MAX_GPUS_PER_NODE, description="GPUs per node")
     nodes: int = Field(1, ge=1, le=MAX_NODES, description="number of nodes")
     topology: PresetName | None = Field(None, description="topology preset (see `planner topo --list`); default: the preset of --gpu")
     topology_text: str | None = Field(None, max_length=64 * 1024,
                                       description="pasted `nvidia-smi topo -m` output (what --topology-file reads)")
-    fabric: FabricName | None = Field(None, description="inter-node fabric (ib-hdr, ib-ndr, roce-200g, eth-100g, ...); default: the preset's")
-    nics_per_node: int | None = Field(None, ge=1, le=64, description="NICs per node for inter-node traffic; default: the preset's")
-    seq_len: int = Field(4096, ge=1, le=1 << 22, description="tokens per sequence")
+    fabric: FabricName | None = Field(None, description=FABRIC_HELP)
+    nics_per_node: int | None = Field(None, ge=1, le=64, description=NICS_HELP)
+    seq_len: int = Field(DEFAULT_SEQ_LEN, ge=1, le=1 << 22, description="tokens per sequence")
     global_batch: int = Field(256, ge=1, le=1 << 24, description="sequences per optimizer step, over all GPUs")
     objective: Objective = Field("time", description="rank by step time, by GPU-hours per token, or by memory")
     precision: Precision = Field("bf16-mixed", description="precision recipe")
@@ -399,6 +409,9 @@ class PlanResult(BaseModel):
     candidates_evaluated: int
     min_gpus: dict[str, int | None] = Field(description="smallest total GPU count each strategy trains on (micro-batch 1)")
     max_micro_batch: dict[str, int | None] = Field(description="largest micro-batch that fits, per strategy")
+    faster_on_fewer_nodes: int | None = Field(
+        None, description="a smaller node count whose best option beats every option on all the nodes (the fabric "
+                          "cannot carry the traffic of spanning them); null when none")
     topology: TopologySummary
     notes: list[str]
     request: PlanRequest

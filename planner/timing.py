@@ -9,15 +9,30 @@ interconnect with an α-β ring model, and the part of it that overlap does not 
   for every micro-batch. Rings move (n-1)/n of each volume through every GPU; a ring runs at its
   slowest link (Patarasuk & Yuan 2009, bandwidth-optimal all-reduce); each message pays the ring's
   latency, and messages are the framework's buckets, so small buckets are latency-bound.
-- Across nodes the collective is hierarchical: inside the node on its ring, then between nodes over
-  the NICs, shared by the node's GPUs.
+- Across nodes (`collective_seconds`), as NCCL runs them. NCCL builds flat rings that span the
+  intra- and inter-node links, never 2-D rings (NVIDIA/nccl#471, #530): every byte a ring moves
+  crosses each node boundary, so a ring spanning nodes runs at the slower of the node's ring and
+  the node's NICs (all of them: NCCL gives each NIC its own channel), shared by the groups that
+  cross at once. All-gather and reduce-scatter have no tree algorithm (Tree applies only to
+  all-reduce, NVIDIA/nccl#1473, #1413; PAT covers one GPU per node only), so ZeRO-1/2/3's and
+  FSDP's gathers and reduce-scatters over a multi-node group are flat rings. All-reduce is
+  hierarchical under NCCL's Tree (reduce inside the node, double binary tree across nodes,
+  broadcast inside; NVIDIA/nccl#530), and NCCL picks the faster of Ring and Tree per size
+  (NVIDIA/nccl#457), so an all-reduce takes the faster of the two here. HSDP is hierarchical by
+  construction (FSDP paper, Zhao et al. 2023, Sec. 3.2.2): a reduce-scatter inside the shard group,
+  then an all-reduce of the 1/shard slice across the replicas, each its own collective.
+  Latency: NCCL pipelines a ring's chunks hop to hop, so one pass of one message costs the sum of
+  its hops' latencies (the fabric's at each node boundary); Tree pays its chain and its levels.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from functools import lru_cache
+
+import numpy as np
 
 from planner.architecture import Architecture, active_parameter_count
 from planner.topology import Topology, link_rates
@@ -91,13 +106,21 @@ def _best_ring(bandwidth: tuple[tuple[float, ...], ...], n: int) -> tuple[tuple[
 
 def node_ring(t: Topology, n: int) -> tuple[tuple[int, ...], float, float]:
     """(ring, bottleneck GB/s, worst hop latency µs) over the node's first n GPUs."""
+    return ring_over(t, tuple(range(n)))
+
+
+def ring_over(t: Topology, members: tuple[int, ...]) -> tuple[tuple[int, ...], float, float]:
+    """(ring, bottleneck GB/s, worst hop latency µs) over these GPUs of the node (HSDP's replica
+    groups inside a node take every shard-size-th GPU)."""
     size = len(t.gpus)
     bw = [[0.0] * size for _ in range(size)]
     lat = [[0.0] * size for _ in range(size)]
     for link in t.links:
         bw[link.a][link.b] = bw[link.b][link.a] = link.bandwidth_gbps
         lat[link.a][link.b] = lat[link.b][link.a] = link.latency_us
-    ring, bottleneck = _best_ring(tuple(tuple(row[:n]) for row in bw[:n]), n)
+    n = len(members)
+    local, bottleneck = _best_ring(tuple(tuple(bw[i][j] for j in members) for i in members), n)
+    ring = tuple(members[k] for k in local)
     latency = max((lat[ring[k]][ring[(k + 1) % n]] for k in range(n)), default=0.0) if n > 1 else 0.0
     return ring, bottleneck, latency
 
@@ -124,4 +147,101 @@ def ring_collective_seconds(volume_bytes: float, ranks: int, bandwidth_gbps: flo
 
 
 def fabric(name: str) -> dict:
-    return link_rates()["fabric"][name]
+    """A fabric's rates from data/links.yaml; an unknown name is the user's error (exit 2 / 422)."""
+    fabrics = link_rates()["fabric"]
+    if name not in fabrics:
+        from planner.errors import PlannerError, unknown
+
+        raise PlannerError(f"fabric: {unknown('fabric', name, list(fabrics))}")
+    return fabrics[name]
+
+
+# --- collectives over groups that may span nodes ------------------------------------------------
+
+@dataclass(frozen=True)
+class Group:
+    """One process group as the time model sees it. Ranks are numbered node by node (torchrun and
+    the deepspeed launcher both do), so a group of consecutive ranks fills a node first."""
+
+    ranks: int  # members of the group
+    per_node: int  # of them on each node it spans
+    sharing_nics: int  # groups like it crossing the same node's NICs at the same moment
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.ranks // max(self.per_node, 1))
+
+
+@dataclass(frozen=True)
+class Wire:
+    """What one group's collective runs on: the ring over its members inside a node (the node's
+    links), and the node's NICs (all of them together, one direction, achieved GB/s)."""
+
+    intra_gbps: float
+    intra_latency_us: float
+    nic_gbps: float
+    nic_latency_us: float
+
+
+@dataclass(frozen=True)
+class CollectiveTime:
+    """Per micro-batch setting when the volume is an array, else one number each."""
+
+    seconds: np.ndarray | float
+    algorithm: np.ndarray | str  # "ring" (inside a node, or NCCL's flat ring across nodes) or "tree"
+    bottleneck_gbps: np.ndarray | float  # the bandwidth the chosen algorithm ran at
+
+
+def _ring(volume: np.ndarray, ranks: int, bandwidth_gbps: float, pass_latency_us: float, message_bytes: float,
+          phases: int) -> np.ndarray:
+    """ring_collective_seconds over an array of volumes, with the latency of one pass of one
+    message around the ring given whole (the sum along its hops: NCCL pipelines chunks hop to hop)."""
+    messages = np.maximum(1.0, volume / max(message_bytes, 1.0))
+    seconds = phases * (ranks - 1) / ranks * volume / (bandwidth_gbps * 1e9) + \
+        phases * messages * pass_latency_us * 1e-6
+    return np.where(volume > 0, seconds, 0.0)
+
+
+def collective_seconds(volume_bytes, group: Group, wire: Wire, message_bytes: float, passes: int) -> CollectiveTime:
+    """One collective (passes: 1 = all-gather or reduce-scatter, 2 = all-reduce) over `group`;
+    volume_bytes is one number or an array (one per micro-batch size)."""
+    scalar = np.ndim(volume_bytes) == 0
+    v = np.atleast_1d(np.asarray(volume_bytes, dtype=np.float64))
+    if group.ranks <= 1:
+        out = CollectiveTime(np.zeros_like(v), np.full(v.shape, "ring"), np.full(v.shape, np.inf))
+    elif group.nodes == 1:
+        out = CollectiveTime(_ring(v, group.ranks, wire.intra_gbps, (group.ranks - 1) * wire.intra_latency_us,
+                                   message_bytes, passes),
+                             np.full(v.shape, "ring"), np.full(v.shape, wire.intra_gbps))
+    else:
+        nic_share = wire.nic_gbps / group.sharing_nics
+        ring_bw = min(wire.intra_gbps, nic_share)
+        # a pass visits ranks - 1 hops, of which one per node boundary crosses the fabric
+        crossings = group.nodes
+        pass_latency = (group.ranks - 1 - crossings) * wire.intra_latency_us + crossings * wire.nic_latency_us
+        ring = _ring(v, group.ranks, ring_bw, pass_latency, message_bytes, passes)
+        tree = tree_all_reduce_seconds(v, group, wire, nic_share, message_bytes) if passes == 2 else np.full(v.shape, np.inf)
+        use_tree = tree < ring
+        out = CollectiveTime(np.where(use_tree, tree, ring), np.where(use_tree, "tree", "ring"),
+                             np.where(use_tree, nic_share, ring_bw))
+    if scalar:
+        return CollectiveTime(float(out.seconds[0]), str(out.algorithm[0]), float(out.bottleneck_gbps[0]))
+    return out
+
+
+def tree_all_reduce_seconds(volume_bytes: np.ndarray, group: Group, wire: Wire, nic_share: float,
+                            message_bytes: float) -> np.ndarray:
+    """NCCL's Tree all-reduce: reduce along a chain inside the node, a double binary tree across
+    nodes, broadcast back along the chain; pipelined, so the slowest stage sets the pace. Across
+    nodes each node sends (and receives) 2x the payload, except on 2 nodes, where each of the two
+    trees is one edge and a node sends 1x (NVIDIA/nccl#457: 'for tree it would be 2*S'; the '2-node
+    tree effect' of NVIDIA/nccl-tests#196). The chain moves the payload up and down its links in
+    opposite directions: 1x per direction."""
+    across = (1.0 if group.nodes == 2 else 2.0) * volume_bytes / (nic_share * 1e9)
+    inside = volume_bytes / (wire.intra_gbps * 1e9) if group.per_node > 1 else np.zeros_like(volume_bytes)
+    messages = np.maximum(1.0, volume_bytes / max(message_bytes, 1.0))
+    # up and down: the chain inside the node, then the tree's levels across nodes
+    latency_us = 2 * ((group.per_node - 1) * wire.intra_latency_us
+                      + math.ceil(math.log2(group.nodes)) * wire.nic_latency_us)
+    seconds = np.maximum(across, inside) + messages * latency_us * 1e-6
+    return np.where(volume_bytes > 0, seconds, 0.0)

@@ -17,8 +17,8 @@ ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus",
                   "--gradient-accumulation", "--checkpointing", "--attention", "--offload-optimizer",
                   "--offload-params", "--hsdp-shard-size", "--ds-config", "--reduce-bucket-size", "--allgather-bucket-size",
                   "--prefetch-bucket-size", "--param-persistence-threshold", "--max-live-parameters",
-                  "--max-reuse-distance", "--topology", "--topology-file", "--profile", "--json",
-                  "--emit", "--script"}
+                  "--max-reuse-distance", "--topology", "--topology-file", "--fabric", "--nics-per-node", "--profile",
+                  "--json", "--emit", "--script"}
 
 
 def run(capsys, *argv):
@@ -117,7 +117,7 @@ BAD = [
     (["estimate", "--model", "gpt2", "--gpu", "tpu-v5"], "unknown gpu 'tpu-v5'"),
     (["estimate", "--model", "gpt2", "--gpu", "v100-32gb"], "does not support"),
     (["estimate", "--model", "gpt2", "--strategy", "ddp", "--offload-optimizer", "cpu"], "offload_optimizer=cpu"),
-    (["estimate", "--model", "gpt2", "--strategy", "hsdp"], "single shard group (all 1 GPUs) is fsdp"),
+    (["estimate", "--model", "gpt2", "--strategy", "hsdp"], "single shard group (all 8 GPUs) is fsdp"),
     (["estimate", "--model", "gpt2", "--strategy", "hsdp", "--gpus", "8", "--hsdp-shard-size", "3"],
      "hsdp_shard_size(3) must divide the world size"),
     (["estimate", "--model", "gpt2", "--strategy", "zero3", "--gpus", "8", "--hsdp-shard-size", "2"],
@@ -161,3 +161,40 @@ def test_bad_ds_configs(capsys, tmp_path, config, message):
     path.write_text(json.dumps(config))
     code, _, err = run(capsys, "estimate", "--model", "gpt2", "--strategy", "zero2", "--ds-config", str(path))
     assert code == 2 and message in err, err
+
+
+def _seconds(text: str, what: str) -> float:
+    import re
+
+    return float(re.search(rf"{what} ([0-9.]+) s", text).group(1))
+
+
+def test_estimate_describes_the_network(capsys):
+    argv = ["estimate", "--model", "llama-3-8b", "--strategy", "fsdp", "--nodes", "2", "--nics-per-node", "1"]
+    _, slow, _ = run(capsys, *argv, "--fabric", "eth-25g")
+    _, fast, _ = run(capsys, *argv, "--fabric", "ib-ndr")
+    assert _seconds(slow, "communication") > 10 * _seconds(fast, "communication")
+    code, out, _ = run(capsys, *argv, "--fabric", "ib-ndr", "--json")
+    assert code == 0 and json.loads(out)["request"]["fabric"] == "ib-ndr"
+
+
+def test_params_alone_says_the_buffers_assume_the_whole_model(capsys):
+    code, out, _ = run(capsys, "estimate", "--params", "7000000000", "--strategy", "zero3")
+    assert code == 0
+    assert "gathered 16-bit parameters" in out and "13.04 GiB" in out  # 7e9 x 2 bytes, gathered at once
+    assert "--params gives no layer sizes, so the model is taken as ONE tensor" in out
+    code, out, _ = run(capsys, "estimate", "--model", "llama-3-8b", "--strategy", "zero3")
+    assert "ONE tensor" not in out and "at the peak (start of backward), by item" in out
+
+
+@pytest.mark.parametrize("nodes", ["1", "2"])
+def test_plan_on_one_gpu_per_node_has_no_ring_and_no_traceback(capsys, nodes):
+    code, out, err = run(capsys, "plan", "--model", "gpt2", "--gpus", "1", "--nodes", nodes, "--global-batch", "8")
+    assert code == 0 and err == "" and "one GPU per node, no ring" in out
+
+
+@pytest.mark.parametrize("command", ["estimate", "plan"])
+def test_an_unknown_fabric_is_one_line(capsys, command):
+    code, out, err = run(capsys, command, "--model", "gpt2", "--nodes", "2", "--fabric", "ib-nd")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "--fabric: got 'ib-nd': unknown fabric 'ib-nd' (did you mean ib-ndr" in err
