@@ -17,6 +17,15 @@ MISTRAL = {"model_type": "mistral", "vocab_size": 4096, "hidden_size": 256, "int
            "max_position_embeddings": 4096, "sliding_window": 4096, "tie_word_embeddings": False}
 GPT2 = {"model_type": "gpt2", "vocab_size": 4096, "n_embd": 256, "n_layer": 4, "n_head": 4,
         "n_positions": 1024, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+# Logits-dominated shapes: the same blocks with a real vocabulary, so that at 1-2k tokens per
+# micro-batch the loss's fp32 tokens x vocab tensors are most of the peak (Llama-2's 32,000,
+# GPT-2's 50,257, a 64,000 one, Llama-3's 128,256). Run with small buckets, or DeepSpeed's 1 GB
+# default bucket would be the peak instead.
+LLAMA_32K = dict(LLAMA, vocab_size=32_000)
+LLAMA_128K = dict(LLAMA, vocab_size=128_256)
+QWEN2_32K = dict(QWEN2, vocab_size=32_000)
+QWEN2_64K = dict(QWEN2, vocab_size=64_000)
+GPT2_50K = dict(GPT2, vocab_size=50_257)
 SMALL = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000,
          "prefetch_bucket_size": 1_000_000, "param_persistence_threshold": 10_000}
 
@@ -57,6 +66,12 @@ CPU_RUNS = [
     _run("llama-fsdp-bf16", LLAMA, "fsdp", "bf16-mixed"),
     _run("llama-fsdp-fp32", LLAMA, "fsdp", "fp32"),
     _run("mistral-zero3-bf16-4ranks-s1024", MISTRAL, "zero3", "bf16-mixed", gpus=4, micro=1, seq=1024),
+    # logits-dominated (1,024 tokens, vocabularies of 32k-64k)
+    _run("llama-v32k-zero2-bf16-small-t1024", LLAMA_32K, "zero2", "bf16-mixed", small=True, micro=2, seq=512),
+    _run("llama-v32k-zero3-fp32-small-ckpt-t1024", LLAMA_32K, "zero3", "fp32", small=True, ckpt="full",
+         micro=1, seq=1024),
+    _run("qwen2-v32k-fsdp-bf16-t1024", QWEN2_32K, "fsdp", "bf16-mixed", micro=1, seq=1024),
+    _run("gpt2-v50k-ddp-fp32-ckpt-t1024", GPT2_50K, "ddp", "fp32", ckpt="full", micro=2, seq=512),
 ]
 
 # Measured and reported by bench/accuracy.py (not in CI, to keep it short): the rest of the
@@ -73,6 +88,16 @@ BENCH_RUNS = [
     _run("llama-hsdp-bf16-2x2", LLAMA, "hsdp", "bf16-mixed", nodes=2),
     _run("llama-zero2-bf16-offload", LLAMA, "zero2", "bf16-mixed", offload="cpu"),
     _run("llama-zero3-bf16-offload", LLAMA, "zero3", "bf16-mixed", offload="cpu"),
+    # logits-dominated (1-2k tokens, vocabularies of 32k-128k)
+    _run("llama-v32k-zero0-fp32-small-t2048", LLAMA_32K, "zero0", "fp32", small=True, micro=1, seq=2048),
+    _run("llama-v32k-zero3-bf16-small-t1024", LLAMA_32K, "zero3", "bf16-mixed", small=True, micro=2, seq=512),
+    _run("llama-v32k-ddp-bf16-t1024", LLAMA_32K, "ddp", "bf16-mixed", micro=2, seq=512),
+    _run("gpt2-v50k-zero1-bf16-small-t1024", GPT2_50K, "zero1", "bf16-mixed", small=True, micro=2, seq=512),
+    _run("qwen2-v64k-zero1-bf16-small-ckpt-t2048", QWEN2_64K, "zero1", "bf16-mixed", small=True, ckpt="full",
+         micro=2, seq=1024),
+    _run("llama-v128k-zero2-bf16-small-t1024", LLAMA_128K, "zero2", "bf16-mixed", small=True, micro=1, seq=1024),
+    _run("gpt2-v50k-zero3-bf16-small-ckpt-t1024", GPT2_50K, "zero3", "bf16-mixed", small=True, ckpt="full",
+         micro=2, seq=512),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than
