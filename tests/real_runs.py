@@ -102,5 +102,14 @@ BENCH_RUNS = [
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than
 # TOLERANCE (README, "Known misses"). Each stays here until the model explains it.
-KNOWN_MISSES: list = []
+KNOWN_MISSES: list = [
+    # A tied embedding at few tokens, where its V x h gradient, not the logits, is the peak. The
+    # peak trace shows three fp32 V x h tensors at the embedding's backward: the LM head's
+    # contribution to the tied weight's gradient, held by autograd (the weight's AccumulateGrad
+    # node runs once, when both contributions are in, so ZeRO-2's post-accumulate hook has not
+    # taken it), the embedding's dense gradient, and their out-of-place sum. The model produces
+    # the tied gradient at the LM head and hands it to the hook there (planner/buffers.py,
+    # _head_and_late): measured 473.49 MB, predicted 352.66 MB (-25.5%).
+    _run("qwen2-v64k-zero2-fp32-small-t128", QWEN2_64K, "zero2", "fp32", small=True, micro=1, seq=128),
+]
 TOLERANCE = 0.05
