@@ -88,8 +88,9 @@ def _tied_head_elements(arch: Architecture) -> int:
     does the parameter's post-accumulate hook run (ZeRO's reduction, DDP's bucket copy).
     Measured with the backend's peak trace on ZeRO-2 (qwen2 fp32, gpt2 bf16, exact): three V x h
     tensors live at the embedding's backward, and the head's contribution unreduced through
-    every block. Applied to ZeRO-2 only: on ZeRO-1 and FSDP2 the same runs show a different
-    outcome of that sum (README, known misses), and ZeRO-3 and DDP's were within 3% without it."""
+    every block; on ZeRO-1 (qwen2 fp32, exact) the same sum, with every gradient and the bucket
+    live, before the reduction. Applied to ZeRO-1 and ZeRO-2: FSDP2 holds something else there
+    (README, known misses), and ZeRO-3 and DDP were within 3% without it."""
     return arch.vocab_size * arch.hidden_size if arch.tie_word_embeddings else 0
 
 
@@ -265,6 +266,13 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
             items += [_item("16-bit gradients not yet reduced", wb * unreduced, "gradients"), bucket,
                       _tied_sum_item(point, wb)] + ([in_partition] if reduced else [])
         phases.append(_phase(point.label, items))
+        if stage == 1 and point.tied_sum_elements:
+            # ZeRO-1 reduces once the last hook has run: the tied weight's contributions are
+            # summed with every gradient and the bucket live, before grads_in_partition exists
+            # (peak trace: the gradients, the bucket and two more V x h at that moment).
+            phases.append(_phase("embeddings' backward (tied gradients summed)", resident + _activation_items(point) + [
+                _item("16-bit gradients", wb * point.grad_elements, "gradients"), bucket,
+                _tied_sum_item(point, wb)]))
     if first is not None and acts is not None and setup.arch is not None:
         produced, trigger = first
         items = resident + [_item("saved activations", _activations_when_produced(acts, setup.arch, numels, produced),
