@@ -1,7 +1,10 @@
 """Launch a configuration through the real `deepspeed` launcher and collect every rank's record.
 
-The launcher runs in its own process session, so a timeout, a crashing rank or Ctrl-C ends the
-whole group: no rank is left behind. Heavy imports (torch, deepspeed) happen only in the ranks.
+The launcher is started by a supervisor process (backend/supervisor.py), which ends the launcher's
+group and every descendant when the run ends: at its end, on a timeout, a crashing rank, a cancel,
+Ctrl-C, SIGTERM or SIGHUP of the owner, and on the owner's death however it died (SIGKILL
+included). No rank is left behind and no /dev/shm segment of the run stays. Heavy imports (torch,
+deepspeed) happen only in the ranks.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class ProbeResult:
 def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_dir: Path) -> dict[str, Any]:
     """What every rank needs: the architecture, the DeepSpeed config the prediction assumed."""
     setup = resolve(request)
+    request = setup.request  # with what a --ds-config fixed: precision, micro-batch, accumulation, optimizer
     if setup.model.config is None:
         raise PlannerError("a real run needs an architecture: give --model or --model-file, not --params")
     common = {
@@ -91,17 +95,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-SHM_DIR = Path("/dev/shm")
-
-
-def remove_shm_segments(port: int) -> None:
-    """DeepSpeed's CPU shm all-reduce (csrc/cpu/comm/shm.cpp) creates /dev/shm segments named
-    deepspeed_<name>_<rank>_<addr>_<port>_<n> and never unlinks them: about 69 MB per rank per
-    run that would stay in RAM until reboot. Once the ranks are ended, the run's own go."""
-    for segment in SHM_DIR.glob(f"deepspeed_*_{port}_*"):
-        segment.unlink(missing_ok=True)
 
 
 def launcher_command(job_path: Path, request: EstimateRequest, hostfile: str | None = None,
@@ -176,6 +169,17 @@ def prepare_extensions(env: dict[str, str], timeout_seconds: float = 900.0) -> N
             raise PlannerError("building DeepSpeed's CPU ops failed: " + (done.stderr.strip().splitlines() or ["?"])[-1])
 
 
+SECRET_ENV = ("PLANNER_API_TOKEN", "PLANNER_API_TOKEN_FILE")
+
+
+class Interrupted(KeyboardInterrupt):
+    """The owner was asked to stop by a signal (SIGTERM, SIGHUP): handled like Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def _environment(job: dict[str, Any]) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -184,43 +188,25 @@ def _environment(job: dict[str, Any]) -> dict[str, str]:
     env["TOKENIZERS_PARALLELISM"] = "false"
     env["HF_HUB_OFFLINE"] = "1"  # nothing is ever downloaded
     env["TRANSFORMERS_OFFLINE"] = "1"
+    for secret in SECRET_ENV:  # the API's token never reaches a training rank
+        env.pop(secret, None)
     if job["device"] == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
-def end_group(process: subprocess.Popen, grace_seconds: float = 5.0) -> None:
-    """SIGTERM the launcher's whole process group, then SIGKILL what is left."""
-    if process.poll() is not None and not _group_alive(process.pid):
-        return
-    for sig, wait in ((signal.SIGTERM, grace_seconds), (signal.SIGKILL, grace_seconds)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if process.poll() is not None and not _group_alive(process.pid):
-                return
-            time.sleep(0.05)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
 def run_probe(request: EstimateRequest, *, out_dir: Path, steps: int = 2, warmup_steps: int = 1,
               timeout_seconds: float = 900.0, hostfile: str | None = None,
-              on_progress=None, cancel=None) -> ProbeResult:
+              on_progress=None, cancel=None, lock_fds: tuple[int, ...] = (), db: str | None = None,
+              run_id: int | None = None, registry: Path | None = None) -> ProbeResult:
     """``cancel``: an object with ``is_set()`` (a threading.Event); when set, every rank is ended
-    and the result is 'cancelled'."""
+    and the result is 'cancelled' (or the event's ``status``/``message`` attributes, when it has
+    them: the server sets 'interrupted' when it stops). ``lock_fds``: the device locks, held by the
+    supervisor until the last process of the run is gone. ``db``/``run_id``: where the supervisor
+    records the run as interrupted if this process dies. ``registry``: where the supervisor
+    registers the run, so that the next verify removes its /dev/shm segments if the supervisor
+    itself is killed (backend.supervisor.clean_stale_runs)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     job = worker_job(request, steps=steps, warmup_steps=warmup_steps, out_dir=out_dir)
     job_path = out_dir / "job.json"
@@ -229,46 +215,109 @@ def run_probe(request: EstimateRequest, *, out_dir: Path, steps: int = 2, warmup
     port = _free_port()
     command = launcher_command(job_path, request, hostfile, port, job["framework"], job["device"])
     start = time.monotonic()
-    status, message, returncode = "ok", "", None
     env = _environment(job)
     if job["device"] == "cpu" and job["framework"] == "deepspeed":
         prepare_extensions(env)
-    with open(log_path, "w") as log:
-        try:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                       env=env, start_new_session=True)
-        except OSError as exc:
-            return ProbeResult("launcher-error", [], job, "", 0.0, f"cannot start the deepspeed launcher: {exc}")
-        try:
-            returncode = _wait(process, start, timeout_seconds, out_dir, on_progress, cancel)
-            if returncode is None and cancel is not None and cancel.is_set():
-                status, message = "cancelled", "cancelled; all ranks ended"
-            elif returncode is None:
-                status, message = "timeout", f"no result after {timeout_seconds:.0f} s; all ranks ended"
-        except KeyboardInterrupt:
-            status, message = "interrupted", "interrupted (Ctrl-C); all ranks ended"
-        finally:
-            end_group(process)
-            remove_shm_segments(port)
+    log_path.write_bytes(b"")
+    spec = {"command": command, "cwd": str(REPO_ROOT), "env": env, "log_path": str(log_path), "port": port,
+            "state_path": str(out_dir / "supervisor.json"), "result_path": str(out_dir / "supervisor-result.json"),
+            "db": db, "run_id": run_id, "owner_pid": os.getpid(), "grace_seconds": GRACE_SECONDS,
+            "registry": str(registry) if registry else None}
+    try:
+        supervisor, stop_fd = _start_supervisor(spec, out_dir, env, lock_fds)
+    except OSError as exc:
+        return ProbeResult("launcher-error", [], job, "", 0.0, f"cannot start the run's supervisor: {exc}")
+    status, message = "ok", ""
+    try:
+        finished = _wait(supervisor, start, timeout_seconds, out_dir, on_progress, cancel)
+        if not finished and cancel is not None and cancel.is_set():
+            status = getattr(cancel, "status", "cancelled")
+            message = getattr(cancel, "message", "cancelled") + "; all ranks ended"
+        elif not finished:
+            status, message = "timeout", f"no result after {timeout_seconds:.0f} s; all ranks ended"
+    except KeyboardInterrupt as exc:
+        why = str(exc) if isinstance(exc, Interrupted) else "Ctrl-C"
+        status, message = "interrupted", f"interrupted ({why}); all ranks ended"
+    finally:
+        outcome = _stop_supervisor(supervisor, stop_fd, spec)
+    returncode = outcome.get("returncode")
     ranks = _collect(out_dir, request.world_size)
+    if status == "ok" and outcome.get("reason") == "launch-failed":
+        status, message = "launcher-error", f"cannot start the launcher: {outcome.get('error', '?')}"
+    elif status == "ok" and outcome.get("reason") == "terminated":
+        status, message = "interrupted", "the run's supervisor was terminated; all ranks ended"
+    elif status == "ok" and "reason" not in outcome:
+        status, message = "launcher-error", (f"the run's supervisor ended without a result (exit "
+                                             f"{supervisor.returncode}); see {out_dir / 'supervisor.log'}")
     if status == "ok":
         status, message = _verdict(ranks, returncode, request.world_size)
     return ProbeResult(status, ranks, job, _tail(log_path), time.monotonic() - start, message, returncode)
 
 
-def _wait(process: subprocess.Popen, start: float, timeout: float, out_dir: Path, on_progress,
-          cancel=None) -> int | None:
+GRACE_SECONDS = 5.0  # SIGTERM, then this long, then SIGKILL
+
+
+def _start_supervisor(spec: dict, out_dir: Path, env: dict[str, str],
+                      lock_fds: tuple[int, ...]) -> tuple[subprocess.Popen, int]:
+    """The supervisor in a session of its own (a Ctrl-C or a SIGHUP of the terminal reaches only
+    the owner), holding the read end of a pipe whose write end only this process has."""
+    read_fd, write_fd = os.pipe()  # not inheritable (PEP 446): only pass_fds hands read_fd on
+    try:
+        with open(out_dir / "supervisor.log", "wb") as log:
+            supervisor = subprocess.Popen(
+                [sys.executable, "-m", "backend.supervisor", "-", str(read_fd), *map(str, lock_fds)],
+                cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                pass_fds=(read_fd, *lock_fds), start_new_session=True)
+    except OSError:
+        os.close(write_fd)
+        raise
+    finally:
+        os.close(read_fd)
+    # the spec (with the environment) goes over stdin, never into a file
+    supervisor.stdin.write(json.dumps(spec).encode())
+    supervisor.stdin.close()
+    return supervisor, write_fd
+
+
+def _stop_supervisor(supervisor: subprocess.Popen, stop_fd: int, spec: dict) -> dict[str, Any]:
+    """Tell the supervisor to end the run (a no-op if it already ended), wait until it has ended
+    every process, and read its result. A second Ctrl-C while waiting does not abandon the wait."""
+    try:
+        os.write(stop_fd, b"stop\n")
+    except OSError:
+        pass
+    os.close(stop_fd)
+    deadline = time.monotonic() + 3 * GRACE_SECONDS + 30
+    while supervisor.poll() is None and time.monotonic() < deadline:
+        try:
+            supervisor.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            pass
+        except KeyboardInterrupt:
+            continue
+    if supervisor.poll() is None:  # never seen: the launcher has PDEATHSIG, every rank watches it
+        supervisor.kill()
+        supervisor.wait()
+    try:
+        return json.loads(Path(spec["result_path"]).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _wait(supervisor: subprocess.Popen, start: float, timeout: float, out_dir: Path, on_progress,
+          cancel=None) -> bool:
+    """True once the supervisor has ended (the launcher exited); False on a cancel or a timeout."""
     seen = 0
     while True:
         if cancel is not None and cancel.is_set():
-            return None
-        code = process.poll()
+            return False
+        code = supervisor.poll()
         if on_progress is not None:
             seen = _report_progress(out_dir, seen, on_progress)
         if code is not None:
-            return code
+            return True
         if time.monotonic() - start > timeout:
-            return None
+            return False
         time.sleep(0.2)
 
 

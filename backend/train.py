@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 STEP_MARK = "planner::step::"
+TEXT_DECODER_OF = {"gemma3", "llama4", "mistral3"}  # multimodal model_types read through text_config
 
 
 def build_model(job: dict[str, Any]) -> torch.nn.Module:
@@ -28,10 +29,14 @@ def build_model(job: dict[str, Any]) -> torch.nn.Module:
     fields = dict(job["model_config"])
     model_type = fields.pop("model_type")
     config = AutoConfig.for_model(model_type, **fields)
+    if model_type in TEXT_DECODER_OF:
+        # a multimodal checkpoint's config: train its text decoder, which is what the planner
+        # counts and models (the vision tower is not; see the architecture's notes)
+        config = config.text_config
     config.use_cache = False
     torch.manual_seed(int(job.get("seed", 0)))
     model = AutoModelForCausalLM.from_config(
-        config, attn_implementation=job["attn_implementation"], dtype=torch.float32
+        config, attn_implementation=_attention_for(job), dtype=torch.float32
     )
     if job["checkpointing"] == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -39,9 +44,21 @@ def build_model(job: dict[str, Any]) -> torch.nn.Module:
     return model
 
 
+def _attention_for(job: dict[str, Any]) -> str:
+    """The requested attention, or eager for a family transformers has no SDPA path for (gemma2,
+    gpt_oss: ``_supports_sdpa = False``), as the planner predicts (Architecture.attention_implementation)."""
+    from planner.architecture import from_hf_config
+
+    if from_hf_config(dict(job["model_config"])).attention_implementation == "eager":
+        return "eager"
+    return job["attn_implementation"]
+
+
 def synthetic_batch(job: dict[str, Any], step: int, device: torch.device) -> torch.Tensor:
     generator = torch.Generator().manual_seed(int(job.get("seed", 0)) * 100003 + step)
-    vocab = int(job["model_config"]["vocab_size"])
+    from planner.architecture import from_hf_config
+
+    vocab = from_hf_config(dict(job["model_config"])).vocab_size  # also inside a text_config
     shape = (int(job["micro_batch"]), int(job["seq_len"]))
     return torch.randint(0, vocab, shape, generator=generator).to(device)
 

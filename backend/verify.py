@@ -6,13 +6,15 @@ import fcntl
 import importlib.metadata
 import os
 import platform
+import re
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from backend.launch import run_probe
+from backend.launch import Interrupted, run_probe
 from backend.store import RunStore
+from backend.supervisor import clean_stale_runs
 from planner.catalogue import catalogue_model, model_from_config
 from planner.errors import PlannerError
 from planner.memory import cpu_rank_bytes, estimate
@@ -31,12 +33,22 @@ def scale_config(config: dict[str, Any], factor: float) -> tuple[dict[str, Any],
     from planner.architecture import from_hf_config
 
     a = from_hf_config(config)
+    from planner.architecture import layer_specs
+
+    if any((spec.mlp.is_moe and spec.mlp.layout != "mixtral") or spec.attention.kind == "mla"
+           for spec in layer_specs(a)):
+        raise PlannerError(f"--scale is not supported for {a.model_type} (its expert widths and counts, "
+                           "latent ranks and layer pattern would not shrink with it); verify a smaller "
+                           "config of the family with --model-file")
     group = a.num_attention_heads // a.num_key_value_heads
     kv = max(1, round(a.num_key_value_heads * factor))
     heads = kv * group
     hidden = heads * a.head_dim
     inner = max(1, round(a.intermediate_size * hidden / a.hidden_size))
     layers = max(1, round(a.num_layers * factor))
+    # a multimodal config (gemma3, llama4, mistral3) is scaled inside its text_config, the part
+    # the planner models and the backend trains
+    outer, config = config, (config.get("text_config") or {}) if "text_config" in config else config
     scaled = dict(config)
     names = {"gpt2": ("n_layer", "n_embd", "n_head", "n_inner")}.get(a.model_type)
     if names:
@@ -51,32 +63,73 @@ def scale_config(config: dict[str, Any], factor: float) -> tuple[dict[str, Any],
         if a.model_type == "falcon":
             scaled.pop("intermediate_size")
             scaled["ffn_hidden_size"] = inner
+    if config is not outer:
+        scaled = dict(outer, text_config=scaled)
     note = (f"scaled by {factor}: {a.num_layers}->{layers} layers, hidden {a.hidden_size}->{hidden}, "
             f"heads {a.num_attention_heads}->{heads} (kv {a.num_key_value_heads}->{kv}), MLP {a.intermediate_size}->{inner}; "
             "the prediction is for the scaled model")
     return scaled, note
 
 
+LOCK_DIR = Path("/tmp/planner-locks")  # one per host; PLANNER_LOCK_DIR moves it (for tests only)
+
+
+def lock_dir() -> Path:
+    return Path(os.environ.get("PLANNER_LOCK_DIR") or LOCK_DIR)
+
+
+def run_registry() -> Path:
+    """Where each run's supervisor registers itself while it lives (backend.supervisor)."""
+    return lock_dir() / "runs"
+
+
+def device_names(request: EstimateRequest) -> list[str]:
+    """The devices this host's share of the run uses: 'cpu', or one name per CUDA device, in
+    CUDA_VISIBLE_DEVICES's own terms (the launchers take the first --gpus visible devices)."""
+    if request.gpu == "cpu":
+        return ["cpu"]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible is not None else []
+    ids = ids or [str(i) for i in range(request.gpus)]
+    return ["cuda-" + re.sub(r"[^A-Za-z0-9._-]", "_", d) for d in ids[:request.gpus]]
+
+
 @contextmanager
-def device_lock(request: EstimateRequest, lock_dir: Path) -> Iterator[None]:
-    """One verify run at a time per device set; a second is refused, not interleaved."""
-    devices = os.environ.get("CUDA_VISIBLE_DEVICES", "all") if request.gpu != "cpu" else "cpu"
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    path = lock_dir / f"verify-{request.gpu}-{devices.replace(',', '_')}.lock"
-    handle = open(path, "w")
+def device_lock(request: EstimateRequest) -> Iterator[tuple[int, ...]]:
+    """One verify run at a time per device on this host, whichever database records it: an flock
+    per device in lock_dir(). Yields the locked file descriptors; backend.launch hands them to the
+    run's supervisor, which holds them (same open file description, so the same lock) until the
+    last process of the run is gone, even after this process has ended. Never LOCK_UN here: that
+    would release the supervisor's hold too."""
+    directory = lock_dir()
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
-        raise PlannerError(f"another planner verify is running on the same devices ({devices}); "
-                           f"wait for it to finish (lock {path})") from None
+        for shared in (directory, run_registry()):
+            shared.mkdir(parents=True, exist_ok=True)
+            if shared.stat().st_uid == os.getuid():
+                shared.chmod(0o1777)  # every user of the host locks here; only owners remove (sticky)
+    except OSError as exc:
+        raise PlannerError(f"device locks: cannot use {directory} ({exc.strerror})") from None
+    fds: list[int] = []
     try:
-        handle.write(f"{os.getpid()}\n")
-        handle.flush()
-        yield
+        for name in device_names(request):
+            path = directory / f"{name}.lock"
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError as exc:
+                raise PlannerError(f"device lock {path}: cannot be opened ({exc.strerror})") from None
+            fds.append(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                raise PlannerError(f"another planner verify is running on the same devices ({name}, pid {holder}); "
+                                   f"wait for it to finish (lock {path})") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield tuple(fds)
     finally:
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        handle.close()
+        for fd in fds:
+            os.close(fd)
 
 
 def environment() -> dict[str, Any]:
@@ -155,8 +208,8 @@ def verify(request: EstimateRequest, *, steps: int = 3, warmup_steps: int = 1, s
         request = request.model_copy(update={"model": None, "model_config_": {"name": f"{base.name}-scaled", "config": scaled}})
     prediction = estimate(request)
     check_devices(request)
-    store = RunStore(db)
-    store.mark_interrupted()
+    store = RunStore(db, create=True)
+    store.mark_interrupted()  # only runs whose owner process is gone
     record: dict[str, Any] = {
         "status": "running", "message": "", "model": prediction.model.name, "scaled": scale_note or None,
         "request": request.model_dump(by_alias=True), "prediction": prediction.model_dump(by_alias=True),
@@ -168,18 +221,23 @@ def verify(request: EstimateRequest, *, steps: int = 3, warmup_steps: int = 1, s
     if on_start is not None:
         on_start(run_id)
     timeout = timeout_seconds or (180.0 + 60.0 * (steps + warmup_steps) * max(1, request.gradient_accumulation))
-    out_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix=f"planner-run{run_id}-"))
+    out_dir = Path(work_dir) if work_dir else None
     try:
-        with device_lock(request, store.path.parent):
+        with device_lock(request) as lock_fds:
+            out_dir = out_dir or Path(tempfile.mkdtemp(prefix=f"planner-run{run_id}-"))  # not for a refused run
+            clean_stale_runs(run_registry())  # segments of a run whose supervisor was killed
             result = run_probe(request, out_dir=out_dir, steps=steps, warmup_steps=warmup_steps,
                                timeout_seconds=timeout, hostfile=hostfile, on_progress=on_progress,
-                               cancel=cancel)
+                               cancel=cancel, lock_fds=lock_fds, db=str(store.path), run_id=run_id,
+                               registry=run_registry())
     except PlannerError as exc:
         record.update(status="refused", message=str(exc))
         store.finish(run_id, record)
         raise
-    except KeyboardInterrupt:
-        record.update(status="interrupted", message="interrupted (Ctrl-C) before the ranks started")
+    except KeyboardInterrupt as exc:
+        why = str(exc) if isinstance(exc, Interrupted) else "Ctrl-C"
+        record.update(status="interrupted", message=f"interrupted ({why}) before the ranks started",
+                      work_dir=str(out_dir) if out_dir else None)
         store.finish(run_id, record)
         raise
     progress = out_dir / "progress0.txt"

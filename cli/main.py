@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import typing
 from pathlib import Path
 from typing import Any, Callable
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 EXIT_USAGE = 2
 # Fields read from a file by the CLI: the flag names the file, the request holds its content.
@@ -40,11 +41,46 @@ def _choices(annotation: Any) -> list[str] | None:
 
 
 def _scalar_type(annotation: Any) -> Callable[[str], Any]:
+    """int and float flags are converted by argparse; anything else (names, counts such as
+    --params 7B) reaches the schema as text and is validated there."""
     args = typing.get_args(annotation) or (annotation,)
     for kind in (int, float):
         if kind in args:
             return kind
     return str
+
+
+def _catalogue(field: Any) -> Any:
+    """The CatalogueName metadata of a field (planner.schema), if it names a catalogue entry."""
+    from planner.schema import CatalogueName
+
+    found = [m for m in field.metadata if isinstance(m, CatalogueName)]
+    for arg in typing.get_args(field.annotation):
+        found += [m for m in getattr(arg, "__metadata__", ()) if isinstance(m, CatalogueName)]
+    return found[0] if found else None
+
+
+def path_arg(text: str) -> str:
+    """A path flag: the operating system cannot name a file with a NUL byte in it."""
+    if "\x00" in text:
+        raise argparse.ArgumentTypeError(f"got {text!r}: a path cannot contain a NUL byte")
+    return text
+
+
+def schema_type(annotation: Any) -> Callable[[str], Any]:
+    """An argparse type that validates a flag with a schema type (bounds, finiteness), so the
+    CLI refuses what the API refuses, as a one-line usage error (exit 2)."""
+    adapter = TypeAdapter(annotation)
+
+    def convert(text: str) -> Any:
+        try:
+            return adapter.validate_python(text)
+        except ValidationError as exc:
+            raise argparse.ArgumentTypeError(
+                f"got {text!r}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+
+    convert.__name__ = getattr(annotation, "__name__", "value")
+    return convert
 
 
 def add_schema_flags(parser: argparse.ArgumentParser, model: type[BaseModel],
@@ -56,11 +92,14 @@ def add_schema_flags(parser: argparse.ArgumentParser, model: type[BaseModel],
         flag = _flag(name)
         help_text = field.description or ""
         if name in FILE_FLAGS:
-            parser.add_argument(flag, dest=name, metavar="PATH", default=argparse.SUPPRESS,
+            parser.add_argument(flag, dest=name, metavar="PATH", type=path_arg, default=argparse.SUPPRESS,
                                 help=f"{help_text} (a file path)")
             continue
         choices = _choices(field.annotation)
         default = field.default if field.default is not None else "none"
+        catalogue = _catalogue(field)
+        if catalogue is not None and catalogue.listed:
+            help_text += f"; one of {', '.join(sorted(catalogue.choices()))}"
         kwargs: dict[str, Any] = dict(dest=name, default=argparse.SUPPRESS,
                                       help=f"{help_text} (default: {default})")
         if choices:
@@ -71,10 +110,13 @@ def add_schema_flags(parser: argparse.ArgumentParser, model: type[BaseModel],
 
 
 def _read_file_flag(name: str, path: str) -> Any:
-    from planner.catalogue import MAX_MODEL_FILE_BYTES, model_from_file
+    from planner.catalogue import MAX_MODEL_FILE_BYTES, UnsupportedModelTypeError, model_from_file
 
     if name == "model_config_":
-        resolved = model_from_file(path)  # validates and names the file in every error
+        try:
+            resolved = model_from_file(path)  # validates and names the file in every error
+        except UnsupportedModelTypeError as exc:  # read, but only a trace can say more (estimate)
+            return {"name": exc.name, "source": path, "config": exc.config}
         return {"name": resolved.name, "config": resolved.config}
     if name == "topology_text":
         return read_topology_text(path)
@@ -142,13 +184,13 @@ def cmd_models(args: argparse.Namespace) -> int:
     for name, entry in load_catalogue().items():
         resolved = catalogue_model(name)
         rows.append({"name": name, "family": entry.family, "parameters": resolved.parameters,
-                     "source": entry.source, "config": entry.config})
+                     "aliases": list(entry.all_aliases), "source": entry.source, "config": entry.config})
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'name':<18} {'family':<9} {'parameters':>17}")
+    print(f"{'name':<18} {'family':<9} {'parameters':>17}  also answers to")
     for row in rows:
-        print(f"{row['name']:<18} {row['family']:<9} {row['parameters']:>17,}")
+        print(f"{row['name']:<18} {row['family']:<9} {row['parameters']:>17,}  {', '.join(row['aliases'])}")
     return 0
 
 
@@ -167,11 +209,23 @@ def cmd_gpus(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from planner.plan import estimate_with_time
+    from backend.anymodel import estimate_any
     from planner.schema import EstimateRequest
 
+    if args.emit is not None:
+        _check_output_path(args.emit, "--emit", "dir")
     request = request_from_args(args, EstimateRequest)
-    result = estimate_with_time(request)
+    script = _script(args)
+    result = estimate_any(request)  # Hub ids, and tracing for a model_type without a reader
+    if args.emit is not None:
+        from planner.emit import emit_estimate_files, write_files
+
+        written = write_files(args.emit, emit_estimate_files(result, script))
+        _report_emitted(written)
+        if not result.fits and result.device_capacity_bytes:
+            print(f"planner: note: predicted peak {result.per_device.peak_bytes / 2**30:.2f} GiB does not fit "
+                  f"{result.device_capacity_bytes / 2**30:.2f} GiB of {result.gpu}; the files are written as asked",
+                  file=sys.stderr)
     if args.json:
         print(result.model_dump_json(indent=2, by_alias=True))
     else:
@@ -181,36 +235,87 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def one_line(text: str) -> str:
+    """A message that stays one line on any terminal: control characters and line or paragraph
+    separators a user typed into a value (\\r, \\x1e, \\u2028, ...) are shown escaped."""
+    import unicodedata
+
+    return "".join(c.encode("unicode_escape").decode("ascii") if unicodedata.category(c) in ("Cc", "Zl", "Zp")
+                   else c for c in text)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (and exit code 2), not the whole usage text."""
 
     def error(self, message: str) -> typing.NoReturn:
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        print(one_line(f"{self.prog}: error: {message}"), file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
 
 
+def _check_name(annotation: Any, value: str, flag: str) -> str:
+    """A name flag outside the request schemas, checked by the schema's own name type."""
+    try:
+        return TypeAdapter(annotation).validate_python(value)
+    except ValidationError as exc:
+        raise CliError(f"{flag}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+
+
+def _check_output_path(path: str, flag: str, kind: str) -> None:
+    """Refuse an output path that cannot be written as asked, before any work is done. A file is
+    replaced by renaming a new one over it, which must not replace a device such as /dev/null."""
+    if not path.strip():
+        raise CliError(f"{flag}: got {path!r}: give a path to write to")
+    if "\x00" in path:
+        raise CliError(f"{flag}: got {path!r}: a path cannot contain a NUL byte")
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return  # written fresh (a missing parent directory is created, or refused, when writing)
+    except OSError as exc:  # a name too long, a path through a file, no permission
+        raise CliError(f"{flag} {path}: cannot be written ({exc.strerror})") from None
+    if kind == "dir" and not stat.S_ISDIR(mode):
+        raise CliError(f"{flag} {path}: exists and is not a directory")
+    if kind == "file" and not stat.S_ISREG(mode):
+        raise CliError(f"{flag} {path}: not a regular file; give a file name to write the picture to")
+
+
 def cmd_topo(args: argparse.Namespace) -> int:
+    from planner.errors import PlannerError
     from planner.gpus import gpu as lookup_gpu
     from planner.presets import PRESETS, preset_topology
+    from planner.schema import GpuName, PresetName, _gpu_names
     from planner.topology import parse_topology
 
     if args.list:
         for p in PRESETS.values():
             print(f"{p.name:<24} {p.gpus} x {p.gpu:<10} {p.description}")
         return 0
-    if args.preset:
-        topo = preset_topology(args.preset)
+    if args.preset is not None:
+        name = _check_name(PresetName, args.preset, "--preset")
+        if args.gpu is not None and _check_name(GpuName, args.gpu, "--gpu") != PRESETS[name].gpu:
+            raise CliError(f"--gpu {args.gpu}: preset {name} is built from {PRESETS[name].gpu}; drop --gpu")
+        topo = preset_topology(name)
     else:
+        if args.gpu is None:  # a link code (NV4, NV12, ...) means a different rate on each GPU generation
+            raise CliError("--gpu is required with --file or stdin: the output does not name the GPU model, and "
+                           f"what a link code means depends on it; choose from {', '.join(sorted(_gpu_names()))}")
+        gpu_type = lookup_gpu(_check_name(GpuName, args.gpu, "--gpu"))
         if args.file is None and sys.stdin.isatty():
             raise CliError("give --file F, --preset NAME, or pipe `nvidia-smi topo -m` into stdin")
         text = read_topology_text(args.file or "-")
-        topo = parse_topology(text, lookup_gpu(args.gpu), source=args.file or "stdin")
-    if args.svg:
+        topo = parse_topology(text, gpu_type, source=args.file or "stdin")
+    if args.svg is not None:
+        _check_output_path(args.svg, "--svg", "file")
         from planner.emit import write_files
         from planner.render import topology_svg
 
         target = Path(args.svg)
-        write_files(target.parent, {target.name: topology_svg(topo)})
+        try:
+            write_files(target.parent, {target.name: topology_svg(topo)})
+        except PlannerError as exc:  # write_files speaks of --emit, its usual caller
+            raise CliError(f"--svg {args.svg}: {str(exc).split(': ', 1)[-1]}") from None
     if args.json:
         print(topo.model_dump_json(indent=2))
         return 0
@@ -221,12 +326,17 @@ def cmd_topo(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from planner.plan import plan
+    from backend.anymodel import plan_any
     from planner.schema import PlanRequest
 
+    if args.emit is not None:
+        _check_output_path(args.emit, "--emit", "dir")
+    elif args.pick is not None:
+        raise CliError(f"--pick {args.pick}: needs --emit DIR (it chooses the candidate that is written)")
     request = request_from_args(args, PlanRequest)
-    result = plan(request)
-    if args.emit:
+    script = _script(args)
+    result = plan_any(request)  # Hub ids read through huggingface_hub
+    if args.emit is not None:
         if not result.candidates:
             raise CliError("no candidate to emit")
         pick = result.recommended if args.pick is None else _pick(result, args.pick)
@@ -234,8 +344,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise CliError("nothing fits, so nothing is emitted; see the rejected reasons")
         from planner.emit import emit_files, write_files
 
-        written = write_files(args.emit, emit_files(request, pick))
-        print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+        written = write_files(args.emit, emit_files(request, pick, script))
+        _report_emitted(written)
     if args.json:
         print(result.model_dump_json(indent=2, by_alias=True))
     else:
@@ -243,6 +353,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         print(plan_table(result))
     return 0
+
+
+def _report_emitted(written: list[Path]) -> None:
+    print(f"wrote {', '.join(str(p) for p in written)}; see LAUNCH.md", file=sys.stderr)
+    if not any(p.name == "launch.sh" for p in written):
+        guide = next(p for p in written if p.name == "LAUNCH.md").read_text()
+        reason = next(line for line in guide.splitlines() if line.startswith("No launch.sh"))
+        print(f"planner: note: {reason}", file=sys.stderr)
+
+
+def _script(args: argparse.Namespace):
+    """--script 'path/to/train.py ARGS': the user's training script in the emitted launch files."""
+    if args.script is None:
+        return None
+    if not args.emit:
+        raise CliError("--script names the training script of the emitted launch files: give --emit DIR too")
+    from planner.emit import Script
+
+    return Script.parse(args.script)
+
+
+def _add_emit_flags(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--emit", type=path_arg, metavar="DIR", help=f"write launch files for {what}: launch.sh (deepspeed or "
+                        "torchrun), job.sbatch (Slurm), the DeepSpeed JSON, an accelerate config, HF Trainer "
+                        "arguments, plan.json; LAUNCH.md says how to run them")
+    parser.add_argument("--script", metavar="'PATH ARGS'", help="with --emit: the training script the launch files "
+                        "run, with its arguments (default: the planner's own trainer, python -m backend.worker)")
 
 
 def _progress_printer():
@@ -276,13 +413,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise CliError(f"planner verify needs the backend extra (pip install -e '.[backend]'): {exc}") from None
     print(f"planner: launching {request.strategy} on {request.world_size} x {request.gpu} ...", file=sys.stderr)
+    received = _stop_on_signals()
     try:
         record = verify(request, steps=args.steps, warmup_steps=args.warmup, scale=args.scale,
                         timeout_seconds=args.timeout, tolerance=args.tolerance / 100, db=args.db,
                         hostfile=args.hostfile, on_progress=_progress_printer())
     except KeyboardInterrupt:
         print("planner: interrupted; every rank was ended and the run is recorded as interrupted", file=sys.stderr)
-        return 130
+        return 128 + received[0] if received else 130
     if args.json:
         print(json.dumps(record, indent=2))
     else:
@@ -291,8 +429,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(verify_table(record))
     if record["status"] == "interrupted":
         print("planner: interrupted; every rank was ended and the run is recorded as interrupted", file=sys.stderr)
-        return 130
+        return 128 + received[0] if received else 130
     return 0 if record["status"] == "ok" else 1
+
+
+def _stop_on_signals() -> list[int]:
+    """SIGTERM and SIGHUP end a verify as Ctrl-C does: every rank ended, the run recorded as
+    interrupted, exit 128 + the signal. A repeated signal does not cut that cleanup short (the
+    run's supervisor would still finish it if this process were killed)."""
+    import signal
+
+    from backend.launch import Interrupted
+
+    received: list[int] = []
+
+    def stop(signum, _frame):
+        if not received:
+            received.append(signum)
+            raise Interrupted(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+    return received
 
 
 def _request_from_plan(path: str):
@@ -328,6 +486,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
             print(verify_table(run["record"]))
         return 0
     rows = store.list(args.limit)
+    if not store.exists:  # reading creates nothing
+        print(f"planner: no runs recorded yet ({store.path} does not exist)", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -374,7 +534,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from web.app import create_app
     except ImportError as exc:
         raise CliError(f"planner serve needs the web extra (pip install -e '.[web]'): {exc}") from None
-    uvicorn.run(create_app(args.db), host=args.host, port=args.port, log_level="info")
+    from backend.store import RunStore
+
+    RunStore(args.db).mark_interrupted()  # a database that is not ours or is corrupt: exit 2 with the reason
+    uvicorn.run(create_app(args.db, public_runs=args.public_runs or None), host=args.host, port=args.port,
+                log_level="info")
     return 0
 
 
@@ -385,7 +549,10 @@ def _pick(result, index: int):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from planner.schema import EstimateRequest, PlanRequest
+    from planner.schema import (MAX_RUNS_LISTED, MAX_TIMEOUT_SECONDS, RANK, EstimateRequest, GpuName, ModelScale,
+                                NewProfileName,
+                                PlanRequest, Port, RunIdNumber, RunsLimit, TimeoutSeconds, TolerancePercent,
+                                VerifySteps, WarmupSteps)
 
     parser = OneLineParser(prog="planner", description=(
         "How many bytes every GPU holds under each distributed strategy, and which one to use."))
@@ -399,49 +566,60 @@ def build_parser() -> argparse.ArgumentParser:
     gpus.set_defaults(handler=cmd_gpus)
     est = sub.add_parser("estimate", help="per-device memory of one configuration")
     add_schema_flags(est, EstimateRequest)
+    _add_emit_flags(est, "this configuration")
     est.add_argument("--json", action="store_true", help="print the result as one JSON object")
     est.set_defaults(handler=cmd_estimate)
     topo = sub.add_parser("topo", help="parse `nvidia-smi topo -m` (a file or stdin) or show a preset")
-    topo.add_argument("--file", help="a file with `nvidia-smi topo -m` output (default: stdin)")
+    topo.add_argument("--file", type=path_arg, help="a file with `nvidia-smi topo -m` output (default: stdin)")
     topo.add_argument("--preset", help="a preset machine instead (see --list)")
     topo.add_argument("--list", action="store_true", help="list the presets")
-    topo.add_argument("--gpu", default="a100-80gb", help="GPU type, which decides what each link code means")
-    topo.add_argument("--svg", metavar="FILE", help="write a picture of the topology")
+    topo.add_argument("--gpu", help="GPU type, which decides what each link code means; required with --file or "
+                                     "stdin (see `planner gpus`), implied by --preset")
+    topo.add_argument("--svg", type=path_arg, metavar="FILE", help="write a picture of the topology")
     topo.add_argument("--json", action="store_true", help="print the parsed topology as JSON")
     topo.set_defaults(handler=cmd_topo)
     pl = sub.add_parser("plan", help="rank every strategy x micro-batch x checkpointing x offload that fits")
     add_schema_flags(pl, PlanRequest)
-    pl.add_argument("--emit", metavar="DIR", help="write the DeepSpeed config, launch command and hostfile")
-    pl.add_argument("--pick", type=int, help="emit the candidate of this rank instead of the recommended one")
+    _add_emit_flags(pl, "the recommended candidate (or --pick N)")
+    pl.add_argument("--pick", type=schema_type(RANK), help="emit the candidate of this rank instead of the recommended one")
     pl.add_argument("--json", action="store_true", help="print the result as one JSON object")
     pl.set_defaults(handler=cmd_plan)
     ver = sub.add_parser("verify", help="launch the configuration through deepspeed, measure every rank, compare")
     add_schema_flags(ver, EstimateRequest)
-    ver.add_argument("--plan", metavar="FILE", help="run the candidate of a plan.json written by `planner plan --emit`")
-    ver.add_argument("--steps", type=int, default=3, help="measured steps (default: 3)")
-    ver.add_argument("--warmup", type=int, default=1, help="warm-up steps before measuring (default: 1)")
-    ver.add_argument("--scale", type=float, default=1.0, help="shrink the model by this factor (0, 1] to fit the machine")
-    ver.add_argument("--timeout", type=float, help="seconds before the run is ended (default: sized to the run)")
-    ver.add_argument("--tolerance", type=float, default=5.0, help="verdict tolerance in percent (default: 5)")
-    ver.add_argument("--db", help="runs database (default: the user's data directory)")
-    ver.add_argument("--hostfile", help="deepspeed hostfile for multi-node runs")
+    ver.add_argument("--plan", type=path_arg, metavar="FILE", help="run the candidate of a plan.json written by `planner plan --emit`")
+    ver.add_argument("--steps", type=schema_type(VerifySteps), default=3, help="measured steps, 1-100 (default: 3)")
+    ver.add_argument("--warmup", type=schema_type(WarmupSteps), default=1,
+                     help="warm-up steps before measuring, 0-20 (default: 1)")
+    ver.add_argument("--scale", type=schema_type(ModelScale), default=1.0,
+                     help="shrink the model by this factor (0, 1] to fit the machine")
+    ver.add_argument("--timeout", type=schema_type(TimeoutSeconds),
+                     help=f"seconds before the run is ended, (0, {MAX_TIMEOUT_SECONDS}] (default: sized to the run)")
+    ver.add_argument("--tolerance", type=schema_type(TolerancePercent), default=5.0,
+                     help="verdict tolerance in percent, (0, 100] (default: 5)")
+    ver.add_argument("--db", type=path_arg, help="runs database (default: the user's data directory)")
+    ver.add_argument("--hostfile", type=path_arg, help="deepspeed hostfile for multi-node runs")
     ver.add_argument("--json", action="store_true", help="print the record as one JSON object")
     ver.set_defaults(handler=cmd_verify)
     cal = sub.add_parser("calibrate", help="fit efficiency constants from stored verify runs into a named profile")
-    cal.add_argument("--name", required=True, help="profile name, used later with --profile")
-    cal.add_argument("--gpu", help="only runs on this GPU type")
-    cal.add_argument("--db", help="runs database (default: the user's data directory)")
+    cal.add_argument("--name", required=True, type=schema_type(NewProfileName),
+                     help="profile name, used later with --profile (1-64 letters, digits, '.', '_' or '-')")
+    cal.add_argument("--gpu", type=schema_type(GpuName), help="only runs on this GPU type")
+    cal.add_argument("--db", type=path_arg, help="runs database (default: the user's data directory)")
     cal.add_argument("--json", action="store_true", help="print the profile as JSON")
     cal.set_defaults(handler=cmd_calibrate)
     serve = sub.add_parser("serve", help="serve the REST API (/v1, /docs) and the web page (/)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    serve.add_argument("--db", help="runs database (default: the user's data directory)")
+    serve.add_argument("--port", type=schema_type(Port), default=8000, help="port, 0-65535 (default: 8000)")
+    serve.add_argument("--db", type=path_arg, help="runs database (default: the user's data directory)")
+    serve.add_argument("--public-runs", action="store_true",
+                       help="serve run records (GET /v1/runs) without the token even when one is configured "
+                            "(default: PLANNER_PUBLIC_RUNS=1, else behind the token)")
     serve.set_defaults(handler=cmd_serve)
     runs = sub.add_parser("runs", help="list past verify runs, or show one")
-    runs.add_argument("show", nargs="?", type=int, metavar="ID", help="show this run")
-    runs.add_argument("--db", help="runs database (default: the user's data directory)")
-    runs.add_argument("--limit", type=int, default=100, help="most recent runs to list")
+    runs.add_argument("show", nargs="?", type=schema_type(RunIdNumber), metavar="ID", help="show this run")
+    runs.add_argument("--db", type=path_arg, help="runs database (default: the user's data directory)")
+    runs.add_argument("--limit", type=schema_type(RunsLimit), default=100,
+                      help=f"most recent runs to list, 1-{MAX_RUNS_LISTED} (default: 100)")
     runs.add_argument("--json", action="store_true", help="print JSON")
     runs.set_defaults(handler=cmd_runs)
     return parser
@@ -461,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except (PlannerError, CliError) as exc:
-        print(f"planner: error: {exc}", file=sys.stderr)
+        print(one_line(f"planner: error: {exc}"), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("planner: interrupted", file=sys.stderr)

@@ -12,6 +12,9 @@ def _row(label: str, num_bytes: int | None) -> str:
     return f"  {label:<28} {num_bytes / GIB:>12,.2f} {num_bytes / GB:>12,.2f}"
 
 
+CAVEATS = ("traced", "time model")
+
+
 def estimate_table(r: EstimateResult) -> str:
     d = r.per_device
     req = r.request
@@ -43,6 +46,9 @@ def estimate_table(r: EstimateResult) -> str:
                       + (f", offload {t.offload_seconds:.3f} s" if t.offload_seconds else "")
                       + f"); {t.tokens_per_second:,.0f} tokens/s, MFU {t.mfu:.2f}"]
     lines.append("")
+    # what the reader must know about where the numbers come from (a traced model, a GPU the time
+    # model only partly knows); the rest of the notes are in --json
+    lines += [f"note: {n}" for n in r.notes if n.startswith(CAVEATS)]
     if r.device_capacity_bytes > 0:
         headroom = r.headroom_bytes
         verdict = "FITS" if r.fits else "DOES NOT FIT"
@@ -77,7 +83,8 @@ def plan_table(r) -> str:
     req = r.request
     lines = [f"{req.model or 'custom model'}: {req.gpus * req.nodes} x {req.gpu} ({req.nodes} node(s)), "
              f"global batch {req.global_batch} x {req.seq_len} tokens, objective {req.objective}",
-             f"topology: {r.topology.source}; best ring {r.topology.ring} at {r.topology.ring_bandwidth_gbps:.1f} GB/s",
+             f"topology: {r.topology.source}; " + (f"best ring {r.topology.ring} at {r.topology.ring_bandwidth_gbps:.1f} GB/s"
+                                                   if r.topology.ring_bandwidth_gbps is not None else "one GPU, no ring"),
              "",
              f"  {'#':>3} {'strategy':<13} {'mb':>4} {'accum':>5} {'ckpt':<5} {'offload':<11} {'peak GiB':>9} "
              f"{'step s':>8} {'exposed comm s':>15} {'tokens/s':>10} {'MFU':>5}"]

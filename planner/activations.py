@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from planner.architecture import Architecture
+from planner.architecture import Architecture, distinct_specs, layer_specs
+from planner.layers import AttentionSpec, LayerSpec, MlpSpec
 
 Attention = Literal["sdpa", "eager"]
 Checkpointing = Literal["none", "full"]
@@ -70,6 +71,43 @@ def _norm_saved(a: Architecture, tokens: int, b: int) -> int:
     if a.norm == "rmsnorm":
         return FP32 * tokens * h + b * tokens * h + b * tokens * h + FP32 * tokens
     return b * tokens * h + b * tokens * h + 2 * FP32 * tokens
+
+
+def _float_norm_saved(tokens: int, width: int, rows: int) -> int:
+    """An RMSNorm that multiplies its weight in fp32 (Olmo2RMSNorm: ``(weight * x).to(dtype)``;
+    Gemma3RMSNorm: ``x * (1 + weight.float())``): the fp32 input (saved by pow and the rsqrt
+    product), rsqrt per row, and the normalized fp32 tensor (saved for the weight's gradient).
+    Its cast-back output is saved only by a following linear (counted there)."""
+    return FP32 * tokens * width + FP32 * tokens * width + FP32 * rows
+
+
+def _block_norms_saved(a: Architecture, spec: LayerSpec, tokens: int, b: int) -> int:
+    """The block's hidden-width norms. Llama-style (weight * x.to(dtype)) for pre-norm blocks;
+    OLMo-2's post-norms and Gemma-3's sandwich norms multiply in fp32 (above), and the inputs of
+    attention and MLP (the residual stream or a pre-norm's output) are saved by their linears."""
+    if spec.norm_weight == "float":
+        inputs = 2 * b * tokens * a.hidden_size
+        return spec.norms * _float_norm_saved(tokens, a.hidden_size, tokens) + inputs
+    return spec.norms * _norm_saved(a, tokens, b)
+
+
+def _qk_norm_saved(s: AttentionSpec, tokens: int, b: int, float_weight: bool) -> int:
+    """q/k norms before RoPE. Qwen3RMSNorm per head: fp32 input, rsqrt per (token, head), and the
+    cast back (saved by ``weight * x``); its output is only multiplied by cos/sin, which saves
+    nothing large (cos/sin need no gradient). OLMo-2 (whole projection) and Gemma-3 multiply in fp32."""
+    if s.qk_norm == "none":
+        return 0
+    if s.qk_norm == "l2":
+        # Llama4TextL2Norm after RoPE: fp32 input and rsqrt per (token, head); no weight, and its
+        # cast-back output is saved by attention (counted there)
+        return FP32 * tokens * (s.q_width + s.kv_width) + FP32 * tokens * (s.num_heads + s.num_kv_heads)
+    if s.qk_norm == "head":
+        q_rows, k_rows = tokens * s.num_heads, tokens * s.num_kv_heads
+    else:
+        q_rows = k_rows = tokens
+    if float_weight:
+        return _float_norm_saved(tokens, s.q_width, q_rows) + _float_norm_saved(tokens, s.kv_width, k_rows)
+    return (FP32 + b) * tokens * (s.q_width + s.kv_width) + FP32 * (q_rows + k_rows)
 
 
 def _uses_kv_repeat(a: Architecture, attention: Attention, seq_len: int) -> bool:
@@ -135,10 +173,153 @@ def _dropout_saved(a: Architecture, tokens: int, b: int, device: Device) -> int:
 
 def layer_saved_bytes(a: Architecture, tokens: int, seq_len: int, micro_batch: int, b: int,
                       attention: Attention, device: Device = "cuda") -> int:
-    norms = a.norms_per_layer * _norm_saved(a, tokens, b)
-    return (norms + _attention_saved(a, tokens, seq_len, micro_batch, b, attention, device)
-            + _mlp_saved(a, tokens, b) + _moe_router_saved(a, tokens)
-            + _dropout_saved(a, tokens, b, device))
+    """The largest block's saved set (every block's, when they are alike)."""
+    return max(block_saved_bytes(a, spec, tokens, seq_len, micro_batch, b, attention, device)
+               for spec in distinct_specs(a).values())
+
+
+def block_saved_bytes(a: Architecture, spec: LayerSpec, tokens: int, seq_len: int, micro_batch: int, b: int,
+                      attention: Attention, device: Device = "cuda") -> int:
+    """What one block saves for backward, from its layer spec."""
+    attn = spec.attention
+    if attn.kind == "mla":
+        attention_bytes = _mla_saved(attn, tokens, seq_len, micro_batch, b, attention, device)
+    elif attn.sinks:
+        attention_bytes = _sink_attention_saved(attn, tokens, seq_len, micro_batch, b)
+    else:
+        attention_bytes = _attention_saved(a, tokens, seq_len, micro_batch, b, attention, device)
+    if attn.logit_softcap and attention == "eager":
+        # Gemma2's eager_attention_forward: tanh(logits / cap) saves its output (compute dtype)
+        attention_bytes += b * micro_batch * attn.num_heads * seq_len * seq_len
+    # masking_utils skips the mask only while kv_length < the window (_ignore_causal_mask_sdpa), so a
+    # window no longer than the sequence gives the block a (micro_batch, 1, seq, seq) mask, which
+    # SDPA saves converted to the compute dtype (measured with saved-tensor hooks on CPU, bf16 and
+    # fp32, one per such block); with a mask transformers repeats K/V to every query head
+    # (integrations/sdpa_attention.py, use_gqa_in_sdpa).
+    if attn.window != "full" and attn.window_size <= seq_len and attention == "sdpa" and not attn.sinks:
+        attention_bytes += b * micro_batch * seq_len * seq_len
+        if attn.num_kv_heads != attn.num_heads and not _uses_kv_repeat(a, attention, seq_len):
+            attention_bytes += 2 * b * tokens * (attn.q_width - attn.kv_width)
+    float_weight = spec.norm_weight == "float"
+    if spec.mlp.is_moe and spec.mlp.layout != "mixtral":
+        mlp = _routed_saved(spec.mlp, a.hidden_size, tokens, b) + _router_saved(spec.mlp, a.hidden_size, tokens, b)
+        mlp += 4 * b * tokens * spec.mlp.shared_intermediate_size  # shared expert: a dense gated MLP
+    elif spec.mlp.is_moe or not a.layers:
+        mlp = _mlp_saved(a, tokens, b) + _moe_router_saved(a, tokens)
+    else:
+        # a dense MLP of the block's own width (DeepSeek's first layers, Llama-4's dense layers):
+        # gate, act(gate), up and their product; plain: up and act(up)
+        mlp = (4 if spec.mlp.gated else 2) * b * tokens * spec.mlp.intermediate_size
+    return (_block_norms_saved(a, spec, tokens, b) + attention_bytes + _qk_norm_saved(attn, tokens, b, float_weight)
+            + mlp + _dropout_saved(a, tokens, b, device))
+
+
+INDEX = 8  # int64 indices
+
+
+def _mla_saved(s: AttentionSpec, tokens: int, seq_len: int, micro_batch: int, b: int, attention: Attention,
+               device: Device) -> int:
+    """DeepseekV2/V3Attention (multi-head latent attention): the query LoRA (q_a_proj output through
+    q_a_layernorm: fp32 input, rsqrt, the cast back, and its output saved by q_b_proj), the K/V
+    latent through kv_a_layernorm likewise (in fp32 the norm's input is a view that keeps the whole
+    kv_a_proj output, latent plus RoPE key, alive), then attention, and its output saved by o_proj."""
+    heads, v = s.num_heads, s.v_head_dim
+    nope = s.head_dim - s.rope_head_dim
+
+    def latent_norm(width: int, storage: int) -> int:
+        return FP32 * tokens * storage + b * tokens * width + FP32 * tokens + b * tokens * width
+
+    lora = latent_norm(s.q_lora_rank, s.q_lora_rank) if s.q_lora_rank else 0
+    latent = latent_norm(s.kv_lora_rank, s.kv_lora_rank + (s.rope_head_dim if b == FP32 else 0))
+    out = b * tokens * heads * v
+    scores = micro_batch * heads * seq_len * seq_len
+    if attention == "eager":
+        probs = FP32 * scores + (b * scores if b != FP32 else 0)
+        return lora + latent + 2 * b * tokens * heads * s.head_dim + b * tokens * heads * (nope + v) + probs + out
+    if device == "cpu" and s.head_dim != v:
+        # CPU's flash kernel needs equal q/k and v head widths: SDPA falls back to its math path,
+        # which upcasts to fp32 and saves q, k, the fp32 probabilities and v (measured with
+        # saved-tensor hooks, bf16 and fp32)
+        return lora + latent + FP32 * (tokens * heads * (2 * s.head_dim + v) + scores) + out
+    # flash/efficient kernels: the concatenated query, the key assembled by expand_kv, the value (a
+    # view that keeps all of kv_b_proj's heads x (nope + v) output alive), the output, fp32 logsumexp
+    lse = FP32 * micro_batch * heads * seq_len
+    q = k = b * tokens * heads * s.head_dim
+    return lora + latent + q + k + b * tokens * heads * (nope + v) + out + lse
+
+
+def _sink_attention_saved(s: AttentionSpec, tokens: int, seq_len: int, micro_batch: int, b: int) -> int:
+    """gpt-oss's eager_attention_forward (modeling_gpt_oss.py), the only path transformers 5 has
+    for sinks: q and the repeated K/V saved by the two matmuls, the max over the logits plus the
+    sink column saves its int64 indices, softmax in the compute dtype saves its output (one extra
+    column for the sink, the scores are a view of it), and the transpose(1, 2).contiguous() copy
+    that o_proj saves. The mask is added, which saves nothing."""
+    rows = micro_batch * s.num_heads * seq_len
+    return 3 * b * tokens * s.q_width + b * rows * (seq_len + 1) + INDEX * rows + b * tokens * s.q_width
+
+
+def _routed_saved(m: MlpSpec, hidden: int, tokens: int, b: int) -> int:
+    """transformers 5's default experts path, grouped_mm_experts_forward (integrations/moe.py), over
+    the S = tokens x top-k (token, expert) pairs: the gather ``hidden[perm // k]`` and
+    ``weights[perm]`` save their int64 indices, the gathered copy is saved by the up grouped_mm,
+    the (S, 2I) up output by the activation (chunk views keep all of it), act(gate) and the
+    product (S, I) for the product and the down grouped_mm, the (S, h) down output and the
+    (S,) routing weights by their product, and ``weighted[inv_perm]`` saves inv_perm."""
+    inner = m.intermediate_size
+    if m.layout == "llama4":
+        # Llama4TextMoe/Llama4TextExperts: every expert runs on every token (bmm over E x tokens):
+        # hidden.repeat(E) and its product with the scores (a transposed copy), both saved, the
+        # (E*T, 2I) up output, act(gate), and the product saved by the down bmm
+        rows = tokens * m.num_experts
+        return b * rows * hidden + b * rows + b * rows * hidden + 4 * b * rows * inner
+    pairs = tokens * m.experts_per_token
+    indices = 3 * INDEX * pairs + (2 * INDEX * pairs if m.bias else 0)  # both biases gathered by expert id
+    # GptOssExperts._apply_gate (clamped SwiGLU): the clamps keep the (S, 2I) output, then
+    # sigmoid's output, the clamped gate, up + 1, glu, and their product (S, I) each
+    gate = (2 + 5) * inner if m.layout == "gpt_oss" else 4 * inner
+    weights = FP32 if m.layout == "deepseek" else b  # DeepSeek's routing weights stay fp32
+    return indices + b * pairs * hidden + b * pairs * gate + b * pairs * hidden + weights * pairs
+
+
+def _router_saved(m: MlpSpec, hidden: int, tokens: int, b: int) -> int:
+    """Qwen3MoeTopKRouter: softmax(logits, float32) saves its fp32 output (tokens x experts), topk
+    its int64 indices, the in-place renormalisation (norm_topk_prob) the fp32 top-k values and
+    their sum. The router's input is the norm output, already saved by the router linear."""
+    k, e = m.experts_per_token, m.num_experts
+    if m.router == "topk_softmax":
+        # GptOssTopKRouter: topk over the logits saves its indices, softmax over the k values its output
+        return INDEX * tokens * k + b * tokens * k
+    if m.router == "sigmoid_top1":
+        # Llama4Router: topk's int64 indices, sigmoid's fp32 output over the scattered scores
+        return INDEX * tokens * k + FP32 * tokens * e
+    if m.router == "softmax":
+        return FP32 * tokens * e + INDEX * tokens * k + FP32 * tokens * k + FP32 * tokens
+    # DeepSeek (modeling_deepseek_v2/v3.py TopkRouter): the fp32 copy of the input (saved by the fp32
+    # router linear; the input itself in fp32), the fp32 scores (sigmoid or softmax output), the int64
+    # indices of every topk / max, the bool group mask of masked_fill, and the final top-k.
+    upcast = FP32 * tokens * hidden if b != FP32 else 0
+    out = upcast + FP32 * tokens * e + INDEX * tokens * k
+    if m.router == "sigmoid_grouped":
+        # top-2 per group, top groups, masked_fill's mask, and the in-place renormalisation
+        # (norm_topk_prob) saving the fp32 weights and their sum
+        out += INDEX * tokens * m.groups * 2 + INDEX * tokens * m.groups_kept + tokens * e
+        out += FP32 * tokens * k + FP32 * tokens
+    elif m.router == "softmax_grouped":
+        out += INDEX * tokens * m.groups + INDEX * tokens * m.groups_kept + tokens * e
+    return out
+
+
+def _extra_rope_tables(a: Architecture, seq_len: int, b: int) -> int:
+    """cos/sin tables beyond the first (Gemma-3: one for the sliding layers, one for the global)."""
+    tables = {spec.attention.rope_table for spec in distinct_specs(a).values() if spec.attention.rope}
+    return max(len(tables) - 1, 0) * _rope_saved(a, seq_len, b)
+
+
+def _final_norm_saved(a: Architecture, tokens: int, b: int) -> int:
+    """The final norm and its output (saved by the LM head)."""
+    if layer_specs(a)[-1].norm_weight == "float":  # the final norm is the blocks' norm class
+        return _float_norm_saved(tokens, a.hidden_size, tokens) + b * tokens * a.hidden_size
+    return _norm_saved(a, tokens, b)
 
 
 def _loss_saved(a: Architecture, tokens: int, b: int) -> int:
@@ -178,8 +359,20 @@ def _loss_transient(a: Architecture, tokens: int, b: int) -> int:
 def _layer_backward_transient(a: Architecture, tokens: int, b: int) -> int:
     """Starting one block's backward: the gradient flowing in (tokens x hidden) and that of the
     MLP's widest intermediate."""
-    inner = a.intermediate_size * (a.experts_per_token if a.is_moe else 1)
+    if a.layers:
+        inner = max(_widest_intermediate(spec.mlp) for spec in distinct_specs(a).values())
+    else:
+        inner = a.intermediate_size * (a.experts_per_token if a.is_moe else 1)
     return b * tokens * inner + b * tokens * a.hidden_size
+
+
+def _widest_intermediate(m: MlpSpec) -> int:
+    """Per token: the MLP intermediate whose gradient is the widest (routed pairs x expert width,
+    every expert for Llama-4, the shared expert beside them)."""
+    if not m.is_moe:
+        return m.intermediate_size
+    routed = m.num_experts if m.layout == "llama4" else m.experts_per_token
+    return max(routed * m.intermediate_size, m.shared_intermediate_size)
 
 
 def _embedding_saved(a: Architecture, tokens: int, b: int, device: Device) -> int:
@@ -195,10 +388,19 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
                          device: Device = "cuda") -> Activations:
     tokens = micro_batch * seq_len
     b = compute_bytes
-    per_layer = layer_saved_bytes(a, tokens, seq_len, micro_batch, b, attention, device)
-    final_norm = _norm_saved(a, tokens, b)
+    if a.attention_implementation == "eager":
+        attention = "eager"  # transformers has no SDPA path for this family (see the architecture's notes)
+    per_spec = {key: block_saved_bytes(a, spec, tokens, seq_len, micro_batch, b, attention, device)
+                for key, spec in distinct_specs(a).items()}
+    if len(per_spec) == 1:
+        blocks = [next(iter(per_spec.values()))] * a.num_layers
+    else:
+        blocks = [per_spec[id(spec)] for spec in layer_specs(a)]
+    per_layer = max(blocks)
+    all_blocks = sum(blocks)
+    final_norm = _final_norm_saved(a, tokens, b)
     loss = _loss_saved(a, tokens, b) + _rope_saved(a, seq_len, b)
-    embed_dropout = _embedding_saved(a, tokens, b, device)
+    embed_dropout = _embedding_saved(a, tokens, b, device) + _extra_rope_tables(a, seq_len, b)
     items = [ActivationItem("final norm", final_norm), ActivationItem("logits / loss (fp32)", loss)]
     if checkpointing == "full":
         # Each block keeps only its input (bytes of the residual stream); one block at a time is
@@ -210,11 +412,13 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
         extra = max(_loss_transient(a, tokens, b), recompute + _layer_backward_transient(a, tokens, b))
         items.append(ActivationItem("one block recomputed in backward", recompute))
     else:
-        saved = a.num_layers * per_layer + final_norm + loss + embed_dropout
-        items.insert(0, ActivationItem(f"{a.num_layers} blocks x {per_layer} B saved", a.num_layers * per_layer))
+        saved = all_blocks + final_norm + loss + embed_dropout
+        label = (f"{a.num_layers} blocks x {per_layer} B saved" if all_blocks == a.num_layers * per_layer
+                 else f"{a.num_layers} blocks saved (largest {per_layer} B)")
+        items.insert(0, ActivationItem(label, all_blocks))
         extra = _loss_transient(a, tokens, b)
     items.append(ActivationItem("backward transient at the loss", _loss_transient(a, tokens, b)))
-    kept = b * tokens * a.hidden_size if checkpointing == "full" else per_layer
+    kept = b * tokens * a.hidden_size if checkpointing == "full" else all_blocks // a.num_layers
     return Activations(saved_bytes=saved, peak_extra_bytes=extra, items=tuple(items),
                        layer_saved_bytes=per_layer, layer_kept_bytes=kept,
                        head_saved_bytes=saved - a.num_layers * kept,

@@ -5,15 +5,23 @@ defaults its transformers config class uses when a field is absent) onto one ``A
 Nothing is folded into "equivalent" numbers: gated or plain MLP, biases, the norms per layer,
 tied embeddings, learned positions and MoE experts are all stated, so the parameter count is the
 exact count of the modules transformers builds.
+
+The blocks are an ordered list of layer specs (planner/layers.py): the families whose blocks
+differ or carry more than the flat fields say (q/k norms, MLA, routed and shared experts,
+dense-then-MoE, sliding/global/chunked windows, attention sinks) give it explicitly; for the
+others it is ``num_layers`` alike blocks built from the flat fields. Counts, the flat DeepSpeed
+order, FLOPs and activations all read that one list.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_serializer, model_validator
 
 from planner.errors import PlannerError
+from planner.layers import (AttentionSpec, LayerSpec, MlpSpec, layer_numels, norm_numels,
+                            routed_inactive_numels)
 
 Mlp = Literal["gated", "plain"]
 Norm = Literal["rmsnorm", "layernorm"]
@@ -60,6 +68,58 @@ class Architecture(BaseModel):
                                   description="dropout on residual branches and embeddings")
     final_logit_softcapping: bool = Field(default=False, description="tanh soft-capping of the logits (Gemma-2)")
     max_position_embeddings: int = Field(default=0, ge=0, description="longest sequence the config supports")
+    layers: tuple[LayerSpec, ...] = Field(
+        default=(), description="the blocks in order, when they are not all alike or differ from the flat "
+        "fields (MLA, MoE with shared experts, q/k norm, sliding/chunked windows); empty: num_layers blocks "
+        "described by the flat fields")
+    attention_implementation: Literal["any", "eager"] = Field(
+        default="any", description="'eager' where transformers has no SDPA path for the family")
+    notes: tuple[str, ...] = Field(default=(), description="what the reader assumed or left out")
+
+    _cache: dict[str, Any] | None = PrivateAttr(default=None)
+
+    def __eq__(self, other: object) -> bool:
+        """Fields only: the memoised block numels (a private cache) do not make two models differ."""
+        return isinstance(other, Architecture) and self.__dict__ == other.__dict__
+
+    __hash__ = BaseModel.__hash__
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_runs(cls, data: Any) -> Any:
+        """Read back the dumped form: runs of equal blocks ({count, spec}) become ``count`` blocks."""
+        if isinstance(data, dict) and isinstance(data.get("layers"), (list, tuple)):
+            layers = []
+            for run in data["layers"]:
+                if isinstance(run, dict) and "count" in run:
+                    count = run["count"]
+                    if isinstance(count, bool) or not isinstance(count, int) or not 0 < count <= MAX_LAYERS:
+                        raise ValueError(f"layers: count must be a whole number of blocks, got {count!r}")
+                    layers += [{k: v for k, v in run.items() if k != "count"}] * count
+                else:
+                    layers.append(run)
+            data = data | {"layers": layers}
+        return data
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> dict[str, Any]:
+        """Stacks of alike blocks dump exactly as before layer specs existed; an explicit stack
+        dumps as runs of equal blocks ({count, spec})."""
+        data = handler(self)
+        for key in ("notes", "attention_implementation"):
+            if data.get(key) == Architecture.model_fields[key].default:
+                data.pop(key, None)
+        if not self.layers:
+            data.pop("layers", None)
+            return data
+        runs: list[dict[str, Any]] = []
+        for spec, dumped in zip(self.layers, data["layers"]):
+            if runs and runs[-1]["_spec"] == spec:
+                runs[-1]["count"] += 1
+            else:
+                runs.append({"_spec": spec, "count": 1, **dumped})
+        data["layers"] = [{k: v for k, v in run.items() if k != "_spec"} for run in runs]
+        return data
 
     @property
     def q_width(self) -> int:
@@ -74,39 +134,85 @@ class Architecture(BaseModel):
         return self.num_experts > 0
 
 
-# --- parameter counts: one function per module group, composed by parameter_count ----------
+# --- parameter counts: every count is a sum over the same per-tensor numels ------------------
 
-def _linear(n_in: int, n_out: int, bias: bool) -> int:
-    return n_in * n_out + (n_out if bias else 0)
-
-
-def attention_parameters(a: Architecture) -> int:
-    h = a.hidden_size
-    qkv_out = a.q_width + 2 * a.kv_width
-    qkv = _linear(h, qkv_out, a.qkv_bias)
-    return qkv + _linear(a.q_width, h, a.o_bias)
-
-
-def expert_parameters(a: Architecture) -> int:
-    """One MLP (one expert, for MoE)."""
-    h, inner = a.hidden_size, a.intermediate_size
-    up_matrices = 2 if a.mlp == "gated" else 1
-    return up_matrices * _linear(h, inner, a.mlp_bias) + _linear(inner, h, a.mlp_bias)
+def uniform_layer_spec(a: Architecture) -> LayerSpec:
+    """The block of a stack whose blocks are all alike, from the flat fields."""
+    kv, heads = a.num_key_value_heads, a.num_attention_heads
+    kind = "mha" if kv == heads else ("mqa" if kv == 1 else "gqa")
+    attention = AttentionSpec(kind=kind, num_heads=heads, num_kv_heads=kv, head_dim=a.head_dim,
+                              v_head_dim=a.head_dim, qkv_bias=a.qkv_bias, o_bias=a.o_bias,
+                              fused_qkv=a.fused_qkv, dropout=a.attention_dropout)
+    mlp = MlpSpec(gated=a.mlp == "gated", bias=a.mlp_bias, fused_gate_up=a.fused_gate_up,
+                  intermediate_size=a.intermediate_size, num_experts=a.num_experts,
+                  experts_per_token=a.experts_per_token)
+    placement = "parallel" if a.parallel_attention else ("sandwich" if a.norms_per_layer == 4 else "pre")
+    return LayerSpec(attention=attention, mlp=mlp, norm=a.norm, norms=a.norms_per_layer,
+                     norm_placement=placement)
 
 
-def mlp_parameters(a: Architecture) -> int:
-    if not a.is_moe:
-        return expert_parameters(a)
-    router = a.hidden_size * a.num_experts  # Mixtral: gate = Linear(h, E, bias=False)
-    return router + a.num_experts * expert_parameters(a)
+def _memo(a: Architecture) -> dict[str, Any]:
+    """Per-instance results derived from the (frozen) fields; read directly, as pydantic's
+    attribute lookup for private attributes is slow on the plan search's hot path."""
+    private = a.__pydantic_private__
+    cache = private.get("_cache")  # type: ignore[union-attr]
+    if cache is None:
+        cache = private["_cache"] = {}  # type: ignore[index]
+    return cache
+
+
+def layer_specs(a: Architecture) -> tuple[LayerSpec, ...]:
+    """The ordered blocks: the reader's explicit list, or ``num_layers`` alike blocks."""
+    if a.layers:
+        return a.layers
+    memo = _memo(a)
+    if memo.get("_uniform") is None:
+        memo["_uniform"] = (uniform_layer_spec(a),) * a.num_layers
+    return memo["_uniform"]
+
+
+def distinct_specs(a: Architecture) -> dict[int, LayerSpec]:
+    """The distinct block objects of the stack, by identity (readers reuse one object per kind),
+    so per-block arithmetic runs once per kind of block."""
+    memo = _memo(a)
+    if memo.get("_distinct") is None:
+        memo["_distinct"] = {id(spec): spec for spec in layer_specs(a)}
+    return memo["_distinct"]
+
+
+def _block_numels(a: Architecture) -> list[list[int]]:
+    """Each block's parameter numels, computed once per Architecture (the plan search asks often)."""
+    memo = _memo(a)
+    if memo.get("_blocks") is None:
+        per_kind = {key: layer_numels(spec, a.hidden_size) for key, spec in distinct_specs(a).items()}
+        if len(per_kind) == 1:
+            memo["_blocks"] = [next(iter(per_kind.values()))] * a.num_layers
+        else:
+            memo["_blocks"] = [per_kind[id(spec)] for spec in layer_specs(a)]
+    return memo["_blocks"]
+
+
+def block_parameters(a: Architecture) -> list[int]:
+    """Parameters of each block, first to last."""
+    memo = _memo(a)
+    if memo.get("_block_sums") is None:
+        memo["_block_sums"] = [sum(numels) for numels in _block_numels(a)]
+    return memo["_block_sums"]
+
+
+def blocks_parameters(a: Architecture) -> int:
+    """All blocks together (everything but the embeddings, the final norm and the LM head)."""
+    return sum(block_parameters(a))
+
+
+def layer_parameters(a: Architecture) -> int:
+    """The mean block: every block's count when they are all alike (the per-block step of the
+    backward sweep and the collective message size); see ``block_parameters`` for each one."""
+    return blocks_parameters(a) // a.num_layers
 
 
 def norm_parameters(a: Architecture) -> int:
     return a.hidden_size * (2 if a.norm == "layernorm" else 1)
-
-
-def layer_parameters(a: Architecture) -> int:
-    return attention_parameters(a) + mlp_parameters(a) + a.norms_per_layer * norm_parameters(a)
 
 
 def embedding_parameters(a: Architecture) -> int:
@@ -116,54 +222,41 @@ def embedding_parameters(a: Architecture) -> int:
     return tokens + positions + head
 
 
-def parameter_count(a: Architecture) -> int:
-    """Exactly what ``sum(p.numel() for p in model.parameters())`` gives in transformers
-    (tied weights counted once), checked for every catalogue entry by tests/test_catalogue.py."""
-    final_norm = norm_parameters(a)
-    return embedding_parameters(a) + a.num_layers * layer_parameters(a) + final_norm
-
-
-def active_parameter_count(a: Architecture) -> int:
-    """Parameters one token passes through (MoE: only its experts), for FLOPs."""
-    if not a.is_moe:
-        return parameter_count(a)
-    inactive = (a.num_experts - a.experts_per_token) * expert_parameters(a)
-    return parameter_count(a) - a.num_layers * inactive
-
-
 def parameter_numels(a: Architecture) -> list[int]:
     """Every parameter tensor's element count, in module registration order (the order
     DeepSpeed flattens them in), tied weights once."""
-    h = a.hidden_size
-    norm = [h, h] if a.norm == "layernorm" else [h]
-    out = [a.vocab_size * h] + ([a.learned_positions * h] if a.learned_positions else [])
-    q, kv = a.q_width, a.kv_width
-    attention = [h * (q + 2 * kv)] + ([q + 2 * kv] if a.qkv_bias else [])
-    if not a.fused_qkv:
-        attention = [h * q, h * kv, h * kv] + ([q, kv, kv] if a.qkv_bias else [])
-    attention += [q * h] + ([h] if a.o_bias else [])
-    inner = a.intermediate_size
-    expert = [h * inner] * (2 if a.mlp == "gated" else 1) + [inner * h]
-    if a.fused_gate_up:
-        expert = [2 * h * inner, inner * h]
-    if a.mlp_bias:
-        expert = [h * inner, inner] * (2 if a.mlp == "gated" else 1) + [inner * h, h]
-    if a.is_moe:
-        # transformers 5 (MixtralExperts) fuses gate and up: gate_up_proj (E, 2I, h), down_proj (E, h, I)
-        up = sum(expert[:-1]) if a.mlp == "gated" else expert[0]
-        mlp = [h * a.num_experts, up * a.num_experts, expert[-1] * a.num_experts]
-    else:
-        mlp = expert
-    layer = attention + mlp + norm * a.norms_per_layer
-    out += layer * a.num_layers + norm
-    if not a.tie_word_embeddings:
-        out.append(a.vocab_size * h)
-    return out
+    memo = _memo(a)
+    if memo.get("_numels") is None:
+        h = a.hidden_size
+        out = [a.vocab_size * h] + ([a.learned_positions * h] if a.learned_positions else [])
+        for numels in _block_numels(a):
+            out += numels
+        out += norm_numels(a.norm, h)
+        if not a.tie_word_embeddings:
+            out.append(a.vocab_size * h)
+        memo["_numels"] = out
+    return list(memo["_numels"])
+
+
+def parameter_count(a: Architecture) -> int:
+    """Exactly what ``sum(p.numel() for p in model.parameters())`` gives in transformers
+    (tied weights counted once), checked for every catalogue entry by tests/test_catalogue.py."""
+    memo = _memo(a)
+    if memo.get("_count") is None:
+        memo["_count"] = sum(parameter_numels(a))
+    return memo["_count"]
+
+
+def active_parameter_count(a: Architecture) -> int:
+    """Parameters one token passes through (MoE: only its routed experts), for FLOPs."""
+    per_kind = {key: routed_inactive_numels(spec.mlp, a.hidden_size) for key, spec in distinct_specs(a).items()}
+    inactive = sum(per_kind[id(spec)] for spec in layer_specs(a))
+    return parameter_count(a) - inactive
 
 
 def largest_layer_parameters(a: Architecture) -> int:
     """The biggest single module group DeepSpeed/FSDP gather at once (a block or the embedding)."""
-    return max(layer_parameters(a), a.vocab_size * a.hidden_size)
+    return max(max(block_parameters(a)), a.vocab_size * a.hidden_size)
 
 
 # --- reading Hugging Face configs ------------------------------------------------------------
@@ -204,6 +297,32 @@ class _Fields:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
             raise PlannerError(f"{self.source}: {name} must be a probability in [0, 1), got {value!r}")
         return float(value)
+
+    def count(self, name: str, default: int) -> int:
+        """A whole number that may be 0 (first_k_dense_replace)."""
+        value = self.fields.get(name, default)
+        value = default if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise PlannerError(f"{self.source}: {name} must be a whole number >= 0, got {value!r}")
+        return value
+
+    def layer_indices(self, name: str, layers: int) -> set[int] | None:
+        """A list of layer indices (mlp_only_layers, moe_layers), or None when absent."""
+        value = self.fields.get(name)
+        if value is None:
+            return None
+        if not isinstance(value, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers
+                                              for i in value):
+            raise PlannerError(f"{self.source}: {name} must list layer indices in [0, {layers}), got {value!r}")
+        return set(value)
+
+    def layer_flags(self, name: str, default: list[int]) -> list[int]:
+        """One 0/1 flag per layer (no_rope_layers), or the config class's default pattern."""
+        value = self.fields.get(name) or default
+        if not isinstance(value, list) or len(value) != len(default) or any(v not in (0, 1) for v in value):
+            raise PlannerError(f"{self.source}: {name} must have one 0/1 entry per layer ({len(default)}), "
+                               f"got {value!r}")
+        return [int(v) for v in value]
 
     def _get(self, name: str, default: Any, aliases: tuple[str, ...]) -> Any:
         for key in (name, *aliases):
@@ -292,7 +411,20 @@ def _read_gemma2(f: _Fields) -> dict[str, Any]:
     fields = _llama_like(f, _GEMMA2, qkv_bias=None, norms=4, tied_default=True, softcap=True)
     if "head_dim" not in f.fields:
         fields["head_dim"] = 256  # Gemma2Config default, independent of hidden_size
-    return fields
+    # Gemma2DecoderLayer: sandwich norms whose weight multiplies in fp32 (Gemma2RMSNorm), sliding
+    # and global layers alternating, attention logits soft-capped (attn_logit_softcapping, 50 by
+    # default) -- which is why Gemma2PreTrainedModel._supports_sdpa = False: eager runs
+    n = fields["num_layers"]
+    window = f.int("sliding_window", 4096)
+    softcap = f.fields.get("attn_logit_softcapping", 50.0) is not None
+    kinds = _layer_types(f, n, ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)])
+    return _stack(fields, [LayerSpec(attention=_attention(fields, logit_softcap=softcap, **_window(f, k, window)),
+                                     mlp=MlpSpec(gated=True, intermediate_size=fields["intermediate_size"]),
+                                     norm="rmsnorm", norms=4, norm_placement="sandwich", norm_weight="float")
+                           for k in kinds],
+                  attention_implementation="eager",
+                  notes=("gemma2: transformers 5 has no SDPA path (attention logit soft-capping); "
+                         "eager attention is predicted",))
 
 
 def _read_mixtral(f: _Fields) -> dict[str, Any]:
@@ -358,6 +490,275 @@ def _read_falcon(f: _Fields) -> dict[str, Any]:
     )
 
 
+# --- the 2025-2026 families: explicit layer specs --------------------------------------------
+
+_QWEN3 = dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+              num_attention_heads=32, max_position_embeddings=32768)
+_OLMO2 = dict(vocab_size=50304, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+              num_attention_heads=32, max_position_embeddings=2048)
+_GEMMA3 = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+               num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=131072)
+_SMOLLM3 = dict(vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=32768)
+_QWEN3_MOE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                  num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=32768)
+_GPT_OSS = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+                num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072)
+_DEEPSEEK_V2 = dict(vocab_size=102400, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                    num_attention_heads=32, max_position_embeddings=2048)
+_DEEPSEEK_V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+                    num_attention_heads=128, max_position_embeddings=4096)
+_LLAMA4 = dict(vocab_size=202048, hidden_size=5120, intermediate_size=8192, num_hidden_layers=48,
+               num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=131072)
+
+
+def _kind(heads: int, kv: int) -> str:
+    return "mha" if kv == heads else ("mqa" if kv == 1 else "gqa")
+
+
+def _attention(fields: dict[str, Any], **extra: Any) -> AttentionSpec:
+    heads, kv = fields["num_attention_heads"], fields["num_key_value_heads"]
+    return AttentionSpec(kind=_kind(heads, kv), num_heads=heads, num_kv_heads=kv, head_dim=fields["head_dim"],
+                         v_head_dim=fields["head_dim"], qkv_bias=fields["qkv_bias"], o_bias=fields["o_bias"],
+                         dropout=fields["attention_dropout"], **extra)
+
+
+def _dense(fields: dict[str, Any], inner: int | None = None) -> MlpSpec:
+    return MlpSpec(gated=True, bias=fields["mlp_bias"], intermediate_size=inner or fields["intermediate_size"])
+
+
+def _layer_types(f: _Fields, n: int, default: list[str]) -> list[str]:
+    """``layer_types`` as given (validated), or the config class's own default pattern."""
+    given = f.fields.get("layer_types")
+    if given is None:
+        return default
+    allowed = {"full_attention", "sliding_attention", "chunked_attention"}
+    if not isinstance(given, list) or len(given) != n or not set(given) <= allowed:
+        raise PlannerError(f"{f.source}: layer_types must list one of {sorted(allowed)} for each of the "
+                           f"{n} layers, got {given!r}")
+    return given
+
+
+def _window(f: _Fields, kind: str, size: int | None) -> dict[str, Any]:
+    if kind == "sliding_attention" and size:
+        return dict(window="sliding", window_size=size)
+    if kind == "chunked_attention" and size:
+        return dict(window="chunked", window_size=size)
+    return {}
+
+
+def _stack(fields: dict[str, Any], layers: list[LayerSpec], **extra: Any) -> dict[str, Any]:
+    return fields | dict(layers=tuple(layers), **extra)
+
+
+def _read_qwen3(f: _Fields, defaults: dict[str, Any] = _QWEN3, head_dim: int | None = 128) -> dict[str, Any]:
+    # Qwen3Attention: attention_bias on q/k/v/o; q_norm/k_norm RMSNorm(head_dim); Qwen3Config's
+    # head_dim is 128 by default, Qwen3MoeConfig has none (hidden_size // heads)
+    fields = _llama_like(f, defaults, qkv_bias=None, norms=2, tied_default=False)
+    if head_dim is not None:
+        fields["head_dim"] = f.int("head_dim", head_dim)
+    n = fields["num_layers"]
+    window = f.opt_int("sliding_window") if f.bool("use_sliding_window", False) else None
+    first_sliding = f.int("max_window_layers", 28)
+    kinds = _layer_types(f, n, ["sliding_attention" if window and i >= first_sliding else "full_attention"
+                                for i in range(n)])
+    return _stack(fields, [LayerSpec(attention=_attention(fields, qk_norm="head", **_window(f, k, window)),
+                                     mlp=_dense(fields), norm="rmsnorm", norms=2) for k in kinds])
+
+
+def _read_smollm3(f: _Fields) -> dict[str, Any]:
+    # SmolLM3: llama-shaped; every no_rope_layer_interval-th layer has no RoPE (NoPE), optional sliding
+    fields = _llama_like(f, _SMOLLM3, qkv_bias=None, norms=2, tied_default=True)
+    n = fields["num_layers"]
+    interval = f.int("no_rope_layer_interval", 4)
+    rope = f.layer_flags("no_rope_layers", [int((i + 1) % interval != 0) for i in range(n)])
+    window = f.opt_int("sliding_window") if f.bool("use_sliding_window", False) else None
+    kinds = _layer_types(f, n, ["sliding_attention" if window and not r else "full_attention" for r in rope])
+    return _stack(fields, [LayerSpec(attention=_attention(fields, rope=bool(r), **_window(f, k, window)),
+                                     mlp=_dense(fields), norm="rmsnorm", norms=2) for k, r in zip(kinds, rope)])
+
+
+def _read_olmo2(f: _Fields) -> dict[str, Any]:
+    # Olmo2DecoderLayer: post-norm (norm after attention and after the MLP, before the residual add);
+    # q_norm/k_norm over the whole projection (RMSNorm(heads * head_dim))
+    fields = _llama_like(f, _OLMO2, qkv_bias=None, norms=2, tied_default=False)
+    spec = LayerSpec(attention=_attention(fields, qk_norm="projection"), mlp=_dense(fields), norm="rmsnorm",
+                     norms=2, norm_placement="post", norm_weight="float")
+    return _stack(fields, [spec] * fields["num_layers"])
+
+
+def _read_gemma3_text(f: _Fields) -> dict[str, Any]:
+    # Gemma3DecoderLayer: four norms (sandwich), q_norm/k_norm RMSNorm(head_dim); layers alternate
+    # sliding_window_pattern - 1 sliding and one global (Gemma3TextConfig.__post_init__)
+    fields = _llama_like(f, _GEMMA3, qkv_bias=None, norms=4, tied_default=True)
+    fields["head_dim"] = f.int("head_dim", 256)
+    fields["final_logit_softcapping"] = f.fields.get("final_logit_softcapping") is not None
+    n = fields["num_layers"]
+    pattern = f.int("sliding_window_pattern", 6)
+    window = f.int("sliding_window", 4096)
+    kinds = _layer_types(f, n, ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)])
+    if f.fields.get("attn_logit_softcapping") is not None:
+        raise PlannerError(f"{f.source}: attn_logit_softcapping is not modelled for gemma3 (its released "
+                           "configs have none); remove it or use a config without it")
+    # Gemma3TextModel.rotary_emb keeps one table per layer type (rope_local_base_freq for sliding)
+    return _stack(fields, [LayerSpec(attention=_attention(fields, qk_norm="head", **_window(f, k, window),
+                                                          rope_table="local" if k == "sliding_attention" else "global"),
+                                     mlp=_dense(fields), norm="rmsnorm", norms=4, norm_placement="sandwich",
+                                     norm_weight="float")
+                           for k in kinds])
+
+
+# Mistral3Config's default text_config (configuration_mistral3.py, SubConfigSpec): Mistral-Small-3.1
+_MISTRAL3_TEXT = dict(vocab_size=131072, hidden_size=5120, intermediate_size=32768, num_hidden_layers=40,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                      max_position_embeddings=131072, tie_word_embeddings=False)
+
+
+def _text_config(f: _Fields, model_type: str, text_type: str, default: dict[str, Any] | None = None) -> _Fields:
+    text = f.fields.get("text_config")
+    if text is None:  # absent: the multimodal config class's default text config
+        text = default or {}
+    if not isinstance(text, dict):
+        raise PlannerError(f"{f.source}: a {model_type} config needs its text_config (a mapping)")
+    return _Fields(f"{f.source}: text_config", {"model_type": text_type} | text)
+
+
+_VISION_NOTE = ("{family}: the text decoder is counted and modelled; the vision tower and projector "
+                "of the multimodal checkpoint are not (they are frozen or absent in text training)")
+
+
+def _read_gemma3(f: _Fields) -> dict[str, Any]:
+    fields = _read_gemma3_text(_text_config(f, "gemma3", "gemma3_text"))
+    return fields | dict(notes=(_VISION_NOTE.format(family="gemma3"),))
+
+
+def _read_mistral3(f: _Fields) -> dict[str, Any]:
+    text = _text_config(f, "mistral3", "mistral", _MISTRAL3_TEXT)
+    kind = text.fields["model_type"]
+    if kind != "mistral":
+        raise PlannerError(f"{f.source}: text_config.model_type {kind!r} is not supported for mistral3 (mistral)")
+    return _read_mistral(text) | dict(notes=(_VISION_NOTE.format(family="mistral3"),))
+
+
+def _experts(f: _Fields, count: str, top_k: str, default_count: int | None, default_top_k: int | None,
+             aliases: tuple[str, ...] = ()) -> tuple[int, int]:
+    experts = f.int(count, default_count, aliases=aliases)
+    k = f.int(top_k, default_top_k)
+    if k > experts:
+        raise PlannerError(f"{f.source}: {top_k}({k}) exceeds {count}({experts})")
+    return experts, k
+
+
+def _read_qwen3_moe(f: _Fields) -> dict[str, Any]:
+    # Qwen3MoeDecoderLayer: sparse when not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+    fields = _read_qwen3(f, _QWEN3_MOE, head_dim=None)
+    experts, k = _experts(f, "num_experts", "num_experts_per_tok", 128, 8)
+    inner = f.int("moe_intermediate_size", 768)
+    step = f.int("decoder_sparse_step", 1)
+    dense_only = f.layer_indices("mlp_only_layers", fields["num_layers"]) or set()
+    moe = MlpSpec(gated=True, intermediate_size=inner, num_experts=experts, experts_per_token=k, layout="qwen3_moe")
+    layers = [spec.model_copy(update={"mlp": moe}) if i not in dense_only and (i + 1) % step == 0 else spec
+              for i, spec in enumerate(fields["layers"])]
+    return fields | dict(layers=tuple(layers), num_experts=experts, experts_per_token=k, intermediate_size=inner)
+
+
+def _read_gpt_oss(f: _Fields) -> dict[str, Any]:
+    # GptOssAttention: biases on q/k/v/o, a sink logit per head; GptOssMLP: router with bias, experts
+    # with biases (gate_up interleaved, clamped SwiGLU); sliding and full layers alternate
+    fields = _llama_like(f, _GPT_OSS, qkv_bias=None, norms=2, tied_default=False)
+    attention_bias = f.bool("attention_bias", True)
+    fields.update(qkv_bias=attention_bias, o_bias=attention_bias, head_dim=f.int("head_dim", 64))
+    experts, k = _experts(f, "num_local_experts", "num_experts_per_tok", 128, 4, aliases=("num_experts",))
+    n = fields["num_layers"]
+    window = f.int("sliding_window", 128)
+    kinds = _layer_types(f, n, ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)])
+    moe = MlpSpec(gated=True, bias=True, intermediate_size=fields["intermediate_size"], num_experts=experts,
+                  experts_per_token=k, router_bias=True, layout="gpt_oss", router="topk_softmax")
+    # GptOssRMSNorm multiplies its weight before the cast back, like OLMo-2's
+    layers = [LayerSpec(attention=_attention(fields, sinks=True, **_window(f, kind, window)), mlp=moe,
+                        norm="rmsnorm", norms=2, norm_weight="float") for kind in kinds]
+    return _stack(fields, layers, num_experts=experts, experts_per_token=k, attention_implementation="eager",
+                  notes=("gpt_oss: transformers 5 has no SDPA path for attention sinks; eager attention is "
+                         "predicted",))
+
+
+def _read_deepseek(f: _Fields, defaults: dict[str, Any], v3: bool) -> dict[str, Any]:
+    fields = _llama_like(f, defaults, qkv_bias=None, norms=2, tied_default=False)
+    if not v3:
+        fields["mlp_bias"] = f.bool("mlp_bias", False)
+    else:
+        fields["mlp_bias"] = False  # DeepseekV3MLP: no biases
+    heads = fields["num_attention_heads"]
+    q_rank = f.opt_int("q_lora_rank") if "q_lora_rank" in f.fields else 1536
+    kv_rank = f.int("kv_lora_rank", 512)
+    rope, nope, v = f.int("qk_rope_head_dim", 64), f.int("qk_nope_head_dim", 128), f.int("v_head_dim", 128)
+    mla = AttentionSpec(kind="mla", num_heads=heads, num_kv_heads=heads, head_dim=nope + rope, v_head_dim=v,
+                        q_lora_rank=q_rank or 0, kv_lora_rank=kv_rank, rope_head_dim=rope,
+                        qkv_bias=fields["qkv_bias"], o_bias=fields["o_bias"], dropout=fields["attention_dropout"])
+    experts, k = _experts(f, "n_routed_experts", "num_experts_per_tok", 256 if v3 else 64, 8 if v3 else None,
+                          aliases=("num_local_experts",))
+    inner = f.int("moe_intermediate_size", 2048 if v3 else 1407)
+    shared = f.int("n_shared_experts", 1 if v3 else 2)
+    # DeepseekV2Experts never has biases; its shared experts are a DeepseekV2MLP (mlp_bias)
+    if v3:  # DeepseekV3TopkRouter: sigmoid scores, always group-limited
+        router, groups, kept = "sigmoid_grouped", f.int("n_group", 8), f.int("topk_group", 4)
+    elif f.fields.get("topk_method", "greedy") == "group_limited_greedy":  # DeepseekV2TopkRouter
+        router, groups, kept = "softmax_grouped", f.int("n_group"), f.int("topk_group")
+    else:
+        router, groups, kept = "softmax_greedy", 0, 0
+    if groups and experts % groups:
+        raise PlannerError(f"{f.source}: n_routed_experts({experts}) is not divisible by n_group({groups})")
+    moe = MlpSpec(gated=True, intermediate_size=inner, num_experts=experts, experts_per_token=k,
+                  shared_intermediate_size=inner * shared, shared_bias=fields["mlp_bias"], layout="deepseek",
+                  router=router, groups=groups, groups_kept=kept)
+    dense_first = f.count("first_k_dense_replace", 3 if v3 else 0)
+    layers = [LayerSpec(attention=mla, mlp=moe if i >= dense_first else _dense(fields), norm="rmsnorm", norms=2)
+              for i in range(fields["num_layers"])]
+    fields.update(num_key_value_heads=heads, head_dim=nope + rope)
+    return _stack(fields, layers, num_experts=experts, experts_per_token=k)
+
+
+def _read_deepseek_v2(f: _Fields) -> dict[str, Any]:
+    return _read_deepseek(f, _DEEPSEEK_V2, v3=False)
+
+
+def _read_deepseek_v3(f: _Fields) -> dict[str, Any]:
+    return _read_deepseek(f, _DEEPSEEK_V3, v3=True)
+
+
+def _read_llama4_text(f: _Fields) -> dict[str, Any]:
+    # Llama4TextDecoderLayer: MoE (routed experts + one shared expert) in moe_layers, dense MLP of
+    # intermediate_size_mlp elsewhere; NoPE layers every no_rope_layer_interval-th use full attention,
+    # the others chunked attention and a weightless L2 q/k norm (use_qk_norm)
+    fields = _llama_like(f, _LLAMA4, qkv_bias=None, norms=2, tied_default=False)
+    fields["head_dim"] = f.int("head_dim", 128)
+    n = fields["num_layers"]
+    experts, k = _experts(f, "num_local_experts", "num_experts_per_tok", 16, 1)
+    step = f.int("interleave_moe_layer_step", 1)
+    moe_layers = f.layer_indices("moe_layers", n)
+    if moe_layers is None:
+        moe_layers = set(range(step - 1, n, step))
+    interval = f.int("no_rope_layer_interval", 4)
+    rope = f.layer_flags("no_rope_layers", [int((i + 1) % interval != 0) for i in range(n)])
+    chunk = f.opt_int("attention_chunk_size") if "attention_chunk_size" in f.fields else 8192
+    kinds = _layer_types(f, n, ["chunked_attention" if r and chunk else "full_attention" for r in rope])
+    qk_norm = "l2" if f.bool("use_qk_norm", True) else "none"
+    inner = fields["intermediate_size"]
+    moe = MlpSpec(gated=True, intermediate_size=inner, num_experts=experts, experts_per_token=k,
+                  shared_intermediate_size=inner, layout="llama4", router="sigmoid_top1")
+    dense = _dense(fields, f.int("intermediate_size_mlp", 16384))
+    layers = [LayerSpec(attention=_attention(fields, rope=bool(r), qk_norm=qk_norm if r else "none",
+                                             **_window(f, kind, chunk)),
+                        mlp=moe if i in moe_layers else dense, norm="rmsnorm", norms=2)
+              for i, (kind, r) in enumerate(zip(kinds, rope))]
+    return _stack(fields, layers, num_experts=experts, experts_per_token=k)
+
+
+def _read_llama4(f: _Fields) -> dict[str, Any]:
+    fields = _read_llama4_text(_text_config(f, "llama4", "llama4_text"))
+    return fields | dict(notes=(_VISION_NOTE.format(family="llama4"),))
+
+
 READERS: dict[str, Callable[[_Fields], dict[str, Any]]] = {
     "llama": _read_llama,
     "mistral": _read_mistral,
@@ -367,6 +768,18 @@ READERS: dict[str, Callable[[_Fields], dict[str, Any]]] = {
     "phi3": _read_phi3,
     "gpt2": _read_gpt2,
     "falcon": _read_falcon,
+    "qwen3": _read_qwen3,
+    "qwen3_moe": _read_qwen3_moe,
+    "olmo2": _read_olmo2,
+    "gemma3_text": _read_gemma3_text,
+    "gemma3": _read_gemma3,
+    "smollm3": _read_smollm3,
+    "mistral3": _read_mistral3,
+    "gpt_oss": _read_gpt_oss,
+    "deepseek_v2": _read_deepseek_v2,
+    "deepseek_v3": _read_deepseek_v3,
+    "llama4_text": _read_llama4_text,
+    "llama4": _read_llama4,
 }
 
 

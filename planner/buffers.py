@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from planner.activations import Activations
-from planner.architecture import Architecture, layer_parameters
+from planner.architecture import blocks_parameters, layer_parameters
 from planner.schema import MemoryItem, Phase
 
 if TYPE_CHECKING:
+    from planner.architecture import Architecture
     from planner.memory import Setup
 
 FP32 = 4
@@ -67,17 +68,36 @@ class SweepPoint:
     tied_sum_elements: int = 0
 
 
-def _head_and_late(arch: Architecture, numels: list[int]) -> tuple[int, int]:
-    """(gradient elements backward produces before the first block: LM head and final norm;
-    those it produces after the last block: the untied input embeddings). Backward meets the LM
-    head and final norm first and the input embeddings last; a tied head's gradient is the
-    embedding's, allocated at the head."""
+@dataclass(frozen=True)
+class Layout:
+    """What the backward sweep needs of a model's blocks, from its Architecture or from a profile
+    traced outside the core (catalogue.TracedProfile): the one place either is read."""
+
+    num_layers: int
+    layer_parameters: int  # one block's (the per-block step of the sweep)
+    blocks_parameters: int  # all blocks together
+    late_parameters: int  # gradients produced after the last block: the untied input embeddings
+    lm_head_elements: int  # vocab x hidden, the LM head's matmul (tied or not)
+    tied_head_elements: int = 0  # the LM head's gradient contribution to a tied embedding (_tied_head_elements)
+
+
+def layout(setup: "Setup") -> Layout | None:
+    traced = setup.model.traced
+    if traced is not None:
+        return Layout(traced.num_layers, traced.layer_parameters, traced.blocks_parameters,
+                      traced.late_parameters, traced.lm_head_elements)
+    arch = setup.arch
+    if arch is None:
+        return None
+    # Backward meets the input embeddings last; a tied head's gradient is the embedding's,
+    # allocated at the head.
     embedding = arch.vocab_size * arch.hidden_size + arch.learned_positions * arch.hidden_size
-    late = 0 if arch.tie_word_embeddings else embedding
-    return sum(numels) - layer_parameters(arch) * arch.num_layers - late, late
+    return Layout(arch.num_layers, layer_parameters(arch), blocks_parameters(arch),
+                  0 if arch.tie_word_embeddings else embedding, arch.vocab_size * arch.hidden_size,
+                  _tied_head_elements(arch))
 
 
-def _tied_head_elements(arch: Architecture) -> int:
+def _tied_head_elements(arch: "Architecture") -> int:
     """Elements of the LM head's contribution to a tied embedding weight's gradient.
 
     The tied weight is one leaf used twice, so autograd gives it one AccumulateGrad node and
@@ -94,17 +114,23 @@ def _tied_head_elements(arch: Architecture) -> int:
     return arch.vocab_size * arch.hidden_size if arch.tie_word_embeddings else 0
 
 
-def backward_sweep(acts: Activations | None, numels: list[int], arch: Architecture | None) -> list[SweepPoint]:
+def _head_and_late(shape: Layout, numels: list[int]) -> tuple[int, int]:
+    """(gradient elements backward produces before the first block: LM head and final norm;
+    those it produces after the last block: the untied input embeddings)."""
+    return sum(numels) - shape.blocks_parameters - shape.late_parameters, shape.late_parameters
+
+
+def backward_sweep(acts: Activations | None, numels: list[int], shape: Layout | None) -> list[SweepPoint]:
     """Live activations and produced gradients at each moment of the backward pass where the
     live total can peak: the loss, after the LM head, the start and the end of every block (last
     to first), and the end. A block's saved activations are freed by the end of its backward,
     and its parameters' gradients exist from then on."""
     total = sum(numels)
-    if acts is None or arch is None:
+    if acts is None or shape is None:
         return [SweepPoint("backward", 0, total, max(numels), 0)]
-    per_layer = layer_parameters(arch)
-    head, late = _head_and_late(arch, numels)
-    held = _tied_head_elements(arch)
+    per_layer = shape.layer_parameters
+    head, late = _head_and_late(shape, numels)
+    held = shape.tied_head_elements
     body = acts.saved_bytes - acts.head_saved_bytes
     points = [SweepPoint("start of backward", acts.saved_bytes, 0, 0, acts.loss_transient_bytes),
               SweepPoint("after the LM head", body, head, head, 0)]
@@ -112,8 +138,8 @@ def backward_sweep(acts: Activations | None, numels: list[int], arch: Architectu
     # Live activations fall and produced gradients rise linearly with the block index, so every
     # phase total is linear in it and its maximum is at the first or the last block: the blocks
     # between can never be the peak and are not listed.
-    for index in sorted({0, arch.num_layers - 1}):
-        block = arch.num_layers - index
+    for index in sorted({0, shape.num_layers - 1}):
+        block = shape.num_layers - index
         live = body - index * acts.layer_kept_bytes
         produced = head + index * per_layer
         points.append(SweepPoint(f"start of block {block} backward", live + recompute, produced,
@@ -185,7 +211,7 @@ def _zero0_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     resident = [weights, *states]
     grads = _item("gradients", wb * psi, "gradients")
     phases = []
-    for point in backward_sweep(acts, numels, setup.arch):
+    for point in backward_sweep(acts, numels, layout(setup)):
         phases.append(_phase(point.label, resident + _activation_items(point) + [
             _item("gradients so far", wb * point.grad_elements, "gradients")]))
     flat = min(psi, DS_ALLREDUCE_FALLBACK_ELEMENTS) * wb
@@ -245,7 +271,7 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
     # exists from the first such reduction on. Stage 1, and stage 2 when the whole model fits one
     # bucket, reduce once, at the end of backward.
     first = _first_reduction(numels, z.reduce_bucket_size) if stage == 2 else None
-    sweep = backward_sweep(acts, numels, setup.arch)
+    sweep = backward_sweep(acts, numels, layout(setup))
     for point in sweep:
         items = resident + _activation_items(point)
         reduced = point.label == "end of backward" or (first is not None and point.grad_elements >= first[0])
@@ -273,9 +299,9 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
             phases.append(_phase("embeddings' backward (tied gradients summed)", resident + _activation_items(point) + [
                 _item("16-bit gradients", wb * point.grad_elements, "gradients"), bucket,
                 _tied_sum_item(point, wb)]))
-    if first is not None and acts is not None and setup.arch is not None:
+    if first is not None and acts is not None and layout(setup) is not None:
         produced, trigger = first
-        items = resident + [_item("saved activations", _activations_when_produced(acts, setup.arch, numels, produced),
+        items = resident + [_item("saved activations", _activations_when_produced(acts, layout(setup), numels, produced),
                                   "activations"),
                             _item("16-bit gradient that overflowed the bucket", wb * trigger, "gradients"),
                             bucket, in_partition]
@@ -316,15 +342,15 @@ def _first_reduction(numels: list[int], bucket_elements: int) -> tuple[int, int]
     return None
 
 
-def _activations_when_produced(acts: Activations, arch: Architecture, numels: list[int], produced: int) -> int:
+def _activations_when_produced(acts: Activations, shape: Layout, numels: list[int], produced: int) -> int:
     """Saved activations still live when backward has produced ``produced`` gradient elements: the
     blocks not yet finished keep theirs, the current one (recomputed under checkpointing) too."""
-    per_layer = layer_parameters(arch)
-    head, _ = _head_and_late(arch, numels)
+    per_layer = shape.layer_parameters
+    head, _ = _head_and_late(shape, numels)
     body = acts.saved_bytes - acts.head_saved_bytes
     if produced <= head:
         return body
-    done = min(arch.num_layers - 1, (produced - head) // per_layer)
+    done = min(shape.num_layers - 1, (produced - head) // max(per_layer, 1))
     return body - done * acts.layer_kept_bytes + (acts.layer_saved_bytes if acts.checkpointed else 0)
 
 
@@ -372,7 +398,7 @@ def _zero3_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     ]
     gathered = _zero3_gathered(setup, numels)
     phases = []
-    for point in backward_sweep(acts, numels, setup.arch):
+    for point in backward_sweep(acts, numels, layout(setup)):
         phases.append(_phase(point.label, resident + _activation_items(point) + [
             _item("gathered 16-bit parameters", gathered, "buffers", _gathered_source(setup, numels)),
             _item("16-bit gradients not yet reduced", wb * point.in_flight_elements, "gradients")]))
@@ -389,6 +415,8 @@ def _zero3_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     if offload_params:
         plan.host_resident_bytes += wb * part * setup.request.gpus
         plan.host_peak_bytes += wb * part * setup.request.gpus
+        if z.offload_params == "cpu" and z.pin_params:  # partition_parameters.py: pin_memory(partitioned_tensor)
+            plan.host_pinned_bytes += wb * part * setup.request.gpus
         if z.offload_params == "nvme":
             plan.nvme_bytes += wb * part * setup.request.gpus
         plan.notes.append(f"parameters offloaded to {z.offload_params}: each rank's 1/{dp} partition lives off the device")
@@ -444,10 +472,11 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
         # (torch/nn/parallel/distributed.py docstring of gradient_as_bucket_view).
         resident.append(_item("DDP gradient buckets (a copy of the gradients)", store_bytes * psi, "buffers",
                               "torch DDP Reducer, gradient_as_bucket_view=False"))
-    block = layer_parameters(setup.arch) if setup.arch else max(numels)
-    root = psi - block * setup.arch.num_layers if setup.arch else max(numels)
+    shape = layout(setup)
+    block = shape.layer_parameters if shape else max(numels)
+    root = psi - shape.blocks_parameters if shape else max(numels)
     phases = []
-    for point in backward_sweep(acts, numels, setup.arch):
+    for point in backward_sweep(acts, numels, layout(setup)):
         items = resident + _activation_items(point)
         if s.name == "ddp":
             items.append(_item("gradients (full)", store_bytes * point.grad_elements, "gradients"))
@@ -479,10 +508,11 @@ def _autocast_copies(setup: "Setup", point: SweepPoint, psi: int, block: int, co
     saves its cast weight for backward, so without checkpointing all of them live until their
     layer's backward. Under checkpointing the blocks save nothing: only the LM head's cast stays,
     plus the cast weights of the one block being recomputed."""
-    if setup.request.checkpointing != "full" or setup.arch is None:
+    shape = layout(setup)
+    if setup.request.checkpointing != "full" or shape is None:
         return _item("autocast copies of the weights", compute_bytes * psi, "buffers",
                      "torch.autocast's cast cache; each linear saves its 16-bit weight for backward")
-    head = setup.arch.vocab_size * setup.arch.hidden_size  # the LM head's matmul (tied or not)
+    head = shape.lm_head_elements
     recomputed = block if point.label.startswith("start of block") else 0
     return _item("autocast copies of the weights (LM head, recomputed block)", compute_bytes * (head + recomputed),
                  "buffers", "checkpointed blocks keep no cast weights; recomputation casts one block's again")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -10,11 +11,13 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from planner.architecture import Architecture, from_hf_config, parameter_count
+from planner.architecture import READERS, Architecture, from_hf_config, parameter_count
 from planner.errors import PlannerError, UnknownModelError, unknown
 
 CATALOGUE_PATH = Path(__file__).parent / "data" / "models.yaml"
 MAX_MODEL_FILE_BYTES = 1 << 20  # a config.json is a few KiB; anything this large is not one
+_HUB_SOURCE = re.compile(r"^https://huggingface\.co/([\w.-]+/[\w.-]+)/(?:blob|resolve)/[^/]+/config\.json$")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")  # huggingface_hub's repo id shape
 
 
 class ModelEntry(BaseModel):
@@ -26,6 +29,51 @@ class ModelEntry(BaseModel):
     family: str = Field(description="architecture family (the Hugging Face model_type)")
     source: str = Field(pattern=r"^https://", description="official config.json the numbers come from")
     config: dict[str, Any] = Field(description="Hugging Face config fields, including model_type")
+    aliases: tuple[str, ...] = Field(default=(), description="other names people type for it (a Hub id, -instruct)")
+
+    @property
+    def hub_id(self) -> str | None:
+        """The Hugging Face repository the source config.json is in (``org/name``)."""
+        match = _HUB_SOURCE.match(self.source)
+        return match.group(1) if match else None
+
+    @property
+    def all_aliases(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((*self.aliases, *((self.hub_id,) if self.hub_id else ()))))
+
+
+class TracedProfile(BaseModel):
+    """What a model without an analytic reader looks like to the memory model, measured outside
+    the core (backend/trace.py: transformers on the meta device for the parameters, one forward
+    and backward on fake tensors for the activations) for one micro-batch, sequence length,
+    dtype, attention and checkpointing. Every figure is bytes or elements, as measured."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_type: str
+    parameters: int = Field(gt=0)
+    numels: tuple[int, ...] = Field(description="every parameter tensor's elements, registration order")
+    num_layers: int = Field(gt=0, description="decoder blocks found (the ModuleList the forward walks)")
+    layer_parameters: int = Field(ge=0, description="parameters of the mean block (all blocks / blocks)")
+    blocks_parameters: int = Field(ge=0, description="parameters of all blocks together")
+    late_parameters: int = Field(ge=0, description="parameters whose gradients backward produces after the "
+                                 "last block (the untied input embeddings)")
+    lm_head_elements: int = Field(ge=0, description="vocab x hidden of the output projection")
+    saved_bytes: int = Field(ge=0, description="activations live at the end of the forward (loss included)")
+    layer_saved_bytes: int = Field(ge=0, description="one block's saved set (the largest)")
+    layer_kept_bytes: int = Field(ge=0, description="what a block keeps until its backward (mean over blocks)")
+    loss_transient_bytes: int = Field(ge=0, description="above the saved set before the first block's backward")
+    layer_transient_bytes: int = Field(ge=0, description="above the saved set inside one block's backward")
+    setting: str = Field(description="the step traced: micro-batch, sequence, dtype, attention, checkpointing")
+    assumptions: tuple[str, ...] = Field(description="what the trace assumed, for the output notes")
+
+
+class UnsupportedModelTypeError(PlannerError):
+    """A config whose model_type has no analytic reader; adapters may trace it (backend/trace.py)."""
+
+    def __init__(self, message: str, config: dict[str, Any], name: str, source: str):
+        super().__init__(message)
+        self.config, self.name, self.source = config, name, source
 
 
 class ResolvedModel(BaseModel):
@@ -38,11 +86,16 @@ class ResolvedModel(BaseModel):
     config: dict[str, Any] | None
     architecture: Architecture | None
     parameters: int
+    traced: TracedProfile | None = None
 
 
 def _parse_text(text: str, source: str) -> Any:
+    try:  # JSON first: PyYAML (YAML 1.1) reads JSON's 1e-05, as in every Llama config.json, as a string
+        return json.loads(text)
+    except ValueError:
+        pass
     try:
-        return yaml.safe_load(text)  # YAML is a superset of JSON, so this reads both
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -64,6 +117,10 @@ def load_catalogue(path: Path = CATALOGUE_PATH) -> dict[str, ModelEntry]:
             raise PlannerError(f"{where}: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
         if entry.name in entries:
             raise PlannerError(f"{where}: duplicate name {entry.name!r}")
+        taken = {n.lower() for e in entries.values() for n in (e.name, *e.all_aliases)}
+        clash = next((n for n in (entry.name, *entry.all_aliases) if n.lower() in taken), None)
+        if clash is not None:
+            raise PlannerError(f"{where} ({entry.name}): name or alias {clash!r} is already taken")
         if entry.config.get("model_type") != entry.family:
             raise PlannerError(
                 f"{where} ({entry.name}): family {entry.family!r} contradicts "
@@ -73,26 +130,42 @@ def load_catalogue(path: Path = CATALOGUE_PATH) -> dict[str, ModelEntry]:
     return entries
 
 
+@lru_cache(maxsize=4)
+def aliases(path: Path = CATALOGUE_PATH) -> dict[str, str]:
+    """Every name a catalogue entry answers to, lower-cased, to its entry name: the name itself,
+    its aliases and the Hub id of its source config.json. The one place names are resolved."""
+    return {n.lower(): e.name for e in load_catalogue(path).values() for n in (e.name, *e.all_aliases)}
+
+
+def find_entry(name: str) -> ModelEntry | None:
+    """The catalogue entry a typed name means (case-insensitive, aliases and Hub ids included)."""
+    target = aliases().get(name.strip().lower())
+    return None if target is None else load_catalogue()[target]
+
+
 def catalogue_model(name: str) -> ResolvedModel:
-    entries = load_catalogue()
-    entry = entries.get(name) or _case_insensitive(entries, name)
+    entry = find_entry(name)
     if entry is None:
-        raise UnknownModelError(unknown("model", name, list(entries)))
+        known = list(aliases())
+        hint = (f"; {name!r} looks like a Hugging Face Hub id: estimate and plan (CLI and API) read its "
+                "config.json through huggingface_hub") if HUB_ID.match(name) else ""
+        raise UnknownModelError(unknown("model", name, [n for n in known if "/" not in n] or known) + hint)
     return _resolve(entry.name, entry.source, entry.config)
 
 
-def _case_insensitive(entries: dict[str, ModelEntry], name: str) -> ModelEntry | None:
-    lowered = {key.lower(): value for key, value in entries.items()}
-    return lowered.get(name.lower())
-
-
 def _resolve(name: str, source: str, config: dict[str, Any]) -> ResolvedModel:
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if isinstance(model_type, str) and model_type and model_type not in READERS:
+        raise UnsupportedModelTypeError(
+            f"{name}: model_type {model_type!r} has no analytic reader (analytic: {', '.join(sorted(READERS))}); "
+            "with the backend extra installed (pip install -e '.[backend]') `planner estimate` traces it "
+            "with transformers on fake tensors", config, name, source)
     architecture = from_hf_config(config, source=name)
     return ResolvedModel(name=name, source=source, config=config, architecture=architecture,
                          parameters=parameter_count(architecture))
 
 
-def model_from_config(config: dict[str, Any], name: str = "custom") -> ResolvedModel:
+def model_from_config(config: dict[str, Any], name: str = "custom", source: str = "user config") -> ResolvedModel:
     """A user's architecture: a Hugging Face config.json, or {name?, config: {...}} as in the catalogue."""
     if not isinstance(config, dict):
         raise PlannerError(f"model_config must be a JSON object, got {type(config).__name__}")
@@ -101,9 +174,22 @@ def model_from_config(config: dict[str, Any], name: str = "custom") -> ResolvedM
         if not isinstance(inner, dict):
             raise PlannerError(f"model_config.config must be a mapping, got {type(inner).__name__}")
         name = str(config.get("name", name))
+        source = config.get("source", source)
+        if not isinstance(source, str):
+            raise PlannerError(f"model_config.source must be a string, got {type(source).__name__}")
         config = inner
     cleaned = {k: v for k, v in config.items() if not k.startswith("_")}
-    return _resolve(name, "user config", cleaned)
+    return _resolve(name, source, cleaned)
+
+
+def traced_model(name: str, source: str, profile: TracedProfile) -> ResolvedModel:
+    """The hook for a model the analytic core cannot read: a profile measured outside the core
+    (backend/trace.py) stands in for the Architecture in the same memory model."""
+    if sum(profile.numels) != profile.parameters:
+        raise PlannerError(f"traced profile of {name}: numels sum to {sum(profile.numels)}, "
+                           f"not parameters({profile.parameters})")
+    return ResolvedModel(name=name, source=source, config=None, architecture=None,
+                         parameters=profile.parameters, traced=profile)
 
 
 def model_from_file(path: str | Path) -> ResolvedModel:

@@ -1,4 +1,19 @@
-"""Ready-to-launch files for a plan candidate: the DeepSpeed JSON, the launch commands, a hostfile."""
+"""Ready-to-launch files for one configuration: a plan candidate, or an estimate's request.
+
+What `--emit DIR` writes (LAUNCH.md in the directory says the same to the user):
+- ``launch.sh``: the command for one node. ``deepspeed`` for ZeRO, ``torchrun`` for DDP/FSDP/HSDP,
+  running the planner's own trainer (``python -m backend.worker --plan plan.json``, what
+  ``planner verify`` runs: the architecture with random weights on synthetic tokens, every rank's
+  memory measured) unless the user named a script with ``--script``.
+- ``job.sbatch``: the same under Slurm; node rank and master address come from Slurm's variables.
+- ``hostfile``: DeepSpeed multi-node only (its launcher starts the other nodes over ssh from it).
+- ``ds_config.json`` (zero0-3): every size the prediction assumed (planner.dsconfig.build_ds_config).
+- ``accelerate_config.yaml``: the same choice for ``accelerate launch`` (accelerate 1.16's config
+  format, accelerate/commands/config/config_args.py ClusterConfig): the DeepSpeed plugin pointing at
+  ds_config.json, the FSDP plugin (FSDP2) for fsdp / fsdp-grad-op / hsdp, or plain multi-GPU for ddp.
+- ``trainer_args.json``: the matching ``transformers.TrainingArguments`` keyword arguments.
+- ``plan.json``: the request and the prediction; ``planner verify --plan plan.json`` runs it.
+"""
 
 from __future__ import annotations
 
@@ -6,51 +21,96 @@ import json
 import os
 import shlex
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from planner.dsconfig import ZeroSettings, build_ds_config
+import yaml
+
+from planner.dsconfig import build_ds_config
 from planner.errors import PlannerError
-from planner.schema import Candidate, EstimateRequest, PlanRequest
-from planner.strategies import explicit_hsdp_shard, strategy as lookup_strategy
+from planner.memory import resolve
+from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanRequest
+from planner.strategies import explicit_hsdp_shard
 
-TRAIN_SCRIPT = "train.py"  # the user's training script; the commands name it as a placeholder to replace
+TRAINER_MODULE = "backend.worker"  # the planner's own trainer, `python -m backend.worker --plan plan.json`
+TRAINER_OPTIMIZERS = ("adamw", "sgd")  # what backend/train.py trains the torch strategies with
+DEFAULT_PORT = 29500  # torchrun's and DeepSpeed's default master port
+LEARNING_RATE = 1e-4  # build_ds_config's optimizer lr; the Trainer checks its learning_rate against it
+
+# accelerate's mixed_precision and TrainingArguments' bf16/fp16 for each precision recipe. bf16-pure
+# has neither: the model itself is loaded in bf16 (LAUNCH.md says so).
+ACCELERATE_PRECISION = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-pure": "no", "fp32": "no"}
+# transformers' OptimizerNames (transformers/training_args.py) for the planner's optimizers
+TRAINER_OPTIM = {"adamw": "adamw_torch", "sgd": "sgd", "adamw-8bit": "adamw_bnb_8bit"}
 
 
-def emit_files(req: PlanRequest, c: Candidate) -> dict[str, str]:
-    s = lookup_strategy(c.strategy)
-    files: dict[str, str] = {}
-    world = req.gpus * req.nodes
-    hosts = "".join(f"node{i} slots={req.gpus}\n" for i in range(req.nodes))
-    files["hostfile"] = hosts
-    if s.framework == "deepspeed":
-        zero = ZeroSettings(stage=s.zero_stage, offload_optimizer=c.offload_optimizer, offload_params=c.offload_params)
-        config = build_ds_config(stage=s.zero_stage, precision=req.precision, micro_batch=c.micro_batch,
-                                 gradient_accumulation=c.gradient_accumulation, optimizer=req.optimizer, zero=zero)
-        config["train_batch_size"] = c.micro_batch * c.gradient_accumulation * world
-        files["ds_config.json"] = json.dumps(config, indent=2) + "\n"
-        nodes = f" --num_nodes {req.nodes} --hostfile hostfile" if req.nodes > 1 else ""
-        files["launch.sh"] = ("#!/usr/bin/env bash\n# planner: " + _summary(req, c) + "\nset -euo pipefail\n"
-                              f"deepspeed --num_gpus {req.gpus}{nodes} {TRAIN_SCRIPT} --deepspeed "
-                              f"--deepspeed_config ds_config.json \"$@\"\n")
-    else:
-        sharding = {"ddp": None, "fsdp": "FULL_SHARD", "fsdp-grad-op": "SHARD_GRAD_OP", "hsdp": "HYBRID_SHARD"}[s.name]
-        settings = {"strategy": s.name, "fsdp_sharding_strategy": sharding, "micro_batch": c.micro_batch,
-                    "gradient_accumulation": c.gradient_accumulation, "precision": req.precision,
-                    "activation_checkpointing": c.checkpointing, "cpu_offload": c.offload_params == "cpu"}
-        if s.name == "hsdp":  # a 2-D device mesh (replicate, shard) of consecutive ranks
-            shard = c.hsdp_shard_size or req.gpus
-            settings["device_mesh"] = {"replicate": req.gpus * req.nodes // shard, "shard": shard}
-        files["torch_settings.json"] = json.dumps(settings, indent=2) + "\n"
-        rdzv = " --nnodes {n} --node_rank $NODE_RANK --rdzv_backend c10d --rdzv_endpoint $MASTER_ADDR:29500".format(
-            n=req.nodes) if req.nodes > 1 else " --standalone"
-        files["launch.sh"] = ("#!/usr/bin/env bash\n# planner: " + _summary(req, c) + "\nset -euo pipefail\n"
-                              f"torchrun --nproc_per_node {req.gpus}{rdzv} {TRAIN_SCRIPT} "
-                              "--settings torch_settings.json \"$@\"\n")
-    files["job.sbatch"] = _sbatch(req, c, s.framework)
-    files["plan.json"] = json.dumps({"request": req.model_dump(by_alias=True), "candidate": c.model_dump(),
-                                     "estimate_request": estimate_request_for(req, c).model_dump(by_alias=True)},
-                                    indent=2) + "\n"
-    return files
+@dataclass(frozen=True)
+class Script:
+    """The user's training script and its arguments, run instead of the planner's trainer."""
+
+    path: str
+    args: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> "Script":
+        """``--script 'path/to/train.py --data x'``: the first word is the script, the rest its arguments."""
+        try:
+            words = shlex.split(text)
+        except ValueError as exc:
+            raise PlannerError(f"--script {text!r}: {exc}") from None
+        if not words:
+            raise PlannerError("--script: empty; give the training script's path, then its arguments")
+        return cls(words[0], tuple(words[1:]))
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """One configuration to launch, resolved once."""
+
+    request: EstimateRequest
+    framework: str  # deepspeed | torch
+    strategy: str  # the name, shown only; the files follow the degrees below
+    fsdp: bool  # torch sharding its parameters (FSDP2), not DDP
+    reshard_after_forward: bool  # False for SHARD_GRAD_OP: units stay gathered from forward to backward
+    zero_stage: int | None
+    precision: str
+    is_cpu: bool
+    shard_size: int
+    script: Script | None
+    summary: str
+    unavailable: str | None = None  # why the planner's trainer cannot run it (then no launch.sh / job.sbatch)
+
+    @property
+    def world(self) -> int:
+        return self.request.world_size
+
+    @property
+    def replicas(self) -> int:
+        """HSDP's replicate degree (1 when one shard group spans the world)."""
+        return self.world // self.shard_size
+
+
+def emit_files(req: PlanRequest, c: Candidate, script: Script | None = None) -> dict[str, str]:
+    """The launch files of a plan candidate."""
+    est = estimate_request_for(req, c)
+    summary = _summary(c.strategy, c.micro_batch, c.gradient_accumulation, c.checkpointing, c.offload_optimizer,
+                       c.offload_params, c.per_device.peak_bytes, c.step_seconds)
+    plan_doc = {"request": req.model_dump(by_alias=True), "candidate": c.model_dump(),
+                "estimate_request": est.model_dump(by_alias=True)}
+    return _emit(est, summary, plan_doc, script)
+
+
+def emit_estimate_files(result: EstimateResult, script: Script | None = None) -> dict[str, str]:
+    """The launch files of one estimated configuration (`planner estimate --emit DIR`)."""
+    req = result.request
+    summary = _summary(req.strategy, req.micro_batch, req.gradient_accumulation, req.checkpointing,
+                       req.offload_optimizer, req.offload_params, result.per_device.peak_bytes,
+                       result.time.step_seconds if result.time else None)
+    plan_doc = {"estimate": {"per_device": result.per_device.model_dump(), "fits": result.fits,
+                             "time": result.time.model_dump() if result.time else None},
+                "estimate_request": req.model_dump(by_alias=True)}
+    return _emit(req, summary, plan_doc, script)
 
 
 def estimate_request_for(req: PlanRequest, c: Candidate) -> EstimateRequest:
@@ -65,32 +125,397 @@ def estimate_request_for(req: PlanRequest, c: Candidate) -> EstimateRequest:
                            topology=req.topology, topology_text=req.topology_text)
 
 
-def _sbatch(req: PlanRequest, c: Candidate, framework: str) -> str:
-    """A Slurm batch script: one task per node, the launcher starts the node's GPUs."""
-    if framework == "deepspeed":
-        run = (f"deepspeed --num_gpus {req.gpus} --num_nodes $SLURM_NNODES --hostfile hostfile "
-               f"--master_addr $MASTER_ADDR {TRAIN_SCRIPT} --deepspeed --deepspeed_config ds_config.json")
-        hostfile = 'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed "s/$/ slots=%d/" > hostfile\n' % req.gpus
+def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: Script | None) -> dict[str, str]:
+    setup = resolve(est)
+    unavailable = None if script is not None else _trainer_unavailable(setup, est)
+    s = setup.strategy
+    launch = _Launch(request=setup.request, framework=s.framework, strategy=s.name,
+                     fsdp=s.framework == "torch" and s.shards_parameters,
+                     reshard_after_forward=not s.params_unsharded_in_step,
+                     zero_stage=s.zero_stage, precision=setup.request.precision,
+                     is_cpu=setup.gpu.is_cpu, shard_size=setup.shard_size, script=script, summary=summary,
+                     unavailable=unavailable)
+    files: dict[str, str] = {}
+    if launch.framework == "deepspeed":
+        config = build_ds_config(stage=setup.zero.stage, precision=launch.precision, micro_batch=est.micro_batch,
+                                 gradient_accumulation=est.gradient_accumulation, optimizer=est.optimizer,
+                                 zero=setup.zero)
+        config["train_batch_size"] = est.micro_batch * est.gradient_accumulation * launch.world
+        if launch.is_cpu:
+            # CPU ranks: DeepSpeed's FusedAdam needs CUDA; torch's AdamW is what the model predicts
+            # (the same switch backend/launch.py worker_job makes for `planner verify`).
+            config["optimizer"]["params"]["torch_adam"] = True
+        files["ds_config.json"] = json.dumps(config, indent=2) + "\n"
+    files["accelerate_config.yaml"] = yaml.safe_dump(accelerate_config(launch), sort_keys=False)
+    files["trainer_args.json"] = json.dumps(trainer_arguments(launch), indent=2) + "\n"
+    if unavailable is None:
+        files["launch.sh"] = _launch_sh(launch)
+        files["job.sbatch"] = _sbatch(launch)
+        if launch.framework == "deepspeed" and est.nodes > 1:
+            files["hostfile"] = _hostfile(launch)
+    files["plan.json"] = json.dumps(plan_doc, indent=2) + "\n"
+    files["LAUNCH.md"] = _guide(launch, sorted(files) + ["LAUNCH.md"])
+    return files
+
+
+def _trainer_unavailable(setup, est: EstimateRequest) -> str | None:
+    """Why the planner's own trainer cannot run this configuration, if it cannot."""
+    if setup.model.config is None:
+        return "the planner's trainer needs an architecture (--model or --model-file), not --params"
+    if setup.strategy.framework == "torch" and est.optimizer not in TRAINER_OPTIMIZERS:
+        return (f"the planner's trainer runs {setup.strategy.name} with {' or '.join(TRAINER_OPTIMIZERS)}, "
+                f"not {est.optimizer}")
+    return None
+
+
+# --- accelerate and the HF Trainer -----------------------------------------------------------
+
+def accelerate_config(launch: _Launch) -> dict[str, Any]:
+    """``accelerate launch --config_file`` content (keys of accelerate 1.16's ClusterConfig)."""
+    req = launch.request
+    distributed = {"deepspeed": "DEEPSPEED", "torch": "MULTI_GPU"}[launch.framework]
+    if launch.fsdp:
+        distributed = "FSDP"
+    if distributed == "MULTI_GPU" and launch.world == 1:
+        distributed = "NO"  # accelerate refuses --multi_gpu with one process
+    elif launch.is_cpu and distributed == "MULTI_GPU":
+        distributed = "MULTI_CPU"
+    config: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": distributed,
+        "num_machines": req.nodes,
+        "num_processes": launch.world,  # over all machines (accelerate divides by num_machines)
+        "machine_rank": 0,  # per node: `accelerate launch --machine_rank R` (job.sbatch passes SLURM_NODEID)
+        "main_process_port": DEFAULT_PORT,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": launch.is_cpu,
+        "debug": False,
+    }
+    # main_process_ip is per job: `accelerate launch --main_process_ip` (node 0's address), as machine_rank
+    if launch.framework == "deepspeed":
+        # With deepspeed_config_file, precision, ZeRO stage, offload and accumulation come from the
+        # JSON alone; accelerate refuses them in this file (DeepSpeedPlugin._deepspeed_config_checks).
+        block: dict[str, Any] = {"deepspeed_config_file": "ds_config.json", "zero3_init_flag": launch.zero_stage == 3}
+        if req.nodes > 1:
+            block["deepspeed_multinode_launcher"] = "standard"  # torchrun on every node, no ssh/pdsh
+        config["deepspeed_config"] = block
+        return config
+    config["mixed_precision"] = ACCELERATE_PRECISION[launch.precision]
+    if distributed == "FSDP":
+        config["fsdp_config"] = _fsdp_plugin(launch)
+        if launch.replicas > 1:
+            # FSDP2's hybrid sharding is a 2-D mesh (dp_replicate, dp_shard) of consecutive ranks
+            # (accelerate/parallelism_config.py), as backend/train.py builds it.
+            config["parallelism_config"] = {
+                "parallelism_config_dp_replicate_size": launch.replicas,
+                "parallelism_config_dp_shard_size": launch.shard_size,
+            }
+    return config
+
+
+def _fsdp_plugin(launch: _Launch) -> dict[str, Any]:
+    """FSDP2 as backend/train.py wraps it: every transformer block a unit (accelerate takes the
+    block class from the model's ``_no_split_modules`` when none is named), SHARD_GRAD_OP =
+    reshard_after_forward False, parameter offload = CPUOffloadPolicy."""
+    return {
+        "fsdp_version": 2,
+        "fsdp_reshard_after_forward": launch.reshard_after_forward,
+        "fsdp_offload_params": launch.request.offload_params != "none",
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_cpu_ram_efficient_loading": False,
+        "fsdp_activation_checkpointing": launch.request.checkpointing == "full",
+    }
+
+
+def trainer_arguments(launch: _Launch) -> dict[str, Any]:
+    """``transformers.TrainingArguments(**this)`` (transformers 5): batch, accumulation, precision,
+    checkpointing and the DeepSpeed/FSDP choice of the plan. Values the DeepSpeed JSON also holds
+    are equal, as the Trainer requires (HfTrainerDeepSpeedConfig.trainer_config_process)."""
+    req = launch.request
+    args: dict[str, Any] = {
+        "per_device_train_batch_size": req.micro_batch,
+        "gradient_accumulation_steps": req.gradient_accumulation,
+        "bf16": launch.precision == "bf16-mixed",
+        "fp16": launch.precision == "fp16-mixed",
+        "learning_rate": LEARNING_RATE,
+        "weight_decay": 0.0,
+        "optim": TRAINER_OPTIM[req.optimizer],
+    }
+    if req.checkpointing == "full" and not launch.fsdp:
+        # non-reentrant, as backend/train.py enables it. transformers 5.24 calls these
+        # activation_checkpointing(_kwargs) and keeps the old names until v6 (training_args.py:1541);
+        # the old names are the ones every transformers 5 release accepts.
+        args["gradient_checkpointing"] = True
+        args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    if launch.is_cpu:
+        args["use_cpu"] = True
+    if launch.framework == "deepspeed":
+        args["deepspeed"] = "ds_config.json"
+    elif launch.fsdp:
+        # FSDP checkpoints inside its own units (fsdp_config activation_checkpointing), not with
+        # gradient_checkpointing, which transformers warns adds an all-gather in backward.
+        plugin = _fsdp_plugin(launch)
+        args["fsdp"] = True
+        args["fsdp_config"] = {
+            "version": 2,
+            "reshard_after_forward": plugin["fsdp_reshard_after_forward"],
+            "cpu_offload": plugin["fsdp_offload_params"],
+            "auto_wrap_policy": plugin["fsdp_auto_wrap_policy"],
+            "state_dict_type": plugin["fsdp_state_dict_type"],
+            "activation_checkpointing": plugin["fsdp_activation_checkpointing"],
+        }
+    return args
+
+
+# --- shell -----------------------------------------------------------------------------------
+
+def _q(words: list[str] | tuple[str, ...]) -> str:
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def _preamble(launch: _Launch) -> str:
+    """Find the planner's trainer (installed, or a checkout named by PLANNER_ROOT) and set the
+    environment the ranks expect."""
+    lines = ["# The emitted files, for the training script too: $PLANNER_PLAN (what to run)"
+             + (", $PLANNER_DS_CONFIG (DeepSpeed's JSON)" if launch.framework == "deepspeed" else ""),
+             'export PLANNER_PLAN="$here/plan.json"']
+    if launch.framework == "deepspeed":
+        lines.append('export PLANNER_DS_CONFIG="$here/ds_config.json"')
+    if launch.script is None:
+        lines += [
+            "# The planner's trainer: pip install -e '.[backend]' in its checkout, or PLANNER_ROOT=/path/to/it",
+            'if [ -n "${PLANNER_ROOT:-}" ]; then export PYTHONPATH="$PLANNER_ROOT${PYTHONPATH:+:$PYTHONPATH}"; fi',
+            f"python -c 'import {TRAINER_MODULE}' 2>/dev/null || {{ echo \"$0: cannot import {TRAINER_MODULE}: in the "
+            "planner checkout run pip install -e '.[backend]', or set PLANNER_ROOT to it\" >&2; exit 2; }",
+            "# Where every rank writes its record (rank<N>.json: measured peak, step time)",
+            'out="${PLANNER_OUT:-$here/planner-run}"',
+        ]
+    if launch.is_cpu:
+        lines += [
+            "# CPU ranks over gloo: DeepSpeed's CPU accelerator, no GPU, one thread per rank unless told",
+            "export DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES=",
+            'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"',
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _shm_cleanup(launch: _Launch) -> str:
+    """DeepSpeed's CPU shm all-reduce (csrc/cpu/comm/shm.cpp) leaves /dev/shm segments named
+    deepspeed_<name>_<rank>_<addr>_<port>_<n>, about 69 MB per rank (see backend/launch.py
+    remove_shm_segments): the run's own, by its port, go when the script exits."""
+    if not (launch.is_cpu and launch.framework == "deepspeed"):
+        return ""
+    return ("# DeepSpeed's CPU all-reduce leaves shared-memory segments (~69 MB per rank): remove this run's\n"
+            "trap 'rm -f /dev/shm/deepspeed_*_\"$port\"_*' EXIT\n")
+
+
+def _target(launch: _Launch, module_flag: str, here: str = "$here") -> str:
+    """What every rank runs: the planner's trainer on this plan, or the user's script."""
+    if launch.script is None:
+        words = f'{module_flag} {TRAINER_MODULE} --plan "{here}/plan.json" --out "$out"'
+        if launch.framework == "deepspeed":
+            words += f' --deepspeed_config "{here}/ds_config.json"'
+        return words
+    return _q((launch.script.path,) + launch.script.args)
+
+
+def _launch_sh(launch: _Launch) -> str:
+    req = launch.request
+    head = ["#!/usr/bin/env bash",
+            f"# planner: {launch.summary}",
+            "# Usage: ./launch.sh [more arguments for the training script]",
+            f"# Runs {_what_runs(launch)}."]
+    body: list[str] = []
+    if req.nodes == 1:
+        if launch.framework == "deepspeed":
+            run = (f'deepspeed --num_gpus {req.gpus} --master_port "$port" '
+                   f'{_target(launch, "--module")} "$@"')
+        else:
+            run = f'torchrun --standalone --nproc_per_node {req.gpus} {_target(launch, "-m")} "$@"'
+    elif launch.framework == "deepspeed":
+        head += [f"# {req.nodes} nodes: run this on the first node of the hostfile; DeepSpeed's launcher starts",
+                 "# the other nodes over ssh (pdsh), in this directory at the same path (a shared filesystem).",
+                 "# Under Slurm submit job.sbatch instead (no ssh needed)."]
+        body += [
+            "# the hostfile must list every node: one line per node, `HOSTNAME slots=GPUS`",
+            f'nodes=$(grep -cE "^[^#[:space:]]+[[:space:]]+slots=" "$here/hostfile" || true)',
+            f'if [ "$nodes" -ne {req.nodes} ]; then echo "$0: $here/hostfile lists $nodes nodes; the plan is for '
+            f'{req.nodes}: one line per node, HOSTNAME slots={req.gpus}" >&2; exit 2; fi',
+            "# the master address: the first node of the hostfile, where this script runs, unless given",
+            'MASTER_ADDR="${MASTER_ADDR:-$(grep -m1 -oE "^[^#[:space:]]+" "$here/hostfile")}"',
+        ]
+        run = (f'deepspeed --hostfile "$here/hostfile" --num_nodes {req.nodes} --num_gpus {req.gpus} '
+               f'--master_addr "$MASTER_ADDR" --master_port "$port" '
+               f'{_target(launch, "--module")} "$@"')
     else:
-        run = (f"srun torchrun --nnodes $SLURM_NNODES --nproc_per_node {req.gpus} --rdzv_backend c10d "
-               f"--rdzv_endpoint $MASTER_ADDR:29500 {TRAIN_SCRIPT} --settings torch_settings.json")
-        hostfile = ""
-    return ("#!/usr/bin/env bash\n"
-            f"#SBATCH --job-name=planner-{c.strategy}\n"
-            f"#SBATCH --nodes={req.nodes}\n"
-            "#SBATCH --ntasks-per-node=1\n"
-            f"#SBATCH --gpus-per-node={req.gpus}\n"
-            "#SBATCH --exclusive\n"
-            f"# planner: {_summary(req, c)}\n"
-            "set -euo pipefail\n"
-            'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
-            + hostfile + run + "\n")
+        head += [f"# {req.nodes} nodes: run this on every node with NODE_RANK (0..{req.nodes - 1}, 0 on the master) and",
+                 "# MASTER_ADDR (node 0's hostname or IP, reachable from the others). Under Slurm submit",
+                 "# job.sbatch instead: it derives both from Slurm's variables."]
+        body += [
+            f': "${{NODE_RANK:?set NODE_RANK to the index of this node, 0..{req.nodes - 1} (0 on MASTER_ADDR)}}"',
+            ': "${MASTER_ADDR:?set MASTER_ADDR to the address of the node with NODE_RANK=0}"',
+        ]
+        run = (f'torchrun --nnodes {req.nodes} --nproc_per_node {req.gpus} --node_rank "$NODE_RANK" '
+               f'--master_addr "$MASTER_ADDR" --master_port "$port" '
+               f'{_target(launch, "-m")} "$@"')
+    return ("\n".join(head) + "\nset -euo pipefail\n"
+            + 'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"  # the directory of the emitted files\n'
+            + _preamble(launch) + f'port="${{MASTER_PORT:-{DEFAULT_PORT}}}"\n' + _shm_cleanup(launch)
+            + "".join(line + "\n" for line in body) + run + "\n")
 
 
-def _summary(req: PlanRequest, c: Candidate) -> str:
-    return shlex.quote(f"{c.strategy} micro-batch {c.micro_batch} x {c.gradient_accumulation} accumulation, "
-                       f"checkpointing {c.checkpointing}, offload {c.offload_optimizer}/{c.offload_params}, "
-                       f"predicted peak {c.per_device.peak_bytes / 2**30:.2f} GiB, step {c.step_seconds:.3f} s")
+def _sbatch(launch: _Launch) -> str:
+    """One srun task per node; each task reads its own SLURM_NODEID (its node rank) and starts the
+    node's ranks with the same launcher as launch.sh."""
+    req = launch.request
+    lines = [
+        "#!/usr/bin/env bash",
+        f"#SBATCH --job-name=planner-{launch.strategy}",
+        f"#SBATCH --nodes={req.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={req.gpus}" if not launch.is_cpu else f"#SBATCH --cpus-per-task={req.gpus}",
+        "#SBATCH --exclusive",
+        f"# planner: {launch.summary}",
+        "# Submit from this directory: sbatch job.sbatch [more arguments for the training script]",
+        f"# Runs {_what_runs(launch)}.",
+        f"# --nodes: the plan's {req.nodes} node(s); --ntasks-per-node=1: one launcher per node, which starts",
+        f"# that node's {req.gpus} ranks." + (" Every node reads this directory at the same path (a shared filesystem)."
+                                             if req.nodes > 1 else ""),
+        "set -euo pipefail",
+        "# sbatch runs a copy of this file: the emitted files are in the directory it was submitted from",
+        'here="${SLURM_SUBMIT_DIR:-$PWD}"',
+        'if [ ! -f "$here/plan.json" ]; then echo "$0: submit from the directory with plan.json" >&2; exit 2; fi',
+        _preamble(launch).rstrip("\n"),
+        "# the master address: the first host of the allocation, which is node rank 0",
+        'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"',
+        f'export MASTER_PORT="${{MASTER_PORT:-{DEFAULT_PORT}}}"',
+    ]
+    if launch.script is None:
+        lines.append("export out")
+    node_rank = ("# In each task: SLURM_NNODES, the node count; SLURM_NODEID, this node's index 0..N-1 (with one task\n"
+                 "# per node it equals SLURM_PROCID): the node rank. Single-quoted, so each task reads its own.")
+    if launch.framework == "deepspeed" and req.nodes > 1:
+        lines += [
+            "# DeepSpeed's hostfile: every node of the allocation with its GPUs, written for this job",
+            'export PLANNER_HOSTFILE="$here/hostfile.slurm-$SLURM_JOB_ID"',
+            f'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed "s/\\$/ slots={req.gpus}/" > "$PLANNER_HOSTFILE"',
+            node_rank,
+            "# --no_ssh: every node starts its own ranks (no pdsh); the hostfile gives the world's layout.",
+        ]
+        launcher = ('deepspeed --hostfile "$PLANNER_HOSTFILE" --no_ssh --node_rank "$SLURM_NODEID" '
+                    '--master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"')
+    elif launch.framework == "deepspeed":
+        lines.append("# one node: DeepSpeed's launcher starts its ranks")
+        launcher = f'deepspeed --num_gpus {req.gpus} --master_port "$MASTER_PORT"'
+    else:
+        lines.append(node_rank)
+        launcher = (f'torchrun --nnodes "$SLURM_NNODES" --node_rank "$SLURM_NODEID" --nproc_per_node {req.gpus} '
+                    '--master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"')
+    # The task's shell gets the emitted directory as $0 and the script's words as "$@": no quoting
+    # of the user's meets the single quotes.
+    module_flag = "--module" if launch.framework == "deepspeed" else "-m"
+    command = f'{launcher} {_target(launch, module_flag, "$0")} "$@"' if launch.script is None else f'{launcher} "$@"'
+    positional = '"$here" "$@"' if launch.script is None else f'"$here" {_target(launch, "")} "$@"'
+    if launch.is_cpu and launch.framework == "deepspeed":
+        lines.append("# each node removes the shared-memory segments DeepSpeed's CPU all-reduce leaves (~69 MB per rank)")
+        command += '; rc=$?; rm -f /dev/shm/deepspeed_*_"$MASTER_PORT"_*; exit $rc'
+    else:
+        command = "exec " + command
+    lines.append(f"srun --kill-on-bad-exit=1 bash -c '{command}' {positional}")
+    return "\n".join(lines) + "\n"
+
+
+def _hostfile(launch: _Launch) -> str:
+    req = launch.request
+    return (f"# DeepSpeed hostfile for {req.nodes} nodes of {req.gpus} GPUs: one line per node, `HOSTNAME slots={req.gpus}`,\n"
+            "# the first one the node launch.sh runs on (it reaches the others over passwordless ssh/pdsh).\n"
+            f"# Fill in the {req.nodes} hostnames, e.g. from `scontrol show hostnames \"$SLURM_JOB_NODELIST\"`;\n"
+            "# job.sbatch writes its own from the Slurm allocation instead.\n"
+            + "".join(f"# HOSTNAME{i} slots={req.gpus}\n" for i in range(req.nodes)))
+
+
+def _what_runs(launch: _Launch) -> str:
+    if launch.script is not None:
+        return f"{launch.script.path} on every rank"
+    return ("the planner's trainer (backend/worker.py, what `planner verify` runs): the model with random "
+            "weights on synthetic tokens, each rank's measured memory and step time in planner-run/")
+
+
+def _guide(launch: _Launch, names: list[str]) -> str:
+    """LAUNCH.md: what each file is and how to run it."""
+    req = launch.request
+    roles = {
+        "launch.sh": "the command for one node (deepspeed or torchrun); see its header",
+        "job.sbatch": "the same under Slurm: `sbatch job.sbatch` from this directory",
+        "hostfile": "DeepSpeed multi-node: list the nodes here before running launch.sh",
+        "ds_config.json": "the DeepSpeed config the prediction assumed",
+        "accelerate_config.yaml": "the same choice for `accelerate launch`",
+        "trainer_args.json": "the matching transformers.TrainingArguments keyword arguments",
+        "plan.json": "the request and the prediction; `planner verify --plan plan.json` runs it here",
+        "LAUNCH.md": "this file",
+    }
+    script = launch.script.path if launch.script else "your_train.py"
+    accelerate = "accelerate launch --config_file accelerate_config.yaml"
+    if req.nodes > 1:
+        accelerate += " --machine_rank $NODE_RANK --main_process_ip $MASTER_ADDR"
+    out = [f"# Launching {launch.strategy} on {req.nodes} x {req.gpus} {req.gpu}", "",
+           f"planner: {launch.summary}", "", "## Files", ""]
+    out += [f"- `{name}`: {roles[name]}" for name in names]
+    out += ["", "## Run it", ""]
+    if launch.unavailable:
+        out += [f"No launch.sh or job.sbatch: {launch.unavailable}. Emit again with `--script 'your_train.py ARGS'` "
+                "to get them for your own script."]
+    else:
+        out += [f"`./launch.sh` runs {_what_runs(launch)}."]
+        if launch.script is None:
+            out += ["", "Arguments go to the trainer: `./launch.sh --steps 10 --warmup 2` trains longer; "
+                    "`PLANNER_OUT=DIR` moves the records; `PLANNER_ROOT=/path/to/planner` finds the trainer in a "
+                    "checkout that is not installed."]
+        elif launch.framework == "deepspeed":
+            out += ["", "Your script finds the DeepSpeed JSON at `$PLANNER_DS_CONFIG` (for example "
+                    "`deepspeed.initialize(..., config=os.environ[\"PLANNER_DS_CONFIG\"])`)."]
+    if req.nodes > 1 and not launch.unavailable:
+        out += ["", "Several nodes: under Slurm, `sbatch job.sbatch` (it derives the node rank from `SLURM_NODEID` and "
+                "the master address from the first host of the allocation). Otherwise "
+                + ("fill `hostfile` and run `./launch.sh` on its first node." if launch.framework == "deepspeed"
+                   else "run `NODE_RANK=<0..N-1> MASTER_ADDR=<node 0> ./launch.sh` on every node.")]
+    out += ["", "## With Hugging Face accelerate or the Trainer", "",
+            "For a script of your own that uses `transformers.Trainer` or `accelerate.Accelerator`, from this directory:",
+            "", "```", f"{accelerate} {script}", "```", "",
+            "with these `TrainingArguments` (trainer_args.json):", "", "```python",
+            "import json", ""]
+    if launch.fsdp and launch.replicas > 1:
+        replicas = launch.replicas
+        out += ["from accelerate.parallelism_config import ParallelismConfig",
+                "from transformers import TrainingArguments", "",
+                f"# HSDP: shard groups of {launch.shard_size} consecutive ranks, replicated {replicas} times "
+                "(accelerate_config.yaml carries the same)",
+                'args = TrainingArguments(output_dir="out", **json.load(open("trainer_args.json")),',
+                f"                         parallelism_config=ParallelismConfig(dp_replicate_size={replicas}, "
+                f"dp_shard_size={launch.shard_size}))"]
+    else:
+        out += ["from transformers import TrainingArguments", "",
+                'args = TrainingArguments(output_dir="out", **json.load(open("trainer_args.json")))']
+    out += ["```", "",
+            "These arguments carry the same DeepSpeed / FSDP choice, so the script also runs under plain "
+            f"`torchrun --nproc_per_node {req.gpus} {script}`" + (" (with --nnodes, --node_rank and --master_addr "
+                                                                  "on each node)" if req.nodes > 1 else "") + ".", ""]
+    if launch.precision == "bf16-pure":
+        out += ["bf16-pure: load the model in bf16 (`from_pretrained(..., dtype=torch.bfloat16)`); "
+                "no autocast, no fp32 master copy.", ""]
+    if launch.framework == "deepspeed":
+        out += ["The Trainer checks `trainer_args.json` against `ds_config.json` (batch, accumulation, learning rate, "
+                "precision): change both together.", ""]
+    return "\n".join(out)
+
+
+def _summary(strategy: str, micro: int, accumulation: int, checkpointing: str, offload_optimizer: str,
+             offload_params: str, peak_bytes: int, step_seconds: float | None) -> str:
+    step = f", step {step_seconds:.3f} s" if step_seconds is not None else ""
+    return (f"{strategy} micro-batch {micro} x {accumulation} accumulation, checkpointing {checkpointing}, "
+                       f"offload {offload_optimizer}/{offload_params}, predicted peak {peak_bytes / 2**30:.2f} GiB{step}")
 
 
 def write_files(directory: str | Path, files: dict[str, str]) -> list[Path]:
@@ -109,7 +534,7 @@ def write_files(directory: str | Path, files: dict[str, str]) -> list[Path]:
             staged.append((tmp, out / name))
         for tmp, final in staged:
             os.replace(tmp, final)
-            final.chmod(0o755 if final.name.endswith(".sh") else 0o644)
+            final.chmod(0o755 if final.name.endswith((".sh", ".sbatch")) else 0o644)
     except OSError as exc:
         for tmp, _ in staged:
             Path(tmp).unlink(missing_ok=True)

@@ -14,9 +14,9 @@ class UnknownNameError(PlannerError):
 
 
 def unknown(kind: str, name: str, known: list[str]) -> str:
-    """The message for a failed look-up, with the closest names as a hint."""
+    """The message for a failed look-up: the closest names as a hint, then every choice."""
     import difflib
 
-    close = difflib.get_close_matches(name, known, n=3, cutoff=0.4)
-    hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(sorted(known))}"
-    return f"unknown {kind} {name!r}{hint}"
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    return f"unknown {kind} {name!r}{hint}; choose from {', '.join(sorted(known))}"

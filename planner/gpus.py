@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -19,12 +20,16 @@ class Gpu(BaseModel):
 
     name: str
     vendor_name: str
+    vendor: Literal["nvidia", "amd", "none"] = Field("nvidia", description="who makes it (none: CPU ranks)")
     memory_mib: int = Field(ge=0)
-    peak_tflops: dict[str, float]
+    peak_tflops: dict[str, float] = Field(description="dense (no sparsity) peak per dtype: bf16, fp16, fp8, tf32, fp32")
     bf16: bool
-    nvlink: str
-    pcie: str
+    nvlink: str = Field(description="NVLink generation (a row of links.yaml), or none")
+    pcie: str = Field(description="PCIe generation of the host link (a row of links.yaml)")
+    links: str = Field("", description="the GPU's links as its datasheet states them")
     cuda_context_mib: int = Field(ge=0)
+    time_model_caveats: tuple[str, ...] = Field(
+        (), description="what the time model cannot say for this GPU (shown in estimate and plan notes)")
     source: str
 
     @property

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from planner import buffers as buf
-from planner.activations import Activations, estimate_activations
+from planner.activations import ActivationItem, Activations, estimate_activations
 from planner.architecture import Architecture, parameter_numels
 from planner.catalogue import ResolvedModel, catalogue_model, model_from_config, raw_parameters
-from planner.dsconfig import ZeroSettings, parse_ds_config, with_overrides
+from planner.dsconfig import ZeroSettings, batch_from_config, parse_ds_config, with_overrides
 from planner.errors import PlannerError
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.precision import RECIPES, Recipe, bits_to_bytes, optimizer_state_bits
@@ -81,7 +81,20 @@ def _zero_settings(request: EstimateRequest, s: Strategy) -> ZeroSettings:
                    offload_params=offload_params)
 
 
-def resolve(request: EstimateRequest) -> Setup:
+def _from_config(request: EstimateRequest, zero: ZeroSettings) -> dict:
+    """What a ds_config fixes beyond ZeRO (its optimizer, micro-batch and accumulation), where the
+    request's own field was not given: explicit flags win, as for the precision."""
+    if request.ds_config is None:
+        return {}
+    micro, accumulation = batch_from_config(zero, request.world_size)
+    given = request.model_fields_set
+    found = {"optimizer": zero.optimizer, "micro_batch": micro, "gradient_accumulation": accumulation}
+    return {k: v for k, v in found.items() if v is not None and k not in given}
+
+
+def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Setup:
+    """``model``: one resolved outside the core (a traced profile, catalogue.traced_model) in
+    place of the request's own model fields."""
     s = lookup_strategy(request.strategy)
     g = lookup_gpu(request.gpu)
     zero = _zero_settings(request, s)
@@ -89,14 +102,15 @@ def resolve(request: EstimateRequest) -> Setup:
     if request.ds_config is not None and zero.precision and zero.precision != precision \
             and "precision" not in request.model_fields_set:
         precision = zero.precision  # the config's bf16/fp16 block, unless --precision was given
+    from_config = _from_config(request, zero)
     check_precision(g, precision)
     check_offload(s, zero.offload_optimizer, zero.offload_params)
     if s.framework == "deepspeed" and precision == "bf16-pure":
         raise PlannerError("precision bf16-pure (no fp32 master) is not what DeepSpeed's bf16 mode does: "
                            "it always keeps fp32 master weights; use bf16-mixed with zero0-3, or ddp/fsdp for bf16-pure")
-    model = resolve_model(request)
+    model = model if model is not None else resolve_model(request)
     shard = shard_group_size(s, request.gpus, request.nodes, request.hsdp_shard_size)
-    return Setup(request=request.model_copy(update={"precision": precision}), model=model, strategy=s,
+    return Setup(request=request.model_copy(update={"precision": precision} | from_config), model=model, strategy=s,
                  recipe=RECIPES[precision], gpu=g, zero=zero,
                  world_size=request.world_size, shard_size=shard)
 
@@ -126,6 +140,8 @@ def textbook_states(setup: Setup) -> tuple[int, int, int]:
 
 
 def activations(setup: Setup) -> Activations | None:
+    if setup.model.traced is not None:
+        return _traced_activations(setup)
     if setup.arch is None:
         return None
     req = setup.request
@@ -135,16 +151,45 @@ def activations(setup: Setup) -> Activations | None:
                                 checkpointing=req.checkpointing, device=setup.device)
 
 
+def _traced_activations(setup: Setup) -> Activations:
+    """The activations of a model traced outside the core, measured at this request's setting."""
+    t, req = setup.model.traced, setup.request
+    setting = traced_setting(req.micro_batch, req.seq_len, setup.recipe.compute, req.attention, req.checkpointing)
+    if t.setting != setting:
+        raise PlannerError(f"traced profile of {setup.model.name} was measured at {t.setting}, "
+                           f"but the request is {setting}")
+    body = t.num_layers * t.layer_kept_bytes
+    checkpointed = req.checkpointing == "full"
+    extra = max(t.loss_transient_bytes,
+                (t.layer_saved_bytes if checkpointed else 0) + t.layer_transient_bytes)
+    items = (ActivationItem(f"{t.num_layers} blocks, {t.layer_kept_bytes:,} B kept each (traced)", body),
+             ActivationItem("embeddings, final norm, logits / loss (traced)", t.saved_bytes - body),
+             ActivationItem("backward transient at the loss (traced)", t.loss_transient_bytes))
+    return Activations(saved_bytes=t.saved_bytes, peak_extra_bytes=extra, items=items,
+                       layer_saved_bytes=t.layer_saved_bytes, layer_kept_bytes=t.layer_kept_bytes,
+                       head_saved_bytes=t.saved_bytes - body, loss_transient_bytes=t.loss_transient_bytes,
+                       layer_transient_bytes=t.layer_transient_bytes, num_layers=t.num_layers,
+                       checkpointed=checkpointed)
+
+
+def traced_setting(micro_batch: int, seq_len: int, compute: str, attention: str, checkpointing: str) -> str:
+    """The step a traced profile stands for, in words (the profile is valid for this one only)."""
+    return (f"micro_batch {micro_batch} x seq_len {seq_len}, {compute} compute, {attention} attention, "
+            f"checkpointing {checkpointing}")
+
+
 # --- the orchestrator -----------------------------------------------------------------------
 
 def _numels(setup: Setup) -> list[int]:
+    if setup.model.traced is not None:
+        return list(setup.model.traced.numels)
     if setup.arch is not None:
         return parameter_numels(setup.arch)
     return [setup.psi]  # only a count: one flat tensor is the best that can be said
 
 
-def estimate(request: EstimateRequest) -> EstimateResult:
-    setup = resolve(request)
+def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> EstimateResult:
+    setup = resolve(request, model)
     params_b, grads_b, optim_b = textbook_states(setup)
     acts = activations(setup)
     plan = buf.phases_for(setup, acts, _numels(setup))
@@ -208,12 +253,22 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
         + (f", sharded over {setup.shard_size}" if s.shards_optimizer else ", full on every rank")
         + (f", offloaded to {setup.zero.offload_optimizer}" if setup.zero.offload_optimizer != "none" else ""),
     ]
+    if setup.model.traced is not None:
+        t = setup.model.traced
+        notes.append(f"traced: model_type {t.model_type!r} has no analytic reader; parameters counted by "
+                     f"transformers on the meta device, activations measured by tracing one forward and "
+                     f"backward on fake tensors at {t.setting}")
+        notes.extend(f"traced, assumed: {a}" for a in t.assumptions)
     if acts is None:
         notes.append("activations: unknown (only a parameter count was given); the peak excludes them")
     else:
+        eager_only = setup.arch is not None and setup.arch.attention_implementation == "eager"
         notes.append(f"activations: {acts.saved_bytes:,} bytes saved for backward at micro_batch "
                      f"{setup.request.micro_batch} x seq_len {setup.request.seq_len} "
-                     f"({setup.request.attention}, checkpointing {setup.request.checkpointing})")
+                     f"({'eager' if eager_only else setup.request.attention}, "
+                     f"checkpointing {setup.request.checkpointing})")
+    if setup.arch is not None:
+        notes.extend(setup.arch.notes)  # what the family's reader assumed (eager only, vision tower)
     notes.append(f"peak occurs during {peak_phase.name}")
     notes.extend(plan.notes)
     if setup.gpu.is_cpu:
@@ -221,6 +276,7 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
     else:
         notes.append(f"framework: CUDA context and library workspaces {setup.gpu.cuda_context_mib} MiB "
                      f"on {setup.gpu.name} (gpus.yaml, calibratable)")
+    notes.extend(f"time model: {caveat}" for caveat in setup.gpu.time_model_caveats)
     if capacity > 0:
         verdict = "fits" if peak <= capacity else "does NOT fit"
         notes.append(f"{verdict}: peak {fmt_bytes(peak)} vs {fmt_bytes(capacity)} on each {setup.gpu.name}")

@@ -30,7 +30,7 @@ from planner.units import GB, GIB
 
 OFFLOADS = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"), ("nvme", "nvme"))
 DEFAULT_FABRIC, DEFAULT_NICS = "ib-hdr", 1
-PCIE_DEVICE_TO_HOST_GBPS = {"gen3": 12.0, "gen4": 24.0, "gen5": 48.0, "none": 24.0}
+PCIE_DEVICE_TO_HOST_GBPS = {"gen3": 12.0, "gen4": 24.0, "gen5": 48.0, "gen6": 92.0, "none": 24.0}
 NVME_GBPS = 5.0  # one PCIe Gen4 NVMe drive, sequential (vendor datasheets: 5-7 GB/s); calibratable
 
 
@@ -69,6 +69,7 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
     result = estimate(request)
     if result.model.architecture is None:
         return []
+    request = result.request  # with what a ds_config fixed (micro-batch, accumulation, optimizer)
     from planner.architecture import Architecture
 
     combo, buckets = _resolved_combo(request)
@@ -115,8 +116,8 @@ def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstim
 
 
 def estimate_with_time(request: EstimateRequest) -> EstimateResult:
-    result = estimate(request)
-    return result.model_copy(update={"time": estimate_time(request, result)})
+    result = estimate(request)  # result.request holds what a ds_config fixed (micro-batch, accumulation, optimizer)
+    return result.model_copy(update={"time": estimate_time(result.request, result)})
 
 
 def _topology(req: PlanRequest, g: Gpu) -> tuple[Topology, str, int]:
@@ -425,6 +426,7 @@ def _rank(req, rows, grids, usable, capacity, topo, fabric, nics, model_fields, 
              (f"ring over GPUs {list(ring)}: slowest link {ring_bw:.1f} GB/s ({topo.source})"
               if math.isfinite(ring_bw) else f"one GPU per node: no ring ({topo.source})"),
              f"compute at {req.compute_efficiency:.0%} of {g.name}'s peak dense TFLOP/s"]
+    notes += [f"time model: {caveat}" for caveat in g.time_model_caveats]
     if recommended is None:
         notes.append("nothing fits: see each candidate's rejected_reason, and min_gpus for the GPU count that would")
     return PlanResult(recommended=recommended, candidates=candidates, candidates_evaluated=evaluated,

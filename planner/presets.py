@@ -32,9 +32,9 @@ def _sockets(half: int, inside: str) -> Callable[[int, int], str]:
     return lambda i, j: inside if (i < half) == (j < half) else "SYS"
 
 
-def _pairs(i: int, j: int) -> str:
+def _pairs(i: int, j: int, bridge: str = "NV4") -> str:
     if i // 2 == j // 2:
-        return "NV4"
+        return bridge
     return "NODE" if (i < 4) == (j < 4) else "SYS"
 
 
@@ -56,6 +56,15 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("a6000-nvlink-pairs", "rtx-a6000", 8, "8x RTX A6000 with NVLink bridges in pairs, two sockets",
            _pairs, lambda i: 0 if i < 4 else 1, 2, "ib-hdr",
            "tests/fixtures/topologies/rtx_a6000_8gpu_nvlink_bridge_pairs_2nic.txt (UNIGE HPC forum)"),
+    Preset("hgx-b300", "b300", 8, "HGX B300: 8x B300 on NVSwitch (NV18, NVLink 5), 8 ConnectX-8 800G NICs",
+           _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-xdr", "NVIDIA HGX B300 datasheet"),
+    Preset("gb200-nvl72-tray", "gb200", 4, "GB200 NVL72 compute tray: 4 Blackwell GPUs on the rack's NVLink Switch (NV18)",
+           _all("NV18"), lambda i: 0 if i < 2 else 1, 4, "ib-xdr", "NVIDIA GB200 NVL72 datasheet"),
+    Preset("h100-nvl-pairs", "h100-nvl", 8, "8x H100 NVL on PCIe Gen5, NVLink-bridged in pairs (NV12), two sockets",
+           lambda i, j: _pairs(i, j, "NV12"), lambda i: 0 if i < 4 else 1, 4, "ib-ndr",
+           "NVIDIA H100 NVL product brief: pairs joined by three NVLink bridges, 600 GB/s"),
+    Preset("pcie-8x-l4", "l4", 8, "8x L4 on PCIe Gen4 switches (PXB inside a socket, SYS across)",
+           _sockets(4, "PXB"), lambda i: 0 if i < 4 else 1, 2, "eth-100g", "typical 2-socket PCIe inference server"),
     Preset("workstation-2x-rtx4090", "rtx-4090", 2, "2x RTX 4090 under one host bridge (PHB)",
            _all("PHB"), lambda i: 0, 1, "eth-25g", "typical single-socket workstation"),
 ]}

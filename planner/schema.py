@@ -7,17 +7,169 @@ forbid unknown fields; every field's ``description`` is its CLI help, OpenAPI te
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Annotated, Any, Callable, Collection, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic_core import core_schema
 
 from planner.activations import Attention, Checkpointing
+from planner.errors import unknown
 from planner.precision import Optimizer, Precision
 from planner.strategies import OffloadDevice, StrategyName
 
 MAX_GPUS_PER_NODE = 1024
 MAX_NODES = 100_000
 MAX_TOKENS = 1 << 24  # micro_batch * seq_len beyond 16M tokens per device is not a training step
+MAX_GLOBAL_BATCH = 1 << 24  # sequences per optimizer step over all GPUs; PlanRequest.global_batch's bound
+MAX_PARAMS = 10**14  # 100 trillion parameters: far beyond any model trained
+
+
+# --- names: every field that names a catalogue entry is checked here, once, for CLI, API and page
+
+def _gpu_names() -> Collection[str]:
+    from planner.gpus import load_gpus  # cached: one YAML parse per process
+
+    return load_gpus().keys()
+
+
+def _preset_names() -> Collection[str]:
+    from planner.presets import PRESETS
+
+    return PRESETS.keys()
+
+
+def _fabric_names() -> Collection[str]:
+    from planner.topology import link_rates  # cached
+
+    return link_rates()["fabric"].keys()
+
+
+def _profile_names() -> Collection[str]:
+    from planner.profiles import profiles_dir
+
+    directory = profiles_dir()
+    return sorted(p.stem for p in directory.glob("*.json")) if directory.is_dir() else []
+
+
+@dataclass(frozen=True)
+class CatalogueName:
+    """Field metadata: the value names an entry of a catalogue (case-insensitive, stored as the
+    catalogue spells it). An unknown name is a validation error listing the choices, so the CLI
+    (exit 2), the API (422) and the page share one check. ``listed`` puts the names into the JSON
+    schema as an enum (the OpenAPI docs and the fuzzer see them); saved profiles change at run
+    time, so they are checked but not listed."""
+
+    kind: str
+    names: Callable[[], Collection[str]]  # a cached catalogue's keys: checking a name is one look-up
+    listed: bool = True
+
+    def choices(self) -> list[str]:
+        return sorted(self.names())
+
+    def check(self, value: str) -> str:
+        known = self.names()
+        if value in known:
+            return value
+        folded = {name.lower(): name for name in known}
+        if value.lower() in folded:
+            return folded[value.lower()]
+        if not known:
+            raise ValueError(f"unknown {self.kind} {value!r}; none exists yet"
+                             + ("; save one with `planner calibrate`" if self.kind == "profile" else ""))
+        raise ValueError(unknown(self.kind, value, list(known)))
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(self.check, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: Any, handler: Any) -> dict[str, Any]:
+        out = handler(schema)
+        if self.listed:
+            out["enum"] = sorted(self.names())
+        return out
+
+
+GpuName = Annotated[str, Field(max_length=64), CatalogueName("gpu", _gpu_names)]
+PresetName = Annotated[str, Field(max_length=64), CatalogueName("topology preset", _preset_names)]
+FabricName = Annotated[str, Field(max_length=64), CatalogueName("fabric", _fabric_names)]
+ProfileName = Annotated[str, Field(max_length=64), CatalogueName("profile", _profile_names, listed=False)]
+
+
+def _new_profile_name(value: str) -> str:
+    from planner.profiles import _check_name
+
+    return _check_name(value)
+
+
+NewProfileName = Annotated[str, AfterValidator(_new_profile_name)]  # what `planner calibrate --name` saves
+# A catalogue model name, or a Hugging Face Hub id ("org/name", resolved elsewhere). Only the shape
+# is checked here: an unknown catalogue name stays a 404 (planner.catalogue.catalogue_model).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _printable_name(value: str) -> str:
+    if _CONTROL.search(value):
+        raise ValueError("a model name cannot contain control characters (newlines, tabs, NUL, ...)")
+    return value
+
+
+ModelName = Annotated[str, Field(min_length=1, max_length=256, json_schema_extra={"pattern": r"^[^\x00-\x1f\x7f]+$"}),
+                      AfterValidator(_printable_name)]
+
+_COUNT = re.compile(r"^\s*([0-9](?:_?[0-9])*(?:\.[0-9](?:_?[0-9])*)?(?:[eE][+-]?[0-9]{1,2})?)\s*([kKmMbBtT]?)\s*$")
+_COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+_COUNT_FORMS = "write it as 7000000000, 7e9, 7B, 70b, 1.5T or 405_000_000_000"
+
+
+def parse_count(value: Any) -> Any:
+    """A parameter count as people write it: 7e9, 7B, 70b, 1.5T, 125M, 405_000_000_000.
+    Suffixes are decimal (k 1e3, M 1e6, B 1e9, T 1e12); the result must be a whole number."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a parameter count; {_COUNT_FORMS}")
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")) or not value.is_integer():
+            raise ValueError(f"{value!r} is not a whole number of parameters; {_COUNT_FORMS}")
+        return int(value)
+    if not isinstance(value, str):
+        return value  # ints pass; anything else fails int validation with pydantic's own message
+    match = _COUNT.match(value)
+    if match is None:
+        raise ValueError(f"{value!r} is not a parameter count; {_COUNT_FORMS}")
+    try:
+        total = Decimal(match.group(1)) * _COUNT_SUFFIX[match.group(2).lower()]
+    except InvalidOperation:
+        raise ValueError(f"{value!r} is not a parameter count; {_COUNT_FORMS}") from None
+    if total != total.to_integral_value():
+        raise ValueError(f"{value!r} is {total} parameters, not a whole number")
+    return int(total)
+
+
+ParamCount = Annotated[
+    int, BeforeValidator(parse_count), Field(gt=0, le=MAX_PARAMS),
+    WithJsonSchema({"anyOf": [{"type": "integer", "exclusiveMinimum": 0, "maximum": MAX_PARAMS},
+                              {"type": "string", "pattern": _COUNT.pattern}],
+                    "description": "a whole number, or 7e9, 7B, 70b, 1.5T, 405_000_000_000"})]
+
+
+# --- numbers the CLI's other commands and the API's verify and runs routes share ---------------
+
+MAX_TIMEOUT_SECONDS = 86_400  # a verify run is a few steps; a day is beyond any of them
+MAX_RUNS_LISTED = 10_000
+VerifySteps = Annotated[int, Field(ge=1, le=100, description="measured steps")]
+WarmupSteps = Annotated[int, Field(ge=0, le=20, description="warm-up steps before measuring")]
+# nan would disable the timeout (every comparison with it is false) and 0 or less ends the run at
+# once, so the timeout is a finite number of seconds above zero.
+TimeoutSeconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_SECONDS, allow_inf_nan=False,
+                                        description="seconds before the run is ended")]
+ModelScale = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False, description="model shrink factor")]
+TolerancePercent = Annotated[float, Field(gt=0, le=100, allow_inf_nan=False, description="tolerance in percent")]
+# A run id is a SQLite rowid: a positive 64-bit integer (https://www.sqlite.org/lang_createtable.html#rowid).
+RunIdNumber = Annotated[int, Field(ge=1, le=2**63 - 1, description="a run's id")]
+RunsLimit = Annotated[int, Field(ge=1, le=MAX_RUNS_LISTED, description="most recent runs to list")]
+RANK = Annotated[int, Field(ge=1, le=1 << 31, description="a candidate's rank in a plan")]
+Port = Annotated[int, Field(ge=0, le=65_535, description="TCP port")]
 
 
 class EstimateRequest(BaseModel):
@@ -25,17 +177,17 @@ class EstimateRequest(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=(), populate_by_name=True)
 
-    model: str | None = Field(None, description="catalogue model name (see `planner models`)",
-                              examples=["mistral-7b-v0.1"])
+    model: ModelName | None = Field(None, description="catalogue model name or alias (see `planner models`), or a "
+                                    "Hugging Face Hub id org/name whose config.json is read", examples=["mistral-7b-v0.1"])
     model_config_: dict[str, Any] | None = Field(
         None, alias="model_config",
         description="a Hugging Face config.json as an object (what --model-file reads)")
-    params: int | None = Field(None, gt=0, le=10**14,
-                               description="a raw parameter count, when only model states are wanted")
+    params: ParamCount | None = Field(
+        None, description="a raw parameter count (7e9, 7B, 1.5T, 405_000_000_000), when only model states are wanted")
     strategy: StrategyName = Field("zero3", description="distributed strategy")
     gpus: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE, description="GPUs (or CPU ranks) per node")
     nodes: int = Field(1, ge=1, le=MAX_NODES, description="number of nodes")
-    gpu: str = Field("a100-80gb", description="device type (see `planner gpus`), or cpu")
+    gpu: GpuName = Field("a100-80gb", description="device type (see `planner gpus`), or cpu")
     device_memory_gib: float | None = Field(
         None, gt=0, le=1 << 20, description="override the device's capacity in GiB (needed for --gpu cpu to judge fit)")
     precision: Precision = Field("bf16-mixed", description="precision recipe")
@@ -58,10 +210,10 @@ class EstimateRequest(BaseModel):
         None, ge=0, le=10**12, description="DeepSpeed stage3_param_persistence_threshold (elements)")
     max_live_parameters: int | None = Field(None, ge=0, le=10**13, description="DeepSpeed stage3_max_live_parameters (elements)")
     max_reuse_distance: int | None = Field(None, ge=0, le=10**13, description="DeepSpeed stage3_max_reuse_distance (elements)")
-    topology: str | None = Field(None, description="topology preset for the time model; default: the preset of --gpu")
+    topology: PresetName | None = Field(None, description="topology preset for the time model; default: the preset of --gpu")
     topology_text: str | None = Field(None, max_length=64 * 1024,
                                       description="pasted `nvidia-smi topo -m` output (what --topology-file reads)")
-    profile: str | None = Field(None, description="calibration profile saved by `planner calibrate`")
+    profile: ProfileName | None = Field(None, description="calibration profile saved by `planner calibrate`")
 
     @model_validator(mode="after")
     def _one_model(self) -> "EstimateRequest":
@@ -72,6 +224,13 @@ class EstimateRequest(BaseModel):
         if self.micro_batch * self.seq_len > MAX_TOKENS:
             raise ValueError(f"micro_batch({self.micro_batch}) * seq_len({self.seq_len}) = "
                              f"{self.micro_batch * self.seq_len} tokens exceeds {MAX_TOKENS} per device")
+        sequences = self.micro_batch * self.gradient_accumulation * self.gpus * self.nodes
+        if sequences > MAX_GLOBAL_BATCH:
+            raise ValueError(f"micro_batch({self.micro_batch}) * gradient_accumulation({self.gradient_accumulation}) "
+                             f"* gpus({self.gpus}) * nodes({self.nodes}) = {sequences} sequences per optimizer step "
+                             f"exceeds the global batch bound {MAX_GLOBAL_BATCH}")
+        if self.topology is not None and self.topology_text is not None:
+            raise ValueError("give --topology or --topology-file, not both")
         return self
 
     @property
@@ -168,16 +327,17 @@ class PlanRequest(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=(), populate_by_name=True)
 
-    model: str | None = Field(None, description="catalogue model name", examples=["llama-3-8b"])
+    model: ModelName | None = Field(None, description="catalogue model name or alias, or a Hugging Face Hub id org/name",
+                                    examples=["llama-3-8b"])
     model_config_: dict[str, Any] | None = Field(None, alias="model_config",
                                                  description="a Hugging Face config.json as an object")
-    gpu: str = Field("h100-80gb", description="device type (see `planner gpus`)")
+    gpu: GpuName = Field("h100-80gb", description="device type (see `planner gpus`)")
     gpus: int = Field(8, ge=1, le=MAX_GPUS_PER_NODE, description="GPUs per node")
     nodes: int = Field(1, ge=1, le=MAX_NODES, description="number of nodes")
-    topology: str | None = Field(None, description="topology preset (see `planner topo --list`); default: the preset of --gpu")
+    topology: PresetName | None = Field(None, description="topology preset (see `planner topo --list`); default: the preset of --gpu")
     topology_text: str | None = Field(None, max_length=64 * 1024,
                                       description="pasted `nvidia-smi topo -m` output (what --topology-file reads)")
-    fabric: str | None = Field(None, description="inter-node fabric (ib-hdr, ib-ndr, roce-200g, eth-100g, ...); default: the preset's")
+    fabric: FabricName | None = Field(None, description="inter-node fabric (ib-hdr, ib-ndr, roce-200g, eth-100g, ...); default: the preset's")
     nics_per_node: int | None = Field(None, ge=1, le=64, description="NICs per node for inter-node traffic; default: the preset's")
     seq_len: int = Field(4096, ge=1, le=1 << 22, description="tokens per sequence")
     global_batch: int = Field(256, ge=1, le=1 << 24, description="sequences per optimizer step, over all GPUs")
@@ -189,7 +349,7 @@ class PlanRequest(BaseModel):
     compute_efficiency: float = Field(0.45, gt=0.0, le=1.0, description="achievable fraction of peak TFLOP/s")
     link_efficiency: float = Field(1.0, gt=0.0, le=4.0,
                                    description="achieved fraction of the modelled (realistic) link bandwidths")
-    profile: str | None = Field(None, description="calibration profile saved by `planner calibrate` (sets the efficiencies)")
+    profile: ProfileName | None = Field(None, description="calibration profile saved by `planner calibrate` (sets the efficiencies)")
 
     @model_validator(mode="after")
     def _one_model(self) -> "PlanRequest":

@@ -1,7 +1,7 @@
 """Real runs, declared as data: (name, request fields, tolerance). Executed by the verification
 backend on CPU ranks (gloo) in CI, and by tests/test_deepspeed_cpu.py.
 
-The architectures are small real configs of three families, built by transformers with random
+The architectures are small real configs of each family, built by transformers with random
 weights. "small" buckets are 2e6 elements: small next to DeepSpeed's 5e8 default, so that ZeRO-2
 reduces several buckets during backward.
 """
@@ -17,6 +17,49 @@ MISTRAL = {"model_type": "mistral", "vocab_size": 4096, "hidden_size": 256, "int
            "max_position_embeddings": 4096, "sliding_window": 4096, "tie_word_embeddings": False}
 GPT2 = {"model_type": "gpt2", "vocab_size": 4096, "n_embd": 256, "n_layer": 4, "n_head": 4,
         "n_positions": 1024, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+# The 2025-2026 families (issue 11), tiny versions of the real shapes.
+QWEN3 = {"model_type": "qwen3", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+         "max_position_embeddings": 4096, "tie_word_embeddings": True}
+OLMO2 = {"model_type": "olmo2", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+         "max_position_embeddings": 4096, "tie_word_embeddings": False}
+GEMMA3_TEXT = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 1024,
+          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+          "sliding_window": 512, "sliding_window_pattern": 2, "max_position_embeddings": 4096}
+GEMMA3 = {"model_type": "gemma3_text"} | GEMMA3_TEXT
+QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688,
+             "moe_intermediate_size": 192, "num_experts": 8, "num_experts_per_tok": 2,
+             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+             "max_position_embeddings": 4096, "tie_word_embeddings": False}
+GPT_OSS = {"model_type": "gpt_oss", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 192,
+           "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 4, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 64, "sliding_window": 128, "max_position_embeddings": 4096,
+           "pad_token_id": None, "eos_token_id": None}
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
+               "moe_intermediate_size": 128, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+               "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "num_hidden_layers": 3,
+               "num_attention_heads": 4, "q_lora_rank": 96, "kv_lora_rank": 64, "qk_rope_head_dim": 32,
+               "qk_nope_head_dim": 64, "v_head_dim": 64, "max_position_embeddings": 4096,
+               "pad_token_id": None, "eos_token_id": None, "bos_token_id": None}
+LLAMA4 = {"model_type": "llama4_text", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 128,
+          "intermediate_size_mlp": 512, "num_local_experts": 4, "num_experts_per_tok": 1,
+          "interleave_moe_layer_step": 2, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 64, "attention_chunk_size": 128, "max_position_embeddings": 4096,
+          "pad_token_id": None, "eos_token_id": None, "bos_token_id": None}
+SMOLLM3 = {"model_type": "smollm3", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 4096, "pad_token_id": None, "eos_token_id": None, "bos_token_id": None}
+GEMMA2 = {"model_type": "gemma2", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 1024,
+          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+          "sliding_window": 128, "max_position_embeddings": 4096,
+          "pad_token_id": None, "eos_token_id": None, "bos_token_id": None}
+DEEPSEEK_V2 = {"model_type": "deepseek_v2", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
+               "moe_intermediate_size": 128, "n_routed_experts": 8, "num_experts_per_tok": 2,
+               "n_shared_experts": 2, "first_k_dense_replace": 1, "num_hidden_layers": 3,
+               "num_attention_heads": 4, "q_lora_rank": None, "kv_lora_rank": 64, "qk_rope_head_dim": 32,
+               "qk_nope_head_dim": 64, "v_head_dim": 64, "max_position_embeddings": 4096,
+               "pad_token_id": None, "eos_token_id": None, "bos_token_id": None}
 # Logits-dominated shapes: the same blocks with a real vocabulary, so that at 1-2k tokens per
 # micro-batch the loss's fp32 tokens x vocab tensors are most of the peak (Llama-2's 32,000,
 # GPT-2's 50,257, a 64,000 one, Llama-3's 128,256). Run with small buckets, or DeepSpeed's 1 GB
@@ -66,6 +109,8 @@ CPU_RUNS = [
     _run("llama-fsdp-bf16", LLAMA, "fsdp", "bf16-mixed"),
     _run("llama-fsdp-fp32", LLAMA, "fsdp", "fp32"),
     _run("mistral-zero3-bf16-4ranks-s1024", MISTRAL, "zero3", "bf16-mixed", gpus=4, micro=1, seq=1024),
+    _run("qwen3-zero2-bf16-small-s512", QWEN3, "zero2", "bf16-mixed", small=True, micro=4, seq=512),
+    _run("qwen3moe-zero2-bf16-small-s512", QWEN3_MOE, "zero2", "bf16-mixed", small=True, micro=4, seq=512),
     # logits-dominated (1,024 tokens, vocabularies of 32k-64k)
     _run("llama-v32k-zero2-bf16-small-t1024", LLAMA_32K, "zero2", "bf16-mixed", small=True, micro=2, seq=512),
     _run("llama-v32k-zero3-fp32-small-ckpt-t1024", LLAMA_32K, "zero3", "fp32", small=True, ckpt="full",
@@ -88,6 +133,19 @@ BENCH_RUNS = [
     _run("llama-hsdp-bf16-2x2", LLAMA, "hsdp", "bf16-mixed", nodes=2),
     _run("llama-zero2-bf16-offload", LLAMA, "zero2", "bf16-mixed", offload="cpu"),
     _run("llama-zero3-bf16-offload", LLAMA, "zero3", "bf16-mixed", offload="cpu"),
+    _run("qwen3-zero3-fp32-small-ckpt", QWEN3, "zero3", "fp32", small=True, ckpt="full", micro=4, seq=256),
+    _run("olmo2-zero2-bf16-small-s512", OLMO2, "zero2", "bf16-mixed", small=True, micro=4, seq=512),
+    _run("gemma3-zero1-bf16-small-s512", GEMMA3, "zero1", "bf16-mixed", small=True, micro=4, seq=512),
+    _run("gemma3mm-zero1-bf16-small-s512", {"model_type": "gemma3", "text_config": GEMMA3_TEXT}, "zero1",
+         "bf16-mixed", small=True, micro=4, seq=512),
+    _run("gptoss-zero2-bf16-small-s256", GPT_OSS, "zero2", "bf16-mixed", small=True, micro=4, seq=256),
+    _run("deepseekv3-zero2-bf16-small-s256", DEEPSEEK_V3, "zero2", "bf16-mixed", small=True, micro=4, seq=256),
+    _run("llama4-zero2-bf16-small-s256", LLAMA4, "zero2", "bf16-mixed", small=True, micro=4, seq=256),
+    _run("qwen3moe-zero3-bf16-small-ckpt", QWEN3_MOE, "zero3", "bf16-mixed", small=True, ckpt="full", micro=4, seq=256),
+    _run("gemma3-zero2-fp32-small-s1024", GEMMA3, "zero2", "fp32", small=True, micro=2, seq=1024),
+    _run("smollm3-zero1-bf16-small-s512", SMOLLM3, "zero1", "bf16-mixed", small=True, micro=4, seq=512),
+    _run("gemma2-zero2-fp32-small-eager", GEMMA2, "zero2", "fp32", small=True, micro=2, seq=256),
+    _run("deepseekv2-zero3-fp32-small", DEEPSEEK_V2, "zero3", "fp32", small=True, micro=2, seq=256),
     # logits-dominated (1-2k tokens, vocabularies of 32k-128k)
     _run("llama-v32k-zero0-fp32-small-t2048", LLAMA_32K, "zero0", "fp32", small=True, micro=1, seq=2048),
     _run("llama-v32k-zero3-bf16-small-t1024", LLAMA_32K, "zero3", "bf16-mixed", small=True, micro=2, seq=512),

@@ -43,7 +43,7 @@ def test_estimate_equals_the_cli_json(client, capsys):
 
 @pytest.mark.parametrize("body,status,message", [
     ({"model": "nope"}, 404, "unknown model 'nope'"),
-    ({"model": "gpt2", "gpu": "tpu"}, 404, "unknown gpu 'tpu'"),
+    ({"model": "gpt2", "gpu": "tpu"}, 422, "unknown gpu 'tpu' (did you mean cpu?); choose from a100-40gb"),
     ({"model": "gpt2", "gpus": 0}, 422, "greater than or equal to 1"),
     ({"model": "gpt2", "strategy": "zero9"}, 422, "zero9"),
     ({"model": "gpt2", "surprise": 1}, 422, "Extra inputs are not permitted"),
@@ -63,7 +63,7 @@ def test_plan_and_its_errors(client):
     r = client.post("/v1/plan", json={"model": "gpt2", "gpus": 8, "global_batch": 100})
     assert r.status_code == 422 and "not divisible" in r.json()["detail"][0]["msg"]
     r = client.post("/v1/plan", json={"model": "gpt2", "topology": "dgx-z"})
-    assert r.status_code == 404
+    assert r.status_code == 422 and "choose from a6000-nvlink-pairs" in r.json()["detail"][0]["msg"]
 
 
 def test_topology_route(client):
@@ -93,8 +93,8 @@ def test_verify_needs_a_token(client, monkeypatch):
     r = client.post("/v1/verify", json={"request": {"model": "nope", "gpu": "cpu"}},
                     headers={"Authorization": "Bearer s3cret"})
     assert r.status_code == 404
-    assert client.get("/v1/runs/12345").status_code == 404
-    assert client.get("/v1/runs").json() == []
+    assert client.get("/v1/runs/12345", headers={"Authorization": "Bearer s3cret"}).status_code == 404
+    assert client.get("/v1/runs", headers={"Authorization": "Bearer s3cret"}).json() == []
 
 
 @pytest.mark.deepspeed
@@ -114,17 +114,17 @@ def test_verify_job_runs_is_listed_and_cancel_ends_it(client, monkeypatch):
     run_id = r.json()["id"]
     assert client.post("/v1/verify", json=body, headers=auth).status_code == 409  # one at a time per device set
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and client.get(f"/v1/runs/{run_id}").json()["status"] == "running":
+    while time.monotonic() < deadline and client.get(f"/v1/runs/{run_id}", headers=auth).json()["status"] == "running":
         time.sleep(1)
-    run = client.get(f"/v1/runs/{run_id}").json()
+    run = client.get(f"/v1/runs/{run_id}", headers=auth).json()
     assert run["status"] == "ok" and run["record"]["measured"]["peak_bytes"] > 0
     monkeypatch.setenv("PLANNER_FAULT", "hang:0:1")
     run_id = client.post("/v1/verify", json=body, headers=auth).json()["id"]
     deadline = time.monotonic() + 120  # the rank hangs at step 1: step 0 is reported done first
-    while time.monotonic() < deadline and "progress" not in client.get(f"/v1/runs/{run_id}").json():
+    while time.monotonic() < deadline and "progress" not in client.get(f"/v1/runs/{run_id}", headers=auth).json():
         time.sleep(1)
-    assert client.get(f"/v1/runs/{run_id}").json()["progress"] == {"steps_done": 1, "steps_total": 2}
-    assert "1 of 2 done" in client.get(f"/runs/{run_id}").text
+    assert client.get(f"/v1/runs/{run_id}", headers=auth).json()["progress"] == {"steps_done": 1, "steps_total": 2}
+    assert "1 of 2 done" in client.get(f"/runs/{run_id}", headers=auth).text
     cancelled = client.delete(f"/v1/runs/{run_id}", headers=auth)
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
 
@@ -139,7 +139,7 @@ def test_page_verify_button_needs_the_token_and_the_devices(client, monkeypatch)
     # the token is right, but this CPU-only test machine has no H100s: refused before anything starts
     refused = client.post("/verify", params=query, data={"token": "s3cret"}, follow_redirects=False)
     assert refused.status_code == 422 and "CUDA device" in refused.text
-    assert client.get("/v1/runs").json() == []  # nothing recorded, nothing launched
+    assert client.get("/v1/runs", headers={"Authorization": "Bearer s3cret"}).json() == []  # nothing recorded
 
 
 def test_page_form_and_result(client):
@@ -149,8 +149,100 @@ def test_page_form_and_result(client):
                                 "global_batch": 256})
     assert r.status_code == 200
     assert 'id="candidates"' in r.text and "<svg" in r.text and "capacity" in r.text and "GiB" in r.text
-    assert "ds_config.json" in r.text or "torch_settings.json" in r.text
+    assert "accelerate_config.yaml" in r.text and "job.sbatch" in r.text and "LAUNCH.md" in r.text
     bad = client.get("/", params={"model": "llama-3-8b", "gpus": 8, "global_batch": 100})
     assert bad.status_code == 422 and "not divisible" in bad.text
     d = client.get("/download/launch.sh", params={"model": "llama-3-8b", "gpu": "h100-80gb", "gpus": 8})
     assert d.status_code == 200 and ("deepspeed" in d.text or "torchrun" in d.text)
+
+
+NON_ASCII = {"Authorization": b"Bearer s3cr\xe9t"}  # a latin-1 byte, as a client may send it
+
+
+def test_a_non_ascii_token_is_401_not_500(client, monkeypatch):
+    monkeypatch.setenv("PLANNER_API_TOKEN", "s3cret")
+    body = {"request": {"model": "gpt2", "strategy": "zero2", "gpus": 2, "gpu": "cpu"}}
+    assert client.post("/v1/verify", json=body, headers=NON_ASCII).status_code == 401
+    assert client.delete("/v1/runs/1", headers=NON_ASCII).status_code == 401
+    assert client.get("/v1/runs", headers=NON_ASCII).status_code == 401
+    query = {"model": "gpt2", "gpu": "a100-80gb", "gpus": 1}
+    assert client.post("/verify", params=query, data={"token": "s3cr\xe9t"}).status_code == 401
+    monkeypatch.setenv("PLANNER_API_TOKEN", "s3cr\xe9t")  # a non-ASCII token configured: compared as bytes
+    assert client.post("/verify", params=query, data={"token": "s3cr\xe9t"}).status_code != 401
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
+def test_the_bearer_scheme_is_case_insensitive(client, monkeypatch, scheme):
+    monkeypatch.setenv("PLANNER_API_TOKEN", "s3cret")
+    r = client.delete("/v1/runs/12345", headers={"Authorization": f"{scheme} s3cret"})
+    assert r.status_code == 404 and "no run with id 12345" in r.json()["detail"]  # past the token check
+    assert client.delete("/v1/runs/12345", headers={"Authorization": "Basic s3cret"}).status_code == 401
+
+
+def test_run_records_are_behind_the_token_unless_public(tmp_path, monkeypatch):
+    from backend.store import RunStore
+
+    db = tmp_path / "runs.sqlite"
+    run_id = RunStore(db, create=True).start({"model": "gpt2", "request": {"strategy": "zero2", "gpus": 2, "nodes": 1,
+                                              "gpu": "cpu"}, "prediction": {"per_device": {"peak_bytes": 1,
+                                              "resident_bytes": 1}}, "status": "running"})
+    monkeypatch.delenv("PLANNER_PUBLIC_RUNS", raising=False)
+    monkeypatch.delenv("PLANNER_API_TOKEN", raising=False)
+    open_client = TestClient(create_app(str(db)))
+    assert open_client.get("/v1/runs").status_code == 200  # no token configured: nothing to guard with
+    monkeypatch.setenv("PLANNER_API_TOKEN", "s3cret")
+    private = TestClient(create_app(str(db)))
+    for path in ("/v1/runs", f"/v1/runs/{run_id}", f"/runs/{run_id}"):
+        r = private.get(path)
+        assert r.status_code == 401 and "Bearer" in r.text, path
+        assert private.get(path, headers={"Authorization": "bearer s3cret"}).status_code == 200, path
+    assert private.post("/v1/estimate", json={"model": "gpt2"}).status_code == 200  # planning stays open
+    # the page's verify form leaves a cookie keyed by the token (never the token) for the run pages
+    from web.pages import RUNS_COOKIE, _runs_pass
+
+    private.cookies.set(RUNS_COOKIE, _runs_pass("wrong"))
+    assert private.get(f"/runs/{run_id}").status_code == 401
+    private.cookies.set(RUNS_COOKIE, _runs_pass("s3cret"))
+    assert private.get(f"/runs/{run_id}").status_code == 200 and "s3cret" not in _runs_pass("s3cret")
+    assert TestClient(create_app(str(db), public_runs=True)).get("/v1/runs").json()[0]["id"] == run_id
+    monkeypatch.setenv("PLANNER_PUBLIC_RUNS", "1")
+    assert TestClient(create_app(str(db))).get(f"/v1/runs/{run_id}").status_code == 200
+
+
+def test_reading_runs_creates_no_database(tmp_path):
+    db = tmp_path / "later" / "runs.sqlite"
+    client = TestClient(create_app(str(db)))
+    assert client.get("/v1/runs").json() == [] and client.get("/v1/runs/1").status_code == 404
+    assert not (tmp_path / "later").exists()
+
+
+def test_an_unusable_database_is_503_with_the_reason(tmp_path, monkeypatch):
+    import sqlite3
+
+    monkeypatch.delenv("PLANNER_API_TOKEN", raising=False)
+    corrupt = tmp_path / "corrupt.sqlite"
+    corrupt.write_bytes(b"garbage" * 1000)
+    foreign = tmp_path / "foreign.sqlite"
+    with sqlite3.connect(foreign) as db:
+        db.execute("CREATE TABLE invoices (id INTEGER)")
+    for path, reason in ((corrupt, "file is not a database"), (foreign, "another program")):
+        client = TestClient(create_app(str(path)))
+        for r in (client.get("/v1/runs"), client.get("/v1/runs/1")):
+            assert r.status_code == 503 and reason in r.json()["detail"] and str(path) in r.json()["detail"]
+        assert client.post("/v1/estimate", json={"model": "gpt2"}).status_code == 200
+    monkeypatch.setenv("PLANNER_API_TOKEN", "s3cret")
+    r = TestClient(create_app(str(foreign))).post("/v1/verify", headers={"Authorization": "Bearer s3cret"}, json={
+        "request": {"model": "gpt2", "strategy": "zero2", "gpus": 2, "gpu": "cpu"}})
+    assert r.status_code == 503 and "another program" in r.json()["detail"]
+
+
+def test_a_run_of_another_process_is_not_cancelled_here(tmp_path, monkeypatch):
+    from backend.store import RunStore
+
+    db = tmp_path / "runs.sqlite"
+    run_id = RunStore(db, create=True).start({"model": "gpt2", "request": {"strategy": "zero2", "gpus": 2, "nodes": 1,
+                                              "gpu": "cpu"}, "prediction": {"per_device": {"peak_bytes": 1,
+                                              "resident_bytes": 1}}, "status": "running"})  # owned by this process
+    monkeypatch.setenv("PLANNER_API_TOKEN", "s3cret")
+    r = TestClient(create_app(str(db))).delete(f"/v1/runs/{run_id}", headers={"Authorization": "Bearer s3cret"})
+    assert r.status_code == 409 and "running in another planner process" in r.json()["detail"]

@@ -17,7 +17,8 @@ ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus",
                   "--gradient-accumulation", "--checkpointing", "--attention", "--offload-optimizer",
                   "--offload-params", "--hsdp-shard-size", "--ds-config", "--reduce-bucket-size", "--allgather-bucket-size",
                   "--prefetch-bucket-size", "--param-persistence-threshold", "--max-live-parameters",
-                  "--max-reuse-distance", "--topology", "--topology-file", "--profile", "--json"}
+                  "--max-reuse-distance", "--topology", "--topology-file", "--profile", "--json",
+                  "--emit", "--script"}
 
 
 def run(capsys, *argv):
@@ -110,7 +111,7 @@ BAD = [
     (["estimate", "--model", "gpt2", "--micro-batch", "4096", "--seq-len", "1000000"], "exceeds"),
     (["estimate", "--model", "gpt2", "--strategy", "zero9"], "invalid choice: 'zero9'"),
     (["estimate", "--model", "gpt2", "--gpus", "two"], "invalid int value: 'two'"),
-    (["estimate", "--params", "0"], "--params: got 0"),
+    (["estimate", "--params", "0"], "--params: got '0'"),
     (["estimate", "--model", "gpt2", "--params", "10"], "give exactly one of"),
     (["estimate"], "give exactly one of"),
     (["estimate", "--model", "gpt2", "--gpu", "tpu-v5"], "unknown gpu 'tpu-v5'"),

@@ -27,8 +27,13 @@ def _logits_share(fields) -> float:
     """Share of the predicted peak that is the loss's fp32 tokens x vocab tensors (the saved
     log-probabilities and the two gradients of the loss's backward)."""
     request = EstimateRequest(**fields)
-    tokens, vocab = request.micro_batch * request.seq_len, fields["model_config"]["vocab_size"]
+    tokens, vocab = request.micro_batch * request.seq_len, _vocab(fields)
     return 3 * FP32 * tokens * vocab / estimate(request).per_device.peak_bytes
+
+
+def _vocab(fields) -> int:
+    config = fields["model_config"]
+    return config.get("vocab_size") or config["text_config"]["vocab_size"]
 
 
 def _logits_runs(runs):
@@ -43,7 +48,7 @@ def test_the_suite_has_logits_dominated_runs_across_families_strategies_and_dtyp
     assert {f["strategy"] for f in runs} >= {"zero0", "zero1", "zero2", "zero3", "ddp", "fsdp"}
     assert {f["precision"] for f in runs} >= {"bf16-mixed", "fp32"}
     assert {f["checkpointing"] for f in runs} == {"none", "full"}
-    assert all(f["micro_batch"] * f["seq_len"] >= 1024 and f["model_config"]["vocab_size"] >= 32_000 for f in runs)
+    assert all(f["micro_batch"] * f["seq_len"] >= 1024 and _vocab(f) >= 32_000 for f in runs)
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])

@@ -94,8 +94,8 @@ def test_plan_is_fast():
 def test_bad_plan_inputs():
     with pytest.raises(PlannerError, match=r"global_batch\(100\) is not divisible by gpus\(8\) \* nodes\(1\) = 8"):
         plan(PlanRequest(model="gpt2", gpus=8, global_batch=100))
-    with pytest.raises(PlannerError, match="unknown topology preset 'dgx-z'"):
-        plan(PlanRequest(model="gpt2", topology="dgx-z"))
+    with pytest.raises(ValueError, match="unknown topology preset 'dgx-z'.*; choose from a6000-nvlink-pairs"):
+        PlanRequest(model="gpt2", topology="dgx-z")  # refused by the schema, before planning
     with pytest.raises(PlannerError, match="built from h100-80gb, but gpu is a100-80gb"):
         plan(PlanRequest(model="gpt2", gpu="a100-80gb", topology="hgx-h100"))
 
@@ -110,15 +110,16 @@ def test_cli_plan_json_and_emit(tmp_path, capsys):
     assert {"strategy", "fits", "per_device", "step_seconds", "compute_seconds", "communication_seconds",
             "exposed_communication_seconds", "tokens_per_second", "mfu", "rejected_reason"} <= set(rec)
     files = {p.name for p in tmp_path.iterdir()}
-    assert {"launch.sh", "hostfile", "plan.json"} <= files
+    assert {"launch.sh", "job.sbatch", "plan.json", "accelerate_config.yaml", "trainer_args.json", "LAUNCH.md"} <= files
+    assert "hostfile" not in files  # one node: DeepSpeed's launcher needs no hostfile
     if rec["strategy"].startswith("zero"):
         cfg = json.loads((tmp_path / "ds_config.json").read_text())
         assert cfg["train_micro_batch_size_per_gpu"] == rec["micro_batch"]
         assert cfg["zero_optimization"]["stage"] == int(rec["strategy"][-1])
         assert cfg["train_batch_size"] == 128
-        assert "deepspeed --num_gpus 8" in (tmp_path / "launch.sh").read_text()
+        assert "deepspeed --num_gpus 8 --master_port \"$port\" --module backend.worker" in (tmp_path / "launch.sh").read_text()
     else:
-        assert "torchrun --nproc_per_node 8" in (tmp_path / "launch.sh").read_text()
+        assert "torchrun --standalone --nproc_per_node 8 -m backend.worker" in (tmp_path / "launch.sh").read_text()
 
 
 def test_cli_topo(tmp_path, capsys):
@@ -127,7 +128,7 @@ def test_cli_topo(tmp_path, capsys):
                  "--svg", str(svg)])
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and len(data["gpus"]) == 8 and data["matrix"][0][1] == "NV12" and svg.read_text().startswith("<svg")
-    assert main(["topo", "--file", "/no/such"]) == 2
+    assert main(["topo", "--file", "/no/such", "--gpu", "a100-80gb"]) == 2
     assert "cannot be read" in capsys.readouterr().err
 
 

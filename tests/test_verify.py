@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.own_run import live_processes, ranks_training, segments, wait_until
 from tests.real_runs import LLAMA
 
 pytestmark = pytest.mark.deepspeed
@@ -27,17 +28,29 @@ def request(**kw):
     return EstimateRequest(**fields)
 
 
-def rank_processes(marker: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if marker in cmdline and "worker.py" in cmdline:
-                pids.append(int(entry.name))
-    return pids
+@pytest.fixture(autouse=True)
+def own_lock_dir(tmp_path, monkeypatch):
+    """The device locks of this test's runs, apart from other jobs' runs on a shared host."""
+    monkeypatch.setenv("PLANNER_LOCK_DIR", str(tmp_path / "locks"))
+
+
+def cli_verify(tmp_path: Path, db: Path, *extra: str, fault: str | None = "hang:0:1", steps: int = 2) -> subprocess.Popen:
+    """`planner verify` in a process of its own; its run's work directory lands in tmp_path."""
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(TINY))
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    if fault:
+        env["PLANNER_FAULT"] = fault
+    return subprocess.Popen([sys.executable, "-m", "cli.main", "verify", "--model-file", str(model), "--strategy",
+                             "zero1", "--gpus", "2", "--gpu", "cpu", "--micro-batch", "1", "--seq-len", "64",
+                             "--steps", str(steps), "--db", str(db), *extra], cwd=ROOT, env=env,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def work_dir(tmp_path: Path, timeout: float = 180) -> Path:
+    found = wait_until(lambda: sorted(tmp_path.glob("planner-run*")), timeout)
+    assert found, "the run never started"
+    return found[0]
 
 
 def test_ok_run_is_recorded_and_listed(tmp_path):
@@ -52,8 +65,10 @@ def test_ok_run_is_recorded_and_listed(tmp_path):
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all({"rank", "peak_bytes", "resident_bytes", "step_seconds", "by_category_resident"} <= set(r) for r in ranks)
     assert record["environment"]["versions"]["deepspeed"]
-    # DeepSpeed's shm all-reduce segments of this run are gone (backend.launch.remove_shm_segments)
-    assert not list(Path("/dev/shm").glob("deepspeed_*")) if Path("/dev/shm").is_dir() else True
+    # DeepSpeed's shm all-reduce segments of this run (its own master port) are gone; other jobs'
+    # segments on a shared host are none of this test's business
+    assert not segments(tmp_path / "w") and not live_processes(tmp_path / "w")
+    assert not list((tmp_path / "locks" / "runs").iterdir())  # the supervisor unregistered the run
     stored = RunStore(db).get(record["id"])
     assert stored["status"] == "ok" and stored["record"]["measured"]["peak_bytes"] == record["measured"]["peak_bytes"]
 
@@ -70,7 +85,7 @@ def test_failing_rank_is_reported_recorded_and_every_rank_ended(tmp_path, monkey
     assert "after 1 of 3 steps" in record["message"]
     if status == "oom":
         assert "the prediction said the peak" in record["message"]
-    assert rank_processes(str(work)) == []
+    assert live_processes(work) == [] and segments(work) == []
     assert RunStore(tmp_path / "db").get(record["id"])["status"] == status
 
 
@@ -82,41 +97,41 @@ def test_hang_times_out_and_leaves_no_orphan(tmp_path, monkeypatch):
     started = time.monotonic()
     record = verify(request(), steps=2, warmup_steps=1, db=str(tmp_path / "db"), work_dir=str(work), timeout_seconds=60)
     assert record["status"] == "timeout" and time.monotonic() - started < 120
-    assert rank_processes(str(work)) == []
+    assert live_processes(work) == [] and segments(work) == []
 
 
-def test_ctrl_c_ends_every_rank_and_records_interrupted(tmp_path):
-    db = tmp_path / "db"
-    model = tmp_path / "model.json"
-    model.write_text(json.dumps(TINY))
-    env = dict(os.environ, PLANNER_FAULT="hang:0:1", PLANNER_DB=str(db))
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "verify", "--model-file", str(model), "--strategy",
-                             "zero1", "--gpus", "2", "--gpu", "cpu", "--micro-batch", "1", "--seq-len", "64",
-                             "--steps", "2"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and not rank_processes("planner-run"):
-        time.sleep(0.5)
-    time.sleep(20)  # let the ranks reach the hang
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
-    time.sleep(1)
-    assert rank_processes("planner-run") == []
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGKILL],
+                         ids=["ctrl-c", "sigterm", "sighup", "sigkill"])
+def test_a_killed_cli_verify_leaves_no_rank_no_segment_and_records_interrupted(tmp_path, sig):
     from backend.store import RunStore
 
-    assert RunStore(db).list()[0]["status"] == "interrupted"
+    db = tmp_path / "runs.sqlite"
+    proc = cli_verify(tmp_path, db)
+    work = work_dir(tmp_path)
+    assert wait_until(lambda: ranks_training(work), 240), "the ranks never trained"
+    assert len(live_processes(work)) >= 4 and segments(work)  # supervisor, launcher group, 2 ranks
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == {signal.SIGINT: 130, signal.SIGTERM: 128 + 15, signal.SIGHUP: 128 + 1,
+                               signal.SIGKILL: -9}[sig], err
+    assert wait_until(lambda: not live_processes(work), 15), live_processes(work)
+    assert segments(work) == [] and not list((tmp_path / "locks" / "runs").iterdir())
+    run = RunStore(db).list()[0]
+    assert run["status"] == "interrupted" and run["finished"] is not None, run
+    if sig in (signal.SIGTERM, signal.SIGHUP):
+        assert f"interrupted ({sig.name})" in run["message"]
 
 
-def test_two_runs_on_the_same_devices_are_refused(tmp_path):
+def test_two_runs_on_the_same_devices_are_refused_whatever_their_database(tmp_path):
     from backend.store import RunStore
     from backend.verify import device_lock, verify
     from planner.errors import PlannerError
 
-    db = tmp_path / "db"
-    with device_lock(request(), Path(db).parent):
-        with pytest.raises(PlannerError, match="another planner verify is running on the same devices"):
-            verify(request(), steps=1, warmup_steps=0, db=str(db))
-    assert RunStore(db).list()[0]["status"] == "refused"
+    with device_lock(request()):
+        for db in (tmp_path / "a" / "db", tmp_path / "b" / "db"):  # the devices are locked, not a database
+            with pytest.raises(PlannerError, match="another planner verify is running on the same devices"):
+                verify(request(), steps=1, warmup_steps=0, db=str(db))
+            assert RunStore(db).list()[0]["status"] == "refused"
 
 
 def test_calibrate_fits_a_profile_that_estimate_and_plan_apply(tmp_path, monkeypatch):
@@ -145,3 +160,33 @@ def test_calibrate_fits_a_profile_that_estimate_and_plan_apply(tmp_path, monkeyp
     save_profile(profile.model_copy(update={"name": "cpu-test-nominal", "link_efficiency": 1.0, "link_efficiencies": {}}))
     nominal = estimate_with_time(request(strategy="zero1", profile="cpu-test-nominal")).time
     assert timed.time.communication_seconds != nominal.communication_seconds  # the link efficiency is applied
+
+
+def test_a_second_verify_leaves_the_first_running_and_cancellable(tmp_path, monkeypatch):
+    """A verify started while another trains (same database, or another one) is refused by the
+    device lock, and does not touch the first run: it stays running, and DELETE still ends it."""
+    from fastapi.testclient import TestClient
+
+    from web.app import create_app
+
+    monkeypatch.setenv("PLANNER_API_TOKEN", "s3cret")
+    monkeypatch.setenv("PLANNER_FAULT", "hang:0:1")
+    auth = {"Authorization": "Bearer s3cret"}
+    db = tmp_path / "runs.sqlite"
+    client = TestClient(create_app(str(db)))
+    body = {"request": {"model_config": TINY, "strategy": "zero1", "gpus": 2, "gpu": "cpu", "micro_batch": 1,
+                        "seq_len": 64}, "steps": 2, "warmup_steps": 1}
+    first = client.post("/v1/verify", json=body, headers=auth)
+    assert first.status_code == 202, first.text
+    run_id = first.json()["id"]
+    assert wait_until(lambda: "progress" in client.get(f"/v1/runs/{run_id}", headers=auth).json(), 240)
+    (tmp_path / "second").mkdir()
+    for other_db in (db, tmp_path / "elsewhere" / "runs.sqlite"):
+        second = cli_verify(tmp_path / "second", other_db, fault=None)
+        _, err = second.communicate(timeout=120)
+        assert second.returncode == 2 and "another planner verify is running on the same devices" in err, err
+        assert client.get(f"/v1/runs/{run_id}", headers=auth).json()["status"] == "running"
+    cancelled = client.delete(f"/v1/runs/{run_id}", headers=auth)
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
+    work = Path(cancelled.json()["record"]["work_dir"])
+    assert live_processes(work) == [] and segments(work) == []

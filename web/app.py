@@ -3,7 +3,11 @@
 Request and response bodies are the core's pydantic models, so the API's fields are the CLI's
 flags and --json objects, field for field. Domain errors map at this edge: an unknown model or
 name is 404, any other invalid request 422, a body over the limit 413, a missing or wrong token on
-POST /v1/verify 401.
+POST /v1/verify and DELETE /v1/runs/{id} 401, an unusable runs database 503.
+
+Planning is open. Run records (GET /v1/runs, /v1/runs/{id}, the page's /runs/{id}) name the host,
+paths and logs, so when a token is configured they need it too, unless the server makes them
+public (`planner serve --public-runs`, or PLANNER_PUBLIC_RUNS=1).
 """
 
 from __future__ import annotations
@@ -18,20 +22,25 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Body, Depends, FastAPI, Header, HTTPException, Path as PathParam, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from backend.anymodel import estimate_any, plan_any
+from backend.store import StoreError
 from planner import __version__
 from planner.catalogue import catalogue_model, load_catalogue
 from planner.errors import PlannerError, UnknownModelError, UnknownNameError
 from planner.gpus import gpu as lookup_gpu, load_gpus
-from planner.plan import estimate_with_time, plan
 from planner.presets import PRESETS
-from planner.schema import EstimateRequest, EstimateResult, PlanRequest, PlanResult
+from planner.schema import (EstimateRequest, EstimateResult, GpuName, PlanRequest, PlanResult, TimeoutSeconds,
+                            VerifySteps, WarmupSteps)
 from planner.topology import MAX_TOPOLOGY_BYTES, Topology, parse_topology
 
 MAX_BODY_BYTES = 256 * 1024  # an estimate/plan body with a pasted config.json and topology is < 100 KiB
 TOKEN_ENV, TOKEN_FILE_ENV = "PLANNER_API_TOKEN", "PLANNER_API_TOKEN_FILE"
+PUBLIC_RUNS_ENV = "PLANNER_PUBLIC_RUNS"
 
 ESTIMATE_EXAMPLE = {"model": "llama-3-8b", "strategy": "zero3", "gpus": 8, "gpu": "h100-80gb", "seq_len": 4096,
                     "micro_batch": 1}
@@ -45,14 +54,14 @@ VERIFY_EXAMPLE = {"model_config": {"model_type": "llama", "vocab_size": 4096, "h
 
 class TopologyBody(BaseModel):
     text: str = Field(max_length=MAX_TOPOLOGY_BYTES, description="`nvidia-smi topo -m` output")
-    gpu: str = Field("a100-80gb", description="GPU type, which decides what each link code means")
+    gpu: GpuName = Field(description="GPU type, which decides what each link code means (see GET /v1/gpus)")
 
 
 class VerifyBody(BaseModel):
     request: EstimateRequest
-    steps: int = Field(2, ge=1, le=100)
-    warmup_steps: int = Field(1, ge=0, le=20)
-    timeout_seconds: float | None = Field(None, gt=0, le=86400)
+    steps: VerifySteps = 2
+    warmup_steps: WarmupSteps = 1
+    timeout_seconds: TimeoutSeconds | None = None
 
 
 class RunStarted(BaseModel):
@@ -75,7 +84,10 @@ class Message(BaseModel):
 ERRORS = {404: {"model": Message, "description": "an unknown model, GPU, topology preset or run"},
           413: {"model": Message, "description": f"a request body over {MAX_BODY_BYTES} bytes"}}
 AUTH_ERRORS = {401: {"model": Message, "description": "no token configured, or a missing or wrong bearer token"},
-               409: {"model": Message, "description": "the device set is busy, or the run is not running"}}
+               409: {"model": Message, "description": "the device set is busy, or the run is not running"},
+               503: {"model": Message, "description": "the runs database is unusable (not ours, corrupt)"}}
+READ_ERRORS = {401: {"model": Message, "description": "a token is configured and the bearer token is missing or wrong"},
+               503: {"model": Message, "description": "the runs database is unusable (not ours, corrupt)"}}
 _FIELD_PREFIX = re.compile(r"^(--)?([A-Za-z_][\w.\[\]-]*)(\(|:| must| is| =)")
 
 
@@ -85,6 +97,18 @@ def validation_detail(message: str) -> list[dict[str, Any]]:
     match = _FIELD_PREFIX.match(message)
     loc = ["body", *match.group(2).replace("-", "_").split(".")] if match else ["body"]
     return [{"loc": loc, "msg": message, "type": "value_error"}]
+
+
+def json_safe(value: Any) -> Any:
+    """A 422 echoes the rejected input; NaN and Infinity (which Python's JSON reader accepts in a
+    body) cannot be written back as JSON, so they are echoed as text instead of failing with a 500."""
+    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def _token() -> str | None:
@@ -98,14 +122,87 @@ def _token() -> str | None:
     return token or None
 
 
+def bearer(authorization: str | None) -> str | None:
+    """The credentials of an 'Authorization: Bearer <token>' header; the scheme is case-insensitive
+    (RFC 9110, section 11.1)."""
+    scheme, _, credentials = (authorization or "").strip().partition(" ")
+    return credentials.strip() if scheme.lower() == "bearer" and credentials.strip() else None
+
+
+def token_matches(given: str | None, expected: str) -> bool:
+    """Constant-time comparison of bytes: hmac.compare_digest refuses str with non-ASCII characters
+    (a TypeError, so a 500), and a header may carry any latin-1 byte."""
+    if given is None:
+        return False
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode("utf-8", "surrogatepass"))
+
+
+UNAUTHORIZED = (401, "a valid 'Authorization: Bearer <token>' header is required", {"WWW-Authenticate": "Bearer"})
+
+
 def require_token(authorization: str | None = Header(None, description="Bearer token configured on the server")) -> None:
     expected = _token()
     if expected is None:
         raise HTTPException(401, "launching runs is disabled: no token is configured on the server "
                                  f"({TOKEN_ENV} or {TOKEN_FILE_ENV})")
-    given = (authorization or "").removeprefix("Bearer ").strip()
-    if not authorization or not authorization.startswith("Bearer ") or not hmac.compare_digest(given, expected):
-        raise HTTPException(401, "a valid 'Authorization: Bearer <token>' header is required", {"WWW-Authenticate": "Bearer"})
+    if not token_matches(bearer(authorization), expected):
+        raise HTTPException(*UNAUTHORIZED)
+
+
+def runs_are_private(app: FastAPI) -> bool:
+    return _token() is not None and not app.state.public_runs
+
+
+def require_runs_access(request: Request, authorization: str | None = Header(
+        None, description="Bearer token, needed when the server has one and its run records are not public")) -> None:
+    expected = _token()
+    if runs_are_private(request.app) and not token_matches(bearer(authorization), expected):
+        raise HTTPException(*UNAUTHORIZED)
+
+
+class BodyLimit:
+    """Refuse a request body over the limit with 413, reading no more of it than the limit (plus
+    the chunk that crossed it): a chunked body has no Content-Length to refuse up front. What was
+    read is replayed to the app."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = JSONResponse({"detail": f"request body over {self.limit} bytes"}, status_code=413)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await too_large(scope, receive, send)
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return await too_large(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        pending = iter(messages)
+
+        async def replay():
+            return next(pending, None) or await receive()
+
+        return await self.app(scope, replay, send)
+
+
+class Stop(threading.Event):
+    """A run's cancel signal, with the state it ends in: 'cancelled' by DELETE, 'interrupted' when
+    the server stops."""
+
+    status, message = "cancelled", "cancelled"
+
+    def interrupt(self, message: str) -> None:
+        self.status, self.message = "interrupted", message
+        self.set()
 
 
 class Jobs:
@@ -114,11 +211,13 @@ class Jobs:
     def __init__(self, db: str | None):
         self.db = db
         self.lock = threading.Lock()
-        self.cancels: dict[int, threading.Event] = {}
+        self.cancels: dict[int, Stop] = {}
+        self.threads: dict[int, threading.Thread] = {}
         self.busy: set[str] = set()
         self.progress: dict[int, tuple[int, int]] = {}  # run id -> (steps done, steps in all)
 
     def store(self):
+        """The runs database for reading: never created here (a verify creates it)."""
         from backend.store import RunStore
 
         return RunStore(self.db)
@@ -133,11 +232,12 @@ class Jobs:
             self.busy.add(devices)
         started = threading.Event()
         holder: dict[str, Any] = {}
-        cancel = threading.Event()
+        cancel = Stop()
 
         def on_start(run_id: int) -> None:
             holder["id"] = run_id
             self.cancels[run_id] = cancel
+            self.threads[run_id] = threading.current_thread()
             started.set()
 
         def on_progress(done: int, total: int) -> None:
@@ -150,7 +250,7 @@ class Jobs:
                        timeout_seconds=body.timeout_seconds, db=self.db, cancel=cancel, on_start=on_start,
                        on_progress=on_progress)
             except Exception as exc:  # recorded by verify() as refused; keep the reason for the caller
-                holder["error"] = str(exc)
+                holder["error"] = exc
             finally:
                 with self.lock:
                     self.busy.discard(devices)
@@ -159,50 +259,73 @@ class Jobs:
         threading.Thread(target=work, daemon=True, name=f"verify-{devices}").start()
         started.wait(timeout=60)
         if "id" not in holder:
-            raise HTTPException(422, validation_detail(holder.get("error", "the run could not start")))
+            error = holder.get("error")
+            if isinstance(error, StoreError):
+                raise HTTPException(503, str(error))
+            if isinstance(error, PlannerError) and error.args[0].startswith("another planner verify is running"):
+                raise HTTPException(409, str(error))
+            raise HTTPException(422, validation_detail(str(error or "the run could not start")))
         return holder["id"]
 
     def cancel(self, run_id: int) -> dict[str, Any]:
         run = self.store().get(run_id)
         event = self.cancels.get(run_id)
-        if run["status"] != "running" or event is None:
+        if run["status"] != "running":
             raise HTTPException(409, f"run {run_id} is {run['status']}, not running")
+        if event is None:
+            raise HTTPException(409, f"run {run_id} is running in another planner process (a CLI verify or "
+                                     "another server); end it there: Ctrl-C or SIGTERM")
         event.set()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and self.store().get(run_id)["status"] == "running":
             time.sleep(0.2)
         return self.store().get(run_id)
 
+    def interrupt_all(self, message: str, wait_seconds: float = 60.0) -> None:
+        """End every run of this server, recorded as interrupted (the server is stopping)."""
+        running = [(i, t) for i, t in self.threads.items() if t.is_alive()]
+        for run_id, _ in running:
+            self.cancels[run_id].interrupt(message)
+        deadline = time.monotonic() + wait_seconds
+        for _, thread in running:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
-def create_app(db: str | None = None) -> FastAPI:
+
+def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAPI:
+    """``public_runs``: serve run records without the token; None reads PLANNER_PUBLIC_RUNS."""
     jobs = Jobs(db or os.environ.get("PLANNER_DB"))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         try:
-            jobs.store().mark_interrupted()  # a run that was in flight when the server stopped
+            jobs.store().mark_interrupted()  # runs whose owner is gone; a live one is left running
         except (PlannerError, ImportError):
-            pass
+            pass  # the run routes answer 503 with the reason; planning still works
         yield
+        # SIGTERM/SIGINT (uvicorn's graceful shutdown): end our runs, recorded as interrupted. A
+        # SIGKILL never gets here: each run's supervisor then ends the ranks and records it.
+        jobs.interrupt_all("interrupted: the server stopped; all ranks ended")
 
     app = FastAPI(title="planner", version=__version__, lifespan=lifespan, responses=ERRORS,
                   description="Per-GPU memory, strategy and interconnect planning for distributed training.")
     app.state.jobs = jobs
+    if public_runs is None:
+        public_runs = os.environ.get(PUBLIC_RUNS_ENV, "").lower() in ("1", "true", "yes")
+    app.state.public_runs = public_runs
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            return JSONResponse({"detail": f"request body over {MAX_BODY_BYTES} bytes"}, status_code=413)
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            return JSONResponse({"detail": f"request body over {MAX_BODY_BYTES} bytes"}, status_code=413)
-        return await call_next(request)
+    @app.exception_handler(StoreError)
+    async def _store_unusable(_: Request, exc: PlannerError):
+        return JSONResponse({"detail": str(exc)}, status_code=503)
 
     @app.exception_handler(UnknownModelError)
     @app.exception_handler(UnknownNameError)
     async def _not_found(_: Request, exc: PlannerError):
         return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(RequestValidationError)
+    async def _unprocessable(_: Request, exc: RequestValidationError):
+        return JSONResponse({"detail": json_safe(jsonable_encoder(exc.errors()))}, status_code=422)
 
     @app.exception_handler(PlannerError)
     async def _invalid(_: Request, exc: PlannerError):
@@ -215,14 +338,14 @@ def create_app(db: str | None = None) -> FastAPI:
     @app.get("/v1/models", tags=["catalogue"])
     def models() -> list[dict[str, Any]]:
         return [{"name": n, "family": e.family, "parameters": catalogue_model(n).parameters, "source": e.source,
-                 "config": e.config} for n, e in load_catalogue().items()]
+                 "aliases": list(e.all_aliases), "config": e.config} for n, e in load_catalogue().items()]
 
-    @app.get("/v1/models/{name}", tags=["catalogue"])
+    @app.get("/v1/models/{name:path}", tags=["catalogue"])  # :path, so a Hub id alias (org/name) reaches it
     def model(name: str) -> dict[str, Any]:
         resolved = catalogue_model(name)
         entry = load_catalogue()[resolved.name]
         return {"name": resolved.name, "family": entry.family, "parameters": resolved.parameters,
-                "source": entry.source, "config": entry.config,
+                "source": entry.source, "aliases": list(entry.all_aliases), "config": entry.config,
                 "architecture": resolved.architecture.model_dump() if resolved.architecture else None}
 
     @app.get("/v1/gpus", tags=["catalogue"])
@@ -241,11 +364,11 @@ def create_app(db: str | None = None) -> FastAPI:
 
     @app.post("/v1/estimate", tags=["planning"], response_model=EstimateResult, response_model_by_alias=True)
     def estimate_route(body: EstimateRequest = Body(..., examples=[ESTIMATE_EXAMPLE])) -> EstimateResult:
-        return estimate_with_time(body)
+        return estimate_any(body)  # Hub ids; tracing for a model_type without a reader
 
     @app.post("/v1/plan", tags=["planning"], response_model=PlanResult, response_model_by_alias=True)
     def plan_route(body: PlanRequest = Body(..., examples=[PLAN_EXAMPLE])) -> PlanResult:
-        return plan(body)
+        return plan_any(body)  # Hub ids
 
     @app.post("/v1/verify", tags=["runs"], response_model=RunStarted, status_code=202,
               dependencies=[Depends(require_token)], responses=AUTH_ERRORS)
@@ -255,14 +378,16 @@ def create_app(db: str | None = None) -> FastAPI:
         resolve(body.request)  # refuse a bad request with 404/422 before anything starts
         return RunStarted(id=jobs.start(body), status="running")
 
-    @app.get("/v1/runs", tags=["runs"])
+    @app.get("/v1/runs", tags=["runs"], dependencies=[Depends(require_runs_access)], responses=READ_ERRORS)
     def runs(limit: int = Query(100, ge=1, le=10_000)) -> list[dict[str, Any]]:
         return jobs.store().list(limit)
 
-    @app.get("/v1/runs/{run_id}", tags=["runs"])
+    @app.get("/v1/runs/{run_id}", tags=["runs"], dependencies=[Depends(require_runs_access)], responses=READ_ERRORS)
     def run(run_id: RunId) -> dict[str, Any]:
         try:
             out = jobs.store().get(run_id)
+        except StoreError:
+            raise
         except PlannerError as exc:
             raise HTTPException(404, str(exc)) from None
         if out["status"] == "running" and run_id in jobs.progress:
@@ -274,6 +399,8 @@ def create_app(db: str | None = None) -> FastAPI:
     def cancel(run_id: RunId) -> dict[str, Any]:
         try:
             return jobs.cancel(run_id)
+        except StoreError:
+            raise
         except PlannerError as exc:
             raise HTTPException(404, str(exc)) from None
 

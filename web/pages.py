@@ -72,6 +72,17 @@ def _recommended(request: Request, nothing_status: int, nothing_message: str):
     return req, result.recommended
 
 
+RUNS_COOKIE = "planner_runs"
+
+
+def _runs_pass(token: str) -> str:
+    """What the run pages' cookie holds: a digest keyed by the token, never the token itself."""
+    import hashlib
+    import hmac
+
+    return hmac.new(token.encode("utf-8", "surrogatepass"), b"planner run pages", hashlib.sha256).hexdigest()
+
+
 def add_pages(app: FastAPI) -> None:
     from web.app import _token
 
@@ -120,21 +131,27 @@ def add_pages(app: FastAPI) -> None:
 
     @app.post("/verify", include_in_schema=False)
     def verify_page(request: Request, token: str = Form("")) -> RedirectResponse:
-        import hmac
-
-        from web.app import VerifyBody
+        from web.app import VerifyBody, token_matches
 
         expected = _token()
-        if expected is None or not hmac.compare_digest(token, expected):
+        if expected is None or not token_matches(token, expected):
             raise HTTPException(401, "wrong or missing token")
         req, candidate = _recommended(request, 422, "nothing fits, so nothing is run")
         run_id = app.state.jobs.start(VerifyBody(request=estimate_request_for(req, candidate)))
-        return RedirectResponse(f"/runs/{run_id}", status_code=303)
+        response = RedirectResponse(f"/runs/{run_id}", status_code=303)
+        # the run's page is behind the token too: the browser that gave it may read run pages
+        response.set_cookie(RUNS_COOKIE, _runs_pass(expected), httponly=True, samesite="strict", path="/runs")
+        return response
 
     @app.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
     def run_page(run_id: int, request: Request) -> HTMLResponse:
         from cli.render import verify_table
+        from web.app import UNAUTHORIZED, bearer, runs_are_private, token_matches
 
+        expected = _token()
+        if runs_are_private(app) and not (token_matches(bearer(request.headers.get("authorization")), expected)
+                                          or token_matches(request.cookies.get(RUNS_COOKIE), _runs_pass(expected))):
+            raise HTTPException(*UNAUTHORIZED)
         try:
             run = app.state.jobs.store().get(run_id)
         except PlannerError as exc:

@@ -1,0 +1,49 @@
+"""What the CLI and the API call for estimate and plan: Hub ids read through huggingface_hub,
+then the pure core; a model_type the core has no reader for is traced (backend/trace.py).
+
+Only the standard library and the core are imported here; huggingface_hub, torch and
+transformers are imported when a request needs them, so a core-only install answers every
+catalogue request and names the extra to install for the rest.
+"""
+
+from __future__ import annotations
+
+import json
+
+from planner.catalogue import UnsupportedModelTypeError, raw_parameters, traced_model
+from planner.memory import estimate, resolve
+from planner.plan import estimate_with_time, plan
+from planner.schema import EstimateRequest, EstimateResult, PlanRequest, PlanResult
+
+
+def estimate_any(request: EstimateRequest) -> EstimateResult:
+    from backend.hub import with_hub_model
+
+    request = with_hub_model(request)
+    try:
+        return estimate_with_time(request)
+    except UnsupportedModelTypeError as exc:
+        return traced_estimate(request, exc)
+
+
+def plan_any(request: PlanRequest) -> PlanResult:
+    """A plan searches thousands of settings with the analytic model; a model_type without a
+    reader is refused with the core's message (which names `planner estimate` for tracing)."""
+    from backend.hub import with_hub_model
+
+    return plan(with_hub_model(request))
+
+
+def traced_estimate(request: EstimateRequest, exc: UnsupportedModelTypeError) -> EstimateResult:
+    """The estimate of a model the core cannot read: parameters and activations measured by
+    backend/trace.py at this request's setting, fed to the same phase model. No time model."""
+    from backend.trace import cached_count, cached_trace
+
+    text = json.dumps(exc.config, sort_keys=True, default=str)
+    count = cached_count(text, exc.name)
+    # the request's effective settings (a ds_config may set the precision) before tracing at them
+    setup = resolve(request, model=raw_parameters(count.parameters))
+    req = setup.request
+    profile = cached_trace(text, exc.name, req.micro_batch, req.seq_len, setup.recipe.compute, req.attention,
+                           req.checkpointing)
+    return estimate(request, model=traced_model(exc.name, exc.source, profile))
