@@ -109,8 +109,8 @@ def _tied_head_elements(arch: "Architecture") -> int:
     Measured with the backend's peak trace on ZeRO-2 (qwen2 fp32, gpt2 bf16, exact): three V x h
     tensors live at the embedding's backward, and the head's contribution unreduced through
     every block; on ZeRO-1 (qwen2 fp32, exact) the same sum, with every gradient and the bucket
-    live, before the reduction. Applied to ZeRO-1 and ZeRO-2: FSDP2 holds something else there
-    (README, known misses), and ZeRO-3 and DDP were within 3% without it."""
+    live, before the reduction; on FSDP2 (qwen2 fp32 and bf16, exact) the same sum, beside the
+    root's unsharded gradients. ZeRO-3 and DDP were within 3% without the term and do not use it."""
     return arch.vocab_size * arch.hidden_size if arch.tie_word_embeddings else 0
 
 
@@ -485,6 +485,9 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
         else:
             items += _fsdp_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes)
         phases.append(_phase(point.label, items))
+        if s.name != "ddp" and point.tied_sum_elements:
+            phases.append(_phase("embeddings' backward (tied gradients summed)",
+                                 resident + _fsdp_tied_sum_items(point, psi, root, shard, compute_bytes, store_bytes)))
     grad_bytes = store_bytes * (part if s.shards_gradients else psi)
     phases.append(_phase("optimizer step", resident + [
         _item("gradients", 0 if offload else grad_bytes, "gradients"),
@@ -557,6 +560,22 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
         items.append(_item("root gradients (unsharded, until the end of backward)",
                            compute_bytes * min(head_grads, root), "gradients"))
     return items
+
+
+def _fsdp_tied_sum_items(point: SweepPoint, psi: int, root: int, shard: int, compute_bytes: int,
+                         store_bytes: int) -> list[MemoryItem]:
+    """FSDP2 at the embeddings' backward of a tied model (_tied_head_elements): the root unit is
+    gathered, every block's gradients are reduce-scattered, and the root's unsharded gradients
+    (the head's contribution to the tied weight among them) wait for its post-backward while
+    autograd sums the tied contributions (peak trace: aten::mm's and EmbeddingBackward0's
+    V x h and aten::add's sum, all live, then _fsdp_param_group.py post_backward)."""
+    return [
+        _item("all-gathered root unit", compute_bytes * root, "buffers", "the root unit, gathered for backward"),
+        _item("sharded gradients of the blocks", store_bytes * _ceil_div(psi - root, shard), "gradients"),
+        _item("root gradients (unsharded), the tied head's contribution among them", compute_bytes * root,
+              "gradients", "until the root's reduce-scatter at the end of backward"),
+        _tied_sum_item(point, compute_bytes),
+    ]
 
 
 def phases_for(setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
