@@ -163,6 +163,8 @@ BENCH_RUNS = [
     _run("gpt2-v50k-zero1-fp32-small-t128", GPT2_50K, "zero1", "fp32", small=True, micro=1, seq=128),
     _run("qwen2-v64k-fsdp-fp32-t128", QWEN2_64K, "fsdp", "fp32", small=True, micro=1, seq=128),
     _run("gpt2-v50k-fsdp-fp32-t128", GPT2_50K, "fsdp", "fp32", micro=1, seq=128),
+    _run("qwen2-v64k-ddp-fp32-t128", QWEN2_64K, "ddp", "fp32", micro=1, seq=128),
+    _run("qwen2-v64k-zero3-fp32-small-t128", QWEN2_64K, "zero3", "fp32", small=True, micro=1, seq=128),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than
