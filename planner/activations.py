@@ -323,9 +323,18 @@ def _final_norm_saved(a: Architecture, tokens: int, b: int) -> int:
 
 
 def _loss_saved(a: Architecture, tokens: int, b: int) -> int:
-    """transformers' ForCausalLMLoss upcasts the logits to fp32 and cross_entropy's log_softmax
-    saves its fp32 output: 4 bytes x tokens x vocab, usually the largest single tensor; plus the
-    shifted int64 labels."""
+    """What the causal-LM loss keeps for backward (transformers 5.24, loss/loss_utils.py).
+
+    ``logits = self.lm_head(hidden_states)`` (modeling_llama.py:471, modeling_qwen2.py:459,
+    modeling_gpt2.py:698) is in the training dtype; ForCausalLMLoss upcasts it,
+    ``logits = logits.float()`` (loss_utils.py:61, a no-op in fp32), and fixed_cross_entropy
+    calls ``nn.functional.cross_entropy`` (loss_utils.py:42): log_softmax, whose backward needs
+    only its fp32 output (derivatives.yaml, _log_softmax: result), then nll_loss, which saves
+    that same output and the labels. Neither the training-dtype logits nor their fp32 upcast
+    are saved: the upcast dies when the loss returns, the logits with the model's output
+    object once the loop has taken ``.loss`` (backend peak trace: at the peak, the only
+    logits-sized tensors are this output and the two below). So: 4 bytes x tokens x vocab, the
+    largest single activation, plus the shifted int64 labels (loss_utils.py:66)."""
     softcap = FP32 * tokens * a.vocab_size if a.final_logit_softcapping else 0  # tanh output
     return FP32 * tokens * a.vocab_size + softcap + 8 * tokens
 
@@ -336,9 +345,14 @@ def _rope_saved(a: Architecture, seq_len: int, b: int) -> int:
 
 
 def _loss_transient(a: Architecture, tokens: int, b: int) -> int:
-    """At the start of backward, log_softmax's backward holds the incoming gradient and the
-    gradient it produces, both fp32 tokens x vocab (measured: 8 bytes x tokens x vocab on top of
-    the saved set, in bf16 and fp32 alike; the cast for the LM head comes after one is freed)."""
+    """The peak of the loss's backward, on top of the saved set: nll_loss_backward's gradient
+    (fp32 tokens x vocab, zeros with one entry per row) and log_softmax_backward's output
+    (fp32 tokens x vocab), both live while the saved log-probabilities are still held
+    (autograd frees a node's saved tensors after it runs). The cast back to the training dtype
+    (``.float()``'s backward, 2 x tokens x vocab in bf16) comes after the incoming gradient and
+    the log-probabilities are freed, so it never adds to this: 8 bytes x tokens x vocab in bf16
+    and fp32 alike, measured to the byte on llama, qwen2 and gpt2 shapes with vocabularies of
+    32k-128k (tests/real_runs.py, the logits-dominated runs)."""
     return 2 * FP32 * tokens * a.vocab_size
 
 

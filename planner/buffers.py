@@ -15,6 +15,7 @@ from planner.architecture import blocks_parameters, layer_parameters
 from planner.schema import MemoryItem, Phase
 
 if TYPE_CHECKING:
+    from planner.architecture import Architecture
     from planner.memory import Setup
 
 FP32 = 4
@@ -60,6 +61,11 @@ class SweepPoint:
     grad_elements: int  # gradient elements produced so far
     in_flight_elements: int  # of which produced since the last block boundary (not yet reduced)
     transient_bytes: int
+    # A tied LM head's contribution to the embedding weight's gradient (counted in grad_elements),
+    # held by autograd until the embedding's own arrives: no parameter hook has seen it yet.
+    held_elements: int = 0
+    # At the embedding's backward, the two tied contributions live while autograd sums them.
+    tied_sum_elements: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class Layout:
     blocks_parameters: int  # all blocks together
     late_parameters: int  # gradients produced after the last block: the untied input embeddings
     lm_head_elements: int  # vocab x hidden, the LM head's matmul (tied or not)
+    tied_head_elements: int = 0  # the LM head's gradient contribution to a tied embedding (_tied_head_elements)
 
 
 def layout(setup: "Setup") -> Layout | None:
@@ -86,7 +93,25 @@ def layout(setup: "Setup") -> Layout | None:
     # allocated at the head.
     embedding = arch.vocab_size * arch.hidden_size + arch.learned_positions * arch.hidden_size
     return Layout(arch.num_layers, layer_parameters(arch), blocks_parameters(arch),
-                  0 if arch.tie_word_embeddings else embedding, arch.vocab_size * arch.hidden_size)
+                  0 if arch.tie_word_embeddings else embedding, arch.vocab_size * arch.hidden_size,
+                  _tied_head_elements(arch))
+
+
+def _tied_head_elements(arch: "Architecture") -> int:
+    """Elements of the LM head's contribution to a tied embedding weight's gradient.
+
+    The tied weight is one leaf used twice, so autograd gives it one AccumulateGrad node and
+    sums both contributions in that node's input buffer before running it (torch 2.13,
+    torch/csrc/autograd/input_buffer.cpp, InputBuffer::add): the LM head's V x h gradient waits
+    there from the head's backward to the embedding's, at the very end, where the embedding's
+    dense gradient (embedding_dense_backward) and their out-of-place sum are made. Only then
+    does the parameter's post-accumulate hook run (ZeRO's reduction, DDP's bucket copy).
+    Measured with the backend's peak trace on ZeRO-2 (qwen2 fp32, gpt2 bf16, exact): three V x h
+    tensors live at the embedding's backward, and the head's contribution unreduced through
+    every block; on ZeRO-1 (qwen2 fp32, exact) the same sum, with every gradient and the bucket
+    live, before the reduction; on FSDP2 (qwen2 fp32 and bf16, exact) the same sum, beside the
+    root's unsharded gradients. ZeRO-3 and DDP were within 3% without the term and do not use it."""
+    return arch.vocab_size * arch.hidden_size if arch.tie_word_embeddings else 0
 
 
 def _head_and_late(shape: Layout, numels: list[int]) -> tuple[int, int]:
@@ -105,6 +130,7 @@ def backward_sweep(acts: Activations | None, numels: list[int], shape: Layout | 
         return [SweepPoint("backward", 0, total, max(numels), 0)]
     per_layer = shape.layer_parameters
     head, late = _head_and_late(shape, numels)
+    held = shape.tied_head_elements
     body = acts.saved_bytes - acts.head_saved_bytes
     points = [SweepPoint("start of backward", acts.saved_bytes, 0, 0, acts.loss_transient_bytes),
               SweepPoint("after the LM head", body, head, head, 0)]
@@ -117,10 +143,13 @@ def backward_sweep(acts: Activations | None, numels: list[int], shape: Layout | 
         live = body - index * acts.layer_kept_bytes
         produced = head + index * per_layer
         points.append(SweepPoint(f"start of block {block} backward", live + recompute, produced,
-                                 0, acts.layer_transient_bytes))
+                                 0, acts.layer_transient_bytes, held_elements=held))
         points.append(SweepPoint(f"end of block {block} backward", live - acts.layer_kept_bytes,
-                                 produced + per_layer, per_layer, 0))
-    points.append(SweepPoint("end of backward", 0, total, late or per_layer, 0))
+                                 produced + per_layer, per_layer, 0, held_elements=held))
+    # The embeddings' backward comes last: an untied embedding's gradient awaits its hook, or a
+    # tied weight's two contributions live while autograd sums them.
+    points.append(SweepPoint("end of backward", 0, total, late or per_layer, 0, held_elements=held,
+                             tied_sum_elements=2 * held))
     return points
 
 
@@ -161,6 +190,12 @@ def _activation_items(point: SweepPoint) -> list[MemoryItem]:
         _item("backward transients", point.transient_bytes, "activations",
               "gradients of the loss (2 x fp32 tokens x vocab) or of one block's intermediates"),
     ]
+
+
+def _tied_sum_item(point: SweepPoint, grad_bytes: int) -> MemoryItem:
+    return _item("tied embedding: LM head's and embedding's gradients being summed",
+                 grad_bytes * point.tied_sum_elements, "gradients",
+                 "autograd input_buffer.cpp: one AccumulateGrad node per leaf, contributions summed out of place")
 
 
 def _zero0_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
@@ -249,9 +284,21 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
         elif point.grad_elements:
             # Each gradient is copied into the bucket by its hook and freed: only the gradients
             # of the current block are in flight. The bucket exists from the first hook on.
-            items += [_item("16-bit gradients not yet reduced", wb * point.in_flight_elements, "gradients"),
-                      bucket] + ([in_partition] if reduced else [])
+            # A tied head's gradient waits in autograd, unreduced, for the embedding's; at the
+            # embedding's backward both live while their sum (then the one unreduced gradient)
+            # is made: measured, three V x h tensors.
+            unreduced = point.held_elements if point.tied_sum_elements else \
+                point.in_flight_elements + point.held_elements
+            items += [_item("16-bit gradients not yet reduced", wb * unreduced, "gradients"), bucket,
+                      _tied_sum_item(point, wb)] + ([in_partition] if reduced else [])
         phases.append(_phase(point.label, items))
+        if stage == 1 and point.tied_sum_elements:
+            # ZeRO-1 reduces once the last hook has run: the tied weight's contributions are
+            # summed with every gradient and the bucket live, before grads_in_partition exists
+            # (peak trace: the gradients, the bucket and two more V x h at that moment).
+            phases.append(_phase("embeddings' backward (tied gradients summed)", resident + _activation_items(point) + [
+                _item("16-bit gradients", wb * point.grad_elements, "gradients"), bucket,
+                _tied_sum_item(point, wb)]))
     if first is not None and acts is not None and layout(setup) is not None:
         produced, trigger = first
         items = resident + [_item("saved activations", _activations_when_produced(acts, layout(setup), numels, produced),
@@ -438,6 +485,9 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
         else:
             items += _fsdp_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes)
         phases.append(_phase(point.label, items))
+        if s.name != "ddp" and point.tied_sum_elements:
+            phases.append(_phase("embeddings' backward (tied gradients summed)",
+                                 resident + _fsdp_tied_sum_items(point, psi, root, shard, compute_bytes, store_bytes)))
     grad_bytes = store_bytes * (part if s.shards_gradients else psi)
     phases.append(_phase("optimizer step", resident + [
         _item("gradients", 0 if offload else grad_bytes, "gradients"),
@@ -510,6 +560,22 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
         items.append(_item("root gradients (unsharded, until the end of backward)",
                            compute_bytes * min(head_grads, root), "gradients"))
     return items
+
+
+def _fsdp_tied_sum_items(point: SweepPoint, psi: int, root: int, shard: int, compute_bytes: int,
+                         store_bytes: int) -> list[MemoryItem]:
+    """FSDP2 at the embeddings' backward of a tied model (_tied_head_elements): the root unit is
+    gathered, every block's gradients are reduce-scattered, and the root's unsharded gradients
+    (the head's contribution to the tied weight among them) wait for its post-backward while
+    autograd sums the tied contributions (peak trace: aten::mm's and EmbeddingBackward0's
+    V x h and aten::add's sum, all live, then _fsdp_param_group.py post_backward)."""
+    return [
+        _item("all-gathered root unit", compute_bytes * root, "buffers", "the root unit, gathered for backward"),
+        _item("sharded gradients of the blocks", store_bytes * _ceil_div(psi - root, shard), "gradients"),
+        _item("root gradients (unsharded), the tied head's contribution among them", compute_bytes * root,
+              "gradients", "until the root's reduce-scatter at the end of backward"),
+        _tied_sum_item(point, compute_bytes),
+    ]
 
 
 def phases_for(setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:

@@ -60,6 +60,15 @@ DEEPSEEK_V2 = {"model_type": "deepseek_v2", "vocab_size": 4096, "hidden_size": 2
                "num_attention_heads": 4, "q_lora_rank": None, "kv_lora_rank": 64, "qk_rope_head_dim": 32,
                "qk_nope_head_dim": 64, "v_head_dim": 64, "max_position_embeddings": 4096,
                "pad_token_id": None, "eos_token_id": None, "bos_token_id": None}
+# Logits-dominated shapes: the same blocks with a real vocabulary, so that at 1-2k tokens per
+# micro-batch the loss's fp32 tokens x vocab tensors are most of the peak (Llama-2's 32,000,
+# GPT-2's 50,257, a 64,000 one, Llama-3's 128,256). Run with small buckets, or DeepSpeed's 1 GB
+# default bucket would be the peak instead.
+LLAMA_32K = dict(LLAMA, vocab_size=32_000)
+LLAMA_128K = dict(LLAMA, vocab_size=128_256)
+QWEN2_32K = dict(QWEN2, vocab_size=32_000)
+QWEN2_64K = dict(QWEN2, vocab_size=64_000)
+GPT2_50K = dict(GPT2, vocab_size=50_257)
 SMALL = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000,
          "prefetch_bucket_size": 1_000_000, "param_persistence_threshold": 10_000}
 
@@ -102,6 +111,12 @@ CPU_RUNS = [
     _run("mistral-zero3-bf16-4ranks-s1024", MISTRAL, "zero3", "bf16-mixed", gpus=4, micro=1, seq=1024),
     _run("qwen3-zero2-bf16-small-s512", QWEN3, "zero2", "bf16-mixed", small=True, micro=4, seq=512),
     _run("qwen3moe-zero2-bf16-small-s512", QWEN3_MOE, "zero2", "bf16-mixed", small=True, micro=4, seq=512),
+    # logits-dominated (1,024 tokens, vocabularies of 32k-64k)
+    _run("llama-v32k-zero2-bf16-small-t1024", LLAMA_32K, "zero2", "bf16-mixed", small=True, micro=2, seq=512),
+    _run("llama-v32k-zero3-fp32-small-ckpt-t1024", LLAMA_32K, "zero3", "fp32", small=True, ckpt="full",
+         micro=1, seq=1024),
+    _run("qwen2-v32k-fsdp-bf16-t1024", QWEN2_32K, "fsdp", "bf16-mixed", micro=1, seq=1024),
+    _run("gpt2-v50k-ddp-fp32-ckpt-t1024", GPT2_50K, "ddp", "fp32", ckpt="full", micro=2, seq=512),
 ]
 
 # Measured and reported by bench/accuracy.py (not in CI, to keep it short): the rest of the
@@ -131,6 +146,25 @@ BENCH_RUNS = [
     _run("smollm3-zero1-bf16-small-s512", SMOLLM3, "zero1", "bf16-mixed", small=True, micro=4, seq=512),
     _run("gemma2-zero2-fp32-small-eager", GEMMA2, "zero2", "fp32", small=True, micro=2, seq=256),
     _run("deepseekv2-zero3-fp32-small", DEEPSEEK_V2, "zero3", "fp32", small=True, micro=2, seq=256),
+    # logits-dominated (1-2k tokens, vocabularies of 32k-128k)
+    _run("llama-v32k-zero0-fp32-small-t2048", LLAMA_32K, "zero0", "fp32", small=True, micro=1, seq=2048),
+    _run("llama-v32k-zero3-bf16-small-t1024", LLAMA_32K, "zero3", "bf16-mixed", small=True, micro=2, seq=512),
+    _run("llama-v32k-ddp-bf16-t1024", LLAMA_32K, "ddp", "bf16-mixed", micro=2, seq=512),
+    _run("gpt2-v50k-zero1-bf16-small-t1024", GPT2_50K, "zero1", "bf16-mixed", small=True, micro=2, seq=512),
+    _run("qwen2-v64k-zero1-bf16-small-ckpt-t2048", QWEN2_64K, "zero1", "bf16-mixed", small=True, ckpt="full",
+         micro=2, seq=1024),
+    _run("llama-v128k-zero2-bf16-small-t1024", LLAMA_128K, "zero2", "bf16-mixed", small=True, micro=1, seq=1024),
+    _run("gpt2-v50k-zero3-bf16-small-ckpt-t1024", GPT2_50K, "zero3", "bf16-mixed", small=True, ckpt="full",
+         micro=2, seq=512),
+    # a tied embedding at few tokens: its gradient, summed at the embedding's backward, is the peak
+    _run("qwen2-v64k-zero2-fp32-small-t128", QWEN2_64K, "zero2", "fp32", small=True, micro=1, seq=128),
+    _run("gpt2-v50k-zero2-bf16-small-t128", GPT2_50K, "zero2", "bf16-mixed", small=True, micro=1, seq=128),
+    _run("qwen2-v64k-zero1-fp32-small-t128", QWEN2_64K, "zero1", "fp32", small=True, micro=1, seq=128),
+    _run("gpt2-v50k-zero1-fp32-small-t128", GPT2_50K, "zero1", "fp32", small=True, micro=1, seq=128),
+    _run("qwen2-v64k-fsdp-fp32-t128", QWEN2_64K, "fsdp", "fp32", small=True, micro=1, seq=128),
+    _run("gpt2-v50k-fsdp-fp32-t128", GPT2_50K, "fsdp", "fp32", micro=1, seq=128),
+    _run("qwen2-v64k-ddp-fp32-t128", QWEN2_64K, "ddp", "fp32", micro=1, seq=128),
+    _run("qwen2-v64k-zero3-fp32-small-t128", QWEN2_64K, "zero3", "fp32", small=True, micro=1, seq=128),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than
