@@ -28,8 +28,11 @@ from planner.topology import link_rates, parse_topology
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 FORM_FIELDS = ("model", "gpu", "gpus", "nodes", "topology", "fabric", "nics_per_node", "seq_len", "global_batch",
                "precision", "optimizer", "model_config", "topology_text")
-DEFAULTS = {"model": "llama-3-8b", "gpu": "h100-80gb", "gpus": 8, "nodes": 1, "topology": "", "seq_len": 4096,
-            "global_batch": 256, "precision": "bf16-mixed", "optimizer": "adamw", "fabric": "", "nics_per_node": ""}
+# The form starts at the schema's own defaults (planner/schema.py defines them once for estimate
+# and plan); the model field has none, so the page shows the PlanRequest example.
+DEFAULTS = {name: ("" if field.default is None else field.default)
+            for name, field in PlanRequest.model_fields.items() if name != "model_config_"}
+DEFAULTS["model"] = PlanRequest.model_fields["model"].examples[0]
 
 
 def _form(request: Request) -> dict[str, typing.Any]:
