@@ -10,8 +10,8 @@ of REPEAT runs in this one process (imports done beforehand):
     Hub look-up (which needs the network, so is skipped): AutoConfig.from_pretrained(DIR), the
     model built on the meta device under init_empty_weights, calculate_maximum_sizes and
     estimate_training_usage (accelerate/commands/estimate.py).
-Also times both as fresh command-line processes (imports included), each after one untimed run,
-and prints their ratio. The planner's own modules are byte-compiled first, as `pip install` does
+Also times both as fresh command-line processes (imports included), in turn, each after one
+untimed run, and prints their ratio. The planner's own modules are byte-compiled first, as `pip install` does
 for an installed tool (PYTHONDONTWRITEBYTECODE=1 would otherwise recompile them in every process;
 the libraries accelerate loads are byte-compiled in site-packages). The figures are ratios from one
 run on one machine, not absolute promises.
@@ -56,14 +56,17 @@ def _median_seconds(function, repeat: int) -> float:
     return statistics.median(times)
 
 
-def _process_seconds(command: list[str], repeat: int) -> float:
-    subprocess.run(command, check=True, capture_output=True, cwd=ROOT)  # untimed: files into the page cache
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _process_seconds(commands: list[list[str]], repeat: int) -> list[float]:
+    """Median wall time of each command as a fresh process, run in turn (one, two, one, two, ...)
+    so a machine shared with other work loads both alike; one untimed run each first."""
+    times: list[list[float]] = [[] for _ in commands]
+    for round_ in range(repeat + 1):
+        for command, mine in zip(commands, times):
+            start = time.perf_counter()
+            subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
+            if round_:
+                mine.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def main() -> int:
@@ -112,10 +115,10 @@ def main() -> int:
         ours_plan = _median_seconds(planner_plan, args.repeat)
         theirs = _median_seconds(accelerate_estimate, args.repeat)
         planner_cli = Path(sys.executable).with_name("planner")
-        cli_ours = _process_seconds([str(planner_cli), "estimate", "--model-file", str(config_path),
-                                     "--strategy", "zero3", "--gpus", "8", "--gpu", "h100-80gb",
-                                     "--seq-len", "4096", "--json"], max(3, args.repeat // 2))
-        cli_theirs = _process_seconds([sys.executable, "-c", ACCELERATE_PIPELINE, tmp], max(3, args.repeat // 2))
+        cli_ours, cli_theirs = _process_seconds(
+            [[str(planner_cli), "estimate", "--model-file", str(config_path), "--strategy", "zero3", "--gpus", "8",
+              "--gpu", "h100-80gb", "--seq-len", "4096", "--json"],
+             [sys.executable, "-c", ACCELERATE_PIPELINE, tmp]], max(3, args.repeat // 2))
 
     rows = [
         ("planner estimate (ZeRO-3, activations, time model)", ours_estimate, cli_ours),
