@@ -72,3 +72,20 @@ def test_the_estimate_cli_loads_only_what_it_needs():
                 "uvicorn", "jinja2", "httpx", "sqlite3", "web", "backend.trace", "backend.store", "backend.verify",
                 "planner.emit", "cli.render"]
     assert [m for m in unneeded if m in loaded] == []
+
+
+def test_only_the_planner_process_freezes_its_objects_before_exit(capsys):
+    """The `planner` process (main() reading sys.argv) freezes the collector's objects before the
+    interpreter's exit walks them; main() called from Python (tests, other programs) leaves the
+    caller's collector alone."""
+    import gc
+
+    from cli.main import main
+
+    before = gc.get_freeze_count()
+    assert main(["gpus", "--json"]) == 0
+    assert gc.get_freeze_count() == before
+    code = ("import gc, sys\nsys.argv = ['planner', 'gpus', '--json']\nfrom cli.main import main\n"
+            "code = main()\nprint(gc.get_freeze_count() > 0, code, file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stderr.split() == ["True", "0"]
