@@ -19,6 +19,7 @@ from typing import Any, Callable
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 EXIT_USAGE = 2
+QUICK_COMMANDS = ("estimate", "plan", "models", "gpus", "topo")  # answer and exit, holding nothing open
 # Fields read from a file by the CLI: the flag names the file, the request holds its content.
 FILE_FLAGS = {"model_config_": "--model-file", "ds_config": "--ds-config", "topology_text": "--topology-file"}
 
@@ -629,8 +630,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from planner.errors import PlannerError
 
-    parser = build_parser()
     from_command_line = argv is None  # the `planner` process itself, not a caller in Python (tests)
+    if from_command_line:
+        gc.disable()  # start-up allocates ~10^6 objects (schema, catalogues, numpy) and frees none in cycles
+    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] and argv[0] == "runs" and len(argv) > 1 and argv[1] == "show":
         argv = ["runs"] + argv[2:]  # `planner runs show ID` reads as `planner runs ID`
@@ -638,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse already printed its one-line usage error
         return int(exc.code or 0) and EXIT_USAGE
+    if from_command_line and args.command not in QUICK_COMMANDS:
+        gc.enable()  # a server, a run or a fit lives long: collect as usual
     try:
         return args.handler(args)
     except (PlannerError, CliError) as exc:
@@ -649,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     finally:
-        if from_command_line and args.command in ("estimate", "plan", "models", "gpus", "topo"):
+        if from_command_line and args.command in QUICK_COMMANDS:
             # The process exits next. Frozen, the objects pydantic and numpy allocated are skipped by
             # the collections of the interpreter's exit, ~30 ms of a ~250 ms `planner estimate` here
             # (bench/speed.py). These commands hold no resource past their return (files are written
