@@ -1,9 +1,9 @@
 """Reading the shipped data files (data/gpus.yaml, links.yaml, models.yaml).
 
-PyYAML's pure-Python loader takes ~30 ms per file here, a third of a whole `planner estimate`
-process; libyaml's C loader (``yaml.CSafeLoader``, present in PyYAML's binary wheels) builds the
-same objects, with the same SafeConstructor and resolver, in ~2 ms (tests/test_speed.py compares
-the two on every shipped file). Text a user supplies is still read by ``yaml.safe_load``, whose
+PyYAML's pure-Python loader takes 4-16 ms per file here (gpus.yaml and links.yaml are read by
+every `planner estimate`); libyaml's C loader (``yaml.CSafeLoader``, present in PyYAML's binary
+wheels) builds the same objects, with the same SafeConstructor and resolver, about 8x faster
+(tests/test_speed.py compares the two on every shipped file). Text a user supplies is still read by ``yaml.safe_load``, whose
 error messages the CLI and API show.
 """
 
