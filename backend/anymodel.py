@@ -26,6 +26,22 @@ def estimate_any(request: EstimateRequest) -> EstimateResult:
         return traced_estimate(request, exc)
 
 
+def analytic_estimate(request: EstimateRequest) -> EstimateResult | UnsupportedModelTypeError | None:
+    """estimate_any's answer when it needs neither the Hub nor a trace: the pure core, about a
+    millisecond (tens of ms for a 10,000-layer config, the schema's bound), so an async caller may
+    run it on its event loop. None for a Hub id (estimate_any reads it); the core's refusal for a
+    model_type without a reader (``traced_estimate(request, refusal)`` traces it). Errors are
+    raised as estimate_any raises them."""
+    from backend.hub import needs_hub
+
+    if needs_hub(request):
+        return None
+    try:
+        return estimate_with_time(request)
+    except UnsupportedModelTypeError as exc:
+        return exc
+
+
 def plan_any(request: PlanRequest) -> PlanResult:
     """A plan searches thousands of settings with the analytic model; a model_type without a
     reader is refused with the core's message (which names `planner estimate` for tracing)."""

@@ -75,12 +75,19 @@ def _read(path: str, repo_id: str) -> dict[str, Any]:
     return data
 
 
+def needs_hub(request: Any) -> bool:
+    """Whether the request names a Hub id that is not a catalogue name or alias (its config.json
+    is read from the Hub or its cache: I/O)."""
+    name = getattr(request, "model", None)
+    return name is not None and find_entry(name) is None and HUB_ID.match(name) is not None
+
+
 def with_hub_model(request: Request) -> Request:
     """The request with a Hub id that is not a catalogue name or alias replaced by the
     repository's config.json (as ``model_config``, named after the id); any other request as is."""
-    name = getattr(request, "model", None)
-    if name is None or find_entry(name) is not None or not HUB_ID.match(name):
+    if not needs_hub(request):
         return request
+    name = request.model
     config, _ = hub_config(name)
     source = f"https://huggingface.co/{name}/blob/main/config.json"
     return request.model_copy(update={"model": None,

@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from planner.architecture import READERS, Architecture, from_hf_config, parameter_count
+from planner.datafile import load_data_yaml
 from planner.errors import PlannerError, UnknownModelError, unknown
 
 CATALOGUE_PATH = Path(__file__).parent / "data" / "models.yaml"
@@ -105,7 +106,7 @@ def _parse_text(text: str, source: str) -> Any:
 
 @lru_cache(maxsize=4)
 def load_catalogue(path: Path = CATALOGUE_PATH) -> dict[str, ModelEntry]:
-    data = _parse_text(path.read_text(), str(path))
+    data = load_data_yaml(path) if path == CATALOGUE_PATH else _parse_text(path.read_text(), str(path))
     if not isinstance(data, dict) or not isinstance(data.get("models"), list):
         raise PlannerError(f"{path}: expected a mapping with a 'models' list")
     entries: dict[str, ModelEntry] = {}

@@ -6,9 +6,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from planner.datafile import load_data_yaml
 from planner.errors import PlannerError, UnknownNameError, unknown
 from planner.units import MIB
 
@@ -47,7 +47,7 @@ class Gpu(BaseModel):
 
 @lru_cache(maxsize=1)
 def load_gpus() -> dict[str, Gpu]:
-    data = yaml.safe_load(GPU_PATH.read_text())
+    data = load_data_yaml(GPU_PATH)
     gpus = [Gpu.model_validate(entry) for entry in data["gpus"]]
     return {g.name: g for g in gpus}
 

@@ -4,6 +4,7 @@ same parser as a user's paste, plus each machine's inter-node fabric."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable
 
 from planner.errors import UnknownNameError, unknown
@@ -90,6 +91,7 @@ def preset_text(p: Preset) -> str:
     return "\n".join(lines) + "\n"
 
 
+@lru_cache(maxsize=None)  # a few presets, each parsed once per process (a frozen Topology, shared)
 def preset_topology(name: str) -> Topology:
     p = preset(name)
     return parse_topology(preset_text(p), lookup_gpu(p.gpu), source=f"preset {p.name}")

@@ -11,9 +11,9 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from planner.datafile import load_data_yaml
 from planner.errors import PlannerError
 from planner.gpus import Gpu
 
@@ -209,7 +209,7 @@ def _nvlink_groups(matrix: list[list[str]]) -> list[list[int]]:
 
 @lru_cache(maxsize=1)
 def link_rates() -> dict:
-    return yaml.safe_load(LINKS_PATH.read_text())
+    return load_data_yaml(LINKS_PATH)
 
 
 def link_between(a: int, b: int, code: str, gpu: Gpu) -> Link:

@@ -26,11 +26,12 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
 
-from backend.anymodel import estimate_any, plan_any
+from backend.anymodel import analytic_estimate, estimate_any, plan_any, traced_estimate
 from backend.store import StoreError
 from planner import __version__
-from planner.catalogue import catalogue_model, load_catalogue
+from planner.catalogue import UnsupportedModelTypeError, catalogue_model, load_catalogue
 from planner.errors import PlannerError, UnknownModelError, UnknownNameError
 from planner.gpus import gpu as lookup_gpu, load_gpus
 from planner.presets import PRESETS
@@ -168,13 +169,16 @@ class BodyLimit:
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
 
+    def too_large(self, scope, receive, send):
+        # built only when refusing (a JSONResponse per request cost ~20 us on every estimate)
+        return JSONResponse({"detail": f"request body over {self.limit} bytes"}, status_code=413)(scope, receive, send)
+
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_large = JSONResponse({"detail": f"request body over {self.limit} bytes"}, status_code=413)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return await too_large(scope, receive, send)
+            return await self.too_large(scope, receive, send)
         messages, size = [], 0
         while True:
             message = await receive()
@@ -183,7 +187,7 @@ class BodyLimit:
                 break
             size += len(message.get("body", b""))
             if size > self.limit:
-                return await too_large(scope, receive, send)
+                return await self.too_large(scope, receive, send)
             if not message.get("more_body", False):
                 break
         pending = iter(messages)
@@ -363,8 +367,16 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
         return parse_topology(body.text, lookup_gpu(body.gpu), source="POST /v1/topology")
 
     @app.post("/v1/estimate", tags=["planning"], response_model=EstimateResult, response_model_by_alias=True)
-    def estimate_route(body: EstimateRequest = Body(..., examples=[ESTIMATE_EXAMPLE])) -> EstimateResult:
-        return estimate_any(body)  # Hub ids; tracing for a model_type without a reader
+    async def estimate_route(body: EstimateRequest = Body(..., examples=[ESTIMATE_EXAMPLE])) -> EstimateResult:
+        # The analytic answer (~1 ms) on the event loop: a sync route costs two threadpool hops per
+        # request (the endpoint, then the response check) and 8 clients' threads fight for the GIL.
+        # A Hub read or a trace takes seconds, so it goes to the threadpool.
+        answer = analytic_estimate(body)
+        if answer is None:
+            return await run_in_threadpool(estimate_any, body)  # a Hub id
+        if isinstance(answer, UnsupportedModelTypeError):
+            return await run_in_threadpool(traced_estimate, body, answer)
+        return answer
 
     @app.post("/v1/plan", tags=["planning"], response_model=PlanResult, response_model_by_alias=True)
     def plan_route(body: PlanRequest = Body(..., examples=[PLAN_EXAMPLE])) -> PlanResult:
