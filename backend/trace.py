@@ -117,6 +117,8 @@ class _Count:
     blocks_path: str
     num_layers: int
     experts: str | None = None  # the experts module and transformers' implementation, for MoE
+    largest_block_parameters: int = 0  # the biggest block: what FSDP gathers and prefetches as one unit
+    tied_head_elements: int = 0  # the LM head's weight when it is the input embedding's (tied)
 
 
 def count_parameters(config: dict[str, Any], name: str = "model") -> _Count:
@@ -138,6 +140,10 @@ def count_parameters(config: dict[str, Any], name: str = "model") -> _Count:
     before = order[:next((i for i, p in enumerate(order) if p is first), 0)]
     late = sum(p.numel() for p in before if id(p) not in in_blocks and id(p) not in head_ids)
     blocks_total = sum(p.numel() for p in params if id(p) in in_blocks)
+    largest = max(sum(p.numel() for p in b.parameters()) for b in blocks)
+    embeddings = model.get_input_embeddings()
+    tied = (head.weight.numel() if head is not None and embeddings is not None
+            and getattr(head, "weight", None) is getattr(embeddings, "weight", False) else 0)
     expert_module = next((type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Experts")), None)
     experts = (f"{expert_module} ({getattr(model.config, '_experts_implementation', None) or 'eager'})"
                if expert_module else None)
@@ -146,7 +152,7 @@ def count_parameters(config: dict[str, Any], name: str = "model") -> _Count:
                   late_parameters=late,
                   lm_head_elements=head.weight.numel() if head is not None else 0,
                   block_class=type(blocks[0]).__name__, blocks_path=path, num_layers=len(blocks),
-                  experts=experts)
+                  experts=experts, largest_block_parameters=largest, tied_head_elements=tied)
 
 
 # --- the trace -------------------------------------------------------------------------------
@@ -333,7 +339,8 @@ def trace_profile(config: dict[str, Any], *, micro_batch: int, seq_len: int, com
         model_type=str(config.get("model_type")), parameters=count.parameters, numels=count.numels,
         num_layers=count.num_layers, layer_parameters=count.layer_parameters,
         blocks_parameters=count.blocks_parameters, late_parameters=count.late_parameters,
-        lm_head_elements=count.lm_head_elements, saved_bytes=step.saved,
+        lm_head_elements=count.lm_head_elements, largest_block_parameters=count.largest_block_parameters,
+        tied_head_elements=count.tied_head_elements, saved_bytes=step.saved,
         layer_saved_bytes=layer_saved, layer_kept_bytes=min(max(0, sum(step.kept) // len(step.kept)),
                                                             step.saved // count.num_layers),
         loss_transient_bytes=step.loss_transient, layer_transient_bytes=layer_transient,

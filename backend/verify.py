@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 from backend.launch import Interrupted, run_probe
 from backend.store import RunStore
 from backend.supervisor import clean_stale_runs
-from planner.catalogue import catalogue_model, model_from_config
+from planner.catalogue import UnsupportedModelTypeError, catalogue_model, model_from_config
 from planner.errors import PlannerError
 from planner.memory import cpu_rank_bytes, estimate
 from planner.schema import EstimateRequest
@@ -199,6 +199,13 @@ def verify(request: EstimateRequest, *, steps: int = 3, warmup_steps: int = 1, s
            work_dir: str | None = None, cancel=None, on_start: Callable[[int], None] | None = None) -> dict[str, Any]:
     if not 1 <= steps <= 1000 or not 0 <= warmup_steps <= 100:
         raise PlannerError(f"steps must be 1..1000 and warmup 0..100, got steps {steps}, warmup {warmup_steps}")
+    # estimate's defaults describe a cluster to plan for (8 x h100-80gb); a launch must say what
+    # this machine runs, or `verify --gpu cpu` would start 8 ranks and a GPU run be compared with
+    # another GPU's prediction.
+    missing = [name for name in ("gpu", "gpus") if name not in request.model_fields_set]
+    if missing:
+        raise PlannerError(f"verify launches real ranks: give {' and '.join('--' + m for m in missing)} "
+                           "(the devices of this machine to run on, e.g. --gpu cpu --gpus 2)")
     scale_note = ""
     if scale != 1.0:
         base = catalogue_model(request.model) if request.model else model_from_config(request.model_config_)
@@ -206,7 +213,11 @@ def verify(request: EstimateRequest, *, steps: int = 3, warmup_steps: int = 1, s
             raise PlannerError("--scale needs an architecture (--model or --model-file)")
         scaled, scale_note = scale_config(base.config, scale)
         request = request.model_copy(update={"model": None, "model_config_": {"name": f"{base.name}-scaled", "config": scaled}})
-    prediction = estimate(request)
+    try:
+        prediction = estimate(request)
+    except UnsupportedModelTypeError as exc:
+        raise PlannerError(f"{exc.name}: model_type {exc.config.get('model_type')!r} is estimated by tracing only; "
+                           "verify trains the families the core reads analytically (see `planner models`)") from None
     check_devices(request)
     store = RunStore(db, create=True)
     store.mark_interrupted()  # only runs whose owner process is gone

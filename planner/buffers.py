@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from planner.activations import Activations
-from planner.architecture import blocks_parameters, layer_parameters
+from planner.architecture import block_parameters, blocks_parameters, layer_parameters
 from planner.schema import MemoryItem, Phase
 
 if TYPE_CHECKING:
@@ -79,13 +79,17 @@ class Layout:
     late_parameters: int  # gradients produced after the last block: the untied input embeddings
     lm_head_elements: int  # vocab x hidden, the LM head's matmul (tied or not)
     tied_head_elements: int = 0  # the LM head's gradient contribution to a tied embedding (_tied_head_elements)
+    # The biggest block, which FSDP gathers, prefetches and autocast recasts as one unit: in a
+    # mixed stack (dense then MoE, MoE every other layer) it exceeds the mean block.
+    largest_block_parameters: int = 0
 
 
 def layout(setup: "Setup") -> Layout | None:
     traced = setup.model.traced
     if traced is not None:
         return Layout(traced.num_layers, traced.layer_parameters, traced.blocks_parameters,
-                      traced.late_parameters, traced.lm_head_elements)
+                      traced.late_parameters, traced.lm_head_elements, traced.tied_head_elements,
+                      traced.largest_block_parameters)
     arch = setup.arch
     if arch is None:
         return None
@@ -94,7 +98,7 @@ def layout(setup: "Setup") -> Layout | None:
     embedding = arch.vocab_size * arch.hidden_size + arch.learned_positions * arch.hidden_size
     return Layout(arch.num_layers, layer_parameters(arch), blocks_parameters(arch),
                   0 if arch.tie_word_embeddings else embedding, arch.vocab_size * arch.hidden_size,
-                  _tied_head_elements(arch))
+                  _tied_head_elements(arch), max(block_parameters(arch)))
 
 
 def _tied_head_elements(arch: "Architecture") -> int:
@@ -473,7 +477,7 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
         resident.append(_item("DDP gradient buckets (a copy of the gradients)", store_bytes * psi, "buffers",
                               "torch DDP Reducer, gradient_as_bucket_view=False"))
     shape = layout(setup)
-    block = shape.layer_parameters if shape else max(numels)
+    block = shape.largest_block_parameters if shape else max(numels)
     root = psi - shape.blocks_parameters if shape else max(numels)
     phases = []
     for point in backward_sweep(acts, numels, layout(setup)):

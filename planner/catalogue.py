@@ -60,6 +60,9 @@ class TracedProfile(BaseModel):
     late_parameters: int = Field(ge=0, description="parameters whose gradients backward produces after the "
                                  "last block (the untied input embeddings)")
     lm_head_elements: int = Field(ge=0, description="vocab x hidden of the output projection")
+    largest_block_parameters: int = Field(ge=0, description="parameters of the biggest block (one FSDP unit)")
+    tied_head_elements: int = Field(ge=0, description="the LM head's weight elements when it is the input "
+                                    "embedding's (tied); 0 when untied")
     saved_bytes: int = Field(ge=0, description="activations live at the end of the forward (loss included)")
     layer_saved_bytes: int = Field(ge=0, description="one block's saved set (the largest)")
     layer_kept_bytes: int = Field(ge=0, description="what a block keeps until its backward (mean over blocks)")

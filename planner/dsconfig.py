@@ -335,7 +335,9 @@ def _precision(config: dict[str, Any]) -> str | None:
                and config[name].get("enabled") not in (False, None)]
     if len(enabled) == 2:
         raise PlannerError("ds_config enables both bf16 and fp16; enable at most one")
-    return f"{enabled[0]}-mixed" if enabled else None
+    # Neither block enabled: DeepSpeed trains in fp32 (its bf16/fp16 engines are opt-in), which a
+    # config read back must say, or an emitted fp32 config would be estimated as bf16-mixed.
+    return f"{enabled[0]}-mixed" if enabled else "fp32"
 
 
 def _optimizer(config: dict[str, Any]) -> str | None:

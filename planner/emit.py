@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from planner.catalogue import UnsupportedModelTypeError
 from planner.dsconfig import build_ds_config
 from planner.errors import PlannerError
 from planner.memory import resolve
@@ -122,11 +123,17 @@ def estimate_request_for(req: PlanRequest, c: Candidate) -> EstimateRequest:
                            checkpointing=c.checkpointing, attention=req.attention,
                            offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
                            hsdp_shard_size=explicit_hsdp_shard(c.strategy, c.hsdp_shard_size, req.gpus),
-                           topology=req.topology, topology_text=req.topology_text)
+                           topology=req.topology, topology_text=req.topology_text, fabric=req.fabric,
+                           nics_per_node=req.nics_per_node, profile=req.profile)
 
 
 def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: Script | None) -> dict[str, str]:
-    setup = resolve(est)
+    try:
+        setup = resolve(est)
+    except UnsupportedModelTypeError as exc:
+        raise PlannerError(f"{exc.name}: model_type {exc.config.get('model_type')!r} is estimated by tracing only; "
+                           "--emit writes launch files for the families the core reads analytically "
+                           "(see `planner models`)") from None
     unavailable = None if script is not None else _trainer_unavailable(setup, est)
     s = setup.strategy
     launch = _Launch(request=setup.request, framework=s.framework, strategy=s.name,

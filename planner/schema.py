@@ -225,6 +225,18 @@ class EstimateRequest(BaseModel):
     nics_per_node: int | None = Field(None, ge=1, le=64, description=NICS_HELP)
     profile: ProfileName | None = Field(None, description="calibration profile saved by `planner calibrate`")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _strategy_from_ds_config(cls, data: Any) -> Any:
+        """A DeepSpeed config names its ZeRO stage: without --strategy, that stage is the strategy
+        (as its precision, batch and buckets are read from it); an explicit strategy must agree."""
+        if isinstance(data, dict) and "strategy" not in data and isinstance(data.get("ds_config"), dict):
+            zero = data["ds_config"].get("zero_optimization")
+            stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+            if type(stage) is int and 0 <= stage <= 3:
+                data = {**data, "strategy": f"zero{stage}"}
+        return data
+
     @model_validator(mode="after")
     def _one_model(self) -> "EstimateRequest":
         given = [name for name, value in (("model", self.model), ("model_config", self.model_config_),

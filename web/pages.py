@@ -17,7 +17,7 @@ from planner.catalogue import load_catalogue, parse_json_text
 from planner.emit import emit_files, estimate_request_for
 from planner.errors import PlannerError
 from planner.gpus import load_gpus
-from planner.plan import plan
+from backend.anymodel import plan_any as plan  # Hub ids resolved as the API does
 from planner.precision import Optimizer, Precision
 from planner.presets import PRESETS, preset_topology
 from planner.memory import estimate

@@ -1,0 +1,82 @@
+"""Where features meet: what one part writes, another reads back the same (emitted files and
+DeepSpeed configs round-trip through estimate; a verify launch names its devices; traced models
+are refused where only analytic ones run; FSDP units of mixed stacks are their biggest block)."""
+
+import json
+
+import pytest
+
+from cli.main import main
+from planner.architecture import block_parameters, from_hf_config
+from planner.emit import emit_estimate_files, estimate_request_for
+from planner.errors import PlannerError
+from planner.memory import estimate
+from planner.plan import plan
+from planner.schema import EstimateRequest, PlanRequest
+from tests.real_runs import LLAMA, LLAMA4
+
+
+def _peak(request: EstimateRequest) -> int:
+    return estimate(request).per_device.peak_bytes
+
+
+def test_a_plans_emitted_request_keeps_the_network_it_was_planned_on():
+    req = PlanRequest(model="llama-3-8b", nodes=2, fabric="eth-25g", nics_per_node=1)
+    result = plan(req)
+    emitted = estimate_request_for(req, result.recommended)
+    assert (emitted.fabric, emitted.nics_per_node) == ("eth-25g", 1)
+
+
+@pytest.mark.parametrize("strategy,precision", [("zero1", "fp32"), ("zero2", "bf16-mixed"), ("zero3", "fp32"),
+                                                ("zero0", "fp16-mixed")])
+def test_an_emitted_ds_config_estimates_as_the_request_it_came_from(strategy, precision):
+    """`estimate --ds-config` of an emitted ds_config.json, without --strategy or --precision,
+    is the same configuration: the stage names the strategy, no bf16/fp16 block means fp32."""
+    request = EstimateRequest(model="llama-3-8b", strategy=strategy, precision=precision, micro_batch=2,
+                              gradient_accumulation=4)
+    files = emit_estimate_files(estimate(request))
+    read_back = EstimateRequest(model="llama-3-8b", ds_config=json.loads(files["ds_config.json"]))
+    assert read_back.strategy == strategy
+    assert _peak(read_back) == _peak(request)
+    assert estimate(read_back).request.precision == precision
+
+
+def test_an_explicit_strategy_must_agree_with_the_config_stage():
+    with pytest.raises(PlannerError, match=r"strategy zero3 contradicts ds_config zero_optimization.stage\(1\)"):
+        estimate(EstimateRequest(model="gpt2", strategy="zero3", ds_config={"zero_optimization": {"stage": 1}}))
+
+
+@pytest.mark.parametrize("argv,missing", [
+    (["--gpus", "2"], "--gpu"), (["--gpu", "cpu"], "--gpus"), ([], "--gpu and --gpus")])
+def test_verify_needs_the_devices_it_launches_on(capsys, tmp_path, argv, missing):
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(LLAMA))
+    code = main(["verify", "--model-file", str(config), "--strategy", "zero2", "--db", str(tmp_path / "r.sqlite"),
+                 *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and f"give {missing} (the devices of this machine" in err
+    assert not (tmp_path / "r.sqlite").exists()  # refused before anything is recorded or launched
+
+
+def test_emit_refuses_a_model_it_can_only_trace():
+    pytest.importorskip("transformers")
+    config = {"model_type": "starcoder2", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 1024,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    from backend.anymodel import estimate_any
+
+    result = estimate_any(EstimateRequest(model_config=config, gpu="cpu", gpus=2, seq_len=64))
+    with pytest.raises(PlannerError, match="is estimated by tracing only; --emit writes launch files"):
+        emit_estimate_files(result)
+
+
+def test_an_fsdp_unit_of_a_mixed_stack_is_its_biggest_block():
+    """Llama-4 with MoE every other layer: the MoE block, not the mean block, is what FSDP
+    gathers and prefetches at once."""
+    arch = from_hf_config(LLAMA4)
+    blocks = block_parameters(arch)
+    assert max(blocks) > sum(blocks) // len(blocks)  # a mixed stack
+    result = estimate(EstimateRequest(model_config=LLAMA4, strategy="fsdp", gpu="cpu", gpus=2, precision="fp32",
+                                      micro_batch=1, seq_len=64))
+    prefetched = [item.bytes for phase in result.phases for item in phase.items
+                  if item.name.startswith("prefetched block") and item.bytes]
+    assert prefetched and max(prefetched) == 4 * max(blocks) * 2  # fp32, gloo's scratch copy on CPU ranks
