@@ -48,6 +48,11 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
     request = setup.request  # with what a --ds-config fixed: precision, micro-batch, accumulation, optimizer
     if setup.model.config is None:
         raise PlannerError("a real run needs an architecture: give --model or --model-file, not --params")
+    if request.optimizer not in ("adamw", "sgd"):
+        # DeepSpeed's config names no 8-bit Adam (its "AdamW" keeps fp32 moments), and the torch
+        # probe trains torch's own optimizers: either would measure another optimizer than predicted.
+        raise PlannerError(f"optimizer {request.optimizer}: the probe trains adamw or sgd; an 8-bit optimizer "
+                           "(bitsandbytes) is passed by the training script, which the probe is not")
     common = {
         "model_config": setup.model.config,
         "attn_implementation": request.attention,

@@ -481,14 +481,17 @@ def build_ds_config(*, stage: int, precision: str, micro_batch: int, gradient_ac
             block[key] = {"device": device, "pin_memory": pin}
             if device == "nvme":
                 block[key]["nvme_path"] = nvme_path
-    optimizers = {"adamw": "AdamW", "sgd": "SGD", "adamw-8bit": "AdamW"}
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": gradient_accumulation,
-        "optimizer": {"type": optimizers[optimizer], "params": {"lr": 1e-4}},
         "zero_optimization": block,
         "steps_per_print": 1_000_000,
     }
+    # DeepSpeed builds AdamW and SGD from the config; it has no 8-bit Adam ("AdamW" keeps fp32
+    # moments), so for adamw-8bit the config names none and the script passes bitsandbytes'
+    # AdamW8bit to deepspeed.initialize(optimizer=...), which ZeRO wraps as a client optimizer.
+    if optimizer != "adamw-8bit":
+        config["optimizer"] = {"type": {"adamw": "AdamW", "sgd": "SGD"}[optimizer], "params": {"lr": 1e-4}}
     if optimizer == "sgd":
         config["optimizer"]["params"]["momentum"] = 0.9
     if precision in ("bf16-mixed", "bf16-pure"):

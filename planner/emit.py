@@ -148,7 +148,7 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
                                  gradient_accumulation=est.gradient_accumulation, optimizer=est.optimizer,
                                  zero=setup.zero)
         config["train_batch_size"] = est.micro_batch * est.gradient_accumulation * launch.world
-        if launch.is_cpu:
+        if launch.is_cpu and "optimizer" in config:
             # CPU ranks: DeepSpeed's FusedAdam needs CUDA; torch's AdamW is what the model predicts
             # (the same switch backend/launch.py worker_job makes for `planner verify`).
             config["optimizer"]["params"]["torch_adam"] = True
@@ -169,7 +169,7 @@ def _trainer_unavailable(setup, est: EstimateRequest) -> str | None:
     """Why the planner's own trainer cannot run this configuration, if it cannot."""
     if setup.model.config is None:
         return "the planner's trainer needs an architecture (--model or --model-file), not --params"
-    if setup.strategy.framework == "torch" and est.optimizer not in TRAINER_OPTIMIZERS:
+    if est.optimizer not in TRAINER_OPTIMIZERS:
         return (f"the planner's trainer runs {setup.strategy.name} with {' or '.join(TRAINER_OPTIMIZERS)}, "
                 f"not {est.optimizer}")
     return None

@@ -80,3 +80,18 @@ def test_an_fsdp_unit_of_a_mixed_stack_is_its_biggest_block():
     prefetched = [item.bytes for phase in result.phases for item in phase.items
                   if item.name.startswith("prefetched block") and item.bytes]
     assert prefetched and max(prefetched) == 4 * max(blocks) * 2  # fp32, gloo's scratch copy on CPU ranks
+
+
+def test_an_8bit_optimizer_is_never_emitted_or_probed_as_deepspeeds_fp32_adamw(tmp_path):
+    """DeepSpeed's "AdamW" keeps fp32 moments: an adamw-8bit prediction must not be launched or
+    emitted as one. The emitted config names no optimizer (the script passes bitsandbytes'
+    AdamW8bit as a client optimizer) and the planner's own probe refuses to stand in for it."""
+    request = EstimateRequest(model="gpt2", strategy="zero2", optimizer="adamw-8bit", gpu="cpu", gpus=2)
+    files = emit_estimate_files(estimate(request))
+    assert "optimizer" not in json.loads(files["ds_config.json"])
+    assert "launch.sh" not in files and "adamw-8bit" in files["LAUNCH.md"]
+    pytest.importorskip("torch")
+    from backend.launch import worker_job
+
+    with pytest.raises(PlannerError, match="optimizer adamw-8bit: the probe trains adamw or sgd"):
+        worker_job(request, steps=1, warmup_steps=0, out_dir=tmp_path)
