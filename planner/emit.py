@@ -144,14 +144,17 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
                      unavailable=unavailable)
     files: dict[str, str] = {}
     if launch.framework == "deepspeed":
-        config = build_ds_config(stage=setup.zero.stage, precision=launch.precision, micro_batch=est.micro_batch,
-                                 gradient_accumulation=est.gradient_accumulation, optimizer=est.optimizer,
+        req = launch.request  # the request as resolved: a ds_config's batch and optimizer filled in
+        config = build_ds_config(stage=setup.zero.stage, precision=launch.precision, micro_batch=req.micro_batch,
+                                 gradient_accumulation=req.gradient_accumulation, optimizer=req.optimizer,
                                  zero=setup.zero)
-        config["train_batch_size"] = est.micro_batch * est.gradient_accumulation * launch.world
+        config["train_batch_size"] = req.micro_batch * req.gradient_accumulation * launch.world
+        if est.ds_config is not None:
+            config = _keep_users_config(est.ds_config, config)
         if launch.is_cpu and "optimizer" in config:
             # CPU ranks: DeepSpeed's FusedAdam needs CUDA; torch's AdamW is what the model predicts
             # (the same switch backend/launch.py worker_job makes for `planner verify`).
-            config["optimizer"]["params"]["torch_adam"] = True
+            config["optimizer"].setdefault("params", {})["torch_adam"] = True
         files["ds_config.json"] = json.dumps(config, indent=2) + "\n"
     files["accelerate_config.yaml"] = yaml.safe_dump(accelerate_config(launch), sort_keys=False)
     files["trainer_args.json"] = json.dumps(trainer_arguments(launch), indent=2) + "\n"
@@ -163,6 +166,65 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
     files["plan.json"] = json.dumps(plan_doc, indent=2) + "\n"
     files["LAUNCH.md"] = _guide(launch, sorted(files) + ["LAUNCH.md"])
     return files
+
+
+# What a plan decides in a ds_config: the rest of a user's config (optimizer hyper-parameters,
+# scheduler, gradient_clipping, logging, checkpointing, ...) is written back as the user gave it.
+_PLANNED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "fp16")
+# zero_optimization keys the plan writes, with the aliases and deprecated spellings DeepSpeed 0.19.8
+# reads for the same settings (zero/config.py DeepSpeedZeroConfig): an alias left behind would
+# contradict the planned value.
+_PLANNED_ZERO = ("stage", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
+                 "stage3_prefetch_bucket_size", "prefetch_bucket_size", "stage3_param_persistence_threshold",
+                 "param_persistence_threshold", "stage3_max_live_parameters", "max_live_parameters",
+                 "stage3_max_reuse_distance", "max_reuse_distance", "sub_group_size", "offload_optimizer",
+                 "offload_param", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory")
+
+
+def _keep_users_config(user: dict[str, Any], planned: dict[str, Any]) -> dict[str, Any]:
+    """The user's ds_config with the plan's decisions written over it (stage, buckets, offload,
+    precision, batch sizes); everything else of the user's is kept. The user's own settings inside
+    a planned block stay where they still apply: an offload block's extra keys (nvme_path,
+    buffer_count) on the same device, a bf16/fp16 block's loss-scale settings for the same
+    precision, the optimizer's hyper-parameters for the same optimizer."""
+    config = {k: v for k, v in json.loads(json.dumps(user)).items() if k not in _PLANNED_TOP and k != "optimizer"}
+    users_zero = user.get("zero_optimization") if isinstance(user.get("zero_optimization"), dict) else {}
+    zero = {k: v for k, v in users_zero.items() if k not in _PLANNED_ZERO}
+    for key in ("offload_optimizer", "offload_param"):
+        if key in planned["zero_optimization"]:
+            block = dict(planned["zero_optimization"][key])
+            mine = users_zero.get(key)
+            if isinstance(mine, dict) and mine.get("device") == block["device"]:
+                block = mine | {"device": block["device"], "pin_memory": block["pin_memory"]}
+            zero[key] = block
+    zero |= {k: v for k, v in planned["zero_optimization"].items() if k not in ("offload_optimizer", "offload_param")}
+    config["zero_optimization"] = zero
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        config[key] = planned[key]
+    for key in ("bf16", "fp16"):
+        if key in planned:
+            mine = user.get(key)
+            config[key] = (planned[key] | mine | {"enabled": True}) if isinstance(mine, dict) else planned[key]
+    if "optimizer" in planned:
+        optimizer = planned["optimizer"]
+        mine = user.get("optimizer")
+        if isinstance(mine, dict) and _same_optimizer(mine, optimizer):
+            optimizer = json.loads(json.dumps(mine))
+        elif isinstance(mine, dict) and isinstance(mine.get("params"), dict):
+            # another optimizer than the user's (an explicit --optimizer): its learning rate and decay carry over
+            kept = {k: v for k, v in mine["params"].items() if k in ("lr", "weight_decay")}
+            optimizer = optimizer | {"params": optimizer["params"] | kept}
+        config["optimizer"] = optimizer
+    for key, value in planned.items():
+        config.setdefault(key, value)  # what the plan writes that the user left out (steps_per_print)
+    return config
+
+
+def _same_optimizer(mine: dict[str, Any], planned: dict[str, Any]) -> bool:
+    """Adam and AdamW are the planner's adamw (planner.dsconfig._optimizer), SGD its sgd."""
+    kinds = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}
+    kind = mine.get("type")
+    return isinstance(kind, str) and kinds.get(kind.lower()) == kinds[planned["type"].lower()]
 
 
 def _trainer_unavailable(setup, est: EstimateRequest) -> str | None:
@@ -250,6 +312,7 @@ def trainer_arguments(launch: _Launch) -> dict[str, Any]:
         "weight_decay": 0.0,
         "optim": TRAINER_OPTIM[req.optimizer],
     }
+    args |= _users_hyperparameters(req.ds_config, req.optimizer)
     if req.checkpointing == "full" and not launch.fsdp:
         # non-reentrant, as backend/train.py enables it. transformers 5.24 calls these
         # activation_checkpointing(_kwargs) and keeps the old names until v6 (training_args.py:1541);
@@ -273,6 +336,43 @@ def trainer_arguments(launch: _Launch) -> dict[str, Any]:
             "state_dict_type": plugin["fsdp_state_dict_type"],
             "activation_checkpointing": plugin["fsdp_activation_checkpointing"],
         }
+    return args
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _users_hyperparameters(config: dict[str, Any] | None, optimizer_name: str) -> dict[str, Any]:
+    """The TrainingArguments fields a user's ds_config sets, which the Trainer checks against it
+    (transformers/integrations/deepspeed.py HfTrainerDeepSpeedConfig.trainer_config_process:
+    optimizer.params lr, betas, eps, weight_decay; gradient_clipping = max_grad_norm;
+    scheduler.params warmup_max_lr = learning_rate; trainer_config_finalize: warmup_num_steps =
+    warmup_steps). "auto" values are the Trainer's to fill, so they are left out. Betas and eps only
+    where the emitted config keeps the user's optimizer block (the same optimizer, _keep_users_config)."""
+    if not config:
+        return {}
+    args: dict[str, Any] = {}
+    scheduler = config.get("scheduler") if isinstance(config.get("scheduler"), dict) else {}
+    sched = scheduler.get("params") if isinstance(scheduler.get("params"), dict) else {}
+    optimizer = config.get("optimizer") if isinstance(config.get("optimizer"), dict) else {}
+    params = optimizer.get("params") if isinstance(optimizer.get("params"), dict) else {}
+    if _number(sched.get("warmup_max_lr")):
+        args["learning_rate"] = sched["warmup_max_lr"]
+    if _number(params.get("lr")):
+        args["learning_rate"] = params["lr"]
+    if _number(params.get("weight_decay")):
+        args["weight_decay"] = params["weight_decay"]
+    if _number(config.get("gradient_clipping")):
+        args["max_grad_norm"] = config["gradient_clipping"]
+    if isinstance(sched.get("warmup_num_steps"), int) and not isinstance(sched["warmup_num_steps"], bool):
+        args["warmup_steps"] = sched["warmup_num_steps"]
+    if optimizer_name in ("adamw", "sgd") and _same_optimizer(optimizer, {"type": optimizer_name}):
+        if _number(params.get("eps")):
+            args["adam_epsilon"] = params["eps"]
+        betas = params.get("betas")
+        if isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_number(b) for b in betas):
+            args["adam_beta1"], args["adam_beta2"] = betas
     return args
 
 
