@@ -418,6 +418,27 @@ def _shm_cleanup(launch: _Launch) -> str:
             "trap 'rm -f /dev/shm/deepspeed_*_\"$port\"_*' EXIT\n")
 
 
+def _deepspeed_devices(gpus: int, variable: str = "ds_devices") -> str:
+    """Shell lines setting ``$variable`` to the GPUs of a one-node ``deepspeed`` launch: DeepSpeed's
+    runner deletes CUDA_VISIBLE_DEVICES when given --num_gpus and runs on physical GPUs 0..N-1
+    (deepspeed 0.19.8 launcher/runner.py:451-460), so the visible ones, when set, are named with
+    --include localhost:<ids> (the first N; indices, as runner.py:280-289 parses them), as
+    backend/launch.py launcher_command does for `planner verify`."""
+    return (
+        "# The GPUs: the first " + str(gpus) + " of CUDA_VISIBLE_DEVICES when set (deepspeed --num_gpus would ignore it)\n"
+        'IFS=, read -ra visible <<< "${CUDA_VISIBLE_DEVICES:-}"\n'
+        'if [ "${#visible[@]}" -gt 0 ]; then\n'
+        f'  if [ "${{#visible[@]}}" -lt {gpus} ]; then echo "$0: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES makes '
+        f'${{#visible[@]}} GPU(s) visible; the plan needs {gpus}" >&2; exit 2; fi\n'
+        f'  ids="$(IFS=,; echo "${{visible[*]:0:{gpus}}}")"\n'
+        '  case "$ids" in *[!0-9,]*) echo "$0: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES: deepspeed selects GPUs by '
+        'index (--include localhost:0,1), not by UUID" >&2; exit 2;; esac\n'
+        f'  {variable}="--include localhost:$ids"\n'
+        'else\n'
+        f'  {variable}="--num_gpus {gpus}"\n'
+        'fi\n')
+
+
 def _target(launch: _Launch, module_flag: str, here: str = "$here") -> str:
     """What every rank runs: the planner's trainer on this plan, or the user's script."""
     if launch.script is None:
@@ -437,7 +458,8 @@ def _launch_sh(launch: _Launch) -> str:
     body: list[str] = []
     if req.nodes == 1:
         if launch.framework == "deepspeed":
-            run = (f'deepspeed --num_gpus {req.gpus} --master_port "$port" '
+            body.append(_deepspeed_devices(req.gpus).rstrip("\n"))
+            run = (f'deepspeed $ds_devices --master_port "$port" '
                    f'{_target(launch, "--module")} "$@"')
         else:
             run = f'torchrun --standalone --nproc_per_node {req.gpus} {_target(launch, "-m")} "$@"'
@@ -515,7 +537,9 @@ def _sbatch(launch: _Launch) -> str:
                     '--master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"')
     elif launch.framework == "deepspeed":
         lines.append("# one node: DeepSpeed's launcher starts its ranks")
-        launcher = f'deepspeed --num_gpus {req.gpus} --master_port "$MASTER_PORT"'
+        lines.append(_deepspeed_devices(req.gpus, "PLANNER_DS_DEVICES").rstrip("\n"))
+        lines.append("export PLANNER_DS_DEVICES")
+        launcher = 'deepspeed $PLANNER_DS_DEVICES --master_port "$MASTER_PORT"'
     else:
         lines.append(node_rank)
         launcher = (f'torchrun --nnodes "$SLURM_NNODES" --node_rank "$SLURM_NODEID" --nproc_per_node {req.gpus} '

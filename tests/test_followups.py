@@ -65,3 +65,71 @@ def test_an_emitted_user_config_parses_and_estimates_back_the_same():
     parsed = DeepSpeedConfig(ds)
     assert parsed.gradient_clipping == 1.0 and parsed.scheduler_name == "WarmupDecayLR"
     assert parsed.optimizer_params["lr"] == 3e-4
+
+
+# --- the GPUs DeepSpeed really runs on ------------------------------------------------------------
+# DeepSpeed 0.19.8 launcher/runner.py:451-460: with --num_gpus (or --include/--exclude/--num_nodes)
+# the runner prints that it ignores CUDA_VISIBLE_DEVICES and deletes it, so --num_gpus N runs on
+# physical GPUs 0..N-1; without them it sets --include localhost:<visible>. The launch names the
+# visible devices itself, and the locks hold exactly those.
+
+def _gpu_request(**fields):
+    return EstimateRequest(model="gpt2", gpu="h100-80gb", gpus=2, strategy="zero2", **fields)
+
+
+def test_verify_launches_deepspeed_on_the_visible_gpus_and_locks_those(monkeypatch, tmp_path):
+    from backend.launch import launcher_command
+    from backend.verify import device_lock, device_names
+    from planner.errors import PlannerError
+
+    monkeypatch.setenv("PLANNER_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,3,1")
+    command = launcher_command(tmp_path / "job.json", _gpu_request(), port=29600)
+    assert "--num_gpus" not in command
+    assert command[command.index("--include") + 1] == "localhost:6,3"
+    assert device_names(_gpu_request()) == ["cuda-6", "cuda-3"]
+    with device_lock(_gpu_request()):
+        assert sorted(p.name for p in (tmp_path / "locks").glob("*.lock")) == ["cuda-3.lock", "cuda-6.lock"]
+    # unset: DeepSpeed's own numbering, physical 0..N-1
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    command = launcher_command(tmp_path / "job.json", _gpu_request(), port=29600)
+    assert command[command.index("--num_gpus") + 1] == "2" and "--include" not in command
+    assert device_names(_gpu_request()) == ["cuda-0", "cuda-1"]
+    # too few visible, or UUIDs (the runner parses slots as integers, runner.py:280-289): refused
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4")
+    with pytest.raises(PlannerError, match=r"CUDA_VISIBLE_DEVICES=4 makes 1 GPU\(s\) visible; gpus=2"):
+        launcher_command(tmp_path / "job.json", _gpu_request())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1a2b,GPU-3c4d")
+    with pytest.raises(PlannerError, match="by index"):
+        device_names(_gpu_request())
+    # torchrun keeps the environment (rank r on the r-th visible device): UUIDs are fine there
+    fsdp = EstimateRequest(model="gpt2", gpu="h100-80gb", gpus=2, strategy="fsdp")
+    assert device_names(fsdp) == ["cuda-GPU-1a2b", "cuda-GPU-3c4d"]
+
+
+def _run_launch_sh(tmp_path, visible):
+    import os
+    import subprocess
+
+    from planner.emit import write_files
+
+    out = tmp_path / "emit"
+    write_files(out, emit_estimate_files(estimate(_gpu_request())))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    log = tmp_path / "launched.log"
+    (bin_dir / "deepspeed").write_text(f'#!/usr/bin/env bash\necho "$*" > {log}\n')
+    (bin_dir / "deepspeed").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", CUDA_VISIBLE_DEVICES=visible)
+    done = subprocess.run(["bash", str(out / "launch.sh")], env=env, capture_output=True, text=True, timeout=60)
+    return done, (log.read_text() if log.exists() else "")
+
+
+def test_the_emitted_launch_names_the_visible_gpus(tmp_path):
+    done, launched = _run_launch_sh(tmp_path, "5,2,7")
+    assert done.returncode == 0, done.stderr
+    assert launched.startswith("--include localhost:5,2 --master_port 29500 --module backend.worker")
+    done, launched = _run_launch_sh(tmp_path, "")
+    assert done.returncode == 0 and launched.startswith("--num_gpus 2 --master_port")
+    done, _ = _run_launch_sh(tmp_path, "3")
+    assert done.returncode == 2 and "makes 1 GPU(s) visible; the plan needs 2" in done.stderr
