@@ -133,3 +133,37 @@ def test_the_emitted_launch_names_the_visible_gpus(tmp_path):
     assert done.returncode == 0 and launched.startswith("--num_gpus 2 --master_port")
     done, _ = _run_launch_sh(tmp_path, "3")
     assert done.returncode == 2 and "makes 1 GPU(s) visible; the plan needs 2" in done.stderr
+
+
+# --- the event loop --------------------------------------------------------------------------------
+
+def test_a_pasted_topology_or_a_deep_config_is_estimated_in_the_threadpool(tmp_path, monkeypatch):
+    """Parsing a pasted `nvidia-smi topo -m` (~28 ms uncached) or reading a config of thousands of
+    layers would hold the event loop; a catalogue model on its preset stays on it."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    import web.app
+    from backend.anymodel import estimate_any
+    from tests.real_runs import LLAMA
+
+    hops = []
+
+    async def recorded(function, *args):
+        hops.append(function.__name__)
+        return function(*args)
+
+    monkeypatch.setattr(web.app, "run_in_threadpool", recorded)
+    client = TestClient(web.app.create_app(str(tmp_path / "runs.sqlite")))
+    catalogue = {"model": "llama-3-8b", "strategy": "zero3", "gpus": 2, "gpu": "a100-80gb"}
+    assert client.post("/v1/estimate", json=catalogue).status_code == 200 and hops == []
+    shallow = dict(catalogue, model=None, model_config=dict(LLAMA, num_hidden_layers=2))
+    assert client.post("/v1/estimate", json=shallow).status_code == 200 and hops == []
+    pasted = dict(catalogue, topology_text="\tGPU0\tGPU1\nGPU0\t X \tNV12\nGPU1\tNV12\t X \n")
+    r = client.post("/v1/estimate", json=pasted)
+    assert r.status_code == 200 and hops == ["estimate_any"]
+    assert r.json() == json.loads(estimate_any(EstimateRequest(**pasted)).model_dump_json(by_alias=True))
+    deep = dict(shallow, model_config=dict(LLAMA, num_hidden_layers=201))
+    assert client.post("/v1/estimate", json=deep).status_code == 200 and hops == ["estimate_any"] * 2
+    bad = dict(pasted, topology_text="not a topology")  # refused in the threadpool as on the loop: 422
+    assert client.post("/v1/estimate", json=bad).status_code == 422 and hops == ["estimate_any"] * 3
