@@ -167,3 +167,27 @@ def test_a_pasted_topology_or_a_deep_config_is_estimated_in_the_threadpool(tmp_p
     assert client.post("/v1/estimate", json=deep).status_code == 200 and hops == ["estimate_any"] * 2
     bad = dict(pasted, topology_text="not a topology")  # refused in the threadpool as on the loop: 422
     assert client.post("/v1/estimate", json=bad).status_code == 422 and hops == ["estimate_any"] * 3
+
+
+# --- the topology assumed without a preset -----------------------------------------------------------
+
+def test_the_assumed_topology_is_what_parsing_its_nvidia_smi_text_gives():
+    from planner.gpus import gpu
+    from planner.plan import _one_host_bridge
+    from planner.topology import parse_topology
+
+    g = gpu("a100-40gb")
+    for n in (1, 2, 8):
+        text = "\t" + "\t".join(f"GPU{i}" for i in range(n)) + "\n" + "".join(
+            f"GPU{i}\t" + "\t".join(" X " if i == j else "PHB" for j in range(n)) + "\n" for i in range(n))
+        source = f"assumed: {n} GPUs under one PCIe host bridge"
+        assert _one_host_bridge(n, g) == parse_topology(text, g, source=source)
+
+
+def test_a_preset_less_gpu_count_beyond_the_paste_limit_is_estimated():
+    """190 GPUs: their nvidia-smi text would be 146,841 bytes, over the paste limit (64 KiB), which
+    is for what users paste, not for what the planner assumes."""
+    from planner.plan import estimate_with_time
+
+    result = estimate_with_time(EstimateRequest(model="gpt2", gpu="a100-40gb", gpus=190, strategy="zero2"))
+    assert result.time is not None and result.time.step_seconds > 0
