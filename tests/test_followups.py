@@ -191,3 +191,36 @@ def test_a_preset_less_gpu_count_beyond_the_paste_limit_is_estimated():
 
     result = estimate_with_time(EstimateRequest(model="gpt2", gpu="a100-40gb", gpus=190, strategy="zero2"))
     assert result.time is not None and result.time.step_seconds > 0
+
+
+# --- the collector while tracing --------------------------------------------------------------------
+
+def test_the_collector_runs_while_a_traced_estimate_builds_its_models(monkeypatch):
+    """`planner estimate` disables the cyclic GC for its quick start-up (cli/main.py main); a traced
+    estimate builds transformers models, so tracing runs with it on, and the caller's state returns."""
+    import gc
+
+    import backend.trace
+    from backend.anymodel import traced_estimate
+    from planner.catalogue import UnsupportedModelTypeError
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def count(*_):
+        seen.append(gc.isenabled())
+        raise Stop
+
+    monkeypatch.setattr(backend.trace, "cached_count", count)
+    refusal = UnsupportedModelTypeError("no reader", {"model_type": "unknown-kind"}, "unknown", "test")
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(Stop):
+            traced_estimate(EstimateRequest(params=1_000_000), refusal)
+        assert seen == [True] and not gc.isenabled()
+    finally:
+        if was:
+            gc.enable()
