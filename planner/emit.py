@@ -32,6 +32,7 @@ from planner.dsconfig import build_ds_config
 from planner.errors import PlannerError
 from planner.memory import resolve
 from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanRequest
+from planner.shm import segment_glob
 from planner.strategies import explicit_hsdp_shard
 
 TRAINER_MODULE = "backend.worker"  # the planner's own trainer, `python -m backend.worker --plan plan.json`
@@ -409,13 +410,18 @@ def _preamble(launch: _Launch) -> str:
 
 
 def _shm_cleanup(launch: _Launch) -> str:
-    """DeepSpeed's CPU shm all-reduce (csrc/cpu/comm/shm.cpp) leaves /dev/shm segments named
-    deepspeed_<name>_<rank>_<addr>_<port>_<n>, about 69 MB per rank (see backend/launch.py
-    remove_shm_segments): the run's own, by its port, go when the script exits."""
+    """DeepSpeed's CPU shm all-reduce leaves /dev/shm segments, about 69 MB per rank (planner/shm.py):
+    this user's of this run, by uid and port, go when the script exits."""
     if not (launch.is_cpu and launch.framework == "deepspeed"):
         return ""
     return ("# DeepSpeed's CPU all-reduce leaves shared-memory segments (~69 MB per rank): remove this run's\n"
-            "trap 'rm -f /dev/shm/deepspeed_*_\"$port\"_*' EXIT\n")
+            f"trap '{_remove_segments('$port')}' EXIT\n")
+
+
+def _remove_segments(port_variable: str) -> str:
+    """The shell command removing this user's segments of one run (planner/shm.py, the pattern
+    backend/supervisor.py removes too): no single quotes, so it fits a trap or a `bash -c '...'`."""
+    return "rm -f /dev/shm/" + segment_glob(uid='"$(id -u)"', port=f'"{port_variable}"')
 
 
 def _deepspeed_devices(gpus: int, variable: str = "ds_devices") -> str:
@@ -551,7 +557,7 @@ def _sbatch(launch: _Launch) -> str:
     positional = '"$here" "$@"' if launch.script is None else f'"$here" {_target(launch, "")} "$@"'
     if launch.is_cpu and launch.framework == "deepspeed":
         lines.append("# each node removes the shared-memory segments DeepSpeed's CPU all-reduce leaves (~69 MB per rank)")
-        command += '; rc=$?; rm -f /dev/shm/deepspeed_*_"$MASTER_PORT"_*; exit $rc'
+        command += f'; rc=$?; {_remove_segments("$MASTER_PORT")}; exit $rc'
     else:
         command = "exec " + command
     lines.append(f"srun --kill-on-bad-exit=1 bash -c '{command}' {positional}")

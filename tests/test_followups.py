@@ -224,3 +224,38 @@ def test_the_collector_runs_while_a_traced_estimate_builds_its_models(monkeypatc
     finally:
         if was:
             gc.enable()
+
+
+# --- one /dev/shm pattern -----------------------------------------------------------------------------
+
+def test_the_emitted_cleanup_removes_exactly_the_segments_the_supervisor_removes(tmp_path, monkeypatch):
+    """DeepSpeed names them deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> (shm.cpp:350-367):
+    the launch.sh trap and job.sbatch remove this user's of this port, as backend/supervisor.py does."""
+    import os
+    import re
+    import subprocess
+
+    import backend.supervisor
+    from tests.real_runs import LLAMA
+
+    uid, port = os.getuid(), 29517
+    names = [f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_{port}_0", f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_{port}_1",
+             f"deepspeed_allreduce_buffer_{uid + 1}_127.0.0.1_{port}_0",  # another user's run on the same port
+             f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_{port + 1}_0",  # another run of ours
+             "unrelated_segment"]
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    for name in names:
+        (shm / name).write_bytes(b"")
+    monkeypatch.setattr(backend.supervisor, "SHM_DIR", shm)
+    expected = {p.name for p in backend.supervisor.shm_segments(port)}
+    assert expected == set(names[:2])
+
+    files = emit_estimate_files(estimate(EstimateRequest(model_config=dict(LLAMA, num_hidden_layers=2), gpu="cpu",
+                                                         gpus=2, strategy="zero2", seq_len=64, precision="fp32")))
+    trap = re.search(r"^trap '(.*)' EXIT$", files["launch.sh"], re.M).group(1)
+    sbatch = re.search(r"; rc=\$\?; (rm -f [^;]*);", files["job.sbatch"]).group(1)
+    assert sbatch == trap.replace('"$port"', '"$MASTER_PORT"')
+    subprocess.run(["bash", "-c", trap.replace("/dev/shm/", f"{shm}/")], env=dict(os.environ, port=str(port)),
+                   check=True, timeout=30)
+    assert {p.name for p in shm.iterdir()} == set(names) - expected
