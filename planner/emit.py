@@ -7,7 +7,8 @@ What `--emit DIR` writes (LAUNCH.md in the directory says the same to the user):
   memory measured) unless the user named a script with ``--script``.
 - ``job.sbatch``: the same under Slurm; node rank and master address come from Slurm's variables.
 - ``hostfile``: DeepSpeed multi-node only (its launcher starts the other nodes over ssh from it).
-- ``ds_config.json`` (zero0-3): every size the prediction assumed (planner.dsconfig.build_ds_config).
+- ``ds_config.json`` (zero0-3): every size the prediction assumed (planner.dsconfig.build_ds_config),
+  written over the user's own config when the request has one (--ds-config), whose other keys stay.
 - ``accelerate_config.yaml``: the same choice for ``accelerate launch`` (accelerate 1.16's config
   format, accelerate/commands/config/config_args.py ClusterConfig): the DeepSpeed plugin pointing at
   ds_config.json, the FSDP plugin (FSDP2) for fsdp / fsdp-grad-op / hsdp, or plain multi-GPU for ddp.
@@ -218,6 +219,12 @@ def _keep_users_config(user: dict[str, Any], planned: dict[str, Any]) -> dict[st
         config["optimizer"] = optimizer
     for key, value in planned.items():
         config.setdefault(key, value)  # what the plan writes that the user left out (steps_per_print)
+    # communication_data_type is modelled only as the training dtype (planner.dsconfig
+    # _communication_dtype); with another precision than the config's, the plan's dtype is reduced
+    training = "bf16" if "bf16" in planned else "fp16" if "fp16" in planned else "fp32"
+    allowed = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16", "float16", "half"), "fp32": ("fp32", "float32", "float")}
+    if config.get("communication_data_type") not in (None, "auto", *allowed[training]):
+        del config["communication_data_type"]
     return config
 
 

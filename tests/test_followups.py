@@ -43,11 +43,34 @@ def test_emit_keeps_the_users_deepspeed_settings_and_carries_them_to_the_trainer
     assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (2, 4)
 
 
+def test_the_trainer_accepts_the_carried_arguments_against_the_users_config(tmp_path):
+    """transformers' own consistency check (HfTrainerDeepSpeedConfig.trainer_config_process) finds
+    no mismatch between trainer_args.json and the emitted ds_config.json."""
+    pytest.importorskip("transformers")
+    import dataclasses
+    import types
+
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    _, files = _emit_users_config()
+    emitted_args = json.loads(files["trainer_args.json"])
+    emitted_args.pop("deepspeed")
+    args = TrainingArguments(output_dir=str(tmp_path / "o"), use_cpu=True, **emitted_args)
+    ds = HfTrainerDeepSpeedConfig(json.loads(files["ds_config.json"]))
+    as_launched = types.SimpleNamespace(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)},
+                                        world_size=8)
+    ds.trainer_config_process(as_launched)
+    assert ds.mismatches == []
+
+
 def test_emit_overwrites_what_the_plan_decides_over_the_users_config():
     """An explicit offload and precision win over the config's; the user's other keys stay."""
-    _, files = _emit_users_config(offload_optimizer="cpu", precision="fp16-mixed", micro_batch=1)
+    config = dict(USERS_DS_CONFIG, communication_data_type="bf16")
+    _, files = _emit_users_config(config, offload_optimizer="cpu", precision="fp16-mixed", micro_batch=1)
     ds = json.loads(files["ds_config.json"])
     assert "bf16" not in ds and ds["fp16"]["enabled"] is True
+    assert "communication_data_type" not in ds  # bf16 messages for an fp16 run would not be what was modelled
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert ds["train_micro_batch_size_per_gpu"] == 1 and ds["train_batch_size"] == 32
     assert ds["scheduler"] == USERS_DS_CONFIG["scheduler"]
