@@ -438,7 +438,7 @@ def _deepspeed_devices(gpus: int, variable: str = "ds_devices") -> str:
     --include localhost:<ids> (the first N; indices, as runner.py:280-289 parses them), as
     backend/launch.py launcher_command does for `planner verify`."""
     return (
-        "# The GPUs: the first " + str(gpus) + " of CUDA_VISIBLE_DEVICES when set (deepspeed --num_gpus would ignore it)\n"
+        f"# The GPUs: the first {gpus} of CUDA_VISIBLE_DEVICES when set (deepspeed --num_gpus would ignore it)\n"
         'IFS=, read -ra visible <<< "${CUDA_VISIBLE_DEVICES:-}"\n'
         'if [ "${#visible[@]}" -gt 0 ]; then\n'
         f'  if [ "${{#visible[@]}}" -lt {gpus} ]; then echo "$0: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES makes '

@@ -36,7 +36,8 @@ def test_emit_keeps_the_users_deepspeed_settings_and_carries_them_to_the_trainer
     assert ds["gradient_clipping"] == 1.0 and ds["steps_per_print"] == 10
     zero = ds["zero_optimization"]
     assert zero["stage"] == 2 and zero["reduce_bucket_size"] == 200_000_000
-    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (2, 4, 64)
+    batch = (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"])
+    assert batch == (2, 4, 64)
     args = json.loads(files["trainer_args.json"])
     assert (args["learning_rate"], args["weight_decay"], args["max_grad_norm"]) == (3e-4, 0.1, 1.0)
     assert (args["adam_beta1"], args["adam_beta2"], args["warmup_steps"]) == (0.9, 0.95, 100)
@@ -262,7 +263,8 @@ def test_the_emitted_cleanup_removes_exactly_the_segments_the_supervisor_removes
     from tests.real_runs import LLAMA
 
     uid, port = os.getuid(), 29517
-    names = [f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_{port}_0", f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_{port}_1",
+    names = [f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_{port}_0",
+             f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_{port}_1",
              f"deepspeed_allreduce_buffer_{uid + 1}_127.0.0.1_{port}_0",  # another user's run on the same port
              f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_{port + 1}_0",  # another run of ours
              "unrelated_segment"]
