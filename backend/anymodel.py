@@ -8,7 +8,10 @@ catalogue request and names the extra to install for the rest.
 
 from __future__ import annotations
 
+import gc
 import json
+from contextlib import contextmanager
+from typing import Iterator
 
 from planner.catalogue import UnsupportedModelTypeError, raw_parameters, traced_model
 from planner.memory import estimate, resolve
@@ -56,10 +59,25 @@ def traced_estimate(request: EstimateRequest, exc: UnsupportedModelTypeError) ->
     from backend.trace import cached_count, cached_trace
 
     text = json.dumps(exc.config, sort_keys=True, default=str)
-    count = cached_count(text, exc.name)
-    # the request's effective settings (a ds_config may set the precision) before tracing at them
-    setup = resolve(request, model=raw_parameters(count.parameters))
-    req = setup.request
-    profile = cached_trace(text, exc.name, req.micro_batch, req.seq_len, setup.recipe.compute, req.attention,
-                           req.checkpointing)
+    with _collecting():
+        count = cached_count(text, exc.name)
+        # the request's effective settings (a ds_config may set the precision) before tracing at them
+        setup = resolve(request, model=raw_parameters(count.parameters))
+        req = setup.request
+        profile = cached_trace(text, exc.name, req.micro_batch, req.seq_len, setup.recipe.compute, req.attention,
+                               req.checkpointing)
     return estimate(request, model=traced_model(exc.name, exc.source, profile))
+
+
+@contextmanager
+def _collecting() -> Iterator[None]:
+    """The cyclic collector on while tracing: `planner estimate` turns it off for its quick start-up
+    (cli/main.py), but a trace builds transformers models (modules refer to their parents and
+    hooks: cycles) that would otherwise stay until exit. Restored afterwards."""
+    was_enabled = gc.isenabled()
+    gc.enable()
+    try:
+        yield
+    finally:
+        if not was_enabled:
+            gc.disable()

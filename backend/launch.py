@@ -117,12 +117,47 @@ def launcher_command(job_path: Path, request: EstimateRequest, hostfile: str | N
                 "--nproc_per_node", str(request.gpus * request.nodes), "--master_port", str(port or _free_port()),
                 str(WORKER), "--job", str(job_path)]
     deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).with_name("deepspeed"))
-    command = [deepspeed, "--num_gpus", str(request.gpus), "--master_port", str(port or _free_port())]
+    visible = _visible_ids() if device != "cpu" and request.nodes == 1 else None
+    # --num_gpus N makes DeepSpeed's runner delete CUDA_VISIBLE_DEVICES and run on physical GPUs
+    # 0..N-1 (deepspeed 0.19.8 launcher/runner.py:451-460); --include keeps the visible ones.
+    devices = (["--include", "localhost:" + ",".join(gpu_ids(request, "deepspeed"))] if visible
+               else ["--num_gpus", str(request.gpus)])
+    command = [deepspeed, *devices, "--master_port", str(port or _free_port())]
     if request.nodes > 1:
         command += ["--num_nodes", str(request.nodes)]
         if hostfile:
             command += ["--hostfile", hostfile]
     return command + [str(WORKER), "--job", str(job_path)]
+
+
+def _visible_ids() -> list[str]:
+    """CUDA_VISIBLE_DEVICES's ids; [] when it is unset or empty (DeepSpeed's runner, too, takes an
+    empty value as unset: runner.py:451 ``len(visible_devices)``)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") or ""
+    return [v.strip() for v in visible.split(",") if v.strip()]
+
+
+def gpu_ids(request: EstimateRequest, framework: str) -> list[str]:
+    """The GPUs this host's ranks run on, as CUDA_VISIBLE_DEVICES names them (physical indices
+    when it is unset): what the device locks hold (backend.verify.device_names) and what
+    launcher_command names.
+
+    - torchrun keeps the environment: rank r uses cuda:r, the r-th visible device.
+    - deepspeed on one node: the visible devices through ``--include localhost:<ids>``, the first
+      --gpus of them. The runner checks each slot against range(device_count) as an integer
+      (runner.py:280-289 parse_node_config_list, 329-331), so ids must be indices, not UUIDs.
+    - deepspeed over several nodes: each node's launcher sets CUDA_VISIBLE_DEVICES to the
+      hostfile's slots 0..N-1 (deepspeed/launcher/launch.py:172), whatever was visible."""
+    ids = _visible_ids()
+    if not ids or (framework == "deepspeed" and request.nodes > 1):
+        return [str(i) for i in range(request.gpus)]
+    if len(ids) < request.gpus:
+        raise PlannerError(f"CUDA_VISIBLE_DEVICES={','.join(ids)} makes {len(ids)} GPU(s) visible; gpus={request.gpus} "
+                           f"needs {request.gpus}: list more devices or lower --gpus")
+    if framework == "deepspeed" and not all(i.isdigit() for i in ids[:request.gpus]):
+        raise PlannerError(f"CUDA_VISIBLE_DEVICES={','.join(ids)}: DeepSpeed's launcher selects GPUs by index "
+                           "(--include localhost:0,1), not by UUID or MIG name; list the devices by index")
+    return ids[:request.gpus]
 
 
 BUILD_OPS = ("ShareMemCommBuilder",)  # DeepSpeed's TorchBackend builds this on CPU in every rank (comm/torch.py)

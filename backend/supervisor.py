@@ -33,6 +33,7 @@ if __package__ in (None, ""):  # run as a file: make `backend` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.procs import alive, become_subreaper, descendants, die_with_parent, identity  # noqa: E402
+from planner.shm import segment_glob  # noqa: E402
 
 SHM_DIR = Path("/dev/shm")
 SUPERVISOR_ENV = "PLANNER_SUPERVISOR"  # "pid:start" of this process, read by every rank
@@ -44,7 +45,7 @@ def shm_segments(port: int, uid: int | None = None) -> list[Path]:
     them: about 69 MB per rank that would stay in RAM until reboot. The port is the run's own
     master port, so these are this run's segments and no one else's."""
     uid = os.getuid() if uid is None else uid
-    return sorted(SHM_DIR.glob(f"deepspeed_*_{uid}_*_{port}_*"))
+    return sorted(SHM_DIR.glob(segment_glob(uid, port)))  # the same pattern the emitted launch.sh removes
 
 
 def remove_shm_segments(port: int) -> int:

@@ -12,13 +12,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from backend.launch import Interrupted, run_probe
+from backend.launch import Interrupted, gpu_ids, run_probe
 from backend.store import RunStore
 from backend.supervisor import clean_stale_runs
 from planner.catalogue import UnsupportedModelTypeError, catalogue_model, model_from_config
 from planner.errors import PlannerError
 from planner.memory import cpu_rank_bytes, estimate
 from planner.schema import EstimateRequest
+from planner.strategies import strategy
 
 DEFAULT_TOLERANCE = 0.05
 
@@ -85,13 +86,12 @@ def run_registry() -> Path:
 
 def device_names(request: EstimateRequest) -> list[str]:
     """The devices this host's share of the run uses: 'cpu', or one name per CUDA device, in
-    CUDA_VISIBLE_DEVICES's own terms (the launchers take the first --gpus visible devices)."""
+    CUDA_VISIBLE_DEVICES's own terms: the ones the launcher really starts the ranks on
+    (backend.launch.gpu_ids, which launcher_command passes to deepspeed as --include)."""
     if request.gpu == "cpu":
         return ["cpu"]
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible is not None else []
-    ids = ids or [str(i) for i in range(request.gpus)]
-    return ["cuda-" + re.sub(r"[^A-Za-z0-9._-]", "_", d) for d in ids[:request.gpus]]
+    framework = strategy(request.strategy).framework
+    return ["cuda-" + re.sub(r"[^A-Za-z0-9._-]", "_", d) for d in gpu_ids(request, framework)]
 
 
 @contextmanager

@@ -7,7 +7,8 @@ What `--emit DIR` writes (LAUNCH.md in the directory says the same to the user):
   memory measured) unless the user named a script with ``--script``.
 - ``job.sbatch``: the same under Slurm; node rank and master address come from Slurm's variables.
 - ``hostfile``: DeepSpeed multi-node only (its launcher starts the other nodes over ssh from it).
-- ``ds_config.json`` (zero0-3): every size the prediction assumed (planner.dsconfig.build_ds_config).
+- ``ds_config.json`` (zero0-3): every size the prediction assumed (planner.dsconfig.build_ds_config),
+  written over the user's own config when the request has one (--ds-config), whose other keys stay.
 - ``accelerate_config.yaml``: the same choice for ``accelerate launch`` (accelerate 1.16's config
   format, accelerate/commands/config/config_args.py ClusterConfig): the DeepSpeed plugin pointing at
   ds_config.json, the FSDP plugin (FSDP2) for fsdp / fsdp-grad-op / hsdp, or plain multi-GPU for ddp.
@@ -32,6 +33,7 @@ from planner.dsconfig import build_ds_config
 from planner.errors import PlannerError
 from planner.memory import resolve
 from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanRequest
+from planner.shm import segment_glob
 from planner.strategies import explicit_hsdp_shard
 
 TRAINER_MODULE = "backend.worker"  # the planner's own trainer, `python -m backend.worker --plan plan.json`
@@ -144,14 +146,17 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
                      unavailable=unavailable)
     files: dict[str, str] = {}
     if launch.framework == "deepspeed":
-        config = build_ds_config(stage=setup.zero.stage, precision=launch.precision, micro_batch=est.micro_batch,
-                                 gradient_accumulation=est.gradient_accumulation, optimizer=est.optimizer,
+        req = launch.request  # the request as resolved: a ds_config's batch and optimizer filled in
+        config = build_ds_config(stage=setup.zero.stage, precision=launch.precision, micro_batch=req.micro_batch,
+                                 gradient_accumulation=req.gradient_accumulation, optimizer=req.optimizer,
                                  zero=setup.zero)
-        config["train_batch_size"] = est.micro_batch * est.gradient_accumulation * launch.world
+        config["train_batch_size"] = req.micro_batch * req.gradient_accumulation * launch.world
+        if est.ds_config is not None:
+            config = _keep_users_config(est.ds_config, config)
         if launch.is_cpu and "optimizer" in config:
             # CPU ranks: DeepSpeed's FusedAdam needs CUDA; torch's AdamW is what the model predicts
             # (the same switch backend/launch.py worker_job makes for `planner verify`).
-            config["optimizer"]["params"]["torch_adam"] = True
+            config["optimizer"].setdefault("params", {})["torch_adam"] = True
         files["ds_config.json"] = json.dumps(config, indent=2) + "\n"
     files["accelerate_config.yaml"] = yaml.safe_dump(accelerate_config(launch), sort_keys=False)
     files["trainer_args.json"] = json.dumps(trainer_arguments(launch), indent=2) + "\n"
@@ -163,6 +168,71 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
     files["plan.json"] = json.dumps(plan_doc, indent=2) + "\n"
     files["LAUNCH.md"] = _guide(launch, sorted(files) + ["LAUNCH.md"])
     return files
+
+
+# What a plan decides in a ds_config: the rest of a user's config (optimizer hyper-parameters,
+# scheduler, gradient_clipping, logging, checkpointing, ...) is written back as the user gave it.
+_PLANNED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "fp16")
+# zero_optimization keys the plan writes, with the aliases and deprecated spellings DeepSpeed 0.19.8
+# reads for the same settings (zero/config.py DeepSpeedZeroConfig): an alias left behind would
+# contradict the planned value.
+_PLANNED_ZERO = ("stage", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
+                 "stage3_prefetch_bucket_size", "prefetch_bucket_size", "stage3_param_persistence_threshold",
+                 "param_persistence_threshold", "stage3_max_live_parameters", "max_live_parameters",
+                 "stage3_max_reuse_distance", "max_reuse_distance", "sub_group_size", "offload_optimizer",
+                 "offload_param", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory")
+
+
+def _keep_users_config(user: dict[str, Any], planned: dict[str, Any]) -> dict[str, Any]:
+    """The user's ds_config with the plan's decisions written over it (stage, buckets, offload,
+    precision, batch sizes); everything else of the user's is kept. The user's own settings inside
+    a planned block stay where they still apply: an offload block's extra keys (nvme_path,
+    buffer_count) on the same device, a bf16/fp16 block's loss-scale settings for the same
+    precision, the optimizer's hyper-parameters for the same optimizer."""
+    config = {k: v for k, v in json.loads(json.dumps(user)).items() if k not in _PLANNED_TOP and k != "optimizer"}
+    users_zero = user.get("zero_optimization") if isinstance(user.get("zero_optimization"), dict) else {}
+    zero = {k: v for k, v in users_zero.items() if k not in _PLANNED_ZERO}
+    for key in ("offload_optimizer", "offload_param"):
+        if key in planned["zero_optimization"]:
+            block = dict(planned["zero_optimization"][key])
+            mine = users_zero.get(key)
+            if isinstance(mine, dict) and mine.get("device") == block["device"]:
+                block = mine | {"device": block["device"], "pin_memory": block["pin_memory"]}
+            zero[key] = block
+    zero |= {k: v for k, v in planned["zero_optimization"].items() if k not in ("offload_optimizer", "offload_param")}
+    config["zero_optimization"] = zero
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        config[key] = planned[key]
+    for key in ("bf16", "fp16"):
+        if key in planned:
+            mine = user.get(key)
+            config[key] = (planned[key] | mine | {"enabled": True}) if isinstance(mine, dict) else planned[key]
+    if "optimizer" in planned:
+        optimizer = planned["optimizer"]
+        mine = user.get("optimizer")
+        if isinstance(mine, dict) and _same_optimizer(mine, optimizer):
+            optimizer = json.loads(json.dumps(mine))
+        elif isinstance(mine, dict) and isinstance(mine.get("params"), dict):
+            # another optimizer than the user's (an explicit --optimizer): its learning rate and decay carry over
+            kept = {k: v for k, v in mine["params"].items() if k in ("lr", "weight_decay")}
+            optimizer = optimizer | {"params": optimizer["params"] | kept}
+        config["optimizer"] = optimizer
+    for key, value in planned.items():
+        config.setdefault(key, value)  # what the plan writes that the user left out (steps_per_print)
+    # communication_data_type is modelled only as the training dtype (planner.dsconfig
+    # _communication_dtype); with another precision than the config's, the plan's dtype is reduced
+    training = "bf16" if "bf16" in planned else "fp16" if "fp16" in planned else "fp32"
+    allowed = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16", "float16", "half"), "fp32": ("fp32", "float32", "float")}
+    if config.get("communication_data_type") not in (None, "auto", *allowed[training]):
+        del config["communication_data_type"]
+    return config
+
+
+def _same_optimizer(mine: dict[str, Any], planned: dict[str, Any]) -> bool:
+    """Adam and AdamW are the planner's adamw (planner.dsconfig._optimizer), SGD its sgd."""
+    kinds = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}
+    kind = mine.get("type")
+    return isinstance(kind, str) and kinds.get(kind.lower()) == kinds[planned["type"].lower()]
 
 
 def _trainer_unavailable(setup, est: EstimateRequest) -> str | None:
@@ -250,6 +320,7 @@ def trainer_arguments(launch: _Launch) -> dict[str, Any]:
         "weight_decay": 0.0,
         "optim": TRAINER_OPTIM[req.optimizer],
     }
+    args |= _users_hyperparameters(req.ds_config, req.optimizer)
     if req.checkpointing == "full" and not launch.fsdp:
         # non-reentrant, as backend/train.py enables it. transformers 5.24 calls these
         # activation_checkpointing(_kwargs) and keeps the old names until v6 (training_args.py:1541);
@@ -273,6 +344,43 @@ def trainer_arguments(launch: _Launch) -> dict[str, Any]:
             "state_dict_type": plugin["fsdp_state_dict_type"],
             "activation_checkpointing": plugin["fsdp_activation_checkpointing"],
         }
+    return args
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _users_hyperparameters(config: dict[str, Any] | None, optimizer_name: str) -> dict[str, Any]:
+    """The TrainingArguments fields a user's ds_config sets, which the Trainer checks against it
+    (transformers/integrations/deepspeed.py HfTrainerDeepSpeedConfig.trainer_config_process:
+    optimizer.params lr, betas, eps, weight_decay; gradient_clipping = max_grad_norm;
+    scheduler.params warmup_max_lr = learning_rate; trainer_config_finalize: warmup_num_steps =
+    warmup_steps). "auto" values are the Trainer's to fill, so they are left out. Betas and eps only
+    where the emitted config keeps the user's optimizer block (the same optimizer, _keep_users_config)."""
+    if not config:
+        return {}
+    args: dict[str, Any] = {}
+    scheduler = config.get("scheduler") if isinstance(config.get("scheduler"), dict) else {}
+    sched = scheduler.get("params") if isinstance(scheduler.get("params"), dict) else {}
+    optimizer = config.get("optimizer") if isinstance(config.get("optimizer"), dict) else {}
+    params = optimizer.get("params") if isinstance(optimizer.get("params"), dict) else {}
+    if _number(sched.get("warmup_max_lr")):
+        args["learning_rate"] = sched["warmup_max_lr"]
+    if _number(params.get("lr")):
+        args["learning_rate"] = params["lr"]
+    if _number(params.get("weight_decay")):
+        args["weight_decay"] = params["weight_decay"]
+    if _number(config.get("gradient_clipping")):
+        args["max_grad_norm"] = config["gradient_clipping"]
+    if isinstance(sched.get("warmup_num_steps"), int) and not isinstance(sched["warmup_num_steps"], bool):
+        args["warmup_steps"] = sched["warmup_num_steps"]
+    if optimizer_name in ("adamw", "sgd") and _same_optimizer(optimizer, {"type": optimizer_name}):
+        if _number(params.get("eps")):
+            args["adam_epsilon"] = params["eps"]
+        betas = params.get("betas")
+        if isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_number(b) for b in betas):
+            args["adam_beta1"], args["adam_beta2"] = betas
     return args
 
 
@@ -309,13 +417,39 @@ def _preamble(launch: _Launch) -> str:
 
 
 def _shm_cleanup(launch: _Launch) -> str:
-    """DeepSpeed's CPU shm all-reduce (csrc/cpu/comm/shm.cpp) leaves /dev/shm segments named
-    deepspeed_<name>_<rank>_<addr>_<port>_<n>, about 69 MB per rank (see backend/launch.py
-    remove_shm_segments): the run's own, by its port, go when the script exits."""
+    """DeepSpeed's CPU shm all-reduce leaves /dev/shm segments, about 69 MB per rank (planner/shm.py):
+    this user's of this run, by uid and port, go when the script exits."""
     if not (launch.is_cpu and launch.framework == "deepspeed"):
         return ""
     return ("# DeepSpeed's CPU all-reduce leaves shared-memory segments (~69 MB per rank): remove this run's\n"
-            "trap 'rm -f /dev/shm/deepspeed_*_\"$port\"_*' EXIT\n")
+            f"trap '{_remove_segments('$port')}' EXIT\n")
+
+
+def _remove_segments(port_variable: str) -> str:
+    """The shell command removing this user's segments of one run (planner/shm.py, the pattern
+    backend/supervisor.py removes too): no single quotes, so it fits a trap or a `bash -c '...'`."""
+    return "rm -f /dev/shm/" + segment_glob(uid='"$(id -u)"', port=f'"{port_variable}"')
+
+
+def _deepspeed_devices(gpus: int, variable: str = "ds_devices") -> str:
+    """Shell lines setting ``$variable`` to the GPUs of a one-node ``deepspeed`` launch: DeepSpeed's
+    runner deletes CUDA_VISIBLE_DEVICES when given --num_gpus and runs on physical GPUs 0..N-1
+    (deepspeed 0.19.8 launcher/runner.py:451-460), so the visible ones, when set, are named with
+    --include localhost:<ids> (the first N; indices, as runner.py:280-289 parses them), as
+    backend/launch.py launcher_command does for `planner verify`."""
+    return (
+        f"# The GPUs: the first {gpus} of CUDA_VISIBLE_DEVICES when set (deepspeed --num_gpus would ignore it)\n"
+        'IFS=, read -ra visible <<< "${CUDA_VISIBLE_DEVICES:-}"\n'
+        'if [ "${#visible[@]}" -gt 0 ]; then\n'
+        f'  if [ "${{#visible[@]}}" -lt {gpus} ]; then echo "$0: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES makes '
+        f'${{#visible[@]}} GPU(s) visible; the plan needs {gpus}" >&2; exit 2; fi\n'
+        f'  ids="$(IFS=,; echo "${{visible[*]:0:{gpus}}}")"\n'
+        '  case "$ids" in *[!0-9,]*) echo "$0: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES: deepspeed selects GPUs by '
+        'index (--include localhost:0,1), not by UUID" >&2; exit 2;; esac\n'
+        f'  {variable}="--include localhost:$ids"\n'
+        'else\n'
+        f'  {variable}="--num_gpus {gpus}"\n'
+        'fi\n')
 
 
 def _target(launch: _Launch, module_flag: str, here: str = "$here") -> str:
@@ -337,7 +471,8 @@ def _launch_sh(launch: _Launch) -> str:
     body: list[str] = []
     if req.nodes == 1:
         if launch.framework == "deepspeed":
-            run = (f'deepspeed --num_gpus {req.gpus} --master_port "$port" '
+            body.append(_deepspeed_devices(req.gpus).rstrip("\n"))
+            run = (f'deepspeed $ds_devices --master_port "$port" '
                    f'{_target(launch, "--module")} "$@"')
         else:
             run = f'torchrun --standalone --nproc_per_node {req.gpus} {_target(launch, "-m")} "$@"'
@@ -415,7 +550,9 @@ def _sbatch(launch: _Launch) -> str:
                     '--master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"')
     elif launch.framework == "deepspeed":
         lines.append("# one node: DeepSpeed's launcher starts its ranks")
-        launcher = f'deepspeed --num_gpus {req.gpus} --master_port "$MASTER_PORT"'
+        lines.append(_deepspeed_devices(req.gpus, "PLANNER_DS_DEVICES").rstrip("\n"))
+        lines.append("export PLANNER_DS_DEVICES")
+        launcher = 'deepspeed $PLANNER_DS_DEVICES --master_port "$MASTER_PORT"'
     else:
         lines.append(node_rank)
         launcher = (f'torchrun --nnodes "$SLURM_NNODES" --node_rank "$SLURM_NODEID" --nproc_per_node {req.gpus} '
@@ -427,7 +564,7 @@ def _sbatch(launch: _Launch) -> str:
     positional = '"$here" "$@"' if launch.script is None else f'"$here" {_target(launch, "")} "$@"'
     if launch.is_cpu and launch.framework == "deepspeed":
         lines.append("# each node removes the shared-memory segments DeepSpeed's CPU all-reduce leaves (~69 MB per rank)")
-        command += '; rc=$?; rm -f /dev/shm/deepspeed_*_"$MASTER_PORT"_*; exit $rc'
+        command += f'; rc=$?; {_remove_segments("$MASTER_PORT")}; exit $rc'
     else:
         command = "exec " + command
     lines.append(f"srun --kill-on-bad-exit=1 bash -c '{command}' {positional}")

@@ -25,7 +25,7 @@ from planner.presets import default_preset_for, preset, preset_topology
 from planner.schema import (Candidate, EstimateRequest, EstimateResult, PlanRequest, PlanResult, TimeEstimate,
                             TopologySummary)
 from planner.strategies import STRATEGIES, explicit_hsdp_shard, strategy as lookup_strategy
-from planner.topology import Topology, parse_topology
+from planner.topology import GpuRow, Topology, link_between, parse_topology
 from planner.units import GB, GIB
 
 OFFLOADS = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"), ("nvme", "nvme"))
@@ -121,6 +121,19 @@ def estimate_with_time(request: EstimateRequest) -> EstimateResult:
     return result.model_copy(update={"time": estimate_time(result.request, result)})
 
 
+def _one_host_bridge(gpus: int, g: Gpu) -> Topology:
+    """The topology assumed for a GPU type without a preset: every pair of GPUs over PCIe through
+    one host bridge (nvidia-smi's PHB), no NVLink, no NICs. Built directly: it is what parsing the
+    matching `nvidia-smi topo -m` text gives, but that text's size limit is for pastes, and a large
+    --gpus (its matrix grows as gpus squared) is no paste."""
+    link = link_between(0, 1, "PHB", g)  # every pair the same link
+    return Topology(gpus=[GpuRow(index=i, cpu_affinity=None, numa_node=None) for i in range(gpus)], nics=[],
+                    matrix=[["X" if i == j else "PHB" for j in range(gpus)] for i in range(gpus)],
+                    links=[link.model_copy(update={"a": i, "b": j}) for i in range(gpus) for j in range(i + 1, gpus)],
+                    nvlink_groups=[[i] for i in range(gpus)], gpu_type=g.name,
+                    source=f"assumed: {gpus} GPUs under one PCIe host bridge")
+
+
 def _topology(req: PlanRequest, g: Gpu) -> tuple[Topology, str, int]:
     fabric, nics = DEFAULT_FABRIC, DEFAULT_NICS
     if req.topology_text is not None:
@@ -128,10 +141,7 @@ def _topology(req: PlanRequest, g: Gpu) -> tuple[Topology, str, int]:
     else:
         name = req.topology or default_preset_for(g.name)
         if name is None:
-            text = "\t" + "\t".join(f"GPU{i}" for i in range(req.gpus)) + "\n" + "".join(
-                f"GPU{i}\t" + "\t".join(" X " if i == j else "PHB" for j in range(req.gpus)) + "\n"
-                for i in range(req.gpus))
-            topo = parse_topology(text, g, source=f"assumed: {req.gpus} GPUs under one PCIe host bridge")
+            topo = _one_host_bridge(req.gpus, g)
         else:
             p = preset(name)
             if p.gpu != g.name:

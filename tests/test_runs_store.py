@@ -148,6 +148,7 @@ def test_the_device_lock_is_per_host_and_device_not_per_database(monkeypatch, tm
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")  # a free device
         with device_lock(gpus.model_copy(update={"gpus": 1})):
             pass
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1,0")  # two visible again: a 2-GPU run needs two
     with device_lock(gpus):  # released with its holder
         pass
 

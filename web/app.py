@@ -295,6 +295,27 @@ class Jobs:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
+LOOP_LAYER_LIMIT = 200  # a config with more layers is answered in the threadpool (the core reads it layer by layer)
+
+
+def _slow_on_the_loop(body: EstimateRequest) -> bool:
+    """Requests whose analytic answer would hold the event loop for tens of milliseconds: a pasted
+    topology is parsed (~28 ms for an uncached 8-GPU paste), and a config of many layers is read
+    layer by layer (the schema allows 10,000). A catalogue model on a preset topology stays on the loop."""
+    if body.topology_text is not None:
+        return True
+    config = body.model_config_
+    if not isinstance(config, dict):
+        return False
+    for block in (config, *(v for v in config.values() if isinstance(v, dict))):  # text_config and the like
+        for key, value in block.items():
+            if isinstance(value, list) and len(value) > LOOP_LAYER_LIMIT:  # layer_types, per-layer lists
+                return True
+            if "layers" in key and isinstance(value, int) and not isinstance(value, bool) and value > LOOP_LAYER_LIMIT:
+                return True
+    return False
+
+
 def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAPI:
     """``public_runs``: serve run records without the token; None reads PLANNER_PUBLIC_RUNS."""
     jobs = Jobs(db or os.environ.get("PLANNER_DB"))
@@ -371,6 +392,8 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
         # The analytic answer (~1 ms) on the event loop: a sync route costs two threadpool hops per
         # request (the endpoint, then the response check) and 8 clients' threads fight for the GIL.
         # A Hub read or a trace takes seconds, so it goes to the threadpool.
+        if _slow_on_the_loop(body):
+            return await run_in_threadpool(estimate_any, body)
         answer = analytic_estimate(body)
         if answer is None:
             return await run_in_threadpool(estimate_any, body)  # a Hub id
