@@ -97,6 +97,9 @@ def add_schema_flags(parser: argparse.ArgumentParser, model: type[BaseModel],
             parser.add_argument(flag, dest=name, metavar="PATH", type=path_arg, default=argparse.SUPPRESS,
                                 help=f"{help_text} (a file path)")
             continue
+        if field.annotation is bool:  # a switch: given is true (the schema's default is false)
+            parser.add_argument(flag, dest=name, action="store_true", default=argparse.SUPPRESS, help=help_text)
+            continue
         choices = _choices(field.annotation)
         default = field.default if field.default is not None else "none"
         catalogue = _catalogue(field)

@@ -869,7 +869,7 @@ def _mistral3_vision(f: _Fields, text_hidden: int) -> tuple[list[int], list[int]
     bias = f.bool("multimodal_projector_bias", False)
     projector = [h, h * h * merge * merge, *_linear(text_hidden, h * feature_layers, bias),
                  *_linear(text_hidden, text_hidden, bias)]
-    return out, projector, "" if given else "Mistral3Config's default (Pixtral)"
+    return out, projector, "" if given else "Mistral3Config default (Pixtral)"
 
 
 VISION_READERS: dict[str, Callable[[_Fields, int], tuple[list[int], list[int], str]]] = {
@@ -890,8 +890,8 @@ def _with_vision(f: _Fields, model_type: str, fields: dict[str, Any]) -> dict[st
                f"multimodal projector ({sum(projector):,}) are counted as model states (parameters, "
                "gradients and optimizer states, sharded like the rest, trained in full); activations are "
                "those of a batch of text tokens: image activations are not modelled")
-    notes = [counted] + ([f"{model_type}: the config has no vision_config; the vision tower is transformers' "
-                          f"{defaults} default vision config"] if defaults else [])
+    notes = [counted] + ([f"{model_type}: the config has no vision_config; the vision tower is built from "
+                          f"transformers' {defaults} defaults, which may differ from the published checkpoint's"] if defaults else [])
     tied = f.bool("tie_word_embeddings", _MULTIMODAL_TIED[model_type])
     if tied != fields["tie_word_embeddings"]:
         notes.append(f"{model_type}: the whole model's LM head is {'tied to' if tied else 'separate from'} the input "

@@ -106,3 +106,59 @@ def test_the_dump_reads_back_with_the_vision_numels():
     arch = from_hf_config(CONFIGS["mistral3-tiny"], include_vision=True)
     assert Architecture.model_validate(arch.model_dump()) == arch
     assert "vision_numels" not in from_hf_config(CONFIGS["mistral3-tiny"]).model_dump()
+
+
+def test_estimate_counts_the_vision_states_sharded_and_keeps_the_text_activations():
+    from planner.memory import estimate
+    from planner.schema import EstimateRequest
+
+    base = dict(model_config=CONFIGS["gemma3-4b-real"], strategy="zero3", gpus=8, seq_len=1024)
+    text, whole = estimate(EstimateRequest(**base)), estimate(EstimateRequest(**base, include_vision=True))
+    vision = vision_parameters(from_hf_config(CONFIGS["gemma3-4b-real"], include_vision=True))
+    assert whole.parameters == text.parameters + vision
+    # ZeRO-3: 16-bit parameters and gradients, fp32 master and two AdamW moments, each 1/8
+    assert whole.per_device.parameters_bytes - text.per_device.parameters_bytes == pytest.approx(2 * vision / 8, abs=16)
+    assert whole.per_device.optimizer_states_bytes - text.per_device.optimizer_states_bytes == \
+        pytest.approx(12 * vision / 8, abs=64)
+    assert whole.per_device.activations_bytes == text.per_device.activations_bytes
+    assert any("include_vision" in n for n in whole.notes)
+    ddp = estimate(EstimateRequest(**base | {"strategy": "ddp"}, include_vision=True))
+    assert ddp.per_device.parameters_bytes == 2 * whole.parameters  # unsharded
+
+
+def test_include_vision_refusals_name_the_field():
+    from planner.memory import estimate
+    from planner.schema import EstimateRequest
+
+    with pytest.raises(PlannerError, match="^include_vision: llama-3-8b is a text-only model"):
+        estimate(EstimateRequest(model="llama-3-8b", include_vision=True))
+    with pytest.raises(PlannerError, match="^include_vision: .* is only a parameter count"):
+        estimate(EstimateRequest(params="7B", include_vision=True))
+
+
+def test_plan_counts_the_vision_tower_too():
+    from planner.plan import plan
+    from planner.schema import PlanRequest
+
+    req = dict(model_config=CONFIGS["mistral3-tiny"], gpu="h100-80gb", gpus=2, seq_len=256, global_batch=4)
+    text, whole = plan(PlanRequest(**req)), plan(PlanRequest(**req, include_vision=True))
+    vision = vision_parameters(from_hf_config(CONFIGS["mistral3-tiny"], include_vision=True))
+    head = 1000 * 64  # the whole mistral3 model ties its head (Mistral3Config's default)
+    ddp = [{c.per_device.parameters_bytes for c in r.candidates if c.strategy == "ddp"} for r in (text, whole)]
+    assert len(ddp[0]) == len(ddp[1]) == 1  # unsharded: the same on every ddp candidate
+    assert ddp[1].pop() - ddp[0].pop() == 2 * (vision - head)
+
+
+def test_cli_flag(capsys):
+    import json
+
+    from cli.main import main
+
+    assert main(["estimate", "--model", "gemma-3-4b", "--include-vision", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    expected = from_hf_config(load_catalogue()["gemma-3-4b"].config, include_vision=True)
+    assert data["parameters"] == parameter_count(expected) > parameter_count(from_hf_config(
+        load_catalogue()["gemma-3-4b"].config))
+    assert data["request"]["include_vision"] is True
+    assert main(["estimate", "--model", "llama-3-8b", "--include-vision"]) == 2
+    assert "include_vision" in capsys.readouterr().err
