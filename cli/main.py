@@ -590,7 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print the result as one JSON object")
     pl.set_defaults(handler=cmd_plan)
     ver = sub.add_parser("verify", help="launch the configuration through deepspeed, measure every rank, compare")
-    add_schema_flags(ver, EstimateRequest)
+    add_schema_flags(ver, EstimateRequest, skip=("include_vision",))  # the trainer builds the text decoder only
     ver.add_argument("--plan", type=path_arg, metavar="FILE", help="run the candidate of a plan.json written by `planner plan --emit`")
     ver.add_argument("--steps", type=schema_type(VerifySteps), default=3, help="measured steps, 1-100 (default: 3)")
     ver.add_argument("--warmup", type=schema_type(WarmupSteps), default=1,

@@ -235,7 +235,11 @@ def plan(req: PlanRequest) -> PlanResult:
             fewer_rows, count = _evaluate(req.model_copy(update={"nodes": k}), [req.gpus], *layout)
             evaluated += count
             fewer.append((k, fewer_rows))
-    return _rank(req, rows, fewer, usable, capacity, topo, fabric_name, nics, model_fields, evaluated, started, g)
+    result = _rank(req, rows, fewer, usable, capacity, topo, fabric_name, nics, model_fields, evaluated, started, g)
+    if req.include_vision:  # say what was counted (the reader's note), as estimate does
+        counted = [n for n in arch.notes if "include_vision" in n or "vision_config" in n]
+        result = result.model_copy(update={"notes": result.notes + counted})
+    return result
 
 
 def _fewer_nodes(req: PlanRequest) -> list[int]:

@@ -147,6 +147,7 @@ def test_plan_counts_the_vision_tower_too():
     ddp = [{c.per_device.parameters_bytes for c in r.candidates if c.strategy == "ddp"} for r in (text, whole)]
     assert len(ddp[0]) == len(ddp[1]) == 1  # unsharded: the same on every ddp candidate
     assert ddp[1].pop() - ddp[0].pop() == 2 * (vision - head)
+    assert any("include_vision" in n for n in whole.notes) and not any("include_vision" in n for n in text.notes)
 
 
 def test_cli_flag(capsys):
@@ -162,3 +163,16 @@ def test_cli_flag(capsys):
     assert data["request"]["include_vision"] is True
     assert main(["estimate", "--model", "llama-3-8b", "--include-vision"]) == 2
     assert "include_vision" in capsys.readouterr().err
+
+
+def test_verify_has_no_include_vision_flag():
+    """verify trains the text decoder (AutoModelForCausalLM); a vision count would not be measured."""
+    import argparse
+
+    from cli.main import build_parser
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    flags = {cmd: {s for a in subs[cmd]._actions for s in a.option_strings} for cmd in ("estimate", "plan", "verify")}
+    assert "--include-vision" in flags["estimate"] and "--include-vision" in flags["plan"]
+    assert "--include-vision" not in flags["verify"]
