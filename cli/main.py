@@ -97,6 +97,9 @@ def add_schema_flags(parser: argparse.ArgumentParser, model: type[BaseModel],
             parser.add_argument(flag, dest=name, metavar="PATH", type=path_arg, default=argparse.SUPPRESS,
                                 help=f"{help_text} (a file path)")
             continue
+        if field.annotation is bool:  # a switch: given is true (the schema's default is false)
+            parser.add_argument(flag, dest=name, action="store_true", default=argparse.SUPPRESS, help=help_text)
+            continue
         choices = _choices(field.annotation)
         default = field.default if field.default is not None else "none"
         catalogue = _catalogue(field)
@@ -587,7 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print the result as one JSON object")
     pl.set_defaults(handler=cmd_plan)
     ver = sub.add_parser("verify", help="launch the configuration through deepspeed, measure every rank, compare")
-    add_schema_flags(ver, EstimateRequest)
+    add_schema_flags(ver, EstimateRequest, skip=("include_vision",))  # the trainer builds the text decoder only
     ver.add_argument("--plan", type=path_arg, metavar="FILE", help="run the candidate of a plan.json written by `planner plan --emit`")
     ver.add_argument("--steps", type=schema_type(VerifySteps), default=3, help="measured steps, 1-100 (default: 3)")
     ver.add_argument("--warmup", type=schema_type(WarmupSteps), default=1,

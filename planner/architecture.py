@@ -75,6 +75,9 @@ class Architecture(BaseModel):
     attention_implementation: Literal["any", "eager"] = Field(
         default="any", description="'eager' where transformers has no SDPA path for the family")
     notes: tuple[str, ...] = Field(default=(), description="what the reader assumed or left out")
+    vision_numels: tuple[int, ...] = Field(
+        default=(), description="parameter numels of the vision tower and multimodal projector, in "
+        "registration order, when they are counted (include_vision); empty: the text decoder only")
 
     _cache: dict[str, Any] | None = PrivateAttr(default=None)
 
@@ -106,7 +109,7 @@ class Architecture(BaseModel):
         """Stacks of alike blocks dump exactly as before layer specs existed; an explicit stack
         dumps as runs of equal blocks ({count, spec})."""
         data = handler(self)
-        for key in ("notes", "attention_implementation"):
+        for key in ("notes", "attention_implementation", "vision_numels"):
             if data.get(key) == Architecture.model_fields[key].default:
                 data.pop(key, None)
         if not self.layers:
@@ -228,7 +231,9 @@ def parameter_numels(a: Architecture) -> list[int]:
     memo = _memo(a)
     if memo.get("_numels") is None:
         h = a.hidden_size
-        out = [a.vocab_size * h] + ([a.learned_positions * h] if a.learned_positions else [])
+        # ForConditionalGeneration registers the vision tower and projector before the language
+        # model (Gemma3Model, Mistral3Model, Llama4ForConditionalGeneration.__init__), so they lead
+        out = list(a.vision_numels) + [a.vocab_size * h] + ([a.learned_positions * h] if a.learned_positions else [])
         for numels in _block_numels(a):
             out += numels
         out += norm_numels(a.norm, h)
@@ -251,7 +256,12 @@ def active_parameter_count(a: Architecture) -> int:
     """Parameters one token passes through (MoE: only its routed experts), for FLOPs."""
     per_kind = {key: routed_inactive_numels(spec.mlp, a.hidden_size) for key, spec in distinct_specs(a).items()}
     inactive = sum(per_kind[id(spec)] for spec in layer_specs(a))
-    return parameter_count(a) - inactive
+    return parameter_count(a) - inactive - vision_parameters(a)  # a text token never meets the vision tower
+
+
+def vision_parameters(a: Architecture) -> int:
+    """The vision tower and projector (0 unless include_vision counted them): model states only."""
+    return sum(a.vision_numels)
 
 
 def largest_layer_parameters(a: Architecture) -> int:
@@ -759,6 +769,137 @@ def _read_llama4(f: _Fields) -> dict[str, Any]:
     return fields | dict(notes=(_VISION_NOTE.format(family="llama4"),))
 
 
+# --- the vision tower and projector of a multimodal checkpoint (include_vision) ---------------
+# Each reader lists the parameter numels of the family's vision tower and multimodal projector in
+# module registration order (a module's own parameters before its children's), read from the
+# transformers 5 modeling files named below; tests/test_vision.py checks the list against
+# transformers' ForConditionalGeneration on the meta device.
+
+def _vision_config(f: _Fields, family: str, model_type: str | None,
+                   absent: dict[str, Any]) -> tuple[_Fields, bool]:
+    """(the vision_config fields, whether the config gave one). Absent, transformers builds the
+    multimodal config class's default vision config; a given one fills missing fields with its
+    own config class's defaults (the readers' ``default=`` arguments)."""
+    vision = f.fields.get("vision_config")
+    if vision is None:
+        return _Fields(f"{f.source}: vision_config", dict(absent)), False
+    if not isinstance(vision, dict):
+        raise PlannerError(f"{f.source}: include_vision needs the {family} config's vision_config as a mapping, "
+                           f"got {type(vision).__name__}")
+    kind = vision.get("model_type", model_type)
+    if model_type is not None and kind != model_type:
+        raise PlannerError(f"{f.source}: vision_config.model_type {kind!r} is not supported for {family} "
+                           f"({model_type})")
+    return _Fields(f"{f.source}: vision_config", vision), True
+
+
+def _linear(out_features: int, in_features: int, bias: bool) -> list[int]:
+    return [out_features * in_features] + ([out_features] if bias else [])
+
+
+def _patches(v: _Fields, image_default: int, patch_default: int) -> tuple[int, int]:
+    image, patch = v.int("image_size", image_default), v.int("patch_size", patch_default)
+    if patch > image:
+        raise PlannerError(f"{v.source}: patch_size({patch}) exceeds image_size({image})")
+    return image, patch
+
+
+def _gemma3_vision(f: _Fields, text_hidden: int) -> tuple[list[int], list[int], str]:
+    # SiglipVisionModel (siglip/modeling_siglip.py; SiglipVisionConfig defaults): embeddings
+    # (patch_embedding Conv2d with bias, position_embedding of (image // patch)^2 rows), encoder
+    # layers (layer_norm1, self_attn k/v/q/out with bias, layer_norm2, mlp fc1/fc2 with bias),
+    # post_layernorm, and the attention-pooling head when vision_use_head (Gemma 3's configs: false)
+    v, given = _vision_config(f, "gemma3", "siglip_vision_model", {})
+    h, inner = v.int("hidden_size", 768), v.int("intermediate_size", 3072)
+    layers, channels = v.int("num_hidden_layers", 12), v.int("num_channels", 3)
+    v.int("num_attention_heads", 12)
+    image, patch = _patches(v, 224, 16)
+    out = [h * channels * patch * patch, h, (image // patch) ** 2 * h]
+    layer = [h, h, *_linear(h, h, True) * 4, h, h, *_linear(inner, h, True), *_linear(h, inner, True)]
+    out += layer * layers + [h, h]
+    if v.bool("vision_use_head", True):  # SiglipMultiheadAttentionPoolingHead: probe, nn.MultiheadAttention
+        out += [h, 3 * h * h, 3 * h, h * h, h, h, h, *_linear(inner, h, True), *_linear(h, inner, True)]
+    # Gemma3MultiModalProjector: mm_input_projection_weight (vision x text hidden), mm_soft_emb_norm
+    projector = [h * text_hidden, h]
+    return out, projector, "" if given else "SiglipVisionConfig"
+
+
+def _llama4_vision(f: _Fields, text_hidden: int) -> tuple[list[int], list[int], str]:
+    # Llama4VisionModel (llama4/modeling_llama4.py; Llama4VisionConfig defaults): class_embedding,
+    # positional_embedding_vlm ((image // patch)^2 + 1 rows), patch_embedding (Llama4UnfoldConvolution:
+    # a Linear without bias), layernorm_pre/post, encoder layers (q/k/v/o with bias, fc1/fc2 with bias,
+    # two LayerNorms), vision_adapter (Llama4VisionMLP2: fc1, fc2 without bias)
+    v, given = _vision_config(f, "llama4", None, {})
+    h, inner = v.int("hidden_size", 768), v.int("intermediate_size", 5632)
+    layers, heads, channels = v.int("num_hidden_layers", 34), v.int("num_attention_heads", 16), v.int("num_channels", 3)
+    image, patch = _patches(v, 448, 14)
+    width = heads * (h // heads)  # Llama4VisionAttention: head_dim = hidden_size // num_attention_heads
+    if not width:
+        raise PlannerError(f"{v.source}: num_attention_heads({heads}) exceeds hidden_size({h})")
+    out = [h, ((image // patch) ** 2 + 1) * h, h * channels * patch * patch, h, h, h, h]
+    layer = [*_linear(width, h, True) * 3, *_linear(h, width, True), *_linear(inner, h, True),
+             *_linear(h, inner, True), h, h, h, h]
+    projector_in, projector_out = v.int("projector_input_dim", 4096), v.int("projector_output_dim", 4096)
+    out += layer * layers + [projector_in * inner, projector_out * projector_out]
+    # Llama4MultiModalProjector: linear_1, vision_output_dim -> text hidden, no bias
+    projector = [text_hidden * v.int("vision_output_dim", 7680)]
+    return out, projector, "" if given else "Llama4VisionConfig"
+
+
+# Mistral3Config's default vision_config (configuration_mistral3.py, SubConfigSpec init_kwargs): Pixtral
+_MISTRAL3_VISION = dict(model_type="pixtral", hidden_size=1024, intermediate_size=4096, patch_size=14,
+                        image_size=1540, num_hidden_layers=24, num_attention_heads=16, head_dim=64)
+
+
+def _mistral3_vision(f: _Fields, text_hidden: int) -> tuple[list[int], list[int], str]:
+    # PixtralVisionModel (pixtral/modeling_pixtral.py; PixtralVisionConfig defaults): patch_conv
+    # without bias, ln_pre (RMSNorm), layers (attention_norm, feed_forward gate/up/down, attention
+    # k/v/q/o, all hidden x hidden, no biases, ffn_norm)
+    v, given = _vision_config(f, "mistral3", "pixtral", _MISTRAL3_VISION)
+    h, inner = v.int("hidden_size", 1024), v.int("intermediate_size", 4096)
+    layers, channels = v.int("num_hidden_layers", 24), v.int("num_channels", 3)
+    v.int("num_attention_heads", 16)
+    _, patch = _patches(v, 1024, 16)
+    out = [h * channels * patch * patch, h]
+    out += [h, inner * h, inner * h, h * inner, h * h, h * h, h * h, h * h, h] * layers
+    # Mistral3MultiModalProjector: norm (RMSNorm), patch_merger.merging_layer, linear_1, linear_2
+    merge = f.int("spatial_merge_size", 2)
+    feature_layer = f.fields.get("vision_feature_layer", -1)
+    feature_layers = len(feature_layer) if isinstance(feature_layer, list) and feature_layer else 1
+    bias = f.bool("multimodal_projector_bias", False)
+    projector = [h, h * h * merge * merge, *_linear(text_hidden, h * feature_layers, bias),
+                 *_linear(text_hidden, text_hidden, bias)]
+    return out, projector, "" if given else "Mistral3Config default (Pixtral)"
+
+
+VISION_READERS: dict[str, Callable[[_Fields, int], tuple[list[int], list[int], str]]] = {
+    "gemma3": _gemma3_vision,
+    "llama4": _llama4_vision,
+    "mistral3": _mistral3_vision,
+}
+# The whole ForConditionalGeneration ties its LM head by the multimodal config's own
+# tie_word_embeddings, not text_config's (transformers 5, checked on the meta device: a mistral3
+# config without the top-level field ties, whatever text_config says); the class defaults:
+_MULTIMODAL_TIED = {"gemma3": True, "llama4": False, "mistral3": True}
+
+
+def _with_vision(f: _Fields, model_type: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """The text decoder's fields with the vision tower and projector counted as model states."""
+    tower, projector, defaults = VISION_READERS[model_type](f, fields["hidden_size"])
+    counted = (f"{model_type}: include_vision: the vision tower ({sum(tower):,} parameters) and the "
+               f"multimodal projector ({sum(projector):,}) are counted as model states (parameters, "
+               "gradients and optimizer states, sharded like the rest, trained in full); activations are "
+               "those of a batch of text tokens: image activations are not modelled")
+    notes = [counted] + ([f"{model_type}: the config has no vision_config; the vision tower is built from "
+                          f"transformers' {defaults} defaults, which may differ from the published checkpoint's"] if defaults else [])
+    tied = f.bool("tie_word_embeddings", _MULTIMODAL_TIED[model_type])
+    if tied != fields["tie_word_embeddings"]:
+        notes.append(f"{model_type}: the whole model's LM head is {'tied to' if tied else 'separate from'} the input "
+                     "embeddings (the multimodal config's tie_word_embeddings, which transformers follows)")
+    kept = tuple(n for n in fields.get("notes", ()) if not n.startswith(f"{model_type}: the text decoder is counted"))
+    return fields | dict(vision_numels=tuple(tower + projector), notes=kept + tuple(notes), tie_word_embeddings=tied)
+
+
 READERS: dict[str, Callable[[_Fields], dict[str, Any]]] = {
     "llama": _read_llama,
     "mistral": _read_mistral,
@@ -783,8 +924,9 @@ READERS: dict[str, Callable[[_Fields], dict[str, Any]]] = {
 }
 
 
-def from_hf_config(config: dict[str, Any], source: str = "config") -> Architecture:
-    """Read a Hugging Face ``config.json`` (as a dict) into an Architecture."""
+def from_hf_config(config: dict[str, Any], source: str = "config", include_vision: bool = False) -> Architecture:
+    """Read a Hugging Face ``config.json`` (as a dict) into an Architecture; ``include_vision``
+    counts a multimodal checkpoint's vision tower and projector as model states too."""
     if not isinstance(config, dict):
         raise PlannerError(f"{source}: a model config must be a mapping of field names, got {type(config).__name__}")
     model_type = config.get("model_type")
@@ -794,7 +936,12 @@ def from_hf_config(config: dict[str, Any], source: str = "config") -> Architectu
     if reader is None:
         raise PlannerError(
             f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(sorted(READERS))}")
+    if include_vision and model_type not in VISION_READERS:
+        raise PlannerError(f"include_vision: {source} is a text-only model (model_type {model_type!r}); "
+                           f"include_vision applies to the multimodal configs {', '.join(sorted(VISION_READERS))}")
     fields = reader(_Fields(source, config))
+    if include_vision:
+        fields = _with_vision(_Fields(source, config), model_type, fields)
     if fields["num_key_value_heads"] > fields["num_attention_heads"]:
         raise PlannerError(
             f"{source}: num_key_value_heads({fields['num_key_value_heads']}) exceeds "

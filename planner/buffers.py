@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from planner.activations import Activations
-from planner.architecture import block_parameters, blocks_parameters, layer_parameters
+from planner.architecture import block_parameters, blocks_parameters, layer_parameters, vision_parameters
 from planner.schema import MemoryItem, Phase
 
 if TYPE_CHECKING:
@@ -96,8 +96,12 @@ def layout(setup: "Setup") -> Layout | None:
     # Backward meets the input embeddings last; a tied head's gradient is the embedding's,
     # allocated at the head.
     embedding = arch.vocab_size * arch.hidden_size + arch.learned_positions * arch.hidden_size
+    # include_vision: the vision tower and projector run before the decoder on an image batch, so
+    # their gradients come last, with the embeddings' (on a text batch they get none: counting them
+    # here is the bound). They are no block: FSDP wraps them with the root (psi - blocks).
+    late = (0 if arch.tie_word_embeddings else embedding) + vision_parameters(arch)
     return Layout(arch.num_layers, layer_parameters(arch), blocks_parameters(arch),
-                  0 if arch.tie_word_embeddings else embedding, arch.vocab_size * arch.hidden_size,
+                  late, arch.vocab_size * arch.hidden_size,
                   _tied_head_elements(arch), max(block_parameters(arch)))
 
 

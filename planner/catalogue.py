@@ -169,6 +169,17 @@ def _resolve(name: str, source: str, config: dict[str, Any]) -> ResolvedModel:
                          parameters=parameter_count(architecture))
 
 
+def with_vision(model: ResolvedModel) -> ResolvedModel:
+    """The model with its vision tower and projector counted (include_vision): only a multimodal
+    config read analytically has them."""
+    if model.config is None:
+        what = "a traced model" if model.traced is not None else "only a parameter count"
+        raise PlannerError(f"include_vision: {model.name} is {what}, not a multimodal config "
+                           "(gemma3, llama4, mistral3) whose vision tower can be counted")
+    architecture = from_hf_config(model.config, source=model.name, include_vision=True)
+    return model.model_copy(update={"architecture": architecture, "parameters": parameter_count(architecture)})
+
+
 def model_from_config(config: dict[str, Any], name: str = "custom", source: str = "user config") -> ResolvedModel:
     """A user's architecture: a Hugging Face config.json, or {name?, config: {...}} as in the catalogue."""
     if not isinstance(config, dict):

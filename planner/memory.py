@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from planner import buffers as buf
 from planner.activations import ActivationItem, Activations, estimate_activations
 from planner.architecture import Architecture, parameter_numels
-from planner.catalogue import ResolvedModel, catalogue_model, model_from_config, raw_parameters
+from planner.catalogue import ResolvedModel, catalogue_model, model_from_config, raw_parameters, with_vision
 from planner.dsconfig import ZeroSettings, batch_from_config, parse_ds_config, with_overrides
 from planner.errors import PlannerError
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
@@ -109,6 +109,8 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
         raise PlannerError("precision bf16-pure (no fp32 master) is not what DeepSpeed's bf16 mode does: "
                            "it always keeps fp32 master weights; use bf16-mixed with zero0-3, or ddp/fsdp for bf16-pure")
     model = model if model is not None else resolve_model(request)
+    if request.include_vision:
+        model = with_vision(model)
     shard = shard_group_size(s, request.gpus, request.nodes, request.hsdp_shard_size)
     return Setup(request=request.model_copy(update={"precision": precision} | from_config), model=model, strategy=s,
                  recipe=RECIPES[precision], gpu=g, zero=zero,

@@ -17,7 +17,7 @@ import numpy as np
 
 from planner import timing
 from planner.architecture import layer_parameters
-from planner.catalogue import catalogue_model, model_from_config
+from planner.catalogue import catalogue_model, model_from_config, with_vision
 from planner.errors import PlannerError
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.memory import estimate
@@ -74,6 +74,7 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
 
     combo, buckets = _resolved_combo(request)
     model_fields = {"model": request.model} if request.model else {"model_config": request.model_config_}
+    model_fields |= {"include_vision": True} if request.include_vision else {}
     per_rank = request.micro_batch * request.gradient_accumulation
     plan_req = PlanRequest(**model_fields, gpu=request.gpu, gpus=request.gpus, nodes=request.nodes,
                            seq_len=request.seq_len, global_batch=per_rank * request.gpus * request.nodes,
@@ -92,6 +93,7 @@ def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstim
     if result.model.architecture is None or (g.is_cpu and request.profile is None):
         return None
     model_fields = {"model": request.model} if request.model else {"model_config": request.model_config_}
+    model_fields |= {"include_vision": True} if request.include_vision else {}
     world = request.gpus * request.nodes
     per_rank = request.micro_batch * request.gradient_accumulation
     plan_req = PlanRequest(**model_fields, gpu=request.gpu, gpus=request.gpus, nodes=request.nodes,
@@ -221,8 +223,11 @@ def plan(req: PlanRequest) -> PlanResult:
     g = lookup_gpu(req.gpu)
     check_precision(g, req.precision)
     model = catalogue_model(req.model) if req.model else model_from_config(req.model_config_)
+    if req.include_vision:
+        model = with_vision(model)
     arch = model.architecture
     model_fields = {"model": req.model} if req.model else {"model_config": req.model_config_}
+    model_fields |= {"include_vision": True} if req.include_vision else {}
     world_max = req.gpus * req.nodes
     if req.global_batch % world_max:
         raise PlannerError(f"global_batch({req.global_batch}) is not divisible by gpus({req.gpus}) * "
@@ -240,7 +245,11 @@ def plan(req: PlanRequest) -> PlanResult:
             fewer_rows, count = _evaluate(req.model_copy(update={"nodes": k}), [req.gpus], *layout)
             evaluated += count
             fewer.append((k, fewer_rows))
-    return _rank(req, rows, fewer, usable, capacity, topo, fabric_name, nics, model_fields, evaluated, started, g)
+    result = _rank(req, rows, fewer, usable, capacity, topo, fabric_name, nics, model_fields, evaluated, started, g)
+    if req.include_vision:  # say what was counted (the reader's note), as estimate does
+        counted = [n for n in arch.notes if "include_vision" in n or "vision_config" in n]
+        result = result.model_copy(update={"notes": result.notes + counted})
+    return result
 
 
 def _fewer_nodes(req: PlanRequest) -> list[int]:

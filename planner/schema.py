@@ -224,6 +224,9 @@ class EstimateRequest(BaseModel):
     fabric: FabricName | None = Field(None, description=FABRIC_HELP)
     nics_per_node: int | None = Field(None, ge=1, le=64, description=NICS_HELP)
     profile: ProfileName | None = Field(None, description="calibration profile saved by `planner calibrate`")
+    include_vision: bool = Field(
+        False, description="multimodal configs (gemma3, llama4, mistral3): count the vision tower and projector as "
+        "model states (trained in full); activations stay those of text tokens")
 
     @model_validator(mode="before")
     @classmethod
@@ -372,6 +375,9 @@ class PlanRequest(BaseModel):
     link_efficiency: float = Field(1.0, gt=0.0, le=4.0,
                                    description="achieved fraction of the modelled (realistic) link bandwidths")
     profile: ProfileName | None = Field(None, description="calibration profile saved by `planner calibrate` (sets the efficiencies)")
+    include_vision: bool = Field(
+        False, description="multimodal configs (gemma3, llama4, mistral3): count the vision tower and projector as "
+        "model states (trained in full); activations stay those of text tokens")
 
     @model_validator(mode="after")
     def _one_model(self) -> "PlanRequest":

@@ -1,0 +1,178 @@
+"""include_vision: a multimodal checkpoint's vision tower and projector counted as model states,
+equal to transformers' whole ForConditionalGeneration on the meta device (issue 11)."""
+
+import pytest
+
+from planner.architecture import (active_parameter_count, from_hf_config, parameter_count, parameter_numels,
+                                  vision_parameters)
+from planner.catalogue import load_catalogue
+from planner.errors import PlannerError
+
+TINY_GEMMA3_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000}
+TINY_SIGLIP = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 48,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 64, "patch_size": 8}
+# google/gemma-3-4b-it's vision_config (SigLIP-so400m), as its config.json on the Hub gives it
+GEMMA3_SIGLIP = {"model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304,
+                 "num_hidden_layers": 27, "num_attention_heads": 16, "image_size": 896, "patch_size": 14,
+                 "vision_use_head": False}
+TINY_LLAMA4_TEXT = {"hidden_size": 64, "intermediate_size": 64, "intermediate_size_mlp": 128, "num_hidden_layers": 4,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000,
+                    "num_local_experts": 2, "interleave_moe_layer_step": 2}
+TINY_LLAMA4_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                      "image_size": 56, "patch_size": 14, "vision_output_dim": 48, "projector_input_dim": 48,
+                      "projector_output_dim": 48}
+TINY_MISTRAL_TEXT = {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000}
+TINY_PIXTRAL = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "head_dim": 8, "image_size": 64, "patch_size": 8}
+
+CONFIGS = {
+    "gemma3-tiny": {"model_type": "gemma3", "text_config": TINY_GEMMA3_TEXT, "vision_config": TINY_SIGLIP,
+                    "mm_tokens_per_image": 16},
+    "gemma3-tiny-head": {"model_type": "gemma3", "text_config": TINY_GEMMA3_TEXT,
+                         "vision_config": TINY_SIGLIP | {"vision_use_head": True}, "mm_tokens_per_image": 16},
+    "gemma3-4b-real": {"model_type": "gemma3", "vision_config": GEMMA3_SIGLIP,
+                       "text_config": load_catalogue()["gemma-3-4b"].config["text_config"]},
+    "gemma3-27b-catalogue": dict(load_catalogue()["gemma-3-27b"].config),  # text only: SigLIP's defaults
+    "llama4-tiny": {"model_type": "llama4", "text_config": TINY_LLAMA4_TEXT, "vision_config": TINY_LLAMA4_VISION},
+    "llama4-scout-catalogue": dict(load_catalogue()["llama-4-scout"].config),  # Llama4VisionConfig's defaults
+    "mistral3-tiny": {"model_type": "mistral3", "text_config": TINY_MISTRAL_TEXT, "vision_config": TINY_PIXTRAL},
+    "mistral3-tiny-bias-layers": {"model_type": "mistral3", "text_config": TINY_MISTRAL_TEXT,
+                                  "vision_config": TINY_PIXTRAL, "multimodal_projector_bias": True,
+                                  "vision_feature_layer": [-1, -2], "spatial_merge_size": 4},
+    "mistral3-default": {"model_type": "mistral3"},  # Mistral-Small-3.1 24B, text and Pixtral defaults
+}
+
+
+def _meta_model(config):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    fields = dict(config)
+    hf = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        return transformers.AutoModelForImageTextToText.from_config(hf)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_whole_multimodal_count_matches_transformers(name):
+    config = CONFIGS[name]
+    numels = [p.numel() for p in _meta_model(config).parameters()]
+    arch = from_hf_config(config, include_vision=True)
+    assert parameter_count(arch) == sum(numels)
+    assert parameter_numels(arch) == numels  # DeepSpeed's flattening order: vision tower, projector, text
+    text = from_hf_config(config)
+    text_part = parameter_numels(arch)[len(arch.vision_numels):]
+    # the text decoder unchanged, but for the LM head the whole model ties by the top-level flag
+    untied_head = not text.tie_word_embeddings and arch.tie_word_embeddings
+    assert text_part == (parameter_numels(text)[:-1] if untied_head else parameter_numels(text))
+    assert untied_head == (config["model_type"] == "mistral3" and "tie_word_embeddings" not in config)
+    assert vision_parameters(text) == 0 and vision_parameters(arch) > 0
+    head = text.vocab_size * text.hidden_size if untied_head else 0
+    assert active_parameter_count(arch) == active_parameter_count(text) - head  # a text token never meets it
+
+
+def test_notes_say_what_was_counted_and_which_defaults():
+    arch = from_hf_config(CONFIGS["gemma3-4b-real"], include_vision=True)
+    counted = [n for n in arch.notes if "include_vision" in n]
+    assert len(counted) == 1 and "image activations are not modelled" in counted[0]
+    assert not any("not counted" in n or "are not (" in n for n in arch.notes)
+    assert not any("no vision_config" in n for n in arch.notes)
+    scout = from_hf_config(CONFIGS["llama4-scout-catalogue"], include_vision=True)
+    assert any("no vision_config" in n and "Llama4VisionConfig" in n for n in scout.notes)
+    assert any("vision tower and projector of the multimodal checkpoint are not" in n
+               for n in from_hf_config(CONFIGS["gemma3-tiny"]).notes)
+
+
+def test_text_only_models_and_bad_vision_configs_are_refused():
+    with pytest.raises(PlannerError, match="include_vision: .*text-only model .*'llama'"):
+        from_hf_config({"model_type": "llama"}, include_vision=True)
+    with pytest.raises(PlannerError, match="include_vision: .*text-only model .*'gemma3_text'"):
+        from_hf_config({"model_type": "gemma3_text"}, include_vision=True)
+    with pytest.raises(PlannerError, match="vision_config.model_type 'clip_vision_model' is not supported for gemma3"):
+        from_hf_config(CONFIGS["gemma3-tiny"] | {"vision_config": TINY_SIGLIP | {"model_type": "clip_vision_model"}},
+                       include_vision=True)
+    with pytest.raises(PlannerError, match="vision_config: hidden_size must be positive, got 0"):
+        from_hf_config(CONFIGS["mistral3-tiny"] | {"vision_config": TINY_PIXTRAL | {"hidden_size": 0}},
+                       include_vision=True)
+    with pytest.raises(PlannerError, match="patch_size\\(128\\) exceeds image_size\\(64\\)"):
+        from_hf_config(CONFIGS["gemma3-tiny"] | {"vision_config": TINY_SIGLIP | {"patch_size": 128}},
+                       include_vision=True)
+
+
+def test_the_dump_reads_back_with_the_vision_numels():
+    from planner.architecture import Architecture
+
+    arch = from_hf_config(CONFIGS["mistral3-tiny"], include_vision=True)
+    assert Architecture.model_validate(arch.model_dump()) == arch
+    assert "vision_numels" not in from_hf_config(CONFIGS["mistral3-tiny"]).model_dump()
+
+
+def test_estimate_counts_the_vision_states_sharded_and_keeps_the_text_activations():
+    from planner.memory import estimate
+    from planner.schema import EstimateRequest
+
+    base = dict(model_config=CONFIGS["gemma3-4b-real"], strategy="zero3", gpus=8, seq_len=1024)
+    text, whole = estimate(EstimateRequest(**base)), estimate(EstimateRequest(**base, include_vision=True))
+    vision = vision_parameters(from_hf_config(CONFIGS["gemma3-4b-real"], include_vision=True))
+    assert whole.parameters == text.parameters + vision
+    # ZeRO-3: 16-bit parameters and gradients, fp32 master and two AdamW moments, each 1/8
+    assert whole.per_device.parameters_bytes - text.per_device.parameters_bytes == pytest.approx(2 * vision / 8, abs=16)
+    assert whole.per_device.optimizer_states_bytes - text.per_device.optimizer_states_bytes == \
+        pytest.approx(12 * vision / 8, abs=64)
+    assert whole.per_device.activations_bytes == text.per_device.activations_bytes
+    assert any("include_vision" in n for n in whole.notes)
+    ddp = estimate(EstimateRequest(**base | {"strategy": "ddp"}, include_vision=True))
+    assert ddp.per_device.parameters_bytes == 2 * whole.parameters  # unsharded
+
+
+def test_include_vision_refusals_name_the_field():
+    from planner.memory import estimate
+    from planner.schema import EstimateRequest
+
+    with pytest.raises(PlannerError, match="^include_vision: llama-3-8b is a text-only model"):
+        estimate(EstimateRequest(model="llama-3-8b", include_vision=True))
+    with pytest.raises(PlannerError, match="^include_vision: .* is only a parameter count"):
+        estimate(EstimateRequest(params="7B", include_vision=True))
+
+
+def test_plan_counts_the_vision_tower_too():
+    from planner.plan import plan
+    from planner.schema import PlanRequest
+
+    req = dict(model_config=CONFIGS["mistral3-tiny"], gpu="h100-80gb", gpus=2, seq_len=256, global_batch=4)
+    text, whole = plan(PlanRequest(**req)), plan(PlanRequest(**req, include_vision=True))
+    vision = vision_parameters(from_hf_config(CONFIGS["mistral3-tiny"], include_vision=True))
+    head = 1000 * 64  # the whole mistral3 model ties its head (Mistral3Config's default)
+    ddp = [{c.per_device.parameters_bytes for c in r.candidates if c.strategy == "ddp"} for r in (text, whole)]
+    assert len(ddp[0]) == len(ddp[1]) == 1  # unsharded: the same on every ddp candidate
+    assert ddp[1].pop() - ddp[0].pop() == 2 * (vision - head)
+    assert any("include_vision" in n for n in whole.notes) and not any("include_vision" in n for n in text.notes)
+
+
+def test_cli_flag(capsys):
+    import json
+
+    from cli.main import main
+
+    assert main(["estimate", "--model", "gemma-3-4b", "--include-vision", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    expected = from_hf_config(load_catalogue()["gemma-3-4b"].config, include_vision=True)
+    assert data["parameters"] == parameter_count(expected) > parameter_count(from_hf_config(
+        load_catalogue()["gemma-3-4b"].config))
+    assert data["request"]["include_vision"] is True
+    assert main(["estimate", "--model", "llama-3-8b", "--include-vision"]) == 2
+    assert "include_vision" in capsys.readouterr().err
+
+
+def test_verify_has_no_include_vision_flag():
+    """verify trains the text decoder (AutoModelForCausalLM); a vision count would not be measured."""
+    import argparse
+
+    from cli.main import build_parser
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    flags = {cmd: {s for a in subs[cmd]._actions for s in a.option_strings} for cmd in ("estimate", "plan", "verify")}
+    assert "--include-vision" in flags["estimate"] and "--include-vision" in flags["plan"]
+    assert "--include-vision" not in flags["verify"]
