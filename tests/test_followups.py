@@ -161,24 +161,13 @@ def test_the_emitted_launch_names_the_visible_gpus(tmp_path):
 
 # --- the event loop --------------------------------------------------------------------------------
 
-def test_a_pasted_topology_or_a_deep_config_is_estimated_in_the_threadpool(tmp_path, monkeypatch):
+def test_a_pasted_topology_or_a_deep_config_is_estimated_in_the_threadpool(recorded_hops):
     """Parsing a pasted `nvidia-smi topo -m` (~28 ms uncached) or reading a config of thousands of
     layers would hold the event loop; a catalogue model on its preset stays on it."""
-    pytest.importorskip("fastapi")
-    from fastapi.testclient import TestClient
-
-    import web.app
     from backend.anymodel import estimate_any
     from tests.real_runs import LLAMA
 
-    hops = []
-
-    async def recorded(function, *args):
-        hops.append(function.__name__)
-        return function(*args)
-
-    monkeypatch.setattr(web.app, "run_in_threadpool", recorded)
-    client = TestClient(web.app.create_app(str(tmp_path / "runs.sqlite")))
+    client, hops = recorded_hops
     catalogue = {"model": "llama-3-8b", "strategy": "zero3", "gpus": 2, "gpu": "a100-80gb"}
     assert client.post("/v1/estimate", json=catalogue).status_code == 200 and hops == []
     shallow = dict(catalogue, model=None, model_config=dict(LLAMA, num_hidden_layers=2))

@@ -33,24 +33,13 @@ def test_a_preset_is_parsed_once_and_equals_a_fresh_parse(name):
     assert preset_topology(name) == parse_topology(preset_text(p), lookup_gpu(p.gpu), source=f"preset {p.name}")
 
 
-def test_an_analytic_estimate_takes_no_threadpool_hop(tmp_path, monkeypatch):
-    pytest.importorskip("fastapi")
-    from fastapi.testclient import TestClient
-
-    import web.app
+def test_an_analytic_estimate_takes_no_threadpool_hop(tmp_path, monkeypatch, recorded_hops):
     from backend.anymodel import estimate_any
     from planner.schema import EstimateRequest
 
-    hops = []
-
-    async def recorded(function, *args):
-        hops.append(function.__name__)
-        return function(*args)
-
-    monkeypatch.setattr(web.app, "run_in_threadpool", recorded)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the Hub id below is answered from an empty cache, no network
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    client = TestClient(web.app.create_app(str(tmp_path / "runs.sqlite")))
+    client, hops = recorded_hops
     body = {"model": "llama-3-8b", "strategy": "zero3", "gpus": 8, "gpu": "h100-80gb", "seq_len": 4096}
     r = client.post("/v1/estimate", json=body)
     assert r.status_code == 200 and hops == []
