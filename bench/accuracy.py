@@ -1,17 +1,24 @@
 """Predicted vs measured per-rank memory on real DeepSpeed runs (CPU ranks, gloo), with the peers.
 
     python bench/accuracy.py [--only NAME ...] [--readme README.md] [--out bench/results/accuracy.md]
+    python bench/accuracy.py --from-records [--readme README.md]
 
 Runs every configuration in tests/real_runs.py through the verification backend, and prints a
 Markdown table: measured peak and resident bytes of the worst rank, our prediction and its error,
 and what DeepSpeed's own estimator (ZeRO-2/3) and the `accelerate estimate-memory` rule (4x the
 model in the training dtype) would have said. With --readme, the table replaces the block between
 the accuracy markers in the README.
+
+Every measured run is also kept as bench/results/runs/<name>.json (its request fields and what the
+ranks measured: CPU-rank measurements reproduce to the byte). --from-records builds the table from
+those records without training again, recomputing every prediction with the current code; a record
+whose request fields no longer match the run's declaration is stale and refused by name.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -29,6 +36,7 @@ from planner.schema import EstimateRequest  # noqa: E402
 from tests.real_runs import BENCH_RUNS, CPU_RUNS, KNOWN_MISSES, TOLERANCE  # noqa: E402
 
 MB = 10**6
+RECORDS = ROOT / "bench" / "results" / "runs"
 TARGET_PCT = 3.0  # the accuracy target per row, on peak and resident
 
 
@@ -49,35 +57,68 @@ def _err(predicted: int, measured: int) -> float:
     return 100.0 * (predicted - measured) / measured
 
 
-def run_all(names: set[str] | None) -> list[dict]:
+def _declared(names: set[str] | None) -> list[tuple[str, dict]]:
+    runs = CPU_RUNS + BENCH_RUNS + KNOWN_MISSES
+    known = {name for name, _ in runs}
+    unknown = sorted((names or set()) - known)
+    if unknown:
+        raise SystemExit(f"--only: no run named {', '.join(unknown)} in tests/real_runs.py")
+    return [(name, fields) for name, fields in runs if not names or name in names]
+
+
+def _measure(name: str, fields: dict) -> dict | None:
     from backend.launch import run_probe
 
+    request = EstimateRequest(**fields)
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.monotonic()
+        result = run_probe(request, out_dir=Path(tmp), steps=2, warmup_steps=1)
+    if result.status != "ok":
+        print(f"{name}: {result.status}: {result.message}", file=sys.stderr)
+        return None
+    record = dict(name=name, fields=fields, seconds=round(time.monotonic() - started, 1),
+                  measured_peak=max(r["peak_bytes"] for r in result.ranks),
+                  measured_resident=max(r["resident_bytes"] for r in result.ranks))
+    RECORDS.mkdir(parents=True, exist_ok=True)
+    (RECORDS / f"{name}.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return record
+
+
+def _recorded(name: str, fields: dict) -> dict:
+    path = RECORDS / f"{name}.json"
+    if not path.is_file():
+        raise SystemExit(f"--from-records: run {name} has no record {path.relative_to(ROOT)}; "
+                         f"measure it with --only {name}")
+    record = json.loads(path.read_text())
+    if record["fields"] != json.loads(json.dumps(fields)):
+        raise SystemExit(f"--from-records: record of run {name} is stale (its request fields changed); "
+                         f"measure it again with --only {name}")
+    return record
+
+
+def _row(name: str, fields: dict, record: dict) -> dict:
+    request = EstimateRequest(**fields)
+    predicted_peak, predicted_resident = cpu_rank_bytes(estimate(request), request.gpus)
+    peak, resident = record["measured_peak"], record["measured_resident"]
+    deepspeed_peer, accelerate_peer = _peers(request)
+    label = name + (" (known miss)" if (name, fields) in KNOWN_MISSES else "") + \
+        (" (CI)" if (name, fields) in CPU_RUNS else "")
+    print(f"{name}: peak {_err(predicted_peak, peak):+.2f}%, "
+          f"resident {_err(predicted_resident, resident):+.2f}%", file=sys.stderr, flush=True)
+    return dict(name=label, strategy=request.strategy, precision=request.precision,
+                ranks=request.gpus * request.nodes, offload=request.offload_optimizer,
+                tokens=f"{request.micro_batch}x{request.seq_len}", ckpt=request.checkpointing,
+                measured_peak=peak, predicted_peak=predicted_peak,
+                measured_resident=resident, predicted_resident=predicted_resident,
+                deepspeed=deepspeed_peer, accelerate=accelerate_peer, seconds=record["seconds"])
+
+
+def run_all(names: set[str] | None, from_records: bool = False) -> list[dict]:
     rows = []
-    for name, fields in CPU_RUNS + BENCH_RUNS + KNOWN_MISSES:
-        if names and name not in names:
-            continue
-        request = EstimateRequest(**fields)
-        predicted_peak, predicted_resident = cpu_rank_bytes(estimate(request), request.gpus)
-        with tempfile.TemporaryDirectory() as tmp:
-            started = time.monotonic()
-            result = run_probe(request, out_dir=Path(tmp), steps=2, warmup_steps=1)
-        if result.status != "ok":
-            print(f"{name}: {result.status}: {result.message}", file=sys.stderr)
-            continue
-        peak = max(r["peak_bytes"] for r in result.ranks)
-        resident = max(r["resident_bytes"] for r in result.ranks)
-        deepspeed_peer, accelerate_peer = _peers(request)
-        label = name + (" (known miss)" if (name, fields) in KNOWN_MISSES else "") + \
-            (" (CI)" if (name, fields) in CPU_RUNS else "")
-        rows.append(dict(name=label, strategy=request.strategy, precision=request.precision,
-                         ranks=request.gpus * request.nodes, offload=request.offload_optimizer,
-                         tokens=f"{request.micro_batch}x{request.seq_len}", ckpt=request.checkpointing,
-                         measured_peak=peak, predicted_peak=predicted_peak,
-                         measured_resident=resident, predicted_resident=predicted_resident,
-                         deepspeed=deepspeed_peer, accelerate=accelerate_peer,
-                         seconds=time.monotonic() - started))
-        print(f"{name}: peak {_err(predicted_peak, peak):+.2f}%, "
-              f"resident {_err(predicted_resident, resident):+.2f}%", file=sys.stderr, flush=True)
+    for name, fields in _declared(names):
+        record = _recorded(name, fields) if from_records else _measure(name, fields)
+        if record is not None:
+            rows.append(_row(name, fields, record))
     return rows
 
 
@@ -111,8 +152,10 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", help="run only these names")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "accuracy.md"))
     parser.add_argument("--readme", help="replace the accuracy block of this README")
+    parser.add_argument("--from-records", action="store_true",
+                        help="build the table from bench/results/runs/ without training again")
     args = parser.parse_args()
-    text = table(run_all(set(args.only) if args.only else None))
+    text = table(run_all(set(args.only) if args.only else None, from_records=args.from_records))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
