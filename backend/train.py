@@ -176,6 +176,10 @@ def _torch_optimizer(job: dict[str, Any], module: torch.nn.Module) -> torch.opti
 
 
 def _engine(job: dict[str, Any], model: torch.nn.Module, device: torch.device):
+    if job.get("parallel"):  # tensor/sequence parallel (x FSDP2): backend/train_parallel.py
+        from backend.train_parallel import parallel_engine
+
+        return parallel_engine(job, model, device)
     if job.get("framework", "deepspeed") == "torch":
         return _torch_engine(job, model, device)
     return _deepspeed_engine(job, model)

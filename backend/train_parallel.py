@@ -1,0 +1,171 @@
+"""Tensor (and sequence) parallelism composed with FSDP2 on one rank (imported only inside a launched rank).
+
+The layout torchtitan applies to its llama (torchtitan/models/llama3/infra/parallelize.py,
+``apply_tp``), here on the transformers llama-shaped decoder the planner's probe builds:
+
+- a 2-D device mesh ``(dp_shard, tp)``, tp innermost, so a TP group is consecutive ranks
+  (torch.distributed.device_mesh.init_device_mesh, row-major);
+- per block: q/k/v and gate/up ``ColwiseParallel`` (output features split: heads, MLP inner dim),
+  o and down ``RowwiseParallel`` (input features split; the partial sums reduced);
+- with sequence parallelism: the norms ``SequenceParallel`` (their activations split over the
+  sequence), the attention and MLP inputs ``PrepareModuleInput`` from Shard(1) to Replicate (the
+  all-gather), o/down's outputs reduce-scattered to Shard(1); without it, o/down all-reduce to a
+  replicated output and the norms run whole;
+- embedding ``RowwiseParallel`` (vocab-parallel rows), LM head ``ColwiseParallel`` with its
+  logits left sharded over the vocabulary, and the loss computed by ``loss_parallel``;
+- then ``fully_shard`` of every block and of the root over the ``dp_shard`` mesh dimension
+  (FSDP2 of the TP-sharded DTensors), when dp_shard > 1.
+
+The loss is computed here, not by the transformers model (its ``ForCausalLMLoss`` shifts and views
+the logits, which the vocab-sharded DTensor does not go through): labels shifted by one, padded
+with -100, mean cross-entropy over the tokens, as ForCausalLMLoss does
+(transformers/loss/loss_utils.py) and as torchtitan's ``cross_entropy_loss`` does.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+
+def build_mesh(parallel: dict[str, int], device: torch.device):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (int(parallel["dp_shard"]), int(parallel["tp"])),
+                            mesh_dim_names=("dp_shard", "tp"))
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
+        raise RuntimeError(f"{type(model).__name__}: the TP probe knows llama-shaped decoders "
+                           "(model.embed_tokens, model.layers[i].self_attn/mlp, model.norm, lm_head)")
+    return inner
+
+
+def apply_tp(model: torch.nn.Module, tp_mesh, sequence_parallel: bool) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    decoder = _decoder(model)
+    stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout between blocks
+    parallelize_module(model, tp_mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        **({"model.norm": SequenceParallel()} if sequence_parallel else {}),
+        "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False),
+    })
+    for block in decoder.layers:
+        attention, mlp = block.self_attn, block.mlp
+        # each rank keeps heads/tp query heads and kv_heads/tp key/value heads: the attention's
+        # reshapes use -1 for the head count (LlamaAttention.forward), so they follow the shard
+        plan = {
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": stream},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=stream),
+            "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=stream),
+        }
+        if sequence_parallel:
+            plan["input_layernorm"] = SequenceParallel()
+            plan["post_attention_layernorm"] = SequenceParallel()
+        parallelize_module(block, tp_mesh, plan)
+        del attention, mlp
+
+
+def apply_fsdp(model: torch.nn.Module, dp_mesh, settings: dict[str, Any], dtype) -> None:
+    """FSDP2 over the dp_shard dimension, every block a unit, then the root, as backend/train.py's
+    _fully_shard does for the 1-D case (torchtitan's apply_fsdp does the same on its dp mesh)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mixed = MixedPrecisionPolicy() if dtype is None else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    options = dict(mesh=dp_mesh, reshard_after_forward=settings.get("sharding") != "SHARD_GRAD_OP",
+                   mp_policy=mixed)
+    for block in _decoder(model.lm).layers:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+
+
+class CausalLMWithParallelLoss(torch.nn.Module):
+    """The transformers model and its loss in one module, so that FSDP2's root unit (embeddings,
+    final norm, LM head) is gathered by the root's own forward hook, which only a call of the root
+    module runs."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        # the positions of the whole sequence: with SP the embedding's output is this rank's
+        # slice of it, from which the model would derive too short a range
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        hidden = self.lm.model(input_ids=input_ids, position_ids=positions).last_hidden_state
+        logits = self.lm.lm_head(hidden)
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+        with loss_parallel():
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(),
+                                                     ignore_index=-100)
+
+
+class ParallelEngine:
+    """The training loop's three calls (forward, backward, step) for a TP(xFSDP) model. Gradient
+    accumulation: FSDP2's set_requires_gradient_sync(False) on every micro-batch but the last."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, accumulation: int,
+                 sharded: bool, autocast_dtype, device: torch.device):
+        self.module, self.optimizer, self.accumulation = module, optimizer, accumulation
+        self.sharded, self.autocast_dtype, self.device = sharded, autocast_dtype, device
+        self.micro = 0
+
+    def __call__(self, *, input_ids: torch.Tensor, labels: torch.Tensor):
+        if self.sharded:
+            self.module.set_requires_gradient_sync(self.micro % self.accumulation == self.accumulation - 1)
+        autocast = nullcontext() if self.autocast_dtype is None else \
+            torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+        with autocast:
+            return SimpleNamespace(loss=self.module(input_ids, labels))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            (loss / self.accumulation).backward()
+
+    def step(self) -> None:
+        self.micro += 1
+        if self.micro % self.accumulation == 0:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+
+def parallel_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.device) -> ParallelEngine:
+    from backend.train import _torch_optimizer
+
+    settings, parallel = job["torch"], job["parallel"]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[settings["compute_dtype"]]
+    if settings["pure_16bit"]:
+        model = model.to(dtype)
+    model = model.to(device)
+    mesh = build_mesh(parallel, device)
+    apply_tp(model, mesh["tp"], bool(parallel.get("sequence_parallel", True)))
+    model = CausalLMWithParallelLoss(model)
+    # the strategy names the data-parallel framework over dp_shard: FSDP2 wraps even when
+    # dp_shard is 1 (torch's fully_shard over a one-rank mesh), so that what is measured is what
+    # the fsdp strategy is predicted to hold; ddp (no sharding) leaves the TP model as it is
+    sharded = settings["strategy"] != "ddp"
+    if sharded:
+        apply_fsdp(model, mesh["dp_shard"], settings, None if settings["pure_16bit"] else dtype)
+    autocast = None if settings["pure_16bit"] or sharded else dtype
+    optimizer = _torch_optimizer(job, model)
+    return ParallelEngine(model, optimizer, accumulation=int(job.get("gradient_accumulation", 1)),
+                          sharded=sharded, autocast_dtype=autocast, device=device)
