@@ -162,7 +162,7 @@ def parallel_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.d
     # the strategy names the data-parallel framework over dp_shard: FSDP2 wraps even when
     # dp_shard is 1 (torch's fully_shard over a one-rank mesh), so that what is measured is what
     # the fsdp strategy is predicted to hold; ddp (no sharding) leaves the TP model as it is
-    sharded = settings["strategy"] != "ddp"
+    sharded = settings["strategy"] != "ddp" and int(parallel["dp_shard"]) > 1
     if sharded:
         apply_fsdp(model, mesh["dp_shard"], settings, None if settings["pure_16bit"] else dtype)
     autocast = None if settings["pure_16bit"] or sharded else dtype

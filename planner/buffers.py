@@ -460,7 +460,9 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     FSDP (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD) with a mixed-precision policy."""
     s, r = setup.strategy, setup.recipe
     psi = sum(numels)
-    shard = setup.shard_size if s.shards_parameters else 1
+    # a TP-only layout (one data-parallel rank) is not wrapped at all: whole gradients, no buckets
+    replicated = s.name == "ddp" or not setup.data_parallel_wrapped
+    shard = setup.shard_size if s.shards_parameters and not replicated else 1
     part = _ceil_div(psi, shard)
     mixed = r.master_bits > 0
     store_bytes = FP32 if mixed or r.weight_bits == 32 else r.weight_bits // 8
@@ -474,7 +476,7 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
               0 if offload else store_bytes * (part if s.shards_parameters else psi), "parameters"),
         _item(f"{setup.request.optimizer} states", 0 if offload else states, "optimizer_states"),
     ]
-    if s.name == "ddp":
+    if s.name == "ddp" and setup.data_parallel_wrapped:
         # The Reducer allocates its flat buckets when DDP wraps the model and keeps them; with
         # the default gradient_as_bucket_view=False they are a second copy of every gradient
         # (torch/nn/parallel/distributed.py docstring of gradient_as_bucket_view).
@@ -486,14 +488,14 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     phases = []
     for point in backward_sweep(acts, numels, layout(setup)):
         items = resident + _activation_items(point)
-        if s.name == "ddp":
+        if replicated:
             items.append(_item("gradients (full)", store_bytes * point.grad_elements, "gradients"))
             if mixed:
                 items.append(_autocast_copies(setup, point, psi, block, compute_bytes))
         else:
             items += _fsdp_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes)
         phases.append(_phase(point.label, items))
-        if s.name != "ddp" and point.tied_sum_elements:
+        if not replicated and point.tied_sum_elements:
             phases.append(_phase("embeddings' backward (tied gradients summed)",
                                  resident + _fsdp_tied_sum_items(point, psi, root, shard, compute_bytes, store_bytes)))
     grad_bytes = store_bytes * (part if s.shards_gradients else psi)
@@ -509,7 +511,7 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
         plan.host_resident_bytes = per_rank * setup.request.gpus
         plan.host_peak_bytes = per_rank * setup.request.gpus
         plan.notes.append("FSDP CPUOffload: parameters, gradients and optimizer states of each shard on the host")
-    if s.name == "ddp":
+    if s.name == "ddp" and setup.data_parallel_wrapped:
         plan.notes.append(f"DDP buckets of {DDP_BUCKET_CAP_BYTES // 2**20} MiB (bucket_cap_mb) hold a full copy of the gradients")
     return plan
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from planner import buffers as buf
 from planner.activations import ActivationItem, Activations, estimate_activations
-from planner.architecture import Architecture, parameter_numels
+from planner.architecture import Architecture, parameter_count, parameter_numels
 from planner.catalogue import ResolvedModel, catalogue_model, model_from_config, raw_parameters, with_vision
 from planner.dsconfig import ZeroSettings, batch_from_config, parse_ds_config, with_overrides
 from planner.errors import PlannerError
@@ -22,6 +22,7 @@ from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.precision import RECIPES, Recipe, bits_to_bytes, optimizer_state_bits
 from planner.schema import (EstimateRequest, EstimateResult, HostMemory, ModelSummary,
                             PerDevice, Phase)
+from planner.tensor_parallel import activations_architecture, tensor_parallel_fields, tp_activations
 from planner.strategies import Strategy, check_offload, shard_group_size, strategy as lookup_strategy
 from planner.units import GIB, fmt_bytes
 
@@ -38,14 +39,31 @@ class Setup:
     zero: ZeroSettings
     world_size: int
     shard_size: int
+    # tensor parallelism: the narrower model one TP rank holds and runs (planner/tensor_parallel.py)
+    tp: int = 1
+    sequence_parallel: bool = False
+    vocab_parallel_loss: bool = False
+    rank_architecture: Architecture | None = None
 
     @property
     def arch(self) -> Architecture | None:
-        return self.model.architecture
+        """The architecture one device holds and runs: the TP rank's shard of it under tp > 1."""
+        return self.rank_architecture if self.rank_architecture is not None else self.model.architecture
 
     @property
     def psi(self) -> int:
         return self.model.parameters
+
+    @property
+    def rank_psi(self) -> int:
+        """Parameters on one device before data-parallel sharding (the TP rank's shards)."""
+        return parameter_count(self.rank_architecture) if self.rank_architecture is not None else self.psi
+
+    @property
+    def data_parallel_wrapped(self) -> bool:
+        """False for a TP-only layout (one data-parallel rank): nothing wraps the model, as
+        torchtitan applies FSDP only when dp_shard > 1 (parallelize.py)."""
+        return self.rank_architecture is None or self.world_size // self.tp > 1
 
     @property
     def weight_bytes(self) -> int:
@@ -112,9 +130,9 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     if request.include_vision:
         model = with_vision(model)
     shard = shard_group_size(s, request.gpus, request.nodes, request.hsdp_shard_size)
+    fields = {"shard_size": shard} | tensor_parallel_fields(request, s, model, shard)
     return Setup(request=request.model_copy(update={"precision": precision} | from_config), model=model, strategy=s,
-                 recipe=RECIPES[precision], gpu=g, zero=zero,
-                 world_size=request.world_size, shard_size=shard)
+                 recipe=RECIPES[precision], gpu=g, zero=zero, world_size=request.world_size, **fields)
 
 
 # --- textbook model states -------------------------------------------------------------------
@@ -127,7 +145,7 @@ def textbook_states(setup: Setup) -> tuple[int, int, int]:
     """(parameters, gradients, optimizer states) in bytes per device, as the ZeRO paper counts
     them: 16-bit weights and grads, K bytes of optimizer state per parameter, each divided over
     the shard group where the strategy shards it, and zero on the device where it is offloaded."""
-    s, r, psi = setup.strategy, setup.recipe, setup.psi
+    s, r, psi = setup.strategy, setup.recipe, setup.rank_psi
     k_bits = r.master_bits + optimizer_state_bits(setup.request.optimizer)
     params = bits_to_bytes(_shard(psi, setup, s.shards_parameters), r.weight_bits)
     grads = bits_to_bytes(_shard(psi, setup, s.shards_gradients), r.grad_bits)
@@ -148,9 +166,17 @@ def activations(setup: Setup) -> Activations | None:
         return None
     req = setup.request
     compute = 4 if setup.recipe.compute == "fp32" else 2
-    return estimate_activations(setup.arch, micro_batch=req.micro_batch, seq_len=req.seq_len,
+    arch = setup.arch
+    if setup.rank_architecture is not None:
+        arch = activations_architecture(setup.model.architecture, arch, setup.vocab_parallel_loss)
+    acts = estimate_activations(arch, micro_batch=req.micro_batch, seq_len=req.seq_len,
                                 compute_bytes=compute, attention=req.attention,
                                 checkpointing=req.checkpointing, device=setup.device)
+    if setup.rank_architecture is None:
+        return acts
+    return tp_activations(acts, setup.model.architecture, setup.arch, tp=setup.tp,
+                          sequence_parallel=setup.sequence_parallel, tokens=req.micro_batch * req.seq_len,
+                          b=compute, vocab_parallel_loss=setup.vocab_parallel_loss)
 
 
 def _traced_activations(setup: Setup) -> Activations:
@@ -208,7 +234,7 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
     return EstimateResult(
         parameters=setup.psi,
         model=ModelSummary(name=setup.model.name, source=setup.model.source, parameters=setup.psi,
-                           architecture=setup.arch.model_dump() if setup.arch else None),
+                           architecture=setup.model.architecture.model_dump() if setup.model.architecture else None),
         strategy=setup.strategy.name, world_size=setup.world_size, dp_size=setup.world_size,
         shard_size=setup.shard_size, gpu=setup.gpu.name,
         per_device=PerDevice(

@@ -1,0 +1,187 @@
+"""Tensor parallelism (Megatron column/row splits) and sequence parallelism: what one rank holds.
+
+A rank of a TP group runs a *narrower model*: the same residual width, 1/tp of the query and
+key/value heads, 1/tp of the MLP's inner width (and of each routed expert's when experts are not
+sharded by ep), 1/tp of the vocabulary rows of the embedding and the LM head (Shoeybi et al.
+2019, "Megatron-LM", Sec. 3: column-parallel q/k/v and the first MLP linear, row-parallel o and
+the second; vocab-parallel embedding and output). Its parameter tensors are those of
+``rank_architecture``, so the count, the memory states and the activations all read one
+description. What TP replicates stays whole: the norms, the router, the biases of row-parallel
+linears (their output is reduced, then the bias added), a learned position embedding.
+
+Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", Sec. 4.2.2) shards what the norms save over the sequence; the norm's output
+is all-gathered before the column-parallel linears, and each of those saves the gathered whole.
+
+The layout realised is torchtitan's (torchtitan/models/llama3/infra/parallelize.py ``apply_tp``:
+ColwiseParallel q/k/v/w1/w3, RowwiseParallel wo/w2, SequenceParallel norms, the loss computed
+with ``loss_parallel``), verified by backend/train_parallel.py on CPU ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from planner.activations import FP32, ActivationItem, Activations
+from planner.architecture import Architecture, distinct_specs, layer_specs
+from planner.errors import PlannerError
+from planner.layers import LayerSpec
+
+
+def _split(value: int, tp: int) -> int:
+    """A dimension split over tp ranks: DTensor's Shard puts ceil(n / tp) on the first ranks
+    (torch/distributed/tensor/placement_types.py, Shard._split_tensor), the worst rank holds that."""
+    return -(-value // tp)
+
+
+def _kv_heads(kv: int, tp: int) -> int:
+    """Key/value heads per rank: split when tp divides them; when there are fewer than tp, each
+    rank keeps one (replicated, as Megatron does for GQA with tp > num_query_groups)."""
+    return max(1, kv // tp)
+
+
+def _rank_spec(spec: LayerSpec, tp: int) -> LayerSpec:
+    attn, mlp = spec.attention, spec.mlp
+    if attn.kind == "mla":
+        raise PlannerError(f"tp({tp}) with multi-head latent attention (MLA) is not modelled: its latent "
+                           "down-projections are replicated and its up-projections split, which torchtitan's "
+                           "deepseek_v3 does and this planner does not yet count; use tp 1 with fsdp")
+    attention = attn.model_copy(update={"num_heads": _split(attn.num_heads, tp),
+                                        "num_kv_heads": _kv_heads(attn.num_kv_heads, tp)})
+    inner = {"intermediate_size": _split(mlp.intermediate_size, tp)}
+    if mlp.shared_intermediate_size:
+        inner["shared_intermediate_size"] = _split(mlp.shared_intermediate_size, tp)
+    return spec.model_copy(update={"attention": attention, "mlp": mlp.model_copy(update=inner)})
+
+
+def rank_architecture(a: Architecture, tp: int) -> Architecture:
+    """The narrower model one TP rank holds and runs (its parameters are the rank's shards)."""
+    if tp == 1:
+        return a
+    fields = {
+        "vocab_size": _split(a.vocab_size, tp),
+        "num_attention_heads": _split(a.num_attention_heads, tp),
+        "num_key_value_heads": _kv_heads(a.num_key_value_heads, tp),
+        "intermediate_size": _split(a.intermediate_size, tp),
+    }
+    if a.layers:
+        narrowed: dict[int, LayerSpec] = {key: _rank_spec(spec, tp) for key, spec in distinct_specs(a).items()}
+        fields["layers"] = tuple(narrowed[id(spec)] for spec in a.layers)
+    else:
+        _rank_spec(layer_specs(a)[0], tp)  # refuses what cannot be split
+    return _with(a, fields)
+
+
+def _with(a: Architecture, fields: dict) -> Architecture:
+    """A new Architecture (validated, its own memo): model_copy would carry the memoised numels
+    and counts of the original along (architecture._memo)."""
+    return Architecture.model_validate({**a.__dict__, **fields})
+
+
+def _sharded_norm_bytes(a: Architecture, tokens: int, b: int) -> int:
+    """What one hidden-width norm saves that SP splits over the sequence: RMSNorm's fp32 input
+    (upcast), ``x * rsqrt`` in the compute dtype and rsqrt per token; LayerNorm's input, mean and
+    rstd. Its output, all-gathered, is saved whole by the following column-parallel linear
+    (activations._norm_saved counts it, and it stays)."""
+    if a.norm == "rmsnorm":
+        return FP32 * tokens * a.hidden_size + b * tokens * a.hidden_size + FP32 * tokens
+    return b * tokens * a.hidden_size + 2 * FP32 * tokens
+
+
+def _cast_norms(a: Architecture) -> tuple[int, int, int]:
+    """(norms in the largest block, in all blocks, the final one) that SP shards: the Llama-style
+    norms; a norm that multiplies in fp32 (OLMo-2, Gemma-3) is left whole (its sequence-parallel
+    form is not what torchtitan ships)."""
+    specs = layer_specs(a)
+    per_block = [spec.norms if spec.norm_weight == "cast" else 0 for spec in specs]
+    return max(per_block), sum(per_block), 1 if specs[-1].norm_weight == "cast" else 0
+
+
+def loss_parallel_extra_bytes(rank: Architecture, tokens: int) -> int:
+    """torch 2.13's loss_parallel backward (torch/distributed/tensor/parallel/loss.py,
+    _nll_loss_and_log_softmax_backward) makes ``grad_input = zeros_like(x)``, then
+    ``(grad_input + exp(x)) * grad_output``: three fp32 tokens x vocab/tp tensors live while the
+    saved log-probabilities are, one more than the unsharded loss's two (activations.
+    _loss_transient). Measured on CPU ranks: peak trace of the TP run shows aten::exp and
+    aten::add of tokens x vocab/tp beside the zeros and the saved result."""
+    return FP32 * tokens * rank.vocab_size
+
+
+def activations_architecture(full: Architecture, rank: Architecture, vocab_parallel_loss: bool) -> Architecture:
+    """The model whose activations one TP rank holds: the rank's, with the whole vocabulary when
+    the logits are gathered (DeepSpeed AutoTP) rather than left sharded (loss_parallel)."""
+    return rank if vocab_parallel_loss else _with(rank, {"vocab_size": full.vocab_size})
+
+
+def tp_activations(acts: Activations, full: Architecture, rank: Architecture, *, tp: int,
+                   sequence_parallel: bool, tokens: int, b: int, vocab_parallel_loss: bool = True) -> Activations:
+    """One TP rank's activations: ``acts`` are those of the narrower model (``rank``), with the
+    loss's extra transient and, under SP, the norms' saved tensors and the checkpointed block
+    inputs split over the sequence."""
+    if tp == 1:
+        return acts
+    extra_loss = loss_parallel_extra_bytes(rank, tokens) if vocab_parallel_loss else 0
+    layer_saved, kept, head = acts.layer_saved_bytes, acts.layer_kept_bytes, acts.head_saved_bytes
+    items = list(acts.items)
+    if sequence_parallel:
+        unit = _sharded_norm_bytes(full, tokens, b)
+        cut = unit - _split(unit, tp)
+        largest, blocks, final = _cast_norms(full)
+        layer_saved -= largest * cut
+        head -= final * cut
+        if acts.checkpointed:
+            # the residual stream between blocks, each block's checkpointed input, is sequence-sharded
+            kept = _split(b * tokens * full.hidden_size, tp)
+        else:
+            kept -= blocks * cut // acts.num_layers
+        items.append(ActivationItem(f"sequence parallel: {blocks + final} norms' saved inputs split over "
+                                    f"tp({tp})", -((blocks + final) * cut)))
+    saved = acts.num_layers * kept + head
+    loss_transient = acts.loss_transient_bytes + extra_loss
+    if acts.checkpointed:
+        peak_extra = max(loss_transient, layer_saved + acts.layer_transient_bytes)
+    else:
+        peak_extra = loss_transient
+    if extra_loss:
+        items.append(ActivationItem(f"loss_parallel backward: exp and sum of the vocab/tp({tp}) logits", extra_loss))
+    return replace(acts, saved_bytes=saved, peak_extra_bytes=peak_extra, items=tuple(items),
+                   layer_saved_bytes=layer_saved, layer_kept_bytes=kept, head_saved_bytes=head,
+                   loss_transient_bytes=loss_transient)
+
+
+def sequence_parallel_for(request, framework: str) -> bool:
+    """SP is on with tp by default (torchtitan's and Megatron's default); DeepSpeed's AutoTP
+    splits the linear layers only and has no Megatron-style sequence parallelism (its "sequence
+    parallel" is Ulysses, an all-to-all over heads), so there it is off and cannot be asked for."""
+    asked = request.sequence_parallel
+    if framework == "deepspeed":
+        if asked:
+            raise PlannerError(f"sequence_parallel=true with strategy {request.strategy}: DeepSpeed's AutoTP "
+                               "(tensor_parallel.autotp_size) splits linears only; torch (fsdp, hsdp, ddp with "
+                               "torchtitan's SequenceParallel) shards the norms over the sequence")
+        return False
+    return True if asked is None else bool(asked)
+
+
+def tensor_parallel_fields(request, strategy, model, shard: int) -> dict:
+    """Setup's TP fields for a request (empty when tp is 1): the rank's narrower model, SP, and
+    the data-parallel shard group, which is what remains of the world once TP takes its ranks."""
+    tp = getattr(request, "tp", 1)
+    if tp == 1:
+        return {}
+    arch = model.architecture
+    if arch is None or model.traced is not None:
+        raise PlannerError(f"tp={tp}: splitting layers over tensor-parallel ranks needs the architecture "
+                           "(--model or --model-file), not "
+                           + ("a traced profile" if model.traced is not None else "a parameter count alone"))
+    if shard % tp:
+        raise PlannerError(f"tp({tp}) must divide the data-parallel shard group of {strategy.name} ({shard} ranks): "
+                           "tensor parallelism takes consecutive ranks inside it")
+    # DeepSpeed's AutoTP in training splits the LM head by columns and gathers its output
+    # (deepspeed 0.19.8 module_inject/auto_tp.py _replace: training_column_lm_head ->
+    # LinearLayer(gather_output=True)) and slices the embedding along the hidden dimension
+    # (_slice_embedding): the parameters are split, the logits and the loss are whole on every rank.
+    # torch's loss_parallel keeps them vocab-sharded.
+    return {"tp": tp, "sequence_parallel": sequence_parallel_for(request, strategy.framework),
+            "vocab_parallel_loss": strategy.framework == "torch", "rank_architecture": rank_architecture(arch, tp),
+            "shard_size": shard // tp}
