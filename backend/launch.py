@@ -67,6 +67,9 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         "out_dir": str(out_dir),
         "seed": 0,
     }
+    if setup.tp > 1:
+        return common | {"framework": "torch", "torch": _torch_settings(request, setup),
+                         "parallel": _parallel_settings(request, setup)}
     if setup.strategy.framework == "torch":
         return common | {"framework": "torch", "torch": _torch_settings(request, setup)}
     ds_config = build_ds_config(stage=setup.zero.stage, precision=setup.request.precision,
@@ -82,6 +85,26 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
 TORCH_SHARDING = {"fsdp": "FULL_SHARD", "fsdp-grad-op": "SHARD_GRAD_OP", "hsdp": "HYBRID_SHARD"}
 TORCH_COMPUTE = {"bf16-mixed": ("bf16", False), "fp16-mixed": ("fp16", False), "bf16-pure": ("bf16", True),
                  "fp32": (None, False)}
+
+
+TP_PROBE_FAMILIES = ("llama", "mistral", "qwen2")  # q/k/v/o and gate/up/down projections, as apply_tp names them
+
+
+def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
+    """How the rank lays out tensor parallelism (backend/train_parallel.py): a (dp_shard, tp) mesh,
+    tp innermost; FSDP2 over dp_shard when there is more than one data-parallel rank."""
+    model_type = setup.model.config.get("model_type")
+    if setup.strategy.framework != "torch":
+        raise PlannerError(f"tp={setup.tp} with strategy {request.strategy}: verify probes tensor parallelism "
+                           "with torch's DTensor (strategy fsdp); DeepSpeed's AutoTP is estimated, not probed")
+    dp = setup.world_size // setup.tp
+    if dp > 1 and setup.strategy.name != "fsdp":
+        raise PlannerError(f"tp={setup.tp} with strategy {request.strategy} over {dp} data-parallel ranks: the probe "
+                           "composes TP with FSDP2 (strategy fsdp) only")
+    if model_type not in TP_PROBE_FAMILIES:
+        raise PlannerError(f"tp={setup.tp}: the probe's TP plan names llama-style projections "
+                           f"({', '.join(TP_PROBE_FAMILIES)}); model_type {model_type!r} is estimated, not probed")
+    return {"dp_shard": dp, "tp": setup.tp, "sequence_parallel": setup.sequence_parallel}
 
 
 def _torch_settings(request: EstimateRequest, setup) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from planner.memory import resolve
 from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanRequest
 from planner.shm import segment_glob
 from planner.strategies import explicit_hsdp_shard
+from planner.torchtitan import MIXED_PARAM, torchtitan_config, torchtitan_toml
 
 TRAINER_MODULE = "backend.worker"  # the planner's own trainer, `python -m backend.worker --plan plan.json`
 TRAINER_OPTIMIZERS = ("adamw", "sgd")  # what backend/train.py trains the torch strategies with
@@ -150,7 +151,12 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
         config = build_ds_config(stage=setup.zero.stage, precision=launch.precision, micro_batch=req.micro_batch,
                                  gradient_accumulation=req.gradient_accumulation, optimizer=req.optimizer,
                                  zero=setup.zero)
-        config["train_batch_size"] = req.micro_batch * req.gradient_accumulation * launch.world
+        # DeepSpeed's batch is over the data-parallel ranks: with AutoTP a TP group trains one batch
+        config["train_batch_size"] = req.micro_batch * req.gradient_accumulation * (launch.world // setup.tp)
+        if setup.tp > 1:
+            # deepspeed 0.19.8 runtime/config.py tensor_parallel (TPTrainingConfig.autotp_size): AutoTP
+            # training splits the linears over consecutive ranks (engine.py _configure_tensor_parallel)
+            config["tensor_parallel"] = {"autotp_size": setup.tp}
         if est.ds_config is not None:
             config = _keep_users_config(est.ds_config, config)
         if launch.is_cpu and "optimizer" in config:
@@ -165,9 +171,31 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
         files["job.sbatch"] = _sbatch(launch)
         if launch.framework == "deepspeed" and est.nodes > 1:
             files["hostfile"] = _hostfile(launch)
+    titan = _torchtitan_file(setup)
+    if titan is not None:
+        files["torchtitan.toml"] = titan
     files["plan.json"] = json.dumps(plan_doc, indent=2) + "\n"
     files["LAUNCH.md"] = _guide(launch, sorted(files) + ["LAUNCH.md"])
     return files
+
+
+def _torchtitan_file(setup) -> str | None:
+    """torchtitan's job config for a torch layout with model parallelism (tp, pp or cp > 1): the
+    trainer that applies these degrees to a llama-style model as the estimate assumes. None for
+    pure data parallelism (the accelerate/Trainer files cover it) and for fp16 (torchtitan's
+    mixed_precision_param takes bfloat16 or float32 only)."""
+    req = setup.request
+    if setup.strategy.framework != "torch" or max(setup.tp, req.pp, req.cp) == 1 or req.precision not in MIXED_PARAM:
+        return None
+    dp = setup.world_size // (setup.tp * req.pp * req.cp)
+    shard = setup.shard_size if setup.strategy.shards_parameters else 1
+    config = torchtitan_config(dp_replicate=dp // shard, dp_shard=shard, tp=setup.tp, pp=req.pp, cp=req.cp,
+                               ep=req.ep, pp_schedule=req.pp_schedule, micro_batch=req.micro_batch,
+                               gradient_accumulation=req.gradient_accumulation, seq_len=req.seq_len,
+                               precision=req.precision, checkpointing=req.checkpointing,
+                               reshard_after_forward=not setup.strategy.params_unsharded_in_step,
+                               model_name=setup.model.name)
+    return torchtitan_toml(config)
 
 
 # What a plan decides in a ds_config: the rest of a user's config (optimizer hyper-parameters,
@@ -598,6 +626,7 @@ def _guide(launch: _Launch, names: list[str]) -> str:
         "accelerate_config.yaml": "the same choice for `accelerate launch`",
         "trainer_args.json": "the matching transformers.TrainingArguments keyword arguments",
         "plan.json": "the request and the prediction; `planner verify --plan plan.json` runs it here",
+        "torchtitan.toml": "the same degrees as a torchtitan job config (merge into your model's train config)",
         "LAUNCH.md": "this file",
     }
     script = launch.script.path if launch.script else "your_train.py"
@@ -646,6 +675,12 @@ def _guide(launch: _Launch, names: list[str]) -> str:
             "These arguments carry the same DeepSpeed / FSDP choice, so the script also runs under plain "
             f"`torchrun --nproc_per_node {req.gpus} {script}`" + (" (with --nnodes, --node_rank and --master_addr "
                                                                   "on each node)" if req.nodes > 1 else "") + ".", ""]
+    if "torchtitan.toml" in names:
+        out += ["## With torchtitan", "", "torchtitan applies the same tensor/pipeline/context-parallel degrees "
+                "(torchtitan.toml's [parallelism]) to its own llama-style models:", "", "```",
+                f"torchrun --nproc_per_node {req.gpus} -m torchtitan.train --job.config_file torchtitan.toml"
+                + (" --nnodes $NNODES --node_rank $NODE_RANK --rdzv_endpoint $MASTER_ADDR:29500" if req.nodes > 1 else ""),
+                "```", ""]
     if launch.precision == "bf16-pure":
         out += ["bf16-pure: load the model in bf16 (`from_pretrained(..., dtype=torch.bfloat16)`); "
                 "no autocast, no fp32 master copy.", ""]
