@@ -678,8 +678,9 @@ def _guide(launch: _Launch, names: list[str]) -> str:
     if "torchtitan.toml" in names:
         out += ["## With torchtitan", "", "torchtitan applies the same tensor/pipeline/context-parallel degrees "
                 "(torchtitan.toml's [parallelism]) to its own llama-style models:", "", "```",
-                f"torchrun --nproc_per_node {req.gpus} -m torchtitan.train --job.config_file torchtitan.toml"
-                + (" --nnodes $NNODES --node_rank $NODE_RANK --rdzv_endpoint $MASTER_ADDR:29500" if req.nodes > 1 else ""),
+                f"torchrun --nproc_per_node {req.gpus}"
+                + (f" --nnodes {req.nodes} --node_rank $NODE_RANK --master_addr $MASTER_ADDR" if req.nodes > 1 else "")
+                + " -m torchtitan.train --job.config_file torchtitan.toml",
                 "```", ""]
     if launch.precision == "bf16-pure":
         out += ["bf16-pure: load the model in bf16 (`from_pretrained(..., dtype=torch.bfloat16)`); "
