@@ -22,6 +22,7 @@ from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.precision import RECIPES, Recipe, bits_to_bytes, optimizer_state_bits
 from planner.schema import (EstimateRequest, EstimateResult, HostMemory, ModelSummary,
                             PerDevice, Phase)
+from planner.context_parallel import context_parallel_fields, cp_activations
 from planner.tensor_parallel import activations_architecture, tensor_parallel_fields, tp_activations
 from planner.strategies import Strategy, check_offload, shard_group_size, strategy as lookup_strategy
 from planner.units import GIB, fmt_bytes
@@ -43,6 +44,7 @@ class Setup:
     tp: int = 1
     sequence_parallel: bool = False
     vocab_parallel_loss: bool = False
+    cp: int = 1  # context parallelism: this rank holds seq_len / cp tokens of each sequence
     rank_architecture: Architecture | None = None
 
     @property
@@ -130,7 +132,8 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     if request.include_vision:
         model = with_vision(model)
     shard = shard_group_size(s, request.gpus, request.nodes, request.hsdp_shard_size)
-    fields = {"shard_size": shard} | tensor_parallel_fields(request, s, model, shard)
+    fields = {"shard_size": shard} | tensor_parallel_fields(request, s, model, shard) | \
+        context_parallel_fields(request, s, model)
     return Setup(request=request.model_copy(update={"precision": precision} | from_config), model=model, strategy=s,
                  recipe=RECIPES[precision], gpu=g, zero=zero, world_size=request.world_size, **fields)
 
@@ -169,14 +172,15 @@ def activations(setup: Setup) -> Activations | None:
     arch = setup.arch
     if setup.rank_architecture is not None:
         arch = activations_architecture(setup.model.architecture, arch, setup.vocab_parallel_loss)
-    acts = estimate_activations(arch, micro_batch=req.micro_batch, seq_len=req.seq_len,
+    seq_len = req.seq_len // setup.cp  # the rank's two chunks of each sequence under cp
+    acts = estimate_activations(arch, micro_batch=req.micro_batch, seq_len=seq_len,
                                 compute_bytes=compute, attention=req.attention,
                                 checkpointing=req.checkpointing, device=setup.device)
-    if setup.rank_architecture is None:
-        return acts
-    return tp_activations(acts, setup.model.architecture, setup.arch, tp=setup.tp,
-                          sequence_parallel=setup.sequence_parallel, tokens=req.micro_batch * req.seq_len,
-                          b=compute, vocab_parallel_loss=setup.vocab_parallel_loss)
+    if setup.rank_architecture is not None:
+        acts = tp_activations(acts, setup.model.architecture, setup.arch, tp=setup.tp,
+                              sequence_parallel=setup.sequence_parallel, tokens=req.micro_batch * seq_len,
+                              b=compute, vocab_parallel_loss=setup.vocab_parallel_loss)
+    return cp_activations(acts, setup.arch, cp=setup.cp, tokens=req.micro_batch * req.seq_len, b=compute)
 
 
 def _traced_activations(setup: Setup) -> Activations:

@@ -185,3 +185,27 @@ def tensor_parallel_fields(request, strategy, model, shard: int) -> dict:
     return {"tp": tp, "sequence_parallel": sequence_parallel_for(request, strategy.framework),
             "vocab_parallel_loss": strategy.framework == "torch", "rank_architecture": rank_architecture(arch, tp),
             "shard_size": shard // tp}
+
+
+def tp_collectives(full: Architecture, *, tokens: int, micro_batches: float, b: int, tp: int,
+                   sequence_parallel: bool, checkpointing: str) -> list[tuple[str, float, int, float]]:
+    """(what, bytes per step, ring passes, message bytes) of the TP group's collectives.
+
+    Megatron's f/g conjugate operators (Shoeybi et al. 2019, Sec. 3, Fig. 3): every block
+    reduces the row-parallel outputs of attention and MLP in forward and the column-parallel
+    inputs' gradients in backward, each a tokens x hidden activation: 4 all-reduces per block and
+    micro-batch, 6 with full checkpointing (the recomputed forward reduces again). Sequence
+    parallelism replaces each all-reduce by an all-gather plus a reduce-scatter of the same tensor
+    (Korthikanti et al. 2022, Sec. 4.2.2): the same bytes on the wire (a ring all-reduce is a
+    reduce-scatter then an all-gather). The vocab-parallel embedding and LM head add one each way.
+    None of it overlaps compute: each is on the critical path of its layer (torchtitan's async TP,
+    which overlaps them, needs torch.compile and is off)."""
+    if tp == 1:
+        return []
+    activation = b * tokens * full.hidden_size
+    per_block = 6 if checkpointing == "full" else 4
+    count = (full.num_layers * per_block + 2) * micro_batches
+    if sequence_parallel:
+        return [("TP all-gathers (sequence parallel)", count * activation, 1, activation),
+                ("TP reduce-scatters (sequence parallel)", count * activation, 1, activation)]
+    return [("TP all-reduces", count * activation, 2, activation)]
