@@ -1,0 +1,149 @@
+"""Tensor (+ sequence) and context parallelism: the rank's narrower model, SP's split norms,
+loss_parallel's transient, the refusals, the emitted torchtitan/DeepSpeed configs."""
+
+import json
+import tomllib
+
+import pytest
+
+from cli.main import main
+from planner.architecture import from_hf_config, parameter_count
+from planner.emit import emit_estimate_files
+from planner.errors import PlannerError
+from planner.memory import estimate
+from planner.plan import estimate_with_time
+from planner.schema import EstimateRequest
+from planner.tensor_parallel import rank_architecture, tp_collectives
+from tests.real_runs import LLAMA
+
+# the shape measured in Phase A (backend/train_parallel.py on CPU ranks)
+TINY = dict(LLAMA, num_attention_heads=8, num_key_value_heads=4, intermediate_size=768)
+
+
+def _request(**fields) -> EstimateRequest:
+    kw = dict(model_config=TINY, strategy="fsdp", gpus=2, gpu="cpu", precision="fp32", optimizer="adamw",
+              micro_batch=1, seq_len=1024, tp=2)
+    return EstimateRequest(**(kw | fields))
+
+
+def test_rank_architecture_is_the_megatron_split():
+    """Per rank (tp 2): q (256x256), k and v (256x128), o, and gate/up/down (256x768) halved;
+    embedding and head (4096x256) halved by vocabulary rows; the norms (9 x 256) whole."""
+    full = from_hf_config(TINY)
+    rank = rank_architecture(full, 2)
+    split = 4 * (256 * 256 + 2 * 256 * 128 + 256 * 256 + 3 * 256 * 768) // 2 + 2 * 4096 * 256 // 2
+    assert parameter_count(rank) == split + 9 * 256
+    assert parameter_count(full) == 5_245_184  # unchanged: the count of the whole model
+
+
+def test_tp_only_resident_is_the_measured_shards():
+    """Measured on 2 CPU ranks (fp32, AdamW, tp 2): 10,494,976 B of parameters and 20,989,952 B
+    of optimizer states per rank between steps (the runs' by_category_resident)."""
+    result = estimate(_request())
+    assert result.per_device.parameters_bytes == 10_494_976
+    assert result.per_device.optimizer_states_bytes == 20_989_952
+    assert result.parallel.tp == 2 and result.parallel.dp_shard == 1
+
+
+def test_sequence_parallel_splits_the_norms():
+    """9 RMSNorms (2 per block x 4 + the final), each saving an fp32 input and the normalised
+    x, 8 B per token x hidden in fp32, of which SP keeps half: 9 x 4 x 1024 x 256 B less."""
+    on = estimate(_request(sequence_parallel=True)).per_device.peak_bytes
+    off = estimate(_request(sequence_parallel=False)).per_device.peak_bytes
+    assert off - on == 9 * 4 * 1024 * 256 + 9 * 2 * 1024
+
+
+def test_loss_parallel_adds_one_vocab_shard_of_logits():
+    """loss_parallel's backward holds zeros, exp and their sum of the tokens x vocab/tp logits:
+    one fp32 shard more than the unsharded loss (measured, peak trace)."""
+    result = estimate(_request(model_config=dict(TINY, vocab_size=32_000), sequence_parallel=False))
+    items = [i for p in result.phases for i in p.items]
+    assert result.per_device.peak_phase == "start of backward"
+    assert any(i.name == "backward transients" and i.bytes == 3 * 4 * 1024 * 16_000 for i in items)
+
+
+def test_tp_with_fsdp_shards_over_the_remaining_ranks():
+    result = estimate(_request(gpus=4))
+    assert result.parallel.dp_shard == 2 and result.parallel.tp == 2
+    assert result.per_device.parameters_bytes == 10_494_976 // 2
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(strategy="zero2", sequence_parallel=True), "sequence_parallel=true with strategy zero2"),
+    (dict(cp=2, tp=1, strategy="zero2"), "cp=2 with strategy zero2: DeepSpeed 0.19.8 has no ring"),
+    (dict(cp=2, tp=1, strategy="ddp"), "cp=2 with strategy ddp"),
+    (dict(cp=2, tp=1, attention="eager"), "cp=2 with attention eager"),
+    (dict(model_config=None, params=1e9), "tp=2: splitting layers"),
+])
+def test_refusals_name_the_field_and_the_framework(fields, message):
+    with pytest.raises(PlannerError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        estimate(_request(**fields))
+
+
+def test_tp_with_mla_is_refused():
+    with pytest.raises(PlannerError, match="multi-head latent attention"):
+        estimate(EstimateRequest(model="deepseek-v3", gpus=8, tp=8, strategy="fsdp"))
+
+
+def test_cli_refusal_is_one_line_exit_2(capsys):
+    code = main(["estimate", "--model", "llama-3-8b", "--strategy", "zero2", "--tp", "2",
+                 "--sequence-parallel"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "sequence_parallel=true" in err
+
+
+def test_api_refusal_is_422():
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from web.app import create_app
+
+    client = TestClient(create_app(":memory:"))
+    r = client.post("/v1/estimate", json={"model": "llama-3-8b", "strategy": "zero3", "gpus": 8, "cp": 2})
+    assert r.status_code == 422 and "cp=2 with strategy zero3" in r.text
+
+
+def test_context_parallel_splits_the_sequence():
+    """cp 2: each rank holds half of every sequence, so the saved activations roughly halve; the
+    ring's whole-sequence K/V and fp32 gradient accumulators appear in the block's transient."""
+    whole = estimate(EstimateRequest(model="llama-3-8b", gpus=8, strategy="fsdp", seq_len=32768))
+    split = estimate(EstimateRequest(model="llama-3-8b", gpus=8, strategy="fsdp", seq_len=32768, cp=2))
+    assert split.parallel.cp == 2
+    assert split.per_device.activations_bytes < 0.6 * whole.per_device.activations_bytes
+
+
+def test_torchtitan_toml_parses_with_the_job_config_names(tmp_path):
+    files = emit_estimate_files(estimate_with_time(EstimateRequest(
+        model="llama-3-8b", gpu="h100-80gb", gpus=8, nodes=2, tp=4, strategy="fsdp", micro_batch=2,
+        gradient_accumulation=3, seq_len=8192, checkpointing="full")))
+    config = tomllib.loads(files["torchtitan.toml"])
+    p = config["parallelism"]
+    assert (p["tensor_parallel_degree"], p["data_parallel_shard_degree"], p["data_parallel_replicate_degree"]) == (4, 4, 1)
+    assert p["context_parallel_degree"] == 1 and p["pipeline_parallel_degree"] == 1
+    assert p["enable_async_tensor_parallel"] is False
+    assert config["training"] == {"local_batch_size": 2, "global_batch_size": 2 * 3 * 4, "seq_len": 8192,
+                                  "mixed_precision_param": "bfloat16"}
+    assert config["activation_checkpoint"]["mode"] == "full"
+    assert "-m torchtitan.train --job.config_file torchtitan.toml" in files["LAUNCH.md"]
+
+
+def test_no_torchtitan_toml_without_model_parallelism():
+    files = emit_estimate_files(estimate_with_time(EstimateRequest(model="llama-3-8b", gpus=8, strategy="fsdp")))
+    assert "torchtitan.toml" not in files
+
+
+def test_deepspeed_config_carries_autotp_size():
+    files = emit_estimate_files(estimate_with_time(EstimateRequest(
+        model="llama-3-8b", gpu="h100-80gb", gpus=8, tp=2, strategy="zero2", micro_batch=1,
+        gradient_accumulation=4)))
+    config = json.loads(files["ds_config.json"])
+    assert config["tensor_parallel"] == {"autotp_size": 2}
+    assert config["train_batch_size"] == 1 * 4 * 4  # over the 4 data-parallel ranks, not the 8 GPUs
+
+
+def test_tp_collectives_move_the_same_bytes_with_or_without_sp():
+    arch = from_hf_config(TINY)
+    plain = tp_collectives(arch, tokens=1024, micro_batches=1, b=2, tp=2, sequence_parallel=False, checkpointing="none")
+    sp = tp_collectives(arch, tokens=1024, micro_batches=1, b=2, tp=2, sequence_parallel=True, checkpointing="none")
+    assert sum(v * p for _, v, p, _ in plain) == sum(v * p for _, v, p, _ in sp)
+    assert plain[0][1] == (4 * 4 + 2) * 2 * 1024 * 256
