@@ -147,3 +147,35 @@ def test_tp_collectives_move_the_same_bytes_with_or_without_sp():
     sp = tp_collectives(arch, tokens=1024, micro_batches=1, b=2, tp=2, sequence_parallel=True, checkpointing="none")
     assert sum(v * p for _, v, p, _ in plain) == sum(v * p for _, v, p, _ in sp)
     assert plain[0][1] == (4 * 4 + 2) * 2 * 1024 * 256
+
+
+FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "topologies"
+
+
+@pytest.mark.parametrize("fixture, gpu, expected", [
+    ("rtx_a6000_8gpu_nvlink_bridge_pairs_2nic.txt", "rtx-a6000", [1, 2]),  # NVLink bridges join pairs only
+    ("dgx_a100_8gpu_10nic.txt", "a100-80gb", [1, 2, 4, 8]),  # NVSwitch: every pair NV12
+    ("pcie_8x_rtx4090_all_sys_tabs.txt", "rtx-4090", [1]),  # no NVLink at all
+])
+def test_tp_degrees_stay_inside_an_nvlink_island(fixture, gpu, expected):
+    from planner.gpus import gpu as lookup_gpu
+    from planner.layouts import tp_degrees
+    from planner.topology import parse_topology
+
+    topo = parse_topology((FIXTURES / fixture).read_text(), lookup_gpu(gpu))
+    degrees, rejected = tp_degrees(topo, 8, from_hf_config(dict(TINY, num_attention_heads=8, num_key_value_heads=8)))
+    assert degrees == expected
+    for r in rejected:
+        assert "not NVLink" in r.reason and r.field == "tp"
+
+
+def test_tp_degrees_need_heads_divisible():
+    from planner.gpus import gpu as lookup_gpu
+    from planner.layouts import tp_degrees
+    from planner.topology import parse_topology
+
+    topo = parse_topology((FIXTURES / "dgx_a100_8gpu_10nic.txt").read_text(), lookup_gpu("a100-80gb"))
+    degrees, rejected = tp_degrees(topo, 8, from_hf_config(dict(TINY, num_attention_heads=12, num_key_value_heads=4,
+                                                                hidden_size=384)))
+    assert degrees == [1, 2, 4]
+    assert [str(r) for r in rejected] == ["tp=8 not searched: num_attention_heads(12) is not divisible by tp(8)"]

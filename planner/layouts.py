@@ -1,0 +1,93 @@
+"""Which model-parallel degrees a plan searches, from the wiring and the model, and why the others
+are not candidates.
+
+Placement is torchrun's and Slurm's: consecutive ranks, tp innermost (torchtitan's mesh order
+``pp, dp_replicate, dp_shard, cp, tp``, parallel_dims.py), so TP group k is GPUs
+k*tp .. k*tp+tp-1 of a node. Tensor parallelism communicates inside every layer, forward and
+backward, on the critical path (planner/tensor_parallel.py tp_collectives): it pays only where
+every pair of its group is NVLink/NVSwitch-connected (Shoeybi et al. 2019, Sec. 5: TP within a
+DGX node, data parallelism across). Context parallelism is searched only where the sequence does
+not fit without it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from planner.architecture import Architecture, distinct_specs
+from planner.topology import Topology
+
+_NV = re.compile(r"^NV\d+$")
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A degree that is not a candidate, with its operands in words."""
+
+    field: str
+    value: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.field}={self.value} not searched: {self.reason}"
+
+
+def _nvlink_complete(topo: Topology, members: range) -> tuple[int, int] | None:
+    """The first pair of ``members`` not joined by NVLink, or None when all pairs are."""
+    for a in members:
+        for b in members:
+            if a < b and not _NV.match(topo.matrix[a][b]):
+                return a, b
+    return None
+
+
+def tp_degrees(topo: Topology, gpus_per_node: int, arch: Architecture | None) -> tuple[list[int], list[Rejected]]:
+    """Tensor-parallel degrees worth planning: divisors of the node's GPUs whose every group of
+    consecutive GPUs is an NVLink island, and that split the model's heads evenly."""
+    degrees, rejected = [1], []
+    for tp in range(2, gpus_per_node + 1):
+        if gpus_per_node % tp:
+            continue
+        why = _tp_refusal(topo, gpus_per_node, tp, arch)
+        if why:
+            rejected.append(Rejected("tp", tp, why))
+        else:
+            degrees.append(tp)
+    return degrees, rejected
+
+
+def _tp_refusal(topo: Topology, gpus_per_node: int, tp: int, arch: Architecture | None) -> str | None:
+    if arch is None:
+        return "a parameter count alone cannot be split over tensor-parallel ranks"
+    for start in range(0, gpus_per_node, tp):
+        pair = _nvlink_complete(topo, range(start, start + tp))
+        if pair is not None:
+            a, b = pair
+            return (f"GPU{a}-GPU{b} of the TP group GPU{start}..GPU{start + tp - 1} is {topo.matrix[a][b]}, "
+                    f"not NVLink ({topo.source}); TP's per-layer collectives need an NVLink island")
+    for spec in distinct_specs(arch).values():
+        attn = spec.attention
+        if attn.kind == "mla":
+            return "multi-head latent attention is not split by this planner's TP model"
+        if attn.num_heads % tp:
+            return f"num_attention_heads({attn.num_heads}) is not divisible by tp({tp})"
+        if attn.num_kv_heads % tp and tp % attn.num_kv_heads:
+            return f"num_key_value_heads({attn.num_kv_heads}) and tp({tp}): neither divides the other"
+    return None
+
+
+def cp_degrees(seq_len: int, world: int, tp: int, arch: Architecture | None) -> tuple[list[int], list[Rejected]]:
+    """Context-parallel degrees > 1 that could split this sequence (powers of two dividing the
+    ranks left after TP, with seq_len % (2*cp) == 0); whether they are needed is the search's call."""
+    degrees, rejected = [], []
+    if arch is None:
+        return degrees, rejected
+    cp = 2
+    while tp * cp <= world and world % (tp * cp) == 0:
+        if seq_len % (2 * cp):
+            rejected.append(Rejected("cp", cp, f"seq_len({seq_len}) is not divisible by 2 * cp({cp}) = {2 * cp}"))
+        else:
+            degrees.append(cp)
+        cp *= 2
+    return degrees, rejected
