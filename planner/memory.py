@@ -19,8 +19,9 @@ from planner.catalogue import ResolvedModel, catalogue_model, model_from_config,
 from planner.dsconfig import ZeroSettings, batch_from_config, parse_ds_config, with_overrides
 from planner.errors import PlannerError
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
+from planner.parallel import ModelShape, ParallelDims, check_dims, data_parallel_size, dims_for, refuse_unmodelled
 from planner.precision import RECIPES, Recipe, bits_to_bytes, optimizer_state_bits
-from planner.schema import (EstimateRequest, EstimateResult, HostMemory, ModelSummary,
+from planner.schema import (EstimateRequest, EstimateResult, HostMemory, ModelSummary, ParallelDegrees,
                             PerDevice, Phase)
 from planner.strategies import Strategy, check_offload, shard_group_size, strategy as lookup_strategy
 from planner.units import GIB, fmt_bytes
@@ -38,6 +39,7 @@ class Setup:
     zero: ZeroSettings
     world_size: int
     shard_size: int
+    dims: ParallelDims
 
     @property
     def arch(self) -> Architecture | None:
@@ -112,9 +114,25 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     if request.include_vision:
         model = with_vision(model)
     shard = shard_group_size(s, request.gpus, request.nodes, request.hsdp_shard_size)
+    dims = _dims(request, s, shard, model)
     return Setup(request=request.model_copy(update={"precision": precision} | from_config), model=model, strategy=s,
                  recipe=RECIPES[precision], gpu=g, zero=zero,
-                 world_size=request.world_size, shard_size=shard)
+                 world_size=request.world_size, shard_size=shard, dims=dims)
+
+
+def _dims(request: EstimateRequest, s: Strategy, shard: int, model: ResolvedModel) -> ParallelDims:
+    """The request's degrees, the data-parallel part realised as the strategy does; a layout the
+    model or cluster cannot take, or a degree not modelled yet, is refused naming the field."""
+    dp = data_parallel_size(request.world_size, request.tp, request.pp, request.cp, request.gpus, request.nodes)
+    dims = dims_for(s.shards_optimizer, shard if s.shard_within_node else None, dp,
+                    request.tp, request.pp, request.cp, request.ep)
+    arch = model.architecture
+    shape = ModelShape(arch.num_attention_heads, arch.num_key_value_heads, arch.num_layers,
+                       arch.num_experts or None) if arch is not None else ModelShape()
+    check_dims(dims, gpus=request.gpus, nodes=request.nodes, model=shape, seq_len=request.seq_len,
+               pp_virtual_stages=request.pp_virtual_stages, pp_schedule=request.pp_schedule)
+    refuse_unmodelled(request)
+    return dims
 
 
 # --- textbook model states -------------------------------------------------------------------
@@ -210,7 +228,7 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
         model=ModelSummary(name=setup.model.name, source=setup.model.source, parameters=setup.psi,
                            architecture=setup.arch.model_dump() if setup.arch else None),
         strategy=setup.strategy.name, world_size=setup.world_size, dp_size=setup.world_size,
-        shard_size=setup.shard_size, gpu=setup.gpu.name,
+        shard_size=setup.shard_size, parallel=ParallelDegrees(**setup.dims.as_dict()), gpu=setup.gpu.name,
         per_device=PerDevice(
             parameters_bytes=params_b, gradients_bytes=grads_b, optimizer_states_bytes=optim_b,
             activations_bytes=act_at_peak if acts is not None else None,

@@ -21,6 +21,7 @@ from planner.catalogue import catalogue_model, model_from_config, with_vision
 from planner.errors import PlannerError
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.memory import estimate
+from planner.parallel import refuse_unmodelled
 from planner.presets import default_preset_for, preset, preset_topology
 from planner.schema import (Candidate, EstimateRequest, EstimateResult, PlanRequest, PlanResult, TimeEstimate,
                             TopologySummary)
@@ -222,6 +223,7 @@ def plan(req: PlanRequest) -> PlanResult:
     started = wallclock.perf_counter()
     g = lookup_gpu(req.gpu)
     check_precision(g, req.precision)
+    refuse_unmodelled(req)  # fixed degrees only, the search over them comes with their memory models
     model = catalogue_model(req.model) if req.model else model_from_config(req.model_config_)
     if req.include_vision:
         model = with_vision(model)
@@ -450,7 +452,7 @@ def _candidate(combo: Combo, mb: int, per_rank: int, fits: bool, t: timing.StepT
                reason: str | None) -> Candidate:
     return Candidate(strategy=combo.strategy, micro_batch=mb, gradient_accumulation=per_rank // mb,
                      checkpointing=combo.checkpointing, offload_optimizer=combo.offload_optimizer,
-                     offload_params=combo.offload_params, hsdp_shard_size=combo.shard, fits=fits,
+                     offload_params=combo.offload_params, hsdp_shard_size=combo.shard, parallel=e.parallel, fits=fits,
                      per_device=e.per_device,
                      step_seconds=t.step_seconds, compute_seconds=t.compute_seconds,
                      communication_seconds=t.communication_seconds,
