@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from planner import buffers as buf
+from planner.frameworks import Framework, framework_of
 from planner.activations import ActivationItem, Activations, estimate_activations
 from planner.architecture import Architecture, parameter_numels
 from planner.catalogue import ResolvedModel, catalogue_model, model_from_config, raw_parameters, with_vision
@@ -23,7 +24,7 @@ from planner.parallel import ModelShape, ParallelDims, check_dims, data_parallel
 from planner.precision import RECIPES, Recipe, bits_to_bytes, optimizer_state_bits
 from planner.schema import (EstimateRequest, EstimateResult, HostMemory, ModelSummary, ParallelDegrees,
                             PerDevice, Phase)
-from planner.strategies import Strategy, check_offload, shard_group_size, strategy as lookup_strategy
+from planner.strategies import Strategy, shard_group_size, strategy as lookup_strategy
 from planner.units import GIB, fmt_bytes
 
 
@@ -52,6 +53,11 @@ class Setup:
     @property
     def weight_bytes(self) -> int:
         return self.recipe.weight_bits // 8
+
+    @property
+    def framework(self) -> Framework:
+        """The framework version that realises the strategy (planner/frameworks/)."""
+        return framework_of(self.strategy)
 
     @property
     def device(self) -> str:
@@ -106,10 +112,9 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
         precision = zero.precision  # the config's bf16/fp16 block, unless --precision was given
     from_config = _from_config(request, zero)
     check_precision(g, precision)
-    check_offload(s, zero.offload_optimizer, zero.offload_params)
-    if s.framework == "deepspeed" and precision == "bf16-pure":
-        raise PlannerError("precision bf16-pure (no fp32 master) is not what DeepSpeed's bf16 mode does: "
-                           "it always keeps fp32 master weights; use bf16-mixed with zero0-3, or ddp/fsdp for bf16-pure")
+    fw = framework_of(s)
+    fw.check_offload(s, zero.offload_optimizer, zero.offload_params)
+    fw.check_precision(s, precision)
     model = model if model is not None else resolve_model(request)
     if request.include_vision:
         model = with_vision(model)
@@ -152,8 +157,8 @@ def textbook_states(setup: Setup) -> tuple[int, int, int]:
     optim = bits_to_bytes(_shard(psi, setup, s.shards_optimizer), k_bits)
     if setup.zero.offload_params != "none":
         params = 0
-        if s.framework == "torch":
-            grads = 0  # FSDP CPUOffload moves gradients to the host with the parameters
+        if setup.framework.offloads_gradients_with_params:
+            grads = 0
     if setup.zero.offload_optimizer != "none":
         optim = 0
     return params, grads, optim
@@ -212,7 +217,7 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
     setup = resolve(request, model)
     params_b, grads_b, optim_b = textbook_states(setup)
     acts = activations(setup)
-    plan = buf.phases_for(setup, acts, _numels(setup))
+    plan = setup.framework.phases(setup, acts, _numels(setup))
     framework = setup.gpu.cuda_context_bytes
     peak_phase = max(plan.phases, key=lambda p: p.bytes)
     peak = peak_phase.bytes + framework

@@ -19,6 +19,7 @@ from planner import timing
 from planner.architecture import layer_parameters
 from planner.catalogue import catalogue_model, model_from_config, with_vision
 from planner.errors import PlannerError
+from planner.frameworks import Buckets, Traffic, framework_of
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.memory import estimate
 from planner.parallel import refuse_unmodelled
@@ -29,7 +30,6 @@ from planner.strategies import STRATEGIES, explicit_hsdp_shard, strategy as look
 from planner.topology import GpuRow, Topology, link_between, parse_topology
 from planner.units import GB, GIB
 
-OFFLOADS = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"), ("nvme", "nvme"))
 DEFAULT_FABRIC, DEFAULT_NICS = "ib-hdr", 1
 PCIE_DEVICE_TO_HOST_GBPS = {"gen3": 12.0, "gen4": 24.0, "gen5": 48.0, "gen6": 92.0, "none": 24.0}
 NVME_GBPS = 5.0  # one PCIe Gen4 NVMe drive, sequential (vendor datasheets: 5-7 GB/s); calibratable
@@ -53,15 +53,7 @@ def _hsdp_shards(gpus: int, nodes: int) -> list[int]:
 
 def _offloads(name: str) -> list[tuple[str, str]]:
     s = lookup_strategy(name)
-    if s.name == "zero3":
-        return list(OFFLOADS)
-    if s.name in ("fsdp", "hsdp"):
-        return [("none", "none"), ("cpu", "cpu")]  # FSDP CPUOffload moves params, grads and states together
-    if s.framework == "torch":
-        return [("none", "none")]
-    if s.shards_optimizer:
-        return [("none", "none"), ("cpu", "none"), ("nvme", "none")]
-    return [("none", "none")]
+    return framework_of(s).offload_options(s)
 
 
 def collective_volumes(request: EstimateRequest) -> list[dict]:
@@ -170,7 +162,7 @@ def _resolved_combo(request: EstimateRequest) -> tuple[Combo, Buckets]:
     from planner.memory import resolve
 
     zero = resolve(request).zero
-    shard = (request.hsdp_shard_size or request.gpus) if request.strategy == "hsdp" else None
+    shard = (request.hsdp_shard_size or request.gpus) if lookup_strategy(request.strategy).shard_within_node else None
     combo = Combo(request.gpus, request.strategy, request.checkpointing, zero.offload_optimizer, zero.offload_params,
                   shard)
     return combo, Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size)
@@ -272,7 +264,7 @@ def _evaluate(req: PlanRequest, counts: list[int], g: Gpu, model, topo: Topology
     evaluated = 0
     for gpus in counts:
         for name in STRATEGIES:
-            shards = _hsdp_shards(gpus, req.nodes) if name == "hsdp" else [None]
+            shards = _hsdp_shards(gpus, req.nodes) if lookup_strategy(name).shard_within_node else [None]
             for shard, ckpt in ((sh, c) for sh in shards for c in ("none", "full")):
                 for off_opt, off_par in _offloads(name):
                     combo = Combo(gpus, name, ckpt, off_opt, off_par, shard)
@@ -288,53 +280,20 @@ def _evaluate(req: PlanRequest, counts: list[int], g: Gpu, model, topo: Topology
     return rows, evaluated
 
 
-@dataclass(frozen=True)
-class Buckets:
-    """DeepSpeed's message sizes in elements (deepspeed/runtime/zero/config.py defaults)."""
-
-    reduce: int = 500_000_000
-    allgather: int = 500_000_000
-    prefetch: int = 50_000_000
-
-
-DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP bucket_cap_mb=25 (torch/nn/parallel/distributed.py)
-
-
 def _collective_volumes(req: PlanRequest, combo: Combo, psi: int, micro: np.ndarray, per_rank: int,
                         wb: int, arch=None, buckets: Buckets = Buckets()) -> list[tuple[str, np.ndarray, int, float, str]]:
-    """(what, bytes per step, ring passes, message bytes, group) for the strategy's collectives.
+    """(what, bytes per step, ring passes, message bytes, group) for the strategy's collectives,
+    as its framework sends them (planner/frameworks/: Framework.collectives).
 
     Message sizes are what the frameworks really send: DDP's 25 MiB buckets, DeepSpeed's reduce
     and all-gather buckets (capped by the model), and for ZeRO-3 and FSDP one transformer block
     at a time (the FSDP unit; ZeRO-3 fetches a module's parameters, at most prefetch_bucket_size)."""
-    accumulation = per_rank / micro
     s = lookup_strategy(combo.strategy)
-    step = np.ones_like(micro, dtype=np.float64)
-    grads = psi * wb
     block = layer_parameters(arch) if arch is not None else max(psi // 100, 1)
-    reduce_msg = min(psi, buckets.reduce) * wb
-    gather_msg = min(psi, buckets.allgather) * wb
-    if s.name == "ddp":
-        master = 4 if req.precision in ("bf16-mixed", "fp16-mixed", "fp32") else wb
-        return [("gradient all-reduce", step * psi * master, 2, min(psi * master, DDP_BUCKET_BYTES), "world")]
-    if s.name == "zero0":
-        return [("gradient all-reduce", step * grads, 2, reduce_msg, "world")]
-    if s.name == "zero1":
-        return [("gradient reduce-scatter", step * grads, 1, reduce_msg, "world"),
-                ("parameter all-gather", step * grads, 1, gather_msg, "world")]
-    if s.name == "zero2":
-        return [("gradient reduce-scatter", accumulation * grads, 1, reduce_msg, "world"),
-                ("parameter all-gather", step * grads, 1, gather_msg, "world")]
-    gathers = 1 if s.params_unsharded_in_step else 2
-    unit = block * wb
-    gather_unit = min(unit, buckets.prefetch * wb) if s.framework == "deepspeed" else unit
-    items = [("parameter all-gathers", accumulation * gathers * grads, 1, gather_unit, "shard"),
-             ("gradient reduce-scatter", accumulation * grads, 1,
-              min(unit, reduce_msg) if s.framework == "deepspeed" else unit, "shard")]
-    if s.name == "hsdp":
-        shard = combo.shard or combo.gpus
-        items.append(("replica all-reduce of each shard", accumulation * grads / shard, 2, unit / shard, "replicas"))
-    return items
+    traffic = Traffic(psi=psi, wire_bytes=wb, block=block, step=np.ones_like(micro, dtype=np.float64),
+                      accumulation=per_rank / micro, precision=req.precision, shard=combo.shard or combo.gpus,
+                      buckets=buckets)
+    return framework_of(s).collectives(s, traffic)
 
 
 def _group(combo: Combo, group: str, nodes: int) -> tuple[timing.Group, tuple[int, ...]]:
@@ -381,10 +340,7 @@ def _step_times(req: PlanRequest, combo: Combo, micro: np.ndarray, per_rank: int
         comm += t.seconds
         slowest = min(slowest, float(t.bottleneck_gbps.min()))
     s = lookup_strategy(combo.strategy)
-    if s.framework == "torch" or s.zero_stage == 3:
-        window = compute if s.shards_parameters else compute * timing.BACKWARD_FRACTION
-    else:
-        window = 0.0  # ZeRO 0-2: overlap_comm defaults to false (DeepSpeedZeroConfig)
+    window = framework_of(s).overlap_window_seconds(s, compute)
     offload = _offload_seconds(combo, psi, per_rank / micro, combo.gpus * nodes, wb, g)
     results = []
     world = combo.gpus * nodes
@@ -646,7 +602,7 @@ def _min_gpus(req: PlanRequest, name: str, usable: float, model_fields: dict) ->
 
 def _fits(req: PlanRequest, name: str, usable: float, model_fields: dict, gpus: int, nodes: int) -> bool:
     """Whether any of the plan's settings of the strategy fits this layout at micro-batch 1."""
-    shards = _hsdp_shards(gpus, nodes)[::-1] if name == "hsdp" else [None]
+    shards = _hsdp_shards(gpus, nodes)[::-1] if lookup_strategy(name).shard_within_node else [None]
     for shard in shards:
         for off_opt, off_par in reversed(_offloads(name)):  # most offloaded first: the likeliest fit
             e = estimate(EstimateRequest(**model_fields, strategy=name, gpus=gpus, nodes=nodes, gpu=req.gpu,
