@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from planner.activations import Activations
 from planner.architecture import block_parameters, blocks_parameters, layer_parameters, vision_parameters
+from planner.moments import PhaseKind
 from planner.schema import MemoryItem, Phase
 
 if TYPE_CHECKING:
@@ -40,9 +41,10 @@ def item(name: str, nbytes: int, component: str, source: str = "") -> MemoryItem
     return MemoryItem(name=name, bytes=int(nbytes), component=component, source=source)
 
 
-def phase(name: str, items: list[MemoryItem]) -> Phase:
+def phase(kind: PhaseKind, name: str, items: list[MemoryItem]) -> Phase:
+    """A phase of this kind shown under ``name``; items of zero bytes are left out."""
     kept = [i for i in items if i.bytes > 0]
-    return Phase(name=name, bytes=sum(i.bytes for i in kept), items=kept)
+    return Phase(name=name, bytes=sum(i.bytes for i in kept), items=kept, kind=kind)
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -53,7 +55,8 @@ def ceil_div(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class SweepPoint:
-    label: str
+    kind: PhaseKind
+    label: str  # for display only: code reads the kind
     activation_bytes: int
     grad_elements: int  # gradient elements produced so far
     in_flight_elements: int  # of which produced since the last block boundary (not yet reduced)
@@ -132,13 +135,13 @@ def backward_sweep(acts: Activations | None, numels: list[int], shape: Layout | 
     and its parameters' gradients exist from then on."""
     total = sum(numels)
     if acts is None or shape is None:
-        return [SweepPoint("backward", 0, total, max(numels), 0)]
+        return [SweepPoint(PhaseKind.BACKWARD, "backward", 0, total, max(numels), 0)]
     per_layer = shape.layer_parameters
     head, late = head_and_late(shape, numels)
     held = shape.tied_head_elements
     body = acts.saved_bytes - acts.head_saved_bytes
-    points = [SweepPoint("start of backward", acts.saved_bytes, 0, 0, acts.loss_transient_bytes),
-              SweepPoint("after the LM head", body, head, head, 0)]
+    points = [SweepPoint(PhaseKind.START_OF_BACKWARD, "start of backward", acts.saved_bytes, 0, 0, acts.loss_transient_bytes),
+              SweepPoint(PhaseKind.AFTER_LM_HEAD, "after the LM head", body, head, head, 0)]
     recompute = acts.layer_saved_bytes if acts.checkpointed else 0
     # Live activations fall and produced gradients rise linearly with the block index, so every
     # phase total is linear in it and its maximum is at the first or the last block: the blocks
@@ -147,13 +150,13 @@ def backward_sweep(acts: Activations | None, numels: list[int], shape: Layout | 
         block = shape.num_layers - index
         live = body - index * acts.layer_kept_bytes
         produced = head + index * per_layer
-        points.append(SweepPoint(f"start of block {block} backward", live + recompute, produced,
+        points.append(SweepPoint(PhaseKind.START_OF_BLOCK, f"start of block {block} backward", live + recompute, produced,
                                  0, acts.layer_transient_bytes, held_elements=held))
-        points.append(SweepPoint(f"end of block {block} backward", live - acts.layer_kept_bytes,
+        points.append(SweepPoint(PhaseKind.END_OF_BLOCK, f"end of block {block} backward", live - acts.layer_kept_bytes,
                                  produced + per_layer, per_layer, 0, held_elements=held))
     # The embeddings' backward comes last: an untied embedding's gradient awaits its hook, or a
     # tied weight's two contributions live while autograd sums them.
-    points.append(SweepPoint("end of backward", 0, total, late or per_layer, 0, held_elements=held,
+    points.append(SweepPoint(PhaseKind.END_OF_BACKWARD, "end of backward", 0, total, late or per_layer, 0, held_elements=held,
                              tied_sum_elements=2 * held))
     return points
 

@@ -20,6 +20,7 @@ from planner.catalogue import ResolvedModel, catalogue_model, model_from_config,
 from planner.dsconfig import ZeroSettings, batch_from_config, parse_ds_config, with_overrides
 from planner.errors import PlannerError
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
+from planner.moments import PhaseKind
 from planner.parallel import ModelShape, ParallelDims, check_dims, data_parallel_size, dims_for, refuse_unmodelled
 from planner.precision import RECIPES, Recipe, bits_to_bytes, optimizer_state_bits
 from planner.schema import (EstimateRequest, EstimateResult, HostMemory, ModelSummary, ParallelDegrees,
@@ -243,13 +244,13 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
                         pinned_bytes=plan.host_pinned_bytes),
         nvme_bytes=plan.nvme_bytes, device_capacity_bytes=capacity, fits=fits,
         headroom_bytes=capacity - peak,
-        phases=[_phase_of("between steps (resident)", plan.resident)] + list(plan.phases), buffers=list(plan.buffers),
+        phases=[_phase_of(PhaseKind.RESIDENT, "between steps (resident)", plan.resident)] + list(plan.phases), buffers=list(plan.buffers),
         notes=notes, request=setup.request)
 
 
-def _phase_of(name: str, items: list) -> Phase:
+def _phase_of(kind: PhaseKind, name: str, items: list) -> Phase:
     kept = [i for i in items if i.bytes > 0]
-    return Phase(name=name, bytes=sum(i.bytes for i in kept), items=kept)
+    return Phase(name=name, bytes=sum(i.bytes for i in kept), items=kept, kind=kind)
 
 
 def resident_by_component(result: EstimateResult) -> dict[str, int]:

@@ -17,6 +17,7 @@ from pydantic_core import core_schema
 
 from planner.activations import Attention, Checkpointing
 from planner.errors import unknown
+from planner.moments import PhaseKind
 from planner.parallel import PipelineSchedule
 from planner.precision import Optimizer, Precision
 from planner.strategies import OffloadDevice, StrategyName
@@ -300,6 +301,9 @@ class Phase(BaseModel):
     name: str
     bytes: int
     items: list[MemoryItem]
+    # The moment's kind (planner/moments.py), what code identifies a phase by; the name is for
+    # display. Not part of the JSON output (the public fields stay as they were).
+    kind: PhaseKind | None = Field(None, exclude=True)
 
 
 class PerDevice(BaseModel):

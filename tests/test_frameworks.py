@@ -50,3 +50,16 @@ def test_worker_settings_carry_the_sharding_and_the_ds_config(tmp_path):
 def test_setup_names_its_framework():
     assert resolve(EstimateRequest(model="gpt2", strategy="hsdp", gpus=2, nodes=2)).framework.name == "torch"
     assert resolve(EstimateRequest(model="gpt2", strategy="zero1", gpus=2)).framework.launcher == "deepspeed"
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_every_phase_has_a_kind(name):
+    from planner.memory import estimate
+    from planner.moments import PhaseKind
+
+    shard = {"hsdp_shard_size": 2} if name == "hsdp" else {}
+    result = estimate(EstimateRequest(model="gpt2", strategy=name, gpus=4, **shard))
+    kinds = [p.kind for p in result.phases]
+    assert None not in kinds and kinds[0] is PhaseKind.RESIDENT and kinds[-1] is PhaseKind.OPTIMIZER_STEP
+    assert PhaseKind.START_OF_BACKWARD in kinds and PhaseKind.END_OF_BACKWARD in kinds
+    assert "kind" not in result.model_dump()["phases"][0]  # display names only in the output

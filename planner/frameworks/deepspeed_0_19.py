@@ -13,6 +13,7 @@ from planner.activations import Activations
 from planner.buffers import (FP32, Layout, PhasePlan, activation_items, adam_temporaries, backward_sweep, ceil_div,
                              head_and_late, item, layout, optimizer_items, phase, tied_sum_item)
 from planner.errors import PlannerError
+from planner.moments import PhaseKind
 from planner.frameworks import Collective, Framework, Traffic, check_sharded_offload, register
 
 if TYPE_CHECKING:
@@ -118,17 +119,17 @@ def _zero0_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     grads = item("gradients", wb * psi, "gradients")
     phases = []
     for point in backward_sweep(acts, numels, layout(setup)):
-        phases.append(phase(point.label, resident + activation_items(point) + [
+        phases.append(phase(point.kind, point.label, resident + activation_items(point) + [
             item("gradients so far", wb * point.grad_elements, "gradients")]))
     flat = min(psi, DS_ALLREDUCE_FALLBACK_ELEMENTS) * wb
-    phases.append(phase("gradient all-reduce", resident + [grads, item(
+    phases.append(phase(PhaseKind.GRADIENT_ALLREDUCE, "gradient all-reduce", resident + [grads, item(
         "flat all-reduce bucket", flat, "buffers", "engine.py buffered_allreduce_fallback")]))
     step = resident + [grads, item("Adam temporaries (largest parameter)", adam_temporaries(largest, setup),
                                     "buffers", "torch.optim.AdamW single-tensor step")]
     if mixed:
         step.append(item("fp32 gradients for the master step", FP32 * psi, "buffers",
                           "unfused_optimizer.py step(): p.grad = fp16 grad .float()"))
-    phases.append(phase("optimizer step", step))
+    phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step))
     return PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
                      buffers=[i for p in phases for i in p.items if i.component == "buffers"])
 
@@ -180,7 +181,7 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
     sweep = backward_sweep(acts, numels, layout(setup))
     for point in sweep:
         items = resident + activation_items(point)
-        reduced = point.label == "end of backward" or (first is not None and point.grad_elements >= first[0])
+        reduced = point.kind is PhaseKind.END_OF_BACKWARD or (first is not None and point.grad_elements >= first[0])
         if stage == 1:
             # Stage 1 keeps every param.grad until the accumulation boundary, then reduces
             # through the bucket into grads_in_partition (reduce_gradients at the boundary).
@@ -197,12 +198,12 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
                 point.in_flight_elements + point.held_elements
             items += [item("16-bit gradients not yet reduced", wb * unreduced, "gradients"), bucket,
                       tied_sum_item(point, wb)] + ([in_partition] if reduced else [])
-        phases.append(phase(point.label, items))
+        phases.append(phase(point.kind, point.label, items))
         if stage == 1 and point.tied_sum_elements:
             # ZeRO-1 reduces once the last hook has run: the tied weight's contributions are
             # summed with every gradient and the bucket live, before grads_in_partition exists
             # (peak trace: the gradients, the bucket and two more V x h at that moment).
-            phases.append(phase("embeddings' backward (tied gradients summed)", resident + activation_items(point) + [
+            phases.append(phase(PhaseKind.TIED_SUM, "embeddings' backward (tied gradients summed)", resident + activation_items(point) + [
                 item("16-bit gradients", wb * point.grad_elements, "gradients"), bucket,
                 tied_sum_item(point, wb)]))
     if first is not None and acts is not None and layout(setup) is not None:
@@ -211,13 +212,13 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
                                   "activations"),
                             item("16-bit gradient that overflowed the bucket", wb * trigger, "gradients"),
                             bucket, in_partition]
-        phases.append(phase(f"first bucket reduction ({produced:,} gradient elements in)", items))
+        phases.append(phase(PhaseKind.FIRST_BUCKET_REDUCTION, f"first bucket reduction ({produced:,} gradient elements in)", items))
     offloaded = z.offload_optimizer != "none"
     step = resident if offloaded else resident + [
         item("fp32 gradient partition", FP32 * part, "buffers", "stage_1_and_2.py step(): single_grad_partition"),
         item("Adam temporaries (flat partition)", adam_temporaries(part, setup), "buffers",
               "torch.optim.AdamW single-tensor step on the flat fp32 partition")]
-    phases.append(phase("optimizer step", step))
+    phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step))
     plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
                      buffers=[i for p in phases for i in p.items if i.component == "buffers"])
     if offloaded:
@@ -305,7 +306,7 @@ def _zero3_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     gathered = _zero3_gathered(setup, numels)
     phases = []
     for point in backward_sweep(acts, numels, layout(setup)):
-        phases.append(phase(point.label, resident + activation_items(point) + [
+        phases.append(phase(point.kind, point.label, resident + activation_items(point) + [
             item("gathered 16-bit parameters", gathered, "buffers", _gathered_source(setup, numels)),
             item("16-bit gradients not yet reduced", wb * point.in_flight_elements, "gradients")]))
     offloaded = z.offload_optimizer != "none"
@@ -313,7 +314,7 @@ def _zero3_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
         item("fp32 gradient partition", FP32 * part, "buffers", "stage3.py: fp32 grad of each sub-group"),
         item("Adam temporaries (flat partition)", adam_temporaries(min(part, z.sub_group_size), setup),
               "buffers", "torch.optim.AdamW single-tensor step per sub_group_size group")]
-    phases.append(phase("optimizer step", step))
+    phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step))
     plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
                      buffers=[i for p in phases for i in p.items if i.component == "buffers"])
     if offloaded:

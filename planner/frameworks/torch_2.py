@@ -14,6 +14,7 @@ from planner.activations import Activations
 from planner.buffers import (FP32, PhasePlan, SweepPoint, activation_items, adam_temporaries, backward_sweep,
                              ceil_div, item, layout, phase, tied_sum_item)
 from planner.errors import PlannerError
+from planner.moments import PhaseKind
 from planner.frameworks import Collective, Framework, Traffic, check_sharded_offload, register
 from planner.schema import MemoryItem
 
@@ -143,12 +144,12 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
                 items.append(_autocast_copies(setup, point, psi, block, compute_bytes))
         else:
             items += _fsdp_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes)
-        phases.append(phase(point.label, items))
+        phases.append(phase(point.kind, point.label, items))
         if s.shards_parameters and point.tied_sum_elements:
-            phases.append(phase("embeddings' backward (tied gradients summed)",
+            phases.append(phase(PhaseKind.TIED_SUM, "embeddings' backward (tied gradients summed)",
                                  resident + _fsdp_tied_sum_items(point, psi, root, shard, compute_bytes, store_bytes)))
     grad_bytes = store_bytes * (part if s.shards_gradients else psi)
-    phases.append(phase("optimizer step", resident + [
+    phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", resident + [
         item("gradients", 0 if offload else grad_bytes, "gradients"),
         item("optimizer step temporaries",
               adam_temporaries(ceil_div(max(numels), shard) if setup.device == "cpu" else part, setup),
@@ -175,7 +176,7 @@ def _autocast_copies(setup: "Setup", point: SweepPoint, psi: int, block: int, co
         return item("autocast copies of the weights", compute_bytes * psi, "buffers",
                      "torch.autocast's cast cache; each linear saves its 16-bit weight for backward")
     head = shape.lm_head_elements
-    recomputed = block if point.label.startswith("start of block") else 0
+    recomputed = block if point.kind is PhaseKind.START_OF_BLOCK else 0
     return item("autocast copies of the weights (LM head, recomputed block)", compute_bytes * (head + recomputed),
                  "buffers", "checkpointed blocks keep no cast weights; recomputation casts one block's again")
 
@@ -199,10 +200,10 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
         gathered = compute_bytes * max(0, psi - point.grad_elements + point.in_flight_elements)
         source = "SHARD_GRAD_OP (reshard_after_forward=False): every unit stays gathered until its backward"
     else:
-        current = 0 if point.label == "start of backward" else block
+        current = 0 if point.kind is PhaseKind.START_OF_BACKWARD else block
         gathered = compute_bytes * (root + current)
         source = "the root unit and the block in backward, gathered"
-    prefetch = 0 if point.label == "end of backward" or keep_gathered else compute_bytes * block * gloo_copy
+    prefetch = 0 if point.kind is PhaseKind.END_OF_BACKWARD or keep_gathered else compute_bytes * block * gloo_copy
     items = [
         item("all-gathered units", gathered, "buffers", source),
         item("prefetched block (all-gather output" + (" and gloo's scratch)" if gloo_copy == 2 else ")"), prefetch,
@@ -210,10 +211,10 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
         item("unsharded gradients in flight", compute_bytes * point.in_flight_elements, "gradients",
               "a unit's gradients until its reduce-scatter"),
         item("reduce-scatter input of the finished unit", compute_bytes * point.in_flight_elements
-              if point.label.startswith("end of") else 0, "buffers", "foreach_reduce: one flat input per unit"),
+              if point.kind.ends_a_unit else 0, "buffers", "foreach_reduce: one flat input per unit"),
         item("sharded gradients", store_bytes * ceil_div(point.grad_elements, shard), "gradients"),
     ]
-    if point.label.startswith("start of block"):
+    if point.kind is PhaseKind.START_OF_BLOCK:
         # the root's gradients (LM head, final norm) wait unsharded for the root's reduce-scatter
         head_grads = point.grad_elements - point.in_flight_elements
         items.append(item("root gradients (unsharded, until the end of backward)",
