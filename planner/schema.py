@@ -100,9 +100,9 @@ ProfileName = Annotated[str, Field(max_length=64), CatalogueName("profile", _pro
 
 
 def _new_profile_name(value: str) -> str:
-    from planner.profiles import _check_name
+    from planner.profiles import check_profile_name
 
-    return _check_name(value)
+    return check_profile_name(value)
 
 
 NewProfileName = Annotated[str, AfterValidator(_new_profile_name)]  # what `planner calibrate --name` saves
