@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from planner.dsconfig import build_ds_config
 from planner.errors import PlannerError
 from planner.memory import resolve
 from planner.schema import EstimateRequest
@@ -68,23 +67,9 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         "seed": 0,
     }
     if setup.tp > 1:
-        return common | {"framework": "torch", "torch": _torch_settings(request, setup),
-                         "parallel": _parallel_settings(request, setup)}
-    if setup.strategy.framework == "torch":
-        return common | {"framework": "torch", "torch": _torch_settings(request, setup)}
-    ds_config = build_ds_config(stage=setup.zero.stage, precision=setup.request.precision,
-                                micro_batch=request.micro_batch,
-                                gradient_accumulation=request.gradient_accumulation,
-                                optimizer=request.optimizer, zero=setup.zero)
-    if setup.gpu.is_cpu:
-        # CPU ranks: DeepSpeed's FusedAdam needs CUDA; torch's AdamW is what the model predicts.
-        ds_config["optimizer"]["params"]["torch_adam"] = True
-    return common | {"framework": "deepspeed", "ds_config": ds_config}
-
-
-TORCH_SHARDING = {"fsdp": "FULL_SHARD", "fsdp-grad-op": "SHARD_GRAD_OP", "hsdp": "HYBRID_SHARD"}
-TORCH_COMPUTE = {"bf16-mixed": ("bf16", False), "fp16-mixed": ("fp16", False), "bf16-pure": ("bf16", True),
-                 "fp32": (None, False)}
+        parallel = _parallel_settings(request, setup)
+        return common | setup.framework.worker_settings(setup, request) | {"parallel": parallel}
+    return common | setup.framework.worker_settings(setup, request)
 
 
 TP_PROBE_FAMILIES = ("llama", "mistral", "qwen2")  # q/k/v/o and gate/up/down projections, as apply_tp names them
@@ -105,18 +90,6 @@ def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
         raise PlannerError(f"tp={setup.tp}: the probe's TP plan names llama-style projections "
                            f"({', '.join(TP_PROBE_FAMILIES)}); model_type {model_type!r} is estimated, not probed")
     return {"dp_shard": dp, "tp": setup.tp, "sequence_parallel": setup.sequence_parallel}
-
-
-def _torch_settings(request: EstimateRequest, setup) -> dict[str, Any]:
-    """How the rank wraps the model for a torch strategy (backend/train.py _torch_engine)."""
-    if request.optimizer not in ("adamw", "sgd"):
-        raise PlannerError(f"optimizer {request.optimizer}: the torch strategies' probe trains with torch's own "
-                           "optimizers, adamw or sgd")
-    dtype, pure = TORCH_COMPUTE[request.precision]
-    return {"strategy": setup.strategy.name, "sharding": TORCH_SHARDING.get(setup.strategy.name),
-            "compute_dtype": dtype, "pure_16bit": pure, "optimizer": request.optimizer,
-            "offload": setup.zero.offload_params != "none",
-            "replicas": request.world_size // setup.shard_size, "shard_size": setup.shard_size}
 
 
 def _free_port() -> int:

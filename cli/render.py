@@ -99,6 +99,13 @@ def topology_table(t) -> str:
     return "\n".join(lines)
 
 
+def _degrees(c, sep: str = "+") -> str:
+    """A candidate's model-parallel degrees beside its strategy: fsdp+tp2, hsdp/4+tp2+cp2."""
+    p = c.parallel
+    return "".join(f"{sep}{name}{' ' if sep != '+' else ''}{value}" for name, value in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp),
+                                                                                        ("ep", p.ep)) if value > 1)
+
+
 def plan_table(r) -> str:
     req = r.request
     lines = [f"{req.model or 'custom model'}: {req.gpus * req.nodes} x {req.gpu} ({req.nodes} node(s)), "
@@ -109,13 +116,13 @@ def plan_table(r) -> str:
              + (f"; across nodes {r.topology.inter_node_gbps_per_gpu:.2f} GB/s per GPU"
                 if r.topology.inter_node_gbps_per_gpu is not None else ""),
              "",
-             f"  {'#':>3} {'strategy':<13} {'mb':>4} {'accum':>5} {'ckpt':<5} {'offload':<11} {'peak GiB':>9} "
+             f"  {'#':>3} {'strategy':<16} {'mb':>4} {'accum':>5} {'ckpt':<5} {'offload':<11} {'peak GiB':>9} "
              f"{'step s':>8} {'exposed comm s':>15} {'tokens/s':>10} {'MFU':>5}"]
     for k, c in enumerate(r.candidates, 1):
         if not c.fits:
             continue
-        name = f"{c.strategy}/{c.hsdp_shard_size}" if c.hsdp_shard_size else c.strategy  # hsdp: shard group size
-        lines.append(f"  {k:>3} {name:<13} {c.micro_batch:>4} {c.gradient_accumulation:>5} {c.checkpointing:<5} "
+        name = (f"{c.strategy}/{c.hsdp_shard_size}" if c.hsdp_shard_size else c.strategy) + _degrees(c)  # hsdp: shard group size
+        lines.append(f"  {k:>3} {name:<16} {c.micro_batch:>4} {c.gradient_accumulation:>5} {c.checkpointing:<5} "
                      f"{c.offload_optimizer + '/' + c.offload_params:<11} {c.per_device.peak_bytes / GIB:>9.2f} "
                      f"{c.step_seconds:>8.3f} {c.exposed_communication_seconds:>15.3f} {c.tokens_per_second:>10,.0f} "
                      f"{c.mfu:>5.2f}")
@@ -135,7 +142,7 @@ def plan_table(r) -> str:
     lines.append("")
     if best:
         shard = f" (shard groups of {best.hsdp_shard_size})" if best.hsdp_shard_size else ""
-        lines.append(f"recommended: {best.strategy}{shard}, micro-batch {best.micro_batch} x {best.gradient_accumulation} "
+        lines.append(f"recommended: {best.strategy}{shard}{_degrees(best, ' x ')}, micro-batch {best.micro_batch} x {best.gradient_accumulation} "
                      f"accumulation, checkpointing {best.checkpointing}, offload {best.offload_optimizer}/"
                      f"{best.offload_params}: {best.step_seconds:.3f} s per step, peak {best.per_device.peak_bytes / GIB:.2f} GiB")
         if r.faster_on_fewer_nodes:

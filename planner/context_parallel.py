@@ -80,10 +80,17 @@ def cp_activations(acts: Activations, a: Architecture, *, cp: int, tokens: int, 
     return replace(acts, layer_transient_bytes=transient, peak_extra_bytes=peak_extra, items=items)
 
 
-def context_parallel_fields(request, strategy, model) -> dict:
-    """Setup's CP field for a request (empty when cp is 1), after the checks above."""
-    cp = getattr(request, "cp", 1)
+def cp_collectives(a: Architecture, *, tokens: int, micro_batches: float, b: int, cp: int,
+                   tp: int = 1) -> list[tuple[str, float, int, float]]:
+    """(what, bytes per step, ring passes, message bytes) of the CP group's K/V exchange: per layer
+    and micro-batch, the whole sequence's K and V gathered in forward and again in backward
+    (ALL_GATHER rotation), and the fp32 K/V gradients sent back around the ring in backward
+    (dkv_rotater: each rank's chunk passes cp-1 peers, what a reduce-scatter moves). ``a`` is the
+    model one TP rank runs, so the K/V widths are already 1/tp."""
     if cp == 1:
-        return {}
-    check_context_parallel(cp, strategy.framework, strategy.name, request.attention, model.architecture)
-    return {"cp": cp}
+        return []
+    kv_width = max(spec.attention.kv_width for spec in distinct_specs(a).values())
+    kv = 2 * tokens * kv_width
+    layers = a.num_layers * micro_batches
+    return [("CP K/V all-gathers (forward and backward)", 2 * layers * b * kv, 1, b * kv),
+            ("CP K/V gradient ring (fp32)", layers * FP32 * kv, 1, FP32 * kv)]

@@ -57,7 +57,12 @@ def text_box(text: str, x: float, y: float, anchor: str = "start", pad: float = 
 
 def strategy_label(c) -> str:
     """How the page names a planned candidate (a PlanCandidate), in its table and its chart alike."""
-    return f"{c.strategy} (shard groups of {c.hsdp_shard_size})" if c.hsdp_shard_size else c.strategy
+    name = f"{c.strategy} (shard groups of {c.hsdp_shard_size})" if c.hsdp_shard_size else c.strategy
+    parallel = getattr(c, "parallel", None)
+    if parallel is None:
+        return name
+    return name + "".join(f" x {k} {v}" for k, v in (("tp", parallel.tp), ("pp", parallel.pp), ("cp", parallel.cp),
+                                                     ("ep", parallel.ep)) if v > 1)
 
 
 def _colour(gbps: float) -> str:

@@ -58,6 +58,21 @@ def rank_architecture(a: Architecture, tp: int) -> Architecture:
     """The narrower model one TP rank holds and runs (its parameters are the rank's shards)."""
     if tp == 1:
         return a
+    key = (id(a), tp)
+    cached = _RANKS.get(key)
+    if cached is None or cached[0] is not a:
+        if len(_RANKS) > 64:
+            _RANKS.clear()
+        cached = _RANKS[key] = (a, _rank_architecture(a, tp))  # the model kept: its id stays its own
+    return cached[1]
+
+
+# The plan search asks for the same split of the same model many times; Architecture is not
+# hashable, so the cache is keyed by identity and holds the model it was made from.
+_RANKS: dict[tuple[int, int], tuple[Architecture, Architecture]] = {}
+
+
+def _rank_architecture(a: Architecture, tp: int) -> Architecture:
     fields = {
         "vocab_size": _split(a.vocab_size, tp),
         "num_attention_heads": _split(a.num_attention_heads, tp),
@@ -166,7 +181,7 @@ def sequence_parallel_for(request, framework: str) -> bool:
 def tensor_parallel_fields(request, strategy, model, shard: int) -> dict:
     """Setup's TP fields for a request (empty when tp is 1): the rank's narrower model, SP, and
     the data-parallel shard group, which is what remains of the world once TP takes its ranks."""
-    tp = getattr(request, "tp", 1)
+    tp = request.tp
     if tp == 1:
         return {}
     arch = model.architecture
@@ -182,7 +197,7 @@ def tensor_parallel_fields(request, strategy, model, shard: int) -> dict:
     # LinearLayer(gather_output=True)) and slices the embedding along the hidden dimension
     # (_slice_embedding): the parameters are split, the logits and the loss are whole on every rank.
     # torch's loss_parallel keeps them vocab-sharded.
-    return {"tp": tp, "sequence_parallel": sequence_parallel_for(request, strategy.framework),
+    return {"sequence_parallel": sequence_parallel_for(request, strategy.framework),
             "vocab_parallel_loss": strategy.framework == "torch", "rank_architecture": rank_architecture(arch, tp),
             "shard_size": shard // tp}
 

@@ -65,6 +65,9 @@ DEEPSEEK_V2 = {"model_type": "deepseek_v2", "vocab_size": 4096, "hidden_size": 2
 # GPT-2's 50,257, a 64,000 one, Llama-3's 128,256). Run with small buckets, or DeepSpeed's 1 GB
 # default bucket would be the peak instead.
 LLAMA_32K = dict(LLAMA, vocab_size=32_000)
+# Tensor parallelism (issue 12): heads and kv heads that split over tp 2
+LLAMA_TP = dict(LLAMA, num_attention_heads=8, num_key_value_heads=4, intermediate_size=768)
+LLAMA_TP_32K = dict(LLAMA_TP, vocab_size=32_000)
 LLAMA_128K = dict(LLAMA, vocab_size=128_256)
 QWEN2_32K = dict(QWEN2, vocab_size=32_000)
 QWEN2_64K = dict(QWEN2, vocab_size=64_000)
@@ -74,9 +77,13 @@ SMALL = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000,
 
 
 def _run(name, model, strategy, precision, *, small=False, ckpt="none", micro=2, seq=128, gpus=2, nodes=1,
-         offload="none"):
+         offload="none", tp=1, sp=None):
     fields = dict(model_config=model, strategy=strategy, precision=precision, gpus=gpus, gpu="cpu",
                   micro_batch=micro, seq_len=seq, checkpointing=ckpt)
+    if tp > 1:  # tensor parallelism: backend/train_parallel.py (torch DTensor on a (dp_shard, tp) mesh)
+        fields["tp"] = tp
+        if sp is not None:
+            fields["sequence_parallel"] = sp
     if nodes > 1:
         fields["nodes"] = nodes  # torch strategies: every node's ranks on this host (a 2-D mesh)
     if offload != "none":
@@ -117,11 +124,22 @@ CPU_RUNS = [
          micro=1, seq=1024),
     _run("qwen2-v32k-fsdp-bf16-t1024", QWEN2_32K, "fsdp", "bf16-mixed", micro=1, seq=1024),
     _run("gpt2-v50k-ddp-fp32-ckpt-t1024", GPT2_50K, "ddp", "fp32", ckpt="full", micro=2, seq=512),
+    # tensor parallelism (torch DTensor), cheap ones: TP only, and TP x FSDP2 on 4 ranks
+    _run("llama-tp2-fp32-sp-t256", LLAMA_TP, "fsdp", "fp32", tp=2, micro=1, seq=256),
+    _run("llama-tp2-fsdp2-bf16-sp-t512", LLAMA_TP, "fsdp", "bf16-mixed", tp=2, gpus=4, micro=1, seq=512),
 ]
 
 # Measured and reported by bench/accuracy.py (not in CI, to keep it short): the rest of the
 # matrix, asserted nowhere but held to the same TOLERANCE in the README's table.
 BENCH_RUNS = [
+    # tensor parallelism: SP on and off, TP x FSDP2, checkpointed, and logits-dominated (32k vocab)
+    _run("llama-tp2-fp32-sp-t1024", LLAMA_TP, "fsdp", "fp32", tp=2, micro=1, seq=1024),
+    _run("llama-tp2-fp32-nosp-t1024", LLAMA_TP, "fsdp", "fp32", tp=2, sp=False, micro=1, seq=1024),
+    _run("llama-tp2-fsdp2-fp32-sp-t1024", LLAMA_TP, "fsdp", "fp32", tp=2, gpus=4, micro=1, seq=1024),
+    _run("llama-tp2-fsdp2-fp32-nosp-t1024", LLAMA_TP, "fsdp", "fp32", tp=2, sp=False, gpus=4, micro=1, seq=1024),
+    _run("llama-tp2-fsdp2-fp32-sp-ckpt-t1024", LLAMA_TP, "fsdp", "fp32", tp=2, gpus=4, ckpt="full", micro=1,
+         seq=1024),
+    _run("llama-v32k-tp2-fp32-sp-t1024", LLAMA_TP_32K, "fsdp", "fp32", tp=2, micro=1, seq=1024),
     _run("mistral-zero2-bf16-4ranks", MISTRAL, "zero2", "bf16-mixed", gpus=4, micro=4, seq=256),
     _run("mistral-ddp-bf16-ckpt", MISTRAL, "ddp", "bf16-mixed", ckpt="full", micro=8, seq=128),
     _run("llama-zero1-fp32-4ranks-m8-s32", LLAMA, "zero1", "fp32", gpus=4, micro=8, seq=32),

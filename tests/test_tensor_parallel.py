@@ -87,7 +87,7 @@ def test_tp_with_mla_is_refused():
 
 def test_cli_refusal_is_one_line_exit_2(capsys):
     code = main(["estimate", "--model", "llama-3-8b", "--strategy", "zero2", "--tp", "2",
-                 "--sequence-parallel"])
+                 "--sequence-parallel", "true"])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "sequence_parallel=true" in err
 
@@ -179,3 +179,65 @@ def test_tp_degrees_need_heads_divisible():
                                                                 hidden_size=384)))
     assert degrees == [1, 2, 4]
     assert [str(r) for r in rejected] == ["tp=8 not searched: num_attention_heads(12) is not divisible by tp(8)"]
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(strategy="zero2"), "tp=2 with strategy zero2: verify probes tensor parallelism with torch's DTensor"),
+    (dict(strategy="ddp", gpus=4), "tp=2 with strategy ddp over 2 data-parallel ranks"),
+    (dict(model_config=dict(TINY, model_type="gpt2")), "model_type 'gpt2' is estimated, not probed"),
+])
+def test_verify_refuses_what_the_tp_probe_does_not_run(tmp_path, fields, message):
+    from backend.launch import worker_job
+
+    if fields.get("model_config", {}).get("model_type") == "gpt2":
+        fields["model_config"] = {"model_type": "gpt2", "vocab_size": 4096, "n_embd": 256, "n_layer": 2, "n_head": 4,
+                                  "n_positions": 1024}
+    with pytest.raises(PlannerError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        worker_job(_request(**fields), steps=1, warmup_steps=0, out_dir=tmp_path)
+
+
+def test_verify_job_carries_the_mesh(tmp_path):
+    from backend.launch import worker_job
+
+    job = worker_job(_request(gpus=4, sequence_parallel=False), steps=1, warmup_steps=0, out_dir=tmp_path)
+    assert job["framework"] == "torch"
+    assert job["parallel"] == {"dp_shard": 2, "tp": 2, "sequence_parallel": False}
+
+
+def test_plan_puts_tp_inside_the_a6000_pairs():
+    """On the A6000 box (NVLink bridges join GPU pairs only) the search tries tp 2 and never 4 or
+    8, says why, and TP 2 in each pair with FSDP across the pairs beats data parallelism alone."""
+    from planner.plan import plan
+    from planner.schema import PlanRequest
+
+    r = plan(PlanRequest(model="llama-2-13b", gpu="rtx-a6000", gpus=8, topology="a6000-nvlink-pairs", seq_len=2048,
+                         global_batch=64))
+    assert {c.parallel.tp for c in r.candidates} == {1, 2}
+    assert any(n.startswith("tp=4 not searched: GPU0-GPU2 of the TP group GPU0..GPU3 is NODE, not NVLink")
+               for n in r.notes)
+    best = r.recommended
+    assert best.parallel.tp == 2 and best.parallel.dp_shard == 4
+    data_parallel = min((c for c in r.candidates if c.fits and c.parallel.tp == 1), key=lambda c: c.step_seconds)
+    assert best.step_seconds < data_parallel.step_seconds
+
+
+def test_plan_with_a_fixed_tp_keeps_it():
+    from planner.plan import plan
+    from planner.schema import PlanRequest
+
+    r = plan(PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, topology="hgx-h100", seq_len=4096,
+                         global_batch=64, tp=4))
+    assert {c.parallel.tp for c in r.candidates} == {4}
+
+
+def test_plan_searches_cp_when_the_sequence_fits_no_other_way():
+    """Llama-3.1-8B at 256k tokens on one 8 x H100 node: no data-parallel or TP layout fits at
+    micro-batch 1, even fully checkpointed; with the sequence split over cp ranks one does, and
+    the note says why CP was searched."""
+    from planner.plan import plan
+    from planner.schema import PlanRequest
+
+    r = plan(PlanRequest(model="llama-3.1-8b", gpu="h100-80gb", gpus=8, topology="hgx-h100", seq_len=262144,
+                         global_batch=8))
+    assert "nothing fits without context parallelism: cp searched" in r.notes
+    assert r.recommended is not None and r.recommended.parallel.cp > 1
