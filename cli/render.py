@@ -151,6 +151,9 @@ def plan_table(r) -> str:
         lines.append("nothing fits this cluster")
     lines.append("smallest GPU count that trains (micro-batch 1, full checkpointing, any offload or HSDP group the plan tries): " +
                  ", ".join(f"{k} {v if v is not None else 'none'}" for k, v in r.min_gpus.items()))
+    if r.max_seq_len is not None:
+        lines.append(f"longest sequence the recommended layout trains (micro-batch 1, full checkpointing): "
+                     f"{r.max_seq_len:,} tokens")
     lines.extend(f"note: {n}" for n in r.notes)
     return "\n".join(lines)
 

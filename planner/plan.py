@@ -418,6 +418,9 @@ def _rank(req, rows, fewer, usable, capacity, topo, fabric_name, nics, model_fie
     recommended = fitting[0] if fitting else None
     max_micro = _max_micro(req, rows)
     min_gpus = {name: _min_gpus(req, name, usable, model_fields) for name in STRATEGIES}
+    # the inverse question per model-parallel layout the plan searched: FSDP2 with each TP degree
+    for tp in sorted({c.parallel.tp for c in candidates} - {1}):
+        min_gpus[f"fsdp+tp{tp}"] = _search(req, "fsdp", usable, model_fields, per_node=req.gpus, tp=tp)
     ring, ring_bw, _ = timing.node_ring(topo, req.gpus)
     inter = nics * fabric["gbps"] * fabric["efficiency"] / req.gpus if req.nodes > 1 else None
     notes = [f"{evaluated:,} candidates evaluated in {wallclock.perf_counter() - started:.3f} s",
@@ -437,6 +440,7 @@ def _rank(req, rows, fewer, usable, capacity, topo, fabric_name, nics, model_fie
         notes.append("nothing fits: see each candidate's rejected_reason, and min_gpus for the GPU count that would")
     return PlanResult(recommended=recommended, candidates=candidates, candidates_evaluated=evaluated,
                       min_gpus=min_gpus, max_micro_batch=max_micro, faster_on_fewer_nodes=faster_on,
+                      max_seq_len=_longest_sequence(req, recommended, usable, model_fields) if recommended else None,
                       topology=TopologySummary(source=topo.source, gpu_type=topo.gpu_type, gpus_per_node=req.gpus,
                                                nodes=req.nodes, nvlink_groups=topo.nvlink_groups, ring=list(ring),
                                                ring_bandwidth_gbps=ring_bw if math.isfinite(ring_bw) else None,
@@ -455,6 +459,37 @@ def _max_micro(req: PlanRequest, rows) -> dict[str, int | None]:
 
 
 MAX_SEARCH_GPUS = 1 << 16
+MAX_SEQ_LEN = 1 << 22  # PlanRequest.seq_len's bound (schema.py)
+
+
+def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_fields: dict) -> int | None:
+    """The inverse question for sequence length: the longest sequence (a multiple of 2*cp, as
+    load-balanced CP needs, and of 128) that the recommended layout trains at micro-batch 1 with
+    full checkpointing. Per-device memory grows with the sequence, so doubling then bisection."""
+    unit = 128 * 2 * c.parallel.cp
+
+    def fits(seq: int) -> bool:
+        degrees = {k: v for k, v in c.parallel.model_dump().items() if k in ("tp", "cp", "pp", "ep") and v > 1}
+        e = estimate(EstimateRequest(**model_fields, strategy=c.strategy, gpus=req.gpus, nodes=req.nodes,
+                                     gpu=req.gpu, precision=req.precision, optimizer=req.optimizer, micro_batch=1,
+                                     seq_len=seq, checkpointing="full", attention=req.attention,
+                                     offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
+                                     hsdp_shard_size=explicit_hsdp_shard(c.strategy, c.hsdp_shard_size, req.gpus),
+                                     **degrees))
+        return e.per_device.peak_bytes <= usable
+
+    low = 0
+    high = max(1, req.seq_len // unit)
+    while high * unit <= MAX_SEQ_LEN and fits(high * unit):
+        low, high = high, high * 2
+    high = min(high, MAX_SEQ_LEN // unit + 1)
+    while low + 1 < high:
+        mid = (low + high) // 2
+        if fits(mid * unit):
+            low = mid
+        else:
+            high = mid
+    return low * unit if low else None
 
 
 def _min_gpus(req: PlanRequest, name: str, usable: float, model_fields: dict) -> int | None:
@@ -467,32 +502,35 @@ def _min_gpus(req: PlanRequest, name: str, usable: float, model_fields: dict) ->
     return _search(req, name, usable, model_fields, per_node=req.gpus)
 
 
-def _fits(req: PlanRequest, name: str, usable: float, model_fields: dict, gpus: int, nodes: int) -> bool:
+def _fits(req: PlanRequest, name: str, usable: float, model_fields: dict, gpus: int, nodes: int, tp: int = 1) -> bool:
     """Whether any of the plan's settings of the strategy fits this layout at micro-batch 1."""
+    if gpus % tp:
+        return False
     shards = _hsdp_shards(gpus, nodes)[::-1] if lookup_strategy(name).shard_within_node else [None]
+    degrees = {"tp": tp} if tp > 1 else {}
     for shard in shards:
-        for off_opt, off_par in reversed(_offloads(name)):  # most offloaded first: the likeliest fit
+        for off_opt, off_par in (reversed(_offloads(name)) if tp == 1 else [("none", "none")]):  # most offloaded first
             e = estimate(EstimateRequest(**model_fields, strategy=name, gpus=gpus, nodes=nodes, gpu=req.gpu,
                                          precision=req.precision, optimizer=req.optimizer, micro_batch=1,
                                          seq_len=req.seq_len, checkpointing="full", attention=req.attention,
                                          offload_optimizer=off_opt, offload_params=off_par,
-                                         hsdp_shard_size=explicit_hsdp_shard(name, shard, gpus)))
+                                         hsdp_shard_size=explicit_hsdp_shard(name, shard, gpus), **degrees))
             if e.per_device.peak_bytes <= usable:
                 return True
     return False
 
 
-def _search(req, name, usable, model_fields, per_node: int) -> int | None:
-    for gpus in range(1, per_node + 1):
-        if _fits(req, name, usable, model_fields, gpus, 1):
+def _search(req, name, usable, model_fields, per_node: int, tp: int = 1) -> int | None:
+    for gpus in range(tp, per_node + 1, tp):
+        if _fits(req, name, usable, model_fields, gpus, 1, tp):
             return gpus
     nodes = 2
     while nodes * per_node <= MAX_SEARCH_GPUS:
-        if _fits(req, name, usable, model_fields, per_node, nodes):
+        if _fits(req, name, usable, model_fields, per_node, nodes, tp):
             low = max(2, nodes // 2)
             while low < nodes:
                 mid = (low + nodes) // 2
-                if _fits(req, name, usable, model_fields, per_node, mid):
+                if _fits(req, name, usable, model_fields, per_node, mid, tp):
                     nodes = mid
                 else:
                     low = mid + 1

@@ -241,3 +241,28 @@ def test_plan_searches_cp_when_the_sequence_fits_no_other_way():
                          global_batch=8))
     assert "nothing fits without context parallelism: cp searched" in r.notes
     assert r.recommended is not None and r.recommended.parallel.cp > 1
+
+
+def test_plan_answers_the_inverse_questions_per_layout():
+    """min_gpus gains the TP layouts the plan searched; max_seq_len is the longest sequence the
+    recommended layout trains at micro-batch 1, fully checkpointed: it fits, 256 tokens more do not."""
+    from planner.plan import plan
+    from planner.schema import PlanRequest
+
+    req = PlanRequest(model="llama-2-13b", gpu="rtx-a6000", gpus=8, topology="a6000-nvlink-pairs", seq_len=2048,
+                      global_batch=64)
+    r = plan(req)
+    assert r.min_gpus["fsdp+tp2"] is not None and r.min_gpus["fsdp+tp2"] % 2 == 0
+    best, longest = r.recommended, r.max_seq_len
+    assert longest is not None and longest % 256 == 0 and longest >= req.seq_len
+    from planner.gpus import gpu as lookup_gpu
+
+    usable = lookup_gpu("rtx-a6000").memory_bytes * (1 - req.headroom)
+
+    def peak(seq: int) -> int:
+        return estimate(EstimateRequest(model=req.model, gpu=req.gpu, gpus=8, strategy=best.strategy, micro_batch=1,
+                                        seq_len=seq, checkpointing="full", tp=best.parallel.tp,
+                                        offload_optimizer=best.offload_optimizer,
+                                        offload_params=best.offload_params)).per_device.peak_bytes
+
+    assert peak(longest) <= usable < peak(longest + 256)
