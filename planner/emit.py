@@ -650,6 +650,10 @@ def _guide(launch: _Launch, names: list[str]) -> str:
                 "the master address from the first host of the allocation). Otherwise "
                 + ("fill `hostfile` and run `./launch.sh` on its first node." if launch.framework == "deepspeed"
                    else "run `NODE_RANK=<0..N-1> MASTER_ADDR=<node 0> ./launch.sh` on every node.")]
+    if "torchtitan.toml" in names:
+        out += ["", "The layout splits the model over tensor/context-parallel ranks: accelerate_config.yaml and "
+                "trainer_args.json below carry its data-parallel part only; launch.sh (the planner's trainer) and "
+                "torchtitan.toml apply the whole layout."]
     out += ["", "## With Hugging Face accelerate or the Trainer", "",
             "For a script of your own that uses `transformers.Trainer` or `accelerate.Accelerator`, from this directory:",
             "", "```", f"{accelerate} {script}", "```", "",
