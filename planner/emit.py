@@ -266,6 +266,11 @@ def _trainer_unavailable(setup, est: EstimateRequest) -> str | None:
     if est.optimizer not in TRAINER_OPTIMIZERS:
         return (f"the planner's trainer runs {setup.strategy.name} with {' or '.join(TRAINER_OPTIMIZERS)}, "
                 f"not {est.optimizer}")
+    if setup.tp > 1 and setup.strategy.framework != "torch":
+        return (f"the planner's trainer runs tensor parallelism with torch's DTensor, not DeepSpeed's AutoTP "
+                f"({setup.strategy.name} with tensor_parallel.autotp_size {setup.tp})")
+    if setup.cp > 1:
+        return "the planner's trainer does not run context parallelism (torch's ring attention needs CUDA)"
     return None
 
 

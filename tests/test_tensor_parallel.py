@@ -266,3 +266,12 @@ def test_plan_answers_the_inverse_questions_per_layout():
                                         offload_params=best.offload_params)).per_device.peak_bytes
 
     assert peak(longest) <= usable < peak(longest + 256)
+
+
+def test_no_launch_script_for_what_the_trainer_does_not_run():
+    files = emit_estimate_files(estimate_with_time(EstimateRequest(
+        model="llama-3-8b", gpu="h100-80gb", gpus=8, tp=2, strategy="zero2")))
+    assert "launch.sh" not in files and "DeepSpeed's AutoTP" in files["LAUNCH.md"]
+    files = emit_estimate_files(estimate_with_time(EstimateRequest(
+        model="llama-3-8b", gpu="h100-80gb", gpus=8, tp=2, strategy="fsdp")))
+    assert "launch.sh" in files
