@@ -72,10 +72,16 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
     per_rank = request.micro_batch * request.gradient_accumulation
     wb = 4 if request.precision == "fp32" else 2
     arch = Architecture.model_validate(result.model.architecture)
-    rows = combo_collectives(request.precision, combo, result.parameters, np.array([request.micro_batch]), per_rank, wb,
-                               arch, buckets)
-    return [{"what": what, "bytes_per_step": int(volume[0]), "message_bytes": int(message), "group": group}
-            for what, volume, _, message, group in rows]
+    rows = combo_collectives(request.precision, combo, result.parameters // combo.tp, np.array([request.micro_batch]),
+                             per_rank, wb, arch, buckets)
+    out = [{"what": what, "bytes_per_step": int(volume[0]), "message_bytes": int(message), "group": group}
+           for what, volume, _, message, group in rows]
+    if combo.tp * combo.cp > 1:
+        out += [{"what": what, "bytes_per_step": int(volume), "message_bytes": int(message * request.micro_batch),
+                 "group": group}
+                for what, volume, _, message, group in model_parallel_collectives(request.precision, combo, arch,
+                                                                                  per_rank, request.seq_len)]
+    return out
 
 
 def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstimate | None:

@@ -275,3 +275,19 @@ def test_no_launch_script_for_what_the_trainer_does_not_run():
     files = emit_estimate_files(estimate_with_time(EstimateRequest(
         model="llama-3-8b", gpu="h100-80gb", gpus=8, tp=2, strategy="fsdp")))
     assert "launch.sh" in files
+
+
+def test_tp_collectives_run_on_the_tp_groups_links():
+    """The same TP 2 layout on the A6000 box: its TP group is an NVLink pair; with the bridges
+    removed (PHB) the per-layer all-gathers and reduce-scatters take longer, and they are exposed."""
+    from planner.steptime import collective_volumes
+
+    text = (FIXTURES / "rtx_a6000_8gpu_nvlink_bridge_pairs_2nic.txt").read_text()
+    kw = dict(model="llama-2-13b", gpu="rtx-a6000", gpus=8, tp=2, strategy="fsdp", seq_len=2048, micro_batch=1,
+              gradient_accumulation=8)
+    bridged = estimate_with_time(EstimateRequest(topology_text=text, **kw)).time
+    plain = estimate_with_time(EstimateRequest(topology_text=text.replace("NV4", "PHB"), **kw)).time
+    assert plain.exposed_communication_seconds > bridged.exposed_communication_seconds > 0
+    rows = {r["what"]: r for r in collective_volumes(EstimateRequest(**kw))}
+    assert rows["TP all-gathers (sequence parallel)"]["group"] == "tp"
+    assert rows["TP all-gathers (sequence parallel)"]["message_bytes"] == 2 * 2048 * 5120
