@@ -148,8 +148,49 @@ class ParallelEngine:
             self.optimizer.zero_grad(set_to_none=True)
 
 
+def count_dtensor_collectives(counter) -> None:
+    """Count DTensor's collectives (TP/SP redistributions, loss_parallel's reductions) beside
+    FSDP's: DTensor calls torch.distributed._functional_collectives through the module
+    (tensor/placement_types.py ``funcol.all_gather_single``, ``reduce_scatter_single``,
+    ``all_reduce``), so wrapping those names sees every call, forward and backward. Bytes as
+    CollectiveCounter counts them: an all-gather's output, a reduce-scatter's input. Their time is
+    not taken: they return before the collective completes (AsyncCollectiveTensor)."""
+    import torch.distributed._functional_collectives as funcol
+
+    def group_size(group) -> int:
+        if isinstance(group, tuple):  # (DeviceMesh, mesh dim), as DTensor passes it
+            mesh, dim = group
+            return mesh.size(dim)
+        if isinstance(group, str):  # a group name
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            return _resolve_process_group(group).size()
+        return group.size()
+
+    sizes = {
+        "all_gather_single": lambda t, gather_dim, group, *a, **k: t.numel() * t.element_size() * group_size(group),
+        "reduce_scatter_single": lambda t, *a, **k: t.numel() * t.element_size(),
+        "all_reduce": lambda t, *a, **k: t.numel() * t.element_size(),
+    }
+    for name, size_of in sizes.items():
+        original = getattr(funcol, name)
+        if getattr(original, "_planner_counted", False):
+            continue
+
+        def counted(*args, _original=original, _name=name, _size_of=size_of, **kwargs):
+            if counter.on:
+                counter.add(f"{_name} (DTensor)", int(_size_of(*args, **kwargs)))
+            return _original(*args, **kwargs)
+
+        counted._planner_counted = True
+        setattr(funcol, name, counted)
+
+
 def parallel_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.device) -> ParallelEngine:
-    from backend.train import _torch_optimizer
+    from backend.train import COUNTER, _torch_optimizer
+
+    COUNTER.wrap_torch_distributed()  # FSDP2's all-gathers and reduce-scatters
+    count_dtensor_collectives(COUNTER)
 
     settings, parallel = job["torch"], job["parallel"]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[settings["compute_dtype"]]
