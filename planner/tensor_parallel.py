@@ -192,6 +192,9 @@ def tensor_parallel_fields(request, strategy, model, shard: int) -> dict:
     if shard % tp:
         raise PlannerError(f"tp({tp}) must divide the data-parallel shard group of {strategy.name} ({shard} ranks): "
                            "tensor parallelism takes consecutive ranks inside it")
+    # DeepSpeed 0.19.8 trains AutoTP with every ZeRO stage: "AutoTP + ZeRO stage 3 is supported for
+    # both inference and training" (runtime/engine.py, _configure_tensor_parallel_states), so no
+    # stage is refused here; the ZeRO phases run on the TP rank's shards over the data-parallel ranks.
     # DeepSpeed's AutoTP in training splits the LM head by columns and gathers its output
     # (deepspeed 0.19.8 module_inject/auto_tp.py _replace: training_column_lm_head ->
     # LinearLayer(gather_output=True)) and slices the embedding along the hidden dimension
