@@ -273,7 +273,7 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
         parameters=setup.psi,
         model=ModelSummary(name=setup.model.name, source=setup.model.source, parameters=setup.psi,
                            architecture=setup.model.architecture.model_dump() if setup.model.architecture else None),
-        strategy=setup.strategy.name, world_size=setup.world_size, dp_size=setup.world_size,
+        strategy=setup.strategy.name, world_size=setup.world_size, dp_size=setup.dims.dp,
         shard_size=setup.shard_size, parallel=ParallelDegrees(**setup.dims.as_dict()), gpu=setup.gpu.name,
         per_device=PerDevice(
             parameters_bytes=params_b, gradients_bytes=grads_b, optimizer_states_bytes=optim_b,
@@ -319,6 +319,15 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
         + (f", sharded over {setup.shard_size}" if s.shards_optimizer else ", full on every rank")
         + (f", offloaded to {setup.zero.offload_optimizer}" if setup.zero.offload_optimizer != "none" else ""),
     ]
+    if setup.tp > 1:
+        notes.append(f"tensor parallelism: tp({setup.tp}) splits the heads, the MLP's inner width and the vocabulary "
+                     f"(Megatron column/row and vocab-parallel), norms whole: {setup.rank_psi:,} parameters per rank "
+                     f"before data-parallel sharding; sequence parallelism {'on' if setup.sequence_parallel else 'off'}; "
+                     + ("logits vocab-sharded (loss_parallel)" if setup.vocab_parallel_loss
+                        else "logits gathered on every rank (DeepSpeed AutoTP)"))
+    if setup.cp > 1:
+        notes.append(f"context parallelism: cp({setup.cp}) keeps {setup.request.seq_len // setup.cp:,} of each sequence's "
+                     f"{setup.request.seq_len:,} tokens per rank; ring attention gathers the whole sequence's K/V per layer")
     if setup.model.traced is not None:
         t = setup.model.traced
         notes.append(f"traced: model_type {t.model_type!r} has no analytic reader; parameters counted by "
