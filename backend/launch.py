@@ -66,6 +66,12 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         "out_dir": str(out_dir),
         "seed": 0,
     }
+    if setup.tp > 1 and setup.strategy.framework == "deepspeed":
+        settings = setup.framework.worker_settings(setup, request)
+        # AutoTP training (deepspeed 0.19.8 runtime/engine.py _configure_tensor_parallel): the engine
+        # splits the linears over tp consecutive ranks when the config names the degree
+        settings["ds_config"]["tensor_parallel"] = {"autotp_size": setup.tp}
+        return common | settings
     if setup.tp > 1:
         parallel = _parallel_settings(request, setup)
         return common | setup.framework.worker_settings(setup, request) | {"parallel": parallel}
@@ -79,9 +85,6 @@ def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
     """How the rank lays out tensor parallelism (backend/train_parallel.py): a (dp_shard, tp) mesh,
     tp innermost; FSDP2 over dp_shard when there is more than one data-parallel rank."""
     model_type = setup.model.config.get("model_type")
-    if setup.strategy.framework != "torch":
-        raise PlannerError(f"tp={setup.tp} with strategy {request.strategy}: verify probes tensor parallelism "
-                           "with torch's DTensor (strategy fsdp); DeepSpeed's AutoTP is estimated, not probed")
     dp = setup.world_size // setup.tp
     if dp > 1 and setup.strategy.name != "fsdp":
         raise PlannerError(f"tp={setup.tp} with strategy {request.strategy} over {dp} data-parallel ranks: the probe "

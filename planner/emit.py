@@ -149,8 +149,10 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
     if launch.framework == "deepspeed":
         req = launch.request  # the request as resolved: a ds_config's batch and optimizer filled in
         config = setup.framework.ds_config(setup, req)
-        # DeepSpeed's batch is over the data-parallel ranks: with AutoTP a TP group trains one batch
-        config["train_batch_size"] = req.micro_batch * req.gradient_accumulation * (launch.world // setup.tp)
+        # DeepSpeedConfig checks train_batch_size against the whole world even under AutoTP (0.19.8
+        # runtime/config.py: no mpu is given, so world_size = dist.get_world_size()); the ranks of a TP
+        # group read the same micro-batch, so the global batch in sequences is this / tp
+        config["train_batch_size"] = req.micro_batch * req.gradient_accumulation * launch.world
         if setup.tp > 1:
             # deepspeed 0.19.8 runtime/config.py tensor_parallel (TPTrainingConfig.autotp_size): AutoTP
             # training splits the linears over consecutive ranks (engine.py _configure_tensor_parallel)
@@ -266,9 +268,6 @@ def _trainer_unavailable(setup, est: EstimateRequest) -> str | None:
     if est.optimizer not in TRAINER_OPTIMIZERS:
         return (f"the planner's trainer runs {setup.strategy.name} with {' or '.join(TRAINER_OPTIMIZERS)}, "
                 f"not {est.optimizer}")
-    if setup.tp > 1 and setup.strategy.framework != "torch":
-        return (f"the planner's trainer runs tensor parallelism with torch's DTensor, not DeepSpeed's AutoTP "
-                f"({setup.strategy.name} with tensor_parallel.autotp_size {setup.tp})")
     if setup.cp > 1:
         return "the planner's trainer does not run context parallelism (torch's ring attention needs CUDA)"
     return None

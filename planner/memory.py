@@ -27,7 +27,7 @@ from planner.schema import (EstimateRequest, EstimateResult, HostMemory, ModelSu
                             PerDevice, Phase)
 from planner.context_parallel import check_context_parallel, cp_activations
 from planner.strategies import Strategy, shard_group_size, strategy as lookup_strategy
-from planner.tensor_parallel import activations_architecture, tensor_parallel_fields, tp_activations
+from planner.tensor_parallel import rank_numels, tensor_parallel_fields, tp_activations
 from planner.units import GIB, fmt_bytes
 
 
@@ -47,6 +47,7 @@ class Setup:
     # tensor parallelism: the narrower model one TP rank holds and runs (planner/tensor_parallel.py)
     sequence_parallel: bool = False
     vocab_parallel_loss: bool = False
+    embedding_split: int = 1  # DeepSpeed AutoTP: the token embedding split along the hidden dimension
     rank_architecture: Architecture | None = None
 
     @property
@@ -70,7 +71,7 @@ class Setup:
     @property
     def rank_psi(self) -> int:
         """Parameters on one device before data-parallel sharding (the TP rank's shards)."""
-        return parameter_count(self.rank_architecture) if self.rank_architecture is not None else self.psi
+        return sum(_numels(self)) if self.rank_architecture is not None else self.psi
 
     @property
     def data_parallel_wrapped(self) -> bool:
@@ -204,8 +205,6 @@ def activations(setup: Setup) -> Activations | None:
     req = setup.request
     compute = 4 if setup.recipe.compute == "fp32" else 2
     arch = setup.arch
-    if setup.rank_architecture is not None:
-        arch = activations_architecture(setup.model.architecture, arch, setup.vocab_parallel_loss)
     seq_len = req.seq_len // setup.cp  # the rank's two chunks of each sequence under cp
     acts = estimate_activations(arch, micro_batch=req.micro_batch, seq_len=seq_len,
                                 compute_bytes=compute, attention=req.attention,
@@ -249,6 +248,8 @@ def traced_setting(micro_batch: int, seq_len: int, compute: str, attention: str,
 def _numels(setup: Setup) -> list[int]:
     if setup.model.traced is not None:
         return list(setup.model.traced.numels)
+    if setup.rank_architecture is not None:
+        return rank_numels(setup.rank_architecture, setup.embedding_split)
     if setup.arch is not None:
         return parameter_numels(setup.arch)
     return [setup.psi]  # only a count: one flat tensor is the best that can be said

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from planner.activations import FP32, ActivationItem, Activations
-from planner.architecture import Architecture, distinct_specs, layer_specs
+from planner.architecture import Architecture, distinct_specs, layer_specs, parameter_numels
 from planner.errors import PlannerError
 from planner.layers import LayerSpec
 
@@ -122,12 +122,6 @@ def loss_parallel_extra_bytes(rank: Architecture, tokens: int) -> int:
     return FP32 * tokens * rank.vocab_size
 
 
-def activations_architecture(full: Architecture, rank: Architecture, vocab_parallel_loss: bool) -> Architecture:
-    """The model whose activations one TP rank holds: the rank's, with the whole vocabulary when
-    the logits are gathered (DeepSpeed AutoTP) rather than left sharded (loss_parallel)."""
-    return rank if vocab_parallel_loss else _with(rank, {"vocab_size": full.vocab_size})
-
-
 def tp_activations(acts: Activations, full: Architecture, rank: Architecture, *, tp: int,
                    sequence_parallel: bool, tokens: int, b: int, vocab_parallel_loss: bool = True) -> Activations:
     """One TP rank's activations: ``acts`` are those of the narrower model (``rank``), with the
@@ -195,14 +189,27 @@ def tensor_parallel_fields(request, strategy, model, shard: int) -> dict:
     # DeepSpeed 0.19.8 trains AutoTP with every ZeRO stage: "AutoTP + ZeRO stage 3 is supported for
     # both inference and training" (runtime/engine.py, _configure_tensor_parallel_states), so no
     # stage is refused here; the ZeRO phases run on the TP rank's shards over the data-parallel ranks.
-    # DeepSpeed's AutoTP in training splits the LM head by columns and gathers its output
-    # (deepspeed 0.19.8 module_inject/auto_tp.py _replace: training_column_lm_head ->
-    # LinearLayer(gather_output=True)) and slices the embedding along the hidden dimension
-    # (_slice_embedding): the parameters are split, the logits and the loss are whole on every rank.
-    # torch's loss_parallel keeps them vocab-sharded.
-    return {"sequence_parallel": sequence_parallel_for(request, strategy.framework),
-            "vocab_parallel_loss": strategy.framework == "torch", "rank_architecture": rank_architecture(arch, tp),
-            "shard_size": shard // tp}
+    # torch's loss_parallel keeps the logits vocab-sharded. DeepSpeed's AutoTP slices the input
+    # embedding along the hidden dimension (deepspeed 0.19.8 module_inject/auto_tp.py _slice_embedding)
+    # and leaves the LM head whole: measured on CPU ranks (tp 2, ZeRO-1), each rank holds the blocks'
+    # halves, half the embedding and the whole head, and so the whole logits and loss.
+    rank = rank_architecture(arch, tp)
+    if strategy.framework == "deepspeed":
+        return {"sequence_parallel": sequence_parallel_for(request, strategy.framework), "vocab_parallel_loss": False,
+                "rank_architecture": _with(rank, {"vocab_size": arch.vocab_size}), "embedding_split": tp,
+                "shard_size": shard // tp}
+    return {"sequence_parallel": sequence_parallel_for(request, strategy.framework), "vocab_parallel_loss": True,
+            "rank_architecture": rank, "shard_size": shard // tp}
+
+
+def rank_numels(rank: Architecture, embedding_split: int) -> list[int]:
+    """The parameter tensors one TP rank holds, in registration order: the rank model's, with the
+    token embedding split along the hidden dimension where the framework does so (AutoTP)."""
+    numels = parameter_numels(rank)
+    if embedding_split > 1:
+        at = len(rank.vision_numels)  # the token embedding follows the vision tower (parameter_numels)
+        numels[at] = _split(numels[at], embedding_split)
+    return numels
 
 
 def tp_collectives(full: Architecture, *, tokens: int, micro_batches: float, b: int, tp: int,

@@ -141,6 +141,10 @@ BENCH_RUNS = [
     _run("llama-tp2-fsdp2-fp32-sp-ckpt-t1024", LLAMA_TP, "fsdp", "fp32", tp=2, gpus=4, ckpt="full", micro=1,
          seq=1024),
     _run("llama-v32k-tp2-fp32-sp-t1024", LLAMA_TP_32K, "fsdp", "fp32", tp=2, micro=1, seq=1024),
+    # DeepSpeed AutoTP (tensor_parallel.autotp_size) with ZeRO over the data-parallel ranks
+    _run("llama-tp2-zero1-fp32-small-s256", LLAMA_TP, "zero1", "fp32", small=True, tp=2, micro=1, seq=256),
+    _run("llama-tp2-zero2-fp32-small-4ranks-s256", LLAMA_TP, "zero2", "fp32", small=True, tp=2, gpus=4, micro=1,
+         seq=256),
     _run("mistral-zero2-bf16-4ranks", MISTRAL, "zero2", "bf16-mixed", gpus=4, micro=4, seq=256),
     _run("mistral-ddp-bf16-ckpt", MISTRAL, "ddp", "bf16-mixed", ckpt="full", micro=8, seq=128),
     _run("llama-zero1-fp32-4ranks-m8-s32", LLAMA, "zero1", "fp32", gpus=4, micro=8, seq=32),

@@ -138,7 +138,8 @@ def test_deepspeed_config_carries_autotp_size():
         gradient_accumulation=4)))
     config = json.loads(files["ds_config.json"])
     assert config["tensor_parallel"] == {"autotp_size": 2}
-    assert config["train_batch_size"] == 1 * 4 * 4  # over the 4 data-parallel ranks, not the 8 GPUs
+    # DeepSpeedConfig's batch assertion counts every rank (runtime/config.py, no mpu under AutoTP)
+    assert config["train_batch_size"] == 1 * 4 * 8
 
 
 def test_tp_collectives_move_the_same_bytes_with_or_without_sp():
@@ -182,7 +183,6 @@ def test_tp_degrees_need_heads_divisible():
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(strategy="zero2"), "tp=2 with strategy zero2: verify probes tensor parallelism with torch's DTensor"),
     (dict(strategy="ddp", gpus=4), "tp=2 with strategy ddp over 2 data-parallel ranks"),
     (dict(model_config=dict(TINY, model_type="gpt2")), "model_type 'gpt2' is estimated, not probed"),
 ])
@@ -270,11 +270,23 @@ def test_plan_answers_the_inverse_questions_per_layout():
 
 def test_no_launch_script_for_what_the_trainer_does_not_run():
     files = emit_estimate_files(estimate_with_time(EstimateRequest(
-        model="llama-3-8b", gpu="h100-80gb", gpus=8, tp=2, strategy="zero2")))
-    assert "launch.sh" not in files and "DeepSpeed's AutoTP" in files["LAUNCH.md"]
-    files = emit_estimate_files(estimate_with_time(EstimateRequest(
-        model="llama-3-8b", gpu="h100-80gb", gpus=8, tp=2, strategy="fsdp")))
-    assert "launch.sh" in files
+        model="llama-3-8b", gpu="h100-80gb", gpus=8, cp=2, strategy="fsdp")))
+    assert "launch.sh" not in files and "context parallelism" in files["LAUNCH.md"]
+    for strategy in ("fsdp", "zero2"):  # torch's DTensor TP, DeepSpeed's AutoTP
+        files = emit_estimate_files(estimate_with_time(EstimateRequest(
+            model="llama-3-8b", gpu="h100-80gb", gpus=8, tp=2, strategy=strategy)))
+        assert "launch.sh" in files
+
+
+def test_verify_job_of_deepspeed_autotp(tmp_path):
+    """DeepSpeed AutoTP: the rank's embedding split along the hidden dimension, the LM head whole
+    (measured on CPU ranks: 3,148,032 parameters per rank of this 5,245,184-parameter model)."""
+    from backend.launch import worker_job
+
+    job = worker_job(_request(strategy="zero1", seq_len=256), steps=1, warmup_steps=0, out_dir=tmp_path)
+    assert job["framework"] == "deepspeed" and job["ds_config"]["tensor_parallel"] == {"autotp_size": 2}
+    result = estimate(_request(strategy="zero1", seq_len=256))
+    assert result.per_device.parameters_bytes == 4 * 3_148_032
 
 
 def test_tp_collectives_run_on_the_tp_groups_links():
