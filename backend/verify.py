@@ -283,6 +283,10 @@ def verify(request: EstimateRequest, *, steps: int = 3, warmup_steps: int = 1, s
     except UnsupportedModelTypeError as exc:
         raise PlannerError(f"{exc.name}: model_type {exc.config.get('model_type')!r} is estimated by tracing only; "
                            "verify trains the families the core reads analytically (see `planner models`)") from None
+    if prediction.host.fits is False:  # the ranks' offload would exhaust the node's RAM: refused, not launched
+        over = next(n for n in prediction.notes if n.startswith("host RAM does NOT fit"))
+        raise PlannerError(f"{over}; verify does not launch a run that exceeds the node's host RAM "
+                           "(less offload, more nodes, or the node's real RAM in --host-memory-gib)")
     check_devices(request)
     store = RunStore(db, create=True)
     store.mark_interrupted()  # only runs whose owner process is gone

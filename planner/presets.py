@@ -23,6 +23,24 @@ class Preset:
     nics_per_node: int
     fabric: str
     source: str
+    # The node's system memory (host RAM) where the vendor's datasheet states it for the system, in
+    # decimal GB as printed ("2TB" = 2,000 GB: read as 10**9 bytes, the conservative reading, since
+    # the OS sees less than the DIMMs hold anyway); None where the machine is a class of servers.
+    host_memory_gb: int | None = None
+    host_memory_source: str = ""
+
+
+# Vendor datasheets of the systems the presets stand for (the DGX of each HGX baseboard):
+_DGX_A100 = ("NVIDIA DGX A100 datasheet (nvidia-dgx-a100-80gb-datasheet.pdf): DGX A100 640GB, "
+             "System Memory 2TB")
+_DGX_H100 = ("NVIDIA DGX H100 datasheet (nvidia-dgx-h100-datasheet): System Memory 2TB")
+_DGX_H200 = ("NVIDIA DGX H200 datasheet (dgx-h200-datasheet): System Memory 2TB")
+_DGX_B200 = ("NVIDIA DGX B200 datasheet (dgx-b200-datasheet): System Memory 2TB, configurable to 4TB "
+             "(the base figure is used)")
+_DGX_B300 = ("NVIDIA DGX B300 datasheet (dgx-b300-datasheet): System Memory 2TB, configurable to 4TB "
+             "(the base figure is used)")
+_GB200_TRAY = ("NVIDIA GB200 NVL72 datasheet: up to 17TB LPDDR5X per 72-GPU rack, 480GB per Grace CPU; "
+               "a compute tray holds two Grace CPUs (two GB200 superchips) for its 4 GPUs: 960GB")
 
 
 def _all(code: str) -> Callable[[int, int], str]:
@@ -42,13 +60,13 @@ def _pairs(i: int, j: int, bridge: str = "NV4") -> str:
 PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("dgx-a100", "a100-80gb", 8, "DGX A100: 8x A100 SXM4 on 6 NVSwitches (NV12 everywhere), 8 HDR NICs",
            _all("NV12"), lambda i: (3, 3, 1, 1, 7, 7, 5, 5)[i], 8, "ib-hdr",
-           "tests/fixtures/topologies/dgx_a100_8gpu_10nic.txt; NVIDIA DGX A100 user guide"),
+           "tests/fixtures/topologies/dgx_a100_8gpu_10nic.txt; NVIDIA DGX A100 user guide", 2000, _DGX_A100),
     Preset("hgx-h100", "h100-80gb", 8, "DGX/HGX H100: 8x H100 SXM5 on NVSwitch (NV18), 8 NDR NICs",
-           _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-ndr", "NVIDIA DGX H100 user guide"),
+           _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-ndr", "NVIDIA DGX H100 user guide", 2000, _DGX_H100),
     Preset("hgx-h200", "h200", 8, "HGX H200: 8x H200 SXM on NVSwitch (NV18), 8 NDR NICs",
-           _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-ndr", "NVIDIA HGX H200 datasheet"),
+           _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-ndr", "NVIDIA HGX H200 datasheet", 2000, _DGX_H200),
     Preset("hgx-b200", "b200", 8, "HGX B200: 8x B200 on NVSwitch (NV18, NVLink 5), 8 XDR-class NICs",
-           _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-ndr", "NVIDIA HGX B200 datasheet"),
+           _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-ndr", "NVIDIA HGX B200 datasheet", 2000, _DGX_B200),
     Preset("pcie-8x-rtx4090", "rtx-4090", 8, "8x RTX 4090 on PCIe only, two sockets (SYS across)",
            _sockets(4, "NODE"), lambda i: 0 if i < 4 else 1, 2, "eth-100g",
            "tests/fixtures/topologies/pcie_8x_rtx4090_all_sys_tabs.txt (NVIDIA/go-gpuallocator#17)"),
@@ -58,9 +76,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            _pairs, lambda i: 0 if i < 4 else 1, 2, "ib-hdr",
            "tests/fixtures/topologies/rtx_a6000_8gpu_nvlink_bridge_pairs_2nic.txt (UNIGE HPC forum)"),
     Preset("hgx-b300", "b300", 8, "HGX B300: 8x B300 on NVSwitch (NV18, NVLink 5), 8 ConnectX-8 800G NICs",
-           _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-xdr", "NVIDIA HGX B300 datasheet"),
+           _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-xdr", "NVIDIA HGX B300 datasheet", 2000, _DGX_B300),
     Preset("gb200-nvl72-tray", "gb200", 4, "GB200 NVL72 compute tray: 4 Blackwell GPUs on the rack's NVLink Switch (NV18)",
-           _all("NV18"), lambda i: 0 if i < 2 else 1, 4, "ib-xdr", "NVIDIA GB200 NVL72 datasheet"),
+           _all("NV18"), lambda i: 0 if i < 2 else 1, 4, "ib-xdr", "NVIDIA GB200 NVL72 datasheet", 960, _GB200_TRAY),
     Preset("h100-nvl-pairs", "h100-nvl", 8, "8x H100 NVL on PCIe Gen5, NVLink-bridged in pairs (NV12), two sockets",
            lambda i, j: _pairs(i, j, "NV12"), lambda i: 0 if i < 4 else 1, 4, "ib-ndr",
            "NVIDIA H100 NVL product brief: pairs joined by three NVLink bridges, 600 GB/s"),
