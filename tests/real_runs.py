@@ -165,6 +165,10 @@ BENCH_RUNS = [
     _run("gpt2-v50k-fsdp-fp32-t128", GPT2_50K, "fsdp", "fp32", micro=1, seq=128),
     _run("qwen2-v64k-ddp-fp32-t128", QWEN2_64K, "ddp", "fp32", micro=1, seq=128),
     _run("qwen2-v64k-zero3-fp32-small-t128", QWEN2_64K, "zero3", "fp32", small=True, micro=1, seq=128),
+    # ZeRO-3 with a tied embedding whose backward is the peak (the gathered embedding, the LM head's
+    # held gradient and the embedding's own), at another vocabulary and length, and GPT-2's (learned positions)
+    _run("qwen2-v32k-zero3-fp32-small-t64", QWEN2_32K, "zero3", "fp32", small=True, micro=1, seq=64),
+    _run("gpt2-v50k-zero3-fp32-small-t128", GPT2_50K, "zero3", "fp32", small=True, micro=1, seq=128),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than
