@@ -34,13 +34,13 @@ class Preset:
 _DGX_A100 = ("NVIDIA DGX A100 datasheet (nvidia-dgx-a100-80gb-datasheet.pdf): DGX A100 640GB, "
              "System Memory 2TB")
 _DGX_H100 = ("NVIDIA DGX H100 datasheet (nvidia-dgx-h100-datasheet): System Memory 2TB")
-_DGX_H200 = ("NVIDIA DGX H200 datasheet (dgx-h200-datasheet): System Memory 2TB")
+_DGX_H200 = ("NVIDIA DGX H200 datasheet (dgx-h200-datasheet): System Memory 2TB; NVIDIA's own MLPerf "
+             "Inference v4.1 H200-SXM-141GBx8 system: host_memory_capacity 2 TB, 32x 64GB")
 _DGX_B200 = ("NVIDIA DGX B200 datasheet (dgx-b200-datasheet): System Memory 2TB, configurable to 4TB "
              "(the base figure is used)")
-_DGX_B300 = ("NVIDIA DGX B300 datasheet (dgx-b300-datasheet): System Memory 2TB, configurable to 4TB "
-             "(the base figure is used)")
-_GB200_TRAY = ("NVIDIA GB200 NVL72 datasheet: up to 17TB LPDDR5X per 72-GPU rack, 480GB per Grace CPU; "
-               "a compute tray holds two Grace CPUs (two GB200 superchips) for its 4 GPUs: 960GB")
+# Not stated here: HGX B300 (no system datasheet figure found to cite) and the GB200 NVL72 tray (the
+# datasheet's "up to 480GB LPDDR5X" per Grace, two per tray, disagrees with the 1.87 TB per 4-GPU node
+# an MLPerf Inference v6.1 GB200-NVL72 system description reports): give --host-memory-gib.
 
 
 def _all(code: str) -> Callable[[int, int], str]:
@@ -76,9 +76,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            _pairs, lambda i: 0 if i < 4 else 1, 2, "ib-hdr",
            "tests/fixtures/topologies/rtx_a6000_8gpu_nvlink_bridge_pairs_2nic.txt (UNIGE HPC forum)"),
     Preset("hgx-b300", "b300", 8, "HGX B300: 8x B300 on NVSwitch (NV18, NVLink 5), 8 ConnectX-8 800G NICs",
-           _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-xdr", "NVIDIA HGX B300 datasheet", 2000, _DGX_B300),
+           _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-xdr", "NVIDIA HGX B300 datasheet"),
     Preset("gb200-nvl72-tray", "gb200", 4, "GB200 NVL72 compute tray: 4 Blackwell GPUs on the rack's NVLink Switch (NV18)",
-           _all("NV18"), lambda i: 0 if i < 2 else 1, 4, "ib-xdr", "NVIDIA GB200 NVL72 datasheet", 960, _GB200_TRAY),
+           _all("NV18"), lambda i: 0 if i < 2 else 1, 4, "ib-xdr", "NVIDIA GB200 NVL72 datasheet"),
     Preset("h100-nvl-pairs", "h100-nvl", 8, "8x H100 NVL on PCIe Gen5, NVLink-bridged in pairs (NV12), two sockets",
            lambda i, j: _pairs(i, j, "NV12"), lambda i: 0 if i < 4 else 1, 4, "ib-ndr",
            "NVIDIA H100 NVL product brief: pairs joined by three NVLink bridges, 600 GB/s"),
