@@ -97,3 +97,17 @@ def test_api_refuses_the_verify_and_validates_the_field(tmp_path, monkeypatch):
     assert r.status_code == 422 and "host_memory_gib" in str(r.json()["detail"])
     r = client.post("/v1/estimate", json={"model": "llama-3-8b", "offload_optimizer": "cpu", "host_memory_gib": 4})
     assert r.status_code == 200 and r.json()["host"]["fits"] is False
+
+
+def test_the_page_takes_the_nodes_ram_and_shows_the_rejection(tmp_path):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from web.app import create_app
+
+    client = TestClient(create_app(str(tmp_path / "runs.sqlite")))
+    query = {"model": "llama-3-8b", "gpu": "h100-80gb", "gpus": 8, "seq_len": 2048, "global_batch": 64}
+    page = client.get("/", params=query | {"host_memory_gib": 64}).text
+    assert 'name="host_memory_gib"' in page and 'value="64"' in page
+    assert "GiB of host RAM per node (the sum over its 8 ranks) &gt; 64.0 GiB on the node" in page
+    assert "GiB of host RAM per node" not in client.get("/", params=query).text
