@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.dsconfig import build_ds_config
+from planner.finetune import lora_config
 from planner.errors import PlannerError
 from planner.memory import resolve
 from planner.schema import EstimateRequest
@@ -67,6 +68,8 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         "out_dir": str(out_dir),
         "seed": 0,
     }
+    if setup.finetune is not None:
+        common["finetune"] = finetune_job(setup)
     if setup.strategy.framework == "torch":
         return common | {"framework": "torch", "torch": _torch_settings(request, setup)}
     ds_config = build_ds_config(stage=setup.zero.stage, precision=setup.request.precision,
@@ -77,6 +80,17 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         # CPU ranks: DeepSpeed's FusedAdam needs CUDA; torch's AdamW is what the model predicts.
         ds_config["optimizer"]["params"]["torch_adam"] = True
     return common | {"framework": "deepspeed", "ds_config": ds_config}
+
+
+def finetune_job(setup) -> dict[str, Any]:
+    """What backend/finetune.py builds: the resolved LoraConfig and quantization, and the dtype the
+    frozen base is loaded in (the recipe's 16-bit type, or fp32)."""
+    f = setup.finetune
+    compute = setup.recipe.compute
+    return {"rank": f.rank, "alpha": f.alpha, "dropout": f.dropout, "quantize": f.quantize,
+            "targets": f.peft_targets(), "modules_to_save": lora_config(f)["modules_to_save"],
+            "compute_dtype": None if compute == "fp32" else compute,
+            "base_dtype": None if setup.recipe.weight_bits == 32 else compute}
 
 
 TORCH_SHARDING = {"fsdp": "FULL_SHARD", "fsdp-grad-op": "SHARD_GRAD_OP", "hsdp": "HYBRID_SHARD"}
