@@ -137,7 +137,7 @@ def resolve_finetune(request: "EstimateRequest", arch: Architecture | None, stra
         raise PlannerError(f"finetune={request.finetune} with include_vision: adapters on the vision tower are not "
                            "modelled")
     quantize = request.quantize_base or ("nf4" if request.finetune == "qlora" else "none")
-    if quantize != "none" and strategy in ("zero3", "fsdp", "fsdp-grad-op", "hsdp") and not __import__("os").environ.get("LORA_TRY"):
+    if quantize != "none" and strategy in ("zero3", "fsdp", "fsdp-grad-op", "hsdp"):
         # ZeRO-3 and FSDP2 partition every parameter as a flat floating-point shard; bitsandbytes'
         # Params4bit/Int8Params carry their quantization state beside the data, which the shard loses
         # (measured: see backend/finetune.py and the README's LoRA section).
@@ -149,6 +149,10 @@ def resolve_finetune(request: "EstimateRequest", arch: Architecture | None, stra
     if request.offload_params != "none":
         raise PlannerError(f"offload_params={request.offload_params} with finetune={request.finetune}: offloading a "
                            "frozen base is not modelled")
+    if quantize != "none" and framework == "torch" and request.precision != "fp32":
+        raise PlannerError(f"quantize_base={quantize} with strategy {strategy} and precision {request.precision}: "
+                           "prepare_model_for_kbit_training leaves the norms and embeddings in fp32, so under "
+                           "torch.autocast the residual stream runs in fp32; not modelled: use zero0-2 (bf16) or fp32")
     if request.train_embeddings and arch.tie_word_embeddings:
         raise PlannerError(f"train_embeddings=true on a tied model ({arch.model_type}, tie_word_embeddings): "
                            "PEFT's modules_to_save copies would untie them; not modelled")
@@ -161,8 +165,12 @@ def resolve_finetune(request: "EstimateRequest", arch: Architecture | None, stra
                     quantize=quantize, train_embeddings=request.train_embeddings)
 
 
-_SHARDED_QUANT_REASON = ("sharding a bitsandbytes-quantized base is not run by this tool's verification "
-                         "(ZeRO-3 and FSDP2 flatten parameters and lose bitsandbytes' quant_state); use zero0-2 or ddp")
+# ZeRO-3 with a 4-bit base was run on CPU ranks (llama shape, bf16, all-linear r=16): it trains, but
+# how DeepSpeed partitions and gathers bitsandbytes' packed uint8 weights beside their quant_state
+# (kept whole on every rank) is not modelled; FSDP2 shards every parameter as a DTensor, which
+# bitsandbytes' Params4bit is not. Both are refused rather than guessed.
+_SHARDED_QUANT_REASON = ("a sharded quantized base is not modelled (ZeRO-3 and FSDP2 partition bitsandbytes' "
+                         "packed weights apart from their quant_state); use zero0-2 or ddp")
 
 
 # --- linears and adapters ---------------------------------------------------------------------

@@ -404,6 +404,13 @@ class PlanRequest(BaseModel):
     include_vision: bool = Field(
         False, description="multimodal configs (gemma3, llama4, mistral3): count the vision tower and projector as "
         "model states (trained in full); activations stay those of text tokens")
+    finetune: Literal["full", "lora", "qlora", "auto"] = Field(
+        "full", description="full fine-tuning, LoRA, QLoRA, or auto: weigh all three and say what each costs")
+    lora_rank: int | None = Field(None, ge=1, le=65_536, description="LoRA rank r (default 8, PEFT's)")
+    lora_targets: str | None = Field(None, min_length=1, max_length=512, pattern=r"^[A-Za-z0-9_.,\- ]+$",
+                                     description="modules given adapters (PEFT names or all-linear)")
+    lora_dropout: float | None = Field(None, ge=0.0, lt=1.0, allow_inf_nan=False,
+                                       description="dropout on each adapter's input (default 0)")
 
     @model_validator(mode="after")
     def _one_model(self) -> "PlanRequest":
@@ -412,11 +419,17 @@ class PlanRequest(BaseModel):
             raise ValueError(f"give exactly one of model or model_config (--model-file); got {given or 'none'}")
         if self.topology is not None and self.topology_text is not None:
             raise ValueError("give --topology or --topology-file, not both")
+        if self.finetune == "full":
+            for name in ("lora_rank", "lora_targets", "lora_dropout"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}={getattr(self, name)} applies to finetune lora, qlora or auto, "
+                                     "not finetune=full")
         return self
 
 
 class Candidate(BaseModel):
     strategy: str
+    finetune: str = Field("full", description="full, lora or qlora")
     micro_batch: int
     gradient_accumulation: int
     checkpointing: str

@@ -70,7 +70,7 @@ def test_qlora_base_is_smaller_than_lora_base():
 
 
 def test_llama31_8b_fits_one_4090_only_with_qlora():
-    common = dict(model="llama-3.1-8b", strategy="ddp", gpus=1, gpu="rtx-4090", seq_len=8192,
+    common = dict(model="llama-3.1-8b", strategy="zero2", gpus=1, gpu="rtx-4090", seq_len=8192,
                   checkpointing="full", precision="bf16-mixed")
     assert not estimate(EstimateRequest(**common)).fits
     assert not estimate(EstimateRequest(**common, finetune="lora")).fits
@@ -127,3 +127,52 @@ def test_api_refuses_with_422(tmp_path):
     assert "quantize_base=nf4 with strategy zero3" in response.text
     ok = client.post("/v1/estimate", json=dict(model="llama-2-7b", finetune="lora", strategy="ddp", gpus=1))
     assert ok.status_code == 200 and ok.json()["trainable_parameters"] == 4_194_304
+
+
+def test_plan_finetune_auto_says_what_each_method_costs():
+    from planner.plan import plan
+    from planner.schema import PlanRequest
+
+    result = plan(PlanRequest(model="llama-3.1-8b", gpu="rtx-4090", gpus=1, seq_len=8192, global_batch=8,
+                              finetune="auto"))
+    assert "finetune auto: llama-3.1-8b fits one rtx-4090 only with QLoRA" in result.notes
+    assert any(n.startswith("finetune auto: full fine-tuning: does not fit") for n in result.notes)
+    assert any(n.startswith("finetune auto: LoRA: does not fit") for n in result.notes)
+    assert result.recommended is not None and result.recommended.finetune == "qlora"
+    assert result.recommended.strategy not in ("zero3", "fsdp", "hsdp")  # a sharded 4-bit base is refused
+
+
+def test_plan_refuses_lora_fields_with_full():
+    from planner.schema import PlanRequest
+
+    with pytest.raises(ValueError, match="lora_rank=8 applies to finetune lora, qlora or auto, not finetune=full"):
+        PlanRequest(model="llama-3.1-8b", lora_rank=8)
+
+
+def test_emit_writes_lora_and_bitsandbytes_configs():
+    from planner.emit import emit_estimate_files
+
+    files = emit_estimate_files(estimate(EstimateRequest(model="llama-3.1-8b", strategy="zero2", gpus=2,
+                                                         finetune="qlora", lora_rank=16, lora_alpha=32,
+                                                         lora_targets="all-linear", lora_dropout=0.05)))
+    assert json.loads(files["lora_config.json"]) == {
+        "r": 16, "lora_alpha": 32.0, "lora_dropout": 0.05, "target_modules": "all-linear", "bias": "none",
+        "task_type": "CAUSAL_LM", "modules_to_save": None}
+    assert json.loads(files["bnb_config.json"]) == {
+        "load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+        "bnb_4bit_compute_dtype": "bfloat16"}
+    plan_doc = json.loads(files["plan.json"])
+    assert plan_doc["estimate_request"]["finetune"] == "qlora"  # what the planner's trainer builds
+    assert "lora_config.json" in files["LAUNCH.md"]
+    lora = emit_estimate_files(estimate(EstimateRequest(model="llama-3.1-8b", strategy="zero2", gpus=2,
+                                                        finetune="lora")))
+    assert "bnb_config.json" not in lora and "lora_config.json" in lora
+
+
+def test_worker_job_carries_the_finetune():
+    from backend.launch import worker_job
+
+    job = worker_job(EstimateRequest(**CPU, strategy="zero2", finetune="qlora", lora_targets="all-linear"),
+                     steps=1, warmup_steps=0, out_dir=__import__("pathlib").Path("/tmp"))
+    assert job["finetune"] == {"rank": 8, "alpha": 8.0, "dropout": 0.0, "quantize": "nf4", "targets": "all-linear",
+                               "modules_to_save": None, "compute_dtype": "bf16", "base_dtype": "bf16"}
