@@ -8,9 +8,10 @@ from cli.main import main
 
 ESTIMATE_FIELDS = {"parameters", "model", "strategy", "world_size", "dp_size", "shard_size", "gpu", "per_device",
                    "host", "nvme_bytes", "device_capacity_bytes", "fits", "headroom_bytes", "phases", "buffers",
-                   "notes", "request", "time"}
+                   "notes", "request", "time", "trainable_parameters"}
 PER_DEVICE_FIELDS = {"parameters_bytes", "gradients_bytes", "optimizer_states_bytes", "activations_bytes",
-                     "buffers_bytes", "framework_bytes", "resident_bytes", "peak_bytes", "peak_phase"}
+                     "buffers_bytes", "framework_bytes", "resident_bytes", "peak_bytes", "peak_phase",
+                     "frozen_weights_bytes"}
 HOST_FIELDS = {"resident_bytes", "peak_bytes", "pinned_bytes"}
 ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus", "--nodes", "--gpu",
                   "--device-memory-gib", "--precision", "--optimizer", "--micro-batch", "--seq-len",
@@ -18,7 +19,10 @@ ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus",
                   "--offload-params", "--hsdp-shard-size", "--ds-config", "--reduce-bucket-size", "--allgather-bucket-size",
                   "--prefetch-bucket-size", "--param-persistence-threshold", "--max-live-parameters",
                   "--max-reuse-distance", "--topology", "--topology-file", "--fabric", "--nics-per-node", "--profile",
-                  "--include-vision", "--json", "--emit", "--script"}
+                  "--include-vision", "--json", "--emit", "--script",
+                  # LoRA / QLoRA (issue 13)
+                  "--finetune", "--lora-rank", "--lora-alpha", "--lora-targets", "--lora-dropout", "--quantize-base",
+                  "--train-embeddings"}
 
 
 def run(capsys, *argv):
