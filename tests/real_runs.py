@@ -74,9 +74,9 @@ SMALL = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000,
 
 
 def _run(name, model, strategy, precision, *, small=False, ckpt="none", micro=2, seq=128, gpus=2, nodes=1,
-         offload="none"):
+         offload="none", **finetune):
     fields = dict(model_config=model, strategy=strategy, precision=precision, gpus=gpus, gpu="cpu",
-                  micro_batch=micro, seq_len=seq, checkpointing=ckpt)
+                  micro_batch=micro, seq_len=seq, checkpointing=ckpt, **finetune)
     if nodes > 1:
         fields["nodes"] = nodes  # torch strategies: every node's ranks on this host (a 2-D mesh)
     if offload != "none":
