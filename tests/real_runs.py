@@ -117,6 +117,9 @@ CPU_RUNS = [
          micro=1, seq=1024),
     _run("qwen2-v32k-fsdp-bf16-t1024", QWEN2_32K, "fsdp", "bf16-mixed", micro=1, seq=1024),
     _run("gpt2-v50k-ddp-fp32-ckpt-t1024", GPT2_50K, "ddp", "fp32", ckpt="full", micro=2, seq=512),
+    # LoRA (issue 13): PEFT adapters on a frozen bf16 base under autocast
+    _run("llama-lora-ddp-bf16-qkvo-r16", LLAMA, "ddp", "bf16-mixed", micro=2, seq=256, finetune="lora",
+         lora_rank=16, lora_targets="q_proj,k_proj,v_proj,o_proj"),
 ]
 
 # Measured and reported by bench/accuracy.py (not in CI, to keep it short): the rest of the
@@ -165,6 +168,15 @@ BENCH_RUNS = [
     _run("gpt2-v50k-fsdp-fp32-t128", GPT2_50K, "fsdp", "fp32", micro=1, seq=128),
     _run("qwen2-v64k-ddp-fp32-t128", QWEN2_64K, "ddp", "fp32", micro=1, seq=128),
     _run("qwen2-v64k-zero3-fp32-small-t128", QWEN2_64K, "zero3", "fp32", small=True, micro=1, seq=128),
+    # LoRA and QLoRA (issue 13): PEFT on the transformers model, bitsandbytes' nf4 base for QLoRA
+    _run("llama-lora-zero2-bf16-small-all-s512", LLAMA, "zero2", "bf16-mixed", small=True, micro=2, seq=512,
+         finetune="lora", lora_rank=16, lora_targets="all-linear"),
+    _run("llama-qlora-zero2-bf16-small-all-s512", LLAMA, "zero2", "bf16-mixed", small=True, micro=2, seq=512,
+         finetune="qlora", lora_rank=16, lora_targets="all-linear"),
+    _run("llama-lora-zero3-bf16-small-qv", LLAMA, "zero3", "bf16-mixed", small=True, micro=2, seq=256,
+         finetune="lora", lora_rank=8, lora_targets="q_proj,v_proj"),
+    _run("llama-lora-fsdp-bf16-all", LLAMA, "fsdp", "bf16-mixed", micro=2, seq=256, finetune="lora", lora_rank=8,
+         lora_targets="all-linear"),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than
