@@ -177,6 +177,12 @@ BENCH_RUNS = [
          finetune="lora", lora_rank=8, lora_targets="q_proj,v_proj"),
     _run("llama-lora-fsdp-bf16-all", LLAMA, "fsdp", "bf16-mixed", micro=2, seq=256, finetune="lora", lora_rank=8,
          lora_targets="all-linear"),
+    _run("qwen2-lora-ddp-fp32-dropout", QWEN2, "ddp", "fp32", micro=2, seq=256, finetune="lora", lora_dropout=0.1),
+    # logits-dominated: 1,024 tokens, a 32k vocabulary, PEFT's default targets (q_proj, v_proj, r=8)
+    _run("llama-v32k-lora-zero2-bf16-small-t1024", LLAMA_32K, "zero2", "bf16-mixed", small=True, micro=2, seq=512,
+         finetune="lora"),
+    _run("llama-qlora-zero2-bf16-small-ckpt-r32", LLAMA, "zero2", "bf16-mixed", small=True, ckpt="full", micro=4,
+         seq=256, finetune="qlora", lora_rank=32, lora_targets="all-linear"),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than
