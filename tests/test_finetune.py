@@ -176,3 +176,17 @@ def test_worker_job_carries_the_finetune():
                      steps=1, warmup_steps=0, out_dir=__import__("pathlib").Path("/tmp"))
     assert job["finetune"] == {"rank": 8, "alpha": 8.0, "dropout": 0.0, "quantize": "nf4", "targets": "all-linear",
                                "modules_to_save": None, "compute_dtype": "bf16", "base_dtype": "bf16"}
+
+
+def test_frozen_blocks_save_less_and_dropout_saves_more():
+    from planner.memory import activations, resolve
+
+    full = activations(resolve(EstimateRequest(**CPU, strategy="zero2")))
+    lora = activations(resolve(EstimateRequest(**CPU, strategy="zero2", finetune="lora")))
+    dropped = activations(resolve(EstimateRequest(**CPU, strategy="zero2", finetune="lora", lora_dropout=0.1)))
+    assert lora.saved_bytes < full.saved_bytes  # no frozen linear saves its input
+    assert lora.loss_transient_bytes == full.loss_transient_bytes  # the loss is the same
+    tokens, h = 2 * 256, 256
+    # q_proj and v_proj each keep a dropped-out copy of their input and CPU dropout's noise (bf16)
+    # instead of sharing the norm's output: + 2 x 2 x 2 bytes x tokens x h - 2 bytes x tokens x h per block
+    assert dropped.saved_bytes - lora.saved_bytes == 4 * (2 * 2 * 2 * tokens * h - 2 * tokens * h)
