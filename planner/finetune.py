@@ -378,13 +378,13 @@ def _lora_block_saved(arch: Architecture, spec: LayerSpec, f: Finetune, tokens: 
     fine-tuning; the gated MLP keeps gate, act(gate) and up, but its product only where
     down_proj's adapter reads it. Each adapter keeps its input (shared with the base or its own,
     AdapterInputs) and lora_A's r-wide output (saved by lora_B)."""
-    from planner.activations import FP32, _attention_saved
+    from planner.activations import FP32, attention_saved
 
     b, h = inputs.compute_bytes, arch.hidden_size
     a = spec.attention
     names = {linear.name for linear in block_linears(arch, spec) if f.targeted(linear)}
     norm_core = FP32 * tokens * h + FP32 * tokens
-    saved = 2 * norm_core + _attention_saved(arch, tokens, seq_len, micro_batch, b, attention, inputs.device)
+    saved = 2 * norm_core + attention_saved(arch, tokens, seq_len, micro_batch, b, attention, inputs.device)
     if a.qk_norm == "head":  # Qwen3's q_norm / k_norm: fp32 upcast and rsqrt, not the cast back
         saved += FP32 * tokens * (a.q_width + a.kv_width) + FP32 * tokens * (a.num_heads + a.num_kv_heads)
     inner = spec.mlp.intermediate_size
@@ -416,8 +416,8 @@ def _first_block_untracked(arch: Architecture, f: Finetune, tokens: int, inputs:
 def lora_activations(arch: Architecture, f: Finetune, *, micro_batch: int, seq_len: int, compute_bytes: int,
                      attention: str, checkpointing: str, device: str, adapter_copy: bool):
     """The saved set and transients of a LoRA step, in the form of activations.Activations."""
-    from planner.activations import (FP32, ActivationItem, Activations, _layer_backward_transient,
-                                     _loss_saved, _loss_transient, _rope_saved)
+    from planner.activations import (FP32, ActivationItem, Activations, layer_backward_transient, loss_saved,
+                                     loss_transient, rope_saved)
 
     tokens, b = micro_batch * seq_len, compute_bytes
     inputs = AdapterInputs(compute_bytes=b, own_copy=adapter_copy, dropout=f.dropout, device=device)
@@ -426,27 +426,27 @@ def lora_activations(arch: Architecture, f: Finetune, *, micro_batch: int, seq_l
     per_layer = max(blocks)
     head_out = b * tokens * arch.hidden_size if f.train_embeddings else 0  # a trained LM head saves its input
     final_norm = FP32 * tokens * arch.hidden_size + FP32 * tokens + head_out
-    loss = _loss_saved(arch, tokens, b) + _rope_saved(arch, seq_len, b)
-    loss_transient = _loss_transient(arch, tokens, b)
-    layer_transient = _layer_backward_transient(arch, tokens, b) + dequantized_weight_bytes(arch, f, b)
+    loss = loss_saved(arch, tokens, b) + rope_saved(arch, seq_len, b)
+    at_loss = loss_transient(arch, tokens, b)
+    layer_transient = layer_backward_transient(arch, tokens, b) + dequantized_weight_bytes(arch, f, b)
     if checkpointing == "full":
         boundary = b * tokens * arch.hidden_size
         body = arch.num_layers * boundary
-        extra = max(loss_transient, per_layer + layer_transient)
+        extra = max(at_loss, per_layer + layer_transient)
         items = [ActivationItem(f"{arch.num_layers} block inputs (checkpointed)", body),
                  ActivationItem("one block recomputed in backward (frozen base, adapters)", per_layer)]
         kept = boundary
     else:
         body = sum(blocks) - _first_block_untracked(arch, f, tokens, inputs)
-        extra = loss_transient
+        extra = at_loss
         items = [ActivationItem(f"{arch.num_layers} blocks with a frozen base and LoRA adapters", body)]
         kept = body // arch.num_layers
     saved = body + final_norm + loss
     items += [ActivationItem("final norm", final_norm), ActivationItem("logits / loss (fp32)", loss),
-              ActivationItem("backward transient at the loss", loss_transient)]
+              ActivationItem("backward transient at the loss", at_loss)]
     return Activations(saved_bytes=saved, peak_extra_bytes=extra, items=tuple(items),
                        layer_saved_bytes=per_layer, layer_kept_bytes=kept,
-                       head_saved_bytes=saved - arch.num_layers * kept, loss_transient_bytes=loss_transient,
+                       head_saved_bytes=saved - arch.num_layers * kept, loss_transient_bytes=at_loss,
                        layer_transient_bytes=layer_transient, num_layers=arch.num_layers,
                        checkpointed=checkpointing == "full")
 
@@ -505,22 +505,23 @@ def _zero3_frozen(setup: Any, numels: list[int]) -> tuple[int, int, int]:
     return part, persistent, gathered
 
 
-def _fsdp_frozen(setup: Any, label: str) -> list[Any]:
+def _fsdp_frozen(setup: Any, kind: Any) -> list[Any]:
     """FSDP2 shards a unit's frozen parameters with its trainable ones and all-gathers both in the
     policy's param dtype (_fsdp_param_group.py: one all-gather per unit, every FSDPParam)."""
     from planner.architecture import block_parameters, blocks_parameters
+    from planner.moments import PhaseKind
     from planner.schema import MemoryItem
 
-    arch, dp = setup.arch, setup.shard_size
+    arch = setup.arch
     compute = setup.recipe.weight_bits // 8
     root = setup.psi - blocks_parameters(arch)
     block = max(block_parameters(arch))
     gloo_copy = 2 if setup.device == "cpu" else 1
-    if setup.strategy.params_unsharded_in_step or label == "optimizer step" or "tied" in label:
+    if kind in (None, PhaseKind.RESIDENT, PhaseKind.OPTIMIZER_STEP, PhaseKind.TIED_SUM):
         gathered = 0  # (SHARD_GRAD_OP is refused for LoRA: resolve_finetune)
-    elif label == "start of backward":
-        gathered = root + block * gloo_copy
-    elif label == "end of backward":
+    elif kind is PhaseKind.START_OF_BACKWARD:
+        gathered = root + block * gloo_copy  # the root, and the last block prefetched
+    elif kind is PhaseKind.END_OF_BACKWARD:
         gathered = root + block
     else:
         gathered = root + block + block * gloo_copy
@@ -529,9 +530,10 @@ def _fsdp_frozen(setup: Any, label: str) -> list[Any]:
                        source="FSDP2 gathers frozen and trainable parameters of a unit together")]
 
 
-def frozen_items(setup: Any, label: str) -> list[Any]:
-    """The frozen base's items at one moment of the step (``label``: a phase name, or "resident")."""
+def frozen_items(setup: Any, kind: Any) -> list[Any]:
+    """The frozen base's items at one moment of the step (``kind``: the phase's PhaseKind)."""
     from planner.architecture import parameter_numels
+    from planner.moments import PhaseKind
     from planner.schema import MemoryItem
 
     f, s, dp = setup.finetune, setup.strategy, setup.shard_size
@@ -543,14 +545,14 @@ def frozen_items(setup: Any, label: str) -> list[Any]:
                             source="ZeRO-3 partitions frozen parameters too"),
                  MemoryItem(name="frozen base: persistent small parameters (kept whole)", bytes=persistent,
                             component="frozen_weights", source="stage3_param_persistence_threshold")]
-        if label not in ("resident", "optimizer step"):
+        if kind not in (None, PhaseKind.RESIDENT, PhaseKind.OPTIMIZER_STEP):
             items.append(MemoryItem(name="frozen base: gathered 16-bit parameters", bytes=gathered,
                                     component="buffers", source="gathered with the trainable ones (reuse distance)"))
         return items
     if s.shards_parameters:  # FSDP2
         items = [MemoryItem(name=f"frozen base, {how}: 1/{dp} shard", bytes=_ceil_div(base.bytes, dp),
                             component="frozen_weights", source="fully_shard shards every parameter of a unit")]
-        return items + ([] if label == "resident" else _fsdp_frozen(setup, label))
+        return items + _fsdp_frozen(setup, kind)
     return [MemoryItem(name=f"frozen base weights, {how} (replicated)", bytes=base.bytes, component="frozen_weights",
                        source="no gradient, no optimizer state; " + (
                            "quantized linears packed by bitsandbytes, the rest "
@@ -559,13 +561,14 @@ def frozen_items(setup: Any, label: str) -> list[Any]:
 
 def with_frozen(plan: Any, setup: Any) -> Any:
     """The phase plan of the trainable parameters, with the frozen base added to every moment."""
+    from planner.moments import PhaseKind
     from planner.schema import Phase
 
     def phase(p: Phase) -> Phase:
-        items = list(p.items) + [i for i in frozen_items(setup, p.name) if i.bytes > 0]
-        return Phase(name=p.name, bytes=sum(i.bytes for i in items), items=items)
+        items = list(p.items) + [i for i in frozen_items(setup, p.kind) if i.bytes > 0]
+        return p.model_copy(update={"bytes": sum(i.bytes for i in items), "items": items})
 
-    resident = [i for i in frozen_items(setup, "resident") if i.bytes > 0]
+    resident = [i for i in frozen_items(setup, PhaseKind.RESIDENT) if i.bytes > 0]
     plan.phases = [phase(p) for p in plan.phases]
     plan.resident = list(plan.resident) + resident
     plan.resident_bytes += sum(i.bytes for i in resident)
