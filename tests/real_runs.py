@@ -183,6 +183,10 @@ BENCH_RUNS = [
          finetune="lora"),
     _run("llama-qlora-zero2-bf16-small-ckpt-r32", LLAMA, "zero2", "bf16-mixed", small=True, ckpt="full", micro=4,
          seq=256, finetune="qlora", lora_rank=32, lora_targets="all-linear"),
+    _run("llama-qlora-ddp-fp32-qv", LLAMA, "ddp", "fp32", micro=2, seq=256, finetune="qlora",
+         lora_targets="q_proj,v_proj"),
+    _run("llama-qlora-int8-zero2-bf16-small-all", LLAMA, "zero2", "bf16-mixed", small=True, micro=2, seq=256,
+         finetune="qlora", quantize_base="int8", lora_targets="all-linear"),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than
