@@ -389,9 +389,18 @@ def _lora_block_saved(arch: Architecture, spec: LayerSpec, f: Finetune, tokens: 
         saved += FP32 * tokens * (a.q_width + a.kv_width) + FP32 * tokens * (a.num_heads + a.num_kv_heads)
     inner = spec.mlp.intermediate_size
     saved += 3 * b * tokens * inner
-    if inputs.shared:
+    kept_by_adapters = inputs.shared
+    if kept_by_adapters:
         saved += b * tokens * h * (bool(names & set(_QKV)) + bool(names & set(_GATE_UP)))
         saved += b * tokens * inner if "down_proj" in names else 0
+    if f.quantize == "int8":
+        # LLM.int8's CPU training path (bitsandbytes autograd/_functions.py MatMul8bitFp.forward:
+        # ``ctx.A = A``) keeps every int8 linear's input, frozen or not: the q/k/v input, the
+        # gate/up input and down_proj's (o_proj's is SDPA's output, saved anyway), where no
+        # adapter already keeps the same tensor.
+        saved += b * tokens * h * ((not (kept_by_adapters and names & set(_QKV)))
+                                   + (not (kept_by_adapters and names & set(_GATE_UP))))
+        saved += 0 if kept_by_adapters and "down_proj" in names else b * tokens * inner
     for linear in block_linears(arch, spec):
         if linear.name in names:
             saved += inputs.per_adapter_bytes(tokens, linear.in_features) + b * tokens * f.rank
