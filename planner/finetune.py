@@ -585,4 +585,6 @@ def with_frozen(plan: Any, setup: Any) -> Any:
     plan.notes.append(f"{setup.finetune.method}: frozen base {frozen_base_of(setup).bytes:,} bytes before sharding; "
                       f"gradients and optimizer states for {sum(trainable_numels(setup.arch, setup.finetune)):,} "
                       "trainable parameters only")
+    plan.notes.append(f"{setup.finetune.method}: the step time, where shown, is full fine-tuning's (the time model "
+                      "does not yet drop the frozen weights' gradient matmuls and traffic, nor add dequantization)")
     return plan
