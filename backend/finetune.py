@@ -80,13 +80,3 @@ def apply_finetune(model: torch.nn.Module, job: dict[str, Any]) -> torch.nn.Modu
     model.train()
     return model
 
-
-def trainable_numel(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, all) parameter elements as PEFT's print_trainable_parameters counts them
-    (a 4-bit Params4bit holds two values per element: peft_model.get_nb_trainable_parameters)."""
-    trainable = total = 0
-    for param in model.parameters():
-        n = param.numel() * (2 if param.__class__.__name__ == "Params4bit" else 1)
-        total += n
-        trainable += n if param.requires_grad else 0
-    return trainable, total

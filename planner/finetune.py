@@ -245,15 +245,6 @@ def block_trainable(arch: Architecture, f: Finetune) -> list[int]:
     return [per_kind[id(spec)] for spec in layer_specs(arch)]
 
 
-def targeted_linears(arch: Architecture, f: Finetune) -> list[Linear]:
-    return [linear for spec in layer_specs(arch) for linear in block_linears(arch, spec) if f.targeted(linear)]
-
-
-def check_targets_present(arch: Architecture, f: Finetune) -> None:
-    if not targeted_linears(arch, f):
-        raise PlannerError(f"lora_targets={','.join(f.targets)} matches no linear of {arch.model_type}")
-
-
 # --- the frozen base's storage ----------------------------------------------------------------
 
 def _ceil_div(a: int, b: int) -> int:
