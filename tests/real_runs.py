@@ -178,6 +178,8 @@ BENCH_RUNS = [
          finetune="qlora", lora_rank=16, lora_targets="all-linear"),
     _run("llama-lora-zero3-bf16-small-qv", LLAMA, "zero3", "bf16-mixed", small=True, micro=2, seq=256,
          finetune="lora", lora_rank=8, lora_targets="q_proj,v_proj"),
+    _run("llama-lora-zero3-bf16-small-all-r16-s512", LLAMA, "zero3", "bf16-mixed", small=True, micro=2, seq=512,
+         finetune="lora", lora_rank=16, lora_targets="all-linear"),
     _run("llama-lora-fsdp-bf16-all", LLAMA, "fsdp", "bf16-mixed", micro=2, seq=256, finetune="lora", lora_rank=8,
          lora_targets="all-linear"),
     _run("qwen2-lora-ddp-fp32-dropout", QWEN2, "ddp", "fp32", micro=2, seq=256, finetune="lora", lora_dropout=0.1),
