@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from planner.finetune import lora_config
 from planner.errors import PlannerError
 from planner.memory import resolve
 from planner.schema import EstimateRequest
@@ -66,7 +67,20 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         "out_dir": str(out_dir),
         "seed": 0,
     }
+    if setup.finetune is not None:
+        common["finetune"] = finetune_job(setup)
     return common | setup.framework.worker_settings(setup, request)
+
+
+def finetune_job(setup) -> dict[str, Any]:
+    """What backend/finetune.py builds: the resolved LoraConfig and quantization, and the dtype the
+    frozen base is loaded in (the recipe's 16-bit type, or fp32)."""
+    f = setup.finetune
+    compute = setup.recipe.compute
+    return {"rank": f.rank, "alpha": f.alpha, "dropout": f.dropout, "quantize": f.quantize,
+            "targets": f.peft_targets(), "modules_to_save": lora_config(f)["modules_to_save"],
+            "compute_dtype": None if compute == "fp32" else compute,
+            "base_dtype": None if setup.recipe.weight_bits == 32 else compute}
 
 
 def _free_port() -> int:

@@ -29,8 +29,10 @@ from typing import Any
 import yaml
 
 from planner.catalogue import UnsupportedModelTypeError
+from planner.finetune import bnb_config, lora_config
 from planner.errors import PlannerError
 from planner.memory import resolve
+from planner.plan import finetune_fields
 from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanRequest
 from planner.shm import segment_glob
 from planner.strategies import explicit_hsdp_shard
@@ -125,7 +127,8 @@ def estimate_request_for(req: PlanRequest, c: Candidate) -> EstimateRequest:
                            offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
                            hsdp_shard_size=explicit_hsdp_shard(c.strategy, c.hsdp_shard_size, req.gpus),
                            topology=req.topology, topology_text=req.topology_text, fabric=req.fabric,
-                           nics_per_node=req.nics_per_node, profile=req.profile)
+                           nics_per_node=req.nics_per_node, profile=req.profile,
+                           **finetune_fields(req.model_copy(update={"finetune": c.finetune})))
 
 
 def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: Script | None) -> dict[str, str]:
@@ -155,6 +158,8 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
         files["ds_config.json"] = json.dumps(config, indent=2) + "\n"
     files["accelerate_config.yaml"] = yaml.safe_dump(accelerate_config(launch), sort_keys=False)
     files["trainer_args.json"] = json.dumps(trainer_arguments(launch), indent=2) + "\n"
+    if setup.finetune is not None:
+        files.update(finetune_files(setup))
     if unavailable is None:
         files["launch.sh"] = _launch_sh(launch)
         files["job.sbatch"] = _sbatch(launch)
@@ -162,6 +167,17 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
             files["hostfile"] = _hostfile(launch)
     files["plan.json"] = json.dumps(plan_doc, indent=2) + "\n"
     files["LAUNCH.md"] = _guide(launch, sorted(files) + ["LAUNCH.md"])
+    return files
+
+
+def finetune_files(setup) -> dict[str, str]:
+    """LoRA/QLoRA: the PEFT LoraConfig (``LoraConfig(**json.load(...))``) and, for a quantized base,
+    transformers' BitsAndBytesConfig (``BitsAndBytesConfig(**json.load(...))``, its compute dtype
+    as a string). The planner's trainer reads them from plan.json's request, the same settings."""
+    files = {"lora_config.json": json.dumps(lora_config(setup.finetune), indent=2) + "\n"}
+    quantization = bnb_config(setup.finetune, setup.recipe.compute)
+    if quantization is not None:
+        files["bnb_config.json"] = json.dumps(quantization, indent=2) + "\n"
     return files
 
 
@@ -593,6 +609,10 @@ def _guide(launch: _Launch, names: list[str]) -> str:
         "accelerate_config.yaml": "the same choice for `accelerate launch`",
         "trainer_args.json": "the matching transformers.TrainingArguments keyword arguments",
         "plan.json": "the request and the prediction; `planner verify --plan plan.json` runs it here",
+        "lora_config.json": "the PEFT LoraConfig the prediction assumed: `get_peft_model(model, "
+                            "LoraConfig(**json.load(open('lora_config.json'))))`",
+        "bnb_config.json": "the quantized base: `from_pretrained(..., quantization_config=BitsAndBytesConfig("
+                           "**json.load(open('bnb_config.json'))))`, then `prepare_model_for_kbit_training`",
         "LAUNCH.md": "this file",
     }
     script = launch.script.path if launch.script else "your_train.py"
