@@ -171,7 +171,7 @@ def activations(setup: Setup) -> Activations | None:
     if setup.arch is None:
         return None
     req = setup.request
-    compute = 4 if setup.recipe.compute == "fp32" else 2
+    compute = setup.recipe.compute_bytes
     return estimate_activations(setup.arch, micro_batch=req.micro_batch, seq_len=req.seq_len,
                                 compute_bytes=compute, attention=req.attention,
                                 checkpointing=req.checkpointing, device=setup.device)
