@@ -33,6 +33,7 @@ from planner.finetune import bnb_config, lora_config
 from planner.errors import PlannerError
 from planner.memory import resolve
 from planner.plan import finetune_fields
+from planner.precision import DTYPE_SPELLINGS, RECIPES
 from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanRequest
 from planner.shm import segment_glob
 from planner.strategies import explicit_hsdp_shard
@@ -42,9 +43,6 @@ TRAINER_OPTIMIZERS = ("adamw", "sgd")  # what backend/train.py trains the torch 
 DEFAULT_PORT = 29500  # torchrun's and DeepSpeed's default master port
 LEARNING_RATE = 1e-4  # build_ds_config's optimizer lr; the Trainer checks its learning_rate against it
 
-# accelerate's mixed_precision and TrainingArguments' bf16/fp16 for each precision recipe. bf16-pure
-# has neither: the model itself is loaded in bf16 (LAUNCH.md says so).
-ACCELERATE_PRECISION = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-pure": "no", "fp32": "no"}
 # transformers' OptimizerNames (transformers/training_args.py) for the planner's optimizers
 TRAINER_OPTIM = {"adamw": "adamw_torch", "sgd": "sgd", "adamw-8bit": "adamw_bnb_8bit"}
 
@@ -233,8 +231,7 @@ def _keep_users_config(user: dict[str, Any], planned: dict[str, Any]) -> dict[st
     # communication_data_type is modelled only as the training dtype (planner.dsconfig
     # _communication_dtype); with another precision than the config's, the plan's dtype is reduced
     training = "bf16" if "bf16" in planned else "fp16" if "fp16" in planned else "fp32"
-    allowed = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16", "float16", "half"), "fp32": ("fp32", "float32", "float")}
-    if config.get("communication_data_type") not in (None, "auto", *allowed[training]):
+    if config.get("communication_data_type") not in (None, "auto", *DTYPE_SPELLINGS[training]):
         del config["communication_data_type"]
     return config
 
@@ -289,7 +286,7 @@ def accelerate_config(launch: _Launch) -> dict[str, Any]:
             block["deepspeed_multinode_launcher"] = "standard"  # torchrun on every node, no ssh/pdsh
         config["deepspeed_config"] = block
         return config
-    config["mixed_precision"] = ACCELERATE_PRECISION[launch.precision]
+    config["mixed_precision"] = RECIPES[launch.precision].autocast_dtype or "no"
     if distributed == "FSDP":
         config["fsdp_config"] = _fsdp_plugin(launch)
         if launch.replicas > 1:
@@ -325,8 +322,8 @@ def trainer_arguments(launch: _Launch) -> dict[str, Any]:
     args: dict[str, Any] = {
         "per_device_train_batch_size": req.micro_batch,
         "gradient_accumulation_steps": req.gradient_accumulation,
-        "bf16": launch.precision == "bf16-mixed",
-        "fp16": launch.precision == "fp16-mixed",
+        "bf16": RECIPES[launch.precision].autocast_dtype == "bf16",
+        "fp16": RECIPES[launch.precision].autocast_dtype == "fp16",
         "learning_rate": LEARNING_RATE,
         "weight_decay": 0.0,
         "optim": TRAINER_OPTIM[req.optimizer],
@@ -661,7 +658,7 @@ def _guide(launch: _Launch, names: list[str]) -> str:
             "These arguments carry the same DeepSpeed / FSDP choice, so the script also runs under plain "
             f"`torchrun --nproc_per_node {req.gpus} {script}`" + (" (with --nnodes, --node_rank and --master_addr "
                                                                   "on each node)" if req.nodes > 1 else "") + ".", ""]
-    if launch.precision == "bf16-pure":
+    if RECIPES[launch.precision].casts_model:
         out += ["bf16-pure: load the model in bf16 (`from_pretrained(..., dtype=torch.bfloat16)`); "
                 "no autocast, no fp32 master copy.", ""]
     if launch.framework == "deepspeed":

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 from planner.architecture import Architecture, layer_specs
 from planner.errors import PlannerError
 from planner.layers import AttentionSpec, LayerSpec
+from planner.precision import RECIPES
+from planner.strategies import strategy as _strategy
 
 if TYPE_CHECKING:
     from planner.schema import EstimateRequest
@@ -137,7 +139,7 @@ def resolve_finetune(request: "EstimateRequest", arch: Architecture | None, stra
         raise PlannerError(f"finetune={request.finetune} with include_vision: adapters on the vision tower are not "
                            "modelled")
     quantize = request.quantize_base or ("nf4" if request.finetune == "qlora" else "none")
-    if quantize != "none" and strategy in ("zero3", "fsdp", "fsdp-grad-op", "hsdp"):
+    if quantize != "none" and _strategy(strategy).shards_parameters:
         # ZeRO-3 and FSDP2 partition every parameter as a flat floating-point shard; bitsandbytes'
         # Params4bit/Int8Params carry their quantization state beside the data, which the shard loses
         # (measured: see backend/finetune.py and the README's LoRA section).
@@ -149,7 +151,7 @@ def resolve_finetune(request: "EstimateRequest", arch: Architecture | None, stra
     if request.offload_params != "none":
         raise PlannerError(f"offload_params={request.offload_params} with finetune={request.finetune}: offloading a "
                            "frozen base is not modelled")
-    if quantize != "none" and framework == "torch" and request.precision != "fp32":
+    if quantize != "none" and framework == "torch" and RECIPES[request.precision].reduced_dtype is not None:
         raise PlannerError(f"quantize_base={quantize} with strategy {strategy} and precision {request.precision}: "
                            "prepare_model_for_kbit_training leaves the norms and embeddings in fp32, so under "
                            "torch.autocast the residual stream runs in fp32; not modelled: use zero0-2 (bf16) or fp32")

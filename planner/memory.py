@@ -174,10 +174,11 @@ def activations(setup: Setup) -> Activations | None:
     if setup.arch is None:
         return None
     req = setup.request
-    compute = 4 if setup.recipe.compute == "fp32" else 2
+    compute = setup.recipe.compute_bytes
     if setup.finetune is not None:
         # torch.autocast (ddp with a mixed recipe) keeps PEFT's fp32 adapters: each casts its input
-        adapter_copy = setup.strategy.name == "ddp" and setup.recipe.master_bits > 0
+        adapter_copy = setup.framework.name == "torch" and not setup.strategy.shards_parameters \
+            and setup.recipe.master_bits > 0
         return lora_activations(setup.arch, setup.finetune, micro_batch=req.micro_batch, seq_len=req.seq_len,
                                 compute_bytes=compute, attention=req.attention, checkpointing=req.checkpointing,
                                 device=setup.device, adapter_copy=adapter_copy)
