@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from planner.finetune import lora_config
 from planner.errors import PlannerError
 from planner.memory import resolve
 from planner.schema import EstimateRequest
@@ -66,6 +67,8 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         "out_dir": str(out_dir),
         "seed": 0,
     }
+    if setup.finetune is not None:
+        common["finetune"] = finetune_job(setup)
     if setup.tp > 1 and setup.strategy.framework == "deepspeed":
         settings = setup.framework.worker_settings(setup, request)
         # AutoTP training (deepspeed 0.19.8 runtime/engine.py _configure_tensor_parallel): the engine
@@ -76,6 +79,17 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         parallel = _parallel_settings(request, setup)
         return common | setup.framework.worker_settings(setup, request) | {"parallel": parallel}
     return common | setup.framework.worker_settings(setup, request)
+
+
+def finetune_job(setup) -> dict[str, Any]:
+    """What backend/finetune.py builds: the resolved LoraConfig and quantization, and the dtype the
+    frozen base is loaded in (the recipe's 16-bit type, or fp32)."""
+    f = setup.finetune
+    compute = setup.recipe.compute
+    return {"rank": f.rank, "alpha": f.alpha, "dropout": f.dropout, "quantize": f.quantize,
+            "targets": f.peft_targets(), "modules_to_save": lora_config(f)["modules_to_save"],
+            "compute_dtype": None if compute == "fp32" else compute,
+            "base_dtype": None if setup.recipe.weight_bits == 32 else compute}
 
 
 TP_PROBE_FAMILIES = ("llama", "mistral", "qwen2")  # q/k/v/o and gate/up/down projections, as apply_tp names them

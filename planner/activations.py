@@ -425,3 +425,13 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
                        loss_transient_bytes=_loss_transient(a, tokens, b),
                        layer_transient_bytes=_layer_backward_transient(a, tokens, b),
                        num_layers=a.num_layers, checkpointed=checkpointing == "full")
+
+
+# The terms planner/finetune.py reuses for a block with a frozen base (LoRA): the attention core,
+# the loss and its transient, the RoPE tables and one block's backward transient are the same
+# tensors whether the weights train or not.
+attention_saved = _attention_saved
+loss_saved = _loss_saved
+loss_transient = _loss_transient
+rope_saved = _rope_saved
+layer_backward_transient = _layer_backward_transient

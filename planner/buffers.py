@@ -93,6 +93,10 @@ def layout(setup: "Setup") -> Layout | None:
     arch = setup.arch
     if arch is None:
         return None
+    if setup.finetune is not None:  # only adapters make gradients (planner/finetune.py)
+        from planner.finetune import layout_fields
+
+        return Layout(**layout_fields(arch, setup.finetune))
     # Backward meets the input embeddings last; a tied head's gradient is the embedding's,
     # allocated at the head.
     embedding = arch.vocab_size * arch.hidden_size + arch.learned_positions * arch.hidden_size
@@ -118,7 +122,9 @@ def _tied_head_elements(arch: "Architecture") -> int:
     tensors live at the embedding's backward, and the head's contribution unreduced through
     every block; on ZeRO-1 (qwen2 fp32, exact) the same sum, with every gradient and the bucket
     live, before the reduction; on FSDP2 (qwen2 fp32 and bf16, exact) the same sum, beside the
-    root's unsharded gradients. ZeRO-3 and DDP were within 3% without the term and do not use it."""
+    root's unsharded gradients; on ZeRO-3 (qwen2 fp32, exact) held through every block, then
+    summed with the embedding's gradient in place (two V x h: frameworks/deepspeed_0_19.py
+    _zero3_embedding_backward). DDP was within 3% without the term and does not use it."""
     return arch.vocab_size * arch.hidden_size if arch.tie_word_embeddings else 0
 
 

@@ -29,8 +29,11 @@ from typing import Any
 import yaml
 
 from planner.catalogue import UnsupportedModelTypeError
+from planner.finetune import bnb_config, lora_config
 from planner.errors import PlannerError
 from planner.memory import resolve
+from planner.plan import finetune_fields
+from planner.precision import DTYPE_SPELLINGS, RECIPES
 from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanRequest
 from planner.shm import segment_glob
 from planner.strategies import explicit_hsdp_shard
@@ -41,9 +44,6 @@ TRAINER_OPTIMIZERS = ("adamw", "sgd")  # what backend/train.py trains the torch 
 DEFAULT_PORT = 29500  # torchrun's and DeepSpeed's default master port
 LEARNING_RATE = 1e-4  # build_ds_config's optimizer lr; the Trainer checks its learning_rate against it
 
-# accelerate's mixed_precision and TrainingArguments' bf16/fp16 for each precision recipe. bf16-pure
-# has neither: the model itself is loaded in bf16 (LAUNCH.md says so).
-ACCELERATE_PRECISION = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-pure": "no", "fp32": "no"}
 # transformers' OptimizerNames (transformers/training_args.py) for the planner's optimizers
 TRAINER_OPTIM = {"adamw": "adamw_torch", "sgd": "sgd", "adamw-8bit": "adamw_bnb_8bit"}
 
@@ -127,6 +127,7 @@ def estimate_request_for(req: PlanRequest, c: Candidate) -> EstimateRequest:
                            hsdp_shard_size=explicit_hsdp_shard(c.strategy, c.hsdp_shard_size, req.gpus),
                            topology=req.topology, topology_text=req.topology_text, fabric=req.fabric,
                            nics_per_node=req.nics_per_node, profile=req.profile,
+                           **finetune_fields(req.model_copy(update={"finetune": c.finetune})),
                            **{k: v for k, v in c.parallel.model_dump().items() if k in ("tp", "pp", "cp", "ep") and v > 1})
 
 
@@ -164,6 +165,8 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
         files["ds_config.json"] = json.dumps(config, indent=2) + "\n"
     files["accelerate_config.yaml"] = yaml.safe_dump(accelerate_config(launch), sort_keys=False)
     files["trainer_args.json"] = json.dumps(trainer_arguments(launch), indent=2) + "\n"
+    if setup.finetune is not None:
+        files.update(finetune_files(setup))
     if unavailable is None:
         files["launch.sh"] = _launch_sh(launch)
         files["job.sbatch"] = _sbatch(launch)
@@ -183,17 +186,28 @@ def _torchtitan_file(setup) -> str | None:
     pure data parallelism (the accelerate/Trainer files cover it) and for fp16 (torchtitan's
     mixed_precision_param takes bfloat16 or float32 only)."""
     req = setup.request
-    if setup.strategy.framework != "torch" or max(setup.tp, req.pp, req.cp) == 1 or req.precision not in MIXED_PARAM:
+    if setup.strategy.framework != "torch" or max(setup.tp, req.pp, req.cp) == 1 or setup.recipe.compute not in MIXED_PARAM:
         return None
     dp = setup.world_size // (setup.tp * req.pp * req.cp)
     shard = setup.shard_size if setup.strategy.shards_parameters else 1
     config = torchtitan_config(dp_replicate=dp // shard, dp_shard=shard, tp=setup.tp, pp=req.pp, cp=req.cp,
                                ep=req.ep, pp_schedule=req.pp_schedule, micro_batch=req.micro_batch,
                                gradient_accumulation=req.gradient_accumulation, seq_len=req.seq_len,
-                               precision=req.precision, checkpointing=req.checkpointing,
+                               compute=setup.recipe.compute, checkpointing=req.checkpointing,
                                reshard_after_forward=not setup.strategy.params_unsharded_in_step,
                                model_name=setup.model.name)
     return torchtitan_toml(config)
+
+
+def finetune_files(setup) -> dict[str, str]:
+    """LoRA/QLoRA: the PEFT LoraConfig (``LoraConfig(**json.load(...))``) and, for a quantized base,
+    transformers' BitsAndBytesConfig (``BitsAndBytesConfig(**json.load(...))``, its compute dtype
+    as a string). The planner's trainer reads them from plan.json's request, the same settings."""
+    files = {"lora_config.json": json.dumps(lora_config(setup.finetune), indent=2) + "\n"}
+    quantization = bnb_config(setup.finetune, setup.recipe.compute)
+    if quantization is not None:
+        files["bnb_config.json"] = json.dumps(quantization, indent=2) + "\n"
+    return files
 
 
 # What a plan decides in a ds_config: the rest of a user's config (optimizer hyper-parameters,
@@ -248,8 +262,7 @@ def _keep_users_config(user: dict[str, Any], planned: dict[str, Any]) -> dict[st
     # communication_data_type is modelled only as the training dtype (planner.dsconfig
     # _communication_dtype); with another precision than the config's, the plan's dtype is reduced
     training = "bf16" if "bf16" in planned else "fp16" if "fp16" in planned else "fp32"
-    allowed = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16", "float16", "half"), "fp32": ("fp32", "float32", "float")}
-    if config.get("communication_data_type") not in (None, "auto", *allowed[training]):
+    if config.get("communication_data_type") not in (None, "auto", *DTYPE_SPELLINGS[training]):
         del config["communication_data_type"]
     return config
 
@@ -306,7 +319,7 @@ def accelerate_config(launch: _Launch) -> dict[str, Any]:
             block["deepspeed_multinode_launcher"] = "standard"  # torchrun on every node, no ssh/pdsh
         config["deepspeed_config"] = block
         return config
-    config["mixed_precision"] = ACCELERATE_PRECISION[launch.precision]
+    config["mixed_precision"] = RECIPES[launch.precision].autocast_dtype or "no"
     if distributed == "FSDP":
         config["fsdp_config"] = _fsdp_plugin(launch)
         if launch.replicas > 1:
@@ -342,8 +355,8 @@ def trainer_arguments(launch: _Launch) -> dict[str, Any]:
     args: dict[str, Any] = {
         "per_device_train_batch_size": req.micro_batch,
         "gradient_accumulation_steps": req.gradient_accumulation,
-        "bf16": launch.precision == "bf16-mixed",
-        "fp16": launch.precision == "fp16-mixed",
+        "bf16": RECIPES[launch.precision].autocast_dtype == "bf16",
+        "fp16": RECIPES[launch.precision].autocast_dtype == "fp16",
         "learning_rate": LEARNING_RATE,
         "weight_decay": 0.0,
         "optim": TRAINER_OPTIM[req.optimizer],
@@ -627,6 +640,10 @@ def _guide(launch: _Launch, names: list[str]) -> str:
         "trainer_args.json": "the matching transformers.TrainingArguments keyword arguments",
         "plan.json": "the request and the prediction; `planner verify --plan plan.json` runs it here",
         "torchtitan.toml": "the same degrees as a torchtitan job config (merge into your model's train config)",
+        "lora_config.json": "the PEFT LoraConfig the prediction assumed: `get_peft_model(model, "
+                            "LoraConfig(**json.load(open('lora_config.json'))))`",
+        "bnb_config.json": "the quantized base: `from_pretrained(..., quantization_config=BitsAndBytesConfig("
+                           "**json.load(open('bnb_config.json'))))`, then `prepare_model_for_kbit_training`",
         "LAUNCH.md": "this file",
     }
     script = launch.script.path if launch.script else "your_train.py"
@@ -686,7 +703,7 @@ def _guide(launch: _Launch, names: list[str]) -> str:
                 + (f" --nnodes {req.nodes} --node_rank $NODE_RANK --master_addr $MASTER_ADDR" if req.nodes > 1 else "")
                 + " -m torchtitan.train --job.config_file torchtitan.toml",
                 "```", ""]
-    if launch.precision == "bf16-pure":
+    if RECIPES[launch.precision].casts_model:
         out += ["bf16-pure: load the model in bf16 (`from_pretrained(..., dtype=torch.bfloat16)`); "
                 "no autocast, no fp32 master copy.", ""]
     if launch.framework == "deepspeed":

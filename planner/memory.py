@@ -19,6 +19,7 @@ from planner.architecture import Architecture, parameter_count, parameter_numels
 from planner.catalogue import ResolvedModel, catalogue_model, model_from_config, raw_parameters, with_vision
 from planner.dsconfig import ZeroSettings, batch_from_config, parse_ds_config, with_overrides
 from planner.errors import PlannerError
+from planner.finetune import Finetune, lora_activations, resolve_finetune, trainable_numels, with_frozen
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.moments import PhaseKind
 from planner.parallel import ModelShape, ParallelDims, check_dims, data_parallel_size, dims_for, refuse_unmodelled
@@ -58,6 +59,7 @@ class Setup:
     def cp(self) -> int:
         """Context parallelism: this rank holds seq_len / cp tokens of each sequence."""
         return self.dims.cp
+    finetune: Finetune | None = None  # LoRA / QLoRA (planner/finetune.py); None: full fine-tuning
 
     @property
     def arch(self) -> Architecture | None:
@@ -150,9 +152,11 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     shard = shard_group_size(s, request.gpus, request.nodes, request.hsdp_shard_size)
     dims = _dims(request, s, shard, model)
     check_context_parallel(dims.cp, s.framework, s.name, request.attention, model.architecture)
+    finetune = resolve_finetune(request, model.architecture, s.name, s.framework)
     fields = {"shard_size": shard} | tensor_parallel_fields(request, s, model, shard)
     return Setup(request=request.model_copy(update={"precision": precision} | from_config), model=model, strategy=s,
-                 recipe=RECIPES[precision], gpu=g, zero=zero, world_size=request.world_size, dims=dims, **fields)
+                 recipe=RECIPES[precision], gpu=g, zero=zero, world_size=request.world_size, dims=dims,
+                 finetune=finetune, **fields)
 
 
 def _dims(request: EstimateRequest, s: Strategy, shard: int, model: ResolvedModel) -> ParallelDims:
@@ -183,7 +187,7 @@ def textbook_states(setup: Setup) -> tuple[int, int, int]:
     """(parameters, gradients, optimizer states) in bytes per device, as the ZeRO paper counts
     them: 16-bit weights and grads, K bytes of optimizer state per parameter, each divided over
     the shard group where the strategy shards it, and zero on the device where it is offloaded."""
-    s, r, psi = setup.strategy, setup.recipe, setup.rank_psi
+    s, r, psi = setup.strategy, setup.recipe, trainable_count(setup)
     k_bits = r.master_bits + optimizer_state_bits(setup.request.optimizer)
     params = bits_to_bytes(_shard(psi, setup, s.shards_parameters), r.weight_bits)
     grads = bits_to_bytes(_shard(psi, setup, s.shards_gradients), r.grad_bits)
@@ -203,7 +207,14 @@ def activations(setup: Setup) -> Activations | None:
     if setup.arch is None:
         return None
     req = setup.request
-    compute = 4 if setup.recipe.compute == "fp32" else 2
+    compute = setup.recipe.compute_bytes
+    if setup.finetune is not None:
+        # torch.autocast (ddp with a mixed recipe) keeps PEFT's fp32 adapters: each casts its input
+        adapter_copy = setup.framework.name == "torch" and not setup.strategy.shards_parameters \
+            and setup.recipe.master_bits > 0
+        return lora_activations(setup.arch, setup.finetune, micro_batch=req.micro_batch, seq_len=req.seq_len,
+                                compute_bytes=compute, attention=req.attention, checkpointing=req.checkpointing,
+                                device=setup.device, adapter_copy=adapter_copy)
     arch = setup.arch
     seq_len = req.seq_len // setup.cp  # the rank's two chunks of each sequence under cp
     acts = estimate_activations(arch, micro_batch=req.micro_batch, seq_len=seq_len,
@@ -245,7 +256,14 @@ def traced_setting(micro_batch: int, seq_len: int, compute: str, attention: str,
 
 # --- the orchestrator -----------------------------------------------------------------------
 
+def trainable_count(setup: Setup) -> int:
+    """Parameters with gradients and optimizer states: all of them, or LoRA's adapters."""
+    return setup.rank_psi if setup.finetune is None else sum(trainable_numels(setup.arch, setup.finetune))
+
+
 def _numels(setup: Setup) -> list[int]:
+    if setup.finetune is not None:
+        return trainable_numels(setup.arch, setup.finetune)  # the frozen base: with_frozen
     if setup.model.traced is not None:
         return list(setup.model.traced.numels)
     if setup.rank_architecture is not None:
@@ -260,29 +278,33 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
     params_b, grads_b, optim_b = textbook_states(setup)
     acts = activations(setup)
     plan = setup.framework.phases(setup, acts, _numels(setup))
+    if setup.finetune is not None:
+        plan = with_frozen(plan, setup)
     framework = setup.gpu.cuda_context_bytes
     peak_phase = max(plan.phases, key=lambda p: p.bytes)
     peak = peak_phase.bytes + framework
     resident = plan.resident_bytes + framework
     act_at_peak = sum(i.bytes for i in peak_phase.items if i.component == "activations")
-    textbook_at_peak = params_b + grads_b + optim_b
+    frozen_b = sum(i.bytes for i in plan.resident if i.component == "frozen_weights")
+    textbook_at_peak = params_b + grads_b + optim_b + frozen_b
     buffers_at_peak = max(0, peak_phase.bytes - act_at_peak - textbook_at_peak)
     capacity = _capacity(setup)
-    fits = capacity > 0 and peak <= capacity
-    notes = _notes(setup, acts, plan, peak_phase, capacity, peak)
+    host = _host(setup, plan)
+    fits = capacity > 0 and peak <= capacity and host.fits is not False
+    notes = _notes(setup, acts, plan, peak_phase, capacity, peak) + host_notes(setup, host)
     return EstimateResult(
-        parameters=setup.psi,
+        parameters=setup.psi, trainable_parameters=trainable_count(setup),
         model=ModelSummary(name=setup.model.name, source=setup.model.source, parameters=setup.psi,
                            architecture=setup.model.architecture.model_dump() if setup.model.architecture else None),
         strategy=setup.strategy.name, world_size=setup.world_size, dp_size=setup.dims.dp,
         shard_size=setup.shard_size, parallel=ParallelDegrees(**setup.dims.as_dict()), gpu=setup.gpu.name,
         per_device=PerDevice(
             parameters_bytes=params_b, gradients_bytes=grads_b, optimizer_states_bytes=optim_b,
+            frozen_weights_bytes=frozen_b,
             activations_bytes=act_at_peak if acts is not None else None,
             buffers_bytes=buffers_at_peak, framework_bytes=framework,
             resident_bytes=resident, peak_bytes=peak, peak_phase=peak_phase.name),
-        host=HostMemory(resident_bytes=plan.host_resident_bytes, peak_bytes=plan.host_peak_bytes,
-                        pinned_bytes=plan.host_pinned_bytes),
+        host=host,
         nvme_bytes=plan.nvme_bytes, device_capacity_bytes=capacity, fits=fits,
         headroom_bytes=capacity - peak,
         phases=[_phase_of(PhaseKind.RESIDENT, "between steps (resident)", plan.resident)] + list(plan.phases), buffers=list(plan.buffers),
@@ -298,7 +320,8 @@ def resident_by_component(result: EstimateResult) -> dict[str, int]:
     """The predicted bytes held between steps, by component (the "between steps" phase)."""
     totals = {"parameters": 0, "gradients": 0, "optimizer_states": 0, "buffers": 0}
     for item in result.phases[0].items:
-        totals[item.component if item.component in totals else "buffers"] += item.bytes
+        component = "parameters" if item.component == "frozen_weights" else item.component  # module parameters
+        totals[component if component in totals else "buffers"] += item.bytes
     return totals
 
 
@@ -306,6 +329,46 @@ def _capacity(setup: Setup) -> int:
     if setup.request.device_memory_gib is not None:
         return int(setup.request.device_memory_gib * GIB)
     return setup.gpu.memory_bytes
+
+
+def host_capacity(request: EstimateRequest, g: Gpu) -> tuple[int, str] | None:
+    """(bytes, where from) of one node's host RAM: --host-memory-gib, else the system memory its
+    topology preset's datasheet states (the preset given, or the one --gpu implies); None: unknown.
+    CPU ranks have no separate host: their capacity is the device capacity."""
+    if g.is_cpu:
+        return None
+    if request.host_memory_gib is not None:
+        return int(request.host_memory_gib * GIB), "--host-memory-gib"
+    from planner.presets import default_preset_for, preset
+
+    name = request.topology if request.topology_text is None else None
+    name = name or (default_preset_for(g.name) if request.topology_text is None else None)
+    p = preset(name) if name else None
+    if p is None or p.host_memory_gb is None:
+        return None
+    return p.host_memory_gb * 10**9, f"preset {p.name}: {p.host_memory_source}"
+
+
+def _host(setup: Setup, plan: "buf.PhasePlan") -> HostMemory:
+    known = host_capacity(setup.request, setup.gpu)
+    capacity = known[0] if known else None
+    used = plan.host_peak_bytes > 0
+    return HostMemory(resident_bytes=plan.host_resident_bytes, peak_bytes=plan.host_peak_bytes,
+                      pinned_bytes=plan.host_pinned_bytes, capacity_bytes=capacity,
+                      fits=(plan.host_peak_bytes <= capacity) if used and capacity is not None else None)
+
+
+def host_notes(setup: Setup, host: HostMemory) -> list[str]:
+    """What offload holds in one node's host RAM, against the node's RAM (both numbers named)."""
+    if host.peak_bytes == 0:
+        return []
+    ranks = setup.request.gpus
+    held = f"offload holds {fmt_bytes(host.peak_bytes)} of host RAM per node at its peak (the sum over its {ranks} ranks)"
+    known = host_capacity(setup.request, setup.gpu)
+    if known is None:
+        return [f"host RAM: {held}; the node's RAM is unknown, so it is not checked (give --host-memory-gib)"]
+    verdict = "fits" if host.fits else "does NOT fit"
+    return [f"host RAM {verdict}: {held} vs {fmt_bytes(known[0])} on the node ({known[1]})"]
 
 
 def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_phase: Phase,

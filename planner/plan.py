@@ -21,7 +21,7 @@ from planner.frameworks import framework_of
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.hardware import profile_efficiencies, topology_of
 from planner.layouts import Rejected, cp_degrees, tp_degrees
-from planner.memory import estimate
+from planner.memory import estimate, host_capacity
 from planner.parallel import refuse_unmodelled
 from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanRequest, PlanResult, TopologySummary
 from planner.steptime import Combo, StepSettings, estimate_with_time, step_times
@@ -61,7 +61,7 @@ def _estimate(req: PlanRequest, combo: Combo, micro: int, model_fields: dict) ->
         offload_optimizer=combo.offload_optimizer, offload_params=combo.offload_params,
         hsdp_shard_size=explicit_hsdp_shard(combo.strategy, combo.shard * combo.tp if combo.shard else None,
                                             combo.gpus),
-        **_degree_fields(req, combo)))
+        host_memory_gib=req.host_memory_gib, topology=req.topology, **_degree_fields(req, combo)))
 
 
 def _degree_fields(req: PlanRequest, combo: Combo) -> dict:
@@ -99,6 +99,10 @@ class _Grid:
 
 
 def plan(req: PlanRequest) -> PlanResult:
+    if req.finetune == "auto":
+        from planner.finetune_plan import plan_finetune_auto
+
+        return plan_finetune_auto(req, plan)
     started = wallclock.perf_counter()
     g = lookup_gpu(req.gpu)
     check_precision(g, req.precision)
@@ -109,6 +113,7 @@ def plan(req: PlanRequest) -> PlanResult:
     arch = model.architecture
     model_fields = {"model": req.model} if req.model else {"model_config": req.model_config_}
     model_fields |= {"include_vision": True} if req.include_vision else {}
+    model_fields |= finetune_fields(req)
     world_max = req.gpus * req.nodes
     if req.global_batch % world_max:
         raise PlannerError(f"global_batch({req.global_batch}) is not divisible by gpus({req.gpus}) * "
@@ -141,6 +146,8 @@ def plan(req: PlanRequest) -> PlanResult:
     if req.include_vision:  # say what was counted (the reader's note), as estimate does
         counted = [n for n in arch.notes if "include_vision" in n or "vision_config" in n]
         result = result.model_copy(update={"notes": result.notes + counted})
+    if req.finetune != "full":
+        result = with_finetune(result, req.finetune)
     return result
 
 
@@ -167,6 +174,7 @@ def _evaluate(req: PlanRequest, counts: list[int], g: Gpu, model, topo: Topology
     ordering at a fixed GPU count) cannot be recommended: its memory is not estimated."""
     rows: list[tuple[Combo, int, float, bool, timing.StepTime]] = []
     evaluated = 0
+    host = host_capacity(req, g)  # offload's host RAM per node does not depend on the micro-batch
     for gpus in counts:
         options = layouts if layouts is not None else _layouts(req, gpus, model.architecture, topo)[0]
         best = None
@@ -193,9 +201,16 @@ def _evaluate(req: PlanRequest, counts: list[int], g: Gpu, model, topo: Topology
                         evaluated += micro.size
                         if best is not None and min(t.step_seconds for t in times) >= best:
                             continue
-                        grid = _Grid(combo, _estimate(req, combo, 1, model_fields), _estimate(req, combo, 2, model_fields))
+                        try:
+                            one = _estimate(req, combo, 1, model_fields)
+                            grid = _Grid(combo, one, _estimate(req, combo, 2, model_fields))
+                        except PlannerError:  # a setting the fine-tuning refuses (QLoRA under ZeRO-3, TP, ...)
+                            if req.finetune == "full":
+                                raise
+                            continue
+                        host_ok = host is None or one.host.peak_bytes <= host[0]
                         peaks = grid.peaks(micro)
-                        rows += [(combo, int(mb), float(peaks[k]), bool(peaks[k] <= usable), times[k])
+                        rows += [(combo, int(mb), float(peaks[k]), bool(peaks[k] <= usable and host_ok), times[k])
                                  for k, mb in enumerate(micro)]
     return rows, evaluated
 
@@ -266,6 +281,12 @@ def _reason(combo: Combo, mb: int, peak: float, usable: float, capacity: int, he
     return (f"{_setting(combo, mb)}: {peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable of {capacity / GIB:.1f} GiB "
             f"on each GPU ({headroom:.0%} kept free): {what}the peak is at {d.peak_phase}, largest "
             f"{_peak_items(e)}")
+
+
+def _host_reason(combo: Combo, mb: int, e: EstimateResult, host: tuple[int, str] | None) -> str:
+    capacity, source = host if host else (0, "unknown")
+    return (f"{_setting(combo, mb)}: offload holds {e.host.peak_bytes / GIB:,.1f} GiB of host RAM per node "
+            f"(the sum over its {combo.gpus} ranks) > {capacity / GIB:,.1f} GiB on the node ({source})")
 
 
 def _candidate(combo: Combo, mb: int, per_rank: int, fits: bool, t: timing.StepTime, e: EstimateResult,
@@ -412,7 +433,8 @@ def _rank(req, rows, fewer, usable, capacity, topo, fabric_name, nics, model_fie
         _, mb, peak, fits, t = best[combo]
         per_rank = _per_rank(req, combo)
         e = _estimate(req, combo, mb, model_fields)
-        reason = None if fits else _reason(combo, mb, peak, usable, capacity, req.headroom, e)
+        reason = None if fits else (_reason(combo, mb, peak, usable, capacity, req.headroom, e) if peak > usable
+                                    else _host_reason(combo, mb, e, host_capacity(req, g)))
         candidates.append(_candidate(combo, mb, per_rank, fits, t, e, reason))
     fitting = [c for c in candidates if c.fits]
     recommended = fitting[0] if fitting else None
@@ -492,6 +514,21 @@ def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_field
     return low * unit if low else None
 
 
+def finetune_fields(req: PlanRequest) -> dict:
+    """The plan's fine-tuning as estimate fields (nothing for full fine-tuning)."""
+    if req.finetune == "full":
+        return {}
+    given = {"lora_rank": req.lora_rank, "lora_targets": req.lora_targets, "lora_dropout": req.lora_dropout}
+    return {"finetune": req.finetune} | {k: v for k, v in given.items() if v is not None}
+
+
+def with_finetune(result: PlanResult, method: str) -> PlanResult:
+    update = {"finetune": method}
+    return result.model_copy(update={
+        "candidates": [c.model_copy(update=update) for c in result.candidates],
+        "recommended": result.recommended.model_copy(update=update) if result.recommended else None})
+
+
 def _min_gpus(req: PlanRequest, name: str, usable: float, model_fields: dict) -> int | None:
     """The smallest total GPU count (GPUs per node as given, growing the node count, or fewer GPUs
     on one node) on which the strategy trains at micro-batch 1 with full checkpointing, in any
@@ -510,11 +547,16 @@ def _fits(req: PlanRequest, name: str, usable: float, model_fields: dict, gpus: 
     degrees = {"tp": tp} if tp > 1 else {}
     for shard in shards:
         for off_opt, off_par in (reversed(_offloads(name)) if tp == 1 else [("none", "none")]):  # most offloaded first
-            e = estimate(EstimateRequest(**model_fields, strategy=name, gpus=gpus, nodes=nodes, gpu=req.gpu,
-                                         precision=req.precision, optimizer=req.optimizer, micro_batch=1,
-                                         seq_len=req.seq_len, checkpointing="full", attention=req.attention,
-                                         offload_optimizer=off_opt, offload_params=off_par,
-                                         hsdp_shard_size=explicit_hsdp_shard(name, shard, gpus), **degrees))
+            try:
+                e = estimate(EstimateRequest(**model_fields, strategy=name, gpus=gpus, nodes=nodes, gpu=req.gpu,
+                                             precision=req.precision, optimizer=req.optimizer, micro_batch=1,
+                                             seq_len=req.seq_len, checkpointing="full", attention=req.attention,
+                                             offload_optimizer=off_opt, offload_params=off_par,
+                                             hsdp_shard_size=explicit_hsdp_shard(name, shard, gpus), **degrees))
+            except PlannerError:  # refused for this fine-tuning (see _evaluate)
+                if req.finetune == "full":
+                    raise
+                continue
             if e.per_device.peak_bytes <= usable:
                 return True
     return False

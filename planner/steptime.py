@@ -16,6 +16,7 @@ from planner.frameworks import Buckets, Traffic, framework_of
 from planner.gpus import Gpu, gpu as lookup_gpu
 from planner.hardware import profile_efficiencies, topology_of
 from planner.memory import estimate
+from planner.precision import RECIPES
 from planner.schema import EstimateRequest, EstimateResult, PlanRequest, TimeEstimate
 from planner.strategies import strategy as lookup_strategy
 from planner.topology import Topology
@@ -40,6 +41,36 @@ class Combo:
     tp: int = 1  # tensor-parallel degree: consecutive GPUs of a node (planner/layouts.py)
     cp: int = 1  # context-parallel degree
     sequence_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class TracedShape:
+    """What the time model knows of a model traced outside the core (catalogue.TracedProfile):
+    its parameter count, not its attention widths or routing. Every parameter but the untied
+    input embeddings' lookup is a matmul weight one token meets (a tied head is the embedding
+    matrix used as a matmul), so forward FLOPs per token are 2 x those; attention-score FLOPs
+    (4 x layers x seq x q width) are left out, and an MoE's experts all count as active."""
+
+    matmul_parameters: int
+    block_parameters: int  # the mean block: ZeRO-3's and FSDP's message size
+
+    @classmethod
+    def of(cls, profile) -> "TracedShape":
+        return cls(matmul_parameters=profile.parameters - profile.late_parameters,
+                   block_parameters=max(1, profile.layer_parameters))
+
+    def note(self) -> str:
+        return (f"time model (traced): forward FLOPs per token 2 x {self.matmul_parameters:,} matmul parameters, "
+                "from the traced parameter count; attention-score FLOPs are not counted and every MoE expert "
+                "counts as active, so compute is a lower bound at long sequences and an upper bound for MoE")
+
+
+def _flops_per_token(shape, seq_len: int, checkpointing: str) -> tuple[float, float]:
+    """(FLOPs per token the step runs, recomputation included; FLOPs per token MFU counts)."""
+    if isinstance(shape, TracedShape):
+        forward = 2 * shape.matmul_parameters
+        return forward * (4 if checkpointing == "full" else 3), 3 * forward
+    return timing.flops_per_token(shape, seq_len, checkpointing), timing.model_flops_per_token(shape, seq_len)
 
 
 @dataclass(frozen=True)
@@ -70,7 +101,7 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
 
     combo, buckets = resolved_combo(request)
     per_rank = request.micro_batch * request.gradient_accumulation
-    wb = 4 if request.precision == "fp32" else 2
+    wb = RECIPES[request.precision].wire_bytes
     arch = Architecture.model_validate(result.model.architecture)
     rows = combo_collectives(request.precision, combo, result.parameters // combo.tp, np.array([request.micro_batch]),
                              per_rank, wb, arch, buckets)
@@ -84,10 +115,12 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
     return out
 
 
-def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstimate | None:
-    """The time model for one estimate's configuration (None without an architecture, or on CPU)."""
+def estimate_time(request: EstimateRequest, result: EstimateResult,
+                  traced: TracedShape | None = None) -> TimeEstimate | None:
+    """The time model for one estimate's configuration (None without an architecture or a traced
+    shape, or on CPU)."""
     g = lookup_gpu(request.gpu)
-    if result.model.architecture is None or (g.is_cpu and request.profile is None):
+    if (result.model.architecture is None and traced is None) or (g.is_cpu and request.profile is None):
         return None
     per_rank = request.micro_batch * request.gradient_accumulation
     topo, fabric_name, nics = topology_of(request, g)
@@ -98,8 +131,8 @@ def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstim
                             compute_efficiency=compute_efficiency, link_efficiency=link_efficiency)
     from planner.architecture import Architecture
 
-    combo, buckets = resolved_combo(request)
-    arch = Architecture.model_validate(result.model.architecture)
+    combo, buckets = resolved_combo(request, result.parameters if traced is not None else None)
+    arch = traced if traced is not None else Architecture.model_validate(result.model.architecture)
     t = step_times(settings, combo, np.array([request.micro_batch]), per_rank, result.parameters, arch, g,
                     topo, timing.fabric(fabric_name), nics, buckets)[0]
     return TimeEstimate(step_seconds=t.step_seconds, compute_seconds=t.compute_seconds,
@@ -115,12 +148,14 @@ def estimate_with_time(request: EstimateRequest) -> EstimateResult:
     return result.model_copy(update={"time": estimate_time(result.request, result)})
 
 
-def resolved_combo(request: EstimateRequest) -> tuple[Combo, Buckets]:
+def resolved_combo(request: EstimateRequest, parameters: int | None = None) -> tuple[Combo, Buckets]:
     """One estimate's configuration as the time model takes it, with offload and bucket sizes as
-    resolved (--ds-config included)."""
+    resolved (--ds-config included). ``parameters``: the model's count, for a model resolved
+    outside the core (traced), whose config the core cannot read again."""
+    from planner.catalogue import raw_parameters
     from planner.memory import resolve
 
-    setup = resolve(request)
+    setup = resolve(request, model=raw_parameters(parameters) if parameters is not None else None)
     zero = setup.zero
     shard = setup.dims.dp_shard if lookup_strategy(request.strategy).shard_within_node else None
     combo = Combo(request.gpus, request.strategy, request.checkpointing, zero.offload_optimizer, zero.offload_params,
@@ -137,7 +172,8 @@ def combo_collectives(precision: str, combo: Combo, psi: int, micro: np.ndarray,
     and all-gather buckets (capped by the model), and for ZeRO-3 and FSDP one transformer block
     at a time (the FSDP unit; ZeRO-3 fetches a module's parameters, at most prefetch_bucket_size)."""
     s = lookup_strategy(combo.strategy)
-    block = layer_parameters(arch) if arch is not None else max(psi // 100, 1)
+    block = (arch.block_parameters if isinstance(arch, TracedShape) else layer_parameters(arch)) if arch is not None \
+        else max(psi // 100, 1)
     traffic = Traffic(psi=psi, wire_bytes=wb, block=block, step=np.ones_like(micro, dtype=np.float64),
                       accumulation=per_rank / micro, precision=precision, shard=combo.shard or combo.gpus,
                       buckets=buckets)
@@ -199,7 +235,7 @@ def model_parallel_collectives(precision: str, combo: Combo, arch, per_rank: int
     from planner.context_parallel import cp_collectives
     from planner.tensor_parallel import rank_architecture, tp_collectives
 
-    wb = 4 if precision == "fp32" else 2
+    wb = RECIPES[precision].compute_bytes  # activations cross the TP/CP groups in the compute dtype
     rows = [(what, volume, passes, message, "tp") for what, volume, passes, message in tp_collectives(
         arch, tokens=seq_len // combo.cp, micro_batches=per_rank, b=wb, tp=combo.tp,
         sequence_parallel=combo.sequence_parallel, checkpointing=combo.checkpointing)]
@@ -220,14 +256,13 @@ def _over_group(combo: Combo, group: str, nodes: int, topo: Topology, req: "Step
 
 def step_times(req: "StepSettings", combo: Combo, micro: np.ndarray, per_rank: int, psi: int, arch, g: Gpu,
                 topo: Topology, fabric: dict, nics: int, buckets: Buckets = Buckets()) -> list[timing.StepTime]:
-    wb = 4 if req.precision == "fp32" else 2
-    dtype = "fp32" if req.precision == "fp32" else ("bf16" if req.precision.startswith("bf16") else "fp16")
-    if req.precision == "fp32":
-        dtype = "tf32" if "tf32" in g.peak_tflops else "fp32"
+    wb = RECIPES[req.precision].wire_bytes
+    dtype = RECIPES[req.precision].peak_dtype(g.peak_tflops)
     peak_flops = g.peak_tflops[dtype] * 1e12
     tokens_rank = per_rank * req.seq_len
     model_parallel = combo.tp * combo.cp  # GPUs that share one data-parallel rank's tokens
-    flops = tokens_rank * timing.flops_per_token(arch, req.seq_len, combo.checkpointing) / model_parallel
+    per_token, model_per_token = _flops_per_token(arch, req.seq_len, combo.checkpointing)
+    flops = tokens_rank * per_token / model_parallel
     compute = flops / (peak_flops * req.compute_efficiency)
     ring, ring_bw, _ = timing.node_ring(topo, combo.gpus)
     nodes = req.nodes
@@ -263,7 +298,7 @@ def step_times(req: "StepSettings", combo: Combo, micro: np.ndarray, per_rank: i
     offload = offload_seconds(combo, psi // combo.tp, per_rank / micro, combo.gpus * nodes // combo.tp, wb, g)
     results = []
     world = combo.gpus * nodes
-    model_flops = tokens_rank * timing.model_flops_per_token(arch, req.seq_len) / model_parallel
+    model_flops = tokens_rank * model_per_token / model_parallel
     tokens_per_gpu = tokens_rank / model_parallel
     for k in range(micro.size):
         exposed = max(0.0, float(data_parallel[k]) - window) + float(exposed_model_parallel[k])

@@ -178,6 +178,9 @@ def tensor_parallel_fields(request, strategy, model, shard: int) -> dict:
     tp = request.tp
     if tp == 1:
         return {}
+    if request.finetune != "full":
+        raise PlannerError(f"tp={tp} with finetune {request.finetune}: LoRA/QLoRA under tensor parallelism is not "
+                           "modelled (the adapters' split follows the base's); use tp 1")
     arch = model.architecture
     if arch is None or model.traced is not None:
         raise PlannerError(f"tp={tp}: splitting layers over tensor-parallel ranks needs the architecture "

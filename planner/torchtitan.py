@@ -16,7 +16,8 @@ from typing import Any
 
 # torch.distributed.pipelining's schedule class names, as torchtitan's pipeline_parallel_schedule takes them
 PP_SCHEDULES = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B", "gpipe": "GPipe"}
-MIXED_PARAM = {"bf16-mixed": "bfloat16", "bf16-pure": "bfloat16", "fp32": "float32"}
+# training.mixed_precision_param by the recipe's compute dtype (torchtitan takes bfloat16 or float32 only)
+MIXED_PARAM = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 def _value(value: Any) -> str:
@@ -29,7 +30,7 @@ def _value(value: Any) -> str:
 
 def torchtitan_config(*, dp_replicate: int, dp_shard: int, tp: int, pp: int, cp: int, ep: int,
                       pp_schedule: str, micro_batch: int, gradient_accumulation: int, seq_len: int,
-                      precision: str, checkpointing: str, reshard_after_forward: bool,
+                      compute: str, checkpointing: str, reshard_after_forward: bool,
                       model_name: str) -> dict[str, dict[str, Any]]:
     """The sections and values of the job config (what ``torchtitan_toml`` writes)."""
     dp = dp_replicate * dp_shard
@@ -54,7 +55,7 @@ def torchtitan_config(*, dp_replicate: int, dp_shard: int, tp: int, pp: int, cp:
         "job": {"description": f"{model_name}: planner layout dp_replicate {dp_replicate} x dp_shard {dp_shard} "
                                f"x cp {cp} x tp {tp} x pp {pp}"},
         "training": {"local_batch_size": local, "global_batch_size": micro_batch * gradient_accumulation * dp,
-                     "seq_len": seq_len, "mixed_precision_param": MIXED_PARAM.get(precision, "bfloat16")},
+                     "seq_len": seq_len, "mixed_precision_param": MIXED_PARAM[compute]},
         "parallelism": parallelism,
         "activation_checkpoint": {"mode": "full" if checkpointing == "full" else "none"},
     }
