@@ -27,7 +27,8 @@ def _logits_share(fields) -> float:
     """Share of the predicted peak that is the loss's fp32 tokens x vocab tensors (the saved
     log-probabilities and the two gradients of the loss's backward)."""
     request = EstimateRequest(**fields)
-    tokens, vocab = request.micro_batch * request.seq_len, _vocab(fields)
+    # a vocab-parallel rank (tp > 1, loss_parallel) holds 1/tp of them
+    tokens, vocab = request.micro_batch * request.seq_len, _vocab(fields) // request.tp
     return 3 * FP32 * tokens * vocab / estimate(request).per_device.peak_bytes
 
 
