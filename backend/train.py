@@ -357,7 +357,13 @@ def run_rank(job: dict[str, Any], rank: int) -> dict[str, Any]:
         torch.cuda.set_device(device)
     _init_distributed(job)
     progress = _progress_writer(job, rank)
-    if device.type == "cpu":
+    if job.get("pipeline") and device.type == "cpu":
+        from backend.train_pipeline import run_pipeline_cpu
+
+        measured = run_pipeline_cpu(job, device, progress)
+    elif job.get("pipeline"):
+        raise RuntimeError("pipeline-parallel verification runs on CPU ranks (--gpu cpu)")
+    elif device.type == "cpu":
         measured = _run_profiled_cpu(job, device, progress)
     else:
         measured = _run_cuda(job, device, progress)
