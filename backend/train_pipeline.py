@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from backend.train import (COUNTER, STEP_MARK, _median, _tokens_per_second, build_model, count_every_thread,
-                           resident_by_category, summarize_timeline, synthetic_batch)
+from backend.train import (COUNTER, STEP_MARK, _median, _tokens_per_second, _write_last_step_events, build_model,
+                           count_every_thread, live_at, resident_by_category, summarize_timeline, synthetic_batch)
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
 
@@ -185,7 +185,9 @@ def _pipeline_step(job: dict[str, Any], schedule, engine: PipelineEngine, first_
 
 def run_pipeline_cpu(job: dict[str, Any], device: torch.device, progress) -> dict[str, Any]:
     count_every_thread()
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    trace = bool(job.get("trace_peak"))
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                      with_stack=trace)
     warmup, total = int(job["warmup_steps"]), int(job["warmup_steps"]) + int(job["steps"])
     step_seconds: list[float] = []
     with profiler:
@@ -209,6 +211,10 @@ def run_pipeline_cpu(job: dict[str, Any], device: torch.device, progress) -> dic
     timeline["tokens_per_second"] = _tokens_per_second(job, timeline["step_seconds"])
     timeline["all_step_seconds"] = step_seconds
     timeline["pipeline"] = dict(job["pipeline"], first_stage=first_rank, last_stage=last_rank)
+    if trace:
+        timeline["live_at_peak"] = live_at(profiler, timeline["peak_time_ns"])
+        timeline["live_at_end"] = live_at(profiler, timeline["end_time_ns"])
+        _write_last_step_events(profiler, job, int(os.environ.get("RANK", "0")))
     return timeline
 
 
