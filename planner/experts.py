@@ -1,0 +1,145 @@
+"""Expert parallelism: routed experts sharded over the ep group, token dispatch and combine (issue 12).
+
+As torchtitan composes it (torchtitan/distributed/parallel_dims.py, expert_parallel.py): the ep
+group borrows its ranks from dp_shard x cp, so ep must divide dp_shard * cp and does not multiply
+the world. Each rank of the group holds ``num_experts / ep`` routed experts of every MoE block;
+the router (gate) and the shared experts are replicated over the group like the dense weights.
+Under FSDP the routed experts are further sharded over dp_shard * cp / ep, the rest over
+dp_shard * cp.
+
+Tokens reach their experts by an all-to-all before the experts (dispatch) and come back by
+another after them (combine); backward runs the two again in reverse (Lepikhin et al. 2020,
+"GShard", Sec. 3.2; Fedus et al. 2021, "Switch Transformers", Sec. 2.2). Each all-to-all moves
+``tokens x experts_per_token x hidden`` elements of the compute dtype per rank and holds a send
+and a receive buffer of that size while it runs. Dropless routing (torchtitan, Megablocks)
+sends exactly the routed tokens (the mean is counted: the imbalance of a step is data);
+capacity-factor routing pads every expert to ``ceil(cf x tokens x k / E)`` slots (GShard), so
+buffers and the experts' saved inputs grow by ``cf``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.architecture import Architecture, layer_specs
+from planner.errors import PlannerError
+from planner.layers import MlpSpec, mlp_numels
+
+
+def routed_numels(m: MlpSpec, hidden: int) -> int:
+    """Elements of one MoE block's routed experts (gate/up and down, with their biases)."""
+    if not m.is_moe:
+        return 0
+    whole = sum(mlp_numels(m, hidden))
+    router = hidden * m.num_experts + (m.num_experts if m.router_bias else 0)
+    shared = sum(mlp_numels(m.model_copy(update={"num_experts": 0, "experts_per_token": 0,
+                                                 "intermediate_size": m.shared_intermediate_size}), hidden)) \
+        if m.shared_intermediate_size else 0
+    return whole - router - shared
+
+
+def moe_blocks(a: Architecture) -> list[int]:
+    """Indices of the blocks whose MLP is a mixture of experts (dense-then-MoE stacks, MoE every
+    other layer)."""
+    return [i for i, spec in enumerate(layer_specs(a)) if spec.mlp.is_moe]
+
+
+def check_ep(a: Architecture | None, ep: int) -> None:
+    if ep == 1:
+        return
+    if a is None:
+        raise PlannerError(f"ep={ep} needs an architecture (its experts are sharded): give a model, not params")
+    experts = {spec.mlp.num_experts for spec in layer_specs(a) if spec.mlp.is_moe}
+    if not experts:
+        raise PlannerError(f"ep={ep}: model has no routed experts (num_experts 0); expert parallelism needs an MoE model")
+    for count in sorted(experts):
+        if count % ep:
+            raise PlannerError(f"num_experts ({count}) is not divisible by ep ({ep})")
+
+
+@dataclass(frozen=True)
+class ExpertSharding:
+    ep: int
+    routed_elements: int  # all routed expert parameters of the model
+    routed_local_elements: int  # this rank's share, before any FSDP sharding
+    parameters_per_rank: int  # every parameter a rank of the ep group holds
+    moe_layers: int
+
+
+def expert_sharding(a: Architecture, total_parameters: int, ep: int) -> ExpertSharding:
+    check_ep(a, ep)
+    specs = layer_specs(a)
+    routed = sum(routed_numels(spec.mlp, a.hidden_size) for spec in specs)
+    local = routed // ep
+    return ExpertSharding(ep, routed, local, total_parameters - routed + local, len(moe_blocks(a)))
+
+
+def local_numels(a: Architecture, numels_of_block: list[list[int]], ep: int) -> list[list[int]]:
+    """Each block's parameter tensors as one rank of the ep group holds them: the routed experts'
+    (E, ...) tensors cut to E / ep experts."""
+    out = []
+    for spec, numels in zip(layer_specs(a), numels_of_block):
+        m = spec.mlp
+        if not m.is_moe or ep == 1:
+            out.append(list(numels))
+            continue
+        routed = _routed_tensors(m, a.hidden_size)
+        cut, remaining = [], dict(routed)
+        for n in numels:
+            if remaining.get(n, 0) > 0:
+                remaining[n] -= 1
+                cut.append(n // ep)
+            else:
+                cut.append(n)
+        out.append(cut)
+    return out
+
+
+def _routed_tensors(m: MlpSpec, hidden: int) -> dict[int, int]:
+    """The routed experts' tensors of one MoE block (size -> count), as mlp_numels lays them out."""
+    e, inner = m.num_experts, m.intermediate_size
+    up = (2 if m.gated else 1) * inner
+    sizes = [e * up * hidden] + ([e * up] if m.bias else []) + [e * hidden * inner] + ([e * hidden] if m.bias else [])
+    counts: dict[int, int] = {}
+    for size in sizes:
+        counts[size] = counts.get(size, 0) + 1
+    return counts
+
+
+@dataclass(frozen=True)
+class DispatchBuffers:
+    """Per MoE block and micro-batch, in bytes."""
+
+    routed_tokens: int  # token copies one rank sends (= receives, on average) per all-to-all
+    all_to_all_bytes: int  # send + receive buffers live during one all-to-all
+    saved_extra_bytes: int  # what capacity padding adds to the experts' saved inputs
+    sent_bytes: int  # what one all-to-all sends to the other ranks of the group
+
+
+def dispatch_buffers(a: Architecture, tokens: int, compute_bytes: int, ep: int,
+                     capacity_factor: float | None = None) -> DispatchBuffers:
+    """Token dispatch/combine of one MoE block for one micro-batch of ``tokens`` on one rank."""
+    m = next((spec.mlp for spec in layer_specs(a) if spec.mlp.is_moe), None)
+    if m is None or ep == 1:
+        return DispatchBuffers(0, 0, 0, 0)
+    k, e, h = m.experts_per_token, m.num_experts, a.hidden_size
+    routed = tokens * k
+    if capacity_factor is not None:
+        if capacity_factor <= 0:
+            raise PlannerError(f"capacity_factor ({capacity_factor}) must be > 0")
+        slots = e * -(-int(capacity_factor * tokens * k * 1000) // (e * 1000))  # ceil(cf*T*k/E) per expert
+        padded = max(slots, routed) if capacity_factor >= 1 else slots
+    else:
+        padded = routed
+    one = padded * h * compute_bytes
+    return DispatchBuffers(routed_tokens=padded, all_to_all_bytes=2 * one,
+                           saved_extra_bytes=max(0, padded - routed) * h * compute_bytes,
+                           sent_bytes=one * (ep - 1) // ep)
+
+
+def all_to_all_bytes_per_step(a: Architecture, tokens: int, compute_bytes: int, ep: int, micro_batches: int,
+                              capacity_factor: float | None = None) -> int:
+    """Bytes one rank sends over the ep group per step: dispatch and combine in forward, and the
+    two again in backward, for every MoE block and micro-batch."""
+    one = dispatch_buffers(a, tokens, compute_bytes, ep, capacity_factor).sent_bytes
+    return 4 * one * len(moe_blocks(a)) * micro_batches

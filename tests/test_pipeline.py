@@ -1,0 +1,82 @@
+"""Pipeline parallelism: the schedule arithmetic against torch 2.13's own schedules, the stage
+split, the expert sharding, and the refusals (issue 12)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from planner.errors import PlannerError
+from planner.pipeline import bubble_fraction, check_schedule, max_in_flight, rank_actions
+
+
+def _torch_order(actions) -> list[tuple[int, str, int]]:
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B"}
+    return [(a.stage_index, kinds[a.computation_type.name], a.microbatch_index)
+            for a in actions if a is not None and a.computation_type.name in kinds]
+
+
+def _mine(schedule, pp, v, m, rank):
+    return [(a.stage, a.kind, a.micro_batch) for a in rank_actions(schedule, pp, v, m, rank)]
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+@pytest.mark.parametrize("v", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 8, 16, 24])
+def test_interleaved_order_is_torchs(pp, v, m):
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    rounds = max(1, m // pp)
+    if m % rounds:
+        with pytest.raises(PlannerError, match=f"multiple of max\\(1, gradient_accumulation // pp \\({pp}\\)\\) = {rounds}"):
+            check_schedule(pp, "interleaved", v, m, pp * v)
+        return
+    fake = SimpleNamespace(n_local_stages=v, _n_microbatches=m, pp_group_size=pp, microbatches_per_round=m // rounds)
+    for rank in range(pp):
+        expected = _torch_order(schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, rank))
+        assert _mine("interleaved", pp, v, m, rank) == expected
+
+
+@pytest.mark.parametrize("pp,m", [(2, 2), (2, 4), (4, 4), (4, 6), (8, 9)])
+def test_gpipe_order_is_torchs(pp, m):
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    gpipe = schedules.ScheduleGPipe._get_pipeline_order(SimpleNamespace(_num_stages=pp, _n_microbatches=m))
+    for rank in range(pp):
+        assert _mine("gpipe", pp, 1, m, rank) == _torch_order(gpipe[rank])
+
+
+def test_1f1b_order_is_what_torch_runs():
+    # Schedule1F1B._step_microbatches (what runs; its _get_pipeline_order IR is for display and
+    # puts the first steady forward before the first backward): min(m, pp - stage) forwards, then
+    # one backward and one forward, then the cool-down backwards
+    assert _mine("1f1b", 4, 1, 6, 0) == [(0, "F", 0), (0, "F", 1), (0, "F", 2), (0, "F", 3), (0, "B", 0), (0, "F", 4),
+                                         (0, "B", 1), (0, "F", 5), (0, "B", 2), (0, "B", 3), (0, "B", 4), (0, "B", 5)]
+    assert _mine("1f1b", 4, 1, 6, 3) == [(3, "F", 0), (3, "B", 0), (3, "F", 1), (3, "B", 1), (3, "F", 2), (3, "B", 2),
+                                         (3, "F", 3), (3, "B", 3), (3, "F", 4), (3, "B", 4), (3, "F", 5), (3, "B", 5)]
+
+
+def test_micro_batches_in_flight():
+    # gpipe holds every micro-batch; 1F1B min(pp - stage, m) (Schedule1F1B warmup_chunks)
+    assert [max_in_flight("gpipe", 4, 1, 8, r) for r in range(4)] == [8, 8, 8, 8]
+    assert [max_in_flight("1f1b", 4, 1, 8, r) for r in range(4)] == [4, 3, 2, 1]
+    assert [max_in_flight("1f1b", 4, 1, 4, r) for r in range(4)] == [4, 3, 2, 1]
+    # interleaved: the warm-up ((v-1) * m_round + 2 * (pp-1-rank)) plus the first 1F1B forward
+    assert [max_in_flight("interleaved", 4, 2, 8, r) for r in range(4)] == [11, 9, 7, 5]
+    assert max_in_flight("interleaved", 2, 2, 1, 0) == 2  # capped at m * v
+
+
+def test_bubble():
+    assert bubble_fraction(1, 8) == 0.0
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble_fraction(8, 32, 4) < bubble_fraction(8, 32, 1)
+
+
+@pytest.mark.parametrize("args,needle", [
+    ((2, "1f1b", 2, 4, 4), "pp_virtual_stages=2 needs pp_schedule interleaved"),
+    ((2, "gpipe", 1, 4, 5), r"num_hidden_layers \(5\) is not divisible by pp \(2\) x pp_virtual_stages \(1\) = 2"),
+    ((2, "interleaved", 2, 4, 6), r"num_hidden_layers \(6\) is not divisible by pp \(2\) x pp_virtual_stages \(2\) = 4"),
+    ((4, "1f1b", 1, 2, 8), r"gradient_accumulation \(2 micro-batches\) must be at least pp \(4\)"),
+    ((2, "zigzag", 1, 4, 4), "pp_schedule 'zigzag' is unknown"),
+])
+def test_schedule_refusals_name_operands(args, needle):
+    with pytest.raises(PlannerError, match=needle):
+        check_schedule(*args)
