@@ -30,6 +30,7 @@ import torch
 
 from backend.train import (COUNTER, STEP_MARK, _median, _tokens_per_second, _write_last_step_events, build_model,
                            count_every_thread, live_at, resident_by_category, summarize_timeline, synthetic_batch)
+from planner.pipeline import stage_bounds
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
 
@@ -70,18 +71,6 @@ class StageModule(torch.nn.Module):
         if self.lm_head is not None:
             hidden = self.lm_head(self.norm(hidden))
         return hidden
-
-
-def stage_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """Contiguous [first, last) layer ranges, as even as the count allows, extra layers on the
-    earliest stages (the planner refuses an uneven split; this only keeps the trainer total)."""
-    base, extra = divmod(num_layers, stages)
-    bounds, start = [], 0
-    for stage in range(stages):
-        end = start + base + (1 if stage < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
 
 
 def _mesh(pp: int, dp: int):
@@ -135,7 +124,7 @@ def build_pipeline(job: dict[str, Any], device: torch.device):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[settings["compute_dtype"]]
     model = build_model(job)
     stages_total = pp * virtual
-    bounds = stage_layers(len(model.model.layers), stages_total)
+    bounds = stage_bounds(len(model.model.layers), stages_total)  # the planner's (torchtitan's) split
     mine = [pp_rank + k * pp for k in range(virtual)]  # looped placement (schedules.py interleaved)
     modules, stages = [], []
     autocast = dtype if settings["dp_strategy"] != "fsdp" else None

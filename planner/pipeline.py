@@ -60,8 +60,9 @@ def check_schedule(pp: int, schedule: str, virtual_stages: int, micro_batches: i
         raise PlannerError(f"pp_virtual_stages={virtual_stages} needs pp_schedule interleaved; "
                            f"{schedule} runs one stage per rank")
     stages = pp * virtual_stages
-    if num_layers % stages:
-        raise PlannerError(f"num_hidden_layers ({num_layers}) is not divisible by pp ({pp}) x "
+    if num_layers < stages:
+        # torchtitan's generate_split_points: "Total stages cannot be greater than the number of layers"
+        raise PlannerError(f"num_hidden_layers ({num_layers}) is fewer than pp ({pp}) x "
                            f"pp_virtual_stages ({virtual_stages}) = {stages} stages")
     if schedule == "1f1b" and micro_batches < pp:
         # Schedule1F1B.__init__: "Number of microbatches must be greater than or equal to the number of stages"
@@ -134,6 +135,23 @@ def max_in_flight(schedule: str, pp: int, virtual_stages: int, micro_batches: in
     return peak
 
 
+def stage_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """[first, last) blocks of each stage, split as torchtitan does when no split points are
+    given (torchtitan/distributed/pipeline.py generate_split_points): every stage gets
+    ``layers // stages`` blocks, the remainder goes one each to the middle stages (the first
+    holds the embedding, the last the head), and the last stage takes what is left."""
+    base, extra = divmod(num_layers, stages)
+    bounds, start = [], 0
+    for index in range(stages - 1):
+        size = base + (1 if index > 0 and extra > 0 else 0)
+        if index > 0 and extra > 0:
+            extra -= 1
+        bounds.append((start, start + size))
+        start += size
+    bounds.append((start, num_layers))
+    return bounds
+
+
 # --- stages ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -169,7 +187,7 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[St
     a: Architecture = setup.arch
     req = setup.request
     count = pp * virtual_stages
-    per = a.num_layers // count
+    bounds = stage_bounds(a.num_layers, count)
     tokens = req.micro_batch * req.seq_len
     b = 4 if setup.recipe.compute == "fp32" else 2
     attention = "eager" if a.attention_implementation == "eager" else req.attention
@@ -183,7 +201,7 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[St
     head = vocab * h  # the last stage's own copy when the embedding is tied (torchtitan unties)
     out = []
     for index in range(count):
-        first, last = index * per, (index + 1) * per
+        first, last = bounds[index]
         is_first, is_last = index == 0, index == count - 1
         tensors = [n for block in blocks_numels[first:last] for n in block]
         if is_first:
@@ -191,7 +209,7 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[St
         if is_last:
             tensors += norm_numels(a.norm, h) + [head]
         if checkpointed:
-            kept = per * b * tokens * h
+            kept = (last - first) * b * tokens * h
         else:
             kept = sum(block_saved_bytes(a, specs[i], tokens, req.seq_len, req.micro_batch, b, attention,
                                          setup.device) for i in range(first, last))
@@ -391,8 +409,9 @@ def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str,
         plans.append((peak.bytes, resident_bytes, resident, phases))
     worst = max(range(pp), key=lambda i: (plans[i][0], plans[i][1]))
     _, resident_bytes, resident, phases = plans[worst]
-    notes = [f"pipeline: {pp} ranks x {virtual_stages} stage(s) of {a.num_layers // (pp * virtual_stages)} "
-             f"blocks, {schedule} schedule, {setup.request.gradient_accumulation} micro-batches; worst rank "
+    sizes = sorted({s.last_block - s.first_block for s in all_stages})
+    notes = [f"pipeline: {pp} ranks x {virtual_stages} stage(s) of {'-'.join(map(str, sizes))} "
+             f"blocks (torchtitan's split), {schedule} schedule, {setup.request.gradient_accumulation} micro-batches; worst rank "
              f"{worst} (stages {', '.join(map(str, ranks[worst].stages))}), bubble "
              f"{bubble_fraction(pp, setup.request.gradient_accumulation, virtual_stages):.1%} of the step"]
     notes += [f"pipeline rank {r.rank}: stages {list(r.stages)}, {r.parameters:,} parameters, up to {r.in_flight} "

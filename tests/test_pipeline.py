@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from planner.errors import PlannerError
-from planner.pipeline import bubble_fraction, check_schedule, max_in_flight, rank_actions
+from planner.pipeline import bubble_fraction, check_schedule, max_in_flight, rank_actions, stage_bounds
 
 
 def _torch_order(actions) -> list[tuple[int, str, int]]:
@@ -72,11 +72,19 @@ def test_bubble():
 
 @pytest.mark.parametrize("args,needle", [
     ((2, "1f1b", 2, 4, 4), "pp_virtual_stages=2 needs pp_schedule interleaved"),
-    ((2, "gpipe", 1, 4, 5), r"num_hidden_layers \(5\) is not divisible by pp \(2\) x pp_virtual_stages \(1\) = 2"),
-    ((2, "interleaved", 2, 4, 6), r"num_hidden_layers \(6\) is not divisible by pp \(2\) x pp_virtual_stages \(2\) = 4"),
+    ((4, "gpipe", 1, 4, 3), r"num_hidden_layers \(3\) is fewer than pp \(4\) x pp_virtual_stages \(1\) = 4 stages"),
+    ((2, "interleaved", 2, 4, 3), r"num_hidden_layers \(3\) is fewer than pp \(2\) x pp_virtual_stages \(2\) = 4 stages"),
     ((4, "1f1b", 1, 2, 8), r"gradient_accumulation \(2 micro-batches\) must be at least pp \(4\)"),
     ((2, "zigzag", 1, 4, 4), "pp_schedule 'zigzag' is unknown"),
 ])
 def test_schedule_refusals_name_operands(args, needle):
     with pytest.raises(PlannerError, match=needle):
         check_schedule(*args)
+
+
+def test_stage_split_is_torchtitans():
+    # torchtitan generate_split_points: base blocks each, the remainder one each to the middle stages
+    assert stage_bounds(126, 8) == [(0, 15), (15, 31), (31, 47), (47, 63), (63, 79), (79, 95), (95, 111), (111, 126)]
+    assert stage_bounds(32, 4) == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    assert stage_bounds(5, 2) == [(0, 2), (2, 5)]
+    assert stage_bounds(10, 4) == [(0, 2), (2, 5), (5, 8), (8, 10)]
