@@ -143,3 +143,12 @@ def all_to_all_bytes_per_step(a: Architecture, tokens: int, compute_bytes: int, 
     two again in backward, for every MoE block and micro-batch."""
     one = dispatch_buffers(a, tokens, compute_bytes, ep, capacity_factor).sent_bytes
     return 4 * one * len(moe_blocks(a)) * micro_batches
+
+
+def all_to_all_seconds(sent_bytes: int, link_gbps: float, ranks: int, latency_us: float = 0.0) -> float:
+    """One all-to-all over ``ranks``: each rank sends ``sent_bytes`` (its (ep-1)/ep share) through its
+    own link of ``link_gbps`` GB/s, one message per peer (the slowest link the group crosses:
+    NVLink inside a node, the NIC when the group spans nodes)."""
+    if ranks <= 1 or link_gbps <= 0:
+        return 0.0
+    return sent_bytes / (link_gbps * 1e9) + (ranks - 1) * latency_us * 1e-6

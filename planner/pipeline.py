@@ -419,3 +419,35 @@ def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str,
     buffers = [i for i in resident if i.component == "buffers" and i.bytes > 0]
     return PhasePlan(phases=phases, resident_bytes=resident_bytes, buffers=buffers, notes=notes,
                      resident=[i for i in resident if i.bytes > 0]), ranks
+
+
+# --- time --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PipelineTime:
+    compute_seconds: float  # one rank's share of the step's compute, stretched by the bubble
+    bubble_seconds: float
+    p2p_bytes: int  # what one rank sends per step (activations forward, gradients back)
+    p2p_seconds: float
+    exposed_p2p_seconds: float
+
+
+def pipeline_time(replica_compute_seconds: float, pp: int, micro_batches: int, virtual_stages: int,
+                  boundary_bytes: int, link_gbps: float, latency_us: float = 0.0) -> PipelineTime:
+    """A pipeline step on one rank. ``replica_compute_seconds``: the compute of the step's
+    micro-batches through the whole model (one data-parallel replica's work); each rank does
+    1/pp of it, and the synchronous schedule idles a bubble of (p-1)/(m*v+p-1) of the step
+    (Narayanan et al. 2021, Sec. 2.2). ``boundary_bytes``: one micro-batch's activation at a
+    stage boundary (micro_batch x seq x hidden x dtype); every micro-batch crosses each of the
+    rank's v stage boundaries forward and its gradient crosses back. The sends of the steady state
+    overlap compute; those on the fill and the drain are on the critical path, once per boundary
+    of the pp*v - 1 in each direction. ``link_gbps``: the stage link's bandwidth in GB/s (the
+    slowest link between consecutive stages: NVLink inside a node, the NIC across nodes)."""
+    m, v = micro_batches, virtual_stages
+    ideal = replica_compute_seconds / pp
+    fraction = bubble_fraction(pp, m, v)
+    compute = ideal / (1.0 - fraction) if pp > 1 else ideal
+    sends = 2 * m * v if pp > 1 else 0
+    per_send = boundary_bytes / (link_gbps * 1e9) + latency_us * 1e-6 if link_gbps > 0 else 0.0
+    exposed = 2 * (pp * v - 1) * per_send if pp > 1 else 0.0
+    return PipelineTime(compute, compute - ideal, sends * boundary_bytes, sends * per_send, exposed)

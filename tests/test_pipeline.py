@@ -88,3 +88,41 @@ def test_stage_split_is_torchtitans():
     assert stage_bounds(32, 4) == [(0, 8), (8, 16), (16, 24), (24, 32)]
     assert stage_bounds(5, 2) == [(0, 2), (2, 5)]
     assert stage_bounds(10, 4) == [(0, 2), (2, 5), (5, 8), (8, 10)]
+
+
+def test_pipeline_time():
+    from planner.pipeline import pipeline_time
+
+    t = pipeline_time(8.0, pp=4, micro_batches=8, virtual_stages=1, boundary_bytes=2 * 10**9 // 100,
+                      link_gbps=20.0)
+    assert t.compute_seconds == pytest.approx(2.0 * 11 / 8)  # 1/pp of the work, over (1 - 3/11)
+    assert t.bubble_seconds == pytest.approx(2.0 * 3 / 8)
+    assert t.p2p_bytes == 2 * 8 * 2 * 10**7  # m x v boundaries, forward and back
+    assert t.exposed_p2p_seconds == pytest.approx(2 * 3 * 2e7 / 20e9)
+    interleaved = pipeline_time(8.0, pp=4, micro_batches=8, virtual_stages=2, boundary_bytes=2 * 10**7, link_gbps=20.0)
+    assert interleaved.bubble_seconds < t.bubble_seconds and interleaved.p2p_bytes == 2 * t.p2p_bytes
+    assert pipeline_time(8.0, 1, 8, 1, 10**6, 20.0).compute_seconds == 8.0
+
+
+def test_expert_parallel_sharding_and_all_to_all():
+    from planner.architecture import from_hf_config, parameter_numels
+    from planner.experts import all_to_all_bytes_per_step, all_to_all_seconds, dispatch_buffers, expert_sharding
+    from tests.real_runs import DEEPSEEK_V3, LLAMA
+
+    a = from_hf_config(dict(DEEPSEEK_V3))
+    total = sum(parameter_numels(a))
+    s = expert_sharding(a, total, 4)
+    # 2 MoE blocks (first_k_dense_replace 1) of 8 experts x (2 x 128 x 256 gate/up + 128 x 256 down)
+    assert s.moe_layers == 2 and s.routed_elements == 2 * 8 * 3 * 128 * 256
+    assert s.parameters_per_rank == total - s.routed_elements * 3 // 4
+    d = dispatch_buffers(a, tokens=512, compute_bytes=2, ep=4)
+    assert d.all_to_all_bytes == 2 * 512 * 2 * 256 * 2 and d.saved_extra_bytes == 0
+    padded = dispatch_buffers(a, tokens=512, compute_bytes=2, ep=4, capacity_factor=1.25)
+    assert padded.routed_tokens == 1280 and padded.saved_extra_bytes == 256 * 256 * 2
+    # dispatch + combine, forward and backward, per MoE block and micro-batch
+    assert all_to_all_bytes_per_step(a, 512, 2, 4, micro_batches=2) == 4 * d.sent_bytes * 2 * 2
+    assert all_to_all_seconds(10**9, 100.0, 8) == pytest.approx(0.01)
+    with pytest.raises(PlannerError, match=r"num_experts \(8\) is not divisible by ep \(3\)"):
+        expert_sharding(a, total, 3)
+    with pytest.raises(PlannerError, match="no routed experts"):
+        expert_sharding(from_hf_config(dict(LLAMA)), 1, 2)
