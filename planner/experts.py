@@ -152,3 +152,70 @@ def all_to_all_seconds(sent_bytes: int, link_gbps: float, ranks: int, latency_us
     if ranks <= 1 or link_gbps <= 0:
         return 0.0
     return sent_bytes / (link_gbps * 1e9) + (ranks - 1) * latency_us * 1e-6
+
+
+def local_architecture(a: Architecture, ep: int) -> Architecture:
+    """The architecture one rank of the ep group holds: every MoE block with num_experts / ep
+    routed experts (tokens still pick experts_per_token of them: on average a rank computes as
+    many token-expert pairs as without EP). A fresh instance (the memo of ``a`` is not shared)."""
+    if ep == 1:
+        return a
+    data = a.model_dump()
+    data["num_experts"] = a.num_experts // ep if a.num_experts else 0
+    if a.layers:
+        for layer in data["layers"]:
+            if layer["mlp"]["num_experts"]:
+                layer["mlp"]["num_experts"] //= ep
+                # the router still scores every expert: keep its width by the expert count's
+                # groups where routing is group-limited (DeepSeek n_group must divide experts)
+                if layer["mlp"].get("groups") and layer["mlp"]["num_experts"] % layer["mlp"]["groups"]:
+                    layer["mlp"]["groups"] = 0
+                    layer["mlp"]["groups_kept"] = 0
+    return Architecture.model_validate(data)
+
+
+def localize(setup, textbook_states):
+    """(the setup as one rank of the ep group sees the model, items to add to every phase, the
+    transient of one all-to-all). ``textbook_states``: planner.memory.textbook_states (passed in,
+    memory imports this module).
+
+    The frameworks then count the local model: replicated states shrink by the other ranks'
+    experts, as they do. A state the strategy shards over the data-parallel ranks does not: the
+    routed experts are sharded over the expert-data-parallel group (dp_shard * cp / ep, torchtitan
+    parallel_dims ``efsdp``; DeepSpeed's expert data-parallel group), so each rank still holds
+    1 / (dp_shard * cp) of them; that share is added back, with the router's columns for the other
+    ranks' experts (replicated: every rank scores every expert)."""
+    from dataclasses import replace
+
+    from planner.catalogue import ResolvedModel
+    from planner.schema import MemoryItem
+
+    a, ep = setup.arch, setup.dims.ep
+    full = expert_sharding(a, setup.psi, ep)
+    local_arch = local_architecture(a, ep)
+    from planner.architecture import parameter_count
+
+    local_count = parameter_count(local_arch)
+    model = ResolvedModel(name=setup.model.name, source=setup.model.source, config=setup.model.config,
+                          architecture=local_arch, parameters=local_count)
+    local = replace(setup, model=model)
+    full_states = textbook_states(setup)
+    local_states = textbook_states(local)
+    s = setup.strategy
+    sharded = (s.shards_parameters, s.shards_gradients, s.shards_optimizer)
+    back = sum(f - l for f, l, on in zip(full_states, local_states, sharded) if on)
+    router = full.parameters_per_rank - local_count
+    router_bytes = sum(f * router // max(1, setup.psi) for f, on in zip(full_states, sharded) if not on) \
+        if setup.psi else 0
+    items = [MemoryItem(name=f"routed experts' sharded states over the expert-data-parallel group (ep {ep})",
+                        bytes=int(back), component="optimizer_states",
+                        source="torchtitan parallel_dims efsdp mesh; DeepSpeed expert data-parallel group"),
+             MemoryItem(name="router columns of the other ranks' experts (replicated)", bytes=int(max(0, router_bytes)),
+                        component="parameters", source="the gate scores every expert on every rank")]
+    tokens = setup.request.micro_batch * setup.request.seq_len
+    compute = 4 if setup.recipe.compute == "fp32" else 2
+    buffers = dispatch_buffers(a, tokens, compute, ep)
+    transient = MemoryItem(name=f"all-to-all send and receive buffers (dispatch/combine over ep {ep}, dropless)",
+                           bytes=buffers.all_to_all_bytes, component="buffers",
+                           source="GShard Sec. 3.2; torchtitan expert_parallel.py all_to_all_single")
+    return local, [i for i in items if i.bytes > 0], transient
