@@ -70,25 +70,4 @@ def shard_group_size(s: Strategy, gpus_per_node: int, nodes: int, hsdp_shard_siz
 def explicit_hsdp_shard(strategy_name: str, shard: int | None, gpus_per_node: int) -> int | None:
     """The hsdp_shard_size a request must carry for a planned shard group: None when it is the
     default (one node's GPUs) or the strategy is not hsdp."""
-    return shard if strategy_name == "hsdp" and shard != gpus_per_node else None
-
-
-def check_offload(s: Strategy, offload_optimizer: str, offload_params: str) -> None:
-    """Refuse combinations the frameworks do not implement, naming both settings."""
-    if offload_optimizer != "none" and not s.shards_optimizer:
-        raise PlannerError(
-            f"offload_optimizer={offload_optimizer} needs a sharded optimizer (zero1-3 or an FSDP variant); "
-            f"strategy {s.name} keeps the optimizer on the device")
-    if offload_params != "none":
-        if s.name not in ("zero3", "fsdp", "hsdp"):
-            raise PlannerError(
-                f"offload_params={offload_params} needs zero3 (ZeRO-Infinity) or fsdp/hsdp (CPU offload); "
-                f"strategy {s.name} does not offload parameters")
-        if s.framework == "torch" and offload_params == "nvme":
-            raise PlannerError(f"offload_params=nvme is not available with {s.name}: FSDP offloads to CPU only")
-    if s.framework == "torch" and offload_optimizer == "nvme":
-        raise PlannerError(f"offload_optimizer=nvme is not available with {s.name}: FSDP offloads to CPU only")
-    if s.framework == "torch" and s.shards_optimizer and (offload_optimizer == "cpu") != (offload_params == "cpu"):
-        raise PlannerError(
-            f"{s.name} offloads parameters, gradients and optimizer states together (CPUOffload(offload_params=True)); "
-            f"set offload_optimizer and offload_params both to cpu, got {offload_optimizer} and {offload_params}")
+    return shard if strategy(strategy_name).shard_within_node and shard != gpus_per_node else None

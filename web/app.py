@@ -89,7 +89,7 @@ AUTH_ERRORS = {401: {"model": Message, "description": "no token configured, or a
                503: {"model": Message, "description": "the runs database is unusable (not ours, corrupt)"}}
 READ_ERRORS = {401: {"model": Message, "description": "a token is configured and the bearer token is missing or wrong"},
                503: {"model": Message, "description": "the runs database is unusable (not ours, corrupt)"}}
-_FIELD_PREFIX = re.compile(r"^(--)?([A-Za-z_][\w.\[\]-]*)(\(|:| must| is| =)")
+_FIELD_PREFIX = re.compile(r"^(--)?([A-Za-z_][\w.\[\]-]*)(\(|:| must| is| =|=)")
 
 
 def validation_detail(message: str) -> list[dict[str, Any]]:
