@@ -219,3 +219,24 @@ def localize(setup, textbook_states):
                            bytes=buffers.all_to_all_bytes, component="buffers",
                            source="GShard Sec. 3.2; torchtitan expert_parallel.py all_to_all_single")
     return local, [i for i in items if i.bytes > 0], transient
+
+
+def with_items(plan, items, transient):
+    """The plan with the add-back items in every phase and between steps, and one all-to-all's
+    buffers on top at every block's backward (where the combine's backward all-to-all runs)."""
+    from dataclasses import replace as dc_replace
+
+    from planner.moments import PhaseKind
+    from planner.schema import Phase
+
+    during = (PhaseKind.START_OF_BLOCK, PhaseKind.START_OF_BACKWARD, PhaseKind.BACKWARD)
+    phases = []
+    for p in plan.phases:
+        extra = list(items) + ([transient] if transient is not None and transient.bytes and p.kind in during else [])
+        kept = [i for i in p.items + extra if i.bytes > 0]
+        phases.append(Phase(name=p.name, bytes=sum(i.bytes for i in kept), items=kept, kind=p.kind))
+    resident = list(plan.resident) + list(items)
+    notes = list(plan.notes) + ["expert parallelism: each rank holds num_experts / ep routed experts of every MoE "
+                                "block; routing dropless (the mean tokens per expert: a step's imbalance is data)"]
+    return dc_replace(plan, phases=phases, resident=resident,
+                      resident_bytes=plan.resident_bytes + sum(i.bytes for i in items), notes=notes)

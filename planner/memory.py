@@ -215,10 +215,26 @@ def _numels(setup: Setup) -> list[int]:
 
 
 def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> EstimateResult:
-    setup = resolve(request, model)
-    params_b, grads_b, optim_b = textbook_states(setup)
+    setup = whole = resolve(request, model)
+    ep_items, ep_transient = [], None
+    if setup.dims.ep > 1:
+        from planner import experts
+
+        setup, ep_items, ep_transient = experts.localize(setup, textbook_states)
     acts = activations(setup)
-    plan = setup.framework.phases(setup, acts, _numels(setup))
+    if setup.dims.pp > 1:
+        from planner import pipeline
+
+        plan, (params_b, grads_b, optim_b), _ = pipeline.estimate_plan(setup)
+    else:
+        params_b, grads_b, optim_b = textbook_states(setup)
+        plan = setup.framework.phases(setup, acts, _numels(setup))
+    if ep_items or ep_transient is not None:
+        from planner import experts
+
+        plan = experts.with_items(plan, ep_items, ep_transient)
+        params_b += sum(i.bytes for i in ep_items if i.component == "parameters")
+        optim_b += sum(i.bytes for i in ep_items if i.component == "optimizer_states")
     framework = setup.gpu.cuda_context_bytes
     peak_phase = max(plan.phases, key=lambda p: p.bytes)
     peak = peak_phase.bytes + framework
@@ -230,9 +246,9 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
     fits = capacity > 0 and peak <= capacity
     notes = _notes(setup, acts, plan, peak_phase, capacity, peak)
     return EstimateResult(
-        parameters=setup.psi,
-        model=ModelSummary(name=setup.model.name, source=setup.model.source, parameters=setup.psi,
-                           architecture=setup.arch.model_dump() if setup.arch else None),
+        parameters=whole.psi,
+        model=ModelSummary(name=whole.model.name, source=whole.model.source, parameters=whole.psi,
+                           architecture=whole.arch.model_dump() if whole.arch else None),
         strategy=setup.strategy.name, world_size=setup.world_size, dp_size=setup.world_size,
         shard_size=setup.shard_size, parallel=ParallelDegrees(**setup.dims.as_dict()), gpu=setup.gpu.name,
         per_device=PerDevice(

@@ -21,9 +21,7 @@ DEGREE_FIELDS = ("tp", "pp", "cp", "ep")
 # models a dimension removes its line here (planner/memory.py resolve() refuses the rest).
 NOT_MODELLED: dict[str, str] = {
     "tp": "tensor parallelism is not modelled yet",
-    "pp": "pipeline parallelism is not modelled yet",
     "cp": "context parallelism is not modelled yet",
-    "ep": "expert parallelism is not modelled yet",
 }
 
 

@@ -30,6 +30,7 @@ from planner.activations import (FP32, _embedding_saved, _final_norm_saved, _lay
                                  _loss_saved, _loss_transient, _rope_saved, block_saved_bytes)
 from planner.architecture import Architecture, _block_numels, layer_specs, norm_numels
 from planner.errors import PlannerError
+from planner.moments import PhaseKind
 from planner.schema import MemoryItem, Phase
 
 if TYPE_CHECKING:
@@ -259,26 +260,28 @@ def _item(name: str, nbytes: int, component: str, source: str = "") -> MemoryIte
     return MemoryItem(name=name, bytes=int(nbytes), component=component, source=source)
 
 
-def _phase(name: str, items: list[MemoryItem]) -> Phase:
+def _phase(kind: PhaseKind, name: str, items: list[MemoryItem]) -> Phase:
     kept = [i for i in items if i.bytes > 0]
-    return Phase(name=name, bytes=sum(i.bytes for i in kept), items=kept)
+    return Phase(name=name, bytes=sum(i.bytes for i in kept), items=kept, kind=kind)
 
 
 @dataclass(frozen=True)
 class DataParallel:
-    """How a stage's states are held over its data-parallel group (``dp`` ranks)."""
+    """How a stage's states are held over its data-parallel ranks: ``dp`` replicas of the stage,
+    its sharded states divided over ``shard`` of them (dp_shard: all of them, or HSDP's shard group)."""
 
     dp: int
+    shard: int
     shards_parameters: bool
     shards_gradients: bool
     shards_optimizer: bool
 
 
-def data_parallel(setup: "Setup", dp: int) -> DataParallel:
+def data_parallel(setup: "Setup", dp: int, shard: int | None = None) -> DataParallel:
     s = setup.strategy
     if dp == 1:
-        return DataParallel(1, False, False, False)
-    return DataParallel(dp, s.shards_parameters, s.shards_gradients, s.shards_optimizer)
+        return DataParallel(1, 1, False, False, False)
+    return DataParallel(dp, shard or dp, s.shards_parameters, s.shards_gradients, s.shards_optimizer)
 
 
 def _ceil(a: int, b: int) -> int:
@@ -302,9 +305,9 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
     # DeepSpeed's pipeline engine (ZeRO-0/1): 16-bit weights and gradients, fp32 master in the optimizer.
     weight_bits = 32 if torch_framework and (r.master_bits or r.weight_bits == 32) else r.weight_bits
     grad_bits = weight_bits if torch_framework else r.grad_bits
-    weights = bits_to_bytes(_ceil(params, dp.dp) if dp.shards_parameters else params, weight_bits)
+    weights = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_parameters else params, weight_bits)
     states_bits = (0 if torch_framework else r.master_bits) + optimizer_state_bits(req.optimizer)
-    optim = bits_to_bytes(_ceil(params, dp.dp) if dp.shards_optimizer else params, states_bits)
+    optim = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_optimizer else params, states_bits)
     recv = m * sum(s.input_bytes for s in mine)
     grad_recv = m * sum(s.output_bytes for s in mine)
     where = f"stages {', '.join(str(s.index) for s in mine)}" if len(mine) > 1 else f"stage {mine[0].index}"
@@ -355,7 +358,8 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
         name = "backward at the loss" if stage.is_last else "start of a stage's backward"
         items = resident + [gathered, grads_item(), acts_item(),
                             _item("backward transient", stage.transient_bytes, "activations")]
-        candidate = _phase(f"{name} (pipeline, {acts_item().name})", items)
+        kind = PhaseKind.START_OF_BACKWARD if stage.is_last else PhaseKind.START_OF_BLOCK
+        candidate = _phase(kind, f"{name} (pipeline, {acts_item().name})", items)
         if name not in worst or candidate.bytes > worst[name].bytes:
             worst[name] = candidate
         live[stage.index] -= 1
@@ -365,37 +369,77 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
             items = resident + [gathered, grads_item(), acts_item(),
                                 _item("embedding gradient being accumulated", grad_bytes_per * stage.largest_tensor,
                                       "gradients")]
-            candidate = _phase("end of the first stage's backward (pipeline)", items)
+            candidate = _phase(PhaseKind.END_OF_BACKWARD, "end of the first stage's backward (pipeline)", items)
             key = candidate.name
             if key not in worst or candidate.bytes > worst[key].bytes:
                 worst[key] = candidate
     phases.extend(worst.values())
     # After the schedule: the reduction of the gradients over dp, and the optimizer step.
-    grads_full = grad_bits // 8 * (_ceil(params, dp.dp) if dp.shards_gradients else params)
+    grads_full = grad_bits // 8 * (_ceil(params, dp.shard) if dp.shards_gradients else params)
     step_items = resident + [_item("gradients", grads_full, "gradients")]
     if dp.shards_parameters and grads_during is not None:
         reduce_items = resident + [gathered, grads_during,
-                                   _item("sharded gradients (reduce-scatter output)", grad_bits // 8 * _ceil(params, dp.dp),
+                                   _item("sharded gradients (reduce-scatter output)", grad_bits // 8 * _ceil(params, dp.shard),
                                          "gradients")]
-        phases.append(_phase("gradient reduce-scatter over dp (pipeline)", reduce_items))
-    temporaries = 2 * FP32 * (_ceil(largest, dp.dp) if dp.shards_optimizer else largest) \
+        phases.append(_phase(PhaseKind.GRADIENT_ALLREDUCE, "gradient reduce-scatter over dp (pipeline)", reduce_items))
+    temporaries = 2 * FP32 * (_ceil(largest, dp.shard) if dp.shards_optimizer else largest) \
         if req.optimizer.startswith("adamw") and setup.device == "cpu" else 0
     step_items.append(_item("optimizer step temporaries", temporaries, "buffers",
                             "torch/optim/adam.py _single_tensor_adam: sqrt and division, fp32"))
-    phases.append(_phase("optimizer step (pipeline)", step_items))
+    phases.append(_phase(PhaseKind.OPTIMIZER_STEP, "optimizer step (pipeline)", step_items))
     return resident, phases
 
 
-def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str, dp: int) -> tuple["PhasePlan", list[RankMemory]]:
+def check_framework(setup: "Setup", schedule: str) -> None:
+    """What the data-parallel framework's pipeline supports. DeepSpeed's PipelineEngine runs its
+    own 1F1B TrainSchedule (deepspeed/runtime/pipe/schedule.py) with ZeRO stage 0 or 1 only
+    (pipe/engine.py: "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"); torch's
+    pipelining composes with DDP and FSDP2 (torchtitan: FSDP2 / HSDP), every schedule."""
+    s = setup.strategy
+    if setup.zero.offload_optimizer != "none" or setup.zero.offload_params != "none":
+        raise PlannerError("offload with pp > 1: the pipeline model keeps every state on the device; "
+                           "use offload_optimizer none and offload_params none")
+    if s.framework != "deepspeed":
+        return
+    if (s.zero_stage or 0) >= 2:
+        raise PlannerError(f"strategy {s.name} with pp={setup.dims.pp}: DeepSpeed's pipeline engine supports "
+                           "ZeRO stage 0 or 1 only; use zero1, or fsdp (torch pipelining x FSDP2) to shard "
+                           "gradients and parameters")
+    if schedule != "1f1b":
+        raise PlannerError(f"pp_schedule {schedule} with strategy {s.name}: DeepSpeed's pipeline engine runs 1F1B "
+                           "only; use pp_schedule 1f1b, or a torch strategy (ddp, fsdp, hsdp) for torch's "
+                           f"{schedule} schedule")
+
+
+def estimate_plan(setup: "Setup") -> tuple["PhasePlan", tuple[int, int, int], list[RankMemory]]:
+    """The pipeline path of planner.memory.estimate: the worst rank's phases, its (parameters,
+    gradients, optimizer states) bytes, and every rank's summary."""
+    d, req = setup.dims, setup.request
+    check_framework(setup, req.pp_schedule)
+    shard = d.dp_shard if setup.strategy.shards_optimizer or setup.strategy.shards_parameters else d.dp
+    plan, ranks = pipeline_phases(setup, d.pp, req.pp_virtual_stages, req.pp_schedule, d.dp, shard)
+    resident = {i.component: 0 for i in plan.resident}
+    for i in plan.resident:
+        resident[i.component] = resident.get(i.component, 0) + i.bytes
+    step = next(p for p in plan.phases if p.kind == PhaseKind.OPTIMIZER_STEP)
+    grads = sum(i.bytes for i in step.items if i.component == "gradients")
+    return plan, (resident.get("parameters", 0), grads, resident.get("optimizer_states", 0)), ranks
+
+
+def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str, dp: int,
+                    shard: int | None = None) -> tuple["PhasePlan", list[RankMemory]]:
     """The phase plan of the worst rank (highest peak) and a summary of every rank."""
     from planner.buffers import PhasePlan
 
     a = setup.arch
     if a is None:
-        raise PlannerError("pp > 1 needs an architecture (its layers are split into stages): give a model, not params")
+        raise PlannerError(f"pp={pp} needs an architecture (its layers are split into stages): give a model, "
+                           "not params")
+    if setup.model.traced is not None:
+        raise PlannerError(f"pp={pp}: {setup.model.name} is estimated by tracing; its stages cannot be split")
     check_schedule(pp, schedule, virtual_stages, setup.request.gradient_accumulation, a.num_layers)
     all_stages = stages(setup, pp, virtual_stages, dp)
-    parallel = data_parallel(setup, dp)
+    parallel = data_parallel(setup, dp, shard)
     ranks: list[RankMemory] = []
     plans = []
     for rank in range(pp):

@@ -74,9 +74,9 @@ SMALL = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000,
 
 
 def _run(name, model, strategy, precision, *, small=False, ckpt="none", micro=2, seq=128, gpus=2, nodes=1,
-         offload="none"):
+         offload="none", **parallel):
     fields = dict(model_config=model, strategy=strategy, precision=precision, gpus=gpus, gpu="cpu",
-                  micro_batch=micro, seq_len=seq, checkpointing=ckpt)
+                  micro_batch=micro, seq_len=seq, checkpointing=ckpt) | parallel
     if nodes > 1:
         fields["nodes"] = nodes  # torch strategies: every node's ranks on this host (a 2-D mesh)
     if offload != "none":
@@ -117,6 +117,9 @@ CPU_RUNS = [
          micro=1, seq=1024),
     _run("qwen2-v32k-fsdp-bf16-t1024", QWEN2_32K, "fsdp", "bf16-mixed", micro=1, seq=1024),
     _run("gpt2-v50k-ddp-fp32-ckpt-t1024", GPT2_50K, "ddp", "fp32", ckpt="full", micro=2, seq=512),
+    # pipeline parallelism (torch.distributed.pipelining, backend/train_pipeline.py); at one
+    # data-parallel rank no wrapper, over dp > 1 FSDP2
+    _run("llama-pp2-1f1b-fp32-m4", LLAMA, "fsdp", "fp32", pp=2, gradient_accumulation=4),
 ]
 
 # Measured and reported by bench/accuracy.py (not in CI, to keep it short): the rest of the
@@ -165,6 +168,15 @@ BENCH_RUNS = [
     _run("gpt2-v50k-fsdp-fp32-t128", GPT2_50K, "fsdp", "fp32", micro=1, seq=128),
     _run("qwen2-v64k-ddp-fp32-t128", QWEN2_64K, "ddp", "fp32", micro=1, seq=128),
     _run("qwen2-v64k-zero3-fp32-small-t128", QWEN2_64K, "zero3", "fp32", small=True, micro=1, seq=128),
+    # pipeline parallelism: every schedule, autocast, and PP x FSDP2 on a (pp, dp) mesh
+    _run("llama-pp2-gpipe-fp32-m4", LLAMA, "fsdp", "fp32", pp=2, pp_schedule="gpipe", gradient_accumulation=4),
+    _run("llama-pp2-interleaved-v2-fp32-m4", LLAMA, "fsdp", "fp32", pp=2, pp_schedule="interleaved",
+         pp_virtual_stages=2, gradient_accumulation=4),
+    _run("llama-pp2-1f1b-bf16-m4", LLAMA, "fsdp", "bf16-mixed", pp=2, gradient_accumulation=4),
+    _run("llama-pp2-dp2-fsdp-1f1b-bf16-m4", LLAMA, "fsdp", "bf16-mixed", gpus=4, pp=2, gradient_accumulation=4),
+    _run("llama-pp4-1f1b-fp32-m4", LLAMA, "fsdp", "fp32", gpus=4, pp=4, gradient_accumulation=4),
+    _run("llama-pp2-dp2-fsdp-gpipe-fp32-m2", LLAMA, "fsdp", "fp32", gpus=4, pp=2, pp_schedule="gpipe",
+         gradient_accumulation=2),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than
