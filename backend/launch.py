@@ -81,26 +81,26 @@ def _pipeline_settings(setup, request: EstimateRequest) -> dict[str, Any]:
     a (pp, dp) mesh, FSDP2 over dp > 1 or no wrapper at dp = 1, as planner.pipeline models it."""
     d = setup.dims
     if setup.strategy.framework != "torch":
-        raise PlannerError(f"strategy {request.strategy} with pp={d.pp}: verify runs pipeline stages with torch's "
+        raise PlannerError(f"pp={d.pp} with strategy {request.strategy}: verify runs pipeline stages with torch's "
                            "pipelining; DeepSpeed's pipeline engine needs a PipelineModule the probe does not build: "
                            "verify with --strategy fsdp (or ddp at one data-parallel rank)")
     if d.dp > 1 and not setup.strategy.shards_parameters:
         # torch 2.13: DDP under the pipelining schedules fails in its reducer on the second
         # micro-batch ("params_.size() == rebuilt_param_indices_.size() INTERNAL ASSERT FAILED")
-        raise PlannerError(f"strategy {request.strategy} with pp={d.pp} over {d.dp} data-parallel ranks: torch 2.13's "
+        raise PlannerError(f"pp={d.pp} with strategy {request.strategy} over {d.dp} data-parallel ranks: torch 2.13's "
                            "DDP fails under the pipelining schedules; verify with --strategy fsdp (torchtitan's "
                            "composition)")
     if d.dp > 1 and d.dp_replicate > 1:
-        raise PlannerError(f"strategy {request.strategy} with pp={d.pp}: verify shards over one data-parallel "
+        raise PlannerError(f"pp={d.pp} with strategy {request.strategy}: verify shards over one data-parallel "
                            "dimension; use --strategy fsdp")
     if d.tp > 1 or d.cp > 1 or d.ep > 1:
         raise PlannerError(f"pp={d.pp} with tp={d.tp}, cp={d.cp}, ep={d.ep}: the pipeline probe runs pp x dp only")
     if request.precision not in TORCH_COMPUTE_DTYPE:
-        raise PlannerError(f"precision {request.precision} with pp={d.pp}: the pipeline probe trains fp32, or "
+        raise PlannerError(f"precision={request.precision} with pp={d.pp}: the pipeline probe trains fp32, or "
                            "bf16-mixed / fp16-mixed (autocast, or FSDP2's mixed precision)")
     model_type = setup.model.config.get("model_type")
     if model_type not in PIPELINE_FAMILIES:
-        raise PlannerError(f"model_type {model_type!r} with pp={d.pp}: the pipeline probe splits decoders shaped "
+        raise PlannerError(f"pp={d.pp} with model_type {model_type!r}: the pipeline probe splits decoders shaped "
                            f"as Llama (model.embed_tokens, layers, norm, rotary_emb, lm_head): "
                            f"{', '.join(sorted(PIPELINE_FAMILIES))}")
     from planner.architecture import from_hf_config

@@ -51,10 +51,10 @@ def check_ep(a: Architecture | None, ep: int) -> None:
         raise PlannerError(f"ep={ep} needs an architecture (its experts are sharded): give a model, not params")
     experts = {spec.mlp.num_experts for spec in layer_specs(a) if spec.mlp.is_moe}
     if not experts:
-        raise PlannerError(f"ep={ep}: model has no routed experts (num_experts 0); expert parallelism needs an MoE model")
+        raise PlannerError(f"ep={ep}: the model has no routed experts; expert parallelism needs a mixture-of-experts model")
     for count in sorted(experts):
         if count % ep:
-            raise PlannerError(f"num_experts ({count}) is not divisible by ep ({ep})")
+            raise PlannerError(f"num_experts({count}) is not divisible by ep({ep})")
 
 
 @dataclass(frozen=True)
@@ -203,7 +203,24 @@ def localize(setup, textbook_states):
     local_states = textbook_states(local)
     s = setup.strategy
     sharded = (s.shards_parameters, s.shards_gradients, s.shards_optimizer)
-    back = sum(f - l for f, l, on in zip(full_states, local_states, sharded) if on)
+    # weights and optimizer states stay between steps; the sharded gradients exist from the end
+    # of backward to the optimizer step (with_items puts them there). torch keeps them in the
+    # weights' fp32 under the mixed recipes (frameworks/torch_2.py), as a third of the textbook's
+    # 16-bit-weight + 12-byte-state sum.
+    from planner.architecture import parameter_numels
+
+    def resident(of) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for i in of.framework.phases(of, None, parameter_numels(of.arch)).resident:
+            totals[i.component] = totals.get(i.component, 0) + i.bytes
+        return totals
+
+    full_resident, local_resident = resident(setup), resident(local)
+    back = sum(full_resident.get(c, 0) - local_resident.get(c, 0)
+               for c, on in (("parameters", s.shards_parameters), ("optimizer_states", s.shards_optimizer)) if on)
+    grads_back = full_states[1] - local_states[1] if s.shards_gradients else 0
+    if s.framework == "torch" and setup.recipe.master_bits:
+        grads_back *= 2
     router = full.parameters_per_rank - local_count
     router_bytes = sum(f * router // max(1, setup.psi) for f, on in zip(full_states, sharded) if not on) \
         if setup.psi else 0
@@ -218,6 +235,8 @@ def localize(setup, textbook_states):
     transient = MemoryItem(name=f"all-to-all send and receive buffers (dispatch/combine over ep {ep}, dropless)",
                            bytes=buffers.all_to_all_bytes, component="buffers",
                            source="GShard Sec. 3.2; torchtitan expert_parallel.py all_to_all_single")
+    items.append(MemoryItem(name=f"routed experts' sharded gradients over the expert-data-parallel group (ep {ep})",
+                            bytes=int(grads_back), component="gradients", source="after backward, until the step"))
     return local, [i for i in items if i.bytes > 0], transient
 
 
@@ -230,13 +249,16 @@ def with_items(plan, items, transient):
     from planner.schema import Phase
 
     during = (PhaseKind.START_OF_BLOCK, PhaseKind.START_OF_BACKWARD, PhaseKind.BACKWARD)
+    gradients_exist = (PhaseKind.END_OF_BACKWARD, PhaseKind.GRADIENT_ALLREDUCE, PhaseKind.OPTIMIZER_STEP)
+    kept_between = [i for i in items if i.component != "gradients"]
     phases = []
     for p in plan.phases:
-        extra = list(items) + ([transient] if transient is not None and transient.bytes and p.kind in during else [])
+        extra = [i for i in items if i.component != "gradients" or p.kind in gradients_exist]
+        extra += [transient] if transient is not None and transient.bytes and p.kind in during else []
         kept = [i for i in p.items + extra if i.bytes > 0]
         phases.append(Phase(name=p.name, bytes=sum(i.bytes for i in kept), items=kept, kind=p.kind))
-    resident = list(plan.resident) + list(items)
+    resident = list(plan.resident) + kept_between
     notes = list(plan.notes) + ["expert parallelism: each rank holds num_experts / ep routed experts of every MoE "
                                 "block; routing dropless (the mean tokens per expert: a step's imbalance is data)"]
     return dc_replace(plan, phases=phases, resident=resident,
-                      resident_bytes=plan.resident_bytes + sum(i.bytes for i in items), notes=notes)
+                      resident_bytes=plan.resident_bytes + sum(i.bytes for i in kept_between), notes=notes)

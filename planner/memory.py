@@ -235,6 +235,7 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
         plan = experts.with_items(plan, ep_items, ep_transient)
         params_b += sum(i.bytes for i in ep_items if i.component == "parameters")
         optim_b += sum(i.bytes for i in ep_items if i.component == "optimizer_states")
+        grads_b += sum(i.bytes for i in ep_items if i.component == "gradients")
     framework = setup.gpu.cuda_context_bytes
     peak_phase = max(plan.phases, key=lambda p: p.bytes)
     peak = peak_phase.bytes + framework

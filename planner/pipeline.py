@@ -56,25 +56,25 @@ def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> flo
 def check_schedule(pp: int, schedule: str, virtual_stages: int, micro_batches: int, num_layers: int) -> None:
     """Refuse what torch 2.13's schedules refuse, and a layer count the stages do not divide."""
     if schedule not in SCHEDULES:
-        raise PlannerError(f"pp_schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+        raise PlannerError(f"pp_schedule({schedule!r}) is unknown; choose one of {', '.join(SCHEDULES)}")
     if schedule != "interleaved" and virtual_stages != 1:
-        raise PlannerError(f"pp_virtual_stages={virtual_stages} needs pp_schedule interleaved; "
-                           f"{schedule} runs one stage per rank")
+        raise PlannerError(f"pp_virtual_stages({virtual_stages}) needs pp_schedule interleaved, got {schedule}")
     stages = pp * virtual_stages
     if num_layers < stages:
         # torchtitan's generate_split_points: "Total stages cannot be greater than the number of layers"
-        raise PlannerError(f"num_hidden_layers ({num_layers}) is fewer than pp ({pp}) x "
-                           f"pp_virtual_stages ({virtual_stages}) = {stages} stages")
+        raise PlannerError(f"num_layers({num_layers}) is fewer than pp({pp}) * pp_virtual_stages({virtual_stages}) "
+                           f"= {stages} stages")
     if schedule == "1f1b" and micro_batches < pp:
         # Schedule1F1B.__init__: "Number of microbatches must be greater than or equal to the number of stages"
-        raise PlannerError(f"gradient_accumulation ({micro_batches} micro-batches) must be at least pp ({pp}) "
-                           "for pp_schedule 1f1b (torch's Schedule1F1B refuses fewer)")
+        raise PlannerError(f"gradient_accumulation({micro_batches}) micro-batches must be at least pp({pp}) for "
+                           "pp_schedule 1f1b (torch's Schedule1F1B refuses fewer); raise it, or use gpipe")
     if schedule == "interleaved":
         rounds = max(1, micro_batches // pp)
         if micro_batches % rounds:
             # ScheduleInterleaved1F1B.__init__: micro-batches a multiple of the rounds
-            raise PlannerError(f"gradient_accumulation ({micro_batches} micro-batches) must be a multiple of "
-                               f"max(1, gradient_accumulation // pp ({pp})) = {rounds} for pp_schedule interleaved")
+            raise PlannerError(f"gradient_accumulation({micro_batches}) micro-batches must be a multiple of "
+                               f"max(1, gradient_accumulation // pp({pp})) = {rounds} for pp_schedule interleaved "
+                               "(torch's ScheduleInterleaved1F1B)")
 
 
 def rank_actions(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> list[Action]:
@@ -397,16 +397,16 @@ def check_framework(setup: "Setup", schedule: str) -> None:
     pipelining composes with DDP and FSDP2 (torchtitan: FSDP2 / HSDP), every schedule."""
     s = setup.strategy
     if setup.zero.offload_optimizer != "none" or setup.zero.offload_params != "none":
-        raise PlannerError("offload with pp > 1: the pipeline model keeps every state on the device; "
+        raise PlannerError(f"pp={setup.dims.pp} with offload: the pipeline model keeps every state on the device; "
                            "use offload_optimizer none and offload_params none")
     if s.framework != "deepspeed":
         return
     if (s.zero_stage or 0) >= 2:
-        raise PlannerError(f"strategy {s.name} with pp={setup.dims.pp}: DeepSpeed's pipeline engine supports "
+        raise PlannerError(f"pp={setup.dims.pp} with strategy {s.name}: DeepSpeed's pipeline engine supports "
                            "ZeRO stage 0 or 1 only; use zero1, or fsdp (torch pipelining x FSDP2) to shard "
                            "gradients and parameters")
     if schedule != "1f1b":
-        raise PlannerError(f"pp_schedule {schedule} with strategy {s.name}: DeepSpeed's pipeline engine runs 1F1B "
+        raise PlannerError(f"pp_schedule={schedule} with strategy {s.name}: DeepSpeed's pipeline engine runs 1F1B "
                            "only; use pp_schedule 1f1b, or a torch strategy (ddp, fsdp, hsdp) for torch's "
                            f"{schedule} schedule")
 

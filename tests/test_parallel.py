@@ -85,7 +85,6 @@ def test_validator_accepts_a_possible_layout():
 
 @pytest.mark.parametrize("flag, value, message", [
     ("tp", 2, "tp=2: tensor parallelism is not modelled yet"),
-    ("pp", 2, "pp=2: pipeline parallelism is not modelled yet"),
     ("cp", 2, "cp=2: context parallelism is not modelled yet"),
 ])
 def test_unmodelled_degree_is_refused_on_cli_and_api(flag, value, message, capsys, tmp_path, monkeypatch):
@@ -107,11 +106,6 @@ def test_unmodelled_degree_is_refused_on_cli_and_api(flag, value, message, capsy
     assert r.json()["detail"][0]["loc"] == ["body", flag]
     r = client.post("/v1/plan", json={"model": "llama-3-8b", flag: value})
     assert r.status_code == 422 and r.json()["detail"][0]["msg"] == message
-
-
-def test_ep_on_a_moe_model_is_refused_as_not_modelled(capsys):
-    code = main(["estimate", "--model", "mixtral-8x7b", "--ep", "2"])
-    assert code == 2 and capsys.readouterr().err.strip() == "planner: error: ep=2: expert parallelism is not modelled yet"
 
 
 def test_sequence_parallel_without_tp_is_refused(capsys):
