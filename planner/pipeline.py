@@ -495,3 +495,60 @@ def pipeline_time(replica_compute_seconds: float, pp: int, micro_batches: int, v
     per_send = boundary_bytes / (link_gbps * 1e9) + latency_us * 1e-6 if link_gbps > 0 else 0.0
     exposed = 2 * (pp * v - 1) * per_send if pp > 1 else 0.0
     return PipelineTime(compute, compute - ideal, sends * boundary_bytes, sends * per_send, exposed)
+
+
+def _group_link(topo, gpus: int, stride: int, size: int, nic_gbps: float, link_efficiency: float) -> tuple[float, float]:
+    """(GB/s, latency µs) of the slowest link a group of ``size`` ranks ``stride`` apart crosses:
+    inside a node, its bottleneck NVLink/PCIe hop (planner/timing.py ring_over); across nodes, the
+    node's NICs shared by its GPUs, all of which send at once."""
+    from planner import timing
+
+    if stride * (size - 1) < gpus:
+        members = tuple(range(0, stride * size, stride))
+        _, bandwidth, latency = timing.ring_over(topo, members)
+        return bandwidth * link_efficiency, latency
+    return nic_gbps / max(1, gpus), 0.0
+
+
+def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_efficiency: float):
+    """The step time of one rank with pp and ep (planner/steptime.py estimate_time): the compute
+    of its stage stretched by the bubble, and the data-parallel collectives over its stage's
+    parameters only (1/pp of them); point-to-point sends between stages (exposed on the fill and
+    the drain) and the all-to-alls of expert parallelism (planner/experts.py: dispatch and combine
+    in forward, both again in backward, each MoE block and micro-batch; counted exposed: the
+    model overlaps none of them) on the links their groups cross. ``t``: timing.StepTime of the
+    replica without pp and ep."""
+    from dataclasses import replace as dc_replace
+
+    from planner import experts
+
+    d, req = setup.dims, setup.request
+    if d.pp == 1 and d.ep == 1:
+        return t
+    gpus = req.gpus
+    nic_gbps = nics * fabric["gbps"] * fabric["efficiency"] * link_efficiency
+    compute, comm, exposed = t.compute_seconds, t.communication_seconds / d.pp, t.exposed_communication_seconds / d.pp
+    b = 4 if setup.recipe.compute == "fp32" else 2
+    tokens = req.micro_batch * req.seq_len
+    if d.pp > 1:
+        stride = d.world // d.pp  # pp outermost on the mesh (torchtitan ParallelDims)
+        gbps, latency = _group_link(topo, gpus, stride, d.pp, nic_gbps, link_efficiency)
+        boundary = tokens * arch.hidden_size * b // max(1, d.tp * d.cp)
+        p = pipeline_time(t.compute_seconds, d.pp, req.gradient_accumulation, req.pp_virtual_stages, boundary,
+                          gbps, latency)
+        compute = p.compute_seconds
+        comm += p.p2p_seconds
+        exposed += p.exposed_p2p_seconds
+    if d.ep > 1:
+        gbps, latency = _group_link(topo, gpus, d.tp, d.ep, nic_gbps, link_efficiency)
+        layers = len(experts.moe_blocks(arch))
+        sent = experts.all_to_all_bytes_per_step(arch, tokens, b, d.ep, req.gradient_accumulation) // d.pp
+        seconds = experts.all_to_all_seconds(sent, gbps, d.ep, latency) \
+            + 4 * layers * req.gradient_accumulation // d.pp * max(0, d.ep - 2) * latency * 1e-6
+        comm += seconds
+        exposed += seconds
+    step = compute + exposed + t.offload_seconds
+    # ``t`` counts every rank as a replica of the whole model; a pipeline replica spans pp ranks
+    scale = t.step_seconds / step / d.pp
+    return dc_replace(t, compute_seconds=compute, communication_seconds=comm, exposed_communication_seconds=exposed,
+                      step_seconds=step, tokens_per_second=t.tokens_per_second * scale, mfu=t.mfu * scale)

@@ -93,6 +93,11 @@ def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstim
     arch = Architecture.model_validate(result.model.architecture)
     t = step_times(settings, combo, np.array([request.micro_batch]), per_rank, result.parameters, arch, g,
                     topo, timing.fabric(fabric_name), nics, buckets)[0]
+    if request.pp > 1 or request.ep > 1:  # the pipeline bubble, p2p and expert all-to-alls (issue 12)
+        from planner.memory import resolve
+        from planner.pipeline import parallel_step
+
+        t = parallel_step(t, resolve(request), arch, topo, timing.fabric(fabric_name), nics, link_efficiency)
     return TimeEstimate(step_seconds=t.step_seconds, compute_seconds=t.compute_seconds,
                         communication_seconds=t.communication_seconds,
                         exposed_communication_seconds=t.exposed_communication_seconds,

@@ -113,3 +113,21 @@ def test_expert_parallel_shrinks_replicated_experts_not_sharded_ones():
     # dp_shard / ep ranks of the expert-data-parallel group): resident unchanged within the router's columns
     assert abs(fsdp_ep.per_device.resident_bytes - fsdp.per_device.resident_bytes) < 0.01 * fsdp.per_device.resident_bytes
     assert cpu_rank_bytes(zero1_ep, 4)[0] > 0
+
+
+def test_time_has_the_bubble_and_the_all_to_alls():
+    from planner.steptime import estimate_time
+
+    base = dict(model="llama-3.1-8b", strategy="fsdp", gpus=8, micro_batch=1, seq_len=4096, gradient_accumulation=8)
+    flat = estimate(EstimateRequest(**base))
+    piped = estimate(EstimateRequest(**base, pp=2))
+    t1, t2 = estimate_time(flat.request, flat), estimate_time(piped.request, piped)
+    # one replica's compute over 2 stages, stretched by the bubble (pp-1)/(m+pp-1) = 1/9
+    assert t2.compute_seconds == pytest.approx(t1.compute_seconds / 2 * 9 / 8, rel=1e-9)
+    # 4 replicas of 2 stages instead of 8 replicas: tokens per step halve, the step time less than halves
+    assert t2.tokens_per_second == pytest.approx(t1.tokens_per_second * t1.step_seconds / t2.step_seconds / 2)
+    moe = dict(model="qwen3-30b-a3b", strategy="fsdp", gpus=8, micro_batch=1, seq_len=4096)
+    plain, experts = estimate(EstimateRequest(**moe)), estimate(EstimateRequest(**moe, ep=8))
+    ta, tb = estimate_time(plain.request, plain), estimate_time(experts.request, experts)
+    assert tb.exposed_communication_seconds > ta.exposed_communication_seconds
+    assert tb.step_seconds > ta.step_seconds
