@@ -81,8 +81,8 @@ RUNS = [
 
 def predict(run: Published) -> dict:
     """The planner's peak per GPU (GiB) and tokens per second per GPU, or why it cannot say."""
-    from planner.plan import estimate_time
     from planner.memory import estimate
+    from planner.steptime import estimate_time
     from planner.schema import EstimateRequest
 
     try:

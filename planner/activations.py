@@ -425,3 +425,22 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
                        loss_transient_bytes=_loss_transient(a, tokens, b),
                        layer_transient_bytes=_layer_backward_transient(a, tokens, b),
                        num_layers=a.num_layers, checkpointed=checkpointing == "full")
+
+
+@dataclass(frozen=True)
+class EdgeTerms:
+    """The per-micro-batch terms outside the blocks, for a model cut into pipeline stages
+    (planner/pipeline.py): the first stage adds the embedding's, the last the final norm's and the
+    loss's; every stage computes its own RoPE tables."""
+
+    embedding_saved: int
+    final_norm_saved: int
+    loss_saved: int  # without the RoPE tables
+    loss_transient: int
+    rope_saved: int
+    layer_transient: int
+
+
+def edge_terms(a: Architecture, tokens: int, seq_len: int, b: int, device: Device) -> EdgeTerms:
+    return EdgeTerms(_embedding_saved(a, tokens, b, device), _final_norm_saved(a, tokens, b), _loss_saved(a, tokens, b),
+                     _loss_transient(a, tokens, b), _rope_saved(a, seq_len, b), _layer_backward_transient(a, tokens, b))

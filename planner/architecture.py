@@ -183,6 +183,11 @@ def distinct_specs(a: Architecture) -> dict[int, LayerSpec]:
     return memo["_distinct"]
 
 
+def block_numels(a: Architecture) -> list[list[int]]:
+    """Each block's parameter tensors' element counts, in registration order."""
+    return [list(numels) for numels in _block_numels(a)]
+
+
 def _block_numels(a: Architecture) -> list[list[int]]:
     """Each block's parameter numels, computed once per Architecture (the plan search asks often)."""
     memo = _memo(a)

@@ -26,9 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from planner.activations import (FP32, _embedding_saved, _final_norm_saved, _layer_backward_transient,
-                                 _loss_saved, _loss_transient, _rope_saved, block_saved_bytes)
-from planner.architecture import Architecture, _block_numels, layer_specs, norm_numels
+from planner.activations import FP32, block_saved_bytes, edge_terms
+from planner.architecture import Architecture, block_numels, layer_specs, norm_numels
 from planner.errors import PlannerError
 from planner.moments import PhaseKind
 from planner.schema import MemoryItem, Phase
@@ -196,7 +195,8 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[St
     autocast = _autocast(setup, dp)
     h, vocab = a.hidden_size, a.vocab_size
     specs = layer_specs(a)
-    blocks_numels = _block_numels(a)
+    blocks_numels = block_numels(a)
+    edges = edge_terms(a, tokens, req.seq_len, b, setup.device)
     checkpointed = req.checkpointing == "full"
     embedding = vocab * h + a.learned_positions * h
     head = vocab * h  # the last stage's own copy when the embedding is tied (torchtitan unties)
@@ -214,7 +214,7 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[St
         else:
             kept = sum(block_saved_bytes(a, specs[i], tokens, req.seq_len, req.micro_batch, b, attention,
                                          setup.device) for i in range(first, last))
-        acts = kept + _rope_saved(a, req.seq_len, b)
+        acts = kept + edges.rope_saved
         if autocast:
             # torch.autocast casts each linear's weight once per forward and clears its cache when
             # the context exits (torch/amp/autocast_mode.py __exit__): every micro-batch's forward
@@ -225,19 +225,19 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[St
             # the first block's saved input is the receive buffer itself (counted once, as a buffer)
             acts -= (b if checkpointed else stream) * tokens * h
         if is_first:
-            acts += _embedding_saved(a, tokens, b, setup.device)
+            acts += edges.embedding_saved
         if is_last:
             # the loss's saved set (its RoPE share is _rope_saved above) and the logits, the
             # stage's output, kept in fwd_cache until this micro-batch's backward
             logits = b * tokens * vocab  # the LM head's output dtype (autocast or 16-bit weights: 16-bit)
-            acts += _final_norm_saved(a, tokens, b) + _loss_saved(a, tokens, b) + logits
-            transient = _loss_transient(a, tokens, b)
+            acts += edges.final_norm_saved + edges.loss_saved + logits
+            transient = edges.loss_transient
         else:
             acts += stream * tokens * h
-            transient = _layer_backward_transient(a, tokens, b)
+            transient = edges.layer_transient
         if checkpointed:
             one = block_saved_bytes(a, specs[first], tokens, req.seq_len, req.micro_batch, b, attention, setup.device)
-            transient = max(transient, one + _layer_backward_transient(a, tokens, b))
+            transient = max(transient, one + edges.layer_transient)
         out.append(Stage(index, first, last, is_first, is_last, sum(tensors), max(tensors), acts,
                          0 if is_last else stream * tokens * h, 0 if is_first else stream * tokens * h, transient))
     return out
