@@ -355,11 +355,11 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
         if action.kind == "F":
             live[stage.index] = live.get(stage.index, 0) + 1
             continue
-        name = "backward at the loss" if stage.is_last else "start of a stage's backward"
+        name = "loss backward" if stage.is_last else "stage backward"
         items = resident + [gathered, grads_item(), acts_item(),
                             _item("backward transient", stage.transient_bytes, "activations")]
         kind = PhaseKind.START_OF_BACKWARD if stage.is_last else PhaseKind.START_OF_BLOCK
-        candidate = _phase(kind, f"{name} (pipeline, {acts_item().name})", items)
+        candidate = _phase(kind, f"{name}, {sum(live.values())} micro-batches in flight", items)
         if name not in worst or candidate.bytes > worst[name].bytes:
             worst[name] = candidate
         live[stage.index] -= 1
@@ -369,7 +369,7 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
             items = resident + [gathered, grads_item(), acts_item(),
                                 _item("embedding gradient being accumulated", grad_bytes_per * stage.largest_tensor,
                                       "gradients")]
-            candidate = _phase(PhaseKind.END_OF_BACKWARD, "end of the first stage's backward (pipeline)", items)
+            candidate = _phase(PhaseKind.END_OF_BACKWARD, "embedding backward (first stage)", items)
             key = candidate.name
             if key not in worst or candidate.bytes > worst[key].bytes:
                 worst[key] = candidate
@@ -381,12 +381,12 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
         reduce_items = resident + [gathered, grads_during,
                                    _item("sharded gradients (reduce-scatter output)", grad_bits // 8 * _ceil(params, dp.shard),
                                          "gradients")]
-        phases.append(_phase(PhaseKind.GRADIENT_ALLREDUCE, "gradient reduce-scatter over dp (pipeline)", reduce_items))
+        phases.append(_phase(PhaseKind.GRADIENT_ALLREDUCE, "gradient reduce-scatter over dp", reduce_items))
     temporaries = 2 * FP32 * (_ceil(largest, dp.shard) if dp.shards_optimizer else largest) \
         if req.optimizer.startswith("adamw") and setup.device == "cpu" else 0
     step_items.append(_item("optimizer step temporaries", temporaries, "buffers",
                             "torch/optim/adam.py _single_tensor_adam: sqrt and division, fp32"))
-    phases.append(_phase(PhaseKind.OPTIMIZER_STEP, "optimizer step (pipeline)", step_items))
+    phases.append(_phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step_items))
     return resident, phases
 
 
