@@ -629,8 +629,12 @@ def _allocation_site(event) -> str:
     fallback = ""
     while node is not None:
         if node.typed[0] == _EventType.PyCall:
-            name = node.name
-            if any(part in name for part in ("deepspeed/", "transformers/", "backend/")):
+            try:
+                name = node.name
+            except UnicodeDecodeError:  # seen on torch 2.13 for frames of pipelining's p2p threads
+                node = node.parent
+                continue
+            if any(part in name for part in ("deepspeed/", "transformers/", "backend/", "pipelining/")):
                 return name.split("site-packages/")[-1]
             fallback = fallback or name
         elif not fallback and node.typed[0] == _EventType.TorchOp:

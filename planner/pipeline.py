@@ -177,6 +177,27 @@ def _autocast(setup: "Setup", dp: int) -> bool:
             and not (dp > 1 and setup.strategy.shards_parameters))
 
 
+def _autocast_fp32_stream_extra(spec) -> int:
+    """Bytes per token x hidden element a block saves beyond activations.py's 16-bit count when
+    autocast runs it on an fp32 residual stream (fp32 weights: the stage receives fp32, and the
+    embedding's output is fp32). A Llama-style RMSNorm then makes ``x * rsqrt`` in fp32 (saved for
+    the weight's gradient: 2 bytes more than a 16-bit one) and an fp32 output, which autocast casts
+    to bf16 once per linear that reads it, each cast saved by its linear: q, k and v cast it three
+    times, gate and up twice, where activations.py counts one 16-bit copy (torch 2.13 autocast
+    caches only leaf weights' casts, aten/src/ATen/autocast_mode.cpp cached_cast). Measured on the
+    bf16 pipeline runs (tests/real_runs.py llama-pp2-1f1b-bf16-m4, peak trace by site)."""
+    if spec.norm != "rmsnorm" or spec.norm_weight != "cast":
+        return 0
+    attention = spec.attention
+    extra = 2 * spec.norms
+    if attention.kind != "mla" and not attention.fused_qkv:
+        extra += 2 * 2  # k and v cast the normed input again
+    mlp = spec.mlp
+    if not mlp.is_moe and mlp.gated and not mlp.fused_gate_up:
+        extra += 2  # up casts it again beside gate
+    return extra
+
+
 def _stream_bytes(setup: "Setup", dp: int) -> int:
     """Bytes per element of the residual stream between blocks: fp32 when the weights are (fp32
     training, autocast), else the 16-bit compute dtype."""
@@ -216,6 +237,7 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[St
                                          setup.device) for i in range(first, last))
         acts = kept + edges.rope_saved
         if autocast:
+            acts += sum(_autocast_fp32_stream_extra(specs[i]) for i in range(first, last)) * tokens * h
             # torch.autocast casts each linear's weight once per forward and clears its cache when
             # the context exits (torch/amp/autocast_mode.py __exit__): every micro-batch's forward
             # makes its own 16-bit copies, which its graph saves until its backward
