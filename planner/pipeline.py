@@ -372,13 +372,23 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
                      sum(by_index[i].activation_bytes * n for i, n in live.items()), "activations",
                      f"{schedule} schedule, torch 2.13 pipelining/schedules.py")
 
+    # Sends whose work the schedule waits for only at the step's end keep their tensors: ScheduleGPipe
+    # its backward sends (bwd_sends_to_wait), the interleaved runtime every send (send_ops, waited
+    # in _PipelineScheduleRuntime._step_microbatches after the last action); Schedule1F1B waits
+    # for each with the next receive.
+    held = [0]
+
+    def held_item() -> MemoryItem:
+        return _item("sent tensors held until the step ends (p2p works not yet waited)", held[0], "buffers",
+                     "torch 2.13 pipelining/schedules.py: send works waited after the last action")
+
     for action in rank_actions(schedule, pp, virtual_stages, m, rank):
         stage = by_index[action.stage]
         if action.kind == "F":
             live[stage.index] = live.get(stage.index, 0) + 1
             continue
         name = "loss backward" if stage.is_last else "stage backward"
-        items = resident + [gathered, grads_item(), acts_item(),
+        items = resident + [gathered, grads_item(), acts_item(), held_item(),
                             _item("backward transient", stage.transient_bytes, "activations")]
         kind = PhaseKind.START_OF_BACKWARD if stage.is_last else PhaseKind.START_OF_BLOCK
         candidate = _phase(kind, f"{name}, {sum(live.values())} micro-batches in flight", items)
@@ -386,9 +396,13 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
             worst[name] = candidate
         live[stage.index] -= 1
         done.add(stage.index)
+        if schedule != "1f1b":
+            # the gradient of the stage's input, sent back; the runtime (interleaved) also keeps
+            # the stage's output it sent forward
+            held[0] += stage.input_bytes + (stage.output_bytes if schedule == "interleaved" else 0)
         if stage.is_first and len(done) and action.micro_batch > 0:
             # embedding_dense_backward's fresh V x h gradient, added into the accumulated one
-            items = resident + [gathered, grads_item(), acts_item(),
+            items = resident + [gathered, grads_item(), acts_item(), held_item(),
                                 _item("embedding gradient being accumulated", grad_bytes_per * stage.largest_tensor,
                                       "gradients")]
             candidate = _phase(PhaseKind.END_OF_BACKWARD, "embedding backward (first stage)", items)
