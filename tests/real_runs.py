@@ -179,6 +179,7 @@ BENCH_RUNS = [
          gradient_accumulation=2),
     _run("llama-pp2-dp2-fsdp-interleaved-bf16-m4", LLAMA, "fsdp", "bf16-mixed", gpus=4, pp=2,
          pp_schedule="interleaved", pp_virtual_stages=2, gradient_accumulation=4),
+    _run("llama-pp2-1f1b-fp32-ckpt-m4", LLAMA, "fsdp", "fp32", ckpt="full", pp=2, gradient_accumulation=4),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than
