@@ -226,6 +226,8 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
         from planner import pipeline
 
         plan, (params_b, grads_b, optim_b), _ = pipeline.estimate_plan(setup)
+        # a stage's states are sharded over its data-parallel ranks only (notes, shard_size)
+        setup = replace(setup, shard_size=setup.dims.dp_shard if setup.strategy.shards_optimizer else setup.dims.dp)
     else:
         params_b, grads_b, optim_b = textbook_states(setup)
         plan = setup.framework.phases(setup, acts, _numels(setup))
@@ -250,7 +252,7 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
         parameters=whole.psi,
         model=ModelSummary(name=whole.model.name, source=whole.model.source, parameters=whole.psi,
                            architecture=whole.arch.model_dump() if whole.arch else None),
-        strategy=setup.strategy.name, world_size=setup.world_size, dp_size=setup.world_size,
+        strategy=setup.strategy.name, world_size=setup.world_size, dp_size=setup.dims.dp,
         shard_size=setup.shard_size, parallel=ParallelDegrees(**setup.dims.as_dict()), gpu=setup.gpu.name,
         per_device=PerDevice(
             parameters_bytes=params_b, gradients_bytes=grads_b, optimizer_states_bytes=optim_b,
