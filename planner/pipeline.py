@@ -588,3 +588,40 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
     scale = t.step_seconds / step / d.pp
     return dc_replace(t, compute_seconds=compute, communication_seconds=comm, exposed_communication_seconds=exposed,
                       step_seconds=step, tokens_per_second=t.tokens_per_second * scale, mfu=t.mfu * scale)
+
+
+def pipeline_volumes(setup: "Setup", data_parallel_rows: list[dict], rank: int = 0) -> list[dict]:
+    """What one pipeline rank sends per step, as steptime.collective_volumes lists it.
+
+    Over its data-parallel group, its stages' parameters only: FSDP2 gathers them once per step
+    and reduce-scatters the gradients once (pipelining keeps them unsharded across micro-batches,
+    stage.py backward_maybe_with_nosync; the counted run: 3 all-gathers and 3 reduce-scatters of
+    the stage's units); DDP all-reduces them once; DeepSpeed's rows scaled to the stage's share.
+    To its neighbours: each micro-batch's output of every stage it holds but the last (forward),
+    and the gradient of every stage's input but the first's (backward)."""
+    d, req = setup.dims, setup.request
+    m = req.gradient_accumulation
+    mine = [s for s in stages(setup, d.pp, req.pp_virtual_stages, d.dp) if s.index % d.pp == rank]
+    params = sum(s.parameters for s in mine)
+    compute = 4 if setup.recipe.compute == "fp32" else 2
+    rows: list[dict] = []
+    if d.dp > 1 and setup.strategy.framework == "torch":
+        if setup.strategy.shards_parameters:
+            rows += [{"what": "parameter all-gathers", "bytes_per_step": compute * params, "message_bytes":
+                      compute * max(s.parameters for s in mine), "group": "shard"},
+                     {"what": "gradient reduce-scatter", "bytes_per_step": compute * params, "message_bytes":
+                      compute * max(s.parameters for s in mine), "group": "shard"}]
+        else:
+            rows.append({"what": "gradient all-reduce", "bytes_per_step": 4 * params, "message_bytes": 4 * params,
+                         "group": "world"})
+    elif d.dp > 1:
+        rows += [dict(row, bytes_per_step=row["bytes_per_step"] // d.pp) for row in data_parallel_rows]
+    forward = sum(s.output_bytes for s in mine)
+    backward = sum(s.input_bytes for s in mine)
+    if forward:
+        rows.append({"what": "send activations (p2p)", "bytes_per_step": m * forward,
+                     "message_bytes": mine[0].output_bytes or mine[-1].output_bytes, "group": "pp"})
+    if backward:
+        rows.append({"what": "send gradients (p2p)", "bytes_per_step": m * backward,
+                     "message_bytes": mine[-1].input_bytes or mine[0].input_bytes, "group": "pp"})
+    return rows

@@ -71,8 +71,14 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
     arch = Architecture.model_validate(result.model.architecture)
     rows = combo_collectives(request.precision, combo, result.parameters, np.array([request.micro_batch]), per_rank, wb,
                                arch, buckets)
-    return [{"what": what, "bytes_per_step": int(volume[0]), "message_bytes": int(message), "group": group}
-            for what, volume, _, message, group in rows]
+    out = [{"what": what, "bytes_per_step": int(volume[0]), "message_bytes": int(message), "group": group}
+           for what, volume, _, message, group in rows]
+    if request.pp > 1:  # a stage's data-parallel collectives carry its parameters only; p2p between stages
+        from planner.memory import resolve
+        from planner.pipeline import pipeline_volumes
+
+        out = pipeline_volumes(resolve(request), out)
+    return out
 
 
 def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstimate | None:

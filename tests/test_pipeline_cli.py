@@ -131,3 +131,20 @@ def test_time_has_the_bubble_and_the_all_to_alls():
     ta, tb = estimate_time(plain.request, plain), estimate_time(experts.request, experts)
     assert tb.exposed_communication_seconds > ta.exposed_communication_seconds
     assert tb.step_seconds > ta.step_seconds
+
+
+def test_collective_volumes_of_a_pipeline_rank():
+    # what backend/train_pipeline.py counts on rank 0 (stage 0) of the PP x FSDP2 run
+    from planner.steptime import collective_volumes
+
+    fields = dict(model_config=LLAMA, strategy="fsdp", gpu="cpu", micro_batch=2, seq_len=128, gradient_accumulation=4,
+                  pp=2)
+    rows = {r["what"]: r["bytes_per_step"] for r in collective_volumes(EstimateRequest(**fields, gpus=4,
+                                                                                       precision="bf16-mixed"))}
+    stage0 = 4096 * 256 + 2 * 725504  # embedding and two blocks
+    assert rows == {"parameter all-gathers": 2 * stage0, "gradient reduce-scatter": 2 * stage0,
+                    "send activations (p2p)": 4 * 2 * 128 * 256 * 2}
+    rows = {r["what"]: r["bytes_per_step"] for r in collective_volumes(EstimateRequest(
+        **fields, gpus=2, precision="fp32", pp_schedule="interleaved", pp_virtual_stages=2))}
+    # rank 0 holds stages 0 and 2: sends both outputs forward and stage 2's input gradient back
+    assert rows == {"send activations (p2p)": 2 * 4 * 2 * 128 * 256 * 4, "send gradients (p2p)": 4 * 2 * 128 * 256 * 4}
