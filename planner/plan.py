@@ -84,6 +84,10 @@ def plan(req: PlanRequest) -> PlanResult:
     g = lookup_gpu(req.gpu)
     check_precision(g, req.precision)
     refuse_unmodelled(req)  # fixed degrees only, the search over them comes with their memory models
+    for name, what in (("pp", "pipeline"), ("ep", "expert")):
+        if getattr(req, name) > 1:  # modelled by estimate; the plan's candidates do not carry the degree yet
+            raise PlannerError(f"{name}={getattr(req, name)}: the plan does not search {what}-parallel layouts yet; "
+                               f"estimate this layout with `planner estimate --{name} {getattr(req, name)}`")
     model = catalogue_model(req.model) if req.model else model_from_config(req.model_config_)
     if req.include_vision:
         model = with_vision(model)

@@ -148,3 +148,11 @@ def test_collective_volumes_of_a_pipeline_rank():
         **fields, gpus=2, precision="fp32", pp_schedule="interleaved", pp_virtual_stages=2))}
     # rank 0 holds stages 0 and 2: sends both outputs forward and stage 2's input gradient back
     assert rows == {"send activations (p2p)": 2 * 4 * 2 * 128 * 256 * 4, "send gradients (p2p)": 4 * 2 * 128 * 256 * 4}
+
+
+@pytest.mark.parametrize("flag", ["pp", "ep"])
+def test_plan_does_not_ignore_a_fixed_pipeline_or_expert_degree(flag, capsys):
+    code = main(["plan", "--model", "mixtral-8x7b", f"--{flag}", "2"])
+    assert code == 2 and capsys.readouterr().err.strip() == (
+        f"planner: error: {flag}=2: the plan does not search {'pipeline' if flag == 'pp' else 'expert'}-parallel "
+        f"layouts yet; estimate this layout with `planner estimate --{flag} 2`")
