@@ -16,7 +16,7 @@ from typing import Iterator
 from planner.catalogue import UnsupportedModelTypeError, raw_parameters, traced_model
 from planner.memory import estimate, resolve
 from planner.plan import plan
-from planner.steptime import estimate_with_time
+from planner.steptime import TracedShape, estimate_time, estimate_with_time
 from planner.schema import EstimateRequest, EstimateResult, PlanRequest, PlanResult
 
 
@@ -56,7 +56,8 @@ def plan_any(request: PlanRequest) -> PlanResult:
 
 def traced_estimate(request: EstimateRequest, exc: UnsupportedModelTypeError) -> EstimateResult:
     """The estimate of a model the core cannot read: parameters and activations measured by
-    backend/trace.py at this request's setting, fed to the same phase model. No time model."""
+    backend/trace.py at this request's setting, fed to the same phase model; step time from the
+    traced parameter count (steptime.TracedShape)."""
     from backend.trace import cached_count, cached_trace
 
     text = json.dumps(exc.config, sort_keys=True, default=str)
@@ -67,7 +68,10 @@ def traced_estimate(request: EstimateRequest, exc: UnsupportedModelTypeError) ->
         req = setup.request
         profile = cached_trace(text, exc.name, req.micro_batch, req.seq_len, setup.recipe.compute, req.attention,
                                req.checkpointing)
-    return estimate(request, model=traced_model(exc.name, exc.source, profile))
+    result = estimate(request, model=traced_model(exc.name, exc.source, profile))
+    shape = TracedShape.of(profile)
+    time = estimate_time(result.request, result, traced=shape)
+    return result.model_copy(update={"time": time, "notes": result.notes + ([shape.note()] if time else [])})
 
 
 @contextmanager

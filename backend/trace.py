@@ -333,7 +333,6 @@ def trace_profile(config: dict[str, Any], *, micro_batch: int, seq_len: int, com
         *notes,
         *([f"MoE experts as {count.experts} dispatches them: one row per token and routed expert, "
            "so the bytes do not depend on how the router splits the tokens"] if count.experts else []),
-        "no time model: step time needs the analytic architecture's FLOPs",
     )
     return TracedProfile(
         model_type=str(config.get("model_type")), parameters=count.parameters, numels=count.numels,

@@ -409,7 +409,9 @@ def _run_profiled_cpu(job: dict[str, Any], device: torch.device, progress) -> di
     profiler = torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU],
         profile_memory=True,
-        with_stack=trace,  # only to name the source line of each allocation live at the peak
+        # only to name the source line of each allocation live at the peak; trace_stacks False keeps
+        # the op names only (the Python stacks of a whole step can take GBs per rank to post-process)
+        with_stack=trace and bool(job.get("trace_stacks", True)),
     )
     with profiler:
         model = build_model(job)

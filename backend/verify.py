@@ -26,25 +26,24 @@ DEFAULT_TOLERANCE = 0.05
 
 def scale_config(config: dict[str, Any], factor: float) -> tuple[dict[str, Any], str]:
     """Shrink a model for a machine too small for it, keeping its family and shape ratios: fewer
-    layers, fewer heads of the same width (GQA ratio kept), hidden and MLP width in proportion."""
+    layers, fewer heads of the same width (GQA ratio kept), hidden and MLP width in proportion.
+    MoE: fewer experts (never fewer than top-k; whole routing groups), expert widths in proportion;
+    MLA: the q/kv LoRA ranks in proportion, the rope/nope/v head widths kept (fewer heads of the
+    same width, as for any attention); layer patterns (layer_types, dense-first layers,
+    mlp_only_layers, moe_layers, no_rope_layers) cut to the new depth."""
     if not 0 < factor <= 1:
         raise PlannerError(f"--scale must be in (0, 1], got {factor}")
     if factor == 1:
         return config, ""
-    from planner.architecture import from_hf_config
+    from planner.architecture import from_hf_config, layer_specs
 
     a = from_hf_config(config)
-    from planner.architecture import layer_specs
-
-    if any((spec.mlp.is_moe and spec.mlp.layout != "mixtral") or spec.attention.kind == "mla"
-           for spec in layer_specs(a)):
-        raise PlannerError(f"--scale is not supported for {a.model_type} (its expert widths and counts, "
-                           "latent ranks and layer pattern would not shrink with it); verify a smaller "
-                           "config of the family with --model-file")
+    mla = any(spec.attention.kind == "mla" for spec in layer_specs(a))
     group = a.num_attention_heads // a.num_key_value_heads
     kv = max(1, round(a.num_key_value_heads * factor))
     heads = kv * group
-    hidden = heads * a.head_dim
+    # MLA's hidden width is not heads x head width (DeepSeek-V3: 7168 = 128 heads of 56): in proportion
+    hidden = round(a.hidden_size * heads / a.num_attention_heads) if mla else heads * a.head_dim
     inner = max(1, round(a.intermediate_size * hidden / a.hidden_size))
     layers = max(1, round(a.num_layers * factor))
     # a multimodal config (gemma3, llama4, mistral3) is scaled inside its text_config, the part
@@ -64,12 +63,75 @@ def scale_config(config: dict[str, Any], factor: float) -> tuple[dict[str, Any],
         if a.model_type == "falcon":
             scaled.pop("intermediate_size")
             scaled["ffn_hidden_size"] = inner
+    scaled.update(_scaled_widths(config, hidden / a.hidden_size))
+    scaled.update(_scaled_layer_pattern(config, layers))
+    experts = _scaled_experts(a, config, factor) if a.num_experts > 1 else {}
+    scaled.update(experts)
     if config is not outer:
         scaled = dict(outer, text_config=scaled)
+    moe = (f", experts {a.num_experts}->{experts[_expert_key(a, config)]} (top-{a.experts_per_token} kept)"
+           if experts else "")
     note = (f"scaled by {factor}: {a.num_layers}->{layers} layers, hidden {a.hidden_size}->{hidden}, "
-            f"heads {a.num_attention_heads}->{heads} (kv {a.num_key_value_heads}->{kv}), MLP {a.intermediate_size}->{inner}; "
-            "the prediction is for the scaled model")
+            f"heads {a.num_attention_heads}->{heads} (kv {a.num_key_value_heads}->{kv}), MLP {a.intermediate_size}->{inner}"
+            f"{moe}; the prediction is for the scaled model")
     return scaled, note
+
+
+# Widths that scale with the hidden size: expert and dense MLP widths of the MoE families
+# (qwen3_moe/deepseek moe_intermediate_size, llama4's dense intermediate_size_mlp) and MLA's
+# latent ranks (q_lora_rank None stays None: DeepSeek-V2-Lite projects q directly).
+_WIDTHS = ("moe_intermediate_size", "intermediate_size_mlp", "q_lora_rank", "kv_lora_rank")
+
+
+def _scaled_widths(config: dict[str, Any], ratio: float) -> dict[str, int]:
+    return {name: max(1, round(config[name] * ratio)) for name in _WIDTHS
+            if isinstance(config.get(name), int) and not isinstance(config.get(name), bool)}
+
+
+def _scaled_layer_pattern(config: dict[str, Any], layers: int) -> dict[str, Any]:
+    """Per-layer fields cut to the first ``layers`` layers, so that the scaled config keeps the
+    family's pattern (sliding/full, dense-first, NoPE every n-th) and transformers accepts it."""
+    out: dict[str, Any] = {}
+    for name in ("layer_types", "no_rope_layers"):  # one entry per layer
+        if isinstance(config.get(name), list):
+            out[name] = config[name][:layers]
+    for name in ("mlp_only_layers", "moe_layers"):  # layer indices
+        if isinstance(config.get(name), list):
+            out[name] = [i for i in config[name] if isinstance(i, int) and i < layers]
+    if isinstance(config.get("max_window_layers"), int):
+        out["max_window_layers"] = min(config["max_window_layers"], layers)
+    dense_first = config.get("first_k_dense_replace")
+    if isinstance(dense_first, int) and dense_first > 0:
+        # DeepSeek's dense layers first: as many as fit, but at least one MoE layer stays
+        out["first_k_dense_replace"] = min(dense_first, max(0, layers - 1))
+    return out
+
+
+def _expert_key(a, config: dict[str, Any]) -> str:
+    for name in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if name in config:
+            return name
+    return {"qwen3_moe": "num_experts"}.get(a.model_type,
+                                            "n_routed_experts" if a.model_type.startswith("deepseek") else
+                                            "num_local_experts")
+
+
+def _scaled_experts(a, config: dict[str, Any], factor: float) -> dict[str, int]:
+    """Fewer routed experts, never fewer than top-k. DeepSeek's group-limited routing needs whole
+    groups of at least two experts (its per-group top-2 score, modeling_deepseek_v3.py
+    DeepseekV3TopkRouter.get_topk_indices) and enough experts in the kept groups for top-k."""
+    k = a.experts_per_token
+    experts = max(k, round(a.num_experts * factor))
+    out = {_expert_key(a, config): experts}
+    groups, kept = config.get("n_group"), config.get("topk_group")
+    if a.model_type == "deepseek_v3" and groups is None:
+        groups, kept = 8, 4  # DeepseekV3Config's defaults: always group-limited
+    if isinstance(groups, int) and groups > 1 and isinstance(kept, int):
+        groups = min(groups, max(1, experts // 2))
+        kept = min(kept, groups)
+        per_group = max(2, -(-experts // groups), -(-k // kept))
+        out.update({_expert_key(a, config): per_group * groups, "n_group": groups, "topk_group": kept})
+    return out
 
 
 LOCK_DIR = Path("/tmp/planner-locks")  # one per host; PLANNER_LOCK_DIR moves it (for tests only)
@@ -221,6 +283,10 @@ def verify(request: EstimateRequest, *, steps: int = 3, warmup_steps: int = 1, s
     except UnsupportedModelTypeError as exc:
         raise PlannerError(f"{exc.name}: model_type {exc.config.get('model_type')!r} is estimated by tracing only; "
                            "verify trains the families the core reads analytically (see `planner models`)") from None
+    if prediction.host.fits is False:  # the ranks' offload would exhaust the node's RAM: refused, not launched
+        over = next(n for n in prediction.notes if n.startswith("host RAM does NOT fit"))
+        raise PlannerError(f"{over}; verify does not launch a run that exceeds the node's host RAM "
+                           "(less offload, more nodes, or the node's real RAM in --host-memory-gib)")
     check_devices(request)
     store = RunStore(db, create=True)
     store.mark_interrupted()  # only runs whose owner process is gone

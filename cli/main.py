@@ -233,6 +233,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             print(f"planner: note: predicted peak {result.per_device.peak_bytes / 2**30:.2f} GiB does not fit "
                   f"{result.device_capacity_bytes / 2**30:.2f} GiB of {result.gpu}; the files are written as asked",
                   file=sys.stderr)
+        if result.host.fits is False:
+            print(f"planner: note: offload holds {result.host.peak_bytes / 2**30:.2f} GiB of host RAM per node, more "
+                  f"than the node's {result.host.capacity_bytes / 2**30:.2f} GiB; the files are written as asked",
+                  file=sys.stderr)
     if args.json:
         print(result.model_dump_json(indent=2, by_alias=True))
     else:

@@ -40,6 +40,8 @@ def estimate_table(r: EstimateResult) -> str:
         lines += ["", f"  {'per node (offload)':<28} {'GiB':>12} {'GB':>12}",
                   _row("host RAM peak", r.host.peak_bytes), _row("of which pinned", r.host.pinned_bytes),
                   _row("NVMe", r.nvme_bytes)]
+        if r.host.capacity_bytes is not None:
+            lines.append(_row("host RAM of the node", r.host.capacity_bytes))
     if r.time is not None:
         t = r.time
         lines += ["", f"  time per step on {t.topology}: {t.step_seconds:.3f} s (compute {t.compute_seconds:.3f} s, "
@@ -50,9 +52,11 @@ def estimate_table(r: EstimateResult) -> str:
     # what the reader must know about where the numbers come from (a traced model, a GPU the time
     # model only partly knows); the rest of the notes are in --json
     lines += [f"note: {n}" for n in r.notes if n.startswith(CAVEATS)]
+    lines += [n.replace("host RAM does NOT fit", "DOES NOT FIT host RAM", 1) for n in r.notes
+              if n.startswith("host RAM does NOT fit")]
     if r.device_capacity_bytes > 0:
         headroom = r.headroom_bytes
-        verdict = "FITS" if r.fits else "DOES NOT FIT"
+        verdict = "FITS" if d.peak_bytes <= r.device_capacity_bytes else "DOES NOT FIT"  # the device; host above
         lines.append(f"{verdict}: peak {d.peak_bytes / GIB:,.2f} GiB of {r.device_capacity_bytes / GIB:,.2f} GiB "
                      f"on each {r.gpu}; headroom {headroom / GIB:+,.2f} GiB ({headroom / GB:+,.2f} GB)")
     else:

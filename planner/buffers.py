@@ -118,7 +118,9 @@ def _tied_head_elements(arch: "Architecture") -> int:
     tensors live at the embedding's backward, and the head's contribution unreduced through
     every block; on ZeRO-1 (qwen2 fp32, exact) the same sum, with every gradient and the bucket
     live, before the reduction; on FSDP2 (qwen2 fp32 and bf16, exact) the same sum, beside the
-    root's unsharded gradients. ZeRO-3 and DDP were within 3% without the term and do not use it."""
+    root's unsharded gradients; on ZeRO-3 (qwen2 fp32, exact) held through every block, then
+    summed with the embedding's gradient in place (two V x h: frameworks/deepspeed_0_19.py
+    _zero3_embedding_backward). DDP was within 3% without the term and does not use it."""
     return arch.vocab_size * arch.hidden_size if arch.tie_word_embeddings else 0
 
 

@@ -246,8 +246,9 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
     textbook_at_peak = params_b + grads_b + optim_b
     buffers_at_peak = max(0, peak_phase.bytes - act_at_peak - textbook_at_peak)
     capacity = _capacity(setup)
-    fits = capacity > 0 and peak <= capacity
-    notes = _notes(setup, acts, plan, peak_phase, capacity, peak)
+    host = _host(setup, plan)
+    fits = capacity > 0 and peak <= capacity and host.fits is not False
+    notes = _notes(setup, acts, plan, peak_phase, capacity, peak) + host_notes(setup, host)
     return EstimateResult(
         parameters=whole.psi,
         model=ModelSummary(name=whole.model.name, source=whole.model.source, parameters=whole.psi,
@@ -259,8 +260,7 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
             activations_bytes=act_at_peak if acts is not None else None,
             buffers_bytes=buffers_at_peak, framework_bytes=framework,
             resident_bytes=resident, peak_bytes=peak, peak_phase=peak_phase.name),
-        host=HostMemory(resident_bytes=plan.host_resident_bytes, peak_bytes=plan.host_peak_bytes,
-                        pinned_bytes=plan.host_pinned_bytes),
+        host=host,
         nvme_bytes=plan.nvme_bytes, device_capacity_bytes=capacity, fits=fits,
         headroom_bytes=capacity - peak,
         phases=[_phase_of(PhaseKind.RESIDENT, "between steps (resident)", plan.resident)] + list(plan.phases), buffers=list(plan.buffers),
@@ -284,6 +284,46 @@ def _capacity(setup: Setup) -> int:
     if setup.request.device_memory_gib is not None:
         return int(setup.request.device_memory_gib * GIB)
     return setup.gpu.memory_bytes
+
+
+def host_capacity(request: EstimateRequest, g: Gpu) -> tuple[int, str] | None:
+    """(bytes, where from) of one node's host RAM: --host-memory-gib, else the system memory its
+    topology preset's datasheet states (the preset given, or the one --gpu implies); None: unknown.
+    CPU ranks have no separate host: their capacity is the device capacity."""
+    if g.is_cpu:
+        return None
+    if request.host_memory_gib is not None:
+        return int(request.host_memory_gib * GIB), "--host-memory-gib"
+    from planner.presets import default_preset_for, preset
+
+    name = request.topology if request.topology_text is None else None
+    name = name or (default_preset_for(g.name) if request.topology_text is None else None)
+    p = preset(name) if name else None
+    if p is None or p.host_memory_gb is None:
+        return None
+    return p.host_memory_gb * 10**9, f"preset {p.name}: {p.host_memory_source}"
+
+
+def _host(setup: Setup, plan: "buf.PhasePlan") -> HostMemory:
+    known = host_capacity(setup.request, setup.gpu)
+    capacity = known[0] if known else None
+    used = plan.host_peak_bytes > 0
+    return HostMemory(resident_bytes=plan.host_resident_bytes, peak_bytes=plan.host_peak_bytes,
+                      pinned_bytes=plan.host_pinned_bytes, capacity_bytes=capacity,
+                      fits=(plan.host_peak_bytes <= capacity) if used and capacity is not None else None)
+
+
+def host_notes(setup: Setup, host: HostMemory) -> list[str]:
+    """What offload holds in one node's host RAM, against the node's RAM (both numbers named)."""
+    if host.peak_bytes == 0:
+        return []
+    ranks = setup.request.gpus
+    held = f"offload holds {fmt_bytes(host.peak_bytes)} of host RAM per node at its peak (the sum over its {ranks} ranks)"
+    known = host_capacity(setup.request, setup.gpu)
+    if known is None:
+        return [f"host RAM: {held}; the node's RAM is unknown, so it is not checked (give --host-memory-gib)"]
+    verdict = "fits" if host.fits else "does NOT fit"
+    return [f"host RAM {verdict}: {held} vs {fmt_bytes(known[0])} on the node ({known[1]})"]
 
 
 def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_phase: Phase,

@@ -20,7 +20,7 @@ from planner.errors import PlannerError
 from planner.frameworks import framework_of
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.hardware import profile_efficiencies, topology_of
-from planner.memory import estimate
+from planner.memory import estimate, host_capacity
 from planner.parallel import refuse_unmodelled
 from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanRequest, PlanResult, TopologySummary
 from planner.steptime import Combo, StepSettings, estimate_with_time, step_times
@@ -58,7 +58,8 @@ def _estimate(req: PlanRequest, combo: Combo, micro: int, model_fields: dict) ->
         precision=req.precision, optimizer=req.optimizer, micro_batch=micro, seq_len=req.seq_len,
         checkpointing=combo.checkpointing, attention=req.attention,
         offload_optimizer=combo.offload_optimizer, offload_params=combo.offload_params,
-        hsdp_shard_size=explicit_hsdp_shard(combo.strategy, combo.shard, combo.gpus)))
+        hsdp_shard_size=explicit_hsdp_shard(combo.strategy, combo.shard, combo.gpus),
+        host_memory_gib=req.host_memory_gib, topology=req.topology))
 
 
 def _divisors(n: int) -> np.ndarray:
@@ -137,20 +138,23 @@ def _evaluate(req: PlanRequest, counts: list[int], g: Gpu, model, topo: Topology
     """(combo, micro-batch, peak bytes, fits, step time) for every setting on these GPU counts."""
     rows: list[tuple[Combo, int, float, bool, timing.StepTime]] = []
     evaluated = 0
+    host = host_capacity(req, g)  # offload's host RAM per node does not depend on the micro-batch
     for gpus in counts:
         for name in STRATEGIES:
             shards = _hsdp_shards(gpus, req.nodes) if lookup_strategy(name).shard_within_node else [None]
             for shard, ckpt in ((sh, c) for sh in shards for c in ("none", "full")):
                 for off_opt, off_par in _offloads(name):
                     combo = Combo(gpus, name, ckpt, off_opt, off_par, shard)
-                    grid = _Grid(combo, _estimate(req, combo, 1, model_fields), _estimate(req, combo, 2, model_fields))
+                    one = _estimate(req, combo, 1, model_fields)
+                    grid = _Grid(combo, one, _estimate(req, combo, 2, model_fields))
+                    host_ok = host is None or one.host.peak_bytes <= host[0]
                     per_rank = req.global_batch // (gpus * req.nodes)
                     micro = _divisors(per_rank)
                     peaks = grid.peaks(micro)
                     times = step_times(StepSettings.of(req), combo, micro, per_rank, model.parameters, model.architecture, g, topo,
                                         fabric, nics)
                     evaluated += micro.size
-                    rows += [(combo, int(mb), float(peaks[k]), bool(peaks[k] <= usable), times[k])
+                    rows += [(combo, int(mb), float(peaks[k]), bool(peaks[k] <= usable and host_ok), times[k])
                              for k, mb in enumerate(micro)]
     return rows, evaluated
 
@@ -185,6 +189,12 @@ def _reason(combo: Combo, mb: int, peak: float, usable: float, capacity: int, he
     return (f"{_setting(combo, mb)}: {peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable of {capacity / GIB:.1f} GiB "
             f"on each GPU ({headroom:.0%} kept free): {what}the peak is at {d.peak_phase}, largest "
             f"{_peak_items(e)}")
+
+
+def _host_reason(combo: Combo, mb: int, e: EstimateResult, host: tuple[int, str] | None) -> str:
+    capacity, source = host if host else (0, "unknown")
+    return (f"{_setting(combo, mb)}: offload holds {e.host.peak_bytes / GIB:,.1f} GiB of host RAM per node "
+            f"(the sum over its {combo.gpus} ranks) > {capacity / GIB:,.1f} GiB on the node ({source})")
 
 
 def _candidate(combo: Combo, mb: int, per_rank: int, fits: bool, t: timing.StepTime, e: EstimateResult,
@@ -328,7 +338,8 @@ def _rank(req, rows, fewer, usable, capacity, topo, fabric_name, nics, model_fie
         _, mb, peak, fits, t = best[combo]
         per_rank = req.global_batch // (combo.gpus * req.nodes)
         e = _estimate(req, combo, mb, model_fields)
-        reason = None if fits else _reason(combo, mb, peak, usable, capacity, req.headroom, e)
+        reason = None if fits else (_reason(combo, mb, peak, usable, capacity, req.headroom, e) if peak > usable
+                                    else _host_reason(combo, mb, e, host_capacity(req, g)))
         candidates.append(_candidate(combo, mb, per_rank, fits, t, e, reason))
     fitting = [c for c in candidates if c.fits]
     recommended = fitting[0] if fitting else None

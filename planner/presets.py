@@ -23,6 +23,24 @@ class Preset:
     nics_per_node: int
     fabric: str
     source: str
+    # The node's system memory (host RAM) where the vendor's datasheet states it for the system, in
+    # decimal GB as printed ("2TB" = 2,000 GB: read as 10**9 bytes, the conservative reading, since
+    # the OS sees less than the DIMMs hold anyway); None where the machine is a class of servers.
+    host_memory_gb: int | None = None
+    host_memory_source: str = ""
+
+
+# Vendor datasheets of the systems the presets stand for (the DGX of each HGX baseboard):
+_DGX_A100 = ("NVIDIA DGX A100 datasheet (nvidia-dgx-a100-80gb-datasheet.pdf): DGX A100 640GB, "
+             "System Memory 2TB")
+_DGX_H100 = ("NVIDIA DGX H100 datasheet (nvidia-dgx-h100-datasheet): System Memory 2TB")
+_DGX_H200 = ("NVIDIA DGX H200 datasheet (dgx-h200-datasheet): System Memory 2TB; NVIDIA's own MLPerf "
+             "Inference v4.1 H200-SXM-141GBx8 system: host_memory_capacity 2 TB, 32x 64GB")
+_DGX_B200 = ("NVIDIA DGX B200 datasheet (dgx-b200-datasheet): System Memory 2TB, configurable to 4TB "
+             "(the base figure is used)")
+# Not stated here: HGX B300 (no system datasheet figure found to cite) and the GB200 NVL72 tray (the
+# datasheet's "up to 480GB LPDDR5X" per Grace, two per tray, disagrees with the 1.87 TB per 4-GPU node
+# an MLPerf Inference v6.1 GB200-NVL72 system description reports): give --host-memory-gib.
 
 
 def _all(code: str) -> Callable[[int, int], str]:
@@ -42,13 +60,13 @@ def _pairs(i: int, j: int, bridge: str = "NV4") -> str:
 PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("dgx-a100", "a100-80gb", 8, "DGX A100: 8x A100 SXM4 on 6 NVSwitches (NV12 everywhere), 8 HDR NICs",
            _all("NV12"), lambda i: (3, 3, 1, 1, 7, 7, 5, 5)[i], 8, "ib-hdr",
-           "tests/fixtures/topologies/dgx_a100_8gpu_10nic.txt; NVIDIA DGX A100 user guide"),
+           "tests/fixtures/topologies/dgx_a100_8gpu_10nic.txt; NVIDIA DGX A100 user guide", 2000, _DGX_A100),
     Preset("hgx-h100", "h100-80gb", 8, "DGX/HGX H100: 8x H100 SXM5 on NVSwitch (NV18), 8 NDR NICs",
-           _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-ndr", "NVIDIA DGX H100 user guide"),
+           _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-ndr", "NVIDIA DGX H100 user guide", 2000, _DGX_H100),
     Preset("hgx-h200", "h200", 8, "HGX H200: 8x H200 SXM on NVSwitch (NV18), 8 NDR NICs",
-           _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-ndr", "NVIDIA HGX H200 datasheet"),
+           _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-ndr", "NVIDIA HGX H200 datasheet", 2000, _DGX_H200),
     Preset("hgx-b200", "b200", 8, "HGX B200: 8x B200 on NVSwitch (NV18, NVLink 5), 8 XDR-class NICs",
-           _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-ndr", "NVIDIA HGX B200 datasheet"),
+           _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-ndr", "NVIDIA HGX B200 datasheet", 2000, _DGX_B200),
     Preset("pcie-8x-rtx4090", "rtx-4090", 8, "8x RTX 4090 on PCIe only, two sockets (SYS across)",
            _sockets(4, "NODE"), lambda i: 0 if i < 4 else 1, 2, "eth-100g",
            "tests/fixtures/topologies/pcie_8x_rtx4090_all_sys_tabs.txt (NVIDIA/go-gpuallocator#17)"),

@@ -200,6 +200,9 @@ class EstimateRequest(BaseModel):
     gpu: GpuName = Field(DEFAULT_GPU, description="device type (see `planner gpus`), or cpu")
     device_memory_gib: float | None = Field(
         None, gt=0, le=1 << 20, description="override the device's capacity in GiB (needed for --gpu cpu to judge fit)")
+    host_memory_gib: float | None = Field(
+        None, gt=0, le=1 << 24, description="host RAM of one node in GiB, checked against what offload keeps there "
+        "(the sum over the node's ranks); default: the topology preset's system memory from its datasheet")
     precision: Precision = Field("bf16-mixed", description="precision recipe")
     optimizer: Optimizer = Field("adamw", description="optimizer")
     micro_batch: int = Field(1, ge=1, le=1 << 16, description="sequences per device per micro-step")
@@ -322,6 +325,10 @@ class HostMemory(BaseModel):
     resident_bytes: int = Field(description="host RAM held by offload per node")
     peak_bytes: int = Field(description="highest host RAM per node during a step")
     pinned_bytes: int = Field(description="of which page-locked")
+    capacity_bytes: int | None = Field(
+        None, description="the node's host RAM (host_memory_gib, or the topology preset's datasheet); null: unknown")
+    fits: bool | None = Field(None, description="peak_bytes within capacity_bytes; null when nothing is offloaded "
+                              "or the capacity is unknown")
 
 
 class ModelSummary(BaseModel):
@@ -391,6 +398,9 @@ class PlanRequest(BaseModel):
                                       description="pasted `nvidia-smi topo -m` output (what --topology-file reads)")
     fabric: FabricName | None = Field(None, description=FABRIC_HELP)
     nics_per_node: int | None = Field(None, ge=1, le=64, description=NICS_HELP)
+    host_memory_gib: float | None = Field(
+        None, gt=0, le=1 << 24, description="host RAM of one node in GiB, checked against what offload keeps there "
+        "(the sum over the node's ranks); default: the topology preset's system memory from its datasheet")
     tp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE, description="tensor-parallel degree (fixed; the search keeps it)")
     pp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES, description="pipeline-parallel degree (stages)")
     cp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES, description="context-parallel degree")

@@ -40,6 +40,36 @@ class Combo:
 
 
 @dataclass(frozen=True)
+class TracedShape:
+    """What the time model knows of a model traced outside the core (catalogue.TracedProfile):
+    its parameter count, not its attention widths or routing. Every parameter but the untied
+    input embeddings' lookup is a matmul weight one token meets (a tied head is the embedding
+    matrix used as a matmul), so forward FLOPs per token are 2 x those; attention-score FLOPs
+    (4 x layers x seq x q width) are left out, and an MoE's experts all count as active."""
+
+    matmul_parameters: int
+    block_parameters: int  # the mean block: ZeRO-3's and FSDP's message size
+
+    @classmethod
+    def of(cls, profile) -> "TracedShape":
+        return cls(matmul_parameters=profile.parameters - profile.late_parameters,
+                   block_parameters=max(1, profile.layer_parameters))
+
+    def note(self) -> str:
+        return (f"time model (traced): forward FLOPs per token 2 x {self.matmul_parameters:,} matmul parameters, "
+                "from the traced parameter count; attention-score FLOPs are not counted and every MoE expert "
+                "counts as active, so compute is a lower bound at long sequences and an upper bound for MoE")
+
+
+def _flops_per_token(shape, seq_len: int, checkpointing: str) -> tuple[float, float]:
+    """(FLOPs per token the step runs, recomputation included; FLOPs per token MFU counts)."""
+    if isinstance(shape, TracedShape):
+        forward = 2 * shape.matmul_parameters
+        return forward * (4 if checkpointing == "full" else 3), 3 * forward
+    return timing.flops_per_token(shape, seq_len, checkpointing), timing.model_flops_per_token(shape, seq_len)
+
+
+@dataclass(frozen=True)
 class StepSettings:
     """What the step time reads beyond the configuration: the precision, the sequence length, the
     node count and the achieved fractions of peak compute and of the modelled link bandwidths."""
@@ -81,10 +111,12 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
     return out
 
 
-def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstimate | None:
-    """The time model for one estimate's configuration (None without an architecture, or on CPU)."""
+def estimate_time(request: EstimateRequest, result: EstimateResult,
+                  traced: TracedShape | None = None) -> TimeEstimate | None:
+    """The time model for one estimate's configuration (None without an architecture or a traced
+    shape, or on CPU)."""
     g = lookup_gpu(request.gpu)
-    if result.model.architecture is None or (g.is_cpu and request.profile is None):
+    if (result.model.architecture is None and traced is None) or (g.is_cpu and request.profile is None):
         return None
     per_rank = request.micro_batch * request.gradient_accumulation
     topo, fabric_name, nics = topology_of(request, g)
@@ -95,8 +127,8 @@ def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstim
                             compute_efficiency=compute_efficiency, link_efficiency=link_efficiency)
     from planner.architecture import Architecture
 
-    combo, buckets = resolved_combo(request)
-    arch = Architecture.model_validate(result.model.architecture)
+    combo, buckets = resolved_combo(request, result.parameters if traced is not None else None)
+    arch = traced if traced is not None else Architecture.model_validate(result.model.architecture)
     t = step_times(settings, combo, np.array([request.micro_batch]), per_rank, result.parameters, arch, g,
                     topo, timing.fabric(fabric_name), nics, buckets)[0]
     if request.pp > 1 or request.ep > 1:  # the pipeline bubble, p2p and expert all-to-alls (issue 12)
@@ -117,12 +149,14 @@ def estimate_with_time(request: EstimateRequest) -> EstimateResult:
     return result.model_copy(update={"time": estimate_time(result.request, result)})
 
 
-def resolved_combo(request: EstimateRequest) -> tuple[Combo, Buckets]:
+def resolved_combo(request: EstimateRequest, parameters: int | None = None) -> tuple[Combo, Buckets]:
     """One estimate's configuration as the time model takes it, with offload and bucket sizes as
-    resolved (--ds-config included)."""
+    resolved (--ds-config included). ``parameters``: the model's count, for a model resolved
+    outside the core (traced), whose config the core cannot read again."""
+    from planner.catalogue import raw_parameters
     from planner.memory import resolve
 
-    zero = resolve(request).zero
+    zero = resolve(request, model=raw_parameters(parameters) if parameters is not None else None).zero
     shard = (request.hsdp_shard_size or request.gpus) if lookup_strategy(request.strategy).shard_within_node else None
     combo = Combo(request.gpus, request.strategy, request.checkpointing, zero.offload_optimizer, zero.offload_params,
                   shard)
@@ -138,7 +172,8 @@ def combo_collectives(precision: str, combo: Combo, psi: int, micro: np.ndarray,
     and all-gather buckets (capped by the model), and for ZeRO-3 and FSDP one transformer block
     at a time (the FSDP unit; ZeRO-3 fetches a module's parameters, at most prefetch_bucket_size)."""
     s = lookup_strategy(combo.strategy)
-    block = layer_parameters(arch) if arch is not None else max(psi // 100, 1)
+    block = (arch.block_parameters if isinstance(arch, TracedShape) else layer_parameters(arch)) if arch is not None \
+        else max(psi // 100, 1)
     traffic = Traffic(psi=psi, wire_bytes=wb, block=block, step=np.ones_like(micro, dtype=np.float64),
                       accumulation=per_rank / micro, precision=precision, shard=combo.shard or combo.gpus,
                       buckets=buckets)
@@ -174,7 +209,8 @@ def step_times(req: "StepSettings", combo: Combo, micro: np.ndarray, per_rank: i
         dtype = "tf32" if "tf32" in g.peak_tflops else "fp32"
     peak_flops = g.peak_tflops[dtype] * 1e12
     tokens_rank = per_rank * req.seq_len
-    flops = tokens_rank * timing.flops_per_token(arch, req.seq_len, combo.checkpointing)
+    per_token, model_per_token = _flops_per_token(arch, req.seq_len, combo.checkpointing)
+    flops = tokens_rank * per_token
     compute = flops / (peak_flops * req.compute_efficiency)
     ring, ring_bw, _ = timing.node_ring(topo, combo.gpus)
     nodes = req.nodes
@@ -193,7 +229,7 @@ def step_times(req: "StepSettings", combo: Combo, micro: np.ndarray, per_rank: i
     offload = offload_seconds(combo, psi, per_rank / micro, combo.gpus * nodes, wb, g)
     results = []
     world = combo.gpus * nodes
-    model_flops = tokens_rank * timing.model_flops_per_token(arch, req.seq_len)
+    model_flops = tokens_rank * model_per_token
     for k in range(micro.size):
         exposed = max(0.0, float(comm[k]) - window)
         step = compute + exposed + float(offload[k])

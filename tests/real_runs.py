@@ -180,6 +180,10 @@ BENCH_RUNS = [
     _run("llama-pp2-dp2-fsdp-interleaved-bf16-m4", LLAMA, "fsdp", "bf16-mixed", gpus=4, pp=2,
          pp_schedule="interleaved", pp_virtual_stages=2, gradient_accumulation=4),
     _run("llama-pp2-1f1b-fp32-ckpt-m4", LLAMA, "fsdp", "fp32", ckpt="full", pp=2, gradient_accumulation=4),
+    # ZeRO-3 with a tied embedding whose backward is the peak (the gathered embedding, the LM head's
+    # held gradient and the embedding's own), at another vocabulary and length, and GPT-2's (learned positions)
+    _run("qwen2-v32k-zero3-fp32-small-t64", QWEN2_32K, "zero3", "fp32", small=True, micro=1, seq=64),
+    _run("gpt2-v50k-zero3-fp32-small-t128", GPT2_50K, "zero3", "fp32", small=True, micro=1, seq=128),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than

@@ -279,12 +279,12 @@ def test_uniform_stacks_dump_as_before():
     assert olmo["layers"][0]["count"] == 32 and olmo["layers"][0]["attention"]["qk_norm"] == "projection"
 
 
-def test_verify_scales_a_multimodal_config_inside_its_text_config_and_refuses_moe():
+def test_verify_scales_a_multimodal_config_inside_its_text_config_and_moe_too():
     from backend.verify import scale_config
 
     gemma = load_catalogue()["gemma-3-27b"].config
     scaled, note = scale_config(dict(gemma), 0.1)
     assert scaled["model_type"] == "gemma3" and scaled["text_config"]["num_hidden_layers"] == 6
     assert parameter_count(from_hf_config(scaled)) < parameter_count(from_hf_config(gemma)) // 100
-    with pytest.raises(PlannerError, match="--scale is not supported for qwen3_moe"):
-        scale_config(dict(load_catalogue()["qwen3-30b-a3b"].config), 0.1)
+    moe, note = scale_config(dict(load_catalogue()["qwen3-30b-a3b"].config), 0.1)  # tests/test_scale.py
+    assert moe["num_experts"] == 13 and "experts 128->13" in note

@@ -11,9 +11,9 @@ ESTIMATE_FIELDS = {"parameters", "model", "strategy", "world_size", "dp_size", "
                    "notes", "request", "time"}
 PER_DEVICE_FIELDS = {"parameters_bytes", "gradients_bytes", "optimizer_states_bytes", "activations_bytes",
                      "buffers_bytes", "framework_bytes", "resident_bytes", "peak_bytes", "peak_phase"}
-HOST_FIELDS = {"resident_bytes", "peak_bytes", "pinned_bytes"}
+HOST_FIELDS = {"resident_bytes", "peak_bytes", "pinned_bytes", "capacity_bytes", "fits"}
 ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus", "--nodes", "--gpu",
-                  "--device-memory-gib", "--precision", "--optimizer", "--micro-batch", "--seq-len",
+                  "--device-memory-gib", "--host-memory-gib", "--precision", "--optimizer", "--micro-batch", "--seq-len",
                   "--gradient-accumulation", "--checkpointing", "--attention", "--offload-optimizer",
                   "--offload-params", "--hsdp-shard-size", "--ds-config", "--reduce-bucket-size", "--allgather-bucket-size",
                   "--prefetch-bucket-size", "--param-persistence-threshold", "--max-live-parameters",

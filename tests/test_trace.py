@@ -94,7 +94,34 @@ def test_a_model_type_without_a_reader_is_traced_through_the_same_memory_model()
     notes = "\n".join(result.notes)
     assert "traced: model_type 'starcoder2' has no analytic reader" in notes
     assert "traced, assumed: transformers" in notes and "Starcoder2DecoderLayer x 3" in notes
-    assert "traced, assumed: no time model" in notes
+    assert "time model" not in notes  # CPU ranks: no time model, traced or not
+
+
+def test_a_traced_model_is_timed_from_its_parameter_count():
+    from backend.anymodel import estimate_any
+    from planner.steptime import TracedShape, estimate_time
+    from planner.timing import matmul_parameters
+
+    request = EstimateRequest(model_config=TINY_LLAMA, strategy="zero3", gpus=8, gpu="h100-80gb", micro_batch=2,
+                              seq_len=128)
+    profile = trace_profile(TINY_LLAMA, micro_batch=2, seq_len=128, compute="bf16", attention="sdpa",
+                            checkpointing="none")
+    analytic = estimate_any(request)
+    result = estimate(request, model=traced_model("tiny", "test", profile))
+    shape = TracedShape.of(profile)
+    traced = estimate_time(result.request, result, traced=shape)
+    # the matmul weights are the analytic model's (everything but the untied embedding lookup);
+    # only the attention-score FLOPs (4 x layers x seq x q width per token) are missing
+    a = from_hf_config(TINY_LLAMA)
+    assert shape.matmul_parameters == matmul_parameters(a)
+    matmul = 2 * shape.matmul_parameters
+    scores = 4 * a.num_layers * 128 * a.num_attention_heads * a.head_dim
+    assert traced.compute_seconds == pytest.approx(analytic.time.compute_seconds * matmul / (matmul + scores), rel=1e-9)
+    assert traced.communication_seconds == pytest.approx(analytic.time.communication_seconds, rel=1e-9)
+    starcoder = estimate_any(EstimateRequest(model_config={"name": "sc2", "config": TINY_OTHERS["starcoder2"]},
+                                             strategy="zero3", gpus=2, gpu="rtx-4090", micro_batch=1, seq_len=128))
+    assert starcoder.time is not None and starcoder.time.step_seconds > 0
+    assert any(n.startswith("time model (traced): forward FLOPs per token 2 x") for n in starcoder.notes)
 
 
 def test_cli_estimate_of_a_model_file_without_a_reader(tmp_path, capsys):

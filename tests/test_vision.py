@@ -34,9 +34,15 @@ CONFIGS = {
                          "vision_config": TINY_SIGLIP | {"vision_use_head": True}, "mm_tokens_per_image": 16},
     "gemma3-4b-real": {"model_type": "gemma3", "vision_config": GEMMA3_SIGLIP,
                        "text_config": load_catalogue()["gemma-3-4b"].config["text_config"]},
-    "gemma3-27b-catalogue": dict(load_catalogue()["gemma-3-27b"].config),  # text only: SigLIP's defaults
+    # the catalogue's multimodal entries, with the vision_config of their published config.json
+    "gemma3-4b-catalogue": dict(load_catalogue()["gemma-3-4b"].config),
+    "gemma3-27b-catalogue": dict(load_catalogue()["gemma-3-27b"].config),
+    "gemma3-27b-no-vision-config": {k: v for k, v in load_catalogue()["gemma-3-27b"].config.items()
+                                    if k != "vision_config"},  # SiglipVisionConfig's defaults
     "llama4-tiny": {"model_type": "llama4", "text_config": TINY_LLAMA4_TEXT, "vision_config": TINY_LLAMA4_VISION},
-    "llama4-scout-catalogue": dict(load_catalogue()["llama-4-scout"].config),  # Llama4VisionConfig's defaults
+    "llama4-scout-catalogue": dict(load_catalogue()["llama-4-scout"].config),
+    "llama4-scout-no-vision-config": {k: v for k, v in load_catalogue()["llama-4-scout"].config.items()
+                                      if k != "vision_config"},  # Llama4VisionConfig's defaults
     "mistral3-tiny": {"model_type": "mistral3", "text_config": TINY_MISTRAL_TEXT, "vision_config": TINY_PIXTRAL},
     "mistral3-tiny-bias-layers": {"model_type": "mistral3", "text_config": TINY_MISTRAL_TEXT,
                                   "vision_config": TINY_PIXTRAL, "multimodal_projector_bias": True,
@@ -78,7 +84,7 @@ def test_notes_say_what_was_counted_and_which_defaults():
     assert len(counted) == 1 and "image activations are not modelled" in counted[0]
     assert not any("not counted" in n or "are not (" in n for n in arch.notes)
     assert not any("no vision_config" in n for n in arch.notes)
-    scout = from_hf_config(CONFIGS["llama4-scout-catalogue"], include_vision=True)
+    scout = from_hf_config(CONFIGS["llama4-scout-no-vision-config"], include_vision=True)
     assert any("no vision_config" in n and "Llama4VisionConfig" in n for n in scout.notes)
     assert any("vision tower and projector of the multimodal checkpoint are not" in n
                for n in from_hf_config(CONFIGS["gemma3-tiny"]).notes)
@@ -176,3 +182,36 @@ def test_verify_has_no_include_vision_flag():
     flags = {cmd: {s for a in subs[cmd]._actions for s in a.option_strings} for cmd in ("estimate", "plan", "verify")}
     assert "--include-vision" in flags["estimate"] and "--include-vision" in flags["plan"]
     assert "--include-vision" not in flags["verify"]
+
+
+# Published totals of the whole multimodal checkpoints (Hugging Face's safetensors parameter count on each
+# model page: gemma-3-4b-it 4.3B, gemma-3-27b-it 27.4B; the exact figures are transformers' own, checked
+# on the meta device above). Before the catalogue carried the real vision_config, the towers were
+# transformers' class defaults: SigLIP-base (86M) for Gemma 3, and a default Llama4VisionConfig.
+@pytest.mark.parametrize("name, total, tower", [
+    ("gemma-3-4b", 4_300_079_472, 416_866_032),
+    ("gemma-3-27b", 27_432_406_640, 416_866_032),
+])
+def test_catalogue_multimodal_entries_count_their_published_vision_tower(name, total, tower):
+    from planner.catalogue import catalogue_model, with_vision
+
+    model = with_vision(catalogue_model(name))
+    assert model.parameters == total
+    assert not any("no vision_config" in n for n in model.architecture.notes)
+    assert any(f"the vision tower ({tower:,} parameters)" in n for n in model.architecture.notes)
+
+
+def test_llama4_scout_counts_its_published_vision_tower():
+    from planner.catalogue import catalogue_model, with_vision
+
+    scout = with_vision(catalogue_model("llama-4-scout"))
+    config = load_catalogue()["llama-4-scout"].config["vision_config"]
+    # Llama-4-Scout-17B-16E's vision_config: 34 layers of 1408 wide, 336-pixel images in 14-pixel patches
+    assert (config["hidden_size"], config["num_hidden_layers"], config["image_size"]) == (1408, 34, 336)
+    assert not any("no vision_config" in n for n in scout.architecture.notes)
+    h, inner, layers = 1408, 5632, 34
+    layer = 4 * (h * h + h) + (inner * h + inner) + (h * inner + h) + 4 * h
+    embeddings = h + ((336 // 14) ** 2 + 1) * h + h * 3 * 14 * 14 + 4 * h  # class, positions, patch linear, 2 norms
+    adapter = 4096 * inner + 4096 * 4096  # vision_adapter fc1 (projector_input_dim x inner), fc2
+    projector = 5120 * 4096  # multi_modal_projector.linear_1: vision_output_dim -> text hidden
+    assert vision_parameters(scout.architecture) == embeddings + layers * layer + adapter + projector

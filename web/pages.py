@@ -26,8 +26,8 @@ from planner.schema import PlanRequest
 from planner.topology import link_rates, parse_topology
 
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
-FORM_FIELDS = ("model", "gpu", "gpus", "nodes", "topology", "fabric", "nics_per_node", "seq_len", "global_batch",
-               "precision", "optimizer", "model_config", "topology_text")
+FORM_FIELDS = ("model", "gpu", "gpus", "nodes", "topology", "fabric", "nics_per_node", "host_memory_gib", "seq_len",
+               "global_batch", "precision", "optimizer", "model_config", "topology_text")
 # The form starts at the schema's own defaults (planner/schema.py defines them once for estimate
 # and plan); the model field has none, so the page shows the PlanRequest example.
 DEFAULTS = {name: ("" if field.default is None else field.default)

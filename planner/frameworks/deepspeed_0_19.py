@@ -304,11 +304,18 @@ def _zero3_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
               "stage3.py _setup_for_real_optimizer: __ipg_bucket_flat_buffer"),
     ]
     gathered = _zero3_gathered(setup, numels)
+    shape = layout(setup)
     phases = []
-    for point in backward_sweep(acts, numels, layout(setup)):
+    for point in backward_sweep(acts, numels, shape):
+        if shape is not None and point.kind == PhaseKind.END_OF_BACKWARD:  # the embeddings' backward, last
+            phases.append(phase(point.kind, point.label, resident + _zero3_embedding_backward(setup, point, shape,
+                                                                                              gathered)))
+            continue
         phases.append(phase(point.kind, point.label, resident + activation_items(point) + [
             item("gathered 16-bit parameters", gathered, "buffers", _gathered_source(setup, numels)),
-            item("16-bit gradients not yet reduced", wb * point.in_flight_elements, "gradients")]))
+            item("16-bit gradients not yet reduced", wb * point.in_flight_elements, "gradients"),
+            item("tied embedding: the LM head's gradient, held until the embedding's backward",
+                 wb * point.held_elements, "gradients", "autograd input_buffer.cpp (buffers._tied_head_elements)")]))
     offloaded = z.offload_optimizer != "none"
     step = resident if offloaded else resident + [
         item("fp32 gradient partition", FP32 * part, "buffers", "stage3.py: fp32 grad of each sub-group"),
@@ -328,6 +335,28 @@ def _zero3_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
             plan.nvme_bytes += wb * part * setup.request.gpus
         plan.notes.append(f"parameters offloaded to {z.offload_params}: each rank's 1/{dp} partition lives off the device")
     return plan
+
+
+def _zero3_embedding_backward(setup: "Setup", point, shape: Layout, gathered: int) -> list:
+    """The embeddings' backward, the last moment of backward under ZeRO-3. Every block's parameters
+    have been released by then (each module's post-backward hook partitions its parameters again:
+    partitioned_param_coordinator.py release_sub_module; nothing after it in this step reuses
+    them), so only the embeddings stay gathered. A tied weight's two contributions live there
+    together: the LM head's, held since the head's backward, and the embedding's dense gradient
+    (embedding_dense_backward); autograd then adds them in place (the held buffer is its own:
+    input_buffer.cpp accumulate), and ZeRO-3's hook copies the sum into its reduce bucket.
+    Measured with the backend's peak trace (tests/real_runs.py qwen2-v64k-zero3-fp32-small-t128,
+    V=64,000 fp32): the step's peak is this moment, resident + the gathered embedding + 2 x V x h,
+    where the whole-model gathered term under-predicted it by 2.76%."""
+    wb = setup.weight_bytes
+    embeddings = min(gathered, wb * (shape.late_parameters + shape.tied_head_elements))
+    dense = shape.late_parameters if point.tied_sum_elements else point.in_flight_elements
+    return [
+        item("gathered 16-bit parameters (the embeddings; blocks released)", embeddings, "buffers",
+             "partitioned_param_coordinator.py release_sub_module after each module's backward"),
+        item("16-bit gradients not yet reduced", wb * dense, "gradients"),
+        tied_sum_item(point, wb),
+    ]
 
 
 def _zero3_gathered(setup: "Setup", numels: list[int]) -> int:
