@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from planner.finetune import lora_config
 from planner.errors import PlannerError
 from planner.memory import resolve
 from planner.schema import EstimateRequest
@@ -68,7 +69,20 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
     }
     if setup.dims.pp > 1:
         return common | _pipeline_settings(setup, request)
+    if setup.finetune is not None:
+        common["finetune"] = finetune_job(setup)
     return common | setup.framework.worker_settings(setup, request)
+
+
+def finetune_job(setup) -> dict[str, Any]:
+    """What backend/finetune.py builds: the resolved LoraConfig and quantization, and the dtype the
+    frozen base is loaded in (the recipe's 16-bit type, or fp32)."""
+    f = setup.finetune
+    compute = setup.recipe.compute
+    return {"rank": f.rank, "alpha": f.alpha, "dropout": f.dropout, "quantize": f.quantize,
+            "targets": f.peft_targets(), "modules_to_save": lora_config(f)["modules_to_save"],
+            "compute_dtype": None if compute == "fp32" else compute,
+            "base_dtype": None if setup.recipe.weight_bits == 32 else compute}
 
 
 # transformers families whose CausalLM is model.{embed_tokens, layers, norm, rotary_emb} + lm_head

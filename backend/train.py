@@ -35,12 +35,19 @@ def build_model(job: dict[str, Any]) -> torch.nn.Module:
         config = config.text_config
     config.use_cache = False
     torch.manual_seed(int(job.get("seed", 0)))
-    model = AutoModelForCausalLM.from_config(
-        config, attn_implementation=_attention_for(job), dtype=torch.float32
-    )
+    dtype = torch.float32
+    if job.get("finetune"):  # LoRA/QLoRA: the frozen base in its own dtype (backend/finetune.py)
+        from backend.finetune import base_dtype
+
+        dtype = base_dtype(job)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=_attention_for(job), dtype=dtype)
     if job["checkpointing"] == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
+    if job.get("finetune"):
+        from backend.finetune import apply_finetune
+
+        model = apply_finetune(model, job)
     return model
 
 
@@ -185,7 +192,8 @@ def _deepspeed_engine(job: dict[str, Any], model: torch.nn.Module):
     import deepspeed
 
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters()], config=job["ds_config"]
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad or not job.get("finetune")],
+        config=job["ds_config"]
     )
     return engine
 

@@ -32,6 +32,7 @@ from planner.architecture import largest_layer_parameters  # noqa: E402
 from planner.memory import cpu_rank_bytes, estimate, resolve  # noqa: E402
 from planner.peers import (accelerate_adam_training_bytes, deepspeed_zero2_gpu_bytes,  # noqa: E402
                            deepspeed_zero3_gpu_bytes)
+from planner.precision import RECIPES  # noqa: E402
 from planner.schema import EstimateRequest  # noqa: E402
 from tests.real_runs import BENCH_RUNS, CPU_RUNS, KNOWN_MISSES, TOLERANCE  # noqa: E402
 
@@ -43,7 +44,7 @@ TARGET_PCT = 3.0  # the accuracy target per row, on peak and resident
 def _peers(request: EstimateRequest) -> tuple[int | None, int]:
     setup = resolve(request)
     psi = setup.psi
-    dtype_bytes = 4 if request.precision == "fp32" else 2
+    dtype_bytes = RECIPES[request.precision].param_bytes
     accelerate = accelerate_adam_training_bytes(psi, dtype_bytes)
     if request.strategy == "zero2":
         return deepspeed_zero2_gpu_bytes(psi, request.gpus, request.nodes), accelerate

@@ -444,3 +444,13 @@ class EdgeTerms:
 def edge_terms(a: Architecture, tokens: int, seq_len: int, b: int, device: Device) -> EdgeTerms:
     return EdgeTerms(_embedding_saved(a, tokens, b, device), _final_norm_saved(a, tokens, b), _loss_saved(a, tokens, b),
                      _loss_transient(a, tokens, b), _rope_saved(a, seq_len, b), _layer_backward_transient(a, tokens, b))
+
+
+# The terms planner/finetune.py reuses for a block with a frozen base (LoRA): the attention core,
+# the loss and its transient, the RoPE tables and one block's backward transient are the same
+# tensors whether the weights train or not.
+attention_saved = _attention_saved
+loss_saved = _loss_saved
+loss_transient = _loss_transient
+rope_saved = _rope_saved
+layer_backward_transient = _layer_backward_transient

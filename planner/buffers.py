@@ -93,6 +93,10 @@ def layout(setup: "Setup") -> Layout | None:
     arch = setup.arch
     if arch is None:
         return None
+    if setup.finetune is not None:  # only adapters make gradients (planner/finetune.py)
+        from planner.finetune import layout_fields
+
+        return Layout(**layout_fields(arch, setup.finetune))
     # Backward meets the input embeddings last; a tied head's gradient is the embedding's,
     # allocated at the head.
     embedding = arch.vocab_size * arch.hidden_size + arch.learned_positions * arch.hidden_size

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from planner.errors import PlannerError
+from planner.precision import DTYPE_SPELLINGS, RECIPES
 
 DEFAULT_REDUCE_BUCKET = 500_000_000
 DEFAULT_ALLGATHER_BUCKET = 500_000_000
@@ -366,8 +367,7 @@ def _communication_dtype(config: dict[str, Any], precision: str | None) -> None:
     value = config.get("communication_data_type")
     if value is None or value == "auto":
         return
-    training = {"bf16-mixed": ("bf16", "bfloat16"), "fp16-mixed": ("fp16", "float16", "half")}.get(
-        precision or "", ("fp32", "float32", "float"))
+    training = DTYPE_SPELLINGS[RECIPES[precision or "fp32"].compute]
     if value not in training:
         raise PlannerError(f"ds_config.communication_data_type({value!r}) is not modelled: gradients reduced in another "
                            f"dtype than the training dtype ({training[0]}) change the message bytes; remove it")
@@ -494,8 +494,8 @@ def build_ds_config(*, stage: int, precision: str, micro_batch: int, gradient_ac
         config["optimizer"] = {"type": {"adamw": "AdamW", "sgd": "SGD"}[optimizer], "params": {"lr": 1e-4}}
     if optimizer == "sgd":
         config["optimizer"]["params"]["momentum"] = 0.9
-    if precision in ("bf16-mixed", "bf16-pure"):
+    if RECIPES[precision].compute == "bf16":
         config["bf16"] = {"enabled": True}
-    elif precision == "fp16-mixed":
+    elif RECIPES[precision].loss_scaling:
         config["fp16"] = {"enabled": True, "initial_scale_power": 16}
     return config

@@ -29,8 +29,11 @@ from typing import Any
 import yaml
 
 from planner.catalogue import UnsupportedModelTypeError
+from planner.finetune import bnb_config, lora_config
 from planner.errors import PlannerError
 from planner.memory import resolve
+from planner.plan import finetune_fields
+from planner.precision import DTYPE_SPELLINGS, RECIPES
 from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanRequest
 from planner.shm import segment_glob
 from planner.strategies import explicit_hsdp_shard
@@ -40,9 +43,6 @@ TRAINER_OPTIMIZERS = ("adamw", "sgd")  # what backend/train.py trains the torch 
 DEFAULT_PORT = 29500  # torchrun's and DeepSpeed's default master port
 LEARNING_RATE = 1e-4  # build_ds_config's optimizer lr; the Trainer checks its learning_rate against it
 
-# accelerate's mixed_precision and TrainingArguments' bf16/fp16 for each precision recipe. bf16-pure
-# has neither: the model itself is loaded in bf16 (LAUNCH.md says so).
-ACCELERATE_PRECISION = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-pure": "no", "fp32": "no"}
 # transformers' OptimizerNames (transformers/training_args.py) for the planner's optimizers
 TRAINER_OPTIM = {"adamw": "adamw_torch", "sgd": "sgd", "adamw-8bit": "adamw_bnb_8bit"}
 
@@ -125,7 +125,8 @@ def estimate_request_for(req: PlanRequest, c: Candidate) -> EstimateRequest:
                            offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
                            hsdp_shard_size=explicit_hsdp_shard(c.strategy, c.hsdp_shard_size, req.gpus),
                            topology=req.topology, topology_text=req.topology_text, fabric=req.fabric,
-                           nics_per_node=req.nics_per_node, profile=req.profile)
+                           nics_per_node=req.nics_per_node, profile=req.profile,
+                           **finetune_fields(req.model_copy(update={"finetune": c.finetune})))
 
 
 def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: Script | None) -> dict[str, str]:
@@ -155,6 +156,8 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
         files["ds_config.json"] = json.dumps(config, indent=2) + "\n"
     files["accelerate_config.yaml"] = yaml.safe_dump(accelerate_config(launch), sort_keys=False)
     files["trainer_args.json"] = json.dumps(trainer_arguments(launch), indent=2) + "\n"
+    if setup.finetune is not None:
+        files.update(finetune_files(setup))
     if unavailable is None:
         files["launch.sh"] = _launch_sh(launch)
         files["job.sbatch"] = _sbatch(launch)
@@ -162,6 +165,17 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
             files["hostfile"] = _hostfile(launch)
     files["plan.json"] = json.dumps(plan_doc, indent=2) + "\n"
     files["LAUNCH.md"] = _guide(launch, sorted(files) + ["LAUNCH.md"])
+    return files
+
+
+def finetune_files(setup) -> dict[str, str]:
+    """LoRA/QLoRA: the PEFT LoraConfig (``LoraConfig(**json.load(...))``) and, for a quantized base,
+    transformers' BitsAndBytesConfig (``BitsAndBytesConfig(**json.load(...))``, its compute dtype
+    as a string). The planner's trainer reads them from plan.json's request, the same settings."""
+    files = {"lora_config.json": json.dumps(lora_config(setup.finetune), indent=2) + "\n"}
+    quantization = bnb_config(setup.finetune, setup.recipe.compute)
+    if quantization is not None:
+        files["bnb_config.json"] = json.dumps(quantization, indent=2) + "\n"
     return files
 
 
@@ -217,8 +231,7 @@ def _keep_users_config(user: dict[str, Any], planned: dict[str, Any]) -> dict[st
     # communication_data_type is modelled only as the training dtype (planner.dsconfig
     # _communication_dtype); with another precision than the config's, the plan's dtype is reduced
     training = "bf16" if "bf16" in planned else "fp16" if "fp16" in planned else "fp32"
-    allowed = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16", "float16", "half"), "fp32": ("fp32", "float32", "float")}
-    if config.get("communication_data_type") not in (None, "auto", *allowed[training]):
+    if config.get("communication_data_type") not in (None, "auto", *DTYPE_SPELLINGS[training]):
         del config["communication_data_type"]
     return config
 
@@ -273,7 +286,7 @@ def accelerate_config(launch: _Launch) -> dict[str, Any]:
             block["deepspeed_multinode_launcher"] = "standard"  # torchrun on every node, no ssh/pdsh
         config["deepspeed_config"] = block
         return config
-    config["mixed_precision"] = ACCELERATE_PRECISION[launch.precision]
+    config["mixed_precision"] = RECIPES[launch.precision].autocast_dtype or "no"
     if distributed == "FSDP":
         config["fsdp_config"] = _fsdp_plugin(launch)
         if launch.replicas > 1:
@@ -309,8 +322,8 @@ def trainer_arguments(launch: _Launch) -> dict[str, Any]:
     args: dict[str, Any] = {
         "per_device_train_batch_size": req.micro_batch,
         "gradient_accumulation_steps": req.gradient_accumulation,
-        "bf16": launch.precision == "bf16-mixed",
-        "fp16": launch.precision == "fp16-mixed",
+        "bf16": RECIPES[launch.precision].autocast_dtype == "bf16",
+        "fp16": RECIPES[launch.precision].autocast_dtype == "fp16",
         "learning_rate": LEARNING_RATE,
         "weight_decay": 0.0,
         "optim": TRAINER_OPTIM[req.optimizer],
@@ -593,6 +606,10 @@ def _guide(launch: _Launch, names: list[str]) -> str:
         "accelerate_config.yaml": "the same choice for `accelerate launch`",
         "trainer_args.json": "the matching transformers.TrainingArguments keyword arguments",
         "plan.json": "the request and the prediction; `planner verify --plan plan.json` runs it here",
+        "lora_config.json": "the PEFT LoraConfig the prediction assumed: `get_peft_model(model, "
+                            "LoraConfig(**json.load(open('lora_config.json'))))`",
+        "bnb_config.json": "the quantized base: `from_pretrained(..., quantization_config=BitsAndBytesConfig("
+                           "**json.load(open('bnb_config.json'))))`, then `prepare_model_for_kbit_training`",
         "LAUNCH.md": "this file",
     }
     script = launch.script.path if launch.script else "your_train.py"
@@ -641,7 +658,7 @@ def _guide(launch: _Launch, names: list[str]) -> str:
             "These arguments carry the same DeepSpeed / FSDP choice, so the script also runs under plain "
             f"`torchrun --nproc_per_node {req.gpus} {script}`" + (" (with --nnodes, --node_rank and --master_addr "
                                                                   "on each node)" if req.nodes > 1 else "") + ".", ""]
-    if launch.precision == "bf16-pure":
+    if RECIPES[launch.precision].casts_model:
         out += ["bf16-pure: load the model in bf16 (`from_pretrained(..., dtype=torch.bfloat16)`); "
                 "no autocast, no fp32 master copy.", ""]
     if launch.framework == "deepspeed":

@@ -191,6 +191,11 @@ def localize(setup, textbook_states):
     from planner.schema import MemoryItem
 
     a, ep = setup.arch, setup.dims.ep
+    if getattr(setup, "finetune", None) is not None:
+        raise PlannerError(f"ep={ep} with finetune {setup.request.finetune}: expert parallelism is modelled for full "
+                           "fine-tuning; estimate LoRA/QLoRA without ep")
+    if setup.model.traced is not None:
+        raise PlannerError(f"ep={ep}: {setup.model.name} is estimated by tracing; its experts cannot be sharded")
     full = expert_sharding(a, setup.psi, ep)
     local_arch = local_architecture(a, ep)
     from planner.architecture import parameter_count

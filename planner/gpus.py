@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from planner.datafile import load_data_yaml
 from planner.errors import PlannerError, UnknownNameError, unknown
+from planner.precision import RECIPES
 from planner.units import MIB
 
 GPU_PATH = Path(__file__).parent / "data" / "gpus.yaml"
@@ -61,6 +62,6 @@ def gpu(name: str) -> Gpu:
 
 
 def check_precision(g: Gpu, precision: str) -> None:
-    if precision.startswith("bf16") and not g.bf16:
+    if RECIPES[precision].compute == "bf16" and not g.bf16:
         raise PlannerError(f"precision {precision} needs bfloat16, which {g.name} ({g.vendor_name}) does not support; "
                            "use fp16-mixed or fp32")

@@ -19,6 +19,7 @@ from planner.architecture import Architecture, parameter_numels
 from planner.catalogue import ResolvedModel, catalogue_model, model_from_config, raw_parameters, with_vision
 from planner.dsconfig import ZeroSettings, batch_from_config, parse_ds_config, with_overrides
 from planner.errors import PlannerError
+from planner.finetune import Finetune, lora_activations, resolve_finetune, trainable_numels, with_frozen
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.moments import PhaseKind
 from planner.parallel import ModelShape, ParallelDims, check_dims, data_parallel_size, dims_for, refuse_unmodelled
@@ -42,6 +43,7 @@ class Setup:
     world_size: int
     shard_size: int
     dims: ParallelDims
+    finetune: Finetune | None = None  # LoRA / QLoRA (planner/finetune.py); None: full fine-tuning
 
     @property
     def arch(self) -> Architecture | None:
@@ -121,9 +123,10 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
         model = with_vision(model)
     shard = shard_group_size(s, request.gpus, request.nodes, request.hsdp_shard_size)
     dims = _dims(request, s, shard, model)
+    finetune = resolve_finetune(request, model.architecture, s.name, s.framework)
     return Setup(request=request.model_copy(update={"precision": precision} | from_config), model=model, strategy=s,
                  recipe=RECIPES[precision], gpu=g, zero=zero,
-                 world_size=request.world_size, shard_size=shard, dims=dims)
+                 world_size=request.world_size, shard_size=shard, dims=dims, finetune=finetune)
 
 
 def _dims(request: EstimateRequest, s: Strategy, shard: int, model: ResolvedModel) -> ParallelDims:
@@ -151,7 +154,7 @@ def textbook_states(setup: Setup) -> tuple[int, int, int]:
     """(parameters, gradients, optimizer states) in bytes per device, as the ZeRO paper counts
     them: 16-bit weights and grads, K bytes of optimizer state per parameter, each divided over
     the shard group where the strategy shards it, and zero on the device where it is offloaded."""
-    s, r, psi = setup.strategy, setup.recipe, setup.psi
+    s, r, psi = setup.strategy, setup.recipe, trainable_count(setup)
     k_bits = r.master_bits + optimizer_state_bits(setup.request.optimizer)
     params = bits_to_bytes(_shard(psi, setup, s.shards_parameters), r.weight_bits)
     grads = bits_to_bytes(_shard(psi, setup, s.shards_gradients), r.grad_bits)
@@ -171,7 +174,14 @@ def activations(setup: Setup) -> Activations | None:
     if setup.arch is None:
         return None
     req = setup.request
-    compute = 4 if setup.recipe.compute == "fp32" else 2
+    compute = setup.recipe.compute_bytes
+    if setup.finetune is not None:
+        # torch.autocast (ddp with a mixed recipe) keeps PEFT's fp32 adapters: each casts its input
+        adapter_copy = setup.framework.name == "torch" and not setup.strategy.shards_parameters \
+            and setup.recipe.master_bits > 0
+        return lora_activations(setup.arch, setup.finetune, micro_batch=req.micro_batch, seq_len=req.seq_len,
+                                compute_bytes=compute, attention=req.attention, checkpointing=req.checkpointing,
+                                device=setup.device, adapter_copy=adapter_copy)
     return estimate_activations(setup.arch, micro_batch=req.micro_batch, seq_len=req.seq_len,
                                 compute_bytes=compute, attention=req.attention,
                                 checkpointing=req.checkpointing, device=setup.device)
@@ -206,7 +216,14 @@ def traced_setting(micro_batch: int, seq_len: int, compute: str, attention: str,
 
 # --- the orchestrator -----------------------------------------------------------------------
 
+def trainable_count(setup: Setup) -> int:
+    """Parameters with gradients and optimizer states: all of them, or LoRA's adapters."""
+    return setup.psi if setup.finetune is None else sum(trainable_numels(setup.arch, setup.finetune))
+
+
 def _numels(setup: Setup) -> list[int]:
+    if setup.finetune is not None:
+        return trainable_numels(setup.arch, setup.finetune)  # the frozen base: with_frozen
     if setup.model.traced is not None:
         return list(setup.model.traced.numels)
     if setup.arch is not None:
@@ -231,6 +248,8 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
     else:
         params_b, grads_b, optim_b = textbook_states(setup)
         plan = setup.framework.phases(setup, acts, _numels(setup))
+        if setup.finetune is not None:
+            plan = with_frozen(plan, setup)
     if ep_items or ep_transient is not None:
         from planner import experts
 
@@ -243,20 +262,22 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
     peak = peak_phase.bytes + framework
     resident = plan.resident_bytes + framework
     act_at_peak = sum(i.bytes for i in peak_phase.items if i.component == "activations")
-    textbook_at_peak = params_b + grads_b + optim_b
+    frozen_b = sum(i.bytes for i in plan.resident if i.component == "frozen_weights")
+    textbook_at_peak = params_b + grads_b + optim_b + frozen_b
     buffers_at_peak = max(0, peak_phase.bytes - act_at_peak - textbook_at_peak)
     capacity = _capacity(setup)
     host = _host(setup, plan)
     fits = capacity > 0 and peak <= capacity and host.fits is not False
     notes = _notes(setup, acts, plan, peak_phase, capacity, peak) + host_notes(setup, host)
     return EstimateResult(
-        parameters=whole.psi,
+        parameters=whole.psi, trainable_parameters=trainable_count(whole),
         model=ModelSummary(name=whole.model.name, source=whole.model.source, parameters=whole.psi,
                            architecture=whole.arch.model_dump() if whole.arch else None),
         strategy=setup.strategy.name, world_size=setup.world_size, dp_size=setup.dims.dp,
         shard_size=setup.shard_size, parallel=ParallelDegrees(**setup.dims.as_dict()), gpu=setup.gpu.name,
         per_device=PerDevice(
             parameters_bytes=params_b, gradients_bytes=grads_b, optimizer_states_bytes=optim_b,
+            frozen_weights_bytes=frozen_b,
             activations_bytes=act_at_peak if acts is not None else None,
             buffers_bytes=buffers_at_peak, framework_bytes=framework,
             resident_bytes=resident, peak_bytes=peak, peak_phase=peak_phase.name),
@@ -276,7 +297,8 @@ def resident_by_component(result: EstimateResult) -> dict[str, int]:
     """The predicted bytes held between steps, by component (the "between steps" phase)."""
     totals = {"parameters": 0, "gradients": 0, "optimizer_states": 0, "buffers": 0}
     for item in result.phases[0].items:
-        totals[item.component if item.component in totals else "buffers"] += item.bytes
+        component = "parameters" if item.component == "frozen_weights" else item.component  # module parameters
+        totals[component if component in totals else "buffers"] += item.bytes
     return totals
 
 

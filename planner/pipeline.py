@@ -432,6 +432,9 @@ def check_framework(setup: "Setup", schedule: str) -> None:
     (pipe/engine.py: "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"); torch's
     pipelining composes with DDP and FSDP2 (torchtitan: FSDP2 / HSDP), every schedule."""
     s = setup.strategy
+    if getattr(setup, "finetune", None) is not None:
+        raise PlannerError(f"pp={setup.dims.pp} with finetune {setup.request.finetune}: the pipeline model counts full "
+                           "fine-tuning; estimate LoRA/QLoRA without pp")
     if setup.zero.offload_optimizer != "none" or setup.zero.offload_params != "none":
         raise PlannerError(f"pp={setup.dims.pp} with offload: the pipeline model keeps every state on the device; "
                            "use offload_optimizer none and offload_params none")

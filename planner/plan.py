@@ -81,6 +81,10 @@ class _Grid:
 
 
 def plan(req: PlanRequest) -> PlanResult:
+    if req.finetune == "auto":
+        from planner.finetune_plan import plan_finetune_auto
+
+        return plan_finetune_auto(req, plan)
     started = wallclock.perf_counter()
     g = lookup_gpu(req.gpu)
     check_precision(g, req.precision)
@@ -95,6 +99,7 @@ def plan(req: PlanRequest) -> PlanResult:
     arch = model.architecture
     model_fields = {"model": req.model} if req.model else {"model_config": req.model_config_}
     model_fields |= {"include_vision": True} if req.include_vision else {}
+    model_fields |= finetune_fields(req)
     world_max = req.gpus * req.nodes
     if req.global_batch % world_max:
         raise PlannerError(f"global_batch({req.global_batch}) is not divisible by gpus({req.gpus}) * "
@@ -119,6 +124,8 @@ def plan(req: PlanRequest) -> PlanResult:
     if req.include_vision:  # say what was counted (the reader's note), as estimate does
         counted = [n for n in arch.notes if "include_vision" in n or "vision_config" in n]
         result = result.model_copy(update={"notes": result.notes + counted})
+    if req.finetune != "full":
+        result = with_finetune(result, req.finetune)
     return result
 
 
@@ -145,8 +152,13 @@ def _evaluate(req: PlanRequest, counts: list[int], g: Gpu, model, topo: Topology
             for shard, ckpt in ((sh, c) for sh in shards for c in ("none", "full")):
                 for off_opt, off_par in _offloads(name):
                     combo = Combo(gpus, name, ckpt, off_opt, off_par, shard)
-                    one = _estimate(req, combo, 1, model_fields)
-                    grid = _Grid(combo, one, _estimate(req, combo, 2, model_fields))
+                    try:
+                        one = _estimate(req, combo, 1, model_fields)
+                        grid = _Grid(combo, one, _estimate(req, combo, 2, model_fields))
+                    except PlannerError:  # a setting the fine-tuning refuses (QLoRA under ZeRO-3, ...)
+                        if req.finetune == "full":
+                            raise
+                        continue
                     host_ok = host is None or one.host.peak_bytes <= host[0]
                     per_rank = req.global_batch // (gpus * req.nodes)
                     micro = _divisors(per_rank)
@@ -384,6 +396,21 @@ def _max_micro(req: PlanRequest, rows) -> dict[str, int | None]:
 MAX_SEARCH_GPUS = 1 << 16
 
 
+def finetune_fields(req: PlanRequest) -> dict:
+    """The plan's fine-tuning as estimate fields (nothing for full fine-tuning)."""
+    if req.finetune == "full":
+        return {}
+    given = {"lora_rank": req.lora_rank, "lora_targets": req.lora_targets, "lora_dropout": req.lora_dropout}
+    return {"finetune": req.finetune} | {k: v for k, v in given.items() if v is not None}
+
+
+def with_finetune(result: PlanResult, method: str) -> PlanResult:
+    update = {"finetune": method}
+    return result.model_copy(update={
+        "candidates": [c.model_copy(update=update) for c in result.candidates],
+        "recommended": result.recommended.model_copy(update=update) if result.recommended else None})
+
+
 def _min_gpus(req: PlanRequest, name: str, usable: float, model_fields: dict) -> int | None:
     """The smallest total GPU count (GPUs per node as given, growing the node count, or fewer GPUs
     on one node) on which the strategy trains at micro-batch 1 with full checkpointing, in any
@@ -399,11 +426,16 @@ def _fits(req: PlanRequest, name: str, usable: float, model_fields: dict, gpus: 
     shards = _hsdp_shards(gpus, nodes)[::-1] if lookup_strategy(name).shard_within_node else [None]
     for shard in shards:
         for off_opt, off_par in reversed(_offloads(name)):  # most offloaded first: the likeliest fit
-            e = estimate(EstimateRequest(**model_fields, strategy=name, gpus=gpus, nodes=nodes, gpu=req.gpu,
-                                         precision=req.precision, optimizer=req.optimizer, micro_batch=1,
-                                         seq_len=req.seq_len, checkpointing="full", attention=req.attention,
-                                         offload_optimizer=off_opt, offload_params=off_par,
-                                         hsdp_shard_size=explicit_hsdp_shard(name, shard, gpus)))
+            try:
+                e = estimate(EstimateRequest(**model_fields, strategy=name, gpus=gpus, nodes=nodes, gpu=req.gpu,
+                                             precision=req.precision, optimizer=req.optimizer, micro_batch=1,
+                                             seq_len=req.seq_len, checkpointing="full", attention=req.attention,
+                                             offload_optimizer=off_opt, offload_params=off_par,
+                                             hsdp_shard_size=explicit_hsdp_shard(name, shard, gpus)))
+            except PlannerError:  # refused for this fine-tuning (see _evaluate)
+                if req.finetune == "full":
+                    raise
+                continue
             if e.per_device.peak_bytes <= usable:
                 return True
     return False

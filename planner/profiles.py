@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 
 from planner.errors import PlannerError, UnknownNameError, unknown
 from planner.gpus import gpu as lookup_gpu
+from planner.precision import RECIPES
 from planner.timing import flops_per_token
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -96,9 +97,7 @@ def _run_flops(record: dict[str, Any]) -> tuple[str, float, float] | None:
 
 
 def _dtype(precision: str, peak: dict[str, float]) -> str:
-    if precision == "fp32":
-        return "tf32" if "tf32" in peak else "fp32"
-    return "bf16" if precision.startswith("bf16") else "fp16"
+    return RECIPES[precision].peak_dtype(peak)
 
 
 PASSES = {"all_reduce": 2}  # ring passes per collective (all-reduce = reduce-scatter + all-gather)

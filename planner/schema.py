@@ -22,6 +22,9 @@ from planner.parallel import PipelineSchedule
 from planner.precision import Optimizer, Precision
 from planner.strategies import OffloadDevice, StrategyName
 
+Finetune = Literal["full", "lora", "qlora"]
+QuantizeBase = Literal["none", "nf4", "fp4", "int8"]
+
 MAX_GPUS_PER_NODE = 1024
 MAX_NODES = 100_000
 MAX_TOKENS = 1 << 24  # micro_batch * seq_len beyond 16M tokens per device is not a training step
@@ -241,6 +244,21 @@ class EstimateRequest(BaseModel):
     include_vision: bool = Field(
         False, description="multimodal configs (gemma3, llama4, mistral3): count the vision tower and projector as "
         "model states (trained in full); activations stay those of text tokens")
+    # LoRA / QLoRA (planner/finetune.py): defaults are PEFT 0.21's LoraConfig defaults
+    finetune: Finetune = Field("full", description="full fine-tuning, LoRA adapters on a frozen 16-bit base, "
+                               "or QLoRA (a frozen base quantized by bitsandbytes, nf4 with double quantization)")
+    lora_rank: int | None = Field(None, ge=1, le=65_536, description="LoRA rank r (default 8, PEFT's)")
+    lora_alpha: float | None = Field(None, gt=0, le=1e6, allow_inf_nan=False,
+                                     description="LoRA alpha (default 8, PEFT's); no memory effect, kept for the emitted config")
+    lora_targets: str | None = Field(None, min_length=1, max_length=512, pattern=r"^[A-Za-z0-9_.,\- ]+$",
+                                     description="modules given adapters: PEFT names (q_proj,v_proj,...) or all-linear "
+                                     "(every linear but the LM head); default: PEFT's for the model type")
+    lora_dropout: float | None = Field(None, ge=0.0, lt=1.0, allow_inf_nan=False,
+                                       description="dropout on each adapter's input (default 0, PEFT's)")
+    quantize_base: QuantizeBase | None = Field(None, description="storage of the frozen base's linears: none, "
+                                               "nf4/fp4 (bitsandbytes 4-bit) or int8 (LLM.int8); default nf4 for qlora")
+    train_embeddings: bool = Field(False, description="also train the input embeddings and LM head in full "
+                                   "(PEFT modules_to_save)")
 
     @model_validator(mode="before")
     @classmethod
@@ -270,6 +288,9 @@ class EstimateRequest(BaseModel):
                              f"exceeds the global batch bound {MAX_GLOBAL_BATCH}")
         if self.topology is not None and self.topology_text is not None:
             raise ValueError("give --topology or --topology-file, not both")
+        from planner.finetune import check_request_fields
+
+        check_request_fields(self)
         return self
 
     @property
@@ -294,7 +315,8 @@ class MemoryItem(BaseModel):
 
     name: str
     bytes: int
-    component: Literal["parameters", "gradients", "optimizer_states", "activations", "buffers", "framework"]
+    component: Literal["parameters", "frozen_weights", "gradients", "optimizer_states", "activations", "buffers",
+                       "framework"]
     source: str = ""
 
 
@@ -313,6 +335,8 @@ class PerDevice(BaseModel):
     parameters_bytes: int = Field(description="weights held between steps (textbook, sharded as the strategy does)")
     gradients_bytes: int = Field(description="gradients in the training dtype (textbook, sharded as the strategy does)")
     optimizer_states_bytes: int = Field(description="fp32 master weights and optimizer moments")
+    frozen_weights_bytes: int = Field(0, description="LoRA/QLoRA: the frozen base in its storage type (16-bit, or "
+                                      "bitsandbytes nf4/fp4/int8 with its constants), sharded as the strategy does")
     activations_bytes: int | None = Field(description="saved activations at the peak; null when unknown (--params)")
     buffers_bytes: int = Field(description="framework buffers beyond the textbook states, at the peak")
     framework_bytes: int = Field(description="CUDA context and allocator overhead")
@@ -356,6 +380,8 @@ class EstimateResult(BaseModel):
     """The answer to `planner estimate`; field names are the public contract (tests freeze them)."""
 
     parameters: int
+    trainable_parameters: int = Field(description="parameters that get gradients and optimizer states (all of them "
+                                      "for full fine-tuning; the adapters, and embeddings if trained, for LoRA)")
     model: ModelSummary
     strategy: str
     world_size: int
@@ -424,6 +450,13 @@ class PlanRequest(BaseModel):
     include_vision: bool = Field(
         False, description="multimodal configs (gemma3, llama4, mistral3): count the vision tower and projector as "
         "model states (trained in full); activations stay those of text tokens")
+    finetune: Literal["full", "lora", "qlora", "auto"] = Field(
+        "full", description="full fine-tuning, LoRA, QLoRA, or auto: weigh all three and say what each costs")
+    lora_rank: int | None = Field(None, ge=1, le=65_536, description="LoRA rank r (default 8, PEFT's)")
+    lora_targets: str | None = Field(None, min_length=1, max_length=512, pattern=r"^[A-Za-z0-9_.,\- ]+$",
+                                     description="modules given adapters (PEFT names or all-linear)")
+    lora_dropout: float | None = Field(None, ge=0.0, lt=1.0, allow_inf_nan=False,
+                                       description="dropout on each adapter's input (default 0)")
 
     @model_validator(mode="after")
     def _one_model(self) -> "PlanRequest":
@@ -432,11 +465,17 @@ class PlanRequest(BaseModel):
             raise ValueError(f"give exactly one of model or model_config (--model-file); got {given or 'none'}")
         if self.topology is not None and self.topology_text is not None:
             raise ValueError("give --topology or --topology-file, not both")
+        if self.finetune == "full":
+            for name in ("lora_rank", "lora_targets", "lora_dropout"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}={getattr(self, name)} applies to finetune lora, qlora or auto, "
+                                     "not finetune=full")
         return self
 
 
 class Candidate(BaseModel):
     strategy: str
+    finetune: str = Field("full", description="full, lora or qlora")
     micro_batch: int
     gradient_accumulation: int
     checkpointing: str

@@ -16,6 +16,7 @@ from planner.frameworks import Buckets, Traffic, framework_of
 from planner.gpus import Gpu, gpu as lookup_gpu
 from planner.hardware import profile_efficiencies, topology_of
 from planner.memory import estimate
+from planner.precision import RECIPES
 from planner.schema import EstimateRequest, EstimateResult, PlanRequest, TimeEstimate
 from planner.strategies import strategy as lookup_strategy
 from planner.topology import Topology
@@ -97,7 +98,7 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
 
     combo, buckets = resolved_combo(request)
     per_rank = request.micro_batch * request.gradient_accumulation
-    wb = 4 if request.precision == "fp32" else 2
+    wb = RECIPES[request.precision].wire_bytes
     arch = Architecture.model_validate(result.model.architecture)
     rows = combo_collectives(request.precision, combo, result.parameters, np.array([request.micro_batch]), per_rank, wb,
                                arch, buckets)
@@ -203,10 +204,8 @@ def process_group(combo: Combo, group: str, nodes: int) -> tuple[timing.Group, t
 
 def step_times(req: "StepSettings", combo: Combo, micro: np.ndarray, per_rank: int, psi: int, arch, g: Gpu,
                 topo: Topology, fabric: dict, nics: int, buckets: Buckets = Buckets()) -> list[timing.StepTime]:
-    wb = 4 if req.precision == "fp32" else 2
-    dtype = "fp32" if req.precision == "fp32" else ("bf16" if req.precision.startswith("bf16") else "fp16")
-    if req.precision == "fp32":
-        dtype = "tf32" if "tf32" in g.peak_tflops else "fp32"
+    wb = RECIPES[req.precision].wire_bytes
+    dtype = RECIPES[req.precision].peak_dtype(g.peak_tflops)
     peak_flops = g.peak_tflops[dtype] * 1e12
     tokens_rank = per_rank * req.seq_len
     per_token, model_per_token = _flops_per_token(arch, req.seq_len, combo.checkpointing)

@@ -74,9 +74,9 @@ SMALL = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000,
 
 
 def _run(name, model, strategy, precision, *, small=False, ckpt="none", micro=2, seq=128, gpus=2, nodes=1,
-         offload="none", **parallel):
+         offload="none", **extra):
     fields = dict(model_config=model, strategy=strategy, precision=precision, gpus=gpus, gpu="cpu",
-                  micro_batch=micro, seq_len=seq, checkpointing=ckpt) | parallel
+                  micro_batch=micro, seq_len=seq, checkpointing=ckpt) | extra
     if nodes > 1:
         fields["nodes"] = nodes  # torch strategies: every node's ranks on this host (a 2-D mesh)
     if offload != "none":
@@ -120,6 +120,12 @@ CPU_RUNS = [
     # pipeline parallelism (torch.distributed.pipelining, backend/train_pipeline.py); at one
     # data-parallel rank no wrapper, over dp > 1 FSDP2
     _run("llama-pp2-1f1b-fp32-m4", LLAMA, "fsdp", "fp32", pp=2, gradient_accumulation=4),
+    # LoRA (issue 13): PEFT adapters on a frozen bf16 base under autocast
+    _run("llama-lora-ddp-bf16-qkvo-r16", LLAMA, "ddp", "bf16-mixed", micro=2, seq=256, finetune="lora",
+         lora_rank=16, lora_targets="q_proj,k_proj,v_proj,o_proj"),
+    # QLoRA: bitsandbytes' nf4 base (4-bit layers train on CPU), fp32 compute
+    _run("llama-qlora-ddp-fp32-qv", LLAMA, "ddp", "fp32", micro=2, seq=256, finetune="qlora",
+         lora_targets="q_proj,v_proj"),
 ]
 
 # Measured and reported by bench/accuracy.py (not in CI, to keep it short): the rest of the
@@ -184,6 +190,25 @@ BENCH_RUNS = [
     # held gradient and the embedding's own), at another vocabulary and length, and GPT-2's (learned positions)
     _run("qwen2-v32k-zero3-fp32-small-t64", QWEN2_32K, "zero3", "fp32", small=True, micro=1, seq=64),
     _run("gpt2-v50k-zero3-fp32-small-t128", GPT2_50K, "zero3", "fp32", small=True, micro=1, seq=128),
+    # LoRA and QLoRA (issue 13): PEFT on the transformers model, bitsandbytes' nf4 base for QLoRA
+    _run("llama-lora-zero2-bf16-small-all-s512", LLAMA, "zero2", "bf16-mixed", small=True, micro=2, seq=512,
+         finetune="lora", lora_rank=16, lora_targets="all-linear"),
+    _run("llama-qlora-zero2-bf16-small-all-s512", LLAMA, "zero2", "bf16-mixed", small=True, micro=2, seq=512,
+         finetune="qlora", lora_rank=16, lora_targets="all-linear"),
+    _run("llama-lora-zero3-bf16-small-qv", LLAMA, "zero3", "bf16-mixed", small=True, micro=2, seq=256,
+         finetune="lora", lora_rank=8, lora_targets="q_proj,v_proj"),
+    _run("llama-lora-zero3-bf16-small-all-r16-s512", LLAMA, "zero3", "bf16-mixed", small=True, micro=2, seq=512,
+         finetune="lora", lora_rank=16, lora_targets="all-linear"),
+    _run("llama-lora-fsdp-bf16-all", LLAMA, "fsdp", "bf16-mixed", micro=2, seq=256, finetune="lora", lora_rank=8,
+         lora_targets="all-linear"),
+    _run("qwen2-lora-ddp-fp32-dropout", QWEN2, "ddp", "fp32", micro=2, seq=256, finetune="lora", lora_dropout=0.1),
+    # logits-dominated: 1,024 tokens, a 32k vocabulary, PEFT's default targets (q_proj, v_proj, r=8)
+    _run("llama-v32k-lora-zero2-bf16-small-t1024", LLAMA_32K, "zero2", "bf16-mixed", small=True, micro=2, seq=512,
+         finetune="lora"),
+    _run("llama-qlora-zero2-bf16-small-ckpt-r32", LLAMA, "zero2", "bf16-mixed", small=True, ckpt="full", micro=4,
+         seq=256, finetune="qlora", lora_rank=32, lora_targets="all-linear"),
+    _run("llama-qlora-int8-zero2-bf16-small-all", LLAMA, "zero2", "bf16-mixed", small=True, micro=2, seq=256,
+         finetune="qlora", quantize_base="int8", lora_targets="all-linear"),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than

@@ -8,9 +8,10 @@ from cli.main import main
 
 ESTIMATE_FIELDS = {"parameters", "model", "strategy", "world_size", "dp_size", "shard_size", "parallel", "gpu", "per_device",
                    "host", "nvme_bytes", "device_capacity_bytes", "fits", "headroom_bytes", "phases", "buffers",
-                   "notes", "request", "time"}
+                   "notes", "request", "time", "trainable_parameters"}
 PER_DEVICE_FIELDS = {"parameters_bytes", "gradients_bytes", "optimizer_states_bytes", "activations_bytes",
-                     "buffers_bytes", "framework_bytes", "resident_bytes", "peak_bytes", "peak_phase"}
+                     "buffers_bytes", "framework_bytes", "resident_bytes", "peak_bytes", "peak_phase",
+                     "frozen_weights_bytes"}
 HOST_FIELDS = {"resident_bytes", "peak_bytes", "pinned_bytes", "capacity_bytes", "fits"}
 ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus", "--nodes", "--gpu",
                   "--device-memory-gib", "--host-memory-gib", "--precision", "--optimizer", "--micro-batch", "--seq-len",
@@ -19,7 +20,10 @@ ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus",
                   "--prefetch-bucket-size", "--param-persistence-threshold", "--max-live-parameters",
                   "--max-reuse-distance", "--topology", "--topology-file", "--fabric", "--nics-per-node", "--profile",
                   "--include-vision", "--tp", "--pp", "--cp", "--ep", "--pp-schedule", "--pp-virtual-stages",
-                  "--sequence-parallel", "--json", "--emit", "--script"}
+                  "--sequence-parallel", "--json", "--emit", "--script",
+                  # LoRA / QLoRA (issue 13)
+                  "--finetune", "--lora-rank", "--lora-alpha", "--lora-targets", "--lora-dropout", "--quantize-base",
+                  "--train-embeddings"}
 
 
 def run(capsys, *argv):

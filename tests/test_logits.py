@@ -37,7 +37,10 @@ def _vocab(fields) -> int:
 
 
 def _logits_runs(runs):
-    return [(name, fields) for name, fields in runs if _logits_share(fields) >= 0.5]
+    # full fine-tuning only: with a frozen base (LoRA, issue 13) the loss's tensors are most of the
+    # peak even at a small vocabulary, which is not what these runs are chosen to guard
+    return [(name, fields) for name, fields in runs
+            if fields.get("finetune", "full") == "full" and _logits_share(fields) >= 0.5]
 
 
 def test_the_suite_has_logits_dominated_runs_across_families_strategies_and_dtypes():

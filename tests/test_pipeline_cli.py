@@ -156,3 +156,11 @@ def test_plan_does_not_ignore_a_fixed_pipeline_or_expert_degree(flag, capsys):
     assert code == 2 and capsys.readouterr().err.strip() == (
         f"planner: error: {flag}=2: the plan does not search {'pipeline' if flag == 'pp' else 'expert'}-parallel "
         f"layouts yet; estimate this layout with `planner estimate --{flag} 2`")
+
+
+def test_lora_with_pp_is_refused(capsys):
+    # (LoRA on a mixture of experts, so with ep, is refused by the LoRA model itself)
+    code = main(["estimate", "--model", "llama-3-8b", "--strategy", "fsdp", "--finetune", "lora", "--pp", "2",
+                 "--gradient-accumulation", "4"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("planner: error: pp=2 with finetune lora:") and err.count("\n") == 1

@@ -15,6 +15,7 @@ from planner.buffers import (FP32, Layout, PhasePlan, activation_items, adam_tem
 from planner.errors import PlannerError
 from planner.moments import PhaseKind
 from planner.frameworks import Collective, Framework, Traffic, check_sharded_offload, register
+from planner.precision import RECIPES
 
 if TYPE_CHECKING:
     from planner.memory import Setup
@@ -79,7 +80,7 @@ class DeepSpeedZero(Framework):
         check_sharded_offload(s, offload_optimizer, offload_params, params_ok=s.zero_stage == 3)
 
     def check_precision(self, s: "Strategy", precision: str) -> None:
-        if precision == "bf16-pure":
+        if RECIPES[precision].casts_model:
             raise PlannerError("precision bf16-pure (no fp32 master) is not what DeepSpeed's bf16 mode does: "
                                "it always keeps fp32 master weights; use bf16-mixed with zero0-3, or ddp/fsdp for bf16-pure")
 

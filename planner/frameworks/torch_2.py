@@ -16,6 +16,7 @@ from planner.buffers import (FP32, PhasePlan, SweepPoint, activation_items, adam
 from planner.errors import PlannerError
 from planner.moments import PhaseKind
 from planner.frameworks import Collective, Framework, Traffic, check_sharded_offload, register
+from planner.precision import RECIPES
 from planner.schema import MemoryItem
 
 if TYPE_CHECKING:
@@ -27,9 +28,6 @@ DDP_BUCKET_CAP_BYTES = 25 * 2**20
 # How the backend's rank (backend/train.py _fully_shard) and the emitted accelerate config name
 # each FSDP variant; DDP shards nothing (None).
 FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD = "FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"
-# (compute dtype, whole model cast to it) per precision recipe, for the rank's MixedPrecisionPolicy
-TORCH_COMPUTE = {"bf16-mixed": ("bf16", False), "fp16-mixed": ("fp16", False), "bf16-pure": ("bf16", True),
-                 "fp32": (None, False)}
 
 
 def sharding(s: "Strategy") -> str | None:
@@ -57,7 +55,7 @@ class TorchDistributed(Framework):
         again in backward, and reduce-scatters its gradients; HSDP adds an all-reduce of each
         shard across the replicas."""
         if not s.shards_parameters:
-            master = 4 if t.precision in ("bf16-mixed", "fp16-mixed", "fp32") else t.wire_bytes
+            master = RECIPES[t.precision].module_bytes
             return [("gradient all-reduce", t.step * t.psi * master, 2, min(t.psi * master, DDP_BUCKET_CAP_BYTES),
                      "world")]
         grads = t.psi * t.wire_bytes
@@ -99,7 +97,8 @@ class TorchDistributed(Framework):
         if request.optimizer not in ("adamw", "sgd"):
             raise PlannerError(f"optimizer {request.optimizer}: the torch strategies' probe trains with torch's own "
                                "optimizers, adamw or sgd")
-        dtype, pure = TORCH_COMPUTE[request.precision]
+        # the compute dtype and whether the whole model is cast to it, for the rank's MixedPrecisionPolicy
+        dtype, pure = RECIPES[request.precision].reduced_dtype, RECIPES[request.precision].casts_model
         return {"framework": self.name, "torch": {
             "strategy": setup.strategy.name, "sharding": sharding(setup.strategy),
             "compute_dtype": dtype, "pure_16bit": pure, "optimizer": request.optimizer,
