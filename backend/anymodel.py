@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from planner.catalogue import UnsupportedModelTypeError, raw_parameters, traced_model
+from planner.errors import PlannerError
 from planner.memory import estimate, resolve
 from planner.plan import estimate_with_time, plan
 from planner.schema import EstimateRequest, EstimateResult, PlanRequest, PlanResult
@@ -60,13 +61,26 @@ def traced_estimate(request: EstimateRequest, exc: UnsupportedModelTypeError) ->
 
     text = json.dumps(exc.config, sort_keys=True, default=str)
     with _collecting():
-        count = cached_count(text, exc.name)
+        try:
+            count = cached_count(text, exc.name)
+        except PlannerError as refusal:  # the config transformers could not build: the model's field
+            raise _about_model(refusal, request) from None
         # the request's effective settings (a ds_config may set the precision) before tracing at them
         setup = resolve(request, model=raw_parameters(count.parameters))
         req = setup.request
-        profile = cached_trace(text, exc.name, req.micro_batch, req.seq_len, setup.recipe.compute, req.attention,
-                               req.checkpointing)
+        try:
+            profile = cached_trace(text, exc.name, req.micro_batch, req.seq_len, setup.recipe.compute, req.attention,
+                                   req.checkpointing)
+        except PlannerError as refusal:
+            raise _about_model(refusal, request) from None
     return estimate(request, model=traced_model(exc.name, exc.source, profile))
+
+
+def _about_model(exc: PlannerError, request: EstimateRequest) -> PlannerError:
+    """A trace's refusal names the request field that gave the model, unless it names one itself."""
+    if exc.field is None:
+        exc.field = "model_config" if request.model_config_ is not None else "model"
+    return exc
 
 
 @contextmanager

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from backend.job import TorchSettings, VerifyJob
 from planner.dsconfig import build_ds_config
 from planner.errors import PlannerError
 from planner.memory import resolve
@@ -34,7 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 class ProbeResult:
     status: str  # ok | oom | crashed | timeout | interrupted | launcher-error
     ranks: list[dict[str, Any]]
-    job: dict[str, Any]
+    job: VerifyJob
     log_tail: str
     seconds: float
     message: str = ""
@@ -42,7 +43,7 @@ class ProbeResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_dir: Path) -> dict[str, Any]:
+def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_dir: Path) -> VerifyJob:
     """What every rank needs: the architecture, the DeepSpeed config the prediction assumed."""
     setup = resolve(request)
     request = setup.request  # with what a --ds-config fixed: precision, micro-batch, accumulation, optimizer
@@ -68,7 +69,7 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         "seed": 0,
     }
     if setup.strategy.framework == "torch":
-        return common | {"framework": "torch", "torch": _torch_settings(request, setup)}
+        return VerifyJob(**common, framework="torch", torch=_torch_settings(request, setup))
     ds_config = build_ds_config(stage=setup.zero.stage, precision=setup.request.precision,
                                 micro_batch=request.micro_batch,
                                 gradient_accumulation=request.gradient_accumulation,
@@ -76,7 +77,7 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
     if setup.gpu.is_cpu:
         # CPU ranks: DeepSpeed's FusedAdam needs CUDA; torch's AdamW is what the model predicts.
         ds_config["optimizer"]["params"]["torch_adam"] = True
-    return common | {"framework": "deepspeed", "ds_config": ds_config}
+    return VerifyJob(**common, framework="deepspeed", ds_config=ds_config)
 
 
 TORCH_SHARDING = {"fsdp": "FULL_SHARD", "fsdp-grad-op": "SHARD_GRAD_OP", "hsdp": "HYBRID_SHARD"}
@@ -84,16 +85,16 @@ TORCH_COMPUTE = {"bf16-mixed": ("bf16", False), "fp16-mixed": ("fp16", False), "
                  "fp32": (None, False)}
 
 
-def _torch_settings(request: EstimateRequest, setup) -> dict[str, Any]:
+def _torch_settings(request: EstimateRequest, setup) -> TorchSettings:
     """How the rank wraps the model for a torch strategy (backend/train.py _torch_engine)."""
     if request.optimizer not in ("adamw", "sgd"):
         raise PlannerError(f"optimizer {request.optimizer}: the torch strategies' probe trains with torch's own "
                            "optimizers, adamw or sgd")
     dtype, pure = TORCH_COMPUTE[request.precision]
-    return {"strategy": setup.strategy.name, "sharding": TORCH_SHARDING.get(setup.strategy.name),
-            "compute_dtype": dtype, "pure_16bit": pure, "optimizer": request.optimizer,
-            "offload": setup.zero.offload_params != "none",
-            "replicas": request.world_size // setup.shard_size, "shard_size": setup.shard_size}
+    return TorchSettings(strategy=setup.strategy.name, sharding=TORCH_SHARDING.get(setup.strategy.name),
+                         compute_dtype=dtype, pure_16bit=pure, optimizer=request.optimizer,
+                         offload=setup.zero.offload_params != "none",
+                         replicas=request.world_size // setup.shard_size, shard_size=setup.shard_size)
 
 
 def _free_port() -> int:
@@ -220,7 +221,7 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-def _environment(job: dict[str, Any]) -> dict[str, str]:
+def _environment(job: VerifyJob) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTHONUNBUFFERED"] = "1"
@@ -230,7 +231,7 @@ def _environment(job: dict[str, Any]) -> dict[str, str]:
     env["TRANSFORMERS_OFFLINE"] = "1"
     for secret in SECRET_ENV:  # the API's token never reaches a training rank
         env.pop(secret, None)
-    if job["device"] == "cpu":
+    if job.device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
@@ -250,13 +251,13 @@ def run_probe(request: EstimateRequest, *, out_dir: Path, steps: int = 2, warmup
     out_dir.mkdir(parents=True, exist_ok=True)
     job = worker_job(request, steps=steps, warmup_steps=warmup_steps, out_dir=out_dir)
     job_path = out_dir / "job.json"
-    job_path.write_text(json.dumps(job, indent=1))
+    job_path.write_text(job.to_json())
     log_path = out_dir / "launcher.log"
     port = _free_port()
-    command = launcher_command(job_path, request, hostfile, port, job["framework"], job["device"])
+    command = launcher_command(job_path, request, hostfile, port, job.framework, job.device)
     start = time.monotonic()
     env = _environment(job)
-    if job["device"] == "cpu" and job["framework"] == "deepspeed":
+    if job.device == "cpu" and job.framework == "deepspeed":
         prepare_extensions(env)
     log_path.write_bytes(b"")
     spec = {"command": command, "cwd": str(REPO_ROOT), "env": env, "log_path": str(log_path), "port": port,

@@ -162,6 +162,19 @@ def validation_message(exc: ValidationError) -> str:
     return f"{_flag(field)}:{shown} {message}"
 
 
+def error_message(exc: Exception) -> str:
+    """A core error as the CLI shows it: with the rejected value, as ``--flag: got VALUE: why`` (the
+    flag rendered from the field the error names), as a schema error is shown; otherwise its
+    message, which already quotes field and value."""
+    from planner.errors import NO_VALUE
+
+    field, value = getattr(exc, "field", None), getattr(exc, "value", NO_VALUE)
+    if field and value is not NO_VALUE:
+        top = field.split(".")[0]
+        return f"{_flag(top + '_' if top == 'model_config' else top)}: got {value!r}: {exc}"
+    return str(exc)
+
+
 def read_topology_text(path: str) -> str:
     from planner.topology import MAX_TOPOLOGY_BYTES
 
@@ -649,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except (PlannerError, CliError) as exc:
-        print(one_line(f"planner: error: {exc}"), file=sys.stderr)
+        print(one_line(f"planner: error: {error_message(exc)}"), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("planner: interrupted", file=sys.stderr)

@@ -68,7 +68,7 @@ def _zero_settings(request: EstimateRequest, s: Strategy) -> ZeroSettings:
     settings = parse_ds_config(request.ds_config) if request.ds_config is not None else ZeroSettings()
     if request.ds_config is not None and s.zero_stage is not None and settings.stage != s.zero_stage:
         raise PlannerError(f"strategy {s.name} contradicts ds_config zero_optimization.stage({settings.stage}); "
-                           f"use strategy zero{settings.stage} or change the config")
+                           f"use strategy zero{settings.stage} or change the config", field="strategy")
     settings = with_overrides(
         settings, reduce_bucket_size=request.reduce_bucket_size,
         allgather_bucket_size=request.allgather_bucket_size,
@@ -107,7 +107,8 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     check_offload(s, zero.offload_optimizer, zero.offload_params)
     if s.framework == "deepspeed" and precision == "bf16-pure":
         raise PlannerError("precision bf16-pure (no fp32 master) is not what DeepSpeed's bf16 mode does: "
-                           "it always keeps fp32 master weights; use bf16-mixed with zero0-3, or ddp/fsdp for bf16-pure")
+                           "it always keeps fp32 master weights; use bf16-mixed with zero0-3, or ddp/fsdp for bf16-pure",
+                           field="precision")
     model = model if model is not None else resolve_model(request)
     if request.include_vision:
         model = with_vision(model)

@@ -52,7 +52,8 @@ def _plan_request(form: dict[str, typing.Any]) -> PlanRequest:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ())) or "form"
-        raise PlannerError(f"{where}: {first.get('msg', 'invalid').removeprefix('Value error, ')}") from None
+        raise PlannerError(f"{where}: {first.get('msg', 'invalid').removeprefix('Value error, ')}",
+                           field=where if where != "form" else None) from None
 
 
 def _fabrics() -> list[tuple[str, str]]:
@@ -151,7 +152,9 @@ def add_pages(app: FastAPI) -> None:
         if expected is None or not token_matches(token, expected):
             raise HTTPException(401, "wrong or missing token")
         req, candidate = _recommended(request, 422, "nothing fits, so nothing is run")
-        run_id = app.state.jobs.start(VerifyBody(request=estimate_request_for(req, candidate)))
+        defaults = VerifyBody.model_fields
+        run_id = app.state.jobs.start(estimate_request_for(req, candidate), steps=defaults["steps"].default,
+                                      warmup_steps=defaults["warmup_steps"].default)
         response = RedirectResponse(f"/runs/{run_id}", status_code=303)
         # the run's page is behind the token too: the browser that gave it may read run pages
         response.set_cookie(RUNS_COOKIE, _runs_pass(expected), httponly=True, samesite="strict", path="/runs")
@@ -159,7 +162,7 @@ def add_pages(app: FastAPI) -> None:
 
     @app.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
     def run_page(run_id: int, request: Request) -> HTMLResponse:
-        from cli.render import verify_table
+        from backend.report import verify_table
         from web.app import UNAUTHORIZED, bearer, runs_are_private, token_matches
 
         expected = _token()
