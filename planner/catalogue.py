@@ -49,7 +49,7 @@ class TracedProfile(BaseModel):
     and backward on fake tensors for the activations) for one micro-batch, sequence length,
     dtype, attention and checkpointing. Every figure is bytes or elements, as measured."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)  # built by the first trace
 
     model_type: str
     parameters: int = Field(gt=0)

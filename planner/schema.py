@@ -350,7 +350,9 @@ Objective = Literal["time", "cost", "memory"]
 class PlanRequest(BaseModel):
     """What to plan: a model, the cluster and its wiring, the batch to reach."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=(), populate_by_name=True)
+    # defer_build: the plan's models are validated only by a plan; an estimate never builds them
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=(), populate_by_name=True,
+                              defer_build=True)
 
     model: ModelName | None = Field(None, description="catalogue model name or alias, or a Hugging Face Hub id org/name",
                                     examples=["llama-3-8b"])
@@ -390,6 +392,8 @@ class PlanRequest(BaseModel):
 
 
 class Candidate(BaseModel):
+    model_config = ConfigDict(defer_build=True)  # built by the first plan
+
     strategy: str
     micro_batch: int
     gradient_accumulation: int
@@ -410,6 +414,8 @@ class Candidate(BaseModel):
 
 
 class TopologySummary(BaseModel):
+    model_config = ConfigDict(defer_build=True)  # built by the first plan
+
     source: str
     gpu_type: str
     gpus_per_node: int
@@ -422,6 +428,8 @@ class TopologySummary(BaseModel):
 
 
 class PlanResult(BaseModel):
+    model_config = ConfigDict(defer_build=True)  # built by the first plan
+
     recommended: Candidate | None
     candidates: list[Candidate]
     candidates_evaluated: int
