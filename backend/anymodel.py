@@ -16,7 +16,8 @@ from typing import Iterator
 from planner.catalogue import UnsupportedModelTypeError, raw_parameters, traced_model
 from planner.errors import PlannerError
 from planner.memory import estimate, resolve
-from planner.plan import estimate_with_time, plan
+from planner.plan import plan
+from planner.steptime import estimate_with_time
 from planner.schema import EstimateRequest, EstimateResult, PlanRequest, PlanResult
 
 

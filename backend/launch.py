@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backend.job import TorchSettings, VerifyJob
-from planner.dsconfig import build_ds_config
+from backend.job import VerifyJob
 from planner.errors import PlannerError
 from planner.memory import resolve
 from planner.schema import EstimateRequest
@@ -68,33 +67,7 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         "out_dir": str(out_dir),
         "seed": 0,
     }
-    if setup.strategy.framework == "torch":
-        return VerifyJob(**common, framework="torch", torch=_torch_settings(request, setup))
-    ds_config = build_ds_config(stage=setup.zero.stage, precision=setup.request.precision,
-                                micro_batch=request.micro_batch,
-                                gradient_accumulation=request.gradient_accumulation,
-                                optimizer=request.optimizer, zero=setup.zero)
-    if setup.gpu.is_cpu:
-        # CPU ranks: DeepSpeed's FusedAdam needs CUDA; torch's AdamW is what the model predicts.
-        ds_config["optimizer"]["params"]["torch_adam"] = True
-    return VerifyJob(**common, framework="deepspeed", ds_config=ds_config)
-
-
-TORCH_SHARDING = {"fsdp": "FULL_SHARD", "fsdp-grad-op": "SHARD_GRAD_OP", "hsdp": "HYBRID_SHARD"}
-TORCH_COMPUTE = {"bf16-mixed": ("bf16", False), "fp16-mixed": ("fp16", False), "bf16-pure": ("bf16", True),
-                 "fp32": (None, False)}
-
-
-def _torch_settings(request: EstimateRequest, setup) -> TorchSettings:
-    """How the rank wraps the model for a torch strategy (backend/train.py _torch_engine)."""
-    if request.optimizer not in ("adamw", "sgd"):
-        raise PlannerError(f"optimizer {request.optimizer}: the torch strategies' probe trains with torch's own "
-                           "optimizers, adamw or sgd")
-    dtype, pure = TORCH_COMPUTE[request.precision]
-    return TorchSettings(strategy=setup.strategy.name, sharding=TORCH_SHARDING.get(setup.strategy.name),
-                         compute_dtype=dtype, pure_16bit=pure, optimizer=request.optimizer,
-                         offload=setup.zero.offload_params != "none",
-                         replicas=request.world_size // setup.shard_size, shard_size=setup.shard_size)
+    return VerifyJob(**(common | setup.framework.worker_settings(setup, request)))
 
 
 def _free_port() -> int:

@@ -167,7 +167,7 @@ def _components(prediction, rank: dict) -> dict[str, dict[str, Any]]:
 def _communication(request: EstimateRequest, ranks: list[dict]) -> dict:
     """Collective payload per step: measured on rank 0 (one counted step after the measured ones)
     next to what the time model sends."""
-    from planner.plan import collective_volumes
+    from planner.steptime import collective_volumes
 
     measured = ranks[0].get("collectives") or {}
     modelled = collective_volumes(request)

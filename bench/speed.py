@@ -83,7 +83,8 @@ def main() -> int:
     from transformers import AutoConfig, AutoModel
 
     from planner.catalogue import load_catalogue, model_from_file
-    from planner.plan import estimate_with_time, plan
+    from planner.plan import plan
+    from planner.steptime import estimate_with_time
     from planner.schema import EstimateRequest, PlanRequest
 
     entry = load_catalogue()[args.model]

@@ -16,7 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from planner.plan import estimate_with_time, plan  # noqa: E402
+from planner.plan import plan  # noqa: E402
+from planner.steptime import estimate_with_time  # noqa: E402
 from planner.schema import EstimateRequest, PlanRequest  # noqa: E402
 
 FABRICS = [("ib-ndr", 8), ("ib-ndr", 1), ("roce-200g", 1), ("eth-100g", 1), ("eth-25g", 1)]

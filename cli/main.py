@@ -36,6 +36,8 @@ def _choices(annotation: Any) -> list[str] | None:
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if typing.get_origin(annotation) is typing.Literal:
         return list(typing.get_args(annotation))
+    if args == [bool]:  # bool | None: unset means the schema's own default, so it is a choice, not a switch
+        return ["true", "false"]
     for arg in args:
         if typing.get_origin(arg) is typing.Literal:
             return list(typing.get_args(arg))

@@ -233,12 +233,12 @@ def model_from_file(path: str | Path) -> ResolvedModel:
         size = path.stat().st_size
         if size > MAX_MODEL_FILE_BYTES:
             raise PlannerError(f"--model-file {path}: {size} bytes is too large for a model config "
-                               f"(limit {MAX_MODEL_FILE_BYTES})")
+                               f"(limit {MAX_MODEL_FILE_BYTES})", field="model_config")
         text = path.read_text()
     except OSError as exc:
-        raise PlannerError(f"--model-file {path}: cannot be read ({exc.strerror})") from None
+        raise PlannerError(f"--model-file {path}: cannot be read ({exc.strerror})", field="model_config") from None
     except UnicodeDecodeError:
-        raise PlannerError(f"--model-file {path}: not a text file") from None
+        raise PlannerError(f"--model-file {path}: not a text file", field="model_config") from None
     data = _parse_text(text, f"--model-file {path}")
     resolved = model_from_config(data, name=path.stem)
     return resolved.model_copy(update={"source": str(path)})

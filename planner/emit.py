@@ -29,7 +29,6 @@ from typing import Any
 import yaml
 
 from planner.catalogue import UnsupportedModelTypeError
-from planner.dsconfig import build_ds_config
 from planner.errors import PlannerError
 from planner.memory import resolve
 from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanRequest
@@ -139,7 +138,7 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
     unavailable = None if script is not None else _trainer_unavailable(setup, est)
     s = setup.strategy
     launch = _Launch(request=setup.request, framework=s.framework, strategy=s.name,
-                     fsdp=s.framework == "torch" and s.shards_parameters,
+                     fsdp=setup.framework.fsdp_sharding(s) is not None,
                      reshard_after_forward=not s.params_unsharded_in_step,
                      zero_stage=s.zero_stage, precision=setup.request.precision,
                      is_cpu=setup.gpu.is_cpu, shard_size=setup.shard_size, script=script, summary=summary,
@@ -147,16 +146,12 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
     files: dict[str, str] = {}
     if launch.framework == "deepspeed":
         req = launch.request  # the request as resolved: a ds_config's batch and optimizer filled in
-        config = build_ds_config(stage=setup.zero.stage, precision=launch.precision, micro_batch=req.micro_batch,
-                                 gradient_accumulation=req.gradient_accumulation, optimizer=req.optimizer,
-                                 zero=setup.zero)
+        config = setup.framework.ds_config(setup, req)
         config["train_batch_size"] = req.micro_batch * req.gradient_accumulation * launch.world
         if est.ds_config is not None:
             config = _keep_users_config(est.ds_config, config)
-        if launch.is_cpu and "optimizer" in config:
-            # CPU ranks: DeepSpeed's FusedAdam needs CUDA; torch's AdamW is what the model predicts
-            # (the same switch backend/launch.py worker_job makes for `planner verify`).
-            config["optimizer"].setdefault("params", {})["torch_adam"] = True
+        if launch.is_cpu:  # the same switch backend/launch.py worker_job makes for `planner verify`
+            setup.framework.use_torch_adam(config)
         files["ds_config.json"] = json.dumps(config, indent=2) + "\n"
     files["accelerate_config.yaml"] = yaml.safe_dump(accelerate_config(launch), sort_keys=False)
     files["trainer_args.json"] = json.dumps(trainer_arguments(launch), indent=2) + "\n"

@@ -13,16 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from planner import buffers as buf
+from planner.frameworks import Framework, framework_of
 from planner.activations import ActivationItem, Activations, estimate_activations
 from planner.architecture import Architecture, parameter_numels
 from planner.catalogue import ResolvedModel, catalogue_model, model_from_config, raw_parameters, with_vision
 from planner.dsconfig import ZeroSettings, batch_from_config, parse_ds_config, with_overrides
 from planner.errors import PlannerError
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
+from planner.moments import PhaseKind
+from planner.parallel import ModelShape, ParallelDims, check_dims, data_parallel_size, dims_for, refuse_unmodelled
 from planner.precision import RECIPES, Recipe, bits_to_bytes, optimizer_state_bits
-from planner.schema import (EstimateRequest, EstimateResult, HostMemory, ModelSummary,
+from planner.schema import (EstimateRequest, EstimateResult, HostMemory, ModelSummary, ParallelDegrees,
                             PerDevice, Phase)
-from planner.strategies import Strategy, check_offload, shard_group_size, strategy as lookup_strategy
+from planner.strategies import Strategy, shard_group_size, strategy as lookup_strategy
 from planner.units import GIB, fmt_bytes
 
 
@@ -38,6 +41,7 @@ class Setup:
     zero: ZeroSettings
     world_size: int
     shard_size: int
+    dims: ParallelDims
 
     @property
     def arch(self) -> Architecture | None:
@@ -50,6 +54,11 @@ class Setup:
     @property
     def weight_bytes(self) -> int:
         return self.recipe.weight_bits // 8
+
+    @property
+    def framework(self) -> Framework:
+        """The framework version that realises the strategy (planner/frameworks/)."""
+        return framework_of(self.strategy)
 
     @property
     def device(self) -> str:
@@ -104,18 +113,32 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
         precision = zero.precision  # the config's bf16/fp16 block, unless --precision was given
     from_config = _from_config(request, zero)
     check_precision(g, precision)
-    check_offload(s, zero.offload_optimizer, zero.offload_params)
-    if s.framework == "deepspeed" and precision == "bf16-pure":
-        raise PlannerError("precision bf16-pure (no fp32 master) is not what DeepSpeed's bf16 mode does: "
-                           "it always keeps fp32 master weights; use bf16-mixed with zero0-3, or ddp/fsdp for bf16-pure",
-                           field="precision")
+    fw = framework_of(s)
+    fw.check_offload(s, zero.offload_optimizer, zero.offload_params)
+    fw.check_precision(s, precision)
     model = model if model is not None else resolve_model(request)
     if request.include_vision:
         model = with_vision(model)
     shard = shard_group_size(s, request.gpus, request.nodes, request.hsdp_shard_size)
+    dims = _dims(request, s, shard, model)
     return Setup(request=request.model_copy(update={"precision": precision} | from_config), model=model, strategy=s,
                  recipe=RECIPES[precision], gpu=g, zero=zero,
-                 world_size=request.world_size, shard_size=shard)
+                 world_size=request.world_size, shard_size=shard, dims=dims)
+
+
+def _dims(request: EstimateRequest, s: Strategy, shard: int, model: ResolvedModel) -> ParallelDims:
+    """The request's degrees, the data-parallel part realised as the strategy does; a layout the
+    model or cluster cannot take, or a degree not modelled yet, is refused naming the field."""
+    dp = data_parallel_size(request.world_size, request.tp, request.pp, request.cp, request.gpus, request.nodes)
+    dims = dims_for(s.shards_optimizer, shard if s.shard_within_node else None, dp,
+                    request.tp, request.pp, request.cp, request.ep)
+    arch = model.architecture
+    shape = ModelShape(arch.num_attention_heads, arch.num_key_value_heads, arch.num_layers,
+                       arch.num_experts or None) if arch is not None else ModelShape()
+    check_dims(dims, gpus=request.gpus, nodes=request.nodes, model=shape, seq_len=request.seq_len,
+               pp_virtual_stages=request.pp_virtual_stages, pp_schedule=request.pp_schedule)
+    refuse_unmodelled(request)
+    return dims
 
 
 # --- textbook model states -------------------------------------------------------------------
@@ -135,8 +158,8 @@ def textbook_states(setup: Setup) -> tuple[int, int, int]:
     optim = bits_to_bytes(_shard(psi, setup, s.shards_optimizer), k_bits)
     if setup.zero.offload_params != "none":
         params = 0
-        if s.framework == "torch":
-            grads = 0  # FSDP CPUOffload moves gradients to the host with the parameters
+        if setup.framework.offloads_gradients_with_params:
+            grads = 0
     if setup.zero.offload_optimizer != "none":
         optim = 0
     return params, grads, optim
@@ -195,7 +218,7 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
     setup = resolve(request, model)
     params_b, grads_b, optim_b = textbook_states(setup)
     acts = activations(setup)
-    plan = buf.phases_for(setup, acts, _numels(setup))
+    plan = setup.framework.phases(setup, acts, _numels(setup))
     framework = setup.gpu.cuda_context_bytes
     peak_phase = max(plan.phases, key=lambda p: p.bytes)
     peak = peak_phase.bytes + framework
@@ -211,7 +234,7 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
         model=ModelSummary(name=setup.model.name, source=setup.model.source, parameters=setup.psi,
                            architecture=setup.arch.model_dump() if setup.arch else None),
         strategy=setup.strategy.name, world_size=setup.world_size, dp_size=setup.world_size,
-        shard_size=setup.shard_size, gpu=setup.gpu.name,
+        shard_size=setup.shard_size, parallel=ParallelDegrees(**setup.dims.as_dict()), gpu=setup.gpu.name,
         per_device=PerDevice(
             parameters_bytes=params_b, gradients_bytes=grads_b, optimizer_states_bytes=optim_b,
             activations_bytes=act_at_peak if acts is not None else None,
@@ -221,13 +244,13 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
                         pinned_bytes=plan.host_pinned_bytes),
         nvme_bytes=plan.nvme_bytes, device_capacity_bytes=capacity, fits=fits,
         headroom_bytes=capacity - peak,
-        phases=[_phase_of("between steps (resident)", plan.resident)] + list(plan.phases), buffers=list(plan.buffers),
+        phases=[_phase_of(PhaseKind.RESIDENT, "between steps (resident)", plan.resident)] + list(plan.phases), buffers=list(plan.buffers),
         notes=notes, request=setup.request)
 
 
-def _phase_of(name: str, items: list) -> Phase:
+def _phase_of(kind: PhaseKind, name: str, items: list) -> Phase:
     kept = [i for i in items if i.bytes > 0]
-    return Phase(name=name, bytes=sum(i.bytes for i in kept), items=kept)
+    return Phase(name=name, bytes=sum(i.bytes for i in kept), items=kept, kind=kind)
 
 
 def resident_by_component(result: EstimateResult) -> dict[str, int]:

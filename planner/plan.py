@@ -1,4 +1,4 @@
-"""The recommender: every strategy x micro-batch x checkpointing x offload (x GPU count) that
+"""The recommender: search and rank. Every strategy x micro-batch x checkpointing x offload (x GPU count) that
 reaches the global batch, memory and time for each, ranked by the objective, every rejection
 explained.
 
@@ -11,37 +11,25 @@ from __future__ import annotations
 
 import math
 import time as wallclock
-from dataclasses import dataclass
 
 import numpy as np
 
 from planner import timing
-from planner.architecture import layer_parameters
 from planner.catalogue import catalogue_model, model_from_config, with_vision
 from planner.errors import PlannerError
+from planner.frameworks import framework_of
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
+from planner.hardware import profile_efficiencies, topology_of
 from planner.memory import estimate
-from planner.presets import default_preset_for, preset, preset_topology
-from planner.schema import (Candidate, EstimateRequest, EstimateResult, PlanRequest, PlanResult, TimeEstimate,
-                            TopologySummary)
+from planner.parallel import refuse_unmodelled
+from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanRequest, PlanResult, TopologySummary
+from planner.steptime import Combo, StepSettings, estimate_with_time, step_times
 from planner.strategies import STRATEGIES, explicit_hsdp_shard, strategy as lookup_strategy
-from planner.topology import GpuRow, Topology, link_between, parse_topology
+from planner.topology import Topology
 from planner.units import GB, GIB
 
-OFFLOADS = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"), ("nvme", "nvme"))
-DEFAULT_FABRIC, DEFAULT_NICS = "ib-hdr", 1
-PCIE_DEVICE_TO_HOST_GBPS = {"gen3": 12.0, "gen4": 24.0, "gen5": 48.0, "gen6": 92.0, "none": 24.0}
-NVME_GBPS = 5.0  # one PCIe Gen4 NVMe drive, sequential (vendor datasheets: 5-7 GB/s); calibratable
+__all__ = ["estimate_with_time", "plan"]  # estimate_with_time: re-exported for scripts outside the repo (/work/golden/dump.py)
 
-
-@dataclass(frozen=True)
-class Combo:
-    gpus: int
-    strategy: str
-    checkpointing: str
-    offload_optimizer: str
-    offload_params: str
-    shard: int | None = None  # hsdp: GPUs per shard group
 
 
 def _hsdp_shards(gpus: int, nodes: int) -> list[int]:
@@ -52,106 +40,7 @@ def _hsdp_shards(gpus: int, nodes: int) -> list[int]:
 
 def _offloads(name: str) -> list[tuple[str, str]]:
     s = lookup_strategy(name)
-    if s.name == "zero3":
-        return list(OFFLOADS)
-    if s.name in ("fsdp", "hsdp"):
-        return [("none", "none"), ("cpu", "cpu")]  # FSDP CPUOffload moves params, grads and states together
-    if s.framework == "torch":
-        return [("none", "none")]
-    if s.shards_optimizer:
-        return [("none", "none"), ("cpu", "none"), ("nvme", "none")]
-    return [("none", "none")]
-
-
-def collective_volumes(request: EstimateRequest) -> list[dict]:
-    """What the time model sends per optimizer step for this configuration, per collective:
-    payload bytes (before the ring's 2(n-1)/n or (n-1)/n factor), message size and group."""
-    result = estimate(request)
-    if result.model.architecture is None:
-        return []
-    request = result.request  # with what a ds_config fixed (micro-batch, accumulation, optimizer)
-    from planner.architecture import Architecture
-
-    combo, buckets = _resolved_combo(request)
-    model_fields = {"model": request.model} if request.model else {"model_config": request.model_config_}
-    model_fields |= {"include_vision": True} if request.include_vision else {}
-    per_rank = request.micro_batch * request.gradient_accumulation
-    plan_req = PlanRequest(**model_fields, gpu=request.gpu, gpus=request.gpus, nodes=request.nodes,
-                           seq_len=request.seq_len, global_batch=per_rank * request.gpus * request.nodes,
-                           precision=result.request.precision, optimizer=request.optimizer)
-    wb = 4 if request.precision == "fp32" else 2
-    arch = Architecture.model_validate(result.model.architecture)
-    rows = _collective_volumes(plan_req, combo, result.parameters, np.array([request.micro_batch]), per_rank, wb,
-                               arch, buckets)
-    return [{"what": what, "bytes_per_step": int(volume[0]), "message_bytes": int(message), "group": group}
-            for what, volume, _, message, group in rows]
-
-
-def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstimate | None:
-    """The time model for one estimate's configuration (None without an architecture, or on CPU)."""
-    g = lookup_gpu(request.gpu)
-    if result.model.architecture is None or (g.is_cpu and request.profile is None):
-        return None
-    model_fields = {"model": request.model} if request.model else {"model_config": request.model_config_}
-    model_fields |= {"include_vision": True} if request.include_vision else {}
-    world = request.gpus * request.nodes
-    per_rank = request.micro_batch * request.gradient_accumulation
-    plan_req = PlanRequest(**model_fields, gpu=request.gpu, gpus=request.gpus, nodes=request.nodes,
-                           topology=request.topology, topology_text=request.topology_text,
-                           fabric=request.fabric, nics_per_node=request.nics_per_node,
-                           seq_len=request.seq_len, global_batch=per_rank * world,
-                           precision=result.request.precision, optimizer=request.optimizer,
-                           attention=request.attention, profile=request.profile)
-    topo, fabric_name, nics = _topology(plan_req, g)
-    plan_req = _apply_profile(plan_req, topo)
-    from planner.architecture import Architecture
-
-    combo, buckets = _resolved_combo(request)
-    arch = Architecture.model_validate(result.model.architecture)
-    t = _step_times(plan_req, combo, np.array([request.micro_batch]), per_rank, result.parameters, arch, g,
-                    topo, timing.fabric(fabric_name), nics, buckets)[0]
-    return TimeEstimate(step_seconds=t.step_seconds, compute_seconds=t.compute_seconds,
-                        communication_seconds=t.communication_seconds,
-                        exposed_communication_seconds=t.exposed_communication_seconds,
-                        offload_seconds=t.offload_seconds, tokens_per_second=t.tokens_per_second, mfu=t.mfu,
-                        ring_bandwidth_gbps=t.ring_bandwidth_gbps if math.isfinite(t.ring_bandwidth_gbps) else None,
-                        topology=topo.source)
-
-
-def estimate_with_time(request: EstimateRequest) -> EstimateResult:
-    result = estimate(request)  # result.request holds what a ds_config fixed (micro-batch, accumulation, optimizer)
-    return result.model_copy(update={"time": estimate_time(result.request, result)})
-
-
-def _one_host_bridge(gpus: int, g: Gpu) -> Topology:
-    """The topology assumed for a GPU type without a preset: every pair of GPUs over PCIe through
-    one host bridge (nvidia-smi's PHB), no NVLink, no NICs. Built directly: it is what parsing the
-    matching `nvidia-smi topo -m` text gives, but that text's size limit is for pastes, and a large
-    --gpus (its matrix grows as gpus squared) is no paste."""
-    link = link_between(0, 1, "PHB", g)  # every pair the same link
-    return Topology(gpus=[GpuRow(index=i, cpu_affinity=None, numa_node=None) for i in range(gpus)], nics=[],
-                    matrix=[["X" if i == j else "PHB" for j in range(gpus)] for i in range(gpus)],
-                    links=[link.model_copy(update={"a": i, "b": j}) for i in range(gpus) for j in range(i + 1, gpus)],
-                    nvlink_groups=[[i] for i in range(gpus)], gpu_type=g.name,
-                    source=f"assumed: {gpus} GPUs under one PCIe host bridge")
-
-
-def _topology(req: PlanRequest, g: Gpu) -> tuple[Topology, str, int]:
-    fabric, nics = DEFAULT_FABRIC, DEFAULT_NICS
-    if req.topology_text is not None:
-        topo = parse_topology(req.topology_text, g, source="pasted nvidia-smi topo -m")
-    else:
-        name = req.topology or default_preset_for(g.name)
-        if name is None:
-            topo = _one_host_bridge(req.gpus, g)
-        else:
-            p = preset(name)
-            if p.gpu != g.name:
-                raise PlannerError(f"topology preset {name} is built from {p.gpu}, but gpu is {g.name}")
-            topo, fabric, nics = preset_topology(name), p.fabric, p.nics_per_node
-    if len(topo.gpus) < req.gpus:
-        raise PlannerError(f"gpus({req.gpus}) exceeds the {len(topo.gpus)} GPUs of the topology ({topo.source})")
-    return topo, req.fabric or fabric, req.nics_per_node or nics
+    return framework_of(s).offload_options(s)
 
 
 def _gpu_counts(req: PlanRequest) -> list[int]:
@@ -161,18 +50,6 @@ def _gpu_counts(req: PlanRequest) -> list[int]:
         counts.add(k)
         k *= 2
     return sorted(c for c in counts if req.global_batch % (c * req.nodes) == 0)
-
-
-def _resolved_combo(request: EstimateRequest) -> tuple[Combo, Buckets]:
-    """One estimate's configuration as the time model takes it, with offload and bucket sizes as
-    resolved (--ds-config included)."""
-    from planner.memory import resolve
-
-    zero = resolve(request).zero
-    shard = (request.hsdp_shard_size or request.gpus) if request.strategy == "hsdp" else None
-    combo = Combo(request.gpus, request.strategy, request.checkpointing, zero.offload_optimizer, zero.offload_params,
-                  shard)
-    return combo, Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size)
 
 
 def _estimate(req: PlanRequest, combo: Combo, micro: int, model_fields: dict) -> EstimateResult:
@@ -202,26 +79,11 @@ class _Grid:
         return (self.constant[:, None] + self.slope[:, None] * micro[None, :]).max(axis=0) + self.framework
 
 
-def _apply_profile(req: PlanRequest, topo: Topology) -> PlanRequest:
-    """With a profile: its compute efficiency, and the link efficiency fitted for the kind of this
-    topology's ring bottleneck where its runs measured that kind, else its overall one."""
-    if req.profile is None:
-        return req
-    from planner.profiles import load_profile
-
-    profile = load_profile(req.profile)
-    if profile.gpu != req.gpu:
-        raise PlannerError(f"profile {profile.name} was fitted on {profile.gpu}, but gpu is {req.gpu}")
-    ring, _, _ = timing.node_ring(topo, req.gpus)
-    kind = timing.ring_bottleneck_kind(topo, ring)
-    return req.model_copy(update={"compute_efficiency": profile.compute_efficiency,
-                                  "link_efficiency": profile.link_efficiencies.get(kind, profile.link_efficiency)})
-
-
 def plan(req: PlanRequest) -> PlanResult:
     started = wallclock.perf_counter()
     g = lookup_gpu(req.gpu)
     check_precision(g, req.precision)
+    refuse_unmodelled(req)  # fixed degrees only, the search over them comes with their memory models
     model = catalogue_model(req.model) if req.model else model_from_config(req.model_config_)
     if req.include_vision:
         model = with_vision(model)
@@ -231,9 +93,12 @@ def plan(req: PlanRequest) -> PlanResult:
     world_max = req.gpus * req.nodes
     if req.global_batch % world_max:
         raise PlannerError(f"global_batch({req.global_batch}) is not divisible by gpus({req.gpus}) * "
-                           f"nodes({req.nodes}) = {world_max}")
-    topo, fabric_name, nics = _topology(req, g)
-    req = _apply_profile(req, topo)
+                           f"nodes({req.nodes}) = {world_max}", field="global_batch")
+    topo, fabric_name, nics = topology_of(req, g)
+    compute_efficiency, link_efficiency = profile_efficiencies(req.profile, req.gpu, topo, req.gpus,
+                                                               req.compute_efficiency, req.link_efficiency)
+    if req.profile is not None:
+        req = req.model_copy(update={"compute_efficiency": compute_efficiency, "link_efficiency": link_efficiency})
     capacity = g.memory_bytes
     usable = capacity * (1 - req.headroom)
     fabric = timing.fabric(fabric_name)
@@ -270,7 +135,7 @@ def _evaluate(req: PlanRequest, counts: list[int], g: Gpu, model, topo: Topology
     evaluated = 0
     for gpus in counts:
         for name in STRATEGIES:
-            shards = _hsdp_shards(gpus, req.nodes) if name == "hsdp" else [None]
+            shards = _hsdp_shards(gpus, req.nodes) if lookup_strategy(name).shard_within_node else [None]
             for shard, ckpt in ((sh, c) for sh in shards for c in ("none", "full")):
                 for off_opt, off_par in _offloads(name):
                     combo = Combo(gpus, name, ckpt, off_opt, off_par, shard)
@@ -278,140 +143,12 @@ def _evaluate(req: PlanRequest, counts: list[int], g: Gpu, model, topo: Topology
                     per_rank = req.global_batch // (gpus * req.nodes)
                     micro = _divisors(per_rank)
                     peaks = grid.peaks(micro)
-                    times = _step_times(req, combo, micro, per_rank, model.parameters, model.architecture, g, topo,
+                    times = step_times(StepSettings.of(req), combo, micro, per_rank, model.parameters, model.architecture, g, topo,
                                         fabric, nics)
                     evaluated += micro.size
                     rows += [(combo, int(mb), float(peaks[k]), bool(peaks[k] <= usable), times[k])
                              for k, mb in enumerate(micro)]
     return rows, evaluated
-
-
-@dataclass(frozen=True)
-class Buckets:
-    """DeepSpeed's message sizes in elements (deepspeed/runtime/zero/config.py defaults)."""
-
-    reduce: int = 500_000_000
-    allgather: int = 500_000_000
-    prefetch: int = 50_000_000
-
-
-DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP bucket_cap_mb=25 (torch/nn/parallel/distributed.py)
-
-
-def _collective_volumes(req: PlanRequest, combo: Combo, psi: int, micro: np.ndarray, per_rank: int,
-                        wb: int, arch=None, buckets: Buckets = Buckets()) -> list[tuple[str, np.ndarray, int, float, str]]:
-    """(what, bytes per step, ring passes, message bytes, group) for the strategy's collectives.
-
-    Message sizes are what the frameworks really send: DDP's 25 MiB buckets, DeepSpeed's reduce
-    and all-gather buckets (capped by the model), and for ZeRO-3 and FSDP one transformer block
-    at a time (the FSDP unit; ZeRO-3 fetches a module's parameters, at most prefetch_bucket_size)."""
-    accumulation = per_rank / micro
-    s = lookup_strategy(combo.strategy)
-    step = np.ones_like(micro, dtype=np.float64)
-    grads = psi * wb
-    block = layer_parameters(arch) if arch is not None else max(psi // 100, 1)
-    reduce_msg = min(psi, buckets.reduce) * wb
-    gather_msg = min(psi, buckets.allgather) * wb
-    if s.name == "ddp":
-        master = 4 if req.precision in ("bf16-mixed", "fp16-mixed", "fp32") else wb
-        return [("gradient all-reduce", step * psi * master, 2, min(psi * master, DDP_BUCKET_BYTES), "world")]
-    if s.name == "zero0":
-        return [("gradient all-reduce", step * grads, 2, reduce_msg, "world")]
-    if s.name == "zero1":
-        return [("gradient reduce-scatter", step * grads, 1, reduce_msg, "world"),
-                ("parameter all-gather", step * grads, 1, gather_msg, "world")]
-    if s.name == "zero2":
-        return [("gradient reduce-scatter", accumulation * grads, 1, reduce_msg, "world"),
-                ("parameter all-gather", step * grads, 1, gather_msg, "world")]
-    gathers = 1 if s.params_unsharded_in_step else 2
-    unit = block * wb
-    gather_unit = min(unit, buckets.prefetch * wb) if s.framework == "deepspeed" else unit
-    items = [("parameter all-gathers", accumulation * gathers * grads, 1, gather_unit, "shard"),
-             ("gradient reduce-scatter", accumulation * grads, 1,
-              min(unit, reduce_msg) if s.framework == "deepspeed" else unit, "shard")]
-    if s.name == "hsdp":
-        shard = combo.shard or combo.gpus
-        items.append(("replica all-reduce of each shard", accumulation * grads / shard, 2, unit / shard, "replicas"))
-    return items
-
-
-def _group(combo: Combo, group: str, nodes: int) -> tuple[timing.Group, tuple[int, ...]]:
-    """The process group a collective runs over, and its members inside one node.
-
-    world / shard (ZeRO and FSDP shard over the whole data-parallel group): every GPU of every node.
-    HSDP's shard group: `shard` consecutive ranks (DeviceMesh's inner dimension), inside a node when
-    it fits there. HSDP's replica group: the GPUs at the same place in every shard group, so every
-    shard-th GPU of a node, and each of the node's `shard` replica groups crosses its NICs at once."""
-    g = combo.gpus
-    world = g * nodes
-    shard = combo.shard
-    if group == "replicas" and shard:
-        if shard < g:
-            return timing.Group(world // shard, g // shard, shard), tuple(range(0, g, shard))
-        return timing.Group(world // shard, 1, g), (0,)
-    if group == "shard" and shard:
-        if shard <= g:
-            return timing.Group(shard, shard, g // shard), tuple(range(shard))
-        return timing.Group(shard, g, 1), tuple(range(g))
-    return timing.Group(world, g, 1), tuple(range(g))
-
-
-def _step_times(req: PlanRequest, combo: Combo, micro: np.ndarray, per_rank: int, psi: int, arch, g: Gpu,
-                topo: Topology, fabric: dict, nics: int, buckets: Buckets = Buckets()) -> list[timing.StepTime]:
-    wb = 4 if req.precision == "fp32" else 2
-    dtype = "fp32" if req.precision == "fp32" else ("bf16" if req.precision.startswith("bf16") else "fp16")
-    if req.precision == "fp32":
-        dtype = "tf32" if "tf32" in g.peak_tflops else "fp32"
-    peak_flops = g.peak_tflops[dtype] * 1e12
-    tokens_rank = per_rank * req.seq_len
-    flops = tokens_rank * timing.flops_per_token(arch, req.seq_len, combo.checkpointing)
-    compute = flops / (peak_flops * req.compute_efficiency)
-    ring, ring_bw, _ = timing.node_ring(topo, combo.gpus)
-    nodes = req.nodes
-    nic_gbps = nics * fabric["gbps"] * fabric["efficiency"] * req.link_efficiency
-    comm = np.zeros_like(micro, dtype=np.float64)
-    slowest = ring_bw * req.link_efficiency
-    for _, volume, passes, message, group in _collective_volumes(req, combo, psi, micro, per_rank, wb, arch, buckets):
-        layout, members = _group(combo, group, nodes)
-        _, intra_bw, intra_lat = timing.ring_over(topo, members)
-        wire = timing.Wire(intra_bw * req.link_efficiency, intra_lat, nic_gbps, fabric["latency_us"])
-        t = timing.collective_seconds(np.asarray(volume, dtype=np.float64), layout, wire, message, passes)
-        comm += t.seconds
-        slowest = min(slowest, float(t.bottleneck_gbps.min()))
-    s = lookup_strategy(combo.strategy)
-    if s.framework == "torch" or s.zero_stage == 3:
-        window = compute if s.shards_parameters else compute * timing.BACKWARD_FRACTION
-    else:
-        window = 0.0  # ZeRO 0-2: overlap_comm defaults to false (DeepSpeedZeroConfig)
-    offload = _offload_seconds(combo, psi, per_rank / micro, combo.gpus * nodes, wb, g)
-    results = []
-    world = combo.gpus * nodes
-    model_flops = tokens_rank * timing.model_flops_per_token(arch, req.seq_len)
-    for k in range(micro.size):
-        exposed = max(0.0, float(comm[k]) - window)
-        step = compute + exposed + float(offload[k])
-        tokens = tokens_rank * world
-        results.append(timing.StepTime(
-            compute_seconds=compute, communication_seconds=float(comm[k]), exposed_communication_seconds=exposed,
-            offload_seconds=float(offload[k]), step_seconds=step, tokens_per_second=tokens / step,
-            mfu=model_flops / (step * peak_flops), ring_bandwidth_gbps=slowest, ring=ring))
-    return results
-
-
-def _offload_seconds(combo: Combo, psi: int, accumulation: np.ndarray, world: int, wb: int, g: Gpu) -> np.ndarray:
-    shard = psi / world
-    pcie = PCIE_DEVICE_TO_HOST_GBPS.get(g.pcie, 24.0) * 1e9
-    seconds = np.zeros_like(accumulation, dtype=np.float64)
-    if combo.offload_optimizer != "none":
-        # gradients down, updated 16-bit parameters up, then DeepSpeedCPUAdam on the host
-        seconds += 2 * shard * wb / pcie + shard / timing.CPU_ADAM_PARAMS_PER_SECOND
-        if combo.offload_optimizer == "nvme":
-            seconds += 2 * shard * 16 / (NVME_GBPS * 1e9)  # read and write master + moments
-    if combo.offload_params != "none":
-        seconds += accumulation * 2 * shard * wb / pcie  # each micro-step fetches the shard twice
-        if combo.offload_params == "nvme":
-            seconds += accumulation * 2 * shard * wb / (NVME_GBPS * 1e9)
-    return seconds
 
 
 def _setting(combo: Combo, mb: int) -> str:
@@ -450,7 +187,7 @@ def _candidate(combo: Combo, mb: int, per_rank: int, fits: bool, t: timing.StepT
                reason: str | None) -> Candidate:
     return Candidate(strategy=combo.strategy, micro_batch=mb, gradient_accumulation=per_rank // mb,
                      checkpointing=combo.checkpointing, offload_optimizer=combo.offload_optimizer,
-                     offload_params=combo.offload_params, hsdp_shard_size=combo.shard, fits=fits,
+                     offload_params=combo.offload_params, hsdp_shard_size=combo.shard, parallel=e.parallel, fits=fits,
                      per_device=e.per_device,
                      step_seconds=t.step_seconds, compute_seconds=t.compute_seconds,
                      communication_seconds=t.communication_seconds,
@@ -644,7 +381,7 @@ def _min_gpus(req: PlanRequest, name: str, usable: float, model_fields: dict) ->
 
 def _fits(req: PlanRequest, name: str, usable: float, model_fields: dict, gpus: int, nodes: int) -> bool:
     """Whether any of the plan's settings of the strategy fits this layout at micro-batch 1."""
-    shards = _hsdp_shards(gpus, nodes)[::-1] if name == "hsdp" else [None]
+    shards = _hsdp_shards(gpus, nodes)[::-1] if lookup_strategy(name).shard_within_node else [None]
     for shard in shards:
         for off_opt, off_par in reversed(_offloads(name)):  # most offloaded first: the likeliest fit
             e = estimate(EstimateRequest(**model_fields, strategy=name, gpus=gpus, nodes=nodes, gpu=req.gpu,

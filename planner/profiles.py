@@ -52,14 +52,14 @@ def profiles_dir() -> Path:
     return Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "planner" / "profiles"
 
 
-def _check_name(name: str) -> str:
+def check_profile_name(name: str) -> str:
     if not _NAME.match(name):
         raise PlannerError(f"profile name {name!r} must be 1-64 letters, digits, '.', '_' or '-'")
     return name
 
 
 def load_profile(name: str) -> Profile:
-    path = profiles_dir() / f"{_check_name(name)}.json"
+    path = profiles_dir() / f"{check_profile_name(name)}.json"
     if not path.exists():
         known = [p.stem for p in profiles_dir().glob("*.json")] if profiles_dir().exists() else []
         raise UnknownNameError(unknown("profile", name, known or ["(none saved: run planner calibrate)"]))
@@ -72,7 +72,7 @@ def load_profile(name: str) -> Profile:
 def save_profile(profile: Profile) -> Path:
     directory = profiles_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{_check_name(profile.name)}.json"
+    path = directory / f"{check_profile_name(profile.name)}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(profile.model_dump_json(indent=2))
     os.replace(tmp, path)
@@ -112,7 +112,7 @@ def _run_links(record: dict[str, Any]) -> tuple[float, float, float, str] | None
     if record.get("status") != "ok" or not timed:
         return None
     from planner import timing
-    from planner.plan import _topology
+    from planner.hardware import topology_of
     from planner.schema import PlanRequest
 
     request = record["request"]
@@ -120,7 +120,7 @@ def _run_links(record: dict[str, Any]) -> tuple[float, float, float, str] | None
     plan_req = PlanRequest(**model, gpu=request["gpu"], gpus=request["gpus"], nodes=request["nodes"],
                            topology=request.get("topology"), topology_text=request.get("topology_text"),
                            seq_len=request["seq_len"])
-    topo, _, _ = _topology(plan_req, lookup_gpu(request["gpu"]))
+    topo, _, _ = topology_of(plan_req, lookup_gpu(request["gpu"]))
     ring, bandwidth, latency = timing.node_ring(topo, request["gpus"])
     ranks = request["gpus"] * request["nodes"]
     bandwidth_term = latency_term = measured = 0.0
@@ -184,7 +184,7 @@ def fit_profile(name: str, runs: list[tuple[int, dict[str, Any]]], gpu_name: str
             "bandwidth-bound time of the collectives each run timed (data/links.yaml rates, α-β ring) over their "
             f"measured time less the latency term ({len(link_samples)} runs with timed collectives"
             + ("; none, so it stays 1.0" if not link_samples else "") + ")")
-    return Profile(name=_check_name(name), gpu=next(iter(gpus)), compute_efficiency=min(1.0, efficiency),
+    return Profile(name=check_profile_name(name), gpu=next(iter(gpus)), compute_efficiency=min(1.0, efficiency),
                    link_efficiency=min(4.0, link_efficiency),
                    link_efficiencies={k: min(4.0, v) for k, v in per_kind.items()},
                    runs=[s[0] for s in samples], residuals=residuals,

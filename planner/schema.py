@@ -17,6 +17,8 @@ from pydantic_core import core_schema
 
 from planner.activations import Attention, Checkpointing
 from planner.errors import unknown
+from planner.moments import PhaseKind
+from planner.parallel import PipelineSchedule
 from planner.precision import Optimizer, Precision
 from planner.strategies import OffloadDevice, StrategyName
 
@@ -98,9 +100,9 @@ ProfileName = Annotated[str, Field(max_length=64), CatalogueName("profile", _pro
 
 
 def _new_profile_name(value: str) -> str:
-    from planner.profiles import _check_name
+    from planner.profiles import check_profile_name
 
-    return _check_name(value)
+    return check_profile_name(value)
 
 
 NewProfileName = Annotated[str, AfterValidator(_new_profile_name)]  # what `planner calibrate --name` saves
@@ -218,6 +220,15 @@ class EstimateRequest(BaseModel):
         None, ge=0, le=10**12, description="DeepSpeed stage3_param_persistence_threshold (elements)")
     max_live_parameters: int | None = Field(None, ge=0, le=10**13, description="DeepSpeed stage3_max_live_parameters (elements)")
     max_reuse_distance: int | None = Field(None, ge=0, le=10**13, description="DeepSpeed stage3_max_reuse_distance (elements)")
+    tp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE, description="tensor-parallel degree")
+    pp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES, description="pipeline-parallel degree (stages)")
+    cp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES, description="context-parallel degree")
+    ep: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES,
+                    description="expert-parallel degree; borrows its ranks from the data-parallel shards and cp")
+    pp_schedule: PipelineSchedule = Field("1f1b", description="pipeline schedule (with pp > 1)")
+    pp_virtual_stages: int = Field(1, ge=1, le=1024, description="pipeline stages per rank (interleaved schedule)")
+    sequence_parallel: bool | None = Field(
+        None, description="shard the tensor-parallel region's activations over tp (default: on when tp > 1)")
     topology: PresetName | None = Field(None, description="topology preset for the time model; default: the preset of --gpu")
     topology_text: str | None = Field(None, max_length=64 * 1024,
                                       description="pasted `nvidia-smi topo -m` output (what --topology-file reads)")
@@ -263,6 +274,18 @@ class EstimateRequest(BaseModel):
         return self.gpus * self.nodes
 
 
+class ParallelDegrees(BaseModel):
+    """The layout's degrees (planner/parallel.py ParallelDims): world = dp_replicate * dp_shard * cp * tp * pp;
+    ep borrows from dp_shard * cp."""
+
+    dp_replicate: int = Field(description="data-parallel replicas (DDP, ZeRO-0, HSDP across shard groups)")
+    dp_shard: int = Field(description="data-parallel shard group size (ZeRO-1..3, FSDP, HSDP within a group)")
+    tp: int = Field(description="tensor-parallel degree")
+    pp: int = Field(description="pipeline-parallel degree")
+    cp: int = Field(description="context-parallel degree")
+    ep: int = Field(description="expert-parallel degree")
+
+
 class MemoryItem(BaseModel):
     """One named term of the estimate, with where it comes from."""
 
@@ -278,6 +301,9 @@ class Phase(BaseModel):
     name: str
     bytes: int
     items: list[MemoryItem]
+    # The moment's kind (planner/moments.py), what code identifies a phase by; the name is for
+    # display. Not part of the JSON output (the public fields stay as they were).
+    kind: PhaseKind | None = Field(None, exclude=True)
 
 
 class PerDevice(BaseModel):
@@ -328,6 +354,7 @@ class EstimateResult(BaseModel):
     world_size: int
     dp_size: int
     shard_size: int
+    parallel: ParallelDegrees
     gpu: str
     per_device: PerDevice
     host: HostMemory
@@ -366,6 +393,15 @@ class PlanRequest(BaseModel):
                                       description="pasted `nvidia-smi topo -m` output (what --topology-file reads)")
     fabric: FabricName | None = Field(None, description=FABRIC_HELP)
     nics_per_node: int | None = Field(None, ge=1, le=64, description=NICS_HELP)
+    tp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE, description="tensor-parallel degree (fixed; the search keeps it)")
+    pp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES, description="pipeline-parallel degree (stages)")
+    cp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES, description="context-parallel degree")
+    ep: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES,
+                    description="expert-parallel degree; borrows its ranks from the data-parallel shards and cp")
+    pp_schedule: PipelineSchedule = Field("1f1b", description="pipeline schedule (with pp > 1)")
+    pp_virtual_stages: int = Field(1, ge=1, le=1024, description="pipeline stages per rank (interleaved schedule)")
+    sequence_parallel: bool | None = Field(
+        None, description="shard the tensor-parallel region's activations over tp (default: on when tp > 1)")
     seq_len: int = Field(DEFAULT_SEQ_LEN, ge=1, le=1 << 22, description="tokens per sequence")
     global_batch: int = Field(256, ge=1, le=1 << 24, description="sequences per optimizer step, over all GPUs")
     objective: Objective = Field("time", description="rank by step time, by GPU-hours per token, or by memory")
@@ -401,6 +437,7 @@ class Candidate(BaseModel):
     offload_optimizer: str
     offload_params: str
     hsdp_shard_size: int | None = Field(None, description="hsdp: GPUs per shard group; null for other strategies")
+    parallel: ParallelDegrees
     fits: bool
     per_device: PerDevice
     step_seconds: float

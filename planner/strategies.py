@@ -46,7 +46,7 @@ def strategy(name: str) -> Strategy:
     try:
         return _TABLE[name]
     except KeyError:
-        raise PlannerError(f"strategy {name!r} is unknown; choose one of {', '.join(STRATEGIES)}") from None
+        raise PlannerError(f"strategy {name!r} is unknown; choose one of {', '.join(STRATEGIES)}", field="strategy") from None
 
 
 def shard_group_size(s: Strategy, gpus_per_node: int, nodes: int, hsdp_shard_size: int | None = None) -> int:
@@ -55,40 +55,19 @@ def shard_group_size(s: Strategy, gpus_per_node: int, nodes: int, hsdp_shard_siz
     world = gpus_per_node * nodes
     if not s.shard_within_node:
         if hsdp_shard_size is not None:
-            raise PlannerError(f"hsdp_shard_size={hsdp_shard_size} applies to hsdp only, not to strategy {s.name}")
+            raise PlannerError(f"hsdp_shard_size={hsdp_shard_size} applies to hsdp only, not to strategy {s.name}", field="hsdp_shard_size")
         return world
     shard = gpus_per_node if hsdp_shard_size is None else hsdp_shard_size
     if world % shard:
         raise PlannerError(f"hsdp_shard_size({shard}) must divide the world size gpus({gpus_per_node}) * "
-                           f"nodes({nodes}) = {world}")
+                           f"nodes({nodes}) = {world}", field="hsdp_shard_size")
     if shard >= world:
         raise PlannerError(f"hsdp with a single shard group (all {world} GPUs) is fsdp: give nodes >= 2, or an "
-                           f"hsdp_shard_size smaller than gpus({gpus_per_node}) that divides it")
+                           f"hsdp_shard_size smaller than gpus({gpus_per_node}) that divides it", field="strategy")
     return shard
 
 
 def explicit_hsdp_shard(strategy_name: str, shard: int | None, gpus_per_node: int) -> int | None:
     """The hsdp_shard_size a request must carry for a planned shard group: None when it is the
     default (one node's GPUs) or the strategy is not hsdp."""
-    return shard if strategy_name == "hsdp" and shard != gpus_per_node else None
-
-
-def check_offload(s: Strategy, offload_optimizer: str, offload_params: str) -> None:
-    """Refuse combinations the frameworks do not implement, naming both settings."""
-    if offload_optimizer != "none" and not s.shards_optimizer:
-        raise PlannerError(
-            f"offload_optimizer={offload_optimizer} needs a sharded optimizer (zero1-3 or an FSDP variant); "
-            f"strategy {s.name} keeps the optimizer on the device")
-    if offload_params != "none":
-        if s.name not in ("zero3", "fsdp", "hsdp"):
-            raise PlannerError(
-                f"offload_params={offload_params} needs zero3 (ZeRO-Infinity) or fsdp/hsdp (CPU offload); "
-                f"strategy {s.name} does not offload parameters")
-        if s.framework == "torch" and offload_params == "nvme":
-            raise PlannerError(f"offload_params=nvme is not available with {s.name}: FSDP offloads to CPU only")
-    if s.framework == "torch" and offload_optimizer == "nvme":
-        raise PlannerError(f"offload_optimizer=nvme is not available with {s.name}: FSDP offloads to CPU only")
-    if s.framework == "torch" and s.shards_optimizer and (offload_optimizer == "cpu") != (offload_params == "cpu"):
-        raise PlannerError(
-            f"{s.name} offloads parameters, gradients and optimizer states together (CPUOffload(offload_params=True)); "
-            f"set offload_optimizer and offload_params both to cpu, got {offload_optimizer} and {offload_params}")
+    return shard if strategy(strategy_name).shard_within_node and shard != gpus_per_node else None

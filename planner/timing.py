@@ -152,7 +152,7 @@ def fabric(name: str) -> dict:
     if name not in fabrics:
         from planner.errors import PlannerError, unknown
 
-        raise PlannerError(f"fabric: {unknown('fabric', name, list(fabrics))}")
+        raise PlannerError(f"fabric: {unknown('fabric', name, list(fabrics))}", field="fabric")
     return fabrics[name]
 
 

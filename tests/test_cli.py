@@ -6,7 +6,7 @@ import pytest
 
 from cli.main import main
 
-ESTIMATE_FIELDS = {"parameters", "model", "strategy", "world_size", "dp_size", "shard_size", "gpu", "per_device",
+ESTIMATE_FIELDS = {"parameters", "model", "strategy", "world_size", "dp_size", "shard_size", "parallel", "gpu", "per_device",
                    "host", "nvme_bytes", "device_capacity_bytes", "fits", "headroom_bytes", "phases", "buffers",
                    "notes", "request", "time"}
 PER_DEVICE_FIELDS = {"parameters_bytes", "gradients_bytes", "optimizer_states_bytes", "activations_bytes",
@@ -18,7 +18,8 @@ ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus",
                   "--offload-params", "--hsdp-shard-size", "--ds-config", "--reduce-bucket-size", "--allgather-bucket-size",
                   "--prefetch-bucket-size", "--param-persistence-threshold", "--max-live-parameters",
                   "--max-reuse-distance", "--topology", "--topology-file", "--fabric", "--nics-per-node", "--profile",
-                  "--include-vision", "--json", "--emit", "--script"}
+                  "--include-vision", "--tp", "--pp", "--cp", "--ep", "--pp-schedule", "--pp-virtual-stages",
+                  "--sequence-parallel", "--json", "--emit", "--script"}
 
 
 def run(capsys, *argv):

@@ -17,7 +17,7 @@ import pytest
 from cli.main import main
 from planner.emit import Script, emit_estimate_files, write_files
 from planner.errors import PlannerError
-from planner.plan import estimate_with_time
+from planner.steptime import estimate_with_time
 from planner.schema import EstimateRequest
 from tests.real_runs import LLAMA
 

@@ -186,7 +186,7 @@ def test_a_pasted_topology_or_a_deep_config_is_estimated_in_the_threadpool(recor
 
 def test_the_assumed_topology_is_what_parsing_its_nvidia_smi_text_gives():
     from planner.gpus import gpu
-    from planner.plan import _one_host_bridge
+    from planner.hardware import one_host_bridge as _one_host_bridge
     from planner.topology import parse_topology
 
     g = gpu("a100-40gb")
@@ -200,7 +200,7 @@ def test_the_assumed_topology_is_what_parsing_its_nvidia_smi_text_gives():
 def test_a_preset_less_gpu_count_beyond_the_paste_limit_is_estimated():
     """190 GPUs: their nvidia-smi text would be 146,841 bytes, over the paste limit (64 KiB), which
     is for what users paste, not for what the planner assumes."""
-    from planner.plan import estimate_with_time
+    from planner.steptime import estimate_with_time
 
     result = estimate_with_time(EstimateRequest(model="gpt2", gpu="a100-40gb", gpus=190, strategy="zero2"))
     assert result.time is not None and result.time.step_seconds > 0

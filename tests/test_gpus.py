@@ -4,7 +4,8 @@ estimate and plan, and what the time model cannot say for it in the notes."""
 import pytest
 
 from planner.gpus import load_gpus
-from planner.plan import estimate_with_time, plan
+from planner.plan import plan
+from planner.steptime import estimate_with_time
 from planner.presets import PRESETS, default_preset_for
 from planner.schema import EstimateRequest, PlanRequest
 

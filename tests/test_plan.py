@@ -183,7 +183,7 @@ def test_emitted_plan_runs_through_verify_plan(tmp_path, capsys):
 
 def test_calibrated_link_efficiency_per_link_type_is_applied(tmp_path, monkeypatch):
     from planner import timing
-    from planner.plan import estimate_with_time
+    from planner.steptime import estimate_with_time
     from planner.presets import preset_topology
     from planner.profiles import Profile, _fit_links, save_profile
     from planner.schema import EstimateRequest
@@ -214,7 +214,7 @@ def _by_strategy(r, name):
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3", "fsdp-grad-op"])
 def test_sharded_groups_across_nodes_are_bounded_by_the_fabric(strategy):
-    from planner.plan import estimate_with_time
+    from planner.steptime import estimate_with_time
     from planner.schema import EstimateRequest
 
     kw = dict(model="llama-3-8b", strategy=strategy, gpu="h100-80gb", gpus=8, nodes=2, nics_per_node=1,
@@ -253,7 +253,7 @@ def test_flat_ring_across_nodes_runs_at_the_nics_hand_derived():
 
 
 def test_fsdp_communication_grows_with_nodes_on_a_slow_fabric():
-    from planner.plan import estimate_with_time
+    from planner.steptime import estimate_with_time
     from planner.schema import EstimateRequest
 
     kw = dict(model="llama-3-70b", strategy="fsdp", gpu="h100-80gb", gpus=8, seq_len=4096, checkpointing="full")

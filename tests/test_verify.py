@@ -137,7 +137,7 @@ def test_two_runs_on_the_same_devices_are_refused_whatever_their_database(tmp_pa
 def test_calibrate_fits_a_profile_that_estimate_and_plan_apply(tmp_path, monkeypatch):
     from backend.store import RunStore
     from backend.verify import verify
-    from planner.plan import estimate_with_time
+    from planner.steptime import estimate_with_time
     from planner.profiles import fit_profile, load_profile, save_profile
 
     monkeypatch.setenv("PLANNER_PROFILES", str(tmp_path / "profiles"))

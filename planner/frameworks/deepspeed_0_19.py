@@ -1,0 +1,355 @@
+"""DeepSpeed 0.19.8's ZeRO stages 0-3: what the engine allocates phase by phase, what it sends per
+step, which offloads it implements, and the ds_config a launch of it needs.
+
+Every buffer term was read from DeepSpeed 0.19.8 (deepspeed/runtime/...) and confirmed allocation by
+allocation with the verification backend's peak trace (``backend.train.live_at``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from planner.activations import Activations
+from planner.buffers import (FP32, Layout, PhasePlan, activation_items, adam_temporaries, backward_sweep, ceil_div,
+                             head_and_late, item, layout, optimizer_items, phase, tied_sum_item)
+from planner.errors import PlannerError
+from planner.moments import PhaseKind
+from planner.frameworks import Collective, Framework, Traffic, check_sharded_offload, register
+
+if TYPE_CHECKING:
+    from planner.memory import Setup
+    from planner.strategies import Strategy
+
+# engine.py, buffered_allreduce_fallback(elements_per_buffer=500000000): ZeRO-0 all-reduces the
+# gradients through flat copies of at most this many elements.
+DS_ALLREDUCE_FALLBACK_ELEMENTS = 500_000_000
+# The (offload_optimizer, offload_params) settings ZeRO-3 implements (ZeRO-Offload, ZeRO-Infinity).
+OFFLOADS = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"), ("nvme", "nvme"))
+
+
+class DeepSpeedZero(Framework):
+    name = "deepspeed"
+    version = "0.19.8"
+    launcher = "deepspeed"
+    cuda_adam_copies = 0  # FusedAdam: multi_tensor_apply, no temporaries
+    offloads_gradients_with_params = False
+
+    def phases(self, setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
+        stage = setup.strategy.zero_stage
+        if stage == 0:
+            return _zero0_phases(setup, acts, numels)
+        if stage in (1, 2):
+            return _zero12_phases(setup, acts, numels)
+        return _zero3_phases(setup, acts, numels)
+
+    def collectives(self, s: "Strategy", t: Traffic) -> list[Collective]:
+        """ZeRO-0 all-reduces; ZeRO-1/2 reduce-scatter the gradients (stage 2 at every micro-step,
+        in reduce buckets) and all-gather the updated parameters; ZeRO-3 gathers every module's
+        parameters in forward and backward (at most prefetch_bucket_size at a time)."""
+        grads = t.psi * t.wire_bytes
+        reduce_msg = min(t.psi, t.buckets.reduce) * t.wire_bytes
+        gather_msg = min(t.psi, t.buckets.allgather) * t.wire_bytes
+        if s.zero_stage == 0:
+            return [("gradient all-reduce", t.step * grads, 2, reduce_msg, "world")]
+        if s.zero_stage == 1:
+            return [("gradient reduce-scatter", t.step * grads, 1, reduce_msg, "world"),
+                    ("parameter all-gather", t.step * grads, 1, gather_msg, "world")]
+        if s.zero_stage == 2:
+            return [("gradient reduce-scatter", t.accumulation * grads, 1, reduce_msg, "world"),
+                    ("parameter all-gather", t.step * grads, 1, gather_msg, "world")]
+        gathers = 2
+        unit = t.block * t.wire_bytes
+        return [("parameter all-gathers", t.accumulation * gathers * grads, 1, min(unit, t.buckets.prefetch * t.wire_bytes),
+                 "shard"),
+                ("gradient reduce-scatter", t.accumulation * grads, 1, min(unit, reduce_msg), "shard")]
+
+    def overlap_window_seconds(self, s: "Strategy", compute_seconds: float) -> float:
+        # ZeRO-3 prefetches through the whole step; ZeRO 0-2: overlap_comm defaults to false
+        # (DeepSpeedZeroConfig).
+        return compute_seconds if s.zero_stage == 3 else 0.0
+
+    def offload_options(self, s: "Strategy") -> list[tuple[str, str]]:
+        if s.zero_stage == 3:
+            return list(OFFLOADS)
+        if s.shards_optimizer:
+            return [("none", "none"), ("cpu", "none"), ("nvme", "none")]
+        return [("none", "none")]
+
+    def check_offload(self, s: "Strategy", offload_optimizer: str, offload_params: str) -> None:
+        check_sharded_offload(s, offload_optimizer, offload_params, params_ok=s.zero_stage == 3)
+
+    def check_precision(self, s: "Strategy", precision: str) -> None:
+        if precision == "bf16-pure":
+            raise PlannerError("precision bf16-pure (no fp32 master) is not what DeepSpeed's bf16 mode does: "
+                               "it always keeps fp32 master weights; use bf16-mixed with zero0-3, or ddp/fsdp for bf16-pure", field="precision")
+
+    def ds_config(self, setup: "Setup", request: Any) -> dict[str, Any]:
+        """The ds_config of this setting (planner/dsconfig.py build_ds_config): stage, precision,
+        batch, optimizer and the ZeRO settings as resolved."""
+        from planner.dsconfig import build_ds_config
+
+        return build_ds_config(stage=setup.zero.stage, precision=setup.request.precision,
+                               micro_batch=request.micro_batch, gradient_accumulation=request.gradient_accumulation,
+                               optimizer=request.optimizer, zero=setup.zero)
+
+    @staticmethod
+    def use_torch_adam(config: dict[str, Any]) -> None:
+        """CPU ranks: DeepSpeed's FusedAdam needs CUDA; torch's AdamW is what the model predicts."""
+        if "optimizer" in config:
+            config["optimizer"].setdefault("params", {})["torch_adam"] = True
+
+    def worker_settings(self, setup: "Setup", request: Any) -> dict[str, Any]:
+        config = self.ds_config(setup, request)
+        if setup.gpu.is_cpu:
+            self.use_torch_adam(config)
+        return {"framework": self.name, "ds_config": config}
+
+
+def _zero0_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
+    """ZeRO stage 0: the DeepSpeed engine without partitioning. bf16/fp16 go through
+    FP16_UnfusedOptimizer (deepspeed/runtime/fp16/unfused_optimizer.py): an fp32 master per
+    parameter, fp32 gradients made in step(); fp32 trains the torch optimizer directly."""
+    psi, wb = sum(numels), setup.weight_bytes
+    largest = max(numels)
+    mixed = setup.recipe.master_bits > 0
+    weights = item("weights", wb * psi, "parameters")
+    states = optimizer_items(setup, psi, "full") if mixed else [
+        i for i in optimizer_items(setup, psi, "full") if "master" not in i.name]
+    resident = [weights, *states]
+    grads = item("gradients", wb * psi, "gradients")
+    phases = []
+    for point in backward_sweep(acts, numels, layout(setup)):
+        phases.append(phase(point.kind, point.label, resident + activation_items(point) + [
+            item("gradients so far", wb * point.grad_elements, "gradients")]))
+    flat = min(psi, DS_ALLREDUCE_FALLBACK_ELEMENTS) * wb
+    phases.append(phase(PhaseKind.GRADIENT_ALLREDUCE, "gradient all-reduce", resident + [grads, item(
+        "flat all-reduce bucket", flat, "buffers", "engine.py buffered_allreduce_fallback")]))
+    step = resident + [grads, item("Adam temporaries (largest parameter)", adam_temporaries(largest, setup),
+                                    "buffers", "torch.optim.AdamW single-tensor step")]
+    if mixed:
+        step.append(item("fp32 gradients for the master step", FP32 * psi, "buffers",
+                          "unfused_optimizer.py step(): p.grad = fp16 grad .float()"))
+    phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step))
+    return PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
+                     buffers=[i for p in phases for i in p.items if i.component == "buffers"])
+
+
+def _partition_span(numels: list[int], dp: int) -> tuple[int, int]:
+    """(partition size, largest sum of whole parameters touching one rank's partition).
+
+    ZeRO-1/2 flatten the 16-bit parameters in order and cut the flat buffer into dp equal
+    partitions; grads_in_partition holds every parameter that overlaps the partition, whole
+    (stage_1_and_2.py: total_size = sum of params_in_partition numels)."""
+    import numpy as np
+
+    sizes = np.asarray(numels, dtype=np.int64)
+    total = int(sizes.sum())
+    part = ceil_div(total, dp)
+    ends = np.cumsum(sizes)  # parameter k spans [ends[k] - sizes[k], ends[k])
+    lo = np.arange(min(dp, total), dtype=np.int64) * part
+    lo = lo[lo < total]
+    hi = np.minimum(lo + part, total)
+    first = np.searchsorted(ends, lo, side="right")  # first parameter ending after lo
+    last = np.minimum(np.searchsorted(ends, hi, side="left"), len(sizes) - 1)  # last one starting before hi
+    best = int((ends[last] - (ends[first] - sizes[first])).max()) if lo.size else 0
+    return part, best
+
+
+def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
+    """ZeRO stages 1 and 2 (deepspeed/runtime/zero/stage_1_and_2.py)."""
+    z, wb, dp = setup.zero, setup.weight_bytes, setup.shard_size
+    psi = sum(numels)
+    part, touching = _partition_span(numels, dp)
+    stage = z.stage
+    weights = item("flat 16-bit weights (full)", wb * psi, "parameters",
+                    "flatten_dense_tensors_aligned of the bit16 groups")
+    resident = [weights, *optimizer_items(setup, part, f"1/{dp} partition")]
+    if z.offload_optimizer != "none":
+        resident.append(item("offload staging buffer on the device (largest parameter)", wb * max(numels), "buffers",
+                              "stage_1_and_2.py __init__: temp_grad_buffer_for_gpu_offload"))
+    bucket = item(f"ipg reduce bucket ({z.reduce_bucket_size:,} elements)",
+                   wb * z.reduce_bucket_size * (2 if z.overlap else 1) if z.contiguous_gradients else 0,
+                   "buffers", "stage_1_and_2.py: torch.empty(reduce_bucket_size) per ipg buffer")
+    in_partition = item("grads_in_partition (params touching this partition)", wb * touching, "buffers",
+                         "stage_1_and_2.py copy_grads_in_partition")
+    phases = []
+    # Stage 2 reduces whenever the bucket would overflow; the worst rank is the one whose
+    # partition holds the last parameters (the LM head, reduced first), so its grads_in_partition
+    # exists from the first such reduction on. Stage 1, and stage 2 when the whole model fits one
+    # bucket, reduce once, at the end of backward.
+    first = _first_reduction(numels, z.reduce_bucket_size) if stage == 2 else None
+    sweep = backward_sweep(acts, numels, layout(setup))
+    for point in sweep:
+        items = resident + activation_items(point)
+        reduced = point.kind is PhaseKind.END_OF_BACKWARD or (first is not None and point.grad_elements >= first[0])
+        if stage == 1:
+            # Stage 1 keeps every param.grad until the accumulation boundary, then reduces
+            # through the bucket into grads_in_partition (reduce_gradients at the boundary).
+            items.append(item("16-bit gradients", wb * point.grad_elements, "gradients"))
+            if reduced:
+                items += [bucket, in_partition]
+        elif point.grad_elements:
+            # Each gradient is copied into the bucket by its hook and freed: only the gradients
+            # of the current block are in flight. The bucket exists from the first hook on.
+            # A tied head's gradient waits in autograd, unreduced, for the embedding's; at the
+            # embedding's backward both live while their sum (then the one unreduced gradient)
+            # is made: measured, three V x h tensors.
+            unreduced = point.held_elements if point.tied_sum_elements else \
+                point.in_flight_elements + point.held_elements
+            items += [item("16-bit gradients not yet reduced", wb * unreduced, "gradients"), bucket,
+                      tied_sum_item(point, wb)] + ([in_partition] if reduced else [])
+        phases.append(phase(point.kind, point.label, items))
+        if stage == 1 and point.tied_sum_elements:
+            # ZeRO-1 reduces once the last hook has run: the tied weight's contributions are
+            # summed with every gradient and the bucket live, before grads_in_partition exists
+            # (peak trace: the gradients, the bucket and two more V x h at that moment).
+            phases.append(phase(PhaseKind.TIED_SUM, "embeddings' backward (tied gradients summed)", resident + activation_items(point) + [
+                item("16-bit gradients", wb * point.grad_elements, "gradients"), bucket,
+                tied_sum_item(point, wb)]))
+    if first is not None and acts is not None and layout(setup) is not None:
+        produced, trigger = first
+        items = resident + [item("saved activations", _activations_when_produced(acts, layout(setup), numels, produced),
+                                  "activations"),
+                            item("16-bit gradient that overflowed the bucket", wb * trigger, "gradients"),
+                            bucket, in_partition]
+        phases.append(phase(PhaseKind.FIRST_BUCKET_REDUCTION, f"first bucket reduction ({produced:,} gradient elements in)", items))
+    offloaded = z.offload_optimizer != "none"
+    step = resident if offloaded else resident + [
+        item("fp32 gradient partition", FP32 * part, "buffers", "stage_1_and_2.py step(): single_grad_partition"),
+        item("Adam temporaries (flat partition)", adam_temporaries(part, setup), "buffers",
+              "torch.optim.AdamW single-tensor step on the flat fp32 partition")]
+    phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step))
+    plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
+                     buffers=[i for p in phases for i in p.items if i.component == "buffers"])
+    if offloaded:
+        _offload_optimizer_host(plan, setup, part)
+        # ZeRO-1/2 also keep, per rank on the host, a 16-bit copy of the partition and a staging
+        # buffer of the largest parameter (stage_1_and_2.py __init__:
+        # param_buffer_of_bit16_for_cpu_offload_groups, temp_grad_buffer_for_cpu_offload)
+        extra = (wb * part + wb * max(numels)) * setup.request.gpus
+        plan.host_resident_bytes += extra
+        plan.host_peak_bytes += extra
+    return plan
+
+
+def _first_reduction(numels: list[int], bucket_elements: int) -> tuple[int, int] | None:
+    """When ZeRO-2 first reduces during backward: (gradient elements produced before it, the
+    element count of the parameter whose hook triggers it), or None when no bucket overflows.
+
+    stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads reduces the bucket when
+    ``bucket.elements + param.numel() > reduce_bucket_size`` and adds the parameter's count to
+    the bucket afterwards, also for a parameter larger than the bucket (reduced on its own at the
+    next trigger). Hooks fire in reverse registration order."""
+    produced = in_bucket = 0
+    for numel in reversed(numels):
+        if in_bucket and in_bucket + numel > bucket_elements:
+            return produced, numel
+        in_bucket += numel
+        produced += numel
+    return None
+
+
+def _activations_when_produced(acts: Activations, shape: Layout, numels: list[int], produced: int) -> int:
+    """Saved activations still live when backward has produced ``produced`` gradient elements: the
+    blocks not yet finished keep theirs, the current one (recomputed under checkpointing) too."""
+    per_layer = shape.layer_parameters
+    head, _ = head_and_late(shape, numels)
+    body = acts.saved_bytes - acts.head_saved_bytes
+    if produced <= head:
+        return body
+    done = min(shape.num_layers - 1, (produced - head) // max(per_layer, 1))
+    return body - done * acts.layer_kept_bytes + (acts.layer_saved_bytes if acts.checkpointed else 0)
+
+
+def _offload_optimizer_host(plan: PhasePlan, setup: "Setup", part: int) -> None:
+    """ZeRO-Offload: the fp32 partition, its gradient and the Adam moments live on the host
+    (DeepSpeedCPUAdam steps there). Host memory is per node: every local rank keeps its own."""
+    from planner.precision import bits_to_bytes, optimizer_state_bits
+
+    per_rank = FP32 * part * 2 + bits_to_bytes(part, optimizer_state_bits(setup.request.optimizer))
+    ranks = setup.request.gpus
+    target = setup.zero.offload_optimizer
+    if target == "nvme":
+        plan.nvme_bytes += per_rank * ranks
+        plan.host_peak_bytes += FP32 * part * 2 * ranks  # swap buffers for one partition in flight
+        plan.host_resident_bytes += FP32 * part * ranks
+    else:
+        plan.host_resident_bytes += per_rank * ranks
+        plan.host_peak_bytes += per_rank * ranks
+    if setup.zero.pin_memory:
+        plan.host_pinned_bytes += FP32 * part * 2 * ranks
+    plan.notes.append(f"optimizer offloaded to {target}: {per_rank:,} bytes per rank on the host side")
+
+
+def _persistent_numel(numels: list[int], threshold: int) -> int:
+    return sum(n for n in numels if n <= threshold)
+
+
+def _zero3_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
+    """ZeRO stage 3 (deepspeed/runtime/zero/stage3.py, partition_parameters.py)."""
+    z, wb, dp = setup.zero, setup.weight_bytes, setup.shard_size
+    psi = sum(numels)
+    part = ceil_div(psi, dp)
+    persistent = _persistent_numel(numels, z.param_persistence_threshold)
+    offload_params = z.offload_params != "none"
+    resident = [
+        item(f"16-bit parameter partition (1/{dp})", 0 if offload_params else wb * part, "parameters",
+              "partition_parameters.py ds_tensor, defragmented into one flat buffer"),
+        item("persistent small parameters (kept whole)", wb * persistent, "buffers",
+              f"stage3_param_persistence_threshold={z.param_persistence_threshold:,}"),
+        *optimizer_items(setup, part, f"1/{dp} partition"),
+        item(f"16-bit gradient partition (1/{dp})", wb * part, "gradients",
+              "stage3.py _setup_for_real_optimizer: grad partitions buffer"),
+        item(f"ipg reduce bucket ({z.reduce_bucket_size:,} elements)", wb * z.reduce_bucket_size, "buffers",
+              "stage3.py _setup_for_real_optimizer: __ipg_bucket_flat_buffer"),
+    ]
+    gathered = _zero3_gathered(setup, numels)
+    phases = []
+    for point in backward_sweep(acts, numels, layout(setup)):
+        phases.append(phase(point.kind, point.label, resident + activation_items(point) + [
+            item("gathered 16-bit parameters", gathered, "buffers", _gathered_source(setup, numels)),
+            item("16-bit gradients not yet reduced", wb * point.in_flight_elements, "gradients")]))
+    offloaded = z.offload_optimizer != "none"
+    step = resident if offloaded else resident + [
+        item("fp32 gradient partition", FP32 * part, "buffers", "stage3.py: fp32 grad of each sub-group"),
+        item("Adam temporaries (flat partition)", adam_temporaries(min(part, z.sub_group_size), setup),
+              "buffers", "torch.optim.AdamW single-tensor step per sub_group_size group")]
+    phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step))
+    plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
+                     buffers=[i for p in phases for i in p.items if i.component == "buffers"])
+    if offloaded:
+        _offload_optimizer_host(plan, setup, part)
+    if offload_params:
+        plan.host_resident_bytes += wb * part * setup.request.gpus
+        plan.host_peak_bytes += wb * part * setup.request.gpus
+        if z.offload_params == "cpu" and z.pin_params:  # partition_parameters.py: pin_memory(partitioned_tensor)
+            plan.host_pinned_bytes += wb * part * setup.request.gpus
+        if z.offload_params == "nvme":
+            plan.nvme_bytes += wb * part * setup.request.gpus
+        plan.notes.append(f"parameters offloaded to {z.offload_params}: each rank's 1/{dp} partition lives off the device")
+    return plan
+
+
+def _zero3_gathered(setup: "Setup", numels: list[int]) -> int:
+    """Parameters all-gathered at the start of backward. DeepSpeed releases a parameter after
+    its module unless it will be used again within stage3_max_reuse_distance elements; in
+    backward every parameter is reused, so when the whole model is within that distance nothing
+    is released between forward and backward (partitioned_param_coordinator.py,
+    release_sub_module). Otherwise what stays is bounded by max_live_parameters plus the
+    prefetch bucket."""
+    z, wb, psi = setup.zero, setup.weight_bytes, sum(numels)
+    persistent = _persistent_numel(numels, z.param_persistence_threshold)
+    gatherable = psi - persistent
+    if z.max_reuse_distance >= psi:
+        return wb * gatherable
+    return wb * min(gatherable, z.max_live_parameters + z.prefetch_bucket_size + max(numels))
+
+
+def _gathered_source(setup: "Setup", numels: list[int]) -> str:
+    if setup.zero.max_reuse_distance >= sum(numels):
+        return (f"stage3_max_reuse_distance({setup.zero.max_reuse_distance:,}) covers the whole model, "
+                "so gathered parameters stay until backward")
+    return "stage3_max_live_parameters + stage3_prefetch_bucket_size"
+
+
+DEEPSPEED = register(DeepSpeedZero())

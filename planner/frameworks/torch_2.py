@@ -1,0 +1,241 @@
+"""torch 2.13's DDP and FSDP2 (fully_shard: full-shard, grad-op, hybrid): what each holds phase by
+phase, what it sends per step, which offloads it implements, and how a rank wraps the model.
+
+The terms were read from torch 2.13 (torch/nn/parallel/distributed.py, torch/distributed/fsdp/
+_fully_shard/) and confirmed with the verification backend's peak trace.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from planner import timing
+from planner.activations import Activations
+from planner.buffers import (FP32, PhasePlan, SweepPoint, activation_items, adam_temporaries, backward_sweep,
+                             ceil_div, item, layout, phase, tied_sum_item)
+from planner.errors import PlannerError
+from planner.moments import PhaseKind
+from planner.frameworks import Collective, Framework, Traffic, check_sharded_offload, register
+from planner.schema import MemoryItem
+
+if TYPE_CHECKING:
+    from planner.memory import Setup
+    from planner.strategies import Strategy
+
+# torch DDP's default bucket_cap_mb=25 (torch/nn/parallel/distributed.py).
+DDP_BUCKET_CAP_BYTES = 25 * 2**20
+# How the backend's rank (backend/train.py _fully_shard) and the emitted accelerate config name
+# each FSDP variant; DDP shards nothing (None).
+FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD = "FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"
+# (compute dtype, whole model cast to it) per precision recipe, for the rank's MixedPrecisionPolicy
+TORCH_COMPUTE = {"bf16-mixed": ("bf16", False), "fp16-mixed": ("fp16", False), "bf16-pure": ("bf16", True),
+                 "fp32": (None, False)}
+
+
+def sharding(s: "Strategy") -> str | None:
+    """The FSDP sharding of a torch strategy (None for DDP): the one map of names to variants."""
+    if not s.shards_parameters:
+        return None
+    if s.shard_within_node:
+        return HYBRID_SHARD
+    return SHARD_GRAD_OP if s.params_unsharded_in_step else FULL_SHARD
+
+
+class TorchDistributed(Framework):
+    name = "torch"
+    version = "2.13"
+    launcher = "torchrun"
+    cuda_adam_copies = 1  # the foreach path's _foreach_sqrt makes one fp32 copy of exp_avg_sq
+    offloads_gradients_with_params = True  # FSDP CPUOffload moves gradients to the host with the parameters
+
+    def phases(self, setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
+        return _torch_phases(setup, acts, numels)
+
+    def collectives(self, s: "Strategy", t: Traffic) -> list[Collective]:
+        """DDP all-reduces the gradients in its buckets (of the fp32 master weights under
+        autocast); FSDP gathers each unit (a block) in forward and, unless SHARD_GRAD_OP kept it,
+        again in backward, and reduce-scatters its gradients; HSDP adds an all-reduce of each
+        shard across the replicas."""
+        if not s.shards_parameters:
+            master = 4 if t.precision in ("bf16-mixed", "fp16-mixed", "fp32") else t.wire_bytes
+            return [("gradient all-reduce", t.step * t.psi * master, 2, min(t.psi * master, DDP_BUCKET_CAP_BYTES),
+                     "world")]
+        grads = t.psi * t.wire_bytes
+        gathers = 1 if s.params_unsharded_in_step else 2
+        unit = t.block * t.wire_bytes
+        items = [("parameter all-gathers", t.accumulation * gathers * grads, 1, unit, "shard"),
+                 ("gradient reduce-scatter", t.accumulation * grads, 1, unit, "shard")]
+        if s.shard_within_node:
+            items.append(("replica all-reduce of each shard", t.accumulation * grads / t.shard, 2, unit / t.shard,
+                          "replicas"))
+        return items
+
+    def fsdp_sharding(self, s: "Strategy") -> str | None:
+        return sharding(s)
+
+    def overlap_window_seconds(self, s: "Strategy", compute_seconds: float) -> float:
+        # FSDP overlaps its gathers with the whole step; DDP its all-reduce with backward only.
+        return compute_seconds if s.shards_parameters else compute_seconds * timing.BACKWARD_FRACTION
+
+    def offload_options(self, s: "Strategy") -> list[tuple[str, str]]:
+        if s.shards_parameters and not s.params_unsharded_in_step:
+            return [("none", "none"), ("cpu", "cpu")]  # FSDP CPUOffload moves params, grads and states together
+        return [("none", "none")]
+
+    def check_offload(self, s: "Strategy", offload_optimizer: str, offload_params: str) -> None:
+        check_sharded_offload(s, offload_optimizer, offload_params,
+                              params_ok=s.shards_parameters and not s.params_unsharded_in_step)
+        if offload_params == "nvme":
+            raise PlannerError(f"offload_params=nvme is not available with {s.name}: FSDP offloads to CPU only", field="offload_params")
+        if offload_optimizer == "nvme":
+            raise PlannerError(f"offload_optimizer=nvme is not available with {s.name}: FSDP offloads to CPU only", field="offload_optimizer")
+        if s.shards_optimizer and (offload_optimizer == "cpu") != (offload_params == "cpu"):
+            raise PlannerError(
+                f"{s.name} offloads parameters, gradients and optimizer states together (CPUOffload(offload_params=True)); "
+                f"set offload_optimizer and offload_params both to cpu, got {offload_optimizer} and {offload_params}", field="offload_optimizer")
+
+    def worker_settings(self, setup: "Setup", request: Any) -> dict[str, Any]:
+        """How the rank wraps the model (backend/train.py _torch_engine)."""
+        if request.optimizer not in ("adamw", "sgd"):
+            raise PlannerError(f"optimizer {request.optimizer}: the torch strategies' probe trains with torch's own "
+                               "optimizers, adamw or sgd", field="optimizer")
+        dtype, pure = TORCH_COMPUTE[request.precision]
+        return {"framework": self.name, "torch": {
+            "strategy": setup.strategy.name, "sharding": sharding(setup.strategy),
+            "compute_dtype": dtype, "pure_16bit": pure, "optimizer": request.optimizer,
+            "offload": setup.zero.offload_params != "none",
+            "replicas": request.world_size // setup.shard_size, "shard_size": setup.shard_size}}
+
+
+def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
+    """torch DDP (autocast for the mixed recipes: fp32 weights, which are the master copy) and
+    FSDP (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD) with a mixed-precision policy."""
+    s, r = setup.strategy, setup.recipe
+    psi = sum(numels)
+    shard = setup.shard_size if s.shards_parameters else 1
+    part = ceil_div(psi, shard)
+    mixed = r.master_bits > 0
+    store_bytes = FP32 if mixed or r.weight_bits == 32 else r.weight_bits // 8
+    compute_bytes = r.weight_bits // 8
+    offload = setup.zero.offload_params != "none"
+    from planner.precision import bits_to_bytes, optimizer_state_bits
+
+    states = bits_to_bytes(part if s.shards_optimizer else psi, optimizer_state_bits(setup.request.optimizer))
+    resident = [
+        item("weights" + (" (fp32, the master copy)" if mixed else ""),
+              0 if offload else store_bytes * (part if s.shards_parameters else psi), "parameters"),
+        item(f"{setup.request.optimizer} states", 0 if offload else states, "optimizer_states"),
+    ]
+    if not s.shards_parameters:  # DDP
+        # The Reducer allocates its flat buckets when DDP wraps the model and keeps them; with
+        # the default gradient_as_bucket_view=False they are a second copy of every gradient
+        # (torch/nn/parallel/distributed.py docstring of gradient_as_bucket_view).
+        resident.append(item("DDP gradient buckets (a copy of the gradients)", store_bytes * psi, "buffers",
+                              "torch DDP Reducer, gradient_as_bucket_view=False"))
+    shape = layout(setup)
+    block = shape.largest_block_parameters if shape else max(numels)
+    root = psi - shape.blocks_parameters if shape else max(numels)
+    phases = []
+    for point in backward_sweep(acts, numels, layout(setup)):
+        items = resident + activation_items(point)
+        if not s.shards_parameters:  # DDP
+            items.append(item("gradients (full)", store_bytes * point.grad_elements, "gradients"))
+            if mixed:
+                items.append(_autocast_copies(setup, point, psi, block, compute_bytes))
+        else:
+            items += _fsdp_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes)
+        phases.append(phase(point.kind, point.label, items))
+        if s.shards_parameters and point.tied_sum_elements:
+            phases.append(phase(PhaseKind.TIED_SUM, "embeddings' backward (tied gradients summed)",
+                                 resident + _fsdp_tied_sum_items(point, psi, root, shard, compute_bytes, store_bytes)))
+    grad_bytes = store_bytes * (part if s.shards_gradients else psi)
+    phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", resident + [
+        item("gradients", 0 if offload else grad_bytes, "gradients"),
+        item("optimizer step temporaries",
+              adam_temporaries(ceil_div(max(numels), shard) if setup.device == "cpu" else part, setup),
+              "buffers", "torch.optim.AdamW: single-tensor on CPU, foreach on CUDA")]))
+    plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
+                     buffers=[i for p in phases for i in p.items if i.component == "buffers"])
+    if offload:
+        per_rank = store_bytes * part * 2 + states
+        plan.host_resident_bytes = per_rank * setup.request.gpus
+        plan.host_peak_bytes = per_rank * setup.request.gpus
+        plan.notes.append("FSDP CPUOffload: parameters, gradients and optimizer states of each shard on the host")
+    if not s.shards_parameters:  # DDP
+        plan.notes.append(f"DDP buckets of {DDP_BUCKET_CAP_BYTES // 2**20} MiB (bucket_cap_mb) hold a full copy of the gradients")
+    return plan
+
+
+def _autocast_copies(setup: "Setup", point: SweepPoint, psi: int, block: int, compute_bytes: int) -> MemoryItem:
+    """torch.autocast casts each weight to 16 bits once per forward (its cast cache); each linear
+    saves its cast weight for backward, so without checkpointing all of them live until their
+    layer's backward. Under checkpointing the blocks save nothing: only the LM head's cast stays,
+    plus the cast weights of the one block being recomputed."""
+    shape = layout(setup)
+    if setup.request.checkpointing != "full" or shape is None:
+        return item("autocast copies of the weights", compute_bytes * psi, "buffers",
+                     "torch.autocast's cast cache; each linear saves its 16-bit weight for backward")
+    head = shape.lm_head_elements
+    recomputed = block if point.kind is PhaseKind.START_OF_BLOCK else 0
+    return item("autocast copies of the weights (LM head, recomputed block)", compute_bytes * (head + recomputed),
+                 "buffers", "checkpointed blocks keep no cast weights; recomputation casts one block's again")
+
+
+def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: int, shard: int,
+                compute_bytes: int, store_bytes: int) -> list[MemoryItem]:
+    """What FSDP2 (torch.distributed.fsdp.fully_shard, per-parameter sharding) holds beyond the
+    sharded states at one moment of backward, with every transformer block a unit and the root
+    (embeddings, final norm, LM head) the last one.
+
+    _fsdp_param_group.py: a unit is all-gathered into one flat output of its unsharded size,
+    then copied out into the parameters; the root is gathered again at the start of backward
+    and stays so to its end (its embedding's gradient comes last); the previous block is
+    prefetched while the current one runs backward; after a unit's backward its unsharded
+    gradients are reduce-scattered from one flat input, and the shard is kept in the
+    parameter's dtype (fp32 under mixed precision). On CPU ranks gloo's all-gather holds a
+    scratch copy of its output on the worker thread while it runs (measured by the backend)."""
+    gloo_copy = 2 if setup.device == "cpu" else 1
+    keep_gathered = setup.strategy.params_unsharded_in_step  # SHARD_GRAD_OP: no reshard after forward
+    if keep_gathered:
+        gathered = compute_bytes * max(0, psi - point.grad_elements + point.in_flight_elements)
+        source = "SHARD_GRAD_OP (reshard_after_forward=False): every unit stays gathered until its backward"
+    else:
+        current = 0 if point.kind is PhaseKind.START_OF_BACKWARD else block
+        gathered = compute_bytes * (root + current)
+        source = "the root unit and the block in backward, gathered"
+    prefetch = 0 if point.kind is PhaseKind.END_OF_BACKWARD or keep_gathered else compute_bytes * block * gloo_copy
+    items = [
+        item("all-gathered units", gathered, "buffers", source),
+        item("prefetched block (all-gather output" + (" and gloo's scratch)" if gloo_copy == 2 else ")"), prefetch,
+              "buffers", "FSDP paper Sec. 3.2: the next unit's all-gather overlaps the current unit's backward"),
+        item("unsharded gradients in flight", compute_bytes * point.in_flight_elements, "gradients",
+              "a unit's gradients until its reduce-scatter"),
+        item("reduce-scatter input of the finished unit", compute_bytes * point.in_flight_elements
+              if point.kind.ends_a_unit else 0, "buffers", "foreach_reduce: one flat input per unit"),
+        item("sharded gradients", store_bytes * ceil_div(point.grad_elements, shard), "gradients"),
+    ]
+    if point.kind is PhaseKind.START_OF_BLOCK:
+        # the root's gradients (LM head, final norm) wait unsharded for the root's reduce-scatter
+        head_grads = point.grad_elements - point.in_flight_elements
+        items.append(item("root gradients (unsharded, until the end of backward)",
+                           compute_bytes * min(head_grads, root), "gradients"))
+    return items
+
+
+def _fsdp_tied_sum_items(point: SweepPoint, psi: int, root: int, shard: int, compute_bytes: int,
+                         store_bytes: int) -> list[MemoryItem]:
+    """FSDP2 at the embeddings' backward of a tied model (_tied_head_elements): the root unit is
+    gathered, every block's gradients are reduce-scattered, and the root's unsharded gradients
+    (the head's contribution to the tied weight among them) wait for its post-backward while
+    autograd sums the tied contributions (peak trace: aten::mm's and EmbeddingBackward0's
+    V x h and aten::add's sum, all live, then _fsdp_param_group.py post_backward)."""
+    return [
+        item("all-gathered root unit", compute_bytes * root, "buffers", "the root unit, gathered for backward"),
+        item("sharded gradients of the blocks", store_bytes * ceil_div(psi - root, shard), "gradients"),
+        item("root gradients (unsharded), the tied head's contribution among them", compute_bytes * root,
+              "gradients", "until the root's reduce-scatter at the end of backward"),
+        tied_sum_item(point, compute_bytes),
+    ]
+
+
+TORCH = register(TorchDistributed())

@@ -1,0 +1,143 @@
+"""Parallel degrees: how a world of ranks divides into data, tensor, pipeline, context and expert
+parallel groups, and the checks that a layout is possible.
+
+The shape is torchtitan's ``ParallelDims`` (torchtitan/distributed/parallel_dims.py): the world is
+dp_replicate x dp_shard x cp x tp x pp, and expert parallelism borrows its ranks from
+dp_shard x cp rather than multiplying the world. A strategy name ("zero3", "hsdp") is the user's
+shorthand for the data-parallel part: it parses into dims plus the framework that realises them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from planner.errors import PlannerError
+
+PipelineSchedule = Literal["1f1b", "interleaved", "gpipe"]
+DEGREE_FIELDS = ("tp", "pp", "cp", "ep")
+
+# What each degree needs before it can be > 1: the memory model of the dimension. The helper who
+# models a dimension removes its line here (planner/memory.py resolve() refuses the rest).
+NOT_MODELLED: dict[str, str] = {
+    "tp": "tensor parallelism is not modelled yet",
+    "pp": "pipeline parallelism is not modelled yet",
+    "cp": "context parallelism is not modelled yet",
+    "ep": "expert parallelism is not modelled yet",
+}
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of one layout, each an integer >= 1 (checked at construction)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise PlannerError(f"{name}({value!r}) must be an integer >= 1", field=name if name in DEGREE_FIELDS else None)
+        if (self.dp_shard * self.cp) % self.ep:
+            raise PlannerError(f"ep({self.ep}) must divide dp_shard({self.dp_shard}) * cp({self.cp}) = "
+                               f"{self.dp_shard * self.cp}: expert parallelism borrows its ranks from them", field="ep")
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel degree: replicas times shards."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks one data-parallel replica spans: tp * pp * cp."""
+        return self.tp * self.pp * self.cp
+
+    def as_dict(self) -> dict[str, int]:
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp,
+                "cp": self.cp, "ep": self.ep}
+
+
+def data_parallel_size(world: int, tp: int = 1, pp: int = 1, cp: int = 1, gpus: int | None = None,
+                       nodes: int | None = None) -> int:
+    """What remains of the world for data parallelism: world / (tp * pp * cp), refused when it does
+    not divide (naming gpus and nodes when given)."""
+    model = tp * pp * cp
+    if world % model:
+        where = f"gpus({gpus}) * nodes({nodes}) = {world}" if gpus is not None and nodes is not None else f"world({world})"
+        raise PlannerError(f"{where} is not divisible by tp({tp}) * pp({pp}) * cp({cp}) = {model}", field="gpus" if gpus is not None else None)
+    return world // model
+
+
+def dims_for(shards_data: bool, shard_group: int | None, dp: int, tp: int = 1, pp: int = 1, cp: int = 1,
+             ep: int = 1) -> ParallelDims:
+    """The dims of a data-parallel realisation over ``dp`` ranks: replicated (DDP, ZeRO-0),
+    sharded over all of them (ZeRO-1..3, FSDP full-shard and grad-op), or sharded within groups of
+    ``shard_group`` and replicated across them (HSDP)."""
+    if shard_group is not None:
+        if dp % shard_group:
+            raise PlannerError(f"hsdp_shard_size({shard_group}) must divide the data-parallel size {dp}", field="hsdp_shard_size")
+        return ParallelDims(dp_replicate=dp // shard_group, dp_shard=shard_group, tp=tp, pp=pp, cp=cp, ep=ep)
+    if shards_data:
+        return ParallelDims(dp_shard=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+    return ParallelDims(dp_replicate=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the validator needs of a model (None where the request gives only a parameter count)."""
+
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    num_layers: int | None = None
+    num_experts: int | None = None
+
+
+def check_dims(dims: ParallelDims, *, gpus: int, nodes: int, model: ModelShape, seq_len: int,
+               pp_virtual_stages: int = 1, pp_schedule: str = "1f1b") -> None:
+    """Refuse a layout the model or the cluster cannot take, naming every operand."""
+    world = gpus * nodes
+    if dims.world != world:
+        raise PlannerError(
+            f"dp_replicate({dims.dp_replicate}) * dp_shard({dims.dp_shard}) * cp({dims.cp}) * tp({dims.tp}) * "
+            f"pp({dims.pp}) = {dims.world} differs from gpus({gpus}) * nodes({nodes}) = {world}", field="gpus")
+    heads, kv = model.num_attention_heads, model.num_key_value_heads
+    if heads is not None and heads % dims.tp:
+        raise PlannerError(f"num_attention_heads({heads}) is not divisible by tp({dims.tp})", field="tp")
+    if kv is not None and dims.tp > 1 and kv % dims.tp and dims.tp % kv:
+        raise PlannerError(f"num_key_value_heads({kv}) and tp({dims.tp}): neither divides the other, so the "
+                           "key/value heads can be neither split nor replicated evenly", field="tp")
+    if pp_virtual_stages > 1 and pp_schedule != "interleaved":
+        raise PlannerError(f"pp_virtual_stages({pp_virtual_stages}) needs pp_schedule interleaved, "
+                           f"got {pp_schedule}", field="pp_virtual_stages")
+    stages = dims.pp * pp_virtual_stages
+    if model.num_layers is not None and dims.pp > 1 and model.num_layers < stages:
+        raise PlannerError(f"num_layers({model.num_layers}) is fewer than pp({dims.pp}) * "
+                           f"pp_virtual_stages({pp_virtual_stages}) = {stages} stages", field="pp")
+    if dims.cp > 1 and seq_len % (2 * dims.cp):
+        raise PlannerError(f"seq_len({seq_len}) is not divisible by 2 * cp({dims.cp}) = {2 * dims.cp} "
+                           "(load-balanced context parallelism cuts each sequence into 2 * cp chunks)", field="cp")
+    experts = model.num_experts
+    if dims.ep > 1 and not experts:
+        raise PlannerError(f"ep({dims.ep}) needs a mixture-of-experts model; this one has no experts", field="ep")
+    if experts and experts % dims.ep:
+        raise PlannerError(f"num_experts({experts}) is not divisible by ep({dims.ep})", field="ep")
+
+
+def refuse_unmodelled(request) -> None:
+    """One line naming the field and the value for a degree whose memory model has not landed.
+    ``request``: anything with the request fields tp, pp, cp, ep and sequence_parallel."""
+    for name in DEGREE_FIELDS:
+        value = getattr(request, name)
+        if value > 1 and name in NOT_MODELLED:
+            raise PlannerError(f"{name}={value}: {NOT_MODELLED[name]}", field=name)
+    if request.sequence_parallel and request.tp == 1:
+        raise PlannerError("sequence_parallel=true needs tp > 1: it shards the tensor-parallel region's activations", field="sequence_parallel")

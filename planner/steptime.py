@@ -1,0 +1,210 @@
+"""The time model of one configuration: what its framework sends per step (collective volumes),
+over which process groups and links, how much of it hides behind compute, the offload traffic,
+and the step time that results. plan.py evaluates it over a grid; estimate_time for one estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner import timing
+from planner.architecture import layer_parameters
+from planner.frameworks import Buckets, Traffic, framework_of
+from planner.gpus import Gpu, gpu as lookup_gpu
+from planner.hardware import profile_efficiencies, topology_of
+from planner.memory import estimate
+from planner.schema import EstimateRequest, EstimateResult, PlanRequest, TimeEstimate
+from planner.strategies import strategy as lookup_strategy
+from planner.topology import Topology
+
+# Device-to-host rates of offload traffic per PCIe generation, GB/s. They sit about 5% below
+# links.yaml's pcie x16_gbps * efficiency (gen4: 24.0 vs 25.2); reading links.yaml instead would
+# change every offload prediction, so they stay here until a measured offload run refits them.
+PCIE_DEVICE_TO_HOST_GBPS = {"gen3": 12.0, "gen4": 24.0, "gen5": 48.0, "gen6": 92.0, "none": 24.0}
+NVME_GBPS = 5.0  # one PCIe Gen4 NVMe drive, sequential (vendor datasheets: 5-7 GB/s); calibratable
+
+
+@dataclass(frozen=True)
+class Combo:
+    """One configuration as the time model and the plan search take it."""
+
+    gpus: int
+    strategy: str
+    checkpointing: str
+    offload_optimizer: str
+    offload_params: str
+    shard: int | None = None  # hsdp: GPUs per shard group
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What the step time reads beyond the configuration: the precision, the sequence length, the
+    node count and the achieved fractions of peak compute and of the modelled link bandwidths."""
+
+    precision: str
+    seq_len: int
+    nodes: int
+    compute_efficiency: float
+    link_efficiency: float
+
+    @classmethod
+    def of(cls, req: PlanRequest) -> "StepSettings":
+        return cls(precision=req.precision, seq_len=req.seq_len, nodes=req.nodes,
+                   compute_efficiency=req.compute_efficiency, link_efficiency=req.link_efficiency)
+
+
+def collective_volumes(request: EstimateRequest) -> list[dict]:
+    """What the time model sends per optimizer step for this configuration, per collective:
+    payload bytes (before the ring's 2(n-1)/n or (n-1)/n factor), message size and group."""
+    result = estimate(request)
+    if result.model.architecture is None:
+        return []
+    request = result.request  # with what a ds_config fixed (micro-batch, accumulation, optimizer)
+    from planner.architecture import Architecture
+
+    combo, buckets = resolved_combo(request)
+    per_rank = request.micro_batch * request.gradient_accumulation
+    wb = 4 if request.precision == "fp32" else 2
+    arch = Architecture.model_validate(result.model.architecture)
+    rows = combo_collectives(request.precision, combo, result.parameters, np.array([request.micro_batch]), per_rank, wb,
+                               arch, buckets)
+    return [{"what": what, "bytes_per_step": int(volume[0]), "message_bytes": int(message), "group": group}
+            for what, volume, _, message, group in rows]
+
+
+def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstimate | None:
+    """The time model for one estimate's configuration (None without an architecture, or on CPU)."""
+    g = lookup_gpu(request.gpu)
+    if result.model.architecture is None or (g.is_cpu and request.profile is None):
+        return None
+    per_rank = request.micro_batch * request.gradient_accumulation
+    topo, fabric_name, nics = topology_of(request, g)
+    compute_efficiency, link_efficiency = profile_efficiencies(
+        request.profile, request.gpu, topo, request.gpus, PlanRequest.model_fields["compute_efficiency"].default,
+        PlanRequest.model_fields["link_efficiency"].default)  # the plan's defaults, so both time alike
+    settings = StepSettings(precision=result.request.precision, seq_len=request.seq_len, nodes=request.nodes,
+                            compute_efficiency=compute_efficiency, link_efficiency=link_efficiency)
+    from planner.architecture import Architecture
+
+    combo, buckets = resolved_combo(request)
+    arch = Architecture.model_validate(result.model.architecture)
+    t = step_times(settings, combo, np.array([request.micro_batch]), per_rank, result.parameters, arch, g,
+                    topo, timing.fabric(fabric_name), nics, buckets)[0]
+    return TimeEstimate(step_seconds=t.step_seconds, compute_seconds=t.compute_seconds,
+                        communication_seconds=t.communication_seconds,
+                        exposed_communication_seconds=t.exposed_communication_seconds,
+                        offload_seconds=t.offload_seconds, tokens_per_second=t.tokens_per_second, mfu=t.mfu,
+                        ring_bandwidth_gbps=t.ring_bandwidth_gbps if math.isfinite(t.ring_bandwidth_gbps) else None,
+                        topology=topo.source)
+
+
+def estimate_with_time(request: EstimateRequest) -> EstimateResult:
+    result = estimate(request)  # result.request holds what a ds_config fixed (micro-batch, accumulation, optimizer)
+    return result.model_copy(update={"time": estimate_time(result.request, result)})
+
+
+def resolved_combo(request: EstimateRequest) -> tuple[Combo, Buckets]:
+    """One estimate's configuration as the time model takes it, with offload and bucket sizes as
+    resolved (--ds-config included)."""
+    from planner.memory import resolve
+
+    zero = resolve(request).zero
+    shard = (request.hsdp_shard_size or request.gpus) if lookup_strategy(request.strategy).shard_within_node else None
+    combo = Combo(request.gpus, request.strategy, request.checkpointing, zero.offload_optimizer, zero.offload_params,
+                  shard)
+    return combo, Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size)
+
+
+def combo_collectives(precision: str, combo: Combo, psi: int, micro: np.ndarray, per_rank: int,
+                        wb: int, arch=None, buckets: Buckets = Buckets()) -> list[tuple[str, np.ndarray, int, float, str]]:
+    """(what, bytes per step, ring passes, message bytes, group) for the strategy's collectives,
+    as its framework sends them (planner/frameworks/: Framework.collectives).
+
+    Message sizes are what the frameworks really send: DDP's 25 MiB buckets, DeepSpeed's reduce
+    and all-gather buckets (capped by the model), and for ZeRO-3 and FSDP one transformer block
+    at a time (the FSDP unit; ZeRO-3 fetches a module's parameters, at most prefetch_bucket_size)."""
+    s = lookup_strategy(combo.strategy)
+    block = layer_parameters(arch) if arch is not None else max(psi // 100, 1)
+    traffic = Traffic(psi=psi, wire_bytes=wb, block=block, step=np.ones_like(micro, dtype=np.float64),
+                      accumulation=per_rank / micro, precision=precision, shard=combo.shard or combo.gpus,
+                      buckets=buckets)
+    return framework_of(s).collectives(s, traffic)
+
+
+def process_group(combo: Combo, group: str, nodes: int) -> tuple[timing.Group, tuple[int, ...]]:
+    """The process group a collective runs over, and its members inside one node.
+
+    world / shard (ZeRO and FSDP shard over the whole data-parallel group): every GPU of every node.
+    HSDP's shard group: `shard` consecutive ranks (DeviceMesh's inner dimension), inside a node when
+    it fits there. HSDP's replica group: the GPUs at the same place in every shard group, so every
+    shard-th GPU of a node, and each of the node's `shard` replica groups crosses its NICs at once."""
+    g = combo.gpus
+    world = g * nodes
+    shard = combo.shard
+    if group == "replicas" and shard:
+        if shard < g:
+            return timing.Group(world // shard, g // shard, shard), tuple(range(0, g, shard))
+        return timing.Group(world // shard, 1, g), (0,)
+    if group == "shard" and shard:
+        if shard <= g:
+            return timing.Group(shard, shard, g // shard), tuple(range(shard))
+        return timing.Group(shard, g, 1), tuple(range(g))
+    return timing.Group(world, g, 1), tuple(range(g))
+
+
+def step_times(req: "StepSettings", combo: Combo, micro: np.ndarray, per_rank: int, psi: int, arch, g: Gpu,
+                topo: Topology, fabric: dict, nics: int, buckets: Buckets = Buckets()) -> list[timing.StepTime]:
+    wb = 4 if req.precision == "fp32" else 2
+    dtype = "fp32" if req.precision == "fp32" else ("bf16" if req.precision.startswith("bf16") else "fp16")
+    if req.precision == "fp32":
+        dtype = "tf32" if "tf32" in g.peak_tflops else "fp32"
+    peak_flops = g.peak_tflops[dtype] * 1e12
+    tokens_rank = per_rank * req.seq_len
+    flops = tokens_rank * timing.flops_per_token(arch, req.seq_len, combo.checkpointing)
+    compute = flops / (peak_flops * req.compute_efficiency)
+    ring, ring_bw, _ = timing.node_ring(topo, combo.gpus)
+    nodes = req.nodes
+    nic_gbps = nics * fabric["gbps"] * fabric["efficiency"] * req.link_efficiency
+    comm = np.zeros_like(micro, dtype=np.float64)
+    slowest = ring_bw * req.link_efficiency
+    for _, volume, passes, message, group in combo_collectives(req.precision, combo, psi, micro, per_rank, wb, arch, buckets):
+        layout, members = process_group(combo, group, nodes)
+        _, intra_bw, intra_lat = timing.ring_over(topo, members)
+        wire = timing.Wire(intra_bw * req.link_efficiency, intra_lat, nic_gbps, fabric["latency_us"])
+        t = timing.collective_seconds(np.asarray(volume, dtype=np.float64), layout, wire, message, passes)
+        comm += t.seconds
+        slowest = min(slowest, float(t.bottleneck_gbps.min()))
+    s = lookup_strategy(combo.strategy)
+    window = framework_of(s).overlap_window_seconds(s, compute)
+    offload = offload_seconds(combo, psi, per_rank / micro, combo.gpus * nodes, wb, g)
+    results = []
+    world = combo.gpus * nodes
+    model_flops = tokens_rank * timing.model_flops_per_token(arch, req.seq_len)
+    for k in range(micro.size):
+        exposed = max(0.0, float(comm[k]) - window)
+        step = compute + exposed + float(offload[k])
+        tokens = tokens_rank * world
+        results.append(timing.StepTime(
+            compute_seconds=compute, communication_seconds=float(comm[k]), exposed_communication_seconds=exposed,
+            offload_seconds=float(offload[k]), step_seconds=step, tokens_per_second=tokens / step,
+            mfu=model_flops / (step * peak_flops), ring_bandwidth_gbps=slowest, ring=ring))
+    return results
+
+
+def offload_seconds(combo: Combo, psi: int, accumulation: np.ndarray, world: int, wb: int, g: Gpu) -> np.ndarray:
+    shard = psi / world
+    pcie = PCIE_DEVICE_TO_HOST_GBPS.get(g.pcie, 24.0) * 1e9
+    seconds = np.zeros_like(accumulation, dtype=np.float64)
+    if combo.offload_optimizer != "none":
+        # gradients down, updated 16-bit parameters up, then DeepSpeedCPUAdam on the host
+        seconds += 2 * shard * wb / pcie + shard / timing.CPU_ADAM_PARAMS_PER_SECOND
+        if combo.offload_optimizer == "nvme":
+            seconds += 2 * shard * 16 / (NVME_GBPS * 1e9)  # read and write master + moments
+    if combo.offload_params != "none":
+        seconds += accumulation * 2 * shard * wb / pcie  # each micro-step fetches the shard twice
+        if combo.offload_params == "nvme":
+            seconds += accumulation * 2 * shard * wb / (NVME_GBPS * 1e9)
+    return seconds

@@ -1,0 +1,65 @@
+"""The framework registry (planner/frameworks/): one module per framework version answers every
+strategy's phases, collectives, offload rules and launch settings."""
+
+import pytest
+
+from planner.errors import PlannerError
+from planner.frameworks import framework, framework_of
+from planner.memory import resolve
+from planner.schema import EstimateRequest
+from planner.strategies import STRATEGIES, strategy
+
+
+def test_registry_keyed_by_name_and_version():
+    assert (framework("deepspeed").name, framework("deepspeed").version) == ("deepspeed", "0.19.8")
+    assert framework("deepspeed", "0.19.8") is framework("deepspeed")
+    assert (framework("torch").name, framework("torch").version) == ("torch", "2.13")
+    with pytest.raises(PlannerError, match=r"framework deepspeed 0\.12\.0: not modelled; known: deepspeed 0\.19\.8, torch 2\.13"):
+        framework("deepspeed", "0.12.0")
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("ddp", None), ("fsdp", "FULL_SHARD"), ("fsdp-grad-op", "SHARD_GRAD_OP"), ("hsdp", "HYBRID_SHARD"),
+    ("zero0", None), ("zero3", None)])
+def test_fsdp_sharding_map_is_one_place(name, expected):
+    s = strategy(name)
+    assert framework_of(s).fsdp_sharding(s) == expected
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_offload_options_the_plan_tries_are_accepted(name):
+    s = strategy(name)
+    fw = framework_of(s)
+    for optimizer, params in fw.offload_options(s):
+        fw.check_offload(s, optimizer, params)  # raises if the search tried what the estimate refuses
+
+
+def test_worker_settings_carry_the_sharding_and_the_ds_config(tmp_path):
+    pytest.importorskip("torch")
+    from backend.launch import worker_job
+
+    job = worker_job(EstimateRequest(model="gpt2", strategy="fsdp-grad-op", gpus=2, gpu="cpu"), steps=1,
+                     warmup_steps=0, out_dir=tmp_path)
+    assert job.framework == "torch" and job.torch.sharding == "SHARD_GRAD_OP"  # a typed VerifyJob
+    job = worker_job(EstimateRequest(model="gpt2", strategy="zero2", gpus=2, gpu="cpu"), steps=1,
+                     warmup_steps=0, out_dir=tmp_path)
+    assert job.framework == "deepspeed" and job.ds_config["zero_optimization"]["stage"] == 2
+    assert job.ds_config["optimizer"]["params"]["torch_adam"] is True
+
+
+def test_setup_names_its_framework():
+    assert resolve(EstimateRequest(model="gpt2", strategy="hsdp", gpus=2, nodes=2)).framework.name == "torch"
+    assert resolve(EstimateRequest(model="gpt2", strategy="zero1", gpus=2)).framework.launcher == "deepspeed"
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_every_phase_has_a_kind(name):
+    from planner.memory import estimate
+    from planner.moments import PhaseKind
+
+    shard = {"hsdp_shard_size": 2} if name == "hsdp" else {}
+    result = estimate(EstimateRequest(model="gpt2", strategy=name, gpus=4, **shard))
+    kinds = [p.kind for p in result.phases]
+    assert None not in kinds and kinds[0] is PhaseKind.RESIDENT and kinds[-1] is PhaseKind.OPTIMIZER_STEP
+    assert PhaseKind.START_OF_BACKWARD in kinds and PhaseKind.END_OF_BACKWARD in kinds
+    assert "kind" not in result.model_dump()["phases"][0]  # display names only in the output
