@@ -16,7 +16,6 @@ from typing import Iterator
 from planner.catalogue import UnsupportedModelTypeError, raw_parameters, traced_model
 from planner.errors import PlannerError
 from planner.memory import estimate, resolve
-from planner.plan import plan
 from planner.steptime import estimate_with_time
 from planner.schema import EstimateRequest, EstimateResult, PlanRequest, PlanResult
 
@@ -51,6 +50,7 @@ def plan_any(request: PlanRequest) -> PlanResult:
     """A plan searches thousands of settings with the analytic model; a model_type without a
     reader is refused with the core's message (which names `planner estimate` for tracing)."""
     from backend.hub import with_hub_model
+    from planner.plan import plan  # numpy: only a plan searches arrays of options
 
     return plan(with_hub_model(request))
 
