@@ -29,7 +29,9 @@ NOT_MODELLED: dict[str, str] = {
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of one layout, each an integer >= 1 (checked at construction)."""
+    """Degrees of one layout, each an integer >= 1 (checked at construction). Ranks fill the
+    layout in MESH_ORDER (below): tp innermost (consecutive ranks), then cp, dp_shard,
+    dp_replicate, and pp outermost, as torchtitan's build_mesh lays out its device mesh."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -141,3 +143,66 @@ def refuse_unmodelled(request) -> None:
             raise PlannerError(f"{name}={value}: {NOT_MODELLED[name]}", field=name)
     if request.sequence_parallel and request.tp == 1:
         raise PlannerError("sequence_parallel=true needs tp > 1: it shards the tensor-parallel region's activations", field="sequence_parallel")
+
+
+# --- where each rank sits -----------------------------------------------------------------------
+# Ranks fill the mesh as torchtitan's ParallelDims.build_mesh lays it out (torchtitan/distributed/
+# parallel_dims.py: mesh dims ["pp", "dp_replicate", "dp_shard", "cp", "tp"], the last varying
+# fastest): consecutive ranks form a tensor-parallel group, then context-parallel, data-parallel
+# shard and replica groups, and the pipeline stage varies slowest. torchrun and Slurm number ranks
+# node by node, so a TP group of at most a node's GPUs stays inside the node (its NVLink island).
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
+
+
+def rank_coordinates(dims: ParallelDims, rank: int) -> dict[str, int]:
+    """The rank's index along each mesh dimension (MESH_ORDER)."""
+    if not 0 <= rank < dims.world:
+        raise PlannerError(f"rank({rank}) is outside the world of {dims.world} ranks")
+    coords: dict[str, int] = {}
+    for name in reversed(MESH_ORDER):
+        size = getattr(dims, name)
+        coords[name] = rank % size
+        rank //= size
+    return {name: coords[name] for name in MESH_ORDER}
+
+
+def rank_groups(dims: ParallelDims, dim: str) -> list[tuple[int, ...]]:
+    """Every group of ranks along one mesh dimension ("tp", "pp", ...): the ranks that differ only
+    in that coordinate, in rank order."""
+    if dim not in MESH_ORDER:
+        raise PlannerError(f"dim({dim!r}) is not a mesh dimension; one of {', '.join(MESH_ORDER)}")
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(dims.world):
+        coords = rank_coordinates(dims, rank)
+        groups.setdefault(tuple(v for k, v in coords.items() if k != dim), []).append(rank)
+    return [tuple(g) for g in groups.values()]
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """One node's share of a layout, in the node's own GPU indices: its tensor-parallel groups
+    (whole or the part on this node), each GPU's pipeline stage, and a caption saying how ranks
+    were placed."""
+
+    tp_groups: tuple[tuple[int, ...], ...]
+    stage_of: dict[int, int]
+    pp: int
+    caption: str
+
+
+def node_layout(dims: ParallelDims, gpus_per_node: int, node: int = 0) -> NodeLayout:
+    """The layout's groups on one node: ranks node * gpus_per_node ... onward are its GPU0, GPU1, ..."""
+    if dims.world % gpus_per_node:
+        raise PlannerError(f"world({dims.world}) is not divisible by gpus({gpus_per_node})")
+    first = node * gpus_per_node
+    local = range(first, first + gpus_per_node)
+    tp_groups = tuple(tuple(r - first for r in g if r in local) for g in rank_groups(dims, "tp")
+                      if dims.tp > 1 and any(r in local for r in g))
+    stage_of = {r - first: rank_coordinates(dims, r)["pp"] for r in local}
+    nodes = dims.world // gpus_per_node
+    degrees = " x ".join(f"{name} {getattr(dims, name)}" for name in ("tp", "cp", "pp", "dp_shard", "dp_replicate")
+                         if getattr(dims, name) > 1) or "one rank"
+    spans = "; a TP group spans nodes" if dims.tp > gpus_per_node else ""
+    caption = (f"node {node} of {nodes}: {degrees}; consecutive ranks, tp innermost, then cp, dp_shard, dp_replicate, "
+               f"pp (torchtitan's mesh order){spans}")
+    return NodeLayout(tp_groups=tp_groups, stage_of=stage_of, pp=dims.pp, caption=caption)

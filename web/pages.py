@@ -26,13 +26,15 @@ from planner.schema import PlanRequest
 from planner.topology import link_rates, parse_topology
 
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
+DEGREES = ("tp", "pp", "cp", "ep")  # planner/parallel.py DEGREE_FIELDS: empty on the form lets the planner choose
 FORM_FIELDS = ("model", "gpu", "gpus", "nodes", "topology", "fabric", "nics_per_node", "seq_len", "global_batch",
-               "precision", "optimizer", "model_config", "topology_text")
+               "precision", "optimizer", "model_config", "topology_text", *DEGREES)
 # The form starts at the schema's own defaults (planner/schema.py defines them once for estimate
 # and plan); the model field has none, so the page shows the PlanRequest example.
 DEFAULTS = {name: ("" if field.default is None else field.default)
             for name, field in PlanRequest.model_fields.items() if name != "model_config_"}
 DEFAULTS["model"] = PlanRequest.model_fields["model"].examples[0]
+DEFAULTS |= {name: "" for name in DEGREES}  # not the schema's 1: what the planner chooses, unless given
 
 
 def _form(request: Request) -> dict[str, typing.Any]:
@@ -61,6 +63,26 @@ def _fabrics() -> list[tuple[str, str]]:
     return [(name, f"{name} ({spec['gbps']:g} GB/s per NIC)") for name, spec in link_rates()["fabric"].items()]
 
 
+def _degree_inputs() -> list[dict[str, typing.Any]]:
+    """The degree fields as the form shows them, from the schema: name, description, bounds."""
+    inputs = []
+    for name in DEGREES:
+        field = PlanRequest.model_fields[name]
+        bounds = {type(m).__name__: m for m in field.metadata}
+        inputs.append({"name": name, "help": field.description or "",
+                       "min": getattr(bounds.get("Ge"), "ge", 1), "max": getattr(bounds.get("Le"), "le", "")})
+    return inputs
+
+
+def _layout(req: PlanRequest, candidate, topo):
+    """The candidate's layout on the pictured node (its TP groups and PP stages), or None."""
+    if candidate is None or topo is None or req.gpus > len(topo.gpus):
+        return None
+    from planner.parallel import ParallelDims, node_layout
+
+    return node_layout(ParallelDims(**candidate.parallel.model_dump()), req.gpus)
+
+
 def _field_help() -> dict[str, str]:
     """Each form field's description from the schema, shown as the input's tooltip."""
     return {name: f.description or "" for name, f in PlanRequest.model_fields.items()}
@@ -70,6 +92,7 @@ def _page(request: Request, form: dict, **extra) -> HTMLResponse:
     context = dict(request=request, form=form, models=list(load_catalogue()), gpus=[g for g in load_gpus() if g != "cpu"],
                    topologies=sorted(PRESETS), precisions=typing.get_args(Precision),
                    optimizers=typing.get_args(Optimizer), fabrics=_fabrics(), field_help=_field_help(),
+                   degrees=_degree_inputs(),
                    strategy_label=strategy_label, result=None, error=None)
     context.update(extra)
     return TEMPLATES.TemplateResponse(request, "index.html", context, status_code=extra.get("status", 200))
@@ -133,7 +156,8 @@ def add_pages(app: FastAPI) -> None:
         files = sorted(emit_files(req, result.recommended).items()) if result.recommended else []
         query = urlencode({k: v for k, v in form.items() if v not in ("", None)})
         return _page(request, form, result=result, req=req, bars=bars, best=best,
-                     topology_svg=topology_svg(topo) if topo else "", files=files, query=query,
+                     topology_svg=topology_svg(topo, layout=_layout(req, result.recommended, topo)) if topo else "",
+                     files=files, query=query,
                      notes="; ".join(result.notes), token_configured=_token() is not None)
 
     @app.get("/download/{name}", response_class=PlainTextResponse, include_in_schema=False)
