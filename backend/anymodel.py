@@ -13,6 +13,7 @@ import json
 from contextlib import contextmanager
 from typing import Iterator
 
+from backend.profiles import profile_for
 from planner.catalogue import UnsupportedModelTypeError, raw_parameters, traced_model
 from planner.errors import PlannerError
 from planner.memory import estimate, resolve
@@ -25,7 +26,7 @@ def estimate_any(request: EstimateRequest) -> EstimateResult:
 
     request = with_hub_model(request)
     try:
-        return estimate_with_time(request)
+        return estimate_with_time(request, profile_for(request))
     except UnsupportedModelTypeError as exc:
         return traced_estimate(request, exc)
 
@@ -41,7 +42,7 @@ def analytic_estimate(request: EstimateRequest) -> EstimateResult | UnsupportedM
     if needs_hub(request):
         return None
     try:
-        return estimate_with_time(request)
+        return estimate_with_time(request, profile_for(request))
     except UnsupportedModelTypeError as exc:
         return exc
 
@@ -52,7 +53,8 @@ def plan_any(request: PlanRequest) -> PlanResult:
     from backend.hub import with_hub_model
     from planner.plan import plan  # numpy: only a plan searches arrays of options
 
-    return plan(with_hub_model(request))
+    request = with_hub_model(request)
+    return plan(request, profile_for(request))
 
 
 def traced_estimate(request: EstimateRequest, exc: UnsupportedModelTypeError) -> EstimateResult:

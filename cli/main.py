@@ -430,6 +430,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         request = _request_from_plan(args.plan)
     else:
         request = request_from_args(args, EstimateRequest)
+    from backend.profiles import profile_for
+
+    profile_for(request)  # a profile it names must exist, as for estimate
     try:
         from backend.verify import verify
     except ImportError as exc:
@@ -522,9 +525,10 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from planner.profiles import fit_profile, save_profile
+    from planner.profiles import fit_profile
 
     try:
+        from backend.profiles import save_profile
         from backend.store import RunStore
     except ImportError as exc:
         raise CliError(f"planner calibrate reads verify runs and needs the backend extra: {exc}") from None

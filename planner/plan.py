@@ -79,7 +79,8 @@ class _Grid:
         return (self.constant[:, None] + self.slope[:, None] * micro[None, :]).max(axis=0) + self.framework
 
 
-def plan(req: PlanRequest) -> PlanResult:
+def plan(req: PlanRequest, profile=None) -> PlanResult:
+    """``profile``: the Profile the request names, read by the adapter (backend/profiles.py)."""
     started = wallclock.perf_counter()
     g = lookup_gpu(req.gpu)
     check_precision(g, req.precision)
@@ -96,7 +97,7 @@ def plan(req: PlanRequest) -> PlanResult:
                            f"nodes({req.nodes}) = {world_max}", field="global_batch")
     topo, fabric_name, nics = topology_of(req, g)
     compute_efficiency, link_efficiency = profile_efficiencies(req.profile, req.gpu, topo, req.gpus,
-                                                               req.compute_efficiency, req.link_efficiency)
+                                                               req.compute_efficiency, req.link_efficiency, profile)
     if req.profile is not None:
         req = req.model_copy(update={"compute_efficiency": compute_efficiency, "link_efficiency": link_efficiency})
     capacity = g.memory_bytes

@@ -49,13 +49,6 @@ def _fabric_names() -> Collection[str]:
     return link_rates()["fabric"].keys()
 
 
-def _profile_names() -> Collection[str]:
-    from planner.profiles import profiles_dir
-
-    directory = profiles_dir()
-    return sorted(p.stem for p in directory.glob("*.json")) if directory.is_dir() else []
-
-
 @dataclass(frozen=True)
 class CatalogueName:
     """Field metadata: the value names an entry of a catalogue (case-insensitive, stored as the
@@ -96,7 +89,9 @@ class CatalogueName:
 GpuName = Annotated[str, Field(max_length=64), CatalogueName("gpu", _gpu_names)]
 PresetName = Annotated[str, Field(max_length=64), CatalogueName("topology preset", _preset_names)]
 FabricName = Annotated[str, Field(max_length=64), CatalogueName("fabric", _fabric_names)]
-ProfileName = Annotated[str, Field(max_length=64), CatalogueName("profile", _profile_names, listed=False)]
+# Saved profiles are files: the adapters check the name against them (backend/profiles.py), the
+# schema only its length.
+ProfileName = Annotated[str, Field(max_length=64)]
 
 
 def _new_profile_name(value: str) -> str:
@@ -377,9 +372,7 @@ Objective = Literal["time", "cost", "memory"]
 class PlanRequest(BaseModel):
     """What to plan: a model, the cluster and its wiring, the batch to reach."""
 
-    # defer_build: the plan's models are validated only by a plan; an estimate never builds them
-    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=(), populate_by_name=True,
-                              defer_build=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=(), populate_by_name=True)
 
     model: ModelName | None = Field(None, description="catalogue model name or alias, or a Hugging Face Hub id org/name",
                                     examples=["llama-3-8b"])

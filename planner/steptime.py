@@ -74,8 +74,9 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
             for what, volume, _, message, group in rows]
 
 
-def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstimate | None:
-    """The time model for one estimate's configuration (None without an architecture, or on CPU)."""
+def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None) -> TimeEstimate | None:
+    """The time model for one estimate's configuration (None without an architecture, or on CPU);
+    ``profile``: the calibration profile the request names (planner.profiles.Profile)."""
     g = lookup_gpu(request.gpu)
     if result.model.architecture is None or (g.is_cpu and request.profile is None):
         return None
@@ -83,7 +84,7 @@ def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstim
     topo, fabric_name, nics = topology_of(request, g)
     compute_efficiency, link_efficiency = profile_efficiencies(
         request.profile, request.gpu, topo, request.gpus, PlanRequest.model_fields["compute_efficiency"].default,
-        PlanRequest.model_fields["link_efficiency"].default)  # the plan's defaults, so both time alike
+        PlanRequest.model_fields["link_efficiency"].default, profile)  # the plan's defaults, so both time alike
     settings = StepSettings(precision=result.request.precision, seq_len=request.seq_len, nodes=request.nodes,
                             compute_efficiency=compute_efficiency, link_efficiency=link_efficiency)
     from planner.architecture import Architecture
@@ -100,9 +101,10 @@ def estimate_time(request: EstimateRequest, result: EstimateResult) -> TimeEstim
                         topology=topo.source)
 
 
-def estimate_with_time(request: EstimateRequest) -> EstimateResult:
+def estimate_with_time(request: EstimateRequest, profile=None) -> EstimateResult:
+    """``profile``: the Profile the request names, read by the adapter (backend/profiles.py)."""
     result = estimate(request)  # result.request holds what a ds_config fixed (micro-batch, accumulation, optimizer)
-    return result.model_copy(update={"time": estimate_time(result.request, result)})
+    return result.model_copy(update={"time": estimate_time(result.request, result, profile)})
 
 
 def resolved_combo(request: EstimateRequest) -> tuple[Combo, Buckets]:

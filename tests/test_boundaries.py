@@ -137,3 +137,30 @@ def test_worker_job_is_typed_and_validated_when_read(tmp_path, capsys):
     assert main(["--job", str(path)]) == 2
     assert "framework torch needs torch settings" in capsys.readouterr().err
     assert not list(tmp_path.glob("rank*.json"))  # refused before the rank started
+
+
+def test_the_core_reads_no_profile_files_and_no_environment(tmp_path, monkeypatch):
+    """planner/profiles.py fits and the core applies a Profile it is given; the files and
+    PLANNER_PROFILES are backend/profiles.py's. A name without its profile is refused, naming it."""
+    import planner.profiles
+    from backend.profiles import load_profile, profile_for, save_profile
+    from planner.profiles import Profile
+    from planner.schema import EstimateRequest
+    from planner.steptime import estimate_with_time
+
+    source = Path(planner.profiles.__file__).read_text()
+    assert "os.environ" not in source and "read_text" not in source and "import os" not in source
+    monkeypatch.setenv("PLANNER_PROFILES", str(tmp_path))
+    save_profile(Profile(name="box", gpu="h100-80gb", compute_efficiency=0.3, runs=[], residuals=[], note="test"))
+    request = EstimateRequest(model="gpt2", strategy="zero2", gpus=8, gpu="h100-80gb", profile="Box")
+    assert load_profile("Box").name == "box"  # case-insensitive, as catalogue names are
+    slow = estimate_with_time(request, profile_for(request)).time
+    plain = estimate_with_time(request.model_copy(update={"profile": None})).time
+    assert slow.compute_seconds == pytest.approx(plain.compute_seconds * 0.45 / 0.3)
+    with pytest.raises(PlannerError) as caught:
+        estimate_with_time(request)  # named, not given
+    assert caught.value.field == "profile" and "the core reads no profile files" in str(caught.value)
+    with pytest.raises(PlannerError) as caught:
+        profile_for(request.model_copy(update={"profile": "boxx"}))
+    assert (caught.value.field, caught.value.value) == ("profile", "boxx")
+    assert str(caught.value) == "unknown profile 'boxx' (did you mean box?); choose from box"

@@ -27,6 +27,7 @@ from starlette.concurrency import run_in_threadpool
 
 from backend.anymodel import analytic_estimate, estimate_any, plan_any, traced_estimate
 from backend.jobs import JobConflict, Jobs
+from backend.profiles import profile_for
 from backend.store import StoreError
 from planner import __version__
 from planner.catalogue import UnsupportedModelTypeError, catalogue_model, load_catalogue
@@ -323,6 +324,7 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
         from planner.memory import resolve
 
         resolve(body.request)  # refuse a bad request with 404/422 before anything starts
+        profile_for(body.request)  # a profile it names must exist, as for estimate
         run_id = jobs.start(body.request, steps=body.steps, warmup_steps=body.warmup_steps,
                             timeout_seconds=body.timeout_seconds)
         return RunStarted(id=run_id, status="running")
