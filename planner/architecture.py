@@ -310,7 +310,8 @@ class _Fields:
         value = self.fields.get(name, default)
         value = default if value is None else value
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-            raise PlannerError(f"{self.source}: {name} must be a probability in [0, 1), got {value!r}", field=self.key(name))
+            raise PlannerError(f"{self.source}: {name} must be a probability in [0, 1), got {value!r}",
+                               field=self.key(name))
         return float(value)
 
     def count(self, name: str, default: int) -> int:
@@ -318,7 +319,8 @@ class _Fields:
         value = self.fields.get(name, default)
         value = default if value is None else value
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise PlannerError(f"{self.source}: {name} must be a whole number >= 0, got {value!r}", field=self.key(name))
+            raise PlannerError(f"{self.source}: {name} must be a whole number >= 0, got {value!r}",
+                               field=self.key(name))
         return value
 
     def layer_indices(self, name: str, layers: int) -> set[int] | None:
@@ -328,7 +330,8 @@ class _Fields:
             return None
         if not isinstance(value, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers
                                               for i in value):
-            raise PlannerError(f"{self.source}: {name} must list layer indices in [0, {layers}), got {value!r}", field=self.key(name))
+            raise PlannerError(f"{self.source}: {name} must list layer indices in [0, {layers}), got {value!r}",
+                               field=self.key(name))
         return set(value)
 
     def layer_flags(self, name: str, default: list[int]) -> list[int]:

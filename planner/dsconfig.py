@@ -230,12 +230,14 @@ def _check_keys(block: dict[str, Any], where: str, unmodelled: dict[str, Unmodel
     if unknown_keys:
         raise PlannerError(f"{where} has unknown key {unknown_keys[0]!r}", field=f"{where}.{unknown_keys[0]}")
     for key in sorted(set(block) & removed):
-        raise PlannerError(f"{where}.{key} was removed in DeepSpeed 0.19.8, which refuses a config that has it", field=f"{where}.{key}")
+        raise PlannerError(f"{where}.{key} was removed in DeepSpeed 0.19.8, which refuses a config that has it",
+                           field=f"{where}.{key}")
     for key in sorted(set(block) & set(unmodelled)):
         rule = unmodelled[key]
         if not rule.neutral(block[key]):
             raise PlannerError(f"{where}.{key}({json.dumps(block[key])[:80]}) is not modelled: {rule.reason}; "
-                               f"the estimate would be wrong, so it is refused (use {rule.default})", field=f"{where}.{key}")
+                               f"the estimate would be wrong, so it is refused (use {rule.default})",
+                               field=f"{where}.{key}")
 
 
 @dataclass(frozen=True)
@@ -306,7 +308,8 @@ def _offload_block(block: Any, where: str, kind: str) -> tuple[str, bool]:
         defaults = NVME_ONLY_DEFAULTS[kind]
         for key in sorted(set(block) & set(NVME_ONLY_OFFLOAD)):
             if key not in defaults:
-                raise PlannerError(f"{where}.{key} is not an offload_{kind} setting in DeepSpeed 0.19.8", field=f"{where}.{key}")
+                raise PlannerError(f"{where}.{key} is not an offload_{kind} setting in DeepSpeed 0.19.8",
+                                   field=f"{where}.{key}")
             if block[key] != defaults[key]:
                 raise PlannerError(f"{where}.{key}({block[key]!r}) is not modelled: {NVME_ONLY_OFFLOAD[key]} of the "
                                    f"NVMe swapper; the estimate would be wrong, so it is refused (use "
@@ -346,7 +349,8 @@ def _optimizer(config: dict[str, Any]) -> str | None:
     if block is None:
         return None
     if not isinstance(block, dict) or not isinstance(block.get("type", ""), str):
-        raise PlannerError(f"ds_config.optimizer must be an object with a type, got {block!r}", field="ds_config.optimizer")
+        raise PlannerError(f"ds_config.optimizer must be an object with a type, got {block!r}",
+                           field="ds_config.optimizer")
     _check_keys(block, "ds_config.optimizer", {}, frozenset(), frozenset({"type", "params", "legacy_fusion"}))
     kind = block.get("type", "").lower()
     params = block.get("params") or {}
@@ -355,7 +359,8 @@ def _optimizer(config: dict[str, Any]) -> str | None:
     if kind == "sgd":  # torch.optim.SGD: one momentum buffer, none without momentum
         if not isinstance(params, dict) or not params.get("momentum"):
             raise PlannerError("ds_config.optimizer SGD without momentum keeps no state, which is not modelled "
-                               "(the model's sgd keeps one momentum buffer); set optimizer.params.momentum", field="ds_config.optimizer.params.momentum")
+                               "(the model's sgd keeps one momentum buffer); set optimizer.params.momentum",
+                               field="ds_config.optimizer.params.momentum")
         return "sgd"
     raise PlannerError(f"ds_config.optimizer.type({block.get('type')!r}) is not modelled; use Adam, AdamW or SGD "
                        "(--optimizer adamw|adamw-8bit|sgd)", field="ds_config.optimizer.type")
@@ -370,7 +375,8 @@ def _communication_dtype(config: dict[str, Any], precision: str | None) -> None:
         precision or "", ("fp32", "float32", "float"))
     if value not in training:
         raise PlannerError(f"ds_config.communication_data_type({value!r}) is not modelled: gradients reduced in another "
-                           f"dtype than the training dtype ({training[0]}) change the message bytes; remove it", field="ds_config.communication_data_type")
+                           f"dtype than the training dtype ({training[0]}) change the message bytes; remove it",
+                           field="ds_config.communication_data_type")
 
 
 _ZERO_INT_KEYS = {
@@ -392,7 +398,8 @@ def parse_ds_config(config: Any) -> ZeroSettings:
     _check_keys(config, "ds_config", UNMODELLED_TOP, REMOVED_TOP, TOP_LEVEL_KEYS)
     zero = config.get("zero_optimization", {})
     if not isinstance(zero, dict):
-        raise PlannerError(f"ds_config.zero_optimization must be an object, got {zero!r}", field="ds_config.zero_optimization")
+        raise PlannerError(f"ds_config.zero_optimization must be an object, got {zero!r}",
+                           field="ds_config.zero_optimization")
     where = "ds_config.zero_optimization"
     _check_keys(zero, where, UNMODELLED_ZERO, REMOVED_ZERO, ZERO_KEYS)
     zero = _deprecated_offloads(zero, where)
@@ -415,7 +422,8 @@ def parse_ds_config(config: Any) -> ZeroSettings:
     opt_device, opt_pin = _offload_block(zero.get("offload_optimizer"), f"{where}.offload_optimizer", "optimizer")
     param_device, param_pin = _offload_block(zero.get("offload_param"), f"{where}.offload_param", "param")
     if opt_device != "none" and stage == 0:
-        raise PlannerError(f"{where}.offload_optimizer needs stage 1, 2 or 3, got stage {stage}", field=f"{where}.offload_optimizer")
+        raise PlannerError(f"{where}.offload_optimizer needs stage 1, 2 or 3, got stage {stage}",
+                           field=f"{where}.offload_optimizer")
     if param_device != "none" and stage != 3:
         raise PlannerError(f"{where}.offload_param needs stage 3, got stage {stage}", field=f"{where}.offload_param")
     for name in ("bf16", "fp16"):

@@ -53,10 +53,12 @@ def topology_of(req: "TopologyFields", g: Gpu) -> tuple[Topology, str, int]:
         else:
             p = preset(name)
             if p.gpu != g.name:
-                raise PlannerError(f"topology preset {name} is built from {p.gpu}, but gpu is {g.name}", field="topology")
+                raise PlannerError(f"topology preset {name} is built from {p.gpu}, but gpu is {g.name}",
+                                   field="topology")
             topo, fabric, nics = preset_topology(name), p.fabric, p.nics_per_node
     if len(topo.gpus) < req.gpus:
-        raise PlannerError(f"gpus({req.gpus}) exceeds the {len(topo.gpus)} GPUs of the topology ({topo.source})", field="gpus")
+        raise PlannerError(f"gpus({req.gpus}) exceeds the {len(topo.gpus)} GPUs of the topology ({topo.source})",
+                           field="gpus")
     return topo, req.fabric or fabric, req.nics_per_node or nics
 
 
@@ -75,7 +77,8 @@ def profile_efficiencies(profile_name: str | None, gpu_name: str, topo: Topology
                            "read it with backend.profiles.profile_for(request) and pass it", field="profile",
                            value=profile_name)
     if profile.gpu != gpu_name:
-        raise PlannerError(f"profile {profile.name} was fitted on {profile.gpu}, but gpu is {gpu_name}", field="profile")
+        raise PlannerError(f"profile {profile.name} was fitted on {profile.gpu}, but gpu is {gpu_name}",
+                           field="profile")
     ring, _, _ = timing.node_ring(topo, gpus)
     kind = timing.ring_bottleneck_kind(topo, ring)
     return profile.compute_efficiency, profile.link_efficiencies.get(kind, profile.link_efficiency)

@@ -44,7 +44,8 @@ class ParallelDims:
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
-                raise PlannerError(f"{name}({value!r}) must be an integer >= 1", field=name if name in DEGREE_FIELDS else None)
+                raise PlannerError(f"{name}({value!r}) must be an integer >= 1",
+                                   field=name if name in DEGREE_FIELDS else None)
         if (self.dp_shard * self.cp) % self.ep:
             raise PlannerError(f"ep({self.ep}) must divide dp_shard({self.dp_shard}) * cp({self.cp}) = "
                                f"{self.dp_shard * self.cp}: expert parallelism borrows its ranks from them", field="ep")
@@ -75,7 +76,8 @@ def data_parallel_size(world: int, tp: int = 1, pp: int = 1, cp: int = 1, gpus: 
     model = tp * pp * cp
     if world % model:
         where = f"gpus({gpus}) * nodes({nodes}) = {world}" if gpus is not None and nodes is not None else f"world({world})"
-        raise PlannerError(f"{where} is not divisible by tp({tp}) * pp({pp}) * cp({cp}) = {model}", field="gpus" if gpus is not None else None)
+        raise PlannerError(f"{where} is not divisible by tp({tp}) * pp({pp}) * cp({cp}) = {model}",
+                           field="gpus" if gpus is not None else None)
     return world // model
 
 
@@ -86,7 +88,8 @@ def dims_for(shards_data: bool, shard_group: int | None, dp: int, tp: int = 1, p
     ``shard_group`` and replicated across them (HSDP)."""
     if shard_group is not None:
         if dp % shard_group:
-            raise PlannerError(f"hsdp_shard_size({shard_group}) must divide the data-parallel size {dp}", field="hsdp_shard_size")
+            raise PlannerError(f"hsdp_shard_size({shard_group}) must divide the data-parallel size {dp}",
+                               field="hsdp_shard_size")
         return ParallelDims(dp_replicate=dp // shard_group, dp_shard=shard_group, tp=tp, pp=pp, cp=cp, ep=ep)
     if shards_data:
         return ParallelDims(dp_shard=dp, tp=tp, pp=pp, cp=cp, ep=ep)
@@ -142,7 +145,8 @@ def refuse_unmodelled(request) -> None:
         if value > 1 and name in NOT_MODELLED:
             raise PlannerError(f"{name}={value}: {NOT_MODELLED[name]}", field=name)
     if request.sequence_parallel and request.tp == 1:
-        raise PlannerError("sequence_parallel=true needs tp > 1: it shards the tensor-parallel region's activations", field="sequence_parallel")
+        raise PlannerError("sequence_parallel=true needs tp > 1: it shards the tensor-parallel region's activations",
+                           field="sequence_parallel")
 
 
 # --- where each rank sits -----------------------------------------------------------------------

@@ -77,7 +77,8 @@ def _header(lines: list[str]) -> tuple[int, list[str], list[str]]:
             devices = [c for c in cells if _DEVICE.match(c)]
             extra = [c for c in cells if not _DEVICE.match(c)]
             return number, devices, extra
-    raise PlannerError("topology: no header line with GPU0 ... found; paste the output of `nvidia-smi topo -m`", field=TOPOLOGY_FIELD)
+    raise PlannerError("topology: no header line with GPU0 ... found; paste the output of `nvidia-smi topo -m`",
+                       field=TOPOLOGY_FIELD)
 
 
 def _is_data_row(cells: list[str]) -> bool:
@@ -88,7 +89,8 @@ def _is_data_row(cells: list[str]) -> bool:
 def _check_code(code: str, line_no: int, line: str) -> str:
     if code in CODES[:-1] or _NV.match(code):
         return code
-    raise PlannerError(f"topology line {line_no}: unknown link code {code!r} in {line.strip()[:80]!r}", field=TOPOLOGY_FIELD)
+    raise PlannerError(f"topology line {line_no}: unknown link code {code!r} in {line.strip()[:80]!r}",
+                       field=TOPOLOGY_FIELD)
 
 
 def _parse_rows(lines: list[str], start: int, devices: list[str], extra: list[str]):
@@ -104,7 +106,8 @@ def _parse_rows(lines: list[str], start: int, devices: list[str], extra: list[st
         cells = _split(line)
         label = cells[0]
         if not _DEVICE.match(label):
-            raise PlannerError(f"topology line {offset}: expected a GPU/NIC row label, got {label!r}", field=TOPOLOGY_FIELD)
+            raise PlannerError(f"topology line {offset}: expected a GPU/NIC row label, got {label!r}",
+                               field=TOPOLOGY_FIELD)
         values = cells[1:]
         codes = [c for c in values[:len(devices)]]
         if len(codes) < len(devices) or any(c == "" for c in codes):
@@ -159,7 +162,8 @@ def parse_topology(text: str, gpu: Gpu, source: str = "nvidia-smi topo -m") -> T
     rows = _parse_rows(lines, start, devices, extra)
     gpu_labels = [d for d in devices if d.startswith("GPU")]
     if [f"GPU{i}" for i in range(len(gpu_labels))] != gpu_labels:
-        raise PlannerError(f"topology line {start + 1}: GPU columns are not GPU0..GPU{len(gpu_labels) - 1}", field=TOPOLOGY_FIELD)
+        raise PlannerError(f"topology line {start + 1}: GPU columns are not GPU0..GPU{len(gpu_labels) - 1}",
+                           field=TOPOLOGY_FIELD)
     missing = [d for d in gpu_labels if d not in rows]
     if missing:
         raise PlannerError(f"topology: no row for {missing[0]}", field=TOPOLOGY_FIELD)
@@ -170,7 +174,8 @@ def parse_topology(text: str, gpu: Gpu, source: str = "nvidia-smi topo -m") -> T
             raise PlannerError(f"topology: GPU{i}'s own entry is {row[i]!r}, expected X", field=TOPOLOGY_FIELD)
         for j, code in enumerate(row):
             if matrix[j][i] != code:
-                raise PlannerError(f"topology: GPU{i}-GPU{j} is {code} but GPU{j}-GPU{i} is {matrix[j][i]}", field=TOPOLOGY_FIELD)
+                raise PlannerError(f"topology: GPU{i}-GPU{j} is {code} but GPU{j}-GPU{i} is {matrix[j][i]}",
+                                   field=TOPOLOGY_FIELD)
     gpus = [GpuRow(index=i, cpu_affinity=a, numa_node=n)
             for i, (a, n) in enumerate(_affinity(rows[g][1], extra) for g in gpu_labels)]
     legend = _nic_legend(lines)

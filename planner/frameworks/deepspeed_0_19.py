@@ -81,7 +81,8 @@ class DeepSpeedZero(Framework):
     def check_precision(self, s: "Strategy", precision: str) -> None:
         if precision == "bf16-pure":
             raise PlannerError("precision bf16-pure (no fp32 master) is not what DeepSpeed's bf16 mode does: "
-                               "it always keeps fp32 master weights; use bf16-mixed with zero0-3, or ddp/fsdp for bf16-pure", field="precision")
+                               "it always keeps fp32 master weights; use bf16-mixed with zero0-3, or ddp/fsdp for bf16-pure",
+                               field="precision")
 
     def ds_config(self, setup: "Setup", request: Any) -> dict[str, Any]:
         """The ds_config of this setting (planner/dsconfig.py build_ds_config): stage, precision,
