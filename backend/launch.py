@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.finetune import lora_config
+from backend.job import VerifyJob
 from planner.errors import PlannerError
 from planner.memory import resolve
 from planner.schema import EstimateRequest
@@ -34,7 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 class ProbeResult:
     status: str  # ok | oom | crashed | timeout | interrupted | launcher-error
     ranks: list[dict[str, Any]]
-    job: dict[str, Any]
+    job: VerifyJob
     log_tail: str
     seconds: float
     message: str = ""
@@ -42,7 +43,7 @@ class ProbeResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_dir: Path) -> dict[str, Any]:
+def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_dir: Path) -> VerifyJob:
     """What every rank needs: the architecture, the DeepSpeed config the prediction assumed."""
     setup = resolve(request)
     request = setup.request  # with what a --ds-config fixed: precision, micro-batch, accumulation, optimizer
@@ -68,10 +69,10 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         "seed": 0,
     }
     if setup.dims.pp > 1:
-        return common | _pipeline_settings(setup, request)
+        return VerifyJob(**(common | _pipeline_settings(setup, request)))
     if setup.finetune is not None:
         common["finetune"] = finetune_job(setup)
-    return common | setup.framework.worker_settings(setup, request)
+    return VerifyJob(**(common | setup.framework.worker_settings(setup, request)))
 
 
 def finetune_job(setup) -> dict[str, Any]:
@@ -250,7 +251,7 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-def _environment(job: dict[str, Any]) -> dict[str, str]:
+def _environment(job: VerifyJob) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTHONUNBUFFERED"] = "1"
@@ -260,7 +261,7 @@ def _environment(job: dict[str, Any]) -> dict[str, str]:
     env["TRANSFORMERS_OFFLINE"] = "1"
     for secret in SECRET_ENV:  # the API's token never reaches a training rank
         env.pop(secret, None)
-    if job["device"] == "cpu":
+    if job.device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
@@ -280,13 +281,13 @@ def run_probe(request: EstimateRequest, *, out_dir: Path, steps: int = 2, warmup
     out_dir.mkdir(parents=True, exist_ok=True)
     job = worker_job(request, steps=steps, warmup_steps=warmup_steps, out_dir=out_dir)
     job_path = out_dir / "job.json"
-    job_path.write_text(json.dumps(job, indent=1))
+    job_path.write_text(job.to_json())
     log_path = out_dir / "launcher.log"
     port = _free_port()
-    command = launcher_command(job_path, request, hostfile, port, job["framework"], job["device"])
+    command = launcher_command(job_path, request, hostfile, port, job.framework, job.device)
     start = time.monotonic()
     env = _environment(job)
-    if job["device"] == "cpu" and job["framework"] == "deepspeed":
+    if job.device == "cpu" and job.framework == "deepspeed":
         prepare_extensions(env)
     log_path.write_bytes(b"")
     spec = {"command": command, "cwd": str(REPO_ROOT), "env": env, "log_path": str(log_path), "port": port,

@@ -79,7 +79,7 @@ def _zero_settings(request: EstimateRequest, s: Strategy) -> ZeroSettings:
     settings = parse_ds_config(request.ds_config) if request.ds_config is not None else ZeroSettings()
     if request.ds_config is not None and s.zero_stage is not None and settings.stage != s.zero_stage:
         raise PlannerError(f"strategy {s.name} contradicts ds_config zero_optimization.stage({settings.stage}); "
-                           f"use strategy zero{settings.stage} or change the config")
+                           f"use strategy zero{settings.stage} or change the config", field="strategy")
     settings = with_overrides(
         settings, reduce_bucket_size=request.reduce_bucket_size,
         allgather_bucket_size=request.allgather_bucket_size,

@@ -80,11 +80,12 @@ class _Grid:
         return (self.constant[:, None] + self.slope[:, None] * micro[None, :]).max(axis=0) + self.framework
 
 
-def plan(req: PlanRequest) -> PlanResult:
+def plan(req: PlanRequest, profile=None) -> PlanResult:
+    """``profile``: the Profile the request names, read by the adapter (backend/profiles.py)."""
     if req.finetune == "auto":
         from planner.finetune_plan import plan_finetune_auto
 
-        return plan_finetune_auto(req, plan)
+        return plan_finetune_auto(req, lambda one: plan(one, profile))
     started = wallclock.perf_counter()
     g = lookup_gpu(req.gpu)
     check_precision(g, req.precision)
@@ -103,10 +104,10 @@ def plan(req: PlanRequest) -> PlanResult:
     world_max = req.gpus * req.nodes
     if req.global_batch % world_max:
         raise PlannerError(f"global_batch({req.global_batch}) is not divisible by gpus({req.gpus}) * "
-                           f"nodes({req.nodes}) = {world_max}")
+                           f"nodes({req.nodes}) = {world_max}", field="global_batch")
     topo, fabric_name, nics = topology_of(req, g)
     compute_efficiency, link_efficiency = profile_efficiencies(req.profile, req.gpu, topo, req.gpus,
-                                                               req.compute_efficiency, req.link_efficiency)
+                                                               req.compute_efficiency, req.link_efficiency, profile)
     if req.profile is not None:
         req = req.model_copy(update={"compute_efficiency": compute_efficiency, "link_efficiency": link_efficiency})
     capacity = g.memory_bytes
