@@ -13,9 +13,10 @@ import json
 from contextlib import contextmanager
 from typing import Iterator
 
+from backend.profiles import profile_for
 from planner.catalogue import UnsupportedModelTypeError, raw_parameters, traced_model
+from planner.errors import PlannerError
 from planner.memory import estimate, resolve
-from planner.plan import plan
 from planner.steptime import TracedShape, estimate_time, estimate_with_time
 from planner.schema import EstimateRequest, EstimateResult, PlanRequest, PlanResult
 
@@ -25,7 +26,7 @@ def estimate_any(request: EstimateRequest) -> EstimateResult:
 
     request = with_hub_model(request)
     try:
-        return estimate_with_time(request)
+        return estimate_with_time(request, profile_for(request))
     except UnsupportedModelTypeError as exc:
         return traced_estimate(request, exc)
 
@@ -41,7 +42,7 @@ def analytic_estimate(request: EstimateRequest) -> EstimateResult | UnsupportedM
     if needs_hub(request):
         return None
     try:
-        return estimate_with_time(request)
+        return estimate_with_time(request, profile_for(request))
     except UnsupportedModelTypeError as exc:
         return exc
 
@@ -50,8 +51,10 @@ def plan_any(request: PlanRequest) -> PlanResult:
     """A plan searches thousands of settings with the analytic model; a model_type without a
     reader is refused with the core's message (which names `planner estimate` for tracing)."""
     from backend.hub import with_hub_model
+    from planner.plan import plan  # numpy: only a plan searches arrays of options
 
-    return plan(with_hub_model(request))
+    request = with_hub_model(request)
+    return plan(request, profile_for(request))
 
 
 def traced_estimate(request: EstimateRequest, exc: UnsupportedModelTypeError) -> EstimateResult:
@@ -62,16 +65,29 @@ def traced_estimate(request: EstimateRequest, exc: UnsupportedModelTypeError) ->
 
     text = json.dumps(exc.config, sort_keys=True, default=str)
     with _collecting():
-        count = cached_count(text, exc.name)
+        try:
+            count = cached_count(text, exc.name)
+        except PlannerError as refusal:  # the config transformers could not build: the model's field
+            raise _about_model(refusal, request) from None
         # the request's effective settings (a ds_config may set the precision) before tracing at them
         setup = resolve(request, model=raw_parameters(count.parameters))
         req = setup.request
-        profile = cached_trace(text, exc.name, req.micro_batch, req.seq_len, setup.recipe.compute, req.attention,
-                               req.checkpointing)
+        try:
+            profile = cached_trace(text, exc.name, req.micro_batch, req.seq_len, setup.recipe.compute, req.attention,
+                                   req.checkpointing)
+        except PlannerError as refusal:
+            raise _about_model(refusal, request) from None
     result = estimate(request, model=traced_model(exc.name, exc.source, profile))
     shape = TracedShape.of(profile)
-    time = estimate_time(result.request, result, traced=shape)
+    time = estimate_time(result.request, result, profile_for(result.request), traced=shape)
     return result.model_copy(update={"time": time, "notes": result.notes + ([shape.note()] if time else [])})
+
+
+def _about_model(exc: PlannerError, request: EstimateRequest) -> PlannerError:
+    """A trace's refusal names the request field that gave the model, unless it names one itself."""
+    if exc.field is None:
+        exc.field = "model_config" if request.model_config_ is not None else "model"
+    return exc
 
 
 @contextmanager

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.finetune import lora_config
+from backend.job import VerifyJob
 from planner.errors import PlannerError
 from planner.memory import resolve
 from planner.schema import EstimateRequest
@@ -34,7 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 class ProbeResult:
     status: str  # ok | oom | crashed | timeout | interrupted | launcher-error
     ranks: list[dict[str, Any]]
-    job: dict[str, Any]
+    job: VerifyJob
     log_tail: str
     seconds: float
     message: str = ""
@@ -42,7 +43,7 @@ class ProbeResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_dir: Path) -> dict[str, Any]:
+def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_dir: Path) -> VerifyJob:
     """What every rank needs: the architecture, the DeepSpeed config the prediction assumed."""
     setup = resolve(request)
     request = setup.request  # with what a --ds-config fixed: precision, micro-batch, accumulation, optimizer
@@ -67,18 +68,22 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         "out_dir": str(out_dir),
         "seed": 0,
     }
+    if setup.dims.pp > 1:
+        return VerifyJob(**(common | _pipeline_settings(setup, request)))
     if setup.finetune is not None:
         common["finetune"] = finetune_job(setup)
+    if setup.dims.pp > 1:
+        return VerifyJob(**(common | _pipeline_settings(setup, request)))
+    if setup.finetune is not None:
+        common["finetune"] = finetune_job(setup)
+    settings = setup.framework.worker_settings(setup, request)
     if setup.tp > 1 and setup.strategy.framework == "deepspeed":
-        settings = setup.framework.worker_settings(setup, request)
         # AutoTP training (deepspeed 0.19.8 runtime/engine.py _configure_tensor_parallel): the engine
         # splits the linears over tp consecutive ranks when the config names the degree
         settings["ds_config"]["tensor_parallel"] = {"autotp_size": setup.tp}
-        return common | settings
-    if setup.tp > 1:
-        parallel = _parallel_settings(request, setup)
-        return common | setup.framework.worker_settings(setup, request) | {"parallel": parallel}
-    return common | setup.framework.worker_settings(setup, request)
+    elif setup.tp > 1:
+        settings = settings | {"parallel": _parallel_settings(request, setup)}
+    return VerifyJob(**(common | settings))
 
 
 def finetune_job(setup) -> dict[str, Any]:
@@ -107,6 +112,47 @@ def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
         raise PlannerError(f"tp={setup.tp}: the probe's TP plan names llama-style projections "
                            f"({', '.join(TP_PROBE_FAMILIES)}); model_type {model_type!r} is estimated, not probed")
     return {"dp_shard": dp, "tp": setup.tp, "sequence_parallel": setup.sequence_parallel}
+
+
+# transformers families whose CausalLM is model.{embed_tokens, layers, norm, rotary_emb} + lm_head
+PIPELINE_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "olmo2", "smollm3"})
+TORCH_COMPUTE_DTYPE = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp32": None}
+
+
+def _pipeline_settings(setup, request: EstimateRequest) -> dict[str, Any]:
+    """A pipeline-parallel run (backend/train_pipeline.py): torch.distributed.pipelining stages on
+    a (pp, dp) mesh, FSDP2 over dp > 1 or no wrapper at dp = 1, as planner.pipeline models it."""
+    d = setup.dims
+    if setup.strategy.framework != "torch":
+        raise PlannerError(f"pp={d.pp} with strategy {request.strategy}: verify runs pipeline stages with torch's "
+                           "pipelining; DeepSpeed's pipeline engine needs a PipelineModule the probe does not build: "
+                           "verify with --strategy fsdp (or ddp at one data-parallel rank)")
+    if d.dp > 1 and not setup.strategy.shards_parameters:
+        # torch 2.13: DDP under the pipelining schedules fails in its reducer on the second
+        # micro-batch ("params_.size() == rebuilt_param_indices_.size() INTERNAL ASSERT FAILED")
+        raise PlannerError(f"pp={d.pp} with strategy {request.strategy} over {d.dp} data-parallel ranks: torch 2.13's "
+                           "DDP fails under the pipelining schedules; verify with --strategy fsdp (torchtitan's "
+                           "composition)")
+    if d.dp > 1 and d.dp_replicate > 1:
+        raise PlannerError(f"pp={d.pp} with strategy {request.strategy}: verify shards over one data-parallel "
+                           "dimension; use --strategy fsdp")
+    if d.tp > 1 or d.cp > 1 or d.ep > 1:
+        raise PlannerError(f"pp={d.pp} with tp={d.tp}, cp={d.cp}, ep={d.ep}: the pipeline probe runs pp x dp only")
+    if request.precision not in TORCH_COMPUTE_DTYPE:
+        raise PlannerError(f"precision={request.precision} with pp={d.pp}: the pipeline probe trains fp32, or "
+                           "bf16-mixed / fp16-mixed (autocast, or FSDP2's mixed precision)")
+    model_type = setup.model.config.get("model_type")
+    if model_type not in PIPELINE_FAMILIES:
+        raise PlannerError(f"pp={d.pp} with model_type {model_type!r}: the pipeline probe splits decoders shaped "
+                           f"as Llama (model.embed_tokens, layers, norm, rotary_emb, lm_head): "
+                           f"{', '.join(sorted(PIPELINE_FAMILIES))}")
+    from planner.architecture import from_hf_config
+
+    return {"framework": "torch", "vocab_size": from_hf_config(dict(setup.model.config)).vocab_size,
+            "pipeline": {"pp": d.pp, "dp": d.dp, "schedule": request.pp_schedule,
+                         "virtual_stages": request.pp_virtual_stages,
+                         "dp_strategy": "fsdp" if d.dp > 1 else "none",
+                         "compute_dtype": TORCH_COMPUTE_DTYPE[request.precision], "optimizer": request.optimizer}}
 
 
 def _free_port() -> int:
@@ -233,7 +279,7 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-def _environment(job: dict[str, Any]) -> dict[str, str]:
+def _environment(job: VerifyJob) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTHONUNBUFFERED"] = "1"
@@ -243,7 +289,7 @@ def _environment(job: dict[str, Any]) -> dict[str, str]:
     env["TRANSFORMERS_OFFLINE"] = "1"
     for secret in SECRET_ENV:  # the API's token never reaches a training rank
         env.pop(secret, None)
-    if job["device"] == "cpu":
+    if job.device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
@@ -263,13 +309,13 @@ def run_probe(request: EstimateRequest, *, out_dir: Path, steps: int = 2, warmup
     out_dir.mkdir(parents=True, exist_ok=True)
     job = worker_job(request, steps=steps, warmup_steps=warmup_steps, out_dir=out_dir)
     job_path = out_dir / "job.json"
-    job_path.write_text(json.dumps(job, indent=1))
+    job_path.write_text(job.to_json())
     log_path = out_dir / "launcher.log"
     port = _free_port()
-    command = launcher_command(job_path, request, hostfile, port, job["framework"], job["device"])
+    command = launcher_command(job_path, request, hostfile, port, job.framework, job.device)
     start = time.monotonic()
     env = _environment(job)
-    if job["device"] == "cpu" and job["framework"] == "deepspeed":
+    if job.device == "cpu" and job.framework == "deepspeed":
         prepare_extensions(env)
     log_path.write_bytes(b"")
     spec = {"command": command, "cwd": str(REPO_ROOT), "env": env, "log_path": str(log_path), "port": port,

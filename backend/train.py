@@ -369,7 +369,13 @@ def run_rank(job: dict[str, Any], rank: int) -> dict[str, Any]:
         torch.cuda.set_device(device)
     _init_distributed(job)
     progress = _progress_writer(job, rank)
-    if device.type == "cpu":
+    if job.get("pipeline") and device.type == "cpu":
+        from backend.train_pipeline import run_pipeline_cpu
+
+        measured = run_pipeline_cpu(job, device, progress)
+    elif job.get("pipeline"):
+        raise RuntimeError("pipeline-parallel verification runs on CPU ranks (--gpu cpu)")
+    elif device.type == "cpu":
         measured = _run_profiled_cpu(job, device, progress)
     else:
         measured = _run_cuda(job, device, progress)
@@ -637,8 +643,12 @@ def _allocation_site(event) -> str:
     fallback = ""
     while node is not None:
         if node.typed[0] == _EventType.PyCall:
-            name = node.name
-            if any(part in name for part in ("deepspeed/", "transformers/", "backend/")):
+            try:
+                name = node.name
+            except UnicodeDecodeError:  # seen on torch 2.13 for frames of pipelining's p2p threads
+                node = node.parent
+                continue
+            if any(part in name for part in ("deepspeed/", "transformers/", "backend/", "pipelining/")):
                 return name.split("site-packages/")[-1]
             fallback = fallback or name
         elif not fallback and node.typed[0] == _EventType.TorchOp:

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from backend.jobs import JobConflict
 from backend.launch import Interrupted, gpu_ids, run_probe
 from backend.store import RunStore
 from backend.supervisor import clean_stale_runs
@@ -184,8 +185,8 @@ def device_lock(request: EstimateRequest) -> Iterator[tuple[int, ...]]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-                raise PlannerError(f"another planner verify is running on the same devices ({name}, pid {holder}); "
-                                   f"wait for it to finish (lock {path})") from None
+                raise JobConflict(f"another planner verify is running on the same devices ({name}, pid {holder}); "
+                                  f"wait for it to finish (lock {path})", field="gpu") from None
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield tuple(fds)

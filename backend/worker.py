@@ -36,7 +36,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--plan", help="plan.json written by `planner plan --emit` or `planner estimate --emit`")
-    source.add_argument("--job", help="path of the WorkerJob JSON (written by backend.launch)")
+    source.add_argument("--job", help="path of the VerifyJob JSON (written by backend.launch)")
     parser.add_argument("--out", default="planner-run", help="with --plan: where each rank writes rank<N>.json "
                         "(default: planner-run)")
     parser.add_argument("--steps", type=int, default=3, help="with --plan: measured steps (default: 3)")
@@ -51,8 +51,24 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def job_from_plan(args: argparse.Namespace) -> dict:
-    """The WorkerJob of a plan.json, as `planner verify --plan` would launch it."""
+def job_from_file(path: str):
+    """The VerifyJob backend.launch wrote, validated before the rank imports anything heavy."""
+    from pydantic import ValidationError
+
+    from backend.job import VerifyJob
+
+    try:
+        return VerifyJob.model_validate_json(Path(path).read_text())
+    except OSError as exc:
+        raise PlanFileError(f"--job {path}: cannot be read ({exc.strerror})") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "job"
+        raise PlanFileError(f"--job {path}: not a job written by backend.launch ({where}: {first.get('msg')})") from None
+
+
+def job_from_plan(args: argparse.Namespace):
+    """The VerifyJob of a plan.json, as `planner verify --plan` would launch it."""
     from pydantic import ValidationError
 
     from backend.launch import worker_job
@@ -69,14 +85,16 @@ def job_from_plan(args: argparse.Namespace) -> dict:
         raise PlanFileError(f"--plan {args.plan}: not a runnable plan.json written by `planner ... --emit` "
                             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
     if args.deepspeed_config:
-        if job["framework"] != "deepspeed":
+        if job.framework != "deepspeed":
             raise PlanFileError(f"--deepspeed_config: the plan's strategy {request.strategy} is not a DeepSpeed one")
         try:
-            job["ds_config"] = json.loads(Path(args.deepspeed_config).read_text())
+            user_config = json.loads(Path(args.deepspeed_config).read_text())
         except (OSError, ValueError) as exc:
             raise PlanFileError(f"--deepspeed_config {args.deepspeed_config}: cannot be read as JSON ({exc})") from None
-    job["predicted_peak_bytes"] = _predicted_peak(request)
-    return job
+        if not isinstance(user_config, dict):
+            raise PlanFileError(f"--deepspeed_config {args.deepspeed_config}: not a JSON object")
+        job = job.model_copy(update={"ds_config": user_config})
+    return job.model_copy(update={"predicted_peak_bytes": _predicted_peak(request)})
 
 
 def _predicted_peak(request) -> int | None:
@@ -90,15 +108,12 @@ def _predicted_peak(request) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(sys.argv[1:] if argv is None else argv)
-    if args.plan:
-        try:
-            job = job_from_plan(args)
-        except PlanFileError as exc:
-            print(f"backend.worker: error: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-    else:
-        job = json.loads(Path(args.job).read_text())
-    out_dir = Path(job["out_dir"])
+    try:
+        job = job_from_plan(args) if args.plan else job_from_file(args.job)
+    except PlanFileError as exc:
+        print(f"backend.worker: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    out_dir = Path(job.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
     status_path = out_dir / f"rank{rank}.json"
@@ -108,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from backend.train import run_rank  # heavy imports happen here, inside the rank
 
-        result = run_rank(job, rank)
+        result = run_rank(job.for_rank(), rank)
         result["status"] = "ok"
     except BaseException as exc:  # a rank must always leave a record, whatever ended it
         result = {
@@ -125,12 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _report(result: dict, job: dict, path: Path) -> str:
+def _report(result: dict, job, path: Path) -> str:
     """One line per rank for whoever ran the emitted launch.sh."""
-    predicted = job.get("predicted_peak_bytes")
+    predicted = job.predicted_peak_bytes
     versus = f" (predicted {predicted / 2**30:.3f} GiB per device)" if predicted else ""
-    return (f"rank {result['rank']}/{result.get('world_size', '?')}: trained {job['steps']} steps after "
-            f"{job['warmup_steps']} warm-up, median step {result.get('step_seconds', 0.0):.3f} s, measured peak "
+    return (f"rank {result['rank']}/{result.get('world_size', '?')}: trained {job.steps} steps after "
+            f"{job.warmup_steps} warm-up, median step {result.get('step_seconds', 0.0):.3f} s, measured peak "
             f"{result['peak_bytes'] / 2**30:.3f} GiB{versus}; record {path}")
 
 

@@ -88,8 +88,10 @@ def schema_type(annotation: Any) -> Callable[[str], Any]:
 
 
 def add_schema_flags(parser: argparse.ArgumentParser, model: type[BaseModel],
-                     skip: tuple[str, ...] = ()) -> None:
-    """One flag per schema field; defaults stay in the schema (argparse stores SUPPRESS)."""
+                     skip: tuple[str, ...] = (), list_choices: bool = True) -> None:
+    """One flag per schema field; defaults stay in the schema (argparse stores SUPPRESS).
+    ``list_choices``: name a catalogue field's choices in its help (reads the catalogues; only
+    --help shows it)."""
     for name, field in model.model_fields.items():
         if name in skip:
             continue
@@ -105,7 +107,7 @@ def add_schema_flags(parser: argparse.ArgumentParser, model: type[BaseModel],
         choices = _choices(field.annotation)
         default = field.default if field.default is not None else "none"
         catalogue = _catalogue(field)
-        if catalogue is not None and catalogue.listed:
+        if catalogue is not None and catalogue.listed and list_choices:
             help_text += f"; one of {', '.join(sorted(catalogue.choices()))}"
         kwargs: dict[str, Any] = dict(dest=name, default=argparse.SUPPRESS,
                                       help=f"{help_text} (default: {default})")
@@ -162,6 +164,19 @@ def validation_message(exc: ValidationError) -> str:
     value = first.get("input")
     shown = "" if isinstance(value, dict) else f" got {value!r}:"
     return f"{_flag(field)}:{shown} {message}"
+
+
+def error_message(exc: Exception) -> str:
+    """A core error as the CLI shows it: with the rejected value, as ``--flag: got VALUE: why`` (the
+    flag rendered from the field the error names), as a schema error is shown; otherwise its
+    message, which already quotes field and value."""
+    from planner.errors import NO_VALUE
+
+    field, value = getattr(exc, "field", None), getattr(exc, "value", NO_VALUE)
+    if field and value is not NO_VALUE:
+        top = field.split(".")[0]
+        return f"{_flag(top + '_' if top == 'model_config' else top)}: got {value!r}: {exc}"
+    return str(exc)
 
 
 def read_topology_text(path: str) -> str:
@@ -419,6 +434,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         request = _request_from_plan(args.plan)
     else:
         request = request_from_args(args, EstimateRequest)
+    from backend.profiles import profile_for
+
+    profile_for(request)  # a profile it names must exist, as for estimate
     try:
         from backend.verify import verify
     except ImportError as exc:
@@ -511,9 +529,10 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from planner.profiles import fit_profile, save_profile
+    from planner.profiles import fit_profile
 
     try:
+        from backend.profiles import save_profile
         from backend.store import RunStore
     except ImportError as exc:
         raise CliError(f"planner calibrate reads verify runs and needs the backend extra: {exc}") from None
@@ -559,7 +578,10 @@ def _pick(result, index: int):
     return result.candidates[index - 1]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None, list_choices: bool = True) -> argparse.ArgumentParser:
+    """The whole command line; ``only``: give the schema's flags to this command alone (the one
+    being run: the others' hundred flags are never looked at), ``list_choices``: name the
+    catalogues' entries in the help (for --help)."""
     from planner.schema import (MAX_RUNS_LISTED, MAX_TIMEOUT_SECONDS, RANK, EstimateRequest, GpuName, ModelScale,
                                 NewProfileName,
                                 PlanRequest, Port, RunIdNumber, RunsLimit, TimeoutSeconds, TolerancePercent,
@@ -576,7 +598,8 @@ def build_parser() -> argparse.ArgumentParser:
     gpus.add_argument("--json", action="store_true", help="print a JSON list")
     gpus.set_defaults(handler=cmd_gpus)
     est = sub.add_parser("estimate", help="per-device memory of one configuration")
-    add_schema_flags(est, EstimateRequest)
+    if only in (None, "estimate"):
+        add_schema_flags(est, EstimateRequest, list_choices=list_choices)
     _add_emit_flags(est, "this configuration")
     est.add_argument("--json", action="store_true", help="print the result as one JSON object")
     est.set_defaults(handler=cmd_estimate)
@@ -590,13 +613,15 @@ def build_parser() -> argparse.ArgumentParser:
     topo.add_argument("--json", action="store_true", help="print the parsed topology as JSON")
     topo.set_defaults(handler=cmd_topo)
     pl = sub.add_parser("plan", help="rank every strategy x micro-batch x checkpointing x offload that fits")
-    add_schema_flags(pl, PlanRequest)
+    if only in (None, "plan"):
+        add_schema_flags(pl, PlanRequest, list_choices=list_choices)
     _add_emit_flags(pl, "the recommended candidate (or --pick N)")
     pl.add_argument("--pick", type=schema_type(RANK), help="emit the candidate of this rank instead of the recommended one")
     pl.add_argument("--json", action="store_true", help="print the result as one JSON object")
     pl.set_defaults(handler=cmd_plan)
     ver = sub.add_parser("verify", help="launch the configuration through deepspeed, measure every rank, compare")
-    add_schema_flags(ver, EstimateRequest, skip=("include_vision",))  # the trainer builds the text decoder only
+    if only in (None, "verify"):  # the trainer builds the text decoder only: no include_vision
+        add_schema_flags(ver, EstimateRequest, skip=("include_vision",), list_choices=list_choices)
     ver.add_argument("--plan", type=path_arg, metavar="FILE", help="run the candidate of a plan.json written by `planner plan --emit`")
     ver.add_argument("--steps", type=schema_type(VerifySteps), default=3, help="measured steps, 1-100 (default: 3)")
     ver.add_argument("--warmup", type=schema_type(WarmupSteps), default=1,
@@ -642,8 +667,11 @@ def main(argv: list[str] | None = None) -> int:
     from_command_line = argv is None  # the `planner` process itself, not a caller in Python (tests)
     if from_command_line:
         gc.disable()  # start-up allocates ~10^6 objects (schema, catalogues, numpy) and frees none in cycles
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    # Only the command being run gets its schema flags, and the catalogues are read for the help
+    # text only when help is asked for: ~30 ms of a `planner estimate` process otherwise.
+    wants_help = any(a in ("-h", "--help") for a in argv)
+    parser = build_parser(only=argv[0] if argv and not wants_help else None, list_choices=wants_help)
     if argv[:2] and argv[0] == "runs" and len(argv) > 1 and argv[1] == "show":
         argv = ["runs"] + argv[2:]  # `planner runs show ID` reads as `planner runs ID`
     try:
@@ -655,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except (PlannerError, CliError) as exc:
-        print(one_line(f"planner: error: {exc}"), file=sys.stderr)
+        print(one_line(f"planner: error: {error_message(exc)}"), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("planner: interrupted", file=sys.stderr)

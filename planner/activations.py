@@ -427,6 +427,25 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
                        num_layers=a.num_layers, checkpointed=checkpointing == "full")
 
 
+@dataclass(frozen=True)
+class EdgeTerms:
+    """The per-micro-batch terms outside the blocks, for a model cut into pipeline stages
+    (planner/pipeline.py): the first stage adds the embedding's, the last the final norm's and the
+    loss's; every stage computes its own RoPE tables."""
+
+    embedding_saved: int
+    final_norm_saved: int
+    loss_saved: int  # without the RoPE tables
+    loss_transient: int
+    rope_saved: int
+    layer_transient: int
+
+
+def edge_terms(a: Architecture, tokens: int, seq_len: int, b: int, device: Device) -> EdgeTerms:
+    return EdgeTerms(_embedding_saved(a, tokens, b, device), _final_norm_saved(a, tokens, b), _loss_saved(a, tokens, b),
+                     _loss_transient(a, tokens, b), _rope_saved(a, seq_len, b), _layer_backward_transient(a, tokens, b))
+
+
 # The terms planner/finetune.py reuses for a block with a frozen base (LoRA): the attention core,
 # the loss and its transient, the RoPE tables and one block's backward transient are the same
 # tensors whether the weights train or not.

@@ -183,6 +183,11 @@ def distinct_specs(a: Architecture) -> dict[int, LayerSpec]:
     return memo["_distinct"]
 
 
+def block_numels(a: Architecture) -> list[list[int]]:
+    """Each block's parameter tensors' element counts, in registration order."""
+    return [list(numels) for numels in _block_numels(a)]
+
+
 def _block_numels(a: Architecture) -> list[list[int]]:
     """Each block's parameter numels, computed once per Architecture (the plan search asks often)."""
     memo = _memo(a)
@@ -274,9 +279,14 @@ def largest_layer_parameters(a: Architecture) -> int:
 class _Fields:
     """Typed access to a config dict that names the field and value in every error."""
 
-    def __init__(self, source: str, fields: dict[str, Any]):
+    def __init__(self, source: str, fields: dict[str, Any], path: str = ""):
         self.source = source
         self.fields = fields
+        self.path = path  # where these fields sit in the config: "", "text_config", "vision_config"
+
+    def key(self, name: str) -> str:
+        """The field's dotted path in the config (the error's ``field``)."""
+        return f"{self.path}.{name}" if self.path else name
 
     def int(self, name: str, default: Any = None, aliases: tuple[str, ...] = ()) -> int:
         value = self._get(name, default, aliases)
@@ -284,9 +294,9 @@ class _Fields:
             if isinstance(value, float) and value.is_integer():
                 value = int(value)
             else:
-                raise PlannerError(f"{self.source}: {name} must be a whole number, got {value!r}")
+                raise PlannerError(f"{self.source}: {name} must be a whole number, got {value!r}", field=self.key(name))
         if value <= 0:
-            raise PlannerError(f"{self.source}: {name} must be positive, got {value}")
+            raise PlannerError(f"{self.source}: {name} must be positive, got {value}", field=self.key(name))
         return value
 
     def opt_int(self, name: str, aliases: tuple[str, ...] = ()) -> int | None:
@@ -298,14 +308,15 @@ class _Fields:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise PlannerError(f"{self.source}: {name} must be true or false, got {value!r}")
+            raise PlannerError(f"{self.source}: {name} must be true or false, got {value!r}", field=self.key(name))
         return value
 
     def prob(self, name: str, default: float = 0.0) -> float:
         value = self.fields.get(name, default)
         value = default if value is None else value
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-            raise PlannerError(f"{self.source}: {name} must be a probability in [0, 1), got {value!r}")
+            raise PlannerError(f"{self.source}: {name} must be a probability in [0, 1), got {value!r}",
+                               field=self.key(name))
         return float(value)
 
     def count(self, name: str, default: int) -> int:
@@ -313,7 +324,8 @@ class _Fields:
         value = self.fields.get(name, default)
         value = default if value is None else value
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise PlannerError(f"{self.source}: {name} must be a whole number >= 0, got {value!r}")
+            raise PlannerError(f"{self.source}: {name} must be a whole number >= 0, got {value!r}",
+                               field=self.key(name))
         return value
 
     def layer_indices(self, name: str, layers: int) -> set[int] | None:
@@ -323,7 +335,8 @@ class _Fields:
             return None
         if not isinstance(value, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers
                                               for i in value):
-            raise PlannerError(f"{self.source}: {name} must list layer indices in [0, {layers}), got {value!r}")
+            raise PlannerError(f"{self.source}: {name} must list layer indices in [0, {layers}), got {value!r}",
+                               field=self.key(name))
         return set(value)
 
     def layer_flags(self, name: str, default: list[int]) -> list[int]:
@@ -331,7 +344,7 @@ class _Fields:
         value = self.fields.get(name) or default
         if not isinstance(value, list) or len(value) != len(default) or any(v not in (0, 1) for v in value):
             raise PlannerError(f"{self.source}: {name} must have one 0/1 entry per layer ({len(default)}), "
-                               f"got {value!r}")
+                               f"got {value!r}", field=self.key(name))
         return [int(v) for v in value]
 
     def _get(self, name: str, default: Any, aliases: tuple[str, ...]) -> Any:
@@ -350,7 +363,7 @@ def _head_dim(f: _Fields, hidden: int, heads: int) -> int:
     if hidden % heads:
         raise PlannerError(
             f"{f.source}: hidden_size({hidden}) is not divisible by num_attention_heads({heads}) "
-            "and no head_dim is given")
+            "and no head_dim is given", field=f.key("hidden_size"))
     return hidden // heads
 
 
@@ -358,7 +371,8 @@ def _kv_heads(f: _Fields, heads: int, default: int | None = None) -> int:
     kv = f.int("num_key_value_heads", default if default is not None else heads)
     if heads % kv:
         raise PlannerError(
-            f"{f.source}: num_attention_heads({heads}) is not divisible by num_key_value_heads({kv})")
+            f"{f.source}: num_attention_heads({heads}) is not divisible by num_key_value_heads({kv})",
+            field=f.key("num_key_value_heads"))
     return kv
 
 
@@ -442,7 +456,8 @@ def _read_mixtral(f: _Fields) -> dict[str, Any]:
     experts = f.int("num_local_experts", 8)
     top_k = f.int("num_experts_per_tok", 2)
     if top_k > experts:
-        raise PlannerError(f"{f.source}: num_experts_per_tok({top_k}) exceeds num_local_experts({experts})")
+        raise PlannerError(f"{f.source}: num_experts_per_tok({top_k}) exceeds num_local_experts({experts})",
+                          field=f.key("num_experts_per_tok"))
     return fields | dict(num_experts=experts, experts_per_token=top_k)
 
 
@@ -456,7 +471,7 @@ def _read_gpt2(f: _Fields) -> dict[str, Any]:
     hidden = f.int("n_embd", 768, aliases=("hidden_size",))
     heads = f.int("n_head", 12, aliases=("num_attention_heads",))
     if hidden % heads:
-        raise PlannerError(f"{f.source}: n_embd({hidden}) is not divisible by n_head({heads})")
+        raise PlannerError(f"{f.source}: n_embd({hidden}) is not divisible by n_head({heads})", field=f.key("n_embd"))
     positions = f.int("n_positions", 1024, aliases=("max_position_embeddings",))
     inner = f.opt_int("n_inner") or 4 * hidden
     return dict(
@@ -476,7 +491,8 @@ def _read_falcon(f: _Fields) -> dict[str, Any]:
     hidden = f.int("hidden_size", 4544)
     heads = f.int("num_attention_heads", 71, aliases=("n_head",))
     if hidden % heads:
-        raise PlannerError(f"{f.source}: hidden_size({hidden}) is not divisible by num_attention_heads({heads})")
+        raise PlannerError(f"{f.source}: hidden_size({hidden}) is not divisible by num_attention_heads({heads})",
+                          field=f.key("hidden_size"))
     new_arch = f.bool("new_decoder_architecture", False)
     parallel = f.bool("parallel_attn", True)
     if new_arch:
@@ -545,7 +561,7 @@ def _layer_types(f: _Fields, n: int, default: list[str]) -> list[str]:
     allowed = {"full_attention", "sliding_attention", "chunked_attention"}
     if not isinstance(given, list) or len(given) != n or not set(given) <= allowed:
         raise PlannerError(f"{f.source}: layer_types must list one of {sorted(allowed)} for each of the "
-                           f"{n} layers, got {given!r}")
+                           f"{n} layers, got {given!r}", field=f.key("layer_types"))
     return given
 
 
@@ -609,7 +625,8 @@ def _read_gemma3_text(f: _Fields) -> dict[str, Any]:
     kinds = _layer_types(f, n, ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)])
     if f.fields.get("attn_logit_softcapping") is not None:
         raise PlannerError(f"{f.source}: attn_logit_softcapping is not modelled for gemma3 (its released "
-                           "configs have none); remove it or use a config without it")
+                           "configs have none); remove it or use a config without it",
+                           field=f.key("attn_logit_softcapping"))
     # Gemma3TextModel.rotary_emb keeps one table per layer type (rope_local_base_freq for sliding)
     return _stack(fields, [LayerSpec(attention=_attention(fields, qk_norm="head", **_window(f, k, window),
                                                           rope_table="local" if k == "sliding_attention" else "global"),
@@ -629,8 +646,9 @@ def _text_config(f: _Fields, model_type: str, text_type: str, default: dict[str,
     if text is None:  # absent: the multimodal config class's default text config
         text = default or {}
     if not isinstance(text, dict):
-        raise PlannerError(f"{f.source}: a {model_type} config needs its text_config (a mapping)")
-    return _Fields(f"{f.source}: text_config", {"model_type": text_type} | text)
+        raise PlannerError(f"{f.source}: a {model_type} config needs its text_config (a mapping)",
+                          field=f.key("text_config"))
+    return _Fields(f"{f.source}: text_config", {"model_type": text_type} | text, f.key("text_config"))
 
 
 _VISION_NOTE = ("{family}: the text decoder is counted and modelled; the vision tower and projector "
@@ -646,7 +664,8 @@ def _read_mistral3(f: _Fields) -> dict[str, Any]:
     text = _text_config(f, "mistral3", "mistral", _MISTRAL3_TEXT)
     kind = text.fields["model_type"]
     if kind != "mistral":
-        raise PlannerError(f"{f.source}: text_config.model_type {kind!r} is not supported for mistral3 (mistral)")
+        raise PlannerError(f"{f.source}: text_config.model_type {kind!r} is not supported for mistral3 (mistral)",
+                          field=text.key("model_type"))
     return _read_mistral(text) | dict(notes=(_VISION_NOTE.format(family="mistral3"),))
 
 
@@ -655,7 +674,7 @@ def _experts(f: _Fields, count: str, top_k: str, default_count: int | None, defa
     experts = f.int(count, default_count, aliases=aliases)
     k = f.int(top_k, default_top_k)
     if k > experts:
-        raise PlannerError(f"{f.source}: {top_k}({k}) exceeds {count}({experts})")
+        raise PlannerError(f"{f.source}: {top_k}({k}) exceeds {count}({experts})", field=f.key(top_k))
     return experts, k
 
 
@@ -717,7 +736,8 @@ def _read_deepseek(f: _Fields, defaults: dict[str, Any], v3: bool) -> dict[str, 
     else:
         router, groups, kept = "softmax_greedy", 0, 0
     if groups and experts % groups:
-        raise PlannerError(f"{f.source}: n_routed_experts({experts}) is not divisible by n_group({groups})")
+        raise PlannerError(f"{f.source}: n_routed_experts({experts}) is not divisible by n_group({groups})",
+                          field=f.key("n_group"))
     moe = MlpSpec(gated=True, intermediate_size=inner, num_experts=experts, experts_per_token=k,
                   shared_intermediate_size=inner * shared, shared_bias=fields["mlp_bias"], layout="deepseek",
                   router=router, groups=groups, groups_kept=kept)
@@ -782,15 +802,15 @@ def _vision_config(f: _Fields, family: str, model_type: str | None,
     own config class's defaults (the readers' ``default=`` arguments)."""
     vision = f.fields.get("vision_config")
     if vision is None:
-        return _Fields(f"{f.source}: vision_config", dict(absent)), False
+        return _Fields(f"{f.source}: vision_config", dict(absent), f.key("vision_config")), False
     if not isinstance(vision, dict):
         raise PlannerError(f"{f.source}: include_vision needs the {family} config's vision_config as a mapping, "
-                           f"got {type(vision).__name__}")
+                           f"got {type(vision).__name__}", field=f.key("vision_config"))
     kind = vision.get("model_type", model_type)
     if model_type is not None and kind != model_type:
         raise PlannerError(f"{f.source}: vision_config.model_type {kind!r} is not supported for {family} "
-                           f"({model_type})")
-    return _Fields(f"{f.source}: vision_config", vision), True
+                           f"({model_type})", field=f.key("vision_config.model_type"))
+    return _Fields(f"{f.source}: vision_config", vision, f.key("vision_config")), True
 
 
 def _linear(out_features: int, in_features: int, bias: bool) -> list[int]:
@@ -800,7 +820,7 @@ def _linear(out_features: int, in_features: int, bias: bool) -> list[int]:
 def _patches(v: _Fields, image_default: int, patch_default: int) -> tuple[int, int]:
     image, patch = v.int("image_size", image_default), v.int("patch_size", patch_default)
     if patch > image:
-        raise PlannerError(f"{v.source}: patch_size({patch}) exceeds image_size({image})")
+        raise PlannerError(f"{v.source}: patch_size({patch}) exceeds image_size({image})", field=v.key("patch_size"))
     return image, patch
 
 
@@ -835,7 +855,8 @@ def _llama4_vision(f: _Fields, text_hidden: int) -> tuple[list[int], list[int], 
     image, patch = _patches(v, 448, 14)
     width = heads * (h // heads)  # Llama4VisionAttention: head_dim = hidden_size // num_attention_heads
     if not width:
-        raise PlannerError(f"{v.source}: num_attention_heads({heads}) exceeds hidden_size({h})")
+        raise PlannerError(f"{v.source}: num_attention_heads({heads}) exceeds hidden_size({h})",
+                          field=v.key("num_attention_heads"))
     out = [h, ((image // patch) ** 2 + 1) * h, h * channels * patch * patch, h, h, h, h]
     layer = [*_linear(width, h, True) * 3, *_linear(h, width, True), *_linear(inner, h, True),
              *_linear(h, inner, True), h, h, h, h]
@@ -931,25 +952,34 @@ def from_hf_config(config: dict[str, Any], source: str = "config", include_visio
         raise PlannerError(f"{source}: a model config must be a mapping of field names, got {type(config).__name__}")
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or not model_type:
-        raise PlannerError(f"{source}: model_type is required (one of {', '.join(sorted(READERS))})")
+        raise PlannerError(f"{source}: model_type is required (one of {', '.join(sorted(READERS))})",
+                          field="model_type")
     reader = READERS.get(model_type)
     if reader is None:
         raise PlannerError(
-            f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(sorted(READERS))}")
+            f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(sorted(READERS))}",
+            field="model_type")
     if include_vision and model_type not in VISION_READERS:
         raise PlannerError(f"include_vision: {source} is a text-only model (model_type {model_type!r}); "
-                           f"include_vision applies to the multimodal configs {', '.join(sorted(VISION_READERS))}")
+                           f"include_vision applies to the multimodal configs {', '.join(sorted(VISION_READERS))}",
+                           field="include_vision")
     fields = reader(_Fields(source, config))
     if include_vision:
         fields = _with_vision(_Fields(source, config), model_type, fields)
     if fields["num_key_value_heads"] > fields["num_attention_heads"]:
         raise PlannerError(
             f"{source}: num_key_value_heads({fields['num_key_value_heads']}) exceeds "
-            f"num_attention_heads({fields['num_attention_heads']})")
+            f"num_attention_heads({fields['num_attention_heads']})", field="num_key_value_heads")
     try:
         return Architecture(model_type=model_type, **fields)
     except ValueError as exc:  # pydantic's range checks, re-worded with the source
-        raise PlannerError(f"{source}: {_first_error(exc)}") from None
+        raise PlannerError(f"{source}: {_first_error(exc)}", field=_first_field(exc)) from None
+
+
+def _first_field(exc: ValueError) -> str | None:
+    errors = getattr(exc, "errors", None)
+    loc = errors()[0].get("loc", ()) if callable(errors) else ()
+    return ".".join(str(p) for p in loc) or None
 
 
 def _first_error(exc: ValueError) -> str:

@@ -49,7 +49,7 @@ class TracedProfile(BaseModel):
     and backward on fake tensors for the activations) for one micro-batch, sequence length,
     dtype, attention and checkpointing. Every figure is bytes or elements, as measured."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)  # built by the first trace
 
     model_type: str
     parameters: int = Field(gt=0)
@@ -153,8 +153,13 @@ def catalogue_model(name: str) -> ResolvedModel:
         known = list(aliases())
         hint = (f"; {name!r} looks like a Hugging Face Hub id: estimate and plan (CLI and API) read its "
                 "config.json through huggingface_hub") if HUB_ID.match(name) else ""
-        raise UnknownModelError(unknown("model", name, [n for n in known if "/" not in n] or known) + hint)
-    return _resolve(entry.name, entry.source, entry.config)
+        raise UnknownModelError(unknown("model", name, [n for n in known if "/" not in n] or known) + hint,
+                                field="model")
+    try:
+        return _resolve(entry.name, entry.source, entry.config)
+    except PlannerError as exc:  # the entry's own config: about the model asked for, not a field of it
+        exc.field = "model"
+        raise
 
 
 def _resolve(name: str, source: str, config: dict[str, Any]) -> ResolvedModel:
@@ -175,24 +180,39 @@ def with_vision(model: ResolvedModel) -> ResolvedModel:
     if model.config is None:
         what = "a traced model" if model.traced is not None else "only a parameter count"
         raise PlannerError(f"include_vision: {model.name} is {what}, not a multimodal config "
-                           "(gemma3, llama4, mistral3) whose vision tower can be counted")
-    architecture = from_hf_config(model.config, source=model.name, include_vision=True)
+                           "(gemma3, llama4, mistral3) whose vision tower can be counted", field="include_vision")
+    try:
+        architecture = from_hf_config(model.config, source=model.name, include_vision=True)
+    except PlannerError as exc:  # its vision_config, read from the request's model_config
+        raise exc if exc.field == "include_vision" else exc.within("model_config")
     return model.model_copy(update={"architecture": architecture, "parameters": parameter_count(architecture)})
 
 
 def model_from_config(config: dict[str, Any], name: str = "custom", source: str = "user config") -> ResolvedModel:
-    """A user's architecture: a Hugging Face config.json, or {name?, config: {...}} as in the catalogue."""
+    """A user's architecture: a Hugging Face config.json, or {name?, config: {...}} as in the catalogue.
+    Every error's field is under ``model_config`` (the request field that carries it)."""
+    try:
+        return _from_config(config, name, source)
+    except PlannerError as exc:
+        raise exc.within("model_config")
+
+
+def _from_config(config: dict[str, Any], name: str, source: str) -> ResolvedModel:
     if not isinstance(config, dict):
         raise PlannerError(f"model_config must be a JSON object, got {type(config).__name__}")
     if "config" in config and "model_type" not in config:
         inner = config["config"]
         if not isinstance(inner, dict):
-            raise PlannerError(f"model_config.config must be a mapping, got {type(inner).__name__}")
+            raise PlannerError(f"model_config.config must be a mapping, got {type(inner).__name__}", field="config")
         name = str(config.get("name", name))
         source = config.get("source", source)
         if not isinstance(source, str):
-            raise PlannerError(f"model_config.source must be a string, got {type(source).__name__}")
-        config = inner
+            raise PlannerError(f"model_config.source must be a string, got {type(source).__name__}", field="source")
+        cleaned = {k: v for k, v in inner.items() if not k.startswith("_")}
+        try:
+            return _resolve(name, source, cleaned)
+        except PlannerError as exc:
+            raise exc.within("config")
     cleaned = {k: v for k, v in config.items() if not k.startswith("_")}
     return _resolve(name, source, cleaned)
 
@@ -213,12 +233,12 @@ def model_from_file(path: str | Path) -> ResolvedModel:
         size = path.stat().st_size
         if size > MAX_MODEL_FILE_BYTES:
             raise PlannerError(f"--model-file {path}: {size} bytes is too large for a model config "
-                               f"(limit {MAX_MODEL_FILE_BYTES})")
+                               f"(limit {MAX_MODEL_FILE_BYTES})", field="model_config")
         text = path.read_text()
     except OSError as exc:
-        raise PlannerError(f"--model-file {path}: cannot be read ({exc.strerror})") from None
+        raise PlannerError(f"--model-file {path}: cannot be read ({exc.strerror})", field="model_config") from None
     except UnicodeDecodeError:
-        raise PlannerError(f"--model-file {path}: not a text file") from None
+        raise PlannerError(f"--model-file {path}: not a text file", field="model_config") from None
     data = _parse_text(text, f"--model-file {path}")
     resolved = model_from_config(data, name=path.stem)
     return resolved.model_copy(update={"source": str(path)})
@@ -227,9 +247,9 @@ def model_from_file(path: str | Path) -> ResolvedModel:
 def raw_parameters(count: int) -> ResolvedModel:
     """Only a parameter count: model states can be computed, activations cannot."""
     if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
-        raise PlannerError(f"params must be a positive whole number, got {count!r}")
+        raise PlannerError(f"params must be a positive whole number, got {count!r}", field="params")
     if count > 10**14:
-        raise PlannerError(f"params({count}) is absurd: over 100 trillion parameters")
+        raise PlannerError(f"params({count}) is absurd: over 100 trillion parameters", field="params")
     return ResolvedModel(name=f"{count} parameters", source="--params", config=None,
                          architecture=None, parameters=count)
 

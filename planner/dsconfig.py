@@ -229,14 +229,16 @@ def _check_keys(block: dict[str, Any], where: str, unmodelled: dict[str, Unmodel
     """Refuse unknown keys, removed keys, and unmodelled keys at a value that changes something."""
     unknown_keys = sorted(set(block) - known)
     if unknown_keys:
-        raise PlannerError(f"{where} has unknown key {unknown_keys[0]!r}")
+        raise PlannerError(f"{where} has unknown key {unknown_keys[0]!r}", field=f"{where}.{unknown_keys[0]}")
     for key in sorted(set(block) & removed):
-        raise PlannerError(f"{where}.{key} was removed in DeepSpeed 0.19.8, which refuses a config that has it")
+        raise PlannerError(f"{where}.{key} was removed in DeepSpeed 0.19.8, which refuses a config that has it",
+                           field=f"{where}.{key}")
     for key in sorted(set(block) & set(unmodelled)):
         rule = unmodelled[key]
         if not rule.neutral(block[key]):
             raise PlannerError(f"{where}.{key}({json.dumps(block[key])[:80]}) is not modelled: {rule.reason}; "
-                               f"the estimate would be wrong, so it is refused (use {rule.default})")
+                               f"the estimate would be wrong, so it is refused (use {rule.default})",
+                               field=f"{where}.{key}")
 
 
 @dataclass(frozen=True)
@@ -276,9 +278,9 @@ def _int_field(block: dict[str, Any], key: str, where: str, minimum: int = 0) ->
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise PlannerError(f"{where}.{key} must be a whole number, got {value!r}")
+        raise PlannerError(f"{where}.{key} must be a whole number, got {value!r}", field=f"{where}.{key}")
     if value < minimum:
-        raise PlannerError(f"{where}.{key} must be at least {minimum}, got {value}")
+        raise PlannerError(f"{where}.{key} must be at least {minimum}, got {value}", field=f"{where}.{key}")
     return value
 
 
@@ -286,7 +288,7 @@ def _bool_field(block: dict[str, Any], key: str, where: str) -> bool | None:
     if key not in block or block[key] == "auto":
         return None
     if not isinstance(block[key], bool):
-        raise PlannerError(f"{where}.{key} must be true or false, got {block[key]!r}")
+        raise PlannerError(f"{where}.{key} must be true or false, got {block[key]!r}", field=f"{where}.{key}")
     return block[key]
 
 
@@ -296,22 +298,23 @@ def _offload_block(block: Any, where: str, kind: str) -> tuple[str, bool]:
     if block is None:
         return "none", False
     if not isinstance(block, dict):
-        raise PlannerError(f"{where} must be an object, got {block!r}")
+        raise PlannerError(f"{where} must be an object, got {block!r}", field=where)
     _check_keys(block, where, UNMODELLED_OFFLOAD, frozenset(), OFFLOAD_KEYS)
     device = block.get("device", "none")
     if device not in ("none", "cpu", "nvme"):
-        raise PlannerError(f"{where}.device must be none, cpu or nvme, got {device!r}")
+        raise PlannerError(f"{where}.device must be none, cpu or nvme, got {device!r}", field=f"{where}.device")
     if device == "nvme" and not block.get("nvme_path"):
-        raise PlannerError(f"{where}.device is nvme but {where}.nvme_path is not set")
+        raise PlannerError(f"{where}.device is nvme but {where}.nvme_path is not set", field=f"{where}.nvme_path")
     if device == "nvme":
         defaults = NVME_ONLY_DEFAULTS[kind]
         for key in sorted(set(block) & set(NVME_ONLY_OFFLOAD)):
             if key not in defaults:
-                raise PlannerError(f"{where}.{key} is not an offload_{kind} setting in DeepSpeed 0.19.8")
+                raise PlannerError(f"{where}.{key} is not an offload_{kind} setting in DeepSpeed 0.19.8",
+                                   field=f"{where}.{key}")
             if block[key] != defaults[key]:
                 raise PlannerError(f"{where}.{key}({block[key]!r}) is not modelled: {NVME_ONLY_OFFLOAD[key]} of the "
                                    f"NVMe swapper; the estimate would be wrong, so it is refused (use "
-                                   f"{defaults[key]!r} or remove it)")
+                                   f"{defaults[key]!r} or remove it)", field=f"{where}.{key}")
     pin = _bool_field(block, "pin_memory", where)
     return device, device != "none" and (True if pin is None else pin)
 
@@ -325,7 +328,7 @@ def _deprecated_offloads(zero: dict[str, Any], where: str) -> dict[str, Any]:
     for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
         value = _bool_field(zero, old, where)
         if value and zero.get(new) is not None:
-            raise PlannerError(f"{where} sets both {old} (deprecated) and {new}; keep {new}")
+            raise PlannerError(f"{where} sets both {old} (deprecated) and {new}; keep {new}", field=f"{where}.{old}")
         if value:
             zero[new] = {"device": "cpu"} | ({} if pin is None else {"pin_memory": pin})
     return zero
@@ -335,7 +338,7 @@ def _precision(config: dict[str, Any]) -> str | None:
     enabled = [name for name in ("bf16", "fp16") if isinstance(config.get(name), dict)
                and config[name].get("enabled") not in (False, None)]
     if len(enabled) == 2:
-        raise PlannerError("ds_config enables both bf16 and fp16; enable at most one")
+        raise PlannerError("ds_config enables both bf16 and fp16; enable at most one", field="ds_config.bf16")
     # Neither block enabled: DeepSpeed trains in fp32 (its bf16/fp16 engines are opt-in), which a
     # config read back must say, or an emitted fp32 config would be estimated as bf16-mixed.
     return f"{enabled[0]}-mixed" if enabled else "fp32"
@@ -347,7 +350,8 @@ def _optimizer(config: dict[str, Any]) -> str | None:
     if block is None:
         return None
     if not isinstance(block, dict) or not isinstance(block.get("type", ""), str):
-        raise PlannerError(f"ds_config.optimizer must be an object with a type, got {block!r}")
+        raise PlannerError(f"ds_config.optimizer must be an object with a type, got {block!r}",
+                           field="ds_config.optimizer")
     _check_keys(block, "ds_config.optimizer", {}, frozenset(), frozenset({"type", "params", "legacy_fusion"}))
     kind = block.get("type", "").lower()
     params = block.get("params") or {}
@@ -356,10 +360,11 @@ def _optimizer(config: dict[str, Any]) -> str | None:
     if kind == "sgd":  # torch.optim.SGD: one momentum buffer, none without momentum
         if not isinstance(params, dict) or not params.get("momentum"):
             raise PlannerError("ds_config.optimizer SGD without momentum keeps no state, which is not modelled "
-                               "(the model's sgd keeps one momentum buffer); set optimizer.params.momentum")
+                               "(the model's sgd keeps one momentum buffer); set optimizer.params.momentum",
+                               field="ds_config.optimizer.params.momentum")
         return "sgd"
     raise PlannerError(f"ds_config.optimizer.type({block.get('type')!r}) is not modelled; use Adam, AdamW or SGD "
-                       "(--optimizer adamw|adamw-8bit|sgd)")
+                       "(--optimizer adamw|adamw-8bit|sgd)", field="ds_config.optimizer.type")
 
 
 def _communication_dtype(config: dict[str, Any], precision: str | None) -> None:
@@ -370,7 +375,8 @@ def _communication_dtype(config: dict[str, Any], precision: str | None) -> None:
     training = DTYPE_SPELLINGS[RECIPES[precision or "fp32"].compute]
     if value not in training:
         raise PlannerError(f"ds_config.communication_data_type({value!r}) is not modelled: gradients reduced in another "
-                           f"dtype than the training dtype ({training[0]}) change the message bytes; remove it")
+                           f"dtype than the training dtype ({training[0]}) change the message bytes; remove it",
+                           field="ds_config.communication_data_type")
 
 
 _ZERO_INT_KEYS = {
@@ -388,17 +394,18 @@ def parse_ds_config(config: Any) -> ZeroSettings:
     """Read a DeepSpeed JSON (already parsed) into ZeroSettings, refusing what DeepSpeed would not
     run and what would change memory or time without being modelled (the tables above)."""
     if not isinstance(config, dict):
-        raise PlannerError(f"ds_config must be a JSON object, got {type(config).__name__}")
+        raise PlannerError(f"ds_config must be a JSON object, got {type(config).__name__}", field="ds_config")
     _check_keys(config, "ds_config", UNMODELLED_TOP, REMOVED_TOP, TOP_LEVEL_KEYS)
     zero = config.get("zero_optimization", {})
     if not isinstance(zero, dict):
-        raise PlannerError(f"ds_config.zero_optimization must be an object, got {zero!r}")
+        raise PlannerError(f"ds_config.zero_optimization must be an object, got {zero!r}",
+                           field="ds_config.zero_optimization")
     where = "ds_config.zero_optimization"
     _check_keys(zero, where, UNMODELLED_ZERO, REMOVED_ZERO, ZERO_KEYS)
     zero = _deprecated_offloads(zero, where)
     stage = zero.get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise PlannerError(f"{where}.stage must be 0, 1, 2 or 3, got {stage!r}")
+        raise PlannerError(f"{where}.stage must be 0, 1, 2 or 3, got {stage!r}", field=f"{where}.stage")
     values: dict[str, Any] = {}
     explicit: set[str] = set()
     for name, (key, minimum) in _ZERO_INT_KEYS.items():
@@ -415,9 +422,10 @@ def parse_ds_config(config: Any) -> ZeroSettings:
     opt_device, opt_pin = _offload_block(zero.get("offload_optimizer"), f"{where}.offload_optimizer", "optimizer")
     param_device, param_pin = _offload_block(zero.get("offload_param"), f"{where}.offload_param", "param")
     if opt_device != "none" and stage == 0:
-        raise PlannerError(f"{where}.offload_optimizer needs stage 1, 2 or 3, got stage {stage}")
+        raise PlannerError(f"{where}.offload_optimizer needs stage 1, 2 or 3, got stage {stage}",
+                           field=f"{where}.offload_optimizer")
     if param_device != "none" and stage != 3:
-        raise PlannerError(f"{where}.offload_param needs stage 3, got stage {stage}")
+        raise PlannerError(f"{where}.offload_param needs stage 3, got stage {stage}", field=f"{where}.offload_param")
     for name in ("bf16", "fp16"):
         if isinstance(config.get(name), dict):
             _check_keys(config[name], f"ds_config.{name}", UNMODELLED_PRECISION, frozenset(), PRECISION_KEYS)
@@ -447,7 +455,7 @@ def batch_from_config(settings: ZeroSettings, world_size: int) -> tuple[int | No
         if micro < 1 or accumulation < 1 or micro * accumulation * world_size != train:
             raise PlannerError(f"ds_config train_batch_size({train}) != train_micro_batch_size_per_gpu({micro}) * "
                                f"gradient_accumulation_steps({accumulation}) * world size({world_size}), "
-                               "which DeepSpeed refuses")
+                               "which DeepSpeed refuses", field="ds_config.train_batch_size")
     return micro, accumulation
 
 

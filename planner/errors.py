@@ -1,8 +1,36 @@
-"""The one exception family users see. Adapters map it to exit code 2 / HTTP 404 or 422."""
+"""The one exception family users see. Adapters map it to exit code 2 / HTTP 404 or 422.
+
+An error names the request field it is about as data (``field``, a dotted path into the request:
+``hsdp_shard_size``, ``model_config.hidden_size``, ``ds_config.zero_optimization.stage``) and,
+where the message does not already quote it, the rejected ``value``. The core never names a CLI
+flag or an HTTP location: the API turns ``field`` into the 422 body's ``loc``, the CLI into its
+``--flag``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NO_VALUE: Any = type("NoValue", (), {"__repr__": lambda self: "NO_VALUE", "__bool__": lambda self: False})()
 
 
 class PlannerError(ValueError):
-    """Invalid input or an impossible request; the message names the field and the value."""
+    """Invalid input or an impossible request; the message names the field and the value.
+
+    ``field``: the request field it is about (dotted, None when it is about the request as a
+    whole); ``value``: the rejected value, given when the message does not quote it itself (then
+    adapters show it beside the field, as they show a schema error's input)."""
+
+    def __init__(self, message: str, *, field: str | None = None, value: Any = NO_VALUE):
+        super().__init__(message)
+        self.field = field
+        self.value = value
+
+    def within(self, prefix: str) -> PlannerError:
+        """This error, its field placed under ``prefix``: a config read from inside a request field
+        (``hidden_size`` of the request's ``model_config`` is ``model_config.hidden_size``)."""
+        self.field = f"{prefix}.{self.field}" if self.field else prefix
+        return self
 
 
 class UnknownModelError(PlannerError):

@@ -57,11 +57,11 @@ def gpu(name: str) -> Gpu:
     gpus = load_gpus()
     found = gpus.get(name) or gpus.get(name.lower())
     if found is None:
-        raise UnknownNameError(unknown("gpu", name, list(gpus)))
+        raise UnknownNameError(unknown("gpu", name, list(gpus)), field="gpu")
     return found
 
 
 def check_precision(g: Gpu, precision: str) -> None:
     if RECIPES[precision].compute == "bf16" and not g.bf16:
         raise PlannerError(f"precision {precision} needs bfloat16, which {g.name} ({g.vendor_name}) does not support; "
-                           "use fp16-mixed or fp32")
+                           "use fp16-mixed or fp32", field="precision")

@@ -53,25 +53,32 @@ def topology_of(req: "TopologyFields", g: Gpu) -> tuple[Topology, str, int]:
         else:
             p = preset(name)
             if p.gpu != g.name:
-                raise PlannerError(f"topology preset {name} is built from {p.gpu}, but gpu is {g.name}")
+                raise PlannerError(f"topology preset {name} is built from {p.gpu}, but gpu is {g.name}",
+                                   field="topology")
             topo, fabric, nics = preset_topology(name), p.fabric, p.nics_per_node
     if len(topo.gpus) < req.gpus:
-        raise PlannerError(f"gpus({req.gpus}) exceeds the {len(topo.gpus)} GPUs of the topology ({topo.source})")
+        raise PlannerError(f"gpus({req.gpus}) exceeds the {len(topo.gpus)} GPUs of the topology ({topo.source})",
+                           field="gpus")
     return topo, req.fabric or fabric, req.nics_per_node or nics
 
 
 def profile_efficiencies(profile_name: str | None, gpu_name: str, topo: Topology, gpus: int,
-                         compute_efficiency: float, link_efficiency: float) -> tuple[float, float]:
+                         compute_efficiency: float, link_efficiency: float, profile=None) -> tuple[float, float]:
     """(compute efficiency, link efficiency): without a profile the given ones; with one, its compute
     efficiency, and the link efficiency fitted for the kind of this topology's ring bottleneck
-    where its runs measured that kind, else its overall one."""
+    where its runs measured that kind, else its overall one.
+
+    ``profile``: the Profile the request names (``profile_name``), read by the adapter
+    (backend/profiles.py): the core reads no files and no environment."""
     if profile_name is None:
         return compute_efficiency, link_efficiency
-    from planner.profiles import load_profile
-
-    profile = load_profile(profile_name)
+    if profile is None or profile.name.lower() != profile_name.lower():
+        raise PlannerError(f"profile {profile_name!r} is named but not given: the core reads no profile files; "
+                           "read it with backend.profiles.profile_for(request) and pass it", field="profile",
+                           value=profile_name)
     if profile.gpu != gpu_name:
-        raise PlannerError(f"profile {profile.name} was fitted on {profile.gpu}, but gpu is {gpu_name}")
+        raise PlannerError(f"profile {profile.name} was fitted on {profile.gpu}, but gpu is {gpu_name}",
+                           field="profile")
     ring, _, _ = timing.node_ring(topo, gpus)
     kind = timing.ring_bottleneck_kind(topo, ring)
     return profile.compute_efficiency, profile.link_efficiencies.get(kind, profile.link_efficiency)

@@ -107,7 +107,7 @@ def _zero_settings(request: EstimateRequest, s: Strategy) -> ZeroSettings:
     settings = parse_ds_config(request.ds_config) if request.ds_config is not None else ZeroSettings()
     if request.ds_config is not None and s.zero_stage is not None and settings.stage != s.zero_stage:
         raise PlannerError(f"strategy {s.name} contradicts ds_config zero_optimization.stage({settings.stage}); "
-                           f"use strategy zero{settings.stage} or change the config")
+                           f"use strategy zero{settings.stage} or change the config", field="strategy")
     settings = with_overrides(
         settings, reduce_bucket_size=request.reduce_bucket_size,
         allgather_bucket_size=request.allgather_bucket_size,
@@ -274,12 +274,31 @@ def _numels(setup: Setup) -> list[int]:
 
 
 def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> EstimateResult:
-    setup = resolve(request, model)
-    params_b, grads_b, optim_b = textbook_states(setup)
+    setup = whole = resolve(request, model)
+    ep_items, ep_transient = [], None
+    if setup.dims.ep > 1:
+        from planner import experts
+
+        setup, ep_items, ep_transient = experts.localize(setup, textbook_states)
     acts = activations(setup)
-    plan = setup.framework.phases(setup, acts, _numels(setup))
-    if setup.finetune is not None:
-        plan = with_frozen(plan, setup)
+    if setup.dims.pp > 1:
+        from planner import pipeline
+
+        plan, (params_b, grads_b, optim_b), _ = pipeline.estimate_plan(setup)
+        # a stage's states are sharded over its data-parallel ranks only (notes, shard_size)
+        setup = replace(setup, shard_size=setup.dims.dp_shard if setup.strategy.shards_optimizer else setup.dims.dp)
+    else:
+        params_b, grads_b, optim_b = textbook_states(setup)
+        plan = setup.framework.phases(setup, acts, _numels(setup))
+        if setup.finetune is not None:
+            plan = with_frozen(plan, setup)
+    if ep_items or ep_transient is not None:
+        from planner import experts
+
+        plan = experts.with_items(plan, ep_items, ep_transient)
+        params_b += sum(i.bytes for i in ep_items if i.component == "parameters")
+        optim_b += sum(i.bytes for i in ep_items if i.component == "optimizer_states")
+        grads_b += sum(i.bytes for i in ep_items if i.component == "gradients")
     framework = setup.gpu.cuda_context_bytes
     peak_phase = max(plan.phases, key=lambda p: p.bytes)
     peak = peak_phase.bytes + framework
@@ -293,9 +312,10 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
     fits = capacity > 0 and peak <= capacity and host.fits is not False
     notes = _notes(setup, acts, plan, peak_phase, capacity, peak) + host_notes(setup, host)
     return EstimateResult(
-        parameters=setup.psi, trainable_parameters=trainable_count(setup),
-        model=ModelSummary(name=setup.model.name, source=setup.model.source, parameters=setup.psi,
-                           architecture=setup.model.architecture.model_dump() if setup.model.architecture else None),
+        parameters=whole.psi,
+        trainable_parameters=whole.psi if whole.finetune is None else trainable_count(whole),
+        model=ModelSummary(name=whole.model.name, source=whole.model.source, parameters=whole.psi,
+                           architecture=whole.arch.model_dump() if whole.arch else None),
         strategy=setup.strategy.name, world_size=setup.world_size, dp_size=setup.dims.dp,
         shard_size=setup.shard_size, parallel=ParallelDegrees(**setup.dims.as_dict()), gpu=setup.gpu.name,
         per_device=PerDevice(

@@ -98,15 +98,20 @@ class _Grid:
         return (self.constant[:, None] + self.slope[:, None] * micro[None, :]).max(axis=0) + self.framework
 
 
-def plan(req: PlanRequest) -> PlanResult:
+def plan(req: PlanRequest, profile=None) -> PlanResult:
+    """``profile``: the Profile the request names, read by the adapter (backend/profiles.py)."""
     if req.finetune == "auto":
         from planner.finetune_plan import plan_finetune_auto
 
-        return plan_finetune_auto(req, plan)
+        return plan_finetune_auto(req, lambda one: plan(one, profile))
     started = wallclock.perf_counter()
     g = lookup_gpu(req.gpu)
     check_precision(g, req.precision)
-    refuse_unmodelled(req)  # a degree whose memory model has not landed (pp, ep) is refused, not searched
+    refuse_unmodelled(req)  # fixed degrees only, the search over them comes with their memory models
+    for name, what in (("pp", "pipeline"), ("ep", "expert")):
+        if getattr(req, name) > 1:  # modelled by estimate; the plan's candidates do not carry the degree yet
+            raise PlannerError(f"{name}={getattr(req, name)}: the plan does not search {what}-parallel layouts yet; "
+                               f"estimate this layout with `planner estimate --{name} {getattr(req, name)}`")
     model = catalogue_model(req.model) if req.model else model_from_config(req.model_config_)
     if req.include_vision:
         model = with_vision(model)
@@ -117,10 +122,10 @@ def plan(req: PlanRequest) -> PlanResult:
     world_max = req.gpus * req.nodes
     if req.global_batch % world_max:
         raise PlannerError(f"global_batch({req.global_batch}) is not divisible by gpus({req.gpus}) * "
-                           f"nodes({req.nodes}) = {world_max}")
+                           f"nodes({req.nodes}) = {world_max}", field="global_batch")
     topo, fabric_name, nics = topology_of(req, g)
     compute_efficiency, link_efficiency = profile_efficiencies(req.profile, req.gpu, topo, req.gpus,
-                                                               req.compute_efficiency, req.link_efficiency)
+                                                               req.compute_efficiency, req.link_efficiency, profile)
     if req.profile is not None:
         req = req.model_copy(update={"compute_efficiency": compute_efficiency, "link_efficiency": link_efficiency})
     capacity = g.memory_bytes

@@ -97,7 +97,7 @@ def preset(name: str) -> Preset:
     try:
         return PRESETS[name]
     except KeyError:
-        raise UnknownNameError(unknown("topology preset", name, list(PRESETS))) from None
+        raise UnknownNameError(unknown("topology preset", name, list(PRESETS)), field="topology") from None
 
 
 def preset_text(p: Preset) -> str:

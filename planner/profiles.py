@@ -1,17 +1,16 @@
-"""Calibration profiles: efficiency constants fitted from verify runs (`planner calibrate`), saved
-as JSON files and applied by name (`--profile NAME`)."""
+"""Calibration profiles: efficiency constants fitted from verify runs (`planner calibrate`) and
+applied by name (`--profile NAME`). The core fits a profile from run records and applies one it is
+given; where profiles are stored (files, the environment) is the adapters' (backend/profiles.py)."""
 
 from __future__ import annotations
 
-import os
 import re
 import statistics
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from planner.errors import PlannerError, UnknownNameError, unknown
+from planner.errors import PlannerError
 from planner.gpus import gpu as lookup_gpu
 from planner.precision import RECIPES
 from planner.timing import flops_per_token
@@ -46,38 +45,12 @@ class Profile(BaseModel):
     note: str
 
 
-def profiles_dir() -> Path:
-    override = os.environ.get("PLANNER_PROFILES")
-    if override:
-        return Path(override)
-    return Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "planner" / "profiles"
-
-
 def check_profile_name(name: str) -> str:
+    """A profile's name, usable as a file name by whoever stores it (backend/profiles.py)."""
     if not _NAME.match(name):
-        raise PlannerError(f"profile name {name!r} must be 1-64 letters, digits, '.', '_' or '-'")
+        raise PlannerError(f"profile name {name!r} must be 1-64 letters, digits, '.', '_' or '-'", field="profile",
+                           value=name)
     return name
-
-
-def load_profile(name: str) -> Profile:
-    path = profiles_dir() / f"{check_profile_name(name)}.json"
-    if not path.exists():
-        known = [p.stem for p in profiles_dir().glob("*.json")] if profiles_dir().exists() else []
-        raise UnknownNameError(unknown("profile", name, known or ["(none saved: run planner calibrate)"]))
-    try:
-        return Profile.model_validate_json(path.read_text())
-    except ValueError as exc:
-        raise PlannerError(f"profile {name} ({path}) is not a planner profile: {str(exc).splitlines()[0]}") from None
-
-
-def save_profile(profile: Profile) -> Path:
-    directory = profiles_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{check_profile_name(profile.name)}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(profile.model_dump_json(indent=2))
-    os.replace(tmp, path)
-    return path
 
 
 def _run_flops(record: dict[str, Any]) -> tuple[str, float, float] | None:

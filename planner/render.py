@@ -10,6 +10,7 @@ import math
 from html import escape
 from typing import NamedTuple
 
+from planner.parallel import NodeLayout
 from planner.topology import Link, Topology
 
 _COLOURS = [(200.0, "#1b7837"), (100.0, "#5aae61"), (40.0, "#a6dba0"), (20.0, "#f4a582"), (0.0, "#d6604d")]
@@ -102,11 +103,57 @@ def _place_link_labels(links: list[Link], pos: dict[int, tuple[float, float]], t
     return placed
 
 
-def topology_svg(t: Topology, width: int = 640) -> str:
+# Tensor-parallel groups: translucent bands behind their GPUs; pipeline stages: the GPUs' fill.
+_GROUP_COLOURS = ["#984ea3", "#ff7f00", "#1f78b4", "#e7298a", "#a65628", "#66a61e", "#e6ab02", "#666666"]
+_STAGE_COLOURS = ["#2166ac", "#b2182b", "#1b7837", "#762a83", "#8c510a", "#01665e", "#c51b7d", "#4d4d4d"]
+
+
+def _ranges(gpus: list[int]) -> str:
+    """GPU indices as runs: [0, 1, 2, 3, 6] -> 'GPU0-3, GPU6'."""
+    runs: list[list[int]] = []
+    for g in sorted(gpus):
+        if runs and g == runs[-1][-1] + 1:
+            runs[-1].append(g)
+        else:
+            runs.append([g])
+    return ", ".join(f"GPU{r[0]}-{r[-1]}" if len(r) > 1 else f"GPU{r[0]}" for r in runs)
+
+
+def _layout_parts(layout: NodeLayout, pos: dict[int, tuple[float, float]], legend_y: float) -> tuple[list[str], list[str]]:
+    """(bands drawn behind the GPUs, legend lines) for a layout's TP groups and PP stages."""
+    bands: list[str] = []
+    legend: list[str] = []
+    y = legend_y
+    for k, group in enumerate(layout.tp_groups):
+        colour = _GROUP_COLOURS[k % len(_GROUP_COLOURS)]
+        points = [pos[g] for g in group if g in pos]
+        segments = list(zip(points, points[1:])) or [(points[0], points[0])]
+        lines = "".join(f'<line x1="{a[0]:.1f}" y1="{a[1]:.1f}" x2="{b[0]:.1f}" y2="{b[1]:.1f}"/>' for a, b in segments)
+        bands.append(f'<g class="tp-group" data-gpus="{",".join(map(str, group))}" stroke="{colour}" '
+                     f'stroke-width="{2 * GPU_RADIUS + 14}" stroke-linecap="round" opacity="0.3">'
+                     f'<title>TP group {k}: {_ranges(list(group))}</title>{lines}</g>')
+        legend.append(f'<rect x="20" y="{y:.0f}" width="40" height="12" fill="{colour}" opacity="0.3"/>'
+                      f'<text class="layout-legend" x="68" y="{y + 10:.0f}">TP group {k}: {_ranges(list(group))}</text>')
+        y += 18
+    if layout.pp > 1:
+        for stage in sorted(set(layout.stage_of.values())):
+            members = [g for g, s in layout.stage_of.items() if s == stage]
+            legend.append(f'<circle cx="40" cy="{y + 6:.0f}" r="6" fill="{_STAGE_COLOURS[stage % len(_STAGE_COLOURS)]}"/>'
+                          f'<text class="layout-legend" x="68" y="{y + 10:.0f}">PP stage {stage}: {_ranges(members)}</text>')
+            y += 18
+    legend.append(f'<text class="layout-legend" x="20" y="{y + 10:.0f}">{escape(layout.caption)}</text>')
+    return bands, legend
+
+
+def topology_svg(t: Topology, width: int = 640, layout: NodeLayout | None = None) -> str:
     """GPUs on a circle (NICs outside), every GPU pair a line coloured by its modelled
     unidirectional bandwidth in GB/s and dashed by its link class. A class's links carry their code
     where every one of its labels finds room clear of the GPUs, NICs and other labels; the legend
-    names every class with its bandwidth and how many pairs it joins."""
+    names every class with its bandwidth and how many pairs it joins.
+
+    ``layout``: a parallel layout's groups on this node (planner.parallel.node_layout): each
+    tensor-parallel group a band behind its GPUs, each pipeline stage a GPU colour, both named in
+    the legend."""
     n = len(t.gpus)
     cx = cy = width / 2
     r = width * 0.32
@@ -114,7 +161,9 @@ def topology_svg(t: Topology, width: int = 640) -> str:
                      cy + r * math.sin(2 * math.pi * g.index / n - math.pi / 2)) for g in t.gpus}
     classes = _link_classes(t)
     legend_y = width + 10
-    height = legend_y + 40 + 18 * len(classes)
+    layout_rows = 0 if layout is None else len(layout.tp_groups) + (len(set(layout.stage_of.values()))
+                                                                      if layout.pp > 1 else 0) + 1
+    height = legend_y + 40 + 18 * len(classes) + 18 * layout_rows
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
              f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="{FONT_PX}">',
              f'<title>{escape(t.gpu_type)} topology: {n} GPUs</title>',
@@ -135,6 +184,8 @@ def topology_svg(t: Topology, width: int = 640) -> str:
             parts.append(f'<line class="link" x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" '
                          f'stroke="{_colour(gbps)}" stroke-width="{stroke:.1f}"{style} opacity="0.8">'
                          f'<title>GPU{link.a}-GPU{link.b}: {escape(code)}, {gbps:.1f} GB/s ({escape(kind)})</title></line>')
+    bands, layout_legend = _layout_parts(layout, pos, legend_y + 18 * len(classes) + 30) if layout else ([], [])
+    parts += bands
     for nic, x, y in nic_pos:
         for gi in nic.nearest_gpus:
             gx, gy = pos[gi]
@@ -153,7 +204,11 @@ def topology_svg(t: Topology, width: int = 640) -> str:
     for g in t.gpus:
         x, y = pos[g.index]
         numa = f"NUMA {g.numa_node}" if g.numa_node is not None else ""
-        parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{GPU_RADIUS}" fill="#2166ac"/>'
+        stage = layout.stage_of.get(g.index) if layout is not None and layout.pp > 1 else None
+        fill = "#2166ac" if stage is None else _STAGE_COLOURS[stage % len(_STAGE_COLOURS)]
+        unused = layout is not None and g.index not in layout.stage_of
+        parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{GPU_RADIUS}" fill="{"#bbbbbb" if unused else fill}"'
+                     + (f' data-stage="{stage}"' if stage is not None else "") + '/>'
                      f'<text x="{x:.1f}" y="{y + (0 if numa else 4):.1f}" fill="white" text-anchor="middle">GPU{g.index}</text>'
                      f'<text x="{x:.1f}" y="{y + 12:.1f}" fill="white" font-size="9" text-anchor="middle">{escape(numa)}</text>')
     for nic, x, y in nic_pos:
@@ -169,6 +224,7 @@ def topology_svg(t: Topology, width: int = 640) -> str:
                      f'<text class="link-class" x="68" y="{y + 10}">{escape(code)}: {escape(kind)}, {gbps:.1f} GB/s, {count}</text>')
     parts.append(f'<text x="20" y="{legend_y + 18 * len(classes) + 16}">line colour and width: modelled unidirectional '
                  f'bandwidth (GB/s: green &gt;= 200, red &lt; 20); dash: link class</text>')
+    parts += layout_legend
     parts.append("</svg>")
     return "\n".join(parts)
 

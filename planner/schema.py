@@ -52,13 +52,6 @@ def _fabric_names() -> Collection[str]:
     return link_rates()["fabric"].keys()
 
 
-def _profile_names() -> Collection[str]:
-    from planner.profiles import profiles_dir
-
-    directory = profiles_dir()
-    return sorted(p.stem for p in directory.glob("*.json")) if directory.is_dir() else []
-
-
 @dataclass(frozen=True)
 class CatalogueName:
     """Field metadata: the value names an entry of a catalogue (case-insensitive, stored as the
@@ -99,7 +92,9 @@ class CatalogueName:
 GpuName = Annotated[str, Field(max_length=64), CatalogueName("gpu", _gpu_names)]
 PresetName = Annotated[str, Field(max_length=64), CatalogueName("topology preset", _preset_names)]
 FabricName = Annotated[str, Field(max_length=64), CatalogueName("fabric", _fabric_names)]
-ProfileName = Annotated[str, Field(max_length=64), CatalogueName("profile", _profile_names, listed=False)]
+# Saved profiles are files: the adapters check the name against them (backend/profiles.py), the
+# schema only its length.
+ProfileName = Annotated[str, Field(max_length=64)]
 
 
 def _new_profile_name(value: str) -> str:
@@ -474,6 +469,8 @@ class PlanRequest(BaseModel):
 
 
 class Candidate(BaseModel):
+    model_config = ConfigDict(defer_build=True)  # built by the first plan
+
     strategy: str
     finetune: str = Field("full", description="full, lora or qlora")
     micro_batch: int
@@ -496,6 +493,8 @@ class Candidate(BaseModel):
 
 
 class TopologySummary(BaseModel):
+    model_config = ConfigDict(defer_build=True)  # built by the first plan
+
     source: str
     gpu_type: str
     gpus_per_node: int
@@ -508,6 +507,8 @@ class TopologySummary(BaseModel):
 
 
 class PlanResult(BaseModel):
+    model_config = ConfigDict(defer_build=True)  # built by the first plan
+
     recommended: Candidate | None
     candidates: list[Candidate]
     candidates_evaluated: int

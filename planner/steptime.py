@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
-
-from planner import timing
+from planner import arrays, timing
 from planner.architecture import layer_parameters
 from planner.frameworks import Buckets, Traffic, framework_of
 from planner.gpus import Gpu, gpu as lookup_gpu
@@ -103,22 +102,27 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
     per_rank = request.micro_batch * request.gradient_accumulation
     wb = RECIPES[request.precision].wire_bytes
     arch = Architecture.model_validate(result.model.architecture)
-    rows = combo_collectives(request.precision, combo, result.parameters // combo.tp, np.array([request.micro_batch]),
-                             per_rank, wb, arch, buckets)
-    out = [{"what": what, "bytes_per_step": int(volume[0]), "message_bytes": int(message), "group": group}
+    rows = combo_collectives(request.precision, combo, result.parameters // combo.tp, request.micro_batch, per_rank,
+                             wb, arch, buckets)
+    out = [{"what": what, "bytes_per_step": int(volume), "message_bytes": int(message), "group": group}
            for what, volume, _, message, group in rows]
     if combo.tp * combo.cp > 1:
         out += [{"what": what, "bytes_per_step": int(volume), "message_bytes": int(message * request.micro_batch),
                  "group": group}
                 for what, volume, _, message, group in model_parallel_collectives(request.precision, combo, arch,
                                                                                   per_rank, request.seq_len)]
+    if request.pp > 1:  # a stage's data-parallel collectives carry its parameters only; p2p between stages
+        from planner.memory import resolve
+        from planner.pipeline import pipeline_volumes
+
+        out = pipeline_volumes(resolve(request), out)
     return out
 
 
-def estimate_time(request: EstimateRequest, result: EstimateResult,
+def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None,
                   traced: TracedShape | None = None) -> TimeEstimate | None:
     """The time model for one estimate's configuration (None without an architecture or a traced
-    shape, or on CPU)."""
+    shape, or on CPU); ``profile``: the calibration profile the request names (planner.profiles.Profile)."""
     g = lookup_gpu(request.gpu)
     if (result.model.architecture is None and traced is None) or (g.is_cpu and request.profile is None):
         return None
@@ -126,15 +130,20 @@ def estimate_time(request: EstimateRequest, result: EstimateResult,
     topo, fabric_name, nics = topology_of(request, g)
     compute_efficiency, link_efficiency = profile_efficiencies(
         request.profile, request.gpu, topo, request.gpus, PlanRequest.model_fields["compute_efficiency"].default,
-        PlanRequest.model_fields["link_efficiency"].default)  # the plan's defaults, so both time alike
+        PlanRequest.model_fields["link_efficiency"].default, profile)  # the plan's defaults, so both time alike
     settings = StepSettings(precision=result.request.precision, seq_len=request.seq_len, nodes=request.nodes,
                             compute_efficiency=compute_efficiency, link_efficiency=link_efficiency)
     from planner.architecture import Architecture
 
     combo, buckets = resolved_combo(request, result.parameters if traced is not None else None)
     arch = traced if traced is not None else Architecture.model_validate(result.model.architecture)
-    t = step_times(settings, combo, np.array([request.micro_batch]), per_rank, result.parameters, arch, g,
-                    topo, timing.fabric(fabric_name), nics, buckets)[0]
+    t = step_times(settings, combo, request.micro_batch, per_rank, result.parameters, arch, g,
+                   topo, timing.fabric(fabric_name), nics, buckets)[0]  # one micro-batch: floats, no numpy
+    if request.pp > 1 or request.ep > 1:  # the pipeline bubble, p2p and expert all-to-alls (issue 12)
+        from planner.memory import resolve
+        from planner.pipeline import parallel_step
+
+        t = parallel_step(t, resolve(request), arch, topo, timing.fabric(fabric_name), nics, link_efficiency)
     return TimeEstimate(step_seconds=t.step_seconds, compute_seconds=t.compute_seconds,
                         communication_seconds=t.communication_seconds,
                         exposed_communication_seconds=t.exposed_communication_seconds,
@@ -143,9 +152,10 @@ def estimate_time(request: EstimateRequest, result: EstimateResult,
                         topology=topo.source)
 
 
-def estimate_with_time(request: EstimateRequest) -> EstimateResult:
+def estimate_with_time(request: EstimateRequest, profile=None) -> EstimateResult:
+    """``profile``: the Profile the request names, read by the adapter (backend/profiles.py)."""
     result = estimate(request)  # result.request holds what a ds_config fixed (micro-batch, accumulation, optimizer)
-    return result.model_copy(update={"time": estimate_time(result.request, result)})
+    return result.model_copy(update={"time": estimate_time(result.request, result, profile)})
 
 
 def resolved_combo(request: EstimateRequest, parameters: int | None = None) -> tuple[Combo, Buckets]:
@@ -163,18 +173,19 @@ def resolved_combo(request: EstimateRequest, parameters: int | None = None) -> t
     return combo, Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size)
 
 
-def combo_collectives(precision: str, combo: Combo, psi: int, micro: np.ndarray, per_rank: int,
-                        wb: int, arch=None, buckets: Buckets = Buckets()) -> list[tuple[str, np.ndarray, int, float, str]]:
+def combo_collectives(precision: str, combo: Combo, psi: int, micro, per_rank: int,
+                      wb: int, arch=None, buckets: Buckets = Buckets()) -> list[tuple[str, Any, int, float, str]]:
     """(what, bytes per step, ring passes, message bytes, group) for the strategy's collectives,
     as its framework sends them (planner/frameworks/: Framework.collectives).
 
     Message sizes are what the frameworks really send: DDP's 25 MiB buckets, DeepSpeed's reduce
     and all-gather buckets (capped by the model), and for ZeRO-3 and FSDP one transformer block
-    at a time (the FSDP unit; ZeRO-3 fetches a module's parameters, at most prefetch_bucket_size)."""
+    at a time (the FSDP unit; ZeRO-3 fetches a module's parameters, at most prefetch_bucket_size).
+    ``micro``: one micro-batch size, or a numpy array of the options (then each volume is an array)."""
     s = lookup_strategy(combo.strategy)
     block = (arch.block_parameters if isinstance(arch, TracedShape) else layer_parameters(arch)) if arch is not None \
         else max(psi // 100, 1)
-    traffic = Traffic(psi=psi, wire_bytes=wb, block=block, step=np.ones_like(micro, dtype=np.float64),
+    traffic = Traffic(psi=psi, wire_bytes=wb, block=block, step=arrays.full_like(arrays.as_float(micro), 1.0),
                       accumulation=per_rank / micro, precision=precision, shard=combo.shard or combo.gpus,
                       buckets=buckets)
     return framework_of(s).collectives(s, traffic)
@@ -245,7 +256,7 @@ def model_parallel_collectives(precision: str, combo: Combo, arch, per_rank: int
 
 
 def _over_group(combo: Combo, group: str, nodes: int, topo: Topology, req: "StepSettings", nic_gbps: float,
-                fabric: dict, volume: np.ndarray, message: float, passes: int) -> timing.CollectiveTime:
+                fabric: dict, volume, message: float, passes: int) -> timing.CollectiveTime:
     """One collective on its process group's links: inside a node at the group's slowest ring,
     across nodes at the NICs (timing.collective_seconds)."""
     layout, members = process_group(combo, group, nodes)
@@ -254,8 +265,10 @@ def _over_group(combo: Combo, group: str, nodes: int, topo: Topology, req: "Step
     return timing.collective_seconds(volume, layout, wire, message, passes)
 
 
-def step_times(req: "StepSettings", combo: Combo, micro: np.ndarray, per_rank: int, psi: int, arch, g: Gpu,
-                topo: Topology, fabric: dict, nics: int, buckets: Buckets = Buckets()) -> list[timing.StepTime]:
+def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int, arch, g: Gpu,
+               topo: Topology, fabric: dict, nics: int, buckets: Buckets = Buckets()) -> list[timing.StepTime]:
+    """The step time of each micro-batch option: ``micro`` is one size (a single estimate: plain
+    floats throughout) or a numpy array of them (the plan search); the same formulas either way."""
     wb = RECIPES[req.precision].wire_bytes
     dtype = RECIPES[req.precision].peak_dtype(g.peak_tflops)
     peak_flops = g.peak_tflops[dtype] * 1e12
@@ -267,32 +280,31 @@ def step_times(req: "StepSettings", combo: Combo, micro: np.ndarray, per_rank: i
     ring, ring_bw, _ = timing.node_ring(topo, combo.gpus)
     nodes = req.nodes
     nic_gbps = nics * fabric["gbps"] * fabric["efficiency"] * req.link_efficiency
-    comm = np.zeros_like(micro, dtype=np.float64)
+    comm = arrays.zeros_like(arrays.as_float(micro))
     slowest = ring_bw * req.link_efficiency
     for _, volume, passes, message, group in combo_collectives(req.precision, combo, psi // combo.tp, micro,
-                                                                per_rank, wb, arch, buckets):
-        t = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, np.asarray(volume, dtype=np.float64),
-                        message, passes)
+                                                               per_rank, wb, arch, buckets):
+        t = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, arrays.as_float(volume), message, passes)
         comm += t.seconds
-        slowest = min(slowest, float(t.bottleneck_gbps.min()))
-    exposed_model_parallel = np.zeros_like(micro, dtype=np.float64)
-    data_parallel = comm.copy()  # what FSDP/ZeRO/DDP send, hidden behind the framework's window
+        slowest = min(slowest, arrays.smallest(t.bottleneck_gbps))
+    exposed_model_parallel = arrays.zeros_like(arrays.as_float(micro))
+    data_parallel = comm + 0.0  # what FSDP/ZeRO/DDP send, hidden behind the framework's window (a copy)
     if model_parallel > 1 and arch is not None:
         for _, volume, passes, message, group in model_parallel_collectives(req.precision, combo, arch, per_rank,
                                                                             req.seq_len):
             # a ring's time is a bandwidth term in the bytes plus a latency term per message
             # (timing._ring): two evaluations give both, then every micro-batch's message size
-            whole = np.array([volume], dtype=np.float64)
-            one = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, whole, volume, passes)
-            two = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, whole, volume / 2, passes)
-            per_message = float(two.seconds[0] - one.seconds[0])
-            seconds = float(one.seconds[0]) - per_message + per_message * volume / (message * micro)
+            one = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, float(volume), volume, passes)
+            two = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, float(volume), volume / 2, passes)
+            per_message = float(arrays.item(two.seconds, 0)) - float(arrays.item(one.seconds, 0))
+            seconds = float(arrays.item(one.seconds, 0)) - per_message + per_message * volume / (message * micro)
             # TP: on each layer's critical path, nothing hides it (async TP needs torch.compile);
             # CP: ring attention overlaps the K/V exchange with the attention it feeds (Liu et
             # al. 2023, "Ring Attention", Sec. 3), only what exceeds the compute shows
-            exposed_model_parallel += seconds if group == "tp" else np.maximum(0.0, seconds - compute)
-            comm += seconds
-            slowest = min(slowest, float(one.bottleneck_gbps.min()))
+            exposed_model_parallel = exposed_model_parallel + (
+                seconds if group == "tp" else arrays.maximum(0.0, seconds - compute))
+            comm = comm + seconds
+            slowest = min(slowest, arrays.smallest(one.bottleneck_gbps))
     s = lookup_strategy(combo.strategy)
     window = framework_of(s).overlap_window_seconds(s, compute)
     offload = offload_seconds(combo, psi // combo.tp, per_rank / micro, combo.gpus * nodes // combo.tp, wb, g)
@@ -300,21 +312,23 @@ def step_times(req: "StepSettings", combo: Combo, micro: np.ndarray, per_rank: i
     world = combo.gpus * nodes
     model_flops = tokens_rank * model_per_token / model_parallel
     tokens_per_gpu = tokens_rank / model_parallel
-    for k in range(micro.size):
-        exposed = max(0.0, float(data_parallel[k]) - window) + float(exposed_model_parallel[k])
-        step = compute + exposed + float(offload[k])
+    for k in range(micro.size if arrays.is_array(micro) else 1):
+        comm_k, offload_k = float(arrays.item(comm, k)), float(arrays.item(offload, k))
+        exposed = max(0.0, float(arrays.item(data_parallel, k)) - window) + \
+            float(arrays.item(exposed_model_parallel, k))
+        step = compute + exposed + offload_k
         tokens = tokens_per_gpu * world
         results.append(timing.StepTime(
-            compute_seconds=compute, communication_seconds=float(comm[k]), exposed_communication_seconds=exposed,
-            offload_seconds=float(offload[k]), step_seconds=step, tokens_per_second=tokens / step,
+            compute_seconds=compute, communication_seconds=comm_k, exposed_communication_seconds=exposed,
+            offload_seconds=offload_k, step_seconds=step, tokens_per_second=tokens / step,
             mfu=model_flops / (step * peak_flops), ring_bandwidth_gbps=slowest, ring=ring))
     return results
 
 
-def offload_seconds(combo: Combo, psi: int, accumulation: np.ndarray, world: int, wb: int, g: Gpu) -> np.ndarray:
+def offload_seconds(combo: Combo, psi: int, accumulation, world: int, wb: int, g: Gpu):
     shard = psi / world
     pcie = PCIE_DEVICE_TO_HOST_GBPS.get(g.pcie, 24.0) * 1e9
-    seconds = np.zeros_like(accumulation, dtype=np.float64)
+    seconds = arrays.zeros_like(accumulation)
     if combo.offload_optimizer != "none":
         # gradients down, updated 16-bit parameters up, then DeepSpeedCPUAdam on the host
         seconds += 2 * shard * wb / pcie + shard / timing.CPU_ADAM_PARAMS_PER_SECOND

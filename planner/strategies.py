@@ -46,7 +46,8 @@ def strategy(name: str) -> Strategy:
     try:
         return _TABLE[name]
     except KeyError:
-        raise PlannerError(f"strategy {name!r} is unknown; choose one of {', '.join(STRATEGIES)}") from None
+        raise PlannerError(f"strategy {name!r} is unknown; choose one of {', '.join(STRATEGIES)}",
+                           field="strategy") from None
 
 
 def shard_group_size(s: Strategy, gpus_per_node: int, nodes: int, hsdp_shard_size: int | None = None) -> int:
@@ -55,15 +56,16 @@ def shard_group_size(s: Strategy, gpus_per_node: int, nodes: int, hsdp_shard_siz
     world = gpus_per_node * nodes
     if not s.shard_within_node:
         if hsdp_shard_size is not None:
-            raise PlannerError(f"hsdp_shard_size={hsdp_shard_size} applies to hsdp only, not to strategy {s.name}")
+            raise PlannerError(f"hsdp_shard_size={hsdp_shard_size} applies to hsdp only, not to strategy {s.name}",
+                               field="hsdp_shard_size")
         return world
     shard = gpus_per_node if hsdp_shard_size is None else hsdp_shard_size
     if world % shard:
         raise PlannerError(f"hsdp_shard_size({shard}) must divide the world size gpus({gpus_per_node}) * "
-                           f"nodes({nodes}) = {world}")
+                           f"nodes({nodes}) = {world}", field="hsdp_shard_size")
     if shard >= world:
         raise PlannerError(f"hsdp with a single shard group (all {world} GPUs) is fsdp: give nodes >= 2, or an "
-                           f"hsdp_shard_size smaller than gpus({gpus_per_node}) that divides it")
+                           f"hsdp_shard_size smaller than gpus({gpus_per_node}) that divides it", field="strategy")
     return shard
 
 

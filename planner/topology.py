@@ -18,6 +18,7 @@ from planner.errors import PlannerError
 from planner.gpus import Gpu
 
 LINKS_PATH = Path(__file__).parent / "data" / "links.yaml"
+TOPOLOGY_FIELD = "topology_text"  # the request field that carries a pasted `nvidia-smi topo -m`
 MAX_TOPOLOGY_BYTES = 64 * 1024  # nvidia-smi topo -m for 16 GPUs and 16 NICs is ~6 KiB
 CODES = ("X", "SYS", "NODE", "PHB", "PXB", "PIX", "NV")
 _DEVICE = re.compile(r"^(GPU\d+|NIC\d+|mlx\d+_\d+|mlx5_\d+)$")
@@ -76,7 +77,8 @@ def _header(lines: list[str]) -> tuple[int, list[str], list[str]]:
             devices = [c for c in cells if _DEVICE.match(c)]
             extra = [c for c in cells if not _DEVICE.match(c)]
             return number, devices, extra
-    raise PlannerError("topology: no header line with GPU0 ... found; paste the output of `nvidia-smi topo -m`")
+    raise PlannerError("topology: no header line with GPU0 ... found; paste the output of `nvidia-smi topo -m`",
+                       field=TOPOLOGY_FIELD)
 
 
 def _is_data_row(cells: list[str]) -> bool:
@@ -87,7 +89,8 @@ def _is_data_row(cells: list[str]) -> bool:
 def _check_code(code: str, line_no: int, line: str) -> str:
     if code in CODES[:-1] or _NV.match(code):
         return code
-    raise PlannerError(f"topology line {line_no}: unknown link code {code!r} in {line.strip()[:80]!r}")
+    raise PlannerError(f"topology line {line_no}: unknown link code {code!r} in {line.strip()[:80]!r}",
+                       field=TOPOLOGY_FIELD)
 
 
 def _parse_rows(lines: list[str], start: int, devices: list[str], extra: list[str]):
@@ -103,7 +106,8 @@ def _parse_rows(lines: list[str], start: int, devices: list[str], extra: list[st
         cells = _split(line)
         label = cells[0]
         if not _DEVICE.match(label):
-            raise PlannerError(f"topology line {offset}: expected a GPU/NIC row label, got {label!r}")
+            raise PlannerError(f"topology line {offset}: expected a GPU/NIC row label, got {label!r}",
+                               field=TOPOLOGY_FIELD)
         values = cells[1:]
         codes = [c for c in values[:len(devices)]]
         if len(codes) < len(devices) or any(c == "" for c in codes):
@@ -111,7 +115,7 @@ def _parse_rows(lines: list[str], start: int, devices: list[str], extra: list[st
             codes = [c for c in values if c][:len(devices)]
         if len(codes) < len(devices):
             raise PlannerError(f"topology line {offset}: row {label} has {len(codes)} link codes for "
-                               f"{len(devices)} columns")
+                               f"{len(devices)} columns", field=TOPOLOGY_FIELD)
         rest = [c for c in values[len(devices):]]
         for code in codes:
             _check_code(code, offset, line)
@@ -152,24 +156,26 @@ PCIE_DISTANCE = ("PIX", "PXB", "PHB", "NODE")
 def parse_topology(text: str, gpu: Gpu, source: str = "nvidia-smi topo -m") -> Topology:
     if len(text.encode()) > MAX_TOPOLOGY_BYTES:
         raise PlannerError(f"topology: {len(text.encode())} bytes is more than nvidia-smi prints "
-                           f"(limit {MAX_TOPOLOGY_BYTES})")
+                           f"(limit {MAX_TOPOLOGY_BYTES})", field=TOPOLOGY_FIELD)
     lines = text.replace("\r\n", "\n").split("\n")
     start, devices, extra = _header(lines)
     rows = _parse_rows(lines, start, devices, extra)
     gpu_labels = [d for d in devices if d.startswith("GPU")]
     if [f"GPU{i}" for i in range(len(gpu_labels))] != gpu_labels:
-        raise PlannerError(f"topology line {start + 1}: GPU columns are not GPU0..GPU{len(gpu_labels) - 1}")
+        raise PlannerError(f"topology line {start + 1}: GPU columns are not GPU0..GPU{len(gpu_labels) - 1}",
+                           field=TOPOLOGY_FIELD)
     missing = [d for d in gpu_labels if d not in rows]
     if missing:
-        raise PlannerError(f"topology: no row for {missing[0]}")
+        raise PlannerError(f"topology: no row for {missing[0]}", field=TOPOLOGY_FIELD)
     index = {d: i for i, d in enumerate(devices)}
     matrix = [[rows[g][0][index[h]] for h in gpu_labels] for g in gpu_labels]
     for i, row in enumerate(matrix):
         if row[i] != "X":
-            raise PlannerError(f"topology: GPU{i}'s own entry is {row[i]!r}, expected X")
+            raise PlannerError(f"topology: GPU{i}'s own entry is {row[i]!r}, expected X", field=TOPOLOGY_FIELD)
         for j, code in enumerate(row):
             if matrix[j][i] != code:
-                raise PlannerError(f"topology: GPU{i}-GPU{j} is {code} but GPU{j}-GPU{i} is {matrix[j][i]}")
+                raise PlannerError(f"topology: GPU{i}-GPU{j} is {code} but GPU{j}-GPU{i} is {matrix[j][i]}",
+                                   field=TOPOLOGY_FIELD)
     gpus = [GpuRow(index=i, cpu_affinity=a, numa_node=n)
             for i, (a, n) in enumerate(_affinity(rows[g][1], extra) for g in gpu_labels)]
     legend = _nic_legend(lines)
@@ -218,7 +224,7 @@ def link_between(a: int, b: int, code: str, gpu: Gpu) -> Link:
     if nv:
         generation = gpu.nvlink
         if generation == "none" or generation not in rates["nvlink"]:
-            raise PlannerError(f"topology: GPU{a}-GPU{b} is {code}, but {gpu.name} has no NVLink")
+            raise PlannerError(f"topology: GPU{a}-GPU{b} is {code}, but {gpu.name} has no NVLink", field=TOPOLOGY_FIELD)
         row = rates["nvlink"][generation]
         count = int(nv.group(1))
         return Link(a=a, b=b, code=code, kind=generation,

@@ -77,9 +77,9 @@ SMALL = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000,
 
 
 def _run(name, model, strategy, precision, *, small=False, ckpt="none", micro=2, seq=128, gpus=2, nodes=1,
-         offload="none", tp=1, sp=None, **finetune):
+         offload="none", tp=1, sp=None, **extra):
     fields = dict(model_config=model, strategy=strategy, precision=precision, gpus=gpus, gpu="cpu",
-                  micro_batch=micro, seq_len=seq, checkpointing=ckpt, **finetune)
+                  micro_batch=micro, seq_len=seq, checkpointing=ckpt) | extra
     if tp > 1:  # tensor parallelism: backend/train_parallel.py (torch DTensor on a (dp_shard, tp) mesh)
         fields["tp"] = tp
         if sp is not None:
@@ -127,6 +127,9 @@ CPU_RUNS = [
     # tensor parallelism (torch DTensor), cheap ones: TP only, and TP x FSDP2 on 4 ranks
     _run("llama-tp2-fp32-sp-t256", LLAMA_TP, "fsdp", "fp32", tp=2, micro=1, seq=256),
     _run("llama-tp2-fsdp2-bf16-sp-t256", LLAMA_TP, "fsdp", "bf16-mixed", tp=2, gpus=4, micro=1, seq=256),
+    # pipeline parallelism (torch.distributed.pipelining, backend/train_pipeline.py); at one
+    # data-parallel rank no wrapper, over dp > 1 FSDP2
+    _run("llama-pp2-1f1b-fp32-m4", LLAMA, "fsdp", "fp32", pp=2, gradient_accumulation=4),
     # LoRA (issue 13): PEFT adapters on a frozen bf16 base under autocast
     _run("llama-lora-ddp-bf16-qkvo-r16", LLAMA, "ddp", "bf16-mixed", micro=2, seq=256, finetune="lora",
          lora_rank=16, lora_targets="q_proj,k_proj,v_proj,o_proj"),
@@ -194,6 +197,18 @@ BENCH_RUNS = [
     _run("gpt2-v50k-fsdp-fp32-t128", GPT2_50K, "fsdp", "fp32", micro=1, seq=128),
     _run("qwen2-v64k-ddp-fp32-t128", QWEN2_64K, "ddp", "fp32", micro=1, seq=128),
     _run("qwen2-v64k-zero3-fp32-small-t128", QWEN2_64K, "zero3", "fp32", small=True, micro=1, seq=128),
+    # pipeline parallelism: every schedule, autocast, and PP x FSDP2 on a (pp, dp) mesh
+    _run("llama-pp2-gpipe-fp32-m4", LLAMA, "fsdp", "fp32", pp=2, pp_schedule="gpipe", gradient_accumulation=4),
+    _run("llama-pp2-interleaved-v2-fp32-m4", LLAMA, "fsdp", "fp32", pp=2, pp_schedule="interleaved",
+         pp_virtual_stages=2, gradient_accumulation=4),
+    _run("llama-pp2-1f1b-bf16-m4", LLAMA, "fsdp", "bf16-mixed", pp=2, gradient_accumulation=4),
+    _run("llama-pp2-dp2-fsdp-1f1b-bf16-m4", LLAMA, "fsdp", "bf16-mixed", gpus=4, pp=2, gradient_accumulation=4),
+    _run("llama-pp4-1f1b-fp32-m4", LLAMA, "fsdp", "fp32", gpus=4, pp=4, gradient_accumulation=4),
+    _run("llama-pp2-dp2-fsdp-gpipe-fp32-m2", LLAMA, "fsdp", "fp32", gpus=4, pp=2, pp_schedule="gpipe",
+         gradient_accumulation=2),
+    _run("llama-pp2-dp2-fsdp-interleaved-bf16-m4", LLAMA, "fsdp", "bf16-mixed", gpus=4, pp=2,
+         pp_schedule="interleaved", pp_virtual_stages=2, gradient_accumulation=4),
+    _run("llama-pp2-1f1b-fp32-ckpt-m4", LLAMA, "fsdp", "fp32", ckpt="full", pp=2, gradient_accumulation=4),
     # ZeRO-3 with a tied embedding whose backward is the peak (the gathered embedding, the LM head's
     # held gradient and the embedding's own), at another vocabulary and length, and GPT-2's (learned positions)
     _run("qwen2-v32k-zero3-fp32-small-t64", QWEN2_32K, "zero3", "fp32", small=True, micro=1, seq=64),

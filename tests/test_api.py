@@ -156,6 +156,28 @@ def test_page_form_and_result(client):
     assert d.status_code == 200 and ("deepspeed" in d.text or "torchrun" in d.text)
 
 
+def test_page_takes_the_degrees_and_shows_the_layout(client):
+    """The form's tp, pp, cp, ep come from the schema (bounds and description), empty lets the
+    planner choose; the result names the recommended layout and draws it on the topology."""
+    import re
+
+    from planner.schema import PlanRequest
+
+    page = client.get("/").text
+    for name in ("tp", "pp", "cp", "ep"):
+        tag = re.search(rf'<label title="([^"]*)">{name} <input name="{name}"[^>]*>', page)
+        assert tag and tag.group(1) == PlanRequest.model_fields[name].description, name
+        assert 'value=""' in tag.group(0) and 'placeholder="planner chooses"' in tag.group(0) and 'min="1"' in tag.group(0)
+    r = client.get("/", params={"model": "llama-3-8b", "gpu": "h100-80gb", "gpus": 8, "topology": "hgx-h100",
+                                "global_batch": 256, "tp": ""})
+    assert r.status_code == 200
+    assert re.search(r'<p id="layout">Layout: tp 1 x pp 1 x cp 1 x data-parallel 8 ', r.text)
+    assert 'class="layout-legend"' in r.text and "tp innermost" in r.text
+    fixed = client.get("/", params={"model": "llama-3-8b", "gpus": 8, "global_batch": 256, "tp": 2})
+    assert fixed.status_code == 422 and "tp=2: tensor parallelism is not modelled yet" in fixed.text
+    assert 'name="tp" type="number" min="1" max="1024" value="2"' in fixed.text  # the given degree stays in the form
+
+
 NON_ASCII = {"Authorization": b"Bearer s3cr\xe9t"}  # a latin-1 byte, as a client may send it
 
 

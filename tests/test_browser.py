@@ -156,3 +156,33 @@ def test_fabric_inputs_and_a_labelled_topology(server):
         _labels_clear(page)
         assert page.locator("#topology svg text.link-label").all_text_contents() == ["NV4"] * 4
         browser.close()
+
+
+def test_degrees_on_the_form_and_the_layout_on_the_picture(server):
+    """The degree inputs are the schema's (empty: the planner chooses), and the recommended layout
+    is named and drawn on the topology: its legend says how ranks were placed."""
+    sync_playwright = _playwright()
+    from planner.schema import PlanRequest
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page.goto(server + "/")
+        for name in ("tp", "pp", "cp", "ep"):
+            box = page.locator(f"#degrees input[name={name}]")
+            assert box.input_value() == "" and box.get_attribute("placeholder") == "planner chooses"
+            assert box.locator("xpath=..").get_attribute("title") == PlanRequest.model_fields[name].description
+        page.select_option("select[name=model]", "llama-3-8b")
+        page.select_option("select[name=topology]", "hgx-h100")
+        page.click("button[type=submit]")
+        page.wait_for_selector("#layout")
+        assert "&tp=&" in page.url  # sent empty, as the form sends any empty input: the planner chooses
+        assert page.locator("#layout").inner_text().startswith("Layout: tp 1 x pp 1 x cp 1 x data-parallel 8")
+        legend = page.locator("#topology svg text.layout-legend").all_text_contents()
+        assert legend and "tp innermost" in legend[-1] and legend[-1].startswith("node 0 of 1")
+        _labels_clear(page)
+        page.fill("#degrees input[name=tp]", "2")
+        page.click("button[type=submit]")
+        page.wait_for_selector(".error")
+        assert "tp=2" in page.url and "tp=2: tensor parallelism is not modelled yet" in page.locator(".error").inner_text()
+        browser.close()

@@ -83,35 +83,6 @@ def test_validator_accepts_a_possible_layout():
     check_dims(ParallelDims(dp_shard=8, ep=8), gpus=8, nodes=1, model=ModelShape(num_experts=64), seq_len=4096)
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("pp", 2, "pp=2: pipeline parallelism is not modelled yet"),
-])
-def test_unmodelled_degree_is_refused_on_cli_and_api(flag, value, message, capsys, tmp_path, monkeypatch):
-    code = main(["estimate", "--model", "llama-3-8b", f"--{flag}", str(value)])
-    err = capsys.readouterr().err
-    assert code == 2 and err.strip() == f"planner: error: {message}"
-    code = main(["plan", "--model", "llama-3-8b", f"--{flag}", str(value)])
-    assert code == 2 and capsys.readouterr().err.strip() == f"planner: error: {message}"
-    pytest.importorskip("fastapi")
-    from fastapi.testclient import TestClient
-
-    from web.app import create_app
-
-    monkeypatch.delenv("PLANNER_API_TOKEN", raising=False)
-    monkeypatch.delenv("PLANNER_API_TOKEN_FILE", raising=False)
-    client = TestClient(create_app(str(tmp_path / "runs.sqlite")))
-    r = client.post("/v1/estimate", json={"model": "llama-3-8b", flag: value})
-    assert r.status_code == 422 and r.json()["detail"][0]["msg"] == message
-    assert r.json()["detail"][0]["loc"] == ["body", flag]
-    r = client.post("/v1/plan", json={"model": "llama-3-8b", flag: value})
-    assert r.status_code == 422 and r.json()["detail"][0]["msg"] == message
-
-
-def test_ep_on_a_moe_model_is_refused_as_not_modelled(capsys):
-    code = main(["estimate", "--model", "mixtral-8x7b", "--ep", "2"])
-    assert code == 2 and capsys.readouterr().err.strip() == "planner: error: ep=2: expert parallelism is not modelled yet"
-
-
 def test_sequence_parallel_without_tp_is_refused(capsys):
     code = main(["estimate", "--model", "gpt2", "--sequence-parallel", "true"])
     assert code == 2 and "sequence_parallel=true needs tp > 1" in capsys.readouterr().err

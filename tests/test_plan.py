@@ -187,7 +187,8 @@ def test_calibrated_link_efficiency_per_link_type_is_applied(tmp_path, monkeypat
     from planner import timing
     from planner.steptime import estimate_with_time
     from planner.presets import preset_topology
-    from planner.profiles import Profile, _fit_links, save_profile
+    from backend.profiles import profile_for, save_profile
+    from planner.profiles import Profile, _fit_links
     from planner.schema import EstimateRequest
 
     overall, per_kind, residuals = _fit_links([(1, (1.0, 0.1, 2.1, "a")), (2, (1.0, 0.1, 1.1, "b")),
@@ -202,8 +203,8 @@ def test_calibrated_link_efficiency_per_link_type_is_applied(tmp_path, monkeypat
                              link_efficiencies={kind: value}, runs=[], residuals=[], note="test"))
     kw = dict(model="llama-3.2-1b", strategy="ddp", gpus=2, gpu="rtx-a6000", topology="a6000-nvlink-pairs",
               seq_len=2048)
-    nominal = estimate_with_time(EstimateRequest(profile="nominal", **kw)).time
-    half = estimate_with_time(EstimateRequest(profile="half", **kw)).time
+    nominal, half = (estimate_with_time(r, profile_for(r)).time
+                     for r in (EstimateRequest(profile="nominal", **kw), EstimateRequest(profile="half", **kw)))
     # the bandwidth-bound all-reduce takes about twice as long at half the link efficiency
     assert 1.8 < half.communication_seconds / nominal.communication_seconds <= 2.0
 

@@ -171,3 +171,30 @@ def test_a_large_parsed_topology_is_named_by_its_legend():
     legend = [t.text for t in svg.iter(SVG + "text") if t.get("class") == "link-class"]
     assert len(legend) == 2 and "112 pairs" in legend[0] and "384 pairs" in legend[1]
     assert not [t for t in svg.iter(SVG + "text") if t.get("class") == "link-label"]
+
+
+def test_the_layout_on_the_topology_picture():
+    """Each TP group is a band behind its GPUs and each PP stage a GPU colour, in torchtitan's mesh
+    order (tp innermost, pp outermost): tp 2 x pp 2 x dp 2 on 8 GPUs puts GPU0-1, 2-3, 4-5, 6-7 in
+    TP groups, GPU0-3 in stage 0 and GPU4-7 in stage 1."""
+    from planner.parallel import ParallelDims, node_layout, rank_coordinates
+
+    dims = ParallelDims(dp_shard=2, tp=2, pp=2)
+    assert rank_coordinates(dims, 5) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1}
+    svg = ET.fromstring(topology_svg(preset_topology("hgx-h100"), layout=node_layout(dims, 8)))
+    groups = [g.get("data-gpus") for g in svg.iter(SVG + "g") if g.get("class") == "tp-group"]
+    assert groups == ["0,1", "2,3", "4,5", "6,7"]
+    stages = [c.get("data-stage") for c in svg.iter(SVG + "circle") if c.get("data-stage") is not None
+              and c.get("r") != "6"]
+    assert stages == ["0"] * 4 + ["1"] * 4
+    legend = [t.text for t in svg.iter(SVG + "text") if t.get("class") == "layout-legend"]
+    assert legend[:4] == ["TP group 0: GPU0-1", "TP group 1: GPU2-3", "TP group 2: GPU4-5", "TP group 3: GPU6-7"]
+    assert legend[4:6] == ["PP stage 0: GPU0-3", "PP stage 1: GPU4-7"]
+    assert "tp innermost" in legend[-1]
+    # four of the eight GPUs of a preset: the rest are drawn as unused
+    svg = ET.fromstring(topology_svg(preset_topology("hgx-h100"), layout=node_layout(ParallelDims(tp=4), 4)))
+    fills = [c.get("fill") for c in svg.iter(SVG + "circle") if c.get("r") == "24"]
+    assert fills[4:] == ["#bbbbbb"] * 4 and "#bbbbbb" not in fills[:4]
+    # without a layout the picture is as before: no band, no layout legend
+    plain = topology_svg(preset_topology("hgx-h100"))
+    assert "tp-group" not in plain and "layout-legend" not in plain

@@ -138,7 +138,8 @@ def test_calibrate_fits_a_profile_that_estimate_and_plan_apply(tmp_path, monkeyp
     from backend.store import RunStore
     from backend.verify import verify
     from planner.steptime import estimate_with_time
-    from planner.profiles import fit_profile, load_profile, save_profile
+    from backend.profiles import load_profile, profile_for, save_profile
+    from planner.profiles import fit_profile
 
     monkeypatch.setenv("PLANNER_PROFILES", str(tmp_path / "profiles"))
     db = tmp_path / "db"
@@ -154,11 +155,13 @@ def test_calibrate_fits_a_profile_that_estimate_and_plan_apply(tmp_path, monkeyp
     assert list(profile.link_efficiencies.values()) == [profile.link_efficiency]  # one run, one link type
     save_profile(profile)
     assert load_profile("cpu-test").compute_efficiency == profile.compute_efficiency
-    timed = estimate_with_time(request(strategy="zero1", profile="cpu-test"))
+    named = request(strategy="zero1", profile="cpu-test")
+    timed = estimate_with_time(named, profile_for(named))
     assert timed.time is not None
     assert abs(timed.time.compute_seconds - record["measured"]["step_seconds"]) / record["measured"]["step_seconds"] < 0.01
     save_profile(profile.model_copy(update={"name": "cpu-test-nominal", "link_efficiency": 1.0, "link_efficiencies": {}}))
-    nominal = estimate_with_time(request(strategy="zero1", profile="cpu-test-nominal")).time
+    nominal_request = request(strategy="zero1", profile="cpu-test-nominal")
+    nominal = estimate_with_time(nominal_request, profile_for(nominal_request)).time
     assert timed.time.communication_seconds != nominal.communication_seconds  # the link efficiency is applied
 
 

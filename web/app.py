@@ -13,11 +13,8 @@ public (`planner serve --public-runs`, or PLANNER_PUBLIC_RUNS=1).
 from __future__ import annotations
 
 import hmac
-import re
 from contextlib import asynccontextmanager
 import os
-import threading
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -29,10 +26,12 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from backend.anymodel import analytic_estimate, estimate_any, plan_any, traced_estimate
+from backend.jobs import JobConflict, Jobs
+from backend.profiles import profile_for
 from backend.store import StoreError
 from planner import __version__
 from planner.catalogue import UnsupportedModelTypeError, catalogue_model, load_catalogue
-from planner.errors import PlannerError, UnknownModelError, UnknownNameError
+from planner.errors import NO_VALUE, PlannerError, UnknownModelError, UnknownNameError
 from planner.gpus import gpu as lookup_gpu, load_gpus
 from planner.presets import PRESETS
 from planner.schema import (EstimateRequest, EstimateResult, GpuName, PlanRequest, PlanResult, TimeoutSeconds,
@@ -89,15 +88,17 @@ AUTH_ERRORS = {401: {"model": Message, "description": "no token configured, or a
                503: {"model": Message, "description": "the runs database is unusable (not ours, corrupt)"}}
 READ_ERRORS = {401: {"model": Message, "description": "a token is configured and the bearer token is missing or wrong"},
                503: {"model": Message, "description": "the runs database is unusable (not ours, corrupt)"}}
-_FIELD_PREFIX = re.compile(r"^(--)?([A-Za-z_][\w.\[\]-]*)(\(|:| must| is| =|=)")
 
 
-def validation_detail(message: str) -> list[dict[str, Any]]:
-    """A domain error as one FastAPI validation error; loc names the field the message starts with
-    (``hidden_size(4096) is not divisible ...`` -> body.hidden_size)."""
-    match = _FIELD_PREFIX.match(message)
-    loc = ["body", *match.group(2).replace("-", "_").split(".")] if match else ["body"]
-    return [{"loc": loc, "msg": message, "type": "value_error"}]
+def validation_detail(exc: PlannerError) -> list[dict[str, Any]]:
+    """A domain error as one FastAPI validation error: loc is the field the error names as data
+    (``model_config.hidden_size`` -> body.model_config.hidden_size; none: the body as a whole),
+    and input the rejected value where the error carries it."""
+    loc = ["body", *exc.field.split(".")] if exc.field else ["body"]
+    detail: dict[str, Any] = {"loc": loc, "msg": str(exc), "type": "value_error"}
+    if exc.value is not NO_VALUE:
+        detail["input"] = exc.value
+    return [detail]
 
 
 def json_safe(value: Any) -> Any:
@@ -198,103 +199,6 @@ class BodyLimit:
         return await self.app(scope, replay, send)
 
 
-class Stop(threading.Event):
-    """A run's cancel signal, with the state it ends in: 'cancelled' by DELETE, 'interrupted' when
-    the server stops."""
-
-    status, message = "cancelled", "cancelled"
-
-    def interrupt(self, message: str) -> None:
-        self.status, self.message = "interrupted", message
-        self.set()
-
-
-class Jobs:
-    """Verify runs, one at a time per device set, on a worker thread; records live in the runs DB."""
-
-    def __init__(self, db: str | None):
-        self.db = db
-        self.lock = threading.Lock()
-        self.cancels: dict[int, Stop] = {}
-        self.threads: dict[int, threading.Thread] = {}
-        self.busy: set[str] = set()
-        self.progress: dict[int, tuple[int, int]] = {}  # run id -> (steps done, steps in all)
-
-    def store(self):
-        """The runs database for reading: never created here (a verify creates it)."""
-        from backend.store import RunStore
-
-        return RunStore(self.db)
-
-    def start(self, body: VerifyBody) -> int:
-        from backend.verify import verify
-
-        devices = body.request.gpu
-        with self.lock:
-            if devices in self.busy:
-                raise HTTPException(409, f"a verify run is already running on {devices}; wait or cancel it")
-            self.busy.add(devices)
-        started = threading.Event()
-        holder: dict[str, Any] = {}
-        cancel = Stop()
-
-        def on_start(run_id: int) -> None:
-            holder["id"] = run_id
-            self.cancels[run_id] = cancel
-            self.threads[run_id] = threading.current_thread()
-            started.set()
-
-        def on_progress(done: int, total: int) -> None:
-            if "id" in holder:
-                self.progress[holder["id"]] = (done, total)
-
-        def work() -> None:
-            try:
-                verify(body.request, steps=body.steps, warmup_steps=body.warmup_steps,
-                       timeout_seconds=body.timeout_seconds, db=self.db, cancel=cancel, on_start=on_start,
-                       on_progress=on_progress)
-            except Exception as exc:  # recorded by verify() as refused; keep the reason for the caller
-                holder["error"] = exc
-            finally:
-                with self.lock:
-                    self.busy.discard(devices)
-                started.set()
-
-        threading.Thread(target=work, daemon=True, name=f"verify-{devices}").start()
-        started.wait(timeout=60)
-        if "id" not in holder:
-            error = holder.get("error")
-            if isinstance(error, StoreError):
-                raise HTTPException(503, str(error))
-            if isinstance(error, PlannerError) and error.args[0].startswith("another planner verify is running"):
-                raise HTTPException(409, str(error))
-            raise HTTPException(422, validation_detail(str(error or "the run could not start")))
-        return holder["id"]
-
-    def cancel(self, run_id: int) -> dict[str, Any]:
-        run = self.store().get(run_id)
-        event = self.cancels.get(run_id)
-        if run["status"] != "running":
-            raise HTTPException(409, f"run {run_id} is {run['status']}, not running")
-        if event is None:
-            raise HTTPException(409, f"run {run_id} is running in another planner process (a CLI verify or "
-                                     "another server); end it there: Ctrl-C or SIGTERM")
-        event.set()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and self.store().get(run_id)["status"] == "running":
-            time.sleep(0.2)
-        return self.store().get(run_id)
-
-    def interrupt_all(self, message: str, wait_seconds: float = 60.0) -> None:
-        """End every run of this server, recorded as interrupted (the server is stopping)."""
-        running = [(i, t) for i, t in self.threads.items() if t.is_alive()]
-        for run_id, _ in running:
-            self.cancels[run_id].interrupt(message)
-        deadline = time.monotonic() + wait_seconds
-        for _, thread in running:
-            thread.join(max(0.0, deadline - time.monotonic()))
-
-
 LOOP_LAYER_LIMIT = 200  # a config with more layers is answered in the threadpool (the core reads it layer by layer)
 
 
@@ -343,6 +247,10 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
     async def _store_unusable(_: Request, exc: PlannerError):
         return JSONResponse({"detail": str(exc)}, status_code=503)
 
+    @app.exception_handler(JobConflict)
+    async def _conflict(_: Request, exc: PlannerError):
+        return JSONResponse({"detail": str(exc)}, status_code=409)
+
     @app.exception_handler(UnknownModelError)
     @app.exception_handler(UnknownNameError)
     async def _not_found(_: Request, exc: PlannerError):
@@ -354,7 +262,7 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
 
     @app.exception_handler(PlannerError)
     async def _invalid(_: Request, exc: PlannerError):
-        return JSONResponse({"detail": validation_detail(str(exc))}, status_code=422)
+        return JSONResponse({"detail": json_safe(jsonable_encoder(validation_detail(exc)))}, status_code=422)
 
     @app.get("/healthz", tags=["service"])
     def healthz() -> dict[str, str]:
@@ -385,7 +293,12 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
     @app.post("/v1/topology", tags=["topology"], response_model=Topology)
     def topology(body: TopologyBody = Body(..., examples=[{"text": "\tGPU0\tGPU1\nGPU0\t X \tNV12\nGPU1\tNV12\t X \n",
                                                             "gpu": "a100-80gb"}])) -> Topology:
-        return parse_topology(body.text, lookup_gpu(body.gpu), source="POST /v1/topology")
+        try:
+            return parse_topology(body.text, lookup_gpu(body.gpu), source="POST /v1/topology")
+        except PlannerError as exc:  # the pasted text is this body's `text`, an estimate's `topology_text`
+            if exc.field == "topology_text":
+                exc.field = "text"
+            raise
 
     @app.post("/v1/estimate", tags=["planning"], response_model=EstimateResult, response_model_by_alias=True)
     async def estimate_route(body: EstimateRequest = Body(..., examples=[ESTIMATE_EXAMPLE])) -> EstimateResult:
@@ -411,7 +324,10 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
         from planner.memory import resolve
 
         resolve(body.request)  # refuse a bad request with 404/422 before anything starts
-        return RunStarted(id=jobs.start(body), status="running")
+        profile_for(body.request)  # a profile it names must exist, as for estimate
+        run_id = jobs.start(body.request, steps=body.steps, warmup_steps=body.warmup_steps,
+                            timeout_seconds=body.timeout_seconds)
+        return RunStarted(id=run_id, status="running")
 
     @app.get("/v1/runs", tags=["runs"], dependencies=[Depends(require_runs_access)], responses=READ_ERRORS)
     def runs(limit: int = Query(100, ge=1, le=10_000)) -> list[dict[str, Any]]:
@@ -434,7 +350,7 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
     def cancel(run_id: RunId) -> dict[str, Any]:
         try:
             return jobs.cancel(run_id)
-        except StoreError:
+        except (StoreError, JobConflict):
             raise
         except PlannerError as exc:
             raise HTTPException(404, str(exc)) from None

@@ -26,13 +26,15 @@ from planner.schema import PlanRequest
 from planner.topology import link_rates, parse_topology
 
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
+DEGREES = ("tp", "pp", "cp", "ep")  # planner/parallel.py DEGREE_FIELDS: empty on the form lets the planner choose
 FORM_FIELDS = ("model", "gpu", "gpus", "nodes", "topology", "fabric", "nics_per_node", "host_memory_gib", "seq_len",
-               "global_batch", "precision", "optimizer", "model_config", "topology_text")
+               "global_batch", "precision", "optimizer", "model_config", "topology_text", *DEGREES)
 # The form starts at the schema's own defaults (planner/schema.py defines them once for estimate
 # and plan); the model field has none, so the page shows the PlanRequest example.
 DEFAULTS = {name: ("" if field.default is None else field.default)
             for name, field in PlanRequest.model_fields.items() if name != "model_config_"}
 DEFAULTS["model"] = PlanRequest.model_fields["model"].examples[0]
+DEFAULTS |= {name: "" for name in DEGREES}  # not the schema's 1: what the planner chooses, unless given
 
 
 def _form(request: Request) -> dict[str, typing.Any]:
@@ -52,12 +54,33 @@ def _plan_request(form: dict[str, typing.Any]) -> PlanRequest:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ())) or "form"
-        raise PlannerError(f"{where}: {first.get('msg', 'invalid').removeprefix('Value error, ')}") from None
+        raise PlannerError(f"{where}: {first.get('msg', 'invalid').removeprefix('Value error, ')}",
+                           field=where if where != "form" else None) from None
 
 
 def _fabrics() -> list[tuple[str, str]]:
     """The inter-node fabrics of the catalogue (data/links.yaml), each with its per-NIC rate."""
     return [(name, f"{name} ({spec['gbps']:g} GB/s per NIC)") for name, spec in link_rates()["fabric"].items()]
+
+
+def _degree_inputs() -> list[dict[str, typing.Any]]:
+    """The degree fields as the form shows them, from the schema: name, description, bounds."""
+    inputs = []
+    for name in DEGREES:
+        field = PlanRequest.model_fields[name]
+        bounds = {type(m).__name__: m for m in field.metadata}
+        inputs.append({"name": name, "help": field.description or "",
+                       "min": getattr(bounds.get("Ge"), "ge", 1), "max": getattr(bounds.get("Le"), "le", "")})
+    return inputs
+
+
+def _layout(req: PlanRequest, candidate, topo):
+    """The candidate's layout on the pictured node (its TP groups and PP stages), or None."""
+    if candidate is None or topo is None or req.gpus > len(topo.gpus):
+        return None
+    from planner.parallel import ParallelDims, node_layout
+
+    return node_layout(ParallelDims(**candidate.parallel.model_dump()), req.gpus)
 
 
 def _field_help() -> dict[str, str]:
@@ -69,6 +92,7 @@ def _page(request: Request, form: dict, **extra) -> HTMLResponse:
     context = dict(request=request, form=form, models=list(load_catalogue()), gpus=[g for g in load_gpus() if g != "cpu"],
                    topologies=sorted(PRESETS), precisions=typing.get_args(Precision),
                    optimizers=typing.get_args(Optimizer), fabrics=_fabrics(), field_help=_field_help(),
+                   degrees=_degree_inputs(),
                    strategy_label=strategy_label, result=None, error=None)
     context.update(extra)
     return TEMPLATES.TemplateResponse(request, "index.html", context, status_code=extra.get("status", 200))
@@ -132,7 +156,8 @@ def add_pages(app: FastAPI) -> None:
         files = sorted(emit_files(req, result.recommended).items()) if result.recommended else []
         query = urlencode({k: v for k, v in form.items() if v not in ("", None)})
         return _page(request, form, result=result, req=req, bars=bars, best=best,
-                     topology_svg=topology_svg(topo) if topo else "", files=files, query=query,
+                     topology_svg=topology_svg(topo, layout=_layout(req, result.recommended, topo)) if topo else "",
+                     files=files, query=query,
                      notes="; ".join(result.notes), token_configured=_token() is not None)
 
     @app.get("/download/{name}", response_class=PlainTextResponse, include_in_schema=False)
@@ -151,7 +176,9 @@ def add_pages(app: FastAPI) -> None:
         if expected is None or not token_matches(token, expected):
             raise HTTPException(401, "wrong or missing token")
         req, candidate = _recommended(request, 422, "nothing fits, so nothing is run")
-        run_id = app.state.jobs.start(VerifyBody(request=estimate_request_for(req, candidate)))
+        defaults = VerifyBody.model_fields
+        run_id = app.state.jobs.start(estimate_request_for(req, candidate), steps=defaults["steps"].default,
+                                      warmup_steps=defaults["warmup_steps"].default)
         response = RedirectResponse(f"/runs/{run_id}", status_code=303)
         # the run's page is behind the token too: the browser that gave it may read run pages
         response.set_cookie(RUNS_COOKIE, _runs_pass(expected), httponly=True, samesite="strict", path="/runs")
@@ -159,7 +186,7 @@ def add_pages(app: FastAPI) -> None:
 
     @app.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
     def run_page(run_id: int, request: Request) -> HTMLResponse:
-        from cli.render import verify_table
+        from backend.report import verify_table
         from web.app import UNAUTHORIZED, bearer, runs_are_private, token_matches
 
         expected = _token()

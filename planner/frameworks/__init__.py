@@ -102,11 +102,11 @@ def check_sharded_offload(s: "Strategy", offload_optimizer: str, offload_params:
     if offload_optimizer != "none" and not s.shards_optimizer:
         raise PlannerError(
             f"offload_optimizer={offload_optimizer} needs a sharded optimizer (zero1-3 or an FSDP variant); "
-            f"strategy {s.name} keeps the optimizer on the device")
+            f"strategy {s.name} keeps the optimizer on the device", field="offload_optimizer")
     if offload_params != "none" and not params_ok:
         raise PlannerError(
             f"offload_params={offload_params} needs zero3 (ZeRO-Infinity) or fsdp/hsdp (CPU offload); "
-            f"strategy {s.name} does not offload parameters")
+            f"strategy {s.name} does not offload parameters", field="offload_params")
 
 
 _REGISTRY: dict[tuple[str, str], Framework] = {}

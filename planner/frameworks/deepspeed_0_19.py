@@ -82,7 +82,8 @@ class DeepSpeedZero(Framework):
     def check_precision(self, s: "Strategy", precision: str) -> None:
         if RECIPES[precision].casts_model:
             raise PlannerError("precision bf16-pure (no fp32 master) is not what DeepSpeed's bf16 mode does: "
-                               "it always keeps fp32 master weights; use bf16-mixed with zero0-3, or ddp/fsdp for bf16-pure")
+                               "it always keeps fp32 master weights; use bf16-mixed with zero0-3, or ddp/fsdp for bf16-pure",
+                               field="precision")
 
     def ds_config(self, setup: "Setup", request: Any) -> dict[str, Any]:
         """The ds_config of this setting (planner/dsconfig.py build_ds_config): stage, precision,
@@ -140,7 +141,12 @@ def _partition_span(numels: list[int], dp: int) -> tuple[int, int]:
 
     ZeRO-1/2 flatten the 16-bit parameters in order and cut the flat buffer into dp equal
     partitions; grads_in_partition holds every parameter that overlaps the partition, whole
-    (stage_1_and_2.py: total_size = sum of params_in_partition numels)."""
+    (stage_1_and_2.py: total_size = sum of params_in_partition numels).
+
+    Up to PURE_PYTHON_RANKS ranks the partitions are walked with bisect (a single estimate then
+    imports no numpy); beyond, numpy does the same searches at once. Integers either way."""
+    if dp <= PURE_PYTHON_RANKS:
+        return _partition_span_bisect(numels, dp)
     import numpy as np
 
     sizes = np.asarray(numels, dtype=np.int64)
@@ -153,6 +159,30 @@ def _partition_span(numels: list[int], dp: int) -> tuple[int, int]:
     first = np.searchsorted(ends, lo, side="right")  # first parameter ending after lo
     last = np.minimum(np.searchsorted(ends, hi, side="left"), len(sizes) - 1)  # last one starting before hi
     best = int((ends[last] - (ends[first] - sizes[first])).max()) if lo.size else 0
+    return part, best
+
+
+PURE_PYTHON_RANKS = 4096
+
+
+def _partition_span_bisect(numels: list[int], dp: int) -> tuple[int, int]:
+    """_partition_span one rank at a time: bisect_right / bisect_left are numpy's searchsorted
+    sides "right" / "left"."""
+    import bisect
+    import itertools
+
+    total = sum(numels)
+    part = ceil_div(total, dp)
+    ends = list(itertools.accumulate(numels))  # parameter k spans [ends[k] - numels[k], ends[k])
+    best = 0
+    for rank in range(min(dp, total)):
+        lo = rank * part
+        if lo >= total:
+            break
+        hi = min(lo + part, total)
+        first = bisect.bisect_right(ends, lo)  # first parameter ending after lo
+        last = min(bisect.bisect_left(ends, hi), len(numels) - 1)  # last one starting before hi
+        best = max(best, ends[last] - (ends[first] - numels[first]))
     return part, best
 
 

@@ -84,19 +84,22 @@ class TorchDistributed(Framework):
         check_sharded_offload(s, offload_optimizer, offload_params,
                               params_ok=s.shards_parameters and not s.params_unsharded_in_step)
         if offload_params == "nvme":
-            raise PlannerError(f"offload_params=nvme is not available with {s.name}: FSDP offloads to CPU only")
+            raise PlannerError(f"offload_params=nvme is not available with {s.name}: FSDP offloads to CPU only",
+                               field="offload_params")
         if offload_optimizer == "nvme":
-            raise PlannerError(f"offload_optimizer=nvme is not available with {s.name}: FSDP offloads to CPU only")
+            raise PlannerError(f"offload_optimizer=nvme is not available with {s.name}: FSDP offloads to CPU only",
+                               field="offload_optimizer")
         if s.shards_optimizer and (offload_optimizer == "cpu") != (offload_params == "cpu"):
             raise PlannerError(
                 f"{s.name} offloads parameters, gradients and optimizer states together (CPUOffload(offload_params=True)); "
-                f"set offload_optimizer and offload_params both to cpu, got {offload_optimizer} and {offload_params}")
+                f"set offload_optimizer and offload_params both to cpu, got {offload_optimizer} and {offload_params}",
+                field="offload_optimizer")
 
     def worker_settings(self, setup: "Setup", request: Any) -> dict[str, Any]:
         """How the rank wraps the model (backend/train.py _torch_engine)."""
         if request.optimizer not in ("adamw", "sgd"):
             raise PlannerError(f"optimizer {request.optimizer}: the torch strategies' probe trains with torch's own "
-                               "optimizers, adamw or sgd")
+                               "optimizers, adamw or sgd", field="optimizer")
         # the compute dtype and whether the whole model is cast to it, for the rank's MixedPrecisionPolicy
         dtype, pure = RECIPES[request.precision].reduced_dtype, RECIPES[request.precision].casts_model
         return {"framework": self.name, "torch": {

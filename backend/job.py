@@ -1,0 +1,112 @@
+"""What every rank of a verify run is told: the typed job `backend.launch` writes as job.json and
+`backend.worker` reads back, validated, before any heavy import.
+
+The rank's trainer (backend/train.py) reads it as the plain mapping ``VerifyJob.for_rank()`` gives,
+with the JSON's key names (``model_config`` included).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class TorchSettings(BaseModel):
+    """How a rank wraps the model for a torch strategy (backend/train.py _torch_engine)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    strategy: Literal["ddp", "fsdp", "fsdp-grad-op", "hsdp"]
+    sharding: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"] | None = Field(
+        description="FSDP2's sharding, None for DDP")
+    compute_dtype: Literal["bf16", "fp16"] | None = Field(description="autocast / FSDP2 param dtype; None: fp32")
+    pure_16bit: bool = Field(description="weights kept in the 16-bit dtype (bf16-pure), no fp32 master")
+    optimizer: Literal["adamw", "sgd"]
+    offload: bool = Field(description="FSDP2 CPUOffloadPolicy (parameters and gradients on the host)")
+    replicas: int = Field(ge=1, description="HSDP replica groups (1 otherwise)")
+    shard_size: int = Field(ge=1, description="ranks per shard group")
+
+
+class FinetuneSettings(BaseModel):
+    """The adapters and the base's storage a LoRA/QLoRA rank builds (backend/finetune.py), as
+    backend/launch.py finetune_job resolves them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(ge=1)
+    alpha: float
+    dropout: float = Field(ge=0, lt=1)
+    quantize: Literal["none", "nf4", "fp4", "int8"]
+    targets: list[str]
+    modules_to_save: list[str] | None = None
+    compute_dtype: Literal["bf16", "fp16"] | None
+    base_dtype: Literal["bf16", "fp16"] | None
+
+
+class PipelineSettings(BaseModel):
+    """How a pipeline-parallel rank splits and schedules the model (backend/train_pipeline.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pp: int = Field(ge=2)
+    dp: int = Field(ge=1)
+    schedule: Literal["gpipe", "1f1b", "interleaved"]
+    virtual_stages: int = Field(ge=1)
+    dp_strategy: Literal["fsdp", "none"]
+    compute_dtype: Literal["bf16", "fp16"] | None
+    optimizer: Literal["adamw", "sgd"]
+
+
+class ParallelSettings(BaseModel):
+    """How a tensor-parallel rank lays out its mesh (backend/train_parallel.py): (dp_shard, tp), tp innermost."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dp_shard: int = Field(ge=1)
+    tp: int = Field(ge=2)
+    sequence_parallel: bool
+
+
+class VerifyJob(BaseModel):
+    """One verify run, as every rank receives it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    hf_config: dict[str, Any] = Field(alias="model_config", description="the Hugging Face config the rank builds")
+    attn_implementation: Literal["sdpa", "eager"]
+    checkpointing: Literal["none", "full"]
+    micro_batch: int = Field(ge=1)
+    seq_len: int = Field(ge=1)
+    gradient_accumulation: int = Field(ge=1)
+    steps: int = Field(ge=1)
+    warmup_steps: int = Field(ge=0)
+    device: Literal["cpu", "cuda"]
+    dist_backend: Literal["gloo", "nccl"] | None = Field(description="None: the framework's default (NCCL)")
+    out_dir: str = Field(description="where each rank writes rank<N>.json and its progress")
+    seed: int = 0
+    framework: Literal["deepspeed", "torch"]
+    ds_config: dict[str, Any] | None = Field(None, description="the DeepSpeed JSON (framework deepspeed)")
+    torch: TorchSettings | None = Field(None, description="the torch wrapping (framework torch)")
+    predicted_peak_bytes: int | None = Field(None, description="shown beside the measurement (--plan runs)")
+    trace_peak: bool = Field(False, description="record every allocation of the last step (backend/train.py)")
+    trace_stacks: bool = Field(True, description="with trace_peak: Python stacks per allocation (large)")
+    finetune: FinetuneSettings | None = Field(None, description="LoRA/QLoRA adapters on a frozen base")
+    pipeline: PipelineSettings | None = Field(None, description="pipeline stages and schedule (torch pipelining)")
+    parallel: ParallelSettings | None = Field(None, description="tensor parallelism x FSDP2 (DTensor)")
+    vocab_size: int | None = Field(None, ge=1, description="the pipeline's last stage sizes its loss with it")
+
+    @model_validator(mode="after")
+    def _framework_settings(self) -> VerifyJob:
+        if self.framework == "deepspeed" and self.ds_config is None:
+            raise ValueError("framework deepspeed needs ds_config")
+        if self.framework == "torch" and self.torch is None and self.pipeline is None:
+            raise ValueError("framework torch needs torch or pipeline settings")
+        return self
+
+    def for_rank(self) -> dict[str, Any]:
+        """The mapping backend/train.py reads (JSON key names)."""
+        return self.model_dump(by_alias=True)
+
+    def to_json(self) -> str:
+        return self.model_dump_json(by_alias=True, indent=1)

@@ -1,0 +1,630 @@
+"""Pipeline parallelism: the stages, the schedules, and the memory of the worst stage (issue 12).
+
+A decoder-only model is cut into ``pp * virtual_stages`` stages of consecutive blocks, as
+torchtitan's manual split and Megatron do: the token embedding on the first stage, the final norm
+and the LM head (and the loss) on the last. Rank r runs stages r, r + pp, r + 2pp, ... (the looped
+placement of torch 2.13's interleaved schedule).
+
+What a rank holds during the step is simulated action by action, in the order torch 2.13's
+schedules run them (torch/distributed/pipelining/schedules.py): ScheduleGPipe (every forward,
+then every backward), Schedule1F1B (``min(m, pp - stage)`` forwards of warm-up, then one
+backward and one forward, then the cool-down backwards) and ScheduleInterleaved1F1B
+(``_get_warmup_ops`` / ``_get_1f1b_rank_ops``). Each micro-batch in flight on a stage holds the
+activations its blocks saved and the stage's output, which PipelineStage keeps in ``fwd_cache``
+until that micro-batch's backward (pipelining/stage.py forward_one_chunk). A stage that receives
+keeps one receive buffer per micro-batch for the whole step, and one for the incoming gradient
+per micro-batch on a stage that sends (stage.py _setup_forward_recv_info, _create_grad_recv_info):
+both are allocated once and stay between steps.
+
+The bubble of a synchronous schedule is ``(pp - 1) / (m * v + pp - 1)`` of the step (Narayanan
+et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", Sec. 2.2: (p-1)/m of the ideal time, divided by v for the interleaved schedule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from planner.activations import FP32, block_saved_bytes, edge_terms
+from planner.architecture import Architecture, block_numels, layer_specs, norm_numels
+from planner.errors import PlannerError
+from planner.moments import PhaseKind
+from planner.schema import MemoryItem, Phase
+
+if TYPE_CHECKING:
+    from planner.buffers import PhasePlan
+    from planner.memory import Setup
+
+Schedule = Literal["gpipe", "1f1b", "interleaved"]
+SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "gpipe")
+
+
+@dataclass(frozen=True)
+class Action:
+    stage: int
+    kind: Literal["F", "B"]
+    micro_batch: int
+
+
+def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """The idle share of a synchronous pipeline step: (p-1) / (m*v + p-1) (Narayanan et al. 2021)."""
+    return (pp - 1) / (micro_batches * virtual_stages + pp - 1)
+
+
+def check_schedule(pp: int, schedule: str, virtual_stages: int, micro_batches: int, num_layers: int) -> None:
+    """Refuse what torch 2.13's schedules refuse, and a layer count the stages do not divide."""
+    if schedule not in SCHEDULES:
+        raise PlannerError(f"pp_schedule({schedule!r}) is unknown; choose one of {', '.join(SCHEDULES)}")
+    if schedule != "interleaved" and virtual_stages != 1:
+        raise PlannerError(f"pp_virtual_stages({virtual_stages}) needs pp_schedule interleaved, got {schedule}")
+    stages = pp * virtual_stages
+    if num_layers < stages:
+        # torchtitan's generate_split_points: "Total stages cannot be greater than the number of layers"
+        raise PlannerError(f"num_layers({num_layers}) is fewer than pp({pp}) * pp_virtual_stages({virtual_stages}) "
+                           f"= {stages} stages")
+    if schedule == "1f1b" and micro_batches < pp:
+        # Schedule1F1B.__init__: "Number of microbatches must be greater than or equal to the number of stages"
+        raise PlannerError(f"gradient_accumulation({micro_batches}) micro-batches must be at least pp({pp}) for "
+                           "pp_schedule 1f1b (torch's Schedule1F1B refuses fewer); raise it, or use gpipe")
+    if schedule == "interleaved":
+        rounds = max(1, micro_batches // pp)
+        if micro_batches % rounds:
+            # ScheduleInterleaved1F1B.__init__: micro-batches a multiple of the rounds
+            raise PlannerError(f"gradient_accumulation({micro_batches}) micro-batches must be a multiple of "
+                               f"max(1, gradient_accumulation // pp({pp})) = {rounds} for pp_schedule interleaved "
+                               "(torch's ScheduleInterleaved1F1B)")
+
+
+def rank_actions(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> list[Action]:
+    """The forwards and backwards one rank runs, in torch 2.13's order (idle slots dropped)."""
+    m = micro_batches
+    if schedule == "gpipe":
+        return [Action(rank, "F", i) for i in range(m)] + [Action(rank, "B", i) for i in range(m)]
+    if schedule == "1f1b":
+        warmup = min(m, pp - rank)
+        out = [Action(rank, "F", i) for i in range(warmup)]
+        forward = warmup
+        for backward in range(m):
+            out.append(Action(rank, "B", backward))
+            if forward < m:
+                out.append(Action(rank, "F", forward))
+                forward += 1
+        return out
+    # ScheduleInterleaved1F1B._calculate_single_rank_operations
+    v = virtual_stages
+    rounds = max(1, m // pp)
+    per_round = m // rounds
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+    total = m * v
+    fwd_bwd = total - warmup
+
+    def forward_stage(step: int) -> int:
+        return ((step // per_round) % v) * pp + rank
+
+    def backward_stage(step: int) -> int:
+        return (v - 1 - ((step - warmup) // per_round) % v) * pp + rank
+
+    counts_f: dict[int, int] = {}
+    counts_b: dict[int, int] = {}
+    out = []
+
+    def push(kind: str, stage: int) -> None:
+        counts = counts_f if kind == "F" else counts_b
+        out.append(Action(stage, kind, counts.get(stage, 0)))
+        counts[stage] = counts.get(stage, 0) + 1
+
+    for op in range(warmup + fwd_bwd + warmup):
+        if op < warmup:
+            push("F", forward_stage(op))
+        elif op < warmup + fwd_bwd:
+            push("F", forward_stage(op))
+            push("B", backward_stage(op))
+        else:
+            push("B", backward_stage(op))
+    return out
+
+
+def max_in_flight(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> int:
+    """Micro-batch chunks whose activations a rank holds at once (gpipe: m; 1f1b: min(pp - rank, m);
+    interleaved: its warm-up plus one, at most m x v)."""
+    live = peak = 0
+    for action in rank_actions(schedule, pp, virtual_stages, micro_batches, rank):
+        live += 1 if action.kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def stage_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """[first, last) blocks of each stage, split as torchtitan does when no split points are
+    given (torchtitan/distributed/pipeline.py generate_split_points): every stage gets
+    ``layers // stages`` blocks, the remainder goes one each to the middle stages (the first
+    holds the embedding, the last the head), and the last stage takes what is left."""
+    base, extra = divmod(num_layers, stages)
+    bounds, start = [], 0
+    for index in range(stages - 1):
+        size = base + (1 if index > 0 and extra > 0 else 0)
+        if index > 0 and extra > 0:
+            extra -= 1
+        bounds.append((start, start + size))
+        start += size
+    bounds.append((start, num_layers))
+    return bounds
+
+
+# --- stages ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    first_block: int
+    last_block: int  # exclusive
+    is_first: bool
+    is_last: bool
+    parameters: int
+    largest_tensor: int
+    activation_bytes: int  # one micro-batch in flight: saved activations and the stage's output
+    output_bytes: int  # what it sends forward per micro-batch (0 on the last stage)
+    input_bytes: int  # what it receives per micro-batch (0 on the first stage)
+    transient_bytes: int  # on top, at the start of one micro-batch's backward
+
+
+def _autocast(setup: "Setup", dp: int) -> bool:
+    """Mixed precision by torch.autocast (fp32 weights, 16-bit matmuls): DDP or no wrapper; FSDP2
+    over dp > 1 casts the weights themselves (MixedPrecisionPolicy param_dtype); DeepSpeed holds
+    16-bit weights."""
+    return (setup.recipe.compute != "fp32" and setup.recipe.master_bits > 0 and setup.strategy.framework == "torch"
+            and not (dp > 1 and setup.strategy.shards_parameters))
+
+
+def _autocast_fp32_stream_extra(spec) -> int:
+    """Bytes per token x hidden element a block saves beyond activations.py's 16-bit count when
+    autocast runs it on an fp32 residual stream (fp32 weights: the stage receives fp32, and the
+    embedding's output is fp32). A Llama-style RMSNorm then makes ``x * rsqrt`` in fp32 (saved for
+    the weight's gradient: 2 bytes more than a 16-bit one) and an fp32 output, which autocast casts
+    to bf16 once per linear that reads it, each cast saved by its linear: q, k and v cast it three
+    times, gate and up twice, where activations.py counts one 16-bit copy (torch 2.13 autocast
+    caches only leaf weights' casts, aten/src/ATen/autocast_mode.cpp cached_cast). Measured on the
+    bf16 pipeline runs (tests/real_runs.py llama-pp2-1f1b-bf16-m4, peak trace by site)."""
+    if spec.norm != "rmsnorm" or spec.norm_weight != "cast":
+        return 0
+    attention = spec.attention
+    extra = 2 * spec.norms
+    if attention.kind != "mla" and not attention.fused_qkv:
+        extra += 2 * 2  # k and v cast the normed input again
+    mlp = spec.mlp
+    if not mlp.is_moe and mlp.gated and not mlp.fused_gate_up:
+        extra += 2  # up casts it again beside gate
+    return extra
+
+
+def _stream_bytes(setup: "Setup", dp: int) -> int:
+    """Bytes per element of the residual stream between blocks: fp32 when the weights are (fp32
+    training, autocast), else the 16-bit compute dtype."""
+    return FP32 if setup.recipe.compute == "fp32" or _autocast(setup, dp) else 2
+
+
+def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[Stage]:
+    a: Architecture = setup.arch
+    req = setup.request
+    count = pp * virtual_stages
+    bounds = stage_bounds(a.num_layers, count)
+    tokens = req.micro_batch * req.seq_len
+    b = 4 if setup.recipe.compute == "fp32" else 2
+    attention = "eager" if a.attention_implementation == "eager" else req.attention
+    stream = _stream_bytes(setup, dp)
+    autocast = _autocast(setup, dp)
+    h, vocab = a.hidden_size, a.vocab_size
+    specs = layer_specs(a)
+    blocks_numels = block_numels(a)
+    edges = edge_terms(a, tokens, req.seq_len, b, setup.device)
+    checkpointed = req.checkpointing == "full"
+    embedding = vocab * h + a.learned_positions * h
+    head = vocab * h  # the last stage's own copy when the embedding is tied (torchtitan unties)
+    out = []
+    for index in range(count):
+        first, last = bounds[index]
+        is_first, is_last = index == 0, index == count - 1
+        tensors = [n for block in blocks_numels[first:last] for n in block]
+        if is_first:
+            tensors += [vocab * h] + ([a.learned_positions * h] if a.learned_positions else [])
+        if is_last:
+            tensors += norm_numels(a.norm, h) + [head]
+        if checkpointed:
+            kept = (last - first) * b * tokens * h
+        else:
+            kept = sum(block_saved_bytes(a, specs[i], tokens, req.seq_len, req.micro_batch, b, attention,
+                                         setup.device) for i in range(first, last))
+        acts = kept + edges.rope_saved
+        if autocast:
+            acts += sum(_autocast_fp32_stream_extra(specs[i]) for i in range(first, last)) * tokens * h
+            # torch.autocast casts each linear's weight once per forward and clears its cache when
+            # the context exits (torch/amp/autocast_mode.py __exit__): every micro-batch's forward
+            # makes its own 16-bit copies, which its graph saves until its backward
+            linear = sum(n for block in blocks_numels[first:last] for n in block if n > h) + (head if is_last else 0)
+            acts += b * linear
+        if not is_first and (checkpointed or stream == FP32):
+            # the first block's saved input is the receive buffer itself (counted once, as a buffer)
+            acts -= (b if checkpointed else stream) * tokens * h
+        if is_first:
+            acts += edges.embedding_saved
+        if is_last:
+            # the loss's saved set (its RoPE share is _rope_saved above) and the logits, the
+            # stage's output, kept in fwd_cache until this micro-batch's backward
+            logits = b * tokens * vocab  # the LM head's output dtype (autocast or 16-bit weights: 16-bit)
+            acts += edges.final_norm_saved + edges.loss_saved + logits
+            transient = edges.loss_transient
+        else:
+            acts += stream * tokens * h
+            transient = edges.layer_transient
+        if checkpointed:
+            one = block_saved_bytes(a, specs[first], tokens, req.seq_len, req.micro_batch, b, attention, setup.device)
+            transient = max(transient, one + edges.layer_transient)
+        out.append(Stage(index, first, last, is_first, is_last, sum(tensors), max(tensors), acts,
+                         0 if is_last else stream * tokens * h, 0 if is_first else stream * tokens * h, transient))
+    return out
+
+
+# --- memory of one rank ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RankMemory:
+    rank: int
+    stages: tuple[int, ...]
+    parameters: int
+    resident_bytes: int
+    peak_bytes: int
+    peak_phase: str
+    in_flight: int
+
+
+def _item(name: str, nbytes: int, component: str, source: str = "") -> MemoryItem:
+    return MemoryItem(name=name, bytes=int(nbytes), component=component, source=source)
+
+
+def _phase(kind: PhaseKind, name: str, items: list[MemoryItem]) -> Phase:
+    kept = [i for i in items if i.bytes > 0]
+    return Phase(name=name, bytes=sum(i.bytes for i in kept), items=kept, kind=kind)
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """How a stage's states are held over its data-parallel ranks: ``dp`` replicas of the stage,
+    its sharded states divided over ``shard`` of them (dp_shard: all of them, or HSDP's shard group)."""
+
+    dp: int
+    shard: int
+    shards_parameters: bool
+    shards_gradients: bool
+    shards_optimizer: bool
+
+
+def data_parallel(setup: "Setup", dp: int, shard: int | None = None) -> DataParallel:
+    s = setup.strategy
+    if dp == 1:
+        return DataParallel(1, 1, False, False, False)
+    return DataParallel(dp, shard or dp, s.shards_parameters, s.shards_gradients, s.shards_optimizer)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virtual_stages: int,
+                schedule: str, dp: DataParallel) -> tuple[list[MemoryItem], list[Phase]]:
+    """(what stays between steps, the phases a step can peak at) on one rank."""
+    from planner.precision import bits_to_bytes, optimizer_state_bits
+
+    r, req = setup.recipe, setup.request
+    m = req.gradient_accumulation
+    mine = [all_stages[rank + k * pp] for k in range(virtual_stages)]
+    params = sum(s.parameters for s in mine)
+    largest = max(s.largest_tensor for s in mine)
+    compute = 4 if r.compute == "fp32" else 2
+    torch_framework = setup.strategy.framework == "torch"
+    # torch (DDP, FSDP2, or no wrapper): the weights are the master copy (fp32 under the mixed
+    # recipes, as buffers._torch_phases stores them) and the optimizer keeps its states only;
+    # DeepSpeed's pipeline engine (ZeRO-0/1): 16-bit weights and gradients, fp32 master in the optimizer.
+    weight_bits = 32 if torch_framework and (r.master_bits or r.weight_bits == 32) else r.weight_bits
+    grad_bits = weight_bits if torch_framework else r.grad_bits
+    weights = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_parameters else params, weight_bits)
+    states_bits = (0 if torch_framework else r.master_bits) + optimizer_state_bits(req.optimizer)
+    optim = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_optimizer else params, states_bits)
+    recv = m * sum(s.input_bytes for s in mine)
+    grad_recv = m * sum(s.output_bytes for s in mine)
+    where = f"stages {', '.join(str(s.index) for s in mine)}" if len(mine) > 1 else f"stage {mine[0].index}"
+    resident = [
+        _item(f"parameters ({where}, {params:,} elements)", weights, "parameters"),
+        _item(f"optimizer states ({where})", optim, "optimizer_states"),
+        _item(f"activation receive buffers ({m} micro-batches)", recv, "buffers",
+              "torch pipelining stage.py _setup_forward_recv_info: one buffer per micro-batch"),
+        _item(f"gradient receive buffers ({m} micro-batches)", grad_recv, "buffers",
+              "torch pipelining stage.py _create_grad_recv_info: one buffer per micro-batch"),
+    ]
+    if setup.strategy.name == "ddp" and dp.dp > 1:
+        resident.append(_item("DDP gradient buckets (a copy of the gradients)", grad_bits // 8 * params, "buffers",
+                              "torch DDP Reducer, gradient_as_bucket_view=False"))
+    # During the schedule: FSDP2 keeps the stage's parameters unsharded (compute dtype) and
+    # accumulates unsharded gradients until the last backward (stage.py backward_maybe_with_nosync
+    # sets reshard_after_backward and requires_gradient_sync False; perform_reduce_grad at the end).
+    if dp.shards_parameters:
+        gathered = _item("unsharded parameters of the stage (FSDP2, kept for every micro-batch)",
+                         compute * params, "buffers", "pipelining/stage.py backward_maybe_with_nosync")
+        grads_during = _item("unsharded gradients, accumulated over micro-batches (FSDP2)", compute * params,
+                             "gradients", "reduce-scattered once, at perform_reduce_grad")
+    else:
+        gathered = _item("", 0, "buffers")
+        grads_during = None
+    grad_bytes_per = compute if dp.shards_parameters else grad_bits // 8
+    phases: list[Phase] = []
+    live: dict[int, int] = {}  # stage -> micro-batches in flight
+    done: set[int] = set()  # stages with gradients
+    by_index = {s.index: s for s in mine}
+    worst: dict[str, Phase] = {}
+
+    def grads_item() -> MemoryItem:
+        elements = sum(by_index[i].parameters for i in done)
+        return _item(f"gradients of {len(done)} of {len(mine)} local stage(s)", grad_bytes_per * elements, "gradients")
+
+    def acts_item() -> MemoryItem:
+        count = sum(live.values())
+        return _item(f"activations of {count} micro-batch chunk(s) in flight",
+                     sum(by_index[i].activation_bytes * n for i, n in live.items()), "activations",
+                     f"{schedule} schedule, torch 2.13 pipelining/schedules.py")
+
+    # Sends whose work the schedule waits for only at the step's end keep their tensors: ScheduleGPipe
+    # its backward sends (bwd_sends_to_wait), the interleaved runtime every send (send_ops, waited
+    # in _PipelineScheduleRuntime._step_microbatches after the last action); Schedule1F1B waits
+    # for each with the next receive.
+    held = [0]
+
+    def held_item() -> MemoryItem:
+        return _item("sent tensors held until the step ends (p2p works not yet waited)", held[0], "buffers",
+                     "torch 2.13 pipelining/schedules.py: send works waited after the last action")
+
+    for action in rank_actions(schedule, pp, virtual_stages, m, rank):
+        stage = by_index[action.stage]
+        if action.kind == "F":
+            live[stage.index] = live.get(stage.index, 0) + 1
+            continue
+        name = "loss backward" if stage.is_last else "stage backward"
+        items = resident + [gathered, grads_item(), acts_item(), held_item(),
+                            _item("backward transient", stage.transient_bytes, "activations")]
+        kind = PhaseKind.START_OF_BACKWARD if stage.is_last else PhaseKind.START_OF_BLOCK
+        candidate = _phase(kind, f"{name}, {sum(live.values())} micro-batches in flight", items)
+        if name not in worst or candidate.bytes > worst[name].bytes:
+            worst[name] = candidate
+        live[stage.index] -= 1
+        done.add(stage.index)
+        if schedule != "1f1b":
+            # the gradient of the stage's input, sent back; the runtime (interleaved) also keeps
+            # the stage's output it sent forward
+            held[0] += stage.input_bytes + (stage.output_bytes if schedule == "interleaved" else 0)
+        if stage.is_first and len(done) and action.micro_batch > 0:
+            # embedding_dense_backward's fresh V x h gradient, added into the accumulated one
+            items = resident + [gathered, grads_item(), acts_item(), held_item(),
+                                _item("embedding gradient being accumulated", grad_bytes_per * stage.largest_tensor,
+                                      "gradients")]
+            candidate = _phase(PhaseKind.END_OF_BACKWARD, "embedding backward (first stage)", items)
+            key = candidate.name
+            if key not in worst or candidate.bytes > worst[key].bytes:
+                worst[key] = candidate
+    phases.extend(worst.values())
+    # After the schedule: the reduction of the gradients over dp, and the optimizer step.
+    grads_full = grad_bits // 8 * (_ceil(params, dp.shard) if dp.shards_gradients else params)
+    step_items = resident + [_item("gradients", grads_full, "gradients")]
+    if dp.shards_parameters and grads_during is not None:
+        reduce_items = resident + [gathered, grads_during,
+                                   _item("sharded gradients (reduce-scatter output)", grad_bits // 8 * _ceil(params, dp.shard),
+                                         "gradients")]
+        phases.append(_phase(PhaseKind.GRADIENT_ALLREDUCE, "gradient reduce-scatter over dp", reduce_items))
+    temporaries = 2 * FP32 * (_ceil(largest, dp.shard) if dp.shards_optimizer else largest) \
+        if req.optimizer.startswith("adamw") and setup.device == "cpu" else 0
+    step_items.append(_item("optimizer step temporaries", temporaries, "buffers",
+                            "torch/optim/adam.py _single_tensor_adam: sqrt and division, fp32"))
+    phases.append(_phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step_items))
+    return resident, phases
+
+
+def check_framework(setup: "Setup", schedule: str) -> None:
+    """What the data-parallel framework's pipeline supports. DeepSpeed's PipelineEngine runs its
+    own 1F1B TrainSchedule (deepspeed/runtime/pipe/schedule.py) with ZeRO stage 0 or 1 only
+    (pipe/engine.py: "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"); torch's
+    pipelining composes with DDP and FSDP2 (torchtitan: FSDP2 / HSDP), every schedule."""
+    s = setup.strategy
+    if getattr(setup, "finetune", None) is not None:
+        raise PlannerError(f"pp={setup.dims.pp} with finetune {setup.request.finetune}: the pipeline model counts full "
+                           "fine-tuning; estimate LoRA/QLoRA without pp")
+    if setup.zero.offload_optimizer != "none" or setup.zero.offload_params != "none":
+        raise PlannerError(f"pp={setup.dims.pp} with offload: the pipeline model keeps every state on the device; "
+                           "use offload_optimizer none and offload_params none")
+    if s.framework != "deepspeed":
+        return
+    if (s.zero_stage or 0) >= 2:
+        raise PlannerError(f"pp={setup.dims.pp} with strategy {s.name}: DeepSpeed's pipeline engine supports "
+                           "ZeRO stage 0 or 1 only; use zero1, or fsdp (torch pipelining x FSDP2) to shard "
+                           "gradients and parameters")
+    if schedule != "1f1b":
+        raise PlannerError(f"pp_schedule={schedule} with strategy {s.name}: DeepSpeed's pipeline engine runs 1F1B "
+                           "only; use pp_schedule 1f1b, or a torch strategy (ddp, fsdp, hsdp) for torch's "
+                           f"{schedule} schedule")
+
+
+def estimate_plan(setup: "Setup") -> tuple["PhasePlan", tuple[int, int, int], list[RankMemory]]:
+    """The pipeline path of planner.memory.estimate: the worst rank's phases, its (parameters,
+    gradients, optimizer states) bytes, and every rank's summary."""
+    d, req = setup.dims, setup.request
+    check_framework(setup, req.pp_schedule)
+    shard = d.dp_shard if setup.strategy.shards_optimizer or setup.strategy.shards_parameters else d.dp
+    plan, ranks = pipeline_phases(setup, d.pp, req.pp_virtual_stages, req.pp_schedule, d.dp, shard)
+    resident = {i.component: 0 for i in plan.resident}
+    for i in plan.resident:
+        resident[i.component] = resident.get(i.component, 0) + i.bytes
+    step = next(p for p in plan.phases if p.kind == PhaseKind.OPTIMIZER_STEP)
+    grads = sum(i.bytes for i in step.items if i.component == "gradients")
+    return plan, (resident.get("parameters", 0), grads, resident.get("optimizer_states", 0)), ranks
+
+
+def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str, dp: int,
+                    shard: int | None = None) -> tuple["PhasePlan", list[RankMemory]]:
+    """The phase plan of the worst rank (highest peak) and a summary of every rank."""
+    from planner.buffers import PhasePlan
+
+    a = setup.arch
+    if a is None:
+        raise PlannerError(f"pp={pp} needs an architecture (its layers are split into stages): give a model, "
+                           "not params")
+    if setup.model.traced is not None:
+        raise PlannerError(f"pp={pp}: {setup.model.name} is estimated by tracing; its stages cannot be split")
+    check_schedule(pp, schedule, virtual_stages, setup.request.gradient_accumulation, a.num_layers)
+    all_stages = stages(setup, pp, virtual_stages, dp)
+    parallel = data_parallel(setup, dp, shard)
+    ranks: list[RankMemory] = []
+    plans = []
+    for rank in range(pp):
+        resident, phases = rank_phases(setup, all_stages, rank, pp, virtual_stages, schedule, parallel)
+        peak = max(phases, key=lambda p: p.bytes)
+        resident_bytes = sum(i.bytes for i in resident)
+        mine = tuple(rank + k * pp for k in range(virtual_stages))
+        ranks.append(RankMemory(rank, mine, sum(all_stages[i].parameters for i in mine), resident_bytes,
+                                peak.bytes, peak.name,
+                                max_in_flight(schedule, pp, virtual_stages, setup.request.gradient_accumulation, rank)))
+        plans.append((peak.bytes, resident_bytes, resident, phases))
+    worst = max(range(pp), key=lambda i: (plans[i][0], plans[i][1]))
+    _, resident_bytes, resident, phases = plans[worst]
+    sizes = sorted({s.last_block - s.first_block for s in all_stages})
+    notes = [f"pipeline: {pp} ranks x {virtual_stages} stage(s) of {'-'.join(map(str, sizes))} "
+             f"blocks (torchtitan's split), {schedule} schedule, {setup.request.gradient_accumulation} micro-batches; worst rank "
+             f"{worst} (stages {', '.join(map(str, ranks[worst].stages))}), bubble "
+             f"{bubble_fraction(pp, setup.request.gradient_accumulation, virtual_stages):.1%} of the step"]
+    notes += [f"pipeline rank {r.rank}: stages {list(r.stages)}, {r.parameters:,} parameters, up to {r.in_flight} "
+              f"micro-batch chunk(s) in flight, peak {r.peak_bytes:,} B ({r.peak_phase})" for r in ranks]
+    buffers = [i for i in resident if i.component == "buffers" and i.bytes > 0]
+    return PhasePlan(phases=phases, resident_bytes=resident_bytes, buffers=buffers, notes=notes,
+                     resident=[i for i in resident if i.bytes > 0]), ranks
+
+
+# --- time --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PipelineTime:
+    compute_seconds: float  # one rank's share of the step's compute, stretched by the bubble
+    bubble_seconds: float
+    p2p_bytes: int  # what one rank sends per step (activations forward, gradients back)
+    p2p_seconds: float
+    exposed_p2p_seconds: float
+
+
+def pipeline_time(replica_compute_seconds: float, pp: int, micro_batches: int, virtual_stages: int,
+                  boundary_bytes: int, link_gbps: float, latency_us: float = 0.0) -> PipelineTime:
+    """A pipeline step on one rank. ``replica_compute_seconds``: the compute of the step's
+    micro-batches through the whole model (one data-parallel replica's work); each rank does
+    1/pp of it, and the synchronous schedule idles a bubble of (p-1)/(m*v+p-1) of the step
+    (Narayanan et al. 2021, Sec. 2.2). ``boundary_bytes``: one micro-batch's activation at a
+    stage boundary (micro_batch x seq x hidden x dtype); every micro-batch crosses each of the
+    rank's v stage boundaries forward and its gradient crosses back. The sends of the steady state
+    overlap compute; those on the fill and the drain are on the critical path, once per boundary
+    of the pp*v - 1 in each direction. ``link_gbps``: the stage link's bandwidth in GB/s (the
+    slowest link between consecutive stages: NVLink inside a node, the NIC across nodes)."""
+    m, v = micro_batches, virtual_stages
+    ideal = replica_compute_seconds / pp
+    fraction = bubble_fraction(pp, m, v)
+    compute = ideal / (1.0 - fraction) if pp > 1 else ideal
+    sends = 2 * m * v if pp > 1 else 0
+    per_send = boundary_bytes / (link_gbps * 1e9) + latency_us * 1e-6 if link_gbps > 0 else 0.0
+    exposed = 2 * (pp * v - 1) * per_send if pp > 1 else 0.0
+    return PipelineTime(compute, compute - ideal, sends * boundary_bytes, sends * per_send, exposed)
+
+
+def _group_link(topo, gpus: int, stride: int, size: int, nic_gbps: float, link_efficiency: float) -> tuple[float, float]:
+    """(GB/s, latency µs) of the slowest link a group of ``size`` ranks ``stride`` apart crosses:
+    inside a node, its bottleneck NVLink/PCIe hop (planner/timing.py ring_over); across nodes, the
+    node's NICs shared by its GPUs, all of which send at once."""
+    from planner import timing
+
+    if stride * (size - 1) < gpus:
+        members = tuple(range(0, stride * size, stride))
+        _, bandwidth, latency = timing.ring_over(topo, members)
+        return bandwidth * link_efficiency, latency
+    return nic_gbps / max(1, gpus), 0.0
+
+
+def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_efficiency: float):
+    """The step time of one rank with pp and ep (planner/steptime.py estimate_time): the compute
+    of its stage stretched by the bubble, and the data-parallel collectives over its stage's
+    parameters only (1/pp of them); point-to-point sends between stages (exposed on the fill and
+    the drain) and the all-to-alls of expert parallelism (planner/experts.py: dispatch and combine
+    in forward, both again in backward, each MoE block and micro-batch; counted exposed: the
+    model overlaps none of them) on the links their groups cross. ``t``: timing.StepTime of the
+    replica without pp and ep."""
+    from dataclasses import replace as dc_replace
+
+    from planner import experts
+
+    d, req = setup.dims, setup.request
+    if d.pp == 1 and d.ep == 1:
+        return t
+    gpus = req.gpus
+    nic_gbps = nics * fabric["gbps"] * fabric["efficiency"] * link_efficiency
+    compute, comm, exposed = t.compute_seconds, t.communication_seconds / d.pp, t.exposed_communication_seconds / d.pp
+    b = 4 if setup.recipe.compute == "fp32" else 2
+    tokens = req.micro_batch * req.seq_len
+    if d.pp > 1:
+        stride = d.world // d.pp  # pp outermost on the mesh (torchtitan ParallelDims)
+        gbps, latency = _group_link(topo, gpus, stride, d.pp, nic_gbps, link_efficiency)
+        boundary = tokens * arch.hidden_size * b // max(1, d.tp * d.cp)
+        p = pipeline_time(t.compute_seconds, d.pp, req.gradient_accumulation, req.pp_virtual_stages, boundary,
+                          gbps, latency)
+        compute = p.compute_seconds
+        comm += p.p2p_seconds
+        exposed += p.exposed_p2p_seconds
+    if d.ep > 1:
+        gbps, latency = _group_link(topo, gpus, d.tp, d.ep, nic_gbps, link_efficiency)
+        layers = len(experts.moe_blocks(arch))
+        sent = experts.all_to_all_bytes_per_step(arch, tokens, b, d.ep, req.gradient_accumulation) // d.pp
+        seconds = experts.all_to_all_seconds(sent, gbps, d.ep, latency) \
+            + 4 * layers * req.gradient_accumulation // d.pp * max(0, d.ep - 2) * latency * 1e-6
+        comm += seconds
+        exposed += seconds
+    step = compute + exposed + t.offload_seconds
+    # ``t`` counts every rank as a replica of the whole model; a pipeline replica spans pp ranks
+    scale = t.step_seconds / step / d.pp
+    return dc_replace(t, compute_seconds=compute, communication_seconds=comm, exposed_communication_seconds=exposed,
+                      step_seconds=step, tokens_per_second=t.tokens_per_second * scale, mfu=t.mfu * scale)
+
+
+def pipeline_volumes(setup: "Setup", data_parallel_rows: list[dict], rank: int = 0) -> list[dict]:
+    """What one pipeline rank sends per step, as steptime.collective_volumes lists it.
+
+    Over its data-parallel group, its stages' parameters only: FSDP2 gathers them once per step
+    and reduce-scatters the gradients once (pipelining keeps them unsharded across micro-batches,
+    stage.py backward_maybe_with_nosync; the counted run: 3 all-gathers and 3 reduce-scatters of
+    the stage's units); DDP all-reduces them once; DeepSpeed's rows scaled to the stage's share.
+    To its neighbours: each micro-batch's output of every stage it holds but the last (forward),
+    and the gradient of every stage's input but the first's (backward)."""
+    d, req = setup.dims, setup.request
+    m = req.gradient_accumulation
+    mine = [s for s in stages(setup, d.pp, req.pp_virtual_stages, d.dp) if s.index % d.pp == rank]
+    params = sum(s.parameters for s in mine)
+    compute = 4 if setup.recipe.compute == "fp32" else 2
+    rows: list[dict] = []
+    if d.dp > 1 and setup.strategy.framework == "torch":
+        if setup.strategy.shards_parameters:
+            rows += [{"what": "parameter all-gathers", "bytes_per_step": compute * params, "message_bytes":
+                      compute * max(s.parameters for s in mine), "group": "shard"},
+                     {"what": "gradient reduce-scatter", "bytes_per_step": compute * params, "message_bytes":
+                      compute * max(s.parameters for s in mine), "group": "shard"}]
+        else:
+            rows.append({"what": "gradient all-reduce", "bytes_per_step": 4 * params, "message_bytes": 4 * params,
+                         "group": "world"})
+    elif d.dp > 1:
+        rows += [dict(row, bytes_per_step=row["bytes_per_step"] // d.pp) for row in data_parallel_rows]
+    forward = sum(s.output_bytes for s in mine)
+    backward = sum(s.input_bytes for s in mine)
+    if forward:
+        rows.append({"what": "send activations (p2p)", "bytes_per_step": m * forward,
+                     "message_bytes": mine[0].output_bytes or mine[-1].output_bytes, "group": "pp"})
+    if backward:
+        rows.append({"what": "send gradients (p2p)", "bytes_per_step": m * backward,
+                     "message_bytes": mine[-1].input_bytes or mine[0].input_bytes, "group": "pp"})
+    return rows

@@ -1,0 +1,166 @@
+"""Pipeline and expert parallelism through the CLI and the API: the worst stage is what is
+reported, and every refusal is one line (exit 2) or one 422 naming its field."""
+
+import json
+
+import pytest
+
+from cli.main import main
+from planner.memory import cpu_rank_bytes, estimate
+from planner.schema import EstimateRequest
+from tests.real_runs import DEEPSEEK_V3, LLAMA
+
+REFUSALS = [
+    ({"strategy": "zero2", "pp": 2, "gradient_accumulation": 4}, "pp",
+     "pp=2 with strategy zero2: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; use zero1, "
+     "or fsdp (torch pipelining x FSDP2) to shard gradients and parameters"),
+    ({"strategy": "zero3", "pp": 2, "gradient_accumulation": 4}, "pp", "pp=2 with strategy zero3: DeepSpeed's"),
+    ({"strategy": "zero1", "pp": 2, "pp_schedule": "gpipe", "gradient_accumulation": 4}, "pp_schedule",
+     "pp_schedule=gpipe with strategy zero1: DeepSpeed's pipeline engine runs 1F1B only"),
+    ({"strategy": "fsdp", "pp": 4, "gradient_accumulation": 2}, "gradient_accumulation",
+     "gradient_accumulation(2) micro-batches must be at least pp(4) for pp_schedule 1f1b"),
+    ({"strategy": "fsdp", "pp": 2, "pp_schedule": "interleaved", "pp_virtual_stages": 2, "gradient_accumulation": 7},
+     "gradient_accumulation", "gradient_accumulation(7) micro-batches must be a multiple of "
+     "max(1, gradient_accumulation // pp(2)) = 3 for pp_schedule interleaved"),
+    ({"strategy": "zero1", "pp": 2, "gradient_accumulation": 4, "offload_optimizer": "cpu"}, "pp",
+     "pp=2 with offload: the pipeline model keeps every state on the device"),
+    ({"strategy": "fsdp", "params": 7e9, "model": None, "pp": 2, "gradient_accumulation": 4}, "pp",
+     "pp=2 needs an architecture (its layers are split into stages)"),
+]
+
+
+def _flags(fields: dict) -> list[str]:
+    out = []
+    for key, value in fields.items():
+        if value is not None:
+            out += [f"--{key.replace('_', '-')}", str(value)]
+    return out
+
+
+@pytest.mark.parametrize("fields, field, message", REFUSALS)
+def test_refusals_on_the_cli_are_one_line(fields, field, message, capsys):
+    fields = {"model": "llama-3-8b"} | fields
+    code = main(["estimate", *_flags(fields)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"planner: error: {message}") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("fields, field, message", REFUSALS)
+def test_refusals_on_the_api_are_422_naming_the_field(fields, field, message, tmp_path, monkeypatch):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from web.app import create_app
+
+    monkeypatch.delenv("PLANNER_API_TOKEN", raising=False)
+    monkeypatch.delenv("PLANNER_API_TOKEN_FILE", raising=False)
+    client = TestClient(create_app(str(tmp_path / "runs.sqlite")))
+    body = {k: v for k, v in ({"model": "llama-3-8b"} | fields).items() if v is not None}
+    r = client.post("/v1/estimate", json=body)
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"][0]
+    assert detail["msg"].startswith(message) and detail["loc"] == ["body", field]
+
+
+def test_verify_refuses_what_the_pipeline_probe_cannot_run():
+    from backend.launch import worker_job
+    from planner.errors import PlannerError
+
+    base = dict(model_config=LLAMA, gpu="cpu", precision="fp32", micro_batch=2, seq_len=64, gradient_accumulation=4,
+                pp=2)
+    with pytest.raises(PlannerError, match=r"^pp=2 with strategy ddp over 2 data-parallel ranks: torch 2.13's DDP"):
+        worker_job(EstimateRequest(**base, strategy="ddp", gpus=4), steps=1, warmup_steps=0, out_dir=None)
+    with pytest.raises(PlannerError, match=r"^pp=2 with strategy zero1: verify runs pipeline stages with torch"):
+        worker_job(EstimateRequest(**base, strategy="zero1", gpus=2), steps=1, warmup_steps=0, out_dir=None)
+    job = worker_job(EstimateRequest(**base, strategy="fsdp", gpus=4), steps=1, warmup_steps=0, out_dir="x")
+    assert job["pipeline"] == {"pp": 2, "dp": 2, "schedule": "1f1b", "virtual_stages": 1, "dp_strategy": "fsdp",
+                               "compute_dtype": None, "optimizer": "adamw"}
+
+
+def test_the_worst_stage_is_reported_and_every_rank_is_noted():
+    fields = dict(model_config=LLAMA, strategy="fsdp", gpu="cpu", precision="fp32", gpus=2, micro_batch=2,
+                  seq_len=128, gradient_accumulation=4)
+    one_f_one_b = estimate(EstimateRequest(**fields, pp=2))
+    gpipe = estimate(EstimateRequest(**fields, pp=2, pp_schedule="gpipe"))
+    # gpipe holds all 4 micro-batches at the last stage's loss, 1F1B one
+    assert gpipe.per_device.peak_bytes > one_f_one_b.per_device.peak_bytes
+    assert one_f_one_b.parallel.pp == 2 and one_f_one_b.parallel.dp_shard == 1
+    assert any("pipeline rank 1: stages [1]" in n for n in one_f_one_b.notes)
+    assert any("bubble 20.0% of the step" in n for n in one_f_one_b.notes)
+    # the parameter count of the result is the whole model's, not a stage's
+    assert one_f_one_b.parameters == estimate(EstimateRequest(**fields)).parameters
+
+
+def test_cli_json_carries_the_degrees(capsys):
+    code = main(["estimate", "--model", "llama-3-8b", "--strategy", "fsdp", "--gpus", "8", "--pp", "4",
+                 "--gradient-accumulation", "8", "--pp-schedule", "interleaved", "--pp-virtual-stages", "2", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["parallel"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 4, "cp": 1, "ep": 1}
+    assert data["per_device"]["peak_phase"].endswith("micro-batches in flight")
+
+
+def test_expert_parallel_shrinks_replicated_experts_not_sharded_ones():
+    fields = dict(model_config=DEEPSEEK_V3, gpu="cpu", precision="bf16-mixed", gpus=4, micro_batch=2, seq_len=128)
+    zero1 = estimate(EstimateRequest(**fields, strategy="zero1"))
+    zero1_ep = estimate(EstimateRequest(**fields, strategy="zero1", ep=4))
+    # ZeRO-1 replicates the 16-bit weights and gradients: each rank keeps a quarter of the experts
+    assert zero1_ep.per_device.resident_bytes < zero1.per_device.resident_bytes
+    assert zero1_ep.parameters == zero1.parameters and zero1_ep.parallel.ep == 4
+    assert any(i.name.startswith("all-to-all send and receive buffers") for p in zero1_ep.phases for i in p.items)
+    fsdp = estimate(EstimateRequest(**fields, strategy="fsdp"))
+    fsdp_ep = estimate(EstimateRequest(**fields, strategy="fsdp", ep=4))
+    # FSDP shards every state over the data-parallel ranks with or without EP (the experts over
+    # dp_shard / ep ranks of the expert-data-parallel group): resident unchanged within the router's columns
+    assert abs(fsdp_ep.per_device.resident_bytes - fsdp.per_device.resident_bytes) < 0.01 * fsdp.per_device.resident_bytes
+    assert cpu_rank_bytes(zero1_ep, 4)[0] > 0
+
+
+def test_time_has_the_bubble_and_the_all_to_alls():
+    from planner.steptime import estimate_time
+
+    base = dict(model="llama-3.1-8b", strategy="fsdp", gpus=8, micro_batch=1, seq_len=4096, gradient_accumulation=8)
+    flat = estimate(EstimateRequest(**base))
+    piped = estimate(EstimateRequest(**base, pp=2))
+    t1, t2 = estimate_time(flat.request, flat), estimate_time(piped.request, piped)
+    # one replica's compute over 2 stages, stretched by the bubble (pp-1)/(m+pp-1) = 1/9
+    assert t2.compute_seconds == pytest.approx(t1.compute_seconds / 2 * 9 / 8, rel=1e-9)
+    # 4 replicas of 2 stages instead of 8 replicas: tokens per step halve, the step time less than halves
+    assert t2.tokens_per_second == pytest.approx(t1.tokens_per_second * t1.step_seconds / t2.step_seconds / 2)
+    moe = dict(model="qwen3-30b-a3b", strategy="fsdp", gpus=8, micro_batch=1, seq_len=4096)
+    plain, experts = estimate(EstimateRequest(**moe)), estimate(EstimateRequest(**moe, ep=8))
+    ta, tb = estimate_time(plain.request, plain), estimate_time(experts.request, experts)
+    assert tb.exposed_communication_seconds > ta.exposed_communication_seconds
+    assert tb.step_seconds > ta.step_seconds
+
+
+def test_collective_volumes_of_a_pipeline_rank():
+    # what backend/train_pipeline.py counts on rank 0 (stage 0) of the PP x FSDP2 run
+    from planner.steptime import collective_volumes
+
+    fields = dict(model_config=LLAMA, strategy="fsdp", gpu="cpu", micro_batch=2, seq_len=128, gradient_accumulation=4,
+                  pp=2)
+    rows = {r["what"]: r["bytes_per_step"] for r in collective_volumes(EstimateRequest(**fields, gpus=4,
+                                                                                       precision="bf16-mixed"))}
+    stage0 = 4096 * 256 + 2 * 725504  # embedding and two blocks
+    assert rows == {"parameter all-gathers": 2 * stage0, "gradient reduce-scatter": 2 * stage0,
+                    "send activations (p2p)": 4 * 2 * 128 * 256 * 2}
+    rows = {r["what"]: r["bytes_per_step"] for r in collective_volumes(EstimateRequest(
+        **fields, gpus=2, precision="fp32", pp_schedule="interleaved", pp_virtual_stages=2))}
+    # rank 0 holds stages 0 and 2: sends both outputs forward and stage 2's input gradient back
+    assert rows == {"send activations (p2p)": 2 * 4 * 2 * 128 * 256 * 4, "send gradients (p2p)": 4 * 2 * 128 * 256 * 4}
+
+
+@pytest.mark.parametrize("flag", ["pp", "ep"])
+def test_plan_does_not_ignore_a_fixed_pipeline_or_expert_degree(flag, capsys):
+    code = main(["plan", "--model", "mixtral-8x7b", f"--{flag}", "2"])
+    assert code == 2 and capsys.readouterr().err.strip() == (
+        f"planner: error: {flag}=2: the plan does not search {'pipeline' if flag == 'pp' else 'expert'}-parallel "
+        f"layouts yet; estimate this layout with `planner estimate --{flag} 2`")
+
+
+def test_lora_with_pp_is_refused(capsys):
+    # (LoRA on a mixture of experts, so with ep, is refused by the LoRA model itself)
+    code = main(["estimate", "--model", "llama-3-8b", "--strategy", "fsdp", "--finetune", "lora", "--pp", "2",
+                 "--gradient-accumulation", "4"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("planner: error: pp=2 with finetune lora:") and err.count("\n") == 1
