@@ -237,4 +237,10 @@ BENCH_RUNS = [
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than
 # TOLERANCE (README, "Known misses"). Each stays here until the model explains it.
 KNOWN_MISSES: list = []
+# Within TOLERANCE but outside the README's 3% target, unexplained yet: asserted within TOLERANCE only
+# (tests/test_records.py), shown as they are in the accuracy table.
+TARGET_MISSES: dict[str, str] = {
+    "llama-tp2-zero2-fp32-small-4ranks-s256": "DeepSpeed AutoTP + ZeRO-2 over two data-parallel ranks: peak "
+                                              "-3.4%, the live set at the peak not yet traced",
+}
 TOLERANCE = 0.05

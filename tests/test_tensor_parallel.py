@@ -199,7 +199,7 @@ def test_verify_refuses_what_the_tp_probe_does_not_run(tmp_path, fields, message
 def test_verify_job_carries_the_mesh(tmp_path):
     from backend.launch import worker_job
 
-    job = worker_job(_request(gpus=4, sequence_parallel=False), steps=1, warmup_steps=0, out_dir=tmp_path)
+    job = worker_job(_request(gpus=4, sequence_parallel=False), steps=1, warmup_steps=0, out_dir=tmp_path).for_rank()
     assert job["framework"] == "torch"
     assert job["parallel"] == {"dp_shard": 2, "tp": 2, "sequence_parallel": False}
 
@@ -283,7 +283,7 @@ def test_verify_job_of_deepspeed_autotp(tmp_path):
     (measured on CPU ranks: 3,148,032 parameters per rank of this 5,245,184-parameter model)."""
     from backend.launch import worker_job
 
-    job = worker_job(_request(strategy="zero1", seq_len=256), steps=1, warmup_steps=0, out_dir=tmp_path)
+    job = worker_job(_request(strategy="zero1", seq_len=256), steps=1, warmup_steps=0, out_dir=tmp_path).for_rank()
     assert job["framework"] == "deepspeed" and job["ds_config"]["tensor_parallel"] == {"autotp_size": 2}
     result = estimate(_request(strategy="zero1", seq_len=256))
     assert result.per_device.parameters_bytes == 4 * 3_148_032
