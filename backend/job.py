@@ -38,7 +38,7 @@ class FinetuneSettings(BaseModel):
     alpha: float
     dropout: float = Field(ge=0, lt=1)
     quantize: Literal["none", "nf4", "fp4", "int8"]
-    targets: list[str]
+    targets: list[str] | str = Field(description="PEFT target_modules: module names, or the string \"all-linear\"")
     modules_to_save: list[str] | None = None
     compute_dtype: Literal["bf16", "fp16"] | None
     base_dtype: Literal["bf16", "fp16"] | None

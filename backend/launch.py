@@ -48,12 +48,13 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
     setup = resolve(request)
     request = setup.request  # with what a --ds-config fixed: precision, micro-batch, accumulation, optimizer
     if setup.model.config is None:
-        raise PlannerError("a real run needs an architecture: give --model or --model-file, not --params")
+        raise PlannerError("a real run needs an architecture: give --model or --model-file, not --params",
+                           field="model")
     if request.optimizer not in ("adamw", "sgd"):
         # DeepSpeed's config names no 8-bit Adam (its "AdamW" keeps fp32 moments), and the torch
         # probe trains torch's own optimizers: either would measure another optimizer than predicted.
         raise PlannerError(f"optimizer {request.optimizer}: the probe trains adamw or sgd; an 8-bit optimizer "
-                           "(bitsandbytes) is passed by the training script, which the probe is not")
+                           "(bitsandbytes) is passed by the training script, which the probe is not", field="optimizer")
     common = {
         "model_config": setup.model.config,
         "attn_implementation": request.attention,
@@ -89,12 +90,11 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
 def finetune_job(setup) -> dict[str, Any]:
     """What backend/finetune.py builds: the resolved LoraConfig and quantization, and the dtype the
     frozen base is loaded in (the recipe's 16-bit type, or fp32)."""
-    f = setup.finetune
-    compute = setup.recipe.compute
+    f, recipe = setup.finetune, setup.recipe
     return {"rank": f.rank, "alpha": f.alpha, "dropout": f.dropout, "quantize": f.quantize,
             "targets": f.peft_targets(), "modules_to_save": lora_config(f)["modules_to_save"],
-            "compute_dtype": None if compute == "fp32" else compute,
-            "base_dtype": None if setup.recipe.weight_bits == 32 else compute}
+            "compute_dtype": recipe.reduced_dtype,
+            "base_dtype": None if recipe.weight_bits == 32 else recipe.reduced_dtype}
 
 
 TP_PROBE_FAMILIES = ("llama", "mistral", "qwen2")  # q/k/v/o and gate/up/down projections, as apply_tp names them
@@ -116,7 +116,6 @@ def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
 
 # transformers families whose CausalLM is model.{embed_tokens, layers, norm, rotary_emb} + lm_head
 PIPELINE_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "olmo2", "smollm3"})
-TORCH_COMPUTE_DTYPE = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp32": None}
 
 
 def _pipeline_settings(setup, request: EstimateRequest) -> dict[str, Any]:
@@ -126,33 +125,34 @@ def _pipeline_settings(setup, request: EstimateRequest) -> dict[str, Any]:
     if setup.strategy.framework != "torch":
         raise PlannerError(f"pp={d.pp} with strategy {request.strategy}: verify runs pipeline stages with torch's "
                            "pipelining; DeepSpeed's pipeline engine needs a PipelineModule the probe does not build: "
-                           "verify with --strategy fsdp (or ddp at one data-parallel rank)")
+                           "verify with --strategy fsdp (or ddp at one data-parallel rank)", field="pp")
     if d.dp > 1 and not setup.strategy.shards_parameters:
         # torch 2.13: DDP under the pipelining schedules fails in its reducer on the second
         # micro-batch ("params_.size() == rebuilt_param_indices_.size() INTERNAL ASSERT FAILED")
         raise PlannerError(f"pp={d.pp} with strategy {request.strategy} over {d.dp} data-parallel ranks: torch 2.13's "
                            "DDP fails under the pipelining schedules; verify with --strategy fsdp (torchtitan's "
-                           "composition)")
+                           "composition)", field="pp")
     if d.dp > 1 and d.dp_replicate > 1:
         raise PlannerError(f"pp={d.pp} with strategy {request.strategy}: verify shards over one data-parallel "
-                           "dimension; use --strategy fsdp")
+                           "dimension; use --strategy fsdp", field="pp")
     if d.tp > 1 or d.cp > 1 or d.ep > 1:
-        raise PlannerError(f"pp={d.pp} with tp={d.tp}, cp={d.cp}, ep={d.ep}: the pipeline probe runs pp x dp only")
-    if request.precision not in TORCH_COMPUTE_DTYPE:
+        raise PlannerError(f"pp={d.pp} with tp={d.tp}, cp={d.cp}, ep={d.ep}: the pipeline probe runs pp x dp only",
+                           field="pp")
+    if setup.recipe.casts_model:  # the probe autocasts over fp32 parameters (or FSDP2's mixed precision)
         raise PlannerError(f"precision={request.precision} with pp={d.pp}: the pipeline probe trains fp32, or "
-                           "bf16-mixed / fp16-mixed (autocast, or FSDP2's mixed precision)")
+                           "bf16-mixed / fp16-mixed (autocast, or FSDP2's mixed precision)", field="precision")
     model_type = setup.model.config.get("model_type")
     if model_type not in PIPELINE_FAMILIES:
         raise PlannerError(f"pp={d.pp} with model_type {model_type!r}: the pipeline probe splits decoders shaped "
                            f"as Llama (model.embed_tokens, layers, norm, rotary_emb, lm_head): "
-                           f"{', '.join(sorted(PIPELINE_FAMILIES))}")
+                           f"{', '.join(sorted(PIPELINE_FAMILIES))}", field="model")
     from planner.architecture import from_hf_config
 
     return {"framework": "torch", "vocab_size": from_hf_config(dict(setup.model.config)).vocab_size,
             "pipeline": {"pp": d.pp, "dp": d.dp, "schedule": request.pp_schedule,
                          "virtual_stages": request.pp_virtual_stages,
                          "dp_strategy": "fsdp" if d.dp > 1 else "none",
-                         "compute_dtype": TORCH_COMPUTE_DTYPE[request.precision], "optimizer": request.optimizer}}
+                         "compute_dtype": setup.recipe.autocast_dtype, "optimizer": request.optimizer}}
 
 
 def _free_port() -> int:
@@ -171,7 +171,7 @@ def launcher_command(job_path: Path, request: EstimateRequest, hostfile: str | N
     if framework == "torch":
         if request.nodes > 1 and device != "cpu":
             raise PlannerError(f"nodes={request.nodes}: a multi-node {request.strategy} run is started on each node "
-                               "by torchrun; use the sbatch script from `planner plan --emit`")
+                               "by torchrun; use the sbatch script from `planner plan --emit`", field="nodes")
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                 "--nproc_per_node", str(request.gpus * request.nodes), "--master_port", str(port or _free_port()),
                 str(WORKER), "--job", str(job_path)]
@@ -212,10 +212,10 @@ def gpu_ids(request: EstimateRequest, framework: str) -> list[str]:
         return [str(i) for i in range(request.gpus)]
     if len(ids) < request.gpus:
         raise PlannerError(f"CUDA_VISIBLE_DEVICES={','.join(ids)} makes {len(ids)} GPU(s) visible; gpus={request.gpus} "
-                           f"needs {request.gpus}: list more devices or lower --gpus")
+                           f"needs {request.gpus}: list more devices or lower --gpus", field="gpus")
     if framework == "deepspeed" and not all(i.isdigit() for i in ids[:request.gpus]):
         raise PlannerError(f"CUDA_VISIBLE_DEVICES={','.join(ids)}: DeepSpeed's launcher selects GPUs by index "
-                           "(--include localhost:0,1), not by UUID or MIG name; list the devices by index")
+                           "(--include localhost:0,1), not by UUID or MIG name; list the devices by index", field=None)
     return ids[:request.gpus]
 
 
@@ -263,9 +263,10 @@ def prepare_extensions(env: dict[str, str], timeout_seconds: float = 900.0) -> N
             done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                   timeout=timeout_seconds, start_new_session=True)
         except subprocess.TimeoutExpired:
-            raise PlannerError(f"building DeepSpeed's CPU ops took over {timeout_seconds:.0f} s") from None
+            raise PlannerError(f"building DeepSpeed's CPU ops took over {timeout_seconds:.0f} s", field=None) from None
         if done.returncode != 0:
-            raise PlannerError("building DeepSpeed's CPU ops failed: " + (done.stderr.strip().splitlines() or ["?"])[-1])
+            raise PlannerError("building DeepSpeed's CPU ops failed: " + (done.stderr.strip().splitlines() or ["?"])[-1],
+                               field=None)
 
 
 SECRET_ENV = ("PLANNER_API_TOKEN", "PLANNER_API_TOKEN_FILE")

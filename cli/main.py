@@ -138,7 +138,7 @@ def _read_file_flag(name: str, path: str) -> Any:
         raise CliError(f"{FILE_FLAGS[name]} {path}: cannot be read ({exc.strerror})") from None
     from planner.catalogue import parse_json_text
 
-    return parse_json_text(text, f"{FILE_FLAGS[name]} {path}")
+    return parse_json_text(text, f"{FILE_FLAGS[name]} {path}", field=name)
 
 
 def request_from_args(args: argparse.Namespace, model: type[BaseModel]) -> BaseModel:

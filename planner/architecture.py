@@ -949,7 +949,8 @@ def from_hf_config(config: dict[str, Any], source: str = "config", include_visio
     """Read a Hugging Face ``config.json`` (as a dict) into an Architecture; ``include_vision``
     counts a multimodal checkpoint's vision tower and projector as model states too."""
     if not isinstance(config, dict):
-        raise PlannerError(f"{source}: a model config must be a mapping of field names, got {type(config).__name__}")
+        raise PlannerError(f"{source}: a model config must be a mapping of field names, got {type(config).__name__}",
+                           field=None)
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise PlannerError(f"{source}: model_type is required (one of {', '.join(sorted(READERS))})",

@@ -93,7 +93,7 @@ class ResolvedModel(BaseModel):
     traced: TracedProfile | None = None
 
 
-def _parse_text(text: str, source: str) -> Any:
+def _parse_text(text: str, source: str, field: str | None = None) -> Any:
     try:  # JSON first: PyYAML (YAML 1.1) reads JSON's 1e-05, as in every Llama config.json, as a string
         return json.loads(text)
     except ValueError:
@@ -104,31 +104,31 @@ def _parse_text(text: str, source: str) -> Any:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or "not valid YAML/JSON"
-        raise PlannerError(f"{source}: malformed YAML/JSON{where}: {problem}") from None
+        raise PlannerError(f"{source}: malformed YAML/JSON{where}: {problem}", field=field) from None
 
 
 @lru_cache(maxsize=4)
 def load_catalogue(path: Path = CATALOGUE_PATH) -> dict[str, ModelEntry]:
     data = load_data_yaml(path) if path == CATALOGUE_PATH else _parse_text(path.read_text(), str(path))
     if not isinstance(data, dict) or not isinstance(data.get("models"), list):
-        raise PlannerError(f"{path}: expected a mapping with a 'models' list")
+        raise PlannerError(f"{path}: expected a mapping with a 'models' list", field=None)
     entries: dict[str, ModelEntry] = {}
     for index, raw in enumerate(data["models"]):
         where = f"{path}: models[{index}]"
         try:
             entry = ModelEntry.model_validate(raw)
         except ValidationError as exc:
-            raise PlannerError(f"{where}: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
+            raise PlannerError(f"{where}: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}", field=None) from None
         if entry.name in entries:
-            raise PlannerError(f"{where}: duplicate name {entry.name!r}")
+            raise PlannerError(f"{where}: duplicate name {entry.name!r}", field=None)
         taken = {n.lower() for e in entries.values() for n in (e.name, *e.all_aliases)}
         clash = next((n for n in (entry.name, *entry.all_aliases) if n.lower() in taken), None)
         if clash is not None:
-            raise PlannerError(f"{where} ({entry.name}): name or alias {clash!r} is already taken")
+            raise PlannerError(f"{where} ({entry.name}): name or alias {clash!r} is already taken", field=None)
         if entry.config.get("model_type") != entry.family:
             raise PlannerError(
                 f"{where} ({entry.name}): family {entry.family!r} contradicts "
-                f"config.model_type {entry.config.get('model_type')!r}")
+                f"config.model_type {entry.config.get('model_type')!r}", field=None)
         from_hf_config(entry.config, source=f"{where} ({entry.name})")  # refuse what cannot be read
         entries[entry.name] = entry
     return entries
@@ -199,7 +199,7 @@ def model_from_config(config: dict[str, Any], name: str = "custom", source: str 
 
 def _from_config(config: dict[str, Any], name: str, source: str) -> ResolvedModel:
     if not isinstance(config, dict):
-        raise PlannerError(f"model_config must be a JSON object, got {type(config).__name__}")
+        raise PlannerError(f"model_config must be a JSON object, got {type(config).__name__}", field=None)
     if "config" in config and "model_type" not in config:
         inner = config["config"]
         if not isinstance(inner, dict):
@@ -222,7 +222,7 @@ def traced_model(name: str, source: str, profile: TracedProfile) -> ResolvedMode
     (backend/trace.py) stands in for the Architecture in the same memory model."""
     if sum(profile.numels) != profile.parameters:
         raise PlannerError(f"traced profile of {name}: numels sum to {sum(profile.numels)}, "
-                           f"not parameters({profile.parameters})")
+                           f"not parameters({profile.parameters})", field=None)
     return ResolvedModel(name=name, source=source, config=None, architecture=None,
                          parameters=profile.parameters, traced=profile)
 
@@ -239,7 +239,7 @@ def model_from_file(path: str | Path) -> ResolvedModel:
         raise PlannerError(f"--model-file {path}: cannot be read ({exc.strerror})", field="model_config") from None
     except UnicodeDecodeError:
         raise PlannerError(f"--model-file {path}: not a text file", field="model_config") from None
-    data = _parse_text(text, f"--model-file {path}")
+    data = _parse_text(text, f"--model-file {path}", field="model_config")
     resolved = model_from_config(data, name=path.stem)
     return resolved.model_copy(update={"source": str(path)})
 
@@ -254,8 +254,11 @@ def raw_parameters(count: int) -> ResolvedModel:
                          architecture=None, parameters=count)
 
 
-def parse_json_text(text: str, field: str) -> Any:
+def parse_json_text(text: str, label: str, field: str | None = None) -> Any:
+    """``text`` as JSON; a malformed one is refused naming ``label`` (a flag and path, or a field)
+    and, as data, the request ``field`` it was given for."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise PlannerError(f"{field}: malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+        raise PlannerError(f"{label}: malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}",
+                           field=field) from None

@@ -61,9 +61,9 @@ class Script:
         try:
             words = shlex.split(text)
         except ValueError as exc:
-            raise PlannerError(f"--script {text!r}: {exc}") from None
+            raise PlannerError(f"--script {text!r}: {exc}", field="script") from None
         if not words:
-            raise PlannerError("--script: empty; give the training script's path, then its arguments")
+            raise PlannerError("--script: empty; give the training script's path, then its arguments", field="script")
         return cls(words[0], tuple(words[1:]))
 
 
@@ -137,7 +137,7 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
     except UnsupportedModelTypeError as exc:
         raise PlannerError(f"{exc.name}: model_type {exc.config.get('model_type')!r} is estimated by tracing only; "
                            "--emit writes launch files for the families the core reads analytically "
-                           "(see `planner models`)") from None
+                           "(see `planner models`)", field="model") from None
     unavailable = None if script is not None else _trainer_unavailable(setup, est)
     s = setup.strategy
     launch = _Launch(request=setup.request, framework=s.framework, strategy=s.name,
@@ -725,7 +725,7 @@ def write_files(directory: str | Path, files: dict[str, str]) -> list[Path]:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise PlannerError(f"--emit {directory}: cannot create the directory ({exc.strerror})") from None
+        raise PlannerError(f"--emit {directory}: cannot create the directory ({exc.strerror})", field="emit") from None
     staged = []
     try:
         for name, text in files.items():
@@ -739,5 +739,5 @@ def write_files(directory: str | Path, files: dict[str, str]) -> list[Path]:
     except OSError as exc:
         for tmp, _ in staged:
             Path(tmp).unlink(missing_ok=True)
-        raise PlannerError(f"--emit {directory}: cannot write ({exc.strerror})") from None
+        raise PlannerError(f"--emit {directory}: cannot write ({exc.strerror})", field="emit") from None
     return [final for _, final in staged]

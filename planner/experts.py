@@ -48,13 +48,15 @@ def check_ep(a: Architecture | None, ep: int) -> None:
     if ep == 1:
         return
     if a is None:
-        raise PlannerError(f"ep={ep} needs an architecture (its experts are sharded): give a model, not params")
+        raise PlannerError(f"ep={ep} needs an architecture (its experts are sharded): give a model, not params",
+                           field="ep")
     experts = {spec.mlp.num_experts for spec in layer_specs(a) if spec.mlp.is_moe}
     if not experts:
-        raise PlannerError(f"ep={ep}: the model has no routed experts; expert parallelism needs a mixture-of-experts model")
+        raise PlannerError(f"ep={ep}: the model has no routed experts; expert parallelism needs a mixture-of-experts model",
+                           field="ep")
     for count in sorted(experts):
         if count % ep:
-            raise PlannerError(f"num_experts({count}) is not divisible by ep({ep})")
+            raise PlannerError(f"num_experts({count}) is not divisible by ep({ep})", field="ep")
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ def dispatch_buffers(a: Architecture, tokens: int, compute_bytes: int, ep: int,
     routed = tokens * k
     if capacity_factor is not None:
         if capacity_factor <= 0:
-            raise PlannerError(f"capacity_factor ({capacity_factor}) must be > 0")
+            raise PlannerError(f"capacity_factor ({capacity_factor}) must be > 0", field=None)
         slots = e * -(-int(capacity_factor * tokens * k * 1000) // (e * 1000))  # ceil(cf*T*k/E) per expert
         padded = max(slots, routed) if capacity_factor >= 1 else slots
     else:
@@ -193,9 +195,10 @@ def localize(setup, textbook_states):
     a, ep = setup.arch, setup.dims.ep
     if getattr(setup, "finetune", None) is not None:
         raise PlannerError(f"ep={ep} with finetune {setup.request.finetune}: expert parallelism is modelled for full "
-                           "fine-tuning; estimate LoRA/QLoRA without ep")
+                           "fine-tuning; estimate LoRA/QLoRA without ep", field="ep")
     if setup.model.traced is not None:
-        raise PlannerError(f"ep={ep}: {setup.model.name} is estimated by tracing; its experts cannot be sharded")
+        raise PlannerError(f"ep={ep}: {setup.model.name} is estimated by tracing; its experts cannot be sharded",
+                           field="ep")
     full = expert_sharding(a, setup.psi, ep)
     local_arch = local_architecture(a, ep)
     from planner.architecture import parameter_count

@@ -106,21 +106,22 @@ def _targets(request: "EstimateRequest", arch: Architecture) -> tuple[str, ...]:
         default = PEFT_DEFAULT_TARGETS.get(arch.model_type)
         if default is None:
             raise PlannerError(f"lora_targets: PEFT 0.21 has no default target modules for model_type "
-                               f"{arch.model_type!r}; give lora_targets (module names, or all-linear)")
+                               f"{arch.model_type!r}; give lora_targets (module names, or all-linear)",
+                               field="lora_targets")
         return default
     names = tuple(dict.fromkeys(n.strip() for n in request.lora_targets.split(",") if n.strip()))
     if not names:
-        raise PlannerError(f"lora_targets={request.lora_targets!r} names no module")
+        raise PlannerError(f"lora_targets={request.lora_targets!r} names no module", field="lora_targets")
     if ALL_LINEAR in names:
         if len(names) > 1:
-            raise PlannerError(f"lora_targets={request.lora_targets}: all-linear stands alone")
+            raise PlannerError(f"lora_targets={request.lora_targets}: all-linear stands alone", field="lora_targets")
         return (ALL_LINEAR,)
     known = {linear.name for spec in {id(s): s for s in layer_specs(arch)}.values()
              for linear in block_linears(arch, spec)}
     missing = [n for n in names if n not in known]
     if missing:
         raise PlannerError(f"lora_targets={request.lora_targets}: {', '.join(missing)} matches no linear of "
-                           f"{arch.model_type} (its linears: {', '.join(sorted(known))})")
+                           f"{arch.model_type} (its linears: {', '.join(sorted(known))})", field="lora_targets")
     return names
 
 
@@ -131,35 +132,39 @@ def resolve_finetune(request: "EstimateRequest", arch: Architecture | None, stra
         return None
     if arch is None:
         raise PlannerError(f"finetune={request.finetune} needs an architecture to place adapters: give model or "
-                           "model_config, not params")
+                           "model_config, not params", field="finetune")
     if any(spec.mlp.is_moe for spec in layer_specs(arch)):
         raise PlannerError(f"finetune={request.finetune} on model_type {arch.model_type!r}: its routed experts are "
-                           "fused parameters, not linears PEFT's target_modules name; LoRA on MoE is not modelled")
+                           "fused parameters, not linears PEFT's target_modules name; LoRA on MoE is not modelled",
+                           field="finetune")
     if arch.vision_numels:
         raise PlannerError(f"finetune={request.finetune} with include_vision: adapters on the vision tower are not "
-                           "modelled")
+                           "modelled", field="finetune")
     quantize = request.quantize_base or ("nf4" if request.finetune == "qlora" else "none")
     if quantize != "none" and _strategy(strategy).shards_parameters:
         # ZeRO-3 and FSDP2 partition every parameter as a flat floating-point shard; bitsandbytes'
         # Params4bit/Int8Params carry their quantization state beside the data, which the shard loses
         # (measured: see backend/finetune.py and the README's LoRA section).
-        raise PlannerError(f"quantize_base={quantize} with strategy {strategy}: {_SHARDED_QUANT_REASON}")
+        raise PlannerError(f"quantize_base={quantize} with strategy {strategy}: {_SHARDED_QUANT_REASON}",
+                           field="quantize_base")
     check_activation_family(arch, request.finetune)
     if strategy == "fsdp-grad-op":
         raise PlannerError(f"finetune={request.finetune} with strategy fsdp-grad-op: SHARD_GRAD_OP with a frozen base "
-                           "is not modelled; use fsdp, hsdp, ddp or zero0-3")
+                           "is not modelled; use fsdp, hsdp, ddp or zero0-3", field="finetune")
     if request.offload_params != "none":
         raise PlannerError(f"offload_params={request.offload_params} with finetune={request.finetune}: offloading a "
-                           "frozen base is not modelled")
+                           "frozen base is not modelled", field="offload_params")
     if quantize != "none" and framework == "torch" and RECIPES[request.precision].reduced_dtype is not None:
         raise PlannerError(f"quantize_base={quantize} with strategy {strategy} and precision {request.precision}: "
                            "prepare_model_for_kbit_training leaves the norms and embeddings in fp32, so under "
-                           "torch.autocast the residual stream runs in fp32; not modelled: use zero0-2 (bf16) or fp32")
+                           "torch.autocast the residual stream runs in fp32; not modelled: use zero0-2 (bf16) or fp32",
+                           field="quantize_base")
     if request.train_embeddings and arch.tie_word_embeddings:
         raise PlannerError(f"train_embeddings=true on a tied model ({arch.model_type}, tie_word_embeddings): "
-                           "PEFT's modules_to_save copies would untie them; not modelled")
+                           "PEFT's modules_to_save copies would untie them; not modelled", field="train_embeddings")
     if request.train_embeddings and arch.learned_positions:
-        raise PlannerError("train_embeddings=true with learned position embeddings (gpt2) is not modelled")
+        raise PlannerError("train_embeddings=true with learned position embeddings (gpt2) is not modelled",
+                           field="train_embeddings")
     return Finetune(method=request.finetune, rank=request.lora_rank or DEFAULT_RANK,
                     alpha=request.lora_alpha if request.lora_alpha is not None else DEFAULT_ALPHA,
                     targets=_targets(request, arch),
@@ -326,7 +331,8 @@ _GATE_UP = ("gate_proj", "up_proj")
 def check_activation_family(arch: Architecture, method: str) -> None:
     if arch.model_type not in LORA_ACTIVATION_FAMILIES:
         raise PlannerError(f"finetune={method} on model_type {arch.model_type!r}: what its blocks save for "
-                           f"backward with a frozen base is modelled for {', '.join(LORA_ACTIVATION_FAMILIES)} only")
+                           f"backward with a frozen base is modelled for {', '.join(LORA_ACTIVATION_FAMILIES)} only",
+                           field="finetune")
 
 
 @dataclass(frozen=True)

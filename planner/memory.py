@@ -233,7 +233,7 @@ def _traced_activations(setup: Setup) -> Activations:
     setting = traced_setting(req.micro_batch, req.seq_len, setup.recipe.compute, req.attention, req.checkpointing)
     if t.setting != setting:
         raise PlannerError(f"traced profile of {setup.model.name} was measured at {t.setting}, "
-                           f"but the request is {setting}")
+                           f"but the request is {setting}", field=None)
     body = t.num_layers * t.layer_kept_bytes
     checkpointed = req.checkpointing == "full"
     extra = max(t.loss_transient_bytes,

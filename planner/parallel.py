@@ -157,7 +157,7 @@ MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
 def rank_coordinates(dims: ParallelDims, rank: int) -> dict[str, int]:
     """The rank's index along each mesh dimension (MESH_ORDER)."""
     if not 0 <= rank < dims.world:
-        raise PlannerError(f"rank({rank}) is outside the world of {dims.world} ranks")
+        raise PlannerError(f"rank({rank}) is outside the world of {dims.world} ranks", field=None)
     coords: dict[str, int] = {}
     for name in reversed(MESH_ORDER):
         size = getattr(dims, name)
@@ -170,7 +170,7 @@ def rank_groups(dims: ParallelDims, dim: str) -> list[tuple[int, ...]]:
     """Every group of ranks along one mesh dimension ("tp", "pp", ...): the ranks that differ only
     in that coordinate, in rank order."""
     if dim not in MESH_ORDER:
-        raise PlannerError(f"dim({dim!r}) is not a mesh dimension; one of {', '.join(MESH_ORDER)}")
+        raise PlannerError(f"dim({dim!r}) is not a mesh dimension; one of {', '.join(MESH_ORDER)}", field=None)
     groups: dict[tuple[int, ...], list[int]] = {}
     for rank in range(dims.world):
         coords = rank_coordinates(dims, rank)
@@ -193,7 +193,7 @@ class NodeLayout:
 def node_layout(dims: ParallelDims, gpus_per_node: int, node: int = 0) -> NodeLayout:
     """The layout's groups on one node: ranks node * gpus_per_node ... onward are its GPU0, GPU1, ..."""
     if dims.world % gpus_per_node:
-        raise PlannerError(f"world({dims.world}) is not divisible by gpus({gpus_per_node})")
+        raise PlannerError(f"world({dims.world}) is not divisible by gpus({gpus_per_node})", field="gpus")
     first = node * gpus_per_node
     local = range(first, first + gpus_per_node)
     tp_groups = tuple(tuple(r - first for r in g if r in local) for g in rank_groups(dims, "tp")

@@ -55,25 +55,28 @@ def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> flo
 def check_schedule(pp: int, schedule: str, virtual_stages: int, micro_batches: int, num_layers: int) -> None:
     """Refuse what torch 2.13's schedules refuse, and a layer count the stages do not divide."""
     if schedule not in SCHEDULES:
-        raise PlannerError(f"pp_schedule({schedule!r}) is unknown; choose one of {', '.join(SCHEDULES)}")
+        raise PlannerError(f"pp_schedule({schedule!r}) is unknown; choose one of {', '.join(SCHEDULES)}",
+                           field="pp_schedule")
     if schedule != "interleaved" and virtual_stages != 1:
-        raise PlannerError(f"pp_virtual_stages({virtual_stages}) needs pp_schedule interleaved, got {schedule}")
+        raise PlannerError(f"pp_virtual_stages({virtual_stages}) needs pp_schedule interleaved, got {schedule}",
+                           field="pp_virtual_stages")
     stages = pp * virtual_stages
     if num_layers < stages:
         # torchtitan's generate_split_points: "Total stages cannot be greater than the number of layers"
         raise PlannerError(f"num_layers({num_layers}) is fewer than pp({pp}) * pp_virtual_stages({virtual_stages}) "
-                           f"= {stages} stages")
+                           f"= {stages} stages", field="pp")
     if schedule == "1f1b" and micro_batches < pp:
         # Schedule1F1B.__init__: "Number of microbatches must be greater than or equal to the number of stages"
         raise PlannerError(f"gradient_accumulation({micro_batches}) micro-batches must be at least pp({pp}) for "
-                           "pp_schedule 1f1b (torch's Schedule1F1B refuses fewer); raise it, or use gpipe")
+                           "pp_schedule 1f1b (torch's Schedule1F1B refuses fewer); raise it, or use gpipe",
+                           field="gradient_accumulation")
     if schedule == "interleaved":
         rounds = max(1, micro_batches // pp)
         if micro_batches % rounds:
             # ScheduleInterleaved1F1B.__init__: micro-batches a multiple of the rounds
             raise PlannerError(f"gradient_accumulation({micro_batches}) micro-batches must be a multiple of "
                                f"max(1, gradient_accumulation // pp({pp})) = {rounds} for pp_schedule interleaved "
-                               "(torch's ScheduleInterleaved1F1B)")
+                               "(torch's ScheduleInterleaved1F1B)", field="gradient_accumulation")
 
 
 def rank_actions(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> list[Action]:
@@ -434,20 +437,20 @@ def check_framework(setup: "Setup", schedule: str) -> None:
     s = setup.strategy
     if getattr(setup, "finetune", None) is not None:
         raise PlannerError(f"pp={setup.dims.pp} with finetune {setup.request.finetune}: the pipeline model counts full "
-                           "fine-tuning; estimate LoRA/QLoRA without pp")
+                           "fine-tuning; estimate LoRA/QLoRA without pp", field="pp")
     if setup.zero.offload_optimizer != "none" or setup.zero.offload_params != "none":
         raise PlannerError(f"pp={setup.dims.pp} with offload: the pipeline model keeps every state on the device; "
-                           "use offload_optimizer none and offload_params none")
+                           "use offload_optimizer none and offload_params none", field="pp")
     if s.framework != "deepspeed":
         return
     if (s.zero_stage or 0) >= 2:
         raise PlannerError(f"pp={setup.dims.pp} with strategy {s.name}: DeepSpeed's pipeline engine supports "
                            "ZeRO stage 0 or 1 only; use zero1, or fsdp (torch pipelining x FSDP2) to shard "
-                           "gradients and parameters")
+                           "gradients and parameters", field="pp")
     if schedule != "1f1b":
         raise PlannerError(f"pp_schedule={schedule} with strategy {s.name}: DeepSpeed's pipeline engine runs 1F1B "
                            "only; use pp_schedule 1f1b, or a torch strategy (ddp, fsdp, hsdp) for torch's "
-                           f"{schedule} schedule")
+                           f"{schedule} schedule", field="pp_schedule")
 
 
 def estimate_plan(setup: "Setup") -> tuple["PhasePlan", tuple[int, int, int], list[RankMemory]]:
@@ -473,9 +476,10 @@ def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str,
     a = setup.arch
     if a is None:
         raise PlannerError(f"pp={pp} needs an architecture (its layers are split into stages): give a model, "
-                           "not params")
+                           "not params", field="pp")
     if setup.model.traced is not None:
-        raise PlannerError(f"pp={pp}: {setup.model.name} is estimated by tracing; its stages cannot be split")
+        raise PlannerError(f"pp={pp}: {setup.model.name} is estimated by tracing; its stages cannot be split",
+                           field="pp")
     check_schedule(pp, schedule, virtual_stages, setup.request.gradient_accumulation, a.num_layers)
     all_stages = stages(setup, pp, virtual_stages, dp)
     parallel = data_parallel(setup, dp, shard)

@@ -111,7 +111,8 @@ def plan(req: PlanRequest, profile=None) -> PlanResult:
     for name, what in (("pp", "pipeline"), ("ep", "expert")):
         if getattr(req, name) > 1:  # modelled by estimate; the plan's candidates do not carry the degree yet
             raise PlannerError(f"{name}={getattr(req, name)}: the plan does not search {what}-parallel layouts yet; "
-                               f"estimate this layout with `planner estimate --{name} {getattr(req, name)}`")
+                               f"estimate this layout with `planner estimate --{name} {getattr(req, name)}`",
+                               field=name)
     model = catalogue_model(req.model) if req.model else model_from_config(req.model_config_)
     if req.include_vision:
         model = with_vision(model)

@@ -138,10 +138,10 @@ def fit_profile(name: str, runs: list[tuple[int, dict[str, Any]]], gpu_name: str
         samples.append((run_id, sample[0], sample[1], sample[2], peak))
     if not samples:
         raise PlannerError("no finished verify runs to calibrate from" + (f" on {gpu_name}" if gpu_name else "")
-                           + "; run planner verify first")
+                           + "; run planner verify first", field=None)
     gpus = {s[1] for s in samples}
     if len(gpus) > 1:
-        raise PlannerError(f"runs on several GPU types ({', '.join(sorted(gpus))}); choose one with --gpu")
+        raise PlannerError(f"runs on several GPU types ({', '.join(sorted(gpus))}); choose one with --gpu", field="gpu")
     efficiencies = [flops / seconds / peak for _, _, flops, seconds, peak in samples]
     efficiency = statistics.median(efficiencies)
     residuals = [Residual(run_id=run_id, measured_step_seconds=seconds,

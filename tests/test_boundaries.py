@@ -2,6 +2,7 @@
 loc, the CLI's --flag); web does not import the CLI; the verify job runner lives in backend; the
 job every rank reads is a typed model, validated when read."""
 
+import ast
 import json
 import subprocess
 import sys
@@ -111,6 +112,33 @@ def test_web_does_not_import_the_cli_and_the_job_runner_is_the_backends():
 
     assert web.app.Jobs is backend.jobs.Jobs and not hasattr(web.app, "Stop")
     assert "\nimport re\n" not in (ROOT / "web" / "app.py").read_text()  # no message is parsed back into a field
+
+
+ERRORS = {"PlannerError", "UnknownModelError", "UnknownNameError"}
+
+
+def _raises_without_field(source: str, name: str) -> list[str]:
+    """Each ``raise PlannerError(...)`` (or a subclass) in ``source`` that passes no ``field=``
+    keyword: where it is, as ``name:line``. ``field=None`` (the request as a whole) counts as given."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+            func = node.exc.func
+            called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            if called in ERRORS and not any(k.arg == "field" for k in node.exc.keywords):
+                found.append(f"{name}:{node.lineno}")
+    return found
+
+
+def test_every_core_refusal_names_its_field():
+    """A refusal without ``field=`` loses its field: the API's 422 loc falls back to the body, the
+    CLI's --flag to nothing. Every raise in planner/ (and verify's refusals) must pass it."""
+    assert _raises_without_field('raise PlannerError("x")\nraise errors.UnknownNameError(f"y", value=1)', "s") \
+        == ["s:1", "s:2"]
+    assert _raises_without_field('raise PlannerError("x", field=None)\nraise PlannerError("y", field="pp")', "s") == []
+    files = sorted((ROOT / "planner").rglob("*.py")) + [ROOT / "backend" / "launch.py"]
+    missing = [m for path in files for m in _raises_without_field(path.read_text(), str(path.relative_to(ROOT)))]
+    assert missing == []
 
 
 def test_worker_job_is_typed_and_validated_when_read(tmp_path, capsys):

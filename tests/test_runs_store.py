@@ -154,9 +154,13 @@ def test_the_device_lock_is_per_host_and_device_not_per_database(monkeypatch, tm
 
 
 def test_the_api_token_never_reaches_a_rank(monkeypatch):
+    from backend.job import VerifyJob
     from backend.launch import _environment
 
     monkeypatch.setenv("PLANNER_API_TOKEN", "s3cret")
     monkeypatch.setenv("PLANNER_API_TOKEN_FILE", "/etc/planner-token")
-    env = _environment({"device": "cpu"})
+    job = VerifyJob(model_config={"model_type": "llama"}, attn_implementation="sdpa", checkpointing="none",
+                    micro_batch=1, seq_len=8, gradient_accumulation=1, steps=1, warmup_steps=0, device="cpu",
+                    dist_backend="gloo", out_dir="/tmp/run", framework="deepspeed", ds_config={})
+    env = _environment(job)
     assert "PLANNER_API_TOKEN" not in env and "PLANNER_API_TOKEN_FILE" not in env and env["DS_ACCELERATOR"] == "cpu"

@@ -45,7 +45,7 @@ def _form(request: Request) -> dict[str, typing.Any]:
 def _plan_request(form: dict[str, typing.Any]) -> PlanRequest:
     fields: dict[str, typing.Any] = {k: v for k, v in form.items() if v not in ("", None)}
     if fields.get("model_config"):
-        fields["model_config"] = parse_json_text(fields["model_config"], "model_config")
+        fields["model_config"] = parse_json_text(fields["model_config"], "model_config", field="model_config")
         fields.pop("model", None)
     if fields.get("topology_text"):
         fields.pop("topology", None)

@@ -127,7 +127,7 @@ def framework(name: str, version: str | None = None) -> Framework:
         return _REGISTRY[(name, version)]
     except KeyError:
         known = ", ".join(f"{n} {v}" for n, v in sorted(_REGISTRY))
-        raise PlannerError(f"framework {name} {version}: not modelled; known: {known}") from None
+        raise PlannerError(f"framework {name} {version}: not modelled; known: {known}", field="strategy") from None
 
 
 def framework_of(s: "Strategy") -> Framework:
