@@ -576,6 +576,9 @@ def with_frozen(plan: Any, setup: Any) -> Any:
     plan.notes.append(f"{setup.finetune.method}: frozen base {frozen_base_of(setup).bytes:,} bytes before sharding; "
                       f"gradients and optimizer states for {sum(trainable_numels(setup.arch, setup.finetune)):,} "
                       "trainable parameters only")
-    plan.notes.append(f"{setup.finetune.method}: the step time, where shown, is full fine-tuning's (the time model "
-                      "does not yet drop the frozen weights' gradient matmuls and traffic, nor add dequantization)")
+    plan.notes.append(f"{setup.finetune.method}: the step time, where shown, runs no weight-gradient matmuls for the "
+                      "frozen base (4N FLOPs per token, not 6N) plus the adapters' forward and backward, and "
+                      "reduces the trainable parameters' gradients only" + (
+                          f"; dequantizing the {setup.finetune.quantize} base in every forward and backward pass "
+                          "is timed at the GPU's memory bandwidth" if setup.finetune.quantize != "none" else ""))
     return plan

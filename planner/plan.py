@@ -23,7 +23,7 @@ from planner.hardware import profile_efficiencies, topology_of
 from planner.memory import estimate, host_capacity
 from planner.parallel import refuse_unmodelled
 from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanRequest, PlanResult, TopologySummary
-from planner.steptime import Combo, StepSettings, estimate_with_time, step_times
+from planner.steptime import Combo, StepSettings, estimate_with_time, frozen_base_shape, step_times
 from planner.strategies import STRATEGIES, explicit_hsdp_shard, strategy as lookup_strategy
 from planner.topology import Topology
 from planner.units import GB, GIB
@@ -160,7 +160,7 @@ def _evaluate(req: PlanRequest, counts: list[int], g: Gpu, model, topo: Topology
                     micro = _divisors(per_rank)
                     peaks = grid.peaks(micro)
                     times = step_times(StepSettings.of(req), combo, micro, per_rank, model.parameters, model.architecture, g, topo,
-                                        fabric, nics)
+                                        fabric, nics, frozen=frozen_base_shape(one.request, model.architecture))
                     evaluated += micro.size
                     rows += [(combo, int(mb), float(peaks[k]), bool(peaks[k] <= usable and host_ok), times[k])
                              for k, mb in enumerate(micro)]
