@@ -94,12 +94,11 @@ class FrozenBaseShape:
                     adapters += 2 * f.rank * (linear.in_features + linear.out_features)
                 per_pass = dequantize_bytes(linear.in_features * linear.out_features, f.quantize,
                                             linear.out_features, compute_bytes)
-                forward += per_pass if f.quantize in ("nf4", "fp4") else 0
+                forward += per_pass if f.quantize != "int8" else 0  # LLM.int8's forward: int8 x int8
                 backward += per_pass
         head = 2 * arch.hidden_size * arch.vocab_size if f.train_embeddings else 0
         return cls(method=f.method, trainable=sum(trainable_numels(arch, f)), adapter_forward_flops=adapters,
-                   trained_weight_flops=head, dequantize_forward_bytes=forward if f.quantize != "none" else 0,
-                   dequantize_backward_bytes=backward if f.quantize != "none" else 0)
+                   trained_weight_flops=head, dequantize_forward_bytes=forward, dequantize_backward_bytes=backward)
 
 
 def dequantize_bytes(numel: int, quantize: str, out_features: int, compute_bytes: int) -> int:
