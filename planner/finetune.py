@@ -367,7 +367,7 @@ class AdapterInputs:
 
 
 def _lora_block_saved(arch: Architecture, spec: LayerSpec, f: Finetune, tokens: int, seq_len: int,
-                      micro_batch: int, inputs: AdapterInputs, attention: str) -> int:
+                      micro_batch: int, inputs: AdapterInputs, attention: str, linears_save_inputs: bool = False) -> int:
     """What one Llama-style block saves for backward when its base is frozen.
 
     A frozen linear saves nothing (its input is needed only for its weight's gradient; torch's
@@ -376,7 +376,8 @@ def _lora_block_saved(arch: Architecture, spec: LayerSpec, f: Finetune, tokens: 
     (the frozen weight's gradient); SDPA keeps q, k, v, its output and logsumexp as in full
     fine-tuning; the gated MLP keeps gate, act(gate) and up, but its product only where
     down_proj's adapter reads it. Each adapter keeps its input (shared with the base or its own,
-    AdapterInputs) and lora_A's r-wide output (saved by lora_B)."""
+    AdapterInputs) and lora_A's r-wide output (saved by lora_B). ``linears_save_inputs``: every
+    linear keeps its input, frozen or not (DeepSpeed ZeRO-3's LinearFunctionForZeroStage3)."""
     from planner.activations import FP32, attention_saved
 
     b, h = inputs.compute_bytes, arch.hidden_size
@@ -392,10 +393,13 @@ def _lora_block_saved(arch: Architecture, spec: LayerSpec, f: Finetune, tokens: 
     if kept_by_adapters:
         saved += b * tokens * h * (bool(names & set(_QKV)) + bool(names & set(_GATE_UP)))
         saved += b * tokens * inner if "down_proj" in names else 0
-    if f.quantize == "int8":
+    if f.quantize == "int8" or linears_save_inputs:
         # LLM.int8's CPU training path (bitsandbytes autograd/_functions.py MatMul8bitFp.forward:
-        # ``ctx.A = A``) keeps every int8 linear's input, frozen or not: the q/k/v input, the
-        # gate/up input and down_proj's (o_proj's is SDPA's output, saved anyway), where no
+        # ``ctx.A = A``) keeps every int8 linear's input, frozen or not, and so does ZeRO-3's
+        # F.linear (deepspeed 0.19.8 runtime/zero/linear.py LinearFunctionForZeroStage3.setup_context:
+        # ctx.save_for_backward(input, weight, bias), installed by zero.Init's
+        # memory_efficient_linear, default true, when ZeRO-3 converts the module): the q/k/v input,
+        # the gate/up input and down_proj's (o_proj's is SDPA's output, saved anyway), where no
         # adapter already keeps the same tensor.
         saved += b * tokens * h * ((not (kept_by_adapters and names & set(_QKV)))
                                    + (not (kept_by_adapters and names & set(_GATE_UP))))
@@ -406,7 +410,8 @@ def _lora_block_saved(arch: Architecture, spec: LayerSpec, f: Finetune, tokens: 
     return saved
 
 
-def _first_block_untracked(arch: Architecture, f: Finetune, tokens: int, inputs: AdapterInputs) -> int:
+def _first_block_untracked(arch: Architecture, f: Finetune, tokens: int, inputs: AdapterInputs,
+                           linears_save_inputs: bool = False) -> int:
     """The first block's input does not require a gradient (the embeddings are frozen), so its
     first RMSNorm saves nothing, nor does the dropout of an adapter reading that norm's output
     (q/k/v): autograd records no graph until the first adapter's output. (Measured: qwen2 fp32
@@ -418,21 +423,31 @@ def _first_block_untracked(arch: Architecture, f: Finetune, tokens: int, inputs:
     first = layer_specs(arch)[0]
     noise = sum(inputs.noise_bytes(tokens, linear.in_features) for linear in block_linears(arch, first)
                 if linear.name in _QKV and f.targeted(linear))
-    return FP32 * tokens * arch.hidden_size + FP32 * tokens + noise
+    # ZeRO-3's linear is an autograd.Function: with no input needing a gradient it records no node
+    # and saves nothing, so the q/k/v input _lora_block_saved counted for it is not kept in block 0
+    qkv_targeted = any(linear.name in _QKV and f.targeted(linear) for linear in block_linears(arch, first))
+    qkv_input = (inputs.compute_bytes * tokens * arch.hidden_size
+                 if linears_save_inputs and not (inputs.shared and qkv_targeted) else 0)
+    return FP32 * tokens * arch.hidden_size + FP32 * tokens + noise + qkv_input
 
 
 def lora_activations(arch: Architecture, f: Finetune, *, micro_batch: int, seq_len: int, compute_bytes: int,
-                     attention: str, checkpointing: str, device: str, adapter_copy: bool):
-    """The saved set and transients of a LoRA step, in the form of activations.Activations."""
+                     attention: str, checkpointing: str, device: str, adapter_copy: bool,
+                     linears_save_inputs: bool = False):
+    """The saved set and transients of a LoRA step, in the form of activations.Activations.
+    ``linears_save_inputs``: DeepSpeed ZeRO-3, whose F.linear keeps every linear's input (the
+    frozen LM head's too)."""
     from planner.activations import (FP32, ActivationItem, Activations, layer_backward_transient, loss_saved,
                                      loss_transient, rope_saved)
 
     tokens, b = micro_batch * seq_len, compute_bytes
     inputs = AdapterInputs(compute_bytes=b, own_copy=adapter_copy, dropout=f.dropout, device=device)
     specs = layer_specs(arch)
-    blocks = [_lora_block_saved(arch, spec, f, tokens, seq_len, micro_batch, inputs, attention) for spec in specs]
+    blocks = [_lora_block_saved(arch, spec, f, tokens, seq_len, micro_batch, inputs, attention, linears_save_inputs)
+              for spec in specs]
     per_layer = max(blocks)
-    head_out = b * tokens * arch.hidden_size if f.train_embeddings else 0  # a trained LM head saves its input
+    # a trained LM head saves its input, and under ZeRO-3 a frozen one too
+    head_out = b * tokens * arch.hidden_size if f.train_embeddings or linears_save_inputs else 0
     final_norm = FP32 * tokens * arch.hidden_size + FP32 * tokens + head_out
     loss = loss_saved(arch, tokens, b) + rope_saved(arch, seq_len, b)
     at_loss = loss_transient(arch, tokens, b)
@@ -445,7 +460,7 @@ def lora_activations(arch: Architecture, f: Finetune, *, micro_batch: int, seq_l
                  ActivationItem("one block recomputed in backward (frozen base, adapters)", per_layer)]
         kept = boundary
     else:
-        body = sum(blocks) - _first_block_untracked(arch, f, tokens, inputs)
+        body = sum(blocks) - _first_block_untracked(arch, f, tokens, inputs, linears_save_inputs)
         extra = at_loss
         items = [ActivationItem(f"{arch.num_layers} blocks with a frozen base and LoRA adapters", body)]
         kept = body // arch.num_layers
@@ -499,15 +514,37 @@ def frozen_base_of(setup: Any) -> FrozenBase:
     return frozen_base(setup.arch, setup.finetune, setup.psi, frozen_bytes_per_element(setup))
 
 
+def _forward_only_frozen(setup: Any) -> list[int]:
+    """Frozen parameters that no backward of the step uses, so ZeRO-3 releases them after their
+    module's forward: partitioned_param_coordinator.py __params_to_release keeps a parameter only
+    if the step's recorded module trace uses it again, and a module enters the backward trace
+    through the hooks DeepSpeed puts on its outputs that require a gradient. Without
+    checkpointing and trained embeddings, nothing that the embedding lookup or block 0's q/k/v
+    projections (of the frozen embeddings' output) compute requires a gradient. Measured
+    (tests/real_runs.py llama-lora-zero3-*: the peak trace frees the embedding right after its
+    index_select, and block 0's q/k/v weights are not among the gathered tensors live at the
+    start of backward). A tied embedding is the LM head's weight, used in backward."""
+    arch = setup.arch
+    if setup.request.checkpointing != "none" or setup.finetune.train_embeddings:
+        return []
+    first = layer_specs(arch)[0]
+    qkv = [linear for linear in block_linears(arch, first) if linear.name in _QKV]
+    out = [] if arch.tie_word_embeddings else [arch.vocab_size * arch.hidden_size]
+    out += [linear.in_features * linear.out_features for linear in qkv]
+    return out + [linear.out_features for linear in qkv if linear.bias]
+
+
 def _zero3_frozen(setup: Any, numels: list[int]) -> tuple[int, int, int]:
     """(partition bytes, persistent bytes, gathered bytes) of the frozen base under ZeRO-3, which
     partitions every parameter of the module, frozen or not (stage3.py initialize_ds_offload ->
-    DeepSpeedZeRoOffload._convert_to_zero_parameters over module.parameters())."""
+    DeepSpeedZeRoOffload._convert_to_zero_parameters over module.parameters()). Gathered: what
+    stays all-gathered through backward (_forward_only_frozen's parameters released)."""
     z, wb, dp = setup.zero, frozen_bytes_per_element(setup), setup.shard_size
     threshold = z.param_persistence_threshold
     part = sum(wb * _ceil_div(n, dp) for n in numels if n > threshold)
     persistent = sum(wb * n for n in numels if n <= threshold)
-    gatherable = sum(n for n in numels if n > threshold)
+    gatherable = sum(n for n in numels if n > threshold) - sum(n for n in _forward_only_frozen(setup)
+                                                               if n > threshold)
     gathered = wb * gatherable if z.max_reuse_distance >= setup.psi else wb * min(
         gatherable, z.max_live_parameters + z.prefetch_bucket_size + max(numels))
     return part, persistent, gathered
@@ -584,6 +621,9 @@ def with_frozen(plan: Any, setup: Any) -> Any:
     plan.notes.append(f"{setup.finetune.method}: frozen base {frozen_base_of(setup).bytes:,} bytes before sharding; "
                       f"gradients and optimizer states for {sum(trainable_numels(setup.arch, setup.finetune)):,} "
                       "trainable parameters only")
-    plan.notes.append(f"{setup.finetune.method}: the step time, where shown, is full fine-tuning's (the time model "
-                      "does not yet drop the frozen weights' gradient matmuls and traffic, nor add dequantization)")
+    plan.notes.append(f"{setup.finetune.method}: the step time, where shown, runs no weight-gradient matmuls for the "
+                      "frozen base (4N FLOPs per token, not 6N) plus the adapters' forward and backward, and "
+                      "reduces the trainable parameters' gradients only" + (
+                          f"; dequantizing the {setup.finetune.quantize} base in every forward and backward pass "
+                          "is timed at the GPU's memory bandwidth" if setup.finetune.quantize != "none" else ""))
     return plan

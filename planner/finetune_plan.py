@@ -60,8 +60,4 @@ def plan_finetune_auto(req: PlanRequest, plan: Callable[[PlanRequest], PlanResul
     notes += [f"finetune auto: {_cost(m, results[m], errors.get(m))}" for m in METHODS]
     notes.append(f"finetune auto: recommended {LABEL[chosen]}" + (
         " (the first of full, LoRA, QLoRA that fits)" if fitting else ""))
-    if chosen != "full":
-        notes.append("finetune auto: step times are full fine-tuning's (the time model does not yet drop the "
-                     "frozen weights' gradient matmuls and traffic, nor add 4-bit dequantization): memory is "
-                     "modelled for LoRA, time is not yet")
     return base.model_copy(update={"notes": notes + base.notes, "request": req})

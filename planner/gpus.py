@@ -24,6 +24,8 @@ class Gpu(BaseModel):
     vendor: Literal["nvidia", "amd", "none"] = Field("nvidia", description="who makes it (none: CPU ranks)")
     memory_mib: int = Field(ge=0)
     peak_tflops: dict[str, float] = Field(description="dense (no sparsity) peak per dtype: bf16, fp16, fp8, tf32, fp32")
+    memory_bandwidth_gbps: float | None = Field(
+        None, gt=0, description="peak device-memory bandwidth, GB/s (datasheet); none for CPU ranks")
     bf16: bool
     nvlink: str = Field(description="NVLink generation (a row of links.yaml), or none")
     pcie: str = Field(description="PCIe generation of the host link (a row of links.yaml)")

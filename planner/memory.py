@@ -214,7 +214,9 @@ def activations(setup: Setup) -> Activations | None:
             and setup.recipe.master_bits > 0
         return lora_activations(setup.arch, setup.finetune, micro_batch=req.micro_batch, seq_len=req.seq_len,
                                 compute_bytes=compute, attention=req.attention, checkpointing=req.checkpointing,
-                                device=setup.device, adapter_copy=adapter_copy)
+                                device=setup.device, adapter_copy=adapter_copy,
+                                linears_save_inputs=setup.strategy.framework == "deepspeed"
+                                and setup.strategy.zero_stage == 3)
     arch = setup.arch
     seq_len = req.seq_len // setup.cp  # the rank's two chunks of each sequence under cp
     acts = estimate_activations(arch, micro_batch=req.micro_batch, seq_len=seq_len,

@@ -24,7 +24,7 @@ from planner.layouts import Rejected, cp_degrees, tp_degrees
 from planner.memory import estimate, host_capacity
 from planner.parallel import refuse_unmodelled
 from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanRequest, PlanResult, TopologySummary
-from planner.steptime import Combo, StepSettings, estimate_with_time, step_times
+from planner.steptime import Combo, StepSettings, estimate_with_time, frozen_base_shape, step_times
 from planner.strategies import STRATEGIES, explicit_hsdp_shard, strategy as lookup_strategy
 from planner.topology import Topology
 from planner.units import GB, GIB
@@ -54,7 +54,11 @@ def _gpu_counts(req: PlanRequest) -> list[int]:
 
 
 def _estimate(req: PlanRequest, combo: Combo, micro: int, model_fields: dict) -> EstimateResult:
-    return estimate(EstimateRequest(
+    return estimate(_request(req, combo, micro, model_fields))
+
+
+def _request(req: PlanRequest, combo: Combo, micro: int, model_fields: dict) -> EstimateRequest:
+    return (EstimateRequest(
         **model_fields, strategy=combo.strategy, gpus=combo.gpus, nodes=req.nodes, gpu=req.gpu,
         precision=req.precision, optimizer=req.optimizer, micro_batch=micro, seq_len=req.seq_len,
         checkpointing=combo.checkpointing, attention=req.attention,
@@ -62,6 +66,16 @@ def _estimate(req: PlanRequest, combo: Combo, micro: int, model_fields: dict) ->
         hsdp_shard_size=explicit_hsdp_shard(combo.strategy, combo.shard * combo.tp if combo.shard else None,
                                             combo.gpus),
         host_memory_gib=req.host_memory_gib, topology=req.topology, **_degree_fields(req, combo)))
+
+
+def _frozen(req: PlanRequest, combo: Combo, model_fields: dict, arch):
+    """The LoRA / QLoRA step the time model takes for this combo (None for full fine-tuning)."""
+    if req.finetune == "full":
+        return None
+    try:
+        return frozen_base_shape(_request(req, combo, 1, model_fields), arch)
+    except PlannerError:  # refused for this combo: its estimate says so and the combo is skipped
+        return None
 
 
 def _degree_fields(req: PlanRequest, combo: Combo) -> dict:
@@ -203,7 +217,8 @@ def _evaluate(req: PlanRequest, counts: list[int], g: Gpu, model, topo: Topology
                         per_rank = _per_rank(req, combo)
                         micro = _divisors(per_rank)
                         times = step_times(StepSettings.of(req), combo, micro, per_rank, model.parameters,
-                                           model.architecture, g, topo, fabric, nics)
+                                           model.architecture, g, topo, fabric, nics,
+                                           frozen=_frozen(req, combo, model_fields, model.architecture))
                         evaluated += micro.size
                         if best is not None and min(t.step_seconds for t in times) >= best:
                             continue

@@ -64,8 +64,84 @@ class TracedShape:
                 "counts as active, so compute is a lower bound at long sequences and an upper bound for MoE")
 
 
-def _flops_per_token(shape, seq_len: int, checkpointing: str) -> tuple[float, float]:
+@dataclass(frozen=True)
+class FrozenBaseShape:
+    """What the time model reads of a LoRA / QLoRA step (planner/finetune.py resolves which
+    linears carry adapters and how the base is stored).
+
+    - ``trainable``: the elements that make gradients (adapters, trained embedding copies): what
+      DDP buckets, ZeRO reduces and partitions, and the optimizer updates.
+    - ``adapter_forward_flops``: 2r(in + out) per targeted linear per token (x @ Aᵀ, then @ Bᵀ).
+    - ``trained_weight_flops``: weight-gradient FLOPs per token of trained copies of frozen matmuls
+      (modules_to_save LM head: 2 x hidden x vocab).
+    - ``dequantize_forward_bytes`` / ``dequantize_backward_bytes``: device-memory bytes one forward
+      / one backward pass moves to dequantize the quantized base (0 for a 16-bit base)."""
+
+    method: str
+    trainable: int
+    adapter_forward_flops: int
+    trained_weight_flops: int
+    dequantize_forward_bytes: int
+    dequantize_backward_bytes: int
+
+    @classmethod
+    def of(cls, arch, f, compute_bytes: int) -> "FrozenBaseShape":
+        from planner.architecture import layer_specs
+        from planner.finetune import block_linears, trainable_numels
+
+        adapters = 0
+        forward = backward = 0
+        for spec in layer_specs(arch):
+            for linear in block_linears(arch, spec):
+                if f.targeted(linear):
+                    adapters += 2 * f.rank * (linear.in_features + linear.out_features)
+                per_pass = dequantize_bytes(linear.in_features * linear.out_features, f.quantize,
+                                            linear.out_features, compute_bytes)
+                forward += per_pass if f.quantize != "int8" else 0  # LLM.int8's forward: int8 x int8
+                backward += per_pass
+        head = 2 * arch.hidden_size * arch.vocab_size if f.train_embeddings else 0
+        return cls(method=f.method, trainable=sum(trainable_numels(arch, f)), adapter_forward_flops=adapters,
+                   trained_weight_flops=head, dequantize_forward_bytes=forward, dequantize_backward_bytes=backward)
+
+
+def dequantize_bytes(numel: int, quantize: str, out_features: int, compute_bytes: int) -> int:
+    """Device-memory bytes one dequantization of one bitsandbytes weight moves: it reads the
+    stored weight and its constants and writes the weight in the compute dtype.
+
+    4-bit (bitsandbytes 0.50 functional.py dequantize_4bit): with double quantization it first
+    dequantizes the uint8 absmax to fp32 (dequantize_blockwise: read 1 byte, write 4 per block of
+    64), then reads the packed values (2 per byte) and the fp32 absmax and writes numel values.
+    MatMul4Bit (autograd/_functions.py) does it in forward and again in backward for the input's
+    gradient. LLM.int8 (MatMul8bitLt) multiplies int8 x int8 in forward, without dequantizing
+    the weight; its backward rebuilds CB * SCB / 127 in the compute dtype for the input's gradient."""
+    from planner.finetune import BNB_4BIT_BLOCK, quantized_weight_bytes
+
+    if quantize == "none":
+        return 0
+    stored = quantized_weight_bytes(numel, quantize, out_features)
+    if quantize == "int8":
+        return stored + compute_bytes * numel
+    absmax = -(-numel // BNB_4BIT_BLOCK)
+    return stored + 4 * absmax * 2 + compute_bytes * numel  # fp32 absmax written, then read
+
+
+def frozen_base_shape(request: EstimateRequest, arch) -> FrozenBaseShape | None:
+    """The request's LoRA / QLoRA as the time model takes it (None for full fine-tuning)."""
+    if request.finetune == "full" or arch is None or isinstance(arch, TracedShape):
+        return None
+    from planner.finetune import resolve_finetune
+
+    s = lookup_strategy(request.strategy)
+    f = resolve_finetune(request, arch, s.name, s.framework)
+    return FrozenBaseShape.of(arch, f, RECIPES[request.precision].compute_bytes)
+
+
+def _flops_per_token(shape, seq_len: int, checkpointing: str,
+                     frozen: FrozenBaseShape | None = None) -> tuple[float, float]:
     """(FLOPs per token the step runs, recomputation included; FLOPs per token MFU counts)."""
+    if frozen is not None:
+        return timing.frozen_base_flops_per_token(shape, seq_len, checkpointing, frozen.adapter_forward_flops,
+                                                  frozen.trained_weight_flops)
     if isinstance(shape, TracedShape):
         forward = 2 * shape.matmul_parameters
         return forward * (4 if checkpointing == "full" else 3), 3 * forward
@@ -102,8 +178,9 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
     per_rank = request.micro_batch * request.gradient_accumulation
     wb = RECIPES[request.precision].wire_bytes
     arch = Architecture.model_validate(result.model.architecture)
+    frozen = frozen_base_shape(request, arch)
     rows = combo_collectives(request.precision, combo, result.parameters // combo.tp, request.micro_batch, per_rank,
-                             wb, arch, buckets)
+                             wb, arch, buckets, trainable=frozen.trainable if frozen else None)
     out = [{"what": what, "bytes_per_step": int(volume), "message_bytes": int(message), "group": group}
            for what, volume, _, message, group in rows]
     if combo.tp * combo.cp > 1:
@@ -138,7 +215,8 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
     combo, buckets = resolved_combo(request, result.parameters if traced is not None else None)
     arch = traced if traced is not None else Architecture.model_validate(result.model.architecture)
     t = step_times(settings, combo, request.micro_batch, per_rank, result.parameters, arch, g,
-                   topo, timing.fabric(fabric_name), nics, buckets)[0]  # one micro-batch: floats, no numpy
+                   topo, timing.fabric(fabric_name), nics, buckets,
+                   frozen=frozen_base_shape(request, arch))[0]  # one micro-batch: floats, no numpy
     if request.pp > 1 or request.ep > 1:  # the pipeline bubble, p2p and expert all-to-alls (issue 12)
         from planner.memory import resolve
         from planner.pipeline import parallel_step
@@ -174,7 +252,8 @@ def resolved_combo(request: EstimateRequest, parameters: int | None = None) -> t
 
 
 def combo_collectives(precision: str, combo: Combo, psi: int, micro, per_rank: int,
-                      wb: int, arch=None, buckets: Buckets = Buckets()) -> list[tuple[str, Any, int, float, str]]:
+                      wb: int, arch=None, buckets: Buckets = Buckets(),
+                      trainable: int | None = None) -> list[tuple[str, Any, int, float, str]]:
     """(what, bytes per step, ring passes, message bytes, group) for the strategy's collectives,
     as its framework sends them (planner/frameworks/: Framework.collectives).
 
@@ -187,7 +266,7 @@ def combo_collectives(precision: str, combo: Combo, psi: int, micro, per_rank: i
         else max(psi // 100, 1)
     traffic = Traffic(psi=psi, wire_bytes=wb, block=block, step=arrays.full_like(arrays.as_float(micro), 1.0),
                       accumulation=per_rank / micro, precision=precision, shard=combo.shard or combo.gpus,
-                      buckets=buckets)
+                      buckets=buckets, trainable=trainable)
     return framework_of(s).collectives(s, traffic)
 
 
@@ -266,15 +345,18 @@ def _over_group(combo: Combo, group: str, nodes: int, topo: Topology, req: "Step
 
 
 def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int, arch, g: Gpu,
-               topo: Topology, fabric: dict, nics: int, buckets: Buckets = Buckets()) -> list[timing.StepTime]:
+               topo: Topology, fabric: dict, nics: int, buckets: Buckets = Buckets(),
+               frozen: FrozenBaseShape | None = None) -> list[timing.StepTime]:
     """The step time of each micro-batch option: ``micro`` is one size (a single estimate: plain
-    floats throughout) or a numpy array of them (the plan search); the same formulas either way."""
+    floats throughout) or a numpy array of them (the plan search); the same formulas either way.
+    ``frozen``: a LoRA / QLoRA step (fewer FLOPs, gradient traffic of the trainable elements only,
+    the base's dequantization per pass); None for full fine-tuning."""
     wb = RECIPES[req.precision].wire_bytes
     dtype = RECIPES[req.precision].peak_dtype(g.peak_tflops)
     peak_flops = g.peak_tflops[dtype] * 1e12
     tokens_rank = per_rank * req.seq_len
     model_parallel = combo.tp * combo.cp  # GPUs that share one data-parallel rank's tokens
-    per_token, model_per_token = _flops_per_token(arch, req.seq_len, combo.checkpointing)
+    per_token, model_per_token = _flops_per_token(arch, req.seq_len, combo.checkpointing, frozen)
     flops = tokens_rank * per_token / model_parallel
     compute = flops / (peak_flops * req.compute_efficiency)
     ring, ring_bw, _ = timing.node_ring(topo, combo.gpus)
@@ -282,8 +364,9 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     nic_gbps = nics * fabric["gbps"] * fabric["efficiency"] * req.link_efficiency
     comm = arrays.zeros_like(arrays.as_float(micro))
     slowest = ring_bw * req.link_efficiency
+    trainable = frozen.trainable if frozen is not None else None
     for _, volume, passes, message, group in combo_collectives(req.precision, combo, psi // combo.tp, micro,
-                                                               per_rank, wb, arch, buckets):
+                                                               per_rank, wb, arch, buckets, trainable):
         t = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, arrays.as_float(volume), message, passes)
         comm += t.seconds
         slowest = min(slowest, arrays.smallest(t.bottleneck_gbps))
@@ -306,27 +389,44 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
             comm = comm + seconds
             slowest = min(slowest, arrays.smallest(one.bottleneck_gbps))
     s = lookup_strategy(combo.strategy)
-    window = framework_of(s).overlap_window_seconds(s, compute)
-    offload = offload_seconds(combo, psi // combo.tp, per_rank / micro, combo.gpus * nodes // combo.tp, wb, g)
+    offload = offload_seconds(combo, psi // combo.tp, per_rank / micro, combo.gpus * nodes // combo.tp, wb, g,
+                              trainable)
+    dequantize = _dequantize_seconds(frozen, combo.checkpointing, per_rank / micro, g)
     results = []
     world = combo.gpus * nodes
     model_flops = tokens_rank * model_per_token / model_parallel
     tokens_per_gpu = tokens_rank / model_parallel
     for k in range(micro.size if arrays.is_array(micro) else 1):
         comm_k, offload_k = float(arrays.item(comm, k)), float(arrays.item(offload, k))
+        busy = compute + float(arrays.item(dequantize, k))
+        window = framework_of(s).overlap_window_seconds(s, busy)
         exposed = max(0.0, float(arrays.item(data_parallel, k)) - window) + \
             float(arrays.item(exposed_model_parallel, k))
-        step = compute + exposed + offload_k
+        step = busy + exposed + offload_k
         tokens = tokens_per_gpu * world
         results.append(timing.StepTime(
-            compute_seconds=compute, communication_seconds=comm_k, exposed_communication_seconds=exposed,
+            compute_seconds=busy, communication_seconds=comm_k, exposed_communication_seconds=exposed,
             offload_seconds=offload_k, step_seconds=step, tokens_per_second=tokens / step,
             mfu=model_flops / (step * peak_flops), ring_bandwidth_gbps=slowest, ring=ring))
     return results
 
 
-def offload_seconds(combo: Combo, psi: int, accumulation, world: int, wb: int, g: Gpu):
-    shard = psi / world
+def _dequantize_seconds(frozen: FrozenBaseShape | None, checkpointing: str, accumulation, g: Gpu):
+    """The quantized base's dequantizations in one optimizer step: per micro-step one forward
+    (two with full checkpointing's recomputation) and one backward, each bandwidth-bound."""
+    seconds = arrays.zeros_like(arrays.as_float(accumulation))
+    if frozen is None or not (frozen.dequantize_forward_bytes or frozen.dequantize_backward_bytes):
+        return seconds
+    if g.memory_bandwidth_gbps is None:  # CPU ranks: the host's bandwidth is not in the catalogue
+        return seconds
+    forwards = 2 if checkpointing == "full" else 1
+    per_micro = forwards * frozen.dequantize_forward_bytes + frozen.dequantize_backward_bytes
+    return seconds + accumulation * timing.dequantize_seconds(per_micro, g.memory_bandwidth_gbps)
+
+
+def offload_seconds(combo: Combo, psi: int, accumulation, world: int, wb: int, g: Gpu, trainable: int | None = None):
+    """``trainable``: the elements the optimizer updates when not all of ``psi`` (LoRA)."""
+    shard = (psi if trainable is None else trainable) / world
     pcie = PCIE_DEVICE_TO_HOST_GBPS.get(g.pcie, 24.0) * 1e9
     seconds = arrays.zeros_like(accumulation)
     if combo.offload_optimizer != "none":
@@ -335,6 +435,7 @@ def offload_seconds(combo: Combo, psi: int, accumulation, world: int, wb: int, g
         if combo.offload_optimizer == "nvme":
             seconds += 2 * shard * 16 / (NVME_GBPS * 1e9)  # read and write master + moments
     if combo.offload_params != "none":
+        shard = psi / world  # every parameter is fetched, frozen or not
         seconds += accumulation * 2 * shard * wb / pcie  # each micro-step fetches the shard twice
         if combo.offload_params == "nvme":
             seconds += accumulation * 2 * shard * wb / (NVME_GBPS * 1e9)

@@ -43,6 +43,10 @@ BACKWARD_FRACTION = 2 / 3
 # DeepSpeedCPUAdam updates about 1e9 parameters per second per rank on a server CPU (ZeRO-Offload
 # paper, Ren et al. 2021, Sec. 5: CPU Adam 5-7x faster than PyTorch's). Calibratable.
 CPU_ADAM_PARAMS_PER_SECOND = 1.0e9
+# Achieved fraction of peak device-memory bandwidth for streaming kernels: a V100 reaches about
+# 750 of its 900 GB/s in microbenchmarks (Jia et al. 2018, "Dissecting the NVIDIA Volta GPU
+# Architecture via Microbenchmarking": global memory), ~83%. Calibratable.
+MEMORY_BANDWIDTH_EFFICIENCY = 0.83
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,34 @@ def flops_per_token(a: Architecture, seq_len: int, checkpointing: str) -> float:
 def model_flops_per_token(a: Architecture, seq_len: int) -> float:
     """What MFU counts: forward + backward, no recomputation."""
     return 3 * (2 * matmul_parameters(a) + 4 * a.num_layers * seq_len * a.q_width)
+
+
+def frozen_base_flops_per_token(a: Architecture, seq_len: int, checkpointing: str, adapter_forward_flops: float,
+                                trained_weight_flops: float) -> tuple[float, float]:
+    """(FLOPs per token the step runs, recomputation included; FLOPs per token MFU counts) when
+    the base is frozen (LoRA, QLoRA).
+
+    The 6N of a trained matmul is 2N forward, 2N for the input's gradient and 2N for the weight's
+    (Narayanan et al. 2021, Sec. 5.1; Hu et al. 2021, LoRA, Sec. 4.2: no gradients for most
+    parameters, "a 25% speedup during training on GPT-3 175B"). Autograd runs a frozen linear's
+    backward for its input only (torch's linear backward computes grad_weight only when the weight
+    requires it), so the base costs 2N + 2N = 4N. Attention's QKᵀ and AV have no weights: their
+    backward stays twice their forward. The adapters (``adapter_forward_flops``: 2r(in + out) per
+    target per token) train: 3x. ``trained_weight_flops``: the weight gradients of trained
+    copies of frozen matmuls (PEFT's modules_to_save LM head, 2 x hidden x vocab). Full
+    checkpointing reruns the forward, adapters included."""
+    matmul = 2 * matmul_parameters(a)
+    attention = 4 * a.num_layers * seq_len * a.q_width
+    forward = matmul + attention + adapter_forward_flops
+    backward = matmul + 2 * attention + 2 * adapter_forward_flops + trained_weight_flops
+    recompute = forward if checkpointing == "full" else 0
+    return forward + backward + recompute, forward + backward
+
+
+def dequantize_seconds(bytes_moved: float, bandwidth_gbps: float) -> float:
+    """A bandwidth-bound kernel (an elementwise dequantization: one read, one write per element)
+    at the achieved fraction of the device memory's peak bandwidth."""
+    return bytes_moved / (bandwidth_gbps * 1e9 * MEMORY_BANDWIDTH_EFFICIENCY)
 
 
 # --- rings on the node's topology -------------------------------------------------------------

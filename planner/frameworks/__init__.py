@@ -51,6 +51,13 @@ class Traffic:
     precision: str
     shard: int  # HSDP's shard group size (the world for the others)
     buckets: Buckets = Buckets()
+    trainable: int | None = None  # elements that make gradients (LoRA: the adapters); None: psi
+
+    @property
+    def trained(self) -> int:
+        """Elements whose gradients are reduced and whose updates are gathered: a frozen
+        parameter has neither (DDP's buckets and ZeRO's partitions hold trainable ones only)."""
+        return self.psi if self.trainable is None else self.trainable
 
 
 class Framework:

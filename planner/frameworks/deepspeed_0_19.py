@@ -47,9 +47,9 @@ class DeepSpeedZero(Framework):
         """ZeRO-0 all-reduces; ZeRO-1/2 reduce-scatter the gradients (stage 2 at every micro-step,
         in reduce buckets) and all-gather the updated parameters; ZeRO-3 gathers every module's
         parameters in forward and backward (at most prefetch_bucket_size at a time)."""
-        grads = t.psi * t.wire_bytes
-        reduce_msg = min(t.psi, t.buckets.reduce) * t.wire_bytes
-        gather_msg = min(t.psi, t.buckets.allgather) * t.wire_bytes
+        grads = t.trained * t.wire_bytes  # frozen parameters: no gradient, no optimizer partition
+        reduce_msg = min(t.trained, t.buckets.reduce) * t.wire_bytes
+        gather_msg = min(t.trained, t.buckets.allgather) * t.wire_bytes
         if s.zero_stage == 0:
             return [("gradient all-reduce", t.step * grads, 2, reduce_msg, "world")]
         if s.zero_stage == 1:
@@ -60,8 +60,10 @@ class DeepSpeedZero(Framework):
                     ("parameter all-gather", t.step * grads, 1, gather_msg, "world")]
         gathers = 2
         unit = t.block * t.wire_bytes
-        return [("parameter all-gathers", t.accumulation * gathers * grads, 1, min(unit, t.buckets.prefetch * t.wire_bytes),
-                 "shard"),
+        # ZeRO-3 partitions frozen parameters too, so it gathers the whole model (trainable or not)
+        params = t.psi * t.wire_bytes
+        return [("parameter all-gathers", t.accumulation * gathers * params, 1,
+                 min(unit, t.buckets.prefetch * t.wire_bytes), "shard"),
                 ("gradient reduce-scatter", t.accumulation * grads, 1, min(unit, reduce_msg), "shard")]
 
     def overlap_window_seconds(self, s: "Strategy", compute_seconds: float) -> float:

@@ -56,12 +56,13 @@ class TorchDistributed(Framework):
         shard across the replicas."""
         if not s.shards_parameters:
             master = RECIPES[t.precision].module_bytes
-            return [("gradient all-reduce", t.step * t.psi * master, 2, min(t.psi * master, DDP_BUCKET_CAP_BYTES),
-                     "world")]
-        grads = t.psi * t.wire_bytes
+            # DDP buckets only parameters that require grad (reducer.cpp: the reducer's params)
+            return [("gradient all-reduce", t.step * t.trained * master, 2,
+                     min(t.trained * master, DDP_BUCKET_CAP_BYTES), "world")]
+        grads = t.trained * t.wire_bytes  # a unit's frozen parameters make no gradient to reduce-scatter
         gathers = 1 if s.params_unsharded_in_step else 2
         unit = t.block * t.wire_bytes
-        items = [("parameter all-gathers", t.accumulation * gathers * grads, 1, unit, "shard"),
+        items = [("parameter all-gathers", t.accumulation * gathers * t.psi * t.wire_bytes, 1, unit, "shard"),
                  ("gradient reduce-scatter", t.accumulation * grads, 1, unit, "shard")]
         if s.shard_within_node:
             items.append(("replica all-reduce of each shard", t.accumulation * grads / t.shard, 2, unit / t.shard,
