@@ -107,10 +107,11 @@ def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
     dp = setup.world_size // setup.tp
     if dp > 1 and setup.strategy.name != "fsdp":
         raise PlannerError(f"tp={setup.tp} with strategy {request.strategy} over {dp} data-parallel ranks: the probe "
-                           "composes TP with FSDP2 (strategy fsdp) only")
+                           "composes TP with FSDP2 (strategy fsdp) only", field="tp")
     if model_type not in TP_PROBE_FAMILIES:
         raise PlannerError(f"tp={setup.tp}: the probe's TP plan names llama-style projections "
-                           f"({', '.join(TP_PROBE_FAMILIES)}); model_type {model_type!r} is estimated, not probed")
+                           f"({', '.join(TP_PROBE_FAMILIES)}); model_type {model_type!r} is estimated, not probed",
+                           field="tp")
     return {"dp_shard": dp, "tp": setup.tp, "sequence_parallel": setup.sequence_parallel}
 
 

@@ -34,22 +34,23 @@ def check_context_parallel(cp: int, framework: str, strategy: str, attention: st
     if framework != "torch":
         raise PlannerError(f"cp={cp} with strategy {strategy}: DeepSpeed 0.19.8 has no ring/context parallelism "
                            "(its sequence parallelism is Ulysses all-to-all over heads); torch's context_parallel "
-                           "with FSDP2 (strategy fsdp or hsdp, torchtitan) splits the sequence")
+                           "with FSDP2 (strategy fsdp or hsdp, torchtitan) splits the sequence", field="cp")
     if strategy == "ddp":
         raise PlannerError(f"cp={cp} with strategy ddp: torchtitan shards the parameters over dp_shard x cp with "
-                           "FSDP2 whenever cp > 1 (parallel_dims.py fsdp_enabled); use fsdp or hsdp")
+                           "FSDP2 whenever cp > 1 (parallel_dims.py fsdp_enabled); use fsdp or hsdp", field="cp")
     if attention != "sdpa":
         raise PlannerError(f"cp={cp} with attention {attention}: ring attention replaces SDPA's flash/efficient/cuDNN "
-                           "kernels; use attention sdpa")
+                           "kernels; use attention sdpa", field="cp")
     if arch is None:
-        raise PlannerError(f"cp={cp}: splitting the sequence needs the architecture (--model or --model-file)")
+        raise PlannerError(f"cp={cp}: splitting the sequence needs the architecture (--model or --model-file)",
+                           field="cp")
     for spec in distinct_specs(arch).values():
         attn = spec.attention
         if attn.kind == "mla" or attn.sinks or attn.window != "full" or attn.logit_softcap:
             what = ("MLA" if attn.kind == "mla" else "attention sinks" if attn.sinks else
                     f"{attn.window} attention" if attn.window != "full" else "attention logit soft-capping")
             raise PlannerError(f"cp={cp}: {what} is not what torch's ring attention computes (plain causal SDPA); "
-                               "this model cannot be context-parallel")
+                               "this model cannot be context-parallel", field="cp")
 
 
 def ring_attention_transient_bytes(a: Architecture, tokens: int, cp: int, b: int) -> int:

@@ -45,7 +45,7 @@ def _rank_spec(spec: LayerSpec, tp: int) -> LayerSpec:
     if attn.kind == "mla":
         raise PlannerError(f"tp({tp}) with multi-head latent attention (MLA) is not modelled: its latent "
                            "down-projections are replicated and its up-projections split, which torchtitan's "
-                           "deepseek_v3 does and this planner does not yet count; use tp 1 with fsdp")
+                           "deepseek_v3 does and this planner does not yet count; use tp 1 with fsdp", field="tp")
     attention = attn.model_copy(update={"num_heads": _split(attn.num_heads, tp),
                                         "num_kv_heads": _kv_heads(attn.num_kv_heads, tp)})
     inner = {"intermediate_size": _split(mlp.intermediate_size, tp)}
@@ -167,7 +167,8 @@ def sequence_parallel_for(request, framework: str) -> bool:
         if asked:
             raise PlannerError(f"sequence_parallel=true with strategy {request.strategy}: DeepSpeed's AutoTP "
                                "(tensor_parallel.autotp_size) splits linears only; torch (fsdp, hsdp, ddp with "
-                               "torchtitan's SequenceParallel) shards the norms over the sequence")
+                               "torchtitan's SequenceParallel) shards the norms over the sequence",
+                               field="sequence_parallel")
         return False
     return True if asked is None else bool(asked)
 
@@ -180,15 +181,16 @@ def tensor_parallel_fields(request, strategy, model, shard: int) -> dict:
         return {}
     if request.finetune != "full":
         raise PlannerError(f"tp={tp} with finetune {request.finetune}: LoRA/QLoRA under tensor parallelism is not "
-                           "modelled (the adapters' split follows the base's); use tp 1")
+                           "modelled (the adapters' split follows the base's); use tp 1", field="tp")
     arch = model.architecture
     if arch is None or model.traced is not None:
         raise PlannerError(f"tp={tp}: splitting layers over tensor-parallel ranks needs the architecture "
                            "(--model or --model-file), not "
-                           + ("a traced profile" if model.traced is not None else "a parameter count alone"))
+                           + ("a traced profile" if model.traced is not None else "a parameter count alone"),
+                           field="tp")
     if shard % tp:
         raise PlannerError(f"tp({tp}) must divide the data-parallel shard group of {strategy.name} ({shard} ranks): "
-                           "tensor parallelism takes consecutive ranks inside it")
+                           "tensor parallelism takes consecutive ranks inside it", field="tp")
     # DeepSpeed 0.19.8 trains AutoTP with every ZeRO stage: "AutoTP + ZeRO stage 3 is supported for
     # both inference and training" (runtime/engine.py, _configure_tensor_parallel_states), so no
     # stage is refused here; the ZeRO phases run on the TP rank's shards over the data-parallel ranks.

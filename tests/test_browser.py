@@ -183,6 +183,8 @@ def test_degrees_on_the_form_and_the_layout_on_the_picture(server):
         _labels_clear(page)
         page.fill("#degrees input[name=tp]", "2")
         page.click("button[type=submit]")
-        page.wait_for_selector(".error")
-        assert "tp=2" in page.url and "tp=2: tensor parallelism is not modelled yet" in page.locator(".error").inner_text()
+        page.wait_for_selector("#topology svg g.tp-group")  # a fixed degree: its TP groups drawn on the GPUs
+        assert "tp=2" in page.url and page.locator("#layout").inner_text().startswith("Layout: tp 2 x")
+        groups = page.locator("#topology svg g.tp-group").evaluate_all("gs => gs.map(g => g.dataset.gpus)")
+        assert groups[:4] == ["0,1", "2,3", "4,5", "6,7"]  # tp innermost: consecutive GPUs of the node
         browser.close()
