@@ -288,7 +288,8 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
 
         plan, (params_b, grads_b, optim_b), _ = pipeline.estimate_plan(setup)
         # a stage's states are sharded over its data-parallel ranks only (notes, shard_size)
-        setup = replace(setup, shard_size=setup.dims.dp_shard if setup.strategy.shards_optimizer else setup.dims.dp)
+        d = setup.dims  # FSDP shards over dp_shard x cp (torchtitan's dp_shard_cp)
+        setup = replace(setup, shard_size=d.dp_shard * d.cp if setup.strategy.shards_optimizer else d.dp * d.cp)
     else:
         params_b, grads_b, optim_b = textbook_states(setup)
         plan = setup.framework.phases(setup, acts, _numels(setup))

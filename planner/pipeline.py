@@ -212,15 +212,21 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[St
     req = setup.request
     count = pp * virtual_stages
     bounds = stage_bounds(a.num_layers, count)
-    tokens = req.micro_batch * req.seq_len
-    b = 4 if setup.recipe.compute == "fp32" else 2
+    # with cp the rank holds seq_len / cp tokens of each sequence (planner/context_parallel.py); with
+    # sequence parallelism the residual stream between blocks (a checkpointed block's saved input,
+    # the stage's output and its receive buffer) is sharded over the tp ranks along the sequence
+    # (Korthikanti et al. 2022, Sec. 4.2.2; torchtitan's SequenceParallel output layouts)
+    seq_len = req.seq_len // setup.cp
+    sp = setup.tp if setup.sequence_parallel else 1
+    tokens = req.micro_batch * seq_len
+    b = setup.recipe.compute_bytes
     attention = "eager" if a.attention_implementation == "eager" else req.attention
     stream = _stream_bytes(setup, dp)
     autocast = _autocast(setup, dp)
     h, vocab = a.hidden_size, a.vocab_size
     specs = layer_specs(a)
     blocks_numels = block_numels(a)
-    edges = edge_terms(a, tokens, req.seq_len, b, setup.device)
+    edges = edge_terms(a, tokens, seq_len, b, setup.device)
     checkpointed = req.checkpointing == "full"
     embedding = vocab * h + a.learned_positions * h
     head = vocab * h  # the last stage's own copy when the embedding is tied (torchtitan unties)
@@ -234,9 +240,9 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[St
         if is_last:
             tensors += norm_numels(a.norm, h) + [head]
         if checkpointed:
-            kept = (last - first) * b * tokens * h
+            kept = (last - first) * b * tokens * h // sp
         else:
-            kept = sum(block_saved_bytes(a, specs[i], tokens, req.seq_len, req.micro_batch, b, attention,
+            kept = sum(block_saved_bytes(a, specs[i], tokens, seq_len, req.micro_batch, b, attention,
                                          setup.device) for i in range(first, last))
         acts = kept + edges.rope_saved
         if autocast:
@@ -248,7 +254,7 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[St
             acts += b * linear
         if not is_first and (checkpointed or stream == FP32):
             # the first block's saved input is the receive buffer itself (counted once, as a buffer)
-            acts -= (b if checkpointed else stream) * tokens * h
+            acts -= (b if checkpointed else stream) * tokens * h // sp
         if is_first:
             acts += edges.embedding_saved
         if is_last:
@@ -258,13 +264,14 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[St
             acts += edges.final_norm_saved + edges.loss_saved + logits
             transient = edges.loss_transient
         else:
-            acts += stream * tokens * h
+            acts += stream * tokens * h // sp
             transient = edges.layer_transient
         if checkpointed:
-            one = block_saved_bytes(a, specs[first], tokens, req.seq_len, req.micro_batch, b, attention, setup.device)
+            one = block_saved_bytes(a, specs[first], tokens, seq_len, req.micro_batch, b, attention, setup.device)
             transient = max(transient, one + edges.layer_transient)
+        boundary = stream * tokens * h // sp
         out.append(Stage(index, first, last, is_first, is_last, sum(tensors), max(tensors), acts,
-                         0 if is_last else stream * tokens * h, 0 if is_first else stream * tokens * h, transient))
+                         0 if is_last else boundary, 0 if is_first else boundary, transient))
     return out
 
 
@@ -458,8 +465,11 @@ def estimate_plan(setup: "Setup") -> tuple["PhasePlan", tuple[int, int, int], li
     gradients, optimizer states) bytes, and every rank's summary."""
     d, req = setup.dims, setup.request
     check_framework(setup, req.pp_schedule)
-    shard = d.dp_shard if setup.strategy.shards_optimizer or setup.strategy.shards_parameters else d.dp
-    plan, ranks = pipeline_phases(setup, d.pp, req.pp_virtual_stages, req.pp_schedule, d.dp, shard)
+    # FSDP shards (and the gradients are reduced) over dp_shard x cp: the cp ranks hold the same
+    # weights (torchtitan's dp_shard_cp mesh dimension, parallel_dims.py)
+    dp = d.dp * d.cp
+    shard = d.dp_shard * d.cp if setup.strategy.shards_optimizer or setup.strategy.shards_parameters else dp
+    plan, ranks = pipeline_phases(setup, d.pp, req.pp_virtual_stages, req.pp_schedule, dp, shard)
     resident = {i.component: 0 for i in plan.resident}
     for i in plan.resident:
         resident[i.component] = resident.get(i.component, 0) + i.bytes

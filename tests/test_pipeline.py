@@ -126,3 +126,32 @@ def test_expert_parallel_sharding_and_all_to_all():
         expert_sharding(a, total, 3)
     with pytest.raises(PlannerError, match="no routed experts"):
         expert_sharding(from_hf_config(dict(LLAMA)), 1, 2)
+
+
+def test_cp_under_pp_splits_the_sequence_and_shards_over_dp_shard_x_cp():
+    """With pp, a cp group holds seq_len / cp tokens per rank and FSDP shards over dp_shard x cp
+    (torchtitan's dp_shard_cp): cp=2 at twice the sequence is the cp=1 layout's peak plus ring
+    attention's buffers, not twice the activations over unsharded states."""
+    from planner.memory import estimate
+    from planner.schema import EstimateRequest
+
+    fields = dict(model="llama-3.1-8b", strategy="fsdp", gpus=8, gpu="h100-80gb", precision="bf16-mixed",
+                  tp=2, pp=2, micro_batch=1, gradient_accumulation=4, checkpointing="full")
+    base = estimate(EstimateRequest(**fields, seq_len=8192)).per_device
+    split = estimate(EstimateRequest(**fields, seq_len=16384, cp=2)).per_device
+    assert split.parameters_bytes == base.parameters_bytes
+    assert split.optimizer_states_bytes == base.optimizer_states_bytes
+    assert base.peak_bytes <= split.peak_bytes < 1.05 * base.peak_bytes
+
+
+def test_sequence_parallel_shards_the_stage_boundary_over_tp():
+    """Under sequence parallelism the residual stream between blocks is sequence-sharded: a
+    checkpointed stage keeps 1/tp of each block input it would keep without it."""
+    from planner.memory import estimate
+    from planner.schema import EstimateRequest
+
+    fields = dict(model="llama-3.1-8b", strategy="fsdp", gpus=8, gpu="h100-80gb", precision="bf16-mixed",
+                  tp=4, pp=2, micro_batch=1, gradient_accumulation=4, checkpointing="full", seq_len=8192)
+    on = estimate(EstimateRequest(**fields, sequence_parallel=True)).per_device.activations_bytes
+    off = estimate(EstimateRequest(**fields, sequence_parallel=False)).per_device.activations_bytes
+    assert on < off
