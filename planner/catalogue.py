@@ -156,10 +156,18 @@ def catalogue_model(name: str) -> ResolvedModel:
         raise UnknownModelError(unknown("model", name, [n for n in known if "/" not in n] or known) + hint,
                                 field="model")
     try:
-        return _resolve(entry.name, entry.source, entry.config)
+        return _entry_model(entry.name)
     except PlannerError as exc:  # the entry's own config: about the model asked for, not a field of it
         exc.field = "model"
         raise
+
+
+@lru_cache(maxsize=128)
+def _entry_model(name: str) -> ResolvedModel:
+    """A catalogue entry read into its architecture once per process (the plan resolves the same
+    entry for each of its thousand settings); ResolvedModel is frozen and callers copy, not mutate."""
+    entry = load_catalogue()[name]
+    return _resolve(entry.name, entry.source, entry.config)
 
 
 def _resolve(name: str, source: str, config: dict[str, Any]) -> ResolvedModel:
