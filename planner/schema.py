@@ -180,6 +180,19 @@ FABRIC_HELP = "inter-node fabric (ib-hdr, ib-ndr, roce-200g, eth-100g, ...); def
 NICS_HELP = "NICs per node for inter-node traffic; default: the topology preset's"
 
 
+# The parallel degrees both requests take (EstimateRequest and PlanRequest), written once.
+PipelineDegree = Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES,
+                                      description="pipeline-parallel degree (stages)")]
+ContextDegree = Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES, description="context-parallel degree")]
+ExpertDegree = Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES,
+                                    description="expert-parallel degree; borrows its ranks from the data-parallel "
+                                    "shards and cp")]
+ScheduleField = Annotated[PipelineSchedule, Field(description="pipeline schedule (with pp > 1)")]
+VirtualStages = Annotated[int, Field(ge=1, le=1024, description="pipeline stages per rank (interleaved schedule)")]
+SequenceParallelField = Annotated[bool | None, Field(
+    description="shard the tensor-parallel region's activations over tp (default: on when tp > 1)")]
+
+
 class EstimateRequest(BaseModel):
     """What to estimate: a model, a strategy and the cluster it runs on."""
 
@@ -222,14 +235,12 @@ class EstimateRequest(BaseModel):
     max_live_parameters: int | None = Field(None, ge=0, le=10**13, description="DeepSpeed stage3_max_live_parameters (elements)")
     max_reuse_distance: int | None = Field(None, ge=0, le=10**13, description="DeepSpeed stage3_max_reuse_distance (elements)")
     tp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE, description="tensor-parallel degree")
-    pp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES, description="pipeline-parallel degree (stages)")
-    cp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES, description="context-parallel degree")
-    ep: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES,
-                    description="expert-parallel degree; borrows its ranks from the data-parallel shards and cp")
-    pp_schedule: PipelineSchedule = Field("1f1b", description="pipeline schedule (with pp > 1)")
-    pp_virtual_stages: int = Field(1, ge=1, le=1024, description="pipeline stages per rank (interleaved schedule)")
-    sequence_parallel: bool | None = Field(
-        None, description="shard the tensor-parallel region's activations over tp (default: on when tp > 1)")
+    pp: PipelineDegree = 1
+    cp: ContextDegree = 1
+    ep: ExpertDegree = 1
+    pp_schedule: ScheduleField = "1f1b"
+    pp_virtual_stages: VirtualStages = 1
+    sequence_parallel: SequenceParallelField = None
     topology: PresetName | None = Field(None, description="topology preset for the time model; default: the preset of --gpu")
     topology_text: str | None = Field(None, max_length=64 * 1024,
                                       description="pasted `nvidia-smi topo -m` output (what --topology-file reads)")
@@ -423,14 +434,12 @@ class PlanRequest(BaseModel):
         None, gt=0, le=1 << 24, description="host RAM of one node in GiB, checked against what offload keeps there "
         "(the sum over the node's ranks); default: the topology preset's system memory from its datasheet")
     tp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE, description="tensor-parallel degree (fixed; the search keeps it)")
-    pp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES, description="pipeline-parallel degree (stages)")
-    cp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES, description="context-parallel degree")
-    ep: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES,
-                    description="expert-parallel degree; borrows its ranks from the data-parallel shards and cp")
-    pp_schedule: PipelineSchedule = Field("1f1b", description="pipeline schedule (with pp > 1)")
-    pp_virtual_stages: int = Field(1, ge=1, le=1024, description="pipeline stages per rank (interleaved schedule)")
-    sequence_parallel: bool | None = Field(
-        None, description="shard the tensor-parallel region's activations over tp (default: on when tp > 1)")
+    pp: PipelineDegree = 1
+    cp: ContextDegree = 1
+    ep: ExpertDegree = 1
+    pp_schedule: ScheduleField = "1f1b"
+    pp_virtual_stages: VirtualStages = 1
+    sequence_parallel: SequenceParallelField = None
     seq_len: int = Field(DEFAULT_SEQ_LEN, ge=1, le=1 << 22, description="tokens per sequence")
     global_batch: int = Field(256, ge=1, le=1 << 24, description="sequences per optimizer step, over all GPUs")
     objective: Objective = Field("time", description="rank by step time, by GPU-hours per token, or by memory")
