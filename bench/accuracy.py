@@ -160,12 +160,9 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    print(text)
-    if args.readme:
-        from bench.readme import replace_block
+    from bench.readme import publish
 
-        return replace_block(args.readme, "accuracy", text)
-    return 0
+    return publish(text, args.readme, "accuracy")
 
 
 if __name__ == "__main__":

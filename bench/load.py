@@ -126,12 +126,9 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 server.kill()
     text = table(results, args.seconds, args.concurrency)
-    print(text)
-    if args.readme:
-        from bench.readme import replace_block
+    from bench.readme import publish
 
-        return replace_block(args.readme, "load", text)
-    return 0
+    return publish(text, args.readme, "load")
 
 
 if __name__ == "__main__":

@@ -41,12 +41,9 @@ def main() -> int:
     text = (f"`python bench/plan_speed.py --repeat {args.repeat}`: a full plan of Llama-3-70B on 8 nodes of 8 H100s, "
             f"**{evaluated:,} candidates in {median:.3f} s** (median of {args.repeat}), "
             f"**{evaluated / median:,.0f} candidates/s**, on {os.cpu_count()} CPU cores.")
-    print(text)
-    if args.readme:
-        from bench.readme import replace_block
+    from bench.readme import publish
 
-        return replace_block(args.readme, "planspeed", text)
-    return 0
+    return publish(text, args.readme, "planspeed")
 
 
 if __name__ == "__main__":

@@ -132,12 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = [(run, predict(run)) for run in RUNS]
     text = table(rows)
-    print(text)
-    if args.readme:
-        from bench.readme import replace_block
+    from bench.readme import publish
 
-        return replace_block(args.readme, "published-parallel", text)
-    return 0
+    return publish(text, args.readme, "published-parallel")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ def replace_block(readme: str | Path, name: str, text: str) -> int:
     """Replace the named block of the README with ``text``; 2 (and a message) if it has no such block."""
     path = Path(readme)
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    if not path.is_file():
+        print(f"--readme {path}: no such file", file=sys.stderr)
+        return 2
     content = path.read_text()
     if start not in content or end not in content:
         print(f"{path}: no {start} ... {end} block to replace", file=sys.stderr)
@@ -18,3 +21,9 @@ def replace_block(readme: str | Path, name: str, text: str) -> int:
     _, after = rest.split(end, 1)
     path.write_text(f"{before}{start}\n{text.rstrip()}\n{end}{after}")
     return 0
+
+
+def publish(text: str, readme: str | Path | None, name: str) -> int:
+    """A benchmark's last step: print its text and, with --readme, put it in the named block."""
+    print(text)
+    return replace_block(readme, name, text) if readme else 0

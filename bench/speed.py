@@ -136,12 +136,9 @@ def main() -> int:
     lines.append(f"\n`python bench/speed.py --model {args.model} --repeat {args.repeat}` on this machine; "
                  "the same config.json for both; accelerate's Hub look-up (network) is left out.")
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.readme:
-        from bench.readme import replace_block
+    from bench.readme import publish
 
-        return replace_block(args.readme, "speed", text)
-    return 0
+    return publish(text, args.readme, "speed")
 
 
 if __name__ == "__main__":

@@ -74,12 +74,9 @@ def main() -> int:
         "", "`python bench/wiring.py`: Llama-3-8B planned on 2 nodes of 8 H100s (global batch 256 x 4096 tokens) "
             "per fabric; Llama-3-70B FSDP estimated per micro-batch (1 x 4096 tokens, full checkpointing). "
             "Achieved rates are data/links.yaml's nominal x efficiency."])
-    print(text)
-    if args.readme:
-        from bench.readme import replace_block
+    from bench.readme import publish
 
-        return replace_block(args.readme, "wiring", text)
-    return 0
+    return publish(text, args.readme, "wiring")
 
 
 if __name__ == "__main__":
