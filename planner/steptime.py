@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from planner import arrays, timing
 from planner.architecture import layer_parameters
@@ -19,6 +19,9 @@ from planner.precision import RECIPES
 from planner.schema import EstimateRequest, EstimateResult, PlanRequest, TimeEstimate
 from planner.strategies import strategy as lookup_strategy
 from planner.topology import Topology
+
+if TYPE_CHECKING:
+    from planner.memory import Setup
 
 # Device-to-host rates of offload traffic per PCIe generation, GB/s. They sit about 5% below
 # links.yaml's pcie x16_gbps * efficiency (gen4: 24.0 vs 25.2); reading links.yaml instead would
@@ -174,7 +177,7 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
     request = result.request  # with what a ds_config fixed (micro-batch, accumulation, optimizer)
     from planner.architecture import Architecture
 
-    combo, buckets = resolved_combo(request)
+    combo, buckets, setup = resolved_combo(request)
     per_rank = request.micro_batch * request.gradient_accumulation
     wb = RECIPES[request.precision].wire_bytes
     arch = Architecture.model_validate(result.model.architecture)
@@ -189,10 +192,9 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
                 for what, volume, _, message, group in model_parallel_collectives(request.precision, combo, arch,
                                                                                   per_rank, request.seq_len)]
     if request.pp > 1:  # a stage's data-parallel collectives carry its parameters only; p2p between stages
-        from planner.memory import resolve
         from planner.pipeline import pipeline_volumes
 
-        out = pipeline_volumes(resolve(request), out)
+        out = pipeline_volumes(setup, out)
     return out
 
 
@@ -212,16 +214,15 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
                             compute_efficiency=compute_efficiency, link_efficiency=link_efficiency)
     from planner.architecture import Architecture
 
-    combo, buckets = resolved_combo(request, result.parameters if traced is not None else None)
+    combo, buckets, setup = resolved_combo(request, result.parameters if traced is not None else None)
     arch = traced if traced is not None else Architecture.model_validate(result.model.architecture)
     t = step_times(settings, combo, request.micro_batch, per_rank, result.parameters, arch, g,
                    topo, timing.fabric(fabric_name), nics, buckets,
                    frozen=frozen_base_shape(request, arch))[0]  # one micro-batch: floats, no numpy
     if request.pp > 1 or request.ep > 1:  # the pipeline bubble, p2p and expert all-to-alls (issue 12)
-        from planner.memory import resolve
         from planner.pipeline import parallel_step
 
-        t = parallel_step(t, resolve(request), arch, topo, timing.fabric(fabric_name), nics, link_efficiency)
+        t = parallel_step(t, setup, arch, topo, timing.fabric(fabric_name), nics, link_efficiency)
     return TimeEstimate(step_seconds=t.step_seconds, compute_seconds=t.compute_seconds,
                         communication_seconds=t.communication_seconds,
                         exposed_communication_seconds=t.exposed_communication_seconds,
@@ -236,9 +237,10 @@ def estimate_with_time(request: EstimateRequest, profile=None) -> EstimateResult
     return result.model_copy(update={"time": estimate_time(result.request, result, profile)})
 
 
-def resolved_combo(request: EstimateRequest, parameters: int | None = None) -> tuple[Combo, Buckets]:
+def resolved_combo(request: EstimateRequest, parameters: int | None = None) -> tuple[Combo, Buckets, "Setup"]:
     """One estimate's configuration as the time model takes it, with offload and bucket sizes as
-    resolved (--ds-config included). ``parameters``: the model's count, for a model resolved
+    resolved (--ds-config included), and the resolved Setup it was read from (the pipeline's
+    time reads it too: resolved once). ``parameters``: the model's count, for a model resolved
     outside the core (traced), whose config the core cannot read again."""
     from planner.catalogue import raw_parameters
     from planner.memory import resolve
@@ -248,7 +250,7 @@ def resolved_combo(request: EstimateRequest, parameters: int | None = None) -> t
     shard = setup.dims.dp_shard if lookup_strategy(request.strategy).shard_within_node else None
     combo = Combo(request.gpus, request.strategy, request.checkpointing, zero.offload_optimizer, zero.offload_params,
                   shard, request.tp, request.cp, setup.sequence_parallel)
-    return combo, Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size)
+    return combo, Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size), setup
 
 
 def combo_collectives(precision: str, combo: Combo, psi: int, micro, per_rank: int,
