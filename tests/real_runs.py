@@ -209,6 +209,10 @@ BENCH_RUNS = [
     _run("llama-pp2-dp2-fsdp-interleaved-bf16-m4", LLAMA, "fsdp", "bf16-mixed", gpus=4, pp=2,
          pp_schedule="interleaved", pp_virtual_stages=2, gradient_accumulation=4),
     _run("llama-pp2-1f1b-fp32-ckpt-m4", LLAMA, "fsdp", "fp32", ckpt="full", pp=2, gradient_accumulation=4),
+    # logits-dominated pipeline: a 32k vocabulary at 1,024 tokens per micro-batch, the last stage's
+    # fp32 loss and held logits per micro-batch in flight
+    _run("llama-v32k-pp2-1f1b-fp32-t1024", LLAMA_32K, "fsdp", "fp32", pp=2, micro=1, seq=1024,
+         gradient_accumulation=2),
     # ZeRO-3 with a tied embedding whose backward is the peak (the gathered embedding, the LM head's
     # held gradient and the embedding's own), at another vocabulary and length, and GPT-2's (learned positions)
     _run("qwen2-v32k-zero3-fp32-small-t64", QWEN2_32K, "zero3", "fp32", small=True, micro=1, seq=64),
