@@ -318,7 +318,7 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
         parameters=whole.psi,
         trainable_parameters=whole.psi if whole.finetune is None else trainable_count(whole),
         model=ModelSummary(name=whole.model.name, source=whole.model.source, parameters=whole.psi,
-                           architecture=whole.arch.model_dump() if whole.arch else None),
+                           architecture=whole.model.architecture.model_dump() if whole.model.architecture else None),
         strategy=setup.strategy.name, world_size=setup.world_size, dp_size=setup.dims.dp,
         shard_size=setup.shard_size, parallel=ParallelDegrees(**setup.dims.as_dict()), gpu=setup.gpu.name,
         per_device=PerDevice(

@@ -303,3 +303,18 @@ def test_tp_collectives_run_on_the_tp_groups_links():
     rows = {r["what"]: r for r in collective_volumes(EstimateRequest(**kw))}
     assert rows["TP all-gathers (sequence parallel)"]["group"] == "tp"
     assert rows["TP all-gathers (sequence parallel)"]["message_bytes"] == 2 * 2048 * 5120
+
+
+def test_tp_step_runs_the_whole_models_flops_over_the_group():
+    """A TP group of 8 runs one data-parallel rank's tokens through the whole model: each GPU does
+    1/8 of that rank's FLOPs. 256 GPUs with tp 1 give each GPU 131,072 tokens of the whole model;
+    with tp 8 (micro-batch 128, 32 data-parallel ranks) each GPU does 1/8 of 1,048,576 tokens: the
+    same work, so the compute time is equal (the rank architecture must not be divided by tp a
+    second time), and the estimate reports the whole model's architecture, not one rank's shard."""
+    fields = dict(model="llama-3.1-70b", strategy="fsdp", gpu="h100-80gb", gpus=8, nodes=32, seq_len=8192,
+                  checkpointing="full")
+    one = estimate_with_time(EstimateRequest(**fields, micro_batch=16))
+    eight = estimate_with_time(EstimateRequest(**fields, micro_batch=16 * 8, tp=8))
+    assert eight.model.architecture == one.model.architecture
+    assert eight.model.architecture["hidden_size"] == 8192
+    assert eight.time.compute_seconds == pytest.approx(one.time.compute_seconds, rel=1e-9)
