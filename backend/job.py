@@ -22,6 +22,8 @@ class TorchSettings(BaseModel):
         description="FSDP2's sharding, None for DDP")
     compute_dtype: Literal["bf16", "fp16"] | None = Field(description="autocast / FSDP2 param dtype; None: fp32")
     pure_16bit: bool = Field(description="weights kept in the 16-bit dtype (bf16-pure), no fp32 master")
+    reduce_dtype: Literal["compute", "fp32"] = Field("compute", description="FSDP2's reduce_dtype: the compute "
+                                                     "dtype, or fp32 (the request's reduce_dtype)")
     optimizer: Literal["adamw", "sgd"]
     offload: bool = Field(description="FSDP2 CPUOffloadPolicy (parameters and gradients on the host)")
     replicas: int = Field(ge=1, description="HSDP replica groups (1 otherwise)")
@@ -55,6 +57,7 @@ class PipelineSettings(BaseModel):
     virtual_stages: int = Field(ge=1)
     dp_strategy: Literal["fsdp", "none"]
     compute_dtype: Literal["bf16", "fp16"] | None
+    reduce_dtype: Literal["compute", "fp32"] = Field("compute", description="FSDP2's reduce_dtype over dp")
     optimizer: Literal["adamw", "sgd"]
 
 

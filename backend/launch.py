@@ -153,7 +153,8 @@ def _pipeline_settings(setup, request: EstimateRequest) -> dict[str, Any]:
             "pipeline": {"pp": d.pp, "dp": d.dp, "schedule": request.pp_schedule,
                          "virtual_stages": request.pp_virtual_stages,
                          "dp_strategy": "fsdp" if d.dp > 1 else "none",
-                         "compute_dtype": setup.recipe.autocast_dtype, "optimizer": request.optimizer}}
+                         "compute_dtype": setup.recipe.autocast_dtype, "reduce_dtype": request.reduce_dtype,
+                         "optimizer": request.optimizer}}
 
 
 def _free_port() -> int:

@@ -152,7 +152,7 @@ def _fully_shard(model: torch.nn.Module, settings: dict[str, Any], dtype, device
     forward to backward (reshard_after_forward=False); HYBRID_SHARD shards over a node and
     replicates across nodes on a 2-D mesh (replicate, shard)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     world = torch.distributed.get_world_size()
     if settings["sharding"] == "HYBRID_SHARD":
@@ -160,8 +160,7 @@ def _fully_shard(model: torch.nn.Module, settings: dict[str, Any], dtype, device
                                 mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,))
-    mixed = MixedPrecisionPolicy() if dtype is None or settings["pure_16bit"] else \
-        MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    mixed = mixed_precision_policy(None if settings["pure_16bit"] else dtype, settings)
     options = dict(mesh=mesh, reshard_after_forward=settings["sharding"] != "SHARD_GRAD_OP", mp_policy=mixed,
                    offload_policy=CPUOffloadPolicy() if settings["offload"] else OffloadPolicy())
     block = _decoder_layer_class(model)
@@ -170,6 +169,16 @@ def _fully_shard(model: torch.nn.Module, settings: dict[str, Any], dtype, device
             fully_shard(module, **options)
     fully_shard(model, **options)
     return model
+
+
+def mixed_precision_policy(dtype: torch.dtype | None, settings: dict[str, Any]):
+    """FSDP2's MixedPrecisionPolicy: parameters gathered in ``dtype`` (None: as stored), gradients
+    reduced in it, or in fp32 when the request's reduce_dtype says so (torchtitan's
+    mixed_precision_reduce; torch 2.13 _fully_shard/_fsdp_api.py MixedPrecisionPolicy)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    reduce = torch.float32 if settings.get("reduce_dtype") == "fp32" else dtype
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
 
 
 def _torch_optimizer(job: dict[str, Any], module: torch.nn.Module) -> torch.optim.Optimizer:

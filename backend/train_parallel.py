@@ -84,9 +84,11 @@ def apply_tp(model: torch.nn.Module, tp_mesh, sequence_parallel: bool) -> None:
 def apply_fsdp(model: torch.nn.Module, dp_mesh, settings: dict[str, Any], dtype) -> None:
     """FSDP2 over the dp_shard dimension, every block a unit, then the root, as backend/train.py's
     _fully_shard does for the 1-D case (torchtitan's apply_fsdp does the same on its dp mesh)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    mixed = MixedPrecisionPolicy() if dtype is None else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    from backend.train import mixed_precision_policy
+
+    mixed = mixed_precision_policy(dtype, settings)
     options = dict(mesh=dp_mesh, reshard_after_forward=settings.get("sharding") != "SHARD_GRAD_OP",
                    mp_policy=mixed)
     for block in _decoder(model.lm).layers:

@@ -90,9 +90,11 @@ def _wrap_data_parallel(stage: StageModule, settings: dict[str, Any], mesh, dtyp
         # ("params_.size() == rebuilt_param_indices_.size() INTERNAL ASSERT FAILED",
         # c10d/reducer.cpp, torch 2.13); torchtitan composes PP with FSDP2 / HSDP only.
         raise RuntimeError(f"data-parallel {strategy} with pipeline stages: the trainer composes PP with fsdp only")
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    mixed = MixedPrecisionPolicy() if dtype is None else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    from backend.train import mixed_precision_policy
+
+    mixed = mixed_precision_policy(dtype, settings)
     # torchtitan keeps parameters gathered from forward to backward under PP
     # (reshard_after_forward=False when pp > 1: torchtitan/models/llama3/parallelize.py apply_fsdp),
     # since every micro-batch would otherwise gather them again; the planner models the same.

@@ -49,21 +49,27 @@ class Published:
 
 
 def _llama(model: str, nodes: int, seq: int, micro: int, accumulation: int, **degrees) -> dict:
+    # torchtitan reduces gradients in fp32: training.mixed_precision_reduce's only choice, "float32"
+    # (9dec370 torchtitan/config_manager.py:389-392), handed to FSDP2's MixedPrecisionPolicy
+    # (parallelisms/parallelize_llama.py:320)
     return dict(model=model, strategy="fsdp", precision="bf16-mixed", gpu="h100-80gb", gpus=8, nodes=nodes,
                 seq_len=seq, micro_batch=micro, gradient_accumulation=accumulation, checkpointing="full",
-                optimizer="adamw") | degrees
+                optimizer="adamw", reduce_dtype="fp32") | degrees
 
 
-# torchtitan's "local batch size" is per data-parallel rank; under PP its micro-batches are of
-# pipeline_parallel_microbatch_size 1 (the default), so local batch = micro-batches per step.
+# torchtitan's "local batch size" is per data-parallel rank. Under PP, 9dec370 splits it into
+# experimental.pipeline_parallel_microbatches micro-batches, by default the pipeline degree
+# (torchtitan/parallelisms/pipelining_utils.py:79-81): Table 5's local batch 32 over pp 8 is 8
+# micro-batches of 4 sequences, Table 6's local batch 8 is 8 micro-batches of 1.
+MICRO_BATCHES = "torchtitan 9dec370's default of pp micro-batches per step is assumed (local batch 32 = 8 x 4)"
 RUNS = [
     Published("70B FSDP 32 x TP 8", "Table 4, 2D", _llama("llama-3.1-70b", 32, 8192, 16, 1, tp=8),
               71.9, 829, (COMPILE_FLOAT8, RESERVE)),
-    Published("405B FSDP 8 x TP 8 x PP 8, 1F1B", "Table 5", _llama("llama-3.1-405b", 64, 8192, 1, 32, tp=8, pp=8),
-              82.5, 100, (COMPILE_FLOAT8, "AsyncTP's symmetric-memory buffers", RESERVE)),
+    Published("405B FSDP 8 x TP 8 x PP 8, 1F1B", "Table 5", _llama("llama-3.1-405b", 64, 8192, 4, 8, tp=8, pp=8),
+              82.5, 100, (COMPILE_FLOAT8, "AsyncTP's symmetric-memory buffers", RESERVE, MICRO_BATCHES)),
     Published("405B FSDP 8 x TP 8 x PP 8, interleaved 1F1B", "Table 5",
-              _llama("llama-3.1-405b", 64, 8192, 1, 32, tp=8, pp=8, pp_schedule="interleaved", pp_virtual_stages=2),
-              72.7, 128, (COMPILE_FLOAT8, "AsyncTP's symmetric-memory buffers", RESERVE,
+              _llama("llama-3.1-405b", 64, 8192, 4, 8, tp=8, pp=8, pp_schedule="interleaved", pp_virtual_stages=2),
+              72.7, 128, (COMPILE_FLOAT8, "AsyncTP's symmetric-memory buffers", RESERVE, MICRO_BATCHES,
                           "torchtitan's default of 2 stages per rank for a multi-stage schedule is assumed")),
 ] + [
     Published(f"405B FSDP {fsdp} x CP {cp} x TP 8 x PP 8, {seq // 1024}k", "Table 6",

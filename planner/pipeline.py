@@ -355,17 +355,25 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
         resident.append(_item("DDP gradient buckets (a copy of the gradients)", grad_bits // 8 * params, "buffers",
                               "torch DDP Reducer, gradient_as_bucket_view=False"))
     # During the schedule: FSDP2 keeps the stage's parameters unsharded (compute dtype) and
-    # accumulates unsharded gradients until the last backward (stage.py backward_maybe_with_nosync
-    # sets reshard_after_backward and requires_gradient_sync False; perform_reduce_grad at the end).
+    # accumulates unsharded gradients until the last backward (torch 2.13 pipelining/stage.py:844-847
+    # backward_maybe_with_nosync sets reshard_after_backward and requires_gradient_sync False;
+    # stage.py:1173-1190 perform_reduce_grad runs every group's post_backward at the end). The
+    # accumulated gradients are in FSDP2's reduce dtype: with reduce_dtype fp32 (torchtitan's
+    # default) each unit's post_backward without a reduction upcasts its 16-bit gradients to an fp32
+    # unsharded_accumulated_grad and adds later micro-batches' into it (_fully_shard/
+    # _fsdp_param_group.py:604-612, _fsdp_param.py:802-820), 4 bytes per element of the stage.
+    reduce = FP32 if dp.shards_parameters and req.reduce_dtype == "fp32" else compute
     if dp.shards_parameters:
         gathered = _item("unsharded parameters of the stage (FSDP2, kept for every micro-batch)",
                          compute * params, "buffers", "pipelining/stage.py backward_maybe_with_nosync")
-        grads_during = _item("unsharded gradients, accumulated over micro-batches (FSDP2)", compute * params,
+        grads_during = _item("unsharded gradients, accumulated over micro-batches (FSDP2"
+                             + (", fp32 reduce dtype)" if reduce != compute else ")"), reduce * params,
                              "gradients", "reduce-scattered once, at perform_reduce_grad")
     else:
         gathered = _item("", 0, "buffers")
         grads_during = None
-    grad_bytes_per = compute if dp.shards_parameters else grad_bits // 8
+    grad_bytes_per = reduce if dp.shards_parameters else grad_bits // 8
+    fresh_bytes_per = compute if dp.shards_parameters else grad_bits // 8  # autograd's new gradient, param dtype
     phases: list[Phase] = []
     live: dict[int, int] = {}  # stage -> micro-batches in flight
     done: set[int] = set()  # stages with gradients
@@ -413,7 +421,7 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
         if stage.is_first and len(done) and action.micro_batch > 0:
             # embedding_dense_backward's fresh V x h gradient, added into the accumulated one
             items = resident + [gathered, grads_item(), acts_item(), held_item(),
-                                _item("embedding gradient being accumulated", grad_bytes_per * stage.largest_tensor,
+                                _item("embedding gradient being accumulated", fresh_bytes_per * stage.largest_tensor,
                                       "gradients")]
             candidate = _phase(PhaseKind.END_OF_BACKWARD, "embedding backward (first stage)", items)
             key = candidate.name
@@ -424,7 +432,14 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
     grads_full = grad_bits // 8 * (_ceil(params, dp.shard) if dp.shards_gradients else params)
     step_items = resident + [_item("gradients", grads_full, "gradients")]
     if dp.shards_parameters and grads_during is not None:
+        # foreach_reduce (_fsdp_collectives.py:593-603) copies one unit's accumulated gradients into a
+        # flat reduce-scatter input of the reduce dtype before it frees them
+        blocks = block_numels(setup.arch)
+        units = [sum(blocks[i]) for s in mine for i in range(s.first_block, s.last_block)]
+        units += [s.parameters - sum(sum(blocks[i]) for i in range(s.first_block, s.last_block)) for s in mine]
         reduce_items = resident + [gathered, grads_during,
+                                   _item("reduce-scatter input of one unit", reduce * max(units), "buffers",
+                                         "foreach_reduce: one flat input per unit, in the reduce dtype"),
                                    _item("sharded gradients (reduce-scatter output)", grad_bits // 8 * _ceil(params, dp.shard),
                                          "gradients")]
         phases.append(_phase(PhaseKind.GRADIENT_ALLREDUCE, "gradient reduce-scatter over dp", reduce_items))
@@ -621,13 +636,14 @@ def pipeline_volumes(setup: "Setup", data_parallel_rows: list[dict], rank: int =
     mine = [s for s in stages(setup, d.pp, req.pp_virtual_stages, d.dp) if s.index % d.pp == rank]
     params = sum(s.parameters for s in mine)
     compute = 4 if setup.recipe.compute == "fp32" else 2
+    reduce = FP32 if req.reduce_dtype == "fp32" else compute  # FSDP2 reduce-scatters in its reduce dtype
     rows: list[dict] = []
     if d.dp > 1 and setup.strategy.framework == "torch":
         if setup.strategy.shards_parameters:
             rows += [{"what": "parameter all-gathers", "bytes_per_step": compute * params, "message_bytes":
                       compute * max(s.parameters for s in mine), "group": "shard"},
-                     {"what": "gradient reduce-scatter", "bytes_per_step": compute * params, "message_bytes":
-                      compute * max(s.parameters for s in mine), "group": "shard"}]
+                     {"what": "gradient reduce-scatter", "bytes_per_step": reduce * params, "message_bytes":
+                      reduce * max(s.parameters for s in mine), "group": "shard"}]
         else:
             rows.append({"what": "gradient all-reduce", "bytes_per_step": 4 * params, "message_bytes": 4 * params,
                          "group": "world"})

@@ -191,6 +191,12 @@ ScheduleField = Annotated[PipelineSchedule, Field(description="pipeline schedule
 VirtualStages = Annotated[int, Field(ge=1, le=1024, description="pipeline stages per rank (interleaved schedule)")]
 SequenceParallelField = Annotated[bool | None, Field(
     description="shard the tensor-parallel region's activations over tp (default: on when tp > 1)")]
+# FSDP2's MixedPrecisionPolicy.reduce_dtype (torch/distributed/fsdp/_fully_shard/_fsdp_api.py): the
+# recipe's 16-bit compute dtype, as accelerate's FSDP2 plugin (utils/dataclasses.py set_mixed_precision:
+# param_dtype = reduce_dtype = dtype) and the planner's trainer set it, or fp32, torchtitan's only
+# training.mixed_precision_reduce (torchtitan 0.3 config/configs.py; 9dec370 config_manager.py:389)
+ReduceDtype = Literal["compute", "fp32"]
+SHARDING_STRATEGIES = ("fsdp", "fsdp-grad-op", "hsdp")
 
 
 class EstimateRequest(BaseModel):
@@ -241,6 +247,9 @@ class EstimateRequest(BaseModel):
     pp_schedule: ScheduleField = "1f1b"
     pp_virtual_stages: VirtualStages = 1
     sequence_parallel: SequenceParallelField = None
+    reduce_dtype: ReduceDtype = Field(
+        "compute", description="dtype FSDP2 reduces gradients in: compute (the recipe's 16-bit dtype, as accelerate "
+        "and the planner's trainer) or fp32 (torchtitan's mixed_precision_reduce); fsdp, fsdp-grad-op and hsdp only")
     topology: PresetName | None = Field(None, description="topology preset for the time model; default: the preset of --gpu")
     topology_text: str | None = Field(None, max_length=64 * 1024,
                                       description="pasted `nvidia-smi topo -m` output (what --topology-file reads)")
@@ -294,6 +303,9 @@ class EstimateRequest(BaseModel):
                              f"exceeds the global batch bound {MAX_GLOBAL_BATCH}")
         if self.topology is not None and self.topology_text is not None:
             raise ValueError("give --topology or --topology-file, not both")
+        if self.reduce_dtype != "compute" and self.strategy not in SHARDING_STRATEGIES:
+            raise ValueError(f"reduce_dtype={self.reduce_dtype} is FSDP2's MixedPrecisionPolicy.reduce_dtype: it applies "
+                             f"to {', '.join(SHARDING_STRATEGIES)}, not strategy {self.strategy}")
         from planner.finetune import check_request_fields
 
         check_request_fields(self)

@@ -209,6 +209,12 @@ BENCH_RUNS = [
     _run("llama-pp2-dp2-fsdp-interleaved-bf16-m4", LLAMA, "fsdp", "bf16-mixed", gpus=4, pp=2,
          pp_schedule="interleaved", pp_virtual_stages=2, gradient_accumulation=4),
     _run("llama-pp2-1f1b-fp32-ckpt-m4", LLAMA, "fsdp", "fp32", ckpt="full", pp=2, gradient_accumulation=4),
+    # FSDP2 reducing in fp32 (reduce_dtype fp32, torchtitan's mixed_precision_reduce): the root unit's
+    # fp32 reduce-scatter input at the end of backward (few tokens: the states are the peak), and
+    # PP x FSDP2, whose unsharded gradients accumulate in fp32 over the micro-batches
+    _run("llama-fsdp-bf16-reduce32-t32", LLAMA, "fsdp", "bf16-mixed", micro=1, seq=32, reduce_dtype="fp32"),
+    _run("llama-pp2-dp2-fsdp-1f1b-bf16-reduce32-m4", LLAMA, "fsdp", "bf16-mixed", gpus=4, pp=2,
+         gradient_accumulation=4, reduce_dtype="fp32"),
     # logits-dominated pipeline: a 32k vocabulary at 1,024 tokens per micro-batch, the last stage's
     # fp32 loss and held logits per micro-batch in flight
     _run("llama-v32k-pp2-1f1b-fp32-t1024", LLAMA_32K, "fsdp", "fp32", pp=2, micro=1, seq=1024,

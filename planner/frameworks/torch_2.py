@@ -105,7 +105,8 @@ class TorchDistributed(Framework):
         dtype, pure = RECIPES[request.precision].reduced_dtype, RECIPES[request.precision].casts_model
         return {"framework": self.name, "torch": {
             "strategy": setup.strategy.name, "sharding": sharding(setup.strategy),
-            "compute_dtype": dtype, "pure_16bit": pure, "optimizer": request.optimizer,
+            "compute_dtype": dtype, "pure_16bit": pure, "reduce_dtype": request.reduce_dtype,
+            "optimizer": request.optimizer,
             "offload": setup.zero.offload_params != "none",
             "replicas": request.world_size // setup.shard_size, "shard_size": setup.shard_size}}
 
@@ -169,6 +170,9 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
         plan.host_resident_bytes = per_rank * setup.request.gpus
         plan.host_peak_bytes = per_rank * setup.request.gpus
         plan.notes.append("FSDP CPUOffload: parameters, gradients and optimizer states of each shard on the host")
+    if sharded and reduce_bytes(setup, compute_bytes) != compute_bytes:
+        plan.notes.append("FSDP2 reduces gradients in fp32 (MixedPrecisionPolicy reduce_dtype, torchtitan's default): "
+                          "each unit's reduce-scatter input is 4 bytes per element")
     if buckets:  # DDP
         plan.notes.append(f"DDP buckets of {DDP_BUCKET_CAP_BYTES // 2**20} MiB (bucket_cap_mb) hold a full copy of the gradients")
     return plan
@@ -189,6 +193,16 @@ def _autocast_copies(setup: "Setup", point: SweepPoint, psi: int, block: int, co
                  "buffers", "checkpointed blocks keep no cast weights; recomputation casts one block's again")
 
 
+def reduce_bytes(setup: "Setup", compute_bytes: int) -> int:
+    """Bytes per element FSDP2 reduces gradients in: MixedPrecisionPolicy.reduce_dtype, the compute
+    dtype or fp32 (the request's reduce_dtype). torch 2.13 _fully_shard/_fsdp_param.py:587-600
+    (init_dtype_attrs) clamps a reduce_dtype equal to param_dtype to None (no cast); otherwise
+    foreach_reduce (_fsdp_collectives.py:593-599) allocates the reduce-scatter input in it and
+    copies the unit's gradients in, and an accumulated gradient is kept in it
+    (_fsdp_param.py:802-813 to_accumulated_grad_if_needed)."""
+    return FP32 if setup.request.reduce_dtype == "fp32" else compute_bytes
+
+
 def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: int, shard: int,
                 compute_bytes: int, store_bytes: int) -> list[MemoryItem]:
     """What FSDP2 (torch.distributed.fsdp.fully_shard, per-parameter sharding) holds beyond the
@@ -200,8 +214,13 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
     and stays so to its end (its embedding's gradient comes last); the previous block is
     prefetched while the current one runs backward; after a unit's backward its unsharded
     gradients are reduce-scattered from one flat input, and the shard is kept in the
-    parameter's dtype (fp32 under mixed precision). On CPU ranks gloo's all-gather holds a
-    scratch copy of its output on the worker thread while it runs (measured by the backend)."""
+    parameter's dtype (fp32 under mixed precision). The reduce-scatter input is in the reduce
+    dtype (fp32 with reduce_dtype fp32, torchtitan's default: 4 bytes per element while the
+    unit's 16-bit gradients are copied into it, _fsdp_collectives.py:593-603). On CPU ranks
+    gloo's all-gather holds a scratch copy of its output on the worker thread while it runs
+    (measured by the backend)."""
+    if point.kind is PhaseKind.END_OF_BACKWARD:
+        return _fsdp_root_reduce_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes)
     gloo_copy = 2 if setup.device == "cpu" else 1
     keep_gathered = setup.strategy.params_unsharded_in_step  # SHARD_GRAD_OP: no reshard after forward
     if keep_gathered:
@@ -218,8 +237,10 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
               "buffers", "FSDP paper Sec. 3.2: the next unit's all-gather overlaps the current unit's backward"),
         item("unsharded gradients in flight", compute_bytes * point.in_flight_elements, "gradients",
               "a unit's gradients until its reduce-scatter"),
-        item("reduce-scatter input of the finished unit", compute_bytes * point.in_flight_elements
-              if point.kind.ends_a_unit else 0, "buffers", "foreach_reduce: one flat input per unit"),
+        item("reduce-scatter input of the finished unit" + (" (fp32)" if reduce_bytes(setup, compute_bytes) == FP32
+                                                            and compute_bytes != FP32 else ""),
+              reduce_bytes(setup, compute_bytes) * point.in_flight_elements if point.kind.ends_a_unit else 0,
+              "buffers", "foreach_reduce: one flat input per unit, in the reduce dtype"),
         item("sharded gradients", store_bytes * ceil_div(point.grad_elements, shard), "gradients"),
     ]
     if point.kind is PhaseKind.START_OF_BLOCK:
@@ -228,6 +249,52 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
         items.append(item("root gradients (unsharded, until the end of backward)",
                            compute_bytes * min(head_grads, root), "gradients"))
     return items
+
+
+def _fsdp_root_reduce_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: int, shard: int,
+                            compute_bytes: int, store_bytes: int) -> list[MemoryItem]:
+    """The end of FSDP2's backward: the root unit (embeddings, final norm, LM head) gets its last
+    gradient and is reduce-scattered, every block's gradients already sharded. The largest of
+    four moments, each traced to the byte on CPU ranks (llama, bf16 and fp32 reduce):
+
+    - the embedding's backward: the root gathered, all its unsharded gradients, and the last
+      block's reduce-scatter input, kept until the next unit's post_backward recycles it
+      (_fsdp_param_group.py:640-657, reduce_scatter_max_input_buffers 1);
+    - the copy-in: post_backward reshards the root first (_fsdp_param_group.py:637-638), then
+      foreach_reduce copies its gradients into one flat input of the reduce dtype and frees them
+      (_fsdp_collectives.py:593-603);
+    - the reduce-scatter: that input, the output (its 1/shard, reduce dtype), and the LM head's
+      gradient, which the trace shows referenced until the root's post_backward returns; on CPU
+      ranks gloo's reduce-scatter also copies its whole input (measured: one more input-sized
+      tensor);
+    - the cast of that output to the parameters' dtype (_to_dtype_if_needed, when the reduce
+      dtype is not fp32 under mixed precision), after gloo's copy is freed."""
+    reduce = reduce_bytes(setup, compute_bytes)
+    late = point.in_flight_elements if setup.arch is not None and not setup.arch.tie_word_embeddings else 0
+    held = max(0, root - late) if late else 0  # the LM head and final norm's gradients
+    blocks_sharded = item("sharded gradients of the blocks", store_bytes * ceil_div(psi - root, shard), "gradients")
+    rs_input = item("reduce-scatter input of the root" + (" (fp32)" if reduce != compute_bytes else ""),
+                    reduce * root, "buffers", "foreach_reduce: one flat input per unit, in the reduce dtype")
+    output = item("reduce-scatter output (the root's shard, reduce dtype)", reduce * ceil_div(root, shard), "gradients")
+    held_item = item("the LM head's unsharded gradient (referenced until the root's post-backward returns)",
+                     compute_bytes * held, "gradients", "peak trace, CPU ranks")
+    moments = [
+        [item("all-gathered root unit", compute_bytes * root, "buffers", "the root, gathered for its backward"),
+         item("root gradients (unsharded)", compute_bytes * root, "gradients", "until the root's reduce-scatter"),
+         item("reduce-scatter input of the last block", reduce * block, "buffers",
+              "recycled at the next unit's post_backward"), blocks_sharded],
+        [item("root gradients (unsharded), being copied in", compute_bytes * root, "gradients"), rs_input,
+         blocks_sharded],
+        [held_item, rs_input, output, blocks_sharded]
+        + ([item("gloo's copy of the reduce-scatter input", reduce * root, "buffers",
+                 "CPU ranks: gloo's reduce-scatter works on a copy of its input (peak trace)")]
+           if setup.device == "cpu" else []),
+    ]
+    if reduce != store_bytes:
+        moments.append([held_item, rs_input, output, blocks_sharded,
+                        item("the root's sharded gradients, cast to the parameters' dtype",
+                             store_bytes * ceil_div(root, shard), "gradients", "_to_dtype_if_needed")])
+    return max(moments, key=lambda items: sum(i.bytes for i in items))
 
 
 def _fsdp_tied_sum_items(point: SweepPoint, psi: int, root: int, shard: int, compute_bytes: int,
