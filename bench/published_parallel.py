@@ -4,10 +4,11 @@
 
 Every row is a configuration someone ran and published with its memory per GPU and its
 throughput; the planner predicts the same configuration (same model, degrees, batch, sequence,
-checkpointing) and the table shows both and the gap. No constant is fitted to these figures:
-where the gap is large, the "why" column names what the published run did that the model does
-not (torch.compile, Float8 linears, asynchronous TP, the caching allocator's reserve). With
---readme, the table replaces the README block between the published-parallel markers.
+checkpointing, torchtitan's fp32 gradient reduction) and the table shows both and the gap. No
+constant is fitted to these figures: where the gap is large, the "why" column names what the
+published run did that the model does not (torch.compile, Float8 linears, asynchronous TP), and
+the caching allocator's reserve where its size follows from the run (the bf16 logits' cached
+segment). With --readme, the table replaces the README block between the published-parallel markers.
 
 Source of every figure: torchtitan's docs/performance.md (Tables 2, 4, 5 and 6; torchtitan
 9dec370, torch 1963fc8, December 2024; also Liang et al. 2024, "TorchTitan: One-stop PyTorch
@@ -36,6 +37,16 @@ SOURCE = "torchtitan docs/performance.md"
 COMPILE_FLOAT8 = ("torch.compile fuses the elementwise ops, and Float8 linears save their inputs in 8 bits: "
                   "both shrink the activations the model counts in bf16")
 RESERVE = "published memory is the allocator's reserve (max_reserved), the prediction its allocated peak"
+# Modelled since the December 2024 table was first compared (they were the largest misses, -50% on
+# the 405B 1F1B row): torchtitan's fp32 gradient reduction, which under PP keeps the stage's
+# unsharded gradients in fp32 for the whole schedule (torch 2.13 pipelining/stage.py:844-847,
+# _fully_shard/_fsdp_param.py:802-820), beside its unsharded bf16 parameters (9dec370
+# parallelize_llama.py:326-339: reshard_after_forward=False under PP).
+PP_FSDP = ("modelled: the stage's parameters unsharded in bf16 and its gradients accumulated unsharded in fp32 "
+           "(torchtitan's mixed_precision_reduce) over the whole schedule")
+FLOAT8_GATHER = ("torchtitan's 405B config gathers Float8 weights (enable_fsdp_float8_all_gather), 1 byte per "
+                 "unsharded weight where the model counts 2: this alone would lower the prediction")
+ASYNC_TP = "AsyncTP's symmetric-memory buffers"
 
 
 @dataclass(frozen=True)
@@ -61,20 +72,26 @@ def _llama(model: str, nodes: int, seq: int, micro: int, accumulation: int, **de
 # experimental.pipeline_parallel_microbatches micro-batches, by default the pipeline degree
 # (torchtitan/parallelisms/pipelining_utils.py:79-81): Table 5's local batch 32 over pp 8 is 8
 # micro-batches of 4 sequences, Table 6's local batch 8 is 8 micro-batches of 1.
-MICRO_BATCHES = "torchtitan 9dec370's default of pp micro-batches per step is assumed (local batch 32 = 8 x 4)"
+MICRO_BATCHES = ("torchtitan 9dec370's default of pp micro-batches per step is assumed (local batch 32 = 8 x 4): "
+                 "the published interleaved/1F1B throughput ratio, 1.28, is the bubbles' ratio at 8 micro-batches "
+                 "(1.30; 1.10 at 32)")
 RUNS = [
     Published("70B FSDP 32 x TP 8", "Table 4, 2D", _llama("llama-3.1-70b", 32, 8192, 16, 1, tp=8),
               71.9, 829, (COMPILE_FLOAT8, RESERVE)),
     Published("405B FSDP 8 x TP 8 x PP 8, 1F1B", "Table 5", _llama("llama-3.1-405b", 64, 8192, 4, 8, tp=8, pp=8),
-              82.5, 100, (COMPILE_FLOAT8, "AsyncTP's symmetric-memory buffers", RESERVE, MICRO_BATCHES)),
+              82.5, 100, (PP_FSDP, MICRO_BATCHES, COMPILE_FLOAT8, FLOAT8_GATHER, ASYNC_TP, RESERVE)),
     Published("405B FSDP 8 x TP 8 x PP 8, interleaved 1F1B", "Table 5",
               _llama("llama-3.1-405b", 64, 8192, 4, 8, tp=8, pp=8, pp_schedule="interleaved", pp_virtual_stages=2),
-              72.7, 128, (COMPILE_FLOAT8, "AsyncTP's symmetric-memory buffers", RESERVE, MICRO_BATCHES,
-                          "torchtitan's default of 2 stages per rank for a multi-stage schedule is assumed")),
+              72.7, 128, (PP_FSDP, MICRO_BATCHES,
+                          "torchtitan's default of 2 stages per rank for a multi-stage schedule is assumed",
+                          COMPILE_FLOAT8, FLOAT8_GATHER, ASYNC_TP, RESERVE)),
 ] + [
     Published(f"405B FSDP {fsdp} x CP {cp} x TP 8 x PP 8, {seq // 1024}k", "Table 6",
               _llama("llama-3.1-405b", 64, seq, 1, 8, tp=8, pp=8, cp=cp), memory, tps,
-              (COMPILE_FLOAT8, "AsyncTP's symmetric-memory buffers", RESERVE))
+              (PP_FSDP, COMPILE_FLOAT8, FLOAT8_GATHER, ASYNC_TP, RESERVE)
+              + (("the published peak grows with cp at the same tokens per rank (75.3 to 84.9 GiB), the model's "
+                  "does not: what context parallelism keeps beyond seq/cp tokens (one layer's gathered K/V, fp32 "
+                  "q/k/v gradients) is under 1 GiB here; the growth is not explained",) if cp > 1 else ()))
     for fsdp, cp, seq, memory, tps in [(8, 1, 32768, 75.3, 76), (4, 2, 65536, 75.9, 47), (2, 4, 131072, 77.1, 31),
                                        (1, 8, 262144, 84.9, 16)]
 ] + [
@@ -106,8 +123,28 @@ def predict(run: Published) -> dict:
     except PlannerError as exc:
         return {"peak_gib": result.per_device.peak_bytes / GIB, "error": f"time: {exc}"}
     world = run.fields["gpus"] * run.fields["nodes"]
-    return {"peak_gib": result.per_device.peak_bytes / GIB,
+    return {"peak_gib": result.per_device.peak_bytes / GIB, "vocab": result.model.architecture["vocab_size"],
             "tokens_per_gpu": time.tokens_per_second / world if time else None}
+
+
+def logits_reserve(run: Published, predicted_gib: float, vocab: int) -> str | None:
+    """The caching allocator's reserve at the loss's backward, for a rank that computes the loss
+    (no pp): 9dec370 train.py:131-133 computes cross_entropy(pred.float(), ...) and frees the bf16
+    logits before backward (``del pred``, train.py:307). Their segment stays cached, but the
+    loss's backward asks for fp32 blocks twice its size (nll_loss_backward's gradient reuses the
+    freed fp32 upcast's; log_softmax_backward's output finds no cached block large enough:
+    c10/cuda/CUDACachingAllocator.cpp serves a request from a free block at least as large and
+    never merges segments), so it reserves a new one: max_reserved is at least the allocated peak
+    plus the bf16 logits. Their size is the model's (tokens per rank x vocab / tp, 2 bytes; vocab
+    sharded by loss parallelism); None under pp, where the worst rank is not the last stage."""
+    f = run.fields
+    if f.get("pp", 1) > 1:
+        return None
+    tokens = f["micro_batch"] * f["seq_len"] // f.get("cp", 1)
+    logits_gib = 2 * tokens * vocab // f.get("tp", 1) / GIB
+    return (f"published memory is the allocator's reserve (max_reserved): the {logits_gib:.1f} GiB segment of the "
+            f"bf16 logits, freed before backward, stays cached and is too small for the loss backward's "
+            f"{2 * logits_gib:.1f} GiB fp32 gradients, so the reserve is at least {predicted_gib + logits_gib:.1f} GiB")
 
 
 def _pct(predicted: float | None, published: float) -> str:
@@ -120,14 +157,17 @@ def table(rows: list[tuple[Published, dict]]) -> str:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for run, p in rows:
         peak, tps = p.get("peak_gib"), p.get("tokens_per_gpu")
-        why = "; ".join(run.why) if "error" not in p else f"not predicted: {p['error']}"
+        reserve = logits_reserve(run, peak, p["vocab"]) if "vocab" in p else None
+        why = "; ".join(reserve if w == RESERVE and reserve else w for w in run.why) if "error" not in p \
+            else f"not predicted: {p['error']}"
         lines.append(f"| {run.name} | {run.memory_gib:.1f} | {'' if peak is None else f'{peak:.1f}'} | "
                      f"{_pct(peak, run.memory_gib)} | {run.tokens_per_gpu:,.0f} | "
                      f"{'' if tps is None else f'{tps:,.0f}'} | {_pct(tps, run.tokens_per_gpu)} | "
                      f"{SOURCE}, {run.table} | {why} |")
     lines.append("")
     lines.append("GiB = 2^30 bytes. Published: H100 SXM 96 GB at 500 W, torch.compile + Float8 + full activation "
-                 "checkpointing; predicted: h100-80gb, bf16 FSDP2, full checkpointing, no compile, no Float8. "
+                 "checkpointing; predicted: h100-80gb, bf16 FSDP2 reducing gradients in fp32 (torchtitan's "
+                 "mixed_precision_reduce), full checkpointing, no compile, no Float8. "
                  "Written by `python bench/published_parallel.py --readme README.md`.")
     return "\n".join(lines)
 

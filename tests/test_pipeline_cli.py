@@ -74,7 +74,7 @@ def test_verify_refuses_what_the_pipeline_probe_cannot_run():
         worker_job(EstimateRequest(**base, strategy="zero1", gpus=2), steps=1, warmup_steps=0, out_dir=None)
     job = worker_job(EstimateRequest(**base, strategy="fsdp", gpus=4), steps=1, warmup_steps=0, out_dir="x")
     assert job.pipeline.model_dump() == {"pp": 2, "dp": 2, "schedule": "1f1b", "virtual_stages": 1, "dp_strategy": "fsdp",
-                               "compute_dtype": None, "optimizer": "adamw"}
+                               "compute_dtype": None, "reduce_dtype": "compute", "optimizer": "adamw"}
 
 
 def test_the_worst_stage_is_reported_and_every_rank_is_noted():
