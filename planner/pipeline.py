@@ -361,7 +361,7 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
     # accumulated gradients are in FSDP2's reduce dtype: with reduce_dtype fp32 (torchtitan's
     # default) each unit's post_backward without a reduction upcasts its 16-bit gradients to an fp32
     # unsharded_accumulated_grad and adds later micro-batches' into it (_fully_shard/
-    # _fsdp_param_group.py:604-612, _fsdp_param.py:802-820), 4 bytes per element of the stage.
+    # _fsdp_param_group.py:603-612, _fsdp_param.py:802-820), 4 bytes per element of the stage.
     reduce = FP32 if dp.shards_parameters and req.reduce_dtype == "fp32" else compute
     if dp.shards_parameters:
         gathered = _item("unsharded parameters of the stage (FSDP2, kept for every micro-batch)",
@@ -432,7 +432,7 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
     grads_full = grad_bits // 8 * (_ceil(params, dp.shard) if dp.shards_gradients else params)
     step_items = resident + [_item("gradients", grads_full, "gradients")]
     if dp.shards_parameters and grads_during is not None:
-        # foreach_reduce (_fsdp_collectives.py:593-603) copies one unit's accumulated gradients into a
+        # foreach_reduce (_fsdp_collectives.py:597-606) copies one unit's accumulated gradients into a
         # flat reduce-scatter input of the reduce dtype before it frees them
         blocks = block_numels(setup.arch)
         units = [sum(blocks[i]) for s in mine for i in range(s.first_block, s.last_block)]

@@ -20,7 +20,7 @@ ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus",
                   "--prefetch-bucket-size", "--param-persistence-threshold", "--max-live-parameters",
                   "--max-reuse-distance", "--topology", "--topology-file", "--fabric", "--nics-per-node", "--profile",
                   "--include-vision", "--tp", "--pp", "--cp", "--ep", "--pp-schedule", "--pp-virtual-stages",
-                  "--sequence-parallel", "--json", "--emit", "--script",
+                  "--sequence-parallel", "--reduce-dtype", "--json", "--emit", "--script",
                   # LoRA / QLoRA (issue 13)
                   "--finetune", "--lora-rank", "--lora-alpha", "--lora-targets", "--lora-dropout", "--quantize-base",
                   "--train-embeddings"}

@@ -197,7 +197,7 @@ def reduce_bytes(setup: "Setup", compute_bytes: int) -> int:
     """Bytes per element FSDP2 reduces gradients in: MixedPrecisionPolicy.reduce_dtype, the compute
     dtype or fp32 (the request's reduce_dtype). torch 2.13 _fully_shard/_fsdp_param.py:587-600
     (init_dtype_attrs) clamps a reduce_dtype equal to param_dtype to None (no cast); otherwise
-    foreach_reduce (_fsdp_collectives.py:593-599) allocates the reduce-scatter input in it and
+    foreach_reduce (_fsdp_collectives.py:597-603) allocates the reduce-scatter input in it and
     copies the unit's gradients in, and an accumulated gradient is kept in it
     (_fsdp_param.py:802-813 to_accumulated_grad_if_needed)."""
     return FP32 if setup.request.reduce_dtype == "fp32" else compute_bytes
@@ -216,7 +216,7 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
     gradients are reduce-scattered from one flat input, and the shard is kept in the
     parameter's dtype (fp32 under mixed precision). The reduce-scatter input is in the reduce
     dtype (fp32 with reduce_dtype fp32, torchtitan's default: 4 bytes per element while the
-    unit's 16-bit gradients are copied into it, _fsdp_collectives.py:593-603). On CPU ranks
+    unit's 16-bit gradients are copied into it, _fsdp_collectives.py:597-606). On CPU ranks
     gloo's all-gather holds a scratch copy of its output on the worker thread while it runs
     (measured by the backend)."""
     if point.kind is PhaseKind.END_OF_BACKWARD:
@@ -262,7 +262,7 @@ def _fsdp_root_reduce_items(setup: "Setup", point: SweepPoint, psi: int, block: 
       (_fsdp_param_group.py:640-657, reduce_scatter_max_input_buffers 1);
     - the copy-in: post_backward reshards the root first (_fsdp_param_group.py:637-638), then
       foreach_reduce copies its gradients into one flat input of the reduce dtype and frees them
-      (_fsdp_collectives.py:593-603);
+      (_fsdp_collectives.py:597-606);
     - the reduce-scatter: that input, the output (its 1/shard, reduce dtype), and the LM head's
       gradient, which the trace shows referenced until the root's post_backward returns; on CPU
       ranks gloo's reduce-scatter also copies its whole input (measured: one more input-sized
