@@ -215,6 +215,8 @@ BENCH_RUNS = [
     _run("llama-fsdp-bf16-reduce32-t32", LLAMA, "fsdp", "bf16-mixed", micro=1, seq=32, reduce_dtype="fp32"),
     _run("llama-pp2-dp2-fsdp-1f1b-bf16-reduce32-m4", LLAMA, "fsdp", "bf16-mixed", gpus=4, pp=2,
          gradient_accumulation=4, reduce_dtype="fp32"),
+    _run("llama-tp2-fsdp2-bf16-reduce32-t256", LLAMA_TP, "fsdp", "bf16-mixed", tp=2, gpus=4, micro=1, seq=256,
+         reduce_dtype="fp32"),
     # logits-dominated pipeline: a 32k vocabulary at 1,024 tokens per micro-batch, the last stage's
     # fp32 loss and held logits per micro-batch in flight
     _run("llama-v32k-pp2-1f1b-fp32-t1024", LLAMA_32K, "fsdp", "fp32", pp=2, micro=1, seq=1024,
