@@ -134,8 +134,8 @@ def logits_reserve(run: Published, predicted_gib: float, vocab: int) -> str | No
     loss's backward asks for fp32 blocks twice its size (nll_loss_backward's gradient reuses the
     freed fp32 upcast's; log_softmax_backward's output finds no cached block large enough:
     c10/cuda/CUDACachingAllocator.cpp serves a request from a free block at least as large and
-    never merges segments), so it reserves a new one: max_reserved is at least the allocated peak
-    plus the bf16 logits. Their size is the model's (tokens per rank x vocab / tp, 2 bytes; vocab
+    never merges segments), so it reserves a new one: at that moment max_reserved is the allocated
+    peak plus the bf16 logits' segment. Their size is the model's (tokens per rank x vocab / tp, 2 bytes; vocab
     sharded by loss parallelism); None under pp, where the worst rank is not the last stage."""
     f = run.fields
     if f.get("pp", 1) > 1:
@@ -144,7 +144,8 @@ def logits_reserve(run: Published, predicted_gib: float, vocab: int) -> str | No
     logits_gib = 2 * tokens * vocab // f.get("tp", 1) / GIB
     return (f"published memory is the allocator's reserve (max_reserved): the {logits_gib:.1f} GiB segment of the "
             f"bf16 logits, freed before backward, stays cached and is too small for the loss backward's "
-            f"{2 * logits_gib:.1f} GiB fp32 gradients, so the reserve is at least {predicted_gib + logits_gib:.1f} GiB")
+            f"{2 * logits_gib:.1f} GiB fp32 gradients, so the reserve at the peak is the allocated peak plus that segment: "
+            f"{predicted_gib + logits_gib:.1f} GiB with the model's peak")
 
 
 def _pct(predicted: float | None, published: float) -> str:

@@ -98,4 +98,4 @@ def test_published_torchtitan_rows_reduce_in_fp32_with_torchtitans_micro_batches
     assert one_f_one_b["peak_gib"] > 0.8 * table5[0].memory_gib  # was 41.5 of 82.5 GiB before the fp32 gradients
     eight_b = next(r for r in published_parallel.RUNS if r.name.startswith("8B FSDP 8"))
     why = published_parallel.logits_reserve(eight_b, 70.0, 128_256)
-    assert "7.8 GiB segment of the bf16 logits" in why and "at least 77.8 GiB" in why
+    assert "7.8 GiB segment of the bf16 logits" in why and "77.8 GiB with the model's peak" in why
