@@ -81,8 +81,12 @@ def _init_distributed(job: dict[str, Any]) -> None:
 
 class TorchEngine:
     """DDP or FSDP behind the DeepSpeed engine's three calls (forward, backward, step), so one
-    training loop measures both frameworks. Gradient accumulation as the torch docs prescribe:
-    no_sync() on every micro-batch but the last, one optimizer step per accumulation boundary."""
+    training loop measures both frameworks. Gradient accumulation: DDP as the torch docs prescribe,
+    no_sync() on every micro-batch but the last; FSDP2 (a module without no_sync) reduce-scatters
+    every micro-batch's gradients into its sharded accumulators, as torchtitan's trainer runs it
+    (torchtitan 0.3 trainer.py:885, one forward-backward per micro-batch with gradient sync on) and
+    as the time model counts it (planner/frameworks/torch_2.py: accumulation x reduce-scatter).
+    One optimizer step per accumulation boundary."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  autocast_dtype: torch.dtype | None, accumulation: int, device: torch.device):
@@ -92,7 +96,7 @@ class TorchEngine:
         self._no_sync = None
 
     def __call__(self, **inputs):
-        if self.micro % self.accumulation != self.accumulation - 1:
+        if self.micro % self.accumulation != self.accumulation - 1 and hasattr(self.module, "no_sync"):
             self._no_sync = self.module.no_sync()
             self._no_sync.__enter__()
         if self.autocast_dtype is None:
