@@ -1,17 +1,20 @@
-"""The recommender: search and rank. Every strategy x micro-batch x checkpointing x offload (x GPU count) that
-reaches the global batch, memory and time for each, ranked by the objective, every rejection
-explained.
+"""The recommender: search and rank. Every layout (tp inside the NVLink islands, pp across the
+nodes, ep for a mixture of experts, cp when nothing fits without it: planner/layouts.py) x strategy
+x checkpointing x offload x micro-batch that reaches the global batch, memory and time for each,
+ranked by the objective, every rejection explained.
 
 Speed: each phase of the memory model is affine in the micro-batch (activations scale with the
-tokens), so two estimates per (GPU count, strategy, checkpointing, offload) give every micro-batch
-exactly, and numpy evaluates the whole grid at once.
+tokens), so two estimates per (layout, strategy, checkpointing, offload) give every micro-batch
+exactly, and numpy evaluates the step times of the whole grid at once. A pipeline's memory depends on
+its micro-batch count, so each of its options is an estimate; bounds (each named where it is taken)
+prove which settings cannot fit or cannot be recommended before they are estimated.
 """
-
 from __future__ import annotations
 
 import math
 import time as wallclock
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -105,9 +108,13 @@ def _per_rank(req: PlanRequest, combo: Setting) -> int:
     return req.global_batch * combo.tp * combo.cp * combo.pp // (combo.gpus * req.nodes)
 
 
+@lru_cache(maxsize=1024)
 def _divisors(n: int) -> np.ndarray:
+    """The divisors of n, ascending (shared between settings: read, never written)."""
     small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
-    return np.array(sorted(set(small + [n // d for d in small])), dtype=np.int64)
+    out = np.array(sorted(set(small + [n // d for d in small])), dtype=np.int64)
+    out.flags.writeable = False
+    return out
 
 
 class _Grid:
@@ -341,22 +348,29 @@ def _micro_options(req: PlanRequest, combo: Setting, per_rank: int, num_layers: 
     """The micro-batch sizes a setting can take: the divisors of its rank's share of the batch, and
     for a pipeline those whose micro-batch count its schedule runs (planner/pipeline.py
     check_schedule: torch's schedules refuse the rest) and an estimate request can state."""
-    micro = _divisors(per_rank)
     if combo.pp == 1:
-        return micro
+        return _divisors(per_rank)
     if per_rank * combo.gpus * req.nodes > MAX_GLOBAL_BATCH:
-        return micro[:0]
+        return _divisors(per_rank)[:0]
+    return _pipeline_micro(per_rank, combo.pp, req.pp_schedule, req.pp_virtual_stages, num_layers, req.seq_len)
+
+
+@lru_cache(maxsize=1024)
+def _pipeline_micro(per_rank: int, pp: int, schedule: str, virtual_stages: int, num_layers: int,
+                    seq_len: int) -> np.ndarray:
     keep = []
-    for mb in micro.tolist():
+    for mb in _divisors(per_rank).tolist():
         m = per_rank // mb
-        if m > MAX_ACCUMULATION or mb > MAX_MICRO_BATCH or mb * req.seq_len > MAX_TOKENS:
+        if m > MAX_ACCUMULATION or mb > MAX_MICRO_BATCH or mb * seq_len > MAX_TOKENS:
             continue
         try:
-            check_schedule(combo.pp, req.pp_schedule, req.pp_virtual_stages, m, num_layers)
+            check_schedule(pp, schedule, virtual_stages, m, num_layers)
         except PlannerError:
             continue
         keep.append(mb)
-    return np.array(keep, dtype=np.int64)
+    out = np.array(keep, dtype=np.int64)
+    out.flags.writeable = False
+    return out
 
 
 def _evaluate_setting(search: _Search, req: PlanRequest, combo: Setting, time_bound: float | None,
