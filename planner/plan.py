@@ -181,6 +181,7 @@ def plan(req: PlanRequest, profile=None) -> PlanResult:
     usable = capacity * (1 - req.headroom)
     search = _Search(req, g, model, topo, timing.fabric(fabric_name), nics, usable, model_fields)
     layouts, rejected = _layouts(req, req.gpus, arch, topo)
+    _check_fixed_degrees(req)
     rows, evaluated = _evaluate(search, req, layouts)
     layout_notes = [str(r) for r in rejected] + _search_notes(req, layouts)
     if "cp" not in req.model_fields_set and not any(r[3] for r in rows):
@@ -568,6 +569,23 @@ def _layouts(req: PlanRequest, gpus: int, arch, topo: Topology) -> tuple[list[tu
     eps = [req.ep] if "ep" in fields else [1] + ep_degrees(arch)
     layouts = [(tp, cp, pp, ep) for pp in pps for ep in eps for tp, cp in pairs]
     return sorted(layouts, key=lambda d: (d[2] > 1, d[3] > 1, d[2], d[3], d[0], d[1])), rejected
+
+
+def _check_fixed_degrees(req: PlanRequest) -> None:
+    """A pipeline or expert degree the request fixes is refused, naming its operands, where no
+    layout can take it (rather than a plan with no candidates)."""
+    from planner.parallel import data_parallel_size
+
+    fields = req.model_fields_set
+    if not {"pp", "ep"} & fields or req.pp * req.ep == 1:
+        return
+    tp, cp = (req.tp, req.cp) if {"tp", "cp"} & fields else (1, 1)
+    world = req.gpus * req.nodes
+    dp = data_parallel_size(world, tp, req.pp, cp, req.gpus, req.nodes)
+    if req.global_batch % dp:
+        raise PlannerError(f"global_batch({req.global_batch}) is not divisible by the {dp} data-parallel ranks of "
+                           f"gpus({req.gpus}) * nodes({req.nodes}) / (tp({tp}) * pp({req.pp}) * cp({cp}))",
+                           field="global_batch")
 
 
 def _search_notes(req: PlanRequest, layouts: list[tuple[int, int, int, int]]) -> list[str]:

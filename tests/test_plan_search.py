@@ -126,3 +126,76 @@ def test_bounds_do_not_change_the_recommendation_of_an_exhaustive_search(monkeyp
     found = {(c.strategy, c.checkpointing, c.offload_optimizer, c.hsdp_shard_size, c.parallel.tp, c.parallel.pp)
              for c in bounded.candidates}
     assert listed <= found
+
+
+def test_the_fewer_nodes_bound_changes_no_advice(monkeypatch):
+    """plan._fewer_node_rows skips a node count whose compute alone cannot beat the advice's
+    threshold; without the bound the advice is the same."""
+    import planner.plan as p
+
+    kw = dict(model="llama-3-70b", gpu="h100-80gb", gpus=8, nodes=4, seq_len=4096, global_batch=256, tp=1, pp=1)
+    for fabric in ({"fabric": "eth-25g", "nics_per_node": 1}, {}):
+        bounded = plan(PlanRequest(**kw, **fabric))
+        with monkeypatch.context() as m:
+            m.setattr(p, "_compute_floor", lambda *a: None)
+            unbounded = plan(PlanRequest(**kw, **fabric))
+        assert bounded.faster_on_fewer_nodes == unbounded.faster_on_fewer_nodes
+        assert [n for n in bounded.notes if n.startswith("fewer nodes")] == \
+            [n for n in unbounded.notes if n.startswith("fewer nodes")]
+
+
+def test_the_min_gpus_bounds_change_no_answer(monkeypatch):
+    """plan._search answers None at once when the replicated weights, or the most nodes searched,
+    prove it, and skips a node's fewer GPUs when the whole node does not fit: the same answers as
+    the plain doubling search."""
+    import planner.plan as p
+
+    req = PlanRequest(model="llama-3-70b", gpu="h100-80gb", gpus=8, nodes=2, global_batch=256)
+    usable = 80 * 2**30 * 0.95
+    fields = {"model": "llama-3-70b"}
+    bounded = {n: p._min_gpus(req, n, usable, fields) for n in ("ddp", "zero1", "zero3", "fsdp", "hsdp")}
+    monkeypatch.setattr(p, "_replicated_weights_exceed", lambda *a: False)
+    monkeypatch.setattr(p, "MAX_SEARCH_GPUS", 8)  # no "most nodes" check: the loop alone
+    plain = {}
+    for n in bounded:
+        gpus = next((g for g in range(1, 9) if p._fits(req, n, usable, fields, g, 1)), None)
+        nodes = 2
+        while gpus is None and nodes <= 8192:
+            if p._fits(req, n, usable, fields, 8, nodes):
+                low = max(2, nodes // 2)
+                while low < nodes:
+                    mid = (low + nodes) // 2
+                    if p._fits(req, n, usable, fields, 8, mid):
+                        nodes = mid
+                    else:
+                        low = mid + 1
+                gpus = nodes * 8
+            nodes *= 2
+        plain[n] = gpus
+    assert bounded == plain
+
+
+def test_a_fixed_pipeline_degree_that_cannot_divide_the_cluster_is_one_line(capsys):
+    code = main(["plan", "--model", "llama-3-8b", "--pp", "3", "--global-batch", "64"])
+    assert code == 2 and capsys.readouterr().err.strip() == (
+        "planner: error: gpus(8) * nodes(1) = 8 is not divisible by tp(1) * pp(3) * cp(1) = 3")
+
+
+def test_the_longest_sequence_of_a_pipeline_recommendation():
+    """max_seq_len for a pipeline layout: micro-batches of 1 sequence, the rank's share of the batch
+    of them in the request's schedule; it fits, 256 tokens more do not."""
+    req = PlanRequest(**SLOW_TWO_NODES)
+    r = plan(req)
+    best, longest = r.recommended, r.max_seq_len
+    assert best.parallel.pp == 2 and longest is not None and longest % 256 == 0
+    from planner.gpus import gpu as lookup_gpu
+
+    usable = lookup_gpu(req.gpu).memory_bytes * (1 - req.headroom)
+
+    def peak(seq: int) -> int:
+        return estimate(EstimateRequest(model=req.model, strategy=best.strategy, gpus=8, nodes=2, micro_batch=1,
+                                        gradient_accumulation=best.micro_batch * best.gradient_accumulation,
+                                        seq_len=seq, checkpointing="full", tp=best.parallel.tp,
+                                        pp=2)).per_device.peak_bytes
+
+    assert peak(longest) <= usable < peak(longest + 256)
