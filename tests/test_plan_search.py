@@ -199,3 +199,16 @@ def test_the_longest_sequence_of_a_pipeline_recommendation():
                                         pp=2)).per_device.peak_bytes
 
     assert peak(longest) <= usable < peak(longest + 256)
+
+
+@pytest.mark.parametrize("fields", [dict(model="llama-3-8b", strategy="fsdp", tp=2),
+                                    dict(model="llama-3-8b", strategy="zero2", tp=2),
+                                    dict(model="mixtral-8x7b", strategy="fsdp", ep=2),
+                                    dict(model="llama-3-8b", strategy="ddp", finetune="lora"),
+                                    dict(model="llama-3-8b", strategy="zero2", finetune="qlora"),
+                                    dict(model="llama-3-8b", strategy="zero3", offload_optimizer="cpu",
+                                         offload_params="cpu")],
+                         ids=["fsdp-tp2", "zero2-tp2", "mixtral-ep2", "ddp-lora", "zero2-qlora", "zero3-offload"])
+def test_every_phase_grows_with_the_micro_batch_in_every_layout_searched(fields):
+    one, two = (estimate(EstimateRequest(micro_batch=m, gpus=8, seq_len=2048, **fields)) for m in (1, 2))
+    assert all(b.bytes >= a.bytes for a, b in zip(one.phases, two.phases))
