@@ -232,7 +232,10 @@ def _fewer_node_rows(search: _Search, req: PlanRequest, rows: list[Row]) -> tupl
     out, evaluated = [], 0
     floor = _compute_floor(search, req)
     for k in _fewer_nodes(req):
-        if here is not None and floor is not None and _floor_value(req, k, floor) >= here * (1 - TIE_TOLERANCE):
+        # the recommendation lies within the ties of the best fitting option (_tie_order), and the
+        # advice asks for more than the ties below the recommendation
+        if here is not None and floor is not None and \
+                _floor_value(req, k, floor) >= here * (1 + TIE_TOLERANCE) * (1 - TIE_TOLERANCE):
             break
         fewer = req.model_copy(update={"nodes": k})
         layouts = [layout for layout in _layouts(fewer, req.gpus, search.model.architecture, search.topo)[0]]
