@@ -8,6 +8,15 @@ backward, on the critical path (planner/tensor_parallel.py tp_collectives): it p
 every pair of its group is NVLink/NVSwitch-connected (Shoeybi et al. 2019, Sec. 5: TP within a
 DGX node, data parallelism across). Context parallelism is searched only where the sequence does
 not fit without it.
+
+Pipeline stages are whole nodes: pp is the outermost mesh dimension, so with pp dividing the node
+count each stage is nodes / pp consecutive nodes and every stage boundary is a node boundary, the
+slowest link, which only the point-to-point activations cross (Narayanan et al. 2021, Sec. 3.2:
+"tensor model parallelism within a server, pipeline model parallelism across servers"). Stages are
+equal (pp x virtual stages divides the blocks), as planner/pipeline.py's step time assumes (each
+rank does 1/pp of the replica's compute). Expert parallelism is searched for a mixture of experts:
+every degree that divides each MoE block's routed experts (planner/experts.py), on the ranks it
+borrows from dp_shard x cp (planner/parallel.py).
 """
 
 from __future__ import annotations
@@ -15,7 +24,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from planner.architecture import Architecture, distinct_specs
+from math import gcd
+
+from planner.architecture import Architecture, distinct_specs, layer_specs
 from planner.topology import Topology
 
 _NV = re.compile(r"^NV\d+$")
@@ -91,3 +102,36 @@ def cp_degrees(seq_len: int, world: int, tp: int, arch: Architecture | None) -> 
             degrees.append(cp)
         cp *= 2
     return degrees, rejected
+
+
+def pp_degrees(nodes: int, arch: Architecture | None, virtual_stages: int = 1) -> tuple[list[int], list[Rejected]]:
+    """Pipeline degrees > 1 worth planning on ``nodes`` nodes: divisors of the node count (stages of
+    whole nodes), whose pp x virtual stages divides the model's blocks evenly."""
+    degrees: list[int] = []
+    rejected: list[Rejected] = []
+    if arch is None or nodes == 1:
+        return degrees, rejected
+    for pp in range(2, nodes + 1):
+        if nodes % pp:
+            continue
+        stages = pp * virtual_stages
+        if arch.num_layers % stages:
+            rejected.append(Rejected("pp", pp, f"num_layers({arch.num_layers}) is not divisible by pp({pp}) * "
+                                     f"pp_virtual_stages({virtual_stages}) = {stages}: the stages would be unequal "
+                                     "and the longest sets the pace"))
+        else:
+            degrees.append(pp)
+    return degrees, rejected
+
+
+def ep_degrees(arch: Architecture | None) -> list[int]:
+    """Expert-parallel degrees > 1 of a mixture of experts: the divisors of every MoE block's routed
+    expert count (each rank of the group holds num_experts / ep of them); none for a dense model.
+    Which of them a strategy takes (ep divides its dp_shard x cp) is the search's call."""
+    if arch is None:
+        return []
+    counts = {spec.mlp.num_experts for spec in layer_specs(arch) if spec.mlp.is_moe}
+    if not counts:
+        return []
+    common = gcd(*counts)
+    return [d for d in range(2, common + 1) if common % d == 0]

@@ -1,16 +1,20 @@
-"""The recommender: search and rank. Every strategy x micro-batch x checkpointing x offload (x GPU count) that
-reaches the global batch, memory and time for each, ranked by the objective, every rejection
-explained.
+"""The recommender: search and rank. Every layout (tp inside the NVLink islands, pp across the
+nodes, ep for a mixture of experts, cp when nothing fits without it: planner/layouts.py) x strategy
+x checkpointing x offload x micro-batch that reaches the global batch, memory and time for each,
+ranked by the objective, every rejection explained.
 
 Speed: each phase of the memory model is affine in the micro-batch (activations scale with the
-tokens), so two estimates per (GPU count, strategy, checkpointing, offload) give every micro-batch
-exactly, and numpy evaluates the whole grid at once.
+tokens), so two estimates per (layout, strategy, checkpointing, offload) give every micro-batch
+exactly, and numpy evaluates the step times of the whole grid at once. A pipeline's memory depends on
+its micro-batch count, so each of its options is an estimate; bounds (each named where it is taken)
+prove which settings cannot fit or cannot be recommended before they are estimated.
 """
-
 from __future__ import annotations
 
 import math
 import time as wallclock
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -20,10 +24,13 @@ from planner.errors import PlannerError
 from planner.frameworks import framework_of
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.hardware import profile_efficiencies, topology_of
-from planner.layouts import Rejected, cp_degrees, tp_degrees
-from planner.memory import estimate, host_capacity
+from planner.layouts import Rejected, cp_degrees, ep_degrees, pp_degrees, tp_degrees
+from planner.memory import estimate, host_capacity, resolve
 from planner.parallel import refuse_unmodelled
-from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanRequest, PlanResult, TopologySummary
+from planner.pipeline import check_schedule, parallel_step
+from planner.precision import RECIPES
+from planner.schema import (MAX_GLOBAL_BATCH, MAX_TOKENS, Candidate, EstimateRequest, EstimateResult, PlanRequest,
+                            PlanResult, TopologySummary)
 from planner.steptime import Combo, StepSettings, estimate_with_time, frozen_base_shape, step_times
 from planner.strategies import STRATEGIES, explicit_hsdp_shard, strategy as lookup_strategy
 from planner.topology import Topology
@@ -31,6 +38,24 @@ from planner.units import GB, GIB
 
 __all__ = ["estimate_with_time", "plan"]  # estimate_with_time: re-exported for scripts outside the repo (/work/golden/dump.py)
 
+
+
+@dataclass(frozen=True)
+class Setting(Combo):
+    """One searched configuration: the time model's Combo and the pipeline and expert degrees
+    (planner/layouts.py places them; their memory and time are the estimate's: planner/pipeline.py
+    and experts.py)."""
+
+    pp: int = 1
+    ep: int = 1
+
+    @property
+    def model_parallel(self) -> int:
+        """GPUs that share one data-parallel rank's work, and the expert group: 1 for data parallelism."""
+        return self.tp * self.cp * self.pp * self.ep
+
+
+Row = tuple[Setting, int, float, bool, timing.StepTime]  # (setting, micro-batch, peak bytes, fits, step time)
 
 
 def _hsdp_shards(gpus: int, nodes: int) -> list[int]:
@@ -44,20 +69,8 @@ def _offloads(name: str) -> list[tuple[str, str]]:
     return framework_of(s).offload_options(s)
 
 
-def _gpu_counts(req: PlanRequest) -> list[int]:
-    counts = {req.gpus}
-    k = 1
-    while k < req.gpus:
-        counts.add(k)
-        k *= 2
-    return sorted(c for c in counts if req.global_batch % (c * req.nodes) == 0)
-
-
-def _estimate(req: PlanRequest, combo: Combo, micro: int, model_fields: dict) -> EstimateResult:
-    return estimate(_request(req, combo, micro, model_fields))
-
-
-def _request(req: PlanRequest, combo: Combo, micro: int, model_fields: dict) -> EstimateRequest:
+def _request(req: PlanRequest, combo: Setting, micro: int, model_fields: dict,
+             accumulation: int | None = None) -> EstimateRequest:
     return (EstimateRequest(
         **model_fields, strategy=combo.strategy, gpus=combo.gpus, nodes=req.nodes, gpu=req.gpu,
         precision=req.precision, optimizer=req.optimizer, micro_batch=micro, seq_len=req.seq_len,
@@ -65,44 +78,49 @@ def _request(req: PlanRequest, combo: Combo, micro: int, model_fields: dict) -> 
         offload_optimizer=combo.offload_optimizer, offload_params=combo.offload_params,
         hsdp_shard_size=explicit_hsdp_shard(combo.strategy, combo.shard * combo.tp if combo.shard else None,
                                             combo.gpus),
-        host_memory_gib=req.host_memory_gib, topology=req.topology, **_degree_fields(req, combo)))
+        host_memory_gib=req.host_memory_gib, topology=req.topology, **_degree_fields(req, combo, micro, accumulation)))
 
 
-def _frozen(req: PlanRequest, combo: Combo, model_fields: dict, arch):
-    """The LoRA / QLoRA step the time model takes for this combo (None for full fine-tuning)."""
-    if req.finetune == "full":
+def _degree_fields(req: PlanRequest, combo: Setting, micro: int, accumulation: int | None = None) -> dict:
+    """The setting's model-parallel degrees as request fields (none when all are 1, so that a
+    data-parallel estimate stays the request it always was). A pipeline's memory depends on its
+    micro-batches in flight: its request carries the accumulation and the request's schedule."""
+    fields = {k: v for k, v in (("tp", combo.tp), ("cp", combo.cp), ("pp", combo.pp), ("ep", combo.ep)) if v > 1}
+    if combo.pp > 1:
+        fields |= {"gradient_accumulation": accumulation or _per_rank(req, combo) // micro, "pp_schedule": req.pp_schedule,
+                   "pp_virtual_stages": req.pp_virtual_stages}
+    return fields
+
+
+def _frozen(request: EstimateRequest, arch):
+    """The LoRA / QLoRA step the time model takes for this request (None for full fine-tuning)."""
+    if request.finetune == "full":
         return None
     try:
-        return frozen_base_shape(_request(req, combo, 1, model_fields), arch)
+        return frozen_base_shape(request, arch)
     except PlannerError:  # refused for this combo: its estimate says so and the combo is skipped
         return None
 
 
-def _degree_fields(req: PlanRequest, combo: Combo) -> dict:
-    """The combo's model-parallel degrees as request fields (none when all are 1, so that a
-    data-parallel estimate stays the request it always was)."""
-    fields = {k: v for k, v in (("tp", combo.tp), ("cp", combo.cp)) if v > 1}
-    for name in ("pp", "ep"):  # fixed by the request; the search keeps them
-        if getattr(req, name) > 1:
-            fields[name] = getattr(req, name)
-    return fields
-
-
-def _per_rank(req: PlanRequest, combo: Combo) -> int:
+def _per_rank(req: PlanRequest, combo: Setting) -> int:
     """Sequences per data-parallel rank per step: the global batch over the data-parallel ranks
-    (a TP or CP group trains one rank's share together)."""
-    return req.global_batch * combo.tp * combo.cp // (combo.gpus * req.nodes)
+    (a TP, CP or pipeline group trains one rank's share together; EP borrows data-parallel ranks)."""
+    return req.global_batch * combo.tp * combo.cp * combo.pp // (combo.gpus * req.nodes)
 
 
+@lru_cache(maxsize=1024)
 def _divisors(n: int) -> np.ndarray:
+    """The divisors of n, ascending (shared between settings: read, never written)."""
     small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
-    return np.array(sorted(set(small + [n // d for d in small])), dtype=np.int64)
+    out = np.array(sorted(set(small + [n // d for d in small])), dtype=np.int64)
+    out.flags.writeable = False
+    return out
 
 
 class _Grid:
     """Everything about one combo that the vectorized evaluation needs."""
 
-    def __init__(self, combo: Combo, one: EstimateResult, two: EstimateResult):
+    def __init__(self, combo: Setting, one: EstimateResult, two: EstimateResult):
         self.combo = combo
         self.constant = np.array([2 * a.bytes - b.bytes for a, b in zip(one.phases, two.phases)], dtype=np.float64)
         self.slope = np.array([b.bytes - a.bytes for a, b in zip(one.phases, two.phases)], dtype=np.float64)
@@ -110,6 +128,24 @@ class _Grid:
 
     def peaks(self, micro: np.ndarray) -> np.ndarray:
         return (self.constant[:, None] + self.slope[:, None] * micro[None, :]).max(axis=0) + self.framework
+
+
+class _Search:
+    """What one plan's evaluations share: the cluster, the usable memory, the model, and the
+    estimates made while searching (the ranking reuses them instead of estimating again)."""
+
+    def __init__(self, req: PlanRequest, g: Gpu, model, topo: Topology, fabric: dict, nics: int, usable: float,
+                 model_fields: dict):
+        self.req, self.g, self.model, self.topo, self.fabric, self.nics = req, g, model, topo, fabric, nics
+        self.usable, self.model_fields = usable, model_fields
+        self.estimates: dict[tuple[int, Setting, int], EstimateResult] = {}
+
+    def estimate(self, req: PlanRequest, combo: Setting, micro: int,
+                 request: EstimateRequest | None = None) -> EstimateResult:
+        key = (req.nodes, combo, micro)
+        if key not in self.estimates:
+            self.estimates[key] = estimate(request or _request(req, combo, micro, self.model_fields))
+        return self.estimates[key]
 
 
 def plan(req: PlanRequest, profile=None) -> PlanResult:
@@ -121,12 +157,10 @@ def plan(req: PlanRequest, profile=None) -> PlanResult:
     started = wallclock.perf_counter()
     g = lookup_gpu(req.gpu)
     check_precision(g, req.precision)
-    refuse_unmodelled(req)  # fixed degrees only, the search over them comes with their memory models
-    for name, what in (("pp", "pipeline"), ("ep", "expert")):
-        if getattr(req, name) > 1:  # modelled by estimate; the plan's candidates do not carry the degree yet
-            raise PlannerError(f"{name}={getattr(req, name)}: the plan does not search {what}-parallel layouts yet; "
-                               f"estimate this layout with `planner estimate --{name} {getattr(req, name)}`",
-                               field=name)
+    refuse_unmodelled(req)
+    if req.pp > 1 and req.finetune != "full":  # as the estimate refuses it (planner/pipeline.py check_framework)
+        raise PlannerError(f"pp={req.pp} with finetune {req.finetune}: the pipeline model counts full fine-tuning; "
+                           "plan LoRA/QLoRA without pp", field="pp")
     model = catalogue_model(req.model) if req.model else model_from_config(req.model_config_)
     if req.include_vision:
         model = with_vision(model)
@@ -145,22 +179,21 @@ def plan(req: PlanRequest, profile=None) -> PlanResult:
         req = req.model_copy(update={"compute_efficiency": compute_efficiency, "link_efficiency": link_efficiency})
     capacity = g.memory_bytes
     usable = capacity * (1 - req.headroom)
-    fabric = timing.fabric(fabric_name)
-    layout = (g, model, topo, fabric, nics, usable, model_fields)
-    rows, evaluated = _evaluate(req, _gpu_counts(req), *layout)
-    layout_notes = [str(r) for r in _layouts(req, req.gpus, arch, topo)[1]]
-    if "cp" not in req.model_fields_set and not any(r[3] and r[0].gpus == req.gpus for r in rows):
-        cp_rows, count, cp_notes = _context_parallel_rows(req, *layout)
+    search = _Search(req, g, model, topo, timing.fabric(fabric_name), nics, usable, model_fields)
+    layouts, rejected = _layouts(req, req.gpus, arch, topo)
+    _check_fixed_degrees(req)
+    rows, evaluated = _evaluate(search, req, layouts)
+    layout_notes = [str(r) for r in rejected] + _search_notes(req, layouts)
+    if "cp" not in req.model_fields_set and not any(r[3] for r in rows):
+        cp_rows, count, cp_notes = _context_parallel_rows(search, req)
         rows += cp_rows
         evaluated += count
         layout_notes += ["nothing fits without context parallelism: cp searched"] + cp_notes
     fewer = []
     if req.nodes > 1 and req.objective != "memory":
-        for k in _fewer_nodes(req):
-            fewer_rows, count = _evaluate(req.model_copy(update={"nodes": k}), [req.gpus], *layout)
-            evaluated += count
-            fewer.append((k, fewer_rows))
-    result = _rank(req, rows, fewer, usable, capacity, topo, fabric_name, nics, model_fields, evaluated, started, g)
+        fewer, count = _fewer_node_rows(search, req, rows)
+        evaluated += count
+    result = _rank(search, req, rows, fewer, capacity, fabric_name, evaluated, started)
     if layout_notes:
         result = result.model_copy(update={"notes": result.notes + layout_notes})
     if req.include_vision:  # say what was counted (the reader's note), as estimate does
@@ -182,90 +215,414 @@ def _fewer_nodes(req: PlanRequest) -> list[int]:
     return counts
 
 
-def _evaluate(req: PlanRequest, counts: list[int], g: Gpu, model, topo: Topology, fabric: dict, nics: int,
-              usable: float, model_fields: dict, layouts: list[tuple[int, int]] | None = None,
-              strategies: tuple[str, ...] = STRATEGIES) -> tuple[list[tuple], int]:
-    """(combo, micro-batch, peak bytes, fits, step time) for every setting on these GPU counts, for
-    each (tp, cp) layout (by default: the degrees the request fixes, or those the wiring allows).
+def _fewer_node_rows(search: _Search, req: PlanRequest, rows: list[Row]) -> tuple[list[tuple[int, list[Row]]], int]:
+    """The search on each smaller node count that could beat the full cluster's best fitting
+    option by more than the time model's uncertainty (what _fewer_nodes_advice asks).
+
+    Bound: every setting computes at least its GPU's share of the batch's FLOPs without
+    recomputation (step >= compute; the pipeline's bubble only adds), and that share grows as the
+    nodes shrink; a node count whose bound is no better than the advice's threshold cannot win,
+    and neither can any smaller one. (For --objective cost the bound is the same at every node
+    count: GPU-seconds per token >= FLOPs per token / the GPU's achieved FLOP/s.)"""
+    fitting = [r for r in rows if r[3]]
+    if not fitting:
+        here = None
+    else:
+        here = min(_fewer_value(req, req.nodes, r[4]) for r in fitting)
+    out, evaluated = [], 0
+    floor = _compute_floor(search, req)
+    for k in _fewer_nodes(req):
+        # the recommendation lies within the ties of the best fitting option (_tie_order), and the
+        # advice asks for more than the ties below the recommendation
+        if here is not None and floor is not None and \
+                _floor_value(req, k, floor) >= here * (1 + TIE_TOLERANCE) * (1 - TIE_TOLERANCE):
+            break
+        fewer = req.model_copy(update={"nodes": k})
+        layouts = [layout for layout in _layouts(fewer, req.gpus, search.model.architecture, search.topo)[0]]
+        k_rows, count = _evaluate(search, fewer, layouts)
+        evaluated += count
+        out.append((k, k_rows))
+    return out, evaluated
+
+
+def _fewer_value(req: PlanRequest, nodes: int, t: timing.StepTime) -> float:
+    return req.gpus * nodes / t.tokens_per_second if req.objective == "cost" else t.step_seconds
+
+
+def _compute_floor(search: _Search, req: PlanRequest) -> float | None:
+    """Seconds of compute per sequence on one GPU without recomputation (full fine-tuning: the
+    FLOPs the time model counts, at the achieved fraction of the GPU's peak); None for LoRA, whose
+    FLOPs depend on the adapters (no bound taken)."""
+    arch = search.model.architecture
+    if req.finetune != "full" or arch is None:
+        return None
+    peak = RECIPES[req.precision].peak_dtype(search.g.peak_tflops)
+    flops = timing.flops_per_token(arch, req.seq_len, "none") * req.seq_len
+    return flops / (search.g.peak_tflops[peak] * 1e12 * req.compute_efficiency)
+
+
+def _floor_value(req: PlanRequest, nodes: int, per_sequence: float) -> float:
+    """The lower bound of the objective on ``nodes`` nodes: the GPU's share of the batch's compute."""
+    step = per_sequence * req.global_batch / (req.gpus * nodes)
+    if req.objective == "cost":
+        return req.gpus * nodes * step / (req.global_batch * req.seq_len)
+    return step
+
+
+def _evaluate(search: _Search, req: PlanRequest, layouts: list[tuple[int, int, int, int]],
+              strategies: tuple[str, ...] = STRATEGIES) -> tuple[list[Row], int]:
+    """(setting, micro-batch, peak bytes, fits, step time) for every setting on the request's
+    GPUs per node and nodes, for each (tp, cp, pp, ep) layout.
 
     Bound: a model-parallel layout computes what the data-parallel ones do and adds its own
-    collectives, so on a GPU count where a data-parallel setting already fits, a layout none of
-    whose step times beats the best fitting one (by step time or GPU-seconds per token, the same
-    ordering at a fixed GPU count) cannot be recommended: its memory is not estimated."""
-    rows: list[tuple[Combo, int, float, bool, timing.StepTime]] = []
+    collectives (a pipeline its bubble), so where a setting already fits, a layout none of whose
+    step times comes within the time model's uncertainty (TIE_TOLERANCE: the ranking's ties) of the
+    best fitting one (by step time or GPU-seconds per token, the same ordering at a fixed GPU count)
+    cannot be recommended: its memory is not estimated. Tensor/context-parallel layouts are
+    bounded by the settings before the first of them that has a fitting one (the data-parallel
+    settings, when one fits), pipeline and expert layouts by every setting before them."""
+    rows: list[Row] = []
     evaluated = 0
-    host = host_capacity(req, g)  # offload's host RAM per node does not depend on the micro-batch
-    for gpus in counts:
-        options = layouts if layouts is not None else _layouts(req, gpus, model.architecture, topo)[0]
-        best = None
-        for tp, cp in sorted(options):  # data-parallel (1, 1) first: it gives the bound
-            if tp * cp > 1 and best is None and req.objective != "memory":
-                fitting = [r[4].step_seconds for r in rows if r[0].gpus == gpus and r[3]]
-                best = min(fitting) if fitting else None
-            if (gpus * req.nodes) % (tp * cp) or req.global_batch % (gpus * req.nodes // (tp * cp)):
+    world = req.gpus * req.nodes
+    best_time = best_peak = first_best = None
+    for tp, cp, pp, ep in layouts:  # data-parallel (1, 1, 1, 1) first: it gives the bound
+        if tp * cp * pp * ep > 1 and first_best is None:
+            first_best = best_time  # the best fitting so far, kept from the first layout that has one
+        if world % (tp * cp * pp) or req.global_batch % (world // (tp * cp * pp)):
+            continue
+        for name in strategies:
+            s = lookup_strategy(name)
+            if not _framework_runs(req, s, tp, cp, pp):
                 continue
-            for name in strategies:
-                s = lookup_strategy(name)
-                if (tp > 1 or cp > 1) and not _model_parallel_framework(s, cp):
-                    continue
-                shards = _hsdp_shards(gpus // tp, req.nodes) if s.shard_within_node else [None]
-                for shard, ckpt in ((sh, c) for sh in shards for c in ("none", "full")):
-                    # TP/CP layouts are the alternative to offload: searched without it
-                    for off_opt, off_par in (_offloads(name) if tp * cp == 1 else [("none", "none")]):
-                        combo = Combo(gpus, name, ckpt, off_opt, off_par, shard, tp, cp,
-                                      tp > 1 and s.framework == "torch")
-                        per_rank = _per_rank(req, combo)
-                        micro = _divisors(per_rank)
-                        times = step_times(StepSettings.of(req), combo, micro, per_rank, model.parameters,
-                                           model.architecture, g, topo, fabric, nics,
-                                           frozen=_frozen(req, combo, model_fields, model.architecture))
-                        evaluated += micro.size
-                        if best is not None and min(t.step_seconds for t in times) >= best:
-                            continue
-                        try:
-                            one = _estimate(req, combo, 1, model_fields)
-                            grid = _Grid(combo, one, _estimate(req, combo, 2, model_fields))
-                        except PlannerError:  # a setting the fine-tuning refuses (QLoRA under ZeRO-3, TP, ...)
-                            if req.finetune == "full":
-                                raise
-                            continue
-                        host_ok = host is None or one.host.peak_bytes <= host[0]
-                        peaks = grid.peaks(micro)
-                        rows += [(combo, int(mb), float(peaks[k]), bool(peaks[k] <= usable and host_ok), times[k])
-                                 for k, mb in enumerate(micro)]
+            shards = _hsdp_shards(req.gpus // tp, req.nodes // pp) if s.shard_within_node else [None]
+            for shard, ckpt in ((sh, c) for sh in shards for c in ("none", "full")):
+                if ep > 1 and _expert_shards(s, shard, world // (tp * cp * pp), cp) % ep:
+                    continue  # ep borrows its ranks from dp_shard x cp (planner/parallel.py)
+                # model-parallel layouts are the alternative to offload: searched without it
+                for off_opt, off_par in (_offloads(name) if tp * cp * pp * ep == 1 else [("none", "none")]):
+                    combo = Setting(req.gpus, name, ckpt, off_opt, off_par, shard, tp, cp,
+                                    tp > 1 and s.framework == "torch", pp, ep)
+                    time_bound = first_best if pp * ep == 1 else best_time
+                    found, count = _evaluate_setting(search, req, combo, time_bound, best_peak)
+                    evaluated += count
+                    rows += found
+                    if req.objective == "memory":
+                        best_peak = _smallest([r[2] for r in found if r[3]], best_peak)
+                    else:
+                        best_time = _smallest([r[4].step_seconds for r in found if r[3]], best_time)
     return rows, evaluated
 
 
-def _model_parallel_framework(s, cp: int) -> bool:
+def _smallest(values: list[float], default: float | None) -> float | None:
+    return min(values + ([default] if default is not None else []), default=None)
+
+
+def _expert_shards(s, shard: int | None, dp: int, cp: int) -> int:
+    """dp_shard x cp of a strategy's data-parallel part (planner/parallel.py dims_for): the ranks
+    expert parallelism borrows."""
+    if shard is not None:
+        return shard * cp
+    return (dp if s.shards_optimizer else 1) * cp
+
+
+def _framework_runs(req: PlanRequest, s, tp: int, cp: int, pp: int) -> bool:
     """Which data-parallel realisations take a model-parallel layout: torch's (torchtitan: FSDP2,
-    HSDP, DDP with TP; FSDP2/HSDP with CP) and DeepSpeed's AutoTP with ZeRO (no CP)."""
-    if cp > 1:
-        return s.framework == "torch" and s.shards_parameters
+    HSDP, DDP with TP and with pipelining; FSDP2/HSDP with CP) and DeepSpeed's AutoTP with ZeRO (no
+    CP) and its pipeline engine with ZeRO-0/1, its 1F1B schedule and without AutoTP (deepspeed
+    0.19.8 runtime/pipe/engine.py: "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism";
+    runtime/engine.py _configure_tensor_parallel_states replaces the engine's mpu, the pipeline's
+    topology, by AutoTP's groups). Expert parallelism: wherever ep divides dp_shard x cp."""
+    if cp > 1 and not (s.framework == "torch" and s.shards_parameters):
+        return False
+    if pp > 1:
+        if req.finetune != "full":
+            return False  # the pipeline model counts full fine-tuning (planner/pipeline.py check_framework)
+        if s.framework == "deepspeed" and ((s.zero_stage or 0) >= 2 or req.pp_schedule != "1f1b" or tp > 1):
+            return False
     return True
 
 
-def _layouts(req: PlanRequest, gpus: int, arch, topo: Topology) -> tuple[list[tuple[int, int]], list[Rejected]]:
-    """(tp, cp) pairs to search on ``gpus`` GPUs per node: the request's when it fixes them (a tp
-    or cp given explicitly), else every TP degree inside the wiring's NVLink islands with cp 1
-    (CP is searched only when nothing fits without it: _context_parallel_rows)."""
-    fixed = {"tp", "cp"} & req.model_fields_set
-    if fixed:
-        return [(req.tp, req.cp)], []
-    degrees, rejected = tp_degrees(topo, gpus, arch)
-    return [(tp, 1) for tp in degrees], rejected
+# What an estimate request can state (planner/schema.py EstimateRequest): a pipeline setting's
+# request carries its micro-batch count as gradient_accumulation.
+MAX_ACCUMULATION = 1 << 16
+MAX_MICRO_BATCH = 1 << 16
 
 
-def _context_parallel_rows(req: PlanRequest, g: Gpu, model, topo: Topology, fabric: dict, nics: int,
-                           usable: float, model_fields: dict) -> tuple[list[tuple], int, list[str]]:
+def _micro_options(req: PlanRequest, combo: Setting, per_rank: int, num_layers: int) -> np.ndarray:
+    """The micro-batch sizes a setting can take: the divisors of its rank's share of the batch, and
+    for a pipeline those whose micro-batch count its schedule runs (planner/pipeline.py
+    check_schedule: torch's schedules refuse the rest) and an estimate request can state."""
+    if combo.pp == 1:
+        return _divisors(per_rank)
+    if per_rank * combo.gpus * req.nodes > MAX_GLOBAL_BATCH:
+        return _divisors(per_rank)[:0]
+    return _pipeline_micro(per_rank, combo.pp, req.pp_schedule, req.pp_virtual_stages, num_layers, req.seq_len)
+
+
+@lru_cache(maxsize=1024)
+def _pipeline_micro(per_rank: int, pp: int, schedule: str, virtual_stages: int, num_layers: int,
+                    seq_len: int) -> np.ndarray:
+    keep = []
+    for mb in _divisors(per_rank).tolist():
+        m = per_rank // mb
+        if m > MAX_ACCUMULATION or mb > MAX_MICRO_BATCH or mb * seq_len > MAX_TOKENS:
+            continue
+        try:
+            check_schedule(pp, schedule, virtual_stages, m, num_layers)
+        except PlannerError:
+            continue
+        keep.append(mb)
+    out = np.array(keep, dtype=np.int64)
+    out.flags.writeable = False
+    return out
+
+
+def _evaluate_setting(search: _Search, req: PlanRequest, combo: Setting, time_bound: float | None,
+                      peak_bound: float | None) -> tuple[list[Row], int]:
+    """The rows of one setting (its micro-batch options, or none when a bound proves it cannot be
+    recommended) and how many options were evaluated: all of them once their step times (for a
+    pipeline or expert layout, the bound of its compute) are computed, as a vector.
+
+    Bound: every phase of a step grows with the micro-batch (activations and their transients
+    scale with its tokens; nothing shrinks: tests/test_plan_search.py checks the slopes), so a
+    setting that does not fit at micro-batch 1 fits at no larger one, and its smallest peak is at
+    micro-batch 1: the larger options' memory is not estimated."""
+    per_rank = _per_rank(req, combo)
+    arch = search.model.architecture
+    micro = _micro_options(req, combo, per_rank, arch.num_layers)
+    if micro.size == 0:
+        return [], 0
+    first = _request(req, combo, int(micro[-1]) if combo.pp > 1 else 1, search.model_fields)
+    times = step_times(StepSettings.of(req), combo, micro, per_rank, search.model.parameters, arch, search.g,
+                       search.topo, search.fabric, search.nics, frozen=_frozen(first, arch))
+    if combo.pp * combo.ep > 1:
+        return _model_parallel_rows(search, req, combo, micro, per_rank, times, first, time_bound,
+                                    peak_bound), micro.size
+    if time_bound is not None and min(t.step_seconds for t in times) > time_bound * (1 + TIE_TOLERANCE):
+        return [], micro.size
+    try:
+        return _grid_rows(search, req, combo, micro, times, first), micro.size
+    except PlannerError:  # a setting the fine-tuning refuses (QLoRA under ZeRO-3, TP, ...)
+        if req.finetune == "full":
+            raise
+        return [], micro.size
+
+
+def _grid_rows(search: _Search, req: PlanRequest, combo: Setting, micro: np.ndarray, times: list[timing.StepTime],
+               first: EstimateRequest) -> list[Row]:
+    """Every micro-batch option's row from the estimates at micro-batch 1 and 2 (each phase is
+    affine in the micro-batch), or micro-batch 1's alone when it does not fit (the bound above)."""
+    one = search.estimate(req, combo, 1, first)
+    host = host_capacity(req, search.g)  # offload's host RAM per node does not depend on the micro-batch
+    host_ok = host is None or one.host.peak_bytes <= host[0]
+    peak = one.per_device.peak_bytes
+    if peak > search.usable or not host_ok or micro.size == 1:
+        return [(combo, 1, float(peak), bool(peak <= search.usable and host_ok), times[0])]
+    peaks = _Grid(combo, one, search.estimate(req, combo, 2)).peaks(micro)
+    return [(combo, int(mb), float(peaks[k]), bool(peaks[k] <= search.usable and host_ok), times[k])
+            for k, mb in enumerate(micro)]
+
+
+def _model_parallel_rows(search: _Search, req: PlanRequest, combo: Setting, micro: np.ndarray, per_rank: int,
+                         times: list[timing.StepTime], first: EstimateRequest, time_bound: float | None,
+                         peak_bound: float | None) -> list[Row]:
+    """The rows of a pipeline or expert-parallel setting, bounded by:
+
+    - its compute: a rank's step is at least its share of the compute (the bubble stretches it,
+      the collectives and all-to-alls only add), so above the best fitting step time found so far
+      (beyond the ties) it cannot be recommended;
+    - its memory floor, one estimate: a pipeline's resident bytes (between steps a stage holds its
+      states and one receive buffer per micro-batch, m buffers of micro_batch sequences: the
+      rank's share of the batch whatever the split, so one figure for every option, estimated at
+      the fewest micro-batches, the cheapest to simulate); an expert layout's peak at micro-batch
+      1 (the bound of _evaluate_setting). Above the usable memory no option fits: where another
+      setting fits it cannot be recommended and is not listed;
+    - its step times (the pipeline's bubble and point-to-point sends, the all-to-alls): where
+      another setting fits, a layout none of whose options within the ties of it fits is not listed."""
+    if time_bound is not None and times[0].compute_seconds / combo.pp > time_bound * (1 + TIE_TOLERANCE):
+        return []
+
+    def beaten(ts: list[timing.StepTime]) -> bool:
+        return time_bound is not None and min(t.step_seconds for t in ts) > time_bound * (1 + TIE_TOLERANCE)
+
+    k = len(micro) - 1 if combo.pp > 1 else 0  # the option the floor is estimated at
+    timed = None
+    # which bound is tried first is a matter of cost only (each proves what it proves): a pipeline
+    # estimate replays pp x virtual stages x m actions (the floor: m = pp, twice, or the fewest
+    # micro-batches, _resident_floor), the step times cost one call per option
+    replayed = 2 * combo.pp if _extrapolated(req, combo, per_rank) else per_rank // int(micro[k])
+    if combo.pp > 1 and micro.size < combo.pp * req.pp_virtual_stages * replayed:
+        timed = _parallel_times(search, req, combo, micro, per_rank, times, first)
+        if beaten(timed):
+            return []
+    floor = _resident_floor(search, req, combo, per_rank) if combo.pp > 1 else None
+    if floor is None:
+        e = search.estimate(req, combo, int(micro[k]), first)
+        floor = e.per_device.resident_bytes if combo.pp > 1 else e.per_device.peak_bytes
+    if floor > search.usable:
+        if time_bound is not None or peak_bound is not None:
+            return []  # another setting fits, none of this one's options does
+        e = search.estimate(req, combo, int(micro[k]), first)
+        t = timed[k] if timed else _parallel_times(search, req, combo, micro[k:k + 1], per_rank, times[k:k + 1],
+                                                   first)[0]
+        return [(combo, int(micro[k]), float(e.per_device.peak_bytes), False, t)]
+    if req.objective == "memory" and peak_bound is not None and floor > peak_bound:
+        return []
+    if timed is None:
+        timed = _parallel_times(search, req, combo, micro, per_rank, times, first)
+        if beaten(timed):
+            return []
+    rows = (_pipeline_rows(search, req, combo, micro, timed, time_bound) if combo.pp > 1
+            else _grid_rows(search, req, combo, micro, timed, first))
+    if time_bound is not None and not any(r[3] and r[4].step_seconds <= time_bound * (1 + TIE_TOLERANCE)
+                                          for r in rows):
+        return []  # its options that could win do not fit: it cannot be recommended
+    return rows
+
+
+def _resident_floor(search: _Search, req: PlanRequest, combo: Setting, per_rank: int) -> int | None:
+    """A pipeline setting's resident bytes from two small estimates, where its fewest micro-batches
+    are many (else None: that option is estimated itself). The resident bytes are the stage's
+    states plus one receive buffer per sequence of the rank's share (m buffers of micro_batch
+    sequences), so they are affine in m x micro_batch: at pp micro-batches of 1 and of 2 they give
+    the states and the bytes per sequence (tests/test_plan_search.py checks the extrapolation
+    against the estimate)."""
+    pp = combo.pp
+    if not _extrapolated(req, combo, per_rank):
+        return None
+    one, two = (_floor_estimate(search, req, combo, mb) for mb in (1, 2))
+    per_sequence = (two - one) // pp
+    return one + (per_rank - pp) * per_sequence
+
+
+def _extrapolated(req: PlanRequest, combo: Setting, per_rank: int) -> bool:
+    """Whether _resident_floor extrapolates (the rank's share is many times pp sequences)."""
+    return per_rank > 4 * combo.pp and 2 * req.seq_len <= MAX_TOKENS
+
+
+def _floor_estimate(search: _Search, req: PlanRequest, combo: Setting, micro: int) -> int:
+    """Resident bytes of the setting at pp micro-batches of ``micro`` sequences (a bound's input,
+    not a row: the batch differs from the plan's)."""
+    key = (req.nodes, combo, -micro)  # negative: apart from the rows' estimates
+    if key not in search.estimates:
+        search.estimates[key] = estimate(_request(req, combo, micro, search.model_fields, accumulation=combo.pp))
+    return search.estimates[key].per_device.resident_bytes
+
+
+def _parallel_times(search: _Search, req: PlanRequest, combo: Setting, micro: np.ndarray, per_rank: int,
+                    times: list[timing.StepTime], first: EstimateRequest) -> list[timing.StepTime]:
+    """Each option's step time with its pipeline bubble, point-to-point sends and expert
+    all-to-alls: planner/pipeline.py parallel_step on the estimate's own Setup (as
+    steptime.estimate_time), per micro-batch size and count."""
+    setup = resolve(first)
+    out = []
+    for k, mb in enumerate(micro.tolist()):
+        request = setup.request.model_copy(update={"micro_batch": mb, "gradient_accumulation": per_rank // mb})
+        out.append(parallel_step(times[k], replace(setup, request=request), search.model.architecture, search.topo,
+                                 search.fabric, search.nics, req.link_efficiency))
+    return out
+
+
+def _pipeline_rows(search: _Search, req: PlanRequest, combo: Setting, micro: np.ndarray,
+                   times: list[timing.StepTime], time_bound: float | None) -> list[Row]:
+    """The estimated rows of a pipeline setting. Its memory depends on the micro-batch count (the
+    schedule's chunks in flight), so each option is its own estimate: fastest first, until one fits
+    and the next is beyond the time model's uncertainty of it, or of the bound (the best fitting
+    setting found before): those cannot be recommended. (--objective memory: every option.)"""
+    rows: list[Row] = []
+    memory_objective = req.objective == "memory"
+    order = range(len(micro)) if memory_objective else sorted(range(len(micro)), key=lambda k: (times[k].step_seconds, k))
+    fit_time = None
+    for k in order:
+        t = times[k]
+        if not memory_objective:
+            if fit_time is not None and t.step_seconds > fit_time * (1 + TIE_TOLERANCE):
+                break
+            if time_bound is not None and t.step_seconds > time_bound * (1 + TIE_TOLERANCE):
+                break
+        e = search.estimate(req, combo, int(micro[k]))
+        fits = e.per_device.peak_bytes <= search.usable
+        rows.append((combo, int(micro[k]), float(e.per_device.peak_bytes), fits, t))
+        if fits and fit_time is None:
+            fit_time = t.step_seconds
+    return rows
+
+
+def _layouts(req: PlanRequest, gpus: int, arch, topo: Topology) -> tuple[list[tuple[int, int, int, int]],
+                                                                         list[Rejected]]:
+    """(tp, cp, pp, ep) layouts to search on ``gpus`` GPUs per node: data-parallel first, then the
+    tensor/context-parallel ones, the expert-parallel ones and the pipeline ones. A degree the
+    request gives explicitly is kept; else every TP degree inside the wiring's NVLink islands with
+    cp 1 (CP is searched only when nothing fits without it: _context_parallel_rows), every pipeline
+    degree whose stages are whole nodes (planner/layouts.py pp_degrees) and every expert degree of
+    a mixture of experts (ep_degrees)."""
+    fields = req.model_fields_set
+    rejected: list[Rejected] = []
+    if {"tp", "cp"} & fields:
+        pairs = [(req.tp, req.cp)]
+    else:
+        degrees, rejected = tp_degrees(topo, gpus, arch)
+        pairs = [(tp, 1) for tp in degrees]
+    if "pp" in fields:
+        pps = [req.pp]
+    else:
+        found, pp_rejected = pp_degrees(req.nodes, arch, req.pp_virtual_stages)
+        pps = [1] + found
+        rejected = rejected + pp_rejected
+    eps = [req.ep] if "ep" in fields else [1] + ep_degrees(arch)
+    layouts = [(tp, cp, pp, ep) for pp in pps for ep in eps for tp, cp in pairs]
+    return sorted(layouts, key=lambda d: (d[2] > 1, d[3] > 1, d[2], d[3], d[0], d[1])), rejected
+
+
+def _check_fixed_degrees(req: PlanRequest) -> None:
+    """A pipeline or expert degree the request fixes is refused, naming its operands, where no
+    layout can take it (rather than a plan with no candidates)."""
+    from planner.parallel import data_parallel_size
+
+    fields = req.model_fields_set
+    if not {"pp", "ep"} & fields or req.pp * req.ep == 1:
+        return
+    tp, cp = (req.tp, req.cp) if {"tp", "cp"} & fields else (1, 1)
+    world = req.gpus * req.nodes
+    dp = data_parallel_size(world, tp, req.pp, cp, req.gpus, req.nodes)
+    if req.global_batch % dp:
+        raise PlannerError(f"global_batch({req.global_batch}) is not divisible by the {dp} data-parallel ranks of "
+                           f"gpus({req.gpus}) * nodes({req.nodes}) / (tp({tp}) * pp({req.pp}) * cp({cp}))",
+                           field="global_batch")
+
+
+def _search_notes(req: PlanRequest, layouts: list[tuple[int, int, int, int]]) -> list[str]:
+    """What the search tried beyond data and tensor parallelism (pipeline and expert degrees)."""
+    pps = sorted({d[2] for d in layouts} - {1})
+    eps = sorted({d[3] for d in layouts} - {1})
+    notes = []
+    if pps:
+        schedule = req.pp_schedule + (f" with {req.pp_virtual_stages} virtual stages" if req.pp_virtual_stages > 1
+                                      else "")
+        notes.append(f"pipeline layouts searched: pp {', '.join(map(str, pps))} ({schedule}, the request's "
+                     "pp_schedule), with DDP, FSDP2 and HSDP (torch pipelining) and ZeRO-0/1 without AutoTP "
+                     "(DeepSpeed's pipeline engine), no offload")
+    if eps:
+        notes.append(f"expert-parallel layouts searched: ep {', '.join(map(str, eps))}, where ep divides the "
+                     "strategy's dp_shard x cp")
+    if pps or eps:
+        notes.append("a pipeline or expert layout that cannot be recommended is not listed: none of its settings "
+                     "within 1% of the best fitting step time found before it fits (bounded by its compute, its "
+                     "resident memory, then its step times and peaks)")
+    return notes
+
+
+def _context_parallel_rows(search: _Search, req: PlanRequest) -> tuple[list[Row], int, list[str]]:
     """When nothing fits on the full cluster: the same search with the sequence split over cp
     ranks (torch FSDP2/HSDP with context_parallel), for every TP degree the wiring allows."""
-    tps = [tp for tp, _ in _layouts(req, req.gpus, model.architecture, topo)[0]]
+    arch = search.model.architecture
+    tps = sorted({tp for tp, _, pp, ep in _layouts(req, req.gpus, arch, search.topo)[0] if pp * ep == 1})
     layouts, notes = [], []
     for tp in tps:
-        degrees, rejected = cp_degrees(req.seq_len, req.gpus * req.nodes, tp, model.architecture)
-        layouts += [(tp, cp) for cp in degrees]
+        degrees, rejected = cp_degrees(req.seq_len, req.gpus * req.nodes, tp, arch)
+        layouts += [(tp, cp, 1, 1) for cp in degrees]
         notes += [str(r) for r in rejected]
-    rows, evaluated = _evaluate(req, [req.gpus], g, model, topo, fabric, nics, usable, model_fields, layouts,
+    rows, evaluated = _evaluate(search, req, layouts,
                                 strategies=tuple(n for n in STRATEGIES if lookup_strategy(n).framework == "torch"
                                                  and not lookup_strategy(n).shard_within_node))
     return rows, evaluated, notes
@@ -274,7 +631,7 @@ def _context_parallel_rows(req: PlanRequest, g: Gpu, model, topo: Topology, fabr
 def _setting(combo: Combo, mb: int) -> str:
     """The rejected setting in words, so it is not mistaken for the strategy's other settings."""
     shard = f" (shard groups of {combo.shard})" if combo.shard else ""
-    degrees = "".join(f" x {k} {v}" for k, v in (("tp", combo.tp), ("cp", combo.cp)) if v > 1)
+    degrees = "".join(f" x {k} {getattr(combo, k)}" for k in ("tp", "cp", "pp", "ep") if getattr(combo, k, 1) > 1)
     return (f"{combo.strategy}{shard}{degrees} at micro-batch {mb}, checkpointing {combo.checkpointing}, "
             f"offload {combo.offload_optimizer}/{combo.offload_params}")
 
@@ -368,10 +725,10 @@ def _tie_order(req: PlanRequest, capacity: float, items: list, value, peak, traf
     return ordered
 
 
-def _label(c: Candidate | Combo) -> str:
+def _label(c: Candidate | Setting) -> str:
     shard = c.hsdp_shard_size if isinstance(c, Candidate) else c.shard
-    tp, cp = (c.parallel.tp, c.parallel.cp) if isinstance(c, Candidate) else (c.tp, c.cp)
-    degrees = (f"+tp{tp}" if tp > 1 else "") + (f"+cp{cp}" if cp > 1 else "")
+    source = c.parallel if isinstance(c, Candidate) else c
+    degrees = "".join(f"+{k}{getattr(source, k)}" for k in ("tp", "cp", "pp", "ep") if getattr(source, k) > 1)
     return (f"{c.strategy}/{shard}" if shard else c.strategy) + degrees
 
 
@@ -432,15 +789,15 @@ def _fabric_note(req: PlanRequest, fabric_name: str, nics: int) -> str:
             "all-gather and reduce-scatter as NCCL's flat ring, all-reduce the faster of its ring and tree")
 
 
-def _rank(req, rows, fewer, usable, capacity, topo, fabric_name, nics, model_fields, evaluated, started, g) -> PlanResult:
+def _rank(search: _Search, req: PlanRequest, rows: list[Row], fewer: list[tuple[int, list[Row]]], capacity: int,
+          fabric_name: str, evaluated: int, started: float) -> PlanResult:
+    g, topo, nics, usable, model_fields = search.g, search.topo, search.nics, search.usable, search.model_fields
     fabric = timing.fabric(fabric_name)
-    by_combo: dict[Combo, list[tuple]] = {}
+    by_combo: dict[Setting, list[Row]] = {}
     for row in rows:
         by_combo.setdefault(row[0], []).append(row)
-    best: dict[Combo, tuple] = {}
+    best: dict[Setting, Row] = {}
     for combo, options in by_combo.items():
-        if combo.gpus != req.gpus:
-            continue
         fitting = [r for r in options if r[3]]
         # a fitting setting by the objective (ties to headroom); one that fits nowhere at its smallest peak
         best[combo] = (_tie_order(req, capacity, fitting, lambda r: _objective(req, r[0], r[2], r[4]), lambda r: r[2],
@@ -453,7 +810,7 @@ def _rank(req, rows, fewer, usable, capacity, topo, fabric_name, nics, model_fie
     for combo in ranked:
         _, mb, peak, fits, t = best[combo]
         per_rank = _per_rank(req, combo)
-        e = _estimate(req, combo, mb, model_fields)
+        e = search.estimate(req, combo, mb)
         reason = None if fits else (_reason(combo, mb, peak, usable, capacity, req.headroom, e) if peak > usable
                                     else _host_reason(combo, mb, e, host_capacity(req, g)))
         candidates.append(_candidate(combo, mb, per_rank, fits, t, e, reason))
@@ -464,6 +821,10 @@ def _rank(req, rows, fewer, usable, capacity, topo, fabric_name, nics, model_fie
     # the inverse question per model-parallel layout the plan searched: FSDP2 with each TP degree
     for tp in sorted({c.parallel.tp for c in candidates} - {1}):
         min_gpus[f"fsdp+tp{tp}"] = _search(req, "fsdp", usable, model_fields, per_node=req.gpus, tp=tp)
+    # and with each pipeline degree (stages of whole nodes) at the candidates' TP degrees
+    for tp, pp in sorted({(c.parallel.tp, c.parallel.pp) for c in candidates if c.parallel.pp > 1}):
+        label = f"fsdp+tp{tp}+pp{pp}" if tp > 1 else f"fsdp+pp{pp}"
+        min_gpus[label] = _pipeline_min_gpus(req, usable, model_fields, tp, pp)
     ring, ring_bw, _ = timing.node_ring(topo, req.gpus)
     inter = nics * fabric["gbps"] * fabric["efficiency"] / req.gpus if req.nodes > 1 else None
     notes = [f"{evaluated:,} candidates evaluated in {wallclock.perf_counter() - started:.3f} s",
@@ -491,12 +852,13 @@ def _rank(req, rows, fewer, usable, capacity, topo, fabric_name, nics, model_fie
                       notes=notes, request=req)
 
 
-def _max_micro(req: PlanRequest, rows) -> dict[str, int | None]:
-    """The largest micro-batch that fits on the full cluster, per strategy (any checkpointing/offload)."""
+def _max_micro(req: PlanRequest, rows: list[Row]) -> dict[str, int | None]:
+    """The largest micro-batch that fits on the full cluster, per strategy (any checkpointing/offload),
+    with data parallelism alone."""
     out: dict[str, int | None] = {}
     for combo, mb, _, fits, _ in rows:
         out.setdefault(combo.strategy, None)
-        if fits and combo.gpus == req.gpus and combo.tp * combo.cp == 1 and (out[combo.strategy] is None or mb > out[combo.strategy]):
+        if fits and combo.model_parallel == 1 and (out[combo.strategy] is None or mb > out[combo.strategy]):
             out[combo.strategy] = mb
     return out
 
@@ -508,11 +870,15 @@ MAX_SEQ_LEN = 1 << 22  # PlanRequest.seq_len's bound (schema.py)
 def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_fields: dict) -> int | None:
     """The inverse question for sequence length: the longest sequence (a multiple of 2*cp, as
     load-balanced CP needs, and of 128) that the recommended layout trains at micro-batch 1 with
-    full checkpointing. Per-device memory grows with the sequence, so doubling then bisection."""
+    full checkpointing (a pipeline: its rank's share of the batch as micro-batches of 1, in the
+    request's schedule). Per-device memory grows with the sequence, so doubling then bisection."""
     unit = 128 * 2 * c.parallel.cp
+    degrees = {k: v for k, v in c.parallel.model_dump().items() if k in ("tp", "cp", "pp", "ep") and v > 1}
+    if c.parallel.pp > 1:
+        degrees |= {"gradient_accumulation": c.micro_batch * c.gradient_accumulation,
+                    "pp_schedule": req.pp_schedule, "pp_virtual_stages": req.pp_virtual_stages}
 
     def fits(seq: int) -> bool:
-        degrees = {k: v for k, v in c.parallel.model_dump().items() if k in ("tp", "cp", "pp", "ep") and v > 1}
         e = estimate(EstimateRequest(**model_fields, strategy=c.strategy, gpus=req.gpus, nodes=req.nodes,
                                      gpu=req.gpu, precision=req.precision, optimizer=req.optimizer, micro_batch=1,
                                      seq_len=seq, checkpointing="full", attention=req.attention,
@@ -584,9 +950,18 @@ def _fits(req: PlanRequest, name: str, usable: float, model_fields: dict, gpus: 
 
 
 def _search(req, name, usable, model_fields, per_node: int, tp: int = 1) -> int | None:
-    for gpus in range(tp, per_node + 1, tp):
-        if _fits(req, name, usable, model_fields, gpus, 1, tp):
-            return gpus
+    # bound: per-device memory never grows with more GPUs, so what does not fit on the most nodes
+    # searched fits on none (one estimate instead of the whole doubling)
+    if _replicated_weights_exceed(req, name, usable, model_fields, tp):
+        return None
+    most = 1 << ((MAX_SEARCH_GPUS // per_node).bit_length() - 1)  # the doubling's last node count
+    if most >= 2 and not _fits(req, name, usable, model_fields, per_node, most, tp):
+        return None
+    # and what does not fit on a whole node fits on none of its fewer GPUs
+    if _fits(req, name, usable, model_fields, per_node, 1, tp):
+        for gpus in range(tp, per_node + 1, tp):
+            if _fits(req, name, usable, model_fields, gpus, 1, tp):
+                return gpus
     nodes = 2
     while nodes * per_node <= MAX_SEARCH_GPUS:
         if _fits(req, name, usable, model_fields, per_node, nodes, tp):
@@ -600,3 +975,55 @@ def _search(req, name, usable, model_fields, per_node: int, tp: int = 1) -> int 
             return nodes * per_node
         nodes *= 2
     return None
+
+
+def _replicated_weights_exceed(req: PlanRequest, name: str, usable: float, model_fields: dict, tp: int) -> bool:
+    """Bound: a strategy that keeps the whole weights on every data-parallel rank (DDP, ZeRO 0-2)
+    holds the same weights on any number of GPUs, and never offloads them; when they alone (with
+    the framework's overhead) exceed the usable memory it fits on none (one small estimate)."""
+    if lookup_strategy(name).shards_parameters:
+        return False
+    try:
+        e = estimate(EstimateRequest(**model_fields, strategy=name, gpus=tp, nodes=1, gpu=req.gpu,
+                                     precision=req.precision, optimizer=req.optimizer, micro_batch=1,
+                                     seq_len=req.seq_len, checkpointing="full", attention=req.attention,
+                                     **({"tp": tp} if tp > 1 else {})))
+    except PlannerError:
+        return False
+    return e.per_device.parameters_bytes + e.per_device.framework_bytes > usable
+
+
+def _pipeline_min_gpus(req: PlanRequest, usable: float, model_fields: dict, tp: int, pp: int) -> int | None:
+    """The inverse question for a pipeline layout: the smallest GPU count (GPUs per node as given,
+    nodes a multiple of pp: stages of whole nodes) on which FSDP2 with these tp and pp degrees
+    trains at micro-batch 1 with full checkpointing and pp micro-batches (the fewest 1F1B runs: the
+    fewest in flight and receive buffers), in the request's schedule. More nodes shard each stage's
+    states over more data-parallel ranks and hold the same activations, so the bound and the search
+    of _search apply to the stage groups."""
+    def fits(groups: int) -> bool:
+        try:
+            e = estimate(EstimateRequest(**model_fields, strategy="fsdp", gpus=req.gpus, nodes=groups * pp,
+                                         gpu=req.gpu, precision=req.precision, optimizer=req.optimizer, micro_batch=1,
+                                         gradient_accumulation=pp, seq_len=req.seq_len, checkpointing="full",
+                                         attention=req.attention, tp=tp, pp=pp, pp_schedule=req.pp_schedule,
+                                         pp_virtual_stages=req.pp_virtual_stages))
+        except PlannerError:
+            return False
+        return e.per_device.peak_bytes <= usable
+
+    if req.gpus * pp > MAX_SEARCH_GPUS:
+        return None
+    most = 1 << ((MAX_SEARCH_GPUS // (req.gpus * pp)).bit_length() - 1)  # the doubling's last group count
+    if not fits(most):
+        return None
+    groups = 1
+    while not fits(groups):
+        groups *= 2
+    low = groups // 2 + 1
+    while low < groups:
+        mid = (low + groups) // 2
+        if fits(mid):
+            groups = mid
+        else:
+            low = mid + 1
+    return groups * pp * req.gpus

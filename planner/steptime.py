@@ -394,23 +394,21 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     offload = offload_seconds(combo, psi // combo.tp, per_rank / micro, combo.gpus * nodes // combo.tp, wb, g,
                               trainable)
     dequantize = _dequantize_seconds(frozen, combo.checkpointing, per_rank / micro, g)
-    results = []
     world = combo.gpus * nodes
     model_flops = tokens_rank * model_per_token / model_parallel
-    tokens_per_gpu = tokens_rank / model_parallel
-    for k in range(micro.size if arrays.is_array(micro) else 1):
-        comm_k, offload_k = float(arrays.item(comm, k)), float(arrays.item(offload, k))
-        busy = compute + float(arrays.item(dequantize, k))
-        window = framework_of(s).overlap_window_seconds(s, busy)
-        exposed = max(0.0, float(arrays.item(data_parallel, k)) - window) + \
-            float(arrays.item(exposed_model_parallel, k))
-        step = busy + exposed + offload_k
-        tokens = tokens_per_gpu * world
-        results.append(timing.StepTime(
-            compute_seconds=busy, communication_seconds=comm_k, exposed_communication_seconds=exposed,
-            offload_seconds=offload_k, step_seconds=step, tokens_per_second=tokens / step,
-            mfu=model_flops / (step * peak_flops), ring_bandwidth_gbps=slowest, ring=ring))
-    return results
+    tokens = tokens_rank / model_parallel * world
+    # every option at once (elementwise: the same floating-point operations as one option alone)
+    busy = compute + dequantize
+    window = framework_of(s).overlap_window_seconds(s, busy)
+    exposed = arrays.maximum(0.0, data_parallel - window) + exposed_model_parallel
+    step = busy + exposed + offload
+    columns = [busy, comm, exposed, offload, step, tokens / step, model_flops / (step * peak_flops)]
+    options = micro.size if arrays.is_array(micro) else 1
+    rows = zip(*(arrays.as_float(c).tolist() if arrays.is_array(c) else [float(c)] * options for c in columns))
+    return [timing.StepTime(compute_seconds=b, communication_seconds=c, exposed_communication_seconds=e,
+                            offload_seconds=o, step_seconds=t, tokens_per_second=tps, mfu=mfu,
+                            ring_bandwidth_gbps=slowest, ring=ring)
+            for b, c, e, o, t, tps, mfu in rows]
 
 
 def _dequantize_seconds(frozen: FrozenBaseShape | None, checkpointing: str, accumulation, g: Gpu):

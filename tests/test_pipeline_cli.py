@@ -151,11 +151,12 @@ def test_collective_volumes_of_a_pipeline_rank():
 
 
 @pytest.mark.parametrize("flag", ["pp", "ep"])
-def test_plan_does_not_ignore_a_fixed_pipeline_or_expert_degree(flag, capsys):
-    code = main(["plan", "--model", "mixtral-8x7b", f"--{flag}", "2"])
-    assert code == 2 and capsys.readouterr().err.strip() == (
-        f"planner: error: {flag}=2: the plan does not search {'pipeline' if flag == 'pp' else 'expert'}-parallel "
-        f"layouts yet; estimate this layout with `planner estimate --{flag} 2`")
+def test_plan_keeps_a_fixed_pipeline_or_expert_degree(flag, capsys):
+    # the plan searches pp and ep (issue 12); a degree given explicitly is kept
+    code = main(["plan", "--model", "mixtral-8x7b", "--nodes", "2", "--global-batch", "64", f"--{flag}", "2",
+                 "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["candidates"] and {c["parallel"][flag] for c in data["candidates"]} == {2}
 
 
 def test_lora_with_pp_is_refused(capsys):

@@ -1,0 +1,214 @@
+"""The plan's search over pipeline and expert degrees, and the bounds that keep it fast: a searched
+candidate is the estimate of the same configuration, and every bound the search prunes with holds."""
+
+import pytest
+
+from cli.main import main
+from planner.memory import estimate
+from planner.plan import Setting, _request, plan
+from planner.schema import EstimateRequest, PlanRequest
+from planner.steptime import estimate_with_time
+
+SLOW_TWO_NODES = dict(model="llama-3-8b", gpu="h100-80gb", gpus=8, nodes=2, nics_per_node=1, global_batch=256,
+                      fabric="eth-25g")
+
+
+def _as_estimate(req: PlanRequest, c) -> EstimateRequest:
+    degrees = {k: v for k, v in c.parallel.model_dump().items() if k in ("tp", "cp", "pp", "ep") and v > 1}
+    return EstimateRequest(model=req.model, strategy=c.strategy, gpus=req.gpus, nodes=req.nodes, gpu=req.gpu,
+                           micro_batch=c.micro_batch, gradient_accumulation=c.gradient_accumulation,
+                           seq_len=req.seq_len, checkpointing=c.checkpointing, offload_optimizer=c.offload_optimizer,
+                           offload_params=c.offload_params, fabric=req.fabric, nics_per_node=req.nics_per_node,
+                           topology=req.topology, **degrees)
+
+
+def _assert_candidate_is_the_estimate(req: PlanRequest, c) -> None:
+    e = estimate_with_time(_as_estimate(req, c))
+    assert e.per_device == c.per_device and e.parallel == c.parallel
+    t = e.time
+    assert (t.step_seconds, t.compute_seconds, t.communication_seconds, t.exposed_communication_seconds,
+            t.tokens_per_second, t.mfu) == (c.step_seconds, c.compute_seconds, c.communication_seconds,
+                                            c.exposed_communication_seconds, c.tokens_per_second, c.mfu)
+
+
+def test_pipeline_across_a_slow_fabric_wins_and_is_its_estimate():
+    """Two 8 x H100 nodes joined by one 25 GbE NIC each: data parallelism sends its gradients (HSDP:
+    the replica all-reduce) through the NIC every step; a pipeline whose stage boundary is the node
+    boundary sends only each micro-batch's activations across, and wins. Its numbers are the
+    estimate's of the same configuration (pipeline memory, bubble and p2p: planner/pipeline.py)."""
+    req = PlanRequest(**SLOW_TWO_NODES)
+    r = plan(req)
+    best = r.recommended
+    assert best.parallel.pp == 2
+    data_parallel = min((c for c in r.candidates if c.fits and c.parallel.pp == 1), key=lambda c: c.step_seconds)
+    assert best.step_seconds < 0.8 * data_parallel.step_seconds
+    _assert_candidate_is_the_estimate(req, best)
+    assert any(n.startswith("pipeline layouts searched: pp 2 (1f1b") for n in r.notes)
+
+
+def test_expert_parallel_candidate_is_its_estimate():
+    req = PlanRequest(model="mixtral-8x7b", gpu="h100-80gb", gpus=8, global_batch=64, ep=2)
+    r = plan(req)
+    assert r.candidates and {c.parallel.ep for c in r.candidates} == {2}
+    fitting = [c for c in r.candidates if c.fits]
+    _assert_candidate_is_the_estimate(req, (fitting or r.candidates)[0])
+
+
+def test_a_fixed_pipeline_degree_is_kept():
+    r = plan(PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, nodes=2, global_batch=256, pp=2))
+    assert r.candidates and {c.parallel.pp for c in r.candidates} == {2}
+    assert {c.strategy for c in r.candidates} <= {"ddp", "zero0", "zero1", "fsdp", "fsdp-grad-op", "hsdp"}
+
+
+def test_a_fixed_pipeline_degree_with_lora_is_refused_with_its_field(capsys):
+    code = main(["plan", "--model", "llama-3-8b", "--nodes", "2", "--pp", "2", "--finetune", "lora"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("planner: error: pp=2 with finetune lora:") and err.count("\n") == 1
+
+
+def test_pipeline_degrees_name_their_operands():
+    """128 nodes: pp 2..16 split Llama-3-70B's 80 blocks evenly; 32, 64 and 128 do not."""
+    r = plan(PlanRequest(model="llama-3-70b", gpu="h100-80gb", gpus=8, nodes=128, topology="hgx-h100",
+                         global_batch=1024))
+    assert ("pp=32 not searched: num_layers(80) is not divisible by pp(32) * pp_virtual_stages(1) = 32: the stages "
+            "would be unequal and the longest sets the pace") in r.notes
+    assert any(n.startswith("pipeline layouts searched: pp 2, 4, 8, 16 (1f1b") for n in r.notes)
+
+
+def test_one_node_plans_search_no_pipeline():
+    r = plan(PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, global_batch=64))
+    assert {c.parallel.pp for c in r.candidates} == {1}
+    assert not any("pipeline" in n for n in r.notes)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero3", "fsdp", "hsdp"])
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_every_phase_grows_with_the_micro_batch(strategy, checkpointing):
+    """The bound of plan._evaluate_setting: no phase shrinks with a larger micro-batch, so a setting
+    that does not fit at micro-batch 1 fits at no larger one."""
+    kw = dict(model="llama-3-8b", strategy=strategy, gpus=8, nodes=2, checkpointing=checkpointing, seq_len=2048)
+    one, two = (estimate(EstimateRequest(micro_batch=m, **kw)) for m in (1, 2))
+    assert all(b.bytes >= a.bytes for a, b in zip(one.phases, two.phases))
+
+
+@pytest.mark.parametrize("strategy,schedule,tp", [("fsdp", "1f1b", 1), ("ddp", "gpipe", 1), ("zero1", "1f1b", 1),
+                                                   ("fsdp", "1f1b", 2), ("hsdp", "interleaved", 1)])
+def test_the_pipeline_resident_floor_is_the_estimates(strategy, schedule, tp):
+    """plan._resident_floor extrapolates a pipeline's resident bytes from pp micro-batches of 1 and
+    of 2 sequences; it equals the estimate at every micro-batch split of the rank's share."""
+    from planner.plan import _Search, _resident_floor
+
+    virtual = 2 if schedule == "interleaved" else 1
+    req = PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, nodes=4, global_batch=512, pp_schedule=schedule,
+                      pp_virtual_stages=virtual, seq_len=2048)
+    combo = Setting(8, strategy, "full", "none", "none", 4 if strategy == "hsdp" else None, tp, 1, tp > 1, 2, 1)
+    per_rank = 512 * tp * 2 // 32
+    search = _Search(req, None, None, None, {}, 1, 0.0, {"model": "llama-3-8b"})
+    floor = _resident_floor(search, req, combo, per_rank)
+    for micro in (1, 2, 4):
+        e = estimate(_request(req, combo, micro, {"model": "llama-3-8b"}))
+        assert e.per_device.resident_bytes == floor, micro
+
+
+def test_bounds_do_not_change_the_recommendation_of_an_exhaustive_search(monkeypatch):
+    """With every bound switched off (no time bound, no floors) the same candidates win."""
+    import planner.plan as p
+
+    req = PlanRequest(**SLOW_TWO_NODES)
+    bounded = plan(req)
+    monkeypatch.setattr(p, "_resident_floor", lambda *a: None)
+    original = p._evaluate_setting
+    monkeypatch.setattr(p, "_evaluate_setting", lambda search, r, combo, t, pk: original(search, r, combo, None, None))
+    exhaustive = plan(req)
+    assert exhaustive.recommended == bounded.recommended
+    listed = {(c.strategy, c.checkpointing, c.offload_optimizer, c.hsdp_shard_size, c.parallel.tp, c.parallel.pp)
+              for c in exhaustive.candidates if c.fits and c.step_seconds <= bounded.recommended.step_seconds * 1.01}
+    found = {(c.strategy, c.checkpointing, c.offload_optimizer, c.hsdp_shard_size, c.parallel.tp, c.parallel.pp)
+             for c in bounded.candidates}
+    assert listed <= found
+
+
+def test_the_fewer_nodes_bound_changes_no_advice(monkeypatch):
+    """plan._fewer_node_rows skips a node count whose compute alone cannot beat the advice's
+    threshold; without the bound the advice is the same."""
+    import planner.plan as p
+
+    kw = dict(model="llama-3-70b", gpu="h100-80gb", gpus=8, nodes=4, seq_len=4096, global_batch=256, tp=1, pp=1)
+    for fabric in ({"fabric": "eth-25g", "nics_per_node": 1}, {}):
+        bounded = plan(PlanRequest(**kw, **fabric))
+        with monkeypatch.context() as m:
+            m.setattr(p, "_compute_floor", lambda *a: None)
+            unbounded = plan(PlanRequest(**kw, **fabric))
+        assert bounded.faster_on_fewer_nodes == unbounded.faster_on_fewer_nodes
+        assert [n for n in bounded.notes if n.startswith("fewer nodes")] == \
+            [n for n in unbounded.notes if n.startswith("fewer nodes")]
+
+
+def test_the_min_gpus_bounds_change_no_answer(monkeypatch):
+    """plan._search answers None at once when the replicated weights, or the most nodes searched,
+    prove it, and skips a node's fewer GPUs when the whole node does not fit: the same answers as
+    the plain doubling search."""
+    import planner.plan as p
+
+    req = PlanRequest(model="llama-3-70b", gpu="h100-80gb", gpus=8, nodes=2, global_batch=256)
+    usable = 80 * 2**30 * 0.95
+    fields = {"model": "llama-3-70b"}
+    bounded = {n: p._min_gpus(req, n, usable, fields) for n in ("ddp", "zero1", "zero3", "fsdp", "hsdp")}
+    monkeypatch.setattr(p, "_replicated_weights_exceed", lambda *a: False)
+    monkeypatch.setattr(p, "MAX_SEARCH_GPUS", 8)  # no "most nodes" check: the loop alone
+    plain = {}
+    for n in bounded:
+        gpus = next((g for g in range(1, 9) if p._fits(req, n, usable, fields, g, 1)), None)
+        nodes = 2
+        while gpus is None and nodes <= 8192:
+            if p._fits(req, n, usable, fields, 8, nodes):
+                low = max(2, nodes // 2)
+                while low < nodes:
+                    mid = (low + nodes) // 2
+                    if p._fits(req, n, usable, fields, 8, mid):
+                        nodes = mid
+                    else:
+                        low = mid + 1
+                gpus = nodes * 8
+            nodes *= 2
+        plain[n] = gpus
+    assert bounded == plain
+
+
+def test_a_fixed_pipeline_degree_that_cannot_divide_the_cluster_is_one_line(capsys):
+    code = main(["plan", "--model", "llama-3-8b", "--pp", "3", "--global-batch", "64"])
+    assert code == 2 and capsys.readouterr().err.strip() == (
+        "planner: error: gpus(8) * nodes(1) = 8 is not divisible by tp(1) * pp(3) * cp(1) = 3")
+
+
+def test_the_longest_sequence_of_a_pipeline_recommendation():
+    """max_seq_len for a pipeline layout: micro-batches of 1 sequence, the rank's share of the batch
+    of them in the request's schedule; it fits, 256 tokens more do not."""
+    req = PlanRequest(**SLOW_TWO_NODES)
+    r = plan(req)
+    best, longest = r.recommended, r.max_seq_len
+    assert best.parallel.pp == 2 and longest is not None and longest % 256 == 0
+    from planner.gpus import gpu as lookup_gpu
+
+    usable = lookup_gpu(req.gpu).memory_bytes * (1 - req.headroom)
+
+    def peak(seq: int) -> int:
+        return estimate(EstimateRequest(model=req.model, strategy=best.strategy, gpus=8, nodes=2, micro_batch=1,
+                                        gradient_accumulation=best.micro_batch * best.gradient_accumulation,
+                                        seq_len=seq, checkpointing="full", tp=best.parallel.tp,
+                                        pp=2)).per_device.peak_bytes
+
+    assert peak(longest) <= usable < peak(longest + 256)
+
+
+@pytest.mark.parametrize("fields", [dict(model="llama-3-8b", strategy="fsdp", tp=2),
+                                    dict(model="llama-3-8b", strategy="zero2", tp=2),
+                                    dict(model="mixtral-8x7b", strategy="fsdp", ep=2),
+                                    dict(model="llama-3-8b", strategy="ddp", finetune="lora"),
+                                    dict(model="llama-3-8b", strategy="zero2", finetune="qlora"),
+                                    dict(model="llama-3-8b", strategy="zero3", offload_optimizer="cpu",
+                                         offload_params="cpu")],
+                         ids=["fsdp-tp2", "zero2-tp2", "mixtral-ep2", "ddp-lora", "zero2-qlora", "zero3-offload"])
+def test_every_phase_grows_with_the_micro_batch_in_every_layout_searched(fields):
+    one, two = (estimate(EstimateRequest(micro_batch=m, gpus=8, seq_len=2048, **fields)) for m in (1, 2))
+    assert all(b.bytes >= a.bytes for a, b in zip(one.phases, two.phases))
