@@ -208,10 +208,11 @@ def tensor_parallel_fields(request, strategy, model, shard: int) -> dict:
 def autotp_layout(arch: Architecture, tp: int) -> dict:
     """Which of the vocabulary-sized tensors DeepSpeed 0.19.8's AutoTP splits, and how.
 
-    Every family the planner reads except GPT-2 ships a HuggingFace tp_plan in transformers 5.24
+    Every family the planner reads except GPT-2 and Falcon ships a HuggingFace tp_plan in
+    transformers 5.24
     (``base_model_tp_plan`` in its configuration, ``_tp_plan = {"lm_head": "colwise_gather_output"}``
     on its ForCausalLM class, e.g. models/llama/modeling_llama.py:414), which AutoTP training follows
-    before its name heuristics (runtime/engine.py:1054-1191, ``_get_hf_tp_plan`` and
+    before its name heuristics (runtime/engine.py:1055-1191, ``_get_hf_tp_plan`` and
     ``TPPlanConverter``). transformers' ``init_parallel_plans`` adds ``"embed_tokens":
     "embedding_rowwise"`` (distributed/mixin.py:93-94), which the converter turns into a SKIP spec
     (module_inject/tp_plan_converter.py:63, "embedding_rowwise" -> PartitionType.SKIP), so an untied
@@ -224,13 +225,18 @@ def autotp_layout(arch: Architecture, tp: int) -> dict:
     either way; ZeRO-2's partitions, its first bucket and the logits' gather do not.
 
     A tied embedding is sharded with its head over the vocabulary and the loss computed vocab-
-    parallel (runtime/engine.py:1112-1126, ``auto_vocab_parallel_lm_head``), and GPT-2 (no tp_plan)
-    goes through the heuristic ``_slice_embedding`` (auto_tp.py:886, along the hidden dimension):
-    for both the rank's tensor is modelled as the embedding split along the hidden dimension with
-    the logits whole, the same parameter count; neither is verified on CPU ranks yet."""
-    if arch.tie_word_embeddings:
+    parallel (runtime/engine.py:1112-1126, ``auto_vocab_parallel_lm_head``), and GPT-2 and Falcon
+    (no tp_plan) go through the heuristic ``_slice_embedding`` (auto_tp.py:886, along the hidden
+    dimension): for both the rank's tensor is modelled as the embedding split along the hidden
+    dimension with the logits whole, the same parameter count; neither is verified on CPU ranks."""
+    if arch.tie_word_embeddings or arch.model_type in NO_HF_TP_PLAN:
         return {"embedding_split": tp}
     return {"lm_head_split": tp}
+
+
+# model_types whose transformers 5.24 classes define no tp_plan (models/gpt2, models/falcon: neither
+# base_model_tp_plan nor _tp_plan), so AutoTP shards them by its name heuristics
+NO_HF_TP_PLAN = frozenset({"gpt2", "falcon"})
 
 
 def rank_numels(rank: Architecture, embedding_split: int, lm_head_split: int = 1) -> list[int]:

@@ -158,6 +158,9 @@ BENCH_RUNS = [
     # 8x larger (49 MB, 16 MB above the start of backward's peak; 2 MiB at 4,096)
     _run("llama-v32k-tp2-zero2-fp32-small-4ranks-s256", LLAMA_TP_32K, "zero2", "fp32", small=True, tp=2, gpus=4,
          micro=1, seq=256),
+    # and in bf16: the gather in bf16 (3 MiB), the loss in fp32, at most 1 MiB above the start of backward
+    _run("llama-tp2-zero2-bf16-small-4ranks-s256", LLAMA_TP, "zero2", "bf16-mixed", small=True, tp=2, gpus=4, micro=1,
+         seq=256),
     _run("mistral-zero2-bf16-4ranks", MISTRAL, "zero2", "bf16-mixed", gpus=4, micro=4, seq=256),
     _run("mistral-ddp-bf16-ckpt", MISTRAL, "ddp", "bf16-mixed", ckpt="full", micro=8, seq=128),
     _run("llama-zero1-fp32-4ranks-m8-s32", LLAMA, "zero1", "fp32", gpus=4, micro=8, seq=32),

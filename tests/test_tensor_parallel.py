@@ -344,6 +344,10 @@ def test_autotp_tied_embedding_keeps_the_hidden_split():
     setup = resolve(_request(strategy="zero1", model_config=dict(TINY, tie_word_embeddings=True), seq_len=256))
     assert setup.embedding_split == 2 and setup.lm_head_split == 1
     assert _numels(setup)[0] == 4096 * 128
+    from tests.real_runs import GPT2
+
+    untied_gpt2 = resolve(_request(strategy="zero1", model_config=dict(GPT2, tie_word_embeddings=False), seq_len=256))
+    assert untied_gpt2.embedding_split == 2 and untied_gpt2.lm_head_split == 1
 
 
 def test_autotp_peak_is_the_start_of_backward_and_the_gloo_race_is_a_note():

@@ -159,7 +159,10 @@ def _autotp_gather_held(plan: PhasePlan, setup: "Setup", acts: Activations | Non
     (llama-v32k-tp2-zero2-fp32-small-4ranks-s256), in two runs, on none of the 24 rank-steps:
     the start of backward to 152 bytes. The main thread holds its own references until it has
     concatenated the gathered logits, so the larger they are, the longer the worker has to let
-    go first. NCCL's work on CUDA ranks is not released this way (not counted, not measured)."""
+    go first. In bf16 (llama-tp2-zero2-bf16-small-4ranks-s256) the late tensors can only show
+    while the fp32 upcast lives, up to log_softmax (1 MiB above the start of backward there);
+    measured once, the start of backward to 152 bytes. NCCL's work on CUDA ranks is not released
+    this way (not counted, not measured)."""
     if setup.lm_head_split <= 1 or setup.device != "cpu" or acts is None:
         return
     start = next((p for p in plan.phases if p.kind is PhaseKind.START_OF_BACKWARD), None)
