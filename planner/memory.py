@@ -48,7 +48,8 @@ class Setup:
     # tensor parallelism: the narrower model one TP rank holds and runs (planner/tensor_parallel.py)
     sequence_parallel: bool = False
     vocab_parallel_loss: bool = False
-    embedding_split: int = 1  # DeepSpeed AutoTP: the token embedding split along the hidden dimension
+    embedding_split: int = 1  # DeepSpeed AutoTP, tied or no tp_plan: the embedding split along the hidden dimension
+    lm_head_split: int = 1  # DeepSpeed AutoTP (HF tp_plan): the untied LM head's rows split, its output gathered
     rank_architecture: Architecture | None = None
 
     @property
@@ -269,7 +270,7 @@ def _numels(setup: Setup) -> list[int]:
     if setup.model.traced is not None:
         return list(setup.model.traced.numels)
     if setup.rank_architecture is not None:
-        return rank_numels(setup.rank_architecture, setup.embedding_split)
+        return rank_numels(setup.rank_architecture, setup.embedding_split, setup.lm_head_split)
     if setup.arch is not None:
         return parameter_numels(setup.arch)
     return [setup.psi]  # only a count: one flat tensor is the best that can be said

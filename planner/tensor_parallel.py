@@ -194,27 +194,85 @@ def tensor_parallel_fields(request, strategy, model, shard: int) -> dict:
     # DeepSpeed 0.19.8 trains AutoTP with every ZeRO stage: "AutoTP + ZeRO stage 3 is supported for
     # both inference and training" (runtime/engine.py, _configure_tensor_parallel_states), so no
     # stage is refused here; the ZeRO phases run on the TP rank's shards over the data-parallel ranks.
-    # torch's loss_parallel keeps the logits vocab-sharded. DeepSpeed's AutoTP slices the input
-    # embedding along the hidden dimension (deepspeed 0.19.8 module_inject/auto_tp.py _slice_embedding)
-    # and leaves the LM head whole: measured on CPU ranks (tp 2, ZeRO-1), each rank holds the blocks'
-    # halves, half the embedding and the whole head, and so the whole logits and loss.
+    # torch's loss_parallel keeps the logits vocab-sharded; DeepSpeed's AutoTP follows the model's
+    # HuggingFace tp_plan (autotp_layout) and gathers the logits whole.
     rank = rank_architecture(arch, tp)
     if strategy.framework == "deepspeed":
         return {"sequence_parallel": sequence_parallel_for(request, strategy.framework), "vocab_parallel_loss": False,
-                "rank_architecture": _with(rank, {"vocab_size": arch.vocab_size}), "embedding_split": tp,
+                "rank_architecture": _with(rank, {"vocab_size": arch.vocab_size}), **autotp_layout(arch, tp),
                 "shard_size": shard // tp}
     return {"sequence_parallel": sequence_parallel_for(request, strategy.framework), "vocab_parallel_loss": True,
             "rank_architecture": rank, "shard_size": shard // tp}
 
 
-def rank_numels(rank: Architecture, embedding_split: int) -> list[int]:
+def autotp_layout(arch: Architecture, tp: int) -> dict:
+    """Which of the vocabulary-sized tensors DeepSpeed 0.19.8's AutoTP splits, and how.
+
+    Every family the planner reads except GPT-2 and Falcon ships a HuggingFace tp_plan in
+    transformers 5.24
+    (``base_model_tp_plan`` in its configuration, ``_tp_plan = {"lm_head": "colwise_gather_output"}``
+    on its ForCausalLM class, e.g. models/llama/modeling_llama.py:414), which AutoTP training follows
+    before its name heuristics (runtime/engine.py:1055-1191, ``_get_hf_tp_plan`` and
+    ``TPPlanConverter``). transformers' ``init_parallel_plans`` adds ``"embed_tokens":
+    "embedding_rowwise"`` (distributed/mixin.py:93-94), which the converter turns into a SKIP spec
+    (module_inject/tp_plan_converter.py:63, "embedding_rowwise" -> PartitionType.SKIP), so an untied
+    input embedding stays whole; the LM head becomes a column-parallel LinearLayer with
+    ``gather_output`` (auto_tp.py:601): vocab/tp of its rows per rank, its output all-gathered
+    into the whole logits (layers.py:317-356, GatherFromTensorParallelRegion). Measured with the
+    backend's peak trace (tp 2, ZeRO-2, vocabulary 4,096, fp32): the LM head's gradient is
+    vocab/2 x hidden, the embedding's vocab x hidden. The parameter count per rank is the same as
+    the heuristic split of the embedding along the hidden dimension, which is why ZeRO-1 matched
+    either way; ZeRO-2's partitions, its first bucket and the logits' gather do not.
+
+    A tied embedding is sharded with its head over the vocabulary and the loss computed vocab-
+    parallel (runtime/engine.py:1112-1126, ``auto_vocab_parallel_lm_head``), and GPT-2 and Falcon
+    (no tp_plan) go through the heuristic ``_slice_embedding`` (auto_tp.py:886, along the hidden
+    dimension): for both the rank's tensor is modelled as the embedding split along the hidden
+    dimension with the logits whole, the same parameter count; neither is verified on CPU ranks."""
+    if arch.tie_word_embeddings or arch.model_type in NO_HF_TP_PLAN:
+        return {"embedding_split": tp}
+    return {"lm_head_split": tp}
+
+
+# model_types whose transformers 5.24 classes define no tp_plan (models/gpt2, models/falcon: neither
+# base_model_tp_plan nor _tp_plan), so AutoTP shards them by its name heuristics
+NO_HF_TP_PLAN = frozenset({"gpt2", "falcon"})
+
+
+def rank_numels(rank: Architecture, embedding_split: int, lm_head_split: int = 1) -> list[int]:
     """The parameter tensors one TP rank holds, in registration order: the rank model's, with the
-    token embedding split along the hidden dimension where the framework does so (AutoTP)."""
+    token embedding split along the hidden dimension, or the untied LM head (registered last,
+    architecture.parameter_numels) over its vocabulary rows, where the framework does so (AutoTP)."""
     numels = parameter_numels(rank)
     if embedding_split > 1:
         at = len(rank.vision_numels)  # the token embedding follows the vision tower (parameter_numels)
         numels[at] = _split(numels[at], embedding_split)
+    if lm_head_split > 1:
+        numels[-1] = _split(rank.vocab_size, lm_head_split) * rank.hidden_size
     return numels
+
+
+def autotp_gather_held_bytes(full: Architecture, *, tokens: int, b: int, tp: int) -> int:
+    """The two tensors of AutoTP's logits gather that gloo's worker thread can still hold after the
+    gather returns: the rank's local logits (tokens x vocab/tp, the all-gather's input) and the
+    gather buffer (tp x tokens x vocab/tp, its output), both in the compute dtype.
+
+    GatherFromTensorParallelRegion.forward (deepspeed 0.19.8 module_inject/layers.py:352-356)
+    allocates ``buffer = input.new_empty((tp_world_size * ...))``, calls
+    ``dist.all_gather_into_tensor(buffer, input_padded)`` and returns ``torch.cat`` of the
+    buffer's shards, so both are garbage once it returns, and on the main thread they are freed
+    there. But gloo's AsyncWork holds its tensors (torch 2.13 c10d/ProcessGroupGloo.hpp:114,
+    ``outputTensors_``, and the work's inputs) as long as the work lives, and the worker thread
+    keeps the work in ``workInProgress_`` (ProcessGroupGloo.hpp:492) until it comes back to reset
+    it, after completing the future that wakes the waiting main thread: on busy CPU ranks the
+    main thread runs on into the loss first. Peak trace of
+    llama-tp2-zero2-fp32-small-4ranks-s256 (two traced runs, the second with every step): on
+    rank-steps where the release was late, no free of either tensor (2 MiB + 4 MiB) on the main
+    thread, both still live at the loss's log_softmax or at the first op of its backward
+    (nll_loss_backward), and gone before log_softmax's backward in every case; the step's peak was
+    then that moment, 2 MiB above the start of backward."""
+    local = _split(full.vocab_size, tp)
+    return b * tokens * local * (1 + tp)
 
 
 def tp_collectives(full: Architecture, *, tokens: int, micro_batches: float, b: int, tp: int,

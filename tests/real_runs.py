@@ -154,6 +154,13 @@ BENCH_RUNS = [
     _run("llama-tp2-zero1-fp32-small-s256", LLAMA_TP, "zero1", "fp32", small=True, tp=2, micro=1, seq=256),
     _run("llama-tp2-zero2-fp32-small-4ranks-s256", LLAMA_TP, "zero2", "fp32", small=True, tp=2, gpus=4, micro=1,
          seq=256),
+    # the same with a 32k vocabulary: the LM head's gather, held by gloo's worker into the loss, is
+    # 8x larger (49 MB, 16 MB above the start of backward's peak; 2 MiB at 4,096)
+    _run("llama-v32k-tp2-zero2-fp32-small-4ranks-s256", LLAMA_TP_32K, "zero2", "fp32", small=True, tp=2, gpus=4,
+         micro=1, seq=256),
+    # and in bf16: the gather in bf16 (3 MiB), the loss in fp32, at most 1 MiB above the start of backward
+    _run("llama-tp2-zero2-bf16-small-4ranks-s256", LLAMA_TP, "zero2", "bf16-mixed", small=True, tp=2, gpus=4, micro=1,
+         seq=256),
     _run("mistral-zero2-bf16-4ranks", MISTRAL, "zero2", "bf16-mixed", gpus=4, micro=4, seq=256),
     _run("mistral-ddp-bf16-ckpt", MISTRAL, "ddp", "bf16-mixed", ckpt="full", micro=8, seq=128),
     _run("llama-zero1-fp32-4ranks-m8-s32", LLAMA, "zero1", "fp32", gpus=4, micro=8, seq=32),
@@ -252,7 +259,9 @@ KNOWN_MISSES: list = []
 # Within TOLERANCE but outside the README's 3% target, unexplained yet: asserted within TOLERANCE only
 # (tests/test_records.py), shown as they are in the accuracy table.
 TARGET_MISSES: dict[str, str] = {
-    "llama-tp2-zero2-fp32-small-4ranks-s256": "DeepSpeed AutoTP + ZeRO-2 over two data-parallel ranks: peak "
-                                              "-3.4%, the live set at the peak not yet traced",
+    "llama-tp2-zero2-fp32-small-4ranks-s256": "DeepSpeed AutoTP + ZeRO-2: peak -3.4%, a race between threads: on "
+                                              "some rank-steps gloo's worker still holds the LM head gather's input "
+                                              "and output (6 MiB) into the loss; on the others the peak is the "
+                                              "modelled start of backward to 152 bytes (peak trace)",
 }
 TOLERANCE = 0.05

@@ -279,8 +279,8 @@ def test_no_launch_script_for_what_the_trainer_does_not_run():
 
 
 def test_verify_job_of_deepspeed_autotp(tmp_path):
-    """DeepSpeed AutoTP: the rank's embedding split along the hidden dimension, the LM head whole
-    (measured on CPU ranks: 3,148,032 parameters per rank of this 5,245,184-parameter model)."""
+    """DeepSpeed AutoTP: 3,148,032 parameters per rank of this 5,245,184-parameter model (measured
+    on CPU ranks)."""
     from backend.launch import worker_job
 
     job = worker_job(_request(strategy="zero1", seq_len=256), steps=1, warmup_steps=0, out_dir=tmp_path).for_rank()
@@ -318,3 +318,56 @@ def test_tp_step_runs_the_whole_models_flops_over_the_group():
     assert eight.model.architecture == one.model.architecture
     assert eight.model.architecture["hidden_size"] == 8192
     assert eight.time.compute_seconds == pytest.approx(one.time.compute_seconds, rel=1e-9)
+
+
+def test_autotp_keeps_the_embedding_whole_and_splits_the_lm_head_over_the_vocabulary():
+    """DeepSpeed 0.19.8 AutoTP follows llama's HuggingFace tp_plan: ``embed_tokens`` is
+    "embedding_rowwise" (a SKIP: whole), ``lm_head`` "colwise_gather_output" (vocab/2 rows). The
+    peak trace (llama-tp2-zero2-fp32-small-4ranks-s256) shows a 2 MiB LM head gradient, a 4 MiB
+    embedding gradient and ZeRO-2's grads_in_partition of 6,555,648 B: the worst rank's partition
+    ends inside block 2's gate_proj once the whole embedding leads the flat buffer (with the
+    embedding split instead, 6,558,720 B)."""
+    from planner.memory import _numels, resolve
+
+    request = _request(strategy="zero2", gpus=4, seq_len=256, reduce_bucket_size=2_000_000)
+    numels = _numels(resolve(request))
+    assert numels[0] == 4096 * 256 and numels[-1] == 2048 * 256 and sum(numels) == 3_148_032
+    partition = [i for p in estimate(request).phases for i in p.items if i.name.startswith("grads_in_partition")]
+    assert partition and {i.bytes for i in partition} == {6_555_648}
+
+
+def test_autotp_tied_embedding_keeps_the_hidden_split():
+    """A tied embedding (or GPT-2, no tp_plan) is not the gathered-head layout: the rank keeps the
+    embedding split along the hidden dimension, the same count (unverified on CPU ranks)."""
+    from planner.memory import _numels, resolve
+
+    setup = resolve(_request(strategy="zero1", model_config=dict(TINY, tie_word_embeddings=True), seq_len=256))
+    assert setup.embedding_split == 2 and setup.lm_head_split == 1
+    assert _numels(setup)[0] == 4096 * 128
+    from tests.real_runs import GPT2
+
+    untied_gpt2 = resolve(_request(strategy="zero1", model_config=dict(GPT2, tie_word_embeddings=False), seq_len=256))
+    assert untied_gpt2.embedding_split == 2 and untied_gpt2.lm_head_split == 1
+
+
+def test_autotp_peak_is_the_start_of_backward_and_the_gloo_race_is_a_note():
+    """The peak trace of llama-tp2-zero2-fp32-small-4ranks-s256: on rank-steps where the main thread
+    freed the LM head gather's input (tokens x vocab/2) and output (tokens x vocab) itself, the peak
+    is the start of backward, 59,098,776 B; where gloo's worker thread still held them into the
+    loss, 61,197,968 B: the saved set, one fp32 tokens x vocab and the 6 MiB, 2 MiB higher. That is
+    a race, not an allocation (at a 32k vocabulary none of 12 rank-steps showed it): the peak is the
+    start of backward, the note says by how much a CPU measurement can read above it. On CUDA ranks
+    and for torch's loss_parallel (no gather) there is no note."""
+    request = _request(strategy="zero2", gpus=4, seq_len=256, reduce_bucket_size=2_000_000,
+                       allgather_bucket_size=2_000_000)
+    result = estimate(request)
+    assert result.per_device.peak_phase == "start of backward"
+    assert abs(result.per_device.peak_bytes - 59_098_776) / 59_098_776 < 0.0001
+    race = [n for n in result.notes if "AutoTP's logits gather" in n]
+    assert len(race) == 1 and f"({4 * 256 * 2048 * 3:,} bytes)" in race[0]
+    above = 61_197_968 - 59_098_776  # measured: the racy rank-step's peak above the others'
+    # fp32: 6 bytes x tokens x vocab held, 4 of them replacing log_softmax backward's output
+    assert f"up to {2 * 256 * 4096:,} bytes" in race[0] and abs(above - 2 * 256 * 4096) < 4096
+    on_gpu = estimate(request.model_copy(update={"gpu": "h100-80gb"}))
+    torch_tp = estimate(request.model_copy(update={"strategy": "fsdp"}))
+    assert not [n for r in (on_gpu, torch_tp) for n in r.notes if "AutoTP's logits gather" in n]

@@ -16,6 +16,7 @@ from planner.errors import PlannerError
 from planner.moments import PhaseKind
 from planner.frameworks import Collective, Framework, Traffic, check_sharded_offload, register
 from planner.precision import RECIPES
+from planner.tensor_parallel import autotp_gather_held_bytes
 
 if TYPE_CHECKING:
     from planner.memory import Setup
@@ -38,10 +39,13 @@ class DeepSpeedZero(Framework):
     def phases(self, setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
         stage = setup.strategy.zero_stage
         if stage == 0:
-            return _zero0_phases(setup, acts, numels)
-        if stage in (1, 2):
-            return _zero12_phases(setup, acts, numels)
-        return _zero3_phases(setup, acts, numels)
+            plan = _zero0_phases(setup, acts, numels)
+        elif stage in (1, 2):
+            plan = _zero12_phases(setup, acts, numels)
+        else:
+            plan = _zero3_phases(setup, acts, numels)
+        _autotp_gather_held(plan, setup, acts)
+        return plan
 
     def collectives(self, s: "Strategy", t: Traffic) -> list[Collective]:
         """ZeRO-0 all-reduces; ZeRO-1/2 reduce-scatter the gradients (stage 2 at every micro-step,
@@ -136,6 +140,46 @@ def _zero0_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step))
     return PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
                      buffers=[i for p in phases for i in p.items if i.component == "buffers"])
+
+
+def _autotp_gather_held(plan: PhasePlan, setup: "Setup", acts: Activations | None) -> None:
+    """AutoTP's gathered LM head on CPU ranks: how far above the peak a measurement can read when
+    gloo's worker thread still holds the gather's input and output into the loss
+    (tensor_parallel.autotp_gather_held_bytes). A note, not a phase: whether it happens is a race
+    between two threads, not an allocation DeepSpeed makes.
+
+    Seen as late as the loss's log_softmax and the first op of its backward, never later: the live
+    set there is the start of backward's, less log_softmax's backward output (the second fp32
+    tokens x vocab transient, not made yet), plus the two gather tensors; at log_softmax the logits
+    in the training dtype and their fp32 upcast are live instead of nll_loss's gradient
+    (activations._loss_saved), the larger of the two moments is taken. Measured at vocabulary
+    4,096 (tests/real_runs.py llama-tp2-zero2-fp32-small-4ranks-s256): in each of four runs the
+    peak of at least one rank read 2 MiB above the start of backward (3 of 4 ranks and 1 of 4 in
+    the two traced runs, the other ranks the start of backward to 152 bytes); at 32,000
+    (llama-v32k-tp2-zero2-fp32-small-4ranks-s256), in two runs, on none of the 24 rank-steps:
+    the start of backward to 152 bytes. The main thread holds its own references until it has
+    concatenated the gathered logits, so the larger they are, the longer the worker has to let
+    go first. In bf16 (llama-tp2-zero2-bf16-small-4ranks-s256) the late tensors can only show
+    while the fp32 upcast lives, up to log_softmax (1 MiB above the start of backward there);
+    measured once, the start of backward to 152 bytes. NCCL's work on CUDA ranks is not released
+    this way (not counted, not measured)."""
+    if setup.lm_head_split <= 1 or setup.device != "cpu" or acts is None:
+        return
+    start = next((p for p in plan.phases if p.kind is PhaseKind.START_OF_BACKWARD), None)
+    if start is None:
+        return
+    full, req, b = setup.model.architecture, setup.request, setup.recipe.compute_bytes
+    tokens = req.micro_batch * req.seq_len
+    logits = tokens * full.vocab_size
+    at_loss = max(FP32 * logits, b * logits + (FP32 * logits if b != FP32 else 0))
+    held = autotp_gather_held_bytes(full, tokens=tokens, b=b, tp=setup.tp)
+    others = sum(i.bytes for i in start.items if i.component != "activations")
+    racy = others + acts.saved_bytes + at_loss + held
+    above = racy - max(p.bytes for p in plan.phases)
+    if above > 0:
+        plan.notes.append(f"CPU ranks (gloo): the worker thread of AutoTP's logits gather may still hold its input and "
+                          f"output ({held:,} bytes) into the loss; a measured peak can then read up to {above:,} bytes "
+                          "above this one (a race between threads, seen at small vocabularies)")
 
 
 def _partition_span(numels: list[int], dp: int) -> tuple[int, int]:
