@@ -56,6 +56,8 @@ class PipelineSettings(BaseModel):
     dp_strategy: Literal["fsdp", "none"]
     compute_dtype: Literal["bf16", "fp16"] | None
     optimizer: Literal["adamw", "sgd"]
+    tp: int = Field(1, ge=1, description="tensor-parallel ranks per stage (innermost on the (pp, dp, tp) mesh)")
+    sequence_parallel: bool = Field(False, description="with tp > 1: SequenceParallel norms, sequence-sharded stream")
 
 
 class ParallelSettings(BaseModel):

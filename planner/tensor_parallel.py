@@ -131,6 +131,7 @@ def tp_activations(acts: Activations, full: Architecture, rank: Architecture, *,
         return acts
     extra_loss = loss_parallel_extra_bytes(rank, tokens) if vocab_parallel_loss else 0
     layer_saved, kept, head = acts.layer_saved_bytes, acts.layer_kept_bytes, acts.head_saved_bytes
+    block_sets, edges = acts.blocks, acts.edges
     items = list(acts.items)
     if sequence_parallel:
         unit = _sharded_norm_bytes(full, tokens, b)
@@ -138,6 +139,11 @@ def tp_activations(acts: Activations, full: Architecture, rank: Architecture, *,
         largest, blocks, final = _cast_norms(full)
         layer_saved -= largest * cut
         head -= final * cut
+        # block by block, as a pipeline stage reads them: each block's own Llama-style norms
+        block_sets = tuple(saved - (spec.norms if spec.norm_weight == "cast" else 0) * cut
+                           for saved, spec in zip(acts.blocks, layer_specs(full)))
+        if edges is not None:
+            edges = replace(edges, final_norm_saved=edges.final_norm_saved - final * cut)
         if acts.checkpointed:
             # the residual stream between blocks, each block's checkpointed input, is sequence-sharded
             kept = _split(b * tokens * full.hidden_size, tp)
@@ -155,7 +161,7 @@ def tp_activations(acts: Activations, full: Architecture, rank: Architecture, *,
         items.append(ActivationItem(f"loss_parallel backward: exp and sum of the vocab/tp({tp}) logits", extra_loss))
     return replace(acts, saved_bytes=saved, peak_extra_bytes=peak_extra, items=tuple(items),
                    layer_saved_bytes=layer_saved, layer_kept_bytes=kept, head_saved_bytes=head,
-                   loss_transient_bytes=loss_transient)
+                   loss_transient_bytes=loss_transient, blocks=block_sets, edges=edges)
 
 
 def sequence_parallel_for(request, framework: str) -> bool:
