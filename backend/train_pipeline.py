@@ -244,6 +244,10 @@ def _count_collectives(job, schedule, engine, first_rank, last_rank, device, ste
     outside the measured windows. A stage's sends are the P2POps its get_fwd_send_ops /
     get_bwd_send_ops return (pipelining/stage.py); the counted size is what this rank sends."""
     COUNTER.wrap_torch_distributed()
+    if int(job["pipeline"].get("tp", 1)) > 1:
+        from backend.train_parallel import count_dtensor_collectives
+
+        count_dtensor_collectives(COUNTER)  # the TP/SP redistributions of the stages' DTensors
     stages = getattr(schedule, "_stages", None) or [schedule._stage]
     originals = []
     for stage in stages:

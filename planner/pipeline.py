@@ -611,6 +611,20 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
                       step_seconds=step, tokens_per_second=t.tokens_per_second * scale, mfu=t.mfu * scale)
 
 
+def _model_parallel_share(setup: "Setup", rows: list[dict], mine: list[Stage]) -> list[dict]:
+    """The rank's stages' share of the TP and CP rows (steptime.model_parallel_collectives, for the
+    whole model): per micro-batch, each of its blocks' collectives (tensor_parallel.tp_collectives:
+    4, 6 with full checkpointing; the CP K/V exchange once per block), and the vocab-parallel
+    embedding's and LM head's where it holds the first or the last stage."""
+    layers = setup.arch.num_layers
+    per_block = 6 if setup.request.checkpointing == "full" else 4
+    blocks = sum(s.last_block - s.first_block for s in mine)
+    edges = sum(1 for s in mine if s.is_first) + sum(1 for s in mine if s.is_last)
+    share = {"tp": (blocks * per_block + edges, layers * per_block + 2), "cp": (blocks, layers)}
+    return [dict(row, bytes_per_step=row["bytes_per_step"] * share[row["group"]][0] // share[row["group"]][1])
+            for row in rows if row["group"] in share]
+
+
 def pipeline_volumes(setup: "Setup", data_parallel_rows: list[dict], rank: int = 0) -> list[dict]:
     """What one pipeline rank sends per step, as steptime.collective_volumes lists it.
 
@@ -636,7 +650,9 @@ def pipeline_volumes(setup: "Setup", data_parallel_rows: list[dict], rank: int =
             rows.append({"what": "gradient all-reduce", "bytes_per_step": 4 * params, "message_bytes": 4 * params,
                          "group": "world"})
     elif d.dp > 1:
-        rows += [dict(row, bytes_per_step=row["bytes_per_step"] // d.pp) for row in data_parallel_rows]
+        rows += [dict(row, bytes_per_step=row["bytes_per_step"] // d.pp) for row in data_parallel_rows
+                 if row["group"] not in ("tp", "cp")]
+    rows += _model_parallel_share(setup, data_parallel_rows, mine)
     forward = sum(s.output_bytes for s in mine)
     backward = sum(s.input_bytes for s in mine)
     if forward:

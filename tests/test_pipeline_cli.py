@@ -203,3 +203,19 @@ def test_verify_lays_out_pipeline_stages_over_tensor_parallel_ranks():
     assert (job.pipeline.pp, job.pipeline.dp, job.pipeline.tp, job.pipeline.sequence_parallel) == (2, 1, 2, True)
     off = worker_job(EstimateRequest(**base, sequence_parallel=False), steps=1, warmup_steps=0, out_dir="x")
     assert off.pipeline.sequence_parallel is False
+
+
+def test_collective_volumes_of_a_pipeline_rank_with_tensor_parallelism():
+    """Rank 0 of pp 2 x tp 2 (tests/real_runs.py llama-pp2-tp2-1f1b-fp32-sp-t256-m4): its stage's 2 blocks
+    x 4 SP all-gathers and reduce-scatters, and the vocab-parallel embedding's, per micro-batch: 36 of
+    each, as the counted run measured them (DTensor's funcol calls); the whole model's would be 72."""
+    from planner.steptime import collective_volumes
+    from tests.real_runs import LLAMA_TP
+
+    fields = dict(model_config=LLAMA_TP, strategy="fsdp", gpu="cpu", gpus=4, micro_batch=1, seq_len=256,
+                  gradient_accumulation=4, precision="fp32", pp=2, tp=2)
+    rows = {r["what"]: r["bytes_per_step"] for r in collective_volumes(EstimateRequest(**fields))}
+    activation = 4 * 256 * 256
+    assert rows == {"TP all-gathers (sequence parallel)": 36 * activation,
+                    "TP reduce-scatters (sequence parallel)": 36 * activation,
+                    "send activations (p2p)": 4 * (activation // 2)}  # 4 micro-batches, the SP-sharded stream
