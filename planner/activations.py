@@ -423,8 +423,11 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
     per_layer = max(blocks)
     all_blocks = sum(blocks)
     final_norm = _final_norm_saved(a, tokens, b)
-    loss = _loss_saved(a, tokens, b) + _rope_saved(a, seq_len, b)
-    embed_dropout = _embedding_saved(a, tokens, b, device) + _extra_rope_tables(a, seq_len, b)
+    rope = _rope_saved(a, seq_len, b)
+    extra_rope = _extra_rope_tables(a, seq_len, b)
+    edges = EdgeTerms(_embedding_saved(a, tokens, b, device), final_norm, _loss_saved(a, tokens, b), rope + extra_rope)
+    loss = edges.loss_saved + rope
+    embed_dropout = edges.embedding_saved + extra_rope
     items = [ActivationItem("final norm", final_norm), ActivationItem("logits / loss (fp32)", loss)]
     if checkpointing == "full":
         # Each block keeps only its input (bytes of the residual stream); one block at a time is
@@ -443,8 +446,6 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
         extra = _loss_transient(a, tokens, b)
     items.append(ActivationItem("backward transient at the loss", _loss_transient(a, tokens, b)))
     kept = b * tokens * a.hidden_size if checkpointing == "full" else all_blocks // a.num_layers
-    edges = EdgeTerms(_embedding_saved(a, tokens, b, device), final_norm, _loss_saved(a, tokens, b),
-                      _rope_saved(a, seq_len, b) + _extra_rope_tables(a, seq_len, b))
     return Activations(saved_bytes=saved, peak_extra_bytes=extra, items=tuple(items),
                        layer_saved_bytes=per_layer, layer_kept_bytes=kept,
                        head_saved_bytes=saved - a.num_layers * kept,

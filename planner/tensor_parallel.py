@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from planner.activations import FP32, ActivationItem, Activations
+from planner.activations import FP32, ActivationItem, Activations, EdgeTerms
 from planner.architecture import Architecture, distinct_specs, layer_specs, parameter_numels
 from planner.errors import PlannerError
 from planner.layers import LayerSpec
@@ -140,10 +140,15 @@ def tp_activations(acts: Activations, full: Architecture, rank: Architecture, *,
         layer_saved -= largest * cut
         head -= final * cut
         # block by block, as a pipeline stage reads them: each block's own Llama-style norms
-        block_sets = tuple(saved - (spec.norms if spec.norm_weight == "cast" else 0) * cut
-                           for saved, spec in zip(acts.blocks, layer_specs(full)))
+        cut_of = {key: (spec.norms if spec.norm_weight == "cast" else 0) * cut
+                  for key, spec in distinct_specs(full).items()}
+        if len(cut_of) == 1:  # identical blocks (the plan search's common case): no per-layer loop
+            block_sets = tuple(saved - next(iter(cut_of.values())) for saved in acts.blocks[:1]) * len(acts.blocks)
+        else:
+            block_sets = tuple(saved - cut_of[id(spec)] for saved, spec in zip(acts.blocks, layer_specs(full)))
         if edges is not None:
-            edges = replace(edges, final_norm_saved=edges.final_norm_saved - final * cut)
+            edges = EdgeTerms(edges.embedding_saved, edges.final_norm_saved - final * cut, edges.loss_saved,
+                              edges.rope_saved)
         if acts.checkpointed:
             # the residual stream between blocks, each block's checkpointed input, is sequence-sharded
             kept = _split(b * tokens * full.hidden_size, tp)
