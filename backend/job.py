@@ -59,6 +59,8 @@ class PipelineSettings(BaseModel):
     compute_dtype: Literal["bf16", "fp16"] | None
     reduce_dtype: Literal["compute", "fp32"] = Field("compute", description="FSDP2's reduce_dtype over dp")
     optimizer: Literal["adamw", "sgd"]
+    tp: int = Field(1, ge=1, description="tensor-parallel ranks per stage (innermost on the (pp, dp, tp) mesh)")
+    sequence_parallel: bool = Field(False, description="with tp > 1: SequenceParallel norms, sequence-sharded stream")
 
 
 class ParallelSettings(BaseModel):

@@ -73,10 +73,6 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         return VerifyJob(**(common | _pipeline_settings(setup, request)))
     if setup.finetune is not None:
         common["finetune"] = finetune_job(setup)
-    if setup.dims.pp > 1:
-        return VerifyJob(**(common | _pipeline_settings(setup, request)))
-    if setup.finetune is not None:
-        common["finetune"] = finetune_job(setup)
     settings = setup.framework.worker_settings(setup, request)
     if setup.tp > 1 and setup.strategy.framework == "deepspeed":
         # AutoTP training (deepspeed 0.19.8 runtime/engine.py _configure_tensor_parallel): the engine
@@ -97,7 +93,50 @@ def finetune_job(setup) -> dict[str, Any]:
             "base_dtype": None if recipe.weight_bits == 32 else recipe.reduced_dtype}
 
 
-TP_PROBE_FAMILIES = ("llama", "mistral", "qwen2")  # q/k/v/o and gate/up/down projections, as apply_tp names them
+# What each probe runs, by transformers model_type: one table. Every family trains whole (train.py:
+# DeepSpeed ZeRO, DDP, FSDP2); the two model-parallel probes name modules, so each runs only on the
+# families whose modules are those names, and tried there:
+# - "tp" (backend/train_parallel.py apply_tp): model.embed_tokens, model.norm, lm_head and, per block,
+#   self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, input_layernorm, post_attention_layernorm;
+# - "pp" (backend/train_pipeline.py StageModule): model.{embed_tokens, layers, norm, rotary_emb} and
+#   lm_head, each layer called as layer(hidden, attention_mask=None, position_embeddings=...), the mask
+#   left to SDPA's causal path.
+# A family lists the probes it runs; each probe it does not run has its reason in PROBE_REFUSALS.
+PROBES: dict[str, str] = {"tp": "tensor-parallel", "pp": "pipeline"}
+FAMILY_PROBES: dict[str, tuple[str, ...]] = {
+    "llama": ("tp", "pp"),
+    "mistral": ("tp", "pp"),
+    "qwen2": ("tp", "pp"),
+    "qwen3": ("pp",),
+    "qwen3_moe": ("pp",),
+    "olmo2": ("pp",),
+    "smollm3": ("pp",),
+}
+PROBE_REFUSALS: dict[tuple[str, str], str] = {
+    ("qwen3", "tp"): "its names are the plan's, with per-head q/k norms a column split keeps whole, but no TP run "
+                     "of it has been measured",
+    ("smollm3", "tp"): "llama-shaped (its NoPE layers skip RoPE only), but no TP run of it has been measured",
+    ("qwen3_moe", "tp"): "its MLP is a sparse MoE block (mlp.gate router, mlp.experts), not the gate/up/down "
+                         "projections the TP plan splits",
+    ("olmo2", "tp"): "its q/k norms span the whole projection (Olmo2Attention q_norm over heads x head_dim), which a "
+                     "column split would normalise per shard, and it has no input_layernorm for SequenceParallel",
+}
+# families outside the table: their CausalLM is not model.{embed_tokens, layers, norm} + lm_head
+# (gpt2: transformer.{wte, wpe, h} with fused Conv1D c_attn; phi3: fused qkv_proj and gate_up_proj),
+# or a layer needs what the probes do not pass (gemma2/gemma3: sliding-window masks, Gemma3's second
+# rotary table; gpt_oss: sinks and sliding masks; deepseek_v2/v3: MLA, which the planner's TP refuses)
+OUTSIDE_TABLE = "its modules are not the llama-shaped names the probes split (see backend/launch.py FAMILY_PROBES)"
+
+
+def check_probe(model_type: str | None, probe: str, degree: str) -> None:
+    """Refuse, with the table's reason, a model-parallel probe the family does not run."""
+    if probe in FAMILY_PROBES.get(model_type or "", ()):
+        return
+    why = PROBE_REFUSALS.get((model_type or "", probe), OUTSIDE_TABLE)
+    runs = sorted(f for f, probes in FAMILY_PROBES.items() if probe in probes)
+    raise PlannerError(f"{degree}: the {PROBES[probe]} probe does not run model_type {model_type!r}: {why}; it runs "
+                       f"{', '.join(runs)}; model_type {model_type!r} is estimated, not probed",
+                       field="model" if probe == "pp" else "tp")
 
 
 def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
@@ -108,15 +147,8 @@ def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
     if dp > 1 and setup.strategy.name != "fsdp":
         raise PlannerError(f"tp={setup.tp} with strategy {request.strategy} over {dp} data-parallel ranks: the probe "
                            "composes TP with FSDP2 (strategy fsdp) only", field="tp")
-    if model_type not in TP_PROBE_FAMILIES:
-        raise PlannerError(f"tp={setup.tp}: the probe's TP plan names llama-style projections "
-                           f"({', '.join(TP_PROBE_FAMILIES)}); model_type {model_type!r} is estimated, not probed",
-                           field="tp")
+    check_probe(model_type, "tp", f"tp={setup.tp}")
     return {"dp_shard": dp, "tp": setup.tp, "sequence_parallel": setup.sequence_parallel}
-
-
-# transformers families whose CausalLM is model.{embed_tokens, layers, norm, rotary_emb} + lm_head
-PIPELINE_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "olmo2", "smollm3"})
 
 
 def _pipeline_settings(setup, request: EstimateRequest) -> dict[str, Any]:
@@ -136,17 +168,16 @@ def _pipeline_settings(setup, request: EstimateRequest) -> dict[str, Any]:
     if d.dp > 1 and d.dp_replicate > 1:
         raise PlannerError(f"pp={d.pp} with strategy {request.strategy}: verify shards over one data-parallel "
                            "dimension; use --strategy fsdp", field="pp")
-    if d.tp > 1 or d.cp > 1 or d.ep > 1:
-        raise PlannerError(f"pp={d.pp} with tp={d.tp}, cp={d.cp}, ep={d.ep}: the pipeline probe runs pp x dp only",
-                           field="pp")
+    if d.cp > 1 or d.ep > 1:
+        raise PlannerError(f"pp={d.pp} with cp={d.cp}, ep={d.ep}: the pipeline probe runs pp x dp x tp only (CP: "
+                           "torch's ring attention dispatches CUDA SDPA kernels only; EP is not probed)", field="pp")
     if setup.recipe.casts_model:  # the probe autocasts over fp32 parameters (or FSDP2's mixed precision)
         raise PlannerError(f"precision={request.precision} with pp={d.pp}: the pipeline probe trains fp32, or "
                            "bf16-mixed / fp16-mixed (autocast, or FSDP2's mixed precision)", field="precision")
     model_type = setup.model.config.get("model_type")
-    if model_type not in PIPELINE_FAMILIES:
-        raise PlannerError(f"pp={d.pp} with model_type {model_type!r}: the pipeline probe splits decoders shaped "
-                           f"as Llama (model.embed_tokens, layers, norm, rotary_emb, lm_head): "
-                           f"{', '.join(sorted(PIPELINE_FAMILIES))}", field="model")
+    check_probe(model_type, "pp", f"pp={d.pp}")
+    if d.tp > 1:
+        check_probe(model_type, "tp", f"pp={d.pp} x tp={d.tp}")
     from planner.architecture import from_hf_config
 
     return {"framework": "torch", "vocab_size": from_hf_config(dict(setup.model.config)).vocab_size,
@@ -154,7 +185,7 @@ def _pipeline_settings(setup, request: EstimateRequest) -> dict[str, Any]:
                          "virtual_stages": request.pp_virtual_stages,
                          "dp_strategy": "fsdp" if d.dp > 1 else "none",
                          "compute_dtype": setup.recipe.autocast_dtype, "reduce_dtype": request.reduce_dtype,
-                         "optimizer": request.optimizer}}
+                         "optimizer": request.optimizer, "tp": d.tp, "sequence_parallel": setup.sequence_parallel}}
 
 
 def _free_port() -> int:

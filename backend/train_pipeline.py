@@ -10,9 +10,16 @@ step is run by ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B (``virtual
 stages per rank, looped: rank r holds stages r, r+pp, r+2pp, ...), torch 2.13
 torch/distributed/pipelining/schedules.py.
 
-Ranks form a 2-D mesh (pp, dp), pp outermost as torchtitan's ParallelDims orders it, so the
-data-parallel replicas of one stage are consecutive ranks. Over dp each stage's modules are
-wrapped by DDP or FSDP2 (fully_shard per decoder layer, then the stage), or left alone (dp = 1).
+Ranks form a mesh (pp, dp, tp), pp outermost and tp innermost as torchtitan's ParallelDims
+orders it (build_mesh: pp, dp_replicate, dp_shard, cp, tp), so the tensor-parallel group of a
+stage is consecutive ranks and its data-parallel replicas the next stride. With tp > 1 the whole
+model is first laid out by backend/train_parallel.py's ``apply_tp`` (torchtitan's apply_tp:
+column/row-parallel linears, SequenceParallel norms, vocab-parallel embedding and LM head), then
+cut into stages, as torchtitan's pipeline_llm applies TP to each model part: the residual stream
+crossing a stage boundary is the local (sequence-sharded under SP) tensor of RowwiseParallel's
+output, and the last stage's logits stay a vocab-sharded DTensor for ``loss_parallel``. Over dp
+each stage's modules are wrapped by FSDP2 (fully_shard per decoder layer, then the stage), or
+left alone (dp = 1).
 
 Memory is measured exactly as the single-model CPU path measures it (backend/train.py
 _run_profiled_cpu): the c10 CPU allocator's live total, global to every thread
@@ -42,7 +49,7 @@ class StageModule(torch.nn.Module):
     manually split torchtitan model does."""
 
     def __init__(self, model: torch.nn.Module, first: int, last: int, is_first: bool, is_last: bool,
-                 autocast_dtype: torch.dtype | None):
+                 autocast_dtype: torch.dtype | None, seq_len: int):
         super().__init__()
         inner = model.model
         self.embed_tokens = inner.embed_tokens if is_first else None
@@ -51,6 +58,9 @@ class StageModule(torch.nn.Module):
         self.lm_head = model.lm_head if is_last else None
         self.rotary_emb = inner.rotary_emb
         self.autocast_dtype = autocast_dtype
+        # the positions of the whole sequence: under sequence parallelism a stage receives its
+        # tp rank's slice of it, from which the length would come out too short
+        self.seq_len = seq_len
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.autocast_dtype is None:
@@ -61,7 +71,7 @@ class StageModule(torch.nn.Module):
     def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(hidden)
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        positions = torch.arange(self.seq_len, device=hidden.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(hidden, position_ids=positions)
         for layer in self.layers:
             # no mask: transformers' SDPA attention is causal when the mask is None
@@ -73,10 +83,12 @@ class StageModule(torch.nn.Module):
         return hidden
 
 
-def _mesh(pp: int, dp: int):
+def _mesh(pp: int, dp: int, tp: int = 1):
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    if tp == 1:
+        return init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    return init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
 
 
 def _wrap_data_parallel(stage: StageModule, settings: dict[str, Any], mesh, dtype) -> torch.nn.Module:
@@ -121,10 +133,15 @@ def build_pipeline(job: dict[str, Any], device: torch.device):
     schedule_name = settings["schedule"]
     if schedule_name != "interleaved" and virtual != 1:
         raise RuntimeError(f"pp_schedule {schedule_name} runs one stage per rank, got virtual_stages {virtual}")
-    mesh = _mesh(pp, dp)
+    tp = int(settings.get("tp", 1))
+    mesh = _mesh(pp, dp, tp)
     pp_rank = mesh["pp"].get_local_rank()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[settings["compute_dtype"]]
     model = build_model(job)
+    if tp > 1:
+        from backend.train_parallel import apply_tp
+
+        apply_tp(model.to(device), mesh["tp"], bool(settings.get("sequence_parallel", True)))
     stages_total = pp * virtual
     bounds = stage_bounds(len(model.model.layers), stages_total)  # the planner's (torchtitan's) split
     mine = [pp_rank + k * pp for k in range(virtual)]  # looped placement (schedules.py interleaved)
@@ -132,7 +149,8 @@ def build_pipeline(job: dict[str, Any], device: torch.device):
     autocast = dtype if settings["dp_strategy"] != "fsdp" else None
     for index in mine:
         first, last = bounds[index]
-        stage = StageModule(model, first, last, index == 0, index == stages_total - 1, autocast).to(device)
+        stage = StageModule(model, first, last, index == 0, index == stages_total - 1, autocast,
+                            int(job["seq_len"])).to(device)
         wrapped = _wrap_data_parallel(stage, settings, mesh, dtype)
         modules.append(wrapped)
         stages.append(pipelining.PipelineStage(wrapped, index, stages_total, device, group=mesh["pp"].get_group()))
@@ -143,6 +161,12 @@ def build_pipeline(job: dict[str, Any], device: torch.device):
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         from transformers.loss.loss_utils import ForCausalLMLoss
 
+        if tp > 1:
+            # the vocab-sharded logits (a DTensor): backend/train_parallel.py's loss, under the
+            # loss_parallel context _pipeline_step holds around the schedule
+            shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(),
+                                                     ignore_index=-100)
         return ForCausalLMLoss(logits, labels, vocab)
 
     schedule_class = getattr(pipelining, SCHEDULES[schedule_name])
@@ -168,7 +192,15 @@ def _pipeline_step(job: dict[str, Any], schedule, engine: PipelineEngine, first_
     tokens = torch.cat([synthetic_batch(job, step * m + micro, device) for micro in range(m)])
     arguments = (tokens,) if first_rank else ()
     target = tokens if last_rank else None
-    schedule.step(*arguments, target=target, return_outputs=False)
+    if int(job["pipeline"].get("tp", 1)) > 1:
+        # the loss and its backward on vocab-sharded logits (torch/distributed/tensor/parallel/loss.py);
+        # torchtitan holds the same context around its pipeline schedule's step (train.py train_context)
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            schedule.step(*arguments, target=target, return_outputs=False)
+    else:
+        schedule.step(*arguments, target=target, return_outputs=False)
     engine.optimizer.step()
     engine.optimizer.zero_grad(set_to_none=True)
     del tokens, target, arguments
@@ -214,6 +246,10 @@ def _count_collectives(job, schedule, engine, first_rank, last_rank, device, ste
     outside the measured windows. A stage's sends are the P2POps its get_fwd_send_ops /
     get_bwd_send_ops return (pipelining/stage.py); the counted size is what this rank sends."""
     COUNTER.wrap_torch_distributed()
+    if int(job["pipeline"].get("tp", 1)) > 1:
+        from backend.train_parallel import count_dtensor_collectives
+
+        count_dtensor_collectives(COUNTER)  # the TP/SP redistributions of the stages' DTensors
     stages = getattr(schedule, "_stages", None) or [schedule._stage]
     originals = []
     for stage in stages:

@@ -40,10 +40,25 @@ class ActivationItem:
 
 
 @dataclass(frozen=True)
+class EdgeTerms:
+    """The per-micro-batch terms outside the blocks. The whole model adds them all once; a model
+    cut into pipeline stages (planner/pipeline.py) adds the embedding's on the first stage, the
+    final norm's and the loss's on the last, and the RoPE tables on every stage (each computes its
+    own)."""
+
+    embedding_saved: int
+    final_norm_saved: int
+    loss_saved: int  # without the RoPE tables
+    rope_saved: int  # every cos/sin table one forward computes (Gemma-3: two)
+
+
+@dataclass(frozen=True)
 class Activations:
     """``saved_bytes``: held from the forward until backward reaches it (all layers together).
     ``peak_extra_bytes``: the largest transient on top of the saved set, at the loss or inside
-    one layer's backward (recomputed layer under checkpointing). ``items`` explains both."""
+    one layer's backward (recomputed layer under checkpointing). ``items`` explains both.
+    ``blocks`` and ``edges``: the same saved sets block by block (each block's whole saved set,
+    in layer order) and outside the blocks, from which a pipeline stage takes its share."""
 
     saved_bytes: int
     peak_extra_bytes: int
@@ -55,10 +70,19 @@ class Activations:
     layer_transient_bytes: int = 0
     num_layers: int = 0
     checkpointed: bool = False
+    blocks: tuple[int, ...] = ()
+    edges: EdgeTerms | None = None
 
     @property
     def peak_bytes(self) -> int:
         return self.saved_bytes + self.peak_extra_bytes
+
+    def block_kept(self, first: int, last: int) -> int:
+        """What blocks [first, last) keep until their backward: their saved sets, or under full
+        checkpointing each one's input."""
+        if self.checkpointed:
+            return (last - first) * self.layer_kept_bytes
+        return sum(self.blocks[first:last])
 
 
 def _norm_saved(a: Architecture, tokens: int, b: int) -> int:
@@ -399,8 +423,11 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
     per_layer = max(blocks)
     all_blocks = sum(blocks)
     final_norm = _final_norm_saved(a, tokens, b)
-    loss = _loss_saved(a, tokens, b) + _rope_saved(a, seq_len, b)
-    embed_dropout = _embedding_saved(a, tokens, b, device) + _extra_rope_tables(a, seq_len, b)
+    rope = _rope_saved(a, seq_len, b)
+    extra_rope = _extra_rope_tables(a, seq_len, b)
+    edges = EdgeTerms(_embedding_saved(a, tokens, b, device), final_norm, _loss_saved(a, tokens, b), rope + extra_rope)
+    loss = edges.loss_saved + rope
+    embed_dropout = edges.embedding_saved + extra_rope
     items = [ActivationItem("final norm", final_norm), ActivationItem("logits / loss (fp32)", loss)]
     if checkpointing == "full":
         # Each block keeps only its input (bytes of the residual stream); one block at a time is
@@ -424,26 +451,8 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
                        head_saved_bytes=saved - a.num_layers * kept,
                        loss_transient_bytes=_loss_transient(a, tokens, b),
                        layer_transient_bytes=_layer_backward_transient(a, tokens, b),
-                       num_layers=a.num_layers, checkpointed=checkpointing == "full")
-
-
-@dataclass(frozen=True)
-class EdgeTerms:
-    """The per-micro-batch terms outside the blocks, for a model cut into pipeline stages
-    (planner/pipeline.py): the first stage adds the embedding's, the last the final norm's and the
-    loss's; every stage computes its own RoPE tables."""
-
-    embedding_saved: int
-    final_norm_saved: int
-    loss_saved: int  # without the RoPE tables
-    loss_transient: int
-    rope_saved: int
-    layer_transient: int
-
-
-def edge_terms(a: Architecture, tokens: int, seq_len: int, b: int, device: Device) -> EdgeTerms:
-    return EdgeTerms(_embedding_saved(a, tokens, b, device), _final_norm_saved(a, tokens, b), _loss_saved(a, tokens, b),
-                     _loss_transient(a, tokens, b), _rope_saved(a, seq_len, b), _layer_backward_transient(a, tokens, b))
+                       num_layers=a.num_layers, checkpointed=checkpointing == "full",
+                       blocks=tuple(blocks), edges=edges)
 
 
 # The terms planner/finetune.py reuses for a block with a frozen base (LoRA): the attention core,

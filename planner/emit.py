@@ -37,7 +37,9 @@ from planner.precision import DTYPE_SPELLINGS, RECIPES
 from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanRequest
 from planner.shm import segment_glob
 from planner.strategies import explicit_hsdp_shard
-from planner.torchtitan import MIXED_PARAM, torchtitan_config, torchtitan_toml
+from planner.pipeline import stage_bounds
+from planner.torchtitan import (HEAD_NAME, MIXED_PARAM, pipeline_overrides, torchtitan_config,
+                                 torchtitan_toml)
 
 TRAINER_MODULE = "backend.worker"  # the planner's own trainer, `python -m backend.worker --plan plan.json`
 TRAINER_OPTIMIZERS = ("adamw", "sgd")  # what backend/train.py trains the torch strategies with
@@ -158,13 +160,18 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
             # deepspeed 0.19.8 runtime/config.py tensor_parallel (TPTrainingConfig.autotp_size): AutoTP
             # training splits the linears over consecutive ranks (engine.py _configure_tensor_parallel)
             config["tensor_parallel"] = {"autotp_size": setup.tp}
+        if setup.dims.pp > 1:
+            _deepspeed_pipeline(config, setup)
         if est.ds_config is not None:
             config = _keep_users_config(est.ds_config, config)
         if launch.is_cpu:  # the same switch backend/launch.py worker_job makes for `planner verify`
             setup.framework.use_torch_adam(config)
         files["ds_config.json"] = json.dumps(config, indent=2) + "\n"
-    files["accelerate_config.yaml"] = yaml.safe_dump(accelerate_config(launch), sort_keys=False)
-    files["trainer_args.json"] = json.dumps(trainer_arguments(launch), indent=2) + "\n"
+    if not (launch.framework == "deepspeed" and setup.dims.pp > 1):
+        # accelerate's DeepSpeed plugin and the Trainer wrap a module, never a PipelineModule: for
+        # DeepSpeed's pipeline their files would run ZeRO over every rank, another layout
+        files["accelerate_config.yaml"] = yaml.safe_dump(accelerate_config(launch), sort_keys=False)
+        files["trainer_args.json"] = json.dumps(trainer_arguments(launch), indent=2) + "\n"
     if setup.finetune is not None:
         files.update(finetune_files(setup))
     if unavailable is None:
@@ -176,8 +183,31 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
     if titan is not None:
         files["torchtitan.toml"] = titan
     files["plan.json"] = json.dumps(plan_doc, indent=2) + "\n"
-    files["LAUNCH.md"] = _guide(launch, sorted(files) + ["LAUNCH.md"])
+    files["LAUNCH.md"] = _guide(launch, sorted(files) + ["LAUNCH.md"],
+                                _torchtitan_config(setup) if titan is not None else None,
+                                tied=setup.arch is not None and setup.arch.tie_word_embeddings)
     return files
+
+
+def _deepspeed_pipeline(config: dict[str, Any], setup) -> None:
+    """What DeepSpeed 0.19.8's pipeline engine takes from its config. The stages are built in the
+    training script, ``PipelineModule(layers, num_stages=pp, ...)`` (runtime/pipe/module.py; the
+    config's ``pipeline.stages`` and ``pipeline.partition`` are defaults nothing reads, runtime/
+    config.py get_pipeline_config); the engine runs ``gradient_accumulation_steps`` micro-batches of
+    ``train_micro_batch_size_per_gpu`` per ``train_batch()`` and asserts ``train_batch_size ==
+    micro_batch_size * micro_batches * grid.data_parallel_size`` (pipe/engine.py: the data-parallel
+    size of its (pipe, data) grid, world / pp, as deepspeed.initialize passes the module's mpu);
+    ``pipeline.activation_checkpoint_interval`` seeds the module's (pipe/engine.py: 1 checkpoints
+    every layer, the planner's full checkpointing)."""
+    d, req = setup.dims, setup.request
+    if d.tp > 1:
+        raise PlannerError(f"pp={d.pp} with tp={d.tp} under strategy {setup.strategy.name}: DeepSpeed's pipeline "
+                           "engine takes its model-parallel groups from the PipelineModule's topology "
+                           "(deepspeed.initialize: mpu = model.mpu()), AutoTP from tensor_parallel.autotp_size; "
+                           "the planner emits no launch for the two together: use a torch strategy (torchtitan "
+                           "applies pp x tp)", field="tp")
+    config["train_batch_size"] = req.micro_batch * req.gradient_accumulation * d.dp
+    config["pipeline"] = {"activation_checkpoint_interval": 1 if req.checkpointing == "full" else 0}
 
 
 def _torchtitan_file(setup) -> str | None:
@@ -188,15 +218,20 @@ def _torchtitan_file(setup) -> str | None:
     req = setup.request
     if setup.strategy.framework != "torch" or max(setup.tp, req.pp, req.cp) == 1 or setup.recipe.compute not in MIXED_PARAM:
         return None
-    dp = setup.world_size // (setup.tp * req.pp * req.cp)
-    shard = setup.shard_size if setup.strategy.shards_parameters else 1
-    config = torchtitan_config(dp_replicate=dp // shard, dp_shard=shard, tp=setup.tp, pp=req.pp, cp=req.cp,
-                               ep=req.ep, pp_schedule=req.pp_schedule, micro_batch=req.micro_batch,
-                               gradient_accumulation=req.gradient_accumulation, seq_len=req.seq_len,
-                               compute=setup.recipe.compute, checkpointing=req.checkpointing,
-                               reshard_after_forward=not setup.strategy.params_unsharded_in_step,
-                               model_name=setup.model.name)
-    return torchtitan_toml(config)
+    return torchtitan_toml(_torchtitan_config(setup))
+
+
+def _torchtitan_config(setup) -> dict[str, dict[str, Any]]:
+    req, d = setup.request, setup.dims
+    # the degrees as resolved (ParallelDims): setup.shard_size spans the pipeline's ranks too, so the
+    # data-parallel degrees are read from the dims (torchtitan's own ParallelDims shape)
+    bounds = stage_bounds(setup.arch.num_layers, d.pp * req.pp_virtual_stages) if d.pp > 1 else None
+    return torchtitan_config(dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, tp=d.tp, pp=d.pp, cp=d.cp,
+                             ep=d.ep, pp_schedule=req.pp_schedule, micro_batch=req.micro_batch,
+                             gradient_accumulation=req.gradient_accumulation, seq_len=req.seq_len,
+                             compute=setup.recipe.compute, checkpointing=req.checkpointing,
+                             reshard_after_forward=not setup.strategy.params_unsharded_in_step,
+                             model_name=setup.model.name, stage_bounds=bounds)
 
 
 def finetune_files(setup) -> dict[str, str]:
@@ -283,6 +318,9 @@ def _trainer_unavailable(setup, est: EstimateRequest) -> str | None:
                 f"not {est.optimizer}")
     if setup.cp > 1:
         return "the planner's trainer does not run context parallelism (torch's ring attention needs CUDA)"
+    if setup.dims.pp > 1 and setup.strategy.framework == "deepspeed":
+        return ("DeepSpeed's pipeline engine trains a PipelineModule your script builds (the planner's trainer "
+                "runs pipelines with torch's pipelining: emit with --strategy fsdp for that)")
     return None
 
 
@@ -628,8 +666,9 @@ def _what_runs(launch: _Launch) -> str:
             "weights on synthetic tokens, each rank's measured memory and step time in planner-run/")
 
 
-def _guide(launch: _Launch, names: list[str]) -> str:
-    """LAUNCH.md: what each file is and how to run it."""
+def _guide(launch: _Launch, names: list[str], titan: dict[str, dict[str, Any]] | None = None,
+           tied: bool = False) -> str:
+    """LAUNCH.md: what each file is and how to run it. ``titan``: torchtitan's job config, when written."""
     req = launch.request
     roles = {
         "launch.sh": "the command for one node (deepspeed or torchrun); see its header",
@@ -672,9 +711,12 @@ def _guide(launch: _Launch, names: list[str]) -> str:
                 + ("fill `hostfile` and run `./launch.sh` on its first node." if launch.framework == "deepspeed"
                    else "run `NODE_RANK=<0..N-1> MASTER_ADDR=<node 0> ./launch.sh` on every node.")]
     if "torchtitan.toml" in names:
-        out += ["", "The layout splits the model over tensor/context-parallel ranks: accelerate_config.yaml and "
-                "trainer_args.json below carry its data-parallel part only; launch.sh (the planner's trainer) and "
+        out += ["", "The layout splits the model over tensor/pipeline/context-parallel ranks: accelerate_config.yaml "
+                "and trainer_args.json below carry its data-parallel part only; launch.sh (the planner's trainer) and "
                 "torchtitan.toml apply the whole layout."]
+    if launch.framework == "deepspeed" and req.pp > 1:
+        out += [""] + _deepspeed_pipeline_guide(launch, script)
+        return "\n".join(out)
     out += ["", "## With Hugging Face accelerate or the Trainer", "",
             "For a script of your own that uses `transformers.Trainer` or `accelerate.Accelerator`, from this directory:",
             "", "```", f"{accelerate} {script}", "```", "",
@@ -697,12 +739,17 @@ def _guide(launch: _Launch, names: list[str]) -> str:
             f"`torchrun --nproc_per_node {req.gpus} {script}`" + (" (with --nnodes, --node_rank and --master_addr "
                                                                   "on each node)" if req.nodes > 1 else "") + ".", ""]
     if "torchtitan.toml" in names:
+        torchrun = f"torchrun --nproc_per_node {req.gpus}" + (
+            f" --nnodes {req.nodes} --node_rank $NODE_RANK --master_addr $MASTER_ADDR" if req.nodes > 1 else "")
         out += ["## With torchtitan", "", "torchtitan applies the same tensor/pipeline/context-parallel degrees "
-                "(torchtitan.toml's [parallelism]) to its own llama-style models:", "", "```",
-                f"torchrun --nproc_per_node {req.gpus}"
-                + (f" --nnodes {req.nodes} --node_rank $NODE_RANK --master_addr $MASTER_ADDR" if req.nodes > 1 else "")
-                + " -m torchtitan.train --job.config_file torchtitan.toml",
-                "```", ""]
+                "(torchtitan.toml's [parallelism]) to its own llama-style models. torchtitan 0.2 reads the file:", "",
+                "```", torchrun + " -m torchtitan.train --job.config_file torchtitan.toml", "```", ""]
+        out += _torchtitan_03_guide(torchrun, titan)
+        if tied and req.pp > 1:
+            # torchtitan 0.3.0 models/common/decoder.py: "Weight tying is not supported with Pipeline Parallel"
+            out += ["The model ties its LM head to the embedding; torchtitan refuses weight tying under pipeline "
+                    "parallelism (0.3: \"Weight tying is not supported with Pipeline Parallel\"), so train it "
+                    "untied there: the estimate already counts the last stage's own head.", ""]
     if RECIPES[launch.precision].casts_model:
         out += ["bf16-pure: load the model in bf16 (`from_pretrained(..., dtype=torch.bfloat16)`); "
                 "no autocast, no fp32 master copy.", ""]
@@ -710,6 +757,48 @@ def _guide(launch: _Launch, names: list[str]) -> str:
         out += ["The Trainer checks `trainer_args.json` against `ds_config.json` (batch, accumulation, learning rate, "
                 "precision): change both together.", ""]
     return "\n".join(out)
+
+
+def _torchtitan_03_guide(torchrun: str, titan: dict[str, dict[str, Any]]) -> list[str]:
+    """torchtitan 0.3.0 reads no TOML (planner/torchtitan.py): its --module/--config and the
+    pipeline's overrides, and the stage lists for the config function."""
+    overrides = pipeline_overrides(titan)
+    out = ["torchtitan 0.3 takes a config function (`--module llama3 --config <yours>`) and `--section.field` "
+           "overrides with the same names; set the other [parallelism] and [training] values in that function"
+           + (", or give them the same way" if not overrides else ", and the pipeline's here") + ":", "", "```",
+           torchrun + " -m torchtitan.train --module llama3 --config YOUR_CONFIG" + "".join(
+               f" \\\n    {o}" for o in overrides), "```", ""]
+    if overrides:
+        parts = titan["parallelism"]["module_fqns_per_model_part"]
+        lists = [
+            [HEAD_NAME["0.3"] if name == HEAD_NAME["0.2"] else name for name in part] for part in parts]
+        out += [f"The {len(parts)} stages ({len(parts) // titan['parallelism']['pipeline_parallel_degree']} per "
+                "rank) are the planner's split; torchtitan's own would weigh the embedding and the head as a layer "
+                "each and may cut elsewhere. In the config function (0.3 names the head `lm_head`):", "", "```python",
+                f"parallelism.module_fqns_per_model_part = {json.dumps(lists)}", "```", ""]
+    return out
+
+
+def _deepspeed_pipeline_guide(launch: _Launch, script: str) -> list[str]:
+    """DeepSpeed's pipeline engine is built in code: what ds_config.json carries and what the script does."""
+    req = launch.request
+    ckpt = 1 if req.checkpointing == "full" else 0
+    return ["## DeepSpeed's pipeline engine", "",
+            f"DeepSpeed builds its {req.pp} stages from a `PipelineModule` in your script; ds_config.json carries "
+            f"the micro-batch ({req.micro_batch}), the micro-batches per step (gradient_accumulation_steps "
+            f"{req.gradient_accumulation}), the batch over the {launch.world // req.pp} data-parallel ranks "
+            "(train_batch_size) and the activation checkpointing interval. No accelerate or Trainer files: "
+            "neither drives a PipelineModule (they would run ZeRO over every rank instead).", "",
+            "```python", "import deepspeed", "from deepspeed.pipe import PipelineModule", "",
+            "# the layers in order: embedding, each decoder block, final norm + LM head (each a module taking one tensor)",
+            f"model = PipelineModule(layers=layers, num_stages={req.pp}, loss_fn=loss_fn,",
+            "                       partition_method=\"type:DecoderLayer\",  # the blocks by count, as the planner splits them",
+            f"                       activation_checkpoint_interval={ckpt})",
+            "engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),",
+            "                                       config=\"ds_config.json\")",
+            "loss = engine.train_batch(data_iter)  # one optimizer step", "```", "",
+            f"Launch it with `deepspeed --num_gpus {req.gpus} {script}`" + (" (and the hostfile)" if req.nodes > 1 else "")
+            + "; `--script` makes launch.sh and job.sbatch for it.", ""]
 
 
 def _summary(strategy: str, micro: int, accumulation: int, checkpointing: str, offload_optimizer: str,

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from planner.activations import FP32, block_saved_bytes, edge_terms
+from planner.activations import FP32
 from planner.architecture import Architecture, block_numels, layer_specs, norm_numels
 from planner.errors import PlannerError
 from planner.moments import PhaseKind
@@ -208,27 +208,34 @@ def _stream_bytes(setup: "Setup", dp: int) -> int:
 
 
 def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[Stage]:
+    """The model cut into ``pp * virtual_stages`` stages. A stage's activations are its share of
+    the one Activations the whole model has (planner/memory.py ``activations``: the rank's
+    narrower model under tp with tensor_parallel.tp_activations, its seq_len / cp tokens with
+    context_parallel.cp_activations): its blocks' saved sets, the embedding's terms on the first
+    stage, the final norm's and the loss's on the last, the RoPE tables on each. What is the
+    pipeline's own is added here: the stage's output held in fwd_cache until its micro-batch's
+    backward, the receive buffer (counted once, as a buffer), and autocast over an fp32 stream."""
+    from planner.memory import activations
+
     a: Architecture = setup.arch
     req = setup.request
     count = pp * virtual_stages
     bounds = stage_bounds(a.num_layers, count)
+    acts = activations(setup)
+    edges = acts.edges
     # with cp the rank holds seq_len / cp tokens of each sequence (planner/context_parallel.py); with
-    # sequence parallelism the residual stream between blocks (a checkpointed block's saved input,
-    # the stage's output and its receive buffer) is sharded over the tp ranks along the sequence
-    # (Korthikanti et al. 2022, Sec. 4.2.2; torchtitan's SequenceParallel output layouts)
-    seq_len = req.seq_len // setup.cp
+    # sequence parallelism the residual stream between blocks (the stage's output and its receive
+    # buffer) is sharded over the tp ranks along the sequence (Korthikanti et al. 2022, Sec. 4.2.2;
+    # torchtitan's RowwiseParallel output_layouts Shard(1), sent as its local tensor)
     sp = setup.tp if setup.sequence_parallel else 1
-    tokens = req.micro_batch * seq_len
+    tokens = req.micro_batch * (req.seq_len // setup.cp)
     b = setup.recipe.compute_bytes
-    attention = "eager" if a.attention_implementation == "eager" else req.attention
     stream = _stream_bytes(setup, dp)
     autocast = _autocast(setup, dp)
     h, vocab = a.hidden_size, a.vocab_size
     specs = layer_specs(a)
     blocks_numels = block_numels(a)
-    edges = edge_terms(a, tokens, seq_len, b, setup.device)
-    checkpointed = req.checkpointing == "full"
-    embedding = vocab * h + a.learned_positions * h
+    boundary = stream * tokens * h // sp
     head = vocab * h  # the last stage's own copy when the embedding is tied (torchtitan unties)
     out = []
     for index in range(count):
@@ -239,38 +246,35 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[St
             tensors += [vocab * h] + ([a.learned_positions * h] if a.learned_positions else [])
         if is_last:
             tensors += norm_numels(a.norm, h) + [head]
-        if checkpointed:
-            kept = (last - first) * b * tokens * h // sp
-        else:
-            kept = sum(block_saved_bytes(a, specs[i], tokens, seq_len, req.micro_batch, b, attention,
-                                         setup.device) for i in range(first, last))
-        acts = kept + edges.rope_saved
+        kept = acts.block_kept(first, last) + edges.rope_saved
         if autocast:
-            acts += sum(_autocast_fp32_stream_extra(specs[i]) for i in range(first, last)) * tokens * h
+            kept += sum(_autocast_fp32_stream_extra(specs[i]) for i in range(first, last)) * tokens * h
             # torch.autocast casts each linear's weight once per forward and clears its cache when
             # the context exits (torch/amp/autocast_mode.py __exit__): every micro-batch's forward
             # makes its own 16-bit copies, which its graph saves until its backward
             linear = sum(n for block in blocks_numels[first:last] for n in block if n > h) + (head if is_last else 0)
-            acts += b * linear
-        if not is_first and (checkpointed or stream == FP32):
-            # the first block's saved input is the receive buffer itself (counted once, as a buffer)
-            acts -= (b if checkpointed else stream) * tokens * h // sp
+            kept += b * linear
+        if not is_first:
+            # the first block's saved input is the receive buffer itself (counted once, as a buffer):
+            # its checkpointed input, or the fp32 stream its norm saves as its own upcast
+            if acts.checkpointed:
+                kept -= acts.layer_kept_bytes
+            elif stream == FP32:
+                kept -= boundary
         if is_first:
-            acts += edges.embedding_saved
+            kept += edges.embedding_saved
         if is_last:
-            # the loss's saved set (its RoPE share is _rope_saved above) and the logits, the
-            # stage's output, kept in fwd_cache until this micro-batch's backward
-            logits = b * tokens * vocab  # the LM head's output dtype (autocast or 16-bit weights: 16-bit)
-            acts += edges.final_norm_saved + edges.loss_saved + logits
-            transient = edges.loss_transient
+            # the loss's saved set and the logits, the stage's output (the LM head's output dtype:
+            # 16-bit under autocast or 16-bit weights), kept in fwd_cache until this micro-batch's backward
+            kept += edges.final_norm_saved + edges.loss_saved + b * tokens * vocab
+            transient = max(acts.loss_transient_bytes, acts.layer_transient_bytes)
         else:
-            acts += stream * tokens * h // sp
-            transient = edges.layer_transient
-        if checkpointed:
-            one = block_saved_bytes(a, specs[first], tokens, seq_len, req.micro_batch, b, attention, setup.device)
-            transient = max(transient, one + edges.layer_transient)
-        boundary = stream * tokens * h // sp
-        out.append(Stage(index, first, last, is_first, is_last, sum(tensors), max(tensors), acts,
+            kept += boundary
+            transient = acts.layer_transient_bytes
+        if acts.checkpointed:
+            # each block is recomputed in its backward: the largest of the stage's holds its whole set
+            transient = max(transient, max(acts.blocks[first:last]) + acts.layer_transient_bytes)
+        out.append(Stage(index, first, last, is_first, is_last, sum(tensors), max(tensors), kept,
                          0 if is_last else boundary, 0 if is_first else boundary, transient))
     return out
 
@@ -622,6 +626,20 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
                       step_seconds=step, tokens_per_second=t.tokens_per_second * scale, mfu=t.mfu * scale)
 
 
+def _model_parallel_share(setup: "Setup", rows: list[dict], mine: list[Stage]) -> list[dict]:
+    """The rank's stages' share of the TP and CP rows (steptime.model_parallel_collectives, for the
+    whole model): per micro-batch, each of its blocks' collectives (tensor_parallel.tp_collectives:
+    4, 6 with full checkpointing; the CP K/V exchange once per block), and the vocab-parallel
+    embedding's and LM head's where it holds the first or the last stage."""
+    layers = setup.arch.num_layers
+    per_block = 6 if setup.request.checkpointing == "full" else 4
+    blocks = sum(s.last_block - s.first_block for s in mine)
+    edges = sum(1 for s in mine if s.is_first) + sum(1 for s in mine if s.is_last)
+    share = {"tp": (blocks * per_block + edges, layers * per_block + 2), "cp": (blocks, layers)}
+    return [dict(row, bytes_per_step=row["bytes_per_step"] * share[row["group"]][0] // share[row["group"]][1])
+            for row in rows if row["group"] in share]
+
+
 def pipeline_volumes(setup: "Setup", data_parallel_rows: list[dict], rank: int = 0) -> list[dict]:
     """What one pipeline rank sends per step, as steptime.collective_volumes lists it.
 
@@ -648,7 +666,9 @@ def pipeline_volumes(setup: "Setup", data_parallel_rows: list[dict], rank: int =
             rows.append({"what": "gradient all-reduce", "bytes_per_step": 4 * params, "message_bytes": 4 * params,
                          "group": "world"})
     elif d.dp > 1:
-        rows += [dict(row, bytes_per_step=row["bytes_per_step"] // d.pp) for row in data_parallel_rows]
+        rows += [dict(row, bytes_per_step=row["bytes_per_step"] // d.pp) for row in data_parallel_rows
+                 if row["group"] not in ("tp", "cp")]
+    rows += _model_parallel_share(setup, data_parallel_rows, mine)
     forward = sum(s.output_bytes for s in mine)
     backward = sum(s.input_bytes for s in mine)
     if forward:

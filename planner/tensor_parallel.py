@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from planner.activations import FP32, ActivationItem, Activations
+from planner.activations import FP32, ActivationItem, Activations, EdgeTerms
 from planner.architecture import Architecture, distinct_specs, layer_specs, parameter_numels
 from planner.errors import PlannerError
 from planner.layers import LayerSpec
@@ -131,6 +131,7 @@ def tp_activations(acts: Activations, full: Architecture, rank: Architecture, *,
         return acts
     extra_loss = loss_parallel_extra_bytes(rank, tokens) if vocab_parallel_loss else 0
     layer_saved, kept, head = acts.layer_saved_bytes, acts.layer_kept_bytes, acts.head_saved_bytes
+    block_sets, edges = acts.blocks, acts.edges
     items = list(acts.items)
     if sequence_parallel:
         unit = _sharded_norm_bytes(full, tokens, b)
@@ -138,6 +139,16 @@ def tp_activations(acts: Activations, full: Architecture, rank: Architecture, *,
         largest, blocks, final = _cast_norms(full)
         layer_saved -= largest * cut
         head -= final * cut
+        # block by block, as a pipeline stage reads them: each block's own Llama-style norms
+        cut_of = {key: (spec.norms if spec.norm_weight == "cast" else 0) * cut
+                  for key, spec in distinct_specs(full).items()}
+        if len(cut_of) == 1:  # identical blocks (the plan search's common case): no per-layer loop
+            block_sets = tuple(saved - next(iter(cut_of.values())) for saved in acts.blocks[:1]) * len(acts.blocks)
+        else:
+            block_sets = tuple(saved - cut_of[id(spec)] for saved, spec in zip(acts.blocks, layer_specs(full)))
+        if edges is not None:
+            edges = EdgeTerms(edges.embedding_saved, edges.final_norm_saved - final * cut, edges.loss_saved,
+                              edges.rope_saved)
         if acts.checkpointed:
             # the residual stream between blocks, each block's checkpointed input, is sequence-sharded
             kept = _split(b * tokens * full.hidden_size, tp)
@@ -155,7 +166,7 @@ def tp_activations(acts: Activations, full: Architecture, rank: Architecture, *,
         items.append(ActivationItem(f"loss_parallel backward: exp and sum of the vocab/tp({tp}) logits", extra_loss))
     return replace(acts, saved_bytes=saved, peak_extra_bytes=peak_extra, items=tuple(items),
                    layer_saved_bytes=layer_saved, layer_kept_bytes=kept, head_saved_bytes=head,
-                   loss_transient_bytes=loss_transient)
+                   loss_transient_bytes=loss_transient, blocks=block_sets, edges=edges)
 
 
 def sequence_parallel_for(request, framework: str) -> bool:

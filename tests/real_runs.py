@@ -228,6 +228,15 @@ BENCH_RUNS = [
     # fp32 loss and held logits per micro-batch in flight
     _run("llama-v32k-pp2-1f1b-fp32-t1024", LLAMA_32K, "fsdp", "fp32", pp=2, micro=1, seq=1024,
          gradient_accumulation=2),
+    # PP x TP on a (pp, dp, tp) mesh: each stage's blocks laid out by apply_tp (sequence parallel), the
+    # last stage's loss by loss_parallel (backend/train_pipeline.py)
+    _run("llama-pp2-tp2-1f1b-fp32-sp-t256-m4", LLAMA_TP, "fsdp", "fp32", gpus=4, tp=2, pp=2, micro=1, seq=256,
+         gradient_accumulation=4),
+    _run("llama-pp2-tp2-gpipe-bf16-sp-t256-m4", LLAMA_TP, "fsdp", "bf16-mixed", gpus=4, tp=2, pp=2, micro=1,
+         seq=256, pp_schedule="gpipe", gradient_accumulation=4),
+    # and x FSDP2 over dp 2 of the TP-sharded stages: a (pp 2, dp 2, tp 2) mesh on 8 ranks
+    _run("llama-pp2-dp2-tp2-fsdp-1f1b-fp32-sp-t256-m4", LLAMA_TP, "fsdp", "fp32", gpus=8, tp=2, pp=2, micro=1,
+         seq=256, gradient_accumulation=4),
     # ZeRO-3 with a tied embedding whose backward is the peak (the gathered embedding, the LM head's
     # held gradient and the embedding's own), at another vocabulary and length, and GPT-2's (learned positions)
     _run("qwen2-v32k-zero3-fp32-small-t64", QWEN2_32K, "zero3", "fp32", small=True, micro=1, seq=64),

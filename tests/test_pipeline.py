@@ -155,3 +155,86 @@ def test_sequence_parallel_shards_the_stage_boundary_over_tp():
     on = estimate(EstimateRequest(**fields, sequence_parallel=True)).per_device.activations_bytes
     off = estimate(EstimateRequest(**fields, sequence_parallel=False)).per_device.activations_bytes
     assert on < off
+
+
+# --- stages are shares of the whole model's activations (one mechanism with TP, SP and CP) -------
+
+def _setup_and_stages(**fields):
+    from planner.memory import activations, resolve
+    from planner.pipeline import stages
+    from planner.schema import EstimateRequest
+
+    setup = resolve(EstimateRequest(**fields))
+    return setup, activations(setup), stages(setup, setup.dims.pp, setup.request.pp_virtual_stages, setup.dims.dp)
+
+
+@pytest.mark.parametrize("tp,cp,sp", [(1, 1, None), (2, 1, True), (2, 1, False), (4, 1, True), (1, 2, None),
+                                      (2, 2, True)])
+def test_stages_add_up_to_the_whole_models_activations(tp, cp, sp):
+    """Over the stages, the saved sets are the whole model's (memory.activations, with
+    tp_activations and cp_activations applied), plus what the pipeline itself holds: each stage's
+    RoPE tables, the outputs kept in fwd_cache (the sequence-sharded stream under SP, the last
+    stage's logits). bf16-pure: a 16-bit stream, so no receive buffer doubles a block's input."""
+    fields = dict(model="llama-3.1-8b", strategy="fsdp", gpus=8, gpu="h100-80gb", precision="bf16-pure",
+                  micro_batch=1, seq_len=4096, pp=2, gradient_accumulation=4, tp=tp, cp=cp)
+    if sp is not None:
+        fields["sequence_parallel"] = sp
+    setup, acts, cut = _setup_and_stages(**fields)
+    tokens = 4096 // cp
+    boundary = 2 * tokens * 4096 // (tp if setup.sequence_parallel else 1)
+    logits = 2 * tokens * setup.arch.vocab_size
+    assert sum(s.activation_bytes for s in cut) == (acts.saved_bytes + (len(cut) - 1) * acts.edges.rope_saved
+                                                    + (len(cut) - 1) * boundary + logits)
+    assert [s.output_bytes for s in cut] == [boundary, 0] and [s.input_bytes for s in cut] == [0, boundary]
+    # the transients are the whole model's: loss_parallel's on the last stage, ring attention's in each block
+    assert cut[-1].transient_bytes == max(acts.loss_transient_bytes, acts.layer_transient_bytes)
+    assert cut[0].transient_bytes == acts.layer_transient_bytes
+
+
+def test_tp_stage_shards_its_norms_and_pays_loss_parallel():
+    """Under tp 2 with SP, a stage's blocks keep 1/2 of what their norms save (tp_activations), and
+    the last stage's loss backward has loss_parallel's third vocab/tp tensor (measured on CPU ranks,
+    tests/real_runs.py llama-tp2-pp2-fp32-sp-m4): the stage split used to leave both out."""
+    from planner.tensor_parallel import loss_parallel_extra_bytes
+
+    fields = dict(model="llama-3.1-8b", strategy="fsdp", gpus=8, gpu="h100-80gb", precision="bf16-pure",
+                  micro_batch=1, seq_len=4096, pp=2, gradient_accumulation=4, tp=2)
+    _, _, on = _setup_and_stages(**fields, sequence_parallel=True)
+    setup, _, off = _setup_and_stages(**fields, sequence_parallel=False)
+    tokens, h, blocks = 4096, 4096, 16
+    norms = blocks * 2 * (4 * tokens * h + 2 * tokens * h + 4 * tokens) // 2  # RMSNorm's sharded share, halved
+    assert off[0].activation_bytes - on[0].activation_bytes == norms + 2 * tokens * h // 2  # and the stage's output
+    final = (4 * tokens * h + 2 * tokens * h + 4 * tokens) // 2
+    assert off[1].activation_bytes - on[1].activation_bytes == norms + final
+    assert on[1].transient_bytes == 2 * 4 * tokens * setup.arch.vocab_size + loss_parallel_extra_bytes(setup.arch, tokens)
+
+
+def test_cp_stage_holds_ring_attentions_buffers():
+    from planner.context_parallel import ring_attention_transient_bytes
+
+    fields = dict(model="llama-3.1-8b", strategy="fsdp", gpu="h100-80gb", precision="bf16-pure",
+                  micro_batch=1, pp=2, gradient_accumulation=4, checkpointing="full")
+    setup, acts, split = _setup_and_stages(**fields, seq_len=16384, cp=2, gpus=8)
+    _, _, whole = _setup_and_stages(**fields, seq_len=8192, gpus=4)
+    ring = ring_attention_transient_bytes(setup.arch, 16384, 2, 2)  # tokens: the whole sequence
+    assert split[0].activation_bytes == whole[0].activation_bytes
+    assert split[0].transient_bytes == whole[0].transient_bytes + ring
+
+
+def test_checkpointed_stage_recomputes_its_largest_block():
+    """DeepSeek-V3's first blocks are dense and the rest MoE: a stage recomputes each of its blocks in
+    turn, so the transient is its largest block's saved set, not its first block's."""
+    fields = dict(model="deepseek-v3", strategy="fsdp", gpus=8, gpu="h100-80gb", precision="bf16-mixed",
+                  micro_batch=1, seq_len=4096, pp=2, gradient_accumulation=4, checkpointing="full")
+    _, acts, cut = _setup_and_stages(**fields)
+    first, last = cut[0].first_block, cut[0].last_block
+    assert acts.blocks[first] < max(acts.blocks[first:last])
+    assert cut[0].transient_bytes == max(acts.blocks[first:last]) + acts.layer_transient_bytes
+
+
+def test_every_stage_computes_every_rope_table():
+    # Gemma-3's sliding and global layers use two cos/sin tables; each stage computes both
+    fields = dict(model="gemma-3-27b", strategy="fsdp", gpus=8, gpu="h100-80gb", precision="bf16-pure",
+                  micro_batch=1, seq_len=4096, pp=2, gradient_accumulation=4)
+    setup, acts, _ = _setup_and_stages(**fields)
+    assert acts.edges.rope_saved == 2 * (2 * 4096 * setup.arch.head_dim * 2)

@@ -74,7 +74,8 @@ def test_verify_refuses_what_the_pipeline_probe_cannot_run():
         worker_job(EstimateRequest(**base, strategy="zero1", gpus=2), steps=1, warmup_steps=0, out_dir=None)
     job = worker_job(EstimateRequest(**base, strategy="fsdp", gpus=4), steps=1, warmup_steps=0, out_dir="x")
     assert job.pipeline.model_dump() == {"pp": 2, "dp": 2, "schedule": "1f1b", "virtual_stages": 1, "dp_strategy": "fsdp",
-                               "compute_dtype": None, "reduce_dtype": "compute", "optimizer": "adamw"}
+                               "compute_dtype": None, "reduce_dtype": "compute", "optimizer": "adamw", "tp": 1,
+                               "sequence_parallel": False}
 
 
 def test_the_worst_stage_is_reported_and_every_rank_is_noted():
@@ -165,3 +166,58 @@ def test_lora_with_pp_is_refused(capsys):
                  "--gradient-accumulation", "4"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("planner: error: pp=2 with finetune lora:") and err.count("\n") == 1
+
+
+def test_one_table_says_which_probe_runs_which_family():
+    """backend/launch.py keeps one table, family -> probes, and a reason for each probe a listed
+    family does not run; a pipeline x tensor-parallel run needs both probes for its family."""
+    from backend.launch import FAMILY_PROBES, PROBE_REFUSALS, PROBES, worker_job
+    from planner.errors import PlannerError
+    from tests.real_runs import OLMO2, QWEN3
+
+    for family, probes in FAMILY_PROBES.items():
+        assert set(probes) <= set(PROBES)
+        for probe in set(PROBES) - set(probes):
+            assert PROBE_REFUSALS[(family, probe)]  # every refusal of a listed family says why
+    assert not set(PROBE_REFUSALS) & {(f, p) for f, probes in FAMILY_PROBES.items() for p in probes}
+    base = dict(gpu="cpu", precision="fp32", micro_batch=1, seq_len=64, gradient_accumulation=4, pp=2,
+                strategy="fsdp", gpus=4)
+    with pytest.raises(PlannerError, match=r"^pp=2 x tp=2: the tensor-parallel probe does not run model_type 'olmo2': "
+                                           r"its q/k norms span the whole projection") as olmo:
+        worker_job(EstimateRequest(**base, model_config=OLMO2, tp=2), steps=1, warmup_steps=0, out_dir="x")
+    assert olmo.value.field == "tp"
+    with pytest.raises(PlannerError, match=r"model_type 'qwen3': its names are the plan's.*no TP run of it"):
+        worker_job(EstimateRequest(**base, model_config=QWEN3, tp=2), steps=1, warmup_steps=0, out_dir="x")
+    gpt2 = {"model_type": "gpt2", "vocab_size": 4096, "n_embd": 256, "n_layer": 2, "n_head": 4, "n_positions": 1024}
+    with pytest.raises(PlannerError, match=r"^pp=2: the pipeline probe does not run model_type 'gpt2'"):
+        worker_job(EstimateRequest(**base, model_config=gpt2), steps=1, warmup_steps=0, out_dir="x")
+    job = worker_job(EstimateRequest(**base, model_config=QWEN3), steps=1, warmup_steps=0, out_dir="x")
+    assert job.pipeline.tp == 1 and job.pipeline.dp == 2
+
+
+def test_verify_lays_out_pipeline_stages_over_tensor_parallel_ranks():
+    from backend.launch import worker_job
+    from tests.real_runs import LLAMA_TP
+
+    base = dict(model_config=LLAMA_TP, gpu="cpu", precision="fp32", micro_batch=1, seq_len=256,
+                gradient_accumulation=4, pp=2, tp=2, strategy="fsdp", gpus=4)
+    job = worker_job(EstimateRequest(**base), steps=1, warmup_steps=0, out_dir="x")
+    assert (job.pipeline.pp, job.pipeline.dp, job.pipeline.tp, job.pipeline.sequence_parallel) == (2, 1, 2, True)
+    off = worker_job(EstimateRequest(**base, sequence_parallel=False), steps=1, warmup_steps=0, out_dir="x")
+    assert off.pipeline.sequence_parallel is False
+
+
+def test_collective_volumes_of_a_pipeline_rank_with_tensor_parallelism():
+    """Rank 0 of pp 2 x tp 2 (tests/real_runs.py llama-pp2-tp2-1f1b-fp32-sp-t256-m4): its stage's 2 blocks
+    x 4 SP all-gathers and reduce-scatters, and the vocab-parallel embedding's, per micro-batch: 36 of
+    each, as the counted run measured them (DTensor's funcol calls); the whole model's would be 72."""
+    from planner.steptime import collective_volumes
+    from tests.real_runs import LLAMA_TP
+
+    fields = dict(model_config=LLAMA_TP, strategy="fsdp", gpu="cpu", gpus=4, micro_batch=1, seq_len=256,
+                  gradient_accumulation=4, precision="fp32", pp=2, tp=2)
+    rows = {r["what"]: r["bytes_per_step"] for r in collective_volumes(EstimateRequest(**fields))}
+    activation = 4 * 256 * 256
+    assert rows == {"TP all-gathers (sequence parallel)": 36 * activation,
+                    "TP reduce-scatters (sequence parallel)": 36 * activation,
+                    "send activations (p2p)": 4 * (activation // 2)}  # 4 micro-batches, the SP-sharded stream
