@@ -77,6 +77,8 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         return VerifyJob(**(common | _pipeline_settings(setup, request)))
     if setup.finetune is not None:
         common["finetune"] = finetune_job(setup)
+    if setup.dims.ep > 1:
+        return VerifyJob(**(common | setup.framework.worker_settings(setup, request) | _expert_settings(setup, request)))
     settings = setup.framework.worker_settings(setup, request)
     if setup.tp > 1 and setup.strategy.framework == "deepspeed":
         # AutoTP training (deepspeed 0.19.8 runtime/engine.py _configure_tensor_parallel): the engine
@@ -113,6 +115,42 @@ def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
                            f"({', '.join(TP_PROBE_FAMILIES)}); model_type {model_type!r} is estimated, not probed",
                            field="tp")
     return {"dp_shard": dp, "tp": setup.tp, "sequence_parallel": setup.sequence_parallel}
+
+
+# transformers 5 MoE families whose routed experts are one module of fused (E, ...) tensors with
+# @use_experts_implementation (integrations/moe.py) and that the planner reads: what the EP probe
+# swaps to its all-to-all forward. Llama-4 (Llama4TextExperts: every expert on every token) is not.
+EXPERT_PROBE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "gpt_oss")
+
+
+def _expert_settings(setup, request: EstimateRequest) -> dict[str, Any]:
+    """An expert-parallel run (backend/train_experts.py): routed experts over ep consecutive ranks,
+    all-to-all dispatch and combine, FSDP2 over every rank for the rest and over the ranks holding
+    the same experts for them (torchtitan's composition). What it does not run is refused here."""
+    d, s = setup.dims, setup.strategy
+    if s.framework != "torch" or not s.shards_parameters:
+        raise PlannerError(f"ep={d.ep} with strategy {request.strategy}: the probe runs expert parallelism with "
+                           "FSDP2 (strategy fsdp or fsdp-grad-op), as torchtitan composes it; DeepSpeed-MoE's expert "
+                           "groups need its deepspeed.moe MoE layers, which a transformers model does not have",
+                           field="ep")
+    if d.dp_replicate > 1 or setup.zero.offload_params != "none":
+        raise PlannerError(f"ep={d.ep} with strategy {request.strategy}{' and offload' if d.dp_replicate == 1 else ''}: "
+                           "the expert-parallel probe shards over one data-parallel dimension without offload; "
+                           "use --strategy fsdp", field="ep")
+    if d.tp > 1 or d.cp > 1 or d.pp > 1:
+        raise PlannerError(f"ep={d.ep} with tp={d.tp}, cp={d.cp}, pp={d.pp}: the expert-parallel probe runs ep x "
+                           "FSDP2 only", field="ep")
+    if setup.finetune is not None:
+        raise PlannerError(f"ep={d.ep} with finetune {request.finetune}: expert parallelism is modelled for full "
+                           "fine-tuning", field="ep")
+    model_type = setup.model.config.get("model_type")
+    if model_type not in EXPERT_PROBE_FAMILIES:
+        raise PlannerError(f"ep={d.ep} with model_type {model_type!r}: the probe shards transformers' fused experts "
+                           f"module ({', '.join(EXPERT_PROBE_FAMILIES)})", field="model")
+    if setup.gpu.is_cpu is False:
+        raise PlannerError(f"ep={d.ep} on {setup.gpu.name}: the expert-parallel probe runs on CPU ranks (--gpu cpu)",
+                           field="gpu")
+    return {"experts": {"ep": d.ep}}
 
 
 # transformers families whose CausalLM is model.{embed_tokens, layers, norm, rotary_emb} + lm_head

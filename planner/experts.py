@@ -256,7 +256,9 @@ def with_items(plan, items, transient):
     from planner.moments import PhaseKind
     from planner.schema import Phase
 
-    during = (PhaseKind.START_OF_BLOCK, PhaseKind.START_OF_BACKWARD, PhaseKind.BACKWARD)
+    # the all-to-alls run inside the MoE blocks (forward, and backward from each block's start),
+    # never at the loss: START_OF_BACKWARD is the loss's backward, with every block's saved set
+    during = (PhaseKind.START_OF_BLOCK, PhaseKind.BACKWARD)
     gradients_exist = (PhaseKind.END_OF_BACKWARD, PhaseKind.GRADIENT_ALLREDUCE, PhaseKind.OPTIMIZER_STEP)
     kept_between = [i for i in items if i.component != "gradients"]
     phases = []
