@@ -1,0 +1,160 @@
+"""Expert parallelism (issue 12): the probe's sharded experts compute what the model computes, the
+verify job carries the ep degree, what the probe does not run is refused naming the field, and the
+estimate follows the mechanism (the router scores every expert; the all-to-all buffers live inside
+the MoE blocks, not at the loss)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner.errors import PlannerError
+from planner.schema import EstimateRequest
+from tests.real_runs import DEEPSEEK_V3, GPT_OSS, QWEN3_MOE
+
+
+def _request(**fields) -> EstimateRequest:
+    base = dict(model_config=QWEN3_MOE, strategy="fsdp", precision="fp32", gpus=2, gpu="cpu", micro_batch=2,
+                seq_len=128, ep=2)
+    return EstimateRequest(**(base | fields))
+
+
+def test_verify_job_carries_the_ep_degree(tmp_path):
+    from backend.launch import worker_job
+
+    job = worker_job(_request(gpus=4), steps=1, warmup_steps=0, out_dir=tmp_path).for_rank()
+    assert job["framework"] == "torch" and job["experts"] == {"ep": 2}
+    assert job["torch"]["sharding"] == "FULL_SHARD" and job["parallel"] is None and job["pipeline"] is None
+
+
+@pytest.mark.parametrize("fields, field, message", [
+    (dict(strategy="zero2"), "ep", "ep=2 with strategy zero2: the probe runs expert parallelism with FSDP2"),
+    (dict(strategy="zero1", gpus=4), "ep", "ep=2 with strategy zero1"),
+    (dict(strategy="hsdp", gpus=2, nodes=2), "ep", "ep=2 with strategy hsdp"),
+    (dict(model_config=dict(DEEPSEEK_V3, model_type="deepseek_v3"), gpu="h100-80gb", precision="bf16-mixed"), "gpu",
+     "the expert-parallel probe runs on CPU ranks"),
+])
+def test_verify_refuses_what_the_ep_probe_does_not_run(tmp_path, fields, field, message):
+    from backend.launch import worker_job
+
+    with pytest.raises(PlannerError, match=message.replace("(", r"\(").replace(")", r"\)")) as caught:
+        worker_job(_request(**fields), steps=1, warmup_steps=0, out_dir=tmp_path)
+    assert caught.value.field == field and "\n" not in str(caught.value)
+
+
+def test_verify_refuses_ep_on_a_family_without_fused_experts(tmp_path):
+    from backend.launch import worker_job
+    from tests.real_runs import LLAMA4
+
+    with pytest.raises(PlannerError, match="model_type 'llama4_text'") as caught:
+        worker_job(_request(model_config=LLAMA4), steps=1, warmup_steps=0, out_dir=tmp_path)
+    assert caught.value.field == "model"
+
+
+def test_router_activations_are_the_whole_models():
+    """Every rank's router scores all E experts (torchtitan's router runs before the dispatch; the
+    transformers router too): the saved activations under ep are those of the whole model, not of
+    a model with E / ep experts (whose fp32 softmax over the experts would be ep times narrower)."""
+    from planner.memory import estimate
+
+    def saved(result) -> int:
+        loss = next(p for p in result.phases if p.kind.value == "start_of_backward")
+        return sum(i.bytes for i in loss.items if i.component == "activations")
+
+    assert saved(estimate(_request(ep=2, gpus=2))) == saved(estimate(_request(ep=1, gpus=2))) > 0
+
+
+def test_all_to_all_buffers_are_not_added_at_the_loss():
+    """The dispatch/combine all-to-alls run inside the MoE blocks: the loss's backward (start of
+    backward) holds no all-to-all buffer, a block's backward does (send + receive of the routed
+    pairs: tokens x top-k x hidden x 2 bytes x 2)."""
+    from planner.memory import estimate
+
+    result = estimate(_request(ep=2, gpus=2, precision="bf16-mixed"))
+    names = {p.kind.value: [i.name for i in p.items] for p in result.phases}
+    assert not any("all-to-all" in n for n in names["start_of_backward"])
+    block = next(p for p in result.phases if p.kind.value == "start_of_block")
+    buffers = [i for i in block.items if "all-to-all" in i.name]
+    assert [i.bytes for i in buffers] == [2 * 2 * 128 * 2 * 256 * 2]
+
+
+EQUIVALENCE_MODELS = {
+    "qwen3_moe": dict(QWEN3_MOE, num_hidden_layers=2),
+    # biases, transposed and interleaved gate/up (GptOssExperts), a clamped SwiGLU gate
+    "gpt_oss": dict(GPT_OSS, num_hidden_layers=2),
+    # shared experts beside the routed ones, group-limited routing, a dense first block
+    "deepseek_v3": dict(DEEPSEEK_V3, num_hidden_layers=2),
+}
+
+
+def _equivalence_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    for model_type in sorted(EQUIVALENCE_MODELS):
+        _equivalence(rank, world, out_dir, model_type)
+    dist.destroy_process_group()
+
+
+def _equivalence(rank: int, world: int, out_dir: str, model_type: str) -> None:
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from backend.train_experts import routed_experts, shard_experts
+
+    fields = dict(EQUIVALENCE_MODELS[model_type])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.train()
+    reference = copy.deepcopy(model)
+    batches = [torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(7 + r))
+               for r in range(world)]
+    expert_names = {n for n, p in reference.named_parameters()
+                    if any(p is q for e in routed_experts(reference) for q in e.parameters())}
+    # the reference: this rank's logits and the non-expert gradients of this rank's loss; the
+    # experts' gradients of every rank's loss (the all-to-all brings every rank's tokens to them)
+    own = reference(input_ids=batches[rank], labels=batches[rank])
+    own.loss.backward()
+    dense_grads = {n: p.grad.clone() for n, p in reference.named_parameters() if n not in expert_names}
+    reference.zero_grad()
+    sum(reference(input_ids=b, labels=b).loss for b in batches).backward()
+    expert_grads = {n: p.grad.clone() for n, p in reference.named_parameters() if n in expert_names}
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("efsdp", "ep"))
+    shard_experts(model, mesh["ep"])
+    out = model(input_ids=batches[rank], labels=batches[rank])
+    out.loss.backward()
+    local = config.num_local_experts if hasattr(config, "num_local_experts") else \
+        getattr(config, "n_routed_experts", None) or config.num_experts
+    first = rank * local // world
+    errors = {"logits": float((out.logits - own.logits).abs().max())}
+    for name, param in model.named_parameters():
+        if name in expert_names:
+            want = expert_grads[name][first:first + local // world]
+            errors[name] = float((param.grad - want).abs().max()) if param.shape == want.shape else float("inf")
+        else:
+            errors[name] = float((param.grad - dense_grads[name]).abs().max())
+    with open(f"{out_dir}/{model_type}-rank{rank}.json", "w") as handle:
+        json.dump(errors, handle)
+
+
+@pytest.mark.deepspeed
+def test_sharded_experts_compute_what_the_model_computes(tmp_path):
+    """Two gloo ranks, each holding half the experts, exchange their tokens by all-to-all: the
+    logits equal the unsharded model's, each local expert's gradient is that of every rank's loss
+    (dispatch and combine run backward too), every other gradient that of the rank's own loss."""
+    import torch.multiprocessing as mp
+
+    world = 2
+    mp.spawn(_equivalence_rank, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    for model_type in sorted(EQUIVALENCE_MODELS):
+        for rank in range(world):
+            errors = json.loads((tmp_path / f"{model_type}-rank{rank}.json").read_text())
+            worst = max(errors, key=errors.get)
+            assert errors[worst] < 1e-4, (model_type, rank, worst, errors[worst])
+            assert any(".experts." in name for name in errors)
