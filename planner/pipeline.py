@@ -595,9 +595,11 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
     if d.ep > 1:
         gbps, latency = _group_link(topo, gpus, d.tp, d.ep, nic_gbps, link_efficiency)
         layers = len(experts.moe_blocks(arch))
-        sent = experts.all_to_all_bytes_per_step(arch, tokens, b, d.ep, req.gradient_accumulation) // d.pp
+        sent = experts.all_to_all_bytes_per_step(arch, tokens, b, d.ep, req.gradient_accumulation,
+                                                 checkpointing=req.checkpointing) // d.pp
         seconds = experts.all_to_all_seconds(sent, gbps, d.ep, latency) \
-            + 4 * layers * req.gradient_accumulation // d.pp * max(0, d.ep - 2) * latency * 1e-6
+            + experts.all_to_alls_per_block(req.checkpointing) * layers * req.gradient_accumulation // d.pp \
+            * max(0, d.ep - 2) * latency * 1e-6
         comm += seconds
         exposed += seconds
     step = compute + exposed + t.offload_seconds

@@ -158,3 +158,33 @@ def test_sharded_experts_compute_what_the_model_computes(tmp_path):
             worst = max(errors, key=errors.get)
             assert errors[worst] < 1e-4, (model_type, rank, worst, errors[worst])
             assert any(".experts." in name for name in errors)
+
+
+def test_expert_states_are_attributed_as_the_run_attributes_them():
+    """ep 2 x FSDP2 on 2 ranks: each rank holds its 4 experts whole (efsdp = 1) and half the dense
+    weights, 15,226,368 B of fp32 weights and 30,452,736 B of AdamW states, as the verify run
+    attributed its tensors (qwen3moe-ep2-fsdp-fp32-t1024); the add-back of the sharded experts
+    was counted as optimizer states, weights included."""
+    from planner.memory import estimate
+
+    device = estimate(_request(micro_batch=4, seq_len=256)).per_device
+    assert (device.parameters_bytes, device.optimizer_states_bytes) == (15_226_368, 30_452_736)
+
+
+def test_collective_volumes_under_ep():
+    """The dense parameters over every rank, the routed experts over the expert-data-parallel
+    group (none at efsdp 1), and the dispatch/combine all-to-alls: the qwen3_moe run's counted
+    bytes: all-gathers 23,156,736 (2 x the 2,894,592 dense fp32 parameters), reduce-scatters
+    11,578,368, all-to-alls 4 per MoE block of 1,024 tokens x top-2 x 256 x 4 B (34.6 MB counted,
+    rank 0 receiving more pairs than the mean)."""
+    from planner.steptime import collective_volumes
+
+    rows = {r["what"]: r for r in collective_volumes(_request(micro_batch=4, seq_len=256))}
+    assert rows["parameter all-gathers"]["bytes_per_step"] == 23_156_736
+    assert rows["gradient reduce-scatter"]["bytes_per_step"] == 11_578_368
+    assert rows["expert dispatch/combine all-to-alls"]["bytes_per_step"] == 4 * 4 * 1024 * 2 * 256 * 4
+    four = {r["what"]: r for r in collective_volumes(_request(micro_batch=4, seq_len=256, gpus=4))}
+    assert four["parameter all-gathers (routed experts)"]["group"] == "expert data-parallel"
+    checkpointed = {r["what"]: r for r in collective_volumes(_request(micro_batch=4, seq_len=256, checkpointing="full"))}
+    # the recomputed forward runs dispatch and combine again (8 forward dispatches counted for 4 blocks)
+    assert checkpointed["expert dispatch/combine all-to-alls"]["bytes_per_step"] == 6 * 4 * 1024 * 2 * 256 * 4
