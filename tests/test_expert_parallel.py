@@ -11,7 +11,7 @@ import pytest
 
 from planner.errors import PlannerError
 from planner.schema import EstimateRequest
-from tests.real_runs import DEEPSEEK_V3, GPT_OSS, QWEN3_MOE
+from tests.real_runs import DEEPSEEK_V2, DEEPSEEK_V3, GPT_OSS, QWEN3_MOE
 
 
 def _request(**fields) -> EstimateRequest:
@@ -85,6 +85,15 @@ EQUIVALENCE_MODELS = {
     "gpt_oss": dict(GPT_OSS, num_hidden_layers=2),
     # shared experts beside the routed ones, group-limited routing, a dense first block
     "deepseek_v3": dict(DEEPSEEK_V3, num_hidden_layers=2),
+    "deepseek_v2": dict(DEEPSEEK_V2, num_hidden_layers=2),
+    "mixtral": {"model_type": "mixtral", "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 96,
+                "num_local_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "max_position_embeddings": 512},
+    # a gated shared expert beside the routed ones
+    "qwen2_moe": {"model_type": "qwen2_moe", "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256,
+                  "moe_intermediate_size": 64, "shared_expert_intermediate_size": 128, "num_experts": 4,
+                  "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "max_position_embeddings": 512},
 }
 
 
