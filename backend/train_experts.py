@@ -241,9 +241,12 @@ def expert_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.dev
     COUNTED.counter = COUNTER
     settings, experts = job["torch"], job["experts"]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[settings["compute_dtype"]]
+    if settings["pure_16bit"]:  # bf16-pure: the weights themselves in the 16-bit dtype, no policy cast
+        model = model.to(dtype)
     world = torch.distributed.get_world_size()
     dense, sparse = build_meshes(world, int(experts["ep"]))
     modules = shard_experts(model, sparse["ep"])
-    apply_fsdp(model, dense, sparse, modules, dtype, reshard_after_forward=settings["sharding"] != "SHARD_GRAD_OP")
+    apply_fsdp(model, dense, sparse, modules, None if settings["pure_16bit"] else dtype,
+               reshard_after_forward=settings["sharding"] != "SHARD_GRAD_OP")
     optimizer = _torch_optimizer(job, model)
     return ExpertEngine(model, optimizer, accumulation=int(job.get("gradient_accumulation", 1)), world=world)
