@@ -581,6 +581,11 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
     gpus = req.gpus
     nic_gbps = nics * fabric["gbps"] * fabric["efficiency"] * link_efficiency
     compute, comm, exposed = t.compute_seconds, t.communication_seconds / d.pp, t.exposed_communication_seconds / d.pp
+    if d.ep > 1:  # the routed experts ring over the expert-data-parallel group only
+        from planner.architecture import parameter_numels
+
+        share = experts.data_parallel_share(arch, d, sum(parameter_numels(arch)))
+        comm, exposed = comm * share, exposed * share
     b = 4 if setup.recipe.compute == "fp32" else 2
     tokens = req.micro_batch * req.seq_len
     if d.pp > 1:

@@ -197,3 +197,37 @@ def test_collective_volumes_under_ep():
     checkpointed = {r["what"]: r for r in collective_volumes(_request(micro_batch=4, seq_len=256, checkpointing="full"))}
     # the recomputed forward runs dispatch and combine again (8 forward dispatches counted for 4 blocks)
     assert checkpointed["expert dispatch/combine all-to-alls"]["bytes_per_step"] == 6 * 4 * 1024 * 2 * 256 * 4
+
+
+def test_data_parallel_time_rings_the_experts_over_the_expert_group_only(monkeypatch):
+    """Under ep the dense parameters still ring over every data-parallel rank, the routed experts
+    over the ranks holding the same experts: at ep = dp_shard nothing of theirs (the measured run's
+    all-gathers carried the dense 38% only), so the data-parallel communication of a model whose
+    parameters are mostly routed experts shrinks; the all-to-alls are added beside it."""
+    from planner.architecture import from_hf_config, parameter_numels
+    from planner.experts import data_parallel_share
+    from planner.memory import estimate
+    from planner.parallel import ParallelDims
+    from planner.steptime import estimate_time
+
+    a = from_hf_config(dict(QWEN3_MOE))
+    total = sum(parameter_numels(a))
+    routed = 4 * 8 * 3 * 192 * 256
+    assert data_parallel_share(a, ParallelDims(dp_shard=2, ep=2), total) == pytest.approx((total - routed) / total)
+    # ep 2 over 8 ranks: the experts ring over 4 ranks, each holding half of them
+    share = data_parallel_share(a, ParallelDims(dp_shard=8, ep=2), total)
+    assert share == pytest.approx(((total - routed) * 7 / 8 + routed / 2 * 3 / 4) / (total * 7 / 8))
+    fields = dict(gpu="h100-80gb", precision="bf16-mixed", gpus=8, micro_batch=4, seq_len=256)
+
+    def communication(ep: int) -> float:
+        request = _request(ep=ep, **fields)
+        return estimate_time(request, estimate(request)).communication_seconds
+
+    # the data-parallel rings of ep 8 carry the dense 38% of the parameters: with the experts'
+    # share put back (every parameter over every rank, as before), the rings take the ep 1 time
+    rings = communication(1)
+    sharded = communication(8)
+    import planner.experts
+
+    monkeypatch.setattr(planner.experts, "data_parallel_share", lambda *args: 1.0)
+    assert communication(8) - sharded == pytest.approx(rings * (1 - (total - routed) / total))
