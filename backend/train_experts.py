@@ -25,6 +25,12 @@ fused 3-D ``gate_up_proj`` (E, 2I, h) and ``down_proj`` (E, h, I), optional bias
 gloo implements ``all_to_all_single`` with uneven splits on CPU tensors in torch 2.13
 (ProcessGroupGloo::alltoall_base, alltoallv): the same collective torchtitan calls over NCCL.
 
+What a rank holds for backward per MoE block is the transformers grouped_mm path's set over its
+R received pairs (the regrouped input, the up output and the gate's intermediates) plus the
+combined output and routing weights over its own S = T x k pairs, and four int64 index vectors
+(three in transformers): the same bytes on average (R = S) as without ep, which is what
+planner/experts.py models; the all-to-all send and receive buffers live only inside the block.
+
 The routing weights are applied in the compute dtype, as the transformers experts forward does
 (torchtitan upcasts the combined output to fp32 for the product): the EP run computes the same
 function as the model it shards. Gradients: FSDP2's own division is turned off and the loss is

@@ -231,3 +231,15 @@ def test_data_parallel_time_rings_the_experts_over_the_expert_group_only(monkeyp
 
     monkeypatch.setattr(planner.experts, "data_parallel_share", lambda *args: 1.0)
     assert communication(8) - sharded == pytest.approx(rings * (1 - (total - routed) / total))
+
+
+def test_an_expert_job_needs_fsdp_settings(tmp_path):
+    from pydantic import ValidationError
+
+    from backend.job import VerifyJob
+    from backend.launch import worker_job
+
+    job = worker_job(_request(), steps=1, warmup_steps=0, out_dir=tmp_path).for_rank()
+    job["torch"] = dict(job["torch"], strategy="ddp", sharding=None)
+    with pytest.raises(ValidationError, match="experts .expert parallelism. needs torch FSDP2 settings"):
+        VerifyJob.model_validate(job)
