@@ -23,6 +23,9 @@ computes as many (token, expert) pairs as without ep on average, so its activati
 model's (planner/memory.py estimate); the all-to-all buffers live inside a MoE block's forward and
 backward, not at the loss; the mean is modelled, and the rank whose experts the router favours
 holds more (a top-4 run at 2,048 tokens: rank 0 +2.3% over the mean's prediction, rank 1 -1.6%).
+Not modelled: torchtitan 0.3 multiplies the combined output by the scores in fp32
+(token_dispatcher.py combine), which under bf16 saves a 4-byte (tokens x k x hidden) copy per MoE
+block where the probe, computing as the transformers model does, saves a 2-byte one.
 """
 
 from __future__ import annotations
