@@ -227,6 +227,8 @@ BENCH_RUNS = [
     # all-to-all buffers is the peak), and ep 2 x expert-data-parallel 2 on 4 ranks under FSDP2's bf16
     _run("qwen3moe-ep2-fsdp-fp32-k4-v512-t2048", QWEN3_MOE_K4_V512, "fsdp", "fp32", ep=2, micro=2, seq=1024),
     _run("qwen3moe-ep2-fsdp2-bf16-4ranks-t512", QWEN3_MOE, "fsdp", "bf16-mixed", ep=2, gpus=4, micro=2, seq=256),
+    # ep 4 over 4 ranks: two experts per rank, every all-to-all over four peers
+    _run("qwen3moe-ep4-fsdp-fp32-4ranks-t512", QWEN3_MOE, "fsdp", "fp32", ep=4, gpus=4, micro=2, seq=256),
     # DeepSeek-V3's shape under ep: a dense first block, a shared expert beside the routed ones,
     # group-limited routing (n_group 4, topk_group 2) over all 8 experts on every rank
     _run("deepseekv3-ep2-fsdp-bf16-s256", DEEPSEEK_V3, "fsdp", "bf16-mixed", ep=2, micro=4, seq=256),
