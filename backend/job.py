@@ -73,6 +73,15 @@ class ParallelSettings(BaseModel):
     sequence_parallel: bool
 
 
+class ExpertSettings(BaseModel):
+    """How an expert-parallel rank shards the routed experts (backend/train_experts.py): an
+    (efsdp, ep) mesh, ep innermost, the rest of the model FSDP2 over every rank."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ep: int = Field(ge=2, description="ranks each MoE block's routed experts are split over")
+
+
 class VerifyJob(BaseModel):
     """One verify run, as every rank receives it."""
 
@@ -99,6 +108,7 @@ class VerifyJob(BaseModel):
     finetune: FinetuneSettings | None = Field(None, description="LoRA/QLoRA adapters on a frozen base")
     pipeline: PipelineSettings | None = Field(None, description="pipeline stages and schedule (torch pipelining)")
     parallel: ParallelSettings | None = Field(None, description="tensor parallelism x FSDP2 (DTensor)")
+    experts: ExpertSettings | None = Field(None, description="expert parallelism x FSDP2 (all-to-all dispatch)")
     vocab_size: int | None = Field(None, ge=1, description="the pipeline's last stage sizes its loss with it")
 
     @model_validator(mode="after")
@@ -107,6 +117,8 @@ class VerifyJob(BaseModel):
             raise ValueError("framework deepspeed needs ds_config")
         if self.framework == "torch" and self.torch is None and self.pipeline is None:
             raise ValueError("framework torch needs torch or pipeline settings")
+        if self.experts is not None and (self.torch is None or self.torch.sharding is None):
+            raise ValueError("experts (expert parallelism) needs torch FSDP2 settings")
         return self
 
     def for_rank(self) -> dict[str, Any]:

@@ -73,6 +73,8 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         return VerifyJob(**(common | _pipeline_settings(setup, request)))
     if setup.finetune is not None:
         common["finetune"] = finetune_job(setup)
+    if setup.dims.ep > 1:
+        return VerifyJob(**(common | setup.framework.worker_settings(setup, request) | _expert_settings(setup, request)))
     settings = setup.framework.worker_settings(setup, request)
     if setup.tp > 1 and setup.strategy.framework == "deepspeed":
         # AutoTP training (deepspeed 0.19.8 runtime/engine.py _configure_tensor_parallel): the engine
@@ -102,15 +104,22 @@ def finetune_job(setup) -> dict[str, Any]:
 #   lm_head, each layer called as layer(hidden, attention_mask=None, position_embeddings=...), the mask
 #   left to SDPA's causal path.
 # A family lists the probes it runs; each probe it does not run has its reason in PROBE_REFUSALS.
-PROBES: dict[str, str] = {"tp": "tensor-parallel", "pp": "pipeline"}
+# The EP probe (backend/train_experts.py) swaps transformers 5's fused experts module, (E, ...)
+# tensors under @use_experts_implementation (integrations/moe.py), for its all-to-all forward.
+PROBES: dict[str, str] = {"tp": "tensor-parallel", "pp": "pipeline", "ep": "expert-parallel"}
 FAMILY_PROBES: dict[str, tuple[str, ...]] = {
     "llama": ("tp", "pp"),
     "mistral": ("tp", "pp"),
     "qwen2": ("tp", "pp"),
     "qwen3": ("pp",),
-    "qwen3_moe": ("pp",),
+    "qwen3_moe": ("pp", "ep"),
     "olmo2": ("pp",),
     "smollm3": ("pp",),
+    "qwen2_moe": ("ep",),
+    "mixtral": ("ep",),
+    "deepseek_v2": ("ep",),
+    "deepseek_v3": ("ep",),
+    "gpt_oss": ("ep",),
 }
 PROBE_REFUSALS: dict[tuple[str, str], str] = {
     ("qwen3", "tp"): "its names are the plan's, with per-head q/k norms a column split keeps whole, but no TP run "
@@ -118,6 +127,10 @@ PROBE_REFUSALS: dict[tuple[str, str], str] = {
     ("smollm3", "tp"): "llama-shaped (its NoPE layers skip RoPE only), but no TP run of it has been measured",
     ("qwen3_moe", "tp"): "its MLP is a sparse MoE block (mlp.gate router, mlp.experts), not the gate/up/down "
                          "projections the TP plan splits",
+    ("llama4_text", "ep"): "Llama4TextExperts runs every expert on every token (dense bmm over all experts), "
+                           "not the routed fused-experts module the probe shards",
+    ("llama4", "ep"): "Llama4TextExperts runs every expert on every token (dense bmm over all experts), "
+                      "not the routed fused-experts module the probe shards",
     ("olmo2", "tp"): "its q/k norms span the whole projection (Olmo2Attention q_norm over heads x head_dim), which a "
                      "column split would normalise per shard, and it has no input_layernorm for SequenceParallel",
 }
@@ -136,7 +149,7 @@ def check_probe(model_type: str | None, probe: str, degree: str) -> None:
     runs = sorted(f for f, probes in FAMILY_PROBES.items() if probe in probes)
     raise PlannerError(f"{degree}: the {PROBES[probe]} probe does not run model_type {model_type!r}: {why}; it runs "
                        f"{', '.join(runs)}; model_type {model_type!r} is estimated, not probed",
-                       field="model" if probe == "pp" else "tp")
+                       field="tp" if probe == "tp" else "model")
 
 
 def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
@@ -149,6 +162,33 @@ def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
                            "composes TP with FSDP2 (strategy fsdp) only", field="tp")
     check_probe(model_type, "tp", f"tp={setup.tp}")
     return {"dp_shard": dp, "tp": setup.tp, "sequence_parallel": setup.sequence_parallel}
+
+
+def _expert_settings(setup, request: EstimateRequest) -> dict[str, Any]:
+    """An expert-parallel run (backend/train_experts.py): routed experts over ep consecutive ranks,
+    all-to-all dispatch and combine, FSDP2 over every rank for the rest and over the ranks holding
+    the same experts for them (torchtitan's composition). What it does not run is refused here."""
+    d, s = setup.dims, setup.strategy
+    if s.framework != "torch" or not s.shards_parameters:
+        raise PlannerError(f"ep={d.ep} with strategy {request.strategy}: the probe runs expert parallelism with "
+                           "FSDP2 (strategy fsdp or fsdp-grad-op), as torchtitan composes it; DeepSpeed-MoE's expert "
+                           "groups need its deepspeed.moe MoE layers, which a transformers model does not have",
+                           field="ep")
+    if d.dp_replicate > 1 or setup.zero.offload_params != "none":
+        raise PlannerError(f"ep={d.ep} with strategy {request.strategy}{' and offload' if d.dp_replicate == 1 else ''}: "
+                           "the expert-parallel probe shards over one data-parallel dimension without offload; "
+                           "use --strategy fsdp", field="ep")
+    if d.tp > 1 or d.cp > 1 or d.pp > 1:
+        raise PlannerError(f"ep={d.ep} with tp={d.tp}, cp={d.cp}, pp={d.pp}: the expert-parallel probe runs ep x "
+                           "FSDP2 only", field="ep")
+    if setup.finetune is not None:
+        raise PlannerError(f"ep={d.ep} with finetune {request.finetune}: expert parallelism is modelled for full "
+                           "fine-tuning", field="ep")
+    check_probe(setup.model.config.get("model_type"), "ep", f"ep={d.ep}")
+    if setup.gpu.is_cpu is False:
+        raise PlannerError(f"ep={d.ep} on {setup.gpu.name}: the expert-parallel probe runs on CPU ranks (--gpu cpu)",
+                           field="gpu")
+    return {"experts": {"ep": d.ep}}
 
 
 def _pipeline_settings(setup, request: EstimateRequest) -> dict[str, Any]:

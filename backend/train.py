@@ -200,6 +200,10 @@ def _engine(job: dict[str, Any], model: torch.nn.Module, device: torch.device):
         from backend.train_parallel import parallel_engine
 
         return parallel_engine(job, model, device)
+    if job.get("experts"):  # expert parallelism x FSDP2: backend/train_experts.py
+        from backend.train_experts import expert_engine
+
+        return expert_engine(job, model, device)
     if job.get("framework", "deepspeed") == "torch":
         return _torch_engine(job, model, device)
     return _deepspeed_engine(job, model)

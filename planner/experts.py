@@ -1,6 +1,8 @@
 """Expert parallelism: routed experts sharded over the ep group, token dispatch and combine (issue 12).
 
-As torchtitan composes it (torchtitan/distributed/parallel_dims.py, expert_parallel.py): the ep
+As torchtitan 0.3 composes it (torchtitan/distributed/parallel_dims.py ``efsdp``,
+torchtitan/distributed/fsdp.py, torchtitan/models/common/token_dispatcher.py), and as
+``planner verify --ep`` runs it (backend/train_experts.py, measured within 3%): the ep
 group borrows its ranks from dp_shard x cp, so ep must divide dp_shard * cp and does not multiply
 the world. Each rank of the group holds ``num_experts / ep`` routed experts of every MoE block;
 the router (gate) and the shared experts are replicated over the group like the dense weights.
@@ -15,6 +17,15 @@ and a receive buffer of that size while it runs. Dropless routing (torchtitan, M
 sends exactly the routed tokens (the mean is counted: the imbalance of a step is data);
 capacity-factor routing pads every expert to ``ceil(cf x tokens x k / E)`` slots (GShard), so
 buffers and the experts' saved inputs grow by ``cf``.
+
+What a rank holds, as measured: the router scores all E experts before the dispatch, and a rank
+computes as many (token, expert) pairs as without ep on average, so its activations are the whole
+model's (planner/memory.py estimate); the all-to-all buffers live inside a MoE block's forward and
+backward, not at the loss; the mean is modelled, and the rank whose experts the router favours
+holds more (a top-4 run at 2,048 tokens: rank 0 +2.3% over the mean's prediction, rank 1 -1.6%).
+Not modelled: torchtitan 0.3 multiplies the combined output by the scores in fp32
+(token_dispatcher.py combine), which under bf16 saves a 4-byte (tokens x k x hidden) copy per MoE
+block where the probe, computing as the transformers model does, saves a 2-byte one.
 """
 
 from __future__ import annotations
@@ -139,12 +150,20 @@ def dispatch_buffers(a: Architecture, tokens: int, compute_bytes: int, ep: int,
                            sent_bytes=one * (ep - 1) // ep)
 
 
+def all_to_alls_per_block(checkpointing: str = "none") -> int:
+    """Data all-to-alls per MoE block and micro-batch: dispatch and combine in forward, the two
+    again in backward, and under full activation checkpointing the forward's two once more when
+    the block is recomputed (counted in a checkpointed verify run: 8 forward dispatches for 4
+    blocks, backend/train_experts.py)."""
+    return 6 if checkpointing == "full" else 4
+
+
 def all_to_all_bytes_per_step(a: Architecture, tokens: int, compute_bytes: int, ep: int, micro_batches: int,
-                              capacity_factor: float | None = None) -> int:
-    """Bytes one rank sends over the ep group per step: dispatch and combine in forward, and the
-    two again in backward, for every MoE block and micro-batch."""
+                              capacity_factor: float | None = None, checkpointing: str = "none") -> int:
+    """Bytes one rank sends over the ep group per step: every data all-to-all of every MoE block
+    and micro-batch (all_to_alls_per_block)."""
     one = dispatch_buffers(a, tokens, compute_bytes, ep, capacity_factor).sent_bytes
-    return 4 * one * len(moe_blocks(a)) * micro_batches
+    return all_to_alls_per_block(checkpointing) * one * len(moe_blocks(a)) * micro_batches
 
 
 def all_to_all_seconds(sent_bytes: int, link_gbps: float, ranks: int, latency_us: float = 0.0) -> float:
@@ -224,17 +243,20 @@ def localize(setup, textbook_states):
         return totals
 
     full_resident, local_resident = resident(setup), resident(local)
-    back = sum(full_resident.get(c, 0) - local_resident.get(c, 0)
-               for c, on in (("parameters", s.shards_parameters), ("optimizer_states", s.shards_optimizer)) if on)
+    back = {c: full_resident.get(c, 0) - local_resident.get(c, 0) if on else 0
+            for c, on in (("parameters", s.shards_parameters), ("optimizer_states", s.shards_optimizer))}
     grads_back = full_states[1] - local_states[1] if s.shards_gradients else 0
     if s.framework == "torch" and setup.recipe.master_bits:
         grads_back *= 2
     router = full.parameters_per_rank - local_count
     router_bytes = sum(f * router // max(1, setup.psi) for f, on in zip(full_states, sharded) if not on) \
         if setup.psi else 0
-    items = [MemoryItem(name=f"routed experts' sharded states over the expert-data-parallel group (ep {ep})",
-                        bytes=int(back), component="optimizer_states",
-                        source="torchtitan parallel_dims efsdp mesh; DeepSpeed expert data-parallel group"),
+    # each in its own component, as the verify run attributes the rank's tensors (weights vs the
+    # optimizer's states): one item of both read 4.7 MB of weights as optimizer states
+    items = [MemoryItem(name=f"routed experts' sharded {what} over the expert-data-parallel group (ep {ep})",
+                        bytes=int(back[component]), component=component,
+                        source="torchtitan parallel_dims efsdp mesh; DeepSpeed expert data-parallel group")
+             for component, what in (("parameters", "weights"), ("optimizer_states", "optimizer states"))] + [
              MemoryItem(name="router columns of the other ranks' experts (replicated)", bytes=int(max(0, router_bytes)),
                         component="parameters", source="the gate scores every expert on every rank")]
     tokens = setup.request.micro_batch * setup.request.seq_len
@@ -242,7 +264,8 @@ def localize(setup, textbook_states):
     buffers = dispatch_buffers(a, tokens, compute, ep)
     transient = MemoryItem(name=f"all-to-all send and receive buffers (dispatch/combine over ep {ep}, dropless)",
                            bytes=buffers.all_to_all_bytes, component="buffers",
-                           source="GShard Sec. 3.2; torchtitan expert_parallel.py all_to_all_single")
+                           source="GShard Sec. 3.2; torchtitan 0.3 models/common/token_dispatcher.py "
+                                  "AllToAllTokenDispatcher (all_to_all_single)")
     items.append(MemoryItem(name=f"routed experts' sharded gradients over the expert-data-parallel group (ep {ep})",
                             bytes=int(grads_back), component="gradients", source="after backward, until the step"))
     return local, [i for i in items if i.bytes > 0], transient
@@ -256,7 +279,9 @@ def with_items(plan, items, transient):
     from planner.moments import PhaseKind
     from planner.schema import Phase
 
-    during = (PhaseKind.START_OF_BLOCK, PhaseKind.START_OF_BACKWARD, PhaseKind.BACKWARD)
+    # the all-to-alls run inside the MoE blocks (forward, and backward from each block's start),
+    # never at the loss: START_OF_BACKWARD is the loss's backward, with every block's saved set
+    during = (PhaseKind.START_OF_BLOCK, PhaseKind.BACKWARD)
     gradients_exist = (PhaseKind.END_OF_BACKWARD, PhaseKind.GRADIENT_ALLREDUCE, PhaseKind.OPTIMIZER_STEP)
     kept_between = [i for i in items if i.component != "gradients"]
     phases = []
@@ -270,3 +295,49 @@ def with_items(plan, items, transient):
                                 "block; routing dropless (the mean tokens per expert: a step's imbalance is data)"]
     return dc_replace(plan, phases=phases, resident=resident,
                       resident_bytes=plan.resident_bytes + sum(i.bytes for i in kept_between), notes=notes)
+
+
+def data_parallel_share(a: Architecture, dims, parameters: int) -> float:
+    """The fraction of a data-parallel ring's time that remains under ep: the dense parameters
+    still ring over all dp_shard * cp ranks, the routed experts over the expert-data-parallel group
+    (dp_shard * cp / ep ranks, each with 1/ep of them; nothing at one rank), each ring moving
+    (n-1)/n of its payload (the measured all-gathers of the ep 2 run: the dense 38% only)."""
+    routed = sum(routed_numels(spec.mlp, a.hidden_size) for spec in layer_specs(a))
+    group = dims.dp_shard * dims.cp
+    if dims.ep == 1 or not routed or parameters <= 0 or group <= 1:
+        return 1.0
+    efsdp = group // dims.ep
+    whole = parameters * (group - 1) / group
+    return ((parameters - routed) * (group - 1) / group + routed / dims.ep * (efsdp - 1) / efsdp) / whole
+
+
+def expert_volumes(a: Architecture, dims, request, rows: list[dict], parameters: int) -> list[dict]:
+    """The data-parallel rows of collective_volumes under ep, and the all-to-alls.
+
+    A data-parallel collective carries the dense parameters over its group and the routed experts
+    over the expert-data-parallel group only (dp_shard * cp / ep ranks holding the same experts:
+    torchtitan's efsdp mesh; a one-rank group sends nothing, as measured: FSDP2 over one rank
+    gathered and reduced only the dense 38% of the qwen3_moe run); the dispatch and combine
+    payloads are the routed pairs' hidden states (what the rank's all_to_all_single sends,
+    its own share included)."""
+    routed = sum(routed_numels(spec.mlp, a.hidden_size) for spec in layer_specs(a))
+    if dims.ep == 1 or not routed or parameters <= 0:
+        return rows
+    efsdp = dims.dp_shard * dims.cp // dims.ep
+    dense_share, expert_share = (parameters - routed) / parameters, routed / dims.ep / parameters
+    out = []
+    for row in rows:
+        out.append(dict(row, bytes_per_step=int(row["bytes_per_step"] * dense_share)))
+        if efsdp > 1:
+            out.append(dict(row, what=f"{row['what']} (routed experts)",
+                            bytes_per_step=int(row["bytes_per_step"] * expert_share), group="expert data-parallel"))
+    from planner.precision import RECIPES
+
+    compute = 4 if RECIPES[request.precision].compute == "fp32" else 2
+    tokens = request.micro_batch * request.seq_len
+    m = next(spec.mlp for spec in layer_specs(a) if spec.mlp.is_moe)
+    one = tokens * m.experts_per_token * a.hidden_size * compute
+    calls = all_to_alls_per_block(request.checkpointing) * len(moe_blocks(a)) * request.gradient_accumulation
+    out.append({"what": "expert dispatch/combine all-to-alls", "bytes_per_step": calls * one, "message_bytes": one,
+                "group": "expert parallel"})
+    return out

@@ -283,7 +283,9 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
         from planner import experts
 
         setup, ep_items, ep_transient = experts.localize(setup, textbook_states)
-    acts = activations(setup)
+    # the router still scores every expert and a rank computes as many (token, expert) pairs as
+    # without ep (dropless, the mean): a rank's activations are the whole model's (planner/experts.py)
+    acts = activations(whole if setup.dims.ep > 1 else setup)
     if setup.dims.pp > 1:
         from planner import pipeline
 

@@ -600,6 +600,11 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
     gpus = req.gpus
     nic_gbps = nics * fabric["gbps"] * fabric["efficiency"] * link_efficiency
     compute, comm, exposed = t.compute_seconds, t.communication_seconds / d.pp, t.exposed_communication_seconds / d.pp
+    if d.ep > 1:  # the routed experts ring over the expert-data-parallel group only
+        from planner.architecture import parameter_numels
+
+        share = experts.data_parallel_share(arch, d, sum(parameter_numels(arch)))
+        comm, exposed = comm * share, exposed * share
     b = 4 if setup.recipe.compute == "fp32" else 2
     tokens = req.micro_batch * req.seq_len
     if d.pp > 1:
@@ -614,9 +619,11 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
     if d.ep > 1:
         gbps, latency = _group_link(topo, gpus, d.tp, d.ep, nic_gbps, link_efficiency)
         layers = len(experts.moe_blocks(arch))
-        sent = experts.all_to_all_bytes_per_step(arch, tokens, b, d.ep, req.gradient_accumulation) // d.pp
+        sent = experts.all_to_all_bytes_per_step(arch, tokens, b, d.ep, req.gradient_accumulation,
+                                                 checkpointing=req.checkpointing) // d.pp
         seconds = experts.all_to_all_seconds(sent, gbps, d.ep, latency) \
-            + 4 * layers * req.gradient_accumulation // d.pp * max(0, d.ep - 2) * latency * 1e-6
+            + experts.all_to_alls_per_block(req.checkpointing) * layers * req.gradient_accumulation // d.pp \
+            * max(0, d.ep - 2) * latency * 1e-6
         comm += seconds
         exposed += seconds
     step = compute + exposed + t.offload_seconds

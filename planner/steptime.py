@@ -186,6 +186,10 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
                              wb, arch, buckets, trainable=frozen.trainable if frozen else None)
     out = [{"what": what, "bytes_per_step": int(volume), "message_bytes": int(message), "group": group}
            for what, volume, _, message, group in rows]
+    if request.ep > 1:  # routed experts over the expert-data-parallel group; the all-to-alls
+        from planner.experts import expert_volumes
+
+        out = expert_volumes(arch, setup.dims, request, out, result.parameters)
     if combo.tp * combo.cp > 1:
         out += [{"what": what, "bytes_per_step": int(volume), "message_bytes": int(message * request.micro_batch),
                  "group": group}

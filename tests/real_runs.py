@@ -71,6 +71,9 @@ LLAMA_TP_32K = dict(LLAMA_TP, vocab_size=32_000)
 LLAMA_128K = dict(LLAMA, vocab_size=128_256)
 QWEN2_32K = dict(QWEN2, vocab_size=32_000)
 QWEN2_64K = dict(QWEN2, vocab_size=64_000)
+# Expert parallelism (issue 12): a small vocabulary and top-4 of 8 experts, so that the routed
+# pairs (tokens x 4) and their all-to-all buffers, not the logits, make the peak
+QWEN3_MOE_K4_V512 = dict(QWEN3_MOE, vocab_size=512, num_experts_per_tok=4)
 GPT2_50K = dict(GPT2, vocab_size=50_257)
 SMALL = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000,
          "prefetch_bucket_size": 1_000_000, "param_persistence_threshold": 10_000}
@@ -130,6 +133,9 @@ CPU_RUNS = [
     # pipeline parallelism (torch.distributed.pipelining, backend/train_pipeline.py); at one
     # data-parallel rank no wrapper, over dp > 1 FSDP2
     _run("llama-pp2-1f1b-fp32-m4", LLAMA, "fsdp", "fp32", pp=2, gradient_accumulation=4),
+    # expert parallelism (backend/train_experts.py): each rank holds 4 of the 8 experts of every
+    # block, tokens exchanged by all-to-all, FSDP2 over both ranks for the rest
+    _run("qwen3moe-ep2-fsdp-fp32-t1024", QWEN3_MOE, "fsdp", "fp32", ep=2, micro=4, seq=256),
     # LoRA (issue 13): PEFT adapters on a frozen bf16 base under autocast
     _run("llama-lora-ddp-bf16-qkvo-r16", LLAMA, "ddp", "bf16-mixed", micro=2, seq=256, finetune="lora",
          lora_rank=16, lora_targets="q_proj,k_proj,v_proj,o_proj"),
@@ -241,6 +247,15 @@ BENCH_RUNS = [
     # held gradient and the embedding's own), at another vocabulary and length, and GPT-2's (learned positions)
     _run("qwen2-v32k-zero3-fp32-small-t64", QWEN2_32K, "zero3", "fp32", small=True, micro=1, seq=64),
     _run("gpt2-v50k-zero3-fp32-small-t128", GPT2_50K, "zero3", "fp32", small=True, micro=1, seq=128),
+    # expert parallelism: dispatch-dominated (2,048 tokens x top-4: the last block's backward with its
+    # all-to-all buffers is the peak), and ep 2 x expert-data-parallel 2 on 4 ranks under FSDP2's bf16
+    _run("qwen3moe-ep2-fsdp-fp32-k4-v512-t2048", QWEN3_MOE_K4_V512, "fsdp", "fp32", ep=2, micro=2, seq=1024),
+    _run("qwen3moe-ep2-fsdp2-bf16-4ranks-t512", QWEN3_MOE, "fsdp", "bf16-mixed", ep=2, gpus=4, micro=2, seq=256),
+    # ep 4 over 4 ranks: two experts per rank, every all-to-all over four peers
+    _run("qwen3moe-ep4-fsdp-fp32-4ranks-t512", QWEN3_MOE, "fsdp", "fp32", ep=4, gpus=4, micro=2, seq=256),
+    # DeepSeek-V3's shape under ep: a dense first block, a shared expert beside the routed ones,
+    # group-limited routing (n_group 4, topk_group 2) over all 8 experts on every rank
+    _run("deepseekv3-ep2-fsdp-bf16-s256", DEEPSEEK_V3, "fsdp", "bf16-mixed", ep=2, micro=4, seq=256),
     # LoRA and QLoRA (issue 13): PEFT on the transformers model, bitsandbytes' nf4 base for QLoRA
     _run("llama-lora-zero2-bf16-small-all-s512", LLAMA, "zero2", "bf16-mixed", small=True, micro=2, seq=512,
          finetune="lora", lora_rank=16, lora_targets="all-linear"),
