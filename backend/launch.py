@@ -134,6 +134,20 @@ PROBE_REFUSALS: dict[tuple[str, str], str] = {
     ("olmo2", "tp"): "its q/k norms span the whole projection (Olmo2Attention q_norm over heads x head_dim), which a "
                      "column split would normalise per shard, and it has no input_layernorm for SequenceParallel",
 }
+_DENSE = "a dense model: it has no routed experts for the expert-parallel probe to shard"
+_MOE_MLP = ("its MLP is a sparse MoE block (a router and a fused experts module), not the gate/up/down "
+            "projections the TP plan splits")
+PROBE_REFUSALS |= {(family, "ep"): _DENSE for family in ("llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3")}
+PROBE_REFUSALS |= {(family, "tp"): _MOE_MLP for family in ("qwen2_moe", "mixtral", "gpt_oss")}
+PROBE_REFUSALS |= {
+    ("qwen2_moe", "pp"): "llama-shaped modules, but no pipeline run of it has been measured",
+    ("mixtral", "pp"): "llama-shaped modules, but no pipeline run of it has been measured",
+    ("deepseek_v2", "tp"): "multi-head latent attention, which the planner's TP refuses",
+    ("deepseek_v3", "tp"): "multi-head latent attention, which the planner's TP refuses",
+    ("deepseek_v2", "pp"): "its dense-then-MoE stack has not been cut into pipeline stages by a measured run",
+    ("deepseek_v3", "pp"): "its dense-then-MoE stack has not been cut into pipeline stages by a measured run",
+    ("gpt_oss", "pp"): "its layers need attention sinks and sliding-window masks the pipeline stages do not pass",
+}
 # families outside the table: their CausalLM is not model.{embed_tokens, layers, norm} + lm_head
 # (gpt2: transformer.{wte, wpe, h} with fused Conv1D c_attn; phi3: fused qkv_proj and gate_up_proj),
 # or a layer needs what the probes do not pass (gemma2/gemma3: sliding-window masks, Gemma3's second
