@@ -31,13 +31,14 @@ import yaml
 from planner.catalogue import UnsupportedModelTypeError
 from planner.finetune import bnb_config, lora_config
 from planner.errors import PlannerError
-from planner.memory import resolve
+from planner.memory import estimate, resolve
 from planner.plan import finetune_fields
 from planner.precision import DTYPE_SPELLINGS, RECIPES
-from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanRequest
+from planner.schema import SHARDING_STRATEGIES, Candidate, EstimateRequest, EstimateResult, PlanRequest
 from planner.shm import segment_glob
 from planner.strategies import explicit_hsdp_shard
 from planner.pipeline import stage_bounds
+from planner.units import GIB
 from planner.torchtitan import (HEAD_NAME, MIXED_PARAM, pipeline_overrides, torchtitan_config,
                                  torchtitan_toml)
 
@@ -130,6 +131,7 @@ def estimate_request_for(req: PlanRequest, c: Candidate) -> EstimateRequest:
                            topology=req.topology, topology_text=req.topology_text, fabric=req.fabric,
                            nics_per_node=req.nics_per_node, profile=req.profile,
                            **finetune_fields(req.model_copy(update={"finetune": c.finetune})),
+                           **({"reduce_dtype": req.reduce_dtype} if c.strategy in SHARDING_STRATEGIES else {}),
                            **{k: v for k, v in c.parallel.model_dump().items() if k in ("tp", "pp", "cp", "ep") and v > 1})
 
 
@@ -185,7 +187,8 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
     files["plan.json"] = json.dumps(plan_doc, indent=2) + "\n"
     files["LAUNCH.md"] = _guide(launch, sorted(files) + ["LAUNCH.md"],
                                 _torchtitan_config(setup) if titan is not None else None,
-                                tied=setup.arch is not None and setup.arch.tie_word_embeddings)
+                                tied=setup.arch is not None and setup.arch.tie_word_embeddings,
+                                titan_reduce=_torchtitan_reduce_note(setup) if titan is not None else None)
     return files
 
 
@@ -219,6 +222,20 @@ def _torchtitan_file(setup) -> str | None:
     if setup.strategy.framework != "torch" or max(setup.tp, req.pp, req.cp) == 1 or setup.recipe.compute not in MIXED_PARAM:
         return None
     return torchtitan_toml(_torchtitan_config(setup))
+
+
+def _torchtitan_reduce_note(setup) -> str | None:
+    """torchtitan reduces FSDP2's gradients in fp32 only (mixed_precision_reduce = "float32": 0.2.2
+    job_config.py, 0.3 config/configs.py:93); an estimate made with the compute dtype (accelerate's
+    and verify's) is not that job's. The torchtitan job's own peak, estimated with reduce_dtype fp32."""
+    req = setup.request
+    if req.reduce_dtype == "fp32" or req.strategy not in SHARDING_STRATEGIES:
+        return None
+    titan = estimate(req.model_copy(update={"reduce_dtype": "fp32"}))
+    return (f"torchtitan reduces gradients in fp32 (`mixed_precision_reduce = \"float32\"`, its only value), "
+            f"while this estimate reduces in the compute dtype: the torchtitan job's peak is "
+            f"{titan.per_device.peak_bytes / GIB:.2f} GiB per device (this estimate: "
+            f"{estimate(req).per_device.peak_bytes / GIB:.2f} GiB); `--reduce-dtype fp32` estimates it.")
 
 
 def _torchtitan_config(setup) -> dict[str, dict[str, Any]]:
@@ -667,7 +684,7 @@ def _what_runs(launch: _Launch) -> str:
 
 
 def _guide(launch: _Launch, names: list[str], titan: dict[str, dict[str, Any]] | None = None,
-           tied: bool = False) -> str:
+           tied: bool = False, titan_reduce: str | None = None) -> str:
     """LAUNCH.md: what each file is and how to run it. ``titan``: torchtitan's job config, when written."""
     req = launch.request
     roles = {
@@ -745,6 +762,8 @@ def _guide(launch: _Launch, names: list[str], titan: dict[str, dict[str, Any]] |
                 "(torchtitan.toml's [parallelism]) to its own llama-style models. torchtitan 0.2 reads the file:", "",
                 "```", torchrun + " -m torchtitan.train --job.config_file torchtitan.toml", "```", ""]
         out += _torchtitan_03_guide(torchrun, titan)
+        if titan_reduce is not None:
+            out += [titan_reduce, ""]
         if tied and req.pp > 1:
             # torchtitan 0.3.0 models/common/decoder.py: "Weight tying is not supported with Pipeline Parallel"
             out += ["The model ties its LM head to the embedding; torchtitan refuses weight tying under pipeline "

@@ -29,8 +29,8 @@ from planner.memory import estimate, host_capacity, resolve
 from planner.parallel import refuse_unmodelled
 from planner.pipeline import check_schedule, parallel_step
 from planner.precision import RECIPES
-from planner.schema import (MAX_GLOBAL_BATCH, MAX_TOKENS, Candidate, EstimateRequest, EstimateResult, PlanRequest,
-                            PlanResult, TopologySummary)
+from planner.schema import (MAX_GLOBAL_BATCH, MAX_TOKENS, SHARDING_STRATEGIES, Candidate, EstimateRequest,
+                            EstimateResult, PlanRequest, PlanResult, TopologySummary)
 from planner.steptime import Combo, StepSettings, estimate_with_time, frozen_base_shape, step_times
 from planner.strategies import STRATEGIES, explicit_hsdp_shard, strategy as lookup_strategy
 from planner.topology import Topology
@@ -78,7 +78,14 @@ def _request(req: PlanRequest, combo: Setting, micro: int, model_fields: dict,
         offload_optimizer=combo.offload_optimizer, offload_params=combo.offload_params,
         hsdp_shard_size=explicit_hsdp_shard(combo.strategy, combo.shard * combo.tp if combo.shard else None,
                                             combo.gpus),
-        host_memory_gib=req.host_memory_gib, topology=req.topology, **_degree_fields(req, combo, micro, accumulation)))
+        host_memory_gib=req.host_memory_gib, topology=req.topology, **_reduce_field(req, combo.strategy),
+        **_degree_fields(req, combo, micro, accumulation)))
+
+
+def _reduce_field(req: PlanRequest, strategy: str) -> dict:
+    """FSDP2's reduce dtype for the sharding candidates (none when it is the default, so that the
+    request stays the one it always was); the other strategies have no such setting."""
+    return {"reduce_dtype": req.reduce_dtype} if req.reduce_dtype != "compute" and strategy in SHARDING_STRATEGIES else {}
 
 
 def _degree_fields(req: PlanRequest, combo: Setting, micro: int, accumulation: int | None = None) -> dict:
@@ -884,7 +891,7 @@ def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_field
                                      seq_len=seq, checkpointing="full", attention=req.attention,
                                      offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
                                      hsdp_shard_size=explicit_hsdp_shard(c.strategy, c.hsdp_shard_size, req.gpus),
-                                     **degrees))
+                                     **_reduce_field(req, c.strategy), **degrees))
         return e.per_device.peak_bytes <= usable
 
     low = 0
@@ -939,7 +946,8 @@ def _fits(req: PlanRequest, name: str, usable: float, model_fields: dict, gpus: 
                                              precision=req.precision, optimizer=req.optimizer, micro_batch=1,
                                              seq_len=req.seq_len, checkpointing="full", attention=req.attention,
                                              offload_optimizer=off_opt, offload_params=off_par,
-                                             hsdp_shard_size=explicit_hsdp_shard(name, shard, gpus), **degrees))
+                                             hsdp_shard_size=explicit_hsdp_shard(name, shard, gpus),
+                                             **_reduce_field(req, name), **degrees))
             except PlannerError:  # refused for this fine-tuning (see _evaluate)
                 if req.finetune == "full":
                     raise
@@ -1006,7 +1014,7 @@ def _pipeline_min_gpus(req: PlanRequest, usable: float, model_fields: dict, tp: 
                                          gpu=req.gpu, precision=req.precision, optimizer=req.optimizer, micro_batch=1,
                                          gradient_accumulation=pp, seq_len=req.seq_len, checkpointing="full",
                                          attention=req.attention, tp=tp, pp=pp, pp_schedule=req.pp_schedule,
-                                         pp_virtual_stages=req.pp_virtual_stages))
+                                         pp_virtual_stages=req.pp_virtual_stages, **_reduce_field(req, "fsdp")))
         except PlannerError:
             return False
         return e.per_device.peak_bytes <= usable

@@ -197,6 +197,9 @@ SequenceParallelField = Annotated[bool | None, Field(
 # training.mixed_precision_reduce (torchtitan 0.3 config/configs.py; 9dec370 config_manager.py:389)
 ReduceDtype = Literal["compute", "fp32"]
 SHARDING_STRATEGIES = ("fsdp", "fsdp-grad-op", "hsdp")
+ReduceDtypeField = Annotated[ReduceDtype, Field(
+    description="dtype FSDP2 reduces gradients in: compute (the recipe's 16-bit dtype, as accelerate and the "
+    "planner's trainer) or fp32 (torchtitan's mixed_precision_reduce); fsdp, fsdp-grad-op and hsdp only")]
 
 
 class EstimateRequest(BaseModel):
@@ -247,9 +250,7 @@ class EstimateRequest(BaseModel):
     pp_schedule: ScheduleField = "1f1b"
     pp_virtual_stages: VirtualStages = 1
     sequence_parallel: SequenceParallelField = None
-    reduce_dtype: ReduceDtype = Field(
-        "compute", description="dtype FSDP2 reduces gradients in: compute (the recipe's 16-bit dtype, as accelerate "
-        "and the planner's trainer) or fp32 (torchtitan's mixed_precision_reduce); fsdp, fsdp-grad-op and hsdp only")
+    reduce_dtype: ReduceDtypeField = "compute"
     topology: PresetName | None = Field(None, description="topology preset for the time model; default: the preset of --gpu")
     topology_text: str | None = Field(None, max_length=64 * 1024,
                                       description="pasted `nvidia-smi topo -m` output (what --topology-file reads)")
@@ -452,6 +453,7 @@ class PlanRequest(BaseModel):
     pp_schedule: ScheduleField = "1f1b"
     pp_virtual_stages: VirtualStages = 1
     sequence_parallel: SequenceParallelField = None
+    reduce_dtype: ReduceDtypeField = "compute"  # the fsdp / hsdp candidates reduce in it
     seq_len: int = Field(DEFAULT_SEQ_LEN, ge=1, le=1 << 22, description="tokens per sequence")
     global_batch: int = Field(256, ge=1, le=1 << 24, description="sequences per optimizer step, over all GPUs")
     objective: Objective = Field("time", description="rank by step time, by GPU-hours per token, or by memory")

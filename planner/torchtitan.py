@@ -7,7 +7,8 @@ data_parallel_shard_degree, fsdp_reshard_after_forward, tensor_parallel_degree,
 enable_async_tensor_parallel, disable_loss_parallel, pipeline_parallel_degree,
 pipeline_parallel_schedule, pipeline_parallel_microbatch_size, module_fqns_per_model_part,
 context_parallel_degree, expert_parallel_degree; ``[training]`` local_batch_size,
-global_batch_size, seq_len, mixed_precision_param; ``[activation_checkpoint]`` mode.
+global_batch_size, seq_len, mixed_precision_param, mixed_precision_reduce; ``[activation_checkpoint]``
+mode.
 
 torchtitan 0.3.0 (PyPI) reads no TOML: its trainer takes ``--module M --config F`` (a
 config_registry function) and ``--section.field`` overrides (torchtitan/config/manager.py
@@ -95,7 +96,10 @@ def torchtitan_config(*, dp_replicate: int, dp_shard: int, tp: int, pp: int, cp:
                                f"x cp {cp} x tp {tp} x pp {pp}"
                                + (f" ({len(stage_bounds)} stages)" if pp > 1 else "")},
         "training": {"local_batch_size": local, "global_batch_size": micro_batch * gradient_accumulation * dp,
-                     "seq_len": seq_len, "mixed_precision_param": MIXED_PARAM[compute]},
+                     "seq_len": seq_len, "mixed_precision_param": MIXED_PARAM[compute],
+                     # the only value torchtitan takes (0.2.2 job_config.py, 0.3 config/configs.py:93):
+                     # the estimate of this job is the one with reduce_dtype fp32 (LAUNCH.md says so)
+                     "mixed_precision_reduce": "float32"},
         "parallelism": parallelism,
         "activation_checkpoint": {"mode": "full" if checkpointing == "full" else "none"},
     }

@@ -99,3 +99,43 @@ def test_published_torchtitan_rows_reduce_in_fp32_with_torchtitans_micro_batches
     eight_b = next(r for r in published_parallel.RUNS if r.name.startswith("8B FSDP 8"))
     why = published_parallel.logits_reserve(eight_b, 70.0, 128_256)
     assert "7.8 GiB segment of the bf16 logits" in why and "77.8 GiB with the model's peak" in why
+
+
+def test_plan_candidates_reduce_in_the_requested_dtype():
+    """plan --reduce-dtype fp32: each FSDP2 candidate is the estimate of its configuration with
+    reduce_dtype fp32 (a pipeline's accumulated gradients at 4 bytes), the others unchanged."""
+    from planner.emit import estimate_request_for
+    from planner.plan import plan
+    from planner.schema import PlanRequest
+
+    fields = dict(model="llama-3.1-8b", gpu="h100-80gb", gpus=8, nodes=2, seq_len=4096, global_batch=64, pp=2)
+    compute, fp32 = plan(PlanRequest(**fields)), plan(PlanRequest(**fields, reduce_dtype="fp32"))
+    key = lambda c: (c.strategy, c.micro_batch, c.checkpointing, c.hsdp_shard_size)  # noqa: E731
+    before = {key(c): c for c in compute.candidates}
+    moved = 0
+    for c in fp32.candidates:
+        request = estimate_request_for(PlanRequest(**fields, reduce_dtype="fp32"), c)
+        sharding = c.strategy in ("fsdp", "fsdp-grad-op", "hsdp")
+        assert request.reduce_dtype == ("fp32" if sharding else "compute")
+        assert estimate(request).per_device.peak_bytes == c.per_device.peak_bytes
+        if sharding and key(c) in before and c.per_device.peak_bytes > before[key(c)].per_device.peak_bytes:
+            moved += 1
+    assert moved
+
+
+def test_torchtitan_emit_reduces_in_fp32_and_says_what_that_costs(tmp_path):
+    """torchtitan takes mixed_precision_reduce = "float32" only: the emitted TOML says so, and
+    LAUNCH.md gives the torchtitan job's own peak (the estimate with reduce_dtype fp32) when the
+    estimate reduced in the compute dtype; nothing is added when it already reduced in fp32."""
+    import tomllib
+
+    from planner.emit import emit_estimate_files
+    from planner.plan import estimate_with_time
+
+    fields = dict(model="llama-3.1-8b", strategy="fsdp", gpu="h100-80gb", gpus=8, tp=2, pp=2, gradient_accumulation=4)
+    files = emit_estimate_files(estimate_with_time(EstimateRequest(**fields)))
+    assert tomllib.loads(files["torchtitan.toml"])["training"]["mixed_precision_reduce"] == "float32"
+    titan = estimate(EstimateRequest(**fields, reduce_dtype="fp32")).per_device.peak_bytes
+    assert f"the torchtitan job's peak is {titan / 2**30:.2f} GiB" in files["LAUNCH.md"]
+    again = emit_estimate_files(estimate_with_time(EstimateRequest(**fields, reduce_dtype="fp32")))
+    assert "torchtitan job's peak" not in again["LAUNCH.md"]

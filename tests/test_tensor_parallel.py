@@ -122,7 +122,7 @@ def test_torchtitan_toml_parses_with_the_job_config_names(tmp_path):
     assert p["context_parallel_degree"] == 1 and p["pipeline_parallel_degree"] == 1
     assert p["enable_async_tensor_parallel"] is False
     assert config["training"] == {"local_batch_size": 2, "global_batch_size": 2 * 3 * 4, "seq_len": 8192,
-                                  "mixed_precision_param": "bfloat16"}
+                                  "mixed_precision_param": "bfloat16", "mixed_precision_reduce": "float32"}
     assert config["activation_checkpoint"]["mode"] == "full"
     assert "-m torchtitan.train --job.config_file torchtitan.toml" in files["LAUNCH.md"]
 
