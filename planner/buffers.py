@@ -177,12 +177,16 @@ def adam_temporaries(elements: int, setup: "Setup") -> int:
     tensors of the parameter's size (torch/optim/adam.py, _single_tensor_adam). On CUDA,
     DeepSpeed steps with FusedAdam (multi_tensor_apply, no temporaries) and torch with the
     foreach path, whose _foreach_sqrt makes one fp32 copy of the group's exp_avg_sq. SGD
-    allocates none worth counting."""
+    allocates none worth counting. The temporaries take the states' dtype: 16-bit under torch's
+    bf16-pure (the model cast, its AdamW states zeros_like the parameters)."""
     if not setup.request.optimizer.startswith("adamw"):
         return 0
+    width = FP32
+    if setup.request.optimizer == "adamw":
+        width = int(setup.framework.optimizer_state_bits(setup.recipe, "adamw")) // 16  # two states
     if setup.device == "cpu":
-        return 2 * FP32 * elements
-    return setup.framework.cuda_adam_copies * FP32 * elements
+        return 2 * width * elements
+    return setup.framework.cuda_adam_copies * width * elements
 
 
 def optimizer_items(setup: "Setup", elements: int, where: str) -> list[MemoryItem]:

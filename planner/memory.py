@@ -23,7 +23,7 @@ from planner.finetune import Finetune, lora_activations, resolve_finetune, train
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.moments import PhaseKind
 from planner.parallel import ModelShape, ParallelDims, check_dims, data_parallel_size, dims_for, refuse_unmodelled
-from planner.precision import RECIPES, Recipe, bits_to_bytes, optimizer_state_bits
+from planner.precision import RECIPES, Recipe, bits_to_bytes
 from planner.schema import (EstimateRequest, EstimateResult, HostMemory, ModelSummary, ParallelDegrees,
                             PerDevice, Phase)
 from planner.context_parallel import check_context_parallel, cp_activations
@@ -189,7 +189,7 @@ def textbook_states(setup: Setup) -> tuple[int, int, int]:
     them: 16-bit weights and grads, K bytes of optimizer state per parameter, each divided over
     the shard group where the strategy shards it, and zero on the device where it is offloaded."""
     s, r, psi = setup.strategy, setup.recipe, trainable_count(setup)
-    k_bits = r.master_bits + optimizer_state_bits(setup.request.optimizer)
+    k_bits = r.master_bits + setup.framework.optimizer_state_bits(r, setup.request.optimizer)
     params = bits_to_bytes(_shard(psi, setup, s.shards_parameters), r.weight_bits)
     grads = bits_to_bytes(_shard(psi, setup, s.shards_gradients), r.grad_bits)
     optim = bits_to_bytes(_shard(psi, setup, s.shards_optimizer), k_bits)

@@ -327,7 +327,7 @@ def _ceil(a: int, b: int) -> int:
 def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virtual_stages: int,
                 schedule: str, dp: DataParallel) -> tuple[list[MemoryItem], list[Phase]]:
     """(what stays between steps, the phases a step can peak at) on one rank."""
-    from planner.precision import bits_to_bytes, optimizer_state_bits
+    from planner.precision import bits_to_bytes
 
     r, req = setup.recipe, setup.request
     m = req.gradient_accumulation
@@ -342,7 +342,7 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
     weight_bits = 32 if torch_framework and (r.master_bits or r.weight_bits == 32) else r.weight_bits
     grad_bits = weight_bits if torch_framework else r.grad_bits
     weights = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_parameters else params, weight_bits)
-    states_bits = (0 if torch_framework else r.master_bits) + optimizer_state_bits(req.optimizer)
+    states_bits = (0 if torch_framework else r.master_bits) + setup.framework.optimizer_state_bits(r, req.optimizer)
     optim = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_optimizer else params, states_bits)
     recv = m * sum(s.input_bytes for s in mine)
     grad_recv = m * sum(s.output_bytes for s in mine)

@@ -104,14 +104,18 @@ DTYPE_SPELLINGS: dict[str, tuple[str, ...]] = {"bf16": ("bf16", "bfloat16"), "fp
 BNB_BLOCK = 2048
 
 
-def optimizer_state_bits(optimizer: str) -> float:
-    """Bits per parameter the optimizer keeps, beyond any master copy."""
+def optimizer_state_bits(optimizer: str, param_bits: int = 32) -> float:
+    """Bits per parameter the optimizer keeps, beyond any master copy. ``param_bits``: the dtype of
+    the tensors the optimizer steps, which torch.optim's states take (torch 2.13 optim/adam.py
+    _init_group: exp_avg and exp_avg_sq are torch.zeros_like(param); optim/sgd.py: the momentum
+    buffer is grad.detach().clone()); DeepSpeed's optimizers step an fp32 partition (32).
+    bitsandbytes' 8-bit states are 8-bit whatever the parameter's dtype."""
     if optimizer == "adamw":
-        return 2 * 32  # exp_avg and exp_avg_sq in fp32
+        return 2 * param_bits  # exp_avg and exp_avg_sq
     if optimizer == "adamw-8bit":
         return 2 * (8 + 32 / BNB_BLOCK)
     if optimizer == "sgd":
-        return 32  # one momentum buffer in fp32
+        return param_bits  # one momentum buffer
     raise ValueError(optimizer)
 
 

@@ -268,6 +268,9 @@ BENCH_RUNS = [
     _run("llama-lora-fsdp-bf16-all", LLAMA, "fsdp", "bf16-mixed", micro=2, seq=256, finetune="lora", lora_rank=8,
          lora_targets="all-linear"),
     _run("qwen2-lora-ddp-fp32-dropout", QWEN2, "ddp", "fp32", micro=2, seq=256, finetune="lora", lora_dropout=0.1),
+    # torch bf16-pure: the model cast to bf16, torch.optim.AdamW's states in the parameters' dtype
+    _run("llama-fsdp-bf16pure-t512", LLAMA, "fsdp", "bf16-pure", micro=1, seq=512),
+    _run("llama-ddp-bf16pure-t256", LLAMA, "ddp", "bf16-pure", micro=1, seq=256),
     # logits-dominated: 1,024 tokens, a 32k vocabulary, PEFT's default targets (q_proj, v_proj, r=8)
     _run("llama-v32k-lora-zero2-bf16-small-t1024", LLAMA_32K, "zero2", "bf16-mixed", small=True, micro=2, seq=512,
          finetune="lora"),

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from planner.activations import Activations
     from planner.buffers import PhasePlan
     from planner.memory import Setup
+    from planner.precision import Recipe
     from planner.strategies import Strategy
 
 # (what, bytes per optimizer step, ring passes, message bytes, group: world | shard | replicas)
@@ -73,6 +74,13 @@ class Framework:
 
     def phases(self, setup: "Setup", acts: "Activations | None", numels: list[int]) -> "PhasePlan":
         raise NotImplementedError
+
+    def optimizer_state_bits(self, recipe: "Recipe", optimizer: str) -> float:
+        """Bits per parameter of the optimizer's states (beyond a master copy) under ``recipe``:
+        an fp32 partition unless a framework says otherwise."""
+        from planner.precision import optimizer_state_bits
+
+        return optimizer_state_bits(optimizer)
 
     def collectives(self, s: "Strategy", t: Traffic) -> list[Collective]:
         """What one optimizer step sends, per collective (before the ring's factor)."""

@@ -21,6 +21,7 @@ from planner.schema import MemoryItem
 
 if TYPE_CHECKING:
     from planner.memory import Setup
+    from planner.precision import Recipe
     from planner.strategies import Strategy
 
 # torch DDP's default bucket_cap_mb=25 (torch/nn/parallel/distributed.py).
@@ -44,6 +45,14 @@ class TorchDistributed(Framework):
     version = "2.13"
     launcher = "torchrun"
     cuda_adam_copies = 1  # the foreach path's _foreach_sqrt makes one fp32 copy of exp_avg_sq
+
+    def optimizer_state_bits(self, recipe: "Recipe", optimizer: str) -> float:
+        """torch.optim steps the module's own parameters and keeps its states in their dtype
+        (precision.optimizer_state_bits): fp32 under the mixed recipes (the weights are the master
+        copy) and fp32, 16-bit under bf16-pure (the model cast to bf16)."""
+        from planner.precision import optimizer_state_bits
+
+        return optimizer_state_bits(optimizer, 32 if recipe.master_bits or recipe.weight_bits == 32 else recipe.weight_bits)
     offloads_gradients_with_params = True  # FSDP CPUOffload moves gradients to the host with the parameters
 
     def phases(self, setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
@@ -127,9 +136,10 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     store_bytes = FP32 if mixed or r.weight_bits == 32 else r.weight_bits // 8
     compute_bytes = r.weight_bits // 8
     offload = setup.zero.offload_params != "none"
-    from planner.precision import bits_to_bytes, optimizer_state_bits
+    from planner.precision import bits_to_bytes
 
-    states = bits_to_bytes(part if s.shards_optimizer and sharded else psi, optimizer_state_bits(setup.request.optimizer))
+    states = bits_to_bytes(part if s.shards_optimizer and sharded else psi,
+                           setup.framework.optimizer_state_bits(r, setup.request.optimizer))
     resident = [
         item("weights" + (" (fp32, the master copy)" if mixed else ""),
               0 if offload else store_bytes * part, "parameters"),
