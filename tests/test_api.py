@@ -178,6 +178,18 @@ def test_page_takes_the_degrees_and_shows_the_layout(client):
     assert 'name="tp" type="number" min="1" max="1024" value="2"' in fixed.text  # the given degree stays in the form
 
 
+def test_page_takes_the_pipeline_schedule_and_the_reduce_dtype(client):
+    """The schedule, stages per rank and FSDP2's reduce dtype reach the plan from the form and stay
+    selected; a value the schema refuses is a 422 naming the field."""
+    r = client.get("/", params={"model": "llama-3.1-8b", "gpus": 8, "nodes": 2, "pp": 2, "pp_schedule": "interleaved",
+                                "pp_virtual_stages": 2, "reduce_dtype": "fp32", "global_batch": 64})
+    assert r.status_code == 200
+    assert "<option selected>interleaved" in r.text and "<option selected>fp32" in r.text
+    assert "Recommended: " in r.text and " x pp 2" in r.text
+    bad = client.get("/", params={"model": "llama-3.1-8b", "pp_virtual_stages": 0})
+    assert bad.status_code == 422 and "pp_virtual_stages: Input should be greater than or equal to 1" in bad.text
+
+
 NON_ASCII = {"Authorization": b"Bearer s3cr\xe9t"}  # a latin-1 byte, as a client may send it
 
 

@@ -22,13 +22,15 @@ from planner.precision import Optimizer, Precision
 from planner.presets import PRESETS, preset_topology
 from planner.memory import estimate
 from planner.render import memory_bars_svg, peak_components, strategy_label, topology_svg
-from planner.schema import PlanRequest
+from planner.parallel import PipelineSchedule
+from planner.schema import PlanRequest, ReduceDtype
 from planner.topology import link_rates, parse_topology
 
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 DEGREES = ("tp", "pp", "cp", "ep")  # planner/parallel.py DEGREE_FIELDS: empty on the form lets the planner choose
 FORM_FIELDS = ("model", "gpu", "gpus", "nodes", "topology", "fabric", "nics_per_node", "host_memory_gib", "seq_len",
-               "global_batch", "precision", "optimizer", "model_config", "topology_text", *DEGREES)
+               "global_batch", "precision", "optimizer", "model_config", "topology_text", *DEGREES,
+               "pp_schedule", "pp_virtual_stages", "reduce_dtype")
 # The form starts at the schema's own defaults (planner/schema.py defines them once for estimate
 # and plan); the model field has none, so the page shows the PlanRequest example.
 DEFAULTS = {name: ("" if field.default is None else field.default)
@@ -92,7 +94,8 @@ def _page(request: Request, form: dict, **extra) -> HTMLResponse:
     context = dict(request=request, form=form, models=list(load_catalogue()), gpus=[g for g in load_gpus() if g != "cpu"],
                    topologies=sorted(PRESETS), precisions=typing.get_args(Precision),
                    optimizers=typing.get_args(Optimizer), fabrics=_fabrics(), field_help=_field_help(),
-                   degrees=_degree_inputs(),
+                   degrees=_degree_inputs(), schedules=typing.get_args(PipelineSchedule),
+                   reduce_dtypes=typing.get_args(ReduceDtype),
                    strategy_label=strategy_label, result=None, error=None)
     context.update(extra)
     return TEMPLATES.TemplateResponse(request, "index.html", context, status_code=extra.get("status", 200))
