@@ -82,7 +82,7 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         # AutoTP training (deepspeed 0.19.8 runtime/engine.py _configure_tensor_parallel): the engine
         # splits the linears over tp consecutive ranks when the config names the degree
         settings["ds_config"]["tensor_parallel"] = {"autotp_size": setup.tp}
-    elif setup.tp > 1:
+    elif setup.tp > 1 or setup.dims.cp > 1:
         settings = settings | {"parallel": _parallel_settings(request, setup)}
     return VerifyJob(**(common | settings))
 
@@ -101,10 +101,14 @@ TP_PROBE_FAMILIES = ("llama", "mistral", "qwen2")  # q/k/v/o and gate/up/down pr
 
 
 def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
-    """How the rank lays out tensor parallelism (backend/train_parallel.py): a (dp_shard, tp) mesh,
-    tp innermost; FSDP2 over dp_shard when there is more than one data-parallel rank."""
+    """How the rank lays out tensor and context parallelism (backend/train_parallel.py): a
+    (dp_shard, cp, tp) mesh, tp innermost; FSDP2 over dp_shard (x cp) when there is more than one
+    rank to shard over."""
     model_type = setup.model.config.get("model_type")
-    dp = setup.world_size // setup.tp
+    cp = setup.dims.cp
+    if cp > 1:
+        _check_context_parallel_probe(request, setup, model_type)
+    dp = setup.world_size // (setup.tp * cp)
     if dp > 1 and setup.strategy.name != "fsdp":
         raise PlannerError(f"tp={setup.tp} with strategy {request.strategy} over {dp} data-parallel ranks: the probe "
                            "composes TP with FSDP2 (strategy fsdp) only", field="tp")
@@ -112,7 +116,23 @@ def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
         raise PlannerError(f"tp={setup.tp}: the probe's TP plan names llama-style projections "
                            f"({', '.join(TP_PROBE_FAMILIES)}); model_type {model_type!r} is estimated, not probed",
                            field="tp")
-    return {"dp_shard": dp, "tp": setup.tp, "sequence_parallel": setup.sequence_parallel}
+    return {"dp_shard": dp, "tp": setup.tp, "sequence_parallel": setup.sequence_parallel, "cp": cp}
+
+
+def _check_context_parallel_probe(request: EstimateRequest, setup, model_type) -> None:
+    """What the CP probe runs: torch's context_parallel (ring attention over the cp ranks, the
+    sequence load-balanced head-tail) on a llama-shaped decoder, FSDP2 over dp_shard x cp, as
+    torchtitan composes it (backend/context_parallel.py)."""
+    cp = setup.dims.cp
+    if setup.strategy.name != "fsdp":
+        raise PlannerError(f"cp={cp} with strategy {request.strategy}: the probe composes context parallelism with "
+                           "FSDP2 over dp_shard x cp (strategy fsdp), as torchtitan does", field="cp")
+    if setup.tp > 1:
+        raise PlannerError(f"cp={cp} with tp={setup.tp}: the probe runs context parallelism x FSDP2; tp x cp is "
+                           "estimated, not probed", field="cp")
+    if model_type not in TP_PROBE_FAMILIES:
+        raise PlannerError(f"cp={cp}: the probe runs llama-shaped decoders ({', '.join(TP_PROBE_FAMILIES)}); "
+                           f"model_type {model_type!r} is estimated, not probed", field="cp")
 
 
 # transformers families whose CausalLM is model.{embed_tokens, layers, norm, rotary_emb} + lm_head
