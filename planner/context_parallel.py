@@ -16,7 +16,10 @@ torch/distributed/tensor/experimental/_context_parallel/_attention.py) as torcht
   K/V gradients rotate with all-to-all (dkv_rotater), two chunks' worth in flight.
 
 The ring dispatch covers the flash, efficient and cuDNN SDPA kernels only (the _attention.py op
-table), i.e. CUDA; CPU's SDPA kernel is not sharded, so verify cannot run CP on CPU ranks.
+table), i.e. CUDA; on CPU torch 2.13 stops at ``_scaled_dot_product_flash_attention_for_cpu``
+("does not have a sharding strategy registered"). verify gives that kernel to the same ring
+(backend/context_parallel.py: torch's _templated_ring_attention and its buffers, CPU's flash kernel
+in each ring step), and the saved copy and backward transient below were found with its peak traces.
 """
 
 from __future__ import annotations
