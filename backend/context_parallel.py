@@ -116,8 +116,9 @@ def _cpu_sdpa_handler(op_call, args, kwargs):
 @contextmanager
 def cpu_ring_attention():
     """While open, torch's context parallel dispatches CPU's SDPA kernel to its ring attention.
-    Installed inside ``context_parallel(...)`` (which installs its own table on entry and restores
-    the one it found on exit), removed on exit, leaving DTensor as it was."""
+    Entered inside ``context_parallel(...)``, which installs its own table on entry and, on exit,
+    the table it captured at import (``existing_custom_ops``); removed on exit here too, with the
+    strategies restored, leaving DTensor as it was."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._ops.utils import register_op_strategy
 

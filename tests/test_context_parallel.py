@@ -83,8 +83,8 @@ def test_verify_job_carries_the_cp_mesh(tmp_path):
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"strategy": "hsdp", "gpus": 4, "hsdp_shard_size": 2}, "cp=2 with strategy hsdp: the probe composes context parallelism "
-                                                  "with FSDP2 over dp_shard x cp (strategy fsdp)"),
+    ({"strategy": "hsdp", "gpus": 4, "hsdp_shard_size": 2},
+     "cp=2 with strategy hsdp: the probe composes context parallelism with FSDP2 over dp_shard x cp (strategy fsdp)"),
     ({"tp": 2, "gpus": 4}, "cp=2 with tp=2: the probe runs context parallelism x FSDP2; tp x cp is estimated"),
     ({"model": dict(LLAMA_CP_LONG, model_type="qwen3", head_dim=64)}, "cp=2: the probe runs llama-shaped decoders"),
 ])
@@ -194,3 +194,18 @@ def test_torchs_ring_attention_on_cpu_ranks_gives_the_whole_sequences_gradients(
     for rank in (0, 1):
         status, worst, shape = results[rank]
         assert status == "ok" and shape == (1, 16, 64) and worst < 1e-3
+
+
+@pytest.mark.parametrize("checkpointing, gathers", [("none", 8), ("full", 12)])
+def test_cp_exchange_is_what_the_ranks_sent(checkpointing, gathers):
+    """Counted on rank 0 of cp 2 (4 layers, 1,024 tokens, K/V width 256, fp32): the ring's K/V
+    all-gathers, 2,097,152 bytes each, 8 per step, 12 under full checkpointing (the recomputed
+    forward gathers again); the fp32 K/V gradients' permute, 1,048,576 bytes sent, 8 per step."""
+    from planner.steptime import collective_volumes
+
+    rows = {r["what"]: r["bytes_per_step"] for r in
+            collective_volumes(_request(model=LLAMA_CP_LONG, seq_len=1024, checkpointing=checkpointing))
+            if r["what"].startswith("CP ")}
+    gathered = next(v for k, v in rows.items() if k.startswith("CP K/V all-gathers"))
+    assert gathered == gathers * 2_097_152
+    assert rows["CP K/V gradient ring (fp32)"] == 8 * 1_048_576
