@@ -99,13 +99,15 @@ def merged_output_copy_bytes(a: Architecture, local_tokens: int, b: int) -> int:
 
 def _freed_before_attention_bytes(a: Architecture, local_tokens: int, b: int) -> int:
     """What a block's backward has freed when it reaches the attention: the MLP's saved tensors and
-    the post-attention norm's (dense MLPs; nothing assumed freed for MoE blocks)."""
-    from planner.activations import _norm_saved
+    the post-attention norm's (dense MLPs and compute-dtype norms; nothing assumed freed for MoE
+    blocks or fp32-weight norms)."""
+    from planner.activations import norm_saved_bytes
 
     freed = []
     for spec in distinct_specs(a).values():
         mlp = 0 if spec.mlp.is_moe else (4 if spec.mlp.gated else 2) * b * local_tokens * spec.mlp.intermediate_size
-        freed.append(mlp + _norm_saved(a, local_tokens, b))
+        norm = norm_saved_bytes(a, local_tokens, b) if spec.norm_weight != "float" else 0
+        freed.append(mlp + norm)
     return min(freed)
 
 
