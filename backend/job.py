@@ -64,13 +64,21 @@ class PipelineSettings(BaseModel):
 
 
 class ParallelSettings(BaseModel):
-    """How a tensor-parallel rank lays out its mesh (backend/train_parallel.py): (dp_shard, tp), tp innermost."""
+    """How a tensor- or context-parallel rank lays out its mesh (backend/train_parallel.py):
+    (dp_shard, cp, tp), tp innermost, as torchtitan orders them."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     dp_shard: int = Field(ge=1)
-    tp: int = Field(ge=2)
+    tp: int = Field(ge=1)
     sequence_parallel: bool
+    cp: int = Field(1, ge=1, description="context parallelism: torch's ring attention (backend/context_parallel.py)")
+
+    @model_validator(mode="after")
+    def _some_model_parallelism(self) -> ParallelSettings:
+        if self.tp == 1 and self.cp == 1:
+            raise ValueError("parallel settings need tp > 1 or cp > 1")
+        return self
 
 
 class ExpertSettings(BaseModel):
@@ -107,7 +115,7 @@ class VerifyJob(BaseModel):
     trace_stacks: bool = Field(True, description="with trace_peak: Python stacks per allocation (large)")
     finetune: FinetuneSettings | None = Field(None, description="LoRA/QLoRA adapters on a frozen base")
     pipeline: PipelineSettings | None = Field(None, description="pipeline stages and schedule (torch pipelining)")
-    parallel: ParallelSettings | None = Field(None, description="tensor parallelism x FSDP2 (DTensor)")
+    parallel: ParallelSettings | None = Field(None, description="tensor and/or context parallelism x FSDP2 (DTensor)")
     experts: ExpertSettings | None = Field(None, description="expert parallelism x FSDP2 (all-to-all dispatch)")
     vocab_size: int | None = Field(None, ge=1, description="the pipeline's last stage sizes its loss with it")
 

@@ -80,7 +80,7 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         # AutoTP training (deepspeed 0.19.8 runtime/engine.py _configure_tensor_parallel): the engine
         # splits the linears over tp consecutive ranks when the config names the degree
         settings["ds_config"]["tensor_parallel"] = {"autotp_size": setup.tp}
-    elif setup.tp > 1:
+    elif setup.tp > 1 or setup.dims.cp > 1:
         settings = settings | {"parallel": _parallel_settings(request, setup)}
     return VerifyJob(**(common | settings))
 
@@ -106,11 +106,12 @@ def finetune_job(setup) -> dict[str, Any]:
 # A family lists the probes it runs; each probe it does not run has its reason in PROBE_REFUSALS.
 # The EP probe (backend/train_experts.py) swaps transformers 5's fused experts module, (E, ...)
 # tensors under @use_experts_implementation (integrations/moe.py), for its all-to-all forward.
-PROBES: dict[str, str] = {"tp": "tensor-parallel", "pp": "pipeline", "ep": "expert-parallel"}
+PROBES: dict[str, str] = {"tp": "tensor-parallel", "pp": "pipeline", "ep": "expert-parallel",
+                          "cp": "context-parallel"}
 FAMILY_PROBES: dict[str, tuple[str, ...]] = {
-    "llama": ("tp", "pp"),
-    "mistral": ("tp", "pp"),
-    "qwen2": ("tp", "pp"),
+    "llama": ("tp", "pp", "cp"),
+    "mistral": ("tp", "pp", "cp"),
+    "qwen2": ("tp", "pp", "cp"),
     "qwen3": ("pp",),
     "qwen3_moe": ("pp", "ep"),
     "olmo2": ("pp",),
@@ -148,6 +149,12 @@ PROBE_REFUSALS |= {
     ("deepseek_v3", "pp"): "its dense-then-MoE stack has not been cut into pipeline stages by a measured run",
     ("gpt_oss", "pp"): "its layers need attention sinks and sliding-window masks the pipeline stages do not pass",
 }
+# context parallelism (backend/context_parallel.py) shards the sequence of a llama-shaped decoder
+# whose attention runs transformers' SDPA causal without a mask; what the others add was not run
+PROBE_REFUSALS |= {(family, "cp"): "no context-parallel run of it has been measured (the probe was tried on "
+                                   "llama, mistral and qwen2 decoders)" for family in ("qwen3", "smollm3", "olmo2")}
+PROBE_REFUSALS |= {(family, "cp"): "its MoE blocks are not run under context parallelism by the probe"
+                   for family in ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "gpt_oss")}
 # families outside the table: their CausalLM is not model.{embed_tokens, layers, norm} + lm_head
 # (gpt2: transformer.{wte, wpe, h} with fused Conv1D c_attn; phi3: fused qkv_proj and gate_up_proj),
 # or a layer needs what the probes do not pass (gemma2/gemma3: sliding-window masks, Gemma3's second
@@ -163,19 +170,38 @@ def check_probe(model_type: str | None, probe: str, degree: str) -> None:
     runs = sorted(f for f, probes in FAMILY_PROBES.items() if probe in probes)
     raise PlannerError(f"{degree}: the {PROBES[probe]} probe does not run model_type {model_type!r}: {why}; it runs "
                        f"{', '.join(runs)}; model_type {model_type!r} is estimated, not probed",
-                       field="tp" if probe == "tp" else "model")
+                       field=probe if probe in ("tp", "cp") else "model")
 
 
 def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
-    """How the rank lays out tensor parallelism (backend/train_parallel.py): a (dp_shard, tp) mesh,
-    tp innermost; FSDP2 over dp_shard when there is more than one data-parallel rank."""
+    """How the rank lays out tensor and context parallelism (backend/train_parallel.py): a
+    (dp_shard, cp, tp) mesh, tp innermost; FSDP2 over dp_shard (x cp) when there is more than one
+    rank to shard over."""
     model_type = setup.model.config.get("model_type")
-    dp = setup.world_size // setup.tp
+    cp = setup.dims.cp
+    if cp > 1:
+        _check_context_parallel_probe(request, setup, model_type)
+    dp = setup.world_size // (setup.tp * cp)
     if dp > 1 and setup.strategy.name != "fsdp":
         raise PlannerError(f"tp={setup.tp} with strategy {request.strategy} over {dp} data-parallel ranks: the probe "
                            "composes TP with FSDP2 (strategy fsdp) only", field="tp")
-    check_probe(model_type, "tp", f"tp={setup.tp}")
-    return {"dp_shard": dp, "tp": setup.tp, "sequence_parallel": setup.sequence_parallel}
+    if setup.tp > 1:
+        check_probe(model_type, "tp", f"tp={setup.tp}")
+    return {"dp_shard": dp, "tp": setup.tp, "sequence_parallel": setup.sequence_parallel, "cp": cp}
+
+
+def _check_context_parallel_probe(request: EstimateRequest, setup, model_type) -> None:
+    """What the CP probe runs: torch's context_parallel (ring attention over the cp ranks, the
+    sequence load-balanced head-tail) on a llama-shaped decoder, FSDP2 over dp_shard x cp, as
+    torchtitan composes it (backend/context_parallel.py)."""
+    cp = setup.dims.cp
+    if setup.strategy.name != "fsdp":
+        raise PlannerError(f"cp={cp} with strategy {request.strategy}: the probe composes context parallelism with "
+                           "FSDP2 over dp_shard x cp (strategy fsdp), as torchtitan does", field="cp")
+    if setup.tp > 1:
+        raise PlannerError(f"cp={cp} with tp={setup.tp}: the probe runs context parallelism x FSDP2; tp x cp is "
+                           "estimated, not probed", field="cp")
+    check_probe(model_type, "cp", f"cp={cp}")
 
 
 def _expert_settings(setup, request: EstimateRequest) -> dict[str, Any]:

@@ -32,10 +32,21 @@ import torch
 
 
 def build_mesh(parallel: dict[str, int], device: torch.device):
+    """(dp_shard, cp, tp), tp innermost: torchtitan's order (parallel_dims.py, ["pp", "dp_replicate",
+    "dp_shard", "cp", "tp"]); a degree of 1 is a dimension of one rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, (int(parallel["dp_shard"]), int(parallel["tp"])),
-                            mesh_dim_names=("dp_shard", "tp"))
+    return init_device_mesh(device.type, (int(parallel["dp_shard"]), int(parallel.get("cp", 1)), int(parallel["tp"])),
+                            mesh_dim_names=("dp_shard", "cp", "tp"))
+
+
+def fsdp_mesh(mesh, parallel: dict[str, int]):
+    """FSDP2 shards over dp_shard, and over dp_shard x cp flattened when cp > 1 (torchtitan's
+    ``dp_shard_cp``: the cp ranks hold different tokens of the same batch, so they shard the
+    parameters like data-parallel ranks)."""
+    if int(parallel.get("cp", 1)) == 1:
+        return mesh["dp_shard"]
+    return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
 
 
 def _decoder(model: torch.nn.Module) -> torch.nn.Module:
@@ -200,15 +211,27 @@ def parallel_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.d
         model = model.to(dtype)
     model = model.to(device)
     mesh = build_mesh(parallel, device)
-    apply_tp(model, mesh["tp"], bool(parallel.get("sequence_parallel", True)))
-    model = CausalLMWithParallelLoss(model)
-    # the strategy names the data-parallel framework over dp_shard: FSDP2 wraps even when
-    # dp_shard is 1 (torch's fully_shard over a one-rank mesh), so that what is measured is what
-    # the fsdp strategy is predicted to hold; ddp (no sharding) leaves the TP model as it is
-    sharded = settings["strategy"] != "ddp" and int(parallel["dp_shard"]) > 1
+    cp = int(parallel.get("cp", 1))
+    if int(parallel["tp"]) > 1:
+        apply_tp(model, mesh["tp"], bool(parallel.get("sequence_parallel", True)))
+    if cp > 1:
+        from backend.context_parallel import ContextParallelLM
+
+        model = ContextParallelLM(model)
+    else:
+        model = CausalLMWithParallelLoss(model)
+    # the strategy names the data-parallel framework over dp_shard (x cp): FSDP2 wraps when there
+    # is more than one rank to shard over; ddp (no sharding) leaves the TP model as it is
+    sharded = settings["strategy"] != "ddp" and int(parallel["dp_shard"]) * cp > 1
     if sharded:
-        apply_fsdp(model, mesh["dp_shard"], settings, None if settings["pure_16bit"] else dtype)
+        apply_fsdp(model, fsdp_mesh(mesh, parallel), settings, None if settings["pure_16bit"] else dtype)
     autocast = None if settings["pure_16bit"] or sharded else dtype
     optimizer = _torch_optimizer(job, model)
-    return ParallelEngine(model, optimizer, accumulation=int(job.get("gradient_accumulation", 1)),
-                          sharded=sharded, autocast_dtype=autocast, device=device)
+    options = dict(accumulation=int(job.get("gradient_accumulation", 1)), sharded=sharded, autocast_dtype=autocast,
+                   device=device)
+    if cp > 1:
+        from backend.context_parallel import ContextParallelEngine, count_ring_collectives
+
+        count_ring_collectives(COUNTER)
+        return ContextParallelEngine(model, optimizer, cp_mesh=mesh["cp"], **options)
+    return ParallelEngine(model, optimizer, **options)

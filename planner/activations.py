@@ -97,6 +97,12 @@ def _norm_saved(a: Architecture, tokens: int, b: int) -> int:
     return b * tokens * h + b * tokens * h + 2 * FP32 * tokens
 
 
+def norm_saved_bytes(a: Architecture, tokens: int, b: int) -> int:
+    """One hidden-width norm's saved tensors (a weight-in-compute-dtype norm), for modules that
+    reason about what a block's backward frees at a norm (planner/context_parallel.py)."""
+    return _norm_saved(a, tokens, b)
+
+
 def _float_norm_saved(tokens: int, width: int, rows: int) -> int:
     """An RMSNorm that multiplies its weight in fp32 (Olmo2RMSNorm: ``(weight * x).to(dtype)``;
     Gemma3RMSNorm: ``x * (1 + weight.float())``): the fp32 input (saved by pow and the rsqrt

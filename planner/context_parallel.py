@@ -16,7 +16,10 @@ torch/distributed/tensor/experimental/_context_parallel/_attention.py) as torcht
   K/V gradients rotate with all-to-all (dkv_rotater), two chunks' worth in flight.
 
 The ring dispatch covers the flash, efficient and cuDNN SDPA kernels only (the _attention.py op
-table), i.e. CUDA; CPU's SDPA kernel is not sharded, so verify cannot run CP on CPU ranks.
+table), i.e. CUDA; on CPU torch 2.13 stops at ``_scaled_dot_product_flash_attention_for_cpu``
+("does not have a sharding strategy registered"). verify gives that kernel to the same ring
+(backend/context_parallel.py: torch's _templated_ring_attention and its buffers, CPU's flash kernel
+in each ring step), and the saved copy and backward transient below were found with its peak traces.
 """
 
 from __future__ import annotations
@@ -54,44 +57,104 @@ def check_context_parallel(cp: int, framework: str, strategy: str, attention: st
 
 
 def ring_attention_transient_bytes(a: Architecture, tokens: int, cp: int, b: int) -> int:
-    """The largest transient of one layer's ring attention, on top of its saved set: backward's
-    fp32 q/k/v gradient accumulators over the rank's tokens, the re-gathered K/V of the whole
-    sequence, and the K/V gradients rotating (all-to-all, two chunks in flight)."""
+    """What torch 2.13's ``_templated_ring_attention_backward`` holds at its largest (the kernel of
+    the last ring step running), for the widest layer; ``tokens`` the whole sequence's, b the
+    compute dtype's bytes:
+
+    - ``grad_query/grad_key/grad_value = zeros_like(..., dtype=float32)``: fp32 q/k/v accumulators
+      over the rank's tokens (convert_to_f32);
+    - ``key.contiguous(), value.contiguous()``: copies of the saved K and V, which are transposed
+      views in the model's (batch, seq, heads, dim) storage;
+    - ``next_kv = torch.cat([key.flatten(), value.flatten()])`` and the ALL_GATHER rotater's
+      ``all_gather_single`` of it: the local K/V buffer and the whole sequence's K and V;
+    - the dkv rotater (always ALL_TO_ALL): the fp32 K/V gradients concatenated and the buffer
+      ``permute_tensor`` received, two local K/V's worth in fp32;
+    - one ring step's kernel gradients (q, k and v, compute dtype).
+
+    Measured on CPU ranks with the peak trace (llama 4 heads x 64, fp32, 4,096 tokens over cp 2:
+    39.9 MB at the ring's peak over the block's state; these terms 37.7 MB plus the incoming
+    gradients counted by cp_activations)."""
     local = tokens // cp
-    widest = max((spec.attention.q_width, spec.attention.kv_width) for spec in distinct_specs(a).values())
-    q_width, kv_width = widest
+    q_width, kv_width = max((spec.attention.q_width, spec.attention.kv_width) for spec in distinct_specs(a).values())
     accumulators = FP32 * local * (q_width + 2 * kv_width)
+    contiguous_kv = b * local * 2 * kv_width
+    local_kv = b * local * 2 * kv_width
     gathered_kv = b * tokens * 2 * kv_width
     rotating_grads = 2 * FP32 * local * 2 * kv_width
-    return accumulators + gathered_kv + rotating_grads
+    step_grads = b * local * (q_width + 2 * kv_width)
+    return accumulators + contiguous_kv + local_kv + gathered_kv + rotating_grads + step_grads
+
+
+def merged_output_copy_bytes(a: Architecture, local_tokens: int, b: int) -> int:
+    """Per layer, on every cp rank but the last: a second copy of the attention output.
+    ``_SDPAMerger`` assembles a load-balanced rank's output with ``_partial_update`` (torch.cat
+    along the sequence: a contiguous (batch, heads, seq, dim) tensor, saved by the attention's
+    autograd node), where the kernel's own output is a transposed view of (batch, seq, heads, dim)
+    storage; the model's ``attn_output.transpose(1, 2).contiguous()`` (transformers
+    sdpa_attention_forward, torchtitan's attention alike) then copies it, and o_proj saves the copy.
+    Rank cp-1 never takes the partial branch (i > rank) and shares one tensor, as without cp.
+    Measured on CPU ranks: rank 0 saves 2 x 2.1 MB per layer, rank 1 2.1 MB (4,096 tokens, cp 2)."""
+    return max(b * local_tokens * spec.attention.q_width for spec in distinct_specs(a).values())
+
+
+def _freed_before_attention_bytes(a: Architecture, local_tokens: int, b: int) -> int:
+    """What a block's backward has freed when it reaches the attention: the MLP's saved tensors and
+    the post-attention norm's (dense MLPs and compute-dtype norms; nothing assumed freed for MoE
+    blocks or fp32-weight norms)."""
+    from planner.activations import norm_saved_bytes
+
+    freed = []
+    for spec in distinct_specs(a).values():
+        mlp = 0 if spec.mlp.is_moe else (4 if spec.mlp.gated else 2) * b * local_tokens * spec.mlp.intermediate_size
+        norm = norm_saved_bytes(a, local_tokens, b) if spec.norm_weight != "float" else 0
+        freed.append(mlp + norm)
+    return min(freed)
 
 
 def cp_activations(acts: Activations, a: Architecture, *, cp: int, tokens: int, b: int) -> Activations:
-    """``acts`` computed at seq_len / cp (the rank's two chunks), with ring attention's transient
-    added to the block backward's."""
+    """``acts`` computed at seq_len / cp (the rank's two chunks), with ring attention's saved copy
+    (merged_output_copy_bytes) and its backward transient: in a block's backward the attention comes
+    after the MLP has freed its saved tensors, with the gradient flowing in (tokens x hidden) and
+    that of the attention output live; the block's transient is the larger of the MLP's and this."""
     if cp == 1:
         return acts
+    local = tokens // cp
+    copy = merged_output_copy_bytes(a, local, b)
     ring = ring_attention_transient_bytes(a, tokens, cp, b)
-    transient = acts.layer_transient_bytes + ring
-    recompute = acts.layer_saved_bytes if acts.checkpointed else 0
+    q_width = max(spec.attention.q_width for spec in distinct_specs(a).values())
+    attention_phase = b * local * (a.hidden_size + q_width) + ring - _freed_before_attention_bytes(a, local, b)
+    transient = max(acts.layer_transient_bytes, attention_phase)
+    if acts.checkpointed:  # the copy exists in the recomputed layer only
+        saved, layer_saved, kept = acts.saved_bytes, acts.layer_saved_bytes + copy, acts.layer_kept_bytes
+    else:
+        saved = acts.saved_bytes + a.num_layers * copy
+        layer_saved, kept = acts.layer_saved_bytes + copy, acts.layer_kept_bytes + copy
+    recompute = layer_saved if acts.checkpointed else 0
     peak_extra = max(acts.loss_transient_bytes, recompute + transient) if acts.checkpointed else \
         max(acts.peak_extra_bytes, transient)
-    items = acts.items + (ActivationItem(f"ring attention over cp({cp}): whole-sequence K/V gathered, fp32 q/k/v "
-                                         "gradient accumulators, rotating K/V gradients", ring),)
-    return replace(acts, layer_transient_bytes=transient, peak_extra_bytes=peak_extra, items=items)
+    items = acts.items + (
+        ActivationItem(f"ring attention's merged output, copied by the model (cp ranks but the last; "
+                       f"{a.num_layers} layers)", 0 if acts.checkpointed else a.num_layers * copy),
+        ActivationItem(f"ring attention backward over cp({cp}): fp32 q/k/v gradient accumulators, the whole "
+                       "sequence's K/V gathered, rotating fp32 K/V gradients", ring))
+    return replace(acts, saved_bytes=saved, layer_saved_bytes=layer_saved, layer_kept_bytes=kept,
+                   layer_transient_bytes=transient, peak_extra_bytes=peak_extra, items=items)
 
 
 def cp_collectives(a: Architecture, *, tokens: int, micro_batches: float, b: int, cp: int,
-                   tp: int = 1) -> list[tuple[str, float, int, float]]:
+                   tp: int = 1, checkpointing: str = "none") -> list[tuple[str, float, int, float]]:
     """(what, bytes per step, ring passes, message bytes) of the CP group's K/V exchange: per layer
     and micro-batch, the whole sequence's K and V gathered in forward and again in backward
-    (ALL_GATHER rotation), and the fp32 K/V gradients sent back around the ring in backward
-    (dkv_rotater: each rank's chunk passes cp-1 peers, what a reduce-scatter moves). ``a`` is the
-    model one TP rank runs, so the K/V widths are already 1/tp."""
+    (ALL_GATHER rotation), once more in the recomputed forward under full checkpointing (measured:
+    12 all-gathers per step over 4 layers, 8 without), and the fp32 K/V gradients sent back around
+    the ring in backward (dkv_rotater: each rank's chunk passes cp-1 peers, what a reduce-scatter
+    moves). ``a`` is the model one TP rank runs, so the K/V widths are already 1/tp."""
     if cp == 1:
         return []
     kv_width = max(spec.attention.kv_width for spec in distinct_specs(a).values())
     kv = 2 * tokens * kv_width
     layers = a.num_layers * micro_batches
-    return [("CP K/V all-gathers (forward and backward)", 2 * layers * b * kv, 1, b * kv),
+    gathers = 3 if checkpointing == "full" else 2
+    what = "forward, recomputed forward and backward" if gathers == 3 else "forward and backward"
+    return [(f"CP K/V all-gathers ({what})", gathers * layers * b * kv, 1, b * kv),
             ("CP K/V gradient ring (fp32)", layers * FP32 * kv, 1, FP32 * kv)]

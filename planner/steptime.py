@@ -336,7 +336,8 @@ def model_parallel_collectives(precision: str, combo: Combo, arch, per_rank: int
         arch, tokens=seq_len // combo.cp, micro_batches=per_rank, b=wb, tp=combo.tp,
         sequence_parallel=combo.sequence_parallel, checkpointing=combo.checkpointing)]
     rows += [(what, volume, passes, message, "cp") for what, volume, passes, message in cp_collectives(
-        rank_architecture(arch, combo.tp), tokens=seq_len, micro_batches=per_rank, b=wb, cp=combo.cp)]
+        rank_architecture(arch, combo.tp), tokens=seq_len, micro_batches=per_rank, b=wb, cp=combo.cp,
+        checkpointing=combo.checkpointing)]
     return rows
 
 

@@ -68,6 +68,10 @@ LLAMA_32K = dict(LLAMA, vocab_size=32_000)
 # Tensor parallelism (issue 12): heads and kv heads that split over tp 2
 LLAMA_TP = dict(LLAMA, num_attention_heads=8, num_key_value_heads=4, intermediate_size=768)
 LLAMA_TP_32K = dict(LLAMA_TP, vocab_size=32_000)
+# Context parallelism (issue 12): a long sequence, every head with its own K/V and a small
+# vocabulary, so that ring attention's backward (the whole sequence's K/V gathered, fp32
+# accumulators, rotating gradients) is the peak rather than the loss
+LLAMA_CP_LONG = dict(LLAMA, vocab_size=256, num_key_value_heads=4, max_position_embeddings=8192)
 LLAMA_128K = dict(LLAMA, vocab_size=128_256)
 QWEN2_32K = dict(QWEN2, vocab_size=32_000)
 QWEN2_64K = dict(QWEN2, vocab_size=64_000)
@@ -80,13 +84,15 @@ SMALL = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000,
 
 
 def _run(name, model, strategy, precision, *, small=False, ckpt="none", micro=2, seq=128, gpus=2, nodes=1,
-         offload="none", tp=1, sp=None, **extra):
+         offload="none", tp=1, sp=None, cp=1, **extra):
     fields = dict(model_config=model, strategy=strategy, precision=precision, gpus=gpus, gpu="cpu",
                   micro_batch=micro, seq_len=seq, checkpointing=ckpt) | extra
     if tp > 1:  # tensor parallelism: backend/train_parallel.py (torch DTensor on a (dp_shard, tp) mesh)
         fields["tp"] = tp
         if sp is not None:
             fields["sequence_parallel"] = sp
+    if cp > 1:  # context parallelism: torch's ring attention (backend/context_parallel.py), FSDP2 over dp_shard x cp
+        fields["cp"] = cp
     if nodes > 1:
         fields["nodes"] = nodes  # torch strategies: every node's ranks on this host (a 2-D mesh)
     if offload != "none":
@@ -130,6 +136,8 @@ CPU_RUNS = [
     # tensor parallelism (torch DTensor), cheap ones: TP only, and TP x FSDP2 on 4 ranks
     _run("llama-tp2-fp32-sp-t256", LLAMA_TP, "fsdp", "fp32", tp=2, micro=1, seq=256),
     _run("llama-tp2-fsdp2-bf16-sp-t256", LLAMA_TP, "fsdp", "bf16-mixed", tp=2, gpus=4, micro=1, seq=256),
+    # context parallelism: torch's context_parallel, its ring attention given CPU's flash kernel
+    _run("llama-v256-mha-cp2-fsdp-fp32-t1024", LLAMA_CP_LONG, "fsdp", "fp32", cp=2, micro=1, seq=1024),
     # pipeline parallelism (torch.distributed.pipelining, backend/train_pipeline.py); at one
     # data-parallel rank no wrapper, over dp > 1 FSDP2
     _run("llama-pp2-1f1b-fp32-m4", LLAMA, "fsdp", "fp32", pp=2, gradient_accumulation=4),
@@ -156,6 +164,8 @@ BENCH_RUNS = [
     _run("llama-tp2-fsdp2-fp32-sp-ckpt-t1024", LLAMA_TP, "fsdp", "fp32", tp=2, gpus=4, ckpt="full", micro=1,
          seq=1024),
     _run("llama-v32k-tp2-fp32-sp-t1024", LLAMA_TP_32K, "fsdp", "fp32", tp=2, micro=1, seq=1024),
+    # context parallelism at 4,096 tokens: ring attention's backward is the peak
+    _run("llama-v256-mha-cp2-fsdp-fp32-t4096", LLAMA_CP_LONG, "fsdp", "fp32", cp=2, micro=1, seq=4096),
     # DeepSpeed AutoTP (tensor_parallel.autotp_size) with ZeRO over the data-parallel ranks
     _run("llama-tp2-zero1-fp32-small-s256", LLAMA_TP, "zero1", "fp32", small=True, tp=2, micro=1, seq=256),
     _run("llama-tp2-zero2-fp32-small-4ranks-s256", LLAMA_TP, "zero2", "fp32", small=True, tp=2, gpus=4, micro=1,

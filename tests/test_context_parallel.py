@@ -1,0 +1,212 @@
+"""Context parallelism: the memory model against torch 2.13's ring attention as measured on CPU
+ranks, and what `verify --cp N` launches or refuses. The real-rank checks (torch's own
+context_parallel on two gloo ranks) are marked deepspeed (they spawn training processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.activations import FP32, estimate_activations
+from planner.architecture import from_hf_config
+from planner.context_parallel import cp_activations, merged_output_copy_bytes, ring_attention_transient_bytes
+from planner.errors import PlannerError
+from planner.memory import estimate
+from planner.schema import EstimateRequest
+from tests.real_runs import LLAMA, LLAMA_CP_LONG
+
+MHA_V1024 = dict(LLAMA, vocab_size=1024, num_key_value_heads=4, max_position_embeddings=8192)
+
+
+def _request(model=MHA_V1024, **fields) -> EstimateRequest:
+    kw = dict(model_config=model, strategy="fsdp", gpus=2, gpu="cpu", precision="fp32", optimizer="adamw",
+              micro_batch=1, seq_len=4096, cp=2)
+    return EstimateRequest(**(kw | fields))
+
+
+def _phase(request: EstimateRequest, name: str) -> int:
+    return next(p.bytes for p in estimate(request).phases if p.name == name)
+
+
+def test_ring_backward_phase_is_the_traced_one():
+    """Peak trace of rank 0 (llama 4 x 64 heads, MHA, fp32, 4,096 tokens over cp 2, FSDP2 over
+    the two ranks): inside block 4's backward the ring attention reached 230,994,872 bytes. The
+    block's MLP saved tensors are freed by then; the ring holds the fp32 accumulators, copies of
+    K and V, the local and the gathered K/V, the rotating fp32 K/V gradients and one step's kernel
+    gradients. (The previous model put the ring on top of the MLP's transient and the whole
+    saved set: 240,359,424, +4.1%.)"""
+    predicted = _phase(_request(), "start of block 4 backward")
+    assert abs(predicted - 230_994_872) / 230_994_872 < 0.005
+
+
+def test_ring_transient_terms():
+    """The terms of _templated_ring_attention_backward at its largest, for 2,048 local tokens of
+    a 4,096-token sequence (q and kv widths 256, fp32): accumulators 3 x 2 MiB, K/V contiguous
+    copies 4 MiB, local K/V cat 4 MiB, gathered K/V 8 MiB, rotating fp32 K/V gradients 2 x 4 MiB,
+    one step's q/k/v gradients 6 MiB."""
+    a = from_hf_config(dict(MHA_V1024))
+    mib = 1 << 20
+    assert ring_attention_transient_bytes(a, 4096, 2, FP32) == (6 + 4 + 4 + 8 + 8 + 6) * mib
+
+
+def test_non_last_cp_ranks_save_a_copy_of_the_merged_output():
+    """Rank 0 of cp 2 saves 2 x 2.1 MB per layer at the attention (the merged output and
+    transformers' contiguous copy of it), rank 1 2.1 MB (peak trace): the worst rank's saved set
+    is the cp=1 set at the same tokens plus one q-width tensor per layer."""
+    a = from_hf_config(dict(MHA_V1024))
+    local = 2048
+    base = estimate_activations(a, micro_batch=1, seq_len=local, compute_bytes=FP32, attention="sdpa",
+                                checkpointing="none", device="cpu")
+    split = cp_activations(base, a, cp=2, tokens=4096, b=FP32)
+    copy = merged_output_copy_bytes(a, local, FP32)
+    assert copy == FP32 * local * 256
+    assert split.saved_bytes - base.saved_bytes == a.num_layers * copy
+    assert split.layer_kept_bytes - base.layer_kept_bytes == copy
+
+
+def test_checkpointed_cp_keeps_the_copy_in_the_recomputed_layer_only():
+    a = from_hf_config(dict(MHA_V1024))
+    base = estimate_activations(a, micro_batch=1, seq_len=2048, compute_bytes=FP32, attention="sdpa",
+                                checkpointing="full", device="cpu")
+    split = cp_activations(base, a, cp=2, tokens=4096, b=FP32)
+    assert split.saved_bytes == base.saved_bytes
+    assert split.layer_saved_bytes == base.layer_saved_bytes + merged_output_copy_bytes(a, 2048, FP32)
+
+
+def test_verify_job_carries_the_cp_mesh(tmp_path):
+    """cp 2 on 2 ranks: the (dp_shard, cp, tp) mesh (1, 2, 1); FSDP2 over dp_shard x cp."""
+    from backend.launch import worker_job
+
+    job = worker_job(_request(model=LLAMA_CP_LONG, seq_len=1024), steps=1, warmup_steps=0,
+                     out_dir=tmp_path).for_rank()
+    assert job["framework"] == "torch" and job["torch"]["strategy"] == "fsdp"
+    assert job["parallel"] == {"dp_shard": 1, "tp": 1, "sequence_parallel": False, "cp": 2}
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"strategy": "hsdp", "gpus": 4, "hsdp_shard_size": 2},
+     "cp=2 with strategy hsdp: the probe composes context parallelism with FSDP2 over dp_shard x cp (strategy fsdp)"),
+    ({"tp": 2, "gpus": 4}, "cp=2 with tp=2: the probe runs context parallelism x FSDP2; tp x cp is estimated"),
+    ({"model": dict(LLAMA_CP_LONG, model_type="qwen3", head_dim=64)},
+     "cp=2: the context-parallel probe does not run model_type 'qwen3': no context-parallel run of it"),
+])
+def test_verify_refuses_what_the_cp_probe_does_not_run(tmp_path, fields, message):
+    from backend.launch import worker_job
+
+    with pytest.raises(PlannerError, match=message.replace("(", r"\(").replace(")", r"\)")) as caught:
+        worker_job(_request(**({"model": LLAMA_CP_LONG, "seq_len": 1024} | fields)), steps=1, warmup_steps=0,
+                   out_dir=tmp_path)
+    assert caught.value.field == "cp"
+
+
+def test_verify_job_without_cp_or_tp_has_no_parallel_settings(tmp_path):
+    from backend.job import ParallelSettings
+    from backend.launch import worker_job
+
+    job = worker_job(_request(cp=1, seq_len=1024), steps=1, warmup_steps=0, out_dir=tmp_path)
+    assert job.parallel is None
+    with pytest.raises(ValueError, match="tp > 1 or cp > 1"):
+        ParallelSettings(dp_shard=2, tp=1, cp=1, sequence_parallel=False)
+
+
+# --- torch's own context_parallel on two gloo CPU ranks --------------------------------------------
+
+def _ranks(rank: int, world: int, port: int, mode: str, rotate: str, results) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import set_rotate_method
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from backend.context_parallel import RING_ATTENTION, cpu_ring_attention
+
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+        model = LlamaForCausalLM(config)
+        ids = torch.randint(0, 128, (1, 32))
+        positions = torch.arange(32).unsqueeze(0)
+        whole = model.model(input_ids=ids, position_ids=positions).last_hidden_state
+        (whole ** 2).sum().backward()
+        reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+        set_rotate_method(rotate)
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        AttentionInterface.register(RING_ATTENTION, sdpa_attention_forward)
+        model.set_attn_implementation(RING_ATTENTION)
+        try:
+            with context_parallel(mesh, buffers=[ids, positions], buffer_seq_dims=[1, 1]):
+                ring = cpu_ring_attention() if mode == "cpu-ring" else __import__("contextlib").nullcontext()
+                with ring:
+                    local = model.model(input_ids=ids, position_ids=positions).last_hidden_state
+                    (local ** 2).sum().backward()
+        except NotImplementedError as exc:
+            results[rank] = ("error", str(exc))
+            return
+        worst = 0.0
+        for name, grad in reference.items():
+            summed = dict(model.named_parameters())[name].grad.clone()
+            dist.all_reduce(summed)  # each rank's tokens' share of the whole sequence's gradient
+            worst = max(worst, ((summed - grad).abs().max() / grad.abs().max()).item())
+        results[rank] = ("ok", worst, tuple(local.shape))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(mode: str, rotate: str = "allgather") -> dict:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_ranks, args=(2, port, mode, rotate, results), nprocs=2, join=True)
+    return dict(results)
+
+
+@pytest.mark.deepspeed
+def test_torchs_context_parallel_stops_at_cpus_sdpa_kernel():
+    """torch 2.13 as shipped: the CP dispatcher's tables name CUDA's flash/efficient/cuDNN kernels,
+    SDPA on CPU decomposes into _scaled_dot_product_flash_attention_for_cpu, and DTensor stops."""
+    from backend.context_parallel import CPU_KERNEL_ERROR
+
+    results = _spawn("stock")
+    assert results[0][0] == "error" and CPU_KERNEL_ERROR in results[0][1]
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("rotate", ["allgather", "alltoall"])
+def test_torchs_ring_attention_on_cpu_ranks_gives_the_whole_sequences_gradients(rotate):
+    """With the CPU kernel given to torch's ring (backend/context_parallel.py), each rank runs its
+    16 load-balanced tokens of 32, and the two ranks' parameter gradients sum to the single
+    process's over the whole sequence (fp32: relative 1e-3 at worst)."""
+    results = _spawn("cpu-ring", rotate)
+    for rank in (0, 1):
+        status, worst, shape = results[rank]
+        assert status == "ok" and shape == (1, 16, 64) and worst < 1e-3
+
+
+@pytest.mark.parametrize("checkpointing, gathers", [("none", 8), ("full", 12)])
+def test_cp_exchange_is_what_the_ranks_sent(checkpointing, gathers):
+    """Counted on rank 0 of cp 2 (4 layers, 1,024 tokens, K/V width 256, fp32): the ring's K/V
+    all-gathers, 2,097,152 bytes each, 8 per step, 12 under full checkpointing (the recomputed
+    forward gathers again); the fp32 K/V gradients' permute, 1,048,576 bytes sent, 8 per step."""
+    from planner.steptime import collective_volumes
+
+    rows = {r["what"]: r["bytes_per_step"] for r in
+            collective_volumes(_request(model=LLAMA_CP_LONG, seq_len=1024, checkpointing=checkpointing))
+            if r["what"].startswith("CP ")}
+    gathered = next(v for k, v in rows.items() if k.startswith("CP K/V all-gathers"))
+    assert gathered == gathers * 2_097_152
+    assert rows["CP K/V gradient ring (fp32)"] == 8 * 1_048_576
