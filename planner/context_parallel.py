@@ -137,8 +137,11 @@ def cp_activations(acts: Activations, a: Architecture, *, cp: int, tokens: int, 
                        f"{a.num_layers} layers)", 0 if acts.checkpointed else a.num_layers * copy),
         ActivationItem(f"ring attention backward over cp({cp}): fp32 q/k/v gradient accumulators, the whole "
                        "sequence's K/V gathered, rotating fp32 K/V gradients", ring))
+    # each block's whole saved set gains the copy (a pipeline stage's share, and the set a
+    # checkpointed block recomputes); under checkpointing what it keeps is still its input
+    blocks = tuple(block + copy for block in acts.blocks)
     return replace(acts, saved_bytes=saved, layer_saved_bytes=layer_saved, layer_kept_bytes=kept,
-                   layer_transient_bytes=transient, peak_extra_bytes=peak_extra, items=items)
+                   layer_transient_bytes=transient, peak_extra_bytes=peak_extra, items=items, blocks=blocks)
 
 
 def cp_collectives(a: Architecture, *, tokens: int, micro_batches: float, b: int, cp: int,

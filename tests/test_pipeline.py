@@ -210,15 +210,22 @@ def test_tp_stage_shards_its_norms_and_pays_loss_parallel():
 
 
 def test_cp_stage_holds_ring_attentions_buffers():
-    from planner.context_parallel import ring_attention_transient_bytes
+    """A checkpointed stage under cp 2 keeps the same block inputs as the unsplit half-length
+    sequence; the block it recomputes also holds ring attention's copy of the merged output, and
+    its backward transient is context_parallel's (the larger of the MLP's and the ring's, which
+    come after the MLP's saved tensors are freed)."""
+    from planner.context_parallel import cp_activations, merged_output_copy_bytes
 
     fields = dict(model="llama-3.1-8b", strategy="fsdp", gpu="h100-80gb", precision="bf16-pure",
                   micro_batch=1, pp=2, gradient_accumulation=4, checkpointing="full")
     setup, acts, split = _setup_and_stages(**fields, seq_len=16384, cp=2, gpus=8)
-    _, _, whole = _setup_and_stages(**fields, seq_len=8192, gpus=4)
-    ring = ring_attention_transient_bytes(setup.arch, 16384, 2, 2)  # tokens: the whole sequence
+    _, whole_acts, whole = _setup_and_stages(**fields, seq_len=8192, gpus=4)
+    copy = merged_output_copy_bytes(setup.arch, 8192, 2)
     assert split[0].activation_bytes == whole[0].activation_bytes
-    assert split[0].transient_bytes == whole[0].transient_bytes + ring
+    assert acts.layer_transient_bytes == cp_activations(whole_acts, setup.arch, cp=2, tokens=16384,
+                                                        b=2).layer_transient_bytes
+    assert split[0].transient_bytes == (whole[0].transient_bytes - whole_acts.layer_transient_bytes
+                                        + acts.layer_transient_bytes + copy)
 
 
 def test_checkpointed_stage_recomputes_its_largest_block():
