@@ -15,6 +15,7 @@ from planner.frameworks import Buckets, Traffic, framework_of
 from planner.gpus import Gpu, gpu as lookup_gpu
 from planner.hardware import profile_efficiencies, topology_of
 from planner.memory import estimate
+from planner.buffers import FP32
 from planner.precision import RECIPES
 from planner.schema import EstimateRequest, EstimateResult, PlanRequest, TimeEstimate
 from planner.strategies import strategy as lookup_strategy
@@ -161,11 +162,13 @@ class StepSettings:
     nodes: int
     compute_efficiency: float
     link_efficiency: float
+    reduce_dtype: str = "compute"  # FSDP2's MixedPrecisionPolicy.reduce_dtype (the request's)
 
     @classmethod
     def of(cls, req: PlanRequest) -> "StepSettings":
         return cls(precision=req.precision, seq_len=req.seq_len, nodes=req.nodes,
-                   compute_efficiency=req.compute_efficiency, link_efficiency=req.link_efficiency)
+                   compute_efficiency=req.compute_efficiency, link_efficiency=req.link_efficiency,
+                   reduce_dtype=req.reduce_dtype)
 
 
 def collective_volumes(request: EstimateRequest) -> list[dict]:
@@ -183,7 +186,8 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
     arch = Architecture.model_validate(result.model.architecture)
     frozen = frozen_base_shape(request, arch)
     rows = combo_collectives(request.precision, combo, result.parameters // combo.tp, request.micro_batch, per_rank,
-                             wb, arch, buckets, trainable=frozen.trainable if frozen else None)
+                             wb, arch, buckets, trainable=frozen.trainable if frozen else None,
+                             reduce_dtype=request.reduce_dtype)
     out = [{"what": what, "bytes_per_step": int(volume), "message_bytes": int(message), "group": group}
            for what, volume, _, message, group in rows]
     if request.ep > 1:  # routed experts over the expert-data-parallel group; the all-to-alls
@@ -215,7 +219,8 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
         request.profile, request.gpu, topo, request.gpus, PlanRequest.model_fields["compute_efficiency"].default,
         PlanRequest.model_fields["link_efficiency"].default, profile)  # the plan's defaults, so both time alike
     settings = StepSettings(precision=result.request.precision, seq_len=request.seq_len, nodes=request.nodes,
-                            compute_efficiency=compute_efficiency, link_efficiency=link_efficiency)
+                            compute_efficiency=compute_efficiency, link_efficiency=link_efficiency,
+                            reduce_dtype=request.reduce_dtype)
     from planner.architecture import Architecture
 
     combo, buckets, setup = resolved_combo(request, result.parameters if traced is not None else None)
@@ -259,20 +264,22 @@ def resolved_combo(request: EstimateRequest, parameters: int | None = None) -> t
 
 def combo_collectives(precision: str, combo: Combo, psi: int, micro, per_rank: int,
                       wb: int, arch=None, buckets: Buckets = Buckets(),
-                      trainable: int | None = None) -> list[tuple[str, Any, int, float, str]]:
+                      trainable: int | None = None, reduce_dtype: str = "compute") -> list[tuple[str, Any, int, float, str]]:
     """(what, bytes per step, ring passes, message bytes, group) for the strategy's collectives,
     as its framework sends them (planner/frameworks/: Framework.collectives).
 
     Message sizes are what the frameworks really send: DDP's 25 MiB buckets, DeepSpeed's reduce
     and all-gather buckets (capped by the model), and for ZeRO-3 and FSDP one transformer block
     at a time (the FSDP unit; ZeRO-3 fetches a module's parameters, at most prefetch_bucket_size).
-    ``micro``: one micro-batch size, or a numpy array of the options (then each volume is an array)."""
+    ``micro``: one micro-batch size, or a numpy array of the options (then each volume is an array).
+    ``reduce_dtype`` fp32: FSDP2 reduce-scatters its gradients in fp32 (4 bytes on the wire)."""
     s = lookup_strategy(combo.strategy)
     block = (arch.block_parameters if isinstance(arch, TracedShape) else layer_parameters(arch)) if arch is not None \
         else max(psi // 100, 1)
     traffic = Traffic(psi=psi, wire_bytes=wb, block=block, step=arrays.full_like(arrays.as_float(micro), 1.0),
                       accumulation=per_rank / micro, precision=precision, shard=combo.shard or combo.gpus,
-                      buckets=buckets, trainable=trainable)
+                      buckets=buckets, trainable=trainable,
+                      reduce_bytes=FP32 if reduce_dtype == "fp32" and s.shards_parameters else wb)
     return framework_of(s).collectives(s, traffic)
 
 
@@ -373,7 +380,8 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     slowest = ring_bw * req.link_efficiency
     trainable = frozen.trainable if frozen is not None else None
     for _, volume, passes, message, group in combo_collectives(req.precision, combo, psi // combo.tp, micro,
-                                                               per_rank, wb, arch, buckets, trainable):
+                                                               per_rank, wb, arch, buckets, trainable,
+                                                               req.reduce_dtype):
         t = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, arrays.as_float(volume), message, passes)
         comm += t.seconds
         slowest = min(slowest, arrays.smallest(t.bottleneck_gbps))

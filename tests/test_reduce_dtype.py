@@ -139,3 +139,19 @@ def test_torchtitan_emit_reduces_in_fp32_and_says_what_that_costs(tmp_path):
     assert f"the torchtitan job's peak is {titan / 2**30:.2f} GiB" in files["LAUNCH.md"]
     again = emit_estimate_files(estimate_with_time(EstimateRequest(**fields, reduce_dtype="fp32")))
     assert "torchtitan job's peak" not in again["LAUNCH.md"]
+
+
+def test_fp32_reduce_scatter_moves_four_bytes_per_gradient():
+    """FSDP2 casts a unit's gradients to the reduce dtype before its reduce-scatter: in fp32 the
+    time model sends twice the bf16 bytes (and the same all-gathers); the step is no faster."""
+    from planner.plan import estimate_with_time
+    from planner.steptime import collective_volumes
+
+    fields = dict(model="llama-3.1-8b", strategy="fsdp", gpu="h100-80gb", gpus=8, nodes=2)
+    rows = {r: {v["what"]: v for v in collective_volumes(EstimateRequest(**fields, reduce_dtype=r))}
+            for r in ("compute", "fp32")}
+    assert rows["fp32"]["gradient reduce-scatter"]["bytes_per_step"] == \
+        2 * rows["compute"]["gradient reduce-scatter"]["bytes_per_step"]
+    assert rows["fp32"]["parameter all-gathers"] == rows["compute"]["parameter all-gathers"]
+    slow, fast = (estimate_with_time(EstimateRequest(**fields, reduce_dtype=r)).time for r in ("fp32", "compute"))
+    assert slow.communication_seconds > fast.communication_seconds

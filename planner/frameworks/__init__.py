@@ -53,6 +53,7 @@ class Traffic:
     shard: int  # HSDP's shard group size (the world for the others)
     buckets: Buckets = Buckets()
     trainable: int | None = None  # elements that make gradients (LoRA: the adapters); None: psi
+    reduce_bytes: int | None = None  # bytes per gradient element reduced (FSDP2's reduce dtype); None: wire_bytes
 
     @property
     def trained(self) -> int:

@@ -68,14 +68,18 @@ class TorchDistributed(Framework):
             # DDP buckets only parameters that require grad (reducer.cpp: the reducer's params)
             return [("gradient all-reduce", t.step * t.trained * master, 2,
                      min(t.trained * master, DDP_BUCKET_CAP_BYTES), "world")]
-        grads = t.trained * t.wire_bytes  # a unit's frozen parameters make no gradient to reduce-scatter
+        # the reduce-scatter runs in MixedPrecisionPolicy.reduce_dtype (fp32: _fsdp_collectives.py
+        # foreach_reduce casts the unit's gradients before reducing them); a unit's frozen
+        # parameters make no gradient to reduce-scatter
+        reduce = t.reduce_bytes or t.wire_bytes
+        grads = t.trained * reduce
         gathers = 1 if s.params_unsharded_in_step else 2
         unit = t.block * t.wire_bytes
         items = [("parameter all-gathers", t.accumulation * gathers * t.psi * t.wire_bytes, 1, unit, "shard"),
-                 ("gradient reduce-scatter", t.accumulation * grads, 1, unit, "shard")]
+                 ("gradient reduce-scatter", t.accumulation * grads, 1, t.block * reduce, "shard")]
         if s.shard_within_node:
-            items.append(("replica all-reduce of each shard", t.accumulation * grads / t.shard, 2, unit / t.shard,
-                          "replicas"))
+            items.append(("replica all-reduce of each shard", t.accumulation * grads / t.shard, 2,
+                          t.block * reduce / t.shard, "replicas"))
         return items
 
     def fsdp_sharding(self, s: "Strategy") -> str | None:
