@@ -88,8 +88,9 @@ RECIPES: dict[str, Recipe] = {
     # gradients (2+2 bytes) and an fp32 master copy plus Adam moments (K = 12 bytes).
     "bf16-mixed": Recipe(weight_bits=16, grad_bits=16, master_bits=32, compute="bf16"),
     "fp16-mixed": Recipe(weight_bits=16, grad_bits=16, master_bits=32, compute="fp16"),
-    # bf16 weights and grads, optimizer steps on them directly, fp32 moments: 2+2+8 bytes, the
-    # ~87 GB Mistral-7B full fine-tune figure.
+    # bf16 weights and grads, the optimizer steps them directly, no master copy; the moments are
+    # the framework's (Framework.optimizer_state_bits): torch.optim.AdamW's take the bf16 dtype
+    # (2+2+4 bytes), not the fp32 moments of the quoted ~87 GB Mistral-7B figure (2+2+8).
     "bf16-pure": Recipe(weight_bits=16, grad_bits=16, master_bits=0, compute="bf16"),
     "fp32": Recipe(weight_bits=32, grad_bits=32, master_bits=0, compute="fp32"),
 }

@@ -10,17 +10,20 @@ GB = 10**9
 
 
 def test_mistral_7b_full_finetune_does_not_fit_an_a100_80gb():
-    # DEVELOPERS.md: Mistral-7B, Adam, bf16: 14.48 GB params + 14.48 GB grads + 57.93 GB Adam ≈ 86.9 GB
+    """DEVELOPERS.md: Mistral-7B, Adam, bf16: 14.48 GB params + 14.48 GB grads + 57.93 GB Adam
+    ≈ 86.9 GB, with fp32 moments. torch.optim.AdamW keeps its moments in the parameters' dtype
+    (torch 2.13 optim/adam.py _init_group: zeros_like(param); measured to the byte by the
+    llama-ddp-bf16pure-t256 run), so a bf16 model's are 28.97 GB; with DDP's bucket copy of the
+    gradients and the optimizer step's bf16 temporary the step still peaks above 80 GB."""
     r = estimate(EstimateRequest(model="mistral-7b-v0.1", strategy="ddp", gpus=1, gpu="a100-80gb",
                                  precision="bf16-pure", optimizer="adamw"))
     d = r.per_device
     assert d.parameters_bytes == 2 * 7_241_732_096
     assert round(d.parameters_bytes / GB, 2) == 14.48
     assert round(d.gradients_bytes / GB, 2) == 14.48
-    assert round(d.optimizer_states_bytes / GB, 2) == 57.93
-    states = d.parameters_bytes + d.gradients_bytes + d.optimizer_states_bytes
-    assert round(states / GB, 1) == 86.9
-    assert not r.fits and r.headroom_bytes < 0
+    assert round(d.optimizer_states_bytes / GB, 2) == 28.97
+    assert 2 * d.optimizer_states_bytes == 8 * 7_241_732_096  # half the quoted figure's fp32 moments (57.93 GB)
+    assert not r.fits and r.headroom_bytes < 0 and d.peak_bytes > 80 * GB
 
 
 @pytest.mark.parametrize("strategy,expected_gb", [("zero0", 120.0), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.9)])
