@@ -110,6 +110,8 @@ def test_the_first_estimate_says_what_the_readme_says(clone, capsys):
     assert claim, "the README's first estimate lost its numbers"
     shown = (per_device["parameters_bytes"], per_device["gradients_bytes"], per_device["optimizer_states_bytes"])
     assert tuple(f"{b / 1e9:.2f}" for b in shown) == claim.groups()
+    peak = re.search(r"peak at ([\d.]+) GB", text)
+    assert peak and f"{per_device['peak_bytes'] / 1e9:.2f}" == peak.group(1)
 
 
 @pytest.mark.deepspeed
