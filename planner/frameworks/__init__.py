@@ -52,6 +52,8 @@ class Traffic:
     shard: int  # HSDP's shard group size (the world for the others)
     buckets: Buckets = Buckets()
     trainable: int | None = None  # elements that make gradients (LoRA: the adapters); None: psi
+    # a data-parallel wrapper runs (steptime.Combo.data_parallel_wrapped): not on a TP-only layout
+    wrapped: bool = True
 
     @property
     def trained(self) -> int:
