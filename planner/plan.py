@@ -44,9 +44,8 @@ __all__ = ["estimate_with_time", "plan"]  # estimate_with_time: re-exported for 
 class Setting(Combo):
     """One searched configuration: the time model's Combo and the pipeline and expert degrees
     (planner/layouts.py places them; their memory and time are the estimate's: planner/pipeline.py
-    and experts.py)."""
+    and experts.py); pp is the Combo's own."""
 
-    pp: int = 1
     ep: int = 1
 
     @property

@@ -44,6 +44,16 @@ class Combo:
     tp: int = 1  # tensor-parallel degree: consecutive GPUs of a node (planner/layouts.py)
     cp: int = 1  # context-parallel degree
     sequence_parallel: bool = False
+    pp: int = 1  # pipeline stages (planner/pipeline.py)
+
+    def data_parallel_wrapped(self, nodes: int) -> bool:
+        """Whether a data-parallel wrapper (DDP, FSDP2) runs on it: not with one data-parallel
+        rank under model parallelism (cp 1), as torchtitan's parallelize.py applies FSDP only
+        when dp_shard > 1 or cp > 1 (memory.Setup.data_parallel_wrapped; a pipeline's stages:
+        pipeline.pipeline_volumes). A single GPU's DDP or FSDP still wraps (its collectives
+        are over one rank)."""
+        dp = self.gpus * nodes // (self.tp * self.cp * self.pp)
+        return self.tp * self.pp == 1 or dp * self.cp > 1
 
 
 @dataclass(frozen=True)
@@ -187,7 +197,7 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
     frozen = frozen_base_shape(request, arch)
     rows = combo_collectives(request.precision, combo, result.parameters // combo.tp, request.micro_batch, per_rank,
                              wb, arch, buckets, trainable=frozen.trainable if frozen else None,
-                             reduce_dtype=request.reduce_dtype)
+                             reduce_dtype=request.reduce_dtype, nodes=request.nodes)
     out = [{"what": what, "bytes_per_step": int(volume), "message_bytes": int(message), "group": group}
            for what, volume, _, message, group in rows]
     if request.ep > 1:  # routed experts over the expert-data-parallel group; the all-to-alls
@@ -258,13 +268,14 @@ def resolved_combo(request: EstimateRequest, parameters: int | None = None) -> t
     zero = setup.zero
     shard = setup.dims.dp_shard if lookup_strategy(request.strategy).shard_within_node else None
     combo = Combo(request.gpus, request.strategy, request.checkpointing, zero.offload_optimizer, zero.offload_params,
-                  shard, request.tp, request.cp, setup.sequence_parallel)
+                  shard, request.tp, request.cp, setup.sequence_parallel, request.pp)
     return combo, Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size), setup
 
 
 def combo_collectives(precision: str, combo: Combo, psi: int, micro, per_rank: int,
                       wb: int, arch=None, buckets: Buckets = Buckets(),
-                      trainable: int | None = None, reduce_dtype: str = "compute") -> list[tuple[str, Any, int, float, str]]:
+                      trainable: int | None = None, reduce_dtype: str = "compute", *,
+                      nodes: int) -> list[tuple[str, Any, int, float, str]]:
     """(what, bytes per step, ring passes, message bytes, group) for the strategy's collectives,
     as its framework sends them (planner/frameworks/: Framework.collectives).
 
@@ -272,14 +283,16 @@ def combo_collectives(precision: str, combo: Combo, psi: int, micro, per_rank: i
     and all-gather buckets (capped by the model), and for ZeRO-3 and FSDP one transformer block
     at a time (the FSDP unit; ZeRO-3 fetches a module's parameters, at most prefetch_bucket_size).
     ``micro``: one micro-batch size, or a numpy array of the options (then each volume is an array).
-    ``reduce_dtype`` fp32: FSDP2 reduce-scatters its gradients in fp32 (4 bytes on the wire)."""
+    ``reduce_dtype`` fp32: FSDP2 reduce-scatters its gradients in fp32 (4 bytes on the wire).
+    ``nodes``: with the combo's degrees, whether a data-parallel wrapper runs at all (Combo.data_parallel_wrapped)."""
     s = lookup_strategy(combo.strategy)
     block = (arch.block_parameters if isinstance(arch, TracedShape) else layer_parameters(arch)) if arch is not None \
         else max(psi // 100, 1)
     traffic = Traffic(psi=psi, wire_bytes=wb, block=block, step=arrays.full_like(arrays.as_float(micro), 1.0),
                       accumulation=per_rank / micro, precision=precision, shard=combo.shard or combo.gpus,
                       buckets=buckets, trainable=trainable,
-                      reduce_bytes=FP32 if reduce_dtype == "fp32" and s.shards_parameters else wb)
+                      reduce_bytes=FP32 if reduce_dtype == "fp32" and s.shards_parameters else wb,
+                      wrapped=combo.data_parallel_wrapped(nodes))
     return framework_of(s).collectives(s, traffic)
 
 
@@ -381,7 +394,7 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     trainable = frozen.trainable if frozen is not None else None
     for _, volume, passes, message, group in combo_collectives(req.precision, combo, psi // combo.tp, micro,
                                                                per_rank, wb, arch, buckets, trainable,
-                                                               req.reduce_dtype):
+                                                               req.reduce_dtype, nodes=nodes):
         t = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, arrays.as_float(volume), message, passes)
         comm += t.seconds
         slowest = min(slowest, arrays.smallest(t.bottleneck_gbps))

@@ -24,8 +24,11 @@ from dataclasses import replace
 
 from planner.activations import FP32, ActivationItem, Activations, EdgeTerms
 from planner.architecture import Architecture, distinct_specs, layer_specs, parameter_numels
+from planner.buffers import SweepPoint, item
 from planner.errors import PlannerError
 from planner.layers import LayerSpec
+from planner.moments import PhaseKind
+from planner.schema import MemoryItem
 
 
 def _split(value: int, tp: int) -> int:
@@ -120,6 +123,62 @@ def loss_parallel_extra_bytes(rank: Architecture, tokens: int) -> int:
     _loss_transient). Measured on CPU ranks: peak trace of the TP run shows aten::exp and
     aten::add of tokens x vocab/tp beside the zeros and the saved result."""
     return FP32 * tokens * rank.vocab_size
+
+
+def replicated_embedding_gradient_elements(full: Architecture, tp: int) -> int:
+    """Elements a TP-only rank's embedding gradient holds beyond the rank's shard: the whole
+    vocabulary x hidden, where the parameter holds vocab/tp rows.
+
+    torch 2.13's DTensor propagates aten.embedding_dense_backward with the single-dim strategies
+    of tensor/_ops/_embedding_ops.py:62-97 (weight gradient Shard(1), or Partial) plus the all-
+    Replicate one that _insert_single_dim_replication_strategy (single_dim_strategy.py:89-115)
+    adds; none yields the Shard(0) of the vocab-parallel (RowwiseParallel) weight, and the
+    replicated one is chosen: the output's gradient is all-gathered, and every rank computes the
+    whole vocab x hidden gradient. AccumulateGrad stores it as the parameter's .grad as it is
+    (placements are not checked), and nothing redistributes it before the optimizer's first op
+    slices it locally (Replicate to Shard(0): no collective). Measured on CPU ranks (LLAMA_TP,
+    tp 2, fp32, peak trace): EmbeddingBackward0 allocates 4 MiB (4,096 x 256 fp32) where the
+    parameter holds 2 MiB, held between micro-batches and to the optimizer step; a 2-rank probe
+    of RowwiseParallel shows grad.placements == (Replicate(),) with the whole table local.
+    Under FSDP2 the post-backward redistributes it to the parameter's placements
+    (fsdp/_fully_shard/_fsdp_param.py:934-966, _get_grad_inner_tensor), so only TP-only layouts keep it.
+    A tied embedding (also the column-parallel LM head's weight) is not counted: not measured."""
+    if tp == 1 or full.tie_word_embeddings:
+        return 0
+    return (full.vocab_size - _split(full.vocab_size, tp)) * full.hidden_size
+
+
+def tp_only_gradient_items(point: SweepPoint, *, rank_elements: int, excess: int, grad_bytes: int,
+                           accumulation: int) -> list[MemoryItem]:
+    """The gradients of a TP-only rank (nothing wraps the model: each parameter's gradient is
+    its DTensor's .grad) at one moment of backward, ``excess`` the embedding's replicated
+    elements beyond its shard (replicated_embedding_gradient_elements), which exist once the
+    embedding's backward has run (the end of backward).
+
+    With gradient accumulation the micro-batches after the first run their forward and backward
+    beside the gradients of those before, all of them (zero_grad comes only after the optimizer
+    step): AccumulateGrad adds each new gradient in place into the existing .grad and drops it
+    (torch 2.13 csrc/autograd/functions/accumulate_grad.h:85-99 and 238-252, ``variable_grad +=
+    new_grad`` when grad mode is off), where the first micro-batch's was stolen as the .grad
+    (accumulate_grad.h:188-200). So at every moment of a later micro-batch the rank holds the
+    whole accumulated set, plus the new gradient being added where one is as large as a matrix
+    of the vocabulary: the LM head's after its backward, the embedding's (replicated) at the end.
+    A block's new gradients are added one tensor at a time and freed at once (not counted).
+    Every later moment holds at least what the first micro-batch's does, so with accumulation
+    the later micro-batches' phases are the ones listed (peak trace, LLAMA_TP tp 2 fp32 GA 4:
+    micro-batch 1 peaks at 52,555,840 bytes, micro-batches 2-4 at 65,147,968, the difference
+    the accumulated gradients to the byte: 10,494,976 of shards plus the embedding's 2,097,152
+    replicated rows)."""
+    if accumulation == 1:
+        produced = point.grad_elements + (excess if point.kind is PhaseKind.END_OF_BACKWARD else 0)
+        return [item("gradients (full)", grad_bytes * produced, "gradients")]
+    new = {PhaseKind.AFTER_LM_HEAD: point.in_flight_elements,
+           PhaseKind.END_OF_BACKWARD: point.in_flight_elements + excess}.get(point.kind, 0)
+    return [item(f"gradients accumulated over the earlier micro-batches (of {accumulation})",
+                 grad_bytes * (rank_elements + excess), "gradients",
+                 "param.grad of every DTensor, kept to the optimizer step"),
+            item("new gradient being added in place", grad_bytes * new, "gradients",
+                 "AccumulateGrad: variable_grad += new_grad, then the new one is freed")]
 
 
 def tp_activations(acts: Activations, full: Architecture, rank: Architecture, *, tp: int,

@@ -150,6 +150,9 @@ CPU_RUNS = [
     # QLoRA: bitsandbytes' nf4 base (4-bit layers train on CPU), fp32 compute
     _run("llama-qlora-ddp-fp32-qv", LLAMA, "ddp", "fp32", micro=2, seq=256, finetune="qlora",
          lora_targets="q_proj,v_proj"),
+    # tensor parallelism alone (dp 1: nothing wraps the model) with gradient accumulation: micro-batches
+    # 2-4 run beside the accumulated gradients, the embedding's replicated over the whole vocabulary
+    _run("llama-tp2-fp32-sp-t256-ga4", LLAMA_TP, "fsdp", "fp32", tp=2, micro=1, seq=256, gradient_accumulation=4),
 ]
 
 # Measured and reported by bench/accuracy.py (not in CI, to keep it short): the rest of the
@@ -288,6 +291,10 @@ BENCH_RUNS = [
          seq=256, finetune="qlora", lora_rank=32, lora_targets="all-linear"),
     _run("llama-qlora-int8-zero2-bf16-small-all", LLAMA, "zero2", "bf16-mixed", small=True, micro=2, seq=256,
          finetune="qlora", quantize_base="int8", lora_targets="all-linear"),
+    # tensor parallelism alone (dp 1: nothing wraps the model, the rank autocasts) with gradient
+    # accumulation; its fp32 twin is in CPU_RUNS
+    _run("llama-tp2-bf16-sp-t256-ga4", LLAMA_TP, "fsdp", "bf16-mixed", tp=2, micro=1, seq=256,
+         gradient_accumulation=4),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than

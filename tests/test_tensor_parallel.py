@@ -371,3 +371,66 @@ def test_autotp_peak_is_the_start_of_backward_and_the_gloo_race_is_a_note():
     on_gpu = estimate(request.model_copy(update={"gpu": "h100-80gb"}))
     torch_tp = estimate(request.model_copy(update={"strategy": "fsdp"}))
     assert not [n for r in (on_gpu, torch_tp) for n in r.notes if "AutoTP's logits gather" in n]
+
+
+def _phases(result) -> dict:
+    return {p.kind.value: p for p in result.phases if p.kind.value != "resident"}
+
+
+def test_tp_only_accumulation_holds_the_earlier_micro_batches_gradients():
+    """Measured on 2 CPU ranks (tp 2, fp32, micro-batch 1 x 256 tokens, GA 4; peak trace):
+    micro-batch 1 peaks at 52,555,840 B in loss_parallel's backward; micro-batches 2-4 at
+    65,147,968 B, the same moment beside every accumulated gradient: 10,494,976 B of shards and
+    the embedding's replicated 4,096 x 256 fp32 gradient (4 MiB, where the shard is 2 MiB).
+    Between micro-batches 44,079,408 B (resident + 12,592,128 B of gradients); the optimizer
+    step 48,273,716 B. Within 0.1%."""
+    one = estimate(_request(seq_len=256))
+    four = estimate(_request(seq_len=256, gradient_accumulation=4))
+    grads = 10_494_976 + 2_097_152
+    start = _phases(four)["start_of_backward"]
+    assert start.bytes - _phases(one)["start_of_backward"].bytes == grads
+    assert start.bytes == pytest.approx(65_147_968, rel=0.001)
+    assert "micro-batches 2-4" in start.name
+    assert four.per_device.peak_bytes == start.bytes
+    assert _phases(four)["optimizer_step"].bytes == pytest.approx(48_273_716, rel=0.001)
+    # the end of backward: the accumulated set and the embedding's new (whole-vocabulary) gradient
+    assert _phases(four)["end_of_backward"].bytes == 31_484_928 + grads + 4 * 4096 * 256
+
+
+def test_tp_only_embedding_gradient_is_replicated_over_the_whole_vocabulary():
+    """DTensor has no Shard(0) strategy for embedding_dense_backward: a TP-only rank's
+    vocab-parallel embedding gradient is the whole 4,096 x 256 table (measured: 4 MiB allocated
+    by EmbeddingBackward0, grad.placements Replicate), at the end of backward and the optimizer
+    step even without accumulation. Under FSDP2 (dp 2) it is redistributed at post-backward and
+    the sharded gradients are unchanged."""
+    from planner.tensor_parallel import replicated_embedding_gradient_elements
+
+    one = estimate(_request(seq_len=256))
+    grads = {i.name: i.bytes for i in _phases(one)["end_of_backward"].items if i.component == "gradients"}
+    assert grads == {"gradients (full)": 10_494_976 + 2_097_152}
+    assert {i.name: i.bytes for i in _phases(one)["optimizer_step"].items}["gradients"] == 10_494_976 + 2_097_152
+    assert replicated_embedding_gradient_elements(from_hf_config(TINY), 2) == 2048 * 256
+    assert replicated_embedding_gradient_elements(from_hf_config(dict(TINY, tie_word_embeddings=True)), 2) == 0
+    fsdp = estimate(_request(seq_len=256, gpus=4))
+    assert {i.name: i.bytes for i in _phases(fsdp)["optimizer_step"].items}["gradients"] == 10_494_976 // 2
+
+
+def test_tp_only_sends_no_data_parallel_collectives():
+    """A TP-only layout (dp 1) is not wrapped by FSDP2: measured on 2 CPU ranks (tp 2, GA 4,
+    256 tokens) 37,788,672 B per step, all DTensor's: 72 all-gathers and 72 reduce-scatters of
+    262,144 B (4 blocks x 4 + 2, x 4 micro-batches) and loss_parallel's all-reduces of 39,936 B.
+    No parameter all-gathers nor gradient reduce-scatters, in the volumes and in the time."""
+    from planner.steptime import collective_volumes
+
+    rows = collective_volumes(_request(seq_len=256, gradient_accumulation=4))
+    assert {r["group"] for r in rows} == {"tp"}
+    assert sum(r["bytes_per_step"] for r in rows) == pytest.approx(37_788_672, rel=0.002)
+    # with dp 2 FSDP2 wraps the TP shards and its collectives come back
+    wrapped = collective_volumes(_request(seq_len=256, gradient_accumulation=4, gpus=4))
+    assert {"parameter all-gathers", "gradient reduce-scatter"} <= {r["what"] for r in wrapped}
+    # the step time agreed already (FSDP's rows ran over a group of one rank: a ring of one moves
+    # nothing) and still does: on h100s, tp 8 of one node, its communication is the TP collectives'
+    # alone, all exposed
+    kw = dict(model="llama-3.1-8b", strategy="fsdp", gpu="h100-80gb", gpus=8, tp=8, seq_len=4096, micro_batch=1)
+    t = estimate_with_time(EstimateRequest(**kw)).time
+    assert t.communication_seconds == pytest.approx(t.exposed_communication_seconds, rel=1e-9)

@@ -54,6 +54,8 @@ class Traffic:
     buckets: Buckets = Buckets()
     trainable: int | None = None  # elements that make gradients (LoRA: the adapters); None: psi
     reduce_bytes: int | None = None  # bytes per gradient element reduced (FSDP2's reduce dtype); None: wire_bytes
+    # a data-parallel wrapper runs (steptime.Combo.data_parallel_wrapped): not on a TP-only layout
+    wrapped: bool = True
 
     @property
     def trained(self) -> int:

@@ -18,6 +18,7 @@ from planner.moments import PhaseKind
 from planner.frameworks import Collective, Framework, Traffic, check_sharded_offload, register
 from planner.precision import RECIPES
 from planner.schema import MemoryItem
+from planner.tensor_parallel import replicated_embedding_gradient_elements, tp_only_gradient_items
 
 if TYPE_CHECKING:
     from planner.memory import Setup
@@ -62,7 +63,11 @@ class TorchDistributed(Framework):
         """DDP all-reduces the gradients in its buckets (of the fp32 master weights under
         autocast); FSDP gathers each unit (a block) in forward and, unless SHARD_GRAD_OP kept it,
         again in backward, and reduce-scatters its gradients; HSDP adds an all-reduce of each
-        shard across the replicas."""
+        shard across the replicas. A TP-only layout (one data-parallel rank) is not wrapped and
+        sends none of them (its TP collectives: tensor_parallel.tp_collectives; measured on CPU
+        ranks, LLAMA_TP tp 2 GA 4: DTensor's all-gathers and reduce-scatters only)."""
+        if not t.wrapped:
+            return []
         if not s.shards_parameters:
             master = RECIPES[t.precision].module_bytes
             # DDP buckets only parameters that require grad (reducer.cpp: the reducer's params)
@@ -159,19 +164,27 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     block = shape.largest_block_parameters if shape else max(numels)
     root = psi - shape.blocks_parameters if shape else max(numels)
     phases = []
+    tp_only = not setup.data_parallel_wrapped  # a TP-only rank: its gradients stay in param.grad
+    excess = replicated_embedding_gradient_elements(setup.model.architecture, setup.tp) if tp_only else 0
+    accumulation = setup.request.gradient_accumulation
     for point in backward_sweep(acts, numels, layout(setup)):
         items = resident + activation_items(point)
-        if not sharded:  # DDP, or a TP-only layout
+        label = point.label
+        if tp_only:
+            items += tp_only_gradient_items(point, rank_elements=psi, excess=excess, grad_bytes=store_bytes,
+                                            accumulation=accumulation)
+            label += f" (micro-batches 2-{accumulation})" if accumulation > 1 else ""
+        elif not sharded:  # DDP
             items.append(item("gradients (full)", store_bytes * point.grad_elements, "gradients"))
-            if mixed:
-                items.append(_autocast_copies(setup, point, psi, block, compute_bytes))
-        else:
+        if not sharded and mixed:
+            items.append(_autocast_copies(setup, point, psi, block, compute_bytes))
+        if sharded:
             items += _fsdp_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes)
-        phases.append(phase(point.kind, point.label, items))
+        phases.append(phase(point.kind, label, items))
         if sharded and point.tied_sum_elements:
             phases.append(phase(PhaseKind.TIED_SUM, "embeddings' backward (tied gradients summed)",
                                  resident + _fsdp_tied_sum_items(point, psi, root, shard, compute_bytes, store_bytes)))
-    grad_bytes = store_bytes * (part if s.shards_gradients and sharded else psi)
+    grad_bytes = store_bytes * ((part if s.shards_gradients and sharded else psi) + excess)
     phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", resident + [
         item("gradients", 0 if offload else grad_bytes, "gradients"),
         item("optimizer step temporaries",
