@@ -8,7 +8,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from planner.architecture import READERS, Architecture, from_hf_config, parameter_count
@@ -98,6 +97,8 @@ def _parse_text(text: str, source: str, field: str | None = None) -> Any:
         return json.loads(text)
     except ValueError:
         pass
+    import yaml  # a user's YAML file only: the estimate of a config.json never imports PyYAML
+
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
