@@ -73,12 +73,15 @@ def path_arg(text: str) -> str:
 
 def schema_type(annotation: Any) -> Callable[[str], Any]:
     """An argparse type that validates a flag with a schema type (bounds, finiteness), so the
-    CLI refuses what the API refuses, as a one-line usage error (exit 2)."""
-    adapter = TypeAdapter(annotation)
+    CLI refuses what the API refuses, as a one-line usage error (exit 2). The validator is built
+    when the flag is given: every command's parser is built for each run, few of its flags are used."""
+    adapters: list[TypeAdapter] = []
 
     def convert(text: str) -> Any:
+        if not adapters:
+            adapters.append(TypeAdapter(annotation))
         try:
-            return adapter.validate_python(text)
+            return adapters[0].validate_python(text)
         except ValidationError as exc:
             raise argparse.ArgumentTypeError(
                 f"got {text!r}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None

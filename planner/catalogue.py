@@ -23,7 +23,7 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")  # hug
 class ModelEntry(BaseModel):
     """One catalogue entry: a real architecture and where its numbers come from."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)  # built when models.yaml is read
 
     name: str = Field(description="catalogue name, used with --model")
     family: str = Field(description="architecture family (the Hugging Face model_type)")
