@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "ddp", "fsdp", "hsdp"])
-def test_an_estimate_process_imports_no_numpy_and_builds_no_plan_schema(tmp_path, strategy):
+def test_an_estimate_process_imports_no_numpy_and_builds_no_plan_catalogue_or_profile_schema(tmp_path, strategy):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(load_catalogue()["llama-3-8b"].config))
     code = (
@@ -33,10 +33,11 @@ def test_an_estimate_process_imports_no_numpy_and_builds_no_plan_schema(tmp_path
         f"    code = main(['estimate', '--model-file', {str(config)!r}, '--strategy', {strategy!r}, '--gpus', '8',\n"
         "                 '--nodes', '2', '--gpu', 'h100-80gb', '--json'])\n"
         "from planner.schema import PlanRequest, PlanResult\n"
+        "from planner.catalogue import ModelEntry\n"
         "print(code, 'numpy' in sys.modules, PlanRequest.__pydantic_complete__, PlanResult.__pydantic_complete__,\n"
-        "      '\"time\": {' in out.getvalue())\n")
+        "      ModelEntry.__pydantic_complete__, 'planner.profiles' in sys.modules, '\"time\": {' in out.getvalue())\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert done.stdout.split() == ["0", "False", "False", "False", "True"], done.stdout + done.stderr
+    assert done.stdout.split() == ["0", "False", "False", "False", "False", "False", "True"], done.stdout + done.stderr
 
 
 def test_an_estimate_process_with_its_data_caches_imports_no_yaml(tmp_path):
@@ -155,3 +156,17 @@ def test_the_pruned_ring_search_answers_what_every_ring_answers():
             m[i][j] = m[j][i] = rng.choice(levels)
         matrix = tuple(tuple(row) for row in m)
         assert _best_ring(matrix, n) == _every_ring(matrix, n), matrix
+
+
+def test_a_run_builds_only_its_own_commands_parser():
+    """`planner estimate ...` builds the estimate parser alone; help and a mistyped command build
+    (and list) every command."""
+    from cli.main import build_parser
+
+    def commands(parser):
+        return sorted(parser._subparsers._group_actions[0].choices)
+
+    everything = ["calibrate", "estimate", "gpus", "models", "plan", "runs", "serve", "topo", "verify"]
+    assert commands(build_parser("estimate", list_choices=False)) == ["estimate"]
+    assert commands(build_parser("estimat", list_choices=False)) == everything
+    assert commands(build_parser()) == everything
