@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from planner.errors import PlannerError, unknown
-from planner.profiles import Profile, check_profile_name
+
+if TYPE_CHECKING:  # imported where a profile is read or saved: an estimate naming none never builds its schema
+    from planner.profiles import Profile
 
 PROFILES_ENV = "PLANNER_PROFILES"
 
@@ -42,6 +45,8 @@ def _saved_name(name: str) -> str:
 
 
 def load_profile(name: str) -> Profile:
+    from planner.profiles import Profile, check_profile_name
+
     saved = _saved_name(name)
     path = profiles_dir() / f"{check_profile_name(saved)}.json"
     try:
@@ -54,6 +59,8 @@ def load_profile(name: str) -> Profile:
 
 
 def save_profile(profile: Profile) -> Path:
+    from planner.profiles import check_profile_name
+
     directory = profiles_dir()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{check_profile_name(profile.name)}.json"

@@ -13,8 +13,9 @@ of REPEAT runs in this one process (imports done beforehand):
 Also times both as fresh command-line processes (imports included), in turn, each after one
 untimed run, and prints their ratio. The planner's own modules are byte-compiled first, as `pip install` does
 for an installed tool (PYTHONDONTWRITEBYTECODE=1 would otherwise recompile them in every process;
-the libraries accelerate loads are byte-compiled in site-packages). The figures are ratios from one
-run on one machine, not absolute promises.
+the libraries accelerate loads are byte-compiled in site-packages), and the data files' caches are
+written (planner/datafile.py; an installed tool's first run writes them, unless bytecode writing is
+off). The figures are ratios from one run on one machine, not absolute promises.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def main() -> int:
     from transformers import AutoConfig, AutoModel
 
     from planner.catalogue import load_catalogue, model_from_file
+    from planner.datafile import write_caches
     from planner.plan import plan
     from planner.steptime import estimate_with_time
     from planner.schema import EstimateRequest, PlanRequest
@@ -90,6 +92,7 @@ def main() -> int:
     entry = load_catalogue()[args.model]
     for package in ("planner", "cli", "backend"):
         compileall.compile_dir(ROOT / package, quiet=1)
+    write_caches()
     with tempfile.TemporaryDirectory() as tmp:
         config_path = Path(tmp) / "config.json"
         config_path.write_text(json.dumps(entry.config))

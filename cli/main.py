@@ -73,12 +73,15 @@ def path_arg(text: str) -> str:
 
 def schema_type(annotation: Any) -> Callable[[str], Any]:
     """An argparse type that validates a flag with a schema type (bounds, finiteness), so the
-    CLI refuses what the API refuses, as a one-line usage error (exit 2)."""
-    adapter = TypeAdapter(annotation)
+    CLI refuses what the API refuses, as a one-line usage error (exit 2). The validator is built
+    when the flag is given: every command's parser is built for each run, few of its flags are used."""
+    adapters: list[TypeAdapter] = []
 
     def convert(text: str) -> Any:
+        if not adapters:
+            adapters.append(TypeAdapter(annotation))
         try:
-            return adapter.validate_python(text)
+            return adapters[0].validate_python(text)
         except ValidationError as exc:
             raise argparse.ArgumentTypeError(
                 f"got {text!r}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
@@ -578,10 +581,38 @@ def _pick(result, index: int):
     return result.candidates[index - 1]
 
 
+class _OnlyCommand:
+    """The subcommands of a run, where only the command being run is built: the others' parsers
+    and flags are needed only to list them (--help, a mistyped command), ~1% of a `planner
+    estimate` process. ``only`` None builds them all."""
+
+    def __init__(self, action: Any, only: str | None):
+        self.action, self.only, self.built = action, only, False
+
+    def add_parser(self, name: str, **kwargs: Any) -> Any:
+        if self.only not in (None, name):
+            return _NOT_RUN
+        self.built = True
+        return self.action.add_parser(name, **kwargs)
+
+
+class _NotRun:
+    """What a command not being run is given its flags on: nothing."""
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def set_defaults(self, **kwargs: Any) -> None:
+        pass
+
+
+_NOT_RUN = _NotRun()
+
+
 def build_parser(only: str | None = None, list_choices: bool = True) -> argparse.ArgumentParser:
-    """The whole command line; ``only``: give the schema's flags to this command alone (the one
-    being run: the others' hundred flags are never looked at), ``list_choices``: name the
-    catalogues' entries in the help (for --help)."""
+    """The whole command line; ``only``: build this command alone (the one being run; the whole
+    line when it names no command), ``list_choices``: name the catalogues' entries in the help
+    (for --help)."""
     from planner.schema import (MAX_RUNS_LISTED, MAX_TIMEOUT_SECONDS, RANK, EstimateRequest, GpuName, ModelScale,
                                 NewProfileName,
                                 PlanRequest, Port, RunIdNumber, RunsLimit, TimeoutSeconds, TolerancePercent,
@@ -589,8 +620,8 @@ def build_parser(only: str | None = None, list_choices: bool = True) -> argparse
 
     parser = OneLineParser(prog="planner", description=(
         "How many bytes every GPU holds under each distributed strategy, and which one to use."))
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                parser_class=OneLineParser)
+    sub = _OnlyCommand(parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                             parser_class=OneLineParser), only)
     models = sub.add_parser("models", help="list the model catalogue")
     models.add_argument("--json", action="store_true", help="print a JSON list")
     models.set_defaults(handler=cmd_models)
@@ -658,6 +689,8 @@ def build_parser(only: str | None = None, list_choices: bool = True) -> argparse
                       help=f"most recent runs to list, 1-{MAX_RUNS_LISTED} (default: 100)")
     runs.add_argument("--json", action="store_true", help="print JSON")
     runs.set_defaults(handler=cmd_runs)
+    if not sub.built:  # not a command: argparse's refusal lists them all
+        return build_parser(None, list_choices)
     return parser
 
 

@@ -8,7 +8,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from planner.architecture import READERS, Architecture, from_hf_config, parameter_count
@@ -24,7 +23,7 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")  # hug
 class ModelEntry(BaseModel):
     """One catalogue entry: a real architecture and where its numbers come from."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)  # built when models.yaml is read
 
     name: str = Field(description="catalogue name, used with --model")
     family: str = Field(description="architecture family (the Hugging Face model_type)")
@@ -98,6 +97,8 @@ def _parse_text(text: str, source: str, field: str | None = None) -> Any:
         return json.loads(text)
     except ValueError:
         pass
+    import yaml  # a user's YAML file only: the estimate of a config.json never imports PyYAML
+
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -5,8 +5,8 @@ Field names are the CLI's long flags with ``-`` turned into ``_``. Input models 
 forbid unknown fields; every field's ``description`` is its CLI help, OpenAPI text and form label.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: pydantic would compile every field's annotation
+# string back into a type when each model is built (~1% of a `planner estimate` process).
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -429,7 +429,10 @@ Objective = Literal["time", "cost", "memory"]
 class PlanRequest(BaseModel):
     """What to plan: a model, the cluster and its wiring, the batch to reach."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=(), populate_by_name=True)
+    # defer_build: its validator is built by the first plan (or schema) that needs it, not by every
+    # `planner estimate` that imports this module (tests/test_startup.py).
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=(), populate_by_name=True,
+                              defer_build=True)
 
     model: ModelName | None = Field(None, description="catalogue model name or alias, or a Hugging Face Hub id org/name",
                                     examples=["llama-3-8b"])

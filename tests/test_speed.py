@@ -59,7 +59,7 @@ def test_the_estimate_cli_loads_only_what_it_needs():
     loaded = set(json.loads(out.stdout))
     unneeded = ["torch", "transformers", "huggingface_hub", "accelerate", "deepspeed", "fastapi", "starlette",
                 "uvicorn", "jinja2", "httpx", "sqlite3", "web", "backend.trace", "backend.store", "backend.verify",
-                "planner.emit", "cli.render"]
+                "planner.emit", "cli.render", "planner.profiles"]
     assert [m for m in unneeded if m in loaded] == []
 
 
