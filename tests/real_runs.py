@@ -136,6 +136,8 @@ CPU_RUNS = [
     # QLoRA: bitsandbytes' nf4 base (4-bit layers train on CPU), fp32 compute
     _run("llama-qlora-ddp-fp32-qv", LLAMA, "ddp", "fp32", micro=2, seq=256, finetune="qlora",
          lora_targets="q_proj,v_proj"),
+    # gradient accumulation: the second micro-batch runs beside the sharded gradients of the first
+    _run("llama-fsdp-fp32-ga2-t128", LLAMA, "fsdp", "fp32", micro=1, seq=128, gradient_accumulation=2),
 ]
 
 # Measured and reported by bench/accuracy.py (not in CI, to keep it short): the rest of the
@@ -244,6 +246,17 @@ BENCH_RUNS = [
          seq=256, finetune="qlora", lora_rank=32, lora_targets="all-linear"),
     _run("llama-qlora-int8-zero2-bf16-small-all", LLAMA, "zero2", "bf16-mixed", small=True, micro=2, seq=256,
          finetune="qlora", quantize_base="int8", lora_targets="all-linear"),
+    # gradient accumulation (2 micro-batches of 128 tokens: the states and gradients dominate): FSDP2
+    # accumulating its reduce-scatter output into the sharded gradients (bf16 and fp32 reduce), DDP
+    # under no_sync, ZeRO-1/2/3 accumulating in their partitions
+    _run("llama-fsdp-bf16-ga2-t128", LLAMA, "fsdp", "bf16-mixed", micro=1, seq=128, gradient_accumulation=2),
+    _run("llama-ddp-fp32-ga2-t128", LLAMA, "ddp", "fp32", micro=1, seq=128, gradient_accumulation=2),
+    _run("llama-zero2-fp32-small-ga2-t128", LLAMA, "zero2", "fp32", small=True, micro=1, seq=128,
+         gradient_accumulation=2),
+    _run("llama-zero1-fp32-ga2-t128", LLAMA, "zero1", "fp32", micro=1, seq=128, gradient_accumulation=2),
+    _run("llama-zero3-fp32-ga2-t128", LLAMA, "zero3", "fp32", micro=1, seq=128, gradient_accumulation=2),
+    _run("llama-fsdp-bf16-reduce32-ga2-t128", LLAMA, "fsdp", "bf16-mixed", micro=1, seq=128,
+         gradient_accumulation=2, reduce_dtype="fp32"),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than

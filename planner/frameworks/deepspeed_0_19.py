@@ -19,6 +19,7 @@ from planner.precision import RECIPES
 
 if TYPE_CHECKING:
     from planner.memory import Setup
+    from planner.schema import MemoryItem
     from planner.strategies import Strategy
 
 # engine.py, buffered_allreduce_fallback(elements_per_buffer=500000000): ZeRO-0 all-reduces the
@@ -205,6 +206,10 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
                    "buffers", "stage_1_and_2.py: torch.empty(reduce_bucket_size) per ipg buffer")
     in_partition = item("grads_in_partition (params touching this partition)", wb * touching, "buffers",
                          "stage_1_and_2.py copy_grads_in_partition")
+    # ZeRO-2 with gradient accumulation, a micro-batch after the first: the earlier micro-batches'
+    # reduced partition gradients stay in their own grads_in_partition, beside the one this
+    # micro-batch fills (_zero2_accumulated)
+    earlier = _zero2_accumulated(setup, wb * touching) if stage == 2 else None
     phases = []
     # Stage 2 reduces whenever the bucket would overflow; the worst rank is the one whose
     # partition holds the last parameters (the LM head, reduced first), so its grads_in_partition
@@ -231,6 +236,8 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
                 point.in_flight_elements + point.held_elements
             items += [item("16-bit gradients not yet reduced", wb * unreduced, "gradients"), bucket,
                       tied_sum_item(point, wb)] + ([in_partition] if reduced else [])
+        if earlier is not None:
+            items.append(earlier)
         phases.append(phase(point.kind, point.label, items))
         if stage == 1 and point.tied_sum_elements:
             # ZeRO-1 reduces once the last hook has run: the tied weight's contributions are
@@ -244,7 +251,7 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
         items = resident + [item("saved activations", _activations_when_produced(acts, layout(setup), numels, produced),
                                   "activations"),
                             item("16-bit gradient that overflowed the bucket", wb * trigger, "gradients"),
-                            bucket, in_partition]
+                            bucket, in_partition] + ([earlier] if earlier is not None else [])
         phases.append(phase(PhaseKind.FIRST_BUCKET_REDUCTION, f"first bucket reduction ({produced:,} gradient elements in)", items))
     offloaded = z.offload_optimizer != "none"
     step = resident if offloaded else resident + [
@@ -263,6 +270,26 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
         plan.host_resident_bytes += extra
         plan.host_peak_bytes += extra
     return plan
+
+
+def _zero2_accumulated(setup: "Setup", in_partition_bytes: int) -> MemoryItem | None:
+    """ZeRO-2 in a micro-batch after the first (gradient_accumulation_steps > 1), the gradients
+    accumulated in the training dtype (engine.py get_data_types: grad_accum_dtype defaults to the
+    model's dtype, so no grad_accum attribute and no compact buffer). At the end of every backward,
+    independent_gradient_partition_epilogue (stage_1_and_2.py:1016-1061) keeps the partition's
+    reduced gradients in all_grad_tensors (get_all_grad_tensors, :2703-2710: the params'
+    .grad, views into grads_in_partition; later micro-batches add into them, :1041-1044), then
+    _release_ipg_buffers (:924-931) drops grads_in_partition and _clear_param_grad_only the
+    .grad. The next micro-batch's first reduction allocates a new grads_in_partition
+    (copy_grads_in_partition, :2184-2196), so two live at once until the boundary. Peak trace
+    (llama fp32, 2 ranks, 2 micro-batches, 2e6-element buckets): a second 9,999,360-byte
+    aten::empty in the second micro-batch's backward, the step's total 10.0 MB higher there than
+    at the same moment of the first; the peak at the bucket's flatten (the first reduction)."""
+    if setup.request.gradient_accumulation < 2 or not setup.zero.contiguous_gradients or \
+            setup.zero.offload_optimizer != "none":  # offload accumulates on the host (:2160-2175)
+        return None
+    return item("grads_in_partition of the earlier micro-batches (all_grad_tensors)", in_partition_bytes, "gradients",
+                "stage_1_and_2.py independent_gradient_partition_epilogue, _release_ipg_buffers")
 
 
 def _first_reduction(numels: list[int], bucket_elements: int) -> tuple[int, int] | None:
