@@ -53,13 +53,15 @@ def _gpu_counts(req: PlanRequest) -> list[int]:
     return sorted(c for c in counts if req.global_batch % (c * req.nodes) == 0)
 
 
-def _estimate(req: PlanRequest, combo: Combo, micro: int, model_fields: dict) -> EstimateResult:
-    return estimate(_request(req, combo, micro, model_fields))
+def _estimate(req: PlanRequest, combo: Combo, micro: int, model_fields: dict, accumulation: int = 1) -> EstimateResult:
+    return estimate(_request(req, combo, micro, model_fields, accumulation))
 
 
-def _request(req: PlanRequest, combo: Combo, micro: int, model_fields: dict) -> EstimateRequest:
+def _request(req: PlanRequest, combo: Combo, micro: int, model_fields: dict, accumulation: int = 1) -> EstimateRequest:
+    # accumulation > 1: a micro-batch after the first holds the earlier ones' gradients (frameworks/)
+    steps = {"gradient_accumulation": accumulation} if accumulation > 1 else {}
     return (EstimateRequest(
-        **model_fields, strategy=combo.strategy, gpus=combo.gpus, nodes=req.nodes, gpu=req.gpu,
+        **model_fields, **steps, strategy=combo.strategy, gpus=combo.gpus, nodes=req.nodes, gpu=req.gpu,
         precision=req.precision, optimizer=req.optimizer, micro_batch=micro, seq_len=req.seq_len,
         checkpointing=combo.checkpointing, attention=req.attention,
         offload_optimizer=combo.offload_optimizer, offload_params=combo.offload_params,
@@ -225,12 +227,17 @@ def _evaluate(req: PlanRequest, counts: list[int], g: Gpu, model, topo: Topology
                         try:
                             one = _estimate(req, combo, 1, model_fields)
                             grid = _Grid(combo, one, _estimate(req, combo, 2, model_fields))
+                            # a micro-batch below the rank's share accumulates: its memory is that
+                            # of a later micro-batch, the same for any number of them
+                            later = grid if per_rank == 1 else _Grid(
+                                combo, _estimate(req, combo, 1, model_fields, 2),
+                                _estimate(req, combo, 2, model_fields, 2))
                         except PlannerError:  # a setting the fine-tuning refuses (QLoRA under ZeRO-3, TP, ...)
                             if req.finetune == "full":
                                 raise
                             continue
                         host_ok = host is None or one.host.peak_bytes <= host[0]
-                        peaks = grid.peaks(micro)
+                        peaks = np.where(micro < per_rank, later.peaks(micro), grid.peaks(micro))
                         rows += [(combo, int(mb), float(peaks[k]), bool(peaks[k] <= usable and host_ok), times[k])
                                  for k, mb in enumerate(micro)]
     return rows, evaluated
@@ -453,7 +460,7 @@ def _rank(req, rows, fewer, usable, capacity, topo, fabric_name, nics, model_fie
     for combo in ranked:
         _, mb, peak, fits, t = best[combo]
         per_rank = _per_rank(req, combo)
-        e = _estimate(req, combo, mb, model_fields)
+        e = _estimate(req, combo, mb, model_fields, per_rank // mb)
         reason = None if fits else (_reason(combo, mb, peak, usable, capacity, req.headroom, e) if peak > usable
                                     else _host_reason(combo, mb, e, host_capacity(req, g)))
         candidates.append(_candidate(combo, mb, per_rank, fits, t, e, reason))
@@ -515,6 +522,7 @@ def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_field
         degrees = {k: v for k, v in c.parallel.model_dump().items() if k in ("tp", "cp", "pp", "ep") and v > 1}
         e = estimate(EstimateRequest(**model_fields, strategy=c.strategy, gpus=req.gpus, nodes=req.nodes,
                                      gpu=req.gpu, precision=req.precision, optimizer=req.optimizer, micro_batch=1,
+                                     gradient_accumulation=2 if c.micro_batch * c.gradient_accumulation > 1 else 1,
                                      seq_len=seq, checkpointing="full", attention=req.attention,
                                      offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
                                      hsdp_shard_size=explicit_hsdp_shard(c.strategy, c.hsdp_shard_size, req.gpus),
@@ -569,8 +577,10 @@ def _fits(req: PlanRequest, name: str, usable: float, model_fields: dict, gpus: 
     for shard in shards:
         for off_opt, off_par in (reversed(_offloads(name)) if tp == 1 else [("none", "none")]):  # most offloaded first
             try:
+                # micro-batch 1 accumulates when the rank's share of the global batch is more
                 e = estimate(EstimateRequest(**model_fields, strategy=name, gpus=gpus, nodes=nodes, gpu=req.gpu,
                                              precision=req.precision, optimizer=req.optimizer, micro_batch=1,
+                                             gradient_accumulation=2 if req.global_batch * tp > gpus * nodes else 1,
                                              seq_len=req.seq_len, checkpointing="full", attention=req.attention,
                                              offload_optimizer=off_opt, offload_params=off_par,
                                              hsdp_shard_size=explicit_hsdp_shard(name, shard, gpus), **degrees))

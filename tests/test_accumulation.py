@@ -85,3 +85,22 @@ def test_zero2_keeps_the_earlier_grads_in_partition_beside_the_next():
     # offloaded, ZeRO-2 accumulates on the host (stage_1_and_2.py copy_grads_in_partition): not this term
     off = estimate(EstimateRequest(**fields, gradient_accumulation=2, offload_optimizer="cpu"))
     assert all(_named(p, "grads_in_partition of the earlier") == 0 for p in off.phases)
+
+
+def test_plan_candidates_are_estimated_with_their_accumulation():
+    # the plan's memory grid and its candidates' estimates take the accumulating micro-batches'
+    # phases (the browser's bars, which re-estimate a candidate, agree with the table)
+    from planner.plan import plan
+    from planner.schema import PlanRequest
+
+    req = PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, topology="hgx-h100", seq_len=4096,
+                      global_batch=256)
+    r = plan(req)
+    c = next(c for c in r.candidates if c.strategy == "fsdp" and c.parallel.tp == 1 and c.gradient_accumulation > 1)
+    fields = dict(model="llama-3-8b", strategy="fsdp", gpus=8, gpu="h100-80gb", topology="hgx-h100", seq_len=4096,
+                  precision=req.precision, optimizer=req.optimizer, micro_batch=c.micro_batch,
+                  checkpointing=c.checkpointing, offload_optimizer=c.offload_optimizer,
+                  offload_params=c.offload_params)
+    accumulating = estimate(EstimateRequest(**fields, gradient_accumulation=c.gradient_accumulation))
+    single = estimate(EstimateRequest(**fields))
+    assert c.per_device.peak_bytes == accumulating.per_device.peak_bytes > single.per_device.peak_bytes

@@ -299,10 +299,14 @@ def test_ties_within_the_time_models_uncertainty_go_to_headroom():
     # no option as fast leaves materially (3% of the device) more memory free than the recommendation
     assert best.per_device.peak_bytes <= min(c.per_device.peak_bytes for c in tied) + MEMORY_TIE_FRACTION * capacity
     # the issue's case: FSDP at 75.1 GiB of 75.7 usable was picked over ZeRO-3 at 49.8 GiB, same step time
-    assert best.per_device.peak_bytes < 0.6 * capacity
+    # (the recommendation, 32 micro-batches, holds the earlier ones' sharded gradients: 48.3 GiB)
+    assert best.per_device.peak_bytes < 0.65 * capacity
     assert max(c.per_device.peak_bytes for c in tied) > best.per_device.peak_bytes + 10 * GIB
     note = next(n for n in r.notes if n.startswith(f"recommended {best.strategy}"))
-    assert "within 1% of the best step time" in note and "leaves the most memory free" in note
+    # the tied options' peaks (each at 32 micro-batches, holding the earlier ones' gradients) are
+    # within 3% of the device of the lowest: the one that communicates least of those
+    assert "within 1% of the best step time" in note and ("leaves the most memory free" in note
+                                                           or "it communicates least" in note)
 
 
 def test_rejections_name_the_setting_and_the_peak_phase():

@@ -145,9 +145,11 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     block = shape.largest_block_parameters if shape else max(numels)
     root = psi - shape.blocks_parameters if shape else max(numels)
     # With gradient accumulation the phases are those of a micro-batch after the first: it holds
-    # everything the first does, and the gradients the earlier micro-batches left (_accumulated)
-    accumulated = setup.request.gradient_accumulation > 1
-    later = " (micro-batch 2+)" if accumulated else ""
+    # everything the first does, and the gradients the earlier micro-batches left
+    # (_accumulated_items). Under FSDP CPUOffload those live on the host (foreach_reduce copies
+    # each new sharded gradient to the CPU before adding it, _fsdp_collectives.py:736-749).
+    later = " (micro-batch 2+)" if setup.request.gradient_accumulation > 1 else ""
+    accumulated = bool(later) and not offload
     phases = []
     for point in backward_sweep(acts, numels, layout(setup)):
         items = resident + activation_items(point)
@@ -155,14 +157,16 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
             grads = psi if accumulated else point.grad_elements
             items.append(item("gradients (full)" + (", accumulating over the micro-batches" if accumulated else ""),
                               store_bytes * grads, "gradients",
-                              "DDP no_sync(): every micro-batch but the last adds into param.grad" if accumulated else ""))
+                              "autograd adds each micro-batch's gradient into param.grad (DDP: under no_sync() "
+                              "until the last micro-batch)" if accumulated else ""))
             if mixed:
                 items.append(_autocast_copies(setup, point, psi, block, compute_bytes))
             phases.append(phase(point.kind, point.label + later, items))
         else:
             items += _fsdp_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes, accumulated)
             phases.append(phase(point.kind, point.label + later, items))
-            if point.kind is PhaseKind.START_OF_BACKWARD and setup.device == "cpu":
+            if point.kind is PhaseKind.START_OF_BACKWARD and setup.device == "cpu" and \
+                    not s.params_unsharded_in_step:  # SHARD_GRAD_OP gathers nothing again for backward
                 phases.append(phase(point.kind, "start of backward, the root's all-gather output held by gloo" + later,
                                      resident + _fsdp_backward_gather_items(point, psi, block, root, shard,
                                                                             compute_bytes, store_bytes, accumulated)))
