@@ -257,6 +257,9 @@ BENCH_RUNS = [
     _run("llama-zero3-fp32-ga2-t128", LLAMA, "zero3", "fp32", micro=1, seq=128, gradient_accumulation=2),
     _run("llama-fsdp-bf16-reduce32-ga2-t128", LLAMA, "fsdp", "bf16-mixed", micro=1, seq=128,
          gradient_accumulation=2, reduce_dtype="fp32"),
+    _run("llama-zero2-bf16-small-ga2-t128", LLAMA, "zero2", "bf16-mixed", small=True, micro=1, seq=128,
+         gradient_accumulation=2),
+    _run("llama-ddp-bf16-ga2-t128", LLAMA, "ddp", "bf16-mixed", micro=1, seq=128, gradient_accumulation=2),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than
