@@ -21,7 +21,10 @@ def first(r):
 def test_nvswitch_small_model_gets_ddp_or_zero1_first():
     r = plan(PlanRequest(model="llama-3.2-1b", gpu="h100-80gb", gpus=8, topology="hgx-h100", seq_len=2048,
                          global_batch=256))
-    assert first(r) in ("ddp", "zero1")
+    # every option is within 1% of the best step time; at 32 micro-batches ZeRO-1 holds every gradient
+    # (14.1 GiB) and DDP its buckets too (32.1 GiB), outside 3% of the device of FSDP's 9.7 GiB, so of
+    # the tied ones FSDP without resharding communicates least (was ZeRO-1 before accumulation was counted)
+    assert first(r) in ("ddp", "zero1", "fsdp-grad-op")
     assert all(c.fits for c in r.candidates if c.strategy in ("ddp", "zero1", "zero2", "zero3"))
 
 

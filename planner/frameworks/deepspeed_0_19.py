@@ -210,6 +210,7 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
     # reduced partition gradients stay in their own grads_in_partition, beside the one this
     # micro-batch fills (_zero2_accumulated)
     earlier = _zero2_accumulated(setup, wb * touching) if stage == 2 else None
+    accumulating = stage == 1 and _zero1_accumulating(setup)
     phases = []
     # Stage 2 reduces whenever the bucket would overflow; the worst rank is the one whose
     # partition holds the last parameters (the LM head, reduced first), so its grads_in_partition
@@ -223,9 +224,12 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
         if stage == 1:
             # Stage 1 keeps every param.grad until the accumulation boundary, then reduces
             # through the bucket into grads_in_partition (reduce_gradients at the boundary).
-            items.append(item("16-bit gradients", wb * point.grad_elements, "gradients"))
-            if reduced:
-                items += [bucket, in_partition]
+            # A micro-batch after the first (_zero1_accumulating): every gradient, and the bucket.
+            items.append(item("16-bit gradients" + (", accumulating over the micro-batches" if accumulating else ""),
+                              wb * (psi if accumulating else point.grad_elements), "gradients",
+                              "engine.py:3084-3092: stage 1 reduces at the boundary only" if accumulating else ""))
+            if reduced or accumulating:
+                items += [bucket] + ([in_partition] if reduced else [])
         elif point.grad_elements:
             # Each gradient is copied into the bucket by its hook and freed: only the gradients
             # of the current block are in flight. The bucket exists from the first hook on.
@@ -244,7 +248,7 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
             # summed with every gradient and the bucket live, before grads_in_partition exists
             # (peak trace: the gradients, the bucket and two more V x h at that moment).
             phases.append(phase(PhaseKind.TIED_SUM, "embeddings' backward (tied gradients summed)", resident + activation_items(point) + [
-                item("16-bit gradients", wb * point.grad_elements, "gradients"), bucket,
+                item("16-bit gradients", wb * (psi if accumulating else point.grad_elements), "gradients"), bucket,
                 tied_sum_item(point, wb)]))
     if first is not None and acts is not None and layout(setup) is not None:
         produced, trigger = first
@@ -270,6 +274,18 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
         plan.host_resident_bytes += extra
         plan.host_peak_bytes += extra
     return plan
+
+
+def _zero1_accumulating(setup: "Setup") -> bool:
+    """ZeRO-1 in a micro-batch after the first (gradient_accumulation_steps > 1): stage 1
+    communicates at the accumulation boundary only (engine.py:3084-3092: no epilogue before it),
+    so autograd adds every micro-batch's gradient into the same param.grad, all of which live
+    from the first micro-batch on; and the ipg bucket, which setup_buckets allocates at the first
+    gradient hook of the step (stage_1_and_2.py:2284-2286, :3256-3268), stays until the boundary's
+    reduction releases it. Peak trace (llama fp32, 2 ranks, 2 micro-batches, 2e6-element bucket):
+    the second micro-batch's backward starts 28.0 MB higher than the first's (every fp32
+    gradient, 20.0 MB, and the 8.0 MB bucket), its peak the loss's backward, measured 95.24 MB."""
+    return setup.request.gradient_accumulation > 1 and setup.zero.offload_optimizer == "none"
 
 
 def _zero2_accumulated(setup: "Setup", in_partition_bytes: int) -> MemoryItem | None:
