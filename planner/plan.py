@@ -70,8 +70,11 @@ def _offloads(name: str) -> list[tuple[str, str]]:
 
 def _request(req: PlanRequest, combo: Setting, micro: int, model_fields: dict,
              accumulation: int | None = None) -> EstimateRequest:
+    # without pp, accumulation > 1: a micro-batch after the first holds the earlier ones' gradients
+    # (planner/frameworks/), the same memory for any number of them; a pipeline's is _degree_fields'
+    steps = {"gradient_accumulation": accumulation} if combo.pp == 1 and accumulation and accumulation > 1 else {}
     return (EstimateRequest(
-        **model_fields, strategy=combo.strategy, gpus=combo.gpus, nodes=req.nodes, gpu=req.gpu,
+        **model_fields, **steps, strategy=combo.strategy, gpus=combo.gpus, nodes=req.nodes, gpu=req.gpu,
         precision=req.precision, optimizer=req.optimizer, micro_batch=micro, seq_len=req.seq_len,
         checkpointing=combo.checkpointing, attention=req.attention,
         offload_optimizer=combo.offload_optimizer, offload_params=combo.offload_params,
@@ -147,10 +150,13 @@ class _Search:
         self.estimates: dict[tuple[int, Setting, int], EstimateResult] = {}
 
     def estimate(self, req: PlanRequest, combo: Setting, micro: int,
-                 request: EstimateRequest | None = None) -> EstimateResult:
-        key = (req.nodes, combo, micro)
+                 request: EstimateRequest | None = None, accumulation: int = 1) -> EstimateResult:
+        """``accumulation``: micro-batches per step without pp (a later micro-batch's memory holds
+        the earlier ones' gradients); a pipeline's request carries its own."""
+        key = (req.nodes, combo, micro, accumulation if combo.pp == 1 else 1)
         if key not in self.estimates:
-            self.estimates[key] = estimate(request or _request(req, combo, micro, self.model_fields))
+            self.estimates[key] = estimate(request or _request(req, combo, micro, self.model_fields,
+                                                               accumulation if combo.pp == 1 else None))
         return self.estimates[key]
 
 
@@ -421,10 +427,18 @@ def _grid_rows(search: _Search, req: PlanRequest, combo: Setting, micro: np.ndar
     one = search.estimate(req, combo, 1, first)
     host = host_capacity(req, search.g)  # offload's host RAM per node does not depend on the micro-batch
     host_ok = host is None or one.host.peak_bytes <= host[0]
-    peak = one.per_device.peak_bytes
-    if peak > search.usable or not host_ok or micro.size == 1:
+    per_rank = _per_rank(req, combo)
+    # a micro-batch below the rank's share accumulates: its memory is a later micro-batch's, which
+    # holds everything the first does and the earlier gradients (planner/frameworks/), the same
+    # for any number of them; so a setting that does not fit at micro-batch 1 without
+    # accumulation fits at no option
+    later = (lambda mb: search.estimate(req, combo, mb, accumulation=2)) if combo.pp == 1 and per_rank > 1 else None
+    if one.per_device.peak_bytes > search.usable or not host_ok or micro.size == 1:
+        peak = (later(1) if later is not None and micro[0] < per_rank else one).per_device.peak_bytes
         return [(combo, 1, float(peak), bool(peak <= search.usable and host_ok), times[0])]
     peaks = _Grid(combo, one, search.estimate(req, combo, 2)).peaks(micro)
+    if later is not None:
+        peaks = np.where(micro < per_rank, _Grid(combo, later(1), later(2)).peaks(micro), peaks)
     return [(combo, int(mb), float(peaks[k]), bool(peaks[k] <= search.usable and host_ok), times[k])
             for k, mb in enumerate(micro)]
 
@@ -509,7 +523,7 @@ def _extrapolated(req: PlanRequest, combo: Setting, per_rank: int) -> bool:
 def _floor_estimate(search: _Search, req: PlanRequest, combo: Setting, micro: int) -> int:
     """Resident bytes of the setting at pp micro-batches of ``micro`` sequences (a bound's input,
     not a row: the batch differs from the plan's)."""
-    key = (req.nodes, combo, -micro)  # negative: apart from the rows' estimates
+    key = (req.nodes, combo, -micro, 1)  # negative: apart from the rows' estimates
     if key not in search.estimates:
         search.estimates[key] = estimate(_request(req, combo, micro, search.model_fields, accumulation=combo.pp))
     return search.estimates[key].per_device.resident_bytes
@@ -816,7 +830,7 @@ def _rank(search: _Search, req: PlanRequest, rows: list[Row], fewer: list[tuple[
     for combo in ranked:
         _, mb, peak, fits, t = best[combo]
         per_rank = _per_rank(req, combo)
-        e = search.estimate(req, combo, mb)
+        e = search.estimate(req, combo, mb, accumulation=per_rank // mb)
         reason = None if fits else (_reason(combo, mb, peak, usable, capacity, req.headroom, e) if peak > usable
                                     else _host_reason(combo, mb, e, host_capacity(req, g)))
         candidates.append(_candidate(combo, mb, per_rank, fits, t, e, reason))
@@ -883,6 +897,8 @@ def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_field
     if c.parallel.pp > 1:
         degrees |= {"gradient_accumulation": c.micro_batch * c.gradient_accumulation,
                     "pp_schedule": req.pp_schedule, "pp_virtual_stages": req.pp_virtual_stages}
+    elif c.micro_batch * c.gradient_accumulation > 1:  # micro-batches of 1 accumulate (frameworks/)
+        degrees |= {"gradient_accumulation": 2}
 
     def fits(seq: int) -> bool:
         e = estimate(EstimateRequest(**model_fields, strategy=c.strategy, gpus=req.gpus, nodes=req.nodes,
@@ -941,8 +957,10 @@ def _fits(req: PlanRequest, name: str, usable: float, model_fields: dict, gpus: 
     for shard in shards:
         for off_opt, off_par in (reversed(_offloads(name)) if tp == 1 else [("none", "none")]):  # most offloaded first
             try:
+                # micro-batch 1 accumulates when the rank's share of the global batch is more
                 e = estimate(EstimateRequest(**model_fields, strategy=name, gpus=gpus, nodes=nodes, gpu=req.gpu,
                                              precision=req.precision, optimizer=req.optimizer, micro_batch=1,
+                                             gradient_accumulation=2 if req.global_batch * tp > gpus * nodes else 1,
                                              seq_len=req.seq_len, checkpointing="full", attention=req.attention,
                                              offload_optimizer=off_opt, offload_params=off_par,
                                              hsdp_shard_size=explicit_hsdp_shard(name, shard, gpus),

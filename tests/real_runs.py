@@ -153,6 +153,8 @@ CPU_RUNS = [
     # tensor parallelism alone (dp 1: nothing wraps the model) with gradient accumulation: micro-batches
     # 2-4 run beside the accumulated gradients, the embedding's replicated over the whole vocabulary
     _run("llama-tp2-fp32-sp-t256-ga4", LLAMA_TP, "fsdp", "fp32", tp=2, micro=1, seq=256, gradient_accumulation=4),
+    # gradient accumulation: the second micro-batch runs beside the sharded gradients of the first
+    _run("llama-fsdp-fp32-ga2-t128", LLAMA, "fsdp", "fp32", micro=1, seq=128, gradient_accumulation=2),
 ]
 
 # Measured and reported by bench/accuracy.py (not in CI, to keep it short): the rest of the
@@ -295,6 +297,22 @@ BENCH_RUNS = [
     # accumulation; its fp32 twin is in CPU_RUNS
     _run("llama-tp2-bf16-sp-t256-ga4", LLAMA_TP, "fsdp", "bf16-mixed", tp=2, micro=1, seq=256,
          gradient_accumulation=4),
+    # gradient accumulation (2 micro-batches of 128 tokens: the states and gradients dominate): FSDP2
+    # accumulating its reduce-scatter output into the sharded gradients (bf16 and fp32 reduce), DDP
+    # under no_sync, ZeRO-1/2/3 accumulating in their partitions
+    _run("llama-fsdp-bf16-ga2-t128", LLAMA, "fsdp", "bf16-mixed", micro=1, seq=128, gradient_accumulation=2),
+    _run("llama-ddp-fp32-ga2-t128", LLAMA, "ddp", "fp32", micro=1, seq=128, gradient_accumulation=2),
+    _run("llama-zero2-fp32-small-ga2-t128", LLAMA, "zero2", "fp32", small=True, micro=1, seq=128,
+         gradient_accumulation=2),
+    _run("llama-zero1-fp32-small-ga2-t128", LLAMA, "zero1", "fp32", small=True, micro=1, seq=128,
+         gradient_accumulation=2),
+    _run("llama-zero3-fp32-small-ga2-t128", LLAMA, "zero3", "fp32", small=True, micro=1, seq=128,
+         gradient_accumulation=2),
+    _run("llama-fsdp-bf16-reduce32-ga2-t128", LLAMA, "fsdp", "bf16-mixed", micro=1, seq=128,
+         gradient_accumulation=2, reduce_dtype="fp32"),
+    _run("llama-zero2-bf16-small-ga2-t128", LLAMA, "zero2", "bf16-mixed", small=True, micro=1, seq=128,
+         gradient_accumulation=2),
+    _run("llama-ddp-bf16-ga2-t128", LLAMA, "ddp", "bf16-mixed", micro=1, seq=128, gradient_accumulation=2),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than

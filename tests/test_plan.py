@@ -21,7 +21,10 @@ def first(r):
 def test_nvswitch_small_model_gets_ddp_or_zero1_first():
     r = plan(PlanRequest(model="llama-3.2-1b", gpu="h100-80gb", gpus=8, topology="hgx-h100", seq_len=2048,
                          global_batch=256))
-    assert first(r) in ("ddp", "zero1")
+    # every option is within 1% of the best step time; at 32 micro-batches ZeRO-1 holds every gradient
+    # (14.1 GiB) and DDP its buckets too (32.1 GiB), outside 3% of the device of FSDP's 9.7 GiB, so of
+    # the tied ones FSDP without resharding communicates least (was ZeRO-1 before accumulation was counted)
+    assert first(r) in ("ddp", "zero1", "fsdp-grad-op")
     assert all(c.fits for c in r.candidates if c.strategy in ("ddp", "zero1", "zero2", "zero3"))
 
 
@@ -301,10 +304,14 @@ def test_ties_within_the_time_models_uncertainty_go_to_headroom():
     # no option as fast leaves materially (3% of the device) more memory free than the recommendation
     assert best.per_device.peak_bytes <= min(c.per_device.peak_bytes for c in tied) + MEMORY_TIE_FRACTION * capacity
     # the issue's case: FSDP at 75.1 GiB of 75.7 usable was picked over ZeRO-3 at 49.8 GiB, same step time
-    assert best.per_device.peak_bytes < 0.6 * capacity
+    # (the recommendation, 32 micro-batches, holds the earlier ones' sharded gradients: 48.3 GiB)
+    assert best.per_device.peak_bytes < 0.65 * capacity
     assert max(c.per_device.peak_bytes for c in tied) > best.per_device.peak_bytes + 10 * GIB
     note = next(n for n in r.notes if n.startswith(f"recommended {best.strategy}"))
-    assert "within 1% of the best step time" in note and "leaves the most memory free" in note
+    # the tied options' peaks (each at 32 micro-batches, holding the earlier ones' gradients) are
+    # within 3% of the device of the lowest: the one that communicates least of those
+    assert "within 1% of the best step time" in note and ("leaves the most memory free" in note
+                                                           or "it communicates least" in note)
 
 
 def test_rejections_name_the_setting_and_the_peak_phase():

@@ -20,6 +20,7 @@ from planner.tensor_parallel import autotp_gather_held_bytes
 
 if TYPE_CHECKING:
     from planner.memory import Setup
+    from planner.schema import MemoryItem
     from planner.strategies import Strategy
 
 # engine.py, buffered_allreduce_fallback(elements_per_buffer=500000000): ZeRO-0 all-reduces the
@@ -249,6 +250,11 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
                    "buffers", "stage_1_and_2.py: torch.empty(reduce_bucket_size) per ipg buffer")
     in_partition = item("grads_in_partition (params touching this partition)", wb * touching, "buffers",
                          "stage_1_and_2.py copy_grads_in_partition")
+    # ZeRO-2 with gradient accumulation, a micro-batch after the first: the earlier micro-batches'
+    # reduced partition gradients stay in their own grads_in_partition, beside the one this
+    # micro-batch fills (_zero2_accumulated)
+    earlier = _zero2_accumulated(setup, wb * touching) if stage == 2 else None
+    accumulating = stage == 1 and _zero1_accumulating(setup)
     phases = []
     # Stage 2 reduces whenever the bucket would overflow; the worst rank is the one whose
     # partition holds the last parameters (the LM head, reduced first), so its grads_in_partition
@@ -262,9 +268,12 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
         if stage == 1:
             # Stage 1 keeps every param.grad until the accumulation boundary, then reduces
             # through the bucket into grads_in_partition (reduce_gradients at the boundary).
-            items.append(item("16-bit gradients", wb * point.grad_elements, "gradients"))
-            if reduced:
-                items += [bucket, in_partition]
+            # A micro-batch after the first (_zero1_accumulating): every gradient, and the bucket.
+            items.append(item("16-bit gradients" + (", accumulating over the micro-batches" if accumulating else ""),
+                              wb * (psi if accumulating else point.grad_elements), "gradients",
+                              "engine.py:3084-3092: stage 1 reduces at the boundary only" if accumulating else ""))
+            if reduced or accumulating:
+                items += [bucket] + ([in_partition] if reduced else [])
         elif point.grad_elements:
             # Each gradient is copied into the bucket by its hook and freed: only the gradients
             # of the current block are in flight. The bucket exists from the first hook on.
@@ -275,20 +284,22 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
                 point.in_flight_elements + point.held_elements
             items += [item("16-bit gradients not yet reduced", wb * unreduced, "gradients"), bucket,
                       tied_sum_item(point, wb)] + ([in_partition] if reduced else [])
+        if earlier is not None:
+            items.append(earlier)
         phases.append(phase(point.kind, point.label, items))
         if stage == 1 and point.tied_sum_elements:
             # ZeRO-1 reduces once the last hook has run: the tied weight's contributions are
             # summed with every gradient and the bucket live, before grads_in_partition exists
             # (peak trace: the gradients, the bucket and two more V x h at that moment).
             phases.append(phase(PhaseKind.TIED_SUM, "embeddings' backward (tied gradients summed)", resident + activation_items(point) + [
-                item("16-bit gradients", wb * point.grad_elements, "gradients"), bucket,
+                item("16-bit gradients", wb * (psi if accumulating else point.grad_elements), "gradients"), bucket,
                 tied_sum_item(point, wb)]))
     if first is not None and acts is not None and layout(setup) is not None:
         produced, trigger = first
         items = resident + [item("saved activations", _activations_when_produced(acts, layout(setup), numels, produced),
                                   "activations"),
                             item("16-bit gradient that overflowed the bucket", wb * trigger, "gradients"),
-                            bucket, in_partition]
+                            bucket, in_partition] + ([earlier] if earlier is not None else [])
         phases.append(phase(PhaseKind.FIRST_BUCKET_REDUCTION, f"first bucket reduction ({produced:,} gradient elements in)", items))
     offloaded = z.offload_optimizer != "none"
     step = resident if offloaded else resident + [
@@ -307,6 +318,38 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
         plan.host_resident_bytes += extra
         plan.host_peak_bytes += extra
     return plan
+
+
+def _zero1_accumulating(setup: "Setup") -> bool:
+    """ZeRO-1 in a micro-batch after the first (gradient_accumulation_steps > 1): stage 1
+    communicates at the accumulation boundary only (engine.py:3084-3092: no epilogue before it),
+    so autograd adds every micro-batch's gradient into the same param.grad, all of which live
+    from the first micro-batch on; and the ipg bucket, which setup_buckets allocates at the first
+    gradient hook of the step (stage_1_and_2.py:2284-2286, :3256-3268), stays until the boundary's
+    reduction releases it. Peak trace (llama fp32, 2 ranks, 2 micro-batches, 2e6-element bucket):
+    the second micro-batch's backward starts 28.0 MB higher than the first's (every fp32
+    gradient, 20.0 MB, and the 8.0 MB bucket), its peak the loss's backward, measured 95.24 MB."""
+    return setup.request.gradient_accumulation > 1 and setup.zero.offload_optimizer == "none"
+
+
+def _zero2_accumulated(setup: "Setup", in_partition_bytes: int) -> MemoryItem | None:
+    """ZeRO-2 in a micro-batch after the first (gradient_accumulation_steps > 1), the gradients
+    accumulated in the training dtype (engine.py get_data_types: grad_accum_dtype defaults to the
+    model's dtype, so no grad_accum attribute and no compact buffer). At the end of every backward,
+    independent_gradient_partition_epilogue (stage_1_and_2.py:1016-1061) keeps the partition's
+    reduced gradients in all_grad_tensors (get_all_grad_tensors, :2703-2710: the params'
+    .grad, views into grads_in_partition; later micro-batches add into them, :1041-1044), then
+    _release_ipg_buffers (:924-931) drops grads_in_partition and _clear_param_grad_only the
+    .grad. The next micro-batch's first reduction allocates a new grads_in_partition
+    (copy_grads_in_partition, :2184-2196), so two live at once until the boundary. Peak trace
+    (llama fp32, 2 ranks, 2 micro-batches, 2e6-element buckets): a second 9,999,360-byte
+    aten::empty in the second micro-batch's backward, the step's total 10.0 MB higher there than
+    at the same moment of the first; the peak at the bucket's flatten (the first reduction)."""
+    if setup.request.gradient_accumulation < 2 or not setup.zero.contiguous_gradients or \
+            setup.zero.offload_optimizer != "none":  # offload accumulates on the host (:2160-2175)
+        return None
+    return item("grads_in_partition of the earlier micro-batches (all_grad_tensors)", in_partition_bytes, "gradients",
+                "stage_1_and_2.py independent_gradient_partition_epilogue, _release_ipg_buffers")
 
 
 def _first_reduction(numels: list[int], bucket_elements: int) -> tuple[int, int] | None:

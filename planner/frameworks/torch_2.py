@@ -163,27 +163,46 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     shape = layout(setup)
     block = shape.largest_block_parameters if shape else max(numels)
     root = psi - shape.blocks_parameters if shape else max(numels)
+    # With gradient accumulation the phases are those of a micro-batch after the first: it holds
+    # everything the first does, and the gradients the earlier micro-batches left
+    # (_accumulated_items). Under FSDP CPUOffload those live on the host (foreach_reduce copies
+    # each new sharded gradient to the CPU before adding it, _fsdp_collectives.py:736-749).
+    later = " (micro-batch 2+)" if setup.request.gradient_accumulation > 1 else ""
+    accumulated = bool(later) and not offload
     phases = []
     tp_only = not setup.data_parallel_wrapped  # a TP-only rank: its gradients stay in param.grad
     excess = replicated_embedding_gradient_elements(setup.model.architecture, setup.tp) if tp_only else 0
     accumulation = setup.request.gradient_accumulation
     for point in backward_sweep(acts, numels, layout(setup)):
         items = resident + activation_items(point)
-        label = point.label
         if tp_only:
             items += tp_only_gradient_items(point, rank_elements=psi, excess=excess, grad_bytes=store_bytes,
                                             accumulation=accumulation)
-            label += f" (micro-batches 2-{accumulation})" if accumulation > 1 else ""
+            if mixed:
+                items.append(_autocast_copies(setup, point, psi, block, compute_bytes))
+            phases.append(phase(point.kind, point.label + (f" (micro-batches 2-{accumulation})" if accumulation > 1
+                                                           else ""), items))
         elif not sharded:  # DDP
-            items.append(item("gradients (full)", store_bytes * point.grad_elements, "gradients"))
-        if not sharded and mixed:
-            items.append(_autocast_copies(setup, point, psi, block, compute_bytes))
-        if sharded:
-            items += _fsdp_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes)
-        phases.append(phase(point.kind, label, items))
+            grads = psi if accumulated else point.grad_elements
+            items.append(item("gradients (full)" + (", accumulating over the micro-batches" if accumulated else ""),
+                              store_bytes * grads, "gradients",
+                              "autograd adds each micro-batch's gradient into param.grad (DDP: under no_sync() "
+                              "until the last micro-batch)" if accumulated else ""))
+            if mixed:
+                items.append(_autocast_copies(setup, point, psi, block, compute_bytes))
+            phases.append(phase(point.kind, point.label + later, items))
+        else:
+            items += _fsdp_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes, accumulated)
+            phases.append(phase(point.kind, point.label + later, items))
+            if point.kind is PhaseKind.START_OF_BACKWARD and setup.device == "cpu" and \
+                    not s.params_unsharded_in_step:  # SHARD_GRAD_OP gathers nothing again for backward
+                phases.append(phase(point.kind, "start of backward, the root's all-gather output held by gloo" + later,
+                                     resident + _fsdp_backward_gather_items(point, psi, block, root, shard,
+                                                                            compute_bytes, store_bytes, accumulated)))
         if sharded and point.tied_sum_elements:
-            phases.append(phase(PhaseKind.TIED_SUM, "embeddings' backward (tied gradients summed)",
-                                 resident + _fsdp_tied_sum_items(point, psi, root, shard, compute_bytes, store_bytes)))
+            phases.append(phase(PhaseKind.TIED_SUM, "embeddings' backward (tied gradients summed)" + later,
+                                 resident + _fsdp_tied_sum_items(point, psi, root, shard, compute_bytes, store_bytes,
+                                                                 accumulated)))
     grad_bytes = store_bytes * ((part if s.shards_gradients and sharded else psi) + excess)
     phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", resident + [
         item("gradients", 0 if offload else grad_bytes, "gradients"),
@@ -231,7 +250,7 @@ def reduce_bytes(setup: "Setup", compute_bytes: int) -> int:
 
 
 def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: int, shard: int,
-                compute_bytes: int, store_bytes: int) -> list[MemoryItem]:
+                compute_bytes: int, store_bytes: int, accumulated: bool = False) -> list[MemoryItem]:
     """What FSDP2 (torch.distributed.fsdp.fully_shard, per-parameter sharding) holds beyond the
     sharded states at one moment of backward, with every transformer block a unit and the root
     (embeddings, final norm, LM head) the last one.
@@ -245,9 +264,14 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
     dtype (fp32 with reduce_dtype fp32, torchtitan's default: 4 bytes per element while the
     unit's 16-bit gradients are copied into it, _fsdp_collectives.py:597-606). On CPU ranks
     gloo's all-gather holds a scratch copy of its output on the worker thread while it runs
-    (measured by the backend)."""
+    (measured by the backend).
+
+    ``accumulated``: a micro-batch after the first (gradient accumulation, every micro-batch
+    reduce-scattered): every parameter's sharded gradient from the earlier micro-batches is live
+    all along (_accumulated_items), and a finished unit's reduce-scatter output is a transient
+    added into it."""
     if point.kind is PhaseKind.END_OF_BACKWARD:
-        return _fsdp_root_reduce_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes)
+        return _fsdp_root_reduce_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes, accumulated)
     gloo_copy = 2 if setup.device == "cpu" else 1
     keep_gathered = setup.strategy.params_unsharded_in_step  # SHARD_GRAD_OP: no reshard after forward
     if keep_gathered:
@@ -268,8 +292,11 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
                                                             and compute_bytes != FP32 else ""),
               reduce_bytes(setup, compute_bytes) * point.in_flight_elements if point.kind.ends_a_unit else 0,
               "buffers", "foreach_reduce: one flat input per unit, in the reduce dtype"),
-        item("sharded gradients", store_bytes * ceil_div(point.grad_elements, shard), "gradients"),
     ]
+    if accumulated:
+        items += _accumulated_items(setup, point, psi, shard, compute_bytes, store_bytes)
+    else:
+        items.append(item("sharded gradients", store_bytes * ceil_div(point.grad_elements, shard), "gradients"))
     if point.kind is PhaseKind.START_OF_BLOCK:
         # the root's gradients (LM head, final norm) wait unsharded for the root's reduce-scatter
         head_grads = point.grad_elements - point.in_flight_elements
@@ -278,8 +305,59 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
     return items
 
 
+def _accumulated_items(setup: "Setup", point: SweepPoint, psi: int, shard: int, compute_bytes: int,
+                       store_bytes: int) -> list[MemoryItem]:
+    """FSDP2 in a micro-batch after the first, reduce-scattering every micro-batch (torchtitan's
+    trainer; backend/train.py TorchEngine). torch 2.13 _fully_shard/_fsdp_collectives.py
+    foreach_reduce: the first micro-batch's reduce-scatter output becomes the sharded gradients,
+    as views (:704-709, :750-753: sharded_param.grad = to_sharded_dtensor(new_sharded_grad)), cast
+    first to the parameters' dtype (:696, _to_dtype_if_needed: fp32 under mixed precision);
+    from the second on, ``sharded_param.grad._local_tensor += new_sharded_grad`` (:744-749)
+    adds the new output into them in place, and the output (and its cast) is freed when
+    foreach_reduce returns. So the whole sharded gradients (parameters' dtype) are live through
+    every later micro-batch's forward and backward, and a finished unit's reduce-scatter output
+    (reduce dtype, its 1/shard) and its cast are transients beside them. Peak trace (llama, fp32,
+    2 ranks, 2 micro-batches): the 1/shard output of each block allocated and freed inside
+    post_backward_reduce, the step's total 10.0 MB (every sharded gradient) higher through the
+    second micro-batch than through the first."""
+    items = [item("sharded gradients (the earlier micro-batches', accumulated into)", store_bytes * ceil_div(psi, shard),
+                  "gradients", "_fsdp_collectives.py foreach_reduce: grad._local_tensor += new_sharded_grad")]
+    if point.kind is PhaseKind.END_OF_BLOCK:
+        reduce = reduce_bytes(setup, compute_bytes)
+        output = ceil_div(point.in_flight_elements, shard)
+        items.append(item("reduce-scatter output being added into the sharded gradients"
+                          + (" (and its cast)" if reduce != store_bytes else ""),
+                          (reduce + (store_bytes if reduce != store_bytes else 0)) * output, "buffers",
+                          "_fsdp_collectives.py foreach_reduce: _to_dtype_if_needed, then +="))
+    return items
+
+
+def _fsdp_backward_gather_items(point: SweepPoint, psi: int, block: int, root: int, shard: int, compute_bytes: int,
+                                store_bytes: int, accumulated: bool) -> list[MemoryItem]:
+    """The start of FSDP2's backward on CPU ranks, before the loss's gradient: the root unit is
+    gathered again for backward (pre_backward) and copied out into its parameters, and the last
+    block's all-gather (output and gloo's scratch) starts while gloo's worker thread may still
+    hold the root's flat all-gather output, whose last reference it drops when its work ends
+    (peak trace, llama fp32 2 ranks, 2 micro-batches: an 8.39 MB free on gloo's thread after the
+    block's two 2.90 MB allocations; on the other rank, before them). The model counts it (the
+    worst case, as for the prefetch)."""
+    items = [
+        item("saved activations", point.activation_bytes, "activations"),
+        item("all-gathered root unit", compute_bytes * root, "buffers", "the root, gathered and copied out for backward"),
+        item("the root's flat all-gather output, until gloo's worker drops it", compute_bytes * root, "buffers",
+             "peak trace, CPU ranks"),
+        item("last block's all-gather (output and gloo's scratch)", 2 * compute_bytes * block, "buffers",
+             "FSDP paper Sec. 3.2: the next unit's all-gather overlaps the current unit's backward"),
+    ]
+    if accumulated:
+        items.append(item("sharded gradients (the earlier micro-batches', accumulated into)",
+                          store_bytes * ceil_div(psi, shard), "gradients",
+                          "_fsdp_collectives.py foreach_reduce: grad._local_tensor += new_sharded_grad"))
+    return items
+
+
 def _fsdp_root_reduce_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: int, shard: int,
-                            compute_bytes: int, store_bytes: int) -> list[MemoryItem]:
+                            compute_bytes: int, store_bytes: int, accumulated: bool = False) -> list[MemoryItem]:
     """The end of FSDP2's backward: the root unit (embeddings, final norm, LM head) gets its last
     gradient and is reduce-scattered, every block's gradients already sharded. The largest of
     four moments, each traced to the byte on CPU ranks (llama, bf16 and fp32 reduce):
@@ -295,7 +373,11 @@ def _fsdp_root_reduce_items(setup: "Setup", point: SweepPoint, psi: int, block: 
       ranks gloo's reduce-scatter also copies its whole input (measured: one more input-sized
       tensor);
     - the cast of that output to the parameters' dtype (_to_dtype_if_needed, when the reduce
-      dtype is not fp32 under mixed precision), after gloo's copy is freed."""
+      dtype is not fp32 under mixed precision), after gloo's copy is freed.
+
+    In a micro-batch after the first (``accumulated``) the root's sharded gradients from the
+    earlier micro-batches are live in every moment, and the output (and its cast) is added into
+    them and freed (_accumulated_items)."""
     reduce = reduce_bytes(setup, compute_bytes)
     late = point.in_flight_elements if setup.arch is not None and not setup.arch.tie_word_embeddings else 0
     held = max(0, root - late) if late else 0  # the LM head and final norm's gradients
@@ -321,11 +403,16 @@ def _fsdp_root_reduce_items(setup: "Setup", point: SweepPoint, psi: int, block: 
         moments.append([held_item, rs_input, output, blocks_sharded,
                         item("the root's sharded gradients, cast to the parameters' dtype",
                              store_bytes * ceil_div(root, shard), "gradients", "_to_dtype_if_needed")])
+    if accumulated:
+        earlier = item("the root's sharded gradients (the earlier micro-batches', accumulated into)",
+                       store_bytes * ceil_div(root, shard), "gradients",
+                       "_fsdp_collectives.py foreach_reduce: grad._local_tensor += new_sharded_grad")
+        moments = [moment + [earlier] for moment in moments]
     return max(moments, key=lambda items: sum(i.bytes for i in items))
 
 
 def _fsdp_tied_sum_items(point: SweepPoint, psi: int, root: int, shard: int, compute_bytes: int,
-                         store_bytes: int) -> list[MemoryItem]:
+                         store_bytes: int, accumulated: bool = False) -> list[MemoryItem]:
     """FSDP2 at the embeddings' backward of a tied model (_tied_head_elements): the root unit is
     gathered, every block's gradients are reduce-scattered, and the root's unsharded gradients
     (the head's contribution to the tied weight among them) wait for its post-backward while
@@ -337,6 +424,9 @@ def _fsdp_tied_sum_items(point: SweepPoint, psi: int, root: int, shard: int, com
         item("root gradients (unsharded), the tied head's contribution among them", compute_bytes * root,
               "gradients", "until the root's reduce-scatter at the end of backward"),
         tied_sum_item(point, compute_bytes),
+        item("the root's sharded gradients (the earlier micro-batches', accumulated into)",
+             store_bytes * ceil_div(root, shard) if accumulated else 0, "gradients",
+             "_fsdp_collectives.py foreach_reduce: grad._local_tensor += new_sharded_grad"),
     ]
 
 
