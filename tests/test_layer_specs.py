@@ -75,7 +75,8 @@ def test_block_saved_bytes_match_autograd(name, config, dtype, seq):
         first_of_table.add(spec.attention.rope_table)
 
 
-@pytest.mark.parametrize("name,config", [("llama", LLAMA), ("llama-tp", LLAMA_TP), ("qwen2", QWEN2), ("mistral", MISTRAL)])
+@pytest.mark.parametrize("name,config", [("llama", LLAMA), ("llama-tp", LLAMA_TP), ("qwen2", QWEN2),
+                                         ("mistral", MISTRAL)])
 def test_autocast_block_saved_bytes_match_autograd(name, config):
     """Under torch.autocast over fp32 weights each block saves, beyond the 16-bit count, its fp32
     ``x * rsqrt`` in both norms and a 16-bit copy of the normed input per linear (q, k, v; gate, up):

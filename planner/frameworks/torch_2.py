@@ -208,10 +208,11 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
 
 
 def _autocast_copies(setup: "Setup", point: SweepPoint, psi: int, block: int, compute_bytes: int) -> MemoryItem:
-    """torch.autocast casts each weight to 16 bits once per forward (its cast cache); each linear
-    saves its cast weight for backward, so without checkpointing all of them live until their
-    layer's backward. Under checkpointing the blocks save nothing: only the LM head's cast stays,
-    plus the cast weights of the one block being recomputed."""
+    """torch.autocast casts each linear's weight to 16 bits once per forward (its cast cache; not
+    the untied embedding or the norms' weights: _uncast_elements); each linear saves its cast
+    weight for backward, so without checkpointing all of them live until their layer's backward.
+    Under checkpointing the blocks save nothing: only the LM head's cast stays, plus the cast
+    weights of the one block being recomputed."""
     shape = layout(setup)
     if setup.request.checkpointing != "full" or shape is None:
         return item("autocast copies of the weights", compute_bytes * (psi - _uncast_elements(setup)), "buffers",
