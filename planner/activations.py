@@ -85,15 +85,17 @@ class Activations:
         return sum(self.blocks[first:last])
 
 
-def _norm_saved(a: Architecture, tokens: int, b: int) -> int:
+def _norm_saved(a: Architecture, tokens: int, b: int, autocast: bool = False) -> int:
     """RMSNorm (LlamaRMSNorm.forward): the fp32 upcast (saved by pow and mul; in fp32 it is the
     input itself), ``x * rsqrt`` cast back to the compute dtype (saved by ``weight * x`` for the
     weight's gradient), the ``weight * x`` output (saved by the next linear), and rsqrt per token.
+    Under torch.autocast the stream is fp32, so ``x * rsqrt`` stays fp32 (``_autocast_stream``).
     LayerNorm (native_layer_norm): its input, fp32 mean and rstd per token, and its output (saved
     by the next linear)."""
     h = a.hidden_size
     if a.norm == "rmsnorm":
-        return FP32 * tokens * h + b * tokens * h + b * tokens * h + FP32 * tokens
+        product = FP32 if autocast else b
+        return FP32 * tokens * h + product * tokens * h + b * tokens * h + FP32 * tokens
     return b * tokens * h + b * tokens * h + 2 * FP32 * tokens
 
 
@@ -209,8 +211,9 @@ def layer_saved_bytes(a: Architecture, tokens: int, seq_len: int, micro_batch: i
 
 
 def block_saved_bytes(a: Architecture, spec: LayerSpec, tokens: int, seq_len: int, micro_batch: int, b: int,
-                      attention: Attention, device: Device = "cuda") -> int:
-    """What one block saves for backward, from its layer spec."""
+                      attention: Attention, device: Device = "cuda", autocast: bool = False) -> int:
+    """What one block saves for backward, from its layer spec; ``autocast``: the block runs under
+    torch.autocast over fp32 weights (``_autocast_stream``)."""
     attn = spec.attention
     if attn.kind == "mla":
         attention_bytes = _mla_saved(attn, tokens, seq_len, micro_batch, b, attention, device)
@@ -241,7 +244,43 @@ def block_saved_bytes(a: Architecture, spec: LayerSpec, tokens: int, seq_len: in
         # gate, act(gate), up and their product; plain: up and act(up)
         mlp = (4 if spec.mlp.gated else 2) * b * tokens * spec.mlp.intermediate_size
     return (_block_norms_saved(a, spec, tokens, b) + attention_bytes + _qk_norm_saved(attn, tokens, b, float_weight)
-            + mlp + _dropout_saved(a, tokens, b, device))
+            + mlp + _dropout_saved(a, tokens, b, device)
+            + (_autocast_stream_extra(a, spec, b) * tokens * a.hidden_size if autocast else 0))
+
+
+def _autocast_stream(a: Architecture, b: int, autocast: bool) -> bool:
+    """Whether the fp32-stream terms below apply: torch.autocast over fp32 weights with a 16-bit
+    compute dtype, on Llama-style RMSNorm blocks (the ones measured; other norms keep the 16-bit
+    count)."""
+    return autocast and b != FP32 and a.norm == "rmsnorm"
+
+
+def _autocast_stream_extra(a: Architecture, spec: LayerSpec, b: int) -> int:
+    """Bytes per token x hidden element a block saves under torch.autocast beyond the 16-bit count.
+
+    Autocast keeps the model fp32 and casts per op (torch 2.13 aten/src/ATen/autocast_mode.cpp:
+    ``linear``, ``matmul``, ``scaled_dot_product_attention`` are in the lower-precision list on CPU
+    and CUDA; ``embedding``, ``mul``, ``add``, ``pow``, ``rsqrt`` are in no list and run in their
+    inputs' dtype). The embedding's output is fp32 and each residual add (fp32 + a 16-bit linear
+    output) promotes back to fp32, so the stream between blocks is fp32. LlamaRMSNorm.forward
+    (transformers 5 modeling_llama.py) then computes ``x * rsqrt`` in fp32, ``.to(input_dtype)``
+    is a no-op and ``weight * x`` saves that fp32 product for the weight's gradient: 2 bytes more
+    per norm than a 16-bit one. Its fp32 output is read by several linears, and each F.linear casts
+    its input itself: autocast's cast cache holds only leaf tensors that require grad, i.e. weights
+    (autocast_mode.cpp ``cached_cast``: ``can_try_cache``), so q, k and v (LlamaAttention.forward)
+    each save their own 16-bit copy, as do gate and up (LlamaMLP.forward): two and one copies more
+    than the one activations.py counts. Measured with saved-tensor hooks (tests/test_layer_specs.py
+    test_autocast_llama_block_saved_bytes) and the backend's peak trace (TP 2 with SP, bf16)."""
+    if not (spec.norm == "rmsnorm" and spec.norm_weight == "cast"):
+        return 0
+    attention = spec.attention
+    extra = (FP32 - b) * spec.norms
+    if attention.kind != "mla" and not attention.fused_qkv:
+        extra += 2 * b  # k and v cast the normed input again
+    mlp = spec.mlp
+    if not mlp.is_moe and mlp.gated and not mlp.fused_gate_up:
+        extra += b  # up casts it again beside gate
+    return extra
 
 
 INDEX = 8  # int64 indices
@@ -345,11 +384,11 @@ def _extra_rope_tables(a: Architecture, seq_len: int, b: int) -> int:
     return max(len(tables) - 1, 0) * _rope_saved(a, seq_len, b)
 
 
-def _final_norm_saved(a: Architecture, tokens: int, b: int) -> int:
-    """The final norm and its output (saved by the LM head)."""
+def _final_norm_saved(a: Architecture, tokens: int, b: int, autocast: bool = False) -> int:
+    """The final norm and its output (saved by the LM head); under autocast its ``x * rsqrt`` is fp32."""
     if layer_specs(a)[-1].norm_weight == "float":  # the final norm is the blocks' norm class
         return _float_norm_saved(tokens, a.hidden_size, tokens) + b * tokens * a.hidden_size
-    return _norm_saved(a, tokens, b)
+    return _norm_saved(a, tokens, b, autocast)
 
 
 def _loss_saved(a: Architecture, tokens: int, b: int) -> int:
@@ -415,12 +454,19 @@ def _embedding_saved(a: Architecture, tokens: int, b: int, device: Device) -> in
 
 def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, compute_bytes: int,
                          attention: Attention = "sdpa", checkpointing: Checkpointing = "none",
-                         device: Device = "cuda") -> Activations:
+                         device: Device = "cuda", autocast: bool = False) -> Activations:
+    """``autocast``: the forward runs under torch.autocast over fp32 weights (torch's mixed recipes
+    when nothing casts the weights: DDP, or a TP-only rank); the residual stream, the RoPE tables
+    and the checkpointed block inputs are then fp32 (``_autocast_stream_extra``)."""
     tokens = micro_batch * seq_len
     b = compute_bytes
+    fp32_stream = _autocast_stream(a, b, autocast)
+    # LlamaRotaryEmbedding.forward returns ``cos.to(dtype=x.dtype)`` with x the fp32 embedding
+    # output under autocast: fp32 tables
+    table_bytes = FP32 if fp32_stream else b
     if a.attention_implementation == "eager":
         attention = "eager"  # transformers has no SDPA path for this family (see the architecture's notes)
-    per_spec = {key: block_saved_bytes(a, spec, tokens, seq_len, micro_batch, b, attention, device)
+    per_spec = {key: block_saved_bytes(a, spec, tokens, seq_len, micro_batch, b, attention, device, fp32_stream)
                 for key, spec in distinct_specs(a).items()}
     if len(per_spec) == 1:
         blocks = [next(iter(per_spec.values()))] * a.num_layers
@@ -428,17 +474,17 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
         blocks = [per_spec[id(spec)] for spec in layer_specs(a)]
     per_layer = max(blocks)
     all_blocks = sum(blocks)
-    final_norm = _final_norm_saved(a, tokens, b)
-    rope = _rope_saved(a, seq_len, b)
-    extra_rope = _extra_rope_tables(a, seq_len, b)
+    final_norm = _final_norm_saved(a, tokens, b, fp32_stream)
+    rope = _rope_saved(a, seq_len, table_bytes)
+    extra_rope = _extra_rope_tables(a, seq_len, table_bytes)
     edges = EdgeTerms(_embedding_saved(a, tokens, b, device), final_norm, _loss_saved(a, tokens, b), rope + extra_rope)
     loss = edges.loss_saved + rope
     embed_dropout = edges.embedding_saved + extra_rope
     items = [ActivationItem("final norm", final_norm), ActivationItem("logits / loss (fp32)", loss)]
+    boundary = (FP32 if fp32_stream else b) * tokens * a.hidden_size  # a block's input (the residual stream)
     if checkpointing == "full":
         # Each block keeps only its input (bytes of the residual stream); one block at a time is
         # recomputed in backward and holds its full saved set (Chen et al. 2016, sqrt(n) form).
-        boundary = b * tokens * a.hidden_size
         saved = a.num_layers * boundary + final_norm + loss + embed_dropout
         items.insert(0, ActivationItem(f"{a.num_layers} block inputs (checkpointed)", a.num_layers * boundary))
         recompute = per_layer
@@ -451,7 +497,7 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
         items.insert(0, ActivationItem(label, all_blocks))
         extra = _loss_transient(a, tokens, b)
     items.append(ActivationItem("backward transient at the loss", _loss_transient(a, tokens, b)))
-    kept = b * tokens * a.hidden_size if checkpointing == "full" else all_blocks // a.num_layers
+    kept = boundary if checkpointing == "full" else all_blocks // a.num_layers
     return Activations(saved_bytes=saved, peak_extra_bytes=extra, items=tuple(items),
                        layer_saved_bytes=per_layer, layer_kept_bytes=kept,
                        head_saved_bytes=saved - a.num_layers * kept,

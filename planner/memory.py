@@ -220,13 +220,19 @@ def activations(setup: Setup) -> Activations | None:
                                 and setup.strategy.zero_stage == 3)
     arch = setup.arch
     seq_len = req.seq_len // setup.cp  # the rank's two chunks of each sequence under cp
+    # torch.autocast over the fp32 weights: torch's mixed recipes where nothing casts them (DDP, a
+    # TP-only rank; FSDP2 casts them by its MixedPrecisionPolicy: backend/train.py, train_parallel.py).
+    # A pipeline stage counts its own (pipeline._autocast_fp32_stream_extra); cp keeps the 16-bit count.
+    autocast = (setup.strategy.framework == "torch" and setup.recipe.autocast_dtype is not None
+                and not (setup.strategy.shards_parameters and setup.data_parallel_wrapped)
+                and setup.dims.pp == 1 and setup.cp == 1)
     acts = estimate_activations(arch, micro_batch=req.micro_batch, seq_len=seq_len,
                                 compute_bytes=compute, attention=req.attention,
-                                checkpointing=req.checkpointing, device=setup.device)
+                                checkpointing=req.checkpointing, device=setup.device, autocast=autocast)
     if setup.rank_architecture is not None:
         acts = tp_activations(acts, setup.model.architecture, setup.arch, tp=setup.tp,
                               sequence_parallel=setup.sequence_parallel, tokens=req.micro_batch * seq_len,
-                              b=compute, vocab_parallel_loss=setup.vocab_parallel_loss)
+                              b=compute, vocab_parallel_loss=setup.vocab_parallel_loss, autocast=autocast)
     return cp_activations(acts, setup.arch, cp=setup.cp, tokens=req.micro_batch * req.seq_len, b=compute)
 
 

@@ -96,13 +96,14 @@ def _with(a: Architecture, fields: dict) -> Architecture:
     return Architecture.model_validate({**a.__dict__, **fields})
 
 
-def _sharded_norm_bytes(a: Architecture, tokens: int, b: int) -> int:
+def _sharded_norm_bytes(a: Architecture, tokens: int, b: int, autocast: bool = False) -> int:
     """What one hidden-width norm saves that SP splits over the sequence: RMSNorm's fp32 input
-    (upcast), ``x * rsqrt`` in the compute dtype and rsqrt per token; LayerNorm's input, mean and
-    rstd. Its output, all-gathered, is saved whole by the following column-parallel linear
-    (activations._norm_saved counts it, and it stays)."""
+    (upcast), ``x * rsqrt`` in the compute dtype (fp32 under autocast: activations._norm_saved)
+    and rsqrt per token; LayerNorm's input, mean and rstd. Its output, all-gathered, is saved
+    whole by the following column-parallel linear (activations._norm_saved counts it, and it stays)."""
     if a.norm == "rmsnorm":
-        return FP32 * tokens * a.hidden_size + b * tokens * a.hidden_size + FP32 * tokens
+        product = FP32 if autocast else b
+        return FP32 * tokens * a.hidden_size + product * tokens * a.hidden_size + FP32 * tokens
     return b * tokens * a.hidden_size + 2 * FP32 * tokens
 
 
@@ -182,7 +183,8 @@ def tp_only_gradient_items(point: SweepPoint, *, rank_elements: int, excess: int
 
 
 def tp_activations(acts: Activations, full: Architecture, rank: Architecture, *, tp: int,
-                   sequence_parallel: bool, tokens: int, b: int, vocab_parallel_loss: bool = True) -> Activations:
+                   sequence_parallel: bool, tokens: int, b: int, vocab_parallel_loss: bool = True,
+                   autocast: bool = False) -> Activations:
     """One TP rank's activations: ``acts`` are those of the narrower model (``rank``), with the
     loss's extra transient and, under SP, the norms' saved tensors and the checkpointed block
     inputs split over the sequence."""
@@ -193,7 +195,7 @@ def tp_activations(acts: Activations, full: Architecture, rank: Architecture, *,
     block_sets, edges = acts.blocks, acts.edges
     items = list(acts.items)
     if sequence_parallel:
-        unit = _sharded_norm_bytes(full, tokens, b)
+        unit = _sharded_norm_bytes(full, tokens, b, autocast and b != FP32)
         cut = unit - _split(unit, tp)
         largest, blocks, final = _cast_norms(full)
         layer_saved -= largest * cut
@@ -210,7 +212,7 @@ def tp_activations(acts: Activations, full: Architecture, rank: Architecture, *,
                               edges.rope_saved)
         if acts.checkpointed:
             # the residual stream between blocks, each block's checkpointed input, is sequence-sharded
-            kept = _split(b * tokens * full.hidden_size, tp)
+            kept = _split((FP32 if autocast and full.norm == "rmsnorm" else b) * tokens * full.hidden_size, tp)
         else:
             kept -= blocks * cut // acts.num_layers
         items.append(ActivationItem(f"sequence parallel: {blocks + final} norms' saved inputs split over "

@@ -11,7 +11,9 @@ import pytest
 
 from planner.activations import block_saved_bytes
 from planner.architecture import from_hf_config, layer_specs
-from tests.real_runs import DEEPSEEK_V2, DEEPSEEK_V3, GEMMA2, GEMMA3, GPT_OSS, LLAMA4, OLMO2, QWEN3, QWEN3_MOE, SMOLLM3
+from planner.layers import layer_numels
+from tests.real_runs import (DEEPSEEK_V2, DEEPSEEK_V3, GEMMA2, GEMMA3, GPT_OSS, LLAMA, LLAMA4, LLAMA_TP, MISTRAL, OLMO2,
+                             QWEN2, QWEN3, QWEN3_MOE, SMOLLM3)
 
 CASES = [
     ("qwen3", QWEN3, "bf16", 256), ("qwen3", QWEN3, "fp32", 256), ("olmo2", OLMO2, "bf16", 256),
@@ -23,7 +25,9 @@ CASES = [
 ]
 
 
-def _measured_blocks(config, dtype_name, micro, seq, attention):
+def _measured_blocks(config, dtype_name, micro, seq, attention, autocast=False):
+    """``autocast``: an fp32 model run under torch.autocast(bfloat16), as the torch strategies'
+    mixed recipes train it (backend/train.py TorchEngine)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
@@ -48,7 +52,8 @@ def _measured_blocks(config, dtype_name, micro, seq, attention):
         layer.register_forward_pre_hook(lambda m, a, i=index: current.__setitem__(0, i))
         layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None))
     ids = torch.randint(0, config["vocab_size"], (micro, seq))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         model(input_ids=ids, labels=ids)
     return blocks
 
@@ -68,3 +73,25 @@ def test_block_saved_bytes_match_autograd(name, config, dtype, seq):
         if index and spec.attention.rope_table in first_of_table:
             assert predicted == pytest.approx(measured[index], rel=0.005), (name, index)
         first_of_table.add(spec.attention.rope_table)
+
+
+@pytest.mark.parametrize("name,config", [("llama", LLAMA), ("llama-tp", LLAMA_TP), ("qwen2", QWEN2),
+                                         ("mistral", MISTRAL)])
+def test_autocast_block_saved_bytes_match_autograd(name, config):
+    """Under torch.autocast over fp32 weights each block saves, beyond the 16-bit count, its fp32
+    ``x * rsqrt`` in both norms and a 16-bit copy of the normed input per linear (q, k, v; gate, up):
+    10 bytes more per token x hidden element on these shapes (the trace of llama-ddp-bf16 showed
+    the same per site). The linears' 16-bit weights, which autograd saves too, are the framework's
+    "autocast copies of the weights" item (frameworks/torch_2.py), not the block's activations."""
+    micro, seq = 2, 256
+    arch = from_hf_config(config)
+    measured = _measured_blocks(config, "fp32", micro, seq, "sdpa", autocast=True)
+    hidden = arch.hidden_size
+    for index, spec in enumerate(layer_specs(arch)):
+        if not index:
+            continue  # the first block also holds the (fp32) RoPE tables, counted once outside the blocks
+        weights = 2 * sum(n for n in layer_numels(spec, hidden) if n > hidden)  # the linears' 16-bit casts
+        predicted = block_saved_bytes(arch, spec, micro * seq, seq, micro, 2, "sdpa", device="cpu", autocast=True)
+        assert predicted + weights == measured[index], (name, index)
+        plain = block_saved_bytes(arch, spec, micro * seq, seq, micro, 2, "sdpa", device="cpu")
+        assert predicted - plain == 10 * micro * seq * hidden

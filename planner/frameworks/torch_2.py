@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 from planner import timing
 from planner.activations import Activations
+from planner.architecture import layer_specs
 from planner.buffers import (FP32, PhasePlan, SweepPoint, activation_items, adam_temporaries, backward_sweep,
                              ceil_div, item, layout, phase, tied_sum_item)
 from planner.errors import PlannerError
+from planner.layers import norm_numels
 from planner.moments import PhaseKind
 from planner.frameworks import Collective, Framework, Traffic, check_sharded_offload, register
 from planner.precision import RECIPES
@@ -225,18 +227,34 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
 
 
 def _autocast_copies(setup: "Setup", point: SweepPoint, psi: int, block: int, compute_bytes: int) -> MemoryItem:
-    """torch.autocast casts each weight to 16 bits once per forward (its cast cache); each linear
-    saves its cast weight for backward, so without checkpointing all of them live until their
-    layer's backward. Under checkpointing the blocks save nothing: only the LM head's cast stays,
-    plus the cast weights of the one block being recomputed."""
+    """torch.autocast casts each linear's weight to 16 bits once per forward (its cast cache; not
+    the untied embedding or the norms' weights: _uncast_elements); each linear saves its cast
+    weight for backward, so without checkpointing all of them live until their layer's backward.
+    Under checkpointing the blocks save nothing: only the LM head's cast stays, plus the cast
+    weights of the one block being recomputed."""
     shape = layout(setup)
     if setup.request.checkpointing != "full" or shape is None:
-        return item("autocast copies of the weights", compute_bytes * psi, "buffers",
+        return item("autocast copies of the weights", compute_bytes * (psi - _uncast_elements(setup)), "buffers",
                      "torch.autocast's cast cache; each linear saves its 16-bit weight for backward")
     head = shape.lm_head_elements
     recomputed = block if point.kind is PhaseKind.START_OF_BLOCK else 0
     return item("autocast copies of the weights (LM head, recomputed block)", compute_bytes * (head + recomputed),
                  "buffers", "checkpointed blocks keep no cast weights; recomputation casts one block's again")
+
+
+def _uncast_elements(setup: "Setup") -> int:
+    """Parameter elements autocast never casts to 16 bits: the untied input embeddings
+    (``embedding`` is in none of torch 2.13's autocast lists, aten/src/ATen/autocast_mode.cpp, so
+    nn.Embedding reads its fp32 weight and returns fp32; a tied weight is still cast by the LM
+    head's F.linear) and the hidden-width norms' weights (LlamaRMSNorm's ``weight * x`` is a plain
+    fp32 mul). Backend peak trace, llama ddp bf16-mixed: the only 16-bit weight copies live at the
+    peak are the linears' (activations._autocast_stream_extra)."""
+    a = setup.arch
+    if a is None or setup.finetune is not None:
+        return 0
+    embedding = (0 if a.tie_word_embeddings else a.vocab_size * a.hidden_size) + a.learned_positions * a.hidden_size
+    norms = sum(sum(norm_numels(spec.norm, a.hidden_size)) * spec.norms for spec in layer_specs(a))
+    return embedding + norms + sum(norm_numels(a.norm, a.hidden_size))
 
 
 def reduce_bytes(setup: "Setup", compute_bytes: int) -> int:
