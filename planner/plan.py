@@ -365,10 +365,25 @@ def _micro_options(req: PlanRequest, combo: Setting, per_rank: int, num_layers: 
     for a pipeline those whose micro-batch count its schedule runs (planner/pipeline.py
     check_schedule: torch's schedules refuse the rest) and an estimate request can state."""
     if combo.pp == 1:
-        return _divisors(per_rank)
+        return _stateable(per_rank, req.seq_len)
     if per_rank * combo.gpus * req.nodes > MAX_GLOBAL_BATCH:
         return _divisors(per_rank)[:0]
     return _pipeline_micro(per_rank, combo.pp, req.pp_schedule, req.pp_virtual_stages, num_layers, req.seq_len)
+
+
+@lru_cache(maxsize=1024)
+def _stateable(per_rank: int, seq_len: int) -> np.ndarray:
+    """The divisors of the rank's share that an estimate request can state: its accumulation, its
+    micro-batch and the micro-batch's tokens within the schema's bounds (a candidate is the
+    estimate of its configuration: emit and verify take it as one)."""
+    divisors = _divisors(per_rank)
+    keep = (per_rank // divisors <= MAX_ACCUMULATION) & (divisors <= MAX_MICRO_BATCH) & \
+        (divisors * seq_len <= MAX_TOKENS)
+    if keep.all():
+        return divisors
+    out = divisors[keep]
+    out.flags.writeable = False
+    return out
 
 
 @lru_cache(maxsize=1024)
@@ -434,8 +449,13 @@ def _grid_rows(search: _Search, req: PlanRequest, combo: Setting, micro: np.ndar
     # accumulation fits at no option
     later = (lambda mb: search.estimate(req, combo, mb, accumulation=2)) if combo.pp == 1 and per_rank > 1 else None
     if one.per_device.peak_bytes > search.usable or not host_ok or micro.size == 1:
-        peak = (later(1) if later is not None and micro[0] < per_rank else one).per_device.peak_bytes
-        return [(combo, 1, float(peak), bool(peak <= search.usable and host_ok), times[0])]
+        smallest = int(micro[0])  # 1, unless its accumulation is more than a request can state
+        if later is not None and smallest < per_rank:
+            e = search.estimate(req, combo, smallest, accumulation=per_rank // smallest)
+        else:
+            e = one if smallest == 1 else search.estimate(req, combo, smallest)
+        peak = e.per_device.peak_bytes
+        return [(combo, smallest, float(peak), bool(peak <= search.usable and host_ok), times[0])]
     peaks = _Grid(combo, one, search.estimate(req, combo, 2)).peaks(micro)
     if later is not None:
         peaks = np.where(micro < per_rank, _Grid(combo, later(1), later(2)).peaks(micro), peaks)

@@ -114,3 +114,19 @@ def test_plan_candidates_are_estimated_with_their_accumulation():
     accumulating = estimate(EstimateRequest(**fields, gradient_accumulation=c.gradient_accumulation))
     single = estimate(EstimateRequest(**fields))
     assert c.per_device.peak_bytes == accumulating.per_device.peak_bytes > single.per_device.peak_bytes
+
+
+def test_plan_candidates_are_requests_an_estimate_takes_at_any_batch():
+    """A rank's share of a huge global batch allows micro-batch options whose accumulation (or
+    micro-batch) an estimate request cannot state; the plan leaves those out, so every candidate
+    is an estimate request (emit and verify take it as one), and the plan answers."""
+    from planner.emit import estimate_request_for
+    from planner.plan import plan
+    from planner.schema import PlanRequest
+
+    req = PlanRequest(model="llama-3.2-1b", gpu="h100-80gb", gpus=1, global_batch=1 << 20, seq_len=4096)
+    r = plan(req)
+    assert r.candidates
+    for c in r.candidates:
+        assert c.gradient_accumulation <= 1 << 16 and c.micro_batch * c.gradient_accumulation == 1 << 20
+        estimate_request_for(req, c)
