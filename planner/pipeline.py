@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Literal
 
 from planner.activations import FP32
 from planner.architecture import Architecture, block_numels, layer_specs, norm_numels
+from planner.buffers import item, phase
 from planner.errors import PlannerError
 from planner.moments import PhaseKind
 from planner.schema import MemoryItem, Phase
@@ -292,13 +293,7 @@ class RankMemory:
     in_flight: int
 
 
-def _item(name: str, nbytes: int, component: str, source: str = "") -> MemoryItem:
-    return MemoryItem(name=name, bytes=int(nbytes), component=component, source=source)
-
-
-def _phase(kind: PhaseKind, name: str, items: list[MemoryItem]) -> Phase:
-    kept = [i for i in items if i.bytes > 0]
-    return Phase(name=name, bytes=sum(i.bytes for i in kept), items=kept, kind=kind)
+_item, _phase = item, phase  # the core's one way of building a phase's items (planner/buffers.py)
 
 
 @dataclass(frozen=True)

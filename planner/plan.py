@@ -437,30 +437,43 @@ def _evaluate_setting(search: _Search, req: PlanRequest, combo: Setting, time_bo
 
 def _grid_rows(search: _Search, req: PlanRequest, combo: Setting, micro: np.ndarray, times: list[timing.StepTime],
                first: EstimateRequest) -> list[Row]:
-    """Every micro-batch option's row from the estimates at micro-batch 1 and 2 (each phase is
-    affine in the micro-batch), or micro-batch 1's alone when it does not fit (the bound above)."""
-    one = search.estimate(req, combo, 1, first)
-    host = host_capacity(req, search.g)  # offload's host RAM per node does not depend on the micro-batch
-    host_ok = host is None or one.host.peak_bytes <= host[0]
+    """Every micro-batch option's row from two estimates (each phase is affine in the micro-batch),
+    or the smallest option's alone when it does not fit (the bound of _evaluate_setting).
+
+    An option below the rank's share accumulates: its memory is a later micro-batch's, which holds
+    everything the first does and the earlier gradients (planner/frameworks/), the same for any
+    number of them, so those options come from the estimates at micro-batch 1 and 2 with
+    accumulation; the option of the whole share (no accumulation) is estimated itself."""
     per_rank = _per_rank(req, combo)
-    # a micro-batch below the rank's share accumulates: its memory is a later micro-batch's, which
-    # holds everything the first does and the earlier gradients (planner/frameworks/), the same
-    # for any number of them; so a setting that does not fit at micro-batch 1 without
-    # accumulation fits at no option
-    later = (lambda mb: search.estimate(req, combo, mb, accumulation=2)) if combo.pp == 1 and per_rank > 1 else None
-    if one.per_device.peak_bytes > search.usable or not host_ok or micro.size == 1:
-        smallest = int(micro[0])  # 1, unless its accumulation is more than a request can state
-        if later is not None and smallest < per_rank:
-            e = search.estimate(req, combo, smallest, accumulation=per_rank // smallest)
+    host = host_capacity(req, search.g)  # offload's host RAM per node does not depend on the micro-batch
+    if per_rank == 1:
+        one = search.estimate(req, combo, 1, first)
+        peak = one.per_device.peak_bytes
+        host_ok = host is None or one.host.peak_bytes <= host[0]
+        return [(combo, 1, float(peak), bool(peak <= search.usable and host_ok), times[0])]
+    whole = int(micro[-1]) == per_rank
+    small = micro[:-1] if whole else micro
+    rows: list[Row] = []
+    host_ok = True
+    if small.size:
+        base = search.estimate(req, combo, 1, accumulation=2)
+        host_ok = host is None or base.host.peak_bytes <= host[0]
+        if base.per_device.peak_bytes > search.usable or not host_ok:
+            smallest = int(small[0])  # 1, unless its accumulation is more than a request can state
+            e = base if smallest == 1 else search.estimate(req, combo, smallest, accumulation=2)
+            rows.append((combo, smallest, float(e.per_device.peak_bytes), False, times[0]))
         else:
-            e = one if smallest == 1 else search.estimate(req, combo, smallest)
+            peaks = (np.array([float(base.per_device.peak_bytes)]) if small.size == 1 and small[0] == 1 else
+                     _Grid(combo, base, search.estimate(req, combo, 2, accumulation=2)).peaks(small))
+            rows += [(combo, int(mb), float(peaks[k]), bool(peaks[k] <= search.usable), times[k])
+                     for k, mb in enumerate(small)]
+    if whole:
+        e = search.estimate(req, combo, per_rank)
+        if host is not None and not small.size:
+            host_ok = e.host.peak_bytes <= host[0]
         peak = e.per_device.peak_bytes
-        return [(combo, smallest, float(peak), bool(peak <= search.usable and host_ok), times[0])]
-    peaks = _Grid(combo, one, search.estimate(req, combo, 2)).peaks(micro)
-    if later is not None:
-        peaks = np.where(micro < per_rank, _Grid(combo, later(1), later(2)).peaks(micro), peaks)
-    return [(combo, int(mb), float(peaks[k]), bool(peaks[k] <= search.usable and host_ok), times[k])
-            for k, mb in enumerate(micro)]
+        rows.append((combo, per_rank, float(peak), bool(peak <= search.usable and host_ok), times[len(micro) - 1]))
+    return rows
 
 
 def _model_parallel_rows(search: _Search, req: PlanRequest, combo: Setting, micro: np.ndarray, per_rank: int,

@@ -297,10 +297,15 @@ class EstimateRequest(BaseModel):
         if self.micro_batch * self.seq_len > MAX_TOKENS:
             raise ValueError(f"micro_batch({self.micro_batch}) * seq_len({self.seq_len}) = "
                              f"{self.micro_batch * self.seq_len} tokens exceeds {MAX_TOKENS} per device")
-        sequences = self.micro_batch * self.gradient_accumulation * self.gpus * self.nodes
+        # the ranks of a tensor-, context- or pipeline-parallel group train one data-parallel rank's sequences
+        model_parallel = self.tp * self.cp * self.pp
+        replicas = max(1, self.gpus * self.nodes // model_parallel)
+        sequences = self.micro_batch * self.gradient_accumulation * replicas
         if sequences > MAX_GLOBAL_BATCH:
+            ranks = f"gpus({self.gpus}) * nodes({self.nodes})" + (
+                f" / (tp({self.tp}) * cp({self.cp}) * pp({self.pp}))" if model_parallel > 1 else "")
             raise ValueError(f"micro_batch({self.micro_batch}) * gradient_accumulation({self.gradient_accumulation}) "
-                             f"* gpus({self.gpus}) * nodes({self.nodes}) = {sequences} sequences per optimizer step "
+                             f"* {ranks} = {sequences} sequences per optimizer step "
                              f"exceeds the global batch bound {MAX_GLOBAL_BATCH}")
         if self.topology is not None and self.topology_text is not None:
             raise ValueError("give --topology or --topology-file, not both")

@@ -437,3 +437,18 @@ def test_tp_only_sends_no_data_parallel_collectives():
     kw = dict(model="llama-3.1-8b", strategy="fsdp", gpu="h100-80gb", gpus=8, tp=8, seq_len=4096, micro_batch=1)
     t = estimate_with_time(EstimateRequest(**kw)).time
     assert t.communication_seconds == pytest.approx(t.exposed_communication_seconds, rel=1e-9)
+
+
+def test_global_batch_bound_counts_data_parallel_ranks_only():
+    """A TP group trains one data-parallel rank's sequences: the schema's global-batch bound is
+    micro_batch x gradient_accumulation x the data-parallel ranks (world / (tp x cp x pp)), so a
+    batch a plan reaches with tp 8 is a request an estimate takes; beyond it, one line names all."""
+    from pydantic import ValidationError
+
+    fields = dict(model="llama-3-70b", strategy="fsdp", gpu="h100-80gb", gpus=8, nodes=8)
+    EstimateRequest(**fields, micro_batch=7, gradient_accumulation=63360, tp=8)  # 7 x 63,360 x 8 = 3,548,160
+    with pytest.raises(ValidationError, match=r"gradient_accumulation\(63360\) \* gpus\(8\) \* nodes\(8\) = "
+                                              r"28385280 sequences"):
+        EstimateRequest(**fields, micro_batch=7, gradient_accumulation=63360)
+    with pytest.raises(ValidationError, match=r"/ \(tp\(8\) \* cp\(1\) \* pp\(1\)\) = 18874368 sequences"):
+        EstimateRequest(**fields, micro_batch=36, gradient_accumulation=65536, tp=8)
