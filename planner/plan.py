@@ -863,7 +863,9 @@ def _rank(search: _Search, req: PlanRequest, rows: list[Row], fewer: list[tuple[
     for combo in ranked:
         _, mb, peak, fits, t = best[combo]
         per_rank = _per_rank(req, combo)
-        e = search.estimate(req, combo, mb, accumulation=per_rank // mb)
+        # a later micro-batch's memory is the same for any number of them (planner/frameworks/: the
+        # phases of micro-batch 2+), so the estimate the grid made with two stands for the candidate's
+        e = search.estimate(req, combo, mb, accumulation=min(per_rank // mb, 2))
         reason = None if fits else (_reason(combo, mb, peak, usable, capacity, req.headroom, e) if peak > usable
                                     else _host_reason(combo, mb, e, host_capacity(req, g)))
         candidates.append(_candidate(combo, mb, per_rank, fits, t, e, reason))

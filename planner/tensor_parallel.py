@@ -175,7 +175,7 @@ def tp_only_gradient_items(point: SweepPoint, *, rank_elements: int, excess: int
         return [item("gradients (full)", grad_bytes * produced, "gradients")]
     new = {PhaseKind.AFTER_LM_HEAD: point.in_flight_elements,
            PhaseKind.END_OF_BACKWARD: point.in_flight_elements + excess}.get(point.kind, 0)
-    return [item(f"gradients accumulated over the earlier micro-batches (of {accumulation})",
+    return [item("gradients accumulated over the earlier micro-batches",
                  grad_bytes * (rank_elements + excess), "gradients",
                  "param.grad of every DTensor, kept to the optimizer step"),
             item("new gradient being added in place", grad_bytes * new, "gradients",

@@ -130,3 +130,21 @@ def test_plan_candidates_are_requests_an_estimate_takes_at_any_batch():
     for c in r.candidates:
         assert c.gradient_accumulation <= 1 << 16 and c.micro_batch * c.gradient_accumulation == 1 << 20
         estimate_request_for(req, c)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(strategy="fsdp"), dict(strategy="ddp"), dict(strategy="zero1"), dict(strategy="zero2"),
+    dict(strategy="zero3"), dict(strategy="hsdp", hsdp_shard_size=4), dict(strategy="fsdp", tp=2), dict(strategy="fsdp", gpus=2, tp=2),
+    dict(strategy="ddp", precision="fp32", gpus=2, tp=2), dict(strategy="fsdp", finetune="lora"),
+])
+def test_a_later_micro_batch_is_the_same_for_any_count(fields):
+    """The memory of a micro-batch after the first does not depend on how many there are (its
+    phases, names and bytes, equal at 2 and 7): the plan ranks a candidate of any accumulation
+    with the estimate its grid made at two."""
+    from planner.memory import estimate
+    from planner.schema import EstimateRequest
+
+    kw = dict(model="llama-3.1-8b", gpu="h100-80gb", gpus=8) | fields
+    two, seven = (estimate(EstimateRequest(**kw, gradient_accumulation=n)) for n in (2, 7))
+    assert [(p.name, p.bytes) for p in two.phases] == [(p.name, p.bytes) for p in seven.phases]
+    assert two.per_device == seven.per_device

@@ -393,7 +393,7 @@ def test_tp_only_accumulation_holds_the_earlier_micro_batches_gradients():
     start = _phases(four)["start_of_backward"]
     assert start.bytes - _phases(one)["start_of_backward"].bytes == grads
     assert start.bytes == pytest.approx(65_147_968, rel=0.001)
-    assert "micro-batches 2-4" in start.name
+    assert "micro-batch 2+" in start.name
     assert four.per_device.peak_bytes == start.bytes
     assert _phases(four)["optimizer_step"].bytes == pytest.approx(48_273_716, rel=0.001)
     # the end of backward: the accumulated set and the embedding's new (whole-vocabulary) gradient

@@ -182,8 +182,7 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
                                             accumulation=accumulation)
             if mixed:
                 items.append(_autocast_copies(setup, point, psi, block, compute_bytes))
-            phases.append(phase(point.kind, point.label + (f" (micro-batches 2-{accumulation})" if accumulation > 1
-                                                           else ""), items))
+            phases.append(phase(point.kind, point.label + later, items))
         elif not sharded:  # DDP
             grads = psi if accumulated else point.grad_elements
             items.append(item("gradients (full)" + (", accumulating over the micro-batches" if accumulated else ""),
