@@ -273,7 +273,11 @@ def _measure(t, forward_end: int, blocks_path: str) -> _Trace:
         raise PlannerError(f"the traced forward never entered the blocks of {blocks_path}: "
                            "this model's layout is not one the tracer can attribute")
     last_fqn = next(fqn for fqn, _ in reversed(starts) if is_block(fqn))
-    after = next((i for fqn, i in starts if i > block_starts[-1] and fqn != last_fqn
+    # the last block ends where the next module of the model's own tree starts; ModTracker also
+    # marks what is not in that tree (transformers 5.25's attention runs through an entry named
+    # "Func" inside each block), which must not cut the block short
+    root = last_fqn.split(".")[0] + "."
+    after = next((i for fqn, i in starts if i > block_starts[-1] and fqn.startswith(root) and fqn != last_fqn
                   and not fqn.startswith(last_fqn + ".")), forward_end)
     bounds = block_starts + [after]
     kept = [t.act[bounds[k + 1]] - t.act[bounds[k]] for k in range(len(block_starts))]
