@@ -539,10 +539,16 @@ def _resident_floor(search: _Search, req: PlanRequest, combo: Setting, per_rank:
     states plus one receive buffer per sequence of the rank's share (m buffers of micro_batch
     sequences), so they are affine in m x micro_batch: at pp micro-batches of 1 and of 2 they give
     the states and the bytes per sequence (tests/test_plan_search.py checks the extrapolation
-    against the estimate)."""
+    against the estimate).
+
+    What a rank keeps between steps (its states and receive buffers, pipeline.rank_phases) does
+    not depend on checkpointing, so the floor of the setting without checkpointing stands for
+    both: it is some rank's resident bytes, below that rank's peak under either setting, so below
+    the worst rank's peak (a test checks the ranks' residents agree)."""
     pp = combo.pp
     if not _extrapolated(req, combo, per_rank):
         return None
+    combo = replace(combo, checkpointing="none")
     one, two = (_floor_estimate(search, req, combo, mb) for mb in (1, 2))
     per_sequence = (two - one) // pp
     return one + (per_rank - pp) * per_sequence

@@ -212,3 +212,22 @@ def test_the_longest_sequence_of_a_pipeline_recommendation():
 def test_every_phase_grows_with_the_micro_batch_in_every_layout_searched(fields):
     one, two = (estimate(EstimateRequest(micro_batch=m, gpus=8, seq_len=2048, **fields)) for m in (1, 2))
     assert all(b.bytes >= a.bytes for a, b in zip(one.phases, two.phases))
+
+
+@pytest.mark.parametrize("strategy,schedule", [("fsdp", "1f1b"), ("fsdp", "interleaved"), ("ddp", "gpipe"),
+                                               ("zero1", "1f1b"), ("hsdp", "1f1b")])
+def test_a_pipeline_ranks_resident_bytes_do_not_depend_on_checkpointing(strategy, schedule):
+    """The plan's resident floor of a pipeline setting is estimated once, without checkpointing,
+    for both: every rank keeps the same states and receive buffers between steps either way."""
+    from planner.memory import resolve
+    from planner.pipeline import estimate_plan
+    from planner.schema import EstimateRequest
+
+    def residents(checkpointing):
+        request = EstimateRequest(model="llama-3.1-8b", strategy=strategy, gpus=8, nodes=4, gpu="h100-80gb", pp=4,
+                                  gradient_accumulation=8, checkpointing=checkpointing, pp_schedule=schedule,
+                                  pp_virtual_stages=2 if schedule == "interleaved" else 1,
+                                  **({"hsdp_shard_size": 4} if strategy == "hsdp" else {}))
+        return [r.resident_bytes for r in estimate_plan(resolve(request))[2]]
+
+    assert residents("none") == residents("full")
