@@ -178,12 +178,14 @@ class ContextParallelEngine:
     """The training loop's three calls for a CP (x FSDP2) model. Each micro-batch's forward and
     backward run inside torch's ``context_parallel`` (torchtitan's train step: ``with
     train_context(cp_ctx): pred = model(...); loss.backward()``): the context opens in the
-    forward call and closes after backward."""
+    forward call and closes after backward. Gradient accumulation: FSDP2 reduce-scatters every
+    micro-batch's gradients into its sharded accumulators, as backend/train.py's TorchEngine and
+    torchtitan's trainer run it and the model counts it (planner/frameworks/torch_2.py)."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, cp_mesh, accumulation: int,
-                 sharded: bool, autocast_dtype, device: torch.device):
+                 autocast_dtype, device: torch.device):
         self.module, self.optimizer, self.cp_mesh, self.accumulation = module, optimizer, cp_mesh, accumulation
-        self.sharded, self.autocast_dtype, self.device = sharded, autocast_dtype, device
+        self.autocast_dtype, self.device = autocast_dtype, device
         self.micro = 0
         self._open = None
 
@@ -195,8 +197,6 @@ class ContextParallelEngine:
 
         if self._open is not None:
             raise RuntimeError("a CP forward before the previous micro-batch's backward")
-        if self.sharded:
-            self.module.set_requires_gradient_sync(self.micro % self.accumulation == self.accumulation - 1)
         shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
         input_ids = input_ids.clone()  # sharded in place by context_parallel; labels may be the same tensor
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)

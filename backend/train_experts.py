@@ -200,16 +200,16 @@ def apply_fsdp(model: torch.nn.Module, dense, sparse, experts: list[torch.nn.Mod
 
 
 class ExpertEngine:
-    """The training loop's three calls for the EP x FSDP2 model. Gradient accumulation: FSDP2's
-    set_requires_gradient_sync(False) on every micro-batch but the last; the loss divided by the
-    world size and the accumulation (FSDP2's own division is off: apply_fsdp)."""
+    """The training loop's three calls for the EP x FSDP2 model. Gradient accumulation: FSDP2
+    reduce-scatters every micro-batch's gradients into its sharded accumulators, as backend/train.py's
+    TorchEngine and torchtitan's trainer run it and the model counts it (planner/frameworks/torch_2.py);
+    the loss divided by the world size and the accumulation (FSDP2's own division is off: apply_fsdp)."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, accumulation: int, world: int):
         self.module, self.optimizer, self.accumulation, self.world = module, optimizer, accumulation, world
         self.micro = 0
 
     def __call__(self, *, input_ids: torch.Tensor, labels: torch.Tensor):
-        self.module.set_requires_gradient_sync(self.micro % self.accumulation == self.accumulation - 1)
         return SimpleNamespace(loss=self.module(input_ids=input_ids, labels=labels).loss)
 
     def backward(self, loss: torch.Tensor) -> None:

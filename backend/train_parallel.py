@@ -132,17 +132,17 @@ class CausalLMWithParallelLoss(torch.nn.Module):
 
 class ParallelEngine:
     """The training loop's three calls (forward, backward, step) for a TP(xFSDP) model. Gradient
-    accumulation: FSDP2's set_requires_gradient_sync(False) on every micro-batch but the last."""
+    accumulation: FSDP2 reduce-scatters every micro-batch's
+    gradients into its sharded accumulators, as backend/train.py's TorchEngine and torchtitan's trainer
+    run it and the model counts it (planner/frameworks/torch_2.py)."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, accumulation: int,
-                 sharded: bool, autocast_dtype, device: torch.device):
+                 autocast_dtype, device: torch.device):
         self.module, self.optimizer, self.accumulation = module, optimizer, accumulation
-        self.sharded, self.autocast_dtype, self.device = sharded, autocast_dtype, device
+        self.autocast_dtype, self.device = autocast_dtype, device
         self.micro = 0
 
     def __call__(self, *, input_ids: torch.Tensor, labels: torch.Tensor):
-        if self.sharded:
-            self.module.set_requires_gradient_sync(self.micro % self.accumulation == self.accumulation - 1)
         autocast = nullcontext() if self.autocast_dtype is None else \
             torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
         with autocast:
@@ -227,8 +227,7 @@ def parallel_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.d
         apply_fsdp(model, fsdp_mesh(mesh, parallel), settings, None if settings["pure_16bit"] else dtype)
     autocast = None if settings["pure_16bit"] or sharded else dtype
     optimizer = _torch_optimizer(job, model)
-    options = dict(accumulation=int(job.get("gradient_accumulation", 1)), sharded=sharded, autocast_dtype=autocast,
-                   device=device)
+    options = dict(accumulation=int(job.get("gradient_accumulation", 1)), autocast_dtype=autocast, device=device)
     if cp > 1:
         from backend.context_parallel import ContextParallelEngine, count_ring_collectives
 
