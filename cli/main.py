@@ -8,13 +8,14 @@ on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import sys
 import typing
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
@@ -445,14 +446,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise CliError(f"planner verify needs the backend extra (pip install -e '.[backend]'): {exc}") from None
     print(f"planner: launching {request.strategy} on {request.world_size} x {request.gpu} ...", file=sys.stderr)
-    received = _stop_on_signals()
-    try:
-        record = verify(request, steps=args.steps, warmup_steps=args.warmup, scale=args.scale,
-                        timeout_seconds=args.timeout, tolerance=args.tolerance / 100, db=args.db,
-                        hostfile=args.hostfile, on_progress=_progress_printer())
-    except KeyboardInterrupt:
-        print("planner: interrupted; every rank was ended and the run is recorded as interrupted", file=sys.stderr)
-        return 128 + received[0] if received else 130
+    with _stop_on_signals() as received:
+        try:
+            record = verify(request, steps=args.steps, warmup_steps=args.warmup, scale=args.scale,
+                            timeout_seconds=args.timeout, tolerance=args.tolerance / 100, db=args.db,
+                            hostfile=args.hostfile, on_progress=_progress_printer())
+        except KeyboardInterrupt:
+            print("planner: interrupted; every rank was ended and the run is recorded as interrupted",
+                  file=sys.stderr)
+            return 128 + received[0] if received else 130
     if args.json:
         print(json.dumps(record, indent=2))
     else:
@@ -465,11 +467,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if record["status"] == "ok" else 1
 
 
-def _stop_on_signals() -> list[int]:
-    """SIGTERM and SIGHUP end a verify as Ctrl-C does: every rank ended, the run recorded as
-    interrupted, exit 128 + the signal. A repeated signal does not cut that cleanup short (the
-    run's supervisor would still finish it if this process were killed)."""
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[list[int]]:
+    """While a verify runs, SIGTERM and SIGHUP end it as Ctrl-C does: every rank ended, the run
+    recorded as interrupted, exit 128 + the signal. A repeated signal does not cut that cleanup short
+    (the run's supervisor would still finish it if this process were killed). The caller's own
+    handlers come back afterwards: `main([...])` called from Python (a test, a notebook) must not
+    leave a handler that raises into whatever the caller does next. Off the main thread Python
+    cannot install handlers; there a signal keeps its caller's meaning."""
     import signal
+    import threading
 
     from backend.launch import Interrupted
 
@@ -480,9 +487,15 @@ def _stop_on_signals() -> list[int]:
             received.append(signum)
             raise Interrupted(signum)
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop)
-    return received
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _request_from_plan(path: str):

@@ -58,6 +58,38 @@ def test_verify_needs_the_devices_it_launches_on(capsys, tmp_path, argv, missing
     assert not (tmp_path / "r.sqlite").exists()  # refused before anything is recorded or launched
 
 
+@pytest.mark.parametrize("outcome", ["refused", "interrupted"])
+def test_an_in_process_verify_gives_the_callers_signal_handlers_back(monkeypatch, capsys, tmp_path, outcome):
+    """main(["verify", ...]) from Python turns SIGTERM/SIGHUP into an interrupted run only while the
+    run lasts: a handler left behind would raise into whatever the caller did next."""
+    import signal
+
+    import backend.verify
+
+    mine = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    during = []
+
+    def fake_verify(request, **_):
+        during.append({sig: signal.getsignal(sig) for sig in mine})
+        if outcome == "refused":
+            raise PlannerError("another planner verify is running on the same devices", field="gpu")
+        return {"status": "interrupted", "message": "interrupted (SIGTERM); all ranks ended"}
+
+    monkeypatch.setattr(backend.verify, "verify", fake_verify)
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(LLAMA))
+    try:
+        code = main(["verify", "--model-file", str(config), "--strategy", "zero2", "--gpus", "2", "--gpu", "cpu",
+                     "--json"])
+        after = {sig: signal.getsignal(sig) for sig in mine}
+    finally:
+        for sig, handler in mine.items():
+            signal.signal(sig, handler)
+    assert code == {"refused": 2, "interrupted": 130}[outcome], capsys.readouterr().err
+    assert all(callable(handler) for handler in during[0].values())  # installed while it ran
+    assert after == {signal.SIGTERM: signal.SIG_DFL, signal.SIGHUP: signal.SIG_DFL}
+
+
 def test_emit_refuses_a_model_it_can_only_trace():
     pytest.importorskip("transformers")
     config = {"model_type": "starcoder2", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 1024,
