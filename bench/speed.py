@@ -11,11 +11,13 @@ of REPEAT runs in this one process (imports done beforehand):
     model built on the meta device under init_empty_weights, calculate_maximum_sizes and
     estimate_training_usage (accelerate/commands/estimate.py).
 Also times both as fresh command-line processes (imports included), in turn, each after one
-untimed run, and prints their ratio. The planner's own modules are byte-compiled first, as `pip install` does
-for an installed tool (PYTHONDONTWRITEBYTECODE=1 would otherwise recompile them in every process;
-the libraries accelerate loads are byte-compiled in site-packages), and the data files' caches are
-written (planner/datafile.py; an installed tool's first run writes them, unless bytecode writing is
-off). The figures are ratios from one run on one machine, not absolute promises.
+untimed run, and prints their ratio; beside them, the same way, a process that imports pydantic and
+validates a one-field model (PYDANTIC_FLOOR): what any process validating with the one schema costs.
+The planner's own modules are byte-compiled first, as `pip install` does for an installed tool
+(PYTHONDONTWRITEBYTECODE=1 would otherwise recompile them in every process; the libraries
+accelerate loads are byte-compiled in site-packages), and the data files' caches are written
+(planner/datafile.py; an installed tool's first run writes them, unless bytecode writing is off).
+The figures are ratios from one run on one machine, not absolute promises.
 """
 
 from __future__ import annotations
@@ -44,6 +46,16 @@ with init_empty_weights():
     model = AutoModel.from_config(config, dtype=torch.float32)
 total, largest = calculate_maximum_sizes(model)
 print(total, estimate_training_usage(total, "float16"))
+"""
+
+# The least any process can do that validates a request with the one pydantic schema (STYLE.md:
+# CLI, API, form and backend share it): start Python, import pydantic, build and validate a model
+# of one constrained field, print it as JSON. The planner's process pays this before its own work.
+PYDANTIC_FLOOR = """
+from pydantic import BaseModel, Field
+class Request(BaseModel):
+    gpus: int = Field(8, ge=1)
+print(Request(gpus=8).model_dump_json())
 """
 
 
@@ -119,10 +131,11 @@ def main() -> int:
         ours_plan = _median_seconds(planner_plan, args.repeat)
         theirs = _median_seconds(accelerate_estimate, args.repeat)
         planner_cli = Path(sys.executable).with_name("planner")
-        cli_ours, cli_theirs = _process_seconds(
+        cli_ours, cli_theirs, floor = _process_seconds(
             [[str(planner_cli), "estimate", "--model-file", str(config_path), "--strategy", "zero3", "--gpus", "8",
               "--gpu", "h100-80gb", "--seq-len", "4096", "--json"],
-             [sys.executable, "-c", ACCELERATE_PIPELINE, tmp]], max(3, args.repeat // 2))
+             [sys.executable, "-c", ACCELERATE_PIPELINE, tmp],
+             [sys.executable, "-c", PYDANTIC_FLOOR]], max(3, args.repeat // 2))
 
     rows = [
         ("planner estimate (ZeRO-3, activations, time model)", ours_estimate, cli_ours),
@@ -134,8 +147,12 @@ def main() -> int:
         lines.append(f"| {name} | {1000 * seconds:,.1f} | {seconds / theirs:.2f}x | "
                      f"{process:.2f} |" if process is not None else
                      f"| {name} | {1000 * seconds:,.1f} | {seconds / theirs:.2f}x | n/a |")
+    lines.append(f"| python + pydantic, one one-field model validated (no planner code) | n/a | n/a | {floor:.2f} |")
     lines.append(f"\nA whole `planner estimate` process is {cli_theirs / cli_ours:.1f}x faster than the accelerate "
-                 "process on the same config.json.")
+                 f"process on the same config.json. A process that only imports pydantic and validates one "
+                 f"one-field model is {cli_theirs / floor:.1f}x faster: the floor of any process that validates "
+                 f"with the one pydantic schema; the planner's own modules, data files and estimate add "
+                 f"{1000 * (cli_ours - floor):.0f} ms to it.")
     lines.append(f"\n`python bench/speed.py --model {args.model} --repeat {args.repeat}` on this machine; "
                  "the same config.json for both; accelerate's Hub look-up (network) is left out.")
     text = "\n".join(lines) + "\n"

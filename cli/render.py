@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 from planner.schema import EstimateResult
 from planner.units import GB, GIB
 
@@ -15,6 +17,7 @@ def _row(label: str, num_bytes: int | None) -> str:
 
 
 CAVEATS = ("traced", "time model")
+ITEM_NAME_WIDTH = 54  # the by-item list's name column
 
 
 def estimate_table(r: EstimateResult) -> str:
@@ -76,7 +79,10 @@ def _peak_items(r: EstimateResult) -> list[str]:
     lines = ["", f"  at the peak ({phase.name}), by item"]
     for item in sorted(phase.items, key=lambda i: -i.bytes):
         if item.bytes:
-            lines.append(f"    {item.name:<54} {item.bytes / GIB:>10,.2f} GiB {item.bytes / GB:>10,.2f} GB")
+            # a long name wraps within its column, the figures on its last line, so they stay aligned
+            *first, last = textwrap.wrap(item.name, ITEM_NAME_WIDTH, break_on_hyphens=False) or [""]
+            lines += [f"    {part}" for part in first]
+            lines.append(f"    {last:<{ITEM_NAME_WIDTH}} {item.bytes / GIB:>10,.2f} GiB {item.bytes / GB:>10,.2f} GB")
     if r.model.architecture is None and r.per_device.buffers_bytes:
         lines += ["  note: --params gives no layer sizes, so the model is taken as ONE tensor: what is sized by",
                   "        a layer (ZeRO-3/FSDP's gathered parameters, gradients not yet reduced, buckets capped by",

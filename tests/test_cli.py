@@ -192,6 +192,17 @@ def test_params_alone_says_the_buffers_assume_the_whole_model(capsys):
     assert "ONE tensor" not in out and "at the peak (start of backward), by item" in out
 
 
+def test_a_long_item_name_wraps_and_its_figures_stay_in_their_column(capsys):
+    code, out, _ = run(capsys, "estimate", "--model", "qwen3-30b-a3b", "--strategy", "fsdp", "--ep", "8",
+                       "--gpus", "8", "--gpu", "h100-80gb")
+    items = out.split("by item\n")[1].split("\n\n")[0].splitlines()
+    with_figures = [line for line in items if line.endswith(" GB")]
+    assert code == 0 and len(with_figures) >= 5 and len(items) > len(with_figures)  # some names wrapped
+    assert len({line.index(" GiB") for line in with_figures}) == 1
+    assert max(map(len, items)) <= 4 + 54 + 30
+    assert any("expert-data-parallel group (ep 8)" in line for line in items)  # wrapped whole, not at a hyphen
+
+
 @pytest.mark.parametrize("nodes", ["1", "2"])
 def test_plan_on_one_gpu_per_node_has_no_ring_and_no_traceback(capsys, nodes):
     code, out, err = run(capsys, "plan", "--model", "gpt2", "--gpus", "1", "--nodes", nodes, "--global-batch", "8")

@@ -41,10 +41,19 @@ def cli_verify(tmp_path: Path, db: Path, *extra: str, fault: str | None = "hang:
     env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT))
     if fault:
         env["PLANNER_FAULT"] = fault
-    return subprocess.Popen([sys.executable, "-m", "cli.main", "verify", "--model-file", str(model), "--strategy",
-                             "zero1", "--gpus", "2", "--gpu", "cpu", "--micro-batch", "1", "--seq-len", "64",
-                             "--steps", str(steps), "--db", str(db), *extra], cwd=ROOT, env=env,
-                            stderr=subprocess.PIPE, text=True)
+    # As a terminal's foreground job: SIGINT at its default, so that Python turns it into Ctrl-C. A
+    # test run launched as a background job of a non-interactive shell (`pytest ... &`) ignores
+    # SIGINT, POSIX's rule for such jobs, and a child inherits an ignored signal across exec: the
+    # CLI would then rightly ignore the test's Ctrl-C. A handler set here is reset to the default
+    # in the child by exec.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen([sys.executable, "-m", "cli.main", "verify", "--model-file", str(model), "--strategy",
+                                 "zero1", "--gpus", "2", "--gpu", "cpu", "--micro-batch", "1", "--seq-len", "64",
+                                 "--steps", str(steps), "--db", str(db), *extra], cwd=ROOT, env=env,
+                                stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def work_dir(tmp_path: Path, timeout: float = 180) -> Path:
