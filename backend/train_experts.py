@@ -202,8 +202,8 @@ def apply_fsdp(model: torch.nn.Module, dense, sparse, experts: list[torch.nn.Mod
 
 
 class ExpertEngine(AccumulatingEngine):
-    """The EP x FSDP2 model: its forward the transformers model's own loss; the loss divided by the
-    world size as well as the accumulation (FSDP2's own division is off: apply_fsdp)."""
+    """The EP x FSDP2 model: its forward returns the transformers model's own loss, divided in the
+    backward by the world size as well as the accumulation (FSDP2's own division is off: apply_fsdp)."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, accumulation: int, world: int):
         super().__init__(module, optimizer, accumulation=accumulation)
