@@ -43,6 +43,8 @@ from contextlib import contextmanager
 
 import torch
 
+from backend.train_parallel import ParallelEngine
+
 CPU_KERNEL_ERROR = ("Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a "
                     "sharding strategy registered")
 
@@ -174,23 +176,19 @@ class ContextParallelLM(torch.nn.Module):
                                                      ignore_index=-100)
 
 
-class ContextParallelEngine:
-    """The training loop's three calls for a CP (x FSDP2) model. Each micro-batch's forward and
-    backward run inside torch's ``context_parallel`` (torchtitan's train step: ``with
-    train_context(cp_ctx): pred = model(...); loss.backward()``): the context opens in the
-    forward call and closes after backward. Gradient accumulation: FSDP2 reduce-scatters every
-    micro-batch's gradients into its sharded accumulators, as backend/train.py's TorchEngine and
-    torchtitan's trainer run it and the model counts it (planner/frameworks/torch_2.py)."""
+class ContextParallelEngine(ParallelEngine):
+    """A CP (x TP, x FSDP2) model (ContextParallelLM). Each micro-batch's forward and backward run
+    inside torch's ``context_parallel`` (torchtitan's train step: ``with train_context(cp_ctx): pred =
+    model(...); loss.backward()``): the context opens in the forward call and closes after backward
+    (ParallelEngine's, under loss_parallel)."""
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, cp_mesh, accumulation: int,
-                 autocast_dtype, device: torch.device):
-        self.module, self.optimizer, self.cp_mesh, self.accumulation = module, optimizer, cp_mesh, accumulation
-        self.autocast_dtype, self.device = autocast_dtype, device
-        self.micro = 0
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, cp_mesh, **options):
+        super().__init__(module, optimizer, **options)
+        self.cp_mesh = cp_mesh
         self._open = None
 
     def __call__(self, *, input_ids: torch.Tensor, labels: torch.Tensor):
-        from contextlib import ExitStack, nullcontext
+        from contextlib import ExitStack
         from types import SimpleNamespace
 
         from torch.distributed.tensor.experimental import context_parallel
@@ -210,9 +208,7 @@ class ContextParallelEngine:
             stack.enter_context(cpu_ring_attention())
         self._open = stack
         try:
-            autocast = nullcontext() if self.autocast_dtype is None else \
-                torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
-            with autocast:
+            with self.autocast():
                 return SimpleNamespace(loss=self.module(input_ids, shifted, positions))
         except BaseException:
             self._close()
@@ -224,19 +220,10 @@ class ContextParallelEngine:
             stack.close()
 
     def backward(self, loss: torch.Tensor) -> None:
-        from torch.distributed.tensor.parallel import loss_parallel
-
         try:
-            with loss_parallel():
-                (loss / self.accumulation).backward()
+            super().backward(loss)
         finally:
             self._close()
-
-    def step(self) -> None:
-        self.micro += 1
-        if self.micro % self.accumulation == 0:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
 
 
 def count_ring_collectives(counter) -> None:

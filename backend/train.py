@@ -15,6 +15,7 @@ import gc
 import os
 import statistics
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -79,42 +80,68 @@ def _init_distributed(job: dict[str, Any]) -> None:
     deepspeed.init_distributed(dist_backend=job.get("dist_backend") or None)
 
 
-class TorchEngine:
-    """DDP or FSDP behind the DeepSpeed engine's three calls (forward, backward, step), so one
-    training loop measures both frameworks. Gradient accumulation: DDP as the torch docs prescribe,
-    no_sync() on every micro-batch but the last; FSDP2 (a module without no_sync) reduce-scatters
-    every micro-batch's gradients into its sharded accumulators, as torchtitan's trainer runs it
+class AccumulatingEngine:
+    """The DeepSpeed engine's three calls (``__call__`` the forward, ``backward(loss)``, ``step()``)
+    over a torch module and its optimizer, so that one training loop (_train_steps) measures every
+    framework; each torch path (TorchEngine; backend/train_parallel.py ParallelEngine,
+    backend/context_parallel.py ContextParallelEngine, backend/train_experts.py ExpertEngine)
+    changes only what differs. The forward runs under torch.autocast when ``autocast_dtype`` is set.
+    Gradient accumulation: each micro-batch's loss divided by ``loss_divisor`` (the accumulation)
+    before its backward, gradient sync left on, so that an FSDP2 module reduce-scatters every
+    micro-batch's gradients into its sharded accumulators, as torchtitan's trainer runs it
     (torchtitan 0.3 trainer.py:885, one forward-backward per micro-batch with gradient sync on) and
     as the time model counts it (planner/frameworks/torch_2.py: accumulation x reduce-scatter).
-    One optimizer step per accumulation boundary."""
+    One optimizer step (then zero_grad(set_to_none=True)) per accumulation boundary."""
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                 autocast_dtype: torch.dtype | None, accumulation: int, device: torch.device):
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, accumulation: int,
+                 autocast_dtype: torch.dtype | None = None, device: torch.device | None = None):
         self.module, self.optimizer = module, optimizer
         self.autocast_dtype, self.accumulation, self.device = autocast_dtype, accumulation, device
+        self.loss_divisor = accumulation
         self.micro = 0
-        self._no_sync = None
+
+    def autocast(self):
+        """torch.autocast in ``autocast_dtype`` on the engine's device; a no-op context without one."""
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
     def __call__(self, **inputs):
-        if self.micro % self.accumulation != self.accumulation - 1 and hasattr(self.module, "no_sync"):
-            self._no_sync = self.module.no_sync()
-            self._no_sync.__enter__()
-        if self.autocast_dtype is None:
-            return self.module(**inputs)
-        with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype):
-            return self.module(**inputs)
+        with self.autocast():
+            return self.forward(**inputs)
+
+    def forward(self, **inputs):
+        """The module's call (under the autocast); the training loop reads the output's ``loss``."""
+        return self.module(**inputs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        (loss / self.accumulation).backward()
-        if self._no_sync is not None:
-            self._no_sync.__exit__(None, None, None)
-            self._no_sync = None
+        (loss / self.loss_divisor).backward()
 
     def step(self) -> None:
         self.micro += 1
         if self.micro % self.accumulation == 0:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+
+
+class TorchEngine(AccumulatingEngine):
+    """DDP or FSDP2 (_torch_engine). Gradient accumulation under DDP as the torch docs prescribe:
+    no_sync() on every micro-batch but the last, entered before the forward's autocast and left
+    after the backward; FSDP2 (a module without no_sync) syncs every micro-batch (AccumulatingEngine)."""
+
+    _no_sync = None  # the DDP no_sync() context open from a forward to its backward
+
+    def __call__(self, **inputs):
+        if self.micro % self.accumulation != self.accumulation - 1 and hasattr(self.module, "no_sync"):
+            self._no_sync = self.module.no_sync()
+            self._no_sync.__enter__()
+        return super().__call__(**inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        super().backward(loss)
+        if self._no_sync is not None:
+            self._no_sync.__exit__(None, None, None)
+            self._no_sync = None
 
 
 def _decoder_layer_class(model: torch.nn.Module) -> type:

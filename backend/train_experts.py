@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from backend.train import AccumulatingEngine
+
 
 def routed_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The routed-experts modules of the model: transformers 5 marks every MoE family's with
@@ -199,27 +201,16 @@ def apply_fsdp(model: torch.nn.Module, dense, sparse, experts: list[torch.nn.Mod
             module.set_force_sum_reduction_for_comms(True)
 
 
-class ExpertEngine:
-    """The training loop's three calls for the EP x FSDP2 model. Gradient accumulation: FSDP2
-    reduce-scatters every micro-batch's gradients into its sharded accumulators, as backend/train.py's
-    TorchEngine and torchtitan's trainer run it and the model counts it (planner/frameworks/torch_2.py);
-    the loss divided by the world size and the accumulation (FSDP2's own division is off: apply_fsdp)."""
+class ExpertEngine(AccumulatingEngine):
+    """The EP x FSDP2 model: its forward returns the transformers model's own loss, divided in the
+    backward by the world size as well as the accumulation (FSDP2's own division is off: apply_fsdp)."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, accumulation: int, world: int):
-        self.module, self.optimizer, self.accumulation, self.world = module, optimizer, accumulation, world
-        self.micro = 0
+        super().__init__(module, optimizer, accumulation=accumulation)
+        self.loss_divisor = accumulation * world
 
-    def __call__(self, *, input_ids: torch.Tensor, labels: torch.Tensor):
+    def forward(self, *, input_ids: torch.Tensor, labels: torch.Tensor):
         return SimpleNamespace(loss=self.module(input_ids=input_ids, labels=labels).loss)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss / (self.accumulation * self.world)).backward()
-
-    def step(self) -> None:
-        self.micro += 1
-        if self.micro % self.accumulation == 0:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
 
 
 COUNTED = SimpleNamespace(counter=None)

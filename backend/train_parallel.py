@@ -24,11 +24,12 @@ with -100, mean cross-entropy over the tokens, as ForCausalLMLoss does
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+
+from backend.train import AccumulatingEngine
 
 
 def build_mesh(parallel: dict[str, int], device: torch.device):
@@ -130,35 +131,18 @@ class CausalLMWithParallelLoss(torch.nn.Module):
                                                      ignore_index=-100)
 
 
-class ParallelEngine:
-    """The training loop's three calls (forward, backward, step) for a TP(xFSDP) model. Gradient
-    accumulation: FSDP2 reduce-scatters every micro-batch's
-    gradients into its sharded accumulators, as backend/train.py's TorchEngine and torchtitan's trainer
-    run it and the model counts it (planner/frameworks/torch_2.py)."""
+class ParallelEngine(AccumulatingEngine):
+    """A TP (x FSDP2) model (CausalLMWithParallelLoss): its forward returns the loss itself, and its
+    backward runs under loss_parallel(), the vocab-sharded logits' loss."""
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, accumulation: int,
-                 autocast_dtype, device: torch.device):
-        self.module, self.optimizer, self.accumulation = module, optimizer, accumulation
-        self.autocast_dtype, self.device = autocast_dtype, device
-        self.micro = 0
-
-    def __call__(self, *, input_ids: torch.Tensor, labels: torch.Tensor):
-        autocast = nullcontext() if self.autocast_dtype is None else \
-            torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
-        with autocast:
-            return SimpleNamespace(loss=self.module(input_ids, labels))
+    def forward(self, *, input_ids: torch.Tensor, labels: torch.Tensor):
+        return SimpleNamespace(loss=self.module(input_ids, labels))
 
     def backward(self, loss: torch.Tensor) -> None:
         from torch.distributed.tensor.parallel import loss_parallel
 
         with loss_parallel():
-            (loss / self.accumulation).backward()
-
-    def step(self) -> None:
-        self.micro += 1
-        if self.micro % self.accumulation == 0:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            super().backward(loss)
 
 
 def count_dtensor_collectives(counter) -> None:

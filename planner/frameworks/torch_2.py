@@ -325,7 +325,7 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
 def _accumulated_items(setup: "Setup", point: SweepPoint, psi: int, shard: int, compute_bytes: int,
                        store_bytes: int) -> list[MemoryItem]:
     """FSDP2 in a micro-batch after the first, reduce-scattering every micro-batch (torchtitan's
-    trainer; backend/train.py TorchEngine). torch 2.13 _fully_shard/_fsdp_collectives.py
+    trainer; backend/train.py AccumulatingEngine). torch 2.13 _fully_shard/_fsdp_collectives.py
     foreach_reduce: the first micro-batch's reduce-scatter output becomes the sharded gradients,
     as views (:704-709, :750-753: sharded_param.grad = to_sharded_dtensor(new_sharded_grad)), cast
     first to the parameters' dtype (:696, _to_dtype_if_needed: fp32 under mixed precision);
