@@ -85,6 +85,24 @@ def ring_attention_transient_bytes(a: Architecture, tokens: int, cp: int, b: int
     return accumulators + contiguous_kv + local_kv + gathered_kv + rotating_grads + step_grads
 
 
+def gloo_ring_scratch_bytes(a: Architecture, tokens: int, b: int) -> int:
+    """On CPU ranks: gloo's scratch copy of the ring's K/V all-gather output (the whole sequence's
+    K and V in the compute dtype), which its worker thread holds until the collective completes
+    (ProcessGroupGloo's AsyncWork keeps its tensors: torch 2.13 c10d/ProcessGroupGloo.hpp:114, the
+    same scratch FSDP2's all-gathers show, planner/frameworks/torch_2.py). In backward the main
+    thread runs the first ring step's kernel and the K/V gradients' all-to-all meanwhile; whether
+    the worker has let go by then is a race between threads, so it is a note (memory._notes), not a
+    term. Peak traces (llama 4 x 64 heads, fp32, 2,048 tokens, cp 2 x tp 2, rank 0, block 4's
+    backward): in one run gloo freed its 2 MiB during the kernel (peak 68,399,040: the kernel's
+    per-thread buffer, 2 x 256 x 512 fp32, FlashAttentionKernel.cpp cpu_flash_attention_backward,
+    over the scratch); in a second traced run only after the all-to-all's output was allocated
+    (69,446,592: the modelled terms at that moment to 68,672 bytes, plus the scratch), the peak all
+    three untraced runs measured. At 4,096 tokens over cp 2 alone the traced ring peak had no room
+    for its 8 MiB scratch (a causal kernel over 2,048 local tokens x 4 heads: 8x the work)."""
+    kv_width = max(spec.attention.kv_width for spec in distinct_specs(a).values())
+    return b * tokens * 2 * kv_width
+
+
 def merged_output_copy_bytes(a: Architecture, local_tokens: int, b: int) -> int:
     """Per layer, on every cp rank but the last: a second copy of the attention output.
     ``_SDPAMerger`` assembles a load-balanced rank's output with ``_partial_update`` (torch.cat
