@@ -249,8 +249,9 @@ def _pipeline_settings(setup, request: EstimateRequest) -> dict[str, Any]:
         raise PlannerError(f"pp={d.pp} with strategy {request.strategy}: verify shards over one data-parallel "
                            "dimension; use --strategy fsdp", field="pp")
     if d.cp > 1 or d.ep > 1:
-        raise PlannerError(f"pp={d.pp} with cp={d.cp}, ep={d.ep}: the pipeline probe runs pp x dp x tp only (CP: "
-                           "torch's ring attention dispatches CUDA SDPA kernels only; EP is not probed)", field="pp")
+        raise PlannerError(f"pp={d.pp} with cp={d.cp}, ep={d.ep}: the pipeline probe runs pp x dp x tp only (CP: its "
+                           "schedule does not run the stages inside torch's context_parallel; EP is not probed)",
+                           field="pp")
     if setup.recipe.casts_model:  # the probe autocasts over fp32 parameters (or FSDP2's mixed precision)
         raise PlannerError(f"precision={request.precision} with pp={d.pp}: the pipeline probe trains fp32, or "
                            "bf16-mixed / fp16-mixed (autocast, or FSDP2's mixed precision)", field="precision")

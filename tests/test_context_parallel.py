@@ -122,6 +122,18 @@ def test_cp_by_tp_keeps_the_tp_probes_refusals(tmp_path):
                    steps=1, warmup_steps=0, out_dir=tmp_path)
 
 
+def test_cp_with_pipeline_stages_is_still_refused(tmp_path):
+    """torchtitan composes CP with PP too; the probe's pipeline schedule does not run its stages
+    inside context_parallel, so verify refuses it, naming pp."""
+    from backend.launch import worker_job
+
+    message = r"pipeline probe runs pp x dp x tp only \(CP: its schedule does not run"
+    with pytest.raises(PlannerError, match=message) as caught:
+        worker_job(_request(model=LLAMA_CP_LONG, seq_len=1024, pp=2, gpus=4, gradient_accumulation=2), steps=1,
+                   warmup_steps=0, out_dir=tmp_path)
+    assert caught.value.field == "pp"
+
+
 def test_gloo_ring_scratch_note_bounds_the_cp_by_tp_run():
     """llama-v256-mha-cp2-tp2-fsdp-fp32-sp-t2048 (4 CPU ranks): the model's block-4 ring backward
     is the peak trace's live set at the K/V gradients' all-to-all to 68,672 bytes; the measured
