@@ -233,7 +233,8 @@ def activations(setup: Setup) -> Activations | None:
         acts = tp_activations(acts, setup.model.architecture, setup.arch, tp=setup.tp,
                               sequence_parallel=setup.sequence_parallel, tokens=req.micro_batch * seq_len,
                               b=compute, vocab_parallel_loss=setup.vocab_parallel_loss, autocast=autocast)
-    return cp_activations(acts, setup.arch, cp=setup.cp, tokens=req.micro_batch * req.seq_len, b=compute)
+    return cp_activations(acts, setup.arch, cp=setup.cp, tokens=req.micro_batch * req.seq_len, b=compute,
+                          tp=setup.tp, sequence_parallel=setup.sequence_parallel, device=setup.device)
 
 
 def _traced_activations(setup: Setup) -> Activations:
