@@ -152,7 +152,7 @@ def cp_activations(acts: Activations, a: Architecture, *, cp: int, tokens: int, 
     freed with the MLP's 7,733,248 bytes)."""
     if cp == 1:
         return acts
-    from planner.tensor_parallel import _sharded_norm_bytes, _split
+    from planner.tensor_parallel import sequence_parallel_norm_cut_bytes
 
     local = tokens // cp
     copy = merged_output_copy_bytes(a, local, b)
@@ -160,9 +160,8 @@ def cp_activations(acts: Activations, a: Architecture, *, cp: int, tokens: int, 
     q_width = max(spec.attention.q_width for spec in distinct_specs(a).values())
     stream_tokens, sp_cut = local, 0
     if sequence_parallel and tp > 1:
-        stream_tokens = _split(local, tp)
-        unit = _sharded_norm_bytes(a, local, b)
-        sp_cut = unit - _split(unit, tp)
+        stream_tokens = -(-local // tp)  # DTensor's Shard: ceil(n / tp) on the first ranks
+        sp_cut = sequence_parallel_norm_cut_bytes(a, local, b, tp)
     attention_phase = (b * (stream_tokens * a.hidden_size + local * q_width) + ring
                        - _freed_before_attention_bytes(a, local, b, sp_cut))
     transient = max(acts.layer_transient_bytes, attention_phase)
