@@ -193,14 +193,14 @@ def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
 def _check_context_parallel_probe(request: EstimateRequest, setup, model_type) -> None:
     """What the CP probe runs: torch's context_parallel (ring attention over the cp ranks, the
     sequence load-balanced head-tail) on a llama-shaped decoder, FSDP2 over dp_shard x cp, as
-    torchtitan composes it (backend/context_parallel.py)."""
+    torchtitan composes it (backend/context_parallel.py). With tp > 1 the blocks are first laid out
+    by the TP plan (apply_tp: each rank's SDPA sees its heads/tp heads, whose local q/k/v the ring
+    shards over cp), torchtitan's order (parallelize.py: apply_tp, then context_parallel per step,
+    then FSDP2 over dp_shard x cp); the TP probe's own family checks apply (_parallel_settings)."""
     cp = setup.dims.cp
     if setup.strategy.name != "fsdp":
         raise PlannerError(f"cp={cp} with strategy {request.strategy}: the probe composes context parallelism with "
                            "FSDP2 over dp_shard x cp (strategy fsdp), as torchtitan does", field="cp")
-    if setup.tp > 1:
-        raise PlannerError(f"cp={cp} with tp={setup.tp}: the probe runs context parallelism x FSDP2; tp x cp is "
-                           "estimated, not probed", field="cp")
     check_probe(model_type, "cp", f"cp={cp}")
 
 
@@ -249,8 +249,9 @@ def _pipeline_settings(setup, request: EstimateRequest) -> dict[str, Any]:
         raise PlannerError(f"pp={d.pp} with strategy {request.strategy}: verify shards over one data-parallel "
                            "dimension; use --strategy fsdp", field="pp")
     if d.cp > 1 or d.ep > 1:
-        raise PlannerError(f"pp={d.pp} with cp={d.cp}, ep={d.ep}: the pipeline probe runs pp x dp x tp only (CP: "
-                           "torch's ring attention dispatches CUDA SDPA kernels only; EP is not probed)", field="pp")
+        raise PlannerError(f"pp={d.pp} with cp={d.cp}, ep={d.ep}: the pipeline probe runs pp x dp x tp only (CP: its "
+                           "schedule does not run the stages inside torch's context_parallel; EP is not probed)",
+                           field="pp")
     if setup.recipe.casts_model:  # the probe autocasts over fp32 parameters (or FSDP2's mixed precision)
         raise PlannerError(f"precision={request.precision} with pp={d.pp}: the pipeline probe trains fp32, or "
                            "bf16-mixed / fp16-mixed (autocast, or FSDP2's mixed precision)", field="precision")

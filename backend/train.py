@@ -654,16 +654,32 @@ def summarize_timeline(profiler, warmup_steps: int) -> dict[str, Any]:
     }
 
 
+def peak_window(totals: list[tuple[int, int]], windows: dict[int, tuple[int, int]]) -> tuple[int, int]:
+    """The (start, end) of the training step in which the live total first reaches its highest
+    value (_raw_events' totals and step windows), or of the last step when that moment falls
+    between steps."""
+    first, last = windows[min(windows)][0], windows[max(windows)][1]
+    peak, peak_time = -1, None
+    for t, total in totals:
+        if first <= t <= last and total > peak:
+            peak, peak_time = total, t
+    return next((w for w in windows.values() if peak_time is not None and w[0] <= peak_time <= w[1]),
+                windows[max(windows)])
+
+
 def _write_last_step_events(profiler, job: dict[str, Any], rank: int, smallest_bytes: int = 65536) -> None:
-    """With trace_peak: every allocation and free of at least ``smallest_bytes`` in the last step,
-    in order, with the live total after it and the site that made it, to trace{rank}.json in the
-    job's directory (the raw material for explaining a miss)."""
+    """With trace_peak: every allocation and free of at least ``smallest_bytes`` in the step that
+    holds the rank's peak (the last step when none does: the peak fell between steps), in order,
+    with the live total after it, the site that made it, the address (a free names the address
+    its allocation had, so what is live at any moment of the step can be rebuilt) and the ops
+    around it (innermost first), to trace{rank}.json in the job's directory (the raw material for
+    explaining a miss). Where a race between threads moves the peak from step to step (gloo's
+    worker holding a collective's buffers), the last step may not show it."""
     import json
 
     from torch._C._profiler import _EventType
 
-    _, windows = _raw_events(profiler)
-    start, end = windows[max(windows)]
+    start, end = peak_window(*_raw_events(profiler))
     rows = []
     stack = list(profiler.profiler.kineto_results.experimental_event_tree())
     while stack:
@@ -673,10 +689,23 @@ def _write_last_step_events(profiler, job: dict[str, Any], rank: int, smallest_b
             fields = event.typed[1]
             if abs(fields.alloc_size) >= smallest_bytes:
                 rows.append((event.start_time_ns - start, int(fields.alloc_size), int(fields.total_allocated),
-                             _allocation_site(event)))
+                             _allocation_site(event), int(fields.ptr), _enclosing_ops(event)))
     rows.sort()
     with open(os.path.join(job["out_dir"], f"trace{rank}.json"), "w") as handle:
         json.dump(rows, handle)
+
+
+def _enclosing_ops(event, depth: int = 4) -> str:
+    """The names of the torch ops around an allocation, innermost first (what a trace without
+    Python stacks can still say: "aten::empty < aten::cat < ...Backward0")."""
+    from torch._C._profiler import _EventType
+
+    names, node = [], event.parent
+    while node is not None and len(names) < depth:
+        if node.typed[0] == _EventType.TorchOp:
+            names.append(node.name)
+        node = node.parent
+    return " < ".join(names)
 
 
 def _allocation_site(event) -> str:

@@ -56,7 +56,7 @@ def check_context_parallel(cp: int, framework: str, strategy: str, attention: st
                                "this model cannot be context-parallel", field="cp")
 
 
-def ring_attention_transient_bytes(a: Architecture, tokens: int, cp: int, b: int) -> int:
+def ring_attention_transient_bytes(a: Architecture, tokens: int, cp: int, b: int, device: str = "cuda") -> int:
     """What torch 2.13's ``_templated_ring_attention_backward`` holds at its largest (the kernel of
     the last ring step running), for the widest layer; ``tokens`` the whole sequence's, b the
     compute dtype's bytes:
@@ -69,7 +69,13 @@ def ring_attention_transient_bytes(a: Architecture, tokens: int, cp: int, b: int
       ``all_gather_single`` of it: the local K/V buffer and the whole sequence's K and V;
     - the dkv rotater (always ALL_TO_ALL): the fp32 K/V gradients concatenated and the buffer
       ``permute_tensor`` received, two local K/V's worth in fp32;
-    - one ring step's kernel gradients (q, k and v, compute dtype).
+    - one ring step's kernel gradients (q, k and v, compute dtype);
+    - on CPU ranks in a 16-bit dtype, ``grad_query += grad_query_`` (an fp32 accumulator, a 16-bit
+      step gradient) first copies the step gradient to fp32: TensorIterator promotes a CPU op's
+      inputs to the common dtype by temporaries (torch 2.13 aten/src/ATen/TensorIterator.cpp
+      compute_types, "Creates temporaries for CPU operations"); CUDA casts inside the kernel. It
+      is made after the K/V gradients' all-to-all, when the rotating gradients above are live
+      (peak trace, bf16 cp 2 x tp 2: 524,288 bytes, the rank's q gradient in fp32, at the peak).
 
     Measured on CPU ranks with the peak trace (llama 4 heads x 64, fp32, 4,096 tokens over cp 2:
     39.9 MB at the ring's peak over the block's state; these terms 37.7 MB plus the incoming
@@ -82,7 +88,27 @@ def ring_attention_transient_bytes(a: Architecture, tokens: int, cp: int, b: int
     gathered_kv = b * tokens * 2 * kv_width
     rotating_grads = 2 * FP32 * local * 2 * kv_width
     step_grads = b * local * (q_width + 2 * kv_width)
-    return accumulators + contiguous_kv + local_kv + gathered_kv + rotating_grads + step_grads
+    promoted_q = FP32 * local * q_width if device == "cpu" and b != FP32 else 0
+    return accumulators + contiguous_kv + local_kv + gathered_kv + rotating_grads + step_grads + promoted_q
+
+
+def gloo_ring_scratch_bytes(a: Architecture, tokens: int, b: int) -> int:
+    """On CPU ranks: gloo's scratch copy of the ring's K/V all-gather output (the whole sequence's
+    K and V in the compute dtype), which its worker thread holds until the collective completes
+    (ProcessGroupGloo's AsyncWork keeps its tensors: torch 2.13 c10d/ProcessGroupGloo.hpp:114, the
+    same scratch FSDP2's all-gathers show, planner/frameworks/torch_2.py). In backward the main
+    thread runs the first ring step's kernel and the K/V gradients' all-to-all meanwhile; whether
+    the worker has let go by then is a race between threads, so it is a note (memory._notes), not a
+    term. Peak traces (llama 4 x 64 heads, fp32, 2,048 tokens, cp 2 x tp 2, rank 0, block 4's
+    backward): in one run gloo freed its 2 MiB during the kernel (peak 68,399,040: the kernel's
+    per-thread buffer, 2 x 256 x 512 fp32, FlashAttentionKernel.cpp cpu_flash_attention_backward,
+    over the scratch); in a second traced run only after the all-to-all's output was allocated
+    (69,446,592, the peak all three untraced runs measured: 67,349,440 without the scratch, which
+    the block's modelled ring phase, 67,710,976, holds with 361,536 bytes to spare). In bf16 the
+    same (43,937,216, the scratch 1 MiB). At 4,096 tokens over cp 2 alone the traced ring peak had
+    no room for its 8 MiB scratch (a causal kernel over 2,048 local tokens x 4 heads: 8x the work)."""
+    kv_width = max(spec.attention.kv_width for spec in distinct_specs(a).values())
+    return b * tokens * 2 * kv_width
 
 
 def merged_output_copy_bytes(a: Architecture, local_tokens: int, b: int) -> int:
@@ -97,32 +123,47 @@ def merged_output_copy_bytes(a: Architecture, local_tokens: int, b: int) -> int:
     return max(b * local_tokens * spec.attention.q_width for spec in distinct_specs(a).values())
 
 
-def _freed_before_attention_bytes(a: Architecture, local_tokens: int, b: int) -> int:
+def _freed_before_attention_bytes(a: Architecture, local_tokens: int, b: int, sp_cut: int = 0) -> int:
     """What a block's backward has freed when it reaches the attention: the MLP's saved tensors and
     the post-attention norm's (dense MLPs and compute-dtype norms; nothing assumed freed for MoE
-    blocks or fp32-weight norms)."""
+    blocks or fp32-weight norms). ``sp_cut``: what sequence parallelism took off that norm's saved
+    set (tensor_parallel.tp_activations: its fp32 input, ``x * rsqrt`` and rsqrt hold 1/tp of the
+    tokens; its all-gathered output, saved by the MLP's linears, stays whole), so not freed here."""
     from planner.activations import norm_saved_bytes
 
     freed = []
     for spec in distinct_specs(a).values():
         mlp = 0 if spec.mlp.is_moe else (4 if spec.mlp.gated else 2) * b * local_tokens * spec.mlp.intermediate_size
-        norm = norm_saved_bytes(a, local_tokens, b) if spec.norm_weight != "float" else 0
+        norm = norm_saved_bytes(a, local_tokens, b) - sp_cut if spec.norm_weight != "float" else 0
         freed.append(mlp + norm)
     return min(freed)
 
 
-def cp_activations(acts: Activations, a: Architecture, *, cp: int, tokens: int, b: int) -> Activations:
+def cp_activations(acts: Activations, a: Architecture, *, cp: int, tokens: int, b: int, tp: int = 1,
+                   sequence_parallel: bool = False, device: str = "cuda") -> Activations:
     """``acts`` computed at seq_len / cp (the rank's two chunks), with ring attention's saved copy
     (merged_output_copy_bytes) and its backward transient: in a block's backward the attention comes
     after the MLP has freed its saved tensors, with the gradient flowing in (tokens x hidden) and
-    that of the attention output live; the block's transient is the larger of the MLP's and this."""
+    that of the attention output live; the block's transient is the larger of the MLP's and this.
+    ``a`` is the model one TP rank runs. Under sequence parallelism (cp x tp) the residual stream's
+    gradient is sequence-sharded (tokens/tp x hidden) and the post-attention norm freed only what
+    SP left of it (peak trace, llama 4 x 64 heads, fp32, 2,048 tokens, cp 2 x tp 2, at the start of
+    block 4's ring: the residual gradient 524,288 bytes, the norm's shard and its gathered output
+    freed with the MLP's 7,733,248 bytes)."""
     if cp == 1:
         return acts
+    from planner.tensor_parallel import sequence_parallel_norm_cut_bytes
+
     local = tokens // cp
     copy = merged_output_copy_bytes(a, local, b)
-    ring = ring_attention_transient_bytes(a, tokens, cp, b)
+    ring = ring_attention_transient_bytes(a, tokens, cp, b, device)
     q_width = max(spec.attention.q_width for spec in distinct_specs(a).values())
-    attention_phase = b * local * (a.hidden_size + q_width) + ring - _freed_before_attention_bytes(a, local, b)
+    stream_tokens, sp_cut = local, 0
+    if sequence_parallel and tp > 1:
+        stream_tokens = -(-local // tp)  # DTensor's Shard: ceil(n / tp) on the first ranks
+        sp_cut = sequence_parallel_norm_cut_bytes(a, local, b, tp)
+    attention_phase = (b * (stream_tokens * a.hidden_size + local * q_width) + ring
+                       - _freed_before_attention_bytes(a, local, b, sp_cut))
     transient = max(acts.layer_transient_bytes, attention_phase)
     if acts.checkpointed:  # the copy exists in the recomputed layer only
         saved, layer_saved, kept = acts.saved_bytes, acts.layer_saved_bytes + copy, acts.layer_kept_bytes

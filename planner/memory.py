@@ -26,7 +26,7 @@ from planner.parallel import ModelShape, ParallelDims, check_dims, data_parallel
 from planner.precision import RECIPES, Recipe, bits_to_bytes
 from planner.schema import (EstimateRequest, EstimateResult, HostMemory, ModelSummary, ParallelDegrees,
                             PerDevice, Phase)
-from planner.context_parallel import check_context_parallel, cp_activations
+from planner.context_parallel import check_context_parallel, cp_activations, gloo_ring_scratch_bytes
 from planner.strategies import Strategy, shard_group_size, strategy as lookup_strategy
 from planner.tensor_parallel import rank_numels, tensor_parallel_fields, tp_activations
 from planner.units import GIB, fmt_bytes
@@ -233,7 +233,8 @@ def activations(setup: Setup) -> Activations | None:
         acts = tp_activations(acts, setup.model.architecture, setup.arch, tp=setup.tp,
                               sequence_parallel=setup.sequence_parallel, tokens=req.micro_batch * seq_len,
                               b=compute, vocab_parallel_loss=setup.vocab_parallel_loss, autocast=autocast)
-    return cp_activations(acts, setup.arch, cp=setup.cp, tokens=req.micro_batch * req.seq_len, b=compute)
+    return cp_activations(acts, setup.arch, cp=setup.cp, tokens=req.micro_batch * req.seq_len, b=compute,
+                          tp=setup.tp, sequence_parallel=setup.sequence_parallel, device=setup.device)
 
 
 def _traced_activations(setup: Setup) -> Activations:
@@ -403,6 +404,23 @@ def host_notes(setup: Setup, host: HostMemory) -> list[str]:
     return [f"host RAM {verdict}: {held} vs {fmt_bytes(known[0])} on the node ({known[1]})"]
 
 
+def _ring_scratch_note(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak: int) -> list[str]:
+    """CPU ranks under cp: how far above the peak a measurement can read when gloo's worker still
+    holds its scratch of the ring's K/V all-gather through a block's ring backward
+    (context_parallel.gloo_ring_scratch_bytes), bounded from the largest block-backward start."""
+    starts = [p.bytes for p in plan.phases if p.kind is PhaseKind.START_OF_BLOCK]
+    if setup.device != "cpu" or acts is None or setup.arch is None or not starts:
+        return []
+    req = setup.request
+    held = gloo_ring_scratch_bytes(setup.arch, req.micro_batch * req.seq_len, setup.recipe.compute_bytes)
+    above = max(starts) + held - peak
+    if above <= 0:
+        return []
+    return [f"CPU ranks (gloo): the worker thread of ring attention's K/V all-gather may still hold its scratch copy "
+            f"({held:,} bytes) through a block's ring backward; a measured peak can then read up to {above:,} bytes "
+            "above this one (a race between threads, seen at short ring kernels)"]
+
+
 def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_phase: Phase,
            capacity: int, peak: int) -> list[str]:
     s, r = setup.strategy, setup.recipe
@@ -424,6 +442,7 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
     if setup.cp > 1:
         notes.append(f"context parallelism: cp({setup.cp}) keeps {setup.request.seq_len // setup.cp:,} of each sequence's "
                      f"{setup.request.seq_len:,} tokens per rank; ring attention gathers the whole sequence's K/V per layer")
+        notes.extend(_ring_scratch_note(setup, acts, plan, peak))
     if setup.model.traced is not None:
         t = setup.model.traced
         notes.append(f"traced: model_type {t.model_type!r} has no analytic reader; parameters counted by "

@@ -107,6 +107,14 @@ def _sharded_norm_bytes(a: Architecture, tokens: int, b: int, autocast: bool = F
     return b * tokens * a.hidden_size + 2 * FP32 * tokens
 
 
+def sequence_parallel_norm_cut_bytes(a: Architecture, tokens: int, b: int, tp: int) -> int:
+    """What SP takes off one Llama-style norm's saved set over ``tokens`` (the part split over the
+    sequence, less the rank's 1/tp of it), for modules that reason about what a block's backward
+    frees at a norm (planner/context_parallel.py)."""
+    unit = _sharded_norm_bytes(a, tokens, b)
+    return unit - _split(unit, tp)
+
+
 def _cast_norms(a: Architecture) -> tuple[int, int, int]:
     """(norms in the largest block, in all blocks, the final one) that SP shards: the Llama-style
     norms; a norm that multiplies in fp32 (OLMo-2, Gemma-3) is left whole (its sequence-parallel

@@ -171,6 +171,14 @@ BENCH_RUNS = [
     _run("llama-v32k-tp2-fp32-sp-t1024", LLAMA_TP_32K, "fsdp", "fp32", tp=2, micro=1, seq=1024),
     # context parallelism at 4,096 tokens: ring attention's backward is the peak
     _run("llama-v256-mha-cp2-fsdp-fp32-t4096", LLAMA_CP_LONG, "fsdp", "fp32", cp=2, micro=1, seq=4096),
+    # CP x TP on a (dp_shard 1, cp 2, tp 2) mesh: the TP plan first (2 of the 4 heads per rank,
+    # sequence parallel), the ring over the cp ranks on each rank's local heads, FSDP2 over the cp ranks
+    _run("llama-v256-mha-cp2-tp2-fsdp-fp32-sp-t2048", LLAMA_CP_LONG, "fsdp", "fp32", cp=2, tp=2, gpus=4, micro=1,
+         seq=2048),
+    # and under FSDP2's bf16: the ring's fp32 accumulators beside bf16 K/V, CPU's fp32 copy of the
+    # bf16 q gradient added into its accumulator
+    _run("llama-v256-mha-cp2-tp2-fsdp-bf16-sp-t2048", LLAMA_CP_LONG, "fsdp", "bf16-mixed", cp=2, tp=2, gpus=4,
+         micro=1, seq=2048),
     # DeepSpeed AutoTP (tensor_parallel.autotp_size) with ZeRO over the data-parallel ranks
     _run("llama-tp2-zero1-fp32-small-s256", LLAMA_TP, "zero1", "fp32", small=True, tp=2, micro=1, seq=256),
     _run("llama-tp2-zero2-fp32-small-4ranks-s256", LLAMA_TP, "zero2", "fp32", small=True, tp=2, gpus=4, micro=1,
