@@ -111,7 +111,9 @@ def gloo_ring_scratch_bytes(a: Architecture, tokens: int, b: int) -> int:
     scratch (ranks 2-3 35,754,816 in both), but rank 1's worker let go before the all-to-all in the
     second run (34,706,240, its peak at the kernel's buffer, against 35,492,608 in the first); a
     re-measure of the untraced fp32 run read 68,399,040, the low outcome, where its record has
-    69,446,592."""
+    69,446,592. Over dp_shard 2 x cp 2 x tp 2 (8 ranks, fp32, 1,024 tokens, one traced run) both
+    outcomes at once: ranks 0 and 5 held the 1 MiB scratch at their peak (37,098,704), ranks 1 and 4,
+    their cp peers, had let go (36,445,648; the estimate 36,427,776)."""
     kv_width = max(spec.attention.kv_width for spec in distinct_specs(a).values())
     return b * tokens * 2 * kv_width
 
