@@ -68,6 +68,7 @@ class Activations:
     head_saved_bytes: int = 0  # final norm, logits/loss, RoPE tables, embedding dropout
     loss_transient_bytes: int = 0
     layer_transient_bytes: int = 0
+    final_norm_transient_bytes: int = 0  # the final norm's backward, after the LM head's (final_norm_transient_bytes)
     num_layers: int = 0
     checkpointed: bool = False
     blocks: tuple[int, ...] = ()
@@ -391,6 +392,24 @@ def _final_norm_saved(a: Architecture, tokens: int, b: int, autocast: bool = Fal
     return _norm_saved(a, tokens, b, autocast)
 
 
+def final_norm_transient_bytes(a: Architecture, tokens: int) -> int:
+    """The final norm's backward, on top of what backward holds after the LM head's: LlamaRMSNorm
+    (``weight * (x.float() * rsqrt(mean(x.float() ** 2) + eps)).to(dtype)``) differentiated by
+    autograd op by op, its fp32 input x and rsqrt still saved, and at PowBackward0 five fp32
+    tokens x hidden tensors live: the gradient of x through ``x * rsqrt`` (waiting in x's input
+    buffer for the second path), MeanBackward1's expanded division, and pow_backward's
+    ``pow(x, 1)``, ``2 * ...`` and its product with the incoming gradient (torch 2.13
+    derivatives.yaml pow.Tensor_Scalar: ``grad * (exponent * self.pow(exponent - 1))``). The
+    incoming 16-bit gradient and its fp32 copy (ToCopyBackward0) are freed before. The same five
+    in fp32, where the casts are no-ops. Peak trace (llama 256 hidden, 1,024 tokens, bf16, cp 2 x
+    tp 2 without SP, rank 0): 1,048,576 bytes each, the fp32 input beside them, the rank's peak.
+    A Llama-style final norm only (LayerNorm's backward is one native_layer_norm_backward kernel;
+    fp32-weight norms, OLMo-2's and Gemma-3's, differ): 0 for the others."""
+    if a.norm != "rmsnorm" or layer_specs(a)[-1].norm_weight == "float":
+        return 0
+    return FP32 * tokens * a.hidden_size + FP32 * tokens + 5 * FP32 * tokens * a.hidden_size
+
+
 def _loss_saved(a: Architecture, tokens: int, b: int) -> int:
     """What the causal-LM loss keeps for backward (transformers 5.24, loss/loss_utils.py).
 
@@ -503,6 +522,7 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
                        head_saved_bytes=saved - a.num_layers * kept,
                        loss_transient_bytes=_loss_transient(a, tokens, b),
                        layer_transient_bytes=_layer_backward_transient(a, tokens, b),
+                       final_norm_transient_bytes=final_norm_transient_bytes(a, tokens),
                        num_layers=a.num_layers, checkpointed=checkpointing == "full",
                        blocks=tuple(blocks), edges=edges)
 

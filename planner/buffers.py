@@ -66,6 +66,9 @@ class SweepPoint:
     held_elements: int = 0
     # At the embedding's backward, the two tied contributions live while autograd sums them.
     tied_sum_elements: int = 0
+    # At the start of a block after the first in backward: the block reduced before it, whose
+    # reduce-scatter input FSDP2 keeps until this block's post_backward (_fsdp_items)
+    reduced_before_elements: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,17 +150,21 @@ def backward_sweep(acts: Activations | None, numels: list[int], shape: Layout | 
     held = shape.tied_head_elements
     body = acts.saved_bytes - acts.head_saved_bytes
     points = [SweepPoint(PhaseKind.START_OF_BACKWARD, "start of backward", acts.saved_bytes, 0, 0, acts.loss_transient_bytes),
-              SweepPoint(PhaseKind.AFTER_LM_HEAD, "after the LM head", body, head, head, 0)]
+              SweepPoint(PhaseKind.AFTER_LM_HEAD, "after the LM head", body, head, head,
+                         acts.final_norm_transient_bytes)]
     recompute = acts.layer_saved_bytes if acts.checkpointed else 0
     # Live activations fall and produced gradients rise linearly with the block index, so every
-    # phase total is linear in it and its maximum is at the first or the last block: the blocks
-    # between can never be the peak and are not listed.
-    for index in sorted({0, shape.num_layers - 1}):
+    # phase total is linear in it and its maximum is at the first or the last block; from the
+    # second block on FSDP2 also holds the reduce-scatter input of the block before
+    # (reduced_before_elements), a step between the first block and the second, so the second is
+    # listed too. The blocks between can never be the peak and are not listed.
+    for index in sorted({0, min(1, shape.num_layers - 1), shape.num_layers - 1}):
         block = shape.num_layers - index
         live = body - index * acts.layer_kept_bytes
         produced = head + index * per_layer
         points.append(SweepPoint(PhaseKind.START_OF_BLOCK, f"start of block {block} backward", live + recompute, produced,
-                                 0, acts.layer_transient_bytes, held_elements=held))
+                                 0, acts.layer_transient_bytes, held_elements=held,
+                                 reduced_before_elements=per_layer if index else 0))
         points.append(SweepPoint(PhaseKind.END_OF_BLOCK, f"end of block {block} backward", live - acts.layer_kept_bytes,
                                  produced + per_layer, per_layer, 0, held_elements=held))
     # The embeddings' backward comes last: an untied embedding's gradient awaits its hook, or a

@@ -106,7 +106,14 @@ def gloo_ring_scratch_bytes(a: Architecture, tokens: int, b: int) -> int:
     (69,446,592, the peak all three untraced runs measured: 67,349,440 without the scratch, which
     the block's modelled ring phase, 67,710,976, holds with 361,536 bytes to spare). In bf16 the
     same (43,937,216, the scratch 1 MiB). At 4,096 tokens over cp 2 alone the traced ring peak had
-    no room for its 8 MiB scratch (a causal kernel over 2,048 local tokens x 4 heads: 8x the work)."""
+    no room for its 8 MiB scratch (a causal kernel over 2,048 local tokens x 4 heads: 8x the work).
+    Checkpointed (fp32, cp 2 x tp 2, two traced runs, block 2's ring): every rank's peak held the
+    scratch (ranks 2-3 35,754,816 in both), but rank 1's worker let go before the all-to-all in the
+    second run (34,706,240, its peak at the kernel's buffer, against 35,492,608 in the first); a
+    re-measure of the untraced fp32 run read 68,399,040, the low outcome, where its record has
+    69,446,592. Over dp_shard 2 x cp 2 x tp 2 (8 ranks, fp32, 1,024 tokens, one traced run) both
+    outcomes at once: ranks 0 and 5 held the 1 MiB scratch at their peak (37,098,704), ranks 1 and 4,
+    their cp peers, had let go (36,445,648; the estimate 36,427,776)."""
     kv_width = max(spec.attention.kv_width for spec in distinct_specs(a).values())
     return b * tokens * 2 * kv_width
 

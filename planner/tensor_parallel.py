@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from planner.activations import FP32, ActivationItem, Activations, EdgeTerms
+from planner.activations import FP32, ActivationItem, Activations, EdgeTerms, final_norm_transient_bytes
 from planner.architecture import Architecture, distinct_specs, layer_specs, parameter_numels
 from planner.buffers import SweepPoint, item
 from planner.errors import PlannerError
@@ -201,6 +201,7 @@ def tp_activations(acts: Activations, full: Architecture, rank: Architecture, *,
     extra_loss = loss_parallel_extra_bytes(rank, tokens) if vocab_parallel_loss else 0
     layer_saved, kept, head = acts.layer_saved_bytes, acts.layer_kept_bytes, acts.head_saved_bytes
     block_sets, edges = acts.blocks, acts.edges
+    final_norm_transient = acts.final_norm_transient_bytes
     items = list(acts.items)
     if sequence_parallel:
         unit = _sharded_norm_bytes(full, tokens, b, autocast and b != FP32)
@@ -218,6 +219,8 @@ def tp_activations(acts: Activations, full: Architecture, rank: Architecture, *,
         if edges is not None:
             edges = EdgeTerms(edges.embedding_saved, edges.final_norm_saved - final * cut, edges.loss_saved,
                               edges.rope_saved)
+        # the final norm's backward runs on the rank's tokens / tp (a SequenceParallel norm)
+        final_norm_transient = final_norm_transient_bytes(full, _split(tokens, tp))
         if acts.checkpointed:
             # the residual stream between blocks, each block's checkpointed input, is sequence-sharded
             kept = _split((FP32 if autocast and full.norm == "rmsnorm" else b) * tokens * full.hidden_size, tp)
@@ -235,7 +238,8 @@ def tp_activations(acts: Activations, full: Architecture, rank: Architecture, *,
         items.append(ActivationItem(f"loss_parallel backward: exp and sum of the vocab/tp({tp}) logits", extra_loss))
     return replace(acts, saved_bytes=saved, peak_extra_bytes=peak_extra, items=tuple(items),
                    layer_saved_bytes=layer_saved, layer_kept_bytes=kept, head_saved_bytes=head,
-                   loss_transient_bytes=loss_transient, blocks=block_sets, edges=edges)
+                   loss_transient_bytes=loss_transient, blocks=block_sets, edges=edges,
+                   final_norm_transient_bytes=final_norm_transient)
 
 
 def sequence_parallel_for(request, framework: str) -> bool:

@@ -179,6 +179,17 @@ BENCH_RUNS = [
     # bf16 q gradient added into its accumulator
     _run("llama-v256-mha-cp2-tp2-fsdp-bf16-sp-t2048", LLAMA_CP_LONG, "fsdp", "bf16-mixed", cp=2, tp=2, gpus=4,
          micro=1, seq=2048),
+    # cp x tp with full activation checkpointing: each block keeps its input, its backward recomputes
+    # the forward (the ring's K/V gathered a third time) and then runs the ring's backward
+    _run("llama-v256-mha-cp2-tp2-fsdp-fp32-sp-ckpt-t2048", LLAMA_CP_LONG, "fsdp", "fp32", cp=2, tp=2, gpus=4,
+         ckpt="full", micro=1, seq=2048),
+    # cp x tp without sequence parallelism: the residual stream, norms and their gradients whole on
+    # every tp rank, under FSDP2's bf16
+    _run("llama-v256-mha-cp2-tp2-fsdp-bf16-nosp-t2048", LLAMA_CP_LONG, "fsdp", "bf16-mixed", cp=2, tp=2,
+         sp=False, gpus=4, micro=1, seq=2048),
+    # and over dp_shard 2 x cp 2 x tp 2 on 8 ranks: FSDP2 shards over the 4 ranks of dp_shard x cp
+    _run("llama-v256-mha-dp2-cp2-tp2-fsdp-fp32-sp-t1024", LLAMA_CP_LONG, "fsdp", "fp32", cp=2, tp=2, gpus=8,
+         micro=1, seq=1024),
     # DeepSpeed AutoTP (tensor_parallel.autotp_size) with ZeRO over the data-parallel ranks
     _run("llama-tp2-zero1-fp32-small-s256", LLAMA_TP, "zero1", "fp32", small=True, tp=2, micro=1, seq=256),
     _run("llama-tp2-zero2-fp32-small-4ranks-s256", LLAMA_TP, "zero2", "fp32", small=True, tp=2, gpus=4, micro=1,

@@ -200,9 +200,70 @@ def test_every_cp_record_is_under_the_peak_plus_the_notes_bound():
     for path in records:
         record = json.loads(path.read_text())
         result = estimate(EstimateRequest(**record["fields"]))
-        note = next(n for n in result.notes if "ring attention's K/V all-gather" in n)
-        above = int(note.split("up to ")[1].split(" bytes")[0].replace(",", ""))
+        # no note where the scratch over the largest block start stays under the peak (the peak is
+        # elsewhere: the final norm's backward of the run without SP)
+        note = next((n for n in result.notes if "ring attention's K/V all-gather" in n), None)
+        above = int(note.split("up to ")[1].split(" bytes")[0].replace(",", "")) if note else 0
         assert record["measured_peak"] <= result.per_device.peak_bytes + above, path.stem
+
+
+def _cp_tp_request(**fields) -> EstimateRequest:
+    kw = dict(model_config=LLAMA_CP_LONG, strategy="fsdp", gpus=4, gpu="cpu", precision="fp32", micro_batch=1,
+              seq_len=2048, cp=2, tp=2)
+    return EstimateRequest(**(kw | fields))
+
+
+def _items(request: EstimateRequest, phase: str) -> dict[str, int]:
+    found = next(p for p in estimate(request).phases if p.name == phase)
+    return {i.name: i.bytes for i in found.items}
+
+
+def test_fsdp_holds_the_block_befores_reduce_scatter_input_through_the_next_blocks_backward():
+    """torch 2.13 _fsdp_param_group.py post_backward keeps a unit's reduce-scatter input in
+    reduce_scatter_states until the next unit's post_backward (rs_wait). Peak trace (fp32, cp 2 x
+    tp 2, checkpointed, rank 2, two runs): block 3's 1,583,104-byte input, allocated in its
+    post_backward_reduce, live through block 2's ring backward; the record was -6.73% without it."""
+    request = _cp_tp_request(checkpointing="full")
+    name = "reduce-scatter input of the block before (held until this block's post_backward)"
+    assert name not in _items(request, "start of block 4 backward")  # the first block in backward: none
+    assert _items(request, "start of block 3 backward")[name] == 1_583_104
+    assert _items(request, "start of block 1 backward")[name] == 1_583_104
+    assert estimate(request).per_device.peak_phase == "start of block 1 backward"
+
+
+def test_final_norms_backward_follows_the_lm_head():
+    """The final LlamaRMSNorm's backward after the LM head's: its fp32 input and rsqrt saved, five
+    fp32 tokens x hidden temporaries at PowBackward0 (peak trace, bf16 cp 2 x tp 2 without SP,
+    rank 0: 1,048,576 bytes each, the rank's peak). Under SP the norm runs on tokens / tp. The last
+    block is not yet copied out of its prefetched all-gather output then (copy-out at its own
+    pre_backward, after the norm): the root alone is gathered."""
+    nosp = _items(_cp_tp_request(precision="bf16-mixed", sequence_parallel=False), "after the LM head")
+    assert nosp["backward transients"] == 6 * 1_048_576 + 4 * 1024
+    assert nosp["all-gathered units"] == 131_584  # the root's bf16 weights
+    sp = _items(_cp_tp_request(precision="bf16-mixed"), "after the LM head")
+    assert sp["backward transients"] == 6 * 524_288 + 4 * 512
+    gpt2 = from_hf_config(dict(model_type="gpt2", vocab_size=256, n_embd=256, n_layer=2, n_head=4, n_positions=1024))
+    assert estimate_activations(gpt2, micro_batch=1, seq_len=512, compute_bytes=FP32).final_norm_transient_bytes == 0
+
+
+def test_cp_by_tp_records_after_the_fixes():
+    """Each new cp x tp record: checkpointed (-6.73% before the held reduce-scatter input), without
+    SP (-2.87% before the final norm's backward, its peak), and over dp_shard 2 x cp 2 x tp 2."""
+    import json
+    from pathlib import Path
+
+    from planner.memory import cpu_rank_bytes
+
+    runs = Path(__file__).resolve().parent.parent / "bench" / "results" / "runs"
+    for name, phase, bound in [("llama-v256-mha-cp2-tp2-fsdp-fp32-sp-ckpt-t2048", "start of block 1 backward", 3.0),
+                               ("llama-v256-mha-cp2-tp2-fsdp-bf16-nosp-t2048", "after the LM head", 1.5),
+                               ("llama-v256-mha-dp2-cp2-tp2-fsdp-fp32-sp-t1024", "start of block 4 backward", 3.0)]:
+        record = json.loads((runs / f"{name}.json").read_text())
+        request = EstimateRequest(**record["fields"])
+        result = estimate(request)
+        peak, _ = cpu_rank_bytes(result, request.gpus)
+        assert result.per_device.peak_phase == phase, name
+        assert abs(peak - record["measured_peak"]) / record["measured_peak"] * 100 < bound, name
 
 
 def test_a_trace_follows_the_step_that_holds_the_peak():

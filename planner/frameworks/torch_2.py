@@ -295,7 +295,10 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
         gathered = compute_bytes * max(0, psi - point.grad_elements + point.in_flight_elements)
         source = "SHARD_GRAD_OP (reshard_after_forward=False): every unit stays gathered until its backward"
     else:
-        current = 0 if point.kind is PhaseKind.START_OF_BACKWARD else block
+        # the last block is copied out of its prefetched flat output only at its own pre_backward,
+        # after the LM head's and the final norm's backward (peak trace, llama bf16 cp 2 x tp 2 without
+        # SP: FSDP::all_gather_copy_out (layers.3) after PowBackward0 of the final norm)
+        current = 0 if point.kind in (PhaseKind.START_OF_BACKWARD, PhaseKind.AFTER_LM_HEAD) else block
         gathered = compute_bytes * (root + current)
         source = "the root unit and the block in backward, gathered"
     prefetch = 0 if point.kind is PhaseKind.END_OF_BACKWARD or keep_gathered else compute_bytes * block * gloo_copy
@@ -309,6 +312,15 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
                                                             and compute_bytes != FP32 else ""),
               reduce_bytes(setup, compute_bytes) * point.in_flight_elements if point.kind.ends_a_unit else 0,
               "buffers", "foreach_reduce: one flat input per unit, in the reduce dtype"),
+        # torch 2.13 _fsdp_param_group.py:640-657 post_backward: a unit's reduce-scatter input stays in
+        # comm_ctx.reduce_scatter_states (reduce_scatter_max_input_buffers 1) until the next unit's
+        # post_backward (FSDP::post_backward_rs_wait) drops it, so it lives through that whole block's
+        # backward. Peak trace (llama fp32, cp 2 x tp 2, checkpointed, block 2's ring backward): block
+        # 3's 1,583,104-byte input allocated in its post_backward_reduce, freed in block 2's rs_wait.
+        item("reduce-scatter input of the block before (held until this block's post_backward)"
+             + (" (fp32)" if reduce_bytes(setup, compute_bytes) == FP32 and compute_bytes != FP32 else ""),
+             reduce_bytes(setup, compute_bytes) * point.reduced_before_elements, "buffers",
+             "_fsdp_param_group.py post_backward: reduce_scatter_states, recycled at the next unit's post_backward"),
     ]
     if accumulated:
         items += _accumulated_items(setup, point, psi, shard, compute_bytes, store_bytes)
