@@ -425,6 +425,111 @@ def test_cp_by_tp_gives_the_unsharded_models_logits_and_gradients(tmp_path):
         assert errors[worst] < 1e-4, (rank, worst, errors[worst])
 
 
+def _hsdp_by_cp_ranks(rank: int, world: int, port: int, out_dir: str, parallel: dict) -> None:
+    """One rank of HSDP x CP: the probe's (dp_replicate, dp_shard, cp, tp) mesh (build_mesh),
+    ContextParallelLM, FSDP2 on (dp_replicate, dp_shard x cp) (fsdp_mesh, apply_fsdp), one
+    micro-batch as ContextParallelEngine runs it. Each replica trains its own sequence, so the
+    replicas' all-reduce is seen: every rank's gradients must be the mean over the replicas of the
+    unsharded model's gradients of the mean over the cp ranks of each rank's mean loss."""
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.experimental import context_parallel
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from backend.context_parallel import ContextParallelLM, cpu_ring_attention
+        from backend.train_parallel import apply_fsdp, build_mesh, fsdp_mesh
+
+        seq = 64
+        config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
+                             use_cache=False)
+        replicas = parallel["dp_replicate"]
+        sequences = torch.randint(0, 128, (replicas, seq), generator=torch.Generator().manual_seed(1))
+        labels = torch.nn.functional.pad(sequences, (0, 1), value=-100)[:, 1:]
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        reference = LlamaForCausalLM(config)
+        reference.load_state_dict(model.state_dict())
+        mesh = build_mesh(parallel, torch.device("cpu"))
+        module = ContextParallelLM(model)
+        dp_mesh = fsdp_mesh(mesh, parallel)
+        apply_fsdp(module, dp_mesh, {"strategy": "hsdp"}, None)
+        replica = mesh["dp_replicate"].get_local_rank()
+        seen = {}
+        model.lm_head.register_forward_hook(lambda m, args, out: seen.update(logits=out))
+        inputs, shifted = sequences[replica:replica + 1].clone(), labels[replica:replica + 1].clone().contiguous()
+        positions = torch.arange(seq).unsqueeze(0)
+        buffers = [inputs, shifted, positions]
+        with context_parallel(mesh["cp"], buffers=buffers, buffer_seq_dims=[1, 1, 1],
+                              no_restore_buffers=set(buffers)), cpu_ring_attention():
+            loss = module(inputs, shifted, positions)
+            loss.backward()
+        held = [None] * world
+        dist.all_gather_object(held, (replica, positions[0].tolist()))
+        replica_means, errors = [], {}
+        for r in range(replicas):
+            logits = reference(input_ids=sequences[r:r + 1], position_ids=torch.arange(seq).unsqueeze(0)).logits
+            per_token = torch.nn.functional.cross_entropy(logits[0], labels[r], ignore_index=-100, reduction="none")
+            means = [per_token[torch.tensor(t)][labels[r, torch.tensor(t)] != -100].mean()
+                     for t in sorted({tuple(t) for rr, t in held if rr == r})]
+            replica_means.append(torch.stack(means).mean())
+            if r == replica:
+                own = torch.tensor(held[rank][1])
+                errors["logits"] = ((seen["logits"][0] - logits[0, own]).abs().max() / logits.abs().max()).item()
+                errors["loss"] = abs(loss.item() - per_token[own][labels[r, own] != -100].mean().item())
+        torch.stack(replica_means).mean().backward()
+        grads = dict(reference.named_parameters())
+        for name, parameter in model.named_parameters():
+            expected = grads[name].grad
+            got = parameter.grad.full_tensor() if isinstance(parameter.grad, DTensor) else parameter.grad
+            errors[name] = ((got - expected).abs().max() / expected.abs().max()).item()
+        errors["local tokens"] = len(held[rank][1])
+        errors["replica"] = replica
+        errors["mesh"] = [list(dp_mesh.mesh_dim_names), list(dp_mesh.shape)]
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
+            json.dump(errors, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn_hsdp_by_cp(out_dir, parallel: dict) -> dict:
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_hsdp_by_cp_ranks, args=(4, port, str(out_dir), parallel), nprocs=4, join=True)
+    return {rank: json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(4)}
+
+
+@pytest.mark.deepspeed
+def test_hsdp_by_cp_gives_the_unsharded_models_logits_and_gradients(tmp_path):
+    """HSDP x CP on 4 gloo ranks, (dp_replicate 2, dp_shard 1, cp 2): ranks 0-1 and 2-3 are the
+    two replicas, each pair the ring over its own sequence's 32 + 32 load-balanced tokens, FSDP2
+    sharding over the pair and all-reducing the shards across the replicas. Each rank's logits
+    and loss equal the unsharded model's on its tokens, and every parameter's gradient the
+    unsharded model's of the replicas' mean loss (fp32: relative 1e-4 at worst)."""
+    results = _spawn_hsdp_by_cp(tmp_path, {"dp_replicate": 2, "dp_shard": 1, "cp": 2, "tp": 1})
+    for rank, errors in results.items():
+        assert errors.pop("local tokens") == 32 and errors.pop("replica") == rank // 2
+        mesh = errors.pop("mesh")
+        assert sum(".self_attn.q_proj." in name for name in errors) == 2
+        worst = max(errors, key=errors.get)
+        assert errors[worst] < 1e-4, (rank, worst, errors[worst])
+        assert mesh == [["dp_replicate", "dp_shard_cp"], [2, 2]]
+
+
 @pytest.mark.parametrize("checkpointing, gathers", [("none", 8), ("full", 12)])
 def test_cp_exchange_is_what_the_ranks_sent(checkpointing, gathers):
     """Counted on rank 0 of cp 2 (4 layers, 1,024 tokens, K/V width 256, fp32): the ring's K/V
