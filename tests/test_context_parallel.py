@@ -72,19 +72,67 @@ def test_checkpointed_cp_keeps_the_copy_in_the_recomputed_layer_only():
     assert split.layer_saved_bytes == base.layer_saved_bytes + merged_output_copy_bytes(a, 2048, FP32)
 
 
+def test_hsdp_by_cp_shards_over_dp_shard_by_cp():
+    """HSDP x CP (torchtitan: FSDP2 on (dp_replicate, dp_shard_cp)): a rank holds what FSDP2 over
+    its shard group of dp_shard x cp ranks holds, the same peak as fsdp over those ranks alone;
+    the replicas all-reduce a 1/(dp_shard x cp) shard of the gradients (it counted the whole
+    gradient when the time model took the shard group as dp_shard alone)."""
+    from planner.steptime import collective_volumes
+
+    hsdp = _request(model=LLAMA_CP_LONG, seq_len=2048, strategy="hsdp", gpus=2, nodes=2)
+    result = estimate(hsdp)
+    assert result.parallel.dp_replicate == 2 and result.parallel.dp_shard == 1 and result.parallel.cp == 2
+    assert result.per_device.peak_bytes == estimate(_request(model=LLAMA_CP_LONG, seq_len=2048)).per_device.peak_bytes
+    for request, shard in ((hsdp, 2), (_request(model=LLAMA_CP_LONG, seq_len=2048, strategy="hsdp", gpus=8,
+                                                  hsdp_shard_size=4), 4)):
+        rows = {r["what"]: r["bytes_per_step"] for r in collective_volumes(request)}
+        assert rows["replica all-reduce of each shard"] * shard == rows["gradient reduce-scatter"]
+
+
+@pytest.mark.parametrize("fields", [{"gpus": 8, "cp": 4, "hsdp_shard_size": 2},
+                                    {"gpus": 8, "cp": 2, "tp": 2, "hsdp_shard_size": 2},
+                                    {"gpus": 2, "nodes": 4, "cp": 4}])
+def test_hsdp_shard_group_holds_whole_cp_groups(fields):
+    """A shard group that would split a cp group is refused, naming hsdp_shard_size: the cp ranks
+    shard the parameters together with the data-parallel ranks."""
+    with pytest.raises(PlannerError, match=r"hsdp_shard_size\(2\) with cp=\d: a shard group must hold whole") as caught:
+        estimate(_request(model=LLAMA_CP_LONG, seq_len=2048, strategy="hsdp", **fields))
+    assert caught.value.field == "hsdp_shard_size"
+
+
 def test_verify_job_carries_the_cp_mesh(tmp_path):
-    """cp 2 on 2 ranks: the (dp_shard, cp, tp) mesh (1, 2, 1); FSDP2 over dp_shard x cp."""
+    """cp 2 on 2 ranks: the (dp_replicate, dp_shard, cp, tp) mesh (1, 1, 2, 1); FSDP2 over dp_shard x cp."""
     from backend.launch import worker_job
 
     job = worker_job(_request(model=LLAMA_CP_LONG, seq_len=1024), steps=1, warmup_steps=0,
                      out_dir=tmp_path).for_rank()
     assert job["framework"] == "torch" and job["torch"]["strategy"] == "fsdp"
-    assert job["parallel"] == {"dp_shard": 1, "tp": 1, "sequence_parallel": False, "cp": 2}
+    assert job["parallel"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "sequence_parallel": False, "cp": 2}
+
+
+@pytest.mark.parametrize("fields", [{"gpus": 4, "hsdp_shard_size": 2}, {"gpus": 2, "nodes": 2}])
+def test_verify_job_carries_the_hsdp_by_cp_mesh(tmp_path, fields):
+    """hsdp with cp 2 on 4 ranks, shard groups of 2: the (dp_replicate, dp_shard, cp, tp) mesh
+    (2, 1, 2, 1), FSDP2 on (dp_replicate, dp_shard x cp) (verify refused it before: "the probe
+    composes context parallelism with FSDP2 over dp_shard x cp (strategy fsdp)")."""
+    from backend.launch import worker_job
+
+    job = worker_job(_request(model=LLAMA_CP_LONG, seq_len=1024, strategy="hsdp", **fields), steps=1,
+                     warmup_steps=0, out_dir=tmp_path).for_rank()
+    assert job["torch"]["strategy"] == "hsdp" and job["torch"]["sharding"] == "HYBRID_SHARD"
+    assert (job["torch"]["replicas"], job["torch"]["shard_size"]) == (2, 2)
+    assert job["parallel"] == {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "sequence_parallel": False, "cp": 2}
+    wide = worker_job(_request(model=LLAMA_CP_LONG, seq_len=1024, strategy="hsdp", gpus=8, hsdp_shard_size=4),
+                      steps=1, warmup_steps=0, out_dir=tmp_path).for_rank()
+    assert wide["parallel"] == {"dp_replicate": 2, "dp_shard": 2, "tp": 1, "sequence_parallel": False, "cp": 2}
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"strategy": "hsdp", "gpus": 4, "hsdp_shard_size": 2},
-     "cp=2 with strategy hsdp: the probe composes context parallelism with FSDP2 over dp_shard x cp (strategy fsdp)"),
+    ({"strategy": "fsdp-grad-op"},
+     "cp=2 with strategy fsdp-grad-op: the probe composes context parallelism with FSDP2 over dp_shard x cp "
+     "(strategy fsdp, with tp or without), or with HSDP over (dp_replicate, dp_shard x cp) (strategy hsdp, tp 1)"),
+    ({"strategy": "hsdp", "gpus": 8, "hsdp_shard_size": 4, "tp": 2},
+     "cp=2 with strategy hsdp and tp=2: the probe composes context parallelism"),
     ({"model": dict(LLAMA_CP_LONG, model_type="qwen3", head_dim=64)},
      "cp=2: the context-parallel probe does not run model_type 'qwen3': no context-parallel run of it"),
 ])
@@ -106,7 +154,7 @@ def test_verify_job_carries_the_cp_by_tp_mesh(tmp_path, sp):
     job = worker_job(_request(model=LLAMA_CP_LONG, seq_len=1024, tp=2, gpus=4, sequence_parallel=sp), steps=1,
                      warmup_steps=0, out_dir=tmp_path).for_rank()
     assert job["framework"] == "torch" and job["torch"]["strategy"] == "fsdp"
-    assert job["parallel"] == {"dp_shard": 1, "tp": 2, "sequence_parallel": sp, "cp": 2}
+    assert job["parallel"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "sequence_parallel": sp, "cp": 2}
 
 
 def test_cp_by_tp_keeps_the_tp_probes_refusals(tmp_path):
@@ -117,7 +165,7 @@ def test_cp_by_tp_keeps_the_tp_probes_refusals(tmp_path):
     with pytest.raises(PlannerError, match="cp=2: the context-parallel probe does not run model_type 'qwen3'"):
         worker_job(_request(model=dict(LLAMA_CP_LONG, model_type="qwen3", head_dim=64), seq_len=1024, tp=2, gpus=4),
                    steps=1, warmup_steps=0, out_dir=tmp_path)
-    with pytest.raises(PlannerError, match="cp=2 with strategy hsdp"):
+    with pytest.raises(PlannerError, match="cp=2 with strategy hsdp and tp=2"):
         worker_job(_request(model=LLAMA_CP_LONG, seq_len=1024, tp=2, gpus=8, strategy="hsdp", hsdp_shard_size=4),
                    steps=1, warmup_steps=0, out_dir=tmp_path)
 
@@ -203,6 +251,26 @@ def test_every_cp_record_is_under_the_peak_plus_the_notes_bound():
         note = next(n for n in result.notes if "ring attention's K/V all-gather" in n)
         above = int(note.split("up to ")[1].split(" bytes")[0].replace(",", ""))
         assert record["measured_peak"] <= result.per_device.peak_bytes + above, path.stem
+
+
+def test_hsdp_by_cp_run_is_gloos_scratch_above_the_model():
+    """llama-v256-mha-cp2-hsdp-fp32-2x2-t2048 (4 CPU ranks, peak trace): ranks 0 and 2 (cp rank 0
+    of each replica) run the same step; rank 2 peaked at 127,764,416 bytes as gloo's 4 MiB scratch
+    of block 4's K/V all-gather appeared and let it go during the ring step's kernel; rank 0's
+    worker held it on through the K/V gradients' cat, 130,909,120 (the record). Without the
+    scratch rank 0 held 126,714,816: the model's block phase is above both, and its note's bound
+    covers the record."""
+    import json
+    from pathlib import Path
+
+    from planner.context_parallel import gloo_ring_scratch_bytes
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "results" / "runs"
+    record = json.loads((path / "llama-v256-mha-cp2-hsdp-fp32-2x2-t2048.json").read_text())
+    predicted = estimate(EstimateRequest(**record["fields"])).per_device.peak_bytes
+    scratch = gloo_ring_scratch_bytes(from_hf_config(dict(LLAMA_CP_LONG)), 2048, FP32)
+    assert scratch == 4 * 1024 * 1024 and record["measured_peak"] == 130_909_120
+    assert record["measured_peak"] - scratch <= predicted < record["measured_peak"]
 
 
 def test_a_trace_follows_the_step_that_holds_the_peak():
