@@ -102,8 +102,9 @@ def apply_tp(model: torch.nn.Module, tp_mesh, sequence_parallel: bool) -> None:
 
 
 def apply_fsdp(model: torch.nn.Module, dp_mesh, settings: dict[str, Any], dtype) -> None:
-    """FSDP2 over the dp_shard dimension, every block a unit, then the root, as backend/train.py's
-    _fully_shard does for the 1-D case (torchtitan's apply_fsdp does the same on its dp mesh)."""
+    """FSDP2 over ``dp_mesh`` (fsdp_mesh: 1-D, dp_shard (x cp); 2-D, HSDP over (dp_replicate,
+    dp_shard x cp)), every block a unit, then the root, as backend/train.py's _fully_shard does
+    (torchtitan's apply_fsdp does the same on its dp mesh)."""
     from torch.distributed.fsdp import fully_shard
 
     from backend.train import mixed_precision_policy
