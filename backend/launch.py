@@ -187,6 +187,10 @@ def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
                            "composes TP with FSDP2 (strategy fsdp) only", field="tp")
     if setup.tp > 1:
         check_probe(model_type, "tp", f"tp={setup.tp}")
+    if setup.zero.offload_params != "none":
+        # apply_fsdp passes no CPUOffloadPolicy: the run would keep on the device what the estimate offloads
+        raise PlannerError(f"offload_params={setup.zero.offload_params} with tp={setup.tp}, cp={cp}: the tensor/context-"
+                           "parallel probe's FSDP2 does not offload; verify it without offload", field="offload_params")
     replicas = setup.dims.dp_replicate if setup.strategy.shard_within_node else 1
     return {"dp_replicate": replicas, "dp_shard": dp // replicas, "tp": setup.tp,
             "sequence_parallel": setup.sequence_parallel, "cp": cp}

@@ -165,6 +165,21 @@ def test_verify_refuses_what_the_cp_probe_does_not_run(tmp_path, fields, message
     assert caught.value.field == "cp"
 
 
+@pytest.mark.parametrize("fields", [{}, {"strategy": "hsdp", "gpus": 2, "nodes": 2}, {"tp": 2, "gpus": 4}])
+def test_verify_refuses_offload_under_cp(tmp_path, fields):
+    """The estimate offloads the parameters, gradients and states (FSDP2's CPUOffloadPolicy); the
+    TP/CP probe's FSDP2 runs without one, so verify refuses rather than measure another layout."""
+    from backend.launch import worker_job
+
+    request = _request(model=LLAMA_CP_LONG, seq_len=1024, offload_optimizer="cpu", offload_params="cpu", **fields)
+    assert estimate(request).per_device.peak_bytes < estimate(request.model_copy(
+        update={"offload_optimizer": "none", "offload_params": "none"})).per_device.peak_bytes
+    with pytest.raises(PlannerError, match="offload_params=cpu with tp=.*: the tensor/context-parallel probe's FSDP2 "
+                                           "does not offload") as caught:
+        worker_job(request, steps=1, warmup_steps=0, out_dir=tmp_path)
+    assert caught.value.field == "offload_params"
+
+
 @pytest.mark.parametrize("sp", [True, False])
 def test_verify_job_carries_the_cp_by_tp_mesh(tmp_path, sp):
     """cp 2 x tp 2 on 4 ranks: the (dp_shard, cp, tp) mesh (1, 2, 2), tp innermost; FSDP2 over the
