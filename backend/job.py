@@ -65,10 +65,12 @@ class PipelineSettings(BaseModel):
 
 class ParallelSettings(BaseModel):
     """How a tensor- or context-parallel rank lays out its mesh (backend/train_parallel.py):
-    (dp_shard, cp, tp), tp innermost, as torchtitan orders them."""
+    (dp_replicate, dp_shard, cp, tp), tp innermost, as torchtitan orders them."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    dp_replicate: int = Field(1, ge=1, description="HSDP's replicas (strategy hsdp with cp): FSDP2 on a 2-D mesh "
+                                                   "(dp_replicate, dp_shard x cp)")
     dp_shard: int = Field(ge=1)
     tp: int = Field(ge=1)
     sequence_parallel: bool

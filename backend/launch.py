@@ -175,32 +175,44 @@ def check_probe(model_type: str | None, probe: str, degree: str) -> None:
 
 def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
     """How the rank lays out tensor and context parallelism (backend/train_parallel.py): a
-    (dp_shard, cp, tp) mesh, tp innermost; FSDP2 over dp_shard (x cp) when there is more than one
-    rank to shard over."""
+    (dp_replicate, dp_shard, cp, tp) mesh, tp innermost; FSDP2 over dp_shard (x cp) when there is
+    more than one rank to shard over, HSDP over (dp_replicate, dp_shard x cp) with strategy hsdp."""
     model_type = setup.model.config.get("model_type")
     cp = setup.dims.cp
     if cp > 1:
         _check_context_parallel_probe(request, setup, model_type)
     dp = setup.world_size // (setup.tp * cp)
-    if dp > 1 and setup.strategy.name != "fsdp":
+    if (dp > 1 and setup.strategy.name not in ("fsdp", "hsdp")) or (setup.tp > 1 and setup.strategy.name == "hsdp"):
         raise PlannerError(f"tp={setup.tp} with strategy {request.strategy} over {dp} data-parallel ranks: the probe "
                            "composes TP with FSDP2 (strategy fsdp) only", field="tp")
     if setup.tp > 1:
         check_probe(model_type, "tp", f"tp={setup.tp}")
-    return {"dp_shard": dp, "tp": setup.tp, "sequence_parallel": setup.sequence_parallel, "cp": cp}
+    if setup.zero.offload_params != "none":
+        # apply_fsdp passes no CPUOffloadPolicy: the run would keep on the device what the estimate offloads
+        raise PlannerError(f"offload_params={setup.zero.offload_params} with tp={setup.tp}, cp={cp}: the tensor/context-"
+                           "parallel probe's FSDP2 does not offload; verify it without offload", field="offload_params")
+    replicas = setup.dims.dp_replicate if setup.strategy.shard_within_node else 1
+    return {"dp_replicate": replicas, "dp_shard": dp // replicas, "tp": setup.tp,
+            "sequence_parallel": setup.sequence_parallel, "cp": cp}
 
 
 def _check_context_parallel_probe(request: EstimateRequest, setup, model_type) -> None:
     """What the CP probe runs: torch's context_parallel (ring attention over the cp ranks, the
     sequence load-balanced head-tail) on a llama-shaped decoder, FSDP2 over dp_shard x cp, as
-    torchtitan composes it (backend/context_parallel.py). With tp > 1 the blocks are first laid out
-    by the TP plan (apply_tp: each rank's SDPA sees its heads/tp heads, whose local q/k/v the ring
-    shards over cp), torchtitan's order (parallelize.py: apply_tp, then context_parallel per step,
-    then FSDP2 over dp_shard x cp); the TP probe's own family checks apply (_parallel_settings)."""
+    torchtitan composes it (backend/context_parallel.py); with strategy hsdp, FSDP2 on the 2-D
+    mesh (dp_replicate, dp_shard x cp): replicated over the first, sharded over the second
+    (torchtitan's parallelize.py: dp_mesh_dim_names ("dp_replicate", "dp_shard_cp")). With tp > 1
+    the blocks are first laid out by the TP plan (apply_tp: each rank's SDPA sees its heads/tp
+    heads, whose local q/k/v the ring shards over cp), torchtitan's order (parallelize.py:
+    apply_tp, then context_parallel per step, then FSDP2 over dp_shard x cp); the TP probe's own
+    family checks apply (_parallel_settings). HSDP x CP x TP is not probed."""
     cp = setup.dims.cp
-    if setup.strategy.name != "fsdp":
-        raise PlannerError(f"cp={cp} with strategy {request.strategy}: the probe composes context parallelism with "
-                           "FSDP2 over dp_shard x cp (strategy fsdp), as torchtitan does", field="cp")
+    hsdp = setup.strategy.name == "hsdp"
+    if setup.strategy.name != "fsdp" and not (hsdp and setup.tp == 1):
+        raise PlannerError(f"cp={cp} with strategy {request.strategy}{f' and tp={setup.tp}' if hsdp else ''}: the "
+                           "probe composes context parallelism with FSDP2 over dp_shard x cp (strategy fsdp, with tp "
+                           "or without), or with HSDP over (dp_replicate, dp_shard x cp) (strategy hsdp, tp 1), as "
+                           "torchtitan does", field="cp")
     check_probe(model_type, "cp", f"cp={cp}")
 
 

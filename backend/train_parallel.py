@@ -33,21 +33,29 @@ from backend.train import AccumulatingEngine
 
 
 def build_mesh(parallel: dict[str, int], device: torch.device):
-    """(dp_shard, cp, tp), tp innermost: torchtitan's order (parallel_dims.py, ["pp", "dp_replicate",
-    "dp_shard", "cp", "tp"]); a degree of 1 is a dimension of one rank."""
+    """(dp_replicate, dp_shard, cp, tp), tp innermost: torchtitan's order (parallel_dims.py, ["pp",
+    "dp_replicate", "dp_shard", "cp", "tp"]); a degree of 1 is a dimension of one rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, (int(parallel["dp_shard"]), int(parallel.get("cp", 1)), int(parallel["tp"])),
-                            mesh_dim_names=("dp_shard", "cp", "tp"))
+    shape = (int(parallel.get("dp_replicate", 1)), int(parallel["dp_shard"]), int(parallel.get("cp", 1)),
+             int(parallel["tp"]))
+    return init_device_mesh(device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
 
 
 def fsdp_mesh(mesh, parallel: dict[str, int]):
     """FSDP2 shards over dp_shard, and over dp_shard x cp flattened when cp > 1 (torchtitan's
     ``dp_shard_cp``: the cp ranks hold different tokens of the same batch, so they shard the
-    parameters like data-parallel ranks)."""
-    if int(parallel.get("cp", 1)) == 1:
-        return mesh["dp_shard"]
-    return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    parameters like data-parallel ranks). With dp_replicate > 1 (HSDP) the mesh is 2-D,
+    (dp_replicate, dp_shard_cp): fully_shard replicates over the first dimension and shards over
+    the second (torch 2.13 _fully_shard/_fsdp_init.py: a 2-D mesh is HSDPMeshInfo(shard_mesh_dim=1,
+    replicate_mesh_dim=0)); the two are joined by DeviceMesh._concatenate, as fully_shard joins
+    its own replicate and shard submeshes (_fsdp_init.py _get_mesh_info_from_named_dims)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    shard = mesh["dp_shard"] if int(parallel.get("cp", 1)) == 1 else mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    if int(parallel.get("dp_replicate", 1)) == 1:
+        return shard
+    return DeviceMesh._concatenate([mesh["dp_replicate"], shard])
 
 
 def _decoder(model: torch.nn.Module) -> torch.nn.Module:
@@ -94,8 +102,9 @@ def apply_tp(model: torch.nn.Module, tp_mesh, sequence_parallel: bool) -> None:
 
 
 def apply_fsdp(model: torch.nn.Module, dp_mesh, settings: dict[str, Any], dtype) -> None:
-    """FSDP2 over the dp_shard dimension, every block a unit, then the root, as backend/train.py's
-    _fully_shard does for the 1-D case (torchtitan's apply_fsdp does the same on its dp mesh)."""
+    """FSDP2 over ``dp_mesh`` (fsdp_mesh: 1-D, dp_shard (x cp); 2-D, HSDP over (dp_replicate,
+    dp_shard x cp)), every block a unit, then the root, as backend/train.py's _fully_shard does
+    (torchtitan's apply_fsdp does the same on its dp mesh)."""
     from torch.distributed.fsdp import fully_shard
 
     from backend.train import mixed_precision_policy
@@ -205,8 +214,10 @@ def parallel_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.d
     else:
         model = CausalLMWithParallelLoss(model)
     # the strategy names the data-parallel framework over dp_shard (x cp): FSDP2 wraps when there
-    # is more than one rank to shard over; ddp (no sharding) leaves the TP model as it is
-    sharded = settings["strategy"] != "ddp" and int(parallel["dp_shard"]) * cp > 1
+    # is more than one data-parallel rank (HSDP: over dp_replicate too); ddp (no sharding) leaves
+    # the TP model as it is
+    replicas = int(parallel.get("dp_replicate", 1))
+    sharded = settings["strategy"] != "ddp" and int(parallel["dp_shard"]) * cp * replicas > 1
     if sharded:
         apply_fsdp(model, fsdp_mesh(mesh, parallel), settings, None if settings["pure_16bit"] else dtype)
     autocast = None if settings["pure_16bit"] or sharded else dtype

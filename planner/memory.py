@@ -166,6 +166,12 @@ def _dims(request: EstimateRequest, s: Strategy, shard: int, model: ResolvedMode
     dp = data_parallel_size(request.world_size, request.tp, request.pp, request.cp, request.gpus, request.nodes)
     # a shard group's GPUs hold tp x cp model-parallel ranks per data-parallel rank (tp and cp innermost)
     model_parallel = request.tp * request.cp
+    if s.shard_within_node and request.cp > 1 and shard % model_parallel:
+        # torchtitan's HSDP shards over dp_shard x cp (parallelize.py dp_mesh_dim_names ("dp_replicate",
+        # "dp_shard_cp")): a shard group is whole cp groups, or the cp ranks would not shard together
+        raise PlannerError(f"hsdp_shard_size({shard}) with cp={request.cp}: a shard group must hold whole context-"
+                           f"parallel groups, a multiple of tp({request.tp}) * cp({request.cp}) = {model_parallel} "
+                           "GPUs (HSDP shards over dp_shard x cp)", field="hsdp_shard_size")
     within = shard // model_parallel if s.shard_within_node and shard % model_parallel == 0 else shard
     dims = dims_for(s.shards_optimizer, within if s.shard_within_node else None, dp,
                     request.tp, request.pp, request.cp, request.ep)

@@ -266,7 +266,9 @@ def resolved_combo(request: EstimateRequest, parameters: int | None = None) -> t
 
     setup = resolve(request, model=raw_parameters(parameters) if parameters is not None else None)
     zero = setup.zero
-    shard = setup.dims.dp_shard if lookup_strategy(request.strategy).shard_within_node else None
+    # HSDP's shard group per TP rank: dp_shard x cp (the cp ranks shard the parameters with the
+    # data-parallel ranks; its replicas all-reduce a 1/(dp_shard x cp) shard of the gradients)
+    shard = setup.dims.dp_shard * setup.dims.cp if lookup_strategy(request.strategy).shard_within_node else None
     combo = Combo(request.gpus, request.strategy, request.checkpointing, zero.offload_optimizer, zero.offload_params,
                   shard, request.tp, request.cp, setup.sequence_parallel, request.pp)
     return combo, Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size), setup

@@ -190,6 +190,10 @@ BENCH_RUNS = [
     # and over dp_shard 2 x cp 2 x tp 2 on 8 ranks: FSDP2 shards over the 4 ranks of dp_shard x cp
     _run("llama-v256-mha-dp2-cp2-tp2-fsdp-fp32-sp-t1024", LLAMA_CP_LONG, "fsdp", "fp32", cp=2, tp=2, gpus=8,
          micro=1, seq=1024),
+    # HSDP x CP on a (dp_replicate 2, dp_shard 1, cp 2) mesh: each node's two ranks the ring and the
+    # shard group (FSDP2 over dp_shard x cp), the two nodes replicas all-reducing their shards
+    _run("llama-v256-mha-cp2-hsdp-fp32-2x2-t2048", LLAMA_CP_LONG, "hsdp", "fp32", cp=2, nodes=2, micro=1,
+         seq=2048),
     # DeepSpeed AutoTP (tensor_parallel.autotp_size) with ZeRO over the data-parallel ranks
     _run("llama-tp2-zero1-fp32-small-s256", LLAMA_TP, "zero1", "fp32", small=True, tp=2, micro=1, seq=256),
     _run("llama-tp2-zero2-fp32-small-4ranks-s256", LLAMA_TP, "zero2", "fp32", small=True, tp=2, gpus=4, micro=1,

@@ -72,19 +72,87 @@ def test_checkpointed_cp_keeps_the_copy_in_the_recomputed_layer_only():
     assert split.layer_saved_bytes == base.layer_saved_bytes + merged_output_copy_bytes(a, 2048, FP32)
 
 
+def test_hsdp_by_cp_shards_over_dp_shard_by_cp():
+    """HSDP x CP (torchtitan: FSDP2 on (dp_replicate, dp_shard_cp)): a rank holds what FSDP2 over
+    its shard group of dp_shard x cp ranks holds, the same peak as fsdp over those ranks alone;
+    the replicas all-reduce a 1/(dp_shard x cp) shard of the gradients (it counted the whole
+    gradient when the time model took the shard group as dp_shard alone)."""
+    from planner.steptime import collective_volumes
+
+    hsdp = _request(model=LLAMA_CP_LONG, seq_len=2048, strategy="hsdp", gpus=2, nodes=2)
+    result = estimate(hsdp)
+    assert result.parallel.dp_replicate == 2 and result.parallel.dp_shard == 1 and result.parallel.cp == 2
+    assert result.per_device.peak_bytes == estimate(_request(model=LLAMA_CP_LONG, seq_len=2048)).per_device.peak_bytes
+    for request, shard in ((hsdp, 2), (_request(model=LLAMA_CP_LONG, seq_len=2048, strategy="hsdp", gpus=8,
+                                                  hsdp_shard_size=4), 4)):
+        rows = {r["what"]: r["bytes_per_step"] for r in collective_volumes(request)}
+        assert rows["replica all-reduce of each shard"] * shard == rows["gradient reduce-scatter"]
+
+
+def test_hsdp_by_cp_estimate_times_what_the_plan_times():
+    """The plan's HSDP shard groups under cp are GPUs (dp_shard x cp); an estimate of the same
+    request takes the same shard group, so the two give one communication time (the estimate
+    timed dp_shard alone: 0.7155 s where the plan said 0.7854 s for shard groups of 8)."""
+    from planner.plan import plan
+    from planner.schema import PlanRequest
+    from planner.steptime import estimate_with_time
+
+    common = dict(model="meta-llama/Llama-3.1-8B", gpu="h100-80gb", gpus=8, nodes=2, cp=2, seq_len=32768,
+                  fabric="ib-ndr")
+    found = [c for c in plan(PlanRequest(global_batch=32, **common)).candidates if c.strategy == "hsdp"]
+    assert {c.hsdp_shard_size for c in found} >= {2, 4, 8}
+    for c in found:
+        request = EstimateRequest(strategy="hsdp", hsdp_shard_size=c.hsdp_shard_size, micro_batch=c.micro_batch,
+                                  gradient_accumulation=c.gradient_accumulation, checkpointing=c.checkpointing,
+                                  **common)
+        assert estimate_with_time(request).time.communication_seconds == pytest.approx(c.communication_seconds,
+                                                                                      rel=1e-9)
+
+
+@pytest.mark.parametrize("fields", [{"gpus": 8, "cp": 4, "hsdp_shard_size": 2},
+                                    {"gpus": 8, "cp": 2, "tp": 2, "hsdp_shard_size": 2},
+                                    {"gpus": 2, "nodes": 4, "cp": 4}])
+def test_hsdp_shard_group_holds_whole_cp_groups(fields):
+    """A shard group that would split a cp group is refused, naming hsdp_shard_size: the cp ranks
+    shard the parameters together with the data-parallel ranks."""
+    with pytest.raises(PlannerError, match=r"hsdp_shard_size\(2\) with cp=\d: a shard group must hold whole") as caught:
+        estimate(_request(model=LLAMA_CP_LONG, seq_len=2048, strategy="hsdp", **fields))
+    assert caught.value.field == "hsdp_shard_size"
+
+
 def test_verify_job_carries_the_cp_mesh(tmp_path):
-    """cp 2 on 2 ranks: the (dp_shard, cp, tp) mesh (1, 2, 1); FSDP2 over dp_shard x cp."""
+    """cp 2 on 2 ranks: the (dp_replicate, dp_shard, cp, tp) mesh (1, 1, 2, 1); FSDP2 over dp_shard x cp."""
     from backend.launch import worker_job
 
     job = worker_job(_request(model=LLAMA_CP_LONG, seq_len=1024), steps=1, warmup_steps=0,
                      out_dir=tmp_path).for_rank()
     assert job["framework"] == "torch" and job["torch"]["strategy"] == "fsdp"
-    assert job["parallel"] == {"dp_shard": 1, "tp": 1, "sequence_parallel": False, "cp": 2}
+    assert job["parallel"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "sequence_parallel": False, "cp": 2}
+
+
+@pytest.mark.parametrize("fields", [{"gpus": 4, "hsdp_shard_size": 2}, {"gpus": 2, "nodes": 2}])
+def test_verify_job_carries_the_hsdp_by_cp_mesh(tmp_path, fields):
+    """hsdp with cp 2 on 4 ranks, shard groups of 2: the (dp_replicate, dp_shard, cp, tp) mesh
+    (2, 1, 2, 1), FSDP2 on (dp_replicate, dp_shard x cp) (verify refused it before: "the probe
+    composes context parallelism with FSDP2 over dp_shard x cp (strategy fsdp)")."""
+    from backend.launch import worker_job
+
+    job = worker_job(_request(model=LLAMA_CP_LONG, seq_len=1024, strategy="hsdp", **fields), steps=1,
+                     warmup_steps=0, out_dir=tmp_path).for_rank()
+    assert job["torch"]["strategy"] == "hsdp" and job["torch"]["sharding"] == "HYBRID_SHARD"
+    assert (job["torch"]["replicas"], job["torch"]["shard_size"]) == (2, 2)
+    assert job["parallel"] == {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "sequence_parallel": False, "cp": 2}
+    wide = worker_job(_request(model=LLAMA_CP_LONG, seq_len=1024, strategy="hsdp", gpus=8, hsdp_shard_size=4),
+                      steps=1, warmup_steps=0, out_dir=tmp_path).for_rank()
+    assert wide["parallel"] == {"dp_replicate": 2, "dp_shard": 2, "tp": 1, "sequence_parallel": False, "cp": 2}
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"strategy": "hsdp", "gpus": 4, "hsdp_shard_size": 2},
-     "cp=2 with strategy hsdp: the probe composes context parallelism with FSDP2 over dp_shard x cp (strategy fsdp)"),
+    ({"strategy": "fsdp-grad-op"},
+     "cp=2 with strategy fsdp-grad-op: the probe composes context parallelism with FSDP2 over dp_shard x cp "
+     "(strategy fsdp, with tp or without), or with HSDP over (dp_replicate, dp_shard x cp) (strategy hsdp, tp 1)"),
+    ({"strategy": "hsdp", "gpus": 8, "hsdp_shard_size": 4, "tp": 2},
+     "cp=2 with strategy hsdp and tp=2: the probe composes context parallelism"),
     ({"model": dict(LLAMA_CP_LONG, model_type="qwen3", head_dim=64)},
      "cp=2: the context-parallel probe does not run model_type 'qwen3': no context-parallel run of it"),
 ])
@@ -97,6 +165,21 @@ def test_verify_refuses_what_the_cp_probe_does_not_run(tmp_path, fields, message
     assert caught.value.field == "cp"
 
 
+@pytest.mark.parametrize("fields", [{}, {"strategy": "hsdp", "gpus": 2, "nodes": 2}, {"tp": 2, "gpus": 4}])
+def test_verify_refuses_offload_under_cp(tmp_path, fields):
+    """The estimate offloads the parameters, gradients and states (FSDP2's CPUOffloadPolicy); the
+    TP/CP probe's FSDP2 runs without one, so verify refuses rather than measure another layout."""
+    from backend.launch import worker_job
+
+    request = _request(model=LLAMA_CP_LONG, seq_len=1024, offload_optimizer="cpu", offload_params="cpu", **fields)
+    assert estimate(request).per_device.peak_bytes < estimate(request.model_copy(
+        update={"offload_optimizer": "none", "offload_params": "none"})).per_device.peak_bytes
+    with pytest.raises(PlannerError, match="offload_params=cpu with tp=.*: the tensor/context-parallel probe's FSDP2 "
+                                           "does not offload") as caught:
+        worker_job(request, steps=1, warmup_steps=0, out_dir=tmp_path)
+    assert caught.value.field == "offload_params"
+
+
 @pytest.mark.parametrize("sp", [True, False])
 def test_verify_job_carries_the_cp_by_tp_mesh(tmp_path, sp):
     """cp 2 x tp 2 on 4 ranks: the (dp_shard, cp, tp) mesh (1, 2, 2), tp innermost; FSDP2 over the
@@ -106,7 +189,7 @@ def test_verify_job_carries_the_cp_by_tp_mesh(tmp_path, sp):
     job = worker_job(_request(model=LLAMA_CP_LONG, seq_len=1024, tp=2, gpus=4, sequence_parallel=sp), steps=1,
                      warmup_steps=0, out_dir=tmp_path).for_rank()
     assert job["framework"] == "torch" and job["torch"]["strategy"] == "fsdp"
-    assert job["parallel"] == {"dp_shard": 1, "tp": 2, "sequence_parallel": sp, "cp": 2}
+    assert job["parallel"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "sequence_parallel": sp, "cp": 2}
 
 
 def test_cp_by_tp_keeps_the_tp_probes_refusals(tmp_path):
@@ -117,7 +200,7 @@ def test_cp_by_tp_keeps_the_tp_probes_refusals(tmp_path):
     with pytest.raises(PlannerError, match="cp=2: the context-parallel probe does not run model_type 'qwen3'"):
         worker_job(_request(model=dict(LLAMA_CP_LONG, model_type="qwen3", head_dim=64), seq_len=1024, tp=2, gpus=4),
                    steps=1, warmup_steps=0, out_dir=tmp_path)
-    with pytest.raises(PlannerError, match="cp=2 with strategy hsdp"):
+    with pytest.raises(PlannerError, match="cp=2 with strategy hsdp and tp=2"):
         worker_job(_request(model=LLAMA_CP_LONG, seq_len=1024, tp=2, gpus=8, strategy="hsdp", hsdp_shard_size=4),
                    steps=1, warmup_steps=0, out_dir=tmp_path)
 
@@ -264,6 +347,26 @@ def test_cp_by_tp_records_after_the_fixes():
         peak, _ = cpu_rank_bytes(result, request.gpus)
         assert result.per_device.peak_phase == phase, name
         assert abs(peak - record["measured_peak"]) / record["measured_peak"] * 100 < bound, name
+
+
+def test_hsdp_by_cp_run_is_gloos_scratch_above_the_model():
+    """llama-v256-mha-cp2-hsdp-fp32-2x2-t2048 (4 CPU ranks, peak trace): ranks 0 and 2 (cp rank 0
+    of each replica) run the same step; rank 2 peaked at 127,764,416 bytes as gloo's 4 MiB scratch
+    of block 4's K/V all-gather appeared and let it go during the ring step's kernel; rank 0's
+    worker held it on through the K/V gradients' cat, 130,909,120 (the record). Without the
+    scratch rank 0 held 126,714,816: the model's block phase is above both, and its note's bound
+    covers the record."""
+    import json
+    from pathlib import Path
+
+    from planner.context_parallel import gloo_ring_scratch_bytes
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "results" / "runs"
+    record = json.loads((path / "llama-v256-mha-cp2-hsdp-fp32-2x2-t2048.json").read_text())
+    predicted = estimate(EstimateRequest(**record["fields"])).per_device.peak_bytes
+    scratch = gloo_ring_scratch_bytes(from_hf_config(dict(LLAMA_CP_LONG)), 2048, FP32)
+    assert scratch == 4 * 1024 * 1024 and record["measured_peak"] == 130_909_120
+    assert record["measured_peak"] - scratch <= predicted < record["measured_peak"]
 
 
 def test_a_trace_follows_the_step_that_holds_the_peak():
@@ -484,6 +587,111 @@ def test_cp_by_tp_gives_the_unsharded_models_logits_and_gradients(tmp_path):
         assert sum(".self_attn.q_proj." in name for name in errors) == 4  # 2 layers, sp and not
         worst = max(errors, key=errors.get)
         assert errors[worst] < 1e-4, (rank, worst, errors[worst])
+
+
+def _hsdp_by_cp_ranks(rank: int, world: int, port: int, out_dir: str, parallel: dict) -> None:
+    """One rank of HSDP x CP: the probe's (dp_replicate, dp_shard, cp, tp) mesh (build_mesh),
+    ContextParallelLM, FSDP2 on (dp_replicate, dp_shard x cp) (fsdp_mesh, apply_fsdp), one
+    micro-batch as ContextParallelEngine runs it. Each replica trains its own sequence, so the
+    replicas' all-reduce is seen: every rank's gradients must be the mean over the replicas of the
+    unsharded model's gradients of the mean over the cp ranks of each rank's mean loss."""
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.experimental import context_parallel
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from backend.context_parallel import ContextParallelLM, cpu_ring_attention
+        from backend.train_parallel import apply_fsdp, build_mesh, fsdp_mesh
+
+        seq = 64
+        config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
+                             use_cache=False)
+        replicas = parallel["dp_replicate"]
+        sequences = torch.randint(0, 128, (replicas, seq), generator=torch.Generator().manual_seed(1))
+        labels = torch.nn.functional.pad(sequences, (0, 1), value=-100)[:, 1:]
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        reference = LlamaForCausalLM(config)
+        reference.load_state_dict(model.state_dict())
+        mesh = build_mesh(parallel, torch.device("cpu"))
+        module = ContextParallelLM(model)
+        dp_mesh = fsdp_mesh(mesh, parallel)
+        apply_fsdp(module, dp_mesh, {"strategy": "hsdp"}, None)
+        replica = mesh["dp_replicate"].get_local_rank()
+        seen = {}
+        model.lm_head.register_forward_hook(lambda m, args, out: seen.update(logits=out))
+        inputs, shifted = sequences[replica:replica + 1].clone(), labels[replica:replica + 1].clone().contiguous()
+        positions = torch.arange(seq).unsqueeze(0)
+        buffers = [inputs, shifted, positions]
+        with context_parallel(mesh["cp"], buffers=buffers, buffer_seq_dims=[1, 1, 1],
+                              no_restore_buffers=set(buffers)), cpu_ring_attention():
+            loss = module(inputs, shifted, positions)
+            loss.backward()
+        held = [None] * world
+        dist.all_gather_object(held, (replica, positions[0].tolist()))
+        replica_means, errors = [], {}
+        for r in range(replicas):
+            logits = reference(input_ids=sequences[r:r + 1], position_ids=torch.arange(seq).unsqueeze(0)).logits
+            per_token = torch.nn.functional.cross_entropy(logits[0], labels[r], ignore_index=-100, reduction="none")
+            means = [per_token[torch.tensor(t)][labels[r, torch.tensor(t)] != -100].mean()
+                     for t in sorted({tuple(t) for rr, t in held if rr == r})]
+            replica_means.append(torch.stack(means).mean())
+            if r == replica:
+                own = torch.tensor(held[rank][1])
+                errors["logits"] = ((seen["logits"][0] - logits[0, own]).abs().max() / logits.abs().max()).item()
+                errors["loss"] = abs(loss.item() - per_token[own][labels[r, own] != -100].mean().item())
+        torch.stack(replica_means).mean().backward()
+        grads = dict(reference.named_parameters())
+        for name, parameter in model.named_parameters():
+            expected = grads[name].grad
+            got = parameter.grad.full_tensor() if isinstance(parameter.grad, DTensor) else parameter.grad
+            errors[name] = ((got - expected).abs().max() / expected.abs().max()).item()
+        errors["local tokens"] = len(held[rank][1])
+        errors["replica"] = replica
+        errors["mesh"] = [list(dp_mesh.mesh_dim_names), list(dp_mesh.shape)]
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
+            json.dump(errors, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn_hsdp_by_cp(out_dir, parallel: dict) -> dict:
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_hsdp_by_cp_ranks, args=(4, port, str(out_dir), parallel), nprocs=4, join=True)
+    return {rank: json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(4)}
+
+
+@pytest.mark.deepspeed
+def test_hsdp_by_cp_gives_the_unsharded_models_logits_and_gradients(tmp_path):
+    """HSDP x CP on 4 gloo ranks, (dp_replicate 2, dp_shard 1, cp 2): ranks 0-1 and 2-3 are the
+    two replicas, each pair the ring over its own sequence's 32 + 32 load-balanced tokens, FSDP2
+    sharding over the pair and all-reducing the shards across the replicas. Each rank's logits
+    and loss equal the unsharded model's on its tokens, and every parameter's gradient the
+    unsharded model's of the replicas' mean loss (fp32: relative 1e-4 at worst)."""
+    results = _spawn_hsdp_by_cp(tmp_path, {"dp_replicate": 2, "dp_shard": 1, "cp": 2, "tp": 1})
+    for rank, errors in results.items():
+        assert errors.pop("local tokens") == 32 and errors.pop("replica") == rank // 2
+        mesh = errors.pop("mesh")
+        assert sum(".self_attn.q_proj." in name for name in errors) == 2
+        worst = max(errors, key=errors.get)
+        assert errors[worst] < 1e-4, (rank, worst, errors[worst])
+        assert mesh == [["dp_replicate", "dp_shard_cp"], [2, 2]]
 
 
 @pytest.mark.parametrize("checkpointing, gathers", [("none", 8), ("full", 12)])
