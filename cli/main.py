@@ -137,9 +137,11 @@ def _read_file_flag(name: str, path: str) -> Any:
     try:
         if file.stat().st_size > MAX_MODEL_FILE_BYTES:
             raise CliError(f"{FILE_FLAGS[name]} {path}: too large for a DeepSpeed config")
-        text = file.read_text()
+        text = file.read_text(encoding="utf-8")
     except OSError as exc:
         raise CliError(f"{FILE_FLAGS[name]} {path}: cannot be read ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise CliError(f"{FILE_FLAGS[name]} {path}: not a text file") from None
     from planner.catalogue import parse_json_text
 
     return parse_json_text(text, f"{FILE_FLAGS[name]} {path}", field=name)
@@ -503,9 +505,11 @@ def _request_from_plan(path: str):
     from planner.schema import EstimateRequest
 
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise CliError(f"--plan {path}: cannot be read ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise CliError(f"--plan {path}: not a text file") from None
     data = parse_json_text(text, f"--plan {path}")
     if not isinstance(data, dict) or not isinstance(data.get("estimate_request"), dict):
         raise CliError(f"--plan {path}: not a plan.json written by `planner plan --emit` (no estimate_request)")
@@ -582,6 +586,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(f"planner serve needs the web extra (pip install -e '.[web]'): {exc}") from None
     from backend.store import RunStore
 
+    from web.app import TokenFileError, configured_token
+
+    try:
+        configured_token()  # a token file that gives no token: refuse to start (exit 2), not serve open
+    except TokenFileError as exc:
+        raise CliError(str(exc)) from None
     RunStore(args.db).mark_interrupted()  # a database that is not ours or is corrupt: exit 2 with the reason
     uvicorn.run(create_app(args.db, public_runs=args.public_runs or None), host=args.host, port=args.port,
                 log_level="info")

@@ -280,3 +280,30 @@ def test_a_run_of_another_process_is_not_cancelled_here(tmp_path, monkeypatch):
     monkeypatch.setenv("PLANNER_API_TOKEN", "s3cret")
     r = TestClient(create_app(str(db))).delete(f"/v1/runs/{run_id}", headers={"Authorization": "Bearer s3cret"})
     assert r.status_code == 409 and "running in another planner process" in r.json()["detail"]
+
+
+@pytest.mark.parametrize("content", [None, b"\xff\xfe\x00", b"  \n"], ids=["unreadable", "binary", "empty"])
+def test_a_broken_token_file_keeps_the_run_records_closed(tmp_path, monkeypatch, capsys, content):
+    """A token file that gives no token is the server's misconfiguration: taking it as "no token"
+    would serve private run records to anyone. The request is refused (503, naming the file) and
+    `planner serve` refuses to start (exit 2, one line); the estimate stays open."""
+    from cli.main import main
+
+    token_file = tmp_path / "token"
+    if content is not None:
+        token_file.write_bytes(content)
+    monkeypatch.delenv("PLANNER_PUBLIC_RUNS", raising=False)
+    monkeypatch.delenv("PLANNER_API_TOKEN", raising=False)
+    monkeypatch.setenv("PLANNER_API_TOKEN_FILE", str(token_file))
+    client = TestClient(create_app(str(tmp_path / "runs.sqlite")))
+    for path in ("/v1/runs", "/v1/runs/1"):
+        r = client.get(path)
+        assert r.status_code == 503 and "PLANNER_API_TOKEN_FILE" in r.json()["detail"], (path, r.text)
+    assert client.delete("/v1/runs/1", headers={"Authorization": "Bearer x"}).status_code == 503
+    assert client.post("/v1/estimate", json={"model": "gpt2"}).status_code == 200
+    assert main(["serve", "--db", str(tmp_path / "runs.sqlite"), "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"PLANNER_API_TOKEN_FILE={token_file}" in err
+    token_file.write_text("s3cret\n")  # mended (or rotated): read again at the next request
+    assert client.get("/v1/runs", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert client.get("/v1/runs").status_code == 401

@@ -265,3 +265,12 @@ def test_a_config_json_keeps_its_exponent_floats(tmp_path):
     yaml_file = tmp_path / "mine.yaml"
     yaml_file.write_text("config:\n  model_type: gpt2\n  n_embd: 64\n  n_layer: 2\n  n_head: 4\n  vocab_size: 100\n")
     assert model_from_file(yaml_file).config["n_embd"] == 64  # YAML still reads
+
+
+@pytest.mark.parametrize("flag", ["--ds-config", "--model-file", "--topology-file", "--plan"])
+def test_a_binary_file_is_refused_as_not_text(capsys, tmp_path, flag):
+    binary = tmp_path / "config.json"
+    binary.write_bytes(b"\xff\xfe{\x00}")
+    command = {"--plan": ["verify"], "--model-file": ["estimate"]}.get(flag, ["estimate", "--model", "gpt2"])
+    err = one_line_exit_2(capsys, *command, flag, str(binary))
+    assert f"{flag} {binary}: not a text file" in err

@@ -113,15 +113,37 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def _token() -> str | None:
+class TokenFileError(ValueError):
+    """PLANNER_API_TOKEN_FILE is set but gives no token: the server's configuration is broken."""
+
+
+def configured_token() -> str | None:
+    """The server's token: PLANNER_API_TOKEN, else the text of PLANNER_API_TOKEN_FILE (read at each
+    use, so a rotated file takes effect). None when neither is set. A token file that is set but
+    cannot be read, is not text or is empty raises TokenFileError: were it taken as "no token", a
+    permissions slip would make private run records public."""
     token = os.environ.get(TOKEN_ENV)
     path = os.environ.get(TOKEN_FILE_ENV)
-    if not token and path:
-        try:
-            token = Path(path).read_text().strip()
-        except OSError:
-            token = None
-    return token or None
+    if token or not path:
+        return token or None
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: cannot be read ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: not a text file") from None
+    if not token:
+        raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: the file is empty")
+    return token
+
+
+def _token() -> str | None:
+    """configured_token() inside a request: a broken token file refuses the request (503, the
+    server's fault), never lets it through."""
+    try:
+        return configured_token()
+    except TokenFileError as exc:
+        raise HTTPException(503, f"the server's token is misconfigured: {exc}") from None
 
 
 def bearer(authorization: str | None) -> str | None:
