@@ -24,7 +24,7 @@ from typing import Any
 from planner.finetune import lora_config
 from backend.job import VerifyJob
 from planner.errors import PlannerError
-from planner.memory import resolve
+from planner.memory import position_limit_error, resolve
 from planner.schema import EstimateRequest
 
 WORKER = Path(__file__).with_name("worker.py")
@@ -50,6 +50,9 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
     if setup.model.config is None:
         raise PlannerError("a real run needs an architecture: give --model or --model-file, not --params",
                            field="model")
+    too_long = position_limit_error(setup)
+    if too_long:
+        raise PlannerError(too_long, field="seq_len")
     if request.optimizer not in ("adamw", "sgd"):
         # DeepSpeed's config names no 8-bit Adam (its "AdamW" keeps fp32 moments), and the torch
         # probe trains torch's own optimizers: either would measure another optimizer than predicted.

@@ -16,7 +16,7 @@ def _row(label: str, num_bytes: int | None) -> str:
     return f"  {label:<28} {num_bytes / GIB:>12,.2f} {num_bytes / GB:>12,.2f}"
 
 
-CAVEATS = ("traced", "time model")
+CAVEATS = ("traced", "time model", "WARNING")
 ITEM_NAME_WIDTH = 54  # the by-item list's name column
 
 

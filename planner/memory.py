@@ -427,6 +427,25 @@ def _ring_scratch_note(setup: Setup, acts: Activations | None, plan: "buf.PhaseP
             "above this one (a race between threads, seen at short ring kernels)"]
 
 
+def position_limit_error(setup: Setup) -> str | None:
+    """Why the model cannot take the request's sequence, or None: a learned position table has one
+    row per position (GPT2Model indexes wpe with position ids 0..seq_len-1, transformers' gpt2
+    modeling), so a longer sequence is an index error in a real run, not a cost. RoPE models
+    extrapolate past max_position_embeddings (badly, but they run): not refused."""
+    arch, seq_len = setup.model.architecture, setup.request.seq_len
+    if arch is None or not arch.learned_positions or seq_len <= arch.learned_positions:
+        return None
+    return (f"seq_len({seq_len}) exceeds the {arch.learned_positions} positions of {setup.model.name}'s learned "
+            "position embeddings (config n_positions): the model cannot take a longer sequence")
+
+
+def position_notes(setup: Setup) -> list[str]:
+    """The estimate still answers (its arithmetic is that of a longer table); the note says the run
+    would fail, and verify refuses it (backend/launch.py worker_job)."""
+    error = position_limit_error(setup)
+    return [f"WARNING: {error}; a real run fails at its first forward"] if error else []
+
+
 def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_phase: Phase,
            capacity: int, peak: int) -> list[str]:
     s, r = setup.strategy, setup.recipe
@@ -439,6 +458,7 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
         + (f", sharded over {setup.shard_size}" if s.shards_optimizer else ", full on every rank")
         + (f", offloaded to {setup.zero.offload_optimizer}" if setup.zero.offload_optimizer != "none" else ""),
     ]
+    notes.extend(position_notes(setup))
     if setup.tp > 1:
         notes.append(f"tensor parallelism: tp({setup.tp}) splits the heads, the MLP's inner width and the vocabulary "
                      f"(Megatron column/row and vocab-parallel), norms whole: {setup.rank_psi:,} parameters per rank "

@@ -38,10 +38,10 @@ def test_worker_settings_carry_the_sharding_and_the_ds_config(tmp_path):
     pytest.importorskip("torch")
     from backend.launch import worker_job
 
-    job = worker_job(EstimateRequest(model="gpt2", strategy="fsdp-grad-op", gpus=2, gpu="cpu"), steps=1,
+    job = worker_job(EstimateRequest(model="gpt2", strategy="fsdp-grad-op", gpus=2, gpu="cpu", seq_len=512), steps=1,
                      warmup_steps=0, out_dir=tmp_path)
     assert job.framework == "torch" and job.torch.sharding == "SHARD_GRAD_OP"  # a typed VerifyJob
-    job = worker_job(EstimateRequest(model="gpt2", strategy="zero2", gpus=2, gpu="cpu"), steps=1,
+    job = worker_job(EstimateRequest(model="gpt2", strategy="zero2", gpus=2, gpu="cpu", seq_len=512), steps=1,
                      warmup_steps=0, out_dir=tmp_path)
     assert job.framework == "deepspeed" and job.ds_config["zero_optimization"]["stage"] == 2
     assert job.ds_config["optimizer"]["params"]["torch_adam"] is True

@@ -118,7 +118,7 @@ def test_an_8bit_optimizer_is_never_emitted_or_probed_as_deepspeeds_fp32_adamw(t
     """DeepSpeed's "AdamW" keeps fp32 moments: an adamw-8bit prediction must not be launched or
     emitted as one. The emitted config names no optimizer (the script passes bitsandbytes'
     AdamW8bit as a client optimizer) and the planner's own probe refuses to stand in for it."""
-    request = EstimateRequest(model="gpt2", strategy="zero2", optimizer="adamw-8bit", gpu="cpu", gpus=2)
+    request = EstimateRequest(model="gpt2", strategy="zero2", optimizer="adamw-8bit", gpu="cpu", gpus=2, seq_len=512)
     files = emit_estimate_files(estimate(request))
     assert "optimizer" not in json.loads(files["ds_config.json"])
     assert "launch.sh" not in files and "adamw-8bit" in files["LAUNCH.md"]
@@ -127,3 +127,24 @@ def test_an_8bit_optimizer_is_never_emitted_or_probed_as_deepspeeds_fp32_adamw(t
 
     with pytest.raises(PlannerError, match="optimizer adamw-8bit: the probe trains adamw or sgd"):
         worker_job(request, steps=1, warmup_steps=0, out_dir=tmp_path)
+
+
+def test_a_sequence_past_learned_positions_is_flagged_capped_and_refused_by_verify(tmp_path):
+    """GPT-2's position table has n_positions rows: a longer sequence is an index error in a real
+    run (verify's ranks crashed with 'index out of range in self'). The estimate answers with a
+    warning, the plan warns and caps its longest-sequence answer, verify refuses before launching."""
+    from backend.launch import worker_job
+
+    long = EstimateRequest(model="gpt2", gpu="cpu", gpus=2, strategy="zero2", seq_len=2048)
+    warning = "seq_len(2048) exceeds the 1024 positions of gpt2's learned position embeddings"
+    assert any(n.startswith("WARNING: " + warning) for n in estimate(long).notes)
+    assert not any(n.startswith("WARNING") for n in estimate(long.model_copy(update={"seq_len": 1024})).notes)
+    assert not any(n.startswith("WARNING") for n in estimate(EstimateRequest(model="llama-3.2-1b", seq_len=262_144)).notes)
+    with pytest.raises(PlannerError, match=r"seq_len\(2048\) exceeds the 1024 positions") as refused:
+        worker_job(long, steps=1, warmup_steps=0, out_dir=tmp_path)
+    assert refused.value.field == "seq_len"
+    planned = plan(PlanRequest(model="gpt2", gpu="a100-80gb", gpus=2, global_batch=8, seq_len=2048))
+    assert planned.notes[0].startswith("WARNING: seq_len(2048) exceeds the 1024 positions")
+    assert planned.max_seq_len == 1024  # memory would allow far more; the table does not
+    short = plan(PlanRequest(model="gpt2", gpu="a100-80gb", gpus=2, global_batch=8, seq_len=512))
+    assert short.max_seq_len == 1024 and not short.notes[0].startswith("WARNING")
