@@ -123,7 +123,7 @@ def add_schema_flags(parser: argparse.ArgumentParser, model: type[BaseModel],
 
 
 def _read_file_flag(name: str, path: str) -> Any:
-    from planner.catalogue import MAX_MODEL_FILE_BYTES, UnsupportedModelTypeError, model_from_file
+    from planner.catalogue import MAX_MODEL_FILE_BYTES, UnsupportedModelTypeError, model_from_file, read_bounded_text
 
     if name == "model_config_":
         try:
@@ -133,11 +133,11 @@ def _read_file_flag(name: str, path: str) -> Any:
         return {"name": resolved.name, "config": resolved.config}
     if name == "topology_text":
         return read_topology_text(path)
-    file = Path(path)
     try:
-        if file.stat().st_size > MAX_MODEL_FILE_BYTES:
-            raise CliError(f"{FILE_FLAGS[name]} {path}: too large for a DeepSpeed config")
-        text = file.read_text(encoding="utf-8")
+        text = read_bounded_text(path, MAX_MODEL_FILE_BYTES)
+        if text is None:
+            raise CliError(f"{FILE_FLAGS[name]} {path}: more than {MAX_MODEL_FILE_BYTES} bytes, too large for a "
+                           "DeepSpeed config")
     except OSError as exc:
         raise CliError(f"{FILE_FLAGS[name]} {path}: cannot be read ({exc.strerror})") from None
     except UnicodeDecodeError:
@@ -500,16 +500,22 @@ def _stop_on_signals() -> Iterator[list[int]]:
             signal.signal(sig, handler)
 
 
+MAX_PLAN_FILE_BYTES = 4 << 20  # an emitted plan.json (the chosen layout and its estimate request) is a few KiB
+
+
 def _request_from_plan(path: str):
-    from planner.catalogue import parse_json_text
+    from planner.catalogue import parse_json_text, read_bounded_text
     from planner.schema import EstimateRequest
 
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_bounded_text(path, MAX_PLAN_FILE_BYTES)
     except OSError as exc:
         raise CliError(f"--plan {path}: cannot be read ({exc.strerror})") from None
     except UnicodeDecodeError:
         raise CliError(f"--plan {path}: not a text file") from None
+    if text is None:
+        raise CliError(f"--plan {path}: more than {MAX_PLAN_FILE_BYTES} bytes; not a plan.json written by "
+                       "`planner plan --emit`")
     data = parse_json_text(text, f"--plan {path}")
     if not isinstance(data, dict) or not isinstance(data.get("estimate_request"), dict):
         raise CliError(f"--plan {path}: not a plan.json written by `planner plan --emit` (no estimate_request)")

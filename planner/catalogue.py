@@ -236,14 +236,22 @@ def traced_model(name: str, source: str, profile: TracedProfile) -> ResolvedMode
                          parameters=profile.parameters, traced=profile)
 
 
+def read_bounded_text(path: str | Path, limit: int) -> str | None:
+    """The file's text (UTF-8), or None when it holds more than ``limit`` bytes. Reads at most
+    limit + 1 bytes: a device or a pipe (/dev/zero, a FIFO) reports no size and never ends, so
+    a size from stat cannot bound it. OSError and UnicodeDecodeError are the caller's to name."""
+    with open(path, "rb") as handle:
+        data = handle.read(limit + 1)
+    return None if len(data) > limit else data.decode("utf-8")
+
+
 def model_from_file(path: str | Path) -> ResolvedModel:
     path = Path(path)
     try:
-        size = path.stat().st_size
-        if size > MAX_MODEL_FILE_BYTES:
-            raise PlannerError(f"--model-file {path}: {size} bytes is too large for a model config "
-                               f"(limit {MAX_MODEL_FILE_BYTES})", field="model_config")
-        text = path.read_text()
+        text = read_bounded_text(path, MAX_MODEL_FILE_BYTES)
+        if text is None:
+            raise PlannerError(f"--model-file {path}: more than {MAX_MODEL_FILE_BYTES} bytes, too large for a model "
+                               "config", field="model_config")
     except OSError as exc:
         raise PlannerError(f"--model-file {path}: cannot be read ({exc.strerror})", field="model_config") from None
     except UnicodeDecodeError:

@@ -4,6 +4,7 @@ unknown model), never a traceback. Names are checked once, at the schema (planne
 import io
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -274,3 +275,16 @@ def test_a_binary_file_is_refused_as_not_text(capsys, tmp_path, flag):
     command = {"--plan": ["verify"], "--model-file": ["estimate"]}.get(flag, ["estimate", "--model", "gpt2"])
     err = one_line_exit_2(capsys, *command, flag, str(binary))
     assert f"{flag} {binary}: not a text file" in err
+
+
+@pytest.mark.parametrize("flag", ["--ds-config", "--model-file", "--topology-file", "--plan"])
+def test_an_endless_file_is_refused_by_its_size_not_read_whole(capsys, flag):
+    """/dev/zero reports no size and never ends: a size from stat cannot bound it (the process was
+    killed for memory); the read stops past the limit."""
+    if not Path("/dev/zero").exists():
+        pytest.skip("no /dev/zero")
+    command = {"--plan": ["verify"], "--model-file": ["estimate"]}.get(flag, ["estimate", "--model", "gpt2"])
+    started = time.monotonic()
+    err = one_line_exit_2(capsys, *command, flag, "/dev/zero")
+    assert f"{flag} /dev/zero: " in err and ("more than" in err or "larger than" in err)
+    assert time.monotonic() - started < 10
