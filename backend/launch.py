@@ -308,6 +308,13 @@ def launcher_command(job_path: Path, request: EstimateRequest, hostfile: str | N
     visible = _visible_ids() if device != "cpu" and request.nodes == 1 else None
     # --num_gpus N makes DeepSpeed's runner delete CUDA_VISIBLE_DEVICES and run on physical GPUs
     # 0..N-1 (deepspeed 0.19.8 launcher/runner.py:451-460); --include keeps the visible ones.
+    if request.nodes > 1 and device == "cpu" and not hostfile:
+        # CPU ranks without a hostfile: every node's ranks on this host, as the torch path runs them
+        # (a ZeRO rank's memory depends on the data-parallel world, not on where its peers are);
+        # DeepSpeed's runner would refuse --num_nodes > 1 without one ("Num nodes is >1 but no extra
+        # nodes available via hostfile", deepspeed 0.19.8 launcher/runner.py:477)
+        return [deepspeed, "--num_gpus", str(request.gpus * request.nodes), "--master_port",
+                str(port or _free_port()), str(WORKER), "--job", str(job_path)]
     devices = (["--include", "localhost:" + ",".join(gpu_ids(request, "deepspeed"))] if visible
                else ["--num_gpus", str(request.gpus)])
     command = [deepspeed, *devices, "--master_port", str(port or _free_port())]

@@ -334,7 +334,13 @@ def _count_collectives(job: dict[str, Any], engine, device: torch.device) -> dic
     finally:
         if deepspeed_run:
             logger.enabled = False
-            counts = {name: {int(size): int(entry[0]) for size, entry in sizes.items()}
+            # The logger sizes a call by its ``tensor`` argument (deepspeed/comm/utils.py
+            # get_tensor_position), an all-gather's INPUT: this rank's partition. Counted here as
+            # CollectiveCounter counts it and the time model sends it, the gathered output: the
+            # input times the data-parallel group it gathers over (ZeRO's partitions).
+            group = int(getattr(engine, "dp_world_size", 1) or 1)
+            counts = {name: {int(size) * (group if name.startswith("all_gather") else 1): int(entry[0])
+                             for size, entry in sizes.items()}
                       for name, sizes in logger.comms_dict.items()}
             # The logger's latencies are in ms and cumulative per op name: its timer is read with
             # elapsed(reset=False) after each call (deepspeed/comm/comm.py timed_op), so the

@@ -447,6 +447,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         from backend.verify import verify
     except ImportError as exc:
         raise CliError(f"planner verify needs the backend extra (pip install -e '.[backend]'): {exc}") from None
+    if args.hostfile:
+        try:  # DeepSpeed's runner would only warn and run on this host alone
+            with open(args.hostfile, "rb"):
+                pass
+        except OSError as exc:
+            raise CliError(f"--hostfile {args.hostfile}: cannot be read ({exc.strerror})") from None
     print(f"planner: launching {request.strategy} on {request.world_size} x {request.gpu} ...", file=sys.stderr)
     with _stop_on_signals() as received:
         try:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from planner import arrays, timing
-from planner.architecture import layer_parameters
+from planner.architecture import Architecture, layer_parameters, parameter_numels
 from planner.frameworks import Buckets, Traffic, framework_of
 from planner.gpus import Gpu, gpu as lookup_gpu
 from planner.hardware import profile_efficiencies, topology_of
@@ -66,11 +66,12 @@ class TracedShape:
 
     matmul_parameters: int
     block_parameters: int  # the mean block: ZeRO-3's and FSDP's message size
+    numels: tuple[int, ...] = ()  # each parameter's elements (ZeRO-3's persistent ones)
 
     @classmethod
     def of(cls, profile) -> "TracedShape":
         return cls(matmul_parameters=profile.parameters - profile.late_parameters,
-                   block_parameters=max(1, profile.layer_parameters))
+                   block_parameters=max(1, profile.layer_parameters), numels=tuple(profile.numels))
 
     def note(self) -> str:
         return (f"time model (traced): forward FLOPs per token 2 x {self.matmul_parameters:,} matmul parameters, "
@@ -188,7 +189,6 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
     if result.model.architecture is None:
         return []
     request = result.request  # with what a ds_config fixed (micro-batch, accumulation, optimizer)
-    from planner.architecture import Architecture
 
     combo, buckets, setup = resolved_combo(request)
     per_rank = request.micro_batch * request.gradient_accumulation
@@ -231,8 +231,6 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
     settings = StepSettings(precision=result.request.precision, seq_len=request.seq_len, nodes=request.nodes,
                             compute_efficiency=compute_efficiency, link_efficiency=link_efficiency,
                             reduce_dtype=request.reduce_dtype)
-    from planner.architecture import Architecture
-
     combo, buckets, setup = resolved_combo(request, result.parameters if traced is not None else None)
     arch = traced if traced is not None else Architecture.model_validate(result.model.architecture)
     t = step_times(settings, combo, request.micro_batch, per_rank, result.parameters, arch, g,
@@ -271,7 +269,8 @@ def resolved_combo(request: EstimateRequest, parameters: int | None = None) -> t
     shard = setup.dims.dp_shard * setup.dims.cp if lookup_strategy(request.strategy).shard_within_node else None
     combo = Combo(request.gpus, request.strategy, request.checkpointing, zero.offload_optimizer, zero.offload_params,
                   shard, request.tp, request.cp, setup.sequence_parallel, request.pp)
-    return combo, Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size), setup
+    return combo, Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size,
+                          zero.param_persistence_threshold, zero.max_reuse_distance), setup
 
 
 def combo_collectives(precision: str, combo: Combo, psi: int, micro, per_rank: int,
@@ -290,11 +289,15 @@ def combo_collectives(precision: str, combo: Combo, psi: int, micro, per_rank: i
     s = lookup_strategy(combo.strategy)
     block = (arch.block_parameters if isinstance(arch, TracedShape) else layer_parameters(arch)) if arch is not None \
         else max(psi // 100, 1)
+    # ZeRO-3's persistent parameters (never gathered), of the whole model's numels (no AutoTP with stage 3)
+    numels = arch.numels if isinstance(arch, TracedShape) else parameter_numels(arch) \
+        if isinstance(arch, Architecture) else ()
+    persistent = sum(n for n in numels if n <= buckets.persistence) if s.zero_stage == 3 and combo.tp == 1 else 0
     traffic = Traffic(psi=psi, wire_bytes=wb, block=block, step=arrays.full_like(arrays.as_float(micro), 1.0),
                       accumulation=per_rank / micro, precision=precision, shard=combo.shard or combo.gpus,
                       buckets=buckets, trainable=trainable,
                       reduce_bytes=FP32 if reduce_dtype == "fp32" and s.shards_parameters else wb,
-                      wrapped=combo.data_parallel_wrapped(nodes))
+                      wrapped=combo.data_parallel_wrapped(nodes), persistent=persistent)
     return framework_of(s).collectives(s, traffic)
 
 

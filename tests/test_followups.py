@@ -273,3 +273,28 @@ def test_the_emitted_cleanup_removes_exactly_the_segments_the_supervisor_removes
     subprocess.run(["bash", "-c", trap.replace("/dev/shm/", f"{shm}/")], env=dict(os.environ, port=str(port)),
                    check=True, timeout=30)
     assert {p.name for p in shm.iterdir()} == set(names) - expected
+
+
+def test_a_multi_node_zero_run_on_cpu_ranks_runs_every_nodes_ranks_here(tmp_path, capsys):
+    """DeepSpeed's runner refuses --num_nodes > 1 without a hostfile ("Num nodes is >1 but no extra
+    nodes available via hostfile"): the run crashed with every rank missing. On CPU ranks without
+    a hostfile every node's ranks run on this host, as the torch path runs them; with a hostfile it
+    is passed on; a hostfile that cannot be read is refused before anything is launched."""
+    from backend.launch import launcher_command
+    from cli.main import main
+    from planner.schema import EstimateRequest
+    from tests.real_runs import LLAMA
+
+    request = EstimateRequest(model_config=LLAMA, strategy="zero3", gpus=2, nodes=2, gpu="cpu", seq_len=128)
+    here = launcher_command(tmp_path / "job.json", request, port=29600, device="cpu")
+    assert here[1:3] == ["--num_gpus", "4"] and "--num_nodes" not in here
+    hosts = tmp_path / "hostfile"
+    hosts.write_text("a slots=2\nb slots=2\n")
+    there = launcher_command(tmp_path / "job.json", request, hostfile=str(hosts), port=29600, device="cpu")
+    assert there[there.index("--num_nodes") + 1] == "2" and there[there.index("--hostfile") + 1] == str(hosts)
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(LLAMA))
+    code = main(["verify", "--model-file", str(model), "--gpus", "2", "--nodes", "2", "--gpu", "cpu",
+                 "--hostfile", str(tmp_path / "missing"), "--db", str(tmp_path / "runs.sqlite")])
+    assert code == 2 and f"--hostfile {tmp_path / 'missing'}: cannot be read" in capsys.readouterr().err
+    assert not (tmp_path / "runs.sqlite").exists()

@@ -83,3 +83,27 @@ def test_torch_bf16_pure_keeps_adamw_states_in_bf16():
     assert ddp == 2 * 2 * psi
     mixed = estimate(EstimateRequest(model_config=LLAMA, strategy="ddp", precision="bf16-mixed", gpus=2, gpu="cpu"))
     assert mixed.per_device.optimizer_states_bytes == 12 * psi  # the ZeRO paper's K: fp32 master + fp32 moments
+
+
+def test_zero3_gathers_what_it_partitions_once_per_reuse():
+    """ZeRO-3's forward gathers every partitioned parameter (the persistent small ones too: their
+    updated partitions after a step); its backward gathers again what forward released, all but
+    the parameters under stage3_param_persistence_threshold, unless the whole model is within
+    stage3_max_reuse_distance (then nothing is released: the memory model's _zero3_gathered). The
+    tiny llama's verify run (4 CPU ranks) gathered 10.00 MB in one step, the whole model once in
+    bf16, where two passes over it (20 MB) were modelled."""
+    from planner.architecture import parameter_numels
+    from planner.steptime import collective_volumes
+    from tests.real_runs import LLAMA
+
+    def gathers(request):
+        return next(c["bytes_per_step"] for c in collective_volumes(request) if c["what"] == "parameter all-gathers")
+
+    tiny = EstimateRequest(model_config=LLAMA, strategy="zero3", gpus=4, gpu="cpu", seq_len=128)
+    assert gathers(tiny) == 2 * sum(parameter_numels(resolve(tiny).arch))  # bf16, once
+    big = EstimateRequest(model="llama-3-8b", strategy="zero3", gpus=8)
+    numels = parameter_numels(resolve(big).arch)
+    persistent = sum(n for n in numels if n <= 100_000)
+    assert sum(numels) > 1_000_000_000 and persistent == (2 * 32 + 1) * 4096  # the norms
+    assert gathers(big) == 2 * (2 * sum(numels) - persistent)
+    assert gathers(big.model_copy(update={"max_reuse_distance": 10**10})) == 2 * sum(numels)

@@ -36,6 +36,12 @@ class Buckets:
     reduce: int = 500_000_000
     allgather: int = 500_000_000
     prefetch: int = 50_000_000
+    # stage3_param_persistence_threshold: a ZeRO-3 parameter of at most this many elements is kept
+    # whole on every rank and never gathered (deepspeed/runtime/zero/config.py default 1e5)
+    persistence: int = 100_000
+    # stage3_max_reuse_distance: a parameter used again within this many elements is not released
+    # after its forward (default 1e9), so a model within it is gathered once per step, not twice
+    reuse: int = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class Traffic:
     reduce_bytes: int | None = None  # bytes per gradient element reduced (FSDP2's reduce dtype); None: wire_bytes
     # a data-parallel wrapper runs (steptime.Combo.data_parallel_wrapped): not on a TP-only layout
     wrapped: bool = True
+    persistent: int = 0  # ZeRO-3: elements of parameters under Buckets.persistence, never gathered
 
     @property
     def trained(self) -> int:
