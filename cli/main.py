@@ -186,19 +186,20 @@ def error_message(exc: Exception) -> str:
 
 
 def read_topology_text(path: str) -> str:
+    from planner.catalogue import read_bounded_text
     from planner.topology import MAX_TOPOLOGY_BYTES
 
     try:
         if path == "-":
             text = sys.stdin.read(MAX_TOPOLOGY_BYTES + 1)
+            text = None if len(text.encode()) > MAX_TOPOLOGY_BYTES else text
         else:
-            with open(path, encoding="utf-8", errors="strict") as handle:
-                text = handle.read(MAX_TOPOLOGY_BYTES + 1)
+            text = read_bounded_text(path, MAX_TOPOLOGY_BYTES)
     except OSError as exc:
         raise CliError(f"--topology-file {path}: cannot be read ({exc.strerror})") from None
     except UnicodeDecodeError:
         raise CliError(f"--topology-file {path}: not a text file") from None
-    if len(text.encode()) > MAX_TOPOLOGY_BYTES:
+    if text is None:
         raise CliError(f"--topology-file {path}: larger than {MAX_TOPOLOGY_BYTES} bytes; not nvidia-smi topo -m output")
     return text
 

@@ -427,16 +427,22 @@ def _ring_scratch_note(setup: Setup, acts: Activations | None, plan: "buf.PhaseP
             "above this one (a race between threads, seen at short ring kernels)"]
 
 
-def position_limit_error(setup: Setup) -> str | None:
-    """Why the model cannot take the request's sequence, or None: a learned position table has one
+def sequence_past_positions(model_name: str, learned_positions: int, seq_len: int) -> str | None:
+    """Why the model cannot take a sequence of seq_len, or None: a learned position table has one
     row per position (GPT2Model indexes wpe with position ids 0..seq_len-1, transformers' gpt2
     modeling), so a longer sequence is an index error in a real run, not a cost. RoPE models
     extrapolate past max_position_embeddings (badly, but they run): not refused."""
-    arch, seq_len = setup.model.architecture, setup.request.seq_len
-    if arch is None or not arch.learned_positions or seq_len <= arch.learned_positions:
+    if not learned_positions or seq_len <= learned_positions:
         return None
-    return (f"seq_len({seq_len}) exceeds the {arch.learned_positions} positions of {setup.model.name}'s learned "
+    return (f"seq_len({seq_len}) exceeds the {learned_positions} positions of {model_name}'s learned "
             "position embeddings (config n_positions): the model cannot take a longer sequence")
+
+
+def position_limit_error(setup: Setup) -> str | None:
+    """sequence_past_positions for the setup's model and request."""
+    arch = setup.model.architecture
+    return sequence_past_positions(setup.model.name, arch.learned_positions if arch is not None else 0,
+                                   setup.request.seq_len)
 
 
 def position_notes(setup: Setup) -> list[str]:

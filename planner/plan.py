@@ -25,7 +25,7 @@ from planner.frameworks import framework_of
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.hardware import profile_efficiencies, topology_of
 from planner.layouts import Rejected, cp_degrees, ep_degrees, pp_degrees, tp_degrees
-from planner.memory import estimate, host_capacity, resolve
+from planner.memory import estimate, host_capacity, resolve, sequence_past_positions
 from planner.parallel import refuse_unmodelled
 from planner.pipeline import check_schedule, parallel_step
 from planner.precision import RECIPES
@@ -865,7 +865,7 @@ def _rank(search: _Search, req: PlanRequest, rows: list[Row], fewer: list[tuple[
     ranked = _tie_order(req, capacity, [c for c in best if best[c][3]], lambda c: _objective(req, c, best[c][2], best[c][4]),
                         lambda c: best[c][2], lambda c: best[c][4].communication_seconds)
     ranked += sorted((c for c in best if not best[c][3]), key=lambda c: best[c][2])
-    candidates, positions = [], None
+    candidates = []
     for combo in ranked:
         _, mb, peak, fits, t = best[combo]
         per_rank = _per_rank(req, combo)
@@ -875,7 +875,6 @@ def _rank(search: _Search, req: PlanRequest, rows: list[Row], fewer: list[tuple[
         reason = None if fits else (_reason(combo, mb, peak, usable, capacity, req.headroom, e) if peak > usable
                                     else _host_reason(combo, mb, e, host_capacity(req, g)))
         candidates.append(_candidate(combo, mb, per_rank, fits, t, e, reason))
-        positions = (e.model.architecture or {}).get("learned_positions")
     fitting = [c for c in candidates if c.fits]
     recommended = fitting[0] if fitting else None
     max_micro = _max_micro(req, rows)
@@ -904,13 +903,14 @@ def _rank(search: _Search, req: PlanRequest, rows: list[Row], fewer: list[tuple[
             notes.append(note)
     if recommended is None:
         notes.append("nothing fits: see each candidate's rejected_reason, and min_gpus for the GPU count that would")
-    if positions and req.seq_len > positions:  # memory.position_limit_error: every candidate's run would fail
-        notes.insert(0, f"WARNING: seq_len({req.seq_len}) exceeds the {positions} positions of the model's learned "
-                        "position embeddings (config n_positions): no layout can run it; give --seq-len "
-                        f"{positions} or less")
+    positions = search.model.architecture.learned_positions if search.model.architecture is not None else 0
+    too_long = sequence_past_positions(search.model.name, positions, req.seq_len)
+    if too_long:  # every candidate's run would fail (verify refuses it)
+        notes.insert(0, f"WARNING: {too_long}; no layout can run it: give --seq-len {positions} or less")
     return PlanResult(recommended=recommended, candidates=candidates, candidates_evaluated=evaluated,
                       min_gpus=min_gpus, max_micro_batch=max_micro, faster_on_fewer_nodes=faster_on,
-                      max_seq_len=_longest_sequence(req, recommended, usable, model_fields) if recommended else None,
+                      max_seq_len=(_longest_sequence(req, recommended, usable, model_fields, positions)
+                                   if recommended else None),
                       topology=TopologySummary(source=topo.source, gpu_type=topo.gpu_type, gpus_per_node=req.gpus,
                                                nodes=req.nodes, nvlink_groups=topo.nvlink_groups, ring=list(ring),
                                                ring_bandwidth_gbps=ring_bw if math.isfinite(ring_bw) else None,
@@ -933,7 +933,8 @@ MAX_SEARCH_GPUS = 1 << 16
 MAX_SEQ_LEN = 1 << 22  # PlanRequest.seq_len's bound (schema.py)
 
 
-def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_fields: dict) -> int | None:
+def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_fields: dict,
+                      learned_positions: int = 0) -> int | None:
     """The inverse question for sequence length: the longest sequence (a multiple of 2*cp, as
     load-balanced CP needs, and of 128) that the recommended layout trains at micro-batch 1 with
     full checkpointing (a pipeline: its rank's share of the batch as micro-batches of 1, in the
@@ -946,7 +947,8 @@ def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_field
     elif c.micro_batch * c.gradient_accumulation > 1:  # micro-batches of 1 accumulate (frameworks/)
         degrees |= {"gradient_accumulation": 2}
 
-    longest_allowed = [MAX_SEQ_LEN]
+    # a learned position table (GPT-2's n_positions) bounds the sequence whatever the memory
+    longest = min(MAX_SEQ_LEN, learned_positions or MAX_SEQ_LEN)
 
     def fits(seq: int) -> bool:
         e = estimate(EstimateRequest(**model_fields, strategy=c.strategy, gpus=req.gpus, nodes=req.nodes,
@@ -955,16 +957,13 @@ def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_field
                                      offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
                                      hsdp_shard_size=explicit_hsdp_shard(c.strategy, c.hsdp_shard_size, req.gpus),
                                      **_reduce_field(req, c.strategy), **degrees))
-        # a learned position table (GPT-2's n_positions) bounds the sequence whatever the memory
-        positions = (e.model.architecture or {}).get("learned_positions") or MAX_SEQ_LEN
-        longest_allowed[0] = min(MAX_SEQ_LEN, positions)
-        return seq <= longest_allowed[0] and e.per_device.peak_bytes <= usable
+        return e.per_device.peak_bytes <= usable
 
     low = 0
     high = max(1, req.seq_len // unit)
-    while high * unit <= longest_allowed[0] and fits(high * unit):
+    while high * unit <= longest and fits(high * unit):
         low, high = high, high * 2
-    high = min(high, longest_allowed[0] // unit + 1)
+    high = min(high, longest // unit + 1)
     while low + 1 < high:
         mid = (low + high) // 2
         if fits(mid * unit):

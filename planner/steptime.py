@@ -289,15 +289,15 @@ def combo_collectives(precision: str, combo: Combo, psi: int, micro, per_rank: i
     s = lookup_strategy(combo.strategy)
     block = (arch.block_parameters if isinstance(arch, TracedShape) else layer_parameters(arch)) if arch is not None \
         else max(psi // 100, 1)
-    # ZeRO-3's persistent parameters (never gathered), of the whole model's numels (no AutoTP with stage 3)
-    numels = arch.numels if isinstance(arch, TracedShape) else parameter_numels(arch) \
-        if isinstance(arch, Architecture) else ()
-    persistent = sum(n for n in numels if n <= buckets.persistence) if s.zero_stage == 3 and combo.tp == 1 else 0
+    # each parameter's elements (ZeRO-3 never gathers its persistent small ones); under tp, psi is a
+    # rank's share, which the whole model's numels do not describe
+    numels = () if combo.tp > 1 else tuple(arch.numels) if isinstance(arch, TracedShape) else \
+        tuple(parameter_numels(arch)) if isinstance(arch, Architecture) else ()
     traffic = Traffic(psi=psi, wire_bytes=wb, block=block, step=arrays.full_like(arrays.as_float(micro), 1.0),
                       accumulation=per_rank / micro, precision=precision, shard=combo.shard or combo.gpus,
                       buckets=buckets, trainable=trainable,
                       reduce_bytes=FP32 if reduce_dtype == "fp32" and s.shards_parameters else wb,
-                      wrapped=combo.data_parallel_wrapped(nodes), persistent=persistent)
+                      wrapped=combo.data_parallel_wrapped(nodes), numels=numels)
     return framework_of(s).collectives(s, traffic)
 
 

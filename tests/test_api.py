@@ -307,3 +307,14 @@ def test_a_broken_token_file_keeps_the_run_records_closed(tmp_path, monkeypatch,
     token_file.write_text("s3cret\n")  # mended (or rotated): read again at the next request
     assert client.get("/v1/runs", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert client.get("/v1/runs").status_code == 401
+
+
+def test_an_endless_token_file_is_refused_not_read_whole(tmp_path, monkeypatch):
+    """The token file is read at every request: /dev/zero (no size, no end) is refused by its
+    first 4 KiB, not read until the server runs out of memory."""
+    if not Path("/dev/zero").exists():
+        pytest.skip("no /dev/zero")
+    monkeypatch.delenv("PLANNER_API_TOKEN", raising=False)
+    monkeypatch.setenv("PLANNER_API_TOKEN_FILE", "/dev/zero")
+    r = TestClient(create_app(str(tmp_path / "runs.sqlite"))).get("/v1/runs")
+    assert r.status_code == 503 and "PLANNER_API_TOKEN_FILE=/dev/zero: more than 4096 bytes" in r.json()["detail"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hmac
 from contextlib import asynccontextmanager
 import os
-from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Body, Depends, FastAPI, Header, HTTPException, Path as PathParam, Query, Request
@@ -30,7 +29,7 @@ from backend.jobs import JobConflict, Jobs
 from backend.profiles import profile_for
 from backend.store import StoreError
 from planner import __version__
-from planner.catalogue import UnsupportedModelTypeError, catalogue_model, load_catalogue
+from planner.catalogue import UnsupportedModelTypeError, catalogue_model, load_catalogue, read_bounded_text
 from planner.errors import NO_VALUE, PlannerError, UnknownModelError, UnknownNameError
 from planner.gpus import gpu as lookup_gpu, load_gpus
 from planner.presets import PRESETS
@@ -113,6 +112,9 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+MAX_TOKEN_FILE_BYTES = 4096  # a bearer token is tens of bytes
+
+
 class TokenFileError(ValueError):
     """PLANNER_API_TOKEN_FILE is set but gives no token: the server's configuration is broken."""
 
@@ -127,14 +129,16 @@ def configured_token() -> str | None:
     if token or not path:
         return token or None
     try:
-        token = Path(path).read_text(encoding="utf-8").strip()
+        text = read_bounded_text(path, MAX_TOKEN_FILE_BYTES)  # read at every request: never unbounded
     except OSError as exc:
         raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: cannot be read ({exc.strerror})") from None
     except UnicodeDecodeError:
         raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: not a text file") from None
-    if not token:
+    if text is None:
+        raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: more than {MAX_TOKEN_FILE_BYTES} bytes; not a token")
+    if not text.strip():
         raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: the file is empty")
-    return token
+    return text.strip()
 
 
 def _token() -> str | None:

@@ -62,7 +62,9 @@ class Traffic:
     reduce_bytes: int | None = None  # bytes per gradient element reduced (FSDP2's reduce dtype); None: wire_bytes
     # a data-parallel wrapper runs (steptime.Combo.data_parallel_wrapped): not on a TP-only layout
     wrapped: bool = True
-    persistent: int = 0  # ZeRO-3: elements of parameters under Buckets.persistence, never gathered
+    # each parameter's elements, of the model psi counts (empty when unknown, or when psi is a
+    # tensor-parallel rank's share): what a framework that treats small parameters apart reads
+    numels: tuple[int, ...] = ()
 
     @property
     def trained(self) -> int:

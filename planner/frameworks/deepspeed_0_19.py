@@ -19,6 +19,8 @@ from planner.precision import RECIPES
 from planner.tensor_parallel import autotp_gather_held_bytes
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from planner.memory import Setup
     from planner.schema import MemoryItem
     from planner.strategies import Strategy
@@ -70,7 +72,8 @@ class DeepSpeedZero(Framework):
         # stage3_max_reuse_distance: then nothing is released between its forward and backward use
         # (as the memory model holds it: _zero3_gathered). ZeRO-3 partitions frozen parameters too.
         unit = t.block * t.wire_bytes
-        backward = 0 if t.buckets.reuse >= t.psi else t.psi - t.persistent
+        persistent = _persistent_numel(t.numels, t.buckets.persistence)
+        backward = 0 if t.buckets.reuse >= t.psi else t.psi - persistent
         params = (t.psi + backward) * t.wire_bytes
         return [("parameter all-gathers", t.accumulation * params, 1,
                  min(unit, t.buckets.prefetch * t.wire_bytes), "shard"),
@@ -413,7 +416,7 @@ def _offload_optimizer_host(plan: PhasePlan, setup: "Setup", part: int) -> None:
     plan.notes.append(f"optimizer offloaded to {target}: {per_rank:,} bytes per rank on the host side")
 
 
-def _persistent_numel(numels: list[int], threshold: int) -> int:
+def _persistent_numel(numels: "Sequence[int]", threshold: int) -> int:
     return sum(n for n in numels if n <= threshold)
 
 
