@@ -4,12 +4,20 @@ and the verdict. Shown by `planner verify` / `planner runs ID` and by the web pa
 from __future__ import annotations
 
 
+def _error(predicted: int, measured: int) -> str:
+    """The prediction's error against a measurement, as shown (MB to two decimals): "n/a" when the
+    measurement shows as 0.00 MB, where a percentage of it says nothing (0 against 0 is not -100%)."""
+    if abs(measured) < 5_000:
+        return "     n/a"
+    return f"{100 * (predicted - measured) / measured:>+7.2f}%"
+
+
 def _component_rows(components: dict) -> list[str]:
     """Resident by component under the resident total (measured: the engine's own tensors)."""
     rows = []
     for name, c in components.items():
         if c["predicted"] or c["measured"]:
-            error = f"{c['error_pct']:>+7.2f}%" if c["error_pct"] is not None else "     n/a"
+            error = _error(c["predicted"], c["measured"]) if c["error_pct"] is not None else "     n/a"
             measured = f"{c['measured'] / 1e6:>14,.2f}" if c["error_pct"] is not None or c["measured"] else f"{'-':>14}"
             rows.append(f"    {name.replace('_', ' '):<26} {c['predicted'] / 1e6:>14,.2f} {measured} {error}")
     return rows
@@ -26,7 +34,7 @@ def verify_table(record: dict) -> str:
         lines += ["", f"  {'per device (worst rank)':<28} {'predicted MB':>14} {'measured MB':>14} {'error':>8}"]
         for key, label in (("resident_bytes", "resident between steps"), ("peak_bytes", "peak")):
             p, m = pred[key], measured[key]
-            lines.append(f"  {label:<28} {p / 1e6:>14,.2f} {m / 1e6:>14,.2f} {100 * (p - m) / m:>+7.2f}%")
+            lines.append(f"  {label:<28} {p / 1e6:>14,.2f} {m / 1e6:>14,.2f} {_error(p, m)}")
             if key == "resident_bytes":
                 lines += _component_rows((record.get("errors") or {}).get("resident_components") or {})
         for r in measured.get("ranks", []):

@@ -12,12 +12,13 @@ import contextlib
 import gc
 import json
 import os
+import re
 import sys
 import typing
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, BeforeValidator, TypeAdapter, ValidationError
 
 EXIT_USAGE = 2
 QUICK_COMMANDS = ("estimate", "plan", "models", "gpus", "topo")  # answer and exit, holding nothing open
@@ -101,7 +102,8 @@ def add_schema_flags(parser: argparse.ArgumentParser, model: type[BaseModel],
             continue
         flag = _flag(name)
         help_text = field.description or ""
-        if name in FILE_FLAGS:
+        if name in FILE_FLAGS:  # the schema's "(what --model-file reads)" is for the API's readers
+            help_text = re.sub(r"\s*\(what --[a-z-]+ reads\)", "", help_text)
             parser.add_argument(flag, dest=name, metavar="PATH", type=path_arg, default=argparse.SUPPRESS,
                                 help=f"{help_text} (a file path)")
             continue
@@ -113,10 +115,14 @@ def add_schema_flags(parser: argparse.ArgumentParser, model: type[BaseModel],
         catalogue = _catalogue(field)
         if catalogue is not None and catalogue.listed and list_choices:
             help_text += f"; one of {', '.join(sorted(catalogue.choices()))}"
+        # a description that says its own default ("(default 8, PEFT's)") is not given a second one
+        said = re.search(r"\bdefault\b", help_text) is not None
         kwargs: dict[str, Any] = dict(dest=name, default=argparse.SUPPRESS,
-                                      help=f"{help_text} (default: {default})")
+                                      help=help_text if said else f"{help_text} (default: {default})")
         if choices:
             kwargs["choices"] = choices
+        elif any(isinstance(m, BeforeValidator) for m in field.metadata):
+            kwargs["type"] = str  # a number people write with a suffix (--seq-len 4k): the schema parses the text
         else:
             kwargs["type"] = _scalar_type(field.annotation)
         parser.add_argument(flag, **kwargs)

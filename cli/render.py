@@ -10,10 +10,17 @@ from planner.units import GB, GIB
 from backend.report import verify_table  # noqa: F401  (shared with the web page's run view)
 
 
+LABEL_WIDTH = 28  # the per-device table's label column
+
+
 def _row(label: str, num_bytes: int | None) -> str:
+    """One row; a label longer than its column (a long phase name) wraps within it, the figures
+    on its last line, so the columns stay aligned."""
+    *first, last = textwrap.wrap(label, LABEL_WIDTH, break_on_hyphens=False) or [""]
+    head = "".join(f"  {part}\n" for part in first)
     if num_bytes is None:
-        return f"  {label:<28} {'unknown':>12} {'unknown':>12}"
-    return f"  {label:<28} {num_bytes / GIB:>12,.2f} {num_bytes / GB:>12,.2f}"
+        return f"{head}  {last:<{LABEL_WIDTH}} {'unknown':>12} {'unknown':>12}"
+    return f"{head}  {last:<{LABEL_WIDTH}} {num_bytes / GIB:>12,.2f} {num_bytes / GB:>12,.2f}"
 
 
 CAVEATS = ("traced", "time model", "WARNING")
@@ -23,19 +30,16 @@ ITEM_NAME_WIDTH = 54  # the by-item list's name column
 def estimate_table(r: EstimateResult) -> str:
     d = r.per_device
     req = r.request
-    model = r.model.name
+    # --params names the model by its count: said once
+    model = f"{r.parameters:,} parameters (--params)" if r.model.source == "--params" else \
+        f"{r.model.name}: {r.parameters:,} parameters"
     lines = [
-        f"{model}: {r.parameters:,} parameters, {r.strategy} on {r.world_size} x {r.gpu} "
+        f"{model}, {r.strategy} on {r.world_size} x {r.gpu} "
         f"({req.nodes} node{'s' if req.nodes > 1 else ''}), {req.precision}, {req.optimizer}, "
         f"micro-batch {req.micro_batch} x {req.seq_len} tokens, checkpointing {req.checkpointing}",
         "",
-        f"  {'per device':<28} {'GiB':>12} {'GB':>12}",
-        _row("parameters", d.parameters_bytes),
-        _row("gradients", d.gradients_bytes),
-        _row("optimizer states", d.optimizer_states_bytes),
-        _row("activations (at peak)", d.activations_bytes),
-        _row("framework buffers (at peak)", d.buffers_bytes),
-        _row("CUDA context / overhead", d.framework_bytes),
+        f"  {'per device, at the peak':<28} {'GiB':>12} {'GB':>12}",
+        *_peak_rows(r),
         "  " + "-" * 54,
         _row("resident between steps", d.resident_bytes),
         _row(f"peak ({d.peak_phase})", d.peak_bytes),
@@ -70,6 +74,22 @@ def estimate_table(r: EstimateResult) -> str:
     return "\n".join(lines)
 
 
+def _peak_rows(r: EstimateResult) -> list[str]:
+    """What is live at the peak by component (PerDevice.at_peak): the rows add up to the peak.
+    With LoRA the trained parameters are the adapters, and the frozen base has its own row."""
+    a, d = r.per_device.at_peak, r.per_device
+    lora = r.request.finetune != "full"
+    rows = [_row(f"parameters{' (trainable)' if lora else ''}", a.parameters_bytes)]
+    if a.frozen_weights_bytes or lora:
+        rows.append(_row("frozen base weights", a.frozen_weights_bytes))
+    rows += [_row("gradients", a.gradients_bytes),
+             _row("optimizer states", a.optimizer_states_bytes),
+             _row("activations", a.activations_bytes if d.activations_bytes is not None else None),
+             _row("framework buffers", a.buffers_bytes),
+             _row("CUDA context / overhead", a.framework_bytes)]
+    return rows
+
+
 def _peak_items(r: EstimateResult) -> list[str]:
     """Every item live at the peak, so the buffers total is never a bare number; with --params the
     table says what a parameter count alone makes the model assume."""
@@ -83,7 +103,7 @@ def _peak_items(r: EstimateResult) -> list[str]:
             *first, last = textwrap.wrap(item.name, ITEM_NAME_WIDTH, break_on_hyphens=False) or [""]
             lines += [f"    {part}" for part in first]
             lines.append(f"    {last:<{ITEM_NAME_WIDTH}} {item.bytes / GIB:>10,.2f} GiB {item.bytes / GB:>10,.2f} GB")
-    if r.model.architecture is None and r.per_device.buffers_bytes:
+    if r.model.source == "--params" and r.per_device.buffers_bytes:
         lines += ["  note: --params gives no layer sizes, so the model is taken as ONE tensor: what is sized by",
                   "        a layer (ZeRO-3/FSDP's gathered parameters, gradients not yet reduced, buckets capped by",
                   f"        the model) assumes the whole model here, {r.per_device.buffers_bytes / GIB:,.2f} GiB of buffers "
@@ -118,6 +138,19 @@ def _degrees(c, sep: str = "+") -> str:
                                                                                         ("ep", p.ep)) if value > 1)
 
 
+def _host_lines(r) -> list[str]:
+    """The host RAM a fitting option needs per node when it offloads (the sum over the node's
+    ranks), and whether the node has it: the device table alone would hide it."""
+    lines = []
+    for k, c in enumerate(r.candidates, 1):
+        if c.fits and c.host is not None:
+            h = c.host
+            room = ("capacity unknown: pass --host-memory-gib" if h.capacity_bytes is None else
+                    f"{'fits' if h.fits else 'DOES NOT FIT'} the node's {h.capacity_bytes / GIB:,.2f} GiB")
+            lines.append(f"  #{k} offloads {h.peak_bytes / GIB:,.2f} GiB of host RAM per node ({room})")
+    return ["", "host RAM per node of the options that offload:", *lines] if lines else []
+
+
 def plan_table(r) -> str:
     req = r.request
     lines = [f"{req.model or 'custom model'}: {req.gpus * req.nodes} x {req.gpu} ({req.nodes} node(s)), "
@@ -127,29 +160,38 @@ def plan_table(r) -> str:
                  if r.topology.ring_bandwidth_gbps is not None else "one GPU per node, no ring")
              + (f"; across nodes {r.topology.inter_node_gbps_per_gpu:.2f} GB/s per GPU"
                 if r.topology.inter_node_gbps_per_gpu is not None else ""),
-             "",
-             f"  {'#':>3} {'strategy':<16} {'mb':>4} {'accum':>5} {'ckpt':<5} {'offload':<11} {'peak GiB':>9} "
-             f"{'step s':>8} {'exposed comm s':>15} {'tokens/s':>10} {'MFU':>5}"]
+             ""]
+    names = {k: (f"{c.strategy}/{c.hsdp_shard_size}" if c.hsdp_shard_size else c.strategy) + _degrees(c)  # hsdp: shard group size
+             for k, c in enumerate(r.candidates, 1)}
+    width = max([16] + [len(n) for n in names.values()])  # a long layout name widens its column
+    # LoRA / QLoRA rows say so (plan --finetune lora|qlora|auto); a full fine-tuning plan's table is unchanged
+    method = {"full": "full", "lora": "LoRA", "qlora": "QLoRA"}
+    tuned = any(c.finetune != "full" for c in r.candidates)
+    lines.append(f"  {'#':>3} {'strategy':<{width}} " + (f"{'method':<6} " if tuned else "")
+                 + f"{'mb':>4} {'accum':>5} {'ckpt':<5} {'offload':<11} {'peak GiB':>9} "
+                 f"{'step s':>8} {'exposed comm s':>15} {'tokens/s':>10} {'MFU':>5}")
     for k, c in enumerate(r.candidates, 1):
         if not c.fits:
             continue
-        name = (f"{c.strategy}/{c.hsdp_shard_size}" if c.hsdp_shard_size else c.strategy) + _degrees(c)  # hsdp: shard group size
-        lines.append(f"  {k:>3} {name:<16} {c.micro_batch:>4} {c.gradient_accumulation:>5} {c.checkpointing:<5} "
+        lines.append(f"  {k:>3} {names[k]:<{width}} " + (f"{method.get(c.finetune, c.finetune):<6} " if tuned else "")
+                     + f"{c.micro_batch:>4} {c.gradient_accumulation:>5} {c.checkpointing:<5} "
                      f"{c.offload_optimizer + '/' + c.offload_params:<11} {c.per_device.peak_bytes / GIB:>9.2f} "
                      f"{c.step_seconds:>8.3f} {c.exposed_communication_seconds:>15.3f} {c.tokens_per_second:>10,.0f} "
                      f"{c.mfu:>5.2f}")
+    lines += _host_lines(r)
     rejected = [c for c in r.candidates if not c.fits]
-    if rejected:
-        lines += ["", "rejected (each strategy's closest setting to fitting; the reason names it):"]
-        seen = set()
-        for c in rejected:
-            if c.rejected_reason and c.strategy not in seen:
-                seen.add(c.strategy)
-                count = sum(1 for o in rejected if o.strategy == c.strategy)
-                fit = [k for k, o in enumerate(r.candidates, 1) if o.fits and o.strategy == c.strategy]
-                others = (f" [{count} settings of {c.strategy} rejected" if count > 1 else f" [1 setting of {c.strategy} rejected") + (
-                    f"; other settings fit: #{', #'.join(map(str, fit))}]" if fit else "]")
-                lines.append(f"  {c.rejected_reason}{others}")
+    reasons = []
+    seen = set()
+    for c in rejected:
+        if c.rejected_reason and c.strategy not in seen:
+            seen.add(c.strategy)
+            count = sum(1 for o in rejected if o.strategy == c.strategy)
+            fit = [k for k, o in enumerate(r.candidates, 1) if o.fits and o.strategy == c.strategy]
+            others = (f" [{count} settings of {c.strategy} rejected" if count > 1 else f" [1 setting of {c.strategy} rejected") + (
+                f"; other settings fit: #{', #'.join(map(str, fit))}]" if fit else "]")
+            reasons.append(f"  {c.rejected_reason}{others}")
+    if reasons:  # a heading only above reasons
+        lines += ["", "rejected (each strategy's closest setting to fitting; the reason names it):", *reasons]
     best = r.recommended
     lines.append("")
     if best:

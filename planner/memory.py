@@ -25,7 +25,7 @@ from planner.moments import PhaseKind
 from planner.parallel import ModelShape, ParallelDims, check_dims, data_parallel_size, dims_for, refuse_unmodelled
 from planner.precision import RECIPES, Recipe, bits_to_bytes
 from planner.schema import (EstimateRequest, EstimateResult, HostMemory, ModelSummary, ParallelDegrees,
-                            PerDevice, Phase)
+                            PeakRows, PerDevice, Phase)
 from planner.context_parallel import check_context_parallel, cp_activations, gloo_ring_scratch_bytes
 from planner.strategies import Strategy, shard_group_size, strategy as lookup_strategy
 from planner.tensor_parallel import rank_numels, tensor_parallel_fields, tp_activations
@@ -80,6 +80,8 @@ class Setup:
     def data_parallel_wrapped(self) -> bool:
         """False for a TP-only layout (one data-parallel rank): nothing wraps the model, as
         torchtitan applies FSDP only when dp_shard > 1 or cp > 1 (parallelize.py)."""
+        if self.strategy.one_device:
+            return False
         return self.rank_architecture is None or self.dims.dp * self.dims.cp > 1
 
     @property
@@ -324,8 +326,8 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
     resident = plan.resident_bytes + framework
     act_at_peak = sum(i.bytes for i in peak_phase.items if i.component == "activations")
     frozen_b = sum(i.bytes for i in plan.resident if i.component == "frozen_weights")
-    textbook_at_peak = params_b + grads_b + optim_b + frozen_b
-    buffers_at_peak = max(0, peak_phase.bytes - act_at_peak - textbook_at_peak)
+    at_peak = _at_peak(peak_phase, framework)
+    buffers_at_peak = at_peak.buffers_bytes
     capacity = _capacity(setup)
     host = _host(setup, plan)
     fits = capacity > 0 and peak <= capacity and host.fits is not False
@@ -342,12 +344,25 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
             frozen_weights_bytes=frozen_b,
             activations_bytes=act_at_peak if acts is not None else None,
             buffers_bytes=buffers_at_peak, framework_bytes=framework,
-            resident_bytes=resident, peak_bytes=peak, peak_phase=peak_phase.name),
+            resident_bytes=resident, peak_bytes=peak, peak_phase=peak_phase.name, at_peak=at_peak),
         host=host,
         nvme_bytes=plan.nvme_bytes, device_capacity_bytes=capacity, fits=fits,
         headroom_bytes=capacity - peak,
         phases=[_phase_of(PhaseKind.RESIDENT, "between steps (resident)", plan.resident)] + list(plan.phases), buffers=list(plan.buffers),
         notes=notes, request=setup.request)
+
+
+_STATE_ROWS = ("parameters", "gradients", "optimizer_states", "frozen_weights", "activations")
+
+
+def _at_peak(peak_phase, framework: int) -> PeakRows:
+    """The peak phase's items by component; what is not a state or an activation is a buffer."""
+    rows = dict.fromkeys(_STATE_ROWS, 0)
+    for item in peak_phase.items:
+        if item.component in rows:
+            rows[item.component] += item.bytes
+    buffers = peak_phase.bytes - sum(rows.values())
+    return PeakRows(**{f"{k}_bytes": v for k, v in rows.items()}, buffers_bytes=buffers, framework_bytes=framework)
 
 
 def _phase_of(kind: PhaseKind, name: str, items: list) -> Phase:

@@ -304,7 +304,7 @@ def _evaluate(search: _Search, req: PlanRequest, layouts: list[tuple[int, int, i
             continue
         for name in strategies:
             s = lookup_strategy(name)
-            if not _framework_runs(req, s, tp, cp, pp):
+            if not s.runs_on(world) or not _framework_runs(req, s, tp, cp, pp):
                 continue
             shards = _hsdp_shards(req.gpus // tp, req.nodes // pp) if s.shard_within_node else [None]
             for shard, ckpt in ((sh, c) for sh in shards for c in ("none", "full")):
@@ -312,6 +312,8 @@ def _evaluate(search: _Search, req: PlanRequest, layouts: list[tuple[int, int, i
                     continue  # ep borrows its ranks from dp_shard x cp (planner/parallel.py)
                 # model-parallel layouts are the alternative to offload: searched without it
                 for off_opt, off_par in (_offloads(name) if tp * cp * pp * ep == 1 else [("none", "none")]):
+                    if world == 1 and not s.one_device and (off_opt, off_par) == ("none", "none"):
+                        continue  # on one device a data-parallel framework adds only its offload to "single"
                     combo = Setting(req.gpus, name, ckpt, off_opt, off_par, shard, tp, cp,
                                     tp > 1 and s.framework == "torch", pp, ep)
                     time_bound = first_best if pp * ep == 1 else best_time
@@ -707,12 +709,12 @@ def _peak_items(e: EstimateResult, count: int = 3) -> str:
 def _reason(combo: Combo, mb: int, peak: float, usable: float, capacity: int, headroom: float,
             e: EstimateResult) -> str:
     d = e.per_device
-    unsharded = []
     s = lookup_strategy(combo.strategy)
-    if not s.shards_parameters and d.parameters_bytes:
-        unsharded.append(f"{d.parameters_bytes / GB:.1f} GB of params")
-    if not s.shards_gradients and d.gradients_bytes:
-        unsharded.append(f"{d.gradients_bytes / GB:.1f} GB of grads")
+    # what the strategy leaves whole on every rank; LoRA's frozen base is most of it, its adapters
+    # and their gradients a rounding error (named only where they show at one decimal)
+    held = (("frozen base", d.frozen_weights_bytes, s.shards_parameters),
+            ("params", d.parameters_bytes, s.shards_parameters), ("grads", d.gradients_bytes, s.shards_gradients))
+    unsharded = [f"{num / GB:.1f} GB of {name}" for name, num, sharded in held if not sharded and num >= GB // 20]
     what = (("optimizer states are sharded but " if s.shards_optimizer else "nothing is sharded: ")
             + " and ".join(unsharded) + " are not; ") if unsharded else ""
     return (f"{_setting(combo, mb)}: {peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable of {capacity / GIB:.1f} GiB "
@@ -737,7 +739,7 @@ def _candidate(combo: Combo, mb: int, per_rank: int, fits: bool, t: timing.StepT
                      communication_seconds=t.communication_seconds,
                      exposed_communication_seconds=t.exposed_communication_seconds,
                      offload_seconds=t.offload_seconds, tokens_per_second=t.tokens_per_second, mfu=t.mfu,
-                     rejected_reason=reason)
+                     rejected_reason=reason, host=e.host if e.host.peak_bytes else None)
 
 
 # Options whose step times (or, for --objective cost, GPU-seconds per token) are closer than this
@@ -878,7 +880,8 @@ def _rank(search: _Search, req: PlanRequest, rows: list[Row], fewer: list[tuple[
     fitting = [c for c in candidates if c.fits]
     recommended = fitting[0] if fitting else None
     max_micro = _max_micro(req, rows)
-    min_gpus = {name: _min_gpus(req, name, usable, model_fields) for name in STRATEGIES}
+    min_gpus = {name: _min_gpus(req, name, usable, model_fields) for name in STRATEGIES
+                if not lookup_strategy(name).one_device}
     # the inverse question per model-parallel layout the plan searched: FSDP2 with each TP degree
     for tp in sorted({c.parallel.tp for c in candidates} - {1}):
         min_gpus[f"fsdp+tp{tp}"] = _search(req, "fsdp", usable, model_fields, per_node=req.gpus, tp=tp)
@@ -977,7 +980,10 @@ def finetune_fields(req: PlanRequest) -> dict:
     """The plan's fine-tuning as estimate fields (nothing for full fine-tuning)."""
     if req.finetune == "full":
         return {}
-    given = {"lora_rank": req.lora_rank, "lora_targets": req.lora_targets, "lora_dropout": req.lora_dropout}
+    given = {"lora_rank": req.lora_rank, "lora_alpha": req.lora_alpha, "lora_targets": req.lora_targets,
+             "lora_dropout": req.lora_dropout, "train_embeddings": req.train_embeddings or None,
+             # the quantized base is QLoRA's (finetune auto plans LoRA beside it, on a 16-bit base)
+             "quantize_base": req.quantize_base if req.finetune == "qlora" else None}
     return {"finetune": req.finetune} | {k: v for k, v in given.items() if v is not None}
 
 

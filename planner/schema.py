@@ -126,23 +126,38 @@ _COUNT_FORMS = "write it as 7000000000, 7e9, 7B, 70b, 1.5T or 405_000_000_000"
 def parse_count(value: Any) -> Any:
     """A parameter count as people write it: 7e9, 7B, 70b, 1.5T, 125M, 405_000_000_000.
     Suffixes are decimal (k 1e3, M 1e6, B 1e9, T 1e12); the result must be a whole number."""
+    return _parse_suffixed(value, "parameter count", "parameters", _COUNT_SUFFIX, _COUNT_FORMS)
+
+
+# Sequence lengths are named in powers of two ("4k" context = 4,096 tokens, Llama 3.1's "128k" =
+# 131,072, its config.json max_position_embeddings): the same parser, binary suffixes.
+_TOKEN_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20}
+_TOKEN_FORMS = "write it as 4096, 4k (4,096) or 128k (131,072)"
+
+
+def parse_tokens(value: Any) -> Any:
+    """A token count as people write it: 4096, 4k, 32K, 128k (k = 1,024, M = 1,048,576)."""
+    return _parse_suffixed(value, "token count", "tokens", _TOKEN_SUFFIX, _TOKEN_FORMS)
+
+
+def _parse_suffixed(value: Any, what: str, unit: str, suffixes: dict[str, int], forms: str) -> Any:
     if isinstance(value, bool):
-        raise ValueError(f"{value!r} is not a parameter count; {_COUNT_FORMS}")
+        raise ValueError(f"{value!r} is not a {what}; {forms}")
     if isinstance(value, float):
         if value != value or value in (float("inf"), float("-inf")) or not value.is_integer():
-            raise ValueError(f"{value!r} is not a whole number of parameters; {_COUNT_FORMS}")
+            raise ValueError(f"{value!r} is not a whole number of {unit}; {forms}")
         return int(value)
     if not isinstance(value, str):
         return value  # ints pass; anything else fails int validation with pydantic's own message
     match = _COUNT.match(value)
-    if match is None:
-        raise ValueError(f"{value!r} is not a parameter count; {_COUNT_FORMS}")
+    if match is None or match.group(2).lower() not in suffixes:
+        raise ValueError(f"{value!r} is not a {what}; {forms}")
     try:
-        total = Decimal(match.group(1)) * _COUNT_SUFFIX[match.group(2).lower()]
+        total = Decimal(match.group(1)) * suffixes[match.group(2).lower()]
     except InvalidOperation:
-        raise ValueError(f"{value!r} is not a parameter count; {_COUNT_FORMS}") from None
+        raise ValueError(f"{value!r} is not a {what}; {forms}") from None
     if total != total.to_integral_value():
-        raise ValueError(f"{value!r} is {total} parameters, not a whole number")
+        raise ValueError(f"{value!r} is {total} {unit}, not a whole number")
     return int(total)
 
 
@@ -151,6 +166,12 @@ ParamCount = Annotated[
     WithJsonSchema({"anyOf": [{"type": "integer", "exclusiveMinimum": 0, "maximum": MAX_PARAMS},
                               {"type": "string", "pattern": _COUNT.pattern}],
                     "description": "a whole number, or 7e9, 7B, 70b, 1.5T, 405_000_000_000"})]
+_TOKENS_PATTERN = r"^\s*[0-9](?:_?[0-9])*(?:\.[0-9](?:_?[0-9])*)?\s*[kKmM]?\s*$"
+SeqLen = Annotated[
+    int, BeforeValidator(parse_tokens), Field(ge=1, le=1 << 22, description="tokens per sequence (4096, 4k, 32k)"),
+    WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 1, "maximum": 1 << 22},
+                              {"type": "string", "pattern": _TOKENS_PATTERN}],
+                    "description": "tokens per sequence: a whole number, or 4k (4,096), 32k, 128k (131,072)"})]
 
 
 # --- numbers the CLI's other commands and the API's verify and runs routes share ---------------
@@ -226,7 +247,7 @@ class EstimateRequest(BaseModel):
     precision: Precision = Field("bf16-mixed", description="precision recipe")
     optimizer: Optimizer = Field("adamw", description="optimizer")
     micro_batch: int = Field(1, ge=1, le=1 << 16, description="sequences per device per micro-step")
-    seq_len: int = Field(DEFAULT_SEQ_LEN, ge=1, le=1 << 22, description="tokens per sequence")
+    seq_len: SeqLen = DEFAULT_SEQ_LEN
     gradient_accumulation: int = Field(1, ge=1, le=1 << 16, description="micro-steps per optimizer step")
     checkpointing: Checkpointing = Field("none", description="activation checkpointing")
     attention: Attention = Field("sdpa", description="attention implementation (sdpa = flash/memory-efficient)")
@@ -355,6 +376,22 @@ class Phase(BaseModel):
     kind: PhaseKind | None = Field(None, exclude=True)
 
 
+class PeakRows(BaseModel):
+    """The peak by component: every item live at the peak (planner/moments.py) counted once, so the
+    rows add up to peak_bytes exactly (what the CLI's per-device table shows)."""
+
+    parameters_bytes: int = Field(description="trained weights live at the peak (with LoRA: the adapters), "
+                                  "including gathered or cast copies the model tags as parameters")
+    gradients_bytes: int = Field(description="gradients live at the peak")
+    optimizer_states_bytes: int = Field(description="fp32 master weights and optimizer moments on the device")
+    frozen_weights_bytes: int = Field(description="LoRA/QLoRA: the frozen base on the device")
+    activations_bytes: int = Field(description="saved activations and backward transients the model tags as such "
+                                   "(0 when unknown: --params)")
+    buffers_bytes: int = Field(description="everything else live at the peak: buckets, gathered units, "
+                               "temporaries, reduce and flat buffers")
+    framework_bytes: int = Field(description="CUDA context and allocator overhead")
+
+
 class PerDevice(BaseModel):
     parameters_bytes: int = Field(description="weights held between steps (textbook, sharded as the strategy does)")
     gradients_bytes: int = Field(description="gradients in the training dtype (textbook, sharded as the strategy does)")
@@ -362,11 +399,13 @@ class PerDevice(BaseModel):
     frozen_weights_bytes: int = Field(0, description="LoRA/QLoRA: the frozen base in its storage type (16-bit, or "
                                       "bitsandbytes nf4/fp4/int8 with its constants), sharded as the strategy does")
     activations_bytes: int | None = Field(description="saved activations at the peak; null when unknown (--params)")
-    buffers_bytes: int = Field(description="framework buffers beyond the textbook states, at the peak")
+    buffers_bytes: int = Field(description="framework buffers at the peak: all that is live there beyond the "
+                               "states and activations (at_peak.buffers_bytes)")
     framework_bytes: int = Field(description="CUDA context and allocator overhead")
     resident_bytes: int = Field(description="held between steps")
     peak_bytes: int = Field(description="highest live total during a step")
     peak_phase: str = Field(description="the moment of the step the peak occurs in")
+    at_peak: PeakRows | None = Field(None, description="the peak by component; the rows add up to peak_bytes")
 
 
 class HostMemory(BaseModel):
@@ -462,7 +501,7 @@ class PlanRequest(BaseModel):
     pp_virtual_stages: VirtualStages = 1
     sequence_parallel: SequenceParallelField = None
     reduce_dtype: ReduceDtypeField = "compute"  # the fsdp / hsdp candidates reduce in it
-    seq_len: int = Field(DEFAULT_SEQ_LEN, ge=1, le=1 << 22, description="tokens per sequence")
+    seq_len: SeqLen = DEFAULT_SEQ_LEN
     global_batch: int = Field(256, ge=1, le=1 << 24, description="sequences per optimizer step, over all GPUs")
     objective: Objective = Field("time", description="rank by step time, by GPU-hours per token, or by memory")
     precision: Precision = Field("bf16-mixed", description="precision recipe")
@@ -483,6 +522,13 @@ class PlanRequest(BaseModel):
                                      description="modules given adapters (PEFT names or all-linear)")
     lora_dropout: float | None = Field(None, ge=0.0, lt=1.0, allow_inf_nan=False,
                                        description="dropout on each adapter's input (default 0)")
+    # the rest of estimate's LoRA fields, carried into every candidate and the emitted configs
+    lora_alpha: float | None = Field(None, gt=0, le=1e6, allow_inf_nan=False,
+                                     description="LoRA alpha (default 8, PEFT's); no memory effect, kept for the emitted config")
+    quantize_base: QuantizeBase | None = Field(None, description="storage of the QLoRA base's linears: nf4/fp4 "
+                                               "(bitsandbytes 4-bit) or int8 (LLM.int8); default nf4; finetune qlora or auto")
+    train_embeddings: bool = Field(False, description="also train the input embeddings and LM head in full "
+                                   "(PEFT modules_to_save)")
 
     @model_validator(mode="after")
     def _one_model(self) -> "PlanRequest":
@@ -492,10 +538,15 @@ class PlanRequest(BaseModel):
         if self.topology is not None and self.topology_text is not None:
             raise ValueError("give --topology or --topology-file, not both")
         if self.finetune == "full":
-            for name in ("lora_rank", "lora_targets", "lora_dropout"):
-                if getattr(self, name) is not None:
+            for name in ("lora_rank", "lora_targets", "lora_dropout", "lora_alpha", "quantize_base", "train_embeddings"):
+                if getattr(self, name) not in (None, False):
                     raise ValueError(f"{name}={getattr(self, name)} applies to finetune lora, qlora or auto, "
                                      "not finetune=full")
+        if self.finetune == "lora" and self.quantize_base not in (None, "none"):
+            raise ValueError(f"quantize_base={self.quantize_base} with finetune=lora: a quantized base is "
+                             "finetune=qlora")
+        if self.quantize_base == "none" and self.finetune in ("qlora", "auto"):
+            raise ValueError(f"quantize_base=none with finetune={self.finetune}: QLoRA quantizes the base")
         return self
 
 
@@ -521,6 +572,8 @@ class Candidate(BaseModel):
     tokens_per_second: float
     mfu: float
     rejected_reason: str | None
+    host: HostMemory | None = Field(None, description="host RAM per node this option holds when it offloads "
+                                    "(the sum over the node's ranks) and whether the node has it; null: no offload")
 
 
 class TopologySummary(BaseModel):

@@ -52,6 +52,8 @@ class Combo:
         when dp_shard > 1 or cp > 1 (memory.Setup.data_parallel_wrapped; a pipeline's stages:
         pipeline.pipeline_volumes). A single GPU's DDP or FSDP still wraps (its collectives
         are over one rank)."""
+        if lookup_strategy(self.strategy).one_device:
+            return False
         dp = self.gpus * nodes // (self.tp * self.cp * self.pp)
         return self.tp * self.pp == 1 or dp * self.cp > 1
 

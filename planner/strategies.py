@@ -13,9 +13,10 @@ from typing import Literal
 
 from planner.errors import PlannerError
 
-StrategyName = Literal["ddp", "fsdp", "fsdp-grad-op", "hsdp", "zero0", "zero1", "zero2", "zero3"]
+StrategyName = Literal["single", "ddp", "fsdp", "fsdp-grad-op", "hsdp", "zero0", "zero1", "zero2", "zero3"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
-STRATEGIES: tuple[str, ...] = ("ddp", "zero0", "zero1", "zero2", "zero3", "fsdp", "fsdp-grad-op", "hsdp")
+# "single" first: on one device it is what the plan prefers among equals (no framework to install)
+STRATEGIES: tuple[str, ...] = ("single", "ddp", "zero0", "zero1", "zero2", "zero3", "fsdp", "fsdp-grad-op", "hsdp")
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,15 @@ class Strategy:
     zero_stage: int | None = None
     shard_within_node: bool = False  # HSDP: the shard group is one node's GPUs
     params_unsharded_in_step: bool = False  # SHARD_GRAD_OP keeps gathered params fwd -> bwd
+    one_device: bool = False  # "single": one device, no data-parallel wrapper (no DDP buckets, no collectives)
+
+    def runs_on(self, world: int) -> bool:
+        return world == 1 or not self.one_device
 
 
 _TABLE: dict[str, Strategy] = {
+    # plain torch on one device: the model, autocast and the optimizer, nothing wrapped around them
+    "single": Strategy("single", "torch", False, False, False, one_device=True),
     "ddp": Strategy("ddp", "torch", False, False, False),
     "zero0": Strategy("zero0", "deepspeed", False, False, False, zero_stage=0),
     "zero1": Strategy("zero1", "deepspeed", True, False, False, zero_stage=1),
@@ -54,6 +61,9 @@ def shard_group_size(s: Strategy, gpus_per_node: int, nodes: int, hsdp_shard_siz
     """How many ranks a sharded state is divided over: the data-parallel group, or for HSDP one
     shard group (a node's GPUs by default, or fewer: e.g. the two GPUs of an NVLink pair)."""
     world = gpus_per_node * nodes
+    if not s.runs_on(world):
+        raise PlannerError(f"strategy {s.name} trains on one device; gpus({gpus_per_node}) * nodes({nodes}) = {world}: "
+                           "choose a data-parallel strategy (ddp, fsdp, zero1-3, ...)", field="strategy")
     if not s.shard_within_node:
         if hsdp_shard_size is not None:
             raise PlannerError(f"hsdp_shard_size={hsdp_shard_size} applies to hsdp only, not to strategy {s.name}",

@@ -11,7 +11,7 @@ ESTIMATE_FIELDS = {"parameters", "model", "strategy", "world_size", "dp_size", "
                    "notes", "request", "time", "trainable_parameters"}
 PER_DEVICE_FIELDS = {"parameters_bytes", "gradients_bytes", "optimizer_states_bytes", "activations_bytes",
                      "buffers_bytes", "framework_bytes", "resident_bytes", "peak_bytes", "peak_phase",
-                     "frozen_weights_bytes"}
+                     "frozen_weights_bytes", "at_peak"}
 HOST_FIELDS = {"resident_bytes", "peak_bytes", "pinned_bytes", "capacity_bytes", "fits"}
 ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus", "--nodes", "--gpu",
                   "--device-memory-gib", "--host-memory-gib", "--precision", "--optimizer", "--micro-batch", "--seq-len",
@@ -49,7 +49,7 @@ def test_estimate_json_fields_are_frozen(capsys):
     assert set(data["per_device"]) == PER_DEVICE_FIELDS
     assert set(data["host"]) == HOST_FIELDS
     assert data["parameters"] == 8_030_261_248
-    assert all(isinstance(data["per_device"][k], int) for k in PER_DEVICE_FIELDS - {"peak_phase"})
+    assert all(isinstance(data["per_device"][k], int) for k in PER_DEVICE_FIELDS - {"peak_phase", "at_peak"})
     d = data["per_device"]
     assert d["peak_bytes"] >= d["resident_bytes"] > 0
     assert data["notes"] and all(isinstance(n, str) for n in data["notes"])

@@ -347,7 +347,7 @@ def test_inverse_answers_agree_with_the_plan(kw):
 
     r = plan(PlanRequest(**kw))
     world = kw["gpus"] * kw.get("nodes", 1)
-    for name in STRATEGIES:
+    for name in (n for n in STRATEGIES if n != "single"):  # one device: no inverse question
         fits_here = any(c.fits for c in r.candidates if c.strategy == name)
         assert (r.min_gpus[name] is not None and r.min_gpus[name] <= world) == fits_here, name
         assert (r.max_micro_batch[name] is not None) == fits_here, name
