@@ -86,15 +86,43 @@ class _Launch:
     script: Script | None
     summary: str
     unavailable: str | None = None  # why the planner's trainer cannot run it (then no launch.sh / job.sbatch)
+    dims: tuple[tuple[str, int], ...] = ()  # the layout's degrees (ParallelDims.as_dict): dp_replicate, dp_shard, tp, ...
 
     @property
     def world(self) -> int:
         return self.request.world_size
 
+    def degree(self, name: str) -> int:
+        return dict(self.dims).get(name, 1)
+
     @property
     def replicas(self) -> int:
-        """HSDP's replicate degree (1 when one shard group spans the world)."""
-        return self.world // self.shard_size
+        """HSDP's replicate degree (1 when one shard group spans the data-parallel ranks)."""
+        return self.degree("dp_replicate") if self.fsdp else 1
+
+    @property
+    def data_parallel(self) -> int:
+        """The ranks that read different sequences: the world over tp x cp x pp."""
+        return self.degree("dp_replicate") * self.degree("dp_shard")
+
+    @property
+    def accelerate_layout(self) -> str | None:
+        """Why accelerate 1.16 (and the Trainer on it) cannot run this layout, or None when it can:
+        its ParallelismConfig has dp_replicate, dp_shard, tp and cp, applied through FSDP2
+        (commands/launch.py: parallelism_config needs --use_fsdp and fsdp_version 2), which it
+        refuses without dp_shard or cp > 1 (parallelism_config.py _validate_accelerator); DeepSpeed
+        reads AutoTP's degree from ds_config.json (the Trainer's get_tp_size). No pipeline or
+        expert parallelism in either."""
+        tp, cp, pp, ep = (self.degree(n) for n in ("tp", "cp", "pp", "ep"))
+        if pp > 1 or ep > 1:
+            return f"accelerate and the Trainer have no {'pipeline' if pp > 1 else 'expert'} parallelism"
+        if self.framework == "torch" and tp * cp > 1 and not self.fsdp:
+            return ("accelerate applies tensor/context parallelism with FSDP2 only (its ParallelismConfig needs "
+                    "fsdp_version 2); DDP with TP is not one of its layouts")
+        if self.fsdp and tp * cp > 1 and self.degree("dp_shard") == 1 and cp == 1:
+            return ("accelerate refuses FSDP2 without a dp_shard group or cp > 1 "
+                    "(ParallelismConfig._validate_accelerator); this layout has dp_shard 1")
+        return None
 
 
 def emit_files(req: PlanRequest, c: Candidate, script: Script | None = None) -> dict[str, str]:
@@ -149,7 +177,7 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
                      reshard_after_forward=not s.params_unsharded_in_step,
                      zero_stage=s.zero_stage, precision=setup.request.precision,
                      is_cpu=setup.gpu.is_cpu, shard_size=setup.shard_size, script=script, summary=summary,
-                     unavailable=unavailable)
+                     unavailable=unavailable, dims=tuple(setup.dims.as_dict().items()))
     files: dict[str, str] = {}
     if launch.framework == "deepspeed":
         req = launch.request  # the request as resolved: a ds_config's batch and optimizer filled in
@@ -169,9 +197,9 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
         if launch.is_cpu:  # the same switch backend/launch.py worker_job makes for `planner verify`
             setup.framework.use_torch_adam(config)
         files["ds_config.json"] = json.dumps(config, indent=2) + "\n"
-    if not (launch.framework == "deepspeed" and setup.dims.pp > 1):
+    if launch.accelerate_layout is None:
         # accelerate's DeepSpeed plugin and the Trainer wrap a module, never a PipelineModule: for
-        # DeepSpeed's pipeline their files would run ZeRO over every rank, another layout
+        # a pipeline (or a layout accelerate has not) their files would run another layout
         files["accelerate_config.yaml"] = yaml.safe_dump(accelerate_config(launch), sort_keys=False)
         files["trainer_args.json"] = json.dumps(trainer_arguments(launch), indent=2) + "\n"
     if setup.finetune is not None:
@@ -377,14 +405,23 @@ def accelerate_config(launch: _Launch) -> dict[str, Any]:
     config["mixed_precision"] = RECIPES[launch.precision].autocast_dtype or "no"
     if distributed == "FSDP":
         config["fsdp_config"] = _fsdp_plugin(launch)
-        if launch.replicas > 1:
-            # FSDP2's hybrid sharding is a 2-D mesh (dp_replicate, dp_shard) of consecutive ranks
-            # (accelerate/parallelism_config.py), as backend/train.py builds it.
-            config["parallelism_config"] = {
-                "parallelism_config_dp_replicate_size": launch.replicas,
-                "parallelism_config_dp_shard_size": launch.shard_size,
-            }
+        parallel = _parallelism_config(launch)
+        if parallel:
+            # FSDP2's mesh (dp_replicate, dp_shard, cp, tp) of consecutive ranks, tp innermost
+            # (accelerate/parallelism_config.py _get_mesh), as backend/train.py builds it; the keys
+            # are ClusterConfig.parallelism_config's, what `accelerate launch` reads into
+            # PARALLELISM_CONFIG_* (commands/launch.py --parallelism_config_*)
+            config["parallelism_config"] = {f"parallelism_config_{k}": v for k, v in parallel.items()}
     return config
+
+
+def _parallelism_config(launch: _Launch) -> dict[str, int]:
+    """accelerate's ParallelismConfig keyword arguments for the layout; empty for plain FSDP."""
+    sizes = {"dp_replicate_size": launch.degree("dp_replicate"), "dp_shard_size": launch.degree("dp_shard"),
+             "tp_size": launch.degree("tp"), "cp_size": launch.degree("cp")}
+    if not launch.fsdp or all(v == 1 for k, v in sizes.items() if k != "dp_shard_size"):
+        return {}
+    return {k: v for k, v in sizes.items() if k.startswith("dp") or v > 1}  # accelerate's default is 1
 
 
 def _fsdp_plugin(launch: _Launch) -> dict[str, Any]:
@@ -706,7 +743,8 @@ def _guide(launch: _Launch, names: list[str], titan: dict[str, dict[str, Any]] |
     accelerate = "accelerate launch --config_file accelerate_config.yaml"
     if req.nodes > 1:
         accelerate += " --machine_rank $NODE_RANK --main_process_ip $MASTER_ADDR"
-    out = [f"# Launching {launch.strategy} on {req.nodes} x {req.gpus} {req.gpu}", "",
+    model_parallel = "".join(f" x {n} {launch.degree(n)}" for n in ("tp", "cp", "pp", "ep") if launch.degree(n) > 1)
+    out = [f"# Launching {launch.strategy}{model_parallel} on {req.nodes} x {req.gpus} {req.gpu}", "",
            f"planner: {launch.summary}", "", "## Files", ""]
     out += [f"- `{name}`: {roles[name]}" for name in names]
     out += ["", "## Run it", ""]
@@ -727,27 +765,34 @@ def _guide(launch: _Launch, names: list[str], titan: dict[str, dict[str, Any]] |
                 "the master address from the first host of the allocation). Otherwise "
                 + ("fill `hostfile` and run `./launch.sh` on its first node." if launch.framework == "deepspeed"
                    else "run `NODE_RANK=<0..N-1> MASTER_ADDR=<node 0> ./launch.sh` on every node.")]
-    if "torchtitan.toml" in names:
-        out += ["", "The layout splits the model over tensor/pipeline/context-parallel ranks: accelerate_config.yaml "
-                "and trainer_args.json below carry its data-parallel part only; launch.sh (the planner's trainer) and "
-                "torchtitan.toml apply the whole layout."]
+    batch = req.micro_batch * req.gradient_accumulation * launch.data_parallel
+    out += ["", f"Global batch: micro-batch {req.micro_batch} x {req.gradient_accumulation} accumulation x "
+            f"{launch.data_parallel} data-parallel ranks = {batch} sequences per optimizer step "
+            f"({_layout_words(launch)})."]
     if launch.framework == "deepspeed" and req.pp > 1:
         out += [""] + _deepspeed_pipeline_guide(launch, script)
         return "\n".join(out)
+    if launch.accelerate_layout is not None:
+        out += ["", f"No accelerate_config.yaml or trainer_args.json: {launch.accelerate_layout}; "
+                "launch.sh" + (" and torchtitan.toml apply" if "torchtitan.toml" in names else " applies")
+                + " the whole layout."]
+        return "\n".join(out + [""])
+    if launch.framework == "torch" and launch.degree("tp") > 1:
+        out += ["", "accelerate applies tensor parallelism to a model loaded with `from_pretrained(..., "
+                f"tp_plan=\"auto\")` (it checks the model's tp size against tp_size {launch.degree('tp')})."]
     out += ["", "## With Hugging Face accelerate or the Trainer", "",
             "For a script of your own that uses `transformers.Trainer` or `accelerate.Accelerator`, from this directory:",
             "", "```", f"{accelerate} {script}", "```", "",
             "with these `TrainingArguments` (trainer_args.json):", "", "```python",
             "import json", ""]
-    if launch.fsdp and launch.replicas > 1:
-        replicas = launch.replicas
+    parallel = _parallelism_config(launch)
+    if parallel:
         out += ["from accelerate.parallelism_config import ParallelismConfig",
                 "from transformers import TrainingArguments", "",
-                f"# HSDP: shard groups of {launch.shard_size} consecutive ranks, replicated {replicas} times "
-                "(accelerate_config.yaml carries the same)",
+                f"# {_layout_words(launch)} (accelerate_config.yaml carries the same)",
                 'args = TrainingArguments(output_dir="out", **json.load(open("trainer_args.json")),',
-                f"                         parallelism_config=ParallelismConfig(dp_replicate_size={replicas}, "
-                f"dp_shard_size={launch.shard_size}))"]
+                "                         parallelism_config=ParallelismConfig("
+                + ", ".join(f"{k}={v}" for k, v in parallel.items()) + "))"]
     else:
         out += ["from transformers import TrainingArguments", "",
                 'args = TrainingArguments(output_dir="out", **json.load(open("trainer_args.json")))']
@@ -776,6 +821,16 @@ def _guide(launch: _Launch, names: list[str], titan: dict[str, dict[str, Any]] |
         out += ["The Trainer checks `trainer_args.json` against `ds_config.json` (batch, accumulation, learning rate, "
                 "precision): change both together.", ""]
     return "\n".join(out)
+
+
+def _layout_words(launch: _Launch) -> str:
+    """The layout's degrees as the plan chose them: "dp_replicate 1 x dp_shard 8 x tp 4"."""
+    degrees = " x ".join(f"{name} {launch.degree(name)}" for name in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
+                         if name.startswith("dp") or launch.degree(name) > 1)
+    if launch.fsdp and launch.replicas > 1:
+        degrees += (f"; HSDP: shard groups of {launch.degree('dp_shard')} data-parallel ranks, replicated "
+                    f"{launch.replicas} times")
+    return degrees
 
 
 def _torchtitan_03_guide(torchrun: str, titan: dict[str, dict[str, Any]]) -> list[str]:
