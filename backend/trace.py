@@ -163,6 +163,19 @@ class _Trace:
     kept: list[int] = field(default_factory=list)  # per block: what it leaves live until its backward
     loss_transient: int = 0
     layer_transients: list[int] = field(default_factory=list)  # per block, above act at its backward start
+    events: int = field(default=0, compare=False)  # the tracker's recorded updates: grows with the sequence only where Python loops over tokens
+
+    def scaled(self, other: "_Trace", s1: int, s2: int, seq_len: int) -> "_Trace":
+        """The figures at ``seq_len`` from this trace (at ``s1`` tokens) and ``other`` (at ``s2``),
+        each extended along the line through the two, never below what was measured: what a
+        per-token loop saves grows linearly with the tokens (one state per step)."""
+        def line(a: int, b: int) -> int:
+            return max(a, b, b + (b - a) * (seq_len - s2) // (s2 - s1))
+
+        return _Trace(saved=line(self.saved, other.saved), kept=[line(a, b) for a, b in zip(self.kept, other.kept)],
+                      loss_transient=line(self.loss_transient, other.loss_transient),
+                      layer_transients=[line(a, b) for a, b in zip(self.layer_transients, other.layer_transients)],
+                      events=other.events)
 
 
 def _tracker_class():
@@ -291,10 +304,42 @@ def _measure(t, forward_end: int, blocks_path: str) -> _Trace:
         end = post_bw.get(fqn, len(live) - 1)
         transients.append(max(live[start:end + 1]) - t.act[start])
     return _Trace(saved=saved, kept=kept, loss_transient=max(0, loss_transient),
-                  layer_transients=transients)
+                  layer_transients=transients, events=len(t.act))
 
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# A family whose forward loops over the tokens in Python (transformers' Mamba without its CUDA
+# kernels: MambaMixer.slow_forward steps through the sequence) records more ops the longer the
+# sequence: about 0.25 s per token for a 32-block Mamba on this project's 2-core machine, 17
+# minutes at 4,096 tokens. Such a trace is run at these two lengths and its figures extended along
+# the line through them; a family whose op count does not grow is traced at the full length.
+PROBE_TOKENS = (16, 32)
+
+
+def _stepper(torch, transformers, hf, run: dict, seq_len: int, probe: _Trace, notes: list[str]):
+    """A function tracing one step (with or without checkpointing) at ``seq_len``: at the full length
+    where the op count does not grow with the tokens, else scaled from the two probe lengths."""
+    s1, s2 = PROBE_TOKENS
+    if seq_len <= s1:
+        return lambda ckpt: probe if not ckpt else _run(torch, transformers, hf, checkpointing=True,
+                                                        seq_len=seq_len, **run)
+    second = _run(torch, transformers, hf, checkpointing=False, seq_len=min(seq_len, s2), **run)
+    if seq_len <= s2:
+        return lambda ckpt: second if not ckpt else _run(torch, transformers, hf, checkpointing=True,
+                                                         seq_len=seq_len, **run)
+    if second.events == probe.events:  # no per-token loop: the full trace costs what the probe did
+        return lambda ckpt: _run(torch, transformers, hf, checkpointing=ckpt, seq_len=seq_len, **run)
+    notes.append(f"its forward loops over the tokens in Python ({probe.events:,} traced ops at {s1} tokens, "
+                 f"{second.events:,} at {s2}): traced at {s1} and {s2} tokens and each figure extended linearly "
+                 f"to {seq_len:,} (a full trace would take minutes); a term growing faster than the tokens "
+                 "would be missed")
+
+    def scaled(ckpt: bool) -> _Trace:
+        if not ckpt:
+            return probe.scaled(second, s1, s2, seq_len)
+        a, b = (_run(torch, transformers, hf, checkpointing=True, seq_len=s, **run) for s in (s1, s2))
+        return a.scaled(b, s1, s2, seq_len)
+    return scaled
 
 
 def trace_profile(config: dict[str, Any], *, micro_batch: int, seq_len: int, compute: str,
@@ -304,23 +349,24 @@ def trace_profile(config: dict[str, Any], *, micro_batch: int, seq_len: int, com
     torch, transformers = _imports()
     count = count or count_parameters(config, name)
     dtype = getattr(torch, DTYPES[compute])
-    run = dict(micro_batch=micro_batch, seq_len=seq_len, dtype=dtype, attention=attention,
-               blocks_path=count.blocks_path)
+    run = dict(micro_batch=micro_batch, dtype=dtype, attention=attention, blocks_path=count.blocks_path)
     notes = []
     with _quiet(transformers):
         hf = _hf_config(transformers, config, name)
         try:
-            plain = _run(torch, transformers, hf, checkpointing=False, **run)
+            probe = _run(torch, transformers, hf, checkpointing=False, seq_len=min(seq_len, PROBE_TOKENS[0]), **run)
         except PlannerError:
             if attention != "sdpa":
                 raise
             # some families have no SDPA path (transformers raises for attn_implementation="sdpa"):
             # what will run is eager attention, so that is what is traced
             run["attention"] = "eager"
-            plain = _run(torch, transformers, hf, checkpointing=False, **run)
+            probe = _run(torch, transformers, hf, checkpointing=False, seq_len=min(seq_len, PROBE_TOKENS[0]), **run)
             notes.append(f"transformers {transformers.__version__} has no SDPA path for model_type "
                          f"{config.get('model_type')!r}: traced with eager attention, which is what will run")
-        step = _run(torch, transformers, hf, checkpointing=True, **run) if checkpointing == "full" else plain
+        step_at = _stepper(torch, transformers, hf, run, seq_len, probe, notes)
+        plain = step_at(False)
+        step = step_at(True) if checkpointing == "full" else plain
     # A block's figures are what its forward leaves live; one that frees more than it keeps (its
     # input saved by nobody) is counted as keeping nothing rather than as giving memory back.
     layer_saved = max(0, *plain.kept)
