@@ -276,6 +276,12 @@ def largest_layer_parameters(a: Architecture) -> int:
 
 # --- reading Hugging Face configs ------------------------------------------------------------
 
+# The fields that set a model's size: a config without one is sized as its config class's default
+# model (a llama config with only hidden_size has Llama-2-7B's other dimensions), as transformers
+# builds it; the estimate's notes name each one so taken (defaulted_size_fields).
+SIZE_DEFINING = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "num_attention_heads")
+
+
 class _Fields:
     """Typed access to a config dict that names the field and value in every error."""
 
@@ -283,6 +289,7 @@ class _Fields:
         self.source = source
         self.fields = fields
         self.path = path  # where these fields sit in the config: "", "text_config", "vision_config"
+        self.missing: dict[str, Any] = {}  # size-defining fields the config left to its class's defaults
 
     def key(self, name: str) -> str:
         """The field's dotted path in the config (the error's ``field``)."""
@@ -353,6 +360,8 @@ class _Fields:
                 return self.fields[key]
         if default is None:
             return None
+        if name in SIZE_DEFINING and self.path == "":
+            self.missing[name] = default  # said in the estimate's notes (defaulted_size_fields)
         return default
 
 
@@ -975,6 +984,16 @@ def from_hf_config(config: dict[str, Any], source: str = "config", include_visio
         return Architecture(model_type=model_type, **fields)
     except ValueError as exc:  # pydantic's range checks, re-worded with the source
         raise PlannerError(f"{source}: {_first_error(exc)}", field=_first_field(exc)) from None
+
+
+def defaulted_size_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The size-defining fields a config leaves out, with the default its reader took for each."""
+    reader = READERS.get(config.get("model_type")) if isinstance(config, dict) else None
+    if reader is None:
+        return {}
+    read = _Fields("config", config)
+    reader(read)
+    return read.missing
 
 
 def _first_field(exc: ValueError) -> str | None:

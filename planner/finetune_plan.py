@@ -43,12 +43,21 @@ def _headline(req: PlanRequest, fitting: list[str]) -> str:
         "" if fitting == list(METHODS) else f" ({', '.join(LABEL[m] for m in fitting)})")
 
 
+def _method_fields(method: str) -> dict:
+    """The request's LoRA fields as the method reads them: none for full fine-tuning, no quantized
+    base for LoRA (the same validation PlanRequest makes for an explicit method)."""
+    if method == "full":
+        return {"lora_rank": None, "lora_alpha": None, "lora_targets": None, "lora_dropout": None,
+                "quantize_base": None, "train_embeddings": False}
+    return {"quantize_base": None} if method == "lora" else {}
+
+
 def plan_finetune_auto(req: PlanRequest, plan: Callable[[PlanRequest], PlanResult]) -> PlanResult:
     results: dict[str, PlanResult | None] = {}
     errors: dict[str, str] = {}
     for method in METHODS:
         try:
-            results[method] = plan(req.model_copy(update={"finetune": method}))
+            results[method] = plan(req.model_copy(update={"finetune": method} | _method_fields(method)))
         except PlannerError as exc:
             if method == "full":
                 raise

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from planner import buffers as buf
 from planner.frameworks import Framework, framework_of
 from planner.activations import ActivationItem, Activations, estimate_activations
-from planner.architecture import Architecture, parameter_count, parameter_numels
+from planner.architecture import Architecture, defaulted_size_fields, parameter_count, parameter_numels
 from planner.catalogue import ResolvedModel, catalogue_model, model_from_config, raw_parameters, with_vision
 from planner.dsconfig import ZeroSettings, batch_from_config, parse_ds_config, with_overrides
 from planner.errors import PlannerError
@@ -467,6 +467,20 @@ def position_notes(setup: Setup) -> list[str]:
     return [f"WARNING: {error}; a real run fails at its first forward"] if error else []
 
 
+def _defaulted_notes(setup: Setup) -> list[str]:
+    """A user's config that leaves out size-defining fields is sized by its config class's defaults
+    (as transformers builds it): said, each field and the value taken, where the text shows it."""
+    if setup.request.model_config_ is None or setup.model.config is None:
+        return []
+    missing = defaulted_size_fields(setup.model.config)
+    if not missing:
+        return []
+    taken = ", ".join(f"{name} {value:,}" for name, value in missing.items())
+    return [f"WARNING: the config does not give {', '.join(missing)}: taken from model_type "
+            f"{setup.model.config.get('model_type')!r}'s defaults ({taken}), so the size is partly that default "
+            "model's; give them as the model's config.json does"]
+
+
 def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_phase: Phase,
            capacity: int, peak: int) -> list[str]:
     s, r = setup.strategy, setup.recipe
@@ -480,6 +494,7 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
         + (f", offloaded to {setup.zero.offload_optimizer}" if setup.zero.offload_optimizer != "none" else ""),
     ]
     notes.extend(position_notes(setup))
+    notes.extend(_defaulted_notes(setup))
     if setup.tp > 1:
         notes.append(f"tensor parallelism: tp({setup.tp}) splits the heads, the MLP's inner width and the vocabulary "
                      f"(Megatron column/row and vocab-parallel), norms whole: {setup.rank_psi:,} parameters per rank "
