@@ -161,6 +161,18 @@ CPU_RUNS = [
     _run("llama-fsdp-fp32-ga2-t128", LLAMA, "fsdp", "fp32", micro=1, seq=128, gradient_accumulation=2),
 ]
 
+# The part of CPU_RUNS that CI runs (scripts/test.sh deselects the rest, marked slow_matrix in
+# tests/test_deepspeed_cpu.py; bench/accuracy.py runs all): every framework (ZeRO 0-3, DDP, FSDP2),
+# every dimension (tp, cp, pp, ep, accumulation), every recipe (bf16, fp32, checkpointing, small
+# buckets, LoRA, QLoRA) at least once, and a logits-dominated run.
+CI_RUNS = frozenset({
+    "llama-zero0-bf16", "llama-zero1-bf16-t4096", "qwen2-zero2-bf16-small", "llama-zero3-bf16-ckpt",
+    "llama-zero3-fp32-small", "llama-ddp-bf16", "llama-fsdp-fp32", "llama-v32k-zero3-fp32-small-ckpt-t1024",
+    "llama-tp2-fsdp2-bf16-sp-t256", "llama-v256-mha-cp2-fsdp-fp32-t1024", "llama-pp2-1f1b-fp32-m4",
+    "qwen3moe-ep2-fsdp-fp32-t1024", "llama-lora-ddp-bf16-qkvo-r16", "llama-qlora-ddp-fp32-qv",
+    "llama-fsdp-fp32-ga2-t128",
+})
+
 # Measured and reported by bench/accuracy.py (not in CI, to keep it short): the rest of the
 # matrix, asserted nowhere but held to the same TOLERANCE in the README's table.
 BENCH_RUNS = [

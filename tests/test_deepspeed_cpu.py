@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from tests.real_runs import CPU_RUNS, TOLERANCE
+from tests.real_runs import CI_RUNS, CPU_RUNS, TOLERANCE
 
 pytestmark = pytest.mark.deepspeed
 
@@ -19,7 +19,26 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("name,fields", CPU_RUNS, ids=[r[0] for r in CPU_RUNS])
+# the runs CI leaves to bench/accuracy.py carry slow_matrix (scripts/test.sh deselects it)
+MATRIX = [pytest.param(name, fields, id=name, marks=() if name in CI_RUNS else pytest.mark.slow_matrix)
+          for name, fields in CPU_RUNS]
+
+
+def test_the_ci_part_is_named_in_the_matrix_and_covers_each_axis():
+    names = {name for name, _ in CPU_RUNS}
+    assert CI_RUNS <= names
+    chosen = [fields for name, fields in CPU_RUNS if name in CI_RUNS]
+    assert {f["strategy"] for f in chosen} >= {"zero0", "zero1", "zero2", "zero3", "ddp", "fsdp"}
+    for axis in ("tp", "cp", "pp", "ep"):
+        assert any(f.get(axis, 1) > 1 for f in chosen), axis
+    assert {f.get("finetune", "full") for f in chosen} == {"full", "lora", "qlora"}
+    assert {f["precision"] for f in chosen} >= {"bf16-mixed", "fp32"}
+    assert any(f.get("checkpointing") == "full" for f in chosen)
+    assert any(f.get("gradient_accumulation", 1) > 1 for f in chosen)
+    assert any(f["model_config"].get("vocab_size", 0) >= 32_000 for f in chosen)  # logits-dominated
+
+
+@pytest.mark.parametrize("name,fields", MATRIX)
 def test_prediction_within_tolerance_of_measured(name, fields, tmp_path):
     from backend.launch import run_probe
     from planner.memory import cpu_rank_bytes, estimate
