@@ -236,7 +236,7 @@ _PARTS = [("frozen_weights", "frozen base", "#543005"), ("parameters", "paramete
 # The step's time by where it goes (planner/timing.py TimeEstimate): compute, communication the
 # compute does not hide, offload traffic, and the rest of the step (pipeline bubbles and waits).
 TIME_PARTS = [("compute", "compute", "#1b7837"), ("exposed", "exposed communication", "#d6604d"),
-              ("offload", "offload", "#fdb863"), ("bubbles", "pipeline bubbles and other waits", "#999999")]
+              ("offload", "offload", "#fdb863"), ("bubbles", "pipeline bubble", "#999999")]
 GIB = 2 ** 30
 
 
@@ -265,12 +265,16 @@ def moment_rows(result) -> list[tuple[str, dict[str, int]]]:
     return [(p.name + (" (peak)" if p is peak else ""), phase_components(p, framework)) for p in result.phases]
 
 
-def time_parts(t) -> dict[str, float]:
-    """A step's seconds by where they go (a TimeEstimate or a plan Candidate): the rest of the step
-    beyond compute, exposed communication and offload is the pipeline's bubbles and other waits."""
+def time_parts(t, bubble_fraction: float = 0.0) -> dict[str, float]:
+    """A step's seconds by where they go (a TimeEstimate or a plan Candidate). A pipeline's
+    compute_seconds is its stage's compute stretched by the schedule's bubble
+    (planner/pipeline.py pipeline_time: compute = ideal / (1 - fraction)), so ``bubble_fraction``
+    (pipeline.bubble_fraction of the layout) of it is idle; any rest of the step beyond compute,
+    exposed communication and offload is counted with the bubbles as waiting."""
     known = t.compute_seconds + t.exposed_communication_seconds + t.offload_seconds
-    return {"compute": t.compute_seconds, "exposed": t.exposed_communication_seconds, "offload": t.offload_seconds,
-            "bubbles": max(0.0, t.step_seconds - known)}
+    bubble = t.compute_seconds * bubble_fraction
+    return {"compute": t.compute_seconds - bubble, "exposed": t.exposed_communication_seconds,
+            "offload": t.offload_seconds, "bubbles": bubble + max(0.0, t.step_seconds - known)}
 
 
 def _value_label_x(bar_end: float, text: str, capacity_x: float) -> float:
@@ -301,7 +305,10 @@ def _stacked_bars(rows: list[tuple[str, dict[str, float]]], parts: list[tuple[st
     its box would meet it); rows 28 px apart, so totals never meet each other. ``marks``: a
     value per row drawn as a tick over the bar (the reserved peak); ``row_class``: the class of the
     rows' names (the page's tests find a chart's strategies by it)."""
-    legend_rows = _legend(parts, 0, width)[1] // 18
+    shown = [p for p in parts if any(d.get(p[0], 0) > 0 for _, d in rows)]  # a key for what is drawn
+    keys = shown + ([("reserved", "| reserved by the allocator", "#000")] if any(m is not None for m in marks or [])
+                    else [])
+    legend_rows = _legend(keys, 0, width)[1] // 18
     height = int(40 + 28 * len(rows) + 20 + 18 * legend_rows)
     left = max([120.0] + [text_box(label, 0, 0).x1 + 10 for label, _ in rows])
     left = min(left, width * 0.55)
@@ -336,8 +343,7 @@ def _stacked_bars(rows: list[tuple[str, dict[str, float]]], parts: list[tuple[st
         out.append(f'<line class="capacity" x1="{cx:.1f}" y1="20" x2="{cx:.1f}" y2="{30 + 28 * len(rows)}" '
                    f'stroke="black" stroke-dasharray="4,3"/>'
                    f'<text x="{min(max(cx, 60), width - 60):.1f}" y="14" text-anchor="middle">{escape(capacity_text)}</text>')
-    legend, _ = _legend(parts + ([("reserved", "| reserved by the allocator", "#000")] if any(
-        m is not None for m in marks or []) else []), 40 + 28 * len(rows), width)
+    legend, _ = _legend(keys, 40 + 28 * len(rows), width)
     out += legend
     out.append("</svg>")
     return "\n".join(out)

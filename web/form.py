@@ -221,6 +221,15 @@ def _error_field(loc: tuple, names: set[str]) -> str:
     return first if first in names else ""
 
 
+def _loc(error: dict[str, Any]) -> tuple:
+    """Where a pydantic error is: its loc, or, for a PlannerError a model validator raised (whose
+    loc is the whole request), the field the error names."""
+    cause = (error.get("ctx") or {}).get("error")
+    if not error.get("loc") and isinstance(cause, PlannerError) and cause.field:
+        return tuple(cause.field.split("."))
+    return tuple(error.get("loc", ()))
+
+
 def build_request(ask: str, fields: list[FormField], values: dict[str, str],
                   asks: dict[str, type[BaseModel]] | None = None) -> BaseModel:
     """The asked request from the form's values. A value equal to the form's default is left out
@@ -255,8 +264,8 @@ def build_request(ask: str, fields: list[FormField], values: dict[str, str],
     try:
         return model.model_validate(given)
     except ValidationError as exc:
-        raise FormErrors([(_error_field(e.get("loc", ()), names),
-                           e.get("msg", "invalid").removeprefix("Value error, ")) for e in exc.errors()]) from None
+        raise FormErrors([(_error_field(_loc(e), names), e.get("msg", "invalid").removeprefix("Value error, "))
+                          for e in exc.errors()]) from None
     except PlannerError as exc:
         raise FormErrors([(_error_field(tuple((exc.field or "").split(".")), names), str(exc))]) from None
 

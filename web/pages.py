@@ -25,6 +25,7 @@ from planner.emit import emit_files, estimate_request_for
 from planner.errors import PlannerError
 from planner.gpus import load_gpus
 from planner.parallel import ParallelDims, node_layout
+from planner.pipeline import bubble_fraction
 from planner.presets import default_preset_for, preset_topology
 from planner.render import (memory_bars_svg, moments_svg, peak_components, strategy_label, time_bars_svg,
                             time_parts, topology_svg)
@@ -73,6 +74,14 @@ class Option:
     @property
     def timing(self):
         return self.candidate if self.candidate is not None else self.estimate.time
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The idle share of its pipeline's compute (0 without a pipeline), from the core's rule."""
+        parallel = self.candidate.parallel if self.candidate is not None else self.estimate.parallel
+        accumulation = (self.candidate or self.estimate.request).gradient_accumulation
+        stages = self.estimate.request.pp_virtual_stages
+        return bubble_fraction(parallel.pp, accumulation, stages) if parallel.pp > 1 else 0.0
 
 
 def headroom(peak_bytes: int, capacity_bytes: int) -> dict[str, float]:
@@ -125,7 +134,7 @@ def _pictures(options: list[Option], capacity_bytes: int, focus: Option | None, 
     return {"bars": memory_bars_svg(rows, capacity_bytes, reserved=reserved if any(r is not None for r in reserved)
                                     else None),
             "moments": moments_svg(focus.estimate, capacity_bytes) if focus else "",
-            "time": time_bars_svg([(o.label, time_parts(o.timing)) for o in timed],
+            "time": time_bars_svg([(o.label, time_parts(o.timing, o.bubble_fraction)) for o in timed],
                                   [o.timing.step_seconds for o in timed]) if timed else "",
             "topology": topology_svg(topo, layout=_layout(gpus, parallel, topo)) if topo else ""}
 
@@ -140,7 +149,7 @@ def _context(request: Request, ask: str, values: dict[str, str], **extra) -> dic
                                           for f in members)}
     return dict(request=request, ask=ask, asks=list(ASKS), values=values, groups=grouped(list(fields)),
                 open_groups=open_groups, errors=errors, models=list(load_catalogue()), result=None,
-                strategy_label=strategy_label, check_route=_has_check(request.app)) | extra
+                strategy_label=strategy_label, time_parts=time_parts, check_route=_has_check(request.app)) | extra
 
 
 def _has_check(app: FastAPI) -> bool:
