@@ -202,3 +202,20 @@ def test_verify_runs_the_estimate_as_asked(client, monkeypatch):
     refused = client.post("/verify", params=QLORA, data={"token": "s3cret"}, follow_redirects=False)
     assert refused.status_code == 422 and "CUDA device" in refused.text  # this CPU machine has no RTX 4090
     assert client.get("/", params=QLORA | {"ask": "neither"}).status_code == 422
+
+
+def test_the_plan_s_other_answers_and_the_estimate_s_host_memory(client):
+    """What `plan` answers beside the ranking (fewest GPUs and largest micro-batch per strategy,
+    the longest sequence) and what an offloading estimate keeps in host RAM are on the page."""
+    params = {"model": "llama-3-8b", "gpus": 8, "global_batch": 256}
+    page = client.get("/", params=params).text
+    api = client.post("/v1/plan", json=params).json()
+    table = re.search(r'<table id="limits-table">(.*?)</table>', page, re.S).group(1)
+    rows = re.findall(r"<tr><td>([^<]*)</td><td>([^<]*)</td><td>([^<]*)</td></tr>", table)
+    assert rows == [(name, str(n) if n is not None else "none", str(api["max_micro_batch"][name])
+                     if api["max_micro_batch"][name] is not None else "none") for name, n in api["min_gpus"].items()]
+    assert f"{api['max_seq_len']:,} tokens" in page
+    offload = {"model": "llama-3-8b", "strategy": "zero3", "offload_optimizer": "cpu"}
+    shown = client.get("/", params=offload | {"ask": "estimate"}).text
+    host = client.post("/v1/estimate", json=offload).json()["host"]
+    assert f"peak {host['peak_bytes'] / GIB:.2f} GiB ({host['pinned_bytes'] / GIB:.2f} GiB pinned)" in shown
