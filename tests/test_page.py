@@ -219,3 +219,17 @@ def test_the_plan_s_other_answers_and_the_estimate_s_host_memory(client):
     shown = client.get("/", params=offload | {"ask": "estimate"}).text
     host = client.post("/v1/estimate", json=offload).json()["host"]
     assert f"peak {host['peak_bytes'] / GIB:.2f} GiB ({host['pinned_bytes'] / GIB:.2f} GiB pinned)" in shown
+
+
+def test_the_reserved_peak_is_shown_when_the_model_gives_it(client, monkeypatch):
+    """PerDevice.reserved_peak_bytes (the allocator model, issue 24) is read where present: the
+    verdict says what the allocator reserves and what that leaves; the chart draws its tick."""
+    monkeypatch.setattr(web.pages.Option, "reserved_bytes",
+                        property(lambda o: o.estimate.per_device.peak_bytes + GIB))
+    page = client.get("/", params=QLORA).text
+    api = client.post("/v1/estimate", json={k: v for k, v in QLORA.items() if k != "ask"}).json()
+    reserved = api["per_device"]["peak_bytes"] + GIB
+    assert _span(page, "reserved") == f"{reserved / GIB:.2f}"
+    assert _span(page, "reserved-headroom") == f"{(api['device_capacity_bytes'] - reserved) / GIB:.2f}"
+    assert page.count('class="reserved"') == 1  # one option, one tick
+    assert "not modelled here" not in page

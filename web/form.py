@@ -242,7 +242,7 @@ def build_request(ask: str, fields: list[FormField], values: dict[str, str],
     errors: list[tuple[str, str]] = []
     for f in fields:
         value = values.get(f.name, f.default)
-        if value == f.default or (value == "" and f.kind != "text"):
+        if value == f.default or value == "":
             continue
         if ask not in f.asks:
             errors.append((f.name, f"{f.name} is asked by {' and '.join(f.asks)}, not by {ask}; clear it or ask "

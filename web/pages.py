@@ -23,7 +23,7 @@ from backend.anymodel import estimate_any, plan_any as plan  # Hub ids resolved 
 from planner.catalogue import load_catalogue
 from planner.emit import emit_files, estimate_request_for
 from planner.errors import PlannerError
-from planner.gpus import load_gpus
+from planner.gpus import gpu as lookup_gpu, load_gpus
 from planner.parallel import ParallelDims, node_layout
 from planner.pipeline import bubble_fraction
 from planner.presets import default_preset_for, preset_topology
@@ -42,8 +42,6 @@ STATIC_TYPES = {"page.css": "text/css; charset=utf-8", "page.js": "text/javascri
 def _choice_text() -> dict[str, dict[str, str]]:
     """How a select names a catalogue's entries where the name alone says too little: each fabric
     with its per-NIC rate (data/links.yaml), each GPU with its memory."""
-    from planner.units import GIB
-
     return {"fabric": {name: f"{name} ({spec['gbps']:g} GB/s per NIC)" for name, spec in link_rates()["fabric"].items()},
             "gpu": {name: f"{name} ({g.memory_bytes / GIB:.0f} GiB)" for name, g in load_gpus().items()
                     if g.memory_bytes}}
@@ -92,10 +90,8 @@ def headroom(peak_bytes: int, capacity_bytes: int) -> dict[str, float]:
 
 
 def _topology(req) -> Topology | None:
-    from planner.gpus import gpu
-
     if req.topology_text:
-        return parse_topology(req.topology_text, gpu(req.gpu))
+        return parse_topology(req.topology_text, lookup_gpu(req.gpu))
     name = req.topology or default_preset_for(req.gpu)
     return preset_topology(name) if name else None
 
@@ -170,15 +166,13 @@ def _form_errors(exc: PlannerError) -> list[tuple[str, str]]:
 
 def _answer(request: Request, ask: str, values: dict[str, str]) -> HTMLResponse:
     """The asked question's answer as the page shows it: pictures, then tables and launch files."""
-    from planner.gpus import gpu
-
     fields = list(page_fields())
     try:
         req = build_request(ask, fields, values)
         if ask == "plan":
             result = plan(req)
             options = _plan_options(req, result)
-            capacity = gpu(req.gpu).memory_bytes
+            capacity = lookup_gpu(req.gpu).memory_bytes
             focus = next((o for o in options if o.candidate is result.recommended), options[0] if options else None)
             files = sorted(emit_files(req, result.recommended).items()) if result.recommended else []
         else:

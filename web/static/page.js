@@ -46,7 +46,6 @@ function shown(value) {
 function fill(request, ask) {
   const given = Object.entries(request).map(([k, v]) => [k === "model_config_" ? "model_config" : k, v]);
   const names = fieldNames();
-  const unknown = given.filter(([k]) => !names.has(k)).map(([k]) => k);
   if (!ask) {
     const set = given.filter(([, v]) => v !== null && v !== undefined).map(([k]) => k);
     ask = ["plan", "estimate"].find((a) => set.every((k) => !names.has(k) || asksOf(k).includes(a))) || currentAsk();
@@ -65,7 +64,6 @@ function fill(request, ask) {
     control.closest("details")?.setAttribute("open", "");
   }
   showAsk();
-  return unknown;
 }
 
 async function checkFile(name, text) {
