@@ -233,3 +233,15 @@ def test_the_reserved_peak_is_shown_when_the_model_gives_it(client, monkeypatch)
     assert _span(page, "reserved-headroom") == f"{(api['device_capacity_bytes'] - reserved) / GIB:.2f}"
     assert page.count('class="reserved"') == 1  # one option, one tick
     assert "not modelled here" not in page
+
+
+def test_a_plan_where_nothing_fits_says_by_how_much(client):
+    params = {"model": "llama-3.1-405b", "gpu": "rtx-4090", "gpus": 1, "global_batch": 8}
+    page = client.get("/", params=params).text
+    api = client.post("/v1/plan", json=params).json()
+    assert api["recommended"] is None and '<h2 id="verdict">Nothing fits</h2>' in page
+    first = api["candidates"][0]
+    capacity = next(g["memory_bytes"] for g in client.get("/v1/gpus").json() if g["name"] == "rtx-4090")
+    assert "(the first option ranked; none fits)" in page
+    assert _span(page, "over") == f"{(first['per_device']['peak_bytes'] - capacity) / GIB:.2f}"
+    assert 'id="headroom"' not in page
