@@ -328,6 +328,15 @@ def test_a_dropped_request_file_fills_the_form_and_is_answered(server):
             _drop(page, "estimate.json", json.dumps(api))
         page.wait_for_selector("#room")
         assert _room(page) == _expected_room(api["per_device"]["peak_bytes"], api["device_capacity_bytes"])
+        # a plan's result: its request lists every degree at 1; the planner still chooses them
+        plan_result = _post(server, "/v1/plan", {"model": "llama-3-8b", "gpus": 8, "global_batch": 256})
+        with page.expect_navigation():
+            _drop(page, "plan.json", json.dumps(plan_result))
+        page.wait_for_selector("#room")
+        assert "ask=plan" in page.url and page.locator("input[name=tp]").input_value() == ""
+        assert page.locator("#recommended").inner_text().startswith(
+            f"Recommended: {plan_result['recommended']['strategy']}")
+        assert page.locator("#peak").inner_text() == f"{plan_result['recommended']['per_device']['peak_bytes'] / GIB:.2f}"
         # any other job file goes to POST /v1/check; where the server lacks it, the page says so
         _drop(page, "launch.sh", "#!/bin/sh\ndeepspeed train.py --deepspeed ds_config.json\n")
         status = page.locator("#drop-status")

@@ -245,3 +245,15 @@ def test_a_plan_where_nothing_fits_says_by_how_much(client):
     assert "(the first option ranked; none fits)" in page
     assert _span(page, "over") == f"{(first['per_device']['peak_bytes'] - capacity) / GIB:.2f}"
     assert 'id="headroom"' not in page
+
+
+def test_another_option_is_pictured_on_request(client):
+    params = {"model": "llama-3-8b", "gpus": 8, "global_batch": 256}
+    page = client.get("/", params=params).text
+    links = re.findall(r'<a href="(/\?[^"]*focus=(\d+)#moments)"( aria-current="true")?>([^<]*)</a>', page)
+    labels = re.findall(r'<td class="strategy">([^<]*)</td>', page.split('<table id="strategies">')[1].split("</table>")[0])
+    assert [label for *_, label in links] == labels and [c for _, _, c, _ in links].count(' aria-current="true"') == 1
+    href, index, _, label = links[2]
+    other = client.get(html.unescape(href)).text
+    assert re.search(rf"<figcaption>{re.escape(html.escape(label))}: memory over the moments of a step", other)
+    assert re.search(rf'<p id="room" class="\w+">{re.escape(html.escape(label))}: peak', other)

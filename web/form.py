@@ -84,6 +84,7 @@ class FormField:
     kind: Literal["select", "checkbox", "tristate", "number", "text", "textarea"]
     asks: tuple[str, ...]  # the questions whose request has this field
     default: str = ""  # as the form shows it
+    schema_default: str = ""  # as the schema has it, where the form's differs (a degree: 1, shown empty)
     choices: list[tuple[str, str]] = dc_field(default_factory=list)  # (value, text)
     min: Any = None
     max: Any = None
@@ -160,8 +161,8 @@ def _field(name: str, info, asks: tuple[str, ...], choice_text) -> FormField:
         maxlen = next((m.max_length for m in metadata if isinstance(m, MaxLen)), None)
         out.kind = "textarea" if maxlen and maxlen > 4096 else "text"
         out.placeholder = "default" if optional and name != "model" else ""
-    if name in DEGREES:
-        out.default, out.placeholder = "", "planner chooses"  # not the schema's 1: what the planner chooses, unless given
+    if name in DEGREES:  # not the schema's 1: what the planner chooses, unless given
+        out.schema_default, out.default, out.placeholder = out.default, "", "planner chooses"
     return out
 
 

@@ -122,6 +122,15 @@ def _plan_options(req: PlanRequest, result: PlanResult) -> list[Option]:
                    candidate=c) for c in best]
 
 
+def _focus(request: Request, options: list[Option], result: PlanResult) -> Option | None:
+    """The option whose moments and layout are pictured: the one the query names (focus=N, its
+    place in the options), else the recommended one, else the first."""
+    given = request.query_params.get("focus", "")
+    if given.isdigit() and int(given) < len(options):
+        return options[int(given)]
+    return next((o for o in options if o.candidate is result.recommended), options[0] if options else None)
+
+
 def _pictures(options: list[Option], capacity_bytes: int, focus: Option | None, topo, gpus: int) -> dict[str, str]:
     rows = [(o.label + ("" if o.fits else " (no fit)"), peak_components(o.estimate)) for o in options]
     reserved = [o.reserved_bytes for o in options]
@@ -173,7 +182,7 @@ def _answer(request: Request, ask: str, values: dict[str, str]) -> HTMLResponse:
             result = plan(req)
             options = _plan_options(req, result)
             capacity = lookup_gpu(req.gpu).memory_bytes
-            focus = next((o for o in options if o.candidate is result.recommended), options[0] if options else None)
+            focus = _focus(request, options, result)
             files = sorted(emit_files(req, result.recommended).items()) if result.recommended else []
         else:
             result = estimate_any(req)

@@ -60,7 +60,7 @@ function fill(request, ask) {
     const control = form().querySelector(`[data-default][name="${CSS.escape(name)}"]`);
     if (!control) continue;
     if (control.type === "checkbox") control.checked = value === true || value === "true";
-    else control.value = shown(value);
+    else if (shown(value) !== control.dataset.schemaDefault) control.value = shown(value);  // a degree of 1: the planner's
     control.closest("details")?.setAttribute("open", "");
   }
   showAsk();
@@ -121,9 +121,10 @@ document.addEventListener("DOMContentLoaded", () => {
   for (const radio of form().querySelectorAll("input[name=ask]")) radio.addEventListener("change", showAsk);
   showAsk();
   const zone = document.getElementById("drop");
-  zone.addEventListener("dragover", (e) => { e.preventDefault(); zone.classList.add("over"); });
-  zone.addEventListener("dragleave", () => zone.classList.remove("over"));
-  zone.addEventListener("drop", (e) => {
+  // a file dropped anywhere on the page is taken (the browser would otherwise open it in place)
+  document.addEventListener("dragover", (e) => { e.preventDefault(); zone.classList.add("over"); });
+  document.addEventListener("dragleave", (e) => { if (!e.relatedTarget) zone.classList.remove("over"); });
+  document.addEventListener("drop", (e) => {
     e.preventDefault();
     zone.classList.remove("over");
     const file = e.dataTransfer.files[0];
