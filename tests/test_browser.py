@@ -372,3 +372,44 @@ def test_keyboard_and_screen_reader(server):
             order.append(page.evaluate("document.activeElement.name || document.activeElement.id"))
         assert order == ["job-file", "ask", "model"], order
         browser.close()
+
+
+def test_a_job_file_read_by_check_fills_the_form(server):
+    """The page's side of POST /v1/check (issue 23): its answer's request (a full EstimateRequest,
+    every field listed) fills the form and is answered; a refusal is shown beside the drop zone.
+    The route is answered here by Playwright, so the page is tested whichever server it meets."""
+    sync_playwright = _playwright()
+    from planner.schema import EstimateRequest
+
+    job = EstimateRequest(model="qwen3-8b", strategy="zero2", gpus=4, gpu="a100-80gb", micro_batch=2,
+                          seq_len=2048, checkpointing="full")
+    sent = []
+
+    def answer(route):
+        sent.append(json.loads(route.request.post_data))
+        route.fulfill(status=200, content_type="application/json",
+                      body=json.dumps({"request": job.model_dump(mode="json", by_alias=True),
+                                       "notes": ["zero stage 2 from ds_config.json"]}))
+
+    api = _post(server, "/v1/estimate", job.model_dump(mode="json", by_alias=True, exclude_defaults=True))
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server + "/")
+        page.route("**/v1/check", answer)
+        with page.expect_navigation():
+            _drop(page, "ds_config.json", '{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 2}')
+        page.wait_for_selector("#room")
+        assert sent[0]["files"] == [{"name": "ds_config.json",
+                                     "text": '{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 2}'}]
+        assert "ask=estimate" in page.url and page.locator("select[name=strategy]").input_value() == "zero2"
+        assert _room(page) == _expected_room(api["per_device"]["peak_bytes"], api["device_capacity_bytes"])
+        page.unroute("**/v1/check")
+        page.route("**/v1/check", lambda route: route.fulfill(
+            status=422, content_type="application/json",
+            body=json.dumps({"detail": [{"loc": ["body", "files", 0, "text"], "msg": "not a job file we read",
+                                         "type": "value_error"}]})))
+        _drop(page, "notes.txt", "hello")
+        page.locator("#drop-status").filter(has_text="notes.txt: /v1/check refused it (422): files.0.text: "
+                                                      "not a job file we read").wait_for()
+        browser.close()
