@@ -255,6 +255,9 @@ def test_a_qlora_question_on_one_rtx_4090(server, tmp_path):
         assert page.locator("select[name=finetune]").input_value() == "qlora"  # the form keeps the question
         answer, ask = page.locator("#answer").bounding_box(), page.locator("#ask").bounding_box()
         assert ask["x"] + ask["width"] <= answer["x"]  # wide: the form beside the answer
+        page.set_viewport_size({"width": 2560, "height": 1200})
+        _no_sideways_scroll(page, 2560)
+        assert page.locator("#ask").bounding_box()["y"] == page.locator("#answer").bounding_box()["y"]
         phone = browser.new_page(viewport={"width": 375, "height": 812})
         phone.goto(page.url)
         _no_sideways_scroll(phone, 375)
