@@ -132,6 +132,8 @@ def _focus(request: Request, options: list[Option], result: PlanResult) -> Optio
 
 
 def _pictures(options: list[Option], capacity_bytes: int, focus: Option | None, topo, gpus: int) -> dict[str, str]:
+    if focus is None:  # a plan without a single candidate
+        return {}
     rows = [(o.label + ("" if o.fits else " (no fit)"), peak_components(o.estimate)) for o in options]
     reserved = [o.reserved_bytes for o in options]
     timed = [o for o in options if o.timing is not None]
