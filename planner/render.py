@@ -229,9 +229,15 @@ def topology_svg(t: Topology, width: int = 640, layout: NodeLayout | None = None
     return "\n".join(parts)
 
 
-_PARTS = [("parameters", "parameters", "#2166ac"), ("gradients", "gradients", "#67a9cf"),
-          ("optimizer_states", "optimizer states", "#fdb863"), ("activations", "activations", "#d6604d"),
-          ("buffers", "buffers", "#999999"), ("framework", "framework", "#4d4d4d")]
+_PARTS = [("frozen_weights", "frozen base", "#543005"), ("parameters", "parameters", "#2166ac"),
+          ("gradients", "gradients", "#67a9cf"), ("optimizer_states", "optimizer states", "#fdb863"),
+          ("activations", "activations", "#d6604d"), ("buffers", "buffers", "#999999"),
+          ("framework", "framework", "#4d4d4d")]
+# The step's time by where it goes (planner/timing.py TimeEstimate): compute, communication the
+# compute does not hide, offload traffic, and the rest of the step (pipeline bubbles and waits).
+TIME_PARTS = [("compute", "compute", "#1b7837"), ("exposed", "exposed communication", "#d6604d"),
+              ("offload", "offload", "#fdb863"), ("bubbles", "pipeline bubble", "#999999")]
+GIB = 2 ** 30
 
 
 def peak_components(result) -> dict[str, int]:
@@ -239,11 +245,36 @@ def peak_components(result) -> dict[str, int]:
     items plus the framework overhead). The parts add up to ``per_device.peak_bytes`` exactly,
     unlike the textbook per-component figures, which are not all live at the same moment."""
     phase = max(result.phases, key=lambda p: p.bytes)
+    return phase_components(phase, result.per_device.peak_bytes - phase.bytes)
+
+
+def phase_components(phase, framework_bytes: int) -> dict[str, int]:
+    """One moment's live bytes by component, with the framework overhead every moment carries."""
     parts = {key: 0 for key, _, _ in _PARTS}
     for item in phase.items:
-        parts[item.component] += item.bytes
-    parts["framework"] += result.per_device.peak_bytes - phase.bytes
+        parts[item.component] = parts.get(item.component, 0) + item.bytes
+    parts["framework"] += framework_bytes
     return parts
+
+
+def moment_rows(result) -> list[tuple[str, dict[str, int]]]:
+    """An estimate's moments in step order, each with its live bytes by component; the peak's
+    name says so."""
+    peak = max(result.phases, key=lambda p: p.bytes)
+    framework = result.per_device.peak_bytes - peak.bytes
+    return [(p.name + (" (peak)" if p is peak else ""), phase_components(p, framework)) for p in result.phases]
+
+
+def time_parts(t, bubble_fraction: float = 0.0) -> dict[str, float]:
+    """A step's seconds by where they go (a TimeEstimate or a plan Candidate). A pipeline's
+    compute_seconds is its stage's compute stretched by the schedule's bubble
+    (planner/pipeline.py pipeline_time: compute = ideal / (1 - fraction)), so ``bubble_fraction``
+    (pipeline.bubble_fraction of the layout) of it is idle; any rest of the step beyond compute,
+    exposed communication and offload is counted with the bubbles as waiting."""
+    known = t.compute_seconds + t.exposed_communication_seconds + t.offload_seconds
+    bubble = t.compute_seconds * bubble_fraction
+    return {"compute": t.compute_seconds - bubble, "exposed": t.exposed_communication_seconds,
+            "offload": t.offload_seconds, "bubbles": bubble + max(0.0, t.step_seconds - known)}
 
 
 def _value_label_x(bar_end: float, text: str, capacity_x: float) -> float:
@@ -254,40 +285,90 @@ def _value_label_x(bar_end: float, text: str, capacity_x: float) -> float:
     return capacity_x + 5 if box.x0 <= capacity_x + 1 and box.x1 >= capacity_x - 1 else x
 
 
-def memory_bars_svg(rows: list[tuple[str, dict[str, int]]], capacity_bytes: int, width: int = 720) -> str:
-    """One stacked bar per strategy (bytes live at its peak by component, in GiB; see
-    ``peak_components``) against the device's capacity line. Each row's value label sits after its
-    bar or, where that would meet the capacity line, after the line; rows are 28 px apart, so labels
-    never meet each other."""
-    gib = 2 ** 30
-    height = 40 + 28 * len(rows) + 40
-    totals = [f"{sum(d.values()) / gib:.2f} GiB" for _, d in rows]
+def _legend(parts: list[tuple[str, str, str]], y: float, width: int) -> tuple[list[str], float]:
+    """Colour keys left to right, wrapping at the chart's width; (elements, the y below them)."""
+    out, x = [], 20.0
+    for _, name, colour in parts:
+        w = 16 + text_box(name, 0, 0).x1 + 14
+        if x + w > width and x > 20:
+            x, y = 20.0, y + 18
+        out.append(f'<rect x="{x:.0f}" y="{y:.0f}" width="12" height="12" fill="{colour}"/>'
+                   f'<text x="{x + 16:.0f}" y="{y + 10:.0f}">{escape(name)}</text>')
+        x += w
+    return out, y + 18
+
+
+def _stacked_bars(rows: list[tuple[str, dict[str, float]]], parts: list[tuple[str, str, str]], title: str,
+                  totals: list[str], describe, capacity: float | None = None, capacity_text: str = "",
+                  marks: list[float | None] | None = None, width: int = 720, row_class: str = "strategy") -> str:
+    """One stacked bar per row; each row's total after its bar (or after the capacity line, where
+    its box would meet it); rows 28 px apart, so totals never meet each other. ``marks``: a
+    value per row drawn as a tick over the bar (the reserved peak); ``row_class``: the class of the
+    rows' names (the page's tests find a chart's strategies by it)."""
+    shown = [p for p in parts if any(d.get(p[0], 0) > 0 for _, d in rows)]  # a key for what is drawn
+    keys = shown + ([("reserved", "| reserved by the allocator", "#000")] if any(m is not None for m in marks or [])
+                    else [])
+    legend_rows = _legend(keys, 0, width)[1] // 18
+    height = int(40 + 28 * len(rows) + 20 + 18 * legend_rows)
     left = max([120.0] + [text_box(label, 0, 0).x1 + 10 for label, _ in rows])
+    left = min(left, width * 0.55)
     right = width - 10 - max([text_box("000.00 GiB", 0, 0).x1] + [text_box(t, 0, 0).x1 for t in totals]) - 5
-    top_value = max([capacity_bytes] + [sum(d.values()) for _, d in rows]) or 1
+    values = [sum(d.values()) for _, d in rows] + [m for m in marks or [] if m is not None]
+    top_value = max([capacity or 0] + values) or 1
     scale = (right - left) / top_value
-    cx = left + capacity_bytes * scale
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-           f'font-size="{FONT_PX}"><title>per-GPU memory at the peak, by component (GiB)</title>'
+    cx = left + (capacity or 0) * scale
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+           f'font-family="sans-serif" font-size="{FONT_PX}" role="img"><title>{escape(title)}</title>'
            f'<rect width="100%" height="100%" fill="white"/>']
     for k, ((label, d), total) in enumerate(zip(rows, totals)):
         y = 30 + 28 * k
-        out.append(f'<text class="strategy" x="{left - 6:.1f}" y="{y + 14}" text-anchor="end">{escape(label)}</text>')
+        out.append(f'<text class="{row_class}" x="{left - 6:.1f}" y="{y + 14}" text-anchor="end">{escape(label)}</text>')
         x = float(left)
-        for key, name, colour in _PARTS:
+        for key, name, colour in parts:
             value = d.get(key, 0)
             w = value * scale
             if w > 0:
                 out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="20" fill="{colour}">'
-                           f'<title>{name}: {value / gib:.2f} GiB</title></rect>')
+                           f'<title>{escape(label)}: {name} {describe(value)}</title></rect>')
             x += w
-        out.append(f'<text class="total" x="{_value_label_x(x, total, cx):.1f}" y="{y + 14}">{total}</text>')
-    out.append(f'<line class="capacity" x1="{cx:.1f}" y1="20" x2="{cx:.1f}" y2="{height - 40}" stroke="black" '
-               f'stroke-dasharray="4,3"/>'
-               f'<text x="{min(cx, width - 60):.1f}" y="14" text-anchor="middle">capacity {capacity_bytes / gib:.1f} GiB</text>')
-    for k, (_, name, colour) in enumerate(_PARTS):
-        x = 20 + k * 115
-        out.append(f'<rect x="{x}" y="{height - 28}" width="12" height="12" fill="{colour}"/>'
-                   f'<text x="{x + 16}" y="{height - 18}">{name}</text>')
+        mark = (marks or [None] * len(rows))[k]
+        if mark is not None:
+            mx = left + mark * scale
+            out.append(f'<path class="reserved" d="M{mx:.1f} {y - 3}v26" stroke="#000" stroke-width="3">'
+                       f'<title>{escape(label)}: reserved by the allocator {describe(mark)}</title></path>')
+            x = max(x, mx)
+        out.append(f'<text class="total" x="{_value_label_x(x, total, cx if capacity else -99):.1f}" '
+                   f'y="{y + 14}">{total}</text>')
+    if capacity:
+        out.append(f'<line class="capacity" x1="{cx:.1f}" y1="20" x2="{cx:.1f}" y2="{30 + 28 * len(rows)}" '
+                   f'stroke="black" stroke-dasharray="4,3"/>'
+                   f'<text x="{min(max(cx, 60), width - 60):.1f}" y="14" text-anchor="middle">{escape(capacity_text)}</text>')
+    legend, _ = _legend(keys, 40 + 28 * len(rows), width)
+    out += legend
     out.append("</svg>")
     return "\n".join(out)
+
+
+def memory_bars_svg(rows: list[tuple[str, dict[str, int]]], capacity_bytes: int, width: int = 720,
+                    reserved: list[int | None] | None = None,
+                    title: str = "per-GPU memory at the peak, by component (GiB)", row_class: str = "strategy") -> str:
+    """One stacked bar per row (bytes live at its peak by component, in GiB; see
+    ``peak_components``) against the device's capacity line; ``reserved``: each row's peak
+    reserved by the caching allocator, a tick over its bar (None where not modelled)."""
+    totals = [f"{sum(d.values()) / GIB:.2f} GiB" for _, d in rows]
+    return _stacked_bars(rows, _PARTS, title, totals, lambda v: f"{v / GIB:.2f} GiB", capacity_bytes,
+                         f"capacity {capacity_bytes / GIB:.1f} GiB", reserved, width, row_class)
+
+
+def moments_svg(result, capacity_bytes: int, width: int = 720) -> str:
+    """One estimate's memory over the moments of a step, each moment's live bytes by component,
+    against the card."""
+    return memory_bars_svg(moment_rows(result), capacity_bytes, width,
+                           title="per-GPU memory over the moments of a step, by component (GiB)", row_class="moment")
+
+
+def time_bars_svg(rows: list[tuple[str, dict[str, float]]], step_seconds: list[float], width: int = 720) -> str:
+    """One stacked bar per option: its step's seconds by where they go (``time_parts``)."""
+    totals = [f"{s:.3f} s" for s in step_seconds]
+    return _stacked_bars(rows, TIME_PARTS, "seconds per optimizer step: compute, exposed communication, offload, "
+                         "bubbles", totals, lambda v: f"{v:.3f} s", width=width, row_class="option")

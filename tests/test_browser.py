@@ -3,15 +3,21 @@ fills the form on a live server, submits it, and checks the ranked table and the
 core's own plan for the same inputs.
 
 CI installs chromium and sets PLANNER_REQUIRE_BROWSER=1, so there a missing browser fails the
-test instead of skipping it. PLANNER_SCREENSHOT=PATH also saves the result page (the README's
-picture: docs/result-page.png).
+test instead of skipping it. The questions people bring (a QLoRA fit on one consumer GPU, a plan
+over four nodes, a dropped job file) are asked as a user asks them, and the page's numbers are
+checked against the API's for the same question. Screenshots (desktop and phone) are taken each
+run; PLANNER_SCREENSHOTS=docs saves them where the README shows them.
 """
 
+import json
 import os
+import re
 import shutil
 import socket
 import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -90,7 +96,7 @@ def test_form_to_ranked_table_and_chart(server):
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1200, "height": 900})
         page.goto(server + "/")
-        page.select_option("select[name=model]", "llama-3-8b")
+        page.fill("input[name=model]", "llama-3-8b")
         page.select_option("select[name=gpu]", "h100-80gb")
         page.fill("input[name=gpus]", "8")
         page.select_option("select[name=topology]", "hgx-h100")
@@ -120,9 +126,6 @@ def test_form_to_ranked_table_and_chart(server):
         chart = [t.removesuffix(" (no fit)") for t in page.locator("#bars svg text.strategy").all_text_contents()]
         assert chart == table  # one name for a strategy in the table and the chart
         assert any("(shard groups of" in t for t in table)
-        if os.environ.get("PLANNER_SCREENSHOT"):
-            page.set_viewport_size({"width": 1200, "height": 1250})  # form, verdict, table and chart
-            page.screenshot(path=os.environ["PLANNER_SCREENSHOT"])
         browser.close()
 
 
@@ -140,7 +143,7 @@ def test_fabric_inputs_and_a_labelled_topology(server):
         page.goto(server + "/")
         options = page.locator("select[name=fabric] option").evaluate_all("os => os.map(o => o.value)")
         assert options == [""] + list(link_rates()["fabric"])  # the catalogue's fabrics, after "(preset's)"
-        page.select_option("select[name=model]", "llama-3-8b")
+        page.fill("input[name=model]", "llama-3-8b")
         page.select_option("select[name=gpu]", "rtx-a6000")
         page.select_option("select[name=topology]", "a6000-nvlink-pairs")
         page.fill("input[name=nodes]", "2")
@@ -172,7 +175,7 @@ def test_degrees_on_the_form_and_the_layout_on_the_picture(server):
             box = page.locator(f"#degrees input[name={name}]")
             assert box.input_value() == "" and box.get_attribute("placeholder") == "planner chooses"
             assert box.locator("xpath=..").get_attribute("title") == PlanRequest.model_fields[name].description
-        page.select_option("select[name=model]", "llama-3-8b")
+        page.fill("input[name=model]", "llama-3-8b")
         page.select_option("select[name=topology]", "hgx-h100")
         page.click("button[type=submit]")
         page.wait_for_selector("#layout")
@@ -187,4 +190,229 @@ def test_degrees_on_the_form_and_the_layout_on_the_picture(server):
         assert "tp=2" in page.url and page.locator("#layout").inner_text().startswith("Layout: tp 2 x")
         groups = page.locator("#topology svg g.tp-group").evaluate_all("gs => gs.map(g => g.dataset.gpus)")
         assert groups[:4] == ["0,1", "2,3", "4,5", "6,7"]  # tp innermost: consecutive GPUs of the node
+        browser.close()
+
+
+GIB = 2 ** 30
+QLORA = {"model": "llama-3.1-8b", "gpu": "rtx-4090", "gpus": 1, "finetune": "qlora", "strategy": "zero0",
+         "checkpointing": "full"}
+FOUR_NODES = {"model": "llama-3.1-70b", "gpu": "h100-80gb", "gpus": 8, "nodes": 4, "global_batch": 512}
+
+
+def _post(server: str, route: str, body: dict) -> dict:
+    request = urllib.request.Request(server + route, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)
+
+
+def _shots(tmp_path) -> Path:
+    """Where screenshots go: PLANNER_SCREENSHOTS (the README's docs/), else this test's own folder."""
+    where = Path(os.environ.get("PLANNER_SCREENSHOTS") or tmp_path)
+    where.mkdir(parents=True, exist_ok=True)
+    return where
+
+
+def _room(page) -> dict:
+    return {k: page.locator(f"#{k}").inner_text() for k in ("peak", "capacity", "headroom", "headroom-percent")}
+
+
+def _expected_room(peak: int, capacity: int) -> dict:
+    return {"peak": f"{peak / GIB:.2f}", "capacity": f"{capacity / GIB:.2f}",
+            "headroom": f"{(capacity - peak) / GIB:.2f}", "headroom-percent": f"{100 * (capacity - peak) / capacity:.1f}"}
+
+
+def _no_sideways_scroll(page, width: int) -> None:
+    assert page.evaluate("document.documentElement.scrollWidth") <= width
+
+
+def test_a_qlora_question_on_one_rtx_4090(server, tmp_path):
+    """Can I QLoRA Llama-3.1-8B on my 4090? Asked through the form with the keyboard's controls;
+    the verdict, peak and headroom are the API's; the page holds on a phone."""
+    sync_playwright = _playwright()
+    api = _post(server, "/v1/estimate", QLORA)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server + "/")
+        page.check("input[name=ask][value=estimate]")
+        assert page.locator("input[name=global_batch]").is_disabled()  # the plan's field is not sent
+        assert page.locator("input[name=micro_batch]").is_enabled()
+        page.fill("input[name=model]", QLORA["model"])
+        page.select_option("select[name=gpu]", QLORA["gpu"])
+        page.fill("input[name=gpus]", "1")
+        page.select_option("select[name=finetune]", "qlora")
+        page.select_option("select[name=strategy]", "zero0")
+        page.select_option("select[name=checkpointing]", "full")
+        page.click("button[type=submit]")
+        page.wait_for_selector("#room")
+        assert "ask=estimate" in page.url and "finetune=qlora" in page.url
+        assert page.locator("#verdict").inner_text().startswith("Fits" if api["fits"] else "Does not fit")
+        assert _room(page) == _expected_room(api["per_device"]["peak_bytes"], api["device_capacity_bytes"])
+        assert f"{api['time']['step_seconds']:.3f} s per step" in page.locator("#recommended").inner_text()
+        assert page.locator("#moments svg text.moment").count() == len(api["phases"])
+        assert page.locator("#time svg").bounding_box()["width"] > 200
+        assert page.locator("select[name=finetune]").input_value() == "qlora"  # the form keeps the question
+        answer, ask = page.locator("#answer").bounding_box(), page.locator("#ask").bounding_box()
+        assert ask["x"] + ask["width"] <= answer["x"]  # wide: the form beside the answer
+        page.set_viewport_size({"width": 2560, "height": 1200})
+        _no_sideways_scroll(page, 2560)
+        assert page.locator("#ask").bounding_box()["y"] == page.locator("#answer").bounding_box()["y"]
+        phone = browser.new_page(viewport={"width": 375, "height": 812})
+        phone.goto(page.url)
+        _no_sideways_scroll(phone, 375)
+        assert phone.locator("#answer").bounding_box()["y"] < phone.locator("#ask").bounding_box()["y"]  # pictures first
+        assert _room(phone) == _room(page)
+        phone.screenshot(path=str(_shots(tmp_path) / "page-qlora-phone.png"))
+        browser.close()
+
+
+def test_a_plan_over_four_nodes(server, tmp_path):
+    """A 70B model on four nodes of eight H100: the recommendation, its peak and headroom, its step
+    time are the API's; every picture is drawn; the link asks it again."""
+    sync_playwright = _playwright()
+    api = _post(server, "/v1/plan", FOUR_NODES)
+    best = api["recommended"]
+    capacity = next(g["memory_bytes"] for g in json.load(urllib.request.urlopen(server + "/v1/gpus", timeout=30))
+                    if g["name"] == "h100-80gb")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server + "/")
+        page.fill("input[name=model]", FOUR_NODES["model"])
+        page.fill("input[name=nodes]", "4")
+        page.fill("input[name=global_batch]", "512")
+        page.click("button[type=submit]")
+        page.wait_for_selector("#room")
+        assert page.locator("#recommended").inner_text().startswith(f"Recommended: {best['strategy']}")
+        assert _room(page) == _expected_room(best["per_device"]["peak_bytes"], capacity)
+        assert f"{best['step_seconds']:.3f} s per step" in page.locator("#recommended").inner_text()
+        assert page.locator("#network").inner_text().startswith("Wiring: 4 nodes of 8 h100-80gb")
+        for figure in ("bars", "moments", "time", "topology"):
+            assert page.locator(f"#{figure} svg").bounding_box()["width"] > 200, figure
+        _labels_clear(page)
+        rows = page.locator("#strategies td.strategy").all_inner_texts()
+        assert page.locator("#time svg text.option").all_text_contents() == rows  # one time bar per option
+        page.set_viewport_size({"width": 1400, "height": 1100})  # the form, the verdict and the first pictures
+        page.screenshot(path=str(_shots(tmp_path) / "page-plan-desktop.png"))
+        page.goto(server + page.locator("#share").get_attribute("href"))
+        assert _room(page) == _expected_room(best["per_device"]["peak_bytes"], capacity)
+        phone = browser.new_page(viewport={"width": 375, "height": 812})
+        phone.goto(page.url)
+        _no_sideways_scroll(phone, 375)
+        browser.close()
+
+
+def _drop(page, name: str, text: str) -> None:
+    """A file dropped on the drop zone, as a desktop's file manager drops it."""
+    transfer = page.evaluate_handle("""([name, text]) => { const t = new DataTransfer();
+        t.items.add(new File([text], name, {type: "application/octet-stream"})); return t; }""", [name, text])
+    page.dispatch_event("#drop", "drop", {"dataTransfer": transfer})
+
+
+def test_a_dropped_request_file_fills_the_form_and_is_answered(server):
+    sync_playwright = _playwright()
+    request = {"model": "mistral-7b-v0.1", "strategy": "zero2", "gpus": 4, "micro_batch": 2, "seq_len": 2048,
+               "gpu": "a100-80gb"}
+    api = _post(server, "/v1/estimate", request)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server + "/")  # the plan is asked by default; the file's fields are the estimate's
+        with page.expect_navigation():
+            _drop(page, "job.json", json.dumps(request))
+        page.wait_for_selector("#room")
+        assert "ask=estimate" in page.url and "strategy=zero2" in page.url
+        assert page.locator("input[name=micro_batch]").input_value() == "2"
+        assert page.locator("select[name=gpu]").input_value() == "a100-80gb"
+        assert _room(page) == _expected_room(api["per_device"]["peak_bytes"], api["device_capacity_bytes"])
+        # a result file holds its request: dropped, it asks the same question again
+        with page.expect_navigation():
+            _drop(page, "estimate.json", json.dumps(api))
+        page.wait_for_selector("#room")
+        assert _room(page) == _expected_room(api["per_device"]["peak_bytes"], api["device_capacity_bytes"])
+        # a plan's result: its request lists every degree at 1; the planner still chooses them
+        plan_result = _post(server, "/v1/plan", {"model": "llama-3-8b", "gpus": 8, "global_batch": 256})
+        with page.expect_navigation():
+            _drop(page, "plan.json", json.dumps(plan_result))
+        page.wait_for_selector("#room")
+        assert "ask=plan" in page.url and page.locator("input[name=tp]").input_value() == ""
+        assert page.locator("#recommended").inner_text().startswith(
+            f"Recommended: {plan_result['recommended']['strategy']}")
+        assert page.locator("#peak").inner_text() == f"{plan_result['recommended']['per_device']['peak_bytes'] / GIB:.2f}"
+        # any other job file goes to POST /v1/check; where the server lacks it, the page says so
+        _drop(page, "launch.sh", "#!/bin/sh\ndeepspeed train.py --deepspeed ds_config.json\n")
+        status = page.locator("#drop-status")
+        if status.get_attribute("data-check") == "no":
+            status.filter(has_text="launch.sh: this server has no POST /v1/check").wait_for()
+        else:  # read by /v1/check: the form is filled from its request and answered, or its refusal is shown
+            status.filter(has_text=re.compile(r"launch\.sh: (read by|/v1/check refused)")).wait_for()
+        browser.close()
+
+
+def test_keyboard_and_screen_reader(server):
+    """Every visible control has a label and a described-by help text that exists; the tab order
+    runs drop zone, question, model; an error's field says it is invalid and names the error."""
+    sync_playwright = _playwright()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server + "/?model=llama-3-8b&gpus=0")
+        unlabelled = page.evaluate("""() => [...document.querySelectorAll('#form input, #form select, #form textarea')]
+            .filter(c => c.type !== 'hidden' && (!c.labels || c.labels.length === 0)).map(c => c.name)""")
+        assert unlabelled == []
+        broken = page.evaluate("""() => [...document.querySelectorAll('[aria-describedby]')].filter(c =>
+            c.getAttribute('aria-describedby').split(' ').some(id => !document.getElementById(id))).map(c => c.name)""")
+        assert broken == []
+        assert page.locator("input[name=gpus]").get_attribute("aria-invalid") == "true"
+        assert "greater than or equal to 1" in page.locator("#err-gpus").inner_text()
+        page.click("#errors a")  # the summary's link takes focus to the field
+        assert page.evaluate("location.hash") == "#f-gpus"
+        page.goto(server + "/")
+        order = []
+        for _ in range(3):
+            page.keyboard.press("Tab")
+            order.append(page.evaluate("document.activeElement.name || document.activeElement.id"))
+        assert order == ["job-file", "ask", "model"], order
+        browser.close()
+
+
+def test_a_job_file_read_by_check_fills_the_form(server):
+    """The page's side of POST /v1/check (issue 23): its answer's request (a full EstimateRequest,
+    every field listed) fills the form and is answered; a refusal is shown beside the drop zone.
+    The route is answered here by Playwright, so the page is tested whichever server it meets."""
+    sync_playwright = _playwright()
+    from planner.schema import EstimateRequest
+
+    job = EstimateRequest(model="qwen3-8b", strategy="zero2", gpus=4, gpu="a100-80gb", micro_batch=2,
+                          seq_len=2048, checkpointing="full")
+    sent = []
+
+    def answer(route):
+        sent.append(json.loads(route.request.post_data))
+        route.fulfill(status=200, content_type="application/json",
+                      body=json.dumps({"request": job.model_dump(mode="json", by_alias=True),
+                                       "notes": ["zero stage 2 from ds_config.json"]}))
+
+    api = _post(server, "/v1/estimate", job.model_dump(mode="json", by_alias=True, exclude_defaults=True))
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server + "/")
+        page.route("**/v1/check", answer)
+        with page.expect_navigation():
+            _drop(page, "ds_config.json", '{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 2}')
+        page.wait_for_selector("#room")
+        assert sent[0]["files"] == [{"name": "ds_config.json",
+                                     "text": '{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 2}'}]
+        assert "ask=estimate" in page.url and page.locator("select[name=strategy]").input_value() == "zero2"
+        assert _room(page) == _expected_room(api["per_device"]["peak_bytes"], api["device_capacity_bytes"])
+        page.unroute("**/v1/check")
+        page.route("**/v1/check", lambda route: route.fulfill(
+            status=422, content_type="application/json",
+            body=json.dumps({"detail": [{"loc": ["body", "files", 0, "text"], "msg": "not a job file we read",
+                                         "type": "value_error"}]})))
+        _drop(page, "notes.txt", "hello")
+        page.locator("#drop-status").filter(has_text="notes.txt: /v1/check refused it (422): files.0.text: "
+                                                      "not a job file we read").wait_for()
         browser.close()

@@ -140,7 +140,7 @@ def test_chart_and_table_name_strategies_alike(client):
 
 def test_fabric_choices_come_from_the_catalogue(client):
     html = client.get("/").text
-    select = re.search(r'<select name="fabric">(.*?)</select>', html, re.S).group(1)
+    select = re.search(r'<select name="fabric"[^>]*>(.*?)</select>', html, re.S).group(1)
     assert re.findall(r'<option value="([^"]+)"', select) == list(link_rates()["fabric"])
     assert re.search(r'<input name="nics_per_node" type="number"', html)
 
@@ -198,3 +198,55 @@ def test_the_layout_on_the_topology_picture():
     # without a layout the picture is as before: no band, no layout legend
     plain = topology_svg(preset_topology("hgx-h100"))
     assert "tp-group" not in plain and "layout-legend" not in plain
+
+
+def test_the_reserved_peak_is_a_tick_over_its_bar_and_keyed():
+    rows = [("a", {"parameters": 10 * GIB}), ("b", {"parameters": 20 * GIB})]
+    svg = ET.fromstring(memory_bars_svg(rows, 80 * GIB, reserved=[12 * GIB, None]))
+    (tick,) = [p for p in svg.iter(SVG + "path") if p.get("class") == "reserved"]
+    (bar_a, _) = [r for r in svg.iter(SVG + "rect") if r.find(SVG + "title") is not None]
+    x = float(re.match(r"M([\d.]+) ", tick.get("d")).group(1))
+    end = float(bar_a.get("x")) + float(bar_a.get("width"))
+    assert x == pytest.approx(float(bar_a.get("x")) + 1.2 * float(bar_a.get("width")), abs=0.2) and x > end
+    assert "reserved by the allocator" in "".join(t.text or "" for t in svg.iter(SVG + "text"))
+    plain = ET.fromstring(memory_bars_svg(rows, 80 * GIB))
+    assert not [p for p in plain.iter(SVG + "path")]
+    keys = [t.text for t in plain.iter(SVG + "text") if t.get("class") is None and t.text in
+            ("parameters", "gradients", "frozen base")]
+    assert keys == ["parameters"]  # the legend names only what is drawn
+
+
+def test_a_qlora_estimate_s_moments_and_its_frozen_base():
+    from planner.memory import estimate
+    from planner.render import moment_rows, moments_svg, peak_components
+    from planner.schema import EstimateRequest
+
+    result = estimate(EstimateRequest(model="llama-3.1-8b", gpu="rtx-4090", gpus=1, finetune="qlora",
+                                      strategy="zero0", checkpointing="full"))
+    parts = peak_components(result)
+    assert parts["frozen_weights"] > 0 and sum(parts.values()) == result.per_device.peak_bytes
+    rows = moment_rows(result)
+    framework = result.per_device.peak_bytes - max(p.bytes for p in result.phases)
+    assert [sum(d.values()) for _, d in rows] == [p.bytes + framework for p in result.phases]
+    assert [name for name, _ in rows if name.endswith(" (peak)")] == [result.per_device.peak_phase + " (peak)"]
+    svg = ET.fromstring(moments_svg(result, result.device_capacity_bytes))
+    assert len([t for t in svg.iter(SVG + "text") if t.get("class") == "moment"]) == len(result.phases)
+
+
+def test_the_step_time_split_adds_up_and_names_the_pipeline_bubble():
+    from planner.pipeline import bubble_fraction
+    from planner.plan import plan
+    from planner.render import time_bars_svg, time_parts
+    from planner.schema import PlanRequest
+
+    result = plan(PlanRequest(model="llama-3.1-8b", gpus=8, nodes=2, pp=2, global_batch=64))
+    c = result.recommended
+    fraction = bubble_fraction(c.parallel.pp, c.gradient_accumulation, 1)
+    parts = time_parts(c, fraction)
+    assert sum(parts.values()) == pytest.approx(c.step_seconds, rel=1e-9)
+    assert parts["bubbles"] == pytest.approx(c.compute_seconds * fraction) and parts["bubbles"] > 0
+    assert time_parts(c)["bubbles"] == pytest.approx(c.step_seconds - c.compute_seconds
+                                                      - c.exposed_communication_seconds - c.offload_seconds, abs=1e-12)
+    svg = ET.fromstring(time_bars_svg([("x", parts)], [c.step_seconds]))
+    assert [t.text for t in svg.iter(SVG + "text") if t.get("class") == "total"] == [f"{c.step_seconds:.3f} s"]
+    assert not [line for line in svg.iter(SVG + "line")]  # seconds have no capacity line

@@ -383,5 +383,5 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
 
     from web.pages import add_pages
 
-    add_pages(app)
+    add_pages(app, _token)
     return app
