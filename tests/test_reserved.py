@@ -134,3 +134,14 @@ def test_the_plan_replays_its_recommendation():
     best = r.recommended.per_device
     assert best.reserved_peak_bytes > best.peak_bytes + best.nccl_bytes  # replayed, not the lower bound
     assert best.reserved_peak_bytes <= 80 * 2**30 and any(n.startswith("memory: the search judges") for n in r.notes)
+
+
+def test_the_published_allocator_rows_are_predicted():
+    from bench import allocator_published as ap
+
+    for row in ap.ROWS:
+        p = ap.predict(row)
+        assert "error" not in p, (row.name, p)
+        assert p["reserved"] >= p["allocated"] and p["terms"] > 0
+    text = ap.table([(ap.ROWS[-1], ap.predict(ap.ROWS[-1]))])
+    assert "llama-cookbook #120" in text and "Simulated" in text
