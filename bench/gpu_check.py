@@ -12,15 +12,39 @@ and memory_stats. The script then prints:
 - the CUDA context and cuBLAS workspace, read from the driver (total minus free before any tensor,
   from torch.cuda.mem_get_info) and from the first matmul.
 
-Its JSON output is what gpus.yaml's cuda_context_mib and a future allocator term are calibrated
-from. It finishes in a few minutes on one H200. It has not yet been run: no GPU was available when
-it was written.
+Its JSON output is what gpus.yaml's cuda_context_mib is calibrated from. It finishes in a few
+minutes on one H200. It has not yet been run: no GPU was available when it was written.
+
+The caching allocator (issue 24): every grid run is made twice, with PYTORCH_CUDA_ALLOC_CONF unset
+and with expandable_segments:True, and records allocated, active and reserved peaks
+(torch.cuda.memory_stats: allocated_bytes / active_bytes / reserved_bytes .all.peak) beside the
+simulator's (planner/reserved.py). Then the allocation sequences of tests/test_allocator.py and
+each run's simulated allocation stream are replayed with real tensors (torch.empty on CUDA streams,
+record_stream on a stream kept busy) under both settings: the simulator's segment counts and
+reserved peaks against the device's. Finally it writes the calibration the planner reads,
+planner/data/allocator_calibration.json (--calibration), in this format:
+
+    {"format": 1, "torch": "2.13.0", "gpus": {"<gpu name of gpus.yaml>": {
+        "cuda_context_bytes": int,          # device memory used after the first matmul, minus tensors
+        "nccl_bytes_per_communicator": int | null,   # null: not measured (one GPU, no communicator)
+        "driver": "<nvidia driver version>", "cuda": "<torch.version.cuda>", "device": "<device name>",
+        "runs": [{"strategy", "seq_len", ..., "alloc_conf",
+                  "measured_{allocated,active,reserved}_peak_bytes",
+                  "simulated_{allocated,active,reserved}_peak_bytes"}],
+        "sequences": [{"name", "alloc_conf", "simulated_reserved_peak_bytes",
+                       "measured_reserved_peak_bytes", "simulated_segments", "measured_segments"}]}}}
+
+When the file has an entry for the estimate's GPU, planner/reserved.py uses its cuda_context_bytes
+(and nccl_bytes_per_communicator, unless NCCL_BUFFSIZE is given), and the estimate's allocator
+summary says measured: true.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,9 +53,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from planner import memory, reserved  # noqa: E402
+from planner.allocator import parse_alloc_conf, replay  # noqa: E402
 from planner.catalogue import catalogue_model  # noqa: E402
 from planner.memory import estimate  # noqa: E402
 from planner.schema import EstimateRequest  # noqa: E402
+
+ALLOC_CONFS = ("", "expandable_segments:True")
+MIB = 2**20
+# hand-derived sequences of tests/test_allocator.py: (name, events); replayed on the device under each setting
+SEQUENCES = [
+    ("small packing", [("malloc", i, 1000) for i in range(4)]),
+    ("small overflow", [("malloc", i, MIB) for i in range(3)]),
+    ("medium 20 MiB segments", [("malloc", i, 3 * MIB) for i in range(7)]),
+    ("best fit and split", [("malloc", "a", 30 * MIB), ("malloc", "b", 30 * MIB), ("free", "a"),
+                            ("malloc", "c", 25 * MIB)]),
+    ("fragmentation", [("malloc", "big", 100 * MIB), ("free", "big"), ("malloc", "a", 60 * MIB),
+                       ("malloc", "b", 40 * MIB), ("free", "a"), ("malloc", "c", 70 * MIB)]),
+    ("separate streams", [("malloc", "ag", 50 * MIB, "all_gather"), ("free", "ag"), ("malloc", "x", 50 * MIB)]),
+    ("record_stream", [("malloc", "a", 50 * MIB), ("record", "a", "reduce_scatter"), ("free", "a"),
+                       ("malloc", "b", 50 * MIB)]),
+]
 
 GRID = [  # (seq_len, micro_batch, checkpointing, attention)
     (512, 1, "none", "sdpa"), (2048, 1, "none", "sdpa"), (2048, 4, "none", "sdpa"), (4096, 2, "none", "sdpa"),
@@ -51,12 +93,105 @@ def cuda_context_bytes() -> dict[str, int]:
             "allocated_after_first_matmul_bytes": torch.cuda.memory_allocated()}
 
 
+def simulated(events: list[tuple], alloc_conf: str) -> dict:
+    s = replay(events, parse_alloc_conf(alloc_conf))
+    return {"simulated_allocated_peak_bytes": s.allocated_peak_bytes, "simulated_active_peak_bytes": s.active_peak_bytes,
+            "simulated_reserved_peak_bytes": s.reserved_peak_bytes, "simulated_segments": s.segments_peak}
+
+
+def step_events(request: EstimateRequest) -> list[tuple]:
+    """The allocation stream planner/reserved.py replays for this request."""
+    setup = memory.resolve(request)
+    acts = memory.activations(setup)
+    plan = setup.framework.phases(setup, acts, memory._numels(setup))
+    return reserved.allocation_events(setup, plan, len(memory._numels(setup)))
+
+
+def peaks(stats: dict) -> dict:
+    """The three peaks of torch.cuda.memory_stats()."""
+    return {f"measured_{name}_peak_bytes": int(stats.get(f"{name}_bytes.all.peak", 0))
+            for name in ("allocated", "active", "reserved")}
+
+
+def replay_on_cuda(events: list[tuple], alloc_conf: str) -> dict:
+    """The events with real tensors: malloc = torch.empty on the named stream; record = a busy
+    stream (torch.cuda._sleep) and Tensor.record_stream; complete = that stream's synchronize."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.memory._set_allocator_settings(alloc_conf or "expandable_segments:False")
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_stats()
+    streams: dict = {"default": torch.cuda.current_stream()}
+    live: dict = {}
+    for event in events:
+        op = event[0]
+        if op == "malloc":
+            name = event[3] if len(event) > 3 else "default"
+            stream = streams.setdefault(name, torch.cuda.Stream())
+            with torch.cuda.stream(stream):
+                live[event[1]] = torch.empty(event[2], dtype=torch.uint8, device="cuda")
+        elif op == "record":
+            stream = streams.setdefault(event[2], torch.cuda.Stream())
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(50_000_000)  # still running when the tensor is freed below
+            live[event[1]].record_stream(stream)
+        elif op == "free":
+            del live[event[1]]
+        elif op == "complete":
+            streams.setdefault(event[1], torch.cuda.Stream()).synchronize()
+    stats = torch.cuda.memory_stats()
+    live.clear()
+    torch.cuda.synchronize()
+    out = peaks(stats)
+    out["measured_segments"] = int(stats.get("segment.all.peak", 0)) - int(base.get("segment.all.current", 0))
+    return out
+
+
+def calibration(results: dict, gpu: str, torch_version: str) -> dict:
+    """The file planner/reserved.py reads, from this check's results (format in the docstring)."""
+    context = results["context"]
+    entry = {"cuda_context_bytes": context["used_after_first_matmul_bytes"]
+             - context["allocated_after_first_matmul_bytes"],
+             "nccl_bytes_per_communicator": results.get("nccl_bytes_per_communicator"),
+             "driver": results.get("driver", ""), "cuda": results.get("cuda", ""), "device": results["device"],
+             "runs": [r for r in results["runs"] if r.get("status") == "ok"],
+             "sequences": results.get("sequences", [])}
+    return {"format": 1, "torch": torch_version, "gpus": {gpu: entry}}
+
+
+def _driver() -> str:
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+        return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else ""
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def check_sequences(requests: list[EstimateRequest]) -> list[dict]:
+    rows = []
+    named = SEQUENCES + [(f"step: {r.strategy} seq {r.seq_len} mb {r.micro_batch} ckpt {r.checkpointing}",
+                          step_events(r)) for r in requests]
+    for name, events in named:
+        for conf in ALLOC_CONFS:
+            row = {"name": name, "alloc_conf": conf, **simulated(events, conf), **replay_on_cuda(events, conf)}
+            print(f"{name:<44} {conf or 'default':<26} reserved simulated {row['simulated_reserved_peak_bytes']:>14,} "
+                  f"measured {row['measured_reserved_peak_bytes']:>14,}; segments {row['simulated_segments']} vs "
+                  f"{row['measured_segments']}")
+            rows.append(row)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", default="h200")
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_check.json"))
+    parser.add_argument("--calibration", default=str(reserved.CALIBRATION_PATH),
+                        help="where to write the calibration the planner reads")
     args = parser.parse_args()
     import torch
 
@@ -67,34 +202,53 @@ def main() -> int:
 
     base = catalogue_model(args.model)
     config = dict(base.config, num_hidden_layers=args.layers)
-    results = {"device": torch.cuda.get_device_name(0), "context": cuda_context_bytes(), "runs": []}
-    for strategy, (seq, micro, ckpt, attention) in [(s, g) for s in ("zero0", "ddp") for g in GRID]:
+    results = {"device": torch.cuda.get_device_name(0), "context": cuda_context_bytes(), "runs": [],
+               "driver": _driver(), "cuda": torch.version.cuda or ""}
+    requests = []
+    for strategy, (seq, micro, ckpt, attention), conf in [(s, g, c) for s in ("zero0", "ddp") for g in GRID
+                                                          for c in ALLOC_CONFS]:
         request = EstimateRequest(model_config=config, strategy=strategy, gpus=1, gpu=args.gpu, precision="bf16-mixed",
-                                  micro_batch=micro, seq_len=seq, checkpointing=ckpt, attention=attention)
-        predicted = estimate(request).per_device
+                                  micro_batch=micro, seq_len=seq, checkpointing=ckpt, attention=attention,
+                                  alloc_conf=conf or None)
+        if conf == "":
+            requests.append(request)
+        result = estimate(request)
+        predicted = result.per_device
+        os.environ.pop("PYTORCH_ALLOC_CONF", None)  # read before PYTORCH_CUDA_ALLOC_CONF by torch 2.13
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf  # the ranks inherit it (backend/launch.py _environment)
         with tempfile.TemporaryDirectory() as tmp:
             started = time.monotonic()
             run = run_probe(request, out_dir=Path(tmp), steps=2, warmup_steps=1, timeout_seconds=300)
         rank = run.ranks[0] if run.ranks else {}
+        stats = rank.get("memory_stats") or {}
         row = {"strategy": strategy, "seq_len": seq, "micro_batch": micro, "checkpointing": ckpt, "attention": attention,
-               "status": run.status, "seconds": time.monotonic() - started,
+               "alloc_conf": conf, "status": run.status, "seconds": time.monotonic() - started,
                "predicted_peak_bytes": predicted.peak_bytes - predicted.framework_bytes,
-               "measured_allocated_peak_bytes": rank.get("peak_bytes"),
-               "measured_reserved_peak_bytes": rank.get("reserved_peak_bytes"),
-               "memory_stats": rank.get("memory_stats")}
+               "simulated_allocated_peak_bytes": result.allocator.allocated_peak_bytes,
+               "simulated_active_peak_bytes": result.allocator.active_peak_bytes,
+               "simulated_reserved_peak_bytes": result.allocator.reserved_peak_bytes,
+               **peaks(stats),
+               "memory_stats": stats}
+        row["measured_allocated_peak_bytes"] = rank.get("peak_bytes") or row["measured_allocated_peak_bytes"]
+        row["measured_reserved_peak_bytes"] = rank.get("reserved_peak_bytes") or row["measured_reserved_peak_bytes"]
         if run.status == "ok":
             row["error_pct"] = 100 * (row["predicted_peak_bytes"] - row["measured_allocated_peak_bytes"]) / \
                 row["measured_allocated_peak_bytes"]
             row["reserved_over_allocated"] = row["measured_reserved_peak_bytes"] / row["measured_allocated_peak_bytes"] - 1
-            print(f"{strategy:<5} seq {seq:>5} mb {micro} ckpt {ckpt:<4} {attention:<5}: allocated peak error {row['error_pct']:+.2f}%, "
-                  f"reserved +{100 * row['reserved_over_allocated']:.1f}%")
+            simulated_error = 100 * (row["simulated_reserved_peak_bytes"] / row["measured_reserved_peak_bytes"] - 1)
+            print(f"{strategy:<5} seq {seq:>5} mb {micro} ckpt {ckpt:<4} {attention:<5} {conf or 'default':<26}: "
+                  f"allocated peak error {row['error_pct']:+.2f}%, reserved +{100 * row['reserved_over_allocated']:.1f}%, "
+                  f"simulated reserved {simulated_error:+.2f}%")
         else:
             print(f"{strategy:<5} seq {seq:>5} mb {micro} ckpt {ckpt:<4} {attention:<5}: {run.status}: {run.message}")
         results["runs"].append(row)
+    os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    results["sequences"] = check_sequences(requests)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
-    print(f"context: {results['context']}; written to {out}")
+    Path(args.calibration).write_text(json.dumps(calibration(results, args.gpu, torch.__version__), indent=2) + "\n")
+    print(f"context: {results['context']}; written to {out} and {args.calibration}")
     return 0
 
 

@@ -44,6 +44,12 @@ def estimate_table(r: EstimateResult) -> str:
         _row("resident between steps", d.resident_bytes),
         _row(f"peak ({d.peak_phase})", d.peak_bytes),
     ]
+    if r.allocator is not None:  # issue 24: reserved, the caching allocator's view (simulated)
+        lines += [_row("reserved peak (simulated)", d.reserved_peak_bytes),
+                  _row("  of which NCCL buffers", d.nccl_bytes),
+                  f"  allocator: PYTORCH_CUDA_ALLOC_CONF {r.allocator.alloc_conf or 'unset'}; "
+                  f"{r.allocator.other_alloc_conf or 'unset'} would reserve "
+                  f"{(r.allocator.other_reserved_peak_bytes - r.allocator.reserved_peak_bytes) / GIB:+,.2f} GiB"]
     lines += _peak_items(r)
     if r.host.peak_bytes or r.nvme_bytes:
         lines += ["", f"  {'per node (offload)':<28} {'GiB':>12} {'GB':>12}",
@@ -65,8 +71,11 @@ def estimate_table(r: EstimateResult) -> str:
               if n.startswith("host RAM does NOT fit")]
     if r.device_capacity_bytes > 0:
         headroom = r.headroom_bytes
-        verdict = "FITS" if d.peak_bytes <= r.device_capacity_bytes else "DOES NOT FIT"  # the device; host above
-        lines.append(f"{verdict}: peak {d.peak_bytes / GIB:,.2f} GiB of {r.device_capacity_bytes / GIB:,.2f} GiB "
+        judged = d.reserved_peak_bytes if r.allocator is not None else d.peak_bytes  # reserved on a GPU
+        fits = (r.fits or r.host.fits is False) if r.allocator is not None else judged <= r.device_capacity_bytes
+        verdict = "FITS" if fits else "DOES NOT FIT"  # the device; host above
+        what = "reserved peak" if r.allocator is not None else "peak"
+        lines.append(f"{verdict}: {what} {judged / GIB:,.2f} GiB of {r.device_capacity_bytes / GIB:,.2f} GiB "
                      f"on each {r.gpu}; headroom {headroom / GIB:+,.2f} GiB ({headroom / GB:+,.2f} GB)")
     else:
         lines.append(f"peak {d.peak_bytes / GIB:,.2f} GiB per rank (no capacity known for {r.gpu}; "

@@ -37,8 +37,10 @@ class PhasePlan:
     nvme_bytes: int = 0
 
 
-def item(name: str, nbytes: int, component: str, source: str = "") -> MemoryItem:
-    return MemoryItem(name=name, bytes=int(nbytes), component=component, source=source)
+def item(name: str, nbytes: int, component: str, source: str = "", stream: str = "default") -> MemoryItem:
+    """``stream``: the CUDA stream its tensors are allocated on (the caching allocator's pools are
+    per stream: planner/reserved.py)."""
+    return MemoryItem(name=name, bytes=int(nbytes), component=component, source=source, stream=stream)
 
 
 def phase(kind: PhaseKind, name: str, items: list[MemoryItem]) -> Phase:

@@ -540,6 +540,8 @@ def _preamble(launch: _Launch) -> str:
             "# Where every rank writes its record (rank<N>.json: measured peak, step time)",
             'out="${PLANNER_OUT:-$here/planner-run}"',
         ]
+    if not launch.is_cpu:
+        lines += _allocator_env(launch.request)
     if launch.is_cpu:
         lines += [
             "# CPU ranks over gloo: DeepSpeed's CPU accelerator, no GPU, one thread per rank unless told",
@@ -547,6 +549,19 @@ def _preamble(launch: _Launch) -> str:
             'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"',
         ]
     return "\n".join(lines) + "\n"
+
+
+def _allocator_env(req) -> list[str]:
+    """The caching allocator's and NCCL's settings the estimate assumed (planner/reserved.py): the
+    run must use them for its reserved memory to be the one predicted. torch 2.13 reads
+    PYTORCH_ALLOC_CONF before PYTORCH_CUDA_ALLOC_CONF (c10/core/AllocatorConfig.h), so that one is unset."""
+    conf = req.alloc_conf or ""
+    lines = ["# The caching allocator's settings the memory estimate assumed (" + (conf or "torch's defaults") + ")",
+             "unset PYTORCH_ALLOC_CONF",
+             f"export PYTORCH_CUDA_ALLOC_CONF={shlex.quote(conf)}" if conf else "unset PYTORCH_CUDA_ALLOC_CONF"]
+    if req.nccl_buffsize_bytes is not None:
+        lines.append(f"export NCCL_BUFFSIZE={req.nccl_buffsize_bytes}  # NCCL's Simple-protocol buffer the estimate assumed")
+    return lines
 
 
 def _shm_cleanup(launch: _Launch) -> str:

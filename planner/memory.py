@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from planner import buffers as buf
+from planner import reserved
 from planner.frameworks import Framework, framework_of
 from planner.activations import ActivationItem, Activations, estimate_activations
 from planner.architecture import Architecture, defaulted_size_fields, parameter_count, parameter_numels
@@ -291,7 +292,10 @@ def _numels(setup: Setup) -> list[int]:
     return [setup.psi]  # only a count: one flat tensor is the best that can be said
 
 
-def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> EstimateResult:
+def estimate(request: EstimateRequest, model: ResolvedModel | None = None, simulate: bool = True) -> EstimateResult:
+    """``simulate``: replay the step through the caching allocator (planner/reserved.py) and judge
+    the fit on reserved memory; the plan's search passes False (its settings are judged on the live
+    peak with the request's headroom) and simulates the candidates it shows."""
     setup = whole = resolve(request, model)
     ep_items, ep_transient = [], None
     if setup.dims.ep > 1:
@@ -330,8 +334,13 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
     buffers_at_peak = at_peak.buffers_bytes
     capacity = _capacity(setup)
     host = _host(setup, plan)
-    fits = capacity > 0 and peak <= capacity and host.fits is not False
-    notes = _notes(setup, acts, plan, peak_phase, capacity, peak) + host_notes(setup, host)
+    held = reserved.simulate(setup, plan, len(_numels(setup)), capacity) if simulate and not setup.gpu.is_cpu else None
+    # not replayed (the plan's search, cpu ranks): the live peak and NCCL's buffers, a lower bound
+    nccl = held.nccl_bytes if held else (0 if setup.gpu.is_cpu else reserved.nccl_bytes(setup))
+    reserved_peak = peak + nccl if held is None else held.reserved_peak_bytes
+    device_fits = peak <= capacity if held is None else held.fits
+    fits = capacity > 0 and device_fits and host.fits is not False
+    notes = _notes(setup, acts, plan, peak_phase, capacity, peak, held) + host_notes(setup, host)
     return EstimateResult(
         parameters=whole.psi,
         trainable_parameters=whole.psi if whole.finetune is None else trainable_count(whole),
@@ -344,10 +353,12 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
             frozen_weights_bytes=frozen_b,
             activations_bytes=act_at_peak if acts is not None else None,
             buffers_bytes=buffers_at_peak, framework_bytes=framework,
-            resident_bytes=resident, peak_bytes=peak, peak_phase=peak_phase.name, at_peak=at_peak),
+            resident_bytes=resident, peak_bytes=peak, peak_phase=peak_phase.name, at_peak=at_peak,
+            reserved_peak_bytes=reserved_peak, cuda_context_bytes=held.cuda_context_bytes if held else framework,
+            nccl_bytes=nccl),
         host=host,
         nvme_bytes=plan.nvme_bytes, device_capacity_bytes=capacity, fits=fits,
-        headroom_bytes=capacity - peak,
+        headroom_bytes=capacity - reserved_peak, allocator=held.summary() if held else None,
         phases=[_phase_of(PhaseKind.RESIDENT, "between steps (resident)", plan.resident)] + list(plan.phases), buffers=list(plan.buffers),
         notes=notes, request=setup.request)
 
@@ -482,7 +493,7 @@ def _defaulted_notes(setup: Setup) -> list[str]:
 
 
 def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_phase: Phase,
-           capacity: int, peak: int) -> list[str]:
+           capacity: int, peak: int, held: "reserved.Reserved | None" = None) -> list[str]:
     s, r = setup.strategy, setup.recipe
     notes = [
         f"parameters: {setup.psi:,} x {r.weight_bits} bits"
@@ -529,9 +540,35 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
         notes.append(f"framework: CUDA context and library workspaces {setup.gpu.cuda_context_mib} MiB "
                      f"on {setup.gpu.name} (gpus.yaml, calibratable)")
     notes.extend(f"time model: {caveat}" for caveat in setup.gpu.time_model_caveats)
-    if capacity > 0:
+    if held is not None:
+        notes.extend(reserved_notes(held))
+    if capacity > 0 and held is None:
         verdict = "fits" if peak <= capacity else "does NOT fit"
         notes.append(f"{verdict}: peak {fmt_bytes(peak)} vs {fmt_bytes(capacity)} on each {setup.gpu.name}")
+    elif capacity > 0:
+        verdict = "fits" if held.fits else "does NOT fit"
+        notes.append(f"{verdict}: reserved peak {fmt_bytes(held.reserved_peak_bytes)} (live peak {fmt_bytes(peak)}) "
+                     f"vs {fmt_bytes(capacity)} on each {setup.gpu.name}")
+    return notes
+
+
+def reserved_notes(held: "reserved.Reserved") -> list[str]:
+    """What the caching allocator, the CUDA context and NCCL add, and what is assumed (simulated)."""
+    s, other = held.stats, held.other
+    conf = held.conf.text or "unset (torch's defaults)"
+    other_conf = held.conf.with_expandable(not held.conf.expandable_segments).text or "unset"
+    notes = [f"reserved (simulated, torch 2.13's caching allocator replaying the step; PYTORCH_CUDA_ALLOC_CONF "
+             f"{conf}): {fmt_bytes(s.reserved_peak_bytes)} reserved for {fmt_bytes(s.allocated_peak_bytes)} "
+             f"allocated at peak, {s.segments_peak} segments; with {other_conf} it would reserve "
+             f"{fmt_bytes(other.reserved_peak_bytes)}",
+             f"outside the allocator: CUDA context {fmt_bytes(held.cuda_context_bytes)}"
+             + (" (calibrated)" if held.measured else " (gpus.yaml)")
+             + (f", NCCL buffers {fmt_bytes(held.nccl_bytes)} for {len(held.communicators)} communicator(s) "
+                f"({', '.join(held.communicators)}; channels x 2 ring connections x LL + LL128 + NCCL_BUFFSIZE)"
+                if held.communicators else ", no NCCL communicator")]
+    if held.conf.garbage_collection_threshold > 0:
+        notes.append("garbage_collection_threshold acts only under torch.cuda.set_per_process_memory_fraction "
+                     "(CUDACachingAllocator.cpp malloc: set_fraction); not assumed here")
     return notes
 
 

@@ -81,6 +81,7 @@ def _request(req: PlanRequest, combo: Setting, micro: int, model_fields: dict,
         hsdp_shard_size=explicit_hsdp_shard(combo.strategy, combo.shard * combo.tp if combo.shard else None,
                                             combo.gpus),
         host_memory_gib=req.host_memory_gib, topology=req.topology, **_reduce_field(req, combo.strategy),
+        alloc_conf=req.alloc_conf, nccl_buffsize_bytes=req.nccl_buffsize_bytes,
         **_degree_fields(req, combo, micro, accumulation)))
 
 
@@ -156,8 +157,15 @@ class _Search:
         key = (req.nodes, combo, micro, accumulation if combo.pp == 1 else 1)
         if key not in self.estimates:
             self.estimates[key] = estimate(request or _request(req, combo, micro, self.model_fields,
-                                                               accumulation if combo.pp == 1 else None))
+                                                               accumulation if combo.pp == 1 else None),
+                                           simulate=False)
         return self.estimates[key]
+
+    def shown(self, req: PlanRequest, combo: Setting, micro: int, accumulation: int = 1) -> EstimateResult:
+        """The estimate of a candidate the plan shows, with the caching allocator replayed
+        (planner/reserved.py): the search judges settings on the live peak with the request's
+        headroom; a shown candidate must also fit on reserved memory (simulated)."""
+        return estimate(_request(req, combo, micro, self.model_fields, accumulation if combo.pp == 1 else None))
 
 
 def plan(req: PlanRequest, profile=None) -> PlanResult:
@@ -566,7 +574,8 @@ def _floor_estimate(search: _Search, req: PlanRequest, combo: Setting, micro: in
     not a row: the batch differs from the plan's)."""
     key = (req.nodes, combo, -micro, 1)  # negative: apart from the rows' estimates
     if key not in search.estimates:
-        search.estimates[key] = estimate(_request(req, combo, micro, search.model_fields, accumulation=combo.pp))
+        search.estimates[key] = estimate(_request(req, combo, micro, search.model_fields, accumulation=combo.pp),
+                                         simulate=False)
     return search.estimates[key].per_device.resident_bytes
 
 
@@ -722,6 +731,19 @@ def _reason(combo: Combo, mb: int, peak: float, usable: float, capacity: int, he
             f"{_peak_items(e)}")
 
 
+# at most this many candidates are replayed through the allocator simulator per plan (each takes
+# 0.05-0.3 s of Python): the search itself stays on the live peak (bench/plan_speed.py)
+RESERVED_REPLAYS = 8
+
+
+def _reserved_reason(combo: Combo, mb: int, e: EstimateResult, capacity: int) -> str:
+    d = e.per_device
+    return (f"{_setting(combo, mb)}: reserved peak {d.reserved_peak_bytes / GIB:.1f} GiB (simulated caching "
+            f"allocator {d.reserved_peak_bytes - d.cuda_context_bytes - d.nccl_bytes:,} B, CUDA context, NCCL "
+            f"{d.nccl_bytes / GIB:.2f} GiB) > {capacity / GIB:.1f} GiB on each GPU for a live peak of "
+            f"{d.peak_bytes / GIB:.1f} GiB")
+
+
 def _host_reason(combo: Combo, mb: int, e: EstimateResult, host: tuple[int, str] | None) -> str:
     capacity, source = host if host else (0, "unknown")
     return (f"{_setting(combo, mb)}: offload holds {e.host.peak_bytes / GIB:,.1f} GiB of host RAM per node "
@@ -867,7 +889,7 @@ def _rank(search: _Search, req: PlanRequest, rows: list[Row], fewer: list[tuple[
     ranked = _tie_order(req, capacity, [c for c in best if best[c][3]], lambda c: _objective(req, c, best[c][2], best[c][4]),
                         lambda c: best[c][2], lambda c: best[c][4].communication_seconds)
     ranked += sorted((c for c in best if not best[c][3]), key=lambda c: best[c][2])
-    candidates = []
+    candidates, replayed = [], 0
     for combo in ranked:
         _, mb, peak, fits, t = best[combo]
         per_rank = _per_rank(req, combo)
@@ -876,6 +898,14 @@ def _rank(search: _Search, req: PlanRequest, rows: list[Row], fewer: list[tuple[
         e = search.estimate(req, combo, mb, accumulation=min(per_rank // mb, 2))
         reason = None if fits else (_reason(combo, mb, peak, usable, capacity, req.headroom, e) if peak > usable
                                     else _host_reason(combo, mb, e, host_capacity(req, g)))
+        if fits and replayed is not None and replayed < RESERVED_REPLAYS and not g.is_cpu:
+            # the shortlist: fitting candidates in rank order are replayed through the caching
+            # allocator until one fits on reserved memory (the recommendation)
+            e, replayed = search.shown(req, combo, mb, accumulation=min(per_rank // mb, 2)), replayed + 1
+            if e.fits:
+                replayed = None
+            elif e.host.fits is not False:  # the live peak fits; what it reserves does not
+                fits, reason = False, _reserved_reason(combo, mb, e, capacity)
         candidates.append(_candidate(combo, mb, per_rank, fits, t, e, reason))
     fitting = [c for c in candidates if c.fits]
     recommended = fitting[0] if fitting else None
@@ -896,6 +926,12 @@ def _rank(search: _Search, req: PlanRequest, rows: list[Row], fewer: list[tuple[
               if math.isfinite(ring_bw) else f"one GPU per node: no ring ({topo.source})"),
              f"compute at {req.compute_efficiency:.0%} of {g.name}'s peak dense TFLOP/s"]
     notes += [f"time model: {caveat}" for caveat in g.time_model_caveats]
+    notes.append(f"memory: the search judges settings on the live peak with {req.headroom:.0%} kept free; the "
+                 "fitting candidates are then replayed in rank order through torch 2.13's caching allocator "
+                 f"(simulated, planner/reserved.py; at most {RESERVED_REPLAYS}) until one's reserved peak with the "
+                 "CUDA context and NCCL's buffers fits the device: that one is recommended; the others' "
+                 "reserved_peak_bytes are their live peak + NCCL, not replayed "
+                 f"(PYTORCH_CUDA_ALLOC_CONF {req.alloc_conf or 'unset'})")
     if req.nodes > 1:
         notes.append(_fabric_note(req, fabric_name, nics))
     faster_on = None
@@ -959,7 +995,7 @@ def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_field
                                      seq_len=seq, checkpointing="full", attention=req.attention,
                                      offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
                                      hsdp_shard_size=explicit_hsdp_shard(c.strategy, c.hsdp_shard_size, req.gpus),
-                                     **_reduce_field(req, c.strategy), **degrees))
+                                     **_reduce_field(req, c.strategy), **degrees), simulate=False)
         return e.per_device.peak_bytes <= usable
 
     low = 0
@@ -1020,7 +1056,7 @@ def _fits(req: PlanRequest, name: str, usable: float, model_fields: dict, gpus: 
                                              seq_len=req.seq_len, checkpointing="full", attention=req.attention,
                                              offload_optimizer=off_opt, offload_params=off_par,
                                              hsdp_shard_size=explicit_hsdp_shard(name, shard, gpus),
-                                             **_reduce_field(req, name), **degrees))
+                                             **_reduce_field(req, name), **degrees), simulate=False)
             except PlannerError:  # refused for this fine-tuning (see _evaluate)
                 if req.finetune == "full":
                     raise
@@ -1068,7 +1104,7 @@ def _replicated_weights_exceed(req: PlanRequest, name: str, usable: float, model
         e = estimate(EstimateRequest(**model_fields, strategy=name, gpus=tp, nodes=1, gpu=req.gpu,
                                      precision=req.precision, optimizer=req.optimizer, micro_batch=1,
                                      seq_len=req.seq_len, checkpointing="full", attention=req.attention,
-                                     **({"tp": tp} if tp > 1 else {})))
+                                     **({"tp": tp} if tp > 1 else {})), simulate=False)
     except PlannerError:
         return False
     return e.per_device.parameters_bytes + e.per_device.framework_bytes > usable
@@ -1087,7 +1123,8 @@ def _pipeline_min_gpus(req: PlanRequest, usable: float, model_fields: dict, tp: 
                                          gpu=req.gpu, precision=req.precision, optimizer=req.optimizer, micro_batch=1,
                                          gradient_accumulation=pp, seq_len=req.seq_len, checkpointing="full",
                                          attention=req.attention, tp=tp, pp=pp, pp_schedule=req.pp_schedule,
-                                         pp_virtual_stages=req.pp_virtual_stages, **_reduce_field(req, "fsdp")))
+                                         pp_virtual_stages=req.pp_virtual_stages, **_reduce_field(req, "fsdp")),
+                         simulate=False)
         except PlannerError:
             return False
         return e.per_device.peak_bytes <= usable

@@ -245,6 +245,12 @@ class EstimateRequest(BaseModel):
     host_memory_gib: float | None = Field(
         None, gt=0, le=1 << 24, description="host RAM of one node in GiB, checked against what offload keeps there "
         "(the sum over the node's ranks); default: the topology preset's system memory from its datasheet")
+    alloc_conf: str | None = Field(
+        None, max_length=500, description="PYTORCH_CUDA_ALLOC_CONF the job runs with (expandable_segments, "
+        "max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions); default: torch's defaults")
+    nccl_buffsize_bytes: int | None = Field(
+        None, ge=65_536, le=1 << 32, description="NCCL_BUFFSIZE (the Simple protocol's buffer per channel and "
+        "connection); default NCCL's 4 MiB")
     precision: Precision = Field("bf16-mixed", description="precision recipe")
     optimizer: Optimizer = Field("adamw", description="optimizer")
     micro_batch: int = Field(1, ge=1, le=1 << 16, description="sequences per device per micro-step")
@@ -367,6 +373,9 @@ class MemoryItem(BaseModel):
     component: Literal["parameters", "frozen_weights", "gradients", "optimizer_states", "activations", "buffers",
                        "framework"]
     source: str = ""
+    # The stream the tensors are allocated on (planner/reserved.py replays them through the caching
+    # allocator, whose pools are per stream); not part of the JSON output.
+    stream: str = Field("default", exclude=True)
 
 
 class Phase(BaseModel):
@@ -410,6 +419,12 @@ class PerDevice(BaseModel):
     peak_bytes: int = Field(description="highest live total during a step")
     peak_phase: str = Field(description="the moment of the step the peak occurs in")
     at_peak: PeakRows | None = Field(None, description="the peak by component; the rows add up to peak_bytes")
+    # issue 24: what the caching allocator reserves (planner/reserved.py, simulated until measured)
+    reserved_peak_bytes: int = Field(description="highest reserved total: the caching allocator's reserved peak "
+                                     "replaying the step's allocations (simulated), + cuda_context_bytes + nccl_bytes; for a plan candidate "
+                                     "not replayed and for cpu ranks: peak_bytes + nccl_bytes")
+    cuda_context_bytes: int = Field(description="CUDA context and library workspaces (gpus.yaml, calibratable)")
+    nccl_bytes: int = Field(description="NCCL's buffers, summed over this rank's communicators")
 
 
 class HostMemory(BaseModel):
@@ -443,6 +458,20 @@ class TimeEstimate(BaseModel):
     topology: str
 
 
+class AllocatorSummary(BaseModel):
+    """The step replayed through torch 2.13's caching allocator (planner/allocator.py): simulated."""
+
+    alloc_conf: str = Field(description="the PYTORCH_CUDA_ALLOC_CONF assumed ('' for torch's defaults)")
+    allocated_peak_bytes: int = Field(description="allocated peak (blocks, 512-byte rounded)")
+    active_peak_bytes: int
+    reserved_peak_bytes: int = Field(description="the allocator's reserved peak (without context or NCCL)")
+    segments_peak: int
+    other_reserved_peak_bytes: int = Field(description="the reserved peak with expandable_segments switched")
+    other_alloc_conf: str = Field(description="the setting other_reserved_peak_bytes assumes")
+    communicators: list[str] = Field(description="the NCCL communicators counted in nccl_bytes")
+    measured: bool = Field(False, description="true once a GPU has measured this configuration (bench/gpu_check.py)")
+
+
 class EstimateResult(BaseModel):
     """The answer to `planner estimate`; field names are the public contract (tests freeze them)."""
 
@@ -466,6 +495,8 @@ class EstimateResult(BaseModel):
     buffers: list[MemoryItem]
     notes: list[str]
     request: EstimateRequest
+    allocator: AllocatorSummary | None = Field(None, description="the caching allocator's simulated replay of the "
+                                               "step; null for cpu ranks")
     time: TimeEstimate | None = Field(None, description="the time model; null for --params or cpu ranks")
 
 
@@ -497,6 +528,12 @@ class PlanRequest(BaseModel):
     host_memory_gib: float | None = Field(
         None, gt=0, le=1 << 24, description="host RAM of one node in GiB, checked against what offload keeps there "
         "(the sum over the node's ranks); default: the topology preset's system memory from its datasheet")
+    alloc_conf: str | None = Field(
+        None, max_length=500, description="PYTORCH_CUDA_ALLOC_CONF the job runs with (expandable_segments, "
+        "max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions); default: torch's defaults")
+    nccl_buffsize_bytes: int | None = Field(
+        None, ge=65_536, le=1 << 32, description="NCCL_BUFFSIZE (the Simple protocol's buffer per channel and "
+        "connection); default NCCL's 4 MiB")
     tp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE, description="tensor-parallel degree (fixed; the search keeps it)")
     pp: PipelineDegree = 1
     cp: ContextDegree = 1

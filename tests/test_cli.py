@@ -8,10 +8,12 @@ from cli.main import main
 
 ESTIMATE_FIELDS = {"parameters", "model", "strategy", "world_size", "dp_size", "shard_size", "parallel", "gpu", "per_device",
                    "host", "nvme_bytes", "device_capacity_bytes", "fits", "headroom_bytes", "phases", "buffers",
-                   "notes", "request", "time", "trainable_parameters"}
+                   "notes", "request", "time", "trainable_parameters",
+                   "allocator"}  # issue 24
 PER_DEVICE_FIELDS = {"parameters_bytes", "gradients_bytes", "optimizer_states_bytes", "activations_bytes",
                      "buffers_bytes", "framework_bytes", "resident_bytes", "peak_bytes", "peak_phase",
-                     "frozen_weights_bytes", "at_peak"}
+                     "frozen_weights_bytes", "at_peak",
+                     "reserved_peak_bytes", "cuda_context_bytes", "nccl_bytes"}  # issue 24
 HOST_FIELDS = {"resident_bytes", "peak_bytes", "pinned_bytes", "capacity_bytes", "fits"}
 ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus", "--nodes", "--gpu",
                   "--device-memory-gib", "--host-memory-gib", "--precision", "--optimizer", "--micro-batch", "--seq-len",
@@ -23,7 +25,9 @@ ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus",
                   "--sequence-parallel", "--reduce-dtype", "--json", "--emit", "--script",
                   # LoRA / QLoRA (issue 13)
                   "--finetune", "--lora-rank", "--lora-alpha", "--lora-targets", "--lora-dropout", "--quantize-base",
-                  "--train-embeddings"}
+                  "--train-embeddings",
+                  # the caching allocator and NCCL (issue 24)
+                  "--alloc-conf", "--nccl-buffsize-bytes"}
 
 
 def run(capsys, *argv):

@@ -77,6 +77,9 @@ class Framework:
     """One framework version. Subclasses answer every question below for their strategies."""
 
     name: str = ""  # what Strategy.framework names: "deepspeed" | "torch"
+    # The allocator's view of the model states (planner/reserved.py): one tensor per parameter, or
+    # DeepSpeed's flat partitions (stage_1_and_2.py / stage3.py flatten each group into one buffer)
+    state_tensors_per_parameter: bool = False
     version: str = ""  # the version whose source the module was read from
     launcher: str = ""  # the program that starts the ranks
     # fp32 copies of a tensor the CUDA optimizer step allocates (FusedAdam: 0; torch foreach: 1)

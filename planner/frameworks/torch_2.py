@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 # torch DDP's default bucket_cap_mb=25 (torch/nn/parallel/distributed.py).
 DDP_BUCKET_CAP_BYTES = 25 * 2**20
+# FSDP2's side streams (torch 2.13 _fsdp_param_group.py FSDPCommContext.lazy_init: all_gather_stream,
+# reduce_scatter_stream): what is allocated under them comes from their own allocator pools
+ALL_GATHER_STREAM = "all_gather"
+REDUCE_SCATTER_STREAM = "reduce_scatter"
 # How the backend's rank (backend/train.py _fully_shard) and the emitted accelerate config name
 # each FSDP variant; DDP shards nothing (None).
 FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD = "FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"
@@ -46,6 +50,9 @@ def sharding(s: "Strategy") -> str | None:
 class TorchDistributed(Framework):
     name = "torch"
     version = "2.13"
+    # FSDP2 keeps one sharded tensor per parameter (_fsdp_param.py FSDPParam._sharded_param_data),
+    # DDP and a TP rank one tensor per parameter: the allocator sees them one by one
+    state_tensors_per_parameter = True
     launcher = "torchrun"
     cuda_adam_copies = 1  # the foreach path's _foreach_sqrt makes one fp32 copy of exp_avg_sq
 
@@ -305,14 +312,17 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
     prefetch = 0 if point.kind is PhaseKind.END_OF_BACKWARD or keep_gathered else compute_bytes * block * gloo_copy
     items = [
         item("all-gathered units", gathered, "buffers", source),
+        # torch 2.13 _fsdp_collectives.py foreach_all_gather: the flat output is allocated under
+        # all_gather_stream (its own allocator pool), copied out on the default stream
         item("prefetched block (all-gather output" + (" and gloo's scratch)" if gloo_copy == 2 else ")"), prefetch,
-              "buffers", "FSDP paper Sec. 3.2: the next unit's all-gather overlaps the current unit's backward"),
+              "buffers", "FSDP paper Sec. 3.2: the next unit's all-gather overlaps the current unit's backward",
+             stream=ALL_GATHER_STREAM),
         item("unsharded gradients in flight", compute_bytes * point.in_flight_elements, "gradients",
               "a unit's gradients until its reduce-scatter"),
         item("reduce-scatter input of the finished unit" + (" (fp32)" if reduce_bytes(setup, compute_bytes) == FP32
                                                             and compute_bytes != FP32 else ""),
               reduce_bytes(setup, compute_bytes) * point.in_flight_elements if point.kind.ends_a_unit else 0,
-              "buffers", "foreach_reduce: one flat input per unit, in the reduce dtype"),
+              "buffers", "foreach_reduce: one flat input per unit, in the reduce dtype", stream=REDUCE_SCATTER_STREAM),
         # torch 2.13 _fsdp_param_group.py:640-657 post_backward: a unit's reduce-scatter input stays in
         # comm_ctx.reduce_scatter_states (reduce_scatter_max_input_buffers 1) until the next unit's
         # post_backward (FSDP::post_backward_rs_wait) drops it, so it lives through that whole block's
@@ -321,7 +331,8 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
         item("reduce-scatter input of the block before (held until this block's post_backward)"
              + (" (fp32)" if reduce_bytes(setup, compute_bytes) == FP32 and compute_bytes != FP32 else ""),
              reduce_bytes(setup, compute_bytes) * point.reduced_before_elements, "buffers",
-             "_fsdp_param_group.py post_backward: reduce_scatter_states, recycled at the next unit's post_backward"),
+             "_fsdp_param_group.py post_backward: reduce_scatter_states, recycled at the next unit's post_backward",
+             stream=REDUCE_SCATTER_STREAM),
     ]
     if accumulated:
         items += _accumulated_items(setup, point, psi, shard, compute_bytes, store_bytes)

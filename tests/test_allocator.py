@@ -1,0 +1,174 @@
+"""The caching-allocator simulator against sequences whose segments follow by hand from torch
+2.13's c10/cuda/CUDACachingAllocator.cpp (the function named in each test) and the constants of
+c10/core/AllocatorConfig.h (kMinBlockSize 512, kSmallSize 1 MiB, kSmallBuffer 2 MiB,
+kMinLargeAlloc 10 MiB, kLargeBuffer 20 MiB, kRoundLarge 2 MiB). Simulated, not measured."""
+
+import pytest
+
+from planner.allocator import (AllocConf, OutOfMemory, allocation_size, parse_alloc_conf, replay, round_size)
+from planner.errors import PlannerError
+
+MIB = 2**20
+EXPANDABLE = parse_alloc_conf("expandable_segments:True")
+
+
+def test_round_size_512_and_power2_divisions():
+    # round_size: below 512 -> 512; else a multiple of 512
+    assert round_size(1, AllocConf()) == 512
+    assert round_size(513, AllocConf()) == 1024
+    # roundup_power2_next_division's own example: 1200 with 4 divisions -> 1280 (only when
+    # size > 512 * divisions, so use a size in the 1-2 MiB interval: 1.2 MiB -> 1.25 MiB)
+    conf = parse_alloc_conf("roundup_power2_divisions:4")
+    assert round_size(1200, conf) == 1536  # 1200 <= 512 * 4: plain 512 rounding
+    assert round_size(int(1.2 * MIB), conf) == int(1.25 * MIB)
+    assert round_size(2 * MIB, conf) == 2 * MIB  # a power of two stays
+
+
+def test_allocation_size_rules():
+    # get_allocation_size: <= 1 MiB -> 2 MiB; < 10 MiB -> 20 MiB; else round up to 2 MiB
+    assert allocation_size(MIB) == 2 * MIB
+    assert allocation_size(MIB + 512) == 20 * MIB
+    assert allocation_size(10 * MIB - 512) == 20 * MIB
+    assert allocation_size(10 * MIB) == 10 * MIB
+    assert allocation_size(11 * MIB) == 12 * MIB
+
+
+def test_small_requests_pack_into_one_2mib_segment():
+    # 4 x 1000 B -> 4 x 1024 B blocks split off one 2 MiB small segment (should_split: small pool, rest >= 512)
+    s = replay([("malloc", i, 1000) for i in range(4)])
+    assert (s.segments_peak, s.small_segments_peak, s.reserved_peak_bytes, s.allocated_peak_bytes) == (1, 1, 2 * MIB, 4096)
+
+
+def test_small_pool_overflow_takes_a_second_segment():
+    # 1 MiB requests: the first splits a 2 MiB segment into 1 MiB + 1 MiB, the second takes the
+    # rest, the third needs a new segment
+    s = replay([("malloc", i, MIB) for i in range(3)])
+    assert (s.small_segments_peak, s.reserved_peak_bytes) == (2, 4 * MIB)
+
+
+def test_medium_requests_share_a_20mib_segment():
+    # 3 MiB (1 < size < 10 MiB): a 20 MiB segment; the 17 MiB rest (> kSmallSize) is split off and
+    # serves the next five 3 MiB requests (rest 2 MiB > 1 MiB still splits); the 7th needs a new one
+    s = replay([("malloc", i, 3 * MIB) for i in range(6)])
+    assert (s.large_segments_peak, s.reserved_peak_bytes) == (1, 20 * MIB)
+    s = replay([("malloc", i, 3 * MIB) for i in range(7)])
+    assert (s.large_segments_peak, s.reserved_peak_bytes) == (2, 40 * MIB)
+
+
+def test_large_remainder_of_1mib_or_less_is_not_split():
+    # 19.5 MiB in a 20 MiB block: rest 0.5 MiB is not > kSmallSize, so the block is handed out
+    # whole (allocated counts the block's size, 20 MiB)
+    s = replay([("malloc", "a", 3 * MIB), ("free", "a"), ("malloc", "b", int(19.5 * MIB))])
+    assert s.allocated_peak_bytes == 20 * MIB and s.segments_peak == 1
+
+
+def test_freed_blocks_merge_and_are_reused_best_fit():
+    # two 30 MiB segments; free the first; a 25 MiB request reuses it (best fit, split: rest 5 MiB)
+    s = replay([("malloc", "a", 30 * MIB), ("malloc", "b", 30 * MIB), ("free", "a"), ("malloc", "c", 25 * MIB)])
+    assert (s.segments_peak, s.reserved_peak_bytes) == (2, 60 * MIB)
+    # a 40 MiB request fits no cached block: a third segment of 40 MiB
+    s = replay([("malloc", "a", 30 * MIB), ("malloc", "b", 30 * MIB), ("free", "a"), ("malloc", "c", 40 * MIB)])
+    assert (s.segments_peak, s.reserved_peak_bytes) == (3, 100 * MIB)
+
+
+def test_fragmentation_split_blocks_cannot_serve_a_larger_request():
+    # 100 MiB segment split into 60 MiB (a) + 40 MiB (b); free a; 70 MiB cannot use the 60 MiB free
+    # block (and a split segment is never released): reserved 170 MiB for 110 MiB live
+    s = replay([("malloc", "big", 100 * MIB), ("free", "big"), ("malloc", "a", 60 * MIB), ("malloc", "b", 40 * MIB),
+                ("free", "a"), ("malloc", "c", 70 * MIB)])
+    assert (s.reserved_peak_bytes, s.segments_peak) == (170 * MIB, 2)
+
+
+def test_max_split_size_keeps_oversize_blocks_whole():
+    # max_split_size_mb:64: the cached 100 MiB block is oversize; a 60 MiB request (< 64 MiB) may
+    # not take it (get_free_block) and gets its own 60 MiB segment
+    conf = parse_alloc_conf("max_split_size_mb:64")
+    events = [("malloc", "big", 100 * MIB), ("free", "big"), ("malloc", "a", 60 * MIB)]
+    assert replay(events, conf).reserved_peak_bytes == 160 * MIB
+    assert replay(events).reserved_peak_bytes == 100 * MIB  # unlimited: split the 100 MiB block
+    # an oversize request takes an oversize block only within max_non_split_rounding (20 MiB)
+    events = [("malloc", "big", 100 * MIB), ("free", "big"), ("malloc", "a", 70 * MIB)]
+    assert replay(events, conf).reserved_peak_bytes == 170 * MIB  # 100 >= 70 + 20: not reused
+    events = [("malloc", "big", 100 * MIB), ("free", "big"), ("malloc", "a", 90 * MIB)]
+    s = replay(events, conf)
+    assert s.reserved_peak_bytes == 100 * MIB and s.allocated_peak_bytes == 100 * MIB  # whole, not split
+
+
+def test_streams_have_separate_pools():
+    # a block freed on the all-gather stream is not reused by the default stream (BlockComparatorSize
+    # orders by stream first; get_free_block stops at another stream)
+    events = [("malloc", "ag", 50 * MIB, "all_gather"), ("free", "ag"), ("malloc", "x", 50 * MIB, "default")]
+    assert replay(events).reserved_peak_bytes == 100 * MIB
+    events = [("malloc", "ag", 50 * MIB, "all_gather"), ("free", "ag"), ("malloc", "x", 50 * MIB, "all_gather")]
+    assert replay(events).reserved_peak_bytes == 50 * MIB
+
+
+def test_record_stream_delays_reuse_until_the_stream_completes():
+    # recordStream on another stream: free() inserts an event; the block returns to the pool only
+    # when process_events (the next malloc) finds the event complete
+    base = [("malloc", "a", 50 * MIB), ("record", "a", "reduce_scatter"), ("free", "a")]
+    s = replay(base + [("malloc", "b", 50 * MIB)])
+    assert s.reserved_peak_bytes == 100 * MIB and s.active_peak_bytes == 100 * MIB
+    s = replay(base + [("complete", "reduce_scatter"), ("malloc", "b", 50 * MIB)])
+    assert s.reserved_peak_bytes == 50 * MIB
+
+
+def test_expandable_segments_grow_one_segment_per_stream_in_pages():
+    # large pool pages are 20 MiB: 30 MiB maps 2 pages (40 MiB); a second 30 MiB takes the free
+    # 10 MiB and maps one more page; one segment, 60 MiB reserved (without: 2 segments, 60 MiB)
+    s = replay([("malloc", "a", 30 * MIB), ("malloc", "b", 30 * MIB)], EXPANDABLE)
+    assert (s.segments_peak, s.reserved_peak_bytes) == (1, 60 * MIB)
+    # another stream gets its own segment (find_expandable_block searches the stream's unmapped
+    # blocks): the freed 40 MiB on the default stream stay mapped, the other stream maps 2 pages
+    s = replay([("malloc", "a", 30 * MIB), ("free", "a"), ("malloc", "b", 30 * MIB, "other")], EXPANDABLE)
+    assert (s.segments_peak, s.reserved_peak_bytes) == (2, 80 * MIB)  # one segment per stream
+
+
+def test_expandable_small_pool_pages_are_2mib():
+    s = replay([("malloc", i, 700 * 1024) for i in range(3)], EXPANDABLE)
+    # 3 x 700 KiB = 2100 KiB: the first page (2 MiB) holds two, the third maps one more page
+    assert (s.small_segments_peak, s.reserved_peak_bytes) == (1, 4 * MIB)
+
+
+def test_capacity_empties_the_cache_before_giving_up():
+    # 100 MiB device: a cached unsplit 60 MiB segment is released (release_cached_blocks) so that
+    # an 80 MiB request fits; an 80 + 30 MiB live set does not
+    events = [("malloc", "a", 60 * MIB), ("free", "a"), ("malloc", "b", 80 * MIB)]
+    s = replay(events, capacity_bytes=100 * MIB)
+    assert s.reserved_peak_bytes == 80 * MIB and s.alloc_retries == 1
+    with pytest.raises(OutOfMemory):
+        replay([("malloc", "a", 80 * MIB), ("malloc", "b", 30 * MIB)], capacity_bytes=100 * MIB)
+
+
+def test_garbage_collection_needs_a_memory_fraction():
+    # garbage_collect_cached_blocks runs only with set_per_process_memory_fraction (set_fraction):
+    # allowed 100 MiB x 0.5 = 50 MiB threshold; with 60 MiB cached it frees the old block before
+    # the 30 MiB segment is made
+    conf = parse_alloc_conf("garbage_collection_threshold:0.5")
+    events = [("malloc", "a", 60 * MIB), ("free", "a"), ("malloc", "b", 70 * MIB)]
+    s = replay(events, conf, capacity_bytes=1000 * MIB)
+    assert s.gc_freed_bytes == 0 and s.reserved_peak_bytes == 130 * MIB
+    s = replay(events, conf, capacity_bytes=1000 * MIB, memory_fraction=0.1)
+    assert s.gc_freed_bytes == 60 * MIB and s.reserved_peak_bytes == 70 * MIB
+
+
+@pytest.mark.parametrize("text, message", [
+    ("backend:cudaMallocAsync", "option 'backend' is not modelled"),
+    ("max_split_size_mb:10", "max_split_size_mb(10) must be >= 20"),
+    ("garbage_collection_threshold:1.5", "must be in (0.0, 1.0)"),
+    ("roundup_power2_divisions:3", "must be a power of 2"),
+    ("expandable_segments:yes", "takes True or False"),
+    ("expandable_segments", "expected 'expandable_segments:<value>'"),
+])
+def test_alloc_conf_refusals_name_the_option(text, message):
+    with pytest.raises(PlannerError) as err:
+        parse_alloc_conf(text)
+    assert message in str(err.value) and err.value.field == "alloc_conf"
+
+
+def test_alloc_conf_parses_the_list_form():
+    conf = parse_alloc_conf("roundup_power2_divisions:[256:1,512:2,1024:4,>:8], max_split_size_mb:512")
+    # intervals from 1 MiB: index 8 = 256 MiB; entries before the first are filled with its value;
+    # '>' fills from the last entry's own index on (std::fill from last_index), so 1024:4 is overwritten
+    assert conf.roundup_power2_divisions == (1,) * 9 + (2,) + (8,) * 6
+    assert conf.max_split_size_bytes == 512 * MIB and not conf.expandable_segments
