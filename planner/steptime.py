@@ -472,10 +472,10 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
         seconds = override_flops / (g.peak_tflops[dtype] * 1e12 * req.compute_efficiency)
         return seconds, override_flops, [("compute", seconds, f"override: compute_efficiency "
                                                                f"{req.compute_efficiency:g} of peak {dtype}")]
-    r = kernels.rates(g, dtype, req.compute_scale)
+    r = kernels.rates(g, dtype)
     scaled = "" if req.compute_scale == 1.0 else f" x {req.compute_scale:.3f} (calibration profile)"
     if not isinstance(arch, Architecture):  # traced: FLOPs only, no layer shapes
-        seconds = override_flops / r.matmul_flops
+        seconds = override_flops / r.matmul_flops / req.compute_scale
         return seconds, override_flops, [("matmul", seconds, f"traced FLOPs at {r.matmul_source}{scaled}")]
     w = kernels.work(arch, req.seq_len, combo.tp, combo.cp, combo.sequence_parallel, recipe.compute_bytes,
                      req.attention == "eager" or arch.attention_implementation == "eager", r, req.attention_kernel)
@@ -497,19 +497,20 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
                                                    recipe.master_bits, recipe.weight_bits, recipe.grad_bits, r)
     device = matmul + t.attention + t.elementwise + t.recompute
     host_wait = arrays.maximum(0.0, t.host - device)
-    seconds = accumulation * (device + host_wait) + optimizer
+    scale = req.compute_scale  # a profile's measured factor on every kernel rate
+    seconds = (accumulation * (device + host_wait) + optimizer) / scale
     attention_source = ("eager attention: its matmuls at the matmul rate, the score matrix at the memory bandwidth"
                         if w.eager_bytes else f"{req.attention_kernel} measured on {r.attention_reference.upper()}, "
                         f"scaled by matmul rate x {r.attention_scale:.2f}")
     bandwidth = f"{r.memory_bytes_per_s / 1e9:,.0f} GB/s achievable memory bandwidth"
-    terms = [("matmul", accumulation * matmul, f"{r.matmul_source}{scaled}, tile waves over {r.sms or '?'} SMs"),
+    terms = [("matmul", accumulation * matmul, f"{r.matmul_source}, tile waves over {r.sms or '?'} SMs"),
              ("attention", accumulation * t.attention, attention_source),
              ("elementwise and loss", accumulation * t.elementwise, bandwidth),
              (f"recompute ({combo.checkpointing})", accumulation * t.recompute, "the forward kernels rerun, same rates"),
              ("host launch wait", accumulation * host_wait,
               f"{r.host_seconds_per_kernel * 1e6:g} µs per eager kernel launch"),
              ("optimizer step", optimizer, bandwidth)]
-    return seconds, accumulation * hardware, terms
+    return seconds, accumulation * hardware, [(n, v / scale, src + scaled) for n, v, src in terms]
 
 
 def _dequantize_seconds(frozen: FrozenBaseShape | None, checkpointing: str, accumulation, g: Gpu):
