@@ -38,10 +38,10 @@ SETUPS = [
      dict(model="llama-3-8b", gpu="h100-80gb", gpus=8, seq_len=8192, global_batch=8)),
     ("llm-foundry MPT-7B, 8 x A100-80GB, 2,048 tokens",
      dict(model_config=_mpt("7b", 2048), gpu="a100-80gb", gpus=8, seq_len=2048, global_batch=96,
-          attention_kernel="flash-attention-1", fabric="roce-200g", nics_per_node=8)),
+          attention_kernel="flash-attention-triton", fabric="roce-200g", nics_per_node=8)),
     ("llm-foundry MPT-30B, 32 x H100, 2,048 tokens",
      dict(model_config=_mpt("30b", 2048), gpu="h100-80gb", gpus=8, nodes=4, seq_len=2048, global_batch=1344,
-          attention_kernel="flash-attention-1")),
+          attention_kernel="flash-attention-triton")),
 ]
 TERMS = ("compute_seconds", "exposed_communication_seconds", "offload_seconds")
 

@@ -15,9 +15,12 @@ preset's is used.
 
 MPT as the planner reads it: a GPT-2 config (learned positions, LayerNorm, plain GELU MLP of 4 x
 d_model, tied embeddings, vocabulary 50,368) with MPT's widths; GPT-2 has biases where MPT has
-none (d_model-sized vectors: no FLOPs and under 0.1% of the parameters). Attention: `attn_impl: flash`
-with the flash-attn of llm-foundry's default `gpu` extra when the tables were written (setup.py at
-b2a43a1, 2023-10-19, and 5e85bd6, 2024-01-06: flash-attn==1.0.9), so FlashAttention-1's rates.
+none (d_model-sized vectors: no FLOPs and under 0.1% of the parameters). Attention: the runs were
+submitted by scripts/train/benchmarking/submit_benchmarks.py, whose `--attn_impl` defaults to
+`triton` (line 119 at 5f43bf1, May 2023, when the A100 tables appeared; line 144 at 5e85bd6, January
+2024, whose sweep.sh, the H100 runs, does not override it): MPT's triton_flash_attn_fn, FlashAttention's
+Triton kernel, whose A100 rates FlashAttention's charts measure (attention_kernel
+"flash-attention-triton"; on H100 planner/kernels.py scales them by FlashAttention-1's H100/A100 ratio).
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ class Row:
                                strategy=SHARDING[self.sharding], seq_len=self.seq_len, micro_batch=self.micro_batch,
                                gradient_accumulation=self.accumulation, precision=precision,
                                checkpointing="full" if self.checkpointing else "none",
-                               attention_kernel="flash-attention-1", **fabric)
+                               attention_kernel="flash-attention-triton", **fabric)
 
 
 def rows() -> list[Row]:

@@ -13,8 +13,9 @@ Sources of the constants:
 - Achievable matmul TFLOP/s: Bekman, "Machine Learning Engineering", compute/accelerator/README.md,
   "Maximum Achievable Matmul FLOPS comparison table" (stas00/ml-engineering 744d01e): mean of
   100 iterations of the best shape found by mamf-finder.py (data/gpus.yaml mamf_tflops).
-- Attention: FlashAttention-2's measured forward + backward TFLOP/s, causal mask, head dimension
-  64 and 128, sequence 512-16k, on A100 80GB SXM4 and H100 80GB SXM5 (Dao-AILab/flash-attention
+- Attention: measured forward + backward TFLOP/s of FlashAttention-2, FlashAttention 1.x and
+  FlashAttention's Triton kernel (A100 only), causal mask, head dimension 64 and 128, sequence
+  512-16k, on A100 80GB SXM4 and H100 80GB SXM5 (Dao-AILab/flash-attention
   0251105, README "Performance", assets/flash2_a100_fwd_bwd_benchmark.png and
   flash2_h100_fwd_bwd_benchmark.png, panels (c) and (d)); FLOPs counted as its
   benchmarks/benchmark_flash_attention.py counts them: 4·s²·heads·head_dim forward, halved by the
@@ -36,7 +37,7 @@ from planner.gpus import Gpu
 from planner.layers import LayerSpec, attention_numels
 from planner.timing import MEMORY_BANDWIDTH_EFFICIENCY
 
-AttentionKernel = Literal["flash-attention-2", "flash-attention-1"]
+AttentionKernel = Literal["flash-attention-2", "flash-attention-1", "flash-attention-triton"]
 # Forward + backward TFLOP/s with a causal mask (sources above: the same charts measure
 # FlashAttention-2 and FlashAttention 1.x side by side), by kernel, GPU and head dimension, at
 # sequence lengths 512, 1k, 2k, 4k, 8k, 16k.
@@ -51,7 +52,14 @@ FLASH_ATTENTION_CAUSAL_TFLOPS = {
                                     128: (55.0, 62.0, 69.0, 76.0, 80.0, 83.0)},
     ("flash-attention-1", "h100"): {64: (104.0, 123.0, 136.0, 138.0, 149.0, 156.0),
                                     128: (98.0, 109.0, 108.0, 126.0, 135.0, 137.0)},
+    # flash_attn_triton.py (FlashAttention's Triton implementation; MPT's attn_impl "triton")
+    ("flash-attention-triton", "a100"): {64: (59.0, 75.0, 79.0, 76.0, 79.0, 80.0),
+                                         128: (50.0, 61.0, 68.0, 74.0, 78.0, 80.0)},
 }
+# A kernel not measured on a reference GPU (Triton on H100): its measured A100 rate times the
+# H100/A100 ratio FlashAttention-1 measured at the same length and width; neither uses Hopper's
+# wgmma/TMA, so both gain from the clock and SM count only (an assumption, said in the term's source).
+UNMEASURED_PROXY = "flash-attention-1"
 # benchmark_flash_attention.py: backward = 2.5 x forward FLOPs (it recomputes the scores)
 ATTENTION_BACKWARD_FLOPS = 2.5
 # A GPU without a measured MAMF: the datasheet peak times the H100 SXM's measured fraction
@@ -109,7 +117,7 @@ def attention_tflops(r: Rates, seq: int, head_dim: int, kernel: str = "flash-att
     """The flash kernel's causal forward + backward TFLOP/s at this sequence length and head width:
     log-linear between the measured lengths, the end values beyond them; linear in head width
     between 64 and 128, the nearer end outside; scaled by this GPU's matmul rate over the reference's."""
-    table = FLASH_ATTENTION_CAUSAL_TFLOPS[(kernel, r.attention_reference)]
+    measured = FLASH_ATTENTION_CAUSAL_TFLOPS.get((kernel, r.attention_reference))
 
     def at(row: tuple[float, ...]) -> float:
         if seq <= ATTENTION_SEQUENCES[0]:
@@ -123,8 +131,15 @@ def attention_tflops(r: Rates, seq: int, head_dim: int, kernel: str = "flash-att
                 return row[k - 1] + w * (row[k] - row[k - 1])
         return row[-1]
 
-    w = min(1.0, max(0.0, (head_dim - 64) / 64))
-    return (at(table[64]) * (1 - w) + at(table[128]) * w) * r.attention_scale
+    def rate(table) -> float:
+        w = min(1.0, max(0.0, (head_dim - 64) / 64))
+        return at(table[64]) * (1 - w) + at(table[128]) * w
+
+    if measured is not None:
+        return rate(measured) * r.attention_scale
+    proxy = FLASH_ATTENTION_CAUSAL_TFLOPS
+    ratio = rate(proxy[(UNMEASURED_PROXY, r.attention_reference)]) / rate(proxy[(UNMEASURED_PROXY, "a100")])
+    return rate(proxy[(kernel, "a100")]) * ratio * r.attention_scale
 
 
 # --- the work of one micro-batch -----------------------------------------------------------------
