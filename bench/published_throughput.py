@@ -49,6 +49,9 @@ MPT = {"125m": (768, 12, 12), "350m": (1024, 16, 24), "760m": (1536, 12, 24), "1
 GPU = {"a100_40gb": "a100-40gb", "a100_80gb": "a100-80gb", "h100_80gb": "h100-80gb"}
 SHARDING = {"FULL_SHARD": "fsdp", "SHARD_GRAD_OP": "fsdp-grad-op"}
 WITHIN = 0.15
+# llm-foundry's precision column: bf16 with mp_mode PURE (parameters, gradients and optimizer in
+# bf16), amp_bf16 with DEFAULT (autocast over fp32 parameters)
+FOUNDRY_PRECISION = {"bf16": "bf16-pure", "amp_bf16": "bf16-mixed"}
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,7 @@ class Row:
                   "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
         nodes = max(1, self.gpus // 8)
         fabric = {"fabric": "roce-200g", "nics_per_node": 8} if self.gpu.startswith("a100") else {}
-        # llm-foundry's PURE: parameters, gradients and optimizer in bf16; DEFAULT: amp over fp32 parameters
-        precision = "bf16-pure" if self.precision == "bf16" else "bf16-mixed"
+        precision = FOUNDRY_PRECISION[self.precision]
         return EstimateRequest(model_config=config, gpu=GPU[self.gpu], gpus=min(8, self.gpus), nodes=nodes,
                                strategy=SHARDING[self.sharding], seq_len=self.seq_len, micro_batch=self.micro_batch,
                                gradient_accumulation=self.accumulation, precision=precision,

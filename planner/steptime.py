@@ -6,7 +6,7 @@ and the step time that results. plan.py evaluates it over a grid; estimate_time 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from planner import arrays, kernels, timing
@@ -248,7 +248,7 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
     if request.pp > 1 or request.ep > 1:  # the pipeline bubble, p2p and expert all-to-alls (issue 12)
         from planner.pipeline import parallel_step
 
-        t = parallel_step(t, setup, arch, topo, timing.fabric(fabric_name), nics, link_efficiency)
+        t = _pipeline_terms(t, parallel_step(t, setup, arch, topo, timing.fabric(fabric_name), nics, link_efficiency))
     return TimeEstimate(step_seconds=t.step_seconds, compute_seconds=t.compute_seconds,
                         communication_seconds=t.communication_seconds,
                         exposed_communication_seconds=t.exposed_communication_seconds,
@@ -256,6 +256,18 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
                         hfu=t.hfu, terms=[TimeTerm(name=n, seconds=v, source=src) for n, v, src in t.terms],
                         ring_bandwidth_gbps=t.ring_bandwidth_gbps if math.isfinite(t.ring_bandwidth_gbps) else None,
                         topology=topo.source)
+
+
+def _pipeline_terms(whole: timing.StepTime, staged: timing.StepTime) -> timing.StepTime:
+    """The terms of a pipeline or expert-parallel step: the compute terms at the stage's share
+    (the schedule's compute, bubble included, over the whole model's), the exposed communication
+    and offload as that step has them."""
+    share = staged.compute_seconds / whole.compute_seconds if whole.compute_seconds else 0.0
+    replaced = {"exposed communication": staged.exposed_communication_seconds, "offload": staged.offload_seconds}
+    terms = tuple((name, replaced[name] if name in replaced else seconds * share,
+                   source if name in replaced else f"{source}; x {share:.3f}: the stage's share, bubble included")
+                  for name, seconds, source in whole.terms)
+    return replace(staged, terms=terms)
 
 
 def estimate_with_time(request: EstimateRequest, profile=None) -> EstimateResult:
