@@ -93,9 +93,21 @@ class Rates:
     host_seconds_per_kernel: float = HOST_SECONDS_PER_KERNEL
 
 
+_RATES: dict[tuple[str, str, float], Rates] = {}
+
+
 def rates(g: Gpu, dtype: str, matmul_scale: float = 1.0) -> Rates:
     """``dtype``: the key of peak_tflops the matmuls run at; ``matmul_scale``: a calibration
-    profile's measured-over-predicted factor (1 without one)."""
+    profile's measured-over-predicted factor (1 without one). Memoised per catalogue GPU."""
+    key = (g.name, dtype, matmul_scale)
+    if key not in _RATES or len(_RATES) > 64:
+        if len(_RATES) > 64:
+            _RATES.clear()
+        _RATES[key] = _rates(g, dtype, matmul_scale)
+    return _RATES[key]
+
+
+def _rates(g: Gpu, dtype: str, matmul_scale: float) -> Rates:
     peak = g.peak_tflops[dtype] * 1e12
     if dtype in g.mamf_tflops:
         matmul, source = g.mamf_tflops[dtype] * 1e12, f"measured MAMF {g.mamf_tflops[dtype]:g} TFLOP/s ({dtype})"
@@ -281,11 +293,11 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
                 elementwise_bytes=elementwise, loss_bytes=loss, kernels=kernels + 8, layers=arch.num_layers)
 
 
-def wave_efficiency(m, n: int, sms: int | None):
-    """Busy fraction of the SMs over a GEMM's waves of output tiles (m: an array or a float)."""
+def wave_efficiency(m, n, sms: int | None):
+    """Busy fraction of the SMs over a GEMM's waves of output tiles (m, n: arrays or floats)."""
     if not sms:
         return arrays.full_like(arrays.as_float(m), 1.0)
-    tiles = _ceil(arrays.as_float(m) / TILE_TOKENS) * math.ceil(n / TILE_FEATURES)
+    tiles = _ceil(arrays.as_float(m) / TILE_TOKENS) * _ceil(n / TILE_FEATURES)
     waves = _ceil(tiles / sms)
     return tiles / (waves * sms)
 
@@ -328,20 +340,44 @@ class ComputeTerms:
         return arrays.maximum(device, self.host)
 
 
+def _gemm_operands(w: "Work", m_all):
+    """(tokens, n, k, count) of each GEMM, or once for all of them as (GEMMs x options) arrays."""
+    if not arrays.is_array(m_all):
+        return [(m_all * g.token_fraction, float(g.n), float(g.k), float(g.count)) for g in w.gemms]
+    hit = _COLUMNS.get(id(w))
+    if hit is None or hit[0] is not w:
+        import numpy as np
+
+        if len(_COLUMNS) > 256:
+            _COLUMNS.clear()
+
+        columns = np.array([(g.token_fraction, g.n, g.k, g.count) for g in w.gemms], dtype=np.float64).reshape(-1, 4)
+        hit = _COLUMNS[id(w)] = (w, tuple(columns[:, j:j + 1] for j in range(4)))
+    fraction, n, k, count = hit[1]
+    return [(fraction * m_all[None, :], n, k, count)]
+
+
+_COLUMNS: dict[int, tuple["Work", tuple]] = {}  # a Work's GEMMs as numpy columns (the plan asks per setting)
+
+
+def _sum_rows(x):
+    return x.sum(axis=0) if arrays.is_array(x) and x.ndim == 2 else x
+
+
 def micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointing: str,
                       frozen_matmuls: float = 0.0) -> ComputeTerms:
     """One micro-batch of ``micro`` sequences (a float or an array). ``frozen_matmuls``: the
     fraction of the matmul FLOPs whose weights are frozen (LoRA: no weight gradient for them)."""
     m_all = arrays.as_float(micro) * w.tokens
-    forward = backward = 0.0
-    flops = 0.0
-    for g in w.gemms:
-        m = m_all * g.token_fraction
-        fwd = _gemm_seconds(m, g.n, g.k, r, compute_bytes) * g.count
-        dgrad = _gemm_seconds(m, g.k, g.n, r, compute_bytes) * g.count
-        forward = forward + fwd
-        backward = backward + dgrad + fwd * (1 - frozen_matmuls)  # the weight gradient: same FLOPs
-        flops = flops + 2.0 * m * g.n * g.k * g.count
+    forward = dgrad = flops = 0.0
+    # the plan's array of options: every GEMM at once (rows: GEMMs, columns: options); an estimate's
+    # float: GEMM by GEMM. The same formulas (_gemm_seconds) either way.
+    for m, n, k, count in _gemm_operands(w, m_all):
+        fwd = _gemm_seconds(m, n, k, r, compute_bytes) * count
+        forward = forward + _sum_rows(fwd)
+        dgrad = dgrad + _sum_rows(_gemm_seconds(m, k, n, r, compute_bytes) * count)
+        flops = flops + _sum_rows(2.0 * m * n * k * count)
+    backward = dgrad + forward * (1 - frozen_matmuls)  # the weight gradient: the forward's FLOPs and shape
     matmul = forward + backward
     matmul_flops = flops * (3 - frozen_matmuls)
     micro_f = arrays.as_float(micro)

@@ -264,10 +264,11 @@ def _pipeline_terms(whole: timing.StepTime, staged: timing.StepTime) -> timing.S
     and offload as that step has them."""
     share = staged.compute_seconds / whole.compute_seconds if whole.compute_seconds else 0.0
     replaced = {"exposed communication": staged.exposed_communication_seconds, "offload": staged.offload_seconds}
-    terms = tuple((name, replaced[name] if name in replaced else seconds * share,
-                   source if name in replaced else f"{source}; x {share:.3f}: the stage's share, bubble included")
-                  for name, seconds, source in whole.terms)
-    return replace(staged, terms=terms)
+    labels = tuple((name, source if name in replaced else f"{source}; x {share:.3f}: the stage's share, "
+                    "bubble included") for name, source in whole.term_labels)
+    values = tuple(replaced[name] if name in replaced else seconds * share
+                   for (name, _), seconds in zip(whole.term_labels, whole.term_values))
+    return replace(staged, term_labels=labels, term_values=values)
 
 
 def estimate_with_time(request: EstimateRequest, profile=None) -> EstimateResult:
@@ -462,11 +463,11 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
                hardware_flops / (step * peak_flops)] + [t[1] for t in terms]
     options = micro.size if arrays.is_array(micro) else 1
     rows = zip(*(arrays.as_float(c).tolist() if arrays.is_array(c) else [float(c)] * options for c in columns))
-    names = [(name, source) for name, _, source in terms]
+    labels = tuple((name, source) for name, _, source in terms)
     return [timing.StepTime(compute_seconds=row[0], communication_seconds=row[1], exposed_communication_seconds=row[2],
                             offload_seconds=row[3], step_seconds=row[4], tokens_per_second=row[5], mfu=row[6],
-                            ring_bandwidth_gbps=slowest, ring=ring, hfu=row[7],
-                            terms=tuple((n, v, src) for (n, src), v in zip(names, row[8:]) if v > 0))
+                            ring_bandwidth_gbps=slowest, ring=ring, hfu=row[7], term_labels=labels,
+                            term_values=row[8:])
             for row in rows]
 
 

@@ -58,7 +58,14 @@ class StepTime:
     ring_bandwidth_gbps: float
     ring: tuple[int, ...]
     hfu: float = 0.0  # hardware FLOPs (recomputation included) over peak
-    terms: tuple[tuple[str, float, str], ...] = ()  # (name, seconds per step, source): planner/kernels.py
+    # the step's parts: (name, source) shared by a plan's options, and this option's seconds per step
+    term_labels: tuple[tuple[str, str], ...] = ()
+    term_values: tuple[float, ...] = ()
+
+    @property
+    def terms(self) -> tuple[tuple[str, float, str], ...]:
+        """(name, seconds per step, source) of each part that takes time (planner/kernels.py)."""
+        return tuple((name, v, source) for (name, source), v in zip(self.term_labels, self.term_values) if v > 0)
 
 
 def matmul_parameters(a: Architecture) -> int:
