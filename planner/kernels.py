@@ -276,8 +276,10 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
         # QKᵀ and AV: 2·head_dim + 2·v_head_dim FLOPs per query-key pair and head
         forward = 2 * (a.head_dim + a.v_head_dim) * tokens * keys * heads
         attention_flops += forward * count
+        # under context parallelism each kernel call sees a chunk of seq / cp queries and keys
+        # (ring attention passes the K/V chunks around): the measured rate at that length
         attention_seconds += forward * (1 + ATTENTION_BACKWARD_FLOPS) / (
-            attention_tflops(r, seq, a.head_dim, kernel) * 1e12) * count
+            attention_tflops(r, tokens, a.head_dim, kernel) * 1e12) * count
         eager_bytes += heads * tokens * seq * 16 * count  # scores 2, softmax in fp32 4+4, probs 2+2, mask 2
         elementwise += _block_elementwise(spec, h, tp, sp, arch.hidden_dropout) * tokens * compute_bytes * count
         kernels += (len(proj) + len(mlp) + 12) * count  # the projections, attention and ~12 elementwise ops
