@@ -335,6 +335,7 @@ class ComputeTerms:
     recompute: object
     host: object
     hardware_flops: object
+    backward: object = 0.0  # of the device seconds, the backward pass's (recompute included)
 
     @property
     def seconds(self):
@@ -401,8 +402,12 @@ def micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointin
         + ((micro_f * w.attention_flops) if "attention" in ops else 0.0)
     kernels = w.kernels * (3 + (1 if ops else 0))
     host = arrays.full_like(m_all, kernels * r.host_seconds_per_kernel)
+    # backward: the GEMMs' gradients, attention's backward (2.5 of its 3.5), the elementwise
+    # backward (2 of 3), the loss's gradient half, and the recomputed forward that runs inside it
+    loss = micro_f * w.loss_bytes / r.memory_bytes_per_s
+    backward_seconds = backward + (attention - attn_fwd) + 2 * elementwise_fwd + loss / 2 + recompute
     return ComputeTerms(matmul=matmul, attention=attention, elementwise=elementwise, recompute=recompute,
-                        host=host, hardware_flops=hardware)
+                        host=host, hardware_flops=hardware, backward=backward_seconds)
 
 
 def optimizer_step_seconds(elements: float, state_bits: float, master_bits: int, weight_bits: int, grad_bits: int,

@@ -412,8 +412,8 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     tokens_rank = per_rank * req.seq_len
     model_parallel = combo.tp * combo.cp  # GPUs that share one data-parallel rank's tokens
     per_token, model_per_token = _flops_per_token(arch, req.seq_len, combo.checkpointing, frozen)
-    compute, hardware_flops, terms = compute_seconds(req, combo, micro, per_rank, psi, arch, g, frozen,
-                                                     tokens_rank * per_token / model_parallel)
+    compute, backward, hardware_flops, terms = compute_seconds(req, combo, micro, per_rank, psi, arch, g, frozen,
+                                                               tokens_rank * per_token / model_parallel)
     ring, ring_bw, _ = timing.node_ring(topo, combo.gpus)
     nodes = req.nodes
     nic_gbps = nics * fabric["gbps"] * fabric["efficiency"] * req.link_efficiency
@@ -453,7 +453,7 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     tokens = tokens_rank / model_parallel * world
     # every option at once (elementwise: the same floating-point operations as one option alone)
     busy = compute + dequantize
-    window = framework_of(s).overlap_window_seconds(s, busy)
+    window = framework_of(s).overlap_window_seconds(s, busy, backward)
     exposed = arrays.maximum(0.0, data_parallel - window) + exposed_model_parallel
     step = busy + exposed + offload
     terms = terms + [("dequantize", dequantize, "QLoRA's dequantization at the achievable memory bandwidth"),
@@ -473,8 +473,8 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
 
 def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int, arch, g: Gpu,
                     frozen: FrozenBaseShape | None, override_flops: float):
-    """(compute seconds per optimizer step on one GPU, hardware FLOPs it runs, [(term, seconds,
-    source)]) for each micro-batch option. Every kernel at its measured rate (planner/kernels.py);
+    """(compute seconds per optimizer step on one GPU, the backward passes' share of them,
+    hardware FLOPs it runs, [(term, seconds, source)]) for each micro-batch option. Every kernel at its measured rate (planner/kernels.py);
     with the compute_efficiency override, ``override_flops`` at that fraction of peak instead; a
     traced model (no layer shapes) at the measured matmul rate."""
     recipe = RECIPES[req.precision]
@@ -483,13 +483,14 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
     accumulation = per_rank / micro_f
     if req.compute_efficiency is not None:
         seconds = override_flops / (g.peak_tflops[dtype] * 1e12 * req.compute_efficiency)
-        return seconds, override_flops, [("compute", seconds, f"override: compute_efficiency "
-                                                               f"{req.compute_efficiency:g} of peak {dtype}")]
+        return seconds, seconds * timing.BACKWARD_FRACTION, override_flops, [
+            ("compute", seconds, f"override: compute_efficiency {req.compute_efficiency:g} of peak {dtype}")]
     r = kernels.rates(g, dtype)
     scaled = "" if req.compute_scale == 1.0 else f" x {req.compute_scale:.3f} (calibration profile)"
     if not isinstance(arch, Architecture):  # traced: FLOPs only, no layer shapes
         seconds = override_flops / r.matmul_flops / req.compute_scale
-        return seconds, override_flops, [("matmul", seconds, f"traced FLOPs at {r.matmul_source}{scaled}")]
+        return seconds, seconds * timing.BACKWARD_FRACTION, override_flops, [
+            ("matmul", seconds, f"traced FLOPs at {r.matmul_source}{scaled}")]
     w = kernels.work(arch, req.seq_len, combo.tp, combo.cp, combo.sequence_parallel, recipe.compute_bytes,
                      req.attention == "eager" or arch.attention_implementation == "eager", r, req.attention_kernel)
     t = kernels.micro_batch_terms(w, micro_f, r, recipe.compute_bytes, combo.checkpointing,
@@ -523,7 +524,8 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
              ("host launch wait", accumulation * host_wait,
               f"{r.host_seconds_per_kernel * 1e6:g} µs per eager kernel launch"),
              ("optimizer step", optimizer, bandwidth)]
-    return seconds, accumulation * hardware, [(n, v / scale, src + scaled) for n, v, src in terms]
+    backward = accumulation * (t.backward + (matmul - t.matmul) * 2 / 3) / scale  # the adapters' backward: 2 of 3
+    return seconds, backward, accumulation * hardware, [(n, v / scale, src + scaled) for n, v, src in terms]
 
 
 def _dequantize_seconds(frozen: FrozenBaseShape | None, checkpointing: str, accumulation, g: Gpu):

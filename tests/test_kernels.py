@@ -62,6 +62,9 @@ def test_a_gemm_runs_forward_input_and_weight_gradients_and_recomputes_its_forwa
     assert full.recompute == pytest.approx(forward)  # full checkpointing: the forward again
     assert frozen.matmul == pytest.approx(2 * forward)  # no weight gradient for a frozen weight
     assert full.hardware_flops == pytest.approx(4 * forward * 1e15)  # HFU counts the recompute
+    # DDP's all-reduce hides behind backward only: the two gradient GEMMs, and the recomputed
+    # forward that runs inside backward under full checkpointing
+    assert none.backward == pytest.approx(2 * forward) and full.backward == pytest.approx(3 * forward)
 
 
 def test_a_skinny_gemm_is_bandwidth_bound():
