@@ -582,8 +582,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.json:
         print(profile.model_dump_json(indent=2))
         return 0
-    print(f"profile {profile.name} for {profile.gpu}: compute efficiency {profile.compute_efficiency:.4f} "
-          f"from {len(profile.runs)} runs (saved to {path})")
+    print(f"profile {profile.name} for {profile.gpu}: compute scale {profile.compute_scale:.4f} (x every kernel "
+          f"rate of the time model) from {len(profile.runs)} runs (saved to {path})")
     for r in profile.residuals:
         print(f"  run {r.run_id:>4}: measured {r.measured_step_seconds:.3f} s, fitted {r.predicted_step_seconds:.3f} s "
               f"({r.error_pct:+.1f}%)")

@@ -24,6 +24,10 @@ class Gpu(BaseModel):
     vendor: Literal["nvidia", "amd", "none"] = Field("nvidia", description="who makes it (none: CPU ranks)")
     memory_mib: int = Field(ge=0)
     peak_tflops: dict[str, float] = Field(description="dense (no sparsity) peak per dtype: bf16, fp16, fp8, tf32, fp32")
+    mamf_tflops: dict[str, float] = Field(
+        {}, description="measured maximum achievable dense matmul TFLOP/s per dtype (Bekman's MAMF table); "
+        "the time model's matmul rate")
+    sms: int | None = Field(None, gt=0, description="streaming multiprocessors (AMD: compute units), for GEMM waves")
     memory_bandwidth_gbps: float | None = Field(
         None, gt=0, description="peak device-memory bandwidth, GB/s (datasheet); none for CPU ranks")
     bf16: bool

@@ -63,9 +63,10 @@ def topology_of(req: "TopologyFields", g: Gpu) -> tuple[Topology, str, int]:
 
 
 def profile_efficiencies(profile_name: str | None, gpu_name: str, topo: Topology, gpus: int,
-                         compute_efficiency: float, link_efficiency: float, profile=None) -> tuple[float, float]:
-    """(compute efficiency, link efficiency): without a profile the given ones; with one, its compute
-    efficiency, and the link efficiency fitted for the kind of this topology's ring bottleneck
+                         compute_efficiency: float | None, link_efficiency: float,
+                         profile=None) -> tuple[float | None, float]:
+    """(compute efficiency, link efficiency): without a profile the given ones; with one, the given
+    compute efficiency (the override) or else the profile's (None in a profile of kernel rates), and the link efficiency fitted for the kind of this topology's ring bottleneck
     where its runs measured that kind, else its overall one.
 
     ``profile``: the Profile the request names (``profile_name``), read by the adapter
@@ -81,4 +82,13 @@ def profile_efficiencies(profile_name: str | None, gpu_name: str, topo: Topology
                            field="profile")
     ring, _, _ = timing.node_ring(topo, gpus)
     kind = timing.ring_bottleneck_kind(topo, ring)
-    return profile.compute_efficiency, profile.link_efficiencies.get(kind, profile.link_efficiency)
+    compute = profile.compute_efficiency if compute_efficiency is None else compute_efficiency
+    return compute, profile.link_efficiencies.get(kind, profile.link_efficiency)
+
+
+def profile_compute_scale(profile_name: str | None, profile=None) -> float:
+    """The kernel-rate factor a calibration profile measured (1 without a profile, and for a
+    profile saved before planner/kernels.py, which holds a compute efficiency instead)."""
+    if profile_name is None or profile is None:
+        return 1.0
+    return profile.compute_scale

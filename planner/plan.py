@@ -18,12 +18,12 @@ from functools import lru_cache
 
 import numpy as np
 
-from planner import timing
+from planner import kernels, timing
 from planner.catalogue import catalogue_model, model_from_config, with_vision
 from planner.errors import PlannerError
 from planner.frameworks import framework_of
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
-from planner.hardware import profile_efficiencies, topology_of
+from planner.hardware import profile_compute_scale, profile_efficiencies, topology_of
 from planner.layouts import Rejected, cp_degrees, ep_degrees, pp_degrees, tp_degrees
 from planner.memory import estimate, host_capacity, resolve, sequence_past_positions
 from planner.parallel import refuse_unmodelled
@@ -149,6 +149,7 @@ class _Search:
         self.req, self.g, self.model, self.topo, self.fabric, self.nics = req, g, model, topo, fabric, nics
         self.usable, self.model_fields = usable, model_fields
         self.estimates: dict[tuple[int, Setting, int], EstimateResult] = {}
+        self.compute_scale = 1.0  # a calibration profile's kernel-rate factor (planner/kernels.py)
 
     def estimate(self, req: PlanRequest, combo: Setting, micro: int,
                  request: EstimateRequest | None = None, accumulation: int = 1) -> EstimateResult:
@@ -200,6 +201,7 @@ def plan(req: PlanRequest, profile=None) -> PlanResult:
     capacity = g.memory_bytes
     usable = capacity * (1 - req.headroom)
     search = _Search(req, g, model, topo, timing.fabric(fabric_name), nics, usable, model_fields)
+    search.compute_scale = profile_compute_scale(req.profile, profile)
     layouts, rejected = _layouts(req, req.gpus, arch, topo)
     _check_fixed_degrees(req)
     rows, evaluated = _evaluate(search, req, layouts)
@@ -277,8 +279,23 @@ def _compute_floor(search: _Search, req: PlanRequest) -> float | None:
     if req.finetune != "full" or arch is None:
         return None
     peak = RECIPES[req.precision].peak_dtype(search.g.peak_tflops)
-    flops = timing.flops_per_token(arch, req.seq_len, "none") * req.seq_len
-    return flops / (search.g.peak_tflops[peak] * 1e12 * req.compute_efficiency)
+    if req.compute_efficiency is not None:
+        flops = timing.flops_per_token(arch, req.seq_len, "none") * req.seq_len
+        return flops / (search.g.peak_tflops[peak] * 1e12 * req.compute_efficiency)
+    # the kernel model runs at most the matmul rate on every matmul FLOP and adds attention,
+    # elementwise and host time (planner/kernels.py): the matmuls alone are a lower bound
+    flops = 6 * timing.matmul_parameters(arch) * req.seq_len
+    return flops / kernels.rates(search.g, peak, search.compute_scale).matmul_flops
+
+
+def _compute_note(req: PlanRequest, g: Gpu, compute_scale: float) -> str:
+    if req.compute_efficiency is not None:
+        return f"compute at {req.compute_efficiency:.0%} of {g.name}'s peak dense TFLOP/s (the compute_efficiency override)"
+    r = kernels.rates(g, RECIPES[req.precision].peak_dtype(g.peak_tflops), compute_scale)
+    return (f"compute: each kernel at its measured rate (planner/kernels.py): matmuls at {r.matmul_source}"
+            + (f" x {compute_scale:.3f} (profile)" if compute_scale != 1.0 else "")
+            + f", attention at FlashAttention-2's measured rate, elementwise work at "
+            f"{r.memory_bytes_per_s / 1e9:,.0f} GB/s")
 
 
 def _floor_value(req: PlanRequest, nodes: int, per_sequence: float) -> float:
@@ -430,7 +447,7 @@ def _evaluate_setting(search: _Search, req: PlanRequest, combo: Setting, time_bo
     if micro.size == 0:
         return [], 0
     first = _request(req, combo, int(micro[-1]) if combo.pp > 1 else 1, search.model_fields)
-    times = step_times(StepSettings.of(req), combo, micro, per_rank, search.model.parameters, arch, search.g,
+    times = step_times(StepSettings.of(req, search.compute_scale), combo, micro, per_rank, search.model.parameters, arch, search.g,
                        search.topo, search.fabric, search.nics, frozen=_frozen(first, arch))
     if combo.pp * combo.ep > 1:
         return _model_parallel_rows(search, req, combo, micro, per_rank, times, first, time_bound,
@@ -924,7 +941,7 @@ def _rank(search: _Search, req: PlanRequest, rows: list[Row], fewer: list[tuple[
     notes = [f"{evaluated:,} candidates evaluated in {wallclock.perf_counter() - started:.3f} s",
              (f"ring over GPUs {list(ring)}: slowest link {ring_bw:.1f} GB/s ({topo.source})"
               if math.isfinite(ring_bw) else f"one GPU per node: no ring ({topo.source})"),
-             f"compute at {req.compute_efficiency:.0%} of {g.name}'s peak dense TFLOP/s"]
+             _compute_note(req, g, search.compute_scale)]
     notes += [f"time model: {caveat}" for caveat in g.time_model_caveats]
     notes.append(f"memory: the search judges settings on the live peak with {req.headroom:.0%} kept free; the "
                  "fitting candidates are then replayed in rank order through torch 2.13's caching allocator "

@@ -13,6 +13,9 @@ from pydantic import BaseModel, Field
 from planner.errors import PlannerError
 from planner.gpus import gpu as lookup_gpu
 from planner.precision import RECIPES
+from planner.memory import estimate
+from planner.schema import EstimateRequest
+from planner.steptime import estimate_time
 from planner.timing import flops_per_token
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -35,7 +38,11 @@ class CommunicationResidual(BaseModel):
 class Profile(BaseModel):
     name: str
     gpu: str
-    compute_efficiency: float = Field(description="achieved fraction of the GPU's peak dense TFLOP/s")
+    compute_scale: float = Field(1.0, gt=0.0, le=10.0, description="measured over predicted kernel rate: every "
+                                 "kernel rate of planner/kernels.py is multiplied by it")
+    compute_efficiency: float | None = Field(
+        None, description="a profile saved before the kernel model: one achieved fraction of peak for all compute "
+        "(applied as the compute_efficiency override)")
     link_efficiency: float = Field(1.0, description="achieved fraction of the modelled link bandwidth, over all runs")
     link_efficiencies: dict[str, float] = Field(
         {}, description="the same per link type (the kind of the ring's slowest link), where runs measured it")
@@ -126,37 +133,48 @@ def _fit_links(samples: list[tuple[int, tuple[float, float, float, str]]]
     return overall, per_kind, residuals
 
 
+def _predicted_compute(record: dict[str, Any], gpu_name: str) -> float:
+    """The kernel model's compute seconds of a run's step (planner/kernels.py at its published
+    rates: a profile with scale 1), whatever GPU it ran on (CPU ranks included)."""
+    request = EstimateRequest.model_validate(record["request"] | {"profile": _PROBE})
+    time = estimate_time(request, estimate(request), Profile(name=_PROBE, gpu=gpu_name, runs=[], residuals=[],
+                                                                note="kernel rates as published"))
+    return time.compute_seconds
+
+
+_PROBE = "kernel-rates"
+
+
 def fit_profile(name: str, runs: list[tuple[int, dict[str, Any]]], gpu_name: str | None = None) -> Profile:
-    """Median achieved efficiency over the runs of one GPU type, and each run's residual."""
+    """The median over the runs of one GPU type of the kernel model's predicted compute seconds
+    over the measured step seconds: the factor on its kernel rates (compute_scale),
+    and each run's residual with it."""
     samples = []
     for run_id, record in runs:
         sample = _run_flops(record)
         if sample is None or (gpu_name and sample[0] != gpu_name):
             continue
-        g = lookup_gpu(sample[0])
-        peak = g.peak_tflops[_dtype(record["request"]["precision"], g.peak_tflops)] * 1e12
-        samples.append((run_id, sample[0], sample[1], sample[2], peak))
+        samples.append((run_id, sample[0], _predicted_compute(record, sample[0]), sample[2]))
     if not samples:
         raise PlannerError("no finished verify runs to calibrate from" + (f" on {gpu_name}" if gpu_name else "")
                            + "; run planner verify first", field=None)
     gpus = {s[1] for s in samples}
     if len(gpus) > 1:
         raise PlannerError(f"runs on several GPU types ({', '.join(sorted(gpus))}); choose one with --gpu", field="gpu")
-    efficiencies = [flops / seconds / peak for _, _, flops, seconds, peak in samples]
-    efficiency = statistics.median(efficiencies)
-    residuals = [Residual(run_id=run_id, measured_step_seconds=seconds,
-                          predicted_step_seconds=flops / (peak * efficiency),
-                          error_pct=100 * (flops / (peak * efficiency) - seconds) / seconds)
-                 for run_id, _, flops, seconds, peak in samples]
+    scale = min(10.0, statistics.median(predicted / seconds for _, _, predicted, seconds in samples))
+    residuals = [Residual(run_id=run_id, measured_step_seconds=seconds, predicted_step_seconds=predicted / scale,
+                          error_pct=100 * (predicted / scale - seconds) / seconds)
+                 for run_id, _, predicted, seconds in samples]
     link_samples = [(run_id, links) for run_id, record in runs
                     if any(run_id == s[0] for s in samples) and (links := _run_links(record)) is not None]
     link_efficiency, per_kind, link_residuals = _fit_links(link_samples)
-    note = ("compute efficiency: the median over the runs of achieved FLOP/s (measured step time, communication "
-            "included) over the GPU's peak. Link efficiency: the median over the runs of the modelled "
+    note = ("compute scale: the median over the runs of the kernel model's compute seconds (planner/kernels.py at "
+            "its published rates) over the measured step seconds (communication included); it multiplies every "
+            "kernel rate. Link efficiency: the median over the runs of the modelled "
             "bandwidth-bound time of the collectives each run timed (data/links.yaml rates, α-β ring) over their "
             f"measured time less the latency term ({len(link_samples)} runs with timed collectives"
             + ("; none, so it stays 1.0" if not link_samples else "") + ")")
-    return Profile(name=check_profile_name(name), gpu=next(iter(gpus)), compute_efficiency=min(1.0, efficiency),
+    return Profile(name=check_profile_name(name), gpu=next(iter(gpus)), compute_scale=scale,
                    link_efficiency=min(4.0, link_efficiency),
                    link_efficiencies={k: min(4.0, v) for k, v in per_kind.items()},
                    runs=[s[0] for s in samples], residuals=residuals,

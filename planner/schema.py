@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic_core import core_schema
 
 from planner.activations import Attention, Checkpointing
+from planner.kernels import AttentionKernel
 from planner.errors import unknown
 from planner.moments import PhaseKind
 from planner.parallel import PipelineSchedule
@@ -258,6 +259,10 @@ class EstimateRequest(BaseModel):
     gradient_accumulation: int = Field(1, ge=1, le=1 << 16, description="micro-steps per optimizer step")
     checkpointing: Checkpointing = Field("none", description="activation checkpointing")
     attention: Attention = Field("sdpa", description="attention implementation (sdpa = flash/memory-efficient)")
+    attention_kernel: AttentionKernel = Field(
+        "flash-attention-2", description="the flash kernel's generation, for the step time only: torch>=2.2 SDPA "
+        "and flash-attn 2.x run FlashAttention-2; flash-attn 1.x runs FlashAttention-1; flash-attention-triton: "
+        "FlashAttention's Triton kernel (MPT's attn_impl triton)")
     offload_optimizer: OffloadDevice = Field("none", description="where optimizer states live")
     offload_params: OffloadDevice = Field("none", description="where parameters live (zero3 / fsdp)")
     hsdp_shard_size: int | None = Field(
@@ -444,8 +449,16 @@ class ModelSummary(BaseModel):
     architecture: dict[str, Any] | None
 
 
+class TimeTerm(BaseModel):
+    """One part of the step time: what it is, its seconds per optimizer step and where its rate comes from."""
+
+    name: str
+    seconds: float
+    source: str
+
+
 class TimeEstimate(BaseModel):
-    """One step on the modelled interconnect (planner/timing.py)."""
+    """One step on the modelled interconnect (planner/timing.py, planner/kernels.py)."""
 
     step_seconds: float
     compute_seconds: float
@@ -454,6 +467,11 @@ class TimeEstimate(BaseModel):
     offload_seconds: float
     tokens_per_second: float = Field(description="over all GPUs")
     mfu: float = Field(description="model FLOPs utilization (no recomputation counted)")
+    hfu: float = Field(0.0, description="hardware FLOPs utilization: the FLOPs the GPU runs (recomputation and "
+                       "FlashAttention's causal saving included) over its peak")
+    terms: list[TimeTerm] = Field([], description="the step's parts (compute terms are per GPU, serial), each with "
+                                  "the source of its rate: estimated from published kernel measurements, a "
+                                  "calibration profile, or the compute_efficiency override")
     ring_bandwidth_gbps: float | None = Field(description="slowest link of the ring, GB/s; null on one GPU (no ring)")
     topology: str
 
@@ -548,8 +566,11 @@ class PlanRequest(BaseModel):
     precision: Precision = Field("bf16-mixed", description="precision recipe")
     optimizer: Optimizer = Field("adamw", description="optimizer")
     attention: Attention = Field("sdpa", description="attention implementation")
+    attention_kernel: AttentionKernel = Field("flash-attention-2", description="the flash kernel's generation (step time)")
     headroom: float = Field(0.05, ge=0.0, lt=0.9, description="fraction of device memory kept free")
-    compute_efficiency: float = Field(0.45, gt=0.0, le=1.0, description="achievable fraction of peak TFLOP/s")
+    compute_efficiency: float | None = Field(
+        None, gt=0.0, le=1.0, description="override: run all compute at this fraction of peak TFLOP/s (off by "
+        "default: each kernel at its measured rate, planner/kernels.py)")
     link_efficiency: float = Field(1.0, gt=0.0, le=4.0,
                                    description="achieved fraction of the modelled (realistic) link bandwidths")
     profile: ProfileName | None = Field(None, description="calibration profile saved by `planner calibrate` (sets the efficiencies)")

@@ -6,18 +6,18 @@ and the step time that results. plan.py evaluates it over a grid; estimate_time 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from planner import arrays, timing
+from planner import arrays, kernels, timing
 from planner.architecture import Architecture, layer_parameters, parameter_numels
 from planner.frameworks import Buckets, Traffic, framework_of
 from planner.gpus import Gpu, gpu as lookup_gpu
-from planner.hardware import profile_efficiencies, topology_of
+from planner.hardware import profile_compute_scale, profile_efficiencies, topology_of
 from planner.memory import estimate
 from planner.buffers import FP32
-from planner.precision import RECIPES
-from planner.schema import EstimateRequest, EstimateResult, PlanRequest, TimeEstimate
+from planner.precision import RECIPES, optimizer_state_bits
+from planner.schema import EstimateRequest, EstimateResult, PlanRequest, TimeEstimate, TimeTerm
 from planner.strategies import strategy as lookup_strategy
 from planner.topology import Topology
 
@@ -173,15 +173,21 @@ class StepSettings:
     precision: str
     seq_len: int
     nodes: int
-    compute_efficiency: float
+    compute_efficiency: float | None  # the override: every FLOP at this fraction of peak (None: planner/kernels.py)
     link_efficiency: float
     reduce_dtype: str = "compute"  # FSDP2's MixedPrecisionPolicy.reduce_dtype (the request's)
+    attention: str = "sdpa"
+    attention_kernel: str = "flash-attention-2"
+    optimizer: str = "adamw"
+    compute_scale: float = 1.0  # a calibration profile's measured kernel-rate factor (planner/profiles.py)
 
     @classmethod
-    def of(cls, req: PlanRequest) -> "StepSettings":
+    def of(cls, req: PlanRequest, compute_scale: float = 1.0) -> "StepSettings":
         return cls(precision=req.precision, seq_len=req.seq_len, nodes=req.nodes,
                    compute_efficiency=req.compute_efficiency, link_efficiency=req.link_efficiency,
-                   reduce_dtype=req.reduce_dtype)
+                   reduce_dtype=req.reduce_dtype, attention=req.attention, optimizer=req.optimizer,
+                   attention_kernel=req.attention_kernel,
+                   compute_scale=compute_scale)
 
 
 def collective_volumes(request: EstimateRequest) -> list[dict]:
@@ -232,7 +238,10 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
         PlanRequest.model_fields["link_efficiency"].default, profile)  # the plan's defaults, so both time alike
     settings = StepSettings(precision=result.request.precision, seq_len=request.seq_len, nodes=request.nodes,
                             compute_efficiency=compute_efficiency, link_efficiency=link_efficiency,
-                            reduce_dtype=request.reduce_dtype)
+                            reduce_dtype=request.reduce_dtype, attention=request.attention,
+                            attention_kernel=request.attention_kernel,
+                            optimizer=result.request.optimizer,
+                            compute_scale=profile_compute_scale(request.profile, profile))
     combo, buckets, setup = resolved_combo(request, result.parameters if traced is not None else None)
     arch = traced if traced is not None else Architecture.model_validate(result.model.architecture)
     t = step_times(settings, combo, request.micro_batch, per_rank, result.parameters, arch, g,
@@ -241,13 +250,27 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
     if request.pp > 1 or request.ep > 1:  # the pipeline bubble, p2p and expert all-to-alls (issue 12)
         from planner.pipeline import parallel_step
 
-        t = parallel_step(t, setup, arch, topo, timing.fabric(fabric_name), nics, link_efficiency)
+        t = _pipeline_terms(t, parallel_step(t, setup, arch, topo, timing.fabric(fabric_name), nics, link_efficiency))
     return TimeEstimate(step_seconds=t.step_seconds, compute_seconds=t.compute_seconds,
                         communication_seconds=t.communication_seconds,
                         exposed_communication_seconds=t.exposed_communication_seconds,
                         offload_seconds=t.offload_seconds, tokens_per_second=t.tokens_per_second, mfu=t.mfu,
+                        hfu=t.hfu, terms=[TimeTerm(name=n, seconds=v, source=src) for n, v, src in t.terms],
                         ring_bandwidth_gbps=t.ring_bandwidth_gbps if math.isfinite(t.ring_bandwidth_gbps) else None,
                         topology=topo.source)
+
+
+def _pipeline_terms(whole: timing.StepTime, staged: timing.StepTime) -> timing.StepTime:
+    """The terms of a pipeline or expert-parallel step: the compute terms at the stage's share
+    (the schedule's compute, bubble included, over the whole model's), the exposed communication
+    and offload as that step has them."""
+    share = staged.compute_seconds / whole.compute_seconds if whole.compute_seconds else 0.0
+    replaced = {"exposed communication": staged.exposed_communication_seconds, "offload": staged.offload_seconds}
+    labels = tuple((name, source if name in replaced else f"{source}; x {share:.3f}: the stage's share, "
+                    "bubble included") for name, source in whole.term_labels)
+    values = tuple(replaced[name] if name in replaced else seconds * share
+                   for (name, _), seconds in zip(whole.term_labels, whole.term_values))
+    return replace(staged, term_labels=labels, term_values=values)
 
 
 def estimate_with_time(request: EstimateRequest, profile=None) -> EstimateResult:
@@ -391,8 +414,8 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     tokens_rank = per_rank * req.seq_len
     model_parallel = combo.tp * combo.cp  # GPUs that share one data-parallel rank's tokens
     per_token, model_per_token = _flops_per_token(arch, req.seq_len, combo.checkpointing, frozen)
-    flops = tokens_rank * per_token / model_parallel
-    compute = flops / (peak_flops * req.compute_efficiency)
+    compute, backward, hardware_flops, terms = compute_seconds(req, combo, micro, per_rank, psi, arch, g, frozen,
+                                                               tokens_rank * per_token / model_parallel)
     ring, ring_bw, _ = timing.node_ring(topo, combo.gpus)
     nodes = req.nodes
     nic_gbps = nics * fabric["gbps"] * fabric["efficiency"] * req.link_efficiency
@@ -432,16 +455,79 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     tokens = tokens_rank / model_parallel * world
     # every option at once (elementwise: the same floating-point operations as one option alone)
     busy = compute + dequantize
-    window = framework_of(s).overlap_window_seconds(s, busy)
+    window = framework_of(s).overlap_window_seconds(s, busy, backward)
     exposed = arrays.maximum(0.0, data_parallel - window) + exposed_model_parallel
     step = busy + exposed + offload
-    columns = [busy, comm, exposed, offload, step, tokens / step, model_flops / (step * peak_flops)]
+    terms = terms + [("dequantize", dequantize, "QLoRA's dequantization at the achievable memory bandwidth"),
+                     ("exposed communication", exposed, "α-β rings on the topology, less the framework's overlap"),
+                     ("offload", offload, "PCIe and CPU Adam rates (steptime.PCIE_DEVICE_TO_HOST_GBPS)")]
+    columns = [busy, comm, exposed, offload, step, tokens / step, model_flops / (step * peak_flops),
+               hardware_flops / (step * peak_flops)] + [t[1] for t in terms]
     options = micro.size if arrays.is_array(micro) else 1
     rows = zip(*(arrays.as_float(c).tolist() if arrays.is_array(c) else [float(c)] * options for c in columns))
-    return [timing.StepTime(compute_seconds=b, communication_seconds=c, exposed_communication_seconds=e,
-                            offload_seconds=o, step_seconds=t, tokens_per_second=tps, mfu=mfu,
-                            ring_bandwidth_gbps=slowest, ring=ring)
-            for b, c, e, o, t, tps, mfu in rows]
+    labels = tuple((name, source) for name, _, source in terms)
+    return [timing.StepTime(compute_seconds=row[0], communication_seconds=row[1], exposed_communication_seconds=row[2],
+                            offload_seconds=row[3], step_seconds=row[4], tokens_per_second=row[5], mfu=row[6],
+                            ring_bandwidth_gbps=slowest, ring=ring, hfu=row[7], term_labels=labels,
+                            term_values=row[8:])
+            for row in rows]
+
+
+def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int, arch, g: Gpu,
+                    frozen: FrozenBaseShape | None, override_flops: float):
+    """(compute seconds per optimizer step on one GPU, the backward passes' share of them,
+    hardware FLOPs it runs, [(term, seconds, source)]) for each micro-batch option. Every kernel at its measured rate (planner/kernels.py);
+    with the compute_efficiency override, ``override_flops`` at that fraction of peak instead; a
+    traced model (no layer shapes) at the measured matmul rate."""
+    recipe = RECIPES[req.precision]
+    dtype = recipe.peak_dtype(g.peak_tflops)
+    micro_f = arrays.as_float(micro)
+    accumulation = per_rank / micro_f
+    if req.compute_efficiency is not None:
+        seconds = override_flops / (g.peak_tflops[dtype] * 1e12 * req.compute_efficiency)
+        return seconds, seconds * timing.BACKWARD_FRACTION, override_flops, [
+            ("compute", seconds, f"override: compute_efficiency {req.compute_efficiency:g} of peak {dtype}")]
+    r = kernels.rates(g, dtype)
+    scaled = "" if req.compute_scale == 1.0 else f" x {req.compute_scale:.3f} (calibration profile)"
+    if not isinstance(arch, Architecture):  # traced: FLOPs only, no layer shapes
+        seconds = override_flops / r.matmul_flops / req.compute_scale
+        return seconds, seconds * timing.BACKWARD_FRACTION, override_flops, [
+            ("matmul", seconds, f"traced FLOPs at {r.matmul_source}{scaled}")]
+    w = kernels.work(arch, req.seq_len, combo.tp, combo.cp, combo.sequence_parallel, recipe.compute_bytes,
+                     req.attention == "eager" or arch.attention_implementation == "eager", r, req.attention_kernel)
+    t = kernels.micro_batch_terms(w, micro_f, r, recipe.compute_bytes, combo.checkpointing,
+                                  frozen_matmuls=1.0 if frozen is not None else 0.0)
+    matmul = t.matmul
+    hardware = t.hardware_flops
+    if frozen is not None:  # the adapters and trained copies of frozen matmuls, at the matmul rate
+        adapters = micro_f * w.tokens * (3 * frozen.adapter_forward_flops + frozen.trained_weight_flops) / combo.tp
+        matmul = matmul + adapters / r.matmul_flops
+        hardware = hardware + adapters
+    s = lookup_strategy(combo.strategy)
+    optimizer = 0.0
+    if combo.offload_optimizer == "none":
+        shards = combo.gpus * req.nodes // (combo.tp * combo.pp) if s.shards_optimizer else 1
+        elements = (frozen.trainable if frozen is not None else psi) / combo.tp / max(1, shards)
+        param_bits = recipe.master_bits or recipe.weight_bits
+        optimizer = kernels.optimizer_step_seconds(elements, optimizer_state_bits(req.optimizer, param_bits),
+                                                   recipe.master_bits, recipe.weight_bits, recipe.grad_bits, r)
+    device = matmul + t.attention + t.elementwise + t.recompute
+    host_wait = arrays.maximum(0.0, t.host - device)
+    scale = req.compute_scale  # a profile's measured factor on every kernel rate
+    seconds = (accumulation * (device + host_wait) + optimizer) / scale
+    attention_source = ("eager attention: its matmuls at the matmul rate, the score matrix at the memory bandwidth"
+                        if w.eager_bytes else f"{req.attention_kernel} measured on {r.attention_reference.upper()}, "
+                        f"scaled by matmul rate x {r.attention_scale:.2f}")
+    bandwidth = f"{r.memory_bytes_per_s / 1e9:,.0f} GB/s achievable memory bandwidth"
+    terms = [("matmul", accumulation * matmul, f"{r.matmul_source}, tile waves over {r.sms or '?'} SMs"),
+             ("attention", accumulation * t.attention, attention_source),
+             ("elementwise and loss", accumulation * t.elementwise, bandwidth),
+             (f"recompute ({combo.checkpointing})", accumulation * t.recompute, "the forward kernels rerun, same rates"),
+             ("host launch wait", accumulation * host_wait,
+              f"{r.host_seconds_per_kernel * 1e6:g} µs per eager kernel launch"),
+             ("optimizer step", optimizer, bandwidth)]
+    backward = accumulation * (t.backward + (matmul - t.matmul) * 2 / 3) / scale  # the adapters' backward: 2 of 3
+    return seconds, backward, accumulation * hardware, [(n, v / scale, src + scaled) for n, v, src in terms]
 
 
 def _dequantize_seconds(frozen: FrozenBaseShape | None, checkpointing: str, accumulation, g: Gpu):

@@ -35,9 +35,6 @@ from planner import arrays
 from planner.architecture import Architecture, active_parameter_count
 from planner.topology import Topology, link_rates
 
-# Achievable fraction of peak dense TFLOP/s for transformer training: PaLM reports 46.2 % MFU
-# (Chowdhery et al. 2022, Table 3), MegaScale 55.2 % (Jiang et al. 2024). Calibratable.
-DEFAULT_COMPUTE_EFFICIENCY = 0.45
 # Of the compute, backward is 2/3 (the x3 above): what bucketed gradient reduction can hide behind.
 BACKWARD_FRACTION = 2 / 3
 # DeepSpeedCPUAdam updates about 1e9 parameters per second per rank on a server CPU (ZeRO-Offload
@@ -60,6 +57,15 @@ class StepTime:
     mfu: float
     ring_bandwidth_gbps: float
     ring: tuple[int, ...]
+    hfu: float = 0.0  # hardware FLOPs (recomputation included) over peak
+    # the step's parts: (name, source) shared by a plan's options, and this option's seconds per step
+    term_labels: tuple[tuple[str, str], ...] = ()
+    term_values: tuple[float, ...] = ()
+
+    @property
+    def terms(self) -> tuple[tuple[str, float, str], ...]:
+        """(name, seconds per step, source) of each part that takes time (planner/kernels.py)."""
+        return tuple((name, v, source) for (name, source), v in zip(self.term_labels, self.term_values) if v > 0)
 
 
 def matmul_parameters(a: Architecture) -> int:

@@ -183,8 +183,9 @@ def test_the_core_reads_no_profile_files_and_no_environment(tmp_path, monkeypatc
     request = EstimateRequest(model="gpt2", strategy="zero2", gpus=8, gpu="h100-80gb", profile="Box")
     assert load_profile("Box").name == "box"  # case-insensitive, as catalogue names are
     slow = estimate_with_time(request, profile_for(request)).time
-    plain = estimate_with_time(request.model_copy(update={"profile": None})).time
-    assert slow.compute_seconds == pytest.approx(plain.compute_seconds * 0.45 / 0.3)
+    # a profile saved before the kernel model holds one compute efficiency: the override, every
+    # model FLOP (no recompute here: what MFU counts) at 30% of peak
+    assert slow.compute_seconds == pytest.approx(slow.mfu * slow.step_seconds / 0.3, rel=1e-9)
     with pytest.raises(PlannerError) as caught:
         estimate_with_time(request)  # named, not given
     assert caught.value.field == "profile" and "the core reads no profile files" in str(caught.value)
@@ -192,3 +193,8 @@ def test_the_core_reads_no_profile_files_and_no_environment(tmp_path, monkeypatc
         profile_for(request.model_copy(update={"profile": "boxx"}))
     assert (caught.value.field, caught.value.value) == ("profile", "boxx")
     assert str(caught.value) == "unknown profile 'boxx' (did you mean box?); choose from box"
+    save_profile(Profile(name="fast", gpu="h100-80gb", compute_scale=2.0, runs=[], residuals=[], note="test"))
+    fast_request = request.model_copy(update={"profile": "fast"})
+    fast = estimate_with_time(fast_request, profile_for(fast_request)).time
+    plain = estimate_with_time(request.model_copy(update={"profile": None})).time
+    assert fast.compute_seconds == pytest.approx(plain.compute_seconds / 2.0, rel=1e-12)  # every kernel rate x 2

@@ -68,13 +68,24 @@ def test_links_of_the_new_presets():
     assert link_between(0, 1, "PIX", load_gpus()["b300"]).kind.startswith("pcie-gen6")
 
 
-def test_compute_time_scales_with_the_datasheet_throughput():
-    def compute(gpu):
+def test_compute_terms_scale_with_the_measured_rates():
+    """planner/kernels.py: matmuls run at the GPU's measured MAMF, elementwise work at its memory
+    bandwidth. H100 SXM and H200 share the MAMF (794.5 TFLOP/s, "H200 is the same") and the 132
+    SMs, so their matmul terms are equal; their memory bandwidths are 3,350 and 4,800 GB/s, so the
+    elementwise term of the H200 is 3350/4800 of the H100's. A GPU without a MAMF measurement
+    (RTX 5090) runs its matmuls at the H100's measured fraction of its own peak."""
+    def terms(gpu):
         r = estimate_with_time(EstimateRequest(model="llama-3-8b", strategy="zero3", gpus=1, gpu=gpu, seq_len=4096))
-        return r.time.compute_seconds
+        return {t.name: t.seconds for t in r.time.terms}
 
-    assert compute("h100-80gb") / compute("b300") == pytest.approx(2250 / 989, rel=1e-6)
-    assert compute("h100-80gb") / compute("rtx-5090") == pytest.approx(209.5 / 989, rel=1e-6)
+    h100, h200 = terms("h100-80gb"), terms("h200")
+    assert h100["matmul"] == pytest.approx(h200["matmul"], rel=1e-12)
+    assert h200["elementwise and loss"] / h100["elementwise and loss"] == pytest.approx(3350 / 4800, rel=1e-9)
+    from planner.kernels import UNMEASURED_MATMUL_FRACTION, rates
+
+    assert rates(load_gpus()["rtx-5090"], "bf16").matmul_flops == pytest.approx(
+        209.5e12 * UNMEASURED_MATMUL_FRACTION, rel=1e-9)
+    assert rates(load_gpus()["b300"], "bf16").matmul_flops == 1769.0e12
 
 
 def test_vendors():

@@ -111,12 +111,13 @@ def test_a_traced_model_is_timed_from_its_parameter_count():
     shape = TracedShape.of(profile)
     traced = estimate_time(result.request, result, traced=shape)
     # the matmul weights are the analytic model's (everything but the untied embedding lookup);
-    # only the attention-score FLOPs (4 x layers x seq x q width per token) are missing
+    # a traced model has no layer shapes, so its 6 FLOPs per matmul parameter and token (forward,
+    # input and weight gradients) run at the H100's measured matmul rate (MAMF 794.5 TFLOP/s), the
+    # attention scores and elementwise work left out: 2 x 128 tokens on each GPU
     a = from_hf_config(TINY_LLAMA)
     assert shape.matmul_parameters == matmul_parameters(a)
-    matmul = 2 * shape.matmul_parameters
-    scores = 4 * a.num_layers * 128 * a.num_attention_heads * a.head_dim
-    assert traced.compute_seconds == pytest.approx(analytic.time.compute_seconds * matmul / (matmul + scores), rel=1e-9)
+    assert traced.compute_seconds == pytest.approx(2 * 128 * 6 * shape.matmul_parameters / 794.5e12, rel=1e-9)
+    assert traced.compute_seconds < analytic.time.compute_seconds
     assert traced.communication_seconds == pytest.approx(analytic.time.communication_seconds, rel=1e-9)
     starcoder = estimate_any(EstimateRequest(model_config={"name": "sc2", "config": TINY_OTHERS["starcoder2"]},
                                              strategy="zero3", gpus=2, gpu="rtx-4090", micro_batch=1, seq_len=128))

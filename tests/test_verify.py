@@ -156,14 +156,14 @@ def test_calibrate_fits_a_profile_that_estimate_and_plan_apply(tmp_path, monkeyp
     store = RunStore(db)
     runs = [(row["id"], store.get(row["id"])["record"]) for row in store.list() if row["status"] == "ok"]
     profile = fit_profile("cpu-test", runs)
-    assert 0 < profile.compute_efficiency <= 1 and profile.runs == [record["id"]]
+    assert 0 < profile.compute_scale <= 10 and profile.compute_efficiency is None and profile.runs == [record["id"]]
     assert abs(profile.residuals[0].error_pct) < 1e-6  # one run: the fit reproduces it
     # the run timed its collectives (DeepSpeed's comms logger), so the link efficiency is fitted too
     assert record["communication"]["measured_bytes_per_step"] > 0
     assert profile.link_efficiency != 1.0 and abs(profile.communication_residuals[0].error_pct) < 1e-6
     assert list(profile.link_efficiencies.values()) == [profile.link_efficiency]  # one run, one link type
     save_profile(profile)
-    assert load_profile("cpu-test").compute_efficiency == profile.compute_efficiency
+    assert load_profile("cpu-test").compute_scale == profile.compute_scale
     named = request(strategy="zero1", profile="cpu-test")
     timed = estimate_with_time(named, profile_for(named))
     assert timed.time is not None

@@ -101,8 +101,9 @@ class Framework:
         """What one optimizer step sends, per collective (before the ring's factor)."""
         raise NotImplementedError
 
-    def overlap_window_seconds(self, s: "Strategy", compute_seconds: float) -> float:
-        """How much of the step's compute the communication can hide behind."""
+    def overlap_window_seconds(self, s: "Strategy", compute_seconds: float, backward_seconds: float) -> float:
+        """How much of the step's compute the communication can hide behind; ``backward_seconds``:
+        the backward passes' part of it (planner/kernels.py)."""
         raise NotImplementedError
 
     def offload_options(self, s: "Strategy") -> list[tuple[str, str]]:

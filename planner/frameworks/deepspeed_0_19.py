@@ -79,7 +79,7 @@ class DeepSpeedZero(Framework):
                  min(unit, t.buckets.prefetch * t.wire_bytes), "shard"),
                 ("gradient reduce-scatter", t.accumulation * grads, 1, min(unit, reduce_msg), "shard")]
 
-    def overlap_window_seconds(self, s: "Strategy", compute_seconds: float) -> float:
+    def overlap_window_seconds(self, s: "Strategy", compute_seconds: float, backward_seconds: float) -> float:
         # ZeRO-3 prefetches through the whole step; ZeRO 0-2: overlap_comm defaults to false
         # (DeepSpeedZeroConfig).
         return compute_seconds if s.zero_stage == 3 else 0.0

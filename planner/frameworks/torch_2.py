@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from planner import timing
 from planner.activations import Activations
 from planner.architecture import layer_specs
 from planner.buffers import (FP32, PhasePlan, SweepPoint, activation_items, adam_temporaries, backward_sweep,
@@ -99,9 +98,11 @@ class TorchDistributed(Framework):
     def fsdp_sharding(self, s: "Strategy") -> str | None:
         return sharding(s)
 
-    def overlap_window_seconds(self, s: "Strategy", compute_seconds: float) -> float:
-        # FSDP overlaps its gathers with the whole step; DDP its all-reduce with backward only.
-        return compute_seconds if s.shards_parameters else compute_seconds * timing.BACKWARD_FRACTION
+    def overlap_window_seconds(self, s: "Strategy", compute_seconds: float, backward_seconds: float) -> float:
+        # FSDP overlaps its gathers with the whole step (its prefetch runs a block ahead in forward
+        # and backward); DDP its bucketed all-reduce with backward only (a bucket is sent once its
+        # gradients are ready: torch/nn/parallel/distributed.py, Reducer).
+        return compute_seconds if s.shards_parameters else backward_seconds
 
     def offload_options(self, s: "Strategy") -> list[tuple[str, str]]:
         if s.shards_parameters and not s.params_unsharded_in_step:

@@ -1,0 +1,87 @@
+"""How the plan ranks layouts for three published setups, and which term of the step decides it.
+
+    python bench/layout_ranking.py [--readme README.md]
+
+The setups are those of published runs (the model, GPUs, sequence and global batch; the layout is
+left to the plan): torchtitan's Llama-3-8B on 8 H100 at 8,192 tokens (docs/performance.md,
+Table 1: FSDP, 8 H100s), llm-foundry's MPT-7B on 8 A100-80GB at 2,048 tokens, 96 sequences per step
+(scripts/train/benchmarking/README.md line 182), and llm-foundry's MPT-30B on 32 H100 at 2,048 tokens,
+1,344 sequences per step (line 101). For each, the best fitting candidate of each layout family
+(strategy, TP and PP degree) in rank order, with its step split into compute, exposed communication
+and offload; "decides" names the term that separates it most from the one ranked above it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.published_throughput import MPT  # noqa: E402
+from bench.readme import publish  # noqa: E402
+from planner.plan import plan  # noqa: E402
+from planner.schema import PlanRequest  # noqa: E402
+
+
+def _mpt(size: str, seq: int) -> dict:
+    d, heads, layers = MPT[size]
+    return {"model_type": "gpt2", "n_embd": d, "n_head": heads, "n_layer": layers, "n_inner": 4 * d,
+            "n_positions": seq, "vocab_size": 50368, "tie_word_embeddings": True, "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+
+
+SETUPS = [
+    ("torchtitan Llama-3-8B, 8 x H100, 8,192 tokens",
+     dict(model="llama-3-8b", gpu="h100-80gb", gpus=8, seq_len=8192, global_batch=8)),
+    ("llm-foundry MPT-7B, 8 x A100-80GB, 2,048 tokens",
+     dict(model_config=_mpt("7b", 2048), gpu="a100-80gb", gpus=8, seq_len=2048, global_batch=96,
+          attention_kernel="flash-attention-triton", fabric="roce-200g", nics_per_node=8)),
+    ("llm-foundry MPT-30B, 32 x H100, 2,048 tokens",
+     dict(model_config=_mpt("30b", 2048), gpu="h100-80gb", gpus=8, nodes=4, seq_len=2048, global_batch=1344,
+          attention_kernel="flash-attention-triton")),
+]
+TERMS = ("compute_seconds", "exposed_communication_seconds", "offload_seconds")
+
+
+def _family(c) -> str:
+    p = c.parallel
+    return c.strategy + (f" x tp{p.tp}" if p.tp > 1 else "") + (f" x pp{p.pp}" if p.pp > 1 else "")
+
+
+def ranking(title: str, fields: dict) -> list[str]:
+    r = plan(PlanRequest(**fields))
+    best: dict[str, object] = {}
+    for c in sorted((c for c in r.candidates if c.fits), key=lambda c: c.step_seconds):
+        best.setdefault(_family(c), c)
+    rows = list(best.values())[:6]
+    out = [f"**{title}**", "", "| rank | layout | micro x accum | ckpt | step s | compute s | exposed comm s | offload s "
+           "| tokens/s/GPU | MFU | decides |", "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    world = fields["gpus"] * fields.get("nodes", 1)
+    for k, c in enumerate(rows, 1):
+        decides = "-"
+        if k > 1 and c.step_seconds <= rows[k - 2].step_seconds * 1.005:
+            decides = "tie (within 0.5%)"
+        elif k > 1:
+            above = rows[k - 2]
+            decides = max(TERMS, key=lambda t: getattr(c, t) - getattr(above, t)).replace("_seconds", "").replace("_", " ")
+        out.append(f"| {k} | {_family(c)} | {c.micro_batch} x {c.gradient_accumulation} | {c.checkpointing} | "
+                   f"{c.step_seconds:.2f} | {c.compute_seconds:.2f} | {c.exposed_communication_seconds:.2f} | "
+                   f"{c.offload_seconds:.2f} | {c.tokens_per_second / world:,.0f} | {c.mfu:.1%} | {decides} |")
+    return out + [""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--readme", help="README to write the <!-- layout-ranking --> block into")
+    args = parser.parse_args(argv)
+    lines: list[str] = []
+    for title, fields in SETUPS:
+        lines += ranking(title, fields)
+    return publish("\n".join(lines), args.readme, "layout-ranking")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Published training throughput next to the planner's step-time prediction, row by row.
+
+    python bench/published_throughput.py [--readme README.md] [--rows]
+
+Every row of bench/data/llm_foundry_throughput.csv is a run MosaicML published (llm-foundry's
+scripts/train/benchmarking/README.md at 8c8dd48, cited per row by its line there): an MPT model
+125M-70B trained with PyTorch FSDP (FULL_SHARD or SHARD_GRAD_OP) on 8-512 A100-40GB, A100-80GB
+or H100-80GB, 512-65,536 tokens, with or without activation checkpointing. Each is asked through
+the code path of `planner estimate` (planner.steptime.estimate_with_time) with the same model,
+GPUs, nodes, micro-batch, accumulation, precision, sharding and checkpointing; the prediction is
+its tokens per second per GPU. No constant of the time model is fitted to these figures (its
+rates come from kernel measurements: planner/kernels.py). The A100 tables' clusters have
+1,600 Gb/s RoCE per node (8 x roce-200g); the H100 tables name no fabric, so the h100-80gb
+preset's is used.
+
+MPT as the planner reads it: a GPT-2 config (learned positions, LayerNorm, plain GELU MLP of 4 x
+d_model, tied embeddings, vocabulary 50,368) with MPT's widths; GPT-2 has biases where MPT has
+none (d_model-sized vectors: no FLOPs and under 0.1% of the parameters). Attention: the runs were
+submitted by scripts/train/benchmarking/submit_benchmarks.py, whose `--attn_impl` defaults to
+`triton` (line 119 at 5f43bf1, May 2023, when the A100 tables appeared; line 144 at 5e85bd6, January
+2024, whose sweep.sh, the H100 runs, does not override it): MPT's triton_flash_attn_fn, FlashAttention's
+Triton kernel, whose A100 rates FlashAttention's charts measure (attention_kernel
+"flash-attention-triton"; on H100 planner/kernels.py scales them by FlashAttention-1's H100/A100 ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.readme import publish  # noqa: E402
+from planner.schema import EstimateRequest  # noqa: E402
+from planner.steptime import estimate_with_time  # noqa: E402
+
+DATA = ROOT / "bench" / "data" / "llm_foundry_throughput.csv"
+SOURCE = ("https://github.com/mosaicml/llm-foundry/blob/8c8dd48f72168c5d51e2f7b151595892a8fba43d/"
+          "scripts/train/benchmarking/README.md")
+# scripts/train/yamls/pretrain/mpt-<size>.yaml at 8c8dd48: (d_model, n_heads, n_layers)
+MPT = {"125m": (768, 12, 12), "350m": (1024, 16, 24), "760m": (1536, 12, 24), "1b": (2048, 16, 24),
+       "3b": (2560, 20, 32), "7b": (4096, 32, 32), "13b": (5120, 40, 40), "30b": (7168, 56, 48),
+       "70b": (8192, 64, 80)}
+GPU = {"a100_40gb": "a100-40gb", "a100_80gb": "a100-80gb", "h100_80gb": "h100-80gb"}
+SHARDING = {"FULL_SHARD": "fsdp", "SHARD_GRAD_OP": "fsdp-grad-op"}
+WITHIN = 0.15
+# llm-foundry's precision column: bf16 with mp_mode PURE (parameters, gradients and optimizer in
+# bf16), amp_bf16 with DEFAULT (autocast over fp32 parameters)
+FOUNDRY_PRECISION = {"bf16": "bf16-pure", "amp_bf16": "bf16-mixed"}
+
+
+@dataclass(frozen=True)
+class Row:
+    line: int
+    table: str
+    model: str
+    seq_len: int
+    gpus: int
+    gpu: str
+    micro_batch: int
+    accumulation: int
+    published: float
+    precision: str
+    sharding: str
+    checkpointing: bool
+
+    def request(self) -> EstimateRequest:
+        d, heads, layers = MPT[self.model]
+        config = {"model_type": "gpt2", "n_embd": d, "n_head": heads, "n_layer": layers, "n_inner": 4 * d,
+                  "n_positions": self.seq_len, "vocab_size": 50368, "tie_word_embeddings": True,
+                  "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+        nodes = max(1, self.gpus // 8)
+        fabric = {"fabric": "roce-200g", "nics_per_node": 8} if self.gpu.startswith("a100") else {}
+        precision = FOUNDRY_PRECISION[self.precision]
+        return EstimateRequest(model_config=config, gpu=GPU[self.gpu], gpus=min(8, self.gpus), nodes=nodes,
+                               strategy=SHARDING[self.sharding], seq_len=self.seq_len, micro_batch=self.micro_batch,
+                               gradient_accumulation=self.accumulation, precision=precision,
+                               checkpointing="full" if self.checkpointing else "none",
+                               attention_kernel="flash-attention-triton", **fabric)
+
+
+def rows() -> list[Row]:
+    with DATA.open() as f:
+        reader = csv.DictReader(line for line in f if not line.startswith("#"))
+        return [Row(int(r["readme_line"]), r["table"], r["model"], int(r["seq_len"]), int(r["gpus"]), r["gpu"],
+                    int(r["micro_batch"]), int(r["grad_accum"]), float(r["tokens_per_s_per_gpu"]), r["precision"],
+                    r["sharding"], r["activation_checkpointing"] == "True") for r in reader]
+
+
+def predict(row: Row):
+    result = estimate_with_time(row.request())
+    t = result.time
+    return t.tokens_per_second / result.world_size, t
+
+
+def _summary(errors: list[float]) -> str:
+    if not errors:
+        return "-"
+    within = sum(abs(e) <= WITHIN for e in errors)
+    return (f"{within}/{len(errors)} ({within / len(errors):.0%}) within 15%, median |error| "
+            f"{statistics.median(abs(e) for e in errors):.1%}, median signed {statistics.median(errors):+.1%}")
+
+
+def report(show_rows: bool) -> str:
+    data = rows()
+    results = []
+    for row in data:
+        tps, t = predict(row)
+        results.append((row, tps, (tps - row.published) / row.published, t))
+    errors = [e for _, _, e, _ in results]
+    out = [f"Published: MosaicML llm-foundry's MPT throughput tables ({len(data)} bf16 rows, [source]({SOURCE})); "
+           "predicted: `planner estimate` of the same configuration, tokens/s per GPU. No constant fitted to them.",
+           "", f"- all rows: {_summary(errors)}"]
+    for label, key in (("GPU", lambda r: r.gpu), ("checkpointing", lambda r: "full" if r.checkpointing else "none"),
+                       ("sequence", lambda r: "<=2k" if r.seq_len <= 2048 else ("4k-8k" if r.seq_len <= 8192 else
+                                                                                  ">=16k")),
+                       ("model", lambda r: "<=1b" if r.model in ("125m", "350m", "760m", "1b") else ">=3b")):
+        groups: dict[str, list[float]] = {}
+        for row, _, e, _ in results:
+            groups.setdefault(key(row), []).append(e)
+        out += [f"- by {label} {name}: {_summary(v)}" for name, v in sorted(groups.items())]
+    if show_rows:
+        out += ["", "| line | GPU | model | seq | GPUs | micro x accum | ckpt | published | predicted | error | MFU pred | HFU pred |",
+                "|---:|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|"]
+        out += [f"| {r.line} | {r.gpu} | {r.model} | {r.seq_len:,} | {r.gpus} | {r.micro_batch} x {r.accumulation} | "
+                f"{'full' if r.checkpointing else 'none'} | {r.published:,.0f} | {p:,.0f} | {e:+.1%} | "
+                f"{t.mfu:.1%} | {t.hfu:.1%} |" for r, p, e, t in results]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--readme", help="README to write the <!-- throughput --> block into")
+    parser.add_argument("--rows", action="store_true", help="every row (always in the README block)")
+    args = parser.parse_args(argv)
+    return publish(report(args.rows or bool(args.readme)), args.readme, "throughput")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

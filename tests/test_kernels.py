@@ -1,0 +1,118 @@
+"""The kernel model of the step's compute (planner/kernels.py), pinned to hand-derived numbers."""
+
+import pytest
+
+from planner.catalogue import catalogue_model
+from planner.gpus import load_gpus
+from planner.kernels import (FLASH_ATTENTION_CAUSAL_TFLOPS, Gemm, Rates, Work, attention_tflops, micro_batch_terms,
+                             optimizer_step_seconds, rates, wave_efficiency, work)
+from planner.schema import EstimateRequest
+from planner.steptime import estimate_with_time
+
+A100 = load_gpus()["a100-80gb"]
+H100 = load_gpus()["h100-80gb"]
+
+
+def test_rates_read_the_measured_mamf_and_the_bandwidth():
+    r = rates(A100, "bf16")
+    assert r.matmul_flops == 271.2e12 and r.sms == 108  # Bekman's MAMF table: A100 SXM 271.2 TFLOP/s
+    assert r.memory_bytes_per_s == pytest.approx(2039e9 * 0.83)  # datasheet x timing.MEMORY_BANDWIDTH_EFFICIENCY
+    assert rates(H100, "bf16").attention_reference == "h100" and r.attention_reference == "a100"
+
+
+def test_wave_quantisation():
+    # 4096 x 4096 outputs in 128 x 256 tiles: 32 x 16 = 512 tiles; on 108 SMs 5 waves of 108 = 540 slots
+    assert wave_efficiency(4096.0, 4096, 108) == pytest.approx(512 / 540)
+    # 128 x 256 x 108 outputs: exactly one full wave
+    assert wave_efficiency(128.0 * 108, 256, 108) == pytest.approx(1.0)
+    assert wave_efficiency(4096.0, 4096, None) == 1.0  # no SM count: no derating
+
+
+def test_attention_rate_interpolates_the_measured_table():
+    r = rates(A100, "bf16")
+    table = FLASH_ATTENTION_CAUSAL_TFLOPS[("flash-attention-2", "a100")]
+    assert attention_tflops(r, 2048, 128) == pytest.approx(table[128][2])  # 155 TFLOP/s, measured
+    assert attention_tflops(r, 4096, 96) == pytest.approx((table[64][3] + table[128][3]) / 2)  # width midway
+    assert attention_tflops(r, 65536, 128) == pytest.approx(table[128][-1])  # past 16k: the 16k rate
+    # between 4k and 8k, log-linear in the length: 5,793 tokens is halfway
+    assert attention_tflops(r, 5793, 128) == pytest.approx((173 + 182) / 2, rel=1e-3)
+    # Triton was measured on A100 only: on H100 x FlashAttention-1's H100/A100 ratio at 2k, width 128
+    h = rates(H100, "bf16")
+    assert attention_tflops(h, 2048, 128, "flash-attention-triton") == pytest.approx(68 * 108 / 69)
+
+
+def _toy(gemm: Gemm, attention_seconds: float = 0.0, elementwise: float = 0.0) -> Work:
+    return Work(tokens=2048, gemms=(gemm,), attention_flops=0.0, attention_seconds_fb=attention_seconds,
+                eager_bytes=0.0, elementwise_bytes=elementwise, loss_bytes=0.0, kernels=0, layers=1)
+
+
+R = Rates(matmul_flops=1e15, matmul_source="test", memory_bytes_per_s=1e12, sms=None, attention_reference="a100",
+          attention_scale=1.0)
+
+
+def test_a_gemm_runs_forward_input_and_weight_gradients_and_recomputes_its_forward():
+    # 8 x 2048 tokens x 8192 x 8192: 2 M N K = 2.2e12 FLOPs forward, 2.2 ms at 1e15 FLOP/s; its
+    # operands, 2 x (M K + K N + M N) = 0.67 GB at 1e12 B/s, 0.67 ms: compute-bound
+    w = _toy(Gemm(8192, 8192, 1))
+    forward = 2 * 16384 * 8192 * 8192 / 1e15
+    none = micro_batch_terms(w, 8, R, 2, "none")
+    full = micro_batch_terms(w, 8, R, 2, "full")
+    frozen = micro_batch_terms(w, 8, R, 2, "none", frozen_matmuls=1.0)
+    assert none.matmul == pytest.approx(3 * forward) and none.recompute == 0
+    assert full.recompute == pytest.approx(forward)  # full checkpointing: the forward again
+    assert frozen.matmul == pytest.approx(2 * forward)  # no weight gradient for a frozen weight
+    assert full.hardware_flops == pytest.approx(4 * forward * 1e15)  # HFU counts the recompute
+    # DDP's all-reduce hides behind backward only: the two gradient GEMMs, and the recomputed
+    # forward that runs inside backward under full checkpointing
+    assert none.backward == pytest.approx(2 * forward) and full.backward == pytest.approx(3 * forward)
+
+
+def test_a_skinny_gemm_is_bandwidth_bound():
+    # one sequence of 16 tokens through 8192 x 8192: 2.1 GFLOPs (2.1 µs), but its weight alone is
+    # 2 x 67 MB = 134 MB at 1e12 B/s: 134 µs
+    w = Work(tokens=16, gemms=(Gemm(8192, 8192, 1),), attention_flops=0.0, attention_seconds_fb=0.0,
+             eager_bytes=0.0, elementwise_bytes=0.0, loss_bytes=0.0, kernels=0, layers=1)
+    t = micro_batch_terms(w, 1, R, 2, "none")
+    assert t.matmul == pytest.approx(3 * 2 * (16 * 8192 * 2 + 8192 * 8192) / 1e12)
+
+
+def test_memory_bound_work_and_the_host():
+    # 1 MB of elementwise traffic per sequence forward: backward twice that, at 1e12 B/s
+    w = _toy(Gemm(8, 8, 1), elementwise=1e6)
+    t = micro_batch_terms(w, 2, R, 2, "full")
+    assert t.elementwise == pytest.approx(3 * 2e6 / 1e12)
+    # and the 8 x 8 GEMM's forward again: bandwidth-bound, 2 bytes x (4096 x 8 + 8 x 8 + 4096 x 8)
+    assert t.recompute == pytest.approx(2e6 / 1e12 + 2 * (4096 * 8 + 64 + 4096 * 8) / 1e12, rel=1e-12)
+    # 100 launches of a forward, three passes plus the recompute's, 10 µs each: the host waits
+    w = Work(tokens=1, gemms=(), attention_flops=0.0, attention_seconds_fb=0.0, eager_bytes=0.0,
+             elementwise_bytes=0.0, loss_bytes=0.0, kernels=100, layers=1)
+    assert micro_batch_terms(w, 1, R, 2, "full").seconds == pytest.approx(4 * 100 * 10e-6)
+
+
+def test_optimizer_step_bytes():
+    # AdamW over bf16-mixed: reads and writes the fp32 master and two fp32 moments (2 x 12 bytes),
+    # reads the bf16 gradient (2) and writes the bf16 weight (2): 28 bytes per element
+    assert optimizer_step_seconds(1e9, 64, 32, 16, 16, R) == pytest.approx(28e9 / 1e12)
+    # bf16-pure AdamW: the bf16 weight and two bf16 moments read and written, the gradient read
+    assert optimizer_step_seconds(1e9, 32, 0, 16, 16, R) == pytest.approx((2 * 6 + 2) * 1e9 / 1e12)
+
+
+def test_causal_attention_flops_of_one_llama_block():
+    # Llama-3-8B at 8,192 tokens: 32 heads of 128, 4,096 keys per query on average under the causal
+    # mask: 2 x (128 + 128) x 8192 x 4096 x 32 FLOPs forward per block, 32 blocks
+    arch = catalogue_model("llama-3-8b").architecture
+    w = work(arch, 8192, 1, 1, False, 2, False, rates(H100, "bf16"))
+    assert w.attention_flops == 32 * 2 * (128 + 128) * 8192 * 4096 * 32
+
+
+def test_estimate_reports_terms_sources_mfu_and_hfu():
+    t = estimate_with_time(EstimateRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, strategy="fsdp",
+                                           seq_len=8192, checkpointing="full")).time
+    names = [term.name for term in t.terms]
+    assert names[:4] == ["matmul", "attention", "elementwise and loss", "recompute (full)"]
+    assert "MAMF 794.5" in t.terms[0].source and "flash-attention-2 measured on H100" in t.terms[1].source
+    assert 0 < t.mfu < t.hfu < 1  # the recompute runs FLOPs MFU does not count
+    compute = sum(term.seconds for term in t.terms if term.name in ("matmul", "attention", "elementwise and loss",
+                                                                     "recompute (full)", "host launch wait",
+                                                                     "optimizer step"))
+    assert compute == pytest.approx(t.compute_seconds, rel=1e-9)
