@@ -27,7 +27,7 @@ from planner.hardware import profile_efficiencies, topology_of
 from planner.layouts import Rejected, cp_degrees, ep_degrees, pp_degrees, tp_degrees
 from planner.memory import estimate, host_capacity, resolve, sequence_past_positions
 from planner.parallel import refuse_unmodelled
-from planner.pipeline import check_schedule, parallel_step
+from planner.pipeline import balanced_split, check_schedule, check_split, parallel_step, stage_bounds
 from planner.precision import RECIPES
 from planner.schema import (MAX_GLOBAL_BATCH, MAX_TOKENS, SHARDING_STRATEGIES, Candidate, EstimateRequest,
                             EstimateResult, PlanRequest, PlanResult, TopologySummary)
@@ -47,6 +47,7 @@ class Setting(Combo):
     and experts.py); pp is the Combo's own."""
 
     ep: int = 1
+    split: tuple[int, int] | None = None  # a pipeline's first and last stages' blocks, when uneven
 
     @property
     def model_parallel(self) -> int:
@@ -97,8 +98,30 @@ def _degree_fields(req: PlanRequest, combo: Setting, micro: int, accumulation: i
     fields = {k: v for k, v in (("tp", combo.tp), ("cp", combo.cp), ("pp", combo.pp), ("ep", combo.ep)) if v > 1}
     if combo.pp > 1:
         fields |= {"gradient_accumulation": accumulation or _per_rank(req, combo) // micro, "pp_schedule": req.pp_schedule,
-                   "pp_virtual_stages": req.pp_virtual_stages}
+                   "pp_virtual_stages": req.pp_virtual_stages} | _split_fields(combo.split)
     return fields
+
+
+def _split_fields(split: tuple[int, int] | None) -> dict:
+    """A pipeline's uneven split as request fields (none for an even split)."""
+    return {} if split is None else {"pp_first_stage_layers": split[0], "pp_last_stage_layers": split[1]}
+
+
+def _split(req: PlanRequest, arch, pp: int) -> tuple[int, int] | None:
+    """The split a pipeline layout is planned with: the request's own, else where pp x virtual
+    stages does not divide the blocks the best uneven one (planner/pipeline.py balanced_split)."""
+    if pp == 1:
+        return None
+    if req.pp_first_stage_layers is not None or req.pp_last_stage_layers is not None:
+        bounds = stage_bounds(arch.num_layers, pp * req.pp_virtual_stages, req.pp_first_stage_layers,
+                              req.pp_last_stage_layers)
+        return bounds[0][1], bounds[-1][1] - bounds[-1][0]
+    return balanced_split(arch, pp, req.pp_virtual_stages, req.seq_len)
+
+
+def _architecture(req: PlanRequest):
+    model = catalogue_model(req.model) if req.model else model_from_config(req.model_config_)
+    return (with_vision(model) if req.include_vision else model).architecture
 
 
 def _frozen(request: EstimateRequest, arch):
@@ -180,10 +203,6 @@ def plan(req: PlanRequest, profile=None) -> PlanResult:
     model_fields = {"model": req.model} if req.model else {"model_config": req.model_config_}
     model_fields |= {"include_vision": True} if req.include_vision else {}
     model_fields |= finetune_fields(req)
-    world_max = req.gpus * req.nodes
-    if req.global_batch % world_max:
-        raise PlannerError(f"global_batch({req.global_batch}) is not divisible by gpus({req.gpus}) * "
-                           f"nodes({req.nodes}) = {world_max}", field="global_batch")
     topo, fabric_name, nics = topology_of(req, g)
     compute_efficiency, link_efficiency = profile_efficiencies(req.profile, req.gpu, topo, req.gpus,
                                                                req.compute_efficiency, req.link_efficiency, profile)
@@ -194,6 +213,8 @@ def plan(req: PlanRequest, profile=None) -> PlanResult:
     search = _Search(req, g, model, topo, timing.fabric(fabric_name), nics, usable, model_fields)
     layouts, rejected = _layouts(req, req.gpus, arch, topo)
     _check_fixed_degrees(req)
+    _check_split(req, arch)
+    _check_batch(req, layouts)
     rows, evaluated = _evaluate(search, req, layouts)
     layout_notes = [str(r) for r in rejected] + _search_notes(req, layouts)
     if "cp" not in req.model_fields_set and not any(r[3] for r in rows):
@@ -297,6 +318,8 @@ def _evaluate(search: _Search, req: PlanRequest, layouts: list[tuple[int, int, i
     evaluated = 0
     world = req.gpus * req.nodes
     best_time = best_peak = first_best = None
+    arch = search.model.architecture
+    splits = {pp: _split(req, arch, pp) for pp in {d[2] for d in layouts}}
     for tp, cp, pp, ep in layouts:  # data-parallel (1, 1, 1, 1) first: it gives the bound
         if tp * cp * pp * ep > 1 and first_best is None:
             first_best = best_time  # the best fitting so far, kept from the first layout that has one
@@ -313,7 +336,7 @@ def _evaluate(search: _Search, req: PlanRequest, layouts: list[tuple[int, int, i
                 # model-parallel layouts are the alternative to offload: searched without it
                 for off_opt, off_par in (_offloads(name) if tp * cp * pp * ep == 1 else [("none", "none")]):
                     combo = Setting(req.gpus, name, ckpt, off_opt, off_par, shard, tp, cp,
-                                    tp > 1 and s.framework == "torch", pp, ep)
+                                    tp > 1 and s.framework == "torch", pp, ep, splits[pp])
                     time_bound = first_best if pp * ep == 1 else best_time
                     found, count = _evaluate_setting(search, req, combo, time_bound, best_peak)
                     evaluated += count
@@ -625,7 +648,7 @@ def _layouts(req: PlanRequest, gpus: int, arch, topo: Topology) -> tuple[list[tu
     if "pp" in fields:
         pps = [req.pp]
     else:
-        found, pp_rejected = pp_degrees(req.nodes, arch, req.pp_virtual_stages)
+        found, pp_rejected = pp_degrees(req.nodes, arch, req.pp_virtual_stages, req.seq_len)
         pps = [1] + found
         rejected = rejected + pp_rejected
     eps = [req.ep] if "ep" in fields else [1] + ep_degrees(arch)
@@ -648,6 +671,33 @@ def _check_fixed_degrees(req: PlanRequest) -> None:
         raise PlannerError(f"global_batch({req.global_batch}) is not divisible by the {dp} data-parallel ranks of "
                            f"gpus({req.gpus}) * nodes({req.nodes}) / (tp({tp}) * pp({req.pp}) * cp({cp}))",
                            field="global_batch")
+
+
+def _check_split(req: PlanRequest, arch) -> None:
+    """An uneven split the request gives is for the pipeline degree it fixes."""
+    first, last = req.pp_first_stage_layers, req.pp_last_stage_layers
+    if first is None and last is None:
+        return
+    if "pp" not in req.model_fields_set or arch is None:
+        raise PlannerError(f"pp_first_stage_layers({first}) / pp_last_stage_layers({last}) split a fixed pipeline: "
+                           "give pp too (a plan that searches pp takes the best split of each degree itself)",
+                           field="pp_first_stage_layers" if first is not None else "pp_last_stage_layers")
+    check_split(arch.num_layers, req.pp, req.pp_virtual_stages, first, last)
+
+
+def _check_batch(req: PlanRequest, layouts: list[tuple[int, int, int, int]]) -> None:
+    """The global batch is micro-batch x accumulation x the data-parallel ranks (world / (tp x cp x
+    pp)); refused, naming the degrees, only where no layout's data-parallel ranks divide it."""
+    world = req.gpus * req.nodes
+    if any(world % (tp * cp * pp) == 0 and req.global_batch % (world // (tp * cp * pp)) == 0
+           for tp, cp, pp, _ in layouts):
+        return
+    tried = sorted({(tp, cp, pp) for tp, cp, pp, _ in layouts if world % (tp * cp * pp) == 0})
+    shown = "; ".join(f"tp {tp} x cp {cp} x pp {pp}: {world // (tp * cp * pp)}" for tp, cp, pp in tried[:6])
+    more = f" and {len(tried) - 6} more" if len(tried) > 6 else ""
+    raise PlannerError(f"global_batch({req.global_batch}) is not divisible by the data-parallel ranks of any layout "
+                       f"searched on gpus({req.gpus}) * nodes({req.nodes}) = {world} ({shown}{more}); give a multiple of "
+                       "one of them, or fix tp/pp/cp", field="global_batch")
 
 
 def _search_notes(req: PlanRequest, layouts: list[tuple[int, int, int, int]]) -> list[str]:
@@ -731,7 +781,8 @@ def _candidate(combo: Combo, mb: int, per_rank: int, fits: bool, t: timing.StepT
     return Candidate(strategy=combo.strategy, micro_batch=mb, gradient_accumulation=per_rank // mb,
                      checkpointing=combo.checkpointing, offload_optimizer=combo.offload_optimizer,
                      offload_params=combo.offload_params,
-                     hsdp_shard_size=combo.shard * combo.tp if combo.shard else None, parallel=e.parallel, fits=fits,
+                     hsdp_shard_size=combo.shard * combo.tp if combo.shard else None, parallel=e.parallel,
+                     **_split_fields(getattr(combo, "split", None)), fits=fits,
                      per_device=e.per_device,
                      step_seconds=t.step_seconds, compute_seconds=t.compute_seconds,
                      communication_seconds=t.communication_seconds,
@@ -944,6 +995,8 @@ def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_field
     if c.parallel.pp > 1:
         degrees |= {"gradient_accumulation": c.micro_batch * c.gradient_accumulation,
                     "pp_schedule": req.pp_schedule, "pp_virtual_stages": req.pp_virtual_stages}
+        degrees |= {k: v for k, v in (("pp_first_stage_layers", c.pp_first_stage_layers),
+                                      ("pp_last_stage_layers", c.pp_last_stage_layers)) if v is not None}
     elif c.micro_batch * c.gradient_accumulation > 1:  # micro-batches of 1 accumulate (frameworks/)
         degrees |= {"gradient_accumulation": 2}
 
@@ -1081,13 +1134,15 @@ def _pipeline_min_gpus(req: PlanRequest, usable: float, model_fields: dict, tp: 
                                          gpu=req.gpu, precision=req.precision, optimizer=req.optimizer, micro_batch=1,
                                          gradient_accumulation=pp, seq_len=req.seq_len, checkpointing="full",
                                          attention=req.attention, tp=tp, pp=pp, pp_schedule=req.pp_schedule,
-                                         pp_virtual_stages=req.pp_virtual_stages, **_reduce_field(req, "fsdp")))
+                                         pp_virtual_stages=req.pp_virtual_stages, **_split_fields(split),
+                                         **_reduce_field(req, "fsdp")))
         except PlannerError:
             return False
         return e.per_device.peak_bytes <= usable
 
     if req.gpus * pp > MAX_SEARCH_GPUS:
         return None
+    split = _split(req, _architecture(req), pp)
     most = 1 << ((MAX_SEARCH_GPUS // (req.gpus * pp)).bit_length() - 1)  # the doubling's last group count
     if not fits(most):
         return None

@@ -189,6 +189,14 @@ ExpertDegree = Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES,
                                     "shards and cp")]
 ScheduleField = Annotated[PipelineSchedule, Field(description="pipeline schedule (with pp > 1)")]
 VirtualStages = Annotated[int, Field(ge=1, le=1024, description="pipeline stages per rank (interleaved schedule)")]
+# Uneven pipeline stages (issue 25): Megatron's --decoder-first/last-pipeline-num-layers; torchtitan
+# takes the resulting split as module_fqns_per_model_part (planner/pipeline.py stage_bounds)
+FirstStageLayers = Annotated[int | None, Field(ge=1, le=1 << 16, description=(
+    "blocks on the first pipeline stage (it also holds the embedding); the other stages share the rest evenly. "
+    "Default: an even split (a plan takes the best uneven one where pp does not divide the blocks)"))]
+LastStageLayers = Annotated[int | None, Field(ge=1, le=1 << 16, description=(
+    "blocks on the last pipeline stage (it also holds the final norm and the LM head); the other stages share "
+    "the rest evenly"))]
 SequenceParallelField = Annotated[bool | None, Field(
     description="shard the tensor-parallel region's activations over tp (default: on when tp > 1)")]
 # FSDP2's MixedPrecisionPolicy.reduce_dtype (torch/distributed/fsdp/_fully_shard/_fsdp_api.py): the
@@ -249,6 +257,8 @@ class EstimateRequest(BaseModel):
     ep: ExpertDegree = 1
     pp_schedule: ScheduleField = "1f1b"
     pp_virtual_stages: VirtualStages = 1
+    pp_first_stage_layers: FirstStageLayers = None
+    pp_last_stage_layers: LastStageLayers = None
     sequence_parallel: SequenceParallelField = None
     reduce_dtype: ReduceDtypeField = "compute"
     topology: PresetName | None = Field(None, description="topology preset for the time model; default: the preset of --gpu")
@@ -460,6 +470,8 @@ class PlanRequest(BaseModel):
     ep: ExpertDegree = 1
     pp_schedule: ScheduleField = "1f1b"
     pp_virtual_stages: VirtualStages = 1
+    pp_first_stage_layers: FirstStageLayers = None
+    pp_last_stage_layers: LastStageLayers = None
     sequence_parallel: SequenceParallelField = None
     reduce_dtype: ReduceDtypeField = "compute"  # the fsdp / hsdp candidates reduce in it
     seq_len: int = Field(DEFAULT_SEQ_LEN, ge=1, le=1 << 22, description="tokens per sequence")
@@ -511,6 +523,8 @@ class Candidate(BaseModel):
     offload_params: str
     hsdp_shard_size: int | None = Field(None, description="hsdp: GPUs per shard group; null for other strategies")
     parallel: ParallelDegrees
+    pp_first_stage_layers: int | None = Field(None, description="an uneven pipeline's first stage's blocks; null when even")
+    pp_last_stage_layers: int | None = Field(None, description="an uneven pipeline's last stage's blocks; null when even")
     fits: bool
     per_device: PerDevice
     step_seconds: float

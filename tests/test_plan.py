@@ -101,8 +101,16 @@ def test_plan_is_fast():
 
 
 def test_bad_plan_inputs():
-    with pytest.raises(PlannerError, match=r"global_batch\(100\) is not divisible by gpus\(8\) \* nodes\(1\) = 8"):
-        plan(PlanRequest(model="gpt2", gpus=8, global_batch=100))
+    # the batch is micro-batch x accumulation x the data-parallel ranks: 101 divides none of gpt2's layouts'
+    with pytest.raises(PlannerError, match=r"global_batch\(101\) is not divisible by the data-parallel ranks of any "
+                       r"layout searched on gpus\(8\) \* nodes\(1\) = 8 \(tp 1 x cp 1 x pp 1: 8; tp 2 x cp 1 x pp 1: 4; "
+                       r"tp 4 x cp 1 x pp 1: 2\)"):
+        plan(PlanRequest(model="gpt2", gpus=8, global_batch=101))
+    # 100 sequences: tp 2 and 4 leave 4 and 2 data-parallel ranks, which divide it; 8 ranks do not
+    r = plan(PlanRequest(model="gpt2", gpus=8, global_batch=100))
+    assert r.candidates and {c.parallel.tp for c in r.candidates} <= {2, 4}
+    assert all(c.micro_batch * c.gradient_accumulation * c.parallel.dp_replicate * c.parallel.dp_shard == 100
+               for c in r.candidates)
     with pytest.raises(ValueError, match="unknown topology preset 'dgx-z'.*; choose from a6000-nvlink-pairs"):
         PlanRequest(model="gpt2", topology="dgx-z")  # refused by the schema, before planning
     with pytest.raises(PlannerError, match="built from h100-80gb, but gpu is a100-80gb"):

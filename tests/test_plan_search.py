@@ -67,12 +67,32 @@ def test_a_fixed_pipeline_degree_with_lora_is_refused_with_its_field(capsys):
 
 
 def test_pipeline_degrees_name_their_operands():
-    """128 nodes: pp 2..16 split Llama-3-70B's 80 blocks evenly; 32, 64 and 128 do not."""
+    """128 nodes: pp 2..16 split Llama-3-70B's 80 blocks evenly; over 32 stages the others would
+    hold 2 and the first and last 10 (no shorter ends: refused); 128 stages are more than the blocks."""
     r = plan(PlanRequest(model="llama-3-70b", gpu="h100-80gb", gpus=8, nodes=128, topology="hgx-h100",
                          global_batch=1024))
-    assert ("pp=32 not searched: num_layers(80) is not divisible by pp(32) * pp_virtual_stages(1) = 32: the stages "
-            "would be unequal and the longest sets the pace") in r.notes
+    assert ("pp=32 not searched: num_layers(80) is not divisible by pp(32) * pp_virtual_stages(1) = 32, and no "
+            "shorter first and last stages leave the others equal") in r.notes
+    assert ("pp=128 not searched: num_layers(80) is fewer than pp(128) * pp_virtual_stages(1) = 128 stages") in r.notes
     assert any(n.startswith("pipeline layouts searched: pp 2, 4, 8, 16 (1f1b") for n in r.notes)
+
+
+def test_uneven_pipelines_are_searched_with_shorter_ends():
+    """Llama-3.1-405B's 126 blocks on 16 nodes: pp 4, 8 and 16 are planned with the first and
+    last stages one block shorter (31/32/32/31, 15/16x6/15, 7/8x14/7: the Llama 3 paper's split at
+    16 stages), each candidate carrying its split."""
+    from planner.pipeline import balanced_split
+    from planner.catalogue import catalogue_model
+
+    arch = catalogue_model("llama-3.1-405b").architecture
+    assert [balanced_split(arch, pp, 1, 8192) for pp in (4, 8, 16)] == [(31, 31), (15, 15), (7, 7)]
+    assert balanced_split(arch, 2, 1, 8192) is None  # even
+    r = plan(PlanRequest(model="llama-3.1-405b", gpu="h100-80gb", gpus=8, nodes=16, seq_len=8192, global_batch=128,
+                         objective="memory"))
+    assert any(n.startswith("pipeline layouts searched: pp 2, 4, 8, 16 (1f1b") for n in r.notes)
+    piped = [c for c in r.candidates if c.parallel.pp == 16]
+    assert piped and all((c.pp_first_stage_layers, c.pp_last_stage_layers) == (7, 7) for c in piped)
+    assert all(c.pp_first_stage_layers is None for c in r.candidates if c.parallel.pp in (1, 2))
 
 
 def test_one_node_plans_search_no_pipeline():
