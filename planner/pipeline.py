@@ -490,56 +490,65 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
     live: dict[int, int] = {}  # stage -> micro-batches in flight
     done: set[int] = set()  # stages with gradients
     by_index = {s.index: s for s in mine}
-    worst: dict[str, Phase] = {}
+    base = sum(i.bytes for i in resident) + gathered.bytes
 
-    def grads_item() -> MemoryItem:
-        elements = sum(by_index[i].parameters for i in done)
-        return _item(f"gradients of {len(done)} of {len(mine)} local stage(s)", grad_bytes_per * elements, "gradients")
+    def grads_item(stages_done: set[int]) -> MemoryItem:
+        elements = sum(by_index[i].parameters for i in stages_done)
+        return _item(f"gradients of {len(stages_done)} of {len(mine)} local stage(s)", grad_bytes_per * elements,
+                     "gradients")
 
-    def acts_item() -> MemoryItem:
-        count = sum(live.values())
+    def acts_item(in_flight: dict[int, int]) -> MemoryItem:
+        count = sum(in_flight.values())
         return _item(f"activations of {count} micro-batch chunk(s) in flight",
-                     sum(by_index[i].activation_bytes * n for i, n in live.items()), "activations",
+                     sum(by_index[i].activation_bytes * n for i, n in in_flight.items()), "activations",
                      f"{schedule} schedule, torch 2.13 pipelining/schedules.py")
 
     # Sends whose work the schedule waits for only at the step's end keep their tensors: ScheduleGPipe
     # its backward sends (bwd_sends_to_wait), the interleaved runtime every send (send_ops, waited
     # in _PipelineScheduleRuntime._step_microbatches after the last action); Schedule1F1B waits
     # for each with the next receive.
-    held = [0]
-
-    def held_item() -> MemoryItem:
-        return _item("sent tensors held until the step ends (p2p works not yet waited)", held[0], "buffers",
+    def held_item(nbytes: int) -> MemoryItem:
+        return _item("sent tensors held until the step ends (p2p works not yet waited)", nbytes, "buffers",
                      "torch 2.13 pipelining/schedules.py: send works waited after the last action")
 
+    # The moments are replayed in integers; a phase's items are built only for each kind's worst
+    # moment (the search estimates pipelines of hundreds of micro-batches).
+    worst: dict[str, tuple[int, tuple]] = {}
+    held = grads = acts = 0
     for action in rank_actions(schedule, pp, virtual_stages, m, rank):
         stage = by_index[action.stage]
         if action.kind == "F":
             live[stage.index] = live.get(stage.index, 0) + 1
+            acts += stage.activation_bytes
             continue
         name = "loss backward" if stage.is_last else "stage backward"
-        items = resident + [gathered, grads_item(), acts_item(), held_item(),
-                            _item("backward transient", stage.transient_bytes, "activations")]
-        kind = PhaseKind.START_OF_BACKWARD if stage.is_last else PhaseKind.START_OF_BLOCK
-        candidate = _phase(kind, f"{name}, {sum(live.values())} micro-batches in flight", items)
-        if name not in worst or candidate.bytes > worst[name].bytes:
-            worst[name] = candidate
+        total = base + grads + acts + held + stage.transient_bytes
+        if name not in worst or total > worst[name][0]:
+            worst[name] = (total, (stage, dict(live), set(done), held))
         live[stage.index] -= 1
-        done.add(stage.index)
+        acts -= stage.activation_bytes
+        if stage.index not in done:
+            done.add(stage.index)
+            grads += grad_bytes_per * stage.parameters
         if schedule != "1f1b":
             # the gradient of the stage's input, sent back; the runtime (interleaved) also keeps
             # the stage's output it sent forward
-            held[0] += stage.input_bytes + (stage.output_bytes if schedule == "interleaved" else 0)
+            held += stage.input_bytes + (stage.output_bytes if schedule == "interleaved" else 0)
         if stage.is_first and len(done) and action.micro_batch > 0:
             # embedding_dense_backward's fresh V x h gradient, added into the accumulated one
-            items = resident + [gathered, grads_item(), acts_item(), held_item(),
-                                _item("embedding gradient being accumulated", fresh_bytes_per * stage.largest_tensor,
-                                      "gradients")]
-            candidate = _phase(PhaseKind.END_OF_BACKWARD, "embedding backward (first stage)", items)
-            key = candidate.name
-            if key not in worst or candidate.bytes > worst[key].bytes:
-                worst[key] = candidate
-    phases.extend(worst.values())
+            name = "embedding backward (first stage)"
+            total = base + grads + acts + held + fresh_bytes_per * stage.largest_tensor
+            if name not in worst or total > worst[name][0]:
+                worst[name] = (total, (stage, dict(live), set(done), held))
+    for name, (_, (stage, in_flight, stages_done, held_bytes)) in worst.items():
+        common = resident + [gathered, grads_item(stages_done), acts_item(in_flight), held_item(held_bytes)]
+        if name.startswith("embedding"):
+            phases.append(_phase(PhaseKind.END_OF_BACKWARD, name, common + [
+                _item("embedding gradient being accumulated", fresh_bytes_per * stage.largest_tensor, "gradients")]))
+        else:
+            kind = PhaseKind.START_OF_BACKWARD if stage.is_last else PhaseKind.START_OF_BLOCK
+            phases.append(_phase(kind, f"{name}, {sum(in_flight.values())} micro-batches in flight",
+                                 common + [_item("backward transient", stage.transient_bytes, "activations")]))
     # After the schedule: the reduction of the gradients over dp, and the optimizer step.
     grads_full = grad_bits // 8 * (_ceil(params, dp.shard) if dp.shards_gradients else params)
     step_items = resident + [_item("gradients", grads_full, "gradients")]

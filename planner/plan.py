@@ -307,22 +307,21 @@ def _evaluate(search: _Search, req: PlanRequest, layouts: list[tuple[int, int, i
     """(setting, micro-batch, peak bytes, fits, step time) for every setting on the request's
     GPUs per node and nodes, for each (tp, cp, pp, ep) layout.
 
-    Bound: a model-parallel layout computes what the data-parallel ones do and adds its own
-    collectives (a pipeline its bubble), so where a setting already fits, a layout none of whose
-    step times comes within the time model's uncertainty (TIE_TOLERANCE: the ranking's ties) of the
-    best fitting one (by step time or GPU-seconds per token, the same ordering at a fixed GPU count)
-    cannot be recommended: its memory is not estimated. Tensor/context-parallel layouts are
-    bounded by the settings before the first of them that has a fitting one (the data-parallel
-    settings, when one fits), pipeline and expert layouts by every setting before them."""
+    Bound: where a setting of the same layout family (layout_family: dp, dp x tp, dp x tp x pp,
+    ...) already fits, a layout none of whose step times comes within the time model's uncertainty
+    (TIE_TOLERANCE: the ranking's ties) of that family's best fitting one (by step time or
+    GPU-seconds per token, the same ordering at a fixed GPU count) can be neither recommended nor
+    its family's best (PlanResult.families): its memory is not estimated. Each family is searched
+    to its own best, so the table can show the best of each beside the winner."""
     rows: list[Row] = []
     evaluated = 0
     world = req.gpus * req.nodes
-    best_time = best_peak = first_best = None
+    best_time: dict[str, float | None] = {}  # per layout family: each family's best is listed (PlanResult.families)
+    best_peak: dict[str, float | None] = {}
     arch = search.model.architecture
     splits = {pp: _split(req, arch, pp) for pp in {d[2] for d in layouts}}
     for tp, cp, pp, ep in layouts:  # data-parallel (1, 1, 1, 1) first: it gives the bound
-        if tp * cp * pp * ep > 1 and first_best is None:
-            first_best = best_time  # the best fitting so far, kept from the first layout that has one
+        family = layout_family(tp, cp, pp, ep)
         if world % (tp * cp * pp) or req.global_batch % (world // (tp * cp * pp)):
             continue
         for name in strategies:
@@ -337,15 +336,23 @@ def _evaluate(search: _Search, req: PlanRequest, layouts: list[tuple[int, int, i
                 for off_opt, off_par in (_offloads(name) if tp * cp * pp * ep == 1 else [("none", "none")]):
                     combo = Setting(req.gpus, name, ckpt, off_opt, off_par, shard, tp, cp,
                                     tp > 1 and s.framework == "torch", pp, ep, splits[pp])
-                    time_bound = first_best if pp * ep == 1 else best_time
-                    found, count = _evaluate_setting(search, req, combo, time_bound, best_peak)
+                    found, count = _evaluate_setting(search, req, combo, best_time.get(family),
+                                                     best_peak.get(family))
                     evaluated += count
                     rows += found
                     if req.objective == "memory":
-                        best_peak = _smallest([r[2] for r in found if r[3]], best_peak)
+                        best_peak[family] = _smallest([r[2] for r in found if r[3]], best_peak.get(family))
                     else:
-                        best_time = _smallest([r[4].step_seconds for r in found if r[3]], best_time)
+                        best_time[family] = _smallest([r[4].step_seconds for r in found if r[3]],
+                                                      best_time.get(family))
     return rows, evaluated
+
+
+def layout_family(tp: int, cp: int, pp: int, ep: int) -> str:
+    """The layout family of a setting: which model-parallel degrees it uses beside data
+    parallelism ("dp", "dp x tp", "dp x tp x pp", ...), whatever their values."""
+    return " x ".join(["dp"] + [name for name, degree in (("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep))
+                                if degree > 1])
 
 
 def _smallest(values: list[float], default: float | None) -> float | None:
@@ -866,6 +873,52 @@ def _why_recommended(req: PlanRequest, best: Candidate, fitting: list[Candidate]
                    f"({best.communication_seconds:.3f} s per step, {peak(best) / GIB:.1f} GiB peak)")
 
 
+def _family(c: Candidate) -> str:
+    p = c.parallel
+    return layout_family(p.tp, p.cp, p.pp, p.ep)
+
+
+def _families(candidates: list[Candidate]) -> list[Candidate]:
+    """The first (best ranked) candidate of each layout family, in rank order."""
+    seen: dict[str, Candidate] = {}
+    for c in candidates:
+        seen.setdefault(_family(c), c)
+    return list(seen.values())
+
+
+def _against(req: PlanRequest, best: Candidate, other: Candidate, usable: float) -> str:
+    """Why ``other``, the best of its family, lost to ``best``, in its numbers."""
+    name = f"{_family(other)} (best: {_label(other)}, micro-batch {other.micro_batch} x {other.gradient_accumulation})"
+    if not other.fits:
+        return f"{name} does not fit: {other.per_device.peak_bytes / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable"
+    if req.objective == "memory":
+        return f"{name} peaks at {other.per_device.peak_bytes / GIB:.1f} GiB"
+    slower = other.step_seconds / best.step_seconds - 1
+    if abs(slower) <= TIE_TOLERANCE:
+        return (f"{name} ties on time ({other.step_seconds:.3f} s per step) at {other.per_device.peak_bytes / GIB:.1f} "
+                f"GiB peak")
+    parts = [f"compute {other.compute_seconds:.3f} s (with its pipeline bubble)" if other.parallel.pp > 1
+             else f"compute {other.compute_seconds:.3f} s",
+             f"exposed communication {other.exposed_communication_seconds:.3f} s"]
+    if other.offload_seconds:
+        parts.append(f"offload {other.offload_seconds:.3f} s")
+    return f"{name} is {slower:.0%} slower, {other.step_seconds:.3f} s per step: {', '.join(parts)}"
+
+
+def _winner_reason(req: PlanRequest, best: Candidate | None, families: list[Candidate], fitting: list[Candidate],
+                   capacity: float, usable: float) -> str:
+    """Why the recommendation won: the tie it won (or the objective), then each other family's
+    best against it (PlanResult.winner_reason)."""
+    if best is None:
+        return "nothing fits: " + "; ".join(f"{_family(c)} closest at {c.per_device.peak_bytes / GIB:.1f} GiB"
+                                            for c in families)
+    head = (f"{_why_recommended(req, best, fitting, capacity)}; its step: compute {best.compute_seconds:.3f} s, "
+            f"exposed communication {best.exposed_communication_seconds:.3f} s, offload {best.offload_seconds:.3f} s, "
+            f"peak {best.per_device.peak_bytes / GIB:.1f} GiB")
+    others = [_against(req, best, c, usable) for c in families if _family(c) != _family(best)]
+    return head + ("; against the best of each other layout family: " + "; ".join(others) if others else "")
+
+
 def _fewer_nodes_advice(req: PlanRequest, best: Candidate, fewer: list[tuple[int, list]], fabric_name: str,
                         nics: int) -> tuple[int | None, str | None]:
     """The node count whose best fitting option beats the recommendation on all nodes by more than
@@ -958,7 +1011,10 @@ def _rank(search: _Search, req: PlanRequest, rows: list[Row], fewer: list[tuple[
     too_long = sequence_past_positions(search.model.name, positions, req.seq_len)
     if too_long:  # every candidate's run would fail (verify refuses it)
         notes.insert(0, f"WARNING: {too_long}; no layout can run it: give --seq-len {positions} or less")
+    families = _families(candidates)
     return PlanResult(recommended=recommended, candidates=candidates, candidates_evaluated=evaluated,
+                      families=families, winner_reason=_winner_reason(req, recommended, families, fitting, capacity,
+                                                                      usable),
                       min_gpus=min_gpus, max_micro_batch=max_micro, faster_on_fewer_nodes=faster_on,
                       max_seq_len=(_longest_sequence(req, recommended, usable, model_fields, positions)
                                    if recommended else None),

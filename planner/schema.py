@@ -565,6 +565,10 @@ class PlanResult(BaseModel):
     faster_on_fewer_nodes: int | None = Field(
         None, description="a smaller node count whose best option beats every option on all the nodes (the fabric "
                           "cannot carry the traffic of spanning them); null when none")
+    families: list[Candidate] = Field(default_factory=list, description=(
+        "the best option of each layout family the plan searched (dp, dp x tp, dp x pp, dp x tp x pp, with cp or "
+        "ep): fitting ones by the objective, then the closest to fitting"))
+    winner_reason: str = Field("", description="why the recommendation won, against the best of each other family")
     topology: TopologySummary
     notes: list[str]
     request: PlanRequest

@@ -32,7 +32,7 @@ def test_model_too_large_for_ddp_gets_a_sharded_strategy_and_the_rejection_says_
     r = plan(PlanRequest(model="llama-3-8b", gpu="a100-80gb", gpus=8, topology="dgx-a100", seq_len=4096,
                          global_batch=256))
     assert first(r) in ("zero3", "fsdp", "fsdp-grad-op", "zero2", "zero1")
-    ddp = next(c for c in r.candidates if c.strategy == "ddp")
+    ddp = next(c for c in r.candidates if c.strategy == "ddp" and c.parallel.tp == 1)  # data parallelism alone
     assert not ddp.fits
     assert ddp.rejected_reason.startswith("ddp at micro-batch 1, checkpointing ")
     assert "GiB >" in ddp.rejected_reason and "are not" in ddp.rejected_reason
@@ -330,7 +330,7 @@ def test_rejections_name_the_setting_and_the_peak_phase():
     assert reason.startswith(f"hsdp (shard groups of {hsdp.hsdp_shard_size}) at micro-batch {hsdp.micro_batch}, "
                              f"checkpointing {hsdp.checkpointing}, offload {hsdp.offload_optimizer}/")
     assert f"the peak is at {hsdp.per_device.peak_phase}, largest " in reason
-    ddp = next(c for c in r.candidates if c.strategy == "ddp")
+    ddp = next(c for c in r.candidates if c.strategy == "ddp" and c.parallel.tp == 1)
     # an optimizer-step peak is explained by the optimizer's items, not by "0.0 GB of activations"
     assert ddp.per_device.peak_phase == "optimizer step"
     assert "the peak is at optimizer step, largest adamw states 64.2 GB" in ddp.rejected_reason
@@ -356,11 +356,14 @@ def test_inverse_answers_agree_with_the_plan(kw):
     r = plan(PlanRequest(**kw))
     world = kw["gpus"] * kw.get("nodes", 1)
     for name in STRATEGIES:
-        fits_here = any(c.fits for c in r.candidates if c.strategy == name)
+        # min_gpus and max_micro_batch answer for the strategy alone (data parallelism): its candidates
+        # without tp/cp/pp/ep (each layout family's best is listed too: PlanResult.families)
+        alone = [c for c in r.candidates if c.strategy == name and c.parallel.tp * c.parallel.cp * c.parallel.pp == 1]
+        fits_here = any(c.fits for c in alone)
         assert (r.min_gpus[name] is not None and r.min_gpus[name] <= world) == fits_here, name
         assert (r.max_micro_batch[name] is not None) == fits_here, name
         if fits_here:
-            best = max(c.micro_batch for c in r.candidates if c.strategy == name and c.fits)
+            best = max(c.micro_batch for c in alone if c.fits)
             assert r.max_micro_batch[name] >= best
 
 

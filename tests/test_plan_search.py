@@ -251,3 +251,27 @@ def test_a_pipeline_ranks_resident_bytes_do_not_depend_on_checkpointing(strategy
         return [r.resident_bytes for r in estimate_plan(resolve(request))[2]]
 
     assert residents("none") == residents("full")
+
+
+def test_llama3_pretraining_setup_is_planned_with_families_and_a_reason():
+    """The Llama 3 405B pretraining setup (Llama 3 paper, Sec. 3.3: 16,384 H100, 8,192 tokens,
+    2,048 sequences per step) is accepted: the batch divides the data-parallel ranks of the TP 8
+    layouts (2,048 with dp alone over tp 8; 128 at TP8 x PP16), not the world; the table lists the
+    best of each layout family and says why the winner won against each."""
+    import time
+
+    start = time.perf_counter()
+    r = plan(PlanRequest(model="llama-3.1-405b", gpu="h100-80gb", gpus=8, nodes=2048, seq_len=8192,
+                         global_batch=2048))
+    assert time.perf_counter() - start < 3.0
+    assert r.recommended is not None and r.recommended.parallel.tp == 8  # TP inside the node
+    families = {(c.parallel.tp > 1, c.parallel.pp > 1) for c in r.families}
+    assert families == {(True, False), (True, True)}
+    assert r.winner_reason.startswith(f"recommended {r.recommended.strategy}")
+    assert "against the best of each other layout family: dp x tp x pp" in r.winner_reason
+    fixed = plan(PlanRequest(model="llama-3.1-405b", gpu="h100-80gb", gpus=8, nodes=2048, seq_len=8192,
+                             global_batch=2048, tp=8, pp=16))
+    c = fixed.recommended
+    assert c is not None and (c.parallel.dp_replicate * c.parallel.dp_shard, c.pp_first_stage_layers,
+                              c.pp_last_stage_layers) == (128, 7, 7)
+    assert c.micro_batch * c.gradient_accumulation * 128 == 2048
