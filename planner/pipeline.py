@@ -655,6 +655,13 @@ def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str,
     notes += [f"pipeline rank {r.rank}: stages {list(r.stages)}, {r.parameters:,} parameters, up to {r.in_flight} "
               f"micro-batch chunk(s) in flight, peak {r.peak_bytes:,} B ({r.peak_phase})" for r in ranks]
     buffers = [i for i in resident if i.component == "buffers" and i.bytes > 0]
+    # what stays between steps is answered for the rank that keeps the most (uneven stages: a longer
+    # stage keeps more states than the rank that peaks highest); its phases stay the worst rank's
+    kept = max(ranks, key=lambda r: r.resident_bytes)
+    if kept.resident_bytes > resident_bytes:
+        notes.append(f"resident: pipeline rank {kept.rank} keeps the most between steps, {kept.resident_bytes:,} B "
+                     f"(rank {worst}, which peaks highest, keeps {resident_bytes:,} B)")
+        resident_bytes = kept.resident_bytes
     return PhasePlan(phases=phases, resident_bytes=resident_bytes, buffers=buffers, notes=notes,
                      resident=[i for i in resident if i.bytes > 0]), ranks
 
