@@ -146,6 +146,8 @@ def plan_table(r) -> str:
             name = (f"{c.strategy}/{c.hsdp_shard_size}" if c.hsdp_shard_size else c.strategy) + _degrees(c)
             split = (f" stages {c.pp_first_stage_layers}/../{c.pp_last_stage_layers} blocks"
                      if c.pp_first_stage_layers is not None else "")
+            if c.parallel.pp > 1:
+                split = f" {c.pp_schedule}" + (f" v{c.pp_virtual_stages}" if (c.pp_virtual_stages or 1) > 1 else "") + split
             lines.append(f"  {family:<16} {name:<22} mb {c.micro_batch} x {c.gradient_accumulation}{split}: "
                          + (f"{c.per_device.peak_bytes / GIB:.2f} GiB, {c.step_seconds:.3f} s per step, MFU {c.mfu:.2f}"
                             if c.fits else f"does not fit ({c.per_device.peak_bytes / GIB:.2f} GiB)"))

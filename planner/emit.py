@@ -135,7 +135,9 @@ def estimate_request_for(req: PlanRequest, c: Candidate) -> EstimateRequest:
                            **({"reduce_dtype": req.reduce_dtype} if c.strategy in SHARDING_STRATEGIES else {}),
                            **{k: v for k, v in c.parallel.model_dump().items() if k in ("tp", "pp", "cp", "ep") and v > 1},
                            **{k: v for k, v in (("pp_first_stage_layers", c.pp_first_stage_layers),
-                                                ("pp_last_stage_layers", c.pp_last_stage_layers)) if v is not None})
+                                                ("pp_last_stage_layers", c.pp_last_stage_layers),
+                                                ("pp_schedule", c.pp_schedule),
+                                                ("pp_virtual_stages", c.pp_virtual_stages)) if v is not None})
 
 
 def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: Script | None) -> dict[str, str]:

@@ -219,6 +219,15 @@ def slowest_share(a: Architecture, pp: int, virtual_stages: int, seq_len: int, f
                   last: int | None = None) -> tuple[float, int]:
     """(share of a replica's compute on its busiest rank, that rank): the pace of the pipeline,
     since every rank waits for the slowest stage at each step of the schedule."""
+    cache = _memo(a).setdefault("_pp_slowest", {})  # asked once per option by the plan search
+    key = (pp, virtual_stages, seq_len, first, last)
+    if key not in cache:
+        cache[key] = _slowest_share(a, pp, virtual_stages, seq_len, first, last)
+    return cache[key]
+
+
+def _slowest_share(a: Architecture, pp: int, virtual_stages: int, seq_len: int, first: int | None,
+                   last: int | None) -> tuple[float, int]:
     per_stage = stage_flops(a, stage_bounds(a.num_layers, pp * virtual_stages, first, last), seq_len)
     per_rank = [sum(per_stage[r::pp]) for r in range(pp)]
     busiest = max(range(pp), key=lambda r: per_rank[r])

@@ -48,6 +48,8 @@ class Setting(Combo):
 
     ep: int = 1
     split: tuple[int, int] | None = None  # a pipeline's first and last stages' blocks, when uneven
+    schedule: str = "1f1b"  # a pipeline's schedule and stages per rank (PIPELINE_SCHEDULES)
+    virtual_stages: int = 1
 
     @property
     def model_parallel(self) -> int:
@@ -97,9 +99,16 @@ def _degree_fields(req: PlanRequest, combo: Setting, micro: int, accumulation: i
     micro-batches in flight: its request carries the accumulation and the request's schedule."""
     fields = {k: v for k, v in (("tp", combo.tp), ("cp", combo.cp), ("pp", combo.pp), ("ep", combo.ep)) if v > 1}
     if combo.pp > 1:
-        fields |= {"gradient_accumulation": accumulation or _per_rank(req, combo) // micro, "pp_schedule": req.pp_schedule,
-                   "pp_virtual_stages": req.pp_virtual_stages} | _split_fields(combo.split)
+        fields |= {"gradient_accumulation": accumulation or _per_rank(req, combo) // micro, "pp_schedule": combo.schedule,
+                   "pp_virtual_stages": combo.virtual_stages} | _split_fields(combo.split)
     return fields
+
+
+def _schedule_fields(combo: Combo) -> dict:
+    """A pipeline candidate's schedule (none without pp)."""
+    if combo.pp == 1 or not isinstance(combo, Setting):
+        return {}
+    return {"pp_schedule": combo.schedule, "pp_virtual_stages": combo.virtual_stages}
 
 
 def _split_fields(split: tuple[int, int] | None) -> dict:
@@ -107,16 +116,44 @@ def _split_fields(split: tuple[int, int] | None) -> dict:
     return {} if split is None else {"pp_first_stage_layers": split[0], "pp_last_stage_layers": split[1]}
 
 
-def _split(req: PlanRequest, arch, pp: int) -> tuple[int, int] | None:
+def _split(req: PlanRequest, arch, pp: int, virtual_stages: int) -> tuple[int, int] | None:
     """The split a pipeline layout is planned with: the request's own, else where pp x virtual
     stages does not divide the blocks the best uneven one (planner/pipeline.py balanced_split)."""
     if pp == 1:
         return None
     if req.pp_first_stage_layers is not None or req.pp_last_stage_layers is not None:
-        bounds = stage_bounds(arch.num_layers, pp * req.pp_virtual_stages, req.pp_first_stage_layers,
+        bounds = stage_bounds(arch.num_layers, pp * virtual_stages, req.pp_first_stage_layers,
                               req.pp_last_stage_layers)
         return bounds[0][1], bounds[-1][1] - bounds[-1][0]
-    return balanced_split(arch, pp, req.pp_virtual_stages, req.seq_len)
+    return balanced_split(arch, pp, virtual_stages, req.seq_len)
+
+
+# The pipeline schedules a plan searches where the request fixes none: torch 2.13's
+# torch/distributed/pipelining/schedules.py Schedule1F1B, ScheduleInterleaved1F1B (at torchtitan's
+# default of 2 stages per rank for a multi-stage schedule) and ScheduleGPipe, the ones whose memory
+# planner/pipeline.py replays action by action. ScheduleLoopedBFS, ScheduleInterleavedZeroBubble,
+# ScheduleZBVZeroBubble and ScheduleDualPipeV split the backward into input and weight gradients
+# (or run two directions): their memory is not modelled, so they are not searched.
+PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("gpipe", 1))
+
+
+def _schedules(req: PlanRequest, arch, pp: int) -> list[tuple[str, int, tuple[int, int] | None]]:
+    """(schedule, virtual stages, split) for each schedule searched at this pipeline degree: the
+    request's own when it gives one, else PIPELINE_SCHEDULES; one whose stages the blocks cannot
+    fill (fewer blocks than stages, or no uneven split) is left out."""
+    if pp == 1:
+        return [("1f1b", 1, None)]
+    fixed = {"pp_schedule", "pp_virtual_stages"} & req.model_fields_set
+    options = [(req.pp_schedule, req.pp_virtual_stages)] if fixed else list(PIPELINE_SCHEDULES)
+    out = []
+    for schedule, v in options:
+        if arch.num_layers < pp * v:
+            continue
+        split = _split(req, arch, pp, v)
+        if split is None and arch.num_layers % (pp * v):
+            continue
+        out.append((schedule, v, split))
+    return out
 
 
 def _architecture(req: PlanRequest):
@@ -319,14 +356,14 @@ def _evaluate(search: _Search, req: PlanRequest, layouts: list[tuple[int, int, i
     best_time: dict[str, float | None] = {}  # per layout family: each family's best is listed (PlanResult.families)
     best_peak: dict[str, float | None] = {}
     arch = search.model.architecture
-    splits = {pp: _split(req, arch, pp) for pp in {d[2] for d in layouts}}
+    schedules = {pp: _schedules(req, arch, pp) for pp in {d[2] for d in layouts}}
     for tp, cp, pp, ep in layouts:  # data-parallel (1, 1, 1, 1) first: it gives the bound
         family = layout_family(tp, cp, pp, ep)
         if world % (tp * cp * pp) or req.global_batch % (world // (tp * cp * pp)):
             continue
-        for name in strategies:
+        for name, (schedule, virtual, split) in ((n, o) for n in strategies for o in schedules[pp]):
             s = lookup_strategy(name)
-            if not _framework_runs(req, s, tp, cp, pp):
+            if not _framework_runs(req, s, tp, cp, pp, schedule):
                 continue
             shards = _hsdp_shards(req.gpus // tp, req.nodes // pp) if s.shard_within_node else [None]
             for shard, ckpt in ((sh, c) for sh in shards for c in ("none", "full")):
@@ -335,7 +372,7 @@ def _evaluate(search: _Search, req: PlanRequest, layouts: list[tuple[int, int, i
                 # model-parallel layouts are the alternative to offload: searched without it
                 for off_opt, off_par in (_offloads(name) if tp * cp * pp * ep == 1 else [("none", "none")]):
                     combo = Setting(req.gpus, name, ckpt, off_opt, off_par, shard, tp, cp,
-                                    tp > 1 and s.framework == "torch", pp, ep, splits[pp])
+                                    tp > 1 and s.framework == "torch", pp, ep, split, schedule, virtual)
                     found, count = _evaluate_setting(search, req, combo, best_time.get(family),
                                                      best_peak.get(family))
                     evaluated += count
@@ -367,7 +404,7 @@ def _expert_shards(s, shard: int | None, dp: int, cp: int) -> int:
     return (dp if s.shards_optimizer else 1) * cp
 
 
-def _framework_runs(req: PlanRequest, s, tp: int, cp: int, pp: int) -> bool:
+def _framework_runs(req: PlanRequest, s, tp: int, cp: int, pp: int, schedule: str = "1f1b") -> bool:
     """Which data-parallel realisations take a model-parallel layout: torch's (torchtitan: FSDP2,
     HSDP, DDP with TP and with pipelining; FSDP2/HSDP with CP) and DeepSpeed's AutoTP with ZeRO (no
     CP) and its pipeline engine with ZeRO-0/1, its 1F1B schedule and without AutoTP (deepspeed
@@ -379,7 +416,7 @@ def _framework_runs(req: PlanRequest, s, tp: int, cp: int, pp: int) -> bool:
     if pp > 1:
         if req.finetune != "full":
             return False  # the pipeline model counts full fine-tuning (planner/pipeline.py check_framework)
-        if s.framework == "deepspeed" and ((s.zero_stage or 0) >= 2 or req.pp_schedule != "1f1b" or tp > 1):
+        if s.framework == "deepspeed" and ((s.zero_stage or 0) >= 2 or schedule != "1f1b" or tp > 1):
             return False
     return True
 
@@ -398,7 +435,7 @@ def _micro_options(req: PlanRequest, combo: Setting, per_rank: int, num_layers: 
         return _stateable(per_rank, req.seq_len)
     if per_rank * combo.gpus * req.nodes > MAX_GLOBAL_BATCH:
         return _divisors(per_rank)[:0]
-    return _pipeline_micro(per_rank, combo.pp, req.pp_schedule, req.pp_virtual_stages, num_layers, req.seq_len)
+    return _pipeline_micro(per_rank, combo.pp, combo.schedule, combo.virtual_stages, num_layers, req.seq_len)
 
 
 @lru_cache(maxsize=1024)
@@ -534,7 +571,7 @@ def _model_parallel_rows(search: _Search, req: PlanRequest, combo: Setting, micr
     # estimate replays pp x virtual stages x m actions (the floor: m = pp, twice, or the fewest
     # micro-batches, _resident_floor), the step times cost one call per option
     replayed = 2 * combo.pp if _extrapolated(req, combo, per_rank) else per_rank // int(micro[k])
-    if combo.pp > 1 and micro.size < combo.pp * req.pp_virtual_stages * replayed:
+    if combo.pp > 1 and micro.size < combo.pp * combo.virtual_stages * replayed:
         timed = _parallel_times(search, req, combo, micro, per_rank, times, first)
         if beaten(timed):
             return []
@@ -713,11 +750,13 @@ def _search_notes(req: PlanRequest, layouts: list[tuple[int, int, int, int]]) ->
     eps = sorted({d[3] for d in layouts} - {1})
     notes = []
     if pps:
-        schedule = req.pp_schedule + (f" with {req.pp_virtual_stages} virtual stages" if req.pp_virtual_stages > 1
-                                      else "")
-        notes.append(f"pipeline layouts searched: pp {', '.join(map(str, pps))} ({schedule}, the request's "
-                     "pp_schedule), with DDP, FSDP2 and HSDP (torch pipelining) and ZeRO-0/1 without AutoTP "
-                     "(DeepSpeed's pipeline engine), no offload")
+        fixed = {"pp_schedule", "pp_virtual_stages"} & req.model_fields_set
+        options = [(req.pp_schedule, req.pp_virtual_stages)] if fixed else list(PIPELINE_SCHEDULES)
+        schedule = ", ".join(name + (f" with {v} virtual stages" if v > 1 else "") for name, v in options)
+        given = ", the request's pp_schedule" if fixed else ""
+        notes.append(f"pipeline layouts searched: pp {', '.join(map(str, pps))} ({schedule}{given}), with DDP, "
+                     "FSDP2 and HSDP (torch pipelining) and ZeRO-0/1 without AutoTP (DeepSpeed's pipeline engine, "
+                     "1f1b), no offload")
     if eps:
         notes.append(f"expert-parallel layouts searched: ep {', '.join(map(str, eps))}, where ep divides the "
                      "strategy's dp_shard x cp")
@@ -789,7 +828,7 @@ def _candidate(combo: Combo, mb: int, per_rank: int, fits: bool, t: timing.StepT
                      checkpointing=combo.checkpointing, offload_optimizer=combo.offload_optimizer,
                      offload_params=combo.offload_params,
                      hsdp_shard_size=combo.shard * combo.tp if combo.shard else None, parallel=e.parallel,
-                     **_split_fields(getattr(combo, "split", None)), fits=fits,
+                     **_split_fields(getattr(combo, "split", None)), **_schedule_fields(combo), fits=fits,
                      per_device=e.per_device,
                      step_seconds=t.step_seconds, compute_seconds=t.compute_seconds,
                      communication_seconds=t.communication_seconds,
@@ -878,6 +917,11 @@ def _family(c: Candidate) -> str:
     return layout_family(p.tp, p.cp, p.pp, p.ep)
 
 
+def _schedule_label(c: Candidate) -> str:
+    v = c.pp_virtual_stages or 1
+    return f"{c.pp_schedule}" + (f" x {v} stages per rank" if v > 1 else "")
+
+
 def _families(candidates: list[Candidate]) -> list[Candidate]:
     """The first (best ranked) candidate of each layout family, in rank order."""
     seen: dict[str, Candidate] = {}
@@ -888,7 +932,9 @@ def _families(candidates: list[Candidate]) -> list[Candidate]:
 
 def _against(req: PlanRequest, best: Candidate, other: Candidate, usable: float) -> str:
     """Why ``other``, the best of its family, lost to ``best``, in its numbers."""
-    name = f"{_family(other)} (best: {_label(other)}, micro-batch {other.micro_batch} x {other.gradient_accumulation})"
+    schedule = f", {_schedule_label(other)}" if other.parallel.pp > 1 else ""
+    name = (f"{_family(other)} (best: {_label(other)}{schedule}, micro-batch {other.micro_batch} x "
+            f"{other.gradient_accumulation})")
     if not other.fits:
         return f"{name} does not fit: {other.per_device.peak_bytes / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable"
     if req.objective == "memory":
@@ -1050,7 +1096,8 @@ def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_field
     degrees = {k: v for k, v in c.parallel.model_dump().items() if k in ("tp", "cp", "pp", "ep") and v > 1}
     if c.parallel.pp > 1:
         degrees |= {"gradient_accumulation": c.micro_batch * c.gradient_accumulation,
-                    "pp_schedule": req.pp_schedule, "pp_virtual_stages": req.pp_virtual_stages}
+                    "pp_schedule": c.pp_schedule or req.pp_schedule,
+                    "pp_virtual_stages": c.pp_virtual_stages or req.pp_virtual_stages}
         degrees |= {k: v for k, v in (("pp_first_stage_layers", c.pp_first_stage_layers),
                                       ("pp_last_stage_layers", c.pp_last_stage_layers)) if v is not None}
     elif c.micro_batch * c.gradient_accumulation > 1:  # micro-batches of 1 accumulate (frameworks/)
@@ -1198,7 +1245,7 @@ def _pipeline_min_gpus(req: PlanRequest, usable: float, model_fields: dict, tp: 
 
     if req.gpus * pp > MAX_SEARCH_GPUS:
         return None
-    split = _split(req, _architecture(req), pp)
+    split = _split(req, _architecture(req), pp, req.pp_virtual_stages)
     most = 1 << ((MAX_SEARCH_GPUS // (req.gpus * pp)).bit_length() - 1)  # the doubling's last group count
     if not fits(most):
         return None

@@ -525,6 +525,8 @@ class Candidate(BaseModel):
     parallel: ParallelDegrees
     pp_first_stage_layers: int | None = Field(None, description="an uneven pipeline's first stage's blocks; null when even")
     pp_last_stage_layers: int | None = Field(None, description="an uneven pipeline's last stage's blocks; null when even")
+    pp_schedule: str | None = Field(None, description="a pipeline's schedule; null without pp")
+    pp_virtual_stages: int | None = Field(None, description="a pipeline's stages per rank; null without pp")
     fits: bool
     per_device: PerDevice
     step_seconds: float
