@@ -24,6 +24,7 @@ Megatron-LM", Sec. 2.2: (p-1)/m of the ideal time, divided by v for the interlea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Literal
 
 from planner.activations import FP32
@@ -83,6 +84,17 @@ def check_schedule(pp: int, schedule: str, virtual_stages: int, micro_batches: i
 
 def rank_actions(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> list[Action]:
     """The forwards and backwards one rank runs, in torch 2.13's order (idle slots dropped)."""
+    return list(_rank_actions(schedule, pp, virtual_stages, micro_batches, rank))
+
+
+@lru_cache(maxsize=4096)
+def _rank_actions(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> tuple[Action, ...]:
+    """rank_actions, replayed once per schedule, degree and micro-batch count (the plan search
+    estimates many settings of the same pipeline)."""
+    return tuple(_actions(schedule, pp, virtual_stages, micro_batches, rank))
+
+
+def _actions(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> list[Action]:
     m = micro_batches
     if schedule == "gpipe":
         return [Action(rank, "F", i) for i in range(m)] + [Action(rank, "B", i) for i in range(m)]
@@ -134,7 +146,7 @@ def max_in_flight(schedule: str, pp: int, virtual_stages: int, micro_batches: in
     """Micro-batch chunks whose activations a rank holds at once (gpipe: m; 1f1b: min(pp - rank, m);
     interleaved: its warm-up plus one, at most m x v)."""
     live = peak = 0
-    for action in rank_actions(schedule, pp, virtual_stages, micro_batches, rank):
+    for action in _rank_actions(schedule, pp, virtual_stages, micro_batches, rank):
         live += 1 if action.kind == "F" else -1
         peak = max(peak, live)
     return peak
@@ -524,7 +536,7 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
     # moment (the search estimates pipelines of hundreds of micro-batches).
     worst: dict[str, tuple[int, tuple]] = {}
     held = grads = acts = 0
-    for action in rank_actions(schedule, pp, virtual_stages, m, rank):
+    for action in _rank_actions(schedule, pp, virtual_stages, m, rank):
         stage = by_index[action.stage]
         if action.kind == "F":
             live[stage.index] = live.get(stage.index, 0) + 1

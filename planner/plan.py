@@ -435,7 +435,13 @@ def _micro_options(req: PlanRequest, combo: Setting, per_rank: int, num_layers: 
         return _stateable(per_rank, req.seq_len)
     if per_rank * combo.gpus * req.nodes > MAX_GLOBAL_BATCH:
         return _divisors(per_rank)[:0]
-    return _pipeline_micro(per_rank, combo.pp, combo.schedule, combo.virtual_stages, num_layers, req.seq_len)
+    micro = _pipeline_micro(per_rank, combo.pp, combo.schedule, combo.virtual_stages, num_layers, req.seq_len)
+    if combo.schedule == "gpipe" and not {"pp_schedule", "pp_virtual_stages"} & req.model_fields_set:
+        # Bound: where 1F1B runs the same micro-batches (m >= pp) it has GPipe's bubble and holds
+        # fewer of them in flight (min(m, pp - rank) against m: max_in_flight), so GPipe cannot be
+        # recommended there; it is searched where 1F1B refuses (fewer micro-batches than stages)
+        micro = micro[per_rank // micro < combo.pp]
+    return micro
 
 
 @lru_cache(maxsize=1024)
@@ -628,7 +634,11 @@ def _extrapolated(req: PlanRequest, combo: Setting, per_rank: int) -> bool:
 
 def _floor_estimate(search: _Search, req: PlanRequest, combo: Setting, micro: int) -> int:
     """Resident bytes of the setting at pp micro-batches of ``micro`` sequences (a bound's input,
-    not a row: the batch differs from the plan's)."""
+    not a row: the batch differs from the plan's). What a rank keeps between steps (its states and
+    receive buffers, pipeline.rank_phases) is the same under every one-stage-per-rank schedule:
+    gpipe's floor is 1f1b's."""
+    if combo.virtual_stages == 1:
+        combo = replace(combo, schedule="1f1b")
     key = (req.nodes, combo, -micro, 1)  # negative: apart from the rows' estimates
     if key not in search.estimates:
         search.estimates[key] = estimate(_request(req, combo, micro, search.model_fields, accumulation=combo.pp))
