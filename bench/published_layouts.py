@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from planner.catalogue import catalogue_model  # noqa: E402
 from planner.gpus import gpu as lookup_gpu  # noqa: E402
 from planner.memory import estimate  # noqa: E402
+from planner.pipeline import bubble_fraction  # noqa: E402
 from planner.plan import plan  # noqa: E402
 from planner.schema import Candidate, EstimateRequest, PlanRequest  # noqa: E402
 from planner.steptime import estimate_time  # noqa: E402
@@ -117,16 +118,32 @@ def _layout(c: Candidate) -> str:
     offload = (f", offload {c.offload_optimizer}/{c.offload_params}" if (c.offload_optimizer, c.offload_params)
                != ("none", "none") else ", no offload")
     return (f"{degrees + split + ' x ' if degrees else ''}DP {p.dp_replicate * p.dp_shard} {c.strategy}, "
-            f"{c.gradient_accumulation} micro-batches of {c.micro_batch}, checkpointing {c.checkpointing}{offload}")
+            f"{c.gradient_accumulation} micro-batch(es) of {c.micro_batch}, checkpointing {c.checkpointing}{offload}")
 
 
-def _checks(req: PlanRequest, c: Candidate) -> str:
-    """The layout properties the issue asks of the Llama 3 recommendation, in numbers."""
+def _checks(req: PlanRequest, c: Candidate, families: list[Candidate]) -> str:
+    """The layout properties the issue asks of the Llama 3 recommendation, in numbers, and where
+    it does not pipeline, why: its best pipeline against it."""
     p = c.parallel
     tp_in_node = p.tp > 1 and req.gpus % p.tp == 0
-    return (f"TP inside a node: {'yes' if tp_in_node else 'no'} (tp {p.tp} of {req.gpus} GPUs per node); "
+    text = (f"TP inside a node: {'yes' if tp_in_node else 'no'} (tp {p.tp} of {req.gpus} GPUs per node); "
             f"pipelined across nodes: {'yes' if p.pp > 1 else 'no'} (pp {p.pp}); "
             f"offloads: {'nothing' if (c.offload_optimizer, c.offload_params) == ('none', 'none') else 'yes'}")
+    piped = [f for f in families if f.parallel.pp > 1 and f.fits]
+    if p.pp == 1 and piped:
+        best = min(piped, key=lambda f: f.step_seconds)
+        m, v, pp = best.gradient_accumulation, best.pp_virtual_stages or 1, best.parallel.pp
+        bubble = bubble_fraction(pp, m, v)
+        text += (f". Why no pipeline: the best one, {best.strategy} x TP {best.parallel.tp} x PP {pp} "
+                 f"({best.pp_schedule}, {v} stage(s) per rank, {m} micro-batches: the global batch of "
+                 f"{req.global_batch} over {best.parallel.dp_replicate * best.parallel.dp_shard} data-parallel "
+                 f"ranks), idles a bubble of (pp-1)/(m x v + pp-1) = {bubble:.0%} of its step and takes "
+                 f"{best.step_seconds:.2f} s against {c.step_seconds:.2f} s; without a pipeline the "
+                 f"{p.dp_replicate * p.dp_shard} data-parallel ranks' FSDP collectives leave "
+                 f"{c.exposed_communication_seconds:.2f} s exposed in the model. A pipeline pays where the batch "
+                 "gives each data-parallel rank many micro-batches, or where the data-parallel collectives cannot "
+                 "be hidden (the model overlaps FSDP's all-gathers with the blocks' compute)")
+    return text
 
 
 def row(t: Training) -> tuple[str, str]:
@@ -151,7 +168,7 @@ def row(t: Training) -> tuple[str, str]:
     why += [f"not modelled: {u}" for u in t.unmodelled]
     text = (f"| {t.name} ({t.source}) | {t.layout} | {published} | {_layout(best)} | {mine} | "
             f"{'; '.join(why)} |")
-    return text, _checks(req, best)
+    return text, _checks(req, best, result.families)
 
 
 def table() -> str:
