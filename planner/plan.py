@@ -146,9 +146,15 @@ def _schedules(req: PlanRequest, arch, pp: int) -> list[tuple[str, int, tuple[in
     fixed = {"pp_schedule", "pp_virtual_stages"} & req.model_fields_set
     options = [(req.pp_schedule, req.pp_virtual_stages)] if fixed else list(PIPELINE_SCHEDULES)
     out = []
+    given = req.pp_first_stage_layers is not None or req.pp_last_stage_layers is not None
     for schedule, v in options:
         if arch.num_layers < pp * v:
             continue
+        if given:
+            try:  # the request's split, over this schedule's pp x v stages
+                check_split(arch.num_layers, pp, v, req.pp_first_stage_layers, req.pp_last_stage_layers)
+            except PlannerError:
+                continue
         split = _split(req, arch, pp, v)
         if split is None and arch.num_layers % (pp * v):
             continue

@@ -4,6 +4,7 @@ candidate is the estimate of the same configuration, and every bound the search 
 import pytest
 
 from cli.main import main
+from planner.errors import PlannerError
 from planner.memory import estimate
 from planner.plan import Setting, _request, plan
 from planner.schema import EstimateRequest, PlanRequest
@@ -282,3 +283,19 @@ def test_llama3_pretraining_setup_is_planned_with_families_and_a_reason():
     assert c is not None and (c.parallel.dp_replicate * c.parallel.dp_shard, c.pp_first_stage_layers,
                               c.pp_last_stage_layers) == (128, 7, 7)
     assert c.micro_batch * c.gradient_accumulation * 128 == 2048
+
+
+def test_a_given_split_is_for_a_fixed_pipeline():
+    """--pp-first/last-stage-layers split the pipeline the request fixes; a searched pp takes its
+    own best split; a schedule whose stages the given split cannot fill is not searched."""
+    base = dict(model="llama-3.1-405b", gpu="h100-80gb", gpus=8, nodes=16, seq_len=8192, global_batch=128)
+    with pytest.raises(PlannerError, match=r"pp_first_stage_layers\(7\) / pp_last_stage_layers\(7\) split a fixed "
+                                           r"pipeline: give pp too"):
+        plan(PlanRequest(**base, pp_first_stage_layers=7, pp_last_stage_layers=7))
+    with pytest.raises(PlannerError, match=r"num_layers\(126\) - pp_first_stage_layers\(6\), pp_last_stage_layers\(7\)"):
+        plan(PlanRequest(**base, pp=16, pp_first_stage_layers=6, pp_last_stage_layers=7))
+    r = plan(PlanRequest(**base, tp=8, pp=16, pp_first_stage_layers=7, pp_last_stage_layers=7, objective="memory"))
+    piped = [c for c in r.candidates if c.parallel.pp == 16]
+    # 7 + 14 x 8 + 7 over 16 stages; over 32 (interleaved) the other 30 would hold 112 / 30: not searched
+    assert piped and all((c.pp_first_stage_layers, c.pp_last_stage_layers, c.pp_virtual_stages) == (7, 7, 1)
+                         for c in piped)
