@@ -28,7 +28,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Literal
 
 from planner.activations import FP32
-from planner.architecture import Architecture, _memo, block_numels, block_parameters, layer_specs, norm_numels
+from planner.architecture import Architecture, block_numels, block_parameters, derived, layer_specs, norm_numels
 from planner.buffers import item, phase
 from planner.errors import PlannerError
 from planner.layers import routed_inactive_numels
@@ -231,7 +231,7 @@ def slowest_share(a: Architecture, pp: int, virtual_stages: int, seq_len: int, f
                   last: int | None = None) -> tuple[float, int]:
     """(share of a replica's compute on its busiest rank, that rank): the pace of the pipeline,
     since every rank waits for the slowest stage at each step of the schedule."""
-    cache = _memo(a).setdefault("_pp_slowest", {})  # asked once per option by the plan search
+    cache = derived(a).setdefault("_pp_slowest", {})  # asked once per option by the plan search
     key = (pp, virtual_stages, seq_len, first, last)
     if key not in cache:
         cache[key] = _slowest_share(a, pp, virtual_stages, seq_len, first, last)
@@ -247,7 +247,7 @@ def _slowest_share(a: Architecture, pp: int, virtual_stages: int, seq_len: int, 
 
 
 def _balanced(a: Architecture, stages: int, seq_len: int) -> tuple[int, int] | None:
-    cache = _memo(a).setdefault("_pp_balanced", {})  # the plan asks once per layout
+    cache = derived(a).setdefault("_pp_balanced", {})  # the plan asks once per layout
     if (stages, seq_len) not in cache:
         cache[(stages, seq_len)] = _best_split(a, stages, seq_len)
     return cache[(stages, seq_len)]

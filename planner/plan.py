@@ -355,7 +355,8 @@ def _evaluate(search: _Search, req: PlanRequest, layouts: list[tuple[int, int, i
     (TIE_TOLERANCE: the ranking's ties) of that family's best fitting one (by step time or
     GPU-seconds per token, the same ordering at a fixed GPU count) can be neither recommended nor
     its family's best (PlanResult.families): its memory is not estimated. Each family is searched
-    to its own best, so the table can show the best of each beside the winner."""
+    to its own best, so the table can show the best of each beside the winner; data parallelism
+    alone is not time-bounded (every strategy's settings are listed, offload among them)."""
     rows: list[Row] = []
     evaluated = 0
     world = req.gpus * req.nodes
@@ -379,8 +380,9 @@ def _evaluate(search: _Search, req: PlanRequest, layouts: list[tuple[int, int, i
                 for off_opt, off_par in (_offloads(name) if tp * cp * pp * ep == 1 else [("none", "none")]):
                     combo = Setting(req.gpus, name, ckpt, off_opt, off_par, shard, tp, cp,
                                     tp > 1 and s.framework == "torch", pp, ep, split, schedule, virtual)
-                    found, count = _evaluate_setting(search, req, combo, best_time.get(family),
-                                                     best_peak.get(family))
+                    # data parallelism alone is listed whole (each strategy's settings, offload among them)
+                    time_bound = best_time.get(family) if family != "dp" else None
+                    found, count = _evaluate_setting(search, req, combo, time_bound, best_peak.get(family))
                     evaluated += count
                     rows += found
                     if req.objective == "memory":
