@@ -56,6 +56,8 @@ class PipelineSettings(BaseModel):
     dp: int = Field(ge=1)
     schedule: Literal["gpipe", "1f1b", "interleaved"]
     virtual_stages: int = Field(ge=1)
+    first_stage_layers: int | None = Field(None, ge=1, description="uneven split: the first stage's blocks")
+    last_stage_layers: int | None = Field(None, ge=1, description="uneven split: the last stage's blocks")
     dp_strategy: Literal["fsdp", "none"]
     compute_dtype: Literal["bf16", "fp16"] | None
     reduce_dtype: Literal["compute", "fp32"] = Field("compute", description="FSDP2's reduce_dtype over dp")

@@ -279,6 +279,8 @@ def _pipeline_settings(setup, request: EstimateRequest) -> dict[str, Any]:
     return {"framework": "torch", "vocab_size": from_hf_config(dict(setup.model.config)).vocab_size,
             "pipeline": {"pp": d.pp, "dp": d.dp, "schedule": request.pp_schedule,
                          "virtual_stages": request.pp_virtual_stages,
+                         "first_stage_layers": request.pp_first_stage_layers,
+                         "last_stage_layers": request.pp_last_stage_layers,
                          "dp_strategy": "fsdp" if d.dp > 1 else "none",
                          "compute_dtype": setup.recipe.autocast_dtype, "reduce_dtype": request.reduce_dtype,
                          "optimizer": request.optimizer, "tp": d.tp, "sequence_parallel": setup.sequence_parallel}}

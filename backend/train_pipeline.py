@@ -143,7 +143,9 @@ def build_pipeline(job: dict[str, Any], device: torch.device):
 
         apply_tp(model.to(device), mesh["tp"], bool(settings.get("sequence_parallel", True)))
     stages_total = pp * virtual
-    bounds = stage_bounds(len(model.model.layers), stages_total)  # the planner's (torchtitan's) split
+    # the planner's split: torchtitan's, or the request's uneven first and last stages (Megatron's)
+    bounds = stage_bounds(len(model.model.layers), stages_total, settings.get("first_stage_layers"),
+                          settings.get("last_stage_layers"))
     mine = [pp_rank + k * pp for k in range(virtual)]  # looped placement (schedules.py interleaved)
     modules, stages = [], []
     autocast = dtype if settings["dp_strategy"] != "fsdp" else None

@@ -187,6 +187,19 @@ def plan_table(r) -> str:
                      f"{c.offload_optimizer + '/' + c.offload_params:<11} {c.per_device.peak_bytes / GIB:>9.2f} "
                      f"{c.step_seconds:>8.3f} {c.exposed_communication_seconds:>15.3f} {c.tokens_per_second:>10,.0f} "
                      f"{c.mfu:>5.2f}")
+    if len(r.families) > 1:
+        lines += ["", "best of each layout family (PlanResult.families):"]
+        for c in r.families:
+            p = c.parallel
+            family = " x ".join(["dp"] + [n for n, v in (("tp", p.tp), ("cp", p.cp), ("pp", p.pp), ("ep", p.ep)) if v > 1])
+            name = (f"{c.strategy}/{c.hsdp_shard_size}" if c.hsdp_shard_size else c.strategy) + _degrees(c)
+            split = (f" stages {c.pp_first_stage_layers}/../{c.pp_last_stage_layers} blocks"
+                     if c.pp_first_stage_layers is not None else "")
+            if c.parallel.pp > 1:
+                split = f" {c.pp_schedule}" + (f" v{c.pp_virtual_stages}" if (c.pp_virtual_stages or 1) > 1 else "") + split
+            lines.append(f"  {family:<16} {name:<22} mb {c.micro_batch} x {c.gradient_accumulation}{split}: "
+                         + (f"{c.per_device.peak_bytes / GIB:.2f} GiB, {c.step_seconds:.3f} s per step, MFU {c.mfu:.2f}"
+                            if c.fits else f"does not fit ({c.per_device.peak_bytes / GIB:.2f} GiB)"))
     lines += _host_lines(r)
     rejected = [c for c in r.candidates if not c.fits]
     reasons = []
@@ -208,6 +221,8 @@ def plan_table(r) -> str:
         lines.append(f"recommended: {best.strategy}{shard}{_degrees(best, ' x ')}, micro-batch {best.micro_batch} x {best.gradient_accumulation} "
                      f"accumulation, checkpointing {best.checkpointing}, offload {best.offload_optimizer}/"
                      f"{best.offload_params}: {best.step_seconds:.3f} s per step, peak {best.per_device.peak_bytes / GIB:.2f} GiB")
+        if r.winner_reason:
+            lines.append(f"why: {r.winner_reason}")
         if r.faster_on_fewer_nodes:
             lines.append(f"but fewer nodes do better on this fabric: --nodes {r.faster_on_fewer_nodes} (see the note)")
     else:

@@ -164,6 +164,12 @@ def _memo(a: Architecture) -> dict[str, Any]:
     return cache
 
 
+def derived(a: Architecture) -> dict[str, Any]:
+    """The per-instance cache of results other modules derive from the (frozen) fields, under
+    their own keys (planner/pipeline.py: the balanced split and the slowest stage's share)."""
+    return _memo(a)
+
+
 def layer_specs(a: Architecture) -> tuple[LayerSpec, ...]:
     """The ordered blocks: the reader's explicit list, or ``num_layers`` alike blocks."""
     if a.layers:

@@ -37,6 +37,7 @@ from planner.precision import DTYPE_SPELLINGS, RECIPES
 from planner.schema import SHARDING_STRATEGIES, Candidate, EstimateRequest, EstimateResult, PlanRequest
 from planner.shm import segment_glob
 from planner.strategies import explicit_hsdp_shard
+from planner.megatron import megatron_arguments, megatron_file
 from planner.pipeline import stage_bounds
 from planner.units import GIB
 from planner.torchtitan import (HEAD_NAME, MIXED_PARAM, pipeline_overrides, torchtitan_config,
@@ -160,7 +161,11 @@ def estimate_request_for(req: PlanRequest, c: Candidate) -> EstimateRequest:
                            nics_per_node=req.nics_per_node, profile=req.profile,
                            **finetune_fields(req.model_copy(update={"finetune": c.finetune})),
                            **({"reduce_dtype": req.reduce_dtype} if c.strategy in SHARDING_STRATEGIES else {}),
-                           **{k: v for k, v in c.parallel.model_dump().items() if k in ("tp", "pp", "cp", "ep") and v > 1})
+                           **{k: v for k, v in c.parallel.model_dump().items() if k in ("tp", "pp", "cp", "ep") and v > 1},
+                           **{k: v for k, v in (("pp_first_stage_layers", c.pp_first_stage_layers),
+                                                ("pp_last_stage_layers", c.pp_last_stage_layers),
+                                                ("pp_schedule", c.pp_schedule),
+                                                ("pp_virtual_stages", c.pp_virtual_stages)) if v is not None})
 
 
 def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: Script | None) -> dict[str, str]:
@@ -212,6 +217,9 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
     titan = _torchtitan_file(setup)
     if titan is not None:
         files["torchtitan.toml"] = titan
+    megatron = _megatron_file(setup)
+    if megatron is not None:
+        files["megatron_args.txt"] = megatron
     files["plan.json"] = json.dumps(plan_doc, indent=2) + "\n"
     files["LAUNCH.md"] = _guide(launch, sorted(files) + ["LAUNCH.md"],
                                 _torchtitan_config(setup) if titan is not None else None,
@@ -252,6 +260,27 @@ def _torchtitan_file(setup) -> str | None:
     return torchtitan_toml(_torchtitan_config(setup))
 
 
+def _megatron_file(setup) -> str | None:
+    """Megatron-LM's arguments for a pipeline layout (planner/megatron.py), or None without pp."""
+    req, d = setup.request, setup.dims
+    if d.pp == 1 or setup.arch is None:
+        return None
+    s = setup.strategy
+    args = megatron_arguments(tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep, sequence_parallel=setup.sequence_parallel,
+                              virtual_stages=req.pp_virtual_stages, first_stage_layers=req.pp_first_stage_layers,
+                              last_stage_layers=req.pp_last_stage_layers, micro_batch=req.micro_batch,
+                              gradient_accumulation=req.gradient_accumulation, data_parallel=d.dp,
+                              seq_len=req.seq_len, num_layers=setup.arch.num_layers, compute=setup.recipe.compute,
+                              checkpointing=req.checkpointing, shards_optimizer=s.shards_optimizer)
+    twin = ("its distributed optimizer shards the optimizer states only (ZeRO-1): the planner's zero1 estimate "
+            "of this layout is that run's; Megatron refuses FSDP2 under a pipeline" if s.shards_parameters
+            else "the same data-parallel states as this estimate")
+    uneven = (" Megatron counts --decoder-first/last-pipeline-num-layers per pipeline rank, the planner per stage: "
+              "with virtual stages the uneven split is not written." if req.pp_virtual_stages > 1 and
+              req.pp_first_stage_layers is not None else "")
+    return megatron_file(args, f"Megatron-LM (d98e8a6) arguments of this pipeline layout; {twin}.{uneven}")
+
+
 def _torchtitan_reduce_note(setup) -> str | None:
     """torchtitan reduces FSDP2's gradients in fp32 only (mixed_precision_reduce = "float32": 0.2.2
     job_config.py, 0.3 config/configs.py:93); an estimate made with the compute dtype (accelerate's
@@ -270,7 +299,8 @@ def _torchtitan_config(setup) -> dict[str, dict[str, Any]]:
     req, d = setup.request, setup.dims
     # the degrees as resolved (ParallelDims): setup.shard_size spans the pipeline's ranks too, so the
     # data-parallel degrees are read from the dims (torchtitan's own ParallelDims shape)
-    bounds = stage_bounds(setup.arch.num_layers, d.pp * req.pp_virtual_stages) if d.pp > 1 else None
+    bounds = stage_bounds(setup.arch.num_layers, d.pp * req.pp_virtual_stages, req.pp_first_stage_layers,
+                          req.pp_last_stage_layers) if d.pp > 1 else None
     return torchtitan_config(dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, tp=d.tp, pp=d.pp, cp=d.cp,
                              ep=d.ep, pp_schedule=req.pp_schedule, micro_batch=req.micro_batch,
                              gradient_accumulation=req.gradient_accumulation, seq_len=req.seq_len,
@@ -748,6 +778,8 @@ def _guide(launch: _Launch, names: list[str], titan: dict[str, dict[str, Any]] |
         "trainer_args.json": "the matching transformers.TrainingArguments keyword arguments",
         "plan.json": "the request and the prediction; `planner verify --plan plan.json` runs it here",
         "torchtitan.toml": "the same degrees as a torchtitan job config (merge into your model's train config)",
+        "megatron_args.txt": "the same pipeline layout as Megatron-LM arguments (its uneven first and last stages, "
+                             "batch and recomputation; the first line says which data-parallel states it holds)",
         "lora_config.json": "the PEFT LoraConfig the prediction assumed: `get_peft_model(model, "
                             "LoraConfig(**json.load(open('lora_config.json'))))`",
         "bnb_config.json": "the quantized base: `from_pretrained(..., quantization_config=BitsAndBytesConfig("

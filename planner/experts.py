@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from planner.architecture import Architecture, layer_specs
 from planner.errors import PlannerError
 from planner.layers import MlpSpec, mlp_numels
+from planner.pipeline import stage_bounds
 
 
 def routed_numels(m: MlpSpec, hidden: int) -> int:
@@ -249,6 +250,13 @@ def localize(setup, textbook_states):
     if s.framework == "torch" and setup.recipe.master_bits:
         grads_back *= 2
     router = full.parameters_per_rank - local_count
+    if setup.dims.pp > 1:
+        # a pipeline rank holds its stages' MoE blocks only: the add-back is that share of the
+        # model's routed experts (the most any rank holds, so no rank is under-counted)
+        share = pipeline_expert_share(a, setup.dims.pp, setup.request.pp_virtual_stages,
+                                      setup.request.pp_first_stage_layers, setup.request.pp_last_stage_layers)
+        back = {c: int(v * share) for c, v in back.items()}
+        grads_back, router = int(grads_back * share), int(router * share)
     router_bytes = sum(f * router // max(1, setup.psi) for f, on in zip(full_states, sharded) if not on) \
         if setup.psi else 0
     # each in its own component, as the verify run attributes the rank's tensors (weights vs the
@@ -269,6 +277,19 @@ def localize(setup, textbook_states):
     items.append(MemoryItem(name=f"routed experts' sharded gradients over the expert-data-parallel group (ep {ep})",
                             bytes=int(grads_back), component="gradients", source="after backward, until the step"))
     return local, [i for i in items if i.bytes > 0], transient
+
+
+def pipeline_expert_share(a: Architecture, pp: int, virtual_stages: int, first: int | None,
+                          last: int | None) -> float:
+    """The largest share of the model's MoE blocks one pipeline rank holds (its stages' blocks,
+    planner/pipeline.py stage_bounds)."""
+    moe = set(moe_blocks(a))
+    if not moe:
+        return 0.0
+    bounds = stage_bounds(a.num_layers, pp * virtual_stages, first, last)
+    per_rank = [sum(1 for k in range(rank, len(bounds), pp) for i in range(*bounds[k]) if i in moe)
+                for rank in range(pp)]
+    return max(per_rank) / len(moe)
 
 
 def with_items(plan, items, transient):

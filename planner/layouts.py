@@ -12,9 +12,9 @@ not fit without it.
 Pipeline stages are whole nodes: pp is the outermost mesh dimension, so with pp dividing the node
 count each stage is nodes / pp consecutive nodes and every stage boundary is a node boundary, the
 slowest link, which only the point-to-point activations cross (Narayanan et al. 2021, Sec. 3.2:
-"tensor model parallelism within a server, pipeline model parallelism across servers"). Stages are
-equal (pp x virtual stages divides the blocks), as planner/pipeline.py's step time assumes (each
-rank does 1/pp of the replica's compute). Expert parallelism is searched for a mixture of experts:
+"tensor model parallelism within a server, pipeline model parallelism across servers"). Where pp x
+virtual stages does not divide the blocks, the first and last stages are shortened
+(planner/pipeline.py balanced_split) and the slowest stage sets the step's pace. Expert parallelism is searched for a mixture of experts:
 every degree that divides each MoE block's routed experts (planner/experts.py), on the ranks it
 borrows from dp_shard x cp (planner/parallel.py).
 """
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from math import gcd
 
 from planner.architecture import Architecture, distinct_specs, layer_specs
+from planner.pipeline import balanced_split
 from planner.topology import Topology
 
 _NV = re.compile(r"^NV\d+$")
@@ -104,9 +105,12 @@ def cp_degrees(seq_len: int, world: int, tp: int, arch: Architecture | None) -> 
     return degrees, rejected
 
 
-def pp_degrees(nodes: int, arch: Architecture | None, virtual_stages: int = 1) -> tuple[list[int], list[Rejected]]:
+def pp_degrees(nodes: int, arch: Architecture | None, virtual_stages: int = 1,
+               seq_len: int = 4096) -> tuple[list[int], list[Rejected]]:
     """Pipeline degrees > 1 worth planning on ``nodes`` nodes: divisors of the node count (stages of
-    whole nodes), whose pp x virtual stages divides the model's blocks evenly."""
+    whole nodes) with at least one block per stage. Where pp x virtual stages does not divide the
+    blocks, the degree is planned with the best uneven split (planner/pipeline.py balanced_split:
+    shorter first and last stages, as the Llama 3 405B run's 126 blocks over 16 stages)."""
     degrees: list[int] = []
     rejected: list[Rejected] = []
     if arch is None or nodes == 1:
@@ -115,10 +119,14 @@ def pp_degrees(nodes: int, arch: Architecture | None, virtual_stages: int = 1) -
         if nodes % pp:
             continue
         stages = pp * virtual_stages
-        if arch.num_layers % stages:
+        if arch.num_layers < stages:
+            rejected.append(Rejected("pp", pp, f"num_layers({arch.num_layers}) is fewer than pp({pp}) * "
+                                     f"pp_virtual_stages({virtual_stages}) = {stages} stages"))
+            break  # and so is every larger divisor
+        if arch.num_layers % stages and balanced_split(arch, pp, virtual_stages, seq_len) is None:
             rejected.append(Rejected("pp", pp, f"num_layers({arch.num_layers}) is not divisible by pp({pp}) * "
-                                     f"pp_virtual_stages({virtual_stages}) = {stages}: the stages would be unequal "
-                                     "and the longest sets the pace"))
+                                     f"pp_virtual_stages({virtual_stages}) = {stages}, and no shorter first and "
+                                     "last stages leave the others equal"))
         else:
             degrees.append(pp)
     return degrees, rejected

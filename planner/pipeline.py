@@ -24,12 +24,14 @@ Megatron-LM", Sec. 2.2: (p-1)/m of the ideal time, divided by v for the interlea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Literal
 
 from planner.activations import FP32
-from planner.architecture import Architecture, block_numels, layer_specs, norm_numels
+from planner.architecture import Architecture, block_numels, block_parameters, derived, layer_specs, norm_numels
 from planner.buffers import item, phase
 from planner.errors import PlannerError
+from planner.layers import routed_inactive_numels
 from planner.moments import PhaseKind
 from planner.schema import MemoryItem, Phase
 
@@ -82,6 +84,17 @@ def check_schedule(pp: int, schedule: str, virtual_stages: int, micro_batches: i
 
 def rank_actions(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> list[Action]:
     """The forwards and backwards one rank runs, in torch 2.13's order (idle slots dropped)."""
+    return list(_rank_actions(schedule, pp, virtual_stages, micro_batches, rank))
+
+
+@lru_cache(maxsize=4096)
+def _rank_actions(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> tuple[Action, ...]:
+    """rank_actions, replayed once per schedule, degree and micro-batch count (the plan search
+    estimates many settings of the same pipeline)."""
+    return tuple(_actions(schedule, pp, virtual_stages, micro_batches, rank))
+
+
+def _actions(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> list[Action]:
     m = micro_batches
     if schedule == "gpipe":
         return [Action(rank, "F", i) for i in range(m)] + [Action(rank, "B", i) for i in range(m)]
@@ -133,27 +146,148 @@ def max_in_flight(schedule: str, pp: int, virtual_stages: int, micro_batches: in
     """Micro-batch chunks whose activations a rank holds at once (gpipe: m; 1f1b: min(pp - rank, m);
     interleaved: its warm-up plus one, at most m x v)."""
     live = peak = 0
-    for action in rank_actions(schedule, pp, virtual_stages, micro_batches, rank):
+    for action in _rank_actions(schedule, pp, virtual_stages, micro_batches, rank):
         live += 1 if action.kind == "F" else -1
         peak = max(peak, live)
     return peak
 
 
-def stage_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """[first, last) blocks of each stage, split as torchtitan does when no split points are
-    given (torchtitan/distributed/pipeline.py generate_split_points): every stage gets
-    ``layers // stages`` blocks, the remainder goes one each to the middle stages (the first
-    holds the embedding, the last the head), and the last stage takes what is left."""
-    base, extra = divmod(num_layers, stages)
-    bounds, start = [], 0
-    for index in range(stages - 1):
-        size = base + (1 if index > 0 and extra > 0 else 0)
-        if index > 0 and extra > 0:
-            extra -= 1
-        bounds.append((start, start + size))
-        start += size
-    bounds.append((start, num_layers))
-    return bounds
+def stage_bounds(num_layers: int, stages: int, first: int | None = None,
+                 last: int | None = None) -> list[tuple[int, int]]:
+    """[first, last) blocks of each stage. With neither ``first`` nor ``last`` given, split as
+    torchtitan does when no split points are given (torchtitan/distributed/pipeline.py
+    generate_split_points): every stage gets ``layers // stages`` blocks, the remainder goes one
+    each to the middle stages (the first holds the embedding, the last the head), and the last
+    stage takes what is left. With either given, Megatron's uneven split (Megatron-LM d98e8a6
+    megatron/core/transformer/transformer_block.py get_num_layers_to_build: the given first and
+    last stages' blocks are taken out and the stages left share the rest evenly); check_split
+    refuses a split that does not come out whole."""
+    if first is None and last is None:
+        base, extra = divmod(num_layers, stages)
+        bounds, start = [], 0
+        for index in range(stages - 1):
+            size = base + (1 if index > 0 and extra > 0 else 0)
+            if index > 0 and extra > 0:
+                extra -= 1
+            bounds.append((start, start + size))
+            start += size
+        bounds.append((start, num_layers))
+        return bounds
+    sizes = _uneven_sizes(num_layers, stages, first, last)
+    starts = [sum(sizes[:i]) for i in range(stages)]
+    return [(a, a + n) for a, n in zip(starts, sizes)]
+
+
+def _uneven_sizes(num_layers: int, stages: int, first: int | None, last: int | None) -> list[int]:
+    fixed = [n for n in (first, last) if n is not None]
+    left, rest = stages - len(fixed), num_layers - sum(fixed)
+    middle = rest // left if left else 0
+    return [first if first is not None else middle] + [middle] * (stages - 2) + [last if last is not None else middle]
+
+
+def check_split(num_layers: int, pp: int, virtual_stages: int, first: int | None, last: int | None) -> None:
+    """Refuse an uneven split whose stages do not come out whole (Megatron-LM d98e8a6
+    transformer_block.py: "With uneven pipelineing the left over layers must be divisible by left
+    over stages"; transformer_config.py: a stage's layers larger than 0)."""
+    if first is None and last is None:
+        return
+    given = ", ".join(f"{name}({n})" for name, n in (("pp_first_stage_layers", first),
+                                                      ("pp_last_stage_layers", last)) if n is not None)
+    field = "pp_first_stage_layers" if first is not None else "pp_last_stage_layers"
+    if pp == 1:
+        raise PlannerError(f"{given} needs pp > 1 (there is one stage)", field=field)
+    stages = pp * virtual_stages
+    fixed = [n for n in (first, last) if n is not None]
+    left, rest = stages - len(fixed), num_layers - sum(fixed)
+    if left == 0:
+        if rest != 0:
+            raise PlannerError(f"{given}: the {stages} stages must hold num_layers({num_layers}) blocks, not "
+                               f"{sum(fixed)}", field=field)
+        return
+    if rest < left or rest % left:
+        raise PlannerError(f"num_layers({num_layers}) - {given} = {rest} blocks do not split evenly over the other "
+                           f"{left} of pp({pp}) * pp_virtual_stages({virtual_stages}) = {stages} stages",
+                           field=field)
+
+
+def block_flops(a: Architecture, seq_len: int) -> list[int]:
+    """Forward FLOPs per token of each block (its active matmul weights and its attention scores,
+    as planner/timing.py flops_per_token counts the whole model)."""
+    specs = layer_specs(a)
+    return [2 * (n - routed_inactive_numels(spec.mlp, a.hidden_size)) + 4 * seq_len * a.q_width
+            for n, spec in zip(block_parameters(a), specs)]
+
+
+def stage_flops(a: Architecture, bounds: list[tuple[int, int]], seq_len: int) -> list[int]:
+    """Forward FLOPs per token of each stage: its blocks, and the LM head on the last (the
+    embedding is a lookup)."""
+    blocks = block_flops(a, seq_len)
+    out = [sum(blocks[first:last]) for first, last in bounds]
+    out[-1] += 2 * a.vocab_size * a.hidden_size
+    return out
+
+
+def slowest_share(a: Architecture, pp: int, virtual_stages: int, seq_len: int, first: int | None = None,
+                  last: int | None = None) -> tuple[float, int]:
+    """(share of a replica's compute on its busiest rank, that rank): the pace of the pipeline,
+    since every rank waits for the slowest stage at each step of the schedule."""
+    cache = derived(a).setdefault("_pp_slowest", {})  # asked once per option by the plan search
+    key = (pp, virtual_stages, seq_len, first, last)
+    if key not in cache:
+        cache[key] = _slowest_share(a, pp, virtual_stages, seq_len, first, last)
+    return cache[key]
+
+
+def _slowest_share(a: Architecture, pp: int, virtual_stages: int, seq_len: int, first: int | None,
+                   last: int | None) -> tuple[float, int]:
+    per_stage = stage_flops(a, stage_bounds(a.num_layers, pp * virtual_stages, first, last), seq_len)
+    per_rank = [sum(per_stage[r::pp]) for r in range(pp)]
+    busiest = max(range(pp), key=lambda r: per_rank[r])
+    return per_rank[busiest] / sum(per_stage), busiest
+
+
+def _balanced(a: Architecture, stages: int, seq_len: int) -> tuple[int, int] | None:
+    cache = derived(a).setdefault("_pp_balanced", {})  # the plan asks once per layout
+    if (stages, seq_len) not in cache:
+        cache[(stages, seq_len)] = _best_split(a, stages, seq_len)
+    return cache[(stages, seq_len)]
+
+
+def _best_split(a: Architecture, stages: int, seq_len: int) -> tuple[int, int] | None:
+    blocks = block_flops(a, seq_len)
+    head = 2 * a.vocab_size * a.hidden_size
+    layers = len(blocks)
+    best = None
+    for middle in range(1, layers // max(1, stages - 2) + 1):
+        rest = layers - (stages - 2) * middle
+        for first in range(max(1, rest - middle), min(middle, rest - 1) + 1):
+            last = rest - first
+            if not 1 <= last <= middle:
+                continue
+            bounds = stage_bounds(layers, stages, first, last)
+            sums = [sum(blocks[x:y]) for x, y in bounds]
+            sums[-1] += head
+            key = (max(sums), first)  # the pace, then the first stage lighter (it also holds the embedding)
+            if best is None or key < best[0]:
+                best = (key, (first, last))
+        if stages == 2:
+            break
+    return best[1] if best else None
+
+
+def balanced_split(a: Architecture, pp: int, virtual_stages: int, seq_len: int) -> tuple[int, int] | None:
+    """The uneven split the plan takes where pp x virtual stages does not divide the blocks: the
+    first and last stages' blocks (at most a middle stage's: torchtitan's
+    pipeline_parallel_first/last_stage_less_layers and Megatron's --decoder-first/last-pipeline-
+    num-layers both shorten them) whose slowest stage is the fastest, counting the LM head's
+    FLOPs on the last; ties to the lighter first stage. The Llama 3 405B run's split comes out of
+    it: 126 blocks over 16 stages, 7 on the first and the last, 8 on each other (Llama 3 paper,
+    Sec. 3.3.2, "we reduce one Transformer layer each from the first and the last stages").
+    None where no such split exists."""
+    stages = pp * virtual_stages
+    if a.num_layers % stages == 0:
+        return None
+    return _balanced(a, stages, seq_len)
 
 
 # --- stages ----------------------------------------------------------------------------------
@@ -221,7 +355,7 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[St
     a: Architecture = setup.arch
     req = setup.request
     count = pp * virtual_stages
-    bounds = stage_bounds(a.num_layers, count)
+    bounds = stage_bounds(a.num_layers, count, req.pp_first_stage_layers, req.pp_last_stage_layers)
     acts = activations(setup)
     edges = acts.edges
     # with cp the rank holds seq_len / cp tokens of each sequence (planner/context_parallel.py); with
@@ -377,56 +511,65 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
     live: dict[int, int] = {}  # stage -> micro-batches in flight
     done: set[int] = set()  # stages with gradients
     by_index = {s.index: s for s in mine}
-    worst: dict[str, Phase] = {}
+    base = sum(i.bytes for i in resident) + gathered.bytes
 
-    def grads_item() -> MemoryItem:
-        elements = sum(by_index[i].parameters for i in done)
-        return _item(f"gradients of {len(done)} of {len(mine)} local stage(s)", grad_bytes_per * elements, "gradients")
+    def grads_item(stages_done: set[int]) -> MemoryItem:
+        elements = sum(by_index[i].parameters for i in stages_done)
+        return _item(f"gradients of {len(stages_done)} of {len(mine)} local stage(s)", grad_bytes_per * elements,
+                     "gradients")
 
-    def acts_item() -> MemoryItem:
-        count = sum(live.values())
+    def acts_item(in_flight: dict[int, int]) -> MemoryItem:
+        count = sum(in_flight.values())
         return _item(f"activations of {count} micro-batch chunk(s) in flight",
-                     sum(by_index[i].activation_bytes * n for i, n in live.items()), "activations",
+                     sum(by_index[i].activation_bytes * n for i, n in in_flight.items()), "activations",
                      f"{schedule} schedule, torch 2.13 pipelining/schedules.py")
 
     # Sends whose work the schedule waits for only at the step's end keep their tensors: ScheduleGPipe
     # its backward sends (bwd_sends_to_wait), the interleaved runtime every send (send_ops, waited
     # in _PipelineScheduleRuntime._step_microbatches after the last action); Schedule1F1B waits
     # for each with the next receive.
-    held = [0]
-
-    def held_item() -> MemoryItem:
-        return _item("sent tensors held until the step ends (p2p works not yet waited)", held[0], "buffers",
+    def held_item(nbytes: int) -> MemoryItem:
+        return _item("sent tensors held until the step ends (p2p works not yet waited)", nbytes, "buffers",
                      "torch 2.13 pipelining/schedules.py: send works waited after the last action")
 
-    for action in rank_actions(schedule, pp, virtual_stages, m, rank):
+    # The moments are replayed in integers; a phase's items are built only for each kind's worst
+    # moment (the search estimates pipelines of hundreds of micro-batches).
+    worst: dict[str, tuple[int, tuple]] = {}
+    held = grads = acts = 0
+    for action in _rank_actions(schedule, pp, virtual_stages, m, rank):
         stage = by_index[action.stage]
         if action.kind == "F":
             live[stage.index] = live.get(stage.index, 0) + 1
+            acts += stage.activation_bytes
             continue
         name = "loss backward" if stage.is_last else "stage backward"
-        items = resident + [gathered, grads_item(), acts_item(), held_item(),
-                            _item("backward transient", stage.transient_bytes, "activations")]
-        kind = PhaseKind.START_OF_BACKWARD if stage.is_last else PhaseKind.START_OF_BLOCK
-        candidate = _phase(kind, f"{name}, {sum(live.values())} micro-batches in flight", items)
-        if name not in worst or candidate.bytes > worst[name].bytes:
-            worst[name] = candidate
+        total = base + grads + acts + held + stage.transient_bytes
+        if name not in worst or total > worst[name][0]:
+            worst[name] = (total, (stage, dict(live), set(done), held))
         live[stage.index] -= 1
-        done.add(stage.index)
+        acts -= stage.activation_bytes
+        if stage.index not in done:
+            done.add(stage.index)
+            grads += grad_bytes_per * stage.parameters
         if schedule != "1f1b":
             # the gradient of the stage's input, sent back; the runtime (interleaved) also keeps
             # the stage's output it sent forward
-            held[0] += stage.input_bytes + (stage.output_bytes if schedule == "interleaved" else 0)
+            held += stage.input_bytes + (stage.output_bytes if schedule == "interleaved" else 0)
         if stage.is_first and len(done) and action.micro_batch > 0:
             # embedding_dense_backward's fresh V x h gradient, added into the accumulated one
-            items = resident + [gathered, grads_item(), acts_item(), held_item(),
-                                _item("embedding gradient being accumulated", fresh_bytes_per * stage.largest_tensor,
-                                      "gradients")]
-            candidate = _phase(PhaseKind.END_OF_BACKWARD, "embedding backward (first stage)", items)
-            key = candidate.name
-            if key not in worst or candidate.bytes > worst[key].bytes:
-                worst[key] = candidate
-    phases.extend(worst.values())
+            name = "embedding backward (first stage)"
+            total = base + grads + acts + held + fresh_bytes_per * stage.largest_tensor
+            if name not in worst or total > worst[name][0]:
+                worst[name] = (total, (stage, dict(live), set(done), held))
+    for name, (_, (stage, in_flight, stages_done, held_bytes)) in worst.items():
+        common = resident + [gathered, grads_item(stages_done), acts_item(in_flight), held_item(held_bytes)]
+        if name.startswith("embedding"):
+            phases.append(_phase(PhaseKind.END_OF_BACKWARD, name, common + [
+                _item("embedding gradient being accumulated", fresh_bytes_per * stage.largest_tensor, "gradients")]))
+        else:
+            kind = PhaseKind.START_OF_BACKWARD if stage.is_last else PhaseKind.START_OF_BLOCK
+            phases.append(_phase(kind, f"{name}, {sum(in_flight.values())} micro-batches in flight",
+                                 common + [_item("backward transient", stage.transient_bytes, "activations")]))
     # After the schedule: the reduction of the gradients over dp, and the optimizer step.
     grads_full = grad_bits // 8 * (_ceil(params, dp.shard) if dp.shards_gradients else params)
     step_items = resident + [_item("gradients", grads_full, "gradients")]
@@ -505,6 +648,8 @@ def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str,
         raise PlannerError(f"pp={pp}: {setup.model.name} is estimated by tracing; its stages cannot be split",
                            field="pp")
     check_schedule(pp, schedule, virtual_stages, setup.request.gradient_accumulation, a.num_layers)
+    check_split(a.num_layers, pp, virtual_stages, setup.request.pp_first_stage_layers,
+                setup.request.pp_last_stage_layers)
     all_stages = stages(setup, pp, virtual_stages, dp)
     parallel = data_parallel(setup, dp, shard)
     ranks: list[RankMemory] = []
@@ -521,13 +666,23 @@ def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str,
     worst = max(range(pp), key=lambda i: (plans[i][0], plans[i][1]))
     _, resident_bytes, resident, phases = plans[worst]
     sizes = sorted({s.last_block - s.first_block for s in all_stages})
+    uneven = setup.request.pp_first_stage_layers is not None or setup.request.pp_last_stage_layers is not None
+    split = (f"first {all_stages[0].last_block} and last {all_stages[-1].last_block - all_stages[-1].first_block}, "
+             "the rest even (Megatron's uneven split)") if uneven else "torchtitan's split"
     notes = [f"pipeline: {pp} ranks x {virtual_stages} stage(s) of {'-'.join(map(str, sizes))} "
-             f"blocks (torchtitan's split), {schedule} schedule, {setup.request.gradient_accumulation} micro-batches; worst rank "
+             f"blocks ({split}), {schedule} schedule, {setup.request.gradient_accumulation} micro-batches; worst rank "
              f"{worst} (stages {', '.join(map(str, ranks[worst].stages))}), bubble "
              f"{bubble_fraction(pp, setup.request.gradient_accumulation, virtual_stages):.1%} of the step"]
     notes += [f"pipeline rank {r.rank}: stages {list(r.stages)}, {r.parameters:,} parameters, up to {r.in_flight} "
               f"micro-batch chunk(s) in flight, peak {r.peak_bytes:,} B ({r.peak_phase})" for r in ranks]
     buffers = [i for i in resident if i.component == "buffers" and i.bytes > 0]
+    # what stays between steps is answered for the rank that keeps the most (uneven stages: a longer
+    # stage keeps more states than the rank that peaks highest); its phases stay the worst rank's
+    kept = max(ranks, key=lambda r: r.resident_bytes)
+    if kept.resident_bytes > resident_bytes:
+        notes.append(f"resident: pipeline rank {kept.rank} keeps the most between steps, {kept.resident_bytes:,} B "
+                     f"(rank {worst}, which peaks highest, keeps {resident_bytes:,} B)")
+        resident_bytes = kept.resident_bytes
     return PhasePlan(phases=phases, resident_bytes=resident_bytes, buffers=buffers, notes=notes,
                      resident=[i for i in resident if i.bytes > 0]), ranks
 
@@ -544,7 +699,8 @@ class PipelineTime:
 
 
 def pipeline_time(replica_compute_seconds: float, pp: int, micro_batches: int, virtual_stages: int,
-                  boundary_bytes: int, link_gbps: float, latency_us: float = 0.0) -> PipelineTime:
+                  boundary_bytes: int, link_gbps: float, latency_us: float = 0.0,
+                  slowest: float | None = None) -> PipelineTime:
     """A pipeline step on one rank. ``replica_compute_seconds``: the compute of the step's
     micro-batches through the whole model (one data-parallel replica's work); each rank does
     1/pp of it, and the synchronous schedule idles a bubble of (p-1)/(m*v+p-1) of the step
@@ -553,9 +709,12 @@ def pipeline_time(replica_compute_seconds: float, pp: int, micro_batches: int, v
     rank's v stage boundaries forward and its gradient crosses back. The sends of the steady state
     overlap compute; those on the fill and the drain are on the critical path, once per boundary
     of the pp*v - 1 in each direction. ``link_gbps``: the stage link's bandwidth in GB/s (the
-    slowest link between consecutive stages: NVLink inside a node, the NIC across nodes)."""
+    slowest link between consecutive stages: NVLink inside a node, the NIC across nodes).
+    ``slowest``: the busiest rank's share of the replica's compute (slowest_share: uneven stages,
+    the LM head on the last); every slot of the schedule waits for it, so the step is that rank's
+    work stretched by the bubble. Default 1/pp (equal stages)."""
     m, v = micro_batches, virtual_stages
-    ideal = replica_compute_seconds / pp
+    ideal = replica_compute_seconds * (slowest if slowest is not None else 1 / pp)
     fraction = bubble_fraction(pp, m, v)
     compute = ideal / (1.0 - fraction) if pp > 1 else ideal
     sends = 2 * m * v if pp > 1 else 0
@@ -606,8 +765,10 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
         stride = d.world // d.pp  # pp outermost on the mesh (torchtitan ParallelDims)
         gbps, latency = _group_link(topo, gpus, stride, d.pp, nic_gbps, link_efficiency)
         boundary = tokens * arch.hidden_size * b // max(1, d.tp * d.cp)
+        share, _ = slowest_share(arch, d.pp, req.pp_virtual_stages, req.seq_len // max(1, d.cp),
+                                 req.pp_first_stage_layers, req.pp_last_stage_layers)
         p = pipeline_time(t.compute_seconds, d.pp, req.gradient_accumulation, req.pp_virtual_stages, boundary,
-                          gbps, latency)
+                          gbps, latency, slowest=share)
         compute = p.compute_seconds
         comm += p.p2p_seconds
         exposed += p.exposed_p2p_seconds

@@ -27,7 +27,7 @@ from planner.hardware import profile_compute_scale, profile_efficiencies, topolo
 from planner.layouts import Rejected, cp_degrees, ep_degrees, pp_degrees, tp_degrees
 from planner.memory import estimate, host_capacity, resolve, sequence_past_positions
 from planner.parallel import refuse_unmodelled
-from planner.pipeline import check_schedule, parallel_step
+from planner.pipeline import balanced_split, check_schedule, check_split, parallel_step, stage_bounds
 from planner.precision import RECIPES
 from planner.schema import (MAX_GLOBAL_BATCH, MAX_TOKENS, SHARDING_STRATEGIES, Candidate, EstimateRequest,
                             EstimateResult, PlanRequest, PlanResult, TopologySummary)
@@ -47,6 +47,9 @@ class Setting(Combo):
     and experts.py); pp is the Combo's own."""
 
     ep: int = 1
+    split: tuple[int, int] | None = None  # a pipeline's first and last stages' blocks, when uneven
+    schedule: str = "1f1b"  # a pipeline's schedule and stages per rank (PIPELINE_SCHEDULES)
+    virtual_stages: int = 1
 
     @property
     def model_parallel(self) -> int:
@@ -97,9 +100,72 @@ def _degree_fields(req: PlanRequest, combo: Setting, micro: int, accumulation: i
     micro-batches in flight: its request carries the accumulation and the request's schedule."""
     fields = {k: v for k, v in (("tp", combo.tp), ("cp", combo.cp), ("pp", combo.pp), ("ep", combo.ep)) if v > 1}
     if combo.pp > 1:
-        fields |= {"gradient_accumulation": accumulation or _per_rank(req, combo) // micro, "pp_schedule": req.pp_schedule,
-                   "pp_virtual_stages": req.pp_virtual_stages}
+        fields |= {"gradient_accumulation": accumulation or _per_rank(req, combo) // micro, "pp_schedule": combo.schedule,
+                   "pp_virtual_stages": combo.virtual_stages} | _split_fields(combo.split)
     return fields
+
+
+def _schedule_fields(combo: Combo) -> dict:
+    """A pipeline candidate's schedule (none without pp)."""
+    if combo.pp == 1 or not isinstance(combo, Setting):
+        return {}
+    return {"pp_schedule": combo.schedule, "pp_virtual_stages": combo.virtual_stages}
+
+
+def _split_fields(split: tuple[int, int] | None) -> dict:
+    """A pipeline's uneven split as request fields (none for an even split)."""
+    return {} if split is None else {"pp_first_stage_layers": split[0], "pp_last_stage_layers": split[1]}
+
+
+def _split(req: PlanRequest, arch, pp: int, virtual_stages: int) -> tuple[int, int] | None:
+    """The split a pipeline layout is planned with: the request's own, else where pp x virtual
+    stages does not divide the blocks the best uneven one (planner/pipeline.py balanced_split)."""
+    if pp == 1:
+        return None
+    if req.pp_first_stage_layers is not None or req.pp_last_stage_layers is not None:
+        bounds = stage_bounds(arch.num_layers, pp * virtual_stages, req.pp_first_stage_layers,
+                              req.pp_last_stage_layers)
+        return bounds[0][1], bounds[-1][1] - bounds[-1][0]
+    return balanced_split(arch, pp, virtual_stages, req.seq_len)
+
+
+# The pipeline schedules a plan searches where the request fixes none: torch 2.13's
+# torch/distributed/pipelining/schedules.py Schedule1F1B, ScheduleInterleaved1F1B (at torchtitan's
+# default of 2 stages per rank for a multi-stage schedule) and ScheduleGPipe, the ones whose memory
+# planner/pipeline.py replays action by action. ScheduleLoopedBFS, ScheduleInterleavedZeroBubble,
+# ScheduleZBVZeroBubble and ScheduleDualPipeV split the backward into input and weight gradients
+# (or run two directions): their memory is not modelled, so they are not searched.
+PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("gpipe", 1))
+
+
+def _schedules(req: PlanRequest, arch, pp: int) -> list[tuple[str, int, tuple[int, int] | None]]:
+    """(schedule, virtual stages, split) for each schedule searched at this pipeline degree: the
+    request's own when it gives one, else PIPELINE_SCHEDULES; one whose stages the blocks cannot
+    fill (fewer blocks than stages, or no uneven split) is left out."""
+    if pp == 1:
+        return [("1f1b", 1, None)]
+    fixed = {"pp_schedule", "pp_virtual_stages"} & req.model_fields_set
+    options = [(req.pp_schedule, req.pp_virtual_stages)] if fixed else list(PIPELINE_SCHEDULES)
+    out = []
+    given = req.pp_first_stage_layers is not None or req.pp_last_stage_layers is not None
+    for schedule, v in options:
+        if arch.num_layers < pp * v:
+            continue
+        if given:
+            try:  # the request's split, over this schedule's pp x v stages
+                check_split(arch.num_layers, pp, v, req.pp_first_stage_layers, req.pp_last_stage_layers)
+            except PlannerError:
+                continue
+        split = _split(req, arch, pp, v)
+        if split is None and arch.num_layers % (pp * v):
+            continue
+        out.append((schedule, v, split))
+    return out
+
+
+def _architecture(req: PlanRequest):
+    model = catalogue_model(req.model) if req.model else model_from_config(req.model_config_)
+    return (with_vision(model) if req.include_vision else model).architecture
 
 
 def _frozen(request: EstimateRequest, arch):
@@ -189,10 +255,6 @@ def plan(req: PlanRequest, profile=None) -> PlanResult:
     model_fields = {"model": req.model} if req.model else {"model_config": req.model_config_}
     model_fields |= {"include_vision": True} if req.include_vision else {}
     model_fields |= finetune_fields(req)
-    world_max = req.gpus * req.nodes
-    if req.global_batch % world_max:
-        raise PlannerError(f"global_batch({req.global_batch}) is not divisible by gpus({req.gpus}) * "
-                           f"nodes({req.nodes}) = {world_max}", field="global_batch")
     topo, fabric_name, nics = topology_of(req, g)
     compute_efficiency, link_efficiency = profile_efficiencies(req.profile, req.gpu, topo, req.gpus,
                                                                req.compute_efficiency, req.link_efficiency, profile)
@@ -204,6 +266,8 @@ def plan(req: PlanRequest, profile=None) -> PlanResult:
     search.compute_scale = profile_compute_scale(req.profile, profile)
     layouts, rejected = _layouts(req, req.gpus, arch, topo)
     _check_fixed_degrees(req)
+    _check_split(req, arch)
+    _check_batch(req, layouts)
     rows, evaluated = _evaluate(search, req, layouts)
     layout_notes = [str(r) for r in rejected] + _search_notes(req, layouts)
     if "cp" not in req.model_fields_set and not any(r[3] for r in rows):
@@ -311,25 +375,27 @@ def _evaluate(search: _Search, req: PlanRequest, layouts: list[tuple[int, int, i
     """(setting, micro-batch, peak bytes, fits, step time) for every setting on the request's
     GPUs per node and nodes, for each (tp, cp, pp, ep) layout.
 
-    Bound: a model-parallel layout computes what the data-parallel ones do and adds its own
-    collectives (a pipeline its bubble), so where a setting already fits, a layout none of whose
-    step times comes within the time model's uncertainty (TIE_TOLERANCE: the ranking's ties) of the
-    best fitting one (by step time or GPU-seconds per token, the same ordering at a fixed GPU count)
-    cannot be recommended: its memory is not estimated. Tensor/context-parallel layouts are
-    bounded by the settings before the first of them that has a fitting one (the data-parallel
-    settings, when one fits), pipeline and expert layouts by every setting before them."""
+    Bound: where a setting of the same layout family (layout_family: dp, dp x tp, dp x tp x pp,
+    ...) already fits, a layout none of whose step times comes within the time model's uncertainty
+    (TIE_TOLERANCE: the ranking's ties) of that family's best fitting one (by step time or
+    GPU-seconds per token, the same ordering at a fixed GPU count) can be neither recommended nor
+    its family's best (PlanResult.families): its memory is not estimated. Each family is searched
+    to its own best, so the table can show the best of each beside the winner; data parallelism
+    alone is not time-bounded (every strategy's settings are listed, offload among them)."""
     rows: list[Row] = []
     evaluated = 0
     world = req.gpus * req.nodes
-    best_time = best_peak = first_best = None
+    best_time: dict[str, float | None] = {}  # per layout family: each family's best is listed (PlanResult.families)
+    best_peak: dict[str, float | None] = {}
+    arch = search.model.architecture
+    schedules = {pp: _schedules(req, arch, pp) for pp in {d[2] for d in layouts}}
     for tp, cp, pp, ep in layouts:  # data-parallel (1, 1, 1, 1) first: it gives the bound
-        if tp * cp * pp * ep > 1 and first_best is None:
-            first_best = best_time  # the best fitting so far, kept from the first layout that has one
+        family = layout_family(tp, cp, pp, ep)
         if world % (tp * cp * pp) or req.global_batch % (world // (tp * cp * pp)):
             continue
-        for name in strategies:
+        for name, (schedule, virtual, split) in ((n, o) for n in strategies for o in schedules[pp]):
             s = lookup_strategy(name)
-            if not s.runs_on(world) or not _framework_runs(req, s, tp, cp, pp):
+            if not s.runs_on(world) or not _framework_runs(req, s, tp, cp, pp, schedule):
                 continue
             shards = _hsdp_shards(req.gpus // tp, req.nodes // pp) if s.shard_within_node else [None]
             for shard, ckpt in ((sh, c) for sh in shards for c in ("none", "full")):
@@ -340,16 +406,25 @@ def _evaluate(search: _Search, req: PlanRequest, layouts: list[tuple[int, int, i
                     if world == 1 and not s.one_device and (off_opt, off_par) == ("none", "none"):
                         continue  # on one device a data-parallel framework adds only its offload to "single"
                     combo = Setting(req.gpus, name, ckpt, off_opt, off_par, shard, tp, cp,
-                                    tp > 1 and s.framework == "torch", pp, ep)
-                    time_bound = first_best if pp * ep == 1 else best_time
-                    found, count = _evaluate_setting(search, req, combo, time_bound, best_peak)
+                                    tp > 1 and s.framework == "torch", pp, ep, split, schedule, virtual)
+                    # data parallelism alone is listed whole (each strategy's settings, offload among them)
+                    time_bound = best_time.get(family) if family != "dp" else None
+                    found, count = _evaluate_setting(search, req, combo, time_bound, best_peak.get(family))
                     evaluated += count
                     rows += found
                     if req.objective == "memory":
-                        best_peak = _smallest([r[2] for r in found if r[3]], best_peak)
+                        best_peak[family] = _smallest([r[2] for r in found if r[3]], best_peak.get(family))
                     else:
-                        best_time = _smallest([r[4].step_seconds for r in found if r[3]], best_time)
+                        best_time[family] = _smallest([r[4].step_seconds for r in found if r[3]],
+                                                      best_time.get(family))
     return rows, evaluated
+
+
+def layout_family(tp: int, cp: int, pp: int, ep: int) -> str:
+    """The layout family of a setting: which model-parallel degrees it uses beside data
+    parallelism ("dp", "dp x tp", "dp x tp x pp", ...), whatever their values."""
+    return " x ".join(["dp"] + [name for name, degree in (("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep))
+                                if degree > 1])
 
 
 def _smallest(values: list[float], default: float | None) -> float | None:
@@ -364,7 +439,7 @@ def _expert_shards(s, shard: int | None, dp: int, cp: int) -> int:
     return (dp if s.shards_optimizer else 1) * cp
 
 
-def _framework_runs(req: PlanRequest, s, tp: int, cp: int, pp: int) -> bool:
+def _framework_runs(req: PlanRequest, s, tp: int, cp: int, pp: int, schedule: str = "1f1b") -> bool:
     """Which data-parallel realisations take a model-parallel layout: torch's (torchtitan: FSDP2,
     HSDP, DDP with TP and with pipelining; FSDP2/HSDP with CP) and DeepSpeed's AutoTP with ZeRO (no
     CP) and its pipeline engine with ZeRO-0/1, its 1F1B schedule and without AutoTP (deepspeed
@@ -376,7 +451,7 @@ def _framework_runs(req: PlanRequest, s, tp: int, cp: int, pp: int) -> bool:
     if pp > 1:
         if req.finetune != "full":
             return False  # the pipeline model counts full fine-tuning (planner/pipeline.py check_framework)
-        if s.framework == "deepspeed" and ((s.zero_stage or 0) >= 2 or req.pp_schedule != "1f1b" or tp > 1):
+        if s.framework == "deepspeed" and ((s.zero_stage or 0) >= 2 or schedule != "1f1b" or tp > 1):
             return False
     return True
 
@@ -395,7 +470,13 @@ def _micro_options(req: PlanRequest, combo: Setting, per_rank: int, num_layers: 
         return _stateable(per_rank, req.seq_len)
     if per_rank * combo.gpus * req.nodes > MAX_GLOBAL_BATCH:
         return _divisors(per_rank)[:0]
-    return _pipeline_micro(per_rank, combo.pp, req.pp_schedule, req.pp_virtual_stages, num_layers, req.seq_len)
+    micro = _pipeline_micro(per_rank, combo.pp, combo.schedule, combo.virtual_stages, num_layers, req.seq_len)
+    if combo.schedule == "gpipe" and not {"pp_schedule", "pp_virtual_stages"} & req.model_fields_set:
+        # Bound: where 1F1B runs the same micro-batches (m >= pp) it has GPipe's bubble and holds
+        # fewer of them in flight (min(m, pp - rank) against m: max_in_flight), so GPipe cannot be
+        # recommended there; it is searched where 1F1B refuses (fewer micro-batches than stages)
+        micro = micro[per_rank // micro < combo.pp]
+    return micro
 
 
 @lru_cache(maxsize=1024)
@@ -531,7 +612,7 @@ def _model_parallel_rows(search: _Search, req: PlanRequest, combo: Setting, micr
     # estimate replays pp x virtual stages x m actions (the floor: m = pp, twice, or the fewest
     # micro-batches, _resident_floor), the step times cost one call per option
     replayed = 2 * combo.pp if _extrapolated(req, combo, per_rank) else per_rank // int(micro[k])
-    if combo.pp > 1 and micro.size < combo.pp * req.pp_virtual_stages * replayed:
+    if combo.pp > 1 and micro.size < combo.pp * combo.virtual_stages * replayed:
         timed = _parallel_times(search, req, combo, micro, per_rank, times, first)
         if beaten(timed):
             return []
@@ -588,7 +669,11 @@ def _extrapolated(req: PlanRequest, combo: Setting, per_rank: int) -> bool:
 
 def _floor_estimate(search: _Search, req: PlanRequest, combo: Setting, micro: int) -> int:
     """Resident bytes of the setting at pp micro-batches of ``micro`` sequences (a bound's input,
-    not a row: the batch differs from the plan's)."""
+    not a row: the batch differs from the plan's). What a rank keeps between steps (its states and
+    receive buffers, pipeline.rank_phases) is the same under every one-stage-per-rank schedule:
+    gpipe's floor is 1f1b's."""
+    if combo.virtual_stages == 1:
+        combo = replace(combo, schedule="1f1b")
     key = (req.nodes, combo, -micro, 1)  # negative: apart from the rows' estimates
     if key not in search.estimates:
         search.estimates[key] = estimate(_request(req, combo, micro, search.model_fields, accumulation=combo.pp),
@@ -653,7 +738,7 @@ def _layouts(req: PlanRequest, gpus: int, arch, topo: Topology) -> tuple[list[tu
     if "pp" in fields:
         pps = [req.pp]
     else:
-        found, pp_rejected = pp_degrees(req.nodes, arch, req.pp_virtual_stages)
+        found, pp_rejected = pp_degrees(req.nodes, arch, req.pp_virtual_stages, req.seq_len)
         pps = [1] + found
         rejected = rejected + pp_rejected
     eps = [req.ep] if "ep" in fields else [1] + ep_degrees(arch)
@@ -678,17 +763,46 @@ def _check_fixed_degrees(req: PlanRequest) -> None:
                            field="global_batch")
 
 
+def _check_split(req: PlanRequest, arch) -> None:
+    """An uneven split the request gives is for the pipeline degree it fixes."""
+    first, last = req.pp_first_stage_layers, req.pp_last_stage_layers
+    if first is None and last is None:
+        return
+    if "pp" not in req.model_fields_set or arch is None:
+        raise PlannerError(f"pp_first_stage_layers({first}) / pp_last_stage_layers({last}) split a fixed pipeline: "
+                           "give pp too (a plan that searches pp takes the best split of each degree itself)",
+                           field="pp_first_stage_layers" if first is not None else "pp_last_stage_layers")
+    check_split(arch.num_layers, req.pp, req.pp_virtual_stages, first, last)
+
+
+def _check_batch(req: PlanRequest, layouts: list[tuple[int, int, int, int]]) -> None:
+    """The global batch is micro-batch x accumulation x the data-parallel ranks (world / (tp x cp x
+    pp)); refused, naming the degrees, only where no layout's data-parallel ranks divide it."""
+    world = req.gpus * req.nodes
+    if any(world % (tp * cp * pp) == 0 and req.global_batch % (world // (tp * cp * pp)) == 0
+           for tp, cp, pp, _ in layouts):
+        return
+    tried = sorted({(tp, cp, pp) for tp, cp, pp, _ in layouts if world % (tp * cp * pp) == 0})
+    shown = "; ".join(f"tp {tp} x cp {cp} x pp {pp}: {world // (tp * cp * pp)}" for tp, cp, pp in tried[:6])
+    more = f" and {len(tried) - 6} more" if len(tried) > 6 else ""
+    raise PlannerError(f"global_batch({req.global_batch}) is not divisible by the data-parallel ranks of any layout "
+                       f"searched on gpus({req.gpus}) * nodes({req.nodes}) = {world} ({shown}{more}); give a multiple of "
+                       "one of them, or fix tp/pp/cp", field="global_batch")
+
+
 def _search_notes(req: PlanRequest, layouts: list[tuple[int, int, int, int]]) -> list[str]:
     """What the search tried beyond data and tensor parallelism (pipeline and expert degrees)."""
     pps = sorted({d[2] for d in layouts} - {1})
     eps = sorted({d[3] for d in layouts} - {1})
     notes = []
     if pps:
-        schedule = req.pp_schedule + (f" with {req.pp_virtual_stages} virtual stages" if req.pp_virtual_stages > 1
-                                      else "")
-        notes.append(f"pipeline layouts searched: pp {', '.join(map(str, pps))} ({schedule}, the request's "
-                     "pp_schedule), with DDP, FSDP2 and HSDP (torch pipelining) and ZeRO-0/1 without AutoTP "
-                     "(DeepSpeed's pipeline engine), no offload")
+        fixed = {"pp_schedule", "pp_virtual_stages"} & req.model_fields_set
+        options = [(req.pp_schedule, req.pp_virtual_stages)] if fixed else list(PIPELINE_SCHEDULES)
+        schedule = ", ".join(name + (f" with {v} virtual stages" if v > 1 else "") for name, v in options)
+        given = ", the request's pp_schedule" if fixed else ""
+        notes.append(f"pipeline layouts searched: pp {', '.join(map(str, pps))} ({schedule}{given}), with DDP, "
+                     "FSDP2 and HSDP (torch pipelining) and ZeRO-0/1 without AutoTP (DeepSpeed's pipeline engine, "
+                     "1f1b), no offload")
     if eps:
         notes.append(f"expert-parallel layouts searched: ep {', '.join(map(str, eps))}, where ep divides the "
                      "strategy's dp_shard x cp")
@@ -772,7 +886,8 @@ def _candidate(combo: Combo, mb: int, per_rank: int, fits: bool, t: timing.StepT
     return Candidate(strategy=combo.strategy, micro_batch=mb, gradient_accumulation=per_rank // mb,
                      checkpointing=combo.checkpointing, offload_optimizer=combo.offload_optimizer,
                      offload_params=combo.offload_params,
-                     hsdp_shard_size=combo.shard * combo.tp if combo.shard else None, parallel=e.parallel, fits=fits,
+                     hsdp_shard_size=combo.shard * combo.tp if combo.shard else None, parallel=e.parallel,
+                     **_split_fields(getattr(combo, "split", None)), **_schedule_fields(combo), fits=fits,
                      per_device=e.per_device,
                      step_seconds=t.step_seconds, compute_seconds=t.compute_seconds,
                      communication_seconds=t.communication_seconds,
@@ -854,6 +969,59 @@ def _why_recommended(req: PlanRequest, best: Candidate, fitting: list[Candidate]
     return text + (f"{len(same_memory)} of them peak within {MEMORY_TIE_FRACTION:.0%} of the device of the lowest "
                    f"(the memory model's accuracy), and of those it communicates least "
                    f"({best.communication_seconds:.3f} s per step, {peak(best) / GIB:.1f} GiB peak)")
+
+
+def _family(c: Candidate) -> str:
+    p = c.parallel
+    return layout_family(p.tp, p.cp, p.pp, p.ep)
+
+
+def _schedule_label(c: Candidate) -> str:
+    v = c.pp_virtual_stages or 1
+    return f"{c.pp_schedule}" + (f" x {v} stages per rank" if v > 1 else "")
+
+
+def _families(candidates: list[Candidate]) -> list[Candidate]:
+    """The first (best ranked) candidate of each layout family, in rank order."""
+    seen: dict[str, Candidate] = {}
+    for c in candidates:
+        seen.setdefault(_family(c), c)
+    return list(seen.values())
+
+
+def _against(req: PlanRequest, best: Candidate, other: Candidate, usable: float) -> str:
+    """Why ``other``, the best of its family, lost to ``best``, in its numbers."""
+    schedule = f", {_schedule_label(other)}" if other.parallel.pp > 1 else ""
+    name = (f"{_family(other)} (best: {_label(other)}{schedule}, micro-batch {other.micro_batch} x "
+            f"{other.gradient_accumulation})")
+    if not other.fits:
+        return f"{name} does not fit: {other.per_device.peak_bytes / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable"
+    if req.objective == "memory":
+        return f"{name} peaks at {other.per_device.peak_bytes / GIB:.1f} GiB"
+    slower = other.step_seconds / best.step_seconds - 1
+    if abs(slower) <= TIE_TOLERANCE:
+        return (f"{name} ties on time ({other.step_seconds:.3f} s per step) at {other.per_device.peak_bytes / GIB:.1f} "
+                f"GiB peak")
+    parts = [f"compute {other.compute_seconds:.3f} s (with its pipeline bubble)" if other.parallel.pp > 1
+             else f"compute {other.compute_seconds:.3f} s",
+             f"exposed communication {other.exposed_communication_seconds:.3f} s"]
+    if other.offload_seconds:
+        parts.append(f"offload {other.offload_seconds:.3f} s")
+    return f"{name} is {slower:.0%} slower, {other.step_seconds:.3f} s per step: {', '.join(parts)}"
+
+
+def _winner_reason(req: PlanRequest, best: Candidate | None, families: list[Candidate], fitting: list[Candidate],
+                   capacity: float, usable: float) -> str:
+    """Why the recommendation won: the tie it won (or the objective), then each other family's
+    best against it (PlanResult.winner_reason)."""
+    if best is None:
+        return "nothing fits: " + "; ".join(f"{_family(c)} closest at {c.per_device.peak_bytes / GIB:.1f} GiB"
+                                            for c in families)
+    head = (f"{_why_recommended(req, best, fitting, capacity)}; its step: compute {best.compute_seconds:.3f} s, "
+            f"exposed communication {best.exposed_communication_seconds:.3f} s, offload {best.offload_seconds:.3f} s, "
+            f"peak {best.per_device.peak_bytes / GIB:.1f} GiB")
+    others = [_against(req, best, c, usable) for c in families if _family(c) != _family(best)]
+    return head + ("; against the best of each other layout family: " + "; ".join(others) if others else "")
 
 
 def _fewer_nodes_advice(req: PlanRequest, best: Candidate, fewer: list[tuple[int, list]], fabric_name: str,
@@ -963,7 +1131,10 @@ def _rank(search: _Search, req: PlanRequest, rows: list[Row], fewer: list[tuple[
     too_long = sequence_past_positions(search.model.name, positions, req.seq_len)
     if too_long:  # every candidate's run would fail (verify refuses it)
         notes.insert(0, f"WARNING: {too_long}; no layout can run it: give --seq-len {positions} or less")
+    families = _families(candidates)
     return PlanResult(recommended=recommended, candidates=candidates, candidates_evaluated=evaluated,
+                      families=families, winner_reason=_winner_reason(req, recommended, families, fitting, capacity,
+                                                                      usable),
                       min_gpus=min_gpus, max_micro_batch=max_micro, faster_on_fewer_nodes=faster_on,
                       max_seq_len=(_longest_sequence(req, recommended, usable, model_fields, positions)
                                    if recommended else None),
@@ -999,7 +1170,10 @@ def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_field
     degrees = {k: v for k, v in c.parallel.model_dump().items() if k in ("tp", "cp", "pp", "ep") and v > 1}
     if c.parallel.pp > 1:
         degrees |= {"gradient_accumulation": c.micro_batch * c.gradient_accumulation,
-                    "pp_schedule": req.pp_schedule, "pp_virtual_stages": req.pp_virtual_stages}
+                    "pp_schedule": c.pp_schedule or req.pp_schedule,
+                    "pp_virtual_stages": c.pp_virtual_stages or req.pp_virtual_stages}
+        degrees |= {k: v for k, v in (("pp_first_stage_layers", c.pp_first_stage_layers),
+                                      ("pp_last_stage_layers", c.pp_last_stage_layers)) if v is not None}
     elif c.micro_batch * c.gradient_accumulation > 1:  # micro-batches of 1 accumulate (frameworks/)
         degrees |= {"gradient_accumulation": 2}
 
@@ -1140,7 +1314,8 @@ def _pipeline_min_gpus(req: PlanRequest, usable: float, model_fields: dict, tp: 
                                          gpu=req.gpu, precision=req.precision, optimizer=req.optimizer, micro_batch=1,
                                          gradient_accumulation=pp, seq_len=req.seq_len, checkpointing="full",
                                          attention=req.attention, tp=tp, pp=pp, pp_schedule=req.pp_schedule,
-                                         pp_virtual_stages=req.pp_virtual_stages, **_reduce_field(req, "fsdp")),
+                                         pp_virtual_stages=req.pp_virtual_stages, **_split_fields(split),
+                                         **_reduce_field(req, "fsdp")),
                          simulate=False)
         except PlannerError:
             return False
@@ -1148,6 +1323,7 @@ def _pipeline_min_gpus(req: PlanRequest, usable: float, model_fields: dict, tp: 
 
     if req.gpus * pp > MAX_SEARCH_GPUS:
         return None
+    split = _split(req, _architecture(req), pp, req.pp_virtual_stages)
     most = 1 << ((MAX_SEARCH_GPUS // (req.gpus * pp)).bit_length() - 1)  # the doubling's last group count
     if not fits(most):
         return None

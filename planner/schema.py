@@ -211,6 +211,14 @@ ExpertDegree = Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES,
                                     "shards and cp")]
 ScheduleField = Annotated[PipelineSchedule, Field(description="pipeline schedule (with pp > 1)")]
 VirtualStages = Annotated[int, Field(ge=1, le=1024, description="pipeline stages per rank (interleaved schedule)")]
+# Uneven pipeline stages (issue 25): Megatron's --decoder-first/last-pipeline-num-layers; torchtitan
+# takes the resulting split as module_fqns_per_model_part (planner/pipeline.py stage_bounds)
+FirstStageLayers = Annotated[int | None, Field(ge=1, le=1 << 16, description=(
+    "blocks on the first pipeline stage (it also holds the embedding); the other stages share the rest evenly. "
+    "Default: an even split (a plan takes the best uneven one where pp does not divide the blocks)"))]
+LastStageLayers = Annotated[int | None, Field(ge=1, le=1 << 16, description=(
+    "blocks on the last pipeline stage (it also holds the final norm and the LM head); the other stages share "
+    "the rest evenly"))]
 SequenceParallelField = Annotated[bool | None, Field(
     description="shard the tensor-parallel region's activations over tp (default: on when tp > 1)")]
 # FSDP2's MixedPrecisionPolicy.reduce_dtype (torch/distributed/fsdp/_fully_shard/_fsdp_api.py): the
@@ -282,6 +290,8 @@ class EstimateRequest(BaseModel):
     ep: ExpertDegree = 1
     pp_schedule: ScheduleField = "1f1b"
     pp_virtual_stages: VirtualStages = 1
+    pp_first_stage_layers: FirstStageLayers = None
+    pp_last_stage_layers: LastStageLayers = None
     sequence_parallel: SequenceParallelField = None
     reduce_dtype: ReduceDtypeField = "compute"
     topology: PresetName | None = Field(None, description="topology preset for the time model; default: the preset of --gpu")
@@ -558,6 +568,8 @@ class PlanRequest(BaseModel):
     ep: ExpertDegree = 1
     pp_schedule: ScheduleField = "1f1b"
     pp_virtual_stages: VirtualStages = 1
+    pp_first_stage_layers: FirstStageLayers = None
+    pp_last_stage_layers: LastStageLayers = None
     sequence_parallel: SequenceParallelField = None
     reduce_dtype: ReduceDtypeField = "compute"  # the fsdp / hsdp candidates reduce in it
     seq_len: SeqLen = DEFAULT_SEQ_LEN
@@ -624,6 +636,10 @@ class Candidate(BaseModel):
     offload_params: str
     hsdp_shard_size: int | None = Field(None, description="hsdp: GPUs per shard group; null for other strategies")
     parallel: ParallelDegrees
+    pp_first_stage_layers: int | None = Field(None, description="an uneven pipeline's first stage's blocks; null when even")
+    pp_last_stage_layers: int | None = Field(None, description="an uneven pipeline's last stage's blocks; null when even")
+    pp_schedule: str | None = Field(None, description="a pipeline's schedule; null without pp")
+    pp_virtual_stages: int | None = Field(None, description="a pipeline's stages per rank; null without pp")
     fits: bool
     per_device: PerDevice
     step_seconds: float
@@ -666,6 +682,10 @@ class PlanResult(BaseModel):
     faster_on_fewer_nodes: int | None = Field(
         None, description="a smaller node count whose best option beats every option on all the nodes (the fabric "
                           "cannot carry the traffic of spanning them); null when none")
+    families: list[Candidate] = Field(default_factory=list, description=(
+        "the best option of each layout family the plan searched (dp, dp x tp, dp x pp, dp x tp x pp, with cp or "
+        "ep): fitting ones by the objective, then the closest to fitting"))
+    winner_reason: str = Field("", description="why the recommendation won, against the best of each other family")
     topology: TopologySummary
     notes: list[str]
     request: PlanRequest

@@ -271,6 +271,12 @@ BENCH_RUNS = [
     _run("llama-pp2-1f1b-bf16-m4", LLAMA, "fsdp", "bf16-mixed", pp=2, gradient_accumulation=4),
     _run("llama-pp2-dp2-fsdp-1f1b-bf16-m4", LLAMA, "fsdp", "bf16-mixed", gpus=4, pp=2, gradient_accumulation=4),
     _run("llama-pp4-1f1b-fp32-m4", LLAMA, "fsdp", "fp32", gpus=4, pp=4, gradient_accumulation=4),
+    # uneven stages (issue 25; Megatron's --decoder-first/last-pipeline-num-layers): the first stage
+    # one block, the last three beside the head; six blocks over four stages as 1/2/2/1
+    _run("llama-pp2-uneven-1-3-1f1b-fp32-m4", LLAMA, "fsdp", "fp32", pp=2, pp_first_stage_layers=1,
+         pp_last_stage_layers=3, gradient_accumulation=4),
+    _run("llama6-pp4-uneven-1-1-1f1b-bf16-m4", LLAMA | {"num_hidden_layers": 6}, "fsdp", "bf16-mixed", gpus=4,
+         pp=4, pp_first_stage_layers=1, pp_last_stage_layers=1, gradient_accumulation=4),
     _run("llama-pp2-dp2-fsdp-gpipe-fp32-m2", LLAMA, "fsdp", "fp32", gpus=4, pp=2, pp_schedule="gpipe",
          gradient_accumulation=2),
     _run("llama-pp2-dp2-fsdp-interleaved-bf16-m4", LLAMA, "fsdp", "bf16-mixed", gpus=4, pp=2,

@@ -60,7 +60,7 @@ def test_plan_and_its_errors(client):
     r = client.post("/v1/plan", json={"model": "llama-3-8b", "gpu": "h100-80gb", "gpus": 8, "topology": "hgx-h100",
                                       "seq_len": 4096, "global_batch": 256})
     assert r.status_code == 200 and r.json()["recommended"]["fits"]
-    r = client.post("/v1/plan", json={"model": "gpt2", "gpus": 8, "global_batch": 100})
+    r = client.post("/v1/plan", json={"model": "gpt2", "gpus": 8, "global_batch": 101})
     assert r.status_code == 422 and "not divisible" in r.json()["detail"][0]["msg"]
     r = client.post("/v1/plan", json={"model": "gpt2", "topology": "dgx-z"})
     assert r.status_code == 422 and "choose from a6000-nvlink-pairs" in r.json()["detail"][0]["msg"]
@@ -150,7 +150,7 @@ def test_page_form_and_result(client):
     assert r.status_code == 200
     assert 'id="candidates"' in r.text and "<svg" in r.text and "capacity" in r.text and "GiB" in r.text
     assert "accelerate_config.yaml" in r.text and "job.sbatch" in r.text and "LAUNCH.md" in r.text
-    bad = client.get("/", params={"model": "llama-3-8b", "gpus": 8, "global_batch": 100})
+    bad = client.get("/", params={"model": "llama-3-8b", "gpus": 8, "tp": 2, "global_batch": 101})
     assert bad.status_code == 422 and "not divisible" in bad.text
     d = client.get("/download/launch.sh", params={"model": "llama-3-8b", "gpu": "h100-80gb", "gpus": 8})
     assert d.status_code == 200 and ("deepspeed" in d.text or "torchrun" in d.text)
@@ -173,6 +173,8 @@ def test_page_takes_the_degrees_and_shows_the_layout(client):
     assert r.status_code == 200
     assert re.search(r'<p id="layout">Layout: tp 1 x pp 1 x cp 1 x data-parallel 8 ', r.text)
     assert 'class="layout-legend"' in r.text and "tp innermost" in r.text
+    # the best of each layout family (data parallelism alone, with TP) and why the winner won
+    assert '<table id="families">' in r.text and '<p id="winner-reason">Why: recommended ' in r.text
     fixed = client.get("/", params={"model": "llama-3-8b", "gpus": 8, "global_batch": 256, "tp": 2})
     assert fixed.status_code == 200 and re.search(r'<p id="layout">Layout: tp 2 x ', fixed.text)
     assert 'name="tp" type="number" min="1" max="1024" value="2"' in fixed.text  # the given degree stays in the form

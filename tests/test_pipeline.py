@@ -245,3 +245,42 @@ def test_every_stage_computes_every_rope_table():
                   micro_batch=1, seq_len=4096, pp=2, gradient_accumulation=4)
     setup, acts, _ = _setup_and_stages(**fields)
     assert acts.edges.rope_saved == 2 * (2 * 4096 * setup.arch.head_dim * 2)
+
+
+def test_uneven_split_is_megatrons_and_refused_when_the_rest_is_not_even():
+    """Megatron-LM d98e8a6 transformer_block.py get_num_layers_to_build: the given first and last
+    stages' blocks out, the other stages share the rest evenly, or it refuses."""
+    from planner.pipeline import check_split
+
+    assert stage_bounds(126, 16, 7, 7) == [(0, 7)] + [(7 + 8 * k, 15 + 8 * k) for k in range(14)] + [(119, 126)]
+    assert stage_bounds(4, 2, 1, 3) == [(0, 1), (1, 4)]
+    assert stage_bounds(10, 3, 2, None) == [(0, 2), (2, 6), (6, 10)]  # the other two share 8
+    check_split(126, 16, 1, 7, 7)
+    with pytest.raises(PlannerError, match=r"num_layers\(126\) - pp_first_stage_layers\(6\), pp_last_stage_layers\(7\) "
+                       r"= 113 blocks do not split evenly over the other 14 of pp\(16\)"):
+        check_split(126, 16, 1, 6, 7)
+    with pytest.raises(PlannerError, match=r"pp_first_stage_layers\(1\), pp_last_stage_layers\(2\): the 2 stages must "
+                       r"hold num_layers\(4\) blocks, not 3"):
+        check_split(4, 2, 1, 1, 2)
+    with pytest.raises(PlannerError, match=r"needs pp > 1"):
+        check_split(4, 1, 1, 1, None)
+
+
+def test_uneven_stages_in_memory_and_time():
+    """Each stage holds its own blocks (the first the embedding, the last the norm and head); the
+    per-device answer is the worst rank's, and the slowest stage sets the pipeline's pace."""
+    from planner.memory import estimate
+    from planner.schema import EstimateRequest
+    from planner.steptime import estimate_time
+
+    base = dict(model="llama-3.1-8b", strategy="fsdp", gpus=8, nodes=2, micro_batch=1, seq_len=4096,
+                gradient_accumulation=8, pp=2)
+    even = estimate(EstimateRequest(**base))
+    heavy_last = estimate(EstimateRequest(**base, pp_first_stage_layers=8, pp_last_stage_layers=24))
+    assert any("first 8 and last 24, the rest even (Megatron's uneven split)" in n and "worst rank 1 (stages 1)" in n
+               for n in heavy_last.notes)
+    assert heavy_last.per_device.peak_bytes > even.per_device.peak_bytes
+    t_even, t_heavy = (estimate_time(e.request, e) for e in (even, heavy_last))
+    assert t_heavy.compute_seconds > 1.4 * t_even.compute_seconds  # 24 of 32 blocks and the head set the pace
+    with pytest.raises(PlannerError, match="pp_first_stage_layers"):
+        estimate(EstimateRequest(**base, pp_first_stage_layers=8, pp_last_stage_layers=8))

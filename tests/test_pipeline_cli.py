@@ -73,7 +73,8 @@ def test_verify_refuses_what_the_pipeline_probe_cannot_run():
     with pytest.raises(PlannerError, match=r"^pp=2 with strategy zero1: verify runs pipeline stages with torch"):
         worker_job(EstimateRequest(**base, strategy="zero1", gpus=2), steps=1, warmup_steps=0, out_dir=None)
     job = worker_job(EstimateRequest(**base, strategy="fsdp", gpus=4), steps=1, warmup_steps=0, out_dir="x")
-    assert job.pipeline.model_dump() == {"pp": 2, "dp": 2, "schedule": "1f1b", "virtual_stages": 1, "dp_strategy": "fsdp",
+    assert job.pipeline.model_dump() == {"pp": 2, "dp": 2, "schedule": "1f1b", "virtual_stages": 1, "first_stage_layers": None,
+                                         "last_stage_layers": None, "dp_strategy": "fsdp",
                                "compute_dtype": None, "reduce_dtype": "compute", "optimizer": "adamw", "tp": 1,
                                "sequence_parallel": False}
 

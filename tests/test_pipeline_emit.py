@@ -97,3 +97,30 @@ def test_cli_emit_writes_the_pipeline_files(tmp_path, capsys):
     assert p["pipeline_parallel_degree"] == 4 and p["pipeline_parallel_schedule"] == "1F1B"
     assert p["data_parallel_shard_degree"] * p["data_parallel_replicate_degree"] == 2
     assert len(p["module_fqns_per_model_part"]) == 4
+
+
+def test_uneven_split_is_emitted_for_torchtitan_and_megatron(tmp_path):
+    """The Llama 3 405B layout (TP8 x PP16, 7/8x14/7 blocks): torchtitan's stage lists carry the
+    split, Megatron's arguments name it (--decoder-first/last-pipeline-num-layers, d98e8a6)."""
+    import tomllib
+
+    from planner.emit import emit_estimate_files
+    from planner.memory import estimate
+    from planner.schema import EstimateRequest
+
+    req = EstimateRequest(model="llama-3.1-405b", gpu="h100-80gb", gpus=8, nodes=128, strategy="fsdp", tp=8, pp=16,
+                          pp_first_stage_layers=7, pp_last_stage_layers=7, gradient_accumulation=16, seq_len=8192,
+                          checkpointing="full")
+    files = emit_estimate_files(estimate(req))
+    parts = tomllib.loads(files["torchtitan.toml"])["parallelism"]["module_fqns_per_model_part"]
+    assert [sum(1 for n in p if n.startswith("layers.")) for p in parts] == [7] + [8] * 14 + [7]
+    assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "output"]
+    args = files["megatron_args.txt"]
+    for flag in ("--tensor-model-parallel-size 8", "--pipeline-model-parallel-size 16",
+                 "--decoder-first-pipeline-num-layers 7", "--decoder-last-pipeline-num-layers 7",
+                 "--micro-batch-size 1", "--global-batch-size 128", "--use-distributed-optimizer"):
+        assert flag in args
+    assert "ZeRO-1" in args.splitlines()[0]  # FSDP has no Megatron twin under a pipeline
+    plain = emit_estimate_files(estimate(EstimateRequest(model="llama-3.1-8b", gpu="h100-80gb", gpus=8,
+                                                         strategy="fsdp", tp=2)))
+    assert "megatron_args.txt" not in plain  # pipeline layouts only

@@ -32,7 +32,7 @@ def test_model_too_large_for_ddp_gets_a_sharded_strategy_and_the_rejection_says_
     r = plan(PlanRequest(model="llama-3-8b", gpu="a100-80gb", gpus=8, topology="dgx-a100", seq_len=4096,
                          global_batch=256))
     assert first(r) in ("zero3", "fsdp", "fsdp-grad-op", "zero2", "zero1")
-    ddp = next(c for c in r.candidates if c.strategy == "ddp" and c.parallel.tp == 1)
+    ddp = next(c for c in r.candidates if c.strategy == "ddp" and c.parallel.tp == 1)  # data parallelism alone
     assert not ddp.fits
     assert ddp.rejected_reason.startswith("ddp at micro-batch 1, checkpointing ")
     assert "GiB >" in ddp.rejected_reason and "are not" in ddp.rejected_reason
@@ -101,8 +101,16 @@ def test_plan_is_fast():
 
 
 def test_bad_plan_inputs():
-    with pytest.raises(PlannerError, match=r"global_batch\(100\) is not divisible by gpus\(8\) \* nodes\(1\) = 8"):
-        plan(PlanRequest(model="gpt2", gpus=8, global_batch=100))
+    # the batch is micro-batch x accumulation x the data-parallel ranks: 101 divides none of gpt2's layouts'
+    with pytest.raises(PlannerError, match=r"global_batch\(101\) is not divisible by the data-parallel ranks of any "
+                       r"layout searched on gpus\(8\) \* nodes\(1\) = 8 \(tp 1 x cp 1 x pp 1: 8; tp 2 x cp 1 x pp 1: 4; "
+                       r"tp 4 x cp 1 x pp 1: 2\)"):
+        plan(PlanRequest(model="gpt2", gpus=8, global_batch=101))
+    # 100 sequences: tp 2 and 4 leave 4 and 2 data-parallel ranks, which divide it; 8 ranks do not
+    r = plan(PlanRequest(model="gpt2", gpus=8, global_batch=100))
+    assert r.candidates and {c.parallel.tp for c in r.candidates} <= {2, 4}
+    assert all(c.micro_batch * c.gradient_accumulation * c.parallel.dp_replicate * c.parallel.dp_shard == 100
+               for c in r.candidates)
     with pytest.raises(ValueError, match="unknown topology preset 'dgx-z'.*; choose from a6000-nvlink-pairs"):
         PlanRequest(model="gpt2", topology="dgx-z")  # refused by the schema, before planning
     with pytest.raises(PlannerError, match="built from h100-80gb, but gpu is a100-80gb"):
@@ -350,11 +358,14 @@ def test_inverse_answers_agree_with_the_plan(kw):
     r = plan(PlanRequest(**kw))
     world = kw["gpus"] * kw.get("nodes", 1)
     for name in (n for n in STRATEGIES if n != "single"):  # one device: no inverse question
-        fits_here = any(c.fits for c in r.candidates if c.strategy == name)
+        # min_gpus and max_micro_batch answer for the strategy alone (data parallelism): its candidates
+        # without tp/cp/pp/ep (each layout family's best is listed too: PlanResult.families)
+        alone = [c for c in r.candidates if c.strategy == name and c.parallel.tp * c.parallel.cp * c.parallel.pp == 1]
+        fits_here = any(c.fits for c in alone)
         assert (r.min_gpus[name] is not None and r.min_gpus[name] <= world) == fits_here, name
         assert (r.max_micro_batch[name] is not None) == fits_here, name
         if fits_here:
-            best = max(c.micro_batch for c in r.candidates if c.strategy == name and c.fits)
+            best = max(c.micro_batch for c in alone if c.fits)
             assert r.max_micro_batch[name] >= best
 
 

@@ -4,6 +4,7 @@ candidate is the estimate of the same configuration, and every bound the search 
 import pytest
 
 from cli.main import main
+from planner.errors import PlannerError
 from planner.memory import estimate
 from planner.plan import Setting, _request, plan
 from planner.schema import EstimateRequest, PlanRequest
@@ -72,12 +73,36 @@ def test_a_fixed_pipeline_degree_with_lora_is_refused_with_its_field(capsys):
 
 
 def test_pipeline_degrees_name_their_operands():
-    """128 nodes: pp 2..16 split Llama-3-70B's 80 blocks evenly; 32, 64 and 128 do not."""
+    """128 nodes: pp 2..16 split Llama-3-70B's 80 blocks evenly; over 32 stages the others would
+    hold 2 and the first and last 10 (no shorter ends: refused); 128 stages are more than the blocks."""
     r = plan(PlanRequest(model="llama-3-70b", gpu="h100-80gb", gpus=8, nodes=128, topology="hgx-h100",
                          global_batch=1024))
-    assert ("pp=32 not searched: num_layers(80) is not divisible by pp(32) * pp_virtual_stages(1) = 32: the stages "
-            "would be unequal and the longest sets the pace") in r.notes
+    assert ("pp=32 not searched: num_layers(80) is not divisible by pp(32) * pp_virtual_stages(1) = 32, and no "
+            "shorter first and last stages leave the others equal") in r.notes
+    assert ("pp=128 not searched: num_layers(80) is fewer than pp(128) * pp_virtual_stages(1) = 128 stages") in r.notes
     assert any(n.startswith("pipeline layouts searched: pp 2, 4, 8, 16 (1f1b") for n in r.notes)
+
+
+def test_uneven_pipelines_are_searched_with_shorter_ends():
+    """Llama-3.1-405B's 126 blocks on 16 nodes: pp 4, 8 and 16 are planned with the first and
+    last stages one block shorter (31/32/32/31, 15/16x6/15, 7/8x14/7: the Llama 3 paper's split at
+    16 stages), each candidate carrying its split."""
+    from planner.pipeline import balanced_split
+    from planner.catalogue import catalogue_model
+
+    arch = catalogue_model("llama-3.1-405b").architecture
+    assert [balanced_split(arch, pp, 1, 8192) for pp in (4, 8, 16)] == [(31, 31), (15, 15), (7, 7)]
+    assert balanced_split(arch, 2, 1, 8192) is None  # even
+    r = plan(PlanRequest(model="llama-3.1-405b", gpu="h100-80gb", gpus=8, nodes=16, seq_len=8192, global_batch=128,
+                         objective="memory"))
+    assert any(n.startswith("pipeline layouts searched: pp 2, 4, 8, 16 (1f1b") for n in r.notes)
+    piped = [c for c in r.candidates if c.parallel.pp == 16]
+    assert any(c.pp_schedule == "1f1b" for c in piped)
+    assert all((c.pp_first_stage_layers, c.pp_last_stage_layers) == balanced_split(arch, 16, c.pp_virtual_stages, 8192)
+               for c in piped)
+    assert all((c.pp_first_stage_layers, c.pp_last_stage_layers) == (7, 7) for c in piped if c.pp_virtual_stages == 1)
+    assert all(c.pp_first_stage_layers is None for c in r.candidates
+               if c.parallel.pp == 1 or (c.parallel.pp == 2 and c.pp_virtual_stages == 1))
 
 
 def test_one_node_plans_search_no_pipeline():
@@ -236,3 +261,46 @@ def test_a_pipeline_ranks_resident_bytes_do_not_depend_on_checkpointing(strategy
         return [r.resident_bytes for r in estimate_plan(resolve(request))[2]]
 
     assert residents("none") == residents("full")
+
+
+def test_llama3_pretraining_setup_is_planned_with_families_and_a_reason():
+    """The Llama 3 405B pretraining setup (Llama 3 paper, Sec. 3.3: 16,384 H100, 8,192 tokens,
+    2,048 sequences per step) is accepted: the batch divides the data-parallel ranks of the TP 8
+    layouts (2,048 with dp alone over tp 8; 128 at TP8 x PP16), not the world; the table lists the
+    best of each layout family and says why the winner won against each."""
+    import time
+
+    start = time.perf_counter()
+    r = plan(PlanRequest(model="llama-3.1-405b", gpu="h100-80gb", gpus=8, nodes=2048, seq_len=8192,
+                         global_batch=2048))
+    assert time.perf_counter() - start < 3.0
+    assert r.recommended is not None and r.recommended.parallel.tp == 8  # TP inside the node
+    families = {(c.parallel.tp > 1, c.parallel.pp > 1) for c in r.families}
+    assert {(True, False), (True, True)} <= families  # and dp x pp (16 x 1,024 ranks do not divide 2,048)
+    assert r.winner_reason.startswith(f"recommended {r.recommended.strategy}")
+    assert "against the best of each other layout family: dp x tp x pp" in r.winner_reason
+    # every schedule whose memory is replayed is searched (interleaved at 2 stages per rank among them)
+    assert any("pipeline layouts searched: pp 2, 4, 8, 16, 32, 64 (1f1b, interleaved with 2 virtual stages, gpipe)"
+               in n for n in r.notes)
+    fixed = plan(PlanRequest(model="llama-3.1-405b", gpu="h100-80gb", gpus=8, nodes=2048, seq_len=8192,
+                             global_batch=2048, tp=8, pp=16, pp_schedule="1f1b"))
+    c = fixed.recommended
+    assert c is not None and (c.parallel.dp_replicate * c.parallel.dp_shard, c.pp_first_stage_layers,
+                              c.pp_last_stage_layers) == (128, 7, 7)
+    assert c.micro_batch * c.gradient_accumulation * 128 == 2048
+
+
+def test_a_given_split_is_for_a_fixed_pipeline():
+    """--pp-first/last-stage-layers split the pipeline the request fixes; a searched pp takes its
+    own best split; a schedule whose stages the given split cannot fill is not searched."""
+    base = dict(model="llama-3.1-405b", gpu="h100-80gb", gpus=8, nodes=16, seq_len=8192, global_batch=128)
+    with pytest.raises(PlannerError, match=r"pp_first_stage_layers\(7\) / pp_last_stage_layers\(7\) split a fixed "
+                                           r"pipeline: give pp too"):
+        plan(PlanRequest(**base, pp_first_stage_layers=7, pp_last_stage_layers=7))
+    with pytest.raises(PlannerError, match=r"num_layers\(126\) - pp_first_stage_layers\(6\), pp_last_stage_layers\(7\)"):
+        plan(PlanRequest(**base, pp=16, pp_first_stage_layers=6, pp_last_stage_layers=7))
+    r = plan(PlanRequest(**base, tp=8, pp=16, pp_first_stage_layers=7, pp_last_stage_layers=7, objective="memory"))
+    piped = [c for c in r.candidates if c.parallel.pp == 16]
+    # 7 + 14 x 8 + 7 over 16 stages; over 32 (interleaved) the other 30 would hold 112 / 30: not searched
+    assert piped and all((c.pp_first_stage_layers, c.pp_last_stage_layers, c.pp_virtual_stages) == (7, 7, 1)
+                         for c in piped)
