@@ -1,0 +1,209 @@
+"""Job files in (issue 23): the projects' published Llama-3-8B configs read and answered, one job
+in two formats answered alike, emitted files loaded back by their own project's loader, bad files
+named by file, line and key."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from planner.check import check, job_request
+from planner.errors import PlannerError
+from planner.jobfiles.job import read_job
+from planner.jobfiles.keys import schema_accepts
+from planner.jobfiles.write import emit
+from planner.schema import CheckRequest
+from planner.steptime import estimate_with_time
+
+FIXTURES = Path(__file__).parent / "fixtures" / "jobfiles"
+
+
+def _file(path: Path) -> dict[str, str]:
+    return {"name": path.name, "text": path.read_text()}
+
+
+def _body(*paths: Path, **cluster) -> CheckRequest:
+    return CheckRequest(files=[_file(p) for p in paths], **cluster)
+
+
+def _trl_accelerate(name: str) -> Path:
+    trl = pytest.importorskip("trl")
+    return Path(trl.__file__).parent / "accelerate_configs" / name
+
+
+@pytest.mark.parametrize("paths", [
+    ("llamafactory/llama3_lora_sft.yaml",),
+    ("llamafactory/llama3_full_sft.yaml", "llamafactory/ds_z3_config.json"),
+    ("trl/example_config.yaml",),
+])
+def test_published_examples_are_answered(paths):
+    result = check(_body(*(FIXTURES / p for p in paths)), estimate_with_time)
+    assert result.fits and result.peak_bytes > 8 * 10**9 and result.step_seconds > 0
+    assert result.unknown_keys == []
+
+
+@pytest.mark.parametrize("accelerate", ["multi_gpu.yaml", "zero1.yaml", "zero2.yaml", "zero3.yaml", "fsdp2.yaml"])
+def test_trl_shipped_accelerate_configs_with_the_trl_example(accelerate):
+    result = check(_body(_trl_accelerate(accelerate), FIXTURES / "trl/example_config.yaml"), estimate_with_time)
+    assert [kind for _, kind in result.formats] == ["accelerate", "trl-sft"]
+    expected = {"multi_gpu.yaml": "ddp", "zero1.yaml": "zero1", "zero2.yaml": "zero2", "zero3.yaml": "zero3",
+                "fsdp2.yaml": "fsdp"}[accelerate]
+    assert result.request.strategy == expected
+    assert result.request.model == "Qwen/Qwen2.5-0.5B" and result.request.seq_len == 1024  # SFTConfig's default
+
+
+def test_trl_fsdp1_config_is_refused_by_key_and_line():
+    with pytest.raises(PlannerError, match=r"fsdp1.yaml:\d+: fsdp_config\.fsdp_forward_prefetch"):
+        check(_body(_trl_accelerate("fsdp1.yaml"), FIXTURES / "trl/example_config.yaml"), estimate_with_time)
+
+
+def test_torchtitan_llama3_8b_toml():
+    body = _body(FIXTURES / "torchtitan/llama3_8b.toml", gpus=8, nodes=8)  # its preset: 64 A100s
+    if not schema_accepts("checkpointing", "selective-op"):
+        with pytest.raises(PlannerError, match=r"llama3_8b.toml:58: activation_checkpoint.mode: .*selective-op"):
+            check(body, estimate_with_time)
+    body = body.model_copy(update={"overrides": {"activation_checkpoint.mode": "full"}})
+    result = check(body, estimate_with_time)
+    request = result.request
+    assert (request.model, request.strategy, request.micro_batch, request.seq_len) == ("llama-3.1-8b", "fsdp", 1, 8192)
+    assert request.reduce_dtype == "fp32" and request.checkpointing == "full"
+    assert result.steps == 1000 and result.wall_seconds == pytest.approx(1000 * result.step_seconds)
+
+
+def test_torchtitan_launch_reads_the_registry_and_overrides():
+    launch = "torchrun --nproc_per_node 8 -m torchtitan.train --module llama3 --config llama3_8b " \
+             "--training.local_batch_size 2 --activation_checkpoint.mode full --training.steps 50"
+    body = CheckRequest(files=[{"name": "run.sh", "text": launch}], overrides=None)
+    if not schema_accepts("loss", "chunked"):
+        with pytest.raises(PlannerError, match="loss.chunked|ChunkedLossWrapper"):
+            check(body, estimate_with_time)
+        return
+    result = check(body, estimate_with_time)
+    assert result.request.micro_batch == 2 and result.steps == 50
+
+
+def test_axolotl_lora_8b_is_read():
+    job, request = job_request(_body(FIXTURES / "axolotl/lora-8b.yml", gpus=1))
+    assert (request.model, request.finetune, request.quantize_base) == ("NousResearch/Meta-Llama-3-8B", "qlora", "int8")
+    assert (request.lora_rank, request.lora_targets, request.train_embeddings) == (32, "all-linear", True)
+    assert (request.micro_batch, request.gradient_accumulation, request.seq_len) == (2, 4, 4096)
+    assert request.optimizer == "adamw-8bit" and request.checkpointing == "full" and job.epochs == 4
+    assert job.origin["seq_len"].startswith("lora-8b.yml:18 sequence_len")
+
+
+def test_axolotl_fft_8b_paged_8bit_waits_for_its_optimizer():
+    body = _body(FIXTURES / "axolotl/fft-8b.yaml")
+    if schema_accepts("optimizer", "adamw-paged-8bit"):
+        assert check(body, estimate_with_time).request.optimizer == "adamw-paged-8bit"
+    else:
+        with pytest.raises(PlannerError, match=r"fft-8b.yaml:25: optimizer: .*adamw-paged-8bit"):
+            job_request(body)
+
+
+def test_the_same_job_in_two_formats_gives_the_same_answer():
+    trl_job = {"model_name_or_path": "meta-llama/Meta-Llama-3-8B-Instruct", "per_device_train_batch_size": 1,
+               "gradient_accumulation_steps": 8, "bf16": True, "max_length": 2048, "use_peft": True, "lora_r": 8,
+               "lora_alpha": 16, "lora_dropout": 0.0, "lora_target_modules": "all-linear",
+               "gradient_checkpointing": True, "num_train_epochs": 3.0, "output_dir": "out"}
+    trl = CheckRequest(files=[{"name": "sft.json", "text": json.dumps(trl_job)}])
+    factory = _body(FIXTURES / "llamafactory/llama3_lora_sft.yaml")
+    a, b = check(trl, estimate_with_time), check(factory, estimate_with_time)
+    assert a.request == b.request
+    assert (a.peak_bytes, a.step_seconds) == (b.peak_bytes, b.step_seconds)
+
+
+def test_emitted_trl_and_accelerate_files_load_in_their_own_loaders(tmp_path):
+    from accelerate.commands.config.config_args import ClusterConfig
+    from transformers import HfArgumentParser
+
+    trl = pytest.importorskip("trl")
+    body = _body(_trl_accelerate("multi_gpu.yaml"), FIXTURES / "trl/example_config.yaml")
+    job, _ = job_request(body)
+    texts = emit(job, {"nodes": 2, "micro_batch": 4, "gradient_accumulation": 2}, {"gpus": 8})
+    for name, text in texts.items():
+        (tmp_path / name).write_text(text)
+    cluster = ClusterConfig.from_yaml_file(str(tmp_path / "multi_gpu.yaml"))
+    assert (cluster.num_machines, cluster.num_processes) == (2, 16)
+    sft, model, script = HfArgumentParser((trl.SFTConfig, trl.ModelConfig, trl.ScriptArguments)).parse_yaml_file(
+        _with_output_dir(tmp_path / "example_config.yaml"))
+    assert (sft.per_device_train_batch_size, sft.gradient_accumulation_steps) == (4, 2)
+    assert model.model_name_or_path == "Qwen/Qwen2.5-0.5B"
+    again = check(CheckRequest(files=[_file(tmp_path / "multi_gpu.yaml"), _file(tmp_path / "example_config.yaml")],
+                               nodes=2), estimate_with_time)
+    assert (again.request.micro_batch, again.request.nodes) == (4, 2)
+
+
+def _with_output_dir(path: Path) -> str:
+    """TRL's CLI gives output_dir on the command line (`--output_dir test-sft`, as the example's
+    comment says); the parser of a file alone needs it in the file. TrainingArguments refuses bf16
+    on a machine without a bf16 GPU unless use_cpu (this test machine): added to the copy only."""
+    data = yaml.safe_load(path.read_text())
+    data.setdefault("output_dir", "test-sft")
+    data["use_cpu"] = True
+    target = path.with_name("with_output_dir.yaml")
+    target.write_text(yaml.safe_dump(data))
+    return str(target)
+
+
+def test_emitted_torchtitan_toml_parses_and_reads_back():
+    import tomllib
+
+    job, _ = job_request(_body(FIXTURES / "torchtitan/llama3_8b.toml", overrides={"activation_checkpoint.mode": "full"}))
+    text = emit(job, {"micro_batch": 2, "checkpointing": "none"}, {"gpus": 8})["llama3_8b.toml"]
+    data = tomllib.loads(text)
+    assert data["training"]["local_batch_size"] == 2 and data["activation_checkpoint"]["mode"] == "none"
+    assert read_job([("llama3_8b.toml", text)], 8).fields["micro_batch"] == 2
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("deploy.yaml", "apiVersion: v1\nkind: Pod\n", "Kubernetes manifest"),
+    ("config.json", json.dumps({"model_type": "llama", "hidden_size": 8}), "only a model config.json"),
+    ("bad.yaml", "base_model: x\n  micro_batch_size: [\n", r"bad.yaml:\d+: not valid YAML"),
+    ("bad.toml", "[training]\nseq_len = \n", r"bad.toml: not valid TOML.*line 2"),
+    ("a.yaml", "base_model: NousResearch/Meta-Llama-3-8B\nmicro_batch_size: two\n",
+     r"a.yaml:2: micro_batch_size: must be a whole number"),
+    ("a.yaml", "base_model: NousResearch/Meta-Llama-3-8B\ntorch_compile: true\n", r"a.yaml:2: torch_compile"),
+    ("ds.json", json.dumps({"zero_optimization": {"stage": 3}}) + "\n", "do not name the model.*give --model"),
+])
+def test_bad_files_are_named(name, text, message):
+    with pytest.raises(PlannerError, match=message):
+        check(CheckRequest(files=[{"name": name, "text": text}]), estimate_with_time)
+
+
+def test_unknown_keys_are_listed_not_dropped():
+    text = (FIXTURES / "axolotl/lora-8b.yml").read_text() + "\nmy_new_knob: 3\n"
+    job = read_job([("lora-8b.yml", text)], 8)
+    assert "lora-8b.yml: my_new_knob" in job.unknown
+
+
+def test_a_named_deepspeed_file_must_be_given():
+    with pytest.raises(PlannerError, match=r"llama3_full_sft.yaml:\d+: deepspeed: .*ds_z3_config.json.*give that"):
+        read_job([("llama3_full_sft.yaml", (FIXTURES / "llamafactory/llama3_full_sft.yaml").read_text())], 8)
+
+
+def test_deepspeed_auto_values_filled_as_the_trainer_fills_them():
+    job = read_job([(p.name, p.read_text()) for p in (FIXTURES / "llamafactory/llama3_full_sft.yaml",
+                                                        FIXTURES / "llamafactory/ds_z3_config.json")], 8)
+    zero = job.fields["ds_config"]["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 4096 * 4096 and zero["stage3_param_persistence_threshold"] == 40960
+    assert job.fields["ds_config"]["bf16"]["enabled"] is True and job.fields["ds_config"]["fp16"]["enabled"] is False
+
+
+def test_api_check_route():
+    from fastapi.testclient import TestClient
+
+    from web.app import create_app
+
+    client = TestClient(create_app(db=os.devnull))
+    text = (FIXTURES / "llamafactory/llama3_lora_sft.yaml").read_text()
+    ok = client.post("/v1/check", json={"files": [{"name": "job.yaml", "text": text}], "gpus": 1})
+    assert ok.status_code == 200 and ok.json()["fits"] is True and ok.json()["request"]["finetune"] == "lora"
+    bad = client.post("/v1/check", json={"files": [{"name": "job.yaml", "text": text + "\nuse_unsloth: true\n"}]})
+    assert bad.status_code == 422 and "job.yaml:" in bad.json()["detail"][0]["msg"]
+    assert "use_unsloth" in bad.json()["detail"][0]["msg"]
+    huge = client.post("/v1/check", json={"files": [{"name": "j.yaml", "text": "a: 1\n" * 100_000}]})
+    assert huge.status_code == 413
