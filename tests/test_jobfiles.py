@@ -207,3 +207,100 @@ def test_api_check_route():
     assert "use_unsloth" in bad.json()["detail"][0]["msg"]
     huge = client.post("/v1/check", json={"files": [{"name": "j.yaml", "text": "a: 1\n" * 100_000}]})
     assert huge.status_code == 413
+
+
+ODD_VALUES = (None, -1, 0, "x", [1], {"a": 1}, 1e30, True, "auto")
+READABLE = ("llamafactory/llama3_lora_sft.yaml", "axolotl/lora-8b.yml", "trl/example_config.yaml",
+            "torchtitan/llama3_8b.toml")
+
+
+@pytest.mark.parametrize("path", READABLE)
+def test_any_value_of_any_key_is_read_or_refused_in_one_line(path):
+    """Each key of a real file set to values of every type: the reader answers or refuses with a
+    PlannerError (the CLI's exit 2, the API's 422), never another exception."""
+    from planner.jobfiles.parse import parse_text
+
+    source = FIXTURES / path
+    data = parse_text(source.name, source.read_text())
+    flat = [(f"{section}.{key}", None) for section, block in data.items() if isinstance(block, dict)
+            for key in block] + [(key, None) for key, value in data.items() if not isinstance(value, dict)]
+    for dotted, _ in flat:
+        for value in ODD_VALUES:
+            body = _body(source, overrides={dotted: value})
+            try:
+                job_request(body)
+            except PlannerError as exc:
+                assert "\n" not in str(exc) and exc.field
+
+
+def test_every_training_arguments_and_trl_field_is_in_a_table():
+    import dataclasses
+
+    import transformers
+
+    from planner.jobfiles.hf_trainer import TRAINING_ARGUMENTS, TRL
+
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.init}
+    assert fields - set(TRAINING_ARGUMENTS) == set()
+    trl = pytest.importorskip("trl")
+    own = {f.name for cls in (trl.SFTConfig, trl.ModelConfig, trl.ScriptArguments) for f in dataclasses.fields(cls)
+           if f.init} - fields
+    assert own - set(TRL) == set()
+
+
+def test_every_accelerate_config_key_is_in_a_table():
+    import dataclasses
+    import inspect
+    import re
+
+    from accelerate.commands.config import cluster
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    from planner.jobfiles.accelerate_config import DEEPSPEED, FSDP, TOP
+
+    assert {f.name for f in dataclasses.fields(ClusterConfig)} - set(TOP) == set()
+    source = inspect.getsource(cluster)  # the keys `accelerate config` writes into each section
+    assert set(re.findall(r'deepspeed_config\["(\w+)"\]', source)) - set(DEEPSPEED) == set()
+    assert set(re.findall(r'fsdp_config\["(\w+)"\]', source)) - set(FSDP) == set()
+
+
+def test_docs_table_is_the_code_table():
+    from planner.jobfiles.tables import markdown
+
+    assert (Path(__file__).parent.parent / "docs" / "JOBFILES.md").read_text() == markdown()
+
+
+def test_cli_check_and_from(capsys, tmp_path):
+    from cli.main import main
+
+    lora = str(FIXTURES / "llamafactory/llama3_lora_sft.yaml")
+    assert main(["check", lora, "--gpus", "1", "--tokens", "10000000", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["steps"] == -(-10_000_000 // (1 * 8 * 2048)) and out["wall_seconds"] > 0
+    assert main(["estimate", "--from", lora, "--gpus", "1", "--json"]) == 0
+    estimate = json.loads(capsys.readouterr().out)
+    assert estimate["per_device"]["peak_bytes"] == out["peak_bytes"]
+    assert main(["estimate", "--from", lora, "--gpus", "1", "--micro-batch", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["request"]["micro_batch"] == 2  # a flag wins over the file
+    assert main(["plan", "--from", lora, "--gpus", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["request"]["global_batch"] == 8
+    bad = tmp_path / "job.yaml"
+    bad.write_text((FIXTURES / "llamafactory/llama3_lora_sft.yaml").read_text() + "use_unsloth: true\n")
+    assert main(["check", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{bad}:47: use_unsloth" in err
+
+
+def test_cli_emit_writes_the_change_in_the_files_format(capsys, tmp_path):
+    from cli.main import main
+
+    files = [str(FIXTURES / "llamafactory/llama3_full_sft.yaml"), str(FIXTURES / "llamafactory/ds_z3_config.json")]
+    assert main(["check", *files, "--emit", str(tmp_path), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    written = yaml.safe_load((tmp_path / "llama3_full_sft.yaml").read_text())
+    applied = next(c for c in result["changes"] if set(c["fields"]) <= {"micro_batch", "gradient_accumulation",
+                                                                          "checkpointing"})
+    again = check(CheckRequest(files=[_file(tmp_path / "llama3_full_sft.yaml"), _file(tmp_path / "ds_z3_config.json")]),
+                  estimate_with_time)
+    assert again.peak_bytes == applied["peak_bytes"]
+    assert written["deepspeed"] == "examples/deepspeed/ds_z3_config.json"

@@ -33,7 +33,7 @@ TOP: dict[str, Key] = {
             "same_network", "main_training_function", "enable_cpu_affinity", "gpu_ids", "debug", "commands",
             "command_file", "mpirun_config"),
     **inert("TPU settings, read only with distributed_type XLA (refused)", "tpu_env", "tpu_use_cluster",
-            "tpu_use_sudo", "tpu_name", "tpu_zone", "downcast_bf16"),
+            "tpu_use_sudo", "tpu_name", "tpu_zone", "tpu_vm", "downcast_bf16"),
 }
 
 DEEPSPEED: dict[str, Key] = {

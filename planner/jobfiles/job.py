@@ -60,7 +60,7 @@ def read_job(files: list[tuple[str, str]], world_size: int, sets: dict[str, Any]
     ds_files = {name for name, kind in kinds.items() if kind == "deepspeed"}
     for name, kind in kinds.items():
         if kind in READERS:
-            readings.append(READERS[kind](parsed[name], Where(name, texts[name])))
+            readings.append(_read(kind, name, parsed[name], texts[name]))
     if not readings and not ds_files:
         raise PlannerError("no training config among the files (only a model config.json)", field="files")
     job = Job({}, {}, [(n, r.format) for n, r in zip([n for n in kinds if kinds[n] in READERS], readings)],
@@ -80,7 +80,26 @@ def read_job(files: list[tuple[str, str]], world_size: int, sets: dict[str, Any]
     return job
 
 
+def _read(kind: str, name: str, data: Any, text: str) -> Reading:
+    """One file by its format's reader. A value of a type the format does not take where the
+    reader expects a section or a scalar (a list for fsdp_config, a number for a path) is refused
+    naming the file, as the readers refuse the values they check one by one."""
+    try:
+        return READERS[kind](data, Where(name, text))
+    except (TypeError, AttributeError, KeyError, ValueError) as exc:
+        if isinstance(exc, PlannerError):
+            raise
+        raise PlannerError(f"{name}: a value of the wrong type for a {FORMAT_NAMES[kind]}: {exc}",
+                           field=f"files.{name}") from None
+
+
 def _apply_sets(name: str, data: Any, sets: dict[str, Any]) -> Any:
+    if not isinstance(data, dict):
+        raise PlannerError(f"{name}: a training config is a mapping of keys, got {type(data).__name__}",
+                           field=f"files.{name}")
+    bad = [key for key in sets if not key or any(not part for part in key.split("."))]
+    if bad:
+        raise PlannerError(f"overrides: {bad[0]!r} is not a dotted key of {name}", field="overrides")
     data = copy.deepcopy(data)
     if isinstance(data, dict) and {"module", "config", "overrides"} <= set(data):
         data["overrides"].update({k: str(v) for k, v in sets.items()})
@@ -89,9 +108,9 @@ def _apply_sets(name: str, data: Any, sets: dict[str, Any]) -> Any:
         block = data
         parts = dotted.split(".")
         for part in parts[:-1]:
-            if not isinstance(block.get(part), dict):
-                block[part] = {}
-            block = block[part]
+            if part in block and not isinstance(block[part], dict):
+                raise PlannerError(f"overrides: {dotted!r}: {part} in {name} is not a section", field="overrides")
+            block = block.setdefault(part, {})
         block[parts[-1]] = value
     return data
 

@@ -188,6 +188,10 @@ def _read(flat: dict[str, Any], where: Where, fmt: str, table: dict[str, Key]) -
     if optimizer not in ("AdamW", "Adam"):
         raise where.error("optimizer.name", f"({optimizer!r}) is not modelled: AdamW and Adam are")
     reading.set("optimizer", "adamw", "optimizer.name")
+    _converters(reading, flat)
+    if not off(get("optimizer.early_step_in_backward")):
+        value_needs(reading, "optimizer.early_step_in_backward", "optimizer_in_backward", True, True,
+                    TABLE["optimizer.early_step_in_backward"].reason)
     if get("loss.chunked"):
         value_needs(reading, "loss.chunked", "loss", "chunked", "ChunkedLossWrapper",
                     "ChunkedLossWrapper computes the loss a chunk of tokens at a time")
@@ -195,6 +199,27 @@ def _read(flat: dict[str, Any], where: Where, fmt: str, table: dict[str, Key]) -
     _parallel(reading, flat)
     _checkpointing(reading, flat)
     return reading
+
+
+# model.converters -> low_precision: torchtitan 0.2.2 components/quantization (float8.py: Float8Converter,
+# recipe_name None = tensorwise scaling, "rowwise"; mx.py: MXConverter, mxfp8)
+CONVERTERS = {("float8", None): "float8-tensorwise", ("float8", "tensorwise"): "float8-tensorwise",
+              ("float8", "rowwise"): "float8-rowwise", ("mx", None): "mxfp8", ("quantize.linear.float8", None):
+              "float8-tensorwise"}
+
+
+def _converters(reading: Reading, flat: dict[str, Any]) -> None:
+    converters = flat.get("model.converters") or []
+    if isinstance(converters, str):
+        converters = [c for c in converters.split(",") if c]
+    if not converters:
+        return
+    recipe = flat.get("float8.recipe_name", flat.get("quantize.linear.float8.recipe_name"))
+    if len(converters) != 1 or (converters[0], recipe) not in CONVERTERS:
+        raise reading.where.error("model.converters", f"({converters!r}, recipe {recipe!r}) is not modelled: one "
+                                                      "float8 (tensorwise or rowwise) or mx converter is")
+    value_needs(reading, "model.converters", "low_precision", CONVERTERS[(converters[0], recipe)], converters,
+                TABLE["model.converters"].reason)
 
 
 def _training(reading: Reading, flat: dict[str, Any]) -> None:
