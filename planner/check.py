@@ -5,6 +5,7 @@ give the one that reads Hub ids), so this stays pure."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable
 
 from pydantic import ValidationError
@@ -85,6 +86,9 @@ def _candidates(request: EstimateRequest, fits: bool) -> list[tuple[str, dict[st
     if micro > 1 and micro % 2 == 0:
         out.append((f"micro-batch {micro // 2}, accumulation {accumulation * 2} (same global batch)",
                     {"micro_batch": micro // 2, "gradient_accumulation": accumulation * 2}))
+    if micro > 2:
+        out.append((f"micro-batch 1, accumulation {accumulation * micro} (same global batch)",
+                    {"micro_batch": 1, "gradient_accumulation": accumulation * micro}))
     if accumulation > 1 and accumulation % 2 == 0:
         out.append((f"micro-batch {micro * 2}, accumulation {accumulation // 2} (same global batch)",
                     {"micro_batch": micro * 2, "gradient_accumulation": accumulation // 2}))
@@ -100,12 +104,28 @@ def _candidates(request: EstimateRequest, fits: bool) -> list[tuple[str, dict[st
     return out
 
 
+def _pairs(singles: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """Two changes at once, on the GPUs asked for, where none alone makes the job fit."""
+    same = [(label, change) for label, change in singles if "nodes" not in change]
+    return [(f"{a} and {b}", ca | cb) for i, (a, ca) in enumerate(same) for b, cb in same[i + 1:]
+            if not set(ca) & set(cb)]
+
+
 def _changes(request: EstimateRequest, base: EstimateResult, estimator: Estimator,
              steps: int | None) -> list[CheckChange]:
+    singles = _candidates(request, base.fits)
+    found = _estimated(request, base, estimator, steps, singles)
+    if not base.fits and not any(c.fits and "nodes" not in c.fields for c in found):
+        found += _estimated(request, base, estimator, steps, _pairs(singles))
+    return _ranked(found, base, steps)
+
+
+def _estimated(request: EstimateRequest, base: EstimateResult, estimator: Estimator, steps: int | None,
+               candidates: list[tuple[str, dict[str, Any]]]) -> list[CheckChange]:
     found = []
-    for label, change in _candidates(request, base.fits):
+    for label, change in candidates:
         try:
-            changed = EstimateRequest.model_validate(request.model_dump(by_alias=True, exclude_unset=True) | change)
+            changed = _apply(request, change)
             result = estimator(changed)
         except (PlannerError, ValidationError):
             continue  # a change this job cannot take (offload with ddp, a layout the degrees refuse)
@@ -115,12 +135,38 @@ def _changes(request: EstimateRequest, base: EstimateResult, estimator: Estimato
                                  peak_bytes=result.per_device.peak_bytes, peak_phase=result.per_device.peak_phase,
                                  step_seconds=result.time.step_seconds if result.time else None,
                                  wall_seconds=_wall(scaled, result)))
+    return found
+
+
+def _ranked(found: list[CheckChange], base: EstimateResult, steps: int | None) -> list[CheckChange]:
     base_wall = _wall(steps, base)
     if base.fits:  # faster: those that still fit and take less wall time (or step time)
         found = [c for c in found if c.fits and c.step_seconds is not None and base.time is not None
                  and (c.wall_seconds or c.step_seconds) < (base_wall or base.time.step_seconds)]
-        found.sort(key=lambda c: c.wall_seconds or c.step_seconds)
-    else:  # to fit: those that fit, the quickest first
+    else:
         found = [c for c in found if c.fits]
-        found.sort(key=lambda c: (c.wall_seconds is None, c.wall_seconds or c.step_seconds or 0))
+    # the smallest first: changes on the GPUs asked for before more GPUs, then the quickest
+    found.sort(key=lambda c: ("nodes" in c.fields, c.wall_seconds is None, c.wall_seconds or c.step_seconds or 0))
     return found[:6]
+
+
+# A DeepSpeed JSON fixes the batch and the optimizer's offload (planner/dsconfig.py): a change of
+# them is written into it, as --emit writes it into the file.
+DS_KEYS = {"micro_batch": ("train_micro_batch_size_per_gpu",), "gradient_accumulation": ("gradient_accumulation_steps",),
+           "offload_optimizer": ("zero_optimization", "offload_optimizer", "device")}
+
+
+def _apply(request: EstimateRequest, change: dict[str, Any]) -> EstimateRequest:
+    fields = request.model_dump(by_alias=True, exclude_unset=True) | change
+    ds = fields.get("ds_config")
+    if ds is not None:
+        ds = fields["ds_config"] = json.loads(json.dumps(ds))
+        ds.pop("train_batch_size", None)
+        for name, value in change.items():
+            if name in DS_KEYS:
+                *path, last = DS_KEYS[name]
+                block = ds
+                for part in path:
+                    block = block.setdefault(part, {})
+                block[last] = value
+    return EstimateRequest.model_validate(fields)

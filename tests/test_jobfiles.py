@@ -95,6 +95,24 @@ def test_axolotl_lora_8b_is_read():
     assert job.origin["seq_len"].startswith("lora-8b.yml:18 sequence_len")
 
 
+@pytest.mark.parametrize("example", ["lora-8b.yml", "qlora.yml"])
+@pytest.mark.parametrize("deepspeed", ["zero1.json", "zero2.json"])
+def test_axolotl_examples_with_axolotls_deepspeed_configs_are_answered(example, deepspeed):
+    body = _body(FIXTURES / "axolotl" / example, FIXTURES / "axolotl" / deepspeed, gpus=2,
+                 overrides={"deepspeed": f"deepspeed_configs/{deepspeed}"})
+    result = check(body, estimate_with_time)
+    assert result.fits and result.request.strategy == f"zero{deepspeed[4]}" and result.request.finetune == "qlora"
+    assert result.request.ds_config["bf16"]["enabled"] is True  # "auto", filled from the file's bf16: auto
+    assert result.unknown_keys == []
+
+
+def test_axolotl_quantized_example_under_ddp_gets_the_cores_refusal():
+    """Without a DeepSpeed config axolotl runs DDP; the core does not model a bitsandbytes base
+    under autocast there (planner/finetune.py) and says so."""
+    with pytest.raises(PlannerError, match="quantize_base=int8 with strategy ddp"):
+        check(_body(FIXTURES / "axolotl/lora-8b.yml", gpus=1), estimate_with_time)
+
+
 def test_axolotl_fft_8b_paged_8bit_waits_for_its_optimizer():
     body = _body(FIXTURES / "axolotl/fft-8b.yaml")
     if schema_accepts("optimizer", "adamw-paged-8bit"):
