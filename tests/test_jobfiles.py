@@ -322,3 +322,18 @@ def test_cli_emit_writes_the_change_in_the_files_format(capsys, tmp_path):
                   estimate_with_time)
     assert again.peak_bytes == applied["peak_bytes"]
     assert written["deepspeed"] == "examples/deepspeed/ds_z3_config.json"
+
+
+def test_accelerate_inline_zero3_and_a_deepspeed_json_named_by_the_sft_config_agree():
+    """accelerate's DeepSpeed section builds {stage, offloads, "auto" batch} (accelerate 1.16
+    utils/dataclasses.py DeepSpeedPlugin); the same written as a DeepSpeed JSON that the SFT config
+    names (`deepspeed:`) is the same job."""
+    example = FIXTURES / "trl/example_config.yaml"
+    inline = check(_body(_trl_accelerate("zero3.yaml"), example), estimate_with_time)
+    ds = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto",
+          "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}
+    named = check(CheckRequest(files=[_file(example), {"name": "ds.json", "text": json.dumps(ds)}],
+                               overrides={"deepspeed": "configs/ds.json"}), estimate_with_time)
+    assert inline.request.strategy == named.request.strategy == "zero3"
+    assert (inline.peak_bytes, inline.peak_phase, inline.step_seconds) == (named.peak_bytes, named.peak_phase,
+                                                                           named.step_seconds)

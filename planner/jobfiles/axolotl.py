@@ -54,6 +54,33 @@ TABLE: dict[str, Key] = {
     "activation_offloading": Needs("activation_offload", True, "the saved activations live on the host",
                                    lambda v, b: off(v)),
     "special_tokens": Inert("new tokens resize the embeddings by a few rows"),
+    "chunked_cross_entropy": Needs("loss", "chunked", "the loss computed a chunk of tokens at a time",
+                                   lambda v, b: off(v)),
+    "chunked_cross_entropy_num_chunks": Inert("read only with chunked_cross_entropy"),
+    "use_liger_loss": Needs("loss", "liger-fused", "Liger's fused linear cross-entropy never holds the logits",
+                            lambda v, b: off(v)),
+    "batch_flattening": Modelled("as sample_packing"),
+    "eager_attention": Modelled("attention eager"),
+    **{key: Refused("a parallel degree of accelerate's ND-parallelism (tensor, context, sequence, data shards), "
+                    "read by this reader only as 1", lambda v, b: v in (None, 1), "1 or remove it")
+       for key in ("tensor_parallel_size", "context_parallel_size", "sequence_parallel_degree", "dp_shard_size",
+                   "data_parallel_size")},
+    **{key: Refused(reason, lambda v, b: off(v), "false or remove it") for key, reason in (
+        ("fsdp", "FSDP1's option list (fsdp_config with fsdp_version 2 is read)"),
+        ("offload", "offloads layers"), ("layer_offloading", "offloads layers"),
+        ("lora_on_cpu", "keeps the adapters on the CPU"), ("relora", "ReLoRA restarts and merges adapters"),
+        ("peft_use_dora", "DoRA keeps a magnitude vector and the weight's norm"),
+        ("flex_attention", "flex attention"), ("s2_attention", "shifted sparse attention"),
+        ("sage_attention", "SageAttention's quantized attention"), ("fp8", "FP8 training"),
+        ("deepcompile", "DeepCompile"), ("selective_checkpointing", "selective checkpointing of its own"),
+        ("dynamic_checkpoint", "checkpointing decided at run time"), ("use_kernels", "hub kernels"),
+        ("tiled_mlp_num_shards", "the MLP run in tiles"), ("quantize_moe_experts", "quantized experts"),
+        ("model_quantization_config", "a quantization config other than load_in_4bit / load_in_8bit"),
+        ("mixed_precision_policy", "an FSDP mixed-precision policy of its own"),
+        ("torch_compile_backend", "torch.compile"), ("torch_compile_mode", "torch.compile"),
+        ("torch_compile_options", "torch.compile"), ("qlora_sharded_model_loading", "loading, with FSDP1"),
+        ("reshard_after_forward", "FSDP2's reshard, read from fsdp_config"),
+        ("activation_checkpointing", "activation checkpointing spelled apart from gradient_checkpointing"))},
     **inert("the data pipeline, outside the step", "datasets", "dataset_prepared_path", "val_set_size",
             "test_datasets", "shuffle_merged_datasets", "dataset_processes", "chat_template", "train_on_inputs",
             "group_by_length", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_prefetch_factor"),
@@ -85,14 +112,22 @@ def read(data: dict[str, Any], where: Where) -> Reading:
         hf_optimizer(reading, "optimizer", get("optimizer"))
     else:
         reading.set("optimizer", "adamw", "optimizer")
-    reading.set("checkpointing", "full" if flag(get("gradient_checkpointing"), where, "gradient_checkpointing")
-                else "none", "gradient_checkpointing")
+    if get("gradient_checkpointing") == "offload":  # axolotl: checkpointed block inputs kept on the host
+        value_needs(reading, "gradient_checkpointing", "activation_offload", True, "offload",
+                    "checkpointing with the saved block inputs on the host")
+        reading.set("checkpointing", "full", "gradient_checkpointing")
+    else:
+        reading.set("checkpointing", "full" if flag(get("gradient_checkpointing"), where, "gradient_checkpointing")
+                    else "none", "gradient_checkpointing")
+    if get("eager_attention"):
+        reading.set("attention", "eager", "eager_attention")
     if get("attn_implementation") is not None:
         attention(reading, "attn_implementation", get("attn_implementation"))
     elif any(get(k) for k in ("flash_attention", "sdp_attention", "xformers_attention")):
         reading.set("attention", "sdpa", next(k for k in ("flash_attention", "sdp_attention", "xformers_attention")
                                               if get(k)))
     for key, field, value in (("liger_fused_linear_cross_entropy", "loss", "liger-fused"),
+                              ("use_liger_loss", "loss", "liger-fused"), ("chunked_cross_entropy", "loss", "chunked"),
                               ("cut_cross_entropy", "loss", "cce"), ("activation_offloading", "activation_offload", True)):
         if not off(get(key)):
             value_needs(reading, key, field, value, get(key), TABLE[key].reason)
