@@ -309,7 +309,7 @@ def check_body(args: argparse.Namespace):
     from planner.schema import CheckRequest
 
     values = {"files": _job_files(args.files), "overrides": _sets(args.set)}
-    for name in ("gpu", "gpus", "nodes", "model", "tokens", "dataset_tokens"):
+    for name in ("gpu", "gpus", "nodes", "model", "seq_len", "tokens", "dataset_tokens"):
         if getattr(args, name, None) is not None:
             values[name] = getattr(args, name)
     try:
@@ -797,6 +797,7 @@ def build_parser(only: str | None = None, list_choices: bool = True) -> argparse
     chk.add_argument("--gpus", type=int, help="GPUs per node (default: 8)")
     chk.add_argument("--nodes", type=int, help="nodes (default: 1)")
     chk.add_argument("--model", help="the model, where the files do not name it")
+    chk.add_argument("--seq-len", dest="seq_len", type=int, help="tokens per sequence, where the files do not say it")
     chk.add_argument("--tokens", type=int, help="tokens the job trains on (its length)")
     chk.add_argument("--dataset-tokens", dest="dataset_tokens", type=int,
                      help="tokens in one epoch of the dataset (with a file's epochs)")

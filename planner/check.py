@@ -27,6 +27,12 @@ def job_request(body: CheckRequest) -> tuple[Job, EstimateRequest]:
     if "model" not in fields and "model_config" not in fields:
         raise PlannerError("the files do not name the model (TrainingArguments do not); give --model",
                            field="model")
+    if body.seq_len is not None:
+        fields["seq_len"] = body.seq_len
+        job.origin["seq_len"] = "--seq-len"
+    if "seq_len" not in fields:
+        raise PlannerError("the files do not give the sequence length (TrainingArguments leave it to the script); "
+                           "give --seq-len", field="seq_len")
     fields |= {"gpu": body.gpu, "gpus": body.gpus, "nodes": body.nodes}
     try:
         return job, EstimateRequest.model_validate(fields)
@@ -54,7 +60,7 @@ def check(body: CheckRequest, estimator: Estimator) -> CheckResult:
         device_capacity_bytes=result.device_capacity_bytes,
         step_seconds=result.time.step_seconds if result.time else None, steps=steps,
         wall_seconds=_wall(steps, result), length_source=source, changes=changes,
-        unknown_keys=job.unknown, origin=job.origin, notes=notes, request=result.request)
+        unknown_keys=job.unknown, origin={k: v for k, v in job.origin.items() if not k.startswith("_")}, notes=notes, request=result.request)
 
 
 def _tokens_per_step(request: EstimateRequest, result: EstimateResult) -> int:

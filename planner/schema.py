@@ -581,6 +581,8 @@ class CheckRequest(BaseModel):
     gpus: int = Field(DEFAULT_GPUS_PER_NODE, ge=1, le=MAX_GPUS_PER_NODE, description="GPUs per node")
     nodes: int = Field(1, ge=1, le=MAX_NODES, description="number of nodes")
     model: ModelName | None = Field(None, description="the model, where the files do not name it (TrainingArguments)")
+    seq_len: int | None = Field(None, ge=1, le=1 << 22, description="tokens per sequence, where the files do not "
+                                "say it (TrainingArguments leave it to the script)")
     tokens: int | None = Field(None, ge=1, le=10**16, description="tokens the job trains on (its length, instead of "
                                "the files' steps or epochs)")
     dataset_tokens: int | None = Field(None, ge=1, le=10**16, description="tokens in one epoch of the dataset "

@@ -76,8 +76,12 @@ def test_torchtitan_llama3_8b_toml():
 
 def test_torchtitan_launch_reads_the_registry_and_overrides():
     launch = "torchrun --nproc_per_node 8 -m torchtitan.train --module llama3 --config llama3_8b " \
-             "--training.local_batch_size 2 --activation_checkpoint.mode full --training.steps 50"
+             "--training.local_batch_size 2 --training.steps 50 activation-checkpoint:full"
     body = CheckRequest(files=[{"name": "run.sh", "text": launch}], overrides=None)
+    job = read_job([("run.sh", launch.replace("activation-checkpoint:full", "activation-checkpoint:none"))], 8,
+                   {"loss.chunked": "false"})
+    assert (job.fields["checkpointing"], job.fields["micro_batch"], job.steps) == ("none", 2, 50)
+    assert job.fields["model"] == "llama-3.1-8b" and job.fields["strategy"] == "fsdp"
     if not schema_accepts("loss", "chunked"):
         with pytest.raises(PlannerError, match="loss.chunked|ChunkedLossWrapper"):
             check(body, estimate_with_time)
@@ -337,3 +341,17 @@ def test_accelerate_inline_zero3_and_a_deepspeed_json_named_by_the_sft_config_ag
     assert inline.request.strategy == named.request.strategy == "zero3"
     assert (inline.peak_bytes, inline.peak_phase, inline.step_seconds) == (named.peak_bytes, named.peak_phase,
                                                                            named.step_seconds)
+
+
+def test_training_arguments_need_the_model_and_the_length_the_script_gives():
+    args = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "bf16": True, "max_steps": 100,
+            "gradient_checkpointing": True, "optim": "adamw_torch_fused", "output_dir": "out"}
+    files = [{"name": "args.json", "text": json.dumps(args)}]
+    with pytest.raises(PlannerError, match="give --model"):
+        check(CheckRequest(files=files), estimate_with_time)
+    with pytest.raises(PlannerError, match="give --seq-len"):
+        check(CheckRequest(files=files, model="llama-3-8b"), estimate_with_time)
+    result = check(CheckRequest(files=files, model="llama-3-8b", seq_len=2048), estimate_with_time)
+    assert [kind for _, kind in result.formats] == ["hf-trainer"]
+    assert (result.request.micro_batch, result.request.precision, result.steps) == (4, "bf16-mixed", 100)
+    assert result.origin["micro_batch"] == "args.json:1 per_device_train_batch_size"

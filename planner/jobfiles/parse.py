@@ -81,7 +81,12 @@ def command_line(name: str, text: str) -> dict[str, Any]:
     index = 0
     while index < len(words):
         word = words[index]
-        if word.startswith("--") and len(word) > 2:
+        policy = re.fullmatch(r"activation[-_]checkpoint:([\w-]+)", word)
+        if policy:  # 0.3's tyro subcommand (distributed/activation_checkpoint.py ActivationCheckpointingConfig)
+            out["overrides"]["activation_checkpoint.mode"] = policy.group(1)
+            if policy.group(1) == "selective":  # 0.3's SelectiveAC is per-op
+                out["overrides"]["activation_checkpoint.selective_ac_option"] = "op"
+        elif word.startswith("--") and len(word) > 2:
             key, eq, value = word[2:].partition("=")
             if not eq:
                 nxt = words[index + 1] if index + 1 < len(words) else None

@@ -66,7 +66,8 @@ TABLE: dict[str, Key] = {
     "parallelism.pipeline_parallel_schedule_csv": Refused("a schedule from a file", lambda v, b: not v, "remove it"),
     "parallelism.pipeline_parallel_split_points": Refused("a hand-made stage split", lambda v, b: not v, "remove it"),
     "activation_checkpoint.mode": Modelled("none / full; selective with op: checkpointing selective-op; selective "
-                                           "with an integer: checkpointing_every"),
+                                           "with an integer: checkpointing_every (0.3: the activation-checkpoint:"
+                                           "none|full|selective word; memory-budget refused)"),
     "activation_checkpoint.selective_ac_option": Modelled("see mode"),
     "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": Inert("MoE router shapes only"),
     "activation_checkpoint.early_stop": Refused("stops recomputation early", lambda v, b: off(v), "false"),
@@ -304,5 +305,8 @@ def _checkpointing(reading: Reading, flat: dict[str, Any]) -> None:
         else:
             raise reading.where.error("activation_checkpoint.selective_ac_option",
                                       f"({option!r}) must be op or a positive integer")
+    elif mode == "memory-budget":
+        raise reading.where.error(key, "(memory-budget) is not modelled: the compiler's partitioner picks what to "
+                                       "save; it is refused")
     else:
         raise reading.where.error(key, f"({mode!r}) must be none, selective or full")
