@@ -81,15 +81,30 @@ class Where:
     text: str
 
     def line(self, key: str) -> int | None:
-        """The first line that sets ``key`` (its last dotted part): ``key:`` (YAML), ``key =``
-        (TOML), ``"key":`` (JSON) or ``--section.key`` (a command line)."""
-        last = re.escape(key.split(".")[-1])
-        pattern = re.compile(rf"""(^|\s|[{{,]|--[\w.]*?)["']?{last}["']?\s*[:=\s]""")
-        for number, text in enumerate(self.text.splitlines(), start=1):
-            stripped = text.lstrip()
-            if stripped.startswith("#"):
+        """The line that sets ``key``: its last dotted part as ``key:`` (YAML), ``key =`` (TOML),
+        ``"key":`` (JSON) or ``--section.key`` (a command line), after the line that opens each
+        section before it (``[section]``, ``section:``), so a key name two sections share is found
+        in its own."""
+        lines = self.text.splitlines()
+        start = 0
+        *sections, last = key.split(".")
+        for section in sections:
+            found = self._find(lines, section, start, header=True)
+            if found is not None:
+                start = found
+        found = self._find(lines, last, start, header=False)
+        return None if found is None else found + 1
+
+    @staticmethod
+    def _find(lines: list[str], name: str, start: int, header: bool) -> int | None:
+        word = re.escape(name)
+        pattern = re.compile(rf"""(^|\s|[{{,]|--[\w.]*?)["']?{word}["']?\s*[:=\s]""")
+        table = re.compile(rf"^\s*\[([\w.\-]+\.)?{word}(\.[\w.\-]+)?\]")
+        for number in range(start, len(lines)):
+            text = lines[number]
+            if text.lstrip().startswith("#"):
                 continue
-            if pattern.search(text):
+            if (header and table.search(text)) or pattern.search(text):
                 return number
         return None
 
