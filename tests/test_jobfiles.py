@@ -190,6 +190,9 @@ def test_emitted_torchtitan_toml_parses_and_reads_back():
      r"a.yaml:2: micro_batch_size: must be a whole number"),
     ("a.yaml", "base_model: NousResearch/Meta-Llama-3-8B\ntorch_compile: true\n", r"a.yaml:2: torch_compile"),
     ("ds.json", json.dumps({"zero_optimization": {"stage": 3}}) + "\n", "do not name the model.*give --model"),
+    ("config_registry.py", "def llama3_8b():\n    return Trainer.Config()\n", "Python file is not read.*launch line"),
+    ("run.sh", "torchrun -m torchtitan.train --module llama3 --config llama3_405b_custom\n",
+     r"run.sh:1: config: \(llama3.llama3_405b_custom\) is not a torchtitan 0.3 config function read here"),
 ])
 def test_bad_files_are_named(name, text, message):
     with pytest.raises(PlannerError, match=message):
@@ -355,3 +358,16 @@ def test_training_arguments_need_the_model_and_the_length_the_script_gives():
     assert [kind for _, kind in result.formats] == ["hf-trainer"]
     assert (result.request.micro_batch, result.request.precision, result.steps) == (4, "bf16-mixed", 100)
     assert result.origin["micro_batch"] == "args.json:1 per_device_train_batch_size"
+
+
+@pytest.mark.parametrize("cls", ["TrainingArguments", "SFTConfig"])
+def test_a_dump_written_by_the_projects_own_class_has_no_unknown_key(cls):
+    """TrainingArguments.to_json_string() writes every field; each is in a table."""
+    import transformers
+
+    module = pytest.importorskip("trl") if cls == "SFTConfig" else transformers
+    args = getattr(module, cls)(output_dir="out", use_cpu=True, per_device_train_batch_size=2, max_steps=10)
+    data = json.loads(args.to_json_string()) | {"use_cpu": False}
+    result = check(CheckRequest(files=[{"name": "args.json", "text": json.dumps(data)}], model="llama-3-8b",
+                                seq_len=2048), estimate_with_time)
+    assert result.unknown_keys == [] and result.request.micro_batch == 2 and result.steps == 10

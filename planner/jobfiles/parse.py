@@ -23,6 +23,10 @@ def parse_text(name: str, text: str) -> Any:
     if len(text.encode()) > MAX_JOB_FILE_BYTES:
         raise PlannerError(f"{name}: more than {MAX_JOB_FILE_BYTES} bytes; not a training config", field=field)
     lower = name.lower()
+    if lower.endswith(".py"):
+        raise PlannerError(f"{name}: a Python file is not read (a torchtitan 0.3 config_registry function is run by "
+                           "torchtitan, not here); give the launch line (--module M --config F --section.key V ...)",
+                           field=f"files.{name}")
     if lower.endswith(".json"):
         return _json(name, text)
     if lower.endswith(".toml"):
