@@ -331,16 +331,17 @@ def cmd_check(args: argparse.Namespace) -> int:
 
         from planner.errors import PlannerError
 
-        job, _ = job_request(body)
+        job, request = job_request(body)
+        fields = request.model_dump()
         label, change, texts = "unchanged", {}, None
         for candidate in result.changes:  # the first change the job's own formats can hold
             try:
-                texts = emit(job, candidate.fields, {"gpus": body.gpus})
+                texts = emit(job, candidate.fields, fields)
             except PlannerError:
                 continue
             label, change = candidate.change, candidate.fields
             break
-        texts = texts if change else emit(job, {}, {"gpus": body.gpus})
+        texts = texts if change else emit(job, {}, fields)
         os.makedirs(args.emit, exist_ok=True)
         for name, text in texts.items():
             target = os.path.join(args.emit, os.path.basename(name))

@@ -179,6 +179,11 @@ def test_emitted_torchtitan_toml_parses_and_reads_back():
     data = tomllib.loads(text)
     assert data["training"]["local_batch_size"] == 2 and data["activation_checkpoint"]["mode"] == "none"
     assert read_job([("llama3_8b.toml", text)], 8).fields["micro_batch"] == 2
+    # micro-batch 1 x accumulation 4 over 8 ranks: torchtitan's global_batch_size 32 says the accumulation
+    text = emit(job, {"micro_batch": 1, "gradient_accumulation": 4}, {"gpus": 8, "micro_batch": 1})["llama3_8b.toml"]
+    assert tomllib.loads(text)["training"]["global_batch_size"] == 32
+    fields = read_job([("llama3_8b.toml", text)], 8).fields
+    assert (fields["micro_batch"], fields["gradient_accumulation"]) == (1, 4)
 
 
 @pytest.mark.parametrize("name,text,message", [

@@ -38,6 +38,8 @@ KEYS: dict[str, dict[str, Setter]] = {
     "axolotl": {"micro_batch": _put("micro_batch_size"), "gradient_accumulation": _put("gradient_accumulation_steps"),
                 "checkpointing": _put("gradient_checkpointing", _on)},
     "torchtitan-toml": {"micro_batch": _put("training.local_batch_size"),
+                        "gradient_accumulation": lambda d, v, f: _put("training.global_batch_size")(
+                            d, f.get("micro_batch", 1) * v * _dp(f), f),
                         "checkpointing": _put("activation_checkpoint.mode")},
     "accelerate": {"nodes": lambda d, v, f: d.update(num_machines=v, num_processes=v * f["gpus"]),
                    "offload_optimizer": _put("deepspeed_config.offload_optimizer_device")},
@@ -48,14 +50,19 @@ KEYS: dict[str, dict[str, Setter]] = {
 }
 
 
+def _dp(fields: dict[str, Any]) -> int:
+    """Data-parallel ranks: torchtitan's global_batch_size is local x accumulation x this."""
+    world = fields.get("gpus", 1) * fields.get("nodes", 1)
+    return world // (fields.get("tp", 1) * fields.get("pp", 1) * fields.get("cp", 1))
+
+
 def emit(job: Job, change: dict[str, Any], fields: dict[str, Any]) -> dict[str, str]:
     """Each file of the job, with ``change`` written into the file whose format has the key; a
-    change no file can hold is refused by name."""
+    change no file can hold is refused by name. ``fields``: the job's request fields (the batch
+    and degrees a derived key needs)."""
     out = {name: copy.deepcopy(job.parsed[name]) for name, _ in job.formats}
     kinds = dict(job.formats)
     for field, value in change.items():
-        if field == "gradient_accumulation" and "torchtitan-toml" in kinds.values():
-            continue  # torchtitan's accumulation is global_batch_size / (local x dp): written with micro_batch
         homes = [name for name, kind in job.formats if field in KEYS.get(kind, {})]
         if not homes:
             raise PlannerError(f"{field}={value!r} has no key in {', '.join(k for _, k in job.formats)}; "
