@@ -15,7 +15,7 @@ from typing import Any
 from planner.jobfiles.accelerate_config import fsdp_section
 from planner.jobfiles.common import attention, hf_optimizer, inert, model_name, value_needs
 from planner.jobfiles.hf_trainer import embeddings
-from planner.jobfiles.keys import Inert, Key, Modelled, Needs, Refused, Where, check_block, equals, off
+from planner.jobfiles.keys import Inert, Key, Modelled, Needs, Refused, Where, check_block, off
 from planner.jobfiles.reading import Reading, flag, number, whole
 
 TABLE: dict[str, Key] = {

@@ -4,9 +4,9 @@ pair means, and values that wait for a schema field (``value_needs``)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
-from planner.jobfiles.keys import Inert, Key, Where, schema_accepts
+from planner.jobfiles.keys import Inert, Key, schema_accepts
 from planner.jobfiles.reading import Reading
 
 
@@ -98,4 +98,3 @@ def model_name(reading: Reading, key: str, value: Any) -> None:
         reading.set("model", value, key)
 
 
-Neutral = Callable[[Any, dict[str, Any]], bool]
