@@ -376,3 +376,14 @@ def test_a_dump_written_by_the_projects_own_class_has_no_unknown_key(cls):
     result = check(CheckRequest(files=[{"name": "args.json", "text": json.dumps(data)}], model="llama-3-8b",
                                 seq_len=2048), estimate_with_time)
     assert result.unknown_keys == [] and result.request.micro_batch == 2 and result.steps == 10
+
+
+def test_a_local_model_path_is_joined_to_the_config_json_given_beside_it():
+    job_text = "base_model: ./models/tiny\nsequence_len: 512\nmicro_batch_size: 2\nbf16: true\n"
+    config = (Path(__file__).parent.parent / "examples" / "tiny-llama.json").read_text()
+    with pytest.raises(PlannerError, match=r"job.yml:1 base_model names a local model './models/tiny'; give its"):
+        read_job([("job.yml", job_text)], 2)
+    _, request = job_request(CheckRequest(files=[{"name": "job.yml", "text": job_text},
+                                                 {"name": "config.json", "text": config}], gpus=2))
+    assert request.model is None and request.model_config_["config"]["hidden_size"] == 256
+    assert (request.seq_len, request.micro_batch, request.precision) == (512, 2, "bf16-pure")  # axolotl's full bf16

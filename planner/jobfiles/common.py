@@ -96,5 +96,3 @@ def model_name(reading: Reading, key: str, value: Any) -> None:
         reading.set("model_path", value, key)  # the job joins it to a config.json given beside it
     else:
         reading.set("model", value, key)
-
-
