@@ -154,12 +154,16 @@ def _read_file_flag(name: str, path: str) -> Any:
 
 
 def request_from_args(args: argparse.Namespace, model: type[BaseModel]) -> BaseModel:
-    values = {k: v for k, v in vars(args).items() if k in model.model_fields}
+    values = from_files_fields(getattr(args, "from_files", None), args, model)
+    values |= {k: v for k, v in vars(args).items() if k in model.model_fields}
     for name in FILE_FLAGS:
         if name in values:
             values[name] = _read_file_flag(name, values[name])
     if "model_config_" in values:
+        values.pop("model", None)
         values["model_config"] = values.pop("model_config_")
+    elif "model" in values:
+        values.pop("model_config", None)
     try:
         return model.model_validate(values)
     except ValidationError as exc:
@@ -272,6 +276,121 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
         print(estimate_table(result))
     return 0
+
+
+MAX_JOB_FILE_BYTES = 1 << 20
+
+
+def _job_files(paths: list[str]) -> list[dict[str, str]]:
+    from planner.catalogue import read_bounded_text
+
+    files = []
+    for path in paths:
+        try:
+            text = read_bounded_text(path, MAX_JOB_FILE_BYTES)
+        except OSError as exc:
+            raise CliError(f"{path}: cannot be read ({exc.strerror})") from None
+        except UnicodeDecodeError:
+            raise CliError(f"{path}: not a text file") from None
+        if text is None:
+            raise CliError(f"{path}: more than {MAX_JOB_FILE_BYTES} bytes; not a training config")
+        files.append({"name": path, "text": text})
+    return files
+
+
+def _sets(pairs: list[str] | None) -> dict[str, Any] | None:
+    """--set KEY=VALUE: a dotted key of the first file; the value read as YAML (4, true, full)."""
+    import yaml
+
+    out = {}
+    for pair in pairs or []:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise CliError(f"--set {pair!r}: write KEY=VALUE (activation_checkpoint.mode=full)")
+        out[key] = yaml.safe_load(value)
+    return out or None
+
+
+def check_body(args: argparse.Namespace):
+    from planner.schema import CheckRequest
+
+    values = {"files": _job_files(args.files), "overrides": _sets(args.set)}
+    for name in ("gpu", "gpus", "nodes", "model", "seq_len", "tokens", "dataset_tokens"):
+        if getattr(args, name, None) is not None:
+            values[name] = getattr(args, name)
+    try:
+        return CheckRequest.model_validate(values)
+    except ValidationError as exc:
+        raise CliError(validation_message(exc)) from None
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from backend.anymodel import estimate_any
+    from planner.check import check, job_request
+
+    if args.emit is not None:
+        _check_output_path(args.emit, "--emit", "dir")
+    body = check_body(args)
+    result = check(body, estimate_any)
+    if args.emit is not None:
+        from planner.jobfiles.write import emit
+
+        from planner.errors import PlannerError
+
+        job, request = job_request(body)
+        fields = request.model_dump()
+        label, change, texts = "unchanged", {}, None
+        for candidate in result.changes:  # the first change the job's own formats can hold
+            try:
+                texts = emit(job, candidate.fields, fields)
+            except PlannerError:
+                continue
+            label, change = candidate.change, candidate.fields
+            break
+        texts = texts if change else emit(job, {}, fields)
+        os.makedirs(args.emit, exist_ok=True)
+        for name, text in texts.items():
+            target = os.path.join(args.emit, os.path.basename(name))
+            with open(target, "w") as handle:
+                handle.write(text)
+            print(f"planner: wrote {target} ({label})", file=sys.stderr)
+    if args.json:
+        print(result.model_dump_json(indent=2, by_alias=True))
+        return 0
+    gib = 2**30
+    print(f"files: {', '.join(f'{n} ({k})' for n, k in result.formats)}")
+    print(f"fits: {'yes' if result.fits else 'NO'}  peak {result.peak_bytes / gib:.2f} GiB of "
+          f"{result.device_capacity_bytes / gib:.2f} GiB at {result.peak_phase}")
+    if result.step_seconds is not None:
+        wall = f"{result.wall_seconds / 3600:.2f} h for {result.steps} steps ({result.length_source})" \
+            if result.wall_seconds is not None else "wall time unknown (give --tokens)"
+        print(f"step {result.step_seconds:.3f} s; {wall}")
+    for change in result.changes:
+        step = f"{change.step_seconds:.3f} s/step" if change.step_seconds is not None else "-"
+        wall = f", {change.wall_seconds / 3600:.2f} h" if change.wall_seconds is not None else ""
+        print(f"  {'fits' if change.fits else 'no  '}  {change.change}: peak {change.peak_bytes / gib:.2f} GiB, "
+              f"{step}{wall}")
+    for key in result.unknown_keys:
+        print(f"unknown key (not read): {key}")
+    for note in result.notes:
+        print(f"note: {note}")
+    return 0
+
+
+def from_files_fields(paths: list[str] | None, args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
+    """--from FILE...: the request fields the job files set (flags given beside them win)."""
+    if not paths:
+        return {}
+    from planner.jobfiles.job import read_job
+
+    gpus = getattr(args, "gpus", 8)
+    nodes = getattr(args, "nodes", 1)
+    job = read_job([(f["name"], f["text"]) for f in _job_files(paths)], gpus * nodes)
+    fields = {k: v for k, v in job.fields.items() if not k.startswith("_")}
+    if "global_batch" in model.model_fields:  # a plan searches the layout for the job's global batch
+        replicas = gpus * nodes // (fields.get("tp", 1) * fields.get("pp", 1) * fields.get("cp", 1))
+        fields["global_batch"] = fields.get("micro_batch", 1) * fields.get("gradient_accumulation", 1) * replicas
+    return {k: v for k, v in fields.items() if k in model.model_fields or k == "model_config"}
 
 
 def one_line(text: str) -> str:
@@ -675,7 +794,24 @@ def build_parser(only: str | None = None, list_choices: bool = True) -> argparse
         add_schema_flags(est, EstimateRequest, list_choices=list_choices)
     _add_emit_flags(est, "this configuration")
     est.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    est.add_argument("--from", dest="from_files", nargs="+", type=path_arg, metavar="FILE",
+                     help="read the job from its config files (as `planner check`); flags given win")
     est.set_defaults(handler=cmd_estimate)
+    chk = sub.add_parser("check", help="read a job's own config files (torchtitan, accelerate, HF Trainer/TRL, "
+                         "Axolotl, LLaMA-Factory, DeepSpeed): fits, peak, step and wall time, what to change")
+    chk.add_argument("files", nargs="+", type=path_arg, metavar="FILE", help="the job's config files")
+    chk.add_argument("--gpu", type=schema_type(GpuName), help="device type (default: h100-80gb)")
+    chk.add_argument("--gpus", type=int, help="GPUs per node (default: 8)")
+    chk.add_argument("--nodes", type=int, help="nodes (default: 1)")
+    chk.add_argument("--model", help="the model, where the files do not name it")
+    chk.add_argument("--seq-len", dest="seq_len", type=int, help="tokens per sequence, where the files do not say it")
+    chk.add_argument("--tokens", type=int, help="tokens the job trains on (its length)")
+    chk.add_argument("--dataset-tokens", dest="dataset_tokens", type=int,
+                     help="tokens in one epoch of the dataset (with a file's epochs)")
+    chk.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a dotted key of the first file")
+    chk.add_argument("--emit", type=path_arg, metavar="DIR", help="write the files back, with the first change applied")
+    chk.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    chk.set_defaults(handler=cmd_check)
     topo = sub.add_parser("topo", help="parse `nvidia-smi topo -m` (a file or stdin) or show a preset")
     topo.add_argument("--file", type=path_arg, help="a file with `nvidia-smi topo -m` output (default: stdin)")
     topo.add_argument("--preset", help="a preset machine instead (see --list)")
@@ -691,6 +827,8 @@ def build_parser(only: str | None = None, list_choices: bool = True) -> argparse
     _add_emit_flags(pl, "the recommended candidate (or --pick N)")
     pl.add_argument("--pick", type=schema_type(RANK), help="emit the candidate of this rank instead of the recommended one")
     pl.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    pl.add_argument("--from", dest="from_files", nargs="+", type=path_arg, metavar="FILE",
+                     help="read the job from its config files (as `planner check`); flags given win")
     pl.set_defaults(handler=cmd_plan)
     ver = sub.add_parser("verify", help="launch the configuration through deepspeed, measure every rank, compare")
     if only in (None, "verify"):  # the trainer builds the text decoder only: no include_vision
@@ -708,6 +846,8 @@ def build_parser(only: str | None = None, list_choices: bool = True) -> argparse
     ver.add_argument("--db", type=path_arg, help="runs database (default: the user's data directory)")
     ver.add_argument("--hostfile", type=path_arg, help="deepspeed hostfile for multi-node runs")
     ver.add_argument("--json", action="store_true", help="print the record as one JSON object")
+    ver.add_argument("--from", dest="from_files", nargs="+", type=path_arg, metavar="FILE",
+                     help="read the job from its config files (as `planner check`); flags given win")
     ver.set_defaults(handler=cmd_verify)
     cal = sub.add_parser("calibrate", help="fit efficiency constants from stored verify runs into a named profile")
     cal.add_argument("--name", required=True, type=schema_type(NewProfileName),

@@ -689,3 +689,69 @@ class PlanResult(BaseModel):
     topology: TopologySummary
     notes: list[str]
     request: PlanRequest
+
+
+# --- job files in (issue 23): `planner check FILE...` and POST /v1/check ----------------------
+
+MAX_JOB_FILE_CHARS = 1 << 20
+
+
+class JobFile(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
+
+    name: str = Field(min_length=1, max_length=256, description="the file's name (its suffix picks the parser; "
+                      "a DeepSpeed JSON is matched to the file that names it by this name)")
+    text: str = Field(max_length=MAX_JOB_FILE_CHARS, description="the file's text")
+
+
+class CheckRequest(BaseModel):
+    """A job as its own files say it, and the cluster it asks for."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
+
+    files: list[JobFile] = Field(min_length=1, max_length=8, description="torchtitan TOML or launch line, "
+                                 "accelerate YAML, TrainingArguments / TRL SFTConfig, Axolotl, LLaMA-Factory, "
+                                 "DeepSpeed JSON, a model config.json")
+    gpu: GpuName = Field(DEFAULT_GPU, description="device type (see `planner gpus`)")
+    gpus: int = Field(DEFAULT_GPUS_PER_NODE, ge=1, le=MAX_GPUS_PER_NODE, description="GPUs per node")
+    nodes: int = Field(1, ge=1, le=MAX_NODES, description="number of nodes")
+    model: ModelName | None = Field(None, description="the model, where the files do not name it (TrainingArguments)")
+    seq_len: int | None = Field(None, ge=1, le=1 << 22, description="tokens per sequence, where the files do not "
+                                "say it (TrainingArguments leave it to the script)")
+    tokens: int | None = Field(None, ge=1, le=10**16, description="tokens the job trains on (its length, instead of "
+                               "the files' steps or epochs)")
+    dataset_tokens: int | None = Field(None, ge=1, le=10**16, description="tokens in one epoch of the dataset "
+                                       "(with a file's epochs)")
+    overrides: dict[str, Any] | None = Field(None, description="dotted keys of the first file to override "
+                                       "(activation_checkpoint.mode: full)")
+
+
+class CheckChange(BaseModel):
+    model_config = ConfigDict(defer_build=True)
+
+    change: str = Field(description="what to change, in the job's own terms")
+    fields: dict[str, Any] = Field(description="the request fields it changes")
+    fits: bool
+    peak_bytes: int
+    peak_phase: str
+    step_seconds: float | None
+    wall_seconds: float | None
+
+
+class CheckResult(BaseModel):
+    model_config = ConfigDict(defer_build=True)
+
+    formats: list[list[str]] = Field(description="[file, format] of each file read")
+    fits: bool
+    peak_bytes: int
+    peak_phase: str = Field(description="the moment of the step the peak occurs in")
+    device_capacity_bytes: int
+    step_seconds: float | None
+    steps: int | None = Field(description="optimizer steps of the whole job; null when its length is unknown")
+    wall_seconds: float | None = Field(description="steps x step time: a scheduler's time limit")
+    length_source: str = Field(description="where the length came from")
+    changes: list[CheckChange] = Field(description="the smallest changes that make it fit, or run faster")
+    unknown_keys: list[str] = Field(description="keys no table of their format knows: listed, not read")
+    origin: dict[str, str] = Field(description="request field -> file:line key it came from")
+    notes: list[str]
+    request: EstimateRequest = Field(description="the job as this schema reads it")

@@ -27,7 +27,9 @@ ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus",
                   "--finetune", "--lora-rank", "--lora-alpha", "--lora-targets", "--lora-dropout", "--quantize-base",
                   "--train-embeddings",
                   # the caching allocator and NCCL (issue 24)
-                  "--alloc-conf", "--nccl-buffsize-bytes"}
+                  "--alloc-conf", "--nccl-buffsize-bytes",
+                  # job files (issue 23)
+                  "--from"}
 
 
 def run(capsys, *argv):

@@ -166,7 +166,7 @@ def test_a_run_builds_only_its_own_commands_parser():
     def commands(parser):
         return sorted(parser._subparsers._group_actions[0].choices)
 
-    everything = ["calibrate", "estimate", "gpus", "models", "plan", "runs", "serve", "topo", "verify"]
+    everything = ["calibrate", "check", "estimate", "gpus", "models", "plan", "runs", "serve", "topo", "verify"]
     assert commands(build_parser("estimate", list_choices=False)) == ["estimate"]
     assert commands(build_parser("estimat", list_choices=False)) == everything
     assert commands(build_parser()) == everything

@@ -29,11 +29,12 @@ from backend.jobs import JobConflict, Jobs
 from backend.profiles import profile_for
 from backend.store import StoreError
 from planner import __version__
+from planner.check import check
 from planner.catalogue import UnsupportedModelTypeError, catalogue_model, load_catalogue, read_bounded_text
 from planner.errors import NO_VALUE, PlannerError, UnknownModelError, UnknownNameError
 from planner.gpus import gpu as lookup_gpu, load_gpus
 from planner.presets import PRESETS
-from planner.schema import (EstimateRequest, EstimateResult, GpuName, PlanRequest, PlanResult, TimeoutSeconds,
+from planner.schema import (CheckRequest, CheckResult, EstimateRequest, EstimateResult, GpuName, PlanRequest, PlanResult, TimeoutSeconds,
                             VerifySteps, WarmupSteps)
 from planner.topology import MAX_TOPOLOGY_BYTES, Topology, parse_topology
 
@@ -339,6 +340,12 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
         if isinstance(answer, UnsupportedModelTypeError):
             return await run_in_threadpool(traced_estimate, body, answer)
         return answer
+
+    @app.post("/v1/check", tags=["planning"], response_model=CheckResult, response_model_by_alias=True)
+    def check_route(body: CheckRequest = Body(...)) -> CheckResult:
+        """A job as its own files say it (their text), on the cluster given: fits, the peak, the step
+        and wall time (a scheduler's time limit), the smallest changes; 422 names the file and key."""
+        return check(body, estimate_any)
 
     @app.post("/v1/plan", tags=["planning"], response_model=PlanResult, response_model_by_alias=True)
     def plan_route(body: PlanRequest = Body(..., examples=[PLAN_EXAMPLE])) -> PlanResult:

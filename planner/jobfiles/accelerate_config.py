@@ -1,0 +1,148 @@
+"""accelerate's config YAML (``accelerate launch --config_file``): accelerate 1.16
+commands/config/config_args.py ClusterConfig and its deepspeed_config / fsdp_config sections
+(the keys ``accelerate config`` writes). A DeepSpeed JSON it names (deepspeed_config_file) is
+read by planner/dsconfig.py from the files given."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from planner.jobfiles.common import inert
+from planner.jobfiles.keys import Inert, Key, Modelled, Refused, Where, check_block, equals, off
+from planner.jobfiles.reading import Reading, flag, whole
+
+LAUNCH = "where and how the processes start"
+
+TOP: dict[str, Key] = {
+    "distributed_type": Modelled("strategy: NO / MULTI_GPU ddp, DEEPSPEED zero<stage>, FSDP fsdp"),
+    "mixed_precision": Modelled("precision: no fp32, bf16 bf16-mixed, fp16 fp16-mixed"),
+    "num_processes": Modelled("world size (checked against gpus x nodes)"),
+    "num_machines": Modelled("nodes"),
+    "deepspeed_config": Modelled("the DeepSpeed section"), "fsdp_config": Modelled("the FSDP section"),
+    "use_cpu": Refused("trains on the CPU", lambda v, b: off(v), "false"),
+    "dynamo_config": Refused("torch.compile fuses kernels and changes what autograd saves",
+                             lambda v, b: not v or str(v.get("dynamo_backend", "NO")).upper() == "NO", "dynamo_backend: NO"),
+    "dynamo_backend": Refused("torch.compile", lambda v, b: v is None or str(v).upper() == "NO", "NO"),
+    "megatron_lm_config": Refused("Megatron-LM's parallelism", lambda v, b: not v, "remove it"),
+    "parallelism_config": Refused("accelerate's ParallelismConfig sets tp/cp degrees", lambda v, b: not v,
+                                  "remove it; give --tp / --cp"),
+    "fp8_config": Refused("FP8 training", lambda v, b: not v, "remove it"),
+    "ipex_config": Refused("Intel extension", lambda v, b: not v, "remove it"),
+
+    **inert(LAUNCH, "compute_environment", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend",
+            "same_network", "main_training_function", "enable_cpu_affinity", "gpu_ids", "debug", "commands",
+            "command_file", "mpirun_config"),
+    **inert("TPU settings, read only with distributed_type XLA (refused)", "tpu_env", "tpu_use_cluster",
+            "tpu_use_sudo", "tpu_name", "tpu_zone", "tpu_vm", "downcast_bf16"),
+}
+
+DEEPSPEED: dict[str, Key] = {
+    "deepspeed_config_file": Modelled("the DeepSpeed JSON, read from the files given"),
+    "zero_stage": Modelled("strategy zero<stage>"),
+    "offload_optimizer_device": Modelled("offload_optimizer"), "offload_param_device": Modelled("offload_params"),
+    "offload_optimizer_nvme_path": Modelled("with nvme"), "offload_param_nvme_path": Modelled("with nvme"),
+    "gradient_accumulation_steps": Modelled("gradient_accumulation"),
+
+    **inert("one scalar norm, then an in-place scale", "gradient_clipping"),
+    **inert("initialisation and saving", "zero3_init_flag", "zero3_save_16bit_model"),
+    **inert(LAUNCH, "deepspeed_multinode_launcher", "deepspeed_hostfile", "deepspeed_exclusion_filter",
+            "deepspeed_inclusion_filter"),
+    "deepspeed_moe_layer_cls_names": Refused("DeepSpeed MoE layers", lambda v, b: not v, "remove it"),
+}
+
+FSDP: dict[str, Key] = {
+    "fsdp_version": Modelled("2 is modelled (FSDP2); 1 is refused (its flat parameters)"),
+    "fsdp_sharding_strategy": Modelled("FULL_SHARD fsdp, SHARD_GRAD_OP fsdp-grad-op, HYBRID_SHARD hsdp"),
+    "fsdp_reshard_after_forward": Modelled("FSDP2: true fsdp, false fsdp-grad-op"),
+    "fsdp_offload_params": Modelled("offload_params and offload_optimizer cpu (CPUOffloadPolicy)"),
+    "fsdp_activation_checkpointing": Modelled("checkpointing full"),
+    "fsdp_auto_wrap_policy": Refused("a wrap other than one unit per transformer block gathers other units",
+                                     equals("TRANSFORMER_BASED_WRAP"), "TRANSFORMER_BASED_WRAP"),
+    "fsdp_transformer_layer_cls_to_wrap": Inert("names the block class; the model wraps each block"),
+    "fsdp_min_num_params": Refused("a size-based wrap", equals(0), "remove it"),
+    "fsdp_forward_prefetch": Refused("prefetches one more unit in forward", lambda v, b: off(v), "false"),
+    "fsdp_backward_prefetch": Inert("FSDP2 always prefetches the next unit in backward; FSDP1 only (refused)"),
+    **inert("saving and loading", "fsdp_state_dict_type", "fsdp_cpu_ram_efficient_loading",
+            "fsdp_sync_module_states"),
+    "fsdp_use_orig_params": Inert("FSDP1 only (refused)"),
+}
+
+STRATEGY = {"NO": None, "MULTI_GPU": "ddp"}
+FSDP_STRATEGY = {"FULL_SHARD": "fsdp", "1": "fsdp", "SHARD_GRAD_OP": "fsdp-grad-op", "2": "fsdp-grad-op",
+                 "HYBRID_SHARD": "hsdp", "4": "hsdp"}
+
+
+def read(data: dict[str, Any], where: Where) -> Reading:
+    reading = Reading("accelerate", where)
+    reading.unknown = check_block(data, TOP, where)
+    kind = str(data.get("distributed_type", "NO")).upper()
+    if kind not in ("NO", "MULTI_GPU", "DEEPSPEED", "FSDP"):
+        raise where.error("distributed_type", f"({kind!r}) is not modelled: NO, MULTI_GPU, DEEPSPEED and FSDP are")
+    if kind in STRATEGY and STRATEGY[kind]:
+        reading.set("strategy", STRATEGY[kind], "distributed_type")
+    mixed = str(data.get("mixed_precision", "no")).lower()
+    names = {"no": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed"}
+    if mixed not in names:
+        raise where.error("mixed_precision", f"({mixed!r}) is not modelled: no, bf16 and fp16 are")
+    if "mixed_precision" in data:
+        reading.set("precision", names[mixed], "mixed_precision")
+    if "num_processes" in data:
+        reading.set("world_size", whole(data["num_processes"], where, "num_processes"), "num_processes")
+    if "num_machines" in data:
+        reading.set("nodes", whole(data["num_machines"], where, "num_machines"), "num_machines")
+    if kind == "DEEPSPEED":
+        _deepspeed(reading, data.get("deepspeed_config") or {})
+    if kind == "FSDP":
+        fsdp_section(reading, data.get("fsdp_config") or {})
+    return reading
+
+
+def _deepspeed(reading: Reading, block: dict[str, Any]) -> None:
+    where = reading.where
+    reading.unknown += check_block(block, DEEPSPEED, where, "deepspeed_config.")
+    if block.get("deepspeed_config_file"):
+        reading.ds_reference = ("deepspeed_config.deepspeed_config_file", block["deepspeed_config_file"])
+        return  # accelerate reads the JSON alone then (utils/dataclasses.py DeepSpeedPlugin)
+    stage = whole(block.get("zero_stage", 2), where, "deepspeed_config.zero_stage", minimum=0)
+    if stage > 3:
+        raise where.error("deepspeed_config.zero_stage", f"must be 0, 1, 2 or 3, got {stage}")
+    reading.set("strategy", f"zero{stage}", "deepspeed_config.zero_stage")
+    for key, name in (("offload_optimizer_device", "offload_optimizer"), ("offload_param_device", "offload_params")):
+        device = str(block.get(key, "none")).lower()
+        if device not in ("none", "cpu", "nvme"):
+            raise where.error(f"deepspeed_config.{key}", f"({device!r}) must be none, cpu or nvme")
+        if key in block:
+            reading.set(name, device, f"deepspeed_config.{key}")
+    if "gradient_accumulation_steps" in block:
+        reading.set("gradient_accumulation", whole(block["gradient_accumulation_steps"], where,
+                                                   "deepspeed_config.gradient_accumulation_steps"),
+                    "deepspeed_config.gradient_accumulation_steps")
+
+
+def fsdp_section(reading: Reading, block: dict[str, Any]) -> None:
+    where = reading.where
+    reading.unknown += check_block(block, FSDP, where, "fsdp_config.")
+    version = str(block.get("fsdp_version", 1))
+    if version != "2":
+        raise where.error("fsdp_config.fsdp_version", f"({version}): FSDP1's flat parameters are not modelled (the "
+                                                      "estimate is FSDP2's); use fsdp_version: 2")
+    strategy = "fsdp"
+    if "fsdp_sharding_strategy" in block:
+        text = str(block["fsdp_sharding_strategy"]).upper()
+        if text not in FSDP_STRATEGY:
+            raise where.error("fsdp_config.fsdp_sharding_strategy", f"({text!r}) is not modelled: FULL_SHARD, "
+                                                                    "SHARD_GRAD_OP and HYBRID_SHARD are")
+        strategy = FSDP_STRATEGY[text]
+    if "fsdp_reshard_after_forward" in block:
+        value = block["fsdp_reshard_after_forward"]
+        if isinstance(value, str) and value.upper() in FSDP_STRATEGY:
+            strategy = FSDP_STRATEGY[value.upper()]
+        else:
+            strategy = "fsdp" if flag(value, where, "fsdp_config.fsdp_reshard_after_forward") else "fsdp-grad-op"
+    reading.set("strategy", strategy, "fsdp_config.fsdp_version")
+    if flag(block.get("fsdp_offload_params"), where, "fsdp_config.fsdp_offload_params"):
+        reading.set("offload_params", "cpu", "fsdp_config.fsdp_offload_params")
+        reading.set("offload_optimizer", "cpu", "fsdp_config.fsdp_offload_params")
+    if "fsdp_activation_checkpointing" in block:
+        on = flag(block["fsdp_activation_checkpointing"], where, "fsdp_config.fsdp_activation_checkpointing")
+        reading.set("checkpointing", "full" if on else "none", "fsdp_config.fsdp_activation_checkpointing")

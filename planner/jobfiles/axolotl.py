@@ -1,0 +1,178 @@
+"""Axolotl's YAML (``axolotl train FILE``). Keys: axolotl 0.19.0 utils/schemas/config.py
+AxolotlInputConfig and its mixins (model.py, training.py, peft.py, integrations.py), read from
+its wheel; axolotl pins torch, so its pydantic model is not installed here and is not run. Keys
+its schema has that are not in this table are listed in the answer as unknown.
+
+Precision: with bf16 (true or auto on a bf16 GPU) axolotl loads the model in bfloat16
+(utils/models.py: torch_dtype bfloat16) and the Trainer keeps those weights: full fine-tuning
+trains bf16 weights with bf16 AdamW states (bf16-pure); adapters are cast to fp32 by PEFT over the
+frozen 16-bit base (bf16-mixed, the model's LoRA)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from planner.jobfiles.accelerate_config import fsdp_section
+from planner.jobfiles.common import attention, hf_optimizer, inert, model_name, value_needs
+from planner.jobfiles.hf_trainer import embeddings
+from planner.jobfiles.keys import Inert, Key, Modelled, Needs, Refused, Where, check_block, off
+from planner.jobfiles.reading import Reading, flag, number, whole
+
+TABLE: dict[str, Key] = {
+    "base_model": Modelled("model"), "base_model_config": Modelled("model (its config)"),
+    "model_type": Inert("the class that loads it; the architecture is the config's"),
+    "tokenizer_type": Inert("the tokenizer"), "tokenizer_config": Inert("the tokenizer"),
+    "load_in_8bit": Modelled("quantize_base int8"), "load_in_4bit": Modelled("finetune qlora"),
+    "adapter": Modelled("lora / qlora"), "lora_r": Modelled("lora_rank"), "lora_alpha": Modelled("lora_alpha"),
+    "lora_dropout": Modelled("lora_dropout"), "lora_target_linear": Modelled("lora_targets all-linear"),
+    "lora_target_modules": Modelled("lora_targets"), "lora_modules_to_save": Modelled("train_embeddings"),
+    "lora_model_dir": Inert("where the adapters are loaded from"),
+    "sequence_len": Modelled("seq_len"),
+    "sample_packing": Modelled("sequences are estimated full at sequence_len: what packing makes every one"),
+    "eval_sample_packing": Inert("evaluation"), "pad_to_sequence_len": Modelled("as sample_packing"),
+    "micro_batch_size": Modelled("micro_batch"), "gradient_accumulation_steps": Modelled("gradient_accumulation"),
+    "num_epochs": Modelled("the job's length"), "max_steps": Modelled("the job's length"),
+    "optimizer": Modelled("optimizer (transformers' names)"),
+    "bf16": Modelled("precision"), "fp16": Modelled("precision"),
+    "tf32": Refused("TF32 changes fp32 matmuls' speed, which the time model does not separate",
+                    lambda v, b: off(v) or b.get("bf16") in (True, "auto") or b.get("fp16") is True, "false"),
+    "gradient_checkpointing": Modelled("checkpointing full"),
+    "gradient_checkpointing_kwargs": Modelled("use_reentrant: either saves the block inputs only"),
+    "attn_implementation": Modelled("attention"), "flash_attention": Modelled("attention sdpa"),
+    "sdp_attention": Modelled("attention sdpa"), "xformers_attention": Modelled("attention sdpa"),
+    "deepspeed": Modelled("the DeepSpeed JSON, read from the files given"),
+    "fsdp_version": Modelled("2 (FSDP2) is modelled"), "fsdp_config": Modelled("FSDP section (accelerate's keys)"),
+    "liger_fused_linear_cross_entropy": Needs("loss", "liger-fused", "Liger's fused linear cross-entropy never "
+                                              "holds the logits", lambda v, b: off(v)),
+    "cut_cross_entropy": Needs("loss", "cce", "cut cross-entropy never holds the logits", lambda v, b: off(v)),
+    **inert("Liger kernels other than the loss: fused norms, rope and SwiGLU save the same tensors within a small "
+            "margin", "liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_layer_norm"),
+    "plugins": Modelled("their keys are read as keys of this file"),
+    "torch_compile": Refused("torch.compile fuses kernels and changes what autograd saves", lambda v, b: off(v),
+                             "false"),
+    "unfrozen_parameters": Refused("trains a subset of the weights", lambda v, b: not v, "remove it"),
+    "activation_offloading": Needs("activation_offload", True, "the saved activations live on the host",
+                                   lambda v, b: off(v)),
+    "special_tokens": Inert("new tokens resize the embeddings by a few rows"),
+    "chunked_cross_entropy": Needs("loss", "chunked", "the loss computed a chunk of tokens at a time",
+                                   lambda v, b: off(v)),
+    "chunked_cross_entropy_num_chunks": Inert("read only with chunked_cross_entropy"),
+    "use_liger_loss": Needs("loss", "liger-fused", "Liger's fused linear cross-entropy never holds the logits",
+                            lambda v, b: off(v)),
+    "batch_flattening": Modelled("as sample_packing"),
+    "eager_attention": Modelled("attention eager"),
+    **{key: Refused("a parallel degree of accelerate's ND-parallelism (tensor, context, sequence, data shards), "
+                    "read by this reader only as 1", lambda v, b: v in (None, 1), "1 or remove it")
+       for key in ("tensor_parallel_size", "context_parallel_size", "sequence_parallel_degree", "dp_shard_size",
+                   "data_parallel_size")},
+    **{key: Refused(reason, lambda v, b: off(v), "false or remove it") for key, reason in (
+        ("fsdp", "FSDP1's option list (fsdp_config with fsdp_version 2 is read)"),
+        ("offload", "offloads layers"), ("layer_offloading", "offloads layers"),
+        ("lora_on_cpu", "keeps the adapters on the CPU"), ("relora", "ReLoRA restarts and merges adapters"),
+        ("peft_use_dora", "DoRA keeps a magnitude vector and the weight's norm"),
+        ("flex_attention", "flex attention"), ("s2_attention", "shifted sparse attention"),
+        ("sage_attention", "SageAttention's quantized attention"), ("fp8", "FP8 training"),
+        ("deepcompile", "DeepCompile"), ("selective_checkpointing", "selective checkpointing of its own"),
+        ("dynamic_checkpoint", "checkpointing decided at run time"), ("use_kernels", "hub kernels"),
+        ("tiled_mlp_num_shards", "the MLP run in tiles"), ("quantize_moe_experts", "quantized experts"),
+        ("model_quantization_config", "a quantization config other than load_in_4bit / load_in_8bit"),
+        ("mixed_precision_policy", "an FSDP mixed-precision policy of its own"),
+        ("torch_compile_backend", "torch.compile"), ("torch_compile_mode", "torch.compile"),
+        ("torch_compile_options", "torch.compile"), ("qlora_sharded_model_loading", "loading, with FSDP1"),
+        ("reshard_after_forward", "FSDP2's reshard, read from fsdp_config"),
+        ("activation_checkpointing", "activation checkpointing spelled apart from gradient_checkpointing"))},
+    **inert("the data pipeline, outside the step", "datasets", "dataset_prepared_path", "val_set_size",
+            "test_datasets", "shuffle_merged_datasets", "dataset_processes", "chat_template", "train_on_inputs",
+            "group_by_length", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_prefetch_factor"),
+    **inert("logging, evaluation and saving", "output_dir", "wandb_project", "wandb_entity", "wandb_watch",
+            "wandb_name", "wandb_log_model", "resume_from_checkpoint", "logging_steps", "evals_per_epoch",
+            "saves_per_epoch", "eval_steps", "save_steps", "save_strategy", "hub_model_id", "save_first_step",
+            "save_total_limit", "early_stopping_patience", "auto_resume_from_checkpoints", "local_rank",
+            "strict", "seed", "save_safetensors"),
+    **inert("hyper-parameters change values, not memory or time", "lr_scheduler", "learning_rate", "warmup_ratio",
+            "warmup_steps", "weight_decay", "max_grad_norm", "adam_beta1", "adam_beta2", "adam_epsilon",
+            "lr_scheduler_kwargs", "cosine_min_lr_ratio"),
+}
+
+
+def read(data: dict[str, Any], where: Where) -> Reading:
+    reading = Reading("axolotl", where)
+    reading.unknown = check_block(data, TABLE, where)
+    get = data.get
+    model_name(reading, "base_model", get("base_model"))
+    reading.set("seq_len", whole(get("sequence_len", 2048), where, "sequence_len"), "sequence_len")
+    reading.set("micro_batch", whole(get("micro_batch_size", 1), where, "micro_batch_size"), "micro_batch_size")
+    reading.set("gradient_accumulation", whole(get("gradient_accumulation_steps", 1), where,
+                                               "gradient_accumulation_steps"), "gradient_accumulation_steps")
+    if get("max_steps"):
+        reading.steps = whole(get("max_steps"), where, "max_steps")
+    else:
+        reading.epochs = number(get("num_epochs", 1), where, "num_epochs")
+    if get("optimizer") is not None:
+        hf_optimizer(reading, "optimizer", get("optimizer"))
+    else:
+        reading.set("optimizer", "adamw", "optimizer")
+    if get("gradient_checkpointing") == "offload":  # axolotl: checkpointed block inputs kept on the host
+        value_needs(reading, "gradient_checkpointing", "activation_offload", True, "offload",
+                    "checkpointing with the saved block inputs on the host")
+        reading.set("checkpointing", "full", "gradient_checkpointing")
+    else:
+        reading.set("checkpointing", "full" if flag(get("gradient_checkpointing"), where, "gradient_checkpointing")
+                    else "none", "gradient_checkpointing")
+    if get("eager_attention"):
+        reading.set("attention", "eager", "eager_attention")
+    if get("attn_implementation") is not None:
+        attention(reading, "attn_implementation", get("attn_implementation"))
+    elif any(get(k) for k in ("flash_attention", "sdp_attention", "xformers_attention")):
+        reading.set("attention", "sdpa", next(k for k in ("flash_attention", "sdp_attention", "xformers_attention")
+                                              if get(k)))
+    for key, field, value in (("liger_fused_linear_cross_entropy", "loss", "liger-fused"),
+                              ("use_liger_loss", "loss", "liger-fused"), ("chunked_cross_entropy", "loss", "chunked"),
+                              ("cut_cross_entropy", "loss", "cce"), ("activation_offloading", "activation_offload", True)):
+        if not off(get(key)):
+            value_needs(reading, key, field, value, get(key), TABLE[key].reason)
+    adapter = _adapter(reading, data)
+    bf16 = get("bf16")
+    if bf16 in (True, "auto"):
+        reading.set("precision", "bf16-mixed" if adapter else "bf16-pure", "bf16")
+    elif get("fp16") is True:
+        reading.set("precision", "fp16-mixed", "fp16")
+    else:
+        reading.set("precision", "fp32", "bf16")
+    if get("deepspeed"):
+        reading.ds_reference = ("deepspeed", str(get("deepspeed")))
+    if get("fsdp_config"):
+        fsdp_section(reading, {"fsdp_version": get("fsdp_version", 1), **get("fsdp_config")})
+    return reading
+
+
+def _adapter(reading: Reading, data: dict[str, Any]) -> str | None:
+    where, get = reading.where, data.get
+    adapter = get("adapter")
+    four, eight = flag(get("load_in_4bit"), where, "load_in_4bit"), flag(get("load_in_8bit"), where, "load_in_8bit")
+    if adapter in (None, ""):
+        if four or eight:
+            raise where.error("load_in_4bit" if four else "load_in_8bit", "a quantized base needs an adapter")
+        return None
+    if adapter not in ("lora", "qlora"):
+        raise where.error("adapter", f"({adapter!r}) is not modelled: lora and qlora are")
+    if adapter == "qlora" or four:
+        reading.set("finetune", "qlora", "adapter")
+        reading.set("quantize_base", "nf4", "load_in_4bit")  # bitsandbytes nf4, double quantization (axolotl's)
+    else:
+        # an 8-bit base is the model's qlora with quantize_base int8 (planner/finetune.py)
+        reading.set("finetune", "qlora" if eight else "lora", "load_in_8bit" if eight else "adapter")
+        if eight:
+            reading.set("quantize_base", "int8", "load_in_8bit")
+    reading.set("lora_rank", whole(get("lora_r", 8), where, "lora_r"), "lora_r")
+    if get("lora_alpha") is not None:
+        reading.set("lora_alpha", number(get("lora_alpha"), where, "lora_alpha"), "lora_alpha")
+    reading.set("lora_dropout", float(get("lora_dropout") or 0.0), "lora_dropout")
+    if get("lora_target_linear"):
+        reading.set("lora_targets", "all-linear", "lora_target_linear")
+    elif get("lora_target_modules"):
+        modules = get("lora_target_modules")
+        reading.set("lora_targets", modules if isinstance(modules, str) else ",".join(modules), "lora_target_modules")
+    if get("lora_modules_to_save"):
+        embeddings(reading, "lora_modules_to_save", get("lora_modules_to_save"))
+    return adapter

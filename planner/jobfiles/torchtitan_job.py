@@ -1,0 +1,312 @@
+"""torchtitan jobs: the TOML of its 0.2 line (torchtitan 0.2.2 config/job_config.py JobConfig,
+``--job.config_file``), and a 0.3 launch (``--module M --config F`` naming a config_registry
+function, plus ``--section.field value`` overrides; torchtitan 0.3.0 config/manager.py). Both use
+the same section and field names for what is read here (0.3.0 config/configs.py TrainingConfig,
+ParallelismConfig, CompileConfig), so one table serves both.
+
+A 0.3 config function is Python; it is not run. ``REGISTRY`` holds the values of the published
+ones read from their source (torchtitan 0.3.0 models/llama3/config_registry.py), as sections."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from planner.jobfiles.common import inert, value_needs
+from planner.jobfiles.keys import Inert, Key, Modelled, Needs, Refused, Where, check_block, equals, off
+from planner.jobfiles.reading import Reading, flag, whole
+
+LOG, SAVE = "logging and profiling", "saving checkpoints"
+
+TABLE: dict[str, Key] = {
+    "model.name": Modelled("model, with flavor (FLAVORS)"), "model.flavor": Modelled("model"),
+    "model.hf_assets_path": Inert("the tokenizer's files"), "model.tokenizer_path": Inert("the tokenizer's files"),
+    "model.converters": Needs("low_precision", "float8-tensorwise", "float8/mx converters change the linears' "
+                              "dtypes", lambda v, b: not v),
+    "model.print_after_conversion": Inert(LOG),
+    "optimizer.name": Modelled("AdamW / Adam: adamw"),
+    "optimizer.implementation": Inert("foreach, fused or for-loop kernels over the same states"),
+    **inert("hyper-parameters change values, not memory or time", "optimizer.lr", "optimizer.eps",
+            "optimizer.beta1", "optimizer.beta2", "optimizer.weight_decay", "lr_scheduler.warmup_steps",
+            "lr_scheduler.decay_ratio", "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor",
+            "lr_scheduler.lr_min", "training.max_norm"),
+    "optimizer.early_step_in_backward": Needs("optimizer_in_backward", True, "each parameter's step runs in its "
+                                              "gradient's hook, so gradients are not all held", lambda v, b: off(v)),
+    "training.local_batch_size": Modelled("micro_batch (x accumulation with pp)"),
+    "training.global_batch_size": Modelled("gradient_accumulation = global / (local x dp)"),
+    "training.seq_len": Modelled("seq_len"), "training.steps": Modelled("the job's length"),
+    "training.mixed_precision_param": Modelled("precision: bfloat16 bf16-mixed, float32 fp32"),
+    "training.mixed_precision_reduce": Modelled("reduce_dtype fp32 (the only value torchtitan takes)"),
+    "training.enable_cpu_offload": Modelled("offload_params and offload_optimizer cpu (FSDP2 CPUOffloadPolicy)"),
+    "training.dtype": Refused("float32 is the only training dtype modelled for FSDP's sharded parameters",
+                              equals("float32"), "float32"),
+    **inert("the data pipeline, outside the step", "training.dataset", "training.dataset_path"),
+    **inert("Python's garbage collector, between steps", "training.gc_freq", "training.gc_debug"),
+    "training.disable_cuda_graphs": Inert("graphs are off unless compile is on (refused)"),
+    "parallelism.data_parallel_replicate_degree": Modelled("dp_replicate"),
+    "parallelism.data_parallel_shard_degree": Modelled("dp_shard (-1: the rest of the world)"),
+    "parallelism.fsdp_reshard_after_forward": Modelled("default / always: fsdp; never: fsdp-grad-op"),
+    "parallelism.tensor_parallel_degree": Modelled("tp"), "parallelism.pipeline_parallel_degree": Modelled("pp"),
+    "parallelism.context_parallel_degree": Modelled("cp"), "parallelism.expert_parallel_degree": Modelled("ep"),
+    "parallelism.enable_sequence_parallel": Modelled("sequence_parallel"),
+    "parallelism.pipeline_parallel_schedule": Modelled("pp_schedule: 1F1B, Interleaved1F1B, GPipe"),
+    "parallelism.pipeline_parallel_microbatch_size": Modelled("micro_batch with pp"),
+    "parallelism.disable_loss_parallel": Refused("the loss over the whole vocabulary on every TP rank",
+                                                 lambda v, b: off(v), "false"),
+    "parallelism.enable_async_tensor_parallel": Refused("async TP (torch.compile and symmetric memory)",
+                                                        lambda v, b: off(v), "false"),
+    "parallelism.enable_compiled_autograd": Refused("compiled autograd", lambda v, b: off(v), "false"),
+    "parallelism.context_parallel_rotate_method": Refused("all-to-all rotation keeps other buffers",
+                                                          equals("allgather"), "allgather"),
+    "parallelism.module_fqns_per_model_part": Refused("a hand-made stage split", lambda v, b: not v, "remove it"),
+    "parallelism.pipeline_parallel_layers_per_stage": Refused("a hand-made stage split", lambda v, b: v is None,
+                                                              "remove it"),
+    "parallelism.pipeline_parallel_first_stage_less_layers": Inert("torchtitan's split of stages; the model keeps "
+                                                                   "its own (planner.pipeline.stage_bounds)"),
+    "parallelism.pipeline_parallel_last_stage_less_layers": Inert("as first_stage_less_layers"),
+    "parallelism.pipeline_parallel_schedule_csv": Refused("a schedule from a file", lambda v, b: not v, "remove it"),
+    "parallelism.pipeline_parallel_split_points": Refused("a hand-made stage split", lambda v, b: not v, "remove it"),
+    "activation_checkpoint.mode": Modelled("none / full; selective with op: checkpointing selective-op; selective "
+                                           "with an integer: checkpointing_every (0.3: the activation-checkpoint:"
+                                           "none|full|selective word; memory-budget refused)"),
+    "activation_checkpoint.selective_ac_option": Modelled("see mode"),
+    "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": Inert("MoE router shapes only"),
+    "activation_checkpoint.early_stop": Refused("stops recomputation early", lambda v, b: off(v), "false"),
+    "activation_checkpoint.memory_budget": Refused("a solver picks what to save", lambda v, b: v in (None, 0.5),
+                                                   "remove it"),
+    "activation_checkpoint.visualize_memory_budget_pareto": Inert(LOG),
+    "activation_checkpoint.preserve_rng_state": Inert("one RNG state per block"),
+    "activation_checkpoint.determinism_check": Inert("a check on recomputation"),
+    "activation_checkpoint.debug": Inert(LOG),
+    "compile.enable": Refused("torch.compile fuses kernels and changes what autograd saves", lambda v, b: off(v),
+                              "false"),
+    "compile.components": Inert("read only with compile.enable (refused)"),
+    "compile.backend": Inert("read only with compile.enable (refused)"),
+    "checkpoint.async_mode": Refused("async_with_pinned_mem keeps a pinned host copy of the state",
+                                     lambda v, b: not b.get("enable") or v in (None, "disabled", "async"), "disabled"),
+    **inert(SAVE, "checkpoint.enable", "checkpoint.enable_checkpoint", "checkpoint.folder", "checkpoint.interval",
+            "checkpoint.last_save_model_only", "checkpoint.export_dtype", "checkpoint.keep_latest_k",
+            "checkpoint.load_step", "checkpoint.initial_load_path", "checkpoint.initial_load_model_only",
+            "checkpoint.exclude_from_loading", "checkpoint.initial_load_in_hf", "checkpoint.last_save_in_hf",
+            "checkpoint.create_seed_checkpoint", "checkpoint.enable_first_step_checkpoint"),
+    "validation.enable": Refused("validation runs extra forward passes every freq steps (time not counted)",
+                                 lambda v, b: off(v), "false"),
+    **inert("read only with validation.enable (refused)", "validation.dataset", "validation.dataset_path",
+            "validation.freq", "validation.steps", "validation.local_batch_size", "validation.seq_len"),
+    **inert(LOG, "job.dump_folder", "job.description", "job.print_args", "job.print_config", "job.use_for_integration_test",
+            "profiling.enable_profiling", "profiling.save_traces_folder", "profiling.profile_freq",
+            "profiling.enable_memory_snapshot", "profiling.save_memory_snapshot_folder", "metrics.log_freq",
+            "metrics.enable_tensorboard", "metrics.save_tb_folder", "metrics.enable_wandb", "metrics.disable_color_printing",
+            "metrics.save_for_all_ranks", "metrics.rank_0_only", "comm.init_timeout_seconds",
+            "comm.train_timeout_seconds", "comm.trace_buf_size", "comm.save_traces_folder",
+            "comm.save_traces_file_prefix", "debug.seed", "debug.print_config", "debug.save_config_file"),
+    "debug.deterministic": Refused("deterministic kernels run slower", lambda v, b: off(v), "false"),
+    **inert("float8's own settings, read only with a float8 converter (model.converters)",
+            "float8.enable_fsdp_float8_all_gather", "float8.precompute_float8_dynamic_scale_for_fsdp",
+            "float8.filter_fqns", "float8.recipe_name", "quantize.linear.float8.enable_fsdp_float8_all_gather",
+            "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", "quantize.linear.float8.filter_fqns",
+            "quantize.linear.float8.recipe_name"),
+}
+
+# (model.name, model.flavor) -> catalogue entry. torchtitan's llama3 flavors (0.2.2
+# models/llama3/__init__.py llama3_configs; 0.3.0 model_registry): 8B dim 4096, 32 layers, 32 heads,
+# 8 KV heads, ffn_dim_multiplier 1.3 and multiple_of 1024 (hidden 14336), vocab 128256, rope theta
+# 500000: Llama 3.1 8B's config (its hf_assets_path is Llama-3.1-8B); 70B and 405B likewise.
+FLAVORS = {("llama3", "8B"): "llama-3.1-8b", ("llama3", "70B"): "llama-3.1-70b",
+           ("llama3", "405B"): "llama-3.1-405b"}
+
+# torchtitan 0.3.0 models/llama3/config_registry.py llama3_8b (lines 184-216): Trainer.Config with
+# ChunkedLossWrapper(CrossEntropyLoss), default_adamw, TrainingConfig(local_batch_size=1,
+# seq_len=8192, steps=1000), SelectiveAC.Config() (per-op SAC); everything else the dataclass
+# defaults (ParallelismConfig: data_parallel_shard_degree -1; TrainingConfig.mixed_precision_param
+# bfloat16; CompileConfig.enable False).
+REGISTRY: dict[tuple[str, str], dict[str, Any]] = {
+    ("llama3", "llama3_8b"): {
+        "model": {"name": "llama3", "flavor": "8B"},
+        "optimizer": {"name": "AdamW"},
+        "training": {"local_batch_size": 1, "seq_len": 8192, "steps": 1000},
+        "activation_checkpoint": {"mode": "selective", "selective_ac_option": "op"},
+        "loss": {"chunked": True},
+    },
+}
+LAUNCH_ONLY: dict[str, Key] = {
+    "loss.chunked": Needs("loss", "chunked", "ChunkedLossWrapper computes the loss a chunk of tokens at a time",
+                          lambda v, b: off(v)),
+}
+SCHEDULES = {"1F1B": "1f1b", "Interleaved1F1B": "interleaved", "GPipe": "gpipe"}
+
+
+def read_toml(data: dict[str, Any], where: Where) -> Reading:
+    return _read(_flatten(data), where, "torchtitan-toml", TABLE)
+
+
+def read_launch(data: dict[str, Any], where: Where) -> Reading:
+    key = (str(data["module"]), str(data["config"]))
+    if key not in REGISTRY:
+        raise where.error("config", f"({data['module']}.{data['config']}) is not a torchtitan 0.3 config function read "
+                                    f"here; those read: {', '.join('.'.join(k) for k in REGISTRY)}")
+    flat = _flatten(REGISTRY[key])
+    for name, value in data["overrides"].items():
+        flat[name] = _scalar(value)
+    return _read(flat, where, "torchtitan-launch", {**TABLE, **LAUNCH_ONLY})
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and f"{name}.placeholder" not in TABLE and not _is_leaf(name):
+            out |= _flatten(value, name + ".")
+        else:
+            out[name] = value
+    return out
+
+
+def _is_leaf(name: str) -> bool:
+    return name in TABLE
+
+
+def _scalar(text: str) -> Any:
+    """A command-line value as torchtitan's tyro parser would type it for the fields read here."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _read(flat: dict[str, Any], where: Where, fmt: str, table: dict[str, Key]) -> Reading:
+    reading = Reading(fmt, where)
+    reading.unknown = check_block(flat, table, where)
+    get = flat.get
+    name, flavor = get("model.name"), get("model.flavor")
+    if name is not None or flavor is not None:
+        if (name, flavor) not in FLAVORS:
+            raise where.error("model.flavor", f"({name} {flavor}) is not a torchtitan model read here; those read: "
+                                              f"{', '.join(f'{n} {f}' for n, f in FLAVORS)}")
+        reading.set("model", FLAVORS[(name, flavor)], "model.flavor")
+    optimizer = str(get("optimizer.name", "AdamW"))
+    if optimizer not in ("AdamW", "Adam"):
+        raise where.error("optimizer.name", f"({optimizer!r}) is not modelled: AdamW and Adam are")
+    reading.set("optimizer", "adamw", "optimizer.name")
+    _converters(reading, flat)
+    if not off(get("optimizer.early_step_in_backward")):
+        value_needs(reading, "optimizer.early_step_in_backward", "optimizer_in_backward", True, True,
+                    TABLE["optimizer.early_step_in_backward"].reason)
+    if get("loss.chunked"):
+        value_needs(reading, "loss.chunked", "loss", "chunked", "ChunkedLossWrapper",
+                    "ChunkedLossWrapper computes the loss a chunk of tokens at a time")
+    _training(reading, flat)
+    _parallel(reading, flat)
+    _checkpointing(reading, flat)
+    return reading
+
+
+# model.converters -> low_precision: torchtitan 0.2.2 components/quantization (float8.py: Float8Converter,
+# recipe_name None = tensorwise scaling, "rowwise"; mx.py: MXConverter, mxfp8)
+CONVERTERS = {("float8", None): "float8-tensorwise", ("float8", "tensorwise"): "float8-tensorwise",
+              ("float8", "rowwise"): "float8-rowwise", ("mx", None): "mxfp8", ("quantize.linear.float8", None):
+              "float8-tensorwise"}
+
+
+def _converters(reading: Reading, flat: dict[str, Any]) -> None:
+    converters = flat.get("model.converters") or []
+    if isinstance(converters, str):
+        converters = [c for c in converters.split(",") if c]
+    if not converters:
+        return
+    recipe = flat.get("float8.recipe_name", flat.get("quantize.linear.float8.recipe_name"))
+    if len(converters) != 1 or (converters[0], recipe) not in CONVERTERS:
+        raise reading.where.error("model.converters", f"({converters!r}, recipe {recipe!r}) is not modelled: one "
+                                                      "float8 (tensorwise or rowwise) or mx converter is")
+    value_needs(reading, "model.converters", "low_precision", CONVERTERS[(converters[0], recipe)], converters,
+                TABLE["model.converters"].reason)
+
+
+def _training(reading: Reading, flat: dict[str, Any]) -> None:
+    where, get = reading.where, flat.get
+    if "training.local_batch_size" in flat:
+        reading.set("micro_batch", whole(get("training.local_batch_size"), where, "training.local_batch_size"),
+                    "training.local_batch_size")
+    else:
+        reading.default("micro_batch", 8)  # TrainingConfig.local_batch_size's default
+    if "training.seq_len" in flat:
+        reading.set("seq_len", whole(get("training.seq_len"), where, "training.seq_len"), "training.seq_len")
+    else:
+        reading.default("seq_len", 2048)
+    reading.steps = whole(get("training.steps", 10000), where, "training.steps")
+    param = str(get("training.mixed_precision_param", "bfloat16"))
+    if param not in ("bfloat16", "float32"):
+        raise where.error("training.mixed_precision_param", f"({param!r}) must be bfloat16 or float32")
+    reading.set("precision", "bf16-mixed" if param == "bfloat16" else "fp32", "training.mixed_precision_param")
+    reduce = str(get("training.mixed_precision_reduce", "float32"))
+    if reduce != "float32":
+        raise where.error("training.mixed_precision_reduce", f"({reduce!r}) must be float32")
+    if flag(get("training.enable_cpu_offload"), where, "training.enable_cpu_offload"):
+        reading.set("offload_params", "cpu", "training.enable_cpu_offload")
+        reading.set("offload_optimizer", "cpu", "training.enable_cpu_offload")
+    if get("training.global_batch_size", -1) not in (-1, None):
+        reading.fields["_global_batch"] = whole(get("training.global_batch_size"), where, "training.global_batch_size")
+        reading.origin["_global_batch"] = where.at("training.global_batch_size") + " training.global_batch_size"
+
+
+def _parallel(reading: Reading, flat: dict[str, Any]) -> None:
+    where, get = reading.where, flat.get
+    degrees = {}
+    for key, name in (("tensor_parallel_degree", "tp"), ("pipeline_parallel_degree", "pp"),
+                      ("context_parallel_degree", "cp"), ("expert_parallel_degree", "ep"),
+                      ("data_parallel_replicate_degree", "_dp_replicate")):
+        full = f"parallelism.{key}"
+        degrees[name] = whole(get(full, 1), where, full)
+        if full in flat and name != "_dp_replicate":
+            reading.set(name, degrees[name], full)
+    shard = get("parallelism.data_parallel_shard_degree", -1)
+    shard = -1 if shard == -1 else whole(shard, where, "parallelism.data_parallel_shard_degree")
+    reading.fields["_dp"] = (degrees["_dp_replicate"], shard)  # strategy and shard group: the job, with the world
+    reading.origin["_dp"] = where.at("parallelism.data_parallel_shard_degree") + " parallelism.data_parallel_shard_degree"
+    reshard = str(get("parallelism.fsdp_reshard_after_forward", "default"))
+    if reshard not in ("default", "always", "never"):
+        raise where.error("parallelism.fsdp_reshard_after_forward", f"({reshard!r}) must be default, always or never")
+    reading.fields["_reshard"] = reshard != "never"
+    if "parallelism.enable_sequence_parallel" in flat:
+        reading.set("sequence_parallel", flag(get("parallelism.enable_sequence_parallel"), where,
+                                              "parallelism.enable_sequence_parallel"),
+                    "parallelism.enable_sequence_parallel")
+    if degrees["pp"] > 1:
+        schedule = str(get("parallelism.pipeline_parallel_schedule", "1F1B"))
+        if schedule not in SCHEDULES:
+            raise where.error("parallelism.pipeline_parallel_schedule", f"({schedule!r}) is not modelled: "
+                                                                        f"{', '.join(SCHEDULES)} are")
+        reading.set("pp_schedule", SCHEDULES[schedule], "parallelism.pipeline_parallel_schedule")
+        micro = whole(get("parallelism.pipeline_parallel_microbatch_size", 1), where,
+                      "parallelism.pipeline_parallel_microbatch_size")
+        local = reading.fields.get("micro_batch", 8)
+        if local % micro:
+            raise where.error("parallelism.pipeline_parallel_microbatch_size",
+                              f"({micro}) must divide training.local_batch_size ({local})")
+        reading.set("micro_batch", micro, "parallelism.pipeline_parallel_microbatch_size")
+        reading.set("gradient_accumulation", local // micro, "training.local_batch_size")
+
+
+def _checkpointing(reading: Reading, flat: dict[str, Any]) -> None:
+    mode = str(flat.get("activation_checkpoint.mode", "selective"))
+    key = "activation_checkpoint.mode"
+    if mode in ("none", "full"):
+        reading.set("checkpointing", mode, key)
+    elif mode == "selective":
+        option = str(flat.get("activation_checkpoint.selective_ac_option", "2"))
+        if option == "op":
+            value_needs(reading, key, "checkpointing", "selective-op", "selective op",
+                        "torchtitan's per-op selective checkpointing saves matmul and attention outputs")
+        elif option.isdigit() and int(option) >= 1:
+            value_needs(reading, key, "checkpointing_every", int(option), f"selective {option}",
+                        "checkpointing every N-th block")
+            reading.set("checkpointing", "full", key)
+        else:
+            raise reading.where.error("activation_checkpoint.selective_ac_option",
+                                      f"({option!r}) must be op or a positive integer")
+    elif mode == "memory-budget":
+        raise reading.where.error(key, "(memory-budget) is not modelled: the compiler's partitioner picks what to "
+                                       "save; it is refused")
+    else:
+        raise reading.where.error(key, f"({mode!r}) must be none, selective or full")
