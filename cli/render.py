@@ -62,7 +62,7 @@ def estimate_table(r: EstimateResult) -> str:
         lines += ["", f"  time per step on {t.topology}: {t.step_seconds:.3f} s (compute {t.compute_seconds:.3f} s, "
                       f"communication {t.communication_seconds:.3f} s of which exposed {t.exposed_communication_seconds:.3f} s"
                       + (f", offload {t.offload_seconds:.3f} s" if t.offload_seconds else "")
-                      + f"); {t.tokens_per_second:,.0f} tokens/s, MFU {t.mfu:.2f}"]
+                      + f"); {t.tokens_per_second:,.0f} tokens/s, MFU {t.mfu:.2f}, HFU {t.hfu:.2f}"]
     lines.append("")
     # what the reader must know about where the numbers come from (a traced model, a GPU the time
     # model only partly knows); the rest of the notes are in --json

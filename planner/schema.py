@@ -478,7 +478,8 @@ class TimeEstimate(BaseModel):
     tokens_per_second: float = Field(description="over all GPUs")
     mfu: float = Field(description="model FLOPs utilization (no recomputation counted)")
     hfu: float = Field(0.0, description="hardware FLOPs utilization: the FLOPs the GPU runs (recomputation and "
-                       "FlashAttention's causal saving included) over its peak")
+                       "FlashAttention's causal saving included) over its peak; below MFU without recomputation, as "
+                       "MFU counts attention without the causal mask (PaLM's and llm-foundry's convention)")
     terms: list[TimeTerm] = Field([], description="the step's parts (compute terms are per GPU, serial), each with "
                                   "the source of its rate: estimated from published kernel measurements, a "
                                   "calibration profile, or the compute_efficiency override")
