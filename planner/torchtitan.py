@@ -27,6 +27,11 @@ split is not always the planner's (``planner.pipeline.stage_bounds``: 5 layers o
 2 + 3 here, 3 + 2 there), so the file lists the planner's stages explicitly: the stage count
 carries the virtual stages, the lists carry the split the memory was predicted for. Module names:
 the 0.2 line's llama (tok_embeddings, layers.N, norm, output); 0.3.0 names the head lm_head.
+Uneven stages (pp_first_stage_layers / pp_last_stage_layers) are the same lists, shorter at the
+ends; torchtitan's own pipeline_parallel_first/last_stage_less_layers (b5bcd76 config/configs.py)
+weigh the ends instead and are ignored when the lists are given. torchtitan itself is not
+installed beside the planner: pip's dry run of torchtitan 0.3.0 would change installed packages
+(huggingface_hub, pillow, fsspec among them), so the keys are read from its source.
 """
 
 from __future__ import annotations
