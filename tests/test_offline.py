@@ -33,12 +33,12 @@ def test_docs_are_served_without_a_cdn(client):
 
 
 def _online_env(monkeypatch, tmp_path):
-    import huggingface_hub
+    from huggingface_hub import constants
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
 
 
 def test_an_unknown_hub_id_without_a_network_is_refused_in_seconds(monkeypatch, tmp_path, capsys):
