@@ -43,6 +43,7 @@ def hub_config(repo_id: str) -> tuple[dict[str, Any], str]:
         raise PlannerError(f"model {repo_id!r}: offline (HF_HUB_OFFLINE=1) and its config.json is not in the "
                            f"Hugging Face cache ({cache_dir or constants.HF_HUB_CACHE})")
     if path is None:
+        _reachable(repo_id, constants, cache_dir)
         try:
             path = hf_hub_download(repo_id, "config.json", cache_dir=cache_dir)
         except errors.GatedRepoError:
@@ -60,6 +61,24 @@ def hub_config(repo_id: str) -> tuple[dict[str, Any], str]:
             raise PlannerError(f"model {repo_id!r}: config.json could not be read from the Hub: "
                                f"{str(exc).splitlines()[0][:200]}") from None
     return _read(path, repo_id), path
+
+
+# huggingface_hub retries a failed connection with backoff (utils/_http.py http_backoff: 5 retries,
+# about 25 s without a network); one request of this long says first whether the Hub answers at all.
+REACH_TIMEOUT_SECONDS = 3.0
+
+
+def _reachable(repo_id: str, constants, cache_dir: str | None) -> None:
+    """Refuse at once, in one line, when the Hub's endpoint does not answer (no network)."""
+    from huggingface_hub.utils import get_session  # lazily, as hub_config imports huggingface_hub (backend extra)
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=REACH_TIMEOUT_SECONDS, follow_redirects=False)
+    except Exception as exc:  # noqa: BLE001 - any transport failure means the same: no Hub from here
+        raise PlannerError(f"model {repo_id!r}: the Hugging Face Hub ({constants.ENDPOINT}) cannot be reached "
+                           f"({type(exc).__name__}) and its config.json is not in the cache "
+                           f"({cache_dir or constants.HF_HUB_CACHE}): give the config with --model-file config.json "
+                           "(model_config in the API), or set HF_HUB_OFFLINE=1 to read the cache only") from None
 
 
 def _read(path: str, repo_id: str) -> dict[str, Any]:

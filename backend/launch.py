@@ -467,7 +467,12 @@ def run_probe(request: EstimateRequest, *, out_dir: Path, steps: int = 2, warmup
         return ProbeResult("launcher-error", [], job, "", 0.0, f"cannot start the run's supervisor: {exc}")
     status, message = "ok", ""
     try:
-        finished = _wait(supervisor, start, timeout_seconds, out_dir, on_progress, cancel)
+        finished = _wait(supervisor, start, timeout_seconds, out_dir, on_progress, cancel,
+                         world=request.world_size)
+        if finished == "recorded":  # every rank wrote its record; a teardown that hung was ended
+            finished, torn_down = True, False
+        else:
+            torn_down = True
         if not finished and cancel is not None and cancel.is_set():
             status = getattr(cancel, "status", "cancelled")
             message = getattr(cancel, "message", "cancelled") + "; all ranks ended"
@@ -488,7 +493,10 @@ def run_probe(request: EstimateRequest, *, out_dir: Path, steps: int = 2, warmup
         status, message = "launcher-error", (f"the run's supervisor ended without a result (exit "
                                              f"{supervisor.returncode}); see {out_dir / 'supervisor.log'}")
     if status == "ok":
-        status, message = _verdict(ranks, returncode, request.world_size)
+        # ranks that all wrote their records trained; a launcher ended in its teardown has no code
+        status, message = _verdict(ranks, returncode if torn_down else 0, request.world_size)
+        if not torn_down and status == "ok":
+            message += f" (the process groups' teardown did not end within {TEARDOWN_SECONDS:.0f} s; ended)"
     return ProbeResult(status, ranks, job, _tail(log_path), time.monotonic() - start, message, returncode)
 
 
@@ -542,10 +550,23 @@ def _stop_supervisor(supervisor: subprocess.Popen, stop_fd: int, spec: dict) -> 
         return {}
 
 
+# Once every rank has written its record the run has its result: the launcher then has this long to
+# exit (the process groups' teardown: gloo's and DeepSpeed's destructors at interpreter exit, which
+# a loaded machine has been seen to hang in) before the run is ended and its records stand.
+TEARDOWN_SECONDS = 30.0
+# A run whose ranks all finished their steps is past what its timeout was sized for (the steps):
+# the measurement's post-processing (the profiler's events, by Python) gets this much longer, at
+# most, for the records to be written, however loaded the machine.
+FINISH_SECONDS = 600.0
+
+
 def _wait(supervisor: subprocess.Popen, start: float, timeout: float, out_dir: Path, on_progress,
-          cancel=None) -> bool:
-    """True once the supervisor has ended (the launcher exited); False on a cancel or a timeout."""
+          cancel=None, world: int = 0) -> bool | str:
+    """True once the supervisor has ended (the launcher exited); "recorded" once every rank's
+    record has been written and the launcher has not exited TEARDOWN_SECONDS later; False on a
+    cancel or a timeout (extended by FINISH_SECONDS when every rank has finished its steps)."""
     seen = 0
+    recorded_at = None
     while True:
         if cancel is not None and cancel.is_set():
             return False
@@ -554,9 +575,30 @@ def _wait(supervisor: subprocess.Popen, start: float, timeout: float, out_dir: P
             seen = _report_progress(out_dir, seen, on_progress)
         if code is not None:
             return True
-        if time.monotonic() - start > timeout:
+        now = time.monotonic()
+        if world and recorded_at is None and _all_recorded(out_dir, world):
+            recorded_at = now
+        if recorded_at is not None and now - recorded_at > TEARDOWN_SECONDS:
+            return "recorded"
+        if now - start > timeout + (FINISH_SECONDS if world and _steps_finished(out_dir, world) else 0.0):
             return False
         time.sleep(0.2)
+
+
+def _all_recorded(out_dir: Path, world: int) -> bool:
+    return all((out_dir / f"rank{rank}.json").exists() for rank in range(world))
+
+
+def _steps_finished(out_dir: Path, world: int) -> bool:
+    """Every rank reported its last step (progress<N>.txt: "step total time" per step)."""
+    for rank in range(world):
+        try:
+            lines = (out_dir / f"progress{rank}.txt").read_text().split()
+        except OSError:
+            return False
+        if len(lines) < 3 or lines[-3] != lines[-2]:
+            return False
+    return True
 
 
 def _report_progress(out_dir: Path, seen: int, on_progress) -> int:

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -134,10 +135,43 @@ def main(argv: list[str] | None = None) -> int:
         }
         _write_atomic(status_path, result)
         raise
-    _write_atomic(status_path, result)
+    _write_atomic(status_path, result)  # the result first: the teardown below may hang or fail
     if args.plan:
         print(_report(result, job, status_path), flush=True)
+    _teardown(TEARDOWN_SECONDS)
     return 0
+
+
+# How long a rank waits for its process group's teardown after its record is written; launch.py
+# gives the launcher TEARDOWN_SECONDS after the last record before it ends the run.
+TEARDOWN_SECONDS = 20.0
+
+
+def _teardown(seconds: float) -> None:
+    """destroy_process_group, bounded: on a daemon thread, waited for ``seconds``, so that a gloo
+    or DeepSpeed teardown that never returns (seen on a loaded machine) cannot keep a rank whose
+    record is written from exiting. The rank then exits without the interpreter's own teardown of
+    what is left (os._exit: its record and stdout are flushed already)."""
+    import torch.distributed as dist  # loaded already by the rank's training (this module keeps torch lazy)
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            if os.environ.get("PLANNER_FAULT") == f"teardown-hang:{os.environ.get('RANK', '0')}":
+                time.sleep(3600)  # tests/test_verify.py: a teardown that never returns (PLANNER_FAULT)
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the record is written; a failing teardown changes nothing
+            pass
+        done.set()
+
+    threading.Thread(target=destroy, name="planner-teardown", daemon=True).start()
+    if not done.wait(seconds):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _report(result: dict, job, path: Path) -> str:

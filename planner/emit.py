@@ -822,8 +822,16 @@ def _guide(launch: _Launch, names: list[str], titan: dict[str, dict[str, Any]] |
     if launch.accelerate_layout is not None:
         out += ["", f"No accelerate_config.yaml or trainer_args.json: {launch.accelerate_layout}; "
                 "launch.sh" + (" and torchtitan.toml apply" if "torchtitan.toml" in names else " applies")
-                + " the whole layout."]
-        return "\n".join(out + [""])
+                + " the whole layout.", ""]
+    else:
+        out += _accelerate_guide(launch, accelerate, script)
+    return _guide_tail(launch, out, names, titan, tied, titan_reduce)
+
+
+def _accelerate_guide(launch: _Launch, accelerate: str, script: str) -> list[str]:
+    """LAUNCH.md's section for accelerate and the Trainer (the layouts accelerate has)."""
+    req = launch.request
+    out: list[str] = []
     if launch.framework == "torch" and launch.degree("tp") > 1:
         out += ["", "accelerate applies tensor parallelism to a model loaded with `from_pretrained(..., "
                 f"tp_plan=\"auto\")` (it checks the model's tp size against tp_size {launch.degree('tp')})."]
@@ -847,6 +855,11 @@ def _guide(launch: _Launch, names: list[str], titan: dict[str, dict[str, Any]] |
             "These arguments carry the same DeepSpeed / FSDP choice, so the script also runs under plain "
             f"`torchrun --nproc_per_node {req.gpus} {script}`" + (" (with --nnodes, --node_rank and --master_addr "
                                                                   "on each node)" if req.nodes > 1 else "") + ".", ""]
+    return out
+
+
+def _guide_tail(launch: _Launch, out: list[str], names: list[str], titan, tied: bool, titan_reduce) -> str:
+    req = launch.request
     if "torchtitan.toml" in names:
         torchrun = f"torchrun --nproc_per_node {req.gpus}" + (
             f" --nnodes {req.nodes} --node_rank $NODE_RANK --master_addr $MASTER_ADDR" if req.nodes > 1 else "")
@@ -864,7 +877,7 @@ def _guide(launch: _Launch, names: list[str], titan: dict[str, dict[str, Any]] |
     if RECIPES[launch.precision].casts_model:
         out += ["bf16-pure: load the model in bf16 (`from_pretrained(..., dtype=torch.bfloat16)`); "
                 "no autocast, no fp32 master copy.", ""]
-    if launch.framework == "deepspeed":
+    if launch.framework == "deepspeed" and "trainer_args.json" in names:
         out += ["The Trainer checks `trainer_args.json` against `ds_config.json` (batch, accumulation, learning rate, "
                 "precision): change both together.", ""]
     return "\n".join(out)

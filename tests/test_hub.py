@@ -149,6 +149,7 @@ def test_hub_errors_are_one_line(tmp_path, monkeypatch, capsys, error, message):
         raise exc
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr("backend.hub._reachable", lambda *args: None)  # online, as simulated
     code, out, err = run(capsys, "estimate", "--model", "someorg/private-model", "--gpu", "cpu")
     assert seen == [("someorg/private-model", "config.json")]
     assert code == 2 and out == "" and err.count("\n") == 1 and message in err

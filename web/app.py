@@ -20,9 +20,16 @@ from typing import Annotated, Any
 from fastapi import Body, Depends, FastAPI, Header, HTTPException, Path as PathParam, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
+from starlette.staticfiles import StaticFiles
+
+try:  # Swagger UI's assets served by this server: /docs works offline (the web extra installs it)
+    from swagger_ui_bundle import swagger_ui_path
+except ImportError:  # without it FastAPI's /docs loads them from its CDN
+    swagger_ui_path = None
 
 from backend.anymodel import analytic_estimate, estimate_any, plan_any, traced_estimate
 from backend.jobs import JobConflict, Jobs
@@ -247,6 +254,22 @@ def _slow_on_the_loop(body: EstimateRequest) -> bool:
     return False
 
 
+DOCS_ASSETS = "/docs-assets"
+
+
+def _local_docs(app: FastAPI) -> None:
+    """/docs from swagger-ui-bundle's copy of Swagger UI (swagger_ui_bundle/vendor/), not a CDN:
+    the page renders on a machine without internet. ReDoc has no local copy, so no /redoc."""
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def _docs():
+        return get_swagger_ui_html(openapi_url=app.openapi_url, title=f"{app.title} - Swagger UI",
+                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
+
+
 def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAPI:
     """``public_runs``: serve run records without the token; None reads PLANNER_PUBLIC_RUNS."""
     jobs = Jobs(db or os.environ.get("PLANNER_DB"))
@@ -262,8 +285,12 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
         # SIGKILL never gets here: each run's supervisor then ends the ranks and records it.
         jobs.interrupt_all("interrupted: the server stopped; all ranks ended")
 
+    local_docs = swagger_ui_path is not None
     app = FastAPI(title="planner", version=__version__, lifespan=lifespan, responses=ERRORS,
-                  description="Per-GPU memory, strategy and interconnect planning for distributed training.")
+                  description="Per-GPU memory, strategy and interconnect planning for distributed training.",
+                  docs_url=None if local_docs else "/docs", redoc_url=None if local_docs else "/redoc")
+    if local_docs:
+        _local_docs(app)
     app.state.jobs = jobs
     if public_runs is None:
         public_runs = os.environ.get(PUBLIC_RUNS_ENV, "").lower() in ("1", "true", "yes")
