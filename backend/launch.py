@@ -71,6 +71,7 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         "dist_backend": "gloo" if setup.gpu.is_cpu else None,
         "out_dir": str(out_dir),
         "seed": 0,
+        "keeps_outputs": request.keeps_outputs,
     }
     if setup.dims.pp > 1:
         return VerifyJob(**(common | _pipeline_settings(setup, request)))

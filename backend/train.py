@@ -374,11 +374,22 @@ def _injected_fault(step: int) -> None:
             time.sleep(1)
 
 
-def _optimizer_step(job: dict[str, Any], engine, device: torch.device, first_batch: int) -> None:
+def _optimizer_step(job: dict[str, Any], engine, device: torch.device, first_batch: int,
+                    held: list | None = None) -> None:
     """One optimizer step: gradient_accumulation micro-batches, synthetic batches numbered from
-    first_batch (the engine steps the optimizer at the accumulation boundary)."""
+    first_batch (the engine steps the optimizer at the accumulation boundary). The Trainer's loop
+    takes ``.loss`` and lets the outputs go; with keeps_outputs, accelerate's examples' loop
+    (``outputs = model(**batch); accelerator.backward(outputs.loss)``): ``held[0]``, the previous
+    micro-batch's outputs (a slot the caller keeps across steps, as the loop's variable lives on),
+    is let go only when the next forward has returned and the name is rebound."""
     for micro in range(int(job.get("gradient_accumulation", 1))):
         tokens = synthetic_batch(job, first_batch + micro, device)
+        if job.get("keeps_outputs") and held is not None:
+            held[0] = engine(input_ids=tokens, labels=tokens)  # `outputs = model(**batch)`: the previous die here
+            engine.backward(held[0].loss)
+            engine.step()
+            del tokens
+            continue
         loss = engine(input_ids=tokens, labels=tokens).loss
         engine.backward(loss)
         engine.step()
@@ -389,11 +400,12 @@ def _train_steps(job: dict[str, Any], engine, device: torch.device, on_step) -> 
     step_seconds: list[float] = []
     total = int(job["warmup_steps"]) + int(job["steps"])
     accumulation = int(job.get("gradient_accumulation", 1))
+    held: list = [None]  # the outputs a keeps_outputs loop still references (_optimizer_step)
     for step in range(total):
         _injected_fault(step)
         start = time.perf_counter()
         with torch.profiler.record_function(f"{STEP_MARK}{step}"):
-            _optimizer_step(job, engine, device, first_batch=step * accumulation)
+            _optimizer_step(job, engine, device, first_batch=step * accumulation, held=held)
             # At a step's end, gloo's worker threads may still hold (and later free) the
             # gradients and scratch of the last collectives, and DeepSpeed leaves some tensors in
             # reference cycles: when either lets go varies from run to run. A barrier, then a

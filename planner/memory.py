@@ -19,6 +19,7 @@ from planner.architecture import Architecture, parameter_count, parameter_numels
 from planner.catalogue import ResolvedModel, catalogue_model, model_from_config, raw_parameters, with_vision
 from planner.dsconfig import ZeroSettings, batch_from_config, parse_ds_config, with_overrides
 from planner.errors import PlannerError
+from planner.loop import check_loop, held_outputs_bytes, loop_note, with_held_outputs
 from planner.finetune import Finetune, lora_activations, resolve_finetune, trainable_numels, with_frozen
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.moments import PhaseKind
@@ -154,6 +155,7 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     dims = _dims(request, s, shard, model)
     check_context_parallel(dims.cp, s.framework, s.name, request.attention, model.architecture)
     finetune = resolve_finetune(request, model.architecture, s.name, s.framework)
+    check_loop(request, model.architecture)
     fields = {"shard_size": shard} | tensor_parallel_fields(request, s, model, shard)
     return Setup(request=request.model_copy(update={"precision": precision} | from_config), model=model, strategy=s,
                  recipe=RECIPES[precision], gpu=g, zero=zero, world_size=request.world_size, dims=dims,
@@ -311,6 +313,8 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
         plan = setup.framework.phases(setup, acts, _numels(setup))
         if setup.finetune is not None:
             plan = with_frozen(plan, setup)
+        if request.keeps_outputs:
+            plan = with_held_outputs(plan, _held_outputs(setup))
     if ep_items or ep_transient is not None:
         from planner import experts
 
@@ -348,6 +352,14 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
         headroom_bytes=capacity - peak,
         phases=[_phase_of(PhaseKind.RESIDENT, "between steps (resident)", plan.resident)] + list(plan.phases), buffers=list(plan.buffers),
         notes=notes, request=setup.request)
+
+
+def _held_outputs(setup: Setup) -> int:
+    """The logits a keeps_outputs loop holds (planner/loop.py); 0 for the Trainer's loop."""
+    if not setup.request.keeps_outputs:
+        return 0
+    req = setup.request
+    return held_outputs_bytes(setup.arch.vocab_size, req.micro_batch * req.seq_len, setup.recipe.compute_bytes)
 
 
 def _phase_of(kind: PhaseKind, name: str, items: list) -> Phase:
@@ -492,6 +504,7 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
     if setup.arch is not None:
         notes.extend(setup.arch.notes)  # what the family's reader assumed (eager only, vision tower)
     notes.append(f"peak occurs during {peak_phase.name}")
+    notes.append(loop_note(setup.request.keeps_outputs, _held_outputs(setup)))
     notes.extend(plan.notes)
     if setup.gpu.is_cpu:
         notes.append("cpu ranks: no CUDA context; capacity is host memory shared by the ranks of a node")

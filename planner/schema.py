@@ -260,6 +260,10 @@ class EstimateRequest(BaseModel):
     include_vision: bool = Field(
         False, description="multimodal configs (gemma3, llama4, mistral3): count the vision tower and projector as "
         "model states (trained in full); activations stay those of text tokens")
+    # the recipe as it is run (issue 21): the training loop (planner/loop.py)
+    keeps_outputs: bool = Field(False, description="the script keeps the model's outputs through backward "
+                                "(accelerate's `outputs = model(**batch); accelerator.backward(outputs.loss)`): "
+                                "their logits stay live; default: the Trainer's loop, which frees them")
     # LoRA / QLoRA (planner/finetune.py): defaults are PEFT 0.21's LoraConfig defaults
     finetune: Finetune = Field("full", description="full fine-tuning, LoRA adapters on a frozen 16-bit base, "
                                "or QLoRA (a frozen base quantized by bitsandbytes, nf4 with double quantization)")

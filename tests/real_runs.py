@@ -340,6 +340,18 @@ BENCH_RUNS = [
     _run("llama-zero2-bf16-small-ga2-t128", LLAMA, "zero2", "bf16-mixed", small=True, micro=1, seq=128,
          gradient_accumulation=2),
     _run("llama-ddp-bf16-ga2-t128", LLAMA, "ddp", "bf16-mixed", micro=1, seq=128, gradient_accumulation=2),
+    # the recipes as they are run (issue 21). keeps_outputs: accelerate's loop holds the outputs (their
+    # logits in the training dtype) through backward, the optimizer step and the next forward;
+    # logits-dominated (32k-50k vocabularies, 1-2k tokens) under autocast (DDP), ZeRO's bf16 model,
+    # FSDP2's bf16 gather, fp32, and over two micro-batches
+    _run("llama-v32k-ddp-bf16-keeps-t1024", LLAMA_32K, "ddp", "bf16-mixed", micro=2, seq=512, keeps_outputs=True),
+    _run("llama-v32k-zero2-bf16-small-keeps-t1024", LLAMA_32K, "zero2", "bf16-mixed", small=True, micro=2, seq=512,
+         keeps_outputs=True),
+    _run("qwen2-v32k-fsdp-bf16-keeps-t1024", QWEN2_32K, "fsdp", "bf16-mixed", micro=1, seq=1024, keeps_outputs=True),
+    _run("gpt2-v50k-zero1-fp32-small-keeps-t1024", GPT2_50K, "zero1", "fp32", small=True, micro=2, seq=512,
+         keeps_outputs=True),
+    _run("llama-v32k-zero3-bf16-small-keeps-ga2-t2048", LLAMA_32K, "zero3", "bf16-mixed", small=True, micro=1,
+         seq=2048, gradient_accumulation=2, keeps_outputs=True),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than

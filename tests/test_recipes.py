@@ -1,0 +1,63 @@
+"""The recipes as they are run (issue 21): the training loop that keeps the model's outputs
+(planner/loop.py). The real runs (tests/real_runs.py, measured by bench/accuracy.py) guard the
+numbers; these fast tests pin the mechanism and the refusals."""
+
+import pytest
+
+from backend.launch import worker_job
+from planner.errors import PlannerError
+from planner.memory import estimate
+from planner.schema import EstimateRequest
+from tests.real_runs import BENCH_RUNS, CPU_RUNS, LLAMA_32K
+
+BASE = dict(model_config=LLAMA_32K, gpus=2, gpu="cpu", micro_batch=2, seq_len=512)
+
+
+@pytest.mark.parametrize("strategy,precision,held_dtype_bytes", [
+    ("ddp", "bf16-mixed", 2), ("zero2", "bf16-mixed", 2), ("zero3", "fp32", 4), ("fsdp", "bf16-mixed", 2)])
+def test_keeps_outputs_holds_one_logits_tensor_at_every_moment_and_between_steps(strategy, precision,
+                                                                                   held_dtype_bytes):
+    trainer = estimate(EstimateRequest(**BASE, strategy=strategy, precision=precision))
+    kept = estimate(EstimateRequest(**BASE, strategy=strategy, precision=precision, keeps_outputs=True))
+    held = held_dtype_bytes * 2 * 512 * 32_000  # the logits in the training dtype: tokens x vocab
+    assert kept.per_device.peak_bytes - trainer.per_device.peak_bytes == held
+    assert kept.per_device.resident_bytes - trainer.per_device.resident_bytes == held
+    assert [p.bytes for p in kept.phases] == [p.bytes + held for p in trainer.phases]
+
+
+def test_every_result_names_the_loop_it_assumes():
+    trainer = estimate(EstimateRequest(**BASE, strategy="ddp"))
+    kept = estimate(EstimateRequest(**BASE, strategy="ddp", keeps_outputs=True))
+    assert any(n.startswith("training loop: the Trainer's") for n in trainer.notes)
+    assert any(n.startswith("training loop: the script keeps the model's outputs") and "65,536,000 bytes" in n
+               for n in kept.notes)
+
+
+@pytest.mark.parametrize("fields,words", [
+    (dict(strategy="fsdp", tp=2), "tp=2"),
+    (dict(strategy="fsdp", pp=2), "pp=2"),
+])
+def test_keeps_outputs_is_refused_where_the_step_keeps_no_outputs(fields, words):
+    with pytest.raises(PlannerError) as err:
+        estimate(EstimateRequest(**BASE | fields, keeps_outputs=True))
+    assert err.value.field == "keeps_outputs" and words in str(err.value)
+
+
+def test_keeps_outputs_needs_an_architecture():
+    with pytest.raises(PlannerError) as err:
+        estimate(EstimateRequest(params="7B", strategy="zero3", keeps_outputs=True))
+    assert err.value.field == "keeps_outputs"
+
+
+def test_the_probe_runs_the_loop_it_is_asked(tmp_path):
+    request = EstimateRequest(**BASE, strategy="zero2", keeps_outputs=True)
+    assert worker_job(request, steps=1, warmup_steps=0, out_dir=tmp_path).keeps_outputs
+    assert not worker_job(request.model_copy(update={"keeps_outputs": False}), steps=1, warmup_steps=0,
+                          out_dir=tmp_path).keeps_outputs
+
+
+def test_keeps_outputs_has_logits_dominated_real_runs():
+    runs = [f for _, f in CPU_RUNS + BENCH_RUNS if f.get("keeps_outputs")]
+    assert len(runs) >= 2
+    assert {f["strategy"] for f in runs} >= {"ddp", "zero2", "fsdp"}
+    assert all(f["micro_batch"] * f["seq_len"] >= 1024 and f["model_config"]["vocab_size"] >= 32_000 for f in runs)
