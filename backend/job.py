@@ -17,9 +17,10 @@ class TorchSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    strategy: Literal["ddp", "fsdp", "fsdp-grad-op", "hsdp"]
+    strategy: Literal["single", "ddp", "fsdp", "fsdp-grad-op", "hsdp"]
     sharding: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"] | None = Field(
         description="FSDP2's sharding, None for DDP")
+    wrapped: bool = Field(True, description="False: one device, the bare module and its optimizer (strategy single)")
     compute_dtype: Literal["bf16", "fp16"] | None = Field(description="autocast / FSDP2 param dtype; None: fp32")
     pure_16bit: bool = Field(description="weights kept in the 16-bit dtype (bf16-pure), no fp32 master")
     reduce_dtype: Literal["compute", "fp32"] = Field("compute", description="FSDP2's reduce_dtype: the compute "

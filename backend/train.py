@@ -162,7 +162,10 @@ def _torch_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.dev
     if settings["pure_16bit"]:
         model = model.to(dtype)
     model = model.to(device)
-    if settings["sharding"] is None:  # DDP (planner/frameworks/torch_2.py sharding)
+    if not settings.get("wrapped", True):  # one device (strategy single): the module itself, autocast
+        wrapped = model
+        autocast = None if settings["pure_16bit"] else dtype
+    elif settings["sharding"] is None:  # DDP (planner/frameworks/torch_2.py sharding)
         wrapped = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
         wrapped.register_comm_hook(None, COUNTER.ddp_hook())

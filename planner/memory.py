@@ -81,7 +81,7 @@ class Setup:
     def data_parallel_wrapped(self) -> bool:
         """False for a TP-only layout (one data-parallel rank): nothing wraps the model, as
         torchtitan applies FSDP only when dp_shard > 1 or cp > 1 (parallelize.py)."""
-        return self.rank_architecture is None or self.dims.dp * self.dims.cp > 1
+        return self.strategy.wraps and (self.rank_architecture is None or self.dims.dp * self.dims.cp > 1)
 
     @property
     def weight_bytes(self) -> int:

@@ -214,7 +214,8 @@ class EstimateRequest(BaseModel):
         description="a Hugging Face config.json as an object (what --model-file reads)")
     params: ParamCount | None = Field(
         None, description="a raw parameter count (7e9, 7B, 1.5T, 405_000_000_000), when only model states are wanted")
-    strategy: StrategyName = Field("zero3", description="distributed strategy")
+    strategy: StrategyName = Field("zero3", description="distributed strategy (default: zero3; single, no "
+                                   "sharding framework, when gpus is 1 on one node)")
     gpus: int = Field(DEFAULT_GPUS_PER_NODE, ge=1, le=MAX_GPUS_PER_NODE, description="GPUs (or CPU ranks) per node")
     nodes: int = Field(1, ge=1, le=MAX_NODES, description="number of nodes")
     gpu: GpuName = Field(DEFAULT_GPU, description="device type (see `planner gpus`), or cpu")
@@ -284,7 +285,11 @@ class EstimateRequest(BaseModel):
     @classmethod
     def _strategy_from_ds_config(cls, data: Any) -> Any:
         """A DeepSpeed config names its ZeRO stage: without --strategy, that stage is the strategy
-        (as its precision, batch and buckets are read from it); an explicit strategy must agree."""
+        (as its precision, batch and buckets are read from it); an explicit strategy must agree.
+        Without either, one GPU on one node is strategy single (no sharding framework)."""
+        if isinstance(data, dict) and "strategy" not in data and data.get("ds_config") is None \
+                and data.get("gpus") == 1 and data.get("nodes", 1) == 1:
+            data = {**data, "strategy": "single"}  # one device: no sharding framework (issue 21)
         if isinstance(data, dict) and "strategy" not in data and isinstance(data.get("ds_config"), dict):
             zero = data["ds_config"].get("zero_optimization")
             stage = zero.get("stage", 0) if isinstance(zero, dict) else 0

@@ -13,9 +13,12 @@ from typing import Literal
 
 from planner.errors import PlannerError
 
-StrategyName = Literal["ddp", "fsdp", "fsdp-grad-op", "hsdp", "zero0", "zero1", "zero2", "zero3"]
+StrategyName = Literal["single", "ddp", "fsdp", "fsdp-grad-op", "hsdp", "zero0", "zero1", "zero2", "zero3"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
+# the data-parallel strategies a plan weighs; "single" (one device, nothing wraps the model) is the
+# estimate's default at a world of 1
 STRATEGIES: tuple[str, ...] = ("ddp", "zero0", "zero1", "zero2", "zero3", "fsdp", "fsdp-grad-op", "hsdp")
+SINGLE = "single"
 
 
 @dataclass(frozen=True)
@@ -28,9 +31,13 @@ class Strategy:
     zero_stage: int | None = None
     shard_within_node: bool = False  # HSDP: the shard group is one node's GPUs
     params_unsharded_in_step: bool = False  # SHARD_GRAD_OP keeps gathered params fwd -> bwd
+    wraps: bool = True  # a data-parallel wrapper runs; False: one device, the bare module (single)
 
 
 _TABLE: dict[str, Strategy] = {
+    # one device, no sharding framework: the torch module and its optimizer, as HF Trainer and
+    # accelerate run on one GPU (no DDP wrapper at a world of 1)
+    "single": Strategy("single", "torch", False, False, False, wraps=False),
     "ddp": Strategy("ddp", "torch", False, False, False),
     "zero0": Strategy("zero0", "deepspeed", False, False, False, zero_stage=0),
     "zero1": Strategy("zero1", "deepspeed", True, False, False, zero_stage=1),
@@ -46,7 +53,7 @@ def strategy(name: str) -> Strategy:
     try:
         return _TABLE[name]
     except KeyError:
-        raise PlannerError(f"strategy {name!r} is unknown; choose one of {', '.join(STRATEGIES)}",
+        raise PlannerError(f"strategy {name!r} is unknown; choose one of {', '.join(_TABLE)}",
                            field="strategy") from None
 
 
@@ -54,6 +61,9 @@ def shard_group_size(s: Strategy, gpus_per_node: int, nodes: int, hsdp_shard_siz
     """How many ranks a sharded state is divided over: the data-parallel group, or for HSDP one
     shard group (a node's GPUs by default, or fewer: e.g. the two GPUs of an NVLink pair)."""
     world = gpus_per_node * nodes
+    if not s.wraps and world != 1:
+        raise PlannerError(f"strategy {s.name} is one device: gpus({gpus_per_node}) * nodes({nodes}) = {world}; "
+                           "use ddp, zero0-3, fsdp or hsdp on more than one", field="strategy")
     if not s.shard_within_node:
         if hsdp_shard_size is not None:
             raise PlannerError(f"hsdp_shard_size={hsdp_shard_size} applies to hsdp only, not to strategy {s.name}",

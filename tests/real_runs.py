@@ -352,6 +352,10 @@ BENCH_RUNS = [
          keeps_outputs=True),
     _run("llama-v32k-zero3-bf16-small-keeps-ga2-t2048", LLAMA_32K, "zero3", "bf16-mixed", small=True, micro=1,
          seq=2048, gradient_accumulation=2, keeps_outputs=True),
+    # strategy single: one device, the bare module under autocast (HF Trainer / accelerate on one GPU)
+    _run("llama-single-bf16-t512", LLAMA, "single", "bf16-mixed", gpus=1, micro=2, seq=256),
+    _run("llama-v32k-single-fp32-ckpt-keeps-t1024", LLAMA_32K, "single", "fp32", gpus=1, ckpt="full", micro=1,
+         seq=1024, keeps_outputs=True),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than

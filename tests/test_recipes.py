@@ -61,3 +61,22 @@ def test_keeps_outputs_has_logits_dominated_real_runs():
     assert len(runs) >= 2
     assert {f["strategy"] for f in runs} >= {"ddp", "zero2", "fsdp"}
     assert all(f["micro_batch"] * f["seq_len"] >= 1024 and f["model_config"]["vocab_size"] >= 32_000 for f in runs)
+
+
+def test_one_gpu_defaults_to_strategy_single_and_single_is_one_device():
+    one = EstimateRequest(model_config=LLAMA_32K, gpus=1, gpu="cpu")
+    assert one.strategy == "single"
+    assert EstimateRequest(model_config=LLAMA_32K, gpus=1, gpu="cpu", strategy="ddp").strategy == "ddp"
+    assert EstimateRequest(model_config=LLAMA_32K, gpus=2, gpu="cpu").strategy == "zero3"
+    with pytest.raises(PlannerError) as err:
+        estimate(EstimateRequest(model_config=LLAMA_32K, gpus=2, gpu="cpu", strategy="single"))
+    assert err.value.field == "strategy" and "gpus(2) * nodes(1) = 2" in str(err.value)
+
+
+def test_single_is_ddp_without_its_buckets():
+    # the bare module: no DDP Reducer, so no bucket copy of the gradients (measured: llama-single-bf16-t512)
+    single = estimate(EstimateRequest(model_config=LLAMA_32K, gpus=1, gpu="cpu", seq_len=256))
+    ddp = estimate(EstimateRequest(model_config=LLAMA_32K, gpus=1, gpu="cpu", seq_len=256, strategy="ddp"))
+    buckets = 4 * single.parameters  # fp32 gradients, one copy
+    assert ddp.per_device.resident_bytes - single.per_device.resident_bytes == buckets
+    assert not any("DDP" in i.name for p in single.phases for i in p.items)

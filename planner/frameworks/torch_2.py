@@ -125,6 +125,7 @@ class TorchDistributed(Framework):
         dtype, pure = RECIPES[request.precision].reduced_dtype, RECIPES[request.precision].casts_model
         return {"framework": self.name, "torch": {
             "strategy": setup.strategy.name, "sharding": sharding(setup.strategy),
+            "wrapped": setup.strategy.wraps,
             "compute_dtype": dtype, "pure_16bit": pure, "reduce_dtype": request.reduce_dtype,
             "optimizer": request.optimizer,
             "offload": setup.zero.offload_params != "none",
