@@ -41,6 +41,7 @@ class FinetuneSettings(BaseModel):
     alpha: float
     dropout: float = Field(ge=0, lt=1)
     quantize: Literal["none", "nf4", "fp4", "int8"]
+    double_quant: bool = Field(True, description="4-bit: bitsandbytes' compress_statistics (double quantization)")
     targets: list[str] | str = Field(description="PEFT target_modules: module names, or the string \"all-linear\"")
     modules_to_save: list[str] | None = None
     compute_dtype: Literal["bf16", "fp16"] | None

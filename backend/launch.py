@@ -94,6 +94,7 @@ def finetune_job(setup) -> dict[str, Any]:
     frozen base is loaded in (the recipe's 16-bit type, or fp32)."""
     f, recipe = setup.finetune, setup.recipe
     return {"rank": f.rank, "alpha": f.alpha, "dropout": f.dropout, "quantize": f.quantize,
+            "double_quant": f.double_quant,
             "targets": f.peft_targets(), "modules_to_save": lora_config(f)["modules_to_save"],
             "compute_dtype": recipe.reduced_dtype,
             "base_dtype": None if recipe.weight_bits == 32 else recipe.reduced_dtype}

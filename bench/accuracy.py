@@ -56,7 +56,7 @@ def _peers(request: EstimateRequest) -> tuple[int | None, int]:
 
 # The recipe fields (issue 21 and before) a row names when they differ from the default: the
 # schema's own defaults, so a new field is one entry here
-RECIPE_FIELDS = ("finetune", "quantize_base", "keeps_outputs")
+RECIPE_FIELDS = ("finetune", "quantize_base", "double_quant", "keeps_outputs")
 
 
 def recipe(request: EstimateRequest) -> str:

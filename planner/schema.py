@@ -280,6 +280,8 @@ class EstimateRequest(BaseModel):
                                                "nf4/fp4 (bitsandbytes 4-bit) or int8 (LLM.int8); default nf4 for qlora")
     train_embeddings: bool = Field(False, description="also train the input embeddings and LM head in full "
                                    "(PEFT modules_to_save)")
+    double_quant: bool | None = Field(None, description="bitsandbytes 4-bit double quantization "
+                                      "(bnb_4bit_use_double_quant); default on for nf4/fp4, as the QLoRA recipe")
 
     @model_validator(mode="before")
     @classmethod

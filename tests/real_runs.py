@@ -356,6 +356,21 @@ BENCH_RUNS = [
     _run("llama-single-bf16-t512", LLAMA, "single", "bf16-mixed", gpus=1, micro=2, seq=256),
     _run("llama-v32k-single-fp32-ckpt-keeps-t1024", LLAMA_32K, "single", "fp32", gpus=1, ckpt="full", micro=1,
          seq=1024, keeps_outputs=True),
+    # QLoRA as it is run: a 4-bit base with bf16 compute, prepare_model_for_kbit_training (fp32 norms,
+    # embeddings and head), torch.autocast bf16 (HF Trainer bf16=True), one device or DDP; the fp32
+    # residual stream (planner/finetune.py lora_activations fp32_stream)
+    _run("llama-qlora-single-bf16-all-t512", LLAMA, "single", "bf16-mixed", gpus=1, micro=2, seq=256,
+         finetune="qlora", lora_targets="all-linear"),
+    _run("llama-qlora-single-bf16-ckpt-all-r16-t1024", LLAMA, "single", "bf16-mixed", gpus=1, ckpt="full", micro=4,
+         seq=256, finetune="qlora", lora_rank=16, lora_targets="all-linear"),
+    _run("llama-qlora-single-bf16-fp4-nodq-all-t512", LLAMA, "single", "bf16-mixed", gpus=1, micro=2, seq=256,
+         finetune="qlora", quantize_base="fp4", double_quant=False, lora_targets="all-linear"),
+    _run("llama-qlora-ddp-bf16-all-t512", LLAMA, "ddp", "bf16-mixed", micro=2, seq=256, finetune="qlora",
+         lora_targets="all-linear"),
+    _run("llama-v32k-qlora-single-bf16-ckpt-t1024", LLAMA_32K, "single", "bf16-mixed", gpus=1, ckpt="full", micro=1,
+         seq=1024, finetune="qlora"),
+    _run("llama-v32k-qlora-single-bf16-keeps-t2048", LLAMA_32K, "single", "bf16-mixed", gpus=1, micro=2, seq=1024,
+         finetune="qlora", keeps_outputs=True),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than

@@ -80,3 +80,51 @@ def test_single_is_ddp_without_its_buckets():
     buckets = 4 * single.parameters  # fp32 gradients, one copy
     assert ddp.per_device.resident_bytes - single.per_device.resident_bytes == buckets
     assert not any("DDP" in i.name for p in single.phases for i in p.items)
+
+
+QLORA = dict(model_config=LLAMA_32K, gpus=1, gpu="cpu", micro_batch=1, seq_len=1024, finetune="qlora",
+             lora_targets="all-linear")
+
+
+def test_qlora_as_it_is_run_keeps_an_fp32_stream_under_autocast():
+    # a 4-bit base under torch.autocast after prepare_model_for_kbit_training: the checkpointed block
+    # inputs are the fp32 residual stream (measured: llama-qlora-single-bf16-ckpt-all-r16-t1024)
+    from planner.memory import activations, resolve
+
+    ckpt = activations(resolve(EstimateRequest(**QLORA, checkpointing="full")))
+    assert ckpt.layer_kept_bytes == 4 * 1024 * 256
+    # the fp32 LM head's bf16 copy is saved for the input's gradient, beside the final norm's fp32 input
+    final = next(i.bytes for i in ckpt.items if i.name == "final norm")
+    assert final == 4 * 1024 * 256 + 4 * 1024 + 2 * 32_000 * 256
+    # fp32 compute: the 16-bit terms are what they were (the stream is fp32 anyway)
+    fp32 = activations(resolve(EstimateRequest(**QLORA, precision="fp32", checkpointing="full")))
+    assert fp32.layer_kept_bytes == 4 * 1024 * 256
+
+
+def test_qlora_int8_under_autocast_and_double_quant_off_4bit_are_refused_by_field():
+    with pytest.raises(PlannerError) as err:
+        estimate(EstimateRequest(**QLORA, quantize_base="int8"))
+    assert err.value.field == "quantize_base" and "nf4/fp4" in str(err.value)
+    for fields in (dict(finetune="lora"), dict(quantize_base="int8")):
+        with pytest.raises(ValueError, match="double_quant=False is bitsandbytes' 4-bit option"):
+            EstimateRequest(**QLORA | fields, double_quant=False)
+
+
+def test_double_quantization_stores_the_absmax_in_8_bits():
+    from planner.finetune import quantized_weight_bytes
+
+    n, blocks = 4096 * 4096, 4096 * 4096 // 64
+    assert quantized_weight_bytes(n, "nf4", 4096, double_quant=False) == n // 2 + 4 * blocks + 64
+    assert quantized_weight_bytes(n, "nf4", 4096) == n // 2 + blocks + 4 * (blocks // 256) + 1024 + 4 + 64
+    single = estimate(EstimateRequest(**QLORA)).per_device.frozen_weights_bytes
+    off = estimate(EstimateRequest(**QLORA, double_quant=False)).per_device.frozen_weights_bytes
+    assert off > single
+
+
+def test_qlora_recipe_has_real_runs_on_one_device_and_ddp():
+    runs = [f for _, f in CPU_RUNS + BENCH_RUNS if f.get("finetune") == "qlora" and f["precision"] == "bf16-mixed"
+            and f["strategy"] in ("single", "ddp")]
+    assert {f["strategy"] for f in runs} == {"single", "ddp"}
+    assert {f["checkpointing"] for f in runs} == {"none", "full"}
+    assert {f.get("quantize_base", "nf4") for f in runs} == {"nf4", "fp4"}
+    assert {f.get("double_quant", True) for f in runs} == {True, False}
