@@ -101,7 +101,8 @@ class VerifyJob(BaseModel):
 
     hf_config: dict[str, Any] = Field(alias="model_config", description="the Hugging Face config the rank builds")
     attn_implementation: Literal["sdpa", "eager"]
-    checkpointing: Literal["none", "full"]
+    checkpointing: Literal["none", "full", "selective-op", "selective-attention"]
+    checkpointing_every: int | None = Field(None, ge=1, description="full checkpointing of every N-th block")
     micro_batch: int = Field(ge=1)
     seq_len: int = Field(ge=1)
     gradient_accumulation: int = Field(ge=1)

@@ -62,6 +62,7 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         "model_config": setup.model.config,
         "attn_implementation": request.attention,
         "checkpointing": request.checkpointing,
+        "checkpointing_every": request.checkpointing_every,
         "micro_batch": request.micro_batch,
         "seq_len": request.seq_len,
         "gradient_accumulation": request.gradient_accumulation,

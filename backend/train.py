@@ -41,9 +41,21 @@ def build_model(job: dict[str, Any]) -> torch.nn.Module:
         from backend.finetune import base_dtype
 
         dtype = base_dtype(job)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=_attention_for(job), dtype=dtype)
-    if job["checkpointing"] == "full":
+    attention = _attention_for(job)
+    if job["checkpointing"] == "selective-attention":
+        from backend.checkpointing import core_attention_recompute
+
+        attention = core_attention_recompute(attention)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype)
+    if job["checkpointing"] == "full" and not job.get("checkpointing_every"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif job["checkpointing"] in ("full", "selective-op"):
+        from backend.checkpointing import selective_op_context
+
+        options = {"use_reentrant": False} | (
+            {"context_fn": selective_op_context} if job["checkpointing"] == "selective-op" else {})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options,
+                                              every_n_layers=job.get("checkpointing_every") or 1)
     model.train()
     if job.get("finetune"):
         from backend.finetune import apply_finetune

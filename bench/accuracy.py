@@ -56,7 +56,7 @@ def _peers(request: EstimateRequest) -> tuple[int | None, int]:
 
 # The recipe fields (issue 21 and before) a row names when they differ from the default: the
 # schema's own defaults, so a new field is one entry here
-RECIPE_FIELDS = ("finetune", "quantize_base", "double_quant", "keeps_outputs")
+RECIPE_FIELDS = ("finetune", "quantize_base", "double_quant", "keeps_outputs", "checkpointing_every")
 
 
 def recipe(request: EstimateRequest) -> str:
@@ -67,7 +67,8 @@ def recipe(request: EstimateRequest) -> str:
         value = getattr(request, name)
         if name not in request.model_fields_set or value == defaults[name].default:
             continue
-        words.append(name.replace("_", "-") if value is True else f"{value}")
+        words.append(name.replace("_", "-") if value is True else
+                     f"every {value}" if name == "checkpointing_every" else f"{value}")
     return ", ".join(words) or "-"
 
 

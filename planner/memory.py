@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from planner import buffers as buf
 from planner.frameworks import Framework, framework_of
-from planner.activations import ActivationItem, Activations, estimate_activations
+from planner.activations import ActivationItem, Activations, check_checkpointing, estimate_activations
 from planner.architecture import Architecture, parameter_count, parameter_numels
 from planner.catalogue import ResolvedModel, catalogue_model, model_from_config, raw_parameters, with_vision
 from planner.dsconfig import ZeroSettings, batch_from_config, parse_ds_config, with_overrides
@@ -156,10 +156,24 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     check_context_parallel(dims.cp, s.framework, s.name, request.attention, model.architecture)
     finetune = resolve_finetune(request, model.architecture, s.name, s.framework)
     check_loop(request, model.architecture)
+    check_checkpointing(model.architecture, request.checkpointing, request.checkpointing_every, request.attention,
+                        _checkpointing_why_not(request, model, finetune))
     fields = {"shard_size": shard} | tensor_parallel_fields(request, s, model, shard)
     return Setup(request=request.model_copy(update={"precision": precision} | from_config), model=model, strategy=s,
                  recipe=RECIPES[precision], gpu=g, zero=zero, world_size=request.world_size, dims=dims,
                  finetune=finetune, **fields)
+
+
+def _checkpointing_why_not(request: EstimateRequest, model: ResolvedModel, finetune: Finetune | None) -> str | None:
+    """What of the request the checkpointing policies beyond none/full are not modelled with."""
+    parallel = [f"{name}={getattr(request, name)}" for name in ("tp", "cp", "pp", "ep") if getattr(request, name) > 1]
+    if parallel:
+        return ", ".join(parallel)
+    if finetune is not None:
+        return f"finetune={request.finetune}"
+    if model.traced is not None:
+        return "a traced model"
+    return None
 
 
 def _dims(request: EstimateRequest, s: Strategy, shard: int, model: ResolvedModel) -> ParallelDims:
@@ -237,7 +251,8 @@ def activations(setup: Setup) -> Activations | None:
                 and setup.dims.pp == 1 and setup.cp == 1)
     acts = estimate_activations(arch, micro_batch=req.micro_batch, seq_len=seq_len,
                                 compute_bytes=compute, attention=req.attention,
-                                checkpointing=req.checkpointing, device=setup.device, autocast=autocast)
+                                checkpointing=req.checkpointing, device=setup.device, autocast=autocast,
+                                every=req.checkpointing_every)
     if setup.rank_architecture is not None:
         acts = tp_activations(acts, setup.model.architecture, setup.arch, tp=setup.tp,
                               sequence_parallel=setup.sequence_parallel, tokens=req.micro_batch * seq_len,

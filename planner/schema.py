@@ -229,7 +229,12 @@ class EstimateRequest(BaseModel):
     micro_batch: int = Field(1, ge=1, le=1 << 16, description="sequences per device per micro-step")
     seq_len: int = Field(DEFAULT_SEQ_LEN, ge=1, le=1 << 22, description="tokens per sequence")
     gradient_accumulation: int = Field(1, ge=1, le=1 << 16, description="micro-steps per optimizer step")
-    checkpointing: Checkpointing = Field("none", description="activation checkpointing")
+    checkpointing: Checkpointing = Field("none", description="activation checkpointing: none, full, selective-op "
+                                         "(torchtitan's per-op SAC), selective-attention (Megatron's core-attention "
+                                         "recompute)")
+    checkpointing_every: int | None = Field(None, ge=1, le=1 << 16,
+                                            description="with checkpointing full: checkpoint every N-th block only "
+                                            "(transformers' every_n_layers: blocks 0, N, 2N, ...)")
     attention: Attention = Field("sdpa", description="attention implementation (sdpa = flash/memory-efficient)")
     offload_optimizer: OffloadDevice = Field("none", description="where optimizer states live")
     offload_params: OffloadDevice = Field("none", description="where parameters live (zero3 / fsdp)")
@@ -320,6 +325,9 @@ class EstimateRequest(BaseModel):
                              f"exceeds the global batch bound {MAX_GLOBAL_BATCH}")
         if self.topology is not None and self.topology_text is not None:
             raise ValueError("give --topology or --topology-file, not both")
+        if self.checkpointing_every is not None and self.checkpointing != "full":
+            raise ValueError(f"checkpointing_every={self.checkpointing_every} applies to checkpointing=full, not "
+                             f"checkpointing={self.checkpointing}")
         if self.reduce_dtype != "compute" and self.strategy not in SHARDING_STRATEGIES:
             raise ValueError(f"reduce_dtype={self.reduce_dtype} is FSDP2's MixedPrecisionPolicy.reduce_dtype: it applies "
                              f"to {', '.join(SHARDING_STRATEGIES)}, not strategy {self.strategy}")

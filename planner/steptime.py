@@ -45,6 +45,7 @@ class Combo:
     cp: int = 1  # context-parallel degree
     sequence_parallel: bool = False
     pp: int = 1  # pipeline stages (planner/pipeline.py)
+    checkpointing_every: int | None = None  # with full checkpointing: every N-th block
 
     def data_parallel_wrapped(self, nodes: int) -> bool:
         """Whether a data-parallel wrapper (DDP, FSDP2) runs on it: not with one data-parallel
@@ -152,7 +153,7 @@ def frozen_base_shape(request: EstimateRequest, arch) -> FrozenBaseShape | None:
 
 
 def _flops_per_token(shape, seq_len: int, checkpointing: str,
-                     frozen: FrozenBaseShape | None = None) -> tuple[float, float]:
+                     frozen: FrozenBaseShape | None = None, every: int | None = None) -> tuple[float, float]:
     """(FLOPs per token the step runs, recomputation included; FLOPs per token MFU counts)."""
     if frozen is not None:
         return timing.frozen_base_flops_per_token(shape, seq_len, checkpointing, frozen.adapter_forward_flops,
@@ -160,7 +161,7 @@ def _flops_per_token(shape, seq_len: int, checkpointing: str,
     if isinstance(shape, TracedShape):
         forward = 2 * shape.matmul_parameters
         return forward * (4 if checkpointing == "full" else 3), 3 * forward
-    return timing.flops_per_token(shape, seq_len, checkpointing), timing.model_flops_per_token(shape, seq_len)
+    return timing.flops_per_token(shape, seq_len, checkpointing, every), timing.model_flops_per_token(shape, seq_len)
 
 
 @dataclass(frozen=True)
@@ -268,7 +269,7 @@ def resolved_combo(request: EstimateRequest, parameters: int | None = None) -> t
     # data-parallel ranks; its replicas all-reduce a 1/(dp_shard x cp) shard of the gradients)
     shard = setup.dims.dp_shard * setup.dims.cp if lookup_strategy(request.strategy).shard_within_node else None
     combo = Combo(request.gpus, request.strategy, request.checkpointing, zero.offload_optimizer, zero.offload_params,
-                  shard, request.tp, request.cp, setup.sequence_parallel, request.pp)
+                  shard, request.tp, request.cp, setup.sequence_parallel, request.pp, request.checkpointing_every)
     return combo, Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size,
                           zero.param_persistence_threshold, zero.max_reuse_distance), setup
 
@@ -388,7 +389,8 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     peak_flops = g.peak_tflops[dtype] * 1e12
     tokens_rank = per_rank * req.seq_len
     model_parallel = combo.tp * combo.cp  # GPUs that share one data-parallel rank's tokens
-    per_token, model_per_token = _flops_per_token(arch, req.seq_len, combo.checkpointing, frozen)
+    per_token, model_per_token = _flops_per_token(arch, req.seq_len, combo.checkpointing, frozen,
+                                                  combo.checkpointing_every)
     flops = tokens_rank * per_token / model_parallel
     compute = flops / (peak_flops * req.compute_efficiency)
     ring, ring_bw, _ = timing.node_ring(topo, combo.gpus)

@@ -371,6 +371,22 @@ BENCH_RUNS = [
          seq=1024, finetune="qlora"),
     _run("llama-v32k-qlora-single-bf16-keeps-t2048", LLAMA_32K, "single", "bf16-mixed", gpus=1, micro=2, seq=1024,
          finetune="qlora", keeps_outputs=True),
+    # checkpointing policies: torchtitan's per-op SAC (torch.utils.checkpoint's selective contexts
+    # with its save list and every-second-mm rule: backend/checkpointing.py), every N-th block
+    # (transformers' every_n_layers), Megatron's core-attention recompute (SDPA and eager)
+    _run("llama-single-bf16-sacop-t1024", LLAMA, "single", "bf16-mixed", gpus=1, ckpt="selective-op", micro=4,
+         seq=256),
+    _run("llama-ddp-fp32-sacop-t512", LLAMA, "ddp", "fp32", ckpt="selective-op", micro=2, seq=256),
+    _run("llama-zero2-bf16-small-sacop-t1024", LLAMA, "zero2", "bf16-mixed", small=True, ckpt="selective-op",
+         micro=4, seq=256),
+    _run("llama-single-fp32-every2-t1024", LLAMA, "single", "fp32", gpus=1, ckpt="full", checkpointing_every=2,
+         micro=4, seq=256),
+    _run("llama-ddp-bf16-every3-t1024", LLAMA, "ddp", "bf16-mixed", ckpt="full", checkpointing_every=3, micro=4,
+         seq=256),
+    _run("llama-single-bf16-selattn-t1024", LLAMA, "single", "bf16-mixed", gpus=1, ckpt="selective-attention",
+         micro=4, seq=256),
+    _run("llama-single-fp32-eager-selattn-t512", LLAMA, "single", "fp32", gpus=1, ckpt="selective-attention",
+         attention="eager", micro=2, seq=256),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than

@@ -128,3 +128,68 @@ def test_qlora_recipe_has_real_runs_on_one_device_and_ddp():
     assert {f["checkpointing"] for f in runs} == {"none", "full"}
     assert {f.get("quantize_base", "nf4") for f in runs} == {"nf4", "fp4"}
     assert {f.get("double_quant", True) for f in runs} == {True, False}
+
+
+# --- checkpointing policies -------------------------------------------------------------------
+
+from planner.activations import recompute_flops_per_token, selective_op_saved_linears  # noqa: E402
+from planner.architecture import from_hf_config  # noqa: E402
+from planner.finetune import Linear  # noqa: E402
+from tests.real_runs import LLAMA  # noqa: E402
+
+POLICY = dict(model_config=LLAMA, gpus=1, gpu="cpu", micro_batch=4, seq_len=256)
+
+
+def test_selective_op_saves_every_other_matmul_and_every_addmm():
+    linears = [Linear(n, 8, 8, False) for n in ("q", "k", "v", "o", "gate", "up", "down")]
+    assert [x.name for x in selective_op_saved_linears(linears)] == ["q", "v", "gate", "down"]
+    with_bias = [Linear("q", 8, 8, True), Linear("k", 8, 8, True), Linear("v", 8, 8, True), Linear("o", 8, 8, False)]
+    assert [x.name for x in selective_op_saved_linears(with_bias)] == ["q", "k", "v", "o"]
+
+
+@pytest.mark.parametrize("strategy", ["single", "zero2"])
+def test_policies_order_memory_between_none_and_full(strategy):
+    fields = POLICY | dict(strategy=strategy, gpus=1 if strategy == "single" else 2,
+                           reduce_bucket_size=2_000_000, allgather_bucket_size=2_000_000) \
+        if strategy == "zero2" else POLICY | dict(strategy=strategy)
+    peak = {(c, e): estimate(EstimateRequest(**fields, checkpointing=c, checkpointing_every=e)).per_device.peak_bytes
+            for c, e in [("none", None), ("full", None), ("full", 2), ("selective-op", None)]}
+    assert peak[("full", None)] < peak[("selective-op", None)] < peak[("none", None)]
+    assert peak[("full", None)] < peak[("full", 2)] < peak[("none", None)]
+
+
+def test_recompute_flops_per_policy():
+    a = from_hf_config(dict(LLAMA))
+    h, kv, inner, s = 256, 128, 688, 1024
+    block = 2 * (h * h + 2 * h * kv + h * h + 3 * h * inner) + 4 * s * h
+    assert recompute_flops_per_token(a, s, "none") == 0
+    assert recompute_flops_per_token(a, s, "full") == pytest.approx(4 * block, rel=1e-3)  # norms' weights aside
+    assert recompute_flops_per_token(a, s, "full", every=2) == pytest.approx(2 * block, rel=1e-3)
+    assert recompute_flops_per_token(a, s, "selective-op") == 4 * 2 * (h * kv + h * h + h * inner)  # k, o, up
+    assert recompute_flops_per_token(a, s, "selective-attention") == 4 * 4 * s * h
+
+
+@pytest.mark.parametrize("fields,field", [
+    (dict(checkpointing="selective-op", tp=2, strategy="fsdp", gpus=2), "checkpointing"),
+    (dict(checkpointing="selective-op", attention="eager"), "checkpointing"),
+    (dict(checkpointing="selective-attention", finetune="lora"), "checkpointing"),
+    (dict(checkpointing="full", checkpointing_every=2, pp=2, strategy="fsdp", gpus=2), "checkpointing_every"),
+])
+def test_policies_refused_where_not_modelled(fields, field):
+    with pytest.raises(PlannerError) as err:
+        estimate(EstimateRequest(**POLICY | fields))
+    assert err.value.field == field
+
+
+def test_checkpointing_every_needs_full_and_unknown_policy_names_the_choices():
+    with pytest.raises(ValueError, match="checkpointing_every=2 applies to checkpointing=full"):
+        EstimateRequest(**POLICY, checkpointing="selective-op", checkpointing_every=2)
+    with pytest.raises(ValueError, match="selective-op"):
+        EstimateRequest(**POLICY, checkpointing="selective")
+
+
+def test_policies_have_real_runs():
+    runs = [f for _, f in CPU_RUNS + BENCH_RUNS]
+    for policy in ("selective-op", "selective-attention"):
+        assert sum(f["checkpointing"] == policy for f in runs) >= 2
+    assert sum(f.get("checkpointing_every", 1) > 1 for f in runs) >= 2
