@@ -103,6 +103,9 @@ class VerifyJob(BaseModel):
     attn_implementation: Literal["sdpa", "eager"]
     checkpointing: Literal["none", "full", "selective-op", "selective-attention"]
     checkpointing_every: int | None = Field(None, ge=1, description="full checkpointing of every N-th block")
+    loss: Literal["hf", "chunked", "vocab-parallel"] = Field("hf", description="the loss implementation "
+                                                                            "(backend/losses.py)")
+    loss_chunks: int = Field(1, ge=1, description="loss=chunked: chunks of the sequence")
     micro_batch: int = Field(ge=1)
     seq_len: int = Field(ge=1)
     gradient_accumulation: int = Field(ge=1)

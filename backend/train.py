@@ -61,6 +61,10 @@ def build_model(job: dict[str, Any]) -> torch.nn.Module:
         from backend.finetune import apply_finetune
 
         model = apply_finetune(model, job)
+    if job.get("loss") == "chunked":
+        from backend.losses import ChunkedOutputLoss
+
+        model = ChunkedOutputLoss(model, int(job["loss_chunks"]))
     return model
 
 

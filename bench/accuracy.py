@@ -56,7 +56,8 @@ def _peers(request: EstimateRequest) -> tuple[int | None, int]:
 
 # The recipe fields (issue 21 and before) a row names when they differ from the default: the
 # schema's own defaults, so a new field is one entry here
-RECIPE_FIELDS = ("finetune", "quantize_base", "double_quant", "keeps_outputs", "checkpointing_every")
+RECIPE_FIELDS = ("finetune", "quantize_base", "double_quant", "keeps_outputs", "checkpointing_every", "loss",
+                 "loss_chunks")
 
 
 def recipe(request: EstimateRequest) -> str:
@@ -68,7 +69,8 @@ def recipe(request: EstimateRequest) -> str:
         if name not in request.model_fields_set or value == defaults[name].default:
             continue
         words.append(name.replace("_", "-") if value is True else
-                     f"every {value}" if name == "checkpointing_every" else f"{value}")
+                     f"every {value}" if name == "checkpointing_every" else
+                     f"{value} chunks" if name == "loss_chunks" else f"{value} loss" if name == "loss" else f"{value}")
     return ", ".join(words) or "-"
 
 

@@ -12,7 +12,7 @@ and the modeling_<family>.py files of transformers 5.24 read line by line.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from planner.architecture import Architecture, active_parameter_count, distinct_specs, layer_specs
@@ -612,7 +612,8 @@ def _embedding_saved(a: Architecture, tokens: int, b: int, device: Device) -> in
 
 def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, compute_bytes: int,
                          attention: Attention = "sdpa", checkpointing: Checkpointing = "none",
-                         device: Device = "cuda", autocast: bool = False, every: int | None = None) -> Activations:
+                         device: Device = "cuda", autocast: bool = False, every: int | None = None,
+                         loss_chunks: int = 1) -> Activations:
     """``autocast``: the forward runs under torch.autocast over fp32 weights (torch's mixed recipes
     when nothing casts the weights: DDP, or a TP-only rank); the residual stream, the RoPE tables
     and the checkpointed block inputs are then fp32 (``_autocast_stream_extra``). ``every``: with
@@ -625,6 +626,11 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
     table_bytes = FP32 if fp32_stream else b
     if a.attention_implementation == "eager":
         attention = "eager"  # transformers has no SDPA path for this family (see the architecture's notes)
+    if loss_chunks > 1:
+        return _with_chunked_loss(estimate_activations(
+            a, micro_batch=micro_batch, seq_len=seq_len, compute_bytes=compute_bytes, attention=attention,
+            checkpointing=checkpointing, device=device, autocast=autocast, every=every), a, micro_batch, seq_len,
+            loss_chunks, compute_bytes)
     per_spec = {key: block_saved_bytes(a, spec, tokens, seq_len, micro_batch, b, attention, device, fp32_stream)
                 for key, spec in distinct_specs(a).items()}
     if len(per_spec) == 1:
@@ -696,6 +702,27 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
                        final_norm_transient_bytes=final_norm_transient_bytes(a, tokens),
                        num_layers=a.num_layers, checkpointed=checkpointing == "full",
                        blocks=tuple(blocks), edges=edges)
+
+
+def _with_chunked_loss(acts: Activations, a: Architecture, micro_batch: int, seq_len: int, chunks: int,
+                       b: int) -> Activations:
+    """torchtune's chunked output loss (planner/losses.py): the same saved set, the loss's backward
+    one chunk at a time (torch.chunk along the sequence: chunks of ceil(seq / chunks) tokens), so
+    its two fp32 gradients are one chunk's. That makes the forward's last chunk the loss's peak:
+    every chunk's logits (the model's output list, in the compute dtype) live beside every chunk's
+    saved log-probabilities and the last chunk's fp32 upcast (a no-op in fp32). Peak trace (llama
+    32k vocabulary, 2,048 tokens, bf16 autocast, 8 chunks): the eight log-probabilities, the eight
+    bf16 logits and one fp32 chunk at the last chunk's log_softmax."""
+    chunk_tokens = micro_batch * -(-seq_len // chunks)
+    upcast = FP32 * chunk_tokens * a.vocab_size if b != FP32 else 0
+    transient = max(_loss_transient(a, chunk_tokens, FP32), b * micro_batch * seq_len * a.vocab_size + upcast)
+    items = tuple(ActivationItem(f"backward transient at the loss (one of {chunks} chunks)", transient)
+                  if i.name == "backward transient at the loss" else i for i in acts.items)
+    if acts.kept_blocks:
+        layer = max(acts.rebuilt_blocks) + acts.layer_transient_bytes
+    else:
+        layer = acts.layer_saved_bytes + acts.layer_transient_bytes if acts.checkpointed else 0
+    return replace(acts, loss_transient_bytes=transient, peak_extra_bytes=max(transient, layer), items=items)
 
 
 # The terms planner/finetune.py reuses for a block with a frozen base (LoRA): the attention core,

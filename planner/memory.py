@@ -19,6 +19,7 @@ from planner.architecture import Architecture, parameter_count, parameter_numels
 from planner.catalogue import ResolvedModel, catalogue_model, model_from_config, raw_parameters, with_vision
 from planner.dsconfig import ZeroSettings, batch_from_config, parse_ds_config, with_overrides
 from planner.errors import PlannerError
+from planner.losses import loss_chunks
 from planner.loop import check_loop, held_outputs_bytes, loop_note, with_held_outputs
 from planner.finetune import Finetune, lora_activations, resolve_finetune, trainable_numels, with_frozen
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
@@ -52,6 +53,7 @@ class Setup:
     embedding_split: int = 1  # DeepSpeed AutoTP, tied or no tp_plan: the embedding split along the hidden dimension
     lm_head_split: int = 1  # DeepSpeed AutoTP (HF tp_plan): the untied LM head's rows split, its output gathered
     rank_architecture: Architecture | None = None
+    loss_chunks: int = 1  # the loss's backward in this many chunks (planner/losses.py)
 
     @property
     def tp(self) -> int:
@@ -159,6 +161,8 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     check_checkpointing(model.architecture, request.checkpointing, request.checkpointing_every, request.attention,
                         _checkpointing_why_not(request, model, finetune))
     fields = {"shard_size": shard} | tensor_parallel_fields(request, s, model, shard)
+    fields["loss_chunks"] = loss_chunks(request, _checkpointing_why_not(request, model, finetune),
+                                        torch_tp=bool(fields.get("vocab_parallel_loss")))
     return Setup(request=request.model_copy(update={"precision": precision} | from_config), model=model, strategy=s,
                  recipe=RECIPES[precision], gpu=g, zero=zero, world_size=request.world_size, dims=dims,
                  finetune=finetune, **fields)
@@ -252,7 +256,7 @@ def activations(setup: Setup) -> Activations | None:
     acts = estimate_activations(arch, micro_batch=req.micro_batch, seq_len=seq_len,
                                 compute_bytes=compute, attention=req.attention,
                                 checkpointing=req.checkpointing, device=setup.device, autocast=autocast,
-                                every=req.checkpointing_every)
+                                every=req.checkpointing_every, loss_chunks=setup.loss_chunks)
     if setup.rank_architecture is not None:
         acts = tp_activations(acts, setup.model.architecture, setup.arch, tp=setup.tp,
                               sequence_parallel=setup.sequence_parallel, tokens=req.micro_batch * seq_len,

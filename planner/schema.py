@@ -17,6 +17,7 @@ from pydantic_core import core_schema
 
 from planner.activations import Attention, Checkpointing
 from planner.errors import unknown
+from planner.losses import Loss
 from planner.moments import PhaseKind
 from planner.parallel import PipelineSchedule
 from planner.precision import Optimizer, Precision
@@ -232,6 +233,10 @@ class EstimateRequest(BaseModel):
     checkpointing: Checkpointing = Field("none", description="activation checkpointing: none, full, selective-op "
                                          "(torchtitan's per-op SAC), selective-attention (Megatron's core-attention "
                                          "recompute)")
+    loss: Loss = Field("hf", description="loss implementation: hf (transformers' cross-entropy on the whole "
+                       "logits), chunked (torchtune's chunked output loss), liger-fused, cce, vocab-parallel (tp's "
+                       "loss_parallel)")
+    loss_chunks: int | None = Field(None, ge=1, le=1 << 16, description="loss=chunked: chunks (default 8, torchtune's)")
     checkpointing_every: int | None = Field(None, ge=1, le=1 << 16,
                                             description="with checkpointing full: checkpoint every N-th block only "
                                             "(transformers' every_n_layers: blocks 0, N, 2N, ...)")

@@ -6,7 +6,7 @@ and the step time that results. plan.py evaluates it over a grid; estimate_time 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from planner import arrays, timing
@@ -45,7 +45,9 @@ class Combo:
     cp: int = 1  # context-parallel degree
     sequence_parallel: bool = False
     pp: int = 1  # pipeline stages (planner/pipeline.py)
-    checkpointing_every: int | None = None  # with full checkpointing: every N-th block
+    # with full checkpointing: every N-th block; keyword-only, so that subclasses (plan.Setting)
+    # keep their positional fields
+    checkpointing_every: int | None = field(default=None, kw_only=True)
 
     def data_parallel_wrapped(self, nodes: int) -> bool:
         """Whether a data-parallel wrapper (DDP, FSDP2) runs on it: not with one data-parallel
@@ -269,7 +271,8 @@ def resolved_combo(request: EstimateRequest, parameters: int | None = None) -> t
     # data-parallel ranks; its replicas all-reduce a 1/(dp_shard x cp) shard of the gradients)
     shard = setup.dims.dp_shard * setup.dims.cp if lookup_strategy(request.strategy).shard_within_node else None
     combo = Combo(request.gpus, request.strategy, request.checkpointing, zero.offload_optimizer, zero.offload_params,
-                  shard, request.tp, request.cp, setup.sequence_parallel, request.pp, request.checkpointing_every)
+                  shard, request.tp, request.cp, setup.sequence_parallel, request.pp,
+                  checkpointing_every=request.checkpointing_every)
     return combo, Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size,
                           zero.param_persistence_threshold, zero.max_reuse_distance), setup
 

@@ -387,6 +387,13 @@ BENCH_RUNS = [
          micro=4, seq=256),
     _run("llama-single-fp32-eager-selattn-t512", LLAMA, "single", "fp32", gpus=1, ckpt="selective-attention",
          attention="eager", micro=2, seq=256),
+    # loss=chunked (torchtune's chunked output loss, backend/losses.py), logits-dominated
+    _run("llama-v32k-single-bf16-chunked-t2048", LLAMA_32K, "single", "bf16-mixed", gpus=1, micro=1, seq=2048,
+         loss="chunked"),
+    _run("llama-v32k-ddp-fp32-chunked4-t1024", LLAMA_32K, "ddp", "fp32", micro=2, seq=512, loss="chunked",
+         loss_chunks=4),
+    _run("llama-v32k-single-fp32-ckpt-chunked-t1024", LLAMA_32K, "single", "fp32", gpus=1, ckpt="full", micro=1,
+         seq=1024, loss="chunked"),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than

@@ -25,7 +25,7 @@ ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus",
                   "--finetune", "--lora-rank", "--lora-alpha", "--lora-targets", "--lora-dropout", "--quantize-base",
                   "--train-embeddings",
                   # the recipes as they are run (issue 21)
-                  "--keeps-outputs", "--double-quant", "--checkpointing-every"}
+                  "--keeps-outputs", "--double-quant", "--checkpointing-every", "--loss", "--loss-chunks"}
 
 
 def run(capsys, *argv):

@@ -193,3 +193,45 @@ def test_policies_have_real_runs():
     for policy in ("selective-op", "selective-attention"):
         assert sum(f["checkpointing"] == policy for f in runs) >= 2
     assert sum(f.get("checkpointing_every", 1) > 1 for f in runs) >= 2
+
+
+# --- the loss ---------------------------------------------------------------------------------
+
+LOGITS = dict(model_config=LLAMA_32K, gpus=1, gpu="cpu", micro_batch=1, seq_len=2048)
+
+
+def test_chunked_loss_keeps_the_saved_set_and_peaks_at_the_forward_of_its_last_chunk():
+    from planner.memory import activations, resolve
+
+    hf = activations(resolve(EstimateRequest(**LOGITS)))
+    chunked = activations(resolve(EstimateRequest(**LOGITS, loss="chunked")))
+    tv = 2048 * 32_000
+    assert chunked.saved_bytes == hf.saved_bytes  # every chunk's fp32 log-probabilities are saved
+    assert hf.loss_transient_bytes == 8 * tv
+    # bf16 autocast, 8 chunks: the eight bf16 logits and the last chunk's fp32 upcast (> one chunk's 8 x tv / 8)
+    assert chunked.loss_transient_bytes == 2 * tv + 4 * tv // 8
+    fp32 = activations(resolve(EstimateRequest(**LOGITS, loss="chunked", loss_chunks=4, precision="fp32")))
+    assert fp32.loss_transient_bytes == 4 * tv  # the fp32 logits; 8 x tv / 4 in backward is as large
+
+
+@pytest.mark.parametrize("fields,field,words", [
+    (dict(loss="cce"), "loss", "not modelled yet"),
+    (dict(loss="liger-fused"), "loss", "not modelled yet"),
+    (dict(loss="vocab-parallel"), "loss", "tp > 1"),
+    (dict(loss_chunks=4), "loss_chunks", "applies to loss=chunked"),
+    (dict(loss="chunked", finetune="lora"), "loss", "finetune=lora"),
+])
+def test_losses_not_modelled_are_refused_by_field(fields, field, words):
+    with pytest.raises(PlannerError) as err:
+        estimate(EstimateRequest(**LOGITS | fields))
+    assert err.value.field == field and words in str(err.value)
+
+
+def test_unknown_loss_names_the_choices():
+    with pytest.raises(ValueError, match="chunked"):
+        EstimateRequest(**LOGITS, loss="fused")
+
+
+def test_chunked_loss_has_logits_dominated_real_runs():
+    runs = [f for _, f in CPU_RUNS + BENCH_RUNS if f.get("loss") == "chunked"]
+    assert len(runs) >= 2 and all(f["model_config"]["vocab_size"] >= 32_000 for f in runs)
