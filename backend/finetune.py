@@ -29,12 +29,12 @@ def base_dtype(job: dict[str, Any]) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(job["finetune"].get("base_dtype"), torch.float32)
 
 
-def _quantized_linear(linear: torch.nn.Linear, quantize: str, compute_dtype: torch.dtype) -> torch.nn.Module:
+def _quantized_linear(linear: torch.nn.Linear, quantize: str, compute_dtype: torch.dtype,
+                      double: bool = True) -> torch.nn.Module:
     import bitsandbytes as bnb
 
     bias = linear.bias is not None
     if quantize in ("nf4", "fp4"):
-        double = True
         new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=bias, compute_dtype=compute_dtype,
                                 compress_statistics=double, quant_type=quantize)
         new.weight = bnb.nn.Params4bit(linear.weight.data.to(compute_dtype), requires_grad=False,
@@ -49,12 +49,12 @@ def _quantized_linear(linear: torch.nn.Linear, quantize: str, compute_dtype: tor
     return new.to("cpu") if linear.weight.device.type == "cpu" else new.to(linear.weight.device)  # quantizes
 
 
-def quantize_linears(model: torch.nn.Module, quantize: str, compute_dtype: torch.dtype) -> None:
+def quantize_linears(model: torch.nn.Module, quantize: str, compute_dtype: torch.dtype, double: bool = True) -> None:
     head = model.get_output_embeddings()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear) and child is not head:
-                setattr(parent, name, _quantized_linear(child, quantize, compute_dtype))
+                setattr(parent, name, _quantized_linear(child, quantize, compute_dtype, double))
 
 
 def apply_finetune(model: torch.nn.Module, job: dict[str, Any]) -> torch.nn.Module:
@@ -63,7 +63,7 @@ def apply_finetune(model: torch.nn.Module, job: dict[str, Any]) -> torch.nn.Modu
     spec = job["finetune"]
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.get("compute_dtype"), torch.float32)
     if spec["quantize"] != "none":
-        quantize_linears(model, spec["quantize"], compute)
+        quantize_linears(model, spec["quantize"], compute, bool(spec.get("double_quant", True)))
         model.is_loaded_in_4bit = spec["quantize"] != "int8"  # what from_pretrained sets; PEFT reads them
         model.is_loaded_in_8bit = spec["quantize"] == "int8"
         model = prepare_model_for_kbit_training(

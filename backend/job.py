@@ -41,6 +41,7 @@ class FinetuneSettings(BaseModel):
     alpha: float
     dropout: float = Field(ge=0, lt=1)
     quantize: Literal["none", "nf4", "fp4", "int8"]
+    double_quant: bool = Field(True, description="4-bit: bitsandbytes' compress_statistics (double quantization)")
     targets: list[str] | str = Field(description="PEFT target_modules: module names, or the string \"all-linear\"")
     modules_to_save: list[str] | None = None
     compute_dtype: Literal["bf16", "fp16"] | None
@@ -102,7 +103,11 @@ class VerifyJob(BaseModel):
 
     hf_config: dict[str, Any] = Field(alias="model_config", description="the Hugging Face config the rank builds")
     attn_implementation: Literal["sdpa", "eager"]
-    checkpointing: Literal["none", "full"]
+    checkpointing: Literal["none", "full", "selective-op", "selective-attention"]
+    checkpointing_every: int | None = Field(None, ge=1, description="full checkpointing of every N-th block")
+    loss: Literal["hf", "chunked", "vocab-parallel"] = Field("hf", description="the loss implementation "
+                                                                            "(backend/losses.py)")
+    loss_chunks: int = Field(1, ge=1, description="loss=chunked: chunks of the sequence")
     micro_batch: int = Field(ge=1)
     seq_len: int = Field(ge=1)
     gradient_accumulation: int = Field(ge=1)
@@ -112,6 +117,8 @@ class VerifyJob(BaseModel):
     dist_backend: Literal["gloo", "nccl"] | None = Field(description="None: the framework's default (NCCL)")
     out_dir: str = Field(description="where each rank writes rank<N>.json and its progress")
     seed: int = 0
+    keeps_outputs: bool = Field(False, description="the loop keeps the model's outputs through backward, as "
+                                "accelerate's examples (planner/loop.py); default: freed once .loss is taken")
     framework: Literal["deepspeed", "torch"]
     ds_config: dict[str, Any] | None = Field(None, description="the DeepSpeed JSON (framework deepspeed)")
     torch: TorchSettings | None = Field(None, description="the torch wrapping (framework torch)")

@@ -58,10 +58,18 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         # probe trains torch's own optimizers: either would measure another optimizer than predicted.
         raise PlannerError(f"optimizer {request.optimizer}: the probe trains adamw or sgd; an 8-bit optimizer "
                            "(bitsandbytes) is passed by the training script, which the probe is not", field="optimizer")
+    if request.loss == "chunked" and setup.strategy.shards_parameters:
+        # backend/losses.py calls the LM head from its own forward, beside FSDP2's root: the run
+        # crashed there (the head's unsharded storage freed); the estimate stands unverified
+        raise PlannerError("loss=chunked with a sharded strategy: the probe's chunked loss runs under single, ddp and "
+                           "zero0-2 only", field="loss")
     common = {
         "model_config": setup.model.config,
         "attn_implementation": request.attention,
         "checkpointing": request.checkpointing,
+        "checkpointing_every": request.checkpointing_every,
+        "loss": request.loss,
+        "loss_chunks": setup.loss_chunks,
         "micro_batch": request.micro_batch,
         "seq_len": request.seq_len,
         "gradient_accumulation": request.gradient_accumulation,
@@ -71,6 +79,7 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         "dist_backend": "gloo" if setup.gpu.is_cpu else None,
         "out_dir": str(out_dir),
         "seed": 0,
+        "keeps_outputs": request.keeps_outputs,
     }
     if setup.dims.pp > 1:
         return VerifyJob(**(common | _pipeline_settings(setup, request)))
@@ -93,6 +102,7 @@ def finetune_job(setup) -> dict[str, Any]:
     frozen base is loaded in (the recipe's 16-bit type, or fp32)."""
     f, recipe = setup.finetune, setup.recipe
     return {"rank": f.rank, "alpha": f.alpha, "dropout": f.dropout, "quantize": f.quantize,
+            "double_quant": f.double_quant,
             "targets": f.peft_targets(), "modules_to_save": lora_config(f)["modules_to_save"],
             "compute_dtype": recipe.reduced_dtype,
             "base_dtype": None if recipe.weight_bits == 32 else recipe.reduced_dtype}

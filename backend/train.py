@@ -41,14 +41,30 @@ def build_model(job: dict[str, Any]) -> torch.nn.Module:
         from backend.finetune import base_dtype
 
         dtype = base_dtype(job)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=_attention_for(job), dtype=dtype)
-    if job["checkpointing"] == "full":
+    attention = _attention_for(job)
+    if job["checkpointing"] == "selective-attention":
+        from backend.checkpointing import core_attention_recompute
+
+        attention = core_attention_recompute(attention)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype)
+    if job["checkpointing"] == "full" and not job.get("checkpointing_every"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif job["checkpointing"] in ("full", "selective-op"):
+        from backend.checkpointing import selective_op_context
+
+        options = {"use_reentrant": False} | (
+            {"context_fn": selective_op_context} if job["checkpointing"] == "selective-op" else {})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options,
+                                              every_n_layers=job.get("checkpointing_every") or 1)
     model.train()
     if job.get("finetune"):
         from backend.finetune import apply_finetune
 
         model = apply_finetune(model, job)
+    if job.get("loss") == "chunked":
+        from backend.losses import ChunkedOutputLoss
+
+        model = ChunkedOutputLoss(model, int(job["loss_chunks"]))
     return model
 
 
@@ -377,11 +393,22 @@ def _injected_fault(step: int) -> None:
             time.sleep(1)
 
 
-def _optimizer_step(job: dict[str, Any], engine, device: torch.device, first_batch: int) -> None:
+def _optimizer_step(job: dict[str, Any], engine, device: torch.device, first_batch: int,
+                    held: list | None = None) -> None:
     """One optimizer step: gradient_accumulation micro-batches, synthetic batches numbered from
-    first_batch (the engine steps the optimizer at the accumulation boundary)."""
+    first_batch (the engine steps the optimizer at the accumulation boundary). The Trainer's loop
+    takes ``.loss`` and lets the outputs go; with keeps_outputs, accelerate's examples' loop
+    (``outputs = model(**batch); accelerator.backward(outputs.loss)``): ``held[0]``, the previous
+    micro-batch's outputs (a slot the caller keeps across steps, as the loop's variable lives on),
+    is let go only when the next forward has returned and the name is rebound."""
     for micro in range(int(job.get("gradient_accumulation", 1))):
         tokens = synthetic_batch(job, first_batch + micro, device)
+        if job.get("keeps_outputs") and held is not None:
+            held[0] = engine(input_ids=tokens, labels=tokens)  # `outputs = model(**batch)`: the previous die here
+            engine.backward(held[0].loss)
+            engine.step()
+            del tokens
+            continue
         loss = engine(input_ids=tokens, labels=tokens).loss
         engine.backward(loss)
         engine.step()
@@ -392,11 +419,12 @@ def _train_steps(job: dict[str, Any], engine, device: torch.device, on_step) -> 
     step_seconds: list[float] = []
     total = int(job["warmup_steps"]) + int(job["steps"])
     accumulation = int(job.get("gradient_accumulation", 1))
+    held: list = [None]  # the outputs a keeps_outputs loop still references (_optimizer_step)
     for step in range(total):
         _injected_fault(step)
         start = time.perf_counter()
         with torch.profiler.record_function(f"{STEP_MARK}{step}"):
-            _optimizer_step(job, engine, device, first_batch=step * accumulation)
+            _optimizer_step(job, engine, device, first_batch=step * accumulation, held=held)
             # At a step's end, gloo's worker threads may still hold (and later free) the
             # gradients and scratch of the last collectives, and DeepSpeed leaves some tensors in
             # reference cycles: when either lets go varies from run to run. A barrier, then a

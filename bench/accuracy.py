@@ -54,6 +54,26 @@ def _peers(request: EstimateRequest) -> tuple[int | None, int]:
     return None, accelerate
 
 
+# The recipe fields (issue 21 and before) a row names when they differ from the default: the
+# schema's own defaults, so a new field is one entry here
+RECIPE_FIELDS = ("finetune", "quantize_base", "double_quant", "keeps_outputs", "checkpointing_every", "loss",
+                 "loss_chunks")
+
+
+def recipe(request: EstimateRequest) -> str:
+    """The recipe a run uses beyond its strategy and precision, in words ("-" when none)."""
+    defaults = EstimateRequest.model_fields
+    words = []
+    for name in RECIPE_FIELDS:
+        value = getattr(request, name)
+        if name not in request.model_fields_set or value == defaults[name].default:
+            continue
+        words.append(name.replace("_", "-") if value is True else
+                     f"every {value}" if name == "checkpointing_every" else
+                     f"{value} chunks" if name == "loss_chunks" else f"{value} loss" if name == "loss" else f"{value}")
+    return ", ".join(words) or "-"
+
+
 def _err(predicted: int, measured: int) -> float:
     return 100.0 * (predicted - measured) / measured
 
@@ -108,7 +128,7 @@ def _row(name: str, fields: dict, record: dict) -> dict:
           f"resident {_err(predicted_resident, resident):+.2f}%", file=sys.stderr, flush=True)
     return dict(name=label, strategy=request.strategy, precision=request.precision,
                 ranks=request.gpus * request.nodes, offload=request.offload_optimizer,
-                tokens=f"{request.micro_batch}x{request.seq_len}", ckpt=request.checkpointing,
+                tokens=f"{request.micro_batch}x{request.seq_len}", ckpt=request.checkpointing, recipe=recipe(request),
                 measured_peak=peak, predicted_peak=predicted_peak,
                 measured_resident=resident, predicted_resident=predicted_resident,
                 deepspeed=deepspeed_peer, accelerate=accelerate_peer, seconds=record["seconds"])
@@ -124,9 +144,9 @@ def run_all(names: set[str] | None, from_records: bool = False) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| run | strategy | precision | ranks | tokens | ckpt | offload | measured peak (MB) | ours (MB) | err | "
-            "measured resident (MB) | ours (MB) | err | DeepSpeed estimator err | accelerate rule err |\n"
-            "|---|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    head = ("| run | strategy | precision | ranks | tokens | ckpt | offload | recipe | measured peak (MB) | ours (MB) | "
+            "err | measured resident (MB) | ours (MB) | err | DeepSpeed estimator err | accelerate rule err |\n"
+            "|---|---|---|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     lines = []
     errors = []
     for r in rows:
@@ -135,7 +155,7 @@ def table(rows: list[dict]) -> str:
         ds = f"{_err(r['deepspeed'], r['measured_peak']):+.1f}%" if r["deepspeed"] else "n/a"
         acc = f"{_err(r['accelerate'], r['measured_peak']):+.1f}%"
         lines.append(f"| {r['name']} | {r['strategy']} | {r['precision']} | {r['ranks']} | {r['tokens']} | {r['ckpt']} | "
-                     f"{r['offload']} | "
+                     f"{r['offload']} | {r['recipe']} | "
                      f"{r['measured_peak'] / MB:,.2f} | {r['predicted_peak'] / MB:,.2f} | {pe:+.2f}% | "
                      f"{r['measured_resident'] / MB:,.2f} | {r['predicted_resident'] / MB:,.2f} | {re_:+.2f}% | "
                      f"{ds} | {acc} |")

@@ -4,7 +4,8 @@
 
 Trains a catalogue model at full width but few layers on one GPU with ZeRO-0 (the DeepSpeed engine
 without partitioning, through `deepspeed`) and torch DDP (through torchrun), bf16-mixed, over sequence lengths, micro-batches, checkpointing on and off,
-and SDPA and eager attention. Every run records torch.cuda.max_memory_allocated, max_memory_reserved
+and SDPA and eager attention, and the recipes of issue 21 on one device (RECIPE_GRID: the checkpointing
+policies, the kept outputs, the chunked loss, QLoRA under autocast). Every run records torch.cuda.max_memory_allocated, max_memory_reserved
 and memory_stats. The script then prints:
 
 - the error of the allocated peak against the prediction, per run;
@@ -78,6 +79,19 @@ SEQUENCES = [
 GRID = [  # (seq_len, micro_batch, checkpointing, attention)
     (512, 1, "none", "sdpa"), (2048, 1, "none", "sdpa"), (2048, 4, "none", "sdpa"), (4096, 2, "none", "sdpa"),
     (4096, 2, "full", "sdpa"), (8192, 1, "full", "sdpa"), (1024, 2, "none", "eager"), (2048, 1, "full", "eager"),
+]
+
+# The recipes of issue 21 on one device (strategy single), each verified on CPU ranks only: the CUDA
+# kernels differ (SDPA's CUDA flash op in torchtitan's save list, bitsandbytes' CUDA 4-bit matmul,
+# the bool dropout mask), so each gets a GPU row: (seq_len, micro_batch, request fields)
+RECIPE_GRID = [  # long enough that activations and logits, not the states, make the peak
+    (8192, 2, {"checkpointing": "selective-op"}),
+    (8192, 2, {"checkpointing": "selective-attention"}),
+    (8192, 2, {"checkpointing": "full", "checkpointing_every": 2}),
+    (8192, 1, {"keeps_outputs": True}),
+    (8192, 1, {"loss": "chunked"}),
+    (8192, 2, {"finetune": "qlora", "checkpointing": "full"}),
+    (4096, 2, {"finetune": "qlora", "quantize_base": "fp4", "double_quant": False}),
 ]
 
 
@@ -205,11 +219,13 @@ def main() -> int:
     results = {"device": torch.cuda.get_device_name(0), "context": cuda_context_bytes(), "runs": [],
                "driver": _driver(), "cuda": torch.version.cuda or ""}
     requests = []
-    for strategy, (seq, micro, ckpt, attention), conf in [(s, g, c) for s in ("zero0", "ddp") for g in GRID
-                                                          for c in ALLOC_CONFS]:
+    grid = [(s, (seq, micro, ckpt, attention, {})) for s in ("zero0", "ddp") for seq, micro, ckpt, attention in GRID]
+    grid += [("single", (seq, micro, fields.get("checkpointing", "none"), "sdpa", fields))
+             for seq, micro, fields in RECIPE_GRID]
+    for strategy, (seq, micro, ckpt, attention, fields), conf in [(s, g, c) for s, g in grid for c in ALLOC_CONFS]:
         request = EstimateRequest(model_config=config, strategy=strategy, gpus=1, gpu=args.gpu, precision="bf16-mixed",
-                                  micro_batch=micro, seq_len=seq, checkpointing=ckpt, attention=attention,
-                                  alloc_conf=conf or None)
+                                  micro_batch=micro, seq_len=seq, attention=attention, alloc_conf=conf or None,
+                                  **({"checkpointing": ckpt} | fields))
         if conf == "":
             requests.append(request)
         result = estimate(request)
@@ -222,7 +238,8 @@ def main() -> int:
         rank = run.ranks[0] if run.ranks else {}
         stats = rank.get("memory_stats") or {}
         row = {"strategy": strategy, "seq_len": seq, "micro_batch": micro, "checkpointing": ckpt, "attention": attention,
-               "alloc_conf": conf, "status": run.status, "seconds": time.monotonic() - started,
+               "alloc_conf": conf, "recipe": {k: v for k, v in fields.items() if k != "checkpointing"},
+               "status": run.status, "seconds": time.monotonic() - started,
                "predicted_peak_bytes": predicted.peak_bytes - predicted.framework_bytes,
                "simulated_allocated_peak_bytes": result.allocator.allocated_peak_bytes,
                "simulated_active_peak_bytes": result.allocator.active_peak_bytes,

@@ -12,14 +12,20 @@ and the modeling_<family>.py files of transformers 5.24 read line by line.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
-from planner.architecture import Architecture, distinct_specs, layer_specs
+from planner.architecture import Architecture, active_parameter_count, distinct_specs, layer_specs
+from planner.errors import PlannerError
+from planner.finetune import Linear, block_linears
 from planner.layers import AttentionSpec, LayerSpec, MlpSpec
 
 Attention = Literal["sdpa", "eager"]
-Checkpointing = Literal["none", "full"]
+# none | full (every block, or every N-th: checkpointing_every) | selective-op (torchtitan's per-op
+# SAC policy) | selective-attention (Megatron's core-attention recompute); see checkpointed_blocks,
+# selective_op_saved_linears and recompute_flops_per_token below
+Checkpointing = Literal["none", "full", "selective-op", "selective-attention"]
+CHECKPOINTING_CHOICES = ("none", "full", "selective-op", "selective-attention")
 
 FP32 = 4
 MASK = 1  # CUDA's fused native_dropout saves a torch.bool mask, one byte per element
@@ -73,10 +79,23 @@ class Activations:
     checkpointed: bool = False
     blocks: tuple[int, ...] = ()
     edges: EdgeTerms | None = None
+    # checkpointing_every: what each block keeps until its backward and what its backward rebuilds
+    # on top, in layer order (empty: every block alike, layer_kept_bytes and layer_saved_bytes)
+    kept_blocks: tuple[int, ...] = ()
+    rebuilt_blocks: tuple[int, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
         return self.saved_bytes + self.peak_extra_bytes
+
+    def backward_of(self, index: int) -> tuple[int, int, int]:
+        """(kept by the blocks whose backward is done, what the block's backward rebuilds on top,
+        what the block itself keeps) for the ``index``-th block backward reaches (0: the last)."""
+        n = self.num_layers
+        if self.kept_blocks:
+            block = n - 1 - index
+            return sum(self.kept_blocks[block + 1:]), self.rebuilt_blocks[block], self.kept_blocks[block]
+        return index * self.layer_kept_bytes, self.layer_saved_bytes if self.checkpointed else 0, self.layer_kept_bytes
 
     def block_kept(self, first: int, last: int) -> int:
         """What blocks [first, last) keep until their backward: their saved sets, or under full
@@ -410,6 +429,126 @@ def final_norm_transient_bytes(a: Architecture, tokens: int) -> int:
     return FP32 * tokens * a.hidden_size + FP32 * tokens + 5 * FP32 * tokens * a.hidden_size
 
 
+# --- checkpointing policies ---------------------------------------------------------------------
+
+def checkpointed_blocks(num_layers: int, checkpointing: str, every: int | None) -> tuple[bool, ...]:
+    """Which blocks (layer order) run under a checkpoint: none, or all, or with ``every`` = N the
+    blocks whose index is a multiple of N (transformers 5.25 modeling_utils.py
+    _set_gradient_checkpointing: ``layer_index % every_n_layers == 0``, the index from 0: blocks 0,
+    N, 2N, ...; torchtitan 0.2's integer selective_ac_option counts from 1 and takes blocks N-1,
+    2N-1, ..., activation_checkpoint.py _apply_layer_sac)."""
+    if checkpointing == "none":
+        return (False,) * num_layers
+    step = every or 1
+    return tuple(index % step == 0 for index in range(num_layers))
+
+
+def selective_op_saved_linears(linears: list[Linear]) -> list[Linear]:
+    """The linears whose outputs torchtitan's per-op SAC keeps (torchtitan b5bcd76, Aug 2026,
+    distributed/activation_checkpoint.py SelectiveAC._get_custom_policy): every op of the save list
+    is MUST_SAVE except every second mm/linear, counted per block in call order; a linear with a
+    bias runs as addmm (aten/src/ATen/native/Linear.cpp: contiguous 3-D input with bias), which
+    is in the save list (torch._functorch.partitioners.get_default_op_list().compute_intensive_ops)
+    and not counted."""
+    saved, count = [], 0
+    for linear in linears:
+        if linear.bias:
+            saved.append(linear)
+            continue
+        count += 1
+        if count % 2 == 1:
+            saved.append(linear)
+    return saved
+
+
+# outputs that the block's own saved set keeps as they are (so SAC's cached copy is the same
+# tensor in the recomputed backward): v (SDPA's input; no RoPE), gate (the activation's input), up
+# (the product's input)
+_SAVED_AS_IS = ("v_proj", "gate_proj", "up_proj")
+
+
+def check_checkpointing(a: Architecture | None, checkpointing: str, every: int | None, attention: str,
+                        why_not: str | None) -> None:
+    """The policies beyond none/full are modelled for a plain layout (``why_not`` names what is
+    not: tp, cp, pp, ep, LoRA, a traced model) and, for selective-op, Llama-style blocks under SDPA."""
+    if checkpointing in ("none", "full") and every is None:
+        return
+    field = "checkpointing" if checkpointing not in ("none", "full") else "checkpointing_every"
+    value = checkpointing if field == "checkpointing" else every
+    if why_not:
+        raise PlannerError(f"{field}={value} with {why_not}: modelled for a data-parallel layout (single, ddp, "
+                           "zero0-3, fsdp, hsdp) of a full fine-tune", field=field)
+    if a is None:
+        raise PlannerError(f"{field}={value} needs an architecture: give model or model_config", field=field)
+    if checkpointing == "selective-op":
+        specs = distinct_specs(a).values()
+        plain = all(s.attention.kind != "mla" and not s.attention.sinks and not s.attention.fused_qkv
+                    and not s.mlp.is_moe and [x.name for x in block_linears(a, s)][:3] == ["q_proj", "k_proj",
+                                                                                          "v_proj"]
+                    for s in specs)
+        if not plain or attention != "sdpa" or a.attention_implementation == "eager":
+            raise PlannerError(f"checkpointing=selective-op on model_type {a.model_type!r} with {attention} attention: "
+                               "torchtitan's op policy is modelled for blocks of separate q/k/v/o projections and a "
+                               "dense MLP under SDPA (no MoE, MLA, sinks or eager attention)", field="checkpointing")
+
+
+def _selective_op_kept(a: Architecture, spec: LayerSpec, tokens: int, micro_batch: int, seq_len: int,
+                       b: int) -> tuple[int, int]:
+    """(bytes a block keeps from its forward under torchtitan's per-op SAC beyond its input: the
+    saved linears' outputs and SDPA's output and logsumexp; the part of them the block's own saved
+    set holds as the same tensors, which its recomputed backward does not allocate again)."""
+    saved = selective_op_saved_linears(block_linears(a, spec))
+    attention = spec.attention
+    sdpa = b * tokens * attention.q_width + FP32 * micro_batch * attention.num_heads * seq_len
+    outputs = sum(b * tokens * linear.out_features for linear in saved)
+    shared = sum(b * tokens * linear.out_features for linear in saved if linear.name in _SAVED_AS_IS
+                 and not (linear.name == "v_proj" and _uses_kv_repeat(a, "sdpa", seq_len)))
+    return outputs + sdpa, shared + sdpa
+
+
+def _core_attention_kept(spec: LayerSpec, tokens: int, b: int, fp32_stream: bool) -> int:
+    """What a block keeps of its attention core under Megatron's core-attention recompute
+    (--recompute-granularity selective: the core under a checkpoint, megatron/core/transformer/
+    attention.py _checkpointed_attention_forward): the checkpoint's arguments q, k, v (unrepeated)
+    and the core's output (o_proj's input). Under torch.autocast over fp32 RoPE tables the rotated
+    q and k are fp32 (``q * cos`` promotes) and the checkpoint keeps them so, where SDPA would
+    have saved its own 16-bit casts; v comes from its linear in 16 bits. The rest of the core's
+    saved set (SDPA's logsumexp; eager attention's probabilities, dropout and repeated K/V) is
+    rebuilt by the block's backward."""
+    s = spec.attention
+    rotated = FP32 if fp32_stream and s.rope else b
+    return rotated * tokens * (s.q_width + s.kv_width) + b * tokens * s.kv_width + b * tokens * s.q_width
+
+
+def recompute_flops_per_token(a: Architecture, seq_len: int, checkpointing: str, every: int | None = None) -> float:
+    """FLOPs per token a policy recomputes in backward (the model's convention: 2 x in x out per
+    linear, 4 x seq x q_width for attention's QK^T and AV per block, no causal halving).
+
+    full: every checkpointed block's forward (the LM head is outside the blocks); selective-op:
+    the linears SAC recomputes (every second mm), SDPA is kept; selective-attention: the attention
+    core of every block."""
+    if checkpointing == "none":
+        return 0.0
+    specs = layer_specs(a)
+    attention = 4.0 * seq_len
+
+    if checkpointing == "full":
+        # the blocks' parameters one token passes through (MoE: its routed experts), the block mean
+        embeddings = a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2) \
+            + a.learned_positions * a.hidden_size
+        per_block = (2.0 * (active_parameter_count(a) - embeddings)) / len(specs)
+        chosen = checkpointed_blocks(len(specs), "full", every)
+        return sum(per_block + attention * spec.attention.q_width for spec, on in zip(specs, chosen) if on)
+    if checkpointing == "selective-op":
+        total = 0.0
+        for spec in specs:
+            linears = block_linears(a, spec)
+            kept = {id(x) for x in selective_op_saved_linears(linears)}
+            total += sum(2.0 * x.in_features * x.out_features for x in linears if id(x) not in kept)
+        return total
+    return sum(attention * spec.attention.q_width for spec in specs)
+
+
 def _loss_saved(a: Architecture, tokens: int, b: int) -> int:
     """What the causal-LM loss keeps for backward (transformers 5.24, loss/loss_utils.py).
 
@@ -473,10 +612,12 @@ def _embedding_saved(a: Architecture, tokens: int, b: int, device: Device) -> in
 
 def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, compute_bytes: int,
                          attention: Attention = "sdpa", checkpointing: Checkpointing = "none",
-                         device: Device = "cuda", autocast: bool = False) -> Activations:
+                         device: Device = "cuda", autocast: bool = False, every: int | None = None,
+                         loss_chunks: int = 1) -> Activations:
     """``autocast``: the forward runs under torch.autocast over fp32 weights (torch's mixed recipes
     when nothing casts the weights: DDP, or a TP-only rank); the residual stream, the RoPE tables
-    and the checkpointed block inputs are then fp32 (``_autocast_stream_extra``)."""
+    and the checkpointed block inputs are then fp32 (``_autocast_stream_extra``). ``every``: with
+    full checkpointing, only every N-th block (checkpointed_blocks)."""
     tokens = micro_batch * seq_len
     b = compute_bytes
     fp32_stream = _autocast_stream(a, b, autocast)
@@ -485,6 +626,11 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
     table_bytes = FP32 if fp32_stream else b
     if a.attention_implementation == "eager":
         attention = "eager"  # transformers has no SDPA path for this family (see the architecture's notes)
+    if loss_chunks > 1:
+        return _with_chunked_loss(estimate_activations(
+            a, micro_batch=micro_batch, seq_len=seq_len, compute_bytes=compute_bytes, attention=attention,
+            checkpointing=checkpointing, device=device, autocast=autocast, every=every), a, micro_batch, seq_len,
+            loss_chunks, compute_bytes)
     per_spec = {key: block_saved_bytes(a, spec, tokens, seq_len, micro_batch, b, attention, device, fp32_stream)
                 for key, spec in distinct_specs(a).items()}
     if len(per_spec) == 1:
@@ -501,6 +647,37 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
     embed_dropout = edges.embedding_saved + extra_rope
     items = [ActivationItem("final norm", final_norm), ActivationItem("logits / loss (fp32)", loss)]
     boundary = (FP32 if fp32_stream else b) * tokens * a.hidden_size  # a block's input (the residual stream)
+    if checkpointing in ("selective-op", "selective-attention") or (checkpointing == "full" and (every or 1) > 1):
+        specs = layer_specs(a)
+        if checkpointing == "selective-op":
+            cached = [_selective_op_kept(a, spec, tokens, micro_batch, seq_len, b) for spec in specs]
+            kept = [boundary + c for c, _ in cached]
+            rebuilt = [saved - shared for saved, (_, shared) in zip(blocks, cached)]
+            what = "per-op SAC: input, saved linears' and SDPA's outputs"
+        elif checkpointing == "selective-attention":
+            core = _attention_saved(a, tokens, seq_len, micro_batch, b, attention, device)
+            kept = [saved - core + _core_attention_kept(spec, tokens, b, fp32_stream)
+                    for saved, spec in zip(blocks, specs)]
+            rebuilt = [core] * len(specs)  # the core's whole saved set, rebuilt at its backward
+            what = "core attention recomputed: its inputs and output kept"
+        else:
+            chosen = checkpointed_blocks(a.num_layers, checkpointing, every)
+            kept = [boundary if on else saved for saved, on in zip(blocks, chosen)]
+            rebuilt = [saved if on else 0 for saved, on in zip(blocks, chosen)]
+            what = f"every {every}-th block checkpointed ({sum(chosen)} of {a.num_layers})"
+        loss_t = _loss_transient(a, tokens, b)
+        layer_t = _layer_backward_transient(a, tokens, b)
+        saved = sum(kept) + final_norm + loss + embed_dropout
+        items.insert(0, ActivationItem(f"{a.num_layers} blocks kept ({what})", sum(kept)))
+        items.append(ActivationItem("the largest block's backward rebuilds", max(rebuilt)))
+        items.append(ActivationItem("backward transient at the loss", loss_t))
+        return Activations(saved_bytes=saved, peak_extra_bytes=max(loss_t, max(rebuilt) + layer_t),
+                           items=tuple(items), layer_saved_bytes=per_layer, layer_kept_bytes=max(kept),
+                           head_saved_bytes=saved - sum(kept), loss_transient_bytes=loss_t,
+                           layer_transient_bytes=layer_t,
+                           final_norm_transient_bytes=final_norm_transient_bytes(a, tokens),
+                           num_layers=a.num_layers, checkpointed=checkpointing != "selective-attention",
+                           blocks=tuple(blocks), edges=edges, kept_blocks=tuple(kept), rebuilt_blocks=tuple(rebuilt))
     if checkpointing == "full":
         # Each block keeps only its input (bytes of the residual stream); one block at a time is
         # recomputed in backward and holds its full saved set (Chen et al. 2016, sqrt(n) form).
@@ -525,6 +702,27 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
                        final_norm_transient_bytes=final_norm_transient_bytes(a, tokens),
                        num_layers=a.num_layers, checkpointed=checkpointing == "full",
                        blocks=tuple(blocks), edges=edges)
+
+
+def _with_chunked_loss(acts: Activations, a: Architecture, micro_batch: int, seq_len: int, chunks: int,
+                       b: int) -> Activations:
+    """torchtune's chunked output loss (planner/losses.py): the same saved set, the loss's backward
+    one chunk at a time (torch.chunk along the sequence: chunks of ceil(seq / chunks) tokens), so
+    its two fp32 gradients are one chunk's. That makes the forward's last chunk the loss's peak:
+    every chunk's logits (the model's output list, in the compute dtype) live beside every chunk's
+    saved log-probabilities and the last chunk's fp32 upcast (a no-op in fp32). Peak trace (llama
+    32k vocabulary, 2,048 tokens, bf16 autocast, 8 chunks): the eight log-probabilities, the eight
+    bf16 logits and one fp32 chunk at the last chunk's log_softmax."""
+    chunk_tokens = micro_batch * -(-seq_len // chunks)
+    upcast = FP32 * chunk_tokens * a.vocab_size if b != FP32 else 0
+    transient = max(_loss_transient(a, chunk_tokens, FP32), b * micro_batch * seq_len * a.vocab_size + upcast)
+    items = tuple(ActivationItem(f"backward transient at the loss (one of {chunks} chunks)", transient)
+                  if i.name == "backward transient at the loss" else i for i in acts.items)
+    if acts.kept_blocks:
+        layer = max(acts.rebuilt_blocks) + acts.layer_transient_bytes
+    else:
+        layer = acts.layer_saved_bytes + acts.layer_transient_bytes if acts.checkpointed else 0
+    return replace(acts, loss_transient_bytes=transient, peak_extra_bytes=max(transient, layer), items=items)
 
 
 # The terms planner/finetune.py reuses for a block with a frozen base (LoRA): the attention core,

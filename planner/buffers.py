@@ -160,14 +160,20 @@ def backward_sweep(acts: Activations | None, numels: list[int], shape: Layout | 
     # second block on FSDP2 also holds the reduce-scatter input of the block before
     # (reduced_before_elements), a step between the first block and the second, so the second is
     # listed too. The blocks between can never be the peak and are not listed.
-    for index in sorted({0, min(1, shape.num_layers - 1), shape.num_layers - 1}):
+    # Blocks unlike each other (checkpointing_every, the selective policies: Activations.kept_blocks)
+    # are all listed.
+    indices = range(shape.num_layers) if acts.kept_blocks else \
+        sorted({0, min(1, shape.num_layers - 1), shape.num_layers - 1})
+    for index in indices:
         block = shape.num_layers - index
-        live = body - index * acts.layer_kept_bytes
+        done, rebuilt, own = acts.backward_of(index) if acts.kept_blocks else \
+            (index * acts.layer_kept_bytes, recompute, acts.layer_kept_bytes)
+        live = body - done
         produced = head + index * per_layer
-        points.append(SweepPoint(PhaseKind.START_OF_BLOCK, f"start of block {block} backward", live + recompute, produced,
+        points.append(SweepPoint(PhaseKind.START_OF_BLOCK, f"start of block {block} backward", live + rebuilt, produced,
                                  0, acts.layer_transient_bytes, held_elements=held,
                                  reduced_before_elements=per_layer if index else 0))
-        points.append(SweepPoint(PhaseKind.END_OF_BLOCK, f"end of block {block} backward", live - acts.layer_kept_bytes,
+        points.append(SweepPoint(PhaseKind.END_OF_BLOCK, f"end of block {block} backward", live - own,
                                  produced + per_layer, per_layer, 0, held_elements=held))
     # The embeddings' backward comes last: an untied embedding's gradient awaits its hook, or a
     # tied weight's two contributions live while autograd sums them.

@@ -175,6 +175,13 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
         raise PlannerError(f"{exc.name}: model_type {exc.config.get('model_type')!r} is estimated by tracing only; "
                            "--emit writes launch files for the families the core reads analytically "
                            "(see `planner models`)", field="model") from None
+    if est.checkpointing not in ("none", "full") or est.checkpointing_every is not None:
+        # the Trainer's and DeepSpeed's configs name full checkpointing only; the selective policies
+        # and every-N are applied by the training script (torchtitan's ac config, the model's
+        # activation_checkpointing_enable(every_n_layers=...))
+        field = "checkpointing_every" if est.checkpointing == "full" else "checkpointing"
+        raise PlannerError(f"--emit with {field}={getattr(est, field)}: the emitted Trainer, accelerate and DeepSpeed "
+                           "configs have no such setting; the training script applies it", field=field)
     unavailable = None if script is not None else _trainer_unavailable(setup, est)
     s = setup.strategy
     launch = _Launch(request=setup.request, framework=s.framework, strategy=s.name,

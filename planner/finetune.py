@@ -69,6 +69,7 @@ class Finetune:
     dropout: float
     quantize: str  # "none" | "nf4" | "fp4" | "int8"
     train_embeddings: bool
+    double_quant: bool = True  # bnb_4bit_use_double_quant (4-bit only)
 
     def targeted(self, linear: Linear) -> bool:
         return self.targets == (ALL_LINEAR,) or linear.name in self.targets
@@ -97,6 +98,9 @@ def check_request_fields(request: "EstimateRequest") -> None:
     if method == "lora" and request.quantize_base not in (None, "none"):
         raise ValueError(f"quantize_base={request.quantize_base} with finetune=lora: a quantized base is "
                          "finetune=qlora")
+    if request.double_quant is not None and (method != "qlora" or request.quantize_base == "int8"):
+        raise ValueError(f"double_quant={request.double_quant} is bitsandbytes' 4-bit option "
+                         "(bnb_4bit_use_double_quant): it needs finetune=qlora with quantize_base nf4 or fp4")
     if method == "qlora" and request.quantize_base == "none":
         raise ValueError("quantize_base=none with finetune=qlora: QLoRA quantizes the base; use finetune=lora")
 
@@ -154,11 +158,10 @@ def resolve_finetune(request: "EstimateRequest", arch: Architecture | None, stra
     if request.offload_params != "none":
         raise PlannerError(f"offload_params={request.offload_params} with finetune={request.finetune}: offloading a "
                            "frozen base is not modelled", field="offload_params")
-    if quantize != "none" and framework == "torch" and RECIPES[request.precision].reduced_dtype is not None:
-        raise PlannerError(f"quantize_base={quantize} with strategy {strategy} and precision {request.precision}: "
-                           "prepare_model_for_kbit_training leaves the norms and embeddings in fp32, so under "
-                           "torch.autocast the residual stream runs in fp32; not modelled: use zero0-2 (bf16) or fp32",
-                           field="quantize_base")
+    if quantize == "int8" and framework == "torch" and RECIPES[request.precision].reduced_dtype is not None:
+        raise PlannerError(f"quantize_base=int8 with strategy {strategy} and precision {request.precision}: LLM.int8 "
+                           "under torch.autocast is not modelled (the 4-bit bases nf4/fp4 are); use zero0-2 (bf16) "
+                           "or fp32", field="quantize_base")
     if request.train_embeddings and arch.tie_word_embeddings:
         raise PlannerError(f"train_embeddings=true on a tied model ({arch.model_type}, tie_word_embeddings): "
                            "PEFT's modules_to_save copies would untie them; not modelled", field="train_embeddings")
@@ -169,7 +172,8 @@ def resolve_finetune(request: "EstimateRequest", arch: Architecture | None, stra
                     alpha=request.lora_alpha if request.lora_alpha is not None else DEFAULT_ALPHA,
                     targets=_targets(request, arch),
                     dropout=request.lora_dropout if request.lora_dropout is not None else DEFAULT_DROPOUT,
-                    quantize=quantize, train_embeddings=request.train_embeddings)
+                    quantize=quantize, train_embeddings=request.train_embeddings,
+                    double_quant=request.double_quant is not False)
 
 
 # ZeRO-3 with a 4-bit base was run on CPU ranks (llama shape, bf16, all-linear r=16): it trains, but
@@ -258,7 +262,7 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def quantized_weight_bytes(numel: int, quantize: str, out_features: int) -> int:
+def quantized_weight_bytes(numel: int, quantize: str, out_features: int, double_quant: bool = True) -> int:
     """Bytes bitsandbytes keeps for one quantized weight of ``numel`` elements.
 
     4-bit (functional.py quantize_4bit): two values per byte; one absmax per 64 values, fp32, or
@@ -269,6 +273,8 @@ def quantized_weight_bytes(numel: int, quantize: str, out_features: int) -> int:
     if quantize == "int8":
         return numel + 4 * out_features
     blocks = _ceil_div(numel, BNB_4BIT_BLOCK)
+    if not double_quant:  # compress_statistics=False: the fp32 absmax kept as it is
+        return _ceil_div(numel, 2) + 4 * blocks + BNB_4BIT_CODE_BYTES
     nested = _ceil_div(blocks, BNB_NESTED_BLOCK)
     return (_ceil_div(numel, 2) + blocks + 4 * nested + BNB_NESTED_CODE_BYTES + BNB_OFFSET_BYTES
             + BNB_4BIT_CODE_BYTES)
@@ -296,7 +302,7 @@ def frozen_base(arch: Architecture, f: Finetune, psi: int, other_bytes_per: int)
         for linear in block_linears(arch, spec):
             n = linear.in_features * linear.out_features
             numel += n
-            quantized += quantized_weight_bytes(n, f.quantize, linear.out_features)
+            quantized += quantized_weight_bytes(n, f.quantize, linear.out_features, f.double_quant)
     return FrozenBase(quantized, psi - numel, (psi - numel) * other_bytes_per)
 
 
@@ -314,7 +320,7 @@ def bnb_config(f: Finetune, compute: str) -> dict[str, Any] | None:
         return None
     if f.quantize == "int8":
         return {"load_in_8bit": True}
-    return {"load_in_4bit": True, "bnb_4bit_quant_type": f.quantize, "bnb_4bit_use_double_quant": True,
+    return {"load_in_4bit": True, "bnb_4bit_quant_type": f.quantize, "bnb_4bit_use_double_quant": f.double_quant,
             "bnb_4bit_compute_dtype": {"bf16": "bfloat16", "fp16": "float16"}.get(compute, "float32")}
 
 
@@ -349,6 +355,7 @@ class AdapterInputs:
     own_copy: bool  # autocast with fp32 adapters
     dropout: float
     device: str
+    stream_bytes: int = 0  # the frozen linears' output dtype (0: compute_bytes); fp32_stream below
 
     @property
     def shared(self) -> bool:
@@ -388,7 +395,8 @@ def _lora_block_saved(arch: Architecture, spec: LayerSpec, f: Finetune, tokens: 
     if a.qk_norm == "head":  # Qwen3's q_norm / k_norm: fp32 upcast and rsqrt, not the cast back
         saved += FP32 * tokens * (a.q_width + a.kv_width) + FP32 * tokens * (a.num_heads + a.num_kv_heads)
     inner = spec.mlp.intermediate_size
-    saved += 3 * b * tokens * inner
+    # gate, act(gate) and up: the frozen linears' outputs (fp32 for a 4-bit base under autocast)
+    saved += 3 * (inputs.stream_bytes or b) * tokens * inner
     kept_by_adapters = inputs.shared
     if kept_by_adapters:
         saved += b * tokens * h * (bool(names & set(_QKV)) + bool(names & set(_GATE_UP)))
@@ -433,27 +441,41 @@ def _first_block_untracked(arch: Architecture, f: Finetune, tokens: int, inputs:
 
 def lora_activations(arch: Architecture, f: Finetune, *, micro_batch: int, seq_len: int, compute_bytes: int,
                      attention: str, checkpointing: str, device: str, adapter_copy: bool,
-                     linears_save_inputs: bool = False):
+                     linears_save_inputs: bool = False, fp32_stream: bool = False):
     """The saved set and transients of a LoRA step, in the form of activations.Activations.
     ``linears_save_inputs``: DeepSpeed ZeRO-3, whose F.linear keeps every linear's input (the
-    frozen LM head's too)."""
+    frozen LM head's too).
+
+    ``fp32_stream``: QLoRA as it is run (a 4-bit base under torch.autocast after
+    prepare_model_for_kbit_training, which leaves the embeddings, norms and LM head fp32: peft
+    0.18 utils/other.py). The embedding's output is fp32 and so is the residual stream; each
+    bitsandbytes Linear4bit casts its input to the compute dtype and its output back to the
+    input's (bitsandbytes 0.49 nn/modules.py Linear4bit.forward: ``.to(inp_dtype)``), so gate,
+    up and act(gate) are fp32; RoPE's tables follow the fp32 stream; the fp32 LM head's matmul
+    under autocast saves its bf16 weight copy for the input's gradient; a checkpointed block
+    keeps its fp32 input; backward's gradients through the stream and the MLP are fp32.
+    Measured with saved-tensor hooks (llama, all-linear r=8, bf16): every block's saved set to
+    the byte."""
     from planner.activations import (FP32, ActivationItem, Activations, layer_backward_transient, loss_saved,
                                      loss_transient, rope_saved)
 
     tokens, b = micro_batch * seq_len, compute_bytes
-    inputs = AdapterInputs(compute_bytes=b, own_copy=adapter_copy, dropout=f.dropout, device=device)
+    stream = FP32 if fp32_stream else b
+    inputs = AdapterInputs(compute_bytes=b, own_copy=adapter_copy, dropout=f.dropout, device=device,
+                           stream_bytes=stream)
     specs = layer_specs(arch)
     blocks = [_lora_block_saved(arch, spec, f, tokens, seq_len, micro_batch, inputs, attention, linears_save_inputs)
               for spec in specs]
     per_layer = max(blocks)
     # a trained LM head saves its input, and under ZeRO-3 a frozen one too
     head_out = b * tokens * arch.hidden_size if f.train_embeddings or linears_save_inputs else 0
-    final_norm = FP32 * tokens * arch.hidden_size + FP32 * tokens + head_out
-    loss = loss_saved(arch, tokens, b) + rope_saved(arch, seq_len, b)
+    head_cast = b * arch.vocab_size * arch.hidden_size if fp32_stream and not f.train_embeddings else 0
+    final_norm = FP32 * tokens * arch.hidden_size + FP32 * tokens + head_out + head_cast
+    loss = loss_saved(arch, tokens, b) + rope_saved(arch, seq_len, stream)
     at_loss = loss_transient(arch, tokens, b)
-    layer_transient = layer_backward_transient(arch, tokens, b) + dequantized_weight_bytes(arch, f, b)
+    layer_transient = layer_backward_transient(arch, tokens, stream) + dequantized_weight_bytes(arch, f, b)
     if checkpointing == "full":
-        boundary = b * tokens * arch.hidden_size
+        boundary = stream * tokens * arch.hidden_size
         body = arch.num_layers * boundary
         extra = max(at_loss, per_layer + layer_transient)
         items = [ActivationItem(f"{arch.num_layers} block inputs (checkpointed)", body),

@@ -322,7 +322,11 @@ def _gemm_seconds(m, n: int, k: int, r: Rates, compute_bytes: int):
 
 # Which kinds of work each checkpointing policy runs again in backward (issue 21 adds its
 # selective policies by naming theirs: "selective-attention" reruns attention only).
-RECOMPUTED = {"none": frozenset(), "full": frozenset({"matmul", "attention", "elementwise"})}
+# Megatron's selective recompute reruns the core attention only (--recompute-granularity selective);
+# torchtitan's per-op SAC saves the matmul and attention outputs and reruns the elementwise ops between
+# them (activation_checkpoint.py _save_list; its every-other-mm recompute is not charged here)
+RECOMPUTED = {"none": frozenset(), "full": frozenset({"matmul", "attention", "elementwise"}),
+              "selective-attention": frozenset({"attention"}), "selective-op": frozenset({"elementwise"})}
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,13 @@ from dataclasses import dataclass, replace
 from planner import buffers as buf
 from planner import reserved
 from planner.frameworks import Framework, framework_of
-from planner.activations import ActivationItem, Activations, estimate_activations
+from planner.activations import ActivationItem, Activations, check_checkpointing, estimate_activations
 from planner.architecture import Architecture, defaulted_size_fields, parameter_count, parameter_numels
 from planner.catalogue import ResolvedModel, catalogue_model, model_from_config, raw_parameters, with_vision
 from planner.dsconfig import ZeroSettings, batch_from_config, parse_ds_config, with_overrides
 from planner.errors import PlannerError
+from planner.losses import loss_chunks
+from planner.loop import check_loop, held_outputs_bytes, loop_note, with_held_outputs
 from planner.finetune import Finetune, lora_activations, resolve_finetune, trainable_numels, with_frozen
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.moments import PhaseKind
@@ -52,6 +54,7 @@ class Setup:
     embedding_split: int = 1  # DeepSpeed AutoTP, tied or no tp_plan: the embedding split along the hidden dimension
     lm_head_split: int = 1  # DeepSpeed AutoTP (HF tp_plan): the untied LM head's rows split, its output gathered
     rank_architecture: Architecture | None = None
+    loss_chunks: int = 1  # the loss's backward in this many chunks (planner/losses.py)
 
     @property
     def tp(self) -> int:
@@ -157,10 +160,27 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     dims = _dims(request, s, shard, model)
     check_context_parallel(dims.cp, s.framework, s.name, request.attention, model.architecture)
     finetune = resolve_finetune(request, model.architecture, s.name, s.framework)
+    check_loop(request, model.architecture)
+    check_checkpointing(model.architecture, request.checkpointing, request.checkpointing_every, request.attention,
+                        _checkpointing_why_not(request, model, finetune))
     fields = {"shard_size": shard} | tensor_parallel_fields(request, s, model, shard)
+    fields["loss_chunks"] = loss_chunks(request, _checkpointing_why_not(request, model, finetune),
+                                        torch_tp=bool(fields.get("vocab_parallel_loss")))
     return Setup(request=request.model_copy(update={"precision": precision} | from_config), model=model, strategy=s,
                  recipe=RECIPES[precision], gpu=g, zero=zero, world_size=request.world_size, dims=dims,
                  finetune=finetune, **fields)
+
+
+def _checkpointing_why_not(request: EstimateRequest, model: ResolvedModel, finetune: Finetune | None) -> str | None:
+    """What of the request the checkpointing policies beyond none/full are not modelled with."""
+    parallel = [f"{name}={getattr(request, name)}" for name in ("tp", "cp", "pp", "ep") if getattr(request, name) > 1]
+    if parallel:
+        return ", ".join(parallel)
+    if finetune is not None:
+        return f"finetune={request.finetune}"
+    if model.traced is not None:
+        return "a traced model"
+    return None
 
 
 def _dims(request: EstimateRequest, s: Strategy, shard: int, model: ResolvedModel) -> ParallelDims:
@@ -226,7 +246,8 @@ def activations(setup: Setup) -> Activations | None:
                                 compute_bytes=compute, attention=req.attention, checkpointing=req.checkpointing,
                                 device=setup.device, adapter_copy=adapter_copy,
                                 linears_save_inputs=setup.strategy.framework == "deepspeed"
-                                and setup.strategy.zero_stage == 3)
+                                and setup.strategy.zero_stage == 3,
+                                fp32_stream=setup.finetune.quantize in ("nf4", "fp4") and adapter_copy)
     arch = setup.arch
     seq_len = req.seq_len // setup.cp  # the rank's two chunks of each sequence under cp
     # torch.autocast over the fp32 weights: torch's mixed recipes where nothing casts them (DDP, a
@@ -237,7 +258,8 @@ def activations(setup: Setup) -> Activations | None:
                 and setup.dims.pp == 1 and setup.cp == 1)
     acts = estimate_activations(arch, micro_batch=req.micro_batch, seq_len=seq_len,
                                 compute_bytes=compute, attention=req.attention,
-                                checkpointing=req.checkpointing, device=setup.device, autocast=autocast)
+                                checkpointing=req.checkpointing, device=setup.device, autocast=autocast,
+                                every=req.checkpointing_every, loss_chunks=setup.loss_chunks)
     if setup.rank_architecture is not None:
         acts = tp_activations(acts, setup.model.architecture, setup.arch, tp=setup.tp,
                               sequence_parallel=setup.sequence_parallel, tokens=req.micro_batch * seq_len,
@@ -317,6 +339,8 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None, simul
         plan = setup.framework.phases(setup, acts, _numels(setup))
         if setup.finetune is not None:
             plan = with_frozen(plan, setup)
+        if request.keeps_outputs:
+            plan = with_held_outputs(plan, _held_outputs(setup))
     if ep_items or ep_transient is not None:
         from planner import experts
 
@@ -374,6 +398,14 @@ def _at_peak(peak_phase, framework: int) -> PeakRows:
             rows[item.component] += item.bytes
     buffers = peak_phase.bytes - sum(rows.values())
     return PeakRows(**{f"{k}_bytes": v for k, v in rows.items()}, buffers_bytes=buffers, framework_bytes=framework)
+
+
+def _held_outputs(setup: Setup) -> int:
+    """The logits a keeps_outputs loop holds (planner/loop.py); 0 for the Trainer's loop."""
+    if not setup.request.keeps_outputs:
+        return 0
+    req = setup.request
+    return held_outputs_bytes(setup.arch.vocab_size, req.micro_batch * req.seq_len, setup.recipe.compute_bytes)
 
 
 def _phase_of(kind: PhaseKind, name: str, items: list) -> Phase:
@@ -533,6 +565,7 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
     if setup.arch is not None:
         notes.extend(setup.arch.notes)  # what the family's reader assumed (eager only, vision tower)
     notes.append(f"peak occurs during {peak_phase.name}")
+    notes.append(loop_note(setup.request.keeps_outputs, _held_outputs(setup)))
     notes.extend(plan.notes)
     if setup.gpu.is_cpu:
         notes.append("cpu ranks: no CUDA context; capacity is host memory shared by the ranks of a node")

@@ -18,6 +18,7 @@ from pydantic_core import core_schema
 from planner.activations import Attention, Checkpointing
 from planner.kernels import AttentionKernel
 from planner.errors import unknown
+from planner.losses import Loss
 from planner.moments import PhaseKind
 from planner.parallel import PipelineSchedule
 from planner.precision import Optimizer, Precision
@@ -265,7 +266,16 @@ class EstimateRequest(BaseModel):
     micro_batch: int = Field(1, ge=1, le=1 << 16, description="sequences per device per micro-step")
     seq_len: SeqLen = DEFAULT_SEQ_LEN
     gradient_accumulation: int = Field(1, ge=1, le=1 << 16, description="micro-steps per optimizer step")
-    checkpointing: Checkpointing = Field("none", description="activation checkpointing")
+    checkpointing: Checkpointing = Field("none", description="activation checkpointing: none, full, selective-op "
+                                         "(torchtitan's per-op SAC), selective-attention (Megatron's core-attention "
+                                         "recompute)")
+    loss: Loss = Field("hf", description="loss implementation: hf (transformers' cross-entropy on the whole "
+                       "logits), chunked (torchtune's chunked output loss), liger-fused, cce, vocab-parallel (tp's "
+                       "loss_parallel)")
+    loss_chunks: int | None = Field(None, ge=1, le=1 << 16, description="loss=chunked: chunks (default 8, torchtune's)")
+    checkpointing_every: int | None = Field(None, ge=1, le=1 << 16,
+                                            description="with checkpointing full: checkpoint every N-th block only "
+                                            "(transformers' every_n_layers: blocks 0, N, 2N, ...)")
     attention: Attention = Field("sdpa", description="attention implementation (sdpa = flash/memory-efficient)")
     attention_kernel: AttentionKernel = Field(
         "flash-attention-2", description="the flash kernel's generation, for the step time only: torch>=2.2 SDPA "
@@ -303,6 +313,10 @@ class EstimateRequest(BaseModel):
     include_vision: bool = Field(
         False, description="multimodal configs (gemma3, llama4, mistral3): count the vision tower and projector as "
         "model states (trained in full); activations stay those of text tokens")
+    # the recipe as it is run (issue 21): the training loop (planner/loop.py)
+    keeps_outputs: bool = Field(False, description="the script keeps the model's outputs through backward "
+                                "(accelerate's `outputs = model(**batch); accelerator.backward(outputs.loss)`): "
+                                "their logits stay live; default: the Trainer's loop, which frees them")
     # LoRA / QLoRA (planner/finetune.py): defaults are PEFT 0.21's LoraConfig defaults
     finetune: Finetune = Field("full", description="full fine-tuning, LoRA adapters on a frozen 16-bit base, "
                                "or QLoRA (a frozen base quantized by bitsandbytes, nf4 with double quantization)")
@@ -318,15 +332,18 @@ class EstimateRequest(BaseModel):
                                                "nf4/fp4 (bitsandbytes 4-bit) or int8 (LLM.int8); default nf4 for qlora")
     train_embeddings: bool = Field(False, description="also train the input embeddings and LM head in full "
                                    "(PEFT modules_to_save)")
+    double_quant: bool | None = Field(None, description="bitsandbytes 4-bit double quantization "
+                                      "(bnb_4bit_use_double_quant); default on for nf4/fp4, as the QLoRA recipe")
 
     @model_validator(mode="before")
     @classmethod
     def _strategy_from_ds_config(cls, data: Any) -> Any:
         """A DeepSpeed config names its ZeRO stage: without --strategy, that stage is the strategy
-        (as its precision, batch and buckets are read from it); an explicit strategy must agree."""
-        if (isinstance(data, dict) and "strategy" not in data and data.get("ds_config") is None
-                and data.get("gpus", DEFAULT_GPUS_PER_NODE) == 1 and data.get("nodes", 1) == 1):
-            return {**data, "strategy": "single"}  # one device: no framework to shard over nothing
+        (as its precision, batch and buckets are read from it); an explicit strategy must agree.
+        Without either, one GPU on one node is strategy single (no sharding framework)."""
+        if isinstance(data, dict) and "strategy" not in data and data.get("ds_config") is None \
+                and data.get("gpus") == 1 and data.get("nodes", 1) == 1:
+            data = {**data, "strategy": "single"}  # one device: no sharding framework (issue 21)
         if isinstance(data, dict) and "strategy" not in data and isinstance(data.get("ds_config"), dict):
             zero = data["ds_config"].get("zero_optimization")
             stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
@@ -355,6 +372,9 @@ class EstimateRequest(BaseModel):
                              f"exceeds the global batch bound {MAX_GLOBAL_BATCH}")
         if self.topology is not None and self.topology_text is not None:
             raise ValueError("give --topology or --topology-file, not both")
+        if self.checkpointing_every is not None and self.checkpointing != "full":
+            raise ValueError(f"checkpointing_every={self.checkpointing_every} applies to checkpointing=full, not "
+                             f"checkpointing={self.checkpointing}")
         if self.reduce_dtype != "compute" and self.strategy not in SHARDING_STRATEGIES:
             raise ValueError(f"reduce_dtype={self.reduce_dtype} is FSDP2's MixedPrecisionPolicy.reduce_dtype: it applies "
                              f"to {', '.join(SHARDING_STRATEGIES)}, not strategy {self.strategy}")

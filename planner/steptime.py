@@ -6,7 +6,7 @@ and the step time that results. plan.py evaluates it over a grid; estimate_time 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from planner import arrays, kernels, timing
@@ -45,6 +45,9 @@ class Combo:
     cp: int = 1  # context-parallel degree
     sequence_parallel: bool = False
     pp: int = 1  # pipeline stages (planner/pipeline.py)
+    # with full checkpointing: every N-th block; keyword-only, so that subclasses (plan.Setting)
+    # keep their positional fields
+    checkpointing_every: int | None = field(default=None, kw_only=True)
 
     def data_parallel_wrapped(self, nodes: int) -> bool:
         """Whether a data-parallel wrapper (DDP, FSDP2) runs on it: not with one data-parallel
@@ -154,7 +157,7 @@ def frozen_base_shape(request: EstimateRequest, arch) -> FrozenBaseShape | None:
 
 
 def _flops_per_token(shape, seq_len: int, checkpointing: str,
-                     frozen: FrozenBaseShape | None = None) -> tuple[float, float]:
+                     frozen: FrozenBaseShape | None = None, every: int | None = None) -> tuple[float, float]:
     """(FLOPs per token the step runs, recomputation included; FLOPs per token MFU counts)."""
     if frozen is not None:
         return timing.frozen_base_flops_per_token(shape, seq_len, checkpointing, frozen.adapter_forward_flops,
@@ -162,7 +165,7 @@ def _flops_per_token(shape, seq_len: int, checkpointing: str,
     if isinstance(shape, TracedShape):
         forward = 2 * shape.matmul_parameters
         return forward * (4 if checkpointing == "full" else 3), 3 * forward
-    return timing.flops_per_token(shape, seq_len, checkpointing), timing.model_flops_per_token(shape, seq_len)
+    return timing.flops_per_token(shape, seq_len, checkpointing, every), timing.model_flops_per_token(shape, seq_len)
 
 
 @dataclass(frozen=True)
@@ -293,7 +296,8 @@ def resolved_combo(request: EstimateRequest, parameters: int | None = None) -> t
     # data-parallel ranks; its replicas all-reduce a 1/(dp_shard x cp) shard of the gradients)
     shard = setup.dims.dp_shard * setup.dims.cp if lookup_strategy(request.strategy).shard_within_node else None
     combo = Combo(request.gpus, request.strategy, request.checkpointing, zero.offload_optimizer, zero.offload_params,
-                  shard, request.tp, request.cp, setup.sequence_parallel, request.pp)
+                  shard, request.tp, request.cp, setup.sequence_parallel, request.pp,
+                  checkpointing_every=request.checkpointing_every)
     return combo, Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size,
                           zero.param_persistence_threshold, zero.max_reuse_distance), setup
 
@@ -413,7 +417,8 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     peak_flops = g.peak_tflops[dtype] * 1e12
     tokens_rank = per_rank * req.seq_len
     model_parallel = combo.tp * combo.cp  # GPUs that share one data-parallel rank's tokens
-    per_token, model_per_token = _flops_per_token(arch, req.seq_len, combo.checkpointing, frozen)
+    per_token, model_per_token = _flops_per_token(arch, req.seq_len, combo.checkpointing, frozen,
+                                                  combo.checkpointing_every)
     compute, backward, hardware_flops, terms = compute_seconds(req, combo, micro, per_rank, psi, arch, g, frozen,
                                                                tokens_rank * per_token / model_parallel)
     ring, ring_bw, _ = timing.node_ring(topo, combo.gpus)

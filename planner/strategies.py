@@ -17,6 +17,7 @@ StrategyName = Literal["single", "ddp", "fsdp", "fsdp-grad-op", "hsdp", "zero0",
 OffloadDevice = Literal["none", "cpu", "nvme"]
 # "single" first: on one device it is what the plan prefers among equals (no framework to install)
 STRATEGIES: tuple[str, ...] = ("single", "ddp", "zero0", "zero1", "zero2", "zero3", "fsdp", "fsdp-grad-op", "hsdp")
+SINGLE = "single"
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,11 @@ class Strategy:
 
     def runs_on(self, world: int) -> bool:
         return world == 1 or not self.one_device
+
+    @property
+    def wraps(self) -> bool:
+        """A data-parallel wrapper runs (False: one device, the bare module)."""
+        return not self.one_device
 
 
 _TABLE: dict[str, Strategy] = {
@@ -53,7 +59,7 @@ def strategy(name: str) -> Strategy:
     try:
         return _TABLE[name]
     except KeyError:
-        raise PlannerError(f"strategy {name!r} is unknown; choose one of {', '.join(STRATEGIES)}",
+        raise PlannerError(f"strategy {name!r} is unknown; choose one of {', '.join(_TABLE)}",
                            field="strategy") from None
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from planner import arrays
+from planner.activations import recompute_flops_per_token
 from planner.architecture import Architecture, active_parameter_count
 from planner.topology import Topology, link_rates
 
@@ -76,10 +77,17 @@ def matmul_parameters(a: Architecture) -> int:
     return active_parameter_count(a) - lookup + head
 
 
-def flops_per_token(a: Architecture, seq_len: int, checkpointing: str) -> float:
+def flops_per_token(a: Architecture, seq_len: int, checkpointing: str, every: int | None = None) -> float:
+    """Forward and backward (3 x forward), plus what the checkpointing policy recomputes
+    (activations.recompute_flops_per_token: the checkpointed blocks' forward under full, every
+    second linear under selective-op, the attention core under selective-attention)."""
     forward = 2 * matmul_parameters(a) + 4 * a.num_layers * seq_len * a.q_width
-    passes = 4 if checkpointing == "full" else 3
-    return forward * passes
+    if checkpointing == "full" and every is None:
+        # kept as it was (frozen_base_flops_per_token alike): the whole forward again, the LM head's
+        # 2 x vocab x hidden included, which recompute_flops_per_token leaves out (the head is not
+        # checkpointed); the time model's rewrite (issue 22) takes the function for every policy
+        return forward * 4
+    return forward * 3 + recompute_flops_per_token(a, seq_len, checkpointing, every)
 
 
 def model_flops_per_token(a: Architecture, seq_len: int) -> float:

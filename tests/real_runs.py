@@ -358,6 +358,60 @@ BENCH_RUNS = [
     _run("llama-zero2-bf16-small-ga2-t128", LLAMA, "zero2", "bf16-mixed", small=True, micro=1, seq=128,
          gradient_accumulation=2),
     _run("llama-ddp-bf16-ga2-t128", LLAMA, "ddp", "bf16-mixed", micro=1, seq=128, gradient_accumulation=2),
+    # the recipes as they are run (issue 21). keeps_outputs: accelerate's loop holds the outputs (their
+    # logits in the training dtype) through backward, the optimizer step and the next forward;
+    # logits-dominated (32k-50k vocabularies, 1-2k tokens) under autocast (DDP), ZeRO's bf16 model,
+    # FSDP2's bf16 gather, fp32, and over two micro-batches
+    _run("llama-v32k-ddp-bf16-keeps-t1024", LLAMA_32K, "ddp", "bf16-mixed", micro=2, seq=512, keeps_outputs=True),
+    _run("llama-v32k-zero2-bf16-small-keeps-t1024", LLAMA_32K, "zero2", "bf16-mixed", small=True, micro=2, seq=512,
+         keeps_outputs=True),
+    _run("qwen2-v32k-fsdp-bf16-keeps-t1024", QWEN2_32K, "fsdp", "bf16-mixed", micro=1, seq=1024, keeps_outputs=True),
+    _run("gpt2-v50k-zero1-fp32-small-keeps-t1024", GPT2_50K, "zero1", "fp32", small=True, micro=2, seq=512,
+         keeps_outputs=True),
+    _run("llama-v32k-zero3-bf16-small-keeps-ga2-t2048", LLAMA_32K, "zero3", "bf16-mixed", small=True, micro=1,
+         seq=2048, gradient_accumulation=2, keeps_outputs=True),
+    # strategy single: one device, the bare module under autocast (HF Trainer / accelerate on one GPU)
+    _run("llama-single-bf16-t512", LLAMA, "single", "bf16-mixed", gpus=1, micro=2, seq=256),
+    _run("llama-v32k-single-fp32-ckpt-keeps-t1024", LLAMA_32K, "single", "fp32", gpus=1, ckpt="full", micro=1,
+         seq=1024, keeps_outputs=True),
+    # QLoRA as it is run: a 4-bit base with bf16 compute, prepare_model_for_kbit_training (fp32 norms,
+    # embeddings and head), torch.autocast bf16 (HF Trainer bf16=True), one device or DDP; the fp32
+    # residual stream (planner/finetune.py lora_activations fp32_stream)
+    _run("llama-qlora-single-bf16-all-t512", LLAMA, "single", "bf16-mixed", gpus=1, micro=2, seq=256,
+         finetune="qlora", lora_targets="all-linear"),
+    _run("llama-qlora-single-bf16-ckpt-all-r16-t1024", LLAMA, "single", "bf16-mixed", gpus=1, ckpt="full", micro=4,
+         seq=256, finetune="qlora", lora_rank=16, lora_targets="all-linear"),
+    _run("llama-qlora-single-bf16-fp4-nodq-all-t512", LLAMA, "single", "bf16-mixed", gpus=1, micro=2, seq=256,
+         finetune="qlora", quantize_base="fp4", double_quant=False, lora_targets="all-linear"),
+    _run("llama-qlora-ddp-bf16-all-t512", LLAMA, "ddp", "bf16-mixed", micro=2, seq=256, finetune="qlora",
+         lora_targets="all-linear"),
+    _run("llama-v32k-qlora-single-bf16-ckpt-t1024", LLAMA_32K, "single", "bf16-mixed", gpus=1, ckpt="full", micro=1,
+         seq=1024, finetune="qlora"),
+    _run("llama-v32k-qlora-single-bf16-keeps-t2048", LLAMA_32K, "single", "bf16-mixed", gpus=1, micro=2, seq=1024,
+         finetune="qlora", keeps_outputs=True),
+    # checkpointing policies: torchtitan's per-op SAC (torch.utils.checkpoint's selective contexts
+    # with its save list and every-second-mm rule: backend/checkpointing.py), every N-th block
+    # (transformers' every_n_layers), Megatron's core-attention recompute (SDPA and eager)
+    _run("llama-single-bf16-sacop-t1024", LLAMA, "single", "bf16-mixed", gpus=1, ckpt="selective-op", micro=4,
+         seq=256),
+    _run("llama-ddp-fp32-sacop-t512", LLAMA, "ddp", "fp32", ckpt="selective-op", micro=2, seq=256),
+    _run("llama-zero2-bf16-small-sacop-t1024", LLAMA, "zero2", "bf16-mixed", small=True, ckpt="selective-op",
+         micro=4, seq=256),
+    _run("llama-single-fp32-every2-t1024", LLAMA, "single", "fp32", gpus=1, ckpt="full", checkpointing_every=2,
+         micro=4, seq=256),
+    _run("llama-ddp-bf16-every3-t1024", LLAMA, "ddp", "bf16-mixed", ckpt="full", checkpointing_every=3, micro=4,
+         seq=256),
+    _run("llama-single-bf16-selattn-t1024", LLAMA, "single", "bf16-mixed", gpus=1, ckpt="selective-attention",
+         micro=4, seq=256),
+    _run("llama-single-fp32-eager-selattn-t512", LLAMA, "single", "fp32", gpus=1, ckpt="selective-attention",
+         attention="eager", micro=2, seq=256),
+    # loss=chunked (torchtune's chunked output loss, backend/losses.py), logits-dominated
+    _run("llama-v32k-single-bf16-chunked-t2048", LLAMA_32K, "single", "bf16-mixed", gpus=1, micro=1, seq=2048,
+         loss="chunked"),
+    _run("llama-v32k-ddp-fp32-chunked4-t1024", LLAMA_32K, "ddp", "fp32", micro=2, seq=512, loss="chunked",
+         loss_chunks=4),
+    _run("llama-v32k-single-fp32-ckpt-chunked-t1024", LLAMA_32K, "single", "fp32", gpus=1, ckpt="full", micro=1,
+         seq=1024, loss="chunked"),
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than

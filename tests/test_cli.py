@@ -29,7 +29,9 @@ ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus",
                   # the caching allocator and NCCL (issue 24)
                   "--alloc-conf", "--nccl-buffsize-bytes",
                   # job files (issue 23)
-                  "--from"}
+                  "--from",
+                  # the recipes as they are run (issue 21)
+                  "--keeps-outputs", "--double-quant", "--checkpointing-every", "--loss", "--loss-chunks"}
 
 
 def run(capsys, *argv):

@@ -177,7 +177,8 @@ def test_worker_job_carries_the_finetune():
     job = worker_job(EstimateRequest(**CPU, strategy="zero2", finetune="qlora", lora_targets="all-linear"),
                      steps=1, warmup_steps=0, out_dir=__import__("pathlib").Path("/tmp"))
     assert job.finetune.model_dump() == {"rank": 8, "alpha": 8.0, "dropout": 0.0, "quantize": "nf4", "targets": "all-linear",
-                               "modules_to_save": None, "compute_dtype": "bf16", "base_dtype": "bf16"}
+                               "modules_to_save": None, "compute_dtype": "bf16", "base_dtype": "bf16",
+                                   "double_quant": True}
 
 
 def test_frozen_blocks_save_less_and_dropout_saves_more():

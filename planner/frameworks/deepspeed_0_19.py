@@ -393,6 +393,9 @@ def _activations_when_produced(acts: Activations, shape: Layout, numels: list[in
     if produced <= head:
         return body
     done = min(shape.num_layers - 1, (produced - head) // max(per_layer, 1))
+    if acts.kept_blocks:  # blocks unlike each other (checkpointing_every, the selective policies)
+        kept_by_done, rebuilt, _ = acts.backward_of(done)
+        return body - kept_by_done + rebuilt
     return body - done * acts.layer_kept_bytes + (acts.layer_saved_bytes if acts.checkpointed else 0)
 
 

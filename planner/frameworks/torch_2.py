@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from planner.activations import Activations
+from planner import timing
+from planner.activations import Activations, checkpointed_blocks
 from planner.architecture import layer_specs
 from planner.buffers import (FP32, PhasePlan, SweepPoint, activation_items, adam_temporaries, backward_sweep,
                              ceil_div, item, layout, phase, tied_sum_item)
@@ -240,11 +241,14 @@ def _autocast_copies(setup: "Setup", point: SweepPoint, psi: int, block: int, co
     weight for backward, so without checkpointing all of them live until their layer's backward.
     Under checkpointing the blocks save nothing: only the LM head's cast stays, plus the cast
     weights of the one block being recomputed."""
-    shape = layout(setup)
-    if setup.request.checkpointing != "full" or shape is None:
+    shape, req = layout(setup), setup.request
+    # the linears run inside a checkpoint under full checkpointing and the per-op SAC policy
+    policy = "full" if req.checkpointing in ("full", "selective-op") else "none"
+    chosen = checkpointed_blocks(shape.num_layers, policy, req.checkpointing_every) if shape else ()
+    if not any(chosen):
         return item("autocast copies of the weights", compute_bytes * (psi - _uncast_elements(setup)), "buffers",
                      "torch.autocast's cast cache; each linear saves its 16-bit weight for backward")
-    head = shape.lm_head_elements
+    head = shape.lm_head_elements + block * chosen.count(False)  # and the blocks not checkpointed
     recomputed = block if point.kind is PhaseKind.START_OF_BLOCK else 0
     return item("autocast copies of the weights (LM head, recomputed block)", compute_bytes * (head + recomputed),
                  "buffers", "checkpointed blocks keep no cast weights; recomputation casts one block's again")

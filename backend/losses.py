@@ -1,0 +1,35 @@
+"""The loss implementations a rank computes beyond transformers' own (imported only inside a rank)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100  # transformers' and torchtune's ignore_index
+
+
+class ChunkedOutputLoss(torch.nn.Module):
+    """torchtune's chunked output loss on a transformers causal LM (torchtune
+    modules/loss/ce_chunked_output_loss.py CEWithChunkedOutputLoss with the model's chunked
+    output, as its recipes pair them): the decoder's hidden states cut into ``chunks`` slices of the
+    sequence, the LM head applied to each, each slice upcast to fp32 and cross-entropied with
+    reduction sum, the total divided by the tokens counted. Labels shifted as transformers'
+    ForCausalLMLoss shifts them (the last position ignored)."""
+
+    def __init__(self, model: torch.nn.Module, chunks: int):
+        super().__init__()
+        self.model, self.chunks = model, chunks
+        self._no_split_modules = getattr(model, "_no_split_modules", None)  # FSDP's unit (backend/train.py)
+
+    def forward(self, *, input_ids: torch.Tensor, labels: torch.Tensor):
+        hidden = self.model.base_model(input_ids=input_ids).last_hidden_state
+        head = self.model.get_output_embeddings()
+        logits = [head(chunk) for chunk in hidden.chunk(self.chunks, dim=1)]
+        shifted = F.pad(labels, (0, 1), value=IGNORE)[:, 1:]
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for chunk, target in zip(logits, shifted.chunk(self.chunks, dim=1)):
+            total = total + F.cross_entropy(chunk.float().reshape(-1, chunk.size(-1)), target.reshape(-1),
+                                            ignore_index=IGNORE, reduction="sum")
+        return SimpleNamespace(loss=total / (shifted != IGNORE).sum(), logits=logits)
