@@ -239,9 +239,6 @@ class _Block:
     def is_split(self) -> bool:
         return self.prev is not None or self.next is not None
 
-    def key(self) -> tuple:
-        return (self.size, self.addr)
-
 
 @dataclass(eq=False)
 class _Segment:
@@ -250,7 +247,6 @@ class _Segment:
     expandable: bool
     base: int
     page: int = 0  # expandable: the page mapped at a time (2 MiB small, 20 MiB large)
-    mapped_pages: set = field(default_factory=set)
 
 
 class OutOfMemory(Exception):
@@ -300,7 +296,6 @@ class CachingAllocator:
         self.free_sets: dict[tuple[bool, str], list] = {}  # (small, stream) -> sorted [(size, addr, id)]
         self.blocks_by_id: dict[int, _Block] = {}
         self.unmapped: dict[tuple[bool, str], list[_Block]] = {}
-        self.expandable: dict[tuple[bool, str], list[_Segment]] = {}
         self.gc_calls = {True: 0, False: 0}
         self.pending: list[tuple[str, _Block]] = []  # (stream, block): recorded events not yet completed
         self.completed: set[str] = set()
@@ -617,7 +612,6 @@ class CachingAllocator:
         page = SMALL_BUFFER_BYTES if small else LARGE_BUFFER_BYTES
         segment = _Segment(small, stream, True, self.next_addr, page=page)
         self.next_addr += self.ADDRESS_SPACE
-        self.expandable.setdefault((small, stream), []).append(segment)
         self.segments[small].add(1)
         self.total_segments.add(1)
         block = _Block(small, stream, self.ADDRESS_SPACE, segment.base, segment, mapped=False)

@@ -1065,16 +1065,17 @@ def _rank(search: _Search, req: PlanRequest, rows: list[Row], fewer: list[tuple[
     for row in rows:
         by_combo.setdefault(row[0], []).append(row)
     best: dict[Setting, Row] = {}
+    ordered: dict[Setting, list[Row]] = {}
     for combo, options in by_combo.items():
         fitting = [r for r in options if r[3]]
         # a fitting setting by the objective (ties to headroom); one that fits nowhere at its smallest peak
-        best[combo] = (_tie_order(req, capacity, fitting, lambda r: _objective(req, r[0], r[2], r[4]), lambda r: r[2],
-                                  lambda r: r[4].communication_seconds)[0] if fitting
-                       else min(options, key=lambda r: r[2]))
+        ordered[combo] = _tie_order(req, capacity, fitting, lambda r: _objective(req, r[0], r[2], r[4]),
+                                    lambda r: r[2], lambda r: r[4].communication_seconds) if fitting else []
+        best[combo] = ordered[combo][0] if fitting else min(options, key=lambda r: r[2])
     ranked = _tie_order(req, capacity, [c for c in best if best[c][3]], lambda c: _objective(req, c, best[c][2], best[c][4]),
                         lambda c: best[c][2], lambda c: best[c][4].communication_seconds)
     ranked += sorted((c for c in best if not best[c][3]), key=lambda c: best[c][2])
-    candidates, replayed = [], 0
+    candidates, replayed, rows_of, fell_back = [], 0, {}, False
     for combo in ranked:
         _, mb, peak, fits, t = best[combo]
         per_rank = _per_rank(req, combo)
@@ -1085,13 +1086,36 @@ def _rank(search: _Search, req: PlanRequest, rows: list[Row], fewer: list[tuple[
                                     else _host_reason(combo, mb, e, host_capacity(req, g)))
         if fits and replayed is not None and replayed < RESERVED_REPLAYS and not g.is_cpu:
             # the shortlist: fitting candidates in rank order are replayed through the caching
-            # allocator until one fits on reserved memory (the recommendation)
-            e, replayed = search.shown(req, combo, mb, accumulation=min(per_rank // mb, 2)), replayed + 1
-            if e.fits:
-                replayed = None
-            elif e.host.fits is not False:  # the live peak fits; what it reserves does not
-                fits, reason = False, _reserved_reason(combo, mb, e, capacity)
+            # allocator until one fits on reserved memory (the recommendation); a setting whose best
+            # micro-batch reserves too much tries its next fitting options of a smaller live peak
+            first = None
+            for _, option_mb, option_peak, _, option_t in ordered[combo]:
+                if replayed >= RESERVED_REPLAYS or (first is not None and option_peak >= peak):
+                    continue
+                shown = search.shown(req, combo, option_mb, accumulation=min(per_rank // option_mb, 2))
+                replayed += 1
+                if shown.fits:
+                    e, mb, peak, t = shown, option_mb, option_peak, option_t
+                    # a smaller micro-batch than the rank was made with: the next settings are
+                    # replayed too, and the fitting ones ordered again below
+                    fell_back = fell_back or first is not None
+                    replayed = replayed if first is not None else None
+                    break
+                first = first or shown
+            else:
+                e = first or e
+                if e.host.fits is not False:  # the live peak fits; what it reserves does not
+                    fits, reason = False, _reserved_reason(combo, mb, e, capacity)
+        elif fits and e.per_device.reserved_peak_bytes > capacity and not g.is_cpu:
+            # not replayed: its live peak with NCCL's buffers, a lower bound of reserved, is too much
+            fits, reason = False, _reserved_reason(combo, mb, e, capacity)
         candidates.append(_candidate(combo, mb, per_rank, fits, t, e, reason))
+        rows_of[id(candidates[-1])] = (combo, peak, t)
+    if fell_back:  # the replayed settings' micro-batches changed: rank the fitting ones again
+        fits_now = [c for c in candidates if c.fits]
+        candidates = _tie_order(req, capacity, fits_now, lambda c: _objective(req, *rows_of[id(c)]),
+                                lambda c: rows_of[id(c)][1], lambda c: rows_of[id(c)][2].communication_seconds) \
+            + [c for c in candidates if not c.fits]
     fitting = [c for c in candidates if c.fits]
     recommended = fitting[0] if fitting else None
     max_micro = _max_micro(req, rows)

@@ -145,3 +145,21 @@ def test_the_published_allocator_rows_are_predicted():
         assert p["reserved"] >= p["allocated"] and p["terms"] > 0
     text = ap.table([(ap.ROWS[-1], ap.predict(ap.ROWS[-1]))])
     assert "llama-cookbook #120" in text and "Simulated" in text
+
+
+def test_the_plan_rejects_a_setting_whose_reserved_peak_exceeds_the_card():
+    from planner.plan import plan
+    from planner.schema import PlanRequest
+
+    # TP 2 x FSDP 4 at micro-batch 2: live peak 45.7 GiB of the A6000's 48, reserved (simulated,
+    # torch's default allocator) 55.3 GiB: it falls back to micro-batch 1; a candidate whose live
+    # peak + NCCL's buffers already exceed the card is rejected unreplayed; the recommendation's
+    # replay fits
+    r = plan(PlanRequest(model="llama-2-13b", gpu="rtx-a6000", gpus=8, topology="a6000-nvlink-pairs", seq_len=2048,
+                         global_batch=64, headroom=0.02))
+    best = r.recommended.per_device
+    assert best.reserved_peak_bytes <= 48 * 2**30 and best.reserved_peak_bytes > best.peak_bytes + best.nccl_bytes
+    rejected = [c for c in r.candidates if c.rejected_reason and "reserved peak" in c.rejected_reason]
+    assert rejected and all(c.per_device.peak_bytes <= 48 * 2**30 for c in rejected)
+    tp2 = [c for c in r.candidates if c.parallel.tp == 2 and c.strategy == "fsdp" and c.fits]
+    assert tp2 and all(c.micro_batch == 1 for c in tp2)
