@@ -168,7 +168,7 @@ def test_errors_sit_beside_their_field(client):
     plan_only = client.get("/", params={"ask": "estimate", "model": "llama-3-8b", "global_batch": 64})
     assert plan_only.status_code == 422 and 'id="err-global_batch">global_batch is asked by plan' in plan_only.text
     # a domain error names its field (PlannerError.field), a whole-request error stands above the form
-    domain = client.get("/", params={"model": "llama-3-8b", "gpus": 8, "global_batch": 100})
+    domain = client.get("/", params={"model": "llama-3-8b", "gpus": 8, "tp": 2, "global_batch": 101})
     assert domain.status_code == 422 and re.search(r'id="err-global_batch">[^<]*not divisible', domain.text)
     both = client.get("/", params={"ask": "estimate", "model": "llama-3-8b", "params": "7B"})
     assert both.status_code == 200  # a count stands for the model (the form keeps the model's example)
