@@ -174,7 +174,7 @@ def test_page_takes_the_degrees_and_shows_the_layout(client):
     assert re.search(r'<p id="layout">Layout: tp 1 x pp 1 x cp 1 x data-parallel 8 ', r.text)
     assert 'class="layout-legend"' in r.text and "tp innermost" in r.text
     # the best of each layout family (data parallelism alone, with TP) and why the winner won
-    assert '<table id="families">' in r.text and '<p id="why">recommended ' in r.text
+    assert '<table id="families">' in r.text and '<p id="winner-reason">Why: recommended ' in r.text
     fixed = client.get("/", params={"model": "llama-3-8b", "gpus": 8, "global_batch": 256, "tp": 2})
     assert fixed.status_code == 200 and re.search(r'<p id="layout">Layout: tp 2 x ', fixed.text)
     assert 'name="tp" type="number" min="1" max="1024" value="2"' in fixed.text  # the given degree stays in the form

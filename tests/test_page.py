@@ -5,6 +5,7 @@ API's numbers, errors sit beside their field, a result has a link that asks it a
 
 import html
 import re
+import typing
 from typing import Literal
 
 import pytest
@@ -59,14 +60,16 @@ def test_every_field_of_both_requests_is_on_the_form_with_its_description():
 def test_kinds_and_bounds_come_from_the_schema():
     fields = {f.name: f for f in form_fields()}
     assert fields["precision"].kind == "select"
-    assert [v for v, _ in fields["precision"].choices] == ["bf16-mixed", "fp16-mixed", "bf16-pure", "fp32"]
+    assert [v for v, _ in fields["precision"].choices] == list(typing.get_args(PlanRequest.model_fields["precision"].annotation))
     assert fields["train_embeddings"].kind == "checkbox" and fields["include_vision"].kind == "checkbox"
     assert fields["sequence_parallel"].kind == "tristate"  # bool | None: default, on, off
     assert (fields["gpus"].kind, fields["gpus"].min, fields["gpus"].max) == ("number", 1, 1024)
     assert (fields["lora_dropout"].min, fields["lora_dropout"].max, fields["lora_dropout"].step) == (0.0, 1.0, "any")
     assert fields["headroom"].asks == ("plan",) and fields["micro_batch"].asks == ("estimate",)
     assert fields["seq_len"].asks == ("plan", "estimate")
-    assert [v for v, _ in fields["finetune"].choices] == ["full", "lora", "qlora", "auto"]  # plan's auto widens it
+    finetune = [v for v, _ in fields["finetune"].choices]  # the union: the plan's "auto" beside the estimate's
+    assert set(finetune) == set(typing.get_args(PlanRequest.model_fields["finetune"].annotation)) | set(
+        typing.get_args(EstimateRequest.model_fields["finetune"].annotation)) and "auto" in finetune
     assert fields["gpu"].kind == "select" and "rtx-4090" in [v for v, _ in fields["gpu"].choices]
     assert fields["model_config"].kind == "textarea" and fields["ds_config"].kind == "textarea"
     assert fields["tp"].default == "" and fields["tp"].placeholder == "planner chooses"
@@ -165,7 +168,7 @@ def test_errors_sit_beside_their_field(client):
     plan_only = client.get("/", params={"ask": "estimate", "model": "llama-3-8b", "global_batch": 64})
     assert plan_only.status_code == 422 and 'id="err-global_batch">global_batch is asked by plan' in plan_only.text
     # a domain error names its field (PlannerError.field), a whole-request error stands above the form
-    domain = client.get("/", params={"model": "llama-3-8b", "gpus": 8, "global_batch": 100})
+    domain = client.get("/", params={"model": "llama-3-8b", "gpus": 8, "tp": 2, "global_batch": 101})
     assert domain.status_code == 422 and re.search(r'id="err-global_batch">[^<]*not divisible', domain.text)
     both = client.get("/", params={"ask": "estimate", "model": "llama-3-8b", "params": "7B"})
     assert both.status_code == 200  # a count stands for the model (the form keeps the model's example)

@@ -47,9 +47,10 @@ GROUPS = (
     Group("cluster", "Cluster and wiring", ("gpu", "gpus", "nodes", "topology", "fabric", "nics_per_node",
                                             "host_memory_gib", "device_memory_gib", "topology_text")),
     Group("recipe", "Recipe", ("finetune", "lora_rank", "lora_targets", "lora_alpha", "lora_dropout", "quantize_base",
-                               "train_embeddings", "precision", "low_precision", "optimizer", "optimizer_in_backward",
-                               "checkpointing", "checkpointing_every", "loss", "loss_chunks", "attention",
-                               "offload_optimizer", "offload_params", "activation_offload")),
+                               "double_quant", "train_embeddings", "precision", "low_precision", "optimizer",
+                               "optimizer_in_backward", "checkpointing", "checkpointing_every", "loss", "loss_chunks",
+                               "attention", "attention_kernel", "offload_optimizer", "offload_params",
+                               "activation_offload")),
     Group("degrees", "Layout: the strategy and degrees (empty degrees in a plan: the planner chooses; data "
                      "parallelism takes the GPUs that remain)",
           ("strategy", *DEGREES, "hsdp_shard_size", "sequence_parallel", "tp_plan", "pp_schedule", "pp_virtual_stages",

@@ -109,15 +109,13 @@ def _estimate_label(result: EstimateResult) -> str:
 
 
 def _plan_options(req: PlanRequest, result: PlanResult) -> list[Option]:
-    """The best setting of each strategy (the plan ranks them; a plan that names its families'
-    best, issue 25, is read as given), each with its estimate for the memory pictures."""
-    best = list(getattr(result, "families", None) or [])
-    if not best:
-        seen = set()
-        for c in result.candidates:  # ranked: the first of each strategy is its best setting
-            if c.strategy not in seen:
-                seen.add(c.strategy)
-                best.append(c)
+    """The best setting of each strategy (the plan ranks its candidates), each with its estimate
+    for the memory pictures."""
+    best, seen = [], set()
+    for c in result.candidates:  # ranked: the first of each strategy is its best setting
+        if c.strategy not in seen:
+            seen.add(c.strategy)
+            best.append(c)
     return [Option(label=strategy_label(c), fits=c.fits, estimate=estimate_any(estimate_request_for(req, c)),
                    candidate=c) for c in best]
 
