@@ -377,7 +377,8 @@ def _count_collectives(job: dict[str, Any], engine, device: torch.device) -> dic
 def _injected_fault(step: int) -> None:
     """PLANNER_FAULT=kind:rank:step makes one rank fail on purpose, so that failure handling
     (a crash, an out-of-memory error, a hang) can be exercised end to end: kind is crash, oom or
-    hang. Unset in normal use."""
+    hang (teardown-hang:rank:0 is backend/worker.py's: a process-group teardown that never returns).
+    Unset in normal use."""
     spec = os.environ.get("PLANNER_FAULT")
     if not spec:
         return

@@ -210,7 +210,7 @@ def test_a_hanging_teardown_still_reports(tmp_path, monkeypatch):
     from backend.verify import verify
     from backend.worker import TEARDOWN_SECONDS
 
-    monkeypatch.setenv("PLANNER_FAULT", "teardown-hang:0")
+    monkeypatch.setenv("PLANNER_FAULT", "teardown-hang:0:0")
     started = time.monotonic()
     record = verify(request(strategy="fsdp"), steps=1, warmup_steps=1, db=str(tmp_path / "db"),
                     work_dir=str(tmp_path / "w"), timeout_seconds=600)
