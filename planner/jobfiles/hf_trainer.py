@@ -152,7 +152,7 @@ def read(data: dict[str, Any], where: Where) -> Reading:
     if is_trl and needs_met(TRL["activation_offloading"], get("activation_offloading"), data):
         reading.set("activation_offload", True, "activation_offloading")
     _precision(reading, data, is_trl)
-    _length(reading, data)
+    read_length(reading, data)
     if get("deepspeed"):
         if not isinstance(get("deepspeed"), str):
             raise where.error("deepspeed", "give the DeepSpeed config as a file path (an inline dict is not read)")
@@ -183,7 +183,7 @@ def _precision(reading: Reading, data: dict[str, Any], is_trl: bool) -> None:
               weights_16bit=dtype in ("bfloat16", "float16"))
 
 
-def _length(reading: Reading, data: dict[str, Any]) -> None:
+def read_length(reading: Reading, data: dict[str, Any]) -> None:
     steps = data.get("max_steps")
     if steps is not None and steps != -1:
         reading.steps = whole(steps, reading.where, "max_steps")

@@ -15,6 +15,7 @@ from planner.jobfiles import accelerate_config, axolotl, hf_trainer, llamafactor
 from planner.jobfiles.keys import Where
 from planner.jobfiles.parse import MAX_JOB_FILES, detect, parse_text
 from planner.jobfiles.reading import Reading
+from planner.precision import RECIPES
 from planner.schema import SHARDING_STRATEGIES
 
 READERS = {"torchtitan-toml": torchtitan_job.read_toml, "torchtitan-launch": torchtitan_job.read_launch,
@@ -160,8 +161,9 @@ def _fill_auto(ds: dict[str, Any], job: Job) -> dict[str, Any]:
     hidden^2, stage3_prefetch_bucket_size = 0.9 hidden^2, stage3_param_persistence_threshold =
     10 hidden, from the model's hidden_size)."""
     fields = job.fields
-    precision = fields.get("precision", "fp32")
-    for name, on in (("bf16", precision.startswith("bf16")), ("fp16", precision.startswith("fp16"))):
+    recipe = RECIPES.get(fields.get("precision", "fp32"))  # an unknown name is refused by the schema later
+    compute = recipe.compute if recipe else None
+    for name, on in (("bf16", compute == "bf16"), ("fp16", compute == "fp16")):
         if isinstance(ds.get(name), dict) and ds[name].get("enabled") == "auto":
             ds[name]["enabled"] = on
     for key, value in (("train_micro_batch_size_per_gpu", fields.get("micro_batch")),
