@@ -46,10 +46,11 @@ def estimate_table(r: EstimateResult) -> str:
     ]
     if r.allocator is not None:  # issue 24: reserved, the caching allocator's view (simulated)
         lines += [_row("reserved peak (simulated)", d.reserved_peak_bytes),
-                  _row("  of which NCCL buffers", d.nccl_bytes),
-                  f"  allocator: PYTORCH_CUDA_ALLOC_CONF {r.allocator.alloc_conf or 'unset'}; "
-                  f"{r.allocator.other_alloc_conf or 'unset'} would reserve "
-                  f"{(r.allocator.other_reserved_peak_bytes - r.allocator.reserved_peak_bytes) / GIB:+,.2f} GiB"]
+                  _row("  of which NCCL buffers", d.nccl_bytes)]
+        change = r.allocator.other_reserved_peak_bytes - r.allocator.reserved_peak_bytes
+        lines += ["", f"  allocator: PYTORCH_CUDA_ALLOC_CONF {r.allocator.alloc_conf or 'unset'}; "
+                  f"{r.allocator.other_alloc_conf or 'unset'} would reserve {abs(change) / GIB:,.2f} GiB "
+                  f"{'less' if change < 0 else 'more'}"]
     lines += _peak_items(r)
     if r.host.peak_bytes or r.nvme_bytes:
         lines += ["", f"  {'per node (offload)':<28} {'GiB':>12} {'GB':>12}",
