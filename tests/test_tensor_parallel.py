@@ -227,9 +227,12 @@ def test_plan_puts_tp_inside_the_a6000_pairs():
     # (the override) the compute is 19.3 s, hides all but 1.2 s, and TP 2 wins as the seed claimed.
     best = r.recommended
     assert best.parallel.tp == 1 and best.strategy == "hsdp" and best.step_seconds < tp2.step_seconds
-    assert tp2.exposed_communication_seconds > 0.5 * tp2.compute_seconds
+    # with expandable segments TP 2's fastest fitting setting is a large micro-batch under full
+    # checkpointing: its FSDP traffic across the pairs still shows, HSDP's is hidden
+    assert tp2.exposed_communication_seconds > best.exposed_communication_seconds
     slow = plan(PlanRequest(model="llama-2-13b", gpu="rtx-a6000", gpus=8, topology="a6000-nvlink-pairs",
-                            seq_len=2048, global_batch=64, headroom=0.02, compute_efficiency=0.45))
+                            seq_len=2048, global_batch=64, headroom=0.02, compute_efficiency=0.45,
+                            alloc_conf="expandable_segments:True"))
     assert slow.recommended.parallel.tp == 2 and slow.recommended.parallel.dp_shard == 4
     data_parallel = min((c for c in slow.candidates if c.fits and c.parallel.tp == 1), key=lambda c: c.step_seconds)
     assert slow.recommended.step_seconds < data_parallel.step_seconds
