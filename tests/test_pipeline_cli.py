@@ -124,11 +124,19 @@ def test_time_has_the_bubble_and_the_all_to_alls():
     flat = estimate(EstimateRequest(**base))
     piped = estimate(EstimateRequest(**base, pp=2))
     t1, t2 = estimate_time(flat.request, flat), estimate_time(piped.request, piped)
-    # one replica's compute over 2 stages, stretched by the bubble (pp-1)/(m+pp-1) = 1/9; the
+    # the slower stage's share of one replica's compute, stretched by the bubble (pp-1)/(m+pp-1) = 1/9:
+    # 16 blocks each, the last also the LM head (2 x vocab x hidden FLOPs per token forward); the
     # replica's compute holds its whole model's optimizer step, sharded over its 4 data-parallel
-    # ranks: twice the flat layout's (8 ranks), which the bubble stretches with the rest
+    # ranks: twice the flat layout's (8 ranks), which the share and the bubble scale with the rest
+    from planner.catalogue import catalogue_model
+    from planner.pipeline import block_flops
+
+    arch = catalogue_model("llama-3.1-8b").architecture
+    blocks, head = block_flops(arch, 4096), 2 * 128256 * 4096
+    share = (sum(blocks[16:]) + head) / (sum(blocks) + head)
+    assert 0.53 < share < 0.54  # the head is about two blocks' FLOPs
     optimizer = next(term.seconds for term in t1.terms if term.name == "optimizer step")
-    assert t2.compute_seconds == pytest.approx((t1.compute_seconds + optimizer) / 2 * 9 / 8, rel=1e-9)
+    assert t2.compute_seconds == pytest.approx((t1.compute_seconds + optimizer) * share * 9 / 8, rel=1e-9)
     # 4 replicas of 2 stages instead of 8 replicas: tokens per step halve, the step time less than halves
     assert t2.tokens_per_second == pytest.approx(t1.tokens_per_second * t1.step_seconds / t2.step_seconds / 2)
     moe = dict(model="qwen3-30b-a3b", strategy="fsdp", gpus=8, micro_batch=1, seq_len=4096)
