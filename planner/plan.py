@@ -783,6 +783,8 @@ def _check_batch(req: PlanRequest, layouts: list[tuple[int, int, int, int]]) -> 
            for tp, cp, pp, _ in layouts):
         return
     tried = sorted({(tp, cp, pp) for tp, cp, pp, _ in layouts if world % (tp * cp * pp) == 0})
+    if not tried:
+        return  # no layout fits the GPUs at all: the plan answers with no option and the layouts' reasons
     shown = "; ".join(f"tp {tp} x cp {cp} x pp {pp}: {world // (tp * cp * pp)}" for tp, cp, pp in tried[:6])
     more = f" and {len(tried) - 6} more" if len(tried) > 6 else ""
     raise PlannerError(f"global_batch({req.global_batch}) is not divisible by the data-parallel ranks of any layout "
