@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from backend.jobs import JobConflict
+from backend.errors import JobConflict
 from backend.launch import Interrupted, gpu_ids, run_probe
 from backend.store import RunStore
 from backend.supervisor import clean_stale_runs

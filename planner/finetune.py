@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner.architecture import Architecture, layer_specs
 from planner.errors import PlannerError
+from planner.finetune_fields import check_request_fields
 from planner.layers import AttentionSpec, LayerSpec
 from planner.precision import RECIPES
 from planner.strategies import strategy as _strategy
@@ -78,28 +79,6 @@ class Finetune:
 
 
 # --- the request ------------------------------------------------------------------------------
-
-_LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "train_embeddings")
-
-
-def check_request_fields(request: "EstimateRequest") -> None:
-    """Field combinations that cannot be meant, refused with the field and its value (no model
-    needed: what needs the architecture is checked by ``resolve_finetune``)."""
-    method = request.finetune
-    if method == "full":
-        for name in _LORA_FIELDS:
-            value = getattr(request, name)
-            if value not in (None, False):
-                raise ValueError(f"{name}={value} applies to finetune lora or qlora, not finetune=full")
-        if request.quantize_base not in (None, "none"):
-            raise ValueError(f"quantize_base={request.quantize_base} needs finetune=qlora: a quantized base "
-                             "cannot be trained in full")
-    if method == "lora" and request.quantize_base not in (None, "none"):
-        raise ValueError(f"quantize_base={request.quantize_base} with finetune=lora: a quantized base is "
-                         "finetune=qlora")
-    if method == "qlora" and request.quantize_base == "none":
-        raise ValueError("quantize_base=none with finetune=qlora: QLoRA quantizes the base; use finetune=lora")
-
 
 def _targets(request: "EstimateRequest", arch: Architecture) -> tuple[str, ...]:
     if request.lora_targets is None:

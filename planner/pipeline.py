@@ -31,11 +31,12 @@ from planner.architecture import Architecture, block_numels, layer_specs, norm_n
 from planner.buffers import item, phase
 from planner.errors import PlannerError
 from planner.moments import PhaseKind
+from planner.rank_activations import activations
 from planner.schema import MemoryItem, Phase
 
 if TYPE_CHECKING:
     from planner.buffers import PhasePlan
-    from planner.memory import Setup
+    from planner.setup import Setup
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "gpipe")
@@ -216,8 +217,6 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[St
     stage, the final norm's and the loss's on the last, the RoPE tables on each. What is the
     pipeline's own is added here: the stage's output held in fwd_cache until its micro-batch's
     backward, the receive buffer (counted once, as a buffer), and autocast over an fp32 stream."""
-    from planner.memory import activations
-
     a: Architecture = setup.arch
     req = setup.request
     count = pp * virtual_stages

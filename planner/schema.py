@@ -17,9 +17,11 @@ from pydantic_core import core_schema
 
 from planner.activations import Attention, Checkpointing
 from planner.errors import unknown
+from planner.finetune_fields import check_request_fields
 from planner.moments import PhaseKind
 from planner.parallel import PipelineSchedule
 from planner.precision import Optimizer, Precision
+from planner.profile_name import check_profile_name
 from planner.strategies import OffloadDevice, StrategyName
 
 Finetune = Literal["full", "lora", "qlora"]
@@ -98,8 +100,6 @@ ProfileName = Annotated[str, Field(max_length=64)]
 
 
 def _new_profile_name(value: str) -> str:
-    from planner.profiles import check_profile_name
-
     return check_profile_name(value)
 
 
@@ -312,8 +312,6 @@ class EstimateRequest(BaseModel):
         if self.reduce_dtype != "compute" and self.strategy not in SHARDING_STRATEGIES:
             raise ValueError(f"reduce_dtype={self.reduce_dtype} is FSDP2's MixedPrecisionPolicy.reduce_dtype: it applies "
                              f"to {', '.join(SHARDING_STRATEGIES)}, not strategy {self.strategy}")
-        from planner.finetune import check_request_fields
-
         check_request_fields(self)
         return self
 

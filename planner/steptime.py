@@ -22,7 +22,7 @@ from planner.strategies import strategy as lookup_strategy
 from planner.topology import Topology
 
 if TYPE_CHECKING:
-    from planner.memory import Setup
+    from planner.setup import Setup
 
 # Device-to-host rates of offload traffic per PCIe generation, GB/s. They sit about 5% below
 # links.yaml's pcie x16_gbps * efficiency (gen4: 24.0 vs 25.2); reading links.yaml instead would

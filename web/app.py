@@ -12,7 +12,6 @@ public (`planner serve --public-runs`, or PLANNER_PUBLIC_RUNS=1).
 
 from __future__ import annotations
 
-import hmac
 from contextlib import asynccontextmanager
 import os
 from typing import Annotated, Any
@@ -25,20 +24,21 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from backend.anymodel import analytic_estimate, estimate_any, plan_any, traced_estimate
-from backend.jobs import JobConflict, Jobs
+from backend.errors import JobConflict
+from backend.jobs import Jobs
 from backend.profiles import profile_for
 from backend.store import StoreError
 from planner import __version__
-from planner.catalogue import UnsupportedModelTypeError, catalogue_model, load_catalogue, read_bounded_text
+from planner.catalogue import UnsupportedModelTypeError, catalogue_model, load_catalogue
 from planner.errors import NO_VALUE, PlannerError, UnknownModelError, UnknownNameError
 from planner.gpus import gpu as lookup_gpu, load_gpus
 from planner.presets import PRESETS
-from planner.schema import (EstimateRequest, EstimateResult, GpuName, PlanRequest, PlanResult, TimeoutSeconds,
-                            VerifySteps, WarmupSteps)
+from planner.schema import EstimateRequest, EstimateResult, GpuName, PlanRequest, PlanResult
 from planner.topology import MAX_TOPOLOGY_BYTES, Topology, parse_topology
+from web.auth import TOKEN_ENV, TOKEN_FILE_ENV, UNAUTHORIZED, bearer, request_token, runs_are_private, token_matches
+from web.bodies import VerifyBody
 
 MAX_BODY_BYTES = 256 * 1024  # an estimate/plan body with a pasted config.json and topology is < 100 KiB
-TOKEN_ENV, TOKEN_FILE_ENV = "PLANNER_API_TOKEN", "PLANNER_API_TOKEN_FILE"
 PUBLIC_RUNS_ENV = "PLANNER_PUBLIC_RUNS"
 
 ESTIMATE_EXAMPLE = {"model": "llama-3-8b", "strategy": "zero3", "gpus": 8, "gpu": "h100-80gb", "seq_len": 4096,
@@ -54,13 +54,6 @@ VERIFY_EXAMPLE = {"model_config": {"model_type": "llama", "vocab_size": 4096, "h
 class TopologyBody(BaseModel):
     text: str = Field(max_length=MAX_TOPOLOGY_BYTES, description="`nvidia-smi topo -m` output")
     gpu: GpuName = Field(description="GPU type, which decides what each link code means (see GET /v1/gpus)")
-
-
-class VerifyBody(BaseModel):
-    request: EstimateRequest
-    steps: VerifySteps = 2
-    warmup_steps: WarmupSteps = 1
-    timeout_seconds: TimeoutSeconds | None = None
 
 
 class RunStarted(BaseModel):
@@ -112,64 +105,8 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-MAX_TOKEN_FILE_BYTES = 4096  # a bearer token is tens of bytes
-
-
-class TokenFileError(ValueError):
-    """PLANNER_API_TOKEN_FILE is set but gives no token: the server's configuration is broken."""
-
-
-def configured_token() -> str | None:
-    """The server's token: PLANNER_API_TOKEN, else the text of PLANNER_API_TOKEN_FILE (read at each
-    use, so a rotated file takes effect). None when neither is set. A token file that is set but
-    cannot be read, is not text or is empty raises TokenFileError: were it taken as "no token", a
-    permissions slip would make private run records public."""
-    token = os.environ.get(TOKEN_ENV)
-    path = os.environ.get(TOKEN_FILE_ENV)
-    if token or not path:
-        return token or None
-    try:
-        text = read_bounded_text(path, MAX_TOKEN_FILE_BYTES)  # read at every request: never unbounded
-    except OSError as exc:
-        raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: cannot be read ({exc.strerror})") from None
-    except UnicodeDecodeError:
-        raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: not a text file") from None
-    if text is None:
-        raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: more than {MAX_TOKEN_FILE_BYTES} bytes; not a token")
-    if not text.strip():
-        raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: the file is empty")
-    return text.strip()
-
-
-def _token() -> str | None:
-    """configured_token() inside a request: a broken token file refuses the request (503, the
-    server's fault), never lets it through."""
-    try:
-        return configured_token()
-    except TokenFileError as exc:
-        raise HTTPException(503, f"the server's token is misconfigured: {exc}") from None
-
-
-def bearer(authorization: str | None) -> str | None:
-    """The credentials of an 'Authorization: Bearer <token>' header; the scheme is case-insensitive
-    (RFC 9110, section 11.1)."""
-    scheme, _, credentials = (authorization or "").strip().partition(" ")
-    return credentials.strip() if scheme.lower() == "bearer" and credentials.strip() else None
-
-
-def token_matches(given: str | None, expected: str) -> bool:
-    """Constant-time comparison of bytes: hmac.compare_digest refuses str with non-ASCII characters
-    (a TypeError, so a 500), and a header may carry any latin-1 byte."""
-    if given is None:
-        return False
-    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode("utf-8", "surrogatepass"))
-
-
-UNAUTHORIZED = (401, "a valid 'Authorization: Bearer <token>' header is required", {"WWW-Authenticate": "Bearer"})
-
-
 def require_token(authorization: str | None = Header(None, description="Bearer token configured on the server")) -> None:
-    expected = _token()
+    expected = request_token()
     if expected is None:
         raise HTTPException(401, "launching runs is disabled: no token is configured on the server "
                                  f"({TOKEN_ENV} or {TOKEN_FILE_ENV})")
@@ -177,13 +114,9 @@ def require_token(authorization: str | None = Header(None, description="Bearer t
         raise HTTPException(*UNAUTHORIZED)
 
 
-def runs_are_private(app: FastAPI) -> bool:
-    return _token() is not None and not app.state.public_runs
-
-
 def require_runs_access(request: Request, authorization: str | None = Header(
         None, description="Bearer token, needed when the server has one and its run records are not public")) -> None:
-    expected = _token()
+    expected = request_token()
     if runs_are_private(request.app) and not token_matches(bearer(authorization), expected):
         raise HTTPException(*UNAUTHORIZED)
 

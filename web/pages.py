@@ -25,6 +25,8 @@ from planner.render import memory_bars_svg, peak_components, strategy_label, top
 from planner.parallel import PipelineSchedule
 from planner.schema import PlanRequest, ReduceDtype
 from planner.topology import link_rates, parse_topology
+from web.auth import UNAUTHORIZED, bearer, request_token, runs_are_private, token_matches
+from web.bodies import VerifyBody
 
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 DEGREES = ("tp", "pp", "cp", "ep")  # planner/parallel.py DEGREE_FIELDS: empty on the form lets the planner choose
@@ -125,7 +127,6 @@ def _runs_pass(token: str) -> str:
 
 
 def add_pages(app: FastAPI) -> None:
-    from web.app import _token
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def index(request: Request) -> HTMLResponse:
@@ -161,7 +162,7 @@ def add_pages(app: FastAPI) -> None:
         return _page(request, form, result=result, req=req, bars=bars, best=best,
                      topology_svg=topology_svg(topo, layout=_layout(req, result.recommended, topo)) if topo else "",
                      files=files, query=query,
-                     notes="; ".join(result.notes), token_configured=_token() is not None)
+                     notes="; ".join(result.notes), token_configured=request_token() is not None)
 
     @app.get("/download/{name}", response_class=PlainTextResponse, include_in_schema=False)
     def download(name: str, request: Request) -> PlainTextResponse:
@@ -173,9 +174,7 @@ def add_pages(app: FastAPI) -> None:
 
     @app.post("/verify", include_in_schema=False)
     def verify_page(request: Request, token: str = Form("")) -> RedirectResponse:
-        from web.app import VerifyBody, token_matches
-
-        expected = _token()
+        expected = request_token()
         if expected is None or not token_matches(token, expected):
             raise HTTPException(401, "wrong or missing token")
         req, candidate = _recommended(request, 422, "nothing fits, so nothing is run")
@@ -190,9 +189,8 @@ def add_pages(app: FastAPI) -> None:
     @app.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
     def run_page(run_id: int, request: Request) -> HTMLResponse:
         from backend.report import verify_table
-        from web.app import UNAUTHORIZED, bearer, runs_are_private, token_matches
 
-        expected = _token()
+        expected = request_token()
         if runs_are_private(app) and not (token_matches(bearer(request.headers.get("authorization")), expected)
                                           or token_matches(request.cookies.get(RUNS_COOKIE), _runs_pass(expected))):
             raise HTTPException(*UNAUTHORIZED)
