@@ -35,7 +35,7 @@ from planner.units import GIB, fmt_bytes
 # Setup, activations and traced_setting are imported from here by callers that predate their own
 # modules (planner/setup.py, planner/rank_activations.py); _numels by the tests.
 __all__ = ["Setup", "activations", "traced_setting", "_numels", "resolve", "resolve_model", "estimate",
-           "textbook_states", "trainable_count", "resident_by_component", "host_capacity", "host_notes",
+           "estimate_resolved", "setup_of", "textbook_states", "trainable_count", "resident_by_component", "host_capacity", "host_notes",
            "sequence_past_positions", "position_limit_error", "position_notes", "cpu_rank_bytes"]
 
 
@@ -159,7 +159,17 @@ def trainable_count(setup: Setup) -> int:
 
 
 def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> EstimateResult:
-    setup = whole = resolve(request, model)
+    return estimate_resolved(resolve(request, model))
+
+
+def setup_of(result: EstimateResult) -> Setup | None:
+    """The Setup ``result`` was computed from (None for a result read back from JSON)."""
+    return result._setup
+
+
+def estimate_resolved(setup: Setup) -> EstimateResult:
+    """The estimate of a resolved request: the Setup goes with the result (``setup_of``)."""
+    whole = setup
     ep_items, ep_transient = [], None
     if setup.dims.ep > 1:
         from planner import experts
@@ -199,7 +209,7 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
     host = _host(setup, plan)
     fits = capacity > 0 and peak <= capacity and host.fits is not False
     notes = _notes(setup, acts, plan, peak_phase, capacity, peak) + host_notes(setup, host)
-    return EstimateResult(
+    result = EstimateResult(
         parameters=whole.psi,
         trainable_parameters=whole.psi if whole.finetune is None else trainable_count(whole),
         model=ModelSummary(name=whole.model.name, source=whole.model.source, parameters=whole.psi,
@@ -217,6 +227,8 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None) -> Es
         headroom_bytes=capacity - peak,
         phases=[_phase_of(PhaseKind.RESIDENT, "between steps (resident)", plan.resident)] + list(plan.phases), buffers=list(plan.buffers),
         notes=notes, request=setup.request)
+    result._setup = whole
+    return result
 
 
 def _phase_of(kind: PhaseKind, name: str, items: list) -> Phase:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any, Callable, Collection, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, WithJsonSchema,
+                      model_validator)
 from pydantic_core import core_schema
 
 from planner.activations import Attention, Checkpointing
@@ -422,6 +423,9 @@ class EstimateResult(BaseModel):
     notes: list[str]
     request: EstimateRequest
     time: TimeEstimate | None = Field(None, description="the time model; null for --params or cpu ranks")
+    # the resolved Setup (planner/setup.py) the result was computed from, so the time model and the
+    # launch files read it instead of resolving the request again; never serialised (planner/memory.py setup_of)
+    _setup: Any = PrivateAttr(default=None)
 
 
 # --- planning --------------------------------------------------------------------------------

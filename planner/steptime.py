@@ -14,7 +14,7 @@ from planner.architecture import Architecture, layer_parameters, parameter_numel
 from planner.frameworks import Buckets, Traffic, framework_of
 from planner.gpus import Gpu, gpu as lookup_gpu
 from planner.hardware import profile_efficiencies, topology_of
-from planner.memory import estimate
+from planner.memory import estimate, setup_of
 from planner.buffers import FP32
 from planner.precision import RECIPES
 from planner.schema import EstimateRequest, EstimateResult, PlanRequest, TimeEstimate
@@ -231,7 +231,9 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
     settings = StepSettings(precision=result.request.precision, seq_len=request.seq_len, nodes=request.nodes,
                             compute_efficiency=compute_efficiency, link_efficiency=link_efficiency,
                             reduce_dtype=request.reduce_dtype)
-    combo, buckets, setup = resolved_combo(request, result.parameters if traced is not None else None)
+    # the estimate's own Setup where it has one for this request (a traced model is timed from its count)
+    known = setup_of(result) if traced is None and result.request == request else None
+    combo, buckets, setup = resolved_combo(request, result.parameters if traced is not None else None, known)
     arch = traced if traced is not None else Architecture.model_validate(result.model.architecture)
     t = step_times(settings, combo, request.micro_batch, per_rank, result.parameters, arch, g,
                    topo, timing.fabric(fabric_name), nics, buckets,
@@ -254,15 +256,18 @@ def estimate_with_time(request: EstimateRequest, profile=None) -> EstimateResult
     return result.model_copy(update={"time": estimate_time(result.request, result, profile)})
 
 
-def resolved_combo(request: EstimateRequest, parameters: int | None = None) -> tuple[Combo, Buckets, "Setup"]:
+def resolved_combo(request: EstimateRequest, parameters: int | None = None,
+                   setup: "Setup | None" = None) -> tuple[Combo, Buckets, "Setup"]:
     """One estimate's configuration as the time model takes it, with offload and bucket sizes as
     resolved (--ds-config included), and the resolved Setup it was read from (the pipeline's
     time reads it too: resolved once). ``parameters``: the model's count, for a model resolved
-    outside the core (traced), whose config the core cannot read again."""
+    outside the core (traced), whose config the core cannot read again. ``setup``: the request
+    already resolved (the estimate's own), not resolved again."""
     from planner.catalogue import raw_parameters
     from planner.memory import resolve
 
-    setup = resolve(request, model=raw_parameters(parameters) if parameters is not None else None)
+    if setup is None:
+        setup = resolve(request, model=raw_parameters(parameters) if parameters is not None else None)
     zero = setup.zero
     # HSDP's shard group per TP rank: dp_shard x cp (the cp ranks shard the parameters with the
     # data-parallel ranks; its replicas all-reduce a 1/(dp_shard x cp) shard of the gradients)
