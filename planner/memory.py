@@ -35,8 +35,9 @@ from planner.units import GIB, fmt_bytes
 # Setup, activations and traced_setting are imported from here by callers that predate their own
 # modules (planner/setup.py, planner/rank_activations.py); _numels by the tests.
 __all__ = ["Setup", "activations", "traced_setting", "_numels", "resolve", "resolve_model", "estimate",
-           "estimate_resolved", "setup_of", "textbook_states", "trainable_count", "resident_by_component", "host_capacity", "host_notes",
-           "sequence_past_positions", "position_limit_error", "position_notes", "cpu_rank_bytes"]
+           "estimate_resolved", "setup_of", "textbook_states", "trainable_count", "resident_by_component",
+           "host_capacity", "host_notes", "sequence_past_positions", "position_limit_error", "position_notes",
+           "cpu_rank_bytes"]
 
 
 def resolve_model(request: EstimateRequest) -> ResolvedModel:

@@ -133,3 +133,10 @@ def test_web_imports_no_private_name_of_another_module():
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in TOPS:
                 private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
                 assert not private, f"{path.relative_to(ROOT)}:{node.lineno} imports {private} from {node.module}"
+
+
+def test_architecture_doc_names_every_module():
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    missing = [p.relative_to(ROOT).as_posix() for top in TOPS for p in sorted((ROOT / top).rglob("*.py"))
+               if f"`{p.relative_to(ROOT).as_posix()}`" not in doc]
+    assert not missing, f"docs/ARCHITECTURE.md does not name {missing}"
