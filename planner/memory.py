@@ -88,7 +88,7 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
         precision = zero.precision  # the config's bf16/fp16 block, unless --precision was given
     from_config = _from_config(request, zero)
     check_precision(g, precision)
-    fw = framework_of(s)
+    fw = framework_of(s, request.framework_version)
     fw.check_offload(s, zero.offload_optimizer, zero.offload_params)
     fw.check_precision(s, precision)
     model = model if model is not None else resolve_model(request)

@@ -216,6 +216,10 @@ class EstimateRequest(BaseModel):
     params: ParamCount | None = Field(
         None, description="a raw parameter count (7e9, 7B, 1.5T, 405_000_000_000), when only model states are wanted")
     strategy: StrategyName = Field("zero3", description="distributed strategy")
+    framework_version: str | None = Field(
+        None, max_length=32, pattern=r"^[0-9][0-9A-Za-z.+-]*$",
+        description="version of the strategy's framework to model, e.g. 0.19 or 0.19.8 for DeepSpeed, 2.13 for torch "
+                    "(default: the newest modelled; an unmodelled one is refused with the choices)")
     gpus: int = Field(DEFAULT_GPUS_PER_NODE, ge=1, le=MAX_GPUS_PER_NODE, description="GPUs (or CPU ranks) per node")
     nodes: int = Field(1, ge=1, le=MAX_NODES, description="number of nodes")
     gpu: GpuName = Field(DEFAULT_GPU, description="device type (see `planner gpus`), or cpu")

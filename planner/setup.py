@@ -80,7 +80,7 @@ class Setup:
     @property
     def framework(self) -> Framework:
         """The framework version that realises the strategy (planner/frameworks/)."""
-        return framework_of(self.strategy)
+        return framework_of(self.strategy, self.request.framework_version)
 
     @property
     def device(self) -> str:

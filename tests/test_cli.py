@@ -23,7 +23,9 @@ ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus",
                   "--sequence-parallel", "--reduce-dtype", "--json", "--emit", "--script",
                   # LoRA / QLoRA (issue 13)
                   "--finetune", "--lora-rank", "--lora-alpha", "--lora-targets", "--lora-dropout", "--quantize-base",
-                  "--train-embeddings"}
+                  "--train-embeddings",
+                  # the framework version a strategy is modelled at (issue 20)
+                  "--framework-version"}
 
 
 def run(capsys, *argv):

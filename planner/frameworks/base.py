@@ -142,14 +142,24 @@ def register(framework: Framework, default: bool = True) -> Framework:
 
 
 def framework(name: str, version: str | None = None) -> Framework:
-    """The registered framework of this name (its default version unless one is asked for)."""
-    version = version or _DEFAULT.get(name, "")
-    try:
+    """The registered framework of this name: its default version, or the one ``version`` names,
+    exactly or as a prefix at a dot ("0.19" chooses 0.19.8). An unknown version is refused with the
+    modelled ones."""
+    if version is None:
+        version = _DEFAULT.get(name, "")
+        if (name, version) not in _REGISTRY:
+            known = ", ".join(f"{n} {v}" for n, v in sorted(_REGISTRY))
+            raise PlannerError(f"framework {name}: not modelled; known: {known}", field="strategy")
         return _REGISTRY[(name, version)]
-    except KeyError:
-        known = ", ".join(f"{n} {v}" for n, v in sorted(_REGISTRY))
-        raise PlannerError(f"framework {name} {version}: not modelled; known: {known}", field="strategy") from None
+    versions = sorted(v for n, v in _REGISTRY if n == name)
+    chosen = [v for v in versions if v == version or v.startswith(version + ".")]
+    if len(chosen) != 1:
+        raise PlannerError(f"{name} {version} is not modelled; choose from "
+                           f"{', '.join(versions)}", field="framework_version", value=version)
+    return _REGISTRY[(name, chosen[0])]
 
 
-def framework_of(s: "Strategy") -> Framework:
-    return framework(s.framework)
+def framework_of(s: "Strategy", version: str | None = None) -> Framework:
+    """The framework version that realises strategy ``s``: the request's ``framework_version``, or
+    the default one of its framework."""
+    return framework(s.framework, version)
