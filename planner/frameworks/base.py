@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from planner.dsconfig import (DEFAULT_ALLGATHER_BUCKET, DEFAULT_MAX_REUSE_DISTANCE, DEFAULT_PERSISTENCE_THRESHOLD,
+                              DEFAULT_PREFETCH_BUCKET, DEFAULT_REDUCE_BUCKET)
 from planner.errors import PlannerError
 
 if TYPE_CHECKING:
@@ -24,18 +26,18 @@ Collective = tuple[str, "np.ndarray", int, float, str]
 
 @dataclass(frozen=True)
 class Buckets:
-    """DeepSpeed's message sizes in elements (deepspeed/runtime/zero/config.py defaults); the
-    torch frameworks send per unit and ignore them."""
+    """DeepSpeed's message sizes in elements, defaulting to DeepSpeed's own (defined once, in
+    planner/dsconfig.py beside the config reader); the torch frameworks send per unit and ignore them."""
 
-    reduce: int = 500_000_000
-    allgather: int = 500_000_000
-    prefetch: int = 50_000_000
+    reduce: int = DEFAULT_REDUCE_BUCKET
+    allgather: int = DEFAULT_ALLGATHER_BUCKET
+    prefetch: int = DEFAULT_PREFETCH_BUCKET
     # stage3_param_persistence_threshold: a ZeRO-3 parameter of at most this many elements is kept
-    # whole on every rank and never gathered (deepspeed/runtime/zero/config.py default 1e5)
-    persistence: int = 100_000
+    # whole on every rank and never gathered
+    persistence: int = DEFAULT_PERSISTENCE_THRESHOLD
     # stage3_max_reuse_distance: a parameter used again within this many elements is not released
-    # after its forward (default 1e9), so a model within it is gathered once per step, not twice
-    reuse: int = 1_000_000_000
+    # after its forward, so a model within it is gathered once per step, not twice
+    reuse: int = DEFAULT_MAX_REUSE_DISTANCE
 
 
 @dataclass(frozen=True)
