@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from planner.architecture import Architecture, layer_specs
+from planner.attention_kinds import kind_of
 from planner.errors import PlannerError
 from planner.finetune_fields import check_request_fields
 from planner.layers import AttentionSpec, LayerSpec
@@ -162,14 +163,9 @@ _SHARDED_QUANT_REASON = ("a sharded quantized base is not modelled (ZeRO-3 and F
 # --- linears and adapters ---------------------------------------------------------------------
 
 def _attention_linears(arch: Architecture, s: AttentionSpec, h: int) -> list[Linear]:
-    if s.kind == "mla":
-        out = ([Linear("q_a_proj", h, s.q_lora_rank, s.qkv_bias), Linear("q_b_proj", s.q_lora_rank,
-                                                                          s.num_heads * s.head_dim, False)]
-               if s.q_lora_rank else [Linear("q_proj", h, s.num_heads * s.head_dim, False)])
-        nope = s.head_dim - s.rope_head_dim
-        return out + [Linear("kv_a_proj_with_mqa", h, s.kv_lora_rank + s.rope_head_dim, s.qkv_bias),
-                      Linear("kv_b_proj", s.kv_lora_rank, s.num_heads * (nope + s.v_head_dim), False),
-                      Linear("o_proj", s.num_heads * s.v_head_dim, h, s.o_bias)]
+    own = kind_of(s).linears
+    if own is not None:
+        return [Linear(*fields) for fields in own(s, h)]
     q, kv = s.q_width, s.kv_width
     if arch.model_type == "gpt2":
         return [Linear("c_attn", h, q + 2 * kv, s.qkv_bias), Linear("c_proj", q, h, s.o_bias)]

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Literal
 
 from planner.activations import FP32
 from planner.architecture import Architecture, block_numels, layer_specs, norm_numels
+from planner.attention_kinds import kind_of
 from planner.buffers import item, phase
 from planner.errors import PlannerError
 from planner.moments import PhaseKind
@@ -195,7 +196,7 @@ def _autocast_fp32_stream_extra(spec) -> int:
         return 0
     attention = spec.attention
     extra = 2 * spec.norms
-    if attention.kind != "mla" and not attention.fused_qkv:
+    if kind_of(attention).casts_kv_input_again and not attention.fused_qkv:
         extra += 2 * 2  # k and v cast the normed input again
     mlp = spec.mlp
     if not mlp.is_moe and mlp.gated and not mlp.fused_gate_up:
