@@ -179,28 +179,9 @@ def _slow_on_the_loop(body: EstimateRequest) -> bool:
     return False
 
 
-def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAPI:
-    """``public_runs``: serve run records without the token; None reads PLANNER_PUBLIC_RUNS."""
-    jobs = Jobs(db or os.environ.get("PLANNER_DB"))
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI):
-        try:
-            jobs.store().mark_interrupted()  # runs whose owner is gone; a live one is left running
-        except (PlannerError, ImportError):
-            pass  # the run routes answer 503 with the reason; planning still works
-        yield
-        # SIGTERM/SIGINT (uvicorn's graceful shutdown): end our runs, recorded as interrupted. A
-        # SIGKILL never gets here: each run's supervisor then ends the ranks and records it.
-        jobs.interrupt_all("interrupted: the server stopped; all ranks ended")
-
-    app = FastAPI(title="planner", version=__version__, lifespan=lifespan, responses=ERRORS,
-                  description="Per-GPU memory, strategy and interconnect planning for distributed training.")
-    app.state.jobs = jobs
-    if public_runs is None:
-        public_runs = os.environ.get(PUBLIC_RUNS_ENV, "").lower() in ("1", "true", "yes")
-    app.state.public_runs = public_runs
-    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+def _add_error_handlers(app: FastAPI) -> None:
+    """Each domain error to its status: 503 an unusable runs store, 409 a conflict, 404 an unknown
+    name, 422 the rest."""
 
     @app.exception_handler(StoreError)
     async def _store_unusable(_: Request, exc: PlannerError):
@@ -222,6 +203,10 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
     @app.exception_handler(PlannerError)
     async def _invalid(_: Request, exc: PlannerError):
         return JSONResponse({"detail": json_safe(jsonable_encoder(validation_detail(exc)))}, status_code=422)
+
+
+def _add_catalogue_routes(app: FastAPI) -> None:
+    """The health check, the model and GPU catalogues, and the topology presets and parser."""
 
     @app.get("/healthz", tags=["service"])
     def healthz() -> dict[str, str]:
@@ -259,6 +244,10 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
                 exc.field = "text"
             raise
 
+
+def _add_planning_routes(app: FastAPI) -> None:
+    """POST /v1/estimate and /v1/plan."""
+
     @app.post("/v1/estimate", tags=["planning"], response_model=EstimateResult, response_model_by_alias=True)
     async def estimate_route(body: EstimateRequest = Body(..., examples=[ESTIMATE_EXAMPLE])) -> EstimateResult:
         # The analytic answer (~1 ms) on the event loop: a sync route costs two threadpool hops per
@@ -276,6 +265,10 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
     @app.post("/v1/plan", tags=["planning"], response_model=PlanResult, response_model_by_alias=True)
     def plan_route(body: PlanRequest = Body(..., examples=[PLAN_EXAMPLE])) -> PlanResult:
         return plan_any(body)  # Hub ids
+
+
+def _add_run_routes(app: FastAPI, jobs: Jobs) -> None:
+    """Verify runs: start one, list and read them (behind the token unless public), cancel one."""
 
     @app.post("/v1/verify", tags=["runs"], response_model=RunStarted, status_code=202,
               dependencies=[Depends(require_token)], responses=AUTH_ERRORS)
@@ -313,6 +306,35 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
             raise
         except PlannerError as exc:
             raise HTTPException(404, str(exc)) from None
+
+
+def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAPI:
+    """``public_runs``: serve run records without the token; None reads PLANNER_PUBLIC_RUNS."""
+    jobs = Jobs(db or os.environ.get("PLANNER_DB"))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        try:
+            jobs.store().mark_interrupted()  # runs whose owner is gone; a live one is left running
+        except (PlannerError, ImportError):
+            pass  # the run routes answer 503 with the reason; planning still works
+        yield
+        # SIGTERM/SIGINT (uvicorn's graceful shutdown): end our runs, recorded as interrupted. A
+        # SIGKILL never gets here: each run's supervisor then ends the ranks and records it.
+        jobs.interrupt_all("interrupted: the server stopped; all ranks ended")
+
+    app = FastAPI(title="planner", version=__version__, lifespan=lifespan, responses=ERRORS,
+                  description="Per-GPU memory, strategy and interconnect planning for distributed training.")
+    app.state.jobs = jobs
+    if public_runs is None:
+        public_runs = os.environ.get(PUBLIC_RUNS_ENV, "").lower() in ("1", "true", "yes")
+    app.state.public_runs = public_runs
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+
+    _add_error_handlers(app)
+    _add_catalogue_routes(app)
+    _add_planning_routes(app)
+    _add_run_routes(app, jobs)
 
     from web.pages import add_pages
 
