@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class TorchSettings(BaseModel):
-    """How a rank wraps the model for a torch strategy (backend/train.py _torch_engine)."""
+    """How a rank wraps the model for a torch strategy (backend/train.py torch_engine)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -12,12 +12,9 @@ import threading
 import time
 from typing import Any
 
+from backend.errors import JobConflict
 from planner.errors import PlannerError
 from planner.schema import EstimateRequest
-
-
-class JobConflict(PlannerError):
-    """The devices are busy, or the run is not in a state the action needs (HTTP 409)."""
 
 
 class Stop(threading.Event):

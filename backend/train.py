@@ -87,7 +87,7 @@ def synthetic_batch(job: dict[str, Any], step: int, device: torch.device) -> tor
     return torch.randint(0, vocab, shape, generator=generator).to(device)
 
 
-def _init_distributed(job: dict[str, Any]) -> None:
+def init_distributed(job: dict[str, Any]) -> None:
     if job.get("framework", "deepspeed") == "torch":
         torch.distributed.init_process_group(backend=job.get("dist_backend") or "nccl")
         return
@@ -141,7 +141,7 @@ class AccumulatingEngine:
 
 
 class TorchEngine(AccumulatingEngine):
-    """DDP or FSDP2 (_torch_engine). Gradient accumulation under DDP as the torch docs prescribe:
+    """DDP or FSDP2 (torch_engine). Gradient accumulation under DDP as the torch docs prescribe:
     no_sync() on every micro-batch but the last, entered before the forward's autocast and left
     after the backward; FSDP2 (a module without no_sync) syncs every micro-batch (AccumulatingEngine)."""
 
@@ -170,7 +170,7 @@ def _decoder_layer_class(model: torch.nn.Module) -> type:
     raise RuntimeError(f"no transformer block class found in {type(model).__name__} ({sorted(names)})")
 
 
-def _torch_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.device) -> TorchEngine:
+def torch_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.device) -> TorchEngine:
     """torch DDP or FSDP (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD) as planner.buffers models them."""
 
     settings = job["torch"]
@@ -190,7 +190,7 @@ def _torch_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.dev
         COUNTER.wrap_torch_distributed()
         wrapped = _fully_shard(model, settings, dtype, device)
         autocast = None
-    optimizer = _torch_optimizer(job, wrapped)
+    optimizer = torch_optimizer(job, wrapped)
     return TorchEngine(wrapped, optimizer, autocast_dtype=autocast,
                        accumulation=int(job.get("gradient_accumulation", 1)), device=device)
 
@@ -231,7 +231,7 @@ def mixed_precision_policy(dtype: torch.dtype | None, settings: dict[str, Any]):
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
 
 
-def _torch_optimizer(job: dict[str, Any], module: torch.nn.Module) -> torch.optim.Optimizer:
+def torch_optimizer(job: dict[str, Any], module: torch.nn.Module) -> torch.optim.Optimizer:
     name = job["torch"]["optimizer"]
     params = [p for p in module.parameters() if p.requires_grad]
     if name == "sgd":
@@ -241,21 +241,7 @@ def _torch_optimizer(job: dict[str, Any], module: torch.nn.Module) -> torch.opti
     raise RuntimeError(f"optimizer {name!r} is not available to the torch strategies' probe")
 
 
-def _engine(job: dict[str, Any], model: torch.nn.Module, device: torch.device):
-    if job.get("parallel"):  # tensor/sequence parallel (x FSDP2): backend/train_parallel.py
-        from backend.train_parallel import parallel_engine
-
-        return parallel_engine(job, model, device)
-    if job.get("experts"):  # expert parallelism x FSDP2: backend/train_experts.py
-        from backend.train_experts import expert_engine
-
-        return expert_engine(job, model, device)
-    if job.get("framework", "deepspeed") == "torch":
-        return _torch_engine(job, model, device)
-    return _deepspeed_engine(job, model)
-
-
-def _deepspeed_engine(job: dict[str, Any], model: torch.nn.Module):
+def deepspeed_engine(job: dict[str, Any], model: torch.nn.Module):
     import deepspeed
 
     engine, _, _, _ = deepspeed.initialize(
@@ -443,30 +429,7 @@ def _train_steps(job: dict[str, Any], engine, device: torch.device, on_step) -> 
     return step_seconds
 
 
-def run_rank(job: dict[str, Any], rank: int) -> dict[str, Any]:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if job["device"] == "cuda" \
-        else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    _init_distributed(job)
-    progress = _progress_writer(job, rank)
-    if job.get("pipeline") and device.type == "cpu":
-        from backend.train_pipeline import run_pipeline_cpu
-
-        measured = run_pipeline_cpu(job, device, progress)
-    elif job.get("pipeline"):
-        raise RuntimeError("pipeline-parallel verification runs on CPU ranks (--gpu cpu)")
-    elif device.type == "cpu":
-        measured = _run_profiled_cpu(job, device, progress)
-    else:
-        measured = _run_cuda(job, device, progress)
-    measured["rank"] = rank
-    measured["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
-    return measured
-
-
-def _progress_writer(job: dict[str, Any], rank: int):
+def progress_writer(job: dict[str, Any], rank: int):
     path = os.path.join(job["out_dir"], f"progress{rank}.txt")
 
     def write(step: int, total: int) -> None:
@@ -497,7 +460,8 @@ def count_every_thread() -> None:
     ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage").value = True
 
 
-def _run_profiled_cpu(job: dict[str, Any], device: torch.device, progress) -> dict[str, Any]:
+def run_profiled_cpu(job: dict[str, Any], device: torch.device, progress, make_engine) -> dict[str, Any]:
+    """``make_engine(job, model, device)``: the engine the job asks for (backend/rank.py engine_for)."""
     trace = bool(job.get("trace_peak"))
     count_every_thread()
     profiler = torch.profiler.profile(
@@ -509,7 +473,7 @@ def _run_profiled_cpu(job: dict[str, Any], device: torch.device, progress) -> di
     )
     with profiler:
         model = build_model(job)
-        engine = _engine(job, model, device)
+        engine = make_engine(job, model, device)
         del model
         step_seconds = _train_steps(job, engine, device, progress)
         collectives = _count_collectives(job, engine, device)
@@ -526,10 +490,11 @@ def _run_profiled_cpu(job: dict[str, Any], device: torch.device, progress) -> di
     return timeline
 
 
-def _run_cuda(job: dict[str, Any], device: torch.device, progress) -> dict[str, Any]:
+def run_cuda(job: dict[str, Any], device: torch.device, progress, make_engine) -> dict[str, Any]:
+    """``make_engine``: as for run_profiled_cpu."""
     torch.cuda.reset_peak_memory_stats(device)
     model = build_model(job).to(device)
-    engine = _engine(job, model, device)
+    engine = make_engine(job, model, device)
     del model
     warmup = int(job["warmup_steps"])
     resident_after: list[int] = []

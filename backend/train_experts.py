@@ -230,7 +230,7 @@ def _count(sent: torch.Tensor, arrived: torch.Tensor, what: str) -> None:
 
 
 def expert_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.device) -> ExpertEngine:
-    from backend.train import COUNTER, _torch_optimizer
+    from backend.train import COUNTER, torch_optimizer
 
     if device.type != "cpu":
         raise RuntimeError("the expert-parallel probe runs on CPU ranks (--gpu cpu)")
@@ -245,5 +245,5 @@ def expert_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.dev
     modules = shard_experts(model, sparse["ep"])
     apply_fsdp(model, dense, sparse, modules, None if settings["pure_16bit"] else dtype,
                reshard_after_forward=settings["sharding"] != "SHARD_GRAD_OP")
-    optimizer = _torch_optimizer(job, model)
+    optimizer = torch_optimizer(job, model)
     return ExpertEngine(model, optimizer, accumulation=int(job.get("gradient_accumulation", 1)), world=world)

@@ -22,7 +22,7 @@ each stage's modules are wrapped by FSDP2 (fully_shard per decoder layer, then t
 left alone (dp = 1).
 
 Memory is measured exactly as the single-model CPU path measures it (backend/train.py
-_run_profiled_cpu): the c10 CPU allocator's live total, global to every thread
+run_profiled_cpu): the c10 CPU allocator's live total, global to every thread
 (count_every_thread), sampled at every allocation of the training thread under the profiler.
 """
 

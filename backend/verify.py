@@ -12,10 +12,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from backend.jobs import JobConflict
+from backend.errors import JobConflict
 from backend.launch import Interrupted, gpu_ids, run_probe
 from backend.store import RunStore
 from backend.supervisor import clean_stale_runs
+from planner.attention_kinds import kind_of
 from planner.catalogue import UnsupportedModelTypeError, catalogue_model, model_from_config
 from planner.errors import PlannerError
 from planner.memory import cpu_rank_bytes, estimate
@@ -39,7 +40,8 @@ def scale_config(config: dict[str, Any], factor: float) -> tuple[dict[str, Any],
     from planner.architecture import from_hf_config, layer_specs
 
     a = from_hf_config(config)
-    mla = any(spec.attention.kind == "mla" for spec in layer_specs(a))
+    # a kind whose hidden width is not heads x head width (MLA: DeepSeek-V3's 7168 = 128 heads of 56)
+    mla = any(not kind_of(spec.attention).hidden_is_heads_by_head_dim for spec in layer_specs(a))
     group = a.num_attention_heads // a.num_key_value_heads
     kv = max(1, round(a.num_key_value_heads * factor))
     heads = kv * group

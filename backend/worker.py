@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bind_rank(out_dir, rank)  # ends with the run's launcher and supervisor, whatever kills them
     try:
-        from backend.train import run_rank  # heavy imports happen here, inside the rank
+        from backend.rank import run_rank  # heavy imports happen here, inside the rank
 
         result = run_rank(job.for_rank(), rank)
         result["status"] = "ok"

@@ -724,7 +724,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(f"planner serve needs the web extra (pip install -e '.[web]'): {exc}") from None
     from backend.store import RunStore
 
-    from web.app import TokenFileError, configured_token
+    from web.auth import TokenFileError, configured_token
 
     try:
         configured_token()  # a token file that gives no token: refuse to start (exit 2), not serve open

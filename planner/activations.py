@@ -16,9 +16,10 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from planner.architecture import Architecture, active_parameter_count, distinct_specs, layer_specs
+from planner.attention_kinds import kind_of
 from planner.errors import PlannerError
-from planner.finetune import Linear, block_linears
 from planner.layers import AttentionSpec, LayerSpec, MlpSpec
+from planner.linears import Linear, block_linears
 
 Attention = Literal["sdpa", "eager"]
 # none | full (every block, or every N-th: checkpointing_every) | selective-op (torchtitan's per-op
@@ -235,8 +236,9 @@ def block_saved_bytes(a: Architecture, spec: LayerSpec, tokens: int, seq_len: in
     """What one block saves for backward, from its layer spec; ``autocast``: the block runs under
     torch.autocast over fp32 weights (``_autocast_stream``)."""
     attn = spec.attention
-    if attn.kind == "mla":
-        attention_bytes = _mla_saved(attn, tokens, seq_len, micro_batch, b, attention, device)
+    kind = kind_of(attn)
+    if kind.saved_bytes is not None:
+        attention_bytes = kind.saved_bytes(attn, tokens, seq_len, micro_batch, b, attention, device)
     elif attn.sinks:
         attention_bytes = _sink_attention_saved(attn, tokens, seq_len, micro_batch, b)
     else:
@@ -295,7 +297,7 @@ def _autocast_stream_extra(a: Architecture, spec: LayerSpec, b: int) -> int:
         return 0
     attention = spec.attention
     extra = (FP32 - b) * spec.norms
-    if attention.kind != "mla" and not attention.fused_qkv:
+    if kind_of(attention).casts_kv_input_again and not attention.fused_qkv:
         extra += 2 * b  # k and v cast the normed input again
     mlp = spec.mlp
     if not mlp.is_moe and mlp.gated and not mlp.fused_gate_up:
@@ -304,37 +306,6 @@ def _autocast_stream_extra(a: Architecture, spec: LayerSpec, b: int) -> int:
 
 
 INDEX = 8  # int64 indices
-
-
-def _mla_saved(s: AttentionSpec, tokens: int, seq_len: int, micro_batch: int, b: int, attention: Attention,
-               device: Device) -> int:
-    """DeepseekV2/V3Attention (multi-head latent attention): the query LoRA (q_a_proj output through
-    q_a_layernorm: fp32 input, rsqrt, the cast back, and its output saved by q_b_proj), the K/V
-    latent through kv_a_layernorm likewise (in fp32 the norm's input is a view that keeps the whole
-    kv_a_proj output, latent plus RoPE key, alive), then attention, and its output saved by o_proj."""
-    heads, v = s.num_heads, s.v_head_dim
-    nope = s.head_dim - s.rope_head_dim
-
-    def latent_norm(width: int, storage: int) -> int:
-        return FP32 * tokens * storage + b * tokens * width + FP32 * tokens + b * tokens * width
-
-    lora = latent_norm(s.q_lora_rank, s.q_lora_rank) if s.q_lora_rank else 0
-    latent = latent_norm(s.kv_lora_rank, s.kv_lora_rank + (s.rope_head_dim if b == FP32 else 0))
-    out = b * tokens * heads * v
-    scores = micro_batch * heads * seq_len * seq_len
-    if attention == "eager":
-        probs = FP32 * scores + (b * scores if b != FP32 else 0)
-        return lora + latent + 2 * b * tokens * heads * s.head_dim + b * tokens * heads * (nope + v) + probs + out
-    if device == "cpu" and s.head_dim != v:
-        # CPU's flash kernel needs equal q/k and v head widths: SDPA falls back to its math path,
-        # which upcasts to fp32 and saves q, k, the fp32 probabilities and v (measured with
-        # saved-tensor hooks, bf16 and fp32)
-        return lora + latent + FP32 * (tokens * heads * (2 * s.head_dim + v) + scores) + out
-    # flash/efficient kernels: the concatenated query, the key assembled by expand_kv, the value (a
-    # view that keeps all of kv_b_proj's heads x (nope + v) output alive), the output, fp32 logsumexp
-    lse = FP32 * micro_batch * heads * seq_len
-    q = k = b * tokens * heads * s.head_dim
-    return lora + latent + q + k + b * tokens * heads * (nope + v) + out + lse
 
 
 def _sink_attention_saved(s: AttentionSpec, tokens: int, seq_len: int, micro_batch: int, b: int) -> int:

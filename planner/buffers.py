@@ -19,7 +19,7 @@ from planner.schema import MemoryItem, Phase
 
 if TYPE_CHECKING:
     from planner.architecture import Architecture
-    from planner.memory import Setup
+    from planner.setup import Setup
 
 FP32 = 4
 

@@ -28,6 +28,7 @@ from dataclasses import replace
 
 from planner.activations import FP32, ActivationItem, Activations
 from planner.architecture import Architecture, distinct_specs
+from planner.attention_kinds import kind_of
 from planner.errors import PlannerError
 
 
@@ -49,8 +50,9 @@ def check_context_parallel(cp: int, framework: str, strategy: str, attention: st
                            field="cp")
     for spec in distinct_specs(arch).values():
         attn = spec.attention
-        if attn.kind == "mla" or attn.sinks or attn.window != "full" or attn.logit_softcap:
-            what = ("MLA" if attn.kind == "mla" else "attention sinks" if attn.sinks else
+        kind = kind_of(attn)
+        if not kind.ring_attention or attn.sinks or attn.window != "full" or attn.logit_softcap:
+            what = (kind.short if not kind.ring_attention else "attention sinks" if attn.sinks else
                     f"{attn.window} attention" if attn.window != "full" else "attention logit soft-capping")
             raise PlannerError(f"cp={cp}: {what} is not what torch's ring attention computes (plain causal SDPA); "
                                "this model cannot be context-parallel", field="cp")

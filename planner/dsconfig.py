@@ -16,6 +16,8 @@ from typing import Any, Callable
 from planner.errors import PlannerError
 from planner.precision import DTYPE_SPELLINGS, RECIPES
 
+# DeepSpeed 0.19.8's defaults, in elements (deepspeed/runtime/zero/config.py lines 113, 132, 222,
+# 228, 245, 251); the only definition: ZeroSettings and frameworks' Buckets both default to them
 DEFAULT_REDUCE_BUCKET = 500_000_000
 DEFAULT_ALLGATHER_BUCKET = 500_000_000
 DEFAULT_PREFETCH_BUCKET = 50_000_000

@@ -31,10 +31,11 @@ import yaml
 from planner.catalogue import UnsupportedModelTypeError
 from planner.finetune import bnb_config, lora_config
 from planner.errors import PlannerError
-from planner.memory import estimate, resolve
+from planner.memory import estimate, resolve, setup_of
 from planner.plan import finetune_fields
 from planner.precision import DTYPE_SPELLINGS, RECIPES
 from planner.schema import SHARDING_STRATEGIES, Candidate, EstimateRequest, EstimateResult, PlanRequest
+from planner.setup import Setup
 from planner.shm import segment_glob
 from planner.strategies import explicit_hsdp_shard
 from planner.megatron import megatron_arguments, megatron_file
@@ -145,7 +146,8 @@ def emit_estimate_files(result: EstimateResult, script: Script | None = None) ->
     plan_doc = {"estimate": {"per_device": result.per_device.model_dump(), "fits": result.fits,
                              "time": result.time.model_dump() if result.time else None},
                 "estimate_request": req.model_dump(by_alias=True)}
-    return _emit(req, summary, plan_doc, script)
+    known = setup_of(result)  # a traced model's is not taken: resolving it refuses --emit, as it should
+    return _emit(req, summary, plan_doc, script, known if known is not None and known.model.traced is None else None)
 
 
 def estimate_request_for(req: PlanRequest, c: Candidate) -> EstimateRequest:
@@ -168,9 +170,11 @@ def estimate_request_for(req: PlanRequest, c: Candidate) -> EstimateRequest:
                                                 ("pp_virtual_stages", c.pp_virtual_stages)) if v is not None})
 
 
-def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: Script | None) -> dict[str, str]:
+def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: Script | None,
+          setup: Setup | None = None) -> dict[str, str]:
+    """``setup``: ``est`` already resolved (the estimate's own), not resolved again."""
     try:
-        setup = resolve(est)
+        setup = setup if setup is not None else resolve(est)
     except UnsupportedModelTypeError as exc:
         raise PlannerError(f"{exc.name}: model_type {exc.config.get('model_type')!r} is estimated by tracing only; "
                            "--emit writes launch files for the families the core reads analytically "

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from planner.architecture import Architecture, layer_specs
 from planner.errors import PlannerError
 from planner.layers import MlpSpec, mlp_numels
-from planner.pipeline import stage_bounds
+from planner.stages import stage_bounds
 
 
 def routed_numels(m: MlpSpec, hidden: int) -> int:

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from planner.architecture import Architecture, layer_specs
 from planner.errors import PlannerError
-from planner.layers import AttentionSpec, LayerSpec
+from planner.finetune_fields import check_request_fields
+from planner.layers import LayerSpec
+from planner.linears import Linear, block_linears
 from planner.precision import RECIPES
 from planner.strategies import strategy as _strategy
 
@@ -51,16 +53,6 @@ BNB_OFFSET_BYTES = 4
 
 
 @dataclass(frozen=True)
-class Linear:
-    """One nn.Linear (or GPT-2's Conv1D) of a block, by the name PEFT matches."""
-
-    name: str
-    in_features: int
-    out_features: int
-    bias: bool
-
-
-@dataclass(frozen=True)
 class Finetune:
     method: str  # "lora" | "qlora"
     rank: int
@@ -79,31 +71,6 @@ class Finetune:
 
 
 # --- the request ------------------------------------------------------------------------------
-
-_LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "train_embeddings")
-
-
-def check_request_fields(request: "EstimateRequest") -> None:
-    """Field combinations that cannot be meant, refused with the field and its value (no model
-    needed: what needs the architecture is checked by ``resolve_finetune``)."""
-    method = request.finetune
-    if method == "full":
-        for name in _LORA_FIELDS:
-            value = getattr(request, name)
-            if value not in (None, False):
-                raise ValueError(f"{name}={value} applies to finetune lora or qlora, not finetune=full")
-        if request.quantize_base not in (None, "none"):
-            raise ValueError(f"quantize_base={request.quantize_base} needs finetune=qlora: a quantized base "
-                             "cannot be trained in full")
-    if method == "lora" and request.quantize_base not in (None, "none"):
-        raise ValueError(f"quantize_base={request.quantize_base} with finetune=lora: a quantized base is "
-                         "finetune=qlora")
-    if request.double_quant is not None and (method != "qlora" or request.quantize_base == "int8"):
-        raise ValueError(f"double_quant={request.double_quant} is bitsandbytes' 4-bit option "
-                         "(bnb_4bit_use_double_quant): it needs finetune=qlora with quantize_base nf4 or fp4")
-    if method == "qlora" and request.quantize_base == "none":
-        raise ValueError("quantize_base=none with finetune=qlora: QLoRA quantizes the base; use finetune=lora")
-
 
 def _targets(request: "EstimateRequest", arch: Architecture) -> tuple[str, ...]:
     if request.lora_targets is None:
@@ -185,46 +152,6 @@ _SHARDED_QUANT_REASON = ("a sharded quantized base is not modelled (ZeRO-3 and F
 
 
 # --- linears and adapters ---------------------------------------------------------------------
-
-def _attention_linears(arch: Architecture, s: AttentionSpec, h: int) -> list[Linear]:
-    if s.kind == "mla":
-        out = ([Linear("q_a_proj", h, s.q_lora_rank, s.qkv_bias), Linear("q_b_proj", s.q_lora_rank,
-                                                                          s.num_heads * s.head_dim, False)]
-               if s.q_lora_rank else [Linear("q_proj", h, s.num_heads * s.head_dim, False)])
-        nope = s.head_dim - s.rope_head_dim
-        return out + [Linear("kv_a_proj_with_mqa", h, s.kv_lora_rank + s.rope_head_dim, s.qkv_bias),
-                      Linear("kv_b_proj", s.kv_lora_rank, s.num_heads * (nope + s.v_head_dim), False),
-                      Linear("o_proj", s.num_heads * s.v_head_dim, h, s.o_bias)]
-    q, kv = s.q_width, s.kv_width
-    if arch.model_type == "gpt2":
-        return [Linear("c_attn", h, q + 2 * kv, s.qkv_bias), Linear("c_proj", q, h, s.o_bias)]
-    if arch.model_type == "falcon":
-        return [Linear("query_key_value", h, q + 2 * kv, s.qkv_bias), Linear("dense", q, h, s.o_bias)]
-    if s.fused_qkv:  # phi3
-        return [Linear("qkv_proj", h, q + 2 * kv, s.qkv_bias), Linear("o_proj", q, h, s.o_bias)]
-    return [Linear("q_proj", h, q, s.qkv_bias), Linear("k_proj", h, kv, s.qkv_bias),
-            Linear("v_proj", h, kv, s.qkv_bias), Linear("o_proj", q, h, s.o_bias)]
-
-
-def _mlp_linears(arch: Architecture, spec: LayerSpec, h: int) -> list[Linear]:
-    m = spec.mlp
-    inner, bias = m.intermediate_size, m.bias
-    if arch.model_type == "gpt2":
-        return [Linear("c_fc", h, inner, bias), Linear("c_proj", inner, h, bias)]
-    if arch.model_type == "falcon":
-        return [Linear("dense_h_to_4h", h, inner, bias), Linear("dense_4h_to_h", inner, h, bias)]
-    if m.fused_gate_up:
-        return [Linear("gate_up_proj", h, 2 * inner, bias), Linear("down_proj", inner, h, bias)]
-    if m.gated:
-        return [Linear("gate_proj", h, inner, bias), Linear("up_proj", h, inner, bias),
-                Linear("down_proj", inner, h, bias)]
-    return [Linear("up_proj", h, inner, bias), Linear("down_proj", inner, h, bias)]
-
-
-def block_linears(arch: Architecture, spec: LayerSpec) -> list[Linear]:
-    """A dense block's linears in registration order (attention, then MLP)."""
-    return _attention_linears(arch, spec.attention, arch.hidden_size) + _mlp_linears(arch, spec, arch.hidden_size)
-
 
 def adapter_numels(f: Finetune, linear: Linear) -> list[int]:
     """lora_A (r x in) and lora_B (out x r) of one targeted linear (peft/tuners/lora/layer.py

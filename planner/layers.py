@@ -16,6 +16,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from planner.attention_kinds import kind_of
+
 AttentionKind = Literal["mha", "gqa", "mqa", "mla"]
 Window = Literal["full", "sliding", "chunked"]
 QkNorm = Literal["none", "head", "projection", "l2"]
@@ -117,8 +119,9 @@ def norm_numels(norm: str, width: int) -> list[int]:
 
 
 def attention_numels(s: AttentionSpec, hidden: int) -> list[int]:
-    if s.kind == "mla":
-        return _mla_numels(s, hidden)
+    own = kind_of(s).numels
+    if own is not None:
+        return own(s, hidden)
     q, kv = s.q_width, s.kv_width
     if s.fused_qkv:
         out = _linear(hidden, q + 2 * kv, s.qkv_bias)
@@ -134,20 +137,6 @@ def attention_numels(s: AttentionSpec, hidden: int) -> list[int]:
     if s.sinks:
         out.append(s.num_heads)  # GptOssAttention.sinks
     return out
-
-
-def _mla_numels(s: AttentionSpec, hidden: int) -> list[int]:
-    """DeepseekV3Attention.__init__: q_proj, or q_a_proj + q_a_layernorm + q_b_proj; then
-    kv_a_proj_with_mqa (latent plus the shared RoPE key), kv_a_layernorm, kv_b_proj, o_proj."""
-    heads = s.num_heads
-    if s.q_lora_rank:
-        q = _linear(hidden, s.q_lora_rank, s.qkv_bias) + [s.q_lora_rank] + [s.q_lora_rank * heads * s.head_dim]
-    else:
-        q = [hidden * heads * s.head_dim]
-    nope = s.head_dim - s.rope_head_dim
-    kv = _linear(hidden, s.kv_lora_rank + s.rope_head_dim, s.qkv_bias) + [s.kv_lora_rank]
-    kv += [s.kv_lora_rank * heads * (nope + s.v_head_dim)]
-    return q + kv + _linear(heads * s.v_head_dim, hidden, s.o_bias)
 
 
 def dense_mlp_numels(gated: bool, bias: bool, fused: bool, hidden: int, inner: int) -> list[int]:

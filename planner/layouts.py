@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from math import gcd
 
 from planner.architecture import Architecture, distinct_specs, layer_specs
+from planner.attention_kinds import kind_of
 from planner.pipeline import balanced_split
 from planner.topology import Topology
 
@@ -80,8 +81,8 @@ def _tp_refusal(topo: Topology, gpus_per_node: int, tp: int, arch: Architecture 
                     f"not NVLink ({topo.source}); TP's per-layer collectives need an NVLink island")
     for spec in distinct_specs(arch).values():
         attn = spec.attention
-        if attn.kind == "mla":
-            return "multi-head latent attention is not split by this planner's TP model"
+        if kind_of(attn).tp_refusal is not None:
+            return f"{kind_of(attn).long} is not split by this planner's TP model"
         if attn.num_heads % tp:
             return f"num_attention_heads({attn.num_heads}) is not divisible by tp({tp})"
         if attn.num_kv_heads % tp and tp % attn.num_kv_heads:

@@ -10,96 +10,38 @@ after the DeepSpeed / torch source that allocates it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from planner import buffers as buf
 from planner import reserved
-from planner.frameworks import Framework, framework_of
-from planner.activations import ActivationItem, Activations, check_checkpointing, estimate_activations
-from planner.architecture import Architecture, defaulted_size_fields, parameter_count, parameter_numels
+from planner.activations import Activations, check_checkpointing
+from planner.architecture import defaulted_size_fields
 from planner.catalogue import ResolvedModel, catalogue_model, model_from_config, raw_parameters, with_vision
+from planner.context_parallel import check_context_parallel, gloo_ring_scratch_bytes
 from planner.dsconfig import ZeroSettings, batch_from_config, parse_ds_config, with_overrides
 from planner.errors import PlannerError
 from planner.losses import loss_chunks
 from planner.loop import check_loop, held_outputs_bytes, loop_note, with_held_outputs
-from planner.finetune import Finetune, lora_activations, resolve_finetune, trainable_numels, with_frozen
+from planner.finetune import Finetune, resolve_finetune, trainable_numels, with_frozen
+from planner.frameworks import framework_of
 from planner.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.moments import PhaseKind
 from planner.parallel import ModelShape, ParallelDims, check_dims, data_parallel_size, dims_for, refuse_unmodelled
-from planner.precision import RECIPES, Recipe, bits_to_bytes
+from planner.precision import RECIPES, bits_to_bytes
+from planner.rank_activations import activations, traced_setting
 from planner.schema import (EstimateRequest, EstimateResult, HostMemory, ModelSummary, ParallelDegrees,
                             PeakRows, PerDevice, Phase)
-from planner.context_parallel import check_context_parallel, cp_activations, gloo_ring_scratch_bytes
+from planner.setup import Setup, numels as _numels
 from planner.strategies import Strategy, shard_group_size, strategy as lookup_strategy
-from planner.tensor_parallel import rank_numels, tensor_parallel_fields, tp_activations
+from planner.tensor_parallel import tensor_parallel_fields
 from planner.units import GIB, fmt_bytes
 
-
-@dataclass(frozen=True)
-class Setup:
-    """A request resolved into typed mechanisms: the input of every term below."""
-
-    request: EstimateRequest
-    model: ResolvedModel
-    strategy: Strategy
-    recipe: Recipe
-    gpu: Gpu
-    zero: ZeroSettings
-    world_size: int
-    shard_size: int
-    dims: ParallelDims
-    # tensor parallelism: the narrower model one TP rank holds and runs (planner/tensor_parallel.py)
-    sequence_parallel: bool = False
-    vocab_parallel_loss: bool = False
-    embedding_split: int = 1  # DeepSpeed AutoTP, tied or no tp_plan: the embedding split along the hidden dimension
-    lm_head_split: int = 1  # DeepSpeed AutoTP (HF tp_plan): the untied LM head's rows split, its output gathered
-    rank_architecture: Architecture | None = None
-    loss_chunks: int = 1  # the loss's backward in this many chunks (planner/losses.py)
-
-    @property
-    def tp(self) -> int:
-        return self.dims.tp
-
-    @property
-    def cp(self) -> int:
-        """Context parallelism: this rank holds seq_len / cp tokens of each sequence."""
-        return self.dims.cp
-    finetune: Finetune | None = None  # LoRA / QLoRA (planner/finetune.py); None: full fine-tuning
-
-    @property
-    def arch(self) -> Architecture | None:
-        """The architecture one device holds and runs: the TP rank's shard of it under tp > 1."""
-        return self.rank_architecture if self.rank_architecture is not None else self.model.architecture
-
-    @property
-    def psi(self) -> int:
-        return self.model.parameters
-
-    @property
-    def rank_psi(self) -> int:
-        """Parameters on one device before data-parallel sharding (the TP rank's shards)."""
-        return sum(_numels(self)) if self.rank_architecture is not None else self.psi
-
-    @property
-    def data_parallel_wrapped(self) -> bool:
-        """False for a TP-only layout (one data-parallel rank): nothing wraps the model, as
-        torchtitan applies FSDP only when dp_shard > 1 or cp > 1 (parallelize.py)."""
-        if self.strategy.one_device:
-            return False
-        return self.rank_architecture is None or self.dims.dp * self.dims.cp > 1
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.recipe.weight_bits // 8
-
-    @property
-    def framework(self) -> Framework:
-        """The framework version that realises the strategy (planner/frameworks/)."""
-        return framework_of(self.strategy)
-
-    @property
-    def device(self) -> str:
-        return "cpu" if self.gpu.is_cpu else "cuda"
+# Setup, activations and traced_setting are imported from here by callers that predate their own
+# modules (planner/setup.py, planner/rank_activations.py); _numels by the tests.
+__all__ = ["Setup", "activations", "traced_setting", "_numels", "resolve", "resolve_model", "estimate",
+           "estimate_resolved", "setup_of", "textbook_states", "trainable_count", "resident_by_component",
+           "host_capacity", "host_notes", "sequence_past_positions", "position_limit_error", "position_notes",
+           "cpu_rank_bytes"]
 
 
 def resolve_model(request: EstimateRequest) -> ResolvedModel:
@@ -150,7 +92,7 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
         precision = zero.precision  # the config's bf16/fp16 block, unless --precision was given
     from_config = _from_config(request, zero)
     check_precision(g, precision)
-    fw = framework_of(s)
+    fw = framework_of(s, request.framework_version)
     fw.check_offload(s, zero.offload_optimizer, zero.offload_params)
     fw.check_precision(s, precision)
     model = model if model is not None else resolve_model(request)
@@ -231,70 +173,6 @@ def textbook_states(setup: Setup) -> tuple[int, int, int]:
     return params, grads, optim
 
 
-def activations(setup: Setup) -> Activations | None:
-    if setup.model.traced is not None:
-        return _traced_activations(setup)
-    if setup.arch is None:
-        return None
-    req = setup.request
-    compute = setup.recipe.compute_bytes
-    if setup.finetune is not None:
-        # torch.autocast (ddp with a mixed recipe) keeps PEFT's fp32 adapters: each casts its input
-        adapter_copy = setup.framework.name == "torch" and not setup.strategy.shards_parameters \
-            and setup.recipe.master_bits > 0
-        return lora_activations(setup.arch, setup.finetune, micro_batch=req.micro_batch, seq_len=req.seq_len,
-                                compute_bytes=compute, attention=req.attention, checkpointing=req.checkpointing,
-                                device=setup.device, adapter_copy=adapter_copy,
-                                linears_save_inputs=setup.strategy.framework == "deepspeed"
-                                and setup.strategy.zero_stage == 3,
-                                fp32_stream=setup.finetune.quantize in ("nf4", "fp4") and adapter_copy)
-    arch = setup.arch
-    seq_len = req.seq_len // setup.cp  # the rank's two chunks of each sequence under cp
-    # torch.autocast over the fp32 weights: torch's mixed recipes where nothing casts them (DDP, a
-    # TP-only rank; FSDP2 casts them by its MixedPrecisionPolicy: backend/train.py, train_parallel.py).
-    # A pipeline stage counts its own (pipeline._autocast_fp32_stream_extra); cp keeps the 16-bit count.
-    autocast = (setup.strategy.framework == "torch" and setup.recipe.autocast_dtype is not None
-                and not (setup.strategy.shards_parameters and setup.data_parallel_wrapped)
-                and setup.dims.pp == 1 and setup.cp == 1)
-    acts = estimate_activations(arch, micro_batch=req.micro_batch, seq_len=seq_len,
-                                compute_bytes=compute, attention=req.attention,
-                                checkpointing=req.checkpointing, device=setup.device, autocast=autocast,
-                                every=req.checkpointing_every, loss_chunks=setup.loss_chunks)
-    if setup.rank_architecture is not None:
-        acts = tp_activations(acts, setup.model.architecture, setup.arch, tp=setup.tp,
-                              sequence_parallel=setup.sequence_parallel, tokens=req.micro_batch * seq_len,
-                              b=compute, vocab_parallel_loss=setup.vocab_parallel_loss, autocast=autocast)
-    return cp_activations(acts, setup.arch, cp=setup.cp, tokens=req.micro_batch * req.seq_len, b=compute,
-                          tp=setup.tp, sequence_parallel=setup.sequence_parallel, device=setup.device)
-
-
-def _traced_activations(setup: Setup) -> Activations:
-    """The activations of a model traced outside the core, measured at this request's setting."""
-    t, req = setup.model.traced, setup.request
-    setting = traced_setting(req.micro_batch, req.seq_len, setup.recipe.compute, req.attention, req.checkpointing)
-    if t.setting != setting:
-        raise PlannerError(f"traced profile of {setup.model.name} was measured at {t.setting}, "
-                           f"but the request is {setting}", field=None)
-    body = t.num_layers * t.layer_kept_bytes
-    checkpointed = req.checkpointing == "full"
-    extra = max(t.loss_transient_bytes,
-                (t.layer_saved_bytes if checkpointed else 0) + t.layer_transient_bytes)
-    items = (ActivationItem(f"{t.num_layers} blocks, {t.layer_kept_bytes:,} B kept each (traced)", body),
-             ActivationItem("embeddings, final norm, logits / loss (traced)", t.saved_bytes - body),
-             ActivationItem("backward transient at the loss (traced)", t.loss_transient_bytes))
-    return Activations(saved_bytes=t.saved_bytes, peak_extra_bytes=extra, items=items,
-                       layer_saved_bytes=t.layer_saved_bytes, layer_kept_bytes=t.layer_kept_bytes,
-                       head_saved_bytes=t.saved_bytes - body, loss_transient_bytes=t.loss_transient_bytes,
-                       layer_transient_bytes=t.layer_transient_bytes, num_layers=t.num_layers,
-                       checkpointed=checkpointed)
-
-
-def traced_setting(micro_batch: int, seq_len: int, compute: str, attention: str, checkpointing: str) -> str:
-    """The step a traced profile stands for, in words (the profile is valid for this one only)."""
-    return (f"micro_batch {micro_batch} x seq_len {seq_len}, {compute} compute, {attention} attention, "
-            f"checkpointing {checkpointing}")
-
-
 # --- the orchestrator -----------------------------------------------------------------------
 
 def trainable_count(setup: Setup) -> int:
@@ -302,23 +180,21 @@ def trainable_count(setup: Setup) -> int:
     return setup.rank_psi if setup.finetune is None else sum(trainable_numels(setup.arch, setup.finetune))
 
 
-def _numels(setup: Setup) -> list[int]:
-    if setup.finetune is not None:
-        return trainable_numels(setup.arch, setup.finetune)  # the frozen base: with_frozen
-    if setup.model.traced is not None:
-        return list(setup.model.traced.numels)
-    if setup.rank_architecture is not None:
-        return rank_numels(setup.rank_architecture, setup.embedding_split, setup.lm_head_split)
-    if setup.arch is not None:
-        return parameter_numels(setup.arch)
-    return [setup.psi]  # only a count: one flat tensor is the best that can be said
-
-
 def estimate(request: EstimateRequest, model: ResolvedModel | None = None, simulate: bool = True) -> EstimateResult:
     """``simulate``: replay the step through the caching allocator (planner/reserved.py) and judge
     the fit on reserved memory; the plan's search passes False (its settings are judged on the live
     peak with the request's headroom) and simulates the candidates it shows."""
-    setup = whole = resolve(request, model)
+    return estimate_resolved(resolve(request, model), simulate)
+
+
+def setup_of(result: EstimateResult) -> Setup | None:
+    """The Setup ``result`` was computed from (None for a result read back from JSON)."""
+    return result._setup
+
+
+def estimate_resolved(setup: Setup, simulate: bool = True) -> EstimateResult:
+    """The estimate of a resolved request: the Setup goes with the result (``setup_of``)."""
+    whole = setup
     ep_items, ep_transient = [], None
     if setup.dims.ep > 1:
         from planner import experts
@@ -339,7 +215,7 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None, simul
         plan = setup.framework.phases(setup, acts, _numels(setup))
         if setup.finetune is not None:
             plan = with_frozen(plan, setup)
-        if request.keeps_outputs:
+        if setup.request.keeps_outputs:
             plan = with_held_outputs(plan, _held_outputs(setup))
     if ep_items or ep_transient is not None:
         from planner import experts
@@ -365,7 +241,7 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None, simul
     device_fits = peak <= capacity if held is None else held.fits
     fits = capacity > 0 and device_fits and host.fits is not False
     notes = _notes(setup, acts, plan, peak_phase, capacity, peak, held) + host_notes(setup, host)
-    return EstimateResult(
+    result = EstimateResult(
         parameters=whole.psi,
         trainable_parameters=whole.psi if whole.finetune is None else trainable_count(whole),
         model=ModelSummary(name=whole.model.name, source=whole.model.source, parameters=whole.psi,
@@ -385,6 +261,8 @@ def estimate(request: EstimateRequest, model: ResolvedModel | None = None, simul
         headroom_bytes=capacity - reserved_peak, allocator=held.summary() if held else None,
         phases=[_phase_of(PhaseKind.RESIDENT, "between steps (resident)", plan.resident)] + list(plan.phases), buffers=list(plan.buffers),
         notes=notes, request=setup.request)
+    result._setup = whole
+    return result
 
 
 _STATE_ROWS = ("parameters", "gradients", "optimizer_states", "frozen_weights", "activations")

@@ -29,15 +29,18 @@ from typing import TYPE_CHECKING, Literal
 
 from planner.activations import FP32
 from planner.architecture import Architecture, block_numels, block_parameters, derived, layer_specs, norm_numels
+from planner.attention_kinds import kind_of
 from planner.buffers import item, phase
 from planner.errors import PlannerError
 from planner.layers import routed_inactive_numels
 from planner.moments import PhaseKind
+from planner.rank_activations import activations
 from planner.schema import MemoryItem, Phase
+from planner.stages import stage_bounds
 
 if TYPE_CHECKING:
     from planner.buffers import PhasePlan
-    from planner.memory import Setup
+    from planner.setup import Setup
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "gpipe")
@@ -150,39 +153,6 @@ def max_in_flight(schedule: str, pp: int, virtual_stages: int, micro_batches: in
         live += 1 if action.kind == "F" else -1
         peak = max(peak, live)
     return peak
-
-
-def stage_bounds(num_layers: int, stages: int, first: int | None = None,
-                 last: int | None = None) -> list[tuple[int, int]]:
-    """[first, last) blocks of each stage. With neither ``first`` nor ``last`` given, split as
-    torchtitan does when no split points are given (torchtitan/distributed/pipeline.py
-    generate_split_points): every stage gets ``layers // stages`` blocks, the remainder goes one
-    each to the middle stages (the first holds the embedding, the last the head), and the last
-    stage takes what is left. With either given, Megatron's uneven split (Megatron-LM d98e8a6
-    megatron/core/transformer/transformer_block.py get_num_layers_to_build: the given first and
-    last stages' blocks are taken out and the stages left share the rest evenly); check_split
-    refuses a split that does not come out whole."""
-    if first is None and last is None:
-        base, extra = divmod(num_layers, stages)
-        bounds, start = [], 0
-        for index in range(stages - 1):
-            size = base + (1 if index > 0 and extra > 0 else 0)
-            if index > 0 and extra > 0:
-                extra -= 1
-            bounds.append((start, start + size))
-            start += size
-        bounds.append((start, num_layers))
-        return bounds
-    sizes = _uneven_sizes(num_layers, stages, first, last)
-    starts = [sum(sizes[:i]) for i in range(stages)]
-    return [(a, a + n) for a, n in zip(starts, sizes)]
-
-
-def _uneven_sizes(num_layers: int, stages: int, first: int | None, last: int | None) -> list[int]:
-    fixed = [n for n in (first, last) if n is not None]
-    left, rest = stages - len(fixed), num_layers - sum(fixed)
-    middle = rest // left if left else 0
-    return [first if first is not None else middle] + [middle] * (stages - 2) + [last if last is not None else middle]
 
 
 def check_split(num_layers: int, pp: int, virtual_stages: int, first: int | None, last: int | None) -> None:
@@ -328,7 +298,7 @@ def _autocast_fp32_stream_extra(spec) -> int:
         return 0
     attention = spec.attention
     extra = 2 * spec.norms
-    if attention.kind != "mla" and not attention.fused_qkv:
+    if kind_of(attention).casts_kv_input_again and not attention.fused_qkv:
         extra += 2 * 2  # k and v cast the normed input again
     mlp = spec.mlp
     if not mlp.is_moe and mlp.gated and not mlp.fused_gate_up:
@@ -350,8 +320,6 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[St
     stage, the final norm's and the loss's on the last, the RoPE tables on each. What is the
     pipeline's own is added here: the stage's output held in fwd_cache until its micro-batch's
     backward, the receive buffer (counted once, as a buffer), and autocast over an fp32 stream."""
-    from planner.memory import activations
-
     a: Architecture = setup.arch
     req = setup.request
     count = pp * virtual_stages

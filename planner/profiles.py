@@ -14,11 +14,11 @@ from planner.errors import PlannerError
 from planner.gpus import gpu as lookup_gpu
 from planner.precision import RECIPES
 from planner.memory import estimate
+from planner.profile_name import check_profile_name
 from planner.schema import EstimateRequest
 from planner.steptime import estimate_time
 from planner.timing import flops_per_token
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 class Residual(BaseModel):
@@ -50,14 +50,6 @@ class Profile(BaseModel):
     residuals: list[Residual]
     communication_residuals: list[CommunicationResidual] = []
     note: str
-
-
-def check_profile_name(name: str) -> str:
-    """A profile's name, usable as a file name by whoever stores it (backend/profiles.py)."""
-    if not _NAME.match(name):
-        raise PlannerError(f"profile name {name!r} must be 1-64 letters, digits, '.', '_' or '-'", field="profile",
-                           value=name)
-    return name
 
 
 def _run_flops(record: dict[str, Any]) -> tuple[str, float, float] | None:

@@ -12,16 +12,19 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any, Callable, Collection, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, WithJsonSchema,
+                      model_validator)
 from pydantic_core import core_schema
 
 from planner.activations import Attention, Checkpointing
 from planner.kernels import AttentionKernel
 from planner.errors import unknown
+from planner.finetune_fields import check_request_fields
 from planner.losses import Loss
 from planner.moments import PhaseKind
 from planner.parallel import PipelineSchedule
 from planner.precision import Optimizer, Precision
+from planner.profile_name import check_profile_name
 from planner.strategies import OffloadDevice, StrategyName
 
 Finetune = Literal["full", "lora", "qlora"]
@@ -100,8 +103,6 @@ ProfileName = Annotated[str, Field(max_length=64)]
 
 
 def _new_profile_name(value: str) -> str:
-    from planner.profiles import check_profile_name
-
     return check_profile_name(value)
 
 
@@ -247,6 +248,10 @@ class EstimateRequest(BaseModel):
         None, description="a raw parameter count (7e9, 7B, 1.5T, 405_000_000_000), when only model states are wanted")
     strategy: StrategyName = Field("zero3", description="distributed strategy (default zero3; single, no sharding "
                                    "framework, when the world is one device)")
+    framework_version: str | None = Field(
+        None, max_length=32, pattern=r"^[0-9][0-9A-Za-z.+-]*$",
+        description="version of the strategy's framework to model, e.g. 0.19 or 0.19.8 for DeepSpeed, 2.13 for torch "
+                    "(default: the newest modelled; an unmodelled one is refused with the choices)")
     gpus: int = Field(DEFAULT_GPUS_PER_NODE, ge=1, le=MAX_GPUS_PER_NODE, description="GPUs (or CPU ranks) per node")
     nodes: int = Field(1, ge=1, le=MAX_NODES, description="number of nodes")
     gpu: GpuName = Field(DEFAULT_GPU, description="device type (see `planner gpus`), or cpu")
@@ -378,8 +383,6 @@ class EstimateRequest(BaseModel):
         if self.reduce_dtype != "compute" and self.strategy not in SHARDING_STRATEGIES:
             raise ValueError(f"reduce_dtype={self.reduce_dtype} is FSDP2's MixedPrecisionPolicy.reduce_dtype: it applies "
                              f"to {', '.join(SHARDING_STRATEGIES)}, not strategy {self.strategy}")
-        from planner.finetune import check_request_fields
-
         check_request_fields(self)
         return self
 
@@ -547,6 +550,9 @@ class EstimateResult(BaseModel):
     allocator: AllocatorSummary | None = Field(None, description="the caching allocator's simulated replay of the "
                                                "step; null for cpu ranks")
     time: TimeEstimate | None = Field(None, description="the time model; null for --params or cpu ranks")
+    # the resolved Setup (planner/setup.py) the result was computed from, so the time model and the
+    # launch files read it instead of resolving the request again; never serialised (planner/memory.py setup_of)
+    _setup: Any = PrivateAttr(default=None)
 
 
 # --- planning --------------------------------------------------------------------------------

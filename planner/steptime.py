@@ -14,7 +14,7 @@ from planner.architecture import Architecture, layer_parameters, parameter_numel
 from planner.frameworks import Buckets, Traffic, framework_of
 from planner.gpus import Gpu, gpu as lookup_gpu
 from planner.hardware import profile_compute_scale, profile_efficiencies, topology_of
-from planner.memory import estimate
+from planner.memory import estimate, setup_of
 from planner.buffers import FP32
 from planner.precision import RECIPES, optimizer_state_bits
 from planner.schema import EstimateRequest, EstimateResult, PlanRequest, TimeEstimate, TimeTerm
@@ -22,7 +22,7 @@ from planner.strategies import strategy as lookup_strategy
 from planner.topology import Topology
 
 if TYPE_CHECKING:
-    from planner.memory import Setup
+    from planner.setup import Setup
 
 # Device-to-host rates of offload traffic per PCIe generation, GB/s. They sit about 5% below
 # links.yaml's pcie x16_gbps * efficiency (gen4: 24.0 vs 25.2); reading links.yaml instead would
@@ -107,7 +107,8 @@ class FrozenBaseShape:
     @classmethod
     def of(cls, arch, f, compute_bytes: int) -> "FrozenBaseShape":
         from planner.architecture import layer_specs
-        from planner.finetune import block_linears, trainable_numels
+        from planner.finetune import trainable_numels
+        from planner.linears import block_linears
 
         adapters = 0
         forward = backward = 0
@@ -245,7 +246,9 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
                             attention_kernel=request.attention_kernel,
                             optimizer=result.request.optimizer,
                             compute_scale=profile_compute_scale(request.profile, profile))
-    combo, buckets, setup = resolved_combo(request, result.parameters if traced is not None else None)
+    # the estimate's own Setup where it has one for this request (a traced model is timed from its count)
+    known = setup_of(result) if traced is None and result.request == request else None
+    combo, buckets, setup = resolved_combo(request, result.parameters if traced is not None else None, known)
     arch = traced if traced is not None else Architecture.model_validate(result.model.architecture)
     t = step_times(settings, combo, request.micro_batch, per_rank, result.parameters, arch, g,
                    topo, timing.fabric(fabric_name), nics, buckets,
@@ -282,15 +285,18 @@ def estimate_with_time(request: EstimateRequest, profile=None) -> EstimateResult
     return result.model_copy(update={"time": estimate_time(result.request, result, profile)})
 
 
-def resolved_combo(request: EstimateRequest, parameters: int | None = None) -> tuple[Combo, Buckets, "Setup"]:
+def resolved_combo(request: EstimateRequest, parameters: int | None = None,
+                   setup: "Setup | None" = None) -> tuple[Combo, Buckets, "Setup"]:
     """One estimate's configuration as the time model takes it, with offload and bucket sizes as
     resolved (--ds-config included), and the resolved Setup it was read from (the pipeline's
     time reads it too: resolved once). ``parameters``: the model's count, for a model resolved
-    outside the core (traced), whose config the core cannot read again."""
+    outside the core (traced), whose config the core cannot read again. ``setup``: the request
+    already resolved (the estimate's own), not resolved again."""
     from planner.catalogue import raw_parameters
     from planner.memory import resolve
 
-    setup = resolve(request, model=raw_parameters(parameters) if parameters is not None else None)
+    if setup is None:
+        setup = resolve(request, model=raw_parameters(parameters) if parameters is not None else None)
     zero = setup.zero
     # HSDP's shard group per TP rank: dp_shard x cp (the cp ranks shard the parameters with the
     # data-parallel ranks; its replicas all-reduce a 1/(dp_shard x cp) shard of the gradients)

@@ -24,6 +24,7 @@ from dataclasses import replace
 
 from planner.activations import FP32, ActivationItem, Activations, EdgeTerms, final_norm_transient_bytes
 from planner.architecture import Architecture, distinct_specs, layer_specs, parameter_numels
+from planner.attention_kinds import kind_of
 from planner.buffers import SweepPoint, item
 from planner.errors import PlannerError
 from planner.layers import LayerSpec
@@ -45,10 +46,10 @@ def _kv_heads(kv: int, tp: int) -> int:
 
 def _rank_spec(spec: LayerSpec, tp: int) -> LayerSpec:
     attn, mlp = spec.attention, spec.mlp
-    if attn.kind == "mla":
-        raise PlannerError(f"tp({tp}) with multi-head latent attention (MLA) is not modelled: its latent "
-                           "down-projections are replicated and its up-projections split, which torchtitan's "
-                           "deepseek_v3 does and this planner does not yet count; use tp 1 with fsdp", field="tp")
+    kind = kind_of(attn)
+    if kind.tp_refusal is not None:
+        raise PlannerError(f"tp({tp}) with {kind.long} ({kind.short}) is not modelled: {kind.tp_refusal}; "
+                           "use tp 1 with fsdp", field="tp")
     attention = attn.model_copy(update={"num_heads": _split(attn.num_heads, tp),
                                         "num_kv_heads": _kv_heads(attn.num_kv_heads, tp)})
     inner = {"intermediate_size": _split(mlp.intermediate_size, tp)}

@@ -14,7 +14,7 @@ def test_registry_keyed_by_name_and_version():
     assert (framework("deepspeed").name, framework("deepspeed").version) == ("deepspeed", "0.19.8")
     assert framework("deepspeed", "0.19.8") is framework("deepspeed")
     assert (framework("torch").name, framework("torch").version) == ("torch", "2.13")
-    with pytest.raises(PlannerError, match=r"framework deepspeed 0\.12\.0: not modelled; known: deepspeed 0\.19\.8, torch 2\.13"):
+    with pytest.raises(PlannerError, match=r"deepspeed 0\.12\.0 is not modelled; choose from 0\.19\.8"):
         framework("deepspeed", "0.12.0")
 
 
@@ -108,3 +108,27 @@ def test_zero3_gathers_what_it_partitions_once_per_reuse():
     assert sum(numels) > 1_000_000_000 and persistent == (2 * 32 + 1) * 4096  # the norms
     assert gathers(big) == 2 * (2 * sum(numels) - persistent)
     assert gathers(big.model_copy(update={"max_reuse_distance": 10**10})) == 2 * sum(numels)
+
+
+def test_a_request_names_a_framework_version_exactly_or_by_its_prefix():
+    ds = framework("deepspeed")
+    assert framework("deepspeed", "0.19.8") is ds and framework("deepspeed", "0.19") is ds
+    assert framework_of(strategy("fsdp"), "2") is framework("torch", "2.13")
+    setup = resolve(EstimateRequest(model="gpt2", strategy="zero2", gpus=2, seq_len=512, framework_version="0.19"))
+    assert setup.framework is ds
+
+
+@pytest.mark.parametrize("version", ["0.20", "0.1", "0.19.80"])
+def test_an_unmodelled_framework_version_is_refused_with_the_choices(version):
+    with pytest.raises(PlannerError, match=f"deepspeed {version} is not modelled; choose from 0.19.8") as caught:
+        resolve(EstimateRequest(model="gpt2", strategy="zero3", gpus=2, seq_len=512, framework_version=version))
+    assert caught.value.field == "framework_version"
+
+
+def test_the_cli_refuses_an_unmodelled_framework_version_in_one_line(capsys):
+    from cli.main import main
+
+    code = main(["estimate", "--model", "gpt2", "--strategy", "fsdp", "--framework-version", "3.0"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "--framework-version" in err and "torch 3.0 is not modelled; choose from 2.13" in err

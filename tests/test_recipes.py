@@ -134,7 +134,7 @@ def test_qlora_recipe_has_real_runs_on_one_device_and_ddp():
 
 from planner.activations import recompute_flops_per_token, selective_op_saved_linears  # noqa: E402
 from planner.architecture import from_hf_config  # noqa: E402
-from planner.finetune import Linear  # noqa: E402
+from planner.linears import Linear  # noqa: E402
 from tests.real_runs import LLAMA  # noqa: E402
 
 POLICY = dict(model_config=LLAMA, gpus=1, gpu="cpu", micro_batch=4, seq_len=256)

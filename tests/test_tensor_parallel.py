@@ -353,7 +353,8 @@ def test_autotp_keeps_the_embedding_whole_and_splits_the_lm_head_over_the_vocabu
     embedding gradient and ZeRO-2's grads_in_partition of 6,555,648 B: the worst rank's partition
     ends inside block 2's gate_proj once the whole embedding leads the flat buffer (with the
     embedding split instead, 6,558,720 B)."""
-    from planner.memory import _numels, resolve
+    from planner.memory import resolve
+    from planner.setup import numels as _numels
 
     request = _request(strategy="zero2", gpus=4, seq_len=256, reduce_bucket_size=2_000_000)
     numels = _numels(resolve(request))
@@ -365,7 +366,8 @@ def test_autotp_keeps_the_embedding_whole_and_splits_the_lm_head_over_the_vocabu
 def test_autotp_tied_embedding_keeps_the_hidden_split():
     """A tied embedding (or GPT-2, no tp_plan) is not the gathered-head layout: the rank keeps the
     embedding split along the hidden dimension, the same count (unverified on CPU ranks)."""
-    from planner.memory import _numels, resolve
+    from planner.memory import resolve
+    from planner.setup import numels as _numels
 
     setup = resolve(_request(strategy="zero1", model_config=dict(TINY, tie_word_embeddings=True), seq_len=256))
     assert setup.embedding_split == 2 and setup.lm_head_split == 1

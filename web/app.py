@@ -12,7 +12,6 @@ public (`planner serve --public-runs`, or PLANNER_PUBLIC_RUNS=1).
 
 from __future__ import annotations
 
-import hmac
 from contextlib import asynccontextmanager
 import os
 from typing import Annotated, Any
@@ -32,7 +31,8 @@ except ImportError:  # without it FastAPI's /docs loads them from its CDN
     swagger_ui_path = None
 
 from backend.anymodel import analytic_estimate, estimate_any, plan_any, traced_estimate
-from backend.jobs import JobConflict, Jobs
+from backend.errors import JobConflict
+from backend.jobs import Jobs
 from backend.profiles import profile_for
 from backend.store import StoreError
 from planner import __version__
@@ -44,9 +44,10 @@ from planner.presets import PRESETS
 from planner.schema import (CheckRequest, CheckResult, EstimateRequest, EstimateResult, GpuName, PlanRequest, PlanResult, TimeoutSeconds,
                             VerifySteps, WarmupSteps)
 from planner.topology import MAX_TOPOLOGY_BYTES, Topology, parse_topology
+from web.auth import TOKEN_ENV, TOKEN_FILE_ENV, UNAUTHORIZED, bearer, request_token, runs_are_private, token_matches
+from web.bodies import VerifyBody
 
 MAX_BODY_BYTES = 256 * 1024  # an estimate/plan body with a pasted config.json and topology is < 100 KiB
-TOKEN_ENV, TOKEN_FILE_ENV = "PLANNER_API_TOKEN", "PLANNER_API_TOKEN_FILE"
 PUBLIC_RUNS_ENV = "PLANNER_PUBLIC_RUNS"
 
 ESTIMATE_EXAMPLE = {"model": "llama-3-8b", "strategy": "zero3", "gpus": 8, "gpu": "h100-80gb", "seq_len": 4096,
@@ -62,13 +63,6 @@ VERIFY_EXAMPLE = {"model_config": {"model_type": "llama", "vocab_size": 4096, "h
 class TopologyBody(BaseModel):
     text: str = Field(max_length=MAX_TOPOLOGY_BYTES, description="`nvidia-smi topo -m` output")
     gpu: GpuName = Field(description="GPU type, which decides what each link code means (see GET /v1/gpus)")
-
-
-class VerifyBody(BaseModel):
-    request: EstimateRequest
-    steps: VerifySteps = 2
-    warmup_steps: WarmupSteps = 1
-    timeout_seconds: TimeoutSeconds | None = None
 
 
 class RunStarted(BaseModel):
@@ -120,64 +114,8 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-MAX_TOKEN_FILE_BYTES = 4096  # a bearer token is tens of bytes
-
-
-class TokenFileError(ValueError):
-    """PLANNER_API_TOKEN_FILE is set but gives no token: the server's configuration is broken."""
-
-
-def configured_token() -> str | None:
-    """The server's token: PLANNER_API_TOKEN, else the text of PLANNER_API_TOKEN_FILE (read at each
-    use, so a rotated file takes effect). None when neither is set. A token file that is set but
-    cannot be read, is not text or is empty raises TokenFileError: were it taken as "no token", a
-    permissions slip would make private run records public."""
-    token = os.environ.get(TOKEN_ENV)
-    path = os.environ.get(TOKEN_FILE_ENV)
-    if token or not path:
-        return token or None
-    try:
-        text = read_bounded_text(path, MAX_TOKEN_FILE_BYTES)  # read at every request: never unbounded
-    except OSError as exc:
-        raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: cannot be read ({exc.strerror})") from None
-    except UnicodeDecodeError:
-        raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: not a text file") from None
-    if text is None:
-        raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: more than {MAX_TOKEN_FILE_BYTES} bytes; not a token")
-    if not text.strip():
-        raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: the file is empty")
-    return text.strip()
-
-
-def _token() -> str | None:
-    """configured_token() inside a request: a broken token file refuses the request (503, the
-    server's fault), never lets it through."""
-    try:
-        return configured_token()
-    except TokenFileError as exc:
-        raise HTTPException(503, f"the server's token is misconfigured: {exc}") from None
-
-
-def bearer(authorization: str | None) -> str | None:
-    """The credentials of an 'Authorization: Bearer <token>' header; the scheme is case-insensitive
-    (RFC 9110, section 11.1)."""
-    scheme, _, credentials = (authorization or "").strip().partition(" ")
-    return credentials.strip() if scheme.lower() == "bearer" and credentials.strip() else None
-
-
-def token_matches(given: str | None, expected: str) -> bool:
-    """Constant-time comparison of bytes: hmac.compare_digest refuses str with non-ASCII characters
-    (a TypeError, so a 500), and a header may carry any latin-1 byte."""
-    if given is None:
-        return False
-    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode("utf-8", "surrogatepass"))
-
-
-UNAUTHORIZED = (401, "a valid 'Authorization: Bearer <token>' header is required", {"WWW-Authenticate": "Bearer"})
-
-
 def require_token(authorization: str | None = Header(None, description="Bearer token configured on the server")) -> None:
-    expected = _token()
+    expected = request_token()
     if expected is None:
         raise HTTPException(401, "launching runs is disabled: no token is configured on the server "
                                  f"({TOKEN_ENV} or {TOKEN_FILE_ENV})")
@@ -185,13 +123,9 @@ def require_token(authorization: str | None = Header(None, description="Bearer t
         raise HTTPException(*UNAUTHORIZED)
 
 
-def runs_are_private(app: FastAPI) -> bool:
-    return _token() is not None and not app.state.public_runs
-
-
 def require_runs_access(request: Request, authorization: str | None = Header(
         None, description="Bearer token, needed when the server has one and its run records are not public")) -> None:
-    expected = _token()
+    expected = request_token()
     if runs_are_private(request.app) and not token_matches(bearer(authorization), expected):
         raise HTTPException(*UNAUTHORIZED)
 
@@ -270,32 +204,9 @@ def _local_docs(app: FastAPI) -> None:
                                    swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
 
 
-def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAPI:
-    """``public_runs``: serve run records without the token; None reads PLANNER_PUBLIC_RUNS."""
-    jobs = Jobs(db or os.environ.get("PLANNER_DB"))
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI):
-        try:
-            jobs.store().mark_interrupted()  # runs whose owner is gone; a live one is left running
-        except (PlannerError, ImportError):
-            pass  # the run routes answer 503 with the reason; planning still works
-        yield
-        # SIGTERM/SIGINT (uvicorn's graceful shutdown): end our runs, recorded as interrupted. A
-        # SIGKILL never gets here: each run's supervisor then ends the ranks and records it.
-        jobs.interrupt_all("interrupted: the server stopped; all ranks ended")
-
-    local_docs = swagger_ui_path is not None
-    app = FastAPI(title="planner", version=__version__, lifespan=lifespan, responses=ERRORS,
-                  description="Per-GPU memory, strategy and interconnect planning for distributed training.",
-                  docs_url=None if local_docs else "/docs", redoc_url=None if local_docs else "/redoc")
-    if local_docs:
-        _local_docs(app)
-    app.state.jobs = jobs
-    if public_runs is None:
-        public_runs = os.environ.get(PUBLIC_RUNS_ENV, "").lower() in ("1", "true", "yes")
-    app.state.public_runs = public_runs
-    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+def _add_error_handlers(app: FastAPI) -> None:
+    """Each domain error to its status: 503 an unusable runs store, 409 a conflict, 404 an unknown
+    name, 422 the rest."""
 
     @app.exception_handler(StoreError)
     async def _store_unusable(_: Request, exc: PlannerError):
@@ -317,6 +228,10 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
     @app.exception_handler(PlannerError)
     async def _invalid(_: Request, exc: PlannerError):
         return JSONResponse({"detail": json_safe(jsonable_encoder(validation_detail(exc)))}, status_code=422)
+
+
+def _add_catalogue_routes(app: FastAPI) -> None:
+    """The health check, the model and GPU catalogues, and the topology presets and parser."""
 
     @app.get("/healthz", tags=["service"])
     def healthz() -> dict[str, str]:
@@ -354,6 +269,10 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
                 exc.field = "text"
             raise
 
+
+def _add_planning_routes(app: FastAPI) -> None:
+    """POST /v1/estimate and /v1/plan."""
+
     @app.post("/v1/estimate", tags=["planning"], response_model=EstimateResult, response_model_by_alias=True)
     async def estimate_route(body: EstimateRequest = Body(..., examples=[ESTIMATE_EXAMPLE])) -> EstimateResult:
         # The analytic answer (~1 ms) on the event loop: a sync route costs two threadpool hops per
@@ -377,6 +296,10 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
     @app.post("/v1/plan", tags=["planning"], response_model=PlanResult, response_model_by_alias=True)
     def plan_route(body: PlanRequest = Body(..., examples=[PLAN_EXAMPLE])) -> PlanResult:
         return plan_any(body)  # Hub ids
+
+
+def _add_run_routes(app: FastAPI, jobs: Jobs) -> None:
+    """Verify runs: start one, list and read them (behind the token unless public), cancel one."""
 
     @app.post("/v1/verify", tags=["runs"], response_model=RunStarted, status_code=202,
               dependencies=[Depends(require_token)], responses=AUTH_ERRORS)
@@ -415,7 +338,40 @@ def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAP
         except PlannerError as exc:
             raise HTTPException(404, str(exc)) from None
 
+
+def create_app(db: str | None = None, public_runs: bool | None = None) -> FastAPI:
+    """``public_runs``: serve run records without the token; None reads PLANNER_PUBLIC_RUNS."""
+    jobs = Jobs(db or os.environ.get("PLANNER_DB"))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        try:
+            jobs.store().mark_interrupted()  # runs whose owner is gone; a live one is left running
+        except (PlannerError, ImportError):
+            pass  # the run routes answer 503 with the reason; planning still works
+        yield
+        # SIGTERM/SIGINT (uvicorn's graceful shutdown): end our runs, recorded as interrupted. A
+        # SIGKILL never gets here: each run's supervisor then ends the ranks and records it.
+        jobs.interrupt_all("interrupted: the server stopped; all ranks ended")
+
+    local_docs = swagger_ui_path is not None
+    app = FastAPI(title="planner", version=__version__, lifespan=lifespan, responses=ERRORS,
+                  description="Per-GPU memory, strategy and interconnect planning for distributed training.",
+                  docs_url=None if local_docs else "/docs", redoc_url=None if local_docs else "/redoc")
+    if local_docs:
+        _local_docs(app)
+    app.state.jobs = jobs
+    if public_runs is None:
+        public_runs = os.environ.get(PUBLIC_RUNS_ENV, "").lower() in ("1", "true", "yes")
+    app.state.public_runs = public_runs
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+
+    _add_error_handlers(app)
+    _add_catalogue_routes(app)
+    _add_planning_routes(app)
+    _add_run_routes(app, jobs)
+
     from web.pages import add_pages
 
-    add_pages(app, _token)
+    add_pages(app)
     return app

@@ -33,6 +33,8 @@ from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanReque
 from planner.topology import Topology, link_rates, parse_topology
 from planner.units import GIB
 from web.form import ASKS, FormErrors, FormField, build_request, form_fields, form_values, grouped, share_query
+from web.auth import UNAUTHORIZED, bearer, request_token, runs_are_private, token_matches
+from web.bodies import VerifyBody
 
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 STATIC = Path(__file__).parent / "static"
@@ -231,9 +233,8 @@ def _runs_pass(token: str) -> str:
     return hmac.new(token.encode("utf-8", "surrogatepass"), b"planner run pages", hashlib.sha256).hexdigest()
 
 
-def add_pages(app: FastAPI, token) -> None:
-    """``token``: the server's token look-up (web.app._token), for the verify button and the run pages."""
-    _token = app.state.token = token
+def add_pages(app: FastAPI) -> None:
+    app.state.token = request_token  # the server's token look-up, for the verify button (page context)
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def index(request: Request) -> HTMLResponse:
@@ -265,9 +266,7 @@ def add_pages(app: FastAPI, token) -> None:
 
     @app.post("/verify", include_in_schema=False)
     def verify_page(request: Request, token: str = Form("")) -> RedirectResponse:
-        from web.app import VerifyBody, token_matches
-
-        expected = _token()
+        expected = request_token()
         if expected is None or not token_matches(token, expected):
             raise HTTPException(401, "wrong or missing token")
         job = _recommended(request, 422, "nothing fits, so nothing is run")
@@ -282,9 +281,8 @@ def add_pages(app: FastAPI, token) -> None:
     @app.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
     def run_page(run_id: int, request: Request) -> HTMLResponse:
         from backend.report import verify_table
-        from web.app import UNAUTHORIZED, bearer, runs_are_private, token_matches
 
-        expected = _token()
+        expected = request_token()
         if runs_are_private(app) and not (token_matches(bearer(request.headers.get("authorization")), expected)
                                           or token_matches(request.cookies.get(RUNS_COOKIE), _runs_pass(expected))):
             raise HTTPException(*UNAUTHORIZED)

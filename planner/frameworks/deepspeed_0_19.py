@@ -14,14 +14,14 @@ from planner.buffers import (FP32, Layout, PhasePlan, activation_items, adam_tem
                              head_and_late, item, layout, optimizer_items, phase, tied_sum_item)
 from planner.errors import PlannerError
 from planner.moments import PhaseKind
-from planner.frameworks import Collective, Framework, Traffic, check_sharded_offload, register
+from planner.frameworks.base import Collective, Framework, Traffic, check_sharded_offload, register
 from planner.precision import RECIPES
 from planner.tensor_parallel import autotp_gather_held_bytes
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from planner.memory import Setup
+    from planner.setup import Setup
     from planner.schema import MemoryItem
     from planner.strategies import Strategy
 

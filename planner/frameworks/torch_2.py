@@ -17,13 +17,13 @@ from planner.buffers import (FP32, PhasePlan, SweepPoint, activation_items, adam
 from planner.errors import PlannerError
 from planner.layers import norm_numels
 from planner.moments import PhaseKind
-from planner.frameworks import Collective, Framework, Traffic, check_sharded_offload, register
+from planner.frameworks.base import Collective, Framework, Traffic, check_sharded_offload, register
 from planner.precision import RECIPES
 from planner.schema import MemoryItem
 from planner.tensor_parallel import replicated_embedding_gradient_elements, tp_only_gradient_items
 
 if TYPE_CHECKING:
-    from planner.memory import Setup
+    from planner.setup import Setup
     from planner.precision import Recipe
     from planner.strategies import Strategy
 

@@ -13,7 +13,7 @@ from planner.catalogue import find_entry
 from planner.errors import PlannerError
 from planner.jobfiles import accelerate_config, axolotl, hf_trainer, llamafactory, torchtitan_job
 from planner.jobfiles.keys import Where
-from planner.jobfiles.parse import MAX_JOB_FILES, detect, parse_text
+from planner.jobfiles.parse import DS_JSON, MAX_JOB_FILES, detect, parse_text
 from planner.jobfiles.reading import Reading
 from planner.precision import RECIPES
 from planner.schema import SHARDING_STRATEGIES
@@ -58,7 +58,7 @@ def read_job(files: list[tuple[str, str]], world_size: int, sets: dict[str, Any]
         else:
             kinds[name] = detect(name, data)
     readings: list[Reading] = []
-    ds_files = {name for name, kind in kinds.items() if kind == "deepspeed"}
+    ds_files = {name for name, kind in kinds.items() if kind == DS_JSON}
     for name, kind in kinds.items():
         if kind in READERS:
             readings.append(_read(kind, name, parsed[name], texts[name]))
@@ -76,7 +76,7 @@ def read_job(files: list[tuple[str, str]], world_size: int, sets: dict[str, Any]
         job.fields["strategy"] = "ddp"
         job.origin["strategy"] = "no file names a sharding framework (DDP, accelerate's MULTI_GPU default)"
     for name, kind in kinds.items():
-        if kind in ("deepspeed", "hf-model-config"):
+        if kind in (DS_JSON, "hf-model-config"):
             job.formats.append((name, kind))
     return job
 

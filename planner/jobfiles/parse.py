@@ -13,6 +13,9 @@ import yaml
 
 from planner.errors import PlannerError
 
+# the kind of a DeepSpeed JSON file: a file format, not the framework (planner/frameworks/)
+DS_JSON = "deepspeed"
+
 MAX_JOB_FILE_BYTES = 1 << 20  # the largest published config read here is a few KiB
 MAX_JOB_FILES = 8
 
@@ -119,7 +122,7 @@ def detect(name: str, data: Any) -> str:
     keys = set(data)
     if keys & {"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size"} and not keys & {
             "distributed_type", "base_model", "model_name_or_path"}:
-        return "deepspeed"
+        return DS_JSON
     if "compute_environment" in keys or "distributed_type" in keys:
         return "accelerate"
     if keys & {"parallelism", "training", "activation_checkpoint"} and isinstance(data.get("training", {}), dict) \

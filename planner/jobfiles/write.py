@@ -11,6 +11,7 @@ import yaml
 
 from planner.errors import PlannerError
 from planner.jobfiles.job import Job
+from planner.jobfiles.parse import DS_JSON
 
 Setter = Callable[[dict[str, Any], Any, dict[str, Any]], None]
 
@@ -72,7 +73,7 @@ def emit(job: Job, change: dict[str, Any], fields: dict[str, Any]) -> dict[str, 
 
 
 def _dump(name: str, kind: str, data: Any) -> str:
-    if name.lower().endswith(".json") or kind in ("deepspeed", "hf-model-config"):
+    if name.lower().endswith(".json") or kind in (DS_JSON, "hf-model-config"):
         return json.dumps(data, indent=2) + "\n"
     if kind == "torchtitan-toml":
         return toml_text(data)

@@ -1,0 +1,171 @@
+"""The interface every framework module implements (``Framework``), what they share (``Buckets``,
+``Traffic``, the offload rule), and the registry that chooses one by name and version. The
+package (planner/frameworks/__init__.py) imports each framework module, which registers itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from planner.dsconfig import (DEFAULT_ALLGATHER_BUCKET, DEFAULT_MAX_REUSE_DISTANCE, DEFAULT_PERSISTENCE_THRESHOLD,
+                              DEFAULT_PREFETCH_BUCKET, DEFAULT_REDUCE_BUCKET)
+from planner.errors import PlannerError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from planner.activations import Activations
+    from planner.buffers import PhasePlan
+    from planner.setup import Setup
+    from planner.precision import Recipe
+    from planner.strategies import Strategy
+
+# (what, bytes per optimizer step, ring passes, message bytes, group: world | shard | replicas)
+Collective = tuple[str, "np.ndarray", int, float, str]
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """DeepSpeed's message sizes in elements, defaulting to DeepSpeed's own (defined once, in
+    planner/dsconfig.py beside the config reader); the torch frameworks send per unit and ignore them."""
+
+    reduce: int = DEFAULT_REDUCE_BUCKET
+    allgather: int = DEFAULT_ALLGATHER_BUCKET
+    prefetch: int = DEFAULT_PREFETCH_BUCKET
+    # stage3_param_persistence_threshold: a ZeRO-3 parameter of at most this many elements is kept
+    # whole on every rank and never gathered
+    persistence: int = DEFAULT_PERSISTENCE_THRESHOLD
+    # stage3_max_reuse_distance: a parameter used again within this many elements is not released
+    # after its forward, so a model within it is gathered once per step, not twice
+    reuse: int = DEFAULT_MAX_REUSE_DISTANCE
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What the collectives of one step depend on: the model's elements, the bytes per element on
+    the wire, one transformer block's elements (the FSDP / ZeRO-3 unit), and per micro-batch option
+    the steps (ones) and micro-steps per optimizer step."""
+
+    psi: int
+    wire_bytes: int
+    block: int
+    step: "np.ndarray"
+    accumulation: "np.ndarray"
+    precision: str
+    shard: int  # HSDP's shard group size (the world for the others)
+    buckets: Buckets = Buckets()
+    trainable: int | None = None  # elements that make gradients (LoRA: the adapters); None: psi
+    reduce_bytes: int | None = None  # bytes per gradient element reduced (FSDP2's reduce dtype); None: wire_bytes
+    # a data-parallel wrapper runs (steptime.Combo.data_parallel_wrapped): not on a TP-only layout
+    wrapped: bool = True
+    # each parameter's elements, of the model psi counts (empty when unknown, or when psi is a
+    # tensor-parallel rank's share): what a framework that treats small parameters apart reads
+    numels: tuple[int, ...] = ()
+
+    @property
+    def trained(self) -> int:
+        """Elements whose gradients are reduced and whose updates are gathered: a frozen
+        parameter has neither (DDP's buckets and ZeRO's partitions hold trainable ones only)."""
+        return self.psi if self.trainable is None else self.trainable
+
+
+class Framework:
+    """One framework version. Subclasses answer every question below for their strategies."""
+
+    name: str = ""  # what Strategy.framework names: "deepspeed" | "torch"
+    # The allocator's view of the model states (planner/reserved.py): one tensor per parameter, or
+    # DeepSpeed's flat partitions (stage_1_and_2.py / stage3.py flatten each group into one buffer)
+    state_tensors_per_parameter: bool = False
+    version: str = ""  # the version whose source the module was read from
+    launcher: str = ""  # the program that starts the ranks
+    # fp32 copies of a tensor the CUDA optimizer step allocates (FusedAdam: 0; torch foreach: 1)
+    cuda_adam_copies: int = 0
+    # CPU offload of the parameters also moves their gradients to the host
+    offloads_gradients_with_params: bool = False
+
+    def phases(self, setup: "Setup", acts: "Activations | None", numels: list[int]) -> "PhasePlan":
+        raise NotImplementedError
+
+    def optimizer_state_bits(self, recipe: "Recipe", optimizer: str) -> float:
+        """Bits per parameter of the optimizer's states (beyond a master copy) under ``recipe``:
+        an fp32 partition unless a framework says otherwise."""
+        from planner.precision import optimizer_state_bits
+
+        return optimizer_state_bits(optimizer)
+
+    def collectives(self, s: "Strategy", t: Traffic) -> list[Collective]:
+        """What one optimizer step sends, per collective (before the ring's factor)."""
+        raise NotImplementedError
+
+    def overlap_window_seconds(self, s: "Strategy", compute_seconds: float, backward_seconds: float) -> float:
+        """How much of the step's compute the communication can hide behind; ``backward_seconds``:
+        the backward passes' part of it (planner/kernels.py)."""
+        raise NotImplementedError
+
+    def offload_options(self, s: "Strategy") -> list[tuple[str, str]]:
+        """The (offload_optimizer, offload_params) settings the plan search tries."""
+        raise NotImplementedError
+
+    def check_offload(self, s: "Strategy", offload_optimizer: str, offload_params: str) -> None:
+        """Refuse offload combinations the framework does not implement, naming both settings."""
+        raise NotImplementedError
+
+    def fsdp_sharding(self, s: "Strategy") -> str | None:
+        """The FSDP variant the strategy runs (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD), None when
+        it is no FSDP."""
+        return None
+
+    def check_precision(self, s: "Strategy", precision: str) -> None:
+        """Refuse a precision recipe the framework does not implement."""
+
+    def worker_settings(self, setup: "Setup", request: Any) -> dict[str, Any]:
+        """What the verification backend's rank needs to build this framework's engine."""
+        raise NotImplementedError
+
+
+def check_sharded_offload(s: "Strategy", offload_optimizer: str, offload_params: str, params_ok: bool) -> None:
+    """The rules every framework shares: optimizer offload needs a sharded optimizer; parameter
+    offload needs a strategy that offloads them."""
+    if offload_optimizer != "none" and not s.shards_optimizer:
+        raise PlannerError(
+            f"offload_optimizer={offload_optimizer} needs a sharded optimizer (zero1-3 or an FSDP variant); "
+            f"strategy {s.name} keeps the optimizer on the device", field="offload_optimizer")
+    if offload_params != "none" and not params_ok:
+        raise PlannerError(
+            f"offload_params={offload_params} needs zero3 (ZeRO-Infinity) or fsdp/hsdp (CPU offload); "
+            f"strategy {s.name} does not offload parameters", field="offload_params")
+
+
+_REGISTRY: dict[tuple[str, str], Framework] = {}
+_DEFAULT: dict[str, str] = {}
+
+
+def register(framework: Framework, default: bool = True) -> Framework:
+    _REGISTRY[(framework.name, framework.version)] = framework
+    if default or framework.name not in _DEFAULT:
+        _DEFAULT[framework.name] = framework.version
+    return framework
+
+
+def framework(name: str, version: str | None = None) -> Framework:
+    """The registered framework of this name: its default version, or the one ``version`` names,
+    exactly or as a prefix at a dot ("0.19" chooses 0.19.8). An unknown version is refused with the
+    modelled ones."""
+    if version is None:
+        version = _DEFAULT.get(name, "")
+        if (name, version) not in _REGISTRY:
+            known = ", ".join(f"{n} {v}" for n, v in sorted(_REGISTRY))
+            raise PlannerError(f"framework {name}: not modelled; known: {known}", field="strategy")
+        return _REGISTRY[(name, version)]
+    versions = sorted(v for n, v in _REGISTRY if n == name)
+    chosen = [v for v in versions if v == version or v.startswith(version + ".")]
+    if len(chosen) != 1:
+        raise PlannerError(f"{name} {version} is not modelled; choose from "
+                           f"{', '.join(versions)}", field="framework_version", value=version)
+    return _REGISTRY[(name, chosen[0])]
+
+
+def framework_of(s: "Strategy", version: str | None = None) -> Framework:
+    """The framework version that realises strategy ``s``: the request's ``framework_version``, or
+    the default one of its framework."""
+    return framework(s.framework, version)
