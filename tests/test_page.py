@@ -217,9 +217,9 @@ def test_the_plan_s_other_answers_and_the_estimate_s_host_memory(client):
     api = client.post("/v1/plan", json=params).json()
     table = re.search(r'<table id="limits-table">(.*?)</table>', page, re.S).group(1)
     rows = re.findall(r"<tr><td>([^<]*)</td><td>([^<]*)</td><td>([^<]*)</td></tr>", table)
-    # min_gpus also answers per layout (fsdp+tp2, ...); the largest micro-batch is per strategy
-    assert rows == [(name, str(n) if n is not None else "none", str(api["max_micro_batch"][name])
-                     if api["max_micro_batch"].get(name) is not None else "none") for name, n in api["min_gpus"].items()]
+    largest = api["max_micro_batch"]
+    assert rows == [(name, str(n) if n is not None else "none", str(largest[name]) if largest.get(name) is not None
+                     else "none") for name, n in api["min_gpus"].items()]
     assert f"{api['max_seq_len']:,} tokens" in page
     offload = {"model": "llama-3-8b", "strategy": "zero3", "offload_optimizer": "cpu"}
     shown = client.get("/", params=offload | {"ask": "estimate"}).text
@@ -265,10 +265,15 @@ def test_another_option_is_pictured_on_request(client):
     assert re.search(rf'<p id="room" class="\w+">{re.escape(html.escape(label))}: peak', other)
 
 
-def test_a_plan_without_a_single_candidate_is_answered_not_a_500(client):
-    page = client.get("/", params={"model": "gpt2", "tp": 4, "cp": 8, "attention": "eager", "global_batch": 64})
+def test_a_plan_without_a_single_candidate_is_answered_not_a_500(client, monkeypatch):
+    """A plan can rank nothing (gpt2 with tp 4 x cp 8 did on this branch): the page says so and
+    shows the plan's notes; the plan is emptied here so the test holds whatever layouts it searches."""
+    real = web.pages.plan
+    monkeypatch.setattr(web.pages, "plan", lambda req: real(req).model_copy(
+        update={"candidates": [], "recommended": None, "notes": ["nothing to rank (emptied by the test)"]}))
+    page = client.get("/", params={"model": "gpt2", "global_batch": 64})
     assert page.status_code == 200 and '<h2 id="verdict">Nothing fits</h2>' in page.text
-    assert '<p id="no-options">' in page.text and "0 candidates evaluated" in page.text
+    assert '<p id="no-options">' in page.text and "nothing to rank (emptied by the test)" in page.text
 
 
 def test_no_form_input_gives_a_server_error(tmp_path):
