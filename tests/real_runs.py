@@ -159,6 +159,8 @@ CPU_RUNS = [
     _run("llama-tp2-fp32-sp-t256-ga4", LLAMA_TP, "fsdp", "fp32", tp=2, micro=1, seq=256, gradient_accumulation=4),
     # gradient accumulation: the second micro-batch runs beside the sharded gradients of the first
     _run("llama-fsdp-fp32-ga2-t128", LLAMA, "fsdp", "fp32", micro=1, seq=128, gradient_accumulation=2),
+    # one device, no framework (strategy single): the bare module under autocast
+    _run("llama-single-bf16", LLAMA, "single", "bf16-mixed", gpus=1),
 ]
 
 # The part of CPU_RUNS that CI runs (scripts/test.sh deselects the rest, marked slow_matrix in
@@ -170,7 +172,7 @@ CI_RUNS = frozenset({
     "llama-zero3-fp32-small", "llama-ddp-bf16", "llama-fsdp-fp32", "llama-v32k-zero3-fp32-small-ckpt-t1024",
     "llama-tp2-fsdp2-bf16-sp-t256", "llama-v256-mha-cp2-fsdp-fp32-t1024", "llama-pp2-1f1b-fp32-m4",
     "qwen3moe-ep2-fsdp-fp32-t1024", "llama-lora-ddp-bf16-qkvo-r16", "llama-qlora-ddp-fp32-qv",
-    "llama-fsdp-fp32-ga2-t128",
+    "llama-fsdp-fp32-ga2-t128", "llama-single-bf16",
 })
 
 # Measured and reported by bench/accuracy.py (not in CI, to keep it short): the rest of the
