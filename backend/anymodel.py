@@ -14,10 +14,10 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from backend.profiles import profile_for
-from planner.catalogue import UnsupportedModelTypeError, raw_parameters, traced_model
+from planner.model.catalogue import UnsupportedModelTypeError, raw_parameters, traced_model
 from planner.errors import PlannerError
-from planner.memory import estimate, resolve
-from planner.steptime import TracedShape, estimate_time, estimate_with_time
+from planner.memory.orchestrator import estimate, resolve
+from planner.time.step import TracedShape, estimate_time, estimate_with_time
 from planner.schema import EstimateRequest, EstimateResult, PlanRequest, PlanResult
 
 
@@ -51,7 +51,7 @@ def plan_any(request: PlanRequest) -> PlanResult:
     """A plan searches thousands of settings with the analytic model; a model_type without a
     reader is refused with the core's message (which names `planner estimate` for tracing)."""
     from backend.hub import with_hub_model
-    from planner.plan import plan  # numpy: only a plan searches arrays of options
+    from planner.plan.search import plan  # numpy: only a plan searches arrays of options
 
     request = with_hub_model(request)
     return plan(request, profile_for(request))

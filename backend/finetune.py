@@ -5,7 +5,7 @@ or its linears quantized with bitsandbytes as ``from_pretrained(quantization_con
 BitsAndBytesConfig(...))`` leaves them), ``peft.prepare_model_for_kbit_training`` for a quantized
 base (it freezes everything and upcasts the 16-bit parameters that remain to fp32), then
 ``peft.get_peft_model`` with a ``LoraConfig``. The job's ``finetune`` entry is what
-planner.finetune resolved (rank, alpha, target module names or "all-linear", dropout,
+planner.recipes.finetune resolved (rank, alpha, target module names or "all-linear", dropout,
 quantization, trained embeddings).
 """
 

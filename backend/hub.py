@@ -14,7 +14,7 @@ import json
 import os
 from typing import Any, TypeVar
 
-from planner.catalogue import HUB_ID, MAX_MODEL_FILE_BYTES, find_entry
+from planner.model.catalogue import HUB_ID, MAX_MODEL_FILE_BYTES, find_entry
 from planner.errors import PlannerError, UnknownModelError
 
 EXTRA = "pip install -e '.[backend]'"

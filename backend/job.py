@@ -118,7 +118,7 @@ class VerifyJob(BaseModel):
     out_dir: str = Field(description="where each rank writes rank<N>.json and its progress")
     seed: int = 0
     keeps_outputs: bool = Field(False, description="the loop keeps the model's outputs through backward, as "
-                                "accelerate's examples (planner/loop.py); default: freed once .loss is taken")
+                                "accelerate's examples (planner/recipes/loop.py); default: freed once .loss is taken")
     framework: Literal["deepspeed", "torch"]
     ds_config: dict[str, Any] | None = Field(None, description="the DeepSpeed JSON (framework deepspeed)")
     torch: TorchSettings | None = Field(None, description="the torch wrapping (framework torch)")

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from planner.finetune import lora_config
+from planner.recipes.finetune import lora_config
 from backend.job import VerifyJob
 from planner.errors import PlannerError
-from planner.memory import position_limit_error, resolve
+from planner.memory.orchestrator import position_limit_error, resolve
 from planner.schema import EstimateRequest
 
 WORKER = Path(__file__).with_name("worker.py")
@@ -258,7 +258,7 @@ def _expert_settings(setup, request: EstimateRequest) -> dict[str, Any]:
 
 def _pipeline_settings(setup, request: EstimateRequest) -> dict[str, Any]:
     """A pipeline-parallel run (backend/train_pipeline.py): torch.distributed.pipelining stages on
-    a (pp, dp) mesh, FSDP2 over dp > 1 or no wrapper at dp = 1, as planner.pipeline models it."""
+    a (pp, dp) mesh, FSDP2 over dp > 1 or no wrapper at dp = 1, as planner.parallel.pipeline models it."""
     d = setup.dims
     if setup.strategy.framework != "torch":
         raise PlannerError(f"pp={d.pp} with strategy {request.strategy}: verify runs pipeline stages with torch's "
@@ -284,7 +284,7 @@ def _pipeline_settings(setup, request: EstimateRequest) -> dict[str, Any]:
     check_probe(model_type, "pp", f"pp={d.pp}")
     if d.tp > 1:
         check_probe(model_type, "tp", f"pp={d.pp} x tp={d.tp}")
-    from planner.architecture import from_hf_config
+    from planner.model.architecture import from_hf_config
 
     return {"framework": "torch", "vocab_size": from_hf_config(dict(setup.model.config)).vocab_size,
             "pipeline": {"pp": d.pp, "dp": d.dp, "schedule": request.pp_schedule,

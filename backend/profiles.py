@@ -1,7 +1,7 @@
 """Where calibration profiles live: one JSON file per profile in the user's data directory
 (``$PLANNER_PROFILES``, else ``$XDG_DATA_HOME/planner/profiles``, else ``~/.local/share/planner/profiles``).
 
-The core fits a profile (planner.profiles.fit_profile) and applies one it is given; reading the
+The core fits a profile (planner.time.profiles.fit_profile) and applies one it is given; reading the
 environment and the files is this adapter's, for the CLI and the server alike. A request names
 its profile (``profile``); ``profile_for`` turns the name into the typed Profile the core takes.
 """
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from planner.errors import PlannerError, unknown
 
 if TYPE_CHECKING:  # imported where a profile is read or saved: an estimate naming none never builds its schema
-    from planner.profiles import Profile
+    from planner.time.profiles import Profile
 
 PROFILES_ENV = "PLANNER_PROFILES"
 
@@ -45,7 +45,7 @@ def _saved_name(name: str) -> str:
 
 
 def load_profile(name: str) -> Profile:
-    from planner.profiles import Profile, check_profile_name
+    from planner.time.profiles import Profile, check_profile_name
 
     saved = _saved_name(name)
     path = profiles_dir() / f"{check_profile_name(saved)}.json"
@@ -59,7 +59,7 @@ def load_profile(name: str) -> Profile:
 
 
 def save_profile(profile: Profile) -> Path:
-    from planner.profiles import check_profile_name
+    from planner.time.profiles import check_profile_name
 
     directory = profiles_dir()
     directory.mkdir(parents=True, exist_ok=True)

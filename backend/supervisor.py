@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # run as a file: make `backend` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.procs import alive, become_subreaper, descendants, die_with_parent, identity  # noqa: E402
-from planner.shm import segment_glob  # noqa: E402
+from planner.frameworks.deepspeed.shm import segment_glob  # noqa: E402
 
 SHM_DIR = Path("/dev/shm")
 SUPERVISOR_ENV = "PLANNER_SUPERVISOR"  # "pid:start" of this process, read by every rank

@@ -1,7 +1,7 @@
 """Any causal LM transformers can build: the parameters counted on the meta device, the
 activations measured by tracing one training step on fake tensors.
 
-The analytic core reads a fixed set of model types (planner/architecture.py). For any other,
+The analytic core reads a fixed set of model types (planner/model/architecture.py). For any other,
 this adapter builds the model with transformers exactly as the verification backend does, counts
 its parameters on the meta device (tied weights once, in registration order, the order DeepSpeed
 flattens them in), and runs one forward and backward under ``FakeTensorMode`` (tensors with
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from planner.catalogue import TracedProfile
+from planner.model.catalogue import TracedProfile
 from planner.errors import PlannerError
-from planner.memory import traced_setting
+from planner.memory.orchestrator import traced_setting
 
 EXTRA = "pip install -e '.[backend]'"
 # A trace walks every block in Python (about 0.3-0.5 s per block at 4k tokens on this project's

@@ -71,7 +71,7 @@ def build_model(job: dict[str, Any]) -> torch.nn.Module:
 def _attention_for(job: dict[str, Any]) -> str:
     """The requested attention, or eager for a family transformers has no SDPA path for (gemma2,
     gpt_oss: ``_supports_sdpa = False``), as the planner predicts (Architecture.attention_implementation)."""
-    from planner.architecture import from_hf_config
+    from planner.model.architecture import from_hf_config
 
     if from_hf_config(dict(job["model_config"])).attention_implementation == "eager":
         return "eager"
@@ -80,7 +80,7 @@ def _attention_for(job: dict[str, Any]) -> str:
 
 def synthetic_batch(job: dict[str, Any], step: int, device: torch.device) -> torch.Tensor:
     generator = torch.Generator().manual_seed(int(job.get("seed", 0)) * 100003 + step)
-    from planner.architecture import from_hf_config
+    from planner.model.architecture import from_hf_config
 
     vocab = from_hf_config(dict(job["model_config"])).vocab_size  # also inside a text_config
     shape = (int(job["micro_batch"]), int(job["seq_len"]))
@@ -106,7 +106,7 @@ class AccumulatingEngine:
     before its backward, gradient sync left on, so that an FSDP2 module reduce-scatters every
     micro-batch's gradients into its sharded accumulators, as torchtitan's trainer runs it
     (torchtitan 0.3 trainer.py:885, one forward-backward per micro-batch with gradient sync on) and
-    as the time model counts it (planner/frameworks/torch_2.py: accumulation x reduce-scatter).
+    as the time model counts it (planner/frameworks/torch/v2.py: accumulation x reduce-scatter).
     One optimizer step (then zero_grad(set_to_none=True)) per accumulation boundary."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, accumulation: int,
@@ -171,7 +171,7 @@ def _decoder_layer_class(model: torch.nn.Module) -> type:
 
 
 def torch_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.device) -> TorchEngine:
-    """torch DDP or FSDP (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD) as planner.buffers models them."""
+    """torch DDP or FSDP (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD) as planner.memory.buffers models them."""
 
     settings = job["torch"]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[settings["compute_dtype"]]
@@ -181,7 +181,7 @@ def torch_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.devi
     if not settings.get("wrapped", True):  # strategy single: the module itself, autocast as DDP's
         wrapped = model
         autocast = None if settings["pure_16bit"] else dtype
-    elif settings["sharding"] is None:  # DDP (planner/frameworks/torch_2.py sharding)
+    elif settings["sharding"] is None:  # DDP (planner/frameworks/torch/v2.py sharding)
         wrapped = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
         wrapped.register_comm_hook(None, COUNTER.ddp_hook())

@@ -29,7 +29,7 @@ What a rank holds for backward per MoE block is the transformers grouped_mm path
 R received pairs (the regrouped input, the up output and the gate's intermediates) plus the
 combined output and routing weights over its own S = T x k pairs, and four int64 index vectors
 (three in transformers): the same bytes on average (R = S) as without ep, which is what
-planner/experts.py models; the all-to-all send and receive buffers live only inside the block.
+planner/parallel/experts.py models; the all-to-all send and receive buffers live only inside the block.
 
 The routing weights are applied in the compute dtype, as the transformers experts forward does
 (torchtitan upcasts the combined output to fp32 for the product): the EP run computes the same

@@ -37,7 +37,7 @@ import torch
 
 from backend.train import (COUNTER, STEP_MARK, _median, _tokens_per_second, _write_last_step_events, build_model,
                            count_every_thread, live_at, resident_by_category, summarize_timeline, synthetic_batch)
-from planner.pipeline import stage_bounds
+from planner.parallel.pipeline import stage_bounds
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
 

@@ -16,10 +16,10 @@ from backend.errors import JobConflict
 from backend.launch import Interrupted, gpu_ids, run_probe
 from backend.store import RunStore
 from backend.supervisor import clean_stale_runs
-from planner.attention_kinds import kind_of
-from planner.catalogue import UnsupportedModelTypeError, catalogue_model, model_from_config
+from planner.model.attention.kinds import kind_of
+from planner.model.catalogue import UnsupportedModelTypeError, catalogue_model, model_from_config
 from planner.errors import PlannerError
-from planner.memory import cpu_rank_bytes, estimate
+from planner.memory.orchestrator import cpu_rank_bytes, estimate
 from planner.schema import EstimateRequest
 from planner.strategies import strategy
 
@@ -37,7 +37,7 @@ def scale_config(config: dict[str, Any], factor: float) -> tuple[dict[str, Any],
         raise PlannerError(f"--scale must be in (0, 1], got {factor}")
     if factor == 1:
         return config, ""
-    from planner.architecture import from_hf_config, layer_specs
+    from planner.model.architecture import from_hf_config, layer_specs
 
     a = from_hf_config(config)
     # a kind whose hidden width is not heads x head width (MLA: DeepSeek-V3's 7168 = 128 heads of 56)
@@ -212,7 +212,7 @@ def _components(prediction, rank: dict) -> dict[str, dict[str, Any]]:
     """Resident bytes by component, predicted (the estimate's "between steps" phase) and measured
     on rank 0 (backend/train.py resident_by_category: the engine's own tensors; whatever they do
     not reach is framework buffers). Informational: the verdict is on the totals."""
-    from planner.memory import resident_by_component
+    from planner.memory.orchestrator import resident_by_component
 
     measured = rank.get("by_category_resident") or {}
     measured_by = {"parameters": measured.get("parameters", 0), "gradients": measured.get("gradients", 0),
@@ -231,7 +231,7 @@ def _components(prediction, rank: dict) -> dict[str, dict[str, Any]]:
 def _communication(request: EstimateRequest, ranks: list[dict]) -> dict:
     """Collective payload per step: measured on rank 0 (one counted step after the measured ones)
     next to what the time model sends."""
-    from planner.steptime import collective_volumes
+    from planner.time.step import collective_volumes
 
     measured = ranks[0].get("collectives") or {}
     modelled = collective_volumes(request)

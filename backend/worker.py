@@ -99,7 +99,7 @@ def job_from_plan(args: argparse.Namespace):
 
 
 def _predicted_peak(request) -> int | None:
-    from planner.memory import estimate
+    from planner.memory.orchestrator import estimate
 
     try:
         return estimate(request).per_device.peak_bytes

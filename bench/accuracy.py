@@ -28,11 +28,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from planner.architecture import largest_layer_parameters  # noqa: E402
-from planner.memory import cpu_rank_bytes, estimate, resolve  # noqa: E402
-from planner.peers import (accelerate_adam_training_bytes, deepspeed_zero2_gpu_bytes,  # noqa: E402
-                           deepspeed_zero3_gpu_bytes)
-from planner.precision import RECIPES  # noqa: E402
+from planner.model.architecture import largest_layer_parameters  # noqa: E402
+from planner.memory.orchestrator import cpu_rank_bytes, estimate, resolve  # noqa: E402
+from planner.memory.peers import (accelerate_adam_training_bytes, deepspeed_zero2_gpu_bytes,  # noqa: E402
+                                  deepspeed_zero3_gpu_bytes)
+from planner.recipes.precision import RECIPES  # noqa: E402
 from planner.schema import EstimateRequest  # noqa: E402
 from tests.real_runs import BENCH_RUNS, CI_RUNS, CPU_RUNS, KNOWN_MISSES, TOLERANCE  # noqa: E402
 

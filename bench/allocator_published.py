@@ -2,7 +2,7 @@
 
     python bench/allocator_published.py [--readme README.md]
 
-The reserved prediction is simulated (planner/reserved.py replays the step through a model of torch
+The reserved prediction is simulated (planner/memory/reserved.py replays the step through a model of torch
 2.13's caching allocator, plus the CUDA context and NCCL's buffers); no GPU has measured it yet.
 No constant is fitted to these figures. Sources:
 - torchtitan docs/performance.md (9dec370, December 2024; Tables 1, 3, 4, 5): Llama 3.1 on H100
@@ -72,7 +72,7 @@ ROWS = [
 
 
 def predict(row: Row) -> dict:
-    from planner.memory import estimate
+    from planner.memory.orchestrator import estimate
     from planner.schema import EstimateRequest
 
     try:

@@ -227,7 +227,7 @@ def _cases() -> list[tuple[str, list[str]]]:
 
 
 # The plan's note of its own search time is the one output that differs between two runs of the
-# same code (planner/plan.py: "N candidates evaluated in S s"); it is masked, the count kept.
+# same code (planner/plan/search.py: "N candidates evaluated in S s"); it is masked, the count kept.
 _SEARCH_SECONDS = re.compile(r"(candidates evaluated in )[0-9.]+( s)")
 
 

@@ -19,7 +19,7 @@ minutes on one H200. It has not yet been run: no GPU was available when it was w
 The caching allocator (issue 24): every grid run is made twice, with PYTORCH_CUDA_ALLOC_CONF unset
 and with expandable_segments:True, and records allocated, active and reserved peaks
 (torch.cuda.memory_stats: allocated_bytes / active_bytes / reserved_bytes .all.peak) beside the
-simulator's (planner/reserved.py). Then the allocation sequences of tests/test_allocator.py and
+simulator's (planner/memory/reserved.py). Then the allocation sequences of tests/test_allocator.py and
 each run's simulated allocation stream are replayed with real tensors (torch.empty on CUDA streams,
 record_stream on a stream kept busy) under both settings: the simulator's segment counts and
 reserved peaks against the device's. Finally it writes the calibration the planner reads,
@@ -35,7 +35,7 @@ planner/data/allocator_calibration.json (--calibration), in this format:
         "sequences": [{"name", "alloc_conf", "simulated_reserved_peak_bytes",
                        "measured_reserved_peak_bytes", "simulated_segments", "measured_segments"}]}}}
 
-When the file has an entry for the estimate's GPU, planner/reserved.py uses its cuda_context_bytes
+When the file has an entry for the estimate's GPU, planner/memory/reserved.py uses its cuda_context_bytes
 (and nccl_bytes_per_communicator, unless NCCL_BUFFSIZE is given), and the estimate's allocator
 summary says measured: true.
 """
@@ -54,10 +54,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from planner import memory, reserved  # noqa: E402
-from planner.allocator import parse_alloc_conf, replay  # noqa: E402
-from planner.catalogue import catalogue_model  # noqa: E402
-from planner.memory import estimate  # noqa: E402
+from planner.memory import orchestrator as memory  # noqa: E402
+from planner.memory import reserved
+from planner.memory.allocator import parse_alloc_conf, replay  # noqa: E402
+from planner.model.catalogue import catalogue_model  # noqa: E402
+from planner.memory.orchestrator import estimate  # noqa: E402
 from planner.schema import EstimateRequest  # noqa: E402
 
 ALLOC_CONFS = ("", "expandable_segments:True")
@@ -114,7 +115,7 @@ def simulated(events: list[tuple], alloc_conf: str) -> dict:
 
 
 def step_events(request: EstimateRequest) -> list[tuple]:
-    """The allocation stream planner/reserved.py replays for this request."""
+    """The allocation stream planner/memory/reserved.py replays for this request."""
     setup = memory.resolve(request)
     acts = memory.activations(setup)
     plan = setup.framework.phases(setup, acts, memory._numels(setup))
@@ -164,7 +165,7 @@ def replay_on_cuda(events: list[tuple], alloc_conf: str) -> dict:
 
 
 def calibration(results: dict, gpu: str, torch_version: str) -> dict:
-    """The file planner/reserved.py reads, from this check's results (format in the docstring)."""
+    """The file planner/memory/reserved.py reads, from this check's results (format in the docstring)."""
     context = results["context"]
     entry = {"cuda_context_bytes": context["used_after_first_matmul_bytes"]
              - context["allocated_after_first_matmul_bytes"],

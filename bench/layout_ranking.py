@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.published_throughput import MPT  # noqa: E402
 from bench.readme import publish  # noqa: E402
-from planner.plan import plan  # noqa: E402
+from planner.plan.search import plan  # noqa: E402
 from planner.schema import PlanRequest  # noqa: E402
 
 

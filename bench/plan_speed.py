@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from planner.plan import plan  # noqa: E402
+from planner.plan.search import plan  # noqa: E402
 from planner.schema import PlanRequest  # noqa: E402
 
 

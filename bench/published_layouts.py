@@ -23,7 +23,7 @@ Sources:
 - torchtitan 405B: torchtitan docs/performance.md Table 5 (torchtitan 9dec370, December 2024):
   512 H100 (64 nodes of 8), FSDP 8 x TP 8 x PP 8, 1F1B, local batch 32 as 8 micro-batches of 4
   (global 256), 8,192 tokens, 100 tokens/s per GPU, 82.5 GiB max_reserved; MFU here is that
-  throughput x the model's FLOPs per token (planner/timing.py model_flops_per_token) over the
+  throughput x the model's FLOPs per token (planner/time/collectives.py model_flops_per_token) over the
   H100's dense bf16 peak.
 """
 
@@ -37,14 +37,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from planner.catalogue import catalogue_model  # noqa: E402
-from planner.gpus import gpu as lookup_gpu  # noqa: E402
-from planner.memory import estimate  # noqa: E402
-from planner.pipeline import bubble_fraction  # noqa: E402
-from planner.plan import plan  # noqa: E402
+from planner.model.catalogue import catalogue_model  # noqa: E402
+from planner.cluster.gpus import gpu as lookup_gpu  # noqa: E402
+from planner.memory.orchestrator import estimate  # noqa: E402
+from planner.parallel.pipeline import bubble_fraction  # noqa: E402
+from planner.plan.search import plan  # noqa: E402
 from planner.schema import Candidate, EstimateRequest, PlanRequest  # noqa: E402
-from planner.steptime import estimate_time  # noqa: E402
-from planner.timing import model_flops_per_token  # noqa: E402
+from planner.time.step import estimate_time  # noqa: E402
+from planner.time.collectives import model_flops_per_token  # noqa: E402
 from planner.units import GIB  # noqa: E402
 
 

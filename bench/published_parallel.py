@@ -104,8 +104,8 @@ RUNS = [
 
 def predict(run: Published) -> dict:
     """The planner's peak per GPU (GiB) and tokens per second per GPU, or why it cannot say."""
-    from planner.memory import estimate
-    from planner.steptime import estimate_time
+    from planner.memory.orchestrator import estimate
+    from planner.time.step import estimate_time
     from planner.schema import EstimateRequest
 
     try:

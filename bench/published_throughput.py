@@ -6,10 +6,10 @@ Every row of bench/data/llm_foundry_throughput.csv is a run MosaicML published (
 scripts/train/benchmarking/README.md at 8c8dd48, cited per row by its line there): an MPT model
 125M-70B trained with PyTorch FSDP (FULL_SHARD or SHARD_GRAD_OP) on 8-512 A100-40GB, A100-80GB
 or H100-80GB, 512-65,536 tokens, with or without activation checkpointing. Each is asked through
-the code path of `planner estimate` (planner.steptime.estimate_with_time) with the same model,
+the code path of `planner estimate` (planner.time.step.estimate_with_time) with the same model,
 GPUs, nodes, micro-batch, accumulation, precision, sharding and checkpointing; the prediction is
 its tokens per second per GPU. No constant of the time model is fitted to these figures (its
-rates come from kernel measurements: planner/kernels.py). The A100 tables' clusters have
+rates come from kernel measurements: planner/time/kernels.py). The A100 tables' clusters have
 1,600 Gb/s RoCE per node (8 x roce-200g); the H100 tables name no fabric, so the h100-80gb
 preset's is used.
 
@@ -20,7 +20,7 @@ submitted by scripts/train/benchmarking/submit_benchmarks.py, whose `--attn_impl
 `triton` (line 119 at 5f43bf1, May 2023, when the A100 tables appeared; line 144 at 5e85bd6, January
 2024, whose sweep.sh, the H100 runs, does not override it): MPT's triton_flash_attn_fn, FlashAttention's
 Triton kernel, whose A100 rates FlashAttention's charts measure (attention_kernel
-"flash-attention-triton"; on H100 planner/kernels.py scales them by FlashAttention-1's H100/A100 ratio).
+"flash-attention-triton"; on H100 planner/time/kernels.py scales them by FlashAttention-1's H100/A100 ratio).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.readme import publish  # noqa: E402
 from planner.schema import EstimateRequest  # noqa: E402
-from planner.steptime import estimate_with_time  # noqa: E402
+from planner.time.step import estimate_with_time  # noqa: E402
 
 DATA = ROOT / "bench" / "data" / "llm_foundry_throughput.csv"
 SOURCE = ("https://github.com/mosaicml/llm-foundry/blob/8c8dd48f72168c5d51e2f7b151595892a8fba43d/"

@@ -5,7 +5,7 @@
 Writes the catalogue entry's config.json to a temporary directory, then times, each as the median
 of REPEAT runs in this one process (imports done beforehand):
   - planner: one `estimate` (ZeRO-3, 8 GPUs, activations included) and one full `plan`, both from
-    that config.json (planner.catalogue.model_from_file, as `--model-file` does);
+    that config.json (planner.model.catalogue.model_from_file, as `--model-file` does);
   - accelerate: what `accelerate estimate-memory DIR --library_name transformers` does after its
     Hub look-up (which needs the network, so is skipped): AutoConfig.from_pretrained(DIR), the
     model built on the meta device under init_empty_weights, calculate_maximum_sizes and
@@ -95,10 +95,10 @@ def main() -> int:
     from accelerate.utils import calculate_maximum_sizes
     from transformers import AutoConfig, AutoModel
 
-    from planner.catalogue import load_catalogue, model_from_file
+    from planner.model.catalogue import load_catalogue, model_from_file
     from planner.datafile import write_caches
-    from planner.plan import plan
-    from planner.steptime import estimate_with_time
+    from planner.plan.search import plan
+    from planner.time.step import estimate_with_time
     from planner.schema import EstimateRequest, PlanRequest
 
     entry = load_catalogue()[args.model]

@@ -5,7 +5,7 @@
 Plans Llama-3-8B on 2 nodes of 8 H100s (global batch 256 x 4096 tokens) with each fabric, and
 estimates Llama-3-70B under FSDP (micro-batch 1, full checkpointing) on 1, 2 and 4 nodes over
 InfiniBand NDR and 25 GbE, and plans Llama-3-70B on 4 nodes over 25 GbE, printing the time model's figures as Markdown. Every number is computed
-here by planner.plan; nothing is typed in.
+here by planner.plan.search; nothing is typed in.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from planner.plan import plan  # noqa: E402
-from planner.steptime import estimate_with_time  # noqa: E402
+from planner.plan.search import plan  # noqa: E402
+from planner.time.step import estimate_with_time  # noqa: E402
 from planner.schema import EstimateRequest, PlanRequest  # noqa: E402
 
 FABRICS = [("ib-ndr", 8), ("ib-ndr", 1), ("roce-200g", 1), ("eth-100g", 1), ("eth-25g", 1)]

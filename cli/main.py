@@ -129,7 +129,7 @@ def add_schema_flags(parser: argparse.ArgumentParser, model: type[BaseModel],
 
 
 def _read_file_flag(name: str, path: str) -> Any:
-    from planner.catalogue import MAX_MODEL_FILE_BYTES, UnsupportedModelTypeError, model_from_file, read_bounded_text
+    from planner.model.catalogue import MAX_MODEL_FILE_BYTES, UnsupportedModelTypeError, model_from_file, read_bounded_text
 
     if name == "model_config_":
         try:
@@ -148,7 +148,7 @@ def _read_file_flag(name: str, path: str) -> Any:
         raise CliError(f"{FILE_FLAGS[name]} {path}: cannot be read ({exc.strerror})") from None
     except UnicodeDecodeError:
         raise CliError(f"{FILE_FLAGS[name]} {path}: not a text file") from None
-    from planner.catalogue import parse_json_text
+    from planner.model.catalogue import parse_json_text
 
     return parse_json_text(text, f"{FILE_FLAGS[name]} {path}", field=name)
 
@@ -196,8 +196,8 @@ def error_message(exc: Exception) -> str:
 
 
 def read_topology_text(path: str) -> str:
-    from planner.catalogue import read_bounded_text
-    from planner.topology import MAX_TOPOLOGY_BYTES
+    from planner.model.catalogue import read_bounded_text
+    from planner.cluster.topology import MAX_TOPOLOGY_BYTES
 
     try:
         if path == "-":
@@ -217,7 +217,7 @@ def read_topology_text(path: str) -> str:
 # --- commands --------------------------------------------------------------------------------
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from planner.catalogue import catalogue_model, load_catalogue
+    from planner.model.catalogue import catalogue_model, load_catalogue
 
     rows = []
     for name, entry in load_catalogue().items():
@@ -234,7 +234,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_gpus(args: argparse.Namespace) -> int:
-    from planner.gpus import load_gpus
+    from planner.cluster.gpus import load_gpus
 
     gpus = [g.model_dump() | {"memory_bytes": g.memory_bytes} for g in load_gpus().values()]
     if args.json:
@@ -257,7 +257,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     script = _script(args)
     result = estimate_any(request)  # Hub ids, and tracing for a model_type without a reader
     if args.emit is not None:
-        from planner.emit import emit_estimate_files, write_files
+        from planner.plan.emit import emit_estimate_files, write_files
 
         written = write_files(args.emit, emit_estimate_files(result, script))
         _report_emitted(written)
@@ -282,7 +282,7 @@ MAX_JOB_FILE_BYTES = 1 << 20
 
 
 def _job_files(paths: list[str]) -> list[dict[str, str]]:
-    from planner.catalogue import read_bounded_text
+    from planner.model.catalogue import read_bounded_text
 
     files = []
     for path in paths:
@@ -441,10 +441,10 @@ def _check_output_path(path: str, flag: str, kind: str) -> None:
 
 def cmd_topo(args: argparse.Namespace) -> int:
     from planner.errors import PlannerError
-    from planner.gpus import gpu as lookup_gpu
-    from planner.presets import PRESETS, preset_topology
+    from planner.cluster.gpus import gpu as lookup_gpu
+    from planner.cluster.presets import PRESETS, preset_topology
     from planner.schema import GpuName, PresetName, _gpu_names
-    from planner.topology import parse_topology
+    from planner.cluster.topology import parse_topology
 
     if args.list:
         for p in PRESETS.values():
@@ -466,7 +466,7 @@ def cmd_topo(args: argparse.Namespace) -> int:
         topo = parse_topology(text, gpu_type, source=args.file or "stdin")
     if args.svg is not None:
         _check_output_path(args.svg, "--svg", "file")
-        from planner.emit import write_files
+        from planner.plan.emit import write_files
         from planner.render import topology_svg
 
         target = Path(args.svg)
@@ -500,7 +500,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         pick = result.recommended if args.pick is None else _pick(result, args.pick)
         if pick is None:
             raise CliError("nothing fits, so nothing is emitted; see the rejected reasons")
-        from planner.emit import emit_files, write_files
+        from planner.plan.emit import emit_files, write_files
 
         written = write_files(args.emit, emit_files(request, pick, script))
         _report_emitted(written)
@@ -527,7 +527,7 @@ def _script(args: argparse.Namespace):
         return None
     if not args.emit:
         raise CliError("--script names the training script of the emitted launch files: give --emit DIR too")
-    from planner.emit import Script
+    from planner.plan.emit import Script
 
     return Script.parse(args.script)
 
@@ -636,7 +636,7 @@ MAX_PLAN_FILE_BYTES = 4 << 20  # an emitted plan.json (the chosen layout and its
 
 
 def _request_from_plan(path: str):
-    from planner.catalogue import parse_json_text, read_bounded_text
+    from planner.model.catalogue import parse_json_text, read_bounded_text
     from planner.schema import EstimateRequest
 
     try:
@@ -687,7 +687,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from planner.profiles import fit_profile
+    from planner.time.profiles import fit_profile
 
     try:
         from backend.profiles import save_profile

@@ -156,7 +156,7 @@ def _ranked(found: list[CheckChange], base: EstimateResult, steps: int | None) -
     return found[:6]
 
 
-# A DeepSpeed JSON fixes the batch and the optimizer's offload (planner/dsconfig.py): a change of
+# A DeepSpeed JSON fixes the batch and the optimizer's offload (planner/frameworks/deepspeed/config.py): a change of
 # them is written into it, as --emit writes it into the file.
 DS_KEYS = {"micro_batch": ("train_micro_batch_size_per_gpu",), "gradient_accumulation": ("gradient_accumulation_steps",),
            "offload_optimizer": ("zero_optimization", "offload_optimizer", "device")}

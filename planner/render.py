@@ -10,8 +10,8 @@ import math
 from html import escape
 from typing import NamedTuple
 
-from planner.parallel import NodeLayout
-from planner.topology import Link, Topology
+from planner.parallel.dims import NodeLayout
+from planner.cluster.topology import Link, Topology
 
 _COLOURS = [(200.0, "#1b7837"), (100.0, "#5aae61"), (40.0, "#a6dba0"), (20.0, "#f4a582"), (0.0, "#d6604d")]
 # One dash pattern per link class, so classes that share a bandwidth colour stay apart.
@@ -151,7 +151,7 @@ def topology_svg(t: Topology, width: int = 640, layout: NodeLayout | None = None
     where every one of its labels finds room clear of the GPUs, NICs and other labels; the legend
     names every class with its bandwidth and how many pairs it joins.
 
-    ``layout``: a parallel layout's groups on this node (planner.parallel.node_layout): each
+    ``layout``: a parallel layout's groups on this node (planner.parallel.dims.node_layout): each
     tensor-parallel group a band behind its GPUs, each pipeline stage a GPU colour, both named in
     the legend."""
     n = len(t.gpus)
@@ -233,7 +233,7 @@ _PARTS = [("frozen_weights", "frozen base", "#543005"), ("parameters", "paramete
           ("gradients", "gradients", "#67a9cf"), ("optimizer_states", "optimizer states", "#fdb863"),
           ("activations", "activations", "#d6604d"), ("buffers", "buffers", "#999999"),
           ("framework", "framework", "#4d4d4d")]
-# The step's time by where it goes (planner/timing.py TimeEstimate): compute, communication the
+# The step's time by where it goes (planner/time/collectives.py TimeEstimate): compute, communication the
 # compute does not hide, offload traffic, and the rest of the step (pipeline bubbles and waits).
 TIME_PARTS = [("compute", "compute", "#1b7837"), ("exposed", "exposed communication", "#d6604d"),
               ("offload", "offload", "#fdb863"), ("bubbles", "pipeline bubble", "#999999")]
@@ -268,7 +268,7 @@ def moment_rows(result) -> list[tuple[str, dict[str, int]]]:
 def time_parts(t, bubble_fraction: float = 0.0) -> dict[str, float]:
     """A step's seconds by where they go (a TimeEstimate or a plan Candidate). A pipeline's
     compute_seconds is its stage's compute stretched by the schedule's bubble
-    (planner/pipeline.py pipeline_time: compute = ideal / (1 - fraction)), so ``bubble_fraction``
+    (planner/parallel/pipeline.py pipeline_time: compute = ideal / (1 - fraction)), so ``bubble_fraction``
     (pipeline.bubble_fraction of the layout) of it is idle; any rest of the step beyond compute,
     exposed communication and offload is counted with the bubbles as waiting."""
     known = t.compute_seconds + t.exposed_communication_seconds + t.offload_seconds

@@ -16,15 +16,15 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       model_validator)
 from pydantic_core import core_schema
 
-from planner.activations import Attention, Checkpointing
-from planner.kernels import AttentionKernel
+from planner.model.activations import Attention, Checkpointing
+from planner.time.kernels import AttentionKernel
 from planner.errors import unknown
-from planner.finetune_fields import check_request_fields
-from planner.losses import Loss
-from planner.moments import PhaseKind
-from planner.parallel import PipelineSchedule
-from planner.precision import Optimizer, Precision
-from planner.profile_name import check_profile_name
+from planner.recipes.finetune_fields import check_request_fields
+from planner.recipes.losses import Loss
+from planner.memory.moments import PhaseKind
+from planner.parallel.dims import PipelineSchedule
+from planner.recipes.precision import Optimizer, Precision
+from planner.time.profile_name import check_profile_name
 from planner.strategies import OffloadDevice, StrategyName
 
 Finetune = Literal["full", "lora", "qlora"]
@@ -40,19 +40,19 @@ MAX_PARAMS = 10**14  # 100 trillion parameters: far beyond any model trained
 # --- names: every field that names a catalogue entry is checked here, once, for CLI, API and page
 
 def _gpu_names() -> Collection[str]:
-    from planner.gpus import load_gpus  # cached: one YAML parse per process
+    from planner.cluster.gpus import load_gpus  # cached: one YAML parse per process
 
     return load_gpus().keys()
 
 
 def _preset_names() -> Collection[str]:
-    from planner.presets import PRESETS
+    from planner.cluster.presets import PRESETS
 
     return PRESETS.keys()
 
 
 def _fabric_names() -> Collection[str]:
-    from planner.topology import link_rates  # cached
+    from planner.cluster.topology import link_rates  # cached
 
     return link_rates()["fabric"].keys()
 
@@ -108,7 +108,7 @@ def _new_profile_name(value: str) -> str:
 
 NewProfileName = Annotated[str, AfterValidator(_new_profile_name)]  # what `planner calibrate --name` saves
 # A catalogue model name, or a Hugging Face Hub id ("org/name", resolved elsewhere). Only the shape
-# is checked here: an unknown catalogue name stays a 404 (planner.catalogue.catalogue_model).
+# is checked here: an unknown catalogue name stays a 404 (planner.model.catalogue.catalogue_model).
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -214,7 +214,7 @@ ExpertDegree = Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES,
 ScheduleField = Annotated[PipelineSchedule, Field(description="pipeline schedule (with pp > 1)")]
 VirtualStages = Annotated[int, Field(ge=1, le=1024, description="pipeline stages per rank (interleaved schedule)")]
 # Uneven pipeline stages (issue 25): Megatron's --decoder-first/last-pipeline-num-layers; torchtitan
-# takes the resulting split as module_fqns_per_model_part (planner/pipeline.py stage_bounds)
+# takes the resulting split as module_fqns_per_model_part (planner/parallel/pipeline.py stage_bounds)
 FirstStageLayers = Annotated[int | None, Field(ge=1, le=1 << 16, description=(
     "blocks on the first pipeline stage (it also holds the embedding); the other stages share the rest evenly. "
     "Default: an even split (a plan takes the best uneven one where pp does not divide the blocks)"))]
@@ -318,11 +318,11 @@ class EstimateRequest(BaseModel):
     include_vision: bool = Field(
         False, description="multimodal configs (gemma3, llama4, mistral3): count the vision tower and projector as "
         "model states (trained in full); activations stay those of text tokens")
-    # the recipe as it is run (issue 21): the training loop (planner/loop.py)
+    # the recipe as it is run (issue 21): the training loop (planner/recipes/loop.py)
     keeps_outputs: bool = Field(False, description="the script keeps the model's outputs through backward "
                                 "(accelerate's `outputs = model(**batch); accelerator.backward(outputs.loss)`): "
                                 "their logits stay live; default: the Trainer's loop, which frees them")
-    # LoRA / QLoRA (planner/finetune.py): defaults are PEFT 0.21's LoraConfig defaults
+    # LoRA / QLoRA (planner/recipes/finetune.py): defaults are PEFT 0.21's LoraConfig defaults
     finetune: Finetune = Field("full", description="full fine-tuning, LoRA adapters on a frozen 16-bit base, "
                                "or QLoRA (a frozen base quantized by bitsandbytes, nf4 with double quantization)")
     lora_rank: int | None = Field(None, ge=1, le=65_536, description="LoRA rank r (default 8, PEFT's)")
@@ -392,7 +392,7 @@ class EstimateRequest(BaseModel):
 
 
 class ParallelDegrees(BaseModel):
-    """The layout's degrees (planner/parallel.py ParallelDims): world = dp_replicate * dp_shard * cp * tp * pp;
+    """The layout's degrees (planner/parallel/dims.py ParallelDims): world = dp_replicate * dp_shard * cp * tp * pp;
     ep borrows from dp_shard * cp."""
 
     dp_replicate: int = Field(description="data-parallel replicas (DDP, ZeRO-0, HSDP across shard groups)")
@@ -411,7 +411,7 @@ class MemoryItem(BaseModel):
     component: Literal["parameters", "frozen_weights", "gradients", "optimizer_states", "activations", "buffers",
                        "framework"]
     source: str = ""
-    # The stream the tensors are allocated on (planner/reserved.py replays them through the caching
+    # The stream the tensors are allocated on (planner/memory/reserved.py replays them through the caching
     # allocator, whose pools are per stream); not part of the JSON output.
     stream: str = Field("default", exclude=True)
 
@@ -422,13 +422,13 @@ class Phase(BaseModel):
     name: str
     bytes: int
     items: list[MemoryItem]
-    # The moment's kind (planner/moments.py), what code identifies a phase by; the name is for
+    # The moment's kind (planner/memory/moments.py), what code identifies a phase by; the name is for
     # display. Not part of the JSON output (the public fields stay as they were).
     kind: PhaseKind | None = Field(None, exclude=True)
 
 
 class PeakRows(BaseModel):
-    """The peak by component: every item live at the peak (planner/moments.py) counted once, so the
+    """The peak by component: every item live at the peak (planner/memory/moments.py) counted once, so the
     rows add up to peak_bytes exactly (what the CLI's per-device table shows)."""
 
     parameters_bytes: int = Field(description="trained weights live at the peak (with LoRA: the adapters), "
@@ -457,7 +457,7 @@ class PerDevice(BaseModel):
     peak_bytes: int = Field(description="highest live total during a step")
     peak_phase: str = Field(description="the moment of the step the peak occurs in")
     at_peak: PeakRows | None = Field(None, description="the peak by component; the rows add up to peak_bytes")
-    # issue 24: what the caching allocator reserves (planner/reserved.py, simulated until measured)
+    # issue 24: what the caching allocator reserves (planner/memory/reserved.py, simulated until measured)
     reserved_peak_bytes: int = Field(description="highest reserved total: the caching allocator's reserved peak "
                                      "replaying the step's allocations (simulated), + cuda_context_bytes + nccl_bytes; for a plan candidate "
                                      "not replayed and for cpu ranks: peak_bytes + nccl_bytes")
@@ -491,7 +491,7 @@ class TimeTerm(BaseModel):
 
 
 class TimeEstimate(BaseModel):
-    """One step on the modelled interconnect (planner/timing.py, planner/kernels.py)."""
+    """One step on the modelled interconnect (planner/time/collectives.py, planner/time/kernels.py)."""
 
     step_seconds: float
     compute_seconds: float
@@ -511,7 +511,7 @@ class TimeEstimate(BaseModel):
 
 
 class AllocatorSummary(BaseModel):
-    """The step replayed through torch 2.13's caching allocator (planner/allocator.py): simulated."""
+    """The step replayed through torch 2.13's caching allocator (planner/memory/allocator.py): simulated."""
 
     alloc_conf: str = Field(description="the PYTORCH_CUDA_ALLOC_CONF assumed ('' for torch's defaults)")
     allocated_peak_bytes: int = Field(description="allocated peak (blocks, 512-byte rounded)")
@@ -551,7 +551,7 @@ class EstimateResult(BaseModel):
                                                "step; null for cpu ranks")
     time: TimeEstimate | None = Field(None, description="the time model; null for --params or cpu ranks")
     # the resolved Setup (planner/setup.py) the result was computed from, so the time model and the
-    # launch files read it instead of resolving the request again; never serialised (planner/memory.py setup_of)
+    # launch files read it instead of resolving the request again; never serialised (planner/memory/orchestrator.py setup_of)
     _setup: Any = PrivateAttr(default=None)
 
 
@@ -609,7 +609,7 @@ class PlanRequest(BaseModel):
     headroom: float = Field(0.05, ge=0.0, lt=0.9, description="fraction of device memory kept free")
     compute_efficiency: float | None = Field(
         None, gt=0.0, le=1.0, description="override: run all compute at this fraction of peak TFLOP/s (off by "
-        "default: each kernel at its measured rate, planner/kernels.py)")
+        "default: each kernel at its measured rate, planner/time/kernels.py)")
     link_efficiency: float = Field(1.0, gt=0.0, le=4.0,
                                    description="achieved fraction of the modelled (realistic) link bandwidths")
     profile: ProfileName | None = Field(None, description="calibration profile saved by `planner calibrate` (sets the efficiencies)")

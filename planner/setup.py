@@ -1,7 +1,7 @@
-"""A request resolved into typed mechanisms (planner/memory.py ``resolve``): the one input every
+"""A request resolved into typed mechanisms (planner/memory/orchestrator.py ``resolve``): the one input every
 memory term, phase plan, time term and launch file reads.
 
-It lives apart from the orchestrator so that the mechanisms (planner/buffers.py, the frameworks,
+It lives apart from the orchestrator so that the mechanisms (planner/memory/buffers.py, the frameworks,
 pipeline, tensor and context parallelism, experts) can take it without importing the module that
 composes them.
 """
@@ -10,17 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.architecture import Architecture, parameter_numels
-from planner.catalogue import ResolvedModel
-from planner.dsconfig import ZeroSettings
-from planner.finetune import Finetune, trainable_numels
+from planner.model.architecture import Architecture, parameter_numels
+from planner.model.catalogue import ResolvedModel
+from planner.frameworks.deepspeed.config import ZeroSettings
+from planner.recipes.finetune import Finetune, trainable_numels
 from planner.frameworks import Framework, framework_of
-from planner.gpus import Gpu
-from planner.parallel import ParallelDims
-from planner.precision import Recipe
+from planner.cluster.gpus import Gpu
+from planner.parallel.dims import ParallelDims
+from planner.recipes.precision import Recipe
 from planner.schema import EstimateRequest
 from planner.strategies import Strategy
-from planner.tensor_parallel import rank_numels
+from planner.parallel.tensor import rank_numels
 
 
 @dataclass(frozen=True)
@@ -36,13 +36,13 @@ class Setup:
     world_size: int
     shard_size: int
     dims: ParallelDims
-    # tensor parallelism: the narrower model one TP rank holds and runs (planner/tensor_parallel.py)
+    # tensor parallelism: the narrower model one TP rank holds and runs (planner/parallel/tensor.py)
     sequence_parallel: bool = False
     vocab_parallel_loss: bool = False
     embedding_split: int = 1  # DeepSpeed AutoTP, tied or no tp_plan: the embedding split along the hidden dimension
     lm_head_split: int = 1  # DeepSpeed AutoTP (HF tp_plan): the untied LM head's rows split, its output gathered
     rank_architecture: Architecture | None = None
-    loss_chunks: int = 1  # the loss's backward in this many chunks (planner/losses.py)
+    loss_chunks: int = 1  # the loss's backward in this many chunks (planner/recipes/losses.py)
 
     @property
     def tp(self) -> int:
@@ -52,7 +52,7 @@ class Setup:
     def cp(self) -> int:
         """Context parallelism: this rank holds seq_len / cp tokens of each sequence."""
         return self.dims.cp
-    finetune: Finetune | None = None  # LoRA / QLoRA (planner/finetune.py); None: full fine-tuning
+    finetune: Finetune | None = None  # LoRA / QLoRA (planner/recipes/finetune.py); None: full fine-tuning
 
     @property
     def arch(self) -> Architecture | None:

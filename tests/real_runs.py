@@ -378,7 +378,7 @@ BENCH_RUNS = [
          seq=1024, keeps_outputs=True),
     # QLoRA as it is run: a 4-bit base with bf16 compute, prepare_model_for_kbit_training (fp32 norms,
     # embeddings and head), torch.autocast bf16 (HF Trainer bf16=True), one device or DDP; the fp32
-    # residual stream (planner/finetune.py lora_activations fp32_stream)
+    # residual stream (planner/recipes/finetune.py lora_activations fp32_stream)
     _run("llama-qlora-single-bf16-all-t512", LLAMA, "single", "bf16-mixed", gpus=1, micro=2, seq=256,
          finetune="qlora", lora_targets="all-linear"),
     _run("llama-qlora-single-bf16-ckpt-all-r16-t1024", LLAMA, "single", "bf16-mixed", gpus=1, ckpt="full", micro=4,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from planner.memory import cpu_rank_bytes, estimate
-from planner.moments import PhaseKind
+from planner.memory.orchestrator import cpu_rank_bytes, estimate
+from planner.memory.moments import PhaseKind
 from planner.schema import EstimateRequest
 from tests.real_runs import LLAMA
 
@@ -100,7 +100,7 @@ def test_zero1_keeps_every_gradient_and_the_bucket_until_the_boundary():
 def test_plan_candidates_are_estimated_with_their_accumulation():
     # the plan's memory grid and its candidates' estimates take the accumulating micro-batches'
     # phases (the browser's bars, which re-estimate a candidate, agree with the table)
-    from planner.plan import plan
+    from planner.plan.search import plan
     from planner.schema import PlanRequest
 
     req = PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, topology="hgx-h100", seq_len=4096,
@@ -120,8 +120,8 @@ def test_plan_candidates_are_requests_an_estimate_takes_at_any_batch():
     """A rank's share of a huge global batch allows micro-batch options whose accumulation (or
     micro-batch) an estimate request cannot state; the plan leaves those out, so every candidate
     is an estimate request (emit and verify take it as one), and the plan answers."""
-    from planner.emit import estimate_request_for
-    from planner.plan import plan
+    from planner.plan.emit import estimate_request_for
+    from planner.plan.search import plan
     from planner.schema import PlanRequest
 
     req = PlanRequest(model="llama-3.2-1b", gpu="h100-80gb", gpus=1, global_batch=1 << 20, seq_len=4096)
@@ -141,7 +141,7 @@ def test_a_later_micro_batch_is_the_same_for_any_count(fields):
     """The memory of a micro-batch after the first does not depend on how many there are (its
     phases, names and bytes, equal at 2 and 7): the plan ranks a candidate of any accumulation
     with the estimate its grid made at two."""
-    from planner.memory import estimate
+    from planner.memory.orchestrator import estimate
     from planner.schema import EstimateRequest
 
     kw = dict(model="llama-3.1-8b", gpu="h100-80gb", gpus=8) | fields

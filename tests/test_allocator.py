@@ -5,7 +5,7 @@ kMinLargeAlloc 10 MiB, kLargeBuffer 20 MiB, kRoundLarge 2 MiB). Simulated, not m
 
 import pytest
 
-from planner.allocator import (AllocConf, OutOfMemory, allocation_size, parse_alloc_conf, replay, round_size)
+from planner.memory.allocator import (AllocConf, OutOfMemory, allocation_size, parse_alloc_conf, replay, round_size)
 from planner.errors import PlannerError
 
 MIB = 2**20

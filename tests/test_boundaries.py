@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from planner.architecture import from_hf_config
-from planner.dsconfig import parse_ds_config
+from planner.model.architecture import from_hf_config
+from planner.frameworks.deepspeed.config import parse_ds_config
 from planner.errors import NO_VALUE, PlannerError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,15 +168,15 @@ def test_worker_job_is_typed_and_validated_when_read(tmp_path, capsys):
 
 
 def test_the_core_reads_no_profile_files_and_no_environment(tmp_path, monkeypatch):
-    """planner/profiles.py fits and the core applies a Profile it is given; the files and
+    """planner/time/profiles.py fits and the core applies a Profile it is given; the files and
     PLANNER_PROFILES are backend/profiles.py's. A name without its profile is refused, naming it."""
-    import planner.profiles
+    import planner.time.profiles
     from backend.profiles import load_profile, profile_for, save_profile
-    from planner.profiles import Profile
+    from planner.time.profiles import Profile
     from planner.schema import EstimateRequest
-    from planner.steptime import estimate_with_time
+    from planner.time.step import estimate_with_time
 
-    source = Path(planner.profiles.__file__).read_text()
+    source = Path(planner.time.profiles.__file__).read_text()
     assert "os.environ" not in source and "read_text" not in source and "import os" not in source
     monkeypatch.setenv("PLANNER_PROFILES", str(tmp_path))
     save_profile(Profile(name="box", gpu="h100-80gb", compute_efficiency=0.3, runs=[], residuals=[], note="test"))

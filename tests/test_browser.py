@@ -87,7 +87,7 @@ def _labels_clear(page) -> None:
 
 def test_form_to_ranked_table_and_chart(server):
     sync_playwright = _playwright()
-    from planner.plan import plan
+    from planner.plan.search import plan
     from planner.schema import PlanRequest
 
     expected = plan(PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, topology="hgx-h100",
@@ -133,9 +133,9 @@ def test_fabric_inputs_and_a_labelled_topology(server):
     """The fabric and NICs inputs reach the plan (the page's inter-node bandwidth is the core's),
     and the NVLink-pair box's picture labels its NVLink pairs clear of everything else."""
     sync_playwright = _playwright()
-    from planner.plan import plan
+    from planner.plan.search import plan
     from planner.schema import PlanRequest
-    from planner.topology import link_rates
+    from planner.cluster.topology import link_rates
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])

@@ -4,8 +4,8 @@ import textwrap
 
 import pytest
 
-from planner.architecture import from_hf_config, parameter_count, parameter_numels
-from planner.catalogue import catalogue_model, load_catalogue, model_from_config
+from planner.model.architecture import from_hf_config, parameter_count, parameter_numels
+from planner.model.catalogue import catalogue_model, load_catalogue, model_from_config
 from planner.errors import PlannerError, UnknownModelError
 
 ENTRIES = sorted(load_catalogue())
@@ -75,7 +75,7 @@ def test_aliases_and_hub_ids_resolve_in_one_place(typed, name):
 
 
 def test_every_hub_id_and_alias_is_listed_and_unique():
-    from planner.catalogue import aliases
+    from planner.model.catalogue import aliases
 
     table = aliases()
     for entry in load_catalogue().values():
@@ -110,7 +110,7 @@ def test_an_unknown_hub_like_name_says_how_it_is_read():
 
 
 def test_a_model_type_without_a_reader_is_its_own_error_carrying_the_config():
-    from planner.catalogue import UnsupportedModelTypeError
+    from planner.model.catalogue import UnsupportedModelTypeError
 
     config = {"model_type": "starcoder2", "hidden_size": 64}
     with pytest.raises(UnsupportedModelTypeError, match="model_type 'starcoder2' has no analytic reader.*"
@@ -207,7 +207,7 @@ def test_new_family_counts_match_transformers(config):
 
 
 def test_layer_specs_follow_the_config_patterns():
-    from planner.architecture import block_parameters, layer_specs
+    from planner.model.architecture import block_parameters, layer_specs
 
     v3 = from_hf_config({"model_type": "deepseek_v3", "num_hidden_layers": 5})
     kinds = [spec.mlp.is_moe for spec in layer_specs(v3)]
@@ -225,7 +225,7 @@ def test_layer_specs_follow_the_config_patterns():
 
 @pytest.mark.parametrize("name", sorted(NEW_FAMILIES))
 def test_new_families_estimate_with_their_notes(name):
-    from planner.memory import estimate
+    from planner.memory.orchestrator import estimate
     from planner.schema import EstimateRequest
 
     result = estimate(EstimateRequest(model=name, gpus=8, strategy="zero3", micro_batch=1, seq_len=4096))
@@ -234,7 +234,7 @@ def test_new_families_estimate_with_their_notes(name):
 
 
 def test_sink_attention_is_predicted_eager_whatever_was_asked():
-    from planner.activations import estimate_activations
+    from planner.model.activations import estimate_activations
 
     for name in ("gpt-oss-20b", "gemma-2-9b"):  # transformers 5: _supports_sdpa = False for both
         arch = catalogue_model(name).architecture
@@ -246,7 +246,7 @@ def test_sink_attention_is_predicted_eager_whatever_was_asked():
 def test_moe_activations_follow_the_routed_tokens():
     """Qwen3-MoE's routed part grows with top-k (per (token, expert) pair), Llama-4's with every
     expert (it runs all experts on all tokens)."""
-    from planner.activations import estimate_activations
+    from planner.model.activations import estimate_activations
 
     def saved(config):
         return estimate_activations(from_hf_config(config), micro_batch=1, seq_len=256, compute_bytes=2).saved_bytes
@@ -265,7 +265,7 @@ def test_moe_activations_follow_the_routed_tokens():
 
 @pytest.mark.parametrize("name", sorted(NEW_FAMILIES))
 def test_dumped_architecture_reads_back(name):
-    from planner.architecture import Architecture
+    from planner.model.architecture import Architecture
 
     arch = catalogue_model(name).architecture
     assert Architecture.model_validate(arch.model_dump()) == arch

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from planner.activations import FP32, estimate_activations
-from planner.architecture import from_hf_config
-from planner.context_parallel import cp_activations, merged_output_copy_bytes, ring_attention_transient_bytes
+from planner.model.activations import FP32, estimate_activations
+from planner.model.architecture import from_hf_config
+from planner.parallel.context import cp_activations, merged_output_copy_bytes, ring_attention_transient_bytes
 from planner.errors import PlannerError
-from planner.memory import estimate
+from planner.memory.orchestrator import estimate
 from planner.schema import EstimateRequest
 from tests.real_runs import LLAMA, LLAMA_CP_LONG
 
@@ -77,7 +77,7 @@ def test_hsdp_by_cp_shards_over_dp_shard_by_cp():
     its shard group of dp_shard x cp ranks holds, the same peak as fsdp over those ranks alone;
     the replicas all-reduce a 1/(dp_shard x cp) shard of the gradients (it counted the whole
     gradient when the time model took the shard group as dp_shard alone)."""
-    from planner.steptime import collective_volumes
+    from planner.time.step import collective_volumes
 
     hsdp = _request(model=LLAMA_CP_LONG, seq_len=2048, strategy="hsdp", gpus=2, nodes=2)
     result = estimate(hsdp)
@@ -93,9 +93,9 @@ def test_hsdp_by_cp_estimate_times_what_the_plan_times():
     """The plan's HSDP shard groups under cp are GPUs (dp_shard x cp); an estimate of the same
     request takes the same shard group, so the two give one communication time (the estimate
     timed dp_shard alone: 0.7155 s where the plan said 0.7854 s for shard groups of 8)."""
-    from planner.plan import plan
+    from planner.plan.search import plan
     from planner.schema import PlanRequest
-    from planner.steptime import estimate_with_time
+    from planner.time.step import estimate_with_time
 
     common = dict(model="meta-llama/Llama-3.1-8B", gpu="h100-80gb", gpus=8, nodes=2, cp=2, seq_len=32768,
                   fabric="ib-ndr")
@@ -224,7 +224,7 @@ def test_gloo_ring_scratch_note_bounds_the_cp_by_tp_run():
     all-gather, which the worker thread let go during the first ring step's kernel in one traced
     run and after it in the others (69,446,592). The block's modelled ring phase holds the first;
     the estimate names the race and its bound, which covers the run."""
-    from planner.context_parallel import gloo_ring_scratch_bytes
+    from planner.parallel.context import gloo_ring_scratch_bytes
     from tests.real_runs import BENCH_RUNS
 
     fields = dict(BENCH_RUNS)["llama-v256-mha-cp2-tp2-fsdp-fp32-sp-t2048"]
@@ -246,7 +246,7 @@ def test_cp_by_sp_ring_phase_counts_the_sharded_stream_and_what_the_norm_kept():
     post-attention norm frees only what SP left of it (its shard and gathered output: 7,733,248
     bytes freed with the MLP's, where the whole norm would be 8,785,920): +526,336 bytes over the
     same phase without SP's accounting."""
-    from planner.context_parallel import _freed_before_attention_bytes
+    from planner.parallel.context import _freed_before_attention_bytes
 
     rank = from_hf_config(dict(LLAMA_CP_LONG, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
                                intermediate_size=344))
@@ -336,7 +336,7 @@ def test_cp_by_tp_records_after_the_fixes():
     import json
     from pathlib import Path
 
-    from planner.memory import cpu_rank_bytes
+    from planner.memory.orchestrator import cpu_rank_bytes
 
     runs = Path(__file__).resolve().parent.parent / "bench" / "results" / "runs"
     for name, phase, bound in [("llama-v256-mha-cp2-tp2-fsdp-fp32-sp-ckpt-t2048", "start of block 1 backward", 3.0),
@@ -360,7 +360,7 @@ def test_hsdp_by_cp_run_is_gloos_scratch_above_the_model():
     import json
     from pathlib import Path
 
-    from planner.context_parallel import gloo_ring_scratch_bytes
+    from planner.parallel.context import gloo_ring_scratch_bytes
 
     path = Path(__file__).resolve().parent.parent / "bench" / "results" / "runs"
     record = json.loads((path / "llama-v256-mha-cp2-hsdp-fp32-2x2-t2048.json").read_text())
@@ -700,7 +700,7 @@ def test_cp_exchange_is_what_the_ranks_sent(checkpointing, gathers):
     """Counted on rank 0 of cp 2 (4 layers, 1,024 tokens, K/V width 256, fp32): the ring's K/V
     all-gathers, 2,097,152 bytes each, 8 per step, 12 under full checkpointing (the recomputed
     forward gathers again); the fp32 K/V gradients' permute, 1,048,576 bytes sent, 8 per step."""
-    from planner.steptime import collective_volumes
+    from planner.time.step import collective_volumes
 
     rows = {r["what"]: r["bytes_per_step"] for r in
             collective_volumes(_request(model=LLAMA_CP_LONG, seq_len=1024, checkpointing=checkpointing))

@@ -41,7 +41,7 @@ def test_the_ci_part_is_named_in_the_matrix_and_covers_each_axis():
 @pytest.mark.parametrize("name,fields", MATRIX)
 def test_prediction_within_tolerance_of_measured(name, fields, tmp_path):
     from backend.launch import run_probe
-    from planner.memory import cpu_rank_bytes, estimate
+    from planner.memory.orchestrator import cpu_rank_bytes, estimate
     from planner.schema import EstimateRequest
 
     if shutil.which("deepspeed") is None:

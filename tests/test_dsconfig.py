@@ -6,9 +6,9 @@ import json
 import pytest
 
 from cli.main import main
-from planner import dsconfig
-from planner.dsconfig import parse_ds_config
-from planner.memory import estimate
+from planner.frameworks.deepspeed import config as dsconfig
+from planner.frameworks.deepspeed.config import parse_ds_config
+from planner.memory.orchestrator import estimate
 from planner.schema import EstimateRequest
 
 ZERO3 = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
@@ -131,7 +131,7 @@ def test_api_refuses_an_unmodelled_key_with_422(tmp_path, monkeypatch):
 
 
 def test_every_emitted_config_reads_back():
-    from planner.dsconfig import ZeroSettings, build_ds_config
+    from planner.frameworks.deepspeed.config import ZeroSettings, build_ds_config
 
     for stage in (0, 1, 2, 3):
         for optimizer in ("adamw", "sgd"):

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from cli.main import main
-from planner.emit import Script, emit_estimate_files, write_files
+from planner.plan.emit import Script, emit_estimate_files, write_files
 from planner.errors import PlannerError
-from planner.steptime import estimate_with_time
+from planner.time.step import estimate_with_time
 from planner.schema import EstimateRequest
 from tests.real_runs import LLAMA
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from cli.main import main
-from planner.emit import emit_estimate_files, write_files
+from planner.plan.emit import emit_estimate_files, write_files
 from planner.schema import EstimateRequest
-from planner.steptime import estimate_with_time
+from planner.time.step import estimate_with_time
 
 LAYOUTS = {
     # the plan: fsdp x tp 4 over 4 nodes of 8, 32 micro-batches per data-parallel rank

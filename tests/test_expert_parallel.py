@@ -56,7 +56,7 @@ def test_router_activations_are_the_whole_models():
     """Every rank's router scores all E experts (torchtitan's router runs before the dispatch; the
     transformers router too): the saved activations under ep are those of the whole model, not of
     a model with E / ep experts (whose fp32 softmax over the experts would be ep times narrower)."""
-    from planner.memory import estimate
+    from planner.memory.orchestrator import estimate
 
     def saved(result) -> int:
         loss = next(p for p in result.phases if p.kind.value == "start_of_backward")
@@ -69,7 +69,7 @@ def test_all_to_all_buffers_are_not_added_at_the_loss():
     """The dispatch/combine all-to-alls run inside the MoE blocks: the loss's backward (start of
     backward) holds no all-to-all buffer, a block's backward does (send + receive of the routed
     pairs: tokens x top-k x hidden x 2 bytes x 2)."""
-    from planner.memory import estimate
+    from planner.memory.orchestrator import estimate
 
     result = estimate(_request(ep=2, gpus=2, precision="bf16-mixed"))
     names = {p.kind.value: [i.name for i in p.items] for p in result.phases}
@@ -174,7 +174,7 @@ def test_expert_states_are_attributed_as_the_run_attributes_them():
     weights, 15,226,368 B of fp32 weights and 30,452,736 B of AdamW states, as the verify run
     attributed its tensors (qwen3moe-ep2-fsdp-fp32-t1024); the add-back of the sharded experts
     was counted as optimizer states, weights included."""
-    from planner.memory import estimate
+    from planner.memory.orchestrator import estimate
 
     device = estimate(_request(micro_batch=4, seq_len=256)).per_device
     assert (device.parameters_bytes, device.optimizer_states_bytes) == (15_226_368, 30_452_736)
@@ -186,7 +186,7 @@ def test_collective_volumes_under_ep():
     bytes: all-gathers 23,156,736 (2 x the 2,894,592 dense fp32 parameters), reduce-scatters
     11,578,368, all-to-alls 4 per MoE block of 1,024 tokens x top-2 x 256 x 4 B (34.6 MB counted,
     rank 0 receiving more pairs than the mean)."""
-    from planner.steptime import collective_volumes
+    from planner.time.step import collective_volumes
 
     rows = {r["what"]: r for r in collective_volumes(_request(micro_batch=4, seq_len=256))}
     assert rows["parameter all-gathers"]["bytes_per_step"] == 23_156_736
@@ -204,11 +204,11 @@ def test_data_parallel_time_rings_the_experts_over_the_expert_group_only(monkeyp
     over the ranks holding the same experts: at ep = dp_shard nothing of theirs (the measured run's
     all-gathers carried the dense 38% only), so the data-parallel communication of a model whose
     parameters are mostly routed experts shrinks; the all-to-alls are added beside it."""
-    from planner.architecture import from_hf_config, parameter_numels
-    from planner.experts import data_parallel_share
-    from planner.memory import estimate
-    from planner.parallel import ParallelDims
-    from planner.steptime import estimate_time
+    from planner.model.architecture import from_hf_config, parameter_numels
+    from planner.parallel.experts import data_parallel_share
+    from planner.memory.orchestrator import estimate
+    from planner.parallel.dims import ParallelDims
+    from planner.time.step import estimate_time
 
     a = from_hf_config(dict(QWEN3_MOE))
     total = sum(parameter_numels(a))
@@ -227,9 +227,9 @@ def test_data_parallel_time_rings_the_experts_over_the_expert_group_only(monkeyp
     # share put back (every parameter over every rank, as before), the rings take the ep 1 time
     rings = communication(1)
     sharded = communication(8)
-    import planner.experts
+    import planner.parallel.experts
 
-    monkeypatch.setattr(planner.experts, "data_parallel_share", lambda *args: 1.0)
+    monkeypatch.setattr(planner.parallel.experts, "data_parallel_share", lambda *args: 1.0)
     assert communication(8) - sharded == pytest.approx(rings * (1 - (total - routed) / total))
 
 

@@ -1,4 +1,4 @@
-"""LoRA and QLoRA (planner/finetune.py): trainable counts, the frozen base's storage, refusals.
+"""LoRA and QLoRA (planner/recipes/finetune.py): trainable counts, the frozen base's storage, refusals.
 
 Published figure: PEFT's print_trainable_parameters for Llama-2-7B with LoraConfig(r=8,
 target_modules=["q_proj", "v_proj"]) prints "trainable params: 4,194,304 || all params:
@@ -14,9 +14,9 @@ import sys
 import pytest
 from fastapi.testclient import TestClient
 
-from planner.finetune import quantized_weight_bytes
-from planner.architecture import parameter_numels
-from planner.memory import estimate, resolve
+from planner.recipes.finetune import quantized_weight_bytes
+from planner.model.architecture import parameter_numels
+from planner.memory.orchestrator import estimate, resolve
 from planner.schema import EstimateRequest
 from tests.real_runs import LLAMA, SMALL
 
@@ -132,7 +132,7 @@ def test_api_refuses_with_422(tmp_path):
 
 
 def test_plan_finetune_auto_says_what_each_method_costs():
-    from planner.plan import plan
+    from planner.plan.search import plan
     from planner.schema import PlanRequest
 
     result = plan(PlanRequest(model="llama-3.1-8b", gpu="rtx-4090", gpus=1, seq_len=8192, global_batch=8,
@@ -152,7 +152,7 @@ def test_plan_refuses_lora_fields_with_full():
 
 
 def test_emit_writes_lora_and_bitsandbytes_configs():
-    from planner.emit import emit_estimate_files
+    from planner.plan.emit import emit_estimate_files
 
     files = emit_estimate_files(estimate(EstimateRequest(model="llama-3.1-8b", strategy="zero2", gpus=2,
                                                          finetune="qlora", lora_rank=16, lora_alpha=32,
@@ -182,7 +182,7 @@ def test_worker_job_carries_the_finetune():
 
 
 def test_frozen_blocks_save_less_and_dropout_saves_more():
-    from planner.memory import activations, resolve
+    from planner.memory.orchestrator import activations, resolve
 
     full = activations(resolve(EstimateRequest(**CPU, strategy="zero2")))
     lora = activations(resolve(EstimateRequest(**CPU, strategy="zero2", finetune="lora")))
@@ -196,7 +196,7 @@ def test_frozen_blocks_save_less_and_dropout_saves_more():
     assert dropped.saved_bytes - lora.saved_bytes == 4 * (2 * 2 * 2 * tokens * h - 2 * tokens * h) - 2 * 2 * tokens * h
 
 
-# --- the step time of a frozen base (planner/steptime.py FrozenBaseShape, timing.frozen_base_flops_per_token)
+# --- the step time of a frozen base (planner/time/step.py FrozenBaseShape, timing.frozen_base_flops_per_token)
 
 TIME = dict(model="llama-3.1-8b", gpu="h100-80gb", gpus=8, micro_batch=1, gradient_accumulation=4, seq_len=2048)
 # llama-3.1-8b: 32 blocks of q, o (4096 x 4096), k, v (1024 x 4096), gate, up (14336 x 4096), down (4096 x 14336)
@@ -210,13 +210,13 @@ LLAMA31_ATTENTION = 4 * 32 * 2048 * 4096  # QKᵀ and AV per token at seq 2048
 
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 def test_lora_step_drops_the_frozen_weights_gradient_matmuls(checkpointing):
-    from planner.steptime import estimate_with_time
+    from planner.time.step import estimate_with_time
 
     full = estimate_with_time(EstimateRequest(strategy="zero2", checkpointing=checkpointing, **TIME)).time
     lora = estimate_with_time(EstimateRequest(strategy="zero2", checkpointing=checkpointing, finetune="lora",
                                               **TIME)).time
     assert lora.compute_seconds < full.compute_seconds and lora.step_seconds < full.step_seconds
-    # The FLOPs the GPU runs (TimeEstimate.hfu x step x peak; planner/kernels.py). Full: every GEMM
+    # The FLOPs the GPU runs (TimeEstimate.hfu x step x peak; planner/time/kernels.py). Full: every GEMM
     # forward, input gradient and weight gradient (3 x its forward), FlashAttention's causal
     # forward (2 x (128 + 128) FLOPs per query-key pair and head, 1,024 keys per query on average
     # at 2,048 tokens) and its backward at 2.5 x, and under full checkpointing the forward again.
@@ -233,10 +233,10 @@ def test_lora_step_drops_the_frozen_weights_gradient_matmuls(checkpointing):
 
 
 def test_qlora_step_adds_the_dequantization_of_every_4bit_weight():
-    from planner.finetune import quantized_weight_bytes
-    from planner.gpus import gpu
-    from planner.steptime import estimate_with_time
-    from planner.timing import MEMORY_BANDWIDTH_EFFICIENCY
+    from planner.recipes.finetune import quantized_weight_bytes
+    from planner.cluster.gpus import gpu
+    from planner.time.step import estimate_with_time
+    from planner.time.collectives import MEMORY_BANDWIDTH_EFFICIENCY
 
     kw = dict(TIME, strategy="zero2", checkpointing="full")
     lora = estimate_with_time(EstimateRequest(finetune="lora", **kw)).time
@@ -261,7 +261,7 @@ def test_qlora_step_adds_the_dequantization_of_every_4bit_weight():
     ("fsdp", {"parameter all-gathers": "4 x 2 x 2P", "gradient reduce-scatter": "4 x 2T"}),
 ])
 def test_lora_data_parallel_traffic_is_the_adapters(strategy, expected):
-    from planner.steptime import collective_volumes
+    from planner.time.step import collective_volumes
 
     request = EstimateRequest(strategy=strategy, finetune="lora", **TIME)
     result = estimate(request)
@@ -276,7 +276,7 @@ def test_lora_data_parallel_traffic_is_the_adapters(strategy, expected):
 
 
 def test_plan_finetune_auto_ranks_with_each_methods_step_time():
-    from planner.plan import plan
+    from planner.plan.search import plan
     from planner.schema import PlanRequest
 
     req = dict(model="llama-3.1-8b", gpu="h100-80gb", gpus=8, seq_len=2048, global_batch=64)
@@ -306,7 +306,7 @@ def test_zero3_linear_saves_the_inputs_of_frozen_linears():
     """Under ZeRO-3, F.linear is DeepSpeed's LinearFunctionForZeroStage3, which saves its input
     even for a frozen weight: the gate/up input and down_proj's input of every block and the LM
     head's input, where no q/v adapter keeps them; block 0's q/k/v input needs no gradient."""
-    from planner.memory import activations, resolve
+    from planner.memory.orchestrator import activations, resolve
 
     kw = dict(CPU, precision="bf16-mixed", finetune="lora", lora_targets="q_proj,v_proj")
     zero2 = activations(resolve(EstimateRequest(strategy="zero2", **kw)))

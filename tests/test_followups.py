@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from planner.emit import emit_estimate_files
-from planner.memory import estimate
+from planner.plan.emit import emit_estimate_files
+from planner.memory.orchestrator import estimate
 from planner.schema import EstimateRequest
 
 USERS_DS_CONFIG = {
@@ -135,7 +135,7 @@ def _run_launch_sh(tmp_path, visible):
     import os
     import subprocess
 
-    from planner.emit import write_files
+    from planner.plan.emit import write_files
 
     out = tmp_path / "emit"
     write_files(out, emit_estimate_files(estimate(_gpu_request())))
@@ -185,9 +185,9 @@ def test_a_pasted_topology_or_a_deep_config_is_estimated_in_the_threadpool(recor
 # --- the topology assumed without a preset -----------------------------------------------------------
 
 def test_the_assumed_topology_is_what_parsing_its_nvidia_smi_text_gives():
-    from planner.gpus import gpu
-    from planner.hardware import one_host_bridge as _one_host_bridge
-    from planner.topology import parse_topology
+    from planner.cluster.gpus import gpu
+    from planner.cluster.hardware import one_host_bridge as _one_host_bridge
+    from planner.cluster.topology import parse_topology
 
     g = gpu("a100-40gb")
     for n in (1, 2, 8):
@@ -200,7 +200,7 @@ def test_the_assumed_topology_is_what_parsing_its_nvidia_smi_text_gives():
 def test_a_preset_less_gpu_count_beyond_the_paste_limit_is_estimated():
     """190 GPUs: their nvidia-smi text would be 146,841 bytes, over the paste limit (64 KiB), which
     is for what users paste, not for what the planner assumes."""
-    from planner.steptime import estimate_with_time
+    from planner.time.step import estimate_with_time
 
     result = estimate_with_time(EstimateRequest(model="gpt2", gpu="a100-40gb", gpus=190, strategy="zero2"))
     assert result.time is not None and result.time.step_seconds > 0
@@ -215,7 +215,7 @@ def test_the_collector_runs_while_a_traced_estimate_builds_its_models(monkeypatc
 
     import backend.trace
     from backend.anymodel import traced_estimate
-    from planner.catalogue import UnsupportedModelTypeError
+    from planner.model.catalogue import UnsupportedModelTypeError
 
     seen = []
 

@@ -5,7 +5,7 @@ import pytest
 
 from planner.errors import PlannerError
 from planner.frameworks import framework, framework_of
-from planner.memory import resolve
+from planner.memory.orchestrator import resolve
 from planner.schema import EstimateRequest
 from planner.strategies import STRATEGIES, strategy
 
@@ -54,8 +54,8 @@ def test_setup_names_its_framework():
 
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_every_phase_has_a_kind(name):
-    from planner.memory import estimate
-    from planner.moments import PhaseKind
+    from planner.memory.orchestrator import estimate
+    from planner.memory.moments import PhaseKind
 
     shard = {"hsdp_shard_size": 2} if name == "hsdp" else {}
     gpus = 1 if name == "single" else 4  # one device, no framework
@@ -70,7 +70,7 @@ def test_torch_bf16_pure_keeps_adamw_states_in_bf16():
     """torch.optim.AdamW's exp_avg and exp_avg_sq are zeros_like the parameters: under torch's
     bf16-pure (the model cast to bf16) 2 x 2 bytes per parameter, sharded by FSDP2 (measured:
     llama-fsdp-bf16pure-t512, 9,998,848 B of states on each of 2 ranks); fp32 under the mixed recipe."""
-    from planner.memory import estimate
+    from planner.memory.orchestrator import estimate
     from planner.schema import EstimateRequest
     from tests.real_runs import LLAMA
 
@@ -93,8 +93,8 @@ def test_zero3_gathers_what_it_partitions_once_per_reuse():
     stage3_max_reuse_distance (then nothing is released: the memory model's _zero3_gathered). The
     tiny llama's verify run (4 CPU ranks) gathered 10.00 MB in one step, the whole model once in
     bf16, where two passes over it (20 MB) were modelled."""
-    from planner.architecture import parameter_numels
-    from planner.steptime import collective_volumes
+    from planner.model.architecture import parameter_numels
+    from planner.time.step import collective_volumes
     from tests.real_runs import LLAMA
 
     def gathers(request):

@@ -1,12 +1,12 @@
 """bench/gpu_check.py's CPU-side logic (it needs a GPU to run; none was lent when it was written):
 its sequences simulate as tests/test_allocator.py derived them, the calibration file it writes is
-the one planner/reserved.py reads, and a calibrated GPU's terms reach the estimate."""
+the one planner/memory/reserved.py reads, and a calibrated GPU's terms reach the estimate."""
 
 import json
 
 from bench import gpu_check
-from planner import reserved
-from planner.memory import estimate
+from planner.memory import reserved
+from planner.memory.orchestrator import estimate
 from planner.schema import EstimateRequest
 
 MIB = 2**20

@@ -3,10 +3,10 @@ estimate and plan, and what the time model cannot say for it in the notes."""
 
 import pytest
 
-from planner.gpus import load_gpus
-from planner.plan import plan
-from planner.steptime import estimate_with_time
-from planner.presets import PRESETS, default_preset_for
+from planner.cluster.gpus import load_gpus
+from planner.plan.search import plan
+from planner.time.step import estimate_with_time
+from planner.cluster.presets import PRESETS, default_preset_for
 from planner.schema import EstimateRequest, PlanRequest
 
 NEW = ["h100-pcie", "h100-nvl", "gh200", "b300", "gb200", "l4", "a10g", "rtx-5090", "mi300x"]
@@ -56,20 +56,20 @@ def test_amd_and_superchips_are_flagged_in_estimate_and_plan_notes():
 
 
 def test_links_of_the_new_presets():
-    from planner.presets import preset_topology
+    from planner.cluster.presets import preset_topology
 
     b300 = preset_topology("hgx-b300")
     assert b300.links[0].kind == "nvlink5" and b300.links[0].nominal_bandwidth_gbps == 900.0
     nvl = preset_topology("h100-nvl-pairs")
     assert nvl.nvlink_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert nvl.links[0].nominal_bandwidth_gbps == 300.0  # NV12 x 25 GB/s per direction: 600 GB/s bidirectional
-    from planner.topology import link_between
+    from planner.cluster.topology import link_between
 
     assert link_between(0, 1, "PIX", load_gpus()["b300"]).kind.startswith("pcie-gen6")
 
 
 def test_compute_terms_scale_with_the_measured_rates():
-    """planner/kernels.py: matmuls run at the GPU's measured MAMF, elementwise work at its memory
+    """planner/time/kernels.py: matmuls run at the GPU's measured MAMF, elementwise work at its memory
     bandwidth. H100 SXM and H200 share the MAMF (794.5 TFLOP/s, "H200 is the same") and the 132
     SMs, so their matmul terms are equal; their memory bandwidths are 3,350 and 4,800 GB/s, so the
     elementwise term of the H200 is 3350/4800 of the H100's. A GPU without a MAMF measurement
@@ -81,7 +81,7 @@ def test_compute_terms_scale_with_the_measured_rates():
     h100, h200 = terms("h100-80gb"), terms("h200")
     assert h100["matmul"] == pytest.approx(h200["matmul"], rel=1e-12)
     assert h200["elementwise and loss"] / h100["elementwise and loss"] == pytest.approx(3350 / 4800, rel=1e-9)
-    from planner.kernels import UNMEASURED_MATMUL_FRACTION, rates
+    from planner.time.kernels import UNMEASURED_MATMUL_FRACTION, rates
 
     assert rates(load_gpus()["rtx-5090"], "bf16").matmul_flops == pytest.approx(
         209.5e12 * UNMEASURED_MATMUL_FRACTION, rel=1e-9)

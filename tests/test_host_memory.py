@@ -4,9 +4,9 @@ system memory the topology preset's datasheet states; per node, the sum over its
 import pytest
 
 from cli.main import main
-from planner.memory import estimate
-from planner.plan import plan
-from planner.presets import PRESETS
+from planner.memory.orchestrator import estimate
+from planner.plan.search import plan
+from planner.cluster.presets import PRESETS
 from planner.schema import EstimateRequest, PlanRequest
 
 GIB = 2**30

@@ -46,7 +46,7 @@ def test_a_cached_hub_id_is_read_offline(offline_cache, capsys):
     result = json.loads(out)
     assert result["model"]["name"] == "someorg/tiny-llama"
     assert result["model"]["source"] == "https://huggingface.co/someorg/tiny-llama/blob/main/config.json"
-    from planner.catalogue import model_from_config
+    from planner.model.catalogue import model_from_config
 
     assert result["parameters"] == model_from_config(TINY).parameters
 

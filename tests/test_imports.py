@@ -47,7 +47,7 @@ def _targets(node: ast.AST, module: str, is_package: bool, modules: dict[str, Pa
             source = ".".join(base + ([node.module] if node.module else []))
         else:
             source = node.module or ""
-        # `from planner import memory` imports the module planner.memory; `from x import name` imports x
+        # `from planner import memory` imports the module planner.memory.orchestrator; `from x import name` imports x
         names = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names]
     else:
         return []
@@ -122,8 +122,8 @@ def test_the_graph_sees_imports_inside_functions_and_relative_ones():
     # the checker itself: a function-level import and a relative one are edges, TYPE_CHECKING ones are not
     graph = import_graph()
     assert "backend.train_experts" in graph["backend.rank"]  # imported inside engine_for
-    assert "planner.frameworks.deepspeed_0_19" in graph["planner.frameworks"]
-    assert "planner.setup" not in graph.get("planner.buffers", {})  # only under TYPE_CHECKING
+    assert "planner.frameworks.deepspeed.v0_19" in graph["planner.frameworks"]
+    assert "planner.setup" not in graph.get("planner.memory.buffers", {})  # only under TYPE_CHECKING
     assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
 
 
@@ -148,10 +148,10 @@ def test_architecture_doc_names_every_module():
 # framework; the code should ask the Framework object instead.
 FRAMEWORK_NAMES = {"zero0", "zero1", "zero2", "zero3", "ddp", "fsdp", "fsdp-grad-op", "hsdp", "deepspeed", "torch"}
 NAME_COMPARISONS_LEFT = {
-    "planner/emit.py": 22,  # 22: accelerate refuses DDP x TP (issue 27), a rule for Framework.launch_files
-    "planner/pipeline.py": 5, "planner/plan.py": 4, "planner/finetune.py": 4,
-    "planner/rank_activations.py": 3, "planner/context_parallel.py": 2, "planner/tensor_parallel.py": 2,
-    "planner/experts.py": 1,
+    "planner/plan/emit.py": 22,  # 22: accelerate refuses DDP x TP (issue 27), a rule for Framework.launch_files
+    "planner/parallel/pipeline.py": 5, "planner/plan/search.py": 4, "planner/recipes/finetune.py": 4,
+    "planner/memory/rank_activations.py": 3, "planner/parallel/context.py": 2, "planner/parallel/tensor.py": 2,
+    "planner/parallel/experts.py": 1,
     "backend/launch.py": 11, "backend/rank.py": 2, "backend/job.py": 2, "backend/train_pipeline.py": 2,
     "backend/train.py": 2, "backend/worker.py": 1,
 }

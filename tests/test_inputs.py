@@ -10,7 +10,7 @@ import pytest
 
 from cli.main import main
 from planner.schema import EstimateRequest, PlanRequest
-from planner.gpus import load_gpus
+from planner.cluster.gpus import load_gpus
 
 FABRICS = "choose from eth-100g, eth-25g, ib-edr, ib-hdr, ib-ndr, ib-xdr, roce-100g, roce-200g, roce-400g"
 GPUS = "choose from " + ", ".join(sorted(load_gpus()))  # every catalogue GPU, in order
@@ -256,7 +256,7 @@ def test_nan_and_infinity_in_a_body_are_422_not_500(client, path, body):
 def test_a_config_json_keeps_its_exponent_floats(tmp_path):
     """HF writes "rms_norm_eps": 1e-05; PyYAML (YAML 1.1) would read it as the string '1e-05', and
     transformers' strict config then refuses the run. JSON is read as JSON."""
-    from planner.catalogue import model_from_file
+    from planner.model.catalogue import model_from_file
 
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, '

@@ -17,7 +17,7 @@ from planner.jobfiles.job import read_job
 from planner.jobfiles.keys import schema_accepts
 from planner.jobfiles.write import emit
 from planner.schema import CheckRequest
-from planner.steptime import estimate_with_time
+from planner.time.step import estimate_with_time
 
 FIXTURES = Path(__file__).parent / "fixtures" / "jobfiles"
 
@@ -112,7 +112,7 @@ def test_axolotl_examples_with_axolotls_deepspeed_configs_are_answered(example, 
 
 def test_axolotl_quantized_example_under_ddp_gets_the_cores_refusal():
     """Without a DeepSpeed config axolotl runs DDP; the core does not model a bitsandbytes base
-    under autocast there (planner/finetune.py) and says so."""
+    under autocast there (planner/recipes/finetune.py) and says so."""
     with pytest.raises(PlannerError, match="quantize_base=int8 with strategy ddp"):
         check(_body(FIXTURES / "axolotl/lora-8b.yml", gpus=1), estimate_with_time)
 

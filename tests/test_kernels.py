@@ -1,13 +1,13 @@
-"""The kernel model of the step's compute (planner/kernels.py), pinned to hand-derived numbers."""
+"""The kernel model of the step's compute (planner/time/kernels.py), pinned to hand-derived numbers."""
 
 import pytest
 
-from planner.catalogue import catalogue_model
-from planner.gpus import load_gpus
-from planner.kernels import (FLASH_ATTENTION_CAUSAL_TFLOPS, Gemm, Rates, Work, attention_tflops, micro_batch_terms,
-                             optimizer_step_seconds, rates, wave_efficiency, work)
+from planner.model.catalogue import catalogue_model
+from planner.cluster.gpus import load_gpus
+from planner.time.kernels import (FLASH_ATTENTION_CAUSAL_TFLOPS, Gemm, Rates, Work, attention_tflops, micro_batch_terms,
+                                  optimizer_step_seconds, rates, wave_efficiency, work)
 from planner.schema import EstimateRequest
-from planner.steptime import estimate_with_time
+from planner.time.step import estimate_with_time
 
 A100 = load_gpus()["a100-80gb"]
 H100 = load_gpus()["h100-80gb"]

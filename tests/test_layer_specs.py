@@ -3,15 +3,15 @@
 One forward of a tiny model of each family under ``torch.autograd.graph.saved_tensors_hooks``:
 every distinct storage autograd keeps for backward (parameters excluded) is summed per decoder
 block and compared with the planner's block of the same spec. This is the measurement the
-per-block formulas in planner/activations.py were derived from; the real DeepSpeed runs in
+per-block formulas in planner/model/activations.py were derived from; the real DeepSpeed runs in
 tests/real_runs.py check the same numbers end to end.
 """
 
 import pytest
 
-from planner.activations import block_saved_bytes
-from planner.architecture import from_hf_config, layer_specs
-from planner.layers import layer_numels
+from planner.model.activations import block_saved_bytes
+from planner.model.architecture import from_hf_config, layer_specs
+from planner.model.layers import layer_numels
 from tests.real_runs import (DEEPSEEK_V2, DEEPSEEK_V3, GEMMA2, GEMMA3, GPT_OSS, LLAMA, LLAMA4, LLAMA_TP, MISTRAL, OLMO2,
                              QWEN2, QWEN3, QWEN3_MOE, SMOLLM3)
 
@@ -82,7 +82,7 @@ def test_autocast_block_saved_bytes_match_autograd(name, config):
     ``x * rsqrt`` in both norms and a 16-bit copy of the normed input per linear (q, k, v; gate, up):
     10 bytes more per token x hidden element on these shapes (the trace of llama-ddp-bf16 showed
     the same per site). The linears' 16-bit weights, which autograd saves too, are the framework's
-    "autocast copies of the weights" item (frameworks/torch_2.py), not the block's activations."""
+    "autocast copies of the weights" item (frameworks/torch/v2.py), not the block's activations."""
     micro, seq = 2, 256
     arch = from_hf_config(config)
     measured = _measured_blocks(config, "fp32", micro, seq, "sdpa", autocast=True)

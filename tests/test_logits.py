@@ -2,13 +2,13 @@
 
 The real runs themselves are measured by tests/test_deepspeed_cpu.py (CI) and bench/accuracy.py;
 these fast tests keep the suite able to see a logits error, and pin the mechanisms the model
-counts (planner/activations.py: _loss_saved, _loss_transient; planner/buffers.py:
+counts (planner/model/activations.py: _loss_saved, _loss_transient; planner/memory/buffers.py:
 _tied_head_elements).
 """
 
 import pytest
 
-from planner.memory import estimate
+from planner.memory.orchestrator import estimate
 from planner.schema import EstimateRequest
 from tests.real_runs import BENCH_RUNS, CPU_RUNS, GPT2_50K, LLAMA_32K, QWEN2_64K, _run
 

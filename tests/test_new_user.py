@@ -10,7 +10,7 @@ import pytest
 
 from backend.report import verify_table
 from cli.main import main
-from planner.memory import estimate
+from planner.memory.orchestrator import estimate
 from planner.schema import EstimateRequest
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -128,7 +128,7 @@ def test_the_estimate_on_the_page_is_the_api_s(client):
     assert _span(page.text, "peak") == f"{peak / GIB:.2f}"
     assert _span(page.text, "capacity") == f"{capacity / GIB:.2f}"
     assert _span(page.text, "headroom") == f"{(capacity - peak) / GIB:.2f}"
-    # the API's headroom is judged on the reserved peak (planner/reserved.py): the page says both
+    # the API's headroom is judged on the reserved peak (planner/memory/reserved.py): the page says both
     assert _span(page.text, "reserved-headroom") == f"{api['headroom_bytes'] / GIB:.2f}"
     assert _span(page.text, "headroom-percent") == f"{100 * (capacity - peak) / capacity:.1f}"
     assert f"{api['time']['step_seconds']:.3f} s per step" in page.text

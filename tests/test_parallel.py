@@ -1,4 +1,4 @@
-"""Parallel degrees (planner/parallel.py): strategy names parse into dims, every refusal names its
+"""Parallel degrees (planner/parallel/dims.py): strategy names parse into dims, every refusal names its
 operands, and a degree whose memory model has not landed is one line naming the field and value:
 exit 2 on the CLI, 422 on the API."""
 
@@ -8,8 +8,8 @@ import pytest
 
 from cli.main import main
 from planner.errors import PlannerError
-from planner.memory import estimate, resolve
-from planner.parallel import ModelShape, ParallelDims, check_dims, data_parallel_size, dims_for
+from planner.memory.orchestrator import estimate, resolve
+from planner.parallel.dims import ModelShape, ParallelDims, check_dims, data_parallel_size, dims_for
 from planner.schema import EstimateRequest
 
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from planner.errors import PlannerError
-from planner.pipeline import bubble_fraction, check_schedule, max_in_flight, rank_actions, stage_bounds
+from planner.parallel.pipeline import bubble_fraction, check_schedule, max_in_flight, rank_actions, stage_bounds
 
 
 def _torch_order(actions) -> list[tuple[int, str, int]]:
@@ -91,7 +91,7 @@ def test_stage_split_is_torchtitans():
 
 
 def test_pipeline_time():
-    from planner.pipeline import pipeline_time
+    from planner.parallel.pipeline import pipeline_time
 
     t = pipeline_time(8.0, pp=4, micro_batches=8, virtual_stages=1, boundary_bytes=2 * 10**9 // 100,
                       link_gbps=20.0)
@@ -105,8 +105,8 @@ def test_pipeline_time():
 
 
 def test_expert_parallel_sharding_and_all_to_all():
-    from planner.architecture import from_hf_config, parameter_numels
-    from planner.experts import all_to_all_bytes_per_step, all_to_all_seconds, dispatch_buffers, expert_sharding
+    from planner.model.architecture import from_hf_config, parameter_numels
+    from planner.parallel.experts import all_to_all_bytes_per_step, all_to_all_seconds, dispatch_buffers, expert_sharding
     from tests.real_runs import DEEPSEEK_V3, LLAMA
 
     a = from_hf_config(dict(DEEPSEEK_V3))
@@ -132,7 +132,7 @@ def test_cp_under_pp_splits_the_sequence_and_shards_over_dp_shard_x_cp():
     """With pp, a cp group holds seq_len / cp tokens per rank and FSDP shards over dp_shard x cp
     (torchtitan's dp_shard_cp): cp=2 at twice the sequence is the cp=1 layout's peak plus ring
     attention's buffers, not twice the activations over unsharded states."""
-    from planner.memory import estimate
+    from planner.memory.orchestrator import estimate
     from planner.schema import EstimateRequest
 
     fields = dict(model="llama-3.1-8b", strategy="fsdp", gpus=8, gpu="h100-80gb", precision="bf16-mixed",
@@ -147,7 +147,7 @@ def test_cp_under_pp_splits_the_sequence_and_shards_over_dp_shard_x_cp():
 def test_sequence_parallel_shards_the_stage_boundary_over_tp():
     """Under sequence parallelism the residual stream between blocks is sequence-sharded: a
     checkpointed stage keeps 1/tp of each block input it would keep without it."""
-    from planner.memory import estimate
+    from planner.memory.orchestrator import estimate
     from planner.schema import EstimateRequest
 
     fields = dict(model="llama-3.1-8b", strategy="fsdp", gpus=8, gpu="h100-80gb", precision="bf16-mixed",
@@ -160,8 +160,8 @@ def test_sequence_parallel_shards_the_stage_boundary_over_tp():
 # --- stages are shares of the whole model's activations (one mechanism with TP, SP and CP) -------
 
 def _setup_and_stages(**fields):
-    from planner.memory import activations, resolve
-    from planner.pipeline import stages
+    from planner.memory.orchestrator import activations, resolve
+    from planner.parallel.pipeline import stages
     from planner.schema import EstimateRequest
 
     setup = resolve(EstimateRequest(**fields))
@@ -195,7 +195,7 @@ def test_tp_stage_shards_its_norms_and_pays_loss_parallel():
     """Under tp 2 with SP, a stage's blocks keep 1/2 of what their norms save (tp_activations), and
     the last stage's loss backward has loss_parallel's third vocab/tp tensor (measured on CPU ranks,
     tests/real_runs.py llama-tp2-pp2-fp32-sp-m4): the stage split used to leave both out."""
-    from planner.tensor_parallel import loss_parallel_extra_bytes
+    from planner.parallel.tensor import loss_parallel_extra_bytes
 
     fields = dict(model="llama-3.1-8b", strategy="fsdp", gpus=8, gpu="h100-80gb", precision="bf16-pure",
                   micro_batch=1, seq_len=4096, pp=2, gradient_accumulation=4, tp=2)
@@ -214,7 +214,7 @@ def test_cp_stage_holds_ring_attentions_buffers():
     sequence; the block it recomputes also holds ring attention's copy of the merged output, and
     its backward transient is context_parallel's (the larger of the MLP's and the ring's, which
     come after the MLP's saved tensors are freed)."""
-    from planner.context_parallel import cp_activations, merged_output_copy_bytes
+    from planner.parallel.context import cp_activations, merged_output_copy_bytes
 
     fields = dict(model="llama-3.1-8b", strategy="fsdp", gpu="h100-80gb", precision="bf16-pure",
                   micro_batch=1, pp=2, gradient_accumulation=4, checkpointing="full")
@@ -250,7 +250,7 @@ def test_every_stage_computes_every_rope_table():
 def test_uneven_split_is_megatrons_and_refused_when_the_rest_is_not_even():
     """Megatron-LM d98e8a6 transformer_block.py get_num_layers_to_build: the given first and last
     stages' blocks out, the other stages share the rest evenly, or it refuses."""
-    from planner.pipeline import check_split
+    from planner.parallel.pipeline import check_split
 
     assert stage_bounds(126, 16, 7, 7) == [(0, 7)] + [(7 + 8 * k, 15 + 8 * k) for k in range(14)] + [(119, 126)]
     assert stage_bounds(4, 2, 1, 3) == [(0, 1), (1, 4)]
@@ -269,9 +269,9 @@ def test_uneven_split_is_megatrons_and_refused_when_the_rest_is_not_even():
 def test_uneven_stages_in_memory_and_time():
     """Each stage holds its own blocks (the first the embedding, the last the norm and head); the
     per-device answer is the worst rank's, and the slowest stage sets the pipeline's pace."""
-    from planner.memory import estimate
+    from planner.memory.orchestrator import estimate
     from planner.schema import EstimateRequest
-    from planner.steptime import estimate_time
+    from planner.time.step import estimate_time
 
     base = dict(model="llama-3.1-8b", strategy="fsdp", gpus=8, nodes=2, micro_batch=1, seq_len=4096,
                 gradient_accumulation=8, pp=2)

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from cli.main import main
-from planner.memory import cpu_rank_bytes, estimate
+from planner.memory.orchestrator import cpu_rank_bytes, estimate
 from planner.schema import EstimateRequest
 from tests.real_runs import DEEPSEEK_V3, LLAMA
 
@@ -118,7 +118,7 @@ def test_expert_parallel_shrinks_replicated_experts_not_sharded_ones():
 
 
 def test_time_has_the_bubble_and_the_all_to_alls():
-    from planner.steptime import estimate_time
+    from planner.time.step import estimate_time
 
     base = dict(model="llama-3.1-8b", strategy="fsdp", gpus=8, micro_batch=1, seq_len=4096, gradient_accumulation=8)
     flat = estimate(EstimateRequest(**base))
@@ -128,8 +128,8 @@ def test_time_has_the_bubble_and_the_all_to_alls():
     # 16 blocks each, the last also the LM head (2 x vocab x hidden FLOPs per token forward); the
     # replica's compute holds its whole model's optimizer step, sharded over its 4 data-parallel
     # ranks: twice the flat layout's (8 ranks), which the share and the bubble scale with the rest
-    from planner.catalogue import catalogue_model
-    from planner.pipeline import block_flops
+    from planner.model.catalogue import catalogue_model
+    from planner.parallel.pipeline import block_flops
 
     arch = catalogue_model("llama-3.1-8b").architecture
     blocks, head = block_flops(arch, 4096), 2 * 128256 * 4096
@@ -143,11 +143,11 @@ def test_time_has_the_bubble_and_the_all_to_alls():
     plain, experts = estimate(EstimateRequest(**moe)), estimate(EstimateRequest(**moe, ep=8))
     ta, tb = estimate_time(plain.request, plain), estimate_time(experts.request, experts)
     # at ep = 8 = dp_shard the routed experts (most of the 30B) no longer ring over the
-    # data-parallel group (efsdp = 1, planner/experts.py data_parallel_share): the rings keep the
+    # data-parallel group (efsdp = 1, planner/parallel/experts.py data_parallel_share): the rings keep the
     # dense share, and the all-to-alls come on top of it
-    from planner.architecture import Architecture, parameter_numels
-    from planner.experts import data_parallel_share
-    from planner.parallel import ParallelDims
+    from planner.model.architecture import Architecture, parameter_numels
+    from planner.parallel.experts import data_parallel_share
+    from planner.parallel.dims import ParallelDims
 
     a = Architecture.model_validate(experts.model.architecture)
     share = data_parallel_share(a, ParallelDims(**experts.parallel.model_dump()), sum(parameter_numels(a)))
@@ -158,7 +158,7 @@ def test_time_has_the_bubble_and_the_all_to_alls():
 
 def test_collective_volumes_of_a_pipeline_rank():
     # what backend/train_pipeline.py counts on rank 0 (stage 0) of the PP x FSDP2 run
-    from planner.steptime import collective_volumes
+    from planner.time.step import collective_volumes
 
     fields = dict(model_config=LLAMA, strategy="fsdp", gpu="cpu", micro_batch=2, seq_len=128, gradient_accumulation=4,
                   pp=2)
@@ -233,7 +233,7 @@ def test_collective_volumes_of_a_pipeline_rank_with_tensor_parallelism():
     """Rank 0 of pp 2 x tp 2 (tests/real_runs.py llama-pp2-tp2-1f1b-fp32-sp-t256-m4): its stage's 2 blocks
     x 4 SP all-gathers and reduce-scatters, and the vocab-parallel embedding's, per micro-batch: 36 of
     each, as the counted run measured them (DTensor's funcol calls); the whole model's would be 72."""
-    from planner.steptime import collective_volumes
+    from planner.time.step import collective_volumes
     from tests.real_runs import LLAMA_TP
 
     fields = dict(model_config=LLAMA_TP, strategy="fsdp", gpu="cpu", gpus=4, micro_batch=1, seq_len=256,

@@ -8,10 +8,10 @@ import tomllib
 import pytest
 
 from cli.main import main
-from planner.emit import Script, emit_estimate_files
+from planner.plan.emit import Script, emit_estimate_files
 from planner.errors import PlannerError
-from planner.pipeline import stage_bounds
-from planner.plan import estimate_with_time
+from planner.parallel.pipeline import stage_bounds
+from planner.plan.search import estimate_with_time
 from planner.schema import EstimateRequest
 from tests.real_runs import LLAMA, QWEN2
 
@@ -104,8 +104,8 @@ def test_uneven_split_is_emitted_for_torchtitan_and_megatron(tmp_path):
     split, Megatron's arguments name it (--decoder-first/last-pipeline-num-layers, d98e8a6)."""
     import tomllib
 
-    from planner.emit import emit_estimate_files
-    from planner.memory import estimate
+    from planner.plan.emit import emit_estimate_files
+    from planner.memory.orchestrator import estimate
     from planner.schema import EstimateRequest
 
     req = EstimateRequest(model="llama-3.1-405b", gpu="h100-80gb", gpus=8, nodes=128, strategy="fsdp", tp=8, pp=16,

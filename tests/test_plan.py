@@ -8,7 +8,7 @@ import pytest
 
 from cli.main import main
 from planner.errors import PlannerError
-from planner.plan import plan
+from planner.plan.search import plan
 from planner.schema import PlanRequest
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "topologies"
@@ -154,7 +154,7 @@ def test_every_emitted_deepspeed_config_loads_in_deepspeeds_own_parser(tmp_path,
     pytest.importorskip("deepspeed")
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from planner.emit import emit_files
+    from planner.plan.emit import emit_files
 
     model, gpus = strategy_model
     r = plan(PlanRequest(model=model, gpu="h100-80gb", gpus=gpus, topology="hgx-h100", seq_len=2048,
@@ -195,11 +195,11 @@ def test_emitted_plan_runs_through_verify_plan(tmp_path, capsys):
 
 
 def test_calibrated_link_efficiency_per_link_type_is_applied(tmp_path, monkeypatch):
-    from planner import timing
-    from planner.steptime import estimate_with_time
-    from planner.presets import preset_topology
+    from planner.time import collectives as timing
+    from planner.time.step import estimate_with_time
+    from planner.cluster.presets import preset_topology
     from backend.profiles import profile_for, save_profile
-    from planner.profiles import Profile, _fit_links
+    from planner.time.profiles import Profile, _fit_links
     from planner.schema import EstimateRequest
 
     overall, per_kind, residuals = _fit_links([(1, (1.0, 0.1, 2.1, "a")), (2, (1.0, 0.1, 1.1, "b")),
@@ -228,7 +228,7 @@ def _by_strategy(r, name):
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3", "fsdp-grad-op"])
 def test_sharded_groups_across_nodes_are_bounded_by_the_fabric(strategy):
-    from planner.steptime import estimate_with_time
+    from planner.time.step import estimate_with_time
     from planner.schema import EstimateRequest
 
     kw = dict(model="llama-3-8b", strategy=strategy, gpu="h100-80gb", gpus=8, nodes=2, nics_per_node=1,
@@ -245,7 +245,7 @@ def test_sharded_groups_across_nodes_are_bounded_by_the_fabric(strategy):
 def test_flat_ring_across_nodes_runs_at_the_nics_hand_derived():
     """NCCL's all-gather/reduce-scatter across nodes is a flat ring (NVIDIA/nccl#471, #1473): each
     byte crosses every node boundary, so the ring runs at min(node ring, node's NICs)."""
-    from planner import timing
+    from planner.time import collectives as timing
 
     wire = timing.Wire(intra_gbps=360.0, intra_latency_us=0.0, nic_gbps=2.0, nic_latency_us=0.0)
     t = timing.collective_seconds(16e9, timing.Group(16, 8, 1), wire, 1e9, passes=1)
@@ -267,7 +267,7 @@ def test_flat_ring_across_nodes_runs_at_the_nics_hand_derived():
 
 
 def test_fsdp_communication_grows_with_nodes_on_a_slow_fabric():
-    from planner.steptime import estimate_with_time
+    from planner.time.step import estimate_with_time
     from planner.schema import EstimateRequest
 
     kw = dict(model="llama-3-70b", strategy="fsdp", gpu="h100-80gb", gpus=8, seq_len=4096, checkpointing="full")
@@ -301,7 +301,7 @@ def _llama8b_on_hgx():
 
 
 def test_ties_within_the_time_models_uncertainty_go_to_headroom():
-    from planner.plan import MEMORY_TIE_FRACTION, TIE_TOLERANCE
+    from planner.plan.search import MEMORY_TIE_FRACTION, TIE_TOLERANCE
     from planner.units import GIB
 
     r = _llama8b_on_hgx()

@@ -5,10 +5,10 @@ import pytest
 
 from cli.main import main
 from planner.errors import PlannerError
-from planner.memory import estimate
-from planner.plan import Setting, _request, plan
+from planner.memory.orchestrator import estimate
+from planner.plan.search import Setting, _request, plan
 from planner.schema import EstimateRequest, PlanRequest
-from planner.steptime import estimate_with_time
+from planner.time.step import estimate_with_time
 
 SLOW_TWO_NODES = dict(model="llama-3-8b", gpu="h100-80gb", gpus=8, nodes=2, nics_per_node=1, global_batch=256,
                       fabric="eth-25g")
@@ -41,7 +41,7 @@ def test_pipeline_across_a_slow_fabric_wins_and_is_its_estimate():
     """Two 8 x H100 nodes joined by one 25 GbE NIC each: data parallelism sends its gradients (HSDP:
     the replica all-reduce) through the NIC every step; a pipeline whose stage boundary is the node
     boundary sends only each micro-batch's activations across, and wins. Its numbers are the
-    estimate's of the same configuration (pipeline memory, bubble and p2p: planner/pipeline.py)."""
+    estimate's of the same configuration (pipeline memory, bubble and p2p: planner/parallel/pipeline.py)."""
     req = PlanRequest(**SLOW_TWO_NODES)
     r = plan(req)
     best = r.recommended
@@ -87,8 +87,8 @@ def test_uneven_pipelines_are_searched_with_shorter_ends():
     """Llama-3.1-405B's 126 blocks on 16 nodes: pp 4, 8 and 16 are planned with the first and
     last stages one block shorter (31/32/32/31, 15/16x6/15, 7/8x14/7: the Llama 3 paper's split at
     16 stages), each candidate carrying its split."""
-    from planner.pipeline import balanced_split
-    from planner.catalogue import catalogue_model
+    from planner.parallel.pipeline import balanced_split
+    from planner.model.catalogue import catalogue_model
 
     arch = catalogue_model("llama-3.1-405b").architecture
     assert [balanced_split(arch, pp, 1, 8192) for pp in (4, 8, 16)] == [(31, 31), (15, 15), (7, 7)]
@@ -126,7 +126,7 @@ def test_every_phase_grows_with_the_micro_batch(strategy, checkpointing):
 def test_the_pipeline_resident_floor_is_the_estimates(strategy, schedule, tp):
     """plan._resident_floor extrapolates a pipeline's resident bytes from pp micro-batches of 1 and
     of 2 sequences; it equals the estimate at every micro-batch split of the rank's share."""
-    from planner.plan import _Search, _resident_floor
+    from planner.plan.search import _Search, _resident_floor
 
     virtual = 2 if schedule == "interleaved" else 1
     req = PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, nodes=4, global_batch=512, pp_schedule=schedule,
@@ -142,7 +142,7 @@ def test_the_pipeline_resident_floor_is_the_estimates(strategy, schedule, tp):
 
 def test_bounds_do_not_change_the_recommendation_of_an_exhaustive_search(monkeypatch):
     """With every bound switched off (no time bound, no floors) the same candidates win."""
-    import planner.plan as p
+    import planner.plan.search as p
 
     req = PlanRequest(**SLOW_TWO_NODES)
     bounded = plan(req)
@@ -161,7 +161,7 @@ def test_bounds_do_not_change_the_recommendation_of_an_exhaustive_search(monkeyp
 def test_the_fewer_nodes_bound_changes_no_advice(monkeypatch):
     """plan._fewer_node_rows skips a node count whose compute alone cannot beat the advice's
     threshold; without the bound the advice is the same."""
-    import planner.plan as p
+    import planner.plan.search as p
 
     kw = dict(model="llama-3-70b", gpu="h100-80gb", gpus=8, nodes=4, seq_len=4096, global_batch=256, tp=1, pp=1)
     for fabric in ({"fabric": "eth-25g", "nics_per_node": 1}, {}):
@@ -178,7 +178,7 @@ def test_the_min_gpus_bounds_change_no_answer(monkeypatch):
     """plan._search answers None at once when the replicated weights, or the most nodes searched,
     prove it, and skips a node's fewer GPUs when the whole node does not fit: the same answers as
     the plain doubling search."""
-    import planner.plan as p
+    import planner.plan.search as p
 
     req = PlanRequest(model="llama-3-70b", gpu="h100-80gb", gpus=8, nodes=2, global_batch=256)
     usable = 80 * 2**30 * 0.95
@@ -218,7 +218,7 @@ def test_the_longest_sequence_of_a_pipeline_recommendation():
     r = plan(req)
     best, longest = r.recommended, r.max_seq_len
     assert best.parallel.pp == 2 and longest is not None and longest % 256 == 0
-    from planner.gpus import gpu as lookup_gpu
+    from planner.cluster.gpus import gpu as lookup_gpu
 
     usable = lookup_gpu(req.gpu).memory_bytes * (1 - req.headroom)
 
@@ -249,8 +249,8 @@ def test_every_phase_grows_with_the_micro_batch_in_every_layout_searched(fields)
 def test_a_pipeline_ranks_resident_bytes_do_not_depend_on_checkpointing(strategy, schedule):
     """The plan's resident floor of a pipeline setting is estimated once, without checkpointing,
     for both: every rank keeps the same states and receive buffers between steps either way."""
-    from planner.memory import resolve
-    from planner.pipeline import estimate_plan
+    from planner.memory.orchestrator import resolve
+    from planner.parallel.pipeline import estimate_plan
     from planner.schema import EstimateRequest
 
     def residents(checkpointing):
@@ -278,7 +278,7 @@ def test_llama3_pretraining_setup_is_planned_with_families_and_a_reason():
     families = {(c.parallel.tp > 1, c.parallel.pp > 1) for c in r.families}
     assert {(True, False), (True, True)} <= families  # and dp x pp (16 x 1,024 ranks do not divide 2,048)
     assert r.winner_reason.startswith(f"recommended {r.recommended.strategy}")
-    from planner.plan import layout_family
+    from planner.plan.search import layout_family
 
     winner = layout_family(*(getattr(r.recommended.parallel, d) for d in ("tp", "cp", "pp", "ep")))
     others = {layout_family(*(getattr(c.parallel, d) for d in ("tp", "cp", "pp", "ep"))) for c in r.families} - {winner}

@@ -2,7 +2,7 @@
 
 from hypothesis import given, settings, strategies as st
 
-from planner.memory import estimate
+from planner.memory.orchestrator import estimate
 from planner.schema import EstimateRequest
 
 MODELS = st.sampled_from(["gpt2", "llama-3.2-1b", "qwen2.5-0.5b", "mistral-7b-v0.1", "mixtral-8x7b", "gemma-2-9b"])

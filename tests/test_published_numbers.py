@@ -2,8 +2,8 @@
 
 import pytest
 
-from planner.memory import estimate
-from planner.peers import deepspeed_zero2_gpu_bytes, deepspeed_zero3_gpu_bytes
+from planner.memory.orchestrator import estimate
+from planner.memory.peers import deepspeed_zero2_gpu_bytes, deepspeed_zero3_gpu_bytes
 from planner.schema import EstimateRequest
 
 GB = 10**9
@@ -79,6 +79,6 @@ def test_deepspeed_peer_formulas_equal_deepspeeds_own():
 
 
 def test_accelerate_rule_is_four_times_the_model():
-    from planner.peers import accelerate_adam_training_bytes
+    from planner.memory.peers import accelerate_adam_training_bytes
 
     assert accelerate_adam_training_bytes(7_241_732_096, 2) == 4 * 2 * 7_241_732_096

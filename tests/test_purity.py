@@ -8,8 +8,8 @@ HEAVY = ["torch", "deepspeed", "transformers", "fastapi", "jinja2", "uvicorn", "
 
 
 def test_import_planner_loads_no_heavy_module():
-    code = ("import sys, json, planner, planner.memory, planner.buffers, planner.catalogue, planner.dsconfig; "
-            "from planner.memory import estimate; from planner.schema import EstimateRequest; "
+    code = ("import sys, json, planner, planner.memory.orchestrator, planner.memory.buffers, planner.model.catalogue, planner.frameworks.deepspeed.config; "
+            "from planner.memory.orchestrator import estimate; from planner.schema import EstimateRequest; "
             "estimate(EstimateRequest(model='gpt2', strategy='zero2', gpus=2)); "
             f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

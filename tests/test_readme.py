@@ -69,7 +69,7 @@ def _stop_before_launch(monkeypatch) -> list:
     calls = []
 
     def verify(request, **options):
-        from planner.memory import estimate
+        from planner.memory.orchestrator import estimate
 
         calls.append(("verify", estimate(request)))  # the request a real run would launch resolves
         raise KeyboardInterrupt  # cmd_verify's own path for a run that ended before it started

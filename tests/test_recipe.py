@@ -1,17 +1,17 @@
 """Recipe is the one precision decoder (issue 10): the code below the request reads a precision's
-bytes, dtypes and modes from planner.precision.RECIPES and never compares its name again."""
+bytes, dtypes and modes from planner.recipes.precision.RECIPES and never compares its name again."""
 
 import ast
 from pathlib import Path
 
 import pytest
 
-from planner.precision import RECIPES
+from planner.recipes.precision import RECIPES
 
 ROOT = Path(__file__).resolve().parent.parent
 # Where a precision's name may be read: the recipe table itself, the request's Literal, and the
 # reading of a ds_config's bf16/fp16 blocks into a name.
-PARSERS = {"planner/precision.py": None, "planner/schema.py": None, "planner/dsconfig.py": {"_precision"}}
+PARSERS = {"planner/recipes/precision.py": None, "planner/schema.py": None, "planner/frameworks/deepspeed/config.py": {"_precision"}}
 # Names no other code has a reason to spell; "fp32" is also a dtype, so it counts only against a precision.
 RECIPE_ONLY_NAMES = {name for name in RECIPES if name != "fp32"}
 

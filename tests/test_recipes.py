@@ -1,12 +1,12 @@
 """The recipes as they are run (issue 21): the training loop that keeps the model's outputs
-(planner/loop.py). The real runs (tests/real_runs.py, measured by bench/accuracy.py) guard the
+(planner/recipes/loop.py). The real runs (tests/real_runs.py, measured by bench/accuracy.py) guard the
 numbers; these fast tests pin the mechanism and the refusals."""
 
 import pytest
 
 from backend.launch import worker_job
 from planner.errors import PlannerError
-from planner.memory import estimate
+from planner.memory.orchestrator import estimate
 from planner.schema import EstimateRequest
 from tests.real_runs import BENCH_RUNS, CPU_RUNS, LLAMA_32K
 
@@ -89,7 +89,7 @@ QLORA = dict(model_config=LLAMA_32K, gpus=1, gpu="cpu", micro_batch=1, seq_len=1
 def test_qlora_as_it_is_run_keeps_an_fp32_stream_under_autocast():
     # a 4-bit base under torch.autocast after prepare_model_for_kbit_training: the checkpointed block
     # inputs are the fp32 residual stream (measured: llama-qlora-single-bf16-ckpt-all-r16-t1024)
-    from planner.memory import activations, resolve
+    from planner.memory.orchestrator import activations, resolve
 
     ckpt = activations(resolve(EstimateRequest(**QLORA, checkpointing="full")))
     assert ckpt.layer_kept_bytes == 4 * 1024 * 256
@@ -111,7 +111,7 @@ def test_qlora_int8_under_autocast_and_double_quant_off_4bit_are_refused_by_fiel
 
 
 def test_double_quantization_stores_the_absmax_in_8_bits():
-    from planner.finetune import quantized_weight_bytes
+    from planner.recipes.finetune import quantized_weight_bytes
 
     n, blocks = 4096 * 4096, 4096 * 4096 // 64
     assert quantized_weight_bytes(n, "nf4", 4096, double_quant=False) == n // 2 + 4 * blocks + 64
@@ -132,9 +132,9 @@ def test_qlora_recipe_has_real_runs_on_one_device_and_ddp():
 
 # --- checkpointing policies -------------------------------------------------------------------
 
-from planner.activations import recompute_flops_per_token, selective_op_saved_linears  # noqa: E402
-from planner.architecture import from_hf_config  # noqa: E402
-from planner.linears import Linear  # noqa: E402
+from planner.model.activations import recompute_flops_per_token, selective_op_saved_linears  # noqa: E402
+from planner.model.architecture import from_hf_config  # noqa: E402
+from planner.model.linears import Linear  # noqa: E402
 from tests.real_runs import LLAMA  # noqa: E402
 
 POLICY = dict(model_config=LLAMA, gpus=1, gpu="cpu", micro_batch=4, seq_len=256)
@@ -201,7 +201,7 @@ LOGITS = dict(model_config=LLAMA_32K, gpus=1, gpu="cpu", micro_batch=1, seq_len=
 
 
 def test_chunked_loss_keeps_the_saved_set_and_peaks_at_the_forward_of_its_last_chunk():
-    from planner.memory import activations, resolve
+    from planner.memory.orchestrator import activations, resolve
 
     hf = activations(resolve(EstimateRequest(**LOGITS)))
     chunked = activations(resolve(EstimateRequest(**LOGITS, loss="chunked")))

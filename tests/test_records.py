@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.memory import cpu_rank_bytes, estimate
+from planner.memory.orchestrator import cpu_rank_bytes, estimate
 from planner.schema import EstimateRequest
 from tests.real_runs import BENCH_RUNS, CPU_RUNS, TARGET_MISSES, TOLERANCE
 

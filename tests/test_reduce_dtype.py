@@ -9,7 +9,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from planner.memory import estimate
+from planner.memory.orchestrator import estimate
 from planner.schema import EstimateRequest
 from tests.real_runs import LLAMA
 
@@ -104,8 +104,8 @@ def test_published_torchtitan_rows_reduce_in_fp32_with_torchtitans_micro_batches
 def test_plan_candidates_reduce_in_the_requested_dtype():
     """plan --reduce-dtype fp32: each FSDP2 candidate is the estimate of its configuration with
     reduce_dtype fp32 (a pipeline's accumulated gradients at 4 bytes), the others unchanged."""
-    from planner.emit import estimate_request_for
-    from planner.plan import plan
+    from planner.plan.emit import estimate_request_for
+    from planner.plan.search import plan
     from planner.schema import PlanRequest
 
     fields = dict(model="llama-3.1-8b", gpu="h100-80gb", gpus=8, nodes=2, seq_len=4096, global_batch=64, pp=2)
@@ -129,8 +129,8 @@ def test_torchtitan_emit_reduces_in_fp32_and_says_what_that_costs(tmp_path):
     estimate reduced in the compute dtype; nothing is added when it already reduced in fp32."""
     import tomllib
 
-    from planner.emit import emit_estimate_files
-    from planner.plan import estimate_with_time
+    from planner.plan.emit import emit_estimate_files
+    from planner.plan.search import estimate_with_time
 
     fields = dict(model="llama-3.1-8b", strategy="fsdp", gpu="h100-80gb", gpus=8, tp=2, pp=2, gradient_accumulation=4)
     files = emit_estimate_files(estimate_with_time(EstimateRequest(**fields)))
@@ -144,8 +144,8 @@ def test_torchtitan_emit_reduces_in_fp32_and_says_what_that_costs(tmp_path):
 def test_fp32_reduce_scatter_moves_four_bytes_per_gradient():
     """FSDP2 casts a unit's gradients to the reduce dtype before its reduce-scatter: in fp32 the
     time model sends twice the bf16 bytes (and the same all-gathers); the step is no faster."""
-    from planner.plan import estimate_with_time
-    from planner.steptime import collective_volumes
+    from planner.plan.search import estimate_with_time
+    from planner.time.step import collective_volumes
 
     fields = dict(model="llama-3.1-8b", strategy="fsdp", gpu="h100-80gb", gpus=8, nodes=2)
     rows = {r: {v["what"]: v for v in collective_volumes(EstimateRequest(**fields, reduce_dtype=r))}

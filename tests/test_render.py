@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from planner.gpus import gpu
-from planner.presets import PRESETS, preset_topology
+from planner.cluster.gpus import gpu
+from planner.cluster.presets import PRESETS, preset_topology
 from planner.render import memory_bars_svg, strategy_label, text_box, topology_svg
-from planner.topology import link_rates, parse_topology
+from planner.cluster.topology import link_rates, parse_topology
 
 GIB = 2 ** 30
 SVG = "{http://www.w3.org/2000/svg}"
@@ -146,7 +146,7 @@ def test_fabric_choices_come_from_the_catalogue(client):
 
 
 def test_fabric_and_nics_reach_the_plan(client):
-    from planner.plan import plan
+    from planner.plan.search import plan
     from planner.schema import PlanRequest
 
     shown = {}
@@ -177,7 +177,7 @@ def test_the_layout_on_the_topology_picture():
     """Each TP group is a band behind its GPUs and each PP stage a GPU colour, in torchtitan's mesh
     order (tp innermost, pp outermost): tp 2 x pp 2 x dp 2 on 8 GPUs puts GPU0-1, 2-3, 4-5, 6-7 in
     TP groups, GPU0-3 in stage 0 and GPU4-7 in stage 1."""
-    from planner.parallel import ParallelDims, node_layout, rank_coordinates
+    from planner.parallel.dims import ParallelDims, node_layout, rank_coordinates
 
     dims = ParallelDims(dp_shard=2, tp=2, pp=2)
     assert rank_coordinates(dims, 5) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1}
@@ -217,7 +217,7 @@ def test_the_reserved_peak_is_a_tick_over_its_bar_and_keyed():
 
 
 def test_a_qlora_estimate_s_moments_and_its_frozen_base():
-    from planner.memory import estimate
+    from planner.memory.orchestrator import estimate
     from planner.render import moment_rows, moments_svg, peak_components
     from planner.schema import EstimateRequest
 
@@ -234,8 +234,8 @@ def test_a_qlora_estimate_s_moments_and_its_frozen_base():
 
 
 def test_the_step_time_split_adds_up_and_names_the_pipeline_bubble():
-    from planner.pipeline import bubble_fraction
-    from planner.plan import plan
+    from planner.parallel.pipeline import bubble_fraction
+    from planner.plan.search import plan
     from planner.render import time_bars_svg, time_parts
     from planner.schema import PlanRequest
 

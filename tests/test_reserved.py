@@ -4,11 +4,11 @@ buffers, fits judged on reserved, the emitted allocator settings. Simulated: no 
 import pytest
 
 from cli.main import main
-from planner import reserved
-from planner.allocator import replay
-from planner.buffers import PhasePlan, item, phase
-from planner.memory import estimate, resolve
-from planner.moments import PhaseKind
+from planner.memory import reserved
+from planner.memory.allocator import replay
+from planner.memory.buffers import PhasePlan, item, phase
+from planner.memory.orchestrator import estimate, resolve
+from planner.memory.moments import PhaseKind
 from planner.schema import EstimateRequest
 
 MIB = 2**20
@@ -127,7 +127,7 @@ def test_emit_sets_the_allocator_settings_in_the_launch_files(tmp_path, capsys):
 
 
 def test_the_plan_replays_its_recommendation():
-    from planner.plan import plan
+    from planner.plan.search import plan
     from planner.schema import PlanRequest
 
     r = plan(PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, seq_len=4096, global_batch=64))
@@ -148,7 +148,7 @@ def test_the_published_allocator_rows_are_predicted():
 
 
 def test_the_plan_rejects_a_setting_whose_reserved_peak_exceeds_the_card():
-    from planner.plan import plan
+    from planner.plan.search import plan
     from planner.schema import PlanRequest
 
     # TP 2 x FSDP 4 at micro-batch 2: live peak 45.7 GiB of the A6000's 48, reserved (simulated,

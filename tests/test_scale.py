@@ -4,8 +4,8 @@ expert widths, latent ranks, layer pattern) and is one transformers builds, coun
 import pytest
 
 from backend.verify import scale_config
-from planner.architecture import from_hf_config, layer_specs, parameter_count
-from planner.catalogue import load_catalogue
+from planner.model.architecture import from_hf_config, layer_specs, parameter_count
+from planner.model.catalogue import load_catalogue
 from planner.errors import PlannerError
 
 # DeepSeek-V2-Lite's config.json (the fields that change bytes): no q LoRA, greedy routing, 1 dense layer

@@ -7,11 +7,11 @@ import json
 import pytest
 
 from cli.main import main
-from planner.architecture import block_parameters, from_hf_config
-from planner.emit import emit_estimate_files, estimate_request_for
+from planner.model.architecture import block_parameters, from_hf_config
+from planner.plan.emit import emit_estimate_files, estimate_request_for
 from planner.errors import PlannerError
-from planner.memory import estimate
-from planner.plan import plan
+from planner.memory.orchestrator import estimate
+from planner.plan.search import plan
 from planner.schema import EstimateRequest, PlanRequest
 from tests.real_runs import LLAMA, LLAMA4
 

@@ -31,9 +31,9 @@ def test_phases_are_identified_by_kind_not_label():
 
 
 def test_estimate_time_equals_the_plans_time_for_the_same_setting():
-    from planner.plan import plan
+    from planner.plan.search import plan
     from planner.schema import EstimateRequest, PlanRequest
-    from planner.steptime import estimate_with_time
+    from planner.time.step import estimate_with_time
 
     result = plan(PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, global_batch=64))
     c = result.recommended

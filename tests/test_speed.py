@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from planner.datafile import load_data_yaml
-from planner.gpus import gpu as lookup_gpu
-from planner.presets import PRESETS, preset_text, preset_topology
-from planner.topology import parse_topology
+from planner.cluster.gpus import gpu as lookup_gpu
+from planner.cluster.presets import PRESETS, preset_text, preset_topology
+from planner.cluster.topology import parse_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA_FILES = sorted((ROOT / "planner" / "data").glob("*.yaml"))
@@ -59,7 +59,7 @@ def test_the_estimate_cli_loads_only_what_it_needs():
     loaded = set(json.loads(out.stdout))
     unneeded = ["torch", "transformers", "huggingface_hub", "accelerate", "deepspeed", "fastapi", "starlette",
                 "uvicorn", "jinja2", "httpx", "sqlite3", "web", "backend.trace", "backend.store", "backend.verify",
-                "planner.emit", "cli.render", "planner.profiles"]
+                "planner.plan.emit", "cli.render", "planner.time.profiles"]
     assert [m for m in unneeded if m in loaded] == []
 
 

@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from planner import datafile
-from planner.catalogue import load_catalogue
+from planner.model.catalogue import load_catalogue
 from planner.datafile import DATA_DIR, cache_path, load_data_yaml, write_caches
-from planner.timing import _best_ring
+from planner.time.collectives import _best_ring
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,9 +33,9 @@ def test_an_estimate_process_imports_no_numpy_and_builds_no_plan_catalogue_or_pr
         f"    code = main(['estimate', '--model-file', {str(config)!r}, '--strategy', {strategy!r}, '--gpus', '8',\n"
         "                 '--nodes', '2', '--gpu', 'h100-80gb', '--json'])\n"
         "from planner.schema import PlanRequest, PlanResult\n"
-        "from planner.catalogue import ModelEntry\n"
+        "from planner.model.catalogue import ModelEntry\n"
         "print(code, 'numpy' in sys.modules, PlanRequest.__pydantic_complete__, PlanResult.__pydantic_complete__,\n"
-        "      ModelEntry.__pydantic_complete__, 'planner.profiles' in sys.modules, '\"time\": {' in out.getvalue())\n")
+        "      ModelEntry.__pydantic_complete__, 'planner.time.profiles' in sys.modules, '\"time\": {' in out.getvalue())\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.stdout.split() == ["0", "False", "False", "False", "False", "False", "True"], done.stdout + done.stderr
 

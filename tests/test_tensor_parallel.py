@@ -7,13 +7,13 @@ import tomllib
 import pytest
 
 from cli.main import main
-from planner.architecture import from_hf_config, parameter_count
-from planner.emit import emit_estimate_files
+from planner.model.architecture import from_hf_config, parameter_count
+from planner.plan.emit import emit_estimate_files
 from planner.errors import PlannerError
-from planner.memory import estimate
-from planner.plan import estimate_with_time
+from planner.memory.orchestrator import estimate
+from planner.plan.search import estimate_with_time
 from planner.schema import EstimateRequest
-from planner.tensor_parallel import rank_architecture, tp_collectives
+from planner.parallel.tensor import rank_architecture, tp_collectives
 from tests.real_runs import LLAMA
 
 # the shape measured in Phase A (backend/train_parallel.py on CPU ranks)
@@ -159,9 +159,9 @@ FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "topologie
     ("pcie_8x_rtx4090_all_sys_tabs.txt", "rtx-4090", [1]),  # no NVLink at all
 ])
 def test_tp_degrees_stay_inside_an_nvlink_island(fixture, gpu, expected):
-    from planner.gpus import gpu as lookup_gpu
-    from planner.layouts import tp_degrees
-    from planner.topology import parse_topology
+    from planner.cluster.gpus import gpu as lookup_gpu
+    from planner.plan.layouts import tp_degrees
+    from planner.cluster.topology import parse_topology
 
     topo = parse_topology((FIXTURES / fixture).read_text(), lookup_gpu(gpu))
     degrees, rejected = tp_degrees(topo, 8, from_hf_config(dict(TINY, num_attention_heads=8, num_key_value_heads=8)))
@@ -171,9 +171,9 @@ def test_tp_degrees_stay_inside_an_nvlink_island(fixture, gpu, expected):
 
 
 def test_tp_degrees_need_heads_divisible():
-    from planner.gpus import gpu as lookup_gpu
-    from planner.layouts import tp_degrees
-    from planner.topology import parse_topology
+    from planner.cluster.gpus import gpu as lookup_gpu
+    from planner.plan.layouts import tp_degrees
+    from planner.cluster.topology import parse_topology
 
     topo = parse_topology((FIXTURES / "dgx_a100_8gpu_10nic.txt").read_text(), lookup_gpu("a100-80gb"))
     degrees, rejected = tp_degrees(topo, 8, from_hf_config(dict(TINY, num_attention_heads=12, num_key_value_heads=4,
@@ -207,13 +207,13 @@ def test_verify_job_carries_the_mesh(tmp_path):
 def test_plan_puts_tp_inside_the_a6000_pairs():
     """On the A6000 box (NVLink bridges join GPU pairs only) the search tries tp 2 and never 4 or
     8, says why, and TP 2 in each pair with FSDP across the pairs beats data parallelism alone."""
-    from planner.plan import plan
+    from planner.plan.search import plan
     from planner.schema import PlanRequest
 
     # 2% kept free: TP 2 x FSDP 4 at micro-batch 2 (8 accumulated) peaks at 45.7 GiB of 48, the
     # earlier micro-batches' sharded gradients included, above the default 5% headroom's 45.6
     # and expandable segments: with torch's default allocator that setting's simulated reserved peak
-    # is 55.3 GiB (planner/reserved.py), with expandable_segments:True 47.2 GiB, within the card
+    # is 55.3 GiB (planner/memory/reserved.py), with expandable_segments:True 47.2 GiB, within the card
     r = plan(PlanRequest(model="llama-2-13b", gpu="rtx-a6000", gpus=8, topology="a6000-nvlink-pairs", seq_len=2048,
                          global_batch=64, headroom=0.02, alloc_conf="expandable_segments:True"))
     assert {c.parallel.tp for c in r.candidates} == {1, 2}
@@ -221,7 +221,7 @@ def test_plan_puts_tp_inside_the_a6000_pairs():
                for n in r.notes)
     tp2 = min((c for c in r.candidates if c.fits and c.parallel.tp == 2), key=lambda c: c.step_seconds)
     assert tp2.strategy == "fsdp" and tp2.parallel.dp_shard == 4
-    # At the kernels' measured rates (planner/kernels.py) a step computes in 12.2 s, under the 19.8 s
+    # At the kernels' measured rates (planner/time/kernels.py) a step computes in 12.2 s, under the 19.8 s
     # TP 2's FSDP sends across the pairs over PCIe, so 7.6 s of it shows, and HSDP sharding inside each
     # pair (its replicas all-reduce a half across them, hidden) wins. At the old constant 45% of peak
     # (the override) the compute is 19.3 s, hides all but 1.2 s, and TP 2 wins as the seed claimed.
@@ -239,7 +239,7 @@ def test_plan_puts_tp_inside_the_a6000_pairs():
 
 
 def test_plan_with_a_fixed_tp_keeps_it():
-    from planner.plan import plan
+    from planner.plan.search import plan
     from planner.schema import PlanRequest
 
     r = plan(PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, topology="hgx-h100", seq_len=4096,
@@ -251,7 +251,7 @@ def test_plan_searches_cp_when_the_sequence_fits_no_other_way():
     """Llama-3.1-8B at 256k tokens on one 8 x H100 node: no data-parallel or TP layout fits at
     micro-batch 1, even fully checkpointed; with the sequence split over cp ranks one does, and
     the note says why CP was searched."""
-    from planner.plan import plan
+    from planner.plan.search import plan
     from planner.schema import PlanRequest
 
     r = plan(PlanRequest(model="llama-3.1-8b", gpu="h100-80gb", gpus=8, topology="hgx-h100", seq_len=262144,
@@ -263,7 +263,7 @@ def test_plan_searches_cp_when_the_sequence_fits_no_other_way():
 def test_plan_answers_the_inverse_questions_per_layout():
     """min_gpus gains the TP layouts the plan searched; max_seq_len is the longest sequence the
     recommended layout trains at micro-batch 1, fully checkpointed: it fits, 256 tokens more do not."""
-    from planner.plan import plan
+    from planner.plan.search import plan
     from planner.schema import PlanRequest
 
     req = PlanRequest(model="llama-2-13b", gpu="rtx-a6000", gpus=8, topology="a6000-nvlink-pairs", seq_len=2048,
@@ -273,7 +273,7 @@ def test_plan_answers_the_inverse_questions_per_layout():
     assert r.min_gpus["fsdp+tp2"] is not None and r.min_gpus["fsdp+tp2"] % 2 == 0
     best, longest = r.recommended, r.max_seq_len
     assert longest is not None and longest % 256 == 0 and longest >= req.seq_len
-    from planner.gpus import gpu as lookup_gpu
+    from planner.cluster.gpus import gpu as lookup_gpu
 
     usable = lookup_gpu("rtx-a6000").memory_bytes * (1 - req.headroom)
 
@@ -311,7 +311,7 @@ def test_verify_job_of_deepspeed_autotp(tmp_path):
 def test_tp_collectives_run_on_the_tp_groups_links():
     """The same TP 2 layout on the A6000 box: its TP group is an NVLink pair; with the bridges
     removed (PHB) the per-layer all-gathers and reduce-scatters take longer, and they are exposed."""
-    from planner.steptime import collective_volumes
+    from planner.time.step import collective_volumes
 
     text = (FIXTURES / "rtx_a6000_8gpu_nvlink_bridge_pairs_2nic.txt").read_text()
     kw = dict(model="llama-2-13b", gpu="rtx-a6000", gpus=8, tp=2, strategy="fsdp", seq_len=2048, micro_batch=1,
@@ -353,7 +353,7 @@ def test_autotp_keeps_the_embedding_whole_and_splits_the_lm_head_over_the_vocabu
     embedding gradient and ZeRO-2's grads_in_partition of 6,555,648 B: the worst rank's partition
     ends inside block 2's gate_proj once the whole embedding leads the flat buffer (with the
     embedding split instead, 6,558,720 B)."""
-    from planner.memory import resolve
+    from planner.memory.orchestrator import resolve
     from planner.setup import numels as _numels
 
     request = _request(strategy="zero2", gpus=4, seq_len=256, reduce_bucket_size=2_000_000)
@@ -366,7 +366,7 @@ def test_autotp_keeps_the_embedding_whole_and_splits_the_lm_head_over_the_vocabu
 def test_autotp_tied_embedding_keeps_the_hidden_split():
     """A tied embedding (or GPT-2, no tp_plan) is not the gathered-head layout: the rank keeps the
     embedding split along the hidden dimension, the same count (unverified on CPU ranks)."""
-    from planner.memory import resolve
+    from planner.memory.orchestrator import resolve
     from planner.setup import numels as _numels
 
     setup = resolve(_request(strategy="zero1", model_config=dict(TINY, tie_word_embeddings=True), seq_len=256))
@@ -431,7 +431,7 @@ def test_tp_only_embedding_gradient_is_replicated_over_the_whole_vocabulary():
     by EmbeddingBackward0, grad.placements Replicate), at the end of backward and the optimizer
     step even without accumulation. Under FSDP2 (dp 2) it is redistributed at post-backward and
     the sharded gradients are unchanged."""
-    from planner.tensor_parallel import replicated_embedding_gradient_elements
+    from planner.parallel.tensor import replicated_embedding_gradient_elements
 
     one = estimate(_request(seq_len=256))
     grads = {i.name: i.bytes for i in _phases(one)["end_of_backward"].items if i.component == "gradients"}
@@ -448,7 +448,7 @@ def test_tp_only_sends_no_data_parallel_collectives():
     256 tokens) 37,788,672 B per step, all DTensor's: 72 all-gathers and 72 reduce-scatters of
     262,144 B (4 blocks x 4 + 2, x 4 micro-batches) and loss_parallel's all-reduces of 39,936 B.
     No parameter all-gathers nor gradient reduce-scatters, in the volumes and in the time."""
-    from planner.steptime import collective_volumes
+    from planner.time.step import collective_volumes
 
     rows = collective_volumes(_request(seq_len=256, gradient_accumulation=4))
     assert {r["group"] for r in rows} == {"tp"}

@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 
 from planner.errors import PlannerError
-from planner.gpus import gpu
-from planner.presets import PRESETS, preset_topology
+from planner.cluster.gpus import gpu
+from planner.cluster.presets import PRESETS, preset_topology
 from planner.render import topology_svg
-from planner.topology import parse_topology
+from planner.cluster.topology import parse_topology
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "topologies"
 

@@ -15,10 +15,10 @@ transformers = pytest.importorskip("transformers")
 from backend.anymodel import estimate_any  # noqa: E402
 from backend.trace import count_parameters, trace_profile  # noqa: E402
 from cli.main import main  # noqa: E402
-from planner.activations import estimate_activations  # noqa: E402
-from planner.architecture import from_hf_config  # noqa: E402
-from planner.catalogue import traced_model  # noqa: E402
-from planner.memory import estimate  # noqa: E402
+from planner.model.activations import estimate_activations  # noqa: E402
+from planner.model.architecture import from_hf_config  # noqa: E402
+from planner.model.catalogue import traced_model  # noqa: E402
+from planner.memory.orchestrator import estimate  # noqa: E402
 from planner.schema import EstimateRequest  # noqa: E402
 
 TINY_LLAMA = {"model_type": "llama", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688,
@@ -99,8 +99,8 @@ def test_a_model_type_without_a_reader_is_traced_through_the_same_memory_model()
 
 def test_a_traced_model_is_timed_from_its_parameter_count():
     from backend.anymodel import estimate_any
-    from planner.steptime import TracedShape, estimate_time
-    from planner.timing import matmul_parameters
+    from planner.time.step import TracedShape, estimate_time
+    from planner.time.collectives import matmul_parameters
 
     request = EstimateRequest(model_config=TINY_LLAMA, strategy="zero3", gpus=8, gpu="h100-80gb", micro_batch=2,
                               seq_len=128)
@@ -228,7 +228,7 @@ def test_too_deep_to_trace_is_refused_before_building():
 def test_traced_real_size_llama_equals_the_analytic_estimate():
     """Llama-3.2-1B at its real size (16 blocks, vocabulary 128k, 2k tokens): the trace of the
     catalogue entry and the analytic estimate agree on the peak to 0.01% and on resident exactly."""
-    from planner.catalogue import load_catalogue
+    from planner.model.catalogue import load_catalogue
 
     config = dict(load_catalogue()["llama-3.2-1b"].config)
     request = EstimateRequest(model="llama-3.2-1b", strategy="zero3", gpus=8, gpu="h100-80gb", seq_len=2048)

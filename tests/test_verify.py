@@ -146,9 +146,9 @@ def test_two_runs_on_the_same_devices_are_refused_whatever_their_database(tmp_pa
 def test_calibrate_fits_a_profile_that_estimate_and_plan_apply(tmp_path, monkeypatch):
     from backend.store import RunStore
     from backend.verify import verify
-    from planner.steptime import estimate_with_time
+    from planner.time.step import estimate_with_time
     from backend.profiles import load_profile, profile_for, save_profile
-    from planner.profiles import fit_profile
+    from planner.time.profiles import fit_profile
 
     monkeypatch.setenv("PLANNER_PROFILES", str(tmp_path / "profiles"))
     db = tmp_path / "db"

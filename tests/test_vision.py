@@ -3,9 +3,9 @@ equal to transformers' whole ForConditionalGeneration on the meta device (issue 
 
 import pytest
 
-from planner.architecture import (active_parameter_count, from_hf_config, parameter_count, parameter_numels,
-                                  vision_parameters)
-from planner.catalogue import load_catalogue
+from planner.model.architecture import (active_parameter_count, from_hf_config, parameter_count, parameter_numels,
+                                        vision_parameters)
+from planner.model.catalogue import load_catalogue
 from planner.errors import PlannerError
 
 TINY_GEMMA3_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -107,7 +107,7 @@ def test_text_only_models_and_bad_vision_configs_are_refused():
 
 
 def test_the_dump_reads_back_with_the_vision_numels():
-    from planner.architecture import Architecture
+    from planner.model.architecture import Architecture
 
     arch = from_hf_config(CONFIGS["mistral3-tiny"], include_vision=True)
     assert Architecture.model_validate(arch.model_dump()) == arch
@@ -115,7 +115,7 @@ def test_the_dump_reads_back_with_the_vision_numels():
 
 
 def test_estimate_counts_the_vision_states_sharded_and_keeps_the_text_activations():
-    from planner.memory import estimate
+    from planner.memory.orchestrator import estimate
     from planner.schema import EstimateRequest
 
     base = dict(model_config=CONFIGS["gemma3-4b-real"], strategy="zero3", gpus=8, seq_len=1024)
@@ -133,7 +133,7 @@ def test_estimate_counts_the_vision_states_sharded_and_keeps_the_text_activation
 
 
 def test_include_vision_refusals_name_the_field():
-    from planner.memory import estimate
+    from planner.memory.orchestrator import estimate
     from planner.schema import EstimateRequest
 
     with pytest.raises(PlannerError, match="^include_vision: llama-3-8b is a text-only model"):
@@ -143,7 +143,7 @@ def test_include_vision_refusals_name_the_field():
 
 
 def test_plan_counts_the_vision_tower_too():
-    from planner.plan import plan
+    from planner.plan.search import plan
     from planner.schema import PlanRequest
 
     req = dict(model_config=CONFIGS["mistral3-tiny"], gpu="h100-80gb", gpus=2, seq_len=256, global_batch=4)
@@ -194,7 +194,7 @@ def test_verify_has_no_include_vision_flag():
     ("gemma-3-27b", 27_432_406_640, 416_866_032),
 ])
 def test_catalogue_multimodal_entries_count_their_published_vision_tower(name, total, tower):
-    from planner.catalogue import catalogue_model, with_vision
+    from planner.model.catalogue import catalogue_model, with_vision
 
     model = with_vision(catalogue_model(name))
     assert model.parameters == total
@@ -203,7 +203,7 @@ def test_catalogue_multimodal_entries_count_their_published_vision_tower(name, t
 
 
 def test_llama4_scout_counts_its_published_vision_tower():
-    from planner.catalogue import catalogue_model, with_vision
+    from planner.model.catalogue import catalogue_model, with_vision
 
     scout = with_vision(catalogue_model("llama-4-scout"))
     config = load_catalogue()["llama-4-scout"].config["vision_config"]

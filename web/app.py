@@ -37,13 +37,13 @@ from backend.profiles import profile_for
 from backend.store import StoreError
 from planner import __version__
 from planner.check import check
-from planner.catalogue import UnsupportedModelTypeError, catalogue_model, load_catalogue, read_bounded_text
+from planner.model.catalogue import UnsupportedModelTypeError, catalogue_model, load_catalogue, read_bounded_text
 from planner.errors import NO_VALUE, PlannerError, UnknownModelError, UnknownNameError
-from planner.gpus import gpu as lookup_gpu, load_gpus
-from planner.presets import PRESETS
+from planner.cluster.gpus import gpu as lookup_gpu, load_gpus
+from planner.cluster.presets import PRESETS
 from planner.schema import (CheckRequest, CheckResult, EstimateRequest, EstimateResult, GpuName, PlanRequest, PlanResult, TimeoutSeconds,
                             VerifySteps, WarmupSteps)
-from planner.topology import MAX_TOPOLOGY_BYTES, Topology, parse_topology
+from planner.cluster.topology import MAX_TOPOLOGY_BYTES, Topology, parse_topology
 from web.auth import TOKEN_ENV, TOKEN_FILE_ENV, UNAUTHORIZED, bearer, request_token, runs_are_private, token_matches
 from web.bodies import VerifyBody
 
@@ -304,7 +304,7 @@ def _add_run_routes(app: FastAPI, jobs: Jobs) -> None:
     @app.post("/v1/verify", tags=["runs"], response_model=RunStarted, status_code=202,
               dependencies=[Depends(require_token)], responses=AUTH_ERRORS)
     def verify_route(body: VerifyBody = Body(..., examples=[{"request": VERIFY_EXAMPLE, "steps": 2}])) -> RunStarted:
-        from planner.memory import resolve
+        from planner.memory.orchestrator import resolve
 
         resolve(body.request)  # refuse a bad request with 404/422 before anything starts
         profile_for(body.request)  # a profile it names must exist, as for estimate

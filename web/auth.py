@@ -11,7 +11,7 @@ import os
 
 from fastapi import FastAPI, HTTPException
 
-from planner.catalogue import read_bounded_text
+from planner.model.catalogue import read_bounded_text
 
 TOKEN_ENV, TOKEN_FILE_ENV = "PLANNER_API_TOKEN", "PLANNER_API_TOKEN_FILE"
 

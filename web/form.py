@@ -23,12 +23,12 @@ from typing import Any, Literal, Union
 from annotated_types import Ge, Gt, Le, Lt, MaxLen
 from pydantic import BaseModel, ValidationError
 
-from planner.catalogue import parse_json_text
+from planner.model.catalogue import parse_json_text
 from planner.errors import PlannerError
 from planner.schema import CatalogueName, EstimateRequest, PlanRequest
 
 ASKS: dict[str, type[BaseModel]] = {"plan": PlanRequest, "estimate": EstimateRequest}
-DEGREES = ("tp", "pp", "cp", "ep")  # planner/parallel.py DEGREE_FIELDS: empty in a plan lets the planner choose
+DEGREES = ("tp", "pp", "cp", "ep")  # planner/parallel/dims.py DEGREE_FIELDS: empty in a plan lets the planner choose
 
 
 @dataclass(frozen=True)

@@ -20,17 +20,17 @@ from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse, Red
 from fastapi.templating import Jinja2Templates
 
 from backend.anymodel import estimate_any, plan_any as plan  # Hub ids resolved as the API does
-from planner.catalogue import load_catalogue
-from planner.emit import emit_files, estimate_request_for
+from planner.model.catalogue import load_catalogue
+from planner.plan.emit import emit_files, estimate_request_for
 from planner.errors import PlannerError
-from planner.gpus import gpu as lookup_gpu, load_gpus
-from planner.parallel import ParallelDims, node_layout
-from planner.pipeline import bubble_fraction
-from planner.presets import default_preset_for, preset_topology
+from planner.cluster.gpus import gpu as lookup_gpu, load_gpus
+from planner.parallel.dims import ParallelDims, node_layout
+from planner.parallel.pipeline import bubble_fraction
+from planner.cluster.presets import default_preset_for, preset_topology
 from planner.render import (memory_bars_svg, moments_svg, peak_components, strategy_label, time_bars_svg,
                             time_parts, topology_svg)
 from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanRequest, PlanResult
-from planner.topology import Topology, link_rates, parse_topology
+from planner.cluster.topology import Topology, link_rates, parse_topology
 from planner.units import GIB
 from web.form import ASKS, FormErrors, FormField, build_request, form_fields, form_values, grouped, share_query
 from web.auth import UNAUTHORIZED, bearer, request_token, runs_are_private, token_matches

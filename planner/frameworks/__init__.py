@@ -10,7 +10,8 @@ module registered beside deepspeed_0_19, not edits everywhere.
 
 from planner.frameworks.base import (Buckets, Collective, Framework, Traffic, check_sharded_offload, framework,
                                      framework_of, register)
-from planner.frameworks import deepspeed_0_19, torch_2  # each registers itself
+from planner.frameworks.deepspeed import v0_19 as deepspeed_0_19  # each registers itself
+from planner.frameworks.torch import v2 as torch_2
 
 __all__ = ["Buckets", "Collective", "Framework", "Traffic", "check_sharded_offload", "deepspeed_0_19", "framework",
            "framework_of", "register", "torch_2"]

@@ -7,17 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from planner.dsconfig import (DEFAULT_ALLGATHER_BUCKET, DEFAULT_MAX_REUSE_DISTANCE, DEFAULT_PERSISTENCE_THRESHOLD,
-                              DEFAULT_PREFETCH_BUCKET, DEFAULT_REDUCE_BUCKET)
+from planner.frameworks.deepspeed.config import (DEFAULT_ALLGATHER_BUCKET, DEFAULT_MAX_REUSE_DISTANCE, DEFAULT_PERSISTENCE_THRESHOLD,
+                                                 DEFAULT_PREFETCH_BUCKET, DEFAULT_REDUCE_BUCKET)
 from planner.errors import PlannerError
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from planner.activations import Activations
-    from planner.buffers import PhasePlan
+    from planner.model.activations import Activations
+    from planner.memory.buffers import PhasePlan
     from planner.setup import Setup
-    from planner.precision import Recipe
+    from planner.recipes.precision import Recipe
     from planner.strategies import Strategy
 
 # (what, bytes per optimizer step, ring passes, message bytes, group: world | shard | replicas)
@@ -27,7 +27,7 @@ Collective = tuple[str, "np.ndarray", int, float, str]
 @dataclass(frozen=True)
 class Buckets:
     """DeepSpeed's message sizes in elements, defaulting to DeepSpeed's own (defined once, in
-    planner/dsconfig.py beside the config reader); the torch frameworks send per unit and ignore them."""
+    planner/frameworks/deepspeed/config.py beside the config reader); the torch frameworks send per unit and ignore them."""
 
     reduce: int = DEFAULT_REDUCE_BUCKET
     allgather: int = DEFAULT_ALLGATHER_BUCKET
@@ -73,7 +73,7 @@ class Framework:
     """One framework version. Subclasses answer every question below for their strategies."""
 
     name: str = ""  # what Strategy.framework names: "deepspeed" | "torch"
-    # The allocator's view of the model states (planner/reserved.py): one tensor per parameter, or
+    # The allocator's view of the model states (planner/memory/reserved.py): one tensor per parameter, or
     # DeepSpeed's flat partitions (stage_1_and_2.py / stage3.py flatten each group into one buffer)
     state_tensors_per_parameter: bool = False
     version: str = ""  # the version whose source the module was read from
@@ -89,7 +89,7 @@ class Framework:
     def optimizer_state_bits(self, recipe: "Recipe", optimizer: str) -> float:
         """Bits per parameter of the optimizer's states (beyond a master copy) under ``recipe``:
         an fp32 partition unless a framework says otherwise."""
-        from planner.precision import optimizer_state_bits
+        from planner.recipes.precision import optimizer_state_bits
 
         return optimizer_state_bits(optimizer)
 
@@ -99,7 +99,7 @@ class Framework:
 
     def overlap_window_seconds(self, s: "Strategy", compute_seconds: float, backward_seconds: float) -> float:
         """How much of the step's compute the communication can hide behind; ``backward_seconds``:
-        the backward passes' part of it (planner/kernels.py)."""
+        the backward passes' part of it (planner/time/kernels.py)."""
         raise NotImplementedError
 
     def offload_options(self, s: "Strategy") -> list[tuple[str, str]]:

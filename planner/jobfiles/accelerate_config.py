@@ -1,7 +1,7 @@
 """accelerate's config YAML (``accelerate launch --config_file``): accelerate 1.16
 commands/config/config_args.py ClusterConfig and its deepspeed_config / fsdp_config sections
 (the keys ``accelerate config`` writes). A DeepSpeed JSON it names (deepspeed_config_file) is
-read by planner/dsconfig.py from the files given."""
+read by planner/frameworks/deepspeed/config.py from the files given."""
 
 from __future__ import annotations
 

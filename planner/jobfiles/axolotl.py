@@ -160,7 +160,7 @@ def _adapter(reading: Reading, data: dict[str, Any]) -> str | None:
         reading.set("finetune", "qlora", "adapter")
         reading.set("quantize_base", "nf4", "load_in_4bit")  # bitsandbytes nf4, double quantization (axolotl's)
     else:
-        # an 8-bit base is the model's qlora with quantize_base int8 (planner/finetune.py)
+        # an 8-bit base is the model's qlora with quantize_base int8 (planner/recipes/finetune.py)
         reading.set("finetune", "qlora" if eight else "lora", "load_in_8bit" if eight else "adapter")
         if eight:
             reading.set("quantize_base", "int8", "load_in_8bit")

@@ -9,13 +9,13 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from planner.catalogue import find_entry
+from planner.model.catalogue import find_entry
 from planner.errors import PlannerError
 from planner.jobfiles import accelerate_config, axolotl, hf_trainer, llamafactory, torchtitan_job
 from planner.jobfiles.keys import Where
 from planner.jobfiles.parse import DS_JSON, MAX_JOB_FILES, detect, parse_text
 from planner.jobfiles.reading import Reading
-from planner.precision import RECIPES
+from planner.recipes.precision import RECIPES
 from planner.schema import SHARDING_STRATEGIES
 
 READERS = {"torchtitan-toml": torchtitan_job.read_toml, "torchtitan-launch": torchtitan_job.read_launch,

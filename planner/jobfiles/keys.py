@@ -1,5 +1,5 @@
 """The key tables of the job-file readers: every key a format's own loader reads is in one table,
-as planner/dsconfig.py keeps DeepSpeed's. A key is
+as planner/frameworks/deepspeed/config.py keeps DeepSpeed's. A key is
 
 - ``Modelled``: read into the request (its reader says how);
 - ``Inert``: changes neither a step's memory nor its time (the reason says why);

@@ -27,7 +27,7 @@ formats. Each key is **modelled** (read into the request), **inert** (changes ne
 the reason says why), **refused** (changes memory or time in a way not modelled: accepted only at a value
 that changes nothing, refused by name otherwise) or **needs** (modelled once the request schema has the
 field named; refused by name until then). A key in no table is listed in the answer as unknown.
-A DeepSpeed JSON named by any of them is read by planner/dsconfig.py (its own tables), with the HF
+A DeepSpeed JSON named by any of them is read by planner/frameworks/deepspeed/config.py (its own tables), with the HF
 Trainer's "auto" values filled in. Generated from the tables in the code by
 `python -m planner.jobfiles.tables > docs/JOBFILES.md`.
 """

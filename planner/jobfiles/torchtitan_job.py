@@ -61,7 +61,7 @@ TABLE: dict[str, Key] = {
     "parallelism.pipeline_parallel_layers_per_stage": Refused("a hand-made stage split", lambda v, b: v is None,
                                                               "remove it"),
     "parallelism.pipeline_parallel_first_stage_less_layers": Inert("torchtitan's split of stages; the model keeps "
-                                                                   "its own (planner.pipeline.stage_bounds)"),
+                                                                   "its own (planner.parallel.pipeline.stage_bounds)"),
     "parallelism.pipeline_parallel_last_stage_less_layers": Inert("as first_stage_less_layers"),
     "parallelism.pipeline_parallel_schedule_csv": Refused("a schedule from a file", lambda v, b: not v, "remove it"),
     "parallelism.pipeline_parallel_split_points": Refused("a hand-made stage split", lambda v, b: not v, "remove it"),

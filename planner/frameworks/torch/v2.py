@@ -1,0 +1,479 @@
+"""torch 2.13's DDP and FSDP2 (fully_shard: full-shard, grad-op, hybrid): what each holds phase by
+phase, what it sends per step, which offloads it implements, and how a rank wraps the model.
+
+The terms were read from torch 2.13 (torch/nn/parallel/distributed.py, torch/distributed/fsdp/
+_fully_shard/) and confirmed with the verification backend's peak trace.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from planner.time import collectives as timing
+from planner.model.activations import Activations, checkpointed_blocks
+from planner.model.architecture import layer_specs
+from planner.memory.buffers import (FP32, PhasePlan, SweepPoint, activation_items, adam_temporaries, backward_sweep,
+                                    ceil_div, item, layout, phase, tied_sum_item)
+from planner.errors import PlannerError
+from planner.model.layers import norm_numels
+from planner.memory.moments import PhaseKind
+from planner.frameworks.base import Collective, Framework, Traffic, check_sharded_offload, register
+from planner.recipes.precision import RECIPES
+from planner.schema import MemoryItem
+from planner.parallel.tensor import replicated_embedding_gradient_elements, tp_only_gradient_items
+
+if TYPE_CHECKING:
+    from planner.setup import Setup
+    from planner.recipes.precision import Recipe
+    from planner.strategies import Strategy
+
+# torch DDP's default bucket_cap_mb=25 (torch/nn/parallel/distributed.py).
+DDP_BUCKET_CAP_BYTES = 25 * 2**20
+# FSDP2's side streams (torch 2.13 _fsdp_param_group.py FSDPCommContext.lazy_init: all_gather_stream,
+# reduce_scatter_stream): what is allocated under them comes from their own allocator pools
+ALL_GATHER_STREAM = "all_gather"
+REDUCE_SCATTER_STREAM = "reduce_scatter"
+# How the backend's rank (backend/train.py _fully_shard) and the emitted accelerate config name
+# each FSDP variant; DDP shards nothing (None).
+FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD = "FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"
+
+
+def sharding(s: "Strategy") -> str | None:
+    """The FSDP sharding of a torch strategy (None for DDP): the one map of names to variants."""
+    if not s.shards_parameters:
+        return None
+    if s.shard_within_node:
+        return HYBRID_SHARD
+    return SHARD_GRAD_OP if s.params_unsharded_in_step else FULL_SHARD
+
+
+class TorchDistributed(Framework):
+    name = "torch"
+    version = "2.13"
+    # FSDP2 keeps one sharded tensor per parameter (_fsdp_param.py FSDPParam._sharded_param_data),
+    # DDP and a TP rank one tensor per parameter: the allocator sees them one by one
+    state_tensors_per_parameter = True
+    launcher = "torchrun"
+    cuda_adam_copies = 1  # the foreach path's _foreach_sqrt makes one fp32 copy of exp_avg_sq
+
+    def optimizer_state_bits(self, recipe: "Recipe", optimizer: str) -> float:
+        """torch.optim steps the module's own parameters and keeps its states in their dtype
+        (precision.optimizer_state_bits): fp32 under the mixed recipes (the weights are the master
+        copy) and fp32, 16-bit under bf16-pure (the model cast to bf16)."""
+        from planner.recipes.precision import optimizer_state_bits
+
+        return optimizer_state_bits(optimizer, 32 if recipe.master_bits or recipe.weight_bits == 32 else recipe.weight_bits)
+    offloads_gradients_with_params = True  # FSDP CPUOffload moves gradients to the host with the parameters
+
+    def phases(self, setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
+        return _torch_phases(setup, acts, numels)
+
+    def collectives(self, s: "Strategy", t: Traffic) -> list[Collective]:
+        """DDP all-reduces the gradients in its buckets (of the fp32 master weights under
+        autocast); FSDP gathers each unit (a block) in forward and, unless SHARD_GRAD_OP kept it,
+        again in backward, and reduce-scatters its gradients; HSDP adds an all-reduce of each
+        shard across the replicas. A TP-only layout (one data-parallel rank) is not wrapped and
+        sends none of them (its TP collectives: tensor_parallel.tp_collectives; measured on CPU
+        ranks, LLAMA_TP tp 2 GA 4: DTensor's all-gathers and reduce-scatters only)."""
+        if not t.wrapped:
+            return []
+        if not s.shards_parameters:
+            master = RECIPES[t.precision].module_bytes
+            # DDP buckets only parameters that require grad (reducer.cpp: the reducer's params)
+            return [("gradient all-reduce", t.step * t.trained * master, 2,
+                     min(t.trained * master, DDP_BUCKET_CAP_BYTES), "world")]
+        # the reduce-scatter runs in MixedPrecisionPolicy.reduce_dtype (fp32: _fsdp_collectives.py
+        # foreach_reduce casts the unit's gradients before reducing them); a unit's frozen
+        # parameters make no gradient to reduce-scatter
+        reduce = t.reduce_bytes or t.wire_bytes
+        grads = t.trained * reduce
+        gathers = 1 if s.params_unsharded_in_step else 2
+        unit = t.block * t.wire_bytes
+        items = [("parameter all-gathers", t.accumulation * gathers * t.psi * t.wire_bytes, 1, unit, "shard"),
+                 ("gradient reduce-scatter", t.accumulation * grads, 1, t.block * reduce, "shard")]
+        if s.shard_within_node:
+            items.append(("replica all-reduce of each shard", t.accumulation * grads / t.shard, 2,
+                          t.block * reduce / t.shard, "replicas"))
+        return items
+
+    def fsdp_sharding(self, s: "Strategy") -> str | None:
+        return sharding(s)
+
+    def overlap_window_seconds(self, s: "Strategy", compute_seconds: float, backward_seconds: float) -> float:
+        # FSDP overlaps its gathers with the whole step (its prefetch runs a block ahead in forward
+        # and backward); DDP its bucketed all-reduce with backward only (a bucket is sent once its
+        # gradients are ready: torch/nn/parallel/distributed.py, Reducer).
+        return compute_seconds if s.shards_parameters else backward_seconds
+
+    def offload_options(self, s: "Strategy") -> list[tuple[str, str]]:
+        if s.shards_parameters and not s.params_unsharded_in_step:
+            return [("none", "none"), ("cpu", "cpu")]  # FSDP CPUOffload moves params, grads and states together
+        return [("none", "none")]
+
+    def check_offload(self, s: "Strategy", offload_optimizer: str, offload_params: str) -> None:
+        check_sharded_offload(s, offload_optimizer, offload_params,
+                              params_ok=s.shards_parameters and not s.params_unsharded_in_step)
+        if offload_params == "nvme":
+            raise PlannerError(f"offload_params=nvme is not available with {s.name}: FSDP offloads to CPU only",
+                               field="offload_params")
+        if offload_optimizer == "nvme":
+            raise PlannerError(f"offload_optimizer=nvme is not available with {s.name}: FSDP offloads to CPU only",
+                               field="offload_optimizer")
+        if s.shards_optimizer and (offload_optimizer == "cpu") != (offload_params == "cpu"):
+            raise PlannerError(
+                f"{s.name} offloads parameters, gradients and optimizer states together (CPUOffload(offload_params=True)); "
+                f"set offload_optimizer and offload_params both to cpu, got {offload_optimizer} and {offload_params}",
+                field="offload_optimizer")
+
+    def worker_settings(self, setup: "Setup", request: Any) -> dict[str, Any]:
+        """How the rank wraps the model (backend/train.py _torch_engine)."""
+        if request.optimizer not in ("adamw", "sgd"):
+            raise PlannerError(f"optimizer {request.optimizer}: the torch strategies' probe trains with torch's own "
+                               "optimizers, adamw or sgd", field="optimizer")
+        # the compute dtype and whether the whole model is cast to it, for the rank's MixedPrecisionPolicy
+        dtype, pure = RECIPES[request.precision].reduced_dtype, RECIPES[request.precision].casts_model
+        return {"framework": self.name, "torch": {
+            "strategy": setup.strategy.name, "sharding": sharding(setup.strategy),
+            "wrapped": not setup.strategy.one_device,  # "single": the bare module, no DDP
+            "compute_dtype": dtype, "pure_16bit": pure, "reduce_dtype": request.reduce_dtype,
+            "optimizer": request.optimizer,
+            "offload": setup.zero.offload_params != "none",
+            "replicas": request.world_size // setup.shard_size, "shard_size": setup.shard_size}}
+
+
+def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
+    """torch DDP (autocast for the mixed recipes: fp32 weights, which are the master copy) and
+    FSDP (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD) with a mixed-precision policy."""
+    s, r = setup.strategy, setup.recipe
+    psi = sum(numels)
+    # FSDP2 wraps the model only when there is more than one data-parallel rank (torchtitan's
+    # parallelize.py applies fully_shard when dp_shard > 1 or cp > 1); a TP-only layout is not
+    # wrapped: whole gradients, and no DDP buckets either
+    sharded = s.shards_parameters and setup.data_parallel_wrapped
+    buckets = not s.shards_parameters and setup.data_parallel_wrapped
+    shard = setup.shard_size if sharded else 1
+    part = ceil_div(psi, shard)
+    mixed = r.master_bits > 0
+    store_bytes = FP32 if mixed or r.weight_bits == 32 else r.weight_bits // 8
+    compute_bytes = r.weight_bits // 8
+    offload = setup.zero.offload_params != "none"
+    from planner.recipes.precision import bits_to_bytes
+
+    states = bits_to_bytes(part if s.shards_optimizer and sharded else psi,
+                           setup.framework.optimizer_state_bits(r, setup.request.optimizer))
+    resident = [
+        item("weights" + (" (fp32, the master copy)" if mixed else ""),
+              0 if offload else store_bytes * part, "parameters"),
+        item(f"{setup.request.optimizer} states", 0 if offload else states, "optimizer_states"),
+    ]
+    if buckets:  # DDP
+        # The Reducer allocates its flat buckets when DDP wraps the model and keeps them; with
+        # the default gradient_as_bucket_view=False they are a second copy of every gradient
+        # (torch/nn/parallel/distributed.py docstring of gradient_as_bucket_view).
+        resident.append(item("DDP gradient buckets (a copy of the gradients)", store_bytes * psi, "buffers",
+                              "torch DDP Reducer, gradient_as_bucket_view=False"))
+    shape = layout(setup)
+    block = shape.largest_block_parameters if shape else max(numels)
+    root = psi - shape.blocks_parameters if shape else max(numels)
+    # With gradient accumulation the phases are those of a micro-batch after the first: it holds
+    # everything the first does, and the gradients the earlier micro-batches left
+    # (_accumulated_items). Under FSDP CPUOffload those live on the host (foreach_reduce copies
+    # each new sharded gradient to the CPU before adding it, _fsdp_collectives.py:736-749).
+    later = " (micro-batch 2+)" if setup.request.gradient_accumulation > 1 else ""
+    accumulated = bool(later) and not offload
+    phases = []
+    tp_only = not setup.data_parallel_wrapped  # a TP-only rank: its gradients stay in param.grad
+    excess = replicated_embedding_gradient_elements(setup.model.architecture, setup.tp) if tp_only else 0
+    accumulation = setup.request.gradient_accumulation
+    for point in backward_sweep(acts, numels, layout(setup)):
+        items = resident + activation_items(point)
+        if tp_only:
+            items += tp_only_gradient_items(point, rank_elements=psi, excess=excess, grad_bytes=store_bytes,
+                                            accumulation=accumulation)
+            if mixed:
+                items.append(_autocast_copies(setup, point, psi, block, compute_bytes))
+            phases.append(phase(point.kind, point.label + later, items))
+        elif not sharded:  # DDP
+            grads = psi if accumulated else point.grad_elements
+            items.append(item("gradients (full)" + (", accumulating over the micro-batches" if accumulated else ""),
+                              store_bytes * grads, "gradients",
+                              "autograd adds each micro-batch's gradient into param.grad (DDP: under no_sync() "
+                              "until the last micro-batch)" if accumulated else ""))
+            if mixed:
+                items.append(_autocast_copies(setup, point, psi, block, compute_bytes))
+            phases.append(phase(point.kind, point.label + later, items))
+        else:
+            items += _fsdp_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes, accumulated)
+            phases.append(phase(point.kind, point.label + later, items))
+            if point.kind is PhaseKind.START_OF_BACKWARD and setup.device == "cpu" and \
+                    not s.params_unsharded_in_step:  # SHARD_GRAD_OP gathers nothing again for backward
+                phases.append(phase(point.kind, "start of backward, the root's all-gather output held by gloo" + later,
+                                     resident + _fsdp_backward_gather_items(point, psi, block, root, shard,
+                                                                            compute_bytes, store_bytes, accumulated)))
+        if sharded and point.tied_sum_elements:
+            phases.append(phase(PhaseKind.TIED_SUM, "embeddings' backward (tied gradients summed)" + later,
+                                 resident + _fsdp_tied_sum_items(point, psi, root, shard, compute_bytes, store_bytes,
+                                                                 accumulated)))
+    grad_bytes = store_bytes * ((part if s.shards_gradients and sharded else psi) + excess)
+    phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", resident + [
+        item("gradients", 0 if offload else grad_bytes, "gradients"),
+        item("optimizer step temporaries",
+              adam_temporaries(ceil_div(max(numels), shard) if setup.device == "cpu" else part, setup),
+              "buffers", "torch.optim.AdamW: single-tensor on CPU, foreach on CUDA")]))
+    plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
+                     buffers=[i for p in phases for i in p.items if i.component == "buffers"])
+    if offload:
+        per_rank = store_bytes * part * 2 + states
+        plan.host_resident_bytes = per_rank * setup.request.gpus
+        plan.host_peak_bytes = per_rank * setup.request.gpus
+        plan.notes.append("FSDP CPUOffload: parameters, gradients and optimizer states of each shard on the host")
+    if sharded and reduce_bytes(setup, compute_bytes) != compute_bytes:
+        plan.notes.append("FSDP2 reduces gradients in fp32 (MixedPrecisionPolicy reduce_dtype, torchtitan's default): "
+                          "each unit's reduce-scatter input is 4 bytes per element")
+    if buckets:  # DDP
+        plan.notes.append(f"DDP buckets of {DDP_BUCKET_CAP_BYTES // 2**20} MiB (bucket_cap_mb) hold a full copy of the gradients")
+    return plan
+
+
+def _autocast_copies(setup: "Setup", point: SweepPoint, psi: int, block: int, compute_bytes: int) -> MemoryItem:
+    """torch.autocast casts each linear's weight to 16 bits once per forward (its cast cache; not
+    the untied embedding or the norms' weights: _uncast_elements); each linear saves its cast
+    weight for backward, so without checkpointing all of them live until their layer's backward.
+    Under checkpointing the blocks save nothing: only the LM head's cast stays, plus the cast
+    weights of the one block being recomputed."""
+    shape, req = layout(setup), setup.request
+    # the linears run inside a checkpoint under full checkpointing and the per-op SAC policy
+    policy = "full" if req.checkpointing in ("full", "selective-op") else "none"
+    chosen = checkpointed_blocks(shape.num_layers, policy, req.checkpointing_every) if shape else ()
+    if not any(chosen):
+        return item("autocast copies of the weights", compute_bytes * (psi - _uncast_elements(setup)), "buffers",
+                     "torch.autocast's cast cache; each linear saves its 16-bit weight for backward")
+    head = shape.lm_head_elements + block * chosen.count(False)  # and the blocks not checkpointed
+    recomputed = block if point.kind is PhaseKind.START_OF_BLOCK else 0
+    return item("autocast copies of the weights (LM head, recomputed block)", compute_bytes * (head + recomputed),
+                 "buffers", "checkpointed blocks keep no cast weights; recomputation casts one block's again")
+
+
+def _uncast_elements(setup: "Setup") -> int:
+    """Parameter elements autocast never casts to 16 bits: the untied input embeddings
+    (``embedding`` is in none of torch 2.13's autocast lists, aten/src/ATen/autocast_mode.cpp, so
+    nn.Embedding reads its fp32 weight and returns fp32; a tied weight is still cast by the LM
+    head's F.linear) and the hidden-width norms' weights (LlamaRMSNorm's ``weight * x`` is a plain
+    fp32 mul). Backend peak trace, llama ddp bf16-mixed: the only 16-bit weight copies live at the
+    peak are the linears' (activations._autocast_stream_extra)."""
+    a = setup.arch
+    if a is None or setup.finetune is not None:
+        return 0
+    embedding = (0 if a.tie_word_embeddings else a.vocab_size * a.hidden_size) + a.learned_positions * a.hidden_size
+    norms = sum(sum(norm_numels(spec.norm, a.hidden_size)) * spec.norms for spec in layer_specs(a))
+    return embedding + norms + sum(norm_numels(a.norm, a.hidden_size))
+
+
+def reduce_bytes(setup: "Setup", compute_bytes: int) -> int:
+    """Bytes per element FSDP2 reduces gradients in: MixedPrecisionPolicy.reduce_dtype, the compute
+    dtype or fp32 (the request's reduce_dtype). torch 2.13 _fully_shard/_fsdp_param.py:587-600
+    (init_dtype_attrs) clamps a reduce_dtype equal to param_dtype to None (no cast); otherwise
+    foreach_reduce (_fsdp_collectives.py:597-603) allocates the reduce-scatter input in it and
+    copies the unit's gradients in, and an accumulated gradient is kept in it
+    (_fsdp_param.py:802-813 to_accumulated_grad_if_needed)."""
+    return FP32 if setup.request.reduce_dtype == "fp32" else compute_bytes
+
+
+def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: int, shard: int,
+                compute_bytes: int, store_bytes: int, accumulated: bool = False) -> list[MemoryItem]:
+    """What FSDP2 (torch.distributed.fsdp.fully_shard, per-parameter sharding) holds beyond the
+    sharded states at one moment of backward, with every transformer block a unit and the root
+    (embeddings, final norm, LM head) the last one.
+
+    _fsdp_param_group.py: a unit is all-gathered into one flat output of its unsharded size,
+    then copied out into the parameters; the root is gathered again at the start of backward
+    and stays so to its end (its embedding's gradient comes last); the previous block is
+    prefetched while the current one runs backward; after a unit's backward its unsharded
+    gradients are reduce-scattered from one flat input, and the shard is kept in the
+    parameter's dtype (fp32 under mixed precision). The reduce-scatter input is in the reduce
+    dtype (fp32 with reduce_dtype fp32, torchtitan's default: 4 bytes per element while the
+    unit's 16-bit gradients are copied into it, _fsdp_collectives.py:597-606). On CPU ranks
+    gloo's all-gather holds a scratch copy of its output on the worker thread while it runs
+    (measured by the backend).
+
+    ``accumulated``: a micro-batch after the first (gradient accumulation, every micro-batch
+    reduce-scattered): every parameter's sharded gradient from the earlier micro-batches is live
+    all along (_accumulated_items), and a finished unit's reduce-scatter output is a transient
+    added into it."""
+    if point.kind is PhaseKind.END_OF_BACKWARD:
+        return _fsdp_root_reduce_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes, accumulated)
+    gloo_copy = 2 if setup.device == "cpu" else 1
+    keep_gathered = setup.strategy.params_unsharded_in_step  # SHARD_GRAD_OP: no reshard after forward
+    if keep_gathered:
+        gathered = compute_bytes * max(0, psi - point.grad_elements + point.in_flight_elements)
+        source = "SHARD_GRAD_OP (reshard_after_forward=False): every unit stays gathered until its backward"
+    else:
+        # the last block is copied out of its prefetched flat output only at its own pre_backward,
+        # after the LM head's and the final norm's backward (peak trace, llama bf16 cp 2 x tp 2 without
+        # SP: FSDP::all_gather_copy_out (layers.3) after PowBackward0 of the final norm)
+        current = 0 if point.kind in (PhaseKind.START_OF_BACKWARD, PhaseKind.AFTER_LM_HEAD) else block
+        gathered = compute_bytes * (root + current)
+        source = "the root unit and the block in backward, gathered"
+    prefetch = 0 if point.kind is PhaseKind.END_OF_BACKWARD or keep_gathered else compute_bytes * block * gloo_copy
+    items = [
+        item("all-gathered units", gathered, "buffers", source),
+        # torch 2.13 _fsdp_collectives.py foreach_all_gather: the flat output is allocated under
+        # all_gather_stream (its own allocator pool), copied out on the default stream
+        item("prefetched block (all-gather output" + (" and gloo's scratch)" if gloo_copy == 2 else ")"), prefetch,
+              "buffers", "FSDP paper Sec. 3.2: the next unit's all-gather overlaps the current unit's backward",
+             stream=ALL_GATHER_STREAM),
+        item("unsharded gradients in flight", compute_bytes * point.in_flight_elements, "gradients",
+              "a unit's gradients until its reduce-scatter"),
+        item("reduce-scatter input of the finished unit" + (" (fp32)" if reduce_bytes(setup, compute_bytes) == FP32
+                                                            and compute_bytes != FP32 else ""),
+              reduce_bytes(setup, compute_bytes) * point.in_flight_elements if point.kind.ends_a_unit else 0,
+              "buffers", "foreach_reduce: one flat input per unit, in the reduce dtype", stream=REDUCE_SCATTER_STREAM),
+        # torch 2.13 _fsdp_param_group.py:640-657 post_backward: a unit's reduce-scatter input stays in
+        # comm_ctx.reduce_scatter_states (reduce_scatter_max_input_buffers 1) until the next unit's
+        # post_backward (FSDP::post_backward_rs_wait) drops it, so it lives through that whole block's
+        # backward. Peak trace (llama fp32, cp 2 x tp 2, checkpointed, block 2's ring backward): block
+        # 3's 1,583,104-byte input allocated in its post_backward_reduce, freed in block 2's rs_wait.
+        item("reduce-scatter input of the block before (held until this block's post_backward)"
+             + (" (fp32)" if reduce_bytes(setup, compute_bytes) == FP32 and compute_bytes != FP32 else ""),
+             reduce_bytes(setup, compute_bytes) * point.reduced_before_elements, "buffers",
+             "_fsdp_param_group.py post_backward: reduce_scatter_states, recycled at the next unit's post_backward",
+             stream=REDUCE_SCATTER_STREAM),
+    ]
+    if accumulated:
+        items += _accumulated_items(setup, point, psi, shard, compute_bytes, store_bytes)
+    else:
+        items.append(item("sharded gradients", store_bytes * ceil_div(point.grad_elements, shard), "gradients"))
+    if point.kind is PhaseKind.START_OF_BLOCK:
+        # the root's gradients (LM head, final norm) wait unsharded for the root's reduce-scatter
+        head_grads = point.grad_elements - point.in_flight_elements
+        items.append(item("root gradients (unsharded, until the end of backward)",
+                           compute_bytes * min(head_grads, root), "gradients"))
+    return items
+
+
+def _accumulated_items(setup: "Setup", point: SweepPoint, psi: int, shard: int, compute_bytes: int,
+                       store_bytes: int) -> list[MemoryItem]:
+    """FSDP2 in a micro-batch after the first, reduce-scattering every micro-batch (torchtitan's
+    trainer; backend/train.py AccumulatingEngine). torch 2.13 _fully_shard/_fsdp_collectives.py
+    foreach_reduce: the first micro-batch's reduce-scatter output becomes the sharded gradients,
+    as views (:704-709, :750-753: sharded_param.grad = to_sharded_dtensor(new_sharded_grad)), cast
+    first to the parameters' dtype (:696, _to_dtype_if_needed: fp32 under mixed precision);
+    from the second on, ``sharded_param.grad._local_tensor += new_sharded_grad`` (:744-749)
+    adds the new output into them in place, and the output (and its cast) is freed when
+    foreach_reduce returns. So the whole sharded gradients (parameters' dtype) are live through
+    every later micro-batch's forward and backward, and a finished unit's reduce-scatter output
+    (reduce dtype, its 1/shard) and its cast are transients beside them. Peak trace (llama, fp32,
+    2 ranks, 2 micro-batches): the 1/shard output of each block allocated and freed inside
+    post_backward_reduce, the step's total 10.0 MB (every sharded gradient) higher through the
+    second micro-batch than through the first."""
+    items = [item("sharded gradients (the earlier micro-batches', accumulated into)", store_bytes * ceil_div(psi, shard),
+                  "gradients", "_fsdp_collectives.py foreach_reduce: grad._local_tensor += new_sharded_grad")]
+    if point.kind is PhaseKind.END_OF_BLOCK:
+        reduce = reduce_bytes(setup, compute_bytes)
+        output = ceil_div(point.in_flight_elements, shard)
+        items.append(item("reduce-scatter output being added into the sharded gradients"
+                          + (" (and its cast)" if reduce != store_bytes else ""),
+                          (reduce + (store_bytes if reduce != store_bytes else 0)) * output, "buffers",
+                          "_fsdp_collectives.py foreach_reduce: _to_dtype_if_needed, then +="))
+    return items
+
+
+def _fsdp_backward_gather_items(point: SweepPoint, psi: int, block: int, root: int, shard: int, compute_bytes: int,
+                                store_bytes: int, accumulated: bool) -> list[MemoryItem]:
+    """The start of FSDP2's backward on CPU ranks, before the loss's gradient: the root unit is
+    gathered again for backward (pre_backward) and copied out into its parameters, and the last
+    block's all-gather (output and gloo's scratch) starts while gloo's worker thread may still
+    hold the root's flat all-gather output, whose last reference it drops when its work ends
+    (peak trace, llama fp32 2 ranks, 2 micro-batches: an 8.39 MB free on gloo's thread after the
+    block's two 2.90 MB allocations; on the other rank, before them). The model counts it (the
+    worst case, as for the prefetch)."""
+    items = [
+        item("saved activations", point.activation_bytes, "activations"),
+        item("all-gathered root unit", compute_bytes * root, "buffers", "the root, gathered and copied out for backward"),
+        item("the root's flat all-gather output, until gloo's worker drops it", compute_bytes * root, "buffers",
+             "peak trace, CPU ranks"),
+        item("last block's all-gather (output and gloo's scratch)", 2 * compute_bytes * block, "buffers",
+             "FSDP paper Sec. 3.2: the next unit's all-gather overlaps the current unit's backward"),
+    ]
+    if accumulated:
+        items.append(item("sharded gradients (the earlier micro-batches', accumulated into)",
+                          store_bytes * ceil_div(psi, shard), "gradients",
+                          "_fsdp_collectives.py foreach_reduce: grad._local_tensor += new_sharded_grad"))
+    return items
+
+
+def _fsdp_root_reduce_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: int, shard: int,
+                            compute_bytes: int, store_bytes: int, accumulated: bool = False) -> list[MemoryItem]:
+    """The end of FSDP2's backward: the root unit (embeddings, final norm, LM head) gets its last
+    gradient and is reduce-scattered, every block's gradients already sharded. The largest of
+    four moments, each traced to the byte on CPU ranks (llama, bf16 and fp32 reduce):
+
+    - the embedding's backward: the root gathered, all its unsharded gradients, and the last
+      block's reduce-scatter input, kept until the next unit's post_backward recycles it
+      (_fsdp_param_group.py:640-657, reduce_scatter_max_input_buffers 1);
+    - the copy-in: post_backward reshards the root first (_fsdp_param_group.py:637-638), then
+      foreach_reduce copies its gradients into one flat input of the reduce dtype and frees them
+      (_fsdp_collectives.py:597-606);
+    - the reduce-scatter: that input, the output (its 1/shard, reduce dtype), and the LM head's
+      gradient, which the trace shows referenced until the root's post_backward returns; on CPU
+      ranks gloo's reduce-scatter also copies its whole input (measured: one more input-sized
+      tensor);
+    - the cast of that output to the parameters' dtype (_to_dtype_if_needed, when the reduce
+      dtype is not fp32 under mixed precision), after gloo's copy is freed.
+
+    In a micro-batch after the first (``accumulated``) the root's sharded gradients from the
+    earlier micro-batches are live in every moment, and the output (and its cast) is added into
+    them and freed (_accumulated_items)."""
+    reduce = reduce_bytes(setup, compute_bytes)
+    late = point.in_flight_elements if setup.arch is not None and not setup.arch.tie_word_embeddings else 0
+    held = max(0, root - late) if late else 0  # the LM head and final norm's gradients
+    blocks_sharded = item("sharded gradients of the blocks", store_bytes * ceil_div(psi - root, shard), "gradients")
+    rs_input = item("reduce-scatter input of the root" + (" (fp32)" if reduce != compute_bytes else ""),
+                    reduce * root, "buffers", "foreach_reduce: one flat input per unit, in the reduce dtype")
+    output = item("reduce-scatter output (the root's shard, reduce dtype)", reduce * ceil_div(root, shard), "gradients")
+    held_item = item("the LM head's unsharded gradient (referenced until the root's post-backward returns)",
+                     compute_bytes * held, "gradients", "peak trace, CPU ranks")
+    moments = [
+        [item("all-gathered root unit", compute_bytes * root, "buffers", "the root, gathered for its backward"),
+         item("root gradients (unsharded)", compute_bytes * root, "gradients", "until the root's reduce-scatter"),
+         item("reduce-scatter input of the last block", reduce * block, "buffers",
+              "recycled at the next unit's post_backward"), blocks_sharded],
+        [item("root gradients (unsharded), being copied in", compute_bytes * root, "gradients"), rs_input,
+         blocks_sharded],
+        [held_item, rs_input, output, blocks_sharded]
+        + ([item("gloo's copy of the reduce-scatter input", reduce * root, "buffers",
+                 "CPU ranks: gloo's reduce-scatter works on a copy of its input (peak trace)")]
+           if setup.device == "cpu" else []),
+    ]
+    if reduce != store_bytes:
+        moments.append([held_item, rs_input, output, blocks_sharded,
+                        item("the root's sharded gradients, cast to the parameters' dtype",
+                             store_bytes * ceil_div(root, shard), "gradients", "_to_dtype_if_needed")])
+    if accumulated:
+        earlier = item("the root's sharded gradients (the earlier micro-batches', accumulated into)",
+                       store_bytes * ceil_div(root, shard), "gradients",
+                       "_fsdp_collectives.py foreach_reduce: grad._local_tensor += new_sharded_grad")
+        moments = [moment + [earlier] for moment in moments]
+    return max(moments, key=lambda items: sum(i.bytes for i in items))
+
+
+def _fsdp_tied_sum_items(point: SweepPoint, psi: int, root: int, shard: int, compute_bytes: int,
+                         store_bytes: int, accumulated: bool = False) -> list[MemoryItem]:
+    """FSDP2 at the embeddings' backward of a tied model (_tied_head_elements): the root unit is
+    gathered, every block's gradients are reduce-scattered, and the root's unsharded gradients
+    (the head's contribution to the tied weight among them) wait for its post-backward while
+    autograd sums the tied contributions (peak trace: aten::mm's and EmbeddingBackward0's
+    V x h and aten::add's sum, all live, then _fsdp_param_group.py post_backward)."""
+    return [
+        item("all-gathered root unit", compute_bytes * root, "buffers", "the root unit, gathered for backward"),
+        item("sharded gradients of the blocks", store_bytes * ceil_div(psi - root, shard), "gradients"),
+        item("root gradients (unsharded), the tied head's contribution among them", compute_bytes * root,
+              "gradients", "until the root's reduce-scatter at the end of backward"),
+        tied_sum_item(point, compute_bytes),
+        item("the root's sharded gradients (the earlier micro-batches', accumulated into)",
+             store_bytes * ceil_div(root, shard) if accumulated else 0, "gradients",
+             "_fsdp_collectives.py foreach_reduce: grad._local_tensor += new_sharded_grad"),
+    ]
+
+
+TORCH = register(TorchDistributed())

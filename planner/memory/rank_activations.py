@@ -1,0 +1,78 @@
+"""What one rank's autograd saves for backward: the model's activations (planner/model/activations.py)
+narrowed to the rank by tensor and context parallelism, LoRA's when fine-tuning, or a traced
+model's as measured. The orchestrator (planner/memory/orchestrator.py) and the pipeline's stages
+(planner/parallel/pipeline.py) both start from it.
+"""
+
+from __future__ import annotations
+
+from planner.model.activations import ActivationItem, Activations, estimate_activations
+from planner.parallel.context import cp_activations
+from planner.errors import PlannerError
+from planner.recipes.finetune import lora_activations
+from planner.setup import Setup
+from planner.parallel.tensor import tp_activations
+
+
+def activations(setup: Setup) -> Activations | None:
+    if setup.model.traced is not None:
+        return _traced_activations(setup)
+    if setup.arch is None:
+        return None
+    req = setup.request
+    compute = setup.recipe.compute_bytes
+    if setup.finetune is not None:
+        # torch.autocast (ddp with a mixed recipe) keeps PEFT's fp32 adapters: each casts its input
+        adapter_copy = setup.framework.name == "torch" and not setup.strategy.shards_parameters \
+            and setup.recipe.master_bits > 0
+        return lora_activations(setup.arch, setup.finetune, micro_batch=req.micro_batch, seq_len=req.seq_len,
+                                compute_bytes=compute, attention=req.attention, checkpointing=req.checkpointing,
+                                device=setup.device, adapter_copy=adapter_copy,
+                                linears_save_inputs=setup.strategy.framework == "deepspeed"
+                                and setup.strategy.zero_stage == 3,
+                                fp32_stream=setup.finetune.quantize in ("nf4", "fp4") and adapter_copy)
+    arch = setup.arch
+    seq_len = req.seq_len // setup.cp  # the rank's two chunks of each sequence under cp
+    # torch.autocast over the fp32 weights: torch's mixed recipes where nothing casts them (DDP, a
+    # TP-only rank; FSDP2 casts them by its MixedPrecisionPolicy: backend/train.py, train_parallel.py).
+    # A pipeline stage counts its own (pipeline._autocast_fp32_stream_extra); cp keeps the 16-bit count.
+    autocast = (setup.strategy.framework == "torch" and setup.recipe.autocast_dtype is not None
+                and not (setup.strategy.shards_parameters and setup.data_parallel_wrapped)
+                and setup.dims.pp == 1 and setup.cp == 1)
+    acts = estimate_activations(arch, micro_batch=req.micro_batch, seq_len=seq_len,
+                                compute_bytes=compute, attention=req.attention,
+                                checkpointing=req.checkpointing, device=setup.device, autocast=autocast,
+                                every=req.checkpointing_every, loss_chunks=setup.loss_chunks)
+    if setup.rank_architecture is not None:
+        acts = tp_activations(acts, setup.model.architecture, setup.arch, tp=setup.tp,
+                              sequence_parallel=setup.sequence_parallel, tokens=req.micro_batch * seq_len,
+                              b=compute, vocab_parallel_loss=setup.vocab_parallel_loss, autocast=autocast)
+    return cp_activations(acts, setup.arch, cp=setup.cp, tokens=req.micro_batch * req.seq_len, b=compute,
+                          tp=setup.tp, sequence_parallel=setup.sequence_parallel, device=setup.device)
+
+
+def _traced_activations(setup: Setup) -> Activations:
+    """The activations of a model traced outside the core, measured at this request's setting."""
+    t, req = setup.model.traced, setup.request
+    setting = traced_setting(req.micro_batch, req.seq_len, setup.recipe.compute, req.attention, req.checkpointing)
+    if t.setting != setting:
+        raise PlannerError(f"traced profile of {setup.model.name} was measured at {t.setting}, "
+                           f"but the request is {setting}", field=None)
+    body = t.num_layers * t.layer_kept_bytes
+    checkpointed = req.checkpointing == "full"
+    extra = max(t.loss_transient_bytes,
+                (t.layer_saved_bytes if checkpointed else 0) + t.layer_transient_bytes)
+    items = (ActivationItem(f"{t.num_layers} blocks, {t.layer_kept_bytes:,} B kept each (traced)", body),
+             ActivationItem("embeddings, final norm, logits / loss (traced)", t.saved_bytes - body),
+             ActivationItem("backward transient at the loss (traced)", t.loss_transient_bytes))
+    return Activations(saved_bytes=t.saved_bytes, peak_extra_bytes=extra, items=items,
+                       layer_saved_bytes=t.layer_saved_bytes, layer_kept_bytes=t.layer_kept_bytes,
+                       head_saved_bytes=t.saved_bytes - body, loss_transient_bytes=t.loss_transient_bytes,
+                       layer_transient_bytes=t.layer_transient_bytes, num_layers=t.num_layers,
+                       checkpointed=checkpointed)
+
+
+def traced_setting(micro_batch: int, seq_len: int, compute: str, attention: str, checkpointing: str) -> str:
+    """The step a traced profile stands for, in words (the profile is valid for this one only)."""
+    return (f"micro_batch {micro_batch} x seq_len {seq_len}, {compute} compute, {attention} attention, "
+            f"checkpointing {checkpointing}")

@@ -1,0 +1,242 @@
+"""Reserved memory: the step's allocations replayed through the caching allocator, plus the memory
+outside it (the CUDA context, NCCL's buffers). Simulated until bench/gpu_check.py has measured it.
+
+The allocation stream comes from the phase model (planner/frameworks/*: a PhasePlan of typed
+moments, each the list of MemoryItems live then). An item that appears between two moments is
+allocated, one that disappears is freed, one whose size changes frees or allocates the difference
+in whole tensors. Each item is cut into the tensors the allocator sees:
+- saved activations: [micro_batch, seq_len / cp, hidden] tensors in the compute dtype (what a
+  block saves is mostly of that shape: its inputs, norms' outputs, attention outputs);
+- model states (weights, gradients, optimizer states, frozen weights): one tensor per parameter
+  where the framework keeps them so (Framework.state_tensors_per_parameter: FSDP2's per-parameter
+  shards, DDP), else one flat buffer (DeepSpeed's partitions);
+- buffers: one tensor each, on the stream the framework allocates them under (MemoryItem.stream:
+  FSDP2's all-gather output on all_gather_stream, its reduce-scatter input on reduce_scatter_stream).
+A tensor allocated on a side stream and freed is used by the compute stream until the next moment
+(record_stream semantics: FSDP2 holds the buffer until the consumer's wait): its block returns to
+its pool one moment later. Frees precede allocations within a moment, so the allocated peak is the
+phase model's live peak rounded as the allocator rounds. Two steps are replayed (the second starts
+with the first's cache), then the resident set.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from planner.memory.allocator import AllocConf, AllocatorStats, OutOfMemory, parse_alloc_conf, replay
+from planner.schema import AllocatorSummary, MemoryItem
+
+if TYPE_CHECKING:
+    from planner.memory.buffers import PhasePlan
+    from planner.memory.orchestrator import Setup
+
+# NCCL's buffers per connection and channel, one per protocol (NVIDIA/nccl src/include/device.h):
+# LL: NCCL_LL_LINES_PER_THREAD 8 x NCCL_LL_MAX_NTHREADS 512 x NCCL_STEPS 8 x 16-byte ncclLLFifoLine
+NCCL_LL_BYTES = 8 * 512 * 8 * 16
+# LL128: NCCL_LL128_ELEMS_PER_THREAD 120 x NCCL_LL128_MAX_NTHREADS 640 x NCCL_STEPS 8 x 8 bytes
+NCCL_LL128_BYTES = 120 * 640 * 8 * 8
+# Simple: NCCL_BUFFSIZE, default 4 MiB (NCCL user guide, Environment Variables: NCCL_BUFFSIZE 4194304)
+NCCL_BUFFSIZE_DEFAULT = 4 * 2**20
+# Channels: NCCL opens up to 32 per communicator on NVLink nodes (NVIDIA/nccl#1685: "as many as 32
+# channels" on 8 x H100; memory "linearly tied to the number of channels", sjeaugey in #986), and
+# a ring keeps 2 connections per channel "regardless of the scale" (#986). 32 x 2 x 9.2 MiB =
+# 588 MiB per communicator; NVIDIA/nccl#964 measured 544-688 MB per process group on 4 A100.
+NCCL_CHANNELS = 32
+NCCL_RING_CONNECTIONS = 2
+# at most this many tensors per item (beyond it the tensors grow): keeps a replay within a few ms
+MAX_TENSORS_PER_ITEM = 256
+CALIBRATION_PATH = Path(__file__).parents[1] / "data" / "allocator_calibration.json"
+STATE_COMPONENTS = ("parameters", "gradients", "optimizer_states", "frozen_weights")
+
+
+@dataclass(frozen=True)
+class Reserved:
+    conf: AllocConf
+    stats: AllocatorStats
+    other: AllocatorStats  # the same stream with expandable_segments switched
+    cuda_context_bytes: int
+    nccl_bytes: int
+    communicators: tuple[str, ...]
+    fits: bool  # the replay at the device's capacity completes without an out-of-memory
+    measured: bool
+
+    @property
+    def reserved_peak_bytes(self) -> int:
+        return self.stats.reserved_peak_bytes + self.cuda_context_bytes + self.nccl_bytes
+
+    def summary(self) -> AllocatorSummary:
+        return AllocatorSummary(
+            alloc_conf=self.conf.text, allocated_peak_bytes=self.stats.allocated_peak_bytes,
+            active_peak_bytes=self.stats.active_peak_bytes, reserved_peak_bytes=self.stats.reserved_peak_bytes,
+            segments_peak=self.stats.segments_peak, other_reserved_peak_bytes=self.other.reserved_peak_bytes,
+            other_alloc_conf=self.conf.with_expandable(not self.conf.expandable_segments).text,
+            communicators=list(self.communicators), measured=self.measured)
+
+
+# --- calibration (written by bench/gpu_check.py) ---------------------------------------------
+
+def load_calibration(path: Path = CALIBRATION_PATH) -> dict:
+    """The measured terms by GPU name, when a GPU has measured them; {} otherwise. Format:
+    {"format": 1, "torch": "2.13.0", "gpus": {NAME: {"cuda_context_bytes": int,
+    "nccl_bytes_per_communicator": int, "driver": str, "runs": [...]}}} (bench/gpu_check.py)."""
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    if data.get("format") != 1:
+        return {}
+    return data.get("gpus", {})
+
+
+_CALIBRATION = load_calibration()
+
+
+# --- the terms outside the allocator ---------------------------------------------------------
+
+def communicators(setup: "Setup") -> tuple[str, ...]:
+    """The NCCL communicators a rank uses: one per mesh dimension of more than one rank
+    (torchtitan's ParallelDims.build_mesh), and the flattened dp_shard x cp FSDP shards over."""
+    dims = setup.dims.as_dict()
+    found = [f"{name}({n})" for name, n in dims.items() if n > 1]
+    if dims["dp_shard"] > 1 and dims["cp"] > 1:
+        found.append(f"dp_shard_cp({dims['dp_shard'] * dims['cp']})")
+    return tuple(found)
+
+
+def nccl_communicator_bytes(buffsize: int | None) -> int:
+    """One communicator's buffers: channels x ring connections x (LL + LL128 + Simple)."""
+    simple = buffsize if buffsize is not None else NCCL_BUFFSIZE_DEFAULT
+    return NCCL_CHANNELS * NCCL_RING_CONNECTIONS * (NCCL_LL_BYTES + NCCL_LL128_BYTES + simple)
+
+
+def nccl_bytes(setup: "Setup") -> int:
+    """NCCL's buffers over the rank's communicators (measured per communicator when calibrated and
+    NCCL_BUFFSIZE is not set)."""
+    req = setup.request
+    per_comm = _CALIBRATION.get(setup.gpu.name, {}).get("nccl_bytes_per_communicator")
+    if per_comm is None or req.nccl_buffsize_bytes is not None:
+        per_comm = nccl_communicator_bytes(req.nccl_buffsize_bytes)
+    return len(communicators(setup)) * per_comm
+
+
+# --- the allocation stream -------------------------------------------------------------------
+
+def _activation_unit(setup: "Setup") -> int | None:
+    arch, req = setup.arch, setup.request
+    if arch is None:
+        return None
+    return req.micro_batch * max(1, req.seq_len // setup.cp) * arch.hidden_size * setup.recipe.compute_bytes
+
+
+def _moments(plan: "PhasePlan") -> list[list[MemoryItem]]:
+    step = [list(plan.resident)] + [list(p.items) for p in plan.phases]
+    return step + step + [list(plan.resident)]
+
+
+def _key(i: MemoryItem) -> tuple[str, str]:
+    """What identifies an item's tensors from one moment to the next: its component and stream.
+    Items of a component are concatenated in the phase's order, and the tensors a moment shares
+    with the one before (the longest common prefix of sizes) are kept: a gradient renamed between
+    moments ("sharded gradients", then "gradients" at the optimizer step) is the same tensors."""
+    return (i.component, i.stream)
+
+
+def _units(setup: "Setup", moments: list[list[MemoryItem]], parameters: int) -> dict[tuple, int | None]:
+    """The tensor size each item key is cut into (fixed over the step, so a growing item keeps
+    its earlier tensors)."""
+    largest: dict[tuple, int] = {}
+    for items in moments:
+        for i in items:
+            key = _key(i)
+            largest[key] = max(largest.get(key, 0), i.bytes)
+    per_parameter = setup.framework.state_tensors_per_parameter and parameters > 1
+    act = _activation_unit(setup)
+    units: dict[tuple, int | None] = {}
+    for key, most in largest.items():
+        unit = None
+        if key[0] == "activations":
+            unit = act
+        elif key[0] in STATE_COMPONENTS and per_parameter:
+            unit = -(-most // parameters)
+        if unit is not None:
+            unit = max(unit, -(-most // MAX_TENSORS_PER_ITEM), 1)
+        units[key] = unit
+    return units
+
+
+def _cut(nbytes: int, unit: int | None) -> list[int]:
+    if unit is None or unit >= nbytes:
+        return [nbytes]
+    return [unit] * (nbytes // unit) + ([nbytes % unit] if nbytes % unit else [])
+
+
+def allocation_events(setup: "Setup", plan: "PhasePlan", parameters: int) -> list[tuple]:
+    """The step as ("malloc", tag, bytes, stream) / ("free", tag) / ("record", tag, stream) /
+    ("complete", stream) events (planner/memory/allocator.py replay)."""
+    moments = _moments(plan)
+    units = _units(setup, moments, parameters)
+    live: dict[tuple, list[tuple[int, int]]] = {}  # key -> [(tag, bytes)] in allocation order
+    live_bytes: dict[tuple, list[int]] = {}  # key -> the item sizes its live tensors were cut from
+    events: list[tuple] = []
+    tag = 0
+    for items in moments:
+        totals: dict[tuple, list[int]] = {}
+        for i in items:
+            totals.setdefault(_key(i), []).append(i.bytes)
+        # an item of the same size as before is the same tensors (the cut depends on the bytes alone)
+        want = {key: [] if live_bytes.get(key) == b else [t for n in b for t in _cut(n, units[key])]
+                for key, b in totals.items()}
+        recorded = False
+        for key in list(live):
+            if key in want and not want[key] and live_bytes.get(key) == totals[key]:
+                continue
+            held, sizes = live[key], want.get(key, [])
+            keep = 0
+            while keep < min(len(held), len(sizes)) and held[keep][1] == sizes[keep]:
+                keep += 1
+            for t, _ in reversed(held[keep:]):
+                if key[1] != "default":  # used on the compute stream: record_stream semantics
+                    events.append(("record", t, "default"))
+                    recorded = True
+                events.append(("free", t))
+            live[key] = held[:keep]
+            live_bytes.pop(key, None)
+        for key, sizes in want.items():
+            if not sizes:
+                continue
+            live_bytes[key] = totals[key]
+            held = live.setdefault(key, [])
+            for size in sizes[len(held):]:
+                events.append(("malloc", tag, size, key[1]))
+                held.append((tag, size))
+                tag += 1
+        if recorded:
+            events.append(("complete", "default"))  # processed at the next moment's first malloc
+    return events
+
+
+def simulate(setup: "Setup", plan: "PhasePlan", parameters: int, capacity_bytes: int) -> Reserved:
+    """The step's reserved memory under the request's allocator settings, the same with
+    expandable_segments switched, and whether the replay fits the device (the allocator empties
+    its cache and retries before it reports out of memory)."""
+    req = setup.request
+    conf = parse_alloc_conf(req.alloc_conf)
+    calibrated = _CALIBRATION.get(setup.gpu.name, {})
+    context = calibrated.get("cuda_context_bytes", setup.gpu.cuda_context_bytes)
+    comms = communicators(setup)
+    nccl = nccl_bytes(setup)
+    events = allocation_events(setup, plan, parameters)
+    stats = replay(events, conf)
+    other = replay(events, conf.with_expandable(not conf.expandable_segments))
+    room = capacity_bytes - context - nccl
+    fits = room > 0 and stats.reserved_peak_bytes <= room
+    if not fits and room > 0:
+        try:
+            stats = replay(events, conf, capacity_bytes=room)  # what the device would show, capped
+            fits = True
+        except OutOfMemory:
+            fits = False
+    return Reserved(conf=conf, stats=stats, other=other, cuda_context_bytes=context, nccl_bytes=nccl,
+                    communicators=comms, fits=fits, measured=bool(calibrated))

@@ -1,0 +1,1 @@
+"""Time of a step: FLOPs, collectives on the cluster's links, offload, and calibration profiles."""

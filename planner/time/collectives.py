@@ -1,0 +1,313 @@
+"""Time of one optimizer step: compute from the architecture's FLOPs, communication on the real
+interconnect with an α-β ring model, and the part of it that overlap does not hide.
+
+- FLOPs: 2 per multiply-add for every matmul parameter a token passes through, plus attention's
+  QKᵀ and AV (4·seq·q_width per token per layer), x3 for forward and backward, +1 forward with full
+  checkpointing (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training", Sec. 5.1).
+- Communication volume per GPU (ZeRO paper, Sec. 7): all-reduce of the gradients = 2Ψ (DDP,
+  ZeRO-1/2); ZeRO-3 and FSDP gather the parameters twice and reduce-scatter the gradients: 3Ψ,
+  for every micro-batch. Rings move (n-1)/n of each volume through every GPU; a ring runs at its
+  slowest link (Patarasuk & Yuan 2009, bandwidth-optimal all-reduce); each message pays the ring's
+  latency, and messages are the framework's buckets, so small buckets are latency-bound.
+- Across nodes (`collective_seconds`), as NCCL runs them. NCCL builds flat rings that span the
+  intra- and inter-node links, never 2-D rings (NVIDIA/nccl#471, #530): every byte a ring moves
+  crosses each node boundary, so a ring spanning nodes runs at the slower of the node's ring and
+  the node's NICs (all of them: NCCL gives each NIC its own channel), shared by the groups that
+  cross at once. All-gather and reduce-scatter have no tree algorithm (Tree applies only to
+  all-reduce, NVIDIA/nccl#1473, #1413; PAT covers one GPU per node only), so ZeRO-1/2/3's and
+  FSDP's gathers and reduce-scatters over a multi-node group are flat rings. All-reduce is
+  hierarchical under NCCL's Tree (reduce inside the node, double binary tree across nodes,
+  broadcast inside; NVIDIA/nccl#530), and NCCL picks the faster of Ring and Tree per size
+  (NVIDIA/nccl#457), so an all-reduce takes the faster of the two here. HSDP is hierarchical by
+  construction (FSDP paper, Zhao et al. 2023, Sec. 3.2.2): a reduce-scatter inside the shard group,
+  then an all-reduce of the 1/shard slice across the replicas, each its own collective.
+  Latency: NCCL pipelines a ring's chunks hop to hop, so one pass of one message costs the sum of
+  its hops' latencies (the fabric's at each node boundary); Tree pays its chain and its levels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from planner.time import arrays
+from planner.model.activations import recompute_flops_per_token
+from planner.model.architecture import Architecture, active_parameter_count
+from planner.cluster.topology import Topology, link_rates
+
+# Of the compute, backward is 2/3 (the x3 above): what bucketed gradient reduction can hide behind.
+BACKWARD_FRACTION = 2 / 3
+# DeepSpeedCPUAdam updates about 1e9 parameters per second per rank on a server CPU (ZeRO-Offload
+# paper, Ren et al. 2021, Sec. 5: CPU Adam 5-7x faster than PyTorch's). Calibratable.
+CPU_ADAM_PARAMS_PER_SECOND = 1.0e9
+# Achieved fraction of peak device-memory bandwidth for streaming kernels: a V100 reaches about
+# 750 of its 900 GB/s in microbenchmarks (Jia et al. 2018, "Dissecting the NVIDIA Volta GPU
+# Architecture via Microbenchmarking": global memory), ~83%. Calibratable.
+MEMORY_BANDWIDTH_EFFICIENCY = 0.83
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_seconds: float
+    communication_seconds: float
+    exposed_communication_seconds: float
+    offload_seconds: float
+    step_seconds: float
+    tokens_per_second: float
+    mfu: float
+    ring_bandwidth_gbps: float
+    ring: tuple[int, ...]
+    hfu: float = 0.0  # hardware FLOPs (recomputation included) over peak
+    # the step's parts: (name, source) shared by a plan's options, and this option's seconds per step
+    term_labels: tuple[tuple[str, str], ...] = ()
+    term_values: tuple[float, ...] = ()
+
+    @property
+    def terms(self) -> tuple[tuple[str, float, str], ...]:
+        """(name, seconds per step, source) of each part that takes time (planner/time/kernels.py)."""
+        return tuple((name, v, source) for (name, source), v in zip(self.term_labels, self.term_values) if v > 0)
+
+
+def matmul_parameters(a: Architecture) -> int:
+    """Parameters used as matmul weights by one token: everything active but the embedding lookup
+    (a tied head is a matmul with the embedding matrix)."""
+    lookup = a.vocab_size * a.hidden_size + a.learned_positions * a.hidden_size
+    head = a.vocab_size * a.hidden_size if a.tie_word_embeddings else 0
+    return active_parameter_count(a) - lookup + head
+
+
+def flops_per_token(a: Architecture, seq_len: int, checkpointing: str, every: int | None = None) -> float:
+    """Forward and backward (3 x forward), plus what the checkpointing policy recomputes
+    (activations.recompute_flops_per_token: the checkpointed blocks' forward under full, every
+    second linear under selective-op, the attention core under selective-attention)."""
+    forward = 2 * matmul_parameters(a) + 4 * a.num_layers * seq_len * a.q_width
+    if checkpointing == "full" and every is None:
+        # kept as it was (frozen_base_flops_per_token alike): the whole forward again, the LM head's
+        # 2 x vocab x hidden included, which recompute_flops_per_token leaves out (the head is not
+        # checkpointed); the time model's rewrite (issue 22) takes the function for every policy
+        return forward * 4
+    return forward * 3 + recompute_flops_per_token(a, seq_len, checkpointing, every)
+
+
+def model_flops_per_token(a: Architecture, seq_len: int) -> float:
+    """What MFU counts: forward + backward, no recomputation."""
+    return 3 * (2 * matmul_parameters(a) + 4 * a.num_layers * seq_len * a.q_width)
+
+
+def frozen_base_flops_per_token(a: Architecture, seq_len: int, checkpointing: str, adapter_forward_flops: float,
+                                trained_weight_flops: float) -> tuple[float, float]:
+    """(FLOPs per token the step runs, recomputation included; FLOPs per token MFU counts) when
+    the base is frozen (LoRA, QLoRA).
+
+    The 6N of a trained matmul is 2N forward, 2N for the input's gradient and 2N for the weight's
+    (Narayanan et al. 2021, Sec. 5.1; Hu et al. 2021, LoRA, Sec. 4.2: no gradients for most
+    parameters, "a 25% speedup during training on GPT-3 175B"). Autograd runs a frozen linear's
+    backward for its input only (torch's linear backward computes grad_weight only when the weight
+    requires it), so the base costs 2N + 2N = 4N. Attention's QKᵀ and AV have no weights: their
+    backward stays twice their forward. The adapters (``adapter_forward_flops``: 2r(in + out) per
+    target per token) train: 3x. ``trained_weight_flops``: the weight gradients of trained
+    copies of frozen matmuls (PEFT's modules_to_save LM head, 2 x hidden x vocab). Full
+    checkpointing reruns the forward, adapters included."""
+    matmul = 2 * matmul_parameters(a)
+    attention = 4 * a.num_layers * seq_len * a.q_width
+    forward = matmul + attention + adapter_forward_flops
+    backward = matmul + 2 * attention + 2 * adapter_forward_flops + trained_weight_flops
+    recompute = forward if checkpointing == "full" else 0
+    return forward + backward + recompute, forward + backward
+
+
+def dequantize_seconds(bytes_moved: float, bandwidth_gbps: float) -> float:
+    """A bandwidth-bound kernel (an elementwise dequantization: one read, one write per element)
+    at the achieved fraction of the device memory's peak bandwidth."""
+    return bytes_moved / (bandwidth_gbps * 1e9 * MEMORY_BANDWIDTH_EFFICIENCY)
+
+
+# --- rings on the node's topology -------------------------------------------------------------
+
+@lru_cache(maxsize=256)
+def _best_ring(bandwidth: tuple[tuple[float, ...], ...], n: int) -> tuple[tuple[int, ...], float]:
+    """The ring over GPUs 0..n-1 whose slowest link is fastest (NCCL searches rings the same way).
+    Exhaustive for n <= 8 (5,040 rings), a nearest-neighbour chain beyond.
+
+    The exhaustive search is a depth-first walk in itertools.permutations order that keeps the
+    first ring strictly better than the best so far, so it answers what trying all 5,040 rings
+    answers; it leaves a prefix whose slowest link so far cannot beat the best, and stops once the
+    best is the fastest link there is (an NVSwitch box's first ring: 13 ms of every estimate before)."""
+    if n == 1:
+        return (0,), float("inf")
+    if n <= 8:
+        ceiling = max(bandwidth[i][j] for i in range(n) for j in range(n) if i != j)
+        best: list = [(), -1.0]
+        ring, used = [0], [True] + [False] * (n - 1)
+
+        def extend(bottleneck: float) -> None:
+            last = ring[-1]
+            if len(ring) == n:
+                bw = min(bottleneck, bandwidth[last][0])
+                if bw > best[1]:
+                    best[0], best[1] = tuple(ring), bw
+                return
+            for j in range(1, n):
+                if used[j]:
+                    continue
+                if best[1] >= ceiling:
+                    return  # nothing can be strictly faster than the fastest link
+                b = min(bottleneck, bandwidth[last][j])
+                if b <= best[1]:
+                    continue  # every ring through this prefix is at most b
+                used[j] = True
+                ring.append(j)
+                extend(b)
+                ring.pop()
+                used[j] = False
+
+        extend(float("inf"))
+        return best[0], best[1]
+    ring, left = [0], set(range(1, n))
+    while left:
+        last = ring[-1]
+        nxt = max(left, key=lambda j: bandwidth[last][j])
+        ring.append(nxt)
+        left.remove(nxt)
+    return tuple(ring), min(bandwidth[ring[k]][ring[(k + 1) % n]] for k in range(n))
+
+
+def node_ring(t: Topology, n: int) -> tuple[tuple[int, ...], float, float]:
+    """(ring, bottleneck GB/s, worst hop latency µs) over the node's first n GPUs."""
+    return ring_over(t, tuple(range(n)))
+
+
+def ring_over(t: Topology, members: tuple[int, ...]) -> tuple[tuple[int, ...], float, float]:
+    """(ring, bottleneck GB/s, worst hop latency µs) over these GPUs of the node (HSDP's replica
+    groups inside a node take every shard-size-th GPU)."""
+    size = len(t.gpus)
+    bw = [[0.0] * size for _ in range(size)]
+    lat = [[0.0] * size for _ in range(size)]
+    for link in t.links:
+        bw[link.a][link.b] = bw[link.b][link.a] = link.bandwidth_gbps
+        lat[link.a][link.b] = lat[link.b][link.a] = link.latency_us
+    n = len(members)
+    local, bottleneck = _best_ring(tuple(tuple(bw[i][j] for j in members) for i in members), n)
+    ring = tuple(members[k] for k in local)
+    latency = max((lat[ring[k]][ring[(k + 1) % n]] for k in range(n)), default=0.0) if n > 1 else 0.0
+    return ring, bottleneck, latency
+
+
+def ring_bottleneck_kind(t: Topology, ring: tuple[int, ...]) -> str | None:
+    """The link type (data/links.yaml kind) of the ring's slowest hop, None for one GPU."""
+    if len(ring) < 2:
+        return None
+    links = {frozenset((k.a, k.b)): k for k in t.links}
+    hops = [links[frozenset((ring[i], ring[(i + 1) % len(ring)]))] for i in range(len(ring))]
+    return min(hops, key=lambda k: k.bandwidth_gbps).kind
+
+
+def ring_collective_seconds(volume_bytes: float, ranks: int, bandwidth_gbps: float, latency_us: float,
+                            message_bytes: float, phases: int) -> float:
+    """α-β time of `phases` ring passes (reduce-scatter = 1, all-gather = 1, all-reduce = 2) over
+    `volume_bytes`, split into messages of `message_bytes`."""
+    if ranks <= 1 or volume_bytes <= 0:
+        return 0.0
+    messages = max(1.0, volume_bytes / max(message_bytes, 1.0))
+    bandwidth_term = phases * (ranks - 1) / ranks * volume_bytes / (bandwidth_gbps * 1e9)
+    latency_term = phases * (ranks - 1) * messages * latency_us * 1e-6
+    return bandwidth_term + latency_term
+
+
+def fabric(name: str) -> dict:
+    """A fabric's rates from data/links.yaml; an unknown name is the user's error (exit 2 / 422)."""
+    fabrics = link_rates()["fabric"]
+    if name not in fabrics:
+        from planner.errors import PlannerError, unknown
+
+        raise PlannerError(f"fabric: {unknown('fabric', name, list(fabrics))}", field="fabric")
+    return fabrics[name]
+
+
+# --- collectives over groups that may span nodes ------------------------------------------------
+
+@dataclass(frozen=True)
+class Group:
+    """One process group as the time model sees it. Ranks are numbered node by node (torchrun and
+    the deepspeed launcher both do), so a group of consecutive ranks fills a node first."""
+
+    ranks: int  # members of the group
+    per_node: int  # of them on each node it spans
+    sharing_nics: int  # groups like it crossing the same node's NICs at the same moment
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.ranks // max(self.per_node, 1))
+
+
+@dataclass(frozen=True)
+class Wire:
+    """What one group's collective runs on: the ring over its members inside a node (the node's
+    links), and the node's NICs (all of them together, one direction, achieved GB/s)."""
+
+    intra_gbps: float
+    intra_latency_us: float
+    nic_gbps: float
+    nic_latency_us: float
+
+
+@dataclass(frozen=True)
+class CollectiveTime:
+    """Per micro-batch setting when the volume is an array, else one number each."""
+
+    seconds: "np.ndarray | float"
+    algorithm: "np.ndarray | str"  # "ring" (inside a node, or NCCL's flat ring across nodes) or "tree"
+    bottleneck_gbps: "np.ndarray | float"  # the bandwidth the chosen algorithm ran at
+
+
+def _ring(volume, ranks: int, bandwidth_gbps: float, pass_latency_us: float, message_bytes: float, phases: int):
+    """ring_collective_seconds over a volume or an array of them, with the latency of one pass of
+    one message around the ring given whole (the sum along its hops: NCCL pipelines chunks hop to hop)."""
+    messages = arrays.maximum(1.0, volume / max(message_bytes, 1.0))
+    seconds = phases * (ranks - 1) / ranks * volume / (bandwidth_gbps * 1e9) + \
+        phases * messages * pass_latency_us * 1e-6
+    return arrays.where(volume > 0, seconds, 0.0)
+
+
+def collective_seconds(volume_bytes, group: Group, wire: Wire, message_bytes: float, passes: int) -> CollectiveTime:
+    """One collective (passes: 1 = all-gather or reduce-scatter, 2 = all-reduce) over `group`;
+    volume_bytes is one number (then so is each answer) or an array (one per micro-batch size).
+    The same formulas either way (planner/time/arrays.py): a single estimate never imports numpy."""
+    v = arrays.as_float(volume_bytes)
+    if group.ranks <= 1:
+        out = CollectiveTime(arrays.zeros_like(v), arrays.full_like(v, "ring"), arrays.full_like(v, math.inf))
+    elif group.nodes == 1:
+        out = CollectiveTime(_ring(v, group.ranks, wire.intra_gbps, (group.ranks - 1) * wire.intra_latency_us,
+                                   message_bytes, passes),
+                             arrays.full_like(v, "ring"), arrays.full_like(v, wire.intra_gbps))
+    else:
+        nic_share = wire.nic_gbps / group.sharing_nics
+        ring_bw = min(wire.intra_gbps, nic_share)
+        # a pass visits ranks - 1 hops, of which one per node boundary crosses the fabric
+        crossings = group.nodes
+        pass_latency = (group.ranks - 1 - crossings) * wire.intra_latency_us + crossings * wire.nic_latency_us
+        ring = _ring(v, group.ranks, ring_bw, pass_latency, message_bytes, passes)
+        tree = tree_all_reduce_seconds(v, group, wire, nic_share, message_bytes) if passes == 2 \
+            else arrays.full_like(v, math.inf)
+        use_tree = tree < ring
+        out = CollectiveTime(arrays.where(use_tree, tree, ring), arrays.where(use_tree, "tree", "ring"),
+                             arrays.where(use_tree, nic_share, ring_bw))
+    return out
+
+
+def tree_all_reduce_seconds(volume_bytes, group: Group, wire: Wire, nic_share: float, message_bytes: float):
+    """NCCL's Tree all-reduce: reduce along a chain inside the node, a double binary tree across
+    nodes, broadcast back along the chain; pipelined, so the slowest stage sets the pace. Across
+    nodes each node sends (and receives) 2x the payload, except on 2 nodes, where each of the two
+    trees is one edge and a node sends 1x (NVIDIA/nccl#457: 'for tree it would be 2*S'; the '2-node
+    tree effect' of NVIDIA/nccl-tests#196). The chain moves the payload up and down its links in
+    opposite directions: 1x per direction."""
+    across = (1.0 if group.nodes == 2 else 2.0) * volume_bytes / (nic_share * 1e9)
+    inside = volume_bytes / (wire.intra_gbps * 1e9) if group.per_node > 1 else arrays.zeros_like(volume_bytes)
+    messages = arrays.maximum(1.0, volume_bytes / max(message_bytes, 1.0))
+    # up and down: the chain inside the node, then the tree's levels across nodes
+    latency_us = 2 * ((group.per_node - 1) * wire.intra_latency_us
+                      + math.ceil(math.log2(group.nodes)) * wire.nic_latency_us)
+    seconds = arrays.maximum(across, inside) + messages * latency_us * 1e-6
+    return arrays.where(volume_bytes > 0, seconds, 0.0)

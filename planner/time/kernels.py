@@ -1,0 +1,423 @@
+"""The compute side of a training step from its kernels: every matmul at the GPU's measured
+achievable matmul rate, derated by its tile and wave quantisation; attention at FlashAttention's
+measured rate for its head width and sequence length; every elementwise op (norms, activations,
+rotary, residual adds, dropout, the loss and its fp32 upcast, the optimizer step) at the GPU's
+achievable memory bandwidth; recomputation as the checkpointing policy reruns it; and the host's
+launch cost when kernels are shorter than it. Each part is a named term with its source.
+
+One function serves a single estimate (plain floats) and the plan search (a numpy array of
+micro-batch options): planner/time/arrays.py. Work that does not depend on the micro-batch (shapes,
+bytes per token) is computed once per model, sequence length and split, and cached.
+
+Sources of the constants:
+- Achievable matmul TFLOP/s: Bekman, "Machine Learning Engineering", compute/accelerator/README.md,
+  "Maximum Achievable Matmul FLOPS comparison table" (stas00/ml-engineering 744d01e): mean of
+  100 iterations of the best shape found by mamf-finder.py (data/gpus.yaml mamf_tflops).
+- Attention: measured forward + backward TFLOP/s of FlashAttention-2, FlashAttention 1.x and
+  FlashAttention's Triton kernel (A100 only), causal mask, head dimension 64 and 128, sequence
+  512-16k, on A100 80GB SXM4 and H100 80GB SXM5 (Dao-AILab/flash-attention
+  0251105, README "Performance", assets/flash2_a100_fwd_bwd_benchmark.png and
+  flash2_h100_fwd_bwd_benchmark.png, panels (c) and (d)); FLOPs counted as its
+  benchmarks/benchmark_flash_attention.py counts them: 4·s²·heads·head_dim forward, halved by the
+  causal mask, backward 2.5x forward.
+- Wave quantisation: a GEMM's output is cut into tiles, one per SM at a time; the last wave runs
+  partly empty (NVIDIA, "Matrix Multiplication Background User's Guide", Wave Quantization).
+- Memory bandwidth: planner/timing.MEMORY_BANDWIDTH_EFFICIENCY of the datasheet bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from planner.time import arrays
+from planner.model.architecture import Architecture, layer_specs
+from planner.cluster.gpus import Gpu
+from planner.model.layers import LayerSpec, attention_numels
+from planner.time.collectives import MEMORY_BANDWIDTH_EFFICIENCY
+
+AttentionKernel = Literal["flash-attention-2", "flash-attention-1", "flash-attention-triton"]
+# Forward + backward TFLOP/s with a causal mask (sources above: the same charts measure
+# FlashAttention-2 and FlashAttention 1.x side by side), by kernel, GPU and head dimension, at
+# sequence lengths 512, 1k, 2k, 4k, 8k, 16k.
+ATTENTION_SEQUENCES = (512, 1024, 2048, 4096, 8192, 16384)
+REFERENCES = {"a100": {"bf16_peak": 312.0, "mamf": 271.2}, "h100": {"bf16_peak": 989.0, "mamf": 794.5}}
+FLASH_ATTENTION_CAUSAL_TFLOPS = {
+    ("flash-attention-2", "a100"): {64: (88.0, 119.0, 140.0, 156.0, 165.0, 171.0),
+                                    128: (99.0, 133.0, 155.0, 173.0, 182.0, 189.0)},
+    ("flash-attention-2", "h100"): {64: (141.0, 192.0, 232.0, 257.0, 273.0, 284.0),
+                                    128: (163.0, 221.0, 265.0, 294.0, 308.0, 328.0)},
+    ("flash-attention-1", "a100"): {64: (58.0, 70.0, 77.0, 87.0, 92.0, 97.0),
+                                    128: (55.0, 62.0, 69.0, 76.0, 80.0, 83.0)},
+    ("flash-attention-1", "h100"): {64: (104.0, 123.0, 136.0, 138.0, 149.0, 156.0),
+                                    128: (98.0, 109.0, 108.0, 126.0, 135.0, 137.0)},
+    # flash_attn_triton.py (FlashAttention's Triton implementation; MPT's attn_impl "triton")
+    ("flash-attention-triton", "a100"): {64: (59.0, 75.0, 79.0, 76.0, 79.0, 80.0),
+                                         128: (50.0, 61.0, 68.0, 74.0, 78.0, 80.0)},
+}
+# A kernel not measured on a reference GPU (Triton on H100): its measured A100 rate times the
+# H100/A100 ratio FlashAttention-1 measured at the same length and width; neither uses Hopper's
+# wgmma/TMA, so both gain from the clock and SM count only (an assumption, said in the term's source).
+UNMEASURED_PROXY = "flash-attention-1"
+# benchmark_flash_attention.py: backward = 2.5 x forward FLOPs (it recomputes the scores)
+ATTENTION_BACKWARD_FLOPS = 2.5
+# A GPU without a measured MAMF: the datasheet peak times the H100 SXM's measured fraction
+# (794.5 of 989 TFLOP/s, the MAMF table's median NVIDIA row, between GH200's 83.8% and B200's 77.6%).
+UNMEASURED_MATMUL_FRACTION = 794.5 / 989.0
+# cuBLAS's large bf16 tiles on Ampere and Hopper: 128 x 256 outputs per thread block (CUTLASS's
+# default GEMM configurations, cutlass/gemm/device/default_gemm_configuration.h: ThreadblockShape
+# 128x256 for Sm80 tensor-op f16/bf16); the shorter side goes along the tokens.
+TILE_TOKENS = 128
+TILE_FEATURES = 256
+# Host time per kernel launch of eager PyTorch (dispatcher, autograd bookkeeping and
+# cudaLaunchKernel): about 10 µs per op (Horace He, "Making Deep Learning Go Brrrr From First
+# Principles", 2022, section Overhead). A GPU whose kernels are shorter waits for the host.
+HOST_SECONDS_PER_KERNEL = 10e-6
+# Bytes each logit element moves in the loss: the fp32 upcast (read 2, write 4), log-softmax
+# (read 4, write 4), its backward (read 4, write 4) and the cast back for the head's matmuls
+# (read 4, write 2): transformers' ForCausalLMLoss upcasts logits to float before cross_entropy.
+LOSS_BYTES_PER_LOGIT = 28
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What one GPU achieves per kind of kernel."""
+
+    matmul_flops: float  # FLOP/s of a large dense matmul in the step's dtype
+    matmul_source: str
+    memory_bytes_per_s: float
+    sms: int | None
+    attention_reference: str  # the measured FlashAttention table scaled to this GPU
+    attention_scale: float
+    host_seconds_per_kernel: float = HOST_SECONDS_PER_KERNEL
+
+
+_RATES: dict[tuple[str, str, float], Rates] = {}
+
+
+def rates(g: Gpu, dtype: str, matmul_scale: float = 1.0) -> Rates:
+    """``dtype``: the key of peak_tflops the matmuls run at; ``matmul_scale``: a calibration
+    profile's measured-over-predicted factor (1 without one). Memoised per catalogue GPU."""
+    key = (g.name, dtype, matmul_scale)
+    if key not in _RATES or len(_RATES) > 64:
+        if len(_RATES) > 64:
+            _RATES.clear()
+        _RATES[key] = _rates(g, dtype, matmul_scale)
+    return _RATES[key]
+
+
+def _rates(g: Gpu, dtype: str, matmul_scale: float) -> Rates:
+    peak = g.peak_tflops[dtype] * 1e12
+    if dtype in g.mamf_tflops:
+        matmul, source = g.mamf_tflops[dtype] * 1e12, f"measured MAMF {g.mamf_tflops[dtype]:g} TFLOP/s ({dtype})"
+    elif "bf16" in g.mamf_tflops and "bf16" in g.peak_tflops:  # same tensor cores, the bf16 fraction
+        fraction = g.mamf_tflops["bf16"] / g.peak_tflops["bf16"]
+        matmul, source = peak * fraction, f"{fraction:.1%} of peak (its measured bf16 MAMF fraction)"
+    else:
+        matmul, source = peak * UNMEASURED_MATMUL_FRACTION, \
+            f"{UNMEASURED_MATMUL_FRACTION:.1%} of peak (no MAMF measurement for {g.name}: the H100 SXM's fraction)"
+    bf16_peak = g.peak_tflops.get("bf16", g.peak_tflops.get("fp16", peak / 1e12))
+    reference = min(REFERENCES, key=lambda k: abs(math.log(REFERENCES[k]["bf16_peak"] / bf16_peak)))
+    ref_matmul = REFERENCES[reference]["mamf"] * 1e12
+    bandwidth = (g.memory_bandwidth_gbps or 1000.0) * 1e9 * MEMORY_BANDWIDTH_EFFICIENCY
+    return Rates(matmul_flops=matmul * matmul_scale, matmul_source=source, memory_bytes_per_s=bandwidth,
+                 sms=g.sms, attention_reference=reference, attention_scale=matmul * matmul_scale / ref_matmul)
+
+
+def attention_tflops(r: Rates, seq: int, head_dim: int, kernel: str = "flash-attention-2") -> float:
+    """The flash kernel's causal forward + backward TFLOP/s at this sequence length and head width:
+    log-linear between the measured lengths, the end values beyond them; linear in head width
+    between 64 and 128, the nearer end outside; scaled by this GPU's matmul rate over the reference's."""
+    measured = FLASH_ATTENTION_CAUSAL_TFLOPS.get((kernel, r.attention_reference))
+
+    def at(row: tuple[float, ...]) -> float:
+        if seq <= ATTENTION_SEQUENCES[0]:
+            return row[0] * seq / ATTENTION_SEQUENCES[0]  # below 512 the launch dominates: time stays
+        if seq >= ATTENTION_SEQUENCES[-1]:
+            return row[-1]
+        for k in range(1, len(ATTENTION_SEQUENCES)):
+            if seq <= ATTENTION_SEQUENCES[k]:
+                lo, hi = ATTENTION_SEQUENCES[k - 1], ATTENTION_SEQUENCES[k]
+                w = math.log(seq / lo) / math.log(hi / lo)
+                return row[k - 1] + w * (row[k] - row[k - 1])
+        return row[-1]
+
+    def rate(table) -> float:
+        w = min(1.0, max(0.0, (head_dim - 64) / 64))
+        return at(table[64]) * (1 - w) + at(table[128]) * w
+
+    if measured is not None:
+        return rate(measured) * r.attention_scale
+    proxy = FLASH_ATTENTION_CAUSAL_TFLOPS
+    ratio = rate(proxy[(UNMEASURED_PROXY, r.attention_reference)]) / rate(proxy[(UNMEASURED_PROXY, "a100")])
+    return rate(proxy[(kernel, "a100")]) * ratio * r.attention_scale
+
+
+# --- the work of one micro-batch -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Gemm:
+    """One matmul of the forward pass: tokens x k times k x n, ``count`` of them per micro-batch
+    (layers alike, or experts), each over ``token_fraction`` of the micro-batch's tokens."""
+
+    n: int
+    k: int
+    count: int
+    token_fraction: float = 1.0
+    trained: bool = True  # its weight gets a gradient (a frozen base's linears do not)
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one GPU runs for one sequence of a micro-batch, independent of the micro-batch size."""
+
+    tokens: int  # tokens of one sequence on this GPU (seq / cp)
+    gemms: tuple[Gemm, ...]
+    attention_flops: float  # forward, executed (causal saving), per sequence on this GPU
+    attention_seconds_fb: float  # forward + backward at the measured rate, per sequence
+    eager_bytes: float  # eager attention's score-matrix traffic, forward, per sequence
+    elementwise_bytes: float  # forward, per sequence
+    loss_bytes: float  # forward + backward, per sequence
+    kernels: int  # launches of one forward
+    layers: int
+
+
+def _attention_gemms(s: LayerSpec, hidden: int, tp: int) -> list[tuple[int, int]]:
+    """(n, k) of the block's attention projections on one TP rank (columns split, rows split)."""
+    a = s.attention
+    if a.kind == "mla":
+        return [(max(1, numel // hidden // tp), hidden) for numel in attention_numels(a, hidden) if numel >= hidden * 8]
+    q, kv = a.q_width // tp, max(1, a.kv_width // tp)
+    proj = [(q + 2 * kv, hidden)] if a.fused_qkv else [(q, hidden), (kv, hidden), (kv, hidden)]
+    return proj + [(hidden, max(1, a.out_width // tp))]
+
+
+def _mlp_gemms(s: LayerSpec, hidden: int, tp: int) -> list[Gemm]:
+    m = s.mlp
+    inner = max(1, m.intermediate_size // tp)
+    ups = 1 if (m.fused_gate_up or not m.gated) else 2
+    up_n = inner * (2 if (m.gated and m.fused_gate_up) else 1)
+    if not m.is_moe:
+        return [Gemm(up_n, hidden, ups), Gemm(hidden, inner, 1)]
+    share = m.experts_per_token / m.num_experts  # tokens per expert (no expert parallelism)
+    out = [Gemm(m.num_experts, hidden, 1),  # router
+           Gemm(inner * (2 if m.gated else 1), hidden, m.num_experts, share), Gemm(hidden, inner, m.num_experts, share)]
+    if m.shared_intermediate_size:
+        shared = max(1, m.shared_intermediate_size // tp)
+        out += [Gemm(shared, hidden, 2), Gemm(hidden, shared, 1)]
+    return out
+
+
+def _block_elementwise(s: LayerSpec, hidden: int, tp: int, sp: bool, hidden_dropout: float) -> float:
+    """Elements one token's block reads and writes in elementwise kernels, forward (eager PyTorch:
+    each op reads its inputs and writes its output once)."""
+    width = hidden if not sp else hidden / tp  # norms and residuals: replicated on TP ranks unless SP
+    norms = 2 * width * s.norms
+    residual = 3 * width * 2
+    m = s.mlp
+    inner = m.intermediate_size / tp
+    active = (m.experts_per_token if m.is_moe else 1) * inner + (m.shared_intermediate_size / tp)
+    act = (3 if m.gated else 2) * active
+    a = s.attention
+    qk = (a.q_width + a.kv_width) / tp
+    rope = 2 * qk if a.rope else 0.0
+    qk_norm = 2 * qk if a.qk_norm != "none" else 0.0
+    dropout = 2 * 2.5 * width if hidden_dropout > 0 else 0.0  # two sites: read, write, a byte mask
+    return norms + residual + act + rope + qk_norm + dropout
+
+
+def _keys_per_query(s: LayerSpec, seq: int) -> float:
+    """Mean keys one query attends to under the causal mask (and its window)."""
+    a = s.attention
+    if a.window != "full" and 0 < a.window_size < seq:
+        w = a.window_size
+        return w - w * w / (2 * seq)
+    return seq / 2
+
+
+_WORK: dict[tuple, tuple[Architecture, "Work"]] = {}
+
+
+def work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_bytes: int, eager: bool,
+         r: Rates, kernel: str = "flash-attention-2") -> "Work":
+    """One sequence's work on one GPU of a tp x cp group (the pipeline splits it later:
+    pipeline.py), memoised per model object (an Architecture is not hashable; the plan search
+    asks for the same one per setting)."""
+    key = (id(arch), seq, tp, cp, sp, compute_bytes, eager, r, kernel)
+    hit = _WORK.get(key)
+    if hit is not None and hit[0] is arch:
+        return hit[1]
+    if len(_WORK) > 256:
+        _WORK.clear()
+    out = _work(arch, seq, tp, cp, sp, compute_bytes, eager, r, kernel)
+    _WORK[key] = (arch, out)
+    return out
+
+
+def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_bytes: int, eager: bool,
+          r: Rates, kernel: str) -> "Work":
+    h = arch.hidden_size
+    tokens = max(1, seq // cp)
+    gemms: list[Gemm] = []
+    attention_flops = attention_seconds = eager_bytes = elementwise = 0.0
+    kernels = 0
+    specs: dict[LayerSpec, int] = {}
+    for spec in layer_specs(arch):
+        specs[spec] = specs.get(spec, 0) + 1
+    for spec, count in specs.items():
+        proj = _attention_gemms(spec, h, tp)
+        gemms += [Gemm(n, k, count) for n, k in proj]
+        mlp = _mlp_gemms(spec, h, tp)
+        gemms += [Gemm(g.n, g.k, g.count * count, g.token_fraction) for g in mlp]
+        a = spec.attention
+        heads = max(1, a.num_heads // tp)
+        keys = _keys_per_query(spec, seq)
+        # QKᵀ and AV: 2·head_dim + 2·v_head_dim FLOPs per query-key pair and head
+        forward = 2 * (a.head_dim + a.v_head_dim) * tokens * keys * heads
+        attention_flops += forward * count
+        # under context parallelism each kernel call sees a chunk of seq / cp queries and keys
+        # (ring attention passes the K/V chunks around): the measured rate at that length
+        attention_seconds += forward * (1 + ATTENTION_BACKWARD_FLOPS) / (
+            attention_tflops(r, tokens, a.head_dim, kernel) * 1e12) * count
+        eager_bytes += heads * tokens * seq * 16 * count  # scores 2, softmax in fp32 4+4, probs 2+2, mask 2
+        elementwise += _block_elementwise(spec, h, tp, sp, arch.hidden_dropout) * tokens * compute_bytes * count
+        kernels += (len(proj) + len(mlp) + 12) * count  # the projections, attention and ~12 elementwise ops
+    head = Gemm(max(1, arch.vocab_size // tp), h, 1)
+    gemms.append(head)
+    vocab = arch.vocab_size / tp
+    loss = LOSS_BYTES_PER_LOGIT * vocab * tokens
+    elementwise += 3 * h * tokens * compute_bytes  # embedding lookup and its gradient's scatter
+    if eager:
+        attention_seconds = 0.0
+    return Work(tokens=tokens, gemms=tuple(gemms), attention_flops=attention_flops,
+                attention_seconds_fb=attention_seconds, eager_bytes=eager_bytes if eager else 0.0,
+                elementwise_bytes=elementwise, loss_bytes=loss, kernels=kernels + 8, layers=arch.num_layers)
+
+
+def wave_efficiency(m, n, sms: int | None):
+    """Busy fraction of the SMs over a GEMM's waves of output tiles (m, n: arrays or floats)."""
+    if not sms:
+        return arrays.full_like(arrays.as_float(m), 1.0)
+    tiles = _ceil(arrays.as_float(m) / TILE_TOKENS) * _ceil(n / TILE_FEATURES)
+    waves = _ceil(tiles / sms)
+    return tiles / (waves * sms)
+
+
+def _ceil(x):
+    if arrays.is_array(x):
+        import numpy as np
+
+        return np.ceil(x)
+    return float(math.ceil(x))
+
+
+def _gemm_seconds(m, n: int, k: int, r: Rates, compute_bytes: int):
+    """One GEMM: the slower of its tensor-core time (waves included) and its operands' traffic."""
+    flops = 2.0 * m * n * k
+    compute = flops / (r.matmul_flops * wave_efficiency(m, n, r.sms))
+    traffic = compute_bytes * (m * k + k * n + m * n) / r.memory_bytes_per_s
+    return arrays.maximum(compute, traffic)
+
+
+# Which kinds of work each checkpointing policy runs again in backward (issue 21 adds its
+# selective policies by naming theirs: "selective-attention" reruns attention only).
+# Megatron's selective recompute reruns the core attention only (--recompute-granularity selective);
+# torchtitan's per-op SAC saves the matmul and attention outputs and reruns the elementwise ops between
+# them (activation_checkpoint.py _save_list; its every-other-mm recompute is not charged here)
+RECOMPUTED = {"none": frozenset(), "full": frozenset({"matmul", "attention", "elementwise"}),
+              "selective-attention": frozenset({"attention"}), "selective-op": frozenset({"elementwise"})}
+
+
+@dataclass(frozen=True)
+class ComputeTerms:
+    """Seconds of one micro-batch on one GPU per kind of work (floats or arrays), and its FLOPs."""
+
+    matmul: object
+    attention: object
+    elementwise: object
+    recompute: object
+    host: object
+    hardware_flops: object
+    backward: object = 0.0  # of the device seconds, the backward pass's (recompute included)
+
+    @property
+    def seconds(self):
+        device = self.matmul + self.attention + self.elementwise + self.recompute
+        return arrays.maximum(device, self.host)
+
+
+def _gemm_operands(w: "Work", m_all):
+    """(tokens, n, k, count) of each GEMM, or once for all of them as (GEMMs x options) arrays."""
+    if not arrays.is_array(m_all):
+        return [(m_all * g.token_fraction, float(g.n), float(g.k), float(g.count)) for g in w.gemms]
+    hit = _COLUMNS.get(id(w))
+    if hit is None or hit[0] is not w:
+        import numpy as np
+
+        if len(_COLUMNS) > 256:
+            _COLUMNS.clear()
+
+        columns = np.array([(g.token_fraction, g.n, g.k, g.count) for g in w.gemms], dtype=np.float64).reshape(-1, 4)
+        hit = _COLUMNS[id(w)] = (w, tuple(columns[:, j:j + 1] for j in range(4)))
+    fraction, n, k, count = hit[1]
+    return [(fraction * m_all[None, :], n, k, count)]
+
+
+_COLUMNS: dict[int, tuple["Work", tuple]] = {}  # a Work's GEMMs as numpy columns (the plan asks per setting)
+
+
+def _sum_rows(x):
+    return x.sum(axis=0) if arrays.is_array(x) and x.ndim == 2 else x
+
+
+def micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointing: str,
+                      frozen_matmuls: float = 0.0) -> ComputeTerms:
+    """One micro-batch of ``micro`` sequences (a float or an array). ``frozen_matmuls``: the
+    fraction of the matmul FLOPs whose weights are frozen (LoRA: no weight gradient for them)."""
+    m_all = arrays.as_float(micro) * w.tokens
+    forward = dgrad = flops = 0.0
+    # the plan's array of options: every GEMM at once (rows: GEMMs, columns: options); an estimate's
+    # float: GEMM by GEMM. The same formulas (_gemm_seconds) either way.
+    for m, n, k, count in _gemm_operands(w, m_all):
+        fwd = _gemm_seconds(m, n, k, r, compute_bytes) * count
+        forward = forward + _sum_rows(fwd)
+        dgrad = dgrad + _sum_rows(_gemm_seconds(m, k, n, r, compute_bytes) * count)
+        flops = flops + _sum_rows(2.0 * m * n * k * count)
+    backward = dgrad + forward * (1 - frozen_matmuls)  # the weight gradient: the forward's FLOPs and shape
+    matmul = forward + backward
+    matmul_flops = flops * (3 - frozen_matmuls)
+    micro_f = arrays.as_float(micro)
+    if w.eager_bytes:
+        eager_flops = 2 * w.attention_flops  # eager computes the masked half too
+        attn_fwd = micro_f * (eager_flops / r.matmul_flops + w.eager_bytes / r.memory_bytes_per_s)
+        attention = attn_fwd * 3
+        attention_flops = micro_f * eager_flops * 3
+    else:
+        attn_fwd = micro_f * w.attention_seconds_fb / (1 + ATTENTION_BACKWARD_FLOPS)
+        attention = micro_f * w.attention_seconds_fb
+        attention_flops = micro_f * w.attention_flops * (1 + ATTENTION_BACKWARD_FLOPS)
+    elementwise_fwd = micro_f * w.elementwise_bytes / r.memory_bytes_per_s
+    elementwise = 3 * elementwise_fwd + micro_f * w.loss_bytes / r.memory_bytes_per_s  # backward ~2x forward
+    ops = RECOMPUTED.get(checkpointing, frozenset())
+    recompute = (forward if "matmul" in ops else 0.0) + (attn_fwd if "attention" in ops else 0.0) \
+        + (elementwise_fwd if "elementwise" in ops else 0.0)
+    hardware = matmul_flops + attention_flops + (flops if "matmul" in ops else 0.0) \
+        + ((micro_f * w.attention_flops) if "attention" in ops else 0.0)
+    kernels = w.kernels * (3 + (1 if ops else 0))
+    host = arrays.full_like(m_all, kernels * r.host_seconds_per_kernel)
+    # backward: the GEMMs' gradients, attention's backward (2.5 of its 3.5), the elementwise
+    # backward (2 of 3), the loss's gradient half, and the recomputed forward that runs inside it
+    loss = micro_f * w.loss_bytes / r.memory_bytes_per_s
+    backward_seconds = backward + (attention - attn_fwd) + 2 * elementwise_fwd + loss / 2 + recompute
+    return ComputeTerms(matmul=matmul, attention=attention, elementwise=elementwise, recompute=recompute,
+                        host=host, hardware_flops=hardware, backward=backward_seconds)
+
+
+def optimizer_step_seconds(elements: float, state_bits: float, master_bits: int, weight_bits: int, grad_bits: int,
+                           r: Rates) -> float:
+    """The optimizer's step over this GPU's elements: it reads and writes its states and the
+    master (or the weights), reads the gradient, and writes the compute copy where a master exists."""
+    per_element = 2 * (state_bits + (master_bits or weight_bits)) / 8 + grad_bits / 8 + \
+        (weight_bits / 8 if master_bits else 0)
+    return elements * per_element / r.memory_bytes_per_s

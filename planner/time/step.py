@@ -1,0 +1,574 @@
+"""The time model of one configuration: what its framework sends per step (collective volumes),
+over which process groups and links, how much of it hides behind compute, the offload traffic,
+and the step time that results. plan.py evaluates it over a grid; estimate_time for one estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from planner.time import arrays
+from planner.time import kernels
+from planner.time import collectives as timing
+from planner.model.architecture import Architecture, layer_parameters, parameter_numels
+from planner.frameworks import Buckets, Traffic, framework_of
+from planner.cluster.gpus import Gpu, gpu as lookup_gpu
+from planner.cluster.hardware import profile_compute_scale, profile_efficiencies, topology_of
+from planner.memory.orchestrator import estimate, setup_of
+from planner.memory.buffers import FP32
+from planner.recipes.precision import RECIPES, optimizer_state_bits
+from planner.schema import EstimateRequest, EstimateResult, PlanRequest, TimeEstimate, TimeTerm
+from planner.strategies import strategy as lookup_strategy
+from planner.cluster.topology import Topology
+
+if TYPE_CHECKING:
+    from planner.setup import Setup
+
+# Device-to-host rates of offload traffic per PCIe generation, GB/s. They sit about 5% below
+# links.yaml's pcie x16_gbps * efficiency (gen4: 24.0 vs 25.2); reading links.yaml instead would
+# change every offload prediction, so they stay here until a measured offload run refits them.
+PCIE_DEVICE_TO_HOST_GBPS = {"gen3": 12.0, "gen4": 24.0, "gen5": 48.0, "gen6": 92.0, "none": 24.0}
+NVME_GBPS = 5.0  # one PCIe Gen4 NVMe drive, sequential (vendor datasheets: 5-7 GB/s); calibratable
+
+
+@dataclass(frozen=True)
+class Combo:
+    """One configuration as the time model and the plan search take it."""
+
+    gpus: int
+    strategy: str
+    checkpointing: str
+    offload_optimizer: str
+    offload_params: str
+    shard: int | None = None  # hsdp: GPUs per shard group
+    tp: int = 1  # tensor-parallel degree: consecutive GPUs of a node (planner/plan/layouts.py)
+    cp: int = 1  # context-parallel degree
+    sequence_parallel: bool = False
+    pp: int = 1  # pipeline stages (planner/parallel/pipeline.py)
+    # with full checkpointing: every N-th block; keyword-only, so that subclasses (plan.Setting)
+    # keep their positional fields
+    checkpointing_every: int | None = field(default=None, kw_only=True)
+
+    def data_parallel_wrapped(self, nodes: int) -> bool:
+        """Whether a data-parallel wrapper (DDP, FSDP2) runs on it: not with one data-parallel
+        rank under model parallelism (cp 1), as torchtitan's parallelize.py applies FSDP only
+        when dp_shard > 1 or cp > 1 (memory.Setup.data_parallel_wrapped; a pipeline's stages:
+        pipeline.pipeline_volumes). A single GPU's DDP or FSDP still wraps (its collectives
+        are over one rank)."""
+        if lookup_strategy(self.strategy).one_device:
+            return False
+        dp = self.gpus * nodes // (self.tp * self.cp * self.pp)
+        return self.tp * self.pp == 1 or dp * self.cp > 1
+
+
+@dataclass(frozen=True)
+class TracedShape:
+    """What the time model knows of a model traced outside the core (catalogue.TracedProfile):
+    its parameter count, not its attention widths or routing. Every parameter but the untied
+    input embeddings' lookup is a matmul weight one token meets (a tied head is the embedding
+    matrix used as a matmul), so forward FLOPs per token are 2 x those; attention-score FLOPs
+    (4 x layers x seq x q width) are left out, and an MoE's experts all count as active."""
+
+    matmul_parameters: int
+    block_parameters: int  # the mean block: ZeRO-3's and FSDP's message size
+    numels: tuple[int, ...] = ()  # each parameter's elements (ZeRO-3's persistent ones)
+
+    @classmethod
+    def of(cls, profile) -> "TracedShape":
+        return cls(matmul_parameters=profile.parameters - profile.late_parameters,
+                   block_parameters=max(1, profile.layer_parameters), numels=tuple(profile.numels))
+
+    def note(self) -> str:
+        return (f"time model (traced): forward FLOPs per token 2 x {self.matmul_parameters:,} matmul parameters, "
+                "from the traced parameter count; attention-score FLOPs are not counted and every MoE expert "
+                "counts as active, so compute is a lower bound at long sequences and an upper bound for MoE")
+
+
+@dataclass(frozen=True)
+class FrozenBaseShape:
+    """What the time model reads of a LoRA / QLoRA step (planner/recipes/finetune.py resolves which
+    linears carry adapters and how the base is stored).
+
+    - ``trainable``: the elements that make gradients (adapters, trained embedding copies): what
+      DDP buckets, ZeRO reduces and partitions, and the optimizer updates.
+    - ``adapter_forward_flops``: 2r(in + out) per targeted linear per token (x @ Aᵀ, then @ Bᵀ).
+    - ``trained_weight_flops``: weight-gradient FLOPs per token of trained copies of frozen matmuls
+      (modules_to_save LM head: 2 x hidden x vocab).
+    - ``dequantize_forward_bytes`` / ``dequantize_backward_bytes``: device-memory bytes one forward
+      / one backward pass moves to dequantize the quantized base (0 for a 16-bit base)."""
+
+    method: str
+    trainable: int
+    adapter_forward_flops: int
+    trained_weight_flops: int
+    dequantize_forward_bytes: int
+    dequantize_backward_bytes: int
+
+    @classmethod
+    def of(cls, arch, f, compute_bytes: int) -> "FrozenBaseShape":
+        from planner.model.architecture import layer_specs
+        from planner.recipes.finetune import trainable_numels
+        from planner.model.linears import block_linears
+
+        adapters = 0
+        forward = backward = 0
+        for spec in layer_specs(arch):
+            for linear in block_linears(arch, spec):
+                if f.targeted(linear):
+                    adapters += 2 * f.rank * (linear.in_features + linear.out_features)
+                per_pass = dequantize_bytes(linear.in_features * linear.out_features, f.quantize,
+                                            linear.out_features, compute_bytes)
+                forward += per_pass if f.quantize != "int8" else 0  # LLM.int8's forward: int8 x int8
+                backward += per_pass
+        head = 2 * arch.hidden_size * arch.vocab_size if f.train_embeddings else 0
+        return cls(method=f.method, trainable=sum(trainable_numels(arch, f)), adapter_forward_flops=adapters,
+                   trained_weight_flops=head, dequantize_forward_bytes=forward, dequantize_backward_bytes=backward)
+
+
+def dequantize_bytes(numel: int, quantize: str, out_features: int, compute_bytes: int) -> int:
+    """Device-memory bytes one dequantization of one bitsandbytes weight moves: it reads the
+    stored weight and its constants and writes the weight in the compute dtype.
+
+    4-bit (bitsandbytes 0.50 functional.py dequantize_4bit): with double quantization it first
+    dequantizes the uint8 absmax to fp32 (dequantize_blockwise: read 1 byte, write 4 per block of
+    64), then reads the packed values (2 per byte) and the fp32 absmax and writes numel values.
+    MatMul4Bit (autograd/_functions.py) does it in forward and again in backward for the input's
+    gradient. LLM.int8 (MatMul8bitLt) multiplies int8 x int8 in forward, without dequantizing
+    the weight; its backward rebuilds CB * SCB / 127 in the compute dtype for the input's gradient."""
+    from planner.recipes.finetune import BNB_4BIT_BLOCK, quantized_weight_bytes
+
+    if quantize == "none":
+        return 0
+    stored = quantized_weight_bytes(numel, quantize, out_features)
+    if quantize == "int8":
+        return stored + compute_bytes * numel
+    absmax = -(-numel // BNB_4BIT_BLOCK)
+    return stored + 4 * absmax * 2 + compute_bytes * numel  # fp32 absmax written, then read
+
+
+def frozen_base_shape(request: EstimateRequest, arch) -> FrozenBaseShape | None:
+    """The request's LoRA / QLoRA as the time model takes it (None for full fine-tuning)."""
+    if request.finetune == "full" or arch is None or isinstance(arch, TracedShape):
+        return None
+    from planner.recipes.finetune import resolve_finetune
+
+    s = lookup_strategy(request.strategy)
+    f = resolve_finetune(request, arch, s.name, s.framework)
+    return FrozenBaseShape.of(arch, f, RECIPES[request.precision].compute_bytes)
+
+
+def _flops_per_token(shape, seq_len: int, checkpointing: str,
+                     frozen: FrozenBaseShape | None = None, every: int | None = None) -> tuple[float, float]:
+    """(FLOPs per token the step runs, recomputation included; FLOPs per token MFU counts)."""
+    if frozen is not None:
+        return timing.frozen_base_flops_per_token(shape, seq_len, checkpointing, frozen.adapter_forward_flops,
+                                                  frozen.trained_weight_flops)
+    if isinstance(shape, TracedShape):
+        forward = 2 * shape.matmul_parameters
+        return forward * (4 if checkpointing == "full" else 3), 3 * forward
+    return timing.flops_per_token(shape, seq_len, checkpointing, every), timing.model_flops_per_token(shape, seq_len)
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What the step time reads beyond the configuration: the precision, the sequence length, the
+    node count and the achieved fractions of peak compute and of the modelled link bandwidths."""
+
+    precision: str
+    seq_len: int
+    nodes: int
+    compute_efficiency: float | None  # the override: every FLOP at this fraction of peak (None: planner/time/kernels.py)
+    link_efficiency: float
+    reduce_dtype: str = "compute"  # FSDP2's MixedPrecisionPolicy.reduce_dtype (the request's)
+    attention: str = "sdpa"
+    attention_kernel: str = "flash-attention-2"
+    optimizer: str = "adamw"
+    compute_scale: float = 1.0  # a calibration profile's measured kernel-rate factor (planner/time/profiles.py)
+
+    @classmethod
+    def of(cls, req: PlanRequest, compute_scale: float = 1.0) -> "StepSettings":
+        return cls(precision=req.precision, seq_len=req.seq_len, nodes=req.nodes,
+                   compute_efficiency=req.compute_efficiency, link_efficiency=req.link_efficiency,
+                   reduce_dtype=req.reduce_dtype, attention=req.attention, optimizer=req.optimizer,
+                   attention_kernel=req.attention_kernel,
+                   compute_scale=compute_scale)
+
+
+def collective_volumes(request: EstimateRequest) -> list[dict]:
+    """What the time model sends per optimizer step for this configuration, per collective:
+    payload bytes (before the ring's 2(n-1)/n or (n-1)/n factor), message size and group."""
+    result = estimate(request)
+    if result.model.architecture is None:
+        return []
+    request = result.request  # with what a ds_config fixed (micro-batch, accumulation, optimizer)
+
+    combo, buckets, setup = resolved_combo(request)
+    per_rank = request.micro_batch * request.gradient_accumulation
+    wb = RECIPES[request.precision].wire_bytes
+    arch = Architecture.model_validate(result.model.architecture)
+    frozen = frozen_base_shape(request, arch)
+    rows = combo_collectives(request.precision, combo, result.parameters // combo.tp, request.micro_batch, per_rank,
+                             wb, arch, buckets, trainable=frozen.trainable if frozen else None,
+                             reduce_dtype=request.reduce_dtype, nodes=request.nodes)
+    out = [{"what": what, "bytes_per_step": int(volume), "message_bytes": int(message), "group": group}
+           for what, volume, _, message, group in rows]
+    if request.ep > 1:  # routed experts over the expert-data-parallel group; the all-to-alls
+        from planner.parallel.experts import expert_volumes
+
+        out = expert_volumes(arch, setup.dims, request, out, result.parameters)
+    if combo.tp * combo.cp > 1:
+        out += [{"what": what, "bytes_per_step": int(volume), "message_bytes": int(message * request.micro_batch),
+                 "group": group}
+                for what, volume, _, message, group in model_parallel_collectives(request.precision, combo, arch,
+                                                                                  per_rank, request.seq_len)]
+    if request.pp > 1:  # a stage's data-parallel collectives carry its parameters only; p2p between stages
+        from planner.parallel.pipeline import pipeline_volumes
+
+        out = pipeline_volumes(setup, out)
+    return out
+
+
+def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None,
+                  traced: TracedShape | None = None) -> TimeEstimate | None:
+    """The time model for one estimate's configuration (None without an architecture or a traced
+    shape, or on CPU); ``profile``: the calibration profile the request names (planner.time.profiles.Profile)."""
+    g = lookup_gpu(request.gpu)
+    if (result.model.architecture is None and traced is None) or (g.is_cpu and request.profile is None):
+        return None
+    per_rank = request.micro_batch * request.gradient_accumulation
+    topo, fabric_name, nics = topology_of(request, g)
+    compute_efficiency, link_efficiency = profile_efficiencies(
+        request.profile, request.gpu, topo, request.gpus, PlanRequest.model_fields["compute_efficiency"].default,
+        PlanRequest.model_fields["link_efficiency"].default, profile)  # the plan's defaults, so both time alike
+    settings = StepSettings(precision=result.request.precision, seq_len=request.seq_len, nodes=request.nodes,
+                            compute_efficiency=compute_efficiency, link_efficiency=link_efficiency,
+                            reduce_dtype=request.reduce_dtype, attention=request.attention,
+                            attention_kernel=request.attention_kernel,
+                            optimizer=result.request.optimizer,
+                            compute_scale=profile_compute_scale(request.profile, profile))
+    # the estimate's own Setup where it has one for this request (a traced model is timed from its count)
+    known = setup_of(result) if traced is None and result.request == request else None
+    combo, buckets, setup = resolved_combo(request, result.parameters if traced is not None else None, known)
+    arch = traced if traced is not None else Architecture.model_validate(result.model.architecture)
+    t = step_times(settings, combo, request.micro_batch, per_rank, result.parameters, arch, g,
+                   topo, timing.fabric(fabric_name), nics, buckets,
+                   frozen=frozen_base_shape(request, arch))[0]  # one micro-batch: floats, no numpy
+    if request.pp > 1 or request.ep > 1:  # the pipeline bubble, p2p and expert all-to-alls (issue 12)
+        from planner.parallel.pipeline import parallel_step
+
+        t = _pipeline_terms(t, parallel_step(t, setup, arch, topo, timing.fabric(fabric_name), nics, link_efficiency))
+    return TimeEstimate(step_seconds=t.step_seconds, compute_seconds=t.compute_seconds,
+                        communication_seconds=t.communication_seconds,
+                        exposed_communication_seconds=t.exposed_communication_seconds,
+                        offload_seconds=t.offload_seconds, tokens_per_second=t.tokens_per_second, mfu=t.mfu,
+                        hfu=t.hfu, terms=[TimeTerm(name=n, seconds=v, source=src) for n, v, src in t.terms],
+                        ring_bandwidth_gbps=t.ring_bandwidth_gbps if math.isfinite(t.ring_bandwidth_gbps) else None,
+                        topology=topo.source)
+
+
+def _pipeline_terms(whole: timing.StepTime, staged: timing.StepTime) -> timing.StepTime:
+    """The terms of a pipeline or expert-parallel step: the compute terms at the stage's share
+    (the schedule's compute, bubble included, over the whole model's), the exposed communication
+    and offload as that step has them."""
+    share = staged.compute_seconds / whole.compute_seconds if whole.compute_seconds else 0.0
+    replaced = {"exposed communication": staged.exposed_communication_seconds, "offload": staged.offload_seconds}
+    labels = tuple((name, source if name in replaced else f"{source}; x {share:.3f}: the stage's share, "
+                    "bubble included") for name, source in whole.term_labels)
+    values = tuple(replaced[name] if name in replaced else seconds * share
+                   for (name, _), seconds in zip(whole.term_labels, whole.term_values))
+    return replace(staged, term_labels=labels, term_values=values)
+
+
+def estimate_with_time(request: EstimateRequest, profile=None) -> EstimateResult:
+    """``profile``: the Profile the request names, read by the adapter (backend/profiles.py)."""
+    result = estimate(request)  # result.request holds what a ds_config fixed (micro-batch, accumulation, optimizer)
+    return result.model_copy(update={"time": estimate_time(result.request, result, profile)})
+
+
+def resolved_combo(request: EstimateRequest, parameters: int | None = None,
+                   setup: "Setup | None" = None) -> tuple[Combo, Buckets, "Setup"]:
+    """One estimate's configuration as the time model takes it, with offload and bucket sizes as
+    resolved (--ds-config included), and the resolved Setup it was read from (the pipeline's
+    time reads it too: resolved once). ``parameters``: the model's count, for a model resolved
+    outside the core (traced), whose config the core cannot read again. ``setup``: the request
+    already resolved (the estimate's own), not resolved again."""
+    from planner.model.catalogue import raw_parameters
+    from planner.memory.orchestrator import resolve
+
+    if setup is None:
+        setup = resolve(request, model=raw_parameters(parameters) if parameters is not None else None)
+    zero = setup.zero
+    # HSDP's shard group per TP rank: dp_shard x cp (the cp ranks shard the parameters with the
+    # data-parallel ranks; its replicas all-reduce a 1/(dp_shard x cp) shard of the gradients)
+    shard = setup.dims.dp_shard * setup.dims.cp if lookup_strategy(request.strategy).shard_within_node else None
+    combo = Combo(request.gpus, request.strategy, request.checkpointing, zero.offload_optimizer, zero.offload_params,
+                  shard, request.tp, request.cp, setup.sequence_parallel, request.pp,
+                  checkpointing_every=request.checkpointing_every)
+    return combo, Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size,
+                          zero.param_persistence_threshold, zero.max_reuse_distance), setup
+
+
+def combo_collectives(precision: str, combo: Combo, psi: int, micro, per_rank: int,
+                      wb: int, arch=None, buckets: Buckets = Buckets(),
+                      trainable: int | None = None, reduce_dtype: str = "compute", *,
+                      nodes: int) -> list[tuple[str, Any, int, float, str]]:
+    """(what, bytes per step, ring passes, message bytes, group) for the strategy's collectives,
+    as its framework sends them (planner/frameworks/: Framework.collectives).
+
+    Message sizes are what the frameworks really send: DDP's 25 MiB buckets, DeepSpeed's reduce
+    and all-gather buckets (capped by the model), and for ZeRO-3 and FSDP one transformer block
+    at a time (the FSDP unit; ZeRO-3 fetches a module's parameters, at most prefetch_bucket_size).
+    ``micro``: one micro-batch size, or a numpy array of the options (then each volume is an array).
+    ``reduce_dtype`` fp32: FSDP2 reduce-scatters its gradients in fp32 (4 bytes on the wire).
+    ``nodes``: with the combo's degrees, whether a data-parallel wrapper runs at all (Combo.data_parallel_wrapped)."""
+    s = lookup_strategy(combo.strategy)
+    block = (arch.block_parameters if isinstance(arch, TracedShape) else layer_parameters(arch)) if arch is not None \
+        else max(psi // 100, 1)
+    # each parameter's elements (ZeRO-3 never gathers its persistent small ones); under tp, psi is a
+    # rank's share, which the whole model's numels do not describe
+    numels = () if combo.tp > 1 else tuple(arch.numels) if isinstance(arch, TracedShape) else \
+        tuple(parameter_numels(arch)) if isinstance(arch, Architecture) else ()
+    traffic = Traffic(psi=psi, wire_bytes=wb, block=block, step=arrays.full_like(arrays.as_float(micro), 1.0),
+                      accumulation=per_rank / micro, precision=precision, shard=combo.shard or combo.gpus,
+                      buckets=buckets, trainable=trainable,
+                      reduce_bytes=FP32 if reduce_dtype == "fp32" and s.shards_parameters else wb,
+                      wrapped=combo.data_parallel_wrapped(nodes), numels=numels)
+    return framework_of(s).collectives(s, traffic)
+
+
+def process_group(combo: Combo, group: str, nodes: int) -> tuple[timing.Group, tuple[int, ...]]:
+    """The process group a collective runs over, and its members inside one node.
+
+    world / shard (ZeRO and FSDP shard over the whole data-parallel group): every GPU of every node.
+    HSDP's shard group: `shard` consecutive ranks (DeviceMesh's inner dimension), inside a node when
+    it fits there. HSDP's replica group: the GPUs at the same place in every shard group, so every
+    shard-th GPU of a node, and each of the node's `shard` replica groups crosses its NICs at once."""
+    if combo.tp > 1 or group in ("tp", "cp"):
+        return _model_parallel_group(combo, group, nodes)
+    g = combo.gpus
+    world = g * nodes
+    shard = combo.shard
+    if group == "replicas" and shard:
+        if shard < g:
+            return timing.Group(world // shard, g // shard, shard), tuple(range(0, g, shard))
+        return timing.Group(world // shard, 1, g), (0,)
+    if group == "shard" and shard:
+        if shard <= g:
+            return timing.Group(shard, shard, g // shard), tuple(range(shard))
+        return timing.Group(shard, g, 1), tuple(range(g))
+    return timing.Group(world, g, 1), tuple(range(g))
+
+
+def _model_parallel_group(combo: Combo, group: str, nodes: int) -> tuple[timing.Group, tuple[int, ...]]:
+    """Groups of a layout with model parallelism, placed as torchtitan's mesh (pp, dp_replicate,
+    dp_shard, cp, tp; tp innermost): a TP group is tp consecutive GPUs of a node; a CP group the
+    GPUs tp apart; the data-parallel group (FSDP shards over dp_shard x cp) the GPUs tp apart over
+    every node, tp such groups per node crossing its NICs at once."""
+    g, tp = combo.gpus, combo.tp
+    world = g * nodes
+    if group == "tp":
+        return timing.Group(tp, tp, g // tp), tuple(range(tp))
+    if group == "cp":
+        span = tp * combo.cp
+        if span <= g:
+            return timing.Group(combo.cp, combo.cp, g // span), tuple(range(0, span, tp))
+        return timing.Group(combo.cp, g // tp, tp), tuple(range(0, g, tp))
+    if group == "replicas" and combo.shard:
+        shard = combo.shard  # data-parallel ranks per shard group
+        per_node = max(1, g // (tp * shard))
+        return timing.Group(world // (tp * shard), per_node, g // per_node), tuple(range(0, g, tp * shard))
+    if group == "shard" and combo.shard and combo.shard * tp <= g:
+        return timing.Group(combo.shard, combo.shard, g // combo.shard), tuple(range(0, combo.shard * tp, tp))
+    return timing.Group(world // tp, g // tp, tp), tuple(range(0, g, tp))
+
+
+def model_parallel_collectives(precision: str, combo: Combo, arch, per_rank: int,
+                               seq_len: int) -> list[tuple[str, float, int, float, str]]:
+    """(what, bytes per step, ring passes, message bytes at micro-batch 1, group) of the TP group's
+    per-layer collectives (tensor_parallel.tp_collectives) and the CP group's K/V exchange
+    (context_parallel.cp_collectives). The bytes per step do not depend on the micro-batch (its
+    tokens times the accumulation steps are the rank's share); each message grows with it."""
+    from planner.parallel.context import cp_collectives
+    from planner.parallel.tensor import rank_architecture, tp_collectives
+
+    wb = RECIPES[precision].compute_bytes  # activations cross the TP/CP groups in the compute dtype
+    rows = [(what, volume, passes, message, "tp") for what, volume, passes, message in tp_collectives(
+        arch, tokens=seq_len // combo.cp, micro_batches=per_rank, b=wb, tp=combo.tp,
+        sequence_parallel=combo.sequence_parallel, checkpointing=combo.checkpointing)]
+    rows += [(what, volume, passes, message, "cp") for what, volume, passes, message in cp_collectives(
+        rank_architecture(arch, combo.tp), tokens=seq_len, micro_batches=per_rank, b=wb, cp=combo.cp,
+        checkpointing=combo.checkpointing)]
+    return rows
+
+
+def _over_group(combo: Combo, group: str, nodes: int, topo: Topology, req: "StepSettings", nic_gbps: float,
+                fabric: dict, volume, message: float, passes: int) -> timing.CollectiveTime:
+    """One collective on its process group's links: inside a node at the group's slowest ring,
+    across nodes at the NICs (timing.collective_seconds)."""
+    layout, members = process_group(combo, group, nodes)
+    _, intra_bw, intra_lat = timing.ring_over(topo, members)
+    wire = timing.Wire(intra_bw * req.link_efficiency, intra_lat, nic_gbps, fabric["latency_us"])
+    return timing.collective_seconds(volume, layout, wire, message, passes)
+
+
+def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int, arch, g: Gpu,
+               topo: Topology, fabric: dict, nics: int, buckets: Buckets = Buckets(),
+               frozen: FrozenBaseShape | None = None) -> list[timing.StepTime]:
+    """The step time of each micro-batch option: ``micro`` is one size (a single estimate: plain
+    floats throughout) or a numpy array of them (the plan search); the same formulas either way.
+    ``frozen``: a LoRA / QLoRA step (fewer FLOPs, gradient traffic of the trainable elements only,
+    the base's dequantization per pass); None for full fine-tuning."""
+    wb = RECIPES[req.precision].wire_bytes
+    dtype = RECIPES[req.precision].peak_dtype(g.peak_tflops)
+    peak_flops = g.peak_tflops[dtype] * 1e12
+    tokens_rank = per_rank * req.seq_len
+    model_parallel = combo.tp * combo.cp  # GPUs that share one data-parallel rank's tokens
+    per_token, model_per_token = _flops_per_token(arch, req.seq_len, combo.checkpointing, frozen,
+                                                  combo.checkpointing_every)
+    compute, backward, hardware_flops, terms = compute_seconds(req, combo, micro, per_rank, psi, arch, g, frozen,
+                                                               tokens_rank * per_token / model_parallel)
+    ring, ring_bw, _ = timing.node_ring(topo, combo.gpus)
+    nodes = req.nodes
+    nic_gbps = nics * fabric["gbps"] * fabric["efficiency"] * req.link_efficiency
+    comm = arrays.zeros_like(arrays.as_float(micro))
+    slowest = ring_bw * req.link_efficiency
+    trainable = frozen.trainable if frozen is not None else None
+    for _, volume, passes, message, group in combo_collectives(req.precision, combo, psi // combo.tp, micro,
+                                                               per_rank, wb, arch, buckets, trainable,
+                                                               req.reduce_dtype, nodes=nodes):
+        t = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, arrays.as_float(volume), message, passes)
+        comm += t.seconds
+        slowest = min(slowest, arrays.smallest(t.bottleneck_gbps))
+    exposed_model_parallel = arrays.zeros_like(arrays.as_float(micro))
+    data_parallel = comm + 0.0  # what FSDP/ZeRO/DDP send, hidden behind the framework's window (a copy)
+    if model_parallel > 1 and arch is not None:
+        for _, volume, passes, message, group in model_parallel_collectives(req.precision, combo, arch, per_rank,
+                                                                            req.seq_len):
+            # a ring's time is a bandwidth term in the bytes plus a latency term per message
+            # (timing._ring): two evaluations give both, then every micro-batch's message size
+            one = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, float(volume), volume, passes)
+            two = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, float(volume), volume / 2, passes)
+            per_message = float(arrays.item(two.seconds, 0)) - float(arrays.item(one.seconds, 0))
+            seconds = float(arrays.item(one.seconds, 0)) - per_message + per_message * volume / (message * micro)
+            # TP: on each layer's critical path, nothing hides it (async TP needs torch.compile);
+            # CP: ring attention overlaps the K/V exchange with the attention it feeds (Liu et
+            # al. 2023, "Ring Attention", Sec. 3), only what exceeds the compute shows
+            exposed_model_parallel = exposed_model_parallel + (
+                seconds if group == "tp" else arrays.maximum(0.0, seconds - compute))
+            comm = comm + seconds
+            slowest = min(slowest, arrays.smallest(one.bottleneck_gbps))
+    s = lookup_strategy(combo.strategy)
+    offload = offload_seconds(combo, psi // combo.tp, per_rank / micro, combo.gpus * nodes // combo.tp, wb, g,
+                              trainable)
+    dequantize = _dequantize_seconds(frozen, combo.checkpointing, per_rank / micro, g)
+    world = combo.gpus * nodes
+    model_flops = tokens_rank * model_per_token / model_parallel
+    tokens = tokens_rank / model_parallel * world
+    # every option at once (elementwise: the same floating-point operations as one option alone)
+    busy = compute + dequantize
+    window = framework_of(s).overlap_window_seconds(s, busy, backward)
+    exposed = arrays.maximum(0.0, data_parallel - window) + exposed_model_parallel
+    step = busy + exposed + offload
+    terms = terms + [("dequantize", dequantize, "QLoRA's dequantization at the achievable memory bandwidth"),
+                     ("exposed communication", exposed, "α-β rings on the topology, less the framework's overlap"),
+                     ("offload", offload, "PCIe and CPU Adam rates (steptime.PCIE_DEVICE_TO_HOST_GBPS)")]
+    columns = [busy, comm, exposed, offload, step, tokens / step, model_flops / (step * peak_flops),
+               hardware_flops / (step * peak_flops)] + [t[1] for t in terms]
+    options = micro.size if arrays.is_array(micro) else 1
+    rows = zip(*(arrays.as_float(c).tolist() if arrays.is_array(c) else [float(c)] * options for c in columns))
+    labels = tuple((name, source) for name, _, source in terms)
+    return [timing.StepTime(compute_seconds=row[0], communication_seconds=row[1], exposed_communication_seconds=row[2],
+                            offload_seconds=row[3], step_seconds=row[4], tokens_per_second=row[5], mfu=row[6],
+                            ring_bandwidth_gbps=slowest, ring=ring, hfu=row[7], term_labels=labels,
+                            term_values=row[8:])
+            for row in rows]
+
+
+def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int, arch, g: Gpu,
+                    frozen: FrozenBaseShape | None, override_flops: float):
+    """(compute seconds per optimizer step on one GPU, the backward passes' share of them,
+    hardware FLOPs it runs, [(term, seconds, source)]) for each micro-batch option. Every kernel at its measured rate (planner/time/kernels.py);
+    with the compute_efficiency override, ``override_flops`` at that fraction of peak instead; a
+    traced model (no layer shapes) at the measured matmul rate."""
+    recipe = RECIPES[req.precision]
+    dtype = recipe.peak_dtype(g.peak_tflops)
+    micro_f = arrays.as_float(micro)
+    accumulation = per_rank / micro_f
+    if req.compute_efficiency is not None:
+        seconds = override_flops / (g.peak_tflops[dtype] * 1e12 * req.compute_efficiency)
+        return seconds, seconds * timing.BACKWARD_FRACTION, override_flops, [
+            ("compute", seconds, f"override: compute_efficiency {req.compute_efficiency:g} of peak {dtype}")]
+    r = kernels.rates(g, dtype)
+    scaled = "" if req.compute_scale == 1.0 else f" x {req.compute_scale:.3f} (calibration profile)"
+    if not isinstance(arch, Architecture):  # traced: FLOPs only, no layer shapes
+        seconds = override_flops / r.matmul_flops / req.compute_scale
+        return seconds, seconds * timing.BACKWARD_FRACTION, override_flops, [
+            ("matmul", seconds, f"traced FLOPs at {r.matmul_source}{scaled}")]
+    w = kernels.work(arch, req.seq_len, combo.tp, combo.cp, combo.sequence_parallel, recipe.compute_bytes,
+                     req.attention == "eager" or arch.attention_implementation == "eager", r, req.attention_kernel)
+    t = kernels.micro_batch_terms(w, micro_f, r, recipe.compute_bytes, combo.checkpointing,
+                                  frozen_matmuls=1.0 if frozen is not None else 0.0)
+    matmul = t.matmul
+    hardware = t.hardware_flops
+    if frozen is not None:  # the adapters and trained copies of frozen matmuls, at the matmul rate
+        adapters = micro_f * w.tokens * (3 * frozen.adapter_forward_flops + frozen.trained_weight_flops) / combo.tp
+        matmul = matmul + adapters / r.matmul_flops
+        hardware = hardware + adapters
+    s = lookup_strategy(combo.strategy)
+    optimizer = 0.0
+    if combo.offload_optimizer == "none":
+        shards = combo.gpus * req.nodes // (combo.tp * combo.pp) if s.shards_optimizer else 1
+        elements = (frozen.trainable if frozen is not None else psi) / combo.tp / max(1, shards)
+        param_bits = recipe.master_bits or recipe.weight_bits
+        optimizer = kernels.optimizer_step_seconds(elements, optimizer_state_bits(req.optimizer, param_bits),
+                                                   recipe.master_bits, recipe.weight_bits, recipe.grad_bits, r)
+    device = matmul + t.attention + t.elementwise + t.recompute
+    host_wait = arrays.maximum(0.0, t.host - device)
+    scale = req.compute_scale  # a profile's measured factor on every kernel rate
+    seconds = (accumulation * (device + host_wait) + optimizer) / scale
+    attention_source = ("eager attention: its matmuls at the matmul rate, the score matrix at the memory bandwidth"
+                        if w.eager_bytes else f"{req.attention_kernel} measured on {r.attention_reference.upper()}, "
+                        f"scaled by matmul rate x {r.attention_scale:.2f}")
+    bandwidth = f"{r.memory_bytes_per_s / 1e9:,.0f} GB/s achievable memory bandwidth"
+    terms = [("matmul", accumulation * matmul, f"{r.matmul_source}, tile waves over {r.sms or '?'} SMs"),
+             ("attention", accumulation * t.attention, attention_source),
+             ("elementwise and loss", accumulation * t.elementwise, bandwidth),
+             (f"recompute ({combo.checkpointing})", accumulation * t.recompute, "the forward kernels rerun, same rates"),
+             ("host launch wait", accumulation * host_wait,
+              f"{r.host_seconds_per_kernel * 1e6:g} µs per eager kernel launch"),
+             ("optimizer step", optimizer, bandwidth)]
+    backward = accumulation * (t.backward + (matmul - t.matmul) * 2 / 3) / scale  # the adapters' backward: 2 of 3
+    return seconds, backward, accumulation * hardware, [(n, v / scale, src + scaled) for n, v, src in terms]
+
+
+def _dequantize_seconds(frozen: FrozenBaseShape | None, checkpointing: str, accumulation, g: Gpu):
+    """The quantized base's dequantizations in one optimizer step: per micro-step one forward
+    (two with full checkpointing's recomputation) and one backward, each bandwidth-bound."""
+    seconds = arrays.zeros_like(arrays.as_float(accumulation))
+    if frozen is None or not (frozen.dequantize_forward_bytes or frozen.dequantize_backward_bytes):
+        return seconds
+    if g.memory_bandwidth_gbps is None:  # CPU ranks: the host's bandwidth is not in the catalogue
+        return seconds
+    forwards = 2 if checkpointing == "full" else 1
+    per_micro = forwards * frozen.dequantize_forward_bytes + frozen.dequantize_backward_bytes
+    return seconds + accumulation * timing.dequantize_seconds(per_micro, g.memory_bandwidth_gbps)
+
+
+def offload_seconds(combo: Combo, psi: int, accumulation, world: int, wb: int, g: Gpu, trainable: int | None = None):
+    """``trainable``: the elements the optimizer updates when not all of ``psi`` (LoRA)."""
+    shard = (psi if trainable is None else trainable) / world
+    pcie = PCIE_DEVICE_TO_HOST_GBPS.get(g.pcie, 24.0) * 1e9
+    seconds = arrays.zeros_like(accumulation)
+    if combo.offload_optimizer != "none":
+        # gradients down, updated 16-bit parameters up, then DeepSpeedCPUAdam on the host
+        seconds += 2 * shard * wb / pcie + shard / timing.CPU_ADAM_PARAMS_PER_SECOND
+        if combo.offload_optimizer == "nvme":
+            seconds += 2 * shard * 16 / (NVME_GBPS * 1e9)  # read and write master + moments
+    if combo.offload_params != "none":
+        shard = psi / world  # every parameter is fetched, frozen or not
+        seconds += accumulation * 2 * shard * wb / pcie  # each micro-step fetches the shard twice
+        if combo.offload_params == "nvme":
+            seconds += accumulation * 2 * shard * wb / (NVME_GBPS * 1e9)
+    return seconds
