@@ -182,7 +182,7 @@ def table() -> str:
             checks.append(f"- {t.name}, the recommendation: {check}.")
     lines += ["", *checks, "",
               "GiB = 2^30 bytes; MFU = model FLOPs (no recomputation) per second over the GPU's dense bf16 peak. "
-              "Predictions at the planner's defaults (45% of peak compute, its link model). Written by "
+              "Predictions at the planner's defaults (compute from the kernels' measured rates, planner/time/kernels.py; its link model). Written by "
               "`python bench/published_layouts.py --readme README.md`."]
     return "\n".join(lines)
 
