@@ -129,7 +129,7 @@ def add_schema_flags(parser: argparse.ArgumentParser, model: type[BaseModel],
 
 
 def _read_file_flag(name: str, path: str) -> Any:
-    from planner.model.catalogue import MAX_MODEL_FILE_BYTES, UnsupportedModelTypeError, model_from_file, read_bounded_text
+    from planner.model.catalogue import MAX_MODEL_FILE_BYTES, UnsupportedModelTypeError, model_from_file
 
     if name == "model_config_":
         try:
@@ -139,15 +139,8 @@ def _read_file_flag(name: str, path: str) -> Any:
         return {"name": resolved.name, "config": resolved.config}
     if name == "topology_text":
         return read_topology_text(path)
-    try:
-        text = read_bounded_text(path, MAX_MODEL_FILE_BYTES)
-        if text is None:
-            raise CliError(f"{FILE_FLAGS[name]} {path}: more than {MAX_MODEL_FILE_BYTES} bytes, too large for a "
-                           "DeepSpeed config")
-    except OSError as exc:
-        raise CliError(f"{FILE_FLAGS[name]} {path}: cannot be read ({exc.strerror})") from None
-    except UnicodeDecodeError:
-        raise CliError(f"{FILE_FLAGS[name]} {path}: not a text file") from None
+    text = read_text_file(f"{FILE_FLAGS[name]} {path}", path, MAX_MODEL_FILE_BYTES,
+                          f"more than {MAX_MODEL_FILE_BYTES} bytes, too large for a DeepSpeed config")
     from planner.model.catalogue import parse_json_text
 
     return parse_json_text(text, f"{FILE_FLAGS[name]} {path}", field=name)
@@ -199,18 +192,34 @@ def read_topology_text(path: str) -> str:
     from planner.model.catalogue import read_bounded_text
     from planner.cluster.topology import MAX_TOPOLOGY_BYTES
 
+    too_large = f"larger than {MAX_TOPOLOGY_BYTES} bytes; not nvidia-smi topo -m output"
+    if path != "-":
+        return read_text_file(f"--topology-file {path}", path, MAX_TOPOLOGY_BYTES, too_large)
     try:
-        if path == "-":
-            text = sys.stdin.read(MAX_TOPOLOGY_BYTES + 1)
-            text = None if len(text.encode()) > MAX_TOPOLOGY_BYTES else text
-        else:
-            text = read_bounded_text(path, MAX_TOPOLOGY_BYTES)
+        text = sys.stdin.read(MAX_TOPOLOGY_BYTES + 1)
     except OSError as exc:
         raise CliError(f"--topology-file {path}: cannot be read ({exc.strerror})") from None
     except UnicodeDecodeError:
         raise CliError(f"--topology-file {path}: not a text file") from None
+    if len(text.encode()) > MAX_TOPOLOGY_BYTES:
+        raise CliError(f"--topology-file {path}: {too_large}")
+    return text
+
+
+def read_text_file(label: str, path: str, limit: int, too_large: str) -> str:
+    """A file's text, at most ``limit`` bytes read (planner/model/catalogue.py read_bounded_text: a
+    pipe or /dev/zero is never read to its end); every way it cannot be read is one line naming
+    ``label`` (the flag and the file), ``too_large`` saying what a larger file cannot be."""
+    from planner.model.catalogue import read_bounded_text
+
+    try:
+        text = read_bounded_text(path, limit)
+    except OSError as exc:
+        raise CliError(f"{label}: cannot be read ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise CliError(f"{label}: not a text file") from None
     if text is None:
-        raise CliError(f"--topology-file {path}: larger than {MAX_TOPOLOGY_BYTES} bytes; not nvidia-smi topo -m output")
+        raise CliError(f"{label}: {too_large}")
     return text
 
 
@@ -282,20 +291,9 @@ MAX_JOB_FILE_BYTES = 1 << 20
 
 
 def _job_files(paths: list[str]) -> list[dict[str, str]]:
-    from planner.model.catalogue import read_bounded_text
-
-    files = []
-    for path in paths:
-        try:
-            text = read_bounded_text(path, MAX_JOB_FILE_BYTES)
-        except OSError as exc:
-            raise CliError(f"{path}: cannot be read ({exc.strerror})") from None
-        except UnicodeDecodeError:
-            raise CliError(f"{path}: not a text file") from None
-        if text is None:
-            raise CliError(f"{path}: more than {MAX_JOB_FILE_BYTES} bytes; not a training config")
-        files.append({"name": path, "text": text})
-    return files
+    return [{"name": path, "text": read_text_file(path, path, MAX_JOB_FILE_BYTES,
+                                                  f"more than {MAX_JOB_FILE_BYTES} bytes; not a training config")}
+            for path in paths]
 
 
 def _sets(pairs: list[str] | None) -> dict[str, Any] | None:
@@ -636,18 +634,11 @@ MAX_PLAN_FILE_BYTES = 4 << 20  # an emitted plan.json (the chosen layout and its
 
 
 def _request_from_plan(path: str):
-    from planner.model.catalogue import parse_json_text, read_bounded_text
+    from planner.model.catalogue import parse_json_text
     from planner.schema import EstimateRequest
 
-    try:
-        text = read_bounded_text(path, MAX_PLAN_FILE_BYTES)
-    except OSError as exc:
-        raise CliError(f"--plan {path}: cannot be read ({exc.strerror})") from None
-    except UnicodeDecodeError:
-        raise CliError(f"--plan {path}: not a text file") from None
-    if text is None:
-        raise CliError(f"--plan {path}: more than {MAX_PLAN_FILE_BYTES} bytes; not a plan.json written by "
-                       "`planner plan --emit`")
+    text = read_text_file(f"--plan {path}", path, MAX_PLAN_FILE_BYTES,
+                          f"more than {MAX_PLAN_FILE_BYTES} bytes; not a plan.json written by `planner plan --emit`")
     data = parse_json_text(text, f"--plan {path}")
     if not isinstance(data, dict) or not isinstance(data.get("estimate_request"), dict):
         raise CliError(f"--plan {path}: not a plan.json written by `planner plan --emit` (no estimate_request)")
