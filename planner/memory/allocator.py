@@ -483,16 +483,7 @@ class CachingAllocator:
             self._remove(src)
         else:
             self.unmapped[(src.small, src.stream)].remove(src)
-        if dst.prev is src:
-            dst.addr = src.addr
-            dst.prev = src.prev
-            if dst.prev is not None:
-                dst.prev.next = dst
-        else:
-            dst.next = src.next
-            if dst.next is not None:
-                dst.next.prev = dst
-        dst.size += src.size
+        _absorb(dst, src)
 
     def _release(self, block: _Block) -> None:
         """release_block: cudaFree of a whole (unsplit) cached segment."""
@@ -662,16 +653,23 @@ class CachingAllocator:
         for other in (block.prev, block.next):
             if other is not None and not other.mapped:
                 self.unmapped[key].remove(other)
-                if block.prev is other:
-                    block.addr, block.prev = other.addr, other.prev
-                    if other.prev is not None:
-                        other.prev.next = block
-                else:
-                    block.next = other.next
-                    if other.next is not None:
-                        other.next.prev = block
-                block.size += other.size
+                _absorb(block, other)
         self.unmapped.setdefault(key, []).append(block)
+
+
+def _absorb(dst: "_Block", src: "_Block") -> None:
+    """Merge the neighbour ``src`` into ``dst`` (try_merge_blocks: the segment's list spliced, the
+    sizes added); the caller has taken ``src`` out of its pool."""
+    if dst.prev is src:
+        dst.addr = src.addr
+        dst.prev = src.prev
+        if dst.prev is not None:
+            dst.prev.next = dst
+    else:
+        dst.next = src.next
+        if dst.next is not None:
+            dst.next.prev = dst
+    dst.size += src.size
 
 
 def replay(events: list[tuple], conf: AllocConf = AllocConf(), capacity_bytes: int | None = None,
