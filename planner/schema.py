@@ -234,6 +234,15 @@ ReduceDtypeField = Annotated[ReduceDtype, Field(
     "planner's trainer) or fp32 (torchtitan's mixed_precision_reduce); fsdp, fsdp-grad-op and hsdp only")]
 
 
+# the caching allocator's and NCCL's settings (issue 24), the same on estimate and plan
+AllocConfField = Annotated[str | None, Field(
+    max_length=500, description="PYTORCH_CUDA_ALLOC_CONF the job runs with (expandable_segments, "
+    "max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions); default: torch's defaults")]
+NcclBuffsizeField = Annotated[int | None, Field(
+    ge=65_536, le=1 << 32, description="NCCL_BUFFSIZE (the Simple protocol's buffer per channel and "
+    "connection); default NCCL's 4 MiB")]
+
+
 class EstimateRequest(BaseModel):
     """What to estimate: a model, a strategy and the cluster it runs on."""
 
@@ -260,12 +269,8 @@ class EstimateRequest(BaseModel):
     host_memory_gib: float | None = Field(
         None, gt=0, le=1 << 24, description="host RAM of one node in GiB, checked against what offload keeps there "
         "(the sum over the node's ranks); default: the topology preset's system memory from its datasheet")
-    alloc_conf: str | None = Field(
-        None, max_length=500, description="PYTORCH_CUDA_ALLOC_CONF the job runs with (expandable_segments, "
-        "max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions); default: torch's defaults")
-    nccl_buffsize_bytes: int | None = Field(
-        None, ge=65_536, le=1 << 32, description="NCCL_BUFFSIZE (the Simple protocol's buffer per channel and "
-        "connection); default NCCL's 4 MiB")
+    alloc_conf: AllocConfField = None
+    nccl_buffsize_bytes: NcclBuffsizeField = None
     precision: Precision = Field("bf16-mixed", description="precision recipe")
     optimizer: Optimizer = Field("adamw", description="optimizer")
     micro_batch: int = Field(1, ge=1, le=1 << 16, description="sequences per device per micro-step")
@@ -583,12 +588,8 @@ class PlanRequest(BaseModel):
     host_memory_gib: float | None = Field(
         None, gt=0, le=1 << 24, description="host RAM of one node in GiB, checked against what offload keeps there "
         "(the sum over the node's ranks); default: the topology preset's system memory from its datasheet")
-    alloc_conf: str | None = Field(
-        None, max_length=500, description="PYTORCH_CUDA_ALLOC_CONF the job runs with (expandable_segments, "
-        "max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions); default: torch's defaults")
-    nccl_buffsize_bytes: int | None = Field(
-        None, ge=65_536, le=1 << 32, description="NCCL_BUFFSIZE (the Simple protocol's buffer per channel and "
-        "connection); default NCCL's 4 MiB")
+    alloc_conf: AllocConfField = None
+    nccl_buffsize_bytes: NcclBuffsizeField = None
     tp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE, description="tensor-parallel degree (fixed; the search keeps it)")
     pp: PipelineDegree = 1
     cp: ContextDegree = 1
