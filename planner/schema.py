@@ -242,6 +242,15 @@ NcclBuffsizeField = Annotated[int | None, Field(
     ge=65_536, le=1 << 32, description="NCCL_BUFFSIZE (the Simple protocol's buffer per channel and "
     "connection); default NCCL's 4 MiB")]
 
+# the optimizer (planner/recipes/optimizers.py, one entry each), the same on estimate and plan
+OptimizerField = Annotated[Optimizer, Field(
+    description="optimizer: adamw (torch), adamw-8bit / adamw-paged-8bit (bitsandbytes), adamw-torchao-8bit / "
+    "adamw-torchao-4bit (torchao low-bit states), adafactor (torch, factored second moment), lion (bitsandbytes, "
+    "32-bit), sgd (no state), sgd-momentum, muon (torch Muon on 2-D hidden weights, AdamW for the rest)")]
+OptimizerInBackwardField = Annotated[bool, Field(
+    description="step each parameter in its post-accumulate-grad hook during backward (torchtune's "
+    "optimizer_in_bwd): gradients never all exist at once; needs gradient_accumulation 1")]
+
 
 class EstimateRequest(BaseModel):
     """What to estimate: a model, a strategy and the cluster it runs on."""
@@ -272,7 +281,8 @@ class EstimateRequest(BaseModel):
     alloc_conf: AllocConfField = None
     nccl_buffsize_bytes: NcclBuffsizeField = None
     precision: Precision = Field("bf16-mixed", description="precision recipe")
-    optimizer: Optimizer = Field("adamw", description="optimizer")
+    optimizer: OptimizerField = "adamw"
+    optimizer_in_backward: OptimizerInBackwardField = False
     micro_batch: int = Field(1, ge=1, le=1 << 16, description="sequences per device per micro-step")
     seq_len: SeqLen = DEFAULT_SEQ_LEN
     gradient_accumulation: int = Field(1, ge=1, le=1 << 16, description="micro-steps per optimizer step")
@@ -604,7 +614,8 @@ class PlanRequest(BaseModel):
     global_batch: int = Field(256, ge=1, le=1 << 24, description="sequences per optimizer step, over all GPUs")
     objective: Objective = Field("time", description="rank by step time, by GPU-hours per token, or by memory")
     precision: Precision = Field("bf16-mixed", description="precision recipe")
-    optimizer: Optimizer = Field("adamw", description="optimizer")
+    optimizer: OptimizerField = "adamw"
+    optimizer_in_backward: OptimizerInBackwardField = False
     attention: Attention = Field("sdpa", description="attention implementation")
     attention_kernel: AttentionKernel = Field("flash-attention-2", description="the flash kernel's generation (step time)")
     headroom: float = Field(0.05, ge=0.0, lt=0.9, description="fraction of device memory kept free")

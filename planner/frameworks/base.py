@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from planner.frameworks.deepspeed.config import (DEFAULT_ALLGATHER_BUCKET, DEFAULT_MAX_REUSE_DISTANCE, DEFAULT_PERSISTENCE_THRESHOLD,
                                                  DEFAULT_PREFETCH_BUCKET, DEFAULT_REDUCE_BUCKET)
 from planner.errors import PlannerError
+from planner.memory.optimizer import flat, spec_of, state_bits
 
 if TYPE_CHECKING:
     import numpy as np
@@ -17,7 +18,8 @@ if TYPE_CHECKING:
     from planner.model.activations import Activations
     from planner.memory.buffers import PhasePlan
     from planner.setup import Setup
-    from planner.recipes.precision import Recipe
+    from planner.model.shapes import TensorShape
+    from planner.recipes.optimizers import OptimizerSpec
     from planner.strategies import Strategy
 
 # (what, bytes per optimizer step, ring passes, message bytes, group: world | shard | replicas)
@@ -86,12 +88,20 @@ class Framework:
     def phases(self, setup: "Setup", acts: "Activations | None", numels: list[int]) -> "PhasePlan":
         raise NotImplementedError
 
-    def optimizer_state_bits(self, recipe: "Recipe", optimizer: str) -> float:
-        """Bits per parameter of the optimizer's states (beyond a master copy) under ``recipe``:
-        an fp32 partition unless a framework says otherwise."""
-        from planner.recipes.precision import optimizer_state_bits
+    def optimizer_tensors(self, setup: "Setup", counts: list[int], shard: int) -> tuple[list["TensorShape"], int]:
+        """The tensors the optimizer steps on one rank whose parameters are ``counts``, their states
+        split over ``shard`` ranks, and the bits of each element: DeepSpeed's flat fp32 partition
+        (stage_1_and_2.py / stage3.py flatten each group) unless a framework says otherwise."""
+        return flat(-(-sum(counts) // max(shard, 1))), 32
 
-        return optimizer_state_bits(optimizer)
+    def optimizer_state_bits(self, setup: "Setup", counts: list[int], shard: int = 1) -> float:
+        """Bits per stepped element of the optimizer's states (beyond a master copy), from the
+        registry (planner/recipes/optimizers.py) over ``optimizer_tensors``."""
+        tensors, bits = self.optimizer_tensors(setup, counts, shard)
+        return state_bits(spec_of(setup), tensors, bits)
+
+    def check_optimizer(self, setup: "Setup", spec: "OptimizerSpec") -> None:
+        """Refuse an optimizer (or its step in backward) the framework does not run, naming why."""
 
     def collectives(self, s: "Strategy", t: Traffic) -> list[Collective]:
         """What one optimizer step sends, per collective (before the ring's factor)."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from planner.model.activations import Activations
 from planner.model.architecture import block_parameters, blocks_parameters, layer_parameters, vision_parameters
 from planner.memory.moments import PhaseKind
+from planner.memory.optimizer import flat, spec_of, states_bytes, step_temporaries
 from planner.schema import MemoryItem, Phase
 
 if TYPE_CHECKING:
@@ -184,36 +185,23 @@ def backward_sweep(acts: Activations | None, numels: list[int], shape: Layout | 
 
 # --- items every framework holds ----------------------------------------------------------
 
-def adam_temporaries(elements: int, setup: "Setup") -> int:
-    """Temporaries of the optimizer step over ``elements`` (one tensor, or the largest one).
-
-    CPU ranks step with torch.optim.AdamW's single-tensor path, which allocates
-    exp_avg_sq.sqrt() and its division by the bias correction before the in-place add: two fp32
-    tensors of the parameter's size (torch/optim/adam.py, _single_tensor_adam). On CUDA,
-    DeepSpeed steps with FusedAdam (multi_tensor_apply, no temporaries) and torch with the
-    foreach path, whose _foreach_sqrt makes one fp32 copy of the group's exp_avg_sq. SGD
-    allocates none worth counting. The temporaries take the states' dtype: 16-bit under torch's
-    bf16-pure (the model cast, its AdamW states zeros_like the parameters)."""
-    if not setup.request.optimizer.startswith("adamw"):
-        return 0
-    width = FP32
-    if setup.request.optimizer == "adamw":
-        width = int(setup.framework.optimizer_state_bits(setup.recipe, "adamw")) // 16  # two states
-    if setup.device == "cpu":
-        return 2 * width * elements
-    return setup.framework.cuda_adam_copies * width * elements
+def step_temporaries_flat(elements: int, setup: "Setup") -> int:
+    """Temporaries of a DeepSpeed optimizer step over ``elements`` of one flat fp32 tensor (a
+    partition, a sub-group, or the largest parameter), from the registry
+    (planner/recipes/optimizers.py): on CPU ranks the library's CPU path (torch.optim.AdamW's
+    single-tensor sqrt and division: two fp32 copies); on CUDA, FusedAdam's multi_tensor_apply
+    (Framework.cuda_adam_copies = 0)."""
+    return step_temporaries(setup, flat(elements), FP32 * 8)
 
 
 def optimizer_items(setup: "Setup", elements: int, where: str) -> list[MemoryItem]:
-    from planner.recipes.precision import bits_to_bytes, optimizer_state_bits
-
     items = []
     if setup.zero.offload_optimizer == "none":
+        spec = spec_of(setup)
         items.append(item(f"fp32 master weights ({where})", FP32 * elements, "optimizer_states",
                            "ZeRO paper Sec. 3.1; DeepSpeed keeps an fp32 copy even for fp32 training"))
         items.append(item(f"{setup.request.optimizer} states ({where})",
-                           bits_to_bytes(elements, optimizer_state_bits(setup.request.optimizer)),
-                           "optimizer_states", "exp_avg and exp_avg_sq"))
+                           states_bytes(spec, flat(elements), FP32 * 8), "optimizer_states", spec.source))
     return items
 
 

@@ -32,6 +32,7 @@ from planner.memory.rank_activations import activations, traced_setting
 from planner.schema import (EstimateRequest, EstimateResult, HostMemory, ModelSummary, ParallelDegrees,
                             PeakRows, PerDevice, Phase)
 from planner.setup import Setup, numels as _numels
+from planner.memory.optimizer import check as check_optimizer, notes as optimizer_notes
 from planner.strategies import Strategy, shard_group_size, strategy as lookup_strategy
 from planner.parallel.tensor import tensor_parallel_fields
 from planner.units import GIB, fmt_bytes
@@ -108,9 +109,11 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     fields = {"shard_size": shard} | tensor_parallel_fields(request, s, model, shard)
     fields["loss_chunks"] = loss_chunks(request, _checkpointing_why_not(request, model, finetune),
                                         torch_tp=bool(fields.get("vocab_parallel_loss")))
-    return Setup(request=request.model_copy(update={"precision": precision} | from_config), model=model, strategy=s,
-                 recipe=RECIPES[precision], gpu=g, zero=zero, world_size=request.world_size, dims=dims,
-                 finetune=finetune, **fields)
+    setup = Setup(request=request.model_copy(update={"precision": precision} | from_config), model=model, strategy=s,
+                  recipe=RECIPES[precision], gpu=g, zero=zero, world_size=request.world_size, dims=dims,
+                  finetune=finetune, **fields)
+    check_optimizer(setup)
+    return setup
 
 
 def _checkpointing_why_not(request: EstimateRequest, model: ResolvedModel, finetune: Finetune | None) -> str | None:
@@ -160,7 +163,7 @@ def textbook_states(setup: Setup) -> tuple[int, int, int]:
     them: 16-bit weights and grads, K bytes of optimizer state per parameter, each divided over
     the shard group where the strategy shards it, and zero on the device where it is offloaded."""
     s, r, psi = setup.strategy, setup.recipe, trainable_count(setup)
-    k_bits = r.master_bits + setup.framework.optimizer_state_bits(r, setup.request.optimizer)
+    k_bits = r.master_bits + setup.framework.optimizer_state_bits(setup, _numels(setup))
     params = bits_to_bytes(_shard(psi, setup, s.shards_parameters), r.weight_bits)
     grads = bits_to_bytes(_shard(psi, setup, s.shards_gradients), r.grad_bits)
     optim = bits_to_bytes(_shard(psi, setup, s.shards_optimizer), k_bits)
@@ -414,6 +417,7 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
         + (f", sharded over {setup.shard_size}" if s.shards_optimizer else ", full on every rank")
         + (f", offloaded to {setup.zero.offload_optimizer}" if setup.zero.offload_optimizer != "none" else ""),
     ]
+    notes.extend(optimizer_notes(setup))
     notes.extend(position_notes(setup))
     notes.extend(_defaulted_notes(setup))
     if setup.tp > 1:

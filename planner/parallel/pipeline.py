@@ -31,6 +31,9 @@ from planner.model.activations import FP32
 from planner.model.architecture import Architecture, block_numels, block_parameters, derived, layer_specs, norm_numels
 from planner.model.attention.kinds import kind_of
 from planner.memory.buffers import item, phase
+from planner.memory.optimizer import step_temporaries
+from planner.model.shapes import vectors
+from planner.recipes.optimizers import OPTIMIZERS
 from planner.errors import PlannerError
 from planner.model.layers import routed_inactive_numels
 from planner.memory.moments import PhaseKind
@@ -439,7 +442,7 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
     weight_bits = 32 if torch_framework and (r.master_bits or r.weight_bits == 32) else r.weight_bits
     grad_bits = weight_bits if torch_framework else r.grad_bits
     weights = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_parameters else params, weight_bits)
-    states_bits = (0 if torch_framework else r.master_bits) + setup.framework.optimizer_state_bits(r, req.optimizer)
+    states_bits = (0 if torch_framework else r.master_bits) + setup.framework.optimizer_state_bits(setup, [params])
     optim = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_optimizer else params, states_bits)
     recv = m * sum(s.input_bytes for s in mine)
     grad_recv = m * sum(s.output_bytes for s in mine)
@@ -553,10 +556,10 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
                                    _item("sharded gradients (reduce-scatter output)", grad_bits // 8 * _ceil(params, dp.shard),
                                          "gradients")]
         phases.append(_phase(PhaseKind.GRADIENT_ALLREDUCE, "gradient reduce-scatter over dp", reduce_items))
-    temporaries = 2 * FP32 * (_ceil(largest, dp.shard) if dp.shards_optimizer else largest) \
-        if req.optimizer.startswith("adamw") and setup.device == "cpu" else 0
+    temporaries = step_temporaries(setup, vectors([_ceil(largest, dp.shard) if dp.shards_optimizer else largest]),
+                                   weight_bits)
     step_items.append(_item("optimizer step temporaries", temporaries, "buffers",
-                            "torch/optim/adam.py _single_tensor_adam: sqrt and division, fp32"))
+                            f"{OPTIMIZERS[req.optimizer].source}, over the largest tensor"))
     phases.append(_phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step_items))
     return resident, phases
 

@@ -9,8 +9,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from planner.recipes.optimizers import OptimizerName
+
 Precision = Literal["bf16-mixed", "fp16-mixed", "bf16-pure", "fp32"]
-Optimizer = Literal["adamw", "adamw-8bit", "sgd"]
+Optimizer = OptimizerName  # the registry's names (planner/recipes/optimizers.py)
 
 
 @dataclass(frozen=True)
@@ -99,31 +101,6 @@ RECIPES: dict[str, Recipe] = {
 # 0.19.8 runtime/config.py get_communication_data_type reads fp32/fp16/bf16, lower-cased).
 DTYPE_SPELLINGS: dict[str, tuple[str, ...]] = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16", "float16", "half"),
                                               "fp32": ("fp32", "float32", "float")}
-
-# bitsandbytes 8-bit optimizers quantize each state block-wise with one fp32 absmax per block of
-# 2048 values (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization", Sec. 2.1).
-BNB_BLOCK = 2048
-
-
-def optimizer_state_bits(optimizer: str, param_bits: int = 32) -> float:
-    """Bits per parameter the optimizer keeps, beyond any master copy. ``param_bits``: the dtype of
-    the tensors the optimizer steps, which torch.optim's states take (torch 2.13 optim/adam.py
-    _init_group: exp_avg and exp_avg_sq are torch.zeros_like(param); optim/sgd.py: the momentum
-    buffer is grad.detach().clone()); DeepSpeed's optimizers step an fp32 partition (32).
-    bitsandbytes' 8-bit states are 8-bit whatever the parameter's dtype."""
-    if optimizer == "adamw":
-        return 2 * param_bits  # exp_avg and exp_avg_sq
-    if optimizer == "adamw-8bit":
-        return 2 * (8 + 32 / BNB_BLOCK)
-    if optimizer == "sgd":
-        return param_bits  # one momentum buffer
-    raise ValueError(optimizer)
-
-
-def optimizer_state_count(optimizer: str) -> int:
-    """Tensors the optimizer keeps per parameter (torch's AdamW: exp_avg, exp_avg_sq)."""
-    return {"adamw": 2, "adamw-8bit": 2, "sgd": 1}[optimizer]
-
 
 def bits_to_bytes(count: int, bits: float) -> int:
     """Bytes of ``count`` elements of ``bits`` each, rounded up to whole bytes."""

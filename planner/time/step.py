@@ -18,7 +18,10 @@ from planner.cluster.gpus import Gpu, gpu as lookup_gpu
 from planner.cluster.hardware import profile_compute_scale, profile_efficiencies, topology_of
 from planner.memory.orchestrator import estimate, setup_of
 from planner.memory.buffers import FP32
-from planner.recipes.precision import RECIPES, optimizer_state_bits
+from planner.memory.optimizer import flat, state_bits
+from planner.model.shapes import parameter_shapes
+from planner.recipes.optimizers import OPTIMIZERS
+from planner.recipes.precision import RECIPES
 from planner.schema import EstimateRequest, EstimateResult, PlanRequest, TimeEstimate, TimeTerm
 from planner.strategies import strategy as lookup_strategy
 from planner.cluster.topology import Topology
@@ -522,8 +525,13 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
         shards = combo.gpus * req.nodes // (combo.tp * combo.pp) if s.shards_optimizer else 1
         elements = (frozen.trainable if frozen is not None else psi) / combo.tp / max(1, shards)
         param_bits = recipe.master_bits or recipe.weight_bits
-        optimizer = kernels.optimizer_step_seconds(elements, optimizer_state_bits(req.optimizer, param_bits),
-                                                   recipe.master_bits, recipe.weight_bits, recipe.grad_bits, r)
+        spec = OPTIMIZERS[req.optimizer]
+        bits = state_bits(spec, flat(max(1, int(elements))), param_bits)
+        optimizer = kernels.optimizer_step_seconds(elements, bits, recipe.master_bits, recipe.weight_bits,
+                                                   recipe.grad_bits, r)
+        if spec.whole_matrices and frozen is None:  # Muon's Newton-Schulz matmuls, every rank its whole matrices
+            flops = sum(spec.group_of(t).flops(t) for t in parameter_shapes(arch)) / combo.tp
+            optimizer = optimizer + flops / r.matmul_flops
     device = matmul + t.attention + t.elementwise + t.recompute
     host_wait = arrays.maximum(0.0, t.host - device)
     scale = req.compute_scale  # a profile's measured factor on every kernel rate

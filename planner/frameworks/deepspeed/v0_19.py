@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from planner.model.activations import Activations
-from planner.memory.buffers import (FP32, Layout, PhasePlan, activation_items, adam_temporaries, backward_sweep, ceil_div,
+from planner.memory.buffers import (FP32, Layout, PhasePlan, activation_items, step_temporaries_flat, backward_sweep, ceil_div,
                                     head_and_late, item, layout, optimizer_items, phase, tied_sum_item)
 from planner.errors import PlannerError
 from planner.memory.moments import PhaseKind
+from planner.memory.optimizer import flat, spec_of, states_bytes
 from planner.frameworks.base import Collective, Framework, Traffic, check_sharded_offload, register
 from planner.recipes.precision import RECIPES
 from planner.parallel.tensor import autotp_gather_held_bytes
@@ -21,6 +22,7 @@ from planner.parallel.tensor import autotp_gather_held_bytes
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from planner.recipes.optimizers import OptimizerSpec
     from planner.setup import Setup
     from planner.schema import MemoryItem
     from planner.strategies import Strategy
@@ -38,6 +40,25 @@ class DeepSpeedZero(Framework):
     launcher = "deepspeed"
     cuda_adam_copies = 0  # FusedAdam: multi_tensor_apply, no temporaries
     offloads_gradients_with_params = False
+
+    def check_optimizer(self, setup: "Setup", spec: "OptimizerSpec") -> None:
+        if spec.whole_matrices:
+            raise PlannerError(
+                f"optimizer {spec.name} with strategy {setup.strategy.name}: DeepSpeed steps flat 1-D partitions, "
+                "which torch's Muon refuses (it 'only supports 2D parameters'); DeepSpeed 0.19.8's own "
+                "MuonWithAuxAdam gathers each matrix's partition slices (stage_1_and_2.py "
+                "_muon_all_gather_partitions), which is not modelled: use a torch strategy (single, ddp)",
+                field="optimizer")
+        if setup.request.optimizer_in_backward:
+            raise PlannerError(f"optimizer_in_backward with strategy {setup.strategy.name}: DeepSpeed's engine steps "
+                               "its optimizer in engine.step() after the gradients are reduced, never in a "
+                               "gradient hook; use strategy single", field="optimizer_in_backward")
+        if setup.zero.offload_optimizer != "none" and not spec.deepspeed_offload:
+            raise PlannerError(
+                f"optimizer {spec.name} with offload_optimizer={setup.zero.offload_optimizer}: ZeRO-Offload steps on "
+                "the CPU with DeepSpeedCPUAdam or DeepSpeedCPULion, or an optimizer its config names; a client "
+                "optimizer such as this one is refused (deepspeed 0.19.8 runtime/engine.py:2342, "
+                "zero_force_ds_cpu_optimizer)", field="offload_optimizer")
 
     def phases(self, setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
         stage = setup.strategy.zero_stage
@@ -141,7 +162,7 @@ def _zero0_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     flat = min(psi, DS_ALLREDUCE_FALLBACK_ELEMENTS) * wb
     phases.append(phase(PhaseKind.GRADIENT_ALLREDUCE, "gradient all-reduce", resident + [grads, item(
         "flat all-reduce bucket", flat, "buffers", "engine.py buffered_allreduce_fallback")]))
-    step = resident + [grads, item("Adam temporaries (largest parameter)", adam_temporaries(largest, setup),
+    step = resident + [grads, item("Adam temporaries (largest parameter)", step_temporaries_flat(largest, setup),
                                     "buffers", "torch.optim.AdamW single-tensor step")]
     if mixed:
         step.append(item("fp32 gradients for the master step", FP32 * psi, "buffers",
@@ -319,7 +340,7 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
     offloaded = z.offload_optimizer != "none"
     step = resident if offloaded else resident + [
         item("fp32 gradient partition", FP32 * part, "buffers", "stage_1_and_2.py step(): single_grad_partition"),
-        item("Adam temporaries (flat partition)", adam_temporaries(part, setup), "buffers",
+        item("Adam temporaries (flat partition)", step_temporaries_flat(part, setup), "buffers",
               "torch.optim.AdamW single-tensor step on the flat fp32 partition")]
     phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step))
     plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
@@ -402,9 +423,7 @@ def _activations_when_produced(acts: Activations, shape: Layout, numels: list[in
 def _offload_optimizer_host(plan: PhasePlan, setup: "Setup", part: int) -> None:
     """ZeRO-Offload: the fp32 partition, its gradient and the Adam moments live on the host
     (DeepSpeedCPUAdam steps there). Host memory is per node: every local rank keeps its own."""
-    from planner.recipes.precision import bits_to_bytes, optimizer_state_bits
-
-    per_rank = FP32 * part * 2 + bits_to_bytes(part, optimizer_state_bits(setup.request.optimizer))
+    per_rank = FP32 * part * 2 + states_bytes(spec_of(setup), flat(part), FP32 * 8)
     ranks = setup.request.gpus
     target = setup.zero.offload_optimizer
     if target == "nvme":
@@ -457,7 +476,7 @@ def _zero3_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     offloaded = z.offload_optimizer != "none"
     step = resident if offloaded else resident + [
         item("fp32 gradient partition", FP32 * part, "buffers", "stage3.py: fp32 grad of each sub-group"),
-        item("Adam temporaries (flat partition)", adam_temporaries(min(part, z.sub_group_size), setup),
+        item("Adam temporaries (flat partition)", step_temporaries_flat(min(part, z.sub_group_size), setup),
               "buffers", "torch.optim.AdamW single-tensor step per sub_group_size group")]
     phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step))
     plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,

@@ -12,9 +12,12 @@ from typing import TYPE_CHECKING, Any
 from planner.time import collectives as timing
 from planner.model.activations import Activations, checkpointed_blocks
 from planner.model.architecture import layer_specs
-from planner.memory.buffers import (FP32, PhasePlan, SweepPoint, activation_items, adam_temporaries, backward_sweep,
+from planner.memory.buffers import (FP32, PhasePlan, SweepPoint, activation_items, backward_sweep,
                                     ceil_div, item, layout, phase, tied_sum_item)
 from planner.errors import PlannerError
+from planner.memory.optimizer import dim0_shards, rank_tensors, spec_of, states_bytes, step_temporaries
+from planner.model.shapes import TensorShape
+from planner.recipes.optimizers import OptimizerSpec
 from planner.model.layers import norm_numels
 from planner.memory.moments import PhaseKind
 from planner.frameworks.base import Collective, Framework, Traffic, check_sharded_offload, register
@@ -24,7 +27,6 @@ from planner.parallel.tensor import replicated_embedding_gradient_elements, tp_o
 
 if TYPE_CHECKING:
     from planner.setup import Setup
-    from planner.recipes.precision import Recipe
     from planner.strategies import Strategy
 
 # torch DDP's default bucket_cap_mb=25 (torch/nn/parallel/distributed.py).
@@ -56,13 +58,24 @@ class TorchDistributed(Framework):
     launcher = "torchrun"
     cuda_adam_copies = 1  # the foreach path's _foreach_sqrt makes one fp32 copy of exp_avg_sq
 
-    def optimizer_state_bits(self, recipe: "Recipe", optimizer: str) -> float:
-        """torch.optim steps the module's own parameters and keeps its states in their dtype
-        (precision.optimizer_state_bits): fp32 under the mixed recipes (the weights are the master
-        copy) and fp32, 16-bit under bf16-pure (the model cast to bf16)."""
-        from planner.recipes.precision import optimizer_state_bits
+    def optimizer_tensors(self, setup: "Setup", counts: list[int], shard: int) -> tuple[list[TensorShape], int]:
+        """torch.optim steps the module's own parameters, each FSDP2's dim-0 shard, and keeps its
+        states in their dtype: fp32 under the mixed recipes (the weights are the master copy) and
+        fp32, 16-bit under bf16-pure (the model cast to bf16)."""
+        r = setup.recipe
+        bits = 32 if r.master_bits or r.weight_bits == 32 else r.weight_bits
+        return dim0_shards(rank_tensors(setup, counts), shard), bits
 
-        return optimizer_state_bits(optimizer, 32 if recipe.master_bits or recipe.weight_bits == 32 else recipe.weight_bits)
+    def check_optimizer(self, setup: "Setup", spec: OptimizerSpec) -> None:
+        s = setup.strategy
+        if setup.request.optimizer_in_backward and setup.data_parallel_wrapped and not s.shards_parameters:
+            raise PlannerError(
+                f"optimizer_in_backward with strategy {s.name}: DDP all-reduces a bucket after the gradients' hooks "
+                "have run, so a step in the post-accumulate-grad hook would use unreduced gradients (torchtune runs "
+                "optimizer_in_bwd on one device or under FSDP); use single", field="optimizer_in_backward")
+        if setup.request.optimizer_in_backward and s.shards_parameters and setup.data_parallel_wrapped:
+            raise PlannerError(f"optimizer_in_backward with strategy {s.name}: the step per sharded parameter after "
+                               "each unit's reduce-scatter is not modelled; use single", field="optimizer_in_backward")
     offloads_gradients_with_params = True  # FSDP CPUOffload moves gradients to the host with the parameters
 
     def phases(self, setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
@@ -157,10 +170,8 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     store_bytes = FP32 if mixed or r.weight_bits == 32 else r.weight_bits // 8
     compute_bytes = r.weight_bits // 8
     offload = setup.zero.offload_params != "none"
-    from planner.recipes.precision import bits_to_bytes
-
-    states = bits_to_bytes(part if s.shards_optimizer and sharded else psi,
-                           setup.framework.optimizer_state_bits(r, setup.request.optimizer))
+    stepped, step_bits = setup.framework.optimizer_tensors(setup, numels, shard if s.shards_optimizer else 1)
+    states = states_bytes(spec_of(setup), stepped, step_bits)
     resident = [
         item("weights" + (" (fp32, the master copy)" if mixed else ""),
               0 if offload else store_bytes * part, "parameters"),
@@ -185,9 +196,16 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     tp_only = not setup.data_parallel_wrapped  # a TP-only rank: its gradients stay in param.grad
     excess = replicated_embedding_gradient_elements(setup.model.architecture, setup.tp) if tp_only else 0
     accumulation = setup.request.gradient_accumulation
+    in_backward = setup.request.optimizer_in_backward
+    largest_step = max((step_temporaries(setup, [t], step_bits) for t in stepped), default=0) if in_backward else 0
     for point in backward_sweep(acts, numels, layout(setup)):
         items = resident + activation_items(point)
-        if tp_only:
+        if in_backward:  # one device (memory/optimizer.py check): each parameter steps in its grad hook
+            items += _in_backward_items(point, largest_step, store_bytes * max(numels))
+            if mixed:
+                items.append(_autocast_copies(setup, point, psi, block, compute_bytes))
+            phases.append(phase(point.kind, point.label, items))
+        elif tp_only:
             items += tp_only_gradient_items(point, rank_elements=psi, excess=excess, grad_bytes=store_bytes,
                                             accumulation=accumulation)
             if mixed:
@@ -216,10 +234,9 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
                                                                  accumulated)))
     grad_bytes = store_bytes * ((part if s.shards_gradients and sharded else psi) + excess)
     phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", resident + [
-        item("gradients", 0 if offload else grad_bytes, "gradients"),
-        item("optimizer step temporaries",
-              adam_temporaries(ceil_div(max(numels), shard) if setup.device == "cpu" else part, setup),
-              "buffers", "torch.optim.AdamW: single-tensor on CPU, foreach on CUDA")]))
+        item("gradients", 0 if offload or in_backward else grad_bytes, "gradients"),
+        item("optimizer step temporaries", 0 if in_backward else step_temporaries(setup, stepped, step_bits),
+              "buffers", f"{spec_of(setup).source}: single-tensor on CPU, foreach or fused on CUDA")]))
     plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
                      buffers=[i for p in phases for i in p.items if i.component == "buffers"])
     if offload:
@@ -233,6 +250,17 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     if buckets:  # DDP
         plan.notes.append(f"DDP buckets of {DDP_BUCKET_CAP_BYTES // 2**20} MiB (bucket_cap_mb) hold a full copy of the gradients")
     return plan
+
+
+def _in_backward_items(point: SweepPoint, step_bytes: int, gradient_bytes: int) -> list[MemoryItem]:
+    """torchtune's optimizer_in_bwd (training/_optimizer_in_bwd... register_optim_in_bwd_hooks): a
+    parameter's optimizer steps in its post-accumulate-grad hook and the hook frees its gradient, so
+    once backward has produced any gradient at most one parameter's gradient (the largest, at worst)
+    and its step's temporaries exist."""
+    produced = point.grad_elements > 0 or point.in_flight_elements > 0
+    return [item("one parameter's gradient (stepped in its hook)", gradient_bytes if produced else 0, "gradients"),
+            item("its optimizer step's temporaries", step_bytes if produced else 0, "buffers",
+                 "the step runs inside backward")]
 
 
 def _autocast_copies(setup: "Setup", point: SweepPoint, psi: int, block: int, compute_bytes: int) -> MemoryItem:

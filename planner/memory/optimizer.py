@@ -1,0 +1,120 @@
+"""One rank's optimizer, from the registry (planner/recipes/optimizers.py): the tensors it steps
+(whole, FSDP2's dim-0 shards, or DeepSpeed's flat partitions), their states and the step's
+temporaries, and the compositions the model refuses (strategy, offload, step-in-backward)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from planner.errors import PlannerError
+from planner.model.shapes import TensorShape, matching, parameter_shapes, vectors
+from planner.recipes.optimizers import OPTIMIZERS, OptimizerSpec
+
+if TYPE_CHECKING:
+    from planner.setup import Setup
+
+
+def spec_of(setup: "Setup") -> OptimizerSpec:
+    return OPTIMIZERS[setup.request.optimizer]
+
+
+def rank_tensors(setup: "Setup", counts: list[int]) -> list[TensorShape]:
+    """The parameters this rank trains (``counts``: planner.setup.numels), with their shapes where
+    the architecture gives them (a LoRA adapter or a traced model's tensors as vectors:
+    planner/model/shapes.py says why that is the conservative reading)."""
+    if setup.finetune is None and setup.model.traced is None and setup.arch is not None:
+        return matching(parameter_shapes(setup.arch), counts)
+    return vectors(counts)
+
+
+def dim0_shards(tensors: list[TensorShape], shard: int) -> list[TensorShape]:
+    """FSDP2's shards (fully_shard: Shard(0), the first dimension split, rounded up)."""
+    if shard <= 1:
+        return tensors
+    return [TensorShape((-(-t.dims[0] // shard),) + t.dims[1:], t.io) for t in tensors]
+
+
+def flat(elements: int) -> list[TensorShape]:
+    """DeepSpeed's flat fp32 partition: one 1-D tensor, whatever the parameters' shapes were."""
+    return [TensorShape((max(elements, 1),))]
+
+
+def states_bytes(spec: OptimizerSpec, tensors: list[TensorShape], bits: int) -> int:
+    return sum(spec.group_of(t).states(t, bits) for t in tensors)
+
+
+def state_bits(spec: OptimizerSpec, tensors: list[TensorShape], bits: int) -> float:
+    """Bits of state per stepped element, averaged over ``tensors``: what the element counts of the
+    model-state terms multiply."""
+    total = sum(t.numel for t in tensors)
+    return 8 * states_bytes(spec, tensors, bits) / total if total else 0.0
+
+
+def step_temporaries(setup: "Setup", tensors: list[TensorShape], bits: int) -> int:
+    """The most bytes the step's temporaries hold at once. Each group (Muon's matrices, its AdamW
+    rest) steps after the other, so the groups' temporaries do not overlap."""
+    spec = spec_of(setup)
+    groups: dict[str, tuple[OptimizerSpec, list[TensorShape]]] = {}
+    for t in tensors:
+        owner = spec.group_of(t)
+        groups.setdefault(owner.name, (owner, []))[1].append(t)
+    if setup.device == "cpu":
+        return max((g.cpu_temporaries(ts, bits) for g, ts in groups.values()), default=0)
+    copies = setup.framework.cuda_adam_copies
+    return max((g.cuda_temporaries(ts, bits, copies) for g, ts in groups.values()), default=0)
+
+
+def step_flops(setup: "Setup", tensors: list[TensorShape]) -> int:
+    spec = spec_of(setup)
+    return sum(spec.group_of(t).flops(t) for t in tensors)
+
+
+def notes(setup: "Setup") -> list[str]:
+    """What the estimate says about the optimizer: its source, and what is not verified."""
+    spec = spec_of(setup)
+    out = [f"optimizer {spec.name}: states and step read from {spec.source}"]
+    if spec.paged and setup.device == "cuda":
+        out.append("paged optimizer states (tensors of at least 100,000 values) are CUDA unified memory "
+                   "(cudaMallocManaged), outside torch's caching allocator: counted on the device because the "
+                   "step touches all of them; under device-memory pressure the driver evicts pages to the host "
+                   "(up to the same bytes of host memory) instead of failing, at the cost of PCIe traffic. "
+                   "Unverified: on CPU ranks bitsandbytes falls back to ordinary states (optimizer.py:376)")
+    if setup.device == "cuda" and not spec.verified_on_cpu:
+        out.append(f"optimizer {spec.name}: no real run has measured it (unverified)")
+    elif setup.device == "cuda" and spec.name != "adamw":
+        out.append(f"optimizer {spec.name}: the CUDA step (fused kernels or foreach) is modelled from the source, "
+                   "unverified; its states are the ones CPU runs measured")
+    if setup.request.optimizer_in_backward:
+        out.append("optimizer step in backward (torchtune optimizer_in_bwd): each parameter steps in its "
+                   "post-accumulate-grad hook and its gradient is freed, so at most one parameter's gradient "
+                   "and its step's temporaries exist at once")
+    return out
+
+
+def check(setup: "Setup") -> None:
+    """Refuse what the optimizer cannot be composed with, naming the field and the reason."""
+    req, s, spec = setup.request, setup.strategy, spec_of(setup)
+    setup.framework.check_optimizer(setup, spec)
+    if spec.whole_matrices and (setup.tp > 1 or (s.shards_optimizer and setup.data_parallel_wrapped)):
+        raise PlannerError(
+            f"optimizer {spec.name} with strategy {s.name}, tp={setup.tp}: torch 2.13's Muon orthogonalises each "
+            "gradient as one whole 2-D matrix (_muon.py _zeropower_via_newtonschulz) and does not gather a sharded "
+            "DTensor; a distributed Muon that all-gathers each matrix first is not modelled: use strategy single or "
+            "ddp with tp=1", field="optimizer")
+    if spec.paged and setup.zero.offload_optimizer != "none":
+        raise PlannerError(f"optimizer {spec.name} with offload_optimizer={setup.zero.offload_optimizer}: paged states "
+                           "page between the GPU and the host themselves; offloading them as well is not modelled",
+                           field="offload_optimizer")
+    if not req.optimizer_in_backward:
+        return
+    if req.gradient_accumulation > 1:
+        raise PlannerError(f"optimizer_in_backward with gradient_accumulation={req.gradient_accumulation}: each "
+                           "parameter steps as soon as its gradient exists, so gradients cannot accumulate over "
+                           "micro-batches (torchtune refuses optimizer_in_bwd with gradient_accumulation_steps > 1)",
+                           field="optimizer_in_backward")
+    if setup.dims.pp > 1 or setup.tp > 1 or setup.dims.cp > 1 or setup.dims.ep > 1:
+        raise PlannerError(f"optimizer_in_backward with tp={setup.tp}, pp={setup.dims.pp}, cp={setup.dims.cp}, "
+                           f"ep={setup.dims.ep}: modelled on one device only", field="optimizer_in_backward")
+    if setup.zero.offload_optimizer != "none" or setup.zero.offload_params != "none":
+        raise PlannerError("optimizer_in_backward with offload: the step runs in the backward hook on the device; "
+                           "an offloaded step is not modelled", field="optimizer_in_backward")

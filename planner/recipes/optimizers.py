@@ -1,0 +1,261 @@
+"""The optimizers: one entry each, with what it keeps per parameter, what its step allocates and
+costs, and the library source it was read from.
+
+Every byte count is a function of one parameter's shape (``TensorShape``) and ``bits``, the width
+of the tensor the optimizer steps (fp32 master weights under the mixed recipes, 16 bits once the
+model is cast): torch.optim's states take that dtype; bitsandbytes' and torchao's quantized states
+do not. Temporaries of the step are counted over the ordered list of tensors one optimizer steps,
+because a single-tensor loop keeps the previous parameter's update alive until the next one is
+assigned (Python rebinds a local only after the new value exists).
+
+Where the states live: all on the device except ``paged`` (bitsandbytes' paged states are CUDA
+unified memory, see ``PAGED_MIN_NUMEL``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from planner.model.shapes import TensorShape
+
+OptimizerName = Literal["adamw", "adamw-8bit", "adamw-paged-8bit", "adamw-torchao-8bit", "adamw-torchao-4bit",
+                        "adafactor", "lion", "sgd", "sgd-momentum", "muon"]
+
+FP32 = 4
+# bitsandbytes 0.50 optim/optimizer.py Optimizer2State.init_state (lines 502-529) and
+# Optimizer1State.init_state (674-695): a tensor under min_8bit_size=4096 keeps fp32 states; a larger
+# one uint8 states with one fp32 absmax per block of 256 (blocksize = 256). The two 256-entry qmaps
+# are shared by every parameter (self.name2qmap): 2 KiB once, not counted.
+BNB_MIN_8BIT = 4096
+BNB_BLOCK = 256
+# bitsandbytes 0.50 optim/optimizer.py get_state_buffer (383-390): a paged optimizer allocates the
+# states of a tensor of at least 1e5 elements with F.get_paged (functional.py:91, cget_managed_ptr:
+# cudaMallocManaged), outside torch's caching allocator; smaller ones are ordinary zeros_like.
+PAGED_MIN_NUMEL = 100_000
+# torchao 0.18 optim/adam.py _new_buffer (71-76): quantize a state only if the tensor has at least
+# 4096 values and a whole number of blocks, else zeros_like(p) in the parameter's dtype.
+# AdamW8bit block_size=256 (adam.py:319), subclass_8bit.py OptimState8bit.zeros: uint8 codes of the
+# tensor's shape, one fp32 scale per block, a 256-entry fp32 qmap per state tensor.
+# AdamW4bit block_size=128 (adam.py:352), subclass_4bit.py OptimState4bit.zeros (114-130): two codes
+# per byte, one fp32 scale per block, a 16-entry fp32 qmap per state tensor.
+AO_MIN_NUMEL = 4096
+# torch 2.13 optim/_muon.py: DEFAULT_NS_STEPS = 5 quintic Newton-Schulz iterations in bf16.
+MUON_NS_STEPS = 5
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """One optimizer. ``states(t, bits)``: bytes of one parameter's states. ``cpu_temporaries``:
+    the most bytes the step's temporaries hold at once over the ordered tensors it steps, as the
+    library's CPU path runs it; ``cuda_temporaries`` the same on CUDA (``foreach_copies``: the
+    framework's full-size copies for torch's foreach AdamW). ``flops(t)``: matrix FLOPs of one
+    parameter's step (Muon's Newton-Schulz; 0 for the elementwise optimizers)."""
+
+    name: str
+    source: str
+    states: Callable[[TensorShape, int], int]
+    cpu_temporaries: Callable[[Sequence[TensorShape], int], int]
+    cuda_temporaries: Callable[[Sequence[TensorShape], int, int], int]
+    state_tensors: int  # full-size state tensors the step reads and writes (the memory-bound traffic)
+    runs_on_cpu: bool = True
+    verified_on_cpu: bool = True  # real CPU runs in tests/real_runs.py measured it
+    paged: bool = False
+    deepspeed_offload: bool = False  # a DeepSpeed CPU optimizer implements it (ZeRO-Offload)
+    whole_matrices: bool = False  # the step needs each 2-D parameter whole (Muon's Newton-Schulz)
+    factored: bool = False  # its states depend on the tensor's shape, which DeepSpeed's flat partitions lose
+    flops: Callable[[TensorShape], int] = lambda t: 0
+
+    def group_of(self, t: TensorShape) -> "OptimizerSpec":
+        """The optimizer that steps ``t`` (Muon hands everything but hidden matrices to AdamW)."""
+        return self
+
+
+def _largest(tensors: Sequence[TensorShape]) -> int:
+    return max((t.numel for t in tensors), default=0)
+
+
+def _copies(count_fp32: int, count_param: int = 0) -> Callable[[Sequence[TensorShape], int], int]:
+    """``count_fp32`` fp32 and ``count_param`` parameter-dtype full-size copies of the largest tensor."""
+    return lambda tensors, bits: _largest(tensors) * (count_fp32 * FP32 + count_param * bits // 8)
+
+
+def _none(tensors: Sequence[TensorShape], bits: int, foreach: int = 0) -> int:
+    return 0
+
+
+# --- torch.optim.AdamW ---------------------------------------------------------------------------
+
+def _adamw_states(t: TensorShape, bits: int) -> int:
+    return 2 * t.numel * bits // 8  # torch 2.13 optim/adam.py _init_group: exp_avg, exp_avg_sq zeros_like(p)
+
+
+# torch 2.13 optim/adam.py _single_tensor_adam: exp_avg_sq.sqrt() and its division by the bias
+# correction are two tensors of the parameter's dtype before the in-place addcdiv_
+_adamw_cpu = _copies(0, 2)
+
+
+def _adamw_cuda(tensors: Sequence[TensorShape], bits: int, foreach_copies: int) -> int:
+    # the foreach path's _foreach_sqrt copies the group's exp_avg_sq once (Framework.cuda_adam_copies)
+    return foreach_copies * sum(t.numel for t in tensors) * bits // 8
+
+
+# --- bitsandbytes ----------------------------------------------------------------------------------
+
+def _bnb_8bit_states(t: TensorShape, count: int) -> int:
+    n = t.numel
+    if n < BNB_MIN_8BIT:
+        return count * FP32 * n
+    return count * (n + FP32 * -(-n // BNB_BLOCK))
+
+
+def _bnb_adam_cpu(tensors: Sequence[TensorShape], bits: int) -> int:
+    """bitsandbytes 0.50 backends/cpu/ops.py _optimizer_update_8bit_blockwise_cpu: both states
+    dequantized to fp32, grad = g.float() * gnorm_scale, and while the denominator is formed
+    (state2_fp32.sqrt() / correction2) two more: five fp32 copies; p.data.float() a sixth for a
+    16-bit parameter. A tensor under 4096 values takes the 32-bit path (_optimizer_update_32bit_cpu:
+    g_float, then state2.sqrt() + eps and the quotient: three)."""
+    extra = 0 if bits == 32 else 1
+    return max([(5 + extra) * FP32 * t.numel if t.numel >= BNB_MIN_8BIT else (3 + extra) * FP32 * t.numel
+                for t in tensors] or [0])
+
+
+def _lion_cpu(tensors: Sequence[TensorShape], bits: int) -> int:
+    """bitsandbytes 0.50 backends/cpu/ops.py _optimizer_update_32bit_cpu, "lion": g_float, then
+    state1.mul(beta1).add(g_float) (two at once), then its sign(): three fp32 copies; p.data.float()
+    a fourth for a 16-bit parameter."""
+    return _largest(tensors) * FP32 * (3 + (0 if bits == 32 else 1))
+
+
+# --- torchao low-bit AdamW -------------------------------------------------------------------------
+
+def _ao_state(t: TensorShape, bits: int, block: int, code_bits: int, qmap: int) -> int:
+    n = t.numel
+    if n < AO_MIN_NUMEL or n % block:
+        return n * bits // 8  # zeros_like(p)
+    return n * code_bits // 8 + FP32 * (n // block) + FP32 * qmap
+
+
+def _ao_cpu(tensors: Sequence[TensorShape], bits: int) -> int:
+    """torchao 0.18 optim/adam.py single_param_adam, compiled (fullgraph): the block-wise
+    requantization of each new state (the subclass's copy_ from fp32: scale_tensor, then the codes)
+    reads the whole fp32 state, so the compiled step materializes exp_avg_f32 and exp_avg_sq_f32;
+    p.float() and grad.float() are two more for a 16-bit parameter."""
+    return _largest(tensors) * (2 * FP32 + (0 if bits == 32 else 2 * FP32))
+
+
+# --- torch.optim.Adafactor --------------------------------------------------------------------------
+
+def _adafactor_states(t: TensorShape, bits: int) -> int:
+    """torch 2.13 optim/_adafactor.py _init_group (100-113): a tensor of two or more dimensions keeps
+    row_var (its shape with the last dimension 1) and col_var (the next-to-last 1), new_zeros of the
+    gradient's dtype; a vector keeps a full ``variance``. No first moment (beta1 does not exist)."""
+    d = t.dims
+    if len(d) < 2:
+        return t.numel * bits // 8
+    rows = t.numel // d[-1]
+    cols = t.numel // d[-2]
+    return (rows + cols) * bits // 8
+
+
+def _adafactor_cpu(tensors: Sequence[TensorShape], bits: int) -> int:
+    """torch 2.13 optim/_adafactor.py _single_tensor_adafactor (CPU: foreach off): a matrix's step
+    builds var_estimate = row_var @ col_var, full size, which becomes the update in place; a vector's
+    builds grad * grad and variance.clone(). The previous parameter's update (and the last vector's
+    grad_squared) stay bound until reassigned, so they overlap the next parameter's."""
+    peak = previous = squared = 0
+    for t in tensors:
+        now = t.numel
+        held = previous + now + (max(squared, now) if len(t.dims) < 2 else squared)
+        peak = max(peak, held)
+        if len(t.dims) < 2:
+            squared = now
+        previous = now
+    return peak * bits // 8
+
+
+def _adafactor_cuda(tensors: Sequence[TensorShape], bits: int, foreach_copies: int) -> int:
+    """_multi_tensor_adafactor (foreach, torch's default on CUDA): tensors grouped by whether they
+    are matrices (_group_tensors_by_device_dtype_and_is_multidim); a group of matrices builds every
+    var_estimate at once (a full copy of the group), a group of vectors grads_squared and the clones."""
+    matrices = sum(t.numel for t in tensors if len(t.dims) >= 2)
+    vectors = sum(t.numel for t in tensors if len(t.dims) < 2)
+    return max(matrices, 2 * vectors) * bits // 8
+
+
+# --- torch.optim.SGD ------------------------------------------------------------------------------
+
+def _sgd_momentum_states(t: TensorShape, bits: int) -> int:
+    return t.numel * bits // 8  # torch 2.13 optim/sgd.py: momentum_buffer = torch.clone(grad).detach()
+
+
+# --- torch.optim.Muon -----------------------------------------------------------------------------
+
+def _ns_flops(t: TensorShape) -> int:
+    """_zeropower_via_newtonschulz on (m, n), k = min, l = max: per iteration the Gram matrix
+    X X^T (2 k^2 l), addmm of the Gram with itself (2 k^3) and addmm of that with X (2 k^2 l)."""
+    if len(t.dims) != 2:
+        return 0
+    k, l = min(t.dims), max(t.dims)
+    return MUON_NS_STEPS * (4 * k * k * l + 2 * k ** 3)
+
+
+def _muon_temporaries(tensors: Sequence[TensorShape], bits: int) -> int:
+    """torch 2.13 optim/_muon.py _single_tensor_muon (the only path: "Foreach is not supported for
+    Muon yet"), per matrix (m, n), k = min(m, n): the Nesterov update grad.lerp(buf) in the parameter's
+    dtype, held as _zeropower_via_newtonschulz's argument; beside it two bf16 m x n tensors at once
+    (the bf16 copy and the first iterate, or an old and a new iterate: with a bf16 parameter the copy
+    is the lerp itself and the second iteration holds two iterates), and the k x k Gram matrix and
+    its update (bf16). The previous matrix's bf16 update is still bound while the lerp is allocated."""
+    peak = previous = 0
+    for t in tensors:
+        mn = t.numel
+        k = min(t.dims) if len(t.dims) == 2 else 0
+        lerp = mn * bits // 8
+        peak = max(peak, previous + lerp, lerp + 2 * 2 * mn + 2 * 2 * k * k)
+        previous = 2 * mn
+    return peak
+
+
+@dataclass(frozen=True)
+class MuonSpec(OptimizerSpec):
+    """torch.optim.Muon for the hidden 2-D weights and torch.optim.AdamW for the rest (embeddings,
+    LM head, norms, biases, 3-D experts), as Moonlight (Liu et al. 2025, "Muon is Scalable for LLM
+    Training", Sec. 2.3) and torch's own docstring (optim/_muon.py: "Other parameters, such as bias,
+    and embedding, should be optimized by a standard method such as AdamW") run it."""
+
+    def group_of(self, t: TensorShape) -> OptimizerSpec:
+        return self if len(t.dims) == 2 and not t.io else OPTIMIZERS["adamw"]
+
+
+def _muon_states(t: TensorShape, bits: int) -> int:
+    return t.numel * bits // 8  # _init_group: momentum_buffer = zeros_like(p.grad)
+
+
+ADAMW = OptimizerSpec("adamw", "torch 2.13 torch/optim/adam.py (AdamW)", _adamw_states, _adamw_cpu, _adamw_cuda, 2,
+                      deepspeed_offload=True)
+OPTIMIZERS: dict[str, OptimizerSpec] = {
+    "adamw": ADAMW,
+    "adamw-8bit": OptimizerSpec("adamw-8bit", "bitsandbytes 0.50 optim/adamw.py AdamW8bit (Optimizer2State, 8 bits)",
+                                lambda t, bits: _bnb_8bit_states(t, 2), _bnb_adam_cpu, _none, 2),
+    "adamw-paged-8bit": OptimizerSpec("adamw-paged-8bit", "bitsandbytes 0.50 optim/adamw.py PagedAdamW8bit "
+                                      "(Optimizer2State, 8 bits, is_paged)",
+                                      lambda t, bits: _bnb_8bit_states(t, 2), _bnb_adam_cpu, _none, 2, paged=True),
+    "adamw-torchao-8bit": OptimizerSpec("adamw-torchao-8bit", "torchao 0.18 optim/adam.py AdamW8bit, subclass_8bit.py",
+                                        lambda t, bits: 2 * _ao_state(t, bits, 256, 8, 256), _ao_cpu, _none, 2),
+    "adamw-torchao-4bit": OptimizerSpec("adamw-torchao-4bit", "torchao 0.18 optim/adam.py AdamW4bit, subclass_4bit.py",
+                                        lambda t, bits: 2 * _ao_state(t, bits, 128, 4, 16), _ao_cpu, _none, 2),
+    "adafactor": OptimizerSpec("adafactor", "torch 2.13 torch/optim/_adafactor.py (Adafactor)", _adafactor_states,
+                               _adafactor_cpu, _adafactor_cuda, 1, factored=True),
+    "lion": OptimizerSpec("lion", "bitsandbytes 0.50 optim/lion.py Lion (Optimizer1State, 32 bits); DeepSpeed 0.19.8 "
+                          "ops/lion FusedLion / DeepSpeedCPULion keep the same fp32 exp_avg",
+                          lambda t, bits: FP32 * t.numel, _lion_cpu, _none, 1, deepspeed_offload=True),
+    "sgd": OptimizerSpec("sgd", "torch 2.13 torch/optim/sgd.py (SGD, momentum=0: no momentum_buffer)",
+                         lambda t, bits: 0, lambda tensors, bits: 0, _none, 0),
+    "sgd-momentum": OptimizerSpec("sgd-momentum", "torch 2.13 torch/optim/sgd.py (SGD, momentum > 0)",
+                                  _sgd_momentum_states, lambda tensors, bits: 0, _none, 1),
+    "muon": MuonSpec("muon", "torch 2.13 torch/optim/_muon.py (Muon) + adam.py (AdamW for the rest)", _muon_states,
+                     _muon_temporaries, lambda tensors, bits, foreach: _muon_temporaries(tensors, bits), 1,
+                     whole_matrices=True, flops=_ns_flops),
+}
