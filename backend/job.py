@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from planner.recipes.optimizers import OptimizerName as Optimizer
+
 
 class TorchSettings(BaseModel):
     """How a rank wraps the model for a torch strategy (backend/train.py torch_engine)."""
@@ -25,7 +27,8 @@ class TorchSettings(BaseModel):
     pure_16bit: bool = Field(description="weights kept in the 16-bit dtype (bf16-pure), no fp32 master")
     reduce_dtype: Literal["compute", "fp32"] = Field("compute", description="FSDP2's reduce_dtype: the compute "
                                                      "dtype, or fp32 (the request's reduce_dtype)")
-    optimizer: Literal["adamw", "sgd"]
+    optimizer: Optimizer
+    optimizer_in_backward: bool = Field(False, description="each parameter steps in its post-accumulate-grad hook")
     offload: bool = Field(description="FSDP2 CPUOffloadPolicy (parameters and gradients on the host)")
     replicas: int = Field(ge=1, description="HSDP replica groups (1 otherwise)")
     shard_size: int = Field(ge=1, description="ranks per shard group")
@@ -62,7 +65,7 @@ class PipelineSettings(BaseModel):
     dp_strategy: Literal["fsdp", "none"]
     compute_dtype: Literal["bf16", "fp16"] | None
     reduce_dtype: Literal["compute", "fp32"] = Field("compute", description="FSDP2's reduce_dtype over dp")
-    optimizer: Literal["adamw", "sgd"]
+    optimizer: Literal["adamw", "sgd", "sgd-momentum"]
     tp: int = Field(1, ge=1, description="tensor-parallel ranks per stage (innermost on the (pp, dp, tp) mesh)")
     sequence_parallel: bool = Field(False, description="with tp > 1: SequenceParallel norms, sequence-sharded stream")
 

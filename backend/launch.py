@@ -53,11 +53,12 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
     too_long = position_limit_error(setup)
     if too_long:
         raise PlannerError(too_long, field="seq_len")
-    if request.optimizer not in ("adamw", "sgd"):
-        # DeepSpeed's config names no 8-bit Adam (its "AdamW" keeps fp32 moments), and the torch
-        # probe trains torch's own optimizers: either would measure another optimizer than predicted.
-        raise PlannerError(f"optimizer {request.optimizer}: the probe trains adamw or sgd; an 8-bit optimizer "
-                           "(bitsandbytes) is passed by the training script, which the probe is not", field="optimizer")
+    probe_optimizers = setup.framework.probe_optimizers if request.pp == 1 else ("adamw", "sgd", "sgd-momentum")
+    if request.optimizer not in probe_optimizers:
+        # DeepSpeed's probe trains what its config names (a client optimizer is the training script's),
+        # the pipeline probe torch's AdamW and SGD: either would measure another optimizer than predicted.
+        raise PlannerError(f"optimizer {request.optimizer} with strategy {setup.strategy.name}, pp={request.pp}: the "
+                           f"probe trains {', '.join(probe_optimizers)} there", field="optimizer")
     if request.loss == "chunked" and setup.strategy.shards_parameters:
         # backend/losses.py calls the LM head from its own forward, beside FSDP2's root: the run
         # crashed there (the head's unsharded storage freed); the estimate stands unverified

@@ -231,14 +231,112 @@ def mixed_precision_policy(dtype: torch.dtype | None, settings: dict[str, Any]):
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
 
 
-def torch_optimizer(job: dict[str, Any], module: torch.nn.Module) -> torch.optim.Optimizer:
+LR = 1e-4
+
+
+def _build(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """One optimizer of the registry (planner/recipes/optimizers.py) over ``params``, from the
+    library each entry was read from; hyper-parameters change values, not memory."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=LR)
+    if name == "sgd-momentum":
+        return torch.optim.SGD(params, lr=LR, momentum=0.9)
+    if name == "adafactor":
+        return torch.optim.Adafactor(params, lr=1e-2)
+    if name in ("adamw-8bit", "adamw-paged-8bit", "lion"):
+        import bitsandbytes as bnb  # only the ranks that train with it pay its import
+
+        cls = {"adamw-8bit": bnb.optim.AdamW8bit, "adamw-paged-8bit": bnb.optim.PagedAdamW8bit,
+               "lion": bnb.optim.Lion}[name]
+        return cls(params, lr=LR)
+    if name in ("adamw-torchao-8bit", "adamw-torchao-4bit"):
+        from torchao.optim import AdamW4bit, AdamW8bit  # torchao is an extra: imported where used
+
+        return (AdamW8bit if name == "adamw-torchao-8bit" else AdamW4bit)(params, lr=LR)
+    raise RuntimeError(f"optimizer {name!r} is not available to the torch strategies' probe")
+
+
+class Optimizers:
+    """Several optimizers stepped one after the other as one (Muon and its AdamW): what the engine
+    and resident_by_category read of an optimizer (param_groups, state, step, zero_grad)."""
+
+    def __init__(self, parts: list[torch.optim.Optimizer]):
+        self.parts = parts
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for part in self.parts for g in part.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {k: v for part in self.parts for k, v in part.state.items()}
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+
+class InBackward(Optimizers):
+    """torchtune's optimizer_in_bwd: one optimizer per parameter, stepped and its gradient freed in
+    the parameter's post-accumulate-grad hook; the engine's step() has nothing left to do."""
+
+    def __init__(self, parts: list[torch.optim.Optimizer], params: list[torch.nn.Parameter]):
+        super().__init__(parts)
+        for param, part in zip(params, parts):
+            param.register_post_accumulate_grad_hook(self._stepper(part))
+
+    @staticmethod
+    def _stepper(part: torch.optim.Optimizer):
+        def hook(_param: torch.Tensor) -> None:
+            part.step()
+            part.zero_grad(set_to_none=True)
+        return hook
+
+    def step(self) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+
+def _io_parameters(module: torch.nn.Module) -> set[int]:
+    """The token embedding's and the LM head's parameters (Muon leaves them to AdamW)."""
+    model = getattr(module, "module", module)
+    out = set()
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        layer = getattr(model, get)() if hasattr(model, get) else None
+        if layer is not None and getattr(layer, "weight", None) is not None:
+            out.add(id(layer.weight))
+    return out
+
+
+def torch_optimizer(job: dict[str, Any], module: torch.nn.Module):
+    """The request's optimizer over the module's trainable parameters: Muon on the hidden 2-D
+    weights with AdamW on the rest (torch's Muon refuses anything else), each parameter its own in
+    backward when asked."""
     name = job["torch"]["optimizer"]
     params = [p for p in module.parameters() if p.requires_grad]
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-4, momentum=0.9)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
-    raise RuntimeError(f"optimizer {name!r} is not available to the torch strategies' probe")
+    if job["torch"].get("optimizer_in_backward"):
+        io = _io_parameters(module) if name == "muon" else set()
+
+        def own(p: torch.nn.Parameter) -> torch.optim.Optimizer:
+            if name != "muon":
+                return _build(name, [p])
+            return torch.optim.Muon([p], lr=2e-2) if p.ndim == 2 and id(p) not in io else _build("adamw", [p])
+
+        return InBackward([own(p) for p in params], params)
+    if name == "muon":
+        io = _io_parameters(module)
+        matrices = [p for p in params if p.ndim == 2 and id(p) not in io]
+        rest = [p for p in params if p.ndim != 2 or id(p) in io]
+        return Optimizers([torch.optim.Muon(matrices, lr=2e-2)] + ([_build("adamw", rest)] if rest else []))
+    return _build(name, params)
 
 
 def deepspeed_engine(job: dict[str, Any], model: torch.nn.Module):
@@ -528,7 +626,7 @@ def run_cuda(job: dict[str, Any], device: torch.device, progress, make_engine) -
 def _innermost_optimizer(engine) -> torch.optim.Optimizer | None:
     optimizer = engine.optimizer
     for _ in range(4):  # ZeRO / BF16_Optimizer wrap the torch optimizer one level deep
-        if optimizer is None or (isinstance(optimizer, torch.optim.Optimizer)
+        if optimizer is None or (isinstance(optimizer, (torch.optim.Optimizer, Optimizers))
                                  and not hasattr(optimizer, "optimizer")):
             break
         optimizer = getattr(optimizer, "optimizer", None)
@@ -554,6 +652,10 @@ def resident_by_category(engine, resident_bytes: int) -> dict[str, int]:
     def add(category: str, tensor) -> None:
         if hasattr(tensor, "to_local"):  # FSDP2's DTensor: this rank's shard
             tensor = tensor.to_local()
+        if hasattr(tensor, "__tensor_flatten__"):  # torchao's quantized states: codes, scale, qmap
+            for inner in tensor.__tensor_flatten__()[0]:
+                add(category, getattr(tensor, inner))
+            return
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
             return
         key = _storage_key(tensor)

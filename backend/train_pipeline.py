@@ -178,8 +178,9 @@ def build_pipeline(job: dict[str, Any], device: torch.device):
     else:
         schedule = schedule_class(stages[0], n_microbatches=m, loss_fn=loss_fn)
     params = [p for module in modules for p in module.parameters() if p.requires_grad]
-    optimizer = (torch.optim.SGD(params, lr=1e-4, momentum=0.9) if settings["optimizer"] == "sgd"
-                 else torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0))
+    optimizer = ({"sgd": lambda: torch.optim.SGD(params, lr=1e-4),
+                  "sgd-momentum": lambda: torch.optim.SGD(params, lr=1e-4, momentum=0.9)}.get(settings["optimizer"])
+                 or (lambda: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)))()
     first_rank = 0 in mine
     last_rank = stages_total - 1 in mine
     return schedule, PipelineEngine(modules, optimizer), first_rank, last_rank

@@ -57,7 +57,7 @@ def _peers(request: EstimateRequest) -> tuple[int | None, int]:
 # The recipe fields (issue 21 and before) a row names when they differ from the default: the
 # schema's own defaults, so a new field is one entry here
 RECIPE_FIELDS = ("finetune", "quantize_base", "double_quant", "keeps_outputs", "checkpointing_every", "loss",
-                 "loss_chunks")
+                 "loss_chunks", "optimizer", "optimizer_in_backward")
 
 
 def recipe(request: EstimateRequest) -> str:

@@ -102,6 +102,37 @@ def _run(name, model, strategy, precision, *, small=False, ckpt="none", micro=2,
     return name, fields
 
 
+OPTIMIZER_RUNS = [
+    _run("llama-single-fp32-adamw8bit-t64", LLAMA, "single", "fp32", gpus=1, micro=1, seq=64, optimizer="adamw-8bit"),
+    _run("llama-ddp-bf16-adamw8bit-t256", LLAMA, "ddp", "bf16-mixed", micro=2, seq=128, optimizer="adamw-8bit"),
+    _run("llama-single-bf16-paged8bit-t128", LLAMA, "single", "bf16-mixed", gpus=1, micro=1, seq=128,
+         optimizer="adamw-paged-8bit"),
+    _run("llama-ddp-fp32-paged8bit-t128", LLAMA, "ddp", "fp32", micro=1, seq=128, optimizer="adamw-paged-8bit"),
+    _run("llama-single-fp32-ao8bit-t64", LLAMA, "single", "fp32", gpus=1, micro=1, seq=64,
+         optimizer="adamw-torchao-8bit"),
+    _run("llama-single-bf16-ao8bit-t256", LLAMA, "single", "bf16-mixed", gpus=1, micro=2, seq=128,
+         optimizer="adamw-torchao-8bit"),
+    _run("llama-single-fp32-ao4bit-t64", LLAMA, "single", "fp32", gpus=1, micro=1, seq=64,
+         optimizer="adamw-torchao-4bit"),
+    _run("llama-single-bf16-ao4bit-t256", LLAMA, "single", "bf16-mixed", gpus=1, micro=2, seq=128,
+         optimizer="adamw-torchao-4bit"),
+    _run("llama-single-fp32-adafactor-t64", LLAMA, "single", "fp32", gpus=1, micro=1, seq=64, optimizer="adafactor"),
+    _run("llama-fsdp-bf16-adafactor-t256", LLAMA, "fsdp", "bf16-mixed", micro=2, seq=128, optimizer="adafactor"),
+    _run("llama-single-fp32-lion-t64", LLAMA, "single", "fp32", gpus=1, micro=1, seq=64, optimizer="lion"),
+    _run("llama-ddp-bf16-lion-t256", LLAMA, "ddp", "bf16-mixed", micro=2, seq=128, optimizer="lion"),
+    _run("llama-single-fp32-sgd-t128", LLAMA, "single", "fp32", gpus=1, micro=1, seq=128, optimizer="sgd"),
+    _run("llama-fsdp-fp32-sgd-t256", LLAMA, "fsdp", "fp32", micro=2, seq=128, optimizer="sgd"),
+    _run("llama-single-bf16-sgdm-t128", LLAMA, "single", "bf16-mixed", gpus=1, micro=1, seq=128,
+         optimizer="sgd-momentum"),
+    _run("llama-ddp-fp32-sgdm-t256", LLAMA, "ddp", "fp32", micro=2, seq=128, optimizer="sgd-momentum"),
+    _run("llama-single-fp32-muon-t64", LLAMA, "single", "fp32", gpus=1, micro=1, seq=64, optimizer="muon"),
+    _run("llama-ddp-bf16-muon-t256", LLAMA, "ddp", "bf16-mixed", micro=2, seq=128, optimizer="muon"),
+    _run("llama-single-fp32-inbwd-t256", LLAMA, "single", "fp32", gpus=1, micro=2, seq=128,
+         optimizer_in_backward=True),
+    _run("llama-single-bf16-inbwd-muon-t128", LLAMA, "single", "bf16-mixed", gpus=1, micro=1, seq=128,
+         optimizer="muon", optimizer_in_backward=True),
+]
+
 # Asserted within TOLERANCE by tests/test_deepspeed_cpu.py (CI) and reported by bench/accuracy.py.
 CPU_RUNS = [
     _run("llama-zero0-bf16", LLAMA, "zero0", "bf16-mixed"),
@@ -414,6 +445,10 @@ BENCH_RUNS = [
          loss_chunks=4),
     _run("llama-v32k-single-fp32-ckpt-chunked-t1024", LLAMA_32K, "single", "fp32", gpus=1, ckpt="full", micro=1,
          seq=1024, loss="chunked"),
+    # optimizers (planner/recipes/optimizers.py), each from its own library on CPU ranks; at 64 tokens the
+    # states dominate the resident and the step's temporaries (bitsandbytes' CPU path, Muon's Newton-Schulz,
+    # Adafactor's full-size estimate) can set the peak
+    *OPTIMIZER_RUNS,
 ]
 
 # Measured and reported by bench/accuracy.py, not asserted: runs the model misses by more than

@@ -17,20 +17,39 @@ def inert(reason: str, *keys: str) -> dict[str, Key]:
 # transformers 5.x training_args.py OptimizerNames -> this model's optimizer. The 32-bit AdamW
 # variants keep the same two fp32 moments (fused/foreach/apex change kernels, not states); paged
 # 32-bit states are allocated on the device and evicted to the host only under memory pressure,
-# so counting them on the device is the bound.
+# so counting them on the device is the bound. "sgd" is torch.optim.SGD with momentum 0 unless
+# optim_args sets one (trainer_optimizer.py _get_sgd): ``hf_sgd_momentum``.
 HF_OPTIMIZERS: dict[str, str] = {
     "adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_apex_fused": "adamw", "adamw_hf": "adamw",
     "adamw_torch_npu_fused": "adamw", "adamw_anyprecision": "adamw", "paged_adamw_32bit": "adamw",
     "adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit",
     "paged_adamw_8bit": "adamw-paged-8bit", "paged_adamw": "adamw",
     "adamw_torch_8bit": "adamw-torchao-8bit", "adamw_torch_4bit": "adamw-torchao-4bit",
-    "adafactor": "adafactor", "lion_32bit": "lion", "paged_lion_32bit": "lion",
+    "lion_32bit": "lion", "paged_lion_32bit": "lion", "sgd": "sgd",
 }
-# Optimizers whose states this model does not count, refused by name (HF's sgd has no momentum
-# unless optim_args sets it; the model's sgd keeps one momentum buffer).
-HF_OPTIMIZERS_REFUSED = ("sgd", "adagrad", "rmsprop", "galore_adamw", "galore_adamw_8bit", "galore_adafactor",
+# Optimizers whose states this model does not count, refused by name; where the reason is more
+# than that, HF_OPTIMIZER_REASONS says it.
+HF_OPTIMIZERS_REFUSED = ("adafactor", "adagrad", "rmsprop", "galore_adamw", "galore_adamw_8bit", "galore_adafactor",
                          "lomo", "adalomo", "grokadamw", "schedule_free_adamw", "schedule_free_sgd", "apollo_adamw",
                          "stable_adamw", "lion_8bit", "paged_lion_8bit", "rmsprop_bnb", "ademamix", "ademamix_8bit")
+HF_OPTIMIZER_REASONS = {
+    "adafactor": "it is transformers' own Adafactor (optimization.py: fp32 states and an fp32 update for 16-bit "
+                 "parameters), not torch.optim.Adafactor, which optimizer=adafactor models",
+    "lion_8bit": "8-bit Lion states are not a choice of this model (lion_32bit is: optimizer=lion)",
+}
+
+
+def hf_sgd_momentum(optim_args: Any) -> bool:
+    """Whether an optim_args string ("momentum=0.9,nesterov=True") gives SGD a momentum buffer
+    (transformers' _parse_optim_args splits on commas and '=')."""
+    for pair in str(optim_args or "").replace(" ", "").split(","):
+        key, _, value = pair.partition("=")
+        if key == "momentum":
+            try:
+                return float(value) != 0.0
+            except ValueError:
+                return True  # a value float() cannot read: the Trainer fails on it; do not assume no state
+    return False
 
 
 def value_needs(reading: Reading, key: str, field: str, value: Any, shown: Any, reason: str) -> None:
@@ -48,8 +67,8 @@ def hf_optimizer(reading: Reading, key: str, name: Any) -> None:
         value_needs(reading, key, "optimizer", target, name, f"the {name} optimizer's states")
         return
     known = sorted(HF_OPTIMIZERS)
-    why = "its states are not counted by this model" if text in HF_OPTIMIZERS_REFUSED else "not an optimizer name " \
-        "transformers' TrainingArguments takes"
+    why = HF_OPTIMIZER_REASONS.get(text) or ("its states are not counted by this model" if text in HF_OPTIMIZERS_REFUSED
+                                              else "not an optimizer name transformers' TrainingArguments takes")
     raise reading.where.error(key, f"({name!r}) is refused: {why}; use one of {', '.join(known)}")
 
 

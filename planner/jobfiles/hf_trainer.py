@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from planner.jobfiles.common import attention, hf_optimizer, inert, model_name, precision
+from planner.jobfiles.common import attention, hf_optimizer, hf_sgd_momentum, inert, model_name, precision
 from planner.jobfiles.keys import Inert, Key, Modelled, Needs, Refused, Where, check_block, equals, needs_met, off
 from planner.jobfiles.reading import Reading, flag, number, whole
 
@@ -26,6 +26,8 @@ TRAINING_ARGUMENTS: dict[str, Key] = {
     "gradient_checkpointing": Modelled("checkpointing full"),
     "activation_checkpointing": Modelled("checkpointing full (the 5.x spelling)"),
     "optim": Modelled("optimizer"),
+    "optim_args": Modelled("with optim sgd, a momentum gives sgd-momentum (one buffer); the other keys change "
+                           "values, not memory"),
     "max_steps": Modelled("the job's length"), "num_train_epochs": Modelled("the job's length (x dataset tokens)"),
     "deepspeed": Modelled("the DeepSpeed JSON, read from the files given"),
     "fsdp": Modelled("strategy fsdp / fsdp-grad-op / hsdp, offload"), "fsdp_config": Modelled("see fsdp"),
@@ -65,7 +67,7 @@ TRAINING_ARGUMENTS: dict[str, Key] = {
     "seed": Inert("random values, not sizes"), "data_seed": Inert("random values, not sizes"),
     "full_determinism": Refused("deterministic kernels run slower", lambda v, b: off(v), "false"),
     **inert("the learning-rate and optimizer hyper-parameters change values, not memory or time",
-            "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "optim_args",
+            "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio",
             "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "optim_target_modules"),
     **inert(LOG, "logging_strategy", "logging_steps", "logging_first_step", "log_on_each_node",
             "logging_nan_inf_filter", "include_num_input_tokens_seen", "log_level", "log_level_replica",
@@ -147,6 +149,8 @@ def read(data: dict[str, Any], where: Where) -> Reading:
         reading.default("checkpointing", "full")  # SFTConfig's default
     if "optim" in data:
         hf_optimizer(reading, "optim", get("optim"))
+        if str(get("optim")).lower() == "sgd" and hf_sgd_momentum(get("optim_args")):
+            reading.set("optimizer", "sgd-momentum", "optim_args")
     if needs_met(table["use_liger_kernel"], get("use_liger_kernel"), data):
         reading.set("loss", "liger-fused", "use_liger_kernel")
     if is_trl and needs_met(TRL["activation_offloading"], get("activation_offloading"), data):

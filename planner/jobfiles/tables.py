@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from planner.jobfiles.common import HF_OPTIMIZERS
 from planner.jobfiles import accelerate_config, axolotl, hf_trainer, llamafactory, torchtitan_job
-from planner.jobfiles.keys import Key, table_rows
+from planner.jobfiles.keys import Key, schema_accepts, table_rows
 
 TABLES: tuple[tuple[str, str, dict[str, Key]], ...] = (
     ("torchtitan (TOML of 0.2; 0.3 launch line)", "planner/jobfiles/torchtitan_job.py",
@@ -36,7 +36,7 @@ Trainer's "auto" values filled in. Generated from the tables in the code by
 def pending_values() -> list[tuple[str, str]]:
     """Values of modelled keys that wait for a schema value agreed across issues (BRIEF.md)."""
     rows = [(f"`optim` / `optimizer`: {name}", f"optimizer={target!r}") for name, target in HF_OPTIMIZERS.items()
-            if target not in ("adamw", "adamw-8bit", "sgd")]
+            if not schema_accepts("optimizer", target)]
     rows += [("`activation_checkpoint.mode` selective, `selective_ac_option` op", "checkpointing='selective-op'"),
              ("`activation_checkpoint.mode` selective, `selective_ac_option` N", "checkpointing_every=N")]
     rows += [(f"`model.converters` {c}" + (f" (recipe {r})" if r else ""), f"low_precision={v!r}")

@@ -45,12 +45,18 @@ from planner.frameworks.torch.torchtitan import (HEAD_NAME, MIXED_PARAM, pipelin
                                  torchtitan_toml)
 
 TRAINER_MODULE = "backend.worker"  # the planner's own trainer, `python -m backend.worker --plan plan.json`
-TRAINER_OPTIMIZERS = ("adamw", "sgd")  # what backend/train.py trains the torch strategies with
+# what backend/train.py builds (torch_optimizer); DeepSpeed strategies train the types their config names
+TRAINER_OPTIMIZERS = ("adamw", "adamw-8bit", "adamw-paged-8bit", "adamw-torchao-8bit", "adamw-torchao-4bit",
+                      "adafactor", "lion", "sgd", "sgd-momentum", "muon")
 DEFAULT_PORT = 29500  # torchrun's and DeepSpeed's default master port
 LEARNING_RATE = 1e-4  # build_ds_config's optimizer lr; the Trainer checks its learning_rate against it
 
 # transformers' OptimizerNames (transformers/training_args.py) for the planner's optimizers
-TRAINER_OPTIM = {"adamw": "adamw_torch", "sgd": "sgd", "adamw-8bit": "adamw_bnb_8bit"}
+# (sgd-momentum: "sgd" with optim_args momentum; adafactor: transformers' "adafactor" is its own
+# Adafactor, not torch's, and muon has no name there: both absent, so no TrainingArguments for them)
+TRAINER_OPTIM = {"adamw": "adamw_torch", "sgd": "sgd", "sgd-momentum": "sgd", "adamw-8bit": "adamw_bnb_8bit",
+                 "adamw-paged-8bit": "paged_adamw_8bit", "adamw-torchao-8bit": "adamw_torch_8bit",
+                 "adamw-torchao-4bit": "adamw_torch_4bit", "lion": "lion_32bit"}
 
 
 @dataclass(frozen=True)
@@ -217,7 +223,8 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
         # accelerate's DeepSpeed plugin and the Trainer wrap a module, never a PipelineModule: for
         # a pipeline (or a layout accelerate has not) their files would run another layout
         files["accelerate_config.yaml"] = yaml.safe_dump(accelerate_config(launch), sort_keys=False)
-        files["trainer_args.json"] = json.dumps(trainer_arguments(launch), indent=2) + "\n"
+        if est.optimizer in TRAINER_OPTIM:  # transformers has no name for torch's Adafactor or Muon
+            files["trainer_args.json"] = json.dumps(trainer_arguments(launch), indent=2) + "\n"
     if setup.finetune is not None:
         files.update(finetune_files(setup))
     if unavailable is None:
@@ -390,7 +397,7 @@ def _keep_users_config(user: dict[str, Any], planned: dict[str, Any]) -> dict[st
 
 def _same_optimizer(mine: dict[str, Any], planned: dict[str, Any]) -> bool:
     """Adam and AdamW are the planner's adamw (planner.frameworks.deepspeed.config._optimizer), SGD its sgd."""
-    kinds = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}
+    kinds = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd", "lion": "lion", "adafactor": "adafactor"}
     kind = mine.get("type")
     return isinstance(kind, str) and kinds.get(kind.lower()) == kinds[planned["type"].lower()]
 
@@ -494,6 +501,8 @@ def trainer_arguments(launch: _Launch) -> dict[str, Any]:
         "weight_decay": 0.0,
         "optim": TRAINER_OPTIM[req.optimizer],
     }
+    if req.optimizer == "sgd-momentum":
+        args["optim_args"] = "momentum=0.9"  # backend/train.py's and build_ds_config's momentum
     args |= _users_hyperparameters(req.ds_config, req.optimizer)
     if req.checkpointing == "full" and not launch.fsdp:
         # non-reentrant, as backend/train.py enables it. transformers 5.24 calls these
@@ -848,8 +857,12 @@ def _accelerate_guide(launch: _Launch, accelerate: str, script: str) -> list[str
                 f"tp_plan=\"auto\")` (it checks the model's tp size against tp_size {launch.degree('tp')})."]
     out += ["", "## With Hugging Face accelerate or the Trainer", "",
             "For a script of your own that uses `transformers.Trainer` or `accelerate.Accelerator`, from this directory:",
-            "", "```", f"{accelerate} {script}", "```", "",
-            "with these `TrainingArguments` (trainer_args.json):", "", "```python",
+            "", "```", f"{accelerate} {script}", "```", ""]
+    if req.optimizer not in TRAINER_OPTIM:
+        return out + [f"transformers' TrainingArguments name no optimizer that is {req.optimizer} (its \"adafactor\" "
+                      "is transformers' own Adafactor; it has no Muon): the script builds torch's and passes it to "
+                      "the Trainer (optimizers=(optimizer, None)), so no trainer_args.json is written."]
+    out += ["with these `TrainingArguments` (trainer_args.json):", "", "```python",
             "import json", ""]
     parallel = _parallelism_config(launch)
     if parallel:

@@ -346,6 +346,11 @@ def _precision(config: dict[str, Any]) -> str | None:
     return f"{enabled[0]}-mixed" if enabled else "fp32"
 
 
+# The optimizers a ds_config names (the engine builds them: engine.py _configure_basic_optimizer);
+# the rest (bitsandbytes, torchao) are client optimizers the script passes to deepspeed.initialize.
+DS_OPTIMIZER_TYPES = {"adamw": "AdamW", "sgd": "SGD", "sgd-momentum": "SGD", "lion": "Lion", "adafactor": "Adafactor"}
+
+
 def _optimizer(config: dict[str, Any]) -> str | None:
     """The optimizer a config names, as this model's --optimizer; None when it names none."""
     block = config.get("optimizer")
@@ -359,14 +364,22 @@ def _optimizer(config: dict[str, Any]) -> str | None:
     params = block.get("params") or {}
     if kind in ("adam", "adamw"):  # the same two fp32 moments (ops/adam/fused_adam.py, cpu_adam.py)
         return "adamw"
+    if kind == "lion":  # ops/lion FusedLion / DeepSpeedCPULion: one fp32 exp_avg
+        return "lion"
+    if kind == "muon":
+        raise PlannerError("ds_config.optimizer.type('Muon') is DeepSpeed's MuonWithAuxAdam, which gathers each "
+                           "matrix's partition slices (stage_1_and_2.py _muon_all_gather_partitions): not modelled; "
+                           "torch's Muon runs under the torch strategies (--optimizer muon --strategy ddp)",
+                           field="ds_config.optimizer.type")
+    # any other type is getattr(torch.optim, type) (engine.py _configure_basic_optimizer)
     if kind == "sgd":  # torch.optim.SGD: one momentum buffer, none without momentum
-        if not isinstance(params, dict) or not params.get("momentum"):
-            raise PlannerError("ds_config.optimizer SGD without momentum keeps no state, which is not modelled "
-                               "(the model's sgd keeps one momentum buffer); set optimizer.params.momentum",
-                               field="ds_config.optimizer.params.momentum")
-        return "sgd"
-    raise PlannerError(f"ds_config.optimizer.type({block.get('type')!r}) is not modelled; use Adam, AdamW or SGD "
-                       "(--optimizer adamw|adamw-8bit|sgd)", field="ds_config.optimizer.type")
+        return "sgd-momentum" if isinstance(params, dict) and params.get("momentum") else "sgd"
+    if kind == "adafactor":  # torch.optim.Adafactor over the flat partitions: nothing to factor
+        return "adafactor"
+    raise PlannerError(f"ds_config.optimizer.type({block.get('type')!r}) is not modelled; use Adam, AdamW, Lion, "
+                       "SGD or Adafactor (--optimizer adamw|lion|sgd|sgd-momentum|adafactor; the client optimizers "
+                       "adamw-8bit, adamw-paged-8bit, adamw-torchao-8bit/4bit are passed by the script, not named "
+                       "in the config)", field="ds_config.optimizer.type")
 
 
 def _communication_dtype(config: dict[str, Any], precision: str | None) -> None:
@@ -500,10 +513,12 @@ def build_ds_config(*, stage: int, precision: str, micro_batch: int, gradient_ac
     # DeepSpeed builds AdamW and SGD from the config; it has no 8-bit Adam ("AdamW" keeps fp32
     # moments), so for adamw-8bit the config names none and the script passes bitsandbytes'
     # AdamW8bit to deepspeed.initialize(optimizer=...), which ZeRO wraps as a client optimizer.
-    if optimizer != "adamw-8bit":
-        config["optimizer"] = {"type": {"adamw": "AdamW", "sgd": "SGD"}[optimizer], "params": {"lr": 1e-4}}
-    if optimizer == "sgd":
+    if optimizer in DS_OPTIMIZER_TYPES:
+        config["optimizer"] = {"type": DS_OPTIMIZER_TYPES[optimizer], "params": {"lr": 1e-4}}
+    if optimizer == "sgd-momentum":
         config["optimizer"]["params"]["momentum"] = 0.9
+    if optimizer == "adafactor":  # a torch.optim optimizer ZeRO has not tested (zero/utils.py ZERO_SUPPORTED_OPTIMIZERS)
+        config["zero_allow_untested_optimizer"] = True
     if RECIPES[precision].compute == "bf16":
         config["bf16"] = {"enabled": True}
     elif RECIPES[precision].loss_scaling:

@@ -17,7 +17,7 @@ from planner.memory.buffers import (FP32, PhasePlan, SweepPoint, activation_item
 from planner.errors import PlannerError
 from planner.memory.optimizer import dim0_shards, rank_tensors, spec_of, states_bytes, step_temporaries
 from planner.model.shapes import TensorShape
-from planner.recipes.optimizers import OptimizerSpec
+from planner.recipes.optimizers import OPTIMIZERS, OptimizerSpec
 from planner.model.layers import norm_numels
 from planner.memory.moments import PhaseKind
 from planner.frameworks.base import Collective, Framework, Traffic, check_sharded_offload, register
@@ -57,6 +57,7 @@ class TorchDistributed(Framework):
     state_tensors_per_parameter = True
     launcher = "torchrun"
     cuda_adam_copies = 1  # the foreach path's _foreach_sqrt makes one fp32 copy of exp_avg_sq
+    probe_optimizers = tuple(OPTIMIZERS)  # backend/train.py torch_optimizer builds every one
 
     def optimizer_tensors(self, setup: "Setup", counts: list[int], shard: int) -> tuple[list[TensorShape], int]:
         """torch.optim steps the module's own parameters, each FSDP2's dim-0 shard, and keeps its
@@ -140,16 +141,13 @@ class TorchDistributed(Framework):
 
     def worker_settings(self, setup: "Setup", request: Any) -> dict[str, Any]:
         """How the rank wraps the model (backend/train.py _torch_engine)."""
-        if request.optimizer not in ("adamw", "sgd"):
-            raise PlannerError(f"optimizer {request.optimizer}: the torch strategies' probe trains with torch's own "
-                               "optimizers, adamw or sgd", field="optimizer")
         # the compute dtype and whether the whole model is cast to it, for the rank's MixedPrecisionPolicy
         dtype, pure = RECIPES[request.precision].reduced_dtype, RECIPES[request.precision].casts_model
         return {"framework": self.name, "torch": {
             "strategy": setup.strategy.name, "sharding": sharding(setup.strategy),
             "wrapped": not setup.strategy.one_device,  # "single": the bare module, no DDP
             "compute_dtype": dtype, "pure_16bit": pure, "reduce_dtype": request.reduce_dtype,
-            "optimizer": request.optimizer,
+            "optimizer": request.optimizer, "optimizer_in_backward": request.optimizer_in_backward,
             "offload": setup.zero.offload_params != "none",
             "replicas": request.world_size // setup.shard_size, "shard_size": setup.shard_size}}
 
