@@ -49,7 +49,8 @@ def run(capsys, config, tmp_path, *extra):
     (ZERO3 | {"data_types": {"grad_accum_dtype": "fp32"}}, "ds_config.data_types"),
     (ZERO3 | {"communication_data_type": "fp32"}, "communication_data_type('fp32') is not modelled"),
     (ZERO3 | {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, "ds_config.optimizer.type('Lamb') is not modelled"),
-    (ZERO3 | {"optimizer": {"type": "SGD", "params": {"lr": 1e-3}}}, "SGD without momentum keeps no state"),
+    (ZERO3 | {"optimizer": {"type": "Muon", "params": {"lr": 1e-3}}}, "ds_config.optimizer.type('Muon') is "
+     "DeepSpeed's MuonWithAuxAdam"),
     (ZERO3 | {"train_batch_size": 100}, "train_batch_size(100) != train_micro_batch_size_per_gpu(1) * "
                                         "gradient_accumulation_steps(12) * world size(8)"),
     (zero3(cpu_offload=True, offload_optimizer={"device": "cpu"}), "sets both cpu_offload (deprecated) and "
@@ -108,7 +109,11 @@ def test_deprecated_cpu_offload_spellings_are_modelled():
 def test_the_configs_optimizer_micro_batch_and_accumulation_are_used():
     base = estimate(request(ZERO3))
     sgd = estimate(request(ZERO3 | {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}))
-    assert sgd.request.optimizer == "sgd" and sgd.per_device.optimizer_states_bytes < base.per_device.optimizer_states_bytes
+    assert sgd.request.optimizer == "sgd-momentum"
+    assert sgd.per_device.optimizer_states_bytes < base.per_device.optimizer_states_bytes
+    plain = estimate(request(ZERO3 | {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
+    assert plain.request.optimizer == "sgd"
+    assert plain.per_device.optimizer_states_bytes < sgd.per_device.optimizer_states_bytes
     four = estimate(request(ZERO3 | {"train_micro_batch_size_per_gpu": 4}))
     assert four.request.micro_batch == 4 and four.per_device.activations_bytes > 3 * base.per_device.activations_bytes
     # an explicit flag wins over the file, as for the precision
@@ -134,7 +139,7 @@ def test_every_emitted_config_reads_back():
     from planner.frameworks.deepspeed.config import ZeroSettings, build_ds_config
 
     for stage in (0, 1, 2, 3):
-        for optimizer in ("adamw", "sgd"):
+        for optimizer in ("adamw", "sgd", "sgd-momentum", "lion", "adafactor"):
             zero = ZeroSettings(stage=stage, offload_optimizer="cpu" if stage else "none",
                                 offload_params="cpu" if stage == 3 else "none")
             config = build_ds_config(stage=stage, precision="bf16-mixed", micro_batch=2, gradient_accumulation=3,

@@ -45,9 +45,6 @@ from planner.frameworks.torch.torchtitan import (HEAD_NAME, MIXED_PARAM, pipelin
                                  torchtitan_toml)
 
 TRAINER_MODULE = "backend.worker"  # the planner's own trainer, `python -m backend.worker --plan plan.json`
-# what backend/train.py builds (torch_optimizer); DeepSpeed strategies train the types their config names
-TRAINER_OPTIMIZERS = ("adamw", "adamw-8bit", "adamw-paged-8bit", "adamw-torchao-8bit", "adamw-torchao-4bit",
-                      "adafactor", "lion", "sgd", "sgd-momentum", "muon")
 DEFAULT_PORT = 29500  # torchrun's and DeepSpeed's default master port
 LEARNING_RATE = 1e-4  # build_ds_config's optimizer lr; the Trainer checks its learning_rate against it
 
@@ -406,8 +403,8 @@ def _trainer_unavailable(setup, est: EstimateRequest) -> str | None:
     """Why the planner's own trainer cannot run this configuration, if it cannot."""
     if setup.model.config is None:
         return "the planner's trainer needs an architecture (--model or --model-file), not --params"
-    if est.optimizer not in TRAINER_OPTIMIZERS:
-        return (f"the planner's trainer runs {setup.strategy.name} with {' or '.join(TRAINER_OPTIMIZERS)}, "
+    if est.optimizer not in setup.framework.probe_optimizers:
+        return (f"the planner's trainer runs {setup.strategy.name} with {', '.join(setup.framework.probe_optimizers)}, "
                 f"not {est.optimizer}")
     if setup.cp > 1:
         return "the planner's trainer does not run context parallelism (torch's ring attention needs CUDA)"

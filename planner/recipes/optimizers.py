@@ -62,7 +62,9 @@ class OptimizerSpec:
     runs_on_cpu: bool = True
     verified_on_cpu: bool = True  # real CPU runs in tests/real_runs.py measured it
     paged: bool = False
-    deepspeed_offload: bool = False  # a DeepSpeed CPU optimizer implements it (ZeRO-Offload)
+    # a ds_config can name it, so the engine builds it and ZeRO-Offload steps it on the CPU (DeepSpeedCPUAdam,
+    # DeepSpeedCPULion, or torch.optim's own); a client optimizer is refused there (engine.py:2342)
+    deepspeed_offload: bool = False
     whole_matrices: bool = False  # the step needs each 2-D parameter whole (Muon's Newton-Schulz)
     factored: bool = False  # its states depend on the tensor's shape, which DeepSpeed's flat partitions lose
     flops: Callable[[TensorShape], int] = lambda t: 0
@@ -247,14 +249,14 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "adamw-torchao-4bit": OptimizerSpec("adamw-torchao-4bit", "torchao 0.18 optim/adam.py AdamW4bit, subclass_4bit.py",
                                         lambda t, bits: 2 * _ao_state(t, bits, 128, 4, 16), _ao_cpu, _none, 2),
     "adafactor": OptimizerSpec("adafactor", "torch 2.13 torch/optim/_adafactor.py (Adafactor)", _adafactor_states,
-                               _adafactor_cpu, _adafactor_cuda, 1, factored=True),
+                               _adafactor_cpu, _adafactor_cuda, 1, factored=True, deepspeed_offload=True),
     "lion": OptimizerSpec("lion", "bitsandbytes 0.50 optim/lion.py Lion (Optimizer1State, 32 bits); DeepSpeed 0.19.8 "
                           "ops/lion FusedLion / DeepSpeedCPULion keep the same fp32 exp_avg",
                           lambda t, bits: FP32 * t.numel, _lion_cpu, _none, 1, deepspeed_offload=True),
     "sgd": OptimizerSpec("sgd", "torch 2.13 torch/optim/sgd.py (SGD, momentum=0: no momentum_buffer)",
-                         lambda t, bits: 0, lambda tensors, bits: 0, _none, 0),
+                         lambda t, bits: 0, lambda tensors, bits: 0, _none, 0, deepspeed_offload=True),
     "sgd-momentum": OptimizerSpec("sgd-momentum", "torch 2.13 torch/optim/sgd.py (SGD, momentum > 0)",
-                                  _sgd_momentum_states, lambda tensors, bits: 0, _none, 1),
+                                  _sgd_momentum_states, lambda tensors, bits: 0, _none, 1, deepspeed_offload=True),
     "muon": MuonSpec("muon", "torch 2.13 torch/optim/_muon.py (Muon) + adam.py (AdamW for the rest)", _muon_states,
                      _muon_temporaries, lambda tensors, bits, foreach: _muon_temporaries(tensors, bits), 1,
                      whole_matrices=True, flops=_ns_flops),

@@ -1,0 +1,169 @@
+"""The optimizer registry (planner/recipes/optimizers.py) pinned to numbers derived by hand from each
+library's source, its refusals, and the job files' optimizer names."""
+
+import json
+
+import pytest
+
+from planner.check import job_request
+from planner.errors import PlannerError
+from planner.memory.orchestrator import estimate
+from planner.model.architecture import from_hf_config, parameter_numels
+from planner.model.shapes import TensorShape, parameter_shapes
+from planner.recipes.optimizers import OPTIMIZERS
+from planner.schema import CheckRequest, EstimateRequest
+from tests.real_runs import LLAMA
+
+MLP = TensorShape((688, 256))  # a Llama down/up projection of the tiny real-run model: 176,128 values
+NORM = TensorShape((256,))
+EMBED = TensorShape((4096, 256), io=True)
+
+
+def states(name, t, bits=32):
+    return OPTIMIZERS[name].group_of(t).states(t, bits)
+
+
+@pytest.mark.parametrize("name,t,bits,expected", [
+    # torch 2.13 optim/adam.py _init_group: exp_avg, exp_avg_sq = zeros_like(p)
+    ("adamw", MLP, 32, 2 * 4 * 176_128), ("adamw", MLP, 16, 2 * 2 * 176_128),
+    # bitsandbytes 0.50 optimizer.py:502-529: uint8 states, one fp32 absmax per 256 values (688 blocks);
+    # under min_8bit_size=4096 values fp32 states
+    ("adamw-8bit", MLP, 32, 2 * (176_128 + 4 * 688)), ("adamw-8bit", NORM, 16, 2 * 4 * 256),
+    ("adamw-paged-8bit", MLP, 16, 2 * (176_128 + 4 * 688)),
+    # torchao 0.18 subclass_8bit.py zeros: codes, 688 fp32 scales, a 256-entry fp32 qmap, per state
+    ("adamw-torchao-8bit", MLP, 32, 2 * (176_128 + 4 * 688 + 4 * 256)),
+    # adam.py _new_buffer: under 4096 values, or not whole blocks, zeros_like(p) in the parameter's dtype
+    ("adamw-torchao-8bit", NORM, 16, 2 * 2 * 256),
+    ("adamw-torchao-8bit", TensorShape((100, 50)), 32, 2 * 4 * 5_000),
+    # subclass_4bit.py zeros: two codes per byte, 176,128 / 128 = 1,376 fp32 scales, a 16-entry qmap
+    ("adamw-torchao-4bit", MLP, 32, 2 * (88_064 + 4 * 1_376 + 4 * 16)),
+    # torch 2.13 optim/_adafactor.py:100-113: row_var (688, 1) and col_var (1, 256); a vector's variance;
+    # a 3-D tensor factors its last two dimensions: (8, 384, 1) and (8, 1, 256)
+    ("adafactor", MLP, 32, 4 * (688 + 256)), ("adafactor", MLP, 16, 2 * (688 + 256)), ("adafactor", NORM, 32, 4 * 256),
+    ("adafactor", TensorShape((8, 384, 256)), 32, 4 * (8 * 384 + 8 * 256)),
+    # bitsandbytes Lion (Optimizer1State, 32 bits): one fp32 state whatever the parameter's dtype
+    ("lion", MLP, 16, 4 * 176_128),
+    ("sgd", MLP, 32, 0), ("sgd-momentum", MLP, 16, 2 * 176_128),  # optim/sgd.py momentum_buffer = clone(grad)
+    # torch 2.13 optim/_muon.py: one momentum_buffer for a hidden matrix; the embedding and vectors go to AdamW
+    ("muon", MLP, 32, 4 * 176_128), ("muon", EMBED, 32, 2 * 4 * 4096 * 256), ("muon", NORM, 32, 2 * 4 * 256),
+])
+def test_states_per_parameter_from_the_library_source(name, t, bits, expected):
+    assert states(name, t, bits) == expected
+
+
+def test_step_temporaries_from_the_library_source():
+    # _muon.py on (688, 256), k = 256, fp32: the fp32 lerp, two bf16 m x n, the Gram matrix and its update
+    assert OPTIMIZERS["muon"].cpu_temporaries([MLP], 32) == 4 * 176_128 + 4 * 176_128 + 4 * 256 * 256
+    # _adafactor.py single-tensor loop: the previous update overlaps the next var_estimate (and a vector's
+    # grad_squared lingers): matrix, vector, matrix
+    assert OPTIMIZERS["adafactor"].cpu_temporaries([MLP, NORM, MLP], 32) == 4 * (256 + 176_128 + 256)
+    # bitsandbytes' CPU 8-bit step: both states dequantized, the fp32 gradient, sqrt and its quotient
+    assert OPTIMIZERS["adamw-8bit"].cpu_temporaries([NORM, MLP], 32) == 5 * 4 * 176_128
+    assert OPTIMIZERS["sgd-momentum"].cpu_temporaries([MLP], 32) == 0
+    # on CUDA Adafactor's foreach path builds every matrix's var_estimate at once
+    assert OPTIMIZERS["adafactor"].cuda_temporaries([MLP, NORM, MLP], 16, 1) == 2 * 2 * 176_128
+
+
+def test_newton_schulz_flops():
+    # five iterations of X X^T (2 k^2 l), the Gram's square (2 k^3) and its product with X (2 k^2 l)
+    assert OPTIMIZERS["muon"].flops(MLP) == 5 * (4 * 256 * 256 * 688 + 2 * 256 ** 3)
+    assert OPTIMIZERS["adamw"].flops(MLP) == 0
+
+
+def test_shapes_account_for_every_parameter():
+    arch = from_hf_config(LLAMA)
+    shapes = parameter_shapes(arch)
+    assert [s.numel for s in shapes] == parameter_numels(arch)
+    assert shapes[0] == EMBED and shapes[-1] == EMBED  # untied: embedding first, LM head last
+    assert sum(len(s.dims) == 2 and not s.io for s in shapes) == 4 * 7  # q, k, v, o, gate, up, down per block
+
+
+def _request(**fields):
+    return EstimateRequest(**({"model_config": LLAMA, "gpu": "cpu", "gpus": 1, "strategy": "single",
+                               "micro_batch": 1, "seq_len": 64} | fields))
+
+
+def test_adafactor_states_are_what_a_factored_model_keeps_and_deepspeed_cannot_factor():
+    arch = from_hf_config(LLAMA)
+    factored = sum(states("adafactor", t) for t in parameter_shapes(arch))
+    single = estimate(_request(precision="fp32", optimizer="adafactor"))  # fp32: the weights are no master copy
+    assert single.per_device.optimizer_states_bytes == factored
+    # DeepSpeed steps a flat fp32 partition: a full second moment, 4 bytes per parameter (+ the fp32 master)
+    zero = estimate(_request(precision="fp32", optimizer="adafactor", strategy="zero2", gpus=2))
+    momentum = estimate(_request(precision="fp32", optimizer="sgd-momentum", strategy="zero2", gpus=2))
+    assert zero.per_device.optimizer_states_bytes == momentum.per_device.optimizer_states_bytes
+
+
+@pytest.mark.parametrize("fields,field,message", [
+    ({"optimizer": "muon", "strategy": "zero2", "gpus": 2}, "optimizer", "DeepSpeed steps flat 1-D partitions"),
+    ({"optimizer": "muon", "strategy": "fsdp", "gpus": 2}, "optimizer", "does not gather a sharded DTensor"),
+    ({"optimizer_in_backward": True, "gradient_accumulation": 2}, "optimizer_in_backward",
+     "gradients cannot accumulate over micro-batches"),
+    ({"optimizer_in_backward": True, "strategy": "ddp", "gpus": 2}, "optimizer_in_backward", "unreduced gradients"),
+    ({"optimizer_in_backward": True, "strategy": "zero2", "gpus": 2}, "optimizer_in_backward", "engine.step()"),
+    ({"optimizer": "adamw-8bit", "strategy": "zero2", "gpus": 2, "offload_optimizer": "cpu"}, "offload_optimizer",
+     "zero_force_ds_cpu_optimizer"),
+    ({"optimizer": "adamw-paged-8bit", "strategy": "fsdp", "gpus": 2, "offload_optimizer": "cpu",
+      "offload_params": "cpu"}, "offload_optimizer", "paged states page between the GPU and the host"),
+])
+def test_compositions_refused_with_the_reason(fields, field, message):
+    with pytest.raises(PlannerError, match=message) as caught:
+        estimate(_request(**fields))
+    assert caught.value.field == field
+
+
+def test_deepspeed_offload_takes_what_its_config_names():
+    for name in ("adamw", "lion", "sgd-momentum", "adafactor"):
+        est = estimate(_request(optimizer=name, strategy="zero2", gpus=2, offload_optimizer="cpu"))
+        assert est.per_device.optimizer_states_bytes == 0
+
+
+def test_unknown_optimizer_names_the_field_and_the_choices(capsys):
+    from cli.main import main
+
+    assert main(["estimate", "--model", "gpt2", "--optimizer", "adam"]) == 2
+    err = capsys.readouterr().err
+    assert "--optimizer" in err and "adamw-torchao-4bit" in err and "muon" in err and len(err.strip().splitlines()) == 1
+
+
+def test_step_in_backward_holds_one_gradient_not_all():
+    """States-dominated (64 tokens): no moment holds all the gradients, so the peak falls; with many
+    tokens the largest parameter's step runs beside the activations instead (the LM head's, after its
+    backward), which can raise it: llama-single-fp32-inbwd-t256 measures that."""
+    base = estimate(_request(precision="fp32"))
+    hooked = estimate(_request(precision="fp32", optimizer_in_backward=True))
+    step = next(p for p in hooked.phases if p.kind == "optimizer_step")
+    assert not any(i.bytes for i in step.items if i.component == "gradients")
+    largest = 4 * max(parameter_numels(from_hf_config(LLAMA)))
+    assert all(sum(i.bytes for i in p.items if i.component == "gradients") <= largest for p in hooked.phases)
+    assert hooked.per_device.peak_bytes < base.per_device.peak_bytes
+
+
+def test_muon_time_charges_newton_schulz():
+    from planner.time.step import estimate_with_time
+
+    adamw = estimate_with_time(_request(precision="bf16-mixed", gpu="h100-80gb", model_config=None,
+                                        model="llama-3-8b", gpus=8, strategy="ddp", seq_len=2048))
+    muon = estimate_with_time(_request(precision="bf16-mixed", gpu="h100-80gb", model_config=None,
+                                       model="llama-3-8b", gpus=8, strategy="ddp", seq_len=2048, optimizer="muon"))
+    assert muon.time.step_seconds > adamw.time.step_seconds
+
+
+@pytest.mark.parametrize("name,optimizer", [("paged_adamw_8bit", "adamw-paged-8bit"), ("lion_32bit", "lion"),
+                                            ("adamw_torch_4bit", "adamw-torchao-4bit"), ("sgd", "sgd")])
+def test_hf_optim_names(name, optimizer):
+    text = json.dumps({"model_name_or_path": "gpt2", "per_device_train_batch_size": 1, "optim": name})
+    assert job_request(CheckRequest(files=[{"name": "args.json", "text": text}]))[1].optimizer == optimizer
+
+
+def test_hf_sgd_with_momentum_and_refused_names():
+    def request(**args):
+        text = json.dumps({"model_name_or_path": "gpt2", "per_device_train_batch_size": 1} | args)
+        return job_request(CheckRequest(files=[{"name": "args.json", "text": text}]))[1]
+
+    assert request(optim="sgd", optim_args="momentum=0.9,nesterov=True").optimizer == "sgd-momentum"
+    assert request(optim="sgd", optim_args="dampening=0.1").optimizer == "sgd"
+    with pytest.raises(PlannerError, match="transformers' own Adafactor"):
+        request(optim="adafactor")
+    with pytest.raises(PlannerError, match="8-bit Lion"):
+        request(optim="lion_8bit")
