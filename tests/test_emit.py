@@ -328,7 +328,7 @@ def test_hostfile_only_where_deepspeed_spans_nodes(tmp_path):
     assert names(strategy="ddp") == common
     # the planner's trainer runs DeepSpeed with the optimizers its config names: no launch.sh for a client
     # optimizer (bitsandbytes' adamw-8bit), and LAUNCH.md says why; the torch strategies build every optimizer
-    assert names(strategy="zero2", optimizer="adamw-8bit") == common | {"ds_config.json"} - {"launch.sh", "job.sbatch"}
+    assert names(strategy="zero2", optimizer="adamw-8bit") == (common | {"ds_config.json"}) - {"launch.sh", "job.sbatch"}
     assert names(strategy="fsdp", optimizer="adamw-8bit") == common
     # transformers names neither torch's Adafactor nor Muon: no trainer_args.json
     assert names(strategy="ddp", optimizer="muon") == common - {"trainer_args.json"}

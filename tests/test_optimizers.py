@@ -101,8 +101,6 @@ def test_adafactor_states_are_what_a_factored_model_keeps_and_deepspeed_cannot_f
      "gradients cannot accumulate over micro-batches"),
     ({"optimizer_in_backward": True, "strategy": "ddp", "gpus": 2}, "optimizer_in_backward", "unreduced gradients"),
     ({"optimizer_in_backward": True, "strategy": "zero2", "gpus": 2}, "optimizer_in_backward", "engine.step()"),
-    ({"optimizer": "adamw-8bit", "strategy": "zero2", "gpus": 2, "offload_optimizer": "cpu"}, "offload_optimizer",
-     "zero_force_ds_cpu_optimizer"),
     ({"optimizer": "adamw-paged-8bit", "strategy": "fsdp", "gpus": 2, "offload_optimizer": "cpu",
       "offload_params": "cpu"}, "offload_optimizer", "paged states page between the GPU and the host"),
 ])
@@ -112,10 +110,13 @@ def test_compositions_refused_with_the_reason(fields, field, message):
     assert caught.value.field == field
 
 
-def test_deepspeed_offload_takes_what_its_config_names():
+def test_deepspeed_offload_takes_what_its_config_names_and_a_client_optimizer_becomes_cpu_adam():
     for name in ("adamw", "lion", "sgd-momentum", "adafactor"):
         est = estimate(_request(optimizer=name, strategy="zero2", gpus=2, offload_optimizer="cpu"))
         assert est.per_device.optimizer_states_bytes == 0
+    adam = estimate(_request(strategy="zero2", gpus=2, offload_optimizer="cpu"))
+    client = estimate(_request(optimizer="adamw-8bit", strategy="zero2", gpus=2, offload_optimizer="cpu"))
+    assert client.host == adam.host and any("DeepSpeedCPUAdam" in n for n in client.notes)
 
 
 def test_unknown_optimizer_names_the_field_and_the_choices(capsys):

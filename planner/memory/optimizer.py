@@ -4,6 +4,7 @@ temporaries, and the compositions the model refuses (strategy, offload, step-in-
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from planner.errors import PlannerError
@@ -11,6 +12,8 @@ from planner.model.shapes import TensorShape, matching, parameter_shapes, vector
 from planner.recipes.optimizers import OPTIMIZERS, OptimizerSpec
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from planner.setup import Setup
 
 
@@ -18,7 +21,7 @@ def spec_of(setup: "Setup") -> OptimizerSpec:
     return OPTIMIZERS[setup.request.optimizer]
 
 
-def rank_tensors(setup: "Setup", counts: list[int]) -> list[TensorShape]:
+def rank_tensors(setup: "Setup", counts: list[int]) -> "Sequence[TensorShape]":
     """The parameters this rank trains (``counts``: planner.setup.numels), with their shapes where
     the architecture gives them (a LoRA adapter or a traced model's tensors as vectors:
     planner/model/shapes.py says why that is the conservative reading)."""
@@ -27,11 +30,31 @@ def rank_tensors(setup: "Setup", counts: list[int]) -> list[TensorShape]:
     return vectors(counts)
 
 
-def dim0_shards(tensors: list[TensorShape], shard: int) -> list[TensorShape]:
+def dim0_shards(tensors: "Sequence[TensorShape]", shard: int) -> "Sequence[TensorShape]":
     """FSDP2's shards (fully_shard: Shard(0), the first dimension split, rounded up)."""
     if shard <= 1:
         return tensors
-    return [TensorShape((-(-t.dims[0] // shard),) + t.dims[1:], t.io) for t in tensors]
+    if not isinstance(tensors, tuple):
+        return [TensorShape((-(-t.dims[0] // shard),) + t.dims[1:], t.io) for t in tensors]
+    return _seen(("shards", shard), tensors,
+                 lambda: tuple(TensorShape((-(-t.dims[0] // shard),) + t.dims[1:], t.io) for t in tensors))
+
+
+# What was computed for a tuple of tensors, by the tuple's identity: an Architecture's shapes are one
+# tuple (planner/model/shapes.py memoizes it), and the plan's search asks about it per candidate.
+_SEEN: dict[tuple, tuple] = {}
+
+
+def _seen(what: tuple, tensors: tuple[TensorShape, ...], compute):
+    key = what + (id(tensors),)
+    hit = _SEEN.get(key)
+    if hit is not None and hit[0] is tensors:
+        return hit[1]
+    if len(_SEEN) > 4096:
+        _SEEN.clear()
+    value = compute()
+    _SEEN[key] = (tensors, value)
+    return value
 
 
 def flat(elements: int) -> list[TensorShape]:
@@ -40,7 +63,11 @@ def flat(elements: int) -> list[TensorShape]:
 
 
 def states_bytes(spec: OptimizerSpec, tensors: list[TensorShape], bits: int) -> int:
-    return sum(spec.group_of(t).states(t, bits) for t in tensors)
+    """The states of ``tensors``, each distinct shape computed once (a model's blocks repeat theirs)."""
+    if not isinstance(tensors, tuple):
+        return sum(count * spec.group_of(t).states(t, bits) for t, count in Counter(tensors).items())
+    return _seen(("states", spec.name, bits), tensors,
+                 lambda: sum(count * spec.group_of(t).states(t, bits) for t, count in Counter(tensors).items()))
 
 
 def state_bits(spec: OptimizerSpec, tensors: list[TensorShape], bits: int) -> float:
@@ -50,7 +77,7 @@ def state_bits(spec: OptimizerSpec, tensors: list[TensorShape], bits: int) -> fl
     return 8 * states_bytes(spec, tensors, bits) / total if total else 0.0
 
 
-def step_temporaries(setup: "Setup", tensors: list[TensorShape], bits: int) -> int:
+def _temporaries(setup: "Setup", tensors: list[TensorShape], bits: int) -> int:
     """The most bytes the step's temporaries hold at once. Each group (Muon's matrices, its AdamW
     rest) steps after the other, so the groups' temporaries do not overlap."""
     spec = spec_of(setup)
@@ -62,6 +89,14 @@ def step_temporaries(setup: "Setup", tensors: list[TensorShape], bits: int) -> i
         return max((g.cpu_temporaries(ts, bits) for g, ts in groups.values()), default=0)
     copies = setup.framework.cuda_adam_copies
     return max((g.cuda_temporaries(ts, bits, copies) for g, ts in groups.values()), default=0)
+
+
+def step_temporaries(setup: "Setup", tensors, bits: int) -> int:
+    """The most bytes the step's temporaries hold at once (``_temporaries``), once per tuple of tensors."""
+    if not isinstance(tensors, tuple):
+        return _temporaries(setup, tensors, bits)
+    return _seen(("step", setup.request.optimizer, setup.device, setup.framework.cuda_adam_copies, bits), tensors,
+                 lambda: _temporaries(setup, tensors, bits))
 
 
 def step_flops(setup: "Setup", tensors: list[TensorShape]) -> int:

@@ -12,8 +12,11 @@ it, and the Muon recipe gives it to AdamW, two states instead of one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from math import prod
 
-from planner.model.architecture import Architecture, block_numels, layer_specs
+from planner.model.architecture import Architecture, _memo, distinct_specs, layer_specs
+from planner.model.layers import layer_numels
 from planner.model.linears import block_linears
 
 
@@ -25,12 +28,13 @@ class TensorShape:
     dims: tuple[int, ...]
     io: bool = False
 
-    @property
+    @cached_property
     def numel(self) -> int:
-        out = 1
-        for d in self.dims:
-            out *= d
-        return out
+        return prod(self.dims)
+
+
+def _numel(t: TensorShape) -> int:
+    return t.numel
 
 
 def vectors(numels: list[int]) -> list[TensorShape]:
@@ -51,24 +55,35 @@ def _block_shapes(arch: Architecture, numels: list[int], spec) -> list[TensorSha
     return out
 
 
-def parameter_shapes(a: Architecture) -> list[TensorShape]:
+def parameter_shapes(a: Architecture) -> tuple[TensorShape, ...]:
     """Every parameter's shape in ``parameter_numels`` order (tied weights once); a vision tower's
-    tensors as vectors (its shapes are not described)."""
+    tensors as vectors (its shapes are not described). Computed once per Architecture (the plan's
+    search asks for every candidate)."""
+    memo = _memo(a)
+    if memo.get("_shapes") is None:
+        memo["_shapes"] = tuple(_shapes(a))
+    return memo["_shapes"]
+
+
+def _shapes(a: Architecture) -> list[TensorShape]:
     h = a.hidden_size
+    per_kind = {key: _block_shapes(a, layer_numels(spec, h), spec) for key, spec in distinct_specs(a).items()}
     out = vectors(list(a.vision_numels)) + [TensorShape((a.vocab_size, h), io=True)]
     if a.learned_positions:
         out.append(TensorShape((a.learned_positions, h)))
-    for spec, numels in zip(layer_specs(a), block_numels(a)):
-        out += _block_shapes(a, numels, spec)
+    for spec in layer_specs(a):
+        out += per_kind[id(spec)]
     out += vectors([h] * (2 if a.norm == "layernorm" else 1))
     if not a.tie_word_embeddings:
         out.append(TensorShape((a.vocab_size, h), io=True))
     return out
 
 
-def matching(shapes: list[TensorShape], numels: list[int]) -> list[TensorShape]:
+def matching(shapes: tuple[TensorShape, ...], numels: list[int]) -> tuple[TensorShape, ...]:
     """``shapes`` where they account for ``numels`` one for one, else the numels as vectors (a
     tensor-parallel rank's split embedding, a traced model): never a shape the rank does not hold."""
     if len(shapes) == len(numels):
-        return [s if s.numel == n else TensorShape((n,)) for s, n in zip(shapes, numels)]
-    return vectors(numels)
+        if list(map(_numel, shapes)) == numels:
+            return shapes
+        return tuple(s if s.numel == n else TensorShape((n,)) for s, n in zip(shapes, numels))
+    return tuple(vectors(numels))

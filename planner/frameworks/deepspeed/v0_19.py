@@ -15,6 +15,7 @@ from planner.memory.buffers import (FP32, Layout, PhasePlan, activation_items, s
 from planner.errors import PlannerError
 from planner.memory.moments import PhaseKind
 from planner.memory.optimizer import flat, spec_of, states_bytes
+from planner.recipes.optimizers import OPTIMIZERS
 from planner.frameworks.base import Collective, Framework, Traffic, check_sharded_offload, register
 from planner.recipes.precision import RECIPES
 from planner.parallel.tensor import autotp_gather_held_bytes
@@ -53,12 +54,6 @@ class DeepSpeedZero(Framework):
             raise PlannerError(f"optimizer_in_backward with strategy {setup.strategy.name}: DeepSpeed's engine steps "
                                "its optimizer in engine.step() after the gradients are reduced, never in a "
                                "gradient hook; use strategy single", field="optimizer_in_backward")
-        if setup.zero.offload_optimizer != "none" and not spec.deepspeed_offload:
-            raise PlannerError(
-                f"optimizer {spec.name} with offload_optimizer={setup.zero.offload_optimizer}: ZeRO-Offload steps on "
-                "the CPU with DeepSpeedCPUAdam or DeepSpeedCPULion, or an optimizer its config names; a client "
-                "optimizer such as this one is refused (deepspeed 0.19.8 runtime/engine.py:2342, "
-                "zero_force_ds_cpu_optimizer)", field="offload_optimizer")
 
     def phases(self, setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
         stage = setup.strategy.zero_stage
@@ -423,7 +418,16 @@ def _activations_when_produced(acts: Activations, shape: Layout, numels: list[in
 def _offload_optimizer_host(plan: PhasePlan, setup: "Setup", part: int) -> None:
     """ZeRO-Offload: the fp32 partition, its gradient and the Adam moments live on the host
     (DeepSpeedCPUAdam steps there). Host memory is per node: every local rank keeps its own."""
-    per_rank = FP32 * part * 2 + states_bytes(spec_of(setup), flat(part), FP32 * 8)
+    spec = spec_of(setup)
+    if not spec.deepspeed_offload:
+        # DeepSpeed refuses a client optimizer under ZeRO-Offload (engine.py:2342, zero_force_ds_cpu_optimizer);
+        # accelerate and the HF Trainer swap it for DeepSpeedCPUAdam first (accelerate 1.16 utils/deepspeed.py
+        # map_pytorch_optim_to_deepspeed: the default class; bitsandbytes' 8-bit states do not survive)
+        plan.notes.append(f"ZeRO-Offload with {spec.name}, a client optimizer: accelerate / the HF Trainer replace it "
+                          "with DeepSpeedCPUAdam (fp32 moments on the host); plain deepspeed.initialize refuses it "
+                          "unless zero_force_ds_cpu_optimizer is false")
+        spec = OPTIMIZERS["adamw"]
+    per_rank = FP32 * part * 2 + states_bytes(spec, flat(part), FP32 * 8)
     ranks = setup.request.gpus
     target = setup.zero.offload_optimizer
     if target == "nvme":
