@@ -5,7 +5,8 @@
 Trains a catalogue model at full width but few layers on one GPU with ZeRO-0 (the DeepSpeed engine
 without partitioning, through `deepspeed`) and torch DDP (through torchrun), bf16-mixed, over sequence lengths, micro-batches, checkpointing on and off,
 and SDPA and eager attention, and the recipes of issue 21 on one device (RECIPE_GRID: the checkpointing
-policies, the kept outputs, the chunked loss, QLoRA under autocast). Every run records torch.cuda.max_memory_allocated, max_memory_reserved
+policies, the kept outputs, the chunked loss, QLoRA under autocast, every optimizer of the registry and the
+step in backward). Every run records torch.cuda.max_memory_allocated, max_memory_reserved
 and memory_stats. The script then prints:
 
 - the error of the allocated peak against the prediction, per run;
@@ -93,6 +94,13 @@ RECIPE_GRID = [  # long enough that activations and logits, not the states, make
     (8192, 1, {"loss": "chunked"}),
     (8192, 2, {"finetune": "qlora", "checkpointing": "full"}),
     (4096, 2, {"finetune": "qlora", "quantize_base": "fp4", "double_quant": False}),
+    # the optimizers (planner/recipes/optimizers.py) at 512 tokens, where the states and the step make the
+    # peak: on CUDA bitsandbytes' fused kernels, its paged states (cudaMallocManaged, outside the caching
+    # allocator: measured allocated excludes them, so the prediction's bound shows as over), torchao's
+    # compiled step, Adafactor's foreach var_estimates and Muon's Newton-Schulz run where CPU runs could not
+    *[(512, 1, {"optimizer": name}) for name in ("adamw-8bit", "adamw-paged-8bit", "adamw-torchao-8bit",
+                                                 "adamw-torchao-4bit", "adafactor", "lion", "sgd-momentum", "muon")],
+    (512, 1, {"optimizer_in_backward": True}),
 ]
 
 
