@@ -97,6 +97,7 @@ def test_adafactor_states_are_what_a_factored_model_keeps_and_deepspeed_cannot_f
 @pytest.mark.parametrize("fields,field,message", [
     ({"optimizer": "muon", "strategy": "zero2", "gpus": 2}, "optimizer", "DeepSpeed steps flat 1-D partitions"),
     ({"optimizer": "muon", "strategy": "fsdp", "gpus": 2}, "optimizer", "does not gather a sharded DTensor"),
+    ({"optimizer": "adafactor", "strategy": "fsdp", "gpus": 2}, "optimizer", "DTensor refuses"),
     ({"optimizer_in_backward": True, "gradient_accumulation": 2}, "optimizer_in_backward",
      "gradients cannot accumulate over micro-batches"),
     ({"optimizer_in_backward": True, "strategy": "ddp", "gpus": 2}, "optimizer_in_backward", "unreduced gradients"),

@@ -82,6 +82,8 @@ class Framework:
     launcher: str = ""  # the program that starts the ranks
     # fp32 copies of a tensor the CUDA optimizer step allocates (FusedAdam: 0; torch foreach: 1)
     cuda_adam_copies: int = 0
+    # its sharded parameters are DTensors the optimizer steps (FSDP2), not flat partitions of its own
+    shards_as_dtensors: bool = False
     # the optimizers the verification backend's rank builds for this framework (backend/train.py)
     probe_optimizers: tuple[str, ...] = ("adamw", "sgd", "sgd-momentum")
     # CPU offload of the parameters also moves their gradients to the host

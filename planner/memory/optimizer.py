@@ -136,6 +136,14 @@ def check(setup: "Setup") -> None:
             "gradient as one whole 2-D matrix (_muon.py _zeropower_via_newtonschulz) and does not gather a sharded "
             "DTensor; a distributed Muon that all-gathers each matrix first is not modelled: use strategy single or "
             "ddp with tp=1", field="optimizer")
+    dtensors = setup.tp > 1 or (s.shards_parameters and setup.data_parallel_wrapped
+                                  and setup.framework.shards_as_dtensors)
+    if not spec.steps_dtensors and dtensors:
+        raise PlannerError(
+            f"optimizer {spec.name} with strategy {s.name}, tp={setup.tp}: the parameters are DTensors, and torch "
+            "2.13's Adafactor fails on them (torch.norm(grad, dim=-1).square_(): an in-place op on a partial "
+            "placement, which DTensor refuses; measured on CPU ranks); use single, ddp or a ZeRO stage",
+            field="optimizer")
     if spec.paged and setup.zero.offload_optimizer != "none":
         raise PlannerError(f"optimizer {spec.name} with offload_optimizer={setup.zero.offload_optimizer}: paged states "
                            "page between the GPU and the host themselves; offloading them as well is not modelled",

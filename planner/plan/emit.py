@@ -157,7 +157,8 @@ def estimate_request_for(req: PlanRequest, c: Candidate) -> EstimateRequest:
     """The candidate as an estimate/verify request (what `planner verify --plan plan.json` runs)."""
     model = {"model": req.model} if req.model else {"model_config": req.model_config_}
     return EstimateRequest(**model, strategy=c.strategy, gpus=req.gpus, nodes=req.nodes, gpu=req.gpu,
-                           precision=req.precision, optimizer=req.optimizer, micro_batch=c.micro_batch,
+                           precision=req.precision, optimizer=req.optimizer,
+                           optimizer_in_backward=req.optimizer_in_backward, micro_batch=c.micro_batch,
                            seq_len=req.seq_len, gradient_accumulation=c.gradient_accumulation,
                            checkpointing=c.checkpointing, attention=req.attention,
                            offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,

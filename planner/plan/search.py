@@ -79,7 +79,8 @@ def _request(req: PlanRequest, combo: Setting, micro: int, model_fields: dict,
     steps = {"gradient_accumulation": accumulation} if combo.pp == 1 and accumulation and accumulation > 1 else {}
     return (EstimateRequest(
         **model_fields, **steps, strategy=combo.strategy, gpus=combo.gpus, nodes=req.nodes, gpu=req.gpu,
-        precision=req.precision, optimizer=req.optimizer, micro_batch=micro, seq_len=req.seq_len,
+        precision=req.precision, optimizer=req.optimizer, optimizer_in_backward=req.optimizer_in_backward,
+        micro_batch=micro, seq_len=req.seq_len,
         checkpointing=combo.checkpointing, attention=req.attention,
         offload_optimizer=combo.offload_optimizer, offload_params=combo.offload_params,
         hsdp_shard_size=explicit_hsdp_shard(combo.strategy, combo.shard * combo.tp if combo.shard else None,
@@ -513,6 +514,9 @@ def _pipeline_micro(per_rank: int, pp: int, schedule: str, virtual_stages: int, 
     return out
 
 
+OPTIMIZER_FIELDS = ("optimizer", "optimizer_in_backward")  # the fields a refused optimizer composition names
+
+
 def _evaluate_setting(search: _Search, req: PlanRequest, combo: Setting, time_bound: float | None,
                       peak_bound: float | None) -> tuple[list[Row], int]:
     """The rows of one setting (its micro-batch options, or none when a bound proves it cannot be
@@ -538,8 +542,9 @@ def _evaluate_setting(search: _Search, req: PlanRequest, combo: Setting, time_bo
         return [], micro.size
     try:
         return _grid_rows(search, req, combo, micro, times, first), micro.size
-    except PlannerError:  # a setting the fine-tuning refuses (QLoRA under ZeRO-3, TP, ...)
-        if req.finetune == "full":
+    except PlannerError as refused:  # a setting the fine-tuning or the optimizer refuses (QLoRA under
+        # ZeRO-3, Muon under sharding, a step in backward with accumulation: memory/optimizer.py check)
+        if req.finetune == "full" and refused.field not in OPTIMIZER_FIELDS:
             raise
         return [], micro.size
 
@@ -1210,6 +1215,7 @@ def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_field
     def fits(seq: int) -> bool:
         e = estimate(EstimateRequest(**model_fields, strategy=c.strategy, gpus=req.gpus, nodes=req.nodes,
                                      gpu=req.gpu, precision=req.precision, optimizer=req.optimizer, micro_batch=1,
+                                     optimizer_in_backward=req.optimizer_in_backward,
                                      seq_len=seq, checkpointing="full", attention=req.attention,
                                      offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
                                      hsdp_shard_size=explicit_hsdp_shard(c.strategy, c.hsdp_shard_size, req.gpus),
@@ -1270,13 +1276,14 @@ def _fits(req: PlanRequest, name: str, usable: float, model_fields: dict, gpus: 
                 # micro-batch 1 accumulates when the rank's share of the global batch is more
                 e = estimate(EstimateRequest(**model_fields, strategy=name, gpus=gpus, nodes=nodes, gpu=req.gpu,
                                              precision=req.precision, optimizer=req.optimizer, micro_batch=1,
+                                             optimizer_in_backward=req.optimizer_in_backward,
                                              gradient_accumulation=2 if req.global_batch * tp > gpus * nodes else 1,
                                              seq_len=req.seq_len, checkpointing="full", attention=req.attention,
                                              offload_optimizer=off_opt, offload_params=off_par,
                                              hsdp_shard_size=explicit_hsdp_shard(name, shard, gpus),
                                              **_reduce_field(req, name), **degrees), simulate=False)
-            except PlannerError:  # refused for this fine-tuning (see _evaluate)
-                if req.finetune == "full":
+            except PlannerError as refused:  # refused for this fine-tuning or optimizer (see _evaluate_setting)
+                if req.finetune == "full" and refused.field not in OPTIMIZER_FIELDS:
                     raise
                 continue
             if e.per_device.peak_bytes <= usable:
@@ -1321,6 +1328,7 @@ def _replicated_weights_exceed(req: PlanRequest, name: str, usable: float, model
     try:
         e = estimate(EstimateRequest(**model_fields, strategy=name, gpus=tp, nodes=1, gpu=req.gpu,
                                      precision=req.precision, optimizer=req.optimizer, micro_batch=1,
+                                     optimizer_in_backward=req.optimizer_in_backward,
                                      seq_len=req.seq_len, checkpointing="full", attention=req.attention,
                                      **({"tp": tp} if tp > 1 else {})), simulate=False)
     except PlannerError:
@@ -1339,6 +1347,7 @@ def _pipeline_min_gpus(req: PlanRequest, usable: float, model_fields: dict, tp: 
         try:
             e = estimate(EstimateRequest(**model_fields, strategy="fsdp", gpus=req.gpus, nodes=groups * pp,
                                          gpu=req.gpu, precision=req.precision, optimizer=req.optimizer, micro_batch=1,
+                                         optimizer_in_backward=req.optimizer_in_backward,
                                          gradient_accumulation=pp, seq_len=req.seq_len, checkpointing="full",
                                          attention=req.attention, tp=tp, pp=pp, pp_schedule=req.pp_schedule,
                                          pp_virtual_stages=req.pp_virtual_stages, **_split_fields(split),

@@ -67,6 +67,10 @@ class OptimizerSpec:
     deepspeed_offload: bool = False
     whole_matrices: bool = False  # the step needs each 2-D parameter whole (Muon's Newton-Schulz)
     factored: bool = False  # its states depend on the tensor's shape, which DeepSpeed's flat partitions lose
+    # steps a DTensor (FSDP2's shards, a TP rank's): torch 2.13's Adafactor cannot (its
+    # torch.norm(grad, dim=-1).square_() is an in-place op on a _NormPartial placement: DTensor refuses it;
+    # measured on CPU ranks under FSDP2)
+    steps_dtensors: bool = True
     flops: Callable[[TensorShape], int] = lambda t: 0
 
     def group_of(self, t: TensorShape) -> "OptimizerSpec":
@@ -249,7 +253,8 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "adamw-torchao-4bit": OptimizerSpec("adamw-torchao-4bit", "torchao 0.18 optim/adam.py AdamW4bit, subclass_4bit.py",
                                         lambda t, bits: 2 * _ao_state(t, bits, 128, 4, 16), _ao_cpu, _none, 2),
     "adafactor": OptimizerSpec("adafactor", "torch 2.13 torch/optim/_adafactor.py (Adafactor)", _adafactor_states,
-                               _adafactor_cpu, _adafactor_cuda, 1, factored=True, deepspeed_offload=True),
+                               _adafactor_cpu, _adafactor_cuda, 1, factored=True, deepspeed_offload=True,
+                               steps_dtensors=False),
     "lion": OptimizerSpec("lion", "bitsandbytes 0.50 optim/lion.py Lion (Optimizer1State, 32 bits); DeepSpeed 0.19.8 "
                           "ops/lion FusedLion / DeepSpeedCPULion keep the same fp32 exp_avg",
                           lambda t, bits: FP32 * t.numel, _lion_cpu, _none, 1, deepspeed_offload=True),

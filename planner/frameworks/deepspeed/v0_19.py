@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from planner.model.activations import Activations
-from planner.memory.buffers import (FP32, Layout, PhasePlan, activation_items, step_temporaries_flat, backward_sweep, ceil_div,
-                                    head_and_late, item, layout, optimizer_items, phase, tied_sum_item)
+from planner.memory.buffers import (FP32, Layout, PhasePlan, activation_items, backward_sweep, ceil_div, head_and_late,
+                                    item, layout, optimizer_items, phase, step_temporaries_flat, tied_sum_item)
 from planner.errors import PlannerError
 from planner.memory.moments import PhaseKind
 from planner.memory.optimizer import flat, spec_of, states_bytes

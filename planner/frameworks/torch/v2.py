@@ -58,6 +58,7 @@ class TorchDistributed(Framework):
     launcher = "torchrun"
     cuda_adam_copies = 1  # the foreach path's _foreach_sqrt makes one fp32 copy of exp_avg_sq
     probe_optimizers = tuple(OPTIMIZERS)  # backend/train.py torch_optimizer builds every one
+    shards_as_dtensors = True  # fully_shard: each parameter a DTensor of Shard(0)
 
     def optimizer_tensors(self, setup: "Setup", counts: list[int], shard: int) -> tuple[list[TensorShape], int]:
         """torch.optim steps the module's own parameters, each FSDP2's dim-0 shard, and keeps its
