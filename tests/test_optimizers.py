@@ -60,6 +60,9 @@ def test_step_temporaries_from_the_library_source():
     # bitsandbytes' CPU 8-bit step: both states dequantized, the fp32 gradient, sqrt and its quotient
     assert OPTIMIZERS["adamw-8bit"].cpu_temporaries([NORM, MLP], 32) == 5 * 4 * 176_128
     assert OPTIMIZERS["sgd-momentum"].cpu_temporaries([MLP], 32) == 0
+    # torchao's 4-bit step compiled on CPU: per state the unpacked uint8 codes, the scaled fp32 values,
+    # the int64 binary-search codes and 1,376 fp32 block scales
+    assert OPTIMIZERS["adamw-torchao-4bit"].cpu_temporaries([MLP], 32) == 2 * (176_128 * (1 + 4 + 8) + 4 * 1_376)
     # on CUDA Adafactor's foreach path builds every matrix's var_estimate at once
     assert OPTIMIZERS["adafactor"].cuda_temporaries([MLP, NORM, MLP], 16, 1) == 2 * 2 * 176_128
 

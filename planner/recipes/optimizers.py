@@ -151,6 +151,17 @@ def _ao_cpu(tensors: Sequence[TensorShape], bits: int) -> int:
     return _largest(tensors) * (2 * FP32 + (0 if bits == 32 else 2 * FP32))
 
 
+def _ao4_cpu(tensors: Sequence[TensorShape], bits: int) -> int:
+    """torchao 0.18 AdamW4bit's step as inductor compiles it on CPU (torch 2.13; its generated code,
+    TORCH_LOGS=output_code, for a (4096, 256) parameter): before the one fused kernel, each state's
+    nibbles unpacked to one uint8 per value (subclass_4bit.py dequantize: torch.stack of codes >> 4
+    and codes & 15, an aten.cat), and as the kernel's outputs, per state, the block-scaled fp32 values
+    (scale_tensor), their fp32 block scales and the int64 codes of quantize_4bit_with_qmap's binary
+    search (torch.where on integer indices): 2 x (1 + 4 + 8) bytes per value."""
+    n = _largest(tensors)
+    return 2 * (n + FP32 * n + 8 * n + FP32 * (n // 128))
+
+
 # --- torch.optim.Adafactor --------------------------------------------------------------------------
 
 def _adafactor_states(t: TensorShape, bits: int) -> int:
@@ -251,7 +262,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "adamw-torchao-8bit": OptimizerSpec("adamw-torchao-8bit", "torchao 0.18 optim/adam.py AdamW8bit, subclass_8bit.py",
                                         lambda t, bits: 2 * _ao_state(t, bits, 256, 8, 256), _ao_cpu, _none, 2),
     "adamw-torchao-4bit": OptimizerSpec("adamw-torchao-4bit", "torchao 0.18 optim/adam.py AdamW4bit, subclass_4bit.py",
-                                        lambda t, bits: 2 * _ao_state(t, bits, 128, 4, 16), _ao_cpu, _none, 2),
+                                        lambda t, bits: 2 * _ao_state(t, bits, 128, 4, 16), _ao4_cpu, _none, 2),
     "adafactor": OptimizerSpec("adafactor", "torch 2.13 torch/optim/_adafactor.py (Adafactor)", _adafactor_states,
                                _adafactor_cpu, _adafactor_cuda, 1, factored=True, deepspeed_offload=True,
                                steps_dtensors=False),
