@@ -252,7 +252,7 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
 
 
 def _in_backward_items(point: SweepPoint, step_bytes: int, gradient_bytes: int) -> list[MemoryItem]:
-    """torchtune's optimizer_in_bwd (training/_optimizer_in_bwd... register_optim_in_bwd_hooks): a
+    """torchtune's optimizer_in_bwd (torchtune/training/memory.py register_optim_in_bwd_hooks): a
     parameter's optimizer steps in its post-accumulate-grad hook and the hook frees its gradient, so
     once backward has produced any gradient at most one parameter's gradient (the largest, at worst)
     and its step's temporaries exist."""
