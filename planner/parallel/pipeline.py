@@ -556,7 +556,10 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
                                    _item("sharded gradients (reduce-scatter output)", grad_bits // 8 * _ceil(params, dp.shard),
                                          "gradients")]
         phases.append(_phase(PhaseKind.GRADIENT_ALLREDUCE, "gradient reduce-scatter over dp", reduce_items))
-    temporaries = step_temporaries(setup, vectors([_ceil(largest, dp.shard) if dp.shards_optimizer else largest]),
+    # the largest tensor (a single-tensor step's temporaries) and the rest of the stage's (a foreach step's)
+    biggest = _ceil(largest, dp.shard) if dp.shards_optimizer else largest
+    stepped = _ceil(params, dp.shard) if dp.shards_optimizer else params
+    temporaries = step_temporaries(setup, vectors([biggest] + ([stepped - biggest] if stepped > biggest else [])),
                                    weight_bits)
     step_items.append(_item("optimizer step temporaries", temporaries, "buffers",
                             f"{OPTIMIZERS[req.optimizer].source}, over the largest tensor"))
