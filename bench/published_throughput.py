@@ -21,6 +21,14 @@ submitted by scripts/train/benchmarking/submit_benchmarks.py, whose `--attn_impl
 2024, whose sweep.sh, the H100 runs, does not override it): MPT's triton_flash_attn_fn, FlashAttention's
 Triton kernel, whose A100 rates FlashAttention's charts measure (attention_kernel
 "flash-attention-triton"; on H100 planner/time/kernels.py scales them by FlashAttention-1's H100/A100 ratio).
+The large-scale H100 table (>= 128 GPUs) is the one sweep.py submitted (scripts/train/benchmarking/sweep.py
+at 5e85bd6, which added that table): `--attn_impl flash` for 1b, 3b, 7b and 70b (FlashAttention 2.4.2,
+the `gpu-flash2` extra its submit_benchmarks.py installs), `triton` for 13b and 30b.
+
+Precision as composer 0.16 (llm-foundry v0.3.0's pin) builds FSDP's MixedPrecision from the MP Mode
+column (composer/trainer/mosaic_fsdp_utils.py get_mixed_precision): DEFAULT computes in bf16 and
+reduces gradients in fp32, PURE reduces in bf16; both keep FSDP's sharded fp32 parameters and an fp32
+AdamW (MixedPrecision casts the gathered copy only), so both are the planner's bf16-mixed.
 """
 
 from __future__ import annotations
@@ -49,9 +57,12 @@ MPT = {"125m": (768, 12, 12), "350m": (1024, 16, 24), "760m": (1536, 12, 24), "1
 GPU = {"a100_40gb": "a100-40gb", "a100_80gb": "a100-80gb", "h100_80gb": "h100-80gb"}
 SHARDING = {"FULL_SHARD": "fsdp", "SHARD_GRAD_OP": "fsdp-grad-op"}
 WITHIN = 0.15
-# llm-foundry's precision column: bf16 with mp_mode PURE (parameters, gradients and optimizer in
-# bf16), amp_bf16 with DEFAULT (autocast over fp32 parameters)
-FOUNDRY_PRECISION = {"bf16": "bf16-pure", "amp_bf16": "bf16-mixed"}
+# composer 0.16 mosaic_fsdp_utils.py get_mixed_precision (lines 87-95): DEFAULT reduces in fp32,
+# PURE in the compute dtype; both gather bf16 copies of fp32 sharded parameters (bf16-mixed)
+REDUCE_DTYPE = {"DEFAULT": "fp32", "PURE": "compute"}
+# sweep.py at 5e85bd6 (the large-scale H100 table's runs): --attn_impl flash for these models
+LARGE_SCALE_TABLE = "H100 80GB BF16 (Large Scale >= 128 GPUs)"
+FLASH2_IN_SWEEP = ("1b", "3b", "7b", "70b")
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,7 @@ class Row:
     accumulation: int
     published: float
     precision: str
+    mp_mode: str
     sharding: str
     checkpointing: bool
 
@@ -76,12 +88,13 @@ class Row:
                   "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
         nodes = max(1, self.gpus // 8)
         fabric = {"fabric": "roce-200g", "nics_per_node": 8} if self.gpu.startswith("a100") else {}
-        precision = FOUNDRY_PRECISION[self.precision]
+        flash2 = self.table == LARGE_SCALE_TABLE and self.model in FLASH2_IN_SWEEP
         return EstimateRequest(model_config=config, gpu=GPU[self.gpu], gpus=min(8, self.gpus), nodes=nodes,
                                strategy=SHARDING[self.sharding], seq_len=self.seq_len, micro_batch=self.micro_batch,
-                               gradient_accumulation=self.accumulation, precision=precision,
+                               gradient_accumulation=self.accumulation, precision="bf16-mixed",
+                               reduce_dtype=REDUCE_DTYPE[self.mp_mode],
                                checkpointing="full" if self.checkpointing else "none",
-                               attention_kernel="flash-attention-triton", **fabric)
+                               attention_kernel="flash-attention-2" if flash2 else "flash-attention-triton", **fabric)
 
 
 def rows() -> list[Row]:
@@ -89,7 +102,7 @@ def rows() -> list[Row]:
         reader = csv.DictReader(line for line in f if not line.startswith("#"))
         return [Row(int(r["readme_line"]), r["table"], r["model"], int(r["seq_len"]), int(r["gpus"]), r["gpu"],
                     int(r["micro_batch"]), int(r["grad_accum"]), float(r["tokens_per_s_per_gpu"]), r["precision"],
-                    r["sharding"], r["activation_checkpointing"] == "True") for r in reader]
+                    r["mp_mode"], r["sharding"], r["activation_checkpointing"] == "True") for r in reader]
 
 
 def predict(row: Row):

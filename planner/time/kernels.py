@@ -22,6 +22,15 @@ Sources of the constants:
   causal mask, backward 2.5x forward.
 - Wave quantisation: a GEMM's output is cut into tiles, one per SM at a time; the last wave runs
   partly empty (NVIDIA, "Matrix Multiplication Background User's Guide", Wave Quantization).
+- The K loop: each output tile streams its K in steps through a multi-stage pipeline that is
+  filled before and drained (the tile written back) after; that fixed part costs about K = 512 of
+  loop time (K_PIPELINE below), so a GEMM of reduction length K runs at K / (K + 512) of its
+  long-K rate. Derived from NVIDIA's cuBLAS bf16 measurements of square GEMMs on A100 ("CUDA 11
+  Features Revealed", 2020, Figure 6, reproduced in Bekman's compute/accelerator/README.md):
+  290 TFLOP/s at 8192, 260 at 4096 (after their 19 and 5 tile waves, 0.998 and 0.948, these two
+  give K0 = 513), and the same K0 predicts 238 at 2560 and 195 at 2048 where the figure reads ~240
+  and ~200. The MAMF was measured at one shape: its K (data/gpus.yaml mamf_k) places it on that
+  curve, and a shorter K is read from there; a longer one stays at the MAMF (the search's maximum).
 - Memory bandwidth: planner/timing.MEMORY_BANDWIDTH_EFFICIENCY of the datasheet bandwidth.
 """
 
@@ -70,6 +79,10 @@ UNMEASURED_MATMUL_FRACTION = 794.5 / 989.0
 # 128x256 for Sm80 tensor-op f16/bf16); the shorter side goes along the tokens.
 TILE_TOKENS = 128
 TILE_FEATURES = 256
+# The K loop's fixed cost per output tile, in K (module docstring: NVIDIA's A100 cuBLAS figure)
+K_PIPELINE = 512
+# The K of a GPU measured without a MAMF shape: the H100 SXM's (its fraction stands in for the rate)
+UNMEASURED_MAMF_K = 13312
 # Host time per kernel launch of eager PyTorch (dispatcher, autograd bookkeeping and
 # cudaLaunchKernel): about 10 µs per op (Horace He, "Making Deep Learning Go Brrrr From First
 # Principles", 2022, section Overhead). A GPU whose kernels are shorter waits for the host.
@@ -91,6 +104,13 @@ class Rates:
     attention_reference: str  # the measured FlashAttention table scaled to this GPU
     attention_scale: float
     host_seconds_per_kernel: float = HOST_SECONDS_PER_KERNEL
+    mamf_k: int | None = None  # K of the shape matmul_flops was measured at (None: no K-loop derating)
+
+    @property
+    def long_k_flops(self) -> float:
+        """The matmul rate the K-loop curve through the measured shape approaches; a GEMM never
+        runs above matmul_flops, the maximum the MAMF search found over its shapes."""
+        return self.matmul_flops if self.mamf_k is None else self.matmul_flops / k_efficiency(self.mamf_k)
 
 
 _RATES: dict[tuple[str, str, float], Rates] = {}
@@ -121,8 +141,10 @@ def _rates(g: Gpu, dtype: str, matmul_scale: float) -> Rates:
     reference = min(REFERENCES, key=lambda k: abs(math.log(REFERENCES[k]["bf16_peak"] / bf16_peak)))
     ref_matmul = REFERENCES[reference]["mamf"] * 1e12
     bandwidth = (g.memory_bandwidth_gbps or 1000.0) * 1e9 * MEMORY_BANDWIDTH_EFFICIENCY
+    measured_k = g.mamf_k.get(dtype, g.mamf_k.get("bf16", UNMEASURED_MAMF_K)) if g.sms else None
     return Rates(matmul_flops=matmul * matmul_scale, matmul_source=source, memory_bytes_per_s=bandwidth,
-                 sms=g.sms, attention_reference=reference, attention_scale=matmul * matmul_scale / ref_matmul)
+                 sms=g.sms, attention_reference=reference, attention_scale=matmul * matmul_scale / ref_matmul,
+                 mamf_k=measured_k)
 
 
 def attention_tflops(r: Rates, seq: int, head_dim: int, kernel: str = "flash-attention-2") -> float:
@@ -312,10 +334,17 @@ def _ceil(x):
     return float(math.ceil(x))
 
 
-def _gemm_seconds(m, n: int, k: int, r: Rates, compute_bytes: int):
-    """One GEMM: the slower of its tensor-core time (waves included) and its operands' traffic."""
+def k_efficiency(k):
+    """The share of a tile's time spent in its K loop (module docstring: K_PIPELINE)."""
+    return k / (k + K_PIPELINE)
+
+
+def _gemm_seconds(m, n, k, r: Rates, compute_bytes: int):
+    """One GEMM (m x k times k x n; m along the 128-row tiles): the slower of its tensor-core time
+    (tile waves and the K loop's share included) and its operands' traffic."""
     flops = 2.0 * m * n * k
-    compute = flops / (r.matmul_flops * wave_efficiency(m, n, r.sms))
+    rate = r.matmul_flops if r.mamf_k is None else arrays.minimum(r.matmul_flops, r.long_k_flops * k_efficiency(k))
+    compute = flops / (rate * wave_efficiency(m, n, r.sms))
     traffic = compute_bytes * (m * k + k * n + m * n) / r.memory_bytes_per_s
     return arrays.maximum(compute, traffic)
 
@@ -376,15 +405,17 @@ def micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointin
     """One micro-batch of ``micro`` sequences (a float or an array). ``frozen_matmuls``: the
     fraction of the matmul FLOPs whose weights are frozen (LoRA: no weight gradient for them)."""
     m_all = arrays.as_float(micro) * w.tokens
-    forward = dgrad = flops = 0.0
+    forward = dgrad = wgrad = flops = 0.0
     # the plan's array of options: every GEMM at once (rows: GEMMs, columns: options); an estimate's
     # float: GEMM by GEMM. The same formulas (_gemm_seconds) either way.
     for m, n, k, count in _gemm_operands(w, m_all):
         fwd = _gemm_seconds(m, n, k, r, compute_bytes) * count
         forward = forward + _sum_rows(fwd)
         dgrad = dgrad + _sum_rows(_gemm_seconds(m, k, n, r, compute_bytes) * count)
+        # the weight gradient: an n x k output reduced over the tokens
+        wgrad = wgrad + _sum_rows(_gemm_seconds(n, k, m, r, compute_bytes) * count)
         flops = flops + _sum_rows(2.0 * m * n * k * count)
-    backward = dgrad + forward * (1 - frozen_matmuls)  # the weight gradient: the forward's FLOPs and shape
+    backward = dgrad + wgrad * (1 - frozen_matmuls)
     matmul = forward + backward
     matmul_flops = flops * (3 - frozen_matmuls)
     micro_f = arrays.as_float(micro)
