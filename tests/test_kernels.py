@@ -41,6 +41,22 @@ def test_attention_rate_interpolates_the_measured_table():
     assert attention_tflops(h, 2048, 128, "flash-attention-triton") == pytest.approx(68 * 108 / 69)
 
 
+def test_checkpointing_reruns_the_attention_forward_at_its_own_rate():
+    # Triton tutorial's causal head-64 attention at 2k: 136.5 TFLOP/s forward, 76.2 backward over 2.5x
+    # the FLOPs: of 1 s forward + backward the forward is 1 / 136.5 over (1 / 136.5 + 2.5 / 76.2) = 18.3%
+    from planner.time.kernels import forward_share
+
+    assert forward_share("flash-attention-triton") == pytest.approx((1 / 136.5) / (1 / 136.5 + 2.5 / 76.2))
+    assert forward_share("flash-attention-triton") == pytest.approx(0.183, abs=1e-3)
+    # FlashAttention-2 on A100: forward up to 73% of peak, backward up to 63%
+    assert forward_share("flash-attention-2") == pytest.approx((1 / 73) / (1 / 73 + 2.5 / 63))
+    w = Work(tokens=2048, gemms=(), attention_flops=0.0, attention_seconds_fb=1.0, eager_bytes=0.0,
+             elementwise_bytes=0.0, loss_bytes=0.0, kernels=0, layers=1,
+             attention_forward_share=forward_share("flash-attention-triton"))
+    t = micro_batch_terms(w, 1, R, 2, "full")
+    assert t.attention == pytest.approx(1.0) and t.recompute == pytest.approx(0.183, abs=1e-3)
+
+
 def _square_tflops(r: Rates, n: int) -> float:
     return 2.0 * n ** 3 / _gemm_seconds(float(n), n, n, r, 2) / 1e12
 

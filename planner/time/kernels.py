@@ -71,6 +71,14 @@ FLASH_ATTENTION_CAUSAL_TFLOPS = {
 UNMEASURED_PROXY = "flash-attention-1"
 # benchmark_flash_attention.py: backward = 2.5 x forward FLOPs (it recomputes the scores)
 ATTENTION_BACKWARD_FLOPS = 2.5
+# The forward runs at a higher rate than the backward; the tables above measure the two together,
+# so this ratio splits their time (what checkpointing reruns is the forward alone). FlashAttention-2:
+# up to 73% of A100's peak forward, 63% backward (Dao 2023, "FlashAttention-2", arXiv 2307.08691,
+# Sec. 1). Triton's FlashAttention (the algorithm of the Triton tutorial FlashAttention's kernel
+# started from): the tutorial's published causal head-64 rates at 2k, 136.5 TFLOP/s forward and
+# 76.2 backward (triton-lang.org, getting-started/tutorials/06-fused-attention). FlashAttention 1.x:
+# no separate measurement, one rate for both.
+FORWARD_OVER_BACKWARD_RATE = {"flash-attention-2": 73.0 / 63.0, "flash-attention-triton": 136.5 / 76.2}
 # A GPU without a measured MAMF: the datasheet peak times the H100 SXM's measured fraction
 # (794.5 of 989 TFLOP/s, the MAMF table's median NVIDIA row, between GH200's 83.8% and B200's 77.6%).
 UNMEASURED_MATMUL_FRACTION = 794.5 / 989.0
@@ -203,6 +211,7 @@ class Work:
     loss_bytes: float  # forward + backward, per sequence
     kernels: int  # launches of one forward
     layers: int
+    attention_forward_share: float = 1.0 / (1.0 + ATTENTION_BACKWARD_FLOPS)  # of attention_seconds_fb
 
 
 def _attention_gemms(s: LayerSpec, hidden: int, tp: int) -> list[tuple[int, int]]:
@@ -314,7 +323,13 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
         attention_seconds = 0.0
     return Work(tokens=tokens, gemms=tuple(gemms), attention_flops=attention_flops,
                 attention_seconds_fb=attention_seconds, eager_bytes=eager_bytes if eager else 0.0,
-                elementwise_bytes=elementwise, loss_bytes=loss, kernels=kernels + 8, layers=arch.num_layers)
+                elementwise_bytes=elementwise, loss_bytes=loss, kernels=kernels + 8, layers=arch.num_layers,
+                attention_forward_share=forward_share(kernel))
+
+
+def forward_share(kernel: str) -> float:
+    """The forward's share of a flash kernel's forward + backward time (FORWARD_OVER_BACKWARD_RATE)."""
+    return 1.0 / (1.0 + ATTENTION_BACKWARD_FLOPS * FORWARD_OVER_BACKWARD_RATE.get(kernel, 1.0))
 
 
 def wave_efficiency(m, n, sms: int | None):
@@ -425,7 +440,7 @@ def micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointin
         attention = attn_fwd * 3
         attention_flops = micro_f * eager_flops * 3
     else:
-        attn_fwd = micro_f * w.attention_seconds_fb / (1 + ATTENTION_BACKWARD_FLOPS)
+        attn_fwd = micro_f * w.attention_seconds_fb * w.attention_forward_share
         attention = micro_f * w.attention_seconds_fb
         attention_flops = micro_f * w.attention_flops * (1 + ATTENTION_BACKWARD_FLOPS)
     elementwise_fwd = micro_f * w.elementwise_bytes / r.memory_bytes_per_s
