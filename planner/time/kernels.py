@@ -31,6 +31,9 @@ Sources of the constants:
   give K0 = 513), and the same K0 predicts 238 at 2560 and 195 at 2048 where the figure reads ~240
   and ~200. The MAMF was measured at one shape: its K (data/gpus.yaml mamf_k) places it on that
   curve, and a shorter K is read from there; a longer one stays at the MAMF (the search's maximum).
+  The fixed part is memory traffic (the first operand stages in, the output tile out), so on
+  another GPU K0 scales with its FLOP per byte over that A100 40GB's (312 TFLOP/s over 1,555 GB/s):
+  390 on an A100 80GB, 753 on an H100 SXM.
 - Memory bandwidth: planner/timing.MEMORY_BANDWIDTH_EFFICIENCY of the datasheet bandwidth.
 """
 
@@ -89,6 +92,7 @@ TILE_TOKENS = 128
 TILE_FEATURES = 256
 # The K loop's fixed cost per output tile, in K (module docstring: NVIDIA's A100 cuBLAS figure)
 K_PIPELINE = 512
+K_PIPELINE_BALANCE = 312e12 / 1555e9  # FLOP per byte of the GPU that figure measured (A100 40GB)
 # The K of a GPU measured without a MAMF shape: the H100 SXM's (its fraction stands in for the rate)
 UNMEASURED_MAMF_K = 13312
 # Host time per kernel launch of eager PyTorch (dispatcher, autograd bookkeeping and
@@ -113,12 +117,14 @@ class Rates:
     attention_scale: float
     host_seconds_per_kernel: float = HOST_SECONDS_PER_KERNEL
     mamf_k: int | None = None  # K of the shape matmul_flops was measured at (None: no K-loop derating)
+    k_pipeline: float = 512.0  # the K loop's fixed cost per tile, in K (K_PIPELINE at this GPU's balance)
 
     @property
     def long_k_flops(self) -> float:
         """The matmul rate the K-loop curve through the measured shape approaches; a GEMM never
         runs above matmul_flops, the maximum the MAMF search found over its shapes."""
-        return self.matmul_flops if self.mamf_k is None else self.matmul_flops / k_efficiency(self.mamf_k)
+        return self.matmul_flops if self.mamf_k is None else self.matmul_flops / k_efficiency(self.mamf_k,
+                                                                                             self.k_pipeline)
 
 
 _RATES: dict[tuple[str, str, float], Rates] = {}
@@ -150,9 +156,12 @@ def _rates(g: Gpu, dtype: str, matmul_scale: float) -> Rates:
     ref_matmul = REFERENCES[reference]["mamf"] * 1e12
     bandwidth = (g.memory_bandwidth_gbps or 1000.0) * 1e9 * MEMORY_BANDWIDTH_EFFICIENCY
     measured_k = g.mamf_k.get(dtype, g.mamf_k.get("bf16", UNMEASURED_MAMF_K)) if g.sms else None
+    # the tile's fixed part is memory traffic (its first operand stages in, its outputs out), so in
+    # K it grows with the GPU's FLOP per byte over the figure's A100 40GB (312 TFLOP/s, 1,555 GB/s)
+    balance = peak / ((g.memory_bandwidth_gbps or 1000.0) * 1e9)
     return Rates(matmul_flops=matmul * matmul_scale, matmul_source=source, memory_bytes_per_s=bandwidth,
                  sms=g.sms, attention_reference=reference, attention_scale=matmul * matmul_scale / ref_matmul,
-                 mamf_k=measured_k)
+                 mamf_k=measured_k, k_pipeline=K_PIPELINE * balance / K_PIPELINE_BALANCE)
 
 
 def attention_tflops(r: Rates, seq: int, head_dim: int, kernel: str = "flash-attention-2") -> float:
@@ -349,16 +358,16 @@ def _ceil(x):
     return float(math.ceil(x))
 
 
-def k_efficiency(k):
+def k_efficiency(k, k_pipeline: float = K_PIPELINE):
     """The share of a tile's time spent in its K loop (module docstring: K_PIPELINE)."""
-    return k / (k + K_PIPELINE)
+    return k / (k + k_pipeline)
 
 
 def _gemm_seconds(m, n, k, r: Rates, compute_bytes: int):
     """One GEMM (m x k times k x n; m along the 128-row tiles): the slower of its tensor-core time
     (tile waves and the K loop's share included) and its operands' traffic."""
     flops = 2.0 * m * n * k
-    rate = r.matmul_flops if r.mamf_k is None else arrays.minimum(r.matmul_flops, r.long_k_flops * k_efficiency(k))
+    rate = r.matmul_flops if r.mamf_k is None else arrays.minimum(r.matmul_flops, r.long_k_flops * k_efficiency(k, r.k_pipeline))
     compute = flops / (rate * wave_efficiency(m, n, r.sms))
     traffic = compute_bytes * (m * k + k * n + m * n) / r.memory_bytes_per_s
     return arrays.maximum(compute, traffic)
