@@ -41,6 +41,22 @@ def test_attention_rate_interpolates_the_measured_table():
     assert attention_tflops(h, 2048, 128, "flash-attention-triton") == pytest.approx(68 * 108 / 69)
 
 
+def test_what_each_checkpointing_policy_reruns_of_llama_3_8b():
+    # Llama-3-8B: 32 blocks of q 4096x4096, k and v 4096x1024, o 4096x4096, gate, up, down 4096x14336
+    # (53,248 x 4096 weights a block), and the untied head 4096 x 128,256, never rerun
+    from planner.time.kernels import recompute_shares
+
+    arch = catalogue_model("llama-3-8b").architecture
+    total = 32 * 53248 + 128256
+    # torchtitan's per-op SAC reruns every second mm of a block in call order: k, o and up
+    op = recompute_shares(arch, "selective-op")
+    assert op.matmul == pytest.approx(32 * (1024 + 4096 + 14336) / total) and op.attention == 0 and op.elementwise == 1
+    # full checkpointing of every second block: 16 blocks' linears, attention and elementwise
+    every = recompute_shares(arch, "full", 2)
+    assert every.matmul == pytest.approx(16 * 53248 / total) and every.attention == every.elementwise == 0.5
+    assert recompute_shares(arch, "selective-attention").matmul == 0
+
+
 def test_checkpointing_reruns_the_attention_forward_at_its_own_rate():
     # Triton tutorial's causal head-64 attention at 2k: 136.5 TFLOP/s forward, 76.2 backward over 2.5x
     # the FLOPs: of 1 s forward + backward the forward is 1 / 136.5 over (1 / 136.5 + 2.5 / 76.2) = 18.3%

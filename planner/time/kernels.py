@@ -46,7 +46,9 @@ from typing import Literal
 from planner.time import arrays
 from planner.model.architecture import Architecture, layer_specs
 from planner.cluster.gpus import Gpu
+from planner.model.activations import checkpointed_blocks, selective_op_saved_linears
 from planner.model.layers import LayerSpec, attention_numels
+from planner.model.linears import block_linears
 from planner.time.collectives import MEMORY_BANDWIDTH_EFFICIENCY
 
 AttentionKernel = Literal["flash-attention-2", "flash-attention-1", "flash-attention-triton"]
@@ -373,13 +375,62 @@ def _gemm_seconds(m, n, k, r: Rates, compute_bytes: int):
     return arrays.maximum(compute, traffic)
 
 
-# Which kinds of work each checkpointing policy runs again in backward (issue 21 adds its
-# selective policies by naming theirs: "selective-attention" reruns attention only).
-# Megatron's selective recompute reruns the core attention only (--recompute-granularity selective);
-# torchtitan's per-op SAC saves the matmul and attention outputs and reruns the elementwise ops between
-# them (activation_checkpoint.py _save_list; its every-other-mm recompute is not charged here)
+# Which kinds of work each checkpointing policy runs again in backward, when no model says how much
+# of each (a toy Work): all of it or none. A model's policy is measured by recompute_shares.
 RECOMPUTED = {"none": frozenset(), "full": frozenset({"matmul", "attention", "elementwise"}),
               "selective-attention": frozenset({"attention"}), "selective-op": frozenset({"elementwise"})}
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """The share of each kind of forward work a checkpointing policy reruns in backward."""
+
+    matmul: float = 0.0  # of the forward's matmul FLOPs
+    attention: float = 0.0
+    elementwise: float = 0.0
+
+    @classmethod
+    def of_kinds(cls, checkpointing: str) -> "Recompute":
+        ops = RECOMPUTED.get(checkpointing, frozenset())
+        return cls(*(1.0 if kind in ops else 0.0 for kind in ("matmul", "attention", "elementwise")))
+
+
+_SHARES: dict[tuple, tuple[Architecture, Recompute]] = {}
+
+
+def recompute_shares(arch: Architecture, checkpointing: str, every: int | None = None) -> Recompute:
+    """What the policy reruns, from the model's blocks (memoised per model object):
+    - full: the checkpointed blocks' forward (every block, or every N-th with checkpointing_every:
+      activations.checkpointed_blocks), their linears' share of the forward's matmul FLOPs (the LM
+      head is outside the blocks, never rerun);
+    - selective-op (torchtitan's per-op SAC): the elementwise ops between the saved outputs, and the
+      linears whose outputs it does not keep, every second mm per block (activations.
+      selective_op_saved_linears); SDPA is saved;
+    - selective-attention (Megatron's --recompute-granularity selective): the core attention."""
+    key = (id(arch), checkpointing, every)
+    hit = _SHARES.get(key)
+    if hit is not None and hit[0] is arch:
+        return hit[1]
+    if len(_SHARES) > 256:
+        _SHARES.clear()
+    specs = layer_specs(arch)
+    per_block = [sum(2.0 * x.in_features * x.out_features for x in block_linears(arch, spec)) for spec in specs]
+    total = sum(per_block) + 2.0 * arch.vocab_size * arch.hidden_size
+    if checkpointing == "full":
+        chosen = checkpointed_blocks(len(specs), "full", every)
+        blocks = sum(on for on in chosen) / max(1, len(specs))
+        out = Recompute(sum(f for f, on in zip(per_block, chosen) if on) / total, blocks, blocks)
+    elif checkpointing == "selective-op":
+        rerun = 0.0
+        for spec in specs:
+            linears = block_linears(arch, spec)
+            kept = {id(x) for x in selective_op_saved_linears(linears)}
+            rerun += sum(2.0 * x.in_features * x.out_features for x in linears if id(x) not in kept)
+        out = Recompute(rerun / total, 0.0, 1.0)
+    else:
+        out = Recompute.of_kinds(checkpointing)
+    _SHARES[key] = (arch, out)
+    return out
 
 
 @dataclass(frozen=True)
@@ -425,9 +476,10 @@ def _sum_rows(x):
 
 
 def micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointing: str,
-                      frozen_matmuls: float = 0.0) -> ComputeTerms:
+                      frozen_matmuls: float = 0.0, shares: Recompute | None = None) -> ComputeTerms:
     """One micro-batch of ``micro`` sequences (a float or an array). ``frozen_matmuls``: the
-    fraction of the matmul FLOPs whose weights are frozen (LoRA: no weight gradient for them)."""
+    fraction of the matmul FLOPs whose weights are frozen (LoRA: no weight gradient for them);
+    ``shares``: what the policy reruns (recompute_shares; without it, all or none of each kind)."""
     m_all = arrays.as_float(micro) * w.tokens
     forward = dgrad = wgrad = flops = 0.0
     # the plan's array of options: every GEMM at once (rows: GEMMs, columns: options); an estimate's
@@ -454,12 +506,10 @@ def micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointin
         attention_flops = micro_f * w.attention_flops * (1 + ATTENTION_BACKWARD_FLOPS)
     elementwise_fwd = micro_f * w.elementwise_bytes / r.memory_bytes_per_s
     elementwise = 3 * elementwise_fwd + micro_f * w.loss_bytes / r.memory_bytes_per_s  # backward ~2x forward
-    ops = RECOMPUTED.get(checkpointing, frozenset())
-    recompute = (forward if "matmul" in ops else 0.0) + (attn_fwd if "attention" in ops else 0.0) \
-        + (elementwise_fwd if "elementwise" in ops else 0.0)
-    hardware = matmul_flops + attention_flops + (flops if "matmul" in ops else 0.0) \
-        + ((micro_f * w.attention_flops) if "attention" in ops else 0.0)
-    kernels = w.kernels * (3 + (1 if ops else 0))
+    share = shares if shares is not None else Recompute.of_kinds(checkpointing)
+    recompute = forward * share.matmul + attn_fwd * share.attention + elementwise_fwd * share.elementwise
+    hardware = matmul_flops + attention_flops + flops * share.matmul + micro_f * w.attention_flops * share.attention
+    kernels = w.kernels * (3 + max(share.matmul, share.attention, share.elementwise))
     host = arrays.full_like(m_all, kernels * r.host_seconds_per_kernel)
     # backward: the GEMMs' gradients, attention's backward (2.5 of its 3.5), the elementwise
     # backward (2 of 3), the loss's gradient half, and the recomputed forward that runs inside it

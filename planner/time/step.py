@@ -523,7 +523,8 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
     w = kernels.work(arch, req.seq_len, combo.tp, combo.cp, combo.sequence_parallel, recipe.compute_bytes,
                      req.attention == "eager" or arch.attention_implementation == "eager", r, req.attention_kernel)
     t = kernels.micro_batch_terms(w, micro_f, r, recipe.compute_bytes, combo.checkpointing,
-                                  frozen_matmuls=1.0 if frozen is not None else 0.0)
+                                  frozen_matmuls=1.0 if frozen is not None else 0.0,
+                                  shares=kernels.recompute_shares(arch, combo.checkpointing, combo.checkpointing_every))
     matmul = t.matmul
     hardware = t.hardware_flops
     if frozen is not None:  # the adapters and trained copies of frozen matmuls, at the matmul rate
