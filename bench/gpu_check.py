@@ -36,6 +36,11 @@ planner/data/allocator_calibration.json (--calibration), in this format:
         "sequences": [{"name", "alloc_conf", "simulated_reserved_peak_bytes",
                        "measured_reserved_peak_bytes", "simulated_segments", "measured_segments"}]}}}
 
+The time model's kernel claims (issue 22), measured first: bf16 GEMMs of one full wave of 128 x 256
+tiles over K = 256 ... 16,384 against planner/time/kernels.py's K-loop curve (K0 scaled by the
+GPU's FLOP per byte, from NVIDIA's A100 figure), and SDPA's causal flash attention forward and
+backward TFLOP/s at head 128 against FORWARD_OVER_BACKWARD_RATE; printed and kept under "kernels".
+
 When the file has an entry for the estimate's GPU, planner/memory/reserved.py uses its cuda_context_bytes
 (and nccl_bytes_per_communicator, unless NCCL_BUFFSIZE is given), and the estimate's allocator
 summary says measured: true.
@@ -193,6 +198,56 @@ def _driver() -> str:
         return ""
 
 
+def _cuda_seconds(fn, repeat: int = 20) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeat
+
+
+def check_kernels(gpu_name: str) -> dict:
+    """Measured against modelled: the K loop's share of a GEMM, and attention's forward/backward split."""
+    import torch
+    import torch.nn.functional as F
+
+    from planner.cluster.gpus import load_gpus
+    from planner.time import kernels
+
+    r = kernels.rates(load_gpus()[gpu_name], "bf16")
+    m, n = float(kernels.TILE_TOKENS * (r.sms or 1)), kernels.TILE_FEATURES
+    gemms = []
+    for k in (256, 512, 1024, 2048, 4096, 8192, 16384):
+        a = torch.randn(int(m), k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        measured = 2 * m * n * k / _cuda_seconds(lambda: a @ b) / 1e12
+        modelled = 2 * m * n * k / kernels._gemm_seconds(m, n, k, r, 2) / 1e12
+        gemms.append({"k": k, "measured_tflops": measured, "modelled_tflops": modelled})
+        print(f"GEMM {int(m)} x {n} x {k:>5}: measured {measured:7.1f} TFLOP/s, modelled {modelled:7.1f}")
+    attention = []
+    for seq in (2048, 8192):
+        q, k_, v = (torch.randn(1, 16, seq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                    for _ in range(3))
+        flops = 4 * seq * seq * 16 * 128 / 2
+        out = F.scaled_dot_product_attention(q, k_, v, is_causal=True)
+        grad = torch.randn_like(out)
+        fwd = _cuda_seconds(lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True))
+        bwd = _cuda_seconds(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k_, v, is_causal=True),
+                                                        (q, k_, v), grad)) - fwd
+        attention.append({"seq": seq, "forward_tflops": flops / fwd / 1e12,
+                          "backward_tflops": kernels.ATTENTION_BACKWARD_FLOPS * flops / bwd / 1e12,
+                          "modelled_forward_over_backward": kernels.FORWARD_OVER_BACKWARD_RATE["flash-attention-2"]})
+        print(f"SDPA causal seq {seq}: forward {attention[-1]['forward_tflops']:.0f} TFLOP/s, backward "
+              f"{attention[-1]['backward_tflops']:.0f} (modelled ratio {attention[-1]['modelled_forward_over_backward']:.2f})")
+    return {"gemms": gemms, "attention": attention}
+
+
 def check_sequences(requests: list[EstimateRequest]) -> list[dict]:
     rows = []
     named = SEQUENCES + [(f"step: {r.strategy} seq {r.seq_len} mb {r.micro_batch} ckpt {r.checkpointing}",
@@ -226,7 +281,7 @@ def main() -> int:
     base = catalogue_model(args.model)
     config = dict(base.config, num_hidden_layers=args.layers)
     results = {"device": torch.cuda.get_device_name(0), "context": cuda_context_bytes(), "runs": [],
-               "driver": _driver(), "cuda": torch.version.cuda or ""}
+               "driver": _driver(), "cuda": torch.version.cuda or "", "kernels": check_kernels(args.gpu)}
     requests = []
     grid = [(s, (seq, micro, ckpt, attention, {})) for s in ("zero0", "ddp") for seq, micro, ckpt, attention in GRID]
     grid += [("single", (seq, micro, fields.get("checkpointing", "none"), "sdpa", fields))

@@ -9,6 +9,8 @@ Table 1: FSDP, 8 H100s), llm-foundry's MPT-7B on 8 A100-80GB at 2,048 tokens, 96
 1,344 sequences per step (line 101). For each, the best fitting candidate of each layout family
 (strategy, TP and PP degree) in rank order, with its step split into compute, exposed communication
 and offload; "decides" names the term that separates it most from the one ranked above it.
+Gradients are reduced in fp32 as both ran: torchtitan's mixed_precision_reduce, composer's DEFAULT
+MP mode (bench/published_throughput.py REDUCE_DTYPE).
 """
 
 from __future__ import annotations
@@ -35,13 +37,13 @@ def _mpt(size: str, seq: int) -> dict:
 
 SETUPS = [
     ("torchtitan Llama-3-8B, 8 x H100, 8,192 tokens",
-     dict(model="llama-3-8b", gpu="h100-80gb", gpus=8, seq_len=8192, global_batch=8)),
+     dict(model="llama-3-8b", gpu="h100-80gb", gpus=8, seq_len=8192, global_batch=8, reduce_dtype="fp32")),
     ("llm-foundry MPT-7B, 8 x A100-80GB, 2,048 tokens",
      dict(model_config=_mpt("7b", 2048), gpu="a100-80gb", gpus=8, seq_len=2048, global_batch=96,
-          attention_kernel="flash-attention-triton", fabric="roce-200g", nics_per_node=8)),
+          attention_kernel="flash-attention-triton", reduce_dtype="fp32", fabric="roce-200g", nics_per_node=8)),
     ("llm-foundry MPT-30B, 32 x H100, 2,048 tokens",
      dict(model_config=_mpt("30b", 2048), gpu="h100-80gb", gpus=8, nodes=4, seq_len=2048, global_batch=1344,
-          attention_kernel="flash-attention-triton")),
+          attention_kernel="flash-attention-triton", reduce_dtype="fp32")),
 ]
 TERMS = ("compute_seconds", "exposed_communication_seconds", "offload_seconds")
 

@@ -4,8 +4,8 @@ import pytest
 
 from planner.model.catalogue import catalogue_model
 from planner.cluster.gpus import load_gpus
-from planner.time.kernels import (FLASH_ATTENTION_CAUSAL_TFLOPS, Gemm, Rates, Work, attention_tflops, micro_batch_terms,
-                                  optimizer_step_seconds, rates, wave_efficiency, work)
+from planner.time.kernels import (FLASH_ATTENTION_CAUSAL_TFLOPS, Gemm, Rates, Work, _gemm_seconds, attention_tflops,
+                                  micro_batch_terms, optimizer_step_seconds, rates, wave_efficiency, work)
 from planner.schema import EstimateRequest
 from planner.time.step import estimate_with_time
 
@@ -39,6 +39,80 @@ def test_attention_rate_interpolates_the_measured_table():
     # Triton was measured on A100 only: on H100 x FlashAttention-1's H100/A100 ratio at 2k, width 128
     h = rates(H100, "bf16")
     assert attention_tflops(h, 2048, 128, "flash-attention-triton") == pytest.approx(68 * 108 / 69)
+
+
+def test_what_each_checkpointing_policy_reruns_of_llama_3_8b():
+    # Llama-3-8B: 32 blocks of q 4096x4096, k and v 4096x1024, o 4096x4096, gate, up, down 4096x14336
+    # (53,248 x 4096 weights a block), and the untied head 4096 x 128,256, never rerun
+    from planner.time.kernels import recompute_shares
+
+    arch = catalogue_model("llama-3-8b").architecture
+    total = 32 * 53248 + 128256
+    # torchtitan's per-op SAC reruns every second mm of a block in call order: k, o and up
+    op = recompute_shares(arch, "selective-op")
+    assert op.matmul == pytest.approx(32 * (1024 + 4096 + 14336) / total) and op.attention == 0 and op.elementwise == 1
+    # full checkpointing of every second block: 16 blocks' linears, attention and elementwise
+    every = recompute_shares(arch, "full", 2)
+    assert every.matmul == pytest.approx(16 * 53248 / total) and every.attention == every.elementwise == 0.5
+    assert recompute_shares(arch, "selective-attention").matmul == 0
+
+
+def test_checkpointing_reruns_the_attention_forward_at_its_own_rate():
+    # Triton tutorial's causal head-64 attention at 2k: 136.5 TFLOP/s forward, 76.2 backward over 2.5x
+    # the FLOPs: of 1 s forward + backward the forward is 1 / 136.5 over (1 / 136.5 + 2.5 / 76.2) = 18.3%
+    from planner.time.kernels import forward_share
+
+    assert forward_share("flash-attention-triton") == pytest.approx((1 / 136.5) / (1 / 136.5 + 2.5 / 76.2))
+    assert forward_share("flash-attention-triton") == pytest.approx(0.183, abs=1e-3)
+    # FlashAttention-2 on A100: forward up to 73% of peak, backward up to 63%
+    assert forward_share("flash-attention-2") == pytest.approx((1 / 73) / (1 / 73 + 2.5 / 63))
+    w = Work(tokens=2048, gemms=(), attention_flops=0.0, attention_seconds_fb=1.0, eager_bytes=0.0,
+             elementwise_bytes=0.0, loss_bytes=0.0, kernels=0, layers=1,
+             attention_forward_share=forward_share("flash-attention-triton"))
+    t = micro_batch_terms(w, 1, R, 2, "full")
+    assert t.attention == pytest.approx(1.0) and t.recompute == pytest.approx(0.183, abs=1e-3)
+
+
+def _square_tflops(r: Rates, n: int) -> float:
+    return 2.0 * n ** 3 / _gemm_seconds(float(n), n, n, r, 2) / 1e12
+
+
+def test_the_k_loop_share_reproduces_nvidia_a100_square_gemms():
+    # NVIDIA, "CUDA 11 Features Revealed" (2020), Figure 6, cuBLAS bf16 on A100 (reproduced in Bekman's
+    # compute/accelerator/README.md): m = n = k = 8192 reads 290 TFLOP/s, 4096 260, 2560 ~240, 2048 ~200.
+    # Placed at the 8192 point (its K as the measured shape), the K loop's share and the tile waves give
+    # the others; 2048 is within 5% (cuBLAS switches to smaller tiles there: the waves fill better)
+    a100 = Rates(matmul_flops=290e12, matmul_source="figure", memory_bytes_per_s=1e15, sms=108,
+                 attention_reference="a100", attention_scale=1.0, mamf_k=8192)
+    assert _square_tflops(a100, 8192) == pytest.approx(290 * wave_efficiency(8192.0, 8192, 108))
+    assert _square_tflops(a100, 4096) == pytest.approx(260, rel=0.02)
+    assert _square_tflops(a100, 2560) == pytest.approx(240, rel=0.03)
+
+
+def test_a_gemm_runs_at_the_mamf_from_its_measured_k_and_below_it_for_shorter_k():
+    # Bekman's MAMF table: A100 SXM 271.2 TFLOP/s at 1024x10240x5120; one full wave of tiles. The
+    # A100 80GB moves 2,039 GB/s where the figure's A100 40GB moved 1,555: its tile's fixed traffic
+    # costs K0 = 512 x 1555 / 2039 = 390 of K loop
+    r = rates(A100, "bf16")
+    k0 = 512 * 1555 / 2039
+    assert r.k_pipeline == pytest.approx(k0)
+    m, n = 128.0 * 108, 256
+    for k, share in ((5120, 1.0), (16384, 1.0), (2048, (2048 / (2048 + k0)) / (5120 / (5120 + k0)))):
+        assert 2 * m * n * k / _gemm_seconds(m, n, k, r, 2) == pytest.approx(271.2e12 * share)
+    # the H100 SXM: 989 TFLOP/s over 3,350 GB/s, 1.47x the figure's FLOP per byte: K0 = 753
+    assert rates(H100, "bf16").k_pipeline == pytest.approx(512 * (989 / 3350) / (312 / 1555))
+
+
+def test_the_weight_gradient_reduces_over_the_tokens():
+    # 256 tokens through 8192 x 8192 (compute-bound at this bandwidth): forward and input gradient
+    # reduce over 8192, the weight gradient over 256 tokens: its K loop is 256 / (256 + 512) busy
+    fast = Rates(matmul_flops=1e15, matmul_source="test", memory_bytes_per_s=1e18, sms=None,
+                 attention_reference="a100", attention_scale=1.0, mamf_k=8192)
+    w = Work(tokens=256, gemms=(Gemm(8192, 8192, 1),), attention_flops=0.0, attention_seconds_fb=0.0,
+             eager_bytes=0.0, elementwise_bytes=0.0, loss_bytes=0.0, kernels=0, layers=1)
+    flops = 2 * 256 * 8192 * 8192
+    t = micro_batch_terms(w, 1, fast, 2, "none")
+    assert t.matmul == pytest.approx(2 * flops / 1e15 + flops / (1e15 / (8192 / 8704) * 256 / 768))
 
 
 def _toy(gemm: Gemm, attention_seconds: float = 0.0, elementwise: float = 0.0) -> Work:

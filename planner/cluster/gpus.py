@@ -27,6 +27,8 @@ class Gpu(BaseModel):
     mamf_tflops: dict[str, float] = Field(
         {}, description="measured maximum achievable dense matmul TFLOP/s per dtype (Bekman's MAMF table); "
         "the time model's matmul rate")
+    mamf_k: dict[str, int] = Field(
+        {}, description="K of the shape each MAMF was measured at (the table's best MxNxK), per dtype")
     sms: int | None = Field(None, gt=0, description="streaming multiprocessors (AMD: compute units), for GEMM waves")
     memory_bandwidth_gbps: float | None = Field(
         None, gt=0, description="peak device-memory bandwidth, GB/s (datasheet); none for CPU ranks")

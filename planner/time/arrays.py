@@ -21,6 +21,14 @@ def maximum(a: Any, b: Any) -> Any:
     return max(a, b)
 
 
+def minimum(a: Any, b: Any) -> Any:
+    if is_array(a) or is_array(b):
+        import numpy as np
+
+        return np.minimum(a, b)
+    return min(a, b)
+
+
 def where(condition: Any, yes: Any, no: Any) -> Any:
     if is_array(condition) or is_array(yes) or is_array(no):
         import numpy as np

@@ -22,6 +22,18 @@ Sources of the constants:
   causal mask, backward 2.5x forward.
 - Wave quantisation: a GEMM's output is cut into tiles, one per SM at a time; the last wave runs
   partly empty (NVIDIA, "Matrix Multiplication Background User's Guide", Wave Quantization).
+- The K loop: each output tile streams its K in steps through a multi-stage pipeline that is
+  filled before and drained (the tile written back) after; that fixed part costs about K = 512 of
+  loop time (K_PIPELINE below), so a GEMM of reduction length K runs at K / (K + 512) of its
+  long-K rate. Derived from NVIDIA's cuBLAS bf16 measurements of square GEMMs on A100 ("CUDA 11
+  Features Revealed", 2020, Figure 6, reproduced in Bekman's compute/accelerator/README.md):
+  290 TFLOP/s at 8192, 260 at 4096 (after their 19 and 5 tile waves, 0.998 and 0.948, these two
+  give K0 = 513), and the same K0 predicts 238 at 2560 and 195 at 2048 where the figure reads ~240
+  and ~200. The MAMF was measured at one shape: its K (data/gpus.yaml mamf_k) places it on that
+  curve, and a shorter K is read from there; a longer one stays at the MAMF (the search's maximum).
+  The fixed part is memory traffic (the first operand stages in, the output tile out), so on
+  another GPU K0 scales with its FLOP per byte over that A100 40GB's (312 TFLOP/s over 1,555 GB/s):
+  390 on an A100 80GB, 753 on an H100 SXM.
 - Memory bandwidth: planner/timing.MEMORY_BANDWIDTH_EFFICIENCY of the datasheet bandwidth.
 """
 
@@ -34,7 +46,9 @@ from typing import Literal
 from planner.time import arrays
 from planner.model.architecture import Architecture, layer_specs
 from planner.cluster.gpus import Gpu
+from planner.model.activations import checkpointed_blocks, selective_op_saved_linears
 from planner.model.layers import LayerSpec, attention_numels
+from planner.model.linears import block_linears
 from planner.time.collectives import MEMORY_BANDWIDTH_EFFICIENCY
 
 AttentionKernel = Literal["flash-attention-2", "flash-attention-1", "flash-attention-triton"]
@@ -62,6 +76,14 @@ FLASH_ATTENTION_CAUSAL_TFLOPS = {
 UNMEASURED_PROXY = "flash-attention-1"
 # benchmark_flash_attention.py: backward = 2.5 x forward FLOPs (it recomputes the scores)
 ATTENTION_BACKWARD_FLOPS = 2.5
+# The forward runs at a higher rate than the backward; the tables above measure the two together,
+# so this ratio splits their time (what checkpointing reruns is the forward alone). FlashAttention-2:
+# up to 73% of A100's peak forward, 63% backward (Dao 2023, "FlashAttention-2", arXiv 2307.08691,
+# Sec. 1). Triton's FlashAttention (the algorithm of the Triton tutorial FlashAttention's kernel
+# started from): the tutorial's published causal head-64 rates at 2k, 136.5 TFLOP/s forward and
+# 76.2 backward (triton-lang.org, getting-started/tutorials/06-fused-attention). FlashAttention 1.x:
+# no separate measurement, one rate for both.
+FORWARD_OVER_BACKWARD_RATE = {"flash-attention-2": 73.0 / 63.0, "flash-attention-triton": 136.5 / 76.2}
 # A GPU without a measured MAMF: the datasheet peak times the H100 SXM's measured fraction
 # (794.5 of 989 TFLOP/s, the MAMF table's median NVIDIA row, between GH200's 83.8% and B200's 77.6%).
 UNMEASURED_MATMUL_FRACTION = 794.5 / 989.0
@@ -70,6 +92,11 @@ UNMEASURED_MATMUL_FRACTION = 794.5 / 989.0
 # 128x256 for Sm80 tensor-op f16/bf16); the shorter side goes along the tokens.
 TILE_TOKENS = 128
 TILE_FEATURES = 256
+# The K loop's fixed cost per output tile, in K (module docstring: NVIDIA's A100 cuBLAS figure)
+K_PIPELINE = 512
+K_PIPELINE_BALANCE = 312e12 / 1555e9  # FLOP per byte of the GPU that figure measured (A100 40GB)
+# The K of a GPU measured without a MAMF shape: the H100 SXM's (its fraction stands in for the rate)
+UNMEASURED_MAMF_K = 13312
 # Host time per kernel launch of eager PyTorch (dispatcher, autograd bookkeeping and
 # cudaLaunchKernel): about 10 µs per op (Horace He, "Making Deep Learning Go Brrrr From First
 # Principles", 2022, section Overhead). A GPU whose kernels are shorter waits for the host.
@@ -91,6 +118,15 @@ class Rates:
     attention_reference: str  # the measured FlashAttention table scaled to this GPU
     attention_scale: float
     host_seconds_per_kernel: float = HOST_SECONDS_PER_KERNEL
+    mamf_k: int | None = None  # K of the shape matmul_flops was measured at (None: no K-loop derating)
+    k_pipeline: float = 512.0  # the K loop's fixed cost per tile, in K (K_PIPELINE at this GPU's balance)
+
+    @property
+    def long_k_flops(self) -> float:
+        """The matmul rate the K-loop curve through the measured shape approaches; a GEMM never
+        runs above matmul_flops, the maximum the MAMF search found over its shapes."""
+        return self.matmul_flops if self.mamf_k is None else self.matmul_flops / k_efficiency(self.mamf_k,
+                                                                                             self.k_pipeline)
 
 
 _RATES: dict[tuple[str, str, float], Rates] = {}
@@ -121,8 +157,13 @@ def _rates(g: Gpu, dtype: str, matmul_scale: float) -> Rates:
     reference = min(REFERENCES, key=lambda k: abs(math.log(REFERENCES[k]["bf16_peak"] / bf16_peak)))
     ref_matmul = REFERENCES[reference]["mamf"] * 1e12
     bandwidth = (g.memory_bandwidth_gbps or 1000.0) * 1e9 * MEMORY_BANDWIDTH_EFFICIENCY
+    measured_k = g.mamf_k.get(dtype, g.mamf_k.get("bf16", UNMEASURED_MAMF_K)) if g.sms else None
+    # the tile's fixed part is memory traffic (its first operand stages in, its outputs out), so in
+    # K it grows with the GPU's FLOP per byte over the figure's A100 40GB (312 TFLOP/s, 1,555 GB/s)
+    balance = peak / ((g.memory_bandwidth_gbps or 1000.0) * 1e9)
     return Rates(matmul_flops=matmul * matmul_scale, matmul_source=source, memory_bytes_per_s=bandwidth,
-                 sms=g.sms, attention_reference=reference, attention_scale=matmul * matmul_scale / ref_matmul)
+                 sms=g.sms, attention_reference=reference, attention_scale=matmul * matmul_scale / ref_matmul,
+                 mamf_k=measured_k, k_pipeline=K_PIPELINE * balance / K_PIPELINE_BALANCE)
 
 
 def attention_tflops(r: Rates, seq: int, head_dim: int, kernel: str = "flash-attention-2") -> float:
@@ -181,6 +222,7 @@ class Work:
     loss_bytes: float  # forward + backward, per sequence
     kernels: int  # launches of one forward
     layers: int
+    attention_forward_share: float = 1.0 / (1.0 + ATTENTION_BACKWARD_FLOPS)  # of attention_seconds_fb
 
 
 def _attention_gemms(s: LayerSpec, hidden: int, tp: int) -> list[tuple[int, int]]:
@@ -292,7 +334,13 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
         attention_seconds = 0.0
     return Work(tokens=tokens, gemms=tuple(gemms), attention_flops=attention_flops,
                 attention_seconds_fb=attention_seconds, eager_bytes=eager_bytes if eager else 0.0,
-                elementwise_bytes=elementwise, loss_bytes=loss, kernels=kernels + 8, layers=arch.num_layers)
+                elementwise_bytes=elementwise, loss_bytes=loss, kernels=kernels + 8, layers=arch.num_layers,
+                attention_forward_share=forward_share(kernel))
+
+
+def forward_share(kernel: str) -> float:
+    """The forward's share of a flash kernel's forward + backward time (FORWARD_OVER_BACKWARD_RATE)."""
+    return 1.0 / (1.0 + ATTENTION_BACKWARD_FLOPS * FORWARD_OVER_BACKWARD_RATE.get(kernel, 1.0))
 
 
 def wave_efficiency(m, n, sms: int | None):
@@ -312,21 +360,77 @@ def _ceil(x):
     return float(math.ceil(x))
 
 
-def _gemm_seconds(m, n: int, k: int, r: Rates, compute_bytes: int):
-    """One GEMM: the slower of its tensor-core time (waves included) and its operands' traffic."""
+def k_efficiency(k, k_pipeline: float = K_PIPELINE):
+    """The share of a tile's time spent in its K loop (module docstring: K_PIPELINE)."""
+    return k / (k + k_pipeline)
+
+
+def _gemm_seconds(m, n, k, r: Rates, compute_bytes: int):
+    """One GEMM (m x k times k x n; m along the 128-row tiles): the slower of its tensor-core time
+    (tile waves and the K loop's share included) and its operands' traffic."""
     flops = 2.0 * m * n * k
-    compute = flops / (r.matmul_flops * wave_efficiency(m, n, r.sms))
+    rate = r.matmul_flops if r.mamf_k is None else arrays.minimum(r.matmul_flops, r.long_k_flops * k_efficiency(k, r.k_pipeline))
+    compute = flops / (rate * wave_efficiency(m, n, r.sms))
     traffic = compute_bytes * (m * k + k * n + m * n) / r.memory_bytes_per_s
     return arrays.maximum(compute, traffic)
 
 
-# Which kinds of work each checkpointing policy runs again in backward (issue 21 adds its
-# selective policies by naming theirs: "selective-attention" reruns attention only).
-# Megatron's selective recompute reruns the core attention only (--recompute-granularity selective);
-# torchtitan's per-op SAC saves the matmul and attention outputs and reruns the elementwise ops between
-# them (activation_checkpoint.py _save_list; its every-other-mm recompute is not charged here)
+# Which kinds of work each checkpointing policy runs again in backward, when no model says how much
+# of each (a toy Work): all of it or none. A model's policy is measured by recompute_shares.
 RECOMPUTED = {"none": frozenset(), "full": frozenset({"matmul", "attention", "elementwise"}),
               "selective-attention": frozenset({"attention"}), "selective-op": frozenset({"elementwise"})}
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """The share of each kind of forward work a checkpointing policy reruns in backward."""
+
+    matmul: float = 0.0  # of the forward's matmul FLOPs
+    attention: float = 0.0
+    elementwise: float = 0.0
+
+    @classmethod
+    def of_kinds(cls, checkpointing: str) -> "Recompute":
+        ops = RECOMPUTED.get(checkpointing, frozenset())
+        return cls(*(1.0 if kind in ops else 0.0 for kind in ("matmul", "attention", "elementwise")))
+
+
+_SHARES: dict[tuple, tuple[Architecture, Recompute]] = {}
+
+
+def recompute_shares(arch: Architecture, checkpointing: str, every: int | None = None) -> Recompute:
+    """What the policy reruns, from the model's blocks (memoised per model object):
+    - full: the checkpointed blocks' forward (every block, or every N-th with checkpointing_every:
+      activations.checkpointed_blocks), their linears' share of the forward's matmul FLOPs (the LM
+      head is outside the blocks, never rerun);
+    - selective-op (torchtitan's per-op SAC): the elementwise ops between the saved outputs, and the
+      linears whose outputs it does not keep, every second mm per block (activations.
+      selective_op_saved_linears); SDPA is saved;
+    - selective-attention (Megatron's --recompute-granularity selective): the core attention."""
+    key = (id(arch), checkpointing, every)
+    hit = _SHARES.get(key)
+    if hit is not None and hit[0] is arch:
+        return hit[1]
+    if len(_SHARES) > 256:
+        _SHARES.clear()
+    specs = layer_specs(arch)
+    per_block = [sum(2.0 * x.in_features * x.out_features for x in block_linears(arch, spec)) for spec in specs]
+    total = sum(per_block) + 2.0 * arch.vocab_size * arch.hidden_size
+    if checkpointing == "full":
+        chosen = checkpointed_blocks(len(specs), "full", every)
+        blocks = sum(on for on in chosen) / max(1, len(specs))
+        out = Recompute(sum(f for f, on in zip(per_block, chosen) if on) / total, blocks, blocks)
+    elif checkpointing == "selective-op":
+        rerun = 0.0
+        for spec in specs:
+            linears = block_linears(arch, spec)
+            kept = {id(x) for x in selective_op_saved_linears(linears)}
+            rerun += sum(2.0 * x.in_features * x.out_features for x in linears if id(x) not in kept)
+        out = Recompute(rerun / total, 0.0, 1.0)
+    else:
+        out = Recompute.of_kinds(checkpointing)
+    _SHARES[key] = (arch, out)
+    return out
 
 
 @dataclass(frozen=True)
@@ -372,19 +476,22 @@ def _sum_rows(x):
 
 
 def micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointing: str,
-                      frozen_matmuls: float = 0.0) -> ComputeTerms:
+                      frozen_matmuls: float = 0.0, shares: Recompute | None = None) -> ComputeTerms:
     """One micro-batch of ``micro`` sequences (a float or an array). ``frozen_matmuls``: the
-    fraction of the matmul FLOPs whose weights are frozen (LoRA: no weight gradient for them)."""
+    fraction of the matmul FLOPs whose weights are frozen (LoRA: no weight gradient for them);
+    ``shares``: what the policy reruns (recompute_shares; without it, all or none of each kind)."""
     m_all = arrays.as_float(micro) * w.tokens
-    forward = dgrad = flops = 0.0
+    forward = dgrad = wgrad = flops = 0.0
     # the plan's array of options: every GEMM at once (rows: GEMMs, columns: options); an estimate's
     # float: GEMM by GEMM. The same formulas (_gemm_seconds) either way.
     for m, n, k, count in _gemm_operands(w, m_all):
         fwd = _gemm_seconds(m, n, k, r, compute_bytes) * count
         forward = forward + _sum_rows(fwd)
         dgrad = dgrad + _sum_rows(_gemm_seconds(m, k, n, r, compute_bytes) * count)
+        # the weight gradient: an n x k output reduced over the tokens
+        wgrad = wgrad + _sum_rows(_gemm_seconds(n, k, m, r, compute_bytes) * count)
         flops = flops + _sum_rows(2.0 * m * n * k * count)
-    backward = dgrad + forward * (1 - frozen_matmuls)  # the weight gradient: the forward's FLOPs and shape
+    backward = dgrad + wgrad * (1 - frozen_matmuls)
     matmul = forward + backward
     matmul_flops = flops * (3 - frozen_matmuls)
     micro_f = arrays.as_float(micro)
@@ -394,17 +501,15 @@ def micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointin
         attention = attn_fwd * 3
         attention_flops = micro_f * eager_flops * 3
     else:
-        attn_fwd = micro_f * w.attention_seconds_fb / (1 + ATTENTION_BACKWARD_FLOPS)
+        attn_fwd = micro_f * w.attention_seconds_fb * w.attention_forward_share
         attention = micro_f * w.attention_seconds_fb
         attention_flops = micro_f * w.attention_flops * (1 + ATTENTION_BACKWARD_FLOPS)
     elementwise_fwd = micro_f * w.elementwise_bytes / r.memory_bytes_per_s
     elementwise = 3 * elementwise_fwd + micro_f * w.loss_bytes / r.memory_bytes_per_s  # backward ~2x forward
-    ops = RECOMPUTED.get(checkpointing, frozenset())
-    recompute = (forward if "matmul" in ops else 0.0) + (attn_fwd if "attention" in ops else 0.0) \
-        + (elementwise_fwd if "elementwise" in ops else 0.0)
-    hardware = matmul_flops + attention_flops + (flops if "matmul" in ops else 0.0) \
-        + ((micro_f * w.attention_flops) if "attention" in ops else 0.0)
-    kernels = w.kernels * (3 + (1 if ops else 0))
+    share = shares if shares is not None else Recompute.of_kinds(checkpointing)
+    recompute = forward * share.matmul + attn_fwd * share.attention + elementwise_fwd * share.elementwise
+    hardware = matmul_flops + attention_flops + flops * share.matmul + micro_f * w.attention_flops * share.attention
+    kernels = w.kernels * (3 + max(share.matmul, share.attention, share.elementwise))
     host = arrays.full_like(m_all, kernels * r.host_seconds_per_kernel)
     # backward: the GEMMs' gradients, attention's backward (2.5 of its 3.5), the elementwise
     # backward (2 of 3), the loss's gradient half, and the recomputed forward that runs inside it

@@ -472,7 +472,8 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     # every option at once (elementwise: the same floating-point operations as one option alone)
     busy = compute + dequantize
     window = framework_of(s).overlap_window_seconds(s, busy, backward)
-    exposed = arrays.maximum(0.0, data_parallel - window) + exposed_model_parallel
+    edge = _unhidden_edge(s, data_parallel, arch)
+    exposed = edge + arrays.maximum(0.0, data_parallel - edge - window) + exposed_model_parallel
     step = busy + exposed + offload
     terms = terms + [("dequantize", dequantize, "QLoRA's dequantization at the achievable memory bandwidth"),
                      ("exposed communication", exposed, "α-β rings on the topology, less the framework's overlap"),
@@ -487,6 +488,19 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
                             ring_bandwidth_gbps=slowest, ring=ring, hfu=row[7], term_labels=labels,
                             term_values=row[8:])
             for row in rows]
+
+
+def _unhidden_edge(s, data_parallel, arch):
+    """What no compute can hide when parameters are sharded per block (FSDP, ZeRO-3): the first
+    block's all-gather before the forward's first matmul, and the last gradient reduce-scatter
+    after the backward's last one; each micro-batch gathers and reduces again. Of a block's three
+    collectives per micro-batch (forward gather, backward gather, reduce-scatter) those two, one
+    block of the model's: 2 / (3 x blocks) of what the step sends (Zhao et al. 2023, "PyTorch FSDP",
+    Sec. 3.3: the prefetches overlap every gather but the first with the preceding block's compute)."""
+    blocks = getattr(arch, "num_layers", None)
+    if not s.shards_parameters or not blocks:
+        return arrays.zeros_like(arrays.as_float(data_parallel))
+    return data_parallel * (2.0 / (3.0 * blocks))
 
 
 def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int, arch, g: Gpu,
@@ -512,7 +526,8 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
     w = kernels.work(arch, req.seq_len, combo.tp, combo.cp, combo.sequence_parallel, recipe.compute_bytes,
                      req.attention == "eager" or arch.attention_implementation == "eager", r, req.attention_kernel)
     t = kernels.micro_batch_terms(w, micro_f, r, recipe.compute_bytes, combo.checkpointing,
-                                  frozen_matmuls=1.0 if frozen is not None else 0.0)
+                                  frozen_matmuls=1.0 if frozen is not None else 0.0,
+                                  shares=kernels.recompute_shares(arch, combo.checkpointing, combo.checkpointing_every))
     matmul = t.matmul
     hardware = t.hardware_flops
     if frozen is not None:  # the adapters and trained copies of frozen matmuls, at the matmul rate
