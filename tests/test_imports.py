@@ -149,9 +149,7 @@ def test_architecture_doc_names_every_module():
 FRAMEWORK_NAMES = {"zero0", "zero1", "zero2", "zero3", "ddp", "fsdp", "fsdp-grad-op", "hsdp", "deepspeed", "torch"}
 NAME_COMPARISONS_LEFT = {
     "planner/plan/emit.py": 22,  # 22: accelerate refuses DDP x TP (issue 27), a rule for Framework.launch_files
-    "planner/parallel/pipeline.py": 5, "planner/plan/search.py": 4, "planner/recipes/finetune.py": 4,
-    "planner/memory/rank_activations.py": 3, "planner/parallel/context.py": 2, "planner/parallel/tensor.py": 2,
-    "planner/parallel/experts.py": 1,
+    "planner/plan/search.py": 4,
     "backend/launch.py": 11, "backend/rank.py": 2, "backend/job.py": 2, "backend/train_pipeline.py": 2,
     "backend/train.py": 2, "backend/worker.py": 1,
 }

@@ -82,6 +82,17 @@ class Framework:
     cuda_adam_copies: int = 0
     # CPU offload of the parameters also moves their gradients to the host
     offloads_gradients_with_params: bool = False
+    # The module's own weights are the master copy (fp32 under a mixed recipe, cast for compute by
+    # torch.autocast or FSDP2's MixedPrecisionPolicy) and their gradients are in the weights' dtype;
+    # False: the module is cast to 16 bits and the fp32 master lives in the optimizer (DeepSpeed)
+    weights_are_master: bool = False
+    # Tensor parallelism by DeepSpeed's AutoTP: the linears split as the model's HF tp_plan says,
+    # the logits gathered whole, no Megatron-style sequence parallelism (False: torch's DTensor
+    # plans, torchtitan's SequenceParallel and loss_parallel)
+    autotp: bool = False
+    # Pipeline stages run by the framework's own engine (DeepSpeed's PipelineEngine over a
+    # PipelineModule the script builds); False: torch.distributed.pipelining with DDP/FSDP2 per stage
+    own_pipeline_engine: bool = False
 
     def phases(self, setup: "Setup", acts: "Activations | None", numels: list[int]) -> "PhasePlan":
         raise NotImplementedError
@@ -117,6 +128,22 @@ class Framework:
 
     def check_precision(self, s: "Strategy", precision: str) -> None:
         """Refuse a precision recipe the framework does not implement."""
+
+    def check_context_parallel(self, s: "Strategy", cp: int) -> None:
+        """Refuse context parallelism (cp > 1) where the framework has none for strategy ``s``."""
+
+    def check_pipeline(self, setup: "Setup", schedule: str) -> None:
+        """Refuse a pipeline layout (pp > 1) the framework's pipeline does not run."""
+
+    def linears_save_inputs(self, s: "Strategy") -> bool:
+        """The framework's own autograd function around every linear saves its input (DeepSpeed
+        ZeRO-3's LinearFunctionForZeroStage3), beside what the model saves."""
+        return False
+
+    def gradient_bucket_copy(self, s: "Strategy") -> bool:
+        """A data-parallel wrapper keeps a second copy of every gradient in its buckets (torch DDP's
+        Reducer with gradient_as_bucket_view=False)."""
+        return False
 
     def worker_settings(self, setup: "Setup", request: Any) -> dict[str, Any]:
         """What the verification backend's rank needs to build this framework's engine."""

@@ -100,12 +100,12 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
         model = with_vision(model)
     shard = shard_group_size(s, request.gpus, request.nodes, request.hsdp_shard_size)
     dims = _dims(request, s, shard, model)
-    check_context_parallel(dims.cp, s.framework, s.name, request.attention, model.architecture)
-    finetune = resolve_finetune(request, model.architecture, s.name, s.framework)
+    check_context_parallel(dims.cp, fw, s, request.attention, model.architecture)
+    finetune = resolve_finetune(request, model.architecture, s, fw, RECIPES[precision])
     check_loop(request, model.architecture)
     check_checkpointing(model.architecture, request.checkpointing, request.checkpointing_every, request.attention,
                         _checkpointing_why_not(request, model, finetune))
-    fields = {"shard_size": shard} | tensor_parallel_fields(request, s, model, shard)
+    fields = {"shard_size": shard} | tensor_parallel_fields(request, s, fw, model, shard)
     fields["loss_chunks"] = loss_chunks(request, _checkpointing_why_not(request, model, finetune),
                                         torch_tp=bool(fields.get("vocab_parallel_loss")))
     return Setup(request=request.model_copy(update={"precision": precision} | from_config), model=model, strategy=s,

@@ -38,6 +38,30 @@ class DeepSpeedZero(Framework):
     launcher = "deepspeed"
     cuda_adam_copies = 0  # FusedAdam: multi_tensor_apply, no temporaries
     offloads_gradients_with_params = False
+    autotp = True  # tensor_parallel.autotp_size (runtime/engine.py _configure_tensor_parallel_states)
+    own_pipeline_engine = True  # runtime/pipe/engine.py PipelineEngine
+
+    def check_context_parallel(self, s: "Strategy", cp: int) -> None:
+        raise PlannerError(f"cp={cp} with strategy {s.name}: DeepSpeed 0.19.8 has no ring/context parallelism "
+                           "(its sequence parallelism is Ulysses all-to-all over heads); torch's context_parallel "
+                           "with FSDP2 (strategy fsdp or hsdp, torchtitan) splits the sequence", field="cp")
+
+    def check_pipeline(self, setup: "Setup", schedule: str) -> None:
+        """DeepSpeed's PipelineEngine runs its own 1F1B TrainSchedule (deepspeed/runtime/pipe/schedule.py)
+        with ZeRO stage 0 or 1 only (pipe/engine.py: "ZeRO-2 and ZeRO-3 are incompatible with pipeline
+        parallelism")."""
+        s = setup.strategy
+        if (s.zero_stage or 0) >= 2:
+            raise PlannerError(f"pp={setup.dims.pp} with strategy {s.name}: DeepSpeed's pipeline engine supports "
+                               "ZeRO stage 0 or 1 only; use zero1, or fsdp (torch pipelining x FSDP2) to shard "
+                               "gradients and parameters", field="pp")
+        if schedule != "1f1b":
+            raise PlannerError(f"pp_schedule={schedule} with strategy {s.name}: DeepSpeed's pipeline engine runs 1F1B "
+                               "only; use pp_schedule 1f1b, or a torch strategy (ddp, fsdp, hsdp) for torch's "
+                               f"{schedule} schedule", field="pp_schedule")
+
+    def linears_save_inputs(self, s: "Strategy") -> bool:
+        return s.zero_stage == 3  # runtime/zero/linear.py LinearFunctionForZeroStage3 saves input and weight
 
     def phases(self, setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
         stage = setup.strategy.zero_stage

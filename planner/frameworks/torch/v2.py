@@ -64,6 +64,7 @@ class TorchDistributed(Framework):
 
         return optimizer_state_bits(optimizer, 32 if recipe.master_bits or recipe.weight_bits == 32 else recipe.weight_bits)
     offloads_gradients_with_params = True  # FSDP CPUOffload moves gradients to the host with the parameters
+    weights_are_master = True  # fp32 weights under autocast (DDP) or FSDP2's MixedPrecisionPolicy
 
     def phases(self, setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
         return _torch_phases(setup, acts, numels)
@@ -95,6 +96,15 @@ class TorchDistributed(Framework):
             items.append(("replica all-reduce of each shard", t.accumulation * grads / t.shard, 2,
                           t.block * reduce / t.shard, "replicas"))
         return items
+
+    def check_context_parallel(self, s: "Strategy", cp: int) -> None:
+        if not s.shards_parameters:
+            raise PlannerError(f"cp={cp} with strategy {s.name}: torchtitan shards the parameters over dp_shard x cp "
+                               "with FSDP2 whenever cp > 1 (parallel_dims.py fsdp_enabled); use fsdp or hsdp",
+                               field="cp")
+
+    def gradient_bucket_copy(self, s: "Strategy") -> bool:
+        return s.wraps and not s.shards_parameters  # DDP
 
     def fsdp_sharding(self, s: "Strategy") -> str | None:
         return sharding(s)
