@@ -24,6 +24,9 @@ from typing import Any
 from planner.recipes.finetune import lora_config
 from backend.job import VerifyJob
 from planner.errors import PlannerError
+from planner.frameworks import framework as lookup_framework
+from planner.frameworks.deepspeed.launch import DeepSpeedLauncher
+from planner.frameworks.torch.v2 import FULL_SHARD, HYBRID_SHARD
 from planner.memory.orchestrator import position_limit_error, resolve
 from planner.schema import EstimateRequest
 
@@ -88,7 +91,7 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
     if setup.dims.ep > 1:
         return VerifyJob(**(common | setup.framework.worker_settings(setup, request) | _expert_settings(setup, request)))
     settings = setup.framework.worker_settings(setup, request)
-    if setup.tp > 1 and setup.strategy.framework == "deepspeed":
+    if setup.tp > 1 and setup.framework.autotp:
         # AutoTP training (deepspeed 0.19.8 runtime/engine.py _configure_tensor_parallel): the engine
         # splits the linears over tp consecutive ranks when the config names the degree
         settings["ds_config"]["tensor_parallel"] = {"autotp_size": setup.tp}
@@ -195,7 +198,8 @@ def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
     if cp > 1:
         _check_context_parallel_probe(request, setup, model_type)
     dp = setup.world_size // (setup.tp * cp)
-    if (dp > 1 and setup.strategy.name not in ("fsdp", "hsdp")) or (setup.tp > 1 and setup.strategy.name == "hsdp"):
+    sharding = setup.framework.fsdp_sharding(setup.strategy)
+    if (dp > 1 and sharding not in (FULL_SHARD, HYBRID_SHARD)) or (setup.tp > 1 and sharding == HYBRID_SHARD):
         raise PlannerError(f"tp={setup.tp} with strategy {request.strategy} over {dp} data-parallel ranks: the probe "
                            "composes TP with FSDP2 (strategy fsdp) only", field="tp")
     if setup.tp > 1:
@@ -220,8 +224,9 @@ def _check_context_parallel_probe(request: EstimateRequest, setup, model_type) -
     apply_tp, then context_parallel per step, then FSDP2 over dp_shard x cp); the TP probe's own
     family checks apply (_parallel_settings). HSDP x CP x TP is not probed."""
     cp = setup.dims.cp
-    hsdp = setup.strategy.name == "hsdp"
-    if setup.strategy.name != "fsdp" and not (hsdp and setup.tp == 1):
+    sharding = setup.framework.fsdp_sharding(setup.strategy)
+    hsdp = sharding == HYBRID_SHARD
+    if sharding != FULL_SHARD and not (hsdp and setup.tp == 1):
         raise PlannerError(f"cp={cp} with strategy {request.strategy}{f' and tp={setup.tp}' if hsdp else ''}: the "
                            "probe composes context parallelism with FSDP2 over dp_shard x cp (strategy fsdp, with tp "
                            "or without), or with HSDP over (dp_replicate, dp_shard x cp) (strategy hsdp, tp 1), as "
@@ -234,7 +239,7 @@ def _expert_settings(setup, request: EstimateRequest) -> dict[str, Any]:
     all-to-all dispatch and combine, FSDP2 over every rank for the rest and over the ranks holding
     the same experts for them (torchtitan's composition). What it does not run is refused here."""
     d, s = setup.dims, setup.strategy
-    if s.framework != "torch" or not s.shards_parameters:
+    if setup.framework.fsdp_sharding(s) is None:  # FSDP2 (fsdp, fsdp-grad-op, hsdp)
         raise PlannerError(f"ep={d.ep} with strategy {request.strategy}: the probe runs expert parallelism with "
                            "FSDP2 (strategy fsdp or fsdp-grad-op), as torchtitan composes it; DeepSpeed-MoE's expert "
                            "groups need its deepspeed.moe MoE layers, which a transformers model does not have",
@@ -260,7 +265,7 @@ def _pipeline_settings(setup, request: EstimateRequest) -> dict[str, Any]:
     """A pipeline-parallel run (backend/train_pipeline.py): torch.distributed.pipelining stages on
     a (pp, dp) mesh, FSDP2 over dp > 1 or no wrapper at dp = 1, as planner.parallel.pipeline models it."""
     d = setup.dims
-    if setup.strategy.framework != "torch":
+    if setup.framework.own_pipeline_engine:
         raise PlannerError(f"pp={d.pp} with strategy {request.strategy}: verify runs pipeline stages with torch's "
                            "pipelining; DeepSpeed's pipeline engine needs a PipelineModule the probe does not build: "
                            "verify with --strategy fsdp (or ddp at one data-parallel rank)", field="pp")
@@ -304,37 +309,14 @@ def _free_port() -> int:
 
 def launcher_command(job_path: Path, request: EstimateRequest, hostfile: str | None = None,
                      port: int | None = None, framework: str = "deepspeed", device: str = "cuda") -> list[str]:
-    """The real launcher: `deepspeed` for ZeRO, torch.distributed.run (torchrun) for DDP/FSDP.
-
-    torchrun starts the ranks of one node. On CPU ranks, a multi-node torch job (HSDP) is run on
-    this host with every node's ranks (gpus x nodes processes, a 2-D device mesh); on GPUs,
-    run the emitted torchrun command on each node instead (planner plan --emit)."""
-    if framework == "torch":
-        if request.nodes > 1 and device != "cpu":
-            raise PlannerError(f"nodes={request.nodes}: a multi-node {request.strategy} run is started on each node "
-                               "by torchrun; use the sbatch script from `planner plan --emit`", field="nodes")
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-                "--nproc_per_node", str(request.gpus * request.nodes), "--master_port", str(port or _free_port()),
-                str(WORKER), "--job", str(job_path)]
-    deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).with_name("deepspeed"))
-    visible = _visible_ids() if device != "cpu" and request.nodes == 1 else None
-    # --num_gpus N makes DeepSpeed's runner delete CUDA_VISIBLE_DEVICES and run on physical GPUs
-    # 0..N-1 (deepspeed 0.19.8 launcher/runner.py:451-460); --include keeps the visible ones.
-    if request.nodes > 1 and device == "cpu" and not hostfile:
-        # CPU ranks without a hostfile: every node's ranks on this host, as the torch path runs them
-        # (a ZeRO rank's memory depends on the data-parallel world, not on where its peers are);
-        # DeepSpeed's runner would refuse --num_nodes > 1 without one ("Num nodes is >1 but no extra
-        # nodes available via hostfile", deepspeed 0.19.8 launcher/runner.py:477)
-        return [deepspeed, "--num_gpus", str(request.gpus * request.nodes), "--master_port",
-                str(port or _free_port()), str(WORKER), "--job", str(job_path)]
-    devices = (["--include", "localhost:" + ",".join(gpu_ids(request, "deepspeed"))] if visible
-               else ["--num_gpus", str(request.gpus)])
-    command = [deepspeed, *devices, "--master_port", str(port or _free_port())]
-    if request.nodes > 1:
-        command += ["--num_nodes", str(request.nodes)]
-        if hostfile:
-            command += ["--hostfile", hostfile]
-    return command + [str(WORKER), "--job", str(job_path)]
+    """The real launcher of ``framework``'s ranks (its Launcher.verify_command: `deepspeed` for ZeRO,
+    torch.distributed.run for DDP/FSDP), with what it needs found here: the program on PATH
+    (or beside this Python) and CUDA_VISIBLE_DEVICES."""
+    launcher = lookup_framework(framework).launch
+    program = shutil.which(launcher.program) or str(Path(sys.executable).with_name(launcher.program))
+    return launcher.verify_command(request, [str(WORKER), "--job", str(job_path)], port or _free_port(),
+                                   python=sys.executable, program=program, hostfile=hostfile, device=device,
+                                   visible=_visible_ids())
 
 
 def _visible_ids() -> list[str]:
@@ -347,27 +329,8 @@ def _visible_ids() -> list[str]:
 def gpu_ids(request: EstimateRequest, framework: str) -> list[str]:
     """The GPUs this host's ranks run on, as CUDA_VISIBLE_DEVICES names them (physical indices
     when it is unset): what the device locks hold (backend.verify.device_names) and what
-    launcher_command names.
-
-    - torchrun keeps the environment: rank r uses cuda:r, the r-th visible device.
-    - deepspeed on one node: the visible devices through ``--include localhost:<ids>``, the first
-      --gpus of them. The runner checks each slot against range(device_count) as an integer
-      (runner.py:280-289 parse_node_config_list, 329-331), so ids must be indices, not UUIDs.
-    - deepspeed over several nodes: each node's launcher sets CUDA_VISIBLE_DEVICES to the
-      hostfile's slots 0..N-1 (deepspeed/launcher/launch.py:172), whatever was visible."""
-    ids = _visible_ids()
-    if not ids or (framework == "deepspeed" and request.nodes > 1):
-        return [str(i) for i in range(request.gpus)]
-    if len(ids) < request.gpus:
-        raise PlannerError(f"CUDA_VISIBLE_DEVICES={','.join(ids)} makes {len(ids)} GPU(s) visible; gpus={request.gpus} "
-                           f"needs {request.gpus}: list more devices or lower --gpus", field="gpus")
-    if framework == "deepspeed" and not all(i.isdigit() for i in ids[:request.gpus]):
-        raise PlannerError(f"CUDA_VISIBLE_DEVICES={','.join(ids)}: DeepSpeed's launcher selects GPUs by index "
-                           "(--include localhost:0,1), not by UUID or MIG name; list the devices by index", field=None)
-    return ids[:request.gpus]
-
-
-BUILD_OPS = ("ShareMemCommBuilder",)  # DeepSpeed's TorchBackend builds this on CPU in every rank (comm/torch.py)
+    launcher_command names (the framework's Launcher.device_ids)."""
+    return lookup_framework(framework).launch.device_ids(request, _visible_ids())
 
 
 def extensions_dir() -> Path:
@@ -386,8 +349,9 @@ def extensions_dir() -> Path:
     return base / f"torch_extensions-{key}"
 
 
-def prepare_extensions(env: dict[str, str], timeout_seconds: float = 900.0) -> None:
-    """Build DeepSpeed's JIT ops once, before any rank starts.
+def prepare_extensions(env: dict[str, str], timeout_seconds: float = 900.0,
+                       ops: tuple[str, ...] = DeepSpeedLauncher.cpu_ops) -> None:
+    """Build DeepSpeed's JIT ops (``ops``: the framework's Launcher.cpu_ops) once, before any rank starts.
 
     torch's cpp_extension guards a build with a bare lock file (FileBaton); a process killed while
     it holds that file (a timeout, Ctrl-C) leaves it behind, and every later rank then waits for it
@@ -403,7 +367,7 @@ def prepare_extensions(env: dict[str, str], timeout_seconds: float = 900.0) -> N
         for baton in directory.glob("*/lock"):
             baton.unlink(missing_ok=True)
         code = ("from deepspeed.accelerator import get_accelerator\n"
-                f"for name in {BUILD_OPS!r}:\n"
+                f"for name in {ops!r}:\n"
                 "    builder = get_accelerator().create_op_builder(name)\n"
                 "    if builder is not None and builder.is_compatible():\n"
                 "        builder.load(verbose=False)\n")
@@ -464,8 +428,9 @@ def run_probe(request: EstimateRequest, *, out_dir: Path, steps: int = 2, warmup
     command = launcher_command(job_path, request, hostfile, port, job.framework, job.device)
     start = time.monotonic()
     env = _environment(job)
-    if job.device == "cpu" and job.framework == "deepspeed":
-        prepare_extensions(env)
+    ops = lookup_framework(job.framework).launch.cpu_ops
+    if job.device == "cpu" and ops:
+        prepare_extensions(env, ops=ops)
     log_path.write_bytes(b"")
     spec = {"command": command, "cwd": str(REPO_ROOT), "env": env, "log_path": str(log_path), "port": port,
             "state_path": str(out_dir / "supervisor.json"), "result_path": str(out_dir / "supervisor-result.json"),

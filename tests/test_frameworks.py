@@ -49,7 +49,7 @@ def test_worker_settings_carry_the_sharding_and_the_ds_config(tmp_path):
 
 def test_setup_names_its_framework():
     assert resolve(EstimateRequest(model="gpt2", strategy="hsdp", gpus=2, nodes=2)).framework.name == "torch"
-    assert resolve(EstimateRequest(model="gpt2", strategy="zero1", gpus=2)).framework.launcher == "deepspeed"
+    assert resolve(EstimateRequest(model="gpt2", strategy="zero1", gpus=2)).framework.launch.program == "deepspeed"
 
 
 @pytest.mark.parametrize("name", STRATEGIES)

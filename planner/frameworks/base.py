@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from planner.frameworks.deepspeed.config import (DEFAULT_ALLGATHER_BUCKET, DEFAULT_MAX_REUSE_DISTANCE, DEFAULT_PERSISTENCE_THRESHOLD,
                                                  DEFAULT_PREFETCH_BUCKET, DEFAULT_REDUCE_BUCKET)
 from planner.errors import PlannerError
+from planner.frameworks.launcher import Launcher
 
 if TYPE_CHECKING:
     import numpy as np
@@ -77,7 +78,7 @@ class Framework:
     # DeepSpeed's flat partitions (stage_1_and_2.py / stage3.py flatten each group into one buffer)
     state_tensors_per_parameter: bool = False
     version: str = ""  # the version whose source the module was read from
-    launcher: str = ""  # the program that starts the ranks
+    launch: Launcher = Launcher()  # what starts its ranks and the config files a launch of it reads
     # fp32 copies of a tensor the CUDA optimizer step allocates (FusedAdam: 0; torch foreach: 1)
     cuda_adam_copies: int = 0
     # CPU offload of the parameters also moves their gradients to the host
@@ -185,11 +186,33 @@ def framework(name: str, version: str | None = None) -> Framework:
             raise PlannerError(f"framework {name}: not modelled; known: {known}", field="strategy")
         return _REGISTRY[(name, version)]
     versions = sorted(v for n, v in _REGISTRY if n == name)
-    chosen = [v for v in versions if v == version or v.startswith(version + ".")]
+    chosen = [v for v in versions if _matches(version, v)]
     if len(chosen) != 1:
         raise PlannerError(f"{name} {version} is not modelled; choose from "
                            f"{', '.join(versions)}", field="framework_version", value=version)
     return _REGISTRY[(name, chosen[0])]
+
+
+def _matches(version: str, modelled: str) -> bool:
+    return modelled == version or modelled.startswith(version + ".")
+
+
+def check_version(version: str | None) -> None:
+    """A plan's ``framework_version`` names a modelled version of some framework (exactly or as a
+    prefix at a dot); refused with every modelled one otherwise."""
+    if version is not None and not any(_matches(version, v) for _, v in _REGISTRY):
+        known = ", ".join(f"{n} {v}" for n, v in sorted(_REGISTRY))
+        raise PlannerError(f"framework_version {version} is not modelled; choose from {known}",
+                           field="framework_version", value=version)
+
+
+def version_for(s: "Strategy", version: str | None) -> str | None:
+    """The version a plan's candidate of strategy ``s`` is estimated at: the plan's
+    ``framework_version`` when it is one of ``s``'s framework's, else None (its default): a plan
+    asked for DeepSpeed 0.19 estimates its torch candidates at torch's newest."""
+    if version is None or not any(n == s.framework and _matches(version, v) for n, v in _REGISTRY):
+        return None
+    return version
 
 
 def framework_of(s: "Strategy", version: str | None = None) -> Framework:

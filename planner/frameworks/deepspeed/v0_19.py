@@ -14,6 +14,7 @@ from planner.memory.buffers import (FP32, Layout, PhasePlan, activation_items, a
                                     head_and_late, item, layout, optimizer_items, phase, tied_sum_item)
 from planner.errors import PlannerError
 from planner.memory.moments import PhaseKind
+from planner.frameworks.deepspeed import launch as launch_0_19
 from planner.frameworks.base import Collective, Framework, Traffic, check_sharded_offload, register
 from planner.recipes.precision import RECIPES
 from planner.parallel.tensor import autotp_gather_held_bytes
@@ -35,7 +36,7 @@ OFFLOADS = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"), ("nvme", "nvme"))
 class DeepSpeedZero(Framework):
     name = "deepspeed"
     version = "0.19.8"
-    launcher = "deepspeed"
+    launch = launch_0_19.LAUNCHER
     cuda_adam_copies = 0  # FusedAdam: multi_tensor_apply, no temporaries
     offloads_gradients_with_params = False
     autotp = True  # tensor_parallel.autotp_size (runtime/engine.py _configure_tensor_parallel_states)

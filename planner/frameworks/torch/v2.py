@@ -17,6 +17,7 @@ from planner.memory.buffers import (FP32, PhasePlan, SweepPoint, activation_item
 from planner.errors import PlannerError
 from planner.model.layers import norm_numels
 from planner.memory.moments import PhaseKind
+from planner.frameworks.torch import launch as torch_launch
 from planner.frameworks.base import Collective, Framework, Traffic, check_sharded_offload, register
 from planner.recipes.precision import RECIPES
 from planner.schema import MemoryItem
@@ -53,7 +54,7 @@ class TorchDistributed(Framework):
     # FSDP2 keeps one sharded tensor per parameter (_fsdp_param.py FSDPParam._sharded_param_data),
     # DDP and a TP rank one tensor per parameter: the allocator sees them one by one
     state_tensors_per_parameter = True
-    launcher = "torchrun"
+    launch = torch_launch.LAUNCHER
     cuda_adam_copies = 1  # the foreach path's _foreach_sqrt makes one fp32 copy of exp_avg_sq
 
     def optimizer_state_bits(self, recipe: "Recipe", optimizer: str) -> float:
