@@ -26,6 +26,7 @@ from backend.job import VerifyJob
 from planner.errors import PlannerError
 from planner.frameworks import framework as lookup_framework
 from planner.frameworks.deepspeed.launch import DeepSpeedLauncher
+from planner.frameworks.launcher import Launcher
 from planner.frameworks.torch.v2 import FULL_SHARD, HYBRID_SHARD
 from planner.memory.orchestrator import position_limit_error, resolve
 from planner.schema import EstimateRequest
@@ -312,11 +313,16 @@ def launcher_command(job_path: Path, request: EstimateRequest, hostfile: str | N
     """The real launcher of ``framework``'s ranks (its Launcher.verify_command: `deepspeed` for ZeRO,
     torch.distributed.run for DDP/FSDP), with what it needs found here: the program on PATH
     (or beside this Python) and CUDA_VISIBLE_DEVICES."""
-    launcher = lookup_framework(framework).launch
+    launcher = _launcher(framework, request)
     program = shutil.which(launcher.program) or str(Path(sys.executable).with_name(launcher.program))
     return launcher.verify_command(request, [str(WORKER), "--job", str(job_path)], port or _free_port(),
                                    python=sys.executable, program=program, hostfile=hostfile, device=device,
                                    visible=_visible_ids())
+
+
+def _launcher(framework: str, request: EstimateRequest) -> Launcher:
+    """The Launcher of the framework version the request was resolved at."""
+    return lookup_framework(framework, request.framework_version).launch
 
 
 def _visible_ids() -> list[str]:
@@ -330,7 +336,7 @@ def gpu_ids(request: EstimateRequest, framework: str) -> list[str]:
     """The GPUs this host's ranks run on, as CUDA_VISIBLE_DEVICES names them (physical indices
     when it is unset): what the device locks hold (backend.verify.device_names) and what
     launcher_command names (the framework's Launcher.device_ids)."""
-    return lookup_framework(framework).launch.device_ids(request, _visible_ids())
+    return _launcher(framework, request).device_ids(request, _visible_ids())
 
 
 def extensions_dir() -> Path:
@@ -428,7 +434,7 @@ def run_probe(request: EstimateRequest, *, out_dir: Path, steps: int = 2, warmup
     command = launcher_command(job_path, request, hostfile, port, job.framework, job.device)
     start = time.monotonic()
     env = _environment(job)
-    ops = lookup_framework(job.framework).launch.cpu_ops
+    ops = _launcher(job.framework, request).cpu_ops
     if job.device == "cpu" and ops:
         prepare_extensions(env, ops=ops)
     log_path.write_bytes(b"")

@@ -9,9 +9,10 @@ module registered beside deepspeed_0_19, not edits everywhere.
 """
 
 from planner.frameworks.base import (Buckets, Collective, Framework, Traffic, check_sharded_offload, check_version,
-                                     framework, framework_of, register, version_for)
+                                     framework, framework_of, register, version_field, version_for)
 from planner.frameworks.deepspeed import v0_19 as deepspeed_0_19  # each registers itself
 from planner.frameworks.torch import v2 as torch_2
 
 __all__ = ["Buckets", "Collective", "Framework", "Traffic", "check_sharded_offload", "check_version", "deepspeed_0_19",
-           "framework", "framework_of", "register", "torch_2", "version_for"]
+           "framework", "framework_of", "register", "torch_2", "version_field",
+           "version_for"]

@@ -127,7 +127,7 @@ class Framework:
         it is no FSDP."""
         return None
 
-    def check_precision(self, s: "Strategy", precision: str) -> None:
+    def check_precision(self, s: "Strategy", recipe: "Recipe") -> None:
         """Refuse a precision recipe the framework does not implement."""
 
     def check_context_parallel(self, s: "Strategy", cp: int) -> None:
@@ -213,6 +213,13 @@ def version_for(s: "Strategy", version: str | None) -> str | None:
     if version is None or not any(n == s.framework and _matches(version, v) for n, v in _REGISTRY):
         return None
     return version
+
+
+def version_field(s: "Strategy", version: str | None) -> dict[str, str]:
+    """``version_for`` as the estimate request's field: none when it is the default, so that the
+    request stays the one it always was."""
+    chosen = version_for(s, version)
+    return {"framework_version": chosen} if chosen is not None else {}
 
 
 def framework_of(s: "Strategy", version: str | None = None) -> Framework:

@@ -43,8 +43,9 @@ class Launcher:
         return {}
 
     def layout_guide(self, launch: "Launch", setup: "Setup", names: list[str],
-                     estimate: Callable[[Any], Any]) -> list[str]:
-        """LAUNCH.md's section for the layout_files among ``names``."""
+                     peak_with: Callable[[dict[str, Any]], int]) -> list[str]:
+        """LAUNCH.md's section for the layout_files among ``names``. ``peak_with``: the predicted
+        peak bytes of this request with some fields changed ({}: this estimate's own)."""
         return []
 
     def node_files(self, launch: "Launch") -> dict[str, str]:

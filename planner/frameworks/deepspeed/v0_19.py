@@ -16,12 +16,12 @@ from planner.errors import PlannerError
 from planner.memory.moments import PhaseKind
 from planner.frameworks.deepspeed import launch as launch_0_19
 from planner.frameworks.base import Collective, Framework, Traffic, check_sharded_offload, register
-from planner.recipes.precision import RECIPES
 from planner.parallel.tensor import autotp_gather_held_bytes
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from planner.recipes.precision import Recipe
     from planner.setup import Setup
     from planner.schema import MemoryItem
     from planner.strategies import Strategy
@@ -119,8 +119,8 @@ class DeepSpeedZero(Framework):
     def check_offload(self, s: "Strategy", offload_optimizer: str, offload_params: str) -> None:
         check_sharded_offload(s, offload_optimizer, offload_params, params_ok=s.zero_stage == 3)
 
-    def check_precision(self, s: "Strategy", precision: str) -> None:
-        if RECIPES[precision].casts_model:
+    def check_precision(self, s: "Strategy", recipe: "Recipe") -> None:
+        if recipe.casts_model:
             raise PlannerError("precision bf16-pure (no fp32 master) is not what DeepSpeed's bf16 mode does: "
                                "it always keeps fp32 master weights; use bf16-mixed with zero0-3, or ddp/fsdp for bf16-pure",
                                field="precision")

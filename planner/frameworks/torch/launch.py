@@ -41,9 +41,9 @@ class TorchrunLauncher(Launcher):
         return {TORCHTITAN_FILE: torchtitan_toml(_torchtitan_config(setup))}
 
     def layout_guide(self, launch: "Launch", setup: "Setup", names: list[str],
-                     estimate: Callable[[Any], Any]) -> list[str]:
-        """LAUNCH.md's torchtitan section, when torchtitan.toml is written. ``estimate``: the
-        core's estimate of a request, for the peak of torchtitan's own fp32 gradient reduction."""
+                     peak_with: Callable[[dict[str, Any]], int]) -> list[str]:
+        """LAUNCH.md's torchtitan section, when torchtitan.toml is written; ``peak_with`` gives the
+        peak of torchtitan's own fp32 gradient reduction."""
         if TORCHTITAN_FILE not in names:
             return []
         req = launch.request
@@ -53,7 +53,7 @@ class TorchrunLauncher(Launcher):
                "(torchtitan.toml's [parallelism]) to its own llama-style models. torchtitan 0.2 reads the file:", "",
                "```", torchrun + " -m torchtitan.train --job.config_file torchtitan.toml", "```", ""]
         out += _torchtitan_03_guide(torchrun, _torchtitan_config(setup))
-        reduce = _torchtitan_reduce_note(setup, estimate)
+        reduce = _torchtitan_reduce_note(setup, peak_with)
         if reduce is not None:
             out += [reduce, ""]
         if setup.arch is not None and setup.arch.tie_word_embeddings and req.pp > 1:
@@ -106,18 +106,17 @@ class TorchrunLauncher(Launcher):
 LAUNCHER = TorchrunLauncher()
 
 
-def _torchtitan_reduce_note(setup: "Setup", estimate: Callable[[Any], Any]) -> str | None:
+def _torchtitan_reduce_note(setup: "Setup", peak_with: Callable[[dict[str, Any]], int]) -> str | None:
     """torchtitan reduces FSDP2's gradients in fp32 only (mixed_precision_reduce = "float32": 0.2.2
     job_config.py, 0.3 config/configs.py:93); an estimate made with the compute dtype (accelerate's
     and verify's) is not that job's. The torchtitan job's own peak, estimated with reduce_dtype fp32."""
     req = setup.request
     if req.reduce_dtype == "fp32" or not setup.strategy.shards_parameters:
         return None
-    titan = estimate(req.model_copy(update={"reduce_dtype": "fp32"}))
     return (f"torchtitan reduces gradients in fp32 (`mixed_precision_reduce = \"float32\"`, its only value), "
             f"while this estimate reduces in the compute dtype: the torchtitan job's peak is "
-            f"{titan.per_device.peak_bytes / GIB:.2f} GiB per device (this estimate: "
-            f"{estimate(req).per_device.peak_bytes / GIB:.2f} GiB); `--reduce-dtype fp32` estimates it.")
+            f"{peak_with({'reduce_dtype': 'fp32'}) / GIB:.2f} GiB per device (this estimate: "
+            f"{peak_with({}) / GIB:.2f} GiB); `--reduce-dtype fp32` estimates it.")
 
 
 def _torchtitan_config(setup: "Setup") -> dict[str, dict[str, Any]]:

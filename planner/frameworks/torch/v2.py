@@ -142,7 +142,7 @@ class TorchDistributed(Framework):
             raise PlannerError(f"optimizer {request.optimizer}: the torch strategies' probe trains with torch's own "
                                "optimizers, adamw or sgd", field="optimizer")
         # the compute dtype and whether the whole model is cast to it, for the rank's MixedPrecisionPolicy
-        dtype, pure = RECIPES[request.precision].reduced_dtype, RECIPES[request.precision].casts_model
+        dtype, pure = setup.recipe.reduced_dtype, setup.recipe.casts_model
         return {"framework": self.name, "torch": {
             "strategy": setup.strategy.name, "sharding": sharding(setup.strategy),
             "wrapped": not setup.strategy.one_device,  # "single": the bare module, no DDP

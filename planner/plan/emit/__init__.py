@@ -33,7 +33,8 @@ from typing import Any
 import yaml
 
 from planner.errors import PlannerError
-from planner.memory.orchestrator import estimate, resolve, setup_of
+from planner.frameworks import version_field
+from planner.memory.orchestrator import estimate, estimate_resolved, resolve, setup_of
 from planner.model.catalogue import UnsupportedModelTypeError
 from planner.plan.emit.accelerate import accelerate_config, trainer_arguments
 from planner.plan.emit.guide import guide
@@ -44,7 +45,7 @@ from planner.plan.search import finetune_fields
 from planner.recipes.finetune import bnb_config, lora_config
 from planner.schema import SHARDING_STRATEGIES, Candidate, EstimateRequest, EstimateResult, PlanRequest
 from planner.setup import Setup
-from planner.strategies import explicit_hsdp_shard
+from planner.strategies import explicit_hsdp_shard, strategy as lookup_strategy
 
 TRAINER_OPTIMIZERS = ("adamw", "sgd")  # what backend/train.py trains the torch strategies with
 
@@ -87,6 +88,7 @@ def estimate_request_for(req: PlanRequest, c: Candidate) -> EstimateRequest:
                            nics_per_node=req.nics_per_node, profile=req.profile,
                            **finetune_fields(req.model_copy(update={"finetune": c.finetune})),
                            **({"reduce_dtype": req.reduce_dtype} if c.strategy in SHARDING_STRATEGIES else {}),
+                           **version_field(lookup_strategy(c.strategy), req.framework_version),
                            **{k: v for k, v in c.parallel.model_dump().items() if k in ("tp", "pp", "cp", "ep") and v > 1},
                            **{k: v for k, v in (("pp_first_stage_layers", c.pp_first_stage_layers),
                                                 ("pp_last_stage_layers", c.pp_last_stage_layers),
@@ -137,8 +139,18 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
         files["megatron_args.txt"] = megatron
     files["plan.json"] = json.dumps(plan_doc, indent=2) + "\n"
     names = sorted(files) + ["LAUNCH.md"]
-    files["LAUNCH.md"] = guide(launch, names, launcher.layout_guide(launch, setup, names, estimate))
+    files["LAUNCH.md"] = guide(launch, names, launcher.layout_guide(launch, setup, names, _peaks(setup)))
     return files
+
+
+def _peaks(setup: Setup):
+    """The peak bytes of ``setup``'s request with some fields changed; unchanged, the Setup
+    already resolved is estimated, not resolved again."""
+    def peak_with(update: dict[str, Any]) -> int:
+        result = estimate(setup.request.model_copy(update=update)) if update else estimate_resolved(setup)
+        return result.per_device.peak_bytes
+
+    return peak_with
 
 
 def _megatron_file(setup) -> str | None:
