@@ -69,13 +69,14 @@ class DeepSpeedLauncher(Launcher):
     def node_command(self, launch: "Launch", target: str) -> tuple[list[str], list[str], str]:
         req = launch.request
         if req.nodes == 1:
-            return [], [_deepspeed_devices(req.gpus).rstrip("\n")], f'deepspeed $ds_devices --master_port "$port" {target} "$@"'
+            devices = _deepspeed_devices(req.gpus).rstrip("\n")
+            return [], [devices], f'deepspeed $ds_devices --master_port "$port" {target} "$@"'
         head = [f"# {req.nodes} nodes: run this on the first node of the hostfile; DeepSpeed's launcher starts",
                 "# the other nodes over ssh (pdsh), in this directory at the same path (a shared filesystem).",
                 "# Under Slurm submit job.sbatch instead (no ssh needed)."]
         body = [
             "# the hostfile must list every node: one line per node, `HOSTNAME slots=GPUS`",
-            f'nodes=$(grep -cE "^[^#[:space:]]+[[:space:]]+slots=" "$here/hostfile" || true)',
+            'nodes=$(grep -cE "^[^#[:space:]]+[[:space:]]+slots=" "$here/hostfile" || true)',
             f'if [ "$nodes" -ne {req.nodes} ]; then echo "$0: $here/hostfile lists $nodes nodes; the plan is for '
             f'{req.nodes}: one line per node, HOSTNAME slots={req.gpus}" >&2; exit 2; fi',
             "# the master address: the first node of the hostfile, where this script runs, unless given",
@@ -160,8 +161,9 @@ class DeepSpeedLauncher(Launcher):
             return [str(i) for i in range(request.gpus)]
         ids = visible_device_ids(request, visible)
         if visible and not all(i.isdigit() for i in ids):
-            raise PlannerError(f"CUDA_VISIBLE_DEVICES={','.join(visible)}: DeepSpeed's launcher selects GPUs by index "
-                               "(--include localhost:0,1), not by UUID or MIG name; list the devices by index", field=None)
+            raise PlannerError(f"CUDA_VISIBLE_DEVICES={','.join(visible)}: DeepSpeed's launcher selects GPUs by "
+                               "index (--include localhost:0,1), not by UUID or MIG name; list the devices by index",
+                               field=None)
         return ids
 
 

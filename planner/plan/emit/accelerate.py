@@ -132,7 +132,8 @@ def _users_hyperparameters(config: dict[str, Any] | None, optimizer_name: str) -
     optimizer.params lr, betas, eps, weight_decay; gradient_clipping = max_grad_norm;
     scheduler.params warmup_max_lr = learning_rate; trainer_config_finalize: warmup_num_steps =
     warmup_steps). "auto" values are the Trainer's to fill, so they are left out. Betas and eps only
-    where the emitted config keeps the user's optimizer block (the same optimizer, _keep_users_config)."""
+    where the emitted config keeps the user's optimizer block (the same optimizer:
+    planner/frameworks/deepspeed/launch.py _keep_users_config)."""
     if not config:
         return {}
     args: dict[str, Any] = {}
