@@ -30,6 +30,7 @@ from planner.frameworks.launcher import Launcher
 from planner.frameworks.torch.v2 import FULL_SHARD, HYBRID_SHARD
 from planner.memory.orchestrator import position_limit_error, resolve
 from planner.schema import EstimateRequest
+from planner.setup import Setup
 
 WORKER = Path(__file__).with_name("worker.py")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -47,9 +48,11 @@ class ProbeResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_dir: Path) -> VerifyJob:
-    """What every rank needs: the architecture, the DeepSpeed config the prediction assumed."""
-    setup = resolve(request)
+def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_dir: Path,
+               setup: Setup | None = None) -> VerifyJob:
+    """What every rank needs: the architecture, the DeepSpeed config the prediction assumed.
+    ``setup``: the request already resolved (the prediction's own), not resolved again."""
+    setup = setup if setup is not None else resolve(request)
     request = setup.request  # with what a --ds-config fixed: precision, micro-batch, accumulation, optimizer
     if setup.model.config is None:
         raise PlannerError("a real run needs an architecture: give --model or --model-file, not --params",
@@ -292,7 +295,7 @@ def _pipeline_settings(setup, request: EstimateRequest) -> dict[str, Any]:
         check_probe(model_type, "tp", f"pp={d.pp} x tp={d.tp}")
     from planner.model.architecture import from_hf_config
 
-    return {"framework": "torch", "vocab_size": from_hf_config(dict(setup.model.config)).vocab_size,
+    return {"framework": setup.framework.name, "vocab_size": from_hf_config(dict(setup.model.config)).vocab_size,
             "pipeline": {"pp": d.pp, "dp": d.dp, "schedule": request.pp_schedule,
                          "virtual_stages": request.pp_virtual_stages,
                          "first_stage_layers": request.pp_first_stage_layers,
@@ -417,16 +420,17 @@ def _environment(job: VerifyJob) -> dict[str, str]:
 def run_probe(request: EstimateRequest, *, out_dir: Path, steps: int = 2, warmup_steps: int = 1,
               timeout_seconds: float = 900.0, hostfile: str | None = None,
               on_progress=None, cancel=None, lock_fds: tuple[int, ...] = (), db: str | None = None,
-              run_id: int | None = None, registry: Path | None = None) -> ProbeResult:
+              run_id: int | None = None, registry: Path | None = None, setup: Setup | None = None) -> ProbeResult:
     """``cancel``: an object with ``is_set()`` (a threading.Event); when set, every rank is ended
     and the result is 'cancelled' (or the event's ``status``/``message`` attributes, when it has
     them: the server sets 'interrupted' when it stops). ``lock_fds``: the device locks, held by the
     supervisor until the last process of the run is gone. ``db``/``run_id``: where the supervisor
     records the run as interrupted if this process dies. ``registry``: where the supervisor
     registers the run, so that the next verify removes its /dev/shm segments if the supervisor
-    itself is killed (backend.supervisor.clean_stale_runs)."""
+    itself is killed (backend.supervisor.clean_stale_runs). ``setup``: the request as the
+    prediction resolved it."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    job = worker_job(request, steps=steps, warmup_steps=warmup_steps, out_dir=out_dir)
+    job = worker_job(request, steps=steps, warmup_steps=warmup_steps, out_dir=out_dir, setup=setup)
     job_path = out_dir / "job.json"
     job_path.write_text(job.to_json())
     log_path = out_dir / "launcher.log"

@@ -28,7 +28,7 @@ result is a mapping of file names to text: the adapters write it (cli/files.py).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -143,7 +143,7 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
     return files
 
 
-def _peaks(setup: Setup):
+def _peaks(setup: Setup) -> Callable[[dict[str, Any]], int]:
     """The peak bytes of ``setup``'s request with some fields changed; unchanged, the Setup
     already resolved is estimated, not resolved again."""
     def peak_with(update: dict[str, Any]) -> int:
