@@ -62,6 +62,9 @@ class PipelineSettings(BaseModel):
     virtual_stages: int = Field(ge=1)
     first_stage_layers: int | None = Field(None, ge=1, description="uneven split: the first stage's blocks")
     last_stage_layers: int | None = Field(None, ge=1, description="uneven split: the last stage's blocks")
+    # FSDP2 over dp > 1, or no wrapper: DDP under the pipelining schedules fails in its reducer on
+    # the second micro-batch ("params_.size() == rebuilt_param_indices_.size() INTERNAL ASSERT
+    # FAILED", c10d/reducer.cpp, torch 2.13); torchtitan composes PP with FSDP2 / HSDP only
     dp_strategy: Literal["fsdp", "none"]
     compute_dtype: Literal["bf16", "fp16"] | None
     reduce_dtype: Literal["compute", "fp32"] = Field("compute", description="FSDP2's reduce_dtype over dp")
@@ -97,6 +100,18 @@ class ExpertSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     ep: int = Field(ge=2, description="ranks each MoE block's routed experts are split over")
+
+
+# The settings each framework's engine is built from (backend/rank.py engine_for): at least one
+# of the fields, and how a refusal names them
+ENGINE_SETTINGS: dict[str, tuple[tuple[str, ...], str]] = {
+    "deepspeed": (("ds_config",), "ds_config"), "torch": (("torch", "pipeline"), "torch or pipeline settings")}
+
+
+def uses_deepspeed(job: dict[str, Any]) -> bool:
+    """The rank builds DeepSpeed's engine: the job carries its ds_config, which only a DeepSpeed
+    job does (Framework.worker_settings; VerifyJob requires it there)."""
+    return job.get("ds_config") is not None
 
 
 class VerifyJob(BaseModel):
@@ -136,10 +151,9 @@ class VerifyJob(BaseModel):
 
     @model_validator(mode="after")
     def _framework_settings(self) -> VerifyJob:
-        if self.framework == "deepspeed" and self.ds_config is None:
-            raise ValueError("framework deepspeed needs ds_config")
-        if self.framework == "torch" and self.torch is None and self.pipeline is None:
-            raise ValueError("framework torch needs torch or pipeline settings")
+        fields, named = ENGINE_SETTINGS[self.framework]
+        if all(getattr(self, f) is None for f in fields):
+            raise ValueError(f"framework {self.framework} needs {named}")
         if self.experts is not None and (self.torch is None or self.torch.sharding is None):
             raise ValueError("experts (expert parallelism) needs torch FSDP2 settings")
         return self

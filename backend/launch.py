@@ -24,8 +24,13 @@ from typing import Any
 from planner.recipes.finetune import lora_config
 from backend.job import VerifyJob
 from planner.errors import PlannerError
+from planner.frameworks import framework as lookup_framework
+from planner.frameworks.deepspeed.launch import DeepSpeedLauncher
+from planner.frameworks.launcher import Launcher
+from planner.frameworks.torch.v2 import FULL_SHARD, HYBRID_SHARD
 from planner.memory.orchestrator import position_limit_error, resolve
 from planner.schema import EstimateRequest
+from planner.setup import Setup
 
 WORKER = Path(__file__).with_name("worker.py")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -43,9 +48,11 @@ class ProbeResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_dir: Path) -> VerifyJob:
-    """What every rank needs: the architecture, the DeepSpeed config the prediction assumed."""
-    setup = resolve(request)
+def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_dir: Path,
+               setup: Setup | None = None) -> VerifyJob:
+    """What every rank needs: the architecture, the DeepSpeed config the prediction assumed.
+    ``setup``: the request already resolved (the prediction's own), not resolved again."""
+    setup = setup if setup is not None else resolve(request)
     request = setup.request  # with what a --ds-config fixed: precision, micro-batch, accumulation, optimizer
     if setup.model.config is None:
         raise PlannerError("a real run needs an architecture: give --model or --model-file, not --params",
@@ -89,7 +96,7 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
     if setup.dims.ep > 1:
         return VerifyJob(**(common | setup.framework.worker_settings(setup, request) | _expert_settings(setup, request)))
     settings = setup.framework.worker_settings(setup, request)
-    if setup.tp > 1 and setup.strategy.framework == "deepspeed":
+    if setup.tp > 1 and setup.framework.autotp:
         # AutoTP training (deepspeed 0.19.8 runtime/engine.py _configure_tensor_parallel): the engine
         # splits the linears over tp consecutive ranks when the config names the degree
         settings["ds_config"]["tensor_parallel"] = {"autotp_size": setup.tp}
@@ -196,7 +203,8 @@ def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
     if cp > 1:
         _check_context_parallel_probe(request, setup, model_type)
     dp = setup.world_size // (setup.tp * cp)
-    if (dp > 1 and setup.strategy.name not in ("fsdp", "hsdp")) or (setup.tp > 1 and setup.strategy.name == "hsdp"):
+    sharding = setup.framework.fsdp_sharding(setup.strategy)
+    if (dp > 1 and sharding not in (FULL_SHARD, HYBRID_SHARD)) or (setup.tp > 1 and sharding == HYBRID_SHARD):
         raise PlannerError(f"tp={setup.tp} with strategy {request.strategy} over {dp} data-parallel ranks: the probe "
                            "composes TP with FSDP2 (strategy fsdp) only", field="tp")
     if setup.tp > 1:
@@ -221,8 +229,9 @@ def _check_context_parallel_probe(request: EstimateRequest, setup, model_type) -
     apply_tp, then context_parallel per step, then FSDP2 over dp_shard x cp); the TP probe's own
     family checks apply (_parallel_settings). HSDP x CP x TP is not probed."""
     cp = setup.dims.cp
-    hsdp = setup.strategy.name == "hsdp"
-    if setup.strategy.name != "fsdp" and not (hsdp and setup.tp == 1):
+    sharding = setup.framework.fsdp_sharding(setup.strategy)
+    hsdp = sharding == HYBRID_SHARD
+    if sharding != FULL_SHARD and not (hsdp and setup.tp == 1):
         raise PlannerError(f"cp={cp} with strategy {request.strategy}{f' and tp={setup.tp}' if hsdp else ''}: the "
                            "probe composes context parallelism with FSDP2 over dp_shard x cp (strategy fsdp, with tp "
                            "or without), or with HSDP over (dp_replicate, dp_shard x cp) (strategy hsdp, tp 1), as "
@@ -235,7 +244,7 @@ def _expert_settings(setup, request: EstimateRequest) -> dict[str, Any]:
     all-to-all dispatch and combine, FSDP2 over every rank for the rest and over the ranks holding
     the same experts for them (torchtitan's composition). What it does not run is refused here."""
     d, s = setup.dims, setup.strategy
-    if s.framework != "torch" or not s.shards_parameters:
+    if setup.framework.fsdp_sharding(s) is None:  # FSDP2 (fsdp, fsdp-grad-op, hsdp)
         raise PlannerError(f"ep={d.ep} with strategy {request.strategy}: the probe runs expert parallelism with "
                            "FSDP2 (strategy fsdp or fsdp-grad-op), as torchtitan composes it; DeepSpeed-MoE's expert "
                            "groups need its deepspeed.moe MoE layers, which a transformers model does not have",
@@ -261,7 +270,7 @@ def _pipeline_settings(setup, request: EstimateRequest) -> dict[str, Any]:
     """A pipeline-parallel run (backend/train_pipeline.py): torch.distributed.pipelining stages on
     a (pp, dp) mesh, FSDP2 over dp > 1 or no wrapper at dp = 1, as planner.parallel.pipeline models it."""
     d = setup.dims
-    if setup.strategy.framework != "torch":
+    if setup.framework.own_pipeline_engine:
         raise PlannerError(f"pp={d.pp} with strategy {request.strategy}: verify runs pipeline stages with torch's "
                            "pipelining; DeepSpeed's pipeline engine needs a PipelineModule the probe does not build: "
                            "verify with --strategy fsdp (or ddp at one data-parallel rank)", field="pp")
@@ -287,7 +296,7 @@ def _pipeline_settings(setup, request: EstimateRequest) -> dict[str, Any]:
         check_probe(model_type, "tp", f"pp={d.pp} x tp={d.tp}")
     from planner.model.architecture import from_hf_config
 
-    return {"framework": "torch", "vocab_size": from_hf_config(dict(setup.model.config)).vocab_size,
+    return {"framework": setup.framework.name, "vocab_size": from_hf_config(dict(setup.model.config)).vocab_size,
             "pipeline": {"pp": d.pp, "dp": d.dp, "schedule": request.pp_schedule,
                          "virtual_stages": request.pp_virtual_stages,
                          "first_stage_layers": request.pp_first_stage_layers,
@@ -305,37 +314,19 @@ def _free_port() -> int:
 
 def launcher_command(job_path: Path, request: EstimateRequest, hostfile: str | None = None,
                      port: int | None = None, framework: str = "deepspeed", device: str = "cuda") -> list[str]:
-    """The real launcher: `deepspeed` for ZeRO, torch.distributed.run (torchrun) for DDP/FSDP.
+    """The real launcher of ``framework``'s ranks (its Launcher.verify_command: `deepspeed` for ZeRO,
+    torch.distributed.run for DDP/FSDP), with what it needs found here: the program on PATH
+    (or beside this Python) and CUDA_VISIBLE_DEVICES."""
+    launcher = _launcher(framework, request)
+    program = shutil.which(launcher.program) or str(Path(sys.executable).with_name(launcher.program))
+    return launcher.verify_command(request, [str(WORKER), "--job", str(job_path)], port or _free_port(),
+                                   python=sys.executable, program=program, hostfile=hostfile, device=device,
+                                   visible=_visible_ids())
 
-    torchrun starts the ranks of one node. On CPU ranks, a multi-node torch job (HSDP) is run on
-    this host with every node's ranks (gpus x nodes processes, a 2-D device mesh); on GPUs,
-    run the emitted torchrun command on each node instead (planner plan --emit)."""
-    if framework == "torch":
-        if request.nodes > 1 and device != "cpu":
-            raise PlannerError(f"nodes={request.nodes}: a multi-node {request.strategy} run is started on each node "
-                               "by torchrun; use the sbatch script from `planner plan --emit`", field="nodes")
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-                "--nproc_per_node", str(request.gpus * request.nodes), "--master_port", str(port or _free_port()),
-                str(WORKER), "--job", str(job_path)]
-    deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).with_name("deepspeed"))
-    visible = _visible_ids() if device != "cpu" and request.nodes == 1 else None
-    # --num_gpus N makes DeepSpeed's runner delete CUDA_VISIBLE_DEVICES and run on physical GPUs
-    # 0..N-1 (deepspeed 0.19.8 launcher/runner.py:451-460); --include keeps the visible ones.
-    if request.nodes > 1 and device == "cpu" and not hostfile:
-        # CPU ranks without a hostfile: every node's ranks on this host, as the torch path runs them
-        # (a ZeRO rank's memory depends on the data-parallel world, not on where its peers are);
-        # DeepSpeed's runner would refuse --num_nodes > 1 without one ("Num nodes is >1 but no extra
-        # nodes available via hostfile", deepspeed 0.19.8 launcher/runner.py:477)
-        return [deepspeed, "--num_gpus", str(request.gpus * request.nodes), "--master_port",
-                str(port or _free_port()), str(WORKER), "--job", str(job_path)]
-    devices = (["--include", "localhost:" + ",".join(gpu_ids(request, "deepspeed"))] if visible
-               else ["--num_gpus", str(request.gpus)])
-    command = [deepspeed, *devices, "--master_port", str(port or _free_port())]
-    if request.nodes > 1:
-        command += ["--num_nodes", str(request.nodes)]
-        if hostfile:
-            command += ["--hostfile", hostfile]
-    return command + [str(WORKER), "--job", str(job_path)]
+
+def _launcher(framework: str, request: EstimateRequest) -> Launcher:
+    """The Launcher of the framework version the request was resolved at."""
+    return lookup_framework(framework, request.framework_version).launch
 
 
 def _visible_ids() -> list[str]:
@@ -348,27 +339,8 @@ def _visible_ids() -> list[str]:
 def gpu_ids(request: EstimateRequest, framework: str) -> list[str]:
     """The GPUs this host's ranks run on, as CUDA_VISIBLE_DEVICES names them (physical indices
     when it is unset): what the device locks hold (backend.verify.device_names) and what
-    launcher_command names.
-
-    - torchrun keeps the environment: rank r uses cuda:r, the r-th visible device.
-    - deepspeed on one node: the visible devices through ``--include localhost:<ids>``, the first
-      --gpus of them. The runner checks each slot against range(device_count) as an integer
-      (runner.py:280-289 parse_node_config_list, 329-331), so ids must be indices, not UUIDs.
-    - deepspeed over several nodes: each node's launcher sets CUDA_VISIBLE_DEVICES to the
-      hostfile's slots 0..N-1 (deepspeed/launcher/launch.py:172), whatever was visible."""
-    ids = _visible_ids()
-    if not ids or (framework == "deepspeed" and request.nodes > 1):
-        return [str(i) for i in range(request.gpus)]
-    if len(ids) < request.gpus:
-        raise PlannerError(f"CUDA_VISIBLE_DEVICES={','.join(ids)} makes {len(ids)} GPU(s) visible; gpus={request.gpus} "
-                           f"needs {request.gpus}: list more devices or lower --gpus", field="gpus")
-    if framework == "deepspeed" and not all(i.isdigit() for i in ids[:request.gpus]):
-        raise PlannerError(f"CUDA_VISIBLE_DEVICES={','.join(ids)}: DeepSpeed's launcher selects GPUs by index "
-                           "(--include localhost:0,1), not by UUID or MIG name; list the devices by index", field=None)
-    return ids[:request.gpus]
-
-
-BUILD_OPS = ("ShareMemCommBuilder",)  # DeepSpeed's TorchBackend builds this on CPU in every rank (comm/torch.py)
+    launcher_command names (the framework's Launcher.device_ids)."""
+    return _launcher(framework, request).device_ids(request, _visible_ids())
 
 
 def extensions_dir() -> Path:
@@ -387,8 +359,9 @@ def extensions_dir() -> Path:
     return base / f"torch_extensions-{key}"
 
 
-def prepare_extensions(env: dict[str, str], timeout_seconds: float = 900.0) -> None:
-    """Build DeepSpeed's JIT ops once, before any rank starts.
+def prepare_extensions(env: dict[str, str], timeout_seconds: float = 900.0,
+                       ops: tuple[str, ...] = DeepSpeedLauncher.cpu_ops) -> None:
+    """Build DeepSpeed's JIT ops (``ops``: the framework's Launcher.cpu_ops) once, before any rank starts.
 
     torch's cpp_extension guards a build with a bare lock file (FileBaton); a process killed while
     it holds that file (a timeout, Ctrl-C) leaves it behind, and every later rank then waits for it
@@ -404,7 +377,7 @@ def prepare_extensions(env: dict[str, str], timeout_seconds: float = 900.0) -> N
         for baton in directory.glob("*/lock"):
             baton.unlink(missing_ok=True)
         code = ("from deepspeed.accelerator import get_accelerator\n"
-                f"for name in {BUILD_OPS!r}:\n"
+                f"for name in {ops!r}:\n"
                 "    builder = get_accelerator().create_op_builder(name)\n"
                 "    if builder is not None and builder.is_compatible():\n"
                 "        builder.load(verbose=False)\n")
@@ -448,16 +421,17 @@ def _environment(job: VerifyJob) -> dict[str, str]:
 def run_probe(request: EstimateRequest, *, out_dir: Path, steps: int = 2, warmup_steps: int = 1,
               timeout_seconds: float = 900.0, hostfile: str | None = None,
               on_progress=None, cancel=None, lock_fds: tuple[int, ...] = (), db: str | None = None,
-              run_id: int | None = None, registry: Path | None = None) -> ProbeResult:
+              run_id: int | None = None, registry: Path | None = None, setup: Setup | None = None) -> ProbeResult:
     """``cancel``: an object with ``is_set()`` (a threading.Event); when set, every rank is ended
     and the result is 'cancelled' (or the event's ``status``/``message`` attributes, when it has
     them: the server sets 'interrupted' when it stops). ``lock_fds``: the device locks, held by the
     supervisor until the last process of the run is gone. ``db``/``run_id``: where the supervisor
     records the run as interrupted if this process dies. ``registry``: where the supervisor
     registers the run, so that the next verify removes its /dev/shm segments if the supervisor
-    itself is killed (backend.supervisor.clean_stale_runs)."""
+    itself is killed (backend.supervisor.clean_stale_runs). ``setup``: the request as the
+    prediction resolved it."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    job = worker_job(request, steps=steps, warmup_steps=warmup_steps, out_dir=out_dir)
+    job = worker_job(request, steps=steps, warmup_steps=warmup_steps, out_dir=out_dir, setup=setup)
     job_path = out_dir / "job.json"
     job_path.write_text(job.to_json())
     log_path = out_dir / "launcher.log"
@@ -465,8 +439,9 @@ def run_probe(request: EstimateRequest, *, out_dir: Path, steps: int = 2, warmup
     command = launcher_command(job_path, request, hostfile, port, job.framework, job.device)
     start = time.monotonic()
     env = _environment(job)
-    if job.device == "cpu" and job.framework == "deepspeed":
-        prepare_extensions(env)
+    ops = _launcher(job.framework, request).cpu_ops
+    if job.device == "cpu" and ops:
+        prepare_extensions(env, ops=ops)
     log_path.write_bytes(b"")
     spec = {"command": command, "cwd": str(REPO_ROOT), "env": env, "log_path": str(log_path), "port": port,
             "state_path": str(out_dir / "supervisor.json"), "result_path": str(out_dir / "supervisor-result.json"),

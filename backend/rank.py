@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from backend.job import uses_deepspeed
 from backend.train import (COUNTER, deepspeed_engine, init_distributed, progress_writer, run_cuda,
                            run_profiled_cpu, torch_engine, torch_optimizer)
 
@@ -28,9 +29,9 @@ def engine_for(job: dict[str, Any], model: torch.nn.Module, device: torch.device
         from backend.train_experts import expert_engine
 
         return expert_engine(job, model, device)
-    if job.get("framework", "deepspeed") == "torch":
-        return torch_engine(job, model, device)
-    return deepspeed_engine(job, model)
+    if uses_deepspeed(job):
+        return deepspeed_engine(job, model)
+    return torch_engine(job, model, device)
 
 
 def parallel_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.device) -> "ParallelEngine":
@@ -59,7 +60,7 @@ def parallel_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.d
     # is more than one data-parallel rank (HSDP: over dp_replicate too); ddp (no sharding) leaves
     # the TP model as it is
     replicas = int(parallel.get("dp_replicate", 1))
-    sharded = settings["strategy"] != "ddp" and int(parallel["dp_shard"]) * cp * replicas > 1
+    sharded = settings["sharding"] is not None and int(parallel["dp_shard"]) * cp * replicas > 1
     if sharded:
         apply_fsdp(model, fsdp_mesh(mesh, parallel), settings, None if settings["pure_16bit"] else dtype)
     autocast = None if settings["pure_16bit"] or sharded else dtype

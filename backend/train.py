@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from backend.job import uses_deepspeed
+
 STEP_MARK = "planner::step::"
 TEXT_DECODER_OF = {"gemma3", "llama4", "mistral3"}  # multimodal model_types read through text_config
 
@@ -88,7 +90,7 @@ def synthetic_batch(job: dict[str, Any], step: int, device: torch.device) -> tor
 
 
 def init_distributed(job: dict[str, Any]) -> None:
-    if job.get("framework", "deepspeed") == "torch":
+    if not uses_deepspeed(job):
         torch.distributed.init_process_group(backend=job.get("dist_backend") or "nccl")
         return
     import deepspeed
@@ -423,7 +425,7 @@ def _count_collectives(job: dict[str, Any], engine, device: torch.device) -> dic
     collective's message size and time counted: DeepSpeed's comms logger
     (deepspeed/utils/comms_logging.py) for ZeRO, CollectiveCounter for torch.
     Returns {op: {"calls": n, "bytes": total payload, "seconds": total time}}."""
-    deepspeed_run = job.get("framework", "deepspeed") == "deepspeed"
+    deepspeed_run = uses_deepspeed(job)
     if deepspeed_run:
         import deepspeed.comm as ds_comm
 

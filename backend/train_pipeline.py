@@ -94,14 +94,8 @@ def _mesh(pp: int, dp: int, tp: int = 1):
 def _wrap_data_parallel(stage: StageModule, settings: dict[str, Any], mesh, dtype) -> torch.nn.Module:
     """DDP or FSDP2 over this stage's data-parallel group (torchtitan applies FSDP to each
     stage's model part the same way: every decoder layer a unit, then the part)."""
-    strategy = settings["dp_strategy"]
-    if strategy == "none":
+    if settings["dp_strategy"] == "none":  # else FSDP2, the one wrapper the job allows (backend/job.py)
         return stage
-    if strategy != "fsdp":
-        # DDP under the pipelining schedules fails in its reducer on the second micro-batch
-        # ("params_.size() == rebuilt_param_indices_.size() INTERNAL ASSERT FAILED",
-        # c10d/reducer.cpp, torch 2.13); torchtitan composes PP with FSDP2 / HSDP only.
-        raise RuntimeError(f"data-parallel {strategy} with pipeline stages: the trainer composes PP with fsdp only")
     from torch.distributed.fsdp import fully_shard
 
     from backend.train import mixed_precision_policy
@@ -148,7 +142,7 @@ def build_pipeline(job: dict[str, Any], device: torch.device):
                           settings.get("last_stage_layers"))
     mine = [pp_rank + k * pp for k in range(virtual)]  # looped placement (schedules.py interleaved)
     modules, stages = [], []
-    autocast = dtype if settings["dp_strategy"] != "fsdp" else None
+    autocast = dtype if settings["dp_strategy"] == "none" else None
     for index in mine:
         first, last = bounds[index]
         stage = StageModule(model, first, last, index == 0, index == stages_total - 1, autocast,

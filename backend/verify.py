@@ -19,7 +19,7 @@ from backend.supervisor import clean_stale_runs
 from planner.model.attention.kinds import kind_of
 from planner.model.catalogue import UnsupportedModelTypeError, catalogue_model, model_from_config
 from planner.errors import PlannerError
-from planner.memory.orchestrator import cpu_rank_bytes, estimate
+from planner.memory.orchestrator import cpu_rank_bytes, estimate, setup_of
 from planner.schema import EstimateRequest
 from planner.strategies import strategy
 
@@ -312,7 +312,7 @@ def verify(request: EstimateRequest, *, steps: int = 3, warmup_steps: int = 1, s
             result = run_probe(request, out_dir=out_dir, steps=steps, warmup_steps=warmup_steps,
                                timeout_seconds=timeout, hostfile=hostfile, on_progress=on_progress,
                                cancel=cancel, lock_fds=lock_fds, db=str(store.path), run_id=run_id,
-                               registry=run_registry())
+                               registry=run_registry(), setup=setup_of(prediction))
     except PlannerError as exc:
         record.update(status="refused", message=str(exc))
         store.finish(run_id, record)

@@ -86,7 +86,7 @@ def job_from_plan(args: argparse.Namespace):
         raise PlanFileError(f"--plan {args.plan}: not a runnable plan.json written by `planner ... --emit` "
                             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
     if args.deepspeed_config:
-        if job.framework != "deepspeed":
+        if job.ds_config is None:
             raise PlanFileError(f"--deepspeed_config: the plan's strategy {request.strategy} is not a DeepSpeed one")
         try:
             user_config = json.loads(Path(args.deepspeed_config).read_text())

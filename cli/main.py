@@ -266,7 +266,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     script = _script(args)
     result = estimate_any(request)  # Hub ids, and tracing for a model_type without a reader
     if args.emit is not None:
-        from planner.plan.emit import emit_estimate_files, write_files
+        from cli.files import write_files
+        from planner.plan.emit import emit_estimate_files
 
         written = write_files(args.emit, emit_estimate_files(result, script))
         _report_emitted(written)
@@ -464,7 +465,7 @@ def cmd_topo(args: argparse.Namespace) -> int:
         topo = parse_topology(text, gpu_type, source=args.file or "stdin")
     if args.svg is not None:
         _check_output_path(args.svg, "--svg", "file")
-        from planner.plan.emit import write_files
+        from cli.files import write_files
         from planner.render import topology_svg
 
         target = Path(args.svg)
@@ -498,7 +499,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         pick = result.recommended if args.pick is None else _pick(result, args.pick)
         if pick is None:
             raise CliError("nothing fits, so nothing is emitted; see the rejected reasons")
-        from planner.plan.emit import emit_files, write_files
+        from cli.files import write_files
+        from planner.plan.emit import emit_files
 
         written = write_files(args.emit, emit_files(request, pick, script))
         _report_emitted(written)

@@ -600,6 +600,11 @@ class PlanRequest(BaseModel):
         "(the sum over the node's ranks); default: the topology preset's system memory from its datasheet")
     alloc_conf: AllocConfField = None
     nccl_buffsize_bytes: NcclBuffsizeField = None
+    framework_version: str | None = Field(
+        None, max_length=32, pattern=r"^[0-9][0-9A-Za-z.+-]*$",
+        description="version of a framework to model, e.g. 0.19 or 0.19.8 for DeepSpeed, 2.13 for torch: that "
+                    "framework's candidates are estimated at it, the others' at their newest modelled version; an "
+                    "unmodelled one is refused with the choices")
     tp: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE, description="tensor-parallel degree (fixed; the search keeps it)")
     pp: PipelineDegree = 1
     cp: ContextDegree = 1

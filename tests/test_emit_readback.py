@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from cli.main import main
-from planner.plan.emit import emit_estimate_files, write_files
+from cli.files import write_files
+from planner.plan.emit import emit_estimate_files
 from planner.schema import EstimateRequest
 from planner.time.step import estimate_with_time
 

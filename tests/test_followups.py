@@ -135,7 +135,7 @@ def _run_launch_sh(tmp_path, visible):
     import os
     import subprocess
 
-    from planner.plan.emit import write_files
+    from cli.files import write_files
 
     out = tmp_path / "emit"
     write_files(out, emit_estimate_files(estimate(_gpu_request())))

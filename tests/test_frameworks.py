@@ -4,9 +4,11 @@ strategy's phases, collectives, offload rules and launch settings."""
 import pytest
 
 from planner.errors import PlannerError
-from planner.frameworks import framework, framework_of
+from planner.frameworks import framework, framework_of, version_for
 from planner.memory.orchestrator import resolve
-from planner.schema import EstimateRequest
+from planner.plan.emit import estimate_request_for
+from planner.plan.search import plan
+from planner.schema import EstimateRequest, PlanRequest
 from planner.strategies import STRATEGIES, strategy
 
 
@@ -49,7 +51,7 @@ def test_worker_settings_carry_the_sharding_and_the_ds_config(tmp_path):
 
 def test_setup_names_its_framework():
     assert resolve(EstimateRequest(model="gpt2", strategy="hsdp", gpus=2, nodes=2)).framework.name == "torch"
-    assert resolve(EstimateRequest(model="gpt2", strategy="zero1", gpus=2)).framework.launcher == "deepspeed"
+    assert resolve(EstimateRequest(model="gpt2", strategy="zero1", gpus=2)).framework.launch.program == "deepspeed"
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
@@ -132,3 +134,22 @@ def test_the_cli_refuses_an_unmodelled_framework_version_in_one_line(capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert "--framework-version" in err and "torch 3.0 is not modelled; choose from 2.13" in err
+
+
+def test_a_plan_names_a_framework_version_that_applies_to_that_frameworks_candidates():
+    assert version_for(strategy("zero3"), "0.19") == "0.19" and version_for(strategy("fsdp"), "0.19") is None
+    assert version_for(strategy("fsdp"), "2") == "2" and version_for(strategy("zero1"), None) is None
+    req = PlanRequest(model="gpt2", gpus=2, seq_len=512, framework_version="0.19")
+    result = plan(req)
+    by_framework = {strategy(c.strategy).framework: c for c in result.candidates}
+    assert {"deepspeed", "torch"} <= set(by_framework)
+    assert estimate_request_for(req, by_framework["deepspeed"]).framework_version == "0.19"
+    assert estimate_request_for(req, by_framework["torch"]).framework_version is None
+
+
+@pytest.mark.parametrize("version", ["0.20", "3", "2.13.1"])
+def test_a_plan_refuses_an_unmodelled_framework_version_naming_the_field_and_the_choices(version):
+    with pytest.raises(PlannerError, match=f"framework_version {version} is not modelled; choose from "
+                                           "deepspeed 0.19.8, torch 2.13") as caught:
+        plan(PlanRequest(model="gpt2", gpus=2, seq_len=512, framework_version=version))
+    assert caught.value.field == "framework_version"

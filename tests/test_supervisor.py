@@ -156,7 +156,7 @@ def test_a_launcher_that_cannot_start_is_a_launcher_error(tmp_path, monkeypatch)
     from planner.schema import EstimateRequest
 
     monkeypatch.setattr(launch, "launcher_command", lambda *a, **k: [str(tmp_path / "no-such-launcher")])
-    monkeypatch.setattr(launch, "prepare_extensions", lambda env: None)
+    monkeypatch.setattr(launch, "prepare_extensions", lambda env, **_: None)
     request = EstimateRequest(model_config={"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
                                             "intermediate_size": 128, "num_hidden_layers": 1,
                                             "num_attention_heads": 2}, gpu="cpu", gpus=2, strategy="zero2")

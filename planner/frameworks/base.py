@@ -11,6 +11,7 @@ from planner.frameworks.deepspeed.config import (DEFAULT_ALLGATHER_BUCKET, DEFAU
                                                  DEFAULT_PREFETCH_BUCKET, DEFAULT_REDUCE_BUCKET)
 from planner.errors import PlannerError
 from planner.memory.optimizer import flat, spec_of, state_bits
+from planner.frameworks.launcher import Launcher
 
 if TYPE_CHECKING:
     import numpy as np
@@ -79,7 +80,7 @@ class Framework:
     # DeepSpeed's flat partitions (stage_1_and_2.py / stage3.py flatten each group into one buffer)
     state_tensors_per_parameter: bool = False
     version: str = ""  # the version whose source the module was read from
-    launcher: str = ""  # the program that starts the ranks
+    launch: Launcher = Launcher()  # what starts its ranks and the config files a launch of it reads
     # fp32 copies of a tensor the CUDA optimizer step allocates (FusedAdam: 0; torch foreach: 1)
     cuda_adam_copies: int = 0
     # its sharded parameters are DTensors the optimizer steps (FSDP2), not flat partitions of its own
@@ -88,6 +89,17 @@ class Framework:
     probe_optimizers: tuple[str, ...] = ("adamw", "sgd", "sgd-momentum")
     # CPU offload of the parameters also moves their gradients to the host
     offloads_gradients_with_params: bool = False
+    # The module's own weights are the master copy (fp32 under a mixed recipe, cast for compute by
+    # torch.autocast or FSDP2's MixedPrecisionPolicy) and their gradients are in the weights' dtype;
+    # False: the module is cast to 16 bits and the fp32 master lives in the optimizer (DeepSpeed)
+    weights_are_master: bool = False
+    # Tensor parallelism by DeepSpeed's AutoTP: the linears split as the model's HF tp_plan says,
+    # the logits gathered whole, no Megatron-style sequence parallelism (False: torch's DTensor
+    # plans, torchtitan's SequenceParallel and loss_parallel)
+    autotp: bool = False
+    # Pipeline stages run by the framework's own engine (DeepSpeed's PipelineEngine over a
+    # PipelineModule the script builds); False: torch.distributed.pipelining with DDP/FSDP2 per stage
+    own_pipeline_engine: bool = False
 
     def phases(self, setup: "Setup", acts: "Activations | None", numels: list[int]) -> "PhasePlan":
         raise NotImplementedError
@@ -129,8 +141,24 @@ class Framework:
         it is no FSDP."""
         return None
 
-    def check_precision(self, s: "Strategy", precision: str) -> None:
+    def check_precision(self, s: "Strategy", recipe: "Recipe") -> None:
         """Refuse a precision recipe the framework does not implement."""
+
+    def check_context_parallel(self, s: "Strategy", cp: int) -> None:
+        """Refuse context parallelism (cp > 1) where the framework has none for strategy ``s``."""
+
+    def check_pipeline(self, setup: "Setup", schedule: str) -> None:
+        """Refuse a pipeline layout (pp > 1) the framework's pipeline does not run."""
+
+    def linears_save_inputs(self, s: "Strategy") -> bool:
+        """The framework's own autograd function around every linear saves its input (DeepSpeed
+        ZeRO-3's LinearFunctionForZeroStage3), beside what the model saves."""
+        return False
+
+    def gradient_bucket_copy(self, s: "Strategy") -> bool:
+        """A data-parallel wrapper keeps a second copy of every gradient in its buckets (torch DDP's
+        Reducer with gradient_as_bucket_view=False)."""
+        return False
 
     def worker_settings(self, setup: "Setup", request: Any) -> dict[str, Any]:
         """What the verification backend's rank needs to build this framework's engine."""
@@ -172,11 +200,40 @@ def framework(name: str, version: str | None = None) -> Framework:
             raise PlannerError(f"framework {name}: not modelled; known: {known}", field="strategy")
         return _REGISTRY[(name, version)]
     versions = sorted(v for n, v in _REGISTRY if n == name)
-    chosen = [v for v in versions if v == version or v.startswith(version + ".")]
+    chosen = [v for v in versions if _matches(version, v)]
     if len(chosen) != 1:
         raise PlannerError(f"{name} {version} is not modelled; choose from "
                            f"{', '.join(versions)}", field="framework_version", value=version)
     return _REGISTRY[(name, chosen[0])]
+
+
+def _matches(version: str, modelled: str) -> bool:
+    return modelled == version or modelled.startswith(version + ".")
+
+
+def check_version(version: str | None) -> None:
+    """A plan's ``framework_version`` names a modelled version of some framework (exactly or as a
+    prefix at a dot); refused with every modelled one otherwise."""
+    if version is not None and not any(_matches(version, v) for _, v in _REGISTRY):
+        known = ", ".join(f"{n} {v}" for n, v in sorted(_REGISTRY))
+        raise PlannerError(f"framework_version {version} is not modelled; choose from {known}",
+                           field="framework_version", value=version)
+
+
+def version_for(s: "Strategy", version: str | None) -> str | None:
+    """The version a plan's candidate of strategy ``s`` is estimated at: the plan's
+    ``framework_version`` when it is one of ``s``'s framework's, else None (its default): a plan
+    asked for DeepSpeed 0.19 estimates its torch candidates at torch's newest."""
+    if version is None or not any(n == s.framework and _matches(version, v) for n, v in _REGISTRY):
+        return None
+    return version
+
+
+def version_field(s: "Strategy", version: str | None) -> dict[str, str]:
+    """``version_for`` as the estimate request's field: none when it is the default, so that the
+    request stays the one it always was."""
+    chosen = version_for(s, version)
+    return {"framework_version": chosen} if chosen is not None else {}
 
 
 def framework_of(s: "Strategy", version: str | None = None) -> Framework:

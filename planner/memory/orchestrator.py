@@ -95,22 +95,23 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     check_precision(g, precision)
     fw = framework_of(s, request.framework_version)
     fw.check_offload(s, zero.offload_optimizer, zero.offload_params)
-    fw.check_precision(s, precision)
+    recipe = RECIPES[precision]  # the precision decoded once: the Setup carries it
+    fw.check_precision(s, recipe)
     model = model if model is not None else resolve_model(request)
     if request.include_vision:
         model = with_vision(model)
     shard = shard_group_size(s, request.gpus, request.nodes, request.hsdp_shard_size)
     dims = _dims(request, s, shard, model)
-    check_context_parallel(dims.cp, s.framework, s.name, request.attention, model.architecture)
-    finetune = resolve_finetune(request, model.architecture, s.name, s.framework)
+    check_context_parallel(dims.cp, fw, s, request.attention, model.architecture)
+    finetune = resolve_finetune(request, model.architecture, s, fw, recipe)
     check_loop(request, model.architecture)
     check_checkpointing(model.architecture, request.checkpointing, request.checkpointing_every, request.attention,
                         _checkpointing_why_not(request, model, finetune))
-    fields = {"shard_size": shard} | tensor_parallel_fields(request, s, model, shard)
+    fields = {"shard_size": shard} | tensor_parallel_fields(request, s, fw, model, shard)
     fields["loss_chunks"] = loss_chunks(request, _checkpointing_why_not(request, model, finetune),
                                         torch_tp=bool(fields.get("vocab_parallel_loss")))
     setup = Setup(request=request.model_copy(update={"precision": precision} | from_config), model=model, strategy=s,
-                  recipe=RECIPES[precision], gpu=g, zero=zero, world_size=request.world_size, dims=dims,
+                  recipe=recipe, gpu=g, zero=zero, world_size=request.world_size, dims=dims,
                   finetune=finetune, **fields)
     check_optimizer(setup)
     return setup

@@ -23,20 +23,19 @@ def activations(setup: Setup) -> Activations | None:
     compute = setup.recipe.compute_bytes
     if setup.finetune is not None:
         # torch.autocast (ddp with a mixed recipe) keeps PEFT's fp32 adapters: each casts its input
-        adapter_copy = setup.framework.name == "torch" and not setup.strategy.shards_parameters \
+        adapter_copy = setup.framework.weights_are_master and not setup.strategy.shards_parameters \
             and setup.recipe.master_bits > 0
         return lora_activations(setup.arch, setup.finetune, micro_batch=req.micro_batch, seq_len=req.seq_len,
                                 compute_bytes=compute, attention=req.attention, checkpointing=req.checkpointing,
                                 device=setup.device, adapter_copy=adapter_copy,
-                                linears_save_inputs=setup.strategy.framework == "deepspeed"
-                                and setup.strategy.zero_stage == 3,
+                                linears_save_inputs=setup.framework.linears_save_inputs(setup.strategy),
                                 fp32_stream=setup.finetune.quantize in ("nf4", "fp4") and adapter_copy)
     arch = setup.arch
     seq_len = req.seq_len // setup.cp  # the rank's two chunks of each sequence under cp
     # torch.autocast over the fp32 weights: torch's mixed recipes where nothing casts them (DDP, a
     # TP-only rank; FSDP2 casts them by its MixedPrecisionPolicy: backend/train.py, train_parallel.py).
     # A pipeline stage counts its own (pipeline._autocast_fp32_stream_extra); cp keeps the 16-bit count.
-    autocast = (setup.strategy.framework == "torch" and setup.recipe.autocast_dtype is not None
+    autocast = (setup.framework.weights_are_master and setup.recipe.autocast_dtype is not None
                 and not (setup.strategy.shards_parameters and setup.data_parallel_wrapped)
                 and setup.dims.pp == 1 and setup.cp == 1)
     acts = estimate_activations(arch, micro_batch=req.micro_batch, seq_len=seq_len,

@@ -453,7 +453,7 @@ def check_checkpointing(a: Architecture | None, checkpointing: str, every: int |
         raise PlannerError(f"{field}={value} needs an architecture: give model or model_config", field=field)
     if checkpointing == "selective-op":
         specs = distinct_specs(a).values()
-        plain = all(s.attention.kind != "mla" and not s.attention.sinks and not s.attention.fused_qkv
+        plain = all(kind_of(s.attention).plain_projections and not s.attention.sinks and not s.attention.fused_qkv
                     and not s.mlp.is_moe and [x.name for x in block_linears(a, s)][:3] == ["q_proj", "k_proj",
                                                                                           "v_proj"]
                     for s in specs)

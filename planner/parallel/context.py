@@ -25,23 +25,23 @@ in each ring step), and the saved copy and backward transient below were found w
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from planner.model.activations import FP32, ActivationItem, Activations
 from planner.model.architecture import Architecture, distinct_specs
 from planner.model.attention.kinds import kind_of
 from planner.errors import PlannerError
 
+if TYPE_CHECKING:
+    from planner.frameworks.base import Framework
+    from planner.strategies import Strategy
 
-def check_context_parallel(cp: int, framework: str, strategy: str, attention: str, arch: Architecture | None) -> None:
+
+def check_context_parallel(cp: int, framework: "Framework", strategy: "Strategy", attention: str,
+                           arch: Architecture | None) -> None:
     if cp == 1:
         return
-    if framework != "torch":
-        raise PlannerError(f"cp={cp} with strategy {strategy}: DeepSpeed 0.19.8 has no ring/context parallelism "
-                           "(its sequence parallelism is Ulysses all-to-all over heads); torch's context_parallel "
-                           "with FSDP2 (strategy fsdp or hsdp, torchtitan) splits the sequence", field="cp")
-    if strategy == "ddp":
-        raise PlannerError(f"cp={cp} with strategy ddp: torchtitan shards the parameters over dp_shard x cp with "
-                           "FSDP2 whenever cp > 1 (parallel_dims.py fsdp_enabled); use fsdp or hsdp", field="cp")
+    framework.check_context_parallel(strategy, cp)
     if attention != "sdpa":
         raise PlannerError(f"cp={cp} with attention {attention}: ring attention replaces SDPA's flash/efficient/cuDNN "
                            "kernels; use attention sdpa", field="cp")

@@ -247,7 +247,7 @@ def localize(setup, textbook_states):
     back = {c: full_resident.get(c, 0) - local_resident.get(c, 0) if on else 0
             for c, on in (("parameters", s.shards_parameters), ("optimizer_states", s.shards_optimizer))}
     grads_back = full_states[1] - local_states[1] if s.shards_gradients else 0
-    if s.framework == "torch" and setup.recipe.master_bits:
+    if setup.framework.weights_are_master and setup.recipe.master_bits:
         grads_back *= 2
     router = full.parameters_per_rank - local_count
     if setup.dims.pp > 1:

@@ -284,7 +284,7 @@ def _autocast(setup: "Setup", dp: int) -> bool:
     """Mixed precision by torch.autocast (fp32 weights, 16-bit matmuls): DDP or no wrapper; FSDP2
     over dp > 1 casts the weights themselves (MixedPrecisionPolicy param_dtype); DeepSpeed holds
     16-bit weights."""
-    return (setup.recipe.compute != "fp32" and setup.recipe.master_bits > 0 and setup.strategy.framework == "torch"
+    return (setup.recipe.compute != "fp32" and setup.recipe.master_bits > 0 and setup.framework.weights_are_master
             and not (dp > 1 and setup.strategy.shards_parameters))
 
 
@@ -435,14 +435,14 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
     params = sum(s.parameters for s in mine)
     largest = max(s.largest_tensor for s in mine)
     compute = 4 if r.compute == "fp32" else 2
-    torch_framework = setup.strategy.framework == "torch"
+    master_weights = setup.framework.weights_are_master
     # torch (DDP, FSDP2, or no wrapper): the weights are the master copy (fp32 under the mixed
     # recipes, as buffers._torch_phases stores them) and the optimizer keeps its states only;
     # DeepSpeed's pipeline engine (ZeRO-0/1): 16-bit weights and gradients, fp32 master in the optimizer.
-    weight_bits = 32 if torch_framework and (r.master_bits or r.weight_bits == 32) else r.weight_bits
-    grad_bits = weight_bits if torch_framework else r.grad_bits
+    weight_bits = 32 if master_weights and (r.master_bits or r.weight_bits == 32) else r.weight_bits
+    grad_bits = weight_bits if master_weights else r.grad_bits
     weights = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_parameters else params, weight_bits)
-    states_bits = (0 if torch_framework else r.master_bits) + setup.framework.optimizer_state_bits(setup, [params])
+    states_bits = (0 if master_weights else r.master_bits) + setup.framework.optimizer_state_bits(setup, [params])
     optim = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_optimizer else params, states_bits)
     recv = m * sum(s.input_bytes for s in mine)
     grad_recv = m * sum(s.output_bytes for s in mine)
@@ -455,7 +455,7 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
         _item(f"gradient receive buffers ({m} micro-batches)", grad_recv, "buffers",
               "torch pipelining stage.py _create_grad_recv_info: one buffer per micro-batch"),
     ]
-    if setup.strategy.name == "ddp" and dp.dp > 1:
+    if setup.framework.gradient_bucket_copy(setup.strategy) and dp.dp > 1:
         resident.append(_item("DDP gradient buckets (a copy of the gradients)", grad_bits // 8 * params, "buffers",
                               "torch DDP Reducer, gradient_as_bucket_view=False"))
     # During the schedule: FSDP2 keeps the stage's parameters unsharded (compute dtype) and
@@ -571,24 +571,15 @@ def check_framework(setup: "Setup", schedule: str) -> None:
     """What the data-parallel framework's pipeline supports. DeepSpeed's PipelineEngine runs its
     own 1F1B TrainSchedule (deepspeed/runtime/pipe/schedule.py) with ZeRO stage 0 or 1 only
     (pipe/engine.py: "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"); torch's
-    pipelining composes with DDP and FSDP2 (torchtitan: FSDP2 / HSDP), every schedule."""
-    s = setup.strategy
+    pipelining composes with DDP and FSDP2 (torchtitan: FSDP2 / HSDP), every schedule
+    (Framework.check_pipeline)."""
     if getattr(setup, "finetune", None) is not None:
         raise PlannerError(f"pp={setup.dims.pp} with finetune {setup.request.finetune}: the pipeline model counts full "
                            "fine-tuning; estimate LoRA/QLoRA without pp", field="pp")
     if setup.zero.offload_optimizer != "none" or setup.zero.offload_params != "none":
         raise PlannerError(f"pp={setup.dims.pp} with offload: the pipeline model keeps every state on the device; "
                            "use offload_optimizer none and offload_params none", field="pp")
-    if s.framework != "deepspeed":
-        return
-    if (s.zero_stage or 0) >= 2:
-        raise PlannerError(f"pp={setup.dims.pp} with strategy {s.name}: DeepSpeed's pipeline engine supports "
-                           "ZeRO stage 0 or 1 only; use zero1, or fsdp (torch pipelining x FSDP2) to shard "
-                           "gradients and parameters", field="pp")
-    if schedule != "1f1b":
-        raise PlannerError(f"pp_schedule={schedule} with strategy {s.name}: DeepSpeed's pipeline engine runs 1F1B "
-                           "only; use pp_schedule 1f1b, or a torch strategy (ddp, fsdp, hsdp) for torch's "
-                           f"{schedule} schedule", field="pp_schedule")
+    setup.framework.check_pipeline(setup, schedule)
 
 
 def estimate_plan(setup: "Setup") -> tuple["PhasePlan", tuple[int, int, int], list[RankMemory]]:
@@ -793,7 +784,7 @@ def pipeline_volumes(setup: "Setup", data_parallel_rows: list[dict], rank: int =
     compute = 4 if setup.recipe.compute == "fp32" else 2
     reduce = FP32 if req.reduce_dtype == "fp32" else compute  # FSDP2 reduce-scatters in its reduce dtype
     rows: list[dict] = []
-    if d.dp > 1 and setup.strategy.framework == "torch":
+    if d.dp > 1 and not setup.framework.own_pipeline_engine:  # DDP / FSDP2 per stage
         if setup.strategy.shards_parameters:
             rows += [{"what": "parameter all-gathers", "bytes_per_step": compute * params, "message_bytes":
                       compute * max(s.parameters for s in mine), "group": "shard"},

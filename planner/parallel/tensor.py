@@ -21,6 +21,7 @@ with ``loss_parallel``), verified by backend/train_parallel.py on CPU ranks.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from planner.model.activations import FP32, ActivationItem, Activations, EdgeTerms, final_norm_transient_bytes
 from planner.model.architecture import Architecture, distinct_specs, layer_specs, parameter_numels
@@ -30,6 +31,9 @@ from planner.errors import PlannerError
 from planner.model.layers import LayerSpec
 from planner.memory.moments import PhaseKind
 from planner.schema import MemoryItem
+
+if TYPE_CHECKING:
+    from planner.frameworks.base import Framework
 
 
 def _split(value: int, tp: int) -> int:
@@ -243,12 +247,12 @@ def tp_activations(acts: Activations, full: Architecture, rank: Architecture, *,
                    final_norm_transient_bytes=final_norm_transient)
 
 
-def sequence_parallel_for(request, framework: str) -> bool:
+def sequence_parallel_for(request, framework: "Framework") -> bool:
     """SP is on with tp by default (torchtitan's and Megatron's default); DeepSpeed's AutoTP
     splits the linear layers only and has no Megatron-style sequence parallelism (its "sequence
     parallel" is Ulysses, an all-to-all over heads), so there it is off and cannot be asked for."""
     asked = request.sequence_parallel
-    if framework == "deepspeed":
+    if framework.autotp:
         if asked:
             raise PlannerError(f"sequence_parallel=true with strategy {request.strategy}: DeepSpeed's AutoTP "
                                "(tensor_parallel.autotp_size) splits linears only; torch (fsdp, hsdp, ddp with "
@@ -258,7 +262,7 @@ def sequence_parallel_for(request, framework: str) -> bool:
     return True if asked is None else bool(asked)
 
 
-def tensor_parallel_fields(request, strategy, model, shard: int) -> dict:
+def tensor_parallel_fields(request, strategy, framework: "Framework", model, shard: int) -> dict:
     """Setup's TP fields for a request (empty when tp is 1): the rank's narrower model, SP, and
     the data-parallel shard group, which is what remains of the world once TP takes its ranks."""
     tp = request.tp
@@ -282,11 +286,11 @@ def tensor_parallel_fields(request, strategy, model, shard: int) -> dict:
     # torch's loss_parallel keeps the logits vocab-sharded; DeepSpeed's AutoTP follows the model's
     # HuggingFace tp_plan (autotp_layout) and gathers the logits whole.
     rank = rank_architecture(arch, tp)
-    if strategy.framework == "deepspeed":
-        return {"sequence_parallel": sequence_parallel_for(request, strategy.framework), "vocab_parallel_loss": False,
+    if framework.autotp:
+        return {"sequence_parallel": sequence_parallel_for(request, framework), "vocab_parallel_loss": False,
                 "rank_architecture": _with(rank, {"vocab_size": arch.vocab_size}), **autotp_layout(arch, tp),
                 "shard_size": shard // tp}
-    return {"sequence_parallel": sequence_parallel_for(request, strategy.framework), "vocab_parallel_loss": True,
+    return {"sequence_parallel": sequence_parallel_for(request, framework), "vocab_parallel_loss": True,
             "rank_architecture": rank, "shard_size": shard // tp}
 
 

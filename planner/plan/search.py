@@ -22,7 +22,7 @@ from planner.time import kernels
 from planner.time import collectives as timing
 from planner.model.catalogue import catalogue_model, model_from_config, with_vision
 from planner.errors import PlannerError
-from planner.frameworks import framework_of
+from planner.frameworks import check_version, framework_of, version_field
 from planner.cluster.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.cluster.hardware import profile_compute_scale, profile_efficiencies, topology_of
 from planner.plan.layouts import Rejected, cp_degrees, ep_degrees, pp_degrees, tp_degrees
@@ -86,6 +86,7 @@ def _request(req: PlanRequest, combo: Setting, micro: int, model_fields: dict,
         hsdp_shard_size=explicit_hsdp_shard(combo.strategy, combo.shard * combo.tp if combo.shard else None,
                                             combo.gpus),
         host_memory_gib=req.host_memory_gib, topology=req.topology, **_reduce_field(req, combo.strategy),
+        **_version_field(req, combo.strategy),
         alloc_conf=req.alloc_conf, nccl_buffsize_bytes=req.nccl_buffsize_bytes,
         **_degree_fields(req, combo, micro, accumulation)))
 
@@ -94,6 +95,11 @@ def _reduce_field(req: PlanRequest, strategy: str) -> dict:
     """FSDP2's reduce dtype for the sharding candidates (none when it is the default, so that the
     request stays the one it always was); the other strategies have no such setting."""
     return {"reduce_dtype": req.reduce_dtype} if req.reduce_dtype != "compute" and strategy in SHARDING_STRATEGIES else {}
+
+
+def _version_field(req: PlanRequest, strategy: str) -> dict:
+    """The plan's framework_version where it is the strategy's framework's (planner/frameworks/base.py)."""
+    return version_field(lookup_strategy(strategy), req.framework_version)
 
 
 def _degree_fields(req: PlanRequest, combo: Setting, micro: int, accumulation: int | None = None) -> dict:
@@ -244,6 +250,7 @@ def plan(req: PlanRequest, profile=None) -> PlanResult:
 
         return plan_finetune_auto(req, lambda one: plan(one, profile))
     started = wallclock.perf_counter()
+    check_version(req.framework_version)
     g = lookup_gpu(req.gpu)
     check_precision(g, req.precision)
     refuse_unmodelled(req)
@@ -1219,7 +1226,8 @@ def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_field
                                      seq_len=seq, checkpointing="full", attention=req.attention,
                                      offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
                                      hsdp_shard_size=explicit_hsdp_shard(c.strategy, c.hsdp_shard_size, req.gpus),
-                                     **_reduce_field(req, c.strategy), **degrees), simulate=False)
+                                     **_reduce_field(req, c.strategy), **_version_field(req, c.strategy),
+                                     **degrees), simulate=False)
         return e.per_device.peak_bytes <= usable
 
     low = 0
@@ -1281,7 +1289,8 @@ def _fits(req: PlanRequest, name: str, usable: float, model_fields: dict, gpus: 
                                              seq_len=req.seq_len, checkpointing="full", attention=req.attention,
                                              offload_optimizer=off_opt, offload_params=off_par,
                                              hsdp_shard_size=explicit_hsdp_shard(name, shard, gpus),
-                                             **_reduce_field(req, name), **degrees), simulate=False)
+                                             **_reduce_field(req, name), **_version_field(req, name),
+                                             **degrees), simulate=False)
             except PlannerError as refused:  # refused for this fine-tuning or optimizer (see _evaluate_setting)
                 if req.finetune == "full" and refused.field not in OPTIMIZER_FIELDS:
                     raise
@@ -1330,7 +1339,7 @@ def _replicated_weights_exceed(req: PlanRequest, name: str, usable: float, model
                                      precision=req.precision, optimizer=req.optimizer, micro_batch=1,
                                      optimizer_in_backward=req.optimizer_in_backward,
                                      seq_len=req.seq_len, checkpointing="full", attention=req.attention,
-                                     **({"tp": tp} if tp > 1 else {})), simulate=False)
+                                     **_version_field(req, name), **({"tp": tp} if tp > 1 else {})), simulate=False)
     except PlannerError:
         return False
     return e.per_device.parameters_bytes + e.per_device.framework_bytes > usable
@@ -1351,7 +1360,7 @@ def _pipeline_min_gpus(req: PlanRequest, usable: float, model_fields: dict, tp: 
                                          gradient_accumulation=pp, seq_len=req.seq_len, checkpointing="full",
                                          attention=req.attention, tp=tp, pp=pp, pp_schedule=req.pp_schedule,
                                          pp_virtual_stages=req.pp_virtual_stages, **_split_fields(split),
-                                         **_reduce_field(req, "fsdp")),
+                                         **_reduce_field(req, "fsdp"), **_version_field(req, "fsdp")),
                          simulate=False)
         except PlannerError:
             return False

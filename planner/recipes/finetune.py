@@ -22,11 +22,12 @@ from planner.errors import PlannerError
 from planner.recipes.finetune_fields import check_request_fields
 from planner.model.layers import LayerSpec
 from planner.model.linears import Linear, block_linears
-from planner.recipes.precision import RECIPES
-from planner.strategies import strategy as _strategy
 
 if TYPE_CHECKING:
+    from planner.frameworks.base import Framework
+    from planner.recipes.precision import Recipe
     from planner.schema import EstimateRequest
+    from planner.strategies import Strategy
 
 # PEFT 0.21 LoraConfig defaults (peft/tuners/lora/config.py): r=8, lora_alpha=8, lora_dropout=0.0.
 DEFAULT_RANK = 8
@@ -96,9 +97,10 @@ def _targets(request: "EstimateRequest", arch: Architecture) -> tuple[str, ...]:
     return names
 
 
-def resolve_finetune(request: "EstimateRequest", arch: Architecture | None, strategy: str,
-                     framework: str) -> Finetune | None:
-    """The request's fine-tuning, checked against the architecture and the framework."""
+def resolve_finetune(request: "EstimateRequest", arch: Architecture | None, strategy: "Strategy",
+                     framework: "Framework", recipe: "Recipe") -> Finetune | None:
+    """The request's fine-tuning, checked against the architecture, the framework and the
+    precision ``recipe``."""
     if request.finetune == "full":
         return None
     if arch is None:
@@ -112,21 +114,21 @@ def resolve_finetune(request: "EstimateRequest", arch: Architecture | None, stra
         raise PlannerError(f"finetune={request.finetune} with include_vision: adapters on the vision tower are not "
                            "modelled", field="finetune")
     quantize = request.quantize_base or ("nf4" if request.finetune == "qlora" else "none")
-    if quantize != "none" and _strategy(strategy).shards_parameters:
+    if quantize != "none" and strategy.shards_parameters:
         # ZeRO-3 and FSDP2 partition every parameter as a flat floating-point shard; bitsandbytes'
         # Params4bit/Int8Params carry their quantization state beside the data, which the shard loses
         # (measured: see backend/finetune.py and the README's LoRA section).
-        raise PlannerError(f"quantize_base={quantize} with strategy {strategy}: {_SHARDED_QUANT_REASON}",
+        raise PlannerError(f"quantize_base={quantize} with strategy {strategy.name}: {_SHARDED_QUANT_REASON}",
                            field="quantize_base")
     check_activation_family(arch, request.finetune)
-    if strategy == "fsdp-grad-op":
+    if strategy.params_unsharded_in_step:  # fsdp-grad-op
         raise PlannerError(f"finetune={request.finetune} with strategy fsdp-grad-op: SHARD_GRAD_OP with a frozen base "
                            "is not modelled; use fsdp, hsdp, ddp or zero0-3", field="finetune")
     if request.offload_params != "none":
         raise PlannerError(f"offload_params={request.offload_params} with finetune={request.finetune}: offloading a "
                            "frozen base is not modelled", field="offload_params")
-    if quantize == "int8" and framework == "torch" and RECIPES[request.precision].reduced_dtype is not None:
-        raise PlannerError(f"quantize_base=int8 with strategy {strategy} and precision {request.precision}: LLM.int8 "
+    if quantize == "int8" and framework.weights_are_master and recipe.reduced_dtype is not None:
+        raise PlannerError(f"quantize_base=int8 with strategy {strategy.name} and precision {request.precision}: LLM.int8 "
                            "under torch.autocast is not modelled (the 4-bit bases nf4/fp4 are); use zero0-2 (bf16) "
                            "or fp32", field="quantize_base")
     if request.train_embeddings and arch.tie_word_embeddings:
@@ -454,7 +456,7 @@ def frozen_bytes_per_element(setup: Any) -> int:
     prepare_model_for_kbit_training upcasts every 16-bit parameter left to fp32 (peft/utils/
     other.py) and nothing casts it back; DeepSpeed's engine casts the module back to 16 bits."""
     f = setup.finetune
-    if f.quantize != "none" and setup.strategy.framework == "torch":
+    if f.quantize != "none" and setup.framework.weights_are_master:
         return 4
     return setup.recipe.weight_bits // 8
 
@@ -533,7 +535,7 @@ def frozen_items(setup: Any, kind: Any) -> list[Any]:
     f, s, dp = setup.finetune, setup.strategy, setup.shard_size
     base = frozen_base_of(setup)
     how = f"{f.quantize} (bitsandbytes)" if f.quantize != "none" else f"{8 * frozen_bytes_per_element(setup)}-bit"
-    if s.framework == "deepspeed" and s.zero_stage == 3:
+    if s.zero_stage == 3:  # DeepSpeed ZeRO-3 partitions the frozen parameters with the rest
         part, persistent, gathered = _zero3_frozen(setup, parameter_numels(setup.arch))
         items = [MemoryItem(name=f"frozen base, {how}: 1/{dp} partition", bytes=part, component="frozen_weights",
                             source="ZeRO-3 partitions frozen parameters too"),

@@ -45,6 +45,7 @@ from typing import Literal
 
 from planner.time import arrays
 from planner.model.architecture import Architecture, layer_specs
+from planner.model.attention.kinds import kind_of
 from planner.cluster.gpus import Gpu
 from planner.model.activations import checkpointed_blocks, selective_op_saved_linears
 from planner.model.layers import LayerSpec, attention_numels
@@ -228,7 +229,7 @@ class Work:
 def _attention_gemms(s: LayerSpec, hidden: int, tp: int) -> list[tuple[int, int]]:
     """(n, k) of the block's attention projections on one TP rank (columns split, rows split)."""
     a = s.attention
-    if a.kind == "mla":
+    if not kind_of(a).plain_projections:  # MLA: each projection tensor through its latents is one GEMM
         return [(max(1, numel // hidden // tp), hidden) for numel in attention_numels(a, hidden) if numel >= hidden * 8]
     q, kv = a.q_width // tp, max(1, a.kv_width // tp)
     proj = [(q + 2 * kv, hidden)] if a.fused_qkv else [(q, hidden), (kv, hidden), (kv, hidden)]

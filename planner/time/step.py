@@ -158,7 +158,7 @@ def frozen_base_shape(request: EstimateRequest, arch) -> FrozenBaseShape | None:
     from planner.recipes.finetune import resolve_finetune
 
     s = lookup_strategy(request.strategy)
-    f = resolve_finetune(request, arch, s.name, s.framework)
+    f = resolve_finetune(request, arch, s, framework_of(s, request.framework_version), RECIPES[request.precision])
     return FrozenBaseShape.of(arch, f, RECIPES[request.precision].compute_bytes)
 
 

@@ -1,6 +1,6 @@
 """The /dev/shm segments DeepSpeed's CPU shm all-reduce leaves behind, named once for the two
 places that remove a run's own: a verify run's supervisor (backend/supervisor.py shm_segments) and
-the emitted launch.sh / job.sbatch (planner/plan/emit.py).
+the emitted launch.sh / job.sbatch (planner/frameworks/deepspeed/launch.py).
 
 DeepSpeed 0.19.8 deepspeed/ops/csrc/cpu/comm/shm.cpp:350-367 (shm_initialize) names them
 deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> and never unlinks them, about 69 MB per

@@ -16,14 +16,15 @@ from planner.errors import PlannerError
 from planner.memory.moments import PhaseKind
 from planner.memory.optimizer import flat, spec_of, states_bytes
 from planner.recipes.optimizers import OPTIMIZERS
+from planner.frameworks.deepspeed import launch as launch_0_19
 from planner.frameworks.base import Collective, Framework, Traffic, check_sharded_offload, register
-from planner.recipes.precision import RECIPES
 from planner.parallel.tensor import autotp_gather_held_bytes
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from planner.recipes.optimizers import OptimizerSpec
+    from planner.recipes.precision import Recipe
     from planner.setup import Setup
     from planner.schema import MemoryItem
     from planner.strategies import Strategy
@@ -38,9 +39,33 @@ OFFLOADS = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"), ("nvme", "nvme"))
 class DeepSpeedZero(Framework):
     name = "deepspeed"
     version = "0.19.8"
-    launcher = "deepspeed"
+    launch = launch_0_19.LAUNCHER
     cuda_adam_copies = 0  # FusedAdam: multi_tensor_apply, no temporaries
     offloads_gradients_with_params = False
+    autotp = True  # tensor_parallel.autotp_size (runtime/engine.py _configure_tensor_parallel_states)
+    own_pipeline_engine = True  # runtime/pipe/engine.py PipelineEngine
+
+    def check_context_parallel(self, s: "Strategy", cp: int) -> None:
+        raise PlannerError(f"cp={cp} with strategy {s.name}: DeepSpeed 0.19.8 has no ring/context parallelism "
+                           "(its sequence parallelism is Ulysses all-to-all over heads); torch's context_parallel "
+                           "with FSDP2 (strategy fsdp or hsdp, torchtitan) splits the sequence", field="cp")
+
+    def check_pipeline(self, setup: "Setup", schedule: str) -> None:
+        """DeepSpeed's PipelineEngine runs its own 1F1B TrainSchedule (deepspeed/runtime/pipe/schedule.py)
+        with ZeRO stage 0 or 1 only (pipe/engine.py: "ZeRO-2 and ZeRO-3 are incompatible with pipeline
+        parallelism")."""
+        s = setup.strategy
+        if (s.zero_stage or 0) >= 2:
+            raise PlannerError(f"pp={setup.dims.pp} with strategy {s.name}: DeepSpeed's pipeline engine supports "
+                               "ZeRO stage 0 or 1 only; use zero1, or fsdp (torch pipelining x FSDP2) to shard "
+                               "gradients and parameters", field="pp")
+        if schedule != "1f1b":
+            raise PlannerError(f"pp_schedule={schedule} with strategy {s.name}: DeepSpeed's pipeline engine runs 1F1B "
+                               "only; use pp_schedule 1f1b, or a torch strategy (ddp, fsdp, hsdp) for torch's "
+                               f"{schedule} schedule", field="pp_schedule")
+
+    def linears_save_inputs(self, s: "Strategy") -> bool:
+        return s.zero_stage == 3  # runtime/zero/linear.py LinearFunctionForZeroStage3 saves input and weight
 
     def check_optimizer(self, setup: "Setup", spec: "OptimizerSpec") -> None:
         if spec.whole_matrices:
@@ -110,8 +135,8 @@ class DeepSpeedZero(Framework):
     def check_offload(self, s: "Strategy", offload_optimizer: str, offload_params: str) -> None:
         check_sharded_offload(s, offload_optimizer, offload_params, params_ok=s.zero_stage == 3)
 
-    def check_precision(self, s: "Strategy", precision: str) -> None:
-        if RECIPES[precision].casts_model:
+    def check_precision(self, s: "Strategy", recipe: "Recipe") -> None:
+        if recipe.casts_model:
             raise PlannerError("precision bf16-pure (no fp32 master) is not what DeepSpeed's bf16 mode does: "
                                "it always keeps fp32 master weights; use bf16-mixed with zero0-3, or ddp/fsdp for bf16-pure",
                                field="precision")

@@ -20,6 +20,7 @@ from planner.model.shapes import TensorShape
 from planner.recipes.optimizers import OPTIMIZERS, OptimizerSpec
 from planner.model.layers import norm_numels
 from planner.memory.moments import PhaseKind
+from planner.frameworks.torch import launch as torch_launch
 from planner.frameworks.base import Collective, Framework, Traffic, check_sharded_offload, register
 from planner.recipes.precision import RECIPES
 from planner.schema import MemoryItem
@@ -55,7 +56,7 @@ class TorchDistributed(Framework):
     # FSDP2 keeps one sharded tensor per parameter (_fsdp_param.py FSDPParam._sharded_param_data),
     # DDP and a TP rank one tensor per parameter: the allocator sees them one by one
     state_tensors_per_parameter = True
-    launcher = "torchrun"
+    launch = torch_launch.LAUNCHER
     cuda_adam_copies = 1  # the foreach path's _foreach_sqrt makes one fp32 copy of exp_avg_sq
     probe_optimizers = tuple(OPTIMIZERS)  # backend/train.py torch_optimizer builds every one
     shards_as_dtensors = True  # fully_shard: each parameter a DTensor of Shard(0)
@@ -79,6 +80,7 @@ class TorchDistributed(Framework):
             raise PlannerError(f"optimizer_in_backward with strategy {s.name}: the step per sharded parameter after "
                                "each unit's reduce-scatter is not modelled; use single", field="optimizer_in_backward")
     offloads_gradients_with_params = True  # FSDP CPUOffload moves gradients to the host with the parameters
+    weights_are_master = True  # fp32 weights under autocast (DDP) or FSDP2's MixedPrecisionPolicy
 
     def phases(self, setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
         return _torch_phases(setup, acts, numels)
@@ -110,6 +112,15 @@ class TorchDistributed(Framework):
             items.append(("replica all-reduce of each shard", t.accumulation * grads / t.shard, 2,
                           t.block * reduce / t.shard, "replicas"))
         return items
+
+    def check_context_parallel(self, s: "Strategy", cp: int) -> None:
+        if not s.shards_parameters:
+            raise PlannerError(f"cp={cp} with strategy {s.name}: torchtitan shards the parameters over dp_shard x cp "
+                               "with FSDP2 whenever cp > 1 (parallel_dims.py fsdp_enabled); use fsdp or hsdp",
+                               field="cp")
+
+    def gradient_bucket_copy(self, s: "Strategy") -> bool:
+        return s.wraps and not s.shards_parameters  # DDP
 
     def fsdp_sharding(self, s: "Strategy") -> str | None:
         return sharding(s)
@@ -143,7 +154,7 @@ class TorchDistributed(Framework):
     def worker_settings(self, setup: "Setup", request: Any) -> dict[str, Any]:
         """How the rank wraps the model (backend/train.py _torch_engine)."""
         # the compute dtype and whether the whole model is cast to it, for the rank's MixedPrecisionPolicy
-        dtype, pure = RECIPES[request.precision].reduced_dtype, RECIPES[request.precision].casts_model
+        dtype, pure = setup.recipe.reduced_dtype, setup.recipe.casts_model
         return {"framework": self.name, "torch": {
             "strategy": setup.strategy.name, "sharding": sharding(setup.strategy),
             "wrapped": not setup.strategy.one_device,  # "single": the bare module, no DDP

@@ -24,6 +24,10 @@ class AttentionKind:
     hidden_is_heads_by_head_dim: bool = True
     # separate k and v projections each cast the normed input again under autocast (unless fused)
     casts_kv_input_again: bool = True
+    # q, k and v are each one projection of the hidden state (q_proj, k_proj, v_proj, o_proj: four
+    # GEMMs; torchtitan's selective-op policy saves their outputs); False: low-rank latents between
+    # (MLA), whose GEMMs are its parameter tensors
+    plain_projections: bool = True
     # its own arithmetic, or None for the GQA family's formulas
     numels: Callable[..., list[int]] | None = None
     linears: Callable[..., list[tuple[str, int, int, bool]]] | None = None

@@ -85,5 +85,5 @@ MLA = AttentionKind(
     # deepseek_v3 parallelize), which the TP model does not count yet
     tp_refusal="its latent down-projections are replicated and its up-projections split, which torchtitan's "
                "deepseek_v3 does and this planner does not yet count",
-    ring_attention=False, hidden_is_heads_by_head_dim=False, casts_kv_input_again=False,
+    ring_attention=False, hidden_is_heads_by_head_dim=False, casts_kv_input_again=False, plain_projections=False,
     numels=numels, linears=linears, saved_bytes=saved_bytes)

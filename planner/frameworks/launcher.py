@@ -1,0 +1,123 @@
+"""What a framework launches: the interface of its launcher (``Launcher``), which each framework
+package implements in its own launch module (planner/frameworks/deepspeed/launch.py, planner/
+frameworks/torch/launch.py) and a Framework names as ``Framework.launch``.
+
+Two callers ask it: the launch files ``--emit`` writes (planner/plan/emit/: the shell lines of
+launch.sh and job.sbatch, the framework's own config files, its sections of accelerate's and the
+Trainer's files and of LAUNCH.md) and the verification backend (backend/launch.py: the command
+that starts the ranks of ``planner verify``, the GPUs it runs on). Each method answers for one
+configuration, given as the emitted ``Launch`` (planner/plan/emit/spec.py) or as plain values;
+the launcher reads no file and no environment: the backend passes what it found.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from planner.errors import PlannerError
+
+if TYPE_CHECKING:
+    from planner.plan.emit.spec import Launch
+    from planner.setup import Setup
+
+
+class Launcher:
+    """The launcher of one framework; subclasses answer every question below."""
+
+    program: str = ""  # the program that starts the ranks
+    module_flag: str = ""  # how it runs a Python module on every rank
+    accelerate_type: str = ""  # accelerate's distributed_type for the framework's data parallelism
+    # accelerate applies tensor/context parallelism itself, through FSDP2's ParallelismConfig and the
+    # model's tp_plan (False: the framework's config carries the degree, DeepSpeed's AutoTP)
+    accelerate_applies_tp: bool = False
+    cpu_ops: tuple[str, ...] = ()  # JIT ops every CPU rank builds, built once before the ranks start
+
+    # --- the files --emit writes ---------------------------------------------------------
+
+    def config_files(self, setup: "Setup", launch: "Launch", users_config: dict[str, Any] | None) -> dict[str, str]:
+        """The framework's own config files for this configuration (name -> text)."""
+        return {}
+
+    def layout_files(self, setup: "Setup") -> dict[str, str]:
+        """Config files of another trainer that applies the same layout (torchtitan's)."""
+        return {}
+
+    def layout_guide(self, launch: "Launch", setup: "Setup", names: list[str],
+                     peak_with: Callable[[dict[str, Any]], int]) -> list[str]:
+        """LAUNCH.md's section for the layout_files among ``names``. ``peak_with``: the predicted
+        peak bytes of this request with some fields changed ({}: this estimate's own)."""
+        return []
+
+    def node_files(self, launch: "Launch") -> dict[str, str]:
+        """Files a multi-node launch of it needs beside the scripts (a hostfile)."""
+        return {}
+
+    def environment(self, launch: "Launch") -> tuple[str, list[str]]:
+        """(What the scripts' header adds to the list of emitted files, the lines exporting them)."""
+        return "", []
+
+    def target_arguments(self, here: str) -> str:
+        """Arguments the planner's trainer gets on every rank beside the plan."""
+        return ""
+
+    def exit_cleanup(self, launch: "Launch") -> str:
+        """launch.sh lines that clean up after the ranks when the script exits ("" for none)."""
+        return ""
+
+    def node_command(self, launch: "Launch", target: str) -> tuple[list[str], list[str], str]:
+        """launch.sh: (header comment lines, body lines, the command) starting this node's ranks."""
+        raise NotImplementedError
+
+    def sbatch_launcher(self, launch: "Launch", node_rank_comment: str) -> tuple[list[str], str]:
+        """job.sbatch: (the lines before srun, the launcher command every task runs)."""
+        raise NotImplementedError
+
+    def sbatch_cleanup(self, launch: "Launch") -> tuple[str, str] | None:
+        """(A comment line, what each Slurm task runs after its ranks end) or None: the launcher is exec'd."""
+        return None
+
+    def accelerate_section(self, launch: "Launch") -> tuple[str, dict[str, Any]] | None:
+        """accelerate's config block for the framework (key, block), which then carries precision
+        and sharding itself; None when accelerate's own mixed_precision and FSDP plugin do."""
+        return None
+
+    def trainer_arguments(self, launch: "Launch") -> dict[str, Any]:
+        """TrainingArguments naming the framework's config (empty when the FSDP/DDP flags do)."""
+        return {}
+
+    def script_note(self) -> list[str]:
+        """LAUNCH.md: where the user's own script finds the framework's config."""
+        return []
+
+    def multi_node_note(self) -> str:
+        """LAUNCH.md: how to start several nodes without Slurm."""
+        raise NotImplementedError
+
+    def pipeline_guide(self, launch: "Launch", script: str) -> list[str] | None:
+        """LAUNCH.md's section for a pipeline the framework's own engine runs (None: the
+        planner's trainer and the accelerate/torchtitan sections cover it)."""
+        return None
+
+    # --- the verification backend -----------------------------------------------------------
+
+    def verify_command(self, request: Any, target: list[str], port: int, *, python: str, program: str,
+                       hostfile: str | None, device: str, visible: list[str]) -> list[str]:
+        """The command starting every rank of a ``planner verify`` run on this host. ``target``:
+        the worker and its arguments; ``program``: where the backend found this launcher;
+        ``visible``: CUDA_VISIBLE_DEVICES's ids."""
+        raise NotImplementedError
+
+    def device_ids(self, request: Any, visible: list[str]) -> list[str]:
+        """The GPUs this host's ranks run on, as CUDA_VISIBLE_DEVICES names them (physical indices
+        when it is unset): what the device locks hold and what verify_command names."""
+        raise NotImplementedError
+
+
+def visible_device_ids(request: Any, visible: list[str]) -> list[str]:
+    """The first ``request.gpus`` of the visible devices, or indices 0..gpus-1 when none are set."""
+    if not visible:
+        return [str(i) for i in range(request.gpus)]
+    if len(visible) < request.gpus:
+        raise PlannerError(f"CUDA_VISIBLE_DEVICES={','.join(visible)} makes {len(visible)} GPU(s) visible; "
+                           f"gpus={request.gpus} needs {request.gpus}: list more devices or lower --gpus", field="gpus")
+    return visible[:request.gpus]
