@@ -25,6 +25,7 @@ from dataclasses import replace
 from planner.model.activations import FP32, ActivationItem, Activations, EdgeTerms, final_norm_transient_bytes
 from planner.model.architecture import Architecture, distinct_specs, layer_specs, parameter_numels
 from planner.model.attention.kinds import kind_of
+from planner.parallel.hf_plan import hf_rank_architecture
 from planner.memory.buffers import SweepPoint, item
 from planner.errors import PlannerError
 from planner.model.layers import LayerSpec
@@ -262,6 +263,9 @@ def tensor_parallel_fields(request, strategy, model, shard: int) -> dict:
     """Setup's TP fields for a request (empty when tp is 1): the rank's narrower model, SP, and
     the data-parallel shard group, which is what remains of the world once TP takes its ranks."""
     tp = request.tp
+    if tp == 1 and request.tp_plan != "torchtitan":
+        raise PlannerError(f"tp_plan={request.tp_plan} with tp=1: the plan is how tensor parallelism splits the "
+                           "model; give tp > 1 or leave tp_plan at its default", field="tp_plan")
     if tp == 1:
         return {}
     if request.finetune != "full":
@@ -281,6 +285,8 @@ def tensor_parallel_fields(request, strategy, model, shard: int) -> dict:
     # stage is refused here; the ZeRO phases run on the TP rank's shards over the data-parallel ranks.
     # torch's loss_parallel keeps the logits vocab-sharded; DeepSpeed's AutoTP follows the model's
     # HuggingFace tp_plan (autotp_layout) and gathers the logits whole.
+    if request.tp_plan == "transformers":
+        return transformers_tp_fields(request, strategy, arch, shard)
     rank = rank_architecture(arch, tp)
     if strategy.framework == "deepspeed":
         return {"sequence_parallel": sequence_parallel_for(request, strategy.framework), "vocab_parallel_loss": False,
@@ -288,6 +294,42 @@ def tensor_parallel_fields(request, strategy, model, shard: int) -> dict:
                 "shard_size": shard // tp}
     return {"sequence_parallel": sequence_parallel_for(request, strategy.framework), "vocab_parallel_loss": True,
             "rank_architecture": rank, "shard_size": shard // tp}
+
+
+def transformers_tp_fields(request, strategy, arch: Architecture, shard: int) -> dict:
+    """Setup's TP fields for transformers' own plan (planner/parallel/hf_plan.py): the narrower rank
+    with the whole vocabulary (the head's output is gathered), embedding and head split over their
+    vocabulary rows, HF's loss on the whole logits, no sequence parallelism.
+
+    accelerate 1.16 trains such a model TP-only (Accelerator.prepare_model: the multi-device DDP
+    wrap is skipped when parallelism_config.tp_enabled, accelerator.py:1855) or with FSDP2 over
+    dp_shard (ParallelismConfig: "If dp_replicate_size > 1 and tp_size > 1, dp_shard_size must also
+    be greater than 1, as composing DDP + TP is currently not supported", parallelism_config.py:43;
+    a DDP wrap of DTensor parameters raises, accelerator.py:1856-1858). DeepSpeed's AutoTP is its
+    own layout (tp_plan torchtitan with a DeepSpeed strategy)."""
+    tp = request.tp
+    if strategy.framework == "deepspeed":
+        raise PlannerError(f"tp_plan=transformers with strategy {request.strategy}: DeepSpeed shards by its own "
+                           "AutoTP (tensor_parallel.autotp_size, modelled with tp_plan torchtitan); "
+                           "from_pretrained(tp_plan=\"auto\") is trained by torch (fsdp, or no data parallelism)",
+                           field="tp_plan")
+    others = [f"{name}={getattr(request, name)}" for name in ("pp", "cp", "ep") if getattr(request, name) > 1]
+    if others:
+        raise PlannerError(f"tp_plan=transformers with {', '.join(others)}: transformers' TP is modelled alone or "
+                           "with FSDP2 over the data-parallel ranks; use tp_plan torchtitan", field="tp_plan")
+    dp = shard // tp
+    if dp > 1 and not strategy.shards_parameters:
+        raise PlannerError(f"tp_plan=transformers with strategy {request.strategy} over {dp} data-parallel ranks: "
+                           "accelerate 1.16 does not compose DDP with TP (ParallelismConfig needs dp_shard_size > 1 "
+                           "with tp_size > 1; DDP refuses DTensor parameters); use strategy fsdp", field="strategy")
+    if request.sequence_parallel:
+        raise PlannerError("sequence_parallel=true with tp_plan=transformers: transformers' plans for the families "
+                           "the planner reads name no sequence_parallel style (the norms run whole); use tp_plan "
+                           "torchtitan", field="sequence_parallel")
+    rank = hf_rank_architecture(arch, tp)
+    split = 1 if arch.tie_word_embeddings else tp  # a tied head is the embedding's parameter
+    return {"sequence_parallel": False, "vocab_parallel_loss": False, "rank_architecture": rank,
+            "embedding_split": tp, "lm_head_split": split, "shard_size": dp}
 
 
 def autotp_layout(arch: Architecture, tp: int) -> dict:

@@ -168,6 +168,7 @@ def estimate_request_for(req: PlanRequest, c: Candidate) -> EstimateRequest:
                            **finetune_fields(req.model_copy(update={"finetune": c.finetune})),
                            **({"reduce_dtype": req.reduce_dtype} if c.strategy in SHARDING_STRATEGIES else {}),
                            **{k: v for k, v in c.parallel.model_dump().items() if k in ("tp", "pp", "cp", "ep") and v > 1},
+                           **({"tp_plan": req.tp_plan} if c.parallel.tp > 1 and req.tp_plan != "torchtitan" else {}),
                            **{k: v for k, v in (("pp_first_stage_layers", c.pp_first_stage_layers),
                                                 ("pp_last_stage_layers", c.pp_last_stage_layers),
                                                 ("pp_schedule", c.pp_schedule),

@@ -101,6 +101,8 @@ def _degree_fields(req: PlanRequest, combo: Setting, micro: int, accumulation: i
     data-parallel estimate stays the request it always was). A pipeline's memory depends on its
     micro-batches in flight: its request carries the accumulation and the request's schedule."""
     fields = {k: v for k, v in (("tp", combo.tp), ("cp", combo.cp), ("pp", combo.pp), ("ep", combo.ep)) if v > 1}
+    if combo.tp > 1 and req.tp_plan != "torchtitan":
+        fields["tp_plan"] = req.tp_plan  # whose TP layout (the default stays out of the request)
     if combo.pp > 1:
         fields |= {"gradient_accumulation": accumulation or _per_rank(req, combo) // micro, "pp_schedule": combo.schedule,
                    "pp_virtual_stages": combo.virtual_stages} | _split_fields(combo.split)
