@@ -106,6 +106,8 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     check_loop(request, model.architecture)
     check_checkpointing(model.architecture, request.checkpointing, request.checkpointing_every, request.attention,
                         _checkpointing_why_not(request, model, finetune))
+    if request.tp > 1 and shard % request.tp == 0:
+        fw.check_tp_plan(s, request.tp_plan, request.tp, shard // request.tp)
     fields = {"shard_size": shard} | tensor_parallel_fields(request, s, model, shard)
     fields["loss_chunks"] = loss_chunks(request, _checkpointing_why_not(request, model, finetune),
                                         torch_tp=bool(fields.get("vocab_parallel_loss")))

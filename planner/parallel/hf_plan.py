@@ -60,9 +60,8 @@ HF_TP_PLANS: dict[str, HfTpPlan] = {
     "qwen3": _LLAMA, "gemma3_text": _LLAMA,
     # the text decoder of a multimodal config (gemma3_text's and mistral's plans), loaded text-only
     "gemma3": _LLAMA, "mistral3": _LLAMA,
-    # mlp.gate_proj/up_proj/down_proj match the dense layers only; experts in the ep plan; Qwen2-MoE's
-    # mlp.shared_expert.* is not named, so it stays whole
-    "qwen3_moe": _LLAMA, "qwen2_moe": _LLAMA,
+    # mlp.gate_proj/up_proj/down_proj match the dense layers only (mlp_only_layers); experts in the ep plan
+    "qwen3_moe": _LLAMA,
     "mixtral": HfTpPlan(attention=True, dense_mlp=False, shared_experts=False),  # attention only
     # base_model_tp_plan = {"embed_tokens": "embedding_rowwise"}: only the embedding and the head split
     "gpt_oss": HfTpPlan(attention=False, dense_mlp=False, shared_experts=False),
