@@ -158,3 +158,36 @@ def test_moe_experts_stay_whole():
     arch = resolve(_request(QWEN3_MOE)).arch
     full = from_hf_config(QWEN3_MOE)
     assert [s.mlp for s in arch.layers] == [s.mlp for s in full.layers]
+
+
+def test_emit_writes_the_loader_and_a_plan_that_launches_transformers_tp(tmp_path):
+    """--emit for a transformers-TP estimate: load_model.py loads with tp_plan="auto" (it compiles, and
+    names the recipe's dtype), no torchtitan.toml (not torchtitan's layout), and plan.json reads back
+    into the verify job that loads it the same way (backend/hf_tensor_parallel.py)."""
+    import json
+    from pathlib import Path
+
+    from backend.launch import worker_job
+    from planner.memory.orchestrator import estimate
+    from planner.plan.emit import emit_estimate_files
+
+    request = _request(dict(QWEN3, vocab_size=32_000), precision="bf16-mixed", gpu="h100-80gb")
+    files = emit_estimate_files(estimate(request))
+    assert "torchtitan.toml" not in files
+    loader = files["load_model.py"]
+    compile(loader, "load_model.py", "exec")
+    assert 'tp_plan="auto", dtype=torch.float32)' in loader and "torch.autocast(dtype=torch.bfloat16)" in loader
+    back = EstimateRequest.model_validate(json.loads(files["plan.json"])["estimate_request"])
+    assert back.tp_plan == "transformers" and back.tp == 2
+    job = worker_job(back.model_copy(update={"gpu": "cpu"}), steps=1, warmup_steps=0, out_dir=Path(tmp_path))
+    assert job.parallel.tp_plan == "transformers" and job.parallel.tp == 2 and job.parallel.dp_shard == 1
+
+
+def test_the_probe_refuses_fsdp_with_transformers_tp(tmp_path):
+    from pathlib import Path
+
+    from backend.launch import worker_job
+
+    with pytest.raises(PlannerError, match="over the whole world") as e:
+        worker_job(_request(QWEN3, gpus=4), steps=1, warmup_steps=0, out_dir=Path(tmp_path))
+    assert e.value.field == "tp"

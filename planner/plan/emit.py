@@ -231,6 +231,8 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
         files["job.sbatch"] = _sbatch(launch)
         if launch.framework == "deepspeed" and est.nodes > 1:
             files["hostfile"] = _hostfile(launch)
+    if setup.tp > 1 and est.tp_plan == "transformers":
+        files["load_model.py"] = _hf_tp_loader(setup)
     titan = _torchtitan_file(setup)
     if titan is not None:
         files["torchtitan.toml"] = titan
@@ -274,7 +276,38 @@ def _torchtitan_file(setup) -> str | None:
     req = setup.request
     if setup.strategy.framework != "torch" or max(setup.tp, req.pp, req.cp) == 1 or setup.recipe.compute not in MIXED_PARAM:
         return None
+    if req.tp_plan == "transformers":
+        return None  # torchtitan's apply_tp is not the model's own plan: load_model.py says how it is loaded
     return torchtitan_toml(_torchtitan_config(setup))
+
+
+def _hf_tp_loader(setup) -> str:
+    """What a training script of its own does to get the layout tp_plan=transformers estimates:
+    the model sharded by its own plan while it loads (transformers 5.25 from_pretrained: tp_plan
+    becomes DistributedConfig(tp_plan="auto"), over the WORLD_SIZE ranks torchrun or accelerate
+    start), trained with the model's own loss on the gathered logits. launch.sh runs the planner's
+    trainer, which loads it the same way (backend/hf_tensor_parallel.py)."""
+    req = setup.request
+    torch_dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
+    dtype = torch_dtype[setup.recipe.compute] if setup.recipe.casts_model else "torch.float32"
+    source = repr(req.model) if req.model else '"path/to/your/checkpoint"  # a Hub id or the directory of config.json'
+    data_parallel = setup.world_size // setup.tp
+    lines = [
+        f"# tp_plan=transformers: the model split over tp={setup.tp} ranks by its own tp_plan while it loads",
+        "# (embedding and lm_head over vocabulary rows, q/k/v/o and the MLP by heads and columns, the logits",
+        "# gathered whole on every rank). Start the script with the launcher of launch.sh"
+        + (" (torchrun, one process per GPU)." if data_parallel == 1 else
+           f"; accelerate_config.yaml's parallelism_config adds FSDP2 over dp_shard={data_parallel}."),
+        "import torch",
+        "from transformers import AutoModelForCausalLM",
+        "",
+        f"checkpoint = {source}",
+        f"model = AutoModelForCausalLM.from_pretrained(checkpoint, tp_plan=\"auto\", dtype={dtype})",
+        "# train with the model's own loss: outputs = model(input_ids=ids, labels=ids); outputs.loss.backward()",
+    ]
+    if setup.recipe.autocast_dtype:
+        lines.append(f"# under torch.autocast(dtype={torch_dtype[setup.recipe.autocast_dtype]}) (accelerate's mixed_precision)")
+    return "\n".join(lines) + "\n"
 
 
 def _megatron_file(setup) -> str | None:
@@ -410,6 +443,9 @@ def _trainer_unavailable(setup, est: EstimateRequest) -> str | None:
                 f"not {est.optimizer}")
     if setup.cp > 1:
         return "the planner's trainer does not run context parallelism (torch's ring attention needs CUDA)"
+    if est.tp_plan == "transformers" and setup.tp != setup.world_size:
+        return ("the planner's trainer runs transformers' own TP over the whole world only (tp = GPUs); "
+                "your script loads the model as load_model.py does and accelerate applies FSDP2 over dp_shard")
     if setup.dims.pp > 1 and setup.strategy.framework == "deepspeed":
         return ("DeepSpeed's pipeline engine trains a PipelineModule your script builds (the planner's trainer "
                 "runs pipelines with torch's pipelining: emit with --strategy fsdp for that)")
@@ -803,6 +839,8 @@ def _guide(launch: _Launch, names: list[str], titan: dict[str, dict[str, Any]] |
                             "LoraConfig(**json.load(open('lora_config.json'))))`",
         "bnb_config.json": "the quantized base: `from_pretrained(..., quantization_config=BitsAndBytesConfig("
                            "**json.load(open('bnb_config.json'))))`, then `prepare_model_for_kbit_training`",
+        "load_model.py": "how your script loads the model for the estimated layout: `from_pretrained(..., "
+                         "tp_plan=\"auto\")`, transformers' own tensor parallelism (tp_plan=transformers)",
         "LAUNCH.md": "this file",
     }
     script = launch.script.path if launch.script else "your_train.py"
