@@ -191,3 +191,18 @@ def test_the_probe_refuses_fsdp_with_transformers_tp(tmp_path):
     with pytest.raises(PlannerError, match="over the whole world") as e:
         worker_job(_request(QWEN3, gpus=4), steps=1, warmup_steps=0, out_dir=Path(tmp_path))
     assert e.value.field == "tp"
+
+
+def test_the_plan_searches_transformers_tp_where_accelerate_trains_it():
+    """A plan asked with tp_plan=transformers: its TP candidates are torch's sharded strategies only
+    (no DDP x TP, no DeepSpeed), their estimates carry the plan, and tp 4 (kv heads 2) is rejected
+    with transformers' reason."""
+    from planner.plan.search import plan
+    from planner.schema import PlanRequest
+
+    result = plan(PlanRequest(model_config=dict(QWEN3, vocab_size=32_000), gpu="h100-80gb", gpus=8, seq_len=1024,
+                              tp_plan="transformers"))
+    tp = [c for c in result.candidates if c.parallel.tp > 1]
+    assert tp and {c.strategy for c in tp} <= {"fsdp", "fsdp-grad-op", "hsdp"}
+    assert any("tp=4 not searched: tp_plan=transformers: tp(4) does not divide num_key_value_heads(2)" in n
+               for n in result.notes)
