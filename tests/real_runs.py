@@ -75,6 +75,7 @@ LLAMA_CP_LONG = dict(LLAMA, vocab_size=256, num_key_value_heads=4, max_position_
 LLAMA_128K = dict(LLAMA, vocab_size=128_256)
 QWEN2_32K = dict(QWEN2, vocab_size=32_000)
 QWEN3_32K = dict(QWEN3, vocab_size=32_000)
+QWEN3_MOE_32K = dict(QWEN3_MOE, vocab_size=32_000)
 QWEN2_64K = dict(QWEN2, vocab_size=64_000)
 # Expert parallelism (issue 12): a small vocabulary and top-4 of 8 experts, so that the routed
 # pairs (tokens x 4) and their all-to-all buffers, not the logits, make the peak
@@ -200,6 +201,9 @@ CPU_RUNS = [
     _run("llama-v32k-tp2-hfplan-fp32-t1024", LLAMA_TP_32K, "fsdp", "fp32", tp=2, micro=1, seq=1024,
          tp_plan="transformers"),
     _run("qwen3-v32k-tp2-hfplan-bf16-t1024", QWEN3_32K, "fsdp", "bf16-mixed", tp=2, micro=1, seq=1024,
+         tp_plan="transformers"),
+    # an MoE: the routed experts are in transformers' ep plan, whole on every TP rank
+    _run("qwen3moe-v32k-tp2-hfplan-fp32-t1024", QWEN3_MOE_32K, "fsdp", "fp32", tp=2, micro=1, seq=1024,
          tp_plan="transformers"),
 ]
 

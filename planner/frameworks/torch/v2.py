@@ -283,7 +283,7 @@ def _gathered_head_race(plan: PhasePlan, setup: "Setup", acts: Activations) -> N
     held by gloo's worker thread into the loss, as AutoTP's gather does
     (tensor_parallel.gathered_logits_race_above). Measured once (qwen3_moe, tp 2, fp32, vocabulary
     4,096, 1,024 tokens): one rank's peak 8,388,608 bytes (its local logits) above the other's,
-    which matched the prediction; at 32,000 on none of the ranks (llama and qwen3 runs). A note,
+    which matched the prediction; at 32,000 on none of the ranks (llama, qwen3, qwen3_moe). A note,
     not a phase: it is a race."""
     full, req = setup.model.architecture, setup.request
     held = setup.recipe.compute_bytes * req.micro_batch * req.seq_len * -(-full.vocab_size // setup.tp)
