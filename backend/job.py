@@ -85,6 +85,9 @@ class ParallelSettings(BaseModel):
     tp: int = Field(ge=1)
     sequence_parallel: bool
     cp: int = Field(1, ge=1, description="context parallelism: torch's ring attention (backend/context_parallel.py)")
+    tp_plan: Literal["torchtitan", "transformers"] = Field(
+        "torchtitan", description="torchtitan's apply_tp (train_parallel.py), or the model's own plan loaded by "
+                                  "from_pretrained(tp_plan=\"auto\") (hf_tensor_parallel.py)")
 
     @model_validator(mode="after")
     def _some_model_parallelism(self) -> ParallelSettings:

@@ -200,6 +200,8 @@ def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
     more than one rank to shard over, HSDP over (dp_replicate, dp_shard x cp) with strategy hsdp."""
     model_type = setup.model.config.get("model_type")
     cp = setup.dims.cp
+    if request.tp_plan == "transformers":
+        return _hf_tp_settings(request, setup)
     if cp > 1:
         _check_context_parallel_probe(request, setup, model_type)
     dp = setup.world_size // (setup.tp * cp)
@@ -216,6 +218,23 @@ def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
     replicas = setup.dims.dp_replicate if setup.strategy.shard_within_node else 1
     return {"dp_replicate": replicas, "dp_shard": dp // replicas, "tp": setup.tp,
             "sequence_parallel": setup.sequence_parallel, "cp": cp}
+
+
+def _hf_tp_settings(request: EstimateRequest, setup) -> dict[str, Any]:
+    """transformers' own TP (backend/hf_tensor_parallel.py): the model loaded with
+    from_pretrained(tp_plan="auto") over every rank of the run; the core refused what transformers
+    refuses (planner/parallel/hf_plan.py). Its composition with FSDP2 over dp_shard is estimated,
+    not probed."""
+    d = setup.dims
+    if d.tp != setup.world_size:
+        raise PlannerError(f"tp={d.tp} with tp_plan=transformers over {setup.world_size} ranks: the probe loads the "
+                           "model with from_pretrained(tp_plan=\"auto\") over the whole world (TP only); the FSDP2 x "
+                           "TP composition is estimated, not probed", field="tp")
+    if setup.zero.offload_params != "none":
+        raise PlannerError(f"offload_params={setup.zero.offload_params} with tp_plan=transformers: the probe does not "
+                           "offload", field="offload_params")
+    return {"dp_replicate": 1, "dp_shard": 1, "tp": d.tp, "sequence_parallel": False, "cp": 1,
+            "tp_plan": "transformers"}
 
 
 def _check_context_parallel_probe(request: EstimateRequest, setup, model_type) -> None:

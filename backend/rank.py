@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 
 
 def engine_for(job: dict[str, Any], model: torch.nn.Module, device: torch.device):
+    if job.get("parallel", {}).get("tp_plan") == "transformers":  # from_pretrained(tp_plan="auto")
+        from backend.hf_tensor_parallel import hf_tp_engine
+
+        return hf_tp_engine(job, model, device)
     if job.get("parallel"):  # tensor/sequence parallel (x FSDP2): backend/train_parallel.py
         return parallel_engine(job, model, device)
     if job.get("experts"):  # expert parallelism x FSDP2: backend/train_experts.py

@@ -43,21 +43,9 @@ def build_model(job: dict[str, Any]) -> torch.nn.Module:
         from backend.finetune import base_dtype
 
         dtype = base_dtype(job)
-    attention = _attention_for(job)
-    if job["checkpointing"] == "selective-attention":
-        from backend.checkpointing import core_attention_recompute
-
-        attention = core_attention_recompute(attention)
+    attention = attention_implementation(job)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype)
-    if job["checkpointing"] == "full" and not job.get("checkpointing_every"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif job["checkpointing"] in ("full", "selective-op"):
-        from backend.checkpointing import selective_op_context
-
-        options = {"use_reentrant": False} | (
-            {"context_fn": selective_op_context} if job["checkpointing"] == "selective-op" else {})
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options,
-                                              every_n_layers=job.get("checkpointing_every") or 1)
+    apply_checkpointing(model, job)
     model.train()
     if job.get("finetune"):
         from backend.finetune import apply_finetune
@@ -68,6 +56,31 @@ def build_model(job: dict[str, Any]) -> torch.nn.Module:
 
         model = ChunkedOutputLoss(model, int(job["loss_chunks"]))
     return model
+
+
+def attention_implementation(job: dict[str, Any]) -> str:
+    """What the model's attention layers run: the job's kernel, wrapped for Megatron-style core-
+    attention recompute under checkpointing selective-attention."""
+    attention = _attention_for(job)
+    if job["checkpointing"] == "selective-attention":
+        from backend.checkpointing import core_attention_recompute
+
+        attention = core_attention_recompute(attention)
+    return attention
+
+
+def apply_checkpointing(model: torch.nn.Module, job: dict[str, Any]) -> None:
+    """The job's activation checkpointing on a built transformers model (every block, every N-th, or
+    torchtitan's per-op selective policy)."""
+    if job["checkpointing"] == "full" and not job.get("checkpointing_every"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif job["checkpointing"] in ("full", "selective-op"):
+        from backend.checkpointing import selective_op_context
+
+        options = {"use_reentrant": False} | (
+            {"context_fn": selective_op_context} if job["checkpointing"] == "selective-op" else {})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options,
+                                              every_n_layers=job.get("checkpointing_every") or 1)
 
 
 def _attention_for(job: dict[str, Any]) -> str:

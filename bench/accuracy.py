@@ -57,7 +57,7 @@ def _peers(request: EstimateRequest) -> tuple[int | None, int]:
 # The recipe fields (issue 21 and before) a row names when they differ from the default: the
 # schema's own defaults, so a new field is one entry here
 RECIPE_FIELDS = ("finetune", "quantize_base", "double_quant", "keeps_outputs", "checkpointing_every", "loss",
-                 "loss_chunks", "optimizer", "optimizer_in_backward")
+                 "loss_chunks", "optimizer", "optimizer_in_backward", "tp_plan")
 
 
 def recipe(request: EstimateRequest) -> str:
@@ -70,7 +70,8 @@ def recipe(request: EstimateRequest) -> str:
             continue
         words.append(name.replace("_", "-") if value is True else
                      f"every {value}" if name == "checkpointing_every" else
-                     f"{value} chunks" if name == "loss_chunks" else f"{value} loss" if name == "loss" else f"{value}")
+                     f"{value} chunks" if name == "loss_chunks" else f"{value} loss" if name == "loss" else
+                     f"{value} tp_plan" if name == "tp_plan" else f"{value}")
     return ", ".join(words) or "-"
 
 

@@ -223,6 +223,14 @@ LastStageLayers = Annotated[int | None, Field(ge=1, le=1 << 16, description=(
     "the rest evenly"))]
 SequenceParallelField = Annotated[bool | None, Field(
     description="shard the tensor-parallel region's activations over tp (default: on when tp > 1)")]
+# Whose tensor-parallel layout tp > 1 realises: torchtitan's apply_tp (vocab-parallel loss, sequence
+# parallelism), or the model class's own plan as transformers 5.25 applies it under
+# from_pretrained(tp_plan="auto") (configuration's base_model_tp_plan, the head's colwise_gather_output:
+# whole logits on every rank, HF's loss); planner/parallel/hf_plan.py
+TpPlan = Literal["torchtitan", "transformers"]
+TpPlanField = Annotated[TpPlan, Field(
+    description="tensor-parallel layout: torchtitan's, or transformers' own tp_plan (from_pretrained(tp_plan=\"auto\"): "
+                "whole logits gathered on every rank)")]
 # FSDP2's MixedPrecisionPolicy.reduce_dtype (torch/distributed/fsdp/_fully_shard/_fsdp_api.py): the
 # recipe's 16-bit compute dtype, as accelerate's FSDP2 plugin (utils/dataclasses.py set_mixed_precision:
 # param_dtype = reduce_dtype = dtype) and the planner's trainer set it, or fp32, torchtitan's only
@@ -323,6 +331,7 @@ class EstimateRequest(BaseModel):
     pp_first_stage_layers: FirstStageLayers = None
     pp_last_stage_layers: LastStageLayers = None
     sequence_parallel: SequenceParallelField = None
+    tp_plan: TpPlanField = "torchtitan"
     reduce_dtype: ReduceDtypeField = "compute"
     topology: PresetName | None = Field(None, description="topology preset for the time model; default: the preset of --gpu")
     topology_text: str | None = Field(None, max_length=64 * 1024,
@@ -614,6 +623,7 @@ class PlanRequest(BaseModel):
     pp_first_stage_layers: FirstStageLayers = None
     pp_last_stage_layers: LastStageLayers = None
     sequence_parallel: SequenceParallelField = None
+    tp_plan: TpPlanField = "torchtitan"
     reduce_dtype: ReduceDtypeField = "compute"  # the fsdp / hsdp candidates reduce in it
     seq_len: SeqLen = DEFAULT_SEQ_LEN
     global_batch: int = Field(256, ge=1, le=1 << 24, description="sequences per optimizer step, over all GPUs")

@@ -41,6 +41,7 @@ class Setup:
     vocab_parallel_loss: bool = False
     embedding_split: int = 1  # DeepSpeed AutoTP, tied or no tp_plan: the embedding split along the hidden dimension
     lm_head_split: int = 1  # DeepSpeed AutoTP (HF tp_plan): the untied LM head's rows split, its output gathered
+    embedding_rows: bool = False  # transformers' tp_plan: embedding_split is over the vocabulary rows
     rank_architecture: Architecture | None = None
     loss_chunks: int = 1  # the loss's backward in this many chunks (planner/recipes/losses.py)
 
@@ -96,7 +97,7 @@ def numels(setup: Setup) -> list[int]:
     if setup.model.traced is not None:
         return list(setup.model.traced.numels)
     if setup.rank_architecture is not None:
-        return rank_numels(setup.rank_architecture, setup.embedding_split, setup.lm_head_split)
+        return rank_numels(setup.rank_architecture, setup.embedding_split, setup.lm_head_split, setup.embedding_rows)
     if setup.arch is not None:
         return parameter_numels(setup.arch)
     return [setup.psi]  # only a count: one flat tensor is the best that can be said

@@ -74,6 +74,8 @@ LLAMA_TP_32K = dict(LLAMA_TP, vocab_size=32_000)
 LLAMA_CP_LONG = dict(LLAMA, vocab_size=256, num_key_value_heads=4, max_position_embeddings=8192)
 LLAMA_128K = dict(LLAMA, vocab_size=128_256)
 QWEN2_32K = dict(QWEN2, vocab_size=32_000)
+QWEN3_32K = dict(QWEN3, vocab_size=32_000)
+QWEN3_MOE_32K = dict(QWEN3_MOE, vocab_size=32_000)
 QWEN2_64K = dict(QWEN2, vocab_size=64_000)
 # Expert parallelism (issue 12): a small vocabulary and top-4 of 8 experts, so that the routed
 # pairs (tokens x 4) and their all-to-all buffers, not the logits, make the peak
@@ -194,6 +196,15 @@ CPU_RUNS = [
     _run("llama-single-bf16", LLAMA, "single", "bf16-mixed", gpus=1),
     # optimizers: Muon's Newton-Schulz with AdamW for the rest sets the peak; the step in backward
     *[run for run in OPTIMIZER_RUNS if run[0] in ("llama-single-fp32-muon-t64", "llama-single-fp32-inbwd-t256")],
+    # transformers' own TP (tp_plan=transformers, backend/hf_tensor_parallel.py: from_pretrained(tp_plan="auto")):
+    # logits-dominated, as the whole logits are gathered on every rank; untied fp32, tied bf16 with q/k norms
+    _run("llama-v32k-tp2-hfplan-fp32-t1024", LLAMA_TP_32K, "fsdp", "fp32", tp=2, micro=1, seq=1024,
+         tp_plan="transformers"),
+    _run("qwen3-v32k-tp2-hfplan-bf16-t1024", QWEN3_32K, "fsdp", "bf16-mixed", tp=2, micro=1, seq=1024,
+         tp_plan="transformers"),
+    # an MoE: the routed experts are in transformers' ep plan, whole on every TP rank
+    _run("qwen3moe-v32k-tp2-hfplan-fp32-t1024", QWEN3_MOE_32K, "fsdp", "fp32", tp=2, micro=1, seq=1024,
+         tp_plan="transformers"),
 ]
 
 # The part of CPU_RUNS that CI runs (scripts/test.sh deselects the rest, marked slow_matrix in
@@ -206,6 +217,7 @@ CI_RUNS = frozenset({
     "llama-tp2-fsdp2-bf16-sp-t256", "llama-v256-mha-cp2-fsdp-fp32-t1024", "llama-pp2-1f1b-fp32-m4",
     "qwen3moe-ep2-fsdp-fp32-t1024", "llama-lora-ddp-bf16-qkvo-r16", "llama-qlora-ddp-fp32-qv",
     "llama-fsdp-fp32-ga2-t128", "llama-single-bf16", "llama-single-fp32-muon-t64", "llama-single-fp32-inbwd-t256",
+    "llama-v32k-tp2-hfplan-fp32-t1024",
 })
 
 # Measured and reported by bench/accuracy.py (not in CI, to keep it short): the rest of the

@@ -128,7 +128,8 @@ def test_verify_job_carries_the_cp_mesh(tmp_path):
     job = worker_job(_request(model=LLAMA_CP_LONG, seq_len=1024), steps=1, warmup_steps=0,
                      out_dir=tmp_path).for_rank()
     assert job["framework"] == "torch" and job["torch"]["strategy"] == "fsdp"
-    assert job["parallel"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "sequence_parallel": False, "cp": 2}
+    assert job["parallel"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "sequence_parallel": False, "cp": 2,
+                               "tp_plan": "torchtitan"}
 
 
 @pytest.mark.parametrize("fields", [{"gpus": 4, "hsdp_shard_size": 2}, {"gpus": 2, "nodes": 2}])
@@ -142,10 +143,12 @@ def test_verify_job_carries_the_hsdp_by_cp_mesh(tmp_path, fields):
                      warmup_steps=0, out_dir=tmp_path).for_rank()
     assert job["torch"]["strategy"] == "hsdp" and job["torch"]["sharding"] == "HYBRID_SHARD"
     assert (job["torch"]["replicas"], job["torch"]["shard_size"]) == (2, 2)
-    assert job["parallel"] == {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "sequence_parallel": False, "cp": 2}
+    assert job["parallel"] == {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "sequence_parallel": False, "cp": 2,
+                               "tp_plan": "torchtitan"}
     wide = worker_job(_request(model=LLAMA_CP_LONG, seq_len=1024, strategy="hsdp", gpus=8, hsdp_shard_size=4),
                       steps=1, warmup_steps=0, out_dir=tmp_path).for_rank()
-    assert wide["parallel"] == {"dp_replicate": 2, "dp_shard": 2, "tp": 1, "sequence_parallel": False, "cp": 2}
+    assert wide["parallel"] == {"dp_replicate": 2, "dp_shard": 2, "tp": 1, "sequence_parallel": False, "cp": 2,
+                               "tp_plan": "torchtitan"}
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -190,7 +193,8 @@ def test_verify_job_carries_the_cp_by_tp_mesh(tmp_path, sp):
     job = worker_job(_request(model=LLAMA_CP_LONG, seq_len=1024, tp=2, gpus=4, sequence_parallel=sp), steps=1,
                      warmup_steps=0, out_dir=tmp_path).for_rank()
     assert job["framework"] == "torch" and job["torch"]["strategy"] == "fsdp"
-    assert job["parallel"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "sequence_parallel": sp, "cp": 2}
+    assert job["parallel"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "sequence_parallel": sp, "cp": 2,
+                               "tp_plan": "torchtitan"}
 
 
 def test_cp_by_tp_keeps_the_tp_probes_refusals(tmp_path):

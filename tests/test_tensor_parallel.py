@@ -201,7 +201,8 @@ def test_verify_job_carries_the_mesh(tmp_path):
 
     job = worker_job(_request(gpus=4, sequence_parallel=False), steps=1, warmup_steps=0, out_dir=tmp_path).for_rank()
     assert job["framework"] == "torch"
-    assert job["parallel"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "sequence_parallel": False, "cp": 1}
+    assert job["parallel"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "sequence_parallel": False, "cp": 1,
+                               "tp_plan": "torchtitan"}
 
 
 def test_plan_puts_tp_inside_the_a6000_pairs():

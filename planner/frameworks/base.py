@@ -159,6 +159,13 @@ class Framework:
         """A data-parallel wrapper keeps a second copy of every gradient in its buckets (torch DDP's
         Reducer with gradient_as_bucket_view=False)."""
         return False
+    def check_tp_plan(self, s: "Strategy", tp_plan: str, tp: int, dp: int) -> None:
+        """Refuse a tensor-parallel layout (the request's tp_plan) the framework does not train over
+        ``dp`` data-parallel ranks. By default only torchtitan's (the framework's own TP)."""
+        if tp_plan != "torchtitan":
+            raise PlannerError(f"tp_plan={tp_plan} with strategy {s.name}: its framework shards by its own tensor-"
+                               "parallel layout (tp_plan torchtitan); from_pretrained(tp_plan=\"auto\") is trained by "
+                               "torch (fsdp, or no data parallelism)", field="tp_plan")
 
     def worker_settings(self, setup: "Setup", request: Any) -> dict[str, Any]:
         """What the verification backend's rank needs to build this framework's engine."""

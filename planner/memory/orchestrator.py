@@ -107,6 +107,8 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     check_loop(request, model.architecture)
     check_checkpointing(model.architecture, request.checkpointing, request.checkpointing_every, request.attention,
                         _checkpointing_why_not(request, model, finetune))
+    if request.tp > 1 and shard % request.tp == 0:
+        fw.check_tp_plan(s, request.tp_plan, request.tp, shard // request.tp)
     fields = {"shard_size": shard} | tensor_parallel_fields(request, s, fw, model, shard)
     fields["loss_chunks"] = loss_chunks(request, _checkpointing_why_not(request, model, finetune),
                                         torch_tp=bool(fields.get("vocab_parallel_loss")))
@@ -421,7 +423,13 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
     notes.extend(optimizer_notes(setup))
     notes.extend(position_notes(setup))
     notes.extend(_defaulted_notes(setup))
-    if setup.tp > 1:
+    if setup.tp > 1 and setup.request.tp_plan == "transformers":
+        notes.append(f"tensor parallelism: transformers' own tp_plan (from_pretrained(tp_plan=\"auto\"), model_type "
+                     f"{setup.model.architecture.model_type!r}): tp({setup.tp}) splits what the plan names (heads, dense "
+                     "MLP columns; routed experts whole), embedding and LM head over vocabulary rows, norms whole, no "
+                     f"sequence parallelism: {setup.rank_psi:,} parameters per rank before data-parallel sharding; the "
+                     "whole logits all-gathered on every rank (lm_head colwise_gather_output) and HF's loss on them")
+    elif setup.tp > 1:
         notes.append(f"tensor parallelism: tp({setup.tp}) splits the heads, the MLP's inner width and the vocabulary "
                      f"(Megatron column/row and vocab-parallel), norms whole: {setup.rank_psi:,} parameters per rank "
                      f"before data-parallel sharding; sequence parallelism {'on' if setup.sequence_parallel else 'off'}; "

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from planner.model.activations import FP32, ActivationItem, Activations, EdgeTerms, final_norm_transient_bytes
 from planner.model.architecture import Architecture, distinct_specs, layer_specs, parameter_numels
 from planner.model.attention.kinds import kind_of
+from planner.parallel.hf_plan import hf_rank_architecture
 from planner.memory.buffers import SweepPoint, item
 from planner.errors import PlannerError
 from planner.model.layers import LayerSpec
@@ -266,6 +267,9 @@ def tensor_parallel_fields(request, strategy, framework: "Framework", model, sha
     """Setup's TP fields for a request (empty when tp is 1): the rank's narrower model, SP, and
     the data-parallel shard group, which is what remains of the world once TP takes its ranks."""
     tp = request.tp
+    if tp == 1 and request.tp_plan != "torchtitan":
+        raise PlannerError(f"tp_plan={request.tp_plan} with tp=1: the plan is how tensor parallelism splits the "
+                           "model; give tp > 1 or leave tp_plan at its default", field="tp_plan")
     if tp == 1:
         return {}
     if request.finetune != "full":
@@ -285,6 +289,8 @@ def tensor_parallel_fields(request, strategy, framework: "Framework", model, sha
     # stage is refused here; the ZeRO phases run on the TP rank's shards over the data-parallel ranks.
     # torch's loss_parallel keeps the logits vocab-sharded; DeepSpeed's AutoTP follows the model's
     # HuggingFace tp_plan (autotp_layout) and gathers the logits whole.
+    if request.tp_plan == "transformers":
+        return transformers_tp_fields(request, strategy, arch, shard)
     rank = rank_architecture(arch, tp)
     if framework.autotp:
         return {"sequence_parallel": sequence_parallel_for(request, framework), "vocab_parallel_loss": False,
@@ -292,6 +298,34 @@ def tensor_parallel_fields(request, strategy, framework: "Framework", model, sha
                 "shard_size": shard // tp}
     return {"sequence_parallel": sequence_parallel_for(request, framework), "vocab_parallel_loss": True,
             "rank_architecture": rank, "shard_size": shard // tp}
+
+
+def transformers_tp_fields(request, strategy, arch: Architecture, shard: int) -> dict:
+    """Setup's TP fields for transformers' own plan (planner/parallel/hf_plan.py): the narrower rank
+    with the whole vocabulary (the head's output is gathered), embedding and head split over their
+    vocabulary rows, HF's loss on the whole logits, no sequence parallelism.
+
+    accelerate 1.16 trains such a model TP-only (Accelerator.prepare_model: the multi-device DDP
+    wrap is skipped when parallelism_config.tp_enabled, accelerator.py:1855) or with FSDP2 over
+    dp_shard (ParallelismConfig: "If dp_replicate_size > 1 and tp_size > 1, dp_shard_size must also
+    be greater than 1, as composing DDP + TP is currently not supported", parallelism_config.py:43;
+    a DDP wrap of DTensor parameters raises, accelerator.py:1856-1858). DeepSpeed's AutoTP is its
+    own layout (tp_plan torchtitan with a DeepSpeed strategy); the framework has refused what it
+    does not train (Framework.check_tp_plan, asked by memory.orchestrator.resolve)."""
+    tp = request.tp
+    others = [f"{name}={getattr(request, name)}" for name in ("pp", "cp", "ep") if getattr(request, name) > 1]
+    if others:
+        raise PlannerError(f"tp_plan=transformers with {', '.join(others)}: transformers' TP is modelled alone or "
+                           "with FSDP2 over the data-parallel ranks; use tp_plan torchtitan", field="tp_plan")
+    dp = shard // tp
+    if request.sequence_parallel:
+        raise PlannerError("sequence_parallel=true with tp_plan=transformers: transformers' plans for the families "
+                           "the planner reads name no sequence_parallel style (the norms run whole); use tp_plan "
+                           "torchtitan", field="sequence_parallel")
+    rank = hf_rank_architecture(arch, tp)
+    split = 1 if arch.tie_word_embeddings else tp  # a tied head is the embedding's parameter
+    return {"sequence_parallel": False, "vocab_parallel_loss": False, "rank_architecture": rank,
+            "embedding_split": tp, "embedding_rows": True, "lm_head_split": split, "shard_size": dp}
 
 
 def autotp_layout(arch: Architecture, tp: int) -> dict:
@@ -328,14 +362,17 @@ def autotp_layout(arch: Architecture, tp: int) -> dict:
 NO_HF_TP_PLAN = frozenset({"gpt2", "falcon"})
 
 
-def rank_numels(rank: Architecture, embedding_split: int, lm_head_split: int = 1) -> list[int]:
+def rank_numels(rank: Architecture, embedding_split: int, lm_head_split: int = 1, embedding_rows: bool = False) -> list[int]:
     """The parameter tensors one TP rank holds, in registration order: the rank model's, with the
-    token embedding split along the hidden dimension, or the untied LM head (registered last,
-    architecture.parameter_numels) over its vocabulary rows, where the framework does so (AutoTP)."""
+    token embedding split along the hidden dimension (AutoTP) or over its vocabulary rows
+    (``embedding_rows``: transformers' embedding_rowwise, the worst rank's ceil(vocab / tp) rows),
+    and the untied LM head (registered last, architecture.parameter_numels) over its vocabulary
+    rows, where the framework does so."""
     numels = parameter_numels(rank)
     if embedding_split > 1:
         at = len(rank.vision_numels)  # the token embedding follows the vision tower (parameter_numels)
-        numels[at] = _split(numels[at], embedding_split)
+        numels[at] = (_split(rank.vocab_size, embedding_split) * rank.hidden_size if embedding_rows
+                      else _split(numels[at], embedding_split))
     if lm_head_split > 1:
         numels[-1] = _split(rank.vocab_size, lm_head_split) * rank.hidden_size
     return numels
@@ -362,6 +399,22 @@ def autotp_gather_held_bytes(full: Architecture, *, tokens: int, b: int, tp: int
     then that moment, 2 MiB above the start of backward."""
     local = _split(full.vocab_size, tp)
     return b * tokens * local * (1 + tp)
+
+
+def gathered_logits_race_above(plan, setup, acts, held: int) -> int:
+    """How far above the plan's peak a CPU rank can read when gloo's worker thread still holds
+    ``held`` bytes of a gathered LM head's all-gather into the loss (a race between threads, not an
+    allocation: see deepspeed_0_19._autotp_gather_held for where it was measured). The live set is
+    the start of backward's without its activations' loss transient, plus the loss's larger moment
+    (log_softmax's fp32 output, or the logits and their upcast), plus ``held``. 0 where none is above."""
+    start = next((p for p in plan.phases if p.kind is PhaseKind.START_OF_BACKWARD), None)
+    if start is None:
+        return 0
+    full, req, b = setup.model.architecture, setup.request, setup.recipe.compute_bytes
+    logits = req.micro_batch * req.seq_len * full.vocab_size
+    at_loss = max(FP32 * logits, b * logits + (FP32 * logits if b != FP32 else 0))
+    others = sum(i.bytes for i in start.items if i.component != "activations")
+    return max(0, others + acts.saved_bytes + at_loss + held - max(p.bytes for p in plan.phases))
 
 
 def tp_collectives(full: Architecture, *, tokens: int, micro_batches: float, b: int, tp: int,

@@ -25,6 +25,7 @@ from planner.errors import PlannerError
 from planner.frameworks import check_version, framework_of, version_field
 from planner.cluster.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.cluster.hardware import profile_compute_scale, profile_efficiencies, topology_of
+from planner.parallel.hf_plan import hf_rank_architecture
 from planner.plan.layouts import Rejected, cp_degrees, ep_degrees, pp_degrees, tp_degrees
 from planner.memory.orchestrator import estimate, host_capacity, resolve, sequence_past_positions
 from planner.parallel.dims import refuse_unmodelled
@@ -107,6 +108,8 @@ def _degree_fields(req: PlanRequest, combo: Setting, micro: int, accumulation: i
     data-parallel estimate stays the request it always was). A pipeline's memory depends on its
     micro-batches in flight: its request carries the accumulation and the request's schedule."""
     fields = {k: v for k, v in (("tp", combo.tp), ("cp", combo.cp), ("pp", combo.pp), ("ep", combo.ep)) if v > 1}
+    if combo.tp > 1 and req.tp_plan != "torchtitan":
+        fields["tp_plan"] = req.tp_plan  # whose TP layout (the default stays out of the request)
     if combo.pp > 1:
         fields |= {"gradient_accumulation": accumulation or _per_rank(req, combo) // micro, "pp_schedule": combo.schedule,
                    "pp_virtual_stages": combo.virtual_stages} | _split_fields(combo.split)
@@ -415,7 +418,8 @@ def _evaluate(search: _Search, req: PlanRequest, layouts: list[tuple[int, int, i
                     if world == 1 and not s.one_device and (off_opt, off_par) == ("none", "none"):
                         continue  # on one device a data-parallel framework adds only its offload to "single"
                     combo = Setting(req.gpus, name, ckpt, off_opt, off_par, shard, tp, cp,
-                                    tp > 1 and s.framework == "torch", pp, ep, split, schedule, virtual)
+                                    tp > 1 and s.framework == "torch" and req.tp_plan == "torchtitan", pp, ep, split,
+                                    schedule, virtual)
                     # data parallelism alone is listed whole (each strategy's settings, offload among them)
                     time_bound = best_time.get(family) if family != "dp" else None
                     found, count = _evaluate_setting(search, req, combo, time_bound, best_peak.get(family))
@@ -457,6 +461,11 @@ def _framework_runs(req: PlanRequest, s, tp: int, cp: int, pp: int, schedule: st
     topology, by AutoTP's groups). Expert parallelism: wherever ep divides dp_shard x cp."""
     if cp > 1 and not (s.framework == "torch" and s.shards_parameters):
         return False
+    if tp > 1:
+        try:  # the framework refuses the TP layout it does not train (transformers' plan: torch, no DDP x TP)
+            framework_of(s).check_tp_plan(s, req.tp_plan, tp, req.gpus * req.nodes // (tp * cp * pp))
+        except PlannerError:
+            return False
     if pp > 1:
         if req.finetune != "full":
             return False  # the pipeline model counts full fine-tuning (planner/parallel/pipeline.py check_framework)
@@ -733,6 +742,25 @@ def _pipeline_rows(search: _Search, req: PlanRequest, combo: Setting, micro: np.
     return rows
 
 
+def _hf_tp_pairs(pairs: list[tuple[int, int]], arch) -> tuple[list[tuple[int, int]], list[Rejected]]:
+    """The (tp, cp) pairs transformers' own plan takes (planner/parallel/hf_plan.py refuses the rest)."""
+    kept, refused = [], []
+    for tp, cp in pairs:
+        if tp == 1:
+            kept.append((tp, cp))
+            continue
+        try:
+            if cp > 1:
+                raise PlannerError("transformers' TP is modelled without context parallelism", field="cp")
+            if arch is not None:
+                hf_rank_architecture(arch, tp)
+        except PlannerError as exc:
+            refused.append(Rejected("tp", tp, f"tp_plan=transformers: {exc}"))
+            continue
+        kept.append((tp, cp))
+    return kept, refused
+
+
 def _layouts(req: PlanRequest, gpus: int, arch, topo: Topology) -> tuple[list[tuple[int, int, int, int]],
                                                                          list[Rejected]]:
     """(tp, cp, pp, ep) layouts to search on ``gpus`` GPUs per node: data-parallel first, then the
@@ -755,7 +783,12 @@ def _layouts(req: PlanRequest, gpus: int, arch, topo: Topology) -> tuple[list[tu
         pps = [1] + found
         rejected = rejected + pp_rejected
     eps = [req.ep] if "ep" in fields else [1] + ep_degrees(arch)
-    layouts = [(tp, cp, pp, ep) for pp in pps for ep in eps for tp, cp in pairs]
+    if req.tp_plan == "transformers":
+        # transformers' own plan: TP alone or with FSDP2, on families whose plan it splits by whole heads
+        pairs, refused = _hf_tp_pairs(pairs, arch)
+        rejected = rejected + refused
+    layouts = [(tp, cp, pp, ep) for pp in pps for ep in eps for tp, cp in pairs
+               if req.tp_plan == "torchtitan" or tp == 1 or pp * ep == 1]  # transformers' TP: no pp, ep beside it
     return sorted(layouts, key=lambda d: (d[2] > 1, d[3] > 1, d[2], d[3], d[0], d[1])), rejected
 
 

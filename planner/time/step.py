@@ -53,6 +53,7 @@ class Combo:
     # with full checkpointing: every N-th block; keyword-only, so that subclasses (plan.Setting)
     # keep their positional fields
     checkpointing_every: int | None = field(default=None, kw_only=True)
+    tp_plan: str = field(default="torchtitan", kw_only=True)  # whose TP layout (planner/parallel/hf_plan.py)
 
     def data_parallel_wrapped(self, nodes: int) -> bool:
         """Whether a data-parallel wrapper (DDP, FSDP2) runs on it: not with one data-parallel
@@ -308,7 +309,7 @@ def resolved_combo(request: EstimateRequest, parameters: int | None = None,
     shard = setup.dims.dp_shard * setup.dims.cp if lookup_strategy(request.strategy).shard_within_node else None
     combo = Combo(request.gpus, request.strategy, request.checkpointing, zero.offload_optimizer, zero.offload_params,
                   shard, request.tp, request.cp, setup.sequence_parallel, request.pp,
-                  checkpointing_every=request.checkpointing_every)
+                  checkpointing_every=request.checkpointing_every, tp_plan=request.tp_plan)
     return combo, Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size,
                           zero.param_persistence_threshold, zero.max_reuse_distance), setup
 
@@ -394,9 +395,15 @@ def model_parallel_collectives(precision: str, combo: Combo, arch, per_rank: int
     (context_parallel.cp_collectives). The bytes per step do not depend on the micro-batch (its
     tokens times the accumulation steps are the rank's share); each message grows with it."""
     from planner.parallel.context import cp_collectives
+    from planner.parallel.hf_plan import hf_tp_collectives
     from planner.parallel.tensor import rank_architecture, tp_collectives
 
     wb = RECIPES[precision].compute_bytes  # activations cross the TP/CP groups in the compute dtype
+    if combo.tp_plan == "transformers":
+        rows = [(what, volume, passes, message, "tp") for what, volume, passes, message in hf_tp_collectives(
+            arch, tokens=seq_len, micro_batches=per_rank, b=wb, stream_bytes=RECIPES[precision].param_bytes, tp=combo.tp,
+            checkpointing=combo.checkpointing)]
+        return rows
     rows = [(what, volume, passes, message, "tp") for what, volume, passes, message in tp_collectives(
         arch, tokens=seq_len // combo.cp, micro_batches=per_rank, b=wb, tp=combo.tp,
         sequence_parallel=combo.sequence_parallel, checkpointing=combo.checkpointing)]

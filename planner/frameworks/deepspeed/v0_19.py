@@ -18,7 +18,7 @@ from planner.memory.optimizer import flat, spec_of, states_bytes
 from planner.recipes.optimizers import OPTIMIZERS
 from planner.frameworks.deepspeed import launch as launch_0_19
 from planner.frameworks.base import Collective, Framework, Traffic, check_sharded_offload, register
-from planner.parallel.tensor import autotp_gather_held_bytes
+from planner.parallel.tensor import autotp_gather_held_bytes, gathered_logits_race_above
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -215,17 +215,9 @@ def _autotp_gather_held(plan: PhasePlan, setup: "Setup", acts: Activations | Non
     this way (not counted, not measured)."""
     if setup.lm_head_split <= 1 or setup.device != "cpu" or acts is None:
         return
-    start = next((p for p in plan.phases if p.kind is PhaseKind.START_OF_BACKWARD), None)
-    if start is None:
-        return
     full, req, b = setup.model.architecture, setup.request, setup.recipe.compute_bytes
-    tokens = req.micro_batch * req.seq_len
-    logits = tokens * full.vocab_size
-    at_loss = max(FP32 * logits, b * logits + (FP32 * logits if b != FP32 else 0))
-    held = autotp_gather_held_bytes(full, tokens=tokens, b=b, tp=setup.tp)
-    others = sum(i.bytes for i in start.items if i.component != "activations")
-    racy = others + acts.saved_bytes + at_loss + held
-    above = racy - max(p.bytes for p in plan.phases)
+    held = autotp_gather_held_bytes(full, tokens=req.micro_batch * req.seq_len, b=b, tp=setup.tp)
+    above = gathered_logits_race_above(plan, setup, acts, held)
     if above > 0:
         plan.notes.append(f"CPU ranks (gloo): the worker thread of AutoTP's logits gather may still hold its input and "
                           f"output ({held:,} bytes) into the loss; a measured peak can then read up to {above:,} bytes "

@@ -38,6 +38,8 @@ class TorchrunLauncher(Launcher):
         req = setup.request
         if max(setup.tp, req.pp, req.cp) == 1 or setup.recipe.compute not in MIXED_PARAM:
             return {}
+        if req.tp_plan == "transformers":
+            return {}  # torchtitan's apply_tp is not the model's own plan: load_model.py says how it is loaded
         return {TORCHTITAN_FILE: torchtitan_toml(_torchtitan_config(setup))}
 
     def layout_guide(self, launch: "Launch", setup: "Setup", names: list[str],

@@ -24,7 +24,8 @@ from planner.frameworks.torch import launch as torch_launch
 from planner.frameworks.base import Collective, Framework, Traffic, check_sharded_offload, register
 from planner.recipes.precision import RECIPES
 from planner.schema import MemoryItem
-from planner.parallel.tensor import replicated_embedding_gradient_elements, tp_only_gradient_items
+from planner.parallel.tensor import (gathered_logits_race_above, replicated_embedding_gradient_elements,
+                                     tp_only_gradient_items)
 
 if TYPE_CHECKING:
     from planner.setup import Setup
@@ -135,6 +136,18 @@ class TorchDistributed(Framework):
         if s.shards_parameters and not s.params_unsharded_in_step:
             return [("none", "none"), ("cpu", "cpu")]  # FSDP CPUOffload moves params, grads and states together
         return [("none", "none")]
+
+    def check_tp_plan(self, s: "Strategy", tp_plan: str, tp: int, dp: int) -> None:
+        """torchtitan's layout composes with every torch strategy; transformers' own plan as
+        accelerate 1.16 trains it: TP alone (Accelerator.prepare_model skips the DDP wrap when
+        parallelism_config.tp_enabled, accelerator.py:1855) or with FSDP2 over dp_shard
+        (ParallelismConfig: "If dp_replicate_size > 1 and tp_size > 1, dp_shard_size must also be
+        greater than 1, as composing DDP + TP is currently not supported", parallelism_config.py:43;
+        a DDP wrap of DTensor parameters raises, accelerator.py:1856-1858)."""
+        if tp_plan == "transformers" and dp > 1 and not s.shards_parameters:
+            raise PlannerError(f"tp_plan=transformers with strategy {s.name} over {dp} data-parallel ranks: accelerate "
+                               "1.16 does not compose DDP with TP (ParallelismConfig needs dp_shard_size > 1 with "
+                               "tp_size > 1; DDP refuses DTensor parameters); use strategy fsdp", field="strategy")
 
     def check_offload(self, s: "Strategy", offload_optimizer: str, offload_params: str) -> None:
         check_sharded_offload(s, offload_optimizer, offload_params,
@@ -257,6 +270,8 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     if sharded and reduce_bytes(setup, compute_bytes) != compute_bytes:
         plan.notes.append("FSDP2 reduces gradients in fp32 (MixedPrecisionPolicy reduce_dtype, torchtitan's default): "
                           "each unit's reduce-scatter input is 4 bytes per element")
+    if setup.request.tp_plan == "transformers" and setup.tp > 1 and setup.device == "cpu" and acts is not None:
+        _gathered_head_race(plan, setup, acts)
     if buckets:  # DDP
         plan.notes.append(f"DDP buckets of {DDP_BUCKET_CAP_BYTES // 2**20} MiB (bucket_cap_mb) hold a full copy of the gradients")
     return plan
@@ -271,6 +286,23 @@ def _in_backward_items(point: SweepPoint, step_bytes: int, gradient_bytes: int) 
     return [item("one parameter's gradient (stepped in its hook)", gradient_bytes if produced else 0, "gradients"),
             item("its optimizer step's temporaries", step_bytes if produced else 0, "buffers",
                  "the step runs inside backward")]
+
+
+def _gathered_head_race(plan: PhasePlan, setup: "Setup", acts: Activations) -> None:
+    """transformers' colwise_gather_output head on CPU ranks: DTensor's all-gather of the logits
+    (funcol all_gather_tensor over gloo) can leave its input, the rank's tokens x vocab/tp logits,
+    held by gloo's worker thread into the loss, as AutoTP's gather does
+    (tensor_parallel.gathered_logits_race_above). Measured once (qwen3_moe, tp 2, fp32, vocabulary
+    4,096, 1,024 tokens): one rank's peak 8,388,608 bytes (its local logits) above the other's,
+    which matched the prediction; at 32,000 on none of the ranks (llama, qwen3, qwen3_moe). A note,
+    not a phase: it is a race."""
+    full, req = setup.model.architecture, setup.request
+    held = setup.recipe.compute_bytes * req.micro_batch * req.seq_len * -(-full.vocab_size // setup.tp)
+    above = gathered_logits_race_above(plan, setup, acts, held)
+    if above > 0:
+        plan.notes.append(f"CPU ranks (gloo): the worker thread of the LM head's logits all-gather may still hold its "
+                          f"input ({held:,} bytes) into the loss; a measured peak can then read up to {above:,} bytes "
+                          "above this one (a race between threads, seen at small vocabularies)")
 
 
 def _autocast_copies(setup: "Setup", point: SweepPoint, psi: int, block: int, compute_bytes: int) -> MemoryItem:

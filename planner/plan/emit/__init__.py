@@ -38,6 +38,7 @@ from planner.memory.orchestrator import estimate, estimate_resolved, resolve, se
 from planner.model.catalogue import UnsupportedModelTypeError
 from planner.plan.emit.accelerate import TRAINER_OPTIM, accelerate_config, trainer_arguments
 from planner.plan.emit.guide import guide
+from planner.plan.emit.hf_tp import hf_tp_loader
 from planner.plan.emit.shell import launch_sh, sbatch
 from planner.plan.emit.spec import Launch, Script
 from planner.plan.megatron import megatron_arguments, megatron_file
@@ -90,6 +91,7 @@ def estimate_request_for(req: PlanRequest, c: Candidate) -> EstimateRequest:
                            **({"reduce_dtype": req.reduce_dtype} if c.strategy in SHARDING_STRATEGIES else {}),
                            **version_field(lookup_strategy(c.strategy), req.framework_version),
                            **{k: v for k, v in c.parallel.model_dump().items() if k in ("tp", "pp", "cp", "ep") and v > 1},
+                           **({"tp_plan": req.tp_plan} if c.parallel.tp > 1 and req.tp_plan != "torchtitan" else {}),
                            **{k: v for k, v in (("pp_first_stage_layers", c.pp_first_stage_layers),
                                                 ("pp_last_stage_layers", c.pp_last_stage_layers),
                                                 ("pp_schedule", c.pp_schedule),
@@ -134,6 +136,8 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
         files["launch.sh"] = launch_sh(launch)
         files["job.sbatch"] = sbatch(launch)
         files |= launcher.node_files(launch)
+    if setup.tp > 1 and est.tp_plan == "transformers":
+        files["load_model.py"] = hf_tp_loader(setup)
     files |= launcher.layout_files(setup)
     megatron = _megatron_file(setup)
     if megatron is not None:
@@ -195,6 +199,9 @@ def _trainer_unavailable(setup, est: EstimateRequest) -> str | None:
                 f"not {est.optimizer}")
     if setup.cp > 1:
         return "the planner's trainer does not run context parallelism (torch's ring attention needs CUDA)"
+    if est.tp_plan == "transformers" and setup.tp != setup.world_size:
+        return ("the planner's trainer runs transformers' own TP over the whole world only (tp = GPUs); "
+                "your script loads the model as load_model.py does and accelerate applies FSDP2 over dp_shard")
     if setup.dims.pp > 1 and setup.framework.own_pipeline_engine:
         return ("DeepSpeed's pipeline engine trains a PipelineModule your script builds (the planner's trainer "
                 "runs pipelines with torch's pipelining: emit with --strategy fsdp for that)")

@@ -27,6 +27,8 @@ def guide(launch: Launch, names: list[str], layout: list[str]) -> str:
                             "LoraConfig(**json.load(open('lora_config.json'))))`",
         "bnb_config.json": "the quantized base: `from_pretrained(..., quantization_config=BitsAndBytesConfig("
                            "**json.load(open('bnb_config.json'))))`, then `prepare_model_for_kbit_training`",
+        "load_model.py": "how your script loads the model for the estimated layout: `from_pretrained(..., "
+                         "tp_plan=\"auto\")`, transformers' own tensor parallelism (tp_plan=transformers)",
         "LAUNCH.md": "this file",
     }
     script = launch.script.path if launch.script else "your_train.py"
