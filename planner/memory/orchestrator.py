@@ -449,6 +449,10 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
     notes.append(f"peak occurs during {peak_phase.name}")
     notes.append(loop_note(setup.request.keeps_outputs, _held_outputs(setup)))
     notes.extend(plan.notes)
+    if setup.finetune is not None and setup.finetune.quantize != "none" and setup.device == "cuda":
+        notes.append(f"quantized base ({setup.finetune.quantize}) on CUDA: bitsandbytes 0.50's CUDA path (MatMul4Bit, "
+                     "MatMul8bitLt) modelled from its source, unverified on a GPU (bench/gpu_check.py RECIPE_GRID); "
+                     "its CPU path is measured")
     if setup.gpu.is_cpu:
         notes.append("cpu ranks: no CUDA context; capacity is host memory shared by the ranks of a node")
     else:

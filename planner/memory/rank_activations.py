@@ -30,7 +30,7 @@ def activations(setup: Setup) -> Activations | None:
                                 device=setup.device, adapter_copy=adapter_copy,
                                 linears_save_inputs=setup.strategy.framework == "deepspeed"
                                 and setup.strategy.zero_stage == 3,
-                                fp32_stream=setup.finetune.quantize in ("nf4", "fp4") and adapter_copy)
+                                fp32_stream=setup.finetune.quantize != "none" and adapter_copy)
     arch = setup.arch
     seq_len = req.seq_len // setup.cp  # the rank's two chunks of each sequence under cp
     # torch.autocast over the fp32 weights: torch's mixed recipes where nothing casts them (DDP, a
