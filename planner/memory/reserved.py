@@ -2,7 +2,8 @@
 outside it (the CUDA context, NCCL's buffers). Simulated until bench/gpu_check.py has measured it.
 
 The allocation stream comes from the phase model (planner/frameworks/*: a PhasePlan of typed
-moments, each the list of MemoryItems live then). An item that appears between two moments is
+moments, each the list of MemoryItems live then), for an analytic model and a traced one alike (the
+trace's per-parameter numels and its hidden-state tensor size stand in for the architecture's). An item that appears between two moments is
 allocated, one that disappears is freed, one whose size changes frees or allocates the difference
 in whole tensors. Each item is cut into the tensors the allocator sees:
 - saved activations: [micro_batch, seq_len / cp, hidden] tensors in the compute dtype (what a
@@ -169,9 +170,12 @@ def nccl_bytes(setup: "Setup") -> int:
 # --- the allocation stream -------------------------------------------------------------------
 
 def _activation_unit(setup: "Setup") -> int | None:
+    """The tensor size the saved activations are cut into: [micro_batch, seq_len / cp, hidden] in
+    the compute dtype, from the architecture or, for a traced model, from its trace."""
     arch, req = setup.arch, setup.request
     if arch is None:
-        return None
+        traced = setup.model.traced
+        return traced.hidden_state_bytes or None if traced is not None else None
     return req.micro_batch * max(1, req.seq_len // setup.cp) * arch.hidden_size * setup.recipe.compute_bytes
 
 
