@@ -1218,8 +1218,8 @@ def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_field
     full checkpointing (a pipeline: its rank's share of the batch as micro-batches of 1, in the
     request's schedule). Per-device memory grows with the sequence, so doubling then bisection on
     the live peak with the headroom; then, ``on_reserved`` (a GPU), the answer is replayed through
-    the caching allocator and, while it does not fit the device, shortened in proportion to the
-    capacity over its reserved peak (at most INVERSE_REPLAYS; none fitting: None)."""
+    the caching allocator and, while it does not fit the device, shortened by what reserved adds
+    over the live peak (at most INVERSE_REPLAYS), then by bisection on reserved memory."""
     unit = 128 * 2 * c.parallel.cp
     degrees = {k: v for k, v in c.parallel.model_dump().items() if k in ("tp", "cp", "pp", "ep") and v > 1}
     if c.parallel.pp > 1:
@@ -1262,17 +1262,28 @@ def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_field
     low = largest(usable, min(high, longest // unit + 1), low)
     if not (on_reserved and low):
         return low * unit if low else None
+    too_long = low
     for _ in range(INVERSE_REPLAYS):
         e = at(low * unit, simulate=True)
         if e.fits:
             return low * unit
+        too_long = low
         # what the allocator and the terms outside it add over the live peak, taken as the same at the
         # next shorter sequence (it grows with it: the next replay checks)
         gap = e.per_device.reserved_peak_bytes - e.per_device.peak_bytes
         low = largest(e.device_capacity_bytes - gap, low)
         if not low:
-            return None
-    return low * unit if at(low * unit, simulate=True).fits else None
+            break
+    # the gap did not settle (a replay that does not fit reports its uncapped reserve, and the
+    # segments' packing jumps): bisection on reserved memory below the shortest that did not fit
+    low, high = 0, too_long
+    while low + 1 < high:
+        mid = (low + high) // 2
+        if at(mid * unit, simulate=True).fits:
+            low = mid
+        else:
+            high = mid
+    return low * unit if low else None
 
 
 def finetune_fields(req: PlanRequest) -> dict:
