@@ -393,6 +393,7 @@ def trace_profile(config: dict[str, Any], *, micro_batch: int, seq_len: int, com
         layer_saved_bytes=layer_saved, layer_kept_bytes=min(max(0, sum(step.kept) // len(step.kept)),
                                                             step.saved // count.num_layers),
         loss_transient_bytes=step.loss_transient, layer_transient_bytes=layer_transient,
+        hidden_state_bytes=micro_batch * seq_len * int(getattr(hf, "hidden_size", 0) or 0) * dtype.itemsize,
         setting=traced_setting(micro_batch, seq_len, compute, attention, checkpointing),
         assumptions=assumptions)
 

@@ -14,7 +14,8 @@ and memory_stats. The script then prints:
 - the CUDA context and cuBLAS workspace, read from the driver (total minus free before any tensor,
   from torch.cuda.mem_get_info) and from the first matmul.
 
-Its JSON output is what gpus.yaml's cuda_context_mib is calibrated from. It finishes in a few
+Its JSON output is what the CUDA context (gpus.yaml's cuda_context_mib, data/cuda_context.yaml) is
+calibrated from: the device's used memory after the first matmul minus torch's reserved segments. It finishes in a few
 minutes on one H200. It has not yet been run: no GPU was available when it was written.
 
 The caching allocator (issue 24): every grid run is made twice, with PYTORCH_CUDA_ALLOC_CONF unset
@@ -27,7 +28,7 @@ reserved peaks against the device's. Finally it writes the calibration the plann
 planner/data/allocator_calibration.json (--calibration), in this format:
 
     {"format": 1, "torch": "2.13.0", "gpus": {"<gpu name of gpus.yaml>": {
-        "cuda_context_bytes": int,          # device memory used after the first matmul, minus tensors
+        "cuda_context_bytes": int,          # device memory used after the first matmul, minus reserved
         "nccl_bytes_per_communicator": int | null,   # null: not measured (one GPU, no communicator)
         "driver": "<nvidia driver version>", "cuda": "<torch.version.cuda>", "device": "<device name>",
         "runs": [{"strategy", "seq_len", ..., "alloc_conf",
@@ -106,6 +107,10 @@ RECIPE_GRID = [  # long enough that activations and logits, not the states, make
     *[(512, 1, {"optimizer": name}) for name in ("adamw-8bit", "adamw-paged-8bit", "adamw-torchao-8bit",
                                                  "adamw-torchao-4bit", "adafactor", "lion", "sgd-momentum", "muon")],
     (512, 1, {"optimizer_in_backward": True}),
+    # LoRA on an LLM.int8 base under autocast: CUDA's MatMul8bitLt (fp32 outputs, subA outliers, the
+    # inputs checkpointing does not drop), where the CPU runs measured MatMul8bitFp
+    (4096, 2, {"finetune": "qlora", "quantize_base": "int8"}),
+    (8192, 2, {"finetune": "qlora", "quantize_base": "int8", "checkpointing": "full", "train_embeddings": True}),
 ]
 
 
@@ -118,7 +123,9 @@ def cuda_context_bytes() -> dict[str, int]:
     free_after, _ = torch.cuda.mem_get_info()
     return {"total_bytes": total, "used_before_tensors_bytes": total - free_before,
             "used_after_first_matmul_bytes": total - free_after,
-            "allocated_after_first_matmul_bytes": torch.cuda.memory_allocated()}
+            "allocated_after_first_matmul_bytes": torch.cuda.memory_allocated(),
+            "reserved_after_first_matmul_bytes": torch.cuda.memory_reserved(),
+            "module_loading": os.environ.get("CUDA_MODULE_LOADING", "")}  # torch sets LAZY at its CUDA init
 
 
 def simulated(events: list[tuple], alloc_conf: str) -> dict:
@@ -180,8 +187,11 @@ def replay_on_cuda(events: list[tuple], alloc_conf: str) -> dict:
 def calibration(results: dict, gpu: str, torch_version: str) -> dict:
     """The file planner/memory/reserved.py reads, from this check's results (format in the docstring)."""
     context = results["context"]
+    # the context: what the device uses beyond torch's segments (the cuBLAS workspaces the matmul
+    # allocated are in the segments: planner/cluster/cuda_context.py counts them apart)
     entry = {"cuda_context_bytes": context["used_after_first_matmul_bytes"]
-             - context["allocated_after_first_matmul_bytes"],
+             - context["reserved_after_first_matmul_bytes"],
+             "module_loading": context.get("module_loading", ""),
              "nccl_bytes_per_communicator": results.get("nccl_bytes_per_communicator"),
              "driver": results.get("driver", ""), "cuda": results.get("cuda", ""), "device": results["device"],
              "runs": [r for r in results["runs"] if r.get("status") == "ok"],
@@ -248,6 +258,18 @@ def check_kernels(gpu_name: str) -> dict:
     return {"gemms": gemms, "attention": attention}
 
 
+def grid_requests(config: dict, gpu: str) -> list[tuple]:
+    """Every run of the check: (strategy, (seq_len, micro_batch, checkpointing, attention, recipe
+    fields), PYTORCH_CUDA_ALLOC_CONF, the EstimateRequest), each grid row under each allocator setting."""
+    grid = [(s, (seq, micro, ckpt, attention, {})) for s in ("zero0", "ddp") for seq, micro, ckpt, attention in GRID]
+    grid += [("single", (seq, micro, fields.get("checkpointing", "none"), "sdpa", fields))
+             for seq, micro, fields in RECIPE_GRID]
+    return [(strategy, row, conf, EstimateRequest(
+                model_config=config, strategy=strategy, gpus=1, gpu=gpu, precision="bf16-mixed", micro_batch=row[1],
+                seq_len=row[0], attention=row[3], alloc_conf=conf or None, **({"checkpointing": row[2]} | row[4])))
+            for strategy, row in grid for conf in ALLOC_CONFS]
+
+
 def check_sequences(requests: list[EstimateRequest]) -> list[dict]:
     rows = []
     named = SEQUENCES + [(f"step: {r.strategy} seq {r.seq_len} mb {r.micro_batch} ckpt {r.checkpointing}",
@@ -283,13 +305,7 @@ def main() -> int:
     results = {"device": torch.cuda.get_device_name(0), "context": cuda_context_bytes(), "runs": [],
                "driver": _driver(), "cuda": torch.version.cuda or "", "kernels": check_kernels(args.gpu)}
     requests = []
-    grid = [(s, (seq, micro, ckpt, attention, {})) for s in ("zero0", "ddp") for seq, micro, ckpt, attention in GRID]
-    grid += [("single", (seq, micro, fields.get("checkpointing", "none"), "sdpa", fields))
-             for seq, micro, fields in RECIPE_GRID]
-    for strategy, (seq, micro, ckpt, attention, fields), conf in [(s, g, c) for s, g in grid for c in ALLOC_CONFS]:
-        request = EstimateRequest(model_config=config, strategy=strategy, gpus=1, gpu=args.gpu, precision="bf16-mixed",
-                                  micro_batch=micro, seq_len=seq, attention=attention, alloc_conf=conf or None,
-                                  **({"checkpointing": ckpt} | fields))
+    for strategy, (seq, micro, ckpt, attention, fields), conf, request in grid_requests(config, args.gpu):
         if conf == "":
             requests.append(request)
         result = estimate(request)

@@ -49,7 +49,7 @@ def check(body: CheckRequest, estimator: Estimator) -> CheckResult:
     result = estimator(request)
     steps, source = _steps(job, body, result)
     changes = _changes(request, result, estimator, steps)
-    notes = list(result.notes)
+    notes = job.notes + list(result.notes)
     if steps is None:
         notes.append("the job's length is unknown: give --tokens, or --dataset-tokens with a file's epochs")
     if result.time is None:

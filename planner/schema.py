@@ -729,10 +729,11 @@ class PlanResult(BaseModel):
     candidates: list[Candidate]
     candidates_evaluated: int
     min_gpus: dict[str, int | None] = Field(description="smallest total GPU count each strategy trains on (micro-batch 1)")
-    max_micro_batch: dict[str, int | None] = Field(description="largest micro-batch that fits, per strategy")
+    max_micro_batch: dict[str, int | None] = Field(description="largest micro-batch that fits, per strategy "
+                                                   "(on a GPU: its reserved peak, simulated, within the device)")
     max_seq_len: int | None = Field(None, description="longest sequence the recommended layout trains at micro-batch 1 "
-                                    "with full checkpointing (its strategy, offload and tp/cp degrees); null when "
-                                    "nothing fits")
+                                    "with full checkpointing (its strategy, offload and tp/cp degrees; on a GPU: its "
+                                    "reserved peak, simulated, within the device); null when nothing fits")
     faster_on_fewer_nodes: int | None = Field(
         None, description="a smaller node count whose best option beats every option on all the nodes (the fabric "
                           "cannot carry the traffic of spanning them); null when none")

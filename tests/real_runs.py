@@ -205,6 +205,10 @@ CPU_RUNS = [
     # an MoE: the routed experts are in transformers' ep plan, whole on every TP rank
     _run("qwen3moe-v32k-tp2-hfplan-fp32-t1024", QWEN3_MOE_32K, "fsdp", "fp32", tp=2, micro=1, seq=1024,
          tp_plan="transformers"),
+    # LoRA on an LLM.int8 base under autocast (Axolotl's lora-8b: load_in_8bit, bf16): bitsandbytes'
+    # CPU path MatMul8bitFp keeps each int8 linear's fp32 input, its outputs 16-bit under autocast
+    _run("llama-int8-lora-single-bf16-all-t512", LLAMA, "single", "bf16-mixed", gpus=1, micro=2, seq=256,
+         finetune="qlora", quantize_base="int8", lora_targets="all-linear"),
 ]
 
 # The part of CPU_RUNS that CI runs (scripts/test.sh deselects the rest, marked slow_matrix in
@@ -218,6 +222,7 @@ CI_RUNS = frozenset({
     "qwen3moe-ep2-fsdp-fp32-t1024", "llama-lora-ddp-bf16-qkvo-r16", "llama-qlora-ddp-fp32-qv",
     "llama-fsdp-fp32-ga2-t128", "llama-single-bf16", "llama-single-fp32-muon-t64", "llama-single-fp32-inbwd-t256",
     "llama-v32k-tp2-hfplan-fp32-t1024",
+    "llama-int8-lora-single-bf16-all-t512",
 })
 
 # Measured and reported by bench/accuracy.py (not in CI, to keep it short): the rest of the
@@ -436,6 +441,13 @@ BENCH_RUNS = [
          seq=1024, finetune="qlora"),
     _run("llama-v32k-qlora-single-bf16-keeps-t2048", LLAMA_32K, "single", "bf16-mixed", gpus=1, micro=2, seq=1024,
          finetune="qlora", keeps_outputs=True),
+    # the int8 base as Axolotl's lora-8b runs it (checkpointed, r 32, embed_tokens and lm_head trained),
+    # and under DDP with lora_dropout (each adapter's own fp32 copy and noise)
+    _run("llama-int8-lora-single-bf16-ckpt-embed-r32-t1024", LLAMA, "single", "bf16-mixed", gpus=1, ckpt="full",
+         micro=4, seq=256, finetune="qlora", quantize_base="int8", lora_rank=32, lora_targets="all-linear",
+         train_embeddings=True),
+    _run("llama-int8-lora-ddp-bf16-dropout-all-t512", LLAMA, "ddp", "bf16-mixed", micro=2, seq=256, finetune="qlora",
+         quantize_base="int8", lora_targets="all-linear", lora_dropout=0.05),
     # checkpointing policies: torchtitan's per-op SAC (torch.utils.checkpoint's selective contexts
     # with its save list and every-second-mm rule: backend/checkpointing.py), every N-th block
     # (transformers' every_n_layers), Megatron's core-attention recompute (SDPA and eager)

@@ -7,6 +7,7 @@ import json
 from bench import gpu_check
 from planner.memory import reserved
 from planner.memory.orchestrator import estimate
+from planner.model.catalogue import catalogue_model
 from planner.schema import EstimateRequest
 
 MIB = 2**20
@@ -35,7 +36,8 @@ def test_peaks_read_torchs_flat_memory_stats():
 
 def test_the_calibration_file_is_read_by_the_planner(tmp_path, monkeypatch):
     results = {"device": "NVIDIA H200", "driver": "570.1", "cuda": "12.8",
-               "context": {"used_after_first_matmul_bytes": 700 * MIB, "allocated_after_first_matmul_bytes": 4 * MIB},
+               "context": {"used_after_first_matmul_bytes": 700 * MIB, "allocated_after_first_matmul_bytes": 2 * MIB,
+                           "reserved_after_first_matmul_bytes": 4 * MIB, "module_loading": "LAZY"},
                "nccl_bytes_per_communicator": 300 * MIB,
                "runs": [{"status": "ok", "measured_reserved_peak_bytes": 1}, {"status": "failed"}]}
     path = tmp_path / "allocator_calibration.json"
@@ -44,14 +46,31 @@ def test_the_calibration_file_is_read_by_the_planner(tmp_path, monkeypatch):
     assert loaded["h200"]["cuda_context_bytes"] == 696 * MIB and len(loaded["h200"]["runs"]) == 1
     monkeypatch.setattr(reserved, "_CALIBRATION", loaded)
     e = estimate(EstimateRequest(model="llama-3-8b", strategy="fsdp", gpus=8, gpu="h200"))
-    assert e.per_device.cuda_context_bytes == 696 * MIB and e.per_device.nccl_bytes == 300 * MIB
+    nvls = 16 * 2 * MIB * 8  # NVLS's buffers on the H200's NVSwitch, beside the measured ring buffers
+    assert e.per_device.cuda_context_bytes == 696 * MIB and e.per_device.nccl_bytes == 300 * MIB + nvls
     assert e.allocator.measured
     # NCCL_BUFFSIZE given: the measured default no longer applies, NCCL's constants do
     e = estimate(EstimateRequest(model="llama-3-8b", strategy="fsdp", gpus=8, gpu="h200", nccl_buffsize_bytes=MIB))
-    assert e.per_device.nccl_bytes == reserved.nccl_communicator_bytes(MIB)
+    assert e.per_device.nccl_bytes == reserved.nccl_communicator_bytes(MIB) + nvls
 
 
 def test_a_file_of_another_format_is_ignored(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"format": 2, "gpus": {"h200": {}}}))
     assert reserved.load_calibration(path) == {} and reserved.load_calibration(tmp_path / "absent.json") == {}
+
+
+def test_every_grid_run_is_a_request_the_planner_answers_on_the_gpu():
+    """What main() launches on the device: each grid row under both allocator settings, every one
+    estimated (with its allocator replay) before any GPU is touched; the int8 rows are CUDA's
+    MatMul8bitLt, which the CPU runs cannot measure."""
+    config = dict(catalogue_model("llama-3-8b").config, num_hidden_layers=2)
+    runs = gpu_check.grid_requests(config, "h200")
+    assert len(runs) == 2 * (2 * len(gpu_check.GRID) + len(gpu_check.RECIPE_GRID))
+    assert {conf for *_, conf, _ in runs} == set(gpu_check.ALLOC_CONFS)
+    int8 = [r for *_, r in runs if r.quantize_base == "int8"]
+    assert int8 and all(r.strategy == "single" for r in int8)
+    for strategy, row, conf, request in runs:
+        result = estimate(request)
+        assert result.allocator is not None and result.allocator.alloc_conf == conf
+        assert result.per_device.peak_bytes < result.device_capacity_bytes, (strategy, row)

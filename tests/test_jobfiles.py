@@ -56,9 +56,28 @@ def test_trl_shipped_accelerate_configs_with_the_trl_example(accelerate):
     assert result.request.model == "Qwen/Qwen2.5-0.5B" and result.request.seq_len == 1024  # SFTConfig's default
 
 
-def test_trl_fsdp1_config_is_refused_by_key_and_line():
-    with pytest.raises(PlannerError, match=r"fsdp1.yaml:\d+: fsdp_config\.fsdp_forward_prefetch"):
-        check(_body(_trl_accelerate("fsdp1.yaml"), FIXTURES / "trl/example_config.yaml"), estimate_with_time)
+def test_trl_fsdp1_config_is_answered_as_torch_fsdp_and_said_so():
+    """TRL's fsdp1.yaml (FULL_SHARD, BACKWARD_PRE, forward_prefetch, use_orig_params) is the job of
+    its fsdp2.yaml written for FSDP1: the same answer, with the note that FSDP1 is estimated with
+    FSDP2's per-unit model."""
+    one = check(_body(_trl_accelerate("fsdp1.yaml"), FIXTURES / "trl/example_config.yaml"), estimate_with_time)
+    two = check(_body(_trl_accelerate("fsdp2.yaml"), FIXTURES / "trl/example_config.yaml"), estimate_with_time)
+    assert one.request == two.request and one.request.strategy == "fsdp" and one.unknown_keys == []
+    assert (one.peak_bytes, one.step_seconds) == (two.peak_bytes, two.step_seconds)
+    assert any("fsdp1.yaml:" in n and "FSDP2's per-unit model" in n for n in one.notes)
+    assert not any("FSDP2's per-unit model" in n for n in two.notes)
+
+
+def test_fsdp_forward_prefetch_is_refused_under_fsdp2_and_a_bad_prefetch_named():
+    text = "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_forward_prefetch: true\n"
+    with pytest.raises(PlannerError, match=r"acc.yaml:4: fsdp_config\.fsdp_forward_prefetch"):
+        read_job([("acc.yaml", text), ("sft.json", json.dumps({"model_name_or_path": "x", "output_dir": "o"}))], 8)
+    text = "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 1\n  fsdp_backward_prefetch: SOMETIMES\n"
+    with pytest.raises(PlannerError, match=r"acc.yaml:4: fsdp_config\.fsdp_backward_prefetch: \('SOMETIMES'\)"):
+        read_job([("acc.yaml", text)], 8)
+    text = "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 3\n"
+    with pytest.raises(PlannerError, match=r"fsdp_version: \(3\) must be 1 or 2"):
+        read_job([("acc.yaml", text)], 8)
 
 
 def test_torchtitan_llama3_8b_toml():
@@ -110,11 +129,15 @@ def test_axolotl_examples_with_axolotls_deepspeed_configs_are_answered(example, 
     assert result.unknown_keys == []
 
 
-def test_axolotl_quantized_example_under_ddp_gets_the_cores_refusal():
-    """Without a DeepSpeed config axolotl runs DDP; the core does not model a bitsandbytes base
-    under autocast there (planner/recipes/finetune.py) and says so."""
-    with pytest.raises(PlannerError, match="quantize_base=int8 with strategy ddp"):
-        check(_body(FIXTURES / "axolotl/lora-8b.yml", gpus=1), estimate_with_time)
+def test_axolotl_int8_example_on_one_gpu_is_answered_as_single():
+    """Without a DeepSpeed config one process runs the bare module (no DDP), and LoRA on its LLM.int8
+    base under autocast is modelled (planner/recipes/finetune.py; tests/real_runs.py llama-int8-lora-*)."""
+    result = check(_body(FIXTURES / "axolotl/lora-8b.yml", gpus=1), estimate_with_time)
+    assert result.request.strategy == "single" and result.request.quantize_base == "int8"
+    assert result.request.checkpointing == "full" and result.request.train_embeddings
+    assert result.fits and result.peak_bytes > 8 * 10**9 and result.unknown_keys == []
+    two = check(_body(FIXTURES / "axolotl/lora-8b.yml", gpus=2), estimate_with_time)
+    assert two.request.strategy == "ddp" and two.peak_bytes > result.peak_bytes  # DDP's buckets
 
 
 def test_axolotl_fft_8b_paged_8bit_waits_for_its_optimizer():
@@ -135,6 +158,21 @@ def test_the_same_job_in_two_formats_gives_the_same_answer():
     factory = _body(FIXTURES / "llamafactory/llama3_lora_sft.yaml")
     a, b = check(trl, estimate_with_time), check(factory, estimate_with_time)
     assert a.request == b.request
+    assert (a.peak_bytes, a.step_seconds) == (b.peak_bytes, b.step_seconds)
+
+
+def test_axolotls_int8_lora_and_the_same_job_as_trl_give_the_same_answer():
+    """Axolotl's lora-8b.yml (an LLM.int8 base, LoRA r 32 on every linear, embed_tokens and lm_head
+    trained, checkpointed, on one GPU) and the same job as a TRL SFTConfig + ModelConfig."""
+    trl_job = {"model_name_or_path": "NousResearch/Meta-Llama-3-8B", "load_in_8bit": True, "use_peft": True,
+               "lora_r": 32, "lora_alpha": 16, "lora_dropout": 0.05, "lora_target_modules": "all-linear",
+               "lora_modules_to_save": ["embed_tokens", "lm_head"], "per_device_train_batch_size": 2,
+               "gradient_accumulation_steps": 4, "max_length": 4096, "packing": True, "num_train_epochs": 4,
+               "bf16": True, "gradient_checkpointing": True, "optim": "adamw_bnb_8bit",
+               "attn_implementation": "flash_attention_2", "output_dir": "out"}
+    trl = CheckRequest(files=[{"name": "sft.json", "text": json.dumps(trl_job)}], gpus=1)
+    a, b = check(trl, estimate_with_time), check(_body(FIXTURES / "axolotl/lora-8b.yml", gpus=1), estimate_with_time)
+    assert a.request == b.request and a.request.quantize_base == "int8" and a.request.strategy == "single"
     assert (a.peak_bytes, a.step_seconds) == (b.peak_bytes, b.step_seconds)
 
 

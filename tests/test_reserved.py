@@ -15,6 +15,11 @@ MIB = 2**20
 FSDP8 = dict(model="llama-3-8b", strategy="fsdp", gpus=8, gpu="h100-80gb")
 
 
+def _step(events):
+    """The events of the phases' items, without the BLAS workspaces (test_blas_workspaces_...)."""
+    return [e for e in events if not str(e[1]).startswith("blas workspace")]
+
+
 def _plan(*moments, resident=()):
     phases = [phase(PhaseKind.START_OF_BLOCK, f"m{k}", items) for k, items in enumerate(moments)]
     return PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), buffers=[], resident=list(resident))
@@ -24,7 +29,7 @@ def test_items_appearing_and_disappearing_become_mallocs_and_frees():
     setup = resolve(EstimateRequest(**FSDP8))
     buf = item("a buffer", 30 * MIB, "buffers")
     plan = _plan([buf], [], [item("another", 30 * MIB, "buffers")])
-    events = reserved.allocation_events(setup, plan, parameters=1)
+    events = _step(reserved.allocation_events(setup, plan, parameters=1))
     ops = [e[0] for e in events]
     # step 1: malloc, free, malloc (the second buffer reuses the first's block); step 2: free the
     # second at the resident moment, then the same again; the final resident moment frees the last
@@ -36,7 +41,7 @@ def test_a_side_stream_buffer_is_recorded_on_the_compute_stream_and_has_its_own_
     setup = resolve(EstimateRequest(**FSDP8))
     gathered = item("all-gather output", 40 * MIB, "buffers", stream="all_gather")
     plan = _plan([gathered], [item("activations", 40 * MIB, "buffers")])
-    events = reserved.allocation_events(setup, plan, parameters=1)
+    events = _step(reserved.allocation_events(setup, plan, parameters=1))
     assert ("malloc", 0, 40 * MIB, "all_gather") in events
     assert ("record", 0, "default") in events and ("complete", "default") in events
     # the default stream cannot reuse the all-gather stream's block: two segments
@@ -48,7 +53,7 @@ def test_a_shrinking_item_frees_its_last_tensors_only():
     unit = reserved._activation_unit(setup)  # 1 x 4096 x 4096 x 2 bytes
     assert unit == 4096 * 4096 * 2
     plan = _plan([item("saved activations", 4 * unit, "activations")], [item("saved activations", 3 * unit, "activations")])
-    events = reserved.allocation_events(setup, plan, parameters=1)
+    events = _step(reserved.allocation_events(setup, plan, parameters=1))
     first_step = events[:events.index(("free", 3)) + 1]
     assert [e[0] for e in first_step] == ["malloc"] * 4 + ["free"]
 
@@ -72,7 +77,8 @@ def test_the_estimate_reports_reserved_with_its_terms():
     assert d.reserved_peak_bytes == a.reserved_peak_bytes + d.cuda_context_bytes + d.nccl_bytes
     assert a.allocated_peak_bytes >= d.peak_bytes - d.framework_bytes  # 512-byte rounding never loses bytes
     assert a.reserved_peak_bytes >= a.allocated_peak_bytes
-    assert d.nccl_bytes == reserved.nccl_communicator_bytes(None) and a.communicators == ["dp_shard(8)"]
+    nvls = 16 * 2 * 128 * 1024 * 8 * 8  # NVLS on the H100's NVSwitch: 16 channels x 2 x 1 MiB x 8 heads
+    assert d.nccl_bytes == reserved.nccl_communicator_bytes(None) + nvls and a.communicators == ["dp_shard(8)"]
     assert e.headroom_bytes == e.device_capacity_bytes - d.reserved_peak_bytes
     assert a.alloc_conf == "" and a.other_alloc_conf == "expandable_segments:True"
     assert any(n.startswith("reserved (simulated") for n in e.notes)
@@ -163,3 +169,89 @@ def test_the_plan_rejects_a_setting_whose_reserved_peak_exceeds_the_card():
     assert rejected and all(c.per_device.peak_bytes <= 48 * 2**30 for c in rejected)
     tp2 = [c for c in r.candidates if c.parallel.tp == 2 and c.strategy == "fsdp" and c.fits]
     assert tp2 and all(c.micro_batch == 1 for c in tp2)
+
+
+@pytest.mark.parametrize("gpu, blas", [("h100-80gb", 32 * MIB), ("a100-80gb", 8_519_680), ("b200", 8_519_680),
+                                       ("mi300x", 128 * MIB)])
+def test_blas_workspaces_are_allocated_at_the_first_matmul_and_kept(gpu, blas):
+    """torch's CublasHandlePool.cpp: cuBLAS's 32 MiB on Hopper (sm 9.0 only), 8,519,680 bytes
+    elsewhere, cuBLASLt's 1 MiB (hipBLAS 128 MiB on gfx94x, hipBLASLt 76 MiB); one pair for the
+    forward's thread and one for autograd's backward thread, never freed."""
+    setup = resolve(EstimateRequest(**dict(FSDP8, gpu=gpu)))
+    plan = _plan([item("a buffer", 30 * MIB, "buffers")], resident=[item("weights", 10 * MIB, "parameters")])
+    events = reserved.allocation_events(setup, plan, parameters=1)
+    lt = 76 * 1024 * 1024 if gpu == "mi300x" else MIB
+    mallocs = [e for e in events if str(e[1]).startswith("blas workspace")]
+    assert [e[2] for e in mallocs] == [blas, lt, blas, lt]
+    assert events.index(mallocs[0]) == 1  # after the resident weights, before the step's first tensor
+    assert not [e for e in events if e[0] == "free" and str(e[1]).startswith("blas")]
+    assert setup.gpu.blas_workspace_bytes == 2 * (blas + lt)
+    e = estimate(EstimateRequest(**dict(FSDP8, gpu=gpu)))
+    assert e.per_device.framework_bytes == e.per_device.cuda_context_bytes + 2 * (blas + lt)
+
+
+def test_cpu_ranks_have_no_workspaces_and_no_context():
+    setup = resolve(EstimateRequest(model_config={"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+                                                  "intermediate_size": 128, "num_hidden_layers": 2,
+                                                  "num_attention_heads": 4}, strategy="ddp", gpus=2, gpu="cpu"))
+    assert setup.gpu.blas_workspace_bytes == 0 and setup.gpu.cuda_context_bytes == 0
+
+
+def test_every_gpu_has_an_architecture_and_its_context_covers_the_published_ones():
+    """data/cuda_context.yaml places every non-CPU GPU of gpus.yaml; each measurement names its
+    source; the context used is never below a published lazy context of the architecture (the
+    RTX 6000 Ada's 426 MiB raises gpus.yaml's 384 MiB for the RTX 4090 and the L4)."""
+    from planner.cluster import cuda_context
+    from planner.cluster.gpus import load_gpus
+
+    for g in load_gpus().values():
+        arch = cuda_context.architecture(g.name)
+        if g.is_cpu:
+            assert arch is None
+            continue
+        assert arch is not None, g.name
+        assert all(s.startswith("https://") for s in arch.sources)
+        assert g.cuda_context_bytes >= max((g.cuda_context_mib,) + arch.measured_mib) * MIB
+    assert load_gpus()["rtx-4090"].cuda_context_bytes == 426 * MIB
+    assert load_gpus()["h100-80gb"].cuda_context_bytes == 512 * MIB  # no Hopper measurement: the envelope
+
+
+def test_nvls_buffers_for_communicators_of_three_or_more_gpus_inside_an_nvswitch_node():
+    """NCCL's ncclNvlsBufferSetup: channels (16) x 2 x chunk (128 KiB) x NCCL_STEPS (8) per head,
+    a head per GPU of the communicator; none for 2 GPUs (ncclNvlsInit), none across nodes, none
+    without NVSwitch multicast (A100, H100 PCIe)."""
+    ring = reserved.nccl_communicator_bytes(None)
+    setup = resolve(EstimateRequest(model="llama-3-8b", strategy="fsdp", gpus=8, gpu="h100-80gb", tp=2, cp=2))
+    groups = {c.name: c for c in reserved.communicator_groups(setup)}
+    assert groups["tp(2)"].intra_node and groups["cp(2)"].intra_node and groups["dp_shard_cp(4)"].intra_node
+    assert [reserved.nvls_bytes(setup, c) for c in groups.values()] == [0, 0, 0, 16 * 2 * MIB * 4]
+    assert reserved.nccl_bytes(setup) == 4 * ring + 64 * MIB * 2
+    # 2 nodes of 8: dp_shard(16) spans both nodes, NVLS does not apply
+    two = resolve(EstimateRequest(model="llama-3-8b", strategy="fsdp", gpus=8, nodes=2, gpu="h100-80gb"))
+    assert [c.intra_node for c in reserved.communicator_groups(two)] == [False]
+    assert reserved.nccl_bytes(two) == ring
+    for gpu in ("a100-80gb", "h100-pcie"):
+        assert reserved.nccl_bytes(resolve(EstimateRequest(**dict(FSDP8, gpu=gpu)))) == ring
+
+
+def test_the_plans_inverse_answers_are_judged_on_reserved_memory():
+    """max_seq_len and max_micro_batch: the live peak's answers replayed through the caching
+    allocator with the CUDA context and NCCL's buffers. A 512 MiB NCCL_BUFFSIZE (32 channels x 2
+    connections: ~33 GiB outside the allocator) leaves the live answers standing and shortens
+    the reserved ones; each answer's own estimate fits the device."""
+    from planner.plan.search import _reduce_field, plan
+    from planner.schema import PlanRequest
+
+    base = dict(model="llama-3-8b", gpus=8, gpu="h100-80gb", seq_len=4096)
+    wide = plan(PlanRequest(**base))
+    narrow = plan(PlanRequest(**base, nccl_buffsize_bytes=512 * MIB))
+    assert narrow.max_seq_len < wide.max_seq_len
+    assert narrow.max_micro_batch["fsdp"] < wide.max_micro_batch["fsdp"]
+    c = narrow.recommended
+    accumulation = 2 if c.micro_batch * c.gradient_accumulation > 1 else 1
+    at = estimate(EstimateRequest(model="llama-3-8b", strategy=c.strategy, gpus=8, gpu="h100-80gb", micro_batch=1,
+                                  seq_len=narrow.max_seq_len, checkpointing="full", gradient_accumulation=accumulation,
+                                  nccl_buffsize_bytes=512 * MIB, offload_optimizer=c.offload_optimizer,
+                                  offload_params=c.offload_params, **_reduce_field(PlanRequest(**base), c.strategy)))
+    assert at.fits and at.per_device.reserved_peak_bytes <= at.device_capacity_bytes
+    assert at.per_device.peak_bytes < 0.95 * at.device_capacity_bytes  # and the live judgement alone passes

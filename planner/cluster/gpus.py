@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from planner.cluster import cuda_context
 from planner.datafile import load_data_yaml
 from planner.errors import PlannerError, UnknownNameError, unknown
 from planner.recipes.precision import RECIPES
@@ -47,7 +48,14 @@ class Gpu(BaseModel):
 
     @property
     def cuda_context_bytes(self) -> int:
-        return self.cuda_context_mib * MIB
+        """The context outside torch's allocator: this envelope, raised to the largest published
+        context of the GPU's architecture (data/cuda_context.yaml)."""
+        return cuda_context.context_mib(self.name, self.cuda_context_mib) * MIB
+
+    @property
+    def blas_workspace_bytes(self) -> int:
+        """cuBLAS/cuBLASLt (hipBLAS/hipBLASLt) workspaces, allocated through torch's caching allocator."""
+        return sum(cuda_context.blas_workspaces(self.name))
 
     @property
     def is_cpu(self) -> bool:

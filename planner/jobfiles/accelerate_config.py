@@ -50,8 +50,21 @@ DEEPSPEED: dict[str, Key] = {
     "deepspeed_moe_layer_cls_names": Refused("DeepSpeed MoE layers", lambda v, b: not v, "remove it"),
 }
 
+# torch FSDP1 (FullyShardedDataParallel, fsdp_version 1) with one unit per transformer block holds
+# per unit what FSDP2 does: the unit's parameters gathered in the param dtype (one padded flat
+# parameter whose views are the parameters), its unsharded gradient until the reduce-scatter, the
+# sharded gradient in the parameters' dtype, the next unit prefetched under BACKWARD_PRE (torch 2.13
+# distributed/fsdp/_flat_param.py, _runtime_utils.py _pre_backward_hook / _post_backward_hook). The
+# root stays gathered from forward to backward (_runtime_utils.py _post_forward_reshard: the root is
+# not resharded), as FSDP2's model holds it through backward. Not counted: FSDP1's transients of
+# 1/dp of a unit (the low-precision shard _mp_shard while a unit is gathered, the padded
+# reduce-scatter output before it is added to the fp32 sharded gradient). Estimated with FSDP2's
+# per-unit model and said so; the CPU ranks verify FSDP2 only.
+FSDP1_NOTE = ("fsdp_version 1 (torch FSDP1, flat parameters) is estimated with FSDP2's per-unit model (the same "
+              "units gathered, unsharded and sharded gradients); FSDP1's transients of 1/dp of a unit (its "
+              "low-precision shard, the padded reduce-scatter output) are not counted; the CPU ranks verify FSDP2 only")
 FSDP: dict[str, Key] = {
-    "fsdp_version": Modelled("2 is modelled (FSDP2); 1 is refused (its flat parameters)"),
+    "fsdp_version": Modelled("2 FSDP2; 1 FSDP1, estimated with FSDP2's per-unit model (said in the notes)"),
     "fsdp_sharding_strategy": Modelled("FULL_SHARD fsdp, SHARD_GRAD_OP fsdp-grad-op, HYBRID_SHARD hsdp"),
     "fsdp_reshard_after_forward": Modelled("FSDP2: true fsdp, false fsdp-grad-op"),
     "fsdp_offload_params": Modelled("offload_params and offload_optimizer cpu (CPUOffloadPolicy)"),
@@ -60,11 +73,16 @@ FSDP: dict[str, Key] = {
                                      equals("TRANSFORMER_BASED_WRAP"), "TRANSFORMER_BASED_WRAP"),
     "fsdp_transformer_layer_cls_to_wrap": Inert("names the block class; the model wraps each block"),
     "fsdp_min_num_params": Refused("a size-based wrap", equals(0), "remove it"),
-    "fsdp_forward_prefetch": Refused("prefetches one more unit in forward", lambda v, b: off(v), "false"),
-    "fsdp_backward_prefetch": Inert("FSDP2 always prefetches the next unit in backward; FSDP1 only (refused)"),
+    # accelerate 1.16 utils/dataclasses.py:1830: forward_prefetch raises under fsdp_version 2
+    "fsdp_forward_prefetch": Refused("FSDP2 has no forward_prefetch (accelerate raises); under FSDP1 it holds the "
+                                     "next unit gathered in forward, as FSDP2's implicit prefetch does (modelled)",
+                                     lambda v, b: off(v) or str(b.get("fsdp_version", 1)) == "1", "false"),
+    "fsdp_backward_prefetch": Modelled("FSDP1: BACKWARD_PRE holds the next unit gathered through the current "
+                                       "unit's backward, as FSDP2 always does (modelled); BACKWARD_POST and "
+                                       "NO_PREFETCH hold it for less or not at all (the estimate is the upper bound)"),
     **inert("saving and loading", "fsdp_state_dict_type", "fsdp_cpu_ram_efficient_loading",
             "fsdp_sync_module_states"),
-    "fsdp_use_orig_params": Inert("FSDP1 only (refused)"),
+    "fsdp_use_orig_params": Inert("FSDP1: the original parameters are views into the flat parameter, the same bytes"),
 }
 
 STRATEGY = {"NO": None, "MULTI_GPU": "ddp"}
@@ -123,9 +141,14 @@ def fsdp_section(reading: Reading, block: dict[str, Any]) -> None:
     where = reading.where
     reading.unknown += check_block(block, FSDP, where, "fsdp_config.")
     version = str(block.get("fsdp_version", 1))
-    if version != "2":
-        raise where.error("fsdp_config.fsdp_version", f"({version}): FSDP1's flat parameters are not modelled (the "
-                                                      "estimate is FSDP2's); use fsdp_version: 2")
+    if version not in ("1", "2"):
+        raise where.error("fsdp_config.fsdp_version", f"({version}) must be 1 or 2")
+    if version == "1":
+        reading.notes.append(f"{where.at('fsdp_config.fsdp_version')} {FSDP1_NOTE}")
+        prefetch = str(block.get("fsdp_backward_prefetch", "BACKWARD_PRE")).upper()
+        if prefetch not in ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH", "1", "2"):
+            raise where.error("fsdp_config.fsdp_backward_prefetch", f"({prefetch!r}) must be BACKWARD_PRE, "
+                                                                    "BACKWARD_POST or NO_PREFETCH")
     strategy = "fsdp"
     if "fsdp_sharding_strategy" in block:
         text = str(block["fsdp_sharding_strategy"]).upper()

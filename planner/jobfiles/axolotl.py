@@ -37,7 +37,9 @@ TABLE: dict[str, Key] = {
     "tf32": Refused("TF32 changes fp32 matmuls' speed, which the time model does not separate",
                     lambda v, b: off(v) or b.get("bf16") in (True, "auto") or b.get("fp16") is True, "false"),
     "gradient_checkpointing": Modelled("checkpointing full"),
-    "gradient_checkpointing_kwargs": Modelled("use_reentrant: either saves the block inputs only"),
+    "gradient_checkpointing_kwargs": Modelled("use_reentrant: either saves the block inputs only (an int8 base's "
+                                              "linears keep theirs as non-reentrant does: finetune.py int8_held_inputs; "
+                                              "reentrant keeps fewer)"),
     "attn_implementation": Modelled("attention"), "flash_attention": Modelled("attention sdpa"),
     "sdp_attention": Modelled("attention sdpa"), "xformers_attention": Modelled("attention sdpa"),
     "deepspeed": Modelled("the DeepSpeed JSON, read from the files given"),

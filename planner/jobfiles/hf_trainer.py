@@ -44,7 +44,9 @@ TRAINING_ARGUMENTS: dict[str, Key] = {
     "tf32": Refused("TF32 changes the speed of fp32 matmuls, which the time model does not separate",
                     lambda v, b: off(v) or b.get("bf16") is True or b.get("fp16") is True,
                     "false, or train in bf16/fp16"),
-    "gradient_checkpointing_kwargs": Modelled("use_reentrant: either saves the block inputs only"),
+    "gradient_checkpointing_kwargs": Modelled("use_reentrant: either saves the block inputs only (an int8 base's "
+                                              "linears keep theirs as non-reentrant does: finetune.py int8_held_inputs; "
+                                              "reentrant keeps fewer)"),
     "activation_checkpointing_kwargs": Modelled("as gradient_checkpointing_kwargs"),
     "parallelism_config": Refused("accelerate's ParallelismConfig sets tp/cp/dp degrees", lambda v, b: v is None,
                                   "remove it; give the degrees with --tp / --cp"),

@@ -72,9 +72,13 @@ def read_job(files: list[tuple[str, str]], world_size: int, sets: dict[str, Any]
     _join_model(job, parsed, kinds)
     _world(job, world_size)
     if "strategy" not in job.fields and "ds_config" not in job.fields:
-        # no file names a sharding framework: torchrun or accelerate's default runs DDP (one process: plain)
-        job.fields["strategy"] = "ddp"
-        job.origin["strategy"] = "no file names a sharding framework (DDP, accelerate's MULTI_GPU default)"
+        # no file names a sharding framework: torchrun or accelerate's default runs DDP; one process
+        # runs the bare module (accelerate 1.16 accelerator.py:1855 prepare_model wraps in DDP only when
+        # multi_device, state.py:351: distributed_type != NO and num_processes > 1)
+        one = world_size == 1
+        job.fields["strategy"] = "single" if one else "ddp"
+        job.origin["strategy"] = ("one GPU and no sharding framework: the bare module, no DDP" if one else
+                                  "no file names a sharding framework (DDP, accelerate's MULTI_GPU default)")
     for name, kind in kinds.items():
         if kind in (DS_JSON, "hf-model-config"):
             job.formats.append((name, kind))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from planner.cluster import cuda_context
 from planner.memory import buffers as buf
 from planner.memory import reserved
 from planner.model.activations import Activations, check_checkpointing
@@ -230,7 +231,7 @@ def estimate_resolved(setup: Setup, simulate: bool = True) -> EstimateResult:
         params_b += sum(i.bytes for i in ep_items if i.component == "parameters")
         optim_b += sum(i.bytes for i in ep_items if i.component == "optimizer_states")
         grads_b += sum(i.bytes for i in ep_items if i.component == "gradients")
-    framework = setup.gpu.cuda_context_bytes
+    framework = setup.gpu.cuda_context_bytes + setup.gpu.blas_workspace_bytes
     peak_phase = max(plan.phases, key=lambda p: p.bytes)
     peak = peak_phase.bytes + framework
     resident = plan.resident_bytes + framework
@@ -458,11 +459,22 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
     notes.append(f"peak occurs during {peak_phase.name}")
     notes.append(loop_note(setup.request.keeps_outputs, _held_outputs(setup)))
     notes.extend(plan.notes)
+    if setup.finetune is not None and setup.finetune.quantize != "none" and setup.device == "cuda":
+        notes.append(f"quantized base ({setup.finetune.quantize}) on CUDA: bitsandbytes 0.50's CUDA path (MatMul4Bit, "
+                     "MatMul8bitLt) modelled from its source, unverified on a GPU (bench/gpu_check.py RECIPE_GRID); "
+                     "its CPU path is measured")
     if setup.gpu.is_cpu:
         notes.append("cpu ranks: no CUDA context; capacity is host memory shared by the ranks of a node")
     else:
-        notes.append(f"framework: CUDA context and library workspaces {setup.gpu.cuda_context_mib} MiB "
-                     f"on {setup.gpu.name} (gpus.yaml, calibratable)")
+        arch = cuda_context.architecture(setup.gpu.name)
+        notes.append(f"framework: CUDA context {fmt_bytes(setup.gpu.cuda_context_bytes)} on {setup.gpu.name} "
+                     f"({arch.name if arch else 'architecture not catalogued'}, lazy module loading as torch sets "
+                     f"it; gpus.yaml's envelope raised to the largest published context of the architecture, "
+                     f"data/cuda_context.yaml; CUDA_MODULE_LOADING=EAGER would add "
+                     f"{fmt_bytes(cuda_context.eager_extra_bytes())}) + BLAS workspaces "
+                     f"{fmt_bytes(setup.gpu.blas_workspace_bytes)} through the caching allocator (torch's "
+                     f"CublasHandlePool.cpp defaults for sm {arch.sm if arch else '?'}, one pair per thread "
+                     "running matmuls: forward and autograd's backward)")
     notes.extend(f"time model: {caveat}" for caveat in setup.gpu.time_model_caveats)
     if held is not None:
         notes.extend(reserved_notes(held))
@@ -488,7 +500,8 @@ def reserved_notes(held: "reserved.Reserved") -> list[str]:
              f"outside the allocator: CUDA context {fmt_bytes(held.cuda_context_bytes)}"
              + (" (calibrated)" if held.measured else " (gpus.yaml)")
              + (f", NCCL buffers {fmt_bytes(held.nccl_bytes)} for {len(held.communicators)} communicator(s) "
-                f"({', '.join(held.communicators)}; channels x 2 ring connections x LL + LL128 + NCCL_BUFFSIZE)"
+                f"({', '.join(held.communicators)}; channels x 2 ring connections x LL + LL128 + NCCL_BUFFSIZE, "
+                "and NVLS's multicast buffers for a communicator of 3+ GPUs within an NVSwitch node)"
                 if held.communicators else ", no NCCL communicator")]
     if held.conf.garbage_collection_threshold > 0:
         notes.append("garbage_collection_threshold acts only under torch.cuda.set_per_process_memory_fraction "

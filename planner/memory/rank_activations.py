@@ -29,7 +29,7 @@ def activations(setup: Setup) -> Activations | None:
                                 compute_bytes=compute, attention=req.attention, checkpointing=req.checkpointing,
                                 device=setup.device, adapter_copy=adapter_copy,
                                 linears_save_inputs=setup.framework.linears_save_inputs(setup.strategy),
-                                fp32_stream=setup.finetune.quantize in ("nf4", "fp4") and adapter_copy)
+                                fp32_stream=setup.finetune.quantize != "none" and adapter_copy)
     arch = setup.arch
     seq_len = req.seq_len // setup.cp  # the rank's two chunks of each sequence under cp
     # torch.autocast over the fp32 weights: torch's mixed recipes where nothing casts them (DDP, a

@@ -2,7 +2,8 @@
 outside it (the CUDA context, NCCL's buffers). Simulated until bench/gpu_check.py has measured it.
 
 The allocation stream comes from the phase model (planner/frameworks/*: a PhasePlan of typed
-moments, each the list of MemoryItems live then). An item that appears between two moments is
+moments, each the list of MemoryItems live then), for an analytic model and a traced one alike (the
+trace's per-parameter numels and its hidden-state tensor size stand in for the architecture's). An item that appears between two moments is
 allocated, one that disappears is freed, one whose size changes frees or allocates the difference
 in whole tensors. Each item is cut into the tensors the allocator sees:
 - saved activations: [micro_batch, seq_len / cp, hidden] tensors in the compute dtype (what a
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from planner.cluster import cuda_context
 from planner.memory.allocator import AllocConf, AllocatorStats, OutOfMemory, parse_alloc_conf, replay
 from planner.schema import AllocatorSummary, MemoryItem
 
@@ -46,6 +48,21 @@ NCCL_BUFFSIZE_DEFAULT = 4 * 2**20
 # 588 MiB per communicator; NVIDIA/nccl#964 measured 544-688 MB per process group on 4 A100.
 NCCL_CHANNELS = 32
 NCCL_RING_CONNECTIONS = 2
+# NVLS (NVLink SHARP: NVSwitch multicast), on by default where the device supports multicast
+# (NCCL_NVLS_ENABLE 2: "enable if supported"; NVIDIA/nccl src/transport/nvls.cc ncclNvlsInit: not for a
+# communicator of 2 GPUs or fewer). ncclNvlsBufferSetup: buffSize = nvlsChunkSize x NCCL_STEPS, per
+# rank nvlsChannels x 2 x buffSize for each of nHeads heads (every GPU of the node is a head), in
+# unicast memory the multicast object maps. NCCL_NVLS_CHUNKSIZE default 128 KiB (NCCL user guide,
+# Environment Variables), NCCL_STEPS 8 (src/include/device.h), NCCL_NVLS_NCHANNELS 16
+# (nvls.cc NCCL_PARAM(NvlsChannels, "NVLS_NCHANNELS", 16)). NCCL 2.27 (torch 2.13's pin,
+# .ci/docker/ci_commit_pins/nccl-cu12.txt v2.27.5-1). The GPUs with NVSwitch multicast:
+# data/cuda_context.yaml nvls_gpus.
+NVLS_CHUNK_BYTES = 128 * 1024
+NCCL_STEPS = 8
+NVLS_CHANNELS = 16
+# torchtitan's ParallelDims.build_mesh, outer to inner: a dimension's ranks are consecutive in steps of
+# the product of the dimensions inside it (tp innermost, on one node where it fits)
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # at most this many tensors per item (beyond it the tensors grow): keeps a replay within a few ms
 MAX_TENSORS_PER_ITEM = 256
 CALIBRATION_PATH = Path(__file__).parents[1] / "data" / "allocator_calibration.json"
@@ -95,38 +112,70 @@ _CALIBRATION = load_calibration()
 
 # --- the terms outside the allocator ---------------------------------------------------------
 
-def communicators(setup: "Setup") -> tuple[str, ...]:
+@dataclass(frozen=True)
+class Communicator:
+    name: str  # "dp_shard(8)"
+    size: int
+    intra_node: bool  # all its ranks on one node
+
+
+def communicator_groups(setup: "Setup") -> list[Communicator]:
     """The NCCL communicators a rank uses: one per mesh dimension of more than one rank
-    (torchtitan's ParallelDims.build_mesh), and the flattened dp_shard x cp FSDP shards over."""
-    dims = setup.dims.as_dict()
-    found = [f"{name}({n})" for name, n in dims.items() if n > 1]
+    (torchtitan's ParallelDims.build_mesh: FSDP2/HSDP's dp_replicate and dp_shard, tp, pp, whose
+    send/recv go through batch_isend_irecv on the pp group's communicator, cp, ep), and the
+    flattened dp_shard x cp FSDP shards over."""
+    dims, per_node = setup.dims.as_dict(), setup.request.gpus
+    stride, inner = {}, 1
+    for name in reversed(MESH_ORDER):
+        stride[name], inner = inner, inner * dims[name]
+    stride["ep"] = dims["tp"]  # experts are spread over dp_shard x cp, inside tp
+
+    def group(name: str, n: int, step: int) -> Communicator:
+        return Communicator(f"{name}({n})", n, step * n <= per_node)
+
+    found = [group(name, n, stride[name]) for name, n in dims.items() if n > 1]
     if dims["dp_shard"] > 1 and dims["cp"] > 1:
-        found.append(f"dp_shard_cp({dims['dp_shard'] * dims['cp']})")
-    return tuple(found)
+        found.append(group("dp_shard_cp", dims["dp_shard"] * dims["cp"], dims["tp"]))
+    return found
+
+
+def communicators(setup: "Setup") -> tuple[str, ...]:
+    return tuple(c.name for c in communicator_groups(setup))
 
 
 def nccl_communicator_bytes(buffsize: int | None) -> int:
-    """One communicator's buffers: channels x ring connections x (LL + LL128 + Simple)."""
+    """One communicator's ring buffers: channels x ring connections x (LL + LL128 + Simple)."""
     simple = buffsize if buffsize is not None else NCCL_BUFFSIZE_DEFAULT
     return NCCL_CHANNELS * NCCL_RING_CONNECTIONS * (NCCL_LL_BYTES + NCCL_LL128_BYTES + simple)
 
 
+def nvls_bytes(setup: "Setup", comm: Communicator) -> int:
+    """NVLS's buffers for one communicator: on an NVSwitch GPU with multicast, a communicator of
+    more than 2 GPUs within the node (ncclNvlsBufferSetup: channels x 2 x chunk x steps per head)."""
+    if not (cuda_context.nvls_capable(setup.gpu.name) and comm.intra_node and comm.size > 2):
+        return 0
+    return NVLS_CHANNELS * 2 * NVLS_CHUNK_BYTES * NCCL_STEPS * comm.size
+
+
 def nccl_bytes(setup: "Setup") -> int:
-    """NCCL's buffers over the rank's communicators (measured per communicator when calibrated and
-    NCCL_BUFFSIZE is not set)."""
+    """NCCL's buffers over the rank's communicators: the ring's (measured per communicator when
+    calibrated and NCCL_BUFFSIZE is not set) and NVLS's where it applies."""
     req = setup.request
     per_comm = _CALIBRATION.get(setup.gpu.name, {}).get("nccl_bytes_per_communicator")
     if per_comm is None or req.nccl_buffsize_bytes is not None:
         per_comm = nccl_communicator_bytes(req.nccl_buffsize_bytes)
-    return len(communicators(setup)) * per_comm
+    return sum(per_comm + nvls_bytes(setup, c) for c in communicator_groups(setup))
 
 
 # --- the allocation stream -------------------------------------------------------------------
 
 def _activation_unit(setup: "Setup") -> int | None:
+    """The tensor size the saved activations are cut into: [micro_batch, seq_len / cp, hidden] in
+    the compute dtype, from the architecture or, for a traced model, from its trace."""
     arch, req = setup.arch, setup.request
     if arch is None:
-        return None
+        traced = setup.model.traced
+        return traced.hidden_state_bytes or None if traced is not None else None
     return req.micro_batch * max(1, req.seq_len // setup.cp) * arch.hidden_size * setup.recipe.compute_bytes
 
 
@@ -181,7 +230,10 @@ def allocation_events(setup: "Setup", plan: "PhasePlan", parameters: int) -> lis
     live_bytes: dict[tuple, list[int]] = {}  # key -> the item sizes its live tensors were cut from
     events: list[tuple] = []
     tag = 0
-    for items in moments:
+    for n, items in enumerate(moments):
+        if n == 1:  # the first matmul: the BLAS workspaces, kept for the process's life (CublasHandlePool.cpp)
+            events += [("malloc", f"blas workspace {i}", size, "default")
+                       for i, size in enumerate(cuda_context.blas_workspaces(setup.gpu.name))]
         totals: dict[tuple, list[int]] = {}
         for i in items:
             totals.setdefault(_key(i), []).append(i.bytes)

@@ -67,6 +67,9 @@ class TracedProfile(BaseModel):
     layer_kept_bytes: int = Field(ge=0, description="what a block keeps until its backward (mean over blocks)")
     loss_transient_bytes: int = Field(ge=0, description="above the saved set before the first block's backward")
     layer_transient_bytes: int = Field(ge=0, description="above the saved set inside one block's backward")
+    hidden_state_bytes: int = Field(0, ge=0, description="one [micro_batch, seq_len, hidden_size] tensor in the compute "
+                                    "dtype (transformers' config.hidden_size; 0: the config has none): the tensor size "
+                                    "the allocator replay cuts the saved activations into, as for an analytic model")
     setting: str = Field(description="the step traced: micro-batch, sequence, dtype, attention, checkpointing")
     assumptions: tuple[str, ...] = Field(description="what the trace assumed, for the output notes")
 

@@ -1166,7 +1166,7 @@ def _rank(search: _Search, req: PlanRequest, rows: list[Row], fewer: list[tuple[
             + [c for c in candidates if not c.fits]
     fitting = [c for c in candidates if c.fits]
     recommended = fitting[0] if fitting else None
-    max_micro = _max_micro(req, rows)
+    max_micro = _max_micro(req, rows, search)
     min_gpus = {name: _min_gpus(req, name, usable, model_fields) for name in STRATEGIES
                 if not lookup_strategy(name).one_device}
     # the inverse question per model-parallel layout the plan searched: FSDP2 with each TP degree
@@ -1208,7 +1208,8 @@ def _rank(search: _Search, req: PlanRequest, rows: list[Row], fewer: list[tuple[
                       families=families, winner_reason=_winner_reason(req, recommended, families, fitting, capacity,
                                                                       usable),
                       min_gpus=min_gpus, max_micro_batch=max_micro, faster_on_fewer_nodes=faster_on,
-                      max_seq_len=(_longest_sequence(req, recommended, usable, model_fields, positions)
+                      max_seq_len=(_longest_sequence(req, recommended, usable, model_fields, positions,
+                                                     on_reserved=not g.is_cpu)
                                    if recommended else None),
                       topology=TopologySummary(source=topo.source, gpu_type=topo.gpu_type, gpus_per_node=req.gpus,
                                                nodes=req.nodes, nvlink_groups=topo.nvlink_groups, ring=list(ring),
@@ -1217,14 +1218,32 @@ def _rank(search: _Search, req: PlanRequest, rows: list[Row], fewer: list[tuple[
                       notes=notes, request=req)
 
 
-def _max_micro(req: PlanRequest, rows: list[Row]) -> dict[str, int | None]:
+# the replays (planner/memory/reserved.py, a few tenths of a second each for an 8B model) an inverse
+# answer may spend checking the live peak's answer on reserved memory
+INVERSE_REPLAYS = 3
+
+
+def _max_micro(req: PlanRequest, rows: list[Row], search: "_Search | None" = None) -> dict[str, int | None]:
     """The largest micro-batch that fits on the full cluster, per strategy (any checkpointing/offload),
-    with data parallelism alone."""
+    with data parallelism alone: judged on the live peak with the request's headroom, then on a GPU on
+    reserved memory (the caching allocator replayed at the device's capacity, as the recommendation
+    is): the largest live answers are replayed, each micro-batch's setting of the smallest live peak,
+    until one fits (at most INVERSE_REPLAYS; none fitting among them: None)."""
+    live: dict[str, dict[int, Row]] = {}
+    for row in rows:
+        combo, mb, peak, fits, _ = row
+        options = live.setdefault(combo.strategy, {})
+        if fits and combo.model_parallel == 1 and (mb not in options or peak < options[mb][2]):
+            options[mb] = row
     out: dict[str, int | None] = {}
-    for combo, mb, _, fits, _ in rows:
-        out.setdefault(combo.strategy, None)
-        if fits and combo.model_parallel == 1 and (out[combo.strategy] is None or mb > out[combo.strategy]):
-            out[combo.strategy] = mb
+    for strategy, options in live.items():
+        ordered = sorted(options, reverse=True)
+        if search is None or search.g.is_cpu:
+            out[strategy] = ordered[0] if ordered else None
+            continue
+        out[strategy] = next((mb for mb in ordered[:INVERSE_REPLAYS]
+                              if search.shown(req, options[mb][0], mb, accumulation=min(_per_rank(req, options[mb][0]) // mb,
+                                                                                        2)).fits), None)
     return out
 
 
@@ -1233,11 +1252,14 @@ MAX_SEQ_LEN = 1 << 22  # PlanRequest.seq_len's bound (schema.py)
 
 
 def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_fields: dict,
-                      learned_positions: int = 0) -> int | None:
+                      learned_positions: int = 0, on_reserved: bool = False) -> int | None:
     """The inverse question for sequence length: the longest sequence (a multiple of 2*cp, as
     load-balanced CP needs, and of 128) that the recommended layout trains at micro-batch 1 with
     full checkpointing (a pipeline: its rank's share of the batch as micro-batches of 1, in the
-    request's schedule). Per-device memory grows with the sequence, so doubling then bisection."""
+    request's schedule). Per-device memory grows with the sequence, so doubling then bisection on
+    the live peak with the headroom; then, ``on_reserved`` (a GPU), the answer is replayed through
+    the caching allocator and, while it does not fit the device, shortened by what reserved adds
+    over the live peak (at most INVERSE_REPLAYS), then by bisection on reserved memory."""
     unit = 128 * 2 * c.parallel.cp
     degrees = {k: v for k, v in c.parallel.model_dump().items() if k in ("tp", "cp", "pp", "ep") and v > 1}
     if c.parallel.pp > 1:
@@ -1254,25 +1276,53 @@ def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_field
     # a learned position table (GPT-2's n_positions) bounds the sequence whatever the memory
     longest = min(MAX_SEQ_LEN, learned_positions or MAX_SEQ_LEN)
 
-    def fits(seq: int) -> bool:
-        e = estimate(EstimateRequest(**model_fields, strategy=c.strategy, gpus=req.gpus, nodes=req.nodes,
-                                     gpu=req.gpu, precision=req.precision, optimizer=req.optimizer, micro_batch=1,
-                                     optimizer_in_backward=req.optimizer_in_backward,
-                                     seq_len=seq, checkpointing="full", attention=req.attention,
-                                     offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
-                                     hsdp_shard_size=explicit_hsdp_shard(c.strategy, c.hsdp_shard_size, req.gpus),
-                                     **_reduce_field(req, c.strategy), **_version_field(req, c.strategy),
-                                     **degrees), simulate=False)
-        return e.per_device.peak_bytes <= usable
+    def at(seq: int, simulate: bool = False) -> EstimateResult:
+        return estimate(EstimateRequest(**model_fields, strategy=c.strategy, gpus=req.gpus, nodes=req.nodes,
+                                        gpu=req.gpu, precision=req.precision, optimizer=req.optimizer, micro_batch=1,
+                                        optimizer_in_backward=req.optimizer_in_backward,
+                                        seq_len=seq, checkpointing="full", attention=req.attention,
+                                        offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
+                                        hsdp_shard_size=explicit_hsdp_shard(c.strategy, c.hsdp_shard_size, req.gpus),
+                                        alloc_conf=req.alloc_conf, nccl_buffsize_bytes=req.nccl_buffsize_bytes,
+                                        **_reduce_field(req, c.strategy), **_version_field(req, c.strategy),
+                                        **degrees), simulate=simulate)
+
+    def largest(limit: float, high: int, low: int = 0) -> int:
+        """The largest multiple of unit below high * unit whose live peak is within limit (0: none),
+        low * unit known to be within it."""
+        while low + 1 < high:
+            mid = (low + high) // 2
+            if at(mid * unit).per_device.peak_bytes <= limit:
+                low = mid
+            else:
+                high = mid
+        return low
 
     low = 0
     high = max(1, req.seq_len // unit)
-    while high * unit <= longest and fits(high * unit):
+    while high * unit <= longest and at(high * unit).per_device.peak_bytes <= usable:
         low, high = high, high * 2
-    high = min(high, longest // unit + 1)
+    low = largest(usable, min(high, longest // unit + 1), low)
+    if not (on_reserved and low):
+        return low * unit if low else None
+    too_long = low
+    for _ in range(INVERSE_REPLAYS):
+        e = at(low * unit, simulate=True)
+        if e.fits:
+            return low * unit
+        too_long = low
+        # what the allocator and the terms outside it add over the live peak, taken as the same at the
+        # next shorter sequence (it grows with it: the next replay checks)
+        gap = e.per_device.reserved_peak_bytes - e.per_device.peak_bytes
+        low = largest(e.device_capacity_bytes - gap, low)
+        if not low:
+            break
+    # the gap did not settle (a replay that does not fit reports its uncapped reserve, and the
+    # segments' packing jumps): bisection on reserved memory below the shortest that did not fit
+    low, high = 0, too_long
     while low + 1 < high:
         mid = (low + high) // 2
-        if fits(mid * unit):
+        if at(mid * unit, simulate=True).fits:
             low = mid
         else:
             high = mid

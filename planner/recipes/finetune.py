@@ -51,6 +51,7 @@ BNB_NESTED_BLOCK = 256
 BNB_NESTED_CODE_BYTES = 256 * 4
 BNB_4BIT_CODE_BYTES = 16 * 4
 BNB_OFFSET_BYTES = 4
+FP32_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -127,10 +128,6 @@ def resolve_finetune(request: "EstimateRequest", arch: Architecture | None, stra
     if request.offload_params != "none":
         raise PlannerError(f"offload_params={request.offload_params} with finetune={request.finetune}: offloading a "
                            "frozen base is not modelled", field="offload_params")
-    if quantize == "int8" and framework.weights_are_master and recipe.reduced_dtype is not None:
-        raise PlannerError(f"quantize_base=int8 with strategy {strategy.name} and precision {request.precision}: LLM.int8 "
-                           "under torch.autocast is not modelled (the 4-bit bases nf4/fp4 are); use zero0-2 (bf16) "
-                           "or fp32", field="quantize_base")
     if request.train_embeddings and arch.tie_word_embeddings:
         raise PlannerError(f"train_embeddings=true on a tied model ({arch.model_type}, tie_word_embeddings): "
                            "PEFT's modules_to_save copies would untie them; not modelled", field="train_embeddings")
@@ -285,6 +282,15 @@ class AdapterInputs:
     dropout: float
     device: str
     stream_bytes: int = 0  # the frozen linears' output dtype (0: compute_bytes); fp32_stream below
+    norm_bytes: int = 0  # the norms' outputs, read by q/k/v and gate/up (0: compute_bytes); fp32_stream below
+
+    @property
+    def norm_out(self) -> int:
+        return self.norm_bytes or self.compute_bytes
+
+    @property
+    def linear_out(self) -> int:
+        return self.stream_bytes or self.compute_bytes
 
     @property
     def shared(self) -> bool:
@@ -325,22 +331,25 @@ def _lora_block_saved(arch: Architecture, spec: LayerSpec, f: Finetune, tokens: 
         saved += FP32 * tokens * (a.q_width + a.kv_width) + FP32 * tokens * (a.num_heads + a.num_kv_heads)
     inner = spec.mlp.intermediate_size
     # gate, act(gate) and up: the frozen linears' outputs (fp32 for a 4-bit base under autocast)
-    saved += 3 * (inputs.stream_bytes or b) * tokens * inner
+    saved += 3 * inputs.linear_out * tokens * inner
     kept_by_adapters = inputs.shared
     if kept_by_adapters:
         saved += b * tokens * h * (bool(names & set(_QKV)) + bool(names & set(_GATE_UP)))
         saved += b * tokens * inner if "down_proj" in names else 0
     if f.quantize == "int8" or linears_save_inputs:
-        # LLM.int8's CPU training path (bitsandbytes autograd/_functions.py MatMul8bitFp.forward:
-        # ``ctx.A = A``) keeps every int8 linear's input, frozen or not, and so does ZeRO-3's
-        # F.linear (deepspeed 0.19.8 runtime/zero/linear.py LinearFunctionForZeroStage3.setup_context:
-        # ctx.save_for_backward(input, weight, bias), installed by zero.Init's
-        # memory_efficient_linear, default true, when ZeRO-3 converts the module): the q/k/v input,
-        # the gate/up input and down_proj's (o_proj's is SDPA's output, saved anyway), where no
-        # adapter already keeps the same tensor.
-        saved += b * tokens * h * ((not (kept_by_adapters and names & set(_QKV)))
-                                   + (not (kept_by_adapters and names & set(_GATE_UP))))
-        saved += 0 if kept_by_adapters and "down_proj" in names else b * tokens * inner
+        # LLM.int8's training paths keep every int8 linear's input, frozen or not (bitsandbytes 0.50
+        # autograd/_functions.py: on CPU MatMul8bitFp.forward ``ctx.A = A``, on CUDA MatMul8bitLt
+        # ``ctx.tensors = (CAt, subA, A)``), and so does ZeRO-3's F.linear (deepspeed 0.19.8
+        # runtime/zero/linear.py LinearFunctionForZeroStage3.setup_context: ctx.save_for_backward(input,
+        # weight, bias), installed by zero.Init's memory_efficient_linear, default true, when ZeRO-3
+        # converts the module): the q/k/v input, the gate/up input (the norms' outputs) and down_proj's
+        # (o_proj's is SDPA's output, saved anyway), where no adapter already keeps the same tensor.
+        saved += inputs.norm_out * tokens * h * ((not (kept_by_adapters and names & set(_QKV)))
+                                                 + (not (kept_by_adapters and names & set(_GATE_UP))))
+        saved += 0 if kept_by_adapters and "down_proj" in names else inputs.linear_out * tokens * inner
+    if f.quantize == "int8" and inputs.device == "cuda":
+        saved += sum(int8_outliers_bytes(tokens, linear.in_features, inputs.norm_out)
+                     for linear in block_linears(arch, spec))
     for linear in block_linears(arch, spec):
         if linear.name in names:
             saved += inputs.per_adapter_bytes(tokens, linear.in_features) + b * tokens * f.rank
@@ -363,8 +372,9 @@ def _first_block_untracked(arch: Architecture, f: Finetune, tokens: int, inputs:
     # ZeRO-3's linear is an autograd.Function: with no input needing a gradient it records no node
     # and saves nothing, so the q/k/v input _lora_block_saved counted for it is not kept in block 0
     qkv_targeted = any(linear.name in _QKV and f.targeted(linear) for linear in block_linears(arch, first))
-    qkv_input = (inputs.compute_bytes * tokens * arch.hidden_size
-                 if linears_save_inputs and not (inputs.shared and qkv_targeted) else 0)
+    # so is LLM.int8's (MatMul8bitFp/MatMul8bitLt are autograd.Functions too: ctx.A is dropped with the ctx)
+    qkv_input = (inputs.norm_out * tokens * arch.hidden_size
+                 if (linears_save_inputs or f.quantize == "int8") and not (inputs.shared and qkv_targeted) else 0)
     return FP32 * tokens * arch.hidden_size + FP32 * tokens + noise + qkv_input
 
 
@@ -375,7 +385,7 @@ def lora_activations(arch: Architecture, f: Finetune, *, micro_batch: int, seq_l
     ``linears_save_inputs``: DeepSpeed ZeRO-3, whose F.linear keeps every linear's input (the
     frozen LM head's too).
 
-    ``fp32_stream``: QLoRA as it is run (a 4-bit base under torch.autocast after
+    ``fp32_stream``: QLoRA as it is run (a 4-bit or int8 base under torch.autocast after
     prepare_model_for_kbit_training, which leaves the embeddings, norms and LM head fp32: peft
     0.18 utils/other.py). The embedding's output is fp32 and so is the residual stream; each
     bitsandbytes Linear4bit casts its input to the compute dtype and its output back to the
@@ -384,14 +394,21 @@ def lora_activations(arch: Architecture, f: Finetune, *, micro_batch: int, seq_l
     under autocast saves its bf16 weight copy for the input's gradient; a checkpointed block
     keeps its fp32 input; backward's gradients through the stream and the MLP are fp32.
     Measured with saved-tensor hooks (llama, all-linear r=8, bf16): every block's saved set to
-    the byte."""
+    the byte.
+
+    An int8 base differs in its linears' outputs (bitsandbytes 0.50 autograd/_functions.py): on CPU
+    MatMul8bitFp dequantizes the weight to the input's dtype and calls F.linear inside the
+    autograd.Function, where autocast makes the output 16-bit, so gate, up and act(gate) and
+    down_proj's input are 16-bit; on CUDA MatMul8bitLt's int8_scaled_mm returns ``dtype=A.dtype``,
+    fp32 as the 4-bit linears'. Either keeps its fp32 input (the norms' outputs)."""
     from planner.model.activations import (FP32, ActivationItem, Activations, layer_backward_transient, loss_saved,
                                            loss_transient, rope_saved)
 
     tokens, b = micro_batch * seq_len, compute_bytes
     stream = FP32 if fp32_stream else b
+    out = b if f.quantize == "int8" and device == "cpu" else stream
     inputs = AdapterInputs(compute_bytes=b, own_copy=adapter_copy, dropout=f.dropout, device=device,
-                           stream_bytes=stream)
+                           stream_bytes=out, norm_bytes=stream)
     specs = layer_specs(arch)
     blocks = [_lora_block_saved(arch, spec, f, tokens, seq_len, micro_batch, inputs, attention, linears_save_inputs)
               for spec in specs]
@@ -402,9 +419,11 @@ def lora_activations(arch: Architecture, f: Finetune, *, micro_batch: int, seq_l
     final_norm = FP32 * tokens * arch.hidden_size + FP32 * tokens + head_out + head_cast
     loss = loss_saved(arch, tokens, b) + rope_saved(arch, seq_len, stream)
     at_loss = loss_transient(arch, tokens, b)
-    layer_transient = layer_backward_transient(arch, tokens, stream) + dequantized_weight_bytes(arch, f, b)
+    layer_transient = layer_backward_transient(arch, tokens, stream) + dequantized_weight_bytes(arch, f, b, tokens,
+                                                                                                 inputs)
     if checkpointing == "full":
-        boundary = stream * tokens * arch.hidden_size
+        boundary = stream * tokens * arch.hidden_size + max(int8_held_inputs(arch, spec, tokens, inputs)
+                                                            for spec in specs) * (f.quantize == "int8")
         body = arch.num_layers * boundary
         extra = max(at_loss, per_layer + layer_transient)
         items = [ActivationItem(f"{arch.num_layers} block inputs (checkpointed)", body),
@@ -425,15 +444,70 @@ def lora_activations(arch: Architecture, f: Finetune, *, micro_batch: int, seq_l
                        checkpointed=checkpointing == "full")
 
 
-def dequantized_weight_bytes(arch: Architecture, f: Finetune, compute_bytes: int) -> int:
+def int8_held_inputs(arch: Architecture, spec: LayerSpec, tokens: int, inputs: AdapterInputs) -> int:
+    """What a checkpointed block's int8 linears keep from the first forward until their backward:
+    MatMul8bitFp/MatMul8bitLt hold their input as a ctx attribute (``ctx.A = A``; ``ctx.tensors``),
+    not through save_for_backward, so non-reentrant checkpointing's saved-tensor hooks do not drop
+    it (torch 2.13 utils/checkpoint.py _checkpoint_hook packs save_for_backward's tensors only), and
+    PEFT's prepare_model_for_kbit_training(use_gradient_checkpointing=True) makes the embeddings'
+    output require a gradient (enable_input_require_grads), so block 0's are held too. Inputs:
+    q/k/v's and gate/up's (the norms' outputs, one tensor each), o_proj's (the attention output)
+    and down_proj's (gate x up), with MatMul8bitLt's outlier columns on CUDA. Measured (llama,
+    all-linear, bf16 autocast, checkpointed: 16.1 MB under without it, 4 blocks x 4.03 MB)."""
+    held: dict[str, int] = {}
+    for linear in block_linears(arch, spec):
+        group = "qkv" if linear.name in _QKV else "gate_up" if linear.name in _GATE_UP else linear.name
+        width = {"qkv": inputs.norm_out, "gate_up": inputs.norm_out,
+                 "o_proj": inputs.compute_bytes}.get(group, inputs.linear_out)
+        held[group] = width * tokens * linear.in_features
+        if inputs.device == "cuda":
+            held[group] += int8_outliers_bytes(tokens, linear.in_features, inputs.norm_out)
+    return sum(held.values())
+
+
+def dequantized_weight_bytes(arch: Architecture, f: Finetune, compute_bytes: int, tokens: int = 0,
+                             inputs: AdapterInputs | None = None) -> int:
     """A 4-bit linear's forward and backward dequantize its weight to the compute dtype before the
     matmul (bitsandbytes autograd/_functions.py MatMul4Bit: gemm_4bit, and backward's
     dequantize_4bit(B).to(grad_output.dtype)): one weight of the largest quantized linear at once.
-    LLM.int8's CPU path (MatMul8bitFp) dequantizes likewise."""
+    LLM.int8's CPU path (MatMul8bitFp) dequantizes likewise, to its input's dtype; with an fp32
+    input (under autocast, int8_autocast_transient) more is live at once."""
     if f.quantize == "none":
         return 0
-    return compute_bytes * max(linear.in_features * linear.out_features
-                               for spec in layer_specs(arch) for linear in block_linears(arch, spec))
+    linears = [linear for spec in layer_specs(arch) for linear in block_linears(arch, spec)]
+    if f.quantize == "int8" and inputs is not None and inputs.norm_out != compute_bytes:
+        return max(int8_autocast_transient(linear, tokens, compute_bytes, inputs.device) for linear in linears)
+    return compute_bytes * max(linear.in_features * linear.out_features for linear in linears)
+
+
+# LLM.int8 (Dettmers et al. 2022, arXiv 2208.07339, abstract): "more than 99.9% of values are
+# multiplied in 8-bit"; the outlier columns (|x| > threshold 6.0) are at most 0.1% of the input's.
+INT8_OUTLIER_FRACTION = 0.001
+
+
+def int8_outliers_bytes(tokens: int, in_features: int, input_bytes: int) -> int:
+    """What MatMul8bitLt (CUDA) saves beside its input: subA, the input's outlier columns in the
+    input's dtype (backends/default/ops.py int8_mixed_scaled_mm: ``A[:, outlier_cols].contiguous()``),
+    bounded by the paper's fraction."""
+    return input_bytes * tokens * _ceil_div(in_features, round(1 / INT8_OUTLIER_FRACTION))
+
+
+def int8_autocast_transient(linear: Linear, tokens: int, compute_bytes: int, device: str) -> int:
+    """The transient of one int8 linear with an fp32 input (the fp32 stream under autocast), the
+    larger of its forward and backward (bitsandbytes 0.50 autograd/_functions.py).
+    CPU, MatMul8bitFp.forward: the weight dequantized to fp32 (``CB.data.to(A.dtype)``), then F.linear
+    under autocast casts it and the input to 16 bits. CUDA, MatMul8bitLt.forward: the input cast to
+    fp16 (``A.to(torch.float16)``) and quantized to int8 (CA), int8_scaled_mm's int32 product before
+    its dequantization to fp32. Backward (both): ``state.CB.to(ctx.dtype_A, copy=True)`` (fp32) and
+    ``grad_output.to(ctx.dtype_A)``, an fp32 copy of a 16-bit output's gradient (CPU)."""
+    n, i, o = linear.in_features * linear.out_features, tokens * linear.in_features, tokens * linear.out_features
+    if device == "cpu":
+        forward = FP32_BYTES * n + compute_bytes * n + compute_bytes * i
+        backward = FP32_BYTES * n + FP32_BYTES * o
+    else:
+        forward = 2 * i + i + 4 * o  # fp16 input, int8 CA, int32 product
+        backward = FP32_BYTES * n
+    return max(forward, backward)
 
 
 # --- wiring into the phases -----------------------------------------------------------------------
