@@ -88,6 +88,9 @@ class Framework:
     probe_optimizers: tuple[str, ...] = ("adamw", "sgd", "sgd-momentum")
     # CPU offload of the parameters also moves their gradients to the host
     offloads_gradients_with_params: bool = False
+    # the low_precision recipes (planner/recipes/low_precision.py) whose library applies to this framework's
+    # model: Transformer Engine's modules run under any of them (accelerate's fp8 with TE backend)
+    low_precision: frozenset[str] = frozenset({"none", "te-fp8"})
 
     def phases(self, setup: "Setup", acts: "Activations | None", numels: list[int]) -> "PhasePlan":
         raise NotImplementedError
