@@ -510,7 +510,8 @@ def _gemm_operands(w: "Work", m_all):
                            dtype=np.float64).reshape(-1, 5)
         hit = _COLUMNS[id(w)] = (w, tuple(columns[:, j:j + 1] for j in range(5)))
     fraction, n, k, count, rate = hit[1]
-    return [(fraction * m_all[None, :], n, k, count, rate)]
+    # without low-precision GEMMs every rate is 1: a scalar keeps the array arithmetic as it was
+    return [(fraction * m_all[None, :], n, k, count, rate if w.cast_bytes else 1.0)]
 
 
 _COLUMNS: dict[int, tuple["Work", tuple]] = {}  # a Work's GEMMs as numpy columns (the plan asks per setting)
