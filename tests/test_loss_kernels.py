@@ -255,3 +255,19 @@ def test_plan_carries_double_quant_into_qlora_candidates():
     off = plan(PlanRequest(**PLAN | {"gpus": 1, "global_batch": 2}, finetune="qlora", double_quant=False))
     # without double quantization the absmax constants stay fp32: more frozen bytes
     assert off.recommended.per_device.frozen_weights_bytes > on.recommended.per_device.frozen_weights_bytes
+
+
+def test_emit_turns_liger_on_and_refuses_what_its_configs_cannot_say():
+    import json
+
+    from planner.plan.emit import emit_estimate_files
+
+    base = dict(model_config=LLAMA_32K, gpus=2, gpu="h100-80gb", seq_len=1024)
+    files = emit_estimate_files(estimate(EstimateRequest(**base, strategy="zero2", loss="liger-fused")))
+    assert json.loads(files["trainer_args.json"])["use_liger_kernel"] is True
+    assert "use_liger_kernel" not in json.loads(emit_estimate_files(estimate(EstimateRequest(
+        **base, strategy="zero2")))["trainer_args.json"])
+    for field, value in (("loss", "cce"), ("low_precision", "float8-rowwise")):
+        with pytest.raises(PlannerError) as err:
+            emit_estimate_files(estimate(EstimateRequest(**base, strategy="fsdp", **{field: value})))
+        assert err.value.field == field and "training script" in str(err.value)
