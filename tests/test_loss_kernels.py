@@ -80,6 +80,12 @@ def test_a_loop_that_keeps_its_outputs_holds_no_logits_under_a_fused_loss():
     assert kept.per_device.peak_bytes == fused.per_device.peak_bytes
 
 
+def test_a_loss_kernel_needs_an_architecture():
+    with pytest.raises(PlannerError) as err:
+        estimate(EstimateRequest(params="7B", gpus=8, gpu="h100-80gb", strategy="fsdp", loss="liger-fused"))
+    assert err.value.field == "loss" and "architecture" in str(err.value)
+
+
 @pytest.mark.parametrize("fields,words", [
     (dict(gpu="cpu"), "GPU only"),
     (dict(strategy="ddp"), "bf16/fp16"),  # CCE: autocast over fp32 weights, an fp32 final norm output

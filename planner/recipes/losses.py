@@ -58,6 +58,9 @@ def loss_chunks(request: Any, why_not: str | None, torch_tp: bool, fused_why_not
     if request.loss_chunks is not None and loss != "chunked":
         raise PlannerError(f"loss_chunks={request.loss_chunks} applies to loss=chunked, not loss={loss}",
                            field="loss_chunks")
+    if loss in ("chunked", *FUSED) and getattr(request, "params", None) is not None:
+        raise PlannerError(f"loss={loss} needs an architecture (its terms are tokens x vocabulary): give model or "
+                           "model_config, not params", field="loss")
     if loss == "vocab-parallel" and not torch_tp:
         raise PlannerError("loss=vocab-parallel is tensor parallelism's loss_parallel: it needs tp > 1 on a torch "
                            "strategy (fsdp, hsdp)", field="loss")
