@@ -126,8 +126,10 @@ class VerifyJob(BaseModel):
     attn_implementation: Literal["sdpa", "eager"]
     checkpointing: Literal["none", "full", "selective-op", "selective-attention"]
     checkpointing_every: int | None = Field(None, ge=1, description="full checkpointing of every N-th block")
-    loss: Literal["hf", "chunked", "vocab-parallel"] = Field("hf", description="the loss implementation "
-                                                                            "(backend/losses.py)")
+    loss: Literal["hf", "chunked", "vocab-parallel", "liger-fused", "cce"] = Field(
+        "hf", description="the loss implementation (backend/losses.py)")
+    low_precision: Literal["none", "float8-tensorwise", "float8-rowwise", "mxfp8"] = Field(
+        "none", description="torchao's low-precision linears (backend/low_precision.py); GPU only")
     loss_chunks: int = Field(1, ge=1, description="loss=chunked: chunks of the sequence")
     micro_batch: int = Field(ge=1)
     seq_len: int = Field(ge=1)

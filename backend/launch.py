@@ -71,6 +71,14 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         # crashed there (the head's unsharded storage freed); the estimate stands unverified
         raise PlannerError("loss=chunked with a sharded strategy: the probe's chunked loss runs under single, ddp and "
                            "zero0-2 only", field="loss")
+    if request.loss in ("liger-fused", "cce") and setup.strategy.shards_parameters:
+        # backend/losses.py FusedLinearLoss reads the LM head's weight from its own forward, beside
+        # FSDP2's root, as the chunked loss does
+        raise PlannerError(f"loss={request.loss} with a sharded strategy: the probe's fused loss runs under single, "
+                           "ddp and zero0-2 only", field="loss")
+    if request.low_precision in ("nvfp4", "te-fp8"):
+        raise PlannerError(f"low_precision={request.low_precision}: the probe swaps torchao's float8 and mxfp8 "
+                           "linears only (backend/low_precision.py); this recipe stays unverified", field="low_precision")
     common = {
         "model_config": setup.model.config,
         "attn_implementation": request.attention,
@@ -89,6 +97,8 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         "seed": 0,
         "keeps_outputs": request.keeps_outputs,
     }
+    if request.low_precision != "none":
+        common["low_precision"] = request.low_precision
     if setup.dims.pp > 1:
         return VerifyJob(**(common | _pipeline_settings(setup, request)))
     if setup.finetune is not None:

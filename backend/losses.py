@@ -33,3 +33,36 @@ class ChunkedOutputLoss(torch.nn.Module):
             total = total + F.cross_entropy(chunk.float().reshape(-1, chunk.size(-1)), target.reshape(-1),
                                             ignore_index=IGNORE, reduction="sum")
         return SimpleNamespace(loss=total / (shifted != IGNORE).sum(), logits=logits)
+
+
+class FusedLinearLoss(torch.nn.Module):
+    """A fused linear cross-entropy on a transformers causal LM, as Liger's and Cut
+    Cross-Entropy's transformers patches call it (liger_kernel/transformers/model/llama.py
+    lce_forward: ``LigerForCausalLMLoss(hidden_states, lm_head.weight, labels)``; cut_cross_entropy
+    ``linear_cross_entropy(e, c, targets)``): the decoder's hidden states and the LM head's weight
+    into the kernel, no logits returned. Labels shifted as transformers' ForCausalLMLoss. Both
+    libraries are Triton (CUDA only) and optional: imported here, inside a GPU rank
+    (bench/gpu_check.py), never by the planner."""
+
+    def __init__(self, model: torch.nn.Module, kind: str):
+        super().__init__()
+        self.model, self.kind = model, kind
+        self._no_split_modules = getattr(model, "_no_split_modules", None)
+        if kind == "liger-fused":
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # optional, GPU only
+
+            self.loss = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE)
+        else:
+            from cut_cross_entropy import linear_cross_entropy  # optional, GPU only
+
+            self.loss = linear_cross_entropy
+
+    def forward(self, *, input_ids: torch.Tensor, labels: torch.Tensor):
+        hidden = self.model.base_model(input_ids=input_ids).last_hidden_state
+        weight = self.model.get_output_embeddings().weight
+        shifted = F.pad(labels, (0, 1), value=IGNORE)[:, 1:]
+        if self.kind == "liger-fused":
+            loss = self.loss(weight, hidden.reshape(-1, hidden.size(-1)), shifted.reshape(-1))
+        else:
+            loss = self.loss(hidden, weight, shifted, ignore_index=IGNORE)
+        return SimpleNamespace(loss=loss, logits=None)

@@ -51,10 +51,18 @@ def build_model(job: dict[str, Any]) -> torch.nn.Module:
         from backend.finetune import apply_finetune
 
         model = apply_finetune(model, job)
+    if job.get("low_precision", "none") != "none":
+        from backend.low_precision import convert
+
+        model = convert(model, job["low_precision"])
     if job.get("loss") == "chunked":
         from backend.losses import ChunkedOutputLoss
 
         model = ChunkedOutputLoss(model, int(job["loss_chunks"]))
+    elif job.get("loss") in ("liger-fused", "cce"):
+        from backend.losses import FusedLinearLoss
+
+        model = FusedLinearLoss(model, job["loss"])
     return model
 
 

@@ -6,7 +6,9 @@ Trains a catalogue model at full width but few layers on one GPU with ZeRO-0 (th
 without partitioning, through `deepspeed`) and torch DDP (through torchrun), bf16-mixed, over sequence lengths, micro-batches, checkpointing on and off,
 and SDPA and eager attention, and the recipes of issue 21 on one device (RECIPE_GRID: the checkpointing
 policies, the kept outputs, the chunked loss, QLoRA under autocast, every optimizer of the registry and the
-step in backward). Every run records torch.cuda.max_memory_allocated, max_memory_reserved
+step in backward, Liger's and Cut Cross-Entropy's fused losses, torchao's float8 and MXFP8 linears; needs
+liger-kernel, cut-cross-entropy and torchao installed on the GPU machine), and the bf16 and fp8 matmul rates
+(matmul_tflops) the time model's low-precision speed-up reads from gpus.yaml. Every run records torch.cuda.max_memory_allocated, max_memory_reserved
 and memory_stats. The script then prints:
 
 - the error of the allocated peak against the prediction, per run;
@@ -66,6 +68,7 @@ from planner.memory import reserved
 from planner.memory.allocator import parse_alloc_conf, replay  # noqa: E402
 from planner.model.catalogue import catalogue_model  # noqa: E402
 from planner.memory.orchestrator import estimate  # noqa: E402
+from planner.errors import PlannerError  # noqa: E402
 from planner.schema import EstimateRequest  # noqa: E402
 
 ALLOC_CONFS = ("", "expandable_segments:True")
@@ -111,7 +114,20 @@ RECIPE_GRID = [  # long enough that activations and logits, not the states, make
     # inputs checkpointing does not drop), where the CPU runs measured MatMul8bitFp
     (4096, 2, {"finetune": "qlora", "quantize_base": "int8"}),
     (8192, 2, {"finetune": "qlora", "quantize_base": "int8", "checkpointing": "full", "train_embeddings": True}),
+    # the loss kernels (planner/recipes/losses.py; Triton, never run on CPU ranks): Liger's fused linear
+    # cross-entropy under autocast, Cut Cross-Entropy on a bf16 model (its backward takes bf16 hidden states)
+    (8192, 1, {"loss": "liger-fused"}),
+    (8192, 2, {"loss": "liger-fused", "precision": "bf16-pure"}),
+    (8192, 1, {"loss": "cce", "precision": "bf16-pure"}),
+    # low-precision linears (planner/recipes/low_precision.py): torchao float8 everywhere fp8 exists, MXFP8
+    # on Blackwell only (a row the estimate refuses for the --gpu is skipped with its reason)
+    (4096, 2, {"low_precision": "float8-tensorwise"}),
+    (4096, 2, {"low_precision": "float8-rowwise"}),
+    (4096, 2, {"low_precision": "mxfp8"}),
 ]
+# matmul rates the time model reads from gpus.yaml (mamf_tflops, peak_tflops fp8) for low_precision:
+# (dtype, m = n = k), measured as the best of a few shapes would be (Bekman's mamf-finder uses many)
+MATMUL_SHAPES = (4096, 8192, 16384)
 
 
 def cuda_context_bytes() -> dict[str, int]:
@@ -264,9 +280,10 @@ def grid_requests(config: dict, gpu: str) -> list[tuple]:
     grid = [(s, (seq, micro, ckpt, attention, {})) for s in ("zero0", "ddp") for seq, micro, ckpt, attention in GRID]
     grid += [("single", (seq, micro, fields.get("checkpointing", "none"), "sdpa", fields))
              for seq, micro, fields in RECIPE_GRID]
-    return [(strategy, row, conf, EstimateRequest(
-                model_config=config, strategy=strategy, gpus=1, gpu=gpu, precision="bf16-mixed", micro_batch=row[1],
-                seq_len=row[0], attention=row[3], alloc_conf=conf or None, **({"checkpointing": row[2]} | row[4])))
+    return [(strategy, row, conf, EstimateRequest(**{
+                "model_config": config, "strategy": strategy, "gpus": 1, "gpu": gpu, "precision": "bf16-mixed",
+                "micro_batch": row[1], "seq_len": row[0], "attention": row[3], "alloc_conf": conf or None,
+                "checkpointing": row[2]} | row[4]))
             for strategy, row in grid for conf in ALLOC_CONFS]
 
 
@@ -282,6 +299,42 @@ def check_sequences(requests: list[EstimateRequest]) -> list[dict]:
                   f"{row['measured_segments']}")
             rows.append(row)
     return rows
+
+
+def matmul_tflops() -> dict[str, float]:
+    """The achieved bf16 and fp8 (torch._scaled_mm, e4m3 with tensorwise scales) matmul TFLOP/s on
+    this GPU, best over MATMUL_SHAPES: the time model's fp8/bf16 rate ratio (planner/time/kernels.py
+    LowPrecisionRate) against the device's."""
+    import torch
+
+    out: dict[str, float] = {}
+    for dtype in ("bf16", "fp8"):
+        best = 0.0
+        for n in MATMUL_SHAPES:
+            a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+            b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+            if dtype == "fp8":
+                if not hasattr(torch, "float8_e4m3fn") or torch.cuda.get_device_capability() < (8, 9):
+                    break
+                one = torch.ones((), device="cuda")
+                a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
+
+                def mm():
+                    return torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+            else:
+                def mm():
+                    return a @ b
+            for _ in range(3):
+                mm()
+            torch.cuda.synchronize()
+            start, reps = time.perf_counter(), 20
+            for _ in range(reps):
+                mm()
+            torch.cuda.synchronize()
+            best = max(best, 2 * n ** 3 * reps / (time.perf_counter() - start) / 1e12)
+        if best:
+            out[dtype] = best
+    return out
 
 
 def main() -> int:
@@ -303,12 +356,18 @@ def main() -> int:
     base = catalogue_model(args.model)
     config = dict(base.config, num_hidden_layers=args.layers)
     results = {"device": torch.cuda.get_device_name(0), "context": cuda_context_bytes(), "runs": [],
-               "driver": _driver(), "cuda": torch.version.cuda or "", "kernels": check_kernels(args.gpu)}
+               "driver": _driver(), "cuda": torch.version.cuda or "", "kernels": check_kernels(args.gpu),
+               "matmul_tflops": matmul_tflops()}
+    print(f"matmul TFLOP/s measured: {results['matmul_tflops']}")
     requests = []
     for strategy, (seq, micro, ckpt, attention, fields), conf, request in grid_requests(config, args.gpu):
+        try:
+            result = estimate(request)
+        except PlannerError as exc:  # a recipe this GPU cannot run (MXFP8 before Blackwell)
+            print(f"{strategy:<5} seq {seq:>5} {fields}: skipped: {exc}")
+            continue
         if conf == "":
             requests.append(request)
-        result = estimate(request)
         predicted = result.per_device
         os.environ.pop("PYTORCH_ALLOC_CONF", None)  # read before PYTORCH_CUDA_ALLOC_CONF by torch 2.13
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf  # the ranks inherit it (backend/launch.py _environment)

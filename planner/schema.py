@@ -21,6 +21,7 @@ from planner.time.kernels import AttentionKernel
 from planner.errors import unknown
 from planner.recipes.finetune_fields import check_request_fields
 from planner.recipes.losses import Loss
+from planner.recipes.low_precision import LowPrecision
 from planner.memory.moments import PhaseKind
 from planner.parallel.dims import PipelineSchedule
 from planner.recipes.precision import Optimizer, Precision
@@ -260,6 +261,27 @@ OptimizerInBackwardField = Annotated[bool, Field(
     "optimizer_in_bwd): gradients never all exist at once; needs gradient_accumulation 1")]
 
 
+# the recipe's fields (issue 21), shared by EstimateRequest and PlanRequest (the plan is asked with the recipe)
+LossField = Annotated[Loss, Field(
+    description="loss implementation: hf (transformers' cross-entropy on the whole logits), chunked (torchtune's "
+    "chunked output loss), liger-fused (Liger's fused linear cross-entropy), cce (Cut Cross-Entropy), vocab-parallel "
+    "(tp's loss_parallel)")]
+LossChunksField = Annotated[int | None, Field(ge=1, le=1 << 16, description="loss=chunked: chunks (default 8, "
+                                              "torchtune's)")]
+CheckpointingEveryField = Annotated[int | None, Field(
+    ge=1, le=1 << 16, description="with checkpointing full: checkpoint every N-th block only (transformers' "
+    "every_n_layers: blocks 0, N, 2N, ...)")]
+LowPrecisionField = Annotated[LowPrecision, Field(
+    description="low-precision linears: none, float8-tensorwise / float8-rowwise (torchao Float8Linear), mxfp8 / "
+    "nvfp4 (Blackwell), te-fp8 (Transformer Engine); GPU only, modelled from the libraries' source")]
+KeepsOutputsField = Annotated[bool, Field(
+    description="the script keeps the model's outputs through backward (accelerate's `outputs = model(**batch); "
+    "accelerator.backward(outputs.loss)`): their logits stay live; default: the Trainer's loop, which frees them")]
+DoubleQuantField = Annotated[bool | None, Field(
+    description="bitsandbytes 4-bit double quantization (bnb_4bit_use_double_quant); default on for nf4/fp4, as the "
+    "QLoRA recipe")]
+
+
 class EstimateRequest(BaseModel):
     """What to estimate: a model, a strategy and the cluster it runs on."""
 
@@ -297,13 +319,10 @@ class EstimateRequest(BaseModel):
     checkpointing: Checkpointing = Field("none", description="activation checkpointing: none, full, selective-op "
                                          "(torchtitan's per-op SAC), selective-attention (Megatron's core-attention "
                                          "recompute)")
-    loss: Loss = Field("hf", description="loss implementation: hf (transformers' cross-entropy on the whole "
-                       "logits), chunked (torchtune's chunked output loss), liger-fused, cce, vocab-parallel (tp's "
-                       "loss_parallel)")
-    loss_chunks: int | None = Field(None, ge=1, le=1 << 16, description="loss=chunked: chunks (default 8, torchtune's)")
-    checkpointing_every: int | None = Field(None, ge=1, le=1 << 16,
-                                            description="with checkpointing full: checkpoint every N-th block only "
-                                            "(transformers' every_n_layers: blocks 0, N, 2N, ...)")
+    loss: LossField = "hf"
+    loss_chunks: LossChunksField = None
+    checkpointing_every: CheckpointingEveryField = None
+    low_precision: LowPrecisionField = "none"
     attention: Attention = Field("sdpa", description="attention implementation (sdpa = flash/memory-efficient)")
     attention_kernel: AttentionKernel = Field(
         "flash-attention-2", description="the flash kernel's generation, for the step time only: torch>=2.2 SDPA "
@@ -343,9 +362,7 @@ class EstimateRequest(BaseModel):
         False, description="multimodal configs (gemma3, llama4, mistral3): count the vision tower and projector as "
         "model states (trained in full); activations stay those of text tokens")
     # the recipe as it is run (issue 21): the training loop (planner/recipes/loop.py)
-    keeps_outputs: bool = Field(False, description="the script keeps the model's outputs through backward "
-                                "(accelerate's `outputs = model(**batch); accelerator.backward(outputs.loss)`): "
-                                "their logits stay live; default: the Trainer's loop, which frees them")
+    keeps_outputs: KeepsOutputsField = False
     # LoRA / QLoRA (planner/recipes/finetune.py): defaults are PEFT 0.21's LoraConfig defaults
     finetune: Finetune = Field("full", description="full fine-tuning, LoRA adapters on a frozen 16-bit base, "
                                "or QLoRA (a frozen base quantized by bitsandbytes, nf4 with double quantization)")
@@ -361,8 +378,7 @@ class EstimateRequest(BaseModel):
                                                "nf4/fp4 (bitsandbytes 4-bit) or int8 (LLM.int8); default nf4 for qlora")
     train_embeddings: bool = Field(False, description="also train the input embeddings and LM head in full "
                                    "(PEFT modules_to_save)")
-    double_quant: bool | None = Field(None, description="bitsandbytes 4-bit double quantization "
-                                      "(bnb_4bit_use_double_quant); default on for nf4/fp4, as the QLoRA recipe")
+    double_quant: DoubleQuantField = None
 
     @model_validator(mode="before")
     @classmethod
@@ -657,6 +673,16 @@ class PlanRequest(BaseModel):
                                                "(bitsandbytes 4-bit) or int8 (LLM.int8); default nf4; finetune qlora or auto")
     train_embeddings: bool = Field(False, description="also train the input embeddings and LM head in full "
                                    "(PEFT modules_to_save)")
+    double_quant: DoubleQuantField = None
+    # the recipe (issue 21): every candidate is estimated and timed with it
+    checkpointing: Checkpointing | None = Field(
+        None, description="activation checkpointing of every candidate: none, full, selective-op, "
+        "selective-attention (default: the search weighs none and full)")
+    checkpointing_every: CheckpointingEveryField = None
+    keeps_outputs: KeepsOutputsField = False
+    loss: LossField = "hf"
+    loss_chunks: LossChunksField = None
+    low_precision: LowPrecisionField = "none"
 
     @model_validator(mode="after")
     def _one_model(self) -> "PlanRequest":
@@ -666,15 +692,22 @@ class PlanRequest(BaseModel):
         if self.topology is not None and self.topology_text is not None:
             raise ValueError("give --topology or --topology-file, not both")
         if self.finetune == "full":
-            for name in ("lora_rank", "lora_targets", "lora_dropout", "lora_alpha", "quantize_base", "train_embeddings"):
+            for name in ("lora_rank", "lora_targets", "lora_dropout", "lora_alpha", "quantize_base", "train_embeddings",
+                         "double_quant"):
                 if getattr(self, name) not in (None, False):
                     raise ValueError(f"{name}={getattr(self, name)} applies to finetune lora, qlora or auto, "
                                      "not finetune=full")
+        if self.double_quant is not None and (self.finetune == "lora" or self.quantize_base == "int8"):
+            raise ValueError(f"double_quant={self.double_quant} is bitsandbytes' 4-bit option "
+                             "(bnb_4bit_use_double_quant): it needs finetune qlora or auto with quantize_base nf4 or fp4")
         if self.finetune == "lora" and self.quantize_base not in (None, "none"):
             raise ValueError(f"quantize_base={self.quantize_base} with finetune=lora: a quantized base is "
                              "finetune=qlora")
         if self.quantize_base == "none" and self.finetune in ("qlora", "auto"):
             raise ValueError(f"quantize_base=none with finetune={self.finetune}: QLoRA quantizes the base")
+        if self.checkpointing_every is not None and self.checkpointing != "full":
+            raise ValueError(f"checkpointing_every={self.checkpointing_every} applies to checkpointing=full, not "
+                             f"checkpointing={self.checkpointing}")
         return self
 
 

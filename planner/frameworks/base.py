@@ -100,6 +100,9 @@ class Framework:
     # Pipeline stages run by the framework's own engine (DeepSpeed's PipelineEngine over a
     # PipelineModule the script builds); False: torch.distributed.pipelining with DDP/FSDP2 per stage
     own_pipeline_engine: bool = False
+    # the low_precision recipes (planner/recipes/low_precision.py) whose library applies to this framework's
+    # model: Transformer Engine's modules run under any of them (accelerate's fp8 with TE backend)
+    low_precision: frozenset[str] = frozenset({"none", "te-fp8"})
 
     def phases(self, setup: "Setup", acts: "Activations | None", numels: list[int]) -> "PhasePlan":
         raise NotImplementedError

@@ -21,8 +21,10 @@ from planner.model.catalogue import ResolvedModel, catalogue_model, model_from_c
 from planner.parallel.context import check_context_parallel, gloo_ring_scratch_bytes
 from planner.frameworks.deepspeed.config import ZeroSettings, batch_from_config, parse_ds_config, with_overrides
 from planner.errors import PlannerError
-from planner.recipes.losses import loss_chunks
-from planner.recipes.loop import check_loop, held_outputs_bytes, loop_note, with_held_outputs
+from planner.recipes.losses import FUSED, loss_chunks, loss_notes
+from planner.recipes.loop import check_loop, held_outputs_bytes, loop_note, with_held, with_held_outputs
+from planner.recipes.low_precision import RECIPES as LP_RECIPES, check_low_precision, low_precision_notes, \
+    recipe_of, resident_weight_bytes
 from planner.recipes.finetune import Finetune, resolve_finetune, trainable_numels, with_frozen
 from planner.frameworks import framework_of
 from planner.cluster.gpus import Gpu, check_precision, gpu as lookup_gpu
@@ -106,13 +108,16 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     check_context_parallel(dims.cp, fw, s, request.attention, model.architecture)
     finetune = resolve_finetune(request, model.architecture, s, fw, recipe)
     check_loop(request, model.architecture)
+    check_low_precision(request, g, model.architecture, fw, s.shards_parameters, RECIPES[precision].compute,
+                        request.finetune)
     check_checkpointing(model.architecture, request.checkpointing, request.checkpointing_every, request.attention,
                         _checkpointing_why_not(request, model, finetune))
     if request.tp > 1 and shard % request.tp == 0:
         fw.check_tp_plan(s, request.tp_plan, request.tp, shard // request.tp)
     fields = {"shard_size": shard} | tensor_parallel_fields(request, s, fw, model, shard)
     fields["loss_chunks"] = loss_chunks(request, _checkpointing_why_not(request, model, finetune),
-                                        torch_tp=bool(fields.get("vocab_parallel_loss")))
+                                        torch_tp=bool(fields.get("vocab_parallel_loss")),
+                                        fused_why_not=_checkpointing_why_not(request, model, None))
     setup = Setup(request=request.model_copy(update={"precision": precision} | from_config), model=model, strategy=s,
                   recipe=recipe, gpu=g, zero=zero, world_size=request.world_size, dims=dims,
                   finetune=finetune, **fields)
@@ -224,6 +229,10 @@ def estimate_resolved(setup: Setup, simulate: bool = True) -> EstimateResult:
             plan = with_frozen(plan, setup)
         if setup.request.keeps_outputs:
             plan = with_held_outputs(plan, _held_outputs(setup))
+        workspaces = _low_precision_workspaces(setup)
+        if workspaces:
+            plan = with_held(plan, buf.item(f"{setup.request.low_precision}: fp8 weights and their transposes "
+                                        "(the modules' workspaces)", workspaces, "buffers", LP_RECIPES["te-fp8"].source))
     if ep_items or ep_transient is not None:
         from planner.parallel import experts
 
@@ -287,10 +296,16 @@ def _at_peak(peak_phase, framework: int) -> PeakRows:
 
 def _held_outputs(setup: Setup) -> int:
     """The logits a keeps_outputs loop holds (planner/recipes/loop.py); 0 for the Trainer's loop."""
-    if not setup.request.keeps_outputs:
-        return 0
+    if not setup.request.keeps_outputs or setup.request.loss in FUSED:
+        return 0  # the fused kernels' forwards return no logits in training (Liger: skip_logits)
     req = setup.request
     return held_outputs_bytes(setup.arch.vocab_size, req.micro_batch * req.seq_len, setup.recipe.compute_bytes)
+
+
+def _low_precision_workspaces(setup: Setup) -> int:
+    """Transformer Engine's fp8 weight copies, held across steps (planner/recipes/low_precision.py)."""
+    recipe = recipe_of(setup.request.low_precision)
+    return resident_weight_bytes(setup.arch, recipe) if recipe is not None and setup.arch is not None else 0
 
 
 def _phase_of(kind: PhaseKind, name: str, items: list) -> Phase:
@@ -458,6 +473,8 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
         notes.extend(setup.arch.notes)  # what the family's reader assumed (eager only, vision tower)
     notes.append(f"peak occurs during {peak_phase.name}")
     notes.append(loop_note(setup.request.keeps_outputs, _held_outputs(setup)))
+    notes.extend(loss_notes(setup.request.loss))
+    notes.extend(low_precision_notes(setup.request.low_precision, setup.arch, setup.strategy.shards_parameters))
     notes.extend(plan.notes)
     if setup.finetune is not None and setup.finetune.quantize != "none" and setup.device == "cuda":
         notes.append(f"quantized base ({setup.finetune.quantize}) on CUDA: bitsandbytes 0.50's CUDA path (MatMul4Bit, "

@@ -6,10 +6,12 @@ model's as measured. The orchestrator (planner/memory/orchestrator.py) and the p
 
 from __future__ import annotations
 
-from planner.model.activations import ActivationItem, Activations, estimate_activations
+from planner.model.activations import FP32, ActivationItem, Activations, estimate_activations
 from planner.parallel.context import cp_activations
 from planner.errors import PlannerError
 from planner.recipes.finetune import lora_activations
+from planner.recipes.losses import FUSED, check_fused, with_fused_loss
+from planner.recipes.low_precision import recipe_of, with_low_precision
 from planner.setup import Setup
 from planner.parallel.tensor import tp_activations
 
@@ -19,17 +21,39 @@ def activations(setup: Setup) -> Activations | None:
         return _traced_activations(setup)
     if setup.arch is None:
         return None
+    acts, autocast = _activations(setup)
+    recipe = recipe_of(setup.request.low_precision)
+    if recipe is not None:  # a data-parallel full fine-tune (check_low_precision): the whole model's blocks
+        acts = with_low_precision(acts, setup.arch, recipe, setup.request.micro_batch * setup.request.seq_len)
+    if setup.request.loss not in FUSED:
+        return acts
+    # the fused kernel reads the final norm's output (fp32 under autocast over fp32 weights) and
+    # the LM head's weight as the forward sees it (fp32 under autocast, the compute copy otherwise)
+    req, arch, compute = setup.request, setup.arch, setup.recipe.compute_bytes
+    hidden_bytes = FP32 if autocast else compute
+    check_fused(req.loss, hidden_bytes, setup.gpu.is_cpu)
+    head_trained = setup.finetune is None or setup.finetune.train_embeddings
+    return with_fused_loss(acts, req.loss, tokens=req.micro_batch * req.seq_len, hidden=arch.hidden_size,
+                           vocab=arch.vocab_size, compute_bytes=compute, hidden_bytes=hidden_bytes,
+                           weight_bytes=FP32 if autocast else compute, head_trained=head_trained,
+                           softcap=arch.final_logit_softcapping)
+
+
+def _activations(setup: Setup) -> tuple[Activations, bool]:
+    """(the rank's activations with HF's loss, whether the forward runs under autocast over fp32
+    weights)."""
     req = setup.request
     compute = setup.recipe.compute_bytes
     if setup.finetune is not None:
         # torch.autocast (ddp with a mixed recipe) keeps PEFT's fp32 adapters: each casts its input
         adapter_copy = setup.framework.weights_are_master and not setup.strategy.shards_parameters \
             and setup.recipe.master_bits > 0
+        fp32_stream = setup.finetune.quantize != "none" and adapter_copy
         return lora_activations(setup.arch, setup.finetune, micro_batch=req.micro_batch, seq_len=req.seq_len,
                                 compute_bytes=compute, attention=req.attention, checkpointing=req.checkpointing,
                                 device=setup.device, adapter_copy=adapter_copy,
                                 linears_save_inputs=setup.framework.linears_save_inputs(setup.strategy),
-                                fp32_stream=setup.finetune.quantize != "none" and adapter_copy)
+                                fp32_stream=fp32_stream), fp32_stream
     arch = setup.arch
     seq_len = req.seq_len // setup.cp  # the rank's two chunks of each sequence under cp
     # torch.autocast over the fp32 weights: torch's mixed recipes where nothing casts them (DDP, a
@@ -47,7 +71,7 @@ def activations(setup: Setup) -> Activations | None:
                               sequence_parallel=setup.sequence_parallel, tokens=req.micro_batch * seq_len,
                               b=compute, vocab_parallel_loss=setup.vocab_parallel_loss, autocast=autocast)
     return cp_activations(acts, setup.arch, cp=setup.cp, tokens=req.micro_batch * req.seq_len, b=compute,
-                          tp=setup.tp, sequence_parallel=setup.sequence_parallel, device=setup.device)
+                          tp=setup.tp, sequence_parallel=setup.sequence_parallel, device=setup.device), autocast
 
 
 def _traced_activations(setup: Setup) -> Activations:

@@ -52,6 +52,11 @@ def _mlp_linears(arch: Architecture, spec: LayerSpec, h: int) -> list[Linear]:
     return [Linear("up_proj", h, inner, bias), Linear("down_proj", inner, h, bias)]
 
 
+def attention_linears(arch: Architecture, spec: LayerSpec) -> list[Linear]:
+    """The block's attention linears alone (a mixture of experts' MLP is not nn.Linear modules)."""
+    return _attention_linears(arch, spec.attention, arch.hidden_size)
+
+
 def block_linears(arch: Architecture, spec: LayerSpec) -> list[Linear]:
     """A dense block's linears in registration order (attention, then MLP)."""
     return _attention_linears(arch, spec.attention, arch.hidden_size) + _mlp_linears(arch, spec, arch.hidden_size)

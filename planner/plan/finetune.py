@@ -48,8 +48,8 @@ def _method_fields(method: str) -> dict:
     base for LoRA (the same validation PlanRequest makes for an explicit method)."""
     if method == "full":
         return {"lora_rank": None, "lora_alpha": None, "lora_targets": None, "lora_dropout": None,
-                "quantize_base": None, "train_embeddings": False}
-    return {"quantize_base": None} if method == "lora" else {}
+                "quantize_base": None, "train_embeddings": False, "double_quant": None}
+    return {"quantize_base": None, "double_quant": None} if method == "lora" else {}
 
 
 def plan_finetune_auto(req: PlanRequest, plan: Callable[[PlanRequest], PlanResult]) -> PlanResult:

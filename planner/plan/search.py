@@ -31,6 +31,7 @@ from planner.memory.orchestrator import estimate, host_capacity, resolve, sequen
 from planner.parallel.dims import refuse_unmodelled
 from planner.parallel.pipeline import balanced_split, check_schedule, check_split, parallel_step, stage_bounds
 from planner.recipes.precision import RECIPES
+from planner.plan.recipe import allowed_layouts, checkpointings, recipe_fields, refused_by_recipe
 from planner.schema import (MAX_GLOBAL_BATCH, MAX_TOKENS, SHARDING_STRATEGIES, Candidate, EstimateRequest,
                             EstimateResult, PlanRequest, PlanResult, TopologySummary)
 from planner.time.step import Combo, StepSettings, estimate_with_time, frozen_base_shape, step_times
@@ -227,6 +228,7 @@ class _Search:
         self.usable, self.model_fields = usable, model_fields
         self.estimates: dict[tuple[int, Setting, int], EstimateResult] = {}
         self.compute_scale = 1.0  # a calibration profile's kernel-rate factor (planner/time/kernels.py)
+        self.refusals: list[PlannerError] = []  # settings the request's recipe refused (planner/plan/recipe.py)
 
     def estimate(self, req: PlanRequest, combo: Setting, micro: int,
                  request: EstimateRequest | None = None, accumulation: int = 1) -> EstimateResult:
@@ -266,7 +268,7 @@ def plan(req: PlanRequest, profile=None) -> PlanResult:
     arch = model.architecture
     model_fields = {"model": req.model} if req.model else {"model_config": req.model_config_}
     model_fields |= {"include_vision": True} if req.include_vision else {}
-    model_fields |= finetune_fields(req)
+    model_fields |= finetune_fields(req) | recipe_fields(req)
     topo, fabric_name, nics = topology_of(req, g)
     compute_efficiency, link_efficiency = profile_efficiencies(req.profile, req.gpu, topo, req.gpus,
                                                                req.compute_efficiency, req.link_efficiency, profile)
@@ -277,11 +279,14 @@ def plan(req: PlanRequest, profile=None) -> PlanResult:
     search = _Search(req, g, model, topo, timing.fabric(fabric_name), nics, usable, model_fields)
     search.compute_scale = profile_compute_scale(req.profile, profile)
     layouts, rejected = _layouts(req, req.gpus, arch, topo)
+    layouts, recipe_notes = allowed_layouts(req, layouts)
     _check_fixed_degrees(req)
     _check_split(req, arch)
     _check_batch(req, layouts)
     rows, evaluated = _evaluate(search, req, layouts)
-    layout_notes = [str(r) for r in rejected] + _search_notes(req, layouts)
+    if not rows and search.refusals:  # the recipe refused every setting: say why, as the estimate would
+        raise search.refusals[0]
+    layout_notes = [str(r) for r in rejected] + _search_notes(req, layouts) + recipe_notes
     if "cp" not in req.model_fields_set and not any(r[3] for r in rows):
         cp_rows, count, cp_notes = _context_parallel_rows(search, req)
         rows += cp_rows
@@ -410,7 +415,7 @@ def _evaluate(search: _Search, req: PlanRequest, layouts: list[tuple[int, int, i
             if not s.runs_on(world) or not _framework_runs(req, s, tp, cp, pp, schedule):
                 continue
             shards = _hsdp_shards(req.gpus // tp, req.nodes // pp) if s.shard_within_node else [None]
-            for shard, ckpt in ((sh, c) for sh in shards for c in ("none", "full")):
+            for shard, ckpt in ((sh, c) for sh in shards for c in checkpointings(req)):
                 if ep > 1 and _expert_shards(s, shard, world // (tp * cp * pp), cp) % ep:
                     continue  # ep borrows its ranks from dp_shard x cp (planner/parallel/dims.py)
                 # model-parallel layouts are the alternative to offload: searched without it
@@ -558,9 +563,11 @@ def _evaluate_setting(search: _Search, req: PlanRequest, combo: Setting, time_bo
         return [], micro.size
     try:
         return _grid_rows(search, req, combo, micro, times, first), micro.size
-    except PlannerError as refused:  # a setting the fine-tuning or the optimizer refuses (QLoRA under
-        # ZeRO-3, Muon under sharding, a step in backward with accumulation: memory/optimizer.py check)
-        if req.finetune == "full" and refused.field not in OPTIMIZER_FIELDS:
+    except PlannerError as refused:  # a setting the fine-tuning, the optimizer or the recipe refuses (QLoRA
+        # under ZeRO-3, Muon under sharding, a step in backward with accumulation, a fused loss under tp)
+        if refused_by_recipe(refused):
+            search.refusals.append(refused)
+        elif req.finetune == "full" and refused.field not in OPTIMIZER_FIELDS:
             raise
         return [], micro.size
 
@@ -1336,7 +1343,8 @@ def finetune_fields(req: PlanRequest) -> dict:
     given = {"lora_rank": req.lora_rank, "lora_alpha": req.lora_alpha, "lora_targets": req.lora_targets,
              "lora_dropout": req.lora_dropout, "train_embeddings": req.train_embeddings or None,
              # the quantized base is QLoRA's (finetune auto plans LoRA beside it, on a 16-bit base)
-             "quantize_base": req.quantize_base if req.finetune == "qlora" else None}
+             "quantize_base": req.quantize_base if req.finetune == "qlora" else None,
+             "double_quant": req.double_quant if req.finetune == "qlora" else None}
     return {"finetune": req.finetune} | {k: v for k, v in given.items() if v is not None}
 
 
@@ -1376,8 +1384,8 @@ def _fits(req: PlanRequest, name: str, usable: float, model_fields: dict, gpus: 
                                              hsdp_shard_size=explicit_hsdp_shard(name, shard, gpus),
                                              **_reduce_field(req, name), **_version_field(req, name),
                                              **degrees), simulate=False)
-            except PlannerError as refused:  # refused for this fine-tuning or optimizer (see _evaluate_setting)
-                if req.finetune == "full" and refused.field not in OPTIMIZER_FIELDS:
+            except PlannerError as refused:  # refused for this fine-tuning, optimizer or recipe (see _evaluate_setting)
+                if req.finetune == "full" and refused.field not in OPTIMIZER_FIELDS and not refused_by_recipe(refused):
                     raise
                 continue
             if e.per_device.peak_bytes <= usable:

@@ -62,8 +62,13 @@ def loop_note(keeps_outputs: bool, held_bytes: int) -> str:
 
 def with_held_outputs(plan: Any, held_bytes: int) -> Any:
     """The phase plan with the held logits added to every moment and to what stays between steps."""
-    held = item("logits held by the loop's outputs (keeps_outputs)", held_bytes, "activations",
-                "accelerate examples/nlp_example.py: outputs = model(**batch)")
+    return with_held(plan, item("logits held by the loop's outputs (keeps_outputs)", held_bytes, "activations",
+                                "accelerate examples/nlp_example.py: outputs = model(**batch)"))
+
+
+def with_held(plan: Any, held: Any) -> Any:
+    """The phase plan with one item live at every moment of the step and between steps."""
+    held_bytes = held.bytes
     plan.phases = [p.model_copy(update={"bytes": p.bytes + held_bytes, "items": list(p.items) + [held]})
                    for p in plan.phases]
     plan.resident = list(plan.resident) + [held]

@@ -10,39 +10,203 @@
   vocab in all), but the loss's backward runs one chunk at a time: its two fp32 gradients are
   1/chunks of HF's. torchtitan's ChunkedLossWrapper (num_chunks=8, components/loss.py) runs each
   chunk's backward inside the forward instead, a different schedule that is not this one.
-- ``liger-fused``, ``cce``: fused linear cross-entropy kernels (Liger-Kernel, Cut Cross-Entropy),
-  Triton on GPUs only: not modelled yet, refused with that reason.
-- ``vocab-parallel``: torch tensor parallelism's loss_parallel (tp > 1 on a torch strategy).
+- ``liger-fused``: Liger-Kernel 0.8.5's LigerFusedLinearCrossEntropyFunction
+  (liger_kernel/ops/fused_linear_cross_entropy.py): the LM head and the cross-entropy in one
+  autograd function whose forward also computes both gradients, chunk by chunk of tokens; the
+  logits never exist beyond one chunk (``liger_memory``).
+- ``cce``: Apple's Cut Cross-Entropy 25.1.1 (cut_cross_entropy/cce.py, the default ``impl="cce"``
+  Triton kernels): the logits live only in SRAM tiles, the forward saves the log-sum-exp, the
+  backward recomputes the logits tile by tile (``cce_memory``).
+- ``vocab-parallel``: torch tensor parallelism's loss_parallel (tp > 1 on a torch strategy): the
+  logits stay sharded over tp (planner/parallel/tensor.py loss_parallel_extra_bytes), verified by
+  the tp runs of tests/real_runs.py on gloo (backend/train_parallel.py computes the loss under
+  ``loss_parallel()``). Its three all-reduces (torch 2.13 distributed/tensor/parallel/loss.py
+  _log_softmax: the max :209 and the sum of exponentials :214; _nll_loss_forward: the target's
+  logit :315) carry one fp32 value per token each: 12 bytes per token against the blocks' 4 x
+  layers x hidden x 2, not charged in the step time.
+
+Liger and CCE are Triton kernels (GPU only): their terms are read from the source, not measured
+here, and every result that uses them says so (``loss_notes``); bench/gpu_check.py measures them.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import Any, Literal
 
 from planner.errors import PlannerError
+from planner.model.activations import FP32, ActivationItem, Activations, EdgeTerms
 
 Loss = Literal["hf", "chunked", "liger-fused", "cce", "vocab-parallel"]
+FUSED = ("liger-fused", "cce")
 # torchtune modules/loss/ce_chunked_output_loss.py CEWithChunkedOutputLoss(num_output_chunks=8);
 # torchtitan b5bcd76 components/loss.py ChunkedLossWrapper.Config.num_chunks = 8
 DEFAULT_CHUNKS = 8
+LABELS = 8  # the shifted int64 labels (transformers loss_utils.py:66), kept by every loss
+LIGER_SOURCE = "Liger-Kernel 0.8.5 liger_kernel/ops/fused_linear_cross_entropy.py"
+CCE_SOURCE = "cut-cross-entropy 25.1.1 cut_cross_entropy/cce.py, cce_backward.py, cce_lse_forward.py"
 
 
-def loss_chunks(request: Any, why_not: str | None, torch_tp: bool) -> int:
+def loss_chunks(request: Any, why_not: str | None, torch_tp: bool, fused_why_not: str | None = None) -> int:
     """How many chunks the loss's backward runs in (1: the whole logits at once), after refusing
-    what is not modelled, naming the field."""
+    what is not modelled, naming the field. ``why_not``: what of the request the chunked loss is
+    not modelled with (a model-parallel layout, LoRA, a traced model); ``fused_why_not``: what
+    the fused kernels are not (a model-parallel layout, a traced model; LoRA is: a frozen head
+    only drops the weight's gradient)."""
     loss = request.loss
     if request.loss_chunks is not None and loss != "chunked":
         raise PlannerError(f"loss_chunks={request.loss_chunks} applies to loss=chunked, not loss={loss}",
                            field="loss_chunks")
-    if loss in ("liger-fused", "cce"):
-        raise PlannerError(f"loss={loss}: a fused linear cross-entropy (Triton, GPU only) is not modelled yet; "
-                           "choose hf, chunked or vocab-parallel", field="loss")
+    if loss in ("chunked", *FUSED) and getattr(request, "params", None) is not None:
+        raise PlannerError(f"loss={loss} needs an architecture (its terms are tokens x vocabulary): give model or "
+                           "model_config, not params", field="loss")
     if loss == "vocab-parallel" and not torch_tp:
         raise PlannerError("loss=vocab-parallel is tensor parallelism's loss_parallel: it needs tp > 1 on a torch "
                            "strategy (fsdp, hsdp)", field="loss")
+    blocked = why_not if loss == "chunked" else fused_why_not if loss in FUSED else None
+    if blocked:
+        raise PlannerError(f"loss={loss} with {blocked}: modelled for a data-parallel layout (single, ddp, zero0-3, "
+                           "fsdp, hsdp)" + (" of a full fine-tune" if loss == "chunked" else ""), field="loss")
     if loss == "chunked":
-        if why_not:
-            raise PlannerError(f"loss=chunked with {why_not}: modelled for a data-parallel layout of a full "
-                               "fine-tune", field="loss")
         return request.loss_chunks or DEFAULT_CHUNKS
     return 1
+
+
+def check_fused(loss: str, hidden_bytes: int, gpu_is_cpu: bool) -> None:
+    """Both fused kernels are Triton (Liger's ops and CCE's cce.py import triton; CUDA/ROCm only):
+    CPU ranks are refused. CCE's backward takes 16-bit hidden states only (cce_backward.py:259, ``assert e.dtype in
+    (torch.float16, torch.bfloat16), "Backwards requires embeddings to be bf16 or fp16"``): an
+    fp32 stream (precision fp32, or autocast over fp32 weights, where the final norm returns fp32)
+    is refused as the library refuses it."""
+    if gpu_is_cpu:
+        raise PlannerError(f"loss={loss} is a Triton kernel that runs on a GPU only; gpu cpu (CPU ranks) cannot run "
+                           "it: choose hf or chunked for CPU ranks", field="loss")
+    if loss == "cce" and hidden_bytes == FP32:
+        raise PlannerError("loss=cce with fp32 hidden states (precision fp32, or autocast over fp32 weights: ddp, "
+                           "single): Cut Cross-Entropy's backward asserts bf16/fp16 embeddings (cce_backward.py); "
+                           "cast the model to bf16 (precision bf16-pure) or use a sharding strategy that casts the "
+                           "weights (zero1-3, fsdp)", field="loss")
+
+
+def liger_chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
+    """Liger's chunk of tokens (fused_linear_cross_entropy.py, chunk_mem_const 1): the transient
+    logits bounded to about tokens x hidden elements,
+    ``inc_factor = cdiv(V, H)``, ``chunk_size = min(next_power_of_2(cdiv(BT, inc_factor)), BT)``."""
+    inc_factor = -(-vocab // hidden)
+    chunk = -(-tokens // inc_factor)
+    return min(1 << max(0, math.ceil(math.log2(chunk))), tokens)
+
+
+def liger_memory(tokens: int, hidden: int, vocab: int, compute_bytes: int, hidden_bytes: int, weight_bytes: int,
+                 head_trained: bool) -> tuple[int, int, list[ActivationItem]]:
+    """(held from the loss's forward to its backward, the forward's transient at the last chunk,
+    items). With reduction mean or sum (HF's, the Trainer's num_items_in_batch) the forward
+    computes the gradients and saves them (``ctx.save_for_backward(grad_input, grad_weight,
+    grad_bias)``): ``grad_input = torch.zeros_like(_input)`` (tokens x hidden in the hidden
+    states' dtype), ``grad_weight = torch.zeros_like(weight)`` (vocab x hidden in the weight's
+    dtype, accum_dtype None; none for a frozen head) and ``loss_1d`` (fp32 per token). Each chunk
+    makes its logits ``_input_chunk @ weight.t()`` (chunk x vocab, the compute dtype under
+    autocast), which the Triton kernel overwrites in place with their gradient (no fp32 copy:
+    it accumulates in fp32 registers), then ``grad_logits_chunk @ weight`` (chunk x hidden) copied
+    into grad_input; grad_weight is accumulated in place (addmm out=, sm80+). The backward only
+    scales the saved gradients in place (element_mul_kernel): no transient."""
+    chunk = liger_chunk_tokens(tokens, hidden, vocab)
+    grad_input = hidden_bytes * tokens * hidden
+    grad_weight = weight_bytes * vocab * hidden if head_trained else 0
+    held = grad_input + grad_weight + FP32 * tokens + LABELS * tokens
+    transient = compute_bytes * chunk * vocab + compute_bytes * chunk * hidden
+    items = [ActivationItem(f"loss (liger-fused): grad_input {grad_input:,} B + grad_weight {grad_weight:,} B "
+                            "computed in the forward, fp32 per-token loss, labels", held),
+             ActivationItem(f"backward transient at the loss (liger-fused forward: one chunk of {chunk} tokens' "
+                            "logits and its grad_input product)", transient)]
+    return held, transient, items
+
+
+def cce_memory(tokens: int, hidden: int, vocab: int, compute_bytes: int, weight_bytes: int,
+               head_trained: bool) -> tuple[int, int, list[ActivationItem]]:
+    """(held from the loss's forward to its backward beyond the LM head's input, the backward's
+    transient, items). The forward saves ``e, c, lse, targets, valids, logit_avg``
+    (cce.py LinearCrossEntropyFunction.forward): e is the final norm's output, which the LM head
+    saves under HF's loss too (activations._final_norm_saved), c the weight itself; new are lse
+    (fp32 per token, cce_lse_forward.py:168) and logit_avg (fp32 per vocabulary entry, :176,
+    filter_eps "auto"); valids is None when no label is ignored. The backward
+    (cce_backward.py cce_backward_kernel) allocates ``de = zeros_like(e)`` (tokens x hidden),
+    ``dc = zeros_like(c, dtype=e.dtype)`` (vocab x hidden in the compute dtype; none for a frozen
+    head) and returns ``dc.to(c.dtype)``, a second vocab x hidden copy when the weight is fp32; its
+    int32 locks (about one per token and one per vocabulary entry) and the vocabulary ordering
+    (torch.argsort: int64, then .to(int32)) live beside them."""
+    held = FP32 * tokens + FP32 * vocab + LABELS * tokens
+    dc = compute_bytes * vocab * hidden if head_trained else 0
+    dc_cast = weight_bytes * vocab * hidden if head_trained and weight_bytes != compute_bytes else 0
+    locks = 4 * tokens + 4 * vocab
+    ordering = (8 + 4) * vocab
+    transient = compute_bytes * tokens * hidden + dc + dc_cast + locks + ordering
+    items = [ActivationItem("loss (cce): fp32 log-sum-exp per token, fp32 logit average per vocabulary entry, "
+                            "labels", held),
+             ActivationItem(f"backward transient at the loss (cce backward: de, dc {dc:,} B"
+                            + (f" and its cast to the weight's dtype {dc_cast:,} B" if dc_cast else "")
+                            + ", locks, vocabulary ordering)", transient)]
+    return held, transient, items
+
+
+def with_fused_loss(acts: Activations, loss: str, *, tokens: int, hidden: int, vocab: int, compute_bytes: int,
+                    hidden_bytes: int, weight_bytes: int, head_trained: bool, softcap: bool) -> Activations:
+    """The activations with HF's loss terms (the fp32 log-probabilities saved, the two fp32
+    gradients at its backward) replaced by the fused kernel's: the same blocks and final norm,
+    another loss. ``hidden_bytes``: the dtype of the final norm's output (fp32 under autocast over
+    fp32 weights); ``weight_bytes``: the LM head weight's as the kernel reads it."""
+    if loss == "liger-fused":
+        held, transient, items = liger_memory(tokens, hidden, vocab, compute_bytes, hidden_bytes, weight_bytes,
+                                              head_trained)
+    else:
+        held, transient, items = cce_memory(tokens, hidden, vocab, compute_bytes, weight_bytes, head_trained)
+    hf_saved = FP32 * tokens * vocab * (2 if softcap else 1) + LABELS * tokens
+    edges = acts.edges
+    if edges is not None:
+        edges = EdgeTerms(edges.embedding_saved, edges.final_norm_saved, held, edges.rope_saved)
+    kept = [i for i in acts.items if i.name not in ("logits / loss (fp32)", "backward transient at the loss")
+            and not i.name.startswith("backward transient at the loss")]
+    if acts.kept_blocks:  # as activations._with_chunked_loss: the largest block backward beside the loss's
+        layer = max(acts.rebuilt_blocks) + acts.layer_transient_bytes
+    else:
+        layer = acts.layer_saved_bytes + acts.layer_transient_bytes if acts.checkpointed else 0
+    saved = acts.saved_bytes - hf_saved + held
+    return replace(acts, saved_bytes=saved, head_saved_bytes=acts.head_saved_bytes - hf_saved + held,
+                   loss_transient_bytes=transient, peak_extra_bytes=max(transient, layer), edges=edges,
+                   items=tuple(kept + items))
+
+
+def loss_bytes_per_logit(loss: str, compute_bytes: int, hf_bytes: float) -> float:
+    """Bytes each logit element moves through memory-bound kernels in the loss (planner/time/kernels.py
+    charges them at the achievable bandwidth). HF and torchtune's chunks: ``hf_bytes``
+    (upcast, log-softmax and their backward). Liger: its Triton cross-entropy kernel reads each
+    chunk's logits twice (the online max/sum pass, then the gradient pass) and writes the
+    gradient once in place (liger_kernel/ops/cross_entropy.py:153, :209, :253): 3 x the compute
+    dtype. CCE: none (the logits stay in SRAM tiles)."""
+    if loss == "liger-fused":
+        return 3.0 * compute_bytes
+    if loss == "cce":
+        return 0.0
+    return hf_bytes
+
+
+def loss_recomputes_logits(loss: str) -> bool:
+    """CCE's backward recomputes the logits tile by tile (cce_backward.py _cce_backward_kernel:
+    ``accum = tl.dot(e, c)`` over the hidden dimension before the softmax gradient): one more
+    forward LM-head matmul. Liger computes every gradient in its forward (the same three head
+    matmuls as HF's loss, none again)."""
+    return loss == "cce"
+
+
+def loss_notes(loss: str) -> list[str]:
+    """What the estimate assumes of the loss, and what is not verified."""
+    if loss == "liger-fused":
+        return [f"loss: Liger's fused linear cross-entropy ({LIGER_SOURCE}): the LM head's logits only one chunk "
+                "of tokens at a time, both gradients made in the forward and held to the backward; Triton (GPU "
+                "only): unverified here (bench/gpu_check.py measures it)"]
+    if loss == "cce":
+        return [f"loss: Cut Cross-Entropy ({CCE_SOURCE}): the logits never leave SRAM, the backward recomputes "
+                "them (one more LM-head matmul); gradient filtering (filter_eps) skips blocks and is not "
+                "credited in the time; Triton (GPU only): unverified here (bench/gpu_check.py measures it)"]
+    return []

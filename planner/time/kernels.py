@@ -40,7 +40,7 @@ Sources of the constants:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from planner.time import arrays
@@ -51,6 +51,7 @@ from planner.model.activations import checkpointed_blocks, selective_op_saved_li
 from planner.model.layers import LayerSpec, attention_numels
 from planner.model.linears import block_linears
 from planner.time.collectives import MEMORY_BANDWIDTH_EFFICIENCY
+from planner.recipes.losses import loss_bytes_per_logit, loss_recomputes_logits
 
 AttentionKernel = Literal["flash-attention-2", "flash-attention-1", "flash-attention-triton"]
 # Forward + backward TFLOP/s with a causal mask (sources above: the same charts measure
@@ -208,6 +209,7 @@ class Gemm:
     count: int
     token_fraction: float = 1.0
     trained: bool = True  # its weight gets a gradient (a frozen base's linears do not)
+    rate: float = 1.0  # its matmul rate over the step dtype's: a low-precision linear's fp8/fp4 tensor cores
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,9 @@ class Work:
     kernels: int  # launches of one forward
     layers: int
     attention_forward_share: float = 1.0 / (1.0 + ATTENTION_BACKWARD_FLOPS)  # of attention_seconds_fb
+    loss_recompute_flops: float = 0.0  # the loss kernel's backward reruns the LM head's forward (CCE), per sequence
+    cast_bytes: float = 0.0  # low precision: the activations' and gradients' casts, forward + backward, per sequence
+    weight_cast_bytes: float = 0.0  # low precision: the converted weights' casts, per micro-batch
 
 
 def _attention_gemms(s: LayerSpec, hidden: int, tp: int) -> list[tuple[int, int]]:
@@ -283,23 +288,26 @@ _WORK: dict[tuple, tuple[Architecture, "Work"]] = {}
 
 
 def work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_bytes: int, eager: bool,
-         r: Rates, kernel: str = "flash-attention-2") -> "Work":
+         r: Rates, kernel: str = "flash-attention-2", loss: str = "hf",
+         low_precision: "LowPrecisionRate | None" = None) -> "Work":
     """One sequence's work on one GPU of a tp x cp group (the pipeline splits it later:
     pipeline.py), memoised per model object (an Architecture is not hashable; the plan search
-    asks for the same one per setting)."""
-    key = (id(arch), seq, tp, cp, sp, compute_bytes, eager, r, kernel)
+    asks for the same one per setting). ``loss``: the loss implementation (planner/recipes/losses.py)."""
+    key = (id(arch), seq, tp, cp, sp, compute_bytes, eager, r, kernel, loss, low_precision)
     hit = _WORK.get(key)
     if hit is not None and hit[0] is arch:
         return hit[1]
     if len(_WORK) > 256:
         _WORK.clear()
-    out = _work(arch, seq, tp, cp, sp, compute_bytes, eager, r, kernel)
+    out = _work(arch, seq, tp, cp, sp, compute_bytes, eager, r, kernel, loss)
+    if low_precision is not None:
+        out = _converted(out, compute_bytes, low_precision)
     _WORK[key] = (arch, out)
     return out
 
 
 def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_bytes: int, eager: bool,
-          r: Rates, kernel: str) -> "Work":
+          r: Rates, kernel: str, loss_kind: str = "hf") -> "Work":
     h = arch.hidden_size
     tokens = max(1, seq // cp)
     gemms: list[Gemm] = []
@@ -329,19 +337,54 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
     head = Gemm(max(1, arch.vocab_size // tp), h, 1)
     gemms.append(head)
     vocab = arch.vocab_size / tp
-    loss = LOSS_BYTES_PER_LOGIT * vocab * tokens
+    loss = loss_bytes_per_logit(loss_kind, compute_bytes, LOSS_BYTES_PER_LOGIT) * vocab * tokens
+    loss_recompute = 2.0 * tokens * head.n * head.k if loss_recomputes_logits(loss_kind) else 0.0
     elementwise += 3 * h * tokens * compute_bytes  # embedding lookup and its gradient's scatter
     if eager:
         attention_seconds = 0.0
     return Work(tokens=tokens, gemms=tuple(gemms), attention_flops=attention_flops,
                 attention_seconds_fb=attention_seconds, eager_bytes=eager_bytes if eager else 0.0,
                 elementwise_bytes=elementwise, loss_bytes=loss, kernels=kernels + 8, layers=arch.num_layers,
-                attention_forward_share=forward_share(kernel))
+                attention_forward_share=forward_share(kernel), loss_recompute_flops=loss_recompute)
 
 
 def forward_share(kernel: str) -> float:
     """The forward's share of a flash kernel's forward + backward time (FORWARD_OVER_BACKWARD_RATE)."""
     return 1.0 / (1.0 + ATTENTION_BACKWARD_FLOPS * FORWARD_OVER_BACKWARD_RATE.get(kernel, 1.0))
+
+
+@dataclass(frozen=True)
+class LowPrecisionRate:
+    """A low_precision recipe as the time model reads it (planner/recipes/low_precision.py): a
+    block's GEMMs whose two dimensions are multiples of ``dim_multiple`` run ``rate`` times the
+    step dtype's matmul rate (the measured fp8 MAMF over the bf16 one where both are measured:
+    H100 1402.6/794.5, H200 1453.4/794.5, B200 3432.5/1745.0, Bekman's table in gpus.yaml; else
+    the datasheets' peaks, fp8 2x bf16 on Hopper and Blackwell), and every cast of one of their
+    operands reads it once for its amax and once to convert (2 x the compute dtype) and writes
+    ``element_bits`` (torchao float8_scaling_utils.py hp_tensor_to_float8_dynamic: tensor_to_amax,
+    then to_fp8_no_autograd)."""
+
+    rate: float
+    dim_multiple: int
+    element_bits: int
+
+
+def _converted(w: "Work", compute_bytes: int, lp: LowPrecisionRate) -> "Work":
+    """The work with a block's convertible GEMMs (not the LM head, the last GEMM; not a router or
+    routed experts, token_fraction < 1 or count beyond the layers) at the low-precision rate, and
+    their casts: per linear call the input and grad_output twice each (forward and grad_input,
+    grad_weight; float8_linear.py matmul_with_hp_or_float8_args), the weight twice (forward, grad_input)."""
+    per_cast = 2 * compute_bytes + lp.element_bits / 8
+    gemms, casts, weights = [], 0.0, 0.0
+    for i, g in enumerate(w.gemms):
+        block = i < len(w.gemms) - 1 and g.token_fraction == 1.0
+        if block and g.n % lp.dim_multiple == 0 and g.k % lp.dim_multiple == 0:
+            gemms.append(replace(g, rate=lp.rate))
+            casts += 2 * (g.k + g.n) * g.count * w.tokens * per_cast
+            weights += 2 * g.k * g.n * g.count * per_cast
+        else:
+            gemms.append(g)
+    return replace(w, gemms=tuple(gemms), cast_bytes=casts, weight_cast_bytes=weights)
 
 
 def wave_efficiency(m, n, sms: int | None):
@@ -366,13 +409,14 @@ def k_efficiency(k, k_pipeline: float = K_PIPELINE):
     return k / (k + k_pipeline)
 
 
-def _gemm_seconds(m, n, k, r: Rates, compute_bytes: int):
+def _gemm_seconds(m, n, k, r: Rates, compute_bytes: int, speedup=1.0):
     """One GEMM (m x k times k x n; m along the 128-row tiles): the slower of its tensor-core time
-    (tile waves and the K loop's share included) and its operands' traffic."""
+    (tile waves and the K loop's share included) and its operands' traffic. ``speedup``: a
+    low-precision GEMM's rate over the step dtype's (LowPrecisionRate), its narrower operands' traffic alike."""
     flops = 2.0 * m * n * k
     rate = r.matmul_flops if r.mamf_k is None else arrays.minimum(r.matmul_flops, r.long_k_flops * k_efficiency(k, r.k_pipeline))
-    compute = flops / (rate * wave_efficiency(m, n, r.sms))
-    traffic = compute_bytes * (m * k + k * n + m * n) / r.memory_bytes_per_s
+    compute = flops / (rate * speedup * wave_efficiency(m, n, r.sms))
+    traffic = compute_bytes * (m * k + k * n + m * n) / (r.memory_bytes_per_s * speedup)
     return arrays.maximum(compute, traffic)
 
 
@@ -453,9 +497,9 @@ class ComputeTerms:
 
 
 def _gemm_operands(w: "Work", m_all):
-    """(tokens, n, k, count) of each GEMM, or once for all of them as (GEMMs x options) arrays."""
+    """(tokens, n, k, count, rate) of each GEMM, or once for all of them as (GEMMs x options) arrays."""
     if not arrays.is_array(m_all):
-        return [(m_all * g.token_fraction, float(g.n), float(g.k), float(g.count)) for g in w.gemms]
+        return [(m_all * g.token_fraction, float(g.n), float(g.k), float(g.count), g.rate) for g in w.gemms]
     hit = _COLUMNS.get(id(w))
     if hit is None or hit[0] is not w:
         import numpy as np
@@ -463,10 +507,12 @@ def _gemm_operands(w: "Work", m_all):
         if len(_COLUMNS) > 256:
             _COLUMNS.clear()
 
-        columns = np.array([(g.token_fraction, g.n, g.k, g.count) for g in w.gemms], dtype=np.float64).reshape(-1, 4)
-        hit = _COLUMNS[id(w)] = (w, tuple(columns[:, j:j + 1] for j in range(4)))
-    fraction, n, k, count = hit[1]
-    return [(fraction * m_all[None, :], n, k, count)]
+        columns = np.array([(g.token_fraction, g.n, g.k, g.count, g.rate) for g in w.gemms],
+                           dtype=np.float64).reshape(-1, 5)
+        hit = _COLUMNS[id(w)] = (w, tuple(columns[:, j:j + 1] for j in range(5)))
+    fraction, n, k, count, rate = hit[1]
+    # without low-precision GEMMs every rate is 1: a scalar keeps the array arithmetic as it was
+    return [(fraction * m_all[None, :], n, k, count, rate if w.cast_bytes else 1.0)]
 
 
 _COLUMNS: dict[int, tuple["Work", tuple]] = {}  # a Work's GEMMs as numpy columns (the plan asks per setting)
@@ -485,12 +531,12 @@ def micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointin
     forward = dgrad = wgrad = flops = 0.0
     # the plan's array of options: every GEMM at once (rows: GEMMs, columns: options); an estimate's
     # float: GEMM by GEMM. The same formulas (_gemm_seconds) either way.
-    for m, n, k, count in _gemm_operands(w, m_all):
-        fwd = _gemm_seconds(m, n, k, r, compute_bytes) * count
+    for m, n, k, count, rate in _gemm_operands(w, m_all):
+        fwd = _gemm_seconds(m, n, k, r, compute_bytes, rate) * count
         forward = forward + _sum_rows(fwd)
-        dgrad = dgrad + _sum_rows(_gemm_seconds(m, k, n, r, compute_bytes) * count)
+        dgrad = dgrad + _sum_rows(_gemm_seconds(m, k, n, r, compute_bytes, rate) * count)
         # the weight gradient: an n x k output reduced over the tokens
-        wgrad = wgrad + _sum_rows(_gemm_seconds(n, k, m, r, compute_bytes) * count)
+        wgrad = wgrad + _sum_rows(_gemm_seconds(n, k, m, r, compute_bytes, rate) * count)
         flops = flops + _sum_rows(2.0 * m * n * k * count)
     backward = dgrad + wgrad * (1 - frozen_matmuls)
     matmul = forward + backward
@@ -507,10 +553,16 @@ def micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointin
         attention_flops = micro_f * w.attention_flops * (1 + ATTENTION_BACKWARD_FLOPS)
     elementwise_fwd = micro_f * w.elementwise_bytes / r.memory_bytes_per_s
     elementwise = 3 * elementwise_fwd + micro_f * w.loss_bytes / r.memory_bytes_per_s  # backward ~2x forward
+    if w.cast_bytes or w.weight_cast_bytes:  # low precision's casts (LowPrecisionRate)
+        elementwise = elementwise + (micro_f * w.cast_bytes + w.weight_cast_bytes) / r.memory_bytes_per_s
     share = shares if shares is not None else Recompute.of_kinds(checkpointing)
     recompute = forward * share.matmul + attn_fwd * share.attention + elementwise_fwd * share.elementwise
     hardware = matmul_flops + attention_flops + flops * share.matmul + micro_f * w.attention_flops * share.attention
     kernels = w.kernels * (3 + max(share.matmul, share.attention, share.elementwise))
+    if w.loss_recompute_flops:  # CCE's backward reruns the LM head's forward matmul
+        loss_recompute = micro_f * w.loss_recompute_flops
+        recompute = recompute + loss_recompute / r.matmul_flops
+        hardware = hardware + loss_recompute
     host = arrays.full_like(m_all, kernels * r.host_seconds_per_kernel)
     # backward: the GEMMs' gradients, attention's backward (2.5 of its 3.5), the elementwise
     # backward (2 of 3), the loss's gradient half, and the recomputed forward that runs inside it

@@ -21,6 +21,7 @@ from planner.memory.buffers import FP32
 from planner.memory.optimizer import flat, state_bits
 from planner.model.shapes import parameter_shapes
 from planner.recipes.optimizers import OPTIMIZERS
+from planner.recipes.low_precision import recipe_of as low_precision_recipe
 from planner.recipes.precision import RECIPES
 from planner.schema import EstimateRequest, EstimateResult, PlanRequest, TimeEstimate, TimeTerm
 from planner.strategies import strategy as lookup_strategy
@@ -190,6 +191,8 @@ class StepSettings:
     attention_kernel: str = "flash-attention-2"
     optimizer: str = "adamw"
     compute_scale: float = 1.0  # a calibration profile's measured kernel-rate factor (planner/time/profiles.py)
+    loss: str = "hf"  # the loss implementation (planner/recipes/losses.py)
+    low_precision: str = "none"  # fp8/fp4 linears (planner/recipes/low_precision.py)
 
     @classmethod
     def of(cls, req: PlanRequest, compute_scale: float = 1.0) -> "StepSettings":
@@ -197,7 +200,7 @@ class StepSettings:
                    compute_efficiency=req.compute_efficiency, link_efficiency=req.link_efficiency,
                    reduce_dtype=req.reduce_dtype, attention=req.attention, optimizer=req.optimizer,
                    attention_kernel=req.attention_kernel,
-                   compute_scale=compute_scale)
+                   compute_scale=compute_scale, loss=req.loss, low_precision=req.low_precision)
 
 
 def collective_volumes(request: EstimateRequest) -> list[dict]:
@@ -251,7 +254,8 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
                             reduce_dtype=request.reduce_dtype, attention=request.attention,
                             attention_kernel=request.attention_kernel,
                             optimizer=result.request.optimizer,
-                            compute_scale=profile_compute_scale(request.profile, profile))
+                            compute_scale=profile_compute_scale(request.profile, profile), loss=request.loss,
+                            low_precision=request.low_precision)
     # the estimate's own Setup where it has one for this request (a traced model is timed from its count)
     known = setup_of(result) if traced is None and result.request == request else None
     combo, buckets, setup = resolved_combo(request, result.parameters if traced is not None else None, known)
@@ -531,7 +535,8 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
         return seconds, seconds * timing.BACKWARD_FRACTION, override_flops, [
             ("matmul", seconds, f"traced FLOPs at {r.matmul_source}{scaled}")]
     w = kernels.work(arch, req.seq_len, combo.tp, combo.cp, combo.sequence_parallel, recipe.compute_bytes,
-                     req.attention == "eager" or arch.attention_implementation == "eager", r, req.attention_kernel)
+                     req.attention == "eager" or arch.attention_implementation == "eager", r, req.attention_kernel,
+                     req.loss, _low_precision_rate(req.low_precision, g, dtype, r))
     t = kernels.micro_batch_terms(w, micro_f, r, recipe.compute_bytes, combo.checkpointing,
                                   frozen_matmuls=1.0 if frozen is not None else 0.0,
                                   shares=kernels.recompute_shares(arch, combo.checkpointing, combo.checkpointing_every))
@@ -571,6 +576,15 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
              ("optimizer step", optimizer, bandwidth)]
     backward = accumulation * (t.backward + (matmul - t.matmul) * 2 / 3) / scale  # the adapters' backward: 2 of 3
     return seconds, backward, accumulation * hardware, [(n, v / scale, src + scaled) for n, v, src in terms]
+
+
+def _low_precision_rate(name: str, g: Gpu, dtype: str, r: kernels.Rates) -> kernels.LowPrecisionRate | None:
+    """The converted GEMMs' rate over the step dtype's (planner/time/kernels.py LowPrecisionRate)."""
+    recipe = low_precision_recipe(name)
+    if recipe is None or recipe.matmul_dtype not in g.peak_tflops:
+        return None
+    low = kernels.rates(g, recipe.matmul_dtype)
+    return kernels.LowPrecisionRate(low.matmul_flops / r.matmul_flops, recipe.dim_multiple, recipe.element_bits)
 
 
 def _dequantize_seconds(frozen: FrozenBaseShape | None, checkpointing: str, accumulation, g: Gpu):

@@ -82,6 +82,8 @@ class TorchDistributed(Framework):
                                "each unit's reduce-scatter is not modelled; use single", field="optimizer_in_backward")
     offloads_gradients_with_params = True  # FSDP CPUOffload moves gradients to the host with the parameters
     weights_are_master = True  # fp32 weights under autocast (DDP) or FSDP2's MixedPrecisionPolicy
+    # torchao's Float8Linear / MXFP8 / NVFP4 linears, as torchtitan's converters swap them into a torch model
+    low_precision = frozenset({"none", "float8-tensorwise", "float8-rowwise", "mxfp8", "nvfp4", "te-fp8"})
 
     def phases(self, setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
         return _torch_phases(setup, acts, numels)

@@ -114,6 +114,13 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
         field = "checkpointing_every" if est.checkpointing == "full" else "checkpointing"
         raise PlannerError(f"--emit with {field}={getattr(est, field)}: the emitted Trainer, accelerate and DeepSpeed "
                            "configs have no such setting; the training script applies it", field=field)
+    for field, value, default in (("loss", est.loss, ("hf", "chunked", "liger-fused", "vocab-parallel")),
+                                  ("low_precision", est.low_precision, ("none",))):
+        if value not in default:
+            # the Trainer's configs have no switch for them (Liger's is use_liger_kernel, emitted below):
+            # the training script applies CCE's patch or the fp8 converters (the chunked loss: as before)
+            raise PlannerError(f"--emit with {field}={value}: the emitted Trainer, accelerate and DeepSpeed configs "
+                               "have no such setting; the training script applies it", field=field)
     unavailable = None if script is not None else _trainer_unavailable(setup, est)
     s = setup.strategy
     launcher = setup.framework.launch

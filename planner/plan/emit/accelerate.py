@@ -107,6 +107,8 @@ def trainer_arguments(launch: Launch) -> dict[str, Any]:
         # the old names are the ones every transformers 5 release accepts.
         args["gradient_checkpointing"] = True
         args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    if req.loss == "liger-fused":
+        args["use_liger_kernel"] = True  # TrainingArguments: Liger's kernels, its fused linear cross-entropy
     if launch.is_cpu:
         args["use_cpu"] = True
     named = launch.launcher.trainer_arguments(launch)

@@ -1,0 +1,68 @@
+"""The recipe a plan is asked with (issue 21): the PlanRequest's recipe fields carried into every
+candidate's estimate, the checkpointing policies searched, and the layouts the recipe is modelled
+for. planner/plan/search.py reads these and keeps its search as it is.
+"""
+
+from __future__ import annotations
+
+from planner.errors import PlannerError
+from planner.recipes.losses import FUSED
+from planner.schema import PlanRequest
+
+# the estimate fields a plan carries unchanged into every candidate (their defaults are left out,
+# so a plan without a recipe estimates the requests it always did)
+CARRIED = ("checkpointing_every", "keeps_outputs", "loss", "loss_chunks", "low_precision")
+# a refusal naming one of these is the recipe's, not the setting's: the setting is skipped
+RECIPE_FIELDS = CARRIED + ("checkpointing",)
+SEARCHED_CHECKPOINTING = ("none", "full")
+
+
+def recipe_fields(req: PlanRequest) -> dict:
+    """The request's recipe as estimate fields, defaults left out."""
+    return {name: getattr(req, name) for name in CARRIED
+            if getattr(req, name) != PlanRequest.model_fields[name].default}
+
+
+def checkpointings(req: PlanRequest) -> tuple[str, ...]:
+    """The checkpointing policies searched: the request's, or none and full."""
+    return (req.checkpointing,) if req.checkpointing is not None else SEARCHED_CHECKPOINTING
+
+
+def _data_parallel_only(req: PlanRequest) -> tuple[str, str] | None:
+    """(field, value) of a recipe field the estimate models for data-parallel layouts only."""
+    if req.loss == "chunked" or req.loss in FUSED:
+        return "loss", req.loss
+    if req.low_precision != "none":
+        return "low_precision", req.low_precision
+    if req.checkpointing not in (None, *SEARCHED_CHECKPOINTING):
+        return "checkpointing", req.checkpointing
+    if req.checkpointing_every is not None:
+        return "checkpointing_every", str(req.checkpointing_every)
+    if req.keeps_outputs:
+        return "keeps_outputs", "true"
+    return None
+
+
+def allowed_layouts(req: PlanRequest, layouts: list[tuple[int, int, int, int]]) -> tuple[list[tuple[int, int, int, int]],
+                                                                                          list[str]]:
+    """(the (tp, cp, pp, ep) layouts the recipe is modelled for, a note on those left out). A
+    vocab-parallel loss needs tensor parallelism; the chunked and fused losses, low precision, the
+    selective and every-N checkpointing policies and a loop that keeps its outputs are modelled
+    for data parallelism alone. No layout left is refused, naming the field."""
+    blocked = _data_parallel_only(req)
+    if req.loss == "vocab-parallel":
+        kept = [d for d in layouts if d[0] > 1]
+        field, why = "loss", "loss=vocab-parallel is tensor parallelism's loss_parallel: it needs tp > 1"
+    elif blocked is not None:
+        kept = [d for d in layouts if d == (1, 1, 1, 1)]
+        field, why = blocked[0], f"{blocked[0]}={blocked[1]} is modelled for data-parallel layouts only"
+    else:
+        return layouts, []
+    if not kept:
+        raise PlannerError(f"{why}; none of the plan's layouts (tp, cp, pp, ep) {layouts} is one", field=field)
+    left = len(layouts) - len(kept)
+    return kept, [f"recipe: {why}: {left} layout(s) not searched"] if left else []
+
+
+def refused_by_recipe(exc: PlannerError) -> bool:
+    return exc.field in RECIPE_FIELDS

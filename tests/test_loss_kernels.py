@@ -1,0 +1,279 @@
+"""The loss kernels and low-precision linears (issue 21): bytes hand-derived from the libraries'
+source (Liger-Kernel 0.8.5, cut-cross-entropy 25.1.1, torchao 0.18, Transformer Engine), their
+refusals, the job files that turn them on, and plans asked with the recipe. Both run on GPUs
+only: these pin the model to the source; bench/gpu_check.py measures them when a GPU is lent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from planner.check import job_request
+from planner.errors import PlannerError
+from planner.memory.orchestrator import activations, estimate, resolve
+from planner.plan.search import plan
+from planner.recipes.losses import liger_chunk_tokens
+from planner.recipes.low_precision import RECIPES, converted_linears
+from planner.model.architecture import layer_specs
+from planner.schema import CheckRequest, EstimateRequest, PlanRequest
+from planner.time import kernels
+from planner.time.step import estimate_with_time
+from tests.real_runs import LLAMA, LLAMA_32K
+
+T, H, V = 2048, 256, 32_000  # tokens, hidden, vocabulary of LLAMA_32K at micro-batch 1 x 2,048
+# FSDP2 casts the weights to bf16 (MixedPrecisionPolicy): the fused kernels read bf16 hidden states and weights
+GPU = dict(model_config=LLAMA_32K, gpus=2, gpu="h100-80gb", strategy="fsdp", micro_batch=1, seq_len=T)
+
+
+def _acts(**fields):
+    return activations(resolve(EstimateRequest(**GPU | fields)))
+
+
+# --- Liger's fused linear cross-entropy ----------------------------------------------------------
+
+@pytest.mark.parametrize("tokens,hidden,vocab,chunk", [
+    (16_384, 4096, 128_256, 512),  # inc_factor cdiv(128256, 4096) = 32; cdiv(16384, 32) = 512, a power of 2
+    (2048, 256, 32_000, 32),  # inc_factor 125; cdiv(2048, 125) = 17 -> next power of 2: 32
+    (8, 4096, 32_000, 1),  # inc_factor 8; one token per chunk
+    (100, 8192, 4096, 100),  # vocab below hidden: inc_factor 1, chunk = next_pow2(100) = 128, capped at BT
+])
+def test_liger_chunk_size_is_its_sources(tokens, hidden, vocab, chunk):
+    assert liger_chunk_tokens(tokens, hidden, vocab) == chunk
+
+
+def test_liger_holds_both_gradients_from_its_forward_and_one_chunk_of_logits():
+    hf, liger = _acts(), _acts(loss="liger-fused")
+    hf_loss = 4 * T * V + 8 * T  # fp32 log-probabilities and int64 labels (activations._loss_saved)
+    held = 2 * T * H + 2 * V * H + 4 * T + 8 * T  # grad_input, grad_weight (bf16), fp32 loss_1d, labels
+    assert liger.saved_bytes - hf.saved_bytes == held - hf_loss
+    assert liger.edges.loss_saved == held
+    assert liger.loss_transient_bytes == 2 * 32 * V + 2 * 32 * H  # one 32-token chunk's logits and its grad_input
+    assert hf.loss_transient_bytes == 8 * T * V
+
+
+def test_liger_under_lora_makes_no_weight_gradient():
+    hf, lora = _acts(finetune="lora"), _acts(loss="liger-fused", finetune="lora")
+    held = 2 * T * H + 4 * T + 8 * T  # the frozen head: grad_weight None
+    assert lora.saved_bytes - hf.saved_bytes == held - (4 * T * V + 8 * T)
+
+
+def test_cce_saves_the_log_sum_exp_and_makes_its_gradients_in_backward():
+    hf, cce = _acts(), _acts(loss="cce")
+    held = 4 * T + 4 * V + 8 * T  # lse, logit_avg, labels (e and c are the head's input and weight)
+    assert cce.saved_bytes - hf.saved_bytes == held - (4 * T * V + 8 * T)
+    # de, dc (bf16), int32 locks (~ one per token and per vocabulary entry), argsort int64 then int32
+    assert cce.loss_transient_bytes == 2 * T * H + 2 * V * H + 4 * T + 4 * V + 12 * V
+
+
+def test_fused_losses_lower_the_logits_dominated_peak_and_name_their_source():
+    hf = estimate(EstimateRequest(**GPU))
+    for loss, source in (("liger-fused", "Liger-Kernel 0.8.5"), ("cce", "cut-cross-entropy 25.1.1")):
+        fused = estimate(EstimateRequest(**GPU, loss=loss))
+        assert fused.per_device.peak_bytes < hf.per_device.peak_bytes
+        assert any(source in n and "unverified" in n for n in fused.notes)
+
+
+def test_a_loop_that_keeps_its_outputs_holds_no_logits_under_a_fused_loss():
+    fused = estimate(EstimateRequest(**GPU, loss="liger-fused"))
+    kept = estimate(EstimateRequest(**GPU, loss="liger-fused", keeps_outputs=True))
+    assert kept.per_device.peak_bytes == fused.per_device.peak_bytes
+
+
+def test_a_loss_kernel_needs_an_architecture():
+    with pytest.raises(PlannerError) as err:
+        estimate(EstimateRequest(params="7B", gpus=8, gpu="h100-80gb", strategy="fsdp", loss="liger-fused"))
+    assert err.value.field == "loss" and "architecture" in str(err.value)
+
+
+@pytest.mark.parametrize("fields,words", [
+    (dict(gpu="cpu"), "GPU only"),
+    (dict(strategy="ddp"), "bf16/fp16"),  # CCE: autocast over fp32 weights, an fp32 final norm output
+    (dict(precision="fp32"), "bf16/fp16"),
+    (dict(gpus=4, tp=2), "tp=2"),
+])
+def test_cce_refusals_name_the_field(fields, words):
+    with pytest.raises(PlannerError) as err:
+        estimate(EstimateRequest(**GPU | fields | {"loss": "cce"}))
+    assert err.value.field == "loss" and words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_cce_recomputes_the_logits_and_liger_moves_fewer_bytes():
+    hf, liger, cce = (estimate_with_time(EstimateRequest(**GPU, loss=loss)).time for loss in ("hf", "liger-fused", "cce"))
+    terms = {name: {t.name: t.seconds for t in x.terms} for name, x in (("hf", hf), ("liger", liger), ("cce", cce))}
+    assert terms["cce"]["recompute (none)"] > 0 == terms["hf"].get("recompute (none)", 0.0)
+    r = kernels.rates(__import__("planner.cluster.gpus", fromlist=["gpu"]).gpu("h100-80gb"), "bf16")
+    assert terms["cce"]["recompute (none)"] == pytest.approx(2 * T * H * V / r.matmul_flops)
+    # per logit: HF 28 bytes, Liger 3 x bf16, CCE none
+    per_logit = T * V / r.memory_bytes_per_s
+    assert terms["hf"]["elementwise and loss"] - terms["liger"]["elementwise and loss"] == pytest.approx(
+        (28 - 6) * per_logit)
+    assert terms["hf"]["elementwise and loss"] - terms["cce"]["elementwise and loss"] == pytest.approx(28 * per_logit)
+
+
+# --- low-precision linears ----------------------------------------------------------------------------
+
+LP = dict(model_config=LLAMA, gpus=2, gpu="h100-80gb", strategy="fsdp", micro_batch=1, seq_len=1024)
+
+
+def test_converted_linears_follow_torchtitans_filter():
+    from planner.model.architecture import Architecture
+    from planner.model.catalogue import model_from_config
+
+    arch: Architecture = model_from_config(LLAMA).architecture
+    spec = layer_specs(arch)[0]
+    # q 256x256, k/v 256x128, o 256x256, gate/up 256x688, down 688x256: every dimension a multiple of 16
+    assert len(converted_linears(arch, spec, RECIPES["float8-rowwise"])) == 7
+    # NVFP4's kernels need multiples of 128: 688 is not, the MLP stays 16-bit
+    assert [x.name for x in converted_linears(arch, spec, RECIPES["nvfp4"])] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    odd = model_from_config(dict(LLAMA, intermediate_size=680)).architecture  # 680 = 16 x 42.5
+    assert [x.name for x in converted_linears(odd, layer_specs(odd)[0], RECIPES["float8-tensorwise"])] == \
+        ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def test_torchao_float8_saves_what_a_16bit_linear_saves():
+    base = activations(resolve(EstimateRequest(**LP)))
+    f8 = activations(resolve(EstimateRequest(**LP, low_precision="float8-tensorwise")))
+    assert f8.saved_bytes == base.saved_bytes  # matmul_with_hp_or_float8_args saves input_hp, weight_hp_t
+    # the largest call's backward casts: grad_output twice, the weight and the input, 1 byte each (down_proj
+    # 688 -> 256 and gate/up 256 -> 688 at 1,024 tokens: gate/up is larger)
+    t = 1024
+    casts = 2 * t * 688 + 256 * 688 + t * 256
+    assert f8.layer_transient_bytes - base.layer_transient_bytes == casts
+    rowwise = activations(resolve(EstimateRequest(**LP, low_precision="float8-rowwise")))
+    assert rowwise.layer_transient_bytes - base.layer_transient_bytes == casts + 4 * (2 * t + 688 + t)
+
+
+def test_nvfp4_saves_its_codes_and_te_keeps_fp8_weight_workspaces():
+    b200 = LP | {"gpu": "b200"}
+    base = activations(resolve(EstimateRequest(**b200)))
+    nv = activations(resolve(EstimateRequest(**b200, low_precision="nvfp4")))
+    t, ins, weights = 1024, 4 * 256, 256 * 256 * 2 + 256 * 128 * 2  # q, k, v, o convert
+    assert nv.saved_bytes - base.saved_bytes == 4 * int(4.5 * (t * ins + weights) / 8)
+    ddp = LP | {"strategy": "ddp"}
+    plain = estimate(EstimateRequest(**ddp))
+    te = estimate(EstimateRequest(**ddp, low_precision="te-fp8"))
+    elements = 4 * (256 * 256 * 2 + 256 * 128 * 2 + 3 * 256 * 688)
+    assert te.per_device.resident_bytes - plain.per_device.resident_bytes == 2 * elements
+
+
+def test_fp8_matmuls_run_at_the_measured_fp8_rate():
+    from planner.cluster.gpus import gpu
+
+    g = gpu("h100-80gb")
+    r = kernels.rates(g, "bf16")
+    assert kernels.rates(g, "fp8").matmul_flops / r.matmul_flops == pytest.approx(1402.6 / 794.5)
+    arch = __import__("planner.model.catalogue", fromlist=["x"]).model_from_config(LLAMA).architecture
+    lp = kernels.LowPrecisionRate(1402.6 / 794.5, 16, 8)
+    w = kernels.work(arch, 1024, 1, 1, False, 2, False, r, low_precision=lp)
+    assert [g.rate for g in w.gemms[:-1]] == [lp.rate] * (len(w.gemms) - 1) and w.gemms[-1].rate == 1.0
+    base = estimate_with_time(EstimateRequest(**LP)).time
+    f8 = estimate_with_time(EstimateRequest(**LP, low_precision="float8-tensorwise")).time
+    matmul = {x.name: x.seconds for x in base.terms}["matmul"], {x.name: x.seconds for x in f8.terms}["matmul"]
+    assert matmul[1] < matmul[0]
+    assert any("unverified" in n and "torchao 0.18" in n for n in estimate(
+        EstimateRequest(**LP, low_precision="float8-tensorwise")).notes)
+
+
+@pytest.mark.parametrize("fields,words", [
+    (dict(gpu="a100-80gb"), "no fp8 rate"),
+    (dict(low_precision="mxfp8"), "Blackwell"),
+    (dict(low_precision="nvfp4", gpu="rtx-4090"), "Blackwell"),
+    (dict(precision="fp32"), "16-bit inputs"),
+    (dict(finetune="lora"), "finetune=lora"),
+    (dict(strategy="zero3"), "torch strategy"),
+    (dict(low_precision="te-fp8"), "parameter sharding"),
+    (dict(gpus=4, tp=2), "tp=2"),
+    (dict(gpu="cpu"), "gpu cpu"),
+    (dict(low_precision="nvfp4", gpu="b200", checkpointing="selective-op"), "selective"),
+])
+def test_low_precision_refusals_name_the_field(fields, words):
+    with pytest.raises(PlannerError) as err:
+        estimate(EstimateRequest(**LP | {"low_precision": "float8-tensorwise"} | fields))
+    assert err.value.field == "low_precision" and words in str(err.value) and "\n" not in str(err.value)
+
+
+# --- job files ------------------------------------------------------------------------------------
+
+FIXTURES = Path(__file__).parent / "fixtures" / "jobfiles"
+
+
+@pytest.mark.parametrize("files,overrides,field,value", [
+    (("trl/example_config.yaml",), {"use_liger_kernel": True}, "loss", "liger-fused"),
+    (("llamafactory/llama3_full_sft.yaml", "llamafactory/ds_z3_config.json"), {"enable_liger_kernel": True},
+     "loss", "liger-fused"),
+    (("axolotl/lora-8b.yml",), {"cut_cross_entropy": True}, "loss", "cce"),
+    (("axolotl/lora-8b.yml",), {"liger_fused_linear_cross_entropy": True}, "loss", "liger-fused"),
+    (("torchtitan/llama3_8b.toml",), {"model.converters": ["float8"], "float8.recipe_name": "rowwise"},
+     "low_precision", "float8-rowwise"),
+])
+def test_job_files_turn_the_kernels_on(files, overrides, field, value):
+    body = CheckRequest(files=[{"name": Path(f).name, "text": (FIXTURES / f).read_text()} for f in files],
+                        overrides=overrides, gpus=8, gpu="h100-80gb")
+    job, request = job_request(body)
+    assert getattr(request, field) == value and next(iter(overrides)) in job.origin[field]
+
+
+# --- the plan asked with the recipe -----------------------------------------------------------------
+
+PLAN = dict(model_config=LLAMA_32K, gpus=4, gpu="h100-80gb", seq_len=2048, global_batch=8)
+
+
+def test_plan_evaluates_every_candidate_with_the_recipe():
+    result = plan(PlanRequest(**PLAN, loss="liger-fused", checkpointing="selective-op", low_precision="float8-rowwise"))
+    assert result.candidates and all(c.checkpointing == "selective-op" for c in result.candidates)
+    assert all(c.parallel.tp == c.parallel.pp == c.parallel.cp == 1 for c in result.candidates)
+    best = result.recommended
+    one = estimate(EstimateRequest(model_config=LLAMA_32K, gpus=4, gpu="h100-80gb", seq_len=2048,
+                                   strategy=best.strategy, micro_batch=best.micro_batch,
+                                   gradient_accumulation=best.gradient_accumulation, checkpointing="selective-op",
+                                   offload_optimizer=best.offload_optimizer, offload_params=best.offload_params,
+                                   loss="liger-fused", low_precision="float8-rowwise"))
+    assert best.per_device.peak_bytes == one.per_device.peak_bytes
+
+
+def test_plan_vocab_parallel_searches_tensor_parallel_layouts_only():
+    result = plan(PlanRequest(**PLAN, loss="vocab-parallel"))
+    assert result.candidates and all(c.parallel.tp > 1 for c in result.candidates)
+
+
+def test_plan_refuses_a_recipe_no_layout_or_gpu_can_take():
+    with pytest.raises(PlannerError) as err:
+        plan(PlanRequest(**PLAN, loss="chunked", tp=2))
+    assert err.value.field == "loss"
+    with pytest.raises(PlannerError) as err:
+        plan(PlanRequest(**PLAN | {"gpu": "a100-80gb"}, low_precision="float8-tensorwise"))
+    assert err.value.field == "low_precision"
+
+
+def test_plan_request_has_every_recipe_field():
+    recipe = {"checkpointing", "checkpointing_every", "keeps_outputs", "loss", "loss_chunks", "double_quant",
+              "low_precision"}
+    assert recipe <= set(PlanRequest.model_fields)
+    with pytest.raises(ValueError, match="checkpointing_every=2 applies to checkpointing=full"):
+        PlanRequest(**PLAN, checkpointing_every=2)
+    with pytest.raises(ValueError, match="double_quant"):
+        PlanRequest(**PLAN, finetune="lora", double_quant=False)
+
+
+def test_plan_carries_double_quant_into_qlora_candidates():
+    on = plan(PlanRequest(**PLAN | {"gpus": 1, "global_batch": 2}, finetune="qlora"))
+    off = plan(PlanRequest(**PLAN | {"gpus": 1, "global_batch": 2}, finetune="qlora", double_quant=False))
+    # without double quantization the absmax constants stay fp32: more frozen bytes
+    assert off.recommended.per_device.frozen_weights_bytes > on.recommended.per_device.frozen_weights_bytes
+
+
+def test_emit_turns_liger_on_and_refuses_what_its_configs_cannot_say():
+    import json
+
+    from planner.plan.emit import emit_estimate_files
+
+    base = dict(model_config=LLAMA_32K, gpus=2, gpu="h100-80gb", seq_len=1024)
+    files = emit_estimate_files(estimate(EstimateRequest(**base, strategy="zero2", loss="liger-fused")))
+    assert json.loads(files["trainer_args.json"])["use_liger_kernel"] is True
+    assert "use_liger_kernel" not in json.loads(emit_estimate_files(estimate(EstimateRequest(
+        **base, strategy="zero2")))["trainer_args.json"])
+    for field, value in (("loss", "cce"), ("low_precision", "float8-rowwise")):
+        with pytest.raises(PlannerError) as err:
+            emit_estimate_files(estimate(EstimateRequest(**base, strategy="fsdp", **{field: value})))
+        assert err.value.field == field and "training script" in str(err.value)
