@@ -151,7 +151,10 @@ def table_rows(table: dict[str, Key]) -> list[tuple[str, str, str]]:
     for key, rule in table.items():
         kind = type(rule).__name__.lower()
         reason = rule.reason
-        if isinstance(rule, Needs):
+        if isinstance(rule, Needs) and schema_accepts(rule.field, rule.value):
+            kind = "modelled"  # this build's schema takes the value: the key is read into it
+            reason = f"{reason} ({rule.field}={rule.value!r})"
+        elif isinstance(rule, Needs):
             reason = f"{reason} (needs {rule.field}={rule.value!r})"
         rows.append((key, kind, reason))
     return rows

@@ -37,18 +37,23 @@ def pending_values() -> list[tuple[str, str]]:
     """Values of modelled keys that wait for a schema value agreed across issues (BRIEF.md)."""
     rows = [(f"`optim` / `optimizer`: {name}", f"optimizer={target!r}") for name, target in HF_OPTIMIZERS.items()
             if not schema_accepts("optimizer", target)]
-    rows += [("`activation_checkpoint.mode` selective, `selective_ac_option` op", "checkpointing='selective-op'"),
-             ("`activation_checkpoint.mode` selective, `selective_ac_option` N", "checkpointing_every=N")]
+    rows += [(shown, f"{field}={value!r}") for shown, field, value in (
+        ("`activation_checkpoint.mode` selective, `selective_ac_option` op", "checkpointing", "selective-op"),
+        ("`activation_checkpoint.mode` selective, `selective_ac_option` N", "checkpointing_every", 2))
+        if not schema_accepts(field, value)]
     rows += [(f"`model.converters` {c}" + (f" (recipe {r})" if r else ""), f"low_precision={v!r}")
-             for (c, r), v in torchtitan_job.CONVERTERS.items()]
+             for (c, r), v in torchtitan_job.CONVERTERS.items() if not schema_accepts("low_precision", v)]
     return rows
 
 
 def markdown() -> str:
-    parts = [HEADER, "\n## Values that wait for a schema field\n\nModelled keys whose value maps to a request "
-             "value agreed for the schema but added on another branch: refused by name until this build's schema "
-             "takes it (asked at run time), read from then on.\n\n| value | request field |\n|---|---|"]
-    parts += [f"| {value} | `{field}` |" for value, field in pending_values()]
+    pending = pending_values()
+    parts = [HEADER]
+    if pending:  # values of modelled keys this build's schema does not take yet (refused by name)
+        parts += ["\n## Values that wait for a schema field\n\nModelled keys whose value maps to a request "
+                  "value this build's schema does not take: refused by name (asked at run time).\n\n"
+                  "| value | request field |\n|---|---|"]
+        parts += [f"| {value} | `{field}` |" for value, field in pending]
     for title, module, table in TABLES:
         parts.append(f"\n## {title}\n\n`{module}`\n\n| key | kind | reason |\n|---|---|---|")
         parts += [f"| `{key}` | {kind} | {reason.replace('|', '/')} |" for key, kind, reason in table_rows(table)]
