@@ -142,6 +142,10 @@ class VerifyJob(BaseModel):
     seed: int = 0
     keeps_outputs: bool = Field(False, description="the loop keeps the model's outputs through backward, as "
                                 "accelerate's examples (planner/recipes/loop.py); default: freed once .loss is taken")
+    vision: bool = Field(False, description="a multimodal config: build the whole conditional-generation class "
+                         "(vision tower included) and feed it text, as the planner counted it; false: its text decoder")
+    activation_offload: bool = Field(False, description="forward and loss under torch.autograd.graph.save_on_cpu("
+                                     "pin_memory=True): every saved tensor packed to host memory")
     framework: Literal["deepspeed", "torch"]
     ds_config: dict[str, Any] | None = Field(None, description="the DeepSpeed JSON (framework deepspeed)")
     torch: TorchSettings | None = Field(None, description="the torch wrapping (framework torch)")

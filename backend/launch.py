@@ -60,6 +60,16 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
     too_long = position_limit_error(setup)
     if too_long:
         raise PlannerError(too_long, field="seq_len")
+    model_parallel = {n: getattr(setup.dims, n) for n in ("tp", "pp", "cp", "ep") if getattr(setup.dims, n) > 1}
+    if request.activation_offload and model_parallel:
+        raise PlannerError(f"activation_offload with {', '.join(f'{n}={d}' for n, d in model_parallel.items())}: the "
+                           "model-parallel probes do not run TRL's offloading; estimate it (unverified)",
+                           field="activation_offload")
+    if setup.arch is not None and setup.arch.vision_numels and model_parallel:
+        # the tp/pp/cp/ep probes walk the text decoder's blocks (model.model.layers), not a
+        # conditional-generation class's language_model
+        raise PlannerError(f"{', '.join(f'{n}={d}' for n, d in model_parallel.items())} with the vision tower counted: "
+                           "the model-parallel probes build the text decoder; give text_only", field="text_only")
     probe_optimizers = setup.framework.probe_optimizers if request.pp == 1 else ("adamw", "sgd", "sgd-momentum")
     if request.optimizer not in probe_optimizers:
         # DeepSpeed's probe trains what its config names (a client optimizer is the training script's),
@@ -96,6 +106,8 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         "out_dir": str(out_dir),
         "seed": 0,
         "keeps_outputs": request.keeps_outputs,
+        "vision": bool(setup.arch is not None and setup.arch.vision_numels),
+        "activation_offload": request.activation_offload,
     }
     if request.low_precision != "none":
         common["low_precision"] = request.low_precision

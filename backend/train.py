@@ -21,20 +21,26 @@ from typing import Any
 import torch
 
 from backend.job import uses_deepspeed
+from backend.offload import activation_offload
 
 STEP_MARK = "planner::step::"
 TEXT_DECODER_OF = {"gemma3", "llama4", "mistral3"}  # multimodal model_types read through text_config
 
 
 def build_model(job: dict[str, Any]) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     fields = dict(job["model_config"])
     model_type = fields.pop("model_type")
     config = AutoConfig.for_model(model_type, **fields)
-    if model_type in TEXT_DECODER_OF:
-        # a multimodal checkpoint's config: train its text decoder, which is what the planner
-        # counts and models (the vision tower is not; see the architecture's notes)
+    builder = AutoModelForCausalLM
+    if job.get("vision"):
+        # the whole multimodal class, as the planner counted it (AutoModelForCausalLM builds it for
+        # gemma3; mistral3 and a llama4 with include_vision load through AutoModelForImageTextToText),
+        # fed text batches: the vision tower holds its states and runs on no image
+        builder = AutoModelForImageTextToText
+    elif model_type in TEXT_DECODER_OF:
+        # text_only (or llama4, whose AutoModelForCausalLM is Llama4ForCausalLM): the text decoder
         config = config.text_config
     config.use_cache = False
     torch.manual_seed(int(job.get("seed", 0)))
@@ -44,7 +50,7 @@ def build_model(job: dict[str, Any]) -> torch.nn.Module:
 
         dtype = base_dtype(job)
     attention = attention_implementation(job)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype)
+    model = builder.from_config(config, attn_implementation=attention, dtype=dtype)
     apply_checkpointing(model, job)
     model.train()
     if job.get("finetune"):
@@ -185,7 +191,12 @@ class TorchEngine(AccumulatingEngine):
 
 def _decoder_layer_class(model: torch.nn.Module) -> type:
     """The transformer block class, FSDP's wrapping unit (transformers names it in
-    ``_no_split_modules``: LlamaDecoderLayer, GPT2Block, ...)."""
+    ``_no_split_modules``: LlamaDecoderLayer, GPT2Block, ...). A multimodal class lists its vision
+    tower's modules there too, first (Gemma3ForConditionalGeneration: SiglipVisionEmbeddings, ...):
+    the text decoder's own blocks (``get_decoder().layers``) are the units the planner models."""
+    layers = getattr(model.get_decoder(), "layers", None) if hasattr(model, "get_decoder") else None
+    if isinstance(layers, torch.nn.ModuleList) and len(layers):
+        return type(layers[0])
     names = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in names:
@@ -502,28 +513,33 @@ def _injected_fault(step: int) -> None:
 
 
 def _optimizer_step(job: dict[str, Any], engine, device: torch.device, first_batch: int,
-                    held: list | None = None) -> None:
+                    held: list | None = None, offload=None) -> None:
     """One optimizer step: gradient_accumulation micro-batches, synthetic batches numbered from
     first_batch (the engine steps the optimizer at the accumulation boundary). The Trainer's loop
     takes ``.loss`` and lets the outputs go; with keeps_outputs, accelerate's examples' loop
     (``outputs = model(**batch); accelerator.backward(outputs.loss)``): ``held[0]``, the previous
     micro-batch's outputs (a slot the caller keeps across steps, as the loop's variable lives on),
-    is let go only when the next forward has returned and the name is rebound."""
+    is let go only when the next forward has returned and the name is rebound. ``offload``: the
+    activation offloading context the forward and its loss run in (backend/offload.py), as
+    SFTTrainer's compute_loss wraps ``model(**inputs)``."""
+    offload = offload if offload is not None else nullcontext()
     for micro in range(int(job.get("gradient_accumulation", 1))):
         tokens = synthetic_batch(job, first_batch + micro, device)
         if job.get("keeps_outputs") and held is not None:
-            held[0] = engine(input_ids=tokens, labels=tokens)  # `outputs = model(**batch)`: the previous die here
+            with offload:
+                held[0] = engine(input_ids=tokens, labels=tokens)  # `outputs = model(**batch)`: the previous die here
             engine.backward(held[0].loss)
             engine.step()
             del tokens
             continue
-        loss = engine(input_ids=tokens, labels=tokens).loss
+        with offload:
+            loss = engine(input_ids=tokens, labels=tokens).loss
         engine.backward(loss)
         engine.step()
         del loss, tokens
 
 
-def _train_steps(job: dict[str, Any], engine, device: torch.device, on_step) -> list[float]:
+def _train_steps(job: dict[str, Any], engine, device: torch.device, on_step, offload=None) -> list[float]:
     step_seconds: list[float] = []
     total = int(job["warmup_steps"]) + int(job["steps"])
     accumulation = int(job.get("gradient_accumulation", 1))
@@ -532,7 +548,7 @@ def _train_steps(job: dict[str, Any], engine, device: torch.device, on_step) -> 
         _injected_fault(step)
         start = time.perf_counter()
         with torch.profiler.record_function(f"{STEP_MARK}{step}"):
-            _optimizer_step(job, engine, device, first_batch=step * accumulation, held=held)
+            _optimizer_step(job, engine, device, first_batch=step * accumulation, held=held, offload=offload)
             # At a step's end, gloo's worker threads may still hold (and later free) the
             # gradients and scratch of the last collectives, and DeepSpeed leaves some tensors in
             # reference cycles: when either lets go varies from run to run. A barrier, then a
@@ -596,10 +612,13 @@ def run_profiled_cpu(job: dict[str, Any], device: torch.device, progress, make_e
         model = build_model(job)
         engine = make_engine(job, model, device)
         del model
-        step_seconds = _train_steps(job, engine, device, progress)
+        offload = activation_offload(job, engine.module)
+        step_seconds = _train_steps(job, engine, device, progress, offload)
         collectives = _count_collectives(job, engine, device)
     timeline = summarize_timeline(profiler, int(job["warmup_steps"]))
     timeline["collectives"] = collectives
+    if offload.active:  # what TRL copied to the host, per micro-batch (the largest)
+        timeline["offloaded_bytes"] = max(offload.micro_batch_bytes)
     timeline["by_category_resident"] = resident_by_category(engine, timeline["resident_bytes"])
     if trace:
         timeline["live_at_peak"] = live_at(profiler, timeline["peak_time_ns"])
@@ -617,6 +636,7 @@ def run_cuda(job: dict[str, Any], device: torch.device, progress, make_engine) -
     model = build_model(job).to(device)
     engine = make_engine(job, model, device)
     del model
+    offload = activation_offload(job, engine.module)
     warmup = int(job["warmup_steps"])
     resident_after: list[int] = []
 
@@ -626,7 +646,7 @@ def run_cuda(job: dict[str, Any], device: torch.device, progress, make_engine) -
             torch.cuda.reset_peak_memory_stats(device)
         progress(step, total)
 
-    step_seconds = _train_steps(job, engine, device, on_step)
+    step_seconds = _train_steps(job, engine, device, on_step, offload)
     stats = torch.cuda.memory_stats(device)
     peak_allocated = int(torch.cuda.max_memory_allocated(device))
     peak_reserved = int(torch.cuda.max_memory_reserved(device))
@@ -643,7 +663,7 @@ def run_cuda(job: dict[str, Any], device: torch.device, progress, make_engine) -
         "step_seconds": seconds,
         "tokens_per_second": _tokens_per_second(job, seconds),
         "all_step_seconds": step_seconds,
-    }
+    } | ({"offloaded_bytes": max(offload.micro_batch_bytes)} if offload.active else {})
 
 
 def _innermost_optimizer(engine) -> torch.optim.Optimizer | None:

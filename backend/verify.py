@@ -267,9 +267,6 @@ def verify(request: EstimateRequest, *, steps: int = 3, warmup_steps: int = 1, s
     # estimate's defaults describe a cluster to plan for (8 x h100-80gb); a launch must say what
     # this machine runs, or `verify --gpu cpu` would start 8 ranks and a GPU run be compared with
     # another GPU's prediction.
-    if request.include_vision:
-        raise PlannerError("include_vision: verify trains the text decoder only (text batches); "
-                           "estimate the vision tower's states with estimate or plan")
     missing = [name for name in ("gpu", "gpus") if name not in request.model_fields_set]
     if missing:
         raise PlannerError(f"verify launches real ranks: give {' and '.join('--' + m for m in missing)} "

@@ -57,7 +57,7 @@ def _peers(request: EstimateRequest) -> tuple[int | None, int]:
 # The recipe fields (issue 21 and before) a row names when they differ from the default: the
 # schema's own defaults, so a new field is one entry here
 RECIPE_FIELDS = ("finetune", "quantize_base", "double_quant", "keeps_outputs", "checkpointing_every", "loss",
-                 "loss_chunks", "optimizer", "optimizer_in_backward", "tp_plan")
+                 "loss_chunks", "optimizer", "optimizer_in_backward", "tp_plan", "activation_offload", "text_only")
 
 
 def recipe(request: EstimateRequest) -> str:
@@ -101,6 +101,8 @@ def _measure(name: str, fields: dict) -> dict | None:
     record = dict(name=name, fields=fields, seconds=round(time.monotonic() - started, 1),
                   measured_peak=max(r["peak_bytes"] for r in result.ranks),
                   measured_resident=max(r["resident_bytes"] for r in result.ranks))
+    if any("offloaded_bytes" in r for r in result.ranks):  # activation_offload: what TRL copied to the host
+        record["measured_offloaded"] = max(r["offloaded_bytes"] for r in result.ranks)
     RECORDS.mkdir(parents=True, exist_ok=True)
     (RECORDS / f"{name}.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     return record

@@ -6,7 +6,7 @@ Trains a catalogue model at full width but few layers on one GPU with ZeRO-0 (th
 without partitioning, through `deepspeed`) and torch DDP (through torchrun), bf16-mixed, over sequence lengths, micro-batches, checkpointing on and off,
 and SDPA and eager attention, and the recipes of issue 21 on one device (RECIPE_GRID: the checkpointing
 policies, the kept outputs, the chunked loss, QLoRA under autocast, every optimizer of the registry and the
-step in backward, Liger's and Cut Cross-Entropy's fused losses, torchao's float8 and MXFP8 linears; needs
+step in backward, activation offloading, Liger's and Cut Cross-Entropy's fused losses, torchao's float8 and MXFP8 linears; needs
 liger-kernel, cut-cross-entropy and torchao installed on the GPU machine), and the bf16 and fp8 matmul rates
 (matmul_tflops) the time model's low-precision speed-up reads from gpus.yaml. Every run records torch.cuda.max_memory_allocated, max_memory_reserved
 and memory_stats. The script then prints:
@@ -70,6 +70,7 @@ from planner.model.catalogue import catalogue_model  # noqa: E402
 from planner.memory.orchestrator import estimate  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
 from planner.schema import EstimateRequest  # noqa: E402
+from planner.time.step import estimate_with_time  # noqa: E402
 
 ALLOC_CONFS = ("", "expandable_segments:True")
 MIB = 2**20
@@ -124,6 +125,12 @@ RECIPE_GRID = [  # long enough that activations and logits, not the states, make
     (4096, 2, {"low_precision": "float8-tensorwise"}),
     (4096, 2, {"low_precision": "float8-rowwise"}),
     (4096, 2, {"low_precision": "mxfp8"}),
+    # activation offloading (TRL's OffloadActivations, backend/offload.py): on a GPU the device peak is the
+    # split the CPU runs cannot see (the loss's and one block's saved set, the repeated saves); the bytes TRL
+    # copied (measured_offloaded_bytes) against the host-link bytes predicted; the step's seconds against
+    # the same run without offloading (the host-link term, planner/time/step.py)
+    (8192, 2, {"activation_offload": True}),
+    (8192, 2, {"activation_offload": True, "checkpointing": "full"}),
 ]
 # matmul rates the time model reads from gpus.yaml (mamf_tflops, peak_tflops fp8) for low_precision:
 # (dtype, m = n = k), measured as the best of a few shapes would be (Bekman's mamf-finder uses many)
@@ -385,6 +392,11 @@ def main() -> int:
                "simulated_reserved_peak_bytes": result.allocator.reserved_peak_bytes,
                **peaks(stats),
                "memory_stats": stats}
+        if request.activation_offload:  # the GPU's split: bytes through TRL's pack hook, the host-link time
+            row["predicted_offloaded_bytes"] = memory.activation_offload_bytes(memory.setup_of(result))
+            row["measured_offloaded_bytes"] = rank.get("offloaded_bytes")
+            row["measured_step_seconds"] = rank.get("step_seconds")
+            row["predicted_offload_seconds"] = estimate_with_time(request).time.offload_seconds
         row["measured_allocated_peak_bytes"] = rank.get("peak_bytes") or row["measured_allocated_peak_bytes"]
         row["measured_reserved_peak_bytes"] = rank.get("reserved_peak_bytes") or row["measured_reserved_peak_bytes"]
         if run.status == "ok":

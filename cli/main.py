@@ -226,11 +226,11 @@ def read_text_file(label: str, path: str, limit: int, too_large: str) -> str:
 # --- commands --------------------------------------------------------------------------------
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from planner.model.catalogue import catalogue_model, load_catalogue
+    from planner.model.catalogue import as_loaded, catalogue_model, load_catalogue
 
     rows = []
     for name, entry in load_catalogue().items():
-        resolved = catalogue_model(name)
+        resolved = as_loaded(catalogue_model(name))  # what an estimate counts by default (the loader's build)
         rows.append({"name": name, "family": entry.family, "parameters": resolved.parameters,
                      "aliases": list(entry.all_aliases), "source": entry.source, "config": entry.config})
     if args.json:
@@ -824,8 +824,8 @@ def build_parser(only: str | None = None, list_choices: bool = True) -> argparse
                      help="read the job from its config files (as `planner check`); flags given win")
     pl.set_defaults(handler=cmd_plan)
     ver = sub.add_parser("verify", help="launch the configuration through deepspeed, measure every rank, compare")
-    if only in (None, "verify"):  # the trainer builds the text decoder only: no include_vision
-        add_schema_flags(ver, EstimateRequest, skip=("include_vision",), list_choices=list_choices)
+    if only in (None, "verify"):
+        add_schema_flags(ver, EstimateRequest, list_choices=list_choices)
     ver.add_argument("--plan", type=path_arg, metavar="FILE", help="run the candidate of a plan.json written by `planner plan --emit`")
     ver.add_argument("--steps", type=schema_type(VerifySteps), default=3, help="measured steps, 1-100 (default: 3)")
     ver.add_argument("--warmup", type=schema_type(WarmupSteps), default=1,

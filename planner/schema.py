@@ -359,10 +359,18 @@ class EstimateRequest(BaseModel):
     nics_per_node: int | None = Field(None, ge=1, le=64, description=NICS_HELP)
     profile: ProfileName | None = Field(None, description="calibration profile saved by `planner calibrate`")
     include_vision: bool = Field(
-        False, description="multimodal configs (gemma3, llama4, mistral3): count the vision tower and projector as "
-        "model states (trained in full); activations stay those of text tokens")
+        False, description="multimodal configs: count the vision tower and projector even where "
+        "AutoModelForCausalLM builds the text decoder (llama4: the script loads Llama4ForConditionalGeneration, "
+        "AutoModelForImageTextToText); gemma3 and mistral3 count them by default")
+    text_only: bool = Field(
+        False, description="multimodal configs (gemma3, mistral3): count the text decoder only, for a script that "
+        "loads it (Gemma3ForCausalLM); default: what the loader builds (AutoModelForCausalLM on gemma3 builds "
+        "Gemma3ForConditionalGeneration, vision tower included)")
     # the recipe as it is run (issue 21): the training loop (planner/recipes/loop.py)
     keeps_outputs: KeepsOutputsField = False
+    activation_offload: bool = Field(False, description="the tensors saved for backward wait in pinned host "
+                                     "memory (TRL/Axolotl activation_offloading, torchtune enable_activation_"
+                                     "offloading: OffloadActivations); device, host RAM and host-link time modelled")
     # LoRA / QLoRA (planner/recipes/finetune.py): defaults are PEFT 0.21's LoraConfig defaults
     finetune: Finetune = Field("full", description="full fine-tuning, LoRA adapters on a frozen 16-bit base, "
                                "or QLoRA (a frozen base quantized by bitsandbytes, nf4 with double quantization)")
@@ -657,8 +665,16 @@ class PlanRequest(BaseModel):
                                    description="achieved fraction of the modelled (realistic) link bandwidths")
     profile: ProfileName | None = Field(None, description="calibration profile saved by `planner calibrate` (sets the efficiencies)")
     include_vision: bool = Field(
-        False, description="multimodal configs (gemma3, llama4, mistral3): count the vision tower and projector as "
-        "model states (trained in full); activations stay those of text tokens")
+        False, description="multimodal configs: count the vision tower and projector even where "
+        "AutoModelForCausalLM builds the text decoder (llama4: the script loads Llama4ForConditionalGeneration, "
+        "AutoModelForImageTextToText); gemma3 and mistral3 count them by default")
+    text_only: bool = Field(
+        False, description="multimodal configs (gemma3, mistral3): count the text decoder only, for a script that "
+        "loads it (Gemma3ForCausalLM); default: what the loader builds (AutoModelForCausalLM on gemma3 builds "
+        "Gemma3ForConditionalGeneration, vision tower included)")
+    activation_offload: bool = Field(False, description="every candidate keeps the tensors saved for backward in "
+                                     "pinned host memory (TRL/Axolotl activation_offloading, torchtune "
+                                     "enable_activation_offloading)")
     finetune: Literal["full", "lora", "qlora", "auto"] = Field(
         "full", description="full fine-tuning, LoRA, QLoRA, or auto: weigh all three and say what each costs")
     lora_rank: int | None = Field(None, ge=1, le=65_536, description="LoRA rank r (default 8, PEFT's)")

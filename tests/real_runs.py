@@ -28,6 +28,12 @@ GEMMA3_TEXT = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 1024
           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
           "sliding_window": 512, "sliding_window_pattern": 2, "max_position_embeddings": 4096}
 GEMMA3 = {"model_type": "gemma3_text"} | GEMMA3_TEXT
+# Gemma-3 as AutoModelForCausalLM builds it (issue 21): Gemma3ForConditionalGeneration, a SigLIP tower a third of
+# the parameters (unused on a text batch: it holds states, makes no gradient)
+GEMMA3_MM = {"model_type": "gemma3", "text_config": GEMMA3_TEXT, "mm_tokens_per_image": 16,
+             "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 256, "intermediate_size": 1024,
+                               "num_hidden_layers": 4, "num_attention_heads": 4, "image_size": 224,
+                               "patch_size": 16, "vision_use_head": False}}
 QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688,
              "moe_intermediate_size": 192, "num_experts": 8, "num_experts_per_tok": 2,
              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
@@ -209,6 +215,9 @@ CPU_RUNS = [
     # CPU path MatMul8bitFp keeps each int8 linear's fp32 input, its outputs 16-bit under autocast
     _run("llama-int8-lora-single-bf16-all-t512", LLAMA, "single", "bf16-mixed", gpus=1, micro=2, seq=256,
          finetune="qlora", quantize_base="int8", lora_targets="all-linear"),
+    # activation_offload: TRL's OffloadActivations on a CPU rank (backend/offload.py; the others in BENCH_RUNS)
+    _run("llama-offload-single-fp32-t512", LLAMA, "single", "fp32", gpus=1, micro=2, seq=256,
+         activation_offload=True),
 ]
 
 # The part of CPU_RUNS that CI runs (scripts/test.sh deselects the rest, marked slow_matrix in
@@ -216,6 +225,7 @@ CPU_RUNS = [
 # every dimension (tp, cp, pp, ep, accumulation), every recipe (bf16, fp32, checkpointing, small
 # buckets, LoRA, QLoRA) at least once, and a logits-dominated run.
 CI_RUNS = frozenset({
+    "llama-offload-single-fp32-t512",  # issue 21: activation offloading (TRL's class on a CPU rank)
     "llama-zero0-bf16", "llama-zero1-bf16-t4096", "qwen2-zero2-bf16-small", "llama-zero3-bf16-ckpt",
     "llama-zero3-fp32-small", "llama-ddp-bf16", "llama-fsdp-fp32", "llama-v32k-zero3-fp32-small-ckpt-t1024",
     "llama-tp2-fsdp2-bf16-sp-t256", "llama-v256-mha-cp2-fsdp-fp32-t1024", "llama-pp2-1f1b-fp32-m4",
@@ -288,7 +298,12 @@ BENCH_RUNS = [
     _run("olmo2-zero2-bf16-small-s512", OLMO2, "zero2", "bf16-mixed", small=True, micro=4, seq=512),
     _run("gemma3-zero1-bf16-small-s512", GEMMA3, "zero1", "bf16-mixed", small=True, micro=4, seq=512),
     _run("gemma3mm-zero1-bf16-small-s512", {"model_type": "gemma3", "text_config": GEMMA3_TEXT}, "zero1",
-         "bf16-mixed", small=True, micro=4, seq=512),
+         "bf16-mixed", small=True, micro=4, seq=512, text_only=True),  # the text decoder (Gemma3ForCausalLM)
+    # the whole Gemma3ForConditionalGeneration (the default: what AutoModelForCausalLM builds), fed text
+    _run("gemma3mm-vision-zero2-fp32-small-s256", GEMMA3_MM, "zero2", "fp32", small=True, micro=2, seq=256),
+    _run("gemma3mm-vision-zero3-bf16-small-s256", GEMMA3_MM, "zero3", "bf16-mixed", small=True, micro=2, seq=256),
+    # FSDP2 units: the text decoder's blocks (backend/train.py _decoder_layer_class), the tower in the root
+    _run("gemma3mm-vision-fsdp-bf16-s256", GEMMA3_MM, "fsdp", "bf16-mixed", micro=2, seq=256),
     _run("gptoss-zero2-bf16-small-s256", GPT_OSS, "zero2", "bf16-mixed", small=True, micro=4, seq=256),
     _run("deepseekv3-zero2-bf16-small-s256", DEEPSEEK_V3, "zero2", "bf16-mixed", small=True, micro=4, seq=256),
     _run("llama4-zero2-bf16-small-s256", LLAMA4, "zero2", "bf16-mixed", small=True, micro=4, seq=256),
@@ -464,6 +479,16 @@ BENCH_RUNS = [
          micro=4, seq=256),
     _run("llama-single-fp32-eager-selattn-t512", LLAMA, "single", "fp32", gpus=1, ckpt="selective-attention",
          attention="eager", micro=2, seq=256),
+    # activation_offload: TRL's OffloadActivations around the forward and loss (backend/offload.py); on CPU
+    # ranks the host copies are the rank's memory: the live total is the one without offloading plus the
+    # tensors TRL keeps beside their copies, and the bytes TRL copied are measured (records'
+    # measured_offloaded) against the predicted host-link bytes. With llama-offload-single-fp32-t512 (CPU_RUNS):
+    _run("llama-offload-zero2-bf16-small-ckpt-t1024", LLAMA, "zero2", "bf16-mixed", small=True, ckpt="full", micro=4,
+         seq=256, activation_offload=True),
+    # predicted before they were run (the first two found the repeated saves and the forward's end at the loss)
+    _run("llama-offload-ddp-bf16-t512", LLAMA, "ddp", "bf16-mixed", micro=2, seq=256, activation_offload=True),
+    _run("qwen2-offload-zero1-fp32-small-t512", QWEN2, "zero1", "fp32", small=True, micro=2, seq=256,
+         activation_offload=True),
     # loss=chunked (torchtune's chunked output loss, backend/losses.py), logits-dominated
     _run("llama-v32k-single-bf16-chunked-t2048", LLAMA_32K, "single", "bf16-mixed", gpus=1, micro=1, seq=2048,
          loss="chunked"),

@@ -21,7 +21,7 @@ ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus",
                   "--offload-params", "--hsdp-shard-size", "--ds-config", "--reduce-bucket-size", "--allgather-bucket-size",
                   "--prefetch-bucket-size", "--param-persistence-threshold", "--max-live-parameters",
                   "--max-reuse-distance", "--topology", "--topology-file", "--fabric", "--nics-per-node", "--profile",
-                  "--include-vision", "--tp", "--pp", "--cp", "--ep", "--pp-schedule", "--pp-virtual-stages", "--pp-first-stage-layers", "--pp-last-stage-layers",
+                  "--include-vision", "--text-only", "--activation-offload", "--tp", "--pp", "--cp", "--ep", "--pp-schedule", "--pp-virtual-stages", "--pp-first-stage-layers", "--pp-last-stage-layers",
                   "--sequence-parallel", "--reduce-dtype", "--json", "--emit", "--script",
                   # LoRA / QLoRA (issue 13)
                   "--finetune", "--lora-rank", "--lora-alpha", "--lora-targets", "--lora-dropout", "--quantize-base",

@@ -82,3 +82,18 @@ def test_every_grid_run_is_a_request_the_planner_answers_on_the_gpu():
         result = estimate(request)
         assert result.allocator is not None and result.allocator.alloc_conf == conf
         assert result.per_device.peak_bytes < result.device_capacity_bytes, (strategy, row)
+def test_the_activation_offload_rows_are_estimated_with_their_split():
+    """The offloading rows (the device side the CPU runs cannot see) estimate with host bytes and a
+    host-link term on the GPU the check runs on."""
+    from planner.memory.orchestrator import activation_offload_bytes, setup_of
+    from planner.time.step import estimate_with_time
+
+    rows = [(seq, micro, fields) for seq, micro, fields in gpu_check.RECIPE_GRID if fields.get("activation_offload")]
+    assert len(rows) == 2
+    config = dict(gpu_check.catalogue_model("llama-3-8b").config, num_hidden_layers=2)
+    for seq, micro, fields in rows:
+        request = EstimateRequest(model_config=config, strategy="single", gpus=1, gpu="h200", precision="bf16-mixed",
+                                  micro_batch=micro, seq_len=seq, **fields)
+        result = estimate(request)
+        assert activation_offload_bytes(setup_of(result)) > 0 and result.host.pinned_bytes > 0
+        assert estimate_with_time(request).time.offload_seconds > 0

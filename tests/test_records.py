@@ -55,3 +55,16 @@ def test_autocast_runs_count_the_fp32_stream(name):
     # trace of llama-ddp-bf16 accounts for every site. Were -0.59%, +0.67%, -1.75%, -1.80%.
     peak_err, _, _ = _errors(name)
     assert abs(peak_err) < 0.05
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in RECORDS.glob("*.json") if p.stem in DECLARED
+                                        and "measured_offloaded" in json.loads(p.read_text())))
+def test_activation_offload_moves_the_predicted_bytes(name):
+    """What TRL's OffloadActivations copied to the host per micro-batch (counted at its pack hook on
+    the CPU rank, backend/offload.py) against the bytes the planner puts on the host link and in
+    pinned memory (planner/recipes/activation_offload.py: the saved set but the LM head's input)."""
+    from planner.memory.orchestrator import activation_offload_bytes, resolve
+
+    record = _record(name)
+    predicted = activation_offload_bytes(resolve(EstimateRequest(**record["fields"])))
+    assert abs(predicted - record["measured_offloaded"]) <= 0.03 * record["measured_offloaded"]

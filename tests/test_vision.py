@@ -1,5 +1,7 @@
-"""include_vision: a multimodal checkpoint's vision tower and projector counted as model states,
-equal to transformers' whole ForConditionalGeneration on the meta device (issue 11)."""
+"""A multimodal checkpoint's vision tower and projector counted as model states, equal to
+transformers' whole ForConditionalGeneration on the meta device (issue 11); counted by default where
+the loader builds the whole class (AutoModelForCausalLM on gemma3, issue 21), text_only for a script
+that loads the text decoder, include_vision where AutoModelForCausalLM builds the text one (llama4)."""
 
 import pytest
 
@@ -80,8 +82,8 @@ def test_whole_multimodal_count_matches_transformers(name):
 
 def test_notes_say_what_was_counted_and_which_defaults():
     arch = from_hf_config(CONFIGS["gemma3-4b-real"], include_vision=True)
-    counted = [n for n in arch.notes if "include_vision" in n]
-    assert len(counted) == 1 and "image activations are not modelled" in counted[0]
+    counted = [n for n in arch.notes if "Gemma3ForConditionalGeneration is counted" in n]
+    assert len(counted) == 1 and "image activations are not modelled" in counted[0] and "text_only" in counted[0]
     assert not any("not counted" in n or "are not (" in n for n in arch.notes)
     assert not any("no vision_config" in n for n in arch.notes)
     scout = from_hf_config(CONFIGS["llama4-scout-no-vision-config"], include_vision=True)
@@ -119,7 +121,7 @@ def test_estimate_counts_the_vision_states_sharded_and_keeps_the_text_activation
     from planner.schema import EstimateRequest
 
     base = dict(model_config=CONFIGS["gemma3-4b-real"], strategy="zero3", gpus=8, seq_len=1024)
-    text, whole = estimate(EstimateRequest(**base)), estimate(EstimateRequest(**base, include_vision=True))
+    text, whole = estimate(EstimateRequest(**base, text_only=True)), estimate(EstimateRequest(**base))
     vision = vision_parameters(from_hf_config(CONFIGS["gemma3-4b-real"], include_vision=True))
     assert whole.parameters == text.parameters + vision
     # ZeRO-3: 16-bit parameters and gradients, fp32 master and two AdamW moments, each 1/8
@@ -127,12 +129,50 @@ def test_estimate_counts_the_vision_states_sharded_and_keeps_the_text_activation
     assert whole.per_device.optimizer_states_bytes - text.per_device.optimizer_states_bytes == \
         pytest.approx(12 * vision / 8, abs=64)
     assert whole.per_device.activations_bytes == text.per_device.activations_bytes
-    assert any("include_vision" in n for n in whole.notes)
-    ddp = estimate(EstimateRequest(**base | {"strategy": "ddp"}, include_vision=True))
+    assert any("Gemma3ForConditionalGeneration is counted" in n for n in whole.notes)
+    assert any("text decoder alone is counted" in n for n in text.notes)
+    ddp = estimate(EstimateRequest(**base | {"strategy": "ddp"}))
     assert ddp.per_device.parameters_bytes == 2 * whole.parameters  # unsharded
 
 
-def test_include_vision_refusals_name_the_field():
+# google/gemma-3-12b-it's config.json (text: 48 layers of 3840, 16/8 heads, inner 15360, sliding 1024, linear
+# RoPE scaling 8; vision: the SigLIP-so400m of the 4B and 27B), the catalogue's gemma-3-12b entry
+GEMMA3_12B = dict(load_catalogue()["gemma-3-12b"].config)
+
+
+def test_the_default_counts_what_auto_model_for_causal_lm_builds():
+    """transformers 5.25's AutoModelForCausalLM on gemma-3-12b-it's config builds
+    Gemma3ForConditionalGeneration: 12,187,325,040 parameters, 11,766,034,176 of them the text
+    decoder's (issue 21's figures); both pinned against transformers on the meta device."""
+    from planner.memory.orchestrator import estimate
+    from planner.schema import EstimateRequest
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    fields = dict(GEMMA3_12B)
+    hf = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        built = transformers.AutoModelForCausalLM.from_config(hf)
+        text = transformers.AutoModelForCausalLM.from_config(hf.text_config)
+    assert type(built).__name__ == "Gemma3ForConditionalGeneration"
+    assert sum(p.numel() for p in built.parameters()) == 12_187_325_040
+    assert sum(p.numel() for p in text.parameters()) == 11_766_034_176
+    req = dict(model="gemma-3-12b", gpus=8, seq_len=1024)
+    assert estimate(EstimateRequest(**req)).parameters == 12_187_325_040
+    assert estimate(EstimateRequest(**req, text_only=True)).parameters == 11_766_034_176
+    assert estimate(EstimateRequest(**req, include_vision=True)).parameters == 12_187_325_040
+    # llama4: AutoModelForCausalLM builds Llama4ForCausalLM, the text decoder; include_vision the whole class
+    scout = dict(model="llama-4-scout", gpus=8, seq_len=1024)
+    with torch.device("meta"):
+        fields = dict(load_catalogue()["llama-4-scout"].config)
+        causal = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(fields.pop("model_type"), **fields))
+    assert type(causal).__name__ == "Llama4ForCausalLM"
+    assert estimate(EstimateRequest(**scout)).parameters == sum(p.numel() for p in causal.parameters())
+    assert estimate(EstimateRequest(**scout, include_vision=True)).parameters > sum(p.numel() for p in causal.parameters())
+
+
+def test_multimodal_switch_refusals_name_the_field():
     from planner.memory.orchestrator import estimate
     from planner.schema import EstimateRequest
 
@@ -140,6 +180,17 @@ def test_include_vision_refusals_name_the_field():
         estimate(EstimateRequest(model="llama-3-8b", include_vision=True))
     with pytest.raises(PlannerError, match="^include_vision: .* is only a parameter count"):
         estimate(EstimateRequest(params="7B", include_vision=True))
+    with pytest.raises(PlannerError, match="^text_only: llama-3-8b is model_type 'llama', which has no vision tower"):
+        estimate(EstimateRequest(model="llama-3-8b", text_only=True))
+    with pytest.raises(PlannerError, match="^include_vision with text_only") as caught:
+        estimate(EstimateRequest(model="gemma-3-4b", text_only=True, include_vision=True))
+    assert caught.value.field == "text_only"
+    with pytest.raises(PlannerError, match="^finetune=lora with the vision tower counted .* give text_only"):
+        estimate(EstimateRequest(model="gemma-3-4b", finetune="lora", lora_targets="q_proj,v_proj"))
+
+
+def catalogue_text(name):
+    return parameter_count(from_hf_config(load_catalogue()[name].config))
 
 
 def test_plan_counts_the_vision_tower_too():
@@ -147,33 +198,38 @@ def test_plan_counts_the_vision_tower_too():
     from planner.schema import PlanRequest
 
     req = dict(model_config=CONFIGS["mistral3-tiny"], gpu="h100-80gb", gpus=2, seq_len=256, global_batch=4)
-    text, whole = plan(PlanRequest(**req)), plan(PlanRequest(**req, include_vision=True))
+    text, whole = plan(PlanRequest(**req, text_only=True)), plan(PlanRequest(**req))
     vision = vision_parameters(from_hf_config(CONFIGS["mistral3-tiny"], include_vision=True))
     head = 1000 * 64  # the whole mistral3 model ties its head (Mistral3Config's default)
     ddp = [{c.per_device.parameters_bytes for c in r.candidates if c.strategy == "ddp" and c.parallel.tp == 1}
            for r in (text, whole)]
     assert len(ddp[0]) == len(ddp[1]) == 1  # unsharded: the same on every ddp candidate
     assert ddp[1].pop() - ddp[0].pop() == 2 * (vision - head)
-    assert any("include_vision" in n for n in whole.notes) and not any("include_vision" in n for n in text.notes)
+    assert any("Mistral3ForConditionalGeneration is counted" in n for n in whole.notes)
+    assert not any("is counted (" in n for n in text.notes)
 
 
-def test_cli_flag(capsys):
+def test_cli_flags(capsys):
     import json
 
     from cli.main import main
 
-    assert main(["estimate", "--model", "gemma-3-4b", "--include-vision", "--json"]) == 0
+    assert main(["estimate", "--model", "gemma-3-4b", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     expected = from_hf_config(load_catalogue()["gemma-3-4b"].config, include_vision=True)
-    assert data["parameters"] == parameter_count(expected) > parameter_count(from_hf_config(
-        load_catalogue()["gemma-3-4b"].config))
-    assert data["request"]["include_vision"] is True
+    assert data["parameters"] == parameter_count(expected) > catalogue_text("gemma-3-4b")
+    assert main(["estimate", "--model", "gemma-3-4b", "--text-only", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["parameters"] == catalogue_text("gemma-3-4b") and data["request"]["text_only"] is True
     assert main(["estimate", "--model", "llama-3-8b", "--include-vision"]) == 2
     assert "include_vision" in capsys.readouterr().err
+    assert main(["estimate", "--model", "gemma-3-4b", "--include-vision", "--text-only"]) == 2
+    assert "include_vision with text_only" in capsys.readouterr().err
 
 
-def test_verify_has_no_include_vision_flag():
-    """verify trains the text decoder (AutoModelForCausalLM); a vision count would not be measured."""
+def test_verify_takes_both_flags():
+    """verify builds what the estimate counted (backend/train.py build_model: the whole class, or
+    the text decoder with --text-only)."""
     import argparse
 
     from cli.main import build_parser
@@ -181,8 +237,8 @@ def test_verify_has_no_include_vision_flag():
     parser = build_parser()
     subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     flags = {cmd: {s for a in subs[cmd]._actions for s in a.option_strings} for cmd in ("estimate", "plan", "verify")}
-    assert "--include-vision" in flags["estimate"] and "--include-vision" in flags["plan"]
-    assert "--include-vision" not in flags["verify"]
+    for cmd in ("estimate", "plan", "verify"):
+        assert {"--include-vision", "--text-only"} <= flags[cmd]
 
 
 # Published totals of the whole multimodal checkpoints (Hugging Face's safetensors parameter count on each
@@ -216,3 +272,17 @@ def test_llama4_scout_counts_its_published_vision_tower():
     adapter = 4096 * inner + 4096 * 4096  # vision_adapter fc1 (projector_input_dim x inner), fc2
     projector = 5120 * 4096  # multi_modal_projector.linear_1: vision_output_dim -> text hidden
     assert vision_parameters(scout.architecture) == embeddings + layers * layer + adapter + projector
+
+
+def test_a_pipeline_trains_the_text_decoder():
+    from planner.memory.orchestrator import estimate
+    from planner.plan.search import plan
+    from planner.schema import EstimateRequest, PlanRequest
+
+    fields = dict(model="gemma-3-27b", strategy="fsdp", gpus=8, gpu="h100-80gb", pp=2, gradient_accumulation=4)
+    with pytest.raises(PlannerError, match=r"^pp=2 with the vision tower counted .* give text_only") as caught:
+        estimate(EstimateRequest(**fields))
+    assert caught.value.field == "text_only"
+    assert estimate(EstimateRequest(**fields, text_only=True)).parameters == catalogue_text("gemma-3-27b")
+    result = plan(PlanRequest(model="gemma-3-27b", gpus=8, nodes=2, gpu="h100-80gb", seq_len=4096, global_batch=64))
+    assert result.candidates and all(c.parallel.pp == 1 for c in result.candidates)

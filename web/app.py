@@ -37,7 +37,8 @@ from backend.profiles import profile_for
 from backend.store import StoreError
 from planner import __version__
 from planner.check import check
-from planner.model.catalogue import UnsupportedModelTypeError, catalogue_model, load_catalogue, read_bounded_text
+from planner.model.catalogue import (UnsupportedModelTypeError, as_loaded, catalogue_model, load_catalogue,
+                                     read_bounded_text)
 from planner.errors import NO_VALUE, PlannerError, UnknownModelError, UnknownNameError
 from planner.cluster.gpus import gpu as lookup_gpu, load_gpus
 from planner.cluster.presets import PRESETS
@@ -239,7 +240,7 @@ def _add_catalogue_routes(app: FastAPI) -> None:
 
     @app.get("/v1/models", tags=["catalogue"])
     def models() -> list[dict[str, Any]]:
-        return [{"name": n, "family": e.family, "parameters": catalogue_model(n).parameters, "source": e.source,
+        return [{"name": n, "family": e.family, "parameters": as_loaded(catalogue_model(n)).parameters, "source": e.source,
                  "aliases": list(e.all_aliases), "config": e.config} for n, e in load_catalogue().items()]
 
     @app.get("/v1/models/{name:path}", tags=["catalogue"])  # :path, so a Hub id alias (org/name) reaches it

@@ -152,8 +152,15 @@ def backward_sweep(acts: Activations | None, numels: list[int], shape: Layout | 
     head, late = head_and_late(shape, numels)
     held = shape.tied_head_elements
     body = acts.saved_bytes - acts.head_saved_bytes
-    points = [SweepPoint(PhaseKind.START_OF_BACKWARD, "start of backward", acts.saved_bytes, 0, 0, acts.loss_transient_bytes),
-              SweepPoint(PhaseKind.AFTER_LM_HEAD, "after the LM head", body, head, head,
+    # activation_offload: the saved set is on the host; the device holds what is brought back
+    # (Activations.host_offload): the loss's, the final norm's, then one block's at a time
+    # and what every block keeps there until its backward (device_block_bytes: its repeated saves)
+    waiting = acts.device_block_bytes * shape.num_layers
+    at_loss, after_head = (acts.device_head_bytes + waiting, acts.device_after_head_bytes + waiting) \
+        if acts.host_offload else (acts.saved_bytes + waiting + acts.duplicate_head_bytes,
+                                   body + waiting + acts.duplicate_head_bytes)
+    points = [SweepPoint(PhaseKind.START_OF_BACKWARD, "start of backward", at_loss, 0, 0, acts.loss_transient_bytes),
+              SweepPoint(PhaseKind.AFTER_LM_HEAD, "after the LM head", after_head, head, head,
                          acts.final_norm_transient_bytes)]
     recompute = acts.layer_saved_bytes if acts.checkpointed else 0
     # Live activations fall and produced gradients rise linearly with the block index, so every
@@ -169,12 +176,16 @@ def backward_sweep(acts: Activations | None, numels: list[int], shape: Layout | 
         block = shape.num_layers - index
         done, rebuilt, own = acts.backward_of(index) if acts.kept_blocks else \
             (index * acts.layer_kept_bytes, recompute, acts.layer_kept_bytes)
-        live = body - done
+        # offloaded: the block's own set brought back, and the earlier blocks' kept saves; on shared
+        # memory (CPU ranks) the saved set as without offloading, with the kept saves beside it
+        earlier = (shape.num_layers - 1 - index) * acts.device_block_bytes
+        start, end = (own + earlier, earlier) if acts.host_offload else \
+            (body - done + earlier + acts.device_block_bytes, body - done - own + earlier)
         produced = head + index * per_layer
-        points.append(SweepPoint(PhaseKind.START_OF_BLOCK, f"start of block {block} backward", live + rebuilt, produced,
+        points.append(SweepPoint(PhaseKind.START_OF_BLOCK, f"start of block {block} backward", start + rebuilt, produced,
                                  0, acts.layer_transient_bytes, held_elements=held,
                                  reduced_before_elements=per_layer if index else 0))
-        points.append(SweepPoint(PhaseKind.END_OF_BLOCK, f"end of block {block} backward", live - own,
+        points.append(SweepPoint(PhaseKind.END_OF_BLOCK, f"end of block {block} backward", end,
                                  produced + per_layer, per_layer, 0, held_elements=held))
     # The embeddings' backward comes last: an untied embedding's gradient awaits its hook, or a
     # tied weight's two contributions live while autograd sums them.

@@ -16,8 +16,10 @@ from planner.cluster import cuda_context
 from planner.memory import buffers as buf
 from planner.memory import reserved
 from planner.model.activations import Activations, check_checkpointing
+from planner.model.architecture import distinct_specs
+from planner.recipes import activation_offload as act_offload
 from planner.model.architecture import defaulted_size_fields
-from planner.model.catalogue import ResolvedModel, catalogue_model, model_from_config, raw_parameters, with_vision
+from planner.model.catalogue import ResolvedModel, as_loaded, catalogue_model, model_from_config, raw_parameters
 from planner.parallel.context import check_context_parallel, gloo_ring_scratch_bytes
 from planner.frameworks.deepspeed.config import ZeroSettings, batch_from_config, parse_ds_config, with_overrides
 from planner.errors import PlannerError
@@ -44,7 +46,7 @@ from planner.units import GIB, fmt_bytes
 # modules (planner/setup.py, planner/memory/rank_activations.py); _numels by the tests.
 __all__ = ["Setup", "activations", "traced_setting", "_numels", "resolve", "resolve_model", "estimate",
            "estimate_resolved", "setup_of", "textbook_states", "trainable_count", "resident_by_component",
-           "host_capacity", "host_notes", "sequence_past_positions", "position_limit_error", "position_notes",
+           "host_capacity", "host_notes", "activation_offload_bytes", "sequence_past_positions", "position_limit_error", "position_notes",
            "cpu_rank_bytes"]
 
 
@@ -100,9 +102,8 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     fw.check_offload(s, zero.offload_optimizer, zero.offload_params)
     recipe = RECIPES[precision]  # the precision decoded once: the Setup carries it
     fw.check_precision(s, recipe)
-    model = model if model is not None else resolve_model(request)
-    if request.include_vision:
-        model = with_vision(model)
+    model = as_loaded(model if model is not None else resolve_model(request), request.text_only,
+                      request.include_vision)
     shard = shard_group_size(s, request.gpus, request.nodes, request.hsdp_shard_size)
     dims = _dims(request, s, shard, model)
     check_context_parallel(dims.cp, fw, s, request.attention, model.architecture)
@@ -110,6 +111,12 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     check_loop(request, model.architecture)
     check_low_precision(request, g, model.architecture, fw, s.shards_parameters, RECIPES[precision].compute,
                         request.finetune)
+    act_offload.check_activation_offload(request, model, dims)
+    if dims.pp > 1 and model.architecture is not None and model.architecture.vision_numels:
+        raise PlannerError(f"pp={dims.pp} with the vision tower counted (what the loader builds for model_type "
+                           f"{model.architecture.model_type!r}): the pipeline model splits the text decoder's blocks "
+                           "and places no vision tower; give text_only (a pipeline trains the text decoder)",
+                           field="text_only")
     check_checkpointing(model.architecture, request.checkpointing, request.checkpointing_every, request.attention,
                         _checkpointing_why_not(request, model, finetune))
     if request.tp > 1 and shard % request.tp == 0:
@@ -233,6 +240,8 @@ def estimate_resolved(setup: Setup, simulate: bool = True) -> EstimateResult:
         if workspaces:
             plan = with_held(plan, buf.item(f"{setup.request.low_precision}: fp8 weights and their transposes "
                                         "(the modules' workspaces)", workspaces, "buffers", LP_RECIPES["te-fp8"].source))
+        if setup.request.activation_offload:
+            _offload_activations_host(plan, setup, acts)
     if ep_items or ep_transient is not None:
         from planner.parallel import experts
 
@@ -306,6 +315,31 @@ def _low_precision_workspaces(setup: Setup) -> int:
     """Transformer Engine's fp8 weight copies, held across steps (planner/recipes/low_precision.py)."""
     recipe = recipe_of(setup.request.low_precision)
     return resident_weight_bytes(setup.arch, recipe) if recipe is not None and setup.arch is not None else 0
+def activation_offload_bytes(setup: Setup, acts: Activations | None = None) -> int:
+    """Bytes one rank's micro-batch moves to the host and back under activation_offload (0 without it)."""
+    acts = acts if acts is not None else activations(setup)
+    if not setup.request.activation_offload or acts is None:
+        return 0
+    return acts.offloaded_bytes  # set by rank_activations.activations under activation_offload
+
+
+def _offload_activations_host(plan: "buf.PhasePlan", setup: Setup, acts: Activations | None) -> None:
+    """activation_offload's pinned host memory, per node (the sum over its ranks; the caching host
+    allocator keeps the blocks between steps: resident too), and its note. On CPU ranks the host
+    copies are the rank's own memory, counted in its phases (rank_activations.activations)."""
+    if acts is None:
+        return
+    arch, req = setup.arch, setup.request
+    tokens = req.micro_batch * req.seq_len // setup.cp
+    moved = activation_offload_bytes(setup, acts)
+    widths = [arch.hidden_size, arch.vocab_size] + [w for spec in distinct_specs(arch).values() for w in (
+        spec.mlp.intermediate_size, spec.mlp.shared_intermediate_size, spec.attention.q_width, spec.attention.kv_width)]
+    pinned = act_offload.pinned_bytes(moved, widths, tokens, setup.recipe.compute_bytes)
+    if setup.device != "cpu":
+        plan.host_resident_bytes += pinned * req.gpus
+        plan.host_peak_bytes += pinned * req.gpus
+        plan.host_pinned_bytes += pinned * req.gpus
+    plan.notes.extend(act_offload.offload_notes(acts, moved, pinned, setup.device == "cpu"))
 
 
 def _phase_of(kind: PhaseKind, name: str, items: list) -> Phase:

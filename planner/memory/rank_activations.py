@@ -9,6 +9,7 @@ from __future__ import annotations
 from planner.model.activations import FP32, ActivationItem, Activations, estimate_activations
 from planner.parallel.context import cp_activations
 from planner.errors import PlannerError
+from planner.recipes.activation_offload import offloaded, on_shared_memory
 from planner.recipes.finetune import lora_activations
 from planner.recipes.losses import FUSED, check_fused, with_fused_loss
 from planner.recipes.low_precision import recipe_of, with_low_precision
@@ -17,6 +18,18 @@ from planner.parallel.tensor import tp_activations
 
 
 def activations(setup: Setup) -> Activations | None:
+    acts = _rank_activations(setup)
+    if acts is None or not setup.request.activation_offload:
+        return acts
+    tokens = setup.request.micro_batch * setup.request.seq_len // setup.cp
+    # on CPU ranks the host copies are the rank's own memory (planner/recipes/activation_offload.py)
+    if setup.device == "cpu":
+        return on_shared_memory(acts, setup.arch, tokens, setup.recipe.compute_bytes, autocast=_autocast(setup),
+                                hf_loss=setup.request.loss == "hf" and not setup.vocab_parallel_loss)
+    return offloaded(acts, setup.arch, tokens, setup.recipe.compute_bytes, autocast=_autocast(setup))
+
+
+def _rank_activations(setup: Setup) -> Activations | None:
     if setup.model.traced is not None:
         return _traced_activations(setup)
     if setup.arch is None:
@@ -59,9 +72,7 @@ def _activations(setup: Setup) -> tuple[Activations, bool]:
     # torch.autocast over the fp32 weights: torch's mixed recipes where nothing casts them (DDP, a
     # TP-only rank; FSDP2 casts them by its MixedPrecisionPolicy: backend/train.py, train_parallel.py).
     # A pipeline stage counts its own (pipeline._autocast_fp32_stream_extra); cp keeps the 16-bit count.
-    autocast = (setup.framework.weights_are_master and setup.recipe.autocast_dtype is not None
-                and not (setup.strategy.shards_parameters and setup.data_parallel_wrapped)
-                and setup.dims.pp == 1 and setup.cp == 1)
+    autocast = _autocast(setup)
     acts = estimate_activations(arch, micro_batch=req.micro_batch, seq_len=seq_len,
                                 compute_bytes=compute, attention=req.attention,
                                 checkpointing=req.checkpointing, device=setup.device, autocast=autocast,
@@ -72,6 +83,13 @@ def _activations(setup: Setup) -> tuple[Activations, bool]:
                               b=compute, vocab_parallel_loss=setup.vocab_parallel_loss, autocast=autocast)
     return cp_activations(acts, setup.arch, cp=setup.cp, tokens=req.micro_batch * req.seq_len, b=compute,
                           tp=setup.tp, sequence_parallel=setup.sequence_parallel, device=setup.device), autocast
+
+
+def _autocast(setup: Setup) -> bool:
+    """torch.autocast over the fp32 weights (see _rank_activations)."""
+    return (setup.framework.weights_are_master and setup.recipe.autocast_dtype is not None
+            and not (setup.strategy.shards_parameters and setup.data_parallel_wrapped)
+            and setup.dims.pp == 1 and setup.cp == 1)
 
 
 def _traced_activations(setup: Setup) -> Activations:

@@ -84,6 +84,15 @@ class Activations:
     # on top, in layer order (empty: every block alike, layer_kept_bytes and layer_saved_bytes)
     kept_blocks: tuple[int, ...] = ()
     rebuilt_blocks: tuple[int, ...] = ()
+    # activation_offload (planner/recipes/activation_offload.py): the saved set lives on the host; the
+    # device holds at the loss's backward device_head_bytes, after the LM head device_after_head_bytes,
+    # in a block's backward that block's own set; offloaded_bytes cross the host link each way
+    host_offload: bool = False
+    device_head_bytes: int = 0
+    device_after_head_bytes: int = 0
+    device_block_bytes: int = 0  # what each block keeps on the device until its backward (repeated saves)
+    duplicate_head_bytes: int = 0  # CPU ranks: the head's repeated saves beside their host copies
+    offloaded_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:

@@ -666,8 +666,20 @@ def _text_config(f: _Fields, model_type: str, text_type: str, default: dict[str,
     return _Fields(f"{f.source}: text_config", {"model_type": text_type} | text, f.key("text_config"))
 
 
-_VISION_NOTE = ("{family}: the text decoder is counted and modelled; the vision tower and projector "
-                "of the multimodal checkpoint are not (they are frozen or absent in text training)")
+_VISION_NOTE = ("{family}: the text decoder alone is counted and modelled (text_only, or a loader that builds "
+                "it); the vision tower and projector of the multimodal checkpoint are not")
+
+# What a script's loading code builds for a multimodal config (transformers 5.25 models/auto/
+# modeling_auto.py): MODEL_FOR_CAUSAL_LM_MAPPING_NAMES (line 788) maps gemma3 to
+# Gemma3ForConditionalGeneration (line 850: the vision tower included) and llama4 to Llama4ForCausalLM
+# (line 905: the text decoder of text_config); mistral3 has no entry there (AutoModelForCausalLM refuses
+# the config), so a script loads it with AutoModelForImageTextToText, Mistral3ForConditionalGeneration
+# (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, line 1267), the whole model. Checked on the meta device
+# (tests/test_vision.py): AutoModelForCausalLM on gemma-3-12b-it's config builds 12,187,325,040
+# parameters, its text decoder 11,766,034,176.
+LOADED_CLASS = {"gemma3": ("AutoModelForCausalLM", "Gemma3ForConditionalGeneration", True),
+                "llama4": ("AutoModelForCausalLM", "Llama4ForCausalLM", False),
+                "mistral3": ("AutoModelForImageTextToText", "Mistral3ForConditionalGeneration", True)}
 
 
 def _read_gemma3(f: _Fields) -> dict[str, Any]:
@@ -922,10 +934,12 @@ _MULTIMODAL_TIED = {"gemma3": True, "llama4": False, "mistral3": True}
 def _with_vision(f: _Fields, model_type: str, fields: dict[str, Any]) -> dict[str, Any]:
     """The text decoder's fields with the vision tower and projector counted as model states."""
     tower, projector, defaults = VISION_READERS[model_type](f, fields["hidden_size"])
-    counted = (f"{model_type}: include_vision: the vision tower ({sum(tower):,} parameters) and the "
-               f"multimodal projector ({sum(projector):,}) are counted as model states (parameters, "
-               "gradients and optimizer states, sharded like the rest, trained in full); activations are "
-               "those of a batch of text tokens: image activations are not modelled")
+    auto, built, _ = LOADED_CLASS[model_type]
+    counted = (f"{model_type}: the whole {built} is counted ({auto} builds it; text_only for a script that loads "
+               f"the text decoder): the vision tower ({sum(tower):,} parameters) and the multimodal projector "
+               f"({sum(projector):,}) are model states, sharded like the rest and trained (parameters, "
+               "gradients and optimizer states: a bound, as on a text batch the tower gets no gradient); activations are those of a batch of text tokens (the tower runs on no "
+               "image): image activations are not modelled")
     notes = [counted] + ([f"{model_type}: the config has no vision_config; the vision tower is built from "
                           f"transformers' {defaults} defaults, which may differ from the published checkpoint's"] if defaults else [])
     tied = f.bool("tie_word_embeddings", _MULTIMODAL_TIED[model_type])

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from planner.model.architecture import READERS, Architecture, from_hf_config, parameter_count
+from planner.model.architecture import LOADED_CLASS, READERS, Architecture, from_hf_config, parameter_count
 from planner.datafile import load_data_yaml
 from planner.errors import PlannerError, UnknownModelError, unknown
 
@@ -198,6 +198,26 @@ def with_vision(model: ResolvedModel) -> ResolvedModel:
     except PlannerError as exc:  # its vision_config, read from the request's model_config
         raise exc if exc.field == "include_vision" else exc.within("model_config")
     return model.model_copy(update={"architecture": architecture, "parameters": parameter_count(architecture)})
+
+
+def as_loaded(model: ResolvedModel, text_only: bool = False, include_vision: bool = False) -> ResolvedModel:
+    """The model as the training script builds it: for a multimodal config, what its loader builds
+    (architecture.LOADED_CLASS: gemma3 and mistral3 whole, llama4's text decoder), unless the script
+    loads the text decoder (``text_only``) or the whole conditional-generation class where
+    AutoModelForCausalLM would build the text one (``include_vision``). A catalogue entry and a
+    config are read as their text decoder; the vision tower is added here."""
+    if include_vision and text_only:
+        raise PlannerError("include_vision with text_only: the script loads either the whole multimodal model "
+                           "or its text decoder", field="text_only")
+    model_type = model.config.get("model_type") if model.config is not None else None
+    if text_only and model_type not in LOADED_CLASS:
+        what = f"model_type {model_type!r}" if model_type else ("a traced model" if model.traced is not None
+                                                                 else "only a parameter count")
+        raise PlannerError(f"text_only: {model.name} is {what}, which has no vision tower to leave out (text_only "
+                           f"applies to the multimodal configs {', '.join(sorted(LOADED_CLASS))})", field="text_only")
+    if include_vision or (not text_only and model_type in LOADED_CLASS and LOADED_CLASS[model_type][2]):
+        return with_vision(model)
+    return model
 
 
 def model_from_config(config: dict[str, Any], name: str = "custom", source: str = "user config") -> ResolvedModel:

@@ -60,3 +60,8 @@ def attention_linears(arch: Architecture, spec: LayerSpec) -> list[Linear]:
 def block_linears(arch: Architecture, spec: LayerSpec) -> list[Linear]:
     """A dense block's linears in registration order (attention, then MLP)."""
     return _attention_linears(arch, spec.attention, arch.hidden_size) + _mlp_linears(arch, spec, arch.hidden_size)
+
+
+def attention_linears(arch: Architecture, spec: LayerSpec) -> list[Linear]:
+    """A block's attention linears in registration order (the output projection last)."""
+    return _attention_linears(arch, spec.attention, arch.hidden_size)

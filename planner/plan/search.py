@@ -20,14 +20,15 @@ import numpy as np
 
 from planner.time import kernels
 from planner.time import collectives as timing
-from planner.model.catalogue import catalogue_model, model_from_config, with_vision
+from planner.model.architecture import LOADED_CLASS
+from planner.model.catalogue import as_loaded, catalogue_model, model_from_config
 from planner.errors import PlannerError
 from planner.frameworks import check_version, framework_of, version_field
 from planner.cluster.gpus import Gpu, check_precision, gpu as lookup_gpu
 from planner.cluster.hardware import profile_compute_scale, profile_efficiencies, topology_of
 from planner.parallel.hf_plan import hf_rank_architecture
 from planner.plan.layouts import Rejected, cp_degrees, ep_degrees, pp_degrees, tp_degrees
-from planner.memory.orchestrator import estimate, host_capacity, resolve, sequence_past_positions
+from planner.memory.orchestrator import activation_offload_bytes, estimate, host_capacity, resolve, sequence_past_positions
 from planner.parallel.dims import refuse_unmodelled
 from planner.parallel.pipeline import balanced_split, check_schedule, check_split, parallel_step, stage_bounds
 from planner.recipes.precision import RECIPES
@@ -177,7 +178,19 @@ def _schedules(req: PlanRequest, arch, pp: int) -> list[tuple[str, int, tuple[in
 
 def _architecture(req: PlanRequest):
     model = catalogue_model(req.model) if req.model else model_from_config(req.model_config_)
-    return (with_vision(model) if req.include_vision else model).architecture
+    return as_loaded(model, req.text_only, req.include_vision).architecture
+
+
+def _offloaded_per_sequence(request: EstimateRequest) -> float:
+    """activation_offload's bytes per sequence one rank of this setting moves to the host and back
+    (its activations are linear in the micro-batch); 0 without offloading. A setting the estimate
+    refuses is refused there."""
+    if not request.activation_offload:
+        return 0.0
+    try:
+        return activation_offload_bytes(resolve(request)) / request.micro_batch
+    except PlannerError:
+        return 0.0
 
 
 def _frozen(request: EstimateRequest, arch):
@@ -262,12 +275,11 @@ def plan(req: PlanRequest, profile=None) -> PlanResult:
     if req.pp > 1 and req.finetune != "full":  # as the estimate refuses it (planner/parallel/pipeline.py check_framework)
         raise PlannerError(f"pp={req.pp} with finetune {req.finetune}: the pipeline model counts full fine-tuning; "
                            "plan LoRA/QLoRA without pp", field="pp")
-    model = catalogue_model(req.model) if req.model else model_from_config(req.model_config_)
-    if req.include_vision:
-        model = with_vision(model)
+    model = as_loaded(catalogue_model(req.model) if req.model else model_from_config(req.model_config_),
+                      req.text_only, req.include_vision)
     arch = model.architecture
     model_fields = {"model": req.model} if req.model else {"model_config": req.model_config_}
-    model_fields |= {"include_vision": True} if req.include_vision else {}
+    model_fields |= {name: True for name in ("include_vision", "text_only") if getattr(req, name)}
     model_fields |= finetune_fields(req) | recipe_fields(req)
     topo, fabric_name, nics = topology_of(req, g)
     compute_efficiency, link_efficiency = profile_efficiencies(req.profile, req.gpu, topo, req.gpus,
@@ -299,8 +311,8 @@ def plan(req: PlanRequest, profile=None) -> PlanResult:
     result = _rank(search, req, rows, fewer, capacity, fabric_name, evaluated, started)
     if layout_notes:
         result = result.model_copy(update={"notes": result.notes + layout_notes})
-    if req.include_vision:  # say what was counted (the reader's note), as estimate does
-        counted = [n for n in arch.notes if "include_vision" in n or "vision_config" in n]
+    if arch is not None and arch.model_type in LOADED_CLASS:  # say what was counted (the reader's note), as estimate does
+        counted = [n for n in arch.notes if n.startswith(f"{arch.model_type}: ")]
         result = result.model_copy(update={"notes": result.notes + counted})
     if req.finetune != "full":
         result = with_finetune(result, req.finetune)
@@ -555,7 +567,8 @@ def _evaluate_setting(search: _Search, req: PlanRequest, combo: Setting, time_bo
         return [], 0
     first = _request(req, combo, int(micro[-1]) if combo.pp > 1 else 1, search.model_fields)
     times = step_times(StepSettings.of(req, search.compute_scale), combo, micro, per_rank, search.model.parameters, arch, search.g,
-                       search.topo, search.fabric, search.nics, frozen=_frozen(first, arch))
+                       search.topo, search.fabric, search.nics, frozen=_frozen(first, arch),
+                       offloaded_per_sequence=_offloaded_per_sequence(first))
     if combo.pp * combo.ep > 1:
         return _model_parallel_rows(search, req, combo, micro, per_rank, times, first, time_bound,
                                     peak_bound), micro.size
@@ -785,6 +798,8 @@ def _layouts(req: PlanRequest, gpus: int, arch, topo: Topology) -> tuple[list[tu
         pairs = [(tp, 1) for tp in degrees]
     if "pp" in fields:
         pps = [req.pp]
+    elif req.activation_offload or (arch is not None and arch.vision_numels):
+        pps = [1]  # not modelled: a pipeline's micro-batches offloaded; a vision tower's stage
     else:
         found, pp_rejected = pp_degrees(req.nodes, arch, req.pp_virtual_stages, req.seq_len)
         pps = [1] + found

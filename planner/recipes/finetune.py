@@ -112,8 +112,10 @@ def resolve_finetune(request: "EstimateRequest", arch: Architecture | None, stra
                            "fused parameters, not linears PEFT's target_modules name; LoRA on MoE is not modelled",
                            field="finetune")
     if arch.vision_numels:
-        raise PlannerError(f"finetune={request.finetune} with include_vision: adapters on the vision tower are not "
-                           "modelled", field="finetune")
+        raise PlannerError(f"finetune={request.finetune} with the vision tower counted (what the loader builds for "
+                           f"model_type {arch.model_type!r}): PEFT's target names also match the tower's linears "
+                           "(q_proj, v_proj, fc1, ...), and adapters there are not modelled; give text_only for a "
+                           "script that loads the text decoder", field="finetune")
     quantize = request.quantize_base or ("nf4" if request.finetune == "qlora" else "none")
     if quantize != "none" and strategy.shards_parameters:
         # ZeRO-3 and FSDP2 partition every parameter as a flat floating-point shard; bitsandbytes'

@@ -10,13 +10,14 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from planner.time import arrays
+from planner.recipes.activation_offload import transfer_seconds
 from planner.time import kernels
 from planner.time import collectives as timing
 from planner.model.architecture import Architecture, layer_parameters, parameter_numels
 from planner.frameworks import Buckets, Traffic, framework_of
 from planner.cluster.gpus import Gpu, gpu as lookup_gpu
 from planner.cluster.hardware import profile_compute_scale, profile_efficiencies, topology_of
-from planner.memory.orchestrator import estimate, setup_of
+from planner.memory.orchestrator import activation_offload_bytes, estimate, setup_of
 from planner.memory.buffers import FP32
 from planner.memory.optimizer import flat, state_bits
 from planner.model.shapes import parameter_shapes
@@ -260,9 +261,10 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
     known = setup_of(result) if traced is None and result.request == request else None
     combo, buckets, setup = resolved_combo(request, result.parameters if traced is not None else None, known)
     arch = traced if traced is not None else Architecture.model_validate(result.model.architecture)
+    moved = activation_offload_bytes(setup) / request.micro_batch if traced is None else 0.0
     t = step_times(settings, combo, request.micro_batch, per_rank, result.parameters, arch, g,
                    topo, timing.fabric(fabric_name), nics, buckets,
-                   frozen=frozen_base_shape(request, arch))[0]  # one micro-batch: floats, no numpy
+                   frozen=frozen_base_shape(request, arch), offloaded_per_sequence=moved)[0]  # one micro-batch: floats
     if request.pp > 1 or request.ep > 1:  # the pipeline bubble, p2p and expert all-to-alls (issue 12)
         from planner.parallel.pipeline import parallel_step
 
@@ -429,11 +431,12 @@ def _over_group(combo: Combo, group: str, nodes: int, topo: Topology, req: "Step
 
 def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int, arch, g: Gpu,
                topo: Topology, fabric: dict, nics: int, buckets: Buckets = Buckets(),
-               frozen: FrozenBaseShape | None = None) -> list[timing.StepTime]:
+               frozen: FrozenBaseShape | None = None, offloaded_per_sequence: float = 0.0) -> list[timing.StepTime]:
     """The step time of each micro-batch option: ``micro`` is one size (a single estimate: plain
     floats throughout) or a numpy array of them (the plan search); the same formulas either way.
     ``frozen``: a LoRA / QLoRA step (fewer FLOPs, gradient traffic of the trainable elements only,
-    the base's dequantization per pass); None for full fine-tuning."""
+    the base's dequantization per pass); None for full fine-tuning. ``offloaded_per_sequence``:
+    activation_offload's bytes per sequence a rank moves to the host and back (0: no offloading)."""
     wb = RECIPES[req.precision].wire_bytes
     dtype = RECIPES[req.precision].peak_dtype(g.peak_tflops)
     peak_flops = g.peak_tflops[dtype] * 1e12
@@ -477,6 +480,12 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     offload = offload_seconds(combo, psi // combo.tp, per_rank / micro, combo.gpus * nodes // combo.tp, wb, g,
                               trainable)
     dequantize = _dequantize_seconds(frozen, combo.checkpointing, per_rank / micro, g)
+    # activation_offload (planner/recipes/activation_offload.py): per_rank sequences' saved tensors to
+    # the host beside the forward's compute and back on demand in backward, over the GPU's host link
+    saved_to_host = transfer_seconds(per_rank * offloaded_per_sequence, compute - backward,
+                                     PCIE_DEVICE_TO_HOST_GBPS.get(g.pcie, 24.0) * 1e9) if offloaded_per_sequence \
+        else arrays.zeros_like(arrays.as_float(micro))
+    offload = offload + saved_to_host
     world = combo.gpus * nodes
     model_flops = tokens_rank * model_per_token / model_parallel
     tokens = tokens_rank / model_parallel * world
@@ -488,7 +497,11 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     step = busy + exposed + offload
     terms = terms + [("dequantize", dequantize, "QLoRA's dequantization at the achievable memory bandwidth"),
                      ("exposed communication", exposed, "α-β rings on the topology, less the framework's overlap"),
-                     ("offload", offload, "PCIe and CPU Adam rates (steptime.PCIE_DEVICE_TO_HOST_GBPS)")]
+                     ("offload", offload, "PCIe and CPU Adam rates (steptime.PCIE_DEVICE_TO_HOST_GBPS)"),
+                     ("of which activation offload", saved_to_host,
+                      "saved tensors over the GPU's host link (gpus.yaml pcie, PCIE_DEVICE_TO_HOST_GBPS): the "
+                      "forward's copies overlap its compute (a side stream), the backward's are waited for (TRL "
+                      "OffloadActivations); unverified")]
     columns = [busy, comm, exposed, offload, step, tokens / step, model_flops / (step * peak_flops),
                hardware_flops / (step * peak_flops)] + [t[1] for t in terms]
     options = micro.size if arrays.is_array(micro) else 1

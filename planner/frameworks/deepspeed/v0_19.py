@@ -423,13 +423,19 @@ def _activations_when_produced(acts: Activations, shape: Layout, numels: list[in
     per_layer = shape.layer_parameters
     head, _ = head_and_late(shape, numels)
     body = acts.saved_bytes - acts.head_saved_bytes
+    waiting = acts.device_block_bytes * shape.num_layers  # activation_offload's kept saves (buffers.py)
     if produced <= head:
-        return body
+        return acts.device_after_head_bytes + waiting if acts.host_offload else \
+            body + waiting + acts.duplicate_head_bytes
     done = min(shape.num_layers - 1, (produced - head) // max(per_layer, 1))
+    kept_saves = (shape.num_layers - done) * acts.device_block_bytes
+    if acts.host_offload:  # activation_offload: the current block's own set brought back, the earlier ones' kept
+        _, rebuilt, own = acts.backward_of(done)
+        return own + rebuilt + kept_saves - acts.device_block_bytes
     if acts.kept_blocks:  # blocks unlike each other (checkpointing_every, the selective policies)
         kept_by_done, rebuilt, _ = acts.backward_of(done)
-        return body - kept_by_done + rebuilt
-    return body - done * acts.layer_kept_bytes + (acts.layer_saved_bytes if acts.checkpointed else 0)
+        return body - kept_by_done + rebuilt + kept_saves
+    return body - done * acts.layer_kept_bytes + (acts.layer_saved_bytes if acts.checkpointed else 0) + kept_saves
 
 
 def _offload_optimizer_host(plan: PhasePlan, setup: "Setup", part: int) -> None:
@@ -546,7 +552,11 @@ def _zero3_gathered(setup: "Setup", numels: list[int]) -> int:
     prefetch bucket."""
     z, wb, psi = setup.zero, setup.weight_bytes, sum(numels)
     persistent = _persistent_numel(numels, z.param_persistence_threshold)
-    gatherable = psi - persistent
+    # a multimodal model's vision tower runs on no image of a text batch: its modules' pre-forward
+    # hooks never fetch its partitioned parameters (measured: gemma3mm-vision-zero3-bf16-small-s256,
+    # whose peak the whole-model term over-predicted by exactly the tower's 16-bit bytes)
+    vision = setup.arch.vision_numels if setup.arch is not None else ()
+    gatherable = psi - persistent - sum(n for n in vision if n > z.param_persistence_threshold)
     if z.max_reuse_distance >= psi:
         return wb * gatherable
     return wb * min(gatherable, z.max_live_parameters + z.prefetch_bucket_size + max(numels))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner.time import collectives as timing
 from planner.model.activations import Activations, checkpointed_blocks
-from planner.model.architecture import layer_specs
+from planner.model.architecture import layer_specs, vision_parameters
 from planner.memory.buffers import (FP32, PhasePlan, SweepPoint, activation_items, backward_sweep,
                                     ceil_div, item, layout, phase, tied_sum_item)
 from planner.errors import PlannerError
@@ -197,6 +197,14 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     offload = setup.zero.offload_params != "none"
     stepped, step_bits = setup.framework.optimizer_tensors(setup, numels, shard if s.shards_optimizer else 1)
     states = states_bytes(spec_of(setup), stepped, step_bits)
+    # A text batch gives a multimodal model's vision tower and projector no gradient (they run on no
+    # image), and torch's optimizers create a parameter's state only once it has one (torch 2.13
+    # torch/optim/adam.py _init_group: ``if p.grad is not None``): no states, no gradient for them
+    # (measured: gemma3mm-vision-fsdp-bf16-s256's resident). DeepSpeed's flat partitions hold both.
+    tower = len(setup.arch.vision_numels) if setup.arch is not None and setup.finetune is None else 0
+    if tower:  # the tower's tensors come first (planner/model/shapes.py parameter_shapes)
+        states = states_bytes(spec_of(setup), stepped[tower:], step_bits)
+    trained = psi - (vision_parameters(setup.arch) if setup.arch is not None else 0)
     resident = [
         item("weights" + (" (fp32, the master copy)" if mixed else ""),
               0 if offload else store_bytes * part, "parameters"),
@@ -237,7 +245,7 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
                 items.append(_autocast_copies(setup, point, psi, block, compute_bytes))
             phases.append(phase(point.kind, point.label + later, items))
         elif not sharded:  # DDP
-            grads = psi if accumulated else point.grad_elements
+            grads = trained if accumulated else min(point.grad_elements, trained)
             items.append(item("gradients (full)" + (", accumulating over the micro-batches" if accumulated else ""),
                               store_bytes * grads, "gradients",
                               "autograd adds each micro-batch's gradient into param.grad (DDP: under no_sync() "
@@ -257,7 +265,7 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
             phases.append(phase(PhaseKind.TIED_SUM, "embeddings' backward (tied gradients summed)" + later,
                                  resident + _fsdp_tied_sum_items(point, psi, root, shard, compute_bytes, store_bytes,
                                                                  accumulated)))
-    grad_bytes = store_bytes * ((part if s.shards_gradients and sharded else psi) + excess)
+    grad_bytes = store_bytes * ((ceil_div(trained, shard) if s.shards_gradients and sharded else trained) + excess)
     phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", resident + [
         item("gradients", 0 if offload or in_backward else grad_bytes, "gradients"),
         item("optimizer step temporaries", 0 if in_backward else step_temporaries(setup, stepped, step_bits),
@@ -317,6 +325,13 @@ def _autocast_copies(setup: "Setup", point: SweepPoint, psi: int, block: int, co
     # the linears run inside a checkpoint under full checkpointing and the per-op SAC policy
     policy = "full" if req.checkpointing in ("full", "selective-op") else "none"
     chosen = checkpointed_blocks(shape.num_layers, policy, req.checkpointing_every) if shape else ()
+    if req.activation_offload and setup.device != "cpu" and not any(chosen):
+        # TRL's OffloadActivations copies each saved cast to the host (planner/recipes/activation_offload.py
+        # autocast_weight_bytes) and the cast cache is cleared when the forward's autocast exits: in
+        # backward the LM head's (kept on the device) and one block's, brought back
+        held = shape.lm_head_elements + (block if point.kind is PhaseKind.START_OF_BLOCK else 0)
+        return item("autocast copies of the weights (LM head, the block brought back)", compute_bytes * held,
+                     "buffers", "the blocks' casts offloaded with the activations")
     if not any(chosen):
         # a layer's cast weight is released with its saved tensors once its backward has run: at a
         # moment of backward only the layers whose gradients are not yet produced hold theirs (the
@@ -353,7 +368,8 @@ def _uncast_elements(setup: "Setup") -> int:
         return 0
     embedding = (0 if a.tie_word_embeddings else a.vocab_size * a.hidden_size) + a.learned_positions * a.hidden_size
     norms = sum(sum(norm_numels(spec.norm, a.hidden_size)) * spec.norms for spec in layer_specs(a))
-    return embedding + norms + sum(norm_numels(a.norm, a.hidden_size))
+    # a multimodal model's vision tower runs on no image of a text batch: nothing casts its weights
+    return embedding + norms + sum(norm_numels(a.norm, a.hidden_size)) + vision_parameters(a)
 
 
 def reduce_bytes(setup: "Setup", compute_bytes: int) -> int:

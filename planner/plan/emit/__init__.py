@@ -121,6 +121,13 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
             # the training script applies CCE's patch or the fp8 converters (the chunked loss: as before)
             raise PlannerError(f"--emit with {field}={value}: the emitted Trainer, accelerate and DeepSpeed configs "
                                "have no such setting; the training script applies it", field=field)
+    if est.activation_offload:
+        # transformers' TrainingArguments, accelerate and DeepSpeed have no activation offloading; TRL's
+        # SFTConfig(activation_offloading=True), Axolotl's activation_offloading and torchtune's
+        # enable_activation_offloading wrap the forward in the training script's own loop
+        raise PlannerError("--emit with activation_offload: the emitted Trainer, accelerate and DeepSpeed configs "
+                           "have no such setting; the training script applies it (TRL SFTConfig "
+                           "activation_offloading=True)", field="activation_offload")
     unavailable = None if script is not None else _trainer_unavailable(setup, est)
     s = setup.strategy
     launcher = setup.framework.launch
