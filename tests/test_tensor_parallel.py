@@ -265,7 +265,8 @@ def test_plan_searches_cp_when_the_sequence_fits_no_other_way():
 
 def test_plan_answers_the_inverse_questions_per_layout():
     """min_gpus gains the TP layouts the plan searched; max_seq_len is the longest sequence the
-    recommended layout trains at micro-batch 1, fully checkpointed: it fits, 256 tokens more do not."""
+    recommended layout trains at micro-batch 1, fully checkpointed: it fits (live peak within the
+    headroom, and the caching allocator's replay on the device), 256 tokens more do not."""
     from planner.plan.search import plan
     from planner.schema import PlanRequest
 
@@ -280,14 +281,18 @@ def test_plan_answers_the_inverse_questions_per_layout():
 
     usable = lookup_gpu("rtx-a6000").memory_bytes * (1 - req.headroom)
 
-    def peak(seq: int) -> int:
+    def at(seq: int):
         # micro-batch 1 of the rank's share of 16 sequences: a later, accumulating micro-batch
         return estimate(EstimateRequest(model=req.model, gpu=req.gpu, gpus=8, strategy=best.strategy, micro_batch=1,
                                         gradient_accumulation=2, seq_len=seq, checkpointing="full", tp=best.parallel.tp,
-                                        offload_optimizer=best.offload_optimizer,
-                                        offload_params=best.offload_params)).per_device.peak_bytes
+                                        offload_optimizer=best.offload_optimizer, offload_params=best.offload_params,
+                                        alloc_conf=req.alloc_conf))
 
-    assert peak(longest) <= usable < peak(longest + 256)
+    def fits(seq: int) -> bool:
+        e = at(seq)
+        return e.per_device.peak_bytes <= usable and e.fits
+
+    assert fits(longest) and not fits(longest + 256)
 
 
 def test_no_launch_script_for_what_the_trainer_does_not_run():

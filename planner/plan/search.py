@@ -1327,11 +1327,12 @@ def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_field
     low = largest(usable, min(high, longest // unit + 1), low)
     if not (on_reserved and low):
         return low * unit if low else None
-    too_long = low
+    fitting, too_long = 0, low + 1  # the live answer's next unit does not fit even live
     for _ in range(INVERSE_REPLAYS):
         e = at(low * unit, simulate=True)
         if e.fits:
-            return low * unit
+            fitting = low
+            break
         too_long = low
         # what the allocator and the terms outside it add over the live peak, taken as the same at the
         # next shorter sequence (it grows with it: the next replay checks)
@@ -1339,9 +1340,10 @@ def _longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_field
         low = largest(e.device_capacity_bytes - gap, low)
         if not low:
             break
-    # the gap did not settle (a replay that does not fit reports its uncapped reserve, and the
-    # segments' packing jumps): bisection on reserved memory below the shortest that did not fit
-    low, high = 0, too_long
+    # the gap is an over-estimate below the sequence it was measured at (and a replay that does not
+    # fit reports its uncapped reserve): bisection on reserved memory between the longest known to
+    # fit (none: 0) and the shortest known not to, so the answer is the longest, not only one that fits
+    low, high = fitting, too_long
     while low + 1 < high:
         mid = (low + high) // 2
         if at(mid * unit, simulate=True).fits:
