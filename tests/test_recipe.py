@@ -27,7 +27,7 @@ def _strings(node: ast.AST) -> set[str]:
 
 def _about_precision(node: ast.AST) -> bool:
     """A precision's name (not a field of its decoded Recipe, RECIPES[precision].compute)."""
-    text = ast.unparse(node)
+    text = ast.unparse(node).replace("low_precision", "")  # the fp8/fp4 linears' axis, not a precision recipe
     return not _strings(node) and "precision" in text and "RECIPES[" not in text
 
 

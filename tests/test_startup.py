@@ -42,7 +42,7 @@ def test_an_estimate_process_imports_no_numpy_and_builds_no_plan_catalogue_or_pr
 
 def test_an_estimate_process_with_its_data_caches_imports_no_yaml(tmp_path):
     """With the data files' caches written (where an installed tool's first run writes them; here
-    under a private pycache prefix), an estimate reads gpus.yaml and links.yaml without PyYAML, and
+    under a private pycache prefix), an estimate reads gpus.yaml, links.yaml and cuda_context.yaml without PyYAML, and
     prints what the process that parsed them printed."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps(load_catalogue()["llama-3-8b"].config))
@@ -61,7 +61,7 @@ def test_an_estimate_process_with_its_data_caches_imports_no_yaml(tmp_path):
     subprocess.run([sys.executable, *prefix, "-c", "from planner.datafile import write_caches; write_caches()"],
                    check=True, cwd=ROOT, timeout=120)
     assert sorted(p.name for p in (tmp_path / "cache").rglob("*.marshal")) == [
-        f"{name}.yaml.{sys.implementation.cache_tag}.marshal" for name in ("gpus", "links", "models")]
+        f"{name}.yaml.{sys.implementation.cache_tag}.marshal" for name in ("cuda_context", "gpus", "links", "models")]
     cached = run("-B", *prefix)
     assert parsed[0] == ["0", "True"] and cached[0] == ["0", "False"], (parsed, cached)
     assert cached[1] == parsed[1] and '"peak_bytes"' in cached[1]

@@ -154,7 +154,7 @@ def uniform_layer_spec(a: Architecture) -> LayerSpec:
                      norm_placement=placement)
 
 
-def _memo(a: Architecture) -> dict[str, Any]:
+def derived_memo(a: Architecture) -> dict[str, Any]:
     """Per-instance results derived from the (frozen) fields; read directly, as pydantic's
     attribute lookup for private attributes is slow on the plan search's hot path."""
     private = a.__pydantic_private__
@@ -167,14 +167,14 @@ def _memo(a: Architecture) -> dict[str, Any]:
 def derived(a: Architecture) -> dict[str, Any]:
     """The per-instance cache of results other modules derive from the (frozen) fields, under
     their own keys (planner/parallel/pipeline.py: the balanced split and the slowest stage's share)."""
-    return _memo(a)
+    return derived_memo(a)
 
 
 def layer_specs(a: Architecture) -> tuple[LayerSpec, ...]:
     """The ordered blocks: the reader's explicit list, or ``num_layers`` alike blocks."""
     if a.layers:
         return a.layers
-    memo = _memo(a)
+    memo = derived_memo(a)
     if memo.get("_uniform") is None:
         memo["_uniform"] = (uniform_layer_spec(a),) * a.num_layers
     return memo["_uniform"]
@@ -183,7 +183,7 @@ def layer_specs(a: Architecture) -> tuple[LayerSpec, ...]:
 def distinct_specs(a: Architecture) -> dict[int, LayerSpec]:
     """The distinct block objects of the stack, by identity (readers reuse one object per kind),
     so per-block arithmetic runs once per kind of block."""
-    memo = _memo(a)
+    memo = derived_memo(a)
     if memo.get("_distinct") is None:
         memo["_distinct"] = {id(spec): spec for spec in layer_specs(a)}
     return memo["_distinct"]
@@ -196,7 +196,7 @@ def block_numels(a: Architecture) -> list[list[int]]:
 
 def _block_numels(a: Architecture) -> list[list[int]]:
     """Each block's parameter numels, computed once per Architecture (the plan search asks often)."""
-    memo = _memo(a)
+    memo = derived_memo(a)
     if memo.get("_blocks") is None:
         per_kind = {key: layer_numels(spec, a.hidden_size) for key, spec in distinct_specs(a).items()}
         if len(per_kind) == 1:
@@ -208,7 +208,7 @@ def _block_numels(a: Architecture) -> list[list[int]]:
 
 def block_parameters(a: Architecture) -> list[int]:
     """Parameters of each block, first to last."""
-    memo = _memo(a)
+    memo = derived_memo(a)
     if memo.get("_block_sums") is None:
         memo["_block_sums"] = [sum(numels) for numels in _block_numels(a)]
     return memo["_block_sums"]
@@ -239,7 +239,7 @@ def embedding_parameters(a: Architecture) -> int:
 def parameter_numels(a: Architecture) -> list[int]:
     """Every parameter tensor's element count, in module registration order (the order
     DeepSpeed flattens them in), tied weights once."""
-    memo = _memo(a)
+    memo = derived_memo(a)
     if memo.get("_numels") is None:
         h = a.hidden_size
         # ForConditionalGeneration registers the vision tower and projector before the language
@@ -257,7 +257,7 @@ def parameter_numels(a: Architecture) -> list[int]:
 def parameter_count(a: Architecture) -> int:
     """Exactly what ``sum(p.numel() for p in model.parameters())`` gives in transformers
     (tied weights counted once), checked for every catalogue entry by tests/test_catalogue.py."""
-    memo = _memo(a)
+    memo = derived_memo(a)
     if memo.get("_count") is None:
         memo["_count"] = sum(parameter_numels(a))
     return memo["_count"]

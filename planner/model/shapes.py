@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from math import prod
 
-from planner.model.architecture import Architecture, _memo, distinct_specs, layer_specs
+from planner.model.architecture import Architecture, derived_memo, distinct_specs, layer_specs
 from planner.model.layers import layer_numels
 from planner.model.linears import block_linears
 
@@ -59,7 +59,7 @@ def parameter_shapes(a: Architecture) -> tuple[TensorShape, ...]:
     """Every parameter's shape in ``parameter_numels`` order (tied weights once); a vision tower's
     tensors as vectors (its shapes are not described). Computed once per Architecture (the plan's
     search asks for every candidate)."""
-    memo = _memo(a)
+    memo = derived_memo(a)
     if memo.get("_shapes") is None:
         memo["_shapes"] = tuple(_shapes(a))
     return memo["_shapes"]

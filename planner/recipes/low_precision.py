@@ -103,7 +103,7 @@ def converted_linears(arch: Architecture, spec: LayerSpec, recipe: LowPrecisionR
 
 
 def check_low_precision(request: Any, gpu: Any, arch: Architecture | None, framework: Any,
-                        shards_parameters: bool, precision_compute: str, finetune: str) -> None:
+                        shards_parameters: bool, compute_dtype: str, finetune: str) -> None:
     """Refuse what the libraries refuse, or what is not modelled, in one line naming the field."""
     name = request.low_precision
     if name == "none":
@@ -121,7 +121,7 @@ def check_low_precision(request: Any, gpu: Any, arch: Architecture | None, frame
         raise PlannerError(f"low_precision={name} needs {recipe.matmul_dtype} tensor cores (CUDA capability 8.9+); "
                            f"{gpu.name} ({gpu.vendor_name}) has no {recipe.matmul_dtype} rate in gpus.yaml",
                            field="low_precision")
-    if precision_compute == "fp32":
+    if compute_dtype == "fp32":
         raise PlannerError(f"low_precision={name} with precision {request.precision}: the fp8/fp4 linears take "
                            "16-bit inputs (torchtitan sets training.mixed_precision_param bfloat16; nvfp4_mm_triton "
                            "'Requires: bfloat16 input'); use bf16-mixed or bf16-pure", field="low_precision")
