@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 def engine_for(job: dict[str, Any], model: torch.nn.Module, device: torch.device):
-    if job.get("parallel", {}).get("tp_plan") == "transformers":  # from_pretrained(tp_plan="auto")
+    if (job.get("parallel") or {}).get("tp_plan") == "transformers":  # from_pretrained(tp_plan="auto")
         from backend.hf_tensor_parallel import hf_tp_engine
 
         return hf_tp_engine(job, model, device)
