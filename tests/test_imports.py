@@ -145,10 +145,10 @@ def test_architecture_doc_names_every_module():
 # Framework and strategy names compared outside planner/frameworks/ and the shorthand parser
 # (planner/strategies.py): none. The code asks the Framework (planner/frameworks/base.py: its
 # defaults, what it supports, what it launches, its config files) or the Strategy (what it shards,
-# over which group); a comparison anywhere else fails here. The one file left is the plan's search,
-# counted as it stands while it is split (issue 20); lower its count as its comparisons go.
+# over which group); a comparison anywhere else fails here (the plan's search asks
+# Framework.takes_layout and tp_sequence_parallel since its split: issue 25).
 FRAMEWORK_NAMES = {"zero0", "zero1", "zero2", "zero3", "ddp", "fsdp", "fsdp-grad-op", "hsdp", "deepspeed", "torch"}
-NAME_COMPARISONS_LEFT = {"planner/plan/search.py": 4}
+NAME_COMPARISONS_LEFT: dict[str, int] = {}
 
 
 def name_comparisons(path: Path) -> int:

@@ -284,3 +284,33 @@ def test_uneven_stages_in_memory_and_time():
     assert t_heavy.compute_seconds > 1.4 * t_even.compute_seconds  # 24 of 32 blocks and the head set the pace
     with pytest.raises(PlannerError, match="pp_first_stage_layers"):
         estimate(EstimateRequest(**base, pp_first_stage_layers=8, pp_last_stage_layers=8))
+
+
+def test_every_rank_replayed_in_integers_matches_its_written_phases():
+    """pipeline_phases writes items for the worst rank only and sums the others in integers
+    (_rank_step): each rank's integer phases are the written phases' names and bytes, and its
+    in-flight count is max_in_flight's."""
+    from planner.memory.orchestrator import resolve
+    from planner.parallel import pipeline as P
+    from planner.schema import EstimateRequest
+
+    checked = 0
+    for strategy in ("fsdp", "ddp", "zero1"):
+        for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2)):
+            if strategy == "zero1" and schedule != "1f1b":
+                continue
+            for checkpointing in ("none", "full"):
+                setup = resolve(EstimateRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, nodes=4, seq_len=2048,
+                                                micro_batch=1, gradient_accumulation=8, strategy=strategy, pp=4,
+                                                pp_schedule=schedule, pp_virtual_stages=v,
+                                                checkpointing=checkpointing))
+                dp, shard = P._data_parallel_group(setup)
+                all_stages = P._checked_stages(setup, 4, v, schedule, dp)
+                parallel = P.data_parallel(setup, dp, shard)
+                for rank in range(4):
+                    step = P._rank_step(setup, all_stages, rank, 4, v, schedule, parallel)
+                    _, phases = P.rank_phases(setup, all_stages, rank, 4, v, schedule, parallel)
+                    assert [(p.name, p.bytes) for p in phases] == step.phase_bytes()
+                    assert step.in_flight == max_in_flight(schedule, 4, v, 8, rank)
+                    checked += 1
+    assert checked == 4 * 2 * 7

@@ -6,7 +6,8 @@ import pytest
 from cli.main import main
 from planner.errors import PlannerError
 from planner.memory.orchestrator import estimate
-from planner.plan.search import Setting, _request, plan
+from planner.plan.search import Setting, plan
+from planner.plan.settings import estimate_request
 from planner.schema import EstimateRequest, PlanRequest
 from planner.time.step import estimate_with_time
 
@@ -126,23 +127,23 @@ def test_every_phase_grows_with_the_micro_batch(strategy, checkpointing):
 def test_the_pipeline_resident_floor_is_the_estimates(strategy, schedule, tp):
     """plan._resident_floor extrapolates a pipeline's resident bytes from pp micro-batches of 1 and
     of 2 sequences; it equals the estimate at every micro-batch split of the rank's share."""
-    from planner.plan.search import _Search, _resident_floor
+    from planner.plan.evaluate import Search, _resident_floor
 
     virtual = 2 if schedule == "interleaved" else 1
     req = PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, nodes=4, global_batch=512, pp_schedule=schedule,
                       pp_virtual_stages=virtual, seq_len=2048)
     combo = Setting(8, strategy, "full", "none", "none", 4 if strategy == "hsdp" else None, tp, 1, tp > 1, 2, 1)
     per_rank = 512 * tp * 2 // 32
-    search = _Search(req, None, None, None, {}, 1, 0.0, {"model": "llama-3-8b"})
+    search = Search(req, None, None, None, {}, 1, 0.0, {"model": "llama-3-8b"})
     floor = _resident_floor(search, req, combo, per_rank)
     for micro in (1, 2, 4):
-        e = estimate(_request(req, combo, micro, {"model": "llama-3-8b"}))
+        e = estimate(estimate_request(req, combo, micro, {"model": "llama-3-8b"}))
         assert e.per_device.resident_bytes == floor, micro
 
 
 def test_bounds_do_not_change_the_recommendation_of_an_exhaustive_search(monkeypatch):
     """With every bound switched off (no time bound, no floors) the same candidates win."""
-    import planner.plan.search as p
+    import planner.plan.evaluate as p
 
     req = PlanRequest(**SLOW_TWO_NODES)
     bounded = plan(req)
@@ -161,7 +162,7 @@ def test_bounds_do_not_change_the_recommendation_of_an_exhaustive_search(monkeyp
 def test_the_fewer_nodes_bound_changes_no_advice(monkeypatch):
     """plan._fewer_node_rows skips a node count whose compute alone cannot beat the advice's
     threshold; without the bound the advice is the same."""
-    import planner.plan.search as p
+    import planner.plan.evaluate as p
 
     kw = dict(model="llama-3-70b", gpu="h100-80gb", gpus=8, nodes=4, seq_len=4096, global_batch=256, tp=1, pp=1)
     for fabric in ({"fabric": "eth-25g", "nics_per_node": 1}, {}):
@@ -178,12 +179,12 @@ def test_the_min_gpus_bounds_change_no_answer(monkeypatch):
     """plan._search answers None at once when the replicated weights, or the most nodes searched,
     prove it, and skips a node's fewer GPUs when the whole node does not fit: the same answers as
     the plain doubling search."""
-    import planner.plan.search as p
+    import planner.plan.inverse as p
 
     req = PlanRequest(model="llama-3-70b", gpu="h100-80gb", gpus=8, nodes=2, global_batch=256)
     usable = 80 * 2**30 * 0.95
     fields = {"model": "llama-3-70b"}
-    bounded = {n: p._min_gpus(req, n, usable, fields) for n in ("ddp", "zero1", "zero3", "fsdp", "hsdp")}
+    bounded = {n: p.strategy_min_gpus(req, n, usable, fields) for n in ("ddp", "zero1", "zero3", "fsdp", "hsdp")}
     monkeypatch.setattr(p, "_replicated_weights_exceed", lambda *a: False)
     monkeypatch.setattr(p, "MAX_SEARCH_GPUS", 8)  # no "most nodes" check: the loop alone
     plain = {}

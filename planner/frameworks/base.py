@@ -103,6 +103,8 @@ class Framework:
     # the low_precision recipes (planner/recipes/low_precision.py) whose library applies to this framework's
     # model: Transformer Engine's modules run under any of them (accelerate's fp8 with TE backend)
     low_precision: frozenset[str] = frozenset({"none", "te-fp8"})
+    # its tensor parallelism shards the residual stream over the sequence between blocks
+    tp_sequence_parallel: bool = False
 
     def phases(self, setup: "Setup", acts: "Activations | None", numels: list[int]) -> "PhasePlan":
         raise NotImplementedError
@@ -169,6 +171,10 @@ class Framework:
             raise PlannerError(f"tp_plan={tp_plan} with strategy {s.name}: its framework shards by its own tensor-"
                                "parallel layout (tp_plan torchtitan); from_pretrained(tp_plan=\"auto\") is trained by "
                                "torch (fsdp, or no data parallelism)", field="tp_plan")
+    def takes_layout(self, s: "Strategy", tp: int, cp: int, pp: int, schedule: str) -> bool:
+        """Whether the strategy realises the data-parallel part of a (tp, cp, pp) layout, pp with
+        this pipeline schedule (what the plan searches)."""
+        raise NotImplementedError
 
     def worker_settings(self, setup: "Setup", request: Any) -> dict[str, Any]:
         """What the verification backend's rank needs to build this framework's engine."""

@@ -10,7 +10,7 @@ trace (``backend.train.live_at``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from planner.model.activations import Activations
 from planner.model.architecture import block_parameters, blocks_parameters, layer_parameters, vision_parameters
@@ -38,10 +38,37 @@ class PhasePlan:
     nvme_bytes: int = 0
 
 
+_COMPONENTS = frozenset(get_args(MemoryItem.model_fields["component"].annotation))
+_new, _set = object.__new__, object.__setattr__
+
+
 def item(name: str, nbytes: int, component: str, source: str = "", stream: str = "default") -> MemoryItem:
     """``stream``: the CUDA stream its tensors are allocated on (the caching allocator's pools are
-    per stream: planner/memory/reserved.py)."""
-    return MemoryItem(name=name, bytes=int(nbytes), component=component, source=source, stream=stream)
+    per stream: planner/memory/reserved.py).
+
+    A plan builds tens of thousands of items, a few hundred of them distinct: an item is made
+    once per value and shared (nothing in the core changes an item; model_copy copies), filled in
+    as pydantic 2's model_construct does (main.py: __dict__, the fields set, no extra and no
+    private attributes) after the one check validation would make (the component)."""
+    key = (name, nbytes, component, source, stream)
+    m = _ITEMS.get(key)
+    if m is not None:
+        return m
+    if component not in _COMPONENTS:
+        raise ValueError(f"component({component!r}) is not one of {sorted(_COMPONENTS)}")
+    m = _new(MemoryItem)
+    _set(m, "__dict__", {"name": name, "bytes": int(nbytes), "component": component, "source": source,
+                         "stream": stream})
+    _set(m, "__pydantic_fields_set__", {"name", "bytes", "component", "source", "stream"})
+    _set(m, "__pydantic_extra__", None)
+    _set(m, "__pydantic_private__", None)
+    if len(_ITEMS) >= 1 << 16:
+        _ITEMS.clear()
+    _ITEMS[key] = m
+    return m
+
+
+_ITEMS: dict[tuple, MemoryItem] = {}  # item's memo, by its arguments
 
 
 def phase(kind: PhaseKind, name: str, items: list[MemoryItem]) -> Phase:

@@ -10,7 +10,7 @@ after the DeepSpeed / torch source that allocates it.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from planner.cluster import cuda_context
 from planner.memory import buffers as buf
@@ -59,16 +59,31 @@ def resolve_model(request: EstimateRequest) -> ResolvedModel:
 
 
 def _zero_settings(request: EstimateRequest, s: Strategy) -> ZeroSettings:
+    if request.ds_config is not None:
+        return _zero_settings_of(request, s)
+    # without a config file the settings are the strategy's and the flags' (a ZeroSettings is
+    # frozen): once per combination, as the plan resolves hundreds of requests
+    key = (s.name, s.zero_stage, request.offload_optimizer, request.offload_params) + tuple(
+        getattr(request, name) for name in _ZERO_FLAGS)
+    if key not in _ZERO_SETTINGS:
+        if len(_ZERO_SETTINGS) >= 1024:
+            _ZERO_SETTINGS.clear()
+        _ZERO_SETTINGS[key] = _zero_settings_of(request, s)
+    return _ZERO_SETTINGS[key]
+
+
+_ZERO_SETTINGS: dict[tuple, ZeroSettings] = {}
+# the request's flags that override a config's (every one _zero_settings_of reads: the memo's key)
+_ZERO_FLAGS = ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "param_persistence_threshold",
+               "max_live_parameters", "max_reuse_distance")
+
+
+def _zero_settings_of(request: EstimateRequest, s: Strategy) -> ZeroSettings:
     settings = parse_ds_config(request.ds_config) if request.ds_config is not None else ZeroSettings()
     if request.ds_config is not None and s.zero_stage is not None and settings.stage != s.zero_stage:
         raise PlannerError(f"strategy {s.name} contradicts ds_config zero_optimization.stage({settings.stage}); "
                            f"use strategy zero{settings.stage} or change the config", field="strategy")
-    settings = with_overrides(
-        settings, reduce_bucket_size=request.reduce_bucket_size,
-        allgather_bucket_size=request.allgather_bucket_size,
-        prefetch_bucket_size=request.prefetch_bucket_size,
-        param_persistence_threshold=request.param_persistence_threshold,
-        max_live_parameters=request.max_live_parameters, max_reuse_distance=request.max_reuse_distance)
+    settings = with_overrides(settings, **{name: getattr(request, name) for name in _ZERO_FLAGS})
     offload_optimizer = request.offload_optimizer if request.offload_optimizer != "none" else settings.offload_optimizer
     offload_params = request.offload_params if request.offload_params != "none" else settings.offload_params
     return replace(settings, stage=s.zero_stage or 0, offload_optimizer=offload_optimizer,
@@ -211,8 +226,50 @@ def setup_of(result: EstimateResult) -> Setup | None:
     return result._setup
 
 
-def estimate_resolved(setup: Setup, simulate: bool = True) -> EstimateResult:
-    """The estimate of a resolved request: the Setup goes with the result (``setup_of``)."""
+@dataclass(eq=False)
+class Measured:
+    """An estimate's numbers before its result is written out: the plan search judges thousands of
+    settings on the peak, resident and phase bytes and writes out (``result``) only those it shows."""
+
+    whole: Setup  # the request's Setup (``setup`` is the rank's: localized experts, a stage's shard)
+    setup: Setup
+    acts: Activations | None
+    plan: "buf.PhasePlan"
+    states: tuple[int, int, int]  # (parameters, gradients, optimizer states) bytes
+    peak_phase: Phase
+    framework_bytes: int
+    host: HostMemory
+    _result: EstimateResult | None = None
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak_phase.bytes + self.framework_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.plan.resident_bytes + self.framework_bytes
+
+    def phase_bytes(self) -> list[int]:
+        """Each phase's bytes as the result lists them: between steps first, then the plan's."""
+        return [sum(i.bytes for i in self.plan.resident if i.bytes > 0)] + [p.bytes for p in self.plan.phases]
+
+    def result(self) -> EstimateResult:
+        """The estimate without the allocator's replay (estimate(..., simulate=False))."""
+        if self._result is None:
+            self._result = _result(self, False)
+        return self._result
+
+    def candidate(self, replay: bool = False) -> EstimateResult:
+        """The estimate as a plan's candidate shows it (its per-device rows, degrees and host
+        memory; ``replay``: its reserved peak and fit by the allocator's replay): without the
+        notes, the architecture and the allocator's summary a Candidate does not carry, so without
+        the replay with expandable_segments switched that only they report."""
+        return _result(self, replay, brief=True)
+
+
+def measure(setup: Setup) -> Measured:
+    """The memory of a resolved request: its phases, peak and host memory (estimate_resolved
+    writes them out)."""
     whole = setup
     ep_items, ep_transient = [], None
     if setup.dims.ep > 1:
@@ -225,7 +282,8 @@ def estimate_resolved(setup: Setup, simulate: bool = True) -> EstimateResult:
     if setup.dims.pp > 1:
         from planner.parallel import pipeline
 
-        plan, (params_b, grads_b, optim_b), _ = pipeline.estimate_plan(setup)
+        # the stages' share of the activations just computed (a localized expert setup computes its own)
+        plan, (params_b, grads_b, optim_b), _ = pipeline.estimate_plan(setup, acts if setup is whole else None)
         # a stage's states are sharded over its data-parallel ranks only (notes, shard_size)
         d = setup.dims  # FSDP shards over dp_shard x cp (torchtitan's dp_shard_cp)
         setup = replace(setup, shard_size=d.dp_shard * d.cp if setup.strategy.shards_optimizer else d.dp * d.cp)
@@ -249,8 +307,29 @@ def estimate_resolved(setup: Setup, simulate: bool = True) -> EstimateResult:
         params_b += sum(i.bytes for i in ep_items if i.component == "parameters")
         optim_b += sum(i.bytes for i in ep_items if i.component == "optimizer_states")
         grads_b += sum(i.bytes for i in ep_items if i.component == "gradients")
-    framework = setup.gpu.cuda_context_bytes + setup.gpu.blas_workspace_bytes
-    peak_phase = max(plan.phases, key=lambda p: p.bytes)
+    return Measured(whole, setup, acts, plan, (params_b, grads_b, optim_b), max(plan.phases, key=lambda p: p.bytes),
+                    setup.gpu.cuda_context_bytes + setup.gpu.blas_workspace_bytes, _host(setup, plan))
+
+
+def pipeline_resident_bytes(setup: Setup) -> int:
+    """measure(setup).resident_bytes of a pipeline without expert parallelism, its schedule not
+    replayed (planner/parallel/pipeline.py resident_bytes): the plan search's floor."""
+    from planner.parallel import pipeline
+
+    if setup.dims.pp == 1 or setup.dims.ep > 1:
+        raise ValueError(f"pipeline_resident_bytes needs pp > 1 and ep 1, got pp={setup.dims.pp} ep={setup.dims.ep}")
+    return pipeline.resident_bytes(setup) + setup.gpu.cuda_context_bytes + setup.gpu.blas_workspace_bytes
+
+
+def estimate_resolved(setup: Setup, simulate: bool = True) -> EstimateResult:
+    """The estimate of a resolved request: the Setup goes with the result (``setup_of``)."""
+    return _result(measure(setup), simulate)
+
+
+def _result(m: Measured, simulate: bool, brief: bool = False) -> EstimateResult:
+    whole, setup, acts, plan, peak_phase, host = m.whole, m.setup, m.acts, m.plan, m.peak_phase, m.host
+    params_b, grads_b, optim_b = m.states
+    framework = m.framework_bytes
     peak = peak_phase.bytes + framework
     resident = plan.resident_bytes + framework
     act_at_peak = sum(i.bytes for i in peak_phase.items if i.component == "activations")
@@ -258,19 +337,20 @@ def estimate_resolved(setup: Setup, simulate: bool = True) -> EstimateResult:
     at_peak = _at_peak(peak_phase, framework)
     buffers_at_peak = at_peak.buffers_bytes
     capacity = _capacity(setup)
-    host = _host(setup, plan)
-    held = reserved.simulate(setup, plan, len(_numels(setup)), capacity) if simulate and not setup.gpu.is_cpu else None
+    held = reserved.simulate(setup, plan, len(_numels(setup)), capacity, compare=not brief) \
+        if simulate and not setup.gpu.is_cpu else None
     # not replayed (the plan's search, cpu ranks): the live peak and NCCL's buffers, a lower bound
     nccl = held.nccl_bytes if held else (0 if setup.gpu.is_cpu else reserved.nccl_bytes(setup))
     reserved_peak = peak + nccl if held is None else held.reserved_peak_bytes
     device_fits = peak <= capacity if held is None else held.fits
     fits = capacity > 0 and device_fits and host.fits is not False
-    notes = _notes(setup, acts, plan, peak_phase, capacity, peak, held) + host_notes(setup, host)
+    notes = [] if brief else _notes(setup, acts, plan, peak_phase, capacity, peak, held) + host_notes(setup, host)
     result = EstimateResult(
         parameters=whole.psi,
         trainable_parameters=whole.psi if whole.finetune is None else trainable_count(whole),
         model=ModelSummary(name=whole.model.name, source=whole.model.source, parameters=whole.psi,
-                           architecture=whole.model.architecture.model_dump() if whole.model.architecture else None),
+                           architecture=whole.model.architecture.model_dump()
+                           if whole.model.architecture and not brief else None),
         strategy=setup.strategy.name, world_size=setup.world_size, dp_size=setup.dims.dp,
         shard_size=setup.shard_size, parallel=ParallelDegrees(**setup.dims.as_dict()), gpu=setup.gpu.name,
         per_device=PerDevice(
@@ -283,7 +363,7 @@ def estimate_resolved(setup: Setup, simulate: bool = True) -> EstimateResult:
             nccl_bytes=nccl),
         host=host,
         nvme_bytes=plan.nvme_bytes, device_capacity_bytes=capacity, fits=fits,
-        headroom_bytes=capacity - reserved_peak, allocator=held.summary() if held else None,
+        headroom_bytes=capacity - reserved_peak, allocator=held.summary() if held and not brief else None,
         phases=[_phase_of(PhaseKind.RESIDENT, "between steps (resident)", plan.resident)] + list(plan.phases), buffers=list(plan.buffers),
         notes=notes, request=setup.request)
     result._setup = whole

@@ -7,6 +7,7 @@ model's as measured. The orchestrator (planner/memory/orchestrator.py) and the p
 from __future__ import annotations
 
 from planner.model.activations import FP32, ActivationItem, Activations, estimate_activations
+from planner.model.architecture import derived
 from planner.parallel.context import cp_activations
 from planner.errors import PlannerError
 from planner.recipes.activation_offload import offloaded, on_shared_memory
@@ -73,10 +74,8 @@ def _activations(setup: Setup) -> tuple[Activations, bool]:
     # TP-only rank; FSDP2 casts them by its MixedPrecisionPolicy: backend/train.py, train_parallel.py).
     # A pipeline stage counts its own (pipeline._autocast_fp32_stream_extra); cp keeps the 16-bit count.
     autocast = _autocast(setup)
-    acts = estimate_activations(arch, micro_batch=req.micro_batch, seq_len=seq_len,
-                                compute_bytes=compute, attention=req.attention,
-                                checkpointing=req.checkpointing, device=setup.device, autocast=autocast,
-                                every=req.checkpointing_every, loss_chunks=setup.loss_chunks)
+    acts = _model_activations(arch, req.micro_batch, seq_len, compute, req.attention, req.checkpointing, setup.device,
+                              autocast, req.checkpointing_every, setup.loss_chunks)
     if setup.rank_architecture is not None:
         acts = tp_activations(acts, setup.model.architecture, setup.arch, tp=setup.tp,
                               sequence_parallel=setup.sequence_parallel, tokens=req.micro_batch * seq_len,
@@ -90,6 +89,21 @@ def _autocast(setup: Setup) -> bool:
     return (setup.framework.weights_are_master and setup.recipe.autocast_dtype is not None
             and not (setup.strategy.shards_parameters and setup.data_parallel_wrapped)
             and setup.dims.pp == 1 and setup.cp == 1)
+
+
+def _model_activations(arch, micro_batch: int, seq_len: int, compute: int, attention: str, checkpointing: str,
+                       device: str, autocast: bool, every: int | None, loss_chunks: int) -> Activations:
+    """estimate_activations, once per architecture and arguments: the plan search asks the same
+    ones for every strategy, shard group and offload of a layout (an Activations is frozen)."""
+    memo = derived(arch).setdefault("_activations", {})
+    key = (micro_batch, seq_len, compute, attention, checkpointing, device, autocast, every, loss_chunks)
+    if key not in memo:
+        if len(memo) >= 4096:
+            memo.clear()
+        memo[key] = estimate_activations(arch, micro_batch=micro_batch, seq_len=seq_len, compute_bytes=compute,
+                                         attention=attention, checkpointing=checkpointing, device=device,
+                                         autocast=autocast, every=every, loss_chunks=loss_chunks)
+    return memo[key]
 
 
 def _traced_activations(setup: Setup) -> Activations:

@@ -73,7 +73,7 @@ STATE_COMPONENTS = ("parameters", "gradients", "optimizer_states", "frozen_weigh
 class Reserved:
     conf: AllocConf
     stats: AllocatorStats
-    other: AllocatorStats  # the same stream with expandable_segments switched
+    other: AllocatorStats | None  # the same stream with expandable_segments switched (None: not replayed)
     cuda_context_bytes: int
     nccl_bytes: int
     communicators: tuple[str, ...]
@@ -269,10 +269,11 @@ def allocation_events(setup: "Setup", plan: "PhasePlan", parameters: int) -> lis
     return events
 
 
-def simulate(setup: "Setup", plan: "PhasePlan", parameters: int, capacity_bytes: int) -> Reserved:
+def simulate(setup: "Setup", plan: "PhasePlan", parameters: int, capacity_bytes: int,
+             compare: bool = True) -> Reserved:
     """The step's reserved memory under the request's allocator settings, the same with
-    expandable_segments switched, and whether the replay fits the device (the allocator empties
-    its cache and retries before it reports out of memory)."""
+    expandable_segments switched (``compare``), and whether the replay fits the device (the
+    allocator empties its cache and retries before it reports out of memory)."""
     req = setup.request
     conf = parse_alloc_conf(req.alloc_conf)
     calibrated = _CALIBRATION.get(setup.gpu.name, {})
@@ -281,7 +282,7 @@ def simulate(setup: "Setup", plan: "PhasePlan", parameters: int, capacity_bytes:
     nccl = nccl_bytes(setup)
     events = allocation_events(setup, plan, parameters)
     stats = replay(events, conf)
-    other = replay(events, conf.with_expandable(not conf.expandable_segments))
+    other = replay(events, conf.with_expandable(not conf.expandable_segments)) if compare else None
     room = capacity_bytes - context - nccl
     fits = room > 0 and stats.reserved_peak_bytes <= room
     if not fits and room > 0:

@@ -265,9 +265,12 @@ def parameter_count(a: Architecture) -> int:
 
 def active_parameter_count(a: Architecture) -> int:
     """Parameters one token passes through (MoE: only its routed experts), for FLOPs."""
-    per_kind = {key: routed_inactive_numels(spec.mlp, a.hidden_size) for key, spec in distinct_specs(a).items()}
-    inactive = sum(per_kind[id(spec)] for spec in layer_specs(a))
-    return parameter_count(a) - inactive - vision_parameters(a)  # a text token never meets the vision tower
+    memo = _memo(a)
+    if memo.get("_active") is None:  # the time model asks for every setting the plan searches
+        per_kind = {key: routed_inactive_numels(spec.mlp, a.hidden_size) for key, spec in distinct_specs(a).items()}
+        inactive = sum(per_kind[id(spec)] for spec in layer_specs(a))
+        memo["_active"] = parameter_count(a) - inactive - vision_parameters(a)  # a text token never meets the vision tower
+    return memo["_active"]
 
 
 def vision_parameters(a: Architecture) -> int:

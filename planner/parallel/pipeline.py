@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Literal
 
-from planner.model.activations import FP32
+from planner.model.activations import FP32, Activations
 from planner.model.architecture import Architecture, block_numels, block_parameters, derived, layer_specs, norm_numels
 from planner.model.attention.kinds import kind_of
 from planner.memory.buffers import item, phase
@@ -146,6 +146,13 @@ def _actions(schedule: str, pp: int, virtual_stages: int, micro_batches: int, ra
         else:
             push("B", backward_stage(op))
     return out
+
+
+@lru_cache(maxsize=4096)
+def _rank_ops(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> tuple[tuple[int, bool, int], ...]:
+    """rank_actions as (local stage: the rank's k-th, forward, micro-batch), for the replay."""
+    return tuple(((a.stage - rank) // pp, a.kind == "F", a.micro_batch)
+                 for a in _rank_actions(schedule, pp, virtual_stages, micro_batches, rank))
 
 
 def max_in_flight(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> int:
@@ -280,6 +287,14 @@ class Stage:
     transient_bytes: int  # on top, at the start of one micro-batch's backward
 
 
+def _block_largest(a: Architecture) -> list[int]:
+    """Each block's largest parameter tensor (once per architecture: the plan cuts it many times)."""
+    memo = derived(a)
+    if memo.get("_pp_block_largest") is None:
+        memo["_pp_block_largest"] = [max(numels) for numels in block_numels(a)]
+    return memo["_pp_block_largest"]
+
+
 def _autocast(setup: "Setup", dp: int) -> bool:
     """Mixed precision by torch.autocast (fp32 weights, 16-bit matmuls): DDP or no wrapper; FSDP2
     over dp > 1 casts the weights themselves (MixedPrecisionPolicy param_dtype); DeepSpeed holds
@@ -315,7 +330,7 @@ def _stream_bytes(setup: "Setup", dp: int) -> int:
     return FP32 if setup.recipe.compute == "fp32" or _autocast(setup, dp) else 2
 
 
-def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[Stage]:
+def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1, acts: Activations | None = None) -> list[Stage]:
     """The model cut into ``pp * virtual_stages`` stages. A stage's activations are its share of
     the one Activations the whole model has (planner/memory/orchestrator.py ``activations``: the rank's
     narrower model under tp with tensor_parallel.tp_activations, its seq_len / cp tokens with
@@ -327,7 +342,7 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[St
     req = setup.request
     count = pp * virtual_stages
     bounds = stage_bounds(a.num_layers, count, req.pp_first_stage_layers, req.pp_last_stage_layers)
-    acts = activations(setup)
+    acts = acts if acts is not None else activations(setup)  # the caller's, where it has them (estimate_plan)
     edges = acts.edges
     # with cp the rank holds seq_len / cp tokens of each sequence (planner/parallel/context.py); with
     # sequence parallelism the residual stream between blocks (the stage's output and its receive
@@ -340,25 +355,27 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[St
     autocast = _autocast(setup, dp)
     h, vocab = a.hidden_size, a.vocab_size
     specs = layer_specs(a)
-    blocks_numels = block_numels(a)
+    sums, largest = block_parameters(a), _block_largest(a)
     boundary = stream * tokens * h // sp
     head = vocab * h  # the last stage's own copy when the embedding is tied (torchtitan unties)
     out = []
     for index in range(count):
         first, last = bounds[index]
         is_first, is_last = index == 0, index == count - 1
-        tensors = [n for block in blocks_numels[first:last] for n in block]
+        tensors = [sum(sums[first:last])] if first < last else []  # the blocks' sum, then the edges' tensors
+        biggest = max(largest[first:last], default=0)
         if is_first:
             tensors += [vocab * h] + ([a.learned_positions * h] if a.learned_positions else [])
         if is_last:
             tensors += norm_numels(a.norm, h) + [head]
+        edge = max(tensors[1:] if first < last else tensors, default=0)
         kept = acts.block_kept(first, last) + edges.rope_saved
         if autocast:
             kept += sum(_autocast_fp32_stream_extra(specs[i]) for i in range(first, last)) * tokens * h
             # torch.autocast casts each linear's weight once per forward and clears its cache when
             # the context exits (torch/amp/autocast_mode.py __exit__): every micro-batch's forward
             # makes its own 16-bit copies, which its graph saves until its backward
-            linear = sum(n for block in blocks_numels[first:last] for n in block if n > h) + (head if is_last else 0)
+            linear = sum(n for block in block_numels(a)[first:last] for n in block if n > h) + (head if is_last else 0)
             kept += b * linear
         if not is_first:
             # the first block's saved input is the receive buffer itself (counted once, as a buffer):
@@ -380,7 +397,7 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1) -> list[St
         if acts.checkpointed:
             # each block is recomputed in its backward: the largest of the stage's holds its whole set
             transient = max(transient, max(acts.blocks[first:last]) + acts.layer_transient_bytes)
-        out.append(Stage(index, first, last, is_first, is_last, sum(tensors), max(tensors), kept,
+        out.append(Stage(index, first, last, is_first, is_last, sum(tensors), max(biggest, edge), kept,
                          0 if is_last else boundary, 0 if is_first else boundary, transient))
     return out
 
@@ -424,25 +441,27 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virtual_stages: int,
-                schedule: str, dp: DataParallel) -> tuple[list[MemoryItem], list[Phase]]:
-    """(what stays between steps, the phases a step can peak at) on one rank."""
-    from planner.recipes.precision import bits_to_bytes
-
-    r, req = setup.recipe, setup.request
-    m = req.gradient_accumulation
-    mine = [all_stages[rank + k * pp] for k in range(virtual_stages)]
-    params = sum(s.parameters for s in mine)
-    largest = max(s.largest_tensor for s in mine)
-    compute = 4 if r.compute == "fp32" else 2
+def _bits(setup: "Setup", params: int) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer state) bits per element of a stage. torch (DDP, FSDP2, or no
+    wrapper): the weights are the master copy (fp32 under the mixed recipes, as
+    buffers._torch_phases stores them) and the optimizer keeps its states only; DeepSpeed's
+    pipeline engine (ZeRO-0/1): 16-bit weights and gradients, fp32 master in the optimizer."""
+    r = setup.recipe
     master_weights = setup.framework.weights_are_master
-    # torch (DDP, FSDP2, or no wrapper): the weights are the master copy (fp32 under the mixed
-    # recipes, as buffers._torch_phases stores them) and the optimizer keeps its states only;
-    # DeepSpeed's pipeline engine (ZeRO-0/1): 16-bit weights and gradients, fp32 master in the optimizer.
     weight_bits = 32 if master_weights and (r.master_bits or r.weight_bits == 32) else r.weight_bits
     grad_bits = weight_bits if master_weights else r.grad_bits
-    weights = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_parameters else params, weight_bits)
     states_bits = (0 if master_weights else r.master_bits) + setup.framework.optimizer_state_bits(setup, [params])
+    return weight_bits, grad_bits, states_bits
+
+
+def _resident(setup: "Setup", mine: list[Stage], dp: DataParallel) -> list[MemoryItem]:
+    """What a rank holding these stages keeps between steps: its states and receive buffers."""
+    from planner.recipes.precision import bits_to_bytes
+
+    m = setup.request.gradient_accumulation
+    params = sum(s.parameters for s in mine)
+    weight_bits, grad_bits, states_bits = _bits(setup, params)
+    weights = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_parameters else params, weight_bits)
     optim = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_optimizer else params, states_bits)
     recv = m * sum(s.input_bytes for s in mine)
     grad_recv = m * sum(s.output_bytes for s in mine)
@@ -458,6 +477,47 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
     if setup.framework.gradient_bucket_copy(setup.strategy) and dp.dp > 1:
         resident.append(_item("DDP gradient buckets (a copy of the gradients)", grad_bits // 8 * params, "buffers",
                               "torch DDP Reducer, gradient_as_bucket_view=False"))
+    return resident
+
+
+@dataclass(frozen=True)
+class _RankStep:
+    """One rank's step replayed in integers: what rank_phases writes out as items, for the rank
+    whose peak is the pipeline's (the others' are summed only: RankMemory)."""
+
+    mine: tuple[Stage, ...]
+    params: int
+    resident: tuple[MemoryItem, ...]
+    compute: int  # bytes per element of the compute dtype
+    reduce: int  # of FSDP2's accumulated gradients (the reduce dtype)
+    grad_bytes_per: int
+    fresh_bytes_per: int
+    gathered_bytes: int
+    # each kind of moment's worst (in the order first met): name -> (bytes, (stage, micro-batches in
+    # flight per local stage, whether each local stage has gradients, held bytes))
+    worst: dict
+    after: tuple[tuple[PhaseKind, str, int], ...]  # the phases after the schedule: (kind, name, bytes)
+    in_flight: int  # the most micro-batch chunks in flight at once
+
+    def phase_bytes(self) -> list[tuple[str, int]]:
+        """(name, bytes) of each phase, in rank_phases' order."""
+        out = []
+        for name, (total, (_, live, _, _)) in self.worst.items():
+            out.append((name if name.startswith("embedding") else
+                        f"{name}, {sum(live)} micro-batches in flight", total))
+        return out + [(name, total) for _, name, total in self.after]
+
+
+def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virtual_stages: int,
+               schedule: str, dp: DataParallel) -> _RankStep:
+    r, req = setup.recipe, setup.request
+    m = req.gradient_accumulation
+    mine = tuple(all_stages[rank + k * pp] for k in range(virtual_stages))
+    params = sum(s.parameters for s in mine)
+    largest = max(s.largest_tensor for s in mine)
+    compute = 4 if r.compute == "fp32" else 2
+    grad_bits = _bits(setup, params)[1]
+    resident = tuple(_resident(setup, list(mine), dp))
     # During the schedule: FSDP2 keeps the stage's parameters unsharded (compute dtype) and
     # accumulates unsharded gradients until the last backward (torch 2.13 pipelining/stage.py:844-847
     # backward_maybe_with_nosync sets reshard_after_backward and requires_gradient_sync False;
@@ -467,102 +527,133 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
     # unsharded_accumulated_grad and adds later micro-batches' into it (_fully_shard/
     # _fsdp_param_group.py:603-612, _fsdp_param.py:802-820), 4 bytes per element of the stage.
     reduce = FP32 if dp.shards_parameters and req.reduce_dtype == "fp32" else compute
-    if dp.shards_parameters:
-        gathered = _item("unsharded parameters of the stage (FSDP2, kept for every micro-batch)",
-                         compute * params, "buffers", "pipelining/stage.py backward_maybe_with_nosync")
-        grads_during = _item("unsharded gradients, accumulated over micro-batches (FSDP2"
-                             + (", fp32 reduce dtype)" if reduce != compute else ")"), reduce * params,
-                             "gradients", "reduce-scattered once, at perform_reduce_grad")
-    else:
-        gathered = _item("", 0, "buffers")
-        grads_during = None
+    gathered = compute * params if dp.shards_parameters else 0
     grad_bytes_per = reduce if dp.shards_parameters else grad_bits // 8
     fresh_bytes_per = compute if dp.shards_parameters else grad_bits // 8  # autograd's new gradient, param dtype
-    phases: list[Phase] = []
-    live: dict[int, int] = {}  # stage -> micro-batches in flight
-    done: set[int] = set()  # stages with gradients
-    by_index = {s.index: s for s in mine}
-    base = sum(i.bytes for i in resident) + gathered.bytes
-
-    def grads_item(stages_done: set[int]) -> MemoryItem:
-        elements = sum(by_index[i].parameters for i in stages_done)
-        return _item(f"gradients of {len(stages_done)} of {len(mine)} local stage(s)", grad_bytes_per * elements,
-                     "gradients")
-
-    def acts_item(in_flight: dict[int, int]) -> MemoryItem:
-        count = sum(in_flight.values())
-        return _item(f"activations of {count} micro-batch chunk(s) in flight",
-                     sum(by_index[i].activation_bytes * n for i, n in in_flight.items()), "activations",
-                     f"{schedule} schedule, torch 2.13 pipelining/schedules.py")
-
-    # Sends whose work the schedule waits for only at the step's end keep their tensors: ScheduleGPipe
-    # its backward sends (bwd_sends_to_wait), the interleaved runtime every send (send_ops, waited
-    # in _PipelineScheduleRuntime._step_microbatches after the last action); Schedule1F1B waits
-    # for each with the next receive.
-    def held_item(nbytes: int) -> MemoryItem:
-        return _item("sent tensors held until the step ends (p2p works not yet waited)", nbytes, "buffers",
-                     "torch 2.13 pipelining/schedules.py: send works waited after the last action")
-
+    resident_bytes = sum(i.bytes for i in resident)
+    base = resident_bytes + gathered
     # The moments are replayed in integers; a phase's items are built only for each kind's worst
-    # moment (the search estimates pipelines of hundreds of micro-batches).
+    # moment (the search estimates pipelines of hundreds of micro-batches). Sends whose work the
+    # schedule waits for only at the step's end keep their tensors (``held``): ScheduleGPipe its
+    # backward sends (bwd_sends_to_wait), the interleaved runtime every send (send_ops, waited in
+    # _PipelineScheduleRuntime._step_microbatches after the last action); Schedule1F1B waits for
+    # each with the next receive.
+    live = [0] * virtual_stages  # micro-batches in flight per local stage
+    done = [False] * virtual_stages  # local stages with gradients
+    sent = [(s.input_bytes + (s.output_bytes if schedule == "interleaved" else 0)) if schedule != "1f1b" else 0
+            for s in mine]  # the gradient of the stage's input sent back; interleaved also its output
     worst: dict[str, tuple[int, tuple]] = {}
-    held = grads = acts = 0
-    for action in _rank_actions(schedule, pp, virtual_stages, m, rank):
-        stage = by_index[action.stage]
-        if action.kind == "F":
-            live[stage.index] = live.get(stage.index, 0) + 1
+    held = grads = acts = count = most = 0
+    for k, forward, micro_batch in _rank_ops(schedule, pp, virtual_stages, m, rank):
+        stage = mine[k]
+        if forward:
+            live[k] += 1
             acts += stage.activation_bytes
+            count += 1
+            if count > most:
+                most = count
             continue
         name = "loss backward" if stage.is_last else "stage backward"
         total = base + grads + acts + held + stage.transient_bytes
         if name not in worst or total > worst[name][0]:
-            worst[name] = (total, (stage, dict(live), set(done), held))
-        live[stage.index] -= 1
+            worst[name] = (total, (stage, tuple(live), tuple(done), held))
+        live[k] -= 1
         acts -= stage.activation_bytes
-        if stage.index not in done:
-            done.add(stage.index)
+        count -= 1
+        if not done[k]:
+            done[k] = True
             grads += grad_bytes_per * stage.parameters
-        if schedule != "1f1b":
-            # the gradient of the stage's input, sent back; the runtime (interleaved) also keeps
-            # the stage's output it sent forward
-            held += stage.input_bytes + (stage.output_bytes if schedule == "interleaved" else 0)
-        if stage.is_first and len(done) and action.micro_batch > 0:
+        held += sent[k]
+        if stage.is_first and micro_batch > 0:
             # embedding_dense_backward's fresh V x h gradient, added into the accumulated one
             name = "embedding backward (first stage)"
             total = base + grads + acts + held + fresh_bytes_per * stage.largest_tensor
             if name not in worst or total > worst[name][0]:
-                worst[name] = (total, (stage, dict(live), set(done), held))
-    for name, (_, (stage, in_flight, stages_done, held_bytes)) in worst.items():
+                worst[name] = (total, (stage, tuple(live), tuple(done), held))
+    # After the schedule: the reduction of the gradients over dp, and the optimizer step.
+    after = []
+    if dp.shards_parameters:
+        after.append((PhaseKind.GRADIENT_ALLREDUCE, "gradient reduce-scatter over dp",
+                      base + reduce * params + reduce * _largest_unit(setup, mine)
+                      + grad_bits // 8 * _ceil(params, dp.shard)))
+    after.append((PhaseKind.OPTIMIZER_STEP, "optimizer step",
+                  resident_bytes + grad_bits // 8 * (_ceil(params, dp.shard) if dp.shards_gradients else params)
+                  + _step_temporaries(setup, largest, params, dp)))
+    return _RankStep(mine, params, resident, compute, reduce, grad_bytes_per, fresh_bytes_per, gathered, worst,
+                     tuple(after), most)
+
+
+def _largest_unit(setup: "Setup", mine: tuple[Stage, ...]) -> int:
+    """Elements of the stage's largest FSDP unit: a block, or what the stage holds beside its
+    blocks (the embedding, the final norm and the head)."""
+    blocks = block_parameters(setup.arch)
+    units = [n for s in mine for n in blocks[s.first_block:s.last_block]]
+    units += [s.parameters - sum(blocks[s.first_block:s.last_block]) for s in mine]
+    return max(units)
+
+
+def _step_temporaries(setup: "Setup", largest: int, params: int, dp: DataParallel) -> int:
+    """The optimizer step's temporaries over the stage: its largest tensor (a single-tensor step's)
+    and the rest of the stage's (a foreach step's), as the strategies without a pipeline count them."""
+    biggest = _ceil(largest, dp.shard) if dp.shards_optimizer else largest
+    stepped = _ceil(params, dp.shard) if dp.shards_optimizer else params
+    return step_temporaries(setup, vectors([biggest] + ([stepped - biggest] if stepped > biggest else [])),
+                            _bits(setup, params)[0])
+
+
+def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virtual_stages: int,
+                schedule: str, dp: DataParallel, step: _RankStep | None = None) -> tuple[list[MemoryItem], list[Phase]]:
+    """(what stays between steps, the phases a step can peak at) on one rank; ``step``: its
+    replay, where the caller has it."""
+    st = step or _rank_step(setup, all_stages, rank, pp, virtual_stages, schedule, dp)
+    mine, params, resident = st.mine, st.params, list(st.resident)
+    grad_bits = _bits(setup, params)[1]
+    gathered = (_item("unsharded parameters of the stage (FSDP2, kept for every micro-batch)", st.gathered_bytes,
+                      "buffers", "pipelining/stage.py backward_maybe_with_nosync")
+                if dp.shards_parameters else _item("", 0, "buffers"))
+
+    def grads_item(stages_done: tuple[bool, ...]) -> MemoryItem:
+        elements = sum(s.parameters for s, has in zip(mine, stages_done) if has)
+        return _item(f"gradients of {sum(stages_done)} of {len(mine)} local stage(s)", st.grad_bytes_per * elements,
+                     "gradients")
+
+    def acts_item(in_flight: tuple[int, ...]) -> MemoryItem:
+        return _item(f"activations of {sum(in_flight)} micro-batch chunk(s) in flight",
+                     sum(s.activation_bytes * n for s, n in zip(mine, in_flight)), "activations",
+                     f"{schedule} schedule, torch 2.13 pipelining/schedules.py")
+
+    def held_item(nbytes: int) -> MemoryItem:
+        return _item("sent tensors held until the step ends (p2p works not yet waited)", nbytes, "buffers",
+                     "torch 2.13 pipelining/schedules.py: send works waited after the last action")
+
+    phases: list[Phase] = []
+    for name, (_, (stage, in_flight, stages_done, held_bytes)) in st.worst.items():
         common = resident + [gathered, grads_item(stages_done), acts_item(in_flight), held_item(held_bytes)]
         if name.startswith("embedding"):
             phases.append(_phase(PhaseKind.END_OF_BACKWARD, name, common + [
-                _item("embedding gradient being accumulated", fresh_bytes_per * stage.largest_tensor, "gradients")]))
+                _item("embedding gradient being accumulated", st.fresh_bytes_per * stage.largest_tensor,
+                      "gradients")]))
         else:
             kind = PhaseKind.START_OF_BACKWARD if stage.is_last else PhaseKind.START_OF_BLOCK
-            phases.append(_phase(kind, f"{name}, {sum(in_flight.values())} micro-batches in flight",
+            phases.append(_phase(kind, f"{name}, {sum(in_flight)} micro-batches in flight",
                                  common + [_item("backward transient", stage.transient_bytes, "activations")]))
-    # After the schedule: the reduction of the gradients over dp, and the optimizer step.
     grads_full = grad_bits // 8 * (_ceil(params, dp.shard) if dp.shards_gradients else params)
     step_items = resident + [_item("gradients", grads_full, "gradients")]
-    if dp.shards_parameters and grads_during is not None:
+    if dp.shards_parameters:
         # foreach_reduce (_fsdp_collectives.py:597-606) copies one unit's accumulated gradients into a
         # flat reduce-scatter input of the reduce dtype before it frees them
-        blocks = block_numels(setup.arch)
-        units = [sum(blocks[i]) for s in mine for i in range(s.first_block, s.last_block)]
-        units += [s.parameters - sum(sum(blocks[i]) for i in range(s.first_block, s.last_block)) for s in mine]
+        grads_during = _item("unsharded gradients, accumulated over micro-batches (FSDP2"
+                             + (", fp32 reduce dtype)" if st.reduce != st.compute else ")"), st.reduce * params,
+                             "gradients", "reduce-scattered once, at perform_reduce_grad")
         reduce_items = resident + [gathered, grads_during,
-                                   _item("reduce-scatter input of one unit", reduce * max(units), "buffers",
-                                         "foreach_reduce: one flat input per unit, in the reduce dtype"),
-                                   _item("sharded gradients (reduce-scatter output)", grad_bits // 8 * _ceil(params, dp.shard),
-                                         "gradients")]
+                                   _item("reduce-scatter input of one unit", st.reduce * _largest_unit(setup, mine),
+                                         "buffers", "foreach_reduce: one flat input per unit, in the reduce dtype"),
+                                   _item("sharded gradients (reduce-scatter output)",
+                                         grad_bits // 8 * _ceil(params, dp.shard), "gradients")]
         phases.append(_phase(PhaseKind.GRADIENT_ALLREDUCE, "gradient reduce-scatter over dp", reduce_items))
-    # the largest tensor (a single-tensor step's temporaries) and the rest of the stage's (a foreach step's)
-    biggest = _ceil(largest, dp.shard) if dp.shards_optimizer else largest
-    stepped = _ceil(params, dp.shard) if dp.shards_optimizer else params
-    temporaries = step_temporaries(setup, vectors([biggest] + ([stepped - biggest] if stepped > biggest else [])),
-                                   weight_bits)
-    step_items.append(_item("optimizer step temporaries", temporaries, "buffers",
-                            f"{OPTIMIZERS[req.optimizer].source}, over the largest tensor"))
+    step_items.append(_item("optimizer step temporaries",
+                            _step_temporaries(setup, max(s.largest_tensor for s in mine), params, dp), "buffers",
+                            f"{OPTIMIZERS[setup.request.optimizer].source}, over the largest tensor"))
     phases.append(_phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step_items))
     return resident, phases
 
@@ -582,16 +673,14 @@ def check_framework(setup: "Setup", schedule: str) -> None:
     setup.framework.check_pipeline(setup, schedule)
 
 
-def estimate_plan(setup: "Setup") -> tuple["PhasePlan", tuple[int, int, int], list[RankMemory]]:
+def estimate_plan(setup: "Setup", acts: Activations | None = None) -> tuple["PhasePlan", tuple[int, int, int],
+                                                                         list[RankMemory]]:
     """The pipeline path of planner.memory.orchestrator.estimate: the worst rank's phases, its (parameters,
     gradients, optimizer states) bytes, and every rank's summary."""
     d, req = setup.dims, setup.request
     check_framework(setup, req.pp_schedule)
-    # FSDP shards (and the gradients are reduced) over dp_shard x cp: the cp ranks hold the same
-    # weights (torchtitan's dp_shard_cp mesh dimension, parallel_dims.py)
-    dp = d.dp * d.cp
-    shard = d.dp_shard * d.cp if setup.strategy.shards_optimizer or setup.strategy.shards_parameters else dp
-    plan, ranks = pipeline_phases(setup, d.pp, req.pp_virtual_stages, req.pp_schedule, dp, shard)
+    dp, shard = _data_parallel_group(setup)
+    plan, ranks = pipeline_phases(setup, d.pp, req.pp_virtual_stages, req.pp_schedule, dp, shard, acts)
     resident = {i.component: 0 for i in plan.resident}
     for i in plan.resident:
         resident[i.component] = resident.get(i.component, 0) + i.bytes
@@ -600,11 +689,29 @@ def estimate_plan(setup: "Setup") -> tuple["PhasePlan", tuple[int, int, int], li
     return plan, (resident.get("parameters", 0), grads, resident.get("optimizer_states", 0)), ranks
 
 
-def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str, dp: int,
-                    shard: int | None = None) -> tuple["PhasePlan", list[RankMemory]]:
-    """The phase plan of the worst rank (highest peak) and a summary of every rank."""
-    from planner.memory.buffers import PhasePlan
+def resident_bytes(setup: "Setup") -> int:
+    """What the rank that keeps the most holds between steps (estimate_plan's resident bytes),
+    without replaying the schedule: the plan search's memory floor of a pipeline setting."""
+    d, req = setup.dims, setup.request
+    check_framework(setup, req.pp_schedule)
+    dp, shard = _data_parallel_group(setup)
+    all_stages = _checked_stages(setup, d.pp, req.pp_virtual_stages, req.pp_schedule, dp)
+    parallel = data_parallel(setup, dp, shard)
+    v = req.pp_virtual_stages
+    return max(sum(i.bytes for i in _resident(setup, [all_stages[rank + k * d.pp] for k in range(v)], parallel))
+               for rank in range(d.pp))
 
+
+def _data_parallel_group(setup: "Setup") -> tuple[int, int]:
+    """(dp, shard) of a stage: FSDP shards (and the gradients are reduced) over dp_shard x cp: the
+    cp ranks hold the same weights (torchtitan's dp_shard_cp mesh dimension, parallel_dims.py)."""
+    d = setup.dims
+    dp = d.dp * d.cp
+    return dp, d.dp_shard * d.cp if setup.strategy.shards_optimizer or setup.strategy.shards_parameters else dp
+
+
+def _checked_stages(setup: "Setup", pp: int, virtual_stages: int, schedule: str, dp: int,
+                    acts: Activations | None = None) -> list[Stage]:
     a = setup.arch
     if a is None:
         raise PlannerError(f"pp={pp} needs an architecture (its layers are split into stages): give a model, "
@@ -615,21 +722,29 @@ def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str,
     check_schedule(pp, schedule, virtual_stages, setup.request.gradient_accumulation, a.num_layers)
     check_split(a.num_layers, pp, virtual_stages, setup.request.pp_first_stage_layers,
                 setup.request.pp_last_stage_layers)
-    all_stages = stages(setup, pp, virtual_stages, dp)
+    return stages(setup, pp, virtual_stages, dp, acts)
+
+
+def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str, dp: int,
+                    shard: int | None = None, acts: Activations | None = None) -> tuple["PhasePlan", list[RankMemory]]:
+    """The phase plan of the worst rank (highest peak) and a summary of every rank."""
+    from planner.memory.buffers import PhasePlan
+
+    all_stages = _checked_stages(setup, pp, virtual_stages, schedule, dp, acts)
     parallel = data_parallel(setup, dp, shard)
     ranks: list[RankMemory] = []
-    plans = []
-    for rank in range(pp):
-        resident, phases = rank_phases(setup, all_stages, rank, pp, virtual_stages, schedule, parallel)
-        peak = max(phases, key=lambda p: p.bytes)
-        resident_bytes = sum(i.bytes for i in resident)
+    steps = []
+    for rank in range(pp):  # every rank replayed in integers; the items are written for the worst
+        step = _rank_step(setup, all_stages, rank, pp, virtual_stages, schedule, parallel)
+        peak_name, peak_bytes = max(step.phase_bytes(), key=lambda p: p[1])
+        resident_bytes = sum(i.bytes for i in step.resident)
         mine = tuple(rank + k * pp for k in range(virtual_stages))
         ranks.append(RankMemory(rank, mine, sum(all_stages[i].parameters for i in mine), resident_bytes,
-                                peak.bytes, peak.name,
-                                max_in_flight(schedule, pp, virtual_stages, setup.request.gradient_accumulation, rank)))
-        plans.append((peak.bytes, resident_bytes, resident, phases))
-    worst = max(range(pp), key=lambda i: (plans[i][0], plans[i][1]))
-    _, resident_bytes, resident, phases = plans[worst]
+                                peak_bytes, peak_name, step.in_flight))
+        steps.append(step)
+    worst = max(range(pp), key=lambda i: (ranks[i].peak_bytes, ranks[i].resident_bytes))
+    resident_bytes = ranks[worst].resident_bytes
+    resident, phases = rank_phases(setup, all_stages, worst, pp, virtual_stages, schedule, parallel, steps[worst])
     sizes = sorted({s.last_block - s.first_block for s in all_stages})
     uneven = setup.request.pp_first_stage_layers is not None or setup.request.pp_last_stage_layers is not None
     split = (f"first {all_stages[0].last_block} and last {all_stages[-1].last_block - all_stages[-1].first_block}, "
@@ -709,8 +824,6 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
     in forward, both again in backward, each MoE block and micro-batch; counted exposed: the
     model overlaps none of them) on the links their groups cross. ``t``: timing.StepTime of the
     replica without pp and ep."""
-    from dataclasses import replace as dc_replace
-
     from planner.parallel import experts
 
     d, req = setup.dims, setup.request
@@ -750,7 +863,7 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
     step = compute + exposed + t.offload_seconds
     # ``t`` counts every rank as a replica of the whole model; a pipeline replica spans pp ranks
     scale = t.step_seconds / step / d.pp
-    return dc_replace(t, compute_seconds=compute, communication_seconds=comm, exposed_communication_seconds=exposed,
+    return t._replace(compute_seconds=compute, communication_seconds=comm, exposed_communication_seconds=exposed,
                       step_seconds=step, tokens_per_second=t.tokens_per_second * scale, mfu=t.mfu * scale)
 
 

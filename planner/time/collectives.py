@@ -28,7 +28,9 @@ interconnect with an α-β ring model, and the part of it that overlap does not 
 from __future__ import annotations
 
 import math
+from itertools import repeat
 from dataclasses import dataclass
+from typing import NamedTuple
 from functools import lru_cache
 
 from planner.time import arrays
@@ -47,8 +49,11 @@ CPU_ADAM_PARAMS_PER_SECOND = 1.0e9
 MEMORY_BANDWIDTH_EFFICIENCY = 0.83
 
 
-@dataclass(frozen=True)
-class StepTime:
+class StepTime(NamedTuple):
+    """One step's time. A named tuple, not a dataclass: the plan search makes one per option it
+    times, tens of thousands per plan (bench/plan_speed.py), and a tuple is built at a fraction
+    of a frozen dataclass's cost; change one with ``_replace``."""
+
     compute_seconds: float
     communication_seconds: float
     exposed_communication_seconds: float
@@ -67,6 +72,16 @@ class StepTime:
     def terms(self) -> tuple[tuple[str, float, str], ...]:
         """(name, seconds per step, source) of each part that takes time (planner/time/kernels.py)."""
         return tuple((name, v, source) for (name, source), v in zip(self.term_labels, self.term_values) if v > 0)
+
+
+def step_times_of(columns: list[list[float]], ring_bandwidth_gbps: float, ring: tuple[int, ...],
+                  term_labels: tuple[tuple[str, str], ...]) -> list[StepTime]:
+    """One StepTime per option from the columns (compute, communication, exposed communication,
+    offload, step, tokens/s, mfu, hfu, *term values: a list of every option's each), the ring
+    and the labels shared."""
+    new = tuple.__new__
+    return [new(StepTime, (c, m, e, o, s, t, u, ring_bandwidth_gbps, ring, h, term_labels, v))
+            for c, m, e, o, s, t, u, h, v in zip(*columns[:8], zip(*columns[8:]) if columns[8:] else repeat(()))]
 
 
 def matmul_parameters(a: Architecture) -> int:
@@ -178,9 +193,26 @@ def node_ring(t: Topology, n: int) -> tuple[tuple[int, ...], float, float]:
     return ring_over(t, tuple(range(n)))
 
 
+# ring_over's answers per topology (the plan search asks the same few groups for every setting):
+# keyed by the Topology object, which is frozen; the last few topologies are kept
+_RINGS: dict[int, tuple[Topology, dict[tuple[int, ...], tuple[tuple[int, ...], float, float]]]] = {}
+
+
 def ring_over(t: Topology, members: tuple[int, ...]) -> tuple[tuple[int, ...], float, float]:
     """(ring, bottleneck GB/s, worst hop latency µs) over these GPUs of the node (HSDP's replica
     groups inside a node take every shard-size-th GPU)."""
+    held = _RINGS.get(id(t))
+    if held is None or held[0] is not t:
+        if len(_RINGS) >= 8:
+            _RINGS.clear()
+        held = _RINGS[id(t)] = (t, {})
+    members = tuple(members)
+    if members not in held[1]:
+        held[1][members] = _ring_over(t, members)
+    return held[1][members]
+
+
+def _ring_over(t: Topology, members: tuple[int, ...]) -> tuple[tuple[int, ...], float, float]:
     size = len(t.gpus)
     bw = [[0.0] * size for _ in range(size)]
     lat = [[0.0] * size for _ in range(size)]

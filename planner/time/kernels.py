@@ -526,7 +526,29 @@ def micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointin
                       frozen_matmuls: float = 0.0, shares: Recompute | None = None) -> ComputeTerms:
     """One micro-batch of ``micro`` sequences (a float or an array). ``frozen_matmuls``: the
     fraction of the matmul FLOPs whose weights are frozen (LoRA: no weight gradient for them);
-    ``shares``: what the policy reruns (recompute_shares; without it, all or none of each kind)."""
+    ``shares``: what the policy reruns (recompute_shares; without it, all or none of each kind).
+    A plan's array of options is computed once per Work and arguments: every strategy, shard
+    group and offload of a layout asks the same (the arrays come back read-only)."""
+    if not arrays.is_array(micro):
+        return _micro_batch_terms(w, micro, r, compute_bytes, checkpointing, frozen_matmuls, shares)
+    key = (id(w), micro.tobytes(), r, compute_bytes, checkpointing, frozen_matmuls, shares)
+    hit = _TERMS.get(key)
+    if hit is None or hit[0] is not w:
+        if len(_TERMS) > 256:
+            _TERMS.clear()
+        terms = _micro_batch_terms(w, micro, r, compute_bytes, checkpointing, frozen_matmuls, shares)
+        for value in vars(terms).values():
+            if arrays.is_array(value):
+                value.flags.writeable = False
+        hit = _TERMS[key] = (w, terms)
+    return hit[1]
+
+
+_TERMS: dict[tuple, tuple[Work, "ComputeTerms"]] = {}  # micro_batch_terms of the plan's option arrays
+
+
+def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointing: str,
+                       frozen_matmuls: float, shares: "Recompute | None") -> ComputeTerms:
     m_all = arrays.as_float(micro) * w.tokens
     forward = dgrad = wgrad = flops = 0.0
     # the plan's array of options: every GEMM at once (rows: GEMMs, columns: options); an estimate's

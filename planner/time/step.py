@@ -6,7 +6,7 @@ and the step time that results. plan.py evaluates it over a grid; estimate_time 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from planner.time import arrays
@@ -288,7 +288,7 @@ def _pipeline_terms(whole: timing.StepTime, staged: timing.StepTime) -> timing.S
                     "bubble included") for name, source in whole.term_labels)
     values = tuple(replaced[name] if name in replaced else seconds * share
                    for (name, _), seconds in zip(whole.term_labels, whole.term_values))
-    return replace(staged, term_labels=labels, term_values=values)
+    return staged._replace(term_labels=labels, term_values=values)
 
 
 def estimate_with_time(request: EstimateRequest, profile=None) -> EstimateResult:
@@ -505,13 +505,9 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     columns = [busy, comm, exposed, offload, step, tokens / step, model_flops / (step * peak_flops),
                hardware_flops / (step * peak_flops)] + [t[1] for t in terms]
     options = micro.size if arrays.is_array(micro) else 1
-    rows = zip(*(arrays.as_float(c).tolist() if arrays.is_array(c) else [float(c)] * options for c in columns))
     labels = tuple((name, source) for name, _, source in terms)
-    return [timing.StepTime(compute_seconds=row[0], communication_seconds=row[1], exposed_communication_seconds=row[2],
-                            offload_seconds=row[3], step_seconds=row[4], tokens_per_second=row[5], mfu=row[6],
-                            ring_bandwidth_gbps=slowest, ring=ring, hfu=row[7], term_labels=labels,
-                            term_values=row[8:])
-            for row in rows]
+    return timing.step_times_of([arrays.as_float(c).tolist() if arrays.is_array(c) else [float(c)] * options
+                                 for c in columns], slowest, ring, labels)
 
 
 def _unhidden_edge(s, data_parallel, arch):

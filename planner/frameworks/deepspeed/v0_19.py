@@ -80,6 +80,13 @@ class DeepSpeedZero(Framework):
                                "its optimizer in engine.step() after the gradients are reduced, never in a "
                                "gradient hook; use strategy single", field="optimizer_in_backward")
 
+    def takes_layout(self, s: "Strategy", tp: int, cp: int, pp: int, schedule: str) -> bool:
+        """AutoTP with ZeRO, no CP; the pipeline engine with ZeRO-0/1, its 1F1B schedule and without
+        AutoTP (runtime/pipe/engine.py: "ZeRO-2 and ZeRO-3 are incompatible with pipeline
+        parallelism"; runtime/engine.py _configure_tensor_parallel_states replaces the engine's mpu,
+        the pipeline's topology, by AutoTP's groups)."""
+        return cp == 1 and (pp == 1 or ((s.zero_stage or 0) < 2 and schedule == "1f1b" and tp == 1))
+
     def phases(self, setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
         stage = setup.strategy.zero_stage
         if stage == 0:

@@ -62,6 +62,13 @@ class TorchDistributed(Framework):
     probe_optimizers = tuple(OPTIMIZERS)  # backend/train.py torch_optimizer builds every one
     shards_as_dtensors = True  # fully_shard: each parameter a DTensor of Shard(0)
 
+    tp_sequence_parallel = True  # torchtitan's TP plan (SequenceParallel on the norms)
+
+    def takes_layout(self, s: "Strategy", tp: int, cp: int, pp: int, schedule: str) -> bool:
+        """torchtitan composes FSDP2, HSDP and DDP with TP and with pipelining (every schedule),
+        and CP with FSDP2 / HSDP only (its dp_shard_cp mesh)."""
+        return cp == 1 or s.shards_parameters
+
     def optimizer_tensors(self, setup: "Setup", counts: list[int], shard: int) -> tuple[list[TensorShape], int]:
         """torch.optim steps the module's own parameters, each FSDP2's dim-0 shard, and keeps its
         states in their dtype: fp32 under the mixed recipes (the weights are the master copy) and

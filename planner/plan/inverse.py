@@ -1,0 +1,232 @@
+"""The plan's inverse questions: the fewest GPUs on which each strategy (and each searched TP and
+pipeline layout) trains at micro-batch 1, and the longest sequence the recommendation takes.
+Per-device memory never grows with more GPUs and grows with the sequence, so each is a doubling
+then a bisection, with bounds that answer at once where they can.
+"""
+from __future__ import annotations
+
+from planner.errors import PlannerError
+from planner.memory.orchestrator import Measured, estimate_resolved, measure, resolve
+from planner.plan.recipe import refused_by_recipe
+from planner.plan.settings import (OPTIMIZER_FIELDS, architecture_of, hsdp_shards, offload_options, planned_split,
+                                   reduce_field, split_fields, version_field_of)
+from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanRequest
+from planner.strategies import explicit_hsdp_shard, strategy as lookup_strategy
+
+
+MAX_SEARCH_GPUS = 1 << 16
+
+
+MAX_SEQ_LEN = 1 << 22  # PlanRequest.seq_len's bound (schema.py)
+
+# the replays (planner/memory/reserved.py, a few tenths of a second each for an 8B model) an inverse
+# answer may spend checking the live peak's answer on reserved memory
+INVERSE_REPLAYS = 3
+
+
+def longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_fields: dict,
+                     learned_positions: int = 0, on_reserved: bool = False) -> int | None:
+    """The inverse question for sequence length: the longest sequence (a multiple of 2*cp, as
+    load-balanced CP needs, and of 128) that the recommended layout trains at micro-batch 1 with
+    full checkpointing (a pipeline: its rank's share of the batch as micro-batches of 1, in the
+    request's schedule). Per-device memory grows with the sequence, so doubling then bisection on
+    the live peak with the headroom; then, ``on_reserved`` (a GPU), the answer is replayed through
+    the caching allocator and, while it does not fit the device, shortened by what reserved adds
+    over the live peak (at most INVERSE_REPLAYS), then by bisection on reserved memory."""
+    unit = 128 * 2 * c.parallel.cp
+    degrees = {k: v for k, v in c.parallel.model_dump().items() if k in ("tp", "cp", "pp", "ep") and v > 1}
+    if c.parallel.pp > 1:
+        # the candidate's own count of micro-batches: its schedule accepts it (interleaved 1F1B
+        # refuses counts that are not a multiple of count // pp, as micro x accumulation can be)
+        degrees |= {"gradient_accumulation": c.gradient_accumulation,
+                    "pp_schedule": c.pp_schedule or req.pp_schedule,
+                    "pp_virtual_stages": c.pp_virtual_stages or req.pp_virtual_stages}
+        degrees |= {k: v for k, v in (("pp_first_stage_layers", c.pp_first_stage_layers),
+                                      ("pp_last_stage_layers", c.pp_last_stage_layers)) if v is not None}
+    elif c.micro_batch * c.gradient_accumulation > 1:  # micro-batches of 1 accumulate (frameworks/)
+        degrees |= {"gradient_accumulation": 2}
+
+    # a learned position table (GPT-2's n_positions) bounds the sequence whatever the memory
+    longest = min(MAX_SEQ_LEN, learned_positions or MAX_SEQ_LEN)
+
+    def request(seq: int) -> EstimateRequest:
+        return EstimateRequest(**model_fields, strategy=c.strategy, gpus=req.gpus, nodes=req.nodes,
+                               gpu=req.gpu, precision=req.precision, optimizer=req.optimizer, micro_batch=1,
+                               optimizer_in_backward=req.optimizer_in_backward,
+                               seq_len=seq, checkpointing="full", attention=req.attention,
+                               offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
+                               hsdp_shard_size=explicit_hsdp_shard(c.strategy, c.hsdp_shard_size, req.gpus),
+                               alloc_conf=req.alloc_conf, nccl_buffsize_bytes=req.nccl_buffsize_bytes,
+                               **reduce_field(req, c.strategy), **version_field_of(req, c.strategy), **degrees)
+
+    def at(seq: int) -> Measured:
+        return measure(resolve(request(seq)))
+
+    def replayed(seq: int) -> EstimateResult:
+        """The estimate with the caching allocator replayed (estimate(..., simulate=True))."""
+        return estimate_resolved(resolve(request(seq)), simulate=True)
+
+    def largest(limit: float, high: int, low: int = 0) -> int:
+        """The largest multiple of unit below high * unit whose live peak is within limit (0: none),
+        low * unit known to be within it."""
+        while low + 1 < high:
+            mid = (low + high) // 2
+            if at(mid * unit).peak_bytes <= limit:
+                low = mid
+            else:
+                high = mid
+        return low
+
+    low = 0
+    high = max(1, req.seq_len // unit)
+    while high * unit <= longest and at(high * unit).peak_bytes <= usable:
+        low, high = high, high * 2
+    low = largest(usable, min(high, longest // unit + 1), low)
+    if not (on_reserved and low):
+        return low * unit if low else None
+    fitting, too_long = 0, low + 1  # the live answer's next unit does not fit even live
+    for _ in range(INVERSE_REPLAYS):
+        e = replayed(low * unit)
+        if e.fits:
+            fitting = low
+            break
+        too_long = low
+        # what the allocator and the terms outside it add over the live peak, taken as the same at the
+        # next shorter sequence (it grows with it: the next replay checks)
+        gap = e.per_device.reserved_peak_bytes - e.per_device.peak_bytes
+        low = largest(e.device_capacity_bytes - gap, low)
+        if not low:
+            break
+    # the gap is an over-estimate below the sequence it was measured at (and a replay that does not
+    # fit reports its uncapped reserve): bisection on reserved memory between the longest known to
+    # fit (none: 0) and the shortest known not to, so the answer is the longest, not only one that fits
+    low, high = fitting, too_long
+    while low + 1 < high:
+        mid = (low + high) // 2
+        if replayed(mid * unit).fits:
+            low = mid
+        else:
+            high = mid
+    return low * unit if low else None
+
+
+def strategy_min_gpus(req: PlanRequest, name: str, usable: float, model_fields: dict) -> int | None:
+    """The smallest total GPU count (GPUs per node as given, growing the node count, or fewer GPUs
+    on one node) on which the strategy trains at micro-batch 1 with full checkpointing, in any
+    setting the plan itself tries: every offload it tries for the strategy, and for HSDP every
+    shard-group size (so HSDP in groups of 2 on one node counts, as the plan recommends it).
+    Per-device memory never grows with more GPUs (tests/test_properties.py), so a doubling search
+    then a bisection finds it."""
+    return min_gpus_search(req, name, usable, model_fields, per_node=req.gpus)
+
+
+def _fits(req: PlanRequest, name: str, usable: float, model_fields: dict, gpus: int, nodes: int, tp: int = 1) -> bool:
+    """Whether any of the plan's settings of the strategy fits this layout at micro-batch 1."""
+    if gpus % tp:
+        return False
+    shards = hsdp_shards(gpus, nodes)[::-1] if lookup_strategy(name).shard_within_node else [None]
+    degrees = {"tp": tp} if tp > 1 else {}
+    for shard in shards:
+        for off_opt, off_par in (reversed(offload_options(name)) if tp == 1 else [("none", "none")]):  # most offloaded first
+            try:
+                # micro-batch 1 accumulates when the rank's share of the global batch is more
+                e = measure(resolve(EstimateRequest(**model_fields, strategy=name, gpus=gpus, nodes=nodes, gpu=req.gpu,
+                                             precision=req.precision, optimizer=req.optimizer, micro_batch=1,
+                                             optimizer_in_backward=req.optimizer_in_backward,
+                                             gradient_accumulation=2 if req.global_batch * tp > gpus * nodes else 1,
+                                             seq_len=req.seq_len, checkpointing="full", attention=req.attention,
+                                             offload_optimizer=off_opt, offload_params=off_par,
+                                             hsdp_shard_size=explicit_hsdp_shard(name, shard, gpus),
+                                             **reduce_field(req, name), **version_field_of(req, name),
+                                             **degrees)))
+            except PlannerError as refused:  # refused for this fine-tuning, optimizer or recipe (see _evaluate_setting)
+                if req.finetune == "full" and refused.field not in OPTIMIZER_FIELDS and not refused_by_recipe(refused):
+                    raise
+                continue
+            if e.peak_bytes <= usable:
+                return True
+    return False
+
+
+def min_gpus_search(req, name, usable, model_fields, per_node: int, tp: int = 1) -> int | None:
+    # bound: per-device memory never grows with more GPUs, so what does not fit on the most nodes
+    # searched fits on none (one estimate instead of the whole doubling)
+    if _replicated_weights_exceed(req, name, usable, model_fields, tp):
+        return None
+    most = 1 << ((MAX_SEARCH_GPUS // per_node).bit_length() - 1)  # the doubling's last node count
+    if most >= 2 and not _fits(req, name, usable, model_fields, per_node, most, tp):
+        return None
+    # and what does not fit on a whole node fits on none of its fewer GPUs
+    if _fits(req, name, usable, model_fields, per_node, 1, tp):
+        for gpus in range(tp, per_node + 1, tp):
+            if _fits(req, name, usable, model_fields, gpus, 1, tp):
+                return gpus
+    nodes = 2
+    while nodes * per_node <= MAX_SEARCH_GPUS:
+        if _fits(req, name, usable, model_fields, per_node, nodes, tp):
+            low = max(2, nodes // 2)
+            while low < nodes:
+                mid = (low + nodes) // 2
+                if _fits(req, name, usable, model_fields, per_node, mid, tp):
+                    nodes = mid
+                else:
+                    low = mid + 1
+            return nodes * per_node
+        nodes *= 2
+    return None
+
+
+def _replicated_weights_exceed(req: PlanRequest, name: str, usable: float, model_fields: dict, tp: int) -> bool:
+    """Bound: a strategy that keeps the whole weights on every data-parallel rank (DDP, ZeRO 0-2)
+    holds the same weights on any number of GPUs, and never offloads them; when they alone (with
+    the framework's overhead) exceed the usable memory it fits on none (one small estimate)."""
+    if lookup_strategy(name).shards_parameters:
+        return False
+    try:
+        e = measure(resolve(EstimateRequest(**model_fields, strategy=name, gpus=tp, nodes=1, gpu=req.gpu,
+                                     precision=req.precision, optimizer=req.optimizer, micro_batch=1,
+                                     optimizer_in_backward=req.optimizer_in_backward,
+                                     seq_len=req.seq_len, checkpointing="full", attention=req.attention,
+                                     **version_field_of(req, name), **({"tp": tp} if tp > 1 else {}))))
+    except PlannerError:
+        return False
+    return e.states[0] + e.framework_bytes > usable
+
+
+def pipeline_min_gpus(req: PlanRequest, usable: float, model_fields: dict, tp: int, pp: int) -> int | None:
+    """The inverse question for a pipeline layout: the smallest GPU count (GPUs per node as given,
+    nodes a multiple of pp: stages of whole nodes) on which FSDP2 with these tp and pp degrees
+    trains at micro-batch 1 with full checkpointing and pp micro-batches (the fewest 1F1B runs: the
+    fewest in flight and receive buffers), in the request's schedule. More nodes shard each stage's
+    states over more data-parallel ranks and hold the same activations, so the bound and the search
+    of min_gpus_search apply to the stage groups."""
+    def fits(groups: int) -> bool:
+        try:
+            e = measure(resolve(EstimateRequest(**model_fields, strategy="fsdp", gpus=req.gpus, nodes=groups * pp,
+                                         gpu=req.gpu, precision=req.precision, optimizer=req.optimizer, micro_batch=1,
+                                         optimizer_in_backward=req.optimizer_in_backward,
+                                         gradient_accumulation=pp, seq_len=req.seq_len, checkpointing="full",
+                                         attention=req.attention, tp=tp, pp=pp, pp_schedule=req.pp_schedule,
+                                         pp_virtual_stages=req.pp_virtual_stages, **split_fields(split),
+                                         **reduce_field(req, "fsdp"), **version_field_of(req, "fsdp"))))
+        except PlannerError:
+            return False
+        return e.peak_bytes <= usable
+
+    if req.gpus * pp > MAX_SEARCH_GPUS:
+        return None
+    split = planned_split(req, architecture_of(req), pp, req.pp_virtual_stages)
+    most = 1 << ((MAX_SEARCH_GPUS // (req.gpus * pp)).bit_length() - 1)  # the doubling's last group count
+    if not fits(most):
+        return None
+    groups = 1
+    while not fits(groups):
+        groups *= 2
+    low = groups // 2 + 1
+    while low < groups:
+        mid = (low + groups) // 2
+        if fits(mid):
+            groups = mid
+        else:
+            low = mid + 1
+    return groups * pp * req.gpus

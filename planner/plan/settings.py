@@ -1,0 +1,285 @@
+"""What the plan searches, one setting at a time: the Setting (the time model's Combo with the
+pipeline and expert degrees), the estimate request that measures it, the pipeline schedules and
+splits each degree is planned with, and the micro-batch options a setting can take.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from planner.errors import PlannerError
+from planner.frameworks import framework_of, version_field
+from planner.model.catalogue import as_loaded, catalogue_model, model_from_config
+from planner.parallel.pipeline import balanced_split, check_schedule, check_split, stage_bounds
+from planner.schema import MAX_GLOBAL_BATCH, MAX_TOKENS, SHARDING_STRATEGIES, EstimateRequest, PlanRequest
+from planner.strategies import explicit_hsdp_shard, strategy as lookup_strategy
+from planner.time import collectives as timing
+from planner.time.step import Combo, frozen_base_shape
+
+
+@dataclass(frozen=True)
+class Setting(Combo):
+    """One searched configuration: the time model's Combo and the pipeline and expert degrees
+    (planner/plan/layouts.py places them; their memory and time are the estimate's: planner/parallel/pipeline.py
+    and experts.py); pp is the Combo's own."""
+
+    ep: int = 1
+    split: tuple[int, int] | None = None  # a pipeline's first and last stages' blocks, when uneven
+    schedule: str = "1f1b"  # a pipeline's schedule and stages per rank (PIPELINE_SCHEDULES)
+    virtual_stages: int = 1
+
+    @property
+    def model_parallel(self) -> int:
+        """GPUs that share one data-parallel rank's work, and the expert group: 1 for data parallelism."""
+        return self.tp * self.cp * self.pp * self.ep
+
+
+Row = tuple[Setting, int, float, bool, timing.StepTime]  # (setting, micro-batch, peak bytes, fits, step time)
+
+
+def hsdp_shards(gpus: int, nodes: int) -> list[int]:
+    """HSDP shard group sizes worth planning: every divisor of a node's GPUs from 2 up (groups of
+    consecutive ranks, as DeviceMesh builds them), the whole node only when there are 2+ nodes."""
+    return [d for d in range(2, gpus + 1) if gpus % d == 0 and (d < gpus or nodes > 1)]
+
+
+def offload_options(name: str) -> list[tuple[str, str]]:
+    s = lookup_strategy(name)
+    return framework_of(s).offload_options(s)
+
+
+def estimate_request(req: PlanRequest, combo: Setting, micro: int, model_fields: dict,
+             accumulation: int | None = None) -> EstimateRequest:
+    # without pp, accumulation > 1: a micro-batch after the first holds the earlier ones' gradients
+    # (planner/frameworks/), the same memory for any number of them; a pipeline's is _degree_fields'
+    steps = {"gradient_accumulation": accumulation} if combo.pp == 1 and accumulation and accumulation > 1 else {}
+    return (EstimateRequest(
+        **model_fields, **steps, strategy=combo.strategy, gpus=combo.gpus, nodes=req.nodes, gpu=req.gpu,
+        precision=req.precision, optimizer=req.optimizer, optimizer_in_backward=req.optimizer_in_backward,
+        micro_batch=micro, seq_len=req.seq_len,
+        checkpointing=combo.checkpointing, attention=req.attention,
+        offload_optimizer=combo.offload_optimizer, offload_params=combo.offload_params,
+        hsdp_shard_size=explicit_hsdp_shard(combo.strategy, combo.shard * combo.tp if combo.shard else None,
+                                            combo.gpus),
+        host_memory_gib=req.host_memory_gib, topology=req.topology, **reduce_field(req, combo.strategy),
+        **version_field_of(req, combo.strategy),
+        alloc_conf=req.alloc_conf, nccl_buffsize_bytes=req.nccl_buffsize_bytes,
+        **_degree_fields(req, combo, micro, accumulation)))
+
+
+def reduce_field(req: PlanRequest, strategy: str) -> dict:
+    """FSDP2's reduce dtype for the sharding candidates (none when it is the default, so that the
+    request stays the one it always was); the other strategies have no such setting."""
+    return {"reduce_dtype": req.reduce_dtype} if req.reduce_dtype != "compute" and strategy in SHARDING_STRATEGIES else {}
+
+
+def version_field_of(req: PlanRequest, strategy: str) -> dict:
+    """The plan's framework_version where it is the strategy's framework's (planner/frameworks/base.py)."""
+    return version_field(lookup_strategy(strategy), req.framework_version)
+
+
+def _degree_fields(req: PlanRequest, combo: Setting, micro: int, accumulation: int | None = None) -> dict:
+    """The setting's model-parallel degrees as request fields (none when all are 1, so that a
+    data-parallel estimate stays the request it always was). A pipeline's memory depends on its
+    micro-batches in flight: its request carries the accumulation and the request's schedule."""
+    fields = {k: v for k, v in (("tp", combo.tp), ("cp", combo.cp), ("pp", combo.pp), ("ep", combo.ep)) if v > 1}
+    if combo.tp > 1 and req.tp_plan != "torchtitan":
+        fields["tp_plan"] = req.tp_plan  # whose TP layout (the default stays out of the request)
+    if combo.pp > 1:
+        fields |= {"gradient_accumulation": accumulation or per_rank_sequences(req, combo) // micro, "pp_schedule": combo.schedule,
+                   "pp_virtual_stages": combo.virtual_stages} | split_fields(combo.split)
+    return fields
+
+
+def schedule_fields(combo: Combo) -> dict:
+    """A pipeline candidate's schedule (none without pp)."""
+    if combo.pp == 1 or not isinstance(combo, Setting):
+        return {}
+    return {"pp_schedule": combo.schedule, "pp_virtual_stages": combo.virtual_stages}
+
+
+def split_fields(split: tuple[int, int] | None) -> dict:
+    """A pipeline's uneven split as request fields (none for an even split)."""
+    return {} if split is None else {"pp_first_stage_layers": split[0], "pp_last_stage_layers": split[1]}
+
+
+def planned_split(req: PlanRequest, arch, pp: int, virtual_stages: int) -> tuple[int, int] | None:
+    """The split a pipeline layout is planned with: the request's own, else where pp x virtual
+    stages does not divide the blocks the best uneven one (planner/parallel/pipeline.py balanced_split)."""
+    if pp == 1:
+        return None
+    if req.pp_first_stage_layers is not None or req.pp_last_stage_layers is not None:
+        bounds = stage_bounds(arch.num_layers, pp * virtual_stages, req.pp_first_stage_layers,
+                              req.pp_last_stage_layers)
+        return bounds[0][1], bounds[-1][1] - bounds[-1][0]
+    return balanced_split(arch, pp, virtual_stages, req.seq_len)
+
+
+OPTIMIZER_FIELDS = ("optimizer", "optimizer_in_backward")  # the fields a refused optimizer composition names
+
+
+# The pipeline schedules a plan searches where the request fixes none: torch 2.13's
+# torch/distributed/pipelining/schedules.py Schedule1F1B, ScheduleInterleaved1F1B (at torchtitan's
+# default of 2 stages per rank for a multi-stage schedule) and ScheduleGPipe, the ones whose memory
+# planner/parallel/pipeline.py replays action by action. ScheduleLoopedBFS, ScheduleInterleavedZeroBubble,
+# ScheduleZBVZeroBubble and ScheduleDualPipeV split the backward into input and weight gradients
+# (or run two directions): their memory is not modelled, so they are not searched.
+PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("gpipe", 1))
+
+
+def schedules_of(req: PlanRequest, arch, pp: int) -> list[tuple[str, int, tuple[int, int] | None]]:
+    """(schedule, virtual stages, split) for each schedule searched at this pipeline degree: the
+    request's own when it gives one, else PIPELINE_SCHEDULES; one whose stages the blocks cannot
+    fill (fewer blocks than stages, or no uneven split) is left out."""
+    if pp == 1:
+        return [("1f1b", 1, None)]
+    fixed = {"pp_schedule", "pp_virtual_stages"} & req.model_fields_set
+    options = [(req.pp_schedule, req.pp_virtual_stages)] if fixed else list(PIPELINE_SCHEDULES)
+    out = []
+    given = req.pp_first_stage_layers is not None or req.pp_last_stage_layers is not None
+    for schedule, v in options:
+        if arch.num_layers < pp * v:
+            continue
+        if given:
+            try:  # the request's split, over this schedule's pp x v stages
+                check_split(arch.num_layers, pp, v, req.pp_first_stage_layers, req.pp_last_stage_layers)
+            except PlannerError:
+                continue
+        split = planned_split(req, arch, pp, v)
+        if split is None and arch.num_layers % (pp * v):
+            continue
+        out.append((schedule, v, split))
+    return out
+
+
+def architecture_of(req: PlanRequest):
+    model = catalogue_model(req.model) if req.model else model_from_config(req.model_config_)
+    return as_loaded(model, req.text_only, req.include_vision).architecture
+
+
+def frozen_base_of(request: EstimateRequest, arch):
+    """The LoRA / QLoRA step the time model takes for this request (None for full fine-tuning)."""
+    if request.finetune == "full":
+        return None
+    try:
+        return frozen_base_shape(request, arch)
+    except PlannerError:  # refused for this combo: its estimate says so and the combo is skipped
+        return None
+
+
+def per_rank_sequences(req: PlanRequest, combo: Setting) -> int:
+    """Sequences per data-parallel rank per step: the global batch over the data-parallel ranks
+    (a TP, CP or pipeline group trains one rank's share together; EP borrows data-parallel ranks)."""
+    return req.global_batch * combo.tp * combo.cp * combo.pp // (combo.gpus * req.nodes)
+
+
+@lru_cache(maxsize=1024)
+def _divisors(n: int) -> np.ndarray:
+    """The divisors of n, ascending (shared between settings: read, never written)."""
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    out = np.array(sorted(set(small + [n // d for d in small])), dtype=np.int64)
+    out.flags.writeable = False
+    return out
+
+
+def layout_family(tp: int, cp: int, pp: int, ep: int) -> str:
+    """The layout family of a setting: which model-parallel degrees it uses beside data
+    parallelism ("dp", "dp x tp", "dp x tp x pp", ...), whatever their values."""
+    return " x ".join(["dp"] + [name for name, degree in (("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep))
+                                if degree > 1])
+
+
+def expert_shards(s, shard: int | None, dp: int, cp: int) -> int:
+    """dp_shard x cp of a strategy's data-parallel part (planner/parallel/dims.py dims_for): the ranks
+    expert parallelism borrows."""
+    if shard is not None:
+        return shard * cp
+    return (dp if s.shards_optimizer else 1) * cp
+
+
+def framework_runs(req: PlanRequest, s, tp: int, cp: int, pp: int, schedule: str = "1f1b") -> bool:
+    """Which data-parallel realisations take a model-parallel layout: the framework's answer
+    (Framework.takes_layout), and a pipeline for full fine-tuning only (the pipeline model counts
+    it: planner/parallel/pipeline.py check_framework), a TP layout by the request's tp_plan where the
+    framework trains it (Framework.check_tp_plan). Expert parallelism: wherever ep divides
+    dp_shard x cp."""
+    if pp > 1 and req.finetune != "full":
+        return False
+    if tp > 1:
+        try:  # the framework refuses the TP layout it does not train (transformers' plan: torch, no DDP x TP)
+            framework_of(s).check_tp_plan(s, req.tp_plan, tp, req.gpus * req.nodes // (tp * cp * pp))
+        except PlannerError:
+            return False
+    return tp * cp * pp == 1 or framework_of(s).takes_layout(s, tp, cp, pp, schedule)
+
+
+# What an estimate request can state (planner/schema.py EstimateRequest): a pipeline setting's
+# request carries its micro-batch count as gradient_accumulation.
+MAX_ACCUMULATION = 1 << 16
+
+
+MAX_MICRO_BATCH = 1 << 16
+
+
+def micro_options(req: PlanRequest, combo: Setting, per_rank: int, num_layers: int) -> np.ndarray:
+    """The micro-batch sizes a setting can take: the divisors of its rank's share of the batch, and
+    for a pipeline those whose micro-batch count its schedule runs (planner/parallel/pipeline.py
+    check_schedule: torch's schedules refuse the rest) and an estimate request can state."""
+    if combo.pp == 1:
+        return _stateable(per_rank, req.seq_len)
+    if per_rank * combo.gpus * req.nodes > MAX_GLOBAL_BATCH:
+        return _divisors(per_rank)[:0]
+    micro = _pipeline_micro(per_rank, combo.pp, combo.schedule, combo.virtual_stages, num_layers, req.seq_len)
+    if combo.schedule == "gpipe" and not {"pp_schedule", "pp_virtual_stages"} & req.model_fields_set:
+        # Bound: where 1F1B runs the same micro-batches (m >= pp) it has GPipe's bubble and holds
+        # fewer of them in flight (min(m, pp - rank) against m: max_in_flight), so GPipe cannot be
+        # recommended there; it is searched where 1F1B refuses (fewer micro-batches than stages)
+        micro = micro[per_rank // micro < combo.pp]
+    return micro
+
+
+@lru_cache(maxsize=1024)
+def _stateable(per_rank: int, seq_len: int) -> np.ndarray:
+    """The divisors of the rank's share that an estimate request can state: its accumulation, its
+    micro-batch and the micro-batch's tokens within the schema's bounds (a candidate is the
+    estimate of its configuration: emit and verify take it as one)."""
+    divisors = _divisors(per_rank)
+    keep = (per_rank // divisors <= MAX_ACCUMULATION) & (divisors <= MAX_MICRO_BATCH) & \
+        (divisors * seq_len <= MAX_TOKENS)
+    if keep.all():
+        return divisors
+    out = divisors[keep]
+    out.flags.writeable = False
+    return out
+
+
+@lru_cache(maxsize=1024)
+def _pipeline_micro(per_rank: int, pp: int, schedule: str, virtual_stages: int, num_layers: int,
+                    seq_len: int) -> np.ndarray:
+    keep = []
+    for mb in _divisors(per_rank).tolist():
+        m = per_rank // mb
+        if m > MAX_ACCUMULATION or mb > MAX_MICRO_BATCH or mb * seq_len > MAX_TOKENS:
+            continue
+        try:
+            check_schedule(pp, schedule, virtual_stages, m, num_layers)
+        except PlannerError:
+            continue
+        keep.append(mb)
+    out = np.array(keep, dtype=np.int64)
+    out.flags.writeable = False
+    return out
+
+
+def finetune_fields(req: PlanRequest) -> dict:
+    """The plan's fine-tuning as estimate fields (nothing for full fine-tuning)."""
+    if req.finetune == "full":
+        return {}
+    given = {"lora_rank": req.lora_rank, "lora_alpha": req.lora_alpha, "lora_targets": req.lora_targets,
+             "lora_dropout": req.lora_dropout, "train_embeddings": req.train_embeddings or None,
+             # the quantized base is QLoRA's (finetune auto plans LoRA beside it, on a 16-bit base)
+             "quantize_base": req.quantize_base if req.finetune == "qlora" else None,
+             "double_quant": req.double_quant if req.finetune == "qlora" else None}
+    return {"finetune": req.finetune} | {k: v for k, v in given.items() if v is not None}
