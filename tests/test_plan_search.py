@@ -310,3 +310,64 @@ def test_a_given_split_is_for_a_fixed_pipeline():
     # 7 + 14 x 8 + 7 over 16 stages; over 32 (interleaved) the other 30 would hold 112 / 30: not searched
     assert piped and all((c.pp_first_stage_layers, c.pp_last_stage_layers, c.pp_virtual_stages) == (7, 7, 1)
                          for c in piped)
+
+
+# what orchestrator.measure (the plan search's memory) is asked with: every recipe axis that
+# resolve checks or the phases count (tp_plan, optimizers, fused loss, low precision, LoRA on an
+# int8 base, pipeline, experts, offload, CPU ranks), those refused among them
+MEASURED = [
+    dict(strategy="fsdp", tp=2, tp_plan="transformers"),
+    dict(strategy="ddp", tp=2, tp_plan="transformers"),  # refused: DDP x transformers' TP
+    dict(strategy="zero3", tp=2, tp_plan="transformers"),  # refused: not torch's
+    dict(strategy="fsdp", tp=2),
+    dict(strategy="single", gpus=1, optimizer="muon"),
+    dict(strategy="fsdp", optimizer="muon"),
+    dict(strategy="zero3", optimizer="adafactor"),
+    dict(strategy="fsdp", optimizer="adafactor", checkpointing="full"),
+    dict(strategy="fsdp", loss="liger-fused"),
+    dict(strategy="fsdp", loss="liger-fused", keeps_outputs=True),
+    dict(strategy="fsdp", tp=2, loss="liger-fused"),
+    dict(strategy="fsdp", low_precision="float8-tensorwise"),
+    dict(strategy="ddp", low_precision="float8-rowwise"),
+    dict(strategy="zero2", low_precision="te-fp8"),
+    dict(strategy="fsdp", low_precision="nvfp4"),  # refused on an H100
+    dict(strategy="fsdp", finetune="qlora", quantize_base="int8"),  # refused: a sharded int8 base
+    dict(strategy="zero3", finetune="qlora", quantize_base="int8"),  # refused too
+    dict(strategy="ddp", finetune="qlora", quantize_base="int8"),
+    dict(strategy="single", gpus=1, finetune="qlora", quantize_base="int8", loss="liger-fused"),
+    dict(strategy="fsdp", tp=2, low_precision="float8-rowwise"),
+    dict(strategy="ddp", finetune="lora", checkpointing="full"),
+    dict(strategy="zero3", offload_optimizer="cpu", offload_params="cpu"),
+    dict(strategy="fsdp", nodes=2, pp=2, gradient_accumulation=4, pp_schedule="interleaved", pp_virtual_stages=2),
+    dict(strategy="zero1", nodes=2, pp=2, gradient_accumulation=4),
+    dict(model="gpt-oss-20b", strategy="fsdp", ep=2),
+    dict(strategy="ddp", gpu="cpu", gpus=2, model="llama-3.2-1b", seq_len=256),
+]
+
+
+@pytest.mark.parametrize("fields", MEASURED, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def test_measure_gives_the_estimates_numbers_and_refusals(fields):
+    """The plan judges its settings on orchestrator.measure(resolve(request)) and shows
+    Measured.candidate(replay=True): the same numbers as estimate(request) (live peak, resident,
+    states, every phase; with the allocator replayed, the reserved peak and the fit), and the same
+    refusal where the estimate refuses."""
+    from planner.memory.orchestrator import measure, resolve
+
+    request = EstimateRequest(**({"model": "llama-3-8b", "gpu": "h100-80gb", "gpus": 8, "seq_len": 2048,
+                                  "micro_batch": 2} | fields))
+    try:
+        e = estimate(request, simulate=False)
+    except PlannerError as refused:
+        with pytest.raises(PlannerError) as again:
+            measure(resolve(request))
+        assert (str(again.value), again.value.field) == (str(refused), refused.field)
+        return
+    m = measure(resolve(request))
+    d = e.per_device
+    assert (m.peak_bytes, m.resident_bytes, m.states) == (d.peak_bytes, d.resident_bytes, (
+        d.parameters_bytes, d.gradients_bytes, d.optimizer_states_bytes))
+    assert m.phase_bytes() == [p.bytes for p in e.phases]
+    assert m.result().model_dump() == e.model_dump()
+    shown, replayed = m.candidate(replay=True), estimate(request)
+    assert shown.per_device == replayed.per_device and shown.fits == replayed.fits
+    assert shown.host == replayed.host and shown.parallel == replayed.parallel
