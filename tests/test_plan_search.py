@@ -314,7 +314,8 @@ def test_a_given_split_is_for_a_fixed_pipeline():
 
 # what orchestrator.measure (the plan search's memory) is asked with: every recipe axis that
 # resolve checks or the phases count (tp_plan, optimizers, fused loss, low precision, LoRA on an
-# int8 base, pipeline, experts, offload, CPU ranks), those refused among them
+# int8 base, pipeline, experts, offload, activation offload, a vision tower, CPU ranks), those
+# refused among them
 MEASURED = [
     dict(strategy="fsdp", tp=2, tp_plan="transformers"),
     dict(strategy="ddp", tp=2, tp_plan="transformers"),  # refused: DDP x transformers' TP
@@ -342,6 +343,12 @@ MEASURED = [
     dict(strategy="zero1", nodes=2, pp=2, gradient_accumulation=4),
     dict(model="gpt-oss-20b", strategy="fsdp", ep=2),
     dict(strategy="ddp", gpu="cpu", gpus=2, model="llama-3.2-1b", seq_len=256),
+    dict(strategy="fsdp", activation_offload=True),
+    dict(strategy="ddp", gpu="cpu", gpus=2, model="llama-3.2-1b", seq_len=256, activation_offload=True),
+    dict(strategy="fsdp", nodes=2, pp=2, gradient_accumulation=4, activation_offload=True),  # refused
+    dict(model="gemma-3-4b", strategy="zero3"),
+    dict(model="gemma-3-4b", strategy="fsdp", text_only=True, nodes=2, pp=2, gradient_accumulation=4),
+    dict(model="gemma-3-4b", strategy="fsdp", nodes=2, pp=2, gradient_accumulation=4),  # refused: the vision tower
 ]
 
 
