@@ -265,7 +265,7 @@ def parameter_count(a: Architecture) -> int:
 
 def active_parameter_count(a: Architecture) -> int:
     """Parameters one token passes through (MoE: only its routed experts), for FLOPs."""
-    memo = _memo(a)
+    memo = derived_memo(a)
     if memo.get("_active") is None:  # the time model asks for every setting the plan searches
         per_kind = {key: routed_inactive_numels(spec.mlp, a.hidden_size) for key, spec in distinct_specs(a).items()}
         inactive = sum(per_kind[id(spec)] for spec in layer_specs(a))

@@ -98,7 +98,7 @@ def _rank_architecture(a: Architecture, tp: int) -> Architecture:
 
 def _with(a: Architecture, fields: dict) -> Architecture:
     """A new Architecture (validated, its own memo): model_copy would carry the memoised numels
-    and counts of the original along (architecture._memo)."""
+    and counts of the original along (architecture.derived_memo)."""
     return Architecture.model_validate({**a.__dict__, **fields})
 
 
