@@ -549,6 +549,12 @@ def _train_steps(job: dict[str, Any], engine, device: torch.device, on_step, off
         start = time.perf_counter()
         with torch.profiler.record_function(f"{STEP_MARK}{step}"):
             _optimizer_step(job, engine, device, first_batch=step * accumulation, held=held, offload=offload)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            # the step's seconds end here: the barrier and the collection below are the harness's (a
+            # gc.collect over a transformers model takes a few hundred ms, which the first CUDA runs
+            # of bench/gpu_check.py measured as a constant ~0.3 s in every step)
+            step_seconds.append(time.perf_counter() - start)
             # At a step's end, gloo's worker threads may still hold (and later free) the
             # gradients and scratch of the last collectives, and DeepSpeed leaves some tensors in
             # reference cycles: when either lets go varies from run to run. A barrier, then a
@@ -559,9 +565,6 @@ def _train_steps(job: dict[str, Any], engine, device: torch.device, on_step, off
             # allocation events of the profiled thread: make one now, after gloo's threads let go.
             sample = torch.empty(1)
             del sample
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        step_seconds.append(time.perf_counter() - start)
         on_step(step, total)
     return step_seconds
 

@@ -137,6 +137,50 @@ RECIPE_GRID = [  # long enough that activations and logits, not the states, make
 MATMUL_SHAPES = (4096, 8192, 16384)
 
 
+# which rows a short lease measures first: what no CPU run can check (the CUDA allocator's peak on the
+# plain grid, then the GPU-only kernels and CUDA code paths of the recipes), then the second allocator
+# setting, then DeepSpeed's engine (its FusedAdam compiles with nvcc on first use)
+GPU_ONLY_RECIPES = ("loss", "low_precision", "finetune", "activation_offload")
+# the package each recipe value trains through (backend/), found or not on the GPU machine
+PACKAGES = {("loss", "liger-fused"): "liger_kernel", ("loss", "cce"): "cut_cross_entropy",
+            ("finetune", "qlora"): "bitsandbytes", ("activation_offload", True): "trl",
+            ("optimizer", "adamw-8bit"): "bitsandbytes", ("optimizer", "adamw-paged-8bit"): "bitsandbytes",
+            ("optimizer", "lion"): "bitsandbytes", ("optimizer", "adamw-torchao-8bit"): "torchao",
+            ("optimizer", "adamw-torchao-4bit"): "torchao"}
+
+
+def missing_packages(strategy: str, fields: dict) -> list[str]:
+    import importlib.util
+
+    needed = {PACKAGES[(k, v)] for k, v in fields.items() if (k, v) in PACKAGES}
+    if fields.get("low_precision", "none") != "none":
+        needed.add("torchao")
+    if fields.get("finetune"):
+        needed.add("peft")
+    if strategy.startswith("zero"):
+        needed.add("deepspeed")
+    return sorted(n for n in needed if importlib.util.find_spec(n) is None)
+
+
+def priority(entry: tuple) -> tuple:
+    strategy, (seq, micro, ckpt, attention, fields), conf, _ = entry
+    gpu_only = any(k in GPU_ONLY_RECIPES for k in fields)
+    return (conf != "", strategy.startswith("zero"), strategy == "single" and not gpu_only)
+
+
+def prioritized(entries: list[tuple]) -> list[tuple]:
+    return sorted(entries, key=priority)  # stable: the grid's own order within a priority
+
+
+def _log_tail(out_dir: Path) -> str:
+    texts = []
+    for name in ("launcher.log", "supervisor.log"):
+        path = out_dir / name
+        if path.exists():
+            texts.append(f"--- {name}\n" + path.read_text(errors="replace")[-6000:])
+    return "\n".join(texts)
+
+
 def cuda_context_bytes() -> dict[str, int]:
     import torch
 
@@ -344,6 +388,17 @@ def matmul_tflops() -> dict[str, float]:
     return out
 
 
+def hbm_copy_gbps() -> float:
+    """Achieved HBM bandwidth of a 4 GiB device-to-device copy, counting bytes read and written: the
+    ceiling the time model's memory-bound terms (gpus.yaml hbm bandwidth) are scaled from."""
+    import torch
+
+    a = torch.empty(2**31, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    seconds = _cuda_seconds(lambda: b.copy_(a), repeat=10)
+    return 2 * 2**31 / seconds / 1e9  # a and b are freed on return; the probes' runs are other processes
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", default="h200")
@@ -352,22 +407,63 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_check.json"))
     parser.add_argument("--calibration", default=str(reserved.CALIBRATION_PATH),
                         help="where to write the calibration the planner reads")
+    parser.add_argument("--budget-seconds", type=float, default=None,
+                        help="start no probe after this many seconds (the runs go in PRIORITY order; a lease "
+                             "of a few minutes measures the most informative rows first)")
+    parser.add_argument("--probe-timeout", type=float, default=300.0, help="seconds before one run is ended")
+    parser.add_argument("--logs", default=None, help="a folder for the launcher log of each failed run")
+    parser.add_argument("--select", default=None,
+                        help="comma-separated positions in the prioritized run list (--list prints it): "
+                             "a second short lease measures what the first did not reach")
+    parser.add_argument("--skip-sequences", action="store_true", help="skip the allocator replays")
+    parser.add_argument("--list", action="store_true", help="print the prioritized run list and exit")
+    parser.add_argument("--skip-kernels", action="store_true",
+                        help="skip the GEMM, attention, matmul and copy measurements (a lease that has them)")
     args = parser.parse_args()
     import torch
 
+    base = catalogue_model(args.model)
+    config = dict(base.config, num_hidden_layers=args.layers)
+    entries = prioritized(grid_requests(config, args.gpu))
+    if args.list:
+        for i, (strategy, row, conf, _) in enumerate(entries):
+            print(f"{i:>3} {strategy:<6} seq {row[0]:>5} mb {row[1]} ckpt {row[2]:<20} {row[3]:<5} "
+                  f"{conf or 'default':<26} {row[4]}")
+        return 0
+    if args.select:
+        entries = [entries[int(i)] for i in args.select.split(",")]
     if not torch.cuda.is_available():
         print("no CUDA device: this check needs a GPU", file=sys.stderr)
         return 2
     from backend.launch import run_probe
 
-    base = catalogue_model(args.model)
-    config = dict(base.config, num_hidden_layers=args.layers)
     results = {"device": torch.cuda.get_device_name(0), "context": cuda_context_bytes(), "runs": [],
-               "driver": _driver(), "cuda": torch.version.cuda or "", "kernels": check_kernels(args.gpu),
-               "matmul_tflops": matmul_tflops()}
-    print(f"matmul TFLOP/s measured: {results['matmul_tflops']}")
+               "driver": _driver(), "cuda": torch.version.cuda or ""}
+    if not args.skip_kernels:
+        results |= {"kernels": check_kernels(args.gpu), "matmul_tflops": matmul_tflops(),
+                    "hbm_copy_gbps": hbm_copy_gbps()}
+        print(f"device-to-device copy: {results['hbm_copy_gbps']:.0f} GB/s (bytes read + written)")
+    print(f"matmul TFLOP/s measured: {results.get('matmul_tflops')}")
     requests = []
-    for strategy, (seq, micro, ckpt, attention, fields), conf, request in grid_requests(config, args.gpu):
+    started_at = time.monotonic()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for strategy, (seq, micro, ckpt, attention, fields), conf, request in entries:
+        tried = [r for r in results["runs"] if r["status"] not in ("skipped", "not-run")]
+        broken = len(tried) >= 3 and all(r["status"] != "ok" for r in tried)  # the CUDA path itself fails
+        if broken or (args.budget_seconds is not None and time.monotonic() - started_at > args.budget_seconds):
+            results["runs"].append({"strategy": strategy, "seq_len": seq, "micro_batch": micro, "checkpointing": ckpt,
+                                    "attention": attention, "alloc_conf": conf, "recipe": fields,
+                                    "status": "not-run", "message": "the first three runs failed" if broken
+                                    else "the check's time budget was spent"})
+            continue
+        missing = missing_packages(strategy, fields)
+        if missing:
+            print(f"{strategy:<6} seq {seq:>5} {fields}: skipped: {', '.join(missing)} not installed")
+            results["runs"].append({"strategy": strategy, "seq_len": seq, "micro_batch": micro, "checkpointing": ckpt,
+                                    "attention": attention, "alloc_conf": conf, "recipe": fields,
+                                    "status": "skipped", "message": f"{', '.join(missing)} not installed"})
+            continue
         try:
             result = estimate(request)
         except PlannerError as exc:  # a recipe this GPU cannot run (MXFP8 before Blackwell)
@@ -380,7 +476,11 @@ def main() -> int:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf  # the ranks inherit it (backend/launch.py _environment)
         with tempfile.TemporaryDirectory() as tmp:
             started = time.monotonic()
-            run = run_probe(request, out_dir=Path(tmp), steps=2, warmup_steps=1, timeout_seconds=300)
+            run = run_probe(request, out_dir=Path(tmp), steps=2, warmup_steps=1, timeout_seconds=args.probe_timeout)
+            log_tail = _log_tail(Path(tmp)) if run.status != "ok" else ""
+            if log_tail and args.logs:
+                name = f"failed-{len(results['runs']):02d}-{strategy}-{seq}.log"
+                (Path(args.logs) / name).write_text(log_tail)
         rank = run.ranks[0] if run.ranks else {}
         stats = rank.get("memory_stats") or {}
         row = {"strategy": strategy, "seq_len": seq, "micro_batch": micro, "checkpointing": ckpt, "attention": attention,
@@ -392,6 +492,11 @@ def main() -> int:
                "simulated_reserved_peak_bytes": result.allocator.reserved_peak_bytes,
                **peaks(stats),
                "memory_stats": stats}
+        try:  # the time model's step (issue 22) against the rank's measured median step
+            row["predicted_step_seconds"] = estimate_with_time(request).time.step_seconds
+        except PlannerError as exc:
+            row["predicted_step_seconds"] = None
+            print(f"    no step time: {exc}")
         if request.activation_offload:  # the GPU's split: bytes through TRL's pack hook, the host-link time
             row["predicted_offloaded_bytes"] = memory.activation_offload_bytes(memory.setup_of(result))
             row["measured_offloaded_bytes"] = rank.get("offloaded_bytes")
@@ -399,8 +504,14 @@ def main() -> int:
             row["predicted_offload_seconds"] = estimate_with_time(request).time.offload_seconds
         row["measured_allocated_peak_bytes"] = rank.get("peak_bytes") or row["measured_allocated_peak_bytes"]
         row["measured_reserved_peak_bytes"] = rank.get("reserved_peak_bytes") or row["measured_reserved_peak_bytes"]
+        row["measured_step_seconds"] = rank.get("step_seconds")
         if run.status == "ok":
-            row["error_pct"] = 100 * (row["predicted_peak_bytes"] - row["measured_allocated_peak_bytes"]) / \
+            if row.get("predicted_step_seconds") and row["measured_step_seconds"]:
+                print(f"    step: measured {row['measured_step_seconds'] * 1e3:.1f} ms, predicted "
+                      f"{row['predicted_step_seconds'] * 1e3:.1f} ms")
+            # the allocator's allocated peak: the model's peak plus the cuBLAS/cuBLASLt workspaces the
+            # caching allocator holds (planner/cluster/cuda_context.py), which measured allocated includes
+            row["error_pct"] = 100 * (row["simulated_allocated_peak_bytes"] - row["measured_allocated_peak_bytes"]) / \
                 row["measured_allocated_peak_bytes"]
             row["reserved_over_allocated"] = row["measured_reserved_peak_bytes"] / row["measured_allocated_peak_bytes"] - 1
             simulated_error = 100 * (row["simulated_reserved_peak_bytes"] / row["measured_reserved_peak_bytes"] - 1)
@@ -408,12 +519,14 @@ def main() -> int:
                   f"allocated peak error {row['error_pct']:+.2f}%, reserved +{100 * row['reserved_over_allocated']:.1f}%, "
                   f"simulated reserved {simulated_error:+.2f}%")
         else:
-            print(f"{strategy:<5} seq {seq:>5} mb {micro} ckpt {ckpt:<4} {attention:<5}: {run.status}: {run.message}")
+            row["message"], row["log_tail"] = run.message, log_tail[-4000:]
+            print(f"{strategy:<5} seq {seq:>5} mb {micro} ckpt {ckpt:<4} {attention:<5} {fields}: {run.status}: "
+                  f"{run.message}\n{log_tail[-1500:]}")
+        print(f"    ({row['seconds']:.0f} s; {time.monotonic() - started_at:.0f} s into the probes)", flush=True)
         results["runs"].append(row)
+        out.write_text(json.dumps(results, indent=2))  # what a lease that ends early still brings back
     os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    results["sequences"] = check_sequences(requests)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    results["sequences"] = [] if args.skip_sequences else check_sequences(requests)
     out.write_text(json.dumps(results, indent=2))
     Path(args.calibration).write_text(json.dumps(calibration(results, args.gpu, torch.__version__), indent=2) + "\n")
     print(f"context: {results['context']}; written to {out} and {args.calibration}")
