@@ -211,10 +211,15 @@ def test_chunked_loss_keeps_the_saved_set_and_peaks_at_the_forward_of_its_last_c
     tv = 2048 * 32_000
     assert chunked.saved_bytes == hf.saved_bytes  # every chunk's fp32 log-probabilities are saved
     assert hf.loss_transient_bytes == 8 * tv
-    # bf16 autocast, 8 chunks: the eight bf16 logits and the last chunk's fp32 upcast (> one chunk's 8 x tv / 8)
-    assert chunked.loss_transient_bytes == 2 * tv + 4 * tv // 8
+    th = 2048 * 256
+    # bf16 autocast, 8 chunks: the eight bf16 logits, the last chunk's fp32 upcast (> one chunk's 8 x tv / 8)
+    # and the final norm's fp32 output beside the bf16 casts of its chunks the head saved
+    assert chunked.loss_transient_bytes == 2 * tv + 4 * tv // 8 + 4 * th
     fp32 = activations(resolve(EstimateRequest(**LOGITS, loss="chunked", loss_chunks=4, precision="fp32")))
-    assert fp32.loss_transient_bytes == 4 * tv  # the fp32 logits; 8 x tv / 4 in backward is as large
+    assert fp32.loss_transient_bytes == 4 * tv  # the fp32 logits; the head saved views of the norm's output
+    two = dict(LOGITS, micro_batch=2, seq_len=1024)  # chunks of 2 sequences: the head's matmul saves copies
+    fp32_two = activations(resolve(EstimateRequest(**two, loss="chunked", loss_chunks=4, precision="fp32")))
+    assert fp32_two.loss_transient_bytes == 4 * tv + 4 * th
 
 
 @pytest.mark.parametrize("fields,field,words", [

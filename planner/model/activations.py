@@ -610,7 +610,7 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
         return _with_chunked_loss(estimate_activations(
             a, micro_batch=micro_batch, seq_len=seq_len, compute_bytes=compute_bytes, attention=attention,
             checkpointing=checkpointing, device=device, autocast=autocast, every=every), a, micro_batch, seq_len,
-            loss_chunks, compute_bytes)
+            loss_chunks, compute_bytes, FP32 if fp32_stream else compute_bytes)
     per_spec = {key: block_saved_bytes(a, spec, tokens, seq_len, micro_batch, b, attention, device, fp32_stream)
                 for key, spec in distinct_specs(a).items()}
     if len(per_spec) == 1:
@@ -685,17 +685,32 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
 
 
 def _with_chunked_loss(acts: Activations, a: Architecture, micro_batch: int, seq_len: int, chunks: int,
-                       b: int) -> Activations:
+                       b: int, stream_bytes: int) -> Activations:
     """torchtune's chunked output loss (planner/recipes/losses.py): the same saved set, the loss's backward
     one chunk at a time (torch.chunk along the sequence: chunks of ceil(seq / chunks) tokens), so
     its two fp32 gradients are one chunk's. That makes the forward's last chunk the loss's peak:
     every chunk's logits (the model's output list, in the compute dtype) live beside every chunk's
     saved log-probabilities and the last chunk's fp32 upcast (a no-op in fp32). Peak trace (llama
     32k vocabulary, 2,048 tokens, bf16 autocast, 8 chunks): the eight log-probabilities, the eight
-    bf16 logits and one fp32 chunk at the last chunk's log_softmax."""
+    bf16 logits and one fp32 chunk at the last chunk's log_softmax.
+
+    Beside them the final norm's output (``hidden``, tokens x hidden in the residual stream's dtype
+    ``stream_bytes``), a local of the loss's forward until it returns, is a second tensor whenever the
+    LM head saves a copy of its chunks rather than views of it (the saved set counts that copy as the
+    head's input): under autocast, the cast to the compute dtype; with more than one sequence a
+    chunk along the sequence is not contiguous and the linear's matmul saves its reshaped copy
+    (torch 2.13 aten/src/ATen/native/LinearAlgebra.cpp _matmul_impl folds the batch with
+    ``reshape``). Peak traces (backend/losses.py on CPU, llama 256 hidden, 32k vocabulary): bf16
+    autocast 1 x 2,048 tokens and 2 x 1,024, both norm outputs (``x * rsqrt`` saved, and ``hidden``)
+    live at the last chunk's log_softmax; fp32 2 x 512 tokens, four 2 x 128 x 256 fp32 copies beside
+    ``hidden``; fp32 1 x 1,024, views only. The H200 run of bench/gpu_check.py (Llama-3-8B width, 8,192
+    tokens, bf16 autocast) measured the same 134,217,728 bytes over the prediction before this term."""
     chunk_tokens = micro_batch * -(-seq_len // chunks)
     upcast = FP32 * chunk_tokens * a.vocab_size if b != FP32 else 0
-    transient = max(_loss_transient(a, chunk_tokens, FP32), b * micro_batch * seq_len * a.vocab_size + upcast)
+    copied = stream_bytes != b or micro_batch > 1
+    norm_output = stream_bytes * micro_batch * seq_len * a.hidden_size if copied else 0
+    transient = max(_loss_transient(a, chunk_tokens, FP32),
+                    b * micro_batch * seq_len * a.vocab_size + upcast + norm_output)
     items = tuple(ActivationItem(f"backward transient at the loss (one of {chunks} chunks)", transient)
                   if i.name == "backward transient at the loss" else i for i in acts.items)
     if acts.kept_blocks:
