@@ -643,8 +643,15 @@ def run_cuda(job: dict[str, Any], device: torch.device, progress, make_engine) -
     warmup = int(job["warmup_steps"])
     resident_after: list[int] = []
 
+    context_after: list[int] = []
+
     def on_step(step: int, total: int) -> None:
         resident_after.append(torch.cuda.memory_allocated(device))
+        # the device's memory outside torch's allocator at the step's end: used (total - free, the
+        # driver's count, torch/cuda/memory.py mem_get_info) minus torch's reserved segments: the CUDA
+        # context with the modules this process has loaded, NCCL's buffers, cudaMallocManaged pages
+        free, total_bytes = torch.cuda.mem_get_info(device)
+        context_after.append(int(total_bytes - free - torch.cuda.memory_reserved(device)))
         if step + 1 == warmup:
             torch.cuda.reset_peak_memory_stats(device)
         progress(step, total)
@@ -659,6 +666,7 @@ def run_cuda(job: dict[str, Any], device: torch.device, progress, make_engine) -
         "peak_bytes": peak_allocated,
         "resident_bytes": int(resident_after[-1]),
         "reserved_peak_bytes": peak_reserved,
+        "context_bytes": max(context_after[warmup:] or context_after),  # the timed steps' largest
         "collectives": collectives,
         "device_name": torch.cuda.get_device_name(device),
         "memory_stats": {k: int(v) for k, v in stats.items() if isinstance(v, (int, float))},

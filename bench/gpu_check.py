@@ -14,7 +14,8 @@ and memory_stats. The script then prints:
 - the error of the allocated peak against the prediction, per run;
 - reserved minus allocated (allocator rounding and caching) as a fraction of the peak;
 - the CUDA context and cuBLAS workspace, read from the driver (total minus free before any tensor,
-  from torch.cuda.mem_get_info) and from the first matmul.
+  from torch.cuda.mem_get_info) and from the first matmul; and per run the training process's own
+  (measured_context_bytes: device used minus torch's reserved at the end of its timed steps).
 
 Its JSON output is what the CUDA context (gpus.yaml's cuda_context_mib, data/cuda_context.yaml) is
 calibrated from: the device's used memory after the first matmul minus torch's reserved segments. It finishes in a few
@@ -504,6 +505,10 @@ def main() -> int:
             row["predicted_offload_seconds"] = estimate_with_time(request).time.offload_seconds
         row["measured_allocated_peak_bytes"] = rank.get("peak_bytes") or row["measured_allocated_peak_bytes"]
         row["measured_reserved_peak_bytes"] = rank.get("reserved_peak_bytes") or row["measured_reserved_peak_bytes"]
+        # the training process's device memory outside torch's segments at its timed steps' end (backend/
+        # train.py run_cuda): the context with what training loaded (kernels, NCCL, managed pages), which
+        # "context" above measures only for this process's first matmul
+        row["measured_context_bytes"] = rank.get("context_bytes")
         row["measured_step_seconds"] = rank.get("step_seconds")
         if run.status == "ok":
             if row.get("predicted_step_seconds") and row["measured_step_seconds"]:
