@@ -207,7 +207,7 @@ def step_events(request: EstimateRequest) -> list[tuple]:
     setup = memory.resolve(request)
     acts = memory.activations(setup)
     plan = setup.framework.phases(setup, acts, memory._numels(setup))
-    return reserved.allocation_events(setup, plan, len(memory._numels(setup)))
+    return reserved.allocation_events(setup, plan, len(memory._numels(setup)), reserved.loss_tensors(setup, acts))
 
 
 def peaks(stats: dict) -> dict:

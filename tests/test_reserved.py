@@ -1,6 +1,9 @@
 """Reserved memory (issue 24): the step's allocation stream derived from the phase model, NCCL's
 buffers, fits judged on reserved, the emitted allocator settings. Simulated: no GPU has measured it."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from cli.main import main
@@ -8,6 +11,9 @@ from planner.memory import reserved
 from planner.memory.allocator import replay
 from planner.memory.buffers import PhasePlan, item, phase
 from planner.memory.orchestrator import estimate, resolve
+from planner.memory.rank_activations import activations
+from planner.model.catalogue import catalogue_model
+from planner.setup import numels
 from planner.memory.moments import PhaseKind
 from planner.schema import EstimateRequest
 
@@ -256,3 +262,70 @@ def test_the_plans_inverse_answers_are_judged_on_reserved_memory():
                                   offload_params=c.offload_params, **reduce_field(PlanRequest(**base), c.strategy)))
     assert at.fits and at.per_device.reserved_peak_bytes <= at.device_capacity_bytes
     assert at.per_device.peak_bytes < 0.95 * at.device_capacity_bytes  # and the live judgement alone passes
+
+
+# --- the forward and the loss's tensors (the H200 runs of bench/gpu_check.py) --------------------
+
+def _h200_request(seq_len: int, micro_batch: int, **fields) -> EstimateRequest:
+    """A row of bench/gpu_check.py's grid: Llama-3-8B width, 2 layers, one H200, bf16-mixed."""
+    config = dict(catalogue_model("llama-3-8b").config, num_hidden_layers=2)
+    return EstimateRequest(model_config=config, strategy=fields.pop("strategy", "single"), gpus=1, gpu="h200",
+                           precision="bf16-mixed", micro_batch=micro_batch, seq_len=seq_len, **fields)
+
+
+def _live_peak(events) -> int:
+    live, sizes, peak = 0, {}, 0
+    for e in events:
+        if e[0] == "malloc":
+            sizes[e[1]] = e[2]
+            live += e[2]
+        elif e[0] == "free":
+            live -= sizes.pop(e[1])
+        peak = max(peak, live)
+    return peak
+
+
+def test_the_loss_tensors_are_whole_allocations_of_the_logits_size():
+    setup = resolve(_h200_request(4096, 2))
+    loss = reserved.loss_tensors(setup, activations(setup))
+    fp32 = 4 * 8192 * 128_256  # tokens x vocab
+    assert loss.forward == (fp32 // 2, fp32) and loss.backward == (fp32, fp32) and loss.saved == fp32
+    assert len(loss.blocks) == 2 and loss.blocks[0] < loss.blocks[1]
+    plan = setup.framework.phases(setup, activations(setup), numels(setup))
+    sizes = [e[2] for e in reserved.allocation_events(setup, plan, len(numels(setup)), loss) if e[0] == "malloc"]
+    assert sizes.count(fp32) >= 3 and fp32 // 2 in sizes  # log-probabilities, upcast or gradients; bf16 logits
+    for other in (dict(loss="chunked"), dict(keeps_outputs=True)):
+        s = resolve(_h200_request(4096, 2, **other))
+        got = reserved.loss_tensors(s, activations(s))
+        assert got is None if "loss" in other else got.forward == (fp32,)  # kept outputs hold the logits already
+
+
+@pytest.mark.parametrize("fields", [dict(strategy="ddp"), dict(strategy="ddp", checkpointing="full"),
+                                    dict(finetune="qlora", checkpointing="full"), dict(finetune="lora"),
+                                    dict(checkpointing="selective-op"), dict(keeps_outputs=True)])
+def test_the_added_moments_never_exceed_the_phase_models_peak(fields):
+    setup = resolve(_h200_request(2048, 2, **fields))
+    acts = activations(setup)
+    plan = setup.framework.phases(setup, acts, numels(setup))
+    n = len(numels(setup))
+    loss = reserved.loss_tensors(setup, acts)
+    assert loss is not None
+    assert _live_peak(reserved.allocation_events(setup, plan, n, loss)) == \
+        _live_peak(reserved.allocation_events(setup, plan, n))
+
+
+def test_the_replayed_reserved_peak_against_the_h200():
+    """bench/results/gpu_check_h200_1.json and _2.json (torch.cuda.memory_stats of the real runs):
+    the QLoRA rows were 21.5% and 13.5% under before the forward and the loss's tensors were
+    replayed; what remains under (4.6% and 5.2%) is not accounted for (planner/memory/reserved.py)."""
+    results = Path(__file__).parents[1] / "bench" / "results"
+    rows = [r for name in ("gpu_check_h200_1.json", "gpu_check_h200_2.json")
+            for r in json.loads((results / name).read_text())["runs"]
+            if r.get("status") == "ok" and "finetune" in r["recipe"]]
+    assert len(rows) == 2
+    for r in rows:
+        recipe = dict(r["recipe"])
+        if r["checkpointing"] != "none":
+            recipe["checkpointing"] = r["checkpointing"]
+        sim = estimate(_h200_request(r["seq_len"], r["micro_batch"], **recipe)).allocator.reserved_peak_bytes
+        assert 0.94 < sim / r["measured_reserved_peak_bytes"] < 1.2

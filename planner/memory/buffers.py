@@ -243,10 +243,14 @@ def optimizer_items(setup: "Setup", elements: int, where: str) -> list[MemoryIte
     return items
 
 
+# the items planner/memory/reserved.py cuts into the loss's tensors
+SAVED, TRANSIENTS = "saved activations", "backward transients"
+
+
 def activation_items(point: SweepPoint) -> list[MemoryItem]:
     return [
-        item("saved activations", point.activation_bytes, "activations"),
-        item("backward transients", point.transient_bytes, "activations",
+        item(SAVED, point.activation_bytes, "activations"),
+        item(TRANSIENTS, point.transient_bytes, "activations",
               "gradients of the loss (2 x fp32 tokens x vocab) or of one block's intermediates"),
     ]
 

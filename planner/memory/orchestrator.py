@@ -337,7 +337,8 @@ def _result(m: Measured, simulate: bool, brief: bool = False) -> EstimateResult:
     at_peak = _at_peak(peak_phase, framework)
     buffers_at_peak = at_peak.buffers_bytes
     capacity = _capacity(setup)
-    held = reserved.simulate(setup, plan, len(_numels(setup)), capacity, compare=not brief) \
+    held = reserved.simulate(setup, plan, len(_numels(setup)), capacity, compare=not brief,
+                             loss=reserved.loss_tensors(setup, acts)) \
         if simulate and not setup.gpu.is_cpu else None
     # not replayed (the plan's search, cpu ranks): the live peak and NCCL's buffers, a lower bound
     nccl = held.nccl_bytes if held else (0 if setup.gpu.is_cpu else reserved.nccl_bytes(setup))
