@@ -23,7 +23,7 @@ The phase model lists the moments backward can peak at; the cache is shaped by w
 them too (loss_tensors): for transformers' loss, each block's forward and the LM head's, and the
 logits-sized tensors as the single allocations they are. bench/gpu_check.py on an H200 (Llama-3-8B
 width, 2 layers, 128k vocabulary): with them the replayed reserved peak went from -21.5% / -13.5%
-to -4.6% / -5.2% of the measured for QLoRA nf4 8192 x 2 (checkpointed) / fp4 4096 x 2, and from
+to -2.0% / -5.2% of the measured for QLoRA nf4 8192 x 2 (checkpointed) / fp4 4096 x 2, and from
 -1.2..+18.4% to -0.9..+13.0% for the DDP grid. What remains under is not accounted for: the
 replayed stream carries about a third of the bytes the device allocated in a step
 (memory_stats allocated_bytes.all.allocated), the transients inside each phase left out.
@@ -201,11 +201,13 @@ class LossTensors:
     forward (``forward``) beside the saved set, and the loss's backward (``backward``: the phase
     model's transient at the start of backward, the same bytes). Each loss tensor is one
     allocation of its whole size, as the caching allocator sees it (cut into activation-sized
-    pieces they would pack into any freed space); the fp32 log-probabilities (``saved``) are one
-    of them, carved out of the saved set."""
+    pieces they would pack into any freed space); ``saved``, carved out of the saved set, are the
+    LM head's 16-bit weight copy where its matmul saves one (Activations.head_weight_copy_bytes:
+    autocast caches no cast of a frozen weight, aten/src/ATen/autocast_mode.cpp cached_cast needs
+    ``requires_grad()`` and a leaf) and the fp32 log-probabilities, in the order the head makes them."""
     forward: tuple[int, ...]
     backward: tuple[int, ...]
-    saved: int
+    saved: tuple[int, ...]
     blocks: tuple[int, ...] = ()
 
 
@@ -225,11 +227,13 @@ def loss_tensors(setup: "Setup", acts: "Activations | None") -> LossTensors | No
     b = setup.recipe.compute_bytes
     logits = () if req.keeps_outputs else (fp32 * b // 4,)
     upcast = (fp32,) if b != 4 else ()
-    blocks = []
+    blocks, kept = [], 0
     for k in range(acts.num_layers):
         _, rebuilt, own = acts.backward_of(acts.num_layers - 1 - k)
-        blocks.append(acts.block_kept(0, k) + own + rebuilt)
-    return LossTensors(forward=logits + upcast, backward=(fp32, fp32), saved=fp32, blocks=tuple(blocks))
+        blocks.append(kept + own + rebuilt)
+        kept += own
+    saved = tuple(b for b in (acts.head_weight_copy_bytes, fp32) if b)
+    return LossTensors(forward=logits + upcast, backward=(fp32, fp32), saved=saved, blocks=tuple(blocks))
 
 
 def _with_loss_tensors(phases: list[Phase], loss: LossTensors | None) -> list[list[MemoryItem]]:
@@ -247,13 +251,13 @@ def _with_loss_tensors(phases: list[Phase], loss: LossTensors | None) -> list[li
             moments.append(list(p.items))
             continue
         saved = next((i for i in p.items if i.name == SAVED), None)
-        if saved is None or saved.bytes < loss.saved:
+        if saved is None or saved.bytes < sum(loss.saved):
             moments.append(list(p.items))
             continue
         states = [i for i in p.items if i is not transient and i is not saved]
         moments += [states + [item(SAVED, live, "activations")] for live in loss.blocks]
-        rest = states + [item(SAVED, saved.bytes - loss.saved, "activations"),
-                         item("the log-probabilities", loss.saved, "buffers")]
+        rest = states + [item(SAVED, saved.bytes - sum(loss.saved), "activations")] + [
+            item(f"the head's saved tensor {n}", b, "buffers") for n, b in enumerate(loss.saved)]
         moments.append(rest + [item(f"the loss's forward tensor {n}", b, "buffers") for n, b in enumerate(loss.forward)])
         moments.append(rest + [item(f"the loss's backward tensor {n}", b, "buffers") for n, b in enumerate(loss.backward)])
     return moments

@@ -93,6 +93,9 @@ class Activations:
     device_block_bytes: int = 0  # what each block keeps on the device until its backward (repeated saves)
     duplicate_head_bytes: int = 0  # CPU ranks: the head's repeated saves beside their host copies
     offloaded_bytes: int = 0
+    # the LM head's 16-bit weight copy its matmul saves (a frozen fp32 head under autocast: QLoRA), one
+    # tensor within head_saved_bytes (planner/memory/reserved.py allocates it whole)
+    head_weight_copy_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:

@@ -443,7 +443,7 @@ def lora_activations(arch: Architecture, f: Finetune, *, micro_batch: int, seq_l
                        layer_saved_bytes=per_layer, layer_kept_bytes=kept,
                        head_saved_bytes=saved - arch.num_layers * kept, loss_transient_bytes=at_loss,
                        layer_transient_bytes=layer_transient, num_layers=arch.num_layers,
-                       checkpointed=checkpointing == "full")
+                       checkpointed=checkpointing == "full", head_weight_copy_bytes=head_cast)
 
 
 def int8_held_inputs(arch: Architecture, spec: LayerSpec, tokens: int, inputs: AdapterInputs) -> int:
