@@ -59,6 +59,27 @@ def predicted_now(result: dict, row: dict) -> tuple[int, int, float | None]:
     return allocator.allocated_peak_bytes, allocator.reserved_peak_bytes, seconds
 
 
+def summary(results: list[dict]) -> str:
+    """One line: the spread of the allocated, reserved and step errors over the measured runs."""
+    allocated, reserved, steps = [], [], []
+    for result in results:
+        for row in result["runs"]:
+            if row.get("status") != "ok":
+                continue
+            predicted, res_p, step_p = predicted_now(result, row)
+            allocated.append(100 * (predicted / row["measured_allocated_peak_bytes"] - 1))
+            reserved.append(100 * (res_p / row["measured_reserved_peak_bytes"] - 1))
+            if result.get("step_timing") == "step-only" and row.get("measured_step_seconds") and step_p:
+                steps.append(row["measured_step_seconds"] / step_p)
+    under = sum(e < 0 for e in allocated)
+    text = (f"{len(allocated)} runs: allocated peak {min(allocated):+.2f}% to {max(allocated):+.2f}% "
+            f"({under} under-predicted), reserved {min(reserved):+.1f}% to {max(reserved):+.1f}% "
+            f"({sum(e < 0 for e in reserved)} under-predicted)")
+    if steps:
+        text += f"; measured step / predicted {min(steps):.2f}x to {max(steps):.2f}x over {len(steps)} timed runs"
+    return text + "."
+
+
 def runs_table(results: list[dict]) -> list[str]:
     lines = ["| file | strategy | tokens (seq x mb) | ckpt | attention | recipe | allocated measured | allocated "
              "predicted | error | reserved measured | reserved predicted | error | step measured | step predicted |",
@@ -116,7 +137,7 @@ def report(results: list[dict], torch_version: str) -> str:
             out.append(f"| best square matmul TFLOP/s | {rates} |")
         if result.get("hbm_copy_gbps"):
             out.append(f"| device-to-device copy (read + written) | {result['hbm_copy_gbps']:.0f} GB/s |")
-    out += ["", *runs_table(results)]
+    out += ["", summary(results), "", *runs_table(results)]
     for result in results:
         out += kernels_lines(result)
     return "\n".join(out)
