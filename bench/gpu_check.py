@@ -18,7 +18,8 @@ and memory_stats. The script then prints:
 
 Its JSON output is what the CUDA context (gpus.yaml's cuda_context_mib, data/cuda_context.yaml) is
 calibrated from: the device's used memory after the first matmul minus torch's reserved segments. It finishes in a few
-minutes on one H200. It has not yet been run: no GPU was available when it was written.
+minutes on one H200 when given the whole grid; a short lease measures the rows in PRIORITY order
+within --budget-seconds (the first lease, 2026-12-04: bench/results/gpu_check_h200_*.json).
 
 The caching allocator (issue 24): every grid run is made twice, with PYTORCH_CUDA_ALLOC_CONF unset
 and with expandable_segments:True, and records allocated, active and reserved peaks
