@@ -3,7 +3,8 @@
     python bench/allocator_published.py [--readme README.md]
 
 The reserved prediction is simulated (planner/memory/reserved.py replays the step through a model of torch
-2.13's caching allocator, plus the CUDA context and NCCL's buffers); no GPU has measured it yet.
+2.13's caching allocator, plus the CUDA context and NCCL's buffers); one H200 has measured it on one
+GPU (bench/gpu_report.py's table: the replay matches the device's allocator; multi-GPU runs are unmeasured).
 No constant is fitted to these figures. Sources:
 - torchtitan docs/performance.md (9dec370, December 2024; Tables 1, 3, 4, 5): Llama 3.1 on H100
   SXM 96 GB at 500 W, memory = max_reserved (torch.cuda.max_memory_reserved), torch 1963fc8;
@@ -106,7 +107,7 @@ def table(rows: list[tuple[Row, dict]]) -> str:
     lines += ["", "GiB = 2^30 bytes (the cookbook row: its printed figures against ours in GiB). Predicted allocated: "
               "the caching allocator's allocated peak (the live peak rounded as it rounds); reserved: its reserved "
               "peak + CUDA context + NCCL's buffers, under torch's default PYTORCH_CUDA_ALLOC_CONF. Simulated: "
-              "no GPU has measured the allocator model (bench/gpu_check.py will). "
+              "the allocator model is checked on one H200 (the gpucheck table), these multi-GPU rows are not. "
               "Written by `python bench/allocator_published.py --readme README.md`."]
     return "\n".join(lines)
 

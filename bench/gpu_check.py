@@ -19,7 +19,8 @@ and memory_stats. The script then prints:
 
 Its JSON output is what the CUDA context (gpus.yaml's cuda_context_mib, data/cuda_context.yaml) is
 calibrated from: the device's used memory after the first matmul minus torch's reserved segments. It finishes in a few
-minutes on one H200. It has not yet been run: no GPU was available when it was written.
+minutes on one H200 when given the whole grid; a short lease measures the rows in PRIORITY order
+within --budget-seconds (the first lease, 2026-12-04: bench/results/gpu_check_h200_*.json).
 
 The caching allocator (issue 24): every grid run is made twice, with PYTORCH_CUDA_ALLOC_CONF unset
 and with expandable_segments:True, and records allocated, active and reserved peaks
@@ -332,11 +333,16 @@ def grid_requests(config: dict, gpu: str) -> list[tuple]:
     grid = [(s, (seq, micro, ckpt, attention, {})) for s in ("zero0", "ddp") for seq, micro, ckpt, attention in GRID]
     grid += [("single", (seq, micro, fields.get("checkpointing", "none"), "sdpa", fields))
              for seq, micro, fields in RECIPE_GRID]
-    return [(strategy, row, conf, EstimateRequest(**{
-                "model_config": config, "strategy": strategy, "gpus": 1, "gpu": gpu, "precision": "bf16-mixed",
-                "micro_batch": row[1], "seq_len": row[0], "attention": row[3], "alloc_conf": conf or None,
-                "checkpointing": row[2]} | row[4]))
+    return [(strategy, row, conf, request_for(config, gpu, strategy, row, conf))
             for strategy, row in grid for conf in ALLOC_CONFS]
+
+
+def request_for(config: dict, gpu: str, strategy: str, row: tuple, conf: str) -> EstimateRequest:
+    """One run's request: row = (seq_len, micro_batch, checkpointing, attention, recipe fields)."""
+    return EstimateRequest(**{
+        "model_config": config, "strategy": strategy, "gpus": 1, "gpu": gpu, "precision": "bf16-mixed",
+        "micro_batch": row[1], "seq_len": row[0], "attention": row[3], "alloc_conf": conf or None,
+        "checkpointing": row[2]} | row[4])
 
 
 def check_sequences(requests: list[EstimateRequest]) -> list[dict]:
@@ -439,7 +445,8 @@ def main() -> int:
     from backend.launch import run_probe
 
     results = {"device": torch.cuda.get_device_name(0), "context": cuda_context_bytes(), "runs": [],
-               "driver": _driver(), "cuda": torch.version.cuda or ""}
+               "driver": _driver(), "cuda": torch.version.cuda or "", "torch": torch.__version__,
+               "step_timing": "step-only", "model": args.model, "layers": args.layers, "gpu": args.gpu}  # the rank times the step alone (backend/train.py _train_steps)
     if not args.skip_kernels:
         results |= {"kernels": check_kernels(args.gpu), "matmul_tflops": matmul_tflops(),
                     "hbm_copy_gbps": hbm_copy_gbps()}

@@ -10,6 +10,7 @@ from cli.main import main
 from planner.errors import PlannerError
 from planner.plan.search import plan
 from planner.schema import PlanRequest
+from planner.strategies import strategy as lookup_strategy
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "topologies"
 
@@ -18,13 +19,21 @@ def first(r):
     return r.recommended.strategy if r.recommended else None
 
 
-def test_nvswitch_small_model_gets_ddp_or_zero1_first():
+def test_nvswitch_small_model_every_strategy_within_a_few_percent_and_the_sharded_step_wins():
     r = plan(PlanRequest(model="llama-3.2-1b", gpu="h100-80gb", gpus=8, topology="hgx-h100", seq_len=2048,
                          global_batch=256))
-    # every option is within 1% of the best step time; at 32 micro-batches ZeRO-1 holds every gradient
-    # (14.1 GiB) and DDP its buckets too (32.1 GiB), outside 3% of the device of FSDP's 9.7 GiB, so of
-    # the tied ones FSDP without resharding communicates least (was ZeRO-1 before accumulation was counted)
-    assert first(r) in ("ddp", "zero1", "fsdp-grad-op")
+    # NVSwitch hides every strategy's communication behind a 1B model's compute: the best step of each
+    # data-parallel strategy lies within 5% of the best. What separates them is the optimizer step:
+    # DDP (and ZeRO-0) step all 1.24B parameters on every GPU, torch's foreach AdamW moving 84 bytes per
+    # element (planner/time/kernels.py), where a sharded optimizer steps an eighth
+    best = {}
+    for c in r.candidates:
+        if c.fits and c.parallel.tp == 1 and c.parallel.pp == 1:
+            best[c.strategy] = min(best.get(c.strategy, float("inf")), c.step_seconds)
+    assert {"ddp", "zero1", "fsdp", "zero3"} <= set(best)
+    assert max(best.values()) / min(best.values()) < 1.05
+    assert best["ddp"] > best["zero1"] and best["ddp"] > best["fsdp"]
+    assert lookup_strategy(first(r)).shards_optimizer
     assert all(c.fits for c in r.candidates if c.strategy in ("ddp", "zero1", "zero2", "zero3"))
 
 

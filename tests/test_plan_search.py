@@ -227,7 +227,8 @@ def test_the_longest_sequence_of_a_pipeline_recommendation():
         return estimate(EstimateRequest(model=req.model, strategy=best.strategy, gpus=8, nodes=2, micro_batch=1,
                                         gradient_accumulation=best.micro_batch * best.gradient_accumulation,
                                         seq_len=seq, checkpointing="full", tp=best.parallel.tp,
-                                        pp=2)).per_device.peak_bytes
+                                        pp=2, pp_schedule=best.pp_schedule,
+                                        pp_virtual_stages=best.pp_virtual_stages)).per_device.peak_bytes
 
     assert peak(longest) <= usable < peak(longest + 256)
 

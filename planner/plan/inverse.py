@@ -36,9 +36,10 @@ def longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_fields
     unit = 128 * 2 * c.parallel.cp
     degrees = {k: v for k, v in c.parallel.model_dump().items() if k in ("tp", "cp", "pp", "ep") and v > 1}
     if c.parallel.pp > 1:
-        # the candidate's own count of micro-batches: its schedule accepts it (interleaved 1F1B
-        # refuses counts that are not a multiple of count // pp, as micro x accumulation can be)
-        degrees |= {"gradient_accumulation": c.gradient_accumulation,
+        # the rank's share of the batch in micro-batches of 1 (a pipeline's memory grows with the count:
+        # torch's stages keep every micro-batch's output until the step ends); a multiple of the
+        # candidate's own count, so its schedule's constraints on the count still hold
+        degrees |= {"gradient_accumulation": c.micro_batch * c.gradient_accumulation,
                     "pp_schedule": c.pp_schedule or req.pp_schedule,
                     "pp_virtual_stages": c.pp_virtual_stages or req.pp_virtual_stages}
         degrees |= {k: v for k, v in (("pp_first_stage_layers", c.pp_first_stage_layers),
