@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -75,6 +76,10 @@ def summary(results: list[dict]) -> str:
     text = (f"{len(allocated)} runs: allocated peak {min(allocated):+.2f}% to {max(allocated):+.2f}% "
             f"({under} under-predicted), reserved {min(reserved):+.1f}% to {max(reserved):+.1f}% "
             f"({sum(e < 0 for e in reserved)} under-predicted)")
+    short = replay_shortfall(results)
+    if short["fraction"] > 0:
+        text += (f"; an estimate holds back the largest reserved shortfall, {100 * short['fraction']:.2f}% "
+                 f"({short['worst_run']}), beyond the replay")
     if steps:
         text += f"; measured step / predicted {min(steps):.2f}x to {max(steps):.2f}x over {len(steps)} timed runs"
     return text + "."
@@ -143,12 +148,29 @@ def report(results: list[dict], torch_version: str) -> str:
     return "\n".join(out)
 
 
+def replay_shortfall(results: list[dict]) -> dict:
+    """The largest fraction by which a measured reserved peak exceeded the replay's, under the current
+    model (0 when the replay never falls short): what planner/memory/reserved.py holds back."""
+    worst, where = 0.0, ""
+    for result in results:
+        for row in result["runs"]:
+            if row.get("status") != "ok":
+                continue
+            _, replayed, _ = predicted_now(result, row)
+            short = row["measured_reserved_peak_bytes"] / replayed - 1
+            if short > worst:
+                worst, where = short, f"{result['_file']}: {row['strategy']} {row['seq_len']} x {row['micro_batch']} " \
+                                      f"{recipe_text(row)}"
+    return {"fraction": math.ceil(worst * 1e4) / 1e4, "worst_run": where,
+            "runs": sum(r.get("status") == "ok" for result in results for r in result["runs"])}
+
+
 def calibration(results: list[dict], gpu: str, torch_version: str) -> dict:
     first = next(r for r in results if "context" in r)
     ctx = first["context"]
     runs = [{k: v for k, v in row.items() if k not in ("memory_stats", "log_tail")}
             for r in results for row in r["runs"] if row.get("status") == "ok"]
-    return {"format": 1, "torch": torch_version, "gpus": {gpu: {
+    return {"format": 1, "torch": torch_version, "replay_shortfall": replay_shortfall(results), "gpus": {gpu: {
         "cuda_context_bytes": ctx["used_after_first_matmul_bytes"] - ctx["reserved_after_first_matmul_bytes"],
         "module_loading": ctx.get("module_loading", ""),
         "nccl_bytes_per_communicator": first.get("nccl_bytes_per_communicator"),

@@ -570,6 +570,10 @@ class AllocatorSummary(BaseModel):
     other_alloc_conf: str = Field(description="the setting other_reserved_peak_bytes assumes")
     communicators: list[str] = Field(description="the NCCL communicators counted in nccl_bytes")
     measured: bool = Field(False, description="true once a GPU has measured this configuration (bench/gpu_check.py)")
+    replay_shortfall_bytes: int = Field(0, description="held back beyond reserved_peak_bytes for the transients the "
+                                        "replayed stream leaves out: the largest shortfall measured on a GPU "
+                                        "(planner/data/allocator_calibration.json replay_shortfall); in "
+                                        "per_device.reserved_peak_bytes and the fit")
 
 
 class EstimateResult(BaseModel):

@@ -2,6 +2,7 @@
 its sequences simulate as tests/test_allocator.py derived them, the calibration file it writes is
 the one planner/memory/reserved.py reads, and a calibrated GPU's terms reach the estimate."""
 
+import math
 import json
 
 import pytest
@@ -97,3 +98,24 @@ def test_the_activation_offload_rows_are_estimated_with_their_split():
         result = estimate(request)
         assert activation_offload_bytes(setup_of(result)) > 0 and result.host.pinned_bytes > 0
         assert estimate_with_time(request).time.offload_seconds > 0
+
+
+def test_the_calibrations_replay_shortfall_is_the_current_models_and_every_gpu_estimate_holds_it_back():
+    """planner/data/allocator_calibration.json's replay_shortfall is what bench/gpu_report.py computes
+    from the measured runs under today's model (a change to the replayed stream must rewrite it:
+    `python bench/gpu_report.py --calibration planner/data/allocator_calibration.json`), and a GPU
+    estimate's reserved peak is the replay's plus that fraction of it, plus context and NCCL."""
+    import json
+
+    from bench import gpu_report
+    from planner.memory import reserved
+    from planner.memory.orchestrator import estimate
+    from planner.schema import EstimateRequest
+
+    shipped = json.loads(reserved.CALIBRATION_PATH.read_text())["replay_shortfall"]
+    assert shipped == gpu_report.replay_shortfall(gpu_report.load(gpu_report.DEFAULT_RESULTS))
+    assert shipped["fraction"] == reserved.REPLAY_SHORTFALL > 0
+    e = estimate(EstimateRequest(model="llama-3.2-1b", gpu="h100-80gb", gpus=8, strategy="fsdp", seq_len=2048))
+    a, d = e.allocator, e.per_device
+    assert a.replay_shortfall_bytes == math.ceil(reserved.REPLAY_SHORTFALL * a.reserved_peak_bytes)
+    assert d.reserved_peak_bytes == a.reserved_peak_bytes + a.replay_shortfall_bytes + d.cuda_context_bytes + d.nccl_bytes

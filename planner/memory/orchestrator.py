@@ -628,7 +628,9 @@ def reserved_notes(held: "reserved.Reserved") -> list[str]:
     notes = [f"reserved (simulated, torch 2.13's caching allocator replaying the step; PYTORCH_CUDA_ALLOC_CONF "
              f"{conf}): {fmt_bytes(s.reserved_peak_bytes)} reserved for {fmt_bytes(s.allocated_peak_bytes)} "
              f"allocated at peak, {s.segments_peak} segments; with {other_conf} it would reserve "
-             f"{fmt_bytes(other.reserved_peak_bytes)}",
+             f"{fmt_bytes(other.reserved_peak_bytes)}"
+             + (f"; {fmt_bytes(held.shortfall_bytes)} more held back ({100 * reserved.REPLAY_SHORTFALL:.1f}%: the "
+                "largest shortfall of the replay measured on a GPU, bench/gpu_report.py)" if held.shortfall_bytes else ""),
              f"outside the allocator: CUDA context {fmt_bytes(held.cuda_context_bytes)}"
              + (" (calibrated)" if held.measured else " (gpus.yaml)")
              + (f", NCCL buffers {fmt_bytes(held.nccl_bytes)} for {len(held.communicators)} communicator(s) "
