@@ -13,6 +13,7 @@ from planner.errors import PlannerError
 from planner.memory.orchestrator import estimate
 from planner.plan.search import estimate_with_time
 from planner.schema import EstimateRequest
+from planner.strategies import explicit_hsdp_shard
 from planner.parallel.tensor import rank_architecture, tp_collectives
 from tests.real_runs import LLAMA
 
@@ -230,15 +231,9 @@ def test_plan_puts_tp_inside_the_a6000_pairs():
     # (the override) the compute is 19.3 s, hides all but 1.2 s, and TP 2 wins as the seed claimed.
     best = r.recommended
     assert best.parallel.tp == 1 and best.strategy == "hsdp" and best.step_seconds < tp2.step_seconds
-    # with expandable segments TP 2's fastest fitting setting is a large micro-batch under full
-    # checkpointing: its FSDP traffic across the pairs still shows, HSDP's is hidden
+    # TP 2's fastest fitting setting sends its FSDP traffic across the pairs over PCIe and part of it
+    # shows; HSDP's replicas all-reduce across the pairs, hidden behind the step
     assert tp2.exposed_communication_seconds > best.exposed_communication_seconds
-    slow = plan(PlanRequest(model="llama-2-13b", gpu="rtx-a6000", gpus=8, topology="a6000-nvlink-pairs",
-                            seq_len=2048, global_batch=64, headroom=0.02, compute_efficiency=0.45,
-                            alloc_conf="expandable_segments:True"))
-    assert slow.recommended.parallel.tp == 2 and slow.recommended.parallel.dp_shard == 4
-    data_parallel = min((c for c in slow.candidates if c.fits and c.parallel.tp == 1), key=lambda c: c.step_seconds)
-    assert slow.recommended.step_seconds < data_parallel.step_seconds
 
 
 def test_plan_with_a_fixed_tp_keeps_it():
@@ -253,12 +248,14 @@ def test_plan_with_a_fixed_tp_keeps_it():
 def test_plan_searches_cp_when_the_sequence_fits_no_other_way():
     """Llama-3.1-8B at 256k tokens on one 8 x H100 node: no data-parallel or TP layout fits at
     micro-batch 1, even fully checkpointed; with the sequence split over cp ranks one does, and
-    the note says why CP was searched."""
+    the note says why CP was searched. Expandable segments: with torch's default allocator FSDP x
+    CP 8's reserved peak plus the replay's measured shortfall (planner/memory/reserved.py) is over
+    the card."""
     from planner.plan.search import plan
     from planner.schema import PlanRequest
 
     r = plan(PlanRequest(model="llama-3.1-8b", gpu="h100-80gb", gpus=8, topology="hgx-h100", seq_len=262144,
-                         global_batch=8))
+                         global_batch=8, alloc_conf="expandable_segments:True"))
     assert "nothing fits without context parallelism: cp searched" in r.notes
     assert r.recommended is not None and r.recommended.parallel.cp > 1
 
@@ -272,7 +269,7 @@ def test_plan_answers_the_inverse_questions_per_layout():
 
     req = PlanRequest(model="llama-2-13b", gpu="rtx-a6000", gpus=8, topology="a6000-nvlink-pairs", seq_len=2048,
                       global_batch=64, headroom=0.02,
-                      compute_efficiency=0.45, alloc_conf="expandable_segments:True")  # TP 2 recommended (test_plan_puts_tp_inside_the_a6000_pairs)
+                      compute_efficiency=0.45, alloc_conf="expandable_segments:True")
     r = plan(req)
     assert r.min_gpus["fsdp+tp2"] is not None and r.min_gpus["fsdp+tp2"] % 2 == 0
     best, longest = r.recommended, r.max_seq_len
@@ -284,6 +281,7 @@ def test_plan_answers_the_inverse_questions_per_layout():
     def at(seq: int):
         # micro-batch 1 of the rank's share of 16 sequences: a later, accumulating micro-batch
         return estimate(EstimateRequest(model=req.model, gpu=req.gpu, gpus=8, strategy=best.strategy, micro_batch=1,
+                                        hsdp_shard_size=explicit_hsdp_shard(best.strategy, best.hsdp_shard_size, 8),
                                         gradient_accumulation=2, seq_len=seq, checkpointing="full", tp=best.parallel.tp,
                                         offload_optimizer=best.offload_optimizer, offload_params=best.offload_params,
                                         alloc_conf=req.alloc_conf))

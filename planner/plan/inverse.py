@@ -49,10 +49,11 @@ def longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_fields
 
     # a learned position table (GPT-2's n_positions) bounds the sequence whatever the memory
     longest = min(MAX_SEQ_LEN, learned_positions or MAX_SEQ_LEN)
+    micro = 1
 
     def request(seq: int) -> EstimateRequest:
         return EstimateRequest(**model_fields, strategy=c.strategy, gpus=req.gpus, nodes=req.nodes,
-                               gpu=req.gpu, precision=req.precision, optimizer=req.optimizer, micro_batch=1,
+                               gpu=req.gpu, precision=req.precision, optimizer=req.optimizer, micro_batch=micro,
                                optimizer_in_backward=req.optimizer_in_backward,
                                seq_len=seq, checkpointing="full", attention=req.attention,
                                offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
@@ -62,6 +63,14 @@ def longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_fields
 
     def at(seq: int) -> Measured:
         return measure(resolve(request(seq)))
+
+    if c.parallel.pp > 1:
+        try:
+            at(unit)
+        except PlannerError:
+            # the schedule refuses the share as micro-batches of 1 (interleaved 1F1B's rounds): the
+            # candidate's own micro-batches, more sequences in flight than micro-batches of 1 hold
+            micro, degrees["gradient_accumulation"] = c.micro_batch, c.gradient_accumulation
 
     def replayed(seq: int) -> EstimateResult:
         """The estimate with the caching allocator replayed (estimate(..., simulate=True))."""
