@@ -516,6 +516,9 @@ class Stage:
     # "grads"); what I frees (the last stage's loss and logits: the graph above its head, detached)
     weight_grad_inputs_bytes: int = 0
     freed_at_input_backward: int = 0
+    # on top during I: the loss's backward transient at its start (the last stage), then a block's
+    # backward transient beside the gradients it has collected, which reach the whole set at its end
+    input_backward_bytes: int = 0
 
 
 def _block_largest(a: Architecture) -> list[int]:
@@ -588,6 +591,9 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1, acts: Acti
     specs = layer_specs(a)
     sums, largest = block_parameters(a), _block_largest(a)
     boundary = stream * tokens * h // sp
+    split = SCHEDULE_SPECS[req.pp_schedule].splits_backward
+    distinct = {id(spec): spec for spec in specs} if split else {}  # a few kinds of block, many blocks
+    widths = {key: _weight_node_widths(spec, h, setup.tp, sp, b, stream) for key, spec in distinct.items()}
     head = vocab * h  # the last stage's own copy when the embedding is tied (torchtitan unties)
     out = []
     for index in range(count):
@@ -629,16 +635,22 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1, acts: Acti
             # each block is recomputed in its backward: the largest of the stage's holds its whole set
             transient = max(transient, max(acts.blocks[first:last]) + acts.layer_transient_bytes)
         held_for_weights, freed = 0, 0
-        if not is_first:  # the first stage's I is skipped: its W runs the whole backward (stage.py)
-            held_for_weights = tokens * sum(_weight_node_widths(specs[i], h, setup.tp, sp, b, stream)
-                                            for i in range(first, last))
+        if split and not is_first:  # the first stage's I is skipped: its W runs the whole backward (stage.py)
+            held_for_weights = tokens * sum(widths[id(specs[i])] for i in range(first, last))
             if is_last:
                 # the final norm's weighted output and the LM head's output (the logits' gradient)
                 held_for_weights += tokens * h * stream // sp + b * tokens * vocab // setup.tp
                 freed = edges.loss_saved + b * tokens * vocab
+        # I retains the graph (retain_graph=True), so nothing it passes is freed: at a block's end the
+        # collected gradients, the residual stream's gradient (the stage input's, at the last block)
+        # and the norm's backward beside them: eager RMSNorm's PowBackward0 and MulBackward0 hold four
+        # token x h tensors of the stream at once (this run's peak trace: llama-pp2-zbv-fp32-m4, rank 0)
+        block_transient = max(acts.layer_transient_bytes, 4 * stream * tokens * h // sp)
+        if acts.checkpointed:
+            block_transient += max(acts.blocks[first:last], default=0)
         out.append(Stage(index, first, last, is_first, is_last, sum(tensors), max(biggest, edge), kept,
                          0 if is_last else boundary, 0 if is_first else boundary, transient, held_for_weights,
-                         freed))
+                         freed, max(transient, held_for_weights + block_transient + boundary)))
     return out
 
 
@@ -705,13 +717,14 @@ def _bits(setup: "Setup", params: int) -> tuple[int, int, int]:
     return weight_bits, grad_bits, states_bits
 
 
-def _resident(setup: "Setup", mine: list[Stage], dp: DataParallel) -> list[MemoryItem]:
+def _resident(setup: "Setup", mine: list[Stage], dp: DataParallel,
+              bits: tuple[int, int, int] | None = None) -> list[MemoryItem]:
     """What a rank holding these stages keeps between steps: its states and receive buffers."""
     from planner.recipes.precision import bits_to_bytes
 
     m = setup.request.gradient_accumulation
     params = sum(s.parameters for s in mine)
-    weight_bits, grad_bits, states_bits = _bits(setup, params)
+    weight_bits, grad_bits, states_bits = bits or _bits(setup, params)
     weights = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_parameters else params, weight_bits)
     optim = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_optimizer else params, states_bits)
     recv = m * sum(s.input_bytes for s in mine)
@@ -769,8 +782,9 @@ def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virt
     params = sum(s.parameters for s in mine)
     largest = max(s.largest_tensor for s in mine)
     compute = 4 if r.compute == "fp32" else 2
-    grad_bits = _bits(setup, params)[1]
-    resident = tuple(_resident(setup, list(mine), dp))
+    bits = _bits(setup, params)  # once per rank: the search replays thousands of ranks
+    grad_bits = bits[1]
+    resident = tuple(_resident(setup, list(mine), dp, bits))
     # During the schedule: FSDP2 keeps the stage's parameters unsharded (compute dtype) and
     # accumulates unsharded gradients until the last backward (torch 2.13 pipelining/stage.py:844-847
     # backward_maybe_with_nosync sets reshard_after_backward and requires_gradient_sync False;
@@ -829,7 +843,7 @@ def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virt
             # into the weights' nodes are collected; the input's gradient stays on the receive
             # buffer's .grad until the next step's clear_runtime_states
             record("loss input-gradient backward" if stage.is_last else "stage input-gradient backward",
-                   stage.transient_bytes + stage.weight_grad_inputs_bytes, stage)
+                   stage.input_backward_bytes, stage)
             pending += stage.weight_grad_inputs_bytes
             acts -= stage.freed_at_input_backward
             held += sent[k]
@@ -860,7 +874,7 @@ def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virt
                       + grad_bits // 8 * _ceil(params, dp.shard)))
     after.append((PhaseKind.OPTIMIZER_STEP, "optimizer step",
                   resident_bytes + kept + grad_bits // 8 * (_ceil(params, dp.shard) if dp.shards_gradients else params)
-                  + _step_temporaries(setup, largest, params, dp)))
+                  + _step_temporaries(setup, largest, params, dp, bits[0])))
     return _RankStep(mine, params, resident, compute, reduce, grad_bytes_per, fresh_bytes_per, gathered, worst,
                      tuple(after), most, kept)
 
@@ -874,13 +888,14 @@ def _largest_unit(setup: "Setup", mine: tuple[Stage, ...]) -> int:
     return max(units)
 
 
-def _step_temporaries(setup: "Setup", largest: int, params: int, dp: DataParallel) -> int:
+def _step_temporaries(setup: "Setup", largest: int, params: int, dp: DataParallel,
+                      weight_bits: int | None = None) -> int:
     """The optimizer step's temporaries over the stage: its largest tensor (a single-tensor step's)
     and the rest of the stage's (a foreach step's), as the strategies without a pipeline count them."""
     biggest = _ceil(largest, dp.shard) if dp.shards_optimizer else largest
     stepped = _ceil(params, dp.shard) if dp.shards_optimizer else params
     return step_temporaries(setup, vectors([biggest] + ([stepped - biggest] if stepped > biggest else [])),
-                            _bits(setup, params)[0])
+                            weight_bits if weight_bits is not None else _bits(setup, params)[0])
 
 
 def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virtual_stages: int,

@@ -120,12 +120,15 @@ def planned_split(req: PlanRequest, arch, pp: int, virtual_stages: int) -> tuple
 OPTIMIZER_FIELDS = ("optimizer", "optimizer_in_backward")  # the fields a refused optimizer composition names
 
 
-# The pipeline schedules a plan searches where the request fixes none: every schedule of torch
-# 2.13's torch/distributed/pipelining/schedules.py, the multi-stage ones at torchtitan's default of 2
-# stages per rank (ZBV and DualPipeV run exactly 2), each replayed action by action by
-# planner/parallel/pipeline.py (the zero-bubble ones with their split backward)
-PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("gpipe", 1), ("looped-bfs", 2), ("interleaved-zb", 2),
-                      ("zbv", 2), ("dualpipev", 2))
+# The pipeline schedules a plan searches where the request fixes none: torch 2.13's
+# torch/distributed/pipelining/schedules.py schedules that can be recommended, the multi-stage ones at
+# torchtitan's default of 2 stages per rank, each replayed action by action by
+# planner/parallel/pipeline.py (the zero-bubble ones with their split backward). Two cannot win, so
+# they are estimated only when asked: ScheduleLoopedBFS has Interleaved1F1B's bubble and stages and
+# holds every micro-batch of every local stage before its first backward (max_in_flight m x v, at
+# least interleaved's); ScheduleDualPipeV has ZBV's stages and idle time (simulated_bubble: p - 1
+# units past 2p micro-batches, the fewest it takes) and one chunk more in flight.
+PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("gpipe", 1), ("interleaved-zb", 2), ("zbv", 2))
 
 
 def schedules_of(req: PlanRequest, arch, pp: int) -> list[tuple[str, int, tuple[int, int] | None]]:
