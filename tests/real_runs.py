@@ -361,6 +361,8 @@ BENCH_RUNS = [
          pp_virtual_stages=2, gradient_accumulation=4),
     _run("llama-pp2-dualpipev-bf16-m4", LLAMA, "fsdp", "bf16-mixed", pp=2, pp_schedule="dualpipev",
          pp_virtual_stages=2, gradient_accumulation=4),
+    _run("llama-pp2-dp2-fsdp-zbv-bf16-m4", LLAMA, "fsdp", "bf16-mixed", gpus=4, pp=2, pp_schedule="zbv",
+         pp_virtual_stages=2, gradient_accumulation=4),
     # FSDP2 reducing in fp32 (reduce_dtype fp32, torchtitan's mixed_precision_reduce): the root unit's
     # fp32 reduce-scatter input at the end of backward (few tokens: the states are the peak), and
     # PP x FSDP2, whose unsharded gradients accumulate in fp32 over the micro-batches
