@@ -1243,8 +1243,9 @@ def pipeline_volumes(setup: "Setup", data_parallel_rows: list[dict], rank: int =
         rows += [dict(row, bytes_per_step=row["bytes_per_step"] // d.pp) for row in data_parallel_rows
                  if row["group"] not in ("tp", "cp")]
     rows += _model_parallel_share(setup, data_parallel_rows, mine)
-    forward = sum(s.output_bytes for s in mine)
-    backward = sum(s.input_bytes for s in mine)
+    # a V's turn (stages pp-1 and pp on the last rank) is passed by a call, not sent (stage.py set_local_fwd_input)
+    forward = sum(s.output_bytes for s in mine if s.index + 1 not in held)
+    backward = sum(s.input_bytes for s in mine if s.index - 1 not in held)
     if forward:
         rows.append({"what": "send activations (p2p)", "bytes_per_step": m * forward,
                      "message_bytes": mine[0].output_bytes or mine[-1].output_bytes, "group": "pp"})
