@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from planner.parallel.dims import PipelineSchedule
 from planner.recipes.optimizers import OptimizerName as Optimizer
 
 
@@ -58,7 +59,7 @@ class PipelineSettings(BaseModel):
 
     pp: int = Field(ge=2)
     dp: int = Field(ge=1)
-    schedule: Literal["gpipe", "1f1b", "interleaved"]
+    schedule: PipelineSchedule
     virtual_stages: int = Field(ge=1)
     first_stage_layers: int | None = Field(None, ge=1, description="uneven split: the first stage's blocks")
     last_stage_layers: int | None = Field(None, ge=1, description="uneven split: the last stage's blocks")

@@ -6,9 +6,11 @@ config), cut into stages by hand as torchtitan does (torchtitan/distributed/pipe
 embedding, the last also the final norm and the LM head; the loss (transformers'
 ForCausalLMLoss, the loss the single-model path computes) runs on the last stage as the
 schedule's ``loss_fn``. Each stage is a ``torch.distributed.pipelining.PipelineStage`` and the
-step is run by ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B (``virtual_stages``
-stages per rank, looped: rank r holds stages r, r+pp, r+2pp, ...), torch 2.13
-torch/distributed/pipelining/schedules.py.
+step is run by the request's torch 2.13 schedule (torch/distributed/pipelining/schedules.py:
+ScheduleGPipe, Schedule1F1B, or a multi-stage one with ``virtual_stages`` stages per rank, looped:
+rank r holds stages r, r+pp, r+2pp, ... (ScheduleInterleaved1F1B, ScheduleLoopedBFS,
+ScheduleInterleavedZeroBubble), or in a V: stages r and 2pp-1-r (ScheduleZBVZeroBubble,
+ScheduleDualPipeV)), as planner/parallel/pipeline.py SCHEDULE_SPECS names them.
 
 Ranks form a mesh (pp, dp, tp), pp outermost and tp innermost as torchtitan's ParallelDims
 orders it (build_mesh: pp, dp_replicate, dp_shard, cp, tp), so the tensor-parallel group of a
@@ -37,9 +39,7 @@ import torch
 
 from backend.train import (COUNTER, STEP_MARK, _median, _tokens_per_second, _write_last_step_events, build_model,
                            count_every_thread, live_at, resident_by_category, summarize_timeline, synthetic_batch)
-from planner.parallel.pipeline import stage_bounds
-
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+from planner.parallel.pipeline import SCHEDULE_SPECS, check_schedule, rank_stages, stage_bounds
 
 
 class StageModule(torch.nn.Module):
@@ -125,13 +125,14 @@ def build_pipeline(job: dict[str, Any], device: torch.device):
     settings = job["pipeline"]
     pp, virtual, dp = int(settings["pp"]), int(settings["virtual_stages"]), int(settings["dp"])
     schedule_name = settings["schedule"]
-    if schedule_name != "interleaved" and virtual != 1:
-        raise RuntimeError(f"pp_schedule {schedule_name} runs one stage per rank, got virtual_stages {virtual}")
+    spec = SCHEDULE_SPECS[schedule_name]
     tp = int(settings.get("tp", 1))
     mesh = _mesh(pp, dp, tp)
     pp_rank = mesh["pp"].get_local_rank()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[settings["compute_dtype"]]
     model = build_model(job)
+    # the planner's refusals of what torch's schedule refuses (stages per rank, micro-batches)
+    check_schedule(pp, schedule_name, virtual, int(job.get("gradient_accumulation", 1)), len(model.model.layers))
     if tp > 1:
         from backend.train_parallel import apply_tp
 
@@ -140,7 +141,7 @@ def build_pipeline(job: dict[str, Any], device: torch.device):
     # the planner's split: torchtitan's, or the request's uneven first and last stages (Megatron's)
     bounds = stage_bounds(len(model.model.layers), stages_total, settings.get("first_stage_layers"),
                           settings.get("last_stage_layers"))
-    mine = [pp_rank + k * pp for k in range(virtual)]  # looped placement (schedules.py interleaved)
+    mine = list(rank_stages(schedule_name, pp, virtual, pp_rank))  # looped, or the V
     modules, stages = [], []
     autocast = dtype if settings["dp_strategy"] == "none" else None
     for index in mine:
@@ -165,12 +166,12 @@ def build_pipeline(job: dict[str, Any], device: torch.device):
                                                      ignore_index=-100)
         return ForCausalLMLoss(logits, labels, vocab)
 
-    schedule_class = getattr(pipelining, SCHEDULES[schedule_name])
+    schedule_class = getattr(pipelining.schedules, spec.torch_class)
     m = int(job.get("gradient_accumulation", 1))
-    if schedule_name == "interleaved":
-        schedule = schedule_class(stages, n_microbatches=m, loss_fn=loss_fn)
-    else:
+    if spec.stages_per_rank == 1:
         schedule = schedule_class(stages[0], n_microbatches=m, loss_fn=loss_fn)
+    else:
+        schedule = schedule_class(stages, n_microbatches=m, loss_fn=loss_fn)
     params = [p for module in modules for p in module.parameters() if p.requires_grad]
     optimizer = ({"sgd": lambda: torch.optim.SGD(params, lr=1e-4),
                   "sgd-momentum": lambda: torch.optim.SGD(params, lr=1e-4, momentum=0.9)}.get(settings["optimizer"])

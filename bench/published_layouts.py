@@ -133,7 +133,7 @@ def _checks(req: PlanRequest, c: Candidate, families: list[Candidate]) -> str:
     if p.pp == 1 and piped:
         best = min(piped, key=lambda f: f.step_seconds)
         m, v, pp = best.gradient_accumulation, best.pp_virtual_stages or 1, best.parallel.pp
-        bubble = bubble_fraction(pp, m, v)
+        bubble = bubble_fraction(pp, m, v, best.pp_schedule or "1f1b")
         text += (f". Why no pipeline: the best one, {best.strategy} x TP {best.parallel.tp} x PP {pp} "
                  f"({best.pp_schedule}, {v} stage(s) per rank, {m} micro-batches: the global batch of "
                  f"{req.global_batch} over {best.parallel.dp_replicate * best.parallel.dp_shard} data-parallel "

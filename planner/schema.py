@@ -213,7 +213,7 @@ ExpertDegree = Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE * MAX_NODES,
                                     description="expert-parallel degree; borrows its ranks from the data-parallel "
                                     "shards and cp")]
 ScheduleField = Annotated[PipelineSchedule, Field(description="pipeline schedule (with pp > 1)")]
-VirtualStages = Annotated[int, Field(ge=1, le=1024, description="pipeline stages per rank (interleaved schedule)")]
+VirtualStages = Annotated[int, Field(ge=1, le=1024, description="pipeline stages per rank (multi-stage schedules; 2 for zbv and dualpipev)")]
 # Uneven pipeline stages (issue 25): Megatron's --decoder-first/last-pipeline-num-layers; torchtitan
 # takes the resulting split as module_fqns_per_model_part (planner/parallel/pipeline.py stage_bounds)
 FirstStageLayers = Annotated[int | None, Field(ge=1, le=1 << 16, description=(

@@ -184,6 +184,12 @@ CPU_RUNS = [
     # pipeline parallelism (torch.distributed.pipelining, backend/train_pipeline.py); at one
     # data-parallel rank no wrapper, over dp > 1 FSDP2
     _run("llama-pp2-1f1b-fp32-m4", LLAMA, "fsdp", "fp32", pp=2, gradient_accumulation=4),
+    # torch 2.13's zero-bubble schedules (issue 25): the split backward (I, then W with the graph
+    # retained between them), the V placement (rank 0 holds the first and the last stage)
+    _run("llama-pp2-zbv-fp32-m4", LLAMA, "fsdp", "fp32", pp=2, pp_schedule="zbv", pp_virtual_stages=2,
+         gradient_accumulation=4),
+    _run("llama-pp2-interleaved-zb-v2-fp32-m4", LLAMA, "fsdp", "fp32", pp=2, pp_schedule="interleaved-zb",
+         pp_virtual_stages=2, gradient_accumulation=4),
     # expert parallelism (backend/train_experts.py): each rank holds 4 of the 8 experts of every
     # block, tokens exchanged by all-to-all, FSDP2 over both ranks for the rest
     _run("qwen3moe-ep2-fsdp-fp32-t1024", QWEN3_MOE, "fsdp", "fp32", ep=2, micro=4, seq=256),
@@ -233,6 +239,7 @@ CI_RUNS = frozenset({
     "llama-fsdp-fp32-ga2-t128", "llama-single-bf16", "llama-single-fp32-muon-t64", "llama-single-fp32-inbwd-t256",
     "llama-v32k-tp2-hfplan-fp32-t1024",
     "llama-int8-lora-single-bf16-all-t512",
+    "llama-pp2-zbv-fp32-m4", "llama-pp2-interleaved-zb-v2-fp32-m4",  # issue 25: the split backward, the V
 })
 
 # Measured and reported by bench/accuracy.py (not in CI, to keep it short): the rest of the
@@ -349,6 +356,13 @@ BENCH_RUNS = [
     _run("llama-pp2-dp2-fsdp-interleaved-bf16-m4", LLAMA, "fsdp", "bf16-mixed", gpus=4, pp=2,
          pp_schedule="interleaved", pp_virtual_stages=2, gradient_accumulation=4),
     _run("llama-pp2-1f1b-fp32-ckpt-m4", LLAMA, "fsdp", "fp32", ckpt="full", pp=2, gradient_accumulation=4),
+    # torch 2.13's breadth-first and DualPipeV schedules (issue 25; ZBV and InterleavedZeroBubble: CPU_RUNS)
+    _run("llama-pp2-looped-bfs-v2-fp32-m4", LLAMA, "fsdp", "fp32", pp=2, pp_schedule="looped-bfs",
+         pp_virtual_stages=2, gradient_accumulation=4),
+    _run("llama-pp2-dualpipev-bf16-m4", LLAMA, "fsdp", "bf16-mixed", pp=2, pp_schedule="dualpipev",
+         pp_virtual_stages=2, gradient_accumulation=4),
+    _run("llama-pp2-dp2-fsdp-zbv-bf16-m4", LLAMA, "fsdp", "bf16-mixed", gpus=4, pp=2, pp_schedule="zbv",
+         pp_virtual_stages=2, gradient_accumulation=4),
     # FSDP2 reducing in fp32 (reduce_dtype fp32, torchtitan's mixed_precision_reduce): the root unit's
     # fp32 reduce-scatter input at the end of backward (few tokens: the states are the peak), and
     # PP x FSDP2, whose unsharded gradients accumulate in fp32 over the micro-batches

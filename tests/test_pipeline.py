@@ -35,6 +35,57 @@ def test_interleaved_order_is_torchs(pp, v, m):
         assert _mine("interleaved", pp, v, m, rank) == expected
 
 
+def _torch_split_order(actions) -> list[tuple[int, str, int]]:
+    """Compute actions, an overlapped forward+backward as its sub-actions in the order the runtime runs them."""
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+    out = []
+    for a in actions:
+        if a is None:
+            continue
+        for b in (a.sub_actions if a.computation_type.name == "OVERLAP_F_B" else (a,)):
+            if b.computation_type.name in kinds:
+                out.append((b.stage_index, kinds[b.computation_type.name], b.microbatch_index))
+    return out
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 12, 16, 24])
+def test_looped_and_zero_bubble_orders_are_torchs(pp, m):
+    # issue 25: every rank's order of the schedules torch 2.13 adds, against its own
+    # _calculate_single_rank_operations (the runtime's bubbles only insert idle slots)
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    for v in (1, 2, 3):
+        fake = SimpleNamespace(_stages=[None] * v, pp_group_size=pp, _n_microbatches=m)
+        for rank in range(pp):
+            assert _mine("looped-bfs", pp, v, m, rank) == \
+                _torch_split_order(schedules.ScheduleLoopedBFS._calculate_single_rank_operations(fake, rank))
+        rounds = max(1, m // pp)
+        if m % rounds == 0:
+            fake = SimpleNamespace(n_local_stages=v, _n_microbatches=m, pp_group_size=pp,
+                                   microbatches_per_round=m // rounds)
+            for rank in range(pp):
+                assert _mine("interleaved-zb", pp, v, m, rank) == _torch_split_order(
+                    schedules.ScheduleInterleavedZeroBubble._calculate_single_rank_operations(fake, rank))
+    fake = SimpleNamespace(pp_group_size=pp, _n_microbatches=m, num_stages=2 * pp)
+    for rank in range(pp):
+        assert _mine("zbv", pp, 2, m, rank) == \
+            _torch_split_order(schedules.ScheduleZBVZeroBubble._calculate_single_rank_operations(fake, rank))
+        if m >= 2 * pp:
+            assert _mine("dualpipev", pp, 2, m, rank) == \
+                _torch_split_order(schedules.ScheduleDualPipeV._calculate_single_rank_operations(fake, rank))
+
+
+def test_v_placement_is_torchs():
+    from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping
+
+    from planner.parallel.pipeline import rank_stages
+
+    for pp in (2, 3, 4, 8):
+        mapping = generate_rank_to_stage_mapping(pp, 2 * pp, style="v")
+        assert [list(rank_stages("zbv", pp, 2, r)) for r in range(pp)] == [mapping[r] for r in range(pp)]
+        assert rank_stages("interleaved-zb", pp, 2, 1) == (1, 1 + pp)
+
+
 @pytest.mark.parametrize("pp,m", [(2, 2), (2, 4), (4, 4), (4, 6), (8, 9)])
 def test_gpipe_order_is_torchs(pp, m):
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
@@ -61,9 +112,33 @@ def test_micro_batches_in_flight():
     # interleaved: the warm-up ((v-1) * m_round + 2 * (pp-1-rank)) plus the first 1F1B forward
     assert [max_in_flight("interleaved", 4, 2, 8, r) for r in range(4)] == [11, 9, 7, 5]
     assert max_in_flight("interleaved", 2, 2, 1, 0) == 2  # capped at m * v
+    # looped BFS: every micro-batch of every local stage before the first backward
+    assert [max_in_flight("looped-bfs", 4, 2, 8, r) for r in range(4)] == [16] * 4
+    # a split backward keeps its chunk in flight until W: ZB-H1 holds 1F1B's first rank's count on every
+    # rank (Qi et al. 2024, Sec. 3.1: its peak memory is 1F1B's), ZB-V 2pp half-stage chunks on every rank
+    # (the same activations: Sec. 6), DualPipeV one chunk more (DeepSeek-V3 report Table 2: PP+1)
+    assert [max_in_flight("interleaved-zb", 4, 1, 8, r) for r in range(4)] == [4, 4, 4, 4]
+    assert [max_in_flight("zbv", 4, 2, 8, r) for r in range(4)] == [8, 8, 8, 8]
+    assert [max_in_flight("dualpipev", 4, 2, 16, r) for r in range(4)] == [9, 9, 9, 9]
 
 
 def test_bubble():
+    from planner.parallel.pipeline import _simulated_idle
+
+    # the simulation in units (F = I = W = 1, B = 2) gives 1F1B's and GPipe's closed form: 3(p-1) idle units
+    for pp, m in [(2, 4), (4, 8), (8, 9)]:
+        assert _simulated_idle("1f1b", pp, 1, m) == 3 * (pp - 1) == _simulated_idle("gpipe", pp, 1, m)
+    # ZB-H1 (torch's ScheduleInterleavedZeroBubble, one stage per rank): (p-1)(T_F + T_B - T_W) = p-1
+    # units, a third of 1F1B's (Qi et al. 2024, Sec. 3.1)
+    assert bubble_fraction(4, 8, 1, "interleaved-zb") == pytest.approx(3 / (3 * 8 + 3))
+    # ZB-V and DualPipeV: p-1 units of half-stage chunks; too few micro-batches leave ZB-V's slots idle
+    assert bubble_fraction(4, 8, 2, "zbv") == pytest.approx(3 / (3 * 16 + 3))
+    assert bubble_fraction(16, 4, 2, "zbv") > 0.6
+    # past 2p micro-batches the steady state adds no idle time: the extrapolation is the simulation
+    for schedule, v in [("zbv", 2), ("interleaved-zb", 2), ("interleaved-zb", 1), ("dualpipev", 2)]:
+        for pp in (2, 4, 8):
+            assert _simulated_idle(schedule, pp, v, 8 * pp) == _simulated_idle(schedule, pp, v, 2 * pp) == pp - 1
+    assert bubble_fraction(4, 8, 2, "looped-bfs") == bubble_fraction(4, 8, 2, "interleaved")
     assert bubble_fraction(1, 8) == 0.0
     assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
     assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)
@@ -71,7 +146,16 @@ def test_bubble():
 
 
 @pytest.mark.parametrize("args,needle", [
-    ((2, "1f1b", 2, 4, 4), r"pp_virtual_stages\(2\) needs pp_schedule interleaved, got 1f1b"),
+    ((2, "1f1b", 2, 4, 4), r"pp_virtual_stages\(2\) needs a multi-stage pp_schedule \(interleaved, looped-bfs, "
+                           r"interleaved-zb, zbv, dualpipev\), got 1f1b"),
+    ((2, "zbv", 3, 4, 8), r"pp_virtual_stages\(3\): pp_schedule zbv runs exactly 2 stages per rank \(torch's "
+                          r"ScheduleZBVZeroBubble\)"),
+    ((2, "dualpipev", 1, 4, 8), r"pp_virtual_stages\(1\): pp_schedule dualpipev runs exactly 2"),
+    ((2, "dualpipev", 2, 3, 8), r"gradient_accumulation\(3\) micro-batches must be at least pp\(2\) \* "
+                                r"pp_virtual_stages\(2\) = 4 stages for pp_schedule dualpipev"),
+    ((2, "interleaved-zb", 2, 7, 8), r"gradient_accumulation\(7\) micro-batches must be a multiple of max\(1, "
+                                     r"gradient_accumulation // pp\(2\)\) = 3 for pp_schedule interleaved-zb \(torch's "
+                                     r"ScheduleInterleavedZeroBubble\)"),
     ((4, "gpipe", 1, 4, 3), r"num_layers\(3\) is fewer than pp\(4\) \* pp_virtual_stages\(1\) = 4 stages"),
     ((2, "interleaved", 2, 4, 3), r"num_layers\(3\) is fewer than pp\(2\) \* pp_virtual_stages\(2\) = 4 stages"),
     ((4, "1f1b", 1, 2, 8), r"gradient_accumulation\(2\) micro-batches must be at least pp\(4\)"),
@@ -314,3 +398,21 @@ def test_every_rank_replayed_in_integers_matches_its_written_phases():
                     assert step.in_flight == max_in_flight(schedule, 4, v, 8, rank)
                     checked += 1
     assert checked == 4 * 2 * 7
+
+
+def test_zero_bubble_keeps_input_gradients_on_the_receive_buffers():
+    # torch 2.13 pipelining/_backward.py stage_backward_input sets inp.grad = dinput on the receive
+    # buffer; stage.py clear_runtime_states drops it at the next step: between steps a zero-bubble rank
+    # keeps one stage-input gradient per micro-batch of each stage it receives into (measured:
+    # llama-pp2-interleaved-zb-v2-fp32-m4 resident 35.24 MB against interleaved's 33.14 MB)
+    from planner.memory.orchestrator import estimate
+    from planner.schema import EstimateRequest
+    from tests.real_runs import LLAMA
+
+    fields = dict(model_config=LLAMA, strategy="fsdp", gpu="cpu", gpus=2, pp=2, micro_batch=2, seq_len=128,
+                  gradient_accumulation=4, precision="fp32", pp_virtual_stages=2)
+    zb = estimate(EstimateRequest(**fields, pp_schedule="interleaved-zb"))
+    looped = estimate(EstimateRequest(**fields, pp_schedule="interleaved"))
+    boundary = 2 * 128 * 256 * 4  # micro-batch x seq x hidden x fp32
+    assert zb.per_device.resident_bytes - looped.per_device.resident_bytes == 2 * 4 * boundary  # rank 1: stages 1, 3
+    assert any(p.name.startswith("weight-gradient backward") for p in zb.phases)

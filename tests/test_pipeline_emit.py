@@ -124,3 +124,44 @@ def test_uneven_split_is_emitted_for_torchtitan_and_megatron(tmp_path):
     plain = emit_estimate_files(estimate(EstimateRequest(model="llama-3.1-8b", gpu="h100-80gb", gpus=8,
                                                          strategy="fsdp", tp=2)))
     assert "megatron_args.txt" not in plain  # pipeline layouts only
+
+
+@pytest.mark.parametrize("schedule,name", [("zbv", "ZBVZeroBubble"), ("interleaved-zb", "InterleavedZeroBubble"),
+                                           ("dualpipev", "DualPipeV"), ("looped-bfs", "LoopedBFS")])
+def test_zero_bubble_and_looped_schedules_are_emitted_by_torchtitans_name(schedule, name):
+    # issue 25: torchtitan takes torch's schedule names (schedules.py get_schedule_class); Megatron-LM
+    # has no such schedule: its arguments say which one they run instead, and why the peak differs
+    files = _files(model="llama-3.1-8b", strategy="fsdp", gpu="h100-80gb", gpus=8, pp=2, tp=2, micro_batch=1,
+                   gradient_accumulation=8, pp_schedule=schedule, pp_virtual_stages=2)
+    p = tomllib.loads(files["torchtitan.toml"])["parallelism"]
+    assert p["pipeline_parallel_schedule"] == name and len(p["module_fqns_per_model_part"]) == 4
+    assert f"Megatron-LM has no schedule like torch's Schedule{name} (pp_schedule {schedule}): these arguments run " \
+           "its interleaved 1F1B instead" in files["megatron_args.txt"]
+    assert "--num-virtual-stages-per-pipeline-rank 2" in files["megatron_args.txt"]
+
+
+def test_torchtitan_toml_with_a_zero_bubble_schedule_reads_back():
+    from pathlib import Path
+
+    from planner.jobfiles.job import read_job
+
+    # torchtitan's llama3_8b.toml with a ZBV pipeline: without pipeline_parallel_layers_per_stage
+    # torchtitan runs a multi-stage schedule at 2 stages per rank (pipeline_parallel.py b5bcd76)
+    text = (Path(__file__).parent / "fixtures" / "jobfiles" / "torchtitan" / "llama3_8b.toml").read_text()
+    text = text.replace("local_batch_size = 1", "local_batch_size = 4").replace(
+        "pipeline_parallel_degree = 1", 'pipeline_parallel_degree = 2\npipeline_parallel_schedule = "ZBVZeroBubble"\n'
+        "pipeline_parallel_microbatch_size = 1")
+    fields = read_job([("llama3_8b.toml", text)], 8).fields
+    assert (fields["pp_schedule"], fields["pp_virtual_stages"], fields["gradient_accumulation"]) == ("zbv", 2, 4)
+
+
+def test_split_backward_schedules_refuse_what_they_do_not_model():
+    from planner.memory.orchestrator import estimate
+    from tests.real_runs import QWEN3_MOE
+
+    with pytest.raises(PlannerError, match=r"pp_schedule zbv splits the backward into input and weight gradients; "
+                                           r"the split's held gradients are modelled for dense blocks") as e:
+        estimate(EstimateRequest(model_config=QWEN3_MOE, strategy="fsdp", gpu="cpu", gpus=2, pp=2, micro_batch=1,
+                                 seq_len=128, gradient_accumulation=4, precision="fp32", pp_schedule="zbv",
+                                 pp_virtual_stages=2))
+    assert e.value.field == "pp_schedule"

@@ -81,7 +81,9 @@ class Option:
         parallel = self.candidate.parallel if self.candidate is not None else self.estimate.parallel
         accumulation = (self.candidate or self.estimate.request).gradient_accumulation
         stages = self.estimate.request.pp_virtual_stages
-        return bubble_fraction(parallel.pp, accumulation, stages) if parallel.pp > 1 else 0.0
+        schedule = (self.candidate.pp_schedule if self.candidate is not None else None) \
+            or self.estimate.request.pp_schedule
+        return bubble_fraction(parallel.pp, accumulation, stages, schedule) if parallel.pp > 1 else 0.0
 
 
 def headroom(peak_bytes: int, capacity_bytes: int) -> dict[str, float]:

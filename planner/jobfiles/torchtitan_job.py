@@ -48,7 +48,8 @@ TABLE: dict[str, Key] = {
     "parallelism.tensor_parallel_degree": Modelled("tp"), "parallelism.pipeline_parallel_degree": Modelled("pp"),
     "parallelism.context_parallel_degree": Modelled("cp"), "parallelism.expert_parallel_degree": Modelled("ep"),
     "parallelism.enable_sequence_parallel": Modelled("sequence_parallel"),
-    "parallelism.pipeline_parallel_schedule": Modelled("pp_schedule: 1F1B, Interleaved1F1B, GPipe"),
+    "parallelism.pipeline_parallel_schedule": Modelled("pp_schedule: 1F1B, Interleaved1F1B, GPipe, LoopedBFS, "
+                                                       "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV"),
     "parallelism.pipeline_parallel_microbatch_size": Modelled("micro_batch with pp"),
     "parallelism.disable_loss_parallel": Refused("the loss over the whole vocabulary on every TP rank",
                                                  lambda v, b: off(v), "false"),
@@ -132,7 +133,11 @@ LAUNCH_ONLY: dict[str, Key] = {
     "loss.chunked": Needs("loss", "chunked", "ChunkedLossWrapper computes the loss a chunk of tokens at a time",
                           lambda v, b: off(v)),
 }
-SCHEDULES = {"1F1B": "1f1b", "Interleaved1F1B": "interleaved", "GPipe": "gpipe"}
+SCHEDULES = {"1F1B": "1f1b", "Interleaved1F1B": "interleaved", "GPipe": "gpipe", "LoopedBFS": "looped-bfs",
+             "InterleavedZeroBubble": "interleaved-zb", "ZBVZeroBubble": "zbv", "DualPipeV": "dualpipev"}
+# torchtitan b5bcd76 distributed/pipeline_parallel.py: without pipeline_parallel_layers_per_stage a
+# multi-stage schedule runs 2 stages per rank ("For multi-stage schedules, default is 2")
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 def read_toml(data: dict[str, Any], where: Where) -> Reading:
@@ -278,6 +283,8 @@ def _parallel(reading: Reading, flat: dict[str, Any]) -> None:
             raise where.error("parallelism.pipeline_parallel_schedule", f"({schedule!r}) is not modelled: "
                                                                         f"{', '.join(SCHEDULES)} are")
         reading.set("pp_schedule", SCHEDULES[schedule], "parallelism.pipeline_parallel_schedule")
+        if schedule in MULTI_STAGE_SCHEDULES:
+            reading.set("pp_virtual_stages", 2, "parallelism.pipeline_parallel_schedule")
         micro = whole(get("parallelism.pipeline_parallel_microbatch_size", 1), where,
                       "parallelism.pipeline_parallel_microbatch_size")
         local = reading.fields.get("micro_batch", 8)

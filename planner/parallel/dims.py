@@ -14,7 +14,11 @@ from typing import Literal
 
 from planner.errors import PlannerError
 
-PipelineSchedule = Literal["1f1b", "interleaved", "gpipe"]
+# torch 2.13's schedules (torch/distributed/pipelining/schedules.py: Schedule1F1B,
+# ScheduleInterleaved1F1B, ScheduleGPipe, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble,
+# ScheduleZBVZeroBubble, ScheduleDualPipeV); planner/parallel/pipeline.py SCHEDULE_SPECS models each
+PipelineSchedule = Literal["1f1b", "interleaved", "gpipe", "looped-bfs", "interleaved-zb", "zbv", "dualpipev"]
+SINGLE_STAGE_SCHEDULES = ("1f1b", "gpipe")
 DEGREE_FIELDS = ("tp", "pp", "cp", "ep")
 
 # What each degree needs before it can be > 1: the memory model of the dimension. The helper who
@@ -116,9 +120,9 @@ def check_dims(dims: ParallelDims, *, gpus: int, nodes: int, model: ModelShape, 
     if kv is not None and dims.tp > 1 and kv % dims.tp and dims.tp % kv:
         raise PlannerError(f"num_key_value_heads({kv}) and tp({dims.tp}): neither divides the other, so the "
                            "key/value heads can be neither split nor replicated evenly", field="tp")
-    if pp_virtual_stages > 1 and pp_schedule != "interleaved":
-        raise PlannerError(f"pp_virtual_stages({pp_virtual_stages}) needs pp_schedule interleaved, "
-                           f"got {pp_schedule}", field="pp_virtual_stages")
+    if pp_virtual_stages > 1 and pp_schedule in SINGLE_STAGE_SCHEDULES:
+        raise PlannerError(f"pp_virtual_stages({pp_virtual_stages}) needs a multi-stage pp_schedule (interleaved, "
+                           f"looped-bfs, interleaved-zb, zbv, dualpipev), got {pp_schedule}", field="pp_virtual_stages")
     stages = dims.pp * pp_virtual_stages
     if model.num_layers is not None and dims.pp > 1 and model.num_layers < stages:
         raise PlannerError(f"num_layers({model.num_layers}) is fewer than pp({dims.pp}) * "

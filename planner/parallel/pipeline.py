@@ -45,20 +45,121 @@ if TYPE_CHECKING:
     from planner.memory.buffers import PhasePlan
     from planner.setup import Setup
 
-Schedule = Literal["gpipe", "1f1b", "interleaved"]
-SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "gpipe")
+Schedule = Literal["gpipe", "1f1b", "interleaved", "looped-bfs", "interleaved-zb", "zbv", "dualpipev"]
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """What the model needs to know of one of torch 2.13's schedules (pipelining/schedules.py).
+
+    ``stages_per_rank``: 1 for the single-stage schedules, 2 for the V-shaped ones (their
+    ``__init__``: "ZBV requires exactly 2 stages per rank"), None for any count. ``v_shape``: rank r
+    holds stages r and 2pp-1-r (_utils.py generate_stage_to_rank_mapping style "v"), else r, r+pp,
+    ... ``splits_backward``: its backwards are BACKWARD_INPUT then BACKWARD_WEIGHT actions (zero
+    bubble; its bubble is simulated: simulated_bubble). ``runtime``: run by
+    _PipelineScheduleRuntime, which waits for every send only after the last action.
+    ``megatron``: Megatron-LM (d98e8a6 core/pipeline_parallel/schedules.py) runs it too: 1F1B, and
+    interleaved 1F1B over virtual stages; it has no GPipe, breadth-first, zero-bubble or V schedule."""
+
+    torch_class: str
+    stages_per_rank: int | None
+    v_shape: bool
+    splits_backward: bool
+    runtime: bool
+    megatron: bool = False
+
+
+SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
+    "1f1b": ScheduleSpec("Schedule1F1B", 1, False, False, False, megatron=True),
+    "interleaved": ScheduleSpec("ScheduleInterleaved1F1B", None, False, False, True, megatron=True),
+    "gpipe": ScheduleSpec("ScheduleGPipe", 1, False, False, False),
+    "looped-bfs": ScheduleSpec("ScheduleLoopedBFS", None, False, False, True),
+    "interleaved-zb": ScheduleSpec("ScheduleInterleavedZeroBubble", None, False, True, True),
+    "zbv": ScheduleSpec("ScheduleZBVZeroBubble", 2, True, True, True),
+    "dualpipev": ScheduleSpec("ScheduleDualPipeV", 2, True, True, True),
+}
+SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_SPECS)
+MULTI_STAGE = tuple(name for name, spec in SCHEDULE_SPECS.items() if spec.stages_per_rank != 1)
 
 
 @dataclass(frozen=True)
 class Action:
     stage: int
-    kind: Literal["F", "B"]
+    kind: Literal["F", "B", "I", "W"]  # forward, whole backward, input-gradient backward, weight-gradient backward
     micro_batch: int
 
 
-def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
-    """The idle share of a synchronous pipeline step: (p-1) / (m*v + p-1) (Narayanan et al. 2021)."""
+def rank_stages(schedule: str, pp: int, virtual_stages: int, rank: int) -> tuple[int, ...]:
+    """The stages a rank holds, its local order: looped r, r+pp, ...; V-shaped r, 2pp-1-r."""
+    if SCHEDULE_SPECS[schedule].v_shape:
+        return (rank, 2 * pp - 1 - rank)
+    return tuple(rank + k * pp for k in range(virtual_stages))
+
+
+def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1, schedule: str = "1f1b") -> float:
+    """The idle share of a pipeline step: (p-1) / (m*v + p-1) for GPipe, 1F1B and the looped
+    schedules (Narayanan et al. 2021, Sec. 2.2; Lamy-Poirier 2023, "Breadth-First Pipeline
+    Parallelism", Sec. 3); the zero-bubble schedules' from their own order (simulated_bubble)."""
+    if pp == 1:
+        return 0.0
+    if SCHEDULE_SPECS[schedule].splits_backward:
+        return simulated_bubble(schedule, pp, virtual_stages, micro_batches)
     return (pp - 1) / (micro_batches * virtual_stages + pp - 1)
+
+
+# Unit times of a stage's actions in the simulation: a forward 1, the whole backward 2, split into
+# the input gradient and the weight gradient of 1 each (Qi et al. 2024, "Zero Bubble Pipeline
+# Parallelism", Sec. 2: T_F = T_B = T_W in its analysis; the backward's matmuls are twice the forward's)
+_UNIT = {"F": 1, "B": 2, "I": 1, "W": 1}
+
+
+def simulated_bubble(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> float:
+    """The simulated idle share (_simulated_idle); past 2p micro-batches a split schedule's steady
+    state adds no idle time (tests/test_pipeline.py checks it against the whole simulation), so the
+    idle units of 2p micro-batches stand for more."""
+    m = min(micro_batches, 2 * pp)
+    idle = _simulated_idle(schedule, pp, virtual_stages, m)
+    work = 3 * micro_batches * virtual_stages
+    return idle / (work + idle)
+
+
+@lru_cache(maxsize=1024)
+def _simulated_idle(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> int:
+    """Makespan - work of the busiest rank, in units, when every rank runs its actions in torch's order
+    (rank_actions), each as soon as what it needs is done: a forward the previous stage's forward
+    of its micro-batch, a backward (whole or input) the next stage's backward (the last stage its
+    own forward), a weight gradient its input gradient; sends take no time. With F = I = W it gives
+    the papers' closed forms where they hold (1F1B: (p-1)/(m+p-1); ZB-H1 a third of 1F1B's idle
+    time; ZB-V none once m >= 2p - 1), and the schedule's own idle slots where the micro-batches
+    are too few to fill it (ZBV pads its order to 2p - 1 micro-batches: torch schedules.py)."""
+    orders = [_rank_actions(schedule, pp, virtual_stages, micro_batches, r) for r in range(pp)]
+    last = pp * virtual_stages - 1
+    finished: dict[tuple[int, str, int], int] = {}
+    position, clock = [0] * pp, [0] * pp
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r, order in enumerate(orders):
+            while position[r] < len(order):
+                a = order[position[r]]
+                if a.kind == "F":
+                    need = (a.stage - 1, "F", a.micro_batch) if a.stage else None
+                elif a.kind == "W":
+                    need = (a.stage, "b", a.micro_batch)
+                else:
+                    need = (a.stage, "F", a.micro_batch) if a.stage == last else (a.stage + 1, "b", a.micro_batch)
+                if need is not None and need not in finished:
+                    break
+                start = max(clock[r], finished[need] if need else 0)
+                clock[r] = start + _UNIT[a.kind]
+                finished[(a.stage, "b" if a.kind in "BI" else a.kind, a.micro_batch)] = clock[r]
+                position[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise PlannerError(f"pp_schedule {schedule}: the simulated order of pp({pp}) x {virtual_stages} stages and "
+                               f"{micro_batches} micro-batches deadlocks", field="pp_schedule")
+    return max(clock) - 3 * micro_batches * virtual_stages
 
 
 def check_schedule(pp: int, schedule: str, virtual_stages: int, micro_batches: int, num_layers: int) -> None:
@@ -66,8 +167,14 @@ def check_schedule(pp: int, schedule: str, virtual_stages: int, micro_batches: i
     if schedule not in SCHEDULES:
         raise PlannerError(f"pp_schedule({schedule!r}) is unknown; choose one of {', '.join(SCHEDULES)}",
                            field="pp_schedule")
-    if schedule != "interleaved" and virtual_stages != 1:
-        raise PlannerError(f"pp_virtual_stages({virtual_stages}) needs pp_schedule interleaved, got {schedule}",
+    spec = SCHEDULE_SPECS[schedule]
+    if spec.stages_per_rank == 1 and virtual_stages != 1:
+        raise PlannerError(f"pp_virtual_stages({virtual_stages}) needs a multi-stage pp_schedule "
+                           f"({', '.join(MULTI_STAGE)}), got {schedule}", field="pp_virtual_stages")
+    if spec.stages_per_rank is not None and virtual_stages != spec.stages_per_rank:
+        # ScheduleZBVZeroBubble / ScheduleDualPipeV.__init__: "requires exactly 2 stages per rank"
+        raise PlannerError(f"pp_virtual_stages({virtual_stages}): pp_schedule {schedule} runs exactly "
+                           f"{spec.stages_per_rank} stages per rank (torch's {spec.torch_class})",
                            field="pp_virtual_stages")
     stages = pp * virtual_stages
     if num_layers < stages:
@@ -79,13 +186,18 @@ def check_schedule(pp: int, schedule: str, virtual_stages: int, micro_batches: i
         raise PlannerError(f"gradient_accumulation({micro_batches}) micro-batches must be at least pp({pp}) for "
                            "pp_schedule 1f1b (torch's Schedule1F1B refuses fewer); raise it, or use gpipe",
                            field="gradient_accumulation")
-    if schedule == "interleaved":
+    if schedule == "dualpipev" and micro_batches < stages:
+        # ScheduleDualPipeV.__init__: "requires at least as many microbatches as stages"
+        raise PlannerError(f"gradient_accumulation({micro_batches}) micro-batches must be at least pp({pp}) * "
+                           f"pp_virtual_stages({virtual_stages}) = {stages} stages for pp_schedule dualpipev (torch's "
+                           "ScheduleDualPipeV refuses fewer)", field="gradient_accumulation")
+    if schedule in ("interleaved", "interleaved-zb"):
         rounds = max(1, micro_batches // pp)
         if micro_batches % rounds:
-            # ScheduleInterleaved1F1B.__init__: micro-batches a multiple of the rounds
+            # ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble.__init__: micro-batches a multiple of the rounds
             raise PlannerError(f"gradient_accumulation({micro_batches}) micro-batches must be a multiple of "
-                               f"max(1, gradient_accumulation // pp({pp})) = {rounds} for pp_schedule interleaved "
-                               "(torch's ScheduleInterleaved1F1B)", field="gradient_accumulation")
+                               f"max(1, gradient_accumulation // pp({pp})) = {rounds} for pp_schedule {schedule} "
+                               f"(torch's {spec.torch_class})", field="gradient_accumulation")
 
 
 def rank_actions(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> list[Action]:
@@ -114,13 +226,45 @@ def _actions(schedule: str, pp: int, virtual_stages: int, micro_batches: int, ra
                 out.append(Action(rank, "F", forward))
                 forward += 1
         return out
-    # ScheduleInterleaved1F1B._calculate_single_rank_operations
-    v = virtual_stages
+    if schedule == "looped-bfs":
+        # ScheduleLoopedBFS._calculate_single_rank_operations: every micro-batch's forward stage by
+        # stage, then the backwards from the last local stage, micro-batches in reverse
+        mine = rank_stages(schedule, pp, virtual_stages, rank)
+        return [Action(s, "F", i) for s in mine for i in range(m)] + \
+            [Action(s, "B", i) for s in reversed(mine) for i in reversed(range(m))]
+    if schedule == "zbv":
+        return _zbv_actions(pp, m, rank)
+    if schedule == "dualpipev":
+        return _dualpipev_actions(pp, m, rank)
+    return _looped_1f1b_actions(pp, virtual_stages, m, rank, schedule == "interleaved-zb")
+
+
+class _Counter:
+    """Appends actions numbering each (stage, kind)'s micro-batches in order."""
+
+    def __init__(self) -> None:
+        self.out: list[Action] = []
+        self.counts: dict[tuple[int, str], int] = {}
+
+    def push(self, kind: str, stage: int, count_as: str | None = None) -> int:
+        key = (stage, count_as or kind)
+        mb = self.counts.get(key, 0)
+        self.out.append(Action(stage, kind, mb))
+        self.counts[key] = mb + 1
+        return mb
+
+
+def _looped_1f1b_actions(pp: int, v: int, m: int, rank: int, zero_bubble: bool) -> list[Action]:
+    """ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble._calculate_single_rank_operations
+    (schedules.py _get_warmup_ops, _get_1f1b_rank_ops): a warm-up of forwards ((v-1) rounds plus 2
+    per hop to the last rank; zero bubble: 1 per hop), one forward and one backward each step,
+    the cool-down backwards; zero bubble splits each backward into I and W and defers the W of
+    the first ``rank`` steady steps, running the rest in order after each I."""
     rounds = max(1, m // pp)
     per_round = m // rounds
-    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
-    total = m * v
-    fwd_bwd = total - warmup
+    factor = 1 if zero_bubble else 2
+    warmup = min((v - 1) * per_round + factor * (pp - 1 - rank), m * v)
+    fwd_bwd = m * v - warmup
 
     def forward_stage(step: int) -> int:
         return ((step // per_round) % v) * pp + rank
@@ -128,39 +272,119 @@ def _actions(schedule: str, pp: int, virtual_stages: int, micro_batches: int, ra
     def backward_stage(step: int) -> int:
         return (v - 1 - ((step - warmup) // per_round) % v) * pp + rank
 
-    counts_f: dict[int, int] = {}
-    counts_b: dict[int, int] = {}
-    out = []
-
-    def push(kind: str, stage: int) -> None:
-        counts = counts_f if kind == "F" else counts_b
-        out.append(Action(stage, kind, counts.get(stage, 0)))
-        counts[stage] = counts.get(stage, 0) + 1
-
+    c = _Counter()
+    backward_steps: list[int] = []
+    weights = 0
     for op in range(warmup + fwd_bwd + warmup):
+        if op < warmup + fwd_bwd:
+            c.push("F", forward_stage(op))
         if op < warmup:
-            push("F", forward_stage(op))
-        elif op < warmup + fwd_bwd:
-            push("F", forward_stage(op))
-            push("B", backward_stage(op))
-        else:
-            push("B", backward_stage(op))
-    return out
+            continue
+        c.push("I" if zero_bubble else "B", backward_stage(op))
+        backward_steps.append(op)
+        if zero_bubble and op - warmup >= rank:
+            c.push("W", backward_stage(backward_steps[weights]))
+            weights += 1
+    while zero_bubble and weights < len(backward_steps):
+        c.push("W", backward_stage(backward_steps[weights]))
+        weights += 1
+    return c.out
+
+
+def _zbv_actions(pp: int, m: int, rank: int) -> list[Action]:
+    """ScheduleZBVZeroBubble._calculate_single_rank_operations over max(2pp-1, m) micro-batches,
+    those past m dropped: forwards of the first chunk, then both chunks, then I/W of the second
+    chunk beside its forwards; the steady F/I/W of each chunk in turn; a cool-down of Is, then the
+    deferred Ws."""
+    n = max(2 * pp - 1, m)
+    s0, s1 = rank, 2 * pp - 1 - rank
+    out: list[Action] = []
+    f0 = f1 = b0 = b1 = 0
+    for _ in range(2 * (pp - rank) - 1):
+        out.append(Action(s0, "F", f0)); f0 += 1
+    for _ in range(rank):
+        out.append(Action(s1, "F", f1)); f1 += 1
+        out.append(Action(s0, "F", f0)); f0 += 1
+    for _ in range(pp - rank):
+        out.append(Action(s1, "F", f1)); f1 += 1
+        out += [Action(s1, "I", b1), Action(s1, "W", b1)]; b1 += 1
+    while f1 < f0 or f0 < n:
+        if f0 < n:
+            out.append(Action(s0, "F", f0)); f0 += 1
+        out += [Action(s0, "I", b0), Action(s0, "W", b0)]; b0 += 1
+        out.append(Action(s1, "F", f1)); f1 += 1
+        out += [Action(s1, "I", b1), Action(s1, "W", b1)]; b1 += 1
+    w0, w1 = b0, b1
+    for _ in range(rank):
+        out.append(Action(s0, "I", b0)); b0 += 1
+        out.append(Action(s1, "I", b1)); b1 += 1
+    for _ in range(pp - rank):
+        out.append(Action(s0, "I", b0)); b0 += 1
+        out.append(Action(s0, "W", w0)); w0 += 1
+    out += [Action(s1, "W", i) for i in range(w1, b1)] + [Action(s0, "W", i) for i in range(w0, b0)]
+    return [a for a in out if a.micro_batch < m]
+
+
+def _dualpipev_actions(pp: int, m: int, rank: int) -> list[Action]:
+    """ScheduleDualPipeV._calculate_single_rank_operations: an overlapped forward+backward
+    (OVERLAP_F_B) is run as its forward, then its whole backward (_PipelineScheduleRuntime runs the
+    sub-actions in order); Ws are queued after each I and run in order where the schedule asks."""
+    s0, s1 = rank, 2 * pp - 1 - rank
+    c = _Counter()
+    queue: list[tuple[int, int]] = []
+
+    def backward(stage: int, split: bool) -> None:
+        mb = c.push("I" if split else "B", stage, count_as="I")
+        if split:
+            queue.append((stage, mb))
+
+    def weight() -> None:
+        if queue:
+            stage, mb = queue.pop(0)
+            c.out.append(Action(stage, "W", mb))
+
+    for _ in range(2 * (pp - rank - 1)):
+        c.push("F", s0)
+    for _ in range(rank + 1):
+        c.push("F", s0); c.push("F", s1)
+    for _ in range(pp - rank - 1):
+        backward(s1, True); weight(); c.push("F", s1)
+    for _ in range(m - 2 * pp + rank + 1):
+        c.push("F", s0); backward(s1, False)
+        c.push("F", s1); backward(s0, False)
+    for _ in range(pp - rank - 1):
+        backward(s1, False)
+        c.push("F", s1); backward(s0, False)
+    split = False
+    for i in range(rank + 1):
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            split = True
+        backward(s1, split)
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            split = True
+        backward(s0, split)
+    for _ in range(pp - rank - 1):
+        weight(); backward(s0, split)
+    for _ in range(rank + 1):
+        weight()
+    return c.out
 
 
 @lru_cache(maxsize=4096)
-def _rank_ops(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> tuple[tuple[int, bool, int], ...]:
-    """rank_actions as (local stage: the rank's k-th, forward, micro-batch), for the replay."""
-    return tuple(((a.stage - rank) // pp, a.kind == "F", a.micro_batch)
+def _rank_ops(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> tuple[tuple[int, str, int], ...]:
+    """rank_actions as (local stage: the rank's k-th, kind, micro-batch), for the replay."""
+    local = {stage: k for k, stage in enumerate(rank_stages(schedule, pp, virtual_stages, rank))}
+    return tuple((local[a.stage], a.kind, a.micro_batch)
                  for a in _rank_actions(schedule, pp, virtual_stages, micro_batches, rank))
 
 
 def max_in_flight(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> int:
     """Micro-batch chunks whose activations a rank holds at once (gpipe: m; 1f1b: min(pp - rank, m);
-    interleaved: its warm-up plus one, at most m x v)."""
+    interleaved: its warm-up plus one, at most m x v). A chunk whose backward is split stays in
+    flight until its weight-gradient backward (W): its graph is retained after the input gradient."""
     live = peak = 0
     for action in _rank_actions(schedule, pp, virtual_stages, micro_batches, rank):
-        live += 1 if action.kind == "F" else -1
+        live += 1 if action.kind == "F" else -1 if action.kind in ("B", "W") else 0
         peak = max(peak, live)
     return peak
 
@@ -208,20 +432,21 @@ def stage_flops(a: Architecture, bounds: list[tuple[int, int]], seq_len: int) ->
 
 
 def slowest_share(a: Architecture, pp: int, virtual_stages: int, seq_len: int, first: int | None = None,
-                  last: int | None = None) -> tuple[float, int]:
+                  last: int | None = None, schedule: str = "1f1b") -> tuple[float, int]:
     """(share of a replica's compute on its busiest rank, that rank): the pace of the pipeline,
     since every rank waits for the slowest stage at each step of the schedule."""
     cache = derived(a).setdefault("_pp_slowest", {})  # asked once per option by the plan search
-    key = (pp, virtual_stages, seq_len, first, last)
+    v_shape = SCHEDULE_SPECS[schedule].v_shape
+    key = (pp, virtual_stages, seq_len, first, last, v_shape)
     if key not in cache:
-        cache[key] = _slowest_share(a, pp, virtual_stages, seq_len, first, last)
+        cache[key] = _slowest_share(a, pp, virtual_stages, seq_len, first, last, schedule)
     return cache[key]
 
 
 def _slowest_share(a: Architecture, pp: int, virtual_stages: int, seq_len: int, first: int | None,
-                   last: int | None) -> tuple[float, int]:
+                   last: int | None, schedule: str) -> tuple[float, int]:
     per_stage = stage_flops(a, stage_bounds(a.num_layers, pp * virtual_stages, first, last), seq_len)
-    per_rank = [sum(per_stage[r::pp]) for r in range(pp)]
+    per_rank = [sum(per_stage[i] for i in rank_stages(schedule, pp, virtual_stages, r)) for r in range(pp)]
     busiest = max(range(pp), key=lambda r: per_rank[r])
     return per_rank[busiest] / sum(per_stage), busiest
 
@@ -285,6 +510,15 @@ class Stage:
     output_bytes: int  # what it sends forward per micro-batch (0 on the last stage)
     input_bytes: int  # what it receives per micro-batch (0 on the first stage)
     transient_bytes: int  # on top, at the start of one micro-batch's backward
+    # zero-bubble schedules (ScheduleSpec.splits_backward): between a micro-batch's input-gradient
+    # backward (I) and its weight-gradient backward (W), the gradients flowing into every node that
+    # consumes a weight, kept for W (pipelining/_backward.py stage_backward_input: param_groups
+    # "grads"); what I frees (the last stage's loss and logits: the graph above its head, detached)
+    weight_grad_inputs_bytes: int = 0
+    freed_at_input_backward: int = 0
+    # on top during I: the loss's backward transient at its start (the last stage), then a block's
+    # backward transient beside the gradients it has collected, which reach the whole set at its end
+    input_backward_bytes: int = 0
 
 
 def _block_largest(a: Architecture) -> list[int]:
@@ -357,6 +591,9 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1, acts: Acti
     specs = layer_specs(a)
     sums, largest = block_parameters(a), _block_largest(a)
     boundary = stream * tokens * h // sp
+    split = SCHEDULE_SPECS[req.pp_schedule].splits_backward
+    distinct = {id(spec): spec for spec in specs} if split else {}  # a few kinds of block, many blocks
+    widths = {key: _weight_node_widths(spec, h, setup.tp, sp, b, stream) for key, spec in distinct.items()}
     head = vocab * h  # the last stage's own copy when the embedding is tied (torchtitan unties)
     out = []
     for index in range(count):
@@ -397,9 +634,35 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1, acts: Acti
         if acts.checkpointed:
             # each block is recomputed in its backward: the largest of the stage's holds its whole set
             transient = max(transient, max(acts.blocks[first:last]) + acts.layer_transient_bytes)
+        held_for_weights, freed = 0, 0
+        if split and not is_first:  # the first stage's I is skipped: its W runs the whole backward (stage.py)
+            held_for_weights = tokens * sum(widths[id(specs[i])] for i in range(first, last))
+            if is_last:
+                # the final norm's weighted output and the LM head's output (the logits' gradient)
+                held_for_weights += tokens * h * stream // sp + b * tokens * vocab // setup.tp
+                freed = edges.loss_saved + b * tokens * vocab
+        # I retains the graph (retain_graph=True), so nothing it passes is freed: at a block's end the
+        # collected gradients, the residual stream's gradient (the stage input's, at the last block)
+        # and the norm's backward beside them: eager RMSNorm's PowBackward0 and MulBackward0 hold four
+        # token x h tensors of the stream at once (this run's peak trace: llama-pp2-zbv-fp32-m4, rank 0)
+        block_transient = max(acts.layer_transient_bytes, 4 * stream * tokens * h // sp)
+        if acts.checkpointed:
+            block_transient += max(acts.blocks[first:last], default=0)
         out.append(Stage(index, first, last, is_first, is_last, sum(tensors), max(biggest, edge), kept,
-                         0 if is_last else boundary, 0 if is_first else boundary, transient))
+                         0 if is_last else boundary, 0 if is_first else boundary, transient, held_for_weights,
+                         freed, max(transient, held_for_weights + block_transient + boundary)))
     return out
+
+
+def _weight_node_widths(spec, h: int, tp: int, sp: int, b: int, stream: int) -> int:
+    """Bytes per token of the gradients flowing into a block's weight-consuming nodes: each
+    linear's output (the q, k, v and gate/up outputs column-parallel over tp, o and down whole) in
+    the compute dtype, and each norm's weighted output on the residual stream (over sp)."""
+    att, mlp = spec.attention, spec.mlp
+    q = att.num_heads * att.head_dim
+    kv = att.num_kv_heads * (att.head_dim + att.v_head_dim)
+    inner = mlp.intermediate_size * (2 if mlp.gated else 1)
+    return b * ((q + kv + inner) // tp + 2 * h) + spec.norms * h * stream // sp
 
 
 # --- memory of one rank ------------------------------------------------------------------------
@@ -454,13 +717,14 @@ def _bits(setup: "Setup", params: int) -> tuple[int, int, int]:
     return weight_bits, grad_bits, states_bits
 
 
-def _resident(setup: "Setup", mine: list[Stage], dp: DataParallel) -> list[MemoryItem]:
+def _resident(setup: "Setup", mine: list[Stage], dp: DataParallel,
+              bits: tuple[int, int, int] | None = None) -> list[MemoryItem]:
     """What a rank holding these stages keeps between steps: its states and receive buffers."""
     from planner.recipes.precision import bits_to_bytes
 
     m = setup.request.gradient_accumulation
     params = sum(s.parameters for s in mine)
-    weight_bits, grad_bits, states_bits = _bits(setup, params)
+    weight_bits, grad_bits, states_bits = bits or _bits(setup, params)
     weights = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_parameters else params, weight_bits)
     optim = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_optimizer else params, states_bits)
     recv = m * sum(s.input_bytes for s in mine)
@@ -498,11 +762,13 @@ class _RankStep:
     worst: dict
     after: tuple[tuple[PhaseKind, str, int], ...]  # the phases after the schedule: (kind, name, bytes)
     in_flight: int  # the most micro-batch chunks in flight at once
+    kept_input_grads: int = 0  # zero bubble: input gradients left on the receive buffers' .grad
+
 
     def phase_bytes(self) -> list[tuple[str, int]]:
         """(name, bytes) of each phase, in rank_phases' order."""
         out = []
-        for name, (total, (_, live, _, _)) in self.worst.items():
+        for name, (total, (_, live, *_)) in self.worst.items():
             out.append((name if name.startswith("embedding") else
                         f"{name}, {sum(live)} micro-batches in flight", total))
         return out + [(name, total) for _, name, total in self.after]
@@ -512,12 +778,13 @@ def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virt
                schedule: str, dp: DataParallel) -> _RankStep:
     r, req = setup.recipe, setup.request
     m = req.gradient_accumulation
-    mine = tuple(all_stages[rank + k * pp] for k in range(virtual_stages))
+    mine = tuple(all_stages[i] for i in rank_stages(schedule, pp, virtual_stages, rank))
     params = sum(s.parameters for s in mine)
     largest = max(s.largest_tensor for s in mine)
     compute = 4 if r.compute == "fp32" else 2
-    grad_bits = _bits(setup, params)[1]
-    resident = tuple(_resident(setup, list(mine), dp))
+    bits = _bits(setup, params)  # once per rank: the search replays thousands of ranks
+    grad_bits = bits[1]
+    resident = tuple(_resident(setup, list(mine), dp, bits))
     # During the schedule: FSDP2 keeps the stage's parameters unsharded (compute dtype) and
     # accumulates unsharded gradients until the last backward (torch 2.13 pipelining/stage.py:844-847
     # backward_maybe_with_nosync sets reshard_after_backward and requires_gradient_sync False;
@@ -538,49 +805,78 @@ def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virt
     # backward sends (bwd_sends_to_wait), the interleaved runtime every send (send_ops, waited in
     # _PipelineScheduleRuntime._step_microbatches after the last action); Schedule1F1B waits for
     # each with the next receive.
+    spec = SCHEDULE_SPECS[schedule]
+    indices = {st.index for st in mine}
+    next_local = [st.index + 1 in indices for st in mine]  # the V's turn: passed by a call, not sent
+    prev_local = [st.index - 1 in indices for st in mine]
+    # a stage's output handed to the next stage on the same rank is that stage's receive buffer
+    # (stage.py set_local_fwd_input), counted once there
+    per_mb = [st.activation_bytes - (st.output_bytes if nxt else 0) for st, nxt in zip(mine, next_local)]
+    if spec.runtime:  # every send held to the step's end: the input's gradient back, the output forward
+        sent = [(0 if p else st.input_bytes) + (0 if n else st.output_bytes)
+                for st, p, n in zip(mine, prev_local, next_local)]
+    else:  # GPipe holds its backward sends; Schedule1F1B waits for each with the next receive
+        sent = [0 if schedule == "1f1b" else st.input_bytes for st in mine]
     live = [0] * virtual_stages  # micro-batches in flight per local stage
     done = [False] * virtual_stages  # local stages with gradients
-    sent = [(s.input_bytes + (s.output_bytes if schedule == "interleaved" else 0)) if schedule != "1f1b" else 0
-            for s in mine]  # the gradient of the stage's input sent back; interleaved also its output
     worst: dict[str, tuple[int, tuple]] = {}
-    held = grads = acts = count = most = 0
-    for k, forward, micro_batch in _rank_ops(schedule, pp, virtual_stages, m, rank):
+    held = grads = acts = count = most = pending = kept = 0
+
+    def record(name: str, extra: int, stage: Stage) -> None:
+        total = base + grads + acts + held + pending + extra
+        if name not in worst or total > worst[name][0]:
+            worst[name] = (total, (stage, tuple(live), tuple(done), held, acts, pending, extra))
+
+    for k, kind, micro_batch in _rank_ops(schedule, pp, virtual_stages, m, rank):
         stage = mine[k]
-        if forward:
+        if kind == "F":
             live[k] += 1
-            acts += stage.activation_bytes
+            acts += per_mb[k]
             count += 1
             if count > most:
                 most = count
             continue
-        name = "loss backward" if stage.is_last else "stage backward"
-        total = base + grads + acts + held + stage.transient_bytes
-        if name not in worst or total > worst[name][0]:
-            worst[name] = (total, (stage, tuple(live), tuple(done), held))
+        if kind == "I" and stage.is_first:
+            continue  # stage.py backward_one_chunk: the first stage's W runs its whole backward
+        if kind == "I":
+            # stage_backward_input: the graph is retained (retain_graph=True) while the gradients
+            # into the weights' nodes are collected; the input's gradient stays on the receive
+            # buffer's .grad until the next step's clear_runtime_states
+            record("loss input-gradient backward" if stage.is_last else "stage input-gradient backward",
+                   stage.input_backward_bytes, stage)
+            pending += stage.weight_grad_inputs_bytes
+            acts -= stage.freed_at_input_backward
+            held += sent[k]
+            kept += 0 if prev_local[k] else stage.input_bytes
+            continue
+        if kind == "W" and not stage.is_first:
+            # stage_backward_weight: one parameter group's gradient at a time, added into .grad
+            record("weight-gradient backward", fresh_bytes_per * stage.largest_tensor if done[k] else 0, stage)
+            acts -= per_mb[k] - stage.freed_at_input_backward
+            pending -= stage.weight_grad_inputs_bytes
+        else:
+            record("loss backward" if stage.is_last else "stage backward", stage.transient_bytes, stage)
+            acts -= per_mb[k]
+            held += sent[k]
         live[k] -= 1
-        acts -= stage.activation_bytes
         count -= 1
         if not done[k]:
             done[k] = True
             grads += grad_bytes_per * stage.parameters
-        held += sent[k]
         if stage.is_first and micro_batch > 0:
             # embedding_dense_backward's fresh V x h gradient, added into the accumulated one
-            name = "embedding backward (first stage)"
-            total = base + grads + acts + held + fresh_bytes_per * stage.largest_tensor
-            if name not in worst or total > worst[name][0]:
-                worst[name] = (total, (stage, tuple(live), tuple(done), held))
+            record("embedding backward (first stage)", fresh_bytes_per * stage.largest_tensor, stage)
     # After the schedule: the reduction of the gradients over dp, and the optimizer step.
     after = []
     if dp.shards_parameters:
         after.append((PhaseKind.GRADIENT_ALLREDUCE, "gradient reduce-scatter over dp",
-                      base + reduce * params + reduce * _largest_unit(setup, mine)
+                      base + kept + reduce * params + reduce * _largest_unit(setup, mine)
                       + grad_bits // 8 * _ceil(params, dp.shard)))
     after.append((PhaseKind.OPTIMIZER_STEP, "optimizer step",
-                  resident_bytes + grad_bits // 8 * (_ceil(params, dp.shard) if dp.shards_gradients else params)
-                  + _step_temporaries(setup, largest, params, dp)))
+                  resident_bytes + kept + grad_bits // 8 * (_ceil(params, dp.shard) if dp.shards_gradients else params)
+                  + _step_temporaries(setup, largest, params, dp, bits[0])))
     return _RankStep(mine, params, resident, compute, reduce, grad_bytes_per, fresh_bytes_per, gathered, worst,
-                     tuple(after), most)
+                     tuple(after), most, kept)
 
 
 def _largest_unit(setup: "Setup", mine: tuple[Stage, ...]) -> int:
@@ -592,13 +888,14 @@ def _largest_unit(setup: "Setup", mine: tuple[Stage, ...]) -> int:
     return max(units)
 
 
-def _step_temporaries(setup: "Setup", largest: int, params: int, dp: DataParallel) -> int:
+def _step_temporaries(setup: "Setup", largest: int, params: int, dp: DataParallel,
+                      weight_bits: int | None = None) -> int:
     """The optimizer step's temporaries over the stage: its largest tensor (a single-tensor step's)
     and the rest of the stage's (a foreach step's), as the strategies without a pipeline count them."""
     biggest = _ceil(largest, dp.shard) if dp.shards_optimizer else largest
     stepped = _ceil(params, dp.shard) if dp.shards_optimizer else params
     return step_temporaries(setup, vectors([biggest] + ([stepped - biggest] if stepped > biggest else [])),
-                            _bits(setup, params)[0])
+                            weight_bits if weight_bits is not None else _bits(setup, params)[0])
 
 
 def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virtual_stages: int,
@@ -617,35 +914,46 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
         return _item(f"gradients of {sum(stages_done)} of {len(mine)} local stage(s)", st.grad_bytes_per * elements,
                      "gradients")
 
-    def acts_item(in_flight: tuple[int, ...]) -> MemoryItem:
-        return _item(f"activations of {sum(in_flight)} micro-batch chunk(s) in flight",
-                     sum(s.activation_bytes * n for s, n in zip(mine, in_flight)), "activations",
+    def acts_item(in_flight: tuple[int, ...], nbytes: int) -> MemoryItem:
+        return _item(f"activations of {sum(in_flight)} micro-batch chunk(s) in flight", nbytes, "activations",
                      f"{schedule} schedule, torch 2.13 pipelining/schedules.py")
+
+    def pending_item(nbytes: int) -> MemoryItem:
+        return _item("gradients into the weights' nodes, kept from each input-gradient backward to its weight-"
+                     "gradient backward", nbytes, "activations", "torch 2.13 pipelining/_backward.py "
+                     "stage_backward_input: param_groups' grads")
+
+    kept = _item("input gradients left on the receive buffers (.grad) until the next step", st.kept_input_grads,
+                 "buffers", "pipelining/_backward.py stage_backward_input: inp.grad = dinput; cleared by "
+                 "stage.py clear_runtime_states at the next step")
+    extras = {"loss input-gradient backward": "input-gradient backward transient and the gradients it collects",
+              "stage input-gradient backward": "input-gradient backward transient and the gradients it collects",
+              "weight-gradient backward": "a weight's fresh gradient, added into the accumulated one"}
 
     def held_item(nbytes: int) -> MemoryItem:
         return _item("sent tensors held until the step ends (p2p works not yet waited)", nbytes, "buffers",
                      "torch 2.13 pipelining/schedules.py: send works waited after the last action")
 
     phases: list[Phase] = []
-    for name, (_, (stage, in_flight, stages_done, held_bytes)) in st.worst.items():
-        common = resident + [gathered, grads_item(stages_done), acts_item(in_flight), held_item(held_bytes)]
+    for name, (_, (stage, in_flight, stages_done, held_bytes, acts, pending, extra)) in st.worst.items():
+        common = resident + [gathered, grads_item(stages_done), acts_item(in_flight, acts), held_item(held_bytes),
+                             pending_item(pending)]
         if name.startswith("embedding"):
             phases.append(_phase(PhaseKind.END_OF_BACKWARD, name, common + [
-                _item("embedding gradient being accumulated", st.fresh_bytes_per * stage.largest_tensor,
-                      "gradients")]))
+                _item("embedding gradient being accumulated", extra, "gradients")]))
         else:
             kind = PhaseKind.START_OF_BACKWARD if stage.is_last else PhaseKind.START_OF_BLOCK
             phases.append(_phase(kind, f"{name}, {sum(in_flight)} micro-batches in flight",
-                                 common + [_item("backward transient", stage.transient_bytes, "activations")]))
+                                 common + [_item(extras.get(name, "backward transient"), extra, "activations")]))
     grads_full = grad_bits // 8 * (_ceil(params, dp.shard) if dp.shards_gradients else params)
-    step_items = resident + [_item("gradients", grads_full, "gradients")]
+    step_items = resident + [kept, _item("gradients", grads_full, "gradients")]
     if dp.shards_parameters:
         # foreach_reduce (_fsdp_collectives.py:597-606) copies one unit's accumulated gradients into a
         # flat reduce-scatter input of the reduce dtype before it frees them
         grads_during = _item("unsharded gradients, accumulated over micro-batches (FSDP2"
                              + (", fp32 reduce dtype)" if st.reduce != st.compute else ")"), st.reduce * params,
                              "gradients", "reduce-scattered once, at perform_reduce_grad")
-        reduce_items = resident + [gathered, grads_during,
+        reduce_items = resident + [kept, gathered, grads_during,
                                    _item("reduce-scatter input of one unit", st.reduce * _largest_unit(setup, mine),
                                          "buffers", "foreach_reduce: one flat input per unit, in the reduce dtype"),
                                    _item("sharded gradients (reduce-scatter output)",
@@ -698,7 +1006,8 @@ def resident_bytes(setup: "Setup") -> int:
     all_stages = _checked_stages(setup, d.pp, req.pp_virtual_stages, req.pp_schedule, dp)
     parallel = data_parallel(setup, dp, shard)
     v = req.pp_virtual_stages
-    return max(sum(i.bytes for i in _resident(setup, [all_stages[rank + k * d.pp] for k in range(v)], parallel))
+    return max(sum(i.bytes for i in _resident(setup, [all_stages[i] for i in rank_stages(req.pp_schedule, d.pp, v, rank)],
+                                             parallel))
                for rank in range(d.pp))
 
 
@@ -720,9 +1029,24 @@ def _checked_stages(setup: "Setup", pp: int, virtual_stages: int, schedule: str,
         raise PlannerError(f"pp={pp}: {setup.model.name} is estimated by tracing; its stages cannot be split",
                            field="pp")
     check_schedule(pp, schedule, virtual_stages, setup.request.gradient_accumulation, a.num_layers)
+    check_split_backward(a, schedule)
     check_split(a.num_layers, pp, virtual_stages, setup.request.pp_first_stage_layers,
                 setup.request.pp_last_stage_layers)
     return stages(setup, pp, virtual_stages, dp, acts)
+
+
+def check_split_backward(a: Architecture, schedule: str) -> None:
+    """The weight-gradient split is modelled for dense blocks with plain attention: the gradients
+    it keeps are those of each linear's output (_weight_node_widths); routed experts' and MLA's
+    low-rank projections' nodes are not counted, so those models are refused."""
+    if not SCHEDULE_SPECS[schedule].splits_backward:
+        return
+    for spec in layer_specs(a):
+        if spec.mlp.is_moe or spec.attention.q_lora_rank or spec.attention.kv_lora_rank:
+            raise PlannerError(f"pp_schedule {schedule} splits the backward into input and weight gradients; the "
+                               f"split's held gradients are modelled for dense blocks with plain attention, not "
+                               f"{a.model_type}'s {'experts' if spec.mlp.is_moe else 'MLA'}: use 1f1b, interleaved, "
+                               "looped-bfs or gpipe", field="pp_schedule")
 
 
 def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str, dp: int,
@@ -737,8 +1061,9 @@ def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str,
     for rank in range(pp):  # every rank replayed in integers; the items are written for the worst
         step = _rank_step(setup, all_stages, rank, pp, virtual_stages, schedule, parallel)
         peak_name, peak_bytes = max(step.phase_bytes(), key=lambda p: p[1])
-        resident_bytes = sum(i.bytes for i in step.resident)
-        mine = tuple(rank + k * pp for k in range(virtual_stages))
+        # zero bubble: the input gradients on the receive buffers stay until the next step's start
+        resident_bytes = sum(i.bytes for i in step.resident) + step.kept_input_grads
+        mine = rank_stages(schedule, pp, virtual_stages, rank)
         ranks.append(RankMemory(rank, mine, sum(all_stages[i].parameters for i in mine), resident_bytes,
                                 peak_bytes, peak_name, step.in_flight))
         steps.append(step)
@@ -752,7 +1077,9 @@ def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str,
     notes = [f"pipeline: {pp} ranks x {virtual_stages} stage(s) of {'-'.join(map(str, sizes))} "
              f"blocks ({split}), {schedule} schedule, {setup.request.gradient_accumulation} micro-batches; worst rank "
              f"{worst} (stages {', '.join(map(str, ranks[worst].stages))}), bubble "
-             f"{bubble_fraction(pp, setup.request.gradient_accumulation, virtual_stages):.1%} of the step"]
+             f"{bubble_fraction(pp, setup.request.gradient_accumulation, virtual_stages, schedule):.1%} of the step"
+             + (" (zero bubble: simulated in units, F = I = W, unverified)" if SCHEDULE_SPECS[schedule].splits_backward
+                else "")]
     notes += [f"pipeline rank {r.rank}: stages {list(r.stages)}, {r.parameters:,} parameters, up to {r.in_flight} "
               f"micro-batch chunk(s) in flight, peak {r.peak_bytes:,} B ({r.peak_phase})" for r in ranks]
     buffers = [i for i in resident if i.component == "buffers" and i.bytes > 0]
@@ -763,8 +1090,9 @@ def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str,
         notes.append(f"resident: pipeline rank {kept.rank} keeps the most between steps, {kept.resident_bytes:,} B "
                      f"(rank {worst}, which peaks highest, keeps {resident_bytes:,} B)")
         resident_bytes = kept.resident_bytes
+    kept_grads = [i for i in phases[-1].items if i.name.startswith("input gradients left") and i.bytes > 0]
     return PhasePlan(phases=phases, resident_bytes=resident_bytes, buffers=buffers, notes=notes,
-                     resident=[i for i in resident if i.bytes > 0]), ranks
+                     resident=[i for i in resident if i.bytes > 0] + kept_grads), ranks
 
 
 # --- time --------------------------------------------------------------------------------------
@@ -780,7 +1108,7 @@ class PipelineTime:
 
 def pipeline_time(replica_compute_seconds: float, pp: int, micro_batches: int, virtual_stages: int,
                   boundary_bytes: int, link_gbps: float, latency_us: float = 0.0,
-                  slowest: float | None = None) -> PipelineTime:
+                  slowest: float | None = None, schedule: str = "1f1b") -> PipelineTime:
     """A pipeline step on one rank. ``replica_compute_seconds``: the compute of the step's
     micro-batches through the whole model (one data-parallel replica's work); each rank does
     1/pp of it, and the synchronous schedule idles a bubble of (p-1)/(m*v+p-1) of the step
@@ -792,14 +1120,18 @@ def pipeline_time(replica_compute_seconds: float, pp: int, micro_batches: int, v
     slowest link between consecutive stages: NVLink inside a node, the NIC across nodes).
     ``slowest``: the busiest rank's share of the replica's compute (slowest_share: uneven stages,
     the LM head on the last); every slot of the schedule waits for it, so the step is that rank's
-    work stretched by the bubble. Default 1/pp (equal stages)."""
+    work stretched by the bubble. Default 1/pp (equal stages). ``schedule``: its bubble
+    (ScheduleSpec.bubble: the zero-bubble schedules fill most of it with weight gradients; modelled
+    from the papers, not measured); a V-shaped one passes the turn of the V on one rank, not over
+    the link."""
     m, v = micro_batches, virtual_stages
     ideal = replica_compute_seconds * (slowest if slowest is not None else 1 / pp)
-    fraction = bubble_fraction(pp, m, v)
+    fraction = bubble_fraction(pp, m, v, schedule)
     compute = ideal / (1.0 - fraction) if pp > 1 else ideal
     sends = 2 * m * v if pp > 1 else 0
     per_send = boundary_bytes / (link_gbps * 1e9) + latency_us * 1e-6 if link_gbps > 0 else 0.0
-    exposed = 2 * (pp * v - 1) * per_send if pp > 1 else 0.0
+    crossings = pp * v - (2 if SCHEDULE_SPECS[schedule].v_shape else 1)
+    exposed = 2 * crossings * per_send if pp > 1 else 0.0
     return PipelineTime(compute, compute - ideal, sends * boundary_bytes, sends * per_send, exposed)
 
 
@@ -844,9 +1176,9 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
         gbps, latency = _group_link(topo, gpus, stride, d.pp, nic_gbps, link_efficiency)
         boundary = tokens * arch.hidden_size * b // max(1, d.tp * d.cp)
         share, _ = slowest_share(arch, d.pp, req.pp_virtual_stages, req.seq_len // max(1, d.cp),
-                                 req.pp_first_stage_layers, req.pp_last_stage_layers)
+                                 req.pp_first_stage_layers, req.pp_last_stage_layers, req.pp_schedule)
         p = pipeline_time(t.compute_seconds, d.pp, req.gradient_accumulation, req.pp_virtual_stages, boundary,
-                          gbps, latency, slowest=share)
+                          gbps, latency, slowest=share, schedule=req.pp_schedule)
         compute = p.compute_seconds
         comm += p.p2p_seconds
         exposed += p.exposed_p2p_seconds
@@ -892,7 +1224,8 @@ def pipeline_volumes(setup: "Setup", data_parallel_rows: list[dict], rank: int =
     and the gradient of every stage's input but the first's (backward)."""
     d, req = setup.dims, setup.request
     m = req.gradient_accumulation
-    mine = [s for s in stages(setup, d.pp, req.pp_virtual_stages, d.dp) if s.index % d.pp == rank]
+    held = set(rank_stages(req.pp_schedule, d.pp, req.pp_virtual_stages, rank))
+    mine = [s for s in stages(setup, d.pp, req.pp_virtual_stages, d.dp) if s.index in held]
     params = sum(s.parameters for s in mine)
     compute = 4 if setup.recipe.compute == "fp32" else 2
     reduce = FP32 if req.reduce_dtype == "fp32" else compute  # FSDP2 reduce-scatters in its reduce dtype
@@ -910,8 +1243,9 @@ def pipeline_volumes(setup: "Setup", data_parallel_rows: list[dict], rank: int =
         rows += [dict(row, bytes_per_step=row["bytes_per_step"] // d.pp) for row in data_parallel_rows
                  if row["group"] not in ("tp", "cp")]
     rows += _model_parallel_share(setup, data_parallel_rows, mine)
-    forward = sum(s.output_bytes for s in mine)
-    backward = sum(s.input_bytes for s in mine)
+    # a V's turn (stages pp-1 and pp on the last rank) is passed by a call, not sent (stage.py set_local_fwd_input)
+    forward = sum(s.output_bytes for s in mine if s.index + 1 not in held)
+    backward = sum(s.input_bytes for s in mine if s.index - 1 not in held)
     if forward:
         rows.append({"what": "send activations (p2p)", "bytes_per_step": m * forward,
                      "message_bytes": mine[0].output_bytes or mine[-1].output_bytes, "group": "pp"})

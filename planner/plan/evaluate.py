@@ -20,7 +20,7 @@ from planner.frameworks import framework_of
 from planner.memory.orchestrator import (Measured, activation_offload_bytes, host_capacity, measure,
                                         pipeline_resident_bytes, resolve)
 from planner.parallel.hf_plan import hf_rank_architecture
-from planner.parallel.pipeline import parallel_step
+from planner.parallel.pipeline import SCHEDULE_SPECS, parallel_step
 from planner.plan.layouts import Rejected, cp_degrees, ep_degrees, pp_degrees, tp_degrees
 from planner.plan.recipe import checkpointings, refused_by_recipe
 from planner.plan.settings import (OPTIMIZER_FIELDS, Row, Setting, estimate_request, expert_shards, framework_runs, frozen_base_of,
@@ -325,6 +325,9 @@ def _floor_estimate(search: Search, req: PlanRequest, combo: Setting, micro: int
     gpipe's floor is 1f1b's."""
     if combo.virtual_stages == 1:
         combo = replace(combo, schedule="1f1b")
+    elif SCHEDULE_SPECS[combo.schedule].v_shape:
+        # DualPipeV takes no fewer micro-batches than stages; ZBV holds the same stages and buffers
+        combo = replace(combo, schedule="zbv")
     key = (req.nodes, combo, -micro)  # apart from the rows' estimates
     if key not in search.floors:
         setup = resolve(estimate_request(req, combo, micro, search.model_fields, accumulation=combo.pp))

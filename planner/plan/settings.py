@@ -12,7 +12,7 @@ import numpy as np
 from planner.errors import PlannerError
 from planner.frameworks import framework_of, version_field
 from planner.model.catalogue import as_loaded, catalogue_model, model_from_config
-from planner.parallel.pipeline import balanced_split, check_schedule, check_split, stage_bounds
+from planner.parallel.pipeline import balanced_split, check_schedule, check_split, check_split_backward, stage_bounds
 from planner.schema import MAX_GLOBAL_BATCH, MAX_TOKENS, SHARDING_STRATEGIES, EstimateRequest, PlanRequest
 from planner.strategies import explicit_hsdp_shard, strategy as lookup_strategy
 from planner.time import collectives as timing
@@ -121,12 +121,14 @@ OPTIMIZER_FIELDS = ("optimizer", "optimizer_in_backward")  # the fields a refuse
 
 
 # The pipeline schedules a plan searches where the request fixes none: torch 2.13's
-# torch/distributed/pipelining/schedules.py Schedule1F1B, ScheduleInterleaved1F1B (at torchtitan's
-# default of 2 stages per rank for a multi-stage schedule) and ScheduleGPipe, the ones whose memory
-# planner/parallel/pipeline.py replays action by action. ScheduleLoopedBFS, ScheduleInterleavedZeroBubble,
-# ScheduleZBVZeroBubble and ScheduleDualPipeV split the backward into input and weight gradients
-# (or run two directions): their memory is not modelled, so they are not searched.
-PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("gpipe", 1))
+# torch/distributed/pipelining/schedules.py schedules that can be recommended, the multi-stage ones at
+# torchtitan's default of 2 stages per rank, each replayed action by action by
+# planner/parallel/pipeline.py (the zero-bubble ones with their split backward). Two cannot win, so
+# they are estimated only when asked: ScheduleLoopedBFS has Interleaved1F1B's bubble and stages and
+# holds every micro-batch of every local stage before its first backward (max_in_flight m x v, at
+# least interleaved's); ScheduleDualPipeV has ZBV's stages and idle time (simulated_bubble: p - 1
+# units past 2p micro-batches, the fewest it takes) and one chunk more in flight.
+PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("gpipe", 1), ("interleaved-zb", 2), ("zbv", 2))
 
 
 def schedules_of(req: PlanRequest, arch, pp: int) -> list[tuple[str, int, tuple[int, int] | None]]:
@@ -141,6 +143,10 @@ def schedules_of(req: PlanRequest, arch, pp: int) -> list[tuple[str, int, tuple[
     given = req.pp_first_stage_layers is not None or req.pp_last_stage_layers is not None
     for schedule, v in options:
         if arch.num_layers < pp * v:
+            continue
+        try:  # a split backward on blocks whose held gradients are not modelled (MoE, MLA)
+            check_split_backward(arch, schedule)
+        except PlannerError:
             continue
         if given:
             try:  # the request's split, over this schedule's pp x v stages

@@ -39,7 +39,10 @@ from __future__ import annotations
 from typing import Any
 
 # torch.distributed.pipelining's schedule class names, as torchtitan's pipeline_parallel_schedule takes them
-PP_SCHEDULES = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B", "gpipe": "GPipe"}
+# (torch 2.13 schedules.py get_schedule_class; torchtitan b5bcd76 distributed/pipeline_parallel.py places
+# ZBVZeroBubble and DualPipeV's two stages per rank in a V, stage_ids_this_rank style "v")
+PP_SCHEDULES = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B", "gpipe": "GPipe", "looped-bfs": "LoopedBFS",
+                "interleaved-zb": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
 # training.mixed_precision_param by the recipe's compute dtype (torchtitan takes bfloat16 or float32 only)
 MIXED_PARAM = {"bf16": "bfloat16", "fp32": "float32"}
 HEAD_NAME = {"0.2": "output", "0.3": "lm_head"}  # the LM head's module name in torchtitan's llama

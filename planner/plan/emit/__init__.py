@@ -41,6 +41,7 @@ from planner.plan.emit.guide import guide
 from planner.plan.emit.hf_tp import hf_tp_loader
 from planner.plan.emit.shell import launch_sh, sbatch
 from planner.plan.emit.spec import Launch, Script
+from planner.parallel.pipeline import SCHEDULE_SPECS
 from planner.plan.megatron import megatron_arguments, megatron_file
 from planner.plan.search import finetune_fields
 from planner.recipes.finetune import bnb_config, lora_config
@@ -190,7 +191,22 @@ def _megatron_file(setup) -> str | None:
     uneven = (" Megatron counts --decoder-first/last-pipeline-num-layers per pipeline rank, the planner per stage: "
               "with virtual stages the uneven split is not written." if req.pp_virtual_stages > 1 and
               req.pp_first_stage_layers is not None else "")
-    return megatron_file(args, f"Megatron-LM (d98e8a6) arguments of this pipeline layout; {twin}.{uneven}")
+    return megatron_file(args, f"Megatron-LM (d98e8a6) arguments of this pipeline layout; {twin}.{uneven}"
+                         + _megatron_schedule_note(req.pp_schedule, req.pp_virtual_stages))
+
+
+def _megatron_schedule_note(schedule: str, virtual_stages: int) -> str:
+    """Megatron-LM runs 1F1B, interleaved over virtual stages (core/pipeline_parallel/schedules.py
+    forward_backward_pipelining_with/without_interleaving); it has no GPipe, breadth-first,
+    zero-bubble or V-shaped schedule: the arguments run the nearest one it has, whose peak and bubble
+    differ."""
+    spec = SCHEDULE_SPECS[schedule]
+    if spec.megatron:
+        return ""
+    nearest = "interleaved 1F1B" if virtual_stages > 1 else "1F1B"
+    return (f" Megatron-LM has no schedule like torch's {spec.torch_class} (pp_schedule {schedule}): these arguments "
+            f"run its {nearest} instead, whose peak and bubble differ from this estimate's (estimate pp_schedule "
+            f"{'interleaved' if virtual_stages > 1 else '1f1b'} for that run).")
 
 
 def finetune_files(setup) -> dict[str, str]:
