@@ -213,8 +213,9 @@ def test_a_fixed_pipeline_degree_that_cannot_divide_the_cluster_is_one_line(caps
 
 
 def test_the_longest_sequence_of_a_pipeline_recommendation():
-    """max_seq_len for a pipeline layout: micro-batches of 1 sequence, the rank's share of the batch
-    of them in the request's schedule; it fits, 256 tokens more do not."""
+    """max_seq_len for a pipeline layout: micro-batches of 1 sequence, as many as the candidate's
+    micro-batches (planner/plan/inverse.py: a count its schedule accepts), in the request's
+    schedule; it fits, 256 tokens more do not."""
     req = PlanRequest(**SLOW_TWO_NODES)
     r = plan(req)
     best, longest = r.recommended, r.max_seq_len
@@ -225,7 +226,7 @@ def test_the_longest_sequence_of_a_pipeline_recommendation():
 
     def peak(seq: int) -> int:
         return estimate(EstimateRequest(model=req.model, strategy=best.strategy, gpus=8, nodes=2, micro_batch=1,
-                                        gradient_accumulation=best.micro_batch * best.gradient_accumulation,
+                                        gradient_accumulation=best.gradient_accumulation,
                                         seq_len=seq, checkpointing="full", tp=best.parallel.tp,
                                         pp=2)).per_device.peak_bytes
 

@@ -170,15 +170,16 @@ def _rates(g: Gpu, dtype: str, matmul_scale: float) -> Rates:
 
 def attention_tflops(r: Rates, seq: int, head_dim: int, kernel: str = "flash-attention-2") -> float:
     """The flash kernel's causal forward + backward TFLOP/s at this sequence length and head width:
-    log-linear between the measured lengths, the end values beyond them; linear in head width
-    between 64 and 128, the nearer end outside; scaled by this GPU's matmul rate over the reference's."""
+    log-linear between the measured lengths; beyond the longest, the fixed-cost form through the
+    last two (long_sequence_tflops); linear in head width between 64 and 128, the nearer end
+    outside; scaled by this GPU's matmul rate over the reference's."""
     measured = FLASH_ATTENTION_CAUSAL_TFLOPS.get((kernel, r.attention_reference))
 
     def at(row: tuple[float, ...]) -> float:
         if seq <= ATTENTION_SEQUENCES[0]:
             return row[0] * seq / ATTENTION_SEQUENCES[0]  # below 512 the launch dominates: time stays
         if seq >= ATTENTION_SEQUENCES[-1]:
-            return row[-1]
+            return long_sequence_tflops(row[-2], row[-1], ATTENTION_SEQUENCES[-1], seq)
         for k in range(1, len(ATTENTION_SEQUENCES)):
             if seq <= ATTENTION_SEQUENCES[k]:
                 lo, hi = ATTENTION_SEQUENCES[k - 1], ATTENTION_SEQUENCES[k]
@@ -195,6 +196,19 @@ def attention_tflops(r: Rates, seq: int, head_dim: int, kernel: str = "flash-att
     proxy = FLASH_ATTENTION_CAUSAL_TFLOPS
     ratio = rate(proxy[(UNMEASURED_PROXY, r.attention_reference)]) / rate(proxy[(UNMEASURED_PROXY, "a100")])
     return rate(proxy[(kernel, "a100")]) * ratio * r.attention_scale
+
+
+def long_sequence_tflops(before: float, last: float, last_seq: int, seq: int) -> float:
+    """A flash kernel's rate beyond its longest measured length. Each thread block of queries
+    streams the keys before it (causal: seq / 2 on average) after a fixed cost (loading its
+    queries, writing its output and softmax statistics), so the rate is R·s / (s + S0), the
+    K loop's form (k_efficiency); R and S0 through the rates at half the last length and at the
+    last. A curve that stopped rising there stays flat."""
+    q = last / before
+    if seq <= last_seq or not 1.0 < q < 2.0:
+        return last
+    s0 = last_seq * (q - 1.0) / (2.0 - q)  # from q = 2(s/2 + S0) / (s + S0) at s = last_seq
+    return last * (last_seq + s0) / last_seq * seq / (seq + s0)
 
 
 # --- the work of one micro-batch -----------------------------------------------------------------
