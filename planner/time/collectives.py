@@ -45,7 +45,9 @@ BACKWARD_FRACTION = 2 / 3
 CPU_ADAM_PARAMS_PER_SECOND = 1.0e9
 # Achieved fraction of peak device-memory bandwidth for streaming kernels: a V100 reaches about
 # 750 of its 900 GB/s in microbenchmarks (Jia et al. 2018, "Dissecting the NVIDIA Volta GPU
-# Architecture via Microbenchmarking": global memory), ~83%. Calibratable.
+# Architecture via Microbenchmarking": global memory), ~83%; an H200's 4 GiB device-to-device copy
+# moved 3,984 GB/s read + written of its 4,800 (83.0%; bench/results/gpu_check_h200_1.json
+# hbm_copy_gbps, torch 2.11). Calibratable.
 MEMORY_BANDWIDTH_EFFICIENCY = 0.83
 
 # Thread blocks a ring collective's kernel holds while it runs (NCCL launches one per channel, each

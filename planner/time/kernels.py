@@ -34,6 +34,14 @@ Sources of the constants:
   The fixed part is memory traffic (the first operand stages in, the output tile out), so on
   another GPU K0 scales with its FLOP per byte over that A100 40GB's (312 TFLOP/s over 1,555 GB/s):
   390 on an A100 80GB, 753 on an H100 SXM.
+  Checked on an H200 (bench/results/gpu_check_h200_1.json "kernels", torch 2.11, one full wave of
+  16,896 x 256 outputs): measured 648.7, 730.0, 763.0, 781.2 TFLOP/s at K = 2,048 ... 16,384 where
+  the curve gives 657.2, 731.9, 776.1, 794.5 (within 1.7%). At K = 256, 512 and 1,024 it measured
+  96.5, 204.2, 413.6 against 270.4, 407.5, 545.7, but those calls took a flat 22.9, 21.7, 21.4 µs
+  each: launches of eager `a @ b` timed back to back, the host's cost, not the K loop's (at K = 256
+  the kernel's own operand traffic, 17.4 MB, is 4.4 µs at the copy rate measured there). The curve
+  is kept; the step's host cost is the host term below (HOST_SECONDS_PER_KERNEL), and
+  bench/gpu_check.py now times the GEMMs replayed from a CUDA graph.
 - Memory bandwidth: planner/timing.MEMORY_BANDWIDTH_EFFICIENCY of the datasheet bandwidth.
 """
 
@@ -81,7 +89,8 @@ ATTENTION_BACKWARD_FLOPS = 2.5
 # The forward runs at a higher rate than the backward; the tables above measure the two together,
 # so this ratio splits their time (what checkpointing reruns is the forward alone). FlashAttention-2:
 # up to 73% of A100's peak forward, 63% backward (Dao 2023, "FlashAttention-2", arXiv 2307.08691,
-# Sec. 1). Triton's FlashAttention (the algorithm of the Triton tutorial FlashAttention's kernel
+# Sec. 1); an H200 measured 579 forward and 509 backward at 8k, head 128, 16 heads (torch 2.11's SDPA,
+# bench/results/gpu_check_h200_1.json): 1.14. Triton's FlashAttention (the algorithm of the Triton tutorial FlashAttention's kernel
 # started from): the tutorial's published causal head-64 rates at 2k, 136.5 TFLOP/s forward and
 # 76.2 backward (triton-lang.org, getting-started/tutorials/06-fused-attention). FlashAttention 1.x:
 # no separate measurement, one rate for both.
