@@ -76,7 +76,10 @@ FLASH_ATTENTION_CAUSAL_TFLOPS = {
                                     128: (55.0, 62.0, 69.0, 76.0, 80.0, 83.0)},
     ("flash-attention-1", "h100"): {64: (104.0, 123.0, 136.0, 138.0, 149.0, 156.0),
                                     128: (98.0, 109.0, 108.0, 126.0, 135.0, 137.0)},
-    # flash_attn_triton.py (FlashAttention's Triton implementation; MPT's attn_impl "triton")
+    # the charts' "Triton" line: Triton's own triton.ops.flash_attention (the import of
+    # benchmarks/benchmark_flash_attention.py, Dao-AILab/flash-attention 0469c72), standing in for
+    # FlashAttention's flash_attn_triton.py (MPT's attn_impl "triton"): both grew from the Triton
+    # tutorial's fused attention; flash_attn_triton.py itself has no published rates
     ("flash-attention-triton", "a100"): {64: (59.0, 75.0, 79.0, 76.0, 79.0, 80.0),
                                          128: (50.0, 61.0, 68.0, 74.0, 78.0, 80.0)},
 }
