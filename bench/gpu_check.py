@@ -43,8 +43,10 @@ planner/data/allocator_calibration.json (--calibration), in this format:
 
 The time model's kernel claims (issue 22), measured first: bf16 GEMMs of one full wave of 128 x 256
 tiles over K = 256 ... 16,384 against planner/time/kernels.py's K-loop curve (K0 scaled by the
-GPU's FLOP per byte, from NVIDIA's A100 figure), and SDPA's causal flash attention forward and
-backward TFLOP/s at head 128 against FORWARD_OVER_BACKWARD_RATE; printed and kept under "kernels".
+GPU's FLOP per byte, from NVIDIA's A100 figure), timed replayed from a CUDA graph (device time; the
+eager calls' rate is kept beside it), and SDPA's causal flash attention forward and backward
+TFLOP/s at head 128 over 8,192 tokens at each length against FORWARD_OVER_BACKWARD_RATE; printed and
+kept under "kernels".
 
 When the file has an entry for the estimate's GPU, planner/memory/reserved.py uses its cuda_context_bytes
 (and nccl_bytes_per_communicator, unless NCCL_BUFFSIZE is given), and the estimate's allocator
@@ -291,6 +293,26 @@ def _cuda_seconds(fn, repeat: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / repeat
 
 
+def _graph_seconds(fn, repeat: int = 20) -> float:
+    """Device seconds of one call of ``fn``, replayed from a CUDA graph of ``repeat`` calls: a
+    kernel shorter than the host's launch cost is timed by itself, not by the launches (eager
+    calls of a @ b timed back to back on the H200 took a flat 21.4-22.9 µs each from K = 256 to
+    1,024: bench/results/gpu_check_h200_1.json)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            fn()
+    return _cuda_seconds(graph.replay, repeat=5) / repeat
+
+
 def check_kernels(gpu_name: str) -> dict:
     """Measured against modelled: the K loop's share of a GEMM, and attention's forward/backward split."""
     import torch
@@ -305,21 +327,27 @@ def check_kernels(gpu_name: str) -> dict:
     for k in (256, 512, 1024, 2048, 4096, 8192, 16384):
         a = torch.randn(int(m), k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-        measured = 2 * m * n * k / _cuda_seconds(lambda: a @ b) / 1e12
+        eager = 2 * m * n * k / _cuda_seconds(lambda: a @ b) / 1e12
+        measured = 2 * m * n * k / _graph_seconds(lambda: a @ b) / 1e12
         modelled = 2 * m * n * k / kernels._gemm_seconds(m, n, k, r, 2) / 1e12
-        gemms.append({"k": k, "measured_tflops": measured, "modelled_tflops": modelled})
-        print(f"GEMM {int(m)} x {n} x {k:>5}: measured {measured:7.1f} TFLOP/s, modelled {modelled:7.1f}")
+        gemms.append({"k": k, "measured_tflops": measured, "eager_tflops": eager, "modelled_tflops": modelled})
+        print(f"GEMM {int(m)} x {n} x {k:>5}: measured {measured:7.1f} TFLOP/s (CUDA graph; eager calls "
+              f"{eager:7.1f}), modelled {modelled:7.1f}")
     attention = []
     for seq in (2048, 8192):
-        q, k_, v = (torch.randn(1, 16, seq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        # the same 8,192 tokens at each length (batch 4 at 2k), so that both fill the SMs alike: at
+        # batch 1 x 16 heads the 2k kernel has 256 query blocks for 132 SMs, and the timed
+        # autograd call's host cost weighs on its 0.2 ms backward
+        batch = max(1, 8192 // seq)
+        q, k_, v = (torch.randn(batch, 16, seq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                     for _ in range(3))
-        flops = 4 * seq * seq * 16 * 128 / 2
+        flops = batch * 4 * seq * seq * 16 * 128 / 2
         out = F.scaled_dot_product_attention(q, k_, v, is_causal=True)
         grad = torch.randn_like(out)
         fwd = _cuda_seconds(lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True))
         bwd = _cuda_seconds(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k_, v, is_causal=True),
                                                         (q, k_, v), grad)) - fwd
-        attention.append({"seq": seq, "forward_tflops": flops / fwd / 1e12,
+        attention.append({"seq": seq, "batch": batch, "forward_tflops": flops / fwd / 1e12,
                           "backward_tflops": kernels.ATTENTION_BACKWARD_FLOPS * flops / bwd / 1e12,
                           "modelled_forward_over_backward": kernels.FORWARD_OVER_BACKWARD_RATE["flash-attention-2"]})
         print(f"SDPA causal seq {seq}: forward {attention[-1]['forward_tflops']:.0f} TFLOP/s, backward "

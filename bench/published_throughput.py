@@ -131,16 +131,23 @@ def _unexplained(data: list[Row], results) -> str:
     short = [v["h100_80gb"] / v["a100_80gb"] for k, v in by_config.items()
              if k[1] <= 4096 and {"h100_80gb", "a100_80gb"} <= v.keys()]
     flash2 = [e for r, _, e, _ in results if r.table == LARGE_SCALE_TABLE and r.model in FLASH2_IN_SWEEP]
+    long = [e for r, _, e, _ in results if r.seq_len > 16384]
     mamf = {g: load_gpus()[GPU[g]].mamf_tflops["bf16"] for g in ("h100_80gb", "a100_80gb")}
     return (f"Not explained: on the {len(short)} configurations up to 4,096 tokens that ran on both, H100 "
             f"throughput is {statistics.median(short):.2f}x the A100-80GB's (median; "
             f"{min(short):.2f}-{max(short):.2f}), where the measured matmul rates differ "
             f"{mamf['h100_80gb'] / mamf['a100_80gb']:.2f}x (MAMF {mamf['h100_80gb']:g} / {mamf['a100_80gb']:g} "
             "TFLOP/s): the H100's matmul-bound rows are over-predicted by what no kernel measurement here "
-            "accounts for; the large-scale table's FlashAttention-2 rows (sweep.py's `--attn_impl flash`) are "
-            f"over-predicted by a median {statistics.median(flash2):+.0%}, while the same models with Triton "
-            "attention on 8-64 H100s publish about the same throughput. Beyond 16k tokens the attention rate "
-            "stays at its measured 16k value (FlashAttention's charts end there).")
+            "accounts for (the SMs that hidden collectives hold, the 'communication contention' term, explain "
+            "a few percent of it); the large-scale table's FlashAttention-2 rows (sweep.py's `--attn_impl flash`) "
+            f"are over-predicted by a median {statistics.median(flash2):+.0%}, while the same models with Triton "
+            "attention on 8-64 H100s publish about the same throughput. Beyond 16k tokens (FlashAttention's "
+            "charts end there) the attention rate follows the per-block fixed-cost form through the 8k and 16k "
+            f"rates, and the {len(long)} rows beyond 16k are under-predicted by a median "
+            f"{statistics.median(long):+.0%}: MPT's `triton` attention is FlashAttention's flash_attn_triton.py, "
+            "while the charts' \"Triton\" line is Triton's own triton.ops.flash_attention "
+            "(its benchmarks/benchmark_flash_attention.py imports it, Dao-AILab/flash-attention 0469c72), so no "
+            "measurement here is of the kernel those rows ran.")
 
 
 def report(show_rows: bool) -> str:

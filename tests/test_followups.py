@@ -189,7 +189,7 @@ def test_the_assumed_topology_is_what_parsing_its_nvidia_smi_text_gives():
     from planner.cluster.hardware import one_host_bridge as _one_host_bridge
     from planner.cluster.topology import parse_topology
 
-    g = gpu("a100-40gb")
+    g = gpu("h100-pcie")  # a GPU without a preset
     for n in (1, 2, 8):
         text = "\t" + "\t".join(f"GPU{i}" for i in range(n)) + "\n" + "".join(
             f"GPU{i}\t" + "\t".join(" X " if i == j else "PHB" for j in range(n)) + "\n" for i in range(n))
@@ -202,7 +202,7 @@ def test_a_preset_less_gpu_count_beyond_the_paste_limit_is_estimated():
     is for what users paste, not for what the planner assumes."""
     from planner.time.step import estimate_with_time
 
-    result = estimate_with_time(EstimateRequest(model="gpt2", gpu="a100-40gb", gpus=190, strategy="zero2"))
+    result = estimate_with_time(EstimateRequest(model="gpt2", gpu="h100-pcie", gpus=190, strategy="zero2"))
     assert result.time is not None and result.time.step_seconds > 0
 
 

@@ -44,9 +44,10 @@ def test_no_offload_or_unknown_ram_is_not_judged():
 
 def test_every_datasheet_preset_cites_its_system_memory():
     stated = {name: p for name, p in PRESETS.items() if p.host_memory_gb is not None}
-    assert set(stated) == {"dgx-a100", "hgx-h100", "hgx-h200", "hgx-b200"}
+    assert set(stated) == {"dgx-a100", "dgx-a100-320gb", "hgx-h100", "hgx-h200", "hgx-b200"}
     for p in stated.values():
-        assert "datasheet" in p.host_memory_source and p.host_memory_gb == 2000
+        # the DGX A100 datasheet: 2TB in the 640GB system, 1TB in the 320GB one (8x A100 40GB)
+        assert "datasheet" in p.host_memory_source and p.host_memory_gb == (1000 if p.gpu == "a100-40gb" else 2000)
 
 
 def test_cli_estimate_shows_the_verdict_and_the_nodes_ram(capsys):

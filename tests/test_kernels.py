@@ -5,6 +5,7 @@ import pytest
 from planner.model.catalogue import catalogue_model
 from planner.cluster.gpus import load_gpus
 from planner.time.kernels import (FLASH_ATTENTION_CAUSAL_TFLOPS, Gemm, Rates, Work, _gemm_seconds, attention_tflops,
+                                  long_sequence_tflops,
                                   micro_batch_terms, optimizer_step_seconds, rates, wave_efficiency, work)
 from planner.schema import EstimateRequest
 from planner.time.step import estimate_with_time
@@ -33,7 +34,11 @@ def test_attention_rate_interpolates_the_measured_table():
     table = FLASH_ATTENTION_CAUSAL_TFLOPS[("flash-attention-2", "a100")]
     assert attention_tflops(r, 2048, 128) == pytest.approx(table[128][2])  # 155 TFLOP/s, measured
     assert attention_tflops(r, 4096, 96) == pytest.approx((table[64][3] + table[128][3]) / 2)  # width midway
-    assert attention_tflops(r, 65536, 128) == pytest.approx(table[128][-1])  # past 16k: the 16k rate
+    # past 16k: R·s / (s + S0) through 8k (182) and 16k (189): S0 = 16384 x (189/182 - 1) / (2 - 189/182)
+    # = 656 tokens, R = 189 x (16384 + 656) / 16384 = 196.6; at 64k 196.6 x 65536 / 66192 = 194.6
+    assert attention_tflops(r, 65536, 128) == pytest.approx(194.6, abs=0.05)
+    assert attention_tflops(r, 16384, 128) == pytest.approx(table[128][-1])
+    assert long_sequence_tflops(80.0, 80.0, 16384, 65536) == 80.0  # a flat curve stays flat
     # between 4k and 8k, log-linear in the length: 5,793 tokens is halfway
     assert attention_tflops(r, 5793, 128) == pytest.approx((173 + 182) / 2, rel=1e-3)
     # Triton was measured on A100 only: on H100 x FlashAttention-1's H100/A100 ratio at 2k, width 128
@@ -188,9 +193,10 @@ def test_estimate_reports_terms_sources_mfu_and_hfu():
     assert 0 < t.mfu < t.hfu < 1  # the recompute runs FLOPs MFU does not count
     compute = sum(term.seconds for term in t.terms if term.name in ("matmul", "attention", "elementwise and loss",
                                                                      "recompute (full)", "host launch wait",
-                                                                     "optimizer step"))
+                                                                     "optimizer step", "communication contention"))
     assert compute == pytest.approx(t.compute_seconds, rel=1e-9)
-
+    # FSDP's hidden gathers and reduce-scatters hold 24 of the H100's 132 SMs while they run
+    assert "communication contention" in names
 
 def test_torch_frameworks_step_adamw_through_the_foreach_path_and_deepspeed_through_one_fused_pass():
     """torch 2.13's _multi_tensor_adam moves 84 bytes per fp32 element (eight _foreach_ kernels);
@@ -211,3 +217,20 @@ def test_torch_frameworks_step_adamw_through_the_foreach_path_and_deepspeed_thro
 
     fused = 2 * (64 + 32) / 8 + 16 / 8 + 16 / 8  # states and master read + written, bf16 grad read, bf16 copy written
     assert optimizer_seconds("ddp") / optimizer_seconds("zero0") == pytest.approx(84 / fused, rel=1e-9)
+
+
+
+def test_hidden_collectives_cost_the_sms_they_hold():
+    # an NVLink ring's collective holds 24 blocks (NCCL channels) of the GPU's SMs while it hides
+    # behind compute: 1 s hidden costs 24/132 s of compute on an H100, 24/108 on an A100; over PCIe 2 blocks
+    from planner.cluster.hardware import topology_of
+    from planner.schema import PlanRequest
+    from planner.time import collectives as timing
+    from planner.cluster.gpus import gpu
+
+    for name, sms in (("h100-80gb", 132), ("a100-80gb", 108)):
+        topo, _, _ = topology_of(PlanRequest(model="llama-3-8b", gpu=name, gpus=8), gpu(name))
+        ring = timing.node_ring(topo, 8)[0]
+        assert timing.contention_seconds(1.0, sms, topo, ring) == pytest.approx(24 / sms)
+        assert timing.contention_seconds(1.0, sms, topo, ring[:1]) == 0.0  # one GPU: no collective
+    assert timing.collective_sms.__doc__ and timing.NCCL_CHANNEL_BLOCKS["other"] == 2

@@ -143,7 +143,9 @@ def test_cli_plan_json_and_emit(tmp_path, capsys):
         assert cfg["train_micro_batch_size_per_gpu"] == rec["micro_batch"]
         assert cfg["zero_optimization"]["stage"] == int(rec["strategy"][-1])
         assert cfg["train_batch_size"] == 128
-        assert "deepspeed --num_gpus 8 --master_port \"$port\" --module backend.worker" in (tmp_path / "launch.sh").read_text()
+        launch = (tmp_path / "launch.sh").read_text()
+        assert 'ds_devices="--num_gpus 8"' in launch  # without CUDA_VISIBLE_DEVICES: all 8 GPUs
+        assert "deepspeed $ds_devices --master_port \"$port\" --module backend.worker" in launch
     else:
         assert "torchrun --standalone --nproc_per_node 8 -m backend.worker" in (tmp_path / "launch.sh").read_text()
 
@@ -313,7 +315,11 @@ def test_ties_within_the_time_models_uncertainty_go_to_headroom():
     from planner.plan.search import MEMORY_TIE_FRACTION, TIE_TOLERANCE
     from planner.units import GIB
 
-    r = _llama8b_on_hgx()
+    # fast links (link_efficiency 4) and one sequence per GPU: the layouts' collectives are short,
+    # so what they cost beside the compute (exposed, or the SMs they hold while hidden) is within
+    # the tolerance and the step times tie on compute
+    r = plan(PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, topology="hgx-h100", seq_len=4096,
+                         global_batch=8, link_efficiency=4.0))
     best = r.recommended
     fitting = [c for c in r.candidates if c.fits]
     fastest = min(c.step_seconds for c in fitting)
@@ -323,12 +329,11 @@ def test_ties_within_the_time_models_uncertainty_go_to_headroom():
     # no option as fast leaves materially (3% of the device) more memory free than the recommendation
     assert best.per_device.peak_bytes <= min(c.per_device.peak_bytes for c in tied) + MEMORY_TIE_FRACTION * capacity
     # the issue's case: FSDP at 75.1 GiB of 75.7 usable was picked over ZeRO-3 at 49.8 GiB, same step time
-    # (the recommendation, 32 micro-batches, holds the earlier ones' sharded gradients: 48.3 GiB)
     assert best.per_device.peak_bytes < 0.65 * capacity
     assert max(c.per_device.peak_bytes for c in tied) > best.per_device.peak_bytes + 10 * GIB
     note = next(n for n in r.notes if n.startswith(f"recommended {best.strategy}"))
-    # the tied options' peaks (each at 32 micro-batches, holding the earlier ones' gradients) are
-    # within 3% of the device of the lowest: the one that communicates least of those
+    # or, where the tied options' peaks are within 3% of the device of the lowest: the one that
+    # communicates least of those
     assert "within 1% of the best step time" in note and ("leaves the most memory free" in note
                                                            or "it communicates least" in note)
 

@@ -213,8 +213,9 @@ def test_a_fixed_pipeline_degree_that_cannot_divide_the_cluster_is_one_line(caps
 
 
 def test_the_longest_sequence_of_a_pipeline_recommendation():
-    """max_seq_len for a pipeline layout: micro-batches of 1 sequence, the rank's share of the batch
-    of them in the request's schedule; it fits, 256 tokens more do not."""
+    """max_seq_len for a pipeline layout: micro-batches of 1 sequence, as many as the candidate's
+    micro-batches (planner/plan/inverse.py: a count its schedule accepts), in the request's
+    schedule; it fits, 256 tokens more do not."""
     req = PlanRequest(**SLOW_TWO_NODES)
     r = plan(req)
     best, longest = r.recommended, r.max_seq_len

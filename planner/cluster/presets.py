@@ -33,6 +33,8 @@ class Preset:
 # Vendor datasheets of the systems the presets stand for (the DGX of each HGX baseboard):
 _DGX_A100 = ("NVIDIA DGX A100 datasheet (nvidia-dgx-a100-80gb-datasheet.pdf): DGX A100 640GB, "
              "System Memory 2TB")
+_DGX_A100_320 = ("NVIDIA DGX A100 datasheet (nvidia-dgx-a100-datasheet.pdf): DGX A100 320GB, 8x A100 40GB, "
+                 "System Memory 1TB")
 _DGX_H100 = ("NVIDIA DGX H100 datasheet (nvidia-dgx-h100-datasheet): System Memory 2TB")
 _DGX_H200 = ("NVIDIA DGX H200 datasheet (dgx-h200-datasheet): System Memory 2TB; NVIDIA's own MLPerf "
              "Inference v4.1 H200-SXM-141GBx8 system: host_memory_capacity 2 TB, 32x 64GB")
@@ -61,6 +63,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("dgx-a100", "a100-80gb", 8, "DGX A100: 8x A100 SXM4 on 6 NVSwitches (NV12 everywhere), 8 HDR NICs",
            _all("NV12"), lambda i: (3, 3, 1, 1, 7, 7, 5, 5)[i], 8, "ib-hdr",
            "tests/fixtures/topologies/dgx_a100_8gpu_10nic.txt; NVIDIA DGX A100 user guide", 2000, _DGX_A100),
+    Preset("dgx-a100-320gb", "a100-40gb", 8, "DGX A100 320GB: 8x A100 SXM4 40GB on 6 NVSwitches (NV12 everywhere), "
+           "8 HDR NICs", _all("NV12"), lambda i: (3, 3, 1, 1, 7, 7, 5, 5)[i], 8, "ib-hdr",
+           "NVIDIA DGX A100 user guide (the 320GB and 640GB systems share the NVSwitch board)", 1000, _DGX_A100_320),
     Preset("hgx-h100", "h100-80gb", 8, "DGX/HGX H100: 8x H100 SXM5 on NVSwitch (NV18), 8 NDR NICs",
            _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-ndr", "NVIDIA DGX H100 user guide", 2000, _DGX_H100),
     Preset("hgx-h200", "h200", 8, "HGX H200: 8x H200 SXM on NVSwitch (NV18), 8 NDR NICs",

@@ -45,8 +45,45 @@ BACKWARD_FRACTION = 2 / 3
 CPU_ADAM_PARAMS_PER_SECOND = 1.0e9
 # Achieved fraction of peak device-memory bandwidth for streaming kernels: a V100 reaches about
 # 750 of its 900 GB/s in microbenchmarks (Jia et al. 2018, "Dissecting the NVIDIA Volta GPU
-# Architecture via Microbenchmarking": global memory), ~83%. Calibratable.
+# Architecture via Microbenchmarking": global memory), ~83%; an H200's 4 GiB device-to-device copy
+# moved 3,984 GB/s read + written of its 4,800 (83.0%; bench/results/gpu_check_h200_1.json
+# hbm_copy_gbps, torch 2.11). Calibratable.
 MEMORY_BANDWIDTH_EFFICIENCY = 0.83
+
+# Thread blocks a ring collective's kernel holds while it runs (NCCL launches one per channel, each
+# resident on one SM): 24 on NVSwitch nodes, both HGX A100 (NVIDIA/nccl-tests issue #100's log,
+# "Channel 23/24") and H100 (NVIDIA developer forum, "Compute-Communication Overlap Causes Severe
+# GEMM Performance Degradation because of Tail Effect", 2025: ncclAllGather of FSDP's prefetch
+# launches 24 blocks on an H100's 132 SMs); 2 over PCIe (NVIDIA/nccl-tests issue #228's log,
+# channels 00-01 via SHM). While it overlaps compute, the compute runs on the other SMs.
+NCCL_CHANNEL_BLOCKS = {"nvlink": 24, "other": 2}
+
+
+def collective_sms(t: "Topology", ring: tuple[int, ...]) -> int:
+    """SMs a data-parallel collective holds while it runs, by the kind of its ring's slowest link
+    (memoised per topology and ring: the plan search asks per option)."""
+    key = (id(t), ring)
+    hit = _COLLECTIVE_SMS.get(key)
+    if hit is None or hit[0] is not t:
+        if len(_COLLECTIVE_SMS) > 64:
+            _COLLECTIVE_SMS.clear()
+        kind = ring_bottleneck_kind(t, ring) or ""
+        hit = _COLLECTIVE_SMS[key] = (t, NCCL_CHANNEL_BLOCKS["nvlink" if kind.startswith("nvlink") else "other"])
+    return hit[1]
+
+
+_COLLECTIVE_SMS: dict[tuple, tuple["Topology", int]] = {}
+
+
+def contention_seconds(hidden_seconds, sms: int | None, t: "Topology", ring: tuple[int, ...]):
+    """What overlapped communication costs the compute it hides behind: for its duration the
+    collective's blocks hold collective_sms of the GPU's SMs, so that much compute work moves to
+    after it (a first-order share; Lee et al. 2025, "Characterizing Compute-Communication Overlap
+    in GPU-Accelerated Distributed Deep Learning", arXiv 2507.03114, measure a mean compute
+    slowdown of 18.9% while overlapped on A100 and H100, against 24/108 = 22% and 24/132 = 18%)."""
+    if not sms or len(ring) < 2:
+        return hidden_seconds * 0.0
+    return hidden_seconds * min(1.0, collective_sms(t, ring) / sms)
 
 
 class StepTime(NamedTuple):

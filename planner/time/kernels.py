@@ -34,6 +34,14 @@ Sources of the constants:
   The fixed part is memory traffic (the first operand stages in, the output tile out), so on
   another GPU K0 scales with its FLOP per byte over that A100 40GB's (312 TFLOP/s over 1,555 GB/s):
   390 on an A100 80GB, 753 on an H100 SXM.
+  Checked on an H200 (bench/results/gpu_check_h200_1.json "kernels", torch 2.11, one full wave of
+  16,896 x 256 outputs): measured 648.7, 730.0, 763.0, 781.2 TFLOP/s at K = 2,048 ... 16,384 where
+  the curve gives 657.2, 731.9, 776.1, 794.5 (within 1.7%). At K = 256, 512 and 1,024 it measured
+  96.5, 204.2, 413.6 against 270.4, 407.5, 545.7, but those calls took a flat 22.9, 21.7, 21.4 µs
+  each: launches of eager `a @ b` timed back to back, the host's cost, not the K loop's (at K = 256
+  the kernel's own operand traffic, 17.4 MB, is 4.4 µs at the copy rate measured there). The curve
+  is kept; the step's host cost is the host term below (HOST_SECONDS_PER_KERNEL), and
+  bench/gpu_check.py now times the GEMMs replayed from a CUDA graph.
 - Memory bandwidth: planner/timing.MEMORY_BANDWIDTH_EFFICIENCY of the datasheet bandwidth.
 """
 
@@ -68,7 +76,10 @@ FLASH_ATTENTION_CAUSAL_TFLOPS = {
                                     128: (55.0, 62.0, 69.0, 76.0, 80.0, 83.0)},
     ("flash-attention-1", "h100"): {64: (104.0, 123.0, 136.0, 138.0, 149.0, 156.0),
                                     128: (98.0, 109.0, 108.0, 126.0, 135.0, 137.0)},
-    # flash_attn_triton.py (FlashAttention's Triton implementation; MPT's attn_impl "triton")
+    # the charts' "Triton" line: Triton's own triton.ops.flash_attention (the import of
+    # benchmarks/benchmark_flash_attention.py, Dao-AILab/flash-attention 0469c72), standing in for
+    # FlashAttention's flash_attn_triton.py (MPT's attn_impl "triton"): both grew from the Triton
+    # tutorial's fused attention; flash_attn_triton.py itself has no published rates
     ("flash-attention-triton", "a100"): {64: (59.0, 75.0, 79.0, 76.0, 79.0, 80.0),
                                          128: (50.0, 61.0, 68.0, 74.0, 78.0, 80.0)},
 }
@@ -81,7 +92,8 @@ ATTENTION_BACKWARD_FLOPS = 2.5
 # The forward runs at a higher rate than the backward; the tables above measure the two together,
 # so this ratio splits their time (what checkpointing reruns is the forward alone). FlashAttention-2:
 # up to 73% of A100's peak forward, 63% backward (Dao 2023, "FlashAttention-2", arXiv 2307.08691,
-# Sec. 1). Triton's FlashAttention (the algorithm of the Triton tutorial FlashAttention's kernel
+# Sec. 1); an H200 measured 579 forward and 509 backward at 8k, head 128, 16 heads (torch 2.11's SDPA,
+# bench/results/gpu_check_h200_1.json): 1.14. Triton's FlashAttention (the algorithm of the Triton tutorial FlashAttention's kernel
 # started from): the tutorial's published causal head-64 rates at 2k, 136.5 TFLOP/s forward and
 # 76.2 backward (triton-lang.org, getting-started/tutorials/06-fused-attention). FlashAttention 1.x:
 # no separate measurement, one rate for both.
@@ -170,15 +182,16 @@ def _rates(g: Gpu, dtype: str, matmul_scale: float) -> Rates:
 
 def attention_tflops(r: Rates, seq: int, head_dim: int, kernel: str = "flash-attention-2") -> float:
     """The flash kernel's causal forward + backward TFLOP/s at this sequence length and head width:
-    log-linear between the measured lengths, the end values beyond them; linear in head width
-    between 64 and 128, the nearer end outside; scaled by this GPU's matmul rate over the reference's."""
+    log-linear between the measured lengths; beyond the longest, the fixed-cost form through the
+    last two (long_sequence_tflops); linear in head width between 64 and 128, the nearer end
+    outside; scaled by this GPU's matmul rate over the reference's."""
     measured = FLASH_ATTENTION_CAUSAL_TFLOPS.get((kernel, r.attention_reference))
 
     def at(row: tuple[float, ...]) -> float:
         if seq <= ATTENTION_SEQUENCES[0]:
             return row[0] * seq / ATTENTION_SEQUENCES[0]  # below 512 the launch dominates: time stays
         if seq >= ATTENTION_SEQUENCES[-1]:
-            return row[-1]
+            return long_sequence_tflops(row[-2], row[-1], ATTENTION_SEQUENCES[-1], seq)
         for k in range(1, len(ATTENTION_SEQUENCES)):
             if seq <= ATTENTION_SEQUENCES[k]:
                 lo, hi = ATTENTION_SEQUENCES[k - 1], ATTENTION_SEQUENCES[k]
@@ -195,6 +208,19 @@ def attention_tflops(r: Rates, seq: int, head_dim: int, kernel: str = "flash-att
     proxy = FLASH_ATTENTION_CAUSAL_TFLOPS
     ratio = rate(proxy[(UNMEASURED_PROXY, r.attention_reference)]) / rate(proxy[(UNMEASURED_PROXY, "a100")])
     return rate(proxy[(kernel, "a100")]) * ratio * r.attention_scale
+
+
+def long_sequence_tflops(before: float, last: float, last_seq: int, seq: int) -> float:
+    """A flash kernel's rate beyond its longest measured length. Each thread block of queries
+    streams the keys before it (causal: seq / 2 on average) after a fixed cost (loading its
+    queries, writing its output and softmax statistics), so the rate is R·s / (s + S0), the
+    K loop's form (k_efficiency); R and S0 through the rates at half the last length and at the
+    last. A curve that stopped rising there stays flat."""
+    q = last / before
+    if seq <= last_seq or not 1.0 < q < 2.0:
+        return last
+    s0 = last_seq * (q - 1.0) / (2.0 - q)  # from q = 2(s/2 + S0) / (s + S0) at s = last_seq
+    return last * (last_seq + s0) / last_seq * seq / (seq + s0)
 
 
 # --- the work of one micro-batch -----------------------------------------------------------------

@@ -493,16 +493,21 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     busy = compute + dequantize
     window = framework_of(s).overlap_window_seconds(s, busy, backward)
     edge = _unhidden_edge(s, data_parallel, arch)
-    exposed = edge + arrays.maximum(0.0, data_parallel - edge - window) + exposed_model_parallel
-    step = busy + exposed + offload
+    exposed_data_parallel = edge + arrays.maximum(0.0, data_parallel - edge - window)
+    exposed = exposed_data_parallel + exposed_model_parallel
+    # the hidden collectives hold SMs while the compute runs beside them (timing.contention_seconds)
+    contention = timing.contention_seconds(data_parallel - exposed_data_parallel, g.sms, topo, ring)
+    step = busy + contention + exposed + offload
     terms = terms + [("dequantize", dequantize, "QLoRA's dequantization at the achievable memory bandwidth"),
+                     ("communication contention", contention,
+                      "the hidden collectives' NCCL blocks hold SMs beside the compute (timing.NCCL_CHANNEL_BLOCKS)"),
                      ("exposed communication", exposed, "α-β rings on the topology, less the framework's overlap"),
                      ("offload", offload, "PCIe and CPU Adam rates (steptime.PCIE_DEVICE_TO_HOST_GBPS)"),
                      ("of which activation offload", saved_to_host,
                       "saved tensors over the GPU's host link (gpus.yaml pcie, PCIE_DEVICE_TO_HOST_GBPS): the "
                       "forward's copies overlap its compute (a side stream), the backward's are waited for (TRL "
                       "OffloadActivations); unverified")]
-    columns = [busy, comm, exposed, offload, step, tokens / step, model_flops / (step * peak_flops),
+    columns = [busy + contention, comm, exposed, offload, step, tokens / step, model_flops / (step * peak_flops),
                hardware_flops / (step * peak_flops)] + [t[1] for t in terms]
     options = micro.size if arrays.is_array(micro) else 1
     labels = tuple((name, source) for name, _, source in terms)
