@@ -198,28 +198,6 @@ def test_estimate_reports_terms_sources_mfu_and_hfu():
     # FSDP's hidden gathers and reduce-scatters hold 24 of the H100's 132 SMs while they run
     assert "communication contention" in names
 
-def test_torch_frameworks_step_adamw_through_the_foreach_path_and_deepspeed_through_one_fused_pass():
-    """torch 2.13's _multi_tensor_adam moves 84 bytes per fp32 element (eight _foreach_ kernels);
-    DeepSpeed's FusedAdam reads and writes the states and the master once and writes the bf16 copy:
-    the same model's optimizer term differs by exactly that ratio between DDP and ZeRO-0."""
-    from planner.model.catalogue import catalogue_model
-    from planner.recipes.optimizers import OPTIMIZERS
-    from planner.schema import EstimateRequest
-    from planner.time.step import estimate_with_time
-
-    assert OPTIMIZERS["adamw"].foreach_bytes(64, 32, 32) == 84
-    config = dict(catalogue_model("llama-3-8b").config, num_hidden_layers=2)
-
-    def optimizer_seconds(strategy: str) -> float:
-        request = EstimateRequest(model_config=config, strategy=strategy, gpus=1, gpu="h100-80gb",
-                                  precision="bf16-mixed", micro_batch=1, seq_len=512)
-        return next(t.seconds for t in estimate_with_time(request).time.terms if t.name == "optimizer step")
-
-    fused = 2 * (64 + 32) / 8 + 16 / 8 + 16 / 8  # states and master read + written, bf16 grad read, bf16 copy written
-    assert optimizer_seconds("ddp") / optimizer_seconds("zero0") == pytest.approx(84 / fused, rel=1e-9)
-
-
-
 def test_hidden_collectives_cost_the_sms_they_hold():
     # an NVLink ring's collective holds 24 blocks (NCCL channels) of the GPU's SMs while it hides
     # behind compute: 1 s hidden costs 24/132 s of compute on an H100, 24/108 on an A100; over PCIe 2 blocks

@@ -72,10 +72,6 @@ class OptimizerSpec:
     # measured on CPU ranks under FSDP2)
     steps_dtensors: bool = True
     flops: Callable[[TensorShape], int] = lambda t: 0
-    # bytes one element's step moves through memory where the framework runs torch's foreach path
-    # (Framework.cuda_adam_copies > 0), from (state bits, parameter bits, gradient bits); None: the
-    # single fused pass planner/time/kernels.py optimizer_step_seconds counts
-    foreach_bytes: Callable[[int, int, int], float] | None = None
 
     def group_of(self, t: TensorShape) -> "OptimizerSpec":
         """The optimizer that steps ``t`` (Muon hands everything but hidden matrices to AdamW)."""
@@ -254,19 +250,8 @@ def _muon_states(t: TensorShape, bits: int) -> int:
     return t.numel * bits // 8  # _init_group: momentum_buffer = zeros_like(p.grad)
 
 
-def _adamw_foreach_bytes(state_bits: int, param_bits: int, grad_bits: int) -> float:
-    """torch 2.13 optim/adam.py _multi_tensor_adam (foreach, not capturable, decoupled weight decay,
-    no amsgrad), one kernel per _foreach_ call over every element: mul_(params) r+w p; lerp_(exp_avg,
-    grads) r m, r g, w m; mul_(exp_avg_sq) r+w v; addcmul_(exp_avg_sq, grads, grads) r v, r g twice,
-    w v; sqrt(exp_avg_sq) r v, w s; div_(s) r+w s; add_(s, eps) r+w s; addcdiv_(params, exp_avg, s)
-    r p, r m, r s, w p. s has exp_avg_sq's dtype. 84 bytes per fp32 element, against the fused
-    kernel's 28 (the H200 lease's steps ran this path: bench/results/gpu_check_h200_2.json)."""
-    p, g, state = param_bits / 8, grad_bits / 8, state_bits / 8 / 2  # exp_avg and exp_avg_sq alike
-    return 4 * p + 3 * state + 5 * state + 3 * g + 6 * state
-
-
 ADAMW = OptimizerSpec("adamw", "torch 2.13 torch/optim/adam.py (AdamW)", _adamw_states, _adamw_cpu, _adamw_cuda, 2,
-                      deepspeed_offload=True, foreach_bytes=_adamw_foreach_bytes)
+                      deepspeed_offload=True)
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     "adamw": ADAMW,
     "adamw-8bit": OptimizerSpec("adamw-8bit", "bitsandbytes 0.50 optim/adamw.py AdamW8bit (Optimizer2State, 8 bits)",

@@ -621,17 +621,9 @@ def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointi
 
 
 def optimizer_step_seconds(elements: float, state_bits: float, master_bits: int, weight_bits: int, grad_bits: int,
-                           r: Rates, foreach_bytes=None) -> float:
-    """The optimizer's step over this GPU's elements. Fused (one pass): it reads and writes its
-    states and the master (or the weights), reads the gradient, and writes the compute copy where a
-    master exists. ``foreach_bytes(state bits, parameter bits, gradient bits)``: the bytes per
-    element of torch's foreach path instead, one kernel per _foreach_ call (OptimizerSpec.foreach_bytes)."""
-    if foreach_bytes is not None:
-        # torch's own optimizer steps the parameters themselves (no compute copy), and a parameter's
-        # .grad has the parameter's dtype (fp32 under autocast)
-        param_bits = master_bits or weight_bits
-        per_element = foreach_bytes(state_bits, param_bits, param_bits)
-    else:
-        per_element = 2 * (state_bits + (master_bits or weight_bits)) / 8 + grad_bits / 8 + \
-            (weight_bits / 8 if master_bits else 0)
+                           r: Rates) -> float:
+    """The optimizer's step over this GPU's elements: it reads and writes its states and the
+    master (or the weights), reads the gradient, and writes the compute copy where a master exists."""
+    per_element = 2 * (state_bits + (master_bits or weight_bits)) / 8 + grad_bits / 8 + \
+        (weight_bits / 8 if master_bits else 0)
     return elements * per_element / r.memory_bytes_per_s

@@ -568,11 +568,10 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
         param_bits = recipe.master_bits or recipe.weight_bits
         spec = OPTIMIZERS[req.optimizer]
         bits = state_bits(spec, flat(max(1, int(elements))), param_bits)
-        # torch's foreach path where the framework steps torch.optim's own AdamW (its cuda_adam_copies:
-        # the same fact the memory model's step temporaries read); DeepSpeed's FusedAdam is one pass
-        foreach = spec.foreach_bytes if framework_of(s).cuda_adam_copies > 0 else None
+        # one fused pass (DeepSpeed's FusedAdam, torchtitan's `implementation = "fused"`); torch's foreach
+        # path (torch.optim.AdamW's default) moves about three times the bytes, which is the script's choice
         optimizer = kernels.optimizer_step_seconds(elements, bits, recipe.master_bits, recipe.weight_bits,
-                                                   recipe.grad_bits, r, foreach)
+                                                   recipe.grad_bits, r)
         if spec.whole_matrices and frozen is None:  # Muon's Newton-Schulz matmuls, every rank its whole matrices
             flops = sum(spec.group_of(t).flops(t) for t in parameter_shapes(arch)) / combo.tp
             optimizer = optimizer + flops / r.matmul_flops
