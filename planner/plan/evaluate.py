@@ -66,6 +66,7 @@ class Search:
         self.usable, self.model_fields = usable, model_fields
         self.estimates: dict[tuple[int, Setting, int], Measured] = {}
         self.floors: dict[tuple[int, Setting, int], int] = {}  # pipeline settings' resident bytes
+        self.replayed: dict[tuple[int, Setting, int, int], EstimateResult] = {}  # shown() per candidate
         self.compute_scale = 1.0  # a calibration profile's kernel-rate factor (planner/time/kernels.py)
         self.refusals: list[PlannerError] = []  # settings the request's recipe refused (planner/plan/recipe.py)
 
@@ -83,9 +84,13 @@ class Search:
     def shown(self, req: PlanRequest, combo: Setting, micro: int, accumulation: int = 1) -> EstimateResult:
         """The estimate of a candidate the plan shows, with the caching allocator replayed
         (planner/memory/reserved.py): the search judges settings on the live peak with the request's
-        headroom; a shown candidate must also fit on reserved memory (simulated)."""
-        return measure(resolve(estimate_request(req, combo, micro, self.model_fields,
-                                        accumulation if combo.pp == 1 else None))).candidate(replay=True)
+        headroom; a shown candidate must also fit on reserved memory (simulated). The ranking's
+        shortlist and the largest micro-batch per strategy replay some candidates twice: once each."""
+        key = (req.nodes, combo, micro, accumulation if combo.pp == 1 else 1)
+        if key not in self.replayed:
+            self.replayed[key] = measure(resolve(estimate_request(req, combo, micro, self.model_fields,
+                                                          accumulation if combo.pp == 1 else None))).candidate(replay=True)
+        return self.replayed[key]
 
 
 def evaluate_layouts(search: Search, req: PlanRequest, layouts: list[tuple[int, int, int, int]],
