@@ -6,8 +6,9 @@ activations.
   recipes of float8/config.py Float8LinearRecipeName), as torchtitan's Float8LinearConverter
   applies it (components/quantization/float8.py). ``matmul_with_hp_or_float8_args.forward``
   saves ``input_hp`` and ``weight_hp_t``, the high-precision tensors a plain linear saves: the
-  saved activations do not change. Each call casts what it multiplies (hp_tensor_to_float8_dynamic):
-  forward the input and the weight; backward grad_output twice (for grad_input and for
+  saved activations do not change. Under torch.autocast (bf16-mixed over fp32 weights) ``weight_hp_t``
+  is the fp32 parameter: no 16-bit copy of a converted weight is made (autocast_exempt_elements).
+  Each call casts what it multiplies (hp_tensor_to_float8_dynamic): forward the input and the weight; backward grad_output twice (for grad_input and for
   grad_weight), the weight again and the input again: transient fp8 copies (1 byte per element;
   rowwise adds an fp32 scale per row). With FSDP2 and tensorwise scaling,
   ``enable_fsdp_float8_all_gather`` gathers the weights in fp8 (fsdp_utils.py fsdp_pre_all_gather:
@@ -224,6 +225,21 @@ def resident_weight_bytes(arch: Architecture, recipe: LowPrecisionRecipe) -> int
         return 0
     elements = sum(block_terms(arch, spec, recipe, 1).weight_elements for spec in layer_specs(arch))
     return int(recipe.resident_weight_bits * elements / 8)
+
+
+def autocast_exempt_elements(arch: Architecture | None, name: str) -> tuple[int, int]:
+    """(the converted weight elements of all blocks, the fewest of one block's): weights torch.autocast
+    never casts. Float8Linear.forward (float8_linear.py:255-269) casts only its input to the autocast
+    dtype and hands ``self.weight.t()``, the fp32 parameter itself, to matmul_with_hp_or_float8_args,
+    which saves that view and casts it straight to fp8; the cast cache (which holds F.linear's 16-bit
+    weights) gets none of them. Measured on the H200 (bench/results/gpu_check_h200_2.json, float8-tensorwise
+    4096x2, Llama-3-8B width, 2 layers, bf16-mixed): the prediction that counted their 16-bit copies
+    read 872,420,864 bytes over, the converted linears' 436,207,616 elements at 2 bytes within 5,632."""
+    recipe = RECIPES.get(name)
+    if recipe is None or arch is None:
+        return 0, 0
+    per_block = [block_terms(arch, spec, recipe, 1).weight_elements for spec in layer_specs(arch)]
+    return sum(per_block), min(per_block, default=0)
 
 
 def converted_fraction(arch: Architecture, recipe: LowPrecisionRecipe) -> float:

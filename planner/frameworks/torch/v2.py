@@ -22,6 +22,7 @@ from planner.model.layers import norm_numels
 from planner.memory.moments import PhaseKind
 from planner.frameworks.torch import launch as torch_launch
 from planner.frameworks.base import Collective, Framework, Traffic, check_sharded_offload, register
+from planner.recipes.low_precision import autocast_exempt_elements
 from planner.recipes.precision import RECIPES
 from planner.schema import MemoryItem
 from planner.parallel.tensor import (gathered_logits_race_above, replicated_embedding_gradient_elements,
@@ -329,6 +330,9 @@ def _autocast_copies(setup: "Setup", point: SweepPoint, psi: int, block: int, co
     Under checkpointing the blocks save nothing: only the LM head's cast stays, plus the cast
     weights of the one block being recomputed."""
     shape, req = layout(setup), setup.request
+    # low_precision's converted linears hand autocast no weight (autocast_exempt_elements)
+    exempt, exempt_block = autocast_exempt_elements(setup.arch, req.low_precision)
+    block -= exempt_block
     # the linears run inside a checkpoint under full checkpointing and the per-op SAC policy
     policy = "full" if req.checkpointing in ("full", "selective-op") else "none"
     chosen = checkpointed_blocks(shape.num_layers, policy, req.checkpointing_every) if shape else ()
@@ -347,6 +351,10 @@ def _autocast_copies(setup: "Setup", point: SweepPoint, psi: int, block: int, co
         # when every cast was held to the end)
         cast = psi - _uncast_elements(setup)
         left = min(cast, max(0, cast - point.grad_elements + _norm_elements(setup)))
+        if exempt:  # the blocks' converted weights not yet reached by backward were never cast
+            head = psi - shape.blocks_parameters - shape.late_parameters
+            reached = min(shape.blocks_parameters, max(0, point.grad_elements - head))
+            left = max(0, left - exempt + exempt * reached // shape.blocks_parameters)
         return item("autocast copies of the weights", compute_bytes * left, "buffers",
                      "torch.autocast's cast cache; each linear saves its 16-bit weight for backward")
     head = shape.lm_head_elements + block * chosen.count(False)  # and the blocks not checkpointed
