@@ -410,9 +410,13 @@ def model_parallel_collectives(precision: str, combo: Combo, arch, per_rank: int
             arch, tokens=seq_len, micro_batches=per_rank, b=wb, stream_bytes=RECIPES[precision].param_bytes, tp=combo.tp,
             checkpointing=combo.checkpointing)]
         return rows
+    # torch's TP computes the loss vocab-parallel (loss_parallel); DeepSpeed's AutoTP gathers the
+    # logits whole (planner/parallel/tensor.py tp_fields)
+    vocab_parallel = not framework_of(lookup_strategy(combo.strategy)).autotp
     rows = [(what, volume, passes, message, "tp") for what, volume, passes, message in tp_collectives(
         arch, tokens=seq_len // combo.cp, micro_batches=per_rank, b=wb, tp=combo.tp,
-        sequence_parallel=combo.sequence_parallel, checkpointing=combo.checkpointing)]
+        sequence_parallel=combo.sequence_parallel, checkpointing=combo.checkpointing,
+        vocab_parallel_loss=vocab_parallel)]
     rows += [(what, volume, passes, message, "cp") for what, volume, passes, message in cp_collectives(
         rank_architecture(arch, combo.tp), tokens=seq_len, micro_batches=per_rank, b=wb, cp=combo.cp,
         checkpointing=combo.checkpointing)]
