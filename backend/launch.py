@@ -111,6 +111,7 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
     }
     if request.low_precision != "none":
         common["low_precision"] = request.low_precision
+        common["float8_all_gather"] = request.float8_all_gather
     if setup.dims.pp > 1:
         return VerifyJob(**(common | _pipeline_settings(setup, request)))
     if setup.finetune is not None:

@@ -5,6 +5,8 @@ left out). torchao is optional and CUDA-only here: imported inside the rank (ben
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 FLOAT8 = {"float8-tensorwise": "tensorwise", "float8-rowwise": "rowwise"}
@@ -20,15 +22,19 @@ def _filter(model: torch.nn.Module, multiple: int):
     return keep
 
 
-def convert(model: torch.nn.Module, name: str) -> torch.nn.Module:
-    """Swap the model's linears for the recipe's (in place); ``none`` leaves it."""
+def convert(model: torch.nn.Module, name: str, fp8_all_gather: bool = False) -> torch.nn.Module:
+    """Swap the model's linears for the recipe's (in place), before FSDP2 wraps it; ``none`` leaves
+    it. ``fp8_all_gather``: the converted weights become torchao's WeightWithDynamicFloat8CastTensor,
+    which FSDP2 gathers in fp8 (Float8LinearConfig.enable_fsdp_float8_all_gather, as torchtitan sets it)."""
     if name == "none":
         return model
     if name in FLOAT8:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # optional, GPU only
 
-        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(FLOAT8[name]),
-                                   module_filter_fn=_filter(model, 16))
+        config = Float8LinearConfig.from_recipe_name(FLOAT8[name])
+        if fp8_all_gather:
+            config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+        convert_to_float8_training(model, config=config, module_filter_fn=_filter(model, 16))
         return model
     if name == "mxfp8":
         from torchao.prototype.mx_formats import MXLinearConfig  # optional, Blackwell only

@@ -60,7 +60,7 @@ def build_model(job: dict[str, Any]) -> torch.nn.Module:
     if job.get("low_precision", "none") != "none":
         from backend.low_precision import convert
 
-        model = convert(model, job["low_precision"])
+        model = convert(model, job["low_precision"], fp8_all_gather=job.get("float8_all_gather", False))
     if job.get("loss") == "chunked":
         from backend.losses import ChunkedOutputLoss
 

@@ -128,6 +128,9 @@ RECIPE_GRID = [  # long enough that activations and logits, not the states, make
     # on Blackwell only (a row the estimate refuses for the --gpu is skipped with its reason)
     (4096, 2, {"low_precision": "float8-tensorwise"}),
     (4096, 2, {"low_precision": "float8-rowwise"}),
+    # FSDP2 on one rank (world 1, a real all-gather over one member) gathering the float8 weights in fp8
+    # (float8_all_gather): the gathered and prefetched blocks at 1 byte per converted weight element
+    (4096, 2, {"low_precision": "float8-tensorwise", "strategy": "fsdp", "float8_all_gather": True}),
     (4096, 2, {"low_precision": "mxfp8"}),
     # activation offloading (TRL's OffloadActivations, backend/offload.py): on a GPU the device peak is the
     # split the CPU runs cannot see (the loss's and one block's saved set, the repeated saves); the bytes TRL
@@ -359,7 +362,7 @@ def grid_requests(config: dict, gpu: str) -> list[tuple]:
     """Every run of the check: (strategy, (seq_len, micro_batch, checkpointing, attention, recipe
     fields), PYTORCH_CUDA_ALLOC_CONF, the EstimateRequest), each grid row under each allocator setting."""
     grid = [(s, (seq, micro, ckpt, attention, {})) for s in ("zero0", "ddp") for seq, micro, ckpt, attention in GRID]
-    grid += [("single", (seq, micro, fields.get("checkpointing", "none"), "sdpa", fields))
+    grid += [(fields.get("strategy", "single"), (seq, micro, fields.get("checkpointing", "none"), "sdpa", fields))
              for seq, micro, fields in RECIPE_GRID]
     return [(strategy, row, conf, request_for(config, gpu, strategy, row, conf))
             for strategy, row in grid for conf in ALLOC_CONFS]

@@ -274,6 +274,10 @@ CheckpointingEveryField = Annotated[int | None, Field(
 LowPrecisionField = Annotated[LowPrecision, Field(
     description="low-precision linears: none, float8-tensorwise / float8-rowwise (torchao Float8Linear), mxfp8 / "
     "nvfp4 (Blackwell), te-fp8 (Transformer Engine); GPU only, modelled from the libraries' source")]
+Float8AllGatherField = Annotated[bool, Field(
+    description="FSDP2 all-gathers the float8 linears' weights in fp8 (torchao Float8LinearConfig("
+    "enable_fsdp_float8_all_gather=True), torchtitan float8.enable_fsdp_float8_all_gather): 1 byte per converted "
+    "weight element gathered instead of 2; needs low_precision float8-tensorwise and a sharded torch strategy")]
 KeepsOutputsField = Annotated[bool, Field(
     description="the script keeps the model's outputs through backward (accelerate's `outputs = model(**batch); "
     "accelerator.backward(outputs.loss)`): their logits stay live; default: the Trainer's loop, which frees them")]
@@ -323,6 +327,7 @@ class EstimateRequest(BaseModel):
     loss_chunks: LossChunksField = None
     checkpointing_every: CheckpointingEveryField = None
     low_precision: LowPrecisionField = "none"
+    float8_all_gather: Float8AllGatherField = False
     attention: Attention = Field("sdpa", description="attention implementation (sdpa = flash/memory-efficient)")
     attention_kernel: AttentionKernel = Field(
         "flash-attention-2", description="the flash kernel's generation, for the step time only: torch>=2.2 SDPA "
@@ -703,6 +708,7 @@ class PlanRequest(BaseModel):
     loss: LossField = "hf"
     loss_chunks: LossChunksField = None
     low_precision: LowPrecisionField = "none"
+    float8_all_gather: Float8AllGatherField = False
 
     @model_validator(mode="after")
     def _one_model(self) -> "PlanRequest":

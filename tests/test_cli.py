@@ -31,7 +31,7 @@ ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus",
                   # job files (issue 23)
                   "--from",
                   # the recipes as they are run (issue 21)
-                  "--keeps-outputs", "--double-quant", "--checkpointing-every", "--loss", "--loss-chunks", "--tp-plan", "--low-precision",
+                  "--keeps-outputs", "--double-quant", "--checkpointing-every", "--loss", "--loss-chunks", "--tp-plan", "--low-precision", "--float8-all-gather",
                   # the framework version a strategy is modelled at (issue 20)
                   "--framework-version"}
 

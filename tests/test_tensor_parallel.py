@@ -151,6 +151,24 @@ def test_tp_collectives_move_the_same_bytes_with_or_without_sp():
     assert plain[0][1] == (4 * 4 + 2) * 2 * 1024 * 256
 
 
+def test_loss_parallel_all_reduces_are_charged_on_the_tp_group():
+    """torch's loss_parallel: three all-reduces of one fp32 value per token in the loss's forward
+    (torch 2.13 distributed/tensor/parallel/loss.py :209, :214, :316); DeepSpeed's AutoTP gathers the
+    logits instead (no such rows)."""
+    from planner.time.step import collective_volumes
+
+    arch = from_hf_config(TINY)
+    rows = tp_collectives(arch, tokens=1024, micro_batches=2, b=2, tp=2, sequence_parallel=True,
+                          checkpointing="full", vocab_parallel_loss=True)
+    assert rows[-1][1:] == (3 * 2 * 4 * 1024, 2, 4 * 1024)
+    kw = dict(model="llama-2-13b", gpu="h100-80gb", gpus=8, tp=2, seq_len=2048, micro_batch=1, gradient_accumulation=4)
+    torch_rows = {r["what"]: r for r in collective_volumes(EstimateRequest(strategy="fsdp", **kw))}
+    loss = [r for w, r in torch_rows.items() if "loss_parallel" in w]
+    assert len(loss) == 1 and loss[0]["group"] == "tp"
+    ds_rows = collective_volumes(EstimateRequest(strategy="zero1", **kw))
+    assert not [r for r in ds_rows if "loss_parallel" in r["what"]]
+
+
 FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "topologies"
 
 

@@ -64,6 +64,9 @@ class Traffic:
     # each parameter's elements, of the model psi counts (empty when unknown, or when psi is a
     # tensor-parallel rank's share): what a framework that treats small parameters apart reads
     numels: tuple[int, ...] = ()
+    # float8_all_gather: (the model's, one block's) weight elements FSDP2 gathers in fp8, 1 byte each
+    # (planner/recipes/low_precision.py fp8_gather_bytes)
+    fp8_gathered: tuple[int, int] = (0, 0)
 
     @property
     def trained(self) -> int:

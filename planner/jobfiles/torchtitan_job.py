@@ -102,10 +102,12 @@ TABLE: dict[str, Key] = {
             "comm.save_traces_file_prefix", "debug.seed", "debug.print_config", "debug.save_config_file"),
     "debug.deterministic": Refused("deterministic kernels run slower", lambda v, b: off(v), "false"),
     **inert("float8's own settings, read only with a float8 converter (model.converters)",
-            "float8.enable_fsdp_float8_all_gather", "float8.precompute_float8_dynamic_scale_for_fsdp",
-            "float8.filter_fqns", "float8.recipe_name", "quantize.linear.float8.enable_fsdp_float8_all_gather",
+            "float8.precompute_float8_dynamic_scale_for_fsdp", "float8.filter_fqns", "float8.recipe_name",
             "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", "quantize.linear.float8.filter_fqns",
             "quantize.linear.float8.recipe_name"),
+    **{key: Needs("float8_all_gather", True, "FSDP2 gathers the float8 linears' weights in fp8",
+                  lambda v, b: off(v))
+       for key in ("float8.enable_fsdp_float8_all_gather", "quantize.linear.float8.enable_fsdp_float8_all_gather")},
 }
 
 # (model.name, model.flavor) -> catalogue entry. torchtitan's llama3 flavors (0.2.2
@@ -226,6 +228,11 @@ def _converters(reading: Reading, flat: dict[str, Any]) -> None:
                                                       "float8 (tensorwise or rowwise) or mx converter is")
     value_needs(reading, "model.converters", "low_precision", CONVERTERS[(converters[0], recipe)], converters,
                 TABLE["model.converters"].reason)
+    # torchtitan 0.2.2 float8.py Float8Converter passes enable_fsdp_float8_all_gather to torchao's
+    # Float8LinearConfig (read only with the float8 converter, as its other settings)
+    for key in ("float8.enable_fsdp_float8_all_gather", "quantize.linear.float8.enable_fsdp_float8_all_gather"):
+        if converters[0] != "mx" and not off(flat.get(key)):
+            value_needs(reading, key, "float8_all_gather", True, flat[key], TABLE[key].reason)
 
 
 def _training(reading: Reading, flat: dict[str, Any]) -> None:

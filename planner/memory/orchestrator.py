@@ -25,8 +25,8 @@ from planner.frameworks.deepspeed.config import ZeroSettings, batch_from_config,
 from planner.errors import PlannerError
 from planner.recipes.losses import FUSED, loss_chunks, loss_notes
 from planner.recipes.loop import check_loop, held_outputs_bytes, loop_note, with_held, with_held_outputs
-from planner.recipes.low_precision import RECIPES as LP_RECIPES, check_low_precision, low_precision_notes, \
-    recipe_of, resident_weight_bytes
+from planner.recipes.low_precision import RECIPES as LP_RECIPES, check_float8_all_gather, check_low_precision, \
+    low_precision_notes, recipe_of, resident_weight_bytes
 from planner.recipes.finetune import Finetune, resolve_finetune, trainable_numels, with_frozen
 from planner.frameworks import framework_of
 from planner.cluster.gpus import Gpu, check_precision, gpu as lookup_gpu
@@ -126,6 +126,7 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     check_loop(request, model.architecture)
     check_low_precision(request, g, model.architecture, fw, s.shards_parameters, RECIPES[precision].compute,
                         request.finetune)
+    check_float8_all_gather(request, s.shards_parameters, s.params_unsharded_in_step)
     act_offload.check_activation_offload(request, model, dims)
     if dims.pp > 1 and model.architecture is not None and model.architecture.vision_numels:
         raise PlannerError(f"pp={dims.pp} with the vision tower counted (what the loader builds for model_type "
@@ -589,7 +590,8 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
     notes.append(f"peak occurs during {peak_phase.name}")
     notes.append(loop_note(setup.request.keeps_outputs, _held_outputs(setup)))
     notes.extend(loss_notes(setup.request.loss))
-    notes.extend(low_precision_notes(setup.request.low_precision, setup.arch, setup.strategy.shards_parameters))
+    notes.extend(low_precision_notes(setup.request.low_precision, setup.arch, setup.strategy.shards_parameters,
+                                     setup.request.float8_all_gather))
     notes.extend(plan.notes)
     if setup.finetune is not None and setup.finetune.quantize != "none" and setup.device == "cuda":
         notes.append(f"quantized base ({setup.finetune.quantize}) on CUDA: bitsandbytes 0.50's CUDA path (MatMul4Bit, "

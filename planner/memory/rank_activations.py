@@ -13,7 +13,7 @@ from planner.errors import PlannerError
 from planner.recipes.activation_offload import offloaded, on_shared_memory
 from planner.recipes.finetune import lora_activations
 from planner.recipes.losses import FUSED, check_fused, with_fused_loss
-from planner.recipes.low_precision import recipe_of, with_low_precision
+from planner.recipes.low_precision import converted_weight_elements, recipe_of, with_low_precision
 from planner.setup import Setup
 from planner.parallel.tensor import tp_activations
 
@@ -27,7 +27,10 @@ def activations(setup: Setup) -> Activations | None:
     if setup.device == "cpu":
         return on_shared_memory(acts, setup.arch, tokens, setup.recipe.compute_bytes, autocast=_autocast(setup),
                                 hf_loss=setup.request.loss == "hf" and not setup.vocab_parallel_loss)
-    return offloaded(acts, setup.arch, tokens, setup.recipe.compute_bytes, autocast=_autocast(setup))
+    autocast = _autocast(setup)
+    return offloaded(acts, setup.arch, tokens, setup.recipe.compute_bytes, autocast=autocast,
+                     uncast_elements=converted_weight_elements(setup.arch, setup.request.low_precision)[0]
+                     if autocast else 0)
 
 
 def _rank_activations(setup: Setup) -> Activations | None:

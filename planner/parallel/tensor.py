@@ -418,7 +418,8 @@ def gathered_logits_race_above(plan, setup, acts, held: int) -> int:
 
 
 def tp_collectives(full: Architecture, *, tokens: int, micro_batches: float, b: int, tp: int,
-                   sequence_parallel: bool, checkpointing: str) -> list[tuple[str, float, int, float]]:
+                   sequence_parallel: bool, checkpointing: str,
+                   vocab_parallel_loss: bool = False) -> list[tuple[str, float, int, float]]:
     """(what, bytes per step, ring passes, message bytes) of the TP group's collectives.
 
     Megatron's f/g conjugate operators (Shoeybi et al. 2019, Sec. 3, Fig. 3): every block
@@ -429,13 +430,22 @@ def tp_collectives(full: Architecture, *, tokens: int, micro_batches: float, b: 
     (Korthikanti et al. 2022, Sec. 4.2.2): the same bytes on the wire (a ring all-reduce is a
     reduce-scatter then an all-gather). The vocab-parallel embedding and LM head add one each way.
     None of it overlaps compute: each is on the critical path of its layer (torchtitan's async TP,
-    which overlaps them, needs torch.compile and is off)."""
+    which overlaps them, needs torch.compile and is off).
+
+    ``vocab_parallel_loss``: torch's loss_parallel (torch 2.13 distributed/tensor/parallel/loss.py)
+    all-reduces one fp32 value per token three times in the loss's forward, each between the
+    loss's kernels: the logits' max (_log_softmax :209, MAX) and the sum of exponentials (:214,
+    SUM), the target's logit (_nll_loss_forward :316, _MaskPartial._reduce_value, SUM); its
+    backward (_nll_loss_and_log_softmax_backward) is local. Small messages: their latency, three per
+    micro-batch, is most of their time. The loss is not inside a checkpointed block: none again."""
     if tp == 1:
         return []
     activation = b * tokens * full.hidden_size
     per_block = 6 if checkpointing == "full" else 4
     count = (full.num_layers * per_block + 2) * micro_batches
+    loss = [("TP all-reduces of loss_parallel (logits' max, sum of exponentials, target logit)",
+             3 * micro_batches * FP32 * tokens, 2, FP32 * tokens)] if vocab_parallel_loss else []
     if sequence_parallel:
         return [("TP all-gathers (sequence parallel)", count * activation, 1, activation),
-                ("TP reduce-scatters (sequence parallel)", count * activation, 1, activation)]
-    return [("TP all-reduces", count * activation, 2, activation)]
+                ("TP reduce-scatters (sequence parallel)", count * activation, 1, activation)] + loss
+    return [("TP all-reduces", count * activation, 2, activation)] + loss

@@ -11,7 +11,8 @@ from planner.schema import PlanRequest
 
 # the estimate fields a plan carries unchanged into every candidate (their defaults are left out,
 # so a plan without a recipe estimates the requests it always did)
-CARRIED = ("checkpointing_every", "keeps_outputs", "loss", "loss_chunks", "low_precision", "activation_offload")
+CARRIED = ("checkpointing_every", "keeps_outputs", "loss", "loss_chunks", "low_precision", "float8_all_gather",
+           "activation_offload")
 # a refusal naming one of these is the recipe's, not the setting's: the setting is skipped
 RECIPE_FIELDS = CARRIED + ("checkpointing",)
 SEARCHED_CHECKPOINTING = ("none", "full")

@@ -116,12 +116,15 @@ def kept_per_block(arch: Architecture, acts: Activations, tokens: int, b: int, a
 
 
 def offloaded(acts: Activations, arch: Architecture, tokens: int, compute_bytes: int,
-              autocast: bool = False) -> Activations:
+              autocast: bool = False, uncast_elements: int = 0) -> Activations:
     """``acts`` as the device holds them under offloading (the backward sweep reads the fields,
     planner/memory/buffers.py): at the loss's backward its saved output brought back and the LM
     head's input kept; after the head, the final norm's saved tensors brought back; in a block's
     backward that block's saved set (bound: a node's and the one before it at a time), plus what
-    checkpointing recomputes there (recomputation runs in backward, outside the hooks)."""
+    checkpointing recomputes there (recomputation runs in backward, outside the hooks).
+    ``uncast_elements``: block weights autocast never casts (low_precision's converted linears save
+    a view of the fp32 parameter, which pack_tensor skips by its storage: TRL activation_offloading.py
+    param_storages)."""
     kept = lm_head_input_bytes(arch.hidden_size, tokens, compute_bytes)
     edges = acts.edges
     final_norm = _final_norm_repeat(arch, tokens)
@@ -130,8 +133,8 @@ def offloaded(acts: Activations, arch: Architecture, tokens: int, compute_bytes:
     return replace(acts, host_offload=True, device_head_bytes=min(at_loss, acts.saved_bytes),
                    device_after_head_bytes=min(after_head, acts.saved_bytes),
                    device_block_bytes=kept_per_block(arch, acts, tokens, compute_bytes, autocast),
-                   offloaded_bytes=max(0, acts.saved_bytes - kept) + autocast_weight_bytes(arch, acts, compute_bytes,
-                                                                                             autocast))
+                   offloaded_bytes=max(0, acts.saved_bytes - kept) + max(0, autocast_weight_bytes(
+                       arch, acts, compute_bytes, autocast) - compute_bytes * uncast_elements))
 
 
 def _final_norm_repeat(arch: Architecture, tokens: int) -> int:

@@ -22,8 +22,8 @@
   the tp runs of tests/real_runs.py on gloo (backend/train_parallel.py computes the loss under
   ``loss_parallel()``). Its three all-reduces (torch 2.13 distributed/tensor/parallel/loss.py
   _log_softmax: the max :209 and the sum of exponentials :214; _nll_loss_forward: the target's
-  logit :315) carry one fp32 value per token each: 12 bytes per token against the blocks' 4 x
-  layers x hidden x 2, not charged in the step time.
+  logit :316) carry one fp32 value per token each: charged as TP collectives on the critical path
+  (planner/parallel/tensor.py tp_collectives), mostly their latency.
 
 Liger and CCE are Triton kernels (GPU only): their terms are read from the source, not measured
 here, and every result that uses them says so (``loss_notes``); bench/gpu_check.py measures them.

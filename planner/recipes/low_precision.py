@@ -6,13 +6,15 @@ activations.
   recipes of float8/config.py Float8LinearRecipeName), as torchtitan's Float8LinearConverter
   applies it (components/quantization/float8.py). ``matmul_with_hp_or_float8_args.forward``
   saves ``input_hp`` and ``weight_hp_t``, the high-precision tensors a plain linear saves: the
-  saved activations do not change. Each call casts what it multiplies (hp_tensor_to_float8_dynamic):
-  forward the input and the weight; backward grad_output twice (for grad_input and for
+  saved activations do not change. Under torch.autocast (bf16-mixed over fp32 weights) ``weight_hp_t``
+  is the fp32 parameter: no 16-bit copy of a converted weight is made (converted_weight_elements).
+  Each call casts what it multiplies (hp_tensor_to_float8_dynamic): forward the input and the weight; backward grad_output twice (for grad_input and for
   grad_weight), the weight again and the input again: transient fp8 copies (1 byte per element;
   rowwise adds an fp32 scale per row). With FSDP2 and tensorwise scaling,
   ``enable_fsdp_float8_all_gather`` gathers the weights in fp8 (fsdp_utils.py fsdp_pre_all_gather:
   ``float8_training_tensor._data``): half the all-gather bytes; config.py:271 refuses it for
-  rowwise. It is off by default in torchtitan's converter and not modelled here (said in the notes).
+  rowwise. It is off by default in torchtitan's converter; ``float8_all_gather`` turns it on
+  (fp8_gather_bytes: the all-gather buffers and volume).
 - ``mxfp8``: torchao's MXFP8 linear (prototype/moe_training/mxfp8_linear.py mx_mm, torchtitan's
   MXLinearConverter, components/quantization/mx.py): the same saved set (``ctx.save_for_backward(
   input_hp, weight_hp)``) and casts with one e8m0 scale byte per 32 elements; CUDA capability 10.0
@@ -226,6 +228,48 @@ def resident_weight_bytes(arch: Architecture, recipe: LowPrecisionRecipe) -> int
     return int(recipe.resident_weight_bits * elements / 8)
 
 
+def converted_weight_elements(arch: Architecture | None, name: str) -> tuple[int, int]:
+    """(the converted weight elements of all blocks, the fewest of one block's). Weights torch.autocast
+    never casts, and those FSDP2 gathers in fp8 with ``float8_all_gather`` (fp8_gather_bytes). Float8Linear.forward (float8_linear.py:255-269) casts only its input to the autocast
+    dtype and hands ``self.weight.t()``, the fp32 parameter itself, to matmul_with_hp_or_float8_args,
+    which saves that view and casts it straight to fp8; the cast cache (which holds F.linear's 16-bit
+    weights) gets none of them. Measured on the H200 (bench/results/gpu_check_h200_2.json, float8-tensorwise
+    4096x2, Llama-3-8B width, 2 layers, bf16-mixed): the prediction that counted their 16-bit copies
+    read 872,420,864 bytes over, the converted linears' 436,207,616 elements at 2 bytes within 5,632."""
+    recipe = RECIPES.get(name)
+    if recipe is None or arch is None:
+        return 0, 0
+    per_block = [block_terms(arch, spec, recipe, 1).weight_elements for spec in layer_specs(arch)]
+    return sum(per_block), min(per_block, default=0)
+
+
+FP8_GATHER_SOURCE = (f"{TORCHAO} torchao/float8/fsdp_utils.py WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather: "
+                     "the shard cast to fp8, (float8_training_tensor._data,) gathered, the scale as metadata")
+
+
+def fp8_gather_bytes(elements: int, converted: int, compute_bytes: int) -> int:
+    """Bytes FSDP2 all-gathers for ``elements`` of which ``converted`` are float8 linears' weights
+    under ``float8_all_gather``: those 1 byte each (FP8_GATHER_SOURCE; the tensorwise scale travels
+    as metadata, computed alike on every rank by an amax all-reduce), the rest in the compute dtype."""
+    return compute_bytes * elements - (compute_bytes - 1) * min(converted, elements)
+
+
+def check_float8_all_gather(request: Any, shards_parameters: bool, unsharded_in_step: bool) -> None:
+    """float8_all_gather: torchao's FSDP2 hook, tensorwise scaling only (config.py:270-274 asserts it)."""
+    if not request.float8_all_gather:
+        return
+    if request.low_precision != "float8-tensorwise":
+        raise PlannerError(f"float8_all_gather with low_precision={request.low_precision}: torchao gathers float8 "
+                           "weights for tensorwise scaling only (float8/config.py:270-274); use low_precision "
+                           "float8-tensorwise", field="float8_all_gather")
+    if not shards_parameters:
+        raise PlannerError(f"float8_all_gather with strategy {request.strategy}: it is FSDP2's all-gather "
+                           "(fsdp_pre_all_gather); use fsdp or hsdp", field="float8_all_gather")
+    if unsharded_in_step:
+        raise PlannerError(f"float8_all_gather with strategy {request.strategy}: the unsharded weights kept through "
+                           "the step in fp8 are not modelled; use fsdp or hsdp", field="float8_all_gather")
+
+
 def converted_fraction(arch: Architecture, recipe: LowPrecisionRecipe) -> float:
     """The share of the blocks' linear weights that convert (for the notes)."""
     converted = total = 0
@@ -235,7 +279,7 @@ def converted_fraction(arch: Architecture, recipe: LowPrecisionRecipe) -> float:
     return converted / total if total else 0.0
 
 
-def low_precision_notes(name: str, arch: Architecture | None, fsdp: bool) -> list[str]:
+def low_precision_notes(name: str, arch: Architecture | None, fsdp: bool, fp8_gather: bool = False) -> list[str]:
     recipe = RECIPES.get(name)
     if recipe is None or arch is None:
         return []
@@ -244,7 +288,12 @@ def low_precision_notes(name: str, arch: Architecture | None, fsdp: bool) -> lis
              f"(both dimensions multiples of {recipe.dim_multiple}; the LM head and routed experts stay 16-bit), "
              f"their matmuls at the GPU's {recipe.matmul_dtype} rate, casts charged at the memory bandwidth; "
              "GPU only: unverified here (bench/gpu_check.py measures it)"]
-    if fsdp and name == "float8-tensorwise":
+    if fp8_gather:
+        notes.append("low precision: FSDP2 gathers the converted weights in fp8 (float8_all_gather: 1 byte per "
+                     "element in the all-gather buffers and on the wire; GPU only, unverified here); each gather's "
+                     "per-weight amax all-reduce (reduce_amax, or torchtitan's precompute_float8_dynamic_scale_for_fsdp "
+                     "once per step) is not charged, nor the casts it saves")
+    elif fsdp and name == "float8-tensorwise":
         notes.append("low precision: FSDP2's float8 all-gather (enable_fsdp_float8_all_gather, off by default in "
-                     "torchtitan) is not assumed: the weights are gathered in 16 bits")
+                     "torchtitan) is not assumed: the weights are gathered in 16 bits (float8_all_gather turns it on)")
     return notes

@@ -22,7 +22,7 @@ from planner.memory.buffers import FP32
 from planner.memory.optimizer import flat, state_bits
 from planner.model.shapes import parameter_shapes
 from planner.recipes.optimizers import OPTIMIZERS
-from planner.recipes.low_precision import recipe_of as low_precision_recipe
+from planner.recipes.low_precision import converted_weight_elements, recipe_of as low_precision_recipe
 from planner.recipes.precision import RECIPES
 from planner.schema import EstimateRequest, EstimateResult, PlanRequest, TimeEstimate, TimeTerm
 from planner.strategies import strategy as lookup_strategy
@@ -194,6 +194,7 @@ class StepSettings:
     compute_scale: float = 1.0  # a calibration profile's measured kernel-rate factor (planner/time/profiles.py)
     loss: str = "hf"  # the loss implementation (planner/recipes/losses.py)
     low_precision: str = "none"  # fp8/fp4 linears (planner/recipes/low_precision.py)
+    float8_all_gather: bool = False  # FSDP2 gathers the float8 linears' weights in fp8
 
     @classmethod
     def of(cls, req: PlanRequest, compute_scale: float = 1.0) -> "StepSettings":
@@ -201,7 +202,8 @@ class StepSettings:
                    compute_efficiency=req.compute_efficiency, link_efficiency=req.link_efficiency,
                    reduce_dtype=req.reduce_dtype, attention=req.attention, optimizer=req.optimizer,
                    attention_kernel=req.attention_kernel,
-                   compute_scale=compute_scale, loss=req.loss, low_precision=req.low_precision)
+                   compute_scale=compute_scale, loss=req.loss, low_precision=req.low_precision,
+                   float8_all_gather=req.float8_all_gather)
 
 
 def collective_volumes(request: EstimateRequest) -> list[dict]:
@@ -219,7 +221,8 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
     frozen = frozen_base_shape(request, arch)
     rows = combo_collectives(request.precision, combo, result.parameters // combo.tp, request.micro_batch, per_rank,
                              wb, arch, buckets, trainable=frozen.trainable if frozen else None,
-                             reduce_dtype=request.reduce_dtype, nodes=request.nodes)
+                             reduce_dtype=request.reduce_dtype, nodes=request.nodes,
+                             fp8_gathered=_fp8_gathered(request.float8_all_gather, request.low_precision, arch))
     out = [{"what": what, "bytes_per_step": int(volume), "message_bytes": int(message), "group": group}
            for what, volume, _, message, group in rows]
     if request.ep > 1:  # routed experts over the expert-data-parallel group; the all-to-alls
@@ -256,7 +259,7 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
                             attention_kernel=request.attention_kernel,
                             optimizer=result.request.optimizer,
                             compute_scale=profile_compute_scale(request.profile, profile), loss=request.loss,
-                            low_precision=request.low_precision)
+                            low_precision=request.low_precision, float8_all_gather=request.float8_all_gather)
     # the estimate's own Setup where it has one for this request (a traced model is timed from its count)
     known = setup_of(result) if traced is None and result.request == request else None
     combo, buckets, setup = resolved_combo(request, result.parameters if traced is not None else None, known)
@@ -320,10 +323,17 @@ def resolved_combo(request: EstimateRequest, parameters: int | None = None,
                           zero.param_persistence_threshold, zero.max_reuse_distance), setup
 
 
+def _fp8_gathered(float8_all_gather: bool, low_precision: str, arch) -> tuple[int, int]:
+    """(the model's, one block's) weight elements FSDP2 gathers in fp8 (Traffic.fp8_gathered)."""
+    if not float8_all_gather or not isinstance(arch, Architecture):
+        return 0, 0
+    return converted_weight_elements(arch, low_precision)
+
+
 def combo_collectives(precision: str, combo: Combo, psi: int, micro, per_rank: int,
                       wb: int, arch=None, buckets: Buckets = Buckets(),
                       trainable: int | None = None, reduce_dtype: str = "compute", *,
-                      nodes: int) -> list[tuple[str, Any, int, float, str]]:
+                      nodes: int, fp8_gathered: tuple[int, int] = (0, 0)) -> list[tuple[str, Any, int, float, str]]:
     """(what, bytes per step, ring passes, message bytes, group) for the strategy's collectives,
     as its framework sends them (planner/frameworks/: Framework.collectives).
 
@@ -344,7 +354,7 @@ def combo_collectives(precision: str, combo: Combo, psi: int, micro, per_rank: i
                       accumulation=per_rank / micro, precision=precision, shard=combo.shard or combo.gpus,
                       buckets=buckets, trainable=trainable,
                       reduce_bytes=FP32 if reduce_dtype == "fp32" and s.shards_parameters else wb,
-                      wrapped=combo.data_parallel_wrapped(nodes), numels=numels)
+                      wrapped=combo.data_parallel_wrapped(nodes), numels=numels, fp8_gathered=fp8_gathered)
     return framework_of(s).collectives(s, traffic)
 
 
@@ -410,9 +420,13 @@ def model_parallel_collectives(precision: str, combo: Combo, arch, per_rank: int
             arch, tokens=seq_len, micro_batches=per_rank, b=wb, stream_bytes=RECIPES[precision].param_bytes, tp=combo.tp,
             checkpointing=combo.checkpointing)]
         return rows
+    # torch's TP computes the loss vocab-parallel (loss_parallel); DeepSpeed's AutoTP gathers the
+    # logits whole (planner/parallel/tensor.py tp_fields)
+    vocab_parallel = not framework_of(lookup_strategy(combo.strategy)).autotp
     rows = [(what, volume, passes, message, "tp") for what, volume, passes, message in tp_collectives(
         arch, tokens=seq_len // combo.cp, micro_batches=per_rank, b=wb, tp=combo.tp,
-        sequence_parallel=combo.sequence_parallel, checkpointing=combo.checkpointing)]
+        sequence_parallel=combo.sequence_parallel, checkpointing=combo.checkpointing,
+        vocab_parallel_loss=vocab_parallel)]
     rows += [(what, volume, passes, message, "cp") for what, volume, passes, message in cp_collectives(
         rank_architecture(arch, combo.tp), tokens=seq_len, micro_batches=per_rank, b=wb, cp=combo.cp,
         checkpointing=combo.checkpointing)]
@@ -454,7 +468,9 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     trainable = frozen.trainable if frozen is not None else None
     for _, volume, passes, message, group in combo_collectives(req.precision, combo, psi // combo.tp, micro,
                                                                per_rank, wb, arch, buckets, trainable,
-                                                               req.reduce_dtype, nodes=nodes):
+                                                               req.reduce_dtype, nodes=nodes,
+                                                               fp8_gathered=_fp8_gathered(req.float8_all_gather,
+                                                                                          req.low_precision, arch)):
         t = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, arrays.as_float(volume), message, passes)
         comm += t.seconds
         slowest = min(slowest, arrays.smallest(t.bottleneck_gbps))

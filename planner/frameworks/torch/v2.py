@@ -22,6 +22,7 @@ from planner.model.layers import norm_numels
 from planner.memory.moments import PhaseKind
 from planner.frameworks.torch import launch as torch_launch
 from planner.frameworks.base import Collective, Framework, Traffic, check_sharded_offload, register
+from planner.recipes.low_precision import converted_weight_elements, fp8_gather_bytes
 from planner.recipes.precision import RECIPES
 from planner.schema import MemoryItem
 from planner.parallel.tensor import (gathered_logits_race_above, replicated_embedding_gradient_elements,
@@ -115,8 +116,10 @@ class TorchDistributed(Framework):
         reduce = t.reduce_bytes or t.wire_bytes
         grads = t.trained * reduce
         gathers = 1 if s.params_unsharded_in_step else 2
-        unit = t.block * t.wire_bytes
-        items = [("parameter all-gathers", t.accumulation * gathers * t.psi * t.wire_bytes, 1, unit, "shard"),
+        unit = fp8_gather_bytes(t.block, t.fp8_gathered[1], t.wire_bytes)
+        items = [("parameter all-gathers" + (" (float8 weights in fp8)" if t.fp8_gathered[0] else ""),
+                  t.accumulation * gathers * fp8_gather_bytes(t.psi, t.fp8_gathered[0], t.wire_bytes), 1, unit,
+                  "shard"),
                  ("gradient reduce-scatter", t.accumulation * grads, 1, t.block * reduce, "shard")]
         if s.shard_within_node:
             items.append(("replica all-reduce of each shard", t.accumulation * grads / t.shard, 2,
@@ -329,6 +332,9 @@ def _autocast_copies(setup: "Setup", point: SweepPoint, psi: int, block: int, co
     Under checkpointing the blocks save nothing: only the LM head's cast stays, plus the cast
     weights of the one block being recomputed."""
     shape, req = layout(setup), setup.request
+    # low_precision's converted linears hand autocast no weight (converted_weight_elements)
+    exempt, exempt_block = converted_weight_elements(setup.arch, req.low_precision)
+    block -= exempt_block
     # the linears run inside a checkpoint under full checkpointing and the per-op SAC policy
     policy = "full" if req.checkpointing in ("full", "selective-op") else "none"
     chosen = checkpointed_blocks(shape.num_layers, policy, req.checkpointing_every) if shape else ()
@@ -347,6 +353,10 @@ def _autocast_copies(setup: "Setup", point: SweepPoint, psi: int, block: int, co
         # when every cast was held to the end)
         cast = psi - _uncast_elements(setup)
         left = min(cast, max(0, cast - point.grad_elements + _norm_elements(setup)))
+        if exempt:  # the blocks' converted weights not yet reached by backward were never cast
+            head = psi - shape.blocks_parameters - shape.late_parameters
+            reached = min(shape.blocks_parameters, max(0, point.grad_elements - head))
+            left = max(0, left - exempt + exempt * reached // shape.blocks_parameters)
         return item("autocast copies of the weights", compute_bytes * left, "buffers",
                      "torch.autocast's cast cache; each linear saves its 16-bit weight for backward")
     head = shape.lm_head_elements + block * chosen.count(False)  # and the blocks not checkpointed
@@ -414,17 +424,21 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
         return _fsdp_root_reduce_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes, accumulated)
     gloo_copy = 2 if setup.device == "cpu" else 1
     keep_gathered = setup.strategy.params_unsharded_in_step  # SHARD_GRAD_OP: no reshard after forward
-    if keep_gathered:
+    # float8_all_gather: a block's converted weights gathered in fp8 (the fewest any block has: a bound)
+    fp8 = converted_weight_elements(setup.arch, setup.request.low_precision)[1] if setup.request.float8_all_gather \
+        else 0
+    unit = fp8_gather_bytes(block, fp8, compute_bytes)
+    if keep_gathered:  # check_float8_all_gather refuses fp8 gathers here
         gathered = compute_bytes * max(0, psi - point.grad_elements + point.in_flight_elements)
         source = "SHARD_GRAD_OP (reshard_after_forward=False): every unit stays gathered until its backward"
     else:
         # the last block is copied out of its prefetched flat output only at its own pre_backward,
         # after the LM head's and the final norm's backward (peak trace, llama bf16 cp 2 x tp 2 without
         # SP: FSDP::all_gather_copy_out (layers.3) after PowBackward0 of the final norm)
-        current = 0 if point.kind in (PhaseKind.START_OF_BACKWARD, PhaseKind.AFTER_LM_HEAD) else block
-        gathered = compute_bytes * (root + current)
-        source = "the root unit and the block in backward, gathered"
-    prefetch = 0 if point.kind is PhaseKind.END_OF_BACKWARD or keep_gathered else compute_bytes * block * gloo_copy
+        current = 0 if point.kind in (PhaseKind.START_OF_BACKWARD, PhaseKind.AFTER_LM_HEAD) else unit
+        gathered = compute_bytes * root + current
+        source = "the root unit and the block in backward, gathered" + (" (its float8 weights in fp8)" if fp8 else "")
+    prefetch = 0 if point.kind is PhaseKind.END_OF_BACKWARD or keep_gathered else unit * gloo_copy
     items = [
         item("all-gathered units", gathered, "buffers", source),
         # torch 2.13 _fsdp_collectives.py foreach_all_gather: the flat output is allocated under
