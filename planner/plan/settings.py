@@ -10,7 +10,8 @@ from functools import lru_cache
 import numpy as np
 
 from planner.errors import PlannerError
-from planner.frameworks import framework_of, version_field
+from planner.frameworks import framework_of, version_field, version_for
+from planner.recipes.precision import Recipe
 from planner.model.catalogue import as_loaded, catalogue_model, model_from_config
 from planner.parallel.pipeline import balanced_split, check_schedule, check_split, check_split_backward, stage_bounds
 from planner.schema import MAX_GLOBAL_BATCH, MAX_TOKENS, SHARDING_STRATEGIES, EstimateRequest, PlanRequest
@@ -45,9 +46,11 @@ def hsdp_shards(gpus: int, nodes: int) -> list[int]:
     return [d for d in range(2, gpus + 1) if gpus % d == 0 and (d < gpus or nodes > 1)]
 
 
-def offload_options(name: str) -> list[tuple[str, str]]:
+def offload_options(name: str, version: str | None) -> list[tuple[str, str]]:
+    """The offload settings strategy ``name`` takes at the plan's ``framework_version`` where that
+    is its framework's (planner/frameworks/base.py version_for), else at its framework's default."""
     s = lookup_strategy(name)
-    return framework_of(s).offload_options(s)
+    return framework_of(s, version_for(s, version)).offload_options(s)
 
 
 def estimate_request(req: PlanRequest, combo: Setting, micro: int, model_fields: dict,
@@ -165,12 +168,14 @@ def architecture_of(req: PlanRequest):
     return as_loaded(model, req.text_only, req.include_vision).architecture
 
 
-def frozen_base_of(request: EstimateRequest, arch):
-    """The LoRA / QLoRA step the time model takes for this request (None for full fine-tuning)."""
+def frozen_base_of(request: EstimateRequest, arch, recipe: Recipe):
+    """The LoRA / QLoRA step the time model takes for this request (None for full fine-tuning);
+    ``recipe``: the plan's precision, decoded once."""
     if request.finetune == "full":
         return None
     try:
-        return frozen_base_shape(request, arch)
+        return frozen_base_shape(request, arch, framework_of(lookup_strategy(request.strategy),
+                                                             request.framework_version), recipe)
     except PlannerError:  # refused for this combo: its estimate says so and the combo is skipped
         return None
 
