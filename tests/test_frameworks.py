@@ -179,6 +179,8 @@ def test_a_framework_version_reaches_the_time_model_and_the_plans_offload_option
     chosen = estimate_with_time(EstimateRequest(**request, framework_version="0.99")).time
     assert chosen.exposed_communication_seconds > default.exposed_communication_seconds
     assert chosen.step_seconds > default.step_seconds
-    assert offload_options("zero3", "0.99") == [("none", "none")]
-    assert len(offload_options("zero3", None)) > 1
-    assert offload_options("fsdp", "0.99") == offload_options("fsdp", None)  # a DeepSpeed version: torch's default
+    plan = dict(model="llama-3-8b", gpu="h100-80gb", gpus=8, seq_len=2048, global_batch=64)
+    chosen, default = PlanRequest(**plan, framework_version="0.99"), PlanRequest(**plan)
+    assert offload_options("zero3", chosen) == [("none", "none")]
+    assert len(offload_options("zero3", default)) > 1
+    assert offload_options("fsdp", chosen) == offload_options("fsdp", default)  # a DeepSpeed version: torch's default
