@@ -9,6 +9,7 @@ from cli.main import main
 from planner.frameworks.deepspeed import config as dsconfig
 from planner.frameworks.deepspeed.config import parse_ds_config
 from planner.memory.orchestrator import estimate
+from planner.recipes.precision import RECIPES
 from planner.schema import EstimateRequest
 
 ZERO3 = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
@@ -142,7 +143,7 @@ def test_every_emitted_config_reads_back():
         for optimizer in ("adamw", "sgd", "sgd-momentum", "lion", "adafactor"):
             zero = ZeroSettings(stage=stage, offload_optimizer="cpu" if stage else "none",
                                 offload_params="cpu" if stage == 3 else "none")
-            config = build_ds_config(stage=stage, precision="bf16-mixed", micro_batch=2, gradient_accumulation=3,
+            config = build_ds_config(stage=stage, recipe=RECIPES["bf16-mixed"], micro_batch=2, gradient_accumulation=3,
                                      optimizer=optimizer, zero=zero) | {"train_batch_size": 48}
             back = parse_ds_config(config)
             assert (back.stage, back.micro_batch, back.gradient_accumulation, back.optimizer) == (stage, 2, 3, optimizer)

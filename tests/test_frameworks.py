@@ -153,3 +153,34 @@ def test_a_plan_refuses_an_unmodelled_framework_version_naming_the_field_and_the
                                            "deepspeed 0.19.8, torch 2.13") as caught:
         plan(PlanRequest(model="gpt2", gpus=2, seq_len=512, framework_version=version))
     assert caught.value.field == "framework_version"
+
+
+def test_a_framework_version_reaches_the_time_model_and_the_plans_offload_options(monkeypatch):
+    # a DeepSpeed version that overlaps nothing and offers no offload, registered for this test only:
+    # the estimate's step time and the plan's candidates must follow the request's version
+    from planner.frameworks import base
+    from planner.plan.settings import offload_options
+    from planner.time.step import estimate_with_time
+
+    current = framework("deepspeed")
+
+    class NoOverlap(type(current)):
+        version = "0.99.0"
+
+        def overlap_window_seconds(self, s, busy, backward):
+            return 0 * busy
+
+        def offload_options(self, s):
+            return [("none", "none")]
+
+    monkeypatch.setitem(base._REGISTRY, ("deepspeed", "0.99.0"), NoOverlap())
+    request = dict(model="llama-3-8b", gpu="h100-80gb", gpus=8, strategy="zero3", seq_len=2048, micro_batch=1)
+    default = estimate_with_time(EstimateRequest(**request)).time
+    chosen = estimate_with_time(EstimateRequest(**request, framework_version="0.99")).time
+    assert chosen.exposed_communication_seconds > default.exposed_communication_seconds
+    assert chosen.step_seconds > default.step_seconds
+    plan = dict(model="llama-3-8b", gpu="h100-80gb", gpus=8, seq_len=2048, global_batch=64)
+    chosen, default = PlanRequest(**plan, framework_version="0.99"), PlanRequest(**plan)
+    assert offload_options("zero3", chosen) == [("none", "none")]
+    assert len(offload_options("zero3", default)) > 1
+    assert offload_options("fsdp", chosen) == offload_options("fsdp", default)  # a DeepSpeed version: torch's default

@@ -4,14 +4,17 @@ A cycle hidden behind a function-level import works until someone lifts the impo
 more edge; then a module reads a name its half-initialised partner has not defined yet. The graph
 is read from the source (ast), so a cycle fails here whether or not a test happens to run it.
 
-Imports under ``if TYPE_CHECKING:`` are left out: they never execute. The mutual references they
-allow are of types only (a ``Setup`` holds its ``Framework``; a framework's methods take the
-``Setup``), which no import order can trip over.
+Imports under ``if TYPE_CHECKING:`` count too: they never execute, but a type two modules both
+need belongs below both (``AttentionSpec`` in planner/model/attention/spec.py, ``Launch`` beside
+its ``Launcher``, ``PhasePlan`` in planner/memory/phase_plan.py), or the next runtime import makes
+the cycle real. One exception, by name: the resolved ``Setup`` (planner/setup.py) that every
+mechanism's methods take while it composes those mechanisms; its type-only imports are left out.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,17 +63,22 @@ def _targets(node: ast.AST, module: str, is_package: bool, modules: dict[str, Pa
     return found
 
 
-def import_graph() -> dict[str, dict[str, int]]:
-    """module -> {imported module: line of the first such import}."""
+# the one module whose type-only imports are left out of the graph (see the module's docstring)
+TYPE_ONLY_HUBS = frozenset({"planner.setup"})
+
+
+def import_graph(type_checking: bool = True) -> dict[str, dict[str, int]]:
+    """module -> {imported module: line of the first such import}; ``type_checking``: with the
+    imports under ``if TYPE_CHECKING:`` (but those of TYPE_ONLY_HUBS)."""
     modules = _modules()
     graph: dict[str, dict[str, int]] = {}
     for module, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        skip = _type_checking_only(tree)
+        type_only = _type_checking_only(tree)
         for node in ast.walk(tree):
-            if id(node) in skip:
-                continue
             for target in _targets(node, module, path.name == "__init__.py", modules):
+                if id(node) in type_only and (not type_checking or target in TYPE_ONLY_HUBS):
+                    continue
                 graph.setdefault(module, {}).setdefault(target, node.lineno)
     return graph
 
@@ -119,12 +127,31 @@ def test_no_import_cycles():
 
 
 def test_the_graph_sees_imports_inside_functions_and_relative_ones():
-    # the checker itself: a function-level import and a relative one are edges, TYPE_CHECKING ones are not
+    # the checker itself: a function-level import and a relative one are edges, TYPE_CHECKING ones too
+    # (but those of the Setup hub)
     graph = import_graph()
     assert "backend.train_experts" in graph["backend.rank"]  # imported inside engine_for
     assert "planner.frameworks.deepspeed.v0_19" in graph["planner.frameworks"]
-    assert "planner.setup" not in graph.get("planner.memory.buffers", {})  # only under TYPE_CHECKING
+    assert "planner.setup" not in graph.get("planner.memory.buffers", {})  # the hub, only under TYPE_CHECKING
+    # mla.py imports AttentionSpec under TYPE_CHECKING only: an edge, absent without type_checking
+    assert "planner.model.attention.spec" in graph["planner.model.attention.mla"]
+    assert "planner.model.attention.spec" not in import_graph(type_checking=False)["planner.model.attention.mla"]
     assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
+
+
+def test_a_cycle_through_a_type_checking_import_fails(tmp_path, monkeypatch):
+    # a.py needs b's type for checking only, b imports a: a cycle here, none without type_checking
+    (tmp_path / "planner").mkdir()
+    (tmp_path / "planner" / "a.py").write_text("from typing import TYPE_CHECKING\n"
+                                               "if TYPE_CHECKING:\n    from planner.b import B\n")
+    (tmp_path / "planner" / "b.py").write_text("from planner.a import A\n")
+    (tmp_path / "planner" / "c.py").write_text("from typing import TYPE_CHECKING\n"
+                                               "if TYPE_CHECKING:\n    from planner.setup import Setup\n")
+    (tmp_path / "planner" / "setup.py").write_text("from planner.c import C\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "TOPS", ("planner",))
+    assert cycles(import_graph()) == [["planner.a", "planner.b"]]  # the Setup hub's type-only import left out
+    assert cycles(import_graph(type_checking=False)) == []
 
 
 def test_web_imports_no_private_name_of_another_module():

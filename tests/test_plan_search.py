@@ -8,6 +8,7 @@ from planner.errors import PlannerError
 from planner.memory.orchestrator import estimate
 from planner.plan.search import Setting, plan
 from planner.plan.settings import estimate_request
+from planner.recipes.precision import RECIPES
 from planner.schema import EstimateRequest, PlanRequest
 from planner.time.step import estimate_with_time
 
@@ -134,7 +135,7 @@ def test_the_pipeline_resident_floor_is_the_estimates(strategy, schedule, tp):
                       pp_virtual_stages=virtual, seq_len=2048)
     combo = Setting(8, strategy, "full", "none", "none", 4 if strategy == "hsdp" else None, tp, 1, tp > 1, 2, 1)
     per_rank = 512 * tp * 2 // 32
-    search = Search(req, None, None, None, {}, 1, 0.0, {"model": "llama-3-8b"})
+    search = Search(req, None, None, None, {}, 1, 0.0, {"model": "llama-3-8b"}, RECIPES[req.precision])
     floor = _resident_floor(search, req, combo, per_rank)
     for micro in (1, 2, 4):
         e = estimate(estimate_request(req, combo, micro, {"model": "llama-3-8b"}))

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from planner.cluster import cuda_context
 from planner.datafile import load_data_yaml
 from planner.errors import PlannerError, UnknownNameError, unknown
-from planner.recipes.precision import RECIPES
+from planner.recipes.precision import Recipe
 from planner.units import MIB
 
 GPU_PATH = Path(__file__).parents[1] / "data" / "gpus.yaml"
@@ -77,7 +77,8 @@ def gpu(name: str) -> Gpu:
     return found
 
 
-def check_precision(g: Gpu, precision: str) -> None:
-    if RECIPES[precision].compute == "bf16" and not g.bf16:
+def check_precision(g: Gpu, precision: str, recipe: Recipe) -> None:
+    """Refuse precision ``precision`` (decoded: ``recipe``) on a GPU without its compute dtype."""
+    if recipe.compute == "bf16" and not g.bf16:
         raise PlannerError(f"precision {precision} needs bfloat16, which {g.name} ({g.vendor_name}) does not support; "
                            "use fp16-mixed or fp32", field="precision")

@@ -17,10 +17,11 @@ if TYPE_CHECKING:
     import numpy as np
 
     from planner.model.activations import Activations
-    from planner.memory.buffers import PhasePlan
+    from planner.memory.phase_plan import PhasePlan
     from planner.setup import Setup
     from planner.model.shapes import TensorShape
     from planner.recipes.optimizers import OptimizerSpec
+    from planner.recipes.precision import Recipe
     from planner.strategies import Strategy
 
 # (what, bytes per optimizer step, ring passes, message bytes, group: world | shard | replicas)
@@ -54,7 +55,7 @@ class Traffic:
     block: int
     step: "np.ndarray"
     accumulation: "np.ndarray"
-    precision: str
+    recipe: "Recipe"  # the precision, decoded once (planner/recipes/precision.py)
     shard: int  # HSDP's shard group size (the world for the others)
     buckets: Buckets = Buckets()
     trainable: int | None = None  # elements that make gradients (LoRA: the adapters); None: psi

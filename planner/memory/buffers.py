@@ -9,13 +9,14 @@ trace (``backend.train.live_at``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, get_args
 
 from planner.model.activations import Activations
 from planner.model.architecture import block_parameters, blocks_parameters, layer_parameters, vision_parameters
 from planner.memory.moments import PhaseKind
 from planner.memory.optimizer import flat, spec_of, states_bytes, step_temporaries
+from planner.memory.phase_plan import PhasePlan  # noqa: F401 (re-exported: the frameworks build it from here)
 from planner.schema import MemoryItem, Phase
 
 if TYPE_CHECKING:
@@ -23,19 +24,6 @@ if TYPE_CHECKING:
     from planner.setup import Setup
 
 FP32 = 4
-
-
-@dataclass
-class PhasePlan:
-    phases: list[Phase]
-    resident_bytes: int
-    buffers: list[MemoryItem]
-    notes: list[str] = field(default_factory=list)
-    resident: list[MemoryItem] = field(default_factory=list)  # what is held between steps
-    host_resident_bytes: int = 0
-    host_peak_bytes: int = 0
-    host_pinned_bytes: int = 0
-    nvme_bytes: int = 0
 
 
 _COMPONENTS = frozenset(get_args(MemoryItem.model_fields["component"].annotation))

@@ -112,10 +112,10 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
             and "precision" not in request.model_fields_set:
         precision = zero.precision  # the config's bf16/fp16 block, unless --precision was given
     from_config = _from_config(request, zero)
-    check_precision(g, precision)
+    recipe = RECIPES[precision]  # the precision decoded once: the Setup carries it
+    check_precision(g, precision, recipe)
     fw = framework_of(s, request.framework_version)
     fw.check_offload(s, zero.offload_optimizer, zero.offload_params)
-    recipe = RECIPES[precision]  # the precision decoded once: the Setup carries it
     fw.check_precision(s, recipe)
     model = as_loaded(model if model is not None else resolve_model(request), request.text_only,
                       request.include_vision)
@@ -124,7 +124,7 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     check_context_parallel(dims.cp, fw, s, request.attention, model.architecture)
     finetune = resolve_finetune(request, model.architecture, s, fw, recipe)
     check_loop(request, model.architecture)
-    check_low_precision(request, g, model.architecture, fw, s.shards_parameters, RECIPES[precision].compute,
+    check_low_precision(request, g, model.architecture, fw, s.shards_parameters, recipe.compute,
                         request.finetune)
     check_float8_all_gather(request, s.shards_parameters, s.params_unsharded_in_step)
     act_offload.check_activation_offload(request, model, dims)

@@ -48,9 +48,9 @@ from planner.memory.moments import PhaseKind
 from planner.schema import AllocatorSummary, MemoryItem, Phase
 
 if TYPE_CHECKING:
-    from planner.memory.buffers import PhasePlan
-    from planner.memory.orchestrator import Setup
+    from planner.memory.phase_plan import PhasePlan
     from planner.model.activations import Activations
+    from planner.setup import Setup
 
 # NCCL's buffers per connection and channel, one per protocol (NVIDIA/nccl src/include/device.h):
 # LL: NCCL_LL_LINES_PER_THREAD 8 x NCCL_LL_MAX_NTHREADS 512 x NCCL_STEPS 8 x 16-byte ncclLLFifoLine

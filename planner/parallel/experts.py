@@ -31,11 +31,15 @@ block where the probe, computing as the transformers model does, saves a 2-byte 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from planner.model.architecture import Architecture, layer_specs
 from planner.errors import PlannerError
 from planner.model.layers import MlpSpec, mlp_numels
 from planner.parallel.stages import stage_bounds
+
+if TYPE_CHECKING:
+    from planner.setup import Setup
 
 
 def routed_numels(m: MlpSpec, hidden: int) -> int:
@@ -332,7 +336,7 @@ def data_parallel_share(a: Architecture, dims, parameters: int) -> float:
     return ((parameters - routed) * (group - 1) / group + routed / dims.ep * (efsdp - 1) / efsdp) / whole
 
 
-def expert_volumes(a: Architecture, dims, request, rows: list[dict], parameters: int) -> list[dict]:
+def expert_volumes(a: Architecture, setup: Setup, rows: list[dict], parameters: int) -> list[dict]:
     """The data-parallel rows of collective_volumes under ep, and the all-to-alls.
 
     A data-parallel collective carries the dense parameters over its group and the routed experts
@@ -341,6 +345,7 @@ def expert_volumes(a: Architecture, dims, request, rows: list[dict], parameters:
     gathered and reduced only the dense 38% of the qwen3_moe run); the dispatch and combine
     payloads are the routed pairs' hidden states (what the rank's all_to_all_single sends,
     its own share included)."""
+    dims, request = setup.dims, setup.request
     routed = sum(routed_numels(spec.mlp, a.hidden_size) for spec in layer_specs(a))
     if dims.ep == 1 or not routed or parameters <= 0:
         return rows
@@ -352,9 +357,7 @@ def expert_volumes(a: Architecture, dims, request, rows: list[dict], parameters:
         if efsdp > 1:
             out.append(dict(row, what=f"{row['what']} (routed experts)",
                             bytes_per_step=int(row["bytes_per_step"] * expert_share), group="expert data-parallel"))
-    from planner.recipes.precision import RECIPES
-
-    compute = 4 if RECIPES[request.precision].compute == "fp32" else 2
+    compute = setup.recipe.compute_bytes  # the hidden states in the compute dtype
     tokens = request.micro_batch * request.seq_len
     m = next(spec.mlp for spec in layer_specs(a) if spec.mlp.is_moe)
     one = tokens * m.experts_per_token * a.hidden_size * compute

@@ -42,7 +42,7 @@ from planner.schema import MemoryItem, Phase
 from planner.parallel.stages import stage_bounds
 
 if TYPE_CHECKING:
-    from planner.memory.buffers import PhasePlan
+    from planner.memory.phase_plan import PhasePlan
     from planner.setup import Setup
 
 Schedule = Literal["gpipe", "1f1b", "interleaved", "looped-bfs", "interleaved-zb", "zbv", "dualpipev"]
@@ -1052,7 +1052,7 @@ def check_split_backward(a: Architecture, schedule: str) -> None:
 def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str, dp: int,
                     shard: int | None = None, acts: Activations | None = None) -> tuple["PhasePlan", list[RankMemory]]:
     """The phase plan of the worst rank (highest peak) and a summary of every rank."""
-    from planner.memory.buffers import PhasePlan
+    from planner.memory.phase_plan import PhasePlan
 
     all_stages = _checked_stages(setup, pp, virtual_stages, schedule, dp, acts)
     parallel = data_parallel(setup, dp, shard)

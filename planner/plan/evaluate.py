@@ -16,7 +16,6 @@ import numpy as np
 from planner.cluster.gpus import Gpu
 from planner.cluster.topology import Topology
 from planner.errors import PlannerError
-from planner.frameworks import framework_of
 from planner.memory.orchestrator import (Measured, activation_offload_bytes, host_capacity, measure,
                                         pipeline_resident_bytes, resolve)
 from planner.parallel.hf_plan import hf_rank_architecture
@@ -25,8 +24,8 @@ from planner.plan.layouts import Rejected, cp_degrees, ep_degrees, pp_degrees, t
 from planner.plan.recipe import checkpointings, refused_by_recipe
 from planner.plan.settings import (OPTIMIZER_FIELDS, Row, Setting, estimate_request, expert_shards, framework_runs, frozen_base_of,
                                    hsdp_shards, layout_family, micro_options, offload_options, per_rank_sequences,
-                                   schedules_of)
-from planner.recipes.precision import RECIPES
+                                   plan_framework, schedules_of)
+from planner.recipes.precision import Recipe
 from planner.schema import MAX_TOKENS, EstimateRequest, EstimateResult, PlanRequest
 from planner.strategies import STRATEGIES, strategy as lookup_strategy
 from planner.time import collectives as timing
@@ -61,9 +60,10 @@ class Search:
     estimates made while searching (the ranking reuses them instead of estimating again)."""
 
     def __init__(self, req: PlanRequest, g: Gpu, model, topo: Topology, fabric: dict, nics: int, usable: float,
-                 model_fields: dict):
+                 model_fields: dict, recipe: Recipe):
         self.req, self.g, self.model, self.topo, self.fabric, self.nics = req, g, model, topo, fabric, nics
         self.usable, self.model_fields = usable, model_fields
+        self.recipe = recipe  # the plan's precision, decoded once (planner/plan/search.py) for every evaluation
         self.estimates: dict[tuple[int, Setting, int], Measured] = {}
         self.floors: dict[tuple[int, Setting, int], int] = {}  # pipeline settings' resident bytes
         self.replayed: dict[tuple[int, Setting, int, int], EstimateResult] = {}  # shown() per candidate
@@ -125,11 +125,11 @@ def evaluate_layouts(search: Search, req: PlanRequest, layouts: list[tuple[int, 
                 if ep > 1 and expert_shards(s, shard, world // (tp * cp * pp), cp) % ep:
                     continue  # ep borrows its ranks from dp_shard x cp (planner/parallel/dims.py)
                 # model-parallel layouts are the alternative to offload: searched without it
-                for off_opt, off_par in (offload_options(name) if tp * cp * pp * ep == 1 else [("none", "none")]):
+                for off_opt, off_par in (offload_options(name, req) if tp * cp * pp * ep == 1 else [("none", "none")]):
                     if world == 1 and not s.one_device and (off_opt, off_par) == ("none", "none"):
                         continue  # on one device a data-parallel framework adds only its offload to "single"
                     combo = Setting(req.gpus, name, ckpt, off_opt, off_par, shard, tp, cp,
-                                    tp > 1 and framework_of(s).tp_sequence_parallel and req.tp_plan == "torchtitan",
+                                    tp > 1 and plan_framework(s, req).tp_sequence_parallel and req.tp_plan == "torchtitan",
                                     pp, ep, split, schedule, virtual)
                     # data parallelism alone is listed whole (each strategy's settings, offload among them)
                     time_bound = best_time.get(family) if family != "dp" else None
@@ -168,8 +168,9 @@ def _evaluate_setting(search: Search, req: PlanRequest, combo: Setting, time_bou
     # build their own)
     first = (estimate_request(req, combo, int(micro[-1]) if combo.pp > 1 else 1, search.model_fields)
              if combo.pp * combo.ep > 1 or req.finetune != "full" or req.activation_offload else None)
-    times = step_times(StepSettings.of(req, search.compute_scale), combo, micro, per_rank, search.model.parameters, arch, search.g,
-                       search.topo, search.fabric, search.nics, frozen=frozen_base_of(first, arch) if first else None,
+    times = step_times(StepSettings.of(req, search.recipe, search.compute_scale), combo, micro, per_rank,
+                       search.model.parameters, arch, search.g, search.topo, search.fabric, search.nics,
+                       frozen=frozen_base_of(first, arch, search.recipe) if first else None,
                        offloaded_per_sequence=_offloaded_per_sequence(first) if first else 0.0)
     if combo.pp * combo.ep > 1:
         return _model_parallel_rows(search, req, combo, micro, per_rank, times, first, time_bound,
@@ -443,7 +444,7 @@ def context_parallel_rows(search: Search, req: PlanRequest) -> tuple[list[Row], 
         notes += [str(r) for r in rejected]
     # the strategies whose framework takes context parallelism, sharding over the whole data-parallel group
     takes_cp = tuple(n for n in STRATEGIES if not lookup_strategy(n).shard_within_node
-                     and framework_of(lookup_strategy(n)).takes_layout(lookup_strategy(n), 1, 2, 1, "1f1b"))
+                     and plan_framework(lookup_strategy(n), req).takes_layout(lookup_strategy(n), 1, 2, 1, "1f1b"))
     rows, evaluated = evaluate_layouts(search, req, layouts, strategies=takes_cp)
     return rows, evaluated, notes
 
@@ -500,7 +501,7 @@ def _compute_floor(search: Search, req: PlanRequest) -> float | None:
     arch = search.model.architecture
     if req.finetune != "full" or arch is None:
         return None
-    peak = RECIPES[req.precision].peak_dtype(search.g.peak_tflops)
+    peak = search.recipe.peak_dtype(search.g.peak_tflops)
     if req.compute_efficiency is not None:
         flops = timing.flops_per_token(arch, req.seq_len, "none") * req.seq_len
         return flops / (search.g.peak_tflops[peak] * 1e12 * req.compute_efficiency)

@@ -137,7 +137,7 @@ def _fits(req: PlanRequest, name: str, usable: float, model_fields: dict, gpus: 
     shards = hsdp_shards(gpus, nodes)[::-1] if lookup_strategy(name).shard_within_node else [None]
     degrees = {"tp": tp} if tp > 1 else {}
     for shard in shards:
-        for off_opt, off_par in (reversed(offload_options(name)) if tp == 1 else [("none", "none")]):  # most offloaded first
+        for off_opt, off_par in (reversed(offload_options(name, req)) if tp == 1 else [("none", "none")]):  # most offloaded first
             try:
                 # micro-batch 1 accumulates when the rank's share of the global batch is more
                 e = measure(resolve(EstimateRequest(**model_fields, strategy=name, gpus=gpus, nodes=nodes, gpu=req.gpu,

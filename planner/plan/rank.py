@@ -12,7 +12,7 @@ from planner.memory.orchestrator import host_capacity, sequence_past_positions
 from planner.plan.evaluate import TIE_TOLERANCE, Search
 from planner.plan.inverse import INVERSE_REPLAYS, longest_sequence, min_gpus_search, pipeline_min_gpus, strategy_min_gpus
 from planner.plan.settings import Row, Setting, layout_family, per_rank_sequences, schedule_fields, split_fields
-from planner.recipes.precision import RECIPES
+from planner.recipes.precision import Recipe
 from planner.schema import Candidate, EstimateResult, PlanRequest, PlanResult, TopologySummary
 from planner.strategies import STRATEGIES, strategy as lookup_strategy
 from planner.time import collectives as timing
@@ -243,10 +243,10 @@ def _fabric_note(req: PlanRequest, fabric_name: str, nics: int) -> str:
             "all-gather and reduce-scatter as NCCL's flat ring, all-reduce the faster of its ring and tree")
 
 
-def _compute_note(req: PlanRequest, g: Gpu, compute_scale: float) -> str:
+def _compute_note(req: PlanRequest, g: Gpu, recipe: Recipe, compute_scale: float) -> str:
     if req.compute_efficiency is not None:
         return f"compute at {req.compute_efficiency:.0%} of {g.name}'s peak dense TFLOP/s (the compute_efficiency override)"
-    r = kernels.rates(g, RECIPES[req.precision].peak_dtype(g.peak_tflops), compute_scale)
+    r = kernels.rates(g, recipe.peak_dtype(g.peak_tflops), compute_scale)
     return (f"compute: each kernel at its measured rate (planner/time/kernels.py): matmuls at {r.matmul_source}"
             + (f" x {compute_scale:.3f} (profile)" if compute_scale != 1.0 else "")
             + f", attention at FlashAttention-2's measured rate, elementwise work at "
@@ -329,7 +329,7 @@ def ranked_result(search: Search, req: PlanRequest, rows: list[Row], fewer: list
     notes = [f"{evaluated:,} candidates evaluated in {wallclock.perf_counter() - started:.3f} s",
              (f"ring over GPUs {list(ring)}: slowest link {ring_bw:.1f} GB/s ({topo.source})"
               if math.isfinite(ring_bw) else f"one GPU per node: no ring ({topo.source})"),
-             _compute_note(req, g, search.compute_scale)]
+             _compute_note(req, g, search.recipe, search.compute_scale)]
     notes += [f"time model: {caveat}" for caveat in g.time_model_caveats]
     notes.append(f"memory: the search judges settings on the live peak with {req.headroom:.0%} kept free; the "
                  "fitting candidates are then replayed in rank order through torch 2.13's caching allocator "

@@ -21,6 +21,7 @@ from planner.plan.evaluate import (TIE_TOLERANCE, Search, context_parallel_rows,
 from planner.plan.rank import MEMORY_TIE_FRACTION, ranked_result
 from planner.plan.recipe import allowed_layouts, recipe_fields
 from planner.plan.settings import PIPELINE_SCHEDULES, Setting, finetune_fields, layout_family
+from planner.recipes.precision import RECIPES
 from planner.schema import PlanRequest, PlanResult
 from planner.time import collectives as timing
 from planner.time.step import estimate_with_time
@@ -40,7 +41,8 @@ def plan(req: PlanRequest, profile=None) -> PlanResult:
     started = wallclock.perf_counter()
     check_version(req.framework_version)
     g = lookup_gpu(req.gpu)
-    check_precision(g, req.precision)
+    recipe = RECIPES[req.precision]  # the plan's precision, decoded once: every evaluation reads search.recipe
+    check_precision(g, req.precision, recipe)
     refuse_unmodelled(req)
     if req.pp > 1 and req.finetune != "full":  # as the estimate refuses it (planner/parallel/pipeline.py check_framework)
         raise PlannerError(f"pp={req.pp} with finetune {req.finetune}: the pipeline model counts full fine-tuning; "
@@ -58,7 +60,7 @@ def plan(req: PlanRequest, profile=None) -> PlanResult:
         req = req.model_copy(update={"compute_efficiency": compute_efficiency, "link_efficiency": link_efficiency})
     capacity = g.memory_bytes
     usable = capacity * (1 - req.headroom)
-    search = Search(req, g, model, topo, timing.fabric(fabric_name), nics, usable, model_fields)
+    search = Search(req, g, model, topo, timing.fabric(fabric_name), nics, usable, model_fields, recipe)
     search.compute_scale = profile_compute_scale(req.profile, profile)
     layouts, rejected = layouts_to_search(req, req.gpus, arch, topo)
     layouts, recipe_notes = allowed_layouts(req, layouts)

@@ -10,11 +10,12 @@ from functools import lru_cache
 import numpy as np
 
 from planner.errors import PlannerError
-from planner.frameworks import framework_of, version_field
+from planner.frameworks import Framework, framework_of, version_field, version_for
+from planner.recipes.precision import Recipe
 from planner.model.catalogue import as_loaded, catalogue_model, model_from_config
 from planner.parallel.pipeline import balanced_split, check_schedule, check_split, check_split_backward, stage_bounds
 from planner.schema import MAX_GLOBAL_BATCH, MAX_TOKENS, SHARDING_STRATEGIES, EstimateRequest, PlanRequest
-from planner.strategies import explicit_hsdp_shard, strategy as lookup_strategy
+from planner.strategies import Strategy, explicit_hsdp_shard, strategy as lookup_strategy
 from planner.time import collectives as timing
 from planner.time.step import Combo, frozen_base_shape
 
@@ -45,9 +46,17 @@ def hsdp_shards(gpus: int, nodes: int) -> list[int]:
     return [d for d in range(2, gpus + 1) if gpus % d == 0 and (d < gpus or nodes > 1)]
 
 
-def offload_options(name: str) -> list[tuple[str, str]]:
+def plan_framework(s: Strategy, req: PlanRequest) -> Framework:
+    """The framework version a plan's candidate of strategy ``s`` runs on: the plan's
+    ``framework_version`` where that is its framework's (planner/frameworks/base.py version_for),
+    else its framework's default."""
+    return framework_of(s, version_for(s, req.framework_version))
+
+
+def offload_options(name: str, req: PlanRequest) -> list[tuple[str, str]]:
+    """The offload settings strategy ``name`` takes in the plan's framework version."""
     s = lookup_strategy(name)
-    return framework_of(s).offload_options(s)
+    return plan_framework(s, req).offload_options(s)
 
 
 def estimate_request(req: PlanRequest, combo: Setting, micro: int, model_fields: dict,
@@ -165,12 +174,14 @@ def architecture_of(req: PlanRequest):
     return as_loaded(model, req.text_only, req.include_vision).architecture
 
 
-def frozen_base_of(request: EstimateRequest, arch):
-    """The LoRA / QLoRA step the time model takes for this request (None for full fine-tuning)."""
+def frozen_base_of(request: EstimateRequest, arch, recipe: Recipe):
+    """The LoRA / QLoRA step the time model takes for this request (None for full fine-tuning);
+    ``recipe``: the plan's precision, decoded once."""
     if request.finetune == "full":
         return None
     try:
-        return frozen_base_shape(request, arch)
+        return frozen_base_shape(request, arch, framework_of(lookup_strategy(request.strategy),
+                                                             request.framework_version), recipe)
     except PlannerError:  # refused for this combo: its estimate says so and the combo is skipped
         return None
 
@@ -215,10 +226,10 @@ def framework_runs(req: PlanRequest, s, tp: int, cp: int, pp: int, schedule: str
         return False
     if tp > 1:
         try:  # the framework refuses the TP layout it does not train (transformers' plan: torch, no DDP x TP)
-            framework_of(s).check_tp_plan(s, req.tp_plan, tp, req.gpus * req.nodes // (tp * cp * pp))
+            plan_framework(s, req).check_tp_plan(s, req.tp_plan, tp, req.gpus * req.nodes // (tp * cp * pp))
         except PlannerError:
             return False
-    return tp * cp * pp == 1 or framework_of(s).takes_layout(s, tp, cp, pp, schedule)
+    return tp * cp * pp == 1 or plan_framework(s, req).takes_layout(s, tp, cp, pp, schedule)
 
 
 # What an estimate request can state (planner/schema.py EstimateRequest): a pipeline setting's

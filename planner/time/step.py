@@ -14,7 +14,7 @@ from planner.recipes.activation_offload import transfer_seconds
 from planner.time import kernels
 from planner.time import collectives as timing
 from planner.model.architecture import Architecture, layer_parameters, parameter_numels
-from planner.frameworks import Buckets, Traffic, framework_of
+from planner.frameworks import Buckets, Framework, Traffic, framework_of, version_for
 from planner.cluster.gpus import Gpu, gpu as lookup_gpu
 from planner.cluster.hardware import profile_compute_scale, profile_efficiencies, topology_of
 from planner.memory.orchestrator import activation_offload_bytes, estimate, setup_of
@@ -23,7 +23,7 @@ from planner.memory.optimizer import flat, state_bits
 from planner.model.shapes import parameter_shapes
 from planner.recipes.optimizers import OPTIMIZERS
 from planner.recipes.low_precision import converted_weight_elements, recipe_of as low_precision_recipe
-from planner.recipes.precision import RECIPES
+from planner.recipes.precision import Recipe
 from planner.schema import EstimateRequest, EstimateResult, PlanRequest, TimeEstimate, TimeTerm
 from planner.strategies import strategy as lookup_strategy
 from planner.cluster.topology import Topology
@@ -154,15 +154,15 @@ def dequantize_bytes(numel: int, quantize: str, out_features: int, compute_bytes
     return stored + 4 * absmax * 2 + compute_bytes * numel  # fp32 absmax written, then read
 
 
-def frozen_base_shape(request: EstimateRequest, arch) -> FrozenBaseShape | None:
-    """The request's LoRA / QLoRA as the time model takes it (None for full fine-tuning)."""
+def frozen_base_shape(request: EstimateRequest, arch, framework: Framework, recipe: Recipe) -> FrozenBaseShape | None:
+    """The request's LoRA / QLoRA as the time model takes it (None for full fine-tuning), with the
+    framework version and precision recipe its Setup (or the plan) resolved."""
     if request.finetune == "full" or arch is None or isinstance(arch, TracedShape):
         return None
     from planner.recipes.finetune import resolve_finetune
 
-    s = lookup_strategy(request.strategy)
-    f = resolve_finetune(request, arch, s, framework_of(s, request.framework_version), RECIPES[request.precision])
-    return FrozenBaseShape.of(arch, f, RECIPES[request.precision].compute_bytes)
+    f = resolve_finetune(request, arch, lookup_strategy(request.strategy), framework, recipe)
+    return FrozenBaseShape.of(arch, f, recipe.compute_bytes)
 
 
 def _flops_per_token(shape, seq_len: int, checkpointing: str,
@@ -179,10 +179,12 @@ def _flops_per_token(shape, seq_len: int, checkpointing: str,
 
 @dataclass(frozen=True)
 class StepSettings:
-    """What the step time reads beyond the configuration: the precision, the sequence length, the
-    node count and the achieved fractions of peak compute and of the modelled link bandwidths."""
+    """What the step time reads beyond the configuration: the precision (its name and its recipe,
+    decoded once), the sequence length, the node count and the achieved fractions of peak compute
+    and of the modelled link bandwidths."""
 
     precision: str
+    recipe: Recipe
     seq_len: int
     nodes: int
     compute_efficiency: float | None  # the override: every FLOP at this fraction of peak (None: planner/time/kernels.py)
@@ -195,10 +197,18 @@ class StepSettings:
     loss: str = "hf"  # the loss implementation (planner/recipes/losses.py)
     low_precision: str = "none"  # fp8/fp4 linears (planner/recipes/low_precision.py)
     float8_all_gather: bool = False  # FSDP2 gathers the float8 linears' weights in fp8
+    framework_version: str | None = None  # the request's (planner/frameworks/base.py); None: the default
+
+    def framework(self, s) -> Framework:
+        """The framework version that realises strategy ``s`` in this step: the request's where it
+        is ``s``'s framework's (a plan's version names one framework), else the default."""
+        return framework_of(s, version_for(s, self.framework_version))
 
     @classmethod
-    def of(cls, req: PlanRequest, compute_scale: float = 1.0) -> "StepSettings":
-        return cls(precision=req.precision, seq_len=req.seq_len, nodes=req.nodes,
+    def of(cls, req: PlanRequest, recipe: Recipe, compute_scale: float = 1.0) -> "StepSettings":
+        """``recipe``: the request's precision, decoded once by the plan's search."""
+        return cls(precision=req.precision, recipe=recipe, framework_version=req.framework_version,
+                   seq_len=req.seq_len, nodes=req.nodes,
                    compute_efficiency=req.compute_efficiency, link_efficiency=req.link_efficiency,
                    reduce_dtype=req.reduce_dtype, attention=req.attention, optimizer=req.optimizer,
                    attention_kernel=req.attention_kernel,
@@ -216,11 +226,11 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
 
     combo, buckets, setup = resolved_combo(request)
     per_rank = request.micro_batch * request.gradient_accumulation
-    wb = RECIPES[request.precision].wire_bytes
+    wb = setup.recipe.wire_bytes
     arch = Architecture.model_validate(result.model.architecture)
-    frozen = frozen_base_shape(request, arch)
-    rows = combo_collectives(request.precision, combo, result.parameters // combo.tp, request.micro_batch, per_rank,
-                             wb, arch, buckets, trainable=frozen.trainable if frozen else None,
+    frozen = frozen_base_shape(request, arch, setup.framework, setup.recipe)
+    rows = combo_collectives(setup.recipe, setup.framework, combo, result.parameters // combo.tp, request.micro_batch,
+                             per_rank, wb, arch, buckets, trainable=frozen.trainable if frozen else None,
                              reduce_dtype=request.reduce_dtype, nodes=request.nodes,
                              fp8_gathered=_fp8_gathered(request.float8_all_gather, request.low_precision, arch))
     out = [{"what": what, "bytes_per_step": int(volume), "message_bytes": int(message), "group": group}
@@ -228,11 +238,11 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
     if request.ep > 1:  # routed experts over the expert-data-parallel group; the all-to-alls
         from planner.parallel.experts import expert_volumes
 
-        out = expert_volumes(arch, setup.dims, request, out, result.parameters)
+        out = expert_volumes(arch, setup, out, result.parameters)
     if combo.tp * combo.cp > 1:
         out += [{"what": what, "bytes_per_step": int(volume), "message_bytes": int(message * request.micro_batch),
                  "group": group}
-                for what, volume, _, message, group in model_parallel_collectives(request.precision, combo, arch,
+                for what, volume, _, message, group in model_parallel_collectives(setup.recipe, combo, arch,
                                                                                   per_rank, request.seq_len)]
     if request.pp > 1:  # a stage's data-parallel collectives carry its parameters only; p2p between stages
         from planner.parallel.pipeline import pipeline_volumes
@@ -253,21 +263,22 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
     compute_efficiency, link_efficiency = profile_efficiencies(
         request.profile, request.gpu, topo, request.gpus, PlanRequest.model_fields["compute_efficiency"].default,
         PlanRequest.model_fields["link_efficiency"].default, profile)  # the plan's defaults, so both time alike
-    settings = StepSettings(precision=result.request.precision, seq_len=request.seq_len, nodes=request.nodes,
+    # the estimate's own Setup where it has one for this request (a traced model is timed from its count)
+    known = setup_of(result) if traced is None and result.request == request else None
+    combo, buckets, setup = resolved_combo(request, result.parameters if traced is not None else None, known)
+    settings = StepSettings(precision=result.request.precision, recipe=setup.recipe,
+                            framework_version=setup.request.framework_version, seq_len=request.seq_len, nodes=request.nodes,
                             compute_efficiency=compute_efficiency, link_efficiency=link_efficiency,
                             reduce_dtype=request.reduce_dtype, attention=request.attention,
                             attention_kernel=request.attention_kernel,
                             optimizer=result.request.optimizer,
                             compute_scale=profile_compute_scale(request.profile, profile), loss=request.loss,
                             low_precision=request.low_precision, float8_all_gather=request.float8_all_gather)
-    # the estimate's own Setup where it has one for this request (a traced model is timed from its count)
-    known = setup_of(result) if traced is None and result.request == request else None
-    combo, buckets, setup = resolved_combo(request, result.parameters if traced is not None else None, known)
     arch = traced if traced is not None else Architecture.model_validate(result.model.architecture)
     moved = activation_offload_bytes(setup) / request.micro_batch if traced is None else 0.0
     t = step_times(settings, combo, request.micro_batch, per_rank, result.parameters, arch, g,
                    topo, timing.fabric(fabric_name), nics, buckets,
-                   frozen=frozen_base_shape(request, arch), offloaded_per_sequence=moved)[0]  # one micro-batch: floats
+                   frozen=frozen_base_shape(request, arch, setup.framework, setup.recipe), offloaded_per_sequence=moved)[0]  # one micro-batch: floats
     if request.pp > 1 or request.ep > 1:  # the pipeline bubble, p2p and expert all-to-alls (issue 12)
         from planner.parallel.pipeline import parallel_step
 
@@ -330,7 +341,7 @@ def _fp8_gathered(float8_all_gather: bool, low_precision: str, arch) -> tuple[in
     return converted_weight_elements(arch, low_precision)
 
 
-def combo_collectives(precision: str, combo: Combo, psi: int, micro, per_rank: int,
+def combo_collectives(recipe: Recipe, framework: Framework, combo: Combo, psi: int, micro, per_rank: int,
                       wb: int, arch=None, buckets: Buckets = Buckets(),
                       trainable: int | None = None, reduce_dtype: str = "compute", *,
                       nodes: int, fp8_gathered: tuple[int, int] = (0, 0)) -> list[tuple[str, Any, int, float, str]]:
@@ -351,11 +362,11 @@ def combo_collectives(precision: str, combo: Combo, psi: int, micro, per_rank: i
     numels = () if combo.tp > 1 else tuple(arch.numels) if isinstance(arch, TracedShape) else \
         tuple(parameter_numels(arch)) if isinstance(arch, Architecture) else ()
     traffic = Traffic(psi=psi, wire_bytes=wb, block=block, step=arrays.full_like(arrays.as_float(micro), 1.0),
-                      accumulation=per_rank / micro, precision=precision, shard=combo.shard or combo.gpus,
+                      accumulation=per_rank / micro, recipe=recipe, shard=combo.shard or combo.gpus,
                       buckets=buckets, trainable=trainable,
                       reduce_bytes=FP32 if reduce_dtype == "fp32" and s.shards_parameters else wb,
                       wrapped=combo.data_parallel_wrapped(nodes), numels=numels, fp8_gathered=fp8_gathered)
-    return framework_of(s).collectives(s, traffic)
+    return framework.collectives(s, traffic)
 
 
 def process_group(combo: Combo, group: str, nodes: int) -> tuple[timing.Group, tuple[int, ...]]:
@@ -404,7 +415,7 @@ def _model_parallel_group(combo: Combo, group: str, nodes: int) -> tuple[timing.
     return timing.Group(world // tp, g // tp, tp), tuple(range(0, g, tp))
 
 
-def model_parallel_collectives(precision: str, combo: Combo, arch, per_rank: int,
+def model_parallel_collectives(recipe: Recipe, combo: Combo, arch, per_rank: int,
                                seq_len: int) -> list[tuple[str, float, int, float, str]]:
     """(what, bytes per step, ring passes, message bytes at micro-batch 1, group) of the TP group's
     per-layer collectives (tensor_parallel.tp_collectives) and the CP group's K/V exchange
@@ -414,10 +425,10 @@ def model_parallel_collectives(precision: str, combo: Combo, arch, per_rank: int
     from planner.parallel.hf_plan import hf_tp_collectives
     from planner.parallel.tensor import rank_architecture, tp_collectives
 
-    wb = RECIPES[precision].compute_bytes  # activations cross the TP/CP groups in the compute dtype
+    wb = recipe.compute_bytes  # activations cross the TP/CP groups in the compute dtype
     if combo.tp_plan == "transformers":
         rows = [(what, volume, passes, message, "tp") for what, volume, passes, message in hf_tp_collectives(
-            arch, tokens=seq_len, micro_batches=per_rank, b=wb, stream_bytes=RECIPES[precision].param_bytes, tp=combo.tp,
+            arch, tokens=seq_len, micro_batches=per_rank, b=wb, stream_bytes=recipe.param_bytes, tp=combo.tp,
             checkpointing=combo.checkpointing)]
         return rows
     # torch's TP computes the loss vocab-parallel (loss_parallel); DeepSpeed's AutoTP gathers the
@@ -451,8 +462,8 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     ``frozen``: a LoRA / QLoRA step (fewer FLOPs, gradient traffic of the trainable elements only,
     the base's dequantization per pass); None for full fine-tuning. ``offloaded_per_sequence``:
     activation_offload's bytes per sequence a rank moves to the host and back (0: no offloading)."""
-    wb = RECIPES[req.precision].wire_bytes
-    dtype = RECIPES[req.precision].peak_dtype(g.peak_tflops)
+    wb = req.recipe.wire_bytes
+    dtype = req.recipe.peak_dtype(g.peak_tflops)
     peak_flops = g.peak_tflops[dtype] * 1e12
     tokens_rank = per_rank * req.seq_len
     model_parallel = combo.tp * combo.cp  # GPUs that share one data-parallel rank's tokens
@@ -461,12 +472,14 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     compute, backward, hardware_flops, terms = compute_seconds(req, combo, micro, per_rank, psi, arch, g, frozen,
                                                                tokens_rank * per_token / model_parallel)
     ring, ring_bw, _ = timing.node_ring(topo, combo.gpus)
+    s = lookup_strategy(combo.strategy)
+    fw = req.framework(s)  # the request's framework version, resolved once for the step
     nodes = req.nodes
     nic_gbps = nics * fabric["gbps"] * fabric["efficiency"] * req.link_efficiency
     comm = arrays.zeros_like(arrays.as_float(micro))
     slowest = ring_bw * req.link_efficiency
     trainable = frozen.trainable if frozen is not None else None
-    for _, volume, passes, message, group in combo_collectives(req.precision, combo, psi // combo.tp, micro,
+    for _, volume, passes, message, group in combo_collectives(req.recipe, fw, combo, psi // combo.tp, micro,
                                                                per_rank, wb, arch, buckets, trainable,
                                                                req.reduce_dtype, nodes=nodes,
                                                                fp8_gathered=_fp8_gathered(req.float8_all_gather,
@@ -477,7 +490,7 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     exposed_model_parallel = arrays.zeros_like(arrays.as_float(micro))
     data_parallel = comm + 0.0  # what FSDP/ZeRO/DDP send, hidden behind the framework's window (a copy)
     if model_parallel > 1 and arch is not None:
-        for _, volume, passes, message, group in model_parallel_collectives(req.precision, combo, arch, per_rank,
+        for _, volume, passes, message, group in model_parallel_collectives(req.recipe, combo, arch, per_rank,
                                                                             req.seq_len):
             # a ring's time is a bandwidth term in the bytes plus a latency term per message
             # (timing._ring): two evaluations give both, then every micro-batch's message size
@@ -492,7 +505,6 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
                 seconds if group == "tp" else arrays.maximum(0.0, seconds - compute))
             comm = comm + seconds
             slowest = min(slowest, arrays.smallest(one.bottleneck_gbps))
-    s = lookup_strategy(combo.strategy)
     offload = offload_seconds(combo, psi // combo.tp, per_rank / micro, combo.gpus * nodes // combo.tp, wb, g,
                               trainable)
     dequantize = _dequantize_seconds(frozen, combo.checkpointing, per_rank / micro, g)
@@ -507,7 +519,7 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     tokens = tokens_rank / model_parallel * world
     # every option at once (elementwise: the same floating-point operations as one option alone)
     busy = compute + dequantize
-    window = framework_of(s).overlap_window_seconds(s, busy, backward)
+    window = fw.overlap_window_seconds(s, busy, backward)
     edge = _unhidden_edge(s, data_parallel, arch)
     exposed_data_parallel = edge + arrays.maximum(0.0, data_parallel - edge - window)
     exposed = exposed_data_parallel + exposed_model_parallel
@@ -550,7 +562,7 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
     hardware FLOPs it runs, [(term, seconds, source)]) for each micro-batch option. Every kernel at its measured rate (planner/time/kernels.py);
     with the compute_efficiency override, ``override_flops`` at that fraction of peak instead; a
     traced model (no layer shapes) at the measured matmul rate."""
-    recipe = RECIPES[req.precision]
+    recipe = req.recipe
     dtype = recipe.peak_dtype(g.peak_tflops)
     micro_f = arrays.as_float(micro)
     accumulation = per_rank / micro_f

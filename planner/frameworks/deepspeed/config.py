@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from planner.errors import PlannerError
-from planner.recipes.precision import DTYPE_SPELLINGS, RECIPES
+from planner.recipes.precision import DTYPE_SPELLINGS, RECIPES, Recipe
 
 # DeepSpeed 0.19.8's defaults, in elements (deepspeed/runtime/zero/config.py lines 113, 132, 222,
 # 228, 245, 251); the only definition: ZeroSettings and frameworks' Buckets both default to them
@@ -480,7 +480,7 @@ def with_overrides(settings: ZeroSettings, **overrides: Any) -> ZeroSettings:
     return replace(settings, **present, explicit=settings.explicit | frozenset(present))
 
 
-def build_ds_config(*, stage: int, precision: str, micro_batch: int, gradient_accumulation: int,
+def build_ds_config(*, stage: int, recipe: Recipe, micro_batch: int, gradient_accumulation: int,
                     optimizer: str, zero: ZeroSettings, nvme_path: str = "/local_nvme") -> dict[str, Any]:
     """The DeepSpeed JSON a plan launches with: every size the prediction assumed, spelled out."""
     block: dict[str, Any] = {
@@ -519,8 +519,8 @@ def build_ds_config(*, stage: int, precision: str, micro_batch: int, gradient_ac
         config["optimizer"]["params"]["momentum"] = 0.9
     if optimizer == "adafactor":  # a torch.optim optimizer ZeRO has not tested (zero/utils.py ZERO_SUPPORTED_OPTIMIZERS)
         config["zero_allow_untested_optimizer"] = True
-    if RECIPES[precision].compute == "bf16":
+    if recipe.compute == "bf16":
         config["bf16"] = {"enabled": True}
-    elif RECIPES[precision].loss_scaling:
+    elif recipe.loss_scaling:
         config["fp16"] = {"enabled": True, "initial_scale_power": 16}
     return config

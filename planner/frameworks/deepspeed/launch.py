@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 from planner.errors import PlannerError
 from planner.frameworks.deepspeed.shm import segment_glob
-from planner.frameworks.launcher import Launcher, visible_device_ids
+from planner.frameworks.launcher import Launch, Launcher, visible_device_ids
 from planner.recipes.precision import DTYPE_SPELLINGS
 
 if TYPE_CHECKING:
-    from planner.plan.emit.spec import Launch
     from planner.setup import Setup
 
 CONFIG_FILE = "ds_config.json"

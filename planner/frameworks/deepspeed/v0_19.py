@@ -153,7 +153,7 @@ class DeepSpeedZero(Framework):
         batch, optimizer and the ZeRO settings as resolved."""
         from planner.frameworks.deepspeed.config import build_ds_config
 
-        return build_ds_config(stage=setup.zero.stage, precision=setup.request.precision,
+        return build_ds_config(stage=setup.zero.stage, recipe=setup.recipe,
                                micro_batch=request.micro_batch, gradient_accumulation=request.gradient_accumulation,
                                optimizer=request.optimizer, zero=setup.zero)
 

@@ -11,14 +11,13 @@ import json
 from typing import TYPE_CHECKING, Any, Callable
 
 from planner.errors import PlannerError
-from planner.frameworks.launcher import Launcher, visible_device_ids
+from planner.frameworks.launcher import Launch, Launcher, visible_device_ids
 from planner.frameworks.torch.torchtitan import (HEAD_NAME, MIXED_PARAM, pipeline_overrides, torchtitan_config,
                                                  torchtitan_toml)
 from planner.parallel.stages import stage_bounds
 from planner.units import GIB
 
 if TYPE_CHECKING:
-    from planner.plan.emit.spec import Launch
     from planner.setup import Setup
 
 TORCHTITAN_FILE = "torchtitan.toml"

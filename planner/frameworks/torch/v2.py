@@ -23,7 +23,6 @@ from planner.memory.moments import PhaseKind
 from planner.frameworks.torch import launch as torch_launch
 from planner.frameworks.base import Collective, Framework, Traffic, check_sharded_offload, register
 from planner.recipes.low_precision import converted_weight_elements, fp8_gather_bytes
-from planner.recipes.precision import RECIPES
 from planner.schema import MemoryItem
 from planner.parallel.tensor import (gathered_logits_race_above, replicated_embedding_gradient_elements,
                                      tp_only_gradient_items)
@@ -106,7 +105,7 @@ class TorchDistributed(Framework):
         if not t.wrapped:
             return []
         if not s.shards_parameters:
-            master = RECIPES[t.precision].module_bytes
+            master = t.recipe.module_bytes
             # DDP buckets only parameters that require grad (reducer.cpp: the reducer's params)
             return [("gradient all-reduce", t.step * t.trained * master, 2,
                      min(t.trained * master, DDP_BUCKET_CAP_BYTES), "world")]

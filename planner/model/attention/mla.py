@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from planner.model.attention.base import AttentionKind
 
 if TYPE_CHECKING:
-    from planner.model.layers import AttentionSpec
+    from planner.model.attention.spec import AttentionSpec
 
 FP32 = 4
 
