@@ -40,6 +40,7 @@ from planner.memory.moments import PhaseKind
 from planner.memory.rank_activations import activations
 from planner.schema import MemoryItem, Phase
 from planner.parallel.stages import stage_bounds
+from planner.parallel.tensor import LOSS_PARALLEL_ROW
 
 if TYPE_CHECKING:
     from planner.memory.phase_plan import PhasePlan
@@ -1209,8 +1210,10 @@ def _model_parallel_share(setup: "Setup", rows: list[dict], mine: list[Stage]) -
     blocks = sum(s.last_block - s.first_block for s in mine)
     edges = sum(1 for s in mine if s.is_first) + sum(1 for s in mine if s.is_last)
     share = {"tp": (blocks * per_block + edges, layers * per_block + 2), "cp": (blocks, layers)}
-    return [dict(row, bytes_per_step=row["bytes_per_step"] * share[row["group"]][0] // share[row["group"]][1])
-            for row in rows if row["group"] in share]
+    computes_loss = any(s.is_last for s in mine)
+    return [row if row["what"] == LOSS_PARALLEL_ROW else
+            dict(row, bytes_per_step=row["bytes_per_step"] * share[row["group"]][0] // share[row["group"]][1])
+            for row in rows if row["group"] in share and (row["what"] != LOSS_PARALLEL_ROW or computes_loss)]
 
 
 def pipeline_volumes(setup: "Setup", data_parallel_rows: list[dict], rank: int = 0) -> list[dict]:

@@ -417,6 +417,10 @@ def gathered_logits_race_above(plan, setup, acts, held: int) -> int:
     return max(0, others + acts.saved_bytes + at_loss + held - max(p.bytes for p in plan.phases))
 
 
+# the loss's all-reduces: on the rank that computes the loss (a pipeline's last stage), whole
+LOSS_PARALLEL_ROW = "TP all-reduces of loss_parallel (logits' max, sum of exponentials, target logit)"
+
+
 def tp_collectives(full: Architecture, *, tokens: int, micro_batches: float, b: int, tp: int,
                    sequence_parallel: bool, checkpointing: str,
                    vocab_parallel_loss: bool = False) -> list[tuple[str, float, int, float]]:
@@ -443,7 +447,7 @@ def tp_collectives(full: Architecture, *, tokens: int, micro_batches: float, b: 
     activation = b * tokens * full.hidden_size
     per_block = 6 if checkpointing == "full" else 4
     count = (full.num_layers * per_block + 2) * micro_batches
-    loss = [("TP all-reduces of loss_parallel (logits' max, sum of exponentials, target logit)",
+    loss = [(LOSS_PARALLEL_ROW,
              3 * micro_batches * FP32 * tokens, 2, FP32 * tokens)] if vocab_parallel_loss else []
     if sequence_parallel:
         return [("TP all-gathers (sequence parallel)", count * activation, 1, activation),
