@@ -322,9 +322,11 @@ def pipeline_resident_bytes(setup: Setup) -> int:
     return pipeline.resident_bytes(setup) + setup.gpu.cuda_context_bytes + setup.gpu.blas_workspace_bytes
 
 
-def estimate_resolved(setup: Setup, simulate: bool = True) -> EstimateResult:
-    """The estimate of a resolved request: the Setup goes with the result (``setup_of``)."""
-    return _result(measure(setup), simulate)
+def estimate_resolved(setup: Setup, simulate: bool = True, brief: bool = False) -> EstimateResult:
+    """The estimate of a resolved request: the Setup goes with the result (``setup_of``). ``brief``:
+    the fit and the peaks only (no allocator summary, no second replay with expandable_segments
+    switched), as the plan's inverse questions need them."""
+    return _result(measure(setup), simulate, brief)
 
 
 def _result(m: Measured, simulate: bool, brief: bool = False) -> EstimateResult:

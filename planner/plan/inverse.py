@@ -74,7 +74,7 @@ def longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_fields
 
     def replayed(seq: int) -> EstimateResult:
         """The estimate with the caching allocator replayed (estimate(..., simulate=True))."""
-        return estimate_resolved(resolve(request(seq)), simulate=True)
+        return estimate_resolved(resolve(request(seq)), simulate=True, brief=True)
 
     def largest(limit: float, high: int, low: int = 0) -> int:
         """The largest multiple of unit below high * unit whose live peak is within limit (0: none),
