@@ -59,7 +59,8 @@ def main() -> int:
     output = done.stdout + done.stderr
     summary = SUMMARY.search(output)
     if done.returncode != 0 or summary is None:
-        print(output[-6000:], file=sys.stderr)
+        # the tests' own tail (stdout) first: the installers' warnings on stderr would push it out
+        print(done.stdout[-6000:], done.stderr[-2000:], sep="\n", file=sys.stderr)
         print(f"bench/ci_time.py: .ci/run at {ref} failed (exit {done.returncode})", file=sys.stderr)
         return 1
     counts = summary.group("counts").replace("\n", " ")
