@@ -114,29 +114,25 @@ class Reserved:
 
 # --- calibration (written by bench/gpu_check.py) ---------------------------------------------
 
+def _calibration_file(path: Path) -> dict:
+    """The calibration file bench/gpu_report.py writes, read once; {} without one (or another format)."""
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    return data if data.get("format") == 1 else {}
+
+
 def load_calibration(path: Path = CALIBRATION_PATH) -> dict:
     """The measured terms by GPU name, when a GPU has measured them; {} otherwise. Format:
     {"format": 1, "torch": "2.13.0", "gpus": {NAME: {"cuda_context_bytes": int,
     "nccl_bytes_per_communicator": int, "driver": str, "runs": [...]}}} (bench/gpu_check.py)."""
-    if not path.exists():
-        return {}
-    data = json.loads(path.read_text())
-    if data.get("format") != 1:
-        return {}
-    return data.get("gpus", {})
+    return _calibration_file(path).get("gpus", {})
 
 
-def load_replay_shortfall(path: Path = CALIBRATION_PATH) -> float:
-    """The largest fraction by which a measured reserved peak exceeded the replayed one over the
-    calibration's runs (0 without a calibration): {"replay_shortfall": {"fraction": float, ...}}."""
-    if not path.exists():
-        return 0.0
-    data = json.loads(path.read_text())
-    return float(data.get("replay_shortfall", {}).get("fraction", 0.0)) if data.get("format") == 1 else 0.0
-
-
-_CALIBRATION = load_calibration()
-REPLAY_SHORTFALL = load_replay_shortfall()
+_FILE = _calibration_file(CALIBRATION_PATH)  # read once at import
+_CALIBRATION = _FILE.get("gpus", {})
+# the largest fraction by which a measured reserved peak exceeded the replayed one (0 without a calibration)
+REPLAY_SHORTFALL = float(_FILE.get("replay_shortfall", {}).get("fraction", 0.0))
 
 
 # --- the terms outside the allocator ---------------------------------------------------------
