@@ -29,6 +29,20 @@ Precision as composer 0.16 (llm-foundry v0.3.0's pin) builds FSDP's MixedPrecisi
 column (composer/trainer/mosaic_fsdp_utils.py get_mixed_precision): DEFAULT computes in bf16 and
 reduces gradients in fp32, PURE reduces in bf16; both keep FSDP's sharded fp32 parameters and an fp32
 AdamW (MixedPrecision casts the gathered copy only), so both are the planner's bf16-mixed.
+
+FSDP's prefetch schedule as the rows ran it (torch FSDP1): the 8-64-GPU tables with composer's
+defaults, backward_prefetch BACKWARD_POST and forward_prefetch False (composer v0.14.0
+trainer/dist_strategy.py lines 218 and 223, the pin of the A100 tables' llm-foundry 5f43bf1; v0.17.2
+lines 135 and 138, the pin at 5e85bd6), limit_all_gathers true (submit_benchmarks.py line 304 at
+5f43bf1; the pretrain yamls' fsdp_config at 5e85bd6); the large-scale table with BACKWARD_PRE and
+forward_prefetch true (sweep.py's base_args at 5e85bd6). The planner has no field for it: under
+BACKWARD_POST the post-backward hook issues the next unit's all-gather before the current unit's
+reduce-scatter (torch 2.13 fsdp/_runtime_utils.py: _post_backward_reshard's _prefetch_handle, line
+807, runs before _reduce_grad, line 766; the same order since torch 1.13), and the rate limiter
+holds the host until the GPU has finished the unit before, so the gather runs beside the current
+unit's gradient computation, queued behind the previous reduce-scatter: the overlap the time model
+gives FSDP2 (planner/time/step.py _unhidden_edge), not one exposed gather per unit. The summary
+splits the rows by the schedule they ran.
 """
 
 from __future__ import annotations
@@ -64,6 +78,9 @@ REDUCE_DTYPE = {"DEFAULT": "fp32", "PURE": "compute"}
 # sweep.py at 5e85bd6 (the large-scale H100 table's runs): --attn_impl flash for these models
 LARGE_SCALE_TABLE = "H100 80GB BF16 (Large Scale >= 128 GPUs)"
 FLASH2_IN_SWEEP = ("1b", "3b", "7b", "70b")
+# FSDP1's backward prefetch each table ran (module docstring): sweep.py's, else composer's default
+PREFETCH = {LARGE_SCALE_TABLE: "BACKWARD_PRE + forward prefetch"}
+COMPOSER_PREFETCH = "BACKWARD_POST"
 
 
 @dataclass(frozen=True)
@@ -81,6 +98,10 @@ class Row:
     mp_mode: str
     sharding: str
     checkpointing: bool
+
+    @property
+    def prefetch(self) -> str:
+        return PREFETCH.get(self.table, COMPOSER_PREFETCH)
 
     def request(self) -> EstimateRequest:
         d, heads, layers = MPT[self.model]
@@ -132,6 +153,10 @@ def _unexplained(data: list[Row], results) -> str:
              if k[1] <= 4096 and {"h100_80gb", "a100_80gb"} <= v.keys()]
     flash2 = [e for r, _, e, _ in results if r.table == LARGE_SCALE_TABLE and r.model in FLASH2_IN_SWEEP]
     long = [e for r, _, e, _ in results if r.seq_len > 16384]
+    h100 = [(r, e) for r, _, e, _ in results if r.gpu == "h100_80gb"]
+    post = [e for r, e in h100 if r.prefetch == COMPOSER_PREFETCH]
+    pre = [(r, e) for r, e in h100 if r.prefetch != COMPOSER_PREFETCH]
+    grad_op = [e for r, e in pre if r.sharding == "SHARD_GRAD_OP"]
     mamf = {g: load_gpus()[GPU[g]].mamf_tflops["bf16"] for g in ("h100_80gb", "a100_80gb")}
     return (f"Not explained: on the {len(short)} configurations up to 4,096 tokens that ran on both, H100 "
             f"throughput is {statistics.median(short):.2f}x the A100-80GB's (median; "
@@ -147,7 +172,13 @@ def _unexplained(data: list[Row], results) -> str:
             f"{statistics.median(long):+.0%}: MPT's `triton` attention is FlashAttention's flash_attn_triton.py, "
             "while the charts' \"Triton\" line is Triton's own triton.ops.flash_attention "
             "(its benchmarks/benchmark_flash_attention.py imports it, Dao-AILab/flash-attention 0469c72), so no "
-            "measurement here is of the kernel those rows ran.")
+            "measurement here is of the kernel those rows ran. FSDP's prefetch schedule does not explain the H100's "
+            f"over-prediction: the {len(post)} H100 rows run with composer's BACKWARD_POST are over-predicted by a "
+            f"median {statistics.median(post):+.0%}, the {len(pre)} run with BACKWARD_PRE and forward prefetch "
+            f"(sweep.py, on 128-512 GPUs, most with FlashAttention-2), which hide the gathers at least as well, by "
+            f"{statistics.median(e for _, e in pre):+.0%}, "
+            f"and {len(grad_op)} of those are SHARD_GRAD_OP, with no gather in backward at all "
+            f"({statistics.median(grad_op):+.0%}).")
 
 
 def report(show_rows: bool) -> str:
@@ -163,10 +194,12 @@ def report(show_rows: bool) -> str:
     for label, key in (("GPU", lambda r: r.gpu), ("checkpointing", lambda r: "full" if r.checkpointing else "none"),
                        ("sequence", lambda r: "<=2k" if r.seq_len <= 2048 else ("4k-8k" if r.seq_len <= 8192 else
                                                                                   ">=16k")),
-                       ("model", lambda r: "<=1b" if r.model in ("125m", "350m", "760m", "1b") else ">=3b")):
+                       ("model", lambda r: "<=1b" if r.model in ("125m", "350m", "760m", "1b") else ">=3b"),
+                       ("H100 FSDP prefetch", lambda r: r.prefetch if r.gpu == "h100_80gb" else None)):
         groups: dict[str, list[float]] = {}
         for row, _, e, _ in results:
-            groups.setdefault(key(row), []).append(e)
+            if key(row) is not None:
+                groups.setdefault(key(row), []).append(e)
         out += [f"- by {label} {name}: {_summary(v)}" for name, v in sorted(groups.items())]
     out += ["", _unexplained(data, results)]
     if show_rows:
