@@ -19,8 +19,8 @@ none (d_model-sized vectors: no FLOPs and under 0.1% of the parameters). Attenti
 submitted by scripts/train/benchmarking/submit_benchmarks.py, whose `--attn_impl` defaults to
 `triton` (line 119 at 5f43bf1, May 2023, when the A100 tables appeared; line 144 at 5e85bd6, January
 2024, whose sweep.sh, the H100 runs, does not override it): MPT's triton_flash_attn_fn, FlashAttention's
-Triton kernel, whose A100 rates FlashAttention's charts measure (attention_kernel
-"flash-attention-triton"; on H100 planner/time/kernels.py scales them by FlashAttention-1's H100/A100 ratio).
+Triton kernel flash_attn_triton.py (attention_kernel "flash-attention-triton"), which no chart measures:
+planner/time/kernels.py reads it at FlashAttention 1.x's rates, which its header says it runs slightly below.
 The large-scale H100 table (>= 128 GPUs) is the one sweep.py submitted (scripts/train/benchmarking/sweep.py
 at 5e85bd6, which added that table): `--attn_impl flash` for 1b, 3b, 7b and 70b (FlashAttention 2.4.2,
 the `gpu-flash2` extra its submit_benchmarks.py installs), `triton` for 13b and 30b.
@@ -169,10 +169,10 @@ def _unexplained(data: list[Row], results) -> str:
             "attention on 8-64 H100s publish about the same throughput. Beyond 16k tokens (FlashAttention's "
             "charts end there) the attention rate follows the per-block fixed-cost form through the 8k and 16k "
             f"rates, and the {len(long)} rows beyond 16k are under-predicted by a median "
-            f"{statistics.median(long):+.0%}: MPT's `triton` attention is FlashAttention's flash_attn_triton.py, "
-            "while the charts' \"Triton\" line is Triton's own triton.ops.flash_attention "
-            "(its benchmarks/benchmark_flash_attention.py imports it, Dao-AILab/flash-attention 0469c72), so no "
-            "measurement here is of the kernel those rows ran. FSDP's prefetch schedule does not explain the H100's "
+            f"{statistics.median(long):+.0%}: MPT's `triton` attention, FlashAttention's flash_attn_triton.py, has "
+            "no published rates; it is read at FlashAttention 1.x's, which its header says it runs slightly below "
+            "in forward + backward (faster forward, slower backward), so no measurement here is of that kernel at "
+            "those lengths. FSDP's prefetch schedule does not explain the H100's "
             f"over-prediction: the {len(post)} H100 rows run with composer's BACKWARD_POST are over-predicted by a "
             f"median {statistics.median(post):+.0%}, the {len(pre)} run with BACKWARD_PRE and forward prefetch "
             f"(sweep.py, on 128-512 GPUs, most with FlashAttention-2), which hide the gathers at least as well, by "

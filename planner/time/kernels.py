@@ -13,8 +13,8 @@ Sources of the constants:
 - Achievable matmul TFLOP/s: Bekman, "Machine Learning Engineering", compute/accelerator/README.md,
   "Maximum Achievable Matmul FLOPS comparison table" (stas00/ml-engineering 744d01e): mean of
   100 iterations of the best shape found by mamf-finder.py (data/gpus.yaml mamf_tflops).
-- Attention: measured forward + backward TFLOP/s of FlashAttention-2, FlashAttention 1.x and
-  FlashAttention's Triton kernel (A100 only), causal mask, head dimension 64 and 128, sequence
+- Attention: measured forward + backward TFLOP/s of FlashAttention-2 and FlashAttention 1.x (the
+  Triton kernel at FlashAttention 1.x's: STAND_IN below), causal mask, head dimension 64 and 128, sequence
   512-16k, on A100 80GB SXM4 and H100 80GB SXM5 (Dao-AILab/flash-attention
   0251105, README "Performance", assets/flash2_a100_fwd_bwd_benchmark.png and
   flash2_h100_fwd_bwd_benchmark.png, panels (c) and (d)); FLOPs counted as its
@@ -76,17 +76,19 @@ FLASH_ATTENTION_CAUSAL_TFLOPS = {
                                     128: (55.0, 62.0, 69.0, 76.0, 80.0, 83.0)},
     ("flash-attention-1", "h100"): {64: (104.0, 123.0, 136.0, 138.0, 149.0, 156.0),
                                     128: (98.0, 109.0, 108.0, 126.0, 135.0, 137.0)},
-    # the charts' "Triton" line: Triton's own triton.ops.flash_attention (the import of
-    # benchmarks/benchmark_flash_attention.py, Dao-AILab/flash-attention 0469c72), standing in for
-    # FlashAttention's flash_attn_triton.py (MPT's attn_impl "triton"): both grew from the Triton
-    # tutorial's fused attention; flash_attn_triton.py itself has no published rates
-    ("flash-attention-triton", "a100"): {64: (59.0, 75.0, 79.0, 76.0, 79.0, 80.0),
-                                         128: (50.0, 61.0, 68.0, 74.0, 78.0, 80.0)},
 }
-# A kernel not measured on a reference GPU (Triton on H100): its measured A100 rate times the
-# H100/A100 ratio FlashAttention-1 measured at the same length and width; neither uses Hopper's
-# wgmma/TMA, so both gain from the clock and SM count only (an assumption, said in the term's source).
-UNMEASURED_PROXY = "flash-attention-1"
+# A kernel without published rates, read at a measured kernel's. FlashAttention's Triton kernel
+# (flash_attn/flash_attn_triton.py, MPT's attn_impl "triton": llm-foundry 5f43bf1
+# llmfoundry/models/layers/attention.py line 211) has no chart of its own; its header compares it
+# with the CUDA kernel of its time, FlashAttention 1.x: "Triton forward is generally faster than
+# CUDA forward, while Triton backward is generally slower [...] Overall Triton forward + backward
+# is slightly slower than CUDA forward + backward" (Dao-AILab/flash-attention 470010f, Nov 2022),
+# and MosaicML's warning on it says it "can be faster than attn_impl: flash" (FlashAttention 1.x
+# then; attention.py line 315 at 5f43bf1). The charts' "Triton" line is another kernel, Triton's
+# own triton.ops.flash_attention (benchmarks/benchmark_flash_attention.py imports it, 0469c72),
+# whose head-128 backward the header says flash_attn_triton.py made "much faster by reducing
+# register spilling". So FlashAttention 1.x's rates, an upper bound by "slightly".
+STAND_IN = {"flash-attention-triton": "flash-attention-1"}
 # benchmark_flash_attention.py: backward = 2.5 x forward FLOPs (it recomputes the scores)
 ATTENTION_BACKWARD_FLOPS = 2.5
 # The forward runs at a higher rate than the backward; the tables above measure the two together,
@@ -185,7 +187,7 @@ def attention_tflops(r: Rates, seq: int, head_dim: int, kernel: str = "flash-att
     log-linear between the measured lengths; beyond the longest, the fixed-cost form through the
     last two (long_sequence_tflops); linear in head width between 64 and 128, the nearer end
     outside; scaled by this GPU's matmul rate over the reference's."""
-    measured = FLASH_ATTENTION_CAUSAL_TFLOPS.get((kernel, r.attention_reference))
+    measured = FLASH_ATTENTION_CAUSAL_TFLOPS[(STAND_IN.get(kernel, kernel), r.attention_reference)]
 
     def at(row: tuple[float, ...]) -> float:
         if seq <= ATTENTION_SEQUENCES[0]:
@@ -203,11 +205,7 @@ def attention_tflops(r: Rates, seq: int, head_dim: int, kernel: str = "flash-att
         w = min(1.0, max(0.0, (head_dim - 64) / 64))
         return at(table[64]) * (1 - w) + at(table[128]) * w
 
-    if measured is not None:
-        return rate(measured) * r.attention_scale
-    proxy = FLASH_ATTENTION_CAUSAL_TFLOPS
-    ratio = rate(proxy[(UNMEASURED_PROXY, r.attention_reference)]) / rate(proxy[(UNMEASURED_PROXY, "a100")])
-    return rate(proxy[(kernel, "a100")]) * ratio * r.attention_scale
+    return rate(measured) * r.attention_scale
 
 
 def long_sequence_tflops(before: float, last: float, last_seq: int, seq: int) -> float:

@@ -608,7 +608,8 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
     scale = req.compute_scale  # a profile's measured factor on every kernel rate
     seconds = (accumulation * (device + host_wait) + optimizer) / scale
     attention_source = ("eager attention: its matmuls at the matmul rate, the score matrix at the memory bandwidth"
-                        if w.eager_bytes else f"{req.attention_kernel} measured on {r.attention_reference.upper()}, "
+                        if w.eager_bytes else f"{req.attention_kernel}{_stand_in(req.attention_kernel)} measured on "
+                        f"{r.attention_reference.upper()}, "
                         f"scaled by matmul rate x {r.attention_scale:.2f}")
     bandwidth = f"{r.memory_bytes_per_s / 1e9:,.0f} GB/s achievable memory bandwidth"
     terms = [("matmul", accumulation * matmul, f"{r.matmul_source}, tile waves over {r.sms or '?'} SMs"),
@@ -620,6 +621,11 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
              ("optimizer step", optimizer, bandwidth)]
     backward = accumulation * (t.backward + (matmul - t.matmul) * 2 / 3) / scale  # the adapters' backward: 2 of 3
     return seconds, backward, accumulation * hardware, [(n, v / scale, src + scaled) for n, v, src in terms]
+
+
+def _stand_in(kernel: str) -> str:
+    """How a kernel without published rates is read (kernels.STAND_IN), for the term's source."""
+    return f" at {kernels.STAND_IN[kernel]}'s rates" if kernel in kernels.STAND_IN else ""
 
 
 def _low_precision_rate(name: str, g: Gpu, dtype: str, r: kernels.Rates) -> kernels.LowPrecisionRate | None:
