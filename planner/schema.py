@@ -332,7 +332,8 @@ class EstimateRequest(BaseModel):
     attention_kernel: AttentionKernel = Field(
         "flash-attention-2", description="the flash kernel's generation, for the step time only: torch>=2.2 SDPA "
         "and flash-attn 2.x run FlashAttention-2; flash-attn 1.x runs FlashAttention-1; flash-attention-triton: "
-        "FlashAttention's Triton kernel (MPT's attn_impl triton)")
+        "FlashAttention's Triton kernel (MPT's attn_impl triton; it has no published rates and is timed at "
+        "FlashAttention-1's, which its own header says it runs slightly slower than)")
     offload_optimizer: OffloadDevice = Field("none", description="where optimizer states live")
     offload_params: OffloadDevice = Field("none", description="where parameters live (zero3 / fsdp)")
     hsdp_shard_size: int | None = Field(
