@@ -41,8 +41,11 @@ class FusedLinearLoss(torch.nn.Module):
     lce_forward: ``LigerForCausalLMLoss(hidden_states, lm_head.weight, labels)``; cut_cross_entropy
     ``linear_cross_entropy(e, c, targets)``): the decoder's hidden states and the LM head's weight
     into the kernel, no logits returned. Labels shifted as transformers' ForCausalLMLoss. Both
-    libraries are Triton (CUDA only) and optional: imported here, inside a GPU rank
-    (bench/gpu_check.py), never by the planner."""
+    libraries are optional: imported here, inside a rank, never by the planner. Liger is Triton (CUDA
+    only: bench/gpu_check.py); Cut Cross-Entropy runs its Triton kernels (``impl="cce"``, the default
+    on Linux) on a GPU and its other implementation, ``impl="torch_compile"`` (cut-cross-entropy
+    25.1.1 torch_compile.py: the logits, then F.cross_entropy, compiled by torch.compile), on a CPU
+    rank, where no Triton kernel runs."""
 
     def __init__(self, model: torch.nn.Module, kind: str):
         super().__init__()
@@ -53,16 +56,19 @@ class FusedLinearLoss(torch.nn.Module):
 
             self.loss = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE)
         else:
-            from cut_cross_entropy import linear_cross_entropy  # optional, GPU only
+            from cut_cross_entropy import linear_cross_entropy  # optional (pyproject extras backend)
 
             self.loss = linear_cross_entropy
 
     def forward(self, *, input_ids: torch.Tensor, labels: torch.Tensor):
-        hidden = self.model.base_model(input_ids=input_ids).last_hidden_state
-        weight = self.model.get_output_embeddings().weight
+        # a PEFT model's base_model is its LoraModel; get_base_model() the causal LM under it
+        causal = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        hidden = causal.base_model(input_ids=input_ids).last_hidden_state
+        weight = causal.get_output_embeddings().weight
         shifted = F.pad(labels, (0, 1), value=IGNORE)[:, 1:]
         if self.kind == "liger-fused":
             loss = self.loss(weight, hidden.reshape(-1, hidden.size(-1)), shifted.reshape(-1))
         else:
-            loss = self.loss(hidden, weight, shifted, ignore_index=IGNORE)
+            impl = "cce" if hidden.is_cuda else "torch_compile"
+            loss = self.loss(hidden, weight, shifted, ignore_index=IGNORE, impl=impl)
         return SimpleNamespace(loss=loss, logits=None)

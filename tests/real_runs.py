@@ -221,6 +221,10 @@ CPU_RUNS = [
     # CPU path MatMul8bitFp keeps each int8 linear's fp32 input, its outputs 16-bit under autocast
     _run("llama-int8-lora-single-bf16-all-t512", LLAMA, "single", "bf16-mixed", gpus=1, micro=2, seq=256,
          finetune="qlora", quantize_base="int8", lora_targets="all-linear"),
+    # loss=cce on a CPU rank: Cut Cross-Entropy's torch_compile implementation (backend/losses.py), LoRA under
+    # autocast (the frozen head: no weight gradient; the logits bf16, the copied rows fp32)
+    _run("llama-v32k-lora-ddp-bf16-cce-t512", LLAMA_32K, "ddp", "bf16-mixed", micro=2, seq=256, finetune="lora",
+         loss="cce"),
     # activation_offload: TRL's OffloadActivations on a CPU rank (backend/offload.py; the others in BENCH_RUNS)
     _run("llama-offload-single-fp32-t512", LLAMA, "single", "fp32", gpus=1, micro=2, seq=256,
          activation_offload=True),
@@ -238,7 +242,7 @@ CI_RUNS = frozenset({
     "qwen3moe-ep2-fsdp-fp32-t1024", "llama-lora-ddp-bf16-qkvo-r16", "llama-qlora-ddp-fp32-qv",
     "llama-fsdp-fp32-ga2-t128", "llama-single-bf16", "llama-single-fp32-muon-t64", "llama-single-fp32-inbwd-t256",
     "llama-v32k-tp2-hfplan-fp32-t1024",
-    "llama-int8-lora-single-bf16-all-t512",
+    "llama-int8-lora-single-bf16-all-t512", "llama-v32k-lora-ddp-bf16-cce-t512",
     "llama-pp2-zbv-fp32-m4", "llama-pp2-interleaved-zb-v2-fp32-m4",  # issue 25: the split backward, the V
 })
 
@@ -503,6 +507,11 @@ BENCH_RUNS = [
     _run("llama-offload-ddp-bf16-t512", LLAMA, "ddp", "bf16-mixed", micro=2, seq=256, activation_offload=True),
     _run("qwen2-offload-zero1-fp32-small-t512", QWEN2, "zero1", "fp32", small=True, micro=2, seq=256,
          activation_offload=True),
+    # loss=cce (Cut Cross-Entropy's torch_compile implementation on CPU ranks): logits-dominated at Llama-3's
+    # vocabulary, and under ZeRO-2's bf16 (the logits and the weight's gradient bf16)
+    _run("llama-v128k-single-fp32-cce-t1024", LLAMA_128K, "single", "fp32", gpus=1, micro=1, seq=1024, loss="cce"),
+    _run("llama-v32k-zero2-bf16-cce-small-t1024", LLAMA_32K, "zero2", "bf16-mixed", small=True, micro=2, seq=512,
+         loss="cce"),
     # loss=chunked (torchtune's chunked output loss, backend/losses.py), logits-dominated
     _run("llama-v32k-single-bf16-chunked-t2048", LLAMA_32K, "single", "bf16-mixed", gpus=1, micro=1, seq=2048,
          loss="chunked"),

@@ -1,7 +1,8 @@
 """The loss kernels and low-precision linears (issue 21): bytes hand-derived from the libraries'
 source (Liger-Kernel 0.8.5, cut-cross-entropy 25.1.1, torchao 0.18, Transformer Engine), their
-refusals, the job files that turn them on, and plans asked with the recipe. Both run on GPUs
-only: these pin the model to the source; bench/gpu_check.py measures them when a GPU is lent."""
+refusals, the job files that turn them on, and plans asked with the recipe. The Triton kernels run
+on GPUs only: these pin the model to the source; bench/gpu_check.py measures them when a GPU is
+lent. CCE's torch_compile implementation (CPU ranks) is measured by tests/real_runs.py."""
 
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def test_a_loss_kernel_needs_an_architecture():
 
 
 @pytest.mark.parametrize("fields,words", [
-    (dict(gpu="cpu"), "GPU only"),
+    (dict(gpu="cpu", model_config=dict(LLAMA_32K, model_type="gemma2", final_logit_softcapping=30.0, head_dim=64)),
+     "final_logit_softcapping"),  # CCE's torch_compile implementation, modelled without soft-capping
     (dict(strategy="ddp"), "bf16/fp16"),  # CCE: autocast over fp32 weights, an fp32 final norm output
     (dict(precision="fp32"), "bf16/fp16"),
     (dict(gpus=4, tp=2), "tp=2"),
@@ -96,6 +98,66 @@ def test_cce_refusals_name_the_field(fields, words):
     with pytest.raises(PlannerError) as err:
         estimate(EstimateRequest(**GPU | fields | {"loss": "cce"}))
     assert err.value.field == "loss" and words in str(err.value) and "\n" not in str(err.value)
+
+
+# --- Cut Cross-Entropy's torch_compile implementation (CPU ranks) -------------------------------------
+
+CPU = dict(model_config=LLAMA_32K, gpus=1, gpu="cpu", strategy="single", precision="fp32", micro_batch=1, seq_len=T)
+ROWS = T - 1  # the last position has no next token: its label ignored, its row not copied
+
+
+def test_cce_on_cpu_ranks_saves_the_logits_torch_compile_makes():
+    """torch_compile.py's graph as AOTAutograd partitions it: the fp32 logits, row max and
+    log-sum-exp saved; the labelled rows copied in place of the final norm's output; the weight's
+    gradient beside the logits in backward (llama-v128k-single-fp32-cce-t1024 measured +0.00%)."""
+    req = EstimateRequest(**CPU, loss="cce")
+    hf, cce = activations(resolve(EstimateRequest(**CPU))), activations(resolve(req))
+    held = 4 * ROWS * V + 2 * 4 * ROWS + (4 * ROWS * H - 4 * T * H) + (4 + 8) * ROWS + 8 * T
+    assert cce.saved_bytes - hf.saved_bytes == held - (4 * T * V + 8 * T)
+    assert cce.loss_transient_bytes == 4 * V * H  # the weight's fp32 gradient; the logits' in their buffer
+    notes = estimate(req).notes
+    assert any("torch_compile implementation" in n and "measured on CPU ranks" in n for n in notes)
+    assert not any("Triton (GPU only)" in n for n in notes)
+
+
+def test_cce_on_cpu_ranks_with_a_frozen_head_peaks_at_the_forwards_end():
+    """LoRA in bf16: no weight gradient; the norm's output still alive when the logits are made
+    (llama-v32k-lora-ddp-bf16-cce-t512)."""
+    acts = activations(resolve(EstimateRequest(**CPU | dict(precision="bf16-pure"), loss="cce", finetune="lora")))
+    assert acts.loss_transient_bytes == 2 * T * H
+
+
+def test_cce_on_cpu_ranks_keeps_the_logits_it_saved_in_the_time_model():
+    arch = resolve(EstimateRequest(**CPU)).arch
+    r = kernels.rates(__import__("planner.cluster.gpus", fromlist=["gpu"]).gpu("h100-80gb"), "fp32")
+    triton, compiled = (kernels.work(arch, T, 1, 1, False, 4, False, r, loss=k) for k in ("cce", "cce-torch-compile"))
+    assert triton.loss_recompute_flops == 2 * T * H * V and triton.loss_bytes == 0
+    # the logits saved, not recomputed; read twice in the forward, once in backward, their gradient written once
+    assert compiled.loss_recompute_flops == 0 and compiled.loss_bytes == 4 * 4 * T * V
+
+
+def test_liger_on_cpu_ranks_is_refused_naming_what_runs_there():
+    with pytest.raises(PlannerError) as err:
+        estimate(EstimateRequest(**CPU, loss="liger-fused"))
+    assert err.value.field == "loss" and "GPU only" in str(err.value) and "cce" in str(err.value)
+
+
+def test_the_probe_runs_cce_torch_compile_on_a_cpu_rank_and_matches_hfs_loss():
+    """backend/losses.py FusedLinearLoss under a PEFT model (get_base_model), on CPU: CCE's
+    torch_compile implementation, the same loss as transformers' ForCausalLMLoss."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("cut_cross_entropy")
+    peft = pytest.importorskip("peft")
+    import transformers
+    from backend.losses import FusedLinearLoss
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{k: v for k, v in LLAMA.items() if k != "model_type"} | {"num_hidden_layers": 1})
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(config), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    expected = model(input_ids=ids, labels=ids).loss
+    got = FusedLinearLoss(model, "cce")(input_ids=ids, labels=ids).loss
+    assert got.item() == pytest.approx(expected.item(), rel=1e-4)
 
 
 def test_cce_recomputes_the_logits_and_liger_moves_fewer_bytes():

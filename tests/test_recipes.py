@@ -223,7 +223,6 @@ def test_chunked_loss_keeps_the_saved_set_and_peaks_at_the_forward_of_its_last_c
 
 
 @pytest.mark.parametrize("fields,field,words", [
-    (dict(loss="cce"), "loss", "GPU only"),
     (dict(loss="liger-fused"), "loss", "GPU only"),
     (dict(loss="cce", gpu="h100-80gb"), "loss", "bf16/fp16"),  # autocast over fp32 weights: an fp32 stream
     (dict(loss="liger-fused", gpu="h100-80gb", strategy="fsdp", gpus=4, tp=2), "loss", "tp=2"),

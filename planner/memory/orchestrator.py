@@ -23,7 +23,7 @@ from planner.model.catalogue import ResolvedModel, as_loaded, catalogue_model, m
 from planner.parallel.context import check_context_parallel, gloo_ring_scratch_bytes
 from planner.frameworks.deepspeed.config import ZeroSettings, batch_from_config, parse_ds_config, with_overrides
 from planner.errors import PlannerError
-from planner.recipes.losses import FUSED, loss_chunks, loss_notes
+from planner.recipes.losses import FUSED, loss_chunks, loss_kernel, loss_notes
 from planner.recipes.loop import check_loop, held_outputs_bytes, loop_note, with_held, with_held_outputs
 from planner.recipes.low_precision import RECIPES as LP_RECIPES, check_float8_all_gather, check_low_precision, \
     low_precision_notes, recipe_of, resident_weight_bytes
@@ -591,7 +591,7 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
         notes.extend(setup.arch.notes)  # what the family's reader assumed (eager only, vision tower)
     notes.append(f"peak occurs during {peak_phase.name}")
     notes.append(loop_note(setup.request.keeps_outputs, _held_outputs(setup)))
-    notes.extend(loss_notes(setup.request.loss))
+    notes.extend(loss_notes(loss_kernel(setup.request.loss, setup.gpu.is_cpu)))
     notes.extend(low_precision_notes(setup.request.low_precision, setup.arch, setup.strategy.shards_parameters,
                                      setup.request.float8_all_gather))
     notes.extend(plan.notes)

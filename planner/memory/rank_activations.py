@@ -12,7 +12,7 @@ from planner.parallel.context import cp_activations
 from planner.errors import PlannerError
 from planner.recipes.activation_offload import offloaded, on_shared_memory
 from planner.recipes.finetune import lora_activations
-from planner.recipes.losses import FUSED, check_fused, with_fused_loss
+from planner.recipes.losses import FUSED, check_fused, loss_kernel, with_fused_loss
 from planner.recipes.low_precision import converted_weight_elements, recipe_of, with_low_precision
 from planner.setup import Setup
 from planner.parallel.tensor import tp_activations
@@ -48,9 +48,12 @@ def _rank_activations(setup: Setup) -> Activations | None:
     # the LM head's weight as the forward sees it (fp32 under autocast, the compute copy otherwise)
     req, arch, compute = setup.request, setup.arch, setup.recipe.compute_bytes
     hidden_bytes = FP32 if autocast else compute
-    check_fused(req.loss, hidden_bytes, setup.gpu.is_cpu)
+    check_fused(req.loss, hidden_bytes, setup.gpu.is_cpu, arch.final_logit_softcapping)
     head_trained = setup.finetune is None or setup.finetune.train_embeddings
-    return with_fused_loss(acts, req.loss, tokens=req.micro_batch * req.seq_len, hidden=arch.hidden_size,
+    # the last position of each sequence has no next token (transformers' ForCausalLMLoss shift)
+    rows = req.micro_batch * (req.seq_len - 1)
+    return with_fused_loss(acts, loss_kernel(req.loss, setup.gpu.is_cpu), tokens=req.micro_batch * req.seq_len,
+                           rows=rows, hidden=arch.hidden_size,
                            vocab=arch.vocab_size, compute_bytes=compute, hidden_bytes=hidden_bytes,
                            weight_bytes=FP32 if autocast else compute, head_trained=head_trained,
                            softcap=arch.final_logit_softcapping)

@@ -14,9 +14,12 @@
   (liger_kernel/ops/fused_linear_cross_entropy.py): the LM head and the cross-entropy in one
   autograd function whose forward also computes both gradients, chunk by chunk of tokens; the
   logits never exist beyond one chunk (``liger_memory``).
-- ``cce``: Apple's Cut Cross-Entropy 25.1.1 (cut_cross_entropy/cce.py, the default ``impl="cce"``
-  Triton kernels): the logits live only in SRAM tiles, the forward saves the log-sum-exp, the
-  backward recomputes the logits tile by tile (``cce_memory``).
+- ``cce``: Apple's Cut Cross-Entropy 25.1.1. On a GPU its default ``impl="cce"`` Triton kernels
+  (cut_cross_entropy/cce.py): the logits live only in SRAM tiles, the forward saves the
+  log-sum-exp, the backward recomputes the logits tile by tile (``cce_memory``). On CPU ranks,
+  where no Triton kernel runs, its ``impl="torch_compile"`` (torch_compile.py): the logits
+  materialised and cross-entropied under torch.compile, which saves them for backward
+  (``cce_compile_memory``); the loss kernel is chosen by the device (``loss_kernel``).
 - ``vocab-parallel``: torch tensor parallelism's loss_parallel (tp > 1 on a torch strategy): the
   logits stay sharded over tp (planner/parallel/tensor.py loss_parallel_extra_bytes), verified by
   the tp runs of tests/real_runs.py on gloo (backend/train_parallel.py computes the loss under
@@ -25,8 +28,9 @@
   logit :316) carry one fp32 value per token each: charged as TP collectives on the critical path
   (planner/parallel/tensor.py tp_collectives), mostly their latency.
 
-Liger and CCE are Triton kernels (GPU only): their terms are read from the source, not measured
-here, and every result that uses them says so (``loss_notes``); bench/gpu_check.py measures them.
+Liger and CCE's Triton kernels run on a GPU only: their terms are read from the source, not
+measured here, and every result that uses them says so (``loss_notes``); bench/gpu_check.py
+measures them. CCE's torch_compile implementation is measured on CPU ranks (tests/real_runs.py).
 """
 
 from __future__ import annotations
@@ -46,6 +50,17 @@ DEFAULT_CHUNKS = 8
 LABELS = 8  # the shifted int64 labels (transformers loss_utils.py:66), kept by every loss
 LIGER_SOURCE = "Liger-Kernel 0.8.5 liger_kernel/ops/fused_linear_cross_entropy.py"
 CCE_SOURCE = "cut-cross-entropy 25.1.1 cut_cross_entropy/cce.py, cce_backward.py, cce_lse_forward.py"
+CCE_COMPILE_SOURCE = "cut-cross-entropy 25.1.1 cut_cross_entropy/torch_compile.py, utils.py"
+# The loss kernel that runs CCE on a CPU rank (loss_kernel): not a user choice, the device's
+CCE_COMPILE = "cce-torch-compile"
+
+
+def loss_kernel(loss: str, gpu_is_cpu: bool) -> str:
+    """The implementation that computes ``loss`` on the device: Cut Cross-Entropy's Triton kernels
+    need a GPU, so a CPU rank runs its ``impl="torch_compile"`` (linear_cross_entropy.py: the
+    Triton kernels are the default on Linux, torch_compile the other implementation; the probe's
+    backend/losses.py passes it where the hidden states are not on CUDA)."""
+    return CCE_COMPILE if loss == "cce" and gpu_is_cpu else loss
 
 
 def loss_chunks(request: Any, why_not: str | None, torch_tp: bool, fused_why_not: str | None = None) -> int:
@@ -73,16 +88,22 @@ def loss_chunks(request: Any, why_not: str | None, torch_tp: bool, fused_why_not
     return 1
 
 
-def check_fused(loss: str, hidden_bytes: int, gpu_is_cpu: bool) -> None:
-    """Both fused kernels are Triton (Liger's ops and CCE's cce.py import triton; CUDA/ROCm only):
-    CPU ranks are refused. CCE's backward takes 16-bit hidden states only (cce_backward.py:259, ``assert e.dtype in
-    (torch.float16, torch.bfloat16), "Backwards requires embeddings to be bf16 or fp16"``): an
-    fp32 stream (precision fp32, or autocast over fp32 weights, where the final norm returns fp32)
-    is refused as the library refuses it."""
-    if gpu_is_cpu:
+def check_fused(loss: str, hidden_bytes: int, gpu_is_cpu: bool, softcap: bool) -> None:
+    """Liger's kernels are Triton (liger_kernel/ops import triton; CUDA/ROCm only): CPU ranks are
+    refused. CCE's Triton backward takes 16-bit hidden states only (cce_backward.py:259, ``assert
+    e.dtype in (torch.float16, torch.bfloat16), "Backwards requires embeddings to be bf16 or
+    fp16"``): on a GPU an fp32 stream (precision fp32, or autocast over fp32 weights, where the
+    final norm returns fp32) is refused as the library refuses it; its torch_compile
+    implementation (CPU ranks) takes any dtype but is modelled without soft-capping (which adds a
+    compiled tanh whose saved tensors are not measured here)."""
+    if gpu_is_cpu and loss == "liger-fused":
         raise PlannerError(f"loss={loss} is a Triton kernel that runs on a GPU only; gpu cpu (CPU ranks) cannot run "
-                           "it: choose hf or chunked for CPU ranks", field="loss")
-    if loss == "cce" and hidden_bytes == FP32:
+                           "it: choose hf, chunked or cce for CPU ranks", field="loss")
+    if loss == "cce" and gpu_is_cpu and softcap:
+        raise PlannerError("loss=cce on CPU ranks with a soft-capped model (final_logit_softcapping): Cut "
+                           "Cross-Entropy's torch_compile implementation is modelled without soft-capping",
+                           field="loss")
+    if loss == "cce" and hidden_bytes == FP32 and not gpu_is_cpu:
         raise PlannerError("loss=cce with fp32 hidden states (precision fp32, or autocast over fp32 weights: ddp, "
                            "single): Cut Cross-Entropy's backward asserts bf16/fp16 embeddings (cce_backward.py); "
                            "cast the model to bf16 (precision bf16-pure) or use a sharding strategy that casts the "
@@ -150,13 +171,53 @@ def cce_memory(tokens: int, hidden: int, vocab: int, compute_bytes: int, weight_
     return held, transient, items
 
 
-def with_fused_loss(acts: Activations, loss: str, *, tokens: int, hidden: int, vocab: int, compute_bytes: int,
-                    hidden_bytes: int, weight_bytes: int, head_trained: bool, softcap: bool) -> Activations:
+def cce_compile_memory(tokens: int, rows: int, hidden: int, vocab: int, compute_bytes: int, hidden_bytes: int,
+                       weight_bytes: int, head_trained: bool) -> tuple[int, int, list[ActivationItem]]:
+    """(held from the loss's forward to its backward beyond the final norm's output and the head's
+    weight, the backward's transient, items) of CCE's torch_compile implementation
+    (torch_compile.py), on ``rows`` of the ``tokens``: the positions whose label is not ignored.
+    Before the compiled function, ``e = e[valids]`` copies those rows of the final norm's output
+    (utils.py _build_flat_valids: int32 row indices, which the index's backward keeps) and
+    ``targets[valids]`` their int64 labels; nothing else keeps the norm's output, freed when the
+    forward ends. The compiled ``e @ c.T`` then ``F.cross_entropy(logits.float(), ...)`` is
+    partitioned by torch 2.13's AOTAutograd (its graphs read with TORCH_LOGS=aot_graphs): the
+    forward saves the logits (rows x vocab in the matmul's dtype), the row max and the log of the
+    sum of exponentials (fp32 per row). The backward writes the logits' gradient into the saved
+    logits' buffer (donated to the backward: bw_donated_idxs), makes the weight's gradient (vocab
+    x hidden in the matmul's dtype, then the weight's dtype under autocast; none for a frozen
+    head), frees the copied rows and makes their gradient; the index's backward scatters that
+    into a zeroed tokens x hidden tensor after the logits are freed. Measured on CPU ranks: with a
+    trained head the peak is the logits beside the weight's gradient; with a frozen one (LoRA) the
+    forward's end, the logits beside the norm's output, not yet freed."""
+    logits = compute_bytes * rows * vocab
+    rows_for_norm = hidden_bytes * rows * hidden - hidden_bytes * tokens * hidden  # the copy, the norm's output freed
+    held = logits + 2 * FP32 * rows + rows_for_norm + (4 + 8) * rows + LABELS * tokens
+    dc = compute_bytes * vocab * hidden if head_trained else 0
+    dc_cast = weight_bytes * vocab * hidden if head_trained and weight_bytes != compute_bytes else 0
+    backward = dc + dc_cast + max(0, (compute_bytes - hidden_bytes) * rows * hidden)
+    # until the compiled forward returns, the norm's output is alive beside the logits and the copy
+    transient = max(backward, hidden_bytes * tokens * hidden)
+    items = [ActivationItem(f"loss (cce, torch_compile): the logits {logits:,} B saved in the matmul's dtype, fp32 "
+                            "row max and log-sum-exp, the labelled rows of the hidden states copied (the final "
+                            "norm's output freed), labels", held),
+             ActivationItem(f"backward transient at the loss (cce torch_compile backward: the weight's gradient "
+                            f"{dc:,} B" + (f" and its cast to the weight's dtype {dc_cast:,} B" if dc_cast else "")
+                            + "; the logits' gradient in the logits' buffer)", transient)]
+    return held, transient, items
+
+
+def with_fused_loss(acts: Activations, loss: str, *, tokens: int, rows: int, hidden: int, vocab: int,
+                    compute_bytes: int, hidden_bytes: int, weight_bytes: int, head_trained: bool,
+                    softcap: bool) -> Activations:
     """The activations with HF's loss terms (the fp32 log-probabilities saved, the two fp32
     gradients at its backward) replaced by the fused kernel's: the same blocks and final norm,
     another loss. ``hidden_bytes``: the dtype of the final norm's output (fp32 under autocast over
-    fp32 weights); ``weight_bytes``: the LM head weight's as the kernel reads it."""
-    if loss == "liger-fused":
+    fp32 weights); ``weight_bytes``: the LM head weight's as the kernel reads it; ``loss``: the
+    loss kernel (loss_kernel); ``rows``: the positions with a label (CCE's torch_compile copies them)."""
+    if loss == CCE_COMPILE:
+        held, transient, items = cce_compile_memory(tokens, rows, hidden, vocab, compute_bytes, hidden_bytes,
+                                                    weight_bytes, head_trained)
+    elif loss == "liger-fused":
         held, transient, items = liger_memory(tokens, hidden, vocab, compute_bytes, hidden_bytes, weight_bytes,
                                               head_trained)
     else:
@@ -183,9 +244,13 @@ def loss_bytes_per_logit(loss: str, compute_bytes: int, hf_bytes: float) -> floa
     (upcast, log-softmax and their backward). Liger: its Triton cross-entropy kernel reads each
     chunk's logits twice (the online max/sum pass, then the gradient pass) and writes the
     gradient once in place (liger_kernel/ops/cross_entropy.py:153, :209, :253): 3 x the compute
-    dtype. CCE: none (the logits stay in SRAM tiles)."""
+    dtype. CCE: none (the logits stay in SRAM tiles). CCE's torch_compile implementation: one fused
+    inductor kernel reads the logits twice (the row max, then the sum of exponentials), the backward's
+    reads them once and writes their gradient in place: 4 x the compute dtype."""
     if loss == "liger-fused":
         return 3.0 * compute_bytes
+    if loss == CCE_COMPILE:
+        return 4.0 * compute_bytes
     if loss == "cce":
         return 0.0
     return hf_bytes
@@ -195,12 +260,16 @@ def loss_recomputes_logits(loss: str) -> bool:
     """CCE's backward recomputes the logits tile by tile (cce_backward.py _cce_backward_kernel:
     ``accum = tl.dot(e, c)`` over the hidden dimension before the softmax gradient): one more
     forward LM-head matmul. Liger computes every gradient in its forward (the same three head
-    matmuls as HF's loss, none again)."""
+    matmuls as HF's loss, none again); CCE's torch_compile implementation saves them."""
     return loss == "cce"
 
 
 def loss_notes(loss: str) -> list[str]:
-    """What the estimate assumes of the loss, and what is not verified."""
+    """What the estimate assumes of the loss (the loss kernel: loss_kernel), and what is not verified."""
+    if loss == CCE_COMPILE:
+        return [f"loss: Cut Cross-Entropy's torch_compile implementation ({CCE_COMPILE_SOURCE}; its Triton kernels "
+                "need a GPU): the logits made and saved for backward by torch.compile, the labelled rows of the "
+                "hidden states copied; measured on CPU ranks"]
     if loss == "liger-fused":
         return [f"loss: Liger's fused linear cross-entropy ({LIGER_SOURCE}): the LM head's logits only one chunk "
                 "of tokens at a time, both gradients made in the forward and held to the backward; Triton (GPU "

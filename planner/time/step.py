@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner.time import arrays
 from planner.recipes.activation_offload import transfer_seconds
+from planner.recipes.losses import loss_kernel
 from planner.time import kernels
 from planner.time import collectives as timing
 from planner.model.architecture import Architecture, layer_parameters, parameter_numels
@@ -578,7 +579,7 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
             ("matmul", seconds, f"traced FLOPs at {r.matmul_source}{scaled}")]
     w = kernels.work(arch, req.seq_len, combo.tp, combo.cp, combo.sequence_parallel, recipe.compute_bytes,
                      req.attention == "eager" or arch.attention_implementation == "eager", r, req.attention_kernel,
-                     req.loss, _low_precision_rate(req.low_precision, g, dtype, r))
+                     loss_kernel(req.loss, g.is_cpu), _low_precision_rate(req.low_precision, g, dtype, r))
     t = kernels.micro_batch_terms(w, micro_f, r, recipe.compute_bytes, combo.checkpointing,
                                   frozen_matmuls=1.0 if frozen is not None else 0.0,
                                   shares=kernels.recompute_shares(arch, combo.checkpointing, combo.checkpointing_every))
