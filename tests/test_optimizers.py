@@ -98,8 +98,10 @@ def test_adafactor_states_are_what_a_factored_model_keeps_and_deepspeed_cannot_f
 
 
 @pytest.mark.parametrize("fields,field,message", [
-    ({"optimizer": "muon", "strategy": "zero2", "gpus": 2}, "optimizer", "DeepSpeed steps flat 1-D partitions"),
-    ({"optimizer": "muon", "strategy": "fsdp", "gpus": 2}, "optimizer", "does not gather a sharded DTensor"),
+    ({"optimizer": "muon", "strategy": "zero2", "gpus": 2}, "optimizer", "'Param gradient must be a 2D matrix'"),
+    ({"optimizer": "muon", "strategy": "fsdp", "gpus": 2}, "optimizer", "does orthogonalise the whole matrix"),
+    ({"optimizer": "muon", "strategy": "fsdp", "gpus": 2, "tp": 2}, "optimizer", "tp=2: torch 2.13's Muon on DTensor"),
+    ({"optimizer": "muon", "strategy": "zero0", "gpus": 2}, "optimizer", "ZeRO-0 steps whole matrices"),
     ({"optimizer": "adafactor", "strategy": "fsdp", "gpus": 2}, "optimizer", "DTensor refuses"),
     ({"optimizer_in_backward": True, "gradient_accumulation": 2}, "optimizer_in_backward",
      "gradients cannot accumulate over micro-batches"),

@@ -131,11 +131,22 @@ def check(setup: "Setup") -> None:
     req, s, spec = setup.request, setup.strategy, spec_of(setup)
     setup.framework.check_optimizer(setup, spec)
     if spec.whole_matrices and (setup.tp > 1 or (s.shards_optimizer and setup.data_parallel_wrapped)):
+        # Measured on 2 CPU ranks (FSDP2, gloo): torch.optim.Muon steps the DTensor shards and DTensor's
+        # sharding propagation redistributes inside _zeropower_via_newtonschulz, so the update is the
+        # whole matrix's (with the iteration in fp64 instead of bf16: equal to the unsharded step to
+        # rounding, 34-37% from Newton-Schulz on each shard alone). What it sends and holds depends on
+        # the shape: per matrix and step 15 all-gathers and 1 all-reduce when rows <= columns, 11
+        # all-reduces of partial Gram matrices otherwise; a 256x688 matrix's step peaked 10.8 MB (fp32) and
+        # 12.5 MB (bf16) above its start, against the 1.7 and 1.3 MB _muon_temporaries gives its whole-matrix step. The distributed Muons
+        # that gather each matrix once (Moonlight: Liu et al. 2025, arXiv 2502.16982 Sec. 2.3;
+        # torchtitan b5bcd76 distributed/flex_shard/dist_muon.py DistMuon) are other optimizers.
         raise PlannerError(
-            f"optimizer {spec.name} with strategy {s.name}, tp={setup.tp}: torch 2.13's Muon orthogonalises each "
-            "gradient as one whole 2-D matrix (_muon.py _zeropower_via_newtonschulz) and does not gather a sharded "
-            "DTensor; a distributed Muon that all-gathers each matrix first is not modelled: use strategy single or "
-            "ddp with tp=1", field="optimizer")
+            f"optimizer {spec.name} with strategy {s.name}, tp={setup.tp}: torch 2.13's Muon on DTensor shards "
+            "does orthogonalise the whole matrix, through DTensor's implicit all-gathers and all-reduces inside "
+            "each Newton-Schulz iteration (measured on CPU ranks under FSDP2: 15 all-gathers per matrix and step, "
+            "temporaries 6-9x a whole matrix's step); those are not modelled, nor are the distributed Muons that "
+            "gather each matrix once (Moonlight, torchtitan's DistMuon): use strategy single or ddp with tp=1",
+            field="optimizer")
     dtensors = setup.tp > 1 or (s.shards_parameters and setup.data_parallel_wrapped
                                   and setup.framework.shards_as_dtensors)
     if not spec.steps_dtensors and dtensors:

@@ -69,11 +69,17 @@ class DeepSpeedZero(Framework):
 
     def check_optimizer(self, setup: "Setup", spec: "OptimizerSpec") -> None:
         if spec.whole_matrices:
+            # measured on 2 CPU ranks (a client torch.optim.Muon handed to deepspeed.initialize): ZeRO-1/2
+            # give it one flat (5376,) fp32 partition for a 96x64 and a 48x96 matrix and ZeRO-3 its flat
+            # sub-groups, and its step raises "Param gradient must be a 2D matrix" (_muon.py
+            # _single_tensor_muon); ZeRO-0 (fp32, and bf16 through FP16_UnfusedOptimizer) steps the whole
+            # matrices, but the probe trains only the optimizer a ds_config names, so it stays unverified
             raise PlannerError(
-                f"optimizer {spec.name} with strategy {setup.strategy.name}: DeepSpeed steps flat 1-D partitions, "
-                "which torch's Muon refuses (it 'only supports 2D parameters'); DeepSpeed 0.19.8's own "
-                "MuonWithAuxAdam gathers each matrix's partition slices (stage_1_and_2.py "
-                "_muon_all_gather_partitions), which is not modelled: use a torch strategy (single, ddp)",
+                f"optimizer {spec.name} with strategy {setup.strategy.name}: under ZeRO-1/2/3 DeepSpeed hands a client "
+                "torch.optim.Muon flat 1-D partitions, and its step raises 'Param gradient must be a 2D matrix' "
+                "(measured on CPU ranks); DeepSpeed 0.19.8's own MuonWithAuxAdam (ds_config optimizer type Muon) "
+                "gathers each matrix's partition slices (runtime/zero/muon), and ZeRO-0 steps whole matrices "
+                "but its probe trains only a ds_config's optimizer: neither is modelled; use single or ddp",
                 field="optimizer")
         if setup.request.optimizer_in_backward:
             raise PlannerError(f"optimizer_in_backward with strategy {setup.strategy.name}: DeepSpeed's engine steps "
