@@ -1,6 +1,7 @@
 """transformers' own tensor parallelism on one rank (imported only inside a launched rank): the model
 loaded with ``from_pretrained(path, tp_plan="auto")``, as a user's script hands it to accelerate or
-the Trainer, and trained with the model's own loss.
+the Trainer, and trained with the model's own loss; with FSDP2 over dp_shard, transformers' own
+DistributedConfig composition (_distribution).
 
 transformers 5.25 shards it while loading (modeling_utils.py from_pretrained: ``tp_plan`` becomes a
 ``DistributedConfig``, distributed/mixin.py ``maybe_distribute_model`` applies the model's plan on a
@@ -67,6 +68,27 @@ def own_shards(model: torch.nn.Module) -> None:
                 module._parameters[name] = fresh[id(param)]
 
 
+def _distribution(tp: int, dp_shard: int) -> dict[str, Any]:
+    """How a script asks transformers 5.25 for TP alone, or TP with FSDP2 over dp_shard.
+
+    With FSDP2 the only composition that trains is transformers' own: ``DistributedConfig(tp_plan=
+    "auto", tp_size, fsdp_size)`` builds the (fsdp, tp) mesh, applies the TP plan, then FSDP2 by the
+    model's fsdp plan (distributed/fsdp.py apply_fully_sharded_data_parallelism: the embedding and
+    every block resharded after forward, the final norm and ``lm_head`` one unit kept gathered
+    through backward, ``keep_full_weight``; then the root). accelerate's pattern,
+    ``from_pretrained(path, tp_plan="auto", device_mesh=mesh["tp"])`` then fully_shard over
+    dp_shard, does not: 5.25 drops ``device_mesh`` when ``tp_plan`` is given (modeling_utils.py
+    from_pretrained: ``DistributedConfig(tp_plan=tp_plan, tp_size=tp_size)`` and its own mesh), so the
+    plan spans the whole world and fully_shard then fails "Cannot concatenate overlapping meshes";
+    ``tp_size=2`` on 4 ranks fails "The parallel mesh requires 2 processes, but world_size is 4"
+    (both measured on 4 CPU ranks, gloo)."""
+    if dp_shard == 1:
+        return {"tp_plan": "auto"}
+    from transformers.distributed import DistributedConfig
+
+    return {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=tp, fsdp_size=dp_shard)}
+
+
 def hf_tp_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.device) -> AccumulatingEngine:
     from transformers import AutoModelForCausalLM
 
@@ -74,17 +96,18 @@ def hf_tp_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.devi
     count_dtensor_collectives(COUNTER)
     settings, parallel = job["torch"], job["parallel"]
     world = torch.distributed.get_world_size()
-    if int(parallel["tp"]) != world:
-        raise RuntimeError(f"tp_plan=transformers: the probe runs TP over the whole world (tp {parallel['tp']}, "
-                           f"world {world})")
+    tp, dp_shard = int(parallel["tp"]), int(parallel.get("dp_shard", 1))
+    if tp * dp_shard != world:
+        raise RuntimeError(f"tp_plan=transformers: the probe runs over a (dp_shard, tp) mesh of the whole world "
+                           f"(dp_shard {dp_shard} x tp {tp}, world {world})")
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[settings["compute_dtype"]]
     stored = compute if settings["pure_16bit"] else torch.float32
     path = _checkpoint(job, model, stored)
     del model
-    loaded = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=stored,
-                                                  attn_implementation=attention_implementation(job))
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=stored, attn_implementation=attention_implementation(job),
+                                                  **_distribution(tp, dp_shard))
     loaded.config.use_cache = False
-    if device.type == "cpu":
+    if device.type == "cpu":  # under FSDP2 too: its lazy init re-reads a swapped shard (reset_sharded_param)
         own_shards(loaded)
     apply_checkpointing(loaded, job)
     loaded.train()

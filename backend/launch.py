@@ -245,18 +245,23 @@ def _parallel_settings(request: EstimateRequest, setup) -> dict[str, Any]:
 
 def _hf_tp_settings(request: EstimateRequest, setup) -> dict[str, Any]:
     """transformers' own TP (backend/hf_tensor_parallel.py): the model loaded with
-    from_pretrained(tp_plan="auto") over every rank of the run; the core refused what transformers
-    refuses (planner/parallel/hf_plan.py). Its composition with FSDP2 over dp_shard is estimated,
-    not probed."""
+    from_pretrained(tp_plan="auto") over every rank of the run, or, with FSDP2 over dp_shard,
+    with transformers' own DistributedConfig(tp_size, fsdp_size) composition; the core refused what
+    transformers refuses (planner/parallel/hf_plan.py)."""
     d = setup.dims
-    if d.tp != setup.world_size:
+    if d.tp * d.dp_shard != setup.world_size or d.dp_replicate > 1:
         raise PlannerError(f"tp={d.tp} with tp_plan=transformers over {setup.world_size} ranks: the probe loads the "
-                           "model with from_pretrained(tp_plan=\"auto\") over the whole world (TP only); the FSDP2 x "
-                           "TP composition is estimated, not probed", field="tp")
+                           "model over a (dp_shard, tp) mesh of the whole world (dp_replicate 1)", field="tp")
+    if d.dp_shard > 1 and setup.recipe.autocast_dtype is not None:
+        # DistributedConfig(fsdp_mixed_precision=True) is MixedPrecisionPolicy(bf16, reduce fp32) and
+        # nothing else (transformers 5.25 distributed/fsdp.py _get_fsdp_policy_kwargs): not probed
+        raise PlannerError(f"precision {request.precision} with tp_plan=transformers and FSDP2 over dp_shard "
+                           f"{d.dp_shard}: the probe runs transformers' TP x FSDP2 composition in fp32 only",
+                           field="precision")
     if setup.zero.offload_params != "none":
         raise PlannerError(f"offload_params={setup.zero.offload_params} with tp_plan=transformers: the probe does not "
                            "offload", field="offload_params")
-    return {"dp_replicate": 1, "dp_shard": 1, "tp": d.tp, "sequence_parallel": False, "cp": 1,
+    return {"dp_replicate": 1, "dp_shard": d.dp_shard, "tp": d.tp, "sequence_parallel": False, "cp": 1,
             "tp_plan": "transformers"}
 
 

@@ -183,14 +183,57 @@ def test_emit_writes_the_loader_and_a_plan_that_launches_transformers_tp(tmp_pat
     assert job.parallel.tp_plan == "transformers" and job.parallel.tp == 2 and job.parallel.dp_shard == 1
 
 
-def test_the_probe_refuses_fsdp_with_transformers_tp(tmp_path):
+def test_the_probe_runs_transformers_tp_with_fsdp2_as_transformers_composes_it(tmp_path):
+    """4 ranks, tp 2: the probe loads over a (dp_shard 2, tp 2) mesh (backend/hf_tensor_parallel.py
+    _distribution: DistributedConfig(tp_size, fsdp_size)), in fp32; the mixed recipe is refused
+    naming precision."""
     from pathlib import Path
 
     from backend.launch import worker_job
 
-    with pytest.raises(PlannerError, match="over the whole world") as e:
-        worker_job(_request(QWEN3, gpus=4), steps=1, warmup_steps=0, out_dir=Path(tmp_path))
-    assert e.value.field == "tp"
+    job = worker_job(_request(LLAMA_TP, gpus=4), steps=1, warmup_steps=0, out_dir=Path(tmp_path))
+    assert job.parallel.tp == 2 and job.parallel.dp_shard == 2 and job.parallel.tp_plan == "transformers"
+    with pytest.raises(PlannerError, match="fp32 only") as e:
+        worker_job(_request(LLAMA_TP, gpus=4, precision="bf16-mixed"), steps=1, warmup_steps=0, out_dir=Path(tmp_path))
+    assert e.value.field == "precision"
+
+
+def test_transformers_fsdp_plan_keeps_the_head_unit_and_frees_the_embedding():
+    """transformers 5.25's fsdp plan under its own TP: at the loss the final norm and LM head's unit
+    is gathered (kept from the forward), the embedding is not (its own unit, resharded), and no block
+    is prefetched yet (the loss runs outside every unit); measured to the byte on 4 CPU ranks
+    (llama-v32k-tp2-fsdp2-hfplan-fp32-t1024, whose prediction before this was 19.5 MB over)."""
+    from planner.memory.orchestrator import estimate
+
+    e = estimate(_request(dict(LLAMA_TP, vocab_size=32_000), gpus=4, precision="fp32", gpu="cpu", seq_len=1024))
+    start = next(p for p in e.phases if p.name == "start of backward")
+    items = {i.name: i.bytes for i in start.items}
+    h, v = LLAMA_TP["hidden_size"], 32_000
+    assert items["all-gathered units"] == 4 * (v // 2 * h + h)  # the LM head's vocab/2 rows and the final norm
+    assert "prefetched block (all-gather output and gloo's scratch)" not in items  # 0 bytes: not listed
+    after = next(p for p in e.phases if p.name == "after the LM head")  # the head unit's pre_backward prefetched it
+    assert any(i.name.startswith("prefetched block") and i.bytes > 0 for i in after.items)
+    assert not any("held by gloo" in p.name for p in e.phases)  # the head unit is not gathered again
+
+
+def test_emit_loads_transformers_tp_with_fsdp2_through_distributedconfig():
+    """Over a (dp_shard 2, tp 2) layout load_model.py asks transformers for both (its own composition,
+    what the estimate models), not from_pretrained(tp_plan="auto") plus an FSDP2 wrap."""
+    from planner.memory.orchestrator import estimate
+    from planner.plan.emit import emit_estimate_files
+
+    loader = emit_estimate_files(estimate(_request(LLAMA_TP, gpus=4, gpu="h100-80gb")))["load_model.py"]
+    compile(loader, "load_model.py", "exec")
+    assert 'distributed_config=DistributedConfig(tp_plan="auto", tp_size=2, fsdp_size=2)' in loader
+    assert "does not wrap the model in FSDP again" in loader
+
+
+def test_transformers_tp_with_fsdp2_refuses_tied_embeddings():
+    from planner.memory.orchestrator import estimate
+
+    with pytest.raises(PlannerError, match="tied embeddings") as e:
+        estimate(_request(QWEN3, gpus=4))
+    assert e.value.field == "tp_plan"
 
 
 def test_the_plan_searches_transformers_tp_where_accelerate_trains_it():
@@ -200,9 +243,13 @@ def test_the_plan_searches_transformers_tp_where_accelerate_trains_it():
     from planner.plan.search import plan
     from planner.schema import PlanRequest
 
-    result = plan(PlanRequest(model_config=dict(QWEN3, vocab_size=32_000), gpu="h100-80gb", gpus=8, seq_len=1024,
-                              tp_plan="transformers"))
+    result = plan(PlanRequest(model_config=dict(QWEN3, vocab_size=32_000, tie_word_embeddings=False), gpu="h100-80gb",
+                              gpus=8, seq_len=1024, tp_plan="transformers"))
     tp = [c for c in result.candidates if c.parallel.tp > 1]
     assert tp and {c.strategy for c in tp} <= {"fsdp", "fsdp-grad-op", "hsdp"}
+    # tied embeddings: transformers' TP x FSDP2 is refused (tp_plan), so no TP candidate over 8 GPUs
+    tied = plan(PlanRequest(model_config=dict(QWEN3, vocab_size=32_000), gpu="h100-80gb", gpus=8, seq_len=1024,
+                            tp_plan="transformers"))
+    assert tied.candidates and not [c for c in tied.candidates if c.parallel.tp > 1]
     assert any("tp=4 not searched: tp_plan=transformers: tp(4) does not divide num_key_value_heads(2)" in n
                for n in result.notes)

@@ -562,7 +562,10 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
                      f"{setup.model.architecture.model_type!r}): tp({setup.tp}) splits what the plan names (heads, dense "
                      "MLP columns; routed experts whole), embedding and LM head over vocabulary rows, norms whole, no "
                      f"sequence parallelism: {setup.rank_psi:,} parameters per rank before data-parallel sharding; the "
-                     "whole logits all-gathered on every rank (lm_head colwise_gather_output) and HF's loss on them")
+                     "whole logits all-gathered on every rank (lm_head colwise_gather_output) and HF's loss on them"
+                     + ("; FSDP2 over dp_shard as transformers 5.25 composes it (DistributedConfig(tp_size, "
+                        "fsdp_size): the embedding its own unit, the final norm and LM head one unit kept gathered "
+                        "from the forward to their backward)" if setup.world_size > setup.tp else ""))
     elif setup.tp > 1:
         notes.append(f"tensor parallelism: tp({setup.tp}) splits the heads, the MLP's inner width and the vocabulary "
                      f"(Megatron column/row and vocab-parallel), norms whole: {setup.rank_psi:,} parameters per rank "

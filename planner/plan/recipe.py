@@ -14,7 +14,7 @@ from planner.schema import PlanRequest
 CARRIED = ("checkpointing_every", "keeps_outputs", "loss", "loss_chunks", "low_precision", "float8_all_gather",
            "activation_offload")
 # a refusal naming one of these is the recipe's, not the setting's: the setting is skipped
-RECIPE_FIELDS = CARRIED + ("checkpointing",)
+RECIPE_FIELDS = CARRIED + ("checkpointing", "tp_plan")  # tp_plan: e.g. transformers' TP x FSDP2 of a tied model
 SEARCHED_CHECKPOINTING = ("none", "full")
 
 

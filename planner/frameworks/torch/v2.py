@@ -149,12 +149,12 @@ class TorchDistributed(Framework):
         return [("none", "none")]
 
     def check_tp_plan(self, s: "Strategy", tp_plan: str, tp: int, dp: int) -> None:
-        """torchtitan's layout composes with every torch strategy; transformers' own plan as
-        accelerate 1.16 trains it: TP alone (Accelerator.prepare_model skips the DDP wrap when
-        parallelism_config.tp_enabled, accelerator.py:1855) or with FSDP2 over dp_shard
-        (ParallelismConfig: "If dp_replicate_size > 1 and tp_size > 1, dp_shard_size must also be
-        greater than 1, as composing DDP + TP is currently not supported", parallelism_config.py:43;
-        a DDP wrap of DTensor parameters raises, accelerator.py:1856-1858)."""
+        """torchtitan's layout composes with every torch strategy; transformers' own plan: TP alone
+        (accelerate 1.16's Accelerator.prepare_model skips the DDP wrap when
+        parallelism_config.tp_enabled, accelerator.py:1855) or with FSDP2 over dp_shard, as
+        transformers 5.25 composes them itself (DistributedConfig(tp_size, fsdp_size): _hf_fsdp_embedding);
+        DDP x TP neither composes (ParallelismConfig: "composing DDP + TP is currently not supported",
+        parallelism_config.py:43; a DDP wrap of DTensor parameters raises, accelerator.py:1856-1858)."""
         if tp_plan == "transformers" and dp > 1 and not s.shards_parameters:
             raise PlannerError(f"tp_plan=transformers with strategy {s.name} over {dp} data-parallel ranks: accelerate "
                                "1.16 does not compose DDP with TP (ParallelismConfig needs dp_shard_size > 1 with "
@@ -228,6 +228,7 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     shape = layout(setup)
     block = shape.largest_block_parameters if shape else max(numels)
     root = psi - shape.blocks_parameters if shape else max(numels)
+    embedding = _hf_fsdp_embedding(setup) if sharded else 0
     # With gradient accumulation the phases are those of a micro-batch after the first: it holds
     # everything the first does, and the gradients the earlier micro-batches left
     # (_accumulated_items). Under FSDP CPUOffload those live on the host (foreach_reduce copies
@@ -263,10 +264,12 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
                 items.append(_autocast_copies(setup, point, psi, block, compute_bytes))
             phases.append(phase(point.kind, point.label + later, items))
         else:
-            items += _fsdp_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes, accumulated)
+            items += _fsdp_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes, accumulated,
+                                 embedding)
             phases.append(phase(point.kind, point.label + later, items))
+            # SHARD_GRAD_OP, and transformers' kept head unit, gather nothing again for backward
             if point.kind is PhaseKind.START_OF_BACKWARD and setup.device == "cpu" and \
-                    not s.params_unsharded_in_step:  # SHARD_GRAD_OP gathers nothing again for backward
+                    not s.params_unsharded_in_step and not embedding:
                 phases.append(phase(point.kind, "start of backward, the root's all-gather output held by gloo" + later,
                                      resident + _fsdp_backward_gather_items(point, psi, block, root, shard,
                                                                             compute_bytes, store_bytes, accumulated)))
@@ -398,8 +401,32 @@ def reduce_bytes(setup: "Setup", compute_bytes: int) -> int:
     return FP32 if setup.request.reduce_dtype == "fp32" else compute_bytes
 
 
+def _hf_fsdp_embedding(setup: "Setup") -> int:
+    """The embedding's elements on a rank when transformers composes FSDP2 with its own TP plan
+    (tp_plan transformers, sharded over dp_shard): its fsdp plan makes the embedding a unit of its
+    own, apart from the root's final norm and LM head; 0 for every other layout.
+
+    transformers 5.25 distributed/fsdp.py apply_fully_sharded_data_parallelism, with
+    configuration_utils.py base_model_fsdp_plan (embed_tokens and every layer ``free_full_weight``,
+    norm ``keep_full_weight``) and the ForCausalLM's ``_fsdp_plan`` (lm_head ``keep_full_weight``):
+    the embedding and each block are resharded after forward; the final norm and the LM head are one
+    unit that stays gathered from its forward to its backward (reshard_after_forward=False), then is
+    reduce-scattered; the root unit holds nothing. The loss runs outside every unit, so its backward
+    starts before the head unit's pre_backward, which issues the last block's prefetch; the embedding
+    is gathered again for its backward, last (backend/hf_tensor_parallel.py runs it)."""
+    if setup.request.tp_plan != "transformers" or setup.tp == 1:
+        return 0
+    full = setup.model.architecture
+    if full.tie_word_embeddings:
+        raise PlannerError("tp_plan=transformers with FSDP2 over dp_shard and tied embeddings: transformers' fsdp "
+                           "plan shards the tied weight in the embedding's unit, which the LM head's unit then reads; "
+                           "not modelled", field="tp_plan")
+    return -(-full.vocab_size // setup.tp) * full.hidden_size
+
+
 def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: int, shard: int,
-                compute_bytes: int, store_bytes: int, accumulated: bool = False) -> list[MemoryItem]:
+                compute_bytes: int, store_bytes: int, accumulated: bool = False,
+                embedding: int = 0) -> list[MemoryItem]:
     """What FSDP2 (torch.distributed.fsdp.fully_shard, per-parameter sharding) holds beyond the
     sharded states at one moment of backward, with every transformer block a unit and the root
     (embeddings, final norm, LM head) the last one.
@@ -418,9 +445,14 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
     ``accumulated``: a micro-batch after the first (gradient accumulation, every micro-batch
     reduce-scattered): every parameter's sharded gradient from the earlier micro-batches is live
     all along (_accumulated_items), and a finished unit's reduce-scatter output is a transient
-    added into it."""
+    added into it.
+
+    ``embedding``: transformers' own TP x FSDP2 composition (_hf_fsdp_embedding): the embedding is
+    the last unit, and the rest of the root (final norm, LM head) is kept gathered from the forward
+    through the loss's backward, with no block prefetched before it."""
     if point.kind is PhaseKind.END_OF_BACKWARD:
-        return _fsdp_root_reduce_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes, accumulated)
+        return _fsdp_root_reduce_items(setup, point, psi, block, embedding or root, shard, compute_bytes,
+                                       store_bytes, accumulated, head_in_root=not embedding)
     gloo_copy = 2 if setup.device == "cpu" else 1
     keep_gathered = setup.strategy.params_unsharded_in_step  # SHARD_GRAD_OP: no reshard after forward
     # float8_all_gather: a block's converted weights gathered in fp8 (the fewest any block has: a bound)
@@ -435,9 +467,12 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
         # after the LM head's and the final norm's backward (peak trace, llama bf16 cp 2 x tp 2 without
         # SP: FSDP::all_gather_copy_out (layers.3) after PowBackward0 of the final norm)
         current = 0 if point.kind in (PhaseKind.START_OF_BACKWARD, PhaseKind.AFTER_LM_HEAD) else unit
-        gathered = compute_bytes * root + current
-        source = "the root unit and the block in backward, gathered" + (" (its float8 weights in fp8)" if fp8 else "")
-    prefetch = 0 if point.kind is PhaseKind.END_OF_BACKWARD or keep_gathered else unit * gloo_copy
+        gathered = compute_bytes * (root - embedding) + current
+        source = ("the final norm and LM head's unit (kept from the forward) and the block in backward, gathered"
+                  if embedding else "the root unit and the block in backward, gathered") \
+            + (" (its float8 weights in fp8)" if fp8 else "")
+    before_head = embedding and point.kind is PhaseKind.START_OF_BACKWARD  # the loss, outside every unit
+    prefetch = 0 if point.kind is PhaseKind.END_OF_BACKWARD or keep_gathered or before_head else unit * gloo_copy
     items = [
         item("all-gathered units", gathered, "buffers", source),
         # torch 2.13 _fsdp_collectives.py foreach_all_gather: the flat output is allocated under
@@ -526,7 +561,8 @@ def _fsdp_backward_gather_items(point: SweepPoint, psi: int, block: int, root: i
 
 
 def _fsdp_root_reduce_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: int, shard: int,
-                            compute_bytes: int, store_bytes: int, accumulated: bool = False) -> list[MemoryItem]:
+                            compute_bytes: int, store_bytes: int, accumulated: bool = False,
+                            head_in_root: bool = True) -> list[MemoryItem]:
     """The end of FSDP2's backward: the root unit (embeddings, final norm, LM head) gets its last
     gradient and is reduce-scattered, every block's gradients already sharded. The largest of
     four moments, each traced to the byte on CPU ranks (llama, bf16 and fp32 reduce):
@@ -546,9 +582,11 @@ def _fsdp_root_reduce_items(setup: "Setup", point: SweepPoint, psi: int, block: 
 
     In a micro-batch after the first (``accumulated``) the root's sharded gradients from the
     earlier micro-batches are live in every moment, and the output (and its cast) is added into
-    them and freed (_accumulated_items)."""
+    them and freed (_accumulated_items). ``head_in_root`` False: transformers' composition, whose
+    last unit is the embedding alone (_hf_fsdp_embedding), the LM head reduce-scattered before."""
     reduce = reduce_bytes(setup, compute_bytes)
-    late = point.in_flight_elements if setup.arch is not None and not setup.arch.tie_word_embeddings else 0
+    late = point.in_flight_elements if setup.arch is not None and not setup.arch.tie_word_embeddings \
+        and head_in_root else 0
     held = max(0, root - late) if late else 0  # the LM head and final norm's gradients
     blocks_sharded = item("sharded gradients of the blocks", store_bytes * ceil_div(psi - root, shard), "gradients")
     rs_input = item("reduce-scatter input of the root" + (" (fp32)" if reduce != compute_bytes else ""),
