@@ -121,10 +121,14 @@ def test_cce_on_cpu_ranks_saves_the_logits_torch_compile_makes():
 
 
 def test_cce_on_cpu_ranks_with_a_frozen_head_peaks_at_the_forwards_end():
-    """LoRA in bf16: no weight gradient; the norm's output still alive when the logits are made
-    (llama-v32k-lora-ddp-bf16-cce-t512)."""
-    acts = activations(resolve(EstimateRequest(**CPU | dict(precision="bf16-pure"), loss="cce", finetune="lora")))
-    assert acts.loss_transient_bytes == 2 * T * H
+    """LoRA in bf16: no weight gradient, so the copied rows are not saved; they and the norm's output are
+    alive when the logits are made (llama-v32k-lora-ddp-bf16-cce-t512: the copy freed when the forward ends)."""
+    req = EstimateRequest(**CPU | dict(precision="bf16-pure"), loss="cce", finetune="lora")
+    hf = activations(resolve(EstimateRequest(**CPU | dict(precision="bf16-pure"), finetune="lora")))
+    acts = activations(resolve(req))
+    assert acts.loss_transient_bytes == 2 * T * H + 2 * ROWS * H
+    held = 2 * ROWS * V + 2 * 4 * ROWS + (4 + 8) * ROWS + 8 * T  # the bf16 logits, no rows copy
+    assert acts.saved_bytes - hf.saved_bytes == held - (4 * T * V + 8 * T)
 
 
 def test_cce_on_cpu_ranks_keeps_the_logits_it_saved_in_the_time_model():

@@ -190,13 +190,17 @@ def cce_compile_memory(tokens: int, rows: int, hidden: int, vocab: int, compute_
     trained head the peak is the logits beside the weight's gradient; with a frozen one (LoRA) the
     forward's end, the logits beside the norm's output, not yet freed."""
     logits = compute_bytes * rows * vocab
-    rows_for_norm = hidden_bytes * rows * hidden - hidden_bytes * tokens * hidden  # the copy, the norm's output freed
-    held = logits + 2 * FP32 * rows + rows_for_norm + (4 + 8) * rows + LABELS * tokens
+    norm_output, rows_copy = hidden_bytes * tokens * hidden, hidden_bytes * rows * hidden
+    # a trained head: the graph saves the copy (for the weight's gradient) where HF's head saved the norm's
+    # output (activations' final norm terms); a frozen one saves neither (autograd keeps a matmul's
+    # input only for its weight's gradient: measured, the copy freed when the forward ends)
+    held = logits + 2 * FP32 * rows + (rows_copy - norm_output if head_trained else 0) + (4 + 8) * rows \
+        + LABELS * tokens
     dc = compute_bytes * vocab * hidden if head_trained else 0
     dc_cast = weight_bytes * vocab * hidden if head_trained and weight_bytes != compute_bytes else 0
     backward = dc + dc_cast + max(0, (compute_bytes - hidden_bytes) * rows * hidden)
-    # until the compiled forward returns, the norm's output is alive beside the logits and the copy
-    transient = max(backward, hidden_bytes * tokens * hidden)
+    # until the compiled forward returns, the norm's output (and a frozen head's copy) is alive beside the logits
+    transient = max(backward, norm_output + (0 if head_trained else rows_copy))
     items = [ActivationItem(f"loss (cce, torch_compile): the logits {logits:,} B saved in the matmul's dtype, fp32 "
                             "row max and log-sum-exp, the labelled rows of the hidden states copied (the final "
                             "norm's output freed), labels", held),
