@@ -222,10 +222,16 @@ def test_emit_loads_transformers_tp_with_fsdp2_through_distributedconfig():
     from planner.memory.orchestrator import estimate
     from planner.plan.emit import emit_estimate_files
 
-    loader = emit_estimate_files(estimate(_request(LLAMA_TP, gpus=4, gpu="h100-80gb")))["load_model.py"]
+    files = emit_estimate_files(estimate(_request(LLAMA_TP, gpus=4, gpu="h100-80gb")))
+    loader = files["load_model.py"]
     compile(loader, "load_model.py", "exec")
     assert 'distributed_config=DistributedConfig(tp_plan="auto", tp_size=2, fsdp_size=2)' in loader
     assert "does not wrap the model in FSDP again" in loader
+    # accelerate's FSDP2 cannot wrap it under transformers 5.25: no accelerate config; the planner's trainer runs it
+    assert "accelerate_config.yaml" not in files and "launch.sh" in files
+    assert "Cannot concatenate overlapping meshes" in files["LAUNCH.md"]
+    mixed = emit_estimate_files(estimate(_request(LLAMA_TP, gpus=4, gpu="h100-80gb", precision="bf16-mixed")))
+    assert "launch.sh" not in mixed and "fp32 only" in mixed["LAUNCH.md"]
 
 
 def test_transformers_tp_with_fsdp2_refuses_tied_embeddings():

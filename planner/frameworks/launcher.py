@@ -194,6 +194,12 @@ class Launch:
         if self.launcher.accelerate_applies_tp and tp * cp > 1 and not self.fsdp:
             return ("accelerate applies tensor/context parallelism with FSDP2 only (its ParallelismConfig needs "
                     "fsdp_version 2); DDP with TP is not one of its layouts")
+        if self.request.tp_plan == "transformers" and tp > 1 and self.data_parallel > 1:
+            # backend/hf_tensor_parallel.py _distribution (measured on 4 CPU ranks)
+            return ("under transformers 5.25 accelerate's FSDP2 cannot wrap a model loaded with "
+                    "from_pretrained(tp_plan=\"auto\", device_mesh=...): the mesh is dropped and the plan spans every "
+                    "rank, and FSDP2 raises 'Cannot concatenate overlapping meshes'; transformers composes TP and FSDP2 "
+                    "itself (load_model.py)")
         if self.fsdp and tp * cp > 1 and self.degree("dp_shard") == 1 and cp == 1:
             return ("accelerate refuses FSDP2 without a dp_shard group or cp > 1 "
                     "(ParallelismConfig._validate_accelerator); this layout has dp_shard 1")

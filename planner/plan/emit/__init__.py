@@ -230,8 +230,12 @@ def _trainer_unavailable(setup, est: EstimateRequest) -> str | None:
     if setup.cp > 1:
         return "the planner's trainer does not run context parallelism (torch's ring attention needs CUDA)"
     if est.tp_plan == "transformers" and setup.tp != setup.world_size:
-        return ("the planner's trainer runs transformers' own TP over the whole world only (tp = GPUs); "
-                "your script loads the model as load_model.py does and accelerate applies FSDP2 over dp_shard")
+        if setup.dims.dp_replicate > 1 or setup.dims.tp * setup.dims.dp_shard != setup.world_size:
+            return ("the planner's trainer runs transformers' own TP over a (dp_shard, tp) mesh of the whole world "
+                    "only; your script loads the model as load_model.py does")
+        if est.precision != "fp32":
+            return ("the planner's trainer runs transformers' TP x FSDP2 composition in fp32 only; your script loads "
+                    "the model as load_model.py does")
     if setup.dims.pp > 1 and setup.framework.own_pipeline_engine:
         return ("DeepSpeed's pipeline engine trains a PipelineModule your script builds (the planner's trainer "
                 "runs pipelines with torch's pipelining: emit with --strategy fsdp for that)")
