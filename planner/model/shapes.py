@@ -79,11 +79,15 @@ def _shapes(a: Architecture) -> list[TensorShape]:
     return out
 
 
-def matching(shapes: tuple[TensorShape, ...], numels: list[int]) -> tuple[TensorShape, ...]:
+def matching(shapes: tuple[TensorShape, ...], numels: list[int]) -> "tuple[TensorShape, ...] | list[TensorShape]":
     """``shapes`` where they account for ``numels`` one for one, else the numels as vectors (a
-    tensor-parallel rank's split embedding, a traced model): never a shape the rank does not hold."""
+    tensor-parallel rank's split embedding, a traced model): never a shape the rank does not hold.
+    The answer is the memoized tuple itself or a new list: what is computed from a tuple is
+    remembered by its identity (planner/memory/optimizer.py _seen), and a tuple made afresh on
+    every call (a pipeline stage's tensors, asked thousands of times per plan) would only crowd
+    the memo out of the architecture's own answers."""
     if len(shapes) == len(numels):
         if list(map(_numel, shapes)) == numels:
             return shapes
-        return tuple(s if s.numel == n else TensorShape((n,)) for s, n in zip(shapes, numels))
-    return tuple(vectors(numels))
+        return [s if s.numel == n else TensorShape((n,)) for s, n in zip(shapes, numels)]
+    return vectors(numels)
