@@ -172,3 +172,20 @@ def test_hf_sgd_with_momentum_and_refused_names():
         request(optim="adafactor")
     with pytest.raises(PlannerError, match="8-bit Lion"):
         request(optim="lion_8bit")
+
+
+@pytest.mark.parametrize("shard", [2, 8, 7, 1000])
+def test_dim0_shards_of_a_models_tensors_are_each_tensors_own(shard):
+    """dim0_shards shards each shape object once and shares it among the tensors of that shape
+    (planner/memory/optimizer.py _distinct_shards): the same shapes, in order, as sharding every
+    tensor (fully_shard's Shard(0), rounded up), for a model's tuple and a stage's list alike."""
+    from planner.memory.optimizer import dim0_shards
+    from planner.model.catalogue import load_catalogue
+
+    shapes = parameter_shapes(from_hf_config(load_catalogue()["llama-3-70b"].config))
+    one_by_one = [TensorShape((-(-t.dims[0] // shard),) + t.dims[1:], t.io) for t in shapes]
+    sharded = dim0_shards(shapes, shard)
+    assert isinstance(sharded, tuple) and list(sharded) == one_by_one
+    assert [t.numel for t in sharded] == [t.numel for t in one_by_one]
+    assert len({id(t) for t in sharded}) < len(shapes) // 10  # shared: a few shapes, many tensors
+    assert dim0_shards(list(shapes), shard) == one_by_one
