@@ -189,3 +189,19 @@ def test_dim0_shards_of_a_models_tensors_are_each_tensors_own(shard):
     assert [t.numel for t in sharded] == [t.numel for t in one_by_one]
     assert len({id(t) for t in sharded}) < len(shapes) // 10  # shared: a few shapes, many tensors
     assert dim0_shards(list(shapes), shard) == one_by_one
+
+
+def test_matching_answers_a_ranks_tensors_with_one_tuple():
+    """matching's memo (planner/model/shapes.py _MATCHED) returns, for the same shapes and counts,
+    the same tuple: each tensor whose count differs (a tensor-parallel split) as a vector, the others
+    their shape; a stage's counts (another length) are vectors in a new list."""
+    from planner.model.catalogue import load_catalogue
+    from planner.model.shapes import matching
+
+    shapes = parameter_shapes(from_hf_config(load_catalogue()["llama-3-8b"].config))
+    split = [t.numel // 8 if t.numel > 10**6 else t.numel for t in shapes]
+    first = matching(shapes, split)
+    assert matching(shapes, list(split)) is first and isinstance(first, tuple)
+    assert list(first) == [s if s.numel == n else TensorShape((n,)) for s, n in zip(shapes, split)]
+    assert matching(shapes, [t.numel for t in shapes]) is shapes
+    assert matching(shapes, [123, 456]) == [TensorShape((123,)), TensorShape((456,))]
