@@ -172,3 +172,72 @@ def test_alloc_conf_parses_the_list_form():
     # '>' fills from the last entry's own index on (std::fill from last_index), so 1024:4 is overwritten
     assert conf.roundup_power2_divisions == (1,) * 9 + (2,) + (8,) * 6
     assert conf.max_split_size_bytes == 512 * MIB and not conf.expandable_segments
+
+
+# --- the default-settings fast path (planner/memory/fast_replay.py) against the reference ------------
+
+def _hand_streams():
+    """Every stream replayed above under settings the fast path takes, and a seeded random mix of
+    small and large mallocs, frees, side streams, records and completes."""
+    import random
+
+    rng = random.Random(25)
+    mixed, live, tag = [], [], 0
+    for _ in range(3000):
+        if live and rng.random() < 0.45:
+            t = live.pop(rng.randrange(len(live)))
+            if t % 7 == 0:
+                mixed.append(("record", t, "default"))
+            mixed.append(("free", t))
+        elif rng.random() < 0.03:
+            mixed.append(("complete", "default"))
+        else:
+            size = rng.choice([rng.randrange(1, 4096), rng.randrange(1, 2 * MIB), rng.randrange(MIB, 200 * MIB)])
+            mixed.append(("malloc", tag, size, "side" if tag % 7 == 0 else "default"))
+            live.append(tag)
+            tag += 1
+    return [mixed,
+            [("malloc", "a", 60 * MIB), ("free", "a"), ("malloc", "b", 80 * MIB)],
+            [("malloc", "a", 50 * MIB), ("record", "a", "reduce_scatter"), ("free", "a"), ("malloc", "b", 50 * MIB)],
+            [("malloc", "big", 100 * MIB), ("free", "big"), ("malloc", "a", 60 * MIB), ("malloc", "b", 40 * MIB),
+             ("free", "a"), ("malloc", "c", 70 * MIB)]]
+
+
+def _replayed(replayer, events, conf=AllocConf(), capacity=None):
+    try:
+        return replayer(events, conf, capacity)
+    except OutOfMemory as oom:
+        return str(oom)
+
+
+@pytest.mark.parametrize("capacity", [None, 400 * MIB, 2000 * MIB])
+@pytest.mark.parametrize("conf", ["", "roundup_power2_divisions:4"])
+def test_the_fast_path_reports_every_byte_the_reference_does(conf, capacity):
+    from planner.memory import fast_replay
+
+    for events in _hand_streams():
+        ref = _replayed(replay, events, parse_alloc_conf(conf), capacity)
+        assert _replayed(fast_replay.replay, events, parse_alloc_conf(conf), capacity) == ref
+
+
+def test_the_fast_path_replays_a_plans_streams_as_the_reference_does():
+    """The streams of an estimate the plan shows (a checkpointed 8B model under FSDP2 with its
+    side streams, ZeRO-3, DDP), uncapped and at a capacity that makes the allocator empty its
+    cache: the same AllocatorStats, or the same out-of-memory."""
+    from planner.memory import fast_replay, reserved
+    from planner.memory.orchestrator import measure, resolve, _numels
+    from planner.schema import EstimateRequest
+
+    for strategy, ckpt in (("fsdp", "full"), ("zero3", "none"), ("ddp", "selective-attention")):
+        setup = resolve(EstimateRequest(model="llama-3-8b", strategy=strategy, gpus=8, gpu="h100-80gb", seq_len=4096,
+                                        micro_batch=2, checkpointing=ckpt, gradient_accumulation=2))
+        m = measure(setup)
+        events = reserved.allocation_events(m.setup, m.plan, len(_numels(m.setup)),
+                                            reserved.loss_tensors(m.setup, m.acts))
+        peak = replay(events).reserved_peak_bytes
+        for capacity in (None, peak, peak * 9 // 10, peak // 2):
+            assert _replayed(fast_replay.replay, events, capacity=capacity) == _replayed(replay, events,
+                                                                                        capacity=capacity)
+    # other settings go to the reference unchanged
+    for conf in ("expandable_segments:True", "max_split_size_mb:64"):
+        assert fast_replay.replay(events, parse_alloc_conf(conf)) == replay(events, parse_alloc_conf(conf))

@@ -174,3 +174,36 @@ def test_hf_sgd_with_momentum_and_refused_names():
         request(optim="adafactor")
     with pytest.raises(PlannerError, match="8-bit Lion"):
         request(optim="lion_8bit")
+
+
+@pytest.mark.parametrize("shard", [2, 8, 7, 1000])
+def test_dim0_shards_of_a_models_tensors_are_each_tensors_own(shard):
+    """dim0_shards shards each shape object once and shares it among the tensors of that shape
+    (planner/memory/optimizer.py _distinct_shards): the same shapes, in order, as sharding every
+    tensor (fully_shard's Shard(0), rounded up), for a model's tuple and a stage's list alike."""
+    from planner.memory.optimizer import dim0_shards
+    from planner.model.catalogue import load_catalogue
+
+    shapes = parameter_shapes(from_hf_config(load_catalogue()["llama-3-70b"].config))
+    one_by_one = [TensorShape((-(-t.dims[0] // shard),) + t.dims[1:], t.io) for t in shapes]
+    sharded = dim0_shards(shapes, shard)
+    assert isinstance(sharded, tuple) and list(sharded) == one_by_one
+    assert [t.numel for t in sharded] == [t.numel for t in one_by_one]
+    assert len({id(t) for t in sharded}) < len(shapes) // 10  # shared: a few shapes, many tensors
+    assert dim0_shards(list(shapes), shard) == one_by_one
+
+
+def test_matching_answers_a_ranks_tensors_with_one_tuple():
+    """matching's memo (planner/model/shapes.py _MATCHED) returns, for the same shapes and counts,
+    the same tuple: each tensor whose count differs (a tensor-parallel split) as a vector, the others
+    their shape; a stage's counts (another length) are vectors in a new list."""
+    from planner.model.catalogue import load_catalogue
+    from planner.model.shapes import matching
+
+    shapes = parameter_shapes(from_hf_config(load_catalogue()["llama-3-8b"].config))
+    split = [t.numel // 8 if t.numel > 10**6 else t.numel for t in shapes]
+    first = matching(shapes, split)
+    assert matching(shapes, list(split)) is first and isinstance(first, tuple)
+    assert list(first) == [s if s.numel == n else TensorShape((n,)) for s, n in zip(shapes, split)]
+    assert matching(shapes, [t.numel for t in shapes]) is shapes
+    assert matching(shapes, [123, 456]) == [TensorShape((123,)), TensorShape((456,))]

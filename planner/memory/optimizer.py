@@ -35,9 +35,23 @@ def dim0_shards(tensors: "Sequence[TensorShape]", shard: int) -> "Sequence[Tenso
     if shard <= 1:
         return tensors
     if not isinstance(tensors, tuple):
-        return [TensorShape((-(-t.dims[0] // shard),) + t.dims[1:], t.io) for t in tensors]
-    return _seen(("shards", shard), tensors,
-                 lambda: tuple(TensorShape((-(-t.dims[0] // shard),) + t.dims[1:], t.io) for t in tensors))
+        return [_shard(t, shard) for t in tensors]
+    return _seen(("shards", shard), tensors, lambda: _distinct_shards(tensors, shard))
+
+
+def _shard(t: TensorShape, shard: int) -> TensorShape:
+    return TensorShape((-(-t.dims[0] // shard),) + t.dims[1:], t.io)
+
+
+def _distinct_shards(tensors: tuple[TensorShape, ...], shard: int) -> tuple[TensorShape, ...]:
+    """dim0_shards of a model's tensors, each shape object sharded once: an architecture's blocks
+    of one kind share their shapes' objects (planner/model/shapes.py _shapes: a few shapes, a
+    thousand tensors), so their shards are shared too and each numel is computed once."""
+    one: dict[int, TensorShape] = {}  # by the shape object's identity (a dataclass hash costs more)
+    for t in tensors:
+        if id(t) not in one:
+            one[id(t)] = _shard(t, shard)
+    return tuple(one[id(t)] for t in tensors)
 
 
 # What was computed for a tuple of tensors, by the tuple's identity: an Architecture's shapes are one

@@ -326,7 +326,12 @@ def estimate_resolved(setup: Setup, simulate: bool = True, brief: bool = False) 
     """The estimate of a resolved request: the Setup goes with the result (``setup_of``). ``brief``:
     the fit and the peaks only (no allocator summary, no second replay with expandable_segments
     switched), as the plan's inverse questions need them."""
-    return _result(measure(setup), simulate, brief)
+    return estimated(measure(setup), simulate, brief)
+
+
+def estimated(m: Measured, simulate: bool = True, brief: bool = False) -> EstimateResult:
+    """The estimate of memory already measured (estimate_resolved's second half)."""
+    return _result(m, simulate, brief)
 
 
 def _result(m: Measured, simulate: bool, brief: bool = False) -> EstimateResult:

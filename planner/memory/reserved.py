@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from planner.cluster import cuda_context
-from planner.memory.allocator import AllocConf, AllocatorStats, OutOfMemory, parse_alloc_conf, replay
+from planner.memory.allocator import AllocConf, AllocatorStats, OutOfMemory, parse_alloc_conf
+from planner.memory.fast_replay import replay
 from planner.memory.buffers import SAVED, TRANSIENTS, item
 from planner.memory.moments import PhaseKind
 from planner.schema import AllocatorSummary, MemoryItem, Phase
@@ -312,10 +313,30 @@ def _units(setup: "Setup", moments: list[list[MemoryItem]], parameters: int) -> 
     return units
 
 
-def _cut(nbytes: int, unit: int | None) -> list[int]:
-    if unit is None or unit >= nbytes:
-        return [nbytes]
-    return [unit] * (nbytes // unit) + ([nbytes % unit] if nbytes % unit else [])
+def _cut(item_bytes: list[int], unit: int | None) -> list[int]:
+    """The tensors a key's items are cut into, in order: each item in tensors of ``unit`` bytes
+    and its remainder (None: each item whole)."""
+    out: list[int] = []
+    for nbytes in item_bytes:
+        if unit is None or unit >= nbytes:
+            out.append(nbytes)
+            continue
+        out += [unit] * (nbytes // unit)
+        if nbytes % unit:
+            out.append(nbytes % unit)
+    return out
+
+
+def _common_prefix(held: list[int], sizes: list[int]) -> int:
+    """How many leading tensors two moments share (equal sizes in the same places); the whole
+    shorter list, the usual case (a set that only grows), is compared at once."""
+    n = min(len(held), len(sizes))
+    if held[:n] == sizes[:n]:
+        return n
+    keep = 0
+    while held[keep] == sizes[keep]:
+        keep += 1
+    return keep
 
 
 def allocation_events(setup: "Setup", plan: "PhasePlan", parameters: int, loss: LossTensors | None = None) -> list[tuple]:
@@ -324,7 +345,8 @@ def allocation_events(setup: "Setup", plan: "PhasePlan", parameters: int, loss: 
     tensors (loss_tensors), in their moments."""
     moments = _moments(plan, loss)
     units = _units(setup, moments, parameters)
-    live: dict[tuple, list[tuple[int, int]]] = {}  # key -> [(tag, bytes)] in allocation order
+    tags: dict[tuple, list[int]] = {}  # key -> its live tensors' tags, in allocation order
+    held: dict[tuple, list[int]] = {}  # key -> its live tensors' bytes, in the same order
     live_bytes: dict[tuple, list[int]] = {}  # key -> the item sizes its live tensors were cut from
     events: list[tuple] = []
     tag = 0
@@ -336,32 +358,29 @@ def allocation_events(setup: "Setup", plan: "PhasePlan", parameters: int, loss: 
         for i in items:
             totals.setdefault(_key(i), []).append(i.bytes)
         # an item of the same size as before is the same tensors (the cut depends on the bytes alone)
-        want = {key: [] if live_bytes.get(key) == b else [t for n in b for t in _cut(n, units[key])]
-                for key, b in totals.items()}
+        want = {key: [] if live_bytes.get(key) == b else _cut(b, units[key]) for key, b in totals.items()}
         recorded = False
-        for key in list(live):
+        for key in list(tags):
             if key in want and not want[key] and live_bytes.get(key) == totals[key]:
                 continue
-            held, sizes = live[key], want.get(key, [])
-            keep = 0
-            while keep < min(len(held), len(sizes)) and held[keep][1] == sizes[keep]:
-                keep += 1
-            for t, _ in reversed(held[keep:]):
+            keep = _common_prefix(held[key], want.get(key, []))
+            for t in reversed(tags[key][keep:]):
                 if key[1] != "default":  # used on the compute stream: record_stream semantics
                     events.append(("record", t, "default"))
                     recorded = True
                 events.append(("free", t))
-            live[key] = held[:keep]
+            del tags[key][keep:], held[key][keep:]
             live_bytes.pop(key, None)
         for key, sizes in want.items():
             if not sizes:
                 continue
             live_bytes[key] = totals[key]
-            held = live.setdefault(key, [])
-            for size in sizes[len(held):]:
+            key_tags, key_held = tags.setdefault(key, []), held.setdefault(key, [])
+            for size in sizes[len(key_held):]:
                 events.append(("malloc", tag, size, key[1]))
-                held.append((tag, size))
+                key_tags.append(tag)
                 tag += 1
+            key_held[:] = sizes
         if recorded:
             events.append(("complete", "default"))  # processed at the next moment's first malloc
     return events

@@ -79,11 +79,31 @@ def _shapes(a: Architecture) -> list[TensorShape]:
     return out
 
 
-def matching(shapes: tuple[TensorShape, ...], numels: list[int]) -> tuple[TensorShape, ...]:
+def matching(shapes: tuple[TensorShape, ...], numels: list[int]) -> "tuple[TensorShape, ...] | list[TensorShape]":
     """``shapes`` where they account for ``numels`` one for one, else the numels as vectors (a
-    tensor-parallel rank's split embedding, a traced model): never a shape the rank does not hold."""
-    if len(shapes) == len(numels):
-        if list(map(_numel, shapes)) == numels:
-            return shapes
-        return tuple(s if s.numel == n else TensorShape((n,)) for s, n in zip(shapes, numels))
-    return tuple(vectors(numels))
+    tensor-parallel rank's split embedding, a traced model): never a shape the rank does not hold.
+
+    What is computed from a tuple of shapes is remembered by the tuple's identity
+    (planner/memory/optimizer.py _seen), so the answer for one rank's tensors is the same tuple
+    each time it is asked (a tensor-parallel rank's, asked for every candidate of its layout:
+    _MATCHED); a stage's few tensors (a pipeline's, thousands per plan, their counts all
+    different) are a new list, which would only crowd those memos out."""
+    if len(shapes) != len(numels):
+        return vectors(numels)
+    key = (id(shapes), tuple(numels))
+    hit = _MATCHED.get(key)
+    if hit is not None and hit[0] is shapes:
+        return hit[1]
+    if list(map(_numel, shapes)) == numels:
+        answer = shapes
+    else:
+        answer = tuple(s if s.numel == n else TensorShape((n,)) for s, n in zip(shapes, numels))
+    if len(_MATCHED) > 256:
+        _MATCHED.clear()
+    _MATCHED[key] = (shapes, answer)
+    return answer
+
+
+# matching's answers by (the shapes' identity, the counts); the shapes are kept beside the answer so
+# that an identity is never reused while its entry stands
+_MATCHED: dict[tuple, tuple] = {}

@@ -775,15 +775,38 @@ class _RankStep:
         return out + [(name, total) for _, name, total in self.after]
 
 
+class _StageCosts:
+    """``_bits`` and ``_step_temporaries`` of one setup, each computed once per distinct stage size:
+    a pipeline's middle ranks hold stages of the same size, and the search replays every rank of
+    thousands of pipelines (both are pure functions of the setup and these arguments)."""
+
+    def __init__(self, setup: "Setup"):
+        self.setup = setup
+        self._bits: dict[int, tuple[int, int, int]] = {}
+        self._temporaries: dict[tuple, int] = {}
+
+    def bits(self, params: int) -> tuple[int, int, int]:
+        if params not in self._bits:
+            self._bits[params] = _bits(self.setup, params)
+        return self._bits[params]
+
+    def step_temporaries(self, largest: int, params: int, dp: DataParallel, weight_bits: int) -> int:
+        key = (largest, params, dp.shard, dp.shards_optimizer, weight_bits)
+        if key not in self._temporaries:
+            self._temporaries[key] = _step_temporaries(self.setup, largest, params, dp, weight_bits)
+        return self._temporaries[key]
+
+
 def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virtual_stages: int,
-               schedule: str, dp: DataParallel) -> _RankStep:
+               schedule: str, dp: DataParallel, costs: _StageCosts | None = None) -> _RankStep:
     r, req = setup.recipe, setup.request
     m = req.gradient_accumulation
     mine = tuple(all_stages[i] for i in rank_stages(schedule, pp, virtual_stages, rank))
     params = sum(s.parameters for s in mine)
     largest = max(s.largest_tensor for s in mine)
     compute = 4 if r.compute == "fp32" else 2
-    bits = _bits(setup, params)  # once per rank: the search replays thousands of ranks
+    costs = costs or _StageCosts(setup)
+    bits = costs.bits(params)  # once per rank: the search replays thousands of ranks
     grad_bits = bits[1]
     resident = tuple(_resident(setup, list(mine), dp, bits))
     # During the schedule: FSDP2 keeps the stage's parameters unsharded (compute dtype) and
@@ -875,7 +898,7 @@ def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virt
                       + grad_bits // 8 * _ceil(params, dp.shard)))
     after.append((PhaseKind.OPTIMIZER_STEP, "optimizer step",
                   resident_bytes + kept + grad_bits // 8 * (_ceil(params, dp.shard) if dp.shards_gradients else params)
-                  + _step_temporaries(setup, largest, params, dp, bits[0])))
+                  + costs.step_temporaries(largest, params, dp, bits[0])))
     return _RankStep(mine, params, resident, compute, reduce, grad_bytes_per, fresh_bytes_per, gathered, worst,
                      tuple(after), most, kept)
 
@@ -1059,8 +1082,9 @@ def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str,
     parallel = data_parallel(setup, dp, shard)
     ranks: list[RankMemory] = []
     steps = []
+    costs = _StageCosts(setup)
     for rank in range(pp):  # every rank replayed in integers; the items are written for the worst
-        step = _rank_step(setup, all_stages, rank, pp, virtual_stages, schedule, parallel)
+        step = _rank_step(setup, all_stages, rank, pp, virtual_stages, schedule, parallel, costs)
         peak_name, peak_bytes = max(step.phase_bytes(), key=lambda p: p[1])
         # zero bubble: the input gradients on the receive buffers stay until the next step's start
         resident_bytes = sum(i.bytes for i in step.resident) + step.kept_input_grads

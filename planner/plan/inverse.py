@@ -6,7 +6,7 @@ then a bisection, with bounds that answer at once where they can.
 from __future__ import annotations
 
 from planner.errors import PlannerError
-from planner.memory.orchestrator import Measured, estimate_resolved, measure, resolve
+from planner.memory.orchestrator import Measured, estimated, measure, resolve
 from planner.plan.recipe import refused_by_recipe
 from planner.plan.settings import (OPTIMIZER_FIELDS, architecture_of, hsdp_shards, offload_options, planned_split,
                                    reduce_field, split_fields, version_field_of)
@@ -61,8 +61,12 @@ def longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_fields
                                alloc_conf=req.alloc_conf, nccl_buffsize_bytes=req.nccl_buffsize_bytes,
                                **reduce_field(req, c.strategy), **version_field_of(req, c.strategy), **degrees)
 
+    measured: dict[int, Measured] = {}  # by sequence: the searches below ask some twice
+
     def at(seq: int) -> Measured:
-        return measure(resolve(request(seq)))
+        if seq not in measured:
+            measured[seq] = measure(resolve(request(seq)))
+        return measured[seq]
 
     if c.parallel.pp > 1:
         try:
@@ -73,8 +77,9 @@ def longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_fields
             micro, degrees["gradient_accumulation"] = c.micro_batch, c.gradient_accumulation
 
     def replayed(seq: int) -> EstimateResult:
-        """The estimate with the caching allocator replayed (estimate(..., simulate=True))."""
-        return estimate_resolved(resolve(request(seq)), simulate=True, brief=True)
+        """The estimate with the caching allocator replayed (estimate_resolved(..., simulate=True)
+        of the memory at() measured)."""
+        return estimated(at(seq), simulate=True, brief=True)
 
     def largest(limit: float, high: int, low: int = 0) -> int:
         """The largest multiple of unit below high * unit whose live peak is within limit (0: none),
