@@ -252,7 +252,7 @@ def _hf_tp_settings(request: EstimateRequest, setup) -> dict[str, Any]:
     if d.tp * d.dp_shard != setup.world_size or d.dp_replicate > 1:
         raise PlannerError(f"tp={d.tp} with tp_plan=transformers over {setup.world_size} ranks: the probe loads the "
                            "model over a (dp_shard, tp) mesh of the whole world (dp_replicate 1)", field="tp")
-    if d.dp_shard > 1 and request.precision != "fp32":
+    if d.dp_shard > 1 and setup.recipe.compute != "fp32":
         # DistributedConfig(fsdp_mixed_precision=True) is MixedPrecisionPolicy(bf16, reduce fp32) and
         # nothing else (transformers 5.25 distributed/fsdp.py _get_fsdp_policy_kwargs): not probed
         raise PlannerError(f"precision {request.precision} with tp_plan=transformers and FSDP2 over dp_shard "

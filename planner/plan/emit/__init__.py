@@ -233,7 +233,7 @@ def _trainer_unavailable(setup, est: EstimateRequest) -> str | None:
         if setup.dims.dp_replicate > 1 or setup.dims.tp * setup.dims.dp_shard != setup.world_size:
             return ("the planner's trainer runs transformers' own TP over a (dp_shard, tp) mesh of the whole world "
                     "only; your script loads the model as load_model.py does")
-        if est.precision != "fp32":
+        if setup.recipe.compute != "fp32":
             return ("the planner's trainer runs transformers' TP x FSDP2 composition in fp32 only; your script loads "
                     "the model as load_model.py does")
     if setup.dims.pp > 1 and setup.framework.own_pipeline_engine:
