@@ -253,7 +253,8 @@ NcclBuffsizeField = Annotated[int | None, Field(
 
 # the optimizer (planner/recipes/optimizers.py, one entry each), the same on estimate and plan
 OptimizerField = Annotated[Optimizer, Field(
-    description="optimizer: adamw (torch), adamw-8bit / adamw-paged-8bit (bitsandbytes), adamw-torchao-8bit / "
+    description="optimizer: adamw (torch; foreach on CUDA), adamw-single-tensor (torch's AdamW(foreach=False), "
+    "composer's DecoupledAdamW: one parameter at a time), adamw-8bit / adamw-paged-8bit (bitsandbytes), adamw-torchao-8bit / "
     "adamw-torchao-4bit (torchao low-bit states), adafactor (torch, factored second moment), lion (bitsandbytes, "
     "32-bit), sgd (no state), sgd-momentum, muon (torch Muon on 2-D hidden weights, AdamW for the rest)")]
 OptimizerInBackwardField = Annotated[bool, Field(
