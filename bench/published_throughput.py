@@ -23,9 +23,9 @@ The MLP's activation is MPT's exact GELU, one fused op (activation_function "gel
 not GPT-2's default gelu_new, which is composed in Python and saves 2.5 times as much. The loss is
 llm-foundry's default, flash-attn's cross-entropy on the bf16 logits, and composer's loop keeps the
 outputs (MPT_LOSS, COMPOSER_KEEPS_OUTPUTS). The optimizer, the yamls' decoupled_adamw (composer's
-DecoupledAdamW: fp32 exp_avg and exp_avg_sq, adamw's states), steps one parameter at a time where
-torch's foreach AdamW, the planner's adamw, copies the shard's exp_avg_sq whole: the memory line of
-the summary counts the rows whose predicted peak is there. Attention: the runs were
+DecoupledAdamW: fp32 exp_avg and exp_avg_sq, AdamW's states), steps one parameter at a time, as
+torch's AdamW(foreach=False) does (MPT_OPTIMIZER), where torch's default foreach AdamW copies the
+shard's exp_avg_sq whole. Attention: the runs were
 submitted by scripts/train/benchmarking/submit_benchmarks.py, whose `--attn_impl` defaults to
 `triton` (line 119 at 5f43bf1, May 2023, when the A100 tables appeared; line 144 at 5e85bd6, January
 2024, whose sweep.sh, the H100 runs, does not override it): MPT's triton_flash_attn_fn, FlashAttention's
@@ -92,6 +92,11 @@ MPT_ACTIVATION = "gelu"
 # tables' pin; 2417 and 2481 at v0.17.2, 5e85bd6's), so the logits stay live (keeps_outputs)
 MPT_LOSS = "flash-attn"
 COMPOSER_KEEPS_OUTPUTS = True
+# the optimizer: every benchmark yaml names decoupled_adamw (line 60 of scripts/train/yamls/mpt/<size>.yaml
+# at 5f43bf1 and of yamls/pretrain/mpt-<size>.yaml at 5e85bd6; submit_benchmarks.py leaves it), which
+# llmfoundry/utils/builders.py builds as composer's DecoupledAdamW (line 89 at 5f43bf1, 361 at 5e85bd6):
+# AdamW's two fp32 moments, stepped one parameter at a time (adamw-single-tensor), not torch's foreach
+MPT_OPTIMIZER = "adamw-single-tensor"
 GPU = {"a100_40gb": "a100-40gb", "a100_80gb": "a100-80gb", "h100_80gb": "h100-80gb"}
 SHARDING = {"FULL_SHARD": "fsdp", "SHARD_GRAD_OP": "fsdp-grad-op"}
 WITHIN = 0.15
@@ -140,6 +145,7 @@ class Row:
                                gradient_accumulation=self.accumulation, precision="bf16-mixed",
                                reduce_dtype=REDUCE_DTYPE[self.mp_mode],
                                checkpointing="full" if self.checkpointing else "none", loss=MPT_LOSS,
+                               optimizer=MPT_OPTIMIZER,
                                keeps_outputs=COMPOSER_KEEPS_OUTPUTS,
                                attention_kernel="flash-attention-2" if flash2 else "flash-attention-triton", **fabric)
 
@@ -165,15 +171,9 @@ def _memory(results) -> str:
               res.per_device.peak_bytes / res.device_capacity_bytes) for r, _, _, _, res in results]
     over = [x for x in share if x[1] > 1]
     worst = max(share, key=lambda x: x[1])
-    at_step = sum(res.per_device.peak_phase == "optimizer step" and res.per_device.reserved_peak_bytes >
-                  res.device_capacity_bytes for *_, res in results)
     return (f"- memory: {len(over)}/{len(share)} published runs predicted not to fit (reserved peak over the "
             f"device; allocated peak over it: {sum(x[2] > 1 for x in share)}); highest reserved peak "
-            f"{worst[1]:.0%} of the device (line {worst[0].line}), median {statistics.median(x[1] for x in share):.0%}. "
-            f"{at_step} of those peak at the optimizer step, where the planner's adamw (torch's foreach AdamW) "
-            "copies the whole shard's exp_avg_sq; the yamls' decoupled_adamw, composer's DecoupledAdamW, steps one "
-            "parameter at a time (composer v0.14.0 optim/decoupled_weight_decay.py lines 248-275), two copies of one "
-            "flat parameter: an optimizer the planner does not have")
+            f"{worst[1]:.0%} of the device (line {worst[0].line}), median {statistics.median(x[1] for x in share):.0%}")
 
 
 def _summary(errors: list[float]) -> str:
