@@ -273,6 +273,8 @@ def _build(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer
     library each entry was read from; hyper-parameters change values, not memory."""
     if name == "adamw":
         return torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+    if name == "adamw-single-tensor":
+        return torch.optim.AdamW(params, lr=LR, weight_decay=0.0, foreach=False)
     if name == "sgd":
         return torch.optim.SGD(params, lr=LR)
     if name == "sgd-momentum":

@@ -13,9 +13,19 @@ rates come from kernel measurements: planner/time/kernels.py). The A100 tables' 
 1,600 Gb/s RoCE per node (8 x roce-200g); the H100 tables name no fabric, so the h100-80gb
 preset's is used.
 
-MPT as the planner reads it: a GPT-2 config (learned positions, LayerNorm, plain GELU MLP of 4 x
-d_model, tied embeddings, vocabulary 50,368) with MPT's widths; GPT-2 has biases where MPT has
-none (d_model-sized vectors: no FLOPs and under 0.1% of the parameters). Attention: the runs were
+MPT as the planner reads it: a GPT-2 config (learned positions, LayerNorm, plain MLP of 4 x d_model,
+tied embeddings, vocabulary 50,368) with MPT's widths. The benchmark yamls set none of alibi, no_bias
+or learned_pos_emb, so the runs had MPTConfig's defaults (llmfoundry/models/mpt/configuration_mpt.py
+at 5f43bf1 and 5e85bd6: alibi False, learned_pos_emb True, no_bias False): learned positions and
+biases, as GPT-2 has; submit_benchmarks.py sets low_precision_layernorm (line 270 at 5f43bf1; norm_type
+line 307 at 5e85bd6), a LayerNorm run in bf16 that saves what the planner's 16-bit LayerNorm saves.
+The MLP's activation is MPT's exact GELU, one fused op (activation_function "gelu": MPT_ACTIVATION),
+not GPT-2's default gelu_new, which is composed in Python and saves 2.5 times as much. The loss is
+llm-foundry's default, flash-attn's cross-entropy on the bf16 logits, and composer's loop keeps the
+outputs (MPT_LOSS, COMPOSER_KEEPS_OUTPUTS). The optimizer, the yamls' decoupled_adamw (composer's
+DecoupledAdamW: fp32 exp_avg and exp_avg_sq, AdamW's states), steps one parameter at a time, as
+torch's AdamW(foreach=False) does (MPT_OPTIMIZER), where torch's default foreach AdamW copies the
+shard's exp_avg_sq whole. Attention: the runs were
 submitted by scripts/train/benchmarking/submit_benchmarks.py, whose `--attn_impl` defaults to
 `triton` (line 119 at 5f43bf1, May 2023, when the A100 tables appeared; line 144 at 5e85bd6, January
 2024, whose sweep.sh, the H100 runs, does not override it): MPT's triton_flash_attn_fn, FlashAttention's
@@ -69,6 +79,24 @@ SOURCE = ("https://github.com/mosaicml/llm-foundry/blob/8c8dd48f72168c5d51e2f7b1
 MPT = {"125m": (768, 12, 12), "350m": (1024, 16, 24), "760m": (1536, 12, 24), "1b": (2048, 16, 24),
        "3b": (2560, 20, 32), "7b": (4096, 32, 32), "13b": (5120, 40, 40), "30b": (7168, 56, 48),
        "70b": (8192, 64, 80)}
+# MPTMLP's activation: nn.GELU(approximate='none') (llmfoundry/models/layers/blocks.py line 25 at 5f43bf1;
+# ffn.py _FFN_ACT_FN_DEFAULT, torch.nn.functional.gelu with approximate 'none', lines 23-26 at 5e85bd6):
+# one fused op, GPT-2's activation_function "gelu", not its default gelu_new (composed in Python)
+MPT_ACTIVATION = "gelu"
+# the loss: ComposerMPTCausalLM's loss_fn defaults to fused_crossentropy, flash-attn's CrossEntropyLoss
+# (llmfoundry/models/mpt/modeling_mpt.py lines 584-589 at 5f43bf1, flash-attn 1.0.3.post0 with its
+# xentropy extension; lines 981-987 at 5e85bd6, flash-attn 2.4.2 under gpu-flash2), on the bf16 logits
+# without an upcast; no benchmark yaml sets loss_fn. Composer's training loop keeps the model's
+# outputs through backward: ``self.state.outputs = self.state.model(self.state.batch)`` then
+# ``microbatch_loss.backward()`` (composer/trainer/trainer.py lines 2276 and 2340 at v0.14.0, the A100
+# tables' pin; 2417 and 2481 at v0.17.2, 5e85bd6's), so the logits stay live (keeps_outputs)
+MPT_LOSS = "flash-attn"
+COMPOSER_KEEPS_OUTPUTS = True
+# the optimizer: every benchmark yaml names decoupled_adamw (line 60 of scripts/train/yamls/mpt/<size>.yaml
+# at 5f43bf1 and of yamls/pretrain/mpt-<size>.yaml at 5e85bd6; submit_benchmarks.py leaves it), which
+# llmfoundry/utils/builders.py builds as composer's DecoupledAdamW (line 89 at 5f43bf1, 361 at 5e85bd6):
+# AdamW's two fp32 moments, stepped one parameter at a time (adamw-single-tensor), not torch's foreach
+MPT_OPTIMIZER = "adamw-single-tensor"
 GPU = {"a100_40gb": "a100-40gb", "a100_80gb": "a100-80gb", "h100_80gb": "h100-80gb"}
 SHARDING = {"FULL_SHARD": "fsdp", "SHARD_GRAD_OP": "fsdp-grad-op"}
 WITHIN = 0.15
@@ -107,6 +135,7 @@ class Row:
         d, heads, layers = MPT[self.model]
         config = {"model_type": "gpt2", "n_embd": d, "n_head": heads, "n_layer": layers, "n_inner": 4 * d,
                   "n_positions": self.seq_len, "vocab_size": 50368, "tie_word_embeddings": True,
+                  "activation_function": MPT_ACTIVATION,
                   "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
         nodes = max(1, self.gpus // 8)
         fabric = {"fabric": "roce-200g", "nics_per_node": 8} if self.gpu.startswith("a100") else {}
@@ -115,7 +144,9 @@ class Row:
                                strategy=SHARDING[self.sharding], seq_len=self.seq_len, micro_batch=self.micro_batch,
                                gradient_accumulation=self.accumulation, precision="bf16-mixed",
                                reduce_dtype=REDUCE_DTYPE[self.mp_mode],
-                               checkpointing="full" if self.checkpointing else "none",
+                               checkpointing="full" if self.checkpointing else "none", loss=MPT_LOSS,
+                               optimizer=MPT_OPTIMIZER,
+                               keeps_outputs=COMPOSER_KEEPS_OUTPUTS,
                                attention_kernel="flash-attention-2" if flash2 else "flash-attention-triton", **fabric)
 
 
@@ -130,7 +161,19 @@ def rows() -> list[Row]:
 def predict(row: Row):
     result = estimate_with_time(row.request())
     t = result.time
-    return t.tokens_per_second / result.world_size, t
+    return t.tokens_per_second / result.world_size, t, result
+
+
+def _memory(results) -> str:
+    """Every row ran, so every row fits: the rows whose predicted peaks exceed the device are the
+    memory model's (or this bench's) error, shown beside the time's."""
+    share = [(r, res.per_device.reserved_peak_bytes / res.device_capacity_bytes,
+              res.per_device.peak_bytes / res.device_capacity_bytes) for r, _, _, _, res in results]
+    over = [x for x in share if x[1] > 1]
+    worst = max(share, key=lambda x: x[1])
+    return (f"- memory: {len(over)}/{len(share)} published runs predicted not to fit (reserved peak over the "
+            f"device; allocated peak over it: {sum(x[2] > 1 for x in share)}); highest reserved peak "
+            f"{worst[1]:.0%} of the device (line {worst[0].line}), median {statistics.median(x[1] for x in share):.0%}")
 
 
 def _summary(errors: list[float]) -> str:
@@ -151,9 +194,9 @@ def _unexplained(data: list[Row], results) -> str:
         by_config.setdefault(key, {})[r.gpu] = r.published
     short = [v["h100_80gb"] / v["a100_80gb"] for k, v in by_config.items()
              if k[1] <= 4096 and {"h100_80gb", "a100_80gb"} <= v.keys()]
-    flash2 = [e for r, _, e, _ in results if r.table == LARGE_SCALE_TABLE and r.model in FLASH2_IN_SWEEP]
-    long = [e for r, _, e, _ in results if r.seq_len > 16384]
-    h100 = [(r, e) for r, _, e, _ in results if r.gpu == "h100_80gb"]
+    flash2 = [e for r, _, e, _, _ in results if r.table == LARGE_SCALE_TABLE and r.model in FLASH2_IN_SWEEP]
+    long = [e for r, _, e, _, _ in results if r.seq_len > 16384]
+    h100 = [(r, e) for r, _, e, _, _ in results if r.gpu == "h100_80gb"]
     post = [e for r, e in h100 if r.prefetch == COMPOSER_PREFETCH]
     pre = [(r, e) for r, e in h100 if r.prefetch != COMPOSER_PREFETCH]
     grad_op = [e for r, e in pre if r.sharding == "SHARD_GRAD_OP"]
@@ -185,9 +228,9 @@ def report(show_rows: bool) -> str:
     data = rows()
     results = []
     for row in data:
-        tps, t = predict(row)
-        results.append((row, tps, (tps - row.published) / row.published, t))
-    errors = [e for _, _, e, _ in results]
+        tps, t, res = predict(row)
+        results.append((row, tps, (tps - row.published) / row.published, t, res))
+    errors = [e for _, _, e, _, _ in results]
     out = [f"Published: MosaicML llm-foundry's MPT throughput tables ({len(data)} bf16 rows, [source]({SOURCE})); "
            "predicted: `planner estimate` of the same configuration, tokens/s per GPU. No constant fitted to them.",
            "", f"- all rows: {_summary(errors)}"]
@@ -197,17 +240,19 @@ def report(show_rows: bool) -> str:
                        ("model", lambda r: "<=1b" if r.model in ("125m", "350m", "760m", "1b") else ">=3b"),
                        ("H100 FSDP prefetch", lambda r: r.prefetch if r.gpu == "h100_80gb" else None)):
         groups: dict[str, list[float]] = {}
-        for row, _, e, _ in results:
+        for row, _, e, _, _ in results:
             if key(row) is not None:
                 groups.setdefault(key(row), []).append(e)
         out += [f"- by {label} {name}: {_summary(v)}" for name, v in sorted(groups.items())]
-    out += ["", _unexplained(data, results)]
+    out += [_memory(results), "", _unexplained(data, results)]
     if show_rows:
-        out += ["", "| line | GPU | model | seq | GPUs | micro x accum | ckpt | published | predicted | error | MFU pred | HFU pred |",
-                "|---:|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|"]
+        out += ["", "| line | GPU | model | seq | GPUs | micro x accum | ckpt | published | predicted | error | MFU pred | "
+                "HFU pred | reserved / device |",
+                "|---:|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"]
         out += [f"| {r.line} | {r.gpu} | {r.model} | {r.seq_len:,} | {r.gpus} | {r.micro_batch} x {r.accumulation} | "
                 f"{'full' if r.checkpointing else 'none'} | {r.published:,.0f} | {p:,.0f} | {e:+.1%} | "
-                f"{t.mfu:.1%} | {t.hfu:.1%} |" for r, p, e, t in results]
+                f"{t.mfu:.1%} | {t.hfu:.1%} | "
+                f"{res.per_device.reserved_peak_bytes / res.device_capacity_bytes:.0%} |" for r, p, e, t, res in results]
     return "\n".join(out)
 
 

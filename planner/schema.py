@@ -253,7 +253,8 @@ NcclBuffsizeField = Annotated[int | None, Field(
 
 # the optimizer (planner/recipes/optimizers.py, one entry each), the same on estimate and plan
 OptimizerField = Annotated[Optimizer, Field(
-    description="optimizer: adamw (torch), adamw-8bit / adamw-paged-8bit (bitsandbytes), adamw-torchao-8bit / "
+    description="optimizer: adamw (torch; foreach on CUDA), adamw-single-tensor (torch's AdamW(foreach=False), "
+    "composer's DecoupledAdamW: one parameter at a time), adamw-8bit / adamw-paged-8bit (bitsandbytes), adamw-torchao-8bit / "
     "adamw-torchao-4bit (torchao low-bit states), adafactor (torch, factored second moment), lion (bitsandbytes, "
     "32-bit), sgd (no state), sgd-momentum, muon (torch Muon on 2-D hidden weights, AdamW for the rest)")]
 OptimizerInBackwardField = Annotated[bool, Field(
@@ -264,7 +265,8 @@ OptimizerInBackwardField = Annotated[bool, Field(
 # the recipe's fields (issue 21), shared by EstimateRequest and PlanRequest (the plan is asked with the recipe)
 LossField = Annotated[Loss, Field(
     description="loss implementation: hf (transformers' cross-entropy on the whole logits), chunked (torchtune's "
-    "chunked output loss), liger-fused (Liger's fused linear cross-entropy), cce (Cut Cross-Entropy), vocab-parallel "
+    "chunked output loss), liger-fused (Liger's fused linear cross-entropy), cce (Cut Cross-Entropy), flash-attn "
+    "(flash-attn's cross-entropy on the compute-dtype logits: llm-foundry's fused_crossentropy), vocab-parallel "
     "(tp's loss_parallel)")]
 LossChunksField = Annotated[int | None, Field(ge=1, le=1 << 16, description="loss=chunked: chunks (default 8, "
                                               "torchtune's)")]

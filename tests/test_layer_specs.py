@@ -9,11 +9,12 @@ tests/real_runs.py check the same numbers end to end.
 
 import pytest
 
+from planner.errors import PlannerError
 from planner.model.activations import block_saved_bytes
 from planner.model.architecture import from_hf_config, layer_specs
 from planner.model.layers import layer_numels
-from tests.real_runs import (DEEPSEEK_V2, DEEPSEEK_V3, GEMMA2, GEMMA3, GPT_OSS, LLAMA, LLAMA4, LLAMA_TP, MISTRAL, OLMO2,
-                             QWEN2, QWEN3, QWEN3_MOE, SMOLLM3)
+from tests.real_runs import (DEEPSEEK_V2, DEEPSEEK_V3, GEMMA2, GEMMA3, GPT2, GPT_OSS, LLAMA, LLAMA4, LLAMA_TP, MISTRAL,
+                             OLMO2, QWEN2, QWEN3, QWEN3_MOE, SMOLLM3)
 
 CASES = [
     ("qwen3", QWEN3, "bf16", 256), ("qwen3", QWEN3, "fp32", 256), ("olmo2", OLMO2, "bf16", 256),
@@ -38,7 +39,8 @@ def _measured_blocks(config, dtype_name, micro, seq, attention, autocast=False):
     model = transformers.AutoModelForCausalLM.from_config(hf, attn_implementation=attention, dtype=dtype)
     model.train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen, blocks, current = set(), [0] * len(model.model.layers), [None]
+    layers = model.transformer.h if hf.model_type == "gpt2" else model.model.layers
+    seen, blocks, current = set(), [0] * len(layers), [None]
 
     def pack(tensor):
         storage = tensor.untyped_storage()
@@ -48,7 +50,7 @@ def _measured_blocks(config, dtype_name, micro, seq, attention, autocast=False):
                 blocks[current[0]] += storage.nbytes()
         return tensor
 
-    for index, layer in enumerate(model.model.layers):
+    for index, layer in enumerate(layers):
         layer.register_forward_pre_hook(lambda m, a, i=index: current.__setitem__(0, i))
         layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None))
     ids = torch.randint(0, config["vocab_size"], (micro, seq))
@@ -95,3 +97,23 @@ def test_autocast_block_saved_bytes_match_autograd(name, config):
         assert predicted + weights == measured[index], (name, index)
         plain = block_saved_bytes(arch, spec, micro * seq, seq, micro, 2, "sdpa", device="cpu")
         assert predicted - plain == 10 * micro * seq * hidden
+
+
+@pytest.mark.parametrize("activation", ["gelu_new", "gelu", "gelu_pytorch_tanh", "silu", "relu"])
+def test_gpt2_activation_saved_bytes_match_autograd(activation):
+    """GPT-2's activation_function decides what its MLP saves (architecture.ACTIVATION_SAVED): NewGELU,
+    composed in Python, five inner-width tensors; one fused op two (or one: relu). MPT's exact GELU
+    (llm-foundry's MPTMLP, nn.GELU(approximate='none')) is activation_function gelu here."""
+    micro, seq = 2, 128
+    config = GPT2 | {"activation_function": activation, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    arch = from_hf_config(config)
+    assert arch.mlp_activation == ("" if activation == "gelu_new" else activation)
+    measured = _measured_blocks(config, "bf16", micro, seq, "sdpa")
+    for index, spec in enumerate(layer_specs(arch)):
+        predicted = block_saved_bytes(arch, spec, micro * seq, seq, micro, 2, "sdpa", device="cpu")
+        assert predicted == pytest.approx(measured[index], rel=0.005), (activation, index)
+
+
+def test_gpt2_unknown_activation_is_refused():
+    with pytest.raises(PlannerError, match="activation_function 'quick_gelu' is not modelled"):
+        from_hf_config(GPT2 | {"activation_function": "quick_gelu"})

@@ -177,6 +177,42 @@ def test_cce_recomputes_the_logits_and_liger_moves_fewer_bytes():
     assert terms["hf"]["elementwise and loss"] - terms["cce"]["elementwise and loss"] == pytest.approx(28 * per_logit)
 
 
+# --- flash-attn's cross-entropy (llm-foundry's fused_crossentropy) ----------------------------------
+
+def test_flash_attn_saves_the_compute_dtype_logits_and_makes_one_gradient_of_their_shape():
+    hf, flash = _acts(), _acts(loss="flash-attn")
+    held = 2 * T * V + 4 * T + 8 * T  # bf16 logits, fp32 lse, int64 labels (save_for_backward)
+    assert flash.saved_bytes - hf.saved_bytes == held - (4 * T * V + 8 * T)
+    assert flash.edges.loss_saved == held
+    assert flash.loss_transient_bytes == 2 * T * V  # dlogits = torch.empty_like(logits), bf16
+
+
+def test_flash_attn_under_a_loop_that_keeps_its_outputs_counts_the_logits_once():
+    """Composer keeps the model's outputs through backward: their logits are the tensor the loss saves."""
+    flash = estimate(EstimateRequest(**GPU, loss="flash-attn"))
+    kept = estimate(EstimateRequest(**GPU, loss="flash-attn", keeps_outputs=True))
+    assert _acts(loss="flash-attn", keeps_outputs=True).edges.loss_saved == 4 * T + 8 * T
+    # the loss's backward: the logits and their gradient, either way; the held logits then outlive it
+    assert kept.per_device.peak_bytes >= flash.per_device.peak_bytes
+    assert kept.per_device.resident_bytes - flash.per_device.resident_bytes == 2 * T * V
+    assert any("flash-attn" in n and "unverified" in n for n in kept.notes)
+
+
+@pytest.mark.parametrize("fields,words", [(dict(gpu="cpu"), "GPU only"), (dict(gpus=4, tp=2), "tp=2")])
+def test_flash_attn_refusals_name_the_field(fields, words):
+    with pytest.raises(PlannerError) as err:
+        estimate(EstimateRequest(**GPU | fields | {"loss": "flash-attn"}))
+    assert err.value.field == "loss" and words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_flash_attn_moves_three_compute_dtype_bytes_per_logit():
+    hf, flash = (estimate_with_time(EstimateRequest(**GPU, loss=loss)).time for loss in ("hf", "flash-attn"))
+    r = kernels.rates(__import__("planner.cluster.gpus", fromlist=["gpu"]).gpu("h100-80gb"), "bf16")
+    terms = {name: {t.name: t.seconds for t in x.terms} for name, x in (("hf", hf), ("flash", flash))}
+    assert terms["hf"]["elementwise and loss"] - terms["flash"]["elementwise and loss"] == pytest.approx(
+        (28 - 6) * T * V / r.memory_bytes_per_s)
+
+
 # --- low-precision linears ----------------------------------------------------------------------------
 
 LP = dict(model_config=LLAMA, gpus=2, gpu="h100-80gb", strategy="fsdp", micro_batch=1, seq_len=1024)

@@ -67,6 +67,25 @@ def test_step_temporaries_from_the_library_source():
     assert OPTIMIZERS["adafactor"].cuda_temporaries([MLP, NORM, MLP], 16, 1) == 2 * 2 * 176_128
 
 
+def test_single_tensor_adamw_copies_one_tensor_at_a_time_on_cuda():
+    """torch's AdamW(foreach=False) and composer's DecoupledAdamW: exp_avg_sq.sqrt() and its quotient by
+    the bias correction, for one parameter at a time; the foreach path copies the group's exp_avg_sq."""
+    group = [MLP, NORM, MLP, EMBED]
+    assert OPTIMIZERS["adamw-single-tensor"].cuda_temporaries(group, 32, 1) == 2 * 4 * 4096 * 256
+    assert OPTIMIZERS["adamw"].cuda_temporaries(group, 32, 1) == 4 * (2 * 176_128 + 256 + 4096 * 256)
+    assert states("adamw-single-tensor", MLP) == states("adamw", MLP)
+
+
+def test_single_tensor_adamw_lowers_the_fsdp_step_peak():
+    fields = dict(model_config=LLAMA, gpus=2, gpu="h100-80gb", strategy="fsdp", micro_batch=1, seq_len=256)
+    foreach = estimate(EstimateRequest(**fields))
+    loop = estimate(EstimateRequest(**fields, optimizer="adamw-single-tensor"))
+    step = {p.name: p.bytes for p in foreach.phases}["optimizer step"]
+    assert {p.name: p.bytes for p in loop.phases}["optimizer step"] < step
+    assert loop.per_device.optimizer_states_bytes == foreach.per_device.optimizer_states_bytes
+    assert any("foreach=False" in n for n in loop.notes)
+
+
 def test_newton_schulz_flops():
     # five iterations of X X^T (2 k^2 l), the Gram's square (2 k^3) and its product with X (2 k^2 l)
     assert OPTIMIZERS["muon"].flops(MLP) == 5 * (4 * 256 * 256 * 688 + 2 * 256 ** 3)

@@ -12,7 +12,7 @@ from planner.parallel.context import cp_activations
 from planner.errors import PlannerError
 from planner.recipes.activation_offload import offloaded, on_shared_memory
 from planner.recipes.finetune import lora_activations
-from planner.recipes.losses import FUSED, check_fused, loss_kernel, with_fused_loss
+from planner.recipes.losses import KERNEL_LOSSES, check_fused, loss_kernel, with_fused_loss
 from planner.recipes.low_precision import converted_weight_elements, recipe_of, with_low_precision
 from planner.setup import Setup
 from planner.parallel.tensor import tp_activations
@@ -42,7 +42,7 @@ def _rank_activations(setup: Setup) -> Activations | None:
     recipe = recipe_of(setup.request.low_precision)
     if recipe is not None:  # a data-parallel full fine-tune (check_low_precision): the whole model's blocks
         acts = with_low_precision(acts, setup.arch, recipe, setup.request.micro_batch * setup.request.seq_len)
-    if setup.request.loss not in FUSED:
+    if setup.request.loss not in KERNEL_LOSSES:
         return acts
     # the fused kernel reads the final norm's output (fp32 under autocast over fp32 weights) and
     # the LM head's weight as the forward sees it (fp32 under autocast, the compute copy otherwise)
@@ -56,7 +56,7 @@ def _rank_activations(setup: Setup) -> Activations | None:
                            rows=rows, hidden=arch.hidden_size,
                            vocab=arch.vocab_size, compute_bytes=compute, hidden_bytes=hidden_bytes,
                            weight_bytes=FP32 if autocast else compute, head_trained=head_trained,
-                           softcap=arch.final_logit_softcapping)
+                           softcap=arch.final_logit_softcapping, logits_held=req.keeps_outputs)
 
 
 def _activations(setup: Setup) -> tuple[Activations, bool]:

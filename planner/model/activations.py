@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from planner.model.architecture import Architecture, active_parameter_count, distinct_specs, layer_specs
+from planner.model.architecture import (ACTIVATION_SAVED, Architecture, active_parameter_count, distinct_specs,
+                                        layer_specs)
 from planner.model.attention.kinds import kind_of
 from planner.errors import PlannerError
 from planner.model.layers import AttentionSpec, LayerSpec, MlpSpec
@@ -217,9 +218,8 @@ def _mlp_saved(a: Architecture, tokens: int, b: int) -> int:
         per_expert_tokens = tokens * a.experts_per_token if a.is_moe else tokens
         return 4 * b * per_expert_tokens * inner
     if a.model_type == "gpt2":
-        # NewGELUActivation, 0.5*x*(1+tanh(c*(x+0.044715*x**3))) in Python: c_fc output, the
-        # tanh output, 1+tanh, 0.5*x, and their product (saved by c_proj)
-        return 5 * b * tokens * inner
+        # GPT-2's activation_function (architecture.ACTIVATION_SAVED: NewGELU's five tensors by default)
+        return ACTIVATION_SAVED[a.mlp_activation or "gelu_new"] * b * tokens * inner
     # up output (saved by the activation), activation output (saved by down/c_proj)
     return 2 * b * tokens * inner
 

@@ -24,6 +24,15 @@ from planner.model.layers import (AttentionSpec, LayerSpec, MlpSpec, layer_numel
                                   routed_inactive_numels)
 
 Mlp = Literal["gated", "plain"]
+# What a plain MLP's activation keeps for backward, in tensors of the MLP's inner width, the output
+# that the down projection saves included, by transformers 5.25's ACT2FN name (activations.py):
+# NewGELUActivation (gelu_new, GPT-2's default) is composed in Python, 0.5*x*(1+tanh(c*(x+0.044715*x**3))):
+# the up projection's output (saved by pow), the tanh output, 0.5*x and 1+tanh (saved by their
+# product) and the product: 5. A single ATen op saves its input (gelu, gelu_pytorch_tanh: F.gelu;
+# silu, swish: F.silu) beside its output: 2; relu saves only its output (threshold_backward reads
+# the result), which the down projection saves too: 1. Measured with saved-tensor hooks
+# (tests/test_layer_specs.py test_gpt2_activation_saved_bytes_match_autograd).
+ACTIVATION_SAVED = {"gelu_new": 5, "gelu": 2, "gelu_pytorch_tanh": 2, "silu": 2, "swish": 2, "relu": 1}
 Norm = Literal["rmsnorm", "layernorm"]
 
 # Sizes above these are not a model anyone trains; they are typing mistakes (a hidden size of
@@ -67,6 +76,9 @@ class Architecture(BaseModel):
     hidden_dropout: float = Field(default=0.0, ge=0.0, lt=1.0,
                                   description="dropout on residual branches and embeddings")
     final_logit_softcapping: bool = Field(default=False, description="tanh soft-capping of the logits (Gemma-2)")
+    mlp_activation: str = Field(default="", description="the plain MLP's activation by its transformers ACT2FN name "
+                                "when the config chooses one other than the family's own (GPT-2's activation_function; "
+                                "'' = gelu_new); activations.py counts what it saves")
     max_position_embeddings: int = Field(default=0, ge=0, description="longest sequence the config supports")
     layers: tuple[LayerSpec, ...] = Field(
         default=(), description="the blocks in order, when they are not all alike or differ from the flat "
@@ -109,7 +121,7 @@ class Architecture(BaseModel):
         """Stacks of alike blocks dump exactly as before layer specs existed; an explicit stack
         dumps as runs of equal blocks ({count, spec})."""
         data = handler(self)
-        for key in ("notes", "attention_implementation", "vision_numels"):
+        for key in ("notes", "attention_implementation", "vision_numels", "mlp_activation"):
             if data.get(key) == Architecture.model_fields[key].default:
                 data.pop(key, None)
         if not self.layers:
@@ -492,6 +504,10 @@ def _read_gpt2(f: _Fields) -> dict[str, Any]:
         raise PlannerError(f"{f.source}: n_embd({hidden}) is not divisible by n_head({heads})", field=f.key("n_embd"))
     positions = f.int("n_positions", 1024, aliases=("max_position_embeddings",))
     inner = f.opt_int("n_inner") or 4 * hidden
+    activation = f.fields.get("activation_function", "gelu_new")
+    if activation not in ACTIVATION_SAVED:
+        raise PlannerError(f"{f.source}: activation_function {activation!r} is not modelled (what autograd saves is "
+                           f"counted for {', '.join(ACTIVATION_SAVED)})", field=f.key("activation_function"))
     return dict(
         vocab_size=f.int("vocab_size", 50257), hidden_size=hidden,
         num_layers=f.int("n_layer", 12, aliases=("num_hidden_layers",)),
@@ -501,7 +517,7 @@ def _read_gpt2(f: _Fields) -> dict[str, Any]:
         tie_word_embeddings=f.bool("tie_word_embeddings", True), learned_positions=positions,
         attention_dropout=f.prob("attn_pdrop", 0.1),
         hidden_dropout=max(f.prob("resid_pdrop", 0.1), f.prob("embd_pdrop", 0.1)),
-        max_position_embeddings=positions,
+        max_position_embeddings=positions, mlp_activation="" if activation == "gelu_new" else activation,
     )
 
 

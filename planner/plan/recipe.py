@@ -6,7 +6,7 @@ for. planner/plan/search.py reads these and keeps its search as it is.
 from __future__ import annotations
 
 from planner.errors import PlannerError
-from planner.recipes.losses import FUSED
+from planner.recipes.losses import KERNEL_LOSSES
 from planner.schema import PlanRequest
 
 # the estimate fields a plan carries unchanged into every candidate (their defaults are left out,
@@ -31,7 +31,7 @@ def checkpointings(req: PlanRequest) -> tuple[str, ...]:
 
 def _data_parallel_only(req: PlanRequest) -> tuple[str, str] | None:
     """(field, value) of a recipe field the estimate models for data-parallel layouts only."""
-    if req.loss == "chunked" or req.loss in FUSED:
+    if req.loss == "chunked" or req.loss in KERNEL_LOSSES:
         return "loss", req.loss
     if req.low_precision != "none":
         return "low_precision", req.low_precision

@@ -20,6 +20,12 @@
   where no Triton kernel runs, its ``impl="torch_compile"`` (torch_compile.py): the logits
   materialised and cross-entropied under torch.compile, which saves them for backward
   (``cce_compile_memory``); the loss kernel is chosen by the device (``loss_kernel``).
+- ``flash-attn``: flash-attn's CrossEntropyLoss (flash_attn/losses/cross_entropy.py; the loss
+  llm-foundry's MPT trains with by default, ``loss_fn: fused_crossentropy``): the LM head's logits
+  in the compute dtype go to one kernel without an fp32 upcast; it saves those logits, the fp32
+  log-sum-exp per token and the labels, and its backward writes the gradient into a new tensor of
+  the logits' shape and dtype (``flash_attn_memory``). The same in 1.0.x (the CUDA xentropy
+  extension) and 2.x (a Triton kernel).
 - ``vocab-parallel``: torch tensor parallelism's loss_parallel (tp > 1 on a torch strategy): the
   logits stay sharded over tp (planner/parallel/tensor.py loss_parallel_extra_bytes), verified by
   the tp runs of tests/real_runs.py on gloo (backend/train_parallel.py computes the loss under
@@ -31,6 +37,8 @@
 Liger and CCE's Triton kernels run on a GPU only: their terms are read from the source, not
 measured here, and every result that uses them says so (``loss_notes``); bench/gpu_check.py
 measures them. CCE's torch_compile implementation is measured on CPU ranks (tests/real_runs.py).
+flash-attn's (Triton in 2.x, a CUDA extension in 1.0.x) runs on a GPU only and is read from the
+source, unverified.
 """
 
 from __future__ import annotations
@@ -42,8 +50,10 @@ from typing import Any, Literal
 from planner.errors import PlannerError
 from planner.model.activations import FP32, ActivationItem, Activations, EdgeTerms
 
-Loss = Literal["hf", "chunked", "liger-fused", "cce", "vocab-parallel"]
-FUSED = ("liger-fused", "cce")
+Loss = Literal["hf", "chunked", "liger-fused", "cce", "flash-attn", "vocab-parallel"]
+FUSED = ("liger-fused", "cce")  # the LM head and the loss in one function: no logits returned
+# the kernels whose terms replace HF's loss (with_fused_loss), data-parallel layouts only
+KERNEL_LOSSES = (*FUSED, "flash-attn")
 # torchtune modules/loss/ce_chunked_output_loss.py CEWithChunkedOutputLoss(num_output_chunks=8);
 # torchtitan b5bcd76 components/loss.py ChunkedLossWrapper.Config.num_chunks = 8
 DEFAULT_CHUNKS = 8
@@ -51,6 +61,8 @@ LABELS = 8  # the shifted int64 labels (transformers loss_utils.py:66), kept by 
 LIGER_SOURCE = "Liger-Kernel 0.8.5 liger_kernel/ops/fused_linear_cross_entropy.py"
 CCE_SOURCE = "cut-cross-entropy 25.1.1 cut_cross_entropy/cce.py, cce_backward.py, cce_lse_forward.py"
 CCE_COMPILE_SOURCE = "cut-cross-entropy 25.1.1 cut_cross_entropy/torch_compile.py, utils.py"
+FLASH_ATTN_SOURCE = ("flash-attn 2.4.2 flash_attn/ops/triton/cross_entropy.py (1.0.3 "
+                     "flash_attn/losses/cross_entropy.py with csrc/xentropy)")
 # The loss kernel that runs CCE on a CPU rank (loss_kernel): not a user choice, the device's
 CCE_COMPILE = "cce-torch-compile"
 
@@ -73,13 +85,13 @@ def loss_chunks(request: Any, why_not: str | None, torch_tp: bool, fused_why_not
     if request.loss_chunks is not None and loss != "chunked":
         raise PlannerError(f"loss_chunks={request.loss_chunks} applies to loss=chunked, not loss={loss}",
                            field="loss_chunks")
-    if loss in ("chunked", *FUSED) and getattr(request, "params", None) is not None:
+    if loss in ("chunked", *KERNEL_LOSSES) and getattr(request, "params", None) is not None:
         raise PlannerError(f"loss={loss} needs an architecture (its terms are tokens x vocabulary): give model or "
                            "model_config, not params", field="loss")
     if loss == "vocab-parallel" and not torch_tp:
         raise PlannerError("loss=vocab-parallel is tensor parallelism's loss_parallel: it needs tp > 1 on a torch "
                            "strategy (fsdp, hsdp)", field="loss")
-    blocked = why_not if loss == "chunked" else fused_why_not if loss in FUSED else None
+    blocked = why_not if loss == "chunked" else fused_why_not if loss in KERNEL_LOSSES else None
     if blocked:
         raise PlannerError(f"loss={loss} with {blocked}: modelled for a data-parallel layout (single, ddp, zero0-3, "
                            "fsdp, hsdp)" + (" of a full fine-tune" if loss == "chunked" else ""), field="loss")
@@ -95,7 +107,12 @@ def check_fused(loss: str, hidden_bytes: int, gpu_is_cpu: bool, softcap: bool) -
     fp16"``): on a GPU an fp32 stream (precision fp32, or autocast over fp32 weights, where the
     final norm returns fp32) is refused as the library refuses it; its torch_compile
     implementation (CPU ranks) takes any dtype but is modelled without soft-capping (which adds a
-    compiled tanh whose saved tensors are not measured here)."""
+    compiled tanh whose saved tensors are not measured here). flash-attn's cross-entropy is Triton
+    (2.x) or CUDA (1.0.x's xentropy; its CrossEntropyLoss asserts ``input.is_cuda``): CPU ranks are
+    refused."""
+    if gpu_is_cpu and loss == "flash-attn":
+        raise PlannerError("loss=flash-attn is a Triton or CUDA kernel that runs on a GPU only; gpu cpu (CPU ranks) "
+                           "cannot run it: choose hf, chunked or cce for CPU ranks", field="loss")
     if gpu_is_cpu and loss == "liger-fused":
         raise PlannerError(f"loss={loss} is a Triton kernel that runs on a GPU only; gpu cpu (CPU ranks) cannot run "
                            "it: choose hf, chunked or cce for CPU ranks", field="loss")
@@ -210,9 +227,31 @@ def cce_compile_memory(tokens: int, rows: int, hidden: int, vocab: int, compute_
     return held, transient, items
 
 
+def flash_attn_memory(tokens: int, vocab: int, compute_bytes: int,
+                      logits_held: bool) -> tuple[int, int, list[ActivationItem]]:
+    """(held from the loss's forward to its backward, the backward's transient, items). The forward
+    (flash-attn 2.4.2 ops/triton/cross_entropy.py CrossEntropyLoss.forward; 1.0.3
+    losses/cross_entropy.py SoftmaxCrossEntropyLossFn.forward with xentropy_kernel.cu
+    host_softmax_xentropy) takes the logits as the LM head made them (the compute dtype: no upcast),
+    returns fp32 per-token losses and saves ``logits, lse, labels`` (2.4.2 line 225, 1.0.3 line 89;
+    lse fp32 per token). The backward allocates ``dlogits = torch.empty_like(logits)`` (2.4.2 line
+    238; 1.0.3's ``at::empty_like(logits_)``, xentropy_kernel.cu line 697) unless
+    inplace_backward, which CrossEntropyLoss defaults to False. ``logits_held``: the loop keeps the
+    model's outputs (keeps_outputs), whose logits are the very tensor the loss saves: counted once,
+    as the loop's held item."""
+    logits = compute_bytes * tokens * vocab
+    held = (0 if logits_held else logits) + FP32 * tokens + LABELS * tokens
+    items = [ActivationItem("loss (flash-attn): the logits in the compute dtype"
+                            + (" (the loop's held outputs)" if logits_held else "") + ", fp32 log-sum-exp per token, "
+                            "labels", held),
+             ActivationItem(f"backward transient at the loss (flash-attn backward: the logits' gradient {logits:,} B)",
+                            logits)]
+    return held, logits, items
+
+
 def with_fused_loss(acts: Activations, loss: str, *, tokens: int, rows: int, hidden: int, vocab: int,
                     compute_bytes: int, hidden_bytes: int, weight_bytes: int, head_trained: bool,
-                    softcap: bool) -> Activations:
+                    softcap: bool, logits_held: bool = False) -> Activations:
     """The activations with HF's loss terms (the fp32 log-probabilities saved, the two fp32
     gradients at its backward) replaced by the fused kernel's: the same blocks and final norm,
     another loss. ``hidden_bytes``: the dtype of the final norm's output (fp32 under autocast over
@@ -224,6 +263,8 @@ def with_fused_loss(acts: Activations, loss: str, *, tokens: int, rows: int, hid
     elif loss == "liger-fused":
         held, transient, items = liger_memory(tokens, hidden, vocab, compute_bytes, hidden_bytes, weight_bytes,
                                               head_trained)
+    elif loss == "flash-attn":
+        held, transient, items = flash_attn_memory(tokens, vocab, compute_bytes, logits_held)
     else:
         held, transient, items = cce_memory(tokens, hidden, vocab, compute_bytes, weight_bytes, head_trained)
     hf_saved = FP32 * tokens * vocab * (2 if softcap else 1) + LABELS * tokens
@@ -250,8 +291,11 @@ def loss_bytes_per_logit(loss: str, compute_bytes: int, hf_bytes: float) -> floa
     gradient once in place (liger_kernel/ops/cross_entropy.py:153, :209, :253): 3 x the compute
     dtype. CCE: none (the logits stay in SRAM tiles). CCE's torch_compile implementation: one fused
     inductor kernel reads the logits twice (the row max, then the sum of exponentials), the backward's
-    reads them once and writes their gradient in place: 4 x the compute dtype."""
-    if loss == "liger-fused":
+    reads them once and writes their gradient in place: 4 x the compute dtype. flash-attn 2.4.2: the
+    forward reads each row once (online max and sum, cross_entropy.py cross_entropy_fwd_kernel), the
+    backward reads it and writes its gradient (cross_entropy_bwd_kernel): 3 x the compute dtype (1.0.3's
+    CUDA forward reads the row twice, xentropy_kernel.cu cunn_SoftMaxXEntropyForward: one pass more)."""
+    if loss in ("liger-fused", "flash-attn"):
         return 3.0 * compute_bytes
     if loss == CCE_COMPILE:
         return 4.0 * compute_bytes
@@ -282,4 +326,7 @@ def loss_notes(loss: str) -> list[str]:
         return [f"loss: Cut Cross-Entropy ({CCE_SOURCE}): the logits never leave SRAM, the backward recomputes "
                 "them (one more LM-head matmul); gradient filtering (filter_eps) skips blocks and is not "
                 "credited in the time; Triton (GPU only): unverified here (bench/gpu_check.py measures it)"]
+    if loss == "flash-attn":
+        return [f"loss: flash-attn's cross-entropy ({FLASH_ATTN_SOURCE}): the logits in the compute dtype saved, "
+                "no fp32 copy, their gradient a new tensor of the same shape; GPU only: unverified here"]
     return []

@@ -20,7 +20,7 @@ from typing import Literal
 
 from planner.model.shapes import TensorShape
 
-OptimizerName = Literal["adamw", "adamw-8bit", "adamw-paged-8bit", "adamw-torchao-8bit", "adamw-torchao-4bit",
+OptimizerName = Literal["adamw", "adamw-single-tensor", "adamw-8bit", "adamw-paged-8bit", "adamw-torchao-8bit", "adamw-torchao-4bit",
                         "adafactor", "lion", "sgd", "sgd-momentum", "muon"]
 
 FP32 = 4
@@ -252,8 +252,19 @@ def _muon_states(t: TensorShape, bits: int) -> int:
 
 ADAMW = OptimizerSpec("adamw", "torch 2.13 torch/optim/adam.py (AdamW)", _adamw_states, _adamw_cpu, _adamw_cuda, 2,
                       deepspeed_offload=True)
+# torch.optim.AdamW(foreach=False) on CUDA (adam.py _single_tensor_adam, line 544: ``denom =
+# (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)``, one parameter at a time) and composer's
+# DecoupledAdamW (composer v0.14.0-v0.17.2 optim/decoupled_weight_decay.py DecoupledAdamW.adamw, lines
+# 248-275 at v0.14.0: the same loop, ``denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)``):
+# the foreach path's copy of the whole group's exp_avg_sq never exists; two copies of the largest
+# tensor do, as on the CPU path
+ADAMW_SINGLE_TENSOR = OptimizerSpec(
+    "adamw-single-tensor", "torch 2.13 torch/optim/adam.py AdamW(foreach=False), _single_tensor_adam; composer "
+    "0.14-0.17 optim/decoupled_weight_decay.py DecoupledAdamW (the same per-parameter loop)", _adamw_states,
+    _adamw_cpu, lambda tensors, bits, foreach: _adamw_cpu(tensors, bits), 2)
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     "adamw": ADAMW,
+    "adamw-single-tensor": ADAMW_SINGLE_TENSOR,
     "adamw-8bit": OptimizerSpec("adamw-8bit", "bitsandbytes 0.50 optim/adamw.py AdamW8bit (Optimizer2State, 8 bits)",
                                 lambda t, bits: _bnb_8bit_states(t, 2), _bnb_adam_cpu, _none, 2),
     "adamw-paged-8bit": OptimizerSpec("adamw-paged-8bit", "bitsandbytes 0.50 optim/adamw.py PagedAdamW8bit "
