@@ -6,14 +6,20 @@ Plans Llama-3-70B on 8 nodes of 8 H100s with a global batch whose per-rank share
 so that layouts (tp, and pp across the nodes) x strategies x checkpointing x offload x micro-batch
 exceed 10,000 candidates: a candidate is a (setting, micro-batch) whose step time (for a pipeline or
 expert layout, the bound of its compute) was computed. Then the plan of 1,024 GPUs (Llama-3-70B on
-128 nodes of 8 H100s, Llama 3's 4M-token batch: 1,024 sequences of 4,096 tokens). Prints the
-median over repeats, wall-clock and this process's CPU time (the machine may be shared).
+128 nodes of 8 H100s, Llama 3's 4M-token batch: 1,024 sequences of 4,096 tokens). Then issue 25's
+scale target as a user meets it, the whole process: `planner plan` of Llama-3.1-405B on 16,384 H100s
+(2,048 nodes of 8; Llama 3 paper Sec. 3.3: 2,048 sequences of 8,192 tokens) run as a fresh
+subprocess, interpreter start and imports included. Prints the median over repeats, wall-clock and
+CPU time (the machine may be shared).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +43,25 @@ def _measure(request: PlanRequest, repeat: int) -> tuple[float, float, int]:
     return statistics.median(seconds), statistics.median(cpu), evaluated
 
 
+LLAMA3_405B_PRETRAINING = ("--model", "llama-3.1-405b", "--gpu", "h100-80gb", "--gpus", "8", "--nodes", "2048",
+                           "--seq-len", "8192", "--global-batch", "2048")
+
+
+def _measure_process(arguments: tuple[str, ...], repeat: int) -> tuple[float, float]:
+    """(median wall-clock seconds, median CPU seconds) of `planner plan ARGUMENTS` as a fresh process."""
+    command = [sys.executable, "-m", "cli.main", "plan", *arguments]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    seconds, cpu = [], []
+    for _ in range(repeat):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+        seconds.append(time.perf_counter() - start)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    return statistics.median(seconds), statistics.median(cpu)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5)
@@ -47,13 +72,15 @@ def main() -> int:
     large = PlanRequest(model="llama-3-70b", gpu="h100-80gb", gpus=8, nodes=128, topology="hgx-h100",
                         seq_len=4096, global_batch=1024)
     (seconds, cpu, evaluated), (large_seconds, large_cpu, _) = (_measure(r, args.repeat) for r in (request, large))
-    import os
+    scale_seconds, scale_cpu = _measure_process(LLAMA3_405B_PRETRAINING, args.repeat)
 
     text = (f"`python bench/plan_speed.py --repeat {args.repeat}`: a full plan of Llama-3-70B on 8 nodes of 8 H100s, "
             f"**{evaluated:,} candidates in {seconds:.3f} s** (median of {args.repeat}; {cpu:.3f} s of CPU), "
             f"**{evaluated / seconds:,.0f} candidates/s** ({evaluated / cpu:,.0f} per CPU second); the plan of "
             f"1,024 GPUs (128 nodes of 8 H100s, global batch 1,024 x 4,096 tokens): **{large_seconds:.3f} s** "
-            f"({large_cpu:.3f} s of CPU), on {os.cpu_count()} CPU cores.")
+            f"({large_cpu:.3f} s of CPU); the whole `planner plan {' '.join(LLAMA3_405B_PRETRAINING)}` process "
+            f"(Llama 3 405B's pretraining setup on 16,384 H100s, interpreter start and imports included): "
+            f"**{scale_seconds:.2f} s** ({scale_cpu:.2f} s of CPU); on {os.cpu_count()} CPU cores.")
     from bench.readme import publish
 
     return publish(text, args.readme, "planspeed")

@@ -272,13 +272,10 @@ def test_llama3_pretraining_setup_is_planned_with_families_and_a_reason():
     """The Llama 3 405B pretraining setup (Llama 3 paper, Sec. 3.3: 16,384 H100, 8,192 tokens,
     2,048 sequences per step) is accepted: the batch divides the data-parallel ranks of the TP 8
     layouts (2,048 with dp alone over tp 8; 128 at TP8 x PP16), not the world; the table lists the
-    best of each layout family and says why the winner won against each."""
-    import time
-
-    start = time.perf_counter()
+    best of each layout family and says why the winner won against each. (Its time, under 3 s for the
+    whole process, is a benchmark: bench/plan_speed.py, README block planspeed.)"""
     r = plan(PlanRequest(model="llama-3.1-405b", gpu="h100-80gb", gpus=8, nodes=2048, seq_len=8192,
                          global_batch=2048))
-    assert time.perf_counter() - start < 3.0
     assert r.recommended is not None and r.recommended.parallel.tp == 8  # TP inside the node
     families = {(c.parallel.tp > 1, c.parallel.pp > 1) for c in r.families}
     assert {(True, False), (True, True)} <= families  # and dp x pp (16 x 1,024 ranks do not divide 2,048)
