@@ -145,21 +145,33 @@ def check(setup: "Setup") -> None:
     req, s, spec = setup.request, setup.strategy, spec_of(setup)
     setup.framework.check_optimizer(setup, spec)
     if spec.whole_matrices and (setup.tp > 1 or (s.shards_optimizer and setup.data_parallel_wrapped)):
-        # Measured on 2 CPU ranks (FSDP2, gloo): torch.optim.Muon steps the DTensor shards and DTensor's
-        # sharding propagation redistributes inside _zeropower_via_newtonschulz, so the update is the
-        # whole matrix's (with the iteration in fp64 instead of bf16: equal to the unsharded step to
-        # rounding, 34-37% from Newton-Schulz on each shard alone). What it sends and holds depends on
-        # the shape: per matrix and step 15 all-gathers and 1 all-reduce when rows <= columns, 11
-        # all-reduces of partial Gram matrices otherwise; a 256x688 matrix's step peaked 10.8 MB (fp32) and
-        # 12.5 MB (bf16) above its start, against the 1.7 and 1.3 MB _muon_temporaries gives its whole-matrix step. The distributed Muons
-        # that gather each matrix once (Moonlight: Liu et al. 2025, arXiv 2502.16982 Sec. 2.3;
-        # torchtitan b5bcd76 distributed/flex_shard/dist_muon.py DistMuon) are other optimizers.
+        # Measured on 2 and 4 CPU ranks (FSDP2, gloo; every thread's frees counted as backend/train.py does):
+        # torch.optim.Muon steps the DTensor shards and DTensor's sharding propagation redistributes inside
+        # _zeropower_via_newtonschulz, so the update is the whole matrix's (equal to the unsharded step to
+        # rounding, 34-37% from Newton-Schulz on each shard alone). Per iteration, (m, n) with r = m / world:
+        # rows <= columns: X is Shard(0); X @ X.T all-gathers X.T (Shard(1): a contiguous copy of the local
+        # rows, the gathered buffer, then a cat: two whole bf16 m x n matrices beside the shard), the Gram is
+        # Shard(0) (r x m), addmm(gram, gram, gram) all-gathers it (m x m) and addmm(X, update, X) all-gathers
+        # X again: 3 all-gathers (2mn, 2m^2, 2mn bytes) per iteration, 15 per step, and 1 all-reduce (the
+        # norm). Rows > columns: X.T is Shard(1), the Gram a Partial n x n on every rank, all-reduced to
+        # Replicate as mat1 of the Gram update and again as the update's: 2 all-reduces of 2n^2 bytes per
+        # iteration, 11 per step. Step peaks above its start: 256x688 1.70 MB (fp32) / 1.53 MB (bf16) on 2
+        # ranks, 1.24 / 1.39-1.47 MB on 4; 688x256 1.20 / 1.15 MB on 2, 0.98 / 0.80 MB on 4; the
+        # whole-matrix step (_muon_temporaries) says 1.67 / 1.32 MB: 42% below to 16% above. What makes the
+        # CPU figures move between runs of one shape (1.39 vs 1.47 MB) is gloo: a collective's gathered
+        # output is freed by its Work on gloo's thread, sometimes after the next iteration's all-gather has
+        # allocated (one more whole m x n matrix live), and oneDNN's bf16 matmuls add 50-110 KB workspaces.
+        # Neither is modelled, so the step is refused rather than under-predicted. The distributed Muons
+        # that gather each matrix once (Moonlight: Liu et al. 2025, arXiv 2502.16982 Sec. 2.3; torchtitan
+        # b5bcd76 distributed/flex_shard/dist_muon.py DistMuon) are other optimizers.
         raise PlannerError(
             f"optimizer {spec.name} with strategy {s.name}, tp={setup.tp}: torch 2.13's Muon on DTensor shards "
-            "does orthogonalise the whole matrix, through DTensor's implicit all-gathers and all-reduces inside "
-            "each Newton-Schulz iteration (measured on CPU ranks under FSDP2: 15 all-gathers per matrix and step, "
-            "temporaries 6-9x a whole matrix's step); those are not modelled, nor are the distributed Muons that "
-            "gather each matrix once (Moonlight, torchtitan's DistMuon): use strategy single or ddp with tp=1",
+            "does orthogonalise the whole matrix, through DTensor's collectives inside each Newton-Schulz "
+            "iteration (measured on CPU ranks under FSDP2: per matrix and step 15 all-gathers of whole bf16 "
+            "matrices and Gram matrices when rows <= columns, 11 all-reduces of the Gram matrix otherwise; the "
+            "step's temporaries 42% below to 16% above a whole matrix's step, moving with when gloo frees a "
+            "gathered buffer); not modelled, nor are the distributed Muons that gather each matrix once "
+            "(Moonlight, torchtitan's DistMuon): use strategy single or ddp with tp=1",
             field="optimizer")
     dtensors = setup.tp > 1 or (s.shards_parameters and setup.data_parallel_wrapped
                                   and setup.framework.shards_as_dtensors)
