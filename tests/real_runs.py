@@ -135,6 +135,10 @@ OPTIMIZER_RUNS = [
     _run("llama-ddp-fp32-sgdm-t256", LLAMA, "ddp", "fp32", micro=2, seq=128, optimizer="sgd-momentum"),
     _run("llama-single-fp32-muon-t64", LLAMA, "single", "fp32", gpus=1, micro=1, seq=64, optimizer="muon"),
     _run("llama-ddp-bf16-muon-t256", LLAMA, "ddp", "bf16-mixed", micro=2, seq=128, optimizer="muon"),
+    # Muon on FSDP2's DTensor shards: DTensor's all-gathers / all-reduces inside Newton-Schulz
+    _run("llama-fsdp-fp32-muon-t256", LLAMA, "fsdp", "fp32", micro=2, seq=128, optimizer="muon"),
+    _run("llama-fsdp-bf16-muon-t256", LLAMA, "fsdp", "bf16-mixed", micro=2, seq=128, optimizer="muon"),
+    _run("llama-fsdp-fp32-muon-4ranks-t256", LLAMA, "fsdp", "fp32", gpus=4, micro=2, seq=128, optimizer="muon"),
     _run("llama-single-fp32-inbwd-t256", LLAMA, "single", "fp32", gpus=1, micro=2, seq=128,
          optimizer_in_backward=True),
     _run("llama-single-bf16-inbwd-muon-t128", LLAMA, "single", "bf16-mixed", gpus=1, micro=1, seq=128,
@@ -206,8 +210,10 @@ CPU_RUNS = [
     _run("llama-fsdp-fp32-ga2-t128", LLAMA, "fsdp", "fp32", micro=1, seq=128, gradient_accumulation=2),
     # one device, no framework (strategy single): the bare module under autocast
     _run("llama-single-bf16", LLAMA, "single", "bf16-mixed", gpus=1),
-    # optimizers: Muon's Newton-Schulz with AdamW for the rest sets the peak; the step in backward
-    *[run for run in OPTIMIZER_RUNS if run[0] in ("llama-single-fp32-muon-t64", "llama-single-fp32-inbwd-t256")],
+    # optimizers: Muon's Newton-Schulz with AdamW for the rest sets the peak; the step in backward; Muon on
+    # FSDP2's DTensor shards (DTensor's collectives inside Newton-Schulz)
+    *[run for run in OPTIMIZER_RUNS if run[0] in ("llama-single-fp32-muon-t64", "llama-single-fp32-inbwd-t256",
+                                                  "llama-fsdp-fp32-muon-t256")],
     # transformers' own TP (tp_plan=transformers, backend/hf_tensor_parallel.py: from_pretrained(tp_plan="auto")):
     # logits-dominated, as the whole logits are gathered on every rank; untied fp32, tied bf16 with q/k norms
     _run("llama-v32k-tp2-hfplan-fp32-t1024", LLAMA_TP_32K, "fsdp", "fp32", tp=2, micro=1, seq=1024,
@@ -247,6 +253,7 @@ CI_RUNS = frozenset({
     "llama-tp2-fsdp2-bf16-sp-t256", "llama-v256-mha-cp2-fsdp-fp32-t1024", "llama-pp2-1f1b-fp32-m4",
     "qwen3moe-ep2-fsdp-fp32-t1024", "llama-lora-ddp-bf16-qkvo-r16", "llama-qlora-ddp-fp32-qv",
     "llama-fsdp-fp32-ga2-t128", "llama-single-bf16", "llama-single-fp32-muon-t64", "llama-single-fp32-inbwd-t256",
+    "llama-fsdp-fp32-muon-t256",  # issue 21: Muon on FSDP2's DTensor shards
     "llama-v32k-tp2-hfplan-fp32-t1024", "llama-v32k-tp2-fsdp2-hfplan-fp32-ckpt-t1024",
     "llama-int8-lora-single-bf16-all-t512", "llama-v32k-lora-ddp-bf16-cce-t512",
     "llama-pp2-zbv-fp32-m4", "llama-pp2-interleaved-zb-v2-fp32-m4",  # issue 25: the split backward, the V

@@ -1,12 +1,15 @@
-"""The evidence behind refusing torch's Muon under FSDP2 (planner/memory/optimizer.py check): on two
-CPU ranks torch 2.13's Muon steps FSDP2's DTensor shards and DTensor's redistributions inside
-_zeropower_via_newtonschulz make the update the whole matrix's, not each shard's, at the price of
-all-gathers in every iteration that the planner does not model. Rounding is taken out of the
+"""The evidence behind modelling torch's Muon under FSDP2 (planner/recipes/optimizers.py
+_muon_dtensor_temporaries, _muon_dtensor_collectives): on two CPU ranks torch 2.13's Muon steps FSDP2's
+DTensor shards and DTensor's redistributions inside _zeropower_via_newtonschulz make the update the whole
+matrix's, not each shard's, through the collectives the model charges. Rounding is taken out of the
 comparison by running torch's iteration in fp64 instead of bf16."""
 
 from __future__ import annotations
 
 import pytest
+
+from planner.model.shapes import TensorShape
+from planner.recipes.optimizers import OPTIMIZERS
 
 SHAPES = ((96, 64), (48, 96))  # rows > columns (transposed inside the iteration) and rows <= columns
 
@@ -87,10 +90,13 @@ def test_torchs_muon_on_fsdp2_shards_orthogonalises_whole_matrices_through_dtens
     for to_whole, to_shard_local in errors:
         assert to_whole < 1e-9  # the whole matrix's update
         assert to_shard_local > 0.2  # not Newton-Schulz on each shard
-    # the collectives inside the iteration that the planner does not model (its refusal's reason): the
+    # the collectives inside the iteration (_muon_dtensor_collectives, and the norm's all-reduce): the
     # 48x96 matrix (rows <= columns) 3 all-gathers per iteration (X.T, the Gram, X) and the norm's
     # all-reduce; the 96x64 one (rows > columns, a Partial Gram) 2 all-reduces per iteration and the norm's
     assert comms.get("all_gather_into_tensor", 0) == 3 * 5 and comms.get("all_reduce", 0) == 1 + 2 * 5 + 1
+    modelled = [what for m, n in SHAPES for what, _, _ in
+                OPTIMIZERS["muon"].dtensor_collectives(TensorShape((m // 2, n)), 2)]
+    assert sum("all-gather" in w for w in modelled) == 15 and sum("all-reduce" in w for w in modelled) == 10
 
 
 def _deepspeed_rank(rank: int, world: int, port: int, stage: int, results) -> None:

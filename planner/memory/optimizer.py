@@ -91,26 +91,33 @@ def state_bits(spec: OptimizerSpec, tensors: list[TensorShape], bits: int) -> fl
     return 8 * states_bytes(spec, tensors, bits) / total if total else 0.0
 
 
-def _temporaries(setup: "Setup", tensors: list[TensorShape], bits: int) -> int:
+def _temporaries(setup: "Setup", tensors: list[TensorShape], bits: int, shard: int = 1) -> int:
     """The most bytes the step's temporaries hold at once. Each group (Muon's matrices, its AdamW
-    rest) steps after the other, so the groups' temporaries do not overlap."""
+    rest) steps after the other, so the groups' temporaries do not overlap. ``shard`` > 1: ``tensors``
+    are FSDP2's Shard(0) DTensor shards over that many ranks (an optimizer whose step is not
+    elementwise redistributes them: OptimizerSpec.dtensor_temporaries)."""
     spec = spec_of(setup)
     groups: dict[str, tuple[OptimizerSpec, list[TensorShape]]] = {}
     for t in tensors:
         owner = spec.group_of(t)
         groups.setdefault(owner.name, (owner, []))[1].append(t)
+    if shard > 1 and any(g.dtensor_temporaries for g, _ in groups.values()):
+        return max((g.dtensor_temporaries(ts, bits, shard) if g.dtensor_temporaries else
+                    g.cpu_temporaries(ts, bits) if setup.device == "cpu" else
+                    g.cuda_temporaries(ts, bits, setup.framework.cuda_adam_copies)
+                    for g, ts in groups.values()), default=0)
     if setup.device == "cpu":
         return max((g.cpu_temporaries(ts, bits) for g, ts in groups.values()), default=0)
     copies = setup.framework.cuda_adam_copies
     return max((g.cuda_temporaries(ts, bits, copies) for g, ts in groups.values()), default=0)
 
 
-def step_temporaries(setup: "Setup", tensors, bits: int) -> int:
+def step_temporaries(setup: "Setup", tensors, bits: int, shard: int = 1) -> int:
     """The most bytes the step's temporaries hold at once (``_temporaries``), once per tuple of tensors."""
     if not isinstance(tensors, tuple):
-        return _temporaries(setup, tensors, bits)
-    return _seen(("step", setup.request.optimizer, setup.device, setup.framework.cuda_adam_copies, bits), tensors,
-                 lambda: _temporaries(setup, tensors, bits))
+        return _temporaries(setup, tensors, bits, shard)
+    return _seen(("step", setup.request.optimizer, setup.device, setup.framework.cuda_adam_copies, bits, shard),
+                 tensors, lambda: _temporaries(setup, tensors, bits, shard))
 
 
 def step_flops(setup: "Setup", tensors: list[TensorShape]) -> int:
@@ -133,6 +140,13 @@ def notes(setup: "Setup") -> list[str]:
     elif setup.device == "cuda" and spec.name != "adamw":
         out.append(f"optimizer {spec.name}: the CUDA step (fused kernels or foreach) is modelled from the source, "
                    "unverified; its states are the ones CPU runs measured")
+    shards = setup.strategy.shards_parameters and setup.data_parallel_wrapped and setup.framework.shards_as_dtensors
+    if spec.dtensor_temporaries is not None and shards and setup.shard_size > 1:
+        out.append(f"optimizer {spec.name} on FSDP2's DTensor shards: DTensor redistributes inside each Newton-Schulz "
+                   "iteration, so every rank builds its rows of the whole matrix's update: per matrix and step 15 "
+                   "all-gathers (X.T, the Gram, X; rows <= columns) or 10 all-reduces of the Partial Gram (rows > "
+                   "columns), charged to the step time as exposed communication, and the gathered buffers in its "
+                   "temporaries (measured on CPU ranks; on CUDA from the same placements, unverified)")
     if setup.request.optimizer_in_backward:
         out.append("optimizer step in backward (torchtune optimizer_in_bwd): each parameter steps in its "
                    "post-accumulate-grad hook and its gradient is freed, so at most one parameter's gradient "
@@ -144,34 +158,26 @@ def check(setup: "Setup") -> None:
     """Refuse what the optimizer cannot be composed with, naming the field and the reason."""
     req, s, spec = setup.request, setup.strategy, spec_of(setup)
     setup.framework.check_optimizer(setup, spec)
-    if spec.whole_matrices and (setup.tp > 1 or (s.shards_optimizer and setup.data_parallel_wrapped)):
+    sharded = s.shards_optimizer and setup.data_parallel_wrapped
+    dtensor_shards = sharded and s.shards_parameters and setup.framework.shards_as_dtensors
+    if spec.whole_matrices and (setup.tp > 1 or (sharded and (s.shard_within_node or not dtensor_shards
+                                                               or setup.zero.offload_params != "none"))):
         # Measured on 2 and 4 CPU ranks (FSDP2, gloo; every thread's frees counted as backend/train.py does):
         # torch.optim.Muon steps the DTensor shards and DTensor's sharding propagation redistributes inside
         # _zeropower_via_newtonschulz, so the update is the whole matrix's (equal to the unsharded step to
-        # rounding, 34-37% from Newton-Schulz on each shard alone). Per iteration, (m, n) with r = m / world:
-        # rows <= columns: X is Shard(0); X @ X.T all-gathers X.T (Shard(1): a contiguous copy of the local
-        # rows, the gathered buffer, then a cat: two whole bf16 m x n matrices beside the shard), the Gram is
-        # Shard(0) (r x m), addmm(gram, gram, gram) all-gathers it (m x m) and addmm(X, update, X) all-gathers
-        # X again: 3 all-gathers (2mn, 2m^2, 2mn bytes) per iteration, 15 per step, and 1 all-reduce (the
-        # norm). Rows > columns: X.T is Shard(1), the Gram a Partial n x n on every rank, all-reduced to
-        # Replicate as mat1 of the Gram update and again as the update's: 2 all-reduces of 2n^2 bytes per
-        # iteration, 11 per step. Step peaks above its start: 256x688 1.70 MB (fp32) / 1.53 MB (bf16) on 2
-        # ranks, 1.24 / 1.39-1.47 MB on 4; 688x256 1.20 / 1.15 MB on 2, 0.98 / 0.80 MB on 4; the
-        # whole-matrix step (_muon_temporaries) says 1.67 / 1.32 MB: 42% below to 16% above. What makes the
-        # CPU figures move between runs of one shape (1.39 vs 1.47 MB) is gloo: a collective's gathered
-        # output is freed by its Work on gloo's thread, sometimes after the next iteration's all-gather has
-        # allocated (one more whole m x n matrix live), and oneDNN's bf16 matmuls add 50-110 KB workspaces.
-        # Neither is modelled, so the step is refused rather than under-predicted. The distributed Muons
-        # that gather each matrix once (Moonlight: Liu et al. 2025, arXiv 2502.16982 Sec. 2.3; torchtitan
-        # b5bcd76 distributed/flex_shard/dist_muon.py DistMuon) are other optimizers.
+        # rounding, 34-37% from Newton-Schulz on each shard alone); what that allocates and sends on a 1-D
+        # mesh is modelled (optimizers.py _muon_dtensor_temporaries, muon_dtensor_collectives) and measured
+        # by the fsdp runs in tests/real_runs.py. Not measured: HSDP's 2-D mesh (Replicate, Shard(0)), a TP
+        # rank's Shard(0)/Shard(1) weights, and FSDP2's CPUOffloadPolicy (the step on host DTensors). The
+        # distributed Muons that gather each matrix once (Moonlight: Liu et al. 2025, arXiv 2502.16982
+        # Sec. 2.3; torchtitan b5bcd76 distributed/flex_shard/dist_muon.py DistMuon) are other optimizers.
         raise PlannerError(
-            f"optimizer {spec.name} with strategy {s.name}, tp={setup.tp}: torch 2.13's Muon on DTensor shards "
-            "does orthogonalise the whole matrix, through DTensor's collectives inside each Newton-Schulz "
-            "iteration (measured on CPU ranks under FSDP2: per matrix and step 15 all-gathers of whole bf16 "
-            "matrices and Gram matrices when rows <= columns, 11 all-reduces of the Gram matrix otherwise; the "
-            "step's temporaries 42% below to 16% above a whole matrix's step, moving with when gloo frees a "
-            "gathered buffer); not modelled, nor are the distributed Muons that gather each matrix once "
-            "(Moonlight, torchtitan's DistMuon): use strategy single or ddp with tp=1",
+            f"optimizer {spec.name} with strategy {s.name}, tp={setup.tp}, offload_params="
+            f"{setup.zero.offload_params}: torch 2.13's Muon on DTensor shards orthogonalises the whole matrix "
+            "through DTensor's collectives inside each Newton-Schulz iteration; modelled and measured for "
+            "FSDP2 over one shard group (strategy fsdp or fsdp-grad-op, tp=1, no offload), not for HSDP's "
+            "2-D mesh, tensor-parallel weights or offloaded parameters; nor are the distributed Muons that "
+            "gather each matrix once (Moonlight, torchtitan's DistMuon)",
             field="optimizer")
     dtensors = setup.tp > 1 or (s.shards_parameters and setup.data_parallel_wrapped
                                   and setup.framework.shards_as_dtensors)

@@ -72,6 +72,12 @@ class OptimizerSpec:
     # measured on CPU ranks under FSDP2)
     steps_dtensors: bool = True
     flops: Callable[[TensorShape], int] = lambda t: 0
+    # the step on FSDP2's Shard(0) DTensor shards when it is not elementwise (Muon): (the shards, bits,
+    # ranks per shard group) -> the most bytes its temporaries hold at once; None: the step is local
+    dtensor_temporaries: Callable[[Sequence[TensorShape], int, int], int] | None = None
+    # and what one rank multiplies and sends there: (a shard, ranks) -> FLOPs, [(what, bytes, ring passes)]
+    dtensor_flops: Callable[[TensorShape, int], int] | None = None
+    dtensor_collectives: Callable[[TensorShape, int], list[tuple[str, int, int]]] | None = None
 
     def group_of(self, t: TensorShape) -> "OptimizerSpec":
         """The optimizer that steps ``t`` (Muon hands everything but hidden matrices to AdamW)."""
@@ -235,6 +241,75 @@ def _muon_temporaries(tensors: Sequence[TensorShape], bits: int) -> int:
     return peak
 
 
+def _muon_dtensor_temporaries(shards: Sequence[TensorShape], bits: int, world: int) -> int:
+    """torch 2.13 _single_tensor_muon on FSDP2's Shard(0) shards (local rows r of a matrix (m, n), m = r
+    x world): DTensor's sharding propagation (torch/distributed/tensor/_ops/_matrix_ops.py) redistributes
+    inside _zeropower_via_newtonschulz, traced on 2 and 4 CPU ranks (planner/memory/optimizer.py check):
+
+    rows <= columns: X is Shard(0) (the bf16 r x n shard). ``X @ X.T`` gathers X.T (Shard(1)) to
+    Replicate: a contiguous copy of the shard, the all-gathered buffer and their cat (two whole m x n
+    matrices); the Gram is Shard(0) (r x m) while the previous iteration's Gram and Gram update are still
+    bound; its all-gather (m x m) feeds addmm(gram, gram, gram) and X's all-gather the next addmm, whose
+    whole m x n buffer gloo's Work frees on its own thread, with its input (the previous iterate), at times
+    only after the next iteration's gathers allocated. Peak, in the X.T gather of an iteration after the
+    first, in bytes (bf16: 2 per element): the update (lerp, parameter dtype), the iterate, the previous
+    one and the contiguous copy (6rn), the old Gram, old Gram update and new Gram (6rm), the gathered
+    buffer, gloo's staging or the cat, and the previous gathered X (6mn).
+
+    rows > columns: X is the transposed shard (Shard(1) of n x m), the Gram a Partial n x n on every rank,
+    all-reduced into a Replicate copy for the Gram update and the update's copy for the new iterate; the
+    previous copy may still be live (gloo frees it on its thread). Peak in the new iterate's addmm: the
+    update, the old and new iterates (2 x 2rn), the Gram, the Gram update, two Replicate copies and the
+    Partial Gram of the next: lerp + 4rn + 8n^2 bytes.
+
+    With a bf16 parameter the shard's bf16 copy is the lerp itself, but from the second iteration on
+    the iterate is a separate tensor and the lerp stays bound as the function's argument, so the peak
+    (after the first iteration) is the same. oneDNN's matmul workspaces on CPU (50-110 KB at these
+    sizes) are not counted. The previous matrix's update is still bound while the lerp is allocated."""
+    peak = previous = 0
+    for t in shards:
+        if len(t.dims) != 2:
+            continue
+        r, n = t.dims
+        m = r * world
+        lerp = r * n * bits // 8
+        if m <= n:
+            held = lerp + 6 * r * n + 6 * r * m + 6 * m * n
+        else:
+            held = lerp + 4 * r * n + 8 * n * n
+        peak = max(peak, previous + lerp, held)
+        previous = 2 * r * n
+    return peak
+
+
+def _muon_dtensor_flops(t: TensorShape, world: int) -> int:
+    """One rank's Newton-Schulz FLOPs on its Shard(0) rows r of (m, n): rows <= columns, every matmul
+    produces the rank's rows only (the whole matrix's / world); rows > columns, the Gram and the new
+    iterate are the rank's columns (2 n^2 r each) but the Gram update is a whole n x n x n product on
+    every rank (Replicate x Partial)."""
+    if len(t.dims) != 2:
+        return 0
+    r, n = t.dims
+    m = r * world
+    if m <= n:
+        return MUON_NS_STEPS * (4 * r * m * n + 2 * r * m * m)
+    return MUON_NS_STEPS * (4 * n * n * r + 2 * n ** 3)
+
+
+def _muon_dtensor_collectives(t: TensorShape, world: int) -> list[tuple[str, int, int]]:
+    """(what, bytes per rank's message, ring passes) of one matrix's step on Shard(0) shards (r, n),
+    as DTensor sends them (measured: 15 all-gathers and 1 all-reduce per matrix and step when rows <=
+    columns, 11 all-reduces otherwise; the norm's all-reduce is a scalar and left out)."""
+    if len(t.dims) != 2 or world <= 1:
+        return []
+    r, n = t.dims
+    m = r * world
+    if m <= n:
+        return MUON_NS_STEPS * [("Muon: X.T all-gather", 2 * m * n, 1), ("Muon: Gram all-gather", 2 * m * m, 1),
+                                ("Muon: X all-gather", 2 * m * n, 1)]
+    return MUON_NS_STEPS * 2 * [("Muon: Partial Gram all-reduce", 2 * n * n, 2)]
+
+
 @dataclass(frozen=True)
 class MuonSpec(OptimizerSpec):
     """torch.optim.Muon for the hidden 2-D weights and torch.optim.AdamW for the rest (embeddings,
@@ -286,5 +361,6 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
                                   _sgd_momentum_states, lambda tensors, bits: 0, _none, 1, deepspeed_offload=True),
     "muon": MuonSpec("muon", "torch 2.13 torch/optim/_muon.py (Muon) + adam.py (AdamW for the rest)", _muon_states,
                      _muon_temporaries, lambda tensors, bits, foreach: _muon_temporaries(tensors, bits), 1,
-                     whole_matrices=True, flops=_ns_flops),
+                     whole_matrices=True, flops=_ns_flops, dtensor_temporaries=_muon_dtensor_temporaries,
+                     dtensor_flops=_muon_dtensor_flops, dtensor_collectives=_muon_dtensor_collectives),
 }

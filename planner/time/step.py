@@ -21,7 +21,7 @@ from planner.cluster.hardware import profile_compute_scale, profile_efficiencies
 from planner.memory.orchestrator import activation_offload_bytes, estimate, setup_of
 from planner.memory.buffers import FP32
 from planner.memory.optimizer import flat, state_bits
-from planner.model.shapes import parameter_shapes
+from planner.model.shapes import TensorShape, parameter_shapes
 from planner.recipes.optimizers import OPTIMIZERS
 from planner.recipes.low_precision import converted_weight_elements, recipe_of as low_precision_recipe
 from planner.recipes.precision import Recipe
@@ -506,6 +506,13 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
                 seconds if group == "tp" else arrays.maximum(0.0, seconds - compute))
             comm = comm + seconds
             slowest = min(slowest, arrays.smallest(one.bottleneck_gbps))
+    # the optimizer step's own collectives (Muon on FSDP2 shards): inside the step, nothing hides them
+    stepping = 0.0
+    for (message, passes), count in (optimizer_collectives(req, combo, arch) if frozen is None else {}).items():
+        one = _over_group(combo, "shard", nodes, topo, req, nic_gbps, fabric, float(message), message, passes)
+        stepping = stepping + count * float(arrays.item(one.seconds, 0))
+    comm = comm + stepping
+    exposed_model_parallel = exposed_model_parallel + stepping
     offload = offload_seconds(combo, psi // combo.tp, per_rank / micro, combo.gpus * nodes // combo.tp, wb, g,
                               trainable)
     dequantize = _dequantize_seconds(frozen, combo.checkpointing, per_rank / micro, g)
@@ -601,8 +608,9 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
         # path (torch.optim.AdamW's default) moves about three times the bytes, which is the script's choice
         optimizer = kernels.optimizer_step_seconds(elements, bits, recipe.master_bits, recipe.weight_bits,
                                                    recipe.grad_bits, r)
-        if spec.whole_matrices and frozen is None:  # Muon's Newton-Schulz matmuls, every rank its whole matrices
-            flops = sum(spec.group_of(t).flops(t) for t in parameter_shapes(arch)) / combo.tp
+        if spec.whole_matrices and frozen is None:  # Muon's Newton-Schulz matmuls
+            on_shards = dtensor_shards(req, combo)
+            flops = sum(_step_flops(spec.group_of(t), t, on_shards) for t in parameter_shapes(arch)) / combo.tp
             optimizer = optimizer + flops / r.matmul_flops
     device = matmul + t.attention + t.elementwise + t.recompute
     host_wait = arrays.maximum(0.0, t.host - device)
@@ -622,6 +630,43 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
              ("optimizer step", optimizer, bandwidth)]
     backward = accumulation * (t.backward + (matmul - t.matmul) * 2 / 3) / scale  # the adapters' backward: 2 of 3
     return seconds, backward, accumulation * hardware, [(n, v / scale, src + scaled) for n, v, src in terms]
+
+
+def dtensor_shards(req: "StepSettings", combo: Combo) -> int:
+    """The ranks each parameter's Shard(0) spans when the optimizer steps FSDP2's DTensor shards
+    (planner/memory/optimizer.py check: Muon there only with tp 1); 1 when it steps whole tensors."""
+    s = lookup_strategy(combo.strategy)
+    if combo.tp > 1 or not (s.shards_parameters and combo.data_parallel_wrapped(req.nodes)
+                            and req.framework(s).shards_as_dtensors):
+        return 1
+    return combo.shard or combo.gpus * req.nodes // combo.pp
+
+
+def _step_flops(spec, t, shards: int) -> int:
+    """One rank's FLOPs stepping parameter ``t``: its whole matrix, or on ``shards`` > 1 its FSDP2
+    shard through the optimizer's DTensor step (OptimizerSpec.dtensor_flops)."""
+    if shards > 1 and spec.dtensor_flops is not None:
+        return spec.dtensor_flops(TensorShape((-(-t.dims[0] // shards),) + t.dims[1:]), shards)
+    return spec.flops(t)
+
+
+def optimizer_collectives(req: "StepSettings", combo: Combo, arch) -> dict[tuple[int, int], int]:
+    """What the optimizer's step itself sends on FSDP2's DTensor shards (Muon's redistributions
+    inside Newton-Schulz: OptimizerSpec.dtensor_collectives), as {(message bytes, ring passes): count}
+    over the model's parameters; empty where the step is local."""
+    spec = OPTIMIZERS[req.optimizer]
+    shards = dtensor_shards(req, combo)
+    out: dict[tuple[int, int], int] = {}
+    if shards <= 1 or spec.dtensor_collectives is None or not isinstance(arch, Architecture):
+        return out
+    for t in parameter_shapes(arch):
+        group = spec.group_of(t)
+        if group.dtensor_collectives is None:
+            continue
+        for _, message, passes in group.dtensor_collectives(TensorShape((-(-t.dims[0] // shards),) + t.dims[1:]),
+                                                            shards):
+            out[(message, passes)] = out.get((message, passes), 0) + 1
+    return out
 
 
 def _stand_in(kernel: str) -> str:

@@ -280,7 +280,8 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     grad_bytes = store_bytes * ((ceil_div(trained, shard) if s.shards_gradients and sharded else trained) + excess)
     phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", resident + [
         item("gradients", 0 if offload or in_backward else grad_bytes, "gradients"),
-        item("optimizer step temporaries", 0 if in_backward else step_temporaries(setup, stepped, step_bits),
+        item("optimizer step temporaries", 0 if in_backward else
+             step_temporaries(setup, stepped, step_bits, shard if s.shards_optimizer else 1),
               "buffers", f"{spec_of(setup).source}: single-tensor on CPU, foreach or fused on CUDA")]))
     plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
                      buffers=[i for p in phases for i in p.items if i.component == "buffers"])
