@@ -263,3 +263,12 @@ def test_matching_answers_a_ranks_tensors_with_one_tuple():
     assert list(first) == [s if s.numel == n else TensorShape((n,)) for s, n in zip(shapes, split)]
     assert matching(shapes, [t.numel for t in shapes]) is shapes
     assert matching(shapes, [123, 456]) == [TensorShape((123,)), TensorShape((456,))]
+
+
+def test_the_plan_search_weighs_muon_on_fsdp2():
+    from planner.plan.search import plan
+    from planner.schema import PlanRequest
+
+    result = plan(PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, optimizer="muon"))
+    strategies = {c.strategy for c in result.candidates}
+    assert strategies & {"fsdp", "fsdp-grad-op"} and not strategies & {"zero1", "zero2", "zero3", "hsdp"}

@@ -180,7 +180,7 @@ def _evaluate_setting(search: Search, req: PlanRequest, combo: Setting, time_bou
     try:
         return _grid_rows(search, req, combo, micro, times, first), micro.size
     except PlannerError as refused:  # a setting the fine-tuning, the optimizer or the recipe refuses (QLoRA
-        # under ZeRO-3, Muon under sharding, a step in backward with accumulation, a fused loss under tp)
+        # under ZeRO-3, Muon under ZeRO or HSDP, a step in backward with accumulation, a fused loss under tp)
         if refused_by_recipe(refused):
             search.refusals.append(refused)
         elif req.finetune == "full" and refused.field not in OPTIMIZER_FIELDS:
