@@ -335,3 +335,60 @@ def test_the_replayed_reserved_peak_against_the_h200():
             recipe["checkpointing"] = r["checkpointing"]
         sim = estimate(_h200_request(r["seq_len"], r["micro_batch"], **recipe)).allocator.reserved_peak_bytes
         assert 0.94 < sim / r["measured_reserved_peak_bytes"] < 1.2
+
+
+def _events_one_at_a_time(setup, plan, parameters, loss=None):
+    """allocation_events as it was written before its loops were batched: one event appended at a
+    time, the common prefix asked of every key (the reference the batched loops must equal)."""
+    moments = reserved._moments(plan, loss)
+    units = reserved._units(setup, moments, parameters)
+    tags, held, live_bytes, events, tag = {}, {}, {}, [], 0
+    for n, items in enumerate(moments):
+        if n == 1:
+            events += [("malloc", f"blas workspace {i}", size, "default")
+                       for i, size in enumerate(reserved.cuda_context.blas_workspaces(setup.gpu.name))]
+        totals = {}
+        for i in items:
+            totals.setdefault(reserved._key(i), []).append(i.bytes)
+        want = {k: [] if live_bytes.get(k) == b else reserved._cut(b, units[k]) for k, b in totals.items()}
+        recorded = False
+        for k in list(tags):
+            if k in want and not want[k] and live_bytes.get(k) == totals[k]:
+                continue
+            keep = reserved._common_prefix(held[k], want.get(k, []))
+            for t in reversed(tags[k][keep:]):
+                if k[1] != "default":
+                    events.append(("record", t, "default"))
+                    recorded = True
+                events.append(("free", t))
+            del tags[k][keep:], held[k][keep:]
+            live_bytes.pop(k, None)
+        for k, sizes in want.items():
+            if not sizes:
+                continue
+            live_bytes[k] = totals[k]
+            tags.setdefault(k, []), held.setdefault(k, [])
+            for size in sizes[len(held[k]):]:
+                events.append(("malloc", tag, size, k[1]))
+                tags[k].append(tag)
+                tag += 1
+            held[k][:] = sizes
+        if recorded:
+            events.append(("complete", "default"))
+    return events
+
+
+@pytest.mark.parametrize("fields,records", [
+    (dict(FSDP8, seq_len=4096, micro_batch=2), True),  # all-gathers on their stream: record_stream
+    (dict(model="llama-3-8b", strategy="zero3", gpus=8, gpu="h100-80gb", checkpointing="full"), False),
+    (dict(model="llama-3-8b", strategy="fsdp", gpus=8, nodes=2, gpu="h100-80gb", pp=2, gradient_accumulation=4,
+          seq_len=2048), True)])
+def test_the_batched_event_loops_equal_one_event_at_a_time(fields, records):
+    setup = resolve(EstimateRequest(**fields))
+    acts = activations(setup)
+    plan = setup.framework.phases(setup, acts, numels(setup))
+    n = len(numels(setup))
+    loss = reserved.loss_tensors(setup, acts)
+    events = reserved.allocation_events(setup, plan, n, loss)
+    assert len(events) > 100 and any(e[0] == "record" for e in events) == records
+    assert events == _events_one_at_a_time(setup, plan, n, loss)

@@ -361,25 +361,33 @@ def allocation_events(setup: "Setup", plan: "PhasePlan", parameters: int, loss: 
         want = {key: [] if live_bytes.get(key) == b else _cut(b, units[key]) for key, b in totals.items()}
         recorded = False
         for key in list(tags):
-            if key in want and not want[key] and live_bytes.get(key) == totals[key]:
+            sizes = want.get(key)
+            if sizes is not None and not sizes and live_bytes.get(key) == totals[key]:
                 continue
-            keep = _common_prefix(held[key], want.get(key, []))
-            for t in reversed(tags[key][keep:]):
+            key_tags = tags[key]
+            keep = _common_prefix(held[key], sizes) if sizes else 0
+            gone = key_tags[keep:]
+            if gone:
+                gone.reverse()
                 if key[1] != "default":  # used on the compute stream: record_stream semantics
-                    events.append(("record", t, "default"))
+                    for t in gone:
+                        events += (("record", t, "default"), ("free", t))
                     recorded = True
-                events.append(("free", t))
-            del tags[key][keep:], held[key][keep:]
+                else:
+                    events += [("free", t) for t in gone]
+                del key_tags[keep:], held[key][keep:]
             live_bytes.pop(key, None)
         for key, sizes in want.items():
             if not sizes:
                 continue
             live_bytes[key] = totals[key]
             key_tags, key_held = tags.setdefault(key, []), held.setdefault(key, [])
-            for size in sizes[len(key_held):]:
-                events.append(("malloc", tag, size, key[1]))
-                key_tags.append(tag)
-                tag += 1
+            new = sizes[len(key_held):]
+            if new:
+                stream = key[1]
+                events += [("malloc", tag + j, size, stream) for j, size in enumerate(new)]
+                key_tags += range(tag, tag + len(new))
+                tag += len(new)
             key_held[:] = sizes
         if recorded:
             events.append(("complete", "default"))  # processed at the next moment's first malloc
