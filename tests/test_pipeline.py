@@ -378,7 +378,7 @@ def test_every_rank_replayed_in_integers_matches_its_written_phases():
     from planner.parallel import pipeline as P
     from planner.schema import EstimateRequest
 
-    checked = 0
+    checked = buckets = 0
     for strategy in ("fsdp", "ddp", "zero1"):
         for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2)):
             if strategy == "zero1" and schedule != "1f1b":
@@ -393,11 +393,17 @@ def test_every_rank_replayed_in_integers_matches_its_written_phases():
                 parallel = P.data_parallel(setup, dp, shard)
                 for rank in range(4):
                     step = P._rank_step(setup, all_stages, rank, 4, v, schedule, parallel)
-                    _, phases = P.rank_phases(setup, all_stages, rank, 4, v, schedule, parallel)
+                    resident, phases = P.rank_phases(setup, all_stages, rank, 4, v, schedule, parallel)
                     assert [(p.name, p.bytes) for p in phases] == step.phase_bytes()
+                    # the integer resident bytes are the written items' (DDP's: with its gradient buckets)
+                    written = [i for i in resident if i.component in ("parameters", "optimizer_states")
+                               or "receive buffers" in i.name or "gradient buckets" in i.name]
+                    assert step.resident_bytes == sum(i.bytes for i in written) > 0
+                    buckets += any("gradient buckets" in i.name for i in written)
                     assert step.in_flight == max_in_flight(schedule, 4, v, 8, rank)
                     checked += 1
     assert checked == 4 * 2 * 7
+    assert buckets  # a DDP rank's resident bytes counted its gradient buckets
 
 
 def test_zero_bubble_keeps_input_gradients_on_the_receive_buffers():

@@ -718,9 +718,11 @@ def _bits(setup: "Setup", params: int) -> tuple[int, int, int]:
     return weight_bits, grad_bits, states_bits
 
 
-def _resident(setup: "Setup", mine: list[Stage], dp: DataParallel,
-              bits: tuple[int, int, int] | None = None) -> list[MemoryItem]:
-    """What a rank holding these stages keeps between steps: its states and receive buffers."""
+def _resident_terms(setup: "Setup", mine: list[Stage] | tuple[Stage, ...], dp: DataParallel,
+                    bits: tuple[int, int, int] | None = None) -> tuple[int, int, int, int, int | None]:
+    """_resident's bytes without its items: (weights, optimizer states, activation receive buffers,
+    gradient receive buffers, DDP's gradient buckets or None). The search sums them for every rank
+    of every pipeline; the items are written for the rank it shows (rank_phases)."""
     from planner.recipes.precision import bits_to_bytes
 
     m = setup.request.gradient_accumulation
@@ -730,6 +732,22 @@ def _resident(setup: "Setup", mine: list[Stage], dp: DataParallel,
     optim = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_optimizer else params, states_bits)
     recv = m * sum(s.input_bytes for s in mine)
     grad_recv = m * sum(s.output_bytes for s in mine)
+    buckets = grad_bits // 8 * params if setup.framework.gradient_bucket_copy(setup.strategy) and dp.dp > 1 else None
+    return weights, optim, recv, grad_recv, buckets
+
+
+def _resident_bytes(setup: "Setup", mine: list[Stage] | tuple[Stage, ...], dp: DataParallel,
+                    bits: tuple[int, int, int] | None = None) -> int:
+    """The bytes of _resident's items."""
+    return sum(b for b in _resident_terms(setup, mine, dp, bits) if b is not None)
+
+
+def _resident(setup: "Setup", mine: list[Stage], dp: DataParallel,
+              bits: tuple[int, int, int] | None = None) -> list[MemoryItem]:
+    """What a rank holding these stages keeps between steps: its states and receive buffers."""
+    m = setup.request.gradient_accumulation
+    params = sum(s.parameters for s in mine)
+    weights, optim, recv, grad_recv, buckets = _resident_terms(setup, mine, dp, bits)
     where = f"stages {', '.join(str(s.index) for s in mine)}" if len(mine) > 1 else f"stage {mine[0].index}"
     resident = [
         _item(f"parameters ({where}, {params:,} elements)", weights, "parameters"),
@@ -739,8 +757,8 @@ def _resident(setup: "Setup", mine: list[Stage], dp: DataParallel,
         _item(f"gradient receive buffers ({m} micro-batches)", grad_recv, "buffers",
               "torch pipelining stage.py _create_grad_recv_info: one buffer per micro-batch"),
     ]
-    if setup.framework.gradient_bucket_copy(setup.strategy) and dp.dp > 1:
-        resident.append(_item("DDP gradient buckets (a copy of the gradients)", grad_bits // 8 * params, "buffers",
+    if buckets is not None:
+        resident.append(_item("DDP gradient buckets (a copy of the gradients)", buckets, "buffers",
                               "torch DDP Reducer, gradient_as_bucket_view=False"))
     return resident
 
@@ -752,7 +770,8 @@ class _RankStep:
 
     mine: tuple[Stage, ...]
     params: int
-    resident: tuple[MemoryItem, ...]
+    resident_bytes: int  # of _resident's items, written out by rank_phases (with ``bits``)
+    bits: tuple[int, int, int]
     compute: int  # bytes per element of the compute dtype
     reduce: int  # of FSDP2's accumulated gradients (the reduce dtype)
     grad_bytes_per: int
@@ -808,7 +827,6 @@ def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virt
     costs = costs or _StageCosts(setup)
     bits = costs.bits(params)  # once per rank: the search replays thousands of ranks
     grad_bits = bits[1]
-    resident = tuple(_resident(setup, list(mine), dp, bits))
     # During the schedule: FSDP2 keeps the stage's parameters unsharded (compute dtype) and
     # accumulates unsharded gradients until the last backward (torch 2.13 pipelining/stage.py:844-847
     # backward_maybe_with_nosync sets reshard_after_backward and requires_gradient_sync False;
@@ -821,7 +839,7 @@ def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virt
     gathered = compute * params if dp.shards_parameters else 0
     grad_bytes_per = reduce if dp.shards_parameters else grad_bits // 8
     fresh_bytes_per = compute if dp.shards_parameters else grad_bits // 8  # autograd's new gradient, param dtype
-    resident_bytes = sum(i.bytes for i in resident)
+    resident_bytes = _resident_bytes(setup, mine, dp, bits)
     base = resident_bytes + gathered
     # The moments are replayed in integers; a phase's items are built only for each kind's worst
     # moment (the search estimates pipelines of hundreds of micro-batches). Sends whose work the
@@ -899,7 +917,7 @@ def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virt
     after.append((PhaseKind.OPTIMIZER_STEP, "optimizer step",
                   resident_bytes + kept + grad_bits // 8 * (_ceil(params, dp.shard) if dp.shards_gradients else params)
                   + costs.step_temporaries(largest, params, dp, bits[0])))
-    return _RankStep(mine, params, resident, compute, reduce, grad_bytes_per, fresh_bytes_per, gathered, worst,
+    return _RankStep(mine, params, resident_bytes, bits, compute, reduce, grad_bytes_per, fresh_bytes_per, gathered, worst,
                      tuple(after), most, kept)
 
 
@@ -927,7 +945,8 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
     """(what stays between steps, the phases a step can peak at) on one rank; ``step``: its
     replay, where the caller has it."""
     st = step or _rank_step(setup, all_stages, rank, pp, virtual_stages, schedule, dp)
-    mine, params, resident = st.mine, st.params, list(st.resident)
+    mine, params = st.mine, st.params
+    resident = _resident(setup, list(mine), dp, st.bits)
     grad_bits = _bits(setup, params)[1]
     gathered = (_item("unsharded parameters of the stage (FSDP2, kept for every micro-batch)", st.gathered_bytes,
                       "buffers", "pipelining/stage.py backward_maybe_with_nosync")
@@ -1030,8 +1049,7 @@ def resident_bytes(setup: "Setup") -> int:
     all_stages = _checked_stages(setup, d.pp, req.pp_virtual_stages, req.pp_schedule, dp)
     parallel = data_parallel(setup, dp, shard)
     v = req.pp_virtual_stages
-    return max(sum(i.bytes for i in _resident(setup, [all_stages[i] for i in rank_stages(req.pp_schedule, d.pp, v, rank)],
-                                             parallel))
+    return max(_resident_bytes(setup, [all_stages[i] for i in rank_stages(req.pp_schedule, d.pp, v, rank)], parallel)
                for rank in range(d.pp))
 
 
@@ -1087,7 +1105,7 @@ def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str,
         step = _rank_step(setup, all_stages, rank, pp, virtual_stages, schedule, parallel, costs)
         peak_name, peak_bytes = max(step.phase_bytes(), key=lambda p: p[1])
         # zero bubble: the input gradients on the receive buffers stay until the next step's start
-        resident_bytes = sum(i.bytes for i in step.resident) + step.kept_input_grads
+        resident_bytes = step.resident_bytes + step.kept_input_grads
         mine = rank_stages(schedule, pp, virtual_stages, rank)
         ranks.append(RankMemory(rank, mine, sum(all_stages[i].parameters for i in mine), resident_bytes,
                                 peak_bytes, peak_name, step.in_flight))
