@@ -422,3 +422,19 @@ def test_zero_bubble_keeps_input_gradients_on_the_receive_buffers():
     boundary = 2 * 128 * 256 * 4  # micro-batch x seq x hidden x fp32
     assert zb.per_device.resident_bytes - looped.per_device.resident_bytes == 2 * 4 * boundary  # rank 1: stages 1, 3
     assert any(p.name.startswith("weight-gradient backward") for p in zb.phases)
+
+
+def test_the_stages_autocast_terms_are_each_blocks_own():
+    """stages() reads the per-block autocast extra and linear weights from one memo per architecture:
+    each equals the block's own (its spec's extra; its tensors wider than the hidden size)."""
+    from planner.model.architecture import block_numels, layer_specs
+    from planner.model.catalogue import catalogue_model
+    from planner.parallel import pipeline as P
+
+    for name in ("llama-3-8b", "qwen3-30b-a3b", "gpt2"):
+        a = catalogue_model(name).architecture
+        extras, linears = P._block_autocast(a)
+        assert extras == [P._autocast_fp32_stream_extra(spec) for spec in layer_specs(a)]
+        assert linears == [sum(n for n in block if n > a.hidden_size) for block in block_numels(a)]
+        assert P._block_autocast(a) is P._block_autocast(a) and all(n > 0 for n in linears)
+    assert any(P._block_autocast(catalogue_model(n).architecture)[0][0] for n in ("llama-3-8b",))

@@ -530,6 +530,17 @@ def _block_largest(a: Architecture) -> list[int]:
     return memo["_pp_block_largest"]
 
 
+def _block_autocast(a: Architecture) -> tuple[list[int], list[int]]:
+    """Per block, once per architecture: (_autocast_fp32_stream_extra of its spec, the elements of
+    its tensors wider than the hidden size: the linears' weights autocast casts)."""
+    memo = derived(a)
+    if memo.get("_pp_block_autocast") is None:
+        extra = {id(spec): _autocast_fp32_stream_extra(spec) for spec in layer_specs(a)}
+        memo["_pp_block_autocast"] = ([extra[id(spec)] for spec in layer_specs(a)],
+                                      [sum(n for n in block if n > a.hidden_size) for block in block_numels(a)])
+    return memo["_pp_block_autocast"]
+
+
 def _autocast(setup: "Setup", dp: int) -> bool:
     """Mixed precision by torch.autocast (fp32 weights, 16-bit matmuls): DDP or no wrapper; FSDP2
     over dp > 1 casts the weights themselves (MixedPrecisionPolicy param_dtype); DeepSpeed holds
@@ -609,11 +620,12 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1, acts: Acti
         edge = max(tensors[1:] if first < last else tensors, default=0)
         kept = acts.block_kept(first, last) + edges.rope_saved
         if autocast:
-            kept += sum(_autocast_fp32_stream_extra(specs[i]) for i in range(first, last)) * tokens * h
+            extras, linears = _block_autocast(a)
+            kept += sum(extras[first:last]) * tokens * h
             # torch.autocast casts each linear's weight once per forward and clears its cache when
             # the context exits (torch/amp/autocast_mode.py __exit__): every micro-batch's forward
             # makes its own 16-bit copies, which its graph saves until its backward
-            linear = sum(n for block in block_numels(a)[first:last] for n in block if n > h) + (head if is_last else 0)
+            linear = sum(linears[first:last]) + (head if is_last else 0)
             kept += b * linear
         if not is_first:
             # the first block's saved input is the receive buffer itself (counted once, as a buffer):
