@@ -10,7 +10,9 @@ Table 1: FSDP, 8 H100s), llm-foundry's MPT-7B on 8 A100-80GB at 2,048 tokens, 96
 (strategy, TP and PP degree) in rank order, with its step split into compute, exposed communication
 and offload; "decides" names the term that separates it most from the one ranked above it.
 Gradients are reduced in fp32 as both ran: torchtitan's mixed_precision_reduce, composer's DEFAULT
-MP mode (bench/published_throughput.py REDUCE_DTYPE).
+MP mode (bench/published_throughput.py REDUCE_DTYPE). MPT is asked as it ran, the same definition as
+bench/published_throughput.py's (mpt_config, MPT_RECIPE): exact GELU, flash-attn's cross-entropy with
+composer's loop keeping the outputs, composer's DecoupledAdamW stepped one parameter at a time.
 """
 
 from __future__ import annotations
@@ -22,27 +24,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.published_throughput import MPT  # noqa: E402
+from bench.published_throughput import MPT_RECIPE, mpt_config  # noqa: E402
 from bench.readme import publish  # noqa: E402
 from planner.plan.search import plan  # noqa: E402
 from planner.schema import PlanRequest  # noqa: E402
-
-
-def _mpt(size: str, seq: int) -> dict:
-    d, heads, layers = MPT[size]
-    return {"model_type": "gpt2", "n_embd": d, "n_head": heads, "n_layer": layers, "n_inner": 4 * d,
-            "n_positions": seq, "vocab_size": 50368, "tie_word_embeddings": True, "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 
 
 SETUPS = [
     ("torchtitan Llama-3-8B, 8 x H100, 8,192 tokens",
      dict(model="llama-3-8b", gpu="h100-80gb", gpus=8, seq_len=8192, global_batch=8, reduce_dtype="fp32")),
     ("llm-foundry MPT-7B, 8 x A100-80GB, 2,048 tokens",
-     dict(model_config=_mpt("7b", 2048), gpu="a100-80gb", gpus=8, seq_len=2048, global_batch=96,
+     dict(model_config=mpt_config("7b", 2048), **MPT_RECIPE, gpu="a100-80gb", gpus=8, seq_len=2048, global_batch=96,
           attention_kernel="flash-attention-triton", reduce_dtype="fp32", fabric="roce-200g", nics_per_node=8)),
     ("llm-foundry MPT-30B, 32 x H100, 2,048 tokens",
-     dict(model_config=_mpt("30b", 2048), gpu="h100-80gb", gpus=8, nodes=4, seq_len=2048, global_batch=1344,
+     dict(model_config=mpt_config("30b", 2048), **MPT_RECIPE, gpu="h100-80gb", gpus=8, nodes=4, seq_len=2048, global_batch=1344,
           attention_kernel="flash-attention-triton", reduce_dtype="fp32")),
 ]
 TERMS = ("compute_seconds", "exposed_communication_seconds", "offload_seconds")

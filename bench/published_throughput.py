@@ -97,6 +97,8 @@ COMPOSER_KEEPS_OUTPUTS = True
 # llmfoundry/utils/builders.py builds as composer's DecoupledAdamW (line 89 at 5f43bf1, 361 at 5e85bd6):
 # AdamW's two fp32 moments, stepped one parameter at a time (adamw-single-tensor), not torch's foreach
 MPT_OPTIMIZER = "adamw-single-tensor"
+# the recipe fields every MPT request carries (this table's and bench/layout_ranking.py's)
+MPT_RECIPE = {"loss": MPT_LOSS, "optimizer": MPT_OPTIMIZER, "keeps_outputs": COMPOSER_KEEPS_OUTPUTS}
 GPU = {"a100_40gb": "a100-40gb", "a100_80gb": "a100-80gb", "h100_80gb": "h100-80gb"}
 SHARDING = {"FULL_SHARD": "fsdp", "SHARD_GRAD_OP": "fsdp-grad-op"}
 WITHIN = 0.15
@@ -109,6 +111,14 @@ FLASH2_IN_SWEEP = ("1b", "3b", "7b", "70b")
 # FSDP1's backward prefetch each table ran (module docstring): sweep.py's, else composer's default
 PREFETCH = {LARGE_SCALE_TABLE: "BACKWARD_PRE + forward prefetch"}
 COMPOSER_PREFETCH = "BACKWARD_POST"
+
+
+def mpt_config(size: str, seq_len: int) -> dict:
+    """MPT-<size> as the planner reads it (module docstring): a GPT-2 config with MPT's widths."""
+    d, heads, layers = MPT[size]
+    return {"model_type": "gpt2", "n_embd": d, "n_head": heads, "n_layer": layers, "n_inner": 4 * d,
+            "n_positions": seq_len, "vocab_size": 50368, "tie_word_embeddings": True,
+            "activation_function": MPT_ACTIVATION, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 
 
 @dataclass(frozen=True)
@@ -132,21 +142,14 @@ class Row:
         return PREFETCH.get(self.table, COMPOSER_PREFETCH)
 
     def request(self) -> EstimateRequest:
-        d, heads, layers = MPT[self.model]
-        config = {"model_type": "gpt2", "n_embd": d, "n_head": heads, "n_layer": layers, "n_inner": 4 * d,
-                  "n_positions": self.seq_len, "vocab_size": 50368, "tie_word_embeddings": True,
-                  "activation_function": MPT_ACTIVATION,
-                  "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
         nodes = max(1, self.gpus // 8)
         fabric = {"fabric": "roce-200g", "nics_per_node": 8} if self.gpu.startswith("a100") else {}
         flash2 = self.table == LARGE_SCALE_TABLE and self.model in FLASH2_IN_SWEEP
-        return EstimateRequest(model_config=config, gpu=GPU[self.gpu], gpus=min(8, self.gpus), nodes=nodes,
+        return EstimateRequest(model_config=mpt_config(self.model, self.seq_len), gpu=GPU[self.gpu], gpus=min(8, self.gpus), nodes=nodes,
                                strategy=SHARDING[self.sharding], seq_len=self.seq_len, micro_batch=self.micro_batch,
                                gradient_accumulation=self.accumulation, precision="bf16-mixed",
                                reduce_dtype=REDUCE_DTYPE[self.mp_mode],
-                               checkpointing="full" if self.checkpointing else "none", loss=MPT_LOSS,
-                               optimizer=MPT_OPTIMIZER,
-                               keeps_outputs=COMPOSER_KEEPS_OUTPUTS,
+                               checkpointing="full" if self.checkpointing else "none", **MPT_RECIPE,
                                attention_kernel="flash-attention-2" if flash2 else "flash-attention-triton", **fabric)
 
 
