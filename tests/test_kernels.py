@@ -180,6 +180,22 @@ def test_optimizer_step_bytes():
     assert optimizer_step_seconds(1e9, 32, 0, 16, 16, R) == pytest.approx((2 * 6 + 2) * 1e9 / 1e12)
 
 
+def test_unfused_adamw_step_charges_each_kernel():
+    # torch's _single_tensor_adam over fp32 parameters, gradients and moments: weight decay 8, lerp_ 12,
+    # mul_ 8, addcmul_ 12, sqrt 8, division 8, add_ 8, addcdiv_ 16: 80 bytes per element, not the fused 28
+    assert optimizer_step_seconds(1e9, 64, 0, 32, 32, R, unfused=True) == pytest.approx(80e9 / 1e12)
+    assert optimizer_step_seconds(1e9, 64, 0, 32, 32, R) == pytest.approx(28e9 / 1e12)
+    # with a bf16 compute copy written after the fp32 master's update (bf16 gradient read twice)
+    assert optimizer_step_seconds(1e9, 64, 32, 16, 16, R, unfused=True) == pytest.approx((56 + 16 + 4 + 2) * 1e9 / 1e12)
+
+
+def test_single_tensor_adamw_steps_slower_than_fused_in_the_estimate():
+    base = dict(model="gpt2", gpu="a100-80gb", gpus=8, strategy="fsdp", seq_len=1024, micro_batch=4)
+    terms = {o: {t.name: t.seconds for t in estimate_with_time(EstimateRequest(**base, optimizer=o)).time.terms}
+             for o in ("adamw", "adamw-single-tensor")}
+    assert terms["adamw-single-tensor"]["optimizer step"] > 2 * terms["adamw"]["optimizer step"]
+
+
 def test_causal_attention_flops_of_one_llama_block():
     # Llama-3-8B at 8,192 tokens: 32 heads of 128, 4,096 keys per query on average under the causal
     # mask: 2 x (128 + 128) x 8192 x 4096 x 32 FLOPs forward per block, 32 blocks

@@ -78,6 +78,9 @@ class OptimizerSpec:
     # and what one rank multiplies and sends there: (a shard, ranks) -> FLOPs, [(what, bytes, ring passes)]
     dtensor_flops: Callable[[TensorShape, int], int] | None = None
     dtensor_collectives: Callable[[TensorShape, int], list[tuple[str, int, int]]] | None = None
+    # steps each parameter with one elementwise kernel per line of the update (torch's _single_tensor_adam,
+    # composer's DecoupledAdamW), not one fused pass: the time model charges each kernel's reads and writes
+    unfused_step: bool = False
 
     def group_of(self, t: TensorShape) -> "OptimizerSpec":
         """The optimizer that steps ``t`` (Muon hands everything but hidden matrices to AdamW)."""
@@ -336,7 +339,7 @@ ADAMW = OptimizerSpec("adamw", "torch 2.13 torch/optim/adam.py (AdamW)", _adamw_
 ADAMW_SINGLE_TENSOR = OptimizerSpec(
     "adamw-single-tensor", "torch 2.13 torch/optim/adam.py AdamW(foreach=False), _single_tensor_adam; composer "
     "0.14-0.17 optim/decoupled_weight_decay.py DecoupledAdamW (the same per-parameter loop)", _adamw_states,
-    _adamw_cpu, lambda tensors, bits, foreach: _adamw_cpu(tensors, bits), 2)
+    _adamw_cpu, lambda tensors, bits, foreach: _adamw_cpu(tensors, bits), 2, unfused_step=True)
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     "adamw": ADAMW,
     "adamw-single-tensor": ADAMW_SINGLE_TENSOR,

@@ -618,10 +618,34 @@ def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointi
                         host=host, hardware_flops=hardware, backward=backward_seconds)
 
 
+# AdamW stepped one kernel per line (torch 2.13 optim/adam.py _single_tensor_adam, lines 416-546; composer
+# v0.14.0 optim/decoupled_weight_decay.py DecoupledAdamW.adamw, lines 248-275, the same lines with
+# mul_ + add_ for lerp_), in units of one element of the state (each of the two), the parameter and
+# the gradient, read + written per kernel:
+#   param.mul_(1 - lr * wd)                   param 2   (both defaults decay: torch 1e-2, composer 1e-5)
+#   exp_avg.lerp_(grad, 1 - beta1)            state 2, grad 1
+#   exp_avg_sq.mul_(beta2)                    state 2
+#   .addcmul_(grad, grad, value=1 - beta2)    state 2, grad 1
+#   denom = exp_avg_sq.sqrt()                 state 2   (a new tensor of the state's dtype)
+#   / bias_correction2_sqrt                   state 2
+#   .add_(eps)                                state 2
+#   param.addcdiv_(exp_avg, denom)            param 2, state 2
+UNFUSED_ADAMW_STATE_UNITS = 14
+UNFUSED_ADAMW_PARAM_UNITS = 4
+UNFUSED_ADAMW_GRAD_UNITS = 2
+
+
 def optimizer_step_seconds(elements: float, state_bits: float, master_bits: int, weight_bits: int, grad_bits: int,
-                           r: Rates) -> float:
+                           r: Rates, unfused: bool = False) -> float:
     """The optimizer's step over this GPU's elements: it reads and writes its states and the
-    master (or the weights), reads the gradient, and writes the compute copy where a master exists."""
-    per_element = 2 * (state_bits + (master_bits or weight_bits)) / 8 + grad_bits / 8 + \
-        (weight_bits / 8 if master_bits else 0)
+    master (or the weights), reads the gradient, and writes the compute copy where a master exists.
+    ``unfused``: AdamW's update one kernel per line (UNFUSED_ADAMW_*), each kernel's reads and writes;
+    ``state_bits`` is then both moments' bits."""
+    param_bits = master_bits or weight_bits
+    copy_out = weight_bits / 8 if master_bits else 0
+    if unfused:
+        per_element = (UNFUSED_ADAMW_STATE_UNITS * state_bits / 2 + UNFUSED_ADAMW_PARAM_UNITS * param_bits +
+                       UNFUSED_ADAMW_GRAD_UNITS * grad_bits) / 8 + copy_out
+    else:
+        per_element = 2 * (state_bits + param_bits) / 8 + grad_bits / 8 + copy_out
     return elements * per_element / r.memory_bytes_per_s

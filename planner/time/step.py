@@ -605,9 +605,10 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
         spec = OPTIMIZERS[req.optimizer]
         bits = state_bits(spec, flat(max(1, int(elements))), param_bits)
         # one fused pass (DeepSpeed's FusedAdam, torchtitan's `implementation = "fused"`); torch's foreach
-        # path (torch.optim.AdamW's default) moves about three times the bytes, which is the script's choice
+        # path (torch.optim.AdamW's default) moves about three times the bytes, which is the script's choice;
+        # an optimizer named as stepped one kernel per line (adamw-single-tensor) is charged each kernel's bytes
         optimizer = kernels.optimizer_step_seconds(elements, bits, recipe.master_bits, recipe.weight_bits,
-                                                   recipe.grad_bits, r)
+                                                   recipe.grad_bits, r, unfused=spec.unfused_step)
         if spec.whole_matrices and frozen is None:  # Muon's Newton-Schulz matmuls
             on_shards = dtensor_shards(req, combo)
             flops = sum(_step_flops(spec.group_of(t), t, on_shards) for t in parameter_shapes(arch)) / combo.tp
