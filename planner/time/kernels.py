@@ -633,6 +633,7 @@ def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointi
 UNFUSED_ADAMW_STATE_UNITS = 14
 UNFUSED_ADAMW_PARAM_UNITS = 4
 UNFUSED_ADAMW_GRAD_UNITS = 2
+UNFUSED_ADAMW_KERNELS = 8  # the lines above, each one launch per parameter tensor
 
 
 def optimizer_step_seconds(elements: float, state_bits: float, master_bits: int, weight_bits: int, grad_bits: int,

@@ -609,6 +609,12 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
         # an optimizer named as stepped one kernel per line (adamw-single-tensor) is charged each kernel's bytes
         optimizer = kernels.optimizer_step_seconds(elements, bits, recipe.master_bits, recipe.weight_bits,
                                                    recipe.grad_bits, r, unfused=spec.unfused_step)
+        if spec.unfused_step and frozen is None:
+            # and launches them one parameter at a time: every original parameter's shard is a tensor of its own
+            # (FSDP2, and FSDP1 with use_orig_params, composer's default: trainer/dist_strategy.py line 237 at
+            # v0.14.0, line 151 at v0.17.2); a small shard's kernels wait for the host
+            launches = len(parameter_shapes(arch)) * kernels.UNFUSED_ADAMW_KERNELS
+            optimizer = max(optimizer, launches * r.host_seconds_per_kernel)
         if spec.whole_matrices and frozen is None:  # Muon's Newton-Schulz matmuls
             on_shards = dtensor_shards(req, combo)
             flops = sum(_step_flops(spec.group_of(t), t, on_shards) for t in parameter_shapes(arch)) / combo.tp
