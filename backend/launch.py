@@ -86,9 +86,10 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         # FSDP2's root, as the chunked loss does
         raise PlannerError(f"loss={request.loss} with a sharded strategy: the probe's fused loss runs under single, "
                            "ddp and zero0-2 only", field="loss")
-    if request.loss == "flash-attn":
-        raise PlannerError("loss=flash-attn: the probe has no flash-attn cross-entropy (backend/losses.py); this "
-                           "loss stays unverified", field="loss")
+    if request.loss == "flash-attn" and setup.strategy.shards_parameters:
+        # backend/losses.py FlashAttnLoss wraps the model as the fused losses do (above)
+        raise PlannerError("loss=flash-attn with a sharded strategy: the probe's flash-attn loss runs under single, "
+                           "ddp and zero0-2 only", field="loss")
     if request.low_precision in ("nvfp4", "te-fp8"):
         raise PlannerError(f"low_precision={request.low_precision}: the probe swaps torchao's float8 and mxfp8 "
                            "linears only (backend/low_precision.py); this recipe stays unverified", field="low_precision")

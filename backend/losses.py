@@ -72,3 +72,25 @@ class FusedLinearLoss(torch.nn.Module):
             impl = "cce" if hidden.is_cuda else "torch_compile"
             loss = self.loss(hidden, weight, shifted, ignore_index=IGNORE, impl=impl)
         return SimpleNamespace(loss=loss, logits=None)
+
+
+class FlashAttnLoss(torch.nn.Module):
+    """flash-attn's cross-entropy on a transformers causal LM, as llm-foundry's ``fused_crossentropy``
+    calls it (llm-foundry 5f43bf1 llmfoundry/models/mpt/modeling_mpt.py: ``CrossEntropyLoss`` from
+    ``flash_attn.losses.cross_entropy`` on the model's logits as they come out of the head, no
+    upcast): the model's logits (returned, so a loop that keeps its outputs keeps them), the labels
+    shifted as transformers' ForCausalLMLoss shifts them. flash-attn is Triton (2.x) or a CUDA
+    extension (1.0.x): GPU only (bench/gpu_check.py), imported here, inside a rank."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        from flash_attn.losses.cross_entropy import CrossEntropyLoss  # optional, GPU only
+
+        self.model, self.loss = model, CrossEntropyLoss(ignore_index=IGNORE)
+        self._no_split_modules = getattr(model, "_no_split_modules", None)
+
+    def forward(self, *, input_ids: torch.Tensor, labels: torch.Tensor):
+        logits = self.model(input_ids=input_ids).logits
+        shifted = F.pad(labels, (0, 1), value=IGNORE)[:, 1:]
+        loss = self.loss(logits.reshape(-1, logits.size(-1)), shifted.reshape(-1))
+        return SimpleNamespace(loss=loss, logits=logits)

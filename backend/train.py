@@ -69,6 +69,10 @@ def build_model(job: dict[str, Any]) -> torch.nn.Module:
         from backend.losses import FusedLinearLoss
 
         model = FusedLinearLoss(model, job["loss"])
+    elif job.get("loss") == "flash-attn":
+        from backend.losses import FlashAttnLoss
+
+        model = FlashAttnLoss(model)
     return model
 
 

@@ -124,6 +124,10 @@ RECIPE_GRID = [  # long enough that activations and logits, not the states, make
     (8192, 1, {"loss": "liger-fused"}),
     (8192, 2, {"loss": "liger-fused", "precision": "bf16-pure"}),
     (8192, 1, {"loss": "cce", "precision": "bf16-pure"}),
+    # flash-attn's cross-entropy as llm-foundry runs it (compute-dtype logits, Composer's loop keeping the
+    # outputs), and torch's single-tensor AdamW (composer's DecoupledAdamW: two copies of the largest tensor)
+    (8192, 1, {"loss": "flash-attn", "keeps_outputs": True}),
+    (512, 1, {"optimizer": "adamw-single-tensor"}),
     # low-precision linears (planner/recipes/low_precision.py): torchao float8 everywhere fp8 exists, MXFP8
     # on Blackwell only (a row the estimate refuses for the --gpu is skipped with its reason)
     (4096, 2, {"low_precision": "float8-tensorwise"}),
@@ -150,6 +154,7 @@ MATMUL_SHAPES = (4096, 8192, 16384)
 GPU_ONLY_RECIPES = ("loss", "low_precision", "finetune", "activation_offload")
 # the package each recipe value trains through (backend/), found or not on the GPU machine
 PACKAGES = {("loss", "liger-fused"): "liger_kernel", ("loss", "cce"): "cut_cross_entropy",
+            ("loss", "flash-attn"): "flash_attn",
             ("finetune", "qlora"): "bitsandbytes", ("activation_offload", True): "trl",
             ("optimizer", "adamw-8bit"): "bitsandbytes", ("optimizer", "adamw-paged-8bit"): "bitsandbytes",
             ("optimizer", "lion"): "bitsandbytes", ("optimizer", "adamw-torchao-8bit"): "torchao",

@@ -205,6 +205,32 @@ def test_flash_attn_refusals_name_the_field(fields, words):
     assert err.value.field == "loss" and words in str(err.value) and "\n" not in str(err.value)
 
 
+def test_the_probe_wires_flash_attns_loss_as_transformers_shifts_the_labels(monkeypatch):
+    """backend/losses.py FlashAttnLoss on CPU with flash-attn's CrossEntropyLoss stood in by torch's
+    (flash-attn is GPU only: bench/gpu_check.py runs the real one): the logits it returns are the
+    model's, and the loss equals transformers' ForCausalLMLoss, so the labels are shifted as there."""
+    import sys
+    import types
+
+    torch = pytest.importorskip("torch")
+    import transformers
+    from backend.losses import FlashAttnLoss
+
+    cross_entropy = types.ModuleType("flash_attn.losses.cross_entropy")
+    cross_entropy.CrossEntropyLoss = torch.nn.CrossEntropyLoss  # same signature: ignore_index, mean reduction
+    for name in ("flash_attn", "flash_attn.losses"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "flash_attn.losses.cross_entropy", cross_entropy)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{k: v for k, v in LLAMA.items() if k != "model_type"} | {"num_hidden_layers": 1})
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    expected = model(input_ids=ids, labels=ids)
+    got = FlashAttnLoss(model)(input_ids=ids, labels=ids)
+    assert got.loss.item() == pytest.approx(expected.loss.item(), rel=1e-5)
+    assert torch.equal(got.logits, expected.logits)
+
+
 def test_flash_attn_moves_three_compute_dtype_bytes_per_logit():
     hf, flash = (estimate_with_time(EstimateRequest(**GPU, loss=loss)).time for loss in ("hf", "flash-attn"))
     r = kernels.rates(__import__("planner.cluster.gpus", fromlist=["gpu"]).gpu("h100-80gb"), "bf16")

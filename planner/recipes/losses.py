@@ -328,5 +328,6 @@ def loss_notes(loss: str) -> list[str]:
                 "credited in the time; Triton (GPU only): unverified here (bench/gpu_check.py measures it)"]
     if loss == "flash-attn":
         return [f"loss: flash-attn's cross-entropy ({FLASH_ATTN_SOURCE}): the logits in the compute dtype saved, "
-                "no fp32 copy, their gradient a new tensor of the same shape; GPU only: unverified here"]
+                "no fp32 copy, their gradient a new tensor of the same shape; GPU only: unverified here (bench/gpu_check.py "
+                "measures it)"]
     return []
