@@ -74,9 +74,8 @@ def _rank(rank: int, world: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.deepspeed
-def test_torchs_muon_on_fsdp2_shards_orthogonalises_whole_matrices_through_dtensor_collectives():
-    pytest.importorskip("torch")
+def _rank_zeros_result(rank_fn, *args):
+    """Run rank_fn(rank, world, port, *args, results) on 2 spawned ranks over a free local port; rank 0's entry."""
     import socket
 
     import torch.multiprocessing as mp
@@ -85,8 +84,14 @@ def test_torchs_muon_on_fsdp2_shards_orthogonalises_whole_matrices_through_dtens
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.Manager().dict()
-    mp.spawn(_rank, args=(2, port, results), nprocs=2, join=True)
-    errors, comms = results[0]
+    mp.spawn(rank_fn, args=(2, port, *args, results), nprocs=2, join=True)
+    return results[0]
+
+
+@pytest.mark.deepspeed
+def test_torchs_muon_on_fsdp2_shards_orthogonalises_whole_matrices_through_dtensor_collectives():
+    pytest.importorskip("torch")
+    errors, comms = _rank_zeros_result(_rank)
     for to_whole, to_shard_local in errors:
         assert to_whole < 1e-9  # the whole matrix's update
         assert to_shard_local > 0.2  # not Newton-Schulz on each shard
@@ -127,14 +132,5 @@ def _deepspeed_rank(rank: int, world: int, port: int, stage: int, results) -> No
 def test_deepspeed_hands_a_client_muon_flat_partitions_it_refuses():
     """ZeRO-2 (as ZeRO-1 and 3, checked by hand): the flat fp32 partition, one 1-D tensor per rank."""
     pytest.importorskip("deepspeed")
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_deepspeed_rank, args=(2, port, 2, results), nprocs=2, join=True)
-    stepped, error = results[0]
+    stepped, error = _rank_zeros_result(_deepspeed_rank, 2)
     assert stepped == [(sum(m * n for m, n in SHAPES) // 2,)] and error == "Param gradient must be a 2D matrix"
