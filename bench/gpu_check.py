@@ -46,7 +46,9 @@ tiles over K = 256 ... 16,384 against planner/time/kernels.py's K-loop curve (K0
 GPU's FLOP per byte, from NVIDIA's A100 figure), timed replayed from a CUDA graph (device time; the
 eager calls' rate is kept beside it), and SDPA's causal flash attention forward and backward
 TFLOP/s at head 128 over 8,192 tokens at each length against FORWARD_OVER_BACKWARD_RATE; printed and
-kept under "kernels".
+kept under "kernels". Then a transformer block's GEMMs, sustained for --sustained-seconds (30), per
+one-second window with the SM clock and power nvidia-smi reports ("sustained_matmul"): whether the
+rates measured in a burst hold through a step.
 
 When the file has an entry for the estimate's GPU, planner/memory/reserved.py uses its cuda_context_bytes
 (and nccl_bytes_per_communicator, unless NCCL_BUFFSIZE is given), and the estimate's allocator
@@ -431,6 +433,70 @@ def matmul_tflops() -> dict[str, float]:
     return out
 
 
+# A transformer block's GEMMs at MPT-1B's widths (d_model 2,048, MLP 8,192) over 28,672 tokens (the
+# llm-foundry H100 rows' micro-batch of 56 x 512 and 14 x 2,048): the published rows' "rest of the step"
+# runs 8-20% slower than the time model's rates say (bench/published_throughput.py, "Where the error
+# sits"), and one isolated GEMM measured at the MAMF here; this runs the block's forward, input-gradient
+# and weight-gradient GEMMs back to back for a sustained while, as training does.
+SUSTAINED_TOKENS, SUSTAINED_LINEARS = 28672, ((2048, 6144), (2048, 2048), (2048, 8192), (8192, 2048))
+
+
+def _smi(fields: str) -> list[str]:
+    try:
+        done = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", "0"],
+                              capture_output=True, text=True, timeout=10)
+        return [x.strip() for x in done.stdout.strip().splitlines()[0].split(",")] if done.returncode == 0 else []
+    except (OSError, subprocess.TimeoutExpired, IndexError):
+        return []
+
+
+def sustained_matmul(gpu_name: str, seconds: float) -> dict:
+    """The block's GEMMs (SUSTAINED_LINEARS, each forward, input gradient and weight gradient) replayed
+    from one CUDA graph for ``seconds``: TFLOP/s per one-second window with the SM clock, power draw
+    and throttle reasons nvidia-smi reports after it, against the rate planner/time/kernels.py models
+    for the same GEMMs. Whether a sustained step runs below the first second's rate (power or thermal
+    clock limits) is what the published rows' slower "rest" asks."""
+    import torch
+
+    from planner.cluster.gpus import load_gpus
+    from planner.time import kernels
+
+    r = kernels.rates(load_gpus()[gpu_name], "bf16")
+    m = SUSTAINED_TOKENS
+    shapes = [s for d_in, d_out in SUSTAINED_LINEARS for s in ((m, d_out, d_in), (m, d_in, d_out), (d_in, d_out, m))]
+    flops = sum(2.0 * a * b * c for a, b, c in shapes)
+    modelled = flops / sum(kernels._gemm_seconds(a, b, c, r, 2) for a, b, c in shapes) / 1e12
+    operands = [(torch.randn(a, c, device="cuda", dtype=torch.bfloat16),
+                 torch.randn(c, b, device="cuda", dtype=torch.bfloat16)) for a, b, c in shapes]
+
+    def block():
+        for x, w in operands:
+            x @ w
+
+    per_call = _graph_seconds(block, repeat=4)
+    graph_calls = max(1, int(0.25 / per_call))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(graph_calls):
+            block()
+    windows, started = [], time.monotonic()
+    while time.monotonic() - started < seconds:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replays = max(1, int(1.0 / (per_call * graph_calls)))
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        tflops = flops * graph_calls * replays / (start.elapsed_time(end) / 1e3) / 1e12
+        smi = _smi("clocks.sm,power.draw,clocks_throttle_reasons.active")
+        windows.append({"at_seconds": time.monotonic() - started, "tflops": tflops, "nvidia_smi": smi})
+        print(f"sustained block GEMMs at {windows[-1]['at_seconds']:5.1f} s: {tflops:6.1f} TFLOP/s "
+              f"(modelled {modelled:.1f}); SM MHz, W, throttle: {smi}")
+    return {"tokens": m, "linears": SUSTAINED_LINEARS, "modelled_tflops": modelled, "windows": windows,
+            "power_limit": _smi("power.limit,clocks.max.sm")}
+
+
 def hbm_copy_gbps() -> float:
     """Achieved HBM bandwidth of a 4 GiB device-to-device copy, counting bytes read and written: the
     ceiling the time model's memory-bound terms (gpus.yaml hbm bandwidth) are scaled from."""
@@ -460,6 +526,8 @@ def main() -> int:
                              "a second short lease measures what the first did not reach")
     parser.add_argument("--skip-sequences", action="store_true", help="skip the allocator replays")
     parser.add_argument("--list", action="store_true", help="print the prioritized run list and exit")
+    parser.add_argument("--sustained-seconds", type=float, default=30.0,
+                        help="how long the sustained block-GEMM measurement runs (sustained_matmul)")
     parser.add_argument("--skip-kernels", action="store_true",
                         help="skip the GEMM, attention, matmul and copy measurements (a lease that has them)")
     args = parser.parse_args()
@@ -485,7 +553,7 @@ def main() -> int:
                "step_timing": "step-only", "model": args.model, "layers": args.layers, "gpu": args.gpu}  # the rank times the step alone (backend/train.py _train_steps)
     if not args.skip_kernels:
         results |= {"kernels": check_kernels(args.gpu), "matmul_tflops": matmul_tflops(),
-                    "hbm_copy_gbps": hbm_copy_gbps()}
+                    "hbm_copy_gbps": hbm_copy_gbps(), "sustained_matmul": sustained_matmul(args.gpu, args.sustained_seconds)}
         print(f"device-to-device copy: {results['hbm_copy_gbps']:.0f} GB/s (bytes read + written)")
     print(f"matmul TFLOP/s measured: {results.get('matmul_tflops')}")
     requests = []
