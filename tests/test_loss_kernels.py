@@ -177,6 +177,36 @@ def test_cce_recomputes_the_logits_and_liger_moves_fewer_bytes():
     assert terms["hf"]["elementwise and loss"] - terms["cce"]["elementwise and loss"] == pytest.approx(28 * per_logit)
 
 
+def test_liger_runs_the_lm_head_chunk_by_chunk_and_adds_each_chunk_into_the_weight_gradient():
+    """The head's three GEMMs at Liger's chunk shapes (liger_head): 2,048 tokens in chunks of 32
+    (inc_factor 125), the weight gradient read and written per chunk in the gradient's dtype."""
+    r = kernels.rates(__import__("planner.cluster.gpus", fromlist=["gpu"]).gpu("h100-80gb"), "bf16")
+    forward, dgrad, wgrad, flops = kernels.liger_head(float(T), V, H, r, 2, 4)
+    chunks, chunk = T // 32, 32.0
+    assert liger_chunk_tokens(T, H, V) == chunk
+    assert forward == pytest.approx(chunks * kernels._gemm_seconds(chunk, V, H, r, 2))
+    assert dgrad == pytest.approx(chunks * kernels._gemm_seconds(chunk, H, V, r, 2))
+    accumulate = 2 * V * H * 4 / r.memory_bytes_per_s
+    assert wgrad == pytest.approx(chunks * max(kernels._gemm_seconds(V, H, chunk, r, 2), accumulate))
+    assert flops == 2 * T * V * H
+    whole = sum(kernels._gemm_seconds(m, n, k, r, 2) for m, n, k in ((T, V, H), (T, H, V), (V, H, T)))
+    assert forward + dgrad + wgrad > 2 * whole  # 32-token GEMMs and 64 passes over the fp32 gradient
+    # the plan's arrays of micro-batch options give what one estimate gives for each
+    import numpy as np
+    options = np.array([1.0, 3.0, 8.0]) * T
+    batched = kernels.liger_head(options, V, H, r, 2, 4)
+    for i, m in enumerate(options):
+        for got, want in zip(batched, kernels.liger_head(float(m), V, H, r, 2, 4)):
+            assert got[i] == pytest.approx(want)
+
+
+def test_liger_step_time_charges_its_chunked_head_and_says_so():
+    hf, liger = (estimate_with_time(EstimateRequest(**GPU, loss=loss)).time for loss in ("hf", "liger-fused"))
+    matmul = {name: next(t for t in x.terms if t.name == "matmul") for name, x in (("hf", hf), ("liger", liger))}
+    assert matmul["liger"].seconds > matmul["hf"].seconds
+    assert "Liger" in matmul["liger"].source and "Liger" not in matmul["hf"].source
+
+
 # --- flash-attn's cross-entropy (llm-foundry's fused_crossentropy) ----------------------------------
 
 def test_flash_attn_saves_the_compute_dtype_logits_and_makes_one_gradient_of_their_shape():

@@ -253,6 +253,7 @@ class Work:
     loss_recompute_flops: float = 0.0  # the loss kernel's backward reruns the LM head's forward (CCE), per sequence
     cast_bytes: float = 0.0  # low precision: the activations' and gradients' casts, forward + backward, per sequence
     weight_cast_bytes: float = 0.0  # low precision: the converted weights' casts, per micro-batch
+    chunked_head: tuple[int, int] | None = None  # Liger's fused loss: the LM head's (n, k), run chunk by chunk (liger_head)
 
 
 def _attention_gemms(s: LayerSpec, hidden: int, tp: int) -> list[tuple[int, int]]:
@@ -359,7 +360,9 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
         elementwise += _block_elementwise(spec, h, tp, sp, arch.hidden_dropout) * tokens * compute_bytes * count
         kernels += (len(proj) + len(mlp) + 12) * count  # the projections, attention and ~12 elementwise ops
     head = Gemm(max(1, arch.vocab_size // tp), h, 1)
-    gemms.append(head)
+    chunked = loss_kind == "liger-fused"  # its three head GEMMs run per chunk of tokens (liger_head)
+    if not chunked:
+        gemms.append(head)
     vocab = arch.vocab_size / tp
     loss = loss_bytes_per_logit(loss_kind, compute_bytes, LOSS_BYTES_PER_LOGIT) * vocab * tokens
     loss_recompute = 2.0 * tokens * head.n * head.k if loss_recomputes_logits(loss_kind) else 0.0
@@ -369,7 +372,8 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
     return Work(tokens=tokens, gemms=tuple(gemms), attention_flops=attention_flops,
                 attention_seconds_fb=attention_seconds, eager_bytes=eager_bytes if eager else 0.0,
                 elementwise_bytes=elementwise, loss_bytes=loss, kernels=kernels + 8, layers=arch.num_layers,
-                attention_forward_share=forward_share(kernel), loss_recompute_flops=loss_recompute)
+                attention_forward_share=forward_share(kernel), loss_recompute_flops=loss_recompute,
+                chunked_head=(head.n, head.k) if chunked else None)
 
 
 def forward_share(kernel: str) -> float:
@@ -520,6 +524,30 @@ class ComputeTerms:
         return arrays.maximum(device, self.host)
 
 
+def liger_head(m_all, n: int, k: int, r: Rates, compute_bytes: int, accumulate_bytes: int):
+    """(forward, input-gradient, weight-gradient seconds, forward FLOPs) of the LM head under Liger's fused
+    linear cross-entropy (liger_kernel 0.8.5 ops/fused_linear_cross_entropy.py): the micro-batch's ``m_all``
+    tokens in chunks of liger_chunk_tokens (about tokens x hidden logits each), and per chunk the logits
+    GEMM (chunk x n, reduced over k, line 164), the input's gradient (chunk x k, reduced over the
+    vocabulary n, line 320) and the weight's, added into the whole n x k gradient by torch.addmm
+    (line 341/364: reduced over the chunk's tokens, its output read and written once per chunk in the
+    gradient's dtype, ``accumulate_bytes``: fp32 under autocast over fp32 weights, line 333). All three
+    run in the forward; the time is the same wherever it falls."""
+    inc_factor = -(-n // k)
+    if arrays.is_array(m_all):
+        import numpy as np
+
+        chunk = np.minimum(2.0 ** np.ceil(np.log2(np.maximum(1.0, np.ceil(m_all / inc_factor)))), m_all)
+    else:
+        chunk = float(min(1 << max(0, math.ceil(math.log2(max(1.0, math.ceil(m_all / inc_factor))))), m_all))
+    chunks = _ceil(m_all / chunk)
+    forward = chunks * _gemm_seconds(chunk, n, k, r, compute_bytes)
+    dgrad = chunks * _gemm_seconds(chunk, k, n, r, compute_bytes)
+    accumulate = 2.0 * n * k * accumulate_bytes / r.memory_bytes_per_s
+    wgrad = chunks * arrays.maximum(_gemm_seconds(n, k, chunk, r, compute_bytes), accumulate)
+    return forward, dgrad, wgrad, 2.0 * m_all * n * k
+
+
 def _gemm_operands(w: "Work", m_all):
     """(tokens, n, k, count, rate) of each GEMM, or once for all of them as (GEMMs x options) arrays."""
     if not arrays.is_array(m_all):
@@ -547,20 +575,23 @@ def _sum_rows(x):
 
 
 def micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointing: str,
-                      frozen_matmuls: float = 0.0, shares: Recompute | None = None) -> ComputeTerms:
+                      frozen_matmuls: float = 0.0, shares: Recompute | None = None,
+                      gradient_bytes: int | None = None) -> ComputeTerms:
     """One micro-batch of ``micro`` sequences (a float or an array). ``frozen_matmuls``: the
     fraction of the matmul FLOPs whose weights are frozen (LoRA: no weight gradient for them);
-    ``shares``: what the policy reruns (recompute_shares; without it, all or none of each kind).
+    ``shares``: what the policy reruns (recompute_shares; without it, all or none of each kind);
+    ``gradient_bytes``: the weights' gradient dtype where a kernel accumulates into it (liger_head;
+    None: the compute dtype).
     A plan's array of options is computed once per Work and arguments: every strategy, shard
     group and offload of a layout asks the same (the arrays come back read-only)."""
     if not arrays.is_array(micro):
-        return _micro_batch_terms(w, micro, r, compute_bytes, checkpointing, frozen_matmuls, shares)
-    key = (id(w), micro.tobytes(), r, compute_bytes, checkpointing, frozen_matmuls, shares)
+        return _micro_batch_terms(w, micro, r, compute_bytes, checkpointing, frozen_matmuls, shares, gradient_bytes)
+    key = (id(w), micro.tobytes(), r, compute_bytes, checkpointing, frozen_matmuls, shares, gradient_bytes)
     hit = _TERMS.get(key)
     if hit is None or hit[0] is not w:
         if len(_TERMS) > 256:
             _TERMS.clear()
-        terms = _micro_batch_terms(w, micro, r, compute_bytes, checkpointing, frozen_matmuls, shares)
+        terms = _micro_batch_terms(w, micro, r, compute_bytes, checkpointing, frozen_matmuls, shares, gradient_bytes)
         for value in vars(terms).values():
             if arrays.is_array(value):
                 value.flags.writeable = False
@@ -572,9 +603,13 @@ _TERMS: dict[tuple, tuple[Work, "ComputeTerms"]] = {}  # micro_batch_terms of th
 
 
 def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointing: str,
-                       frozen_matmuls: float, shares: "Recompute | None") -> ComputeTerms:
+                       frozen_matmuls: float, shares: "Recompute | None",
+                       gradient_bytes: int | None = None) -> ComputeTerms:
     m_all = arrays.as_float(micro) * w.tokens
     forward = dgrad = wgrad = flops = 0.0
+    if w.chunked_head is not None:
+        forward, dgrad, wgrad, flops = liger_head(m_all, *w.chunked_head, r, compute_bytes,
+                                                  gradient_bytes or compute_bytes)
     # the plan's array of options: every GEMM at once (rows: GEMMs, columns: options); an estimate's
     # float: GEMM by GEMM. The same formulas (_gemm_seconds) either way.
     for m, n, k, count, rate in _gemm_operands(w, m_all):

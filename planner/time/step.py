@@ -564,6 +564,18 @@ def _unhidden_edge(s, data_parallel, arch):
     return data_parallel * (2.0 / (3.0 * blocks))
 
 
+def _gradient_bytes(req: "StepSettings", combo: Combo) -> int:
+    """Bytes per element of the gradients the model's own weights receive: fp32 where torch.autocast runs
+    over the framework's fp32 weights (the rule of planner/memory/rank_activations.py _autocast: weights
+    that are the masters, an autocast recipe, not sharded by the wrapper, no pipeline or context
+    split), else the compute dtype."""
+    s = lookup_strategy(combo.strategy)
+    recipe = req.recipe
+    autocast = (req.framework(s).weights_are_master and recipe.autocast_dtype is not None
+                and not s.shards_parameters and combo.pp == 1 and combo.cp == 1)
+    return 4 if autocast else recipe.compute_bytes
+
+
 def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int, arch, g: Gpu,
                     frozen: FrozenBaseShape | None, override_flops: float):
     """(compute seconds per optimizer step on one GPU, the backward passes' share of them,
@@ -589,7 +601,8 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
                      loss_kernel(req.loss, g.is_cpu), _low_precision_rate(req.low_precision, g, dtype, r))
     t = kernels.micro_batch_terms(w, micro_f, r, recipe.compute_bytes, combo.checkpointing,
                                   frozen_matmuls=1.0 if frozen is not None else 0.0,
-                                  shares=kernels.recompute_shares(arch, combo.checkpointing, combo.checkpointing_every))
+                                  shares=kernels.recompute_shares(arch, combo.checkpointing, combo.checkpointing_every),
+                                  gradient_bytes=_gradient_bytes(req, combo))
     matmul = t.matmul
     hardware = t.hardware_flops
     if frozen is not None:  # the adapters and trained copies of frozen matmuls, at the matmul rate
@@ -628,7 +641,9 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
                         f"{r.attention_reference.upper()}, "
                         f"scaled by matmul rate x {r.attention_scale:.2f}")
     bandwidth = f"{r.memory_bytes_per_s / 1e9:,.0f} GB/s achievable memory bandwidth"
-    terms = [("matmul", accumulation * matmul, f"{r.matmul_source}, tile waves over {r.sms or '?'} SMs"),
+    head = ("; the LM head as Liger runs it, its three GEMMs per chunk of tokens and the weight's gradient "
+            "read and written per chunk" if w.chunked_head else "")
+    terms = [("matmul", accumulation * matmul, f"{r.matmul_source}, tile waves over {r.sms or '?'} SMs{head}"),
              ("attention", accumulation * t.attention, attention_source),
              ("elementwise and loss", accumulation * t.elementwise, bandwidth),
              (f"recompute ({combo.checkpointing})", accumulation * t.recompute, "the forward kernels rerun, same rates"),
