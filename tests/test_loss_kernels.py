@@ -341,7 +341,7 @@ def test_fp8_matmuls_run_at_the_measured_fp8_rate():
     r = kernels.rates(g, "bf16")
     assert kernels.rates(g, "fp8").matmul_flops / r.matmul_flops == pytest.approx(1402.6 / 794.5)
     arch = __import__("planner.model.catalogue", fromlist=["x"]).model_from_config(LLAMA).architecture
-    lp = kernels.LowPrecisionRate(1402.6 / 794.5, 16, 8)
+    lp = kernels.LowPrecisionRate(1402.6 / 794.5, 16, 33.0)
     w = kernels.work(arch, 1024, 1, 1, False, 2, False, r, low_precision=lp)
     assert [g.rate for g in w.gemms[:-1]] == [lp.rate] * (len(w.gemms) - 1) and w.gemms[-1].rate == 1.0
     base = estimate_with_time(EstimateRequest(**LP)).time
@@ -350,6 +350,27 @@ def test_fp8_matmuls_run_at_the_measured_fp8_rate():
     assert matmul[1] < matmul[0]
     assert any("unverified" in n and "torchao 0.18" in n for n in estimate(
         EstimateRequest(**LP, low_precision="float8-tensorwise")).notes)
+
+
+@pytest.mark.parametrize("name,c,expected", [
+    ("float8-tensorwise", 2, 2 + 2 + 2 + 2 + 4 + 4 + 4 + 4 + 4 + 4 + 1),  # abs, max, to fp32, * scale, clamp, to fp8
+    ("float8-rowwise", 4, 4 + 4 + 4 + 4 + 4 + 4 + 4 + 4 + 1),  # fp32 input: .to(float32) copies nothing
+    ("mxfp8", 2, 2 + 2 + 1),  # a fused quantize kernel: amax read, convert read, fp8 write
+    ("nvfp4", 2, 2 + 2 + 0.5),
+])
+def test_a_cast_moves_what_its_kernels_move(name, c, expected):
+    from planner.recipes.low_precision import cast_bytes_per_element
+
+    assert cast_bytes_per_element(RECIPES[name], c) == expected
+
+
+def test_float8_step_charges_the_eager_casts_of_every_converted_call():
+    r = kernels.rates(__import__("planner.cluster.gpus", fromlist=["gpu"]).gpu("h100-80gb"), "bf16")
+    arch = __import__("planner.model.catalogue", fromlist=["x"]).model_from_config(LLAMA).architecture
+    fused, eager = (kernels.work(arch, 1024, 1, 1, False, 2, False, r,
+                                 low_precision=kernels.LowPrecisionRate(1.7, 16, b)) for b in (5.0, 33.0))
+    assert eager.cast_bytes == pytest.approx(fused.cast_bytes * 33 / 5) and eager.cast_bytes > 0
+    assert eager.weight_cast_bytes == pytest.approx(fused.weight_cast_bytes * 33 / 5)
 
 
 @pytest.mark.parametrize("fields,words", [

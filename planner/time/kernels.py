@@ -388,13 +388,12 @@ class LowPrecisionRate:
     step dtype's matmul rate (the measured fp8 MAMF over the bf16 one where both are measured:
     H100 1402.6/794.5, H200 1453.4/794.5, B200 3432.5/1745.0, Bekman's table in gpus.yaml; else
     the datasheets' peaks, fp8 2x bf16 on Hopper and Blackwell), and every cast of one of their
-    operands reads it once for its amax and once to convert (2 x the compute dtype) and writes
-    ``element_bits`` (torchao float8_scaling_utils.py hp_tensor_to_float8_dynamic: tensor_to_amax,
-    then to_fp8_no_autograd)."""
+    operands moves ``cast_bytes`` per element (low_precision.cast_bytes_per_element: torchao's
+    eager float8 chain, or a fused kernel's read for the amax, read to convert and narrow write)."""
 
     rate: float
     dim_multiple: int
-    element_bits: int
+    cast_bytes: float
 
 
 def _converted(w: "Work", compute_bytes: int, lp: LowPrecisionRate) -> "Work":
@@ -402,7 +401,7 @@ def _converted(w: "Work", compute_bytes: int, lp: LowPrecisionRate) -> "Work":
     routed experts, token_fraction < 1 or count beyond the layers) at the low-precision rate, and
     their casts: per linear call the input and grad_output twice each (forward and grad_input,
     grad_weight; float8_linear.py matmul_with_hp_or_float8_args), the weight twice (forward, grad_input)."""
-    per_cast = 2 * compute_bytes + lp.element_bits / 8
+    per_cast = lp.cast_bytes
     gemms, casts, weights = [], 0.0, 0.0
     for i, g in enumerate(w.gemms):
         block = i < len(w.gemms) - 1 and g.token_fraction == 1.0

@@ -23,7 +23,7 @@ from planner.memory.buffers import FP32
 from planner.memory.optimizer import flat, state_bits
 from planner.model.shapes import TensorShape, parameter_shapes
 from planner.recipes.optimizers import OPTIMIZERS
-from planner.recipes.low_precision import converted_weight_elements, recipe_of as low_precision_recipe
+from planner.recipes.low_precision import cast_bytes_per_element, converted_weight_elements, recipe_of as low_precision_recipe
 from planner.recipes.precision import Recipe
 from planner.schema import EstimateRequest, EstimateResult, PlanRequest, TimeEstimate, TimeTerm
 from planner.strategies import strategy as lookup_strategy
@@ -598,7 +598,7 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
             ("matmul", seconds, f"traced FLOPs at {r.matmul_source}{scaled}")]
     w = kernels.work(arch, req.seq_len, combo.tp, combo.cp, combo.sequence_parallel, recipe.compute_bytes,
                      req.attention == "eager" or arch.attention_implementation == "eager", r, req.attention_kernel,
-                     loss_kernel(req.loss, g.is_cpu), _low_precision_rate(req.low_precision, g, dtype, r))
+                     loss_kernel(req.loss, g.is_cpu), _low_precision_rate(req.low_precision, g, dtype, r, recipe.compute_bytes))
     t = kernels.micro_batch_terms(w, micro_f, r, recipe.compute_bytes, combo.checkpointing,
                                   frozen_matmuls=1.0 if frozen is not None else 0.0,
                                   shares=kernels.recompute_shares(arch, combo.checkpointing, combo.checkpointing_every),
@@ -696,13 +696,15 @@ def _stand_in(kernel: str) -> str:
     return f" at {kernels.STAND_IN[kernel]}'s rates" if kernel in kernels.STAND_IN else ""
 
 
-def _low_precision_rate(name: str, g: Gpu, dtype: str, r: kernels.Rates) -> kernels.LowPrecisionRate | None:
+def _low_precision_rate(name: str, g: Gpu, dtype: str, r: kernels.Rates,
+                        compute_bytes: int) -> kernels.LowPrecisionRate | None:
     """The converted GEMMs' rate over the step dtype's (planner/time/kernels.py LowPrecisionRate)."""
     recipe = low_precision_recipe(name)
     if recipe is None or recipe.matmul_dtype not in g.peak_tflops:
         return None
     low = kernels.rates(g, recipe.matmul_dtype)
-    return kernels.LowPrecisionRate(low.matmul_flops / r.matmul_flops, recipe.dim_multiple, recipe.element_bits)
+    return kernels.LowPrecisionRate(low.matmul_flops / r.matmul_flops, recipe.dim_multiple,
+                                    cast_bytes_per_element(recipe, compute_bytes))
 
 
 def _dequantize_seconds(frozen: FrozenBaseShape | None, checkpointing: str, accumulation, g: Gpu):
