@@ -67,16 +67,17 @@ class LowPrecisionRecipe:
     saved_input_bits: float  # bits per input element the converted linear saves beyond a 16-bit linear's set
     saved_weight_bits: float  # bits per weight element saved for backward per linear call (NVFP4's codes)
     resident_weight_bits: float  # bits per weight element held across steps (TE's fp8 workspaces)
+    eager_casts: bool = False  # its casts are torchao's eager float8 chain (cast_bytes_per_element), not one fused kernel
 
 
 RECIPES: dict[str, LowPrecisionRecipe] = {
     "float8-tensorwise": LowPrecisionRecipe(
         "float8-tensorwise", f"{TORCHAO} torchao/float8/float8_linear.py (Float8LinearRecipeName.TENSORWISE)",
-        "fp8", False, 16, 0.0, 8, 0.0, 0.0, 0.0),
+        "fp8", False, 16, 0.0, 8, 0.0, 0.0, 0.0, eager_casts=True),
     # rowwise: one fp32 scale per row of each cast (float8_scaling_utils.py, axiswise_dim)
     "float8-rowwise": LowPrecisionRecipe(
         "float8-rowwise", f"{TORCHAO} torchao/float8/float8_linear.py (Float8LinearRecipeName.ROWWISE)",
-        "fp8", False, 16, 0.0, 8, 0.0, 0.0, 0.0),
+        "fp8", False, 16, 0.0, 8, 0.0, 0.0, 0.0, eager_casts=True),
     # MX: one e8m0 byte per 32 elements (torchao/prototype/mx_formats/mx_tensor.py, block_size 32)
     "mxfp8": LowPrecisionRecipe(
         "mxfp8", f"{TORCHAO} torchao/prototype/moe_training/mxfp8_linear.py (mx_mm); torchtitan "
@@ -92,21 +93,20 @@ RECIPES: dict[str, LowPrecisionRecipe] = {
 ROWWISE_SCALE_BITS = 32  # float8-rowwise: an fp32 scale per row
 
 
-# torchao's float8 casts as they run eager (the planner models eager training: torch.compile is refused),
+# torchao's float8 casts (recipes with eager_casts) as they run eager (the planner models eager training: torch.compile is refused),
 # bytes read + written per element cast from ``c``-byte inputs (torchao 0.18):
 #   float8_utils.py tensor_to_amax        torch.abs(x): c + c, then torch.max: c                3c
 #   float8_training_tensor.py _ToFloat8ConstrFunc.forward, lines 153-154:
 #     tensor.to(torch.float32)            c + 4 (no copy when the input is fp32 already)
 #     * scale                             4 + 4
 #   float8_utils.py to_fp8_saturated      clamp: 4 + 4, then .to(float8): 4 + 1
-TORCHAO_EAGER_FLOAT8 = ("float8-tensorwise", "float8-rowwise")
 
 
 def cast_bytes_per_element(recipe: LowPrecisionRecipe, c: int) -> float:
     """Bytes one cast moves per element of a ``c``-byte tensor: torchao's eager float8 chain above, or
     for the recipes whose casts are fused kernels (MX and NVFP4 quantize kernels, Transformer Engine's
     cast) one read for the amax, one read to convert and the narrow write."""
-    if recipe.name in TORCHAO_EAGER_FLOAT8:
+    if recipe.eager_casts:
         return 3 * c + (c + 4 if c != 4 else 0) + 8 + 8 + 4 + recipe.element_bits / 8
     return 2 * c + recipe.element_bits / 8
 
