@@ -199,6 +199,10 @@ def _hand_streams():
     return [mixed,
             [("malloc", "a", 60 * MIB), ("free", "a"), ("malloc", "b", 80 * MIB)],
             [("malloc", "a", 50 * MIB), ("record", "a", "reduce_scatter"), ("free", "a"), ("malloc", "b", 50 * MIB)],
+            # emptying the cache at 400 MiB completes the side stream's block still waiting for its
+            # event: its segment is released and its bytes leave the active count
+            [("malloc", "a", 50 * MIB, "side"), ("record", "a", "default"), ("free", "a"), ("malloc", "b", 60 * MIB),
+             ("malloc", "c", 300 * MIB)],
             [("malloc", "big", 100 * MIB), ("free", "big"), ("malloc", "a", 60 * MIB), ("malloc", "b", 40 * MIB),
              ("free", "a"), ("malloc", "c", 70 * MIB)]]
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from planner.errors import PlannerError
 
@@ -385,18 +386,8 @@ class CachingAllocator:
     # --- malloc's steps ----------------------------------------------------------------------
 
     def _process_events(self) -> None:
-        if not self.completed or not self.pending:
-            return
-        keep = []
-        for stream, block in self.pending:
-            if stream in self.completed:
-                block.events -= 1
-                if block.events == 0:
-                    self._free_block(block)
-            else:
-                keep.append((stream, block))
-        self.pending = keep
-        self.completed.clear()
+        if self.completed and self.pending:
+            process_events(self.pending, self.completed, self._free_block)
 
     def _expandable_size(self, b: _Block) -> int:
         return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
@@ -655,6 +646,22 @@ class CachingAllocator:
                 self.unmapped[key].remove(other)
                 _absorb(block, other)
         self.unmapped.setdefault(key, []).append(block)
+
+
+def process_events(pending: list[tuple[str, Any]], completed: set[str], free_block: Callable[[Any], None]) -> None:
+    """process_events: each pending (stream, block) whose stream completed counts one event done;
+    a block whose events are all done goes to ``free_block``. ``pending`` keeps the rest (in
+    place) and ``completed`` is emptied. Shared by CachingAllocator and fast_replay's allocator."""
+    keep = []
+    for stream, block in pending:
+        if stream in completed:
+            block.events -= 1
+            if block.events == 0:
+                free_block(block)
+        else:
+            keep.append((stream, block))
+    pending[:] = keep
+    completed.clear()
 
 
 def _absorb(dst: "_Block", src: "_Block") -> None:

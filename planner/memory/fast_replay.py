@@ -14,7 +14,9 @@ branches those settings cannot take removed and with integers for keys:
   integer ``size << 64 | address`` in a sorted list, found by bisection (the reference sorts
   ``(size, address, id)`` tuples; addresses of free blocks are distinct, so the order is the same);
 - a block is a slotted object, its allocation's requested size kept on it;
-- the statistics are plain integers, peaks updated only where a count grows.
+- the statistics are plain integers, peaks updated only where a count grows;
+- malloc, free and record_stream are written out in one loop over the events (_DefaultAllocator.run),
+  the per-event counts in its local variables; process_events is allocator.py's own.
 
 Every byte it reports equals the reference's (tests/test_allocator.py replays the same streams
 through both, including the plan's own); any other setting goes to the reference unchanged.
@@ -25,7 +27,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 
 from planner.memory.allocator import (MIN_BLOCK_BYTES, SMALL_SIZE_BYTES, AllocConf, AllocatorStats, OutOfMemory,
-                                      allocation_size, round_size)
+                                      allocation_size, process_events, round_size)
 from planner.memory.allocator import replay as reference_replay
 
 KEY_SHIFT = 64  # a free block's key: size << 64 | address (addresses stay far below 2**64)
@@ -37,22 +39,7 @@ def replay(events: list[tuple], conf: AllocConf = AllocConf(), capacity_bytes: i
     """allocator.replay's answer, by ``_DefaultAllocator`` where the settings allow it."""
     if not _is_default(conf, memory_fraction):
         return reference_replay(events, conf, capacity_bytes, memory_fraction)
-    sim = _DefaultAllocator(conf, capacity_bytes, memory_fraction)
-    blocks: dict = {}
-    malloc, free = sim.malloc, sim.free  # bound once: the loop runs thousands of times per replay
-    for event in events:
-        op = event[0]
-        if op == "malloc":
-            blocks[event[1]] = malloc(event[2], event[3] if len(event) > 3 else "default")
-        elif op == "free":
-            free(blocks.pop(event[1]))
-        elif op == "record":
-            sim.record_stream(blocks[event[1]], event[2])
-        elif op == "complete":
-            sim.completed.add(event[1])
-        else:
-            raise ValueError(f"unknown allocator event {op!r}")
-    return sim.stats()
+    return _DefaultAllocator(conf, capacity_bytes, memory_fraction).run(events)
 
 
 def _is_default(conf: AllocConf, memory_fraction: float | None) -> bool:
@@ -92,12 +79,12 @@ class _DefaultAllocator:
         self.pending: list[tuple[str, _Block]] = []  # (stream, block): recorded events not yet completed
         self.completed: set[str] = set()
         self.next_addr = 1 << 20
-        self.allocated = self.allocated_peak = self.active = self.active_peak = 0
-        self.reserved = self.reserved_peak = self.requested = self.requested_peak = 0
+        self.reserved = self.reserved_peak = 0  # allocated, active and requested: run's local variables
         self.segments = {True: 0, False: 0}
         self.segments_peak = {True: 0, False: 0}
         self.total_segments = self.total_segments_peak = 0
         self.retries = 0
+        self.released_active = 0  # the bytes _free_block returned to the pools since run last read it
 
     # --- the pools --------------------------------------------------------------------------
 
@@ -112,99 +99,106 @@ class _DefaultAllocator:
         del pool[bisect_left(pool, key)]
         del self.free_blocks[key]
 
-    # --- the interface replay drives -------------------------------------------------------
-
-    def malloc(self, size: int, stream: str) -> _Block:
-        if self.pending and self.completed:
-            self._process_events()
-        if size < MIN_BLOCK_BYTES:
-            rounded = MIN_BLOCK_BYTES
-        elif self.rounds_power2:
-            rounded = round_size(size, self.conf)
-        else:
-            rounded = -(-size // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES
-        small = rounded <= SMALL_SIZE_BYTES
-        # get_free_block: the smallest cached block of the pool and stream that holds the size
-        # (max_split_size unlimited: no block is refused as oversize)
-        pool = self.pools.get((small, stream))
-        if pool is None:
-            pool = self.pools[(small, stream)] = []
-        k = bisect_left(pool, rounded << KEY_SHIFT)
-        block = self.free_blocks.pop(pool.pop(k)) if k < len(pool) else None
-        if block is None:
-            block = self._alloc_block(rounded, small, stream, pool)
-            if block is None:
-                self._release_cached()
-                self.retries += 1
-                block = self._alloc_block(rounded, small, stream, pool)
-                if block is None:
-                    raise OutOfMemory(f"tried to allocate {allocation_size(rounded):,} bytes with "
-                                      f"{self.reserved:,} reserved of {self.capacity or self.allowed:,}")
-        # alloc_found_block with should_split: a small block splits when 512 bytes or more
-        # remain, a large one when more than kSmallSize does
-        remaining = block.size - rounded
-        if remaining >= MIN_BLOCK_BYTES if small else remaining > SMALL_SIZE_BYTES:
-            addr = block.addr + rounded
-            rest = _Block(small, stream, pool, remaining, addr, block, block.next)
-            if block.next is not None:
-                block.next.prev = rest
-            block.next = rest
-            block.size = rounded
-            key = remaining << KEY_SHIFT | addr
-            self.free_blocks[key] = rest
-            insort(pool, key)
-        block.allocated = True
-        block.requested = size
-        self.allocated += block.size
-        if self.allocated > self.allocated_peak:
-            self.allocated_peak = self.allocated
-        self.active += block.size
-        if self.active > self.active_peak:
-            self.active_peak = self.active
-        self.requested += size
-        if self.requested > self.requested_peak:
-            self.requested_peak = self.requested
-        return block
-
-    def record_stream(self, block: _Block, stream: str) -> None:
-        if stream != block.stream:
-            if block.stream_uses is None:
-                block.stream_uses = set()
-            block.stream_uses.add(stream)
-
-    def free(self, block: _Block) -> None:
-        block.allocated = False
-        self.allocated -= block.size
-        self.requested -= block.requested
-        if block.stream_uses:  # insert_events: one event per stream used on
-            for s in block.stream_uses:
-                self.pending.append((s, block))
-            block.events = len(block.stream_uses)
-            block.stream_uses = None
-        else:
-            self._free_block(block)
-
-    def stats(self) -> AllocatorStats:
+    def run(self, events: list[tuple]) -> AllocatorStats:
+        """The events in order (allocator.replay's format), then the statistics: one loop with the
+        statistics in local variables and malloc (get_free_block, alloc_found_block with
+        should_split), free and record_stream written out in it; the merge (free_block) and the
+        steps that run once per segment or per completed stream (alloc_block,
+        release_cached_blocks, process_events) are methods."""
+        pools, free_blocks, pending, completed = self.pools, self.free_blocks, self.pending, self.completed
+        rounds_power2, conf, free_block = self.rounds_power2, self.conf, self._merge_free
+        blocks: dict = {}  # tag -> its block
+        allocated = allocated_peak = active = active_peak = requested = requested_peak = 0
+        for event in events:
+            op = event[0]
+            if op == "malloc":
+                size = event[2]
+                stream = event[3] if len(event) > 3 else "default"
+                if pending and completed:
+                    self.released_active = 0
+                    process_events(pending, completed, self._free_block)
+                    active -= self.released_active
+                if size < MIN_BLOCK_BYTES:
+                    rounded = MIN_BLOCK_BYTES
+                elif rounds_power2:
+                    rounded = round_size(size, conf)
+                else:
+                    rounded = -(-size // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES
+                small = rounded <= SMALL_SIZE_BYTES
+                # get_free_block: the smallest cached block of the pool and stream that holds the size
+                # (max_split_size unlimited: no block is refused as oversize)
+                pool = pools.get((small, stream))
+                if pool is None:
+                    pool = pools[(small, stream)] = []
+                k = bisect_left(pool, rounded << KEY_SHIFT)
+                if k < len(pool):
+                    block = free_blocks.pop(pool.pop(k))
+                else:
+                    block = self._alloc_block(rounded, small, stream, pool)
+                    if block is None:
+                        self.released_active = 0
+                        self._release_cached()
+                        active -= self.released_active
+                        self.retries += 1
+                        block = self._alloc_block(rounded, small, stream, pool)
+                        if block is None:
+                            raise OutOfMemory(f"tried to allocate {allocation_size(rounded):,} bytes with "
+                                              f"{self.reserved:,} reserved of {self.capacity or self.allowed:,}")
+                # alloc_found_block with should_split: a small block splits when 512 bytes or more
+                # remain, a large one when more than kSmallSize does
+                remaining = block.size - rounded
+                if remaining >= MIN_BLOCK_BYTES if small else remaining > SMALL_SIZE_BYTES:
+                    addr = block.addr + rounded
+                    rest = _Block(small, stream, pool, remaining, addr, block, block.next)
+                    if block.next is not None:
+                        block.next.prev = rest
+                    block.next = rest
+                    block.size = rounded
+                    key = remaining << KEY_SHIFT | addr
+                    free_blocks[key] = rest
+                    insort(pool, key)
+                block.allocated = True
+                block.requested = size
+                blocks[event[1]] = block
+                bsize = block.size
+                allocated += bsize
+                if allocated > allocated_peak:
+                    allocated_peak = allocated
+                active += bsize
+                if active > active_peak:
+                    active_peak = active
+                requested += size
+                if requested > requested_peak:
+                    requested_peak = requested
+            elif op == "free":
+                block = blocks.pop(event[1])
+                block.allocated = False
+                allocated -= block.size
+                requested -= block.requested
+                if block.stream_uses:  # insert_events: one event per stream used on
+                    for s in block.stream_uses:
+                        pending.append((s, block))
+                    block.events = len(block.stream_uses)
+                    block.stream_uses = None
+                    continue
+                active -= block.size
+                free_block(block)
+            elif op == "record":  # record_stream: a use on the allocation stream is ignored
+                block, stream = blocks[event[1]], event[2]
+                if stream != block.stream:
+                    if block.stream_uses is None:
+                        block.stream_uses = set()
+                    block.stream_uses.add(stream)
+            elif op == "complete":
+                completed.add(event[1])
+            else:
+                raise ValueError(f"unknown allocator event {op!r}")
         return AllocatorStats(
-            allocated_peak_bytes=self.allocated_peak, active_peak_bytes=self.active_peak,
-            reserved_peak_bytes=self.reserved_peak, requested_peak_bytes=self.requested_peak,
+            allocated_peak_bytes=allocated_peak, active_peak_bytes=active_peak,
+            reserved_peak_bytes=self.reserved_peak, requested_peak_bytes=requested_peak,
             segments_peak=self.total_segments_peak, small_segments_peak=self.segments_peak[True],
             large_segments_peak=self.segments_peak[False], segments=self.total_segments,
             reserved_bytes=self.reserved, alloc_retries=self.retries, gc_freed_bytes=0)
-
-    # --- malloc's and free's steps ---------------------------------------------------------
-
-    def _process_events(self) -> None:
-        keep = []
-        for stream, block in self.pending:
-            if stream in self.completed:
-                block.events -= 1
-                if block.events == 0:
-                    self._free_block(block)
-            else:
-                keep.append((stream, block))
-        self.pending = keep
-        self.completed.clear()
 
     def _alloc_block(self, size: int, small: bool, stream: str, pool: list[int]) -> _Block | None:
         """alloc_block: a new segment of get_allocation_size, when the device has room."""
@@ -224,8 +218,14 @@ class _DefaultAllocator:
         return block
 
     def _free_block(self, block: _Block) -> None:
-        """free_block: merge with free neighbours of the same segment, back into the pool."""
-        self.active -= block.size
+        """free_block for a block whose recorded events completed (process_events), its bytes
+        counted in ``released_active`` (run counts the others' in its local ``active``)."""
+        self.released_active += block.size
+        self._merge_free(block)
+
+    def _merge_free(self, block: _Block) -> None:
+        """free_block without the statistics: merge with free neighbours of the same segment,
+        back into the pool."""
         pool, free_blocks = block.pool, self.free_blocks
         prev, nxt = block.prev, block.next
         if prev is not None and not prev.allocated and not prev.events and not prev.stream_uses:
@@ -252,7 +252,7 @@ class _DefaultAllocator:
         that is whole (not split)."""
         self.completed.update(s for s, _ in self.pending)
         if self.pending:
-            self._process_events()
+            process_events(self.pending, self.completed, self._free_block)
         for pool in self.pools.values():
             for key in list(pool):
                 block = self.free_blocks[key]
