@@ -201,8 +201,7 @@ def _zero0_phases(setup: "SetupFields", acts: Activations | None, numels: list[i
         step.append(item("fp32 gradients for the master step", FP32 * psi, "buffers",
                           "unfused_optimizer.py step(): p.grad = fp16 grad .float()"))
     phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step))
-    return PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
-                     buffers=[i for p in phases for i in p.items if i.component == "buffers"])
+    return PhasePlan.of(phases, resident)
 
 
 def _autotp_gather_held(plan: PhasePlan, setup: "SetupFields", acts: Activations | None) -> None:
@@ -368,8 +367,7 @@ def _zero12_phases(setup: "SetupFields", acts: Activations | None, numels: list[
         item("Adam temporaries (flat partition)", step_temporaries_flat(part, setup), "buffers",
               "torch.optim.AdamW single-tensor step on the flat fp32 partition")]
     phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step))
-    plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
-                     buffers=[i for p in phases for i in p.items if i.component == "buffers"])
+    plan = PhasePlan.of(phases, resident)
     if offloaded:
         _offload_optimizer_host(plan, setup, part)
         # ZeRO-1/2 also keep, per rank on the host, a 16-bit copy of the partition and a staging
@@ -519,8 +517,7 @@ def _zero3_phases(setup: "SetupFields", acts: Activations | None, numels: list[i
         item("Adam temporaries (flat partition)", step_temporaries_flat(min(part, z.sub_group_size), setup),
               "buffers", "torch.optim.AdamW single-tensor step per sub_group_size group")]
     phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step))
-    plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
-                     buffers=[i for p in phases for i in p.items if i.component == "buffers"])
+    plan = PhasePlan.of(phases, resident)
     if offloaded:
         _offload_optimizer_host(plan, setup, part)
     if offload_params:

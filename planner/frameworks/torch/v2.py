@@ -283,8 +283,7 @@ def _torch_phases(setup: "SetupFields", acts: Activations | None, numels: list[i
         item("optimizer step temporaries", 0 if in_backward else
              step_temporaries(setup, stepped, step_bits, shard if s.shards_optimizer else 1),
               "buffers", f"{spec_of(setup).source}: single-tensor on CPU, foreach or fused on CUDA")]))
-    plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
-                     buffers=[i for p in phases for i in p.items if i.component == "buffers"])
+    plan = PhasePlan.of(phases, resident)
     if offload:
         per_rank = store_bytes * part * 2 + states
         plan.host_resident_bytes = per_rank * setup.request.gpus
