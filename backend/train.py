@@ -755,6 +755,15 @@ def _median(values: list[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
 
 
+def _profiled_events(profiler):
+    """Every event of the profiler's tree (kineto's experimental_event_tree), depth first."""
+    stack = list(profiler.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        yield event
+
+
 def _raw_events(profiler) -> tuple[list[tuple[int, int]], dict[int, tuple[int, int]]]:
     """Allocator totals over time and the step windows, from the profiler's raw event tree.
 
@@ -768,10 +777,7 @@ def _raw_events(profiler) -> tuple[list[tuple[int, int]], dict[int, tuple[int, i
 
     totals: list[tuple[int, int]] = []
     windows: dict[int, tuple[int, int]] = {}
-    stack = list(profiler.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
+    for event in _profiled_events(profiler):
         kind = event.typed[0]
         if kind == _EventType.Allocation and event.typed[1].device.type == "cpu":
             totals.append((event.start_time_ns, int(event.typed[1].total_allocated)))
@@ -846,10 +852,7 @@ def _write_last_step_events(profiler, job: dict[str, Any], rank: int, smallest_b
 
     start, end = peak_window(*_raw_events(profiler))
     rows = []
-    stack = list(profiler.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
+    for event in _profiled_events(profiler):
         if event.typed[0] == _EventType.Allocation and start <= event.start_time_ns <= end:
             fields = event.typed[1]
             if abs(fields.alloc_size) >= smallest_bytes:
@@ -901,10 +904,7 @@ def live_at(profiler, time_ns: int, top: int = 25) -> list[dict[str, Any]]:
 
     live: dict[int, tuple[int, Any]] = {}
     events = []
-    stack = list(profiler.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
+    for event in _profiled_events(profiler):
         if event.typed[0] == _EventType.Allocation and event.start_time_ns <= time_ns:
             events.append(event)
     for event in sorted(events, key=lambda e: e.start_time_ns):

@@ -60,18 +60,22 @@ def predicted_now(result: dict, row: dict) -> tuple[int, int, float | None]:
     return allocator.allocated_peak_bytes, allocator.reserved_peak_bytes, seconds
 
 
+def measured_runs(results: list[dict]):
+    """(result, run, today's predicted_now) for every run that measured (status ok), in file order."""
+    for result in results:
+        for row in result["runs"]:
+            if row.get("status") == "ok":
+                yield result, row, predicted_now(result, row)
+
+
 def summary(results: list[dict]) -> str:
     """One line: the spread of the allocated, reserved and step errors over the measured runs."""
     allocated, reserved, steps = [], [], []
-    for result in results:
-        for row in result["runs"]:
-            if row.get("status") != "ok":
-                continue
-            predicted, res_p, step_p = predicted_now(result, row)
-            allocated.append(100 * (predicted / row["measured_allocated_peak_bytes"] - 1))
-            reserved.append(100 * (res_p / row["measured_reserved_peak_bytes"] - 1))
-            if result.get("step_timing") == "step-only" and row.get("measured_step_seconds") and step_p:
-                steps.append(row["measured_step_seconds"] / step_p)
+    for result, row, (predicted, res_p, step_p) in measured_runs(results):
+        allocated.append(100 * (predicted / row["measured_allocated_peak_bytes"] - 1))
+        reserved.append(100 * (res_p / row["measured_reserved_peak_bytes"] - 1))
+        if result.get("step_timing") == "step-only" and row.get("measured_step_seconds") and step_p:
+            steps.append(row["measured_step_seconds"] / step_p)
     under = sum(e < 0 for e in allocated)
     text = (f"{len(allocated)} runs: allocated peak {min(allocated):+.2f}% to {max(allocated):+.2f}% "
             f"({under} under-predicted), reserved {min(reserved):+.1f}% to {max(reserved):+.1f}% "
@@ -89,21 +93,17 @@ def runs_table(results: list[dict]) -> list[str]:
     lines = ["| file | strategy | tokens (seq x mb) | ckpt | attention | recipe | allocated measured | allocated "
              "predicted | error | reserved measured | reserved predicted | error | step measured | step predicted |",
              "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for result in results:
-        for row in result["runs"]:
-            if row.get("status") != "ok":
-                continue
-            predicted, res_p, step_p = predicted_now(result, row)
-            measured, res_m = row["measured_allocated_peak_bytes"], row["measured_reserved_peak_bytes"]
-            # the step seconds of the first lease counted the harness's barrier and gc.collect
-            # (backend/train.py before add9d12): shown only where the rank timed the step alone
-            step_m = row.get("measured_step_seconds") if result.get("step_timing", "") == "step-only" else None
-            lines.append(
-                f"| {result['_file']} | {row['strategy']} | {row['seq_len']} x {row['micro_batch']} | {row['checkpointing']} "
-                f"| {row['attention']} | {recipe_text(row)} | {measured / GB:.3f} GB | {predicted / GB:.3f} GB "
-                f"| {100 * (predicted / measured - 1):+.2f}% | {res_m / GB:.3f} GB | {res_p / GB:.3f} GB "
-                f"| {100 * (res_p / res_m - 1):+.1f}% | {f'{1e3 * step_m:.0f} ms' if step_m else '-'} "
-                f"| {f'{1e3 * step_p:.0f} ms' if step_p and step_m else '-'} |")
+    for result, row, (predicted, res_p, step_p) in measured_runs(results):
+        measured, res_m = row["measured_allocated_peak_bytes"], row["measured_reserved_peak_bytes"]
+        # the step seconds of the first lease counted the harness's barrier and gc.collect
+        # (backend/train.py before add9d12): shown only where the rank timed the step alone
+        step_m = row.get("measured_step_seconds") if result.get("step_timing", "") == "step-only" else None
+        lines.append(
+            f"| {result['_file']} | {row['strategy']} | {row['seq_len']} x {row['micro_batch']} | {row['checkpointing']} "
+            f"| {row['attention']} | {recipe_text(row)} | {measured / GB:.3f} GB | {predicted / GB:.3f} GB "
+            f"| {100 * (predicted / measured - 1):+.2f}% | {res_m / GB:.3f} GB | {res_p / GB:.3f} GB "
+            f"| {100 * (res_p / res_m - 1):+.1f}% | {f'{1e3 * step_m:.0f} ms' if step_m else '-'} "
+            f"| {f'{1e3 * step_p:.0f} ms' if step_p and step_m else '-'} |")
     return lines
 
 
@@ -152,15 +152,11 @@ def replay_shortfall(results: list[dict]) -> dict:
     """The largest fraction by which a measured reserved peak exceeded the replay's, under the current
     model (0 when the replay never falls short): what planner/memory/reserved.py holds back."""
     worst, where = 0.0, ""
-    for result in results:
-        for row in result["runs"]:
-            if row.get("status") != "ok":
-                continue
-            _, replayed, _ = predicted_now(result, row)
-            short = row["measured_reserved_peak_bytes"] / replayed - 1
-            if short > worst:
-                worst, where = short, f"{result['_file']}: {row['strategy']} {row['seq_len']} x {row['micro_batch']} " \
-                                      f"{recipe_text(row)}"
+    for result, row, (_, replayed, _) in measured_runs(results):
+        short = row["measured_reserved_peak_bytes"] / replayed - 1
+        if short > worst:
+            worst, where = short, f"{result['_file']}: {row['strategy']} {row['seq_len']} x {row['micro_batch']} " \
+                                  f"{recipe_text(row)}"
     return {"fraction": math.ceil(worst * 1e4) / 1e4, "worst_run": where,
             "runs": sum(r.get("status") == "ok" for result in results for r in result["runs"])}
 

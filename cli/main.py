@@ -189,7 +189,6 @@ def error_message(exc: Exception) -> str:
 
 
 def read_topology_text(path: str) -> str:
-    from planner.model.catalogue import read_bounded_text
     from planner.cluster.topology import MAX_TOPOLOGY_BYTES
 
     too_large = f"larger than {MAX_TOPOLOGY_BYTES} bytes; not nvidia-smi topo -m output"
@@ -210,17 +209,13 @@ def read_text_file(label: str, path: str, limit: int, too_large: str) -> str:
     """A file's text, at most ``limit`` bytes read (planner/model/catalogue.py read_bounded_text: a
     pipe or /dev/zero is never read to its end); every way it cannot be read is one line naming
     ``label`` (the flag and the file), ``too_large`` saying what a larger file cannot be."""
-    from planner.model.catalogue import read_bounded_text
+    from planner.errors import PlannerError
+    from planner.model.catalogue import read_text_or_refuse
 
     try:
-        text = read_bounded_text(path, limit)
-    except OSError as exc:
-        raise CliError(f"{label}: cannot be read ({exc.strerror})") from None
-    except UnicodeDecodeError:
-        raise CliError(f"{label}: not a text file") from None
-    if text is None:
-        raise CliError(f"{label}: {too_large}")
-    return text
+        return read_text_or_refuse(path, limit, label, too_large)
+    except PlannerError as exc:  # a CliError: callers that skip a PlannerError must not skip this
+        raise CliError(str(exc)) from None
 
 
 # --- commands --------------------------------------------------------------------------------

@@ -13,13 +13,14 @@ import json
 import os
 import re
 import shutil
-import socket
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.ports import free_port
 
 REQUIRED = os.environ.get("PLANNER_REQUIRE_BROWSER") == "1"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -37,9 +38,7 @@ def server(tmp_path_factory):
     uvicorn = pytest.importorskip("uvicorn")
     from web.app import create_app
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     config = uvicorn.Config(create_app(str(tmp_path_factory.mktemp("web") / "runs.sqlite")),
                             host="127.0.0.1", port=port, log_level="warning")
     instance = uvicorn.Server(config)

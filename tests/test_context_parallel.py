@@ -12,6 +12,7 @@ from planner.parallel.context import cp_activations, merged_output_copy_bytes, r
 from planner.errors import PlannerError
 from planner.memory.orchestrator import estimate
 from planner.schema import EstimateRequest
+from tests.ports import free_port
 from tests.real_runs import LLAMA, LLAMA_CP_LONG
 
 MHA_V1024 = dict(LLAMA, vocab_size=1024, num_key_value_heads=4, max_position_embeddings=8192)
@@ -453,13 +454,9 @@ def _ranks(rank: int, world: int, port: int, mode: str, rotate: str, results) ->
 
 
 def _spawn(mode: str, rotate: str = "allgather") -> dict:
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     results = mp.Manager().dict()
     mp.spawn(_ranks, args=(2, port, mode, rotate, results), nprocs=2, join=True)
     return dict(results)
@@ -577,13 +574,10 @@ def test_cp_by_tp_gives_the_unsharded_models_logits_and_gradients(tmp_path):
     gradient equal the unsharded model's on the whole sequence (fp32: relative 1e-4 at worst),
     with sequence parallelism and without."""
     import json
-    import socket
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_cp_by_tp_ranks, args=(4, port, str(tmp_path)), nprocs=4, join=True)
     for rank in range(4):
         errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -671,13 +665,10 @@ def _hsdp_by_cp_ranks(rank: int, world: int, port: int, out_dir: str, parallel: 
 
 def _spawn_hsdp_by_cp(out_dir, parallel: dict) -> dict:
     import json
-    import socket
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_hsdp_by_cp_ranks, args=(4, port, str(out_dir), parallel), nprocs=4, join=True)
     return {rank: json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(4)}
 

@@ -7,7 +7,6 @@ script runs against stand-in `scontrol`/`srun`/launchers that record what each n
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from planner.errors import PlannerError
 from planner.time.step import estimate_with_time
 from planner.schema import EstimateRequest
 from tests.real_runs import LLAMA
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(LLAMA, num_hidden_layers=2)
@@ -32,12 +32,6 @@ def emitted(tmp_path: Path, script: Script | None = None, **fields) -> Path:
     out = tmp_path / "emit"
     write_files(out, emit_estimate_files(estimate_with_time(EstimateRequest(**kw)), script))
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # --- the emitted CPU launch, end to end ----------------------------------------------------------
@@ -58,7 +52,7 @@ def test_emitted_cpu_launch_trains_two_ranks_end_to_end(tmp_path, capsys, strate
                  "--seq-len", "64", "--precision", "fp32", "--emit", str(out)])
     assert code == 0 and "see LAUNCH.md" in capsys.readouterr().err
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MASTER_ADDR", "NODE_RANK")}
-    port = _free_port()
+    port = free_port()
     env.update(PLANNER_ROOT=str(ROOT), MASTER_PORT=str(port), PATH=f"{Path(sys.executable).parent}:{env['PATH']}")
     if strategy == "zero2":
         prepare_extensions(env)  # DeepSpeed's CPU op built once, under the planner's lock
@@ -125,7 +119,7 @@ def test_accelerate_config_loads_in_accelerates_own_loader(tmp_path, monkeypatch
     # environment of the ranks, and the plugin a rank builds from that environment.
     monkeypatch.chdir(out)
     args = launch_command_parser().parse_args(["--config_file", "accelerate_config.yaml", "--main_process_port",
-                                               str(_free_port()), "train.py"])
+                                               str(free_port()), "train.py"])
     args, defaults, mixed_from_config = _validate_launch_command(args)
     if strategy.startswith("zero"):
         args.deepspeed_fields_from_accelerate_config = ",".join(

@@ -4,11 +4,12 @@ A cycle hidden behind a function-level import works until someone lifts the impo
 more edge; then a module reads a name its half-initialised partner has not defined yet. The graph
 is read from the source (ast), so a cycle fails here whether or not a test happens to run it.
 
-Imports under ``if TYPE_CHECKING:`` count too: they never execute, but a type two modules both
-need belongs below both (``AttentionSpec`` in planner/model/attention/spec.py, ``Launch`` beside
-its ``Launcher``, ``PhasePlan`` in planner/memory/phase_plan.py), or the next runtime import makes
-the cycle real. One exception, by name: the resolved ``Setup`` (planner/setup.py) that every
-mechanism's methods take while it composes those mechanisms; its type-only imports are left out.
+Imports under ``if TYPE_CHECKING:`` count too, with no exception: they never execute, but a type
+two modules both need belongs below both (``AttentionSpec`` in planner/model/attention/spec.py,
+``Launch`` beside its ``Launcher``, ``PhasePlan`` in planner/memory/phase_plan.py, ``Finetune`` in
+planner/recipes/finetune_fields.py), or the next runtime import makes the cycle real. The mechanisms
+the resolved ``Setup`` (planner/setup.py) composes take the Protocol of what they read of it,
+``SetupFields`` (planner/setup_fields.py), which the tests below keep equal to Setup.
 """
 
 from __future__ import annotations
@@ -63,13 +64,9 @@ def _targets(node: ast.AST, module: str, is_package: bool, modules: dict[str, Pa
     return found
 
 
-# the one module whose type-only imports are left out of the graph (see the module's docstring)
-TYPE_ONLY_HUBS = frozenset({"planner.setup"})
-
-
 def import_graph(type_checking: bool = True) -> dict[str, dict[str, int]]:
     """module -> {imported module: line of the first such import}; ``type_checking``: with the
-    imports under ``if TYPE_CHECKING:`` (but those of TYPE_ONLY_HUBS)."""
+    imports under ``if TYPE_CHECKING:``."""
     modules = _modules()
     graph: dict[str, dict[str, int]] = {}
     for module, path in modules.items():
@@ -77,7 +74,7 @@ def import_graph(type_checking: bool = True) -> dict[str, dict[str, int]]:
         type_only = _type_checking_only(tree)
         for node in ast.walk(tree):
             for target in _targets(node, module, path.name == "__init__.py", modules):
-                if id(node) in type_only and (not type_checking or target in TYPE_ONLY_HUBS):
+                if id(node) in type_only and not type_checking:
                     continue
                 graph.setdefault(module, {}).setdefault(target, node.lineno)
     return graph
@@ -128,11 +125,10 @@ def test_no_import_cycles():
 
 def test_the_graph_sees_imports_inside_functions_and_relative_ones():
     # the checker itself: a function-level import and a relative one are edges, TYPE_CHECKING ones too
-    # (but those of the Setup hub)
     graph = import_graph()
     assert "backend.train_experts" in graph["backend.rank"]  # imported inside engine_for
     assert "planner.frameworks.deepspeed.v0_19" in graph["planner.frameworks"]
-    assert "planner.setup" not in graph.get("planner.memory.buffers", {})  # the hub, only under TYPE_CHECKING
+    assert "planner.setup" in graph["planner.parallel.pipeline"]  # Setup, under TYPE_CHECKING: no cycle there
     # mla.py imports AttentionSpec under TYPE_CHECKING only: an edge, absent without type_checking
     assert "planner.model.attention.spec" in graph["planner.model.attention.mla"]
     assert "planner.model.attention.spec" not in import_graph(type_checking=False)["planner.model.attention.mla"]
@@ -140,7 +136,9 @@ def test_the_graph_sees_imports_inside_functions_and_relative_ones():
 
 
 def test_a_cycle_through_a_type_checking_import_fails(tmp_path, monkeypatch):
-    # a.py needs b's type for checking only, b imports a: a cycle here, none without type_checking
+    # a.py needs b's type for checking only, b imports a: a cycle here, none without type_checking;
+    # Setup's module is no exception (a mechanism naming Setup under TYPE_CHECKING while setup.py
+    # imports it is the cycle SetupFields is there to avoid)
     (tmp_path / "planner").mkdir()
     (tmp_path / "planner" / "a.py").write_text("from typing import TYPE_CHECKING\n"
                                                "if TYPE_CHECKING:\n    from planner.b import B\n")
@@ -150,8 +148,45 @@ def test_a_cycle_through_a_type_checking_import_fails(tmp_path, monkeypatch):
     (tmp_path / "planner" / "setup.py").write_text("from planner.c import C\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     monkeypatch.setattr(sys.modules[__name__], "TOPS", ("planner",))
-    assert cycles(import_graph()) == [["planner.a", "planner.b"]]  # the Setup hub's type-only import left out
+    assert cycles(import_graph()) == [["planner.a", "planner.b"], ["planner.c", "planner.setup"]]
     assert cycles(import_graph(type_checking=False)) == []
+
+
+def _setup_fields_users() -> dict[str, Path]:
+    graph = import_graph()
+    return {m: p for m, p in _modules().items() if "planner.setup_fields" in graph.get(m, {})}
+
+
+def test_setup_provides_every_member_of_setup_fields_with_the_same_type():
+    # SetupFields restates Setup's members the mechanisms read; a renamed or retyped field of Setup
+    # fails here rather than leaving the Protocol describing a Setup that no longer exists
+    import dataclasses
+
+    from planner.setup import Setup
+    from planner.setup_fields import SetupFields
+
+    declared = {f.name: f.type for f in dataclasses.fields(Setup)}
+    declared |= {name: value.fget.__annotations__["return"] for name, value in vars(Setup).items()
+                 if isinstance(value, property)}
+    wanted = SetupFields.__annotations__
+    assert not set(wanted) - set(declared), f"SetupFields names what Setup lacks: {set(wanted) - set(declared)}"
+    differ = {name: (kind, declared[name]) for name, kind in wanted.items() if kind != declared[name] and kind != "Any"}
+    assert not differ, f"SetupFields' types differ from Setup's (protocol, Setup): {differ}"
+
+
+def test_what_the_mechanisms_read_of_a_setup_is_in_setup_fields():
+    # each module that takes SetupFields reads only its members off a ``setup``: the Protocol says
+    # what they depend on, so a new read is a new line there (and in Setup) rather than a silent one
+    from planner.setup_fields import SetupFields
+
+    members = set(SetupFields.__annotations__)
+    users = _setup_fields_users()
+    assert "planner.frameworks.base" in users and "planner.memory.optimizer" in users
+    read = {f"{module}:{node.lineno} setup.{node.attr}" for module, path in users.items()
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "setup"
+            and node.attr not in members}
+    assert not read, f"reads beyond planner/setup_fields.py's SetupFields: {sorted(read)}"
 
 
 def test_web_imports_no_private_name_of_another_module():

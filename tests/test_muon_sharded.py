@@ -10,6 +10,7 @@ import pytest
 
 from planner.model.shapes import TensorShape
 from planner.recipes.optimizers import OPTIMIZERS
+from tests.ports import free_port
 
 SHAPES = ((96, 64), (48, 96))  # rows > columns (transposed inside the iteration) and rows <= columns
 
@@ -76,13 +77,9 @@ def _rank(rank: int, world: int, port: int, results) -> None:
 
 def _rank_zeros_result(rank_fn, *args):
     """Run rank_fn(rank, world, port, *args, results) on 2 spawned ranks over a free local port; rank 0's entry."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     results = mp.Manager().dict()
     mp.spawn(rank_fn, args=(2, port, *args, results), nprocs=2, join=True)
     return results[0]

@@ -17,17 +17,12 @@ from pathlib import Path
 import pytest
 
 from tests.own_run import live_processes, ranks_training, segments, wait_until
+from tests.ports import free_port
 from tests.real_runs import LLAMA
 
 pytest.importorskip("uvicorn")
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "s3cret"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _get(url: str, **headers) -> tuple[int, bytes]:
@@ -46,7 +41,7 @@ def serve(tmp_path):
     started = []
 
     def start(db: Path, **env_extra: str) -> tuple[subprocess.Popen, int]:
-        port = _free_port()
+        port = free_port()
         env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path), PLANNER_LOCK_DIR=str(tmp_path / "locks"),
                    PLANNER_API_TOKEN=TOKEN, **env_extra)
         log = open(tmp_path / f"serve-{port}.log", "w")

@@ -11,7 +11,8 @@ import os
 
 from fastapi import FastAPI, HTTPException
 
-from planner.model.catalogue import read_bounded_text
+from planner.errors import PlannerError
+from planner.model.catalogue import read_text_or_refuse
 
 TOKEN_ENV, TOKEN_FILE_ENV = "PLANNER_API_TOKEN", "PLANNER_API_TOKEN_FILE"
 
@@ -31,14 +32,11 @@ def configured_token() -> str | None:
     path = os.environ.get(TOKEN_FILE_ENV)
     if token or not path:
         return token or None
-    try:
-        text = read_bounded_text(path, MAX_TOKEN_FILE_BYTES)  # read at every request: never unbounded
-    except OSError as exc:
-        raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: cannot be read ({exc.strerror})") from None
-    except UnicodeDecodeError:
-        raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: not a text file") from None
-    if text is None:
-        raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: more than {MAX_TOKEN_FILE_BYTES} bytes; not a token")
+    try:  # read at every request: never unbounded
+        text = read_text_or_refuse(path, MAX_TOKEN_FILE_BYTES, f"{TOKEN_FILE_ENV}={path}",
+                                   f"more than {MAX_TOKEN_FILE_BYTES} bytes; not a token")
+    except PlannerError as exc:
+        raise TokenFileError(str(exc)) from None
     if not text.strip():
         raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: the file is empty")
     return text.strip()

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from planner.model.activations import Activations
     from planner.memory.phase_plan import PhasePlan
-    from planner.setup import Setup
+    from planner.setup_fields import SetupFields
     from planner.model.shapes import TensorShape
     from planner.recipes.optimizers import OptimizerSpec
     from planner.recipes.precision import Recipe
@@ -110,22 +110,22 @@ class Framework:
     # its tensor parallelism shards the residual stream over the sequence between blocks
     tp_sequence_parallel: bool = False
 
-    def phases(self, setup: "Setup", acts: "Activations | None", numels: list[int]) -> "PhasePlan":
+    def phases(self, setup: "SetupFields", acts: "Activations | None", numels: list[int]) -> "PhasePlan":
         raise NotImplementedError
 
-    def optimizer_tensors(self, setup: "Setup", counts: list[int], shard: int) -> tuple[list["TensorShape"], int]:
+    def optimizer_tensors(self, setup: "SetupFields", counts: list[int], shard: int) -> tuple[list["TensorShape"], int]:
         """The tensors the optimizer steps on one rank whose parameters are ``counts``, their states
         split over ``shard`` ranks, and the bits of each element: DeepSpeed's flat fp32 partition
         (stage_1_and_2.py / stage3.py flatten each group) unless a framework says otherwise."""
         return flat(-(-sum(counts) // max(shard, 1))), 32
 
-    def optimizer_state_bits(self, setup: "Setup", counts: list[int], shard: int = 1) -> float:
+    def optimizer_state_bits(self, setup: "SetupFields", counts: list[int], shard: int = 1) -> float:
         """Bits per stepped element of the optimizer's states (beyond a master copy), from the
         registry (planner/recipes/optimizers.py) over ``optimizer_tensors``."""
         tensors, bits = self.optimizer_tensors(setup, counts, shard)
         return state_bits(spec_of(setup), tensors, bits)
 
-    def check_optimizer(self, setup: "Setup", spec: "OptimizerSpec") -> None:
+    def check_optimizer(self, setup: "SetupFields", spec: "OptimizerSpec") -> None:
         """Refuse an optimizer (or its step in backward) the framework does not run, naming why."""
 
     def collectives(self, s: "Strategy", t: Traffic) -> list[Collective]:
@@ -156,7 +156,7 @@ class Framework:
     def check_context_parallel(self, s: "Strategy", cp: int) -> None:
         """Refuse context parallelism (cp > 1) where the framework has none for strategy ``s``."""
 
-    def check_pipeline(self, setup: "Setup", schedule: str) -> None:
+    def check_pipeline(self, setup: "SetupFields", schedule: str) -> None:
         """Refuse a pipeline layout (pp > 1) the framework's pipeline does not run."""
 
     def linears_save_inputs(self, s: "Strategy") -> bool:
@@ -180,7 +180,7 @@ class Framework:
         this pipeline schedule (what the plan searches)."""
         raise NotImplementedError
 
-    def worker_settings(self, setup: "Setup", request: Any) -> dict[str, Any]:
+    def worker_settings(self, setup: "SetupFields", request: Any) -> dict[str, Any]:
         """What the verification backend's rank needs to build this framework's engine."""
         raise NotImplementedError
 

@@ -21,7 +21,7 @@ from planner.recipes.precision import Recipe
 from planner.schema import EstimateRequest
 
 if TYPE_CHECKING:
-    from planner.setup import Setup
+    from planner.setup_fields import SetupFields
 
 
 class Launcher:
@@ -37,15 +37,15 @@ class Launcher:
 
     # --- the files --emit writes ---------------------------------------------------------
 
-    def config_files(self, setup: "Setup", launch: "Launch", users_config: dict[str, Any] | None) -> dict[str, str]:
+    def config_files(self, setup: "SetupFields", launch: "Launch", users_config: dict[str, Any] | None) -> dict[str, str]:
         """The framework's own config files for this configuration (name -> text)."""
         return {}
 
-    def layout_files(self, setup: "Setup") -> dict[str, str]:
+    def layout_files(self, setup: "SetupFields") -> dict[str, str]:
         """Config files of another trainer that applies the same layout (torchtitan's)."""
         return {}
 
-    def layout_guide(self, launch: "Launch", setup: "Setup", names: list[str],
+    def layout_guide(self, launch: "Launch", setup: "SetupFields", names: list[str],
                      peak_with: Callable[[dict[str, Any]], int]) -> list[str]:
         """LAUNCH.md's section for the layout_files among ``names``. ``peak_with``: the predicted
         peak bytes of this request with some fields changed ({}: this estimate's own)."""

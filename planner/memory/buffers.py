@@ -21,7 +21,7 @@ from planner.schema import MemoryItem, Phase
 
 if TYPE_CHECKING:
     from planner.model.architecture import Architecture
-    from planner.setup import Setup
+    from planner.setup_fields import SetupFields
 
 FP32 = 4
 
@@ -105,7 +105,7 @@ class Layout:
     largest_block_parameters: int = 0
 
 
-def layout(setup: "Setup") -> Layout | None:
+def layout(setup: "SetupFields") -> Layout | None:
     traced = setup.model.traced
     if traced is not None:
         return Layout(traced.num_layers, traced.layer_parameters, traced.blocks_parameters,
@@ -211,7 +211,7 @@ def backward_sweep(acts: Activations | None, numels: list[int], shape: Layout | 
 
 # --- items every framework holds ----------------------------------------------------------
 
-def step_temporaries_flat(elements: int, setup: "Setup") -> int:
+def step_temporaries_flat(elements: int, setup: "SetupFields") -> int:
     """Temporaries of a DeepSpeed optimizer step over ``elements`` of one flat fp32 tensor (a
     partition, a sub-group, or the largest parameter), from the registry
     (planner/recipes/optimizers.py): on CPU ranks the library's CPU path (torch.optim.AdamW's
@@ -220,7 +220,7 @@ def step_temporaries_flat(elements: int, setup: "Setup") -> int:
     return step_temporaries(setup, flat(elements), FP32 * 8)
 
 
-def optimizer_items(setup: "Setup", elements: int, where: str) -> list[MemoryItem]:
+def optimizer_items(setup: "SetupFields", elements: int, where: str) -> list[MemoryItem]:
     items = []
     if setup.zero.offload_optimizer == "none":
         spec = spec_of(setup)

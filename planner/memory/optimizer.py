@@ -14,14 +14,14 @@ from planner.recipes.optimizers import OPTIMIZERS, OptimizerSpec
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from planner.setup import Setup
+    from planner.setup_fields import SetupFields
 
 
-def spec_of(setup: "Setup") -> OptimizerSpec:
+def spec_of(setup: "SetupFields") -> OptimizerSpec:
     return OPTIMIZERS[setup.request.optimizer]
 
 
-def rank_tensors(setup: "Setup", counts: list[int]) -> "Sequence[TensorShape]":
+def rank_tensors(setup: "SetupFields", counts: list[int]) -> "Sequence[TensorShape]":
     """The parameters this rank trains (``counts``: planner.setup.numels), with their shapes where
     the architecture gives them (a LoRA adapter or a traced model's tensors as vectors:
     planner/model/shapes.py says why that is the conservative reading)."""
@@ -91,7 +91,7 @@ def state_bits(spec: OptimizerSpec, tensors: list[TensorShape], bits: int) -> fl
     return 8 * states_bytes(spec, tensors, bits) / total if total else 0.0
 
 
-def _temporaries(setup: "Setup", tensors: list[TensorShape], bits: int, shard: int = 1) -> int:
+def _temporaries(setup: "SetupFields", tensors: list[TensorShape], bits: int, shard: int = 1) -> int:
     """The most bytes the step's temporaries hold at once. Each group (Muon's matrices, its AdamW
     rest) steps after the other, so the groups' temporaries do not overlap. ``shard`` > 1: ``tensors``
     are FSDP2's Shard(0) DTensor shards over that many ranks (an optimizer whose step is not
@@ -112,7 +112,7 @@ def _temporaries(setup: "Setup", tensors: list[TensorShape], bits: int, shard: i
     return max((g.cuda_temporaries(ts, bits, copies) for g, ts in groups.values()), default=0)
 
 
-def step_temporaries(setup: "Setup", tensors, bits: int, shard: int = 1) -> int:
+def step_temporaries(setup: "SetupFields", tensors, bits: int, shard: int = 1) -> int:
     """The most bytes the step's temporaries hold at once (``_temporaries``), once per tuple of tensors."""
     if not isinstance(tensors, tuple):
         return _temporaries(setup, tensors, bits, shard)
@@ -120,12 +120,12 @@ def step_temporaries(setup: "Setup", tensors, bits: int, shard: int = 1) -> int:
                  tensors, lambda: _temporaries(setup, tensors, bits, shard))
 
 
-def step_flops(setup: "Setup", tensors: list[TensorShape]) -> int:
+def step_flops(setup: "SetupFields", tensors: list[TensorShape]) -> int:
     spec = spec_of(setup)
     return sum(spec.group_of(t).flops(t) for t in tensors)
 
 
-def notes(setup: "Setup") -> list[str]:
+def notes(setup: "SetupFields") -> list[str]:
     """What the estimate says about the optimizer: its source, and what is not verified."""
     spec = spec_of(setup)
     out = [f"optimizer {spec.name}: states and step read from {spec.source}"]
@@ -154,7 +154,7 @@ def notes(setup: "Setup") -> list[str]:
     return out
 
 
-def check(setup: "Setup") -> None:
+def check(setup: "SetupFields") -> None:
     """Refuse what the optimizer cannot be composed with, naming the field and the reason."""
     req, s, spec = setup.request, setup.strategy, spec_of(setup)
     setup.framework.check_optimizer(setup, spec)

@@ -20,3 +20,10 @@ class PhasePlan:
     host_peak_bytes: int = 0
     host_pinned_bytes: int = 0
     nvme_bytes: int = 0
+
+    @classmethod
+    def of(cls, phases: list[Phase], resident: list[MemoryItem]) -> PhasePlan:
+        """The plan of a framework's ``phases`` over what it holds between steps (``resident``): the
+        resident bytes summed, the buffers those of the phases' items that are of component "buffers"."""
+        return cls(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
+                   buffers=[i for p in phases for i in p.items if i.component == "buffers"])

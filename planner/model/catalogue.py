@@ -268,17 +268,26 @@ def read_bounded_text(path: str | Path, limit: int) -> str | None:
     return None if len(data) > limit else data.decode("utf-8")
 
 
+def read_text_or_refuse(path: str | Path, limit: int, label: str, too_large: str, field: str | None = None) -> str:
+    """read_bounded_text, every way the file cannot be read refused in one line naming ``label``
+    (the flag or setting and the file): the OS's reason, not UTF-8 text, or more than ``limit``
+    bytes (``too_large`` says what so large a file cannot be). The CLI and the server's token file
+    read their files through it and re-raise in their own error type."""
+    try:
+        text = read_bounded_text(path, limit)
+    except OSError as exc:
+        raise PlannerError(f"{label}: cannot be read ({exc.strerror})", field=field) from None
+    except UnicodeDecodeError:
+        raise PlannerError(f"{label}: not a text file", field=field) from None
+    if text is None:
+        raise PlannerError(f"{label}: {too_large}", field=field)
+    return text
+
+
 def model_from_file(path: str | Path) -> ResolvedModel:
     path = Path(path)
-    try:
-        text = read_bounded_text(path, MAX_MODEL_FILE_BYTES)
-        if text is None:
-            raise PlannerError(f"--model-file {path}: more than {MAX_MODEL_FILE_BYTES} bytes, too large for a model "
-                               "config", field="model_config")
-    except OSError as exc:
-        raise PlannerError(f"--model-file {path}: cannot be read ({exc.strerror})", field="model_config") from None
-    except UnicodeDecodeError:
-        raise PlannerError(f"--model-file {path}: not a text file", field="model_config") from None
+    text = read_text_or_refuse(path, MAX_MODEL_FILE_BYTES, f"--model-file {path}",
+                               f"more than {MAX_MODEL_FILE_BYTES} bytes, too large for a model config", "model_config")
     data = _parse_text(text, f"--model-file {path}", field="model_config")
     resolved = model_from_config(data, name=path.stem)
     return resolved.model_copy(update={"source": str(path)})

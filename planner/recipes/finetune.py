@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner.model.architecture import Architecture, layer_specs
 from planner.errors import PlannerError
-from planner.recipes.finetune_fields import check_request_fields
+from planner.recipes.finetune_fields import ALL_LINEAR, Finetune
 from planner.model.layers import LayerSpec
 from planner.model.linears import Linear, block_linears
 
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 DEFAULT_RANK = 8
 DEFAULT_ALPHA = 8.0
 DEFAULT_DROPOUT = 0.0
-ALL_LINEAR = "all-linear"
 # peft/utils/constants.py TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (PEFT 0.21); a model
 # type it does not list has no default, and PEFT asks for target_modules.
 PEFT_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
@@ -52,24 +51,6 @@ BNB_NESTED_CODE_BYTES = 256 * 4
 BNB_4BIT_CODE_BYTES = 16 * 4
 BNB_OFFSET_BYTES = 4
 FP32_BYTES = 4
-
-
-@dataclass(frozen=True)
-class Finetune:
-    method: str  # "lora" | "qlora"
-    rank: int
-    alpha: float
-    targets: tuple[str, ...]  # module names, or (ALL_LINEAR,)
-    dropout: float
-    quantize: str  # "none" | "nf4" | "fp4" | "int8"
-    train_embeddings: bool
-    double_quant: bool = True  # bnb_4bit_use_double_quant (4-bit only)
-
-    def targeted(self, linear: Linear) -> bool:
-        return self.targets == (ALL_LINEAR,) or linear.name in self.targets
-
-    def peft_targets(self) -> str | list[str]:
-        return ALL_LINEAR if self.targets == (ALL_LINEAR,) else list(self.targets)
 
 
 # --- the request ------------------------------------------------------------------------------

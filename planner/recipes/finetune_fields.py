@@ -1,11 +1,37 @@
 """The fine-tuning fields of a request that cannot be meant together, refused when the request is
-built (planner/schema.py's validator); what needs the model is checked by planner/recipes/finetune.py."""
+built (planner/schema.py's validator); what needs the model is checked by planner/recipes/finetune.py.
+Also the fine-tuning a request resolves to (``Finetune``): it sits here, below finetune.py, because
+planner/setup_fields.py names its type and finetune.py names the Framework's."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from planner.model.linears import Linear
+
+ALL_LINEAR = "all-linear"
 
 _LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "train_embeddings")
+
+
+@dataclass(frozen=True)
+class Finetune:
+    method: str  # "lora" | "qlora"
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]  # module names, or (ALL_LINEAR,)
+    dropout: float
+    quantize: str  # "none" | "nf4" | "fp4" | "int8"
+    train_embeddings: bool
+    double_quant: bool = True  # bnb_4bit_use_double_quant (4-bit only)
+
+    def targeted(self, linear: Linear) -> bool:
+        return self.targets == (ALL_LINEAR,) or linear.name in self.targets
+
+    def peft_targets(self) -> str | list[str]:
+        return ALL_LINEAR if self.targets == (ALL_LINEAR,) else list(self.targets)
 
 
 def check_request_fields(request: Any) -> None:

@@ -16,7 +16,7 @@ from planner.frameworks.launcher import Launch, Launcher, visible_device_ids
 from planner.recipes.precision import DTYPE_SPELLINGS
 
 if TYPE_CHECKING:
-    from planner.setup import Setup
+    from planner.setup_fields import SetupFields
 
 CONFIG_FILE = "ds_config.json"
 
@@ -28,7 +28,7 @@ class DeepSpeedLauncher(Launcher):
     # DeepSpeed's TorchBackend builds this on CPU in every rank (comm/torch.py)
     cpu_ops = ("ShareMemCommBuilder",)
 
-    def config_files(self, setup: "Setup", launch: "Launch", users_config: dict[str, Any] | None) -> dict[str, str]:
+    def config_files(self, setup: "SetupFields", launch: "Launch", users_config: dict[str, Any] | None) -> dict[str, str]:
         req = launch.request  # the request as resolved: a ds_config's batch and optimizer filled in
         config = setup.framework.ds_config(setup, req)
         # DeepSpeedConfig checks train_batch_size against the whole world even under AutoTP (0.19.8
@@ -169,7 +169,7 @@ class DeepSpeedLauncher(Launcher):
 LAUNCHER = DeepSpeedLauncher()
 
 
-def _deepspeed_pipeline(config: dict[str, Any], setup: "Setup") -> None:
+def _deepspeed_pipeline(config: dict[str, Any], setup: "SetupFields") -> None:
     """What DeepSpeed 0.19.8's pipeline engine takes from its config. The stages are built in the
     training script, ``PipelineModule(layers, num_stages=pp, ...)`` (runtime/pipe/module.py; the
     config's ``pipeline.stages`` and ``pipeline.partition`` are defaults nothing reads, runtime/

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from planner.recipes.optimizers import OptimizerSpec
     from planner.recipes.precision import Recipe
-    from planner.setup import Setup
+    from planner.setup_fields import SetupFields
     from planner.schema import MemoryItem
     from planner.strategies import Strategy
 
@@ -50,7 +50,7 @@ class DeepSpeedZero(Framework):
                            "(its sequence parallelism is Ulysses all-to-all over heads); torch's context_parallel "
                            "with FSDP2 (strategy fsdp or hsdp, torchtitan) splits the sequence", field="cp")
 
-    def check_pipeline(self, setup: "Setup", schedule: str) -> None:
+    def check_pipeline(self, setup: "SetupFields", schedule: str) -> None:
         """DeepSpeed's PipelineEngine runs its own 1F1B TrainSchedule (deepspeed/runtime/pipe/schedule.py)
         with ZeRO stage 0 or 1 only (pipe/engine.py: "ZeRO-2 and ZeRO-3 are incompatible with pipeline
         parallelism")."""
@@ -67,7 +67,7 @@ class DeepSpeedZero(Framework):
     def linears_save_inputs(self, s: "Strategy") -> bool:
         return s.zero_stage == 3  # runtime/zero/linear.py LinearFunctionForZeroStage3 saves input and weight
 
-    def check_optimizer(self, setup: "Setup", spec: "OptimizerSpec") -> None:
+    def check_optimizer(self, setup: "SetupFields", spec: "OptimizerSpec") -> None:
         if spec.whole_matrices:
             # measured on 2 CPU ranks (a client torch.optim.Muon handed to deepspeed.initialize): ZeRO-1/2
             # give it one flat (5376,) fp32 partition for a 96x64 and a 48x96 matrix and ZeRO-3 its flat
@@ -93,7 +93,7 @@ class DeepSpeedZero(Framework):
         the pipeline's topology, by AutoTP's groups)."""
         return cp == 1 and (pp == 1 or ((s.zero_stage or 0) < 2 and schedule == "1f1b" and tp == 1))
 
-    def phases(self, setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
+    def phases(self, setup: "SetupFields", acts: Activations | None, numels: list[int]) -> PhasePlan:
         stage = setup.strategy.zero_stage
         if stage == 0:
             plan = _zero0_phases(setup, acts, numels)
@@ -154,7 +154,7 @@ class DeepSpeedZero(Framework):
                                "it always keeps fp32 master weights; use bf16-mixed with zero0-3, or ddp/fsdp for bf16-pure",
                                field="precision")
 
-    def ds_config(self, setup: "Setup", request: Any) -> dict[str, Any]:
+    def ds_config(self, setup: "SetupFields", request: Any) -> dict[str, Any]:
         """The ds_config of this setting (planner/frameworks/deepspeed/config.py build_ds_config): stage, precision,
         batch, optimizer and the ZeRO settings as resolved."""
         from planner.frameworks.deepspeed.config import build_ds_config
@@ -169,14 +169,14 @@ class DeepSpeedZero(Framework):
         if "optimizer" in config:
             config["optimizer"].setdefault("params", {})["torch_adam"] = True
 
-    def worker_settings(self, setup: "Setup", request: Any) -> dict[str, Any]:
+    def worker_settings(self, setup: "SetupFields", request: Any) -> dict[str, Any]:
         config = self.ds_config(setup, request)
         if setup.gpu.is_cpu:
             self.use_torch_adam(config)
         return {"framework": self.name, "ds_config": config}
 
 
-def _zero0_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
+def _zero0_phases(setup: "SetupFields", acts: Activations | None, numels: list[int]) -> PhasePlan:
     """ZeRO stage 0: the DeepSpeed engine without partitioning. bf16/fp16 go through
     FP16_UnfusedOptimizer (deepspeed/runtime/fp16/unfused_optimizer.py): an fp32 master per
     parameter, fp32 gradients made in step(); fp32 trains the torch optimizer directly."""
@@ -201,11 +201,10 @@ def _zero0_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
         step.append(item("fp32 gradients for the master step", FP32 * psi, "buffers",
                           "unfused_optimizer.py step(): p.grad = fp16 grad .float()"))
     phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step))
-    return PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
-                     buffers=[i for p in phases for i in p.items if i.component == "buffers"])
+    return PhasePlan.of(phases, resident)
 
 
-def _autotp_gather_held(plan: PhasePlan, setup: "Setup", acts: Activations | None) -> None:
+def _autotp_gather_held(plan: PhasePlan, setup: "SetupFields", acts: Activations | None) -> None:
     """AutoTP's gathered LM head on CPU ranks: how far above the peak a measurement can read when
     gloo's worker thread still holds the gather's input and output into the loss
     (tensor_parallel.autotp_gather_held_bytes). A note, not a phase: whether it happens is a race
@@ -287,7 +286,7 @@ def _partition_span_bisect(numels: list[int], dp: int) -> tuple[int, int]:
     return part, best
 
 
-def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
+def _zero12_phases(setup: "SetupFields", acts: Activations | None, numels: list[int]) -> PhasePlan:
     """ZeRO stages 1 and 2 (deepspeed/runtime/zero/stage_1_and_2.py)."""
     z, wb, dp = setup.zero, setup.weight_bytes, setup.shard_size
     psi = sum(numels)
@@ -368,8 +367,7 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
         item("Adam temporaries (flat partition)", step_temporaries_flat(part, setup), "buffers",
               "torch.optim.AdamW single-tensor step on the flat fp32 partition")]
     phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step))
-    plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
-                     buffers=[i for p in phases for i in p.items if i.component == "buffers"])
+    plan = PhasePlan.of(phases, resident)
     if offloaded:
         _offload_optimizer_host(plan, setup, part)
         # ZeRO-1/2 also keep, per rank on the host, a 16-bit copy of the partition and a staging
@@ -381,7 +379,7 @@ def _zero12_phases(setup: "Setup", acts: Activations | None, numels: list[int]) 
     return plan
 
 
-def _zero1_accumulating(setup: "Setup") -> bool:
+def _zero1_accumulating(setup: "SetupFields") -> bool:
     """ZeRO-1 in a micro-batch after the first (gradient_accumulation_steps > 1): stage 1
     communicates at the accumulation boundary only (engine.py:3084-3092: no epilogue before it),
     so autograd adds every micro-batch's gradient into the same param.grad, all of which live
@@ -393,7 +391,7 @@ def _zero1_accumulating(setup: "Setup") -> bool:
     return setup.request.gradient_accumulation > 1 and setup.zero.offload_optimizer == "none"
 
 
-def _zero2_accumulated(setup: "Setup", in_partition_bytes: int) -> MemoryItem | None:
+def _zero2_accumulated(setup: "SetupFields", in_partition_bytes: int) -> MemoryItem | None:
     """ZeRO-2 in a micro-batch after the first (gradient_accumulation_steps > 1), the gradients
     accumulated in the training dtype (engine.py get_data_types: grad_accum_dtype defaults to the
     model's dtype, so no grad_accum attribute and no compact buffer). At the end of every backward,
@@ -451,7 +449,7 @@ def _activations_when_produced(acts: Activations, shape: Layout, numels: list[in
     return body - done * acts.layer_kept_bytes + (acts.layer_saved_bytes if acts.checkpointed else 0) + kept_saves
 
 
-def _offload_optimizer_host(plan: PhasePlan, setup: "Setup", part: int) -> None:
+def _offload_optimizer_host(plan: PhasePlan, setup: "SetupFields", part: int) -> None:
     """ZeRO-Offload: the fp32 partition, its gradient and the Adam moments live on the host
     (DeepSpeedCPUAdam steps there). Host memory is per node: every local rank keeps its own."""
     spec = spec_of(setup)
@@ -482,7 +480,7 @@ def _persistent_numel(numels: "Sequence[int]", threshold: int) -> int:
     return sum(n for n in numels if n <= threshold)
 
 
-def _zero3_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
+def _zero3_phases(setup: "SetupFields", acts: Activations | None, numels: list[int]) -> PhasePlan:
     """ZeRO stage 3 (deepspeed/runtime/zero/stage3.py, partition_parameters.py)."""
     z, wb, dp = setup.zero, setup.weight_bytes, setup.shard_size
     psi = sum(numels)
@@ -519,8 +517,7 @@ def _zero3_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
         item("Adam temporaries (flat partition)", step_temporaries_flat(min(part, z.sub_group_size), setup),
               "buffers", "torch.optim.AdamW single-tensor step per sub_group_size group")]
     phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step))
-    plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
-                     buffers=[i for p in phases for i in p.items if i.component == "buffers"])
+    plan = PhasePlan.of(phases, resident)
     if offloaded:
         _offload_optimizer_host(plan, setup, part)
     if offload_params:
@@ -534,7 +531,7 @@ def _zero3_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
     return plan
 
 
-def _zero3_embedding_backward(setup: "Setup", point, shape: Layout, gathered: int) -> list:
+def _zero3_embedding_backward(setup: "SetupFields", point, shape: Layout, gathered: int) -> list:
     """The embeddings' backward, the last moment of backward under ZeRO-3. Every block's parameters
     have been released by then (each module's post-backward hook partitions its parameters again:
     partitioned_param_coordinator.py release_sub_module; nothing after it in this step reuses
@@ -556,7 +553,7 @@ def _zero3_embedding_backward(setup: "Setup", point, shape: Layout, gathered: in
     ]
 
 
-def _zero3_gathered(setup: "Setup", numels: list[int]) -> int:
+def _zero3_gathered(setup: "SetupFields", numels: list[int]) -> int:
     """Parameters all-gathered at the start of backward. DeepSpeed releases a parameter after
     its module unless it will be used again within stage3_max_reuse_distance elements; in
     backward every parameter is reused, so when the whole model is within that distance nothing
@@ -575,7 +572,7 @@ def _zero3_gathered(setup: "Setup", numels: list[int]) -> int:
     return wb * min(gatherable, z.max_live_parameters + z.prefetch_bucket_size + max(numels))
 
 
-def _gathered_source(setup: "Setup", numels: list[int]) -> str:
+def _gathered_source(setup: "SetupFields", numels: list[int]) -> str:
     if setup.zero.max_reuse_distance >= sum(numels):
         return (f"stage3_max_reuse_distance({setup.zero.max_reuse_distance:,}) covers the whole model, "
                 "so gathered parameters stay until backward")

@@ -18,7 +18,7 @@ from planner.parallel.stages import stage_bounds
 from planner.units import GIB
 
 if TYPE_CHECKING:
-    from planner.setup import Setup
+    from planner.setup_fields import SetupFields
 
 TORCHTITAN_FILE = "torchtitan.toml"
 
@@ -29,7 +29,7 @@ class TorchrunLauncher(Launcher):
     accelerate_type = "MULTI_GPU"
     accelerate_applies_tp = True
 
-    def layout_files(self, setup: "Setup") -> dict[str, str]:
+    def layout_files(self, setup: "SetupFields") -> dict[str, str]:
         """torchtitan's job config for a layout with model parallelism (tp, pp or cp > 1): the
         trainer that applies these degrees to a llama-style model as the estimate assumes. None
         for pure data parallelism (the accelerate/Trainer files cover it) and for fp16
@@ -41,7 +41,7 @@ class TorchrunLauncher(Launcher):
             return {}  # torchtitan's apply_tp is not the model's own plan: load_model.py says how it is loaded
         return {TORCHTITAN_FILE: torchtitan_toml(_torchtitan_config(setup))}
 
-    def layout_guide(self, launch: "Launch", setup: "Setup", names: list[str],
+    def layout_guide(self, launch: "Launch", setup: "SetupFields", names: list[str],
                      peak_with: Callable[[dict[str, Any]], int]) -> list[str]:
         """LAUNCH.md's torchtitan section, when torchtitan.toml is written; ``peak_with`` gives the
         peak of torchtitan's own fp32 gradient reduction."""
@@ -107,7 +107,7 @@ class TorchrunLauncher(Launcher):
 LAUNCHER = TorchrunLauncher()
 
 
-def _torchtitan_reduce_note(setup: "Setup", peak_with: Callable[[dict[str, Any]], int]) -> str | None:
+def _torchtitan_reduce_note(setup: "SetupFields", peak_with: Callable[[dict[str, Any]], int]) -> str | None:
     """torchtitan reduces FSDP2's gradients in fp32 only (mixed_precision_reduce = "float32": 0.2.2
     job_config.py, 0.3 config/configs.py:93); an estimate made with the compute dtype (accelerate's
     and verify's) is not that job's. The torchtitan job's own peak, estimated with reduce_dtype fp32."""
@@ -120,7 +120,7 @@ def _torchtitan_reduce_note(setup: "Setup", peak_with: Callable[[dict[str, Any]]
             f"{peak_with({}) / GIB:.2f} GiB); `--reduce-dtype fp32` estimates it.")
 
 
-def _torchtitan_config(setup: "Setup") -> dict[str, dict[str, Any]]:
+def _torchtitan_config(setup: "SetupFields") -> dict[str, dict[str, Any]]:
     req, d = setup.request, setup.dims
     # the degrees as resolved (ParallelDims): setup.shard_size spans the pipeline's ranks too, so the
     # data-parallel degrees are read from the dims (torchtitan's own ParallelDims shape)

@@ -28,7 +28,7 @@ from planner.parallel.tensor import (gathered_logits_race_above, replicated_embe
                                      tp_only_gradient_items)
 
 if TYPE_CHECKING:
-    from planner.setup import Setup
+    from planner.setup_fields import SetupFields
     from planner.strategies import Strategy
 
 # torch DDP's default bucket_cap_mb=25 (torch/nn/parallel/distributed.py).
@@ -69,7 +69,7 @@ class TorchDistributed(Framework):
         and CP with FSDP2 / HSDP only (its dp_shard_cp mesh)."""
         return cp == 1 or s.shards_parameters
 
-    def optimizer_tensors(self, setup: "Setup", counts: list[int], shard: int) -> tuple[list[TensorShape], int]:
+    def optimizer_tensors(self, setup: "SetupFields", counts: list[int], shard: int) -> tuple[list[TensorShape], int]:
         """torch.optim steps the module's own parameters, each FSDP2's dim-0 shard, and keeps its
         states in their dtype: fp32 under the mixed recipes (the weights are the master copy) and
         fp32, 16-bit under bf16-pure (the model cast to bf16)."""
@@ -77,7 +77,7 @@ class TorchDistributed(Framework):
         bits = 32 if r.master_bits or r.weight_bits == 32 else r.weight_bits
         return dim0_shards(rank_tensors(setup, counts), shard), bits
 
-    def check_optimizer(self, setup: "Setup", spec: OptimizerSpec) -> None:
+    def check_optimizer(self, setup: "SetupFields", spec: OptimizerSpec) -> None:
         s = setup.strategy
         if setup.request.optimizer_in_backward and setup.data_parallel_wrapped and not s.shards_parameters:
             raise PlannerError(
@@ -92,7 +92,7 @@ class TorchDistributed(Framework):
     # torchao's Float8Linear / MXFP8 / NVFP4 linears, as torchtitan's converters swap them into a torch model
     low_precision = frozenset({"none", "float8-tensorwise", "float8-rowwise", "mxfp8", "nvfp4", "te-fp8"})
 
-    def phases(self, setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
+    def phases(self, setup: "SetupFields", acts: Activations | None, numels: list[int]) -> PhasePlan:
         return _torch_phases(setup, acts, numels)
 
     def collectives(self, s: "Strategy", t: Traffic) -> list[Collective]:
@@ -175,7 +175,7 @@ class TorchDistributed(Framework):
                 f"set offload_optimizer and offload_params both to cpu, got {offload_optimizer} and {offload_params}",
                 field="offload_optimizer")
 
-    def worker_settings(self, setup: "Setup", request: Any) -> dict[str, Any]:
+    def worker_settings(self, setup: "SetupFields", request: Any) -> dict[str, Any]:
         """How the rank wraps the model (backend/train.py _torch_engine)."""
         # the compute dtype and whether the whole model is cast to it, for the rank's MixedPrecisionPolicy
         dtype, pure = setup.recipe.reduced_dtype, setup.recipe.casts_model
@@ -188,7 +188,7 @@ class TorchDistributed(Framework):
             "replicas": request.world_size // setup.shard_size, "shard_size": setup.shard_size}}
 
 
-def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -> PhasePlan:
+def _torch_phases(setup: "SetupFields", acts: Activations | None, numels: list[int]) -> PhasePlan:
     """torch DDP (autocast for the mixed recipes: fp32 weights, which are the master copy) and
     FSDP (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD) with a mixed-precision policy."""
     s, r = setup.strategy, setup.recipe
@@ -283,8 +283,7 @@ def _torch_phases(setup: "Setup", acts: Activations | None, numels: list[int]) -
         item("optimizer step temporaries", 0 if in_backward else
              step_temporaries(setup, stepped, step_bits, shard if s.shards_optimizer else 1),
               "buffers", f"{spec_of(setup).source}: single-tensor on CPU, foreach or fused on CUDA")]))
-    plan = PhasePlan(phases=phases, resident_bytes=sum(i.bytes for i in resident), resident=resident,
-                     buffers=[i for p in phases for i in p.items if i.component == "buffers"])
+    plan = PhasePlan.of(phases, resident)
     if offload:
         per_rank = store_bytes * part * 2 + states
         plan.host_resident_bytes = per_rank * setup.request.gpus
@@ -311,7 +310,7 @@ def _in_backward_items(point: SweepPoint, step_bytes: int, gradient_bytes: int) 
                  "the step runs inside backward")]
 
 
-def _gathered_head_race(plan: PhasePlan, setup: "Setup", acts: Activations) -> None:
+def _gathered_head_race(plan: PhasePlan, setup: "SetupFields", acts: Activations) -> None:
     """transformers' colwise_gather_output head on CPU ranks: DTensor's all-gather of the logits
     (funcol all_gather_tensor over gloo) can leave its input, the rank's tokens x vocab/tp logits,
     held by gloo's worker thread into the loss, as AutoTP's gather does
@@ -328,7 +327,7 @@ def _gathered_head_race(plan: PhasePlan, setup: "Setup", acts: Activations) -> N
                           "above this one (a race between threads, seen at small vocabularies)")
 
 
-def _autocast_copies(setup: "Setup", point: SweepPoint, psi: int, block: int, compute_bytes: int) -> MemoryItem:
+def _autocast_copies(setup: "SetupFields", point: SweepPoint, psi: int, block: int, compute_bytes: int) -> MemoryItem:
     """torch.autocast casts each linear's weight to 16 bits once per forward (its cast cache; not
     the untied embedding or the norms' weights: _uncast_elements); each linear saves its cast
     weight for backward, so without checkpointing all of them live until their layer's backward.
@@ -368,7 +367,7 @@ def _autocast_copies(setup: "Setup", point: SweepPoint, psi: int, block: int, co
                  "buffers", "checkpointed blocks keep no cast weights; recomputation casts one block's again")
 
 
-def _norm_elements(setup: "Setup") -> int:
+def _norm_elements(setup: "SetupFields") -> int:
     a = setup.arch
     if a is None or setup.finetune is not None:
         return 0
@@ -376,7 +375,7 @@ def _norm_elements(setup: "Setup") -> int:
         sum(norm_numels(a.norm, a.hidden_size))
 
 
-def _uncast_elements(setup: "Setup") -> int:
+def _uncast_elements(setup: "SetupFields") -> int:
     """Parameter elements autocast never casts to 16 bits: the untied input embeddings
     (``embedding`` is in none of torch 2.13's autocast lists, aten/src/ATen/autocast_mode.cpp, so
     nn.Embedding reads its fp32 weight and returns fp32; a tied weight is still cast by the LM
@@ -392,7 +391,7 @@ def _uncast_elements(setup: "Setup") -> int:
     return embedding + norms + sum(norm_numels(a.norm, a.hidden_size)) + vision_parameters(a)
 
 
-def reduce_bytes(setup: "Setup", compute_bytes: int) -> int:
+def reduce_bytes(setup: "SetupFields", compute_bytes: int) -> int:
     """Bytes per element FSDP2 reduces gradients in: MixedPrecisionPolicy.reduce_dtype, the compute
     dtype or fp32 (the request's reduce_dtype). torch 2.13 _fully_shard/_fsdp_param.py:587-600
     (init_dtype_attrs) clamps a reduce_dtype equal to param_dtype to None (no cast); otherwise
@@ -402,7 +401,7 @@ def reduce_bytes(setup: "Setup", compute_bytes: int) -> int:
     return FP32 if setup.request.reduce_dtype == "fp32" else compute_bytes
 
 
-def _hf_fsdp_embedding(setup: "Setup") -> int:
+def _hf_fsdp_embedding(setup: "SetupFields") -> int:
     """The embedding's elements on a rank when transformers composes FSDP2 with its own TP plan
     (tp_plan transformers, sharded over dp_shard): its fsdp plan makes the embedding a unit of its
     own, apart from the root's final norm and LM head; 0 for every other layout.
@@ -425,7 +424,7 @@ def _hf_fsdp_embedding(setup: "Setup") -> int:
     return -(-full.vocab_size // setup.tp) * full.hidden_size
 
 
-def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: int, shard: int,
+def _fsdp_items(setup: "SetupFields", point: SweepPoint, psi: int, block: int, root: int, shard: int,
                 compute_bytes: int, store_bytes: int, accumulated: bool = False,
                 embedding: int = 0) -> list[MemoryItem]:
     """What FSDP2 (torch.distributed.fsdp.fully_shard, per-parameter sharding) holds beyond the
@@ -510,7 +509,7 @@ def _fsdp_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: i
     return items
 
 
-def _accumulated_items(setup: "Setup", point: SweepPoint, psi: int, shard: int, compute_bytes: int,
+def _accumulated_items(setup: "SetupFields", point: SweepPoint, psi: int, shard: int, compute_bytes: int,
                        store_bytes: int) -> list[MemoryItem]:
     """FSDP2 in a micro-batch after the first, reduce-scattering every micro-batch (torchtitan's
     trainer; backend/train.py AccumulatingEngine). torch 2.13 _fully_shard/_fsdp_collectives.py
@@ -561,7 +560,7 @@ def _fsdp_backward_gather_items(point: SweepPoint, psi: int, block: int, root: i
     return items
 
 
-def _fsdp_root_reduce_items(setup: "Setup", point: SweepPoint, psi: int, block: int, root: int, shard: int,
+def _fsdp_root_reduce_items(setup: "SetupFields", point: SweepPoint, psi: int, block: int, root: int, shard: int,
                             compute_bytes: int, store_bytes: int, accumulated: bool = False,
                             head_in_root: bool = True) -> list[MemoryItem]:
     """The end of FSDP2's backward: the root unit (embeddings, final norm, LM head) gets its last
