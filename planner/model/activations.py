@@ -523,13 +523,19 @@ def recompute_flops_per_token(a: Architecture, seq_len: int, checkpointing: str,
         chosen = checkpointed_blocks(len(specs), "full", every)
         return sum(per_block + attention * spec.attention.q_width for spec, on in zip(specs, chosen) if on)
     if checkpointing == "selective-op":
-        total = 0.0
-        for spec in specs:
-            linears = block_linears(a, spec)
-            kept = {id(x) for x in selective_op_saved_linears(linears)}
-            total += sum(2.0 * x.in_features * x.out_features for x in linears if id(x) not in kept)
-        return total
+        return selective_op_rerun_flops(a)
     return sum(attention * spec.attention.q_width for spec in specs)
+
+
+def selective_op_rerun_flops(a: Architecture) -> float:
+    """Forward FLOPs per token of the linears per-op SAC reruns in backward: every block linear
+    selective_op_saved_linears does not keep."""
+    total = 0.0
+    for spec in layer_specs(a):
+        linears = block_linears(a, spec)
+        kept = {id(x) for x in selective_op_saved_linears(linears)}
+        total += sum(2.0 * x.in_features * x.out_features for x in linears if id(x) not in kept)
+    return total
 
 
 def _loss_saved(a: Architecture, tokens: int, b: int) -> int:

@@ -55,7 +55,7 @@ from planner.time import arrays
 from planner.model.architecture import Architecture, layer_specs
 from planner.model.attention.kinds import kind_of
 from planner.cluster.gpus import Gpu
-from planner.model.activations import checkpointed_blocks, selective_op_saved_linears
+from planner.model.activations import checkpointed_blocks, selective_op_rerun_flops
 from planner.model.layers import LayerSpec, attention_numels
 from planner.model.linears import block_linears
 from planner.time.collectives import MEMORY_BANDWIDTH_EFFICIENCY
@@ -493,12 +493,7 @@ def recompute_shares(arch: Architecture, checkpointing: str, every: int | None =
         blocks = sum(on for on in chosen) / max(1, len(specs))
         out = Recompute(sum(f for f, on in zip(per_block, chosen) if on) / total, blocks, blocks)
     elif checkpointing == "selective-op":
-        rerun = 0.0
-        for spec in specs:
-            linears = block_linears(arch, spec)
-            kept = {id(x) for x in selective_op_saved_linears(linears)}
-            rerun += sum(2.0 * x.in_features * x.out_features for x in linears if id(x) not in kept)
-        out = Recompute(rerun / total, 0.0, 1.0)
+        out = Recompute(selective_op_rerun_flops(arch) / total, 0.0, 1.0)
     else:
         out = Recompute.of_kinds(checkpointing)
     _SHARES[key] = (arch, out)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from planner.time import collectives as timing
 from planner.model.activations import Activations, checkpointed_blocks
 from planner.model.architecture import layer_specs, vision_parameters
 from planner.memory.buffers import (FP32, PhasePlan, SweepPoint, activation_items, backward_sweep,
