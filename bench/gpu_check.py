@@ -280,15 +280,6 @@ def calibration(results: dict, gpu: str, torch_version: str) -> dict:
     return {"format": 1, "torch": torch_version, "gpus": {gpu: entry}}
 
 
-def _driver() -> str:
-    try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30)
-        return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else ""
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-
-
 def _cuda_seconds(fn, repeat: int = 20) -> float:
     import torch
 
@@ -448,6 +439,10 @@ def _smi(fields: str) -> list[str]:
         return [x.strip() for x in done.stdout.strip().splitlines()[0].split(",")] if done.returncode == 0 else []
     except (OSError, subprocess.TimeoutExpired, IndexError):
         return []
+
+
+def _driver() -> str:
+    return (_smi("driver_version") or [""])[0]
 
 
 def sustained_matmul(gpu_name: str, seconds: float) -> dict:

@@ -92,9 +92,9 @@ def _activations(setup: Setup) -> tuple[Activations, bool]:
 
 def _autocast(setup: Setup) -> bool:
     """torch.autocast over the fp32 weights (see _rank_activations)."""
-    return (setup.framework.weights_are_master and setup.recipe.autocast_dtype is not None
-            and not (setup.strategy.shards_parameters and setup.data_parallel_wrapped)
-            and setup.dims.pp == 1 and setup.cp == 1)
+    return setup.recipe.autocasts_over_weights(setup.framework.weights_are_master,
+                                               setup.strategy.shards_parameters and setup.data_parallel_wrapped,
+                                               setup.dims.pp, setup.cp)
 
 
 def _model_activations(arch, micro_batch: int, seq_len: int, compute: int, attention: str, checkpointing: str,

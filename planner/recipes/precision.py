@@ -61,6 +61,13 @@ class Recipe:
         mixed_precision and the Trainer's bf16/fp16 flags."""
         return None if self.compute == "fp32" or self.casts_model else self.compute
 
+    def autocasts_over_weights(self, weights_are_master: bool, wrapper_casts: bool, pp: int, cp: int) -> bool:
+        """Whether torch.autocast runs over the model's own fp32 weights: the framework keeps them as the
+        optimizer's masters, this recipe autocasts, no sharding wrapper casts them to the compute dtype
+        (FSDP's MixedPrecision: ``wrapper_casts``), and no pipeline or context split."""
+        return (weights_are_master and self.autocast_dtype is not None and not wrapper_casts
+                and pp == 1 and cp == 1)
+
     @property
     def reduced_dtype(self) -> Literal["bf16", "fp16"] | None:
         """The 16-bit compute dtype the rank casts to or autocasts in (backend/train.py); None in fp32."""

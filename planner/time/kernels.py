@@ -59,7 +59,7 @@ from planner.model.activations import checkpointed_blocks, selective_op_rerun_fl
 from planner.model.layers import LayerSpec, attention_numels
 from planner.model.linears import block_linears
 from planner.time.collectives import MEMORY_BANDWIDTH_EFFICIENCY
-from planner.recipes.losses import loss_bytes_per_logit, loss_recomputes_logits
+from planner.recipes.losses import liger_chunk_tokens, loss_bytes_per_logit, loss_recomputes_logits
 
 AttentionKernel = Literal["flash-attention-2", "flash-attention-1", "flash-attention-triton"]
 # Forward + backward TFLOP/s with a causal mask (sources above: the same charts measure
@@ -527,13 +527,13 @@ def liger_head(m_all, n: int, k: int, r: Rates, compute_bytes: int, accumulate_b
     (line 341/364: reduced over the chunk's tokens, its output read and written once per chunk in the
     gradient's dtype, ``accumulate_bytes``: fp32 under autocast over fp32 weights, line 333). All three
     run in the forward; the time is the same wherever it falls."""
-    inc_factor = -(-n // k)
-    if arrays.is_array(m_all):
+    if arrays.is_array(m_all):  # liger_chunk_tokens over the plan's options
         import numpy as np
 
+        inc_factor = -(-n // k)
         chunk = np.minimum(2.0 ** np.ceil(np.log2(np.maximum(1.0, np.ceil(m_all / inc_factor)))), m_all)
     else:
-        chunk = float(min(1 << max(0, math.ceil(math.log2(max(1.0, math.ceil(m_all / inc_factor))))), m_all))
+        chunk = float(liger_chunk_tokens(math.ceil(m_all), k, n))
     chunks = _ceil(m_all / chunk)
     forward = chunks * _gemm_seconds(chunk, n, k, r, compute_bytes)
     dgrad = chunks * _gemm_seconds(chunk, k, n, r, compute_bytes)

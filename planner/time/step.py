@@ -566,14 +566,13 @@ def _unhidden_edge(s, data_parallel, arch):
 
 def _gradient_bytes(req: "StepSettings", combo: Combo) -> int:
     """Bytes per element of the gradients the model's own weights receive: fp32 where torch.autocast runs
-    over the framework's fp32 weights (the rule of planner/memory/rank_activations.py _autocast: weights
-    that are the masters, an autocast recipe, not sharded by the wrapper, no pipeline or context
-    split), else the compute dtype."""
+    over the framework's fp32 weights (Recipe.autocasts_over_weights, the memory model's rule), else the
+    compute dtype."""
     s = lookup_strategy(combo.strategy)
-    recipe = req.recipe
-    autocast = (req.framework(s).weights_are_master and recipe.autocast_dtype is not None
-                and not s.shards_parameters and combo.pp == 1 and combo.cp == 1)
-    return 4 if autocast else recipe.compute_bytes
+    autocast = req.recipe.autocasts_over_weights(req.framework(s).weights_are_master,
+                                                 s.shards_parameters and combo.data_parallel_wrapped(req.nodes),
+                                                 combo.pp, combo.cp)
+    return 4 if autocast else req.recipe.compute_bytes
 
 
 def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int, arch, g: Gpu,
