@@ -269,6 +269,69 @@ def test_the_plans_inverse_answers_are_judged_on_reserved_memory():
     assert at.fits and at.per_device.reserved_peak_bytes <= at.device_capacity_bytes
     assert at.per_device.peak_bytes < 0.95 * at.device_capacity_bytes  # and the live judgement alone passes
 
+    # the longest, not only one that fits: one unit more does not fit the device once replayed
+    more = estimate(at.request.model_copy(update={"seq_len": narrow.max_seq_len + 256}))
+    assert not more.fits
+
+
+def _probe(fits: bool, reserve: int, peak: int):
+    """What longest_replayed reads of an estimate: its fit and its numbers (a 80 GB device, 1 GB
+    outside the allocator)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(fits=fits, device_capacity_bytes=80 * 2**30, per_device=SimpleNamespace(
+        reserved_peak_bytes=reserve, peak_bytes=peak, cuda_context_bytes=2**29, nccl_bytes=2**29))
+
+
+@pytest.mark.parametrize("step_scale", [0.0, 0.1, 1.0, 10.0])
+def test_the_longest_replayed_sequence_is_the_bracket_a_bisection_closes(step_scale):
+    """longest_replayed places its probes where the reserve predicts the boundary; whatever the
+    prediction (a step of 0: bisection; one ten times too small or too large), the answer is the
+    longest k up to the live answer whose replay fits, for every boundary, with the fragmentation
+    of the capped replays jumping from unit to unit (the fit is what the replay says)."""
+    import random
+
+    from planner.plan.inverse import longest_replayed
+
+    rng = random.Random(22)
+    for live in (1, 2, 7, 60, 400):
+        grow = 50 * 2**30 // live  # the live peak's growth per unit, from 20 GiB to 70 GiB
+        for boundary in sorted({0, 1, live // 3, live - 1, live} | {rng.randrange(live + 1) for _ in range(4)}):
+            probed = []
+
+            def replayed(k, boundary=boundary, grow=grow):
+                probed.append(k)
+                peak = 20 * 2**30 + k * grow
+                fits = k <= boundary
+                jitter = rng.randrange(2**30)
+                # a replay that fits reports its capped reserve, one that does not its uncapped one
+                return _probe(fits, peak + (2**30 + jitter if fits else 12 * 2**30 + jitter), peak)
+
+            assert longest_replayed(replayed, live, step_scale * grow) == boundary
+            assert len(set(probed)) == len(probed) and max(probed) <= live
+
+
+def test_the_longest_sequence_takes_few_replays(monkeypatch):
+    """The plan's longest sequence on reserved memory (Llama-3-70B on 8 nodes of 8 H100s,
+    bench/plan_speed.py's plan): the live answer's replay, then probes placed where the reserve
+    predicts the boundary, the answer and the unit after it among them; the bisection this
+    search replaced took 7 replays here."""
+    from planner.memory.orchestrator import estimated
+    from planner.plan import inverse
+    from planner.plan.search import plan
+    from planner.schema import PlanRequest
+
+    replayed = []
+
+    def counted(m, *args, **kwargs):
+        replayed.append(m.setup.request.seq_len)
+        return estimated(m, *args, **kwargs)
+
+    monkeypatch.setattr(inverse, "estimated", counted)
+    r = plan(PlanRequest(model="llama-3-70b", gpu="h100-80gb", gpus=8, nodes=8, topology="hgx-h100", seq_len=4096,
+                         global_batch=55440 * 64))
+    assert len(replayed) <= 4
+    assert r.max_seq_len in replayed and r.max_seq_len + 256 in replayed
 
 # --- the forward and the loss's tensors (the H200 runs of bench/gpu_check.py) --------------------
 

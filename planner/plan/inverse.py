@@ -5,8 +5,11 @@ then a bisection, with bounds that answer at once where they can.
 """
 from __future__ import annotations
 
+import math
+
 from planner.errors import PlannerError
 from planner.memory.orchestrator import Measured, estimated, measure, resolve
+from planner.memory.reserved import REPLAY_SHORTFALL
 from planner.plan.recipe import refused_by_recipe
 from planner.plan.settings import (OPTIMIZER_FIELDS, architecture_of, hsdp_shards, offload_options, planned_split,
                                    reduce_field, split_fields, version_field_of)
@@ -19,8 +22,8 @@ MAX_SEARCH_GPUS = 1 << 16
 
 MAX_SEQ_LEN = 1 << 22  # PlanRequest.seq_len's bound (schema.py)
 
-# the replays (planner/memory/reserved.py, a few tenths of a second each for an 8B model) an inverse
-# answer may spend checking the live peak's answer on reserved memory
+# the replays (planner/memory/reserved.py, a few milliseconds each) the largest micro-batch per
+# strategy may spend checking the live peak's answers on reserved memory (rank.py _max_micro)
 INVERSE_REPLAYS = 3
 
 
@@ -30,9 +33,8 @@ def longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_fields
     load-balanced CP needs, and of 128) that the recommended layout trains at micro-batch 1 with
     full checkpointing (a pipeline: its rank's share of the batch as micro-batches of 1, in the
     request's schedule). Per-device memory grows with the sequence, so doubling then bisection on
-    the live peak with the headroom; then, ``on_reserved`` (a GPU), the answer is replayed through
-    the caching allocator and, while it does not fit the device, shortened by what reserved adds
-    over the live peak (at most INVERSE_REPLAYS), then by bisection on reserved memory."""
+    the live peak with the headroom; then, ``on_reserved`` (a GPU), the longest sequence up to
+    that answer whose replay through the caching allocator fits the device (longest_replayed)."""
     unit = 128 * 2 * c.parallel.cp
     degrees = {k: v for k, v in c.parallel.model_dump().items() if k in ("tp", "cp", "pp", "ep") and v > 1}
     if c.parallel.pp > 1:
@@ -99,30 +101,62 @@ def longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_fields
     low = largest(usable, min(high, longest // unit + 1), low)
     if not (on_reserved and low):
         return low * unit if low else None
-    fitting, too_long = 0, low + 1  # the live answer's next unit does not fit even live
-    for _ in range(INVERSE_REPLAYS):
-        e = replayed(low * unit)
+    # what the reserve gains per unit of sequence: the live peak's step (the answer's next unit was
+    # measured above, or the one before where the table's positions stopped the search), and the
+    # replay's shortfall held back on it
+    below, above = (low, low + 1) if (low + 1) * unit in measured else (low - 1, low)
+    step = (1 + REPLAY_SHORTFALL) * (at(above * unit).peak_bytes - at(below * unit).peak_bytes) if below else 0
+    fitting = longest_replayed(lambda k: replayed(k * unit), low, step)
+    return fitting * unit if fitting else None
+
+
+def longest_replayed(replayed, live: int, step: float) -> int:
+    """The longest k <= live (the live peak's answer, in units of sequence) whose estimate
+    ``replayed(k)`` fits with the caching allocator replayed (0: none): the replays decide, a
+    bracket of the longest known to fit and the shortest known not to narrows to adjacent units,
+    so the answer is the one a bisection on reserved memory gives. Each probe is placed where the
+    reserve predicts the boundary (``step``: the reserve's growth per unit; 0: bisection only):
+    below one that does not fit, by the units its allocated peak exceeds the allocator's room
+    plus a fragmentation guessed as one unit's growth and doubled after each miss; above one
+    that fits, by the units its slack holds; after a prediction that failed, the bracket's middle.
+    Typically two or three replays where a bisection takes six to nine."""
+    e = replayed(live)
+    if e.fits:
+        return live
+    low, high, last = 0, live, e  # last: the estimate at ``high`` (phase 1) or ``low`` (phase 2)
+    guess = step
+    while not low and high > 1:  # phase 1: the boundary from above
+        x = high - max(1, math.ceil((_excess_bytes(last) + guess) / step)) if step > 0 else high // 2
+        x = max(1, x)
+        e = replayed(x)
         if e.fits:
-            fitting = low
-            break
-        too_long = low
-        # what the allocator and the terms outside it add over the live peak, taken as the same at the
-        # next shorter sequence (it grows with it: the next replay checks)
-        gap = e.per_device.reserved_peak_bytes - e.per_device.peak_bytes
-        low = largest(e.device_capacity_bytes - gap, low)
-        if not low:
-            break
-    # the gap is an over-estimate below the sequence it was measured at (and a replay that does not
-    # fit reports its uncapped reserve): bisection on reserved memory between the longest known to
-    # fit (none: 0) and the shortest known not to, so the answer is the longest, not only one that fits
-    low, high = fitting, too_long
-    while low + 1 < high:
-        mid = (low + high) // 2
-        if replayed(mid * unit).fits:
-            low = mid
+            low, last = x, e
         else:
-            high = mid
-    return low * unit if low else None
+            high, last, guess = x, e, 2 * guess
+    missed = False
+    while low + 1 < high:  # phase 2: the bracket narrows to adjacent units
+        slack = last.device_capacity_bytes - last.per_device.reserved_peak_bytes
+        x = (low + high) // 2 if missed or step <= 0 else low + max(1, int(slack // step))
+        x = min(max(x, low + 1), high - 1)
+        e = replayed(x)
+        if e.fits:
+            low, last, missed = x, e, False
+        else:
+            high, missed = x, True
+    return low
+
+
+def _excess_bytes(e: EstimateResult) -> float:
+    """By how much a replay that did not fit needs more than the allocator's room, at the least:
+    its allocated peak (the live peak less the CUDA context outside the allocator) over the room
+    (the device less the context, NCCL's buffers and the shortfall held back on the uncapped
+    reserve, which the reserve it reports includes: reserve - context - nccl = uncapped x (1 + shortfall)).
+    An estimate from the result's own numbers, to place the next probe; the replays decide."""
+    d = e.per_device
+    outside = d.cuda_context_bytes + d.nccl_bytes
+    uncapped = (d.reserved_peak_bytes - outside) / (1 + REPLAY_SHORTFALL)
+    room = e.device_capacity_bytes - d.reserved_peak_bytes + uncapped
+    return (d.peak_bytes - d.cuda_context_bytes) - room
 
 
 def strategy_min_gpus(req: PlanRequest, name: str, usable: float, model_fields: dict) -> int | None:
