@@ -224,11 +224,10 @@ def test_the_fast_path_reports_every_byte_the_reference_does(conf, capacity):
         assert _replayed(fast_replay.replay, events, parse_alloc_conf(conf), capacity) == ref
 
 
-def test_the_fast_path_replays_a_plans_streams_as_the_reference_does():
-    """The streams of an estimate the plan shows (a checkpointed 8B model under FSDP2 with its
-    side streams, ZeRO-3, DDP), uncapped and at a capacity that makes the allocator empty its
-    cache: the same AllocatorStats, or the same out-of-memory."""
-    from planner.memory import fast_replay, reserved
+def _plan_streams():
+    """The streams of estimates the plan shows: a checkpointed 8B model under FSDP2 with its side
+    streams, ZeRO-3, DDP."""
+    from planner.memory import reserved
     from planner.memory.orchestrator import measure, resolve, _numels
     from planner.schema import EstimateRequest
 
@@ -236,8 +235,15 @@ def test_the_fast_path_replays_a_plans_streams_as_the_reference_does():
         setup = resolve(EstimateRequest(model="llama-3-8b", strategy=strategy, gpus=8, gpu="h100-80gb", seq_len=4096,
                                         micro_batch=2, checkpointing=ckpt, gradient_accumulation=2))
         m = measure(setup)
-        events = reserved.allocation_events(m.setup, m.plan, len(_numels(m.setup)),
-                                            reserved.loss_tensors(m.setup, m.acts))
+        yield reserved.allocation_events(m.setup, m.plan, len(_numels(m.setup)), reserved.loss_tensors(m.setup, m.acts))
+
+
+def test_the_fast_path_replays_a_plans_streams_as_the_reference_does():
+    """The plan's streams (_plan_streams), uncapped and at a capacity that makes the allocator
+    empty its cache: the same AllocatorStats, or the same out-of-memory."""
+    from planner.memory import fast_replay
+
+    for events in _plan_streams():
         peak = replay(events).reserved_peak_bytes
         for capacity in (None, peak, peak * 9 // 10, peak // 2):
             assert _replayed(fast_replay.replay, events, capacity=capacity) == _replayed(replay, events,
@@ -245,3 +251,50 @@ def test_the_fast_path_replays_a_plans_streams_as_the_reference_does():
     # other settings go to the reference unchanged
     for conf in ("expandable_segments:True", "max_split_size_mb:64"):
         assert fast_replay.replay(events, parse_alloc_conf(conf)) == replay(events, parse_alloc_conf(conf))
+
+
+@pytest.mark.parametrize("conf", ["", "roundup_power2_divisions:4", "expandable_segments:True", "max_split_size_mb:64"])
+def test_a_replay_capped_below_its_requested_peak_runs_out_of_memory(conf):
+    """reserved.simulate does not replay capped at the room a stream whose requested peak exceeds
+    it (the capped replay cannot hold more live bytes than it reserves): over the plan's own
+    streams and the hand streams, capped a byte below the requested peak (or at 99% or 90% of
+    it), both allocators raise OutOfMemory under every setting."""
+    from planner.memory import fast_replay
+
+    for events in [*_plan_streams(), *_hand_streams()]:
+        requested = replay(events, parse_alloc_conf(conf)).requested_peak_bytes
+        for capacity in (requested - 1, requested * 99 // 100, requested * 9 // 10):
+            for replayer in (replay, fast_replay.replay):
+                with pytest.raises(OutOfMemory):
+                    replayer(events, parse_alloc_conf(conf), capacity)
+
+
+def test_simulate_skips_only_the_capped_replays_that_must_fail(monkeypatch):
+    """Llama-3-8B under FSDP2 on 8 H100s, checkpointed, one sequence: at 32,768 tokens the
+    uncapped reserve exceeds the room and the replay capped at it fits; at 34,816 the capped
+    replay runs out of memory; at 35,840 the requested peak alone exceeds the room, so the capped
+    replay is skipped (it would raise OutOfMemory) and the estimate does not fit all the same."""
+    from planner.memory import fast_replay, reserved
+    from planner.memory.orchestrator import estimate
+    from planner.schema import EstimateRequest
+
+    calls = []
+    monkeypatch.setattr(reserved, "replay", lambda events, conf, capacity_bytes=None:
+                        calls.append((events, capacity_bytes)) or fast_replay.replay(events, conf, capacity_bytes))
+
+    def estimated(seq_len):
+        calls.clear()
+        return estimate(EstimateRequest(model="llama-3-8b", strategy="fsdp", gpus=8, gpu="h100-80gb",
+                                        checkpointing="full", seq_len=seq_len))
+
+    # the request's replay, the one with expandable_segments switched, then the capped one or none
+    assert estimated(32768).fits and [c is not None for _, c in calls] == [False, False, True]
+    assert not estimated(34816).fits and [c is not None for _, c in calls] == [False, False, True]
+    e = estimated(35840)
+    assert not e.fits and [c is not None for _, c in calls] == [False, False]
+    events = calls[0][0]
+    room = (e.device_capacity_bytes - e.per_device.cuda_context_bytes - e.per_device.nccl_bytes
+            - e.allocator.replay_shortfall_bytes)
+    assert 0 < room < replay(events).requested_peak_bytes
+    with pytest.raises(OutOfMemory):
+        fast_replay.replay(events, capacity_bytes=room)

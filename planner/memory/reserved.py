@@ -411,7 +411,13 @@ def simulate(setup: "Setup", plan: "PhasePlan", parameters: int, capacity_bytes:
     shortfall = 0 if setup.gpu.is_cpu else math.ceil(REPLAY_SHORTFALL * stats.reserved_peak_bytes)
     room = capacity_bytes - context - nccl - shortfall
     fits = room > 0 and stats.reserved_peak_bytes <= room
-    if not fits and room > 0:
+    # a replay capped at the room cannot hold more requested bytes than the room: every live block
+    # holds at least its request (round_size rounds up; a block found or a segment made holds the
+    # rounded size), live blocks do not overlap and lie in reserved segments, and alloc_block never
+    # reserves past the capacity. The requested bytes live after each event are the events' own
+    # (a free returns its malloc's request), the same capped or not: past the uncapped replay's
+    # requested peak the capped one raises OutOfMemory at the latest (tests/test_allocator.py)
+    if not fits and 0 < room and stats.requested_peak_bytes <= room:
         try:
             stats = replay(events, conf, capacity_bytes=room)  # what the device would show, capped
             fits = True
