@@ -441,6 +441,23 @@ def _events_one_at_a_time(setup, plan, parameters, loss=None):
     return events
 
 
+def test_the_common_prefix_is_the_first_difference():
+    """_common_prefix against a walk to the first difference, on runs of equal sizes such as
+    _cut makes (a set that grows, shrinks, or changes a tensor anywhere)."""
+    import random
+
+    rng = random.Random(24)
+    for _ in range(500):
+        held = [rng.choice((7, 7, 7, 3)) for _ in range(rng.randrange(0, 300))]
+        sizes = held[:rng.randrange(0, len(held) + 1)] + [rng.choice((7, 3, 5)) for _ in range(rng.randrange(0, 50))]
+        if sizes and rng.random() < 0.3:
+            sizes[rng.randrange(len(sizes))] = 11
+        walked = 0
+        while walked < min(len(held), len(sizes)) and held[walked] == sizes[walked]:
+            walked += 1
+        assert reserved._common_prefix(held, sizes) == walked
+
+
 @pytest.mark.parametrize("fields,records", [
     (dict(FSDP8, seq_len=4096, micro_batch=2), True),  # all-gathers on their stream: record_stream
     (dict(model="llama-3-8b", strategy="zero3", gpus=8, gpu="h100-80gb", checkpointing="full"), False),

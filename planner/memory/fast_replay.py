@@ -13,10 +13,15 @@ branches those settings cannot take removed and with integers for keys:
 - a free block's place in its pool (BlockPool.blocks, ordered by size then address) is the single
   integer ``size << 64 | address`` in a sorted list, found by bisection (the reference sorts
   ``(size, address, id)`` tuples; addresses of free blocks are distinct, so the order is the same);
-- a block is a slotted object, its allocation's requested size kept on it;
+- a block is a slotted object made without an __init__ call, its allocation's requested size kept
+  on it, one ``held`` flag for the reference's "allocated or waiting for its events";
+- the pools are found by stream, then by the small flag;
+- where a split's rest or a merged block's key keeps the sorted order in the place of the key it
+  replaces, it takes that place (no second bisection, no list shift);
 - the statistics are plain integers, peaks updated only where a count grows;
-- malloc, free and record_stream are written out in one loop over the events (_DefaultAllocator.run),
-  the per-event counts in its local variables; process_events is allocator.py's own.
+- malloc, free (with the merge) and record_stream are written out in one loop over the events
+  (_DefaultAllocator.run), the per-event counts and the constants in its local variables;
+  process_events is allocator.py's own.
 
 Every byte it reports equals the reference's (tests/test_allocator.py replays the same streams
 through both, including the plan's own); any other setting goes to the reference unchanged.
@@ -50,19 +55,25 @@ def _is_default(conf: AllocConf, memory_fraction: float | None) -> bool:
 
 
 class _Block:
-    """A block of a segment (the reference's _Block without the expandable segments' fields)."""
+    """A block of a segment (the reference's _Block without the expandable segments' fields).
+    ``held``: allocated, or freed with recorded events not yet completed (the reference's
+    ``allocated or events``): a block merges with a neighbour that is not held (``stream_uses``
+    is set only while allocated), so one flag answers try_merge_blocks."""
 
-    __slots__ = ("small", "stream", "pool", "size", "addr", "prev", "next", "allocated", "stream_uses", "events",
+    __slots__ = ("small", "stream", "pool", "size", "addr", "prev", "next", "held", "stream_uses", "events",
                  "requested")
 
-    def __init__(self, small: bool, stream: str, pool: list[int], size: int, addr: int, prev=None, nxt=None):
-        self.small, self.stream, self.size, self.addr = small, stream, size, addr
-        self.pool = pool  # the sorted keys of its pool's free blocks (the pool of its small flag and stream)
-        self.prev, self.next = prev, nxt
-        self.allocated = False
-        self.stream_uses: set | None = None  # streams recorded on (record_stream), None: none
-        self.events = 0  # recorded events not yet completed
-        self.requested = 0  # the allocation's requested bytes (requested_bytes statistic)
+
+def _block(small: bool, stream: str, pool: list[int], size: int, addr: int, prev: _Block | None,
+           nxt: _Block | None) -> _Block:
+    """A free block (the slots set one by one: cheaper than an __init__ call; run writes it out)."""
+    b = _new(_Block)
+    b.small, b.stream, b.pool, b.size, b.addr, b.prev, b.next = small, stream, pool, size, addr, prev, nxt
+    b.held, b.stream_uses, b.events = False, None, 0  # requested: set when allocated
+    return b
+
+
+_new = object.__new__
 
 
 class _DefaultAllocator:
@@ -74,7 +85,8 @@ class _DefaultAllocator:
         self.rounds_power2 = any(conf.roundup_power2_divisions)
         self.capacity = capacity_bytes
         self.allowed = int(memory_fraction * capacity_bytes) if memory_fraction and capacity_bytes else None
-        self.pools: dict[tuple[bool, str], list[int]] = {}  # (small, stream) -> sorted free-block keys
+        # stream -> (large pool, small pool), indexed by the small flag: each the sorted free-block keys
+        self.pools: dict[str, tuple[list[int], list[int]]] = {}
         self.free_blocks: dict[int, _Block] = {}  # key -> block
         self.pending: list[tuple[str, _Block]] = []  # (stream, block): recorded events not yet completed
         self.completed: set[str] = set()
@@ -86,27 +98,16 @@ class _DefaultAllocator:
         self.retries = 0
         self.released_active = 0  # the bytes _free_block returned to the pools since run last read it
 
-    # --- the pools --------------------------------------------------------------------------
-
-    def _insert(self, b: _Block) -> None:
-        key = b.size << KEY_SHIFT | b.addr
-        self.free_blocks[key] = b
-        insort(b.pool, key)
-
-    def _remove(self, b: _Block) -> None:
-        key = b.size << KEY_SHIFT | b.addr
-        pool = b.pool
-        del pool[bisect_left(pool, key)]
-        del self.free_blocks[key]
-
     def run(self, events: list[tuple]) -> AllocatorStats:
         """The events in order (allocator.replay's format), then the statistics: one loop with the
         statistics in local variables and malloc (get_free_block, alloc_found_block with
-        should_split), free and record_stream written out in it; the merge (free_block) and the
-        steps that run once per segment or per completed stream (alloc_block,
+        should_split), free (free_block with try_merge_blocks) and record_stream written out in
+        it; the steps that run once per segment or per completed stream (alloc_block,
         release_cached_blocks, process_events) are methods."""
         pools, free_blocks, pending, completed = self.pools, self.free_blocks, self.pending, self.completed
-        rounds_power2, conf, free_block = self.rounds_power2, self.conf, self._merge_free
+        rounds_power2, conf = self.rounds_power2, self.conf
+        bisect, insert, new = bisect_left, insort, _new
+        shift, min_block, small_size = KEY_SHIFT, MIN_BLOCK_BYTES, SMALL_SIZE_BYTES
         blocks: dict = {}  # tag -> its block
         allocated = allocated_peak = active = active_peak = requested = requested_peak = 0
         for event in events:
@@ -118,22 +119,24 @@ class _DefaultAllocator:
                     self.released_active = 0
                     process_events(pending, completed, self._free_block)
                     active -= self.released_active
-                if size < MIN_BLOCK_BYTES:
-                    rounded = MIN_BLOCK_BYTES
+                if size < min_block:
+                    rounded = min_block
                 elif rounds_power2:
                     rounded = round_size(size, conf)
                 else:
-                    rounded = -(-size // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES
-                small = rounded <= SMALL_SIZE_BYTES
+                    rounded = (size + min_block - 1) & -min_block  # up to a multiple (a power of 2)
+                small = rounded <= small_size
                 # get_free_block: the smallest cached block of the pool and stream that holds the size
                 # (max_split_size unlimited: no block is refused as oversize)
-                pool = pools.get((small, stream))
-                if pool is None:
-                    pool = pools[(small, stream)] = []
-                k = bisect_left(pool, rounded << KEY_SHIFT)
+                pair = pools.get(stream)
+                if pair is None:
+                    pair = pools[stream] = ([], [])
+                pool = pair[small]
+                k = bisect(pool, rounded << shift)
                 if k < len(pool):
-                    block = free_blocks.pop(pool.pop(k))
+                    block = free_blocks.pop(pool[k])  # its key leaves the pool below (split or not)
                 else:
+                    k = -1
                     block = self._alloc_block(rounded, small, stream, pool)
                     if block is None:
                         self.released_active = 0
@@ -146,21 +149,35 @@ class _DefaultAllocator:
                                               f"{self.reserved:,} reserved of {self.capacity or self.allowed:,}")
                 # alloc_found_block with should_split: a small block splits when 512 bytes or more
                 # remain, a large one when more than kSmallSize does
-                remaining = block.size - rounded
-                if remaining >= MIN_BLOCK_BYTES if small else remaining > SMALL_SIZE_BYTES:
+                bsize = block.size
+                remaining = bsize - rounded
+                if remaining >= min_block if small else remaining > small_size:
                     addr = block.addr + rounded
-                    rest = _Block(small, stream, pool, remaining, addr, block, block.next)
-                    if block.next is not None:
-                        block.next.prev = rest
+                    nxt = block.next
+                    rest = new(_Block)  # _block written out
+                    rest.small, rest.stream, rest.pool, rest.size, rest.addr, rest.prev, rest.next = \
+                        small, stream, pool, remaining, addr, block, nxt
+                    rest.held, rest.stream_uses, rest.events = False, None, 0
+                    if nxt is not None:
+                        nxt.prev = rest
                     block.next = rest
-                    block.size = rounded
-                    key = remaining << KEY_SHIFT | addr
+                    block.size = bsize = rounded
+                    key = remaining << shift | addr
                     free_blocks[key] = rest
-                    insort(pool, key)
-                block.allocated = True
+                    # the rest's key takes the found block's place where the order allows (smaller
+                    # than the found key, so only the key before it can be out of order)
+                    if k < 0:
+                        insert(pool, key)
+                    elif k == 0 or pool[k - 1] < key:
+                        pool[k] = key
+                    else:
+                        del pool[k]
+                        insert(pool, key)
+                elif k >= 0:
+                    del pool[k]
+                block.held = True
                 block.requested = size
                 blocks[event[1]] = block
-                bsize = block.size
                 allocated += bsize
                 if allocated > allocated_peak:
                     allocated_peak = allocated
@@ -172,17 +189,56 @@ class _DefaultAllocator:
                     requested_peak = requested
             elif op == "free":
                 block = blocks.pop(event[1])
-                block.allocated = False
-                allocated -= block.size
+                bsize = block.size
+                allocated -= bsize
                 requested -= block.requested
-                if block.stream_uses:  # insert_events: one event per stream used on
-                    for s in block.stream_uses:
+                uses = block.stream_uses
+                if uses:  # insert_events: one event per stream used on; held until they complete
+                    for s in uses:
                         pending.append((s, block))
-                    block.events = len(block.stream_uses)
+                    block.events = len(uses)
                     block.stream_uses = None
                     continue
-                active -= block.size
-                free_block(block)
+                active -= bsize
+                # free_block: merge with the neighbours that are not held (try_merge_blocks), back
+                # into the pool (_merge_free, written out)
+                block.held = False
+                pool = block.pool
+                prev, nxt = block.prev, block.next
+                if prev is not None and not prev.held:
+                    addr = prev.addr
+                    key = prev.size << shift | addr
+                    del pool[bisect(pool, key)], free_blocks[key]
+                    block.addr = addr
+                    bsize += prev.size
+                    prev = block.prev = prev.prev
+                    if prev is not None:
+                        prev.next = block
+                else:
+                    addr = block.addr
+                if nxt is not None and not nxt.held:
+                    key = nxt.size << shift | nxt.addr
+                    del free_blocks[key]
+                    k = bisect(pool, key)
+                    bsize += nxt.size
+                    nxt = block.next = nxt.next
+                    if nxt is not None:
+                        nxt.prev = block
+                    block.size = bsize
+                    key = bsize << shift | addr
+                    free_blocks[key] = block
+                    # the merged key takes the next block's place where the order allows (larger
+                    # than the next's key, so only the key after it can be out of order)
+                    if k + 1 == len(pool) or pool[k + 1] > key:
+                        pool[k] = key
+                    else:
+                        del pool[k]
+                        insert(pool, key)
+                else:
+                    block.size = bsize
+                    key = bsize << shift | addr
+                    free_blocks[key] = block
+                    insert(pool, key)
             elif op == "record":  # record_stream: a use on the allocation stream is ignored
                 block, stream = blocks[event[1]], event[2]
                 if stream != block.stream:
@@ -207,7 +263,7 @@ class _DefaultAllocator:
             return None
         if self.capacity is not None and self.reserved + nbytes > self.capacity:
             return None
-        block = _Block(small, stream, pool, nbytes, self.next_addr)
+        block = _block(small, stream, pool, nbytes, self.next_addr, None, None)
         self.next_addr += nbytes + SEGMENT_GAP
         self.reserved += nbytes
         self.reserved_peak = max(self.reserved_peak, self.reserved)
@@ -224,11 +280,12 @@ class _DefaultAllocator:
         self._merge_free(block)
 
     def _merge_free(self, block: _Block) -> None:
-        """free_block without the statistics: merge with free neighbours of the same segment,
-        back into the pool."""
+        """free_block without the statistics: merge with the neighbours of the same segment that
+        are not held, back into the pool (run writes the same out for a free without events)."""
+        block.held = False
         pool, free_blocks = block.pool, self.free_blocks
         prev, nxt = block.prev, block.next
-        if prev is not None and not prev.allocated and not prev.events and not prev.stream_uses:
+        if prev is not None and not prev.held:
             key = prev.size << KEY_SHIFT | prev.addr  # try_merge_blocks: the previous block's range joins
             del pool[bisect_left(pool, key)], free_blocks[key]
             block.addr = prev.addr
@@ -236,7 +293,7 @@ class _DefaultAllocator:
             block.prev = prev.prev
             if block.prev is not None:
                 block.prev.next = block
-        if nxt is not None and not nxt.allocated and not nxt.events and not nxt.stream_uses:
+        if nxt is not None and not nxt.held:
             key = nxt.size << KEY_SHIFT | nxt.addr
             del pool[bisect_left(pool, key)], free_blocks[key]
             block.size += nxt.size
@@ -253,11 +310,13 @@ class _DefaultAllocator:
         self.completed.update(s for s, _ in self.pending)
         if self.pending:
             process_events(self.pending, self.completed, self._free_block)
-        for pool in self.pools.values():
-            for key in list(pool):
-                block = self.free_blocks[key]
-                if block.prev is None and block.next is None:
-                    self._remove(block)
-                    self.reserved -= block.size
-                    self.segments[block.small] -= 1
-                    self.total_segments -= 1
+        free_blocks = self.free_blocks
+        for pair in self.pools.values():
+            for pool in pair:
+                for key in list(pool):
+                    block = free_blocks[key]
+                    if block.prev is None and block.next is None:
+                        del pool[bisect_left(pool, key)], free_blocks[key]
+                        self.reserved -= block.size
+                        self.segments[block.small] -= 1
+                        self.total_segments -= 1

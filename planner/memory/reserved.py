@@ -329,13 +329,19 @@ def _cut(item_bytes: list[int], unit: int | None) -> list[int]:
 
 def _common_prefix(held: list[int], sizes: list[int]) -> int:
     """How many leading tensors two moments share (equal sizes in the same places); the whole
-    shorter list, the usual case (a set that only grows), is compared at once."""
+    shorter list, the usual case (a set that only grows), is compared at once, else the first
+    difference is found by bisection, each step comparing the slices not yet known equal (a
+    shrinking set of thousands of activation tensors: a few list comparisons, not a loop over them)."""
     n = min(len(held), len(sizes))
     if held[:n] == sizes[:n]:
         return n
-    keep = 0
-    while held[keep] == sizes[keep]:
-        keep += 1
+    keep, differs = 0, n  # held[:keep] == sizes[:keep]; the first difference is before ``differs``
+    while keep + 1 < differs:
+        mid = (keep + differs) // 2
+        if held[keep:mid] == sizes[keep:mid]:
+            keep = mid
+        else:
+            differs = mid
     return keep
 
 
