@@ -303,7 +303,7 @@ def _pipeline_terms(whole: timing.StepTime, staged: timing.StepTime) -> timing.S
                     "bubble included") for name, source in whole.term_labels)
     values = tuple(replaced[name] if name in replaced else seconds * share
                    for (name, _), seconds in zip(whole.term_labels, whole.term_values))
-    return staged._replace(term_labels=labels, term_values=values)
+    return staged._replace(term_labels=labels, term_block=values, term_option=None)
 
 
 def estimate_with_time(request: EstimateRequest, profile=None) -> EstimateResult:
@@ -545,10 +545,8 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
                       "OffloadActivations); unverified")]
     columns = [busy + contention, comm, exposed, offload, step, tokens / step, model_flops / (step * peak_flops),
                hardware_flops / (step * peak_flops)] + [t[1] for t in terms]
-    options = micro.size if arrays.is_array(micro) else 1
     labels = tuple((name, source) for name, _, source in terms)
-    return timing.step_times_of([arrays.as_float(c).tolist() if arrays.is_array(c) else [float(c)] * options
-                                 for c in columns], slowest, ring, labels)
+    return timing.step_times_of(columns, slowest, ring, labels, micro.size if arrays.is_array(micro) else None)
 
 
 def _unhidden_edge(s, data_parallel, arch):
