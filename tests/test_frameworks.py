@@ -167,8 +167,8 @@ def test_a_framework_version_reaches_the_time_model_and_the_plans_offload_option
     class NoOverlap(type(current)):
         version = "0.99.0"
 
-        def overlap_window_seconds(self, s, busy, backward):
-            return 0 * busy
+        def overlap_windows(self, s, forward, backward):
+            return 0 * forward, 0 * backward
 
         def offload_options(self, s):
             return [("none", "none")]

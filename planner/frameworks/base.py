@@ -24,8 +24,10 @@ if TYPE_CHECKING:
     from planner.recipes.precision import Recipe
     from planner.strategies import Strategy
 
-# (what, bytes per optimizer step, ring passes, message bytes, group: world | shard | replicas)
-Collective = tuple[str, "np.ndarray", int, float, str]
+# (what, bytes per optimizer step, ring passes, message bytes, group: world | shard | replicas, the
+# share of those bytes sent during the forward pass: a gradient collective's is 0, it has nothing to
+# send before backward; the rest is sent in backward or, ZeRO-1/2's gather, after the step)
+Collective = tuple[str, "np.ndarray", int, float, str, float]
 
 
 @dataclass(frozen=True)
@@ -132,9 +134,10 @@ class Framework:
         """What one optimizer step sends, per collective (before the ring's factor)."""
         raise NotImplementedError
 
-    def overlap_window_seconds(self, s: "Strategy", compute_seconds: float, backward_seconds: float) -> float:
-        """How much of the step's compute the communication can hide behind; ``backward_seconds``:
-        the backward passes' part of it (planner/time/kernels.py)."""
+    def overlap_windows(self, s: "Strategy", forward_seconds: float, backward_seconds: float) -> tuple[float, float]:
+        """(forward, backward): how much of each pass's compute the collectives sent in that pass
+        can hide behind (``forward_seconds``, ``backward_seconds``: the passes' compute, the
+        recomputation inside backward; planner/time/kernels.py)."""
         raise NotImplementedError
 
     def offload_options(self, s: "Strategy") -> list[tuple[str, str]]:

@@ -78,6 +78,8 @@ def flat(elements: int) -> list[TensorShape]:
 
 def states_bytes(spec: OptimizerSpec, tensors: list[TensorShape], bits: int) -> int:
     """The states of ``tensors``, each distinct shape computed once (a model's blocks repeat theirs)."""
+    if len(tensors) == 1:  # DeepSpeed's flat partition, a pipeline stage's
+        return spec.group_of(tensors[0]).states(tensors[0], bits)
     if not isinstance(tensors, tuple):
         return sum(count * spec.group_of(t).states(t, bits) for t, count in Counter(tensors).items())
     return _seen(("states", spec.name, bits), tensors,
@@ -87,7 +89,8 @@ def states_bytes(spec: OptimizerSpec, tensors: list[TensorShape], bits: int) -> 
 def state_bits(spec: OptimizerSpec, tensors: list[TensorShape], bits: int) -> float:
     """Bits of state per stepped element, averaged over ``tensors``: what the element counts of the
     model-state terms multiply."""
-    total = sum(t.numel for t in tensors)
+    total = _seen(("numel",), tensors, lambda: sum(t.numel for t in tensors)) if isinstance(tensors, tuple) \
+        else sum(t.numel for t in tensors)
     return 8 * states_bytes(spec, tensors, bits) / total if total else 0.0
 
 

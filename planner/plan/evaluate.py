@@ -69,6 +69,15 @@ class Search:
         self.replayed: dict[tuple[int, Setting, int, int], EstimateResult] = {}  # shown() per candidate
         self.compute_scale = 1.0  # a calibration profile's kernel-rate factor (planner/time/kernels.py)
         self.refusals: list[PlannerError] = []  # settings the request's recipe refused (planner/plan/recipe.py)
+        self._setups: dict[int, tuple[EstimateRequest, object]] = {}  # setup_of's, by the request's identity
+
+    def setup_of(self, request: EstimateRequest):
+        """resolve(request), once per request object: a pipeline setting's first request is read by
+        its step times and estimated again as its row (the same object)."""
+        hit = self._setups.get(id(request))
+        if hit is None or hit[0] is not request:
+            hit = self._setups[id(request)] = (request, resolve(request))
+        return hit[1]
 
     def estimate(self, req: PlanRequest, combo: Setting, micro: int,
                  request: EstimateRequest | None = None, accumulation: int = 1) -> Measured:
@@ -77,8 +86,8 @@ class Search:
         memory holds the earlier ones' gradients); a pipeline's request carries its own."""
         key = (req.nodes, combo, micro, accumulation if combo.pp == 1 else 1)
         if key not in self.estimates:
-            self.estimates[key] = measure(resolve(request or estimate_request(req, combo, micro, self.model_fields,
-                                                                      accumulation if combo.pp == 1 else None)))
+            self.estimates[key] = measure(self.setup_of(request) if request is not None else resolve(
+                estimate_request(req, combo, micro, self.model_fields, accumulation if combo.pp == 1 else None)))
         return self.estimates[key]
 
     def shown(self, req: PlanRequest, combo: Setting, micro: int, accumulation: int = 1) -> EstimateResult:
@@ -346,7 +355,7 @@ def _parallel_times(search: Search, req: PlanRequest, combo: Setting, micro: np.
     """Each option's step time with its pipeline bubble, point-to-point sends and expert
     all-to-alls: planner/parallel/pipeline.py parallel_step on the estimate's own Setup (as
     steptime.estimate_time), per micro-batch size and count."""
-    setup = resolve(first)
+    setup = search.setup_of(first)
     out = []
     for k, mb in enumerate(micro.tolist()):
         request = setup.request.model_copy(update={"micro_batch": mb, "gradient_accumulation": per_rank // mb})

@@ -28,9 +28,8 @@ interconnect with an α-β ring model, and the part of it that overlap does not 
 from __future__ import annotations
 
 import math
-from itertools import repeat
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 from functools import lru_cache
 
 from planner.time import arrays
@@ -101,9 +100,19 @@ class StepTime(NamedTuple):
     ring_bandwidth_gbps: float
     ring: tuple[int, ...]
     hfu: float = 0.0  # hardware FLOPs (recomputation included) over peak
-    # the step's parts: (name, source) shared by a plan's options, and this option's seconds per step
+    # the step's parts: (name, source) shared by a plan's options, and their seconds per step: a
+    # tuple of this option's, or (term_option not None) the array of every option's of its setting,
+    # read at column term_option (step_times_of: the search shows a few of the options it times)
     term_labels: tuple[tuple[str, str], ...] = ()
-    term_values: tuple[float, ...] = ()
+    term_block: Any = ()
+    term_option: int | None = None
+
+    @property
+    def term_values(self) -> tuple[float, ...]:
+        """This option's seconds per term, in term_labels' order."""
+        if self.term_option is None:
+            return self.term_block
+        return tuple(self.term_block[:, self.term_option].tolist())
 
     @property
     def terms(self) -> tuple[tuple[str, float, str], ...]:
@@ -111,14 +120,29 @@ class StepTime(NamedTuple):
         return tuple((name, v, source) for (name, source), v in zip(self.term_labels, self.term_values) if v > 0)
 
 
-def step_times_of(columns: list[list[float]], ring_bandwidth_gbps: float, ring: tuple[int, ...],
-                  term_labels: tuple[tuple[str, str], ...]) -> list[StepTime]:
+def step_times_of(columns: list, ring_bandwidth_gbps: float, ring: tuple[int, ...],
+                  term_labels: tuple[tuple[str, str], ...], options: int | None = None) -> list[StepTime]:
     """One StepTime per option from the columns (compute, communication, exposed communication,
-    offload, step, tokens/s, mfu, hfu, *term values: a list of every option's each), the ring
-    and the labels shared."""
+    offload, step, tokens/s, mfu, hfu, *term values: each a float, the same for every option, or
+    an array of every option's), the ring and the labels shared; ``options``: how many (None: one
+    option, every column a float).
+
+    The plan search times tens of thousands of options and shows a few: the eight figures it ranks
+    on become floats here, the term values stay in one array per setting that each option reads
+    when asked (StepTime.term_values)."""
+    if options is None:
+        c, m, e, o, s, t, u, h = (float(v) for v in columns[:8])
+        values = tuple(float(v) for v in columns[8:])
+        return [tuple.__new__(StepTime, (c, m, e, o, s, t, u, ring_bandwidth_gbps, ring, h, term_labels, values, None))]
+    import numpy as np
+
+    block = np.empty((len(columns), options))
+    for i, column in enumerate(columns):
+        block[i] = column  # a float fills its row
+    terms = block[8:]
     new = tuple.__new__
-    return [new(StepTime, (c, m, e, o, s, t, u, ring_bandwidth_gbps, ring, h, term_labels, v))
-            for c, m, e, o, s, t, u, h, v in zip(*columns[:8], zip(*columns[8:]) if columns[8:] else repeat(()))]
+    return [new(StepTime, (c, m, e, o, s, t, u, ring_bandwidth_gbps, ring, h, term_labels, terms, k))
+            for k, (c, m, e, o, s, t, u, h) in enumerate(block[:8].T.tolist())]
 
 
 def matmul_parameters(a: Architecture) -> int:

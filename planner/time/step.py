@@ -235,7 +235,7 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
                              reduce_dtype=request.reduce_dtype, nodes=request.nodes,
                              fp8_gathered=_fp8_gathered(request.float8_all_gather, request.low_precision, arch))
     out = [{"what": what, "bytes_per_step": int(volume), "message_bytes": int(message), "group": group}
-           for what, volume, _, message, group in rows]
+           for what, volume, _, message, group, _ in rows]
     if request.ep > 1:  # routed experts over the expert-data-parallel group; the all-to-alls
         from planner.parallel.experts import expert_volumes
 
@@ -303,7 +303,7 @@ def _pipeline_terms(whole: timing.StepTime, staged: timing.StepTime) -> timing.S
                     "bubble included") for name, source in whole.term_labels)
     values = tuple(replaced[name] if name in replaced else seconds * share
                    for (name, _), seconds in zip(whole.term_labels, whole.term_values))
-    return staged._replace(term_labels=labels, term_values=values)
+    return staged._replace(term_labels=labels, term_block=values, term_option=None)
 
 
 def estimate_with_time(request: EstimateRequest, profile=None) -> EstimateResult:
@@ -470,26 +470,27 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     model_parallel = combo.tp * combo.cp  # GPUs that share one data-parallel rank's tokens
     per_token, model_per_token = _flops_per_token(arch, req.seq_len, combo.checkpointing, frozen,
                                                   combo.checkpointing_every)
-    compute, backward, hardware_flops, terms = compute_seconds(req, combo, micro, per_rank, psi, arch, g, frozen,
-                                                               tokens_rank * per_token / model_parallel)
+    compute, backward, optimizer, hardware_flops, terms = compute_seconds(req, combo, micro, per_rank, psi, arch, g,
+                                                                          frozen, tokens_rank * per_token / model_parallel)
     ring, ring_bw, _ = timing.node_ring(topo, combo.gpus)
     s = lookup_strategy(combo.strategy)
     fw = req.framework(s)  # the request's framework version, resolved once for the step
     nodes = req.nodes
     nic_gbps = nics * fabric["gbps"] * fabric["efficiency"] * req.link_efficiency
     comm = arrays.zeros_like(arrays.as_float(micro))
+    in_forward = arrays.zeros_like(arrays.as_float(micro))  # of it, what the forward pass sends
     slowest = ring_bw * req.link_efficiency
     trainable = frozen.trainable if frozen is not None else None
-    for _, volume, passes, message, group in combo_collectives(req.recipe, fw, combo, psi // combo.tp, micro,
-                                                               per_rank, wb, arch, buckets, trainable,
-                                                               req.reduce_dtype, nodes=nodes,
-                                                               fp8_gathered=_fp8_gathered(req.float8_all_gather,
-                                                                                          req.low_precision, arch)):
+    for _, volume, passes, message, group, forward_share in combo_collectives(
+            req.recipe, fw, combo, psi // combo.tp, micro, per_rank, wb, arch, buckets, trainable, req.reduce_dtype,
+            nodes=nodes, fp8_gathered=_fp8_gathered(req.float8_all_gather, req.low_precision, arch)):
         t = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, arrays.as_float(volume), message, passes)
         comm += t.seconds
+        if forward_share:
+            in_forward = in_forward + forward_share * t.seconds
         slowest = min(slowest, arrays.smallest(t.bottleneck_gbps))
     exposed_model_parallel = arrays.zeros_like(arrays.as_float(micro))
-    data_parallel = comm + 0.0  # what FSDP/ZeRO/DDP send, hidden behind the framework's window (a copy)
+    data_parallel = comm + 0.0  # what FSDP/ZeRO/DDP send, hidden behind the framework's windows (a copy)
     if model_parallel > 1 and arch is not None:
         for _, volume, passes, message, group in model_parallel_collectives(req.recipe, combo, arch, per_rank,
                                                                             req.seq_len):
@@ -527,9 +528,8 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     tokens = tokens_rank / model_parallel * world
     # every option at once (elementwise: the same floating-point operations as one option alone)
     busy = compute + dequantize
-    window = fw.overlap_window_seconds(s, busy, backward)
-    edge = _unhidden_edge(s, data_parallel, arch)
-    exposed_data_parallel = edge + arrays.maximum(0.0, data_parallel - edge - window)
+    exposed_data_parallel = _exposed_data_parallel(fw, s, in_forward, data_parallel - in_forward,
+                                                   busy - backward - optimizer, backward, arch)
     exposed = exposed_data_parallel + exposed_model_parallel
     # the hidden collectives hold SMs while the compute runs beside them (timing.contention_seconds)
     contention = timing.contention_seconds(data_parallel - exposed_data_parallel, g.sms, topo, ring)
@@ -545,23 +545,29 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
                       "OffloadActivations); unverified")]
     columns = [busy + contention, comm, exposed, offload, step, tokens / step, model_flops / (step * peak_flops),
                hardware_flops / (step * peak_flops)] + [t[1] for t in terms]
-    options = micro.size if arrays.is_array(micro) else 1
     labels = tuple((name, source) for name, _, source in terms)
-    return timing.step_times_of([arrays.as_float(c).tolist() if arrays.is_array(c) else [float(c)] * options
-                                 for c in columns], slowest, ring, labels)
+    return timing.step_times_of(columns, slowest, ring, labels, micro.size if arrays.is_array(micro) else None)
 
 
-def _unhidden_edge(s, data_parallel, arch):
-    """What no compute can hide when parameters are sharded per block (FSDP, ZeRO-3): the first
-    block's all-gather before the forward's first matmul, and the last gradient reduce-scatter
-    after the backward's last one; each micro-batch gathers and reduces again. Of a block's three
-    collectives per micro-batch (forward gather, backward gather, reduce-scatter) those two, one
-    block of the model's: 2 / (3 x blocks) of what the step sends (Zhao et al. 2023, "PyTorch FSDP",
-    Sec. 3.3: the prefetches overlap every gather but the first with the preceding block's compute)."""
+def _exposed_data_parallel(fw: Framework, s, forward_comm, backward_comm, forward_seconds, backward_seconds, arch):
+    """The data-parallel collectives' seconds no compute hides, pass by pass: what the forward
+    sends (FSDP's and ZeRO-3's gathers) can hide only behind the forward, what the backward sends
+    (their gathers again, every gradient reduction: a gradient exists only once its backward ran)
+    only behind the backward (its recomputation included), each within the framework's window
+    for that pass (Framework.overlap_windows); the optimizer step hides neither. With parameters
+    sharded per block, the first block's gather precedes the forward's first matmul and the last
+    block's reduction follows the backward's last one: one block's share of each pass, the
+    backward's reduction half of its block's backward collectives (Zhao et al. 2023, "PyTorch
+    FSDP", Sec. 3.3: the prefetches overlap every gather but the first with the preceding block's
+    compute)."""
+    forward_window, backward_window = fw.overlap_windows(s, arrays.maximum(0.0, forward_seconds), backward_seconds)
     blocks = getattr(arch, "num_layers", None)
-    if not s.shards_parameters or not blocks:
-        return arrays.zeros_like(arrays.as_float(data_parallel))
-    return data_parallel * (2.0 / (3.0 * blocks))
+    if s.shards_parameters and blocks:
+        forward_edge, backward_edge = forward_comm / blocks, backward_comm / (2.0 * blocks)
+    else:
+        forward_edge = backward_edge = 0.0
+    return (forward_edge + arrays.maximum(0.0, forward_comm - forward_edge - forward_window)
+            + backward_edge + arrays.maximum(0.0, backward_comm - backward_edge - backward_window))
 
 
 def _gradient_bytes(req: "StepSettings", combo: Combo) -> int:
@@ -577,8 +583,8 @@ def _gradient_bytes(req: "StepSettings", combo: Combo) -> int:
 
 def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int, arch, g: Gpu,
                     frozen: FrozenBaseShape | None, override_flops: float):
-    """(compute seconds per optimizer step on one GPU, the backward passes' share of them,
-    hardware FLOPs it runs, [(term, seconds, source)]) for each micro-batch option. Every kernel at its measured rate (planner/time/kernels.py);
+    """(compute seconds per optimizer step on one GPU, the backward passes' share of them, the
+    optimizer step's share, hardware FLOPs it runs, [(term, seconds, source)]) for each micro-batch option. Every kernel at its measured rate (planner/time/kernels.py);
     with the compute_efficiency override, ``override_flops`` at that fraction of peak instead; a
     traced model (no layer shapes) at the measured matmul rate."""
     recipe = req.recipe
@@ -587,13 +593,13 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
     accumulation = per_rank / micro_f
     if req.compute_efficiency is not None:
         seconds = override_flops / (g.peak_tflops[dtype] * 1e12 * req.compute_efficiency)
-        return seconds, seconds * timing.BACKWARD_FRACTION, override_flops, [
+        return seconds, seconds * timing.BACKWARD_FRACTION, 0.0, override_flops, [
             ("compute", seconds, f"override: compute_efficiency {req.compute_efficiency:g} of peak {dtype}")]
     r = kernels.rates(g, dtype)
     scaled = "" if req.compute_scale == 1.0 else f" x {req.compute_scale:.3f} (calibration profile)"
     if not isinstance(arch, Architecture):  # traced: FLOPs only, no layer shapes
         seconds = override_flops / r.matmul_flops / req.compute_scale
-        return seconds, seconds * timing.BACKWARD_FRACTION, override_flops, [
+        return seconds, seconds * timing.BACKWARD_FRACTION, 0.0, override_flops, [
             ("matmul", seconds, f"traced FLOPs at {r.matmul_source}{scaled}")]
     w = kernels.work(arch, req.seq_len, combo.tp, combo.cp, combo.sequence_parallel, recipe.compute_bytes,
                      req.attention == "eager" or arch.attention_implementation == "eager", r, req.attention_kernel,
@@ -650,7 +656,8 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
               f"{r.host_seconds_per_kernel * 1e6:g} µs per eager kernel launch"),
              ("optimizer step", optimizer, bandwidth)]
     backward = accumulation * (t.backward + (matmul - t.matmul) * 2 / 3) / scale  # the adapters' backward: 2 of 3
-    return seconds, backward, accumulation * hardware, [(n, v / scale, src + scaled) for n, v, src in terms]
+    return seconds, backward, optimizer / scale, accumulation * hardware, [(n, v / scale, src + scaled)
+                                                                            for n, v, src in terms]
 
 
 def dtensor_shards(req: "StepSettings", combo: Combo) -> int:

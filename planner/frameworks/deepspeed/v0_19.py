@@ -111,14 +111,15 @@ class DeepSpeedZero(Framework):
         grads = t.trained * t.wire_bytes  # frozen parameters: no gradient, no optimizer partition
         reduce_msg = min(t.trained, t.buckets.reduce) * t.wire_bytes
         gather_msg = min(t.trained, t.buckets.allgather) * t.wire_bytes
+        # ZeRO-1/2 gather the updated partitions after the optimizer step: in no pass
         if s.zero_stage == 0:
-            return [("gradient all-reduce", t.step * grads, 2, reduce_msg, "world")]
+            return [("gradient all-reduce", t.step * grads, 2, reduce_msg, "world", 0.0)]
         if s.zero_stage == 1:
-            return [("gradient reduce-scatter", t.step * grads, 1, reduce_msg, "world"),
-                    ("parameter all-gather", t.step * grads, 1, gather_msg, "world")]
+            return [("gradient reduce-scatter", t.step * grads, 1, reduce_msg, "world", 0.0),
+                    ("parameter all-gather", t.step * grads, 1, gather_msg, "world", 0.0)]
         if s.zero_stage == 2:
-            return [("gradient reduce-scatter", t.accumulation * grads, 1, reduce_msg, "world"),
-                    ("parameter all-gather", t.step * grads, 1, gather_msg, "world")]
+            return [("gradient reduce-scatter", t.accumulation * grads, 1, reduce_msg, "world", 0.0),
+                    ("parameter all-gather", t.step * grads, 1, gather_msg, "world", 0.0)]
         # Forward gathers every partitioned parameter, the persistent small ones too (after an
         # optimizer step their updated partitions are gathered again: measured, one pass of the
         # whole model on a model within the reuse distance); backward gathers again what forward
@@ -130,13 +131,16 @@ class DeepSpeedZero(Framework):
         backward = 0 if t.buckets.reuse >= t.psi else t.psi - persistent
         params = (t.psi + backward) * t.wire_bytes
         return [("parameter all-gathers", t.accumulation * params, 1,
-                 min(unit, t.buckets.prefetch * t.wire_bytes), "shard"),
-                ("gradient reduce-scatter", t.accumulation * grads, 1, min(unit, reduce_msg), "shard")]
+                 min(unit, t.buckets.prefetch * t.wire_bytes), "shard", t.psi / (t.psi + backward)),
+                ("gradient reduce-scatter", t.accumulation * grads, 1, min(unit, reduce_msg), "shard", 0.0)]
 
-    def overlap_window_seconds(self, s: "Strategy", compute_seconds: float, backward_seconds: float) -> float:
-        # ZeRO-3 prefetches through the whole step; ZeRO 0-2: overlap_comm defaults to false
-        # (DeepSpeedZeroConfig).
-        return compute_seconds if s.zero_stage == 3 else 0.0
+    def overlap_windows(self, s: "Strategy", forward_seconds: float, backward_seconds: float) -> tuple[float, float]:
+        # ZeRO-3 prefetches in both passes (the forward's gathers behind the forward; the backward's
+        # gathers and the gradient reduce-scatters behind the backward); ZeRO 0-2: overlap_comm
+        # defaults to false (DeepSpeedZeroConfig).
+        if s.zero_stage == 3:
+            return forward_seconds, backward_seconds
+        return 0 * forward_seconds, 0 * backward_seconds
 
     def offload_options(self, s: "Strategy") -> list[tuple[str, str]]:
         if s.zero_stage == 3:

@@ -107,7 +107,7 @@ class TorchDistributed(Framework):
             master = t.recipe.module_bytes
             # DDP buckets only parameters that require grad (reducer.cpp: the reducer's params)
             return [("gradient all-reduce", t.step * t.trained * master, 2,
-                     min(t.trained * master, DDP_BUCKET_CAP_BYTES), "world")]
+                     min(t.trained * master, DDP_BUCKET_CAP_BYTES), "world", 0.0)]
         # the reduce-scatter runs in MixedPrecisionPolicy.reduce_dtype (fp32: _fsdp_collectives.py
         # foreach_reduce casts the unit's gradients before reducing them); a unit's frozen
         # parameters make no gradient to reduce-scatter
@@ -117,11 +117,11 @@ class TorchDistributed(Framework):
         unit = fp8_gather_bytes(t.block, t.fp8_gathered[1], t.wire_bytes)
         items = [("parameter all-gathers" + (" (float8 weights in fp8)" if t.fp8_gathered[0] else ""),
                   t.accumulation * gathers * fp8_gather_bytes(t.psi, t.fp8_gathered[0], t.wire_bytes), 1, unit,
-                  "shard"),
-                 ("gradient reduce-scatter", t.accumulation * grads, 1, t.block * reduce, "shard")]
+                  "shard", 1 / gathers),
+                 ("gradient reduce-scatter", t.accumulation * grads, 1, t.block * reduce, "shard", 0.0)]
         if s.shard_within_node:
             items.append(("replica all-reduce of each shard", t.accumulation * grads / t.shard, 2,
-                          t.block * reduce / t.shard, "replicas"))
+                          t.block * reduce / t.shard, "replicas", 0.0))
         return items
 
     def check_context_parallel(self, s: "Strategy", cp: int) -> None:
@@ -136,11 +136,12 @@ class TorchDistributed(Framework):
     def fsdp_sharding(self, s: "Strategy") -> str | None:
         return sharding(s)
 
-    def overlap_window_seconds(self, s: "Strategy", compute_seconds: float, backward_seconds: float) -> float:
-        # FSDP overlaps its gathers with the whole step (its prefetch runs a block ahead in forward
-        # and backward); DDP its bucketed all-reduce with backward only (a bucket is sent once its
-        # gradients are ready: torch/nn/parallel/distributed.py, Reducer).
-        return compute_seconds if s.shards_parameters else backward_seconds
+    def overlap_windows(self, s: "Strategy", forward_seconds: float, backward_seconds: float) -> tuple[float, float]:
+        # FSDP prefetches a block ahead in both passes: the forward's gathers hide behind the forward,
+        # the backward's gathers and every unit's reduce-scatter (issued by its post-backward hook
+        # once its gradients exist) behind the backward; DDP sends a bucket once its gradients are
+        # ready (torch/nn/parallel/distributed.py, Reducer): behind the backward only.
+        return (forward_seconds if s.shards_parameters else 0 * forward_seconds), backward_seconds
 
     def offload_options(self, s: "Strategy") -> list[tuple[str, str]]:
         if s.shards_parameters and not s.params_unsharded_in_step:
