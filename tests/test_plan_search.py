@@ -380,3 +380,24 @@ def test_measure_gives_the_estimates_numbers_and_refusals(fields):
     shown, replayed = m.candidate(replay=True), estimate(request)
     assert shown.per_device == replayed.per_device and shown.fits == replayed.fits
     assert shown.host == replayed.host and shown.parallel == replayed.parallel
+
+
+@pytest.mark.parametrize("pp,strategy", [(1, "fsdp"), (1, "hsdp"), (2, "fsdp"), (1, "zero3")])
+def test_a_settings_later_requests_are_the_ones_validation_builds(pp, strategy):
+    """estimate_request answers a setting's later micro-batches with its first request, the batch
+    fields replaced: each equals the request built and validated from scratch, fields set
+    included; a batch validation refuses is refused as before."""
+    from pydantic import ValidationError
+
+    from planner.plan.settings import _degree_fields, _estimate_request
+
+    req = PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, nodes=4, global_batch=4096, seq_len=2048)
+    fields = {"model": "llama-3-8b"}
+    combo = Setting(8, strategy, "full", "none", "none", 4 if strategy == "hsdp" else None, 1, 1, False, pp, 1)
+    for micro, accumulation in ((1, None), (2, 2), (1, 2), (4, None), (8, 3), (2, None)):
+        got = estimate_request(req, combo, micro, fields, accumulation)
+        steps = {"gradient_accumulation": accumulation} if pp == 1 and accumulation and accumulation > 1 else {}
+        built = _estimate_request(req, combo, micro, fields, steps, _degree_fields(req, combo, micro, accumulation))
+        assert got == built and got.model_fields_set == built.model_fields_set, (micro, accumulation)
+    with pytest.raises(ValidationError):
+        estimate_request(req, combo, 1 << 14, fields)  # 2^14 x 2,048 tokens: over MAX_TOKENS

@@ -60,9 +60,18 @@ _ITEMS: dict[tuple, MemoryItem] = {}  # item's memo, by its arguments
 
 
 def phase(kind: PhaseKind, name: str, items: list[MemoryItem]) -> Phase:
-    """A phase of this kind shown under ``name``; items of zero bytes are left out."""
+    """A phase of this kind shown under ``name``; items of zero bytes are left out. Filled in as
+    ``item`` fills an item (a plan builds thousands of phases from items already made): validation
+    would check only what the arguments' types already are."""
+    if not isinstance(kind, PhaseKind):
+        raise ValueError(f"kind({kind!r}) is not a PhaseKind")
     kept = [i for i in items if i.bytes > 0]
-    return Phase(name=name, bytes=sum(i.bytes for i in kept), items=kept, kind=kind)
+    p = _new(Phase)
+    _set(p, "__dict__", {"name": name, "bytes": sum(i.bytes for i in kept), "items": kept, "kind": kind})
+    _set(p, "__pydantic_fields_set__", {"name", "bytes", "items", "kind"})
+    _set(p, "__pydantic_extra__", None)
+    _set(p, "__pydantic_private__", None)
+    return p
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -64,6 +64,39 @@ def estimate_request(req: PlanRequest, combo: Setting, micro: int, model_fields:
     # without pp, accumulation > 1: a micro-batch after the first holds the earlier ones' gradients
     # (planner/frameworks/), the same memory for any number of them; a pipeline's is _degree_fields'
     steps = {"gradient_accumulation": accumulation} if combo.pp == 1 and accumulation and accumulation > 1 else {}
+    degrees = _degree_fields(req, combo, micro, accumulation)
+    batch = {"micro_batch": micro} | {k: v for k, v in (steps | degrees).items() if k == "gradient_accumulation"}
+    # the search asks for each setting at several micro-batches: the request of one is the setting's
+    # first with its batch fields replaced, where the batch passes what validation checks of them
+    key = (id(req), id(model_fields), combo, len(batch))
+    hit = _REQUESTS.get(key)
+    if hit is not None and hit[0] is req and hit[1] is model_fields and _batch_valid(hit[2], batch):
+        return hit[2].model_copy(update=batch)
+    made = _estimate_request(req, combo, micro, model_fields, steps, degrees)
+    if len(_REQUESTS) >= 4096:
+        _REQUESTS.clear()
+    _REQUESTS[key] = (req, model_fields, made)
+    return made
+
+
+# estimate_request's first request per (plan request, model fields, setting, batch fields), by identity
+_REQUESTS: dict[tuple, tuple[PlanRequest, dict, EstimateRequest]] = {}
+
+
+def _batch_valid(request: EstimateRequest, batch: dict) -> bool:
+    """Whether EstimateRequest's validation passes ``request`` with its batch fields replaced by
+    ``batch``: their bounds (1 to 2^16) and the model validator's checks that read them (tokens per
+    device, sequences per step); what else it checks does not depend on them."""
+    micro = batch["micro_batch"]
+    accumulation = batch.get("gradient_accumulation", request.gradient_accumulation)
+    if not (1 <= micro <= 1 << 16 and 1 <= accumulation <= 1 << 16) or micro * request.seq_len > MAX_TOKENS:
+        return False
+    replicas = max(1, request.gpus * request.nodes // (request.tp * request.cp * request.pp))
+    return micro * accumulation * replicas <= MAX_GLOBAL_BATCH
+
+
+def _estimate_request(req: PlanRequest, combo: Setting, micro: int, model_fields: dict, steps: dict,
+                      degrees: dict) -> EstimateRequest:
     return (EstimateRequest(
         **model_fields, **steps, strategy=combo.strategy, gpus=combo.gpus, nodes=req.nodes, gpu=req.gpu,
         precision=req.precision, optimizer=req.optimizer, optimizer_in_backward=req.optimizer_in_backward,
@@ -74,8 +107,7 @@ def estimate_request(req: PlanRequest, combo: Setting, micro: int, model_fields:
                                             combo.gpus),
         host_memory_gib=req.host_memory_gib, topology=req.topology, **reduce_field(req, combo.strategy),
         **version_field_of(req, combo.strategy),
-        alloc_conf=req.alloc_conf, nccl_buffsize_bytes=req.nccl_buffsize_bytes,
-        **_degree_fields(req, combo, micro, accumulation)))
+        alloc_conf=req.alloc_conf, nccl_buffsize_bytes=req.nccl_buffsize_bytes, **degrees))
 
 
 def reduce_field(req: PlanRequest, strategy: str) -> dict:
