@@ -350,8 +350,13 @@ class CollectiveTime:
     """Per micro-batch setting when the volume is an array, else one number each."""
 
     seconds: "np.ndarray | float"
-    algorithm: "np.ndarray | str"  # "ring" (inside a node, or NCCL's flat ring across nodes) or "tree"
+    tree: "np.ndarray | bool"  # NCCL's Tree algorithm chosen (across nodes, all-reduce), else the ring
     bottleneck_gbps: "np.ndarray | float"  # the bandwidth the chosen algorithm ran at
+
+    @property
+    def algorithm(self) -> "np.ndarray | str":
+        """"ring" (inside a node, or NCCL's flat ring across nodes) or "tree", per setting."""
+        return arrays.where(self.tree, "tree", "ring")
 
 
 def _ring(volume, ranks: int, bandwidth_gbps: float, pass_latency_us: float, message_bytes: float, phases: int):
@@ -369,11 +374,11 @@ def collective_seconds(volume_bytes, group: Group, wire: Wire, message_bytes: fl
     The same formulas either way (planner/time/arrays.py): a single estimate never imports numpy."""
     v = arrays.as_float(volume_bytes)
     if group.ranks <= 1:
-        out = CollectiveTime(arrays.zeros_like(v), arrays.full_like(v, "ring"), arrays.full_like(v, math.inf))
+        out = CollectiveTime(arrays.zeros_like(v), False, arrays.full_like(v, math.inf))
     elif group.nodes == 1:
         out = CollectiveTime(_ring(v, group.ranks, wire.intra_gbps, (group.ranks - 1) * wire.intra_latency_us,
                                    message_bytes, passes),
-                             arrays.full_like(v, "ring"), arrays.full_like(v, wire.intra_gbps))
+                             False, wire.intra_gbps)
     else:
         nic_share = wire.nic_gbps / group.sharing_nics
         ring_bw = min(wire.intra_gbps, nic_share)
@@ -381,10 +386,11 @@ def collective_seconds(volume_bytes, group: Group, wire: Wire, message_bytes: fl
         crossings = group.nodes
         pass_latency = (group.ranks - 1 - crossings) * wire.intra_latency_us + crossings * wire.nic_latency_us
         ring = _ring(v, group.ranks, ring_bw, pass_latency, message_bytes, passes)
-        tree = tree_all_reduce_seconds(v, group, wire, nic_share, message_bytes) if passes == 2 \
-            else arrays.full_like(v, math.inf)
+        if passes != 2:  # NCCL's Tree runs all-reduce only
+            return CollectiveTime(ring, False, ring_bw)
+        tree = tree_all_reduce_seconds(v, group, wire, nic_share, message_bytes)
         use_tree = tree < ring
-        out = CollectiveTime(arrays.where(use_tree, tree, ring), arrays.where(use_tree, "tree", "ring"),
+        out = CollectiveTime(arrays.where(use_tree, tree, ring), use_tree,
                              arrays.where(use_tree, nic_share, ring_bw))
     return out
 

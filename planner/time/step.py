@@ -449,10 +449,22 @@ def _over_group(combo: Combo, group: str, nodes: int, topo: Topology, req: "Step
                 fabric: dict, volume, message: float, passes: int) -> timing.CollectiveTime:
     """One collective on its process group's links: inside a node at the group's slowest ring,
     across nodes at the NICs (timing.collective_seconds)."""
-    layout, members = process_group(combo, group, nodes)
-    _, intra_bw, intra_lat = timing.ring_over(topo, members)
-    wire = timing.Wire(intra_bw * req.link_efficiency, intra_lat, nic_gbps, fabric["latency_us"])
-    return timing.collective_seconds(volume, layout, wire, message, passes)
+    key = (combo.gpus, combo.tp, combo.cp, combo.shard, group, nodes, id(topo), req.link_efficiency, nic_gbps,
+           fabric["latency_us"])
+    hit = _GROUP_WIRES.get(key)
+    if hit is None or hit[0] is not topo:
+        layout, members = process_group(combo, group, nodes)
+        _, intra_bw, intra_lat = timing.ring_over(topo, members)
+        if len(_GROUP_WIRES) >= 1024:
+            _GROUP_WIRES.clear()
+        hit = _GROUP_WIRES[key] = (topo, layout, timing.Wire(intra_bw * req.link_efficiency, intra_lat, nic_gbps,
+                                                             fabric["latency_us"]))
+    return timing.collective_seconds(volume, hit[1], hit[2], message, passes)
+
+
+# _over_group's process group and links, by what they are read from (the plan times every setting's
+# collectives over the same few groups); the topology is kept beside them, its identity in the key
+_GROUP_WIRES: dict[tuple, tuple[Topology, timing.Group, timing.Wire]] = {}
 
 
 def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int, arch, g: Gpu,
