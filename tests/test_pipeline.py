@@ -406,6 +406,111 @@ def test_every_rank_replayed_in_integers_matches_its_written_phases():
     assert buckets  # a DDP rank's resident bytes counted its gradient buckets
 
 
+def _replayed_worst(mine, ops, base, per_mb, sent, prev_local, grad_bytes_per, fresh_bytes_per):
+    """The schedule replayed action by action, every moment recorded: what _worst_moments must equal."""
+    v = len(mine)
+    live, done = [0] * v, [False] * v
+    worst, records = {}, 0
+    held = grads = acts = count = most = pending = kept = 0
+
+    def record(name, extra, stage):
+        nonlocal records
+        records += 1
+        total = base + grads + acts + held + pending + extra
+        if name not in worst or total > worst[name][0]:
+            worst[name] = (total, (stage, tuple(live), tuple(done), held, acts, pending, extra))
+
+    for k, kind, micro_batch in ops:
+        stage = mine[k]
+        if kind == "F":
+            live[k] += 1
+            acts += per_mb[k]
+            count += 1
+            most = max(most, count)
+            continue
+        if kind == "I" and stage.is_first:
+            continue
+        if kind == "I":
+            record("loss input-gradient backward" if stage.is_last else "stage input-gradient backward",
+                   stage.input_backward_bytes, stage)
+            pending += stage.weight_grad_inputs_bytes
+            acts -= stage.freed_at_input_backward
+            held += sent[k]
+            kept += 0 if prev_local[k] else stage.input_bytes
+            continue
+        if kind == "W" and not stage.is_first:
+            record("weight-gradient backward", fresh_bytes_per * stage.largest_tensor if done[k] else 0, stage)
+            acts -= per_mb[k] - stage.freed_at_input_backward
+            pending -= stage.weight_grad_inputs_bytes
+        else:
+            record("loss backward" if stage.is_last else "stage backward", stage.transient_bytes, stage)
+            acts -= per_mb[k]
+            held += sent[k]
+        live[k] -= 1
+        count -= 1
+        if not done[k]:
+            done[k] = True
+            grads += grad_bytes_per * stage.parameters
+        if stage.is_first and micro_batch > 0:
+            record("embedding backward (first stage)", fresh_bytes_per * stage.largest_tensor, stage)
+    return worst, kept, most, records
+
+
+def test_schedule_moments_equal_the_replay_of_every_action():
+    """_worst_moments evaluates each rank's schedule from its moments replayed once in counts, the
+    repeats of a steady state dropped: at any stage bytes (zeros and ties included, where the
+    earlier moment is a phase's worst) it equals the replay of every action."""
+    import random
+
+    from planner.parallel import pipeline as P
+
+    rng = random.Random(12)
+    cases = records = moments = 0
+    for schedule, spec in P.SCHEDULE_SPECS.items():
+        for pp in (2, 3, 4):
+            for v in ((spec.stages_per_rank,) if spec.stages_per_rank else (1, 2, 3)):
+                for m in (1, 2, 3, 4, 6, 8, 9, 12, 16):
+                    try:
+                        check_schedule(pp, schedule, v, m, pp * v)
+                    except PlannerError:
+                        continue
+                    for rank in range(pp):
+                        for _ in range(3):
+                            small = rng.random() < 0.5  # few distinct bytes: many ties
+
+                            def nbytes():
+                                return rng.choice((0, 1, 2, 3)) if small else rng.choice((0, rng.randrange(1, 10**9)))
+
+                            indices = P.rank_stages(schedule, pp, v, rank)
+                            mine = tuple(P.Stage(i, 0, 1, i == 0, i == pp * v - 1, nbytes(), nbytes(), nbytes(),
+                                                 nbytes(), nbytes(), nbytes(), nbytes(), nbytes(), nbytes())
+                                         for i in indices)
+                            per_mb = [nbytes() for _ in mine]
+                            sent = [nbytes() for _ in mine]
+                            prev_local = [i - 1 in indices for i in indices]
+                            args = (nbytes(), per_mb, sent, prev_local, rng.choice((2, 4)), rng.choice((2, 4)))
+                            got = P._worst_moments(mine, schedule, pp, v, m, rank, *args)
+                            *expected, n = _replayed_worst(mine, P._rank_ops(schedule, pp, v, m, rank), *args)
+                            assert (list(got[0].items()), *got[1:]) == (list(expected[0].items()), *expected[1:]), \
+                                (schedule, pp, v, m, rank, args)
+                            cases += 1
+                            records += n
+                            moments += len(P._schedule_moments(schedule, pp, v, m, rank,
+                                                               tuple(s.is_first for s in mine),
+                                                               tuple(s.is_last for s in mine),
+                                                               tuple(b == 0 for b in sent))[1])
+    assert cases > 1000
+    assert moments < records
+    # a schedule with a steady state keeps as many moments at 64 micro-batches as at 16: its repeats were
+    # dropped, not replayed (GPipe and the breadth-first schedule have none: all forwards, then all backwards)
+    for schedule, v in (("1f1b", 1), ("interleaved", 2), ("interleaved-zb", 2), ("zbv", 2), ("dualpipev", 2)):
+        for rank in range(4):
+            indices = P.rank_stages(schedule, 4, v, rank)
+            flags = (tuple(i == 0 for i in indices), tuple(i == 4 * v - 1 for i in indices), (False,) * v)
+            assert len(P._schedule_moments(schedule, 4, v, 64, rank, *flags)[1]) == \
+                len(P._schedule_moments(schedule, 4, v, 16, rank, *flags)[1]) < 64
+
+
 def test_zero_bubble_keeps_input_gradients_on_the_receive_buffers():
     # torch 2.13 pipelining/_backward.py stage_backward_input sets inp.grad = dinput on the receive
     # buffer; stage.py clear_runtime_states drops it at the next step: between steps a zero-bubble rank

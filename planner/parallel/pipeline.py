@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from operator import mul
 from typing import TYPE_CHECKING, Literal
 
 from planner.model.activations import FP32, Activations
@@ -828,6 +829,143 @@ class _StageCosts:
         return self._temporaries[key]
 
 
+@dataclass(frozen=True)
+class _Moment:
+    """A moment of a rank's schedule at which a phase can peak, as counts of its local stages' byte
+    terms (the replay is linear in them): micro-batch chunks in flight (``live``), chunks whose
+    activations are held (``acts``: each a stage's per-micro-batch bytes) less those whose
+    input-gradient backward freed the loss's part (``freed``), sends held (``held``), input-gradient
+    backwards waiting for their weight-gradient backward (``pending``), stages with gradients
+    (``done``), and the transient on top (``extra``: input-gradient backward's, a backward's, a
+    fresh gradient of the largest tensor, or none) on local stage ``stage``."""
+
+    name: str
+    stage: int
+    live: tuple[int, ...]
+    done: tuple[bool, ...]
+    acts: tuple[int, ...]
+    freed: tuple[int, ...]
+    held: tuple[int, ...]
+    pending: tuple[int, ...]
+    extra: str
+
+
+@lru_cache(maxsize=4096)
+def _schedule_moments(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int,
+                      firsts: tuple[bool, ...], lasts: tuple[bool, ...], silent: tuple[bool, ...]
+                      ) -> tuple[tuple[str, ...], tuple[_Moment, ...], tuple[int, ...], int]:
+    """The rank's schedule replayed once in counts, for every setting of the same pipeline: (phase
+    names in the order first met, the moments that can be a phase's worst in order, the input-
+    gradient backwards per local stage, the most chunks in flight). ``silent``: local stages whose
+    sends are 0 bytes.
+
+    Only moments that can be a phase's first highest are kept. Moments of the same phase whose
+    counts differ only in the held sends (a steady state repeating: every 1F1B cycle after the
+    warm-up, every cycle of the interleaved runtime, which holds one send more each time) differ
+    in bytes only by the sends held; those only grow (a send is held until the step's end, and its
+    bytes are not negative), so the first of them holding as many bytes as the last is their
+    highest: the last one's held counts on every stage whose sends are not 0 bytes."""
+    v = virtual_stages
+    live, acts, freed, held, pending, inputs = ([0] * v for _ in range(6))
+    done = [False] * v
+    groups: dict[tuple, list[tuple[int, tuple[int, ...]]]] = {}
+    names: dict[str, None] = {}
+    count = most = position = 0
+
+    def moment(name: str, extra: str, k: int) -> None:
+        nonlocal position
+        names.setdefault(name)
+        key = (name, k, tuple(live), tuple(done), tuple(acts), tuple(freed), tuple(pending), extra)
+        groups.setdefault(key, []).append((position, tuple(held)))
+        position += 1
+
+    for k, kind, micro_batch in _rank_ops(schedule, pp, v, micro_batches, rank):
+        if kind == "F":
+            live[k] += 1
+            acts[k] += 1
+            count += 1
+            most = max(most, count)
+            continue
+        if kind == "I" and firsts[k]:
+            continue  # stage.py backward_one_chunk: the first stage's W runs its whole backward
+        if kind == "I":
+            # stage_backward_input: the graph is retained (retain_graph=True) while the gradients
+            # into the weights' nodes are collected; the input's gradient stays on the receive
+            # buffer's .grad until the next step's clear_runtime_states
+            moment("loss input-gradient backward" if lasts[k] else "stage input-gradient backward", "input", k)
+            pending[k] += 1
+            freed[k] += 1
+            held[k] += 1
+            inputs[k] += 1
+            continue
+        if kind == "W" and not firsts[k]:
+            # stage_backward_weight: one parameter group's gradient at a time, added into .grad
+            moment("weight-gradient backward", "fresh" if done[k] else "", k)
+            acts[k] -= 1
+            freed[k] -= 1
+            pending[k] -= 1
+        else:
+            moment("loss backward" if lasts[k] else "stage backward", "transient", k)
+            acts[k] -= 1
+            held[k] += 1
+        live[k] -= 1
+        count -= 1
+        done[k] = True
+        if firsts[k] and micro_batch > 0:
+            # embedding_dense_backward's fresh V x h gradient, added into the accumulated one
+            moment("embedding backward (first stage)", "fresh", k)
+    order = {name: i for i, name in enumerate(names)}
+    kept = []
+    for (name, k, in_flight, has, chunks, loss_freed, waiting, extra), points in groups.items():
+        last = points[-1][1]
+        position, sends = next((p, h) for p, h in points
+                               if all(n == top or quiet for n, top, quiet in zip(h, last, silent)))
+        # the moment's bytes as one dot product over _worst_moments' values: each local stage's
+        # per-micro-batch activations, loss part freed, send, pending gradients, gradients, then the transients
+        one_hot = [[int(extra == kind and j == k) for j in range(v)] for kind in _EXTRAS]
+        counts = (chunks, tuple(-n for n in loss_freed), sends, waiting, tuple(int(h) for h in has), *one_hot)
+        kept.append((position, order[name], tuple(n for row in counts for n in row),
+                     _Moment(name, k, in_flight, has, chunks, loss_freed, sends, waiting, extra)))
+    kept.sort(key=lambda p: p[0])
+    return tuple(names), tuple(m[1:] for m in kept), tuple(inputs), most
+
+
+_EXTRAS = ("input", "transient", "fresh")  # _Moment.extra's transients ("" is none)
+
+
+def _dot(counts: tuple[int, ...], values: list[int]) -> int:
+    return sum(map(mul, counts, values))
+
+
+def _worst_moments(mine: tuple[Stage, ...], schedule: str, pp: int, virtual_stages: int, micro_batches: int,
+                   rank: int, base: int, per_mb: list[int], sent: list[int], prev_local: list[bool],
+                   grad_bytes_per: int, fresh_bytes_per: int) -> tuple[dict, int, int]:
+    """(each phase's worst moment: name -> (bytes, (stage, chunks in flight per local stage, whether
+    each has gradients, held, activation, pending and transient bytes)), in the order first met; the
+    input gradients left on the receive buffers; the most chunks in flight) of the rank's schedule
+    (_schedule_moments) at these stages' bytes. Ties go to the earlier moment."""
+    names, moments, inputs, most = _schedule_moments(
+        schedule, pp, virtual_stages, micro_batches, rank, tuple(st.is_first for st in mine),
+        tuple(st.is_last for st in mine), tuple(b == 0 for b in sent))
+    freed = [st.freed_at_input_backward for st in mine]
+    pending = [st.weight_grad_inputs_bytes for st in mine]
+    fresh = [fresh_bytes_per * st.largest_tensor for st in mine]
+    values = (per_mb + freed + sent + pending + [grad_bytes_per * st.parameters for st in mine]
+              + [st.input_backward_bytes for st in mine] + [st.transient_bytes for st in mine] + fresh)
+    best: list = [None] * len(names)
+    for i, counts, mo in moments:
+        total = sum(map(mul, counts, values))
+        if best[i] is None or total > best[i][0]:
+            best[i] = (total, mo)
+    worst = {}
+    for name, (total, mo) in zip(names, best):
+        extra = 0 if not mo.extra else values[(5 + _EXTRAS.index(mo.extra)) * len(mine) + mo.stage]
+        worst[name] = (base + total, (mine[mo.stage], mo.live, mo.done, _dot(mo.held, sent),
+                                      _dot(mo.acts, per_mb) - _dot(mo.freed, freed), _dot(mo.pending, pending), extra))
+    kept = sum(n * (0 if p else st.input_bytes) for n, p, st in zip(inputs, prev_local, mine))
+    return worst, kept, most
+
+
 def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virtual_stages: int,
                schedule: str, dp: DataParallel, costs: _StageCosts | None = None) -> _RankStep:
     r, req = setup.recipe, setup.request
@@ -871,55 +1009,8 @@ def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virt
                 for st, p, n in zip(mine, prev_local, next_local)]
     else:  # GPipe holds its backward sends; Schedule1F1B waits for each with the next receive
         sent = [0 if schedule == "1f1b" else st.input_bytes for st in mine]
-    live = [0] * virtual_stages  # micro-batches in flight per local stage
-    done = [False] * virtual_stages  # local stages with gradients
-    worst: dict[str, tuple[int, tuple]] = {}
-    held = grads = acts = count = most = pending = kept = 0
-
-    def record(name: str, extra: int, stage: Stage) -> None:
-        total = base + grads + acts + held + pending + extra
-        if name not in worst or total > worst[name][0]:
-            worst[name] = (total, (stage, tuple(live), tuple(done), held, acts, pending, extra))
-
-    for k, kind, micro_batch in _rank_ops(schedule, pp, virtual_stages, m, rank):
-        stage = mine[k]
-        if kind == "F":
-            live[k] += 1
-            acts += per_mb[k]
-            count += 1
-            if count > most:
-                most = count
-            continue
-        if kind == "I" and stage.is_first:
-            continue  # stage.py backward_one_chunk: the first stage's W runs its whole backward
-        if kind == "I":
-            # stage_backward_input: the graph is retained (retain_graph=True) while the gradients
-            # into the weights' nodes are collected; the input's gradient stays on the receive
-            # buffer's .grad until the next step's clear_runtime_states
-            record("loss input-gradient backward" if stage.is_last else "stage input-gradient backward",
-                   stage.input_backward_bytes, stage)
-            pending += stage.weight_grad_inputs_bytes
-            acts -= stage.freed_at_input_backward
-            held += sent[k]
-            kept += 0 if prev_local[k] else stage.input_bytes
-            continue
-        if kind == "W" and not stage.is_first:
-            # stage_backward_weight: one parameter group's gradient at a time, added into .grad
-            record("weight-gradient backward", fresh_bytes_per * stage.largest_tensor if done[k] else 0, stage)
-            acts -= per_mb[k] - stage.freed_at_input_backward
-            pending -= stage.weight_grad_inputs_bytes
-        else:
-            record("loss backward" if stage.is_last else "stage backward", stage.transient_bytes, stage)
-            acts -= per_mb[k]
-            held += sent[k]
-        live[k] -= 1
-        count -= 1
-        if not done[k]:
-            done[k] = True
-            grads += grad_bytes_per * stage.parameters
-        if stage.is_first and micro_batch > 0:
-            # embedding_dense_backward's fresh V x h gradient, added into the accumulated one
-            record("embedding backward (first stage)", fresh_bytes_per * stage.largest_tensor, stage)
+    worst, kept, most = _worst_moments(mine, schedule, pp, virtual_stages, m, rank, base, per_mb, sent, prev_local,
+                                       grad_bytes_per, fresh_bytes_per)
     # After the schedule: the reduction of the gradients over dp, and the optimizer step.
     after = []
     if dp.shards_parameters:
