@@ -33,7 +33,7 @@ from planner.model.architecture import Architecture, block_numels, block_paramet
 from planner.model.attention.kinds import kind_of
 from planner.memory.buffers import item, phase
 from planner.memory.optimizer import step_temporaries
-from planner.model.shapes import vectors
+from planner.model.shapes import TensorShape, vectors
 from planner.recipes.optimizers import OPTIMIZERS
 from planner.errors import PlannerError
 from planner.model.layers import routed_inactive_numels
@@ -601,24 +601,13 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1, acts: Acti
     stream = _stream_bytes(setup, dp)
     autocast = _autocast(setup, dp)
     h, vocab = a.hidden_size, a.vocab_size
-    specs = layer_specs(a)
-    sums, largest = block_parameters(a), _block_largest(a)
-    boundary = stream * tokens * h // sp
+    boundary = _boundary_bytes(setup, dp)
     split = SCHEDULE_SPECS[req.pp_schedule].splits_backward
-    distinct = {id(spec): spec for spec in specs} if split else {}  # a few kinds of block, many blocks
-    widths = {key: _weight_node_widths(spec, h, setup.tp, sp, b, stream) for key, spec in distinct.items()}
+    widths = _block_weight_node_widths(a, setup.tp, sp, b, stream) if split else []
     head = vocab * h  # the last stage's own copy when the embedding is tied (torchtitan unties)
     out = []
-    for index in range(count):
-        first, last = bounds[index]
+    for index, ((first, last), (parameters, largest)) in enumerate(zip(bounds, _stage_parameters(a, bounds))):
         is_first, is_last = index == 0, index == count - 1
-        tensors = [sum(sums[first:last])] if first < last else []  # the blocks' sum, then the edges' tensors
-        biggest = max(largest[first:last], default=0)
-        if is_first:
-            tensors += [vocab * h] + ([a.learned_positions * h] if a.learned_positions else [])
-        if is_last:
-            tensors += norm_numels(a.norm, h) + [head]
-        edge = max(tensors[1:] if first < last else tensors, default=0)
         kept = acts.block_kept(first, last) + edges.rope_saved
         if autocast:
             extras, linears = _block_autocast(a)
@@ -650,7 +639,7 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1, acts: Acti
             transient = max(transient, max(acts.blocks[first:last]) + acts.layer_transient_bytes)
         held_for_weights, freed = 0, 0
         if split and not is_first:  # the first stage's I is skipped: its W runs the whole backward (stage.py)
-            held_for_weights = tokens * sum(widths[id(specs[i])] for i in range(first, last))
+            held_for_weights = tokens * sum(widths[first:last])
             if is_last:
                 # the final norm's weighted output and the LM head's output (the logits' gradient)
                 held_for_weights += tokens * h * stream // sp + b * tokens * vocab // setup.tp
@@ -662,10 +651,52 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1, acts: Acti
         block_transient = max(acts.layer_transient_bytes, 4 * stream * tokens * h // sp)
         if acts.checkpointed:
             block_transient += max(acts.blocks[first:last], default=0)
-        out.append(Stage(index, first, last, is_first, is_last, sum(tensors), max(biggest, edge), kept,
+        out.append(Stage(index, first, last, is_first, is_last, parameters, largest, kept,
                          0 if is_last else boundary, 0 if is_first else boundary, transient, held_for_weights,
                          freed, max(transient, held_for_weights + block_transient + boundary)))
     return out
+
+
+def _boundary_bytes(setup: "Setup", dp: int) -> int:
+    """What a stage sends forward per micro-batch and the next receives: its output on the residual
+    stream, the rank's seq_len / cp tokens, sharded over the tp ranks with sequence parallelism."""
+    sp = setup.tp if setup.sequence_parallel else 1
+    tokens = setup.request.micro_batch * (setup.request.seq_len // setup.cp)
+    return _stream_bytes(setup, dp) * tokens * setup.arch.hidden_size // sp
+
+
+def _stage_parameters(a: Architecture, bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(parameters, largest tensor) of each stage of a split, once per architecture and split: its
+    blocks, the embedding (and learned positions) on the first, the final norm and the LM head on
+    the last (the last stage's own copy when the embedding is tied: torchtitan unties)."""
+    memo = derived(a).setdefault("_pp_stage_parameters", {})
+    key = tuple(bounds)
+    if key not in memo:
+        h, vocab = a.hidden_size, a.vocab_size
+        sums, largest = block_parameters(a), _block_largest(a)
+        out = []
+        for index, (first, last) in enumerate(bounds):
+            tensors = [sum(sums[first:last])] if first < last else []  # the blocks' sum, then the edges' tensors
+            biggest = max(largest[first:last], default=0)
+            if index == 0:
+                tensors += [vocab * h] + ([a.learned_positions * h] if a.learned_positions else [])
+            if index == len(bounds) - 1:
+                tensors += norm_numels(a.norm, h) + [vocab * h]
+            edge = max(tensors[1:] if first < last else tensors, default=0)
+            out.append((sum(tensors), max(biggest, edge)))
+        memo[key] = out
+    return memo[key]
+
+
+def _block_weight_node_widths(a: Architecture, tp: int, sp: int, b: int, stream: int) -> list[int]:
+    """_weight_node_widths of each block, once per architecture and arguments (a few kinds of
+    block, many blocks)."""
+    memo = derived(a).setdefault("_pp_weight_node_widths", {})
+    key = (tp, sp, b, stream)
+    if key not in memo:
+        widths = {id(spec): _weight_node_widths(spec, a.hidden_size, tp, sp, b, stream) for spec in layer_specs(a)}
+        memo[key] = [widths[id(spec)] for spec in layer_specs(a)]
+    return memo[key]
 
 
 def _weight_node_widths(spec, h: int, tp: int, sp: int, b: int, stream: int) -> int:
@@ -736,17 +767,23 @@ def _resident_terms(setup: "Setup", mine: list[Stage] | tuple[Stage, ...], dp: D
     """_resident's bytes without its items: (weights, optimizer states, activation receive buffers,
     gradient receive buffers, DDP's gradient buckets or None). The search sums them for every rank
     of every pipeline; the items are written for the rank it shows (rank_phases)."""
+    params = sum(s.parameters for s in mine)
+    return _resident_sums(setup, params, sum(s.input_bytes for s in mine), sum(s.output_bytes for s in mine), dp,
+                          bits or _bits(setup, params))
+
+
+def _resident_sums(setup: "Setup", params: int, received: int, sent: int, dp: DataParallel,
+                   bits: tuple[int, int, int]) -> tuple[int, int, int, int, int | None]:
+    """_resident_terms of a rank's stages by their sums: ``params`` elements, ``received`` and
+    ``sent`` bytes per micro-batch (its stages' inputs and outputs)."""
     from planner.recipes.precision import bits_to_bytes
 
     m = setup.request.gradient_accumulation
-    params = sum(s.parameters for s in mine)
-    weight_bits, grad_bits, states_bits = bits or _bits(setup, params)
+    weight_bits, grad_bits, states_bits = bits
     weights = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_parameters else params, weight_bits)
     optim = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_optimizer else params, states_bits)
-    recv = m * sum(s.input_bytes for s in mine)
-    grad_recv = m * sum(s.output_bytes for s in mine)
     buckets = grad_bits // 8 * params if setup.framework.gradient_bucket_copy(setup.strategy) and dp.dp > 1 else None
-    return weights, optim, recv, grad_recv, buckets
+    return weights, optim, m * received, m * sent, buckets
 
 
 def _resident_bytes(setup: "Setup", mine: list[Stage] | tuple[Stage, ...], dp: DataParallel,
@@ -796,6 +833,7 @@ class _RankStep:
     after: tuple[tuple[PhaseKind, str, int], ...]  # the phases after the schedule: (kind, name, bytes)
     in_flight: int  # the most micro-batch chunks in flight at once
     kept_input_grads: int = 0  # zero bubble: input gradients left on the receive buffers' .grad
+    step_temporaries: int = 0  # the optimizer step's (_step_temporaries)
 
 
     def phase_bytes(self) -> list[tuple[str, int]]:
@@ -944,26 +982,40 @@ def _worst_moments(mine: tuple[Stage, ...], schedule: str, pp: int, virtual_stag
     each has gradients, held, activation, pending and transient bytes)), in the order first met; the
     input gradients left on the receive buffers; the most chunks in flight) of the rank's schedule
     (_schedule_moments) at these stages' bytes. Ties go to the earlier moment."""
-    names, moments, inputs, most = _schedule_moments(
-        schedule, pp, virtual_stages, micro_batches, rank, tuple(st.is_first for st in mine),
-        tuple(st.is_last for st in mine), tuple(b == 0 for b in sent))
-    freed = [st.freed_at_input_backward for st in mine]
-    pending = [st.weight_grad_inputs_bytes for st in mine]
-    fresh = [fresh_bytes_per * st.largest_tensor for st in mine]
-    values = (per_mb + freed + sent + pending + [grad_bytes_per * st.parameters for st in mine]
-              + [st.input_backward_bytes for st in mine] + [st.transient_bytes for st in mine] + fresh)
+    values = (*per_mb, *(st.freed_at_input_backward for st in mine), *sent,
+              *(st.weight_grad_inputs_bytes for st in mine), *(grad_bytes_per * st.parameters for st in mine),
+              *(st.input_backward_bytes for st in mine), *(st.transient_bytes for st in mine),
+              *(fresh_bytes_per * st.largest_tensor for st in mine))
+    names, best, inputs, most = _worst_at(schedule, pp, virtual_stages, micro_batches, rank,
+                                          tuple(st.is_first for st in mine), tuple(st.is_last for st in mine), values)
+    worst = {name: (base + total, (mine[k], *moment)) for name, (total, k, *moment) in zip(names, best)}
+    kept = sum(n * (0 if p else st.input_bytes) for n, p, st in zip(inputs, prev_local, mine))
+    return worst, kept, most
+
+
+@lru_cache(maxsize=4096)
+def _worst_at(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int, firsts: tuple[bool, ...],
+              lasts: tuple[bool, ...], values: tuple[int, ...]) -> tuple[tuple[str, ...], tuple, tuple[int, ...], int]:
+    """_worst_moments above the resident bytes, at ``values`` (each local stage's per-micro-batch
+    activations, loss part freed, send, pending gradients, gradients and transients: _schedule_moments'
+    dot product): the plan's settings of one layout that differ in their strategy only (DDP, FSDP2,
+    HSDP's shard groups) have the same stages, so the same worst moments above their resident bytes."""
+    v = virtual_stages
+    sent = values[2 * v:3 * v]
+    names, moments, inputs, most = _schedule_moments(schedule, pp, v, micro_batches, rank, firsts, lasts,
+                                                     tuple(b == 0 for b in sent))
     best: list = [None] * len(names)
     for i, counts, mo in moments:
         total = sum(map(mul, counts, values))
         if best[i] is None or total > best[i][0]:
             best[i] = (total, mo)
-    worst = {}
-    for name, (total, mo) in zip(names, best):
-        extra = 0 if not mo.extra else values[(5 + _EXTRAS.index(mo.extra)) * len(mine) + mo.stage]
-        worst[name] = (base + total, (mine[mo.stage], mo.live, mo.done, _dot(mo.held, sent),
-                                      _dot(mo.acts, per_mb) - _dot(mo.freed, freed), _dot(mo.pending, pending), extra))
-    kept = sum(n * (0 if p else st.input_bytes) for n, p, st in zip(inputs, prev_local, mine))
-    return worst, kept, most
+    per_mb, freed, pending = values[:v], values[v:2 * v], values[3 * v:4 * v]
+    out = []
+    for total, mo in best:
+        extra = 0 if not mo.extra else values[(5 + _EXTRAS.index(mo.extra)) * v + mo.stage]
+        out.append((total, mo.stage, mo.live, mo.done, _dot(mo.held, sent),
+                    _dot(mo.acts, per_mb) - _dot(mo.freed, freed), _dot(mo.pending, pending), extra))
+    return names, tuple(out), inputs, most
 
 
 def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virtual_stages: int,
@@ -1017,20 +1069,25 @@ def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virt
         after.append((PhaseKind.GRADIENT_ALLREDUCE, "gradient reduce-scatter over dp",
                       base + kept + reduce * params + reduce * _largest_unit(setup, mine)
                       + grad_bits // 8 * _ceil(params, dp.shard)))
+    temporaries = costs.step_temporaries(largest, params, dp, bits[0])
     after.append((PhaseKind.OPTIMIZER_STEP, "optimizer step",
                   resident_bytes + kept + grad_bits // 8 * (_ceil(params, dp.shard) if dp.shards_gradients else params)
-                  + costs.step_temporaries(largest, params, dp, bits[0])))
+                  + temporaries))
     return _RankStep(mine, params, resident_bytes, bits, compute, reduce, grad_bytes_per, fresh_bytes_per, gathered, worst,
-                     tuple(after), most, kept)
+                     tuple(after), most, kept, temporaries)
 
 
 def _largest_unit(setup: "Setup", mine: tuple[Stage, ...]) -> int:
     """Elements of the stage's largest FSDP unit: a block, or what the stage holds beside its
     blocks (the embedding, the final norm and the head)."""
-    blocks = block_parameters(setup.arch)
-    units = [n for s in mine for n in blocks[s.first_block:s.last_block]]
-    units += [s.parameters - sum(blocks[s.first_block:s.last_block]) for s in mine]
-    return max(units)
+    memo = derived(setup.arch).setdefault("_pp_largest_unit", {})  # asked per rank of every FSDP2 setting
+    key = tuple((s.first_block, s.last_block, s.parameters) for s in mine)
+    if key not in memo:
+        blocks = block_parameters(setup.arch)
+        units = [n for s in mine for n in blocks[s.first_block:s.last_block]]
+        units += [s.parameters - sum(blocks[s.first_block:s.last_block]) for s in mine]
+        memo[key] = max(units)
+    return memo[key]
 
 
 def _step_temporaries(setup: "Setup", largest: int, params: int, dp: DataParallel,
@@ -1039,8 +1096,16 @@ def _step_temporaries(setup: "Setup", largest: int, params: int, dp: DataParalle
     and the rest of the stage's (a foreach step's), as the strategies without a pipeline count them."""
     biggest = _ceil(largest, dp.shard) if dp.shards_optimizer else largest
     stepped = _ceil(params, dp.shard) if dp.shards_optimizer else params
-    return step_temporaries(setup, vectors([biggest] + ([stepped - biggest] if stepped > biggest else [])),
+    return step_temporaries(setup, _step_vectors(biggest, stepped),
                             weight_bits if weight_bits is not None else _bits(setup, params)[0])
+
+
+@lru_cache(maxsize=1024)
+def _step_vectors(biggest: int, stepped: int) -> tuple[TensorShape, ...]:
+    """The largest tensor and the rest of the stage, as vectors: one tuple per pair, since
+    step_temporaries remembers its answer by the tuple's identity (planner/memory/optimizer.py
+    _seen), so the plan's settings of one stage and optimizer ask it once."""
+    return tuple(vectors([biggest] + ([stepped - biggest] if stepped > biggest else [])))
 
 
 def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virtual_stages: int,
@@ -1050,7 +1115,7 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
     st = step or _rank_step(setup, all_stages, rank, pp, virtual_stages, schedule, dp)
     mine, params = st.mine, st.params
     resident = _resident(setup, list(mine), dp, st.bits)
-    grad_bits = _bits(setup, params)[1]
+    grad_bits = st.bits[1]
     gathered = (_item("unsharded parameters of the stage (FSDP2, kept for every micro-batch)", st.gathered_bytes,
                       "buffers", "pipelining/stage.py backward_maybe_with_nosync")
                 if dp.shards_parameters else _item("", 0, "buffers"))
@@ -1105,8 +1170,7 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
                                    _item("sharded gradients (reduce-scatter output)",
                                          grad_bits // 8 * _ceil(params, dp.shard), "gradients")]
         phases.append(_phase(PhaseKind.GRADIENT_ALLREDUCE, "gradient reduce-scatter over dp", reduce_items))
-    step_items.append(_item("optimizer step temporaries",
-                            _step_temporaries(setup, max(s.largest_tensor for s in mine), params, dp), "buffers",
+    step_items.append(_item("optimizer step temporaries", st.step_temporaries, "buffers",
                             f"{OPTIMIZERS[setup.request.optimizer].source}, over the largest tensor"))
     phases.append(_phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step_items))
     return resident, phases
@@ -1149,11 +1213,25 @@ def resident_bytes(setup: "Setup") -> int:
     d, req = setup.dims, setup.request
     check_framework(setup, req.pp_schedule)
     dp, shard = _data_parallel_group(setup)
-    all_stages = _checked_stages(setup, d.pp, req.pp_virtual_stages, req.pp_schedule, dp)
-    parallel = data_parallel(setup, dp, shard)
     v = req.pp_virtual_stages
-    return max(_resident_bytes(setup, [all_stages[i] for i in rank_stages(req.pp_schedule, d.pp, v, rank)], parallel)
-               for rank in range(d.pp))
+    count = d.pp * v
+    _check_stages(setup, d.pp, v, req.pp_schedule)
+    activations(setup)  # what the stages' activations refuse (a fused loss's kernel), the estimate refuses
+    # a stage's states and receive buffers (stages() without its activations): its parameters, and
+    # one boundary per micro-batch received (all but the first stage) and sent (all but the last)
+    parameters = [n for n, _ in _stage_parameters(setup.arch, stage_bounds(
+        setup.arch.num_layers, count, req.pp_first_stage_layers, req.pp_last_stage_layers))]
+    boundary = _boundary_bytes(setup, dp)
+    parallel = data_parallel(setup, dp, shard)
+    costs = _StageCosts(setup)  # the middle ranks' stages alike: their bits computed once
+    out = []
+    for rank in range(d.pp):
+        mine = rank_stages(req.pp_schedule, d.pp, v, rank)
+        params = sum(parameters[i] for i in mine)
+        out.append(sum(b for b in _resident_sums(setup, params, boundary * sum(i > 0 for i in mine),
+                                                 boundary * sum(i < count - 1 for i in mine), parallel,
+                                                 costs.bits(params)) if b is not None))
+    return max(out)
 
 
 def _data_parallel_group(setup: "Setup") -> tuple[int, int]:
@@ -1166,6 +1244,13 @@ def _data_parallel_group(setup: "Setup") -> tuple[int, int]:
 
 def _checked_stages(setup: "Setup", pp: int, virtual_stages: int, schedule: str, dp: int,
                     acts: Activations | None = None) -> list[Stage]:
+    _check_stages(setup, pp, virtual_stages, schedule)
+    return stages(setup, pp, virtual_stages, dp, acts)
+
+
+def _check_stages(setup: "Setup", pp: int, virtual_stages: int, schedule: str) -> None:
+    """Refuse a pipeline whose stages the model does not split: no architecture, a traced model,
+    what the schedule or the split refuses."""
     a = setup.arch
     if a is None:
         raise PlannerError(f"pp={pp} needs an architecture (its layers are split into stages): give a model, "
@@ -1177,7 +1262,6 @@ def _checked_stages(setup: "Setup", pp: int, virtual_stages: int, schedule: str,
     check_split_backward(a, schedule)
     check_split(a.num_layers, pp, virtual_stages, setup.request.pp_first_stage_layers,
                 setup.request.pp_last_stage_layers)
-    return stages(setup, pp, virtual_stages, dp, acts)
 
 
 def check_split_backward(a: Architecture, schedule: str) -> None:
@@ -1186,12 +1270,16 @@ def check_split_backward(a: Architecture, schedule: str) -> None:
     low-rank projections' nodes are not counted, so those models are refused."""
     if not SCHEDULE_SPECS[schedule].splits_backward:
         return
-    for spec in layer_specs(a):
-        if spec.mlp.is_moe or spec.attention.q_lora_rank or spec.attention.kv_lora_rank:
-            raise PlannerError(f"pp_schedule {schedule} splits the backward into input and weight gradients; the "
-                               f"split's held gradients are modelled for dense blocks with plain attention, not "
-                               f"{a.model_type}'s {'experts' if spec.mlp.is_moe else 'MLA'}: use 1f1b, interleaved, "
-                               "looped-bfs or gpipe", field="pp_schedule")
+    memo = derived(a)
+    if "_pp_split_refused" not in memo:  # the plan asks for every setting of a split schedule
+        memo["_pp_split_refused"] = next((spec for spec in layer_specs(a) if spec.mlp.is_moe
+                                          or spec.attention.q_lora_rank or spec.attention.kv_lora_rank), None)
+    spec = memo["_pp_split_refused"]
+    if spec is not None:
+        raise PlannerError(f"pp_schedule {schedule} splits the backward into input and weight gradients; the "
+                           f"split's held gradients are modelled for dense blocks with plain attention, not "
+                           f"{a.model_type}'s {'experts' if spec.mlp.is_moe else 'MLA'}: use 1f1b, interleaved, "
+                           "looped-bfs or gpipe", field="pp_schedule")
 
 
 def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str, dp: int,
