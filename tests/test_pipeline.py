@@ -395,6 +395,7 @@ def test_every_rank_replayed_in_integers_matches_its_written_phases():
                     step = P._rank_step(setup, all_stages, rank, 4, v, schedule, parallel)
                     resident, phases = P.rank_phases(setup, all_stages, rank, 4, v, schedule, parallel)
                     assert [(p.name, p.bytes) for p in phases] == step.phase_bytes()
+                    assert step.peak() == max(step.phase_bytes(), key=lambda p: p[1])
                     # the integer resident bytes are the written items' (DDP's: with its gradient buckets)
                     written = [i for i in resident if i.component in ("parameters", "optimizer_states")
                                or "receive buffers" in i.name or "gradient buckets" in i.name]
@@ -509,6 +510,32 @@ def test_schedule_moments_equal_the_replay_of_every_action():
             flags = (tuple(i == 0 for i in indices), tuple(i == 4 * v - 1 for i in indices), (False,) * v)
             assert len(P._schedule_moments(schedule, 4, v, 64, rank, *flags)[1]) == \
                 len(P._schedule_moments(schedule, 4, v, 16, rank, *flags)[1]) < 64
+
+
+def test_stage_bits_remembered_across_settings_are_each_settings_own():
+    """_shared_bits remembers a stage's bits per architecture across settings: over strategies of
+    both frameworks, precisions, optimizers and micro-batches asked in one order, every answer is
+    the setting's own _bits (a setting input the memo's key missed would hand one setting another's)."""
+    from planner.memory.orchestrator import resolve
+    from planner.parallel import pipeline as P
+    from planner.schema import EstimateRequest
+
+    checked = 0
+    for optimizer in ("adamw", "adamw-8bit", "sgd", "adafactor"):
+        for precision in ("bf16-mixed", "bf16-pure", "fp32"):
+            for strategy in ("ddp", "fsdp", "zero1"):
+                for micro_batch in (1, 2):
+                    try:
+                        setup = resolve(EstimateRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, nodes=2,
+                                                        seq_len=2048, micro_batch=micro_batch, pp=2,
+                                                        gradient_accumulation=4, strategy=strategy,
+                                                        precision=precision, optimizer=optimizer))
+                    except PlannerError:
+                        continue
+                    for params in (1000, 123_456_789, 4_000_000_000):
+                        assert P._shared_bits(setup, params) == P._bits(setup, params)
+                        checked += 1
+    assert checked >= 3 * 3 * 2 * 3 * 3
 
 
 def test_zero_bubble_keeps_input_gradients_on_the_receive_buffers():

@@ -35,6 +35,7 @@ from planner.memory.buffers import item, phase
 from planner.memory.optimizer import step_temporaries
 from planner.model.shapes import TensorShape, vectors
 from planner.recipes.optimizers import OPTIMIZERS
+from planner.recipes.precision import bits_to_bytes
 from planner.errors import PlannerError
 from planner.model.layers import routed_inactive_numels
 from planner.memory.moments import PhaseKind
@@ -762,6 +763,23 @@ def _bits(setup: "Setup", params: int) -> tuple[int, int, int]:
     return weight_bits, grad_bits, states_bits
 
 
+def _shared_bits(setup: "Setup", params: int) -> tuple[int, int, int]:
+    """_bits, remembered per architecture for the settings that give it the same inputs: what it
+    reads of the setup is the framework (its weights' role, its optimizer's tensors), the recipe
+    and the optimizer, and of a full model's stage (rank_tensors: the architecture's parameters,
+    neither a LoRA adapter's nor a traced model's) only its parameter count. The plan's micro-batch
+    options, checkpointing, shard groups and schedules of one layout ask the same few."""
+    if setup.finetune is not None or setup.model.traced is not None:
+        return _bits(setup, params)
+    memo = derived(setup.arch).setdefault("_pp_bits", {})
+    key = (setup.framework, setup.recipe, setup.request.optimizer, params)
+    if key not in memo:
+        if len(memo) >= 4096:
+            memo.clear()
+        memo[key] = _bits(setup, params)
+    return memo[key]
+
+
 def _resident_terms(setup: "Setup", mine: list[Stage] | tuple[Stage, ...], dp: DataParallel,
                     bits: tuple[int, int, int] | None = None) -> tuple[int, int, int, int, int | None]:
     """_resident's bytes without its items: (weights, optimizer states, activation receive buffers,
@@ -776,8 +794,6 @@ def _resident_sums(setup: "Setup", params: int, received: int, sent: int, dp: Da
                    bits: tuple[int, int, int]) -> tuple[int, int, int, int, int | None]:
     """_resident_terms of a rank's stages by their sums: ``params`` elements, ``received`` and
     ``sent`` bytes per micro-batch (its stages' inputs and outputs)."""
-    from planner.recipes.precision import bits_to_bytes
-
     m = setup.request.gradient_accumulation
     weight_bits, grad_bits, states_bits = bits
     weights = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_parameters else params, weight_bits)
@@ -838,11 +854,25 @@ class _RankStep:
 
     def phase_bytes(self) -> list[tuple[str, int]]:
         """(name, bytes) of each phase, in rank_phases' order."""
-        out = []
-        for name, (total, (_, live, *_)) in self.worst.items():
-            out.append((name if name.startswith("embedding") else
-                        f"{name}, {sum(live)} micro-batches in flight", total))
+        out = [(_phase_name(name, live), total) for name, (total, (_, live, *_)) in self.worst.items()]
         return out + [(name, total) for _, name, total in self.after]
+
+    def peak(self) -> tuple[str, int]:
+        """The highest of phase_bytes (the first of equals), only its name written."""
+        best = None
+        for name, (total, (_, live, *_)) in self.worst.items():
+            if best is None or total > best[1]:
+                best = (name, total, live)
+        for _, name, total in self.after:
+            if best is None or total > best[1]:
+                best = (name, total, None)
+        name, total, live = best
+        return (name if live is None else _phase_name(name, live)), total
+
+
+def _phase_name(name: str, live: tuple[int, ...]) -> str:
+    """A schedule moment's phase as rank_phases names it: with its micro-batches in flight."""
+    return name if name.startswith("embedding") else f"{name}, {sum(live)} micro-batches in flight"
 
 
 class _StageCosts:
@@ -857,7 +887,7 @@ class _StageCosts:
 
     def bits(self, params: int) -> tuple[int, int, int]:
         if params not in self._bits:
-            self._bits[params] = _bits(self.setup, params)
+            self._bits[params] = _shared_bits(self.setup, params)
         return self._bits[params]
 
     def step_temporaries(self, largest: int, params: int, dp: DataParallel, weight_bits: int) -> int:
@@ -1294,7 +1324,7 @@ def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str,
     costs = _StageCosts(setup)
     for rank in range(pp):  # every rank replayed in integers; the items are written for the worst
         step = _rank_step(setup, all_stages, rank, pp, virtual_stages, schedule, parallel, costs)
-        peak_name, peak_bytes = max(step.phase_bytes(), key=lambda p: p[1])
+        peak_name, peak_bytes = step.peak()
         # zero bubble: the input gradients on the receive buffers stay until the next step's start
         resident_bytes = step.resident_bytes + step.kept_input_grads
         mine = rank_stages(schedule, pp, virtual_stages, rank)
