@@ -802,10 +802,10 @@ def _resident_sums(setup: "Setup", params: int, received: int, sent: int, dp: Da
     return weights, optim, m * received, m * sent, buckets
 
 
-def _resident_bytes(setup: "Setup", mine: list[Stage] | tuple[Stage, ...], dp: DataParallel,
-                    bits: tuple[int, int, int] | None = None) -> int:
-    """The bytes of _resident's items."""
-    return sum(b for b in _resident_terms(setup, mine, dp, bits) if b is not None)
+def _resident_bytes(setup: "Setup", params: int, received: int, sent: int, dp: DataParallel,
+                    bits: tuple[int, int, int]) -> int:
+    """The bytes of _resident's items, by its stages' sums (_resident_sums)."""
+    return sum(b for b in _resident_sums(setup, params, received, sent, dp, bits) if b is not None)
 
 
 def _resident(setup: "Setup", mine: list[Stage], dp: DataParallel,
@@ -1052,7 +1052,8 @@ def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virt
                schedule: str, dp: DataParallel, costs: _StageCosts | None = None) -> _RankStep:
     r, req = setup.recipe, setup.request
     m = req.gradient_accumulation
-    mine = tuple(all_stages[i] for i in rank_stages(schedule, pp, virtual_stages, rank))
+    indices, next_local, prev_local = _rank_layout(schedule, pp, virtual_stages, rank)
+    mine = tuple(all_stages[i] for i in indices)
     params = sum(s.parameters for s in mine)
     largest = max(s.largest_tensor for s in mine)
     compute = 4 if r.compute == "fp32" else 2
@@ -1071,7 +1072,8 @@ def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virt
     gathered = compute * params if dp.shards_parameters else 0
     grad_bytes_per = reduce if dp.shards_parameters else grad_bits // 8
     fresh_bytes_per = compute if dp.shards_parameters else grad_bits // 8  # autograd's new gradient, param dtype
-    resident_bytes = _resident_bytes(setup, mine, dp, bits)
+    resident_bytes = _resident_bytes(setup, params, sum(s.input_bytes for s in mine), sum(s.output_bytes for s in mine),
+                                     dp, bits)
     base = resident_bytes + gathered
     # The moments are replayed in integers; a phase's items are built only for each kind's worst
     # moment (the search estimates pipelines of hundreds of micro-batches). Sends whose work the
@@ -1080,9 +1082,6 @@ def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virt
     # _PipelineScheduleRuntime._step_microbatches after the last action); Schedule1F1B waits for
     # each with the next receive.
     spec = SCHEDULE_SPECS[schedule]
-    indices = {st.index for st in mine}
-    next_local = [st.index + 1 in indices for st in mine]  # the V's turn: passed by a call, not sent
-    prev_local = [st.index - 1 in indices for st in mine]
     # a stage's output handed to the next stage on the same rank is that stage's receive buffer
     # (stage.py set_local_fwd_input), counted once there
     per_mb = [st.activation_bytes - (st.output_bytes if nxt else 0) for st, nxt in zip(mine, next_local)]
@@ -1105,6 +1104,15 @@ def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virt
                   + temporaries))
     return _RankStep(mine, params, resident_bytes, bits, compute, reduce, grad_bytes_per, fresh_bytes_per, gathered, worst,
                      tuple(after), most, kept, temporaries)
+
+
+@lru_cache(maxsize=4096)
+def _rank_layout(schedule: str, pp: int, virtual_stages: int, rank: int) -> tuple[tuple[int, ...], tuple[bool, ...],
+                                                                                  tuple[bool, ...]]:
+    """(the rank's stages, whether each one's next stage is on the rank too, whether its previous
+    one is): the V's turn is passed by a call, not sent."""
+    indices = rank_stages(schedule, pp, virtual_stages, rank)
+    return indices, tuple(i + 1 in indices for i in indices), tuple(i - 1 in indices for i in indices)
 
 
 def _largest_unit(setup: "Setup", mine: tuple[Stage, ...]) -> int:
@@ -1258,9 +1266,8 @@ def resident_bytes(setup: "Setup") -> int:
     for rank in range(d.pp):
         mine = rank_stages(req.pp_schedule, d.pp, v, rank)
         params = sum(parameters[i] for i in mine)
-        out.append(sum(b for b in _resident_sums(setup, params, boundary * sum(i > 0 for i in mine),
-                                                 boundary * sum(i < count - 1 for i in mine), parallel,
-                                                 costs.bits(params)) if b is not None))
+        out.append(_resident_bytes(setup, params, boundary * sum(i > 0 for i in mine),
+                                   boundary * sum(i < count - 1 for i in mine), parallel, costs.bits(params)))
     return max(out)
 
 
@@ -1327,8 +1334,7 @@ def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str,
         peak_name, peak_bytes = step.peak()
         # zero bubble: the input gradients on the receive buffers stay until the next step's start
         resident_bytes = step.resident_bytes + step.kept_input_grads
-        mine = rank_stages(schedule, pp, virtual_stages, rank)
-        ranks.append(RankMemory(rank, mine, sum(all_stages[i].parameters for i in mine), resident_bytes,
+        ranks.append(RankMemory(rank, tuple(s.index for s in step.mine), step.params, resident_bytes,
                                 peak_bytes, peak_name, step.in_flight))
         steps.append(step)
     worst = max(range(pp), key=lambda i: (ranks[i].peak_bytes, ranks[i].resident_bytes))
