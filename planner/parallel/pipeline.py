@@ -1023,6 +1023,13 @@ def _worst_moments(mine: tuple[Stage, ...], schedule: str, pp: int, virtual_stag
     return worst, kept, most
 
 
+# A schedule is replayed action by action (_replay_at) for its first few stages' bytes, and from its
+# moments (_schedule_moments) after: replaying it in counts costs a few replays at bytes, and the plan
+# asks most schedules at a few bytes only (one layout's strategies differ in few of them)
+_COMPILE_AFTER = 4
+_REPLAYED: dict[tuple, int] = {}  # replays at bytes so far, per schedule, degree, micro-batches and rank
+
+
 @lru_cache(maxsize=4096)
 def _worst_at(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int, firsts: tuple[bool, ...],
               lasts: tuple[bool, ...], values: tuple[int, ...]) -> tuple[tuple[str, ...], tuple, tuple[int, ...], int]:
@@ -1030,6 +1037,67 @@ def _worst_at(schedule: str, pp: int, virtual_stages: int, micro_batches: int, r
     activations, loss part freed, send, pending gradients, gradients and transients: _schedule_moments'
     dot product): the plan's settings of one layout that differ in their strategy only (DDP, FSDP2,
     HSDP's shard groups) have the same stages, so the same worst moments above their resident bytes."""
+    key = (schedule, pp, virtual_stages, micro_batches, rank, firsts, lasts)
+    replayed = _REPLAYED.get(key, 0)
+    if replayed < _COMPILE_AFTER:
+        if len(_REPLAYED) >= 4096:
+            _REPLAYED.clear()
+        _REPLAYED[key] = replayed + 1
+        return _replay_at(schedule, pp, virtual_stages, micro_batches, rank, firsts, lasts, values)
+    return _moments_at(schedule, pp, virtual_stages, micro_batches, rank, firsts, lasts, values)
+
+
+def _replay_at(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int, firsts: tuple[bool, ...],
+               lasts: tuple[bool, ...], values: tuple[int, ...]) -> tuple[tuple[str, ...], tuple, tuple[int, ...], int]:
+    """_worst_at by replaying every action at ``values``."""
+    v = virtual_stages
+    per_mb, freed, sent, waiting, grads_of, inputs_of, transient, fresh = (values[j * v:(j + 1) * v] for j in range(8))
+    live, done, inputs = [0] * v, [False] * v, [0] * v
+    worst: dict[str, tuple] = {}
+    held = grads = acts = count = most = pending = 0
+
+    def record(name: str, extra: int, k: int) -> None:
+        total = grads + acts + held + pending + extra
+        if name not in worst or total > worst[name][0]:
+            worst[name] = (total, k, tuple(live), tuple(done), held, acts, pending, extra)
+
+    for k, kind, micro_batch in _rank_ops(schedule, pp, v, micro_batches, rank):
+        if kind == "F":
+            live[k] += 1
+            acts += per_mb[k]
+            count += 1
+            most = max(most, count)
+            continue
+        if kind == "I" and firsts[k]:
+            continue  # stage.py backward_one_chunk: the first stage's W runs its whole backward
+        if kind == "I":
+            record("loss input-gradient backward" if lasts[k] else "stage input-gradient backward", inputs_of[k], k)
+            pending += waiting[k]
+            acts -= freed[k]
+            held += sent[k]
+            inputs[k] += 1
+            continue
+        if kind == "W" and not firsts[k]:
+            record("weight-gradient backward", fresh[k] if done[k] else 0, k)
+            acts -= per_mb[k] - freed[k]
+            pending -= waiting[k]
+        else:
+            record("loss backward" if lasts[k] else "stage backward", transient[k], k)
+            acts -= per_mb[k]
+            held += sent[k]
+        live[k] -= 1
+        count -= 1
+        if not done[k]:
+            done[k] = True
+            grads += grads_of[k]
+        if firsts[k] and micro_batch > 0:
+            record("embedding backward (first stage)", fresh[k], k)
+    return tuple(worst), tuple(worst.values()), tuple(inputs), most
+
+
+def _moments_at(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int, firsts: tuple[bool, ...],
+                lasts: tuple[bool, ...], values: tuple[int, ...]) -> tuple[tuple[str, ...], tuple, tuple[int, ...], int]:
+    """_worst_at from the schedule's moments (_schedule_moments) at ``values``."""
     v = virtual_stages
     sent = values[2 * v:3 * v]
     names, moments, inputs, most = _schedule_moments(schedule, pp, v, micro_batches, rank, firsts, lasts,
