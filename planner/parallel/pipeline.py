@@ -791,21 +791,24 @@ def _resident_terms(setup: "Setup", mine: list[Stage] | tuple[Stage, ...], dp: D
 
 
 def _resident_sums(setup: "Setup", params: int, received: int, sent: int, dp: DataParallel,
-                   bits: tuple[int, int, int]) -> tuple[int, int, int, int, int | None]:
+                   bits: tuple[int, int, int], bucket_copy: bool | None = None) -> tuple[int, int, int, int, int | None]:
     """_resident_terms of a rank's stages by their sums: ``params`` elements, ``received`` and
-    ``sent`` bytes per micro-batch (its stages' inputs and outputs)."""
+    ``sent`` bytes per micro-batch (its stages' inputs and outputs). ``bucket_copy``: the
+    framework's gradient_bucket_copy, where the caller has it."""
     m = setup.request.gradient_accumulation
     weight_bits, grad_bits, states_bits = bits
     weights = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_parameters else params, weight_bits)
     optim = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_optimizer else params, states_bits)
-    buckets = grad_bits // 8 * params if setup.framework.gradient_bucket_copy(setup.strategy) and dp.dp > 1 else None
+    if bucket_copy is None:
+        bucket_copy = setup.framework.gradient_bucket_copy(setup.strategy)
+    buckets = grad_bits // 8 * params if bucket_copy and dp.dp > 1 else None
     return weights, optim, m * received, m * sent, buckets
 
 
 def _resident_bytes(setup: "Setup", params: int, received: int, sent: int, dp: DataParallel,
-                    bits: tuple[int, int, int]) -> int:
+                    bits: tuple[int, int, int], bucket_copy: bool | None = None) -> int:
     """The bytes of _resident's items, by its stages' sums (_resident_sums)."""
-    return sum(b for b in _resident_sums(setup, params, received, sent, dp, bits) if b is not None)
+    return sum(b for b in _resident_sums(setup, params, received, sent, dp, bits, bucket_copy) if b is not None)
 
 
 def _resident(setup: "Setup", mine: list[Stage], dp: DataParallel,
@@ -882,6 +885,7 @@ class _StageCosts:
 
     def __init__(self, setup: "Setup"):
         self.setup = setup
+        self.bucket_copy = setup.framework.gradient_bucket_copy(setup.strategy)
         self._bits: dict[int, tuple[int, int, int]] = {}
         self._temporaries: dict[tuple, int] = {}
 
@@ -1012,12 +1016,12 @@ def _worst_moments(mine: tuple[Stage, ...], schedule: str, pp: int, virtual_stag
     each has gradients, held, activation, pending and transient bytes)), in the order first met; the
     input gradients left on the receive buffers; the most chunks in flight) of the rank's schedule
     (_schedule_moments) at these stages' bytes. Ties go to the earlier moment."""
-    values = (*per_mb, *(st.freed_at_input_backward for st in mine), *sent,
-              *(st.weight_grad_inputs_bytes for st in mine), *(grad_bytes_per * st.parameters for st in mine),
-              *(st.input_backward_bytes for st in mine), *(st.transient_bytes for st in mine),
-              *(fresh_bytes_per * st.largest_tensor for st in mine))
+    values = (*per_mb, *[st.freed_at_input_backward for st in mine], *sent,
+              *[st.weight_grad_inputs_bytes for st in mine], *[grad_bytes_per * st.parameters for st in mine],
+              *[st.input_backward_bytes for st in mine], *[st.transient_bytes for st in mine],
+              *[fresh_bytes_per * st.largest_tensor for st in mine])
     names, best, inputs, most = _worst_at(schedule, pp, virtual_stages, micro_batches, rank,
-                                          tuple(st.is_first for st in mine), tuple(st.is_last for st in mine), values)
+                                          tuple([st.is_first for st in mine]), tuple([st.is_last for st in mine]), values)
     worst = {name: (base + total, (mine[k], *moment)) for name, (total, k, *moment) in zip(names, best)}
     kept = sum(n * (0 if p else st.input_bytes) for n, p, st in zip(inputs, prev_local, mine))
     return worst, kept, most
@@ -1140,8 +1144,8 @@ def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virt
     gathered = compute * params if dp.shards_parameters else 0
     grad_bytes_per = reduce if dp.shards_parameters else grad_bits // 8
     fresh_bytes_per = compute if dp.shards_parameters else grad_bits // 8  # autograd's new gradient, param dtype
-    resident_bytes = _resident_bytes(setup, params, sum(s.input_bytes for s in mine), sum(s.output_bytes for s in mine),
-                                     dp, bits)
+    resident_bytes = _resident_bytes(setup, params, sum([s.input_bytes for s in mine]),
+                                     sum([s.output_bytes for s in mine]), dp, bits, costs.bucket_copy)
     base = resident_bytes + gathered
     # The moments are replayed in integers; a phase's items are built only for each kind's worst
     # moment (the search estimates pipelines of hundreds of micro-batches). Sends whose work the
@@ -1335,7 +1339,8 @@ def resident_bytes(setup: "Setup") -> int:
         mine = rank_stages(req.pp_schedule, d.pp, v, rank)
         params = sum(parameters[i] for i in mine)
         out.append(_resident_bytes(setup, params, boundary * sum(i > 0 for i in mine),
-                                   boundary * sum(i < count - 1 for i in mine), parallel, costs.bits(params)))
+                                   boundary * sum(i < count - 1 for i in mine), parallel, costs.bits(params),
+                                   costs.bucket_copy))
     return max(out)
 
 
