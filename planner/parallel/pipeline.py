@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from operator import mul
 from typing import TYPE_CHECKING, Literal
 
 from planner.model.activations import FP32, Activations
@@ -32,8 +33,9 @@ from planner.model.architecture import Architecture, block_numels, block_paramet
 from planner.model.attention.kinds import kind_of
 from planner.memory.buffers import item, phase
 from planner.memory.optimizer import step_temporaries
-from planner.model.shapes import vectors
+from planner.model.shapes import TensorShape, vectors
 from planner.recipes.optimizers import OPTIMIZERS
+from planner.recipes.precision import bits_to_bytes
 from planner.errors import PlannerError
 from planner.model.layers import routed_inactive_numels
 from planner.memory.moments import PhaseKind
@@ -600,24 +602,13 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1, acts: Acti
     stream = _stream_bytes(setup, dp)
     autocast = _autocast(setup, dp)
     h, vocab = a.hidden_size, a.vocab_size
-    specs = layer_specs(a)
-    sums, largest = block_parameters(a), _block_largest(a)
-    boundary = stream * tokens * h // sp
+    boundary = _boundary_bytes(setup, dp)
     split = SCHEDULE_SPECS[req.pp_schedule].splits_backward
-    distinct = {id(spec): spec for spec in specs} if split else {}  # a few kinds of block, many blocks
-    widths = {key: _weight_node_widths(spec, h, setup.tp, sp, b, stream) for key, spec in distinct.items()}
+    widths = _block_weight_node_widths(a, setup.tp, sp, b, stream) if split else []
     head = vocab * h  # the last stage's own copy when the embedding is tied (torchtitan unties)
     out = []
-    for index in range(count):
-        first, last = bounds[index]
+    for index, ((first, last), (parameters, largest)) in enumerate(zip(bounds, _stage_parameters(a, bounds))):
         is_first, is_last = index == 0, index == count - 1
-        tensors = [sum(sums[first:last])] if first < last else []  # the blocks' sum, then the edges' tensors
-        biggest = max(largest[first:last], default=0)
-        if is_first:
-            tensors += [vocab * h] + ([a.learned_positions * h] if a.learned_positions else [])
-        if is_last:
-            tensors += norm_numels(a.norm, h) + [head]
-        edge = max(tensors[1:] if first < last else tensors, default=0)
         kept = acts.block_kept(first, last) + edges.rope_saved
         if autocast:
             extras, linears = _block_autocast(a)
@@ -649,7 +640,7 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1, acts: Acti
             transient = max(transient, max(acts.blocks[first:last]) + acts.layer_transient_bytes)
         held_for_weights, freed = 0, 0
         if split and not is_first:  # the first stage's I is skipped: its W runs the whole backward (stage.py)
-            held_for_weights = tokens * sum(widths[id(specs[i])] for i in range(first, last))
+            held_for_weights = tokens * sum(widths[first:last])
             if is_last:
                 # the final norm's weighted output and the LM head's output (the logits' gradient)
                 held_for_weights += tokens * h * stream // sp + b * tokens * vocab // setup.tp
@@ -661,10 +652,52 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1, acts: Acti
         block_transient = max(acts.layer_transient_bytes, 4 * stream * tokens * h // sp)
         if acts.checkpointed:
             block_transient += max(acts.blocks[first:last], default=0)
-        out.append(Stage(index, first, last, is_first, is_last, sum(tensors), max(biggest, edge), kept,
+        out.append(Stage(index, first, last, is_first, is_last, parameters, largest, kept,
                          0 if is_last else boundary, 0 if is_first else boundary, transient, held_for_weights,
                          freed, max(transient, held_for_weights + block_transient + boundary)))
     return out
+
+
+def _boundary_bytes(setup: "Setup", dp: int) -> int:
+    """What a stage sends forward per micro-batch and the next receives: its output on the residual
+    stream, the rank's seq_len / cp tokens, sharded over the tp ranks with sequence parallelism."""
+    sp = setup.tp if setup.sequence_parallel else 1
+    tokens = setup.request.micro_batch * (setup.request.seq_len // setup.cp)
+    return _stream_bytes(setup, dp) * tokens * setup.arch.hidden_size // sp
+
+
+def _stage_parameters(a: Architecture, bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(parameters, largest tensor) of each stage of a split, once per architecture and split: its
+    blocks, the embedding (and learned positions) on the first, the final norm and the LM head on
+    the last (the last stage's own copy when the embedding is tied: torchtitan unties)."""
+    memo = derived(a).setdefault("_pp_stage_parameters", {})
+    key = tuple(bounds)
+    if key not in memo:
+        h, vocab = a.hidden_size, a.vocab_size
+        sums, largest = block_parameters(a), _block_largest(a)
+        out = []
+        for index, (first, last) in enumerate(bounds):
+            tensors = [sum(sums[first:last])] if first < last else []  # the blocks' sum, then the edges' tensors
+            biggest = max(largest[first:last], default=0)
+            if index == 0:
+                tensors += [vocab * h] + ([a.learned_positions * h] if a.learned_positions else [])
+            if index == len(bounds) - 1:
+                tensors += norm_numels(a.norm, h) + [vocab * h]
+            edge = max(tensors[1:] if first < last else tensors, default=0)
+            out.append((sum(tensors), max(biggest, edge)))
+        memo[key] = out
+    return memo[key]
+
+
+def _block_weight_node_widths(a: Architecture, tp: int, sp: int, b: int, stream: int) -> list[int]:
+    """_weight_node_widths of each block, once per architecture and arguments (a few kinds of
+    block, many blocks)."""
+    memo = derived(a).setdefault("_pp_weight_node_widths", {})
+    key = (tp, sp, b, stream)
+    if key not in memo:
+        widths = {id(spec): _weight_node_widths(spec, a.hidden_size, tp, sp, b, stream) for spec in layer_specs(a)}
+        memo[key] = [widths[id(spec)] for spec in layer_specs(a)]
+    return memo[key]
 
 
 def _weight_node_widths(spec, h: int, tp: int, sp: int, b: int, stream: int) -> int:
@@ -730,28 +763,52 @@ def _bits(setup: "Setup", params: int) -> tuple[int, int, int]:
     return weight_bits, grad_bits, states_bits
 
 
+def _shared_bits(setup: "Setup", params: int) -> tuple[int, int, int]:
+    """_bits, remembered per architecture for the settings that give it the same inputs: what it
+    reads of the setup is the framework (its weights' role, its optimizer's tensors), the recipe
+    and the optimizer, and of a full model's stage (rank_tensors: the architecture's parameters,
+    neither a LoRA adapter's nor a traced model's) only its parameter count. The plan's micro-batch
+    options, checkpointing, shard groups and schedules of one layout ask the same few."""
+    if setup.finetune is not None or setup.model.traced is not None:
+        return _bits(setup, params)
+    memo = derived(setup.arch).setdefault("_pp_bits", {})
+    key = (setup.framework, setup.recipe, setup.request.optimizer, params)
+    if key not in memo:
+        if len(memo) >= 4096:
+            memo.clear()
+        memo[key] = _bits(setup, params)
+    return memo[key]
+
+
 def _resident_terms(setup: "Setup", mine: list[Stage] | tuple[Stage, ...], dp: DataParallel,
                     bits: tuple[int, int, int] | None = None) -> tuple[int, int, int, int, int | None]:
     """_resident's bytes without its items: (weights, optimizer states, activation receive buffers,
     gradient receive buffers, DDP's gradient buckets or None). The search sums them for every rank
     of every pipeline; the items are written for the rank it shows (rank_phases)."""
-    from planner.recipes.precision import bits_to_bytes
-
-    m = setup.request.gradient_accumulation
     params = sum(s.parameters for s in mine)
-    weight_bits, grad_bits, states_bits = bits or _bits(setup, params)
+    return _resident_sums(setup, params, sum(s.input_bytes for s in mine), sum(s.output_bytes for s in mine), dp,
+                          bits or _bits(setup, params))
+
+
+def _resident_sums(setup: "Setup", params: int, received: int, sent: int, dp: DataParallel,
+                   bits: tuple[int, int, int], bucket_copy: bool | None = None) -> tuple[int, int, int, int, int | None]:
+    """_resident_terms of a rank's stages by their sums: ``params`` elements, ``received`` and
+    ``sent`` bytes per micro-batch (its stages' inputs and outputs). ``bucket_copy``: the
+    framework's gradient_bucket_copy, where the caller has it."""
+    m = setup.request.gradient_accumulation
+    weight_bits, grad_bits, states_bits = bits
     weights = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_parameters else params, weight_bits)
     optim = bits_to_bytes(_ceil(params, dp.shard) if dp.shards_optimizer else params, states_bits)
-    recv = m * sum(s.input_bytes for s in mine)
-    grad_recv = m * sum(s.output_bytes for s in mine)
-    buckets = grad_bits // 8 * params if setup.framework.gradient_bucket_copy(setup.strategy) and dp.dp > 1 else None
-    return weights, optim, recv, grad_recv, buckets
+    if bucket_copy is None:
+        bucket_copy = setup.framework.gradient_bucket_copy(setup.strategy)
+    buckets = grad_bits // 8 * params if bucket_copy and dp.dp > 1 else None
+    return weights, optim, m * received, m * sent, buckets
 
 
-def _resident_bytes(setup: "Setup", mine: list[Stage] | tuple[Stage, ...], dp: DataParallel,
-                    bits: tuple[int, int, int] | None = None) -> int:
-    """The bytes of _resident's items."""
-    return sum(b for b in _resident_terms(setup, mine, dp, bits) if b is not None)
+def _resident_bytes(setup: "Setup", params: int, received: int, sent: int, dp: DataParallel,
+                    bits: tuple[int, int, int], bucket_copy: bool | None = None) -> int:
+    """The bytes of _resident's items, by its stages' sums (_resident_sums)."""
+    return sum(b for b in _resident_sums(setup, params, received, sent, dp, bits, bucket_copy) if b is not None)
 
 
 def _resident(setup: "Setup", mine: list[Stage], dp: DataParallel,
@@ -795,15 +852,30 @@ class _RankStep:
     after: tuple[tuple[PhaseKind, str, int], ...]  # the phases after the schedule: (kind, name, bytes)
     in_flight: int  # the most micro-batch chunks in flight at once
     kept_input_grads: int = 0  # zero bubble: input gradients left on the receive buffers' .grad
+    step_temporaries: int = 0  # the optimizer step's (_step_temporaries)
 
 
     def phase_bytes(self) -> list[tuple[str, int]]:
         """(name, bytes) of each phase, in rank_phases' order."""
-        out = []
-        for name, (total, (_, live, *_)) in self.worst.items():
-            out.append((name if name.startswith("embedding") else
-                        f"{name}, {sum(live)} micro-batches in flight", total))
+        out = [(_phase_name(name, live), total) for name, (total, (_, live, *_)) in self.worst.items()]
         return out + [(name, total) for _, name, total in self.after]
+
+    def peak(self) -> tuple[str, int]:
+        """The highest of phase_bytes (the first of equals), only its name written."""
+        best = None
+        for name, (total, (_, live, *_)) in self.worst.items():
+            if best is None or total > best[1]:
+                best = (name, total, live)
+        for _, name, total in self.after:
+            if best is None or total > best[1]:
+                best = (name, total, None)
+        name, total, live = best
+        return (name if live is None else _phase_name(name, live)), total
+
+
+def _phase_name(name: str, live: tuple[int, ...]) -> str:
+    """A schedule moment's phase as rank_phases names it: with its micro-batches in flight."""
+    return name if name.startswith("embedding") else f"{name}, {sum(live)} micro-batches in flight"
 
 
 class _StageCosts:
@@ -813,12 +885,13 @@ class _StageCosts:
 
     def __init__(self, setup: "Setup"):
         self.setup = setup
+        self.bucket_copy = setup.framework.gradient_bucket_copy(setup.strategy)
         self._bits: dict[int, tuple[int, int, int]] = {}
         self._temporaries: dict[tuple, int] = {}
 
     def bits(self, params: int) -> tuple[int, int, int]:
         if params not in self._bits:
-            self._bits[params] = _bits(self.setup, params)
+            self._bits[params] = _shared_bits(self.setup, params)
         return self._bits[params]
 
     def step_temporaries(self, largest: int, params: int, dp: DataParallel, weight_bits: int) -> int:
@@ -828,11 +901,231 @@ class _StageCosts:
         return self._temporaries[key]
 
 
+@dataclass(frozen=True)
+class _Moment:
+    """A moment of a rank's schedule at which a phase can peak, as counts of its local stages' byte
+    terms (the replay is linear in them): micro-batch chunks in flight (``live``), chunks whose
+    activations are held (``acts``: each a stage's per-micro-batch bytes) less those whose
+    input-gradient backward freed the loss's part (``freed``), sends held (``held``), input-gradient
+    backwards waiting for their weight-gradient backward (``pending``), stages with gradients
+    (``done``), and the transient on top (``extra``: input-gradient backward's, a backward's, a
+    fresh gradient of the largest tensor, or none) on local stage ``stage``."""
+
+    name: str
+    stage: int
+    live: tuple[int, ...]
+    done: tuple[bool, ...]
+    acts: tuple[int, ...]
+    freed: tuple[int, ...]
+    held: tuple[int, ...]
+    pending: tuple[int, ...]
+    extra: str
+
+
+@lru_cache(maxsize=4096)
+def _schedule_moments(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int,
+                      firsts: tuple[bool, ...], lasts: tuple[bool, ...], silent: tuple[bool, ...]
+                      ) -> tuple[tuple[str, ...], tuple[_Moment, ...], tuple[int, ...], int]:
+    """The rank's schedule replayed once in counts, for every setting of the same pipeline: (phase
+    names in the order first met, the moments that can be a phase's worst in order, the input-
+    gradient backwards per local stage, the most chunks in flight). ``silent``: local stages whose
+    sends are 0 bytes.
+
+    Only moments that can be a phase's first highest are kept. Moments of the same phase whose
+    counts differ only in the held sends (a steady state repeating: every 1F1B cycle after the
+    warm-up, every cycle of the interleaved runtime, which holds one send more each time) differ
+    in bytes only by the sends held; those only grow (a send is held until the step's end, and its
+    bytes are not negative), so the first of them holding as many bytes as the last is their
+    highest: the last one's held counts on every stage whose sends are not 0 bytes."""
+    v = virtual_stages
+    live, acts, freed, held, pending, inputs = ([0] * v for _ in range(6))
+    done = [False] * v
+    groups: dict[tuple, list[tuple[int, tuple[int, ...]]]] = {}
+    names: dict[str, None] = {}
+    count = most = position = 0
+
+    def moment(name: str, extra: str, k: int) -> None:
+        nonlocal position
+        names.setdefault(name)
+        key = (name, k, tuple(live), tuple(done), tuple(acts), tuple(freed), tuple(pending), extra)
+        groups.setdefault(key, []).append((position, tuple(held)))
+        position += 1
+
+    for k, kind, micro_batch in _rank_ops(schedule, pp, v, micro_batches, rank):
+        if kind == "F":
+            live[k] += 1
+            acts[k] += 1
+            count += 1
+            most = max(most, count)
+            continue
+        if kind == "I" and firsts[k]:
+            continue  # stage.py backward_one_chunk: the first stage's W runs its whole backward
+        if kind == "I":
+            # stage_backward_input: the graph is retained (retain_graph=True) while the gradients
+            # into the weights' nodes are collected; the input's gradient stays on the receive
+            # buffer's .grad until the next step's clear_runtime_states
+            moment("loss input-gradient backward" if lasts[k] else "stage input-gradient backward", "input", k)
+            pending[k] += 1
+            freed[k] += 1
+            held[k] += 1
+            inputs[k] += 1
+            continue
+        if kind == "W" and not firsts[k]:
+            # stage_backward_weight: one parameter group's gradient at a time, added into .grad
+            moment("weight-gradient backward", "fresh" if done[k] else "", k)
+            acts[k] -= 1
+            freed[k] -= 1
+            pending[k] -= 1
+        else:
+            moment("loss backward" if lasts[k] else "stage backward", "transient", k)
+            acts[k] -= 1
+            held[k] += 1
+        live[k] -= 1
+        count -= 1
+        done[k] = True
+        if firsts[k] and micro_batch > 0:
+            # embedding_dense_backward's fresh V x h gradient, added into the accumulated one
+            moment("embedding backward (first stage)", "fresh", k)
+    order = {name: i for i, name in enumerate(names)}
+    kept = []
+    for (name, k, in_flight, has, chunks, loss_freed, waiting, extra), points in groups.items():
+        last = points[-1][1]
+        position, sends = next((p, h) for p, h in points
+                               if all(n == top or quiet for n, top, quiet in zip(h, last, silent)))
+        # the moment's bytes as one dot product over _worst_moments' values: each local stage's
+        # per-micro-batch activations, loss part freed, send, pending gradients, gradients, then the transients
+        one_hot = [[int(extra == kind and j == k) for j in range(v)] for kind in _EXTRAS]
+        counts = (chunks, tuple(-n for n in loss_freed), sends, waiting, tuple(int(h) for h in has), *one_hot)
+        kept.append((position, order[name], tuple(n for row in counts for n in row),
+                     _Moment(name, k, in_flight, has, chunks, loss_freed, sends, waiting, extra)))
+    kept.sort(key=lambda p: p[0])
+    return tuple(names), tuple(m[1:] for m in kept), tuple(inputs), most
+
+
+_EXTRAS = ("input", "transient", "fresh")  # _Moment.extra's transients ("" is none)
+
+
+def _dot(counts: tuple[int, ...], values: list[int]) -> int:
+    return sum(map(mul, counts, values))
+
+
+def _worst_moments(mine: tuple[Stage, ...], schedule: str, pp: int, virtual_stages: int, micro_batches: int,
+                   rank: int, base: int, per_mb: list[int], sent: list[int], prev_local: list[bool],
+                   grad_bytes_per: int, fresh_bytes_per: int) -> tuple[dict, int, int]:
+    """(each phase's worst moment: name -> (bytes, (stage, chunks in flight per local stage, whether
+    each has gradients, held, activation, pending and transient bytes)), in the order first met; the
+    input gradients left on the receive buffers; the most chunks in flight) of the rank's schedule
+    (_schedule_moments) at these stages' bytes. Ties go to the earlier moment."""
+    values = (*per_mb, *[st.freed_at_input_backward for st in mine], *sent,
+              *[st.weight_grad_inputs_bytes for st in mine], *[grad_bytes_per * st.parameters for st in mine],
+              *[st.input_backward_bytes for st in mine], *[st.transient_bytes for st in mine],
+              *[fresh_bytes_per * st.largest_tensor for st in mine])
+    names, best, inputs, most = _worst_at(schedule, pp, virtual_stages, micro_batches, rank,
+                                          tuple([st.is_first for st in mine]), tuple([st.is_last for st in mine]), values)
+    worst = {name: (base + total, (mine[k], *moment)) for name, (total, k, *moment) in zip(names, best)}
+    kept = sum(n * (0 if p else st.input_bytes) for n, p, st in zip(inputs, prev_local, mine))
+    return worst, kept, most
+
+
+# A schedule is replayed action by action (_replay_at) for its first few stages' bytes, and from its
+# moments (_schedule_moments) after: replaying it in counts costs a few replays at bytes, and the plan
+# asks most schedules at a few bytes only (one layout's strategies differ in few of them)
+_COMPILE_AFTER = 4
+_REPLAYED: dict[tuple, int] = {}  # replays at bytes so far, per schedule, degree, micro-batches and rank
+
+
+@lru_cache(maxsize=4096)
+def _worst_at(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int, firsts: tuple[bool, ...],
+              lasts: tuple[bool, ...], values: tuple[int, ...]) -> tuple[tuple[str, ...], tuple, tuple[int, ...], int]:
+    """_worst_moments above the resident bytes, at ``values`` (each local stage's per-micro-batch
+    activations, loss part freed, send, pending gradients, gradients and transients: _schedule_moments'
+    dot product): the plan's settings of one layout that differ in their strategy only (DDP, FSDP2,
+    HSDP's shard groups) have the same stages, so the same worst moments above their resident bytes."""
+    key = (schedule, pp, virtual_stages, micro_batches, rank, firsts, lasts)
+    replayed = _REPLAYED.get(key, 0)
+    if replayed < _COMPILE_AFTER:
+        if len(_REPLAYED) >= 4096:
+            _REPLAYED.clear()
+        _REPLAYED[key] = replayed + 1
+        return _replay_at(schedule, pp, virtual_stages, micro_batches, rank, firsts, lasts, values)
+    return _moments_at(schedule, pp, virtual_stages, micro_batches, rank, firsts, lasts, values)
+
+
+def _replay_at(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int, firsts: tuple[bool, ...],
+               lasts: tuple[bool, ...], values: tuple[int, ...]) -> tuple[tuple[str, ...], tuple, tuple[int, ...], int]:
+    """_worst_at by replaying every action at ``values``."""
+    v = virtual_stages
+    per_mb, freed, sent, waiting, grads_of, inputs_of, transient, fresh = (values[j * v:(j + 1) * v] for j in range(8))
+    live, done, inputs = [0] * v, [False] * v, [0] * v
+    worst: dict[str, tuple] = {}
+    held = grads = acts = count = most = pending = 0
+
+    def record(name: str, extra: int, k: int) -> None:
+        total = grads + acts + held + pending + extra
+        if name not in worst or total > worst[name][0]:
+            worst[name] = (total, k, tuple(live), tuple(done), held, acts, pending, extra)
+
+    for k, kind, micro_batch in _rank_ops(schedule, pp, v, micro_batches, rank):
+        if kind == "F":
+            live[k] += 1
+            acts += per_mb[k]
+            count += 1
+            most = max(most, count)
+            continue
+        if kind == "I" and firsts[k]:
+            continue  # stage.py backward_one_chunk: the first stage's W runs its whole backward
+        if kind == "I":
+            record("loss input-gradient backward" if lasts[k] else "stage input-gradient backward", inputs_of[k], k)
+            pending += waiting[k]
+            acts -= freed[k]
+            held += sent[k]
+            inputs[k] += 1
+            continue
+        if kind == "W" and not firsts[k]:
+            record("weight-gradient backward", fresh[k] if done[k] else 0, k)
+            acts -= per_mb[k] - freed[k]
+            pending -= waiting[k]
+        else:
+            record("loss backward" if lasts[k] else "stage backward", transient[k], k)
+            acts -= per_mb[k]
+            held += sent[k]
+        live[k] -= 1
+        count -= 1
+        if not done[k]:
+            done[k] = True
+            grads += grads_of[k]
+        if firsts[k] and micro_batch > 0:
+            record("embedding backward (first stage)", fresh[k], k)
+    return tuple(worst), tuple(worst.values()), tuple(inputs), most
+
+
+def _moments_at(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int, firsts: tuple[bool, ...],
+                lasts: tuple[bool, ...], values: tuple[int, ...]) -> tuple[tuple[str, ...], tuple, tuple[int, ...], int]:
+    """_worst_at from the schedule's moments (_schedule_moments) at ``values``."""
+    v = virtual_stages
+    sent = values[2 * v:3 * v]
+    names, moments, inputs, most = _schedule_moments(schedule, pp, v, micro_batches, rank, firsts, lasts,
+                                                     tuple(b == 0 for b in sent))
+    best: list = [None] * len(names)
+    for i, counts, mo in moments:
+        total = sum(map(mul, counts, values))
+        if best[i] is None or total > best[i][0]:
+            best[i] = (total, mo)
+    per_mb, freed, pending = values[:v], values[v:2 * v], values[3 * v:4 * v]
+    out = []
+    for total, mo in best:
+        extra = 0 if not mo.extra else values[(5 + _EXTRAS.index(mo.extra)) * v + mo.stage]
+        out.append((total, mo.stage, mo.live, mo.done, _dot(mo.held, sent),
+                    _dot(mo.acts, per_mb) - _dot(mo.freed, freed), _dot(mo.pending, pending), extra))
+    return names, tuple(out), inputs, most
+
+
 def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virtual_stages: int,
                schedule: str, dp: DataParallel, costs: _StageCosts | None = None) -> _RankStep:
     r, req = setup.recipe, setup.request
     m = req.gradient_accumulation
-    mine = tuple(all_stages[i] for i in rank_stages(schedule, pp, virtual_stages, rank))
+    indices, next_local, prev_local = _rank_layout(schedule, pp, virtual_stages, rank)
+    mine = tuple(all_stages[i] for i in indices)
     params = sum(s.parameters for s in mine)
     largest = max(s.largest_tensor for s in mine)
     compute = 4 if r.compute == "fp32" else 2
@@ -851,7 +1144,8 @@ def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virt
     gathered = compute * params if dp.shards_parameters else 0
     grad_bytes_per = reduce if dp.shards_parameters else grad_bits // 8
     fresh_bytes_per = compute if dp.shards_parameters else grad_bits // 8  # autograd's new gradient, param dtype
-    resident_bytes = _resident_bytes(setup, mine, dp, bits)
+    resident_bytes = _resident_bytes(setup, params, sum([s.input_bytes for s in mine]),
+                                     sum([s.output_bytes for s in mine]), dp, bits, costs.bucket_copy)
     base = resident_bytes + gathered
     # The moments are replayed in integers; a phase's items are built only for each kind's worst
     # moment (the search estimates pipelines of hundreds of micro-batches). Sends whose work the
@@ -860,9 +1154,6 @@ def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virt
     # _PipelineScheduleRuntime._step_microbatches after the last action); Schedule1F1B waits for
     # each with the next receive.
     spec = SCHEDULE_SPECS[schedule]
-    indices = {st.index for st in mine}
-    next_local = [st.index + 1 in indices for st in mine]  # the V's turn: passed by a call, not sent
-    prev_local = [st.index - 1 in indices for st in mine]
     # a stage's output handed to the next stage on the same rank is that stage's receive buffer
     # (stage.py set_local_fwd_input), counted once there
     per_mb = [st.activation_bytes - (st.output_bytes if nxt else 0) for st, nxt in zip(mine, next_local)]
@@ -871,75 +1162,42 @@ def _rank_step(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virt
                 for st, p, n in zip(mine, prev_local, next_local)]
     else:  # GPipe holds its backward sends; Schedule1F1B waits for each with the next receive
         sent = [0 if schedule == "1f1b" else st.input_bytes for st in mine]
-    live = [0] * virtual_stages  # micro-batches in flight per local stage
-    done = [False] * virtual_stages  # local stages with gradients
-    worst: dict[str, tuple[int, tuple]] = {}
-    held = grads = acts = count = most = pending = kept = 0
-
-    def record(name: str, extra: int, stage: Stage) -> None:
-        total = base + grads + acts + held + pending + extra
-        if name not in worst or total > worst[name][0]:
-            worst[name] = (total, (stage, tuple(live), tuple(done), held, acts, pending, extra))
-
-    for k, kind, micro_batch in _rank_ops(schedule, pp, virtual_stages, m, rank):
-        stage = mine[k]
-        if kind == "F":
-            live[k] += 1
-            acts += per_mb[k]
-            count += 1
-            if count > most:
-                most = count
-            continue
-        if kind == "I" and stage.is_first:
-            continue  # stage.py backward_one_chunk: the first stage's W runs its whole backward
-        if kind == "I":
-            # stage_backward_input: the graph is retained (retain_graph=True) while the gradients
-            # into the weights' nodes are collected; the input's gradient stays on the receive
-            # buffer's .grad until the next step's clear_runtime_states
-            record("loss input-gradient backward" if stage.is_last else "stage input-gradient backward",
-                   stage.input_backward_bytes, stage)
-            pending += stage.weight_grad_inputs_bytes
-            acts -= stage.freed_at_input_backward
-            held += sent[k]
-            kept += 0 if prev_local[k] else stage.input_bytes
-            continue
-        if kind == "W" and not stage.is_first:
-            # stage_backward_weight: one parameter group's gradient at a time, added into .grad
-            record("weight-gradient backward", fresh_bytes_per * stage.largest_tensor if done[k] else 0, stage)
-            acts -= per_mb[k] - stage.freed_at_input_backward
-            pending -= stage.weight_grad_inputs_bytes
-        else:
-            record("loss backward" if stage.is_last else "stage backward", stage.transient_bytes, stage)
-            acts -= per_mb[k]
-            held += sent[k]
-        live[k] -= 1
-        count -= 1
-        if not done[k]:
-            done[k] = True
-            grads += grad_bytes_per * stage.parameters
-        if stage.is_first and micro_batch > 0:
-            # embedding_dense_backward's fresh V x h gradient, added into the accumulated one
-            record("embedding backward (first stage)", fresh_bytes_per * stage.largest_tensor, stage)
+    worst, kept, most = _worst_moments(mine, schedule, pp, virtual_stages, m, rank, base, per_mb, sent, prev_local,
+                                       grad_bytes_per, fresh_bytes_per)
     # After the schedule: the reduction of the gradients over dp, and the optimizer step.
     after = []
     if dp.shards_parameters:
         after.append((PhaseKind.GRADIENT_ALLREDUCE, "gradient reduce-scatter over dp",
                       base + kept + reduce * params + reduce * _largest_unit(setup, mine)
                       + grad_bits // 8 * _ceil(params, dp.shard)))
+    temporaries = costs.step_temporaries(largest, params, dp, bits[0])
     after.append((PhaseKind.OPTIMIZER_STEP, "optimizer step",
                   resident_bytes + kept + grad_bits // 8 * (_ceil(params, dp.shard) if dp.shards_gradients else params)
-                  + costs.step_temporaries(largest, params, dp, bits[0])))
+                  + temporaries))
     return _RankStep(mine, params, resident_bytes, bits, compute, reduce, grad_bytes_per, fresh_bytes_per, gathered, worst,
-                     tuple(after), most, kept)
+                     tuple(after), most, kept, temporaries)
+
+
+@lru_cache(maxsize=4096)
+def _rank_layout(schedule: str, pp: int, virtual_stages: int, rank: int) -> tuple[tuple[int, ...], tuple[bool, ...],
+                                                                                  tuple[bool, ...]]:
+    """(the rank's stages, whether each one's next stage is on the rank too, whether its previous
+    one is): the V's turn is passed by a call, not sent."""
+    indices = rank_stages(schedule, pp, virtual_stages, rank)
+    return indices, tuple(i + 1 in indices for i in indices), tuple(i - 1 in indices for i in indices)
 
 
 def _largest_unit(setup: "Setup", mine: tuple[Stage, ...]) -> int:
     """Elements of the stage's largest FSDP unit: a block, or what the stage holds beside its
     blocks (the embedding, the final norm and the head)."""
-    blocks = block_parameters(setup.arch)
-    units = [n for s in mine for n in blocks[s.first_block:s.last_block]]
-    units += [s.parameters - sum(blocks[s.first_block:s.last_block]) for s in mine]
-    return max(units)
+    memo = derived(setup.arch).setdefault("_pp_largest_unit", {})  # asked per rank of every FSDP2 setting
+    key = tuple((s.first_block, s.last_block, s.parameters) for s in mine)
+    if key not in memo:
+        blocks = block_parameters(setup.arch)
+        units = [n for s in mine for n in blocks[s.first_block:s.last_block]]
+        units += [s.parameters - sum(blocks[s.first_block:s.last_block]) for s in mine]
+        memo[key] = max(units)
+    return memo[key]
 
 
 def _step_temporaries(setup: "Setup", largest: int, params: int, dp: DataParallel,
@@ -948,8 +1206,16 @@ def _step_temporaries(setup: "Setup", largest: int, params: int, dp: DataParalle
     and the rest of the stage's (a foreach step's), as the strategies without a pipeline count them."""
     biggest = _ceil(largest, dp.shard) if dp.shards_optimizer else largest
     stepped = _ceil(params, dp.shard) if dp.shards_optimizer else params
-    return step_temporaries(setup, vectors([biggest] + ([stepped - biggest] if stepped > biggest else [])),
+    return step_temporaries(setup, _step_vectors(biggest, stepped),
                             weight_bits if weight_bits is not None else _bits(setup, params)[0])
+
+
+@lru_cache(maxsize=1024)
+def _step_vectors(biggest: int, stepped: int) -> tuple[TensorShape, ...]:
+    """The largest tensor and the rest of the stage, as vectors: one tuple per pair, since
+    step_temporaries remembers its answer by the tuple's identity (planner/memory/optimizer.py
+    _seen), so the plan's settings of one stage and optimizer ask it once."""
+    return tuple(vectors([biggest] + ([stepped - biggest] if stepped > biggest else [])))
 
 
 def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, virtual_stages: int,
@@ -959,7 +1225,7 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
     st = step or _rank_step(setup, all_stages, rank, pp, virtual_stages, schedule, dp)
     mine, params = st.mine, st.params
     resident = _resident(setup, list(mine), dp, st.bits)
-    grad_bits = _bits(setup, params)[1]
+    grad_bits = st.bits[1]
     gathered = (_item("unsharded parameters of the stage (FSDP2, kept for every micro-batch)", st.gathered_bytes,
                       "buffers", "pipelining/stage.py backward_maybe_with_nosync")
                 if dp.shards_parameters else _item("", 0, "buffers"))
@@ -1014,8 +1280,7 @@ def rank_phases(setup: "Setup", all_stages: list[Stage], rank: int, pp: int, vir
                                    _item("sharded gradients (reduce-scatter output)",
                                          grad_bits // 8 * _ceil(params, dp.shard), "gradients")]
         phases.append(_phase(PhaseKind.GRADIENT_ALLREDUCE, "gradient reduce-scatter over dp", reduce_items))
-    step_items.append(_item("optimizer step temporaries",
-                            _step_temporaries(setup, max(s.largest_tensor for s in mine), params, dp), "buffers",
+    step_items.append(_item("optimizer step temporaries", st.step_temporaries, "buffers",
                             f"{OPTIMIZERS[setup.request.optimizer].source}, over the largest tensor"))
     phases.append(_phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", step_items))
     return resident, phases
@@ -1058,11 +1323,25 @@ def resident_bytes(setup: "Setup") -> int:
     d, req = setup.dims, setup.request
     check_framework(setup, req.pp_schedule)
     dp, shard = _data_parallel_group(setup)
-    all_stages = _checked_stages(setup, d.pp, req.pp_virtual_stages, req.pp_schedule, dp)
-    parallel = data_parallel(setup, dp, shard)
     v = req.pp_virtual_stages
-    return max(_resident_bytes(setup, [all_stages[i] for i in rank_stages(req.pp_schedule, d.pp, v, rank)], parallel)
-               for rank in range(d.pp))
+    count = d.pp * v
+    _check_stages(setup, d.pp, v, req.pp_schedule)
+    activations(setup)  # what the stages' activations refuse (a fused loss's kernel), the estimate refuses
+    # a stage's states and receive buffers (stages() without its activations): its parameters, and
+    # one boundary per micro-batch received (all but the first stage) and sent (all but the last)
+    parameters = [n for n, _ in _stage_parameters(setup.arch, stage_bounds(
+        setup.arch.num_layers, count, req.pp_first_stage_layers, req.pp_last_stage_layers))]
+    boundary = _boundary_bytes(setup, dp)
+    parallel = data_parallel(setup, dp, shard)
+    costs = _StageCosts(setup)  # the middle ranks' stages alike: their bits computed once
+    out = []
+    for rank in range(d.pp):
+        mine = rank_stages(req.pp_schedule, d.pp, v, rank)
+        params = sum(parameters[i] for i in mine)
+        out.append(_resident_bytes(setup, params, boundary * sum(i > 0 for i in mine),
+                                   boundary * sum(i < count - 1 for i in mine), parallel, costs.bits(params),
+                                   costs.bucket_copy))
+    return max(out)
 
 
 def _data_parallel_group(setup: "Setup") -> tuple[int, int]:
@@ -1075,6 +1354,13 @@ def _data_parallel_group(setup: "Setup") -> tuple[int, int]:
 
 def _checked_stages(setup: "Setup", pp: int, virtual_stages: int, schedule: str, dp: int,
                     acts: Activations | None = None) -> list[Stage]:
+    _check_stages(setup, pp, virtual_stages, schedule)
+    return stages(setup, pp, virtual_stages, dp, acts)
+
+
+def _check_stages(setup: "Setup", pp: int, virtual_stages: int, schedule: str) -> None:
+    """Refuse a pipeline whose stages the model does not split: no architecture, a traced model,
+    what the schedule or the split refuses."""
     a = setup.arch
     if a is None:
         raise PlannerError(f"pp={pp} needs an architecture (its layers are split into stages): give a model, "
@@ -1086,7 +1372,6 @@ def _checked_stages(setup: "Setup", pp: int, virtual_stages: int, schedule: str,
     check_split_backward(a, schedule)
     check_split(a.num_layers, pp, virtual_stages, setup.request.pp_first_stage_layers,
                 setup.request.pp_last_stage_layers)
-    return stages(setup, pp, virtual_stages, dp, acts)
 
 
 def check_split_backward(a: Architecture, schedule: str) -> None:
@@ -1095,12 +1380,16 @@ def check_split_backward(a: Architecture, schedule: str) -> None:
     low-rank projections' nodes are not counted, so those models are refused."""
     if not SCHEDULE_SPECS[schedule].splits_backward:
         return
-    for spec in layer_specs(a):
-        if spec.mlp.is_moe or spec.attention.q_lora_rank or spec.attention.kv_lora_rank:
-            raise PlannerError(f"pp_schedule {schedule} splits the backward into input and weight gradients; the "
-                               f"split's held gradients are modelled for dense blocks with plain attention, not "
-                               f"{a.model_type}'s {'experts' if spec.mlp.is_moe else 'MLA'}: use 1f1b, interleaved, "
-                               "looped-bfs or gpipe", field="pp_schedule")
+    memo = derived(a)
+    if "_pp_split_refused" not in memo:  # the plan asks for every setting of a split schedule
+        memo["_pp_split_refused"] = next((spec for spec in layer_specs(a) if spec.mlp.is_moe
+                                          or spec.attention.q_lora_rank or spec.attention.kv_lora_rank), None)
+    spec = memo["_pp_split_refused"]
+    if spec is not None:
+        raise PlannerError(f"pp_schedule {schedule} splits the backward into input and weight gradients; the "
+                           f"split's held gradients are modelled for dense blocks with plain attention, not "
+                           f"{a.model_type}'s {'experts' if spec.mlp.is_moe else 'MLA'}: use 1f1b, interleaved, "
+                           "looped-bfs or gpipe", field="pp_schedule")
 
 
 def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str, dp: int,
@@ -1115,11 +1404,10 @@ def pipeline_phases(setup: "Setup", pp: int, virtual_stages: int, schedule: str,
     costs = _StageCosts(setup)
     for rank in range(pp):  # every rank replayed in integers; the items are written for the worst
         step = _rank_step(setup, all_stages, rank, pp, virtual_stages, schedule, parallel, costs)
-        peak_name, peak_bytes = max(step.phase_bytes(), key=lambda p: p[1])
+        peak_name, peak_bytes = step.peak()
         # zero bubble: the input gradients on the receive buffers stay until the next step's start
         resident_bytes = step.resident_bytes + step.kept_input_grads
-        mine = rank_stages(schedule, pp, virtual_stages, rank)
-        ranks.append(RankMemory(rank, mine, sum(all_stages[i].parameters for i in mine), resident_bytes,
+        ranks.append(RankMemory(rank, tuple(s.index for s in step.mine), step.params, resident_bytes,
                                 peak_bytes, peak_name, step.in_flight))
         steps.append(step)
     worst = max(range(pp), key=lambda i: (ranks[i].peak_bytes, ranks[i].resident_bytes))
