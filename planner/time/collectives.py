@@ -30,7 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
-from functools import lru_cache
+from functools import lru_cache, partial
+from itertools import repeat
 
 from planner.time import arrays
 from planner.model.activations import recompute_flops_per_token
@@ -139,10 +140,11 @@ def step_times_of(columns: list, ring_bandwidth_gbps: float, ring: tuple[int, ..
     block = np.empty((len(columns), options))
     for i, column in enumerate(columns):
         block[i] = column  # a float fills its row
-    terms = block[8:]
-    new = tuple.__new__
-    return [new(StepTime, (c, m, e, o, s, t, u, ring_bandwidth_gbps, ring, h, term_labels, terms, k))
-            for k, (c, m, e, o, s, t, u, h) in enumerate(block[:8].T.tolist())]
+    c, m, e, o, s, t, u, h = block[:8].tolist()
+    # each option's fields zipped into one tuple in C, then made a StepTime without a field-by-field copy
+    fields = zip(c, m, e, o, s, t, u, repeat(ring_bandwidth_gbps), repeat(ring), h, repeat(term_labels),
+                 repeat(block[8:]), range(options))
+    return list(map(partial(tuple.__new__, StepTime), fields))
 
 
 def matmul_parameters(a: Architecture) -> int:
