@@ -401,3 +401,31 @@ def test_a_settings_later_requests_are_the_ones_validation_builds(pp, strategy):
         assert got == built and got.model_fields_set == built.model_fields_set, (micro, accumulation)
     with pytest.raises(ValidationError):
         estimate_request(req, combo, 1 << 14, fields)  # 2^14 x 2,048 tokens: over MAX_TOKENS
+
+
+def test_plan_pauses_the_cyclic_collector_and_restores_it():
+    """plan() runs without the cyclic garbage collector and leaves it as it found it, enabled or not,
+    also when the plan is refused."""
+    import gc
+
+    seen = []
+    import planner.plan.search as search
+
+    original = search._plan
+    try:
+        search._plan = lambda req, profile=None: seen.append(gc.isenabled()) or original(req, profile)
+        req = PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, seq_len=2048, global_batch=64)
+        assert gc.isenabled()
+        search.plan(req)
+        assert gc.isenabled() and seen == [False]
+        gc.disable()
+        search.plan(req)
+        assert not gc.isenabled()
+        gc.enable()
+        with pytest.raises(PlannerError):
+            search.plan(PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, seq_len=2048, global_batch=64,
+                                    pp=3))
+        assert gc.isenabled()
+    finally:
+        search._plan = original
+        gc.enable()

@@ -6,6 +6,7 @@ x checkpointing x offload x micro-batch that reaches the global batch, memory an
 """
 from __future__ import annotations
 
+import gc
 import time as wallclock
 
 from planner.cluster.gpus import check_precision, gpu as lookup_gpu
@@ -33,7 +34,24 @@ __all__ = ["MEMORY_TIE_FRACTION", "TIE_TOLERANCE", "Setting", "estimate_with_tim
 
 
 def plan(req: PlanRequest, profile=None) -> PlanResult:
-    """``profile``: the Profile the request names, read by the adapter (backend/profiles.py)."""
+    """``profile``: the Profile the request names, read by the adapter (backend/profiles.py).
+
+    The cyclic garbage collector is paused while the plan runs (and resumed as it was): the search
+    allocates hundreds of thousands of short-lived tuples and lists, none in a reference cycle
+    (reference counting frees them), and every few thousand allocations the collector would scan
+    them and every long-lived object of the process (the catalogue, the memos) again: about a
+    tenth of a 70B plan's time (bench/plan_speed.py's plan: median 0.33 s collecting, 0.28 s
+    not). Whatever cycle the plan did leave is collected once the collector resumes."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _plan(req, profile)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _plan(req: PlanRequest, profile=None) -> PlanResult:
     if req.finetune == "auto":
         from planner.plan.finetune import plan_finetune_auto
 
