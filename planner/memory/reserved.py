@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import math
+from itertools import repeat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -380,7 +381,7 @@ def allocation_events(setup: "Setup", plan: "PhasePlan", parameters: int, loss: 
                         events += (("record", t, "default"), ("free", t))
                     recorded = True
                 else:
-                    events += [("free", t) for t in gone]
+                    events += zip(repeat("free"), gone)  # the tuples made in C: a plan builds ~10^5
                 del key_tags[keep:], held[key][keep:]
             live_bytes.pop(key, None)
         for key, sizes in want.items():
@@ -391,7 +392,7 @@ def allocation_events(setup: "Setup", plan: "PhasePlan", parameters: int, loss: 
             new = sizes[len(key_held):]
             if new:
                 stream = key[1]
-                events += [("malloc", tag + j, size, stream) for j, size in enumerate(new)]
+                events += zip(repeat("malloc"), range(tag, tag + len(new)), new, repeat(stream))
                 key_tags += range(tag, tag + len(new))
                 tag += len(new)
             key_held[:] = sizes
