@@ -1539,7 +1539,8 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
     # ``t`` counts every rank as a replica of the whole model; a pipeline replica spans pp ranks
     scale = t.step_seconds / step / d.pp
     return t._replace(compute_seconds=compute, communication_seconds=comm, exposed_communication_seconds=exposed,
-                      step_seconds=step, tokens_per_second=t.tokens_per_second * scale, mfu=t.mfu * scale)
+                      step_seconds=step, tokens_per_second=t.tokens_per_second * scale, mfu=t.mfu * scale,
+                      hfu=t.hfu * scale)
 
 
 def _model_parallel_share(setup: "Setup", rows: list[dict], mine: list[Stage]) -> list[dict]:
