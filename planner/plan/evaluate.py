@@ -70,6 +70,14 @@ class Search:
         self.compute_scale = 1.0  # a calibration profile's kernel-rate factor (planner/time/kernels.py)
         self.refusals: list[PlannerError] = []  # settings the request's recipe refused (planner/plan/recipe.py)
         self._setups: dict[int, tuple[EstimateRequest, object]] = {}  # setup_of's, by the request's identity
+        self._step_settings: dict[int, tuple[PlanRequest, StepSettings]] = {}  # settings_of's, likewise
+
+    def settings_of(self, req: PlanRequest) -> StepSettings:
+        """StepSettings.of the plan request (the request itself, or fewer nodes' copy), once each."""
+        hit = self._step_settings.get(id(req))
+        if hit is None or hit[0] is not req or hit[1].compute_scale != self.compute_scale:
+            hit = self._step_settings[id(req)] = (req, StepSettings.of(req, self.recipe, self.compute_scale))
+        return hit[1]
 
     def setup_of(self, request: EstimateRequest):
         """resolve(request), once per request object: a pipeline setting's first request is read by
@@ -177,7 +185,7 @@ def _evaluate_setting(search: Search, req: PlanRequest, combo: Setting, time_bou
     # build their own)
     first = (estimate_request(req, combo, int(micro[-1]) if combo.pp > 1 else 1, search.model_fields)
              if combo.pp * combo.ep > 1 or req.finetune != "full" or req.activation_offload else None)
-    times = step_times(StepSettings.of(req, search.recipe, search.compute_scale), combo, micro, per_rank,
+    times = step_times(search.settings_of(req), combo, micro, per_rank,
                        search.model.parameters, arch, search.g, search.topo, search.fabric, search.nics,
                        frozen=frozen_base_of(first, arch, search.recipe) if first else None,
                        offloaded_per_sequence=_offloaded_per_sequence(first) if first else 0.0)

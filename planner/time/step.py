@@ -489,8 +489,9 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     fw = req.framework(s)  # the request's framework version, resolved once for the step
     nodes = req.nodes
     nic_gbps = nics * fabric["gbps"] * fabric["efficiency"] * req.link_efficiency
-    comm = arrays.zeros_like(arrays.as_float(micro))
-    in_forward = arrays.zeros_like(arrays.as_float(micro))  # of it, what the forward pass sends
+    # every sum starts from a float: numpy broadcasts it over the options (fewer array operations)
+    comm = 0.0
+    in_forward = 0.0  # of it, what the forward pass sends
     slowest = ring_bw * req.link_efficiency
     trainable = frozen.trainable if frozen is not None else None
     for _, volume, passes, message, group, forward_share in combo_collectives(
@@ -501,7 +502,7 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
         if forward_share:
             in_forward = in_forward + forward_share * t.seconds
         slowest = min(slowest, arrays.smallest(t.bottleneck_gbps))
-    exposed_model_parallel = arrays.zeros_like(arrays.as_float(micro))
+    exposed_model_parallel = 0.0
     data_parallel = comm + 0.0  # what FSDP/ZeRO/DDP send, hidden behind the framework's windows (a copy)
     if model_parallel > 1 and arch is not None:
         for _, volume, passes, message, group in model_parallel_collectives(req.recipe, combo, arch, per_rank,
@@ -533,7 +534,7 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     # the host beside the forward's compute and back on demand in backward, over the GPU's host link
     saved_to_host = transfer_seconds(per_rank * offloaded_per_sequence, compute - backward,
                                      PCIE_DEVICE_TO_HOST_GBPS.get(g.pcie, 24.0) * 1e9) if offloaded_per_sequence \
-        else arrays.zeros_like(arrays.as_float(micro))
+        else 0.0
     offload = offload + saved_to_host
     world = combo.gpus * nodes
     model_flops = tokens_rank * model_per_token / model_parallel
@@ -653,23 +654,43 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
     host_wait = arrays.maximum(0.0, t.host - device)
     scale = req.compute_scale  # a profile's measured factor on every kernel rate
     seconds = (accumulation * (device + host_wait) + optimizer) / scale
-    attention_source = ("eager attention: its matmuls at the matmul rate, the score matrix at the memory bandwidth"
-                        if w.eager_bytes else f"{req.attention_kernel}{_stand_in(req.attention_kernel)} measured on "
-                        f"{r.attention_reference.upper()}, "
-                        f"scaled by matmul rate x {r.attention_scale:.2f}")
-    bandwidth = f"{r.memory_bytes_per_s / 1e9:,.0f} GB/s achievable memory bandwidth"
-    head = ("; the LM head as Liger runs it, its three GEMMs per chunk of tokens and the weight's gradient "
-            "read and written per chunk" if w.chunked_head else "")
-    terms = [("matmul", accumulation * matmul, f"{r.matmul_source}, tile waves over {r.sms or '?'} SMs{head}"),
-             ("attention", accumulation * t.attention, attention_source),
-             ("elementwise and loss", accumulation * t.elementwise, bandwidth),
-             (f"recompute ({combo.checkpointing})", accumulation * t.recompute, "the forward kernels rerun, same rates"),
-             ("host launch wait", accumulation * host_wait,
-              f"{r.host_seconds_per_kernel * 1e6:g} µs per eager kernel launch"),
-             ("optimizer step", optimizer, bandwidth)]
+    labels = _compute_labels(r, req.attention_kernel, bool(w.eager_bytes), bool(w.chunked_head), combo.checkpointing,
+                             scaled)
+    values = (accumulation * matmul, accumulation * t.attention, accumulation * t.elementwise,
+              accumulation * t.recompute, accumulation * host_wait, optimizer)
     backward = accumulation * (t.backward + (matmul - t.matmul) * 2 / 3) / scale  # the adapters' backward: 2 of 3
-    return seconds, backward, optimizer / scale, accumulation * hardware, [(n, v / scale, src + scaled)
-                                                                            for n, v, src in terms]
+    if scale != 1.0:
+        values = tuple(v / scale for v in values)
+    return seconds, backward, optimizer / scale, accumulation * hardware, [(n, v, src) for (n, src), v
+                                                                            in zip(labels, values)]
+
+
+def _compute_labels(r: kernels.Rates, attention_kernel: str, eager: bool, chunked_head: bool, checkpointing: str,
+                    scaled: str) -> tuple[tuple[str, str], ...]:
+    """compute_seconds' terms' (name, source), in its order; remembered per argument (the plan
+    times every setting of a layout with the same)."""
+    key = (r, attention_kernel, eager, chunked_head, checkpointing, scaled)
+    hit = _LABELS.get(key)
+    if hit is None:
+        attention_source = ("eager attention: its matmuls at the matmul rate, the score matrix at the memory "
+                            "bandwidth" if eager else f"{attention_kernel}{_stand_in(attention_kernel)} measured on "
+                            f"{r.attention_reference.upper()}, scaled by matmul rate x {r.attention_scale:.2f}")
+        bandwidth = f"{r.memory_bytes_per_s / 1e9:,.0f} GB/s achievable memory bandwidth"
+        head = ("; the LM head as Liger runs it, its three GEMMs per chunk of tokens and the weight's gradient "
+                "read and written per chunk" if chunked_head else "")
+        hit = (("matmul", f"{r.matmul_source}, tile waves over {r.sms or '?'} SMs{head}"),
+               ("attention", attention_source), ("elementwise and loss", bandwidth),
+               (f"recompute ({checkpointing})", "the forward kernels rerun, same rates"),
+               ("host launch wait", f"{r.host_seconds_per_kernel * 1e6:g} µs per eager kernel launch"),
+               ("optimizer step", bandwidth))
+        hit = tuple((name, source + scaled) for name, source in hit)
+        if len(_LABELS) >= 256:
+            _LABELS.clear()
+        _LABELS[key] = hit
+    return hit
+
+
+_LABELS: dict[tuple, tuple[tuple[str, str], ...]] = {}  # _compute_labels' answers
 
 
 def dtensor_shards(req: "StepSettings", combo: Combo) -> int:
