@@ -35,6 +35,7 @@ MAX_GPUS_PER_NODE = 1024
 MAX_NODES = 100_000
 MAX_TOKENS = 1 << 24  # micro_batch * seq_len beyond 16M tokens per device is not a training step
 MAX_GLOBAL_BATCH = 1 << 24  # sequences per optimizer step over all GPUs; PlanRequest.global_batch's bound
+MAX_BATCH_FIELD = 1 << 16  # EstimateRequest's micro_batch and gradient_accumulation bound
 MAX_PARAMS = 10**14  # 100 trillion parameters: far beyond any model trained
 
 
@@ -319,9 +320,9 @@ class EstimateRequest(BaseModel):
     precision: Precision = Field("bf16-mixed", description="precision recipe")
     optimizer: OptimizerField = "adamw"
     optimizer_in_backward: OptimizerInBackwardField = False
-    micro_batch: int = Field(1, ge=1, le=1 << 16, description="sequences per device per micro-step")
+    micro_batch: int = Field(1, ge=1, le=MAX_BATCH_FIELD, description="sequences per device per micro-step")
     seq_len: SeqLen = DEFAULT_SEQ_LEN
-    gradient_accumulation: int = Field(1, ge=1, le=1 << 16, description="micro-steps per optimizer step")
+    gradient_accumulation: int = Field(1, ge=1, le=MAX_BATCH_FIELD, description="micro-steps per optimizer step")
     checkpointing: Checkpointing = Field("none", description="activation checkpointing: none, full, selective-op "
                                          "(torchtitan's per-op SAC), selective-attention (Megatron's core-attention "
                                          "recompute)")
@@ -418,19 +419,9 @@ class EstimateRequest(BaseModel):
                                           ("params", self.params)) if value is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of model, model_config (--model-file) or params; got {given or 'none'}")
-        if self.micro_batch * self.seq_len > MAX_TOKENS:
-            raise ValueError(f"micro_batch({self.micro_batch}) * seq_len({self.seq_len}) = "
-                             f"{self.micro_batch * self.seq_len} tokens exceeds {MAX_TOKENS} per device")
-        # the ranks of a tensor-, context- or pipeline-parallel group train one data-parallel rank's sequences
-        model_parallel = self.tp * self.cp * self.pp
-        replicas = max(1, self.gpus * self.nodes // model_parallel)
-        sequences = self.micro_batch * self.gradient_accumulation * replicas
-        if sequences > MAX_GLOBAL_BATCH:
-            ranks = f"gpus({self.gpus}) * nodes({self.nodes})" + (
-                f" / (tp({self.tp}) * cp({self.cp}) * pp({self.pp}))" if model_parallel > 1 else "")
-            raise ValueError(f"micro_batch({self.micro_batch}) * gradient_accumulation({self.gradient_accumulation}) "
-                             f"* {ranks} = {sequences} sequences per optimizer step "
-                             f"exceeds the global batch bound {MAX_GLOBAL_BATCH}")
+        problem = batch_error(self, self.micro_batch, self.gradient_accumulation)
+        if problem:
+            raise ValueError(problem)
         if self.topology is not None and self.topology_text is not None:
             raise ValueError("give --topology or --topology-file, not both")
         if self.checkpointing_every is not None and self.checkpointing != "full":
@@ -445,6 +436,25 @@ class EstimateRequest(BaseModel):
     @property
     def world_size(self) -> int:
         return self.gpus * self.nodes
+
+
+def batch_error(request: "EstimateRequest", micro_batch: int, gradient_accumulation: int) -> str | None:
+    """What EstimateRequest's validation refuses of ``request`` with these batch fields (tokens per
+    device, sequences per step), None when nothing: its one check that reads them beside their bounds
+    (MAX_BATCH_FIELD), which the plan's search also asks of a request's copies (settings.py)."""
+    if micro_batch * request.seq_len > MAX_TOKENS:
+        return (f"micro_batch({micro_batch}) * seq_len({request.seq_len}) = {micro_batch * request.seq_len} tokens "
+                f"exceeds {MAX_TOKENS} per device")
+    # the ranks of a tensor-, context- or pipeline-parallel group train one data-parallel rank's sequences
+    model_parallel = request.tp * request.cp * request.pp
+    replicas = max(1, request.gpus * request.nodes // model_parallel)
+    sequences = micro_batch * gradient_accumulation * replicas
+    if sequences > MAX_GLOBAL_BATCH:
+        ranks = f"gpus({request.gpus}) * nodes({request.nodes})" + (
+            f" / (tp({request.tp}) * cp({request.cp}) * pp({request.pp}))" if model_parallel > 1 else "")
+        return (f"micro_batch({micro_batch}) * gradient_accumulation({gradient_accumulation}) * {ranks} = "
+                f"{sequences} sequences per optimizer step exceeds the global batch bound {MAX_GLOBAL_BATCH}")
+    return None
 
 
 class ParallelDegrees(BaseModel):

@@ -30,26 +30,33 @@ _COMPONENTS = frozenset(get_args(MemoryItem.model_fields["component"].annotation
 _new, _set = object.__new__, object.__setattr__
 
 
+def _filled(cls, fields: dict):
+    """A ``cls`` model holding ``fields``, filled in as pydantic 2's model_construct does (main.py:
+    __dict__, the fields set, no extra and no private attributes): for what the core builds from
+    values of the fields' types already, tens of thousands per plan."""
+    m = _new(cls)
+    _set(m, "__dict__", fields)
+    _set(m, "__pydantic_fields_set__", set(fields))
+    _set(m, "__pydantic_extra__", None)
+    _set(m, "__pydantic_private__", None)
+    return m
+
+
 def item(name: str, nbytes: int, component: str, source: str = "", stream: str = "default") -> MemoryItem:
     """``stream``: the CUDA stream its tensors are allocated on (the caching allocator's pools are
     per stream: planner/memory/reserved.py).
 
     A plan builds tens of thousands of items, a few hundred of them distinct: an item is made
     once per value and shared (nothing in the core changes an item; model_copy copies), filled in
-    as pydantic 2's model_construct does (main.py: __dict__, the fields set, no extra and no
-    private attributes) after the one check validation would make (the component)."""
+    (_filled) after the one check validation would make (the component)."""
     key = (name, nbytes, component, source, stream)
     m = _ITEMS.get(key)
     if m is not None:
         return m
     if component not in _COMPONENTS:
         raise ValueError(f"component({component!r}) is not one of {sorted(_COMPONENTS)}")
-    m = _new(MemoryItem)
-    _set(m, "__dict__", {"name": name, "bytes": int(nbytes), "component": component, "source": source,
-                         "stream": stream})
-    _set(m, "__pydantic_fields_set__", {"name", "bytes", "component", "source", "stream"})
-    _set(m, "__pydantic_extra__", None)
-    _set(m, "__pydantic_private__", None)
+    m = _filled(MemoryItem, {"name": name, "bytes": int(nbytes), "component": component, "source": source,
+                             "stream": stream})
     if len(_ITEMS) >= 1 << 16:
         _ITEMS.clear()
     _ITEMS[key] = m
@@ -60,18 +67,13 @@ _ITEMS: dict[tuple, MemoryItem] = {}  # item's memo, by its arguments
 
 
 def phase(kind: PhaseKind, name: str, items: list[MemoryItem]) -> Phase:
-    """A phase of this kind shown under ``name``; items of zero bytes are left out. Filled in as
-    ``item`` fills an item (a plan builds thousands of phases from items already made): validation
-    would check only what the arguments' types already are."""
+    """A phase of this kind shown under ``name``; items of zero bytes are left out. Filled in as an
+    item is (_filled: a plan builds thousands of phases from items already made), after the one
+    check validation would make that the arguments' types do not (the kind)."""
     if not isinstance(kind, PhaseKind):
         raise ValueError(f"kind({kind!r}) is not a PhaseKind")
     kept = [i for i in items if i.bytes > 0]
-    p = _new(Phase)
-    _set(p, "__dict__", {"name": name, "bytes": sum(i.bytes for i in kept), "items": kept, "kind": kind})
-    _set(p, "__pydantic_fields_set__", {"name", "bytes", "items", "kind"})
-    _set(p, "__pydantic_extra__", None)
-    _set(p, "__pydantic_private__", None)
-    return p
+    return _filled(Phase, {"name": name, "bytes": sum(i.bytes for i in kept), "items": kept, "kind": kind})
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -14,7 +14,8 @@ from planner.frameworks import Framework, framework_of, version_field, version_f
 from planner.recipes.precision import Recipe
 from planner.model.catalogue import as_loaded, catalogue_model, model_from_config
 from planner.parallel.pipeline import balanced_split, check_schedule, check_split, check_split_backward, stage_bounds
-from planner.schema import MAX_GLOBAL_BATCH, MAX_TOKENS, SHARDING_STRATEGIES, EstimateRequest, PlanRequest
+from planner.schema import (MAX_BATCH_FIELD, MAX_GLOBAL_BATCH, MAX_TOKENS, SHARDING_STRATEGIES, EstimateRequest,
+                            PlanRequest, batch_error)
 from planner.strategies import Strategy, explicit_hsdp_shard, strategy as lookup_strategy
 from planner.time import collectives as timing
 from planner.time.step import Combo, frozen_base_shape
@@ -65,7 +66,8 @@ def estimate_request(req: PlanRequest, combo: Setting, micro: int, model_fields:
     # (planner/frameworks/), the same memory for any number of them; a pipeline's is _degree_fields'
     steps = {"gradient_accumulation": accumulation} if combo.pp == 1 and accumulation and accumulation > 1 else {}
     degrees = _degree_fields(req, combo, micro, accumulation)
-    batch = {"micro_batch": micro} | {k: v for k, v in (steps | degrees).items() if k == "gradient_accumulation"}
+    stated = (steps | degrees).get("gradient_accumulation")
+    batch = {"micro_batch": micro} | ({} if stated is None else {"gradient_accumulation": stated})
     # the search asks for each setting at several micro-batches: the request of one is the setting's
     # first with its batch fields replaced, where the batch passes what validation checks of them
     key = (id(req), id(model_fields), combo, len(batch))
@@ -85,14 +87,12 @@ _REQUESTS: dict[tuple, tuple[PlanRequest, dict, EstimateRequest]] = {}
 
 def _batch_valid(request: EstimateRequest, batch: dict) -> bool:
     """Whether EstimateRequest's validation passes ``request`` with its batch fields replaced by
-    ``batch``: their bounds (1 to 2^16) and the model validator's checks that read them (tokens per
-    device, sequences per step); what else it checks does not depend on them."""
+    ``batch``: their bounds and the one check that reads them (schema.batch_error); what else it
+    checks does not depend on them."""
     micro = batch["micro_batch"]
     accumulation = batch.get("gradient_accumulation", request.gradient_accumulation)
-    if not (1 <= micro <= 1 << 16 and 1 <= accumulation <= 1 << 16) or micro * request.seq_len > MAX_TOKENS:
-        return False
-    replicas = max(1, request.gpus * request.nodes // (request.tp * request.cp * request.pp))
-    return micro * accumulation * replicas <= MAX_GLOBAL_BATCH
+    return 1 <= micro <= MAX_BATCH_FIELD and 1 <= accumulation <= MAX_BATCH_FIELD \
+        and batch_error(request, micro, accumulation) is None
 
 
 def _estimate_request(req: PlanRequest, combo: Setting, micro: int, model_fields: dict, steps: dict,
@@ -266,10 +266,10 @@ def framework_runs(req: PlanRequest, s, tp: int, cp: int, pp: int, schedule: str
 
 # What an estimate request can state (planner/schema.py EstimateRequest): a pipeline setting's
 # request carries its micro-batch count as gradient_accumulation.
-MAX_ACCUMULATION = 1 << 16
+MAX_ACCUMULATION = MAX_BATCH_FIELD
 
 
-MAX_MICRO_BATCH = 1 << 16
+MAX_MICRO_BATCH = MAX_BATCH_FIELD
 
 
 def micro_options(req: PlanRequest, combo: Setting, per_rank: int, num_layers: int) -> np.ndarray:
