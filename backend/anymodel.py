@@ -63,6 +63,7 @@ def traced_estimate(request: EstimateRequest, exc: UnsupportedModelTypeError) ->
     traced parameter count (steptime.TracedShape)."""
     from backend.trace import cached_count, cached_trace
 
+    _refuse_model_parallel(request, exc)
     text = json.dumps(exc.config, sort_keys=True, default=str)
     with _collecting():
         try:
@@ -81,6 +82,23 @@ def traced_estimate(request: EstimateRequest, exc: UnsupportedModelTypeError) ->
     shape = TracedShape.of(profile)
     time = estimate_time(result.request, result, profile_for(result.request), traced=shape)
     return result.model_copy(update={"time": time, "notes": result.notes + ([shape.note()] if time else [])})
+
+
+# the degrees that split a model's layers, sequence or experts over ranks: each needs the layer
+# specs an analytic reader builds, which a trace (one whole model's tensors) does not give
+_MODEL_PARALLEL = ("tp", "pp", "cp", "ep")
+
+
+def _refuse_model_parallel(request: EstimateRequest, exc: UnsupportedModelTypeError) -> None:
+    """A traced model is estimated whole on every rank: a model-parallel degree is refused here,
+    naming the model_type, before the trace (the core's own refusal would speak of a parameter
+    count, what the trace is resolved from first)."""
+    for name in _MODEL_PARALLEL:
+        degree = getattr(request, name)
+        if degree > 1:
+            raise PlannerError(f"{name}={degree}: {exc.name} is traced (its model_type has no analytic reader), "
+                               "and a trace measures the whole model, so it cannot be split over model-parallel "
+                               f"ranks; use {name} 1 or a model_type with a reader (see `planner models`)", field=name)
 
 
 def _about_model(exc: PlannerError, request: EstimateRequest) -> PlannerError:

@@ -16,6 +16,7 @@ decoder block starts its forward and its backward, gives the figures the memory 
 from __future__ import annotations
 
 import json
+import logging as std_logging
 import re
 import warnings
 from contextlib import contextmanager
@@ -34,6 +35,11 @@ MAX_TRACED_LAYERS = 256
 
 
 def _imports():
+    # torchao, which transformers' quantizers import when it is installed, warns on its logger for
+    # each compiled extension this machine cannot load (GPU builds on a CPU host), and torch's pytree
+    # for each enum torchao registers: not the trace's concern, so kept to errors
+    for name in ("torchao", "torch.utils._pytree"):
+        std_logging.getLogger(name).setLevel(std_logging.ERROR)
     try:
         import torch
         import transformers
@@ -47,8 +53,6 @@ def _imports():
 def _quiet(transformers):
     """transformers' config validation warns about token ids outside a small vocabulary and the
     like; the estimate's notes say what matters, so the logs are kept to errors while tracing."""
-    import logging as std_logging
-
     logging = transformers.utils.logging
     level = logging.get_verbosity()
     logging.set_verbosity_error()

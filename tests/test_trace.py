@@ -161,6 +161,21 @@ def test_cli_estimate_of_a_model_file_without_a_reader(tmp_path, capsys):
     assert "Warning" not in out.err and "bos_token_id" not in out.err
 
 
+@pytest.mark.parametrize("flag", ["--tp", "--pp", "--cp", "--ep"])
+def test_a_traced_model_refuses_model_parallel_degrees_naming_the_trace(tmp_path, capsys, flag):
+    """The user gave the architecture (--model-file): the refusal says the model is traced, not that a
+    parameter count was given, and names the degree."""
+    import json
+
+    path = tmp_path / "granite.json"
+    path.write_text(json.dumps(TINY_OTHERS["granite"]))
+    code = main(["estimate", "--model-file", str(path), "--strategy", "fsdp", "--gpus", "8", "--gpu", "h100-80gb",
+                 "--micro-batch", "1", "--seq-len", "64", flag, "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert f"{flag.lstrip('-')}=2: granite is traced" in err and "parameter count" not in err
+
+
 def test_plan_of_a_model_without_a_reader_is_refused_naming_estimate(tmp_path, capsys):
     import json
 
