@@ -148,6 +148,15 @@ def _degrees(c, sep: str = "+") -> str:
                                                                                         ("ep", p.ep)) if value > 1)
 
 
+def _unfit(c) -> str:
+    """A family's best that does not fit: its live peak, and the reserved peak when the caching
+    allocator's replay is what refused it (a live peak under the usable memory)."""
+    d = c.per_device
+    reserved = f", reserved {d.reserved_peak_bytes / GIB:.2f} GiB" if d.reserved_peak_bytes > d.peak_bytes + d.nccl_bytes \
+        else ""
+    return f"does not fit (live peak {d.peak_bytes / GIB:.2f} GiB{reserved})"
+
+
 def _host_lines(r) -> list[str]:
     """The host RAM a fitting option needs per node when it offloads (the sum over the node's
     ranks), and whether the node has it: the device table alone would hide it."""
@@ -188,6 +197,10 @@ def plan_table(r) -> str:
                      f"{c.offload_optimizer + '/' + c.offload_params:<11} {c.per_device.peak_bytes / GIB:>9.2f} "
                      f"{c.step_seconds:>8.3f} {c.exposed_communication_seconds:>15.3f} {c.tokens_per_second:>10,.0f} "
                      f"{c.mfu:>5.2f}")
+    last = max((k for k, c in enumerate(r.candidates, 1) if c.fits), default=0)
+    gaps = [f"#{k}" for k, c in enumerate(r.candidates[:last], 1) if not c.fits]
+    if gaps:  # ranked on their live peak, then refused on the replayed reserved peak or host RAM
+        lines.append(f"  not listed: {', '.join(gaps)}, ranked among these but refused when replayed (see rejected)")
     if len(r.families) > 1:
         lines += ["", "best of each layout family (PlanResult.families):"]
         for c in r.families:
@@ -200,7 +213,7 @@ def plan_table(r) -> str:
                 split = f" {c.pp_schedule}" + (f" v{c.pp_virtual_stages}" if (c.pp_virtual_stages or 1) > 1 else "") + split
             lines.append(f"  {family:<16} {name:<22} mb {c.micro_batch} x {c.gradient_accumulation}{split}: "
                          + (f"{c.per_device.peak_bytes / GIB:.2f} GiB, {c.step_seconds:.3f} s per step, MFU {c.mfu:.2f}"
-                            if c.fits else f"does not fit ({c.per_device.peak_bytes / GIB:.2f} GiB)"))
+                            if c.fits else _unfit(c)))
     lines += _host_lines(r)
     rejected = [c for c in r.candidates if not c.fits]
     reasons = []

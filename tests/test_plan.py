@@ -405,3 +405,22 @@ def test_a_fabric_too_slow_for_the_extra_nodes_says_fewer_nodes_do_better():
     assert f"on {slow.faster_on_fewer_nodes} node(s)" in note and "eth-25g x 1 NIC(s)" in note
     fast = plan(PlanRequest(**kw))  # hgx-h100's own fabric: 8 NDR NICs per node
     assert fast.faster_on_fewer_nodes is None and not any(n.startswith("fewer nodes") for n in fast.notes)
+
+
+def test_a_family_best_refused_on_its_reserved_peak_says_so():
+    """Mixtral on 4 x 8 H100: zero2 x ep8's live peak (75.4 GiB) is under the usable 75.7 GiB but its
+    replayed reserved peak is not. The why names the reserved peak (never 'A GiB > B GiB usable' with
+    A under B), and the table says which ranked rows it leaves out."""
+    import re
+
+    from cli.render import plan_table
+
+    r = plan(PlanRequest(model="mixtral-8x7b", gpu="h100-80gb", gpus=8, nodes=4, seq_len=4096, global_batch=256))
+    refused = [c for c in r.candidates if not c.fits and c.rejected_reason and "reserved peak" in c.rejected_reason]
+    assert refused, "the setting this test is about is no longer refused on its reserved peak"
+    for live, usable in re.findall(r"does not fit: ([\d.]+) GiB > ([\d.]+) GiB usable", r.winner_reason):
+        assert float(live) > float(usable)
+    assert any(f.strategy == refused[0].strategy and not f.fits for f in r.families)
+    assert "does not fit: reserved peak" in r.winner_reason
+    table = plan_table(r)
+    assert "not listed: #1" in table and "reserved " in table

@@ -175,13 +175,22 @@ def _families(candidates: list[Candidate]) -> list[Candidate]:
     return list(seen.values())
 
 
+def _unfit_why(c: Candidate, usable: float) -> str:
+    """Why a candidate does not fit, in short: its live peak over the usable memory, else what its
+    rejected_reason says after naming the setting (the replayed reserved peak over the device, or
+    the host RAM its offload needs)."""
+    if c.per_device.peak_bytes > usable or not c.rejected_reason:
+        return f"{c.per_device.peak_bytes / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable"
+    return c.rejected_reason.partition(": ")[2]
+
+
 def _against(req: PlanRequest, best: Candidate, other: Candidate, usable: float) -> str:
     """Why ``other``, the best of its family, lost to ``best``, in its numbers."""
     schedule = f", {_schedule_label(other)}" if other.parallel.pp > 1 else ""
     name = (f"{_family(other)} (best: {_label(other)}{schedule}, micro-batch {other.micro_batch} x "
             f"{other.gradient_accumulation})")
     if not other.fits:
-        return f"{name} does not fit: {other.per_device.peak_bytes / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable"
+        return f"{name} does not fit: {_unfit_why(other, usable)}"
     if req.objective == "memory":
         return f"{name} peaks at {other.per_device.peak_bytes / GIB:.1f} GiB"
     slower = other.step_seconds / best.step_seconds - 1
