@@ -425,3 +425,45 @@ def test_a_local_model_path_is_joined_to_the_config_json_given_beside_it():
                                                  {"name": "config.json", "text": config}], gpus=2))
     assert request.model is None and request.model_config_["config"]["hidden_size"] == 256
     assert (request.seq_len, request.micro_batch, request.precision) == (512, 2, "bf16-pure")  # axolotl's full bf16
+
+
+# axolotl's documented FSDP2 section (docs/multi-gpu.qmd at axolotl 067b021): keys without
+# accelerate's fsdp_ prefix, which axolotl deprecates and strips (validation.py
+# check_fsdp_config_kwargs_prefix)
+AXOLOTL_FSDP2 = """base_model: NousResearch/Meta-Llama-3.1-8B
+sequence_len: 4096
+micro_batch_size: 1
+gradient_accumulation_steps: 4
+bf16: auto
+flash_attention: true
+fsdp_version: 2
+fsdp_config:
+  offload_params: false
+  cpu_ram_efficient_loading: true
+  auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  state_dict_type: FULL_STATE_DICT
+  reshard_after_forward: {reshard}
+  activation_checkpointing: true
+"""
+
+
+def test_axolotl_fsdp_config_is_read_as_axolotl_writes_it():
+    """Every key of axolotl's own FSDP2 example is read (none unknown): activation_checkpointing turns
+    checkpointing on, reshard_after_forward false is SHARD_GRAD_OP; the prefixed spelling gives the
+    same request, and a key set both ways is refused naming the one written second, at its line."""
+    reading = read_job([("ax.yml", AXOLOTL_FSDP2.format(reshard="true"))], 8)
+    assert reading.unknown == []
+    request = reading.fields
+    assert request["checkpointing"] == "full" and request["strategy"] == "fsdp"
+    assert "ax.yml:15 fsdp_config.activation_checkpointing" in reading.origin["checkpointing"]
+    assert read_job([("ax.yml", AXOLOTL_FSDP2.format(reshard="false"))], 8).fields["strategy"] == "fsdp-grad-op"
+    prefixed = AXOLOTL_FSDP2.format(reshard="true").replace("  activation_checkpointing", "  fsdp_activation_checkpointing")
+    assert read_job([("ax.yml", prefixed)], 8).fields == request
+    both = AXOLOTL_FSDP2.format(reshard="true") + "  fsdp_reshard_after_forward: false\n"
+    with pytest.raises(PlannerError, match=r"ax.yml:16: fsdp_config\.fsdp_reshard_after_forward: sets what "
+                                           r"fsdp_config\.reshard_after_forward sets"):
+        read_job([("ax.yml", both)], 8)
+    wrap = AXOLOTL_FSDP2.format(reshard="true").replace("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP")
+    with pytest.raises(PlannerError, match=r"ax.yml:11: fsdp_config\.auto_wrap_policy: \('SIZE_BASED_WRAP'\) is not "):
+        read_job([("ax.yml", wrap)], 8)

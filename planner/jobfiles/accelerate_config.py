@@ -139,7 +139,7 @@ def _deepspeed(reading: Reading, block: dict[str, Any]) -> None:
 
 def fsdp_section(reading: Reading, block: dict[str, Any]) -> None:
     where = reading.where
-    reading.unknown += check_block(block, FSDP, where, "fsdp_config.")
+    reading.unknown += [where.written(k) for k in check_block(block, FSDP, where, "fsdp_config.")]
     version = str(block.get("fsdp_version", 1))
     if version not in ("1", "2"):
         raise where.error("fsdp_config.fsdp_version", f"({version}) must be 1 or 2")

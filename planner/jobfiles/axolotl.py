@@ -10,6 +10,7 @@ frozen 16-bit base (bf16-mixed, the model's LoRA)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from planner.jobfiles.accelerate_config import fsdp_section
@@ -43,7 +44,7 @@ TABLE: dict[str, Key] = {
     "attn_implementation": Modelled("attention"), "flash_attention": Modelled("attention sdpa"),
     "sdp_attention": Modelled("attention sdpa"), "xformers_attention": Modelled("attention sdpa"),
     "deepspeed": Modelled("the DeepSpeed JSON, read from the files given"),
-    "fsdp_version": Modelled("2 (FSDP2) is modelled"), "fsdp_config": Modelled("FSDP section (accelerate's keys)"),
+    "fsdp_version": Modelled("2 (FSDP2) is modelled"), "fsdp_config": Modelled("FSDP section: accelerate's keys, written without their fsdp_ prefix as axolotl does, or with it"),
     "liger_fused_linear_cross_entropy": Needs("loss", "liger-fused", "Liger's fused linear cross-entropy never "
                                               "holds the logits", lambda v, b: off(v)),
     "cut_cross_entropy": Needs("loss", "cce", "cut cross-entropy never holds the logits", lambda v, b: off(v)),
@@ -144,8 +145,38 @@ def read(data: dict[str, Any], where: Where) -> Reading:
     if get("deepspeed"):
         reading.ds_reference = ("deepspeed", str(get("deepspeed")))
     if get("fsdp_config"):
-        fsdp_section(reading, {"fsdp_version": get("fsdp_version", 1), **get("fsdp_config")})
+        _fsdp(reading, get("fsdp_config"), get("fsdp_version"))
     return reading
+
+
+def _fsdp(reading: Reading, written: Any, version: Any) -> None:
+    """axolotl's fsdp_config, read with accelerate's FSDP table: axolotl spells its keys without
+    accelerate's ``fsdp_`` prefix (``activation_checkpointing``, ``reshard_after_forward``; the
+    prefixed spelling is deprecated and stripped, utils/schemas/validation.py
+    check_fsdp_config_kwargs_prefix at axolotl 067b021) and takes the version as ``version`` there
+    or ``fsdp_version`` at the top (check_fsdp_version_in_fsdp_config). Messages name the keys as
+    written."""
+    where = reading.where
+    if not isinstance(written, dict):
+        raise where.error("fsdp_config", f"must be a mapping of FSDP settings, got {written!r}")
+    block: dict[str, Any] = {}
+    aliases = []
+    for key, value in written.items():
+        key = str(key)
+        inner = "fsdp_version" if key == "version" else key if key.startswith("fsdp_") else f"fsdp_{key}"
+        if inner in block:
+            first = dict(aliases).get(f"fsdp_config.{inner}", f"fsdp_config.{inner}")
+            raise where.error(f"fsdp_config.{key}", f"sets what {first} sets (axolotl reads the key without its "
+                                                    "fsdp_ prefix); keep one")
+        block[inner] = value
+        if inner != key:
+            aliases.append((f"fsdp_config.{inner}", f"fsdp_config.{key}"))
+    block.setdefault("fsdp_version", 1 if version is None else version)
+    reading.where = replace(where, aliases=where.aliases + tuple(aliases))
+    try:
+        fsdp_section(reading, block)
+    finally:
+        reading.where = where
 
 
 def _adapter(reading: Reading, data: dict[str, Any]) -> str | None:

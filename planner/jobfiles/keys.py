@@ -79,6 +79,13 @@ class Where:
 
     name: str
     text: str
+    # (key as the reader names it, key as the file writes it): a format that spells another's keys
+    # its own way (axolotl's fsdp_config without accelerate's fsdp_ prefix) is read with the other's
+    # table, and every line found and message given names the key as written
+    aliases: tuple[tuple[str, str], ...] = ()
+
+    def written(self, key: str) -> str:
+        return dict(self.aliases).get(key, key)
 
     def line(self, key: str) -> int | None:
         """The line that sets ``key``: its last dotted part as ``key:`` (YAML), ``key =`` (TOML),
@@ -87,7 +94,7 @@ class Where:
         in its own."""
         lines = self.text.splitlines()
         start = 0
-        *sections, last = key.split(".")
+        *sections, last = self.written(key).split(".")
         for section in sections:
             found = self._find(lines, section, start, header=True)
             if found is not None:
@@ -113,7 +120,8 @@ class Where:
         return f"{self.name}:{line}" if line else self.name
 
     def error(self, key: str, message: str) -> PlannerError:
-        return PlannerError(f"{self.at(key)}: {key}: {message}", field=f"files.{self.name}.{key}")
+        shown = self.written(key)
+        return PlannerError(f"{self.at(key)}: {shown}: {message}", field=f"files.{self.name}.{shown}")
 
 
 def check_block(block: dict[str, Any], table: dict[str, Key], where: Where, prefix: str = "") -> list[str]:

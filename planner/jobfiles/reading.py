@@ -26,7 +26,7 @@ class Reading:
 
     def set(self, name: str, value: Any, key: str) -> None:
         self.fields[name] = value
-        self.origin[name] = f"{self.where.at(key)} {key}"
+        self.origin[name] = f"{self.where.at(key)} {self.where.written(key)}"
 
     def default(self, name: str, value: Any) -> None:
         self.defaults[name] = value
