@@ -467,3 +467,52 @@ def test_axolotl_fsdp_config_is_read_as_axolotl_writes_it():
     wrap = AXOLOTL_FSDP2.format(reshard="true").replace("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP")
     with pytest.raises(PlannerError, match=r"ax.yml:11: fsdp_config\.auto_wrap_policy: \('SIZE_BASED_WRAP'\) is not "):
         read_job([("ax.yml", wrap)], 8)
+
+
+# axolotl's FSDP1 examples (examples/dbrx/16bit-lora.yaml at 067b021): the option list with
+# fsdp_config's prefixed keys, no fsdp_version (axolotl keeps FSDP1 then)
+AXOLOTL_FSDP1 = """base_model: NousResearch/Meta-Llama-3.1-8B
+sequence_len: 2048
+micro_batch_size: 1
+gradient_accumulation_steps: 1
+bf16: auto
+fsdp:
+  - {word}
+  - auto_wrap
+fsdp_config:
+  fsdp_sync_module_states: true
+  fsdp_offload_params: false
+  fsdp_use_orig_params: false
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_state_dict_type: FULL_STATE_DICT
+  fsdp_activation_checkpointing: true
+"""
+
+
+@pytest.mark.parametrize("word, strategy", [("full_shard", "fsdp"), ("shard_grad_op", "fsdp-grad-op"),
+                                            ("hybrid_shard", "hsdp")])
+def test_axolotl_fsdp1_option_list_is_read_as_transformers_reads_it(word, strategy):
+    reading = read_job([("ax.yml", AXOLOTL_FSDP1.format(word=word))], 8)
+    assert reading.fields["strategy"] == strategy and reading.fields["checkpointing"] == "full"
+    assert reading.origin["strategy"] == "ax.yml:6 fsdp"  # the option word decided it
+    assert any("FSDP2's per-unit model" in n for n in reading.notes)  # FSDP1, said so
+    with pytest.raises(PlannerError, match=r"ax.yml:6: fsdp: \('no_shard'\) is not modelled"):
+        read_job([("ax.yml", AXOLOTL_FSDP1.format(word="no_shard"))], 8)
+
+
+def test_hf_trainer_fsdp_reads_fsdp_config_as_transformers_does():
+    """transformers 5.25: fsdp_config's keys without the fsdp_ prefix (activation_checkpointing was
+    ignored before), FSDP2 when no version is given, cpu_offload the offload; hybrid_shard is FSDP1
+    only; a file path for fsdp_config is refused in one line."""
+    sft = {"model_name_or_path": "Qwen/Qwen2.5-0.5B", "output_dir": "o", "fsdp": "full_shard auto_wrap",
+           "fsdp_config": {"activation_checkpointing": True, "cpu_offload": True}}
+    reading = read_job([("sft.json", json.dumps(sft))], 8)
+    assert reading.fields["strategy"] == "fsdp" and reading.fields["checkpointing"] == "full"
+    assert reading.fields["offload_params"] == "cpu" and reading.unknown == []
+    assert not any("FSDP2's per-unit model" in n for n in reading.notes)  # FSDP2: transformers' default
+    with pytest.raises(PlannerError, match=r"fsdp: \('hybrid_shard'\) is not modelled: .*FSDP1 only"):
+        read_job([("sft.json", json.dumps(dict(sft, fsdp="hybrid_shard")))], 8)
+    with pytest.raises(PlannerError, match=r"fsdp_config: \('fsdp.json'\) names a file"):
+        read_job([("sft.json", json.dumps(dict(sft, fsdp_config="fsdp.json")))], 8)

@@ -5,6 +5,7 @@ read by planner/frameworks/deepspeed/config.py from the files given."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from planner.jobfiles.common import inert
@@ -149,23 +150,87 @@ def fsdp_section(reading: Reading, block: dict[str, Any]) -> None:
         if prefetch not in ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH", "1", "2"):
             raise where.error("fsdp_config.fsdp_backward_prefetch", f"({prefetch!r}) must be BACKWARD_PRE, "
                                                                     "BACKWARD_POST or NO_PREFETCH")
-    strategy = "fsdp"
+    strategy, decided_by = "fsdp", "fsdp_config.fsdp_version"
     if "fsdp_sharding_strategy" in block:
+        decided_by = "fsdp_config.fsdp_sharding_strategy"
         text = str(block["fsdp_sharding_strategy"]).upper()
         if text not in FSDP_STRATEGY:
             raise where.error("fsdp_config.fsdp_sharding_strategy", f"({text!r}) is not modelled: FULL_SHARD, "
                                                                     "SHARD_GRAD_OP and HYBRID_SHARD are")
         strategy = FSDP_STRATEGY[text]
     if "fsdp_reshard_after_forward" in block:
+        decided_by = "fsdp_config.fsdp_reshard_after_forward"
         value = block["fsdp_reshard_after_forward"]
         if isinstance(value, str) and value.upper() in FSDP_STRATEGY:
             strategy = FSDP_STRATEGY[value.upper()]
         else:
             strategy = "fsdp" if flag(value, where, "fsdp_config.fsdp_reshard_after_forward") else "fsdp-grad-op"
-    reading.set("strategy", strategy, "fsdp_config.fsdp_version")
+    reading.set("strategy", strategy, decided_by)
     if flag(block.get("fsdp_offload_params"), where, "fsdp_config.fsdp_offload_params"):
         reading.set("offload_params", "cpu", "fsdp_config.fsdp_offload_params")
         reading.set("offload_optimizer", "cpu", "fsdp_config.fsdp_offload_params")
     if "fsdp_activation_checkpointing" in block:
         on = flag(block["fsdp_activation_checkpointing"], where, "fsdp_config.fsdp_activation_checkpointing")
         reading.set("checkpointing", "full" if on else "none", "fsdp_config.fsdp_activation_checkpointing")
+
+
+# transformers' fsdp option words (trainer_utils.py FSDPOption) that choose the sharding, as
+# _apply_legacy_fsdp_to_config turns them into fsdp_config's reshard_after_forward (training_args.py
+# at transformers 5.25, lines 2916-2932): FSDP2 takes full_shard (True) and shard_grad_op (False)
+# only, FSDP1 the strategy's name; offload sets the CPU offload, auto_wrap nothing (the default wrap)
+SHARDING_WORDS = {"full_shard": True, "shard_grad_op": False, "hybrid_shard": None}
+
+
+def trainer_fsdp_section(reading: Reading, option: Any, written: Any, version: Any, renames: dict[str, str]) -> None:
+    """An FSDP job as HF Trainer (and axolotl, which hands it on) writes it: ``option`` the ``fsdp``
+    value (true, or the legacy option words), ``written`` its fsdp_config, whose keys both drop
+    accelerate's ``fsdp_`` prefix (``renames`` says what else they call differently), ``version``
+    the FSDP version where the config gives none. Read with accelerate's table (fsdp_section);
+    every message names the key as written, a setting made by an option word names ``fsdp``."""
+    where = reading.where
+    if written is None:
+        written = {}
+    if isinstance(written, str):
+        raise where.error("fsdp_config", f"({written!r}) names a file: give its settings inline as a mapping "
+                                         "(the file is not read)")
+    if not isinstance(written, dict):
+        raise where.error("fsdp_config", f"must be a mapping of FSDP settings, got {written!r}")
+    block: dict[str, Any] = {}
+    aliases: list[tuple[str, str]] = []
+    for key in map(str, written):
+        inner = renames.get(key, key if key.startswith("fsdp_") else f"fsdp_{key}")
+        if inner in block:
+            first = dict(aliases).get(f"fsdp_config.{inner}", f"fsdp_config.{inner}")
+            raise where.error(f"fsdp_config.{key}", f"sets what {first} sets (the fsdp_ prefix is dropped when "
+                                                    "read); keep one")
+        block[inner] = written[key]
+        if inner != key:
+            aliases.append((f"fsdp_config.{inner}", f"fsdp_config.{key}"))
+    block.setdefault("fsdp_version", version)
+    if not isinstance(option, bool):
+        _option_words(where, option, block, aliases)
+    reading.where = replace(where, aliases=where.aliases + tuple(aliases))
+    try:
+        fsdp_section(reading, block)
+    finally:
+        reading.where = where
+
+
+def _option_words(where: Where, option: Any, block: dict[str, Any], aliases: list[tuple[str, str]]) -> None:
+    words = option.split() if isinstance(option, str) else list(option) if isinstance(option, list) else None
+    if words is None:
+        raise where.error("fsdp", f"must be true, or a string or list of FSDP options, got {option!r}")
+    fsdp2 = str(block["fsdp_version"]) == "2"
+    for word in map(str, words):
+        if word in SHARDING_WORDS and not (fsdp2 and SHARDING_WORDS[word] is None):
+            key, value = "fsdp_reshard_after_forward", SHARDING_WORDS[word] if fsdp2 else word
+        elif word == "offload":
+            key, value = "fsdp_offload_params", True
+        elif word == "auto_wrap":
+            continue
+        else:
+            raise where.error("fsdp", f"({word!r}) is not modelled: full_shard, shard_grad_op, hybrid_shard (FSDP1 "
+                                      "only, as transformers allows it), offload and auto_wrap are")
+        if key not in block:
+            block[key] = value
+            aliases.append((f"fsdp_config.{key}", "fsdp"))

@@ -10,10 +10,9 @@ frozen 16-bit base (bf16-mixed, the model's LoRA)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
-from planner.jobfiles.accelerate_config import fsdp_section
+from planner.jobfiles.accelerate_config import trainer_fsdp_section
 from planner.jobfiles.common import attention, hf_optimizer, inert, model_name, value_needs
 from planner.jobfiles.hf_trainer import embeddings
 from planner.jobfiles.keys import Inert, Key, Modelled, Needs, Refused, Where, check_block, off
@@ -45,6 +44,7 @@ TABLE: dict[str, Key] = {
     "sdp_attention": Modelled("attention sdpa"), "xformers_attention": Modelled("attention sdpa"),
     "deepspeed": Modelled("the DeepSpeed JSON, read from the files given"),
     "fsdp_version": Modelled("2 (FSDP2) is modelled"), "fsdp_config": Modelled("FSDP section: accelerate's keys, written without their fsdp_ prefix as axolotl does, or with it"),
+    "fsdp": Modelled("FSDP1's option list (full_shard, shard_grad_op, hybrid_shard, offload, auto_wrap), as transformers reads it"),
     "liger_fused_linear_cross_entropy": Needs("loss", "liger-fused", "Liger's fused linear cross-entropy never "
                                               "holds the logits", lambda v, b: off(v)),
     "cut_cross_entropy": Needs("loss", "cce", "cut cross-entropy never holds the logits", lambda v, b: off(v)),
@@ -69,7 +69,6 @@ TABLE: dict[str, Key] = {
        for key in ("tensor_parallel_size", "context_parallel_size", "sequence_parallel_degree", "dp_shard_size",
                    "data_parallel_size")},
     **{key: Refused(reason, lambda v, b: off(v), "false or remove it") for key, reason in (
-        ("fsdp", "FSDP1's option list (fsdp_config with fsdp_version 2 is read)"),
         ("offload", "offloads layers"), ("layer_offloading", "offloads layers"),
         ("lora_on_cpu", "keeps the adapters on the CPU"), ("relora", "ReLoRA restarts and merges adapters"),
         ("peft_use_dora", "DoRA keeps a magnitude vector and the weight's norm"),
@@ -83,6 +82,7 @@ TABLE: dict[str, Key] = {
         ("torch_compile_backend", "torch.compile"), ("torch_compile_mode", "torch.compile"),
         ("torch_compile_options", "torch.compile"), ("qlora_sharded_model_loading", "loading, with FSDP1"),
         ("reshard_after_forward", "FSDP2's reshard, read from fsdp_config"),
+        ("qat", "quantization-aware training (torchao's fake-quantized linears, their transients and saved tensors)"),
         ("activation_checkpointing", "activation checkpointing spelled apart from gradient_checkpointing"))},
     **inert("the data pipeline, outside the step", "datasets", "dataset_prepared_path", "val_set_size",
             "test_datasets", "shuffle_merged_datasets", "dataset_processes", "chat_template", "train_on_inputs",
@@ -144,39 +144,15 @@ def read(data: dict[str, Any], where: Where) -> Reading:
         reading.set("precision", "fp32", "bf16")
     if get("deepspeed"):
         reading.ds_reference = ("deepspeed", str(get("deepspeed")))
-    if get("fsdp_config"):
-        _fsdp(reading, get("fsdp_config"), get("fsdp_version"))
+    if get("fsdp") or get("fsdp_config"):
+        # axolotl hands fsdp and fsdp_config to transformers' TrainingArguments, but keeps FSDP1 where no
+        # version is given (utils/schemas/validation.py check_fsdp_version_in_fsdp_config at 067b021)
+        # and drops the keys' fsdp_ prefix itself (check_fsdp_config_kwargs_prefix)
+        trainer_fsdp_section(reading, get("fsdp") or True, get("fsdp_config"), get("fsdp_version") or 1,
+                             {"version": "fsdp_version"})
     return reading
 
 
-def _fsdp(reading: Reading, written: Any, version: Any) -> None:
-    """axolotl's fsdp_config, read with accelerate's FSDP table: axolotl spells its keys without
-    accelerate's ``fsdp_`` prefix (``activation_checkpointing``, ``reshard_after_forward``; the
-    prefixed spelling is deprecated and stripped, utils/schemas/validation.py
-    check_fsdp_config_kwargs_prefix at axolotl 067b021) and takes the version as ``version`` there
-    or ``fsdp_version`` at the top (check_fsdp_version_in_fsdp_config). Messages name the keys as
-    written."""
-    where = reading.where
-    if not isinstance(written, dict):
-        raise where.error("fsdp_config", f"must be a mapping of FSDP settings, got {written!r}")
-    block: dict[str, Any] = {}
-    aliases = []
-    for key, value in written.items():
-        key = str(key)
-        inner = "fsdp_version" if key == "version" else key if key.startswith("fsdp_") else f"fsdp_{key}"
-        if inner in block:
-            first = dict(aliases).get(f"fsdp_config.{inner}", f"fsdp_config.{inner}")
-            raise where.error(f"fsdp_config.{key}", f"sets what {first} sets (axolotl reads the key without its "
-                                                    "fsdp_ prefix); keep one")
-        block[inner] = value
-        if inner != key:
-            aliases.append((f"fsdp_config.{inner}", f"fsdp_config.{key}"))
-    block.setdefault("fsdp_version", 1 if version is None else version)
-    reading.where = replace(where, aliases=where.aliases + tuple(aliases))
-    try:
-        fsdp_section(reading, block)
-    finally:
-        reading.where = where
 
 
 def _adapter(reading: Reading, data: dict[str, Any]) -> str | None:

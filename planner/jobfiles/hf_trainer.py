@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from planner.jobfiles.accelerate_config import trainer_fsdp_section
 from planner.jobfiles.common import attention, hf_optimizer, hf_sgd_momentum, inert, model_name, precision
 from planner.jobfiles.keys import Inert, Key, Modelled, Needs, Refused, Where, check_block, equals, needs_met, off
 from planner.jobfiles.reading import Reading, flag, number, whole
@@ -164,7 +165,11 @@ def read(data: dict[str, Any], where: Where) -> Reading:
             raise where.error("deepspeed", "give the DeepSpeed config as a file path (an inline dict is not read)")
         reading.ds_reference = ("deepspeed", get("deepspeed"))
     if get("fsdp"):
-        _fsdp(reading, get("fsdp"), get("fsdp_config") or {})
+        # transformers 5.25 TrainingArguments: fsdp_config's keys lose their fsdp_ prefix, the offload
+        # is cpu_offload, and FSDP2 is the version when none is given (training_args.py lines 2784-2786,
+        # 2826-2830)
+        trainer_fsdp_section(reading, get("fsdp"), get("fsdp_config"), 2,
+                             {"version": "fsdp_version", "cpu_offload": "fsdp_offload_params"})
     if is_trl:
         _trl_model(reading, data)
     return reading
@@ -196,30 +201,6 @@ def read_length(reading: Reading, data: dict[str, Any]) -> None:
         reading.origin["steps"] = reading.where.at("max_steps") + " max_steps"
     else:
         reading.epochs = number(data.get("num_train_epochs", 3.0), reading.where, "num_train_epochs")
-
-
-# transformers' fsdp option words (trainer_utils.py FSDPOption): full_shard, shard_grad_op,
-# hybrid_shard, hybrid_shard_zero2, no_shard, offload, auto_wrap.
-FSDP_WORDS = {"full_shard": "fsdp", "shard_grad_op": "fsdp-grad-op", "hybrid_shard": "hsdp"}
-
-
-def _fsdp(reading: Reading, option: Any, config: dict[str, Any]) -> None:
-    words = option.split() if isinstance(option, str) else list(option) if isinstance(option, list) else None
-    if words is None:
-        raise reading.where.error("fsdp", f"must be a string or a list of FSDP options, got {option!r}")
-    strategies = [FSDP_WORDS[w] for w in words if w in FSDP_WORDS]
-    other = [w for w in words if w not in FSDP_WORDS and w not in ("offload", "auto_wrap")]
-    if other or len(strategies) != 1:
-        raise reading.where.error("fsdp", f"({option!r}) is not modelled: one of full_shard, shard_grad_op or "
-                                          "hybrid_shard, with offload and auto_wrap, is")
-    version = config.get("version", config.get("fsdp_version", 1))
-    if str(version) != "2":
-        raise reading.where.error("fsdp_config", f"version {version}: FSDP1's flat parameters are not modelled (the "
-                                                 "estimate is FSDP2's); set fsdp_config.version: 2")
-    reading.set("strategy", strategies[0], "fsdp")
-    if "offload" in words:
-        reading.set("offload_params", "cpu", "fsdp")
-        reading.set("offload_optimizer", "cpu", "fsdp")
 
 
 def _trl_model(reading: Reading, data: dict[str, Any]) -> None:
