@@ -35,8 +35,11 @@ def run(capsys, config, tmp_path, *extra):
     (zero3(zero_quantized_weights=True), "zero_quantized_weights(true) is not modelled: ZeRO++ qwZ"),
     (zero3(zero_quantized_gradients=True), "zero_quantized_gradients(true) is not modelled: ZeRO++ qgZ"),
     (zero3(zero_quantized_nontrainable_weights=True), "zero_quantized_nontrainable_weights(true)"),
-    (ZERO3 | {"tensor_parallel": {"autotp_size": 2}}, "ds_config.tensor_parallel({\"autotp_size\": 2}) is not "
-                                                      "modelled: tensor parallelism (AutoTP)"),
+    (ZERO3 | {"tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": True}},
+     "ds_config.tensor_parallel.tp_overlap_comm(true) is not modelled: overlaps the row-parallel all-reduce"),
+    (ZERO3 | {"tensor_parallel": {"autotp_size": 2, "partition_config": {"use_default_specs": False}}},
+     "ds_config.tensor_parallel.partition_config"),
+    (ZERO3 | {"zero_optimisation": {"stage": 3}}, "ds_config has unknown key 'zero_optimisation'"),
     (zero3(offload_optimizer={"device": "cpu", "ratio": 0.3}), "offload_optimizer.ratio(0.3) is not modelled"),
     (zero3(offload_param={"device": "nvme", "nvme_path": "/nvme", "buffer_count": 8}),
      "offload_param.buffer_count(8) is not modelled"),
@@ -173,3 +176,46 @@ def test_every_key_deepspeed_reads_is_classified():
 
     assert set(ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS) == dsconfig.REMOVED_TOP
     assert set(ds_config._REMOVED_ZERO_CONFIG_KEYS) == dsconfig.REMOVED_ZERO
+
+
+# LLaMA-Factory's shipped DeepSpeed configs (examples/deepspeed at ff6d4d1), the keys that were refused
+LLAMAFACTORY_Z2_AUTOTP = {
+    "_comment": "suooprted model list: https://www.deepspeed.ai/tutorials/automatic-tensor-parallelism/#supported-models",
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 5e8,
+                          "overlap_comm": False, "reduce_scatter": True, "reduce_bucket_size": 5e8,
+                          "contiguous_gradients": True, "round_robin_gradients": True},
+    "tensor_parallel": {"autotp_size": 2},
+}
+
+
+def test_llamafactory_autotp_config_is_read_as_deepspeed_and_transformers_read_it(capsys, tmp_path):
+    """A "_comment" key (DeepSpeed reads no key starting with _), round_robin_gradients (the same
+    partition sizes), bf16 and fp16 both "auto" (the trainer's precision decides: the request's) and
+    tensor_parallel.autotp_size 2 (the request's tp) give the estimate of the same job asked with
+    flags; a tp flag that contradicts autotp_size is refused."""
+    code, out, err = run(capsys, LLAMAFACTORY_Z2_AUTOTP, tmp_path, "--micro-batch", "2", "--seq-len", "2048")
+    assert code == 0, err
+    from_config = json.loads(out)
+    assert from_config["parallel"]["tp"] == 2 and from_config["request"]["precision"] == "bf16-mixed"
+    assert main(["estimate", "--model", "llama-3-8b", "--strategy", "zero2", "--gpus", "8", "--tp", "2",
+                 "--micro-batch", "2", "--seq-len", "2048", "--json"]) == 0
+    flags = json.loads(capsys.readouterr().out)
+    assert from_config["per_device"] == flags["per_device"]
+    code, out, err = run(capsys, LLAMAFACTORY_Z2_AUTOTP, tmp_path, "--tp", "4")
+    assert code == 2 and "tp=4 but ds_config.tensor_parallel.autotp_size is 2" in err
+    fp16 = dict(LLAMAFACTORY_Z2_AUTOTP, fp16={"enabled": True}, tensor_parallel={"autotp_size": 1})
+    code, out, err = run(capsys, fp16, tmp_path)
+    assert code == 0 and json.loads(out)["request"]["precision"] == "fp16-mixed", err
+
+
+def test_keys_deepspeed_does_not_read_are_accepted(capsys, tmp_path):
+    """LLaMA-Factory's ds_z3_fp8_config.json writes comms_config and monitor_config, which DeepSpeed
+    0.19.8 never reads (its keys are comms_logger and the monitors' own)."""
+    code, _, err = run(capsys, ZERO3 | {"comms_config": {"verbose": False},
+                                        "monitor_config": {"enabled": True, "tag": "DeepSpeedMonitor"}}, tmp_path)
+    assert code == 0, err

@@ -97,7 +97,11 @@ def _from_config(request: EstimateRequest, zero: ZeroSettings) -> dict:
         return {}
     micro, accumulation = batch_from_config(zero, request.world_size)
     given = request.model_fields_set
-    found = {"optimizer": zero.optimizer, "micro_batch": micro, "gradient_accumulation": accumulation}
+    if zero.autotp_size is not None and "tp" in given and request.tp != zero.autotp_size:
+        raise PlannerError(f"tp={request.tp} but ds_config.tensor_parallel.autotp_size is {zero.autotp_size}: "
+                           "DeepSpeed trains the config's degree; give one of them", field="tp")
+    found = {"optimizer": zero.optimizer, "micro_batch": micro, "gradient_accumulation": accumulation,
+             "tp": zero.autotp_size}
     return {k: v for k, v in found.items() if v is not None and k not in given}
 
 
@@ -112,6 +116,8 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
             and "precision" not in request.model_fields_set:
         precision = zero.precision  # the config's bf16/fp16 block, unless --precision was given
     from_config = _from_config(request, zero)
+    # what the config fixes is the request from here on: its AutoTP degree shapes the layout below
+    request = request.model_copy(update=from_config)
     recipe = RECIPES[precision]  # the precision decoded once: the Setup carries it
     check_precision(g, precision, recipe)
     fw = framework_of(s, request.framework_version)

@@ -63,7 +63,32 @@ def _empty(block: Any) -> bool:
 
 
 MODELLED_TOP = frozenset({"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                          "optimizer", "fp16", "bf16", "zero_optimization", "communication_data_type"})
+                          "optimizer", "fp16", "bf16", "zero_optimization", "communication_data_type",
+                          "tensor_parallel"})
+
+# tensor_parallel: DeepSpeed 0.19.8's AutoTP training block (runtime/tensor_parallel/config.py
+# TPTrainingConfig); autotp_size is the request's tp (the planner's AutoTP layout), the rest is
+# accepted at its default only
+UNMODELLED_TP = {
+    "tp_overlap_comm": Unmodelled(_is(False), "overlaps the row-parallel all-reduce with compute", "false"),
+    "vocab_parallel_lm_head": Unmodelled(lambda v: v is None, "sets the LM head's vocabulary sharding; the "
+                                         "model follows the default (null: the model's HF plan)", "remove it"),
+    "tensor_parallel": Unmodelled(_empty, "the inference TP settings", "remove it"),
+    "tp": Unmodelled(_empty, "the inference TP settings", "remove it"),
+    "injection_policy_tuple": Unmodelled(lambda v: v is None, "a custom injection policy splits other layers",
+                                         "remove it"),
+    "partition_config": Unmodelled(lambda v: v is None, "custom layer partitioning rules split other layers",
+                                   "remove it"),
+    "preset_model": Unmodelled(lambda v: v is None, "a preset's partitioning rules instead of the model's HF plan",
+                               "remove it"),
+    "replace_with_kernel_inject": Unmodelled(_is(False), "inference kernels", "false"),
+    "kernel_inject": Unmodelled(_is(False), "inference kernels", "false"),
+    "dtype": Unmodelled(lambda v: v is None, "converts the model to another dtype than the training precision",
+                        "remove it"),
+}
+INERT_TP = {"vocab_parallel_ce_backend": "the cross-entropy kernel of a vocabulary-sharded head (not used by default)",
+            "keep_module_on_host": "where checkpoints load, before training"}
+TP_KEYS = frozenset({"autotp_size"}) | frozenset(UNMODELLED_TP) | frozenset(INERT_TP)
 
 INERT_TOP = {
     "scheduler": "the learning-rate schedule changes values, not memory or time",
@@ -88,7 +113,15 @@ INERT_TOP = {
     "autotuning": "read by the `deepspeed --autotuning` launcher, not by the training step",
     "aio": "tunes the NVMe swapper's I/O queue; the model takes the drive's rate as one constant "
            "(planner/plan/search.py NVME_GBPS, calibratable)",
+    # LLaMA-Factory's examples/deepspeed/ds_z3_fp8_config.json writes these two; DeepSpeed 0.19.8 reads
+    # neither (runtime/config.py: DeepSpeedCommsConfig reads comms_logger, get_monitor_config reads
+    # tensorboard, wandb, csv_monitor and comet, all at the top level)
+    "comms_config": "not a key DeepSpeed reads (its communication logger is comms_logger)",
+    "monitor_config": "not a key DeepSpeed reads (its monitors are tensorboard, wandb, csv_monitor and comet)",
 }
+# JSON has no comments; configs write them as keys like "_comment" (LLaMA-Factory's
+# ds_z2_autotp_config.json), and DeepSpeed reads no key that starts with "_"
+COMMENT_PREFIX = "_"
 
 UNMODELLED_TOP = {
     "torch_autocast": Unmodelled(_switched_off("enabled"), "autocast keeps fp32 weights and casts per op", "enabled: false"),
@@ -109,9 +142,6 @@ UNMODELLED_TOP = {
     "hybrid_engine": Unmodelled(_switched_off("enabled"), "the RLHF hybrid engine keeps inference copies",
                                 "enabled: false"),
     "weight_quantization": Unmodelled(_empty, "quantized weights change their bytes", "remove the block"),
-    "tensor_parallel": Unmodelled(lambda b: isinstance(b, dict) and _at_most(1)(b.get("autotp_size", 0)),
-                                  "tensor parallelism (AutoTP) divides weights and activations over a TP group",
-                                  "autotp_size 0 or 1"),
     "expert_parallel": Unmodelled(_switched_off("enabled"), "expert parallelism places MoE experts on "
                                   "different ranks", "enabled: false"),
     "use_data_before_expert_parallelism": Unmodelled(_is(False), "changes the expert-parallel group layout", "false"),
@@ -140,6 +170,12 @@ INERT_ZERO = {
     "gather_16bit_weights_on_model_save": "saving", "stage3_gather_16bit_weights_on_model_save": "saving",
     "stage3_gather_fp16_weights_on_model_save": "saving", "pipeline_loading_checkpoint": "checkpoint loading",
     "ignore_unused_parameters": "whether unused parameters are an error",
+    # stage_1_and_2.py _round_robin_reorder (DeepSpeed 0.19.8): the group's parameters are reordered
+    # so consecutive ones belong to different ranks before the flat buffer is laid out; without
+    # parameter_alignment (refused) no padding sits between them, so the buffer, the partitions and
+    # the buckets keep their sizes
+    "round_robin_gradients": "orders the parameters in the flat buffer so that consecutive ones belong to "
+                             "different ranks; the buffer, the partitions and the buckets keep their sizes",
     "override_module_apply": "wraps nn.Module.apply, which a step does not call",
     "log_trace_cache_warnings": "logging",
     "compute_grad_norm": "one scalar norm per step",
@@ -165,7 +201,6 @@ UNMODELLED_ZERO = {
     "stage3_allgather_sequential": Unmodelled(_is(False), "gathers parameters one by one, without the flat "
                                               "buffer", "false"),
     "legacy_stage1": Unmodelled(_is(False), "the old stage-1 implementation allocates differently", "false"),
-    "round_robin_gradients": Unmodelled(_is(False), "partitions gradients finely for offload copies", "false"),
     "parameter_alignment": Unmodelled(_is(False), "pads every parameter in the flat buffers to 16 bytes", "false"),
     "zero_hpz_partition_size": Unmodelled(
         _at_most(1), "ZeRO++ hpZ keeps a secondary copy of the parameters partitioned inside each node "
@@ -266,6 +301,7 @@ class ZeroSettings:
     micro_batch: int | None = None
     gradient_accumulation: int | None = None
     train_batch_size: int | None = None
+    autotp_size: int | None = None  # tensor_parallel.autotp_size: the AutoTP degree; None when not set
     explicit: frozenset[str] = field(default_factory=frozenset)
 
     @property
@@ -337,13 +373,20 @@ def _deprecated_offloads(zero: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _precision(config: dict[str, Any]) -> str | None:
-    enabled = [name for name in ("bf16", "fp16") if isinstance(config.get(name), dict)
-               and config[name].get("enabled") not in (False, None)]
+    """The precision the config sets; None where it leaves it to the trainer: "auto" is filled in by
+    transformers' HfTrainerDeepSpeedConfig from the TrainingArguments' bf16/fp16 (integrations/deepspeed.py
+    trainer_config_process), which is the request's precision here."""
+    states = {name: config[name].get("enabled") for name in ("bf16", "fp16") if isinstance(config.get(name), dict)}
+    enabled = [name for name, on in states.items() if on not in (False, None, "auto")]
     if len(enabled) == 2:
         raise PlannerError("ds_config enables both bf16 and fp16; enable at most one", field="ds_config.bf16")
+    if enabled:
+        return f"{enabled[0]}-mixed"
+    if "auto" in states.values():
+        return None
     # Neither block enabled: DeepSpeed trains in fp32 (its bf16/fp16 engines are opt-in), which a
     # config read back must say, or an emitted fp32 config would be estimated as bf16-mixed.
-    return f"{enabled[0]}-mixed" if enabled else "fp32"
+    return "fp32"
 
 
 # The optimizers a ds_config names (the engine builds them: engine.py _configure_basic_optimizer);
@@ -410,7 +453,8 @@ def parse_ds_config(config: Any) -> ZeroSettings:
     run and what would change memory or time without being modelled (the tables above)."""
     if not isinstance(config, dict):
         raise PlannerError(f"ds_config must be a JSON object, got {type(config).__name__}", field="ds_config")
-    _check_keys(config, "ds_config", UNMODELLED_TOP, REMOVED_TOP, TOP_LEVEL_KEYS)
+    _check_keys({k: v for k, v in config.items() if not str(k).startswith(COMMENT_PREFIX)}, "ds_config",
+                UNMODELLED_TOP, REMOVED_TOP, TOP_LEVEL_KEYS)
     zero = config.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise PlannerError(f"ds_config.zero_optimization must be an object, got {zero!r}",
@@ -446,13 +490,28 @@ def parse_ds_config(config: Any) -> ZeroSettings:
             _check_keys(config[name], f"ds_config.{name}", UNMODELLED_PRECISION, frozenset(), PRECISION_KEYS)
     precision = _precision(config)
     _communication_dtype(config, precision)
+    autotp = _autotp_size(config.get("tensor_parallel"))
     micro = _int_field(config, "train_micro_batch_size_per_gpu", "ds_config", 1)
     accumulation = _int_field(config, "gradient_accumulation_steps", "ds_config", 1)
     train_batch = _int_field(config, "train_batch_size", "ds_config", 1)
     return ZeroSettings(stage=stage, offload_optimizer=opt_device, offload_params=param_device,
                         pin_memory=opt_pin, pin_params=param_pin, precision=precision, optimizer=_optimizer(config),
                         micro_batch=micro, gradient_accumulation=accumulation, train_batch_size=train_batch,
-                        explicit=frozenset(explicit), **values)
+                        autotp_size=autotp, explicit=frozenset(explicit), **values)
+
+
+def _autotp_size(block: Any) -> int | None:
+    """The AutoTP degree tensor_parallel sets (0 and 1 are off: 1), None when the config has no block."""
+    if block is None:
+        return None
+    where = "ds_config.tensor_parallel"
+    if not isinstance(block, dict):
+        raise PlannerError(f"{where} must be a mapping, got {block!r}", field=where)
+    _check_keys(block, where, UNMODELLED_TP, frozenset(), TP_KEYS)
+    size = block.get("autotp_size", 0)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise PlannerError(f"{where}.autotp_size must be a whole number >= 0, got {size!r}", field=f"{where}.autotp_size")
+    return max(1, size)
 
 
 def batch_from_config(settings: ZeroSettings, world_size: int) -> tuple[int | None, int | None]:
