@@ -516,3 +516,17 @@ def test_hf_trainer_fsdp_reads_fsdp_config_as_transformers_does():
         read_job([("sft.json", json.dumps(dict(sft, fsdp="hybrid_shard")))], 8)
     with pytest.raises(PlannerError, match=r"fsdp_config: \('fsdp.json'\) names a file"):
         read_job([("sft.json", json.dumps(dict(sft, fsdp_config="fsdp.json")))], 8)
+
+
+def test_torchtitan_launch_of_the_70b_and_405b_registry_configs():
+    """torchtitan 0.3.0's llama3_70b (TP 8, full AC, local batch 8) and llama3_405b (as 70B, local
+    batch 2, a float8 converter, torch.compile) are read; 405B's compile is refused by name."""
+    job = read_job([("run.sh", "torchrun --nproc_per_node 8 -m torchtitan.train --module llama3 --config llama3_70b")], 8)
+    assert (job.fields["model"], job.fields["tp"], job.fields["checkpointing"], job.fields["micro_batch"],
+            job.steps) == ("llama-3.1-70b", 8, "full", 8, 1000)
+    launch = "torchrun --nproc_per_node 8 -m torchtitan.train --module llama3 --config llama3_405b"
+    with pytest.raises(PlannerError, match=r"compile.enable: \(True\) is not modelled"):
+        read_job([("run.sh", launch)], 8)
+    job = read_job([("run.sh", launch + " --compile.enable false")], 8)
+    assert (job.fields["model"], job.fields["micro_batch"], job.fields["low_precision"], job.steps) == (
+        "llama-3.1-405b", 2, "float8-tensorwise", 3000)

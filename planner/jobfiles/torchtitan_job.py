@@ -130,6 +130,29 @@ REGISTRY: dict[tuple[str, str], dict[str, Any]] = {
         "activation_checkpoint": {"mode": "selective", "selective_ac_option": "op"},
         "loss": {"chunked": True},
     },
+    # the same file, llama3_70b (lines 257-292): TrainingConfig(local_batch_size=8, seq_len=8192,
+    # steps=1000), ParallelismConfig(tensor_parallel_degree=8), FullAC.Config()
+    ("llama3", "llama3_70b"): {
+        "model": {"name": "llama3", "flavor": "70B"},
+        "optimizer": {"name": "AdamW"},
+        "training": {"local_batch_size": 8, "seq_len": 8192, "steps": 1000},
+        "parallelism": {"tensor_parallel_degree": 8},
+        "activation_checkpoint": {"mode": "full"},
+        "loss": {"chunked": True},
+    },
+    # llama3_405b (lines 295-346): as 70B with local_batch_size 2, steps 3000, lr warmup 600, a
+    # Float8LinearConverter (filter_fqns lm_head, tensorwise: Float8LinearConfig's default recipe) and
+    # CompileConfig(enable=True, enable_async_tensor_parallel=True), which is refused by name
+    ("llama3", "llama3_405b"): {
+        "model": {"name": "llama3", "flavor": "405B", "converters": ["float8"]},
+        "optimizer": {"name": "AdamW"},
+        "lr_scheduler": {"warmup_steps": 600},
+        "training": {"local_batch_size": 2, "seq_len": 8192, "steps": 3000},
+        "parallelism": {"tensor_parallel_degree": 8},
+        "activation_checkpoint": {"mode": "full"},
+        "compile": {"enable": True},
+        "loss": {"chunked": True},
+    },
 }
 LAUNCH_ONLY: dict[str, Key] = {
     "loss.chunked": Needs("loss", "chunked", "ChunkedLossWrapper computes the loss a chunk of tokens at a time",
