@@ -353,7 +353,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         return 0
     gib = 2**30
     print(f"files: {', '.join(f'{n} ({k})' for n, k in result.formats)}")
-    print(f"fits: {'yes' if result.fits else 'NO'}  peak {result.peak_bytes / gib:.2f} GiB of "
+    # a job refused on its reserved peak (the allocator's cache, CUDA context, NCCL) says so: its live
+    # peak alone would read as fitting
+    reserved = f", reserved {result.reserved_peak_bytes / gib:.2f} GiB" if not result.fits \
+        and result.peak_bytes <= result.device_capacity_bytes else ""
+    print(f"fits: {'yes' if result.fits else 'NO'}  peak {result.peak_bytes / gib:.2f} GiB{reserved} of "
           f"{result.device_capacity_bytes / gib:.2f} GiB at {result.peak_phase}")
     if result.step_seconds is not None:
         wall = f"{result.wall_seconds / 3600:.2f} h for {result.steps} steps ({result.length_source})" \

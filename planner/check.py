@@ -57,7 +57,7 @@ def check(body: CheckRequest, estimator: Estimator) -> CheckResult:
     return CheckResult(
         formats=[[name, kind] for name, kind in job.formats], fits=result.fits,
         peak_bytes=result.per_device.peak_bytes, peak_phase=result.per_device.peak_phase,
-        device_capacity_bytes=result.device_capacity_bytes,
+        reserved_peak_bytes=result.per_device.reserved_peak_bytes, device_capacity_bytes=result.device_capacity_bytes,
         step_seconds=result.time.step_seconds if result.time else None, steps=steps,
         wall_seconds=_wall(steps, result), length_source=source, changes=changes,
         unknown_keys=job.unknown, origin={k: v for k, v in job.origin.items() if not k.startswith("_")}, notes=notes, request=result.request)

@@ -872,6 +872,8 @@ class CheckResult(BaseModel):
     fits: bool
     peak_bytes: int
     peak_phase: str = Field(description="the moment of the step the peak occurs in")
+    reserved_peak_bytes: int = Field(description="what fits is judged on: the caching allocator's reserved peak "
+                                     "with the CUDA context and NCCL's buffers (per_device.reserved_peak_bytes)")
     device_capacity_bytes: int
     step_seconds: float | None
     steps: int | None = Field(description="optimizer steps of the whole job; null when its length is unknown")

@@ -530,3 +530,26 @@ def test_torchtitan_launch_of_the_70b_and_405b_registry_configs():
     job = read_job([("run.sh", launch + " --compile.enable false")], 8)
     assert (job.fields["model"], job.fields["micro_batch"], job.fields["low_precision"], job.steps) == (
         "llama-3.1-405b", 2, "float8-tensorwise", 3000)
+
+
+def test_check_says_a_job_refused_on_its_reserved_peak(capsys, tmp_path):
+    """LLaMA-Factory's qwen3 full SFT (examples/train_full/qwen3_full_sft.yaml at ff6d4d1, on Qwen3-8B) with
+    its examples/accelerate/fsdp2_config.yaml on 2 H100s: the live peak is under the device, the
+    reserved peak is not; the fits line gives both, and the JSON has reserved_peak_bytes."""
+    from cli.main import main
+
+    sft = tmp_path / "qwen3_full_sft.yaml"
+    sft.write_text("model_name_or_path: Qwen/Qwen3-8B\nstage: sft\ndo_train: true\nfinetuning_type: full\n"
+                   "dataset: identity,alpaca_en_demo\ntemplate: qwen3_nothink\ncutoff_len: 2048\n"
+                   "output_dir: saves/qwen3-8b/full/sft\nper_device_train_batch_size: 1\n"
+                   "gradient_accumulation_steps: 2\nlearning_rate: 1.0e-5\nnum_train_epochs: 3.0\nbf16: true\n")
+    accelerate = tmp_path / "fsdp2_config.yaml"
+    accelerate.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+                          "  fsdp_offload_params: false\n  fsdp_reshard_after_forward: true\n  fsdp_version: 2\n"
+                          "mixed_precision: bf16\nnum_machines: 1\nnum_processes: 2\n")
+    assert main(["check", str(sft), str(accelerate), "--gpus", "2", "--gpu", "h100-80gb", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert not result["fits"] and result["peak_bytes"] <= result["device_capacity_bytes"] < result["reserved_peak_bytes"]
+    assert main(["check", str(sft), str(accelerate), "--gpus", "2", "--gpu", "h100-80gb"]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.startswith("fits: NO  peak ") and f"reserved {result['reserved_peak_bytes'] / 2**30:.2f} GiB of" in line
