@@ -298,3 +298,62 @@ def test_simulate_skips_only_the_capped_replays_that_must_fail(monkeypatch):
     assert 0 < room < replay(events).requested_peak_bytes
     with pytest.raises(OutOfMemory):
         fast_replay.replay(events, capacity_bytes=room)
+
+
+def _run_streams(seed: int, length: int = 600):
+    """Seeded random streams in runs ("mallocs" of up to 60 allocations of one size, on the
+    default or a side stream; "frees" of any decreasing selection of the live tags: whole runs,
+    their ends, their middles, pieces of several runs), mixed with single mallocs and frees,
+    records on single allocations and on pieces of runs, completes: every path of fast_replay's
+    carving and freeing (a piece split off a run, the rest a run of its own)."""
+    import random
+
+    rng = random.Random(seed)
+    events, live, tag = [], [], 0
+    for _ in range(length):
+        roll = rng.random()
+        if live and roll < 0.3:
+            chosen = sorted(rng.sample(live, rng.randint(1, min(len(live), 80))), reverse=True)
+            if rng.random() < 0.5:  # a stretch of the newest, as allocation_events frees a key's tail
+                chosen = sorted(live, reverse=True)[:len(chosen)]
+            for t in chosen:
+                live.remove(t)
+            events.append(("frees", chosen))
+        elif live and roll < 0.38:
+            t = rng.choice(live)
+            live.remove(t)
+            events.append(("free", t))
+        elif live and roll < 0.45:
+            events.append(("record", rng.choice(live), rng.choice(["default", "side", "other"])))
+        elif roll < 0.48:
+            events.append(("complete", rng.choice(["default", "side", "other"])))
+        else:
+            size = rng.choice([rng.randrange(1, 4096), rng.randrange(1, 2 * MIB), rng.randrange(MIB, 12 * MIB),
+                               rng.randrange(MIB, 200 * MIB), 16_968_514, 335_544_320])
+            count = rng.choice([1, 1, 2, 3, rng.randint(4, 60)])
+            stream = "side" if rng.random() < 0.15 else "default"
+            events.append(("mallocs", tag, count, size, stream) if count > 1 or rng.random() < 0.5
+                          else ("malloc", tag, size, stream))
+            live += range(tag, tag + count)
+            tag += count
+    return events
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_fast_path_replays_runs_as_the_reference_replays_their_single_events(seed):
+    """Runs of mallocs and frees (_run_streams) through fast_replay, a run of blocks at a time,
+    against the reference replaying every allocation alone (allocator.single_events): the same
+    AllocatorStats or the same out-of-memory, uncapped and capped at fractions of the uncapped
+    reserve that make the allocator empty its cache, under plain and power-of-two rounding."""
+    from planner.memory import fast_replay
+    from planner.memory.allocator import single_events
+
+    events = _run_streams(seed)
+    single = single_events(events)
+    for conf in ("", "roundup_power2_divisions:4"):
+        c = parse_alloc_conf(conf)
+        peak = replay(single, c).reserved_peak_bytes
+        for capacity in (None, peak, peak * 9 // 10, peak * 7 // 10, peak // 2):
+            ref = _replayed(replay, single, c, capacity)
+            assert _replayed(fast_replay.replay, events, c, capacity) == ref
+            assert _replayed(replay, events, c, capacity) == ref

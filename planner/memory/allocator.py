@@ -679,10 +679,27 @@ def _absorb(dst: "_Block", src: "_Block") -> None:
     dst.size += src.size
 
 
+def single_events(events: list[tuple]) -> list[tuple]:
+    """The events with each run written out as the single events it stands for (replay's format)."""
+    out: list[tuple] = []
+    for event in events:
+        if event[0] == "mallocs":
+            _, first, count, size, stream = event
+            out += [("malloc", tag, size, stream) for tag in range(first, first + count)]
+        elif event[0] == "frees":
+            out += [("free", tag) for tag in event[1]]
+        else:
+            out.append(event)
+    return out
+
+
 def replay(events: list[tuple], conf: AllocConf = AllocConf(), capacity_bytes: int | None = None,
            memory_fraction: float | None = None) -> AllocatorStats:
     """Replay ("malloc", tag, bytes, stream) / ("free", tag) / ("record", tag, stream) /
-    ("complete", stream) events in order; raises OutOfMemory when the capacity cannot hold them."""
+    ("complete", stream) events in order; raises OutOfMemory when the capacity cannot hold them.
+    Runs: ("mallocs", first, count, bytes, stream) is the mallocs of tags first .. first + count - 1
+    (integers) in that order, ("frees", tags) the frees of a strictly decreasing list of integer
+    tags in its order."""
     sim = CachingAllocator(conf, capacity_bytes, memory_fraction)
     handles: dict = {}
     for event in events:
@@ -691,6 +708,12 @@ def replay(events: list[tuple], conf: AllocConf = AllocConf(), capacity_bytes: i
             handles[event[1]] = sim.malloc(event[2], event[3] if len(event) > 3 else "default")
         elif op == "free":
             sim.free(handles.pop(event[1]))
+        elif op == "mallocs":
+            for tag in range(event[1], event[1] + event[2]):
+                handles[tag] = sim.malloc(event[3], event[4])
+        elif op == "frees":
+            for tag in event[1]:
+                sim.free(handles.pop(tag))
         elif op == "record":
             sim.record_stream(handles[event[1]], event[2])
         elif op == "complete":

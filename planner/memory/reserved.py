@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import json
 import math
-from itertools import repeat
+from itertools import groupby
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from planner.cluster import cuda_context
-from planner.memory.allocator import AllocConf, AllocatorStats, OutOfMemory, parse_alloc_conf
+from planner.memory.allocator import AllocConf, AllocatorStats, OutOfMemory, parse_alloc_conf, single_events
 from planner.memory.fast_replay import replay
 from planner.memory.buffers import SAVED, TRANSIENTS, item
 from planner.memory.moments import PhaseKind
@@ -350,6 +350,14 @@ def allocation_events(setup: "Setup", plan: "PhasePlan", parameters: int, loss: 
     """The step as ("malloc", tag, bytes, stream) / ("free", tag) / ("record", tag, stream) /
     ("complete", stream) events (planner/memory/allocator.py replay). ``loss``: the loss's own
     tensors (loss_tensors), in their moments."""
+    return single_events(allocation_runs(setup, plan, parameters, loss))
+
+
+def allocation_runs(setup: "Setup", plan: "PhasePlan", parameters: int, loss: LossTensors | None = None) -> list[tuple]:
+    """allocation_events with the mallocs of a key's tensors of one size in a row as one
+    ("mallocs", first tag, count, bytes, stream) and the frees of a key's tensors on the compute
+    stream as one ("frees", tags) (decreasing: the newest first), as replay takes them
+    (fast_replay replays a run of blocks at a time)."""
     moments = _moments(plan, loss)
     units = _units(setup, moments, parameters)
     tags: dict[tuple, list[int]] = {}  # key -> its live tensors' tags, in allocation order
@@ -381,7 +389,7 @@ def allocation_events(setup: "Setup", plan: "PhasePlan", parameters: int, loss: 
                         events += (("record", t, "default"), ("free", t))
                     recorded = True
                 else:
-                    events += zip(repeat("free"), gone)  # the tuples made in C: a plan builds ~10^5
+                    events.append(("frees", gone))
                 del key_tags[keep:], held[key][keep:]
             live_bytes.pop(key, None)
         for key, sizes in want.items():
@@ -392,9 +400,11 @@ def allocation_events(setup: "Setup", plan: "PhasePlan", parameters: int, loss: 
             new = sizes[len(key_held):]
             if new:
                 stream = key[1]
-                events += zip(repeat("malloc"), range(tag, tag + len(new)), new, repeat(stream))
                 key_tags += range(tag, tag + len(new))
-                tag += len(new)
+                for size, run in groupby(new):
+                    count = len(list(run))
+                    events.append(("mallocs", tag, count, size, stream))
+                    tag += count
             key_held[:] = sizes
         if recorded:
             events.append(("complete", "default"))  # processed at the next moment's first malloc
@@ -412,7 +422,7 @@ def simulate(setup: "Setup", plan: "PhasePlan", parameters: int, capacity_bytes:
     context = calibrated.get("cuda_context_bytes", setup.gpu.cuda_context_bytes)
     comms = communicators(setup)
     nccl = nccl_bytes(setup)
-    events = allocation_events(setup, plan, parameters, loss)
+    events = allocation_runs(setup, plan, parameters, loss)
     stats = replay(events, conf)
     other = replay(events, conf.with_expandable(not conf.expandable_segments)) if compare else None
     shortfall = 0 if setup.gpu.is_cpu else math.ceil(REPLAY_SHORTFALL * stats.reserved_peak_bytes)
