@@ -462,8 +462,18 @@ def test_the_common_prefix_is_the_first_difference():
     (dict(FSDP8, seq_len=4096, micro_batch=2), True),  # all-gathers on their stream: record_stream
     (dict(model="llama-3-8b", strategy="zero3", gpus=8, gpu="h100-80gb", checkpointing="full"), False),
     (dict(model="llama-3-8b", strategy="fsdp", gpus=8, nodes=2, gpu="h100-80gb", pp=2, gradient_accumulation=4,
-          seq_len=2048), True)])
+          seq_len=2048), True),
+    # per-parameter states and a resident set that changes within the step; HSDP's replicas
+    (dict(model="llama-3-8b", strategy="ddp", gpus=8, gpu="h100-80gb", checkpointing="selective-attention",
+          micro_batch=2, gradient_accumulation=2), False),
+    (dict(model="llama-3-70b", strategy="hsdp", gpus=8, nodes=8, gpu="h100-80gb", checkpointing="full",
+          micro_batch=5, seq_len=4096), True),
+    # offloaded: the resident set's (empty) tensors freed at the step's start, made anew after it
+    (dict(model="llama-3-70b", strategy="fsdp", gpus=8, nodes=8, gpu="h100-80gb", checkpointing="full",
+          micro_batch=5, gradient_accumulation=2, offload_optimizer="cpu", offload_params="cpu"), True)])
 def test_the_batched_event_loops_equal_one_event_at_a_time(fields, records):
+    """allocation_events (its runs written out, the second step a copy of the first with its tags
+    moved) against the loop that writes every event of every moment (_events_one_at_a_time)."""
     setup = resolve(EstimateRequest(**fields))
     acts = activations(setup)
     plan = setup.framework.phases(setup, acts, numels(setup))

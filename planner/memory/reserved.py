@@ -357,18 +357,35 @@ def allocation_runs(setup: "Setup", plan: "PhasePlan", parameters: int, loss: Lo
     """allocation_events with the mallocs of a key's tensors of one size in a row as one
     ("mallocs", first tag, count, bytes, stream) and the frees of a key's tensors on the compute
     stream as one ("frees", tags) (decreasing: the newest first), as replay takes them
-    (fast_replay replays a run of blocks at a time)."""
+    (fast_replay replays a run of blocks at a time).
+
+    The moments are the resident set, a step, the resident set, the step again and the resident
+    set (_moments); the second step and the resident set after it are written as a copy of the
+    first's events, its tags moved (_second_step). Proof that the copy is what the loop below
+    would write: the loop's state at a moment's start is, per key, its live tensors' tags, their
+    sizes (``held``) and the items they were cut from (``live_bytes``). After the resident
+    moments 0 and 1 + len(step) alike, a key of the resident set holds the cut of its items
+    there, the same items both times, and every other key holds nothing (a key the moment lacks
+    is freed whole; one that holds nothing writes no event, wherever it stands in ``tags``). So
+    from equal states the same moments write the same events but for the tags: a tag made in
+    the first step is the one the second makes as many mallocs later (the BLAS workspaces, made
+    once at moment 1, carry names, not numbers), and a tensor the resident set held at the
+    first step's start is the one in the same place of its key's list at the second's."""
     moments = _moments(plan, loss)
-    units = _units(setup, moments, parameters)
+    first = moments[:(len(moments) + 1) // 2]  # the resident set, the step, the resident set
+    units = _units(setup, first, parameters)
     tags: dict[tuple, list[int]] = {}  # key -> its live tensors' tags, in allocation order
     held: dict[tuple, list[int]] = {}  # key -> its live tensors' bytes, in the same order
     live_bytes: dict[tuple, list[int]] = {}  # key -> the item sizes its live tensors were cut from
     events: list[tuple] = []
     tag = 0
-    for n, items in enumerate(moments):
+    for n, items in enumerate(first):
         if n == 1:  # the first matmul: the BLAS workspaces, kept for the process's life (CublasHandlePool.cpp)
+            start_tags = {key: list(t) for key, t in tags.items()}  # the resident set's, at the step's start
+            start_tag = tag
             events += [("malloc", f"blas workspace {i}", size, "default")
                        for i, size in enumerate(cuda_context.blas_workspaces(setup.gpu.name))]
+            start = len(events)
         totals: dict[tuple, list[int]] = {}
         for i in items:
             totals.setdefault(_key(i), []).append(i.bytes)
@@ -408,7 +425,33 @@ def allocation_runs(setup: "Setup", plan: "PhasePlan", parameters: int, loss: Lo
             key_held[:] = sizes
         if recorded:
             events.append(("complete", "default"))  # processed at the next moment's first malloc
-    return events
+    moved = {t: after for key, before in start_tags.items() for t, after in zip(before, tags[key])}
+    return events + _second_step(events[start:], start_tag, tag - start_tag, moved)
+
+
+def _second_step(events: list[tuple], made: int, shift: int, moved: dict[int, int]) -> list[tuple]:
+    """The events of the first step and the resident set after it (allocation_runs) with their tags
+    moved to the second step's: a tag from ``made`` on by ``shift`` (the tags the first step
+    made), an older one, the resident set's, as ``moved`` maps it. The order of a "frees" list is
+    kept (moved tags are older than the step's own)."""
+    out: list[tuple] = []
+    append = out.append
+    for e in events:
+        op = e[0]
+        if op == "mallocs":
+            append(("mallocs", e[1] + shift, e[2], e[3], e[4]))
+        elif op == "frees":
+            gone = e[1]
+            if gone[-1] >= made:  # the newest first: all the step's own
+                append(("frees", [t + shift for t in gone]))
+            else:
+                append(("frees", [t + shift if t >= made else moved[t] for t in gone]))
+        elif op == "complete":
+            append(e)
+        else:  # a record or a free of one tensor
+            t = e[1]
+            append((op, t + shift if t >= made else moved[t]) + e[2:])
+    return out
 
 
 def simulate(setup: "Setup", plan: "PhasePlan", parameters: int, capacity_bytes: int,
