@@ -297,7 +297,7 @@ def _units(setup: "Setup", moments: list[list[MemoryItem]], parameters: int) -> 
     largest: dict[tuple, int] = {}
     for items in moments:
         for i in items:
-            key = _key(i)
+            key = (i.component, i.stream)  # _key written out
             largest[key] = max(largest.get(key, 0), i.bytes)
     per_parameter = setup.framework.state_tensors_per_parameter and parameters > 1
     act = _activation_unit(setup)
@@ -336,7 +336,9 @@ def _common_prefix(held: list[int], sizes: list[int]) -> int:
     n = min(len(held), len(sizes))
     if held[:n] == sizes[:n]:
         return n
-    keep, differs = 0, n  # held[:keep] == sizes[:keep]; the first difference is before ``differs``
+    if held[:n - 1] == sizes[:n - 1]:  # the next usual case: a set's last tensor (a cut's remainder) changed
+        return n - 1
+    keep, differs = 0, n - 1  # held[:keep] == sizes[:keep]; the first difference is before ``differs``
     while keep + 1 < differs:
         mid = (keep + differs) // 2
         if held[keep:mid] == sizes[keep:mid]:
@@ -388,7 +390,7 @@ def allocation_runs(setup: "Setup", plan: "PhasePlan", parameters: int, loss: Lo
             start = len(events)
         totals: dict[tuple, list[int]] = {}
         for i in items:
-            totals.setdefault(_key(i), []).append(i.bytes)
+            totals.setdefault((i.component, i.stream), []).append(i.bytes)  # _key written out
         # an item of the same size as before is the same tensors (the cut depends on the bytes alone)
         want = {key: [] if live_bytes.get(key) == b else _cut(b, units[key]) for key, b in totals.items()}
         recorded = False
