@@ -5,7 +5,8 @@ kMinLargeAlloc 10 MiB, kLargeBuffer 20 MiB, kRoundLarge 2 MiB). Simulated, not m
 
 import pytest
 
-from planner.memory.allocator import (AllocConf, OutOfMemory, allocation_size, parse_alloc_conf, replay, round_size)
+from planner.memory.allocator import (AllocConf, OutOfMemory, allocation_size, parse_alloc_conf, replay, round_size,
+                                      single_events)
 from planner.errors import PlannerError
 
 MIB = 2**20
@@ -347,7 +348,6 @@ def test_the_fast_path_replays_runs_as_the_reference_replays_their_single_events
     reserve that make the allocator empty its cache, under plain and power-of-two rounding (and
     the settings fast_replay hands to the reference, which takes runs as their single events)."""
     from planner.memory import fast_replay
-    from planner.memory.allocator import single_events
 
     events = _run_streams(seed)
     single = single_events(events)
