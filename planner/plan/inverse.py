@@ -203,21 +203,28 @@ def min_gpus_search(req, name, usable, model_fields, per_node: int, tp: int = 1)
     # searched fits on none (one estimate instead of the whole doubling)
     if _replicated_weights_exceed(req, name, usable, model_fields, tp):
         return None
+    asked: dict[tuple[int, int], bool] = {}  # (gpus, nodes) -> _fits: the bisection asks again what the doubling did
+
+    def fits(gpus: int, nodes: int) -> bool:
+        if (gpus, nodes) not in asked:
+            asked[gpus, nodes] = _fits(req, name, usable, model_fields, gpus, nodes, tp)
+        return asked[gpus, nodes]
+
     most = 1 << ((MAX_SEARCH_GPUS // per_node).bit_length() - 1)  # the doubling's last node count
-    if most >= 2 and not _fits(req, name, usable, model_fields, per_node, most, tp):
+    if most >= 2 and not fits(per_node, most):
         return None
     # and what does not fit on a whole node fits on none of its fewer GPUs
-    if _fits(req, name, usable, model_fields, per_node, 1, tp):
+    if fits(per_node, 1):
         for gpus in range(tp, per_node + 1, tp):
-            if _fits(req, name, usable, model_fields, gpus, 1, tp):
+            if fits(gpus, 1):
                 return gpus
     nodes = 2
     while nodes * per_node <= MAX_SEARCH_GPUS:
-        if _fits(req, name, usable, model_fields, per_node, nodes, tp):
+        if fits(per_node, nodes):
             low = max(2, nodes // 2)
             while low < nodes:
                 mid = (low + nodes) // 2
-                if _fits(req, name, usable, model_fields, per_node, mid, tp):
+                if fits(per_node, mid):
                     nodes = mid
                 else:
                     low = mid + 1
