@@ -429,3 +429,30 @@ def test_plan_pauses_the_cyclic_collector_and_restores_it():
     finally:
         search._plan = original
         gc.enable()
+
+
+def test_a_settings_step_times_are_its_own_where_the_search_shares_them(monkeypatch):
+    """Search.step_times_of answers the settings whose time-model fields (their Combo's) agree
+    with one call (a pipeline's schedules and splits): each answer equals step_times of the
+    setting itself, and the plan asks fewer calls than settings."""
+    import planner.plan.evaluate as p
+    from planner.time.step import step_times
+
+    calls, checked = [], []
+    original = p.Search.step_times_of
+    monkeypatch.setattr(p, "step_times", lambda *a, **k: calls.append(a[1]) or step_times(*a, **k))
+
+    def checking(self, req, combo, micro, per_rank, frozen, offloaded):
+        got = original(self, req, combo, micro, per_rank, frozen, offloaded)
+        own = step_times(self.settings_of(req), combo, micro, per_rank, self.model.parameters,
+                         self.model.architecture, self.g, self.topo, self.fabric, self.nics, frozen=frozen,
+                         offloaded_per_sequence=offloaded)
+        assert [t[:10] + (t.terms,) for t in got] == [t[:10] + (t.terms,) for t in own], combo
+        checked.append(combo)
+        return got
+
+    monkeypatch.setattr(p.Search, "step_times_of", checking)
+    plan(PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, nodes=4, global_batch=512, seq_len=2048))
+    pipelines = {c for c in checked if c.pp > 1}
+    assert len({(c.schedule, c.virtual_stages, c.split) for c in pipelines}) > 1
+    assert len(calls) < len(checked)

@@ -9,7 +9,8 @@ prove which settings cannot fit or cannot be recommended before they are estimat
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
+from operator import attrgetter
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from planner.schema import MAX_TOKENS, EstimateRequest, EstimateResult, PlanRequ
 from planner.strategies import STRATEGIES, strategy as lookup_strategy
 from planner.time import collectives as timing
 from planner.time import kernels
-from planner.time.step import StepSettings, step_times
+from planner.time.step import Combo, StepSettings, step_times
 
 
 # Options whose step times (or, for --objective cost, GPU-seconds per token) are closer than this
@@ -55,6 +56,10 @@ class _Grid:
         return (self.constant[:, None] + self.slope[:, None] * micro[None, :]).max(axis=0) + self.framework
 
 
+# the fields of a Setting the time model reads (its Combo's), as one tuple: Search.step_times_of's key
+_COMBO_FIELDS = attrgetter(*(f.name for f in fields(Combo)))
+
+
 class Search:
     """What one plan's evaluations share: the cluster, the usable memory, the model, and the
     estimates made while searching (the ranking reuses them instead of estimating again)."""
@@ -71,6 +76,7 @@ class Search:
         self.refusals: list[PlannerError] = []  # settings the request's recipe refused (planner/plan/recipe.py)
         self._setups: dict[int, tuple[EstimateRequest, object]] = {}  # setup_of's, by the request's identity
         self._step_settings: dict[int, tuple[PlanRequest, StepSettings]] = {}  # settings_of's, likewise
+        self._times: dict[tuple, tuple[StepSettings, list[timing.StepTime]]] = {}  # step_times_of's
 
     def settings_of(self, req: PlanRequest) -> StepSettings:
         """StepSettings.of the plan request (the request itself, or fewer nodes' copy), once each."""
@@ -78,6 +84,22 @@ class Search:
         if hit is None or hit[0] is not req or hit[1].compute_scale != self.compute_scale:
             hit = self._step_settings[id(req)] = (req, StepSettings.of(req, self.recipe, self.compute_scale))
         return hit[1]
+
+    def step_times_of(self, req: PlanRequest, combo: Setting, micro: np.ndarray, per_rank: int, frozen,
+                      offloaded_per_sequence: float) -> list[timing.StepTime]:
+        """step_times of a setting's options, once per what the time model reads: the setting's
+        Combo fields (planner/time/step.py reads no other), its options, the plan's StepSettings and
+        the LoRA and activation-offload inputs. A pipeline's schedules and splits share a Combo: its
+        bubble and sends are parallel_step's, per schedule (_parallel_times)."""
+        settings = self.settings_of(req)
+        key = (id(settings), _COMBO_FIELDS(combo), tuple(micro.tolist()), per_rank, frozen, offloaded_per_sequence)
+        hit = self._times.get(key)
+        if hit is None or hit[0] is not settings:
+            hit = self._times[key] = (settings, step_times(settings, combo, micro, per_rank, self.model.parameters,
+                                                           self.model.architecture, self.g, self.topo, self.fabric,
+                                                           self.nics, frozen=frozen,
+                                                           offloaded_per_sequence=offloaded_per_sequence))
+        return list(hit[1])
 
     def setup_of(self, request: EstimateRequest):
         """resolve(request), once per request object: a pipeline setting's first request is read by
@@ -185,10 +207,9 @@ def _evaluate_setting(search: Search, req: PlanRequest, combo: Setting, time_bou
     # build their own)
     first = (estimate_request(req, combo, int(micro[-1]) if combo.pp > 1 else 1, search.model_fields)
              if combo.pp * combo.ep > 1 or req.finetune != "full" or req.activation_offload else None)
-    times = step_times(search.settings_of(req), combo, micro, per_rank,
-                       search.model.parameters, arch, search.g, search.topo, search.fabric, search.nics,
-                       frozen=frozen_base_of(first, arch, search.recipe) if first else None,
-                       offloaded_per_sequence=_offloaded_per_sequence(first) if first else 0.0)
+    times = search.step_times_of(req, combo, micro, per_rank,
+                                 frozen_base_of(first, arch, search.recipe) if first else None,
+                                 _offloaded_per_sequence(first) if first else 0.0)
     if combo.pp * combo.ep > 1:
         return _model_parallel_rows(search, req, combo, micro, per_rank, times, first, time_bound,
                                     peak_bound), micro.size
