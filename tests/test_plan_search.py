@@ -433,8 +433,9 @@ def test_plan_pauses_the_cyclic_collector_and_restores_it():
 
 def test_a_settings_step_times_are_its_own_where_the_search_shares_them(monkeypatch):
     """Search.step_times_of answers the settings whose time-model fields (their Combo's) agree
-    with one call (a pipeline's schedules and splits): each answer equals step_times of the
-    setting itself, and the plan asks fewer calls than settings."""
+    with one call (a pipeline's schedules and splits), and its calls share the data-parallel
+    collectives of a setting's checkpointing options: each answer equals step_times of the setting
+    itself, and the plan asks fewer calls than settings."""
     import planner.plan.evaluate as p
     from planner.time.step import step_times
 

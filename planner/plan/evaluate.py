@@ -77,6 +77,7 @@ class Search:
         self._setups: dict[int, tuple[EstimateRequest, object]] = {}  # setup_of's, by the request's identity
         self._step_settings: dict[int, tuple[PlanRequest, StepSettings]] = {}  # settings_of's, likewise
         self._times: dict[tuple, tuple[StepSettings, list[timing.StepTime]]] = {}  # step_times_of's
+        self._sent: dict[int, tuple[StepSettings, dict]] = {}  # step_times' data-parallel collectives, per settings
 
     def settings_of(self, req: PlanRequest) -> StepSettings:
         """StepSettings.of the plan request (the request itself, or fewer nodes' copy), once each."""
@@ -95,10 +96,14 @@ class Search:
         key = (id(settings), _COMBO_FIELDS(combo), tuple(micro.tolist()), per_rank, frozen, offloaded_per_sequence)
         hit = self._times.get(key)
         if hit is None or hit[0] is not settings:
+            sent = self._sent.get(id(settings))
+            if sent is None or sent[0] is not settings:
+                sent = self._sent[id(settings)] = (settings, {})
             hit = self._times[key] = (settings, step_times(settings, combo, micro, per_rank, self.model.parameters,
                                                            self.model.architecture, self.g, self.topo, self.fabric,
                                                            self.nics, frozen=frozen,
-                                                           offloaded_per_sequence=offloaded_per_sequence))
+                                                           offloaded_per_sequence=offloaded_per_sequence,
+                                                           sent=sent[1]))
         return list(hit[1])
 
     def setup_of(self, request: EstimateRequest):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from planner.time import arrays
@@ -467,14 +468,44 @@ def _over_group(combo: Combo, group: str, nodes: int, topo: Topology, req: "Step
 _GROUP_WIRES: dict[tuple, tuple[Topology, timing.Group, timing.Wire]] = {}
 
 
+def _data_parallel_seconds(req: "StepSettings", fw: Framework, combo: Combo, micro, per_rank: int, psi: int, arch,
+                           topo: Topology, fabric: dict, nic_gbps: float, buckets: Buckets, trainable: int | None,
+                           slowest: float) -> tuple[Any, Any, float]:
+    """(seconds, of them what the forward pass sends, the slowest link's GB/s, from ``slowest`` on)
+    of the data-parallel framework's collectives (FSDP/ZeRO/DDP) in one step. What they send does
+    not depend on checkpointing (Traffic carries no policy: a ZeRO-3 or FSDP gather for the
+    recomputation is the backward's gather), so a setting's checkpointing options share them."""
+    nodes = req.nodes
+    # every sum starts from a float: numpy broadcasts it over the options (fewer array operations)
+    comm = 0.0
+    in_forward = 0.0  # of it, what the forward pass sends
+    for _, volume, passes, message, group, forward_share in combo_collectives(
+            req.recipe, fw, combo, psi // combo.tp, micro, per_rank, req.recipe.wire_bytes, arch, buckets, trainable,
+            req.reduce_dtype, nodes=nodes, fp8_gathered=_fp8_gathered(req.float8_all_gather, req.low_precision, arch)):
+        t = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, arrays.as_float(volume), message, passes)
+        comm += t.seconds
+        if forward_share:
+            in_forward = in_forward + forward_share * t.seconds
+        slowest = min(slowest, arrays.smallest(t.bottleneck_gbps))
+    return comm, in_forward, slowest
+
+
+# a Combo's fields but its checkpointing policy: _data_parallel_seconds' key in step_times
+_UNCHECKPOINTED = attrgetter(*(name for name in Combo.__dataclass_fields__
+                               if name not in ("checkpointing", "checkpointing_every")))
+
+
 def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int, arch, g: Gpu,
                topo: Topology, fabric: dict, nics: int, buckets: Buckets = Buckets(),
-               frozen: FrozenBaseShape | None = None, offloaded_per_sequence: float = 0.0) -> list[timing.StepTime]:
+               frozen: FrozenBaseShape | None = None, offloaded_per_sequence: float = 0.0,
+               sent: dict | None = None) -> list[timing.StepTime]:
     """The step time of each micro-batch option: ``micro`` is one size (a single estimate: plain
     floats throughout) or a numpy array of them (the plan search); the same formulas either way.
     ``frozen``: a LoRA / QLoRA step (fewer FLOPs, gradient traffic of the trainable elements only,
     the base's dequantization per pass); None for full fine-tuning. ``offloaded_per_sequence``:
-    activation_offload's bytes per sequence a rank moves to the host and back (0: no offloading)."""
+    activation_offload's bytes per sequence a rank moves to the host and back (0: no offloading).
+    ``sent``: where a caller that times many settings of one ``req``, model, GPU and topology (the
+    plan search) keeps the data-parallel collectives' seconds (_data_parallel_seconds) by their key."""
     wb = req.recipe.wire_bytes
     dtype = req.recipe.peak_dtype(g.peak_tflops)
     peak_flops = g.peak_tflops[dtype] * 1e12
@@ -489,19 +520,16 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     fw = req.framework(s)  # the request's framework version, resolved once for the step
     nodes = req.nodes
     nic_gbps = nics * fabric["gbps"] * fabric["efficiency"] * req.link_efficiency
-    # every sum starts from a float: numpy broadcasts it over the options (fewer array operations)
-    comm = 0.0
-    in_forward = 0.0  # of it, what the forward pass sends
-    slowest = ring_bw * req.link_efficiency
     trainable = frozen.trainable if frozen is not None else None
-    for _, volume, passes, message, group, forward_share in combo_collectives(
-            req.recipe, fw, combo, psi // combo.tp, micro, per_rank, wb, arch, buckets, trainable, req.reduce_dtype,
-            nodes=nodes, fp8_gathered=_fp8_gathered(req.float8_all_gather, req.low_precision, arch)):
-        t = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, arrays.as_float(volume), message, passes)
-        comm += t.seconds
-        if forward_share:
-            in_forward = in_forward + forward_share * t.seconds
-        slowest = min(slowest, arrays.smallest(t.bottleneck_gbps))
+    key = None if sent is None else (_UNCHECKPOINTED(combo), tuple(micro.tolist()) if arrays.is_array(micro) else micro,
+                                     per_rank, psi, buckets, trainable)
+    hit = None if key is None else sent.get(key)
+    if hit is None:
+        hit = _data_parallel_seconds(req, fw, combo, micro, per_rank, psi, arch, topo, fabric, nic_gbps, buckets,
+                                     trainable, ring_bw * req.link_efficiency)
+        if key is not None:
+            sent[key] = hit
+    comm, in_forward, slowest = hit  # every later sum makes a new array: the remembered ones are not changed
     exposed_model_parallel = 0.0
     data_parallel = comm + 0.0  # what FSDP/ZeRO/DDP send, hidden behind the framework's windows (a copy)
     if model_parallel > 1 and arch is not None:
