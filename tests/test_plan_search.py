@@ -457,3 +457,30 @@ def test_a_settings_step_times_are_its_own_where_the_search_shares_them(monkeypa
     pipelines = {c for c in checked if c.pp > 1}
     assert len({(c.schedule, c.virtual_stages, c.split) for c in pipelines}) > 1
     assert len(calls) < len(checked)
+
+
+@pytest.mark.parametrize("fields", [dict(strategy="fsdp", tp=2), dict(strategy="zero3", tp=2),
+                                    dict(strategy="fsdp", tp=4, checkpointing="full"),
+                                    dict(strategy="ddp", tp=2, nodes=2, pp=2, gradient_accumulation=4)])
+def test_a_tp_ranks_remembered_activations_are_its_own(fields):
+    """rank_activations remembers tensor_parallel.tp_activations per its arguments (the plan asks
+    the same for every strategy and schedule of a TP layout): the answer equals a fresh call's,
+    and a second request of the same arguments gets the same object."""
+    from planner.memory.orchestrator import resolve
+    from planner.memory.rank_activations import _activations, _autocast, _model_activations
+    from planner.model.architecture import derived
+    from planner.parallel.tensor import tp_activations
+
+    request = EstimateRequest(**({"model": "llama-3-8b", "gpu": "h100-80gb", "gpus": 8, "seq_len": 2048,
+                                  "micro_batch": 2} | fields))
+    setup = resolve(request)
+    derived(setup.model.architecture).pop("_tp_activations", None)
+    got, _ = _activations(setup)
+    autocast = _autocast(setup)
+    whole = _model_activations(setup.arch, 2, 2048, setup.recipe.compute_bytes, request.attention,
+                               request.checkpointing, setup.device, autocast, None, setup.loss_chunks)
+    fresh = tp_activations(whole, setup.model.architecture, setup.arch, tp=setup.tp,
+                           sequence_parallel=setup.sequence_parallel, tokens=2 * 2048, b=setup.recipe.compute_bytes,
+                           vocab_parallel_loss=setup.vocab_parallel_loss, autocast=autocast)
+    assert got == fresh
+    assert _activations(resolve(request))[0] is got

@@ -465,6 +465,19 @@ def host_capacity(request: EstimateRequest, g: Gpu) -> tuple[int, str] | None:
         return None
     if request.host_memory_gib is not None:
         return int(request.host_memory_gib * GIB), "--host-memory-gib"
+    # what follows reads the preset's catalogue only: once per (topology, GPU), as the plan asks per estimate
+    key = (request.topology if request.topology_text is None else None, request.topology_text is None, g.name)
+    if key not in _PRESET_HOSTS:
+        if len(_PRESET_HOSTS) >= 256:
+            _PRESET_HOSTS.clear()
+        _PRESET_HOSTS[key] = _preset_host(request, g)
+    return _PRESET_HOSTS[key]
+
+
+_PRESET_HOSTS: dict[tuple, tuple[int, str] | None] = {}  # host_capacity's answers from a topology preset
+
+
+def _preset_host(request: EstimateRequest, g: Gpu) -> tuple[int, str] | None:
     from planner.cluster.presets import default_preset_for, preset
 
     name = request.topology if request.topology_text is None else None

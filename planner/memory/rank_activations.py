@@ -83,9 +83,8 @@ def _activations(setup: Setup) -> tuple[Activations, bool]:
     acts = _model_activations(arch, req.micro_batch, seq_len, compute, req.attention, req.checkpointing, setup.device,
                               autocast, req.checkpointing_every, setup.loss_chunks)
     if setup.rank_architecture is not None:
-        acts = tp_activations(acts, setup.model.architecture, setup.arch, tp=setup.tp,
-                              sequence_parallel=setup.sequence_parallel, tokens=req.micro_batch * seq_len,
-                              b=compute, vocab_parallel_loss=setup.vocab_parallel_loss, autocast=autocast)
+        acts = _tp_activations(acts, setup.model.architecture, setup.arch, setup.tp, setup.sequence_parallel,
+                               req.micro_batch * seq_len, compute, setup.vocab_parallel_loss, autocast)
     return cp_activations(acts, setup.arch, cp=setup.cp, tokens=req.micro_batch * req.seq_len, b=compute,
                           tp=setup.tp, sequence_parallel=setup.sequence_parallel, device=setup.device), autocast
 
@@ -110,6 +109,24 @@ def _model_activations(arch, micro_batch: int, seq_len: int, compute: int, atten
                                          attention=attention, checkpointing=checkpointing, device=device,
                                          autocast=autocast, every=every, loss_chunks=loss_chunks)
     return memo[key]
+
+
+def _tp_activations(acts: Activations, full, rank, tp: int, sequence_parallel: bool, tokens: int, b: int,
+                    vocab_parallel_loss: bool, autocast: bool) -> Activations:
+    """tensor_parallel.tp_activations, once per its arguments: the plan search asks the same for
+    every strategy, shard group and pipeline schedule of a TP layout. ``acts`` (an answer of
+    _model_activations, frozen) and the rank's architecture are kept in the memo beside the
+    answer, so their identities in the key stay theirs."""
+    memo = derived(full).setdefault("_tp_activations", {})
+    key = (id(acts), id(rank), tp, sequence_parallel, tokens, b, vocab_parallel_loss, autocast)
+    hit = memo.get(key)
+    if hit is None or hit[0] is not acts or hit[1] is not rank:
+        if len(memo) >= 4096:
+            memo.clear()
+        hit = memo[key] = (acts, rank, tp_activations(acts, full, rank, tp=tp, sequence_parallel=sequence_parallel,
+                                                      tokens=tokens, b=b, vocab_parallel_loss=vocab_parallel_loss,
+                                                      autocast=autocast))
+    return hit[2]
 
 
 def _traced_activations(setup: Setup) -> Activations:

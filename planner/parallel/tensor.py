@@ -96,6 +96,23 @@ def _rank_architecture(a: Architecture, tp: int) -> Architecture:
     return _with(a, fields)
 
 
+def autotp_rank_architecture(a: Architecture, tp: int) -> Architecture:
+    """The rank's model under DeepSpeed's AutoTP: rank_architecture's with the whole vocabulary (the
+    embedding is split along the hidden dimension, the logits gathered whole), made once per model
+    and degree as rank_architecture is (the plan resolves every ZeRO setting of a TP layout, and the
+    model's derived memo then serves them all)."""
+    key = (id(a), tp)
+    cached = _AUTOTP_RANKS.get(key)
+    if cached is None or cached[0] is not a:
+        if len(_AUTOTP_RANKS) > 64:
+            _AUTOTP_RANKS.clear()
+        cached = _AUTOTP_RANKS[key] = (a, _with(rank_architecture(a, tp), {"vocab_size": a.vocab_size}))
+    return cached[1]
+
+
+_AUTOTP_RANKS: dict[tuple[int, int], tuple[Architecture, Architecture]] = {}  # the model kept: its id stays its own
+
+
 def _with(a: Architecture, fields: dict) -> Architecture:
     """A new Architecture (validated, its own memo): model_copy would carry the memoised numels
     and counts of the original along (architecture.derived_memo)."""
@@ -294,7 +311,7 @@ def tensor_parallel_fields(request, strategy, framework: "Framework", model, sha
     rank = rank_architecture(arch, tp)
     if framework.autotp:
         return {"sequence_parallel": sequence_parallel_for(request, framework), "vocab_parallel_loss": False,
-                "rank_architecture": _with(rank, {"vocab_size": arch.vocab_size}), **autotp_layout(arch, tp),
+                "rank_architecture": autotp_rank_architecture(arch, tp), **autotp_layout(arch, tp),
                 "shard_size": shard // tp}
     return {"sequence_parallel": sequence_parallel_for(request, framework), "vocab_parallel_loss": True,
             "rank_architecture": rank, "shard_size": shard // tp}
