@@ -484,3 +484,32 @@ def test_a_tp_ranks_remembered_activations_are_its_own(fields):
                            vocab_parallel_loss=setup.vocab_parallel_loss, autocast=autocast)
     assert got == fresh
     assert _activations(resolve(request))[0] is got
+
+
+@pytest.mark.parametrize("fields", [dict(), dict(optimizer_in_backward=True, gpus=1, nodes=1),
+                                    dict(tp=2), dict(pp=2)])
+def test_a_settings_later_setups_are_the_ones_resolve_builds(fields):
+    """Search.resolved answers a setting's later requests with its first Setup and their own
+    request: each equals resolve's Setup, the request's fields set included; what resolve refuses
+    of a later batch (optimizer_in_backward with accumulation) is refused alike."""
+    from planner.memory.orchestrator import resolve
+    from planner.plan.evaluate import Search
+
+    req = PlanRequest(**({"model": "llama-3-8b", "gpu": "h100-80gb", "gpus": 8, "nodes": 4, "global_batch": 4096,
+                          "seq_len": 2048} | {k: v for k, v in fields.items() if k not in ("tp", "pp")}))
+    model_fields = {"model": "llama-3-8b"}
+    search = Search(req, None, None, None, {}, 1, 0.0, model_fields, RECIPES[req.precision])
+    tp, pp = fields.get("tp", 1), fields.get("pp", 1)
+    strategy = "single" if req.gpus * req.nodes == 1 else "fsdp"
+    combo = Setting(req.gpus, strategy, "full", "none", "none", None, tp, 1, tp > 1, pp, 1)
+    for micro, accumulation in ((1, 2), (2, 2), (4, None), (1, None), (8, 3)):
+        request = estimate_request(req, combo, micro, model_fields, accumulation)
+        try:
+            expected = resolve(request)
+        except PlannerError as refused:
+            with pytest.raises(PlannerError) as again:
+                search.resolved(req, combo, request)
+            assert (str(again.value), again.value.field) == (str(refused), refused.field)
+            continue
+        got = search.resolved(req, combo, request)
+        assert got == expected and got.request.model_fields_set == expected.request.model_fields_set, micro

@@ -17,6 +17,7 @@ import numpy as np
 from planner.cluster.gpus import Gpu
 from planner.cluster.topology import Topology
 from planner.errors import PlannerError
+from planner.memory.optimizer import check as check_optimizer
 from planner.memory.orchestrator import (Measured, activation_offload_bytes, host_capacity, measure,
                                         pipeline_resident_bytes, resolve)
 from planner.parallel.hf_plan import hf_rank_architecture
@@ -78,6 +79,7 @@ class Search:
         self._step_settings: dict[int, tuple[PlanRequest, StepSettings]] = {}  # settings_of's, likewise
         self._times: dict[tuple, tuple[StepSettings, list[timing.StepTime]]] = {}  # step_times_of's
         self._sent: dict[int, tuple[StepSettings, dict]] = {}  # step_times' data-parallel collectives, per settings
+        self._resolved: dict[tuple[int, Setting], tuple[PlanRequest, object]] = {}  # resolved's first Setups
 
     def settings_of(self, req: PlanRequest) -> StepSettings:
         """StepSettings.of the plan request (the request itself, or fewer nodes' copy), once each."""
@@ -106,6 +108,23 @@ class Search:
                                                            sent=sent[1]))
         return list(hit[1])
 
+    def resolved(self, req: PlanRequest, combo: Setting, request: EstimateRequest):
+        """resolve(request) for a request estimate_request made of ``combo`` under ``req``: the
+        setting's first is resolved, a later one is that Setup with its own request. A setting's
+        requests differ in their batch fields alone (micro_batch, gradient_accumulation: the
+        model fields, the plan's and the setting's are the same), and resolve reads those only in
+        memory/optimizer.py check (optimizer_in_backward refuses accumulation), which runs again
+        (a test compares the Setups with resolve's)."""
+        key = (id(req), combo)
+        hit = self._resolved.get(key)
+        if hit is None or hit[0] is not req or request.ds_config is not None:  # a config fixes batch fields too
+            setup = resolve(request)
+            self._resolved[key] = (req, setup)
+            return setup
+        setup = replace(hit[1], request=request.model_copy(update={"precision": request.precision}))
+        check_optimizer(setup)
+        return setup
+
     def setup_of(self, request: EstimateRequest):
         """resolve(request), once per request object: a pipeline setting's first request is read by
         its step times and estimated again as its row (the same object)."""
@@ -121,8 +140,9 @@ class Search:
         memory holds the earlier ones' gradients); a pipeline's request carries its own."""
         key = (req.nodes, combo, micro, accumulation if combo.pp == 1 else 1)
         if key not in self.estimates:
-            self.estimates[key] = measure(self.setup_of(request) if request is not None else resolve(
-                estimate_request(req, combo, micro, self.model_fields, accumulation if combo.pp == 1 else None)))
+            self.estimates[key] = measure(self.setup_of(request) if request is not None else self.resolved(
+                req, combo, estimate_request(req, combo, micro, self.model_fields,
+                                             accumulation if combo.pp == 1 else None)))
         return self.estimates[key]
 
     def shown(self, req: PlanRequest, combo: Setting, micro: int, accumulation: int = 1) -> EstimateResult:
@@ -132,8 +152,8 @@ class Search:
         shortlist and the largest micro-batch per strategy replay some candidates twice: once each."""
         key = (req.nodes, combo, micro, accumulation if combo.pp == 1 else 1)
         if key not in self.replayed:
-            self.replayed[key] = measure(resolve(estimate_request(req, combo, micro, self.model_fields,
-                                                          accumulation if combo.pp == 1 else None))).candidate(replay=True)
+            self.replayed[key] = measure(self.resolved(req, combo, estimate_request(
+                req, combo, micro, self.model_fields, accumulation if combo.pp == 1 else None))).candidate(replay=True)
         return self.replayed[key]
 
 
@@ -379,7 +399,8 @@ def _floor_estimate(search: Search, req: PlanRequest, combo: Setting, micro: int
         combo = replace(combo, schedule="zbv")
     key = (req.nodes, combo, -micro)  # apart from the rows' estimates
     if key not in search.floors:
-        setup = resolve(estimate_request(req, combo, micro, search.model_fields, accumulation=combo.pp))
+        setup = search.resolved(req, combo, estimate_request(req, combo, micro, search.model_fields,
+                                                             accumulation=combo.pp))
         search.floors[key] = pipeline_resident_bytes(setup) if combo.ep == 1 else measure(setup).resident_bytes
     return search.floors[key]
 
