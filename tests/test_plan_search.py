@@ -513,3 +513,29 @@ def test_a_settings_later_setups_are_the_ones_resolve_builds(fields):
             continue
         got = search.resolved(req, combo, request)
         assert got == expected and got.request.model_fields_set == expected.request.model_fields_set, micro
+
+
+def test_a_pipelines_remembered_stages_are_its_own():
+    """pipeline.stages remembers its stages per architecture and inputs (the plan asks the same for
+    the strategies, shard groups and schedules of a layout): after every setting below has asked,
+    each one's answer equals _stages computed for it alone."""
+    from planner.memory.orchestrator import resolve
+    from planner.memory.rank_activations import activations
+    from planner.parallel.pipeline import _data_parallel_group, _stages, stages
+
+    base = {"model": "llama-3-8b", "gpu": "h100-80gb", "gpus": 8, "nodes": 2, "seq_len": 2048, "pp": 2,
+            "gradient_accumulation": 4}
+    settings = [dict(strategy="fsdp"), dict(strategy="ddp"), dict(strategy="zero1"), dict(strategy="hsdp"),
+                dict(strategy="fsdp", checkpointing="full"), dict(strategy="fsdp", micro_batch=2),
+                dict(strategy="fsdp", pp_schedule="zbv", pp_virtual_stages=2),
+                dict(strategy="fsdp", pp_schedule="interleaved", pp_virtual_stages=2),
+                dict(strategy="ddp", precision="fp32"), dict(strategy="fsdp", tp=2),
+                dict(strategy="fsdp", pp_first_stage_layers=14)]
+    setups = [resolve(EstimateRequest(**(base | s))) for s in settings]
+    for setup in setups + setups:
+        dp = _data_parallel_group(setup)[0]
+        stages(setup, 2, setup.request.pp_virtual_stages, dp)
+    for setup in setups:
+        dp = _data_parallel_group(setup)[0]
+        assert stages(setup, 2, setup.request.pp_virtual_stages, dp) == _stages(
+            setup, 2, setup.request.pp_virtual_stages, dp, activations(setup)), setup.request

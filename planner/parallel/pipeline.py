@@ -579,6 +579,26 @@ def _stream_bytes(setup: "Setup", dp: int) -> int:
 
 
 def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1, acts: Activations | None = None) -> list[Stage]:
+    """_stages, remembered per architecture for the settings that give it the same inputs: the
+    activations (an Activations is frozen; kept beside the answer, so its identity in the key stays
+    its own), the split, the rank's tokens, widths and dtypes, the residual stream's bytes and
+    autocast (what it reads of the framework and the data-parallel group) and whether the schedule
+    splits the backward. The plan's strategies, shard groups and schedules of a layout ask the same."""
+    acts = acts if acts is not None else activations(setup)  # the caller's, where it has them (estimate_plan)
+    req = setup.request
+    key = (id(acts), pp * virtual_stages, req.pp_first_stage_layers, req.pp_last_stage_layers, setup.tp,
+           setup.sequence_parallel, req.micro_batch, req.seq_len, setup.cp, setup.recipe.compute_bytes,
+           _stream_bytes(setup, dp), _autocast(setup, dp), SCHEDULE_SPECS[req.pp_schedule].splits_backward)
+    memo = derived(setup.arch).setdefault("_pp_stages", {})
+    hit = memo.get(key)
+    if hit is None or hit[0] is not acts:
+        if len(memo) >= 1024:
+            memo.clear()
+        hit = memo[key] = (acts, _stages(setup, pp, virtual_stages, dp, acts))
+    return list(hit[1])
+
+
+def _stages(setup: "Setup", pp: int, virtual_stages: int, dp: int, acts: Activations) -> list[Stage]:
     """The model cut into ``pp * virtual_stages`` stages. A stage's activations are its share of
     the one Activations the whole model has (planner/memory/orchestrator.py ``activations``: the rank's
     narrower model under tp with tensor_parallel.tp_activations, its seq_len / cp tokens with
@@ -590,7 +610,6 @@ def stages(setup: "Setup", pp: int, virtual_stages: int, dp: int = 1, acts: Acti
     req = setup.request
     count = pp * virtual_stages
     bounds = stage_bounds(a.num_layers, count, req.pp_first_stage_layers, req.pp_last_stage_layers)
-    acts = acts if acts is not None else activations(setup)  # the caller's, where it has them (estimate_plan)
     edges = acts.edges
     # with cp the rank holds seq_len / cp tokens of each sequence (planner/parallel/context.py); with
     # sequence parallelism the residual stream between blocks (the stage's output and its receive
