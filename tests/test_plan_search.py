@@ -539,3 +539,24 @@ def test_a_pipelines_remembered_stages_are_its_own():
         dp = _data_parallel_group(setup)[0]
         assert stages(setup, 2, setup.request.pp_virtual_stages, dp) == _stages(
             setup, 2, setup.request.pp_virtual_stages, dp, activations(setup)), setup.request
+
+
+def test_step_times_read_one_by_one_are_the_ones_read_together():
+    """StepTimes makes an option's StepTime when read: by index (negative too), by slice and by
+    iteration alike, the same fields and term values; past the end an IndexError."""
+    import numpy as np
+
+    from planner.time.collectives import step_times_of
+
+    labels = (("matmul", "a"), ("attention", "b"))
+    columns = [np.array([1.0, 2.0, 3.0]), 0.5, np.array([0.1, 0.2, 0.3]), 0.0, np.array([4.0, 5.0, 6.0]),
+               np.array([7.0, 8.0, 9.0]), 0.25, np.array([0.3, 0.4, 0.5]), np.array([0.6, 0.7, 0.8]), 0.9]
+    times = step_times_of(columns, 100.0, (0, 1), labels, 3)
+    together = list(times)
+    one_by_one = [times[k] for k in range(len(times))]
+    assert len(together) == 3 and [times[-1]] == times[2:3]
+    for a, b, c in zip(together, one_by_one, times[:]):
+        assert a[:10] == b[:10] == c[:10] and a.terms == b.terms == c.terms and a.term_option == b.term_option
+    assert together[1].terms == (("matmul", 0.7, "a"), ("attention", 0.9, "b"))
+    with pytest.raises(IndexError):
+        times[3]

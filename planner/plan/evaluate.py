@@ -9,6 +9,7 @@ prove which settings cannot fit or cannot be recommended before they are estimat
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import fields, replace
 from operator import attrgetter
 
@@ -77,7 +78,7 @@ class Search:
         self.refusals: list[PlannerError] = []  # settings the request's recipe refused (planner/plan/recipe.py)
         self._setups: dict[int, tuple[EstimateRequest, object]] = {}  # setup_of's, by the request's identity
         self._step_settings: dict[int, tuple[PlanRequest, StepSettings]] = {}  # settings_of's, likewise
-        self._times: dict[tuple, tuple[StepSettings, list[timing.StepTime]]] = {}  # step_times_of's
+        self._times: dict[tuple, tuple[StepSettings, timing.StepTimes]] = {}  # step_times_of's
         self._sent: dict[int, tuple[StepSettings, dict]] = {}  # step_times' data-parallel collectives, per settings
         self._resolved: dict[tuple[int, Setting], tuple[PlanRequest, object]] = {}  # resolved's first Setups
 
@@ -89,7 +90,7 @@ class Search:
         return hit[1]
 
     def step_times_of(self, req: PlanRequest, combo: Setting, micro: np.ndarray, per_rank: int, frozen,
-                      offloaded_per_sequence: float) -> list[timing.StepTime]:
+                      offloaded_per_sequence: float) -> timing.StepTimes:
         """step_times of a setting's options, once per what the time model reads: the setting's
         Combo fields (planner/time/step.py reads no other), its options, the plan's StepSettings and
         the LoRA and activation-offload inputs. A pipeline's schedules and splits share a Combo: its
@@ -106,7 +107,7 @@ class Search:
                                                            self.nics, frozen=frozen,
                                                            offloaded_per_sequence=offloaded_per_sequence,
                                                            sent=sent[1]))
-        return list(hit[1])
+        return hit[1]  # a StepTimes: read-only, each option's StepTime made when read
 
     def resolved(self, req: PlanRequest, combo: Setting, request: EstimateRequest):
         """resolve(request) for a request estimate_request made of ``combo`` under ``req``: the
@@ -235,9 +236,10 @@ def _evaluate_setting(search: Search, req: PlanRequest, combo: Setting, time_bou
     times = search.step_times_of(req, combo, micro, per_rank,
                                  frozen_base_of(first, arch, search.recipe) if first else None,
                                  _offloaded_per_sequence(first) if first else 0.0)
-    if combo.pp * combo.ep > 1:
+    if combo.pp * combo.ep > 1:  # its rows are estimated option by option: each StepTime made when read
         return _model_parallel_rows(search, req, combo, micro, per_rank, times, first, time_bound,
                                     peak_bound), micro.size
+    times = list(times)  # a data-parallel setting's rows are every option's
     if time_bound is not None and min(t.step_seconds for t in times) > time_bound * (1 + TIE_TOLERANCE):
         return [], micro.size
     try:
@@ -305,7 +307,7 @@ def _grid_rows(search: Search, req: PlanRequest, combo: Setting, micro: np.ndarr
 
 
 def _model_parallel_rows(search: Search, req: PlanRequest, combo: Setting, micro: np.ndarray, per_rank: int,
-                         times: list[timing.StepTime], first: EstimateRequest, time_bound: float | None,
+                         times: Sequence[timing.StepTime], first: EstimateRequest, time_bound: float | None,
                          peak_bound: float | None) -> list[Row]:
     """The rows of a pipeline or expert-parallel setting, bounded by:
 
@@ -406,7 +408,7 @@ def _floor_estimate(search: Search, req: PlanRequest, combo: Setting, micro: int
 
 
 def _parallel_times(search: Search, req: PlanRequest, combo: Setting, micro: np.ndarray, per_rank: int,
-                    times: list[timing.StepTime], first: EstimateRequest) -> list[timing.StepTime]:
+                    times: Sequence[timing.StepTime], first: EstimateRequest) -> list[timing.StepTime]:
     """Each option's step time with its pipeline bubble, point-to-point sends and expert
     all-to-alls: planner/parallel/pipeline.py parallel_step on the estimate's own Setup (as
     steptime.estimate_time), per micro-batch size and count."""

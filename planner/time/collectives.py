@@ -28,6 +28,7 @@ interconnect with an α-β ring model, and the part of it that overlap does not 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 from functools import lru_cache, partial
@@ -121,16 +122,47 @@ class StepTime(NamedTuple):
         return tuple((name, v, source) for (name, source), v in zip(self.term_labels, self.term_values) if v > 0)
 
 
+class StepTimes(Sequence):
+    """Every option's StepTime of one setting, each made when it is read (step_times_of): the plan
+    search reads every option of a data-parallel setting, but a pipeline's rows are estimated option
+    by option, so of its hundred options it reads one or a few."""
+
+    __slots__ = ("_block", "_terms", "_ring_bandwidth_gbps", "_ring", "_labels")
+
+    def __init__(self, block, ring_bandwidth_gbps: float, ring: tuple[int, ...],
+                 term_labels: tuple[tuple[str, str], ...]):
+        self._block, self._terms = block, block[8:]  # every option's term values, one array shared by them
+        self._ring_bandwidth_gbps, self._ring, self._labels = ring_bandwidth_gbps, ring, term_labels
+
+    def __len__(self) -> int:
+        return self._block.shape[1]
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        k = range(len(self))[k]  # a negative index counts from the end; past the end: IndexError
+        c, m, e, o, s, t, u, h = self._block[:8, k].tolist()
+        return tuple.__new__(StepTime, (c, m, e, o, s, t, u, self._ring_bandwidth_gbps, self._ring, h, self._labels,
+                                        self._terms, k))
+
+    def __iter__(self):
+        # each option's fields zipped into one tuple in C, then made a StepTime without a field-by-field copy
+        c, m, e, o, s, t, u, h = self._block[:8].tolist()
+        fields = zip(c, m, e, o, s, t, u, repeat(self._ring_bandwidth_gbps), repeat(self._ring), h,
+                     repeat(self._labels), repeat(self._terms), range(len(self)))
+        return map(partial(tuple.__new__, StepTime), fields)
+
+
 def step_times_of(columns: list, ring_bandwidth_gbps: float, ring: tuple[int, ...],
-                  term_labels: tuple[tuple[str, str], ...], options: int | None = None) -> list[StepTime]:
+                  term_labels: tuple[tuple[str, str], ...], options: int | None = None) -> Sequence[StepTime]:
     """One StepTime per option from the columns (compute, communication, exposed communication,
     offload, step, tokens/s, mfu, hfu, *term values: each a float, the same for every option, or
     an array of every option's), the ring and the labels shared; ``options``: how many (None: one
     option, every column a float).
 
-    The plan search times tens of thousands of options and shows a few: the eight figures it ranks
-    on become floats here, the term values stay in one array per setting that each option reads
-    when asked (StepTime.term_values)."""
+    The plan search times tens of thousands of options and shows a few: with ``options``, a
+    StepTimes whose options' eight ranked figures become floats when an option is read, the term
+    values staying in one array per setting that each option reads when asked (StepTime.term_values)."""
     if options is None:
         c, m, e, o, s, t, u, h = (float(v) for v in columns[:8])
         values = tuple(float(v) for v in columns[8:])
@@ -140,11 +172,7 @@ def step_times_of(columns: list, ring_bandwidth_gbps: float, ring: tuple[int, ..
     block = np.empty((len(columns), options))
     for i, column in enumerate(columns):
         block[i] = column  # a float fills its row
-    c, m, e, o, s, t, u, h = block[:8].tolist()
-    # each option's fields zipped into one tuple in C, then made a StepTime without a field-by-field copy
-    fields = zip(c, m, e, o, s, t, u, repeat(ring_bandwidth_gbps), repeat(ring), h, repeat(term_labels),
-                 repeat(block[8:]), range(options))
-    return list(map(partial(tuple.__new__, StepTime), fields))
+    return StepTimes(block, ring_bandwidth_gbps, ring, term_labels)
 
 
 def matmul_parameters(a: Architecture) -> int:
