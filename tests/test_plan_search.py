@@ -560,3 +560,21 @@ def test_step_times_read_one_by_one_are_the_ones_read_together():
     assert together[1].terms == (("matmul", 0.7, "a"), ("attention", 0.9, "b"))
     with pytest.raises(IndexError):
         times[3]
+
+
+@pytest.mark.parametrize("model", ["llama-3-8b", "gemma-3-4b", "gpt-oss-20b"])
+def test_the_frameworks_remembered_sums_are_their_own(model):
+    """What the frameworks' phases remember per model (the blocks' norm elements autocast never
+    casts, ZeRO-1/2's partition span) equals the sum and the walk made afresh, asked twice."""
+    from planner.frameworks.deepspeed.v0_19 import _partition_span, _partition_span_of
+    from planner.frameworks.torch.v2 import _block_norms
+    from planner.model.architecture import layer_specs, parameter_numels
+    from planner.model.catalogue import catalogue_model
+    from planner.model.layers import norm_numels
+
+    a = catalogue_model(model).architecture
+    fresh = sum(sum(norm_numels(spec.norm, a.hidden_size)) * spec.norms for spec in layer_specs(a))
+    assert _block_norms(a) == _block_norms(a) == fresh
+    numels = parameter_numels(a)
+    for dp in (1, 3, 8, 64, 5000):
+        assert _partition_span(numels, dp) == _partition_span(list(numels), dp) == _partition_span_of(numels, dp)

@@ -248,7 +248,20 @@ def _partition_span(numels: list[int], dp: int) -> tuple[int, int]:
     (stage_1_and_2.py: total_size = sum of params_in_partition numels).
 
     Up to PURE_PYTHON_RANKS ranks the partitions are walked with bisect (a single estimate then
-    imports no numpy); beyond, numpy does the same searches at once. Integers either way."""
+    imports no numpy); beyond, numpy does the same searches at once. Integers either way.
+    Remembered per (numels, dp): the plan asks for every ZeRO-1/2 setting of a layout."""
+    key = (tuple(numels), dp)
+    if key not in _SPANS:
+        if len(_SPANS) >= 256:
+            _SPANS.clear()
+        _SPANS[key] = _partition_span_of(numels, dp)
+    return _SPANS[key]
+
+
+_SPANS: dict[tuple[tuple[int, ...], int], tuple[int, int]] = {}  # _partition_span's answers
+
+
+def _partition_span_of(numels: list[int], dp: int) -> tuple[int, int]:
     if dp <= PURE_PYTHON_RANKS:
         return _partition_span_bisect(numels, dp)
     import numpy as np

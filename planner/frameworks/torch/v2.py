@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from planner.model.activations import Activations, checkpointed_blocks
-from planner.model.architecture import layer_specs, vision_parameters
+from planner.model.architecture import derived, layer_specs, vision_parameters
 from planner.memory.buffers import (FP32, PhasePlan, SweepPoint, activation_items, backward_sweep,
                                     ceil_div, item, layout, phase, tied_sum_item)
 from planner.errors import PlannerError
@@ -371,8 +371,17 @@ def _norm_elements(setup: "SetupFields") -> int:
     a = setup.arch
     if a is None or setup.finetune is not None:
         return 0
-    return sum(sum(norm_numels(spec.norm, a.hidden_size)) * spec.norms for spec in layer_specs(a)) + \
-        sum(norm_numels(a.norm, a.hidden_size))
+    return _block_norms(a) + sum(norm_numels(a.norm, a.hidden_size))
+
+
+def _block_norms(a) -> int:
+    """The blocks' hidden-width norms' weight elements, once per architecture (_autocast_copies asks
+    at every moment of every setting's backward)."""
+    memo = derived(a)
+    if "_block_norm_elements" not in memo:
+        memo["_block_norm_elements"] = sum(sum(norm_numels(spec.norm, a.hidden_size)) * spec.norms
+                                           for spec in layer_specs(a))
+    return memo["_block_norm_elements"]
 
 
 def _uncast_elements(setup: "SetupFields") -> int:
@@ -386,7 +395,7 @@ def _uncast_elements(setup: "SetupFields") -> int:
     if a is None or setup.finetune is not None:
         return 0
     embedding = (0 if a.tie_word_embeddings else a.vocab_size * a.hidden_size) + a.learned_positions * a.hidden_size
-    norms = sum(sum(norm_numels(spec.norm, a.hidden_size)) * spec.norms for spec in layer_specs(a))
+    norms = _block_norms(a)
     # a multimodal model's vision tower runs on no image of a text batch: nothing casts its weights
     return embedding + norms + sum(norm_numels(a.norm, a.hidden_size)) + vision_parameters(a)
 
