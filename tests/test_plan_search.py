@@ -9,7 +9,7 @@ from planner.memory.orchestrator import estimate
 from planner.plan.search import Setting, plan
 from planner.plan.settings import estimate_request
 from planner.recipes.precision import RECIPES
-from planner.schema import EstimateRequest, PlanRequest
+from planner.schema import EstimateRequest, EstimateResult, PlanRequest
 from planner.time.step import estimate_with_time
 
 SLOW_TWO_NODES = dict(model="llama-3-8b", gpu="h100-80gb", gpus=8, nodes=2, nics_per_node=1, global_batch=256,
@@ -380,6 +380,10 @@ def test_measure_gives_the_estimates_numbers_and_refusals(fields):
     shown, replayed = m.candidate(replay=True), estimate(request)
     assert shown.per_device == replayed.per_device and shown.fits == replayed.fits
     assert shown.host == replayed.host and shown.parallel == replayed.parallel
+    # a brief result is filled in without validation: every field of the type validation gives
+    brief = m.candidate()
+    validated = EstimateResult(**{name: getattr(brief, name) for name in brief.model_fields_set})
+    assert brief.model_dump_json(warnings="error") == validated.model_dump_json()
 
 
 @pytest.mark.parametrize("pp,strategy", [(1, "fsdp"), (1, "hsdp"), (2, "fsdp"), (1, "zero3")])

@@ -360,7 +360,9 @@ def _result(m: Measured, simulate: bool, brief: bool = False) -> EstimateResult:
     device_fits = peak <= capacity if held is None else held.fits
     fits = capacity > 0 and device_fits and host.fits is not False
     notes = [] if brief else _notes(setup, acts, plan, peak_phase, capacity, peak, held) + host_notes(setup, host)
-    result = EstimateResult(
+    # a brief result is read, not written out (the plan's candidates take its validated per-device
+    # rows, degrees and host memory): filled in without validating what was just built
+    result = (EstimateResult.model_construct if brief else EstimateResult)(
         parameters=whole.psi,
         trainable_parameters=whole.psi if whole.finetune is None else trainable_count(whole),
         model=ModelSummary(name=whole.model.name, source=whole.model.source, parameters=whole.psi,
