@@ -505,7 +505,8 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     the base's dequantization per pass); None for full fine-tuning. ``offloaded_per_sequence``:
     activation_offload's bytes per sequence a rank moves to the host and back (0: no offloading).
     ``sent``: where a caller that times many settings of one ``req``, model, GPU and topology (the
-    plan search) keeps the data-parallel collectives' seconds (_data_parallel_seconds) by their key."""
+    plan search) keeps what settings share by its key: the data-parallel collectives' seconds
+    (_data_parallel_seconds) and the kernels' (compute_seconds)."""
     wb = req.recipe.wire_bytes
     dtype = req.recipe.peak_dtype(g.peak_tflops)
     peak_flops = g.peak_tflops[dtype] * 1e12
@@ -514,7 +515,8 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     per_token, model_per_token = _flops_per_token(arch, req.seq_len, combo.checkpointing, frozen,
                                                   combo.checkpointing_every)
     compute, backward, optimizer, hardware_flops, terms = compute_seconds(req, combo, micro, per_rank, psi, arch, g,
-                                                                          frozen, tokens_rank * per_token / model_parallel)
+                                                                          frozen, tokens_rank * per_token / model_parallel,
+                                                                          sent)
     ring, ring_bw, _ = timing.node_ring(topo, combo.gpus)
     s = lookup_strategy(combo.strategy)
     fw = req.framework(s)  # the request's framework version, resolved once for the step
@@ -623,11 +625,12 @@ def _gradient_bytes(req: "StepSettings", combo: Combo) -> int:
 
 
 def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int, arch, g: Gpu,
-                    frozen: FrozenBaseShape | None, override_flops: float):
+                    frozen: FrozenBaseShape | None, override_flops: float, shared: dict | None = None):
     """(compute seconds per optimizer step on one GPU, the backward passes' share of them, the
     optimizer step's share, hardware FLOPs it runs, [(term, seconds, source)]) for each micro-batch option. Every kernel at its measured rate (planner/time/kernels.py);
     with the compute_efficiency override, ``override_flops`` at that fraction of peak instead; a
-    traced model (no layer shapes) at the measured matmul rate."""
+    traced model (no layer shapes) at the measured matmul rate. ``shared``: step_times' (the
+    kernels' part, _kernel_seconds, by its key)."""
     recipe = req.recipe
     dtype = recipe.peak_dtype(g.peak_tflops)
     micro_f = arrays.as_float(micro)
@@ -642,19 +645,60 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
         seconds = override_flops / r.matmul_flops / req.compute_scale
         return seconds, seconds * timing.BACKWARD_FRACTION, 0.0, override_flops, [
             ("matmul", seconds, f"traced FLOPs at {r.matmul_source}{scaled}")]
+    gradient_bytes = _gradient_bytes(req, combo)
+    key = None if shared is None else ("compute", combo.tp, combo.cp, combo.sequence_parallel, combo.checkpointing,
+                                       combo.checkpointing_every, tuple(micro_f.tolist()) if arrays.is_array(micro_f)
+                                       else micro_f, per_rank, frozen, gradient_bytes)
+    kernel = None if key is None else shared.get(key)
+    if kernel is None:
+        kernel = _kernel_seconds(req, combo, micro_f, accumulation, arch, g, frozen, gradient_bytes, r, dtype, scaled)
+        if key is not None:
+            shared[key] = kernel
+    stepped, backward, hardware, labels, values = kernel  # later sums make new arrays: these are not changed
+    optimizer = _optimizer_seconds(req, combo, psi, arch, frozen, r)
+    scale = req.compute_scale  # a profile's measured factor on every kernel rate
+    seconds = (stepped + optimizer) / scale
+    values = values + (optimizer,)
+    if scale != 1.0:
+        values = tuple(v / scale for v in values)
+    return seconds, backward, optimizer / scale, hardware, [(n, v, src) for (n, src), v in zip(labels, values)]
+
+
+def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, arch, g: Gpu,
+                    frozen: FrozenBaseShape | None, gradient_bytes: int, r: kernels.Rates, dtype: str, scaled: str):
+    """compute_seconds' kernels, everything but the optimizer's step: (the micro-steps' seconds,
+    the backward passes' share scaled, hardware FLOPs, the terms' labels, the terms' seconds but the
+    optimizer step's). What it reads of the setting is its degrees, checkpointing and options, and
+    the gradients' bytes: a layout's strategies and offloads share it."""
+    recipe = req.recipe
     w = kernels.work(arch, req.seq_len, combo.tp, combo.cp, combo.sequence_parallel, recipe.compute_bytes,
                      req.attention == "eager" or arch.attention_implementation == "eager", r, req.attention_kernel,
                      loss_kernel(req.loss, g.is_cpu), _low_precision_rate(req.low_precision, g, dtype, r, recipe.compute_bytes))
     t = kernels.micro_batch_terms(w, micro_f, r, recipe.compute_bytes, combo.checkpointing,
                                   frozen_matmuls=1.0 if frozen is not None else 0.0,
                                   shares=kernels.recompute_shares(arch, combo.checkpointing, combo.checkpointing_every),
-                                  gradient_bytes=_gradient_bytes(req, combo))
+                                  gradient_bytes=gradient_bytes)
     matmul = t.matmul
     hardware = t.hardware_flops
     if frozen is not None:  # the adapters and trained copies of frozen matmuls, at the matmul rate
         adapters = micro_f * w.tokens * (3 * frozen.adapter_forward_flops + frozen.trained_weight_flops) / combo.tp
         matmul = matmul + adapters / r.matmul_flops
         hardware = hardware + adapters
+    device = matmul + t.attention + t.elementwise + t.recompute
+    host_wait = arrays.maximum(0.0, t.host - device)
+    scale = req.compute_scale
+    labels = _compute_labels(r, req.attention_kernel, bool(w.eager_bytes), bool(w.chunked_head), combo.checkpointing,
+                             scaled)
+    values = (accumulation * matmul, accumulation * t.attention, accumulation * t.elementwise,
+              accumulation * t.recompute, accumulation * host_wait)
+    backward = accumulation * (t.backward + (matmul - t.matmul) * 2 / 3) / scale  # the adapters' backward: 2 of 3
+    return accumulation * (device + host_wait), backward, accumulation * hardware, labels, values
+
+
+def _optimizer_seconds(req: "StepSettings", combo: Combo, psi: int, arch, frozen: FrozenBaseShape | None,
+                       r: kernels.Rates):
+    """compute_seconds' optimizer step (0 when it is offloaded), unscaled."""
+    recipe = req.recipe
     s = lookup_strategy(combo.strategy)
     optimizer = 0.0
     if combo.offload_optimizer == "none":
@@ -678,19 +722,7 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
             on_shards = dtensor_shards(req, combo)
             flops = sum(_step_flops(spec.group_of(t), t, on_shards) for t in parameter_shapes(arch)) / combo.tp
             optimizer = optimizer + flops / r.matmul_flops
-    device = matmul + t.attention + t.elementwise + t.recompute
-    host_wait = arrays.maximum(0.0, t.host - device)
-    scale = req.compute_scale  # a profile's measured factor on every kernel rate
-    seconds = (accumulation * (device + host_wait) + optimizer) / scale
-    labels = _compute_labels(r, req.attention_kernel, bool(w.eager_bytes), bool(w.chunked_head), combo.checkpointing,
-                             scaled)
-    values = (accumulation * matmul, accumulation * t.attention, accumulation * t.elementwise,
-              accumulation * t.recompute, accumulation * host_wait, optimizer)
-    backward = accumulation * (t.backward + (matmul - t.matmul) * 2 / 3) / scale  # the adapters' backward: 2 of 3
-    if scale != 1.0:
-        values = tuple(v / scale for v in values)
-    return seconds, backward, optimizer / scale, accumulation * hardware, [(n, v, src) for (n, src), v
-                                                                            in zip(labels, values)]
+    return optimizer
 
 
 def _compute_labels(r: kernels.Rates, attention_kernel: str, eager: bool, chunked_head: bool, checkpointing: str,
