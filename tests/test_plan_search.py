@@ -585,3 +585,31 @@ def test_the_frameworks_remembered_sums_are_their_own(model):
     numels = parameter_numels(a)
     for dp in (1, 3, 8, 64, 5000):
         assert _partition_span(numels, dp) == _partition_span(list(numels), dp) == _partition_span_of(numels, dp)
+
+
+def test_a_pipelines_option_timed_on_its_first_request_is_timed_as_on_its_copy(monkeypatch):
+    """_parallel_times times the option its first request was made at (a pipeline's fewest
+    micro-batches) on that request's own Setup rather than a copy with the same batch fields: the
+    same step as on the copy, for every option."""
+    from dataclasses import replace
+
+    import planner.plan.evaluate as p
+    from planner.parallel.pipeline import parallel_step
+
+    seen = []
+    original = p._parallel_times
+
+    def checking(search, req, combo, micro, per_rank, times, first):
+        got = original(search, req, combo, micro, per_rank, times, first)
+        setup = search.setup_of(first)
+        for k, mb in enumerate(micro.tolist()):
+            copy = setup.request.model_copy(update={"micro_batch": mb, "gradient_accumulation": per_rank // mb})
+            own = parallel_step(times[k], replace(setup, request=copy), search.model.architecture, search.topo,
+                                search.fabric, search.nics, req.link_efficiency)
+            assert got[k][:10] == own[:10] and got[k].terms == own.terms
+            seen.append(mb == setup.request.micro_batch)
+        return got
+
+    monkeypatch.setattr(p, "_parallel_times", checking)
+    plan(PlanRequest(**SLOW_TWO_NODES))
+    assert any(seen) and not all(seen)

@@ -160,10 +160,12 @@ def _tied_head_elements(arch: "Architecture") -> int:
     return arch.vocab_size * arch.hidden_size if arch.tie_word_embeddings else 0
 
 
-def head_and_late(shape: Layout, numels: list[int]) -> tuple[int, int]:
+def head_and_late(shape: Layout, numels: list[int], total: int | None = None) -> tuple[int, int]:
     """(gradient elements backward produces before the first block: LM head and final norm;
-    those it produces after the last block: the untied input embeddings)."""
-    return sum(numels) - shape.blocks_parameters - shape.late_parameters, shape.late_parameters
+    those it produces after the last block: the untied input embeddings); ``total``: sum(numels),
+    where the caller has it."""
+    total = sum(numels) if total is None else total
+    return total - shape.blocks_parameters - shape.late_parameters, shape.late_parameters
 
 
 def backward_sweep(acts: Activations | None, numels: list[int], shape: Layout | None) -> list[SweepPoint]:
@@ -175,7 +177,7 @@ def backward_sweep(acts: Activations | None, numels: list[int], shape: Layout | 
     if acts is None or shape is None:
         return [SweepPoint(PhaseKind.BACKWARD, "backward", 0, total, max(numels), 0)]
     per_layer = shape.layer_parameters
-    head, late = head_and_late(shape, numels)
+    head, late = head_and_late(shape, numels, total)
     held = shape.tied_head_elements
     body = acts.saved_bytes - acts.head_saved_bytes
     # activation_offload: the saved set is on the host; the device holds what is brought back

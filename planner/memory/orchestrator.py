@@ -494,9 +494,19 @@ def _host(setup: Setup, plan: "buf.PhasePlan") -> HostMemory:
     known = host_capacity(setup.request, setup.gpu)
     capacity = known[0] if known else None
     used = plan.host_peak_bytes > 0
-    return HostMemory(resident_bytes=plan.host_resident_bytes, peak_bytes=plan.host_peak_bytes,
-                      pinned_bytes=plan.host_pinned_bytes, capacity_bytes=capacity,
-                      fits=(plan.host_peak_bytes <= capacity) if used and capacity is not None else None)
+    key = (plan.host_resident_bytes, plan.host_peak_bytes, plan.host_pinned_bytes, capacity,
+           (plan.host_peak_bytes <= capacity) if used and capacity is not None else None)
+    # one per value, shared as items are (buffers.item: nothing in the core changes one); most are all zeros
+    hit = _HOSTS.get(key)
+    if hit is None:
+        if len(_HOSTS) >= 1024:
+            _HOSTS.clear()
+        hit = _HOSTS[key] = HostMemory(resident_bytes=key[0], peak_bytes=key[1], pinned_bytes=key[2],
+                                       capacity_bytes=key[3], fits=key[4])
+    return hit
+
+
+_HOSTS: dict[tuple, HostMemory] = {}  # _host's answers, by their fields
 
 
 def host_notes(setup: Setup, host: HostMemory) -> list[str]:

@@ -413,11 +413,17 @@ def _parallel_times(search: Search, req: PlanRequest, combo: Setting, micro: np.
     all-to-alls: planner/parallel/pipeline.py parallel_step on the estimate's own Setup (as
     steptime.estimate_time), per micro-batch size and count."""
     setup = search.setup_of(first)
+    given = setup.request
     out = []
     for k, mb in enumerate(micro.tolist()):
-        request = setup.request.model_copy(update={"micro_batch": mb, "gradient_accumulation": per_rank // mb})
-        out.append(parallel_step(times[k], replace(setup, request=request), search.model.architecture, search.topo,
-                                 search.fabric, search.nics, req.link_efficiency))
+        if (mb, per_rank // mb) == (given.micro_batch, given.gradient_accumulation) \
+                and "gradient_accumulation" in given.model_fields_set:
+            at = setup  # the option the request was made at (a pipeline's fewest micro-batches): its own copy
+        else:
+            at = replace(setup, request=given.model_copy(update={"micro_batch": mb,
+                                                                 "gradient_accumulation": per_rank // mb}))
+        out.append(parallel_step(times[k], at, search.model.architecture, search.topo, search.fabric, search.nics,
+                                 req.link_efficiency))
     return out
 
 
