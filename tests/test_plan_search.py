@@ -613,3 +613,40 @@ def test_a_pipelines_option_timed_on_its_first_request_is_timed_as_on_its_copy(m
     monkeypatch.setattr(p, "_parallel_times", checking)
     plan(PlanRequest(**SLOW_TWO_NODES))
     assert any(seen) and not all(seen)
+
+
+@pytest.mark.parametrize("fields", [SLOW_TWO_NODES,
+                                    # a large share per rank: GPipe's (fewer micro-batches than stages) has no option
+                                    dict(model="llama-3-8b", gpu="h100-80gb", gpus=8, nodes=4, global_batch=55440 * 32,
+                                         seq_len=2048),
+                                    dict(model="llama-3-8b", gpu="h100-80gb", gpus=8, nodes=4, global_batch=96,
+                                         seq_len=2048, pp_virtual_stages=2, pp_schedule="interleaved", pp=2)])
+def test_the_schedules_without_options_skipped_change_no_evaluation(monkeypatch, fields):
+    """evaluate_layouts skips a layout's schedule option whose settings have no micro-batch option
+    (_has_options asks one setting): every setting it skips has none, and the plan is the one
+    evaluating every setting gives."""
+    import planner.plan.evaluate as p
+
+    def recorded(skip: bool):
+        seen = []
+        original = p._evaluate_setting
+
+        def recording(search, req, combo, time_bound, peak_bound):
+            found, count = original(search, req, combo, time_bound, peak_bound)
+            seen.append((combo, count))
+            return found, count
+
+        monkeypatch.setattr(p, "_evaluate_setting", recording)
+        if not skip:
+            monkeypatch.setattr(p, "_has_options", lambda *a: True)
+        result = plan(PlanRequest(**fields))
+        monkeypatch.undo()
+        return seen, result
+
+    skipping, bounded = recorded(True)
+    every, exhaustive = recorded(False)
+    assert [s for s in every if s[1]] == [s for s in skipping if s[1]]
+    assert len(every) - len(skipping) == len([s for s in every if not s[1]])
+    assert fields["global_batch"] < 1000 or len(every) > len(skipping)
+    assert bounded.candidates == exhaustive.candidates and bounded.recommended == exhaustive.recommended
+    assert bounded.candidates_evaluated == exhaustive.candidates_evaluated

@@ -181,7 +181,10 @@ def evaluate_layouts(search: Search, req: PlanRequest, layouts: list[tuple[int, 
         family = layout_family(tp, cp, pp, ep)
         if world % (tp * cp * pp) or req.global_batch % (world // (tp * cp * pp)):
             continue
+        runs = {option: _has_options(req, tp, cp, pp, ep, option, arch.num_layers) for option in schedules[pp]}
         for name, (schedule, virtual, split) in ((n, o) for n in strategies for o in schedules[pp]):
+            if not runs[(schedule, virtual, split)]:
+                continue  # every setting of it would have no micro-batch option: none evaluated, nothing listed
             s = lookup_strategy(name)
             if not s.runs_on(world) or not framework_runs(req, s, tp, cp, pp, schedule):
                 continue
@@ -207,6 +210,18 @@ def evaluate_layouts(search: Search, req: PlanRequest, layouts: list[tuple[int, 
                         best_time[family] = _smallest([r[4].step_seconds for r in found if r[3]],
                                                       best_time.get(family))
     return rows, evaluated
+
+
+def _has_options(req: PlanRequest, tp: int, cp: int, pp: int, ep: int,
+                 option: tuple[str, int, tuple[int, int] | None], num_layers: int) -> bool:
+    """Whether the layout's settings under a schedule option (schedule, stages per rank, split) have
+    micro-batch options: settings.micro_options reads the layout, the schedule and the rank's share
+    alone (per_rank_sequences: the degrees), not the strategy, checkpointing, shard group or
+    offload, so one setting answers for all (a test checks the plans' evaluations are unchanged)."""
+    schedule, virtual, split = option
+    probe = Setting(req.gpus, STRATEGIES[0], "none", "none", "none", None, tp, cp, False, pp, ep, split, schedule,
+                    virtual)
+    return micro_options(req, probe, per_rank_sequences(req, probe), num_layers).size > 0
 
 
 def _smallest(values: list[float], default: float | None) -> float | None:
