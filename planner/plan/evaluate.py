@@ -73,6 +73,7 @@ class Search:
         self.recipe = recipe  # the plan's precision, decoded once (planner/plan/search.py) for every evaluation
         self.estimates: dict[tuple[int, Setting, int], Measured] = {}
         self.floors: dict[tuple[int, Setting, int], int] = {}  # pipeline settings' resident bytes
+        self.floor_settings: dict[Setting, Setting] = {}  # _floor_setting's
         self.replayed: dict[tuple[int, Setting, int, int], EstimateResult] = {}  # shown() per candidate
         self.compute_scale = 1.0  # a calibration profile's kernel-rate factor (planner/time/kernels.py)
         self.refusals: list[PlannerError] = []  # settings the request's recipe refused (planner/plan/recipe.py)
@@ -393,7 +394,7 @@ def _resident_floor(search: Search, req: PlanRequest, combo: Setting, per_rank: 
     pp = combo.pp
     if not _extrapolated(req, combo, per_rank):
         return None
-    combo = replace(combo, checkpointing="none")
+    combo = _floor_setting(search, combo)
     one, two = (_floor_estimate(search, req, combo, mb) for mb in (1, 2))
     per_sequence = (two - one) // pp
     return one + (per_rank - pp) * per_sequence
@@ -404,16 +405,26 @@ def _extrapolated(req: PlanRequest, combo: Setting, per_rank: int) -> bool:
     return per_rank > 4 * combo.pp and 2 * req.seq_len <= MAX_TOKENS
 
 
+def _floor_setting(search: Search, combo: Setting) -> Setting:
+    """The setting whose resident bytes stand for ``combo``'s (_resident_floor): without
+    checkpointing, and under 1f1b for one stage per rank (what a rank keeps between steps, its states
+    and receive buffers, pipeline.rank_phases, is the same under every one-stage-per-rank schedule:
+    gpipe's floor is 1f1b's) or zbv for a V's two (DualPipeV takes no fewer micro-batches than
+    stages; ZBV holds the same stages and buffers); made once per setting."""
+    hit = search.floor_settings.get(combo)
+    if hit is None:
+        floor = replace(combo, checkpointing="none")
+        if floor.virtual_stages == 1:
+            floor = replace(floor, schedule="1f1b")
+        elif SCHEDULE_SPECS[floor.schedule].v_shape:
+            floor = replace(floor, schedule="zbv")
+        hit = search.floor_settings[combo] = floor
+    return hit
+
+
 def _floor_estimate(search: Search, req: PlanRequest, combo: Setting, micro: int) -> int:
-    """Resident bytes of the setting at pp micro-batches of ``micro`` sequences (a bound's input,
-    not a row: the batch differs from the plan's). What a rank keeps between steps (its states and
-    receive buffers, pipeline.rank_phases) is the same under every one-stage-per-rank schedule:
-    gpipe's floor is 1f1b's."""
-    if combo.virtual_stages == 1:
-        combo = replace(combo, schedule="1f1b")
-    elif SCHEDULE_SPECS[combo.schedule].v_shape:
-        # DualPipeV takes no fewer micro-batches than stages; ZBV holds the same stages and buffers
-        combo = replace(combo, schedule="zbv")
+    """Resident bytes of the floor's setting (_floor_setting) at pp micro-batches of ``micro``
+    sequences (a bound's input, not a row: the batch differs from the plan's)."""
     key = (req.nodes, combo, -micro)  # apart from the rows' estimates
     if key not in search.floors:
         setup = search.resolved(req, combo, estimate_request(req, combo, micro, search.model_fields,
