@@ -346,9 +346,9 @@ def _result(m: Measured, simulate: bool, brief: bool = False) -> EstimateResult:
     framework = m.framework_bytes
     peak = peak_phase.bytes + framework
     resident = plan.resident_bytes + framework
-    act_at_peak = sum(i.bytes for i in peak_phase.items if i.component == "activations")
     frozen_b = sum(i.bytes for i in plan.resident if i.component == "frozen_weights")
     at_peak = _at_peak(peak_phase, framework)
+    act_at_peak = at_peak.activations_bytes  # the peak phase's activation items' bytes
     buffers_at_peak = at_peak.buffers_bytes
     capacity = _capacity(setup)
     held = reserved.simulate(setup, plan, len(_numels(setup)), capacity, compare=not brief,
@@ -365,9 +365,9 @@ def _result(m: Measured, simulate: bool, brief: bool = False) -> EstimateResult:
     result = (EstimateResult.model_construct if brief else EstimateResult)(
         parameters=whole.psi,
         trainable_parameters=whole.psi if whole.finetune is None else trainable_count(whole),
-        model=ModelSummary(name=whole.model.name, source=whole.model.source, parameters=whole.psi,
-                           architecture=whole.model.architecture.model_dump()
-                           if whole.model.architecture and not brief else None),
+        model=(ModelSummary.model_construct if brief else ModelSummary)(
+            name=whole.model.name, source=whole.model.source, parameters=whole.psi,
+            architecture=whole.model.architecture.model_dump() if whole.model.architecture and not brief else None),
         strategy=setup.strategy.name, world_size=setup.world_size, dp_size=setup.dims.dp,
         shard_size=setup.shard_size, parallel=ParallelDegrees(**setup.dims.as_dict()), gpu=setup.gpu.name,
         per_device=PerDevice(
@@ -381,7 +381,7 @@ def _result(m: Measured, simulate: bool, brief: bool = False) -> EstimateResult:
         host=host,
         nvme_bytes=plan.nvme_bytes, device_capacity_bytes=capacity, fits=fits,
         headroom_bytes=capacity - reserved_peak, allocator=held.summary() if held and not brief else None,
-        phases=[_phase_of(PhaseKind.RESIDENT, "between steps (resident)", plan.resident)] + list(plan.phases), buffers=list(plan.buffers),
+        phases=[buf.phase(PhaseKind.RESIDENT, "between steps (resident)", plan.resident)] + list(plan.phases), buffers=list(plan.buffers),
         notes=notes, request=setup.request)
     result._setup = whole
     return result
@@ -437,11 +437,6 @@ def _offload_activations_host(plan: "buf.PhasePlan", setup: Setup, acts: Activat
         plan.host_peak_bytes += pinned * req.gpus
         plan.host_pinned_bytes += pinned * req.gpus
     plan.notes.extend(act_offload.offload_notes(acts, moved, pinned, setup.device == "cpu"))
-
-
-def _phase_of(kind: PhaseKind, name: str, items: list) -> Phase:
-    kept = [i for i in items if i.bytes > 0]
-    return Phase(name=name, bytes=sum(i.bytes for i in kept), items=kept, kind=kind)
 
 
 def resident_by_component(result: EstimateResult) -> dict[str, int]:
