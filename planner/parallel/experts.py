@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from planner.model.architecture import Architecture, layer_specs
+from planner.model.architecture import Architecture, derived_memo, layer_specs
 from planner.errors import PlannerError
 from planner.model.layers import MlpSpec, mlp_numels
 from planner.parallel.stages import stage_bounds
@@ -54,10 +54,22 @@ def routed_numels(m: MlpSpec, hidden: int) -> int:
     return whole - router - shared
 
 
+def routed_total(a: Architecture) -> int:
+    """Elements of the model's routed experts (every block's routed_numels), once per Architecture
+    (the plan's search asks for every candidate)."""
+    memo = derived_memo(a)
+    if memo.get("_routed") is None:
+        memo["_routed"] = sum(routed_numels(spec.mlp, a.hidden_size) for spec in layer_specs(a))
+    return memo["_routed"]
+
+
 def moe_blocks(a: Architecture) -> list[int]:
     """Indices of the blocks whose MLP is a mixture of experts (dense-then-MoE stacks, MoE every
     other layer)."""
-    return [i for i, spec in enumerate(layer_specs(a)) if spec.mlp.is_moe]
+    memo = derived_memo(a)
+    if memo.get("_moe_blocks") is None:
+        memo["_moe_blocks"] = tuple(i for i, spec in enumerate(layer_specs(a)) if spec.mlp.is_moe)
+    return list(memo["_moe_blocks"])
 
 
 def check_ep(a: Architecture | None, ep: int) -> None:
@@ -86,8 +98,7 @@ class ExpertSharding:
 
 def expert_sharding(a: Architecture, total_parameters: int, ep: int) -> ExpertSharding:
     check_ep(a, ep)
-    specs = layer_specs(a)
-    routed = sum(routed_numels(spec.mlp, a.hidden_size) for spec in specs)
+    routed = routed_total(a)
     local = routed // ep
     return ExpertSharding(ep, routed, local, total_parameters - routed + local, len(moe_blocks(a)))
 
@@ -183,9 +194,20 @@ def all_to_all_seconds(sent_bytes: int, link_gbps: float, ranks: int, latency_us
 def local_architecture(a: Architecture, ep: int) -> Architecture:
     """The architecture one rank of the ep group holds: every MoE block with num_experts / ep
     routed experts (tokens still pick experts_per_token of them: on average a rank computes as
-    many token-expert pairs as without EP). A fresh instance (the memo of ``a`` is not shared)."""
+    many token-expert pairs as without EP). Another instance (the memo of ``a`` is not shared)."""
     if ep == 1:
         return a
+    # one instance per (architecture, ep), kept in the architecture's memo: the plan's search asks
+    # for it per candidate, and what is memoized on an instance (its shapes, its optimizer states:
+    # planner/memory/optimizer.py _seen) is then computed once per ep, not per candidate
+    memo = derived_memo(a)
+    key = ("_local", ep)
+    if memo.get(key) is None:
+        memo[key] = _local_architecture(a, ep)
+    return memo[key]
+
+
+def _local_architecture(a: Architecture, ep: int) -> Architecture:
     data = a.model_dump()
     data["num_experts"] = a.num_experts // ep if a.num_experts else 0
     if a.layers:
@@ -327,7 +349,7 @@ def data_parallel_share(a: Architecture, dims, parameters: int) -> float:
     still ring over all dp_shard * cp ranks, the routed experts over the expert-data-parallel group
     (dp_shard * cp / ep ranks, each with 1/ep of them; nothing at one rank), each ring moving
     (n-1)/n of its payload (the measured all-gathers of the ep 2 run: the dense 38% only)."""
-    routed = sum(routed_numels(spec.mlp, a.hidden_size) for spec in layer_specs(a))
+    routed = routed_total(a)
     group = dims.dp_shard * dims.cp
     if dims.ep == 1 or not routed or parameters <= 0 or group <= 1:
         return 1.0
@@ -346,7 +368,7 @@ def expert_volumes(a: Architecture, setup: Setup, rows: list[dict], parameters: 
     payloads are the routed pairs' hidden states (what the rank's all_to_all_single sends,
     its own share included)."""
     dims, request = setup.dims, setup.request
-    routed = sum(routed_numels(spec.mlp, a.hidden_size) for spec in layer_specs(a))
+    routed = routed_total(a)
     if dims.ep == 1 or not routed or parameters <= 0:
         return rows
     efsdp = dims.dp_shard * dims.cp // dims.ep
