@@ -83,7 +83,25 @@ def states_bytes(spec: OptimizerSpec, tensors: list[TensorShape], bits: int) -> 
     if not isinstance(tensors, tuple):
         return sum(count * spec.group_of(t).states(t, bits) for t, count in Counter(tensors).items())
     return _seen(("states", spec.name, bits), tensors,
-                 lambda: sum(count * spec.group_of(t).states(t, bits) for t, count in Counter(tensors).items()))
+                 lambda: sum(count * spec.group_of(t).states(t, bits) for t, count in _multiplicities(tensors)))
+
+
+def _multiplicities(tensors: tuple[TensorShape, ...]) -> list[tuple[TensorShape, int]]:
+    """Each shape object of ``tensors`` with how often it occurs, counted by identity: an
+    architecture's blocks share their shapes' objects (planner/model/shapes.py _shapes), so this is
+    a few entries for thousands of tensors, without hashing a dataclass per tensor. Equal shapes
+    held by different objects stay separate entries; the states are whole bytes per shape, so the
+    sum is the same as counting equal shapes together (Counter)."""
+    counts: dict[int, int] = {}
+    objects: dict[int, TensorShape] = {}
+    for t in tensors:
+        key = id(t)
+        if key in counts:
+            counts[key] += 1
+        else:
+            counts[key] = 1
+            objects[key] = t
+    return [(objects[key], count) for key, count in counts.items()]
 
 
 def state_bits(spec: OptimizerSpec, tensors: list[TensorShape], bits: int) -> float:

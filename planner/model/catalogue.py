@@ -216,8 +216,26 @@ def as_loaded(model: ResolvedModel, text_only: bool = False, include_vision: boo
         raise PlannerError(f"text_only: {model.name} is {what}, which has no vision tower to leave out (text_only "
                            f"applies to the multimodal configs {', '.join(sorted(LOADED_CLASS))})", field="text_only")
     if include_vision or (not text_only and model_type in LOADED_CLASS and LOADED_CLASS[model_type][2]):
-        return with_vision(model)
+        return _with_vision_once(model)
     return model
+
+
+# with_vision's answers by the model's identity, the model kept beside its answer so that an identity
+# is never reused while its entry stands: the plan's search resolves every candidate from one model,
+# and one answer (one Architecture) lets what is memoized on it (its shapes, its optimizer states)
+# be computed once per plan, not re-read from the config per candidate
+_VISION: dict[int, tuple[ResolvedModel, ResolvedModel]] = {}
+
+
+def _with_vision_once(model: ResolvedModel) -> ResolvedModel:
+    hit = _VISION.get(id(model))
+    if hit is not None and hit[0] is model:
+        return hit[1]
+    answer = with_vision(model)
+    if len(_VISION) > 64:
+        _VISION.clear()
+    _VISION[id(model)] = (model, answer)
+    return answer
 
 
 def model_from_config(config: dict[str, Any], name: str = "custom", source: str = "user config") -> ResolvedModel:

@@ -1,0 +1,99 @@
+"""The plan search's memos for mixture-of-experts and multimodal models give what the unmemoized
+paths give: the ep-local architecture once per (architecture, ep), the routed-expert count and MoE
+block indices once per architecture, the loaded multimodal model once per model, and the optimizer
+states summed per distinct shape object instead of per tensor (bench/plan_speed.py measures the
+speed; these check only that nothing changed)."""
+
+import random
+from collections import Counter
+
+import pytest
+
+from planner.memory import optimizer
+from planner.model.architecture import layer_specs, parameter_count
+from planner.model.catalogue import _with_vision_once, as_loaded, catalogue_model, load_catalogue, with_vision
+from planner.model.shapes import TensorShape, parameter_shapes
+from planner.parallel import experts
+from planner.recipes.optimizers import OPTIMIZERS
+
+CATALOGUE = sorted(load_catalogue())
+
+
+def _moe_experts(a):
+    return sorted({spec.mlp.num_experts for spec in layer_specs(a) if spec.mlp.is_moe})
+
+
+@pytest.mark.parametrize("name", CATALOGUE)
+def test_routed_count_and_moe_blocks_equal_the_per_block_sums(name):
+    a = catalogue_model(name).architecture
+    if a is None:
+        pytest.skip(f"{name} has no architecture")
+    specs = layer_specs(a)
+    assert experts.routed_total(a) == sum(experts.routed_numels(s.mlp, a.hidden_size) for s in specs)
+    assert experts.moe_blocks(a) == [i for i, s in enumerate(specs) if s.mlp.is_moe]
+    experts.moe_blocks(a).append(-1)  # a caller's list is its own: the memo is not changed through it
+    assert experts.moe_blocks(a) == [i for i, s in enumerate(specs) if s.mlp.is_moe]
+
+
+@pytest.mark.parametrize("name", CATALOGUE)
+def test_the_local_architecture_is_one_instance_per_ep_equal_to_a_fresh_one(name):
+    a = catalogue_model(name).architecture
+    counts = _moe_experts(a) if a is not None else []
+    if not counts:
+        pytest.skip(f"{name} has no routed experts")
+    for ep in (d for d in range(2, counts[0] + 1) if all(c % d == 0 for c in counts)):
+        local = experts.local_architecture(a, ep)
+        assert local is experts.local_architecture(a, ep)
+        fresh = experts._local_architecture(a, ep)
+        assert local == fresh and local is not fresh
+        assert parameter_count(local) == parameter_count(fresh)
+        assert parameter_shapes(local) == parameter_shapes(fresh)
+        assert experts.routed_total(local) * ep == experts.routed_total(a)
+
+
+@pytest.mark.parametrize("name", CATALOGUE)
+def test_the_loaded_model_is_one_instance_per_model_equal_to_a_fresh_read(name):
+    model = catalogue_model(name)
+    try:
+        fresh = with_vision(model)
+    except Exception:  # noqa: BLE001 - a model with no vision tower: the memo must refuse alike
+        with pytest.raises(Exception):
+            _with_vision_once(model)
+        return
+    once = _with_vision_once(model)
+    assert once is _with_vision_once(model)
+    assert once == fresh and once.architecture == fresh.architecture
+    assert as_loaded(model, include_vision=True) is once
+
+
+def _per_tensor(spec, tensors, bits):
+    return sum(count * spec.group_of(t).states(t, bits) for t, count in Counter(tensors).items())
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_states_per_shape_object_equal_states_per_tensor_on_random_shapes(seed):
+    rng = random.Random(seed)
+    pool = [TensorShape(tuple(rng.randint(1, 300_000 if k == 0 else 4096) for k in range(rng.randint(1, 3))),
+                        io=rng.random() < 0.1) for _ in range(rng.randint(1, 12))]
+    # shared objects, and equal shapes held by distinct objects (as a tensor-parallel rank's may be)
+    tensors = tuple(rng.choice(pool) if rng.random() < 0.8 else TensorShape(rng.choice(pool).dims)
+                    for _ in range(rng.randint(2, 2000)))
+    shard = rng.randint(1, 64)
+    sharded = optimizer.dim0_shards(tensors, shard)
+    for name, spec in OPTIMIZERS.items():
+        for bits in (16, 32):
+            for ts in (tensors, sharded):
+                assert optimizer.states_bytes(spec, ts, bits) == _per_tensor(spec, list(ts), bits), (name, bits)
+                assert optimizer.states_bytes(spec, list(ts), bits) == _per_tensor(spec, list(ts), bits)
+
+
+@pytest.mark.parametrize("name", CATALOGUE)
+def test_states_per_shape_object_equal_states_per_tensor_on_every_catalogue_model(name):
+    model = catalogue_model(name)
+    if model.architecture is None:
+        pytest.skip(f"{name} has no architecture")
+    shapes = parameter_shapes(model.architecture)
+    for shard in (1, 8):
+        ts = optimizer.dim0_shards(shapes, shard)
+        for spec in OPTIMIZERS.values():
+            assert optimizer.states_bytes(spec, ts, 32) == _per_tensor(spec, list(ts), 32)
