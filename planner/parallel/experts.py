@@ -78,7 +78,10 @@ def check_ep(a: Architecture | None, ep: int) -> None:
     if a is None:
         raise PlannerError(f"ep={ep} needs an architecture (its experts are sharded): give a model, not params",
                            field="ep")
-    experts = {spec.mlp.num_experts for spec in layer_specs(a) if spec.mlp.is_moe}
+    memo = derived_memo(a)
+    if memo.get("_expert_counts") is None:
+        memo["_expert_counts"] = frozenset(spec.mlp.num_experts for spec in layer_specs(a) if spec.mlp.is_moe)
+    experts = memo["_expert_counts"]
     if not experts:
         raise PlannerError(f"ep={ep}: the model has no routed experts; expert parallelism needs a mixture-of-experts model",
                            field="ep")
@@ -222,6 +225,11 @@ def _local_architecture(a: Architecture, ep: int) -> Architecture:
     return Architecture.model_validate(data)
 
 
+# localize's local models by (the model's and the architecture's identities, ep), both kept beside the
+# answer so that an identity is never reused while its entry stands
+_LOCAL_MODELS: dict[tuple, tuple] = {}
+
+
 def localize(setup, textbook_states):
     """(the setup as one rank of the ep group sees the model, items to add to every phase, the
     transient of one all-to-all). ``textbook_states``: planner.memory.orchestrator.textbook_states (passed in,
@@ -250,8 +258,18 @@ def localize(setup, textbook_states):
     from planner.model.architecture import parameter_count
 
     local_count = parameter_count(local_arch)
-    model = ResolvedModel(name=setup.model.name, source=setup.model.source, config=setup.model.config,
-                          architecture=local_arch, parameters=local_count)
+    # one local model per (model, its architecture, ep), as local_architecture: the plan's search
+    # localizes every expert-parallel candidate of one model
+    key = (id(setup.model), id(a), ep)
+    hit = _LOCAL_MODELS.get(key)
+    if hit is not None and hit[0] is setup.model and hit[1] is a:
+        model = hit[2]
+    else:
+        model = ResolvedModel(name=setup.model.name, source=setup.model.source, config=setup.model.config,
+                              architecture=local_arch, parameters=local_count)
+        if len(_LOCAL_MODELS) > 64:
+            _LOCAL_MODELS.clear()
+        _LOCAL_MODELS[key] = (setup.model, a, model)
     local = replace(setup, model=model)
     full_states = textbook_states(setup)
     local_states = textbook_states(local)
