@@ -97,3 +97,21 @@ def test_states_per_shape_object_equal_states_per_tensor_on_every_catalogue_mode
         ts = optimizer.dim0_shards(shapes, shard)
         for spec in OPTIMIZERS.values():
             assert optimizer.states_bytes(spec, ts, 32) == _per_tensor(spec, list(ts), 32)
+
+
+def test_localize_builds_one_local_model_per_model_and_ep_equal_to_a_fresh_one():
+    from planner.memory.orchestrator import resolve, textbook_states
+    from planner.model.catalogue import ResolvedModel
+    from planner.schema import EstimateRequest
+
+    model = catalogue_model("mixtral-8x7b")
+    setups = [resolve(EstimateRequest(model="mixtral-8x7b", gpu="h100-80gb", gpus=8, ep=4, strategy=strategy,
+                                      seq_len=1024, micro_batch=micro), model)
+              for strategy, micro in (("fsdp", 1), ("fsdp", 2), ("zero2", 1))]
+    locals_ = [experts.localize(s, textbook_states)[0].model for s in setups]
+    assert locals_[0] is locals_[1] is locals_[2]
+    a = setups[0].arch
+    fresh = ResolvedModel(name=model.name, source=model.source, config=model.config,
+                          architecture=experts._local_architecture(a, 4),
+                          parameters=parameter_count(experts._local_architecture(a, 4)))
+    assert locals_[0] == fresh
