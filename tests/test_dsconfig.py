@@ -208,6 +208,11 @@ def test_llamafactory_autotp_config_is_read_as_deepspeed_and_transformers_read_i
     assert from_config["per_device"] == flags["per_device"]
     code, out, err = run(capsys, LLAMAFACTORY_Z2_AUTOTP, tmp_path, "--tp", "4")
     assert code == 2 and "tp=4 but ds_config.tensor_parallel.autotp_size is 2" in err
+    # communication_data_type against the precision "auto" leaves to the trainer: the request's
+    code, _, err = run(capsys, dict(LLAMAFACTORY_Z2_AUTOTP, communication_data_type="bf16"), tmp_path)
+    assert code == 0, err
+    code, _, err = run(capsys, dict(LLAMAFACTORY_Z2_AUTOTP, communication_data_type="fp32"), tmp_path)
+    assert code == 2 and "communication_data_type('fp32') is not modelled" in err
     fp16 = dict(LLAMAFACTORY_Z2_AUTOTP, fp16={"enabled": True}, tensor_parallel={"autotp_size": 1})
     code, out, err = run(capsys, fp16, tmp_path)
     assert code == 0 and json.loads(out)["request"]["precision"] == "fp16-mixed", err

@@ -43,7 +43,7 @@ TABLE: dict[str, Key] = {
     "attn_implementation": Modelled("attention"), "flash_attention": Modelled("attention sdpa"),
     "sdp_attention": Modelled("attention sdpa"), "xformers_attention": Modelled("attention sdpa"),
     "deepspeed": Modelled("the DeepSpeed JSON, read from the files given"),
-    "fsdp_version": Modelled("2 (FSDP2) is modelled"), "fsdp_config": Modelled("FSDP section: accelerate's keys, written without their fsdp_ prefix as axolotl does, or with it"),
+    "fsdp_version": Modelled("2 FSDP2; 1 (axolotl's default) FSDP1, estimated with FSDP2's per-unit model"), "fsdp_config": Modelled("FSDP section: accelerate's keys, written without their fsdp_ prefix as axolotl does, or with it"),
     "fsdp": Modelled("FSDP1's option list (full_shard, shard_grad_op, hybrid_shard, offload, auto_wrap), as transformers reads it"),
     "liger_fused_linear_cross_entropy": Needs("loss", "liger-fused", "Liger's fused linear cross-entropy never "
                                               "holds the logits", lambda v, b: off(v)),
@@ -151,8 +151,6 @@ def read(data: dict[str, Any], where: Where) -> Reading:
         trainer_fsdp_section(reading, get("fsdp") or True, get("fsdp_config"), get("fsdp_version") or 1,
                              {"version": "fsdp_version"})
     return reading
-
-
 
 
 def _adapter(reading: Reading, data: dict[str, Any]) -> str | None:

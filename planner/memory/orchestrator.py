@@ -21,7 +21,8 @@ from planner.recipes import activation_offload as act_offload
 from planner.model.architecture import defaulted_size_fields
 from planner.model.catalogue import ResolvedModel, as_loaded, catalogue_model, model_from_config, raw_parameters
 from planner.parallel.context import check_context_parallel, gloo_ring_scratch_bytes
-from planner.frameworks.deepspeed.config import ZeroSettings, batch_from_config, parse_ds_config, with_overrides
+from planner.frameworks.deepspeed.config import (ZeroSettings, batch_from_config, check_communication_dtype,
+                                                parse_ds_config, with_overrides)
 from planner.errors import PlannerError
 from planner.recipes.losses import FUSED, loss_chunks, loss_kernel, loss_notes
 from planner.recipes.loop import check_loop, held_outputs_bytes, loop_note, with_held, with_held_outputs
@@ -115,6 +116,7 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     if request.ds_config is not None and zero.precision and zero.precision != precision \
             and "precision" not in request.model_fields_set:
         precision = zero.precision  # the config's bf16/fp16 block, unless --precision was given
+    check_communication_dtype(zero.communication_data_type, precision)  # a config whose precision is "auto"
     from_config = _from_config(request, zero)
     # what the config fixes is the request from here on: its AutoTP degree shapes the layout below
     request = request.model_copy(update=from_config)
@@ -147,7 +149,7 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     fields["loss_chunks"] = loss_chunks(request, _checkpointing_why_not(request, model, finetune),
                                         torch_tp=bool(fields.get("vocab_parallel_loss")),
                                         fused_why_not=_checkpointing_why_not(request, model, None))
-    setup = Setup(request=request.model_copy(update={"precision": precision} | from_config), model=model, strategy=s,
+    setup = Setup(request=request.model_copy(update={"precision": precision}), model=model, strategy=s,
                   recipe=recipe, gpu=g, zero=zero, world_size=request.world_size, dims=dims,
                   finetune=finetune, **fields)
     check_optimizer(setup)

@@ -302,6 +302,8 @@ class ZeroSettings:
     gradient_accumulation: int | None = None
     train_batch_size: int | None = None
     autotp_size: int | None = None  # tensor_parallel.autotp_size: the AutoTP degree; None when not set
+    # communication_data_type left for resolve to check: the config's precision is "auto"
+    communication_data_type: Any = None
     explicit: frozenset[str] = field(default_factory=frozenset)
 
     @property
@@ -425,12 +427,13 @@ def _optimizer(config: dict[str, Any]) -> str | None:
                        "in the config)", field="ds_config.optimizer.type")
 
 
-def _communication_dtype(config: dict[str, Any], precision: str | None) -> None:
-    """communication_data_type changes message bytes unless it is the training dtype."""
-    value = config.get("communication_data_type")
+def check_communication_dtype(value: Any, precision: str) -> None:
+    """communication_data_type changes message bytes unless it is the training dtype. Checked when
+    the config is read, or, where its precision is "auto" (ZeroSettings.precision None), by resolve
+    against the request's precision, which the trainer fills it with."""
     if value is None or value == "auto":
         return
-    training = DTYPE_SPELLINGS[RECIPES[precision or "fp32"].compute]
+    training = DTYPE_SPELLINGS[RECIPES[precision].compute]
     if value not in training:
         raise PlannerError(f"ds_config.communication_data_type({value!r}) is not modelled: gradients reduced in another "
                            f"dtype than the training dtype ({training[0]}) change the message bytes; remove it",
@@ -489,7 +492,9 @@ def parse_ds_config(config: Any) -> ZeroSettings:
         if isinstance(config.get(name), dict):
             _check_keys(config[name], f"ds_config.{name}", UNMODELLED_PRECISION, frozenset(), PRECISION_KEYS)
     precision = _precision(config)
-    _communication_dtype(config, precision)
+    communication = config.get("communication_data_type")
+    if precision is not None:
+        check_communication_dtype(communication, precision)
     autotp = _autotp_size(config.get("tensor_parallel"))
     micro = _int_field(config, "train_micro_batch_size_per_gpu", "ds_config", 1)
     accumulation = _int_field(config, "gradient_accumulation_steps", "ds_config", 1)
@@ -497,7 +502,8 @@ def parse_ds_config(config: Any) -> ZeroSettings:
     return ZeroSettings(stage=stage, offload_optimizer=opt_device, offload_params=param_device,
                         pin_memory=opt_pin, pin_params=param_pin, precision=precision, optimizer=_optimizer(config),
                         micro_batch=micro, gradient_accumulation=accumulation, train_batch_size=train_batch,
-                        autotp_size=autotp, explicit=frozenset(explicit), **values)
+                        autotp_size=autotp, communication_data_type=None if precision else communication,
+                        explicit=frozenset(explicit), **values)
 
 
 def _autotp_size(block: Any) -> int | None:

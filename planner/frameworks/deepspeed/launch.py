@@ -240,7 +240,7 @@ def _keep_users_config(user: dict[str, Any], planned: dict[str, Any]) -> dict[st
     for key, value in planned.items():
         config.setdefault(key, value)  # what the plan writes that the user left out (steps_per_print)
     # communication_data_type is modelled only as the training dtype (planner.frameworks.deepspeed.config
-    # _communication_dtype); with another precision than the config's, the plan's dtype is reduced
+    # check_communication_dtype); with another precision than the config's, the plan's dtype is reduced
     training = "bf16" if "bf16" in planned else "fp16" if "fp16" in planned else "fp32"
     if config.get("communication_data_type") not in (None, "auto", *DTYPE_SPELLINGS[training]):
         del config["communication_data_type"]
