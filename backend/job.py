@@ -127,13 +127,13 @@ class VerifyJob(BaseModel):
     attn_implementation: Literal["sdpa", "eager"]
     checkpointing: Literal["none", "full", "selective-op", "selective-attention"]
     checkpointing_every: int | None = Field(None, ge=1, description="full checkpointing of every N-th block")
-    loss: Literal["hf", "chunked", "vocab-parallel", "liger-fused", "cce"] = Field(
+    loss: Literal["hf", "chunked", "chunked-in-forward", "vocab-parallel", "liger-fused", "cce"] = Field(
         "hf", description="the loss implementation (backend/losses.py)")
     low_precision: Literal["none", "float8-tensorwise", "float8-rowwise", "mxfp8"] = Field(
         "none", description="torchao's low-precision linears (backend/low_precision.py); GPU only")
     float8_all_gather: bool = Field(False, description="FSDP2 gathers the float8 weights in fp8 (torchao's "
                                     "enable_fsdp_float8_all_gather); GPU only")
-    loss_chunks: int = Field(1, ge=1, description="loss=chunked: chunks of the sequence")
+    loss_chunks: int = Field(1, ge=1, description="loss=chunked or chunked-in-forward: chunks of the sequence")
     micro_batch: int = Field(ge=1)
     seq_len: int = Field(ge=1)
     gradient_accumulation: int = Field(ge=1)

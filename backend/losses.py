@@ -94,3 +94,87 @@ class FlashAttnLoss(torch.nn.Module):
         shifted = F.pad(labels, (0, 1), value=IGNORE)[:, 1:]
         loss = self.loss(logits.reshape(-1, logits.size(-1)), shifted.reshape(-1))
         return SimpleNamespace(loss=loss, logits=logits)
+
+
+class _HandBack(torch.autograd.Function):
+    """The bridge from the loss's call to the decoder's backward: takes the hidden states (attached
+    to the decoder's graph), the gradient already computed for them and the loss's value; returns
+    the value, whose backward hands that gradient to the hidden states, scaled in place by the
+    incoming gradient (the engine's 1 / accumulation)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, gradient: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gradient)
+        return value.detach()
+
+    @staticmethod
+    def backward(ctx, incoming: torch.Tensor):
+        (gradient,) = ctx.saved_tensors
+        return gradient.mul_(incoming), None, None
+
+
+def _output(loss: torch.Tensor):
+    """A transformers output: a pytree node (ModelOutput registers its subclasses), so that FSDP2's
+    root sees the loss and registers its pre-backward hook on it, which gathers the root unit again
+    for the decoder's backward."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return CausalLMOutputWithPast(loss=loss)
+
+
+class InForwardChunkedLoss(torch.nn.Module):
+    """torchtitan's chunked loss schedule (torchtitan 0.3.0 components/loss.py ChunkedLossWrapper; the
+    planner's loss=chunked-in-forward) on a transformers causal LM, written from its description: the
+    decoder's final hidden states cut into ``chunks`` equal slices of the sequence, each made a
+    contiguous detached leaf; for each slice in turn the LM head, the summed cross-entropy of its
+    fp32 upcast over the micro-batch's labelled tokens, and its backward at once, inside this
+    forward, its input gradient copied into one fp32 buffer of the hidden states' shape; the buffer
+    cast to the hidden states' dtype and handed to the decoder's backward (_HandBack). The backward
+    of each slice runs without autocast, as a GPU's autograd thread runs it. Labels shifted as
+    transformers' ForCausalLMLoss. ``loss_of(logits, labels, count)`` computes one slice's loss from
+    its logits (the vocabulary-parallel one under TP: train_parallel.py)."""
+
+    def __init__(self, model: torch.nn.Module, chunks: int, loss_of=None):
+        super().__init__()
+        self.model, self.chunks = model, chunks
+        self.loss_of = loss_of or _slice_cross_entropy
+        self._no_split_modules = getattr(model, "_no_split_modules", None)
+
+    def forward(self, *, input_ids: torch.Tensor, labels: torch.Tensor, **decoder_kwargs):
+        hidden = self.model.base_model(input_ids=input_ids, **decoder_kwargs).last_hidden_state
+        hidden = _replicated(hidden)
+        head = self.model.get_output_embeddings()
+        shifted = F.pad(labels, (0, 1), value=IGNORE)[:, 1:]
+        count = (shifted != IGNORE).sum()
+        if hidden.shape[1] % self.chunks:
+            raise RuntimeError(f"sequence {hidden.shape[1]} does not divide into {self.chunks} chunks")
+        width = hidden.shape[1] // self.chunks
+        pieces = [p.contiguous().detach().requires_grad_(True) for p in torch.split(hidden, width, dim=1)]
+        targets = torch.split(shifted, width, dim=1)
+        buffer = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for index, (piece, target) in enumerate(zip(pieces, targets)):
+            logits = head(piece)
+            part = self.loss_of(logits, target, count)
+            total = total + part.detach()
+            with torch.autocast(hidden.device.type, enabled=False):
+                part.backward()
+            buffer[:, index * width:(index + 1) * width] = piece.grad.to(torch.float32)  # as GradAccumulator.add
+            piece.grad = None
+        gradient = buffer.to(hidden.dtype)
+        return _output(_HandBack.apply(hidden, gradient, total))
+
+
+def _replicated(hidden: torch.Tensor) -> torch.Tensor:
+    """The hidden states whole on this rank: a sequence-parallel norm's DTensor gathered over the
+    sequence (torchtitan's root norm redistributes to Replicate before the head), as a local tensor."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(hidden, DTensor):
+        return hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim).to_local()
+    return hidden
+
+
+def _slice_cross_entropy(logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE,
+                           reduction="sum") / count

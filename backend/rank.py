@@ -52,9 +52,14 @@ def parallel_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.d
     model = model.to(device)
     mesh = build_mesh(parallel, device)
     cp = int(parallel.get("cp", 1))
+    in_forward = job.get("loss") == "chunked-in-forward"
     if int(parallel["tp"]) > 1:
-        apply_tp(model, mesh["tp"], bool(parallel.get("sequence_parallel", True)))
-    if cp > 1:
+        apply_tp(model, mesh["tp"], bool(parallel.get("sequence_parallel", True)), head_replicated=in_forward)
+    if in_forward:
+        from backend.train_parallel import InForwardParallelLoss
+
+        model = InForwardParallelLoss(model, int(job["loss_chunks"]), mesh["tp"])
+    elif cp > 1:
         from backend.context_parallel import ContextParallelLM
 
         model = ContextParallelLM(model)

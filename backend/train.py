@@ -61,7 +61,11 @@ def build_model(job: dict[str, Any]) -> torch.nn.Module:
         from backend.low_precision import convert
 
         model = convert(model, job["low_precision"], fp8_all_gather=job.get("float8_all_gather", False))
-    if job.get("loss") == "chunked":
+    if job.get("loss") == "chunked-in-forward" and not job.get("parallel"):  # under TP: train_parallel.py
+        from backend.losses import InForwardChunkedLoss
+
+        model = InForwardChunkedLoss(model, int(job["loss_chunks"]))
+    elif job.get("loss") == "chunked":
         from backend.losses import ChunkedOutputLoss
 
         model = ChunkedOutputLoss(model, int(job["loss_chunks"]))

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from backend.losses import InForwardChunkedLoss
 from backend.train import AccumulatingEngine
 
 
@@ -66,7 +67,10 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     return inner
 
 
-def apply_tp(model: torch.nn.Module, tp_mesh, sequence_parallel: bool) -> None:
+def apply_tp(model: torch.nn.Module, tp_mesh, sequence_parallel: bool, head_replicated: bool = False) -> None:
+    """``head_replicated``: the LM head takes a replicated input and returns its local vocabulary
+    columns (torchtitan 0.3.0's lm_head sharding, models/common/decoder_sharding.py, under its
+    ChunkedLossWrapper: the hidden states are gathered whole before the head)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
@@ -76,7 +80,8 @@ def apply_tp(model: torch.nn.Module, tp_mesh, sequence_parallel: bool) -> None:
     parallelize_module(model, tp_mesh, {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
         **({"model.norm": SequenceParallel()} if sequence_parallel else {}),
-        "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False),
+        "lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=True)
+        if head_replicated else ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False),
     })
     for block in decoder.layers:
         attention, mlp = block.self_attn, block.mlp
@@ -138,6 +143,71 @@ class CausalLMWithParallelLoss(torch.nn.Module):
         with loss_parallel():
             return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(),
                                                      ignore_index=-100)
+
+
+class VocabShardCrossEntropy(torch.autograd.Function):
+    """The summed cross-entropy of one slice's logits held as this rank's columns of the vocabulary
+    (written from torchtitan 0.3.0's description of _LossParallelCrossEntropy, components/loss.py):
+    fp32 log-probabilities from the all-reduced row max and sum of exponentials, the target's
+    log-probability all-reduced from the rank that holds its column, the log-probabilities saved;
+    the backward local: ``(exp(log_probs) - one_hot) * incoming`` on the rank's columns."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, group, first: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        columns = logits.shape[-1]
+        top = logits.amax(dim=-1, keepdim=True)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - top
+        total = torch.exp(shifted).sum(dim=-1, keepdim=True)
+        dist.all_reduce(total, group=group)
+        log_probs = shifted - torch.log(total)
+        del shifted
+        valid = labels != -100
+        mine = valid & (labels >= first) & (labels < first + columns)
+        local = torch.where(mine, labels - first, 0)
+        picked = torch.gather(log_probs, -1, local.unsqueeze(-1)).squeeze(-1) * mine
+        dist.all_reduce(picked, group=group)
+        ctx.save_for_backward(log_probs, labels)
+        ctx.first = first
+        return -(picked * valid).sum()
+
+    @staticmethod
+    def backward(ctx, incoming: torch.Tensor):
+        log_probs, labels = ctx.saved_tensors
+        columns = log_probs.shape[-1]
+        mine = (labels != -100) & (labels >= ctx.first) & (labels < ctx.first + columns)
+        one_hot = torch.zeros_like(log_probs)
+        rows = torch.arange(labels.shape[0], device=labels.device)
+        one_hot[rows[mine], (labels - ctx.first)[mine]] = 1.0
+        scale = torch.where(labels != -100, incoming, 0.0).unsqueeze(-1)
+        return (torch.exp(log_probs) - one_hot) * scale, None, None, None
+
+
+class InForwardParallelLoss(InForwardChunkedLoss):
+    """torchtitan's ChunkedLossWrapper under TP (backend/losses.py InForwardChunkedLoss): the head's
+    logits this rank's vocabulary columns (apply_tp head_replicated), each slice's loss
+    VocabShardCrossEntropy over the tp group; the forward given the whole sequence's positions and
+    returning the loss, as CausalLMWithParallelLoss."""
+
+    def __init__(self, lm: torch.nn.Module, chunks: int, tp_mesh):
+        group = tp_mesh.get_group()
+        first = -(-lm.config.vocab_size // tp_mesh.size()) * tp_mesh.get_local_rank()
+
+        def loss_of(logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+            flat = logits.float().reshape(-1, logits.size(-1))
+            return VocabShardCrossEntropy.apply(flat, target.reshape(-1), group, first) / count
+
+        super().__init__(lm, chunks, loss_of)
+
+    @property
+    def lm(self) -> torch.nn.Module:  # apply_fsdp's name for the causal LM
+        return self.model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        return super().forward(input_ids=input_ids, labels=labels, position_ids=positions).loss
 
 
 class ParallelEngine(AccumulatingEngine):

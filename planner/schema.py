@@ -266,11 +266,12 @@ OptimizerInBackwardField = Annotated[bool, Field(
 # the recipe's fields (issue 21), shared by EstimateRequest and PlanRequest (the plan is asked with the recipe)
 LossField = Annotated[Loss, Field(
     description="loss implementation: hf (transformers' cross-entropy on the whole logits), chunked (torchtune's "
-    "chunked output loss), liger-fused (Liger's fused linear cross-entropy), cce (Cut Cross-Entropy), flash-attn "
+    "chunked output loss), chunked-in-forward (torchtitan's ChunkedLossWrapper: each chunk's backward in the forward), "
+    "liger-fused (Liger's fused linear cross-entropy), cce (Cut Cross-Entropy), flash-attn "
     "(flash-attn's cross-entropy on the compute-dtype logits: llm-foundry's fused_crossentropy), vocab-parallel "
     "(tp's loss_parallel)")]
-LossChunksField = Annotated[int | None, Field(ge=1, le=1 << 16, description="loss=chunked: chunks (default 8, "
-                                              "torchtune's)")]
+LossChunksField = Annotated[int | None, Field(ge=1, le=1 << 16, description="loss=chunked or chunked-in-forward: "
+                                              "chunks (default 8, torchtune's and torchtitan's)")]
 CheckpointingEveryField = Annotated[int | None, Field(
     ge=1, le=1 << 16, description="with checkpointing full: checkpoint every N-th block only (transformers' "
     "every_n_layers: blocks 0, N, 2N, ...)")]

@@ -240,6 +240,12 @@ CPU_RUNS = [
     # activation_offload: TRL's OffloadActivations on a CPU rank (backend/offload.py; the others in BENCH_RUNS)
     _run("llama-offload-single-fp32-t512", LLAMA, "single", "fp32", gpus=1, micro=2, seq=256,
          activation_offload=True),
+    # loss=chunked-in-forward (torchtitan's ChunkedLossWrapper, backend/losses.py): FSDP2 over two ranks with two
+    # sequences (the slices copied), and tp 2 with SP (each slice's logits vocab-parallel), logits-dominated
+    _run("llama-v32k-fsdp-bf16-chunkfwd-t1024", LLAMA_32K, "fsdp", "bf16-mixed", micro=2, seq=512,
+         loss="chunked-in-forward"),
+    _run("llama-v32k-tp2-fp32-sp-chunkfwd-t1024", LLAMA_TP_32K, "fsdp", "fp32", tp=2, micro=1, seq=1024,
+         loss="chunked-in-forward"),
 ]
 
 # The part of CPU_RUNS that CI runs (scripts/test.sh deselects the rest, marked slow_matrix in
@@ -257,6 +263,7 @@ CI_RUNS = frozenset({
     "llama-v32k-tp2-hfplan-fp32-t1024", "llama-v32k-tp2-fsdp2-hfplan-fp32-ckpt-t1024",
     "llama-int8-lora-single-bf16-all-t512", "llama-v32k-lora-ddp-bf16-cce-t512",
     "llama-pp2-zbv-fp32-m4", "llama-pp2-interleaved-zb-v2-fp32-m4",  # issue 25: the split backward, the V
+    "llama-v32k-fsdp-bf16-chunkfwd-t1024", "llama-v32k-tp2-fp32-sp-chunkfwd-t1024",  # torchtitan's chunked loss
 })
 
 # Measured and reported by bench/accuracy.py (not in CI, to keep it short): the rest of the
@@ -535,6 +542,14 @@ BENCH_RUNS = [
          loss_chunks=4),
     _run("llama-v32k-single-fp32-ckpt-chunked-t1024", LLAMA_32K, "single", "fp32", gpus=1, ckpt="full", micro=1,
          seq=1024, loss="chunked"),
+    # loss=chunked-in-forward on one device under autocast (the hidden states fp32, the head's per-slice gradient
+    # cast to fp32), checkpointed, and under TP x FSDP2 in bf16 on four ranks
+    _run("llama-v32k-single-bf16-chunkfwd-t2048", LLAMA_32K, "single", "bf16-mixed", gpus=1, micro=1, seq=2048,
+         loss="chunked-in-forward"),
+    _run("llama-v32k-single-fp32-ckpt-chunkfwd4-t1024", LLAMA_32K, "single", "fp32", gpus=1, ckpt="full", micro=1,
+         seq=1024, loss="chunked-in-forward", loss_chunks=4),
+    _run("llama-v32k-tp2-fsdp2-bf16-sp-chunkfwd-t1024", LLAMA_TP_32K, "fsdp", "bf16-mixed", tp=2, gpus=4, micro=2,
+         seq=512, loss="chunked-in-forward"),
     # optimizers (planner/recipes/optimizers.py), each from its own library on CPU ranks; at 64 tokens the
     # states dominate the resident and the step's temporaries (bitsandbytes' CPU path, Muon's Newton-Schulz,
     # Adafactor's full-size estimate) can set the peak

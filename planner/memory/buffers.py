@@ -187,7 +187,10 @@ def backward_sweep(acts: Activations | None, numels: list[int], shape: Layout | 
     at_loss, after_head = (acts.device_head_bytes + waiting, acts.device_after_head_bytes + waiting) \
         if acts.host_offload else (acts.saved_bytes + waiting + acts.duplicate_head_bytes,
                                    body + waiting + acts.duplicate_head_bytes)
-    points = [SweepPoint(PhaseKind.START_OF_BACKWARD, "start of backward", at_loss, 0, 0, acts.loss_transient_bytes),
+    # torchtitan's chunked loss runs the LM head's backward inside the loss's call: its gradient is made there
+    early = head if acts.head_gradient_in_loss else 0
+    points = [SweepPoint(PhaseKind.START_OF_BACKWARD, "start of backward", at_loss, early, early,
+                         acts.loss_transient_bytes),
               SweepPoint(PhaseKind.AFTER_LM_HEAD, "after the LM head", after_head, head, head,
                          acts.final_norm_transient_bytes)]
     recompute = acts.layer_saved_bytes if acts.checkpointed else 0

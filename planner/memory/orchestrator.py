@@ -24,7 +24,7 @@ from planner.parallel.context import check_context_parallel, gloo_ring_scratch_b
 from planner.frameworks.deepspeed.config import (ZeroSettings, batch_from_config, check_communication_dtype,
                                                 parse_ds_config, with_overrides)
 from planner.errors import PlannerError
-from planner.recipes.losses import FUSED, loss_chunks, loss_kernel, loss_notes
+from planner.recipes.losses import FUSED, in_forward_why_not, loss_chunks, loss_kernel, loss_notes
 from planner.recipes.loop import check_loop, held_outputs_bytes, loop_note, with_held, with_held_outputs
 from planner.recipes.low_precision import RECIPES as LP_RECIPES, check_float8_all_gather, check_low_precision, \
     low_precision_notes, recipe_of, resident_weight_bytes
@@ -148,7 +148,11 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     fields = {"shard_size": shard} | tensor_parallel_fields(request, s, fw, model, shard)
     fields["loss_chunks"] = loss_chunks(request, _checkpointing_why_not(request, model, finetune),
                                         torch_tp=bool(fields.get("vocab_parallel_loss")),
-                                        fused_why_not=_checkpointing_why_not(request, model, None))
+                                        fused_why_not=_checkpointing_why_not(request, model, None),
+                                        in_forward_why_not=in_forward_why_not(
+                                            request, s, fw, model.traced is not None,
+                                            bool(model.architecture and model.architecture.final_logit_softcapping))
+                                        if request.loss == "chunked-in-forward" else None)
     setup = Setup(request=request.model_copy(update={"precision": precision}), model=model, strategy=s,
                   recipe=recipe, gpu=g, zero=zero, world_size=request.world_size, dims=dims,
                   finetune=finetune, **fields)

@@ -12,7 +12,7 @@ from planner.parallel.context import cp_activations
 from planner.errors import PlannerError
 from planner.recipes.activation_offload import offloaded, on_shared_memory
 from planner.recipes.finetune import lora_activations
-from planner.recipes.losses import KERNEL_LOSSES, check_fused, loss_kernel, with_fused_loss
+from planner.recipes.losses import KERNEL_LOSSES, check_fused, loss_kernel, with_fused_loss, with_in_forward_loss
 from planner.recipes.low_precision import converted_weight_elements, recipe_of, with_low_precision
 from planner.setup import Setup
 from planner.parallel.tensor import tp_activations
@@ -42,6 +42,8 @@ def _rank_activations(setup: Setup) -> Activations | None:
     recipe = recipe_of(setup.request.low_precision)
     if recipe is not None:  # a data-parallel full fine-tune (check_low_precision): the whole model's blocks
         acts = with_low_precision(acts, setup.arch, recipe, setup.request.micro_batch * setup.request.seq_len)
+    if setup.request.loss == "chunked-in-forward":
+        return _in_forward(setup, acts, autocast)
     if setup.request.loss not in KERNEL_LOSSES:
         return acts
     # the fused kernel reads the final norm's output (fp32 under autocast over fp32 weights) and
@@ -57,6 +59,26 @@ def _rank_activations(setup: Setup) -> Activations | None:
                            vocab=arch.vocab_size, compute_bytes=compute, hidden_bytes=hidden_bytes,
                            weight_bytes=FP32 if autocast else compute, head_trained=head_trained,
                            softcap=arch.final_logit_softcapping, logits_held=req.keeps_outputs)
+
+
+def _in_forward(setup: Setup, acts: Activations, autocast: bool) -> Activations:
+    """torchtitan's ChunkedLossWrapper on the rank (planner/recipes/losses.py with_in_forward_loss): the
+    hidden states in the residual stream's dtype (fp32 under autocast over fp32 weights), the rank's
+    columns of the head (vocabulary / tp, its logits vocab-parallel under torch's TP), the weight's
+    per-chunk gradient in the compute dtype, cast to fp32 where the head's gradient is fp32 (autocast
+    over fp32 weights). The final norm's output the head saves under HF's loss (the compute dtype, its
+    1/tp under SP) is not saved."""
+    req, arch, compute = setup.request, setup.arch, setup.recipe.compute_bytes
+    tokens = req.micro_batch * req.seq_len
+    norm_output = compute * tokens * arch.hidden_size
+    if setup.sequence_parallel and setup.tp > 1:
+        norm_output //= setup.tp
+    return with_in_forward_loss(acts, tokens=tokens, micro_batch=req.micro_batch, chunks=setup.loss_chunks,
+                                hidden=arch.hidden_size, vocab=arch.vocab_size, compute_bytes=compute,
+                                stream_bytes=FP32 if autocast else compute,
+                                vocab_parallel=bool(setup.vocab_parallel_loss), head_grad_bytes=compute,
+                                head_grad_fp32=autocast and compute != FP32, norm_output_bytes=norm_output,
+                                autocast=autocast and compute != FP32)
 
 
 def _activations(setup: Setup) -> tuple[Activations, bool]:

@@ -97,6 +97,9 @@ class Activations:
     # the LM head's 16-bit weight copy its matmul saves (a frozen fp32 head under autocast: QLoRA), one
     # tensor within head_saved_bytes (planner/memory/reserved.py allocates it whole)
     head_weight_copy_bytes: int = 0
+    # the LM head's backward runs inside the loss's call (torchtitan's ChunkedLossWrapper,
+    # planner/recipes/losses.py): its weight's gradient exists from the start of backward on
+    head_gradient_in_loss: bool = False
 
     @property
     def peak_bytes(self) -> int:

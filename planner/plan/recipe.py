@@ -47,13 +47,16 @@ def _data_parallel_only(req: PlanRequest) -> tuple[str, str] | None:
 def allowed_layouts(req: PlanRequest, layouts: list[tuple[int, int, int, int]]) -> tuple[list[tuple[int, int, int, int]],
                                                                                           list[str]]:
     """(the (tp, cp, pp, ep) layouts the recipe is modelled for, a note on those left out). A
-    vocab-parallel loss needs tensor parallelism; the chunked and fused losses, low precision, the
+    vocab-parallel loss needs tensor parallelism; torchtitan's chunked loss takes tp alone; the chunked and fused losses, low precision, the
     selective and every-N checkpointing policies and a loop that keeps its outputs are modelled
     for data parallelism alone. No layout left is refused, naming the field."""
     blocked = _data_parallel_only(req)
     if req.loss == "vocab-parallel":
         kept = [d for d in layouts if d[0] > 1]
         field, why = "loss", "loss=vocab-parallel is tensor parallelism's loss_parallel: it needs tp > 1"
+    elif req.loss == "chunked-in-forward":
+        kept = [d for d in layouts if d[1:] == (1, 1, 1)]
+        field, why = "loss", "loss=chunked-in-forward is modelled with tp alone (no cp, pp or ep)"
     elif blocked is not None:
         kept = [d for d in layouts if d == (1, 1, 1, 1)]
         field, why = blocked[0], f"{blocked[0]}={blocked[1]} is modelled for data-parallel layouts only"

@@ -8,8 +8,20 @@
   the LM head applied to ``loss_chunks`` slices of the sequence and each slice upcast and
   cross-entropied apart). The log-probabilities of every chunk are still saved (4 bytes x tokens x
   vocab in all), but the loss's backward runs one chunk at a time: its two fp32 gradients are
-  1/chunks of HF's. torchtitan's ChunkedLossWrapper (num_chunks=8, components/loss.py) runs each
-  chunk's backward inside the forward instead, a different schedule that is not this one.
+  1/chunks of HF's. torchtitan's ChunkedLossWrapper runs each chunk's backward inside the forward
+  instead: ``chunked-in-forward``.
+- ``chunked-in-forward``: torchtitan 0.3.0's ChunkedLossWrapper (components/loss.py, num_chunks=8;
+  the default loss of its llama3 configs): the model's forward stops at the final norm
+  (``_skip_lm_head``); the hidden states are cut into ``loss_chunks`` equal slices of the sequence
+  (torch._check: the sequence must divide), each made a detached leaf, and for each in turn the LM
+  head, the cross-entropy (reduction sum) and ``chunk_loss.backward()`` run inside the loss's call:
+  the head's weight gradient is made there, and each slice's input gradient is copied into one
+  fp32 buffer of the hidden states' shape (GradAccumulator), cast at the end to the hidden states'
+  dtype and saved by _DecoderOutputGradientBackProp, whose backward hands it to the decoder's
+  backward. Nothing logits-sized outlives a chunk (in_forward_memory). Under tensor parallelism
+  the hidden states enter the head replicated and each chunk's logits stay sharded over the
+  vocabulary (its colwise LM head, always loss-parallel in 0.3.0: _LossParallelCrossEntropy, three
+  TP all-reduces of one fp32 value per token per chunk).
 - ``liger-fused``: Liger-Kernel 0.8.5's LigerFusedLinearCrossEntropyFunction
   (liger_kernel/ops/fused_linear_cross_entropy.py): the LM head and the cross-entropy in one
   autograd function whose forward also computes both gradients, chunk by chunk of tokens; the
@@ -50,7 +62,9 @@ from typing import Any, Literal
 from planner.errors import PlannerError
 from planner.model.activations import FP32, ActivationItem, Activations, EdgeTerms
 
-Loss = Literal["hf", "chunked", "liger-fused", "cce", "flash-attn", "vocab-parallel"]
+Loss = Literal["hf", "chunked", "chunked-in-forward", "liger-fused", "cce", "flash-attn", "vocab-parallel"]
+CHUNKED = ("chunked", "chunked-in-forward")  # the losses that take loss_chunks
+TORCHTITAN_SOURCE = "torchtitan 0.3.0 components/loss.py ChunkedLossWrapper, GradAccumulator, _LossParallelCrossEntropy"
 FUSED = ("liger-fused", "cce")  # the LM head and the loss in one function: no logits returned
 # the kernels whose terms replace HF's loss (with_fused_loss), data-parallel layouts only
 KERNEL_LOSSES = (*FUSED, "flash-attn")
@@ -75,22 +89,36 @@ def loss_kernel(loss: str, gpu_is_cpu: bool) -> str:
     return CCE_COMPILE if loss == "cce" and gpu_is_cpu else loss
 
 
-def loss_chunks(request: Any, why_not: str | None, torch_tp: bool, fused_why_not: str | None = None) -> int:
+def loss_chunks(request: Any, why_not: str | None, torch_tp: bool, fused_why_not: str | None = None,
+                in_forward_why_not: str | None = None) -> int:
     """How many chunks the loss's backward runs in (1: the whole logits at once), after refusing
     what is not modelled, naming the field. ``why_not``: what of the request the chunked loss is
     not modelled with (a model-parallel layout, LoRA, a traced model); ``fused_why_not``: what
     the fused kernels are not (a model-parallel layout, a traced model; LoRA is: a frozen head
-    only drops the weight's gradient)."""
+    only drops the weight's gradient); ``in_forward_why_not``: what torchtitan's
+    ChunkedLossWrapper is not (check_in_forward)."""
     loss = request.loss
-    if request.loss_chunks is not None and loss != "chunked":
-        raise PlannerError(f"loss_chunks={request.loss_chunks} applies to loss=chunked, not loss={loss}",
-                           field="loss_chunks")
-    if loss in ("chunked", *KERNEL_LOSSES) and getattr(request, "params", None) is not None:
+    if request.loss_chunks is not None and loss not in CHUNKED:
+        raise PlannerError(f"loss_chunks={request.loss_chunks} applies to loss=chunked or chunked-in-forward, not "
+                           f"loss={loss}", field="loss_chunks")
+    if loss in (*CHUNKED, *KERNEL_LOSSES) and getattr(request, "params", None) is not None:
         raise PlannerError(f"loss={loss} needs an architecture (its terms are tokens x vocabulary): give model or "
                            "model_config, not params", field="loss")
     if loss == "vocab-parallel" and not torch_tp:
         raise PlannerError("loss=vocab-parallel is tensor parallelism's loss_parallel: it needs tp > 1 on a torch "
                            "strategy (fsdp, hsdp)", field="loss")
+    if loss == "chunked-in-forward":
+        if in_forward_why_not:
+            raise PlannerError(f"loss=chunked-in-forward with {in_forward_why_not}: torchtitan's ChunkedLossWrapper "
+                               "is modelled on one device (single) and on FSDP2 (fsdp, fsdp-grad-op, hsdp), with "
+                               "tp, for a full fine-tune", field="loss")
+        chunks = request.loss_chunks or DEFAULT_CHUNKS
+        local = request.seq_len // max(1, getattr(request, "cp", 1))
+        if local % chunks:
+            raise PlannerError(f"loss_chunks={chunks} with seq_len {request.seq_len}: torchtitan's ChunkedLossWrapper "
+                               "cuts the sequence into equal chunks (torch._check: the sequence length must be "
+                               "divisible by num_chunks)", field="loss_chunks")
+        return chunks
     blocked = why_not if loss == "chunked" else fused_why_not if loss in KERNEL_LOSSES else None
     if blocked:
         raise PlannerError(f"loss={loss} with {blocked}: modelled for a data-parallel layout (single, ddp, zero0-3, "
@@ -98,6 +126,107 @@ def loss_chunks(request: Any, why_not: str | None, torch_tp: bool, fused_why_not
     if loss == "chunked":
         return request.loss_chunks or DEFAULT_CHUNKS
     return 1
+
+
+def in_forward_why_not(request: Any, strategy: Any, framework: Any, traced: bool, softcap: bool) -> str | None:
+    """What of the request torchtitan's ChunkedLossWrapper is not modelled with, in words (None:
+    modelled). It calls ``backward()`` inside the loss's call, so the head's parameters get their
+    gradient before the wrapper's backward has begun: DeepSpeed's engine (whose backward(loss)
+    drives its reduction hooks) and DDP's reducer (each chunk's backward marks the head's weight
+    ready again) do not take that, and torchtitan wraps neither (FSDP2 or one device; its FSDP2
+    keeps the head unsharded across the chunks, ``set_reshard_after_forward(False)``). Pipeline,
+    context and expert parallelism, which torchtitan composes it with, are not modelled here; a
+    frozen head (LoRA), a traced model or soft-capped logits (a tanh per chunk) neither."""
+    # FSDP2's framework (its shards DTensors) on one device or sharding the parameters: not DDP, not DeepSpeed
+    if not framework.shards_as_dtensors or not (strategy.one_device or strategy.shards_parameters):
+        return f"strategy {request.strategy} (not FSDP2 or one device)"
+    parallel = [f"{name}={getattr(request, name)}" for name in ("cp", "pp", "ep") if getattr(request, name) > 1]
+    if parallel:
+        return ", ".join(parallel)
+    if request.finetune != "full":
+        return f"finetune={request.finetune}"
+    if softcap:
+        return "a soft-capped model (final_logit_softcapping)"
+    return "a traced model" if traced else None
+
+
+def in_forward_memory(*, tokens: int, micro_batch: int, chunks: int, hidden: int, vocab: int, compute_bytes: int,
+                      stream_bytes: int, vocab_parallel: bool, head_grad_bytes: int,
+                      head_grad_fp32: bool, autocast: bool = False) -> tuple[int, int, list[ActivationItem]]:
+    """(held from the loss's call to the decoder's backward, the transient during the loss's call
+    on top of the saved set without that held tensor, items) of torchtitan 0.3.0's
+    ChunkedLossWrapper on ``tokens`` (``micro_batch`` sequences), ``vocab`` the rank's columns of
+    the head (vocabulary / tp) and ``stream_bytes`` the hidden states' dtype.
+
+    Held: ``grad_accumulator.result().to(hidden_states.dtype)`` saved by
+    _DecoderOutputGradientBackProp (tokens x hidden in the hidden states' dtype) and the labels.
+    During the call: the hidden states (``pred``, deleted by the trainer after the call), their
+    ``.contiguous()`` slices when a slice along the sequence is not contiguous (more than one
+    sequence: a copy of the whole), GradAccumulator's fp32 zeros buffer of the same shape, and
+    per chunk (c tokens): the head's logits (``logits``, bound until the next chunk's replace
+    them; compute dtype) and the loss's fp32 tensors. Without TP, F.cross_entropy on
+    ``.float()``: the saved log-softmax output and, in its backward, nll's and log_softmax's two
+    fp32 gradients: 12 bytes per logit (the upcast, forward only, 4 more in 16-bit). Under TP,
+    _LossParallelCrossEntropy.backward: the saved log-probabilities, ``grad_input`` zeros,
+    ``torch.exp(log_probs)`` and their sum live together: 16 bytes per logit. Then the head's
+    backward: the chunk's input gradient (compute dtype) and its fp32 copy into the buffer, and
+    the weight's new gradient for the chunk (compute dtype, plus its fp32 cast where the head's
+    gradient is kept in fp32: autocast over fp32 weights), added into the head's gradient. At the
+    end the buffer's cast (the held tensor) beside the buffer, before the call returns. Under
+    torch.autocast (``autocast``, over fp32 weights and an fp32 stream) each slice is a leaf that
+    requires grad, so autocast's cast cache keeps its 16-bit copy until the region exits: the
+    slices' copies add up to tokens x hidden by the last chunk (peak trace, llama 32k vocabulary, 2,048
+    tokens, bf16 autocast: the eight 131,072-byte casts live at the last chunk's loss backward)."""
+    c = micro_batch * (tokens // micro_batch // chunks)
+    b = compute_bytes
+    logits = b * c * vocab
+    loss_fp32 = (16 if vocab_parallel else 12) * c * vocab
+    upcast_forward = (0 if b == FP32 else FP32 * c * vocab) + (12 if vocab_parallel else 4) * c * vocab
+    hidden_states = stream_bytes * tokens * hidden
+    slices = stream_bytes * tokens * hidden if micro_batch > 1 else 0
+    slices += b * tokens * hidden if autocast else 0  # their casts, in autocast's cache
+    buffer = FP32 * tokens * hidden
+    weight_grad = head_grad_bytes * vocab * hidden + (FP32 * vocab * hidden if head_grad_fp32 else 0)
+    head_backward = b * c * vocab + b * c * hidden + FP32 * c * hidden + weight_grad
+    held = stream_bytes * tokens * hidden + LABELS * tokens
+    during = hidden_states + slices + buffer + logits + max(loss_fp32, upcast_forward, head_backward)
+    end = hidden_states + slices + buffer + logits + stream_bytes * tokens * hidden
+    transient = max(during, end) - stream_bytes * tokens * hidden
+    items = [ActivationItem("loss (chunked-in-forward): the hidden states' gradient, accumulated in the loss's "
+                            "call and saved for the decoder's backward, and the labels", held),
+             ActivationItem(f"transient at the loss (chunked-in-forward, one of {chunks} chunks of {c} tokens: its "
+                            f"logits and {'vocab-parallel ' if vocab_parallel else ''}loss gradients, the head's "
+                            "backward into the fp32 gradient buffer, beside the hidden states)", transient)]
+    return held, transient, items
+
+
+def with_in_forward_loss(acts: Activations, *, tokens: int, micro_batch: int, chunks: int, hidden: int, vocab: int,
+                         compute_bytes: int, stream_bytes: int, vocab_parallel: bool, head_grad_bytes: int,
+                         head_grad_fp32: bool, norm_output_bytes: int, autocast: bool = False) -> Activations:
+    """The activations with HF's loss terms replaced by torchtitan's ChunkedLossWrapper's
+    (in_forward_memory): no logits-sized tensor is saved, and the LM head saves nothing for the
+    decoder's backward (each chunk's graph is freed by its own backward), so the final norm's
+    output the head would have saved (``norm_output_bytes``, within the final norm's terms) is
+    not held either. The head's weight gradient exists from the loss's call on
+    (Activations.head_gradient_in_loss, planner/memory/buffers.py backward_sweep)."""
+    held, transient, items = in_forward_memory(
+        tokens=tokens, micro_batch=micro_batch, chunks=chunks, hidden=hidden, vocab=vocab,
+        compute_bytes=compute_bytes, stream_bytes=stream_bytes, vocab_parallel=vocab_parallel,
+        head_grad_bytes=head_grad_bytes, head_grad_fp32=head_grad_fp32, autocast=autocast)
+    edges = acts.edges
+    hf_saved = edges.loss_saved if edges is not None else FP32 * tokens * vocab + LABELS * tokens
+    if edges is not None:
+        edges = EdgeTerms(edges.embedding_saved, edges.final_norm_saved - norm_output_bytes, held, edges.rope_saved)
+    kept = [i for i in acts.items if i.name != "logits / loss (fp32)"
+            and not i.name.startswith("backward transient at the loss")]
+    if acts.kept_blocks:
+        layer = max(acts.rebuilt_blocks) + acts.layer_transient_bytes
+    else:
+        layer = acts.layer_saved_bytes + acts.layer_transient_bytes if acts.checkpointed else 0
+    change = held - hf_saved - norm_output_bytes
+    return replace(acts, saved_bytes=acts.saved_bytes + change, head_saved_bytes=acts.head_saved_bytes + change,
+                   loss_transient_bytes=transient, peak_extra_bytes=max(transient, layer), edges=edges,
+                   items=tuple(kept + items), head_gradient_in_loss=True)
 
 
 def check_fused(loss: str, hidden_bytes: int, gpu_is_cpu: bool, softcap: bool) -> None:

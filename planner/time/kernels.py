@@ -253,7 +253,9 @@ class Work:
     loss_recompute_flops: float = 0.0  # the loss kernel's backward reruns the LM head's forward (CCE), per sequence
     cast_bytes: float = 0.0  # low precision: the activations' and gradients' casts, forward + backward, per sequence
     weight_cast_bytes: float = 0.0  # low precision: the converted weights' casts, per micro-batch
-    chunked_head: tuple[int, int] | None = None  # Liger's fused loss: the LM head's (n, k), run chunk by chunk (liger_head)
+    # the LM head's (n, k, chunks) run chunk by chunk (liger_head): Liger's fused loss (chunks 0: its own
+    # chunk size), torchtitan's chunked loss (that many chunks of the sequence)
+    chunked_head: tuple[int, int, int] | None = None
 
 
 def _attention_gemms(s: LayerSpec, hidden: int, tp: int) -> list[tuple[int, int]]:
@@ -314,17 +316,17 @@ _WORK: dict[tuple, tuple[Architecture, "Work"]] = {}
 
 def work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_bytes: int, eager: bool,
          r: Rates, kernel: str = "flash-attention-2", loss: str = "hf",
-         low_precision: "LowPrecisionRate | None" = None) -> "Work":
+         low_precision: "LowPrecisionRate | None" = None, loss_chunks: int = 1) -> "Work":
     """One sequence's work on one GPU of a tp x cp group (the pipeline splits it later:
     pipeline.py), memoised per model object (an Architecture is not hashable; the plan search
     asks for the same one per setting). ``loss``: the loss implementation (planner/recipes/losses.py)."""
-    key = (id(arch), seq, tp, cp, sp, compute_bytes, eager, r, kernel, loss, low_precision)
+    key = (id(arch), seq, tp, cp, sp, compute_bytes, eager, r, kernel, loss, low_precision, loss_chunks)
     hit = _WORK.get(key)
     if hit is not None and hit[0] is arch:
         return hit[1]
     if len(_WORK) > 256:
         _WORK.clear()
-    out = _work(arch, seq, tp, cp, sp, compute_bytes, eager, r, kernel, loss)
+    out = _work(arch, seq, tp, cp, sp, compute_bytes, eager, r, kernel, loss, loss_chunks)
     if low_precision is not None:
         out = _converted(out, compute_bytes, low_precision)
     _WORK[key] = (arch, out)
@@ -332,7 +334,7 @@ def work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_bytes
 
 
 def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_bytes: int, eager: bool,
-          r: Rates, kernel: str, loss_kind: str = "hf") -> "Work":
+          r: Rates, kernel: str, loss_kind: str = "hf", loss_chunks: int = 1) -> "Work":
     h = arch.hidden_size
     tokens = max(1, seq // cp)
     gemms: list[Gemm] = []
@@ -360,7 +362,8 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
         elementwise += _block_elementwise(spec, h, tp, sp, arch.hidden_dropout) * tokens * compute_bytes * count
         kernels += (len(proj) + len(mlp) + 12) * count  # the projections, attention and ~12 elementwise ops
     head = Gemm(max(1, arch.vocab_size // tp), h, 1)
-    chunked = loss_kind == "liger-fused"  # its three head GEMMs run per chunk of tokens (liger_head)
+    # Liger's and torchtitan's three head GEMMs run per chunk of tokens (liger_head)
+    chunked = loss_kind in ("liger-fused", "chunked-in-forward")
     if not chunked:
         gemms.append(head)
     vocab = arch.vocab_size / tp
@@ -373,7 +376,8 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
                 attention_seconds_fb=attention_seconds, eager_bytes=eager_bytes if eager else 0.0,
                 elementwise_bytes=elementwise, loss_bytes=loss, kernels=kernels + 8, layers=arch.num_layers,
                 attention_forward_share=forward_share(kernel), loss_recompute_flops=loss_recompute,
-                chunked_head=(head.n, head.k) if chunked else None)
+                chunked_head=(head.n, head.k, loss_chunks if loss_kind == "chunked-in-forward" else 0)
+                if chunked else None)
 
 
 def forward_share(kernel: str) -> float:
@@ -518,7 +522,7 @@ class ComputeTerms:
         return arrays.maximum(device, self.host)
 
 
-def liger_head(m_all, n: int, k: int, r: Rates, compute_bytes: int, accumulate_bytes: int):
+def liger_head(m_all, n: int, k: int, r: Rates, compute_bytes: int, accumulate_bytes: int, chunks: int = 0):
     """(forward, input-gradient, weight-gradient seconds, forward FLOPs) of the LM head under Liger's fused
     linear cross-entropy (liger_kernel 0.8.5 ops/fused_linear_cross_entropy.py): the micro-batch's ``m_all``
     tokens in chunks of liger_chunk_tokens (about tokens x hidden logits each), and per chunk the logits
@@ -526,15 +530,20 @@ def liger_head(m_all, n: int, k: int, r: Rates, compute_bytes: int, accumulate_b
     vocabulary n, line 320) and the weight's, added into the whole n x k gradient by torch.addmm
     (line 341/364: reduced over the chunk's tokens, its output read and written once per chunk in the
     gradient's dtype, ``accumulate_bytes``: fp32 under autocast over fp32 weights, line 333). All three
-    run in the forward; the time is the same wherever it falls."""
-    if arrays.is_array(m_all):  # liger_chunk_tokens over the plan's options
+    run in the forward; the time is the same wherever it falls. ``chunks`` > 0: torchtitan's
+    ChunkedLossWrapper, the micro-batch's tokens in that many equal chunks (one slice of every
+    sequence each), the same three GEMMs per chunk and the weight's gradient accumulated into the
+    head's (AccumulateGrad's in-place add)."""
+    if chunks:
+        chunk = m_all / chunks
+    elif arrays.is_array(m_all):  # liger_chunk_tokens over the plan's options
         import numpy as np
 
         inc_factor = -(-n // k)
         chunk = np.minimum(2.0 ** np.ceil(np.log2(np.maximum(1.0, np.ceil(m_all / inc_factor)))), m_all)
     else:
         chunk = float(liger_chunk_tokens(math.ceil(m_all), k, n))
-    chunks = _ceil(m_all / chunk)
+    chunks = chunks or _ceil(m_all / chunk)
     forward = chunks * _gemm_seconds(chunk, n, k, r, compute_bytes)
     dgrad = chunks * _gemm_seconds(chunk, k, n, r, compute_bytes)
     accumulate = 2.0 * n * k * accumulate_bytes / r.memory_bytes_per_s
@@ -602,8 +611,9 @@ def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointi
     m_all = arrays.as_float(micro) * w.tokens
     forward = dgrad = wgrad = flops = 0.0
     if w.chunked_head is not None:
-        forward, dgrad, wgrad, flops = liger_head(m_all, *w.chunked_head, r, compute_bytes,
-                                                  gradient_bytes or compute_bytes)
+        n, k, chunks = w.chunked_head
+        forward, dgrad, wgrad, flops = liger_head(m_all, n, k, r, compute_bytes,
+                                                  gradient_bytes or compute_bytes, chunks)
     # the plan's array of options: every GEMM at once (rows: GEMMs, columns: options); an estimate's
     # float: GEMM by GEMM. The same formulas (_gemm_seconds) either way.
     for m, n, k, count, rate in _gemm_operands(w, m_all):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner.time import arrays
 from planner.recipes.activation_offload import transfer_seconds
-from planner.recipes.losses import loss_kernel
+from planner.recipes.losses import DEFAULT_CHUNKS, loss_kernel
 from planner.time import kernels
 from planner.time import collectives as timing
 from planner.model.architecture import Architecture, layer_parameters, parameter_numels
@@ -197,6 +197,7 @@ class StepSettings:
     optimizer: str = "adamw"
     compute_scale: float = 1.0  # a calibration profile's measured kernel-rate factor (planner/time/profiles.py)
     loss: str = "hf"  # the loss implementation (planner/recipes/losses.py)
+    loss_chunks: int | None = None  # the request's (chunked-in-forward's head GEMMs per chunk); None: the default
     low_precision: str = "none"  # fp8/fp4 linears (planner/recipes/low_precision.py)
     float8_all_gather: bool = False  # FSDP2 gathers the float8 linears' weights in fp8
     framework_version: str | None = None  # the request's (planner/frameworks/base.py); None: the default
@@ -214,7 +215,8 @@ class StepSettings:
                    compute_efficiency=req.compute_efficiency, link_efficiency=req.link_efficiency,
                    reduce_dtype=req.reduce_dtype, attention=req.attention, optimizer=req.optimizer,
                    attention_kernel=req.attention_kernel,
-                   compute_scale=compute_scale, loss=req.loss, low_precision=req.low_precision,
+                   compute_scale=compute_scale, loss=req.loss, loss_chunks=req.loss_chunks,
+                   low_precision=req.low_precision,
                    float8_all_gather=req.float8_all_gather)
 
 
@@ -275,6 +277,7 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
                             attention_kernel=request.attention_kernel,
                             optimizer=result.request.optimizer,
                             compute_scale=profile_compute_scale(request.profile, profile), loss=request.loss,
+                            loss_chunks=request.loss_chunks,
                             low_precision=request.low_precision, float8_all_gather=request.float8_all_gather)
     arch = traced if traced is not None else Architecture.model_validate(result.model.architecture)
     moved = activation_offload_bytes(setup) / request.micro_batch if traced is None else 0.0
@@ -673,7 +676,8 @@ def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, ar
     recipe = req.recipe
     w = kernels.work(arch, req.seq_len, combo.tp, combo.cp, combo.sequence_parallel, recipe.compute_bytes,
                      req.attention == "eager" or arch.attention_implementation == "eager", r, req.attention_kernel,
-                     loss_kernel(req.loss, g.is_cpu), _low_precision_rate(req.low_precision, g, dtype, r, recipe.compute_bytes))
+                     loss_kernel(req.loss, g.is_cpu), _low_precision_rate(req.low_precision, g, dtype, r, recipe.compute_bytes),
+                     loss_chunks=req.loss_chunks or DEFAULT_CHUNKS)
     t = kernels.micro_batch_terms(w, micro_f, r, recipe.compute_bytes, combo.checkpointing,
                                   frozen_matmuls=1.0 if frozen is not None else 0.0,
                                   shares=kernels.recompute_shares(arch, combo.checkpointing, combo.checkpointing_every),

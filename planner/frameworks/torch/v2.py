@@ -354,7 +354,10 @@ def _autocast_copies(setup: "SetupFields", point: SweepPoint, psi: int, block: i
         # few elements); after the whole backward none (llama-single-bf16-sgdm-t128 measured it, +10%
         # when every cast was held to the end)
         cast = psi - _uncast_elements(setup)
-        left = min(cast, max(0, cast - point.grad_elements + _norm_elements(setup)))
+        # at the start of backward, the gradients already made were made inside the forward's autocast
+        # region (torchtitan's chunked loss: the LM head's), whose cast cache still holds their weights
+        produced = point.grad_elements - (point.in_flight_elements if point.kind is PhaseKind.START_OF_BACKWARD else 0)
+        left = min(cast, max(0, cast - produced + _norm_elements(setup)))
         if exempt:  # the blocks' converted weights not yet reached by backward were never cast
             head = psi - shape.blocks_parameters - shape.late_parameters
             reached = min(shape.blocks_parameters, max(0, point.grad_elements - head))
@@ -509,7 +512,10 @@ def _fsdp_items(setup: "SetupFields", point: SweepPoint, psi: int, block: int, r
     if accumulated:
         items += _accumulated_items(setup, point, psi, shard, compute_bytes, store_bytes)
     else:
-        items.append(item("sharded gradients", store_bytes * ceil_div(point.grad_elements, shard), "gradients"))
+        # at the start of backward the gradients already made (torchtitan's chunked loss: the LM head's, in the
+        # forward) wait unsharded for the root's reduce-scatter: none of them is sharded yet
+        early = point.in_flight_elements if point.kind is PhaseKind.START_OF_BACKWARD else 0
+        items.append(item("sharded gradients", store_bytes * ceil_div(point.grad_elements - early, shard), "gradients"))
     if point.kind is PhaseKind.START_OF_BLOCK:
         # the root's gradients (LM head, final norm) wait unsharded for the root's reduce-scatter
         head_grads = point.grad_elements - point.in_flight_elements
