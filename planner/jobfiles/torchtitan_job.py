@@ -154,9 +154,13 @@ REGISTRY: dict[tuple[str, str], dict[str, Any]] = {
         "loss": {"chunked": True},
     },
 }
+# ChunkedLossWrapper (torchtitan 0.3.0 components/loss.py): each chunk's LM head, loss and backward inside the
+# loss's call, the planner's loss=chunked-in-forward (not torchtune's chunked, whose chunks' backward waits for
+# the model's); its Config.num_chunks (default 8) is loss_chunks
+IN_FORWARD = "ChunkedLossWrapper runs each chunk's LM head, loss and backward inside the loss's call"
 LAUNCH_ONLY: dict[str, Key] = {
-    "loss.chunked": Needs("loss", "chunked", "ChunkedLossWrapper computes the loss a chunk of tokens at a time",
-                          lambda v, b: off(v)),
+    "loss.chunked": Needs("loss", "chunked-in-forward", IN_FORWARD, lambda v, b: off(v)),
+    "loss.num_chunks": Modelled("loss_chunks (ChunkedLossWrapper.Config.num_chunks, default 8)"),
 }
 SCHEDULES = {"1F1B": "1f1b", "Interleaved1F1B": "interleaved", "GPipe": "gpipe", "LoopedBFS": "looped-bfs",
              "InterleavedZeroBubble": "interleaved-zb", "ZBVZeroBubble": "zbv", "DualPipeV": "dualpipev"}
@@ -224,8 +228,13 @@ def _read(flat: dict[str, Any], where: Where, fmt: str, table: dict[str, Key]) -
         value_needs(reading, "optimizer.early_step_in_backward", "optimizer_in_backward", True, True,
                     TABLE["optimizer.early_step_in_backward"].reason)
     if get("loss.chunked"):
-        value_needs(reading, "loss.chunked", "loss", "chunked", "ChunkedLossWrapper",
-                    "ChunkedLossWrapper computes the loss a chunk of tokens at a time")
+        value_needs(reading, "loss.chunked", "loss", "chunked-in-forward", "ChunkedLossWrapper", IN_FORWARD)
+        if "loss.num_chunks" in flat:
+            reading.set("loss_chunks", whole(get("loss.num_chunks"), reading.where, "loss.num_chunks"),
+                        "loss.num_chunks")
+    elif "loss.num_chunks" in flat:
+        raise reading.where.error("loss.num_chunks", f"({get('loss.num_chunks')}) is ChunkedLossWrapper's: it applies "
+                                                     "with loss.chunked")
     _training(reading, flat)
     _parallel(reading, flat)
     _checkpointing(reading, flat)

@@ -110,8 +110,8 @@ def loss_chunks(request: Any, why_not: str | None, torch_tp: bool, fused_why_not
     if loss == "chunked-in-forward":
         if in_forward_why_not:
             raise PlannerError(f"loss=chunked-in-forward with {in_forward_why_not}: torchtitan's ChunkedLossWrapper "
-                               "is modelled on one device (single) and on FSDP2 (fsdp, fsdp-grad-op, hsdp), with "
-                               "tp, for a full fine-tune", field="loss")
+                               "is modelled on one device (single), on FSDP2 (fsdp, fsdp-grad-op, hsdp) and on a "
+                               "TP-only rank, with tp, for a full fine-tune", field="loss")
         chunks = request.loss_chunks or DEFAULT_CHUNKS
         local = request.seq_len // max(1, getattr(request, "cp", 1))
         if local % chunks:
@@ -137,9 +137,11 @@ def in_forward_why_not(request: Any, strategy: Any, framework: Any, traced: bool
     keeps the head unsharded across the chunks, ``set_reshard_after_forward(False)``). Pipeline,
     context and expert parallelism, which torchtitan composes it with, are not modelled here; a
     frozen head (LoRA), a traced model or soft-capped logits (a tanh per chunk) neither."""
-    # FSDP2's framework (its shards DTensors) on one device or sharding the parameters: not DDP, not DeepSpeed
-    if not framework.shards_as_dtensors or not (strategy.one_device or strategy.shards_parameters):
-        return f"strategy {request.strategy} (not FSDP2 or one device)"
+    # FSDP2's framework (its shards DTensors) on one device or sharding the parameters, or a TP-only rank (one
+    # data-parallel rank: DDP wraps nothing): not DDP over replicas, not DeepSpeed
+    replicas = request.gpus * request.nodes // max(1, request.tp * request.pp * request.cp)
+    if not framework.shards_as_dtensors or not (strategy.one_device or strategy.shards_parameters or replicas == 1):
+        return f"strategy {request.strategy} (not FSDP2, one device or a TP-only rank)"
     parallel = [f"{name}={getattr(request, name)}" for name in ("cp", "pp", "ep") if getattr(request, name) > 1]
     if parallel:
         return ", ".join(parallel)
