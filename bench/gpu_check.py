@@ -5,7 +5,7 @@
 Trains a catalogue model at full width but few layers on one GPU with ZeRO-0 (the DeepSpeed engine
 without partitioning, through `deepspeed`) and torch DDP (through torchrun), bf16-mixed, over sequence lengths, micro-batches, checkpointing on and off,
 and SDPA and eager attention, and the recipes of issue 21 on one device (RECIPE_GRID: the checkpointing
-policies, the kept outputs, the chunked loss, QLoRA under autocast, every optimizer of the registry and the
+policies, the kept outputs, the chunked losses (torchtune's and torchtitan's), QLoRA under autocast, every optimizer of the registry and the
 step in backward, activation offloading, Liger's and Cut Cross-Entropy's fused losses, torchao's float8 and MXFP8 linears; needs
 liger-kernel, cut-cross-entropy and torchao installed on the GPU machine), and the bf16 and fp8 matmul rates
 (matmul_tflops) the time model's low-precision speed-up reads from gpus.yaml. Every run records torch.cuda.max_memory_allocated, max_memory_reserved
@@ -108,6 +108,9 @@ RECIPE_GRID = [  # long enough that activations and logits, not the states, make
     (8192, 2, {"checkpointing": "full", "checkpointing_every": 2}),
     (8192, 1, {"keeps_outputs": True}),
     (8192, 1, {"loss": "chunked"}),
+    # torchtitan's ChunkedLossWrapper (backend/losses.py InForwardChunkedLoss): on a GPU each chunk's backward runs
+    # on autograd's device thread and the allocator caches the chunks' blocks, where the CPU runs measured neither
+    (8192, 1, {"loss": "chunked-in-forward"}),
     (8192, 2, {"finetune": "qlora", "checkpointing": "full"}),
     (4096, 2, {"finetune": "qlora", "quantize_base": "fp4", "double_quant": False}),
     # the optimizers (planner/recipes/optimizers.py) at 512 tokens, where the states and the step make the

@@ -130,3 +130,18 @@ def test_its_real_runs_are_logits_dominated_and_two_run_in_ci():
     assert any(f.get("tp", 1) > 1 for f in runs.values()) and any(f["strategy"] == "fsdp" and f.get("tp", 1) == 1
                                                                   for f in runs.values())
     assert all(f["model_config"]["vocab_size"] >= 32_000 for f in runs.values())
+
+
+def test_under_tp_each_chunk_all_reduces_its_own_tokens():
+    """The same bytes as loss_parallel's three all-reduces per micro-batch, in chunks times more messages."""
+    from planner.model.architecture import from_hf_config
+    from planner.parallel.tensor import LOSS_PARALLEL_ROW, tp_collectives
+
+    arch = from_hf_config(dict(LLAMA_TP_32K))
+    common = dict(tokens=1024, micro_batches=1.0, b=4, tp=2, sequence_parallel=True, checkpointing="none",
+                  vocab_parallel_loss=True)
+    whole = {row[0]: row for row in tp_collectives(arch, **common)}[LOSS_PARALLEL_ROW]
+    chunked = {row[0]: row for row in tp_collectives(arch, **common, loss_chunks=8)}[LOSS_PARALLEL_ROW]
+    assert chunked[1] == whole[1] and chunked[3] * 8 == whole[3]
+    notes = estimate(EstimateRequest(**LOGITS, loss="chunked-in-forward")).notes
+    assert any("ChunkedLossWrapper" in n and "measured on CPU ranks" in n for n in notes)

@@ -440,7 +440,7 @@ LOSS_PARALLEL_ROW = "TP all-reduces of loss_parallel (logits' max, sum of expone
 
 def tp_collectives(full: Architecture, *, tokens: int, micro_batches: float, b: int, tp: int,
                    sequence_parallel: bool, checkpointing: str,
-                   vocab_parallel_loss: bool = False) -> list[tuple[str, float, int, float]]:
+                   vocab_parallel_loss: bool = False, loss_chunks: int = 1) -> list[tuple[str, float, int, float]]:
     """(what, bytes per step, ring passes, message bytes) of the TP group's collectives.
 
     Megatron's f/g conjugate operators (Shoeybi et al. 2019, Sec. 3, Fig. 3): every block
@@ -458,14 +458,17 @@ def tp_collectives(full: Architecture, *, tokens: int, micro_batches: float, b: 
     loss's kernels: the logits' max (_log_softmax :209, MAX) and the sum of exponentials (:214,
     SUM), the target's logit (_nll_loss_forward :316, _MaskPartial._reduce_value, SUM); its
     backward (_nll_loss_and_log_softmax_backward) is local. Small messages: their latency, three per
-    micro-batch, is most of their time. The loss is not inside a checkpointed block: none again."""
+    micro-batch, is most of their time. The loss is not inside a checkpointed block: none again.
+    ``loss_chunks``: torchtitan's ChunkedLossWrapper computes the loss a chunk of the sequence at a
+    time (its _LossParallelCrossEntropy: the same three all-reduces), so the same bytes go in that
+    many times more messages."""
     if tp == 1:
         return []
     activation = b * tokens * full.hidden_size
     per_block = 6 if checkpointing == "full" else 4
     count = (full.num_layers * per_block + 2) * micro_batches
     loss = [(LOSS_PARALLEL_ROW,
-             3 * micro_batches * FP32 * tokens, 2, FP32 * tokens)] if vocab_parallel_loss else []
+             3 * micro_batches * FP32 * tokens, 2, FP32 * tokens / loss_chunks)] if vocab_parallel_loss else []
     if sequence_parallel:
         return [("TP all-gathers (sequence parallel)", count * activation, 1, activation),
                 ("TP reduce-scatters (sequence parallel)", count * activation, 1, activation)] + loss

@@ -449,6 +449,12 @@ def loss_notes(loss: str) -> list[str]:
         return [f"loss: Cut Cross-Entropy's torch_compile implementation ({CCE_COMPILE_SOURCE}; its Triton kernels "
                 "need a GPU): the logits made and saved for backward by torch.compile, the labelled rows of the "
                 "hidden states copied; measured on CPU ranks"]
+    if loss == "chunked-in-forward":
+        return [f"loss: torchtitan's ChunkedLossWrapper ({TORCHTITAN_SOURCE}): each chunk's LM head, loss and "
+                "backward inside the loss's call, the hidden states' gradient in an fp32 buffer handed to the decoder's "
+                "backward; nothing logits-sized saved, the LM head's gradient made before the decoder's backward; under "
+                "tp each chunk's logits vocab-sharded (three all-reduces per chunk); measured on CPU ranks (one device, "
+                "FSDP2, tp 2)"]
     if loss == "liger-fused":
         return [f"loss: Liger's fused linear cross-entropy ({LIGER_SOURCE}): the LM head's logits only one chunk "
                 "of tokens at a time, both gradients made in the forward and held to the backward; Triton (GPU "

@@ -246,8 +246,9 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
     if combo.tp * combo.cp > 1:
         out += [{"what": what, "bytes_per_step": int(volume), "message_bytes": int(message * request.micro_batch),
                  "group": group}
-                for what, volume, _, message, group in model_parallel_collectives(setup.recipe, combo, arch,
-                                                                                  per_rank, request.seq_len)]
+                for what, volume, _, message, group in model_parallel_collectives(
+                    setup.recipe, combo, arch, per_rank, request.seq_len,
+                    setup.loss_chunks if request.loss == "chunked-in-forward" else 1)]
     if request.pp > 1:  # a stage's data-parallel collectives carry its parameters only; p2p between stages
         from planner.parallel.pipeline import pipeline_volumes
 
@@ -420,8 +421,8 @@ def _model_parallel_group(combo: Combo, group: str, nodes: int) -> tuple[timing.
     return timing.Group(world // tp, g // tp, tp), tuple(range(0, g, tp))
 
 
-def model_parallel_collectives(recipe: Recipe, combo: Combo, arch, per_rank: int,
-                               seq_len: int) -> list[tuple[str, float, int, float, str]]:
+def model_parallel_collectives(recipe: Recipe, combo: Combo, arch, per_rank: int, seq_len: int,
+                               loss_chunks: int = 1) -> list[tuple[str, float, int, float, str]]:
     """(what, bytes per step, ring passes, message bytes at micro-batch 1, group) of the TP group's
     per-layer collectives (tensor_parallel.tp_collectives) and the CP group's K/V exchange
     (context_parallel.cp_collectives). The bytes per step do not depend on the micro-batch (its
@@ -442,7 +443,7 @@ def model_parallel_collectives(recipe: Recipe, combo: Combo, arch, per_rank: int
     rows = [(what, volume, passes, message, "tp") for what, volume, passes, message in tp_collectives(
         arch, tokens=seq_len // combo.cp, micro_batches=per_rank, b=wb, tp=combo.tp,
         sequence_parallel=combo.sequence_parallel, checkpointing=combo.checkpointing,
-        vocab_parallel_loss=vocab_parallel)]
+        vocab_parallel_loss=vocab_parallel, loss_chunks=loss_chunks)]
     rows += [(what, volume, passes, message, "cp") for what, volume, passes, message in cp_collectives(
         rank_architecture(arch, combo.tp), tokens=seq_len, micro_batches=per_rank, b=wb, cp=combo.cp,
         checkpointing=combo.checkpointing)]
@@ -538,8 +539,9 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     exposed_model_parallel = 0.0
     data_parallel = comm + 0.0  # what FSDP/ZeRO/DDP send, hidden behind the framework's windows (a copy)
     if model_parallel > 1 and arch is not None:
+        chunks = (req.loss_chunks or DEFAULT_CHUNKS) if req.loss == "chunked-in-forward" else 1
         for _, volume, passes, message, group in model_parallel_collectives(req.recipe, combo, arch, per_rank,
-                                                                            req.seq_len):
+                                                                            req.seq_len, chunks):
             # a ring's time is a bandwidth term in the bytes plus a latency term per message
             # (timing._ring): two evaluations give both, then every micro-batch's message size
             one = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, float(volume), volume, passes)
