@@ -145,3 +145,12 @@ def test_under_tp_each_chunk_all_reduces_its_own_tokens():
     assert chunked[1] == whole[1] and chunked[3] * 8 == whole[3]
     notes = estimate(EstimateRequest(**LOGITS, loss="chunked-in-forward")).notes
     assert any("ChunkedLossWrapper" in n and "measured on CPU ranks" in n for n in notes)
+
+
+def test_fsdp2_reducing_in_fp32_keeps_the_heads_gradient_in_fp32_across_the_chunks():
+    """torchtitan's set_requires_gradient_sync(False) on the head unit: FSDP2's unsharded accumulated
+    gradient in the reduce dtype (fp32) from the first chunk's post-backward to the last's reduce-scatter."""
+    fsdp = dict(LOGITS, strategy="fsdp", gpus=2, precision="bf16-mixed", loss="chunked-in-forward")
+    compute = activations(resolve(EstimateRequest(**fsdp)))
+    fp32 = activations(resolve(EstimateRequest(**fsdp, reduce_dtype="fp32")))
+    assert fp32.loss_transient_bytes - compute.loss_transient_bytes == (4 - 2) * V * H

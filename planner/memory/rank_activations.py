@@ -67,10 +67,12 @@ def _in_forward(setup: Setup, acts: Activations, autocast: bool) -> Activations:
     columns of the head (vocabulary / tp, its logits vocab-parallel under torch's TP), the weight's
     per-chunk gradient in the compute dtype, cast to fp32 where the head's gradient is fp32 (autocast
     over fp32 weights). The final norm's output the head saves under HF's loss (the compute dtype, its
-    1/tp under SP) is not saved."""
+    1/tp under SP) is not saved. Under FSDP2 reducing in fp32 the head's gradient waits across the
+    chunks in fp32 (in_forward_memory reduce_bytes)."""
     req, arch, compute = setup.request, setup.arch, setup.recipe.compute_bytes
     tokens = req.micro_batch * req.seq_len
     norm_output = compute * tokens * arch.hidden_size
+    sharded = setup.strategy.shards_parameters and setup.data_parallel_wrapped  # FSDP2 wraps the head
     if setup.sequence_parallel and setup.tp > 1:
         norm_output //= setup.tp
     return with_in_forward_loss(acts, tokens=tokens, micro_batch=req.micro_batch, chunks=setup.loss_chunks,
@@ -78,7 +80,8 @@ def _in_forward(setup: Setup, acts: Activations, autocast: bool) -> Activations:
                                 stream_bytes=FP32 if autocast else compute,
                                 vocab_parallel=bool(setup.vocab_parallel_loss), head_grad_bytes=compute,
                                 head_grad_fp32=autocast and compute != FP32, norm_output_bytes=norm_output,
-                                autocast=autocast and compute != FP32)
+                                autocast=autocast and compute != FP32,
+                                reduce_bytes=FP32 if sharded and req.reduce_dtype == "fp32" else 0)
 
 
 def _activations(setup: Setup) -> tuple[Activations, bool]:

@@ -154,7 +154,8 @@ def in_forward_why_not(request: Any, strategy: Any, framework: Any, traced: bool
 
 def in_forward_memory(*, tokens: int, micro_batch: int, chunks: int, hidden: int, vocab: int, compute_bytes: int,
                       stream_bytes: int, vocab_parallel: bool, head_grad_bytes: int,
-                      head_grad_fp32: bool, autocast: bool = False) -> tuple[int, int, list[ActivationItem]]:
+                      head_grad_fp32: bool, autocast: bool = False,
+                      reduce_bytes: int = 0) -> tuple[int, int, list[ActivationItem]]:
     """(held from the loss's call to the decoder's backward, the transient during the loss's call
     on top of the saved set without that held tensor, items) of torchtitan 0.3.0's
     ChunkedLossWrapper on ``tokens`` (``micro_batch`` sequences), ``vocab`` the rank's columns of
@@ -178,7 +179,15 @@ def in_forward_memory(*, tokens: int, micro_batch: int, chunks: int, hidden: int
     torch.autocast (``autocast``, over fp32 weights and an fp32 stream) each slice is a leaf that
     requires grad, so autocast's cast cache keeps its 16-bit copy until the region exits: the
     slices' copies add up to tokens x hidden by the last chunk (peak trace, llama 32k vocabulary, 2,048
-    tokens, bf16 autocast: the eight 131,072-byte casts live at the last chunk's loss backward)."""
+    tokens, bf16 autocast: the eight 131,072-byte casts live at the last chunk's loss backward).
+
+    Under FSDP2 torchtitan turns the head unit's gradient reduction off for every chunk but the
+    last (``lm_head.set_requires_gradient_sync(False)``), so from the first chunk's post-backward
+    the head's gradient is kept unsharded in the reduce dtype (torch 2.13
+    _fully_shard/_fsdp_param.py to_accumulated_grad_if_needed ``unsharded_grad.to(self.reduce_dtype)``,
+    each later chunk's added by accumulate_unsharded_grad_if_needed) until the last chunk's
+    reduce-scatter: ``reduce_bytes`` (fp32 reducing a 16-bit compute) per element where the
+    phases count the head's unsharded gradient in the compute dtype, the difference added here."""
     c = micro_batch * (tokens // micro_batch // chunks)
     b = compute_bytes
     logits = b * c * vocab
@@ -189,10 +198,11 @@ def in_forward_memory(*, tokens: int, micro_batch: int, chunks: int, hidden: int
     slices += b * tokens * hidden if autocast else 0  # their casts, in autocast's cache
     buffer = FP32 * tokens * hidden
     weight_grad = head_grad_bytes * vocab * hidden + (FP32 * vocab * hidden if head_grad_fp32 else 0)
+    accumulated = max(0, reduce_bytes - b) * vocab * hidden  # FSDP2's reduce-dtype copy, beyond the phases' own
     head_backward = b * c * vocab + b * c * hidden + FP32 * c * hidden + weight_grad
     held = stream_bytes * tokens * hidden + LABELS * tokens
-    during = hidden_states + slices + buffer + logits + max(loss_fp32, upcast_forward, head_backward)
-    end = hidden_states + slices + buffer + logits + stream_bytes * tokens * hidden
+    during = hidden_states + slices + buffer + logits + accumulated + max(loss_fp32, upcast_forward, head_backward)
+    end = hidden_states + slices + buffer + logits + accumulated + stream_bytes * tokens * hidden
     transient = max(during, end) - stream_bytes * tokens * hidden
     items = [ActivationItem("loss (chunked-in-forward): the hidden states' gradient, accumulated in the loss's "
                             "call and saved for the decoder's backward, and the labels", held),
@@ -204,7 +214,8 @@ def in_forward_memory(*, tokens: int, micro_batch: int, chunks: int, hidden: int
 
 def with_in_forward_loss(acts: Activations, *, tokens: int, micro_batch: int, chunks: int, hidden: int, vocab: int,
                          compute_bytes: int, stream_bytes: int, vocab_parallel: bool, head_grad_bytes: int,
-                         head_grad_fp32: bool, norm_output_bytes: int, autocast: bool = False) -> Activations:
+                         head_grad_fp32: bool, norm_output_bytes: int, autocast: bool = False,
+                         reduce_bytes: int = 0) -> Activations:
     """The activations with HF's loss terms replaced by torchtitan's ChunkedLossWrapper's
     (in_forward_memory): no logits-sized tensor is saved, and the LM head saves nothing for the
     decoder's backward (each chunk's graph is freed by its own backward), so the final norm's
@@ -214,7 +225,7 @@ def with_in_forward_loss(acts: Activations, *, tokens: int, micro_batch: int, ch
     held, transient, items = in_forward_memory(
         tokens=tokens, micro_batch=micro_batch, chunks=chunks, hidden=hidden, vocab=vocab,
         compute_bytes=compute_bytes, stream_bytes=stream_bytes, vocab_parallel=vocab_parallel,
-        head_grad_bytes=head_grad_bytes, head_grad_fp32=head_grad_fp32, autocast=autocast)
+        head_grad_bytes=head_grad_bytes, head_grad_fp32=head_grad_fp32, autocast=autocast, reduce_bytes=reduce_bytes)
     edges = acts.edges
     hf_saved = edges.loss_saved if edges is not None else FP32 * tokens * vocab + LABELS * tokens
     if edges is not None:
