@@ -64,7 +64,9 @@ from planner.model.activations import FP32, ActivationItem, Activations, EdgeTer
 
 Loss = Literal["hf", "chunked", "chunked-in-forward", "liger-fused", "cce", "flash-attn", "vocab-parallel"]
 CHUNKED = ("chunked", "chunked-in-forward")  # the losses that take loss_chunks
-TORCHTITAN_SOURCE = "torchtitan 0.3.0 components/loss.py ChunkedLossWrapper, GradAccumulator, _LossParallelCrossEntropy"
+TORCHTITAN_SOURCE = ("torchtitan 0.3.0 components/loss.py ChunkedLossWrapper (:567; slices :676, the head's reduction "
+                     "off :731), GradAccumulator (:449, its fp32 buffer :498), _DecoderOutputGradientBackProp (:838, "
+                     ":858), _LossParallelCrossEntropy (:69)")
 FUSED = ("liger-fused", "cce")  # the LM head and the loss in one function: no logits returned
 # the kernels whose terms replace HF's loss (with_fused_loss), data-parallel layouts only
 KERNEL_LOSSES = (*FUSED, "flash-attn")
