@@ -124,7 +124,8 @@ def loss_chunks(request: Any, why_not: str | None, torch_tp: bool, fused_why_not
     blocked = why_not if loss == "chunked" else fused_why_not if loss in KERNEL_LOSSES else None
     if blocked:
         raise PlannerError(f"loss={loss} with {blocked}: modelled for a data-parallel layout (single, ddp, zero0-3, "
-                           "fsdp, hsdp)" + (" of a full fine-tune" if loss == "chunked" else ""), field="loss")
+                           "fsdp, hsdp)" + (" of a full fine-tune (torchtitan's ChunkedLossWrapper, modelled with tp, is "
+                                            "loss=chunked-in-forward)" if loss == "chunked" else ""), field="loss")
     if loss == "chunked":
         return request.loss_chunks or DEFAULT_CHUNKS
     return 1
@@ -467,7 +468,9 @@ def loss_notes(loss: str) -> list[str]:
                 "backward inside the loss's call, the hidden states' gradient in an fp32 buffer handed to the decoder's "
                 "backward; nothing logits-sized saved, the LM head's gradient made before the decoder's backward; under "
                 "tp each chunk's logits vocab-sharded (three all-reduces per chunk); measured on CPU ranks (one device, "
-                "FSDP2, tp 2)"]
+                "FSDP2, tp 2). Under FSDP2 reducing in fp32, the head's gradient kept in fp32 across the chunks "
+                "(torchtitan turns the head unit's reduction off until the last chunk) is read from torch's source, "
+                "unverified: the probe keeps the head in FSDP2's root unit"]
     if loss == "liger-fused":
         return [f"loss: Liger's fused linear cross-entropy ({LIGER_SOURCE}): the LM head's logits only one chunk "
                 "of tokens at a time, both gradients made in the forward and held to the backward; Triton (GPU "
