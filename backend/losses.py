@@ -132,7 +132,12 @@ class InForwardChunkedLoss(torch.nn.Module):
     cast to the hidden states' dtype and handed to the decoder's backward (_HandBack). The backward
     of each slice runs without autocast, as a GPU's autograd thread runs it. Labels shifted as
     transformers' ForCausalLMLoss. ``loss_of(logits, labels, count)`` computes one slice's loss from
-    its logits (the vocabulary-parallel one under TP: train_parallel.py)."""
+    its logits (the vocabulary-parallel one under TP: train_parallel.py). Under FSDP2 the head stays in
+    the root unit (backend/train.py _fully_shard), gathered by the root's forward through the slices and
+    its gradient reduced with the root's at the end of backward; torchtitan's own [norm, lm_head] unit,
+    kept gathered with its reduction off until the last slice, ended both CPU ranks with SIGSEGV when
+    tried here (torch 2.13), so its fp32 accumulation (planner/recipes/losses.py in_forward_memory
+    reduce_bytes) is not what the probe measures."""
 
     def __init__(self, model: torch.nn.Module, chunks: int, loss_of=None):
         super().__init__()
