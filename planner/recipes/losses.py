@@ -21,7 +21,9 @@
   backward. Nothing logits-sized outlives a chunk (in_forward_memory). Under tensor parallelism
   the hidden states enter the head replicated and each chunk's logits stay sharded over the
   vocabulary (its colwise LM head, always loss-parallel in 0.3.0: _LossParallelCrossEntropy, three
-  TP all-reduces of one fp32 value per token per chunk).
+  TP all-reduces of one fp32 value per token per chunk). Activation checkpointing wraps the blocks
+  only: the loss's call is outside them, nothing in it is recomputed. torchtitan also runs it on a
+  pipeline's last stage and under context parallelism; those are refused here (not modelled).
 - ``liger-fused``: Liger-Kernel 0.8.5's LigerFusedLinearCrossEntropyFunction
   (liger_kernel/ops/fused_linear_cross_entropy.py): the LM head and the cross-entropy in one
   autograd function whose forward also computes both gradients, chunk by chunk of tokens; the
