@@ -154,3 +154,9 @@ def test_fsdp2_reducing_in_fp32_keeps_the_heads_gradient_in_fp32_across_the_chun
     compute = activations(resolve(EstimateRequest(**fsdp)))
     fp32 = activations(resolve(EstimateRequest(**fsdp, reduce_dtype="fp32")))
     assert fp32.loss_transient_bytes - compute.loss_transient_bytes == (4 - 2) * V * H
+
+
+def test_a_loop_that_keeps_its_outputs_holds_no_logits_of_it():
+    plain = estimate(EstimateRequest(**LOGITS, loss="chunked-in-forward")).per_device.peak_bytes
+    kept = estimate(EstimateRequest(**LOGITS, loss="chunked-in-forward", keeps_outputs=True)).per_device.peak_bytes
+    assert kept == plain

@@ -408,8 +408,10 @@ def _at_peak(peak_phase, framework: int) -> PeakRows:
 
 def _held_outputs(setup: Setup) -> int:
     """The logits a keeps_outputs loop holds (planner/recipes/loop.py); 0 for the Trainer's loop."""
-    if not setup.request.keeps_outputs or setup.request.loss in FUSED:
-        return 0  # the fused kernels' forwards return no logits in training (Liger: skip_logits)
+    if not setup.request.keeps_outputs or setup.request.loss in (*FUSED, "chunked-in-forward"):
+        # the fused kernels' forwards return no logits in training (Liger: skip_logits), nor does torchtitan's
+        # ChunkedLossWrapper (its logits die with each chunk)
+        return 0
     req = setup.request
     return held_outputs_bytes(setup.arch.vocab_size, req.micro_batch * req.seq_len, setup.recipe.compute_bytes)
 
