@@ -20,7 +20,7 @@ from planner.cluster.topology import Topology
 from planner.errors import PlannerError
 from planner.memory.optimizer import check as check_optimizer
 from planner.memory.orchestrator import (Measured, activation_offload_bytes, host_capacity, measure,
-                                        pipeline_resident_bytes, resolve)
+                                        pipeline_peak_bytes, pipeline_resident_bytes, resolve)
 from planner.parallel.hf_plan import hf_rank_architecture
 from planner.parallel.pipeline import SCHEDULE_SPECS, parallel_step
 from planner.plan.layouts import Rejected, cp_degrees, ep_degrees, pp_degrees, tp_degrees
@@ -73,6 +73,7 @@ class Search:
         self.recipe = recipe  # the plan's precision, decoded once (planner/plan/search.py) for every evaluation
         self.estimates: dict[tuple[int, Setting, int], Measured] = {}
         self.floors: dict[tuple[int, Setting, int], int] = {}  # pipeline settings' resident bytes
+        self.peaks: dict[tuple[int, Setting, int, int], int] = {}  # peak_of's, where no estimate was made
         self.floor_settings: dict[Setting, Setting] = {}  # _floor_setting's
         self.replayed: dict[tuple[int, Setting, int, int], EstimateResult] = {}  # shown() per candidate
         self.compute_scale = 1.0  # a calibration profile's kernel-rate factor (planner/time/kernels.py)
@@ -146,6 +147,22 @@ class Search:
                 req, combo, estimate_request(req, combo, micro, self.model_fields,
                                              accumulation if combo.pp == 1 else None)))
         return self.estimates[key]
+
+    def peak_of(self, req: PlanRequest, combo: Setting, micro: int) -> int:
+        """estimate(req, combo, micro).peak_bytes of a pipeline option: without expert parallelism
+        its worst rank's phases are not written out (orchestrator.pipeline_peak_bytes: the same
+        replay, the same highest rank; a test compares the two), since a pipeline row reads its
+        peak alone; the candidates the plan shows are estimated in full when shown."""
+        key = (req.nodes, combo, micro, 1)
+        hit = self.estimates.get(key)
+        if hit is not None:
+            return hit.peak_bytes
+        if combo.ep > 1:
+            return self.estimate(req, combo, micro).peak_bytes
+        if key not in self.peaks:
+            self.peaks[key] = pipeline_peak_bytes(self.resolved(req, combo, estimate_request(
+                req, combo, micro, self.model_fields, None)))
+        return self.peaks[key]
 
     def shown(self, req: PlanRequest, combo: Setting, micro: int, accumulation: int = 1) -> EstimateResult:
         """The estimate of a candidate the plan shows, with the caching allocator replayed
@@ -470,9 +487,9 @@ def _pipeline_rows(search: Search, req: PlanRequest, combo: Setting, micro: np.n
                 break
             if time_bound is not None and t.step_seconds > time_bound * (1 + TIE_TOLERANCE):
                 break
-        e = search.estimate(req, combo, int(micro[k]))
-        fits = e.peak_bytes <= search.usable
-        rows.append((combo, int(micro[k]), float(e.peak_bytes), fits, t))
+        peak = search.peak_of(req, combo, int(micro[k]))
+        fits = peak <= search.usable
+        rows.append((combo, int(micro[k]), float(peak), fits, t))
         if fits and fit_time is None:
             fit_time = t.step_seconds
     return rows
