@@ -594,6 +594,10 @@ def test_pipeline_peak_without_the_phases_is_the_estimates():
                 except PlannerError:
                     continue
                 assert pipeline_peak_bytes(setup) == expected, (schedule, strategy, extra)
+                # asked whether it exceeds a limit: the peak at or below it, a lower bound above it
+                for above in (expected - 1, expected, expected // 2):
+                    bounded = pipeline_peak_bytes(setup, above)
+                    assert bounded == expected if expected <= above else above < bounded <= expected
                 checked += 1
     assert checked >= 100
 

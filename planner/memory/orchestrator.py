@@ -330,15 +330,16 @@ def pipeline_resident_bytes(setup: Setup) -> int:
     return pipeline.resident_bytes(setup) + setup.gpu.cuda_context_bytes + setup.gpu.blas_workspace_bytes
 
 
-def pipeline_peak_bytes(setup: Setup) -> int:
+def pipeline_peak_bytes(setup: Setup, above: int | None = None) -> int:
     """measure(setup).peak_bytes of a pipeline without expert parallelism, its worst rank's phases
     not written out (planner/parallel/pipeline.py peak_bytes): the plan search's judgement of a
-    pipeline option."""
+    pipeline option. ``above``: a peak above it may be answered by a lower bound above it."""
     from planner.parallel import pipeline
 
     if setup.dims.pp == 1 or setup.dims.ep > 1:
         raise ValueError(f"pipeline_peak_bytes needs pp > 1 and ep 1, got pp={setup.dims.pp} ep={setup.dims.ep}")
-    return pipeline.peak_bytes(setup) + setup.gpu.cuda_context_bytes + setup.gpu.blas_workspace_bytes
+    framework = setup.gpu.cuda_context_bytes + setup.gpu.blas_workspace_bytes
+    return pipeline.peak_bytes(setup, None if above is None else above - framework) + framework
 
 
 def estimate_resolved(setup: Setup, simulate: bool = True, brief: bool = False) -> EstimateResult:

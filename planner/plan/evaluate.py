@@ -74,6 +74,7 @@ class Search:
         self.estimates: dict[tuple[int, Setting, int], Measured] = {}
         self.floors: dict[tuple[int, Setting, int], int] = {}  # pipeline settings' resident bytes
         self.peaks: dict[tuple[int, Setting, int, int], int] = {}  # peak_of's, where no estimate was made
+        self.bounds: dict[tuple[int, Setting, int, int], int] = {}  # peak_of's lower bounds above its ``above``
         self.floor_settings: dict[Setting, Setting] = {}  # _floor_setting's
         self.replayed: dict[tuple[int, Setting, int, int], EstimateResult] = {}  # shown() per candidate
         self.compute_scale = 1.0  # a calibration profile's kernel-rate factor (planner/time/kernels.py)
@@ -148,21 +149,33 @@ class Search:
                                              accumulation if combo.pp == 1 else None)))
         return self.estimates[key]
 
-    def peak_of(self, req: PlanRequest, combo: Setting, micro: int) -> int:
+    def peak_of(self, req: PlanRequest, combo: Setting, micro: int, above: float | None = None) -> float:
         """estimate(req, combo, micro).peak_bytes of a pipeline option: without expert parallelism
         its worst rank's phases are not written out (orchestrator.pipeline_peak_bytes: the same
         replay, the same highest rank; a test compares the two), since a pipeline row reads its
-        peak alone; the candidates the plan shows are estimated in full when shown."""
+        peak alone; the candidates the plan shows are estimated in full when shown.
+
+        ``above``: a peak above it may be answered by a lower bound above it (the first rank whose
+        peak exceeds it; the others are not replayed), for a caller that reads only whether the
+        peak exceeds ``above``. At most ``above`` the answer is the peak (every rank replayed)."""
         key = (req.nodes, combo, micro, 1)
         hit = self.estimates.get(key)
         if hit is not None:
             return hit.peak_bytes
         if combo.ep > 1:
             return self.estimate(req, combo, micro).peak_bytes
-        if key not in self.peaks:
-            self.peaks[key] = pipeline_peak_bytes(self.resolved(req, combo, estimate_request(
-                req, combo, micro, self.model_fields, None)))
-        return self.peaks[key]
+        if key in self.peaks:
+            return self.peaks[key]
+        bound = self.bounds.get(key)
+        if above is not None and bound is not None and bound > above:
+            return bound
+        peak = pipeline_peak_bytes(self.resolved(req, combo, estimate_request(
+            req, combo, micro, self.model_fields, None)), above if bound is None else None)
+        if above is not None and peak > above and bound is None:
+            self.bounds[key] = peak  # perhaps one rank's: a lower bound of the peak
+        else:
+            self.peaks[key] = peak
+        return peak
 
     def shown(self, req: PlanRequest, combo: Setting, micro: int, accumulation: int = 1) -> EstimateResult:
         """The estimate of a candidate the plan shows, with the caching allocator replayed
@@ -487,7 +500,12 @@ def _pipeline_rows(search: Search, req: PlanRequest, combo: Setting, micro: np.n
                 break
             if time_bound is not None and t.step_seconds > time_bound * (1 + TIE_TOLERANCE):
                 break
-        peak = search.peak_of(req, combo, int(micro[k]))
+        # with a bound, an option that does not fit is read for that alone: where none fits within
+        # the bound's ties the setting is not listed (_model_parallel_rows), and a setting that has a
+        # fitting option is ranked and shown by its fitting ones (rank.py ranked_result), so a peak
+        # above the usable memory may be a lower bound (Search.peak_of); without a bound, a setting
+        # none of whose options fits is shown at its smallest peak: each is the peak
+        peak = search.peak_of(req, combo, int(micro[k]), search.usable if time_bound is not None else None)
         fits = peak <= search.usable
         rows.append((combo, int(micro[k]), float(peak), fits, t))
         if fits and fit_time is None:
