@@ -129,12 +129,16 @@ class Search:
         check_optimizer(setup)
         return setup
 
-    def setup_of(self, request: EstimateRequest):
+    def setup_of(self, request: EstimateRequest, req: PlanRequest | None = None, combo: Setting | None = None):
         """resolve(request), once per request object: a pipeline setting's first request is read by
-        its step times and estimated again as its row (the same object)."""
+        its step times and estimated again as its row (the same object). Given the plan request
+        and the setting ``request`` was made of (estimate_request), through ``resolved``: the
+        setting's other requests (its options' peaks, its floor) then share that Setup rather
+        than resolve again."""
         hit = self._setups.get(id(request))
         if hit is None or hit[0] is not request:
-            hit = self._setups[id(request)] = (request, resolve(request))
+            setup = resolve(request) if req is None else self.resolved(req, combo, request)
+            hit = self._setups[id(request)] = (request, setup)
         return hit[1]
 
     def estimate(self, req: PlanRequest, combo: Setting, micro: int,
@@ -144,7 +148,7 @@ class Search:
         memory holds the earlier ones' gradients); a pipeline's request carries its own."""
         key = (req.nodes, combo, micro, accumulation if combo.pp == 1 else 1)
         if key not in self.estimates:
-            self.estimates[key] = measure(self.setup_of(request) if request is not None else self.resolved(
+            self.estimates[key] = measure(self.setup_of(request, req, combo) if request is not None else self.resolved(
                 req, combo, estimate_request(req, combo, micro, self.model_fields,
                                              accumulation if combo.pp == 1 else None)))
         return self.estimates[key]
@@ -468,7 +472,7 @@ def _parallel_times(search: Search, req: PlanRequest, combo: Setting, micro: np.
     """Each option's step time with its pipeline bubble, point-to-point sends and expert
     all-to-alls: planner/parallel/pipeline.py parallel_step on the estimate's own Setup (as
     steptime.estimate_time), per micro-batch size and count."""
-    setup = search.setup_of(first)
+    setup = search.setup_of(first, req, combo)
     given = setup.request
     out = []
     for k, mb in enumerate(micro.tolist()):
