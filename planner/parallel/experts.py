@@ -241,9 +241,6 @@ def localize(setup, textbook_states):
     parallel_dims ``efsdp``; DeepSpeed's expert data-parallel group), so each rank still holds
     1 / (dp_shard * cp) of them; that share is added back, with the router's columns for the other
     ranks' experts (replicated: every rank scores every expert)."""
-    from dataclasses import replace
-
-    from planner.model.catalogue import ResolvedModel
     from planner.schema import MemoryItem
 
     a, ep = setup.arch, setup.dims.ep
@@ -253,64 +250,7 @@ def localize(setup, textbook_states):
     if setup.model.traced is not None:
         raise PlannerError(f"ep={ep}: {setup.model.name} is estimated by tracing; its experts cannot be sharded",
                            field="ep")
-    full = expert_sharding(a, setup.psi, ep)
-    local_arch = local_architecture(a, ep)
-    from planner.model.architecture import parameter_count
-
-    local_count = parameter_count(local_arch)
-    # one local model per (model, its architecture, ep), as local_architecture: the plan's search
-    # localizes every expert-parallel candidate of one model
-    key = (id(setup.model), id(a), ep)
-    hit = _LOCAL_MODELS.get(key)
-    if hit is not None and hit[0] is setup.model and hit[1] is a:
-        model = hit[2]
-    else:
-        model = ResolvedModel(name=setup.model.name, source=setup.model.source, config=setup.model.config,
-                              architecture=local_arch, parameters=local_count)
-        if len(_LOCAL_MODELS) > 64:
-            _LOCAL_MODELS.clear()
-        _LOCAL_MODELS[key] = (setup.model, a, model)
-    local = replace(setup, model=model)
-    full_states = textbook_states(setup)
-    local_states = textbook_states(local)
-    s = setup.strategy
-    sharded = (s.shards_parameters, s.shards_gradients, s.shards_optimizer)
-    # weights and optimizer states stay between steps; the sharded gradients exist from the end
-    # of backward to the optimizer step (with_items puts them there). torch keeps them in the
-    # weights' fp32 under the mixed recipes (frameworks/torch/v2.py), as a third of the textbook's
-    # 16-bit-weight + 12-byte-state sum.
-    from planner.model.architecture import parameter_numels
-
-    def resident(of) -> dict[str, int]:
-        totals: dict[str, int] = {}
-        for i in of.framework.phases(of, None, parameter_numels(of.arch)).resident:
-            totals[i.component] = totals.get(i.component, 0) + i.bytes
-        return totals
-
-    full_resident, local_resident = resident(setup), resident(local)
-    back = {c: full_resident.get(c, 0) - local_resident.get(c, 0) if on else 0
-            for c, on in (("parameters", s.shards_parameters), ("optimizer_states", s.shards_optimizer))}
-    grads_back = full_states[1] - local_states[1] if s.shards_gradients else 0
-    if setup.framework.weights_are_master and setup.recipe.master_bits:
-        grads_back *= 2
-    router = full.parameters_per_rank - local_count
-    if setup.dims.pp > 1:
-        # a pipeline rank holds its stages' MoE blocks only: the add-back is that share of the
-        # model's routed experts (the most any rank holds, so no rank is under-counted)
-        share = pipeline_expert_share(a, setup.dims.pp, setup.request.pp_virtual_stages,
-                                      setup.request.pp_first_stage_layers, setup.request.pp_last_stage_layers)
-        back = {c: int(v * share) for c, v in back.items()}
-        grads_back, router = int(grads_back * share), int(router * share)
-    router_bytes = sum(f * router // max(1, setup.psi) for f, on in zip(full_states, sharded) if not on) \
-        if setup.psi else 0
-    # each in its own component, as the verify run attributes the rank's tensors (weights vs the
-    # optimizer's states): one item of both read 4.7 MB of weights as optimizer states
-    items = [MemoryItem(name=f"routed experts' sharded {what} over the expert-data-parallel group (ep {ep})",
-                        bytes=int(back[component]), component=component,
-                        source="torchtitan parallel_dims efsdp mesh; DeepSpeed expert data-parallel group")
-             for component, what in (("parameters", "weights"), ("optimizer_states", "optimizer states"))] + [
-             MemoryItem(name="router columns of the other ranks' experts (replicated)", bytes=int(max(0, router_bytes)),
-                        component="parameters", source="the gate scores every expert on every rank")]
+    local, items = _local_states(setup, textbook_states)
     tokens = setup.request.micro_batch * setup.request.seq_len
     compute = 4 if setup.recipe.compute == "fp32" else 2
     buffers = dispatch_buffers(a, tokens, compute, ep)
@@ -318,9 +258,7 @@ def localize(setup, textbook_states):
                            bytes=buffers.all_to_all_bytes, component="buffers",
                            source="GShard Sec. 3.2; torchtitan 0.3 models/common/token_dispatcher.py "
                                   "AllToAllTokenDispatcher (all_to_all_single)")
-    items.append(MemoryItem(name=f"routed experts' sharded gradients over the expert-data-parallel group (ep {ep})",
-                            bytes=int(grads_back), component="gradients", source="after backward, until the step"))
-    return local, [i for i in items if i.bytes > 0], transient
+    return local, list(items), transient
 
 
 def pipeline_expert_share(a: Architecture, pp: int, virtual_stages: int, first: int | None,
@@ -405,3 +343,95 @@ def expert_volumes(a: Architecture, setup: Setup, rows: list[dict], parameters: 
     out.append({"what": "expert dispatch/combine all-to-alls", "bytes_per_step": calls * one, "message_bytes": one,
                 "group": "expert parallel"})
     return out
+
+
+# _local_states' answers: the batch fields left out of the key (a setting's options share them)
+_LOCAL_STATES: dict[tuple, tuple] = {}
+
+
+def _local_states(setup, textbook_states):
+    """(the local setup, the items localize adds back: the routed experts' sharded weights,
+    optimizer states and gradients, the other ranks' router columns), once per setting: they are
+    the model's states (textbook_states, the framework's resident parameters and optimizer states),
+    which do not read the request's batch fields (micro_batch, gradient_accumulation: resolve
+    builds the same Setup apart from its request for any of them, planner/plan/evaluate.py
+    Search.resolved), so the plan's options of one setting ask once (a test compares them with a
+    fresh computation at each option). The returned setup carries the request it was asked with."""
+    from dataclasses import fields, replace
+
+    from planner.model.catalogue import ResolvedModel
+    from planner.schema import MemoryItem
+
+    a, ep = setup.arch, setup.dims.ep
+    # the Setup's other fields by identity (Search.resolved's Setups of one setting share them)
+    held = tuple(getattr(setup, f.name) for f in fields(setup) if f.name != "request")
+    states_key = (tuple(map(id, held)),
+                  setup.request.model_dump_json(exclude={"micro_batch", "gradient_accumulation"}))
+    hit = _LOCAL_STATES.get(states_key)
+    if hit is not None and all(x is y for x, y in zip(hit[0], held)):
+        return replace(hit[1], request=setup.request), hit[2]
+    full = expert_sharding(a, setup.psi, ep)
+    local_arch = local_architecture(a, ep)
+    from planner.model.architecture import parameter_count
+
+    local_count = parameter_count(local_arch)
+    # one local model per (model, its architecture, ep), as local_architecture: the plan's search
+    # localizes every expert-parallel candidate of one model
+    key = (id(setup.model), id(a), ep)
+    hit = _LOCAL_MODELS.get(key)
+    if hit is not None and hit[0] is setup.model and hit[1] is a:
+        model = hit[2]
+    else:
+        model = ResolvedModel(name=setup.model.name, source=setup.model.source, config=setup.model.config,
+                              architecture=local_arch, parameters=local_count)
+        if len(_LOCAL_MODELS) > 64:
+            _LOCAL_MODELS.clear()
+        _LOCAL_MODELS[key] = (setup.model, a, model)
+    local = replace(setup, model=model)
+    full_states = textbook_states(setup)
+    local_states = textbook_states(local)
+    s = setup.strategy
+    sharded = (s.shards_parameters, s.shards_gradients, s.shards_optimizer)
+    # weights and optimizer states stay between steps; the sharded gradients exist from the end
+    # of backward to the optimizer step (with_items puts them there). torch keeps them in the
+    # weights' fp32 under the mixed recipes (frameworks/torch/v2.py), as a third of the textbook's
+    # 16-bit-weight + 12-byte-state sum.
+    from planner.model.architecture import parameter_numels
+
+    def resident(of) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for i in of.framework.phases(of, None, parameter_numels(of.arch)).resident:
+            totals[i.component] = totals.get(i.component, 0) + i.bytes
+        return totals
+
+    full_resident, local_resident = resident(setup), resident(local)
+    back = {c: full_resident.get(c, 0) - local_resident.get(c, 0) if on else 0
+            for c, on in (("parameters", s.shards_parameters), ("optimizer_states", s.shards_optimizer))}
+    grads_back = full_states[1] - local_states[1] if s.shards_gradients else 0
+    if setup.framework.weights_are_master and setup.recipe.master_bits:
+        grads_back *= 2
+    router = full.parameters_per_rank - local_count
+    if setup.dims.pp > 1:
+        # a pipeline rank holds its stages' MoE blocks only: the add-back is that share of the
+        # model's routed experts (the most any rank holds, so no rank is under-counted)
+        share = pipeline_expert_share(a, setup.dims.pp, setup.request.pp_virtual_stages,
+                                      setup.request.pp_first_stage_layers, setup.request.pp_last_stage_layers)
+        back = {c: int(v * share) for c, v in back.items()}
+        grads_back, router = int(grads_back * share), int(router * share)
+    router_bytes = sum(f * router // max(1, setup.psi) for f, on in zip(full_states, sharded) if not on) \
+        if setup.psi else 0
+    # each in its own component, as the verify run attributes the rank's tensors (weights vs the
+    # optimizer's states): one item of both read 4.7 MB of weights as optimizer states
+    items = [MemoryItem(name=f"routed experts' sharded {what} over the expert-data-parallel group (ep {ep})",
+                        bytes=int(back[component]), component=component,
+                        source="torchtitan parallel_dims efsdp mesh; DeepSpeed expert data-parallel group")
+             for component, what in (("parameters", "weights"), ("optimizer_states", "optimizer states"))] + [
+             MemoryItem(name="router columns of the other ranks' experts (replicated)", bytes=int(max(0, router_bytes)),
+                        component="parameters", source="the gate scores every expert on every rank")]
+    items.append(MemoryItem(name=f"routed experts' sharded gradients over the expert-data-parallel group (ep {ep})",
+                            bytes=int(grads_back), component="gradients", source="after backward, until the step"))
+    items = tuple(i for i in items if i.bytes > 0)
+    if len(_LOCAL_STATES) > 256:
+        _LOCAL_STATES.clear()
+    _LOCAL_STATES[states_key] = (held, local, items)
+    return local, items
