@@ -660,7 +660,8 @@ def test_pipeline_rows_judged_on_the_peak_alone_are_the_estimates_rows(monkeypat
 
     req = PlanRequest(model="llama-3-70b", gpu="h100-80gb", gpus=8, nodes=8, seq_len=4096, global_batch=256)
     fast = plan(req)
-    monkeypatch.setattr(p.Search, "peak_of", lambda self, r, combo, micro, above=None: self.estimate(r, combo, micro).peak_bytes)
+    monkeypatch.setattr(p.Search, "peak_of",
+                        lambda self, r, combo, micro, above=None: self.estimate(r, combo, micro).peak_bytes)
     full = plan(req)
     fast_fields, full_fields = fast.model_dump(), full.model_dump()
     assert fast_fields.pop("notes")[1:] == full_fields.pop("notes")[1:]  # the first: the search's seconds

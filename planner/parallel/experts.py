@@ -261,90 +261,6 @@ def localize(setup, textbook_states):
     return local, list(items), transient
 
 
-def pipeline_expert_share(a: Architecture, pp: int, virtual_stages: int, first: int | None,
-                          last: int | None) -> float:
-    """The largest share of the model's MoE blocks one pipeline rank holds (its stages' blocks,
-    planner/parallel/pipeline.py stage_bounds)."""
-    moe = set(moe_blocks(a))
-    if not moe:
-        return 0.0
-    bounds = stage_bounds(a.num_layers, pp * virtual_stages, first, last)
-    per_rank = [sum(1 for k in range(rank, len(bounds), pp) for i in range(*bounds[k]) if i in moe)
-                for rank in range(pp)]
-    return max(per_rank) / len(moe)
-
-
-def with_items(plan, items, transient):
-    """The plan with the add-back items in every phase and between steps, and one all-to-all's
-    buffers on top at every block's backward (where the combine's backward all-to-all runs)."""
-    from dataclasses import replace as dc_replace
-
-    from planner.memory.moments import PhaseKind
-    from planner.schema import Phase
-
-    # the all-to-alls run inside the MoE blocks (forward, and backward from each block's start),
-    # never at the loss: START_OF_BACKWARD is the loss's backward, with every block's saved set
-    during = (PhaseKind.START_OF_BLOCK, PhaseKind.BACKWARD)
-    gradients_exist = (PhaseKind.END_OF_BACKWARD, PhaseKind.GRADIENT_ALLREDUCE, PhaseKind.OPTIMIZER_STEP)
-    kept_between = [i for i in items if i.component != "gradients"]
-    phases = []
-    for p in plan.phases:
-        extra = [i for i in items if i.component != "gradients" or p.kind in gradients_exist]
-        extra += [transient] if transient is not None and transient.bytes and p.kind in during else []
-        kept = [i for i in p.items + extra if i.bytes > 0]
-        phases.append(Phase(name=p.name, bytes=sum(i.bytes for i in kept), items=kept, kind=p.kind))
-    resident = list(plan.resident) + kept_between
-    notes = list(plan.notes) + ["expert parallelism: each rank holds num_experts / ep routed experts of every MoE "
-                                "block; routing dropless (the mean tokens per expert: a step's imbalance is data)"]
-    return dc_replace(plan, phases=phases, resident=resident,
-                      resident_bytes=plan.resident_bytes + sum(i.bytes for i in kept_between), notes=notes)
-
-
-def data_parallel_share(a: Architecture, dims, parameters: int) -> float:
-    """The fraction of a data-parallel ring's time that remains under ep: the dense parameters
-    still ring over all dp_shard * cp ranks, the routed experts over the expert-data-parallel group
-    (dp_shard * cp / ep ranks, each with 1/ep of them; nothing at one rank), each ring moving
-    (n-1)/n of its payload (the measured all-gathers of the ep 2 run: the dense 38% only)."""
-    routed = routed_total(a)
-    group = dims.dp_shard * dims.cp
-    if dims.ep == 1 or not routed or parameters <= 0 or group <= 1:
-        return 1.0
-    efsdp = group // dims.ep
-    whole = parameters * (group - 1) / group
-    return ((parameters - routed) * (group - 1) / group + routed / dims.ep * (efsdp - 1) / efsdp) / whole
-
-
-def expert_volumes(a: Architecture, setup: Setup, rows: list[dict], parameters: int) -> list[dict]:
-    """The data-parallel rows of collective_volumes under ep, and the all-to-alls.
-
-    A data-parallel collective carries the dense parameters over its group and the routed experts
-    over the expert-data-parallel group only (dp_shard * cp / ep ranks holding the same experts:
-    torchtitan's efsdp mesh; a one-rank group sends nothing, as measured: FSDP2 over one rank
-    gathered and reduced only the dense 38% of the qwen3_moe run); the dispatch and combine
-    payloads are the routed pairs' hidden states (what the rank's all_to_all_single sends,
-    its own share included)."""
-    dims, request = setup.dims, setup.request
-    routed = routed_total(a)
-    if dims.ep == 1 or not routed or parameters <= 0:
-        return rows
-    efsdp = dims.dp_shard * dims.cp // dims.ep
-    dense_share, expert_share = (parameters - routed) / parameters, routed / dims.ep / parameters
-    out = []
-    for row in rows:
-        out.append(dict(row, bytes_per_step=int(row["bytes_per_step"] * dense_share)))
-        if efsdp > 1:
-            out.append(dict(row, what=f"{row['what']} (routed experts)",
-                            bytes_per_step=int(row["bytes_per_step"] * expert_share), group="expert data-parallel"))
-    compute = setup.recipe.compute_bytes  # the hidden states in the compute dtype
-    tokens = request.micro_batch * request.seq_len
-    m = next(spec.mlp for spec in layer_specs(a) if spec.mlp.is_moe)
-    one = tokens * m.experts_per_token * a.hidden_size * compute
-    calls = all_to_alls_per_block(request.checkpointing) * len(moe_blocks(a)) * request.gradient_accumulation
-    out.append({"what": "expert dispatch/combine all-to-alls", "bytes_per_step": calls * one, "message_bytes": one,
-                "group": "expert parallel"})
-    return out
-
-
 # _local_states' answers: the batch fields left out of the key (a setting's options share them)
 _LOCAL_STATES: dict[tuple, tuple] = {}
 
@@ -435,3 +351,87 @@ def _local_states(setup, textbook_states):
         _LOCAL_STATES.clear()
     _LOCAL_STATES[states_key] = (held, local, items)
     return local, items
+
+
+def pipeline_expert_share(a: Architecture, pp: int, virtual_stages: int, first: int | None,
+                          last: int | None) -> float:
+    """The largest share of the model's MoE blocks one pipeline rank holds (its stages' blocks,
+    planner/parallel/pipeline.py stage_bounds)."""
+    moe = set(moe_blocks(a))
+    if not moe:
+        return 0.0
+    bounds = stage_bounds(a.num_layers, pp * virtual_stages, first, last)
+    per_rank = [sum(1 for k in range(rank, len(bounds), pp) for i in range(*bounds[k]) if i in moe)
+                for rank in range(pp)]
+    return max(per_rank) / len(moe)
+
+
+def with_items(plan, items, transient):
+    """The plan with the add-back items in every phase and between steps, and one all-to-all's
+    buffers on top at every block's backward (where the combine's backward all-to-all runs)."""
+    from dataclasses import replace as dc_replace
+
+    from planner.memory.moments import PhaseKind
+    from planner.schema import Phase
+
+    # the all-to-alls run inside the MoE blocks (forward, and backward from each block's start),
+    # never at the loss: START_OF_BACKWARD is the loss's backward, with every block's saved set
+    during = (PhaseKind.START_OF_BLOCK, PhaseKind.BACKWARD)
+    gradients_exist = (PhaseKind.END_OF_BACKWARD, PhaseKind.GRADIENT_ALLREDUCE, PhaseKind.OPTIMIZER_STEP)
+    kept_between = [i for i in items if i.component != "gradients"]
+    phases = []
+    for p in plan.phases:
+        extra = [i for i in items if i.component != "gradients" or p.kind in gradients_exist]
+        extra += [transient] if transient is not None and transient.bytes and p.kind in during else []
+        kept = [i for i in p.items + extra if i.bytes > 0]
+        phases.append(Phase(name=p.name, bytes=sum(i.bytes for i in kept), items=kept, kind=p.kind))
+    resident = list(plan.resident) + kept_between
+    notes = list(plan.notes) + ["expert parallelism: each rank holds num_experts / ep routed experts of every MoE "
+                                "block; routing dropless (the mean tokens per expert: a step's imbalance is data)"]
+    return dc_replace(plan, phases=phases, resident=resident,
+                      resident_bytes=plan.resident_bytes + sum(i.bytes for i in kept_between), notes=notes)
+
+
+def data_parallel_share(a: Architecture, dims, parameters: int) -> float:
+    """The fraction of a data-parallel ring's time that remains under ep: the dense parameters
+    still ring over all dp_shard * cp ranks, the routed experts over the expert-data-parallel group
+    (dp_shard * cp / ep ranks, each with 1/ep of them; nothing at one rank), each ring moving
+    (n-1)/n of its payload (the measured all-gathers of the ep 2 run: the dense 38% only)."""
+    routed = routed_total(a)
+    group = dims.dp_shard * dims.cp
+    if dims.ep == 1 or not routed or parameters <= 0 or group <= 1:
+        return 1.0
+    efsdp = group // dims.ep
+    whole = parameters * (group - 1) / group
+    return ((parameters - routed) * (group - 1) / group + routed / dims.ep * (efsdp - 1) / efsdp) / whole
+
+
+def expert_volumes(a: Architecture, setup: Setup, rows: list[dict], parameters: int) -> list[dict]:
+    """The data-parallel rows of collective_volumes under ep, and the all-to-alls.
+
+    A data-parallel collective carries the dense parameters over its group and the routed experts
+    over the expert-data-parallel group only (dp_shard * cp / ep ranks holding the same experts:
+    torchtitan's efsdp mesh; a one-rank group sends nothing, as measured: FSDP2 over one rank
+    gathered and reduced only the dense 38% of the qwen3_moe run); the dispatch and combine
+    payloads are the routed pairs' hidden states (what the rank's all_to_all_single sends,
+    its own share included)."""
+    dims, request = setup.dims, setup.request
+    routed = routed_total(a)
+    if dims.ep == 1 or not routed or parameters <= 0:
+        return rows
+    efsdp = dims.dp_shard * dims.cp // dims.ep
+    dense_share, expert_share = (parameters - routed) / parameters, routed / dims.ep / parameters
+    out = []
+    for row in rows:
+        out.append(dict(row, bytes_per_step=int(row["bytes_per_step"] * dense_share)))
+        if efsdp > 1:
+            out.append(dict(row, what=f"{row['what']} (routed experts)",
+                            bytes_per_step=int(row["bytes_per_step"] * expert_share), group="expert data-parallel"))
+    compute = setup.recipe.compute_bytes  # the hidden states in the compute dtype
+    tokens = request.micro_batch * request.seq_len
+    m = next(spec.mlp for spec in layer_specs(a) if spec.mlp.is_moe)
+    one = tokens * m.experts_per_token * a.hidden_size * compute
+    calls = all_to_alls_per_block(request.checkpointing) * len(moe_blocks(a)) * request.gradient_accumulation
+    out.append({"what": "expert dispatch/combine all-to-alls", "bytes_per_step": calls * one, "message_bytes": one,
+                "group": "expert parallel"})
+    return out
