@@ -243,3 +243,35 @@ def test_an_expert_job_needs_fsdp_settings(tmp_path):
     job["torch"] = dict(job["torch"], strategy="ddp", sharding=None)
     with pytest.raises(ValidationError, match="experts .expert parallelism. needs torch FSDP2 settings"):
         VerifyJob.model_validate(job)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(model="mixtral-8x7b", strategy="fsdp", ep=8),
+    dict(model="qwen3-235b-a22b", strategy="zero3", ep=8),
+    dict(model="deepseek-v3", strategy="fsdp", ep=8, pp=2, nodes=4),
+    dict(model="qwen3-235b-a22b", strategy="hsdp", ep=4, hsdp_shard_size=8),
+])
+def test_localize_at_a_settings_other_batch_is_a_fresh_localize(fields):
+    """localize's states of a setting are remembered across its batch fields (the plan's options
+    share a Setup apart from the request, planner/plan/evaluate.py Search.resolved): at another
+    micro-batch and accumulation they equal a fresh computation's, and the local setup carries the
+    request it was asked with."""
+    from dataclasses import replace
+
+    from planner.memory.orchestrator import resolve, textbook_states
+    from planner.parallel import experts
+
+    base = dict(gpu="h100-80gb", gpus=8, nodes=2, seq_len=4096, micro_batch=1, gradient_accumulation=4) | fields
+    first = resolve(EstimateRequest(**base))
+    experts.localize(first, textbook_states)  # remembered
+    for batch in ({"micro_batch": 2, "gradient_accumulation": 2}, {"micro_batch": 4, "gradient_accumulation": 1}):
+        other = replace(first, request=first.request.model_copy(update=batch))
+        shared = experts.localize(other, textbook_states)
+        experts._LOCAL_STATES.clear()
+        fresh = experts.localize(resolve(EstimateRequest(**(base | batch))), textbook_states)
+        assert shared[0].request is other.request
+        assert shared[0].model.parameters == fresh[0].model.parameters
+        assert shared[0].model.architecture == fresh[0].model.architecture
+        assert shared[1] == fresh[1] and shared[2] == fresh[2]
+        assert textbook_states(shared[0]) == textbook_states(fresh[0])
+        experts.localize(first, textbook_states)

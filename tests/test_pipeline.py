@@ -570,6 +570,38 @@ def test_resident_floor_without_the_replay_is_the_estimates():
     assert checked >= 60
 
 
+def test_pipeline_peak_without_the_phases_is_the_estimates():
+    """pipeline_peak_bytes (the plan search's judgement of a pipeline option: every rank replayed,
+    the worst rank's phases not written out) is measure's peak over schedules (split backward
+    included), strategies, precisions, checkpointing, tensor parallelism, Megatron's uneven split
+    and micro-batch counts."""
+    from planner.memory.orchestrator import measure, pipeline_peak_bytes, resolve
+    from planner.schema import EstimateRequest
+
+    checked = 0
+    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved-zb", 2), ("zbv", 2),
+                        ("looped-bfs", 3)):
+        for strategy in ("ddp", "fsdp", "hsdp", "zero1"):
+            for extra in ({}, {"precision": "fp32"}, {"tp": 2}, {"pp_first_stage_layers": 3},
+                          {"checkpointing": "full"}, {"micro_batch": 2, "gradient_accumulation": 3},
+                          {"gradient_accumulation": 16}):
+                try:
+                    setup = resolve(EstimateRequest(**{
+                        "model": "llama-3-8b", "gpu": "h100-80gb", "gpus": 8, "nodes": 2, "seq_len": 2048,
+                        "micro_batch": 1, "gradient_accumulation": 8, "strategy": strategy, "pp": 2,
+                        "pp_schedule": schedule, "pp_virtual_stages": v, **extra}))
+                    expected = measure(setup).peak_bytes
+                except PlannerError:
+                    continue
+                assert pipeline_peak_bytes(setup) == expected, (schedule, strategy, extra)
+                # asked whether it exceeds a limit: the peak at or below it, a lower bound above it
+                for above in (expected - 1, expected, expected // 2):
+                    bounded = pipeline_peak_bytes(setup, above)
+                    assert bounded == expected if expected <= above else above < bounded <= expected
+                checked += 1
+    assert checked >= 100
+
+
 def test_zero_bubble_keeps_input_gradients_on_the_receive_buffers():
     # torch 2.13 pipelining/_backward.py stage_backward_input sets inp.grad = dinput on the receive
     # buffer; stage.py clear_runtime_states drops it at the next step: between steps a zero-bubble rank

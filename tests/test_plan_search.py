@@ -650,3 +650,19 @@ def test_the_schedules_without_options_skipped_change_no_evaluation(monkeypatch,
     assert fields["global_batch"] < 1000 or len(every) > len(skipping)
     assert bounded.candidates == exhaustive.candidates and bounded.recommended == exhaustive.recommended
     assert bounded.candidates_evaluated == exhaustive.candidates_evaluated
+
+
+def test_pipeline_rows_judged_on_the_peak_alone_are_the_estimates_rows(monkeypatch):
+    """Search.peak_of (a pipeline option's peak without its phases written out; above the usable
+    memory, under a time bound, perhaps one rank's) gives the plan the estimates' answer: the same
+    plan with every option estimated in full."""
+    import planner.plan.evaluate as p
+
+    req = PlanRequest(model="llama-3-70b", gpu="h100-80gb", gpus=8, nodes=8, seq_len=4096, global_batch=256)
+    fast = plan(req)
+    monkeypatch.setattr(p.Search, "peak_of",
+                        lambda self, r, combo, micro, above=None: self.estimate(r, combo, micro).peak_bytes)
+    full = plan(req)
+    fast_fields, full_fields = fast.model_dump(), full.model_dump()
+    assert fast_fields.pop("notes")[1:] == full_fields.pop("notes")[1:]  # the first: the search's seconds
+    assert fast_fields == full_fields

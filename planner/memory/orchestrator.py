@@ -334,6 +334,18 @@ def pipeline_resident_bytes(setup: Setup) -> int:
     return pipeline.resident_bytes(setup) + setup.gpu.cuda_context_bytes + setup.gpu.blas_workspace_bytes
 
 
+def pipeline_peak_bytes(setup: Setup, above: int | None = None) -> int:
+    """measure(setup).peak_bytes of a pipeline without expert parallelism, its worst rank's phases
+    not written out (planner/parallel/pipeline.py peak_bytes): the plan search's judgement of a
+    pipeline option. ``above``: a peak above it may be answered by a lower bound above it."""
+    from planner.parallel import pipeline
+
+    if setup.dims.pp == 1 or setup.dims.ep > 1:
+        raise ValueError(f"pipeline_peak_bytes needs pp > 1 and ep 1, got pp={setup.dims.pp} ep={setup.dims.ep}")
+    framework = setup.gpu.cuda_context_bytes + setup.gpu.blas_workspace_bytes
+    return pipeline.peak_bytes(setup, None if above is None else above - framework) + framework
+
+
 def estimate_resolved(setup: Setup, simulate: bool = True, brief: bool = False) -> EstimateResult:
     """The estimate of a resolved request: the Setup goes with the result (``setup_of``). ``brief``:
     the fit and the peaks only (no allocator summary, no second replay with expandable_segments

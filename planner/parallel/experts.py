@@ -241,9 +241,6 @@ def localize(setup, textbook_states):
     parallel_dims ``efsdp``; DeepSpeed's expert data-parallel group), so each rank still holds
     1 / (dp_shard * cp) of them; that share is added back, with the router's columns for the other
     ranks' experts (replicated: every rank scores every expert)."""
-    from dataclasses import replace
-
-    from planner.model.catalogue import ResolvedModel
     from planner.schema import MemoryItem
 
     a, ep = setup.arch, setup.dims.ep
@@ -253,6 +250,42 @@ def localize(setup, textbook_states):
     if setup.model.traced is not None:
         raise PlannerError(f"ep={ep}: {setup.model.name} is estimated by tracing; its experts cannot be sharded",
                            field="ep")
+    local, items = _local_states(setup, textbook_states)
+    tokens = setup.request.micro_batch * setup.request.seq_len
+    compute = 4 if setup.recipe.compute == "fp32" else 2
+    buffers = dispatch_buffers(a, tokens, compute, ep)
+    transient = MemoryItem(name=f"all-to-all send and receive buffers (dispatch/combine over ep {ep}, dropless)",
+                           bytes=buffers.all_to_all_bytes, component="buffers",
+                           source="GShard Sec. 3.2; torchtitan 0.3 models/common/token_dispatcher.py "
+                                  "AllToAllTokenDispatcher (all_to_all_single)")
+    return local, list(items), transient
+
+
+# _local_states' answers: the batch fields left out of the key (a setting's options share them)
+_LOCAL_STATES: dict[tuple, tuple] = {}
+
+
+def _local_states(setup, textbook_states):
+    """(the local setup, the items localize adds back: the routed experts' sharded weights,
+    optimizer states and gradients, the other ranks' router columns), once per setting: they are
+    the model's states (textbook_states, the framework's resident parameters and optimizer states),
+    which do not read the request's batch fields (micro_batch, gradient_accumulation: resolve
+    builds the same Setup apart from its request for any of them, planner/plan/evaluate.py
+    Search.resolved), so the plan's options of one setting ask once (a test compares them with a
+    fresh computation at each option). The returned setup carries the request it was asked with."""
+    from dataclasses import fields, replace
+
+    from planner.model.catalogue import ResolvedModel
+    from planner.schema import MemoryItem
+
+    a, ep = setup.arch, setup.dims.ep
+    # the Setup's other fields by identity (Search.resolved's Setups of one setting share them)
+    held = tuple(getattr(setup, f.name) for f in fields(setup) if f.name != "request")
+    states_key = (tuple(map(id, held)),
+                  setup.request.model_dump_json(exclude={"micro_batch", "gradient_accumulation"}))
+    hit = _LOCAL_STATES.get(states_key)
+    if hit is not None and all(x is y for x, y in zip(hit[0], held)):
+        return replace(hit[1], request=setup.request), hit[2]
     full = expert_sharding(a, setup.psi, ep)
     local_arch = local_architecture(a, ep)
     from planner.model.architecture import parameter_count
@@ -311,16 +344,13 @@ def localize(setup, textbook_states):
              for component, what in (("parameters", "weights"), ("optimizer_states", "optimizer states"))] + [
              MemoryItem(name="router columns of the other ranks' experts (replicated)", bytes=int(max(0, router_bytes)),
                         component="parameters", source="the gate scores every expert on every rank")]
-    tokens = setup.request.micro_batch * setup.request.seq_len
-    compute = 4 if setup.recipe.compute == "fp32" else 2
-    buffers = dispatch_buffers(a, tokens, compute, ep)
-    transient = MemoryItem(name=f"all-to-all send and receive buffers (dispatch/combine over ep {ep}, dropless)",
-                           bytes=buffers.all_to_all_bytes, component="buffers",
-                           source="GShard Sec. 3.2; torchtitan 0.3 models/common/token_dispatcher.py "
-                                  "AllToAllTokenDispatcher (all_to_all_single)")
     items.append(MemoryItem(name=f"routed experts' sharded gradients over the expert-data-parallel group (ep {ep})",
                             bytes=int(grads_back), component="gradients", source="after backward, until the step"))
-    return local, [i for i in items if i.bytes > 0], transient
+    items = tuple(i for i in items if i.bytes > 0)
+    if len(_LOCAL_STATES) > 256:
+        _LOCAL_STATES.clear()
+    _LOCAL_STATES[states_key] = (held, local, items)
+    return local, items
 
 
 def pipeline_expert_share(a: Architecture, pp: int, virtual_stages: int, first: int | None,

@@ -1336,6 +1336,33 @@ def estimate_plan(setup: "Setup", acts: Activations | None = None) -> tuple["Pha
     return plan, (resident.get("parameters", 0), grads, resident.get("optimizer_states", 0)), ranks
 
 
+def peak_bytes(setup: "Setup", above: int | None = None) -> int:
+    """estimate_plan's peak (the highest phase of its worst rank) without writing the worst rank's
+    phases out: pipeline_phases picks as worst the rank whose _RankStep.peak is highest, and
+    rank_phases writes that rank's phases with the bytes _RankStep.phase_bytes lists (the same
+    moments and after-schedule phases, item by item), so the plan's highest phase is the highest
+    rank's _RankStep.peak (a test compares the two over every schedule). The plan search asks it of
+    every pipeline option it judges; the items, the notes and the PhasePlan are written only for
+    the candidates it shows.
+
+    ``above``: where only whether the peak exceeds it matters, the first rank whose peak exceeds it
+    answers (a rank's peak is at most the pipeline's, so it is above too) and the rest are not
+    replayed: the answer is then that rank's peak, a lower bound above ``above``, not the peak."""
+    d, req = setup.dims, setup.request
+    check_framework(setup, req.pp_schedule)
+    dp, shard = _data_parallel_group(setup)
+    all_stages = _checked_stages(setup, d.pp, req.pp_virtual_stages, req.pp_schedule, dp)
+    parallel = data_parallel(setup, dp, shard)
+    costs = _StageCosts(setup)
+    peak = 0
+    for rank in range(d.pp):
+        peak = max(peak, _rank_step(setup, all_stages, rank, d.pp, req.pp_virtual_stages, req.pp_schedule, parallel,
+                                    costs).peak()[1])
+        if above is not None and peak > above:
+            break
+    return peak
+
+
 def resident_bytes(setup: "Setup") -> int:
     """What the rank that keeps the most holds between steps (estimate_plan's resident bytes),
     without replaying the schedule: the plan search's memory floor of a pipeline setting."""

@@ -20,7 +20,7 @@ from planner.cluster.topology import Topology
 from planner.errors import PlannerError
 from planner.memory.optimizer import check as check_optimizer
 from planner.memory.orchestrator import (Measured, activation_offload_bytes, host_capacity, measure,
-                                        pipeline_resident_bytes, resolve)
+                                        pipeline_peak_bytes, pipeline_resident_bytes, resolve)
 from planner.parallel.hf_plan import hf_rank_architecture
 from planner.parallel.pipeline import SCHEDULE_SPECS, parallel_step
 from planner.plan.layouts import Rejected, cp_degrees, ep_degrees, pp_degrees, tp_degrees
@@ -73,6 +73,8 @@ class Search:
         self.recipe = recipe  # the plan's precision, decoded once (planner/plan/search.py) for every evaluation
         self.estimates: dict[tuple[int, Setting, int], Measured] = {}
         self.floors: dict[tuple[int, Setting, int], int] = {}  # pipeline settings' resident bytes
+        self.peaks: dict[tuple[int, Setting, int, int], int] = {}  # peak_of's, where no estimate was made
+        self.bounds: dict[tuple[int, Setting, int, int], int] = {}  # peak_of's lower bounds above its ``above``
         self.floor_settings: dict[Setting, Setting] = {}  # _floor_setting's
         self.replayed: dict[tuple[int, Setting, int, int], EstimateResult] = {}  # shown() per candidate
         self.compute_scale = 1.0  # a calibration profile's kernel-rate factor (planner/time/kernels.py)
@@ -127,12 +129,16 @@ class Search:
         check_optimizer(setup)
         return setup
 
-    def setup_of(self, request: EstimateRequest):
+    def setup_of(self, request: EstimateRequest, req: PlanRequest | None = None, combo: Setting | None = None):
         """resolve(request), once per request object: a pipeline setting's first request is read by
-        its step times and estimated again as its row (the same object)."""
+        its step times and estimated again as its row (the same object). Given the plan request
+        and the setting ``request`` was made of (estimate_request), through ``resolved``: the
+        setting's other requests (its options' peaks, its floor) then share that Setup rather
+        than resolve again."""
         hit = self._setups.get(id(request))
         if hit is None or hit[0] is not request:
-            hit = self._setups[id(request)] = (request, resolve(request))
+            setup = resolve(request) if req is None else self.resolved(req, combo, request)
+            hit = self._setups[id(request)] = (request, setup)
         return hit[1]
 
     def estimate(self, req: PlanRequest, combo: Setting, micro: int,
@@ -142,10 +148,38 @@ class Search:
         memory holds the earlier ones' gradients); a pipeline's request carries its own."""
         key = (req.nodes, combo, micro, accumulation if combo.pp == 1 else 1)
         if key not in self.estimates:
-            self.estimates[key] = measure(self.setup_of(request) if request is not None else self.resolved(
+            self.estimates[key] = measure(self.setup_of(request, req, combo) if request is not None else self.resolved(
                 req, combo, estimate_request(req, combo, micro, self.model_fields,
                                              accumulation if combo.pp == 1 else None)))
         return self.estimates[key]
+
+    def peak_of(self, req: PlanRequest, combo: Setting, micro: int, above: float | None = None) -> float:
+        """estimate(req, combo, micro).peak_bytes of a pipeline option: without expert parallelism
+        its worst rank's phases are not written out (orchestrator.pipeline_peak_bytes: the same
+        replay, the same highest rank; a test compares the two), since a pipeline row reads its
+        peak alone; the candidates the plan shows are estimated in full when shown.
+
+        ``above``: a peak above it may be answered by a lower bound above it (the first rank whose
+        peak exceeds it; the others are not replayed), for a caller that reads only whether the
+        peak exceeds ``above``. At most ``above`` the answer is the peak (every rank replayed)."""
+        key = (req.nodes, combo, micro, 1)
+        hit = self.estimates.get(key)
+        if hit is not None:
+            return hit.peak_bytes
+        if combo.ep > 1:
+            return self.estimate(req, combo, micro).peak_bytes
+        if key in self.peaks:
+            return self.peaks[key]
+        bound = self.bounds.get(key)
+        if above is not None and bound is not None and bound > above:
+            return bound
+        peak = pipeline_peak_bytes(self.resolved(req, combo, estimate_request(
+            req, combo, micro, self.model_fields, None)), above if bound is None else None)
+        if above is not None and peak > above and bound is None:
+            self.bounds[key] = peak  # perhaps one rank's: a lower bound of the peak
+        else:
+            self.peaks[key] = peak
+        return peak
 
     def shown(self, req: PlanRequest, combo: Setting, micro: int, accumulation: int = 1) -> EstimateResult:
         """The estimate of a candidate the plan shows, with the caching allocator replayed
@@ -438,7 +472,7 @@ def _parallel_times(search: Search, req: PlanRequest, combo: Setting, micro: np.
     """Each option's step time with its pipeline bubble, point-to-point sends and expert
     all-to-alls: planner/parallel/pipeline.py parallel_step on the estimate's own Setup (as
     steptime.estimate_time), per micro-batch size and count."""
-    setup = search.setup_of(first)
+    setup = search.setup_of(first, req, combo)
     given = setup.request
     out = []
     for k, mb in enumerate(micro.tolist()):
@@ -470,9 +504,14 @@ def _pipeline_rows(search: Search, req: PlanRequest, combo: Setting, micro: np.n
                 break
             if time_bound is not None and t.step_seconds > time_bound * (1 + TIE_TOLERANCE):
                 break
-        e = search.estimate(req, combo, int(micro[k]))
-        fits = e.peak_bytes <= search.usable
-        rows.append((combo, int(micro[k]), float(e.peak_bytes), fits, t))
+        # with a bound, an option that does not fit is read for that alone: where none fits within
+        # the bound's ties the setting is not listed (_model_parallel_rows), and a setting that has a
+        # fitting option is ranked and shown by its fitting ones (rank.py ranked_result), so a peak
+        # above the usable memory may be a lower bound (Search.peak_of); without a bound, a setting
+        # none of whose options fits is shown at its smallest peak: each is the peak
+        peak = search.peak_of(req, combo, int(micro[k]), search.usable if time_bound is not None else None)
+        fits = peak <= search.usable
+        rows.append((combo, int(micro[k]), float(peak), fits, t))
         if fits and fit_time is None:
             fit_time = t.step_seconds
     return rows
