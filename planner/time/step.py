@@ -684,13 +684,13 @@ def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, ar
         adapters = micro_f * w.tokens * (3 * frozen.adapter_forward_flops + frozen.trained_weight_flops) / combo.tp
         matmul = matmul + adapters / r.matmul_flops
         hardware = hardware + adapters
-    device = matmul + t.attention + t.elementwise + t.recompute
+    device = matmul + t.attention + t.elementwise + t.recompute + t.bias_gradients
     host_wait = arrays.maximum(0.0, t.host - device)
     scale = req.compute_scale
     labels = _compute_labels(r, req.attention_kernel, bool(w.eager_bytes), bool(w.chunked_head), combo.checkpointing,
                              scaled)
     values = (accumulation * matmul, accumulation * t.attention, accumulation * t.elementwise,
-              accumulation * t.recompute, accumulation * host_wait)
+              accumulation * t.recompute, accumulation * t.bias_gradients, accumulation * host_wait)
     backward = accumulation * (t.backward + (matmul - t.matmul) * 2 / 3) / scale  # the adapters' backward: 2 of 3
     return accumulation * (device + host_wait), backward, accumulation * hardware, labels, values
 
@@ -741,6 +741,8 @@ def _compute_labels(r: kernels.Rates, attention_kernel: str, eager: bool, chunke
         hit = (("matmul", f"{r.matmul_source}, tile waves over {r.sms or '?'} SMs{head}"),
                ("attention", attention_source), ("elementwise and loss", bandwidth),
                (f"recompute ({checkpointing})", "the forward kernels rerun, same rates"),
+               ("bias gradients", f"each biased linear's backward sums its output gradient over the tokens "
+                f"(torch addmm's derivative, one reduction kernel; kernels.BIAS_GRADIENT_READS), at {bandwidth}"),
                ("host launch wait", f"{r.host_seconds_per_kernel * 1e6:g} µs per eager kernel launch"),
                ("optimizer step", bandwidth))
         hit = tuple((name, source + scaled) for name, source in hit)
