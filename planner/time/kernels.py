@@ -1,7 +1,8 @@
 """The compute side of a training step from its kernels: every matmul at the GPU's measured
 achievable matmul rate, derated by its tile and wave quantisation; attention at FlashAttention's
 measured rate for its head width and sequence length; every elementwise op (norms, activations,
-rotary, residual adds, dropout, the loss and its fp32 upcast, the optimizer step) at the GPU's
+rotary, residual adds, dropout, the loss and its fp32 upcast, the optimizer step, and each biased
+linear's bias gradient, reduced over the tokens in backward: BIAS_GRADIENT_READS) at the GPU's
 achievable memory bandwidth; recomputation as the checkpointing policy reruns it; and the host's
 launch cost when kernels are shorter than it. Each part is a named term with its source.
 
