@@ -296,3 +296,18 @@ def test_a_biased_linears_backward_runs_one_reduction_more_on_cpu():
         return sum(e.count for e in p.key_averages() if e.key == "aten::sum")
 
     assert sums(True) == sums(False) + 1
+
+
+def test_gradient_clipping_reads_the_ranks_gradients_and_scales_them_in_place():
+    # FSDP over 8 GPUs, bf16-mixed: each rank clips its 1/8 shard of the gradients, in the recipe's gradient dtype
+    # as the optimizer step's term reads them (bf16-mixed: 16 bits); the norm reads it once, the in-place scale
+    # reads and writes it (kernels.CLIP_GRADIENT_PASSES = 3)
+    base = dict(model_config=GPT2_BIASED, gpu="a100-80gb", gpus=8, strategy="fsdp", seq_len=2048, micro_batch=8,
+                precision="bf16-mixed")
+    plain = estimate_with_time(EstimateRequest(**base))
+    clipped = estimate_with_time(EstimateRequest(**base, gradient_clipping=True))
+    terms = {x.name: x.seconds for x in clipped.time.terms}
+    assert "gradient clipping" not in {x.name for x in plain.time.terms}
+    shard = plain.parameters / 8
+    assert terms["gradient clipping"] == pytest.approx(shard * 3 * 2 / rates(A100, "bf16").memory_bytes_per_s)
+    assert clipped.time.step_seconds == pytest.approx(plain.time.step_seconds + terms["gradient clipping"])

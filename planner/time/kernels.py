@@ -713,3 +713,17 @@ def optimizer_step_seconds(elements: float, state_bits: float, master_bits: int,
     else:
         per_element = 2 * (state_bits + param_bits) / 8 + grad_bits / 8 + copy_out
     return elements * per_element / r.memory_bytes_per_s
+
+
+# Clipping by the global norm, before the step, over the gradients this rank steps: one pass reads them for the
+# local norm, one reads and writes them to scale by max_norm / (norm + 1e-6) clamped at 1, always applied (no
+# host sync): torch 2.13 distributed/fsdp/fully_sharded_data_parallel.py FullyShardedDataParallel.clip_grad_norm_
+# (_get_grad_norm: torch.linalg.vector_norm per gradient, line 2119; ``grad.mul_(clip_coef_clamped...)`` per
+# gradient, line 1204), torch nn/utils/clip_grad.py (_foreach_norm line 95, then _foreach_mul_ line 173), the same bytes. The
+# norms' all-reduce is one scalar. Passes over the gradient's bytes:
+CLIP_GRADIENT_PASSES = 3
+
+
+def gradient_clipping_seconds(elements: float, grad_bits: int, r: Rates) -> float:
+    """Clipping ``elements`` gradients of ``grad_bits`` by their global norm (CLIP_GRADIENT_PASSES)."""
+    return elements * CLIP_GRADIENT_PASSES * grad_bits / 8 / r.memory_bytes_per_s

@@ -200,6 +200,7 @@ class StepSettings:
     low_precision: str = "none"  # fp8/fp4 linears (planner/recipes/low_precision.py)
     float8_all_gather: bool = False  # FSDP2 gathers the float8 linears' weights in fp8
     framework_version: str | None = None  # the request's (planner/frameworks/base.py); None: the default
+    gradient_clipping: bool = False  # the gradients clipped by their global norm before each step
 
     def framework(self, s) -> Framework:
         """The framework version that realises strategy ``s`` in this step: the request's where it
@@ -215,7 +216,7 @@ class StepSettings:
                    reduce_dtype=req.reduce_dtype, attention=req.attention, optimizer=req.optimizer,
                    attention_kernel=req.attention_kernel,
                    compute_scale=compute_scale, loss=req.loss, low_precision=req.low_precision,
-                   float8_all_gather=req.float8_all_gather)
+                   float8_all_gather=req.float8_all_gather, gradient_clipping=req.gradient_clipping)
 
 
 def collective_volumes(request: EstimateRequest) -> list[dict]:
@@ -275,7 +276,8 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
                             attention_kernel=request.attention_kernel,
                             optimizer=result.request.optimizer,
                             compute_scale=profile_compute_scale(request.profile, profile), loss=request.loss,
-                            low_precision=request.low_precision, float8_all_gather=request.float8_all_gather)
+                            low_precision=request.low_precision, float8_all_gather=request.float8_all_gather,
+                            gradient_clipping=request.gradient_clipping)
     arch = traced if traced is not None else Architecture.model_validate(result.model.architecture)
     moved = activation_offload_bytes(setup) / request.micro_batch if traced is None else 0.0
     t = step_times(settings, combo, request.micro_batch, per_rank, result.parameters, arch, g,
@@ -655,13 +657,14 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
         if key is not None:
             shared[key] = kernel
     stepped, backward, hardware, labels, values = kernel  # later sums make new arrays: these are not changed
-    optimizer = _optimizer_seconds(req, combo, psi, arch, frozen, r)
+    optimizer, clipping = _optimizer_seconds(req, combo, psi, arch, frozen, r)
     scale = req.compute_scale  # a profile's measured factor on every kernel rate
-    seconds = (stepped + optimizer) / scale
-    values = values + (optimizer,)
+    seconds = (stepped + optimizer + clipping) / scale
+    values = values + (optimizer, clipping)
     if scale != 1.0:
         values = tuple(v / scale for v in values)
-    return seconds, backward, optimizer / scale, hardware, [(n, v, src) for (n, src), v in zip(labels, values)]
+    return (seconds, backward, (optimizer + clipping) / scale, hardware,
+            [(n, v, src) for (n, src), v in zip(labels, values)])
 
 
 def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, arch, g: Gpu,
@@ -696,11 +699,11 @@ def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, ar
 
 
 def _optimizer_seconds(req: "StepSettings", combo: Combo, psi: int, arch, frozen: FrozenBaseShape | None,
-                       r: kernels.Rates):
-    """compute_seconds' optimizer step (0 when it is offloaded), unscaled."""
+                       r: kernels.Rates) -> tuple[float, float]:
+    """compute_seconds' optimizer step and gradient clipping (0 when the step is offloaded), unscaled."""
     recipe = req.recipe
     s = lookup_strategy(combo.strategy)
-    optimizer = 0.0
+    optimizer = clipping = 0.0
     if combo.offload_optimizer == "none":
         shards = combo.gpus * req.nodes // (combo.tp * combo.pp) if s.shards_optimizer else 1
         elements = (frozen.trainable if frozen is not None else psi) / combo.tp / max(1, shards)
@@ -722,7 +725,9 @@ def _optimizer_seconds(req: "StepSettings", combo: Combo, psi: int, arch, frozen
             on_shards = dtensor_shards(req, combo)
             flops = sum(_step_flops(spec.group_of(t), t, on_shards) for t in parameter_shapes(arch)) / combo.tp
             optimizer = optimizer + flops / r.matmul_flops
-    return optimizer
+        if req.gradient_clipping:
+            clipping = kernels.gradient_clipping_seconds(elements, recipe.grad_bits, r)
+    return optimizer, clipping
 
 
 def _compute_labels(r: kernels.Rates, attention_kernel: str, eager: bool, chunked_head: bool, checkpointing: str,
@@ -744,7 +749,9 @@ def _compute_labels(r: kernels.Rates, attention_kernel: str, eager: bool, chunke
                ("bias gradients", f"each biased linear's backward sums its output gradient over the tokens "
                 f"(torch addmm's derivative, one reduction kernel; kernels.BIAS_GRADIENT_READS), at {bandwidth}"),
                ("host launch wait", f"{r.host_seconds_per_kernel * 1e6:g} µs per eager kernel launch"),
-               ("optimizer step", bandwidth))
+               ("optimizer step", bandwidth),
+               ("gradient clipping", f"the norm reads this rank's gradients, the scale reads and writes them "
+                f"(kernels.CLIP_GRADIENT_PASSES), at {bandwidth}"))
         hit = tuple((name, source + scaled) for name, source in hit)
         if len(_LABELS) >= 256:
             _LABELS.clear()
