@@ -97,8 +97,13 @@ COMPOSER_KEEPS_OUTPUTS = True
 # llmfoundry/utils/builders.py builds as composer's DecoupledAdamW (line 89 at 5f43bf1, 361 at 5e85bd6):
 # AdamW's two fp32 moments, stepped one parameter at a time (adamw-single-tensor), not torch's foreach
 MPT_OPTIMIZER = "adamw-single-tensor"
+# gradient clipping: the MPT yamls set composer's gradient_clipping algorithm, clipping_type norm, threshold 1.0
+# (scripts/train/yamls/pretrain/mpt-<size>.yaml, "algorithms: gradient_clipping", lines 68-71 of mpt-1b.yaml at
+# 06560d5; the benchmark commits' copies not re-read), which under FSDP calls FSDP.clip_grad_norm_
+MPT_CLIPPING = True
 # the recipe fields every MPT request carries (this table's and bench/layout_ranking.py's)
-MPT_RECIPE = {"loss": MPT_LOSS, "optimizer": MPT_OPTIMIZER, "keeps_outputs": COMPOSER_KEEPS_OUTPUTS}
+MPT_RECIPE = {"loss": MPT_LOSS, "optimizer": MPT_OPTIMIZER, "keeps_outputs": COMPOSER_KEEPS_OUTPUTS,
+              "gradient_clipping": MPT_CLIPPING}
 GPU = {"a100_40gb": "a100-40gb", "a100_80gb": "a100-80gb", "h100_80gb": "h100-80gb"}
 SHARDING = {"FULL_SHARD": "fsdp", "SHARD_GRAD_OP": "fsdp-grad-op"}
 WITHIN = 0.15

@@ -261,6 +261,10 @@ OptimizerField = Annotated[Optimizer, Field(
 OptimizerInBackwardField = Annotated[bool, Field(
     description="step each parameter in its post-accumulate-grad hook during backward (torchtune's "
     "optimizer_in_bwd): gradients never all exist at once; needs gradient_accumulation 1")]
+GradientClippingField = Annotated[bool, Field(
+    description="clip the gradients by their global norm before each optimizer step (composer's gradient_clipping "
+    "algorithm, torch's clip_grad_norm_, DeepSpeed's gradient_clipping): the step time charges reading this rank's "
+    "gradients for the norm and scaling them in place")]
 
 
 # the recipe's fields (issue 21), shared by EstimateRequest and PlanRequest (the plan is asked with the recipe)
@@ -321,6 +325,7 @@ class EstimateRequest(BaseModel):
     precision: Precision = Field("bf16-mixed", description="precision recipe")
     optimizer: OptimizerField = "adamw"
     optimizer_in_backward: OptimizerInBackwardField = False
+    gradient_clipping: GradientClippingField = False
     micro_batch: int = Field(1, ge=1, le=MAX_BATCH_FIELD, description="sequences per device per micro-step")
     seq_len: SeqLen = DEFAULT_SEQ_LEN
     gradient_accumulation: int = Field(1, ge=1, le=MAX_BATCH_FIELD, description="micro-steps per optimizer step")
@@ -678,6 +683,7 @@ class PlanRequest(BaseModel):
     precision: Precision = Field("bf16-mixed", description="precision recipe")
     optimizer: OptimizerField = "adamw"
     optimizer_in_backward: OptimizerInBackwardField = False
+    gradient_clipping: GradientClippingField = False
     attention: Attention = Field("sdpa", description="attention implementation")
     attention_kernel: AttentionKernel = Field("flash-attention-2", description="the flash kernel's generation (step time)")
     headroom: float = Field(0.05, ge=0.0, lt=0.9, description="fraction of device memory kept free")

@@ -33,7 +33,9 @@ ESTIMATE_FLAGS = {"--model", "--model-file", "--params", "--strategy", "--gpus",
                   # the recipes as they are run (issue 21)
                   "--keeps-outputs", "--double-quant", "--checkpointing-every", "--loss", "--loss-chunks", "--tp-plan", "--low-precision", "--float8-all-gather",
                   # the framework version a strategy is modelled at (issue 20)
-                  "--framework-version"}
+                  "--framework-version",
+                  # the step time's gradient clipping (issue 22)
+                  "--gradient-clipping"}
 
 
 def run(capsys, *argv):

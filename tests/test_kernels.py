@@ -2,6 +2,7 @@
 
 import pytest
 
+from planner.model.architecture import from_hf_config, layer_specs
 from planner.model.catalogue import catalogue_model
 from planner.cluster.gpus import load_gpus
 from planner.time.kernels import (FLASH_ATTENTION_CAUSAL_TFLOPS, Gemm, Rates, Work, _gemm_seconds, attention_tflops,
@@ -238,3 +239,75 @@ def test_hidden_collectives_cost_the_sms_they_hold():
         assert timing.contention_seconds(1.0, sms, topo, ring) == pytest.approx(24 / sms)
         assert timing.contention_seconds(1.0, sms, topo, ring[:1]) == 0.0  # one GPU: no collective
     assert timing.collective_sms.__doc__ and timing.NCCL_CHANNEL_BLOCKS["other"] == 2
+
+
+GPT2_BIASED = {"model_type": "gpt2", "n_embd": 768, "n_head": 12, "n_layer": 12, "n_inner": 3072, "n_positions": 2048,
+               "vocab_size": 50368, "activation_function": "gelu"}
+
+
+def _gpt2(bias: bool):
+    arch = from_hf_config(GPT2_BIASED)
+    if bias:
+        return arch
+    specs = tuple(s.model_copy(update={"attention": s.attention.model_copy(update={"qkv_bias": False, "o_bias": False}),
+                                       "mlp": s.mlp.model_copy(update={"bias": False})}) for s in layer_specs(arch))
+    return arch.model_copy(update={"layers": specs})
+
+
+def test_bias_gradients_read_each_biased_linears_output_gradient_once():
+    # GPT-2's c_attn (3h), attn c_proj (h), c_fc (4h), mlp c_proj (h): 9h elements of output gradient per
+    # token and block, summed over the tokens in backward (addmm's derivative + sum_to), bf16
+    r = rates(A100, "bf16")
+    biased, bare = _gpt2(True), _gpt2(False)
+    assert layer_specs(biased)[0].attention.qkv_bias and layer_specs(biased)[0].mlp.bias
+    w = work(biased, 2048, 1, 1, False, 2, False, r)
+    assert w.bias_gradient_bytes == pytest.approx(9 * 768 * 2048 * 2 * 12)
+    assert work(bare, 2048, 1, 1, False, 2, False, r).bias_gradient_bytes == 0
+    # under TP 2 with sequence parallelism: c_attn and c_fc column-split, both c_proj on h / 2 per token
+    assert work(biased, 2048, 2, 1, True, 2, False, r).bias_gradient_bytes == pytest.approx(9 / 2 * 768 * 2048 * 2 * 12)
+    t = micro_batch_terms(w, 4, r, 2, "full")
+    assert t.bias_gradients == pytest.approx(4 * w.bias_gradient_bytes / r.memory_bytes_per_s)
+    # backward only: checkpointing reruns the forward, whose bias add is in the GEMM's epilogue
+    assert micro_batch_terms(w, 4, r, 2, "none").bias_gradients == t.bias_gradients
+    assert micro_batch_terms(w, 4, r, 2, "none", frozen_matmuls=1.0).bias_gradients == 0  # a frozen base's biases
+    assert t.seconds == pytest.approx(t.matmul + t.attention + t.elementwise + t.recompute + t.bias_gradients)
+
+
+def test_bias_gradients_are_a_named_term_of_the_estimate():
+    request = EstimateRequest(model_config=GPT2_BIASED, gpu="a100-80gb", gpus=8, strategy="fsdp", seq_len=2048,
+                              micro_batch=8, precision="bf16-mixed")
+    terms = {x.name: x.seconds for x in estimate_with_time(request).time.terms}
+    assert terms["bias gradients"] == pytest.approx(
+        8 * 9 * 768 * 2048 * 2 * 12 / rates(A100, "bf16").memory_bytes_per_s)
+
+
+def test_a_biased_linears_backward_runs_one_reduction_more_on_cpu():
+    """The mechanism as torch runs it: nn.Linear(bias=True)'s backward has one aten::sum (the bias's
+    gradient reduced over the tokens) that the same linear without a bias does not."""
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile
+
+    def sums(bias: bool) -> int:
+        linear = torch.nn.Linear(16, 32, bias=bias)
+        x = torch.randn(2, 8, 16, requires_grad=True)
+        y = linear(x)
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            y.backward(torch.ones_like(y))
+        return sum(e.count for e in p.key_averages() if e.key == "aten::sum")
+
+    assert sums(True) == sums(False) + 1
+
+
+def test_gradient_clipping_reads_the_ranks_gradients_and_scales_them_in_place():
+    # FSDP over 8 GPUs, bf16-mixed: each rank clips its 1/8 shard of the gradients, in the recipe's gradient dtype
+    # as the optimizer step's term reads them (bf16-mixed: 16 bits); the norm reads it once, the in-place scale
+    # reads and writes it (kernels.CLIP_GRADIENT_PASSES = 3)
+    base = dict(model_config=GPT2_BIASED, gpu="a100-80gb", gpus=8, strategy="fsdp", seq_len=2048, micro_batch=8,
+                precision="bf16-mixed")
+    plain = estimate_with_time(EstimateRequest(**base))
+    clipped = estimate_with_time(EstimateRequest(**base, gradient_clipping=True))
+    terms = {x.name: x.seconds for x in clipped.time.terms}
+    assert "gradient clipping" not in {x.name for x in plain.time.terms}
+    shard = plain.parameters / 8
+    assert terms["gradient clipping"] == pytest.approx(shard * 3 * 2 / rates(A100, "bf16").memory_bytes_per_s)
+    assert clipped.time.step_seconds == pytest.approx(plain.time.step_seconds + terms["gradient clipping"])

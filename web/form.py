@@ -48,7 +48,7 @@ GROUPS = (
                                             "host_memory_gib", "device_memory_gib", "topology_text")),
     Group("recipe", "Recipe", ("finetune", "lora_rank", "lora_targets", "lora_alpha", "lora_dropout", "quantize_base",
                                "double_quant", "train_embeddings", "precision", "low_precision", "float8_all_gather", "optimizer",
-                               "optimizer_in_backward", "checkpointing", "checkpointing_every", "loss", "loss_chunks",
+                               "optimizer_in_backward", "gradient_clipping", "checkpointing", "checkpointing_every", "loss", "loss_chunks",
                                "attention", "attention_kernel", "offload_optimizer", "offload_params",
                                "activation_offload")),
     Group("degrees", "Layout: the strategy and degrees (empty degrees in a plan: the planner chooses; data "

@@ -1,7 +1,8 @@
 """The compute side of a training step from its kernels: every matmul at the GPU's measured
 achievable matmul rate, derated by its tile and wave quantisation; attention at FlashAttention's
 measured rate for its head width and sequence length; every elementwise op (norms, activations,
-rotary, residual adds, dropout, the loss and its fp32 upcast, the optimizer step) at the GPU's
+rotary, residual adds, dropout, the loss and its fp32 upcast, the optimizer step, and each biased
+linear's bias gradient, reduced over the tokens in backward: BIAS_GRADIENT_READS) at the GPU's
 achievable memory bandwidth; recomputation as the checkpointing policy reruns it; and the host's
 launch cost when kernels are shorter than it. Each part is a named term with its source.
 
@@ -57,7 +58,7 @@ from planner.model.attention.kinds import kind_of
 from planner.cluster.gpus import Gpu
 from planner.model.activations import checkpointed_blocks, selective_op_rerun_flops
 from planner.model.layers import LayerSpec, attention_numels
-from planner.model.linears import block_linears
+from planner.model.linears import attention_linears, block_linears
 from planner.time.collectives import MEMORY_BANDWIDTH_EFFICIENCY
 from planner.recipes.losses import liger_chunk_tokens, loss_bytes_per_logit, loss_recomputes_logits
 
@@ -121,6 +122,17 @@ HOST_SECONDS_PER_KERNEL = 10e-6
 # (read 4, write 4), its backward (read 4, write 4) and the cast back for the head's matmuls
 # (read 4, write 2): transformers' ForCausalLMLoss upcasts logits to float before cross_entropy.
 LOSS_BYTES_PER_LOGIT = 28
+# A linear with a bias is one addmm (torch aten/src/ATen/native/Linear.cpp linear: a 2-D or contiguous 3-D
+# input with a bias goes to addmm; GPT-2's Conv1D calls torch.addmm itself). Its forward adds the bias in
+# cuBLASLt's epilogue, no kernel of its own (aten/src/ATen/native/cuda/Blas.cpp addmm_out_cuda_impl:
+# useLtInterface "to use lt interface only when self is bias", a 1-D contiguous bias with beta 1, CUDA
+# >= 11.4). Its backward is not fused: derivatives.yaml's addmm entry gives the bias the output's whole
+# gradient, ``self: maybe_multiply(grad, beta.conj())`` (torchgen/packaged/autograd/derivatives.yaml line
+# 256, torch 2.13), which the autograd engine reduces to the bias's shape (validate_outputs: at::sum_to),
+# one sum kernel reading the tokens x out_features output gradient once per biased linear. A CPU run
+# shows the kernel: torch.profiler counts one more aten::sum per nn.Linear(bias=True) backward
+# (tests/test_kernels.py). Reads of the output gradient per element and biased linear:
+BIAS_GRADIENT_READS = 1
 
 
 @dataclass(frozen=True)
@@ -256,6 +268,7 @@ class Work:
     # the LM head's (n, k, chunks) run chunk by chunk (liger_head): Liger's fused loss (chunks 0: its own
     # chunk size), torchtitan's chunked loss (that many chunks of the sequence)
     chunked_head: tuple[int, int, int] | None = None
+    bias_gradient_bytes: float = 0.0  # the biased linears' bias-gradient reductions, backward, per sequence
 
 
 def _attention_gemms(s: LayerSpec, hidden: int, tp: int) -> list[tuple[int, int]]:
@@ -302,6 +315,23 @@ def _block_elementwise(s: LayerSpec, hidden: int, tp: int, sp: bool, hidden_drop
     return norms + residual + act + rope + qk_norm + dropout
 
 
+def _bias_gradient_elements(arch: Architecture, s: LayerSpec, tp: int, sp: bool) -> float:
+    """Elements of output gradient one token's block reads to reduce its biases' gradients, backward only
+    (BIAS_GRADIENT_READS per biased linear).
+    Column-parallel linears (all but the last of the attention's and of the MLP's) see out_features / tp
+    of each token; the row-parallel last ones (output projection, down projection) the full hidden width,
+    a 1/tp share of the tokens under sequence parallelism. A mixture of experts' MLP is not nn.Linear
+    modules (its experts' biases are added outside a GEMM): only its attention's linears count."""
+    width = arch.hidden_size / tp if sp else arch.hidden_size
+    groups = [attention_linears(arch, s)] + ([] if s.mlp.is_moe else [block_linears(arch, s)[len(attention_linears(arch, s)):]])
+    out = 0.0
+    for linears in groups:
+        for i, x in enumerate(linears):
+            if x.bias:
+                out += width if i == len(linears) - 1 else x.out_features / tp
+    return out * BIAS_GRADIENT_READS
+
+
 def _keys_per_query(s: LayerSpec, seq: int) -> float:
     """Mean keys one query attends to under the causal mask (and its window)."""
     a = s.attention
@@ -338,7 +368,7 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
     h = arch.hidden_size
     tokens = max(1, seq // cp)
     gemms: list[Gemm] = []
-    attention_flops = attention_seconds = eager_bytes = elementwise = 0.0
+    attention_flops = attention_seconds = eager_bytes = elementwise = bias_gradients = 0.0
     kernels = 0
     specs: dict[LayerSpec, int] = {}
     for spec in layer_specs(arch):
@@ -360,6 +390,7 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
             attention_tflops(r, tokens, a.head_dim, kernel) * 1e12) * count
         eager_bytes += heads * tokens * seq * 16 * count  # scores 2, softmax in fp32 4+4, probs 2+2, mask 2
         elementwise += _block_elementwise(spec, h, tp, sp, arch.hidden_dropout) * tokens * compute_bytes * count
+        bias_gradients += _bias_gradient_elements(arch, spec, tp, sp) * tokens * compute_bytes * count
         kernels += (len(proj) + len(mlp) + 12) * count  # the projections, attention and ~12 elementwise ops
     head = Gemm(max(1, arch.vocab_size // tp), h, 1)
     # Liger's and torchtitan's three head GEMMs run per chunk of tokens (liger_head)
@@ -377,7 +408,7 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
                 elementwise_bytes=elementwise, loss_bytes=loss, kernels=kernels + 8, layers=arch.num_layers,
                 attention_forward_share=forward_share(kernel), loss_recompute_flops=loss_recompute,
                 chunked_head=(head.n, head.k, loss_chunks if loss_kind == "chunked-in-forward" else 0)
-                if chunked else None)
+                if chunked else None, bias_gradient_bytes=bias_gradients)
 
 
 def forward_share(kernel: str) -> float:
@@ -515,10 +546,11 @@ class ComputeTerms:
     host: object
     hardware_flops: object
     backward: object = 0.0  # of the device seconds, the backward pass's (recompute included)
+    bias_gradients: object = 0.0  # the biased linears' bias-gradient reductions (Work.bias_gradient_bytes)
 
     @property
     def seconds(self):
-        device = self.matmul + self.attention + self.elementwise + self.recompute
+        device = self.matmul + self.attention + self.elementwise + self.recompute + self.bias_gradients
         return arrays.maximum(device, self.host)
 
 
@@ -652,9 +684,11 @@ def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointi
     # backward: the GEMMs' gradients, attention's backward (2.5 of its 3.5), the elementwise
     # backward (2 of 3), the loss's gradient half, and the recomputed forward that runs inside it
     loss = micro_f * w.loss_bytes / r.memory_bytes_per_s
-    backward_seconds = backward + (attention - attn_fwd) + 2 * elementwise_fwd + loss / 2 + recompute
+    # a frozen base's biases get no gradient (LoRA): no reduction
+    bias = micro_f * w.bias_gradient_bytes * (1 - frozen_matmuls) / r.memory_bytes_per_s
+    backward_seconds = backward + (attention - attn_fwd) + 2 * elementwise_fwd + loss / 2 + recompute + bias
     return ComputeTerms(matmul=matmul, attention=attention, elementwise=elementwise, recompute=recompute,
-                        host=host, hardware_flops=hardware, backward=backward_seconds)
+                        host=host, hardware_flops=hardware, backward=backward_seconds, bias_gradients=bias)
 
 
 # AdamW stepped one kernel per line (torch 2.13 optim/adam.py _single_tensor_adam, lines 416-546; composer
@@ -689,3 +723,17 @@ def optimizer_step_seconds(elements: float, state_bits: float, master_bits: int,
     else:
         per_element = 2 * (state_bits + param_bits) / 8 + grad_bits / 8 + copy_out
     return elements * per_element / r.memory_bytes_per_s
+
+
+# Clipping by the global norm, before the step, over the gradients this rank steps: one pass reads them for the
+# local norm, one reads and writes them to scale by max_norm / (norm + 1e-6) clamped at 1, always applied (no
+# host sync): torch 2.13 distributed/fsdp/fully_sharded_data_parallel.py FullyShardedDataParallel.clip_grad_norm_
+# (_get_grad_norm: torch.linalg.vector_norm per gradient, line 2119; ``grad.mul_(clip_coef_clamped...)`` per
+# gradient, line 1204), torch nn/utils/clip_grad.py (_foreach_norm line 95, then _foreach_mul_ line 173), the same bytes. The
+# norms' all-reduce is one scalar. Passes over the gradient's bytes:
+CLIP_GRADIENT_PASSES = 3
+
+
+def gradient_clipping_seconds(elements: float, grad_bits: int, r: Rates) -> float:
+    """Clipping ``elements`` gradients of ``grad_bits`` by their global norm (CLIP_GRADIENT_PASSES)."""
+    return elements * CLIP_GRADIENT_PASSES * grad_bits / 8 / r.memory_bytes_per_s

@@ -201,6 +201,7 @@ class StepSettings:
     low_precision: str = "none"  # fp8/fp4 linears (planner/recipes/low_precision.py)
     float8_all_gather: bool = False  # FSDP2 gathers the float8 linears' weights in fp8
     framework_version: str | None = None  # the request's (planner/frameworks/base.py); None: the default
+    gradient_clipping: bool = False  # the gradients clipped by their global norm before each step
 
     def framework(self, s) -> Framework:
         """The framework version that realises strategy ``s`` in this step: the request's where it
@@ -217,7 +218,7 @@ class StepSettings:
                    attention_kernel=req.attention_kernel,
                    compute_scale=compute_scale, loss=req.loss, loss_chunks=req.loss_chunks,
                    low_precision=req.low_precision,
-                   float8_all_gather=req.float8_all_gather)
+                   float8_all_gather=req.float8_all_gather, gradient_clipping=req.gradient_clipping)
 
 
 def collective_volumes(request: EstimateRequest) -> list[dict]:
@@ -279,7 +280,8 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
                             optimizer=result.request.optimizer,
                             compute_scale=profile_compute_scale(request.profile, profile), loss=request.loss,
                             loss_chunks=request.loss_chunks,
-                            low_precision=request.low_precision, float8_all_gather=request.float8_all_gather)
+                            low_precision=request.low_precision, float8_all_gather=request.float8_all_gather,
+                            gradient_clipping=request.gradient_clipping)
     arch = traced if traced is not None else Architecture.model_validate(result.model.architecture)
     moved = activation_offload_bytes(setup) / request.micro_batch if traced is None else 0.0
     t = step_times(settings, combo, request.micro_batch, per_rank, result.parameters, arch, g,
@@ -660,13 +662,14 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
         if key is not None:
             shared[key] = kernel
     stepped, backward, hardware, labels, values = kernel  # later sums make new arrays: these are not changed
-    optimizer = _optimizer_seconds(req, combo, psi, arch, frozen, r)
+    optimizer, clipping = _optimizer_seconds(req, combo, psi, arch, frozen, r)
     scale = req.compute_scale  # a profile's measured factor on every kernel rate
-    seconds = (stepped + optimizer) / scale
-    values = values + (optimizer,)
+    seconds = (stepped + optimizer + clipping) / scale
+    values = values + (optimizer, clipping)
     if scale != 1.0:
         values = tuple(v / scale for v in values)
-    return seconds, backward, optimizer / scale, hardware, [(n, v, src) for (n, src), v in zip(labels, values)]
+    return (seconds, backward, (optimizer + clipping) / scale, hardware,
+            [(n, v, src) for (n, src), v in zip(labels, values)])
 
 
 def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, arch, g: Gpu,
@@ -690,23 +693,23 @@ def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, ar
         adapters = micro_f * w.tokens * (3 * frozen.adapter_forward_flops + frozen.trained_weight_flops) / combo.tp
         matmul = matmul + adapters / r.matmul_flops
         hardware = hardware + adapters
-    device = matmul + t.attention + t.elementwise + t.recompute
+    device = matmul + t.attention + t.elementwise + t.recompute + t.bias_gradients
     host_wait = arrays.maximum(0.0, t.host - device)
     scale = req.compute_scale
     labels = _compute_labels(r, req.attention_kernel, bool(w.eager_bytes), bool(w.chunked_head), combo.checkpointing,
                              scaled)
     values = (accumulation * matmul, accumulation * t.attention, accumulation * t.elementwise,
-              accumulation * t.recompute, accumulation * host_wait)
+              accumulation * t.recompute, accumulation * t.bias_gradients, accumulation * host_wait)
     backward = accumulation * (t.backward + (matmul - t.matmul) * 2 / 3) / scale  # the adapters' backward: 2 of 3
     return accumulation * (device + host_wait), backward, accumulation * hardware, labels, values
 
 
 def _optimizer_seconds(req: "StepSettings", combo: Combo, psi: int, arch, frozen: FrozenBaseShape | None,
-                       r: kernels.Rates):
-    """compute_seconds' optimizer step (0 when it is offloaded), unscaled."""
+                       r: kernels.Rates) -> tuple[float, float]:
+    """compute_seconds' optimizer step and gradient clipping (0 when the step is offloaded), unscaled."""
     recipe = req.recipe
     s = lookup_strategy(combo.strategy)
-    optimizer = 0.0
+    optimizer = clipping = 0.0
     if combo.offload_optimizer == "none":
         shards = combo.gpus * req.nodes // (combo.tp * combo.pp) if s.shards_optimizer else 1
         elements = (frozen.trainable if frozen is not None else psi) / combo.tp / max(1, shards)
@@ -728,7 +731,9 @@ def _optimizer_seconds(req: "StepSettings", combo: Combo, psi: int, arch, frozen
             on_shards = dtensor_shards(req, combo)
             flops = sum(_step_flops(spec.group_of(t), t, on_shards) for t in parameter_shapes(arch)) / combo.tp
             optimizer = optimizer + flops / r.matmul_flops
-    return optimizer
+        if req.gradient_clipping:
+            clipping = kernels.gradient_clipping_seconds(elements, recipe.grad_bits, r)
+    return optimizer, clipping
 
 
 def _compute_labels(r: kernels.Rates, attention_kernel: str, eager: bool, chunked_head: bool, checkpointing: str,
@@ -747,8 +752,12 @@ def _compute_labels(r: kernels.Rates, attention_kernel: str, eager: bool, chunke
         hit = (("matmul", f"{r.matmul_source}, tile waves over {r.sms or '?'} SMs{head}"),
                ("attention", attention_source), ("elementwise and loss", bandwidth),
                (f"recompute ({checkpointing})", "the forward kernels rerun, same rates"),
+               ("bias gradients", f"each biased linear's backward sums its output gradient over the tokens "
+                f"(torch addmm's derivative, one reduction kernel; kernels.BIAS_GRADIENT_READS), at {bandwidth}"),
                ("host launch wait", f"{r.host_seconds_per_kernel * 1e6:g} µs per eager kernel launch"),
-               ("optimizer step", bandwidth))
+               ("optimizer step", bandwidth),
+               ("gradient clipping", f"the norm reads this rank's gradients, the scale reads and writes them "
+                f"(kernels.CLIP_GRADIENT_PASSES), at {bandwidth}"))
         hit = tuple((name, source + scaled) for name, source in hit)
         if len(_LABELS) >= 256:
             _LABELS.clear()
