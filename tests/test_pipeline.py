@@ -546,28 +546,40 @@ def test_resident_floor_without_the_replay_is_the_estimates():
     """pipeline_resident_bytes (the plan's floor: the stages' parameters and boundaries, no
     activations, no replay) is measure's resident bytes over schedules, strategies, precisions,
     tensor and sequence parallelism, and Megatron's uneven split (below it where the backward is split)."""
-    from planner.memory.orchestrator import measure, pipeline_resident_bytes, resolve
-    from planner.schema import EstimateRequest
+    from planner.memory.orchestrator import pipeline_resident_bytes
 
     checked = 0
-    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zbv", 2), ("looped-bfs", 3)):
+    for schedule, strategy, extra, setup, measured in _pipeline_setups(
+            (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zbv", 2), ("looped-bfs", 3)),
+            ({}, {"precision": "fp32"}, {"tp": 2}, {"pp_first_stage_layers": 3}, {"micro_batch": 2, "seq_len": 1024})):
+        expected = measured.resident_bytes
+        floor = pipeline_resident_bytes(setup)
+        # a zero-bubble rank also keeps its input gradients on the receive buffers, which
+        # the floor leaves out (a bound: at most the resident bytes)
+        assert floor == expected if schedule != "zbv" else floor < expected, (schedule, strategy, extra)
+        checked += 1
+    assert checked >= 60
+
+
+def _pipeline_setups(schedules, extras):
+    """(schedule, strategy, extra, setup, measure(setup)) of Llama-3-8B on 2 x 8 H100s at pp 2 over
+    these schedules (name, virtual stages), the four data-parallel strategies and these request
+    fields; the combinations the planner refuses are skipped."""
+    from planner.memory.orchestrator import measure, resolve
+    from planner.schema import EstimateRequest
+
+    for schedule, v in schedules:
         for strategy in ("ddp", "fsdp", "hsdp", "zero1"):
-            for extra in ({}, {"precision": "fp32"}, {"tp": 2}, {"pp_first_stage_layers": 3},
-                          {"micro_batch": 2, "seq_len": 1024}):
+            for extra in extras:
                 try:
                     setup = resolve(EstimateRequest(**{
                         "model": "llama-3-8b", "gpu": "h100-80gb", "gpus": 8, "nodes": 2, "seq_len": 2048,
                         "micro_batch": 1, "gradient_accumulation": 8, "strategy": strategy, "pp": 2,
                         "pp_schedule": schedule, "pp_virtual_stages": v, **extra}))
-                    expected = measure(setup).resident_bytes
+                    measured = measure(setup)
                 except PlannerError:
                     continue
-                floor = pipeline_resident_bytes(setup)
-                # a zero-bubble rank also keeps its input gradients on the receive buffers, which
-                # the floor leaves out (a bound: at most the resident bytes)
-                assert floor == expected if schedule != "zbv" else floor < expected, (schedule, strategy, extra)
-                checked += 1
-    assert checked >= 60
+                yield schedule, strategy, extra, setup, measured
 
 
 def test_pipeline_peak_without_the_phases_is_the_estimates():
@@ -575,30 +587,20 @@ def test_pipeline_peak_without_the_phases_is_the_estimates():
     the worst rank's phases not written out) is measure's peak over schedules (split backward
     included), strategies, precisions, checkpointing, tensor parallelism, Megatron's uneven split
     and micro-batch counts."""
-    from planner.memory.orchestrator import measure, pipeline_peak_bytes, resolve
-    from planner.schema import EstimateRequest
+    from planner.memory.orchestrator import pipeline_peak_bytes
 
     checked = 0
-    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved-zb", 2), ("zbv", 2),
-                        ("looped-bfs", 3)):
-        for strategy in ("ddp", "fsdp", "hsdp", "zero1"):
-            for extra in ({}, {"precision": "fp32"}, {"tp": 2}, {"pp_first_stage_layers": 3},
-                          {"checkpointing": "full"}, {"micro_batch": 2, "gradient_accumulation": 3},
-                          {"gradient_accumulation": 16}):
-                try:
-                    setup = resolve(EstimateRequest(**{
-                        "model": "llama-3-8b", "gpu": "h100-80gb", "gpus": 8, "nodes": 2, "seq_len": 2048,
-                        "micro_batch": 1, "gradient_accumulation": 8, "strategy": strategy, "pp": 2,
-                        "pp_schedule": schedule, "pp_virtual_stages": v, **extra}))
-                    expected = measure(setup).peak_bytes
-                except PlannerError:
-                    continue
-                assert pipeline_peak_bytes(setup) == expected, (schedule, strategy, extra)
-                # asked whether it exceeds a limit: the peak at or below it, a lower bound above it
-                for above in (expected - 1, expected, expected // 2):
-                    bounded = pipeline_peak_bytes(setup, above)
-                    assert bounded == expected if expected <= above else above < bounded <= expected
-                checked += 1
+    for schedule, strategy, extra, setup, measured in _pipeline_setups(
+            (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved-zb", 2), ("zbv", 2), ("looped-bfs", 3)),
+            ({}, {"precision": "fp32"}, {"tp": 2}, {"pp_first_stage_layers": 3}, {"checkpointing": "full"},
+             {"micro_batch": 2, "gradient_accumulation": 3}, {"gradient_accumulation": 16})):
+        expected = measured.peak_bytes
+        assert pipeline_peak_bytes(setup) == expected, (schedule, strategy, extra)
+        # asked whether it exceeds a limit: the peak at or below it, a lower bound above it
+        for above in (expected - 1, expected, expected // 2):
+            bounded = pipeline_peak_bytes(setup, above)
+            assert bounded == expected if expected <= above else above < bounded <= expected
+        checked += 1
     assert checked >= 100
 
 
