@@ -323,7 +323,8 @@ def _bias_gradient_elements(arch: Architecture, s: LayerSpec, tp: int, sp: bool)
     a 1/tp share of the tokens under sequence parallelism. A mixture of experts' MLP is not nn.Linear
     modules (its experts' biases are added outside a GEMM): only its attention's linears count."""
     width = arch.hidden_size / tp if sp else arch.hidden_size
-    groups = [attention_linears(arch, s)] + ([] if s.mlp.is_moe else [block_linears(arch, s)[len(attention_linears(arch, s)):]])
+    attention = attention_linears(arch, s)
+    groups = [attention] + ([] if s.mlp.is_moe else [block_linears(arch, s)[len(attention):]])
     out = 0.0
     for linears in groups:
         for i, x in enumerate(linears):
