@@ -8,7 +8,8 @@ import pytest
 from cli.main import main
 from planner.frameworks.deepspeed import config as dsconfig
 from planner.frameworks.deepspeed.config import parse_ds_config
-from planner.memory.orchestrator import estimate
+from planner.errors import PlannerError
+from planner.memory.orchestrator import estimate, resolve
 from planner.recipes.precision import RECIPES
 from planner.schema import EstimateRequest
 
@@ -86,6 +87,21 @@ def test_inert_and_neutral_keys_are_accepted(capsys, tmp_path, config):
 
 def request(config, **fields):
     return EstimateRequest(model="llama-3-8b", strategy="zero3", gpus=8, ds_config=config, **fields)
+
+
+@pytest.mark.parametrize("value,clipping", [(1.0, True), (0.0, False), (0, False), ("auto", False), (None, False)])
+def test_gradient_clipping_above_zero_clips(value, clipping):
+    """DeepSpeed 0.19.8 clips when gradient_clipping() > 0.0; "auto" is left to the HF Trainer's max_grad_norm."""
+    config = ZERO3 | ({} if value is None else {"gradient_clipping": value})
+    assert resolve(request(config)).request.gradient_clipping is clipping
+    # a request's own field wins, as for the precision
+    assert resolve(request(config, gradient_clipping=not clipping)).request.gradient_clipping is (not clipping)
+
+
+@pytest.mark.parametrize("value", ["strong", True, float("nan")])
+def test_a_bad_gradient_clipping_is_named(value):
+    with pytest.raises(PlannerError, match="ds_config.gradient_clipping must be a finite number"):
+        resolve(request(ZERO3 | {"gradient_clipping": value}))
 
 
 def test_offload_param_pin_memory_is_modelled_with_deepspeeds_default():

@@ -261,6 +261,42 @@ def test_deepspeed_auto_values_filled_as_the_trainer_fills_them():
     assert job.fields["ds_config"]["bf16"]["enabled"] is True and job.fields["ds_config"]["fp16"]["enabled"] is False
 
 
+AXOLOTL_LORA = "base_model: NousResearch/Meta-Llama-3-8B\nadapter: lora\nsequence_len: 1024\n"
+
+
+@pytest.mark.parametrize("name,text,clipping", [
+    ("args.yaml", "per_device_train_batch_size: 2\n", True),  # TrainingArguments' max_grad_norm 1.0
+    ("args.yaml", "per_device_train_batch_size: 2\nmax_grad_norm: 0\n", False),
+    ("args.yaml", "per_device_train_batch_size: 2\nmax_grad_norm: 0.3\n", True),
+    ("lora.yaml", AXOLOTL_LORA, True),
+    ("lora.yaml", AXOLOTL_LORA + "max_grad_norm: null\n", True),  # axolotl passes only a value
+    ("lora.yaml", AXOLOTL_LORA + "max_grad_norm: 0.0\n", False),
+    ("job.toml", "[model]\nname = 'llama3'\nflavor = '8B'\n[training]\nseq_len = 2048\n", True),  # every step
+    ("job.toml", "[model]\nname = 'llama3'\nflavor = '8B'\n[training]\nmax_norm = 0.5\n", True),
+])
+def test_gradient_clipping_is_read_from_each_format(name, text, clipping):
+    job = read_job([(name, text)], 8)
+    assert job.fields["gradient_clipping"] is clipping
+
+
+@pytest.mark.parametrize("text,key", [
+    ("per_device_train_batch_size: 2\nmax_grad_norm: strong\n", "max_grad_norm"),
+    ("per_device_train_batch_size: 2\nmax_grad_norm: null\n", "max_grad_norm"),  # the Trainer's `> 0` fails
+    ("per_device_train_batch_size: 2\nmax_grad_norm: .inf\n", "max_grad_norm"),
+])
+def test_a_bad_gradient_clipping_norm_is_named(text, key):
+    with pytest.raises(PlannerError, match=rf"args.yaml:2: {key}: must be a"):
+        read_job([("args.yaml", text)], 8)
+
+
+def test_a_clipping_job_is_charged_the_clipping_passes():
+    base = "model_name_or_path: meta-llama/Meta-Llama-3-8B-Instruct\nstage: sft\nfinetuning_type: full\nbf16: true\n"
+    clipped = check(CheckRequest(files=[{"name": "sft.yaml", "text": base}]), estimate_with_time)
+    unclipped = check(CheckRequest(files=[{"name": "sft.yaml", "text": base + "max_grad_norm: 0\n"}]),
+                      estimate_with_time)
+    assert clipped.peak_bytes == unclipped.peak_bytes and clipped.step_seconds > unclipped.step_seconds
+
+
 def test_api_check_route():
     from fastapi.testclient import TestClient
 

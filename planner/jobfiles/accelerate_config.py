@@ -10,7 +10,7 @@ from typing import Any
 
 from planner.jobfiles.common import inert
 from planner.jobfiles.keys import Inert, Key, Modelled, Refused, Where, check_block, equals, off
-from planner.jobfiles.reading import Reading, flag, whole
+from planner.jobfiles.reading import Reading, clipping_norm, flag, whole
 
 LAUNCH = "where and how the processes start"
 
@@ -44,7 +44,7 @@ DEEPSPEED: dict[str, Key] = {
     "offload_optimizer_nvme_path": Modelled("with nvme"), "offload_param_nvme_path": Modelled("with nvme"),
     "gradient_accumulation_steps": Modelled("gradient_accumulation"),
 
-    **inert("one scalar norm, then an in-place scale", "gradient_clipping"),
+    "gradient_clipping": Modelled("gradient_clipping: above 0 DeepSpeed clips (the norm, then the scale)"),
     **inert("initialisation and saving", "zero3_init_flag", "zero3_save_16bit_model"),
     **inert(LAUNCH, "deepspeed_multinode_launcher", "deepspeed_hostfile", "deepspeed_exclusion_filter",
             "deepspeed_inclusion_filter"),
@@ -136,6 +136,10 @@ def _deepspeed(reading: Reading, block: dict[str, Any]) -> None:
         reading.set("gradient_accumulation", whole(block["gradient_accumulation_steps"], where,
                                                    "deepspeed_config.gradient_accumulation_steps"),
                     "deepspeed_config.gradient_accumulation_steps")
+    if block.get("gradient_clipping") not in (None, "auto"):  # accelerate 1.16 DeepSpeedPlugin: None is "auto"
+        reading.set("gradient_clipping", clipping_norm(block["gradient_clipping"], where,
+                                                       "deepspeed_config.gradient_clipping"),
+                    "deepspeed_config.gradient_clipping")
 
 
 def fsdp_section(reading: Reading, block: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from planner.jobfiles.accelerate_config import trainer_fsdp_section
 from planner.jobfiles.common import attention, hf_optimizer, inert, model_name, value_needs
-from planner.jobfiles.hf_trainer import embeddings
+from planner.jobfiles.hf_trainer import embeddings, read_clipping
 from planner.jobfiles.keys import Inert, Key, Modelled, Needs, Refused, Where, check_block, off
 from planner.jobfiles.reading import Reading, flag, number, whole
 
@@ -63,6 +63,8 @@ TABLE: dict[str, Key] = {
     "use_liger_loss": Needs("loss", "liger-fused", "Liger's fused linear cross-entropy never holds the logits",
                             lambda v, b: off(v)),
     "batch_flattening": Modelled("as sample_packing"),
+    # core/builders/base.py (0.19.0, line 644): passed to TrainingArguments when not null (then its 1.0)
+    "max_grad_norm": Modelled("gradient_clipping: above 0 the Trainer clips; null leaves TrainingArguments' 1.0"),
     "eager_attention": Modelled("attention eager"),
     **{key: Refused("a parallel degree of accelerate's ND-parallelism (tensor, context, sequence, data shards), "
                     "read by this reader only as 1", lambda v, b: v in (None, 1), "1 or remove it")
@@ -93,7 +95,7 @@ TABLE: dict[str, Key] = {
             "save_total_limit", "early_stopping_patience", "auto_resume_from_checkpoints", "local_rank",
             "strict", "seed", "save_safetensors"),
     **inert("hyper-parameters change values, not memory or time", "lr_scheduler", "learning_rate", "warmup_ratio",
-            "warmup_steps", "weight_decay", "max_grad_norm", "adam_beta1", "adam_beta2", "adam_epsilon",
+            "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
             "lr_scheduler_kwargs", "cosine_min_lr_ratio"),
 }
 
@@ -142,6 +144,7 @@ def read(data: dict[str, Any], where: Where) -> Reading:
         reading.set("precision", "fp16-mixed", "fp16")
     else:
         reading.set("precision", "fp32", "bf16")
+    read_clipping(reading, data, null_is_unset=True)
     if get("deepspeed"):
         reading.ds_reference = ("deepspeed", str(get("deepspeed")))
     if get("fsdp") or get("fsdp_config"):

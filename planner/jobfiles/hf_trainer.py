@@ -15,7 +15,7 @@ from typing import Any
 from planner.jobfiles.accelerate_config import trainer_fsdp_section
 from planner.jobfiles.common import attention, hf_optimizer, hf_sgd_momentum, inert, model_name, precision
 from planner.jobfiles.keys import Inert, Key, Modelled, Needs, Refused, Where, check_block, equals, needs_met, off
-from planner.jobfiles.reading import Reading, flag, number, whole
+from planner.jobfiles.reading import Reading, clipping_norm, flag, number, whole
 
 LOG, EVAL, SAVE, HUB, DATA = ("logging", "evaluation, outside the training step", "saving checkpoints",
                               "the Hugging Face Hub", "the data pipeline, outside the step")
@@ -61,7 +61,8 @@ TRAINING_ARGUMENTS: dict[str, Key] = {
     "torch_empty_cache_steps": Inert("returns cached blocks to the driver between steps; the peak is within a step"),
     "use_cache": Inert("the KV cache is off in training with checkpointing; without it HF training does not keep one"),
     "average_tokens_across_devices": Inert("one scalar all-reduce per step"),
-    "max_grad_norm": Inert("one scalar norm, then an in-place scale"),
+    "max_grad_norm": Modelled("gradient_clipping: above 0 (TrainingArguments' default 1.0) the gradients' norm and "
+                              "scale run before each optimizer step"),
     "label_smoothing_factor": Inert("a scalar in the loss"),
     "bf16_full_eval": Inert(EVAL), "fp16_full_eval": Inert(EVAL),
     "skip_memory_metrics": Inert(LOG), "debug": Inert(LOG),
@@ -160,6 +161,7 @@ def read(data: dict[str, Any], where: Where) -> Reading:
         reading.set("activation_offload", True, "activation_offloading")
     _precision(reading, data, is_trl)
     read_length(reading, data)
+    read_clipping(reading, data)
     if get("deepspeed"):
         if not isinstance(get("deepspeed"), str):
             raise where.error("deepspeed", "give the DeepSpeed config as a file path (an inline dict is not read)")
@@ -192,6 +194,17 @@ def _precision(reading: Reading, data: dict[str, Any], is_trl: bool) -> None:
     precision(reading, flag(bf16, reading.where, "bf16") if bf16 is not None else None,
               flag(fp16, reading.where, "fp16") if fp16 is not None else None, ("bf16", "fp16"),
               weights_16bit=dtype in ("bfloat16", "float16"))
+
+
+def read_clipping(reading: Reading, data: dict[str, Any], null_is_unset: bool = False) -> None:
+    """max_grad_norm -> gradient_clipping: the Trainer clips when it is above 0 (transformers 5.25 trainer.py
+    line 1975); unset, TrainingArguments' 1.0 clips (training_args.py line 866). A null reaches the Trainer's
+    ``> 0`` and fails there, unless the format drops it first (``null_is_unset``)."""
+    if "max_grad_norm" in data and not (null_is_unset and data["max_grad_norm"] is None):
+        reading.set("gradient_clipping", clipping_norm(data["max_grad_norm"], reading.where, "max_grad_norm"),
+                    "max_grad_norm")
+    else:
+        reading.default("gradient_clipping", True)
 
 
 def read_length(reading: Reading, data: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from planner.jobfiles.common import attention, hf_optimizer, inert, model_name, value_needs
-from planner.jobfiles.hf_trainer import TRAINING_ARGUMENTS, read_length
+from planner.jobfiles.hf_trainer import TRAINING_ARGUMENTS, read_clipping, read_length
 from planner.jobfiles.keys import Inert, Key, Modelled, Needs, Refused, Where, check_block, equals, off
 from planner.jobfiles.reading import Reading, flag, number, whole
 
@@ -95,6 +95,7 @@ def read(data: dict[str, Any], where: Where) -> Reading:
     else:
         reading.set("precision", "fp32", "bf16")
     read_length(reading, data)
+    read_clipping(reading, data)
     if get("deepspeed"):
         reading.ds_reference = ("deepspeed", str(get("deepspeed")))
     return reading

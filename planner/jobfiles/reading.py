@@ -60,6 +60,21 @@ def flag(value: Any, where: Where, key: str) -> bool:
     raise where.error(key, f"must be true or false, got {value!r}")
 
 
+def clipping_norm(value: Any, where: Where, key: str) -> bool:
+    """A gradient-clipping threshold (TrainingArguments.max_grad_norm, DeepSpeed's gradient_clipping): whether
+    it clips. Both clip only above 0 (transformers 5.25 trainer.py line 1975 ``max_grad_norm > 0``; DeepSpeed
+    0.19.8 runtime/engine.py ``gradient_clipping() > 0.0``), so 0 or a negative value turns clipping off."""
+    if isinstance(value, bool):
+        raise where.error(key, f"must be a number, got {value!r}")
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise where.error(key, f"must be a number, got {value!r}") from None
+    if out != out or out == float("inf"):
+        raise where.error(key, f"must be a finite number, got {value!r}")
+    return out > 0
+
+
 def number(value: Any, where: Where, key: str) -> float:
     try:
         out = float(value)

@@ -28,7 +28,10 @@ TABLE: dict[str, Key] = {
     **inert("hyper-parameters change values, not memory or time", "optimizer.lr", "optimizer.eps",
             "optimizer.beta1", "optimizer.beta2", "optimizer.weight_decay", "lr_scheduler.warmup_steps",
             "lr_scheduler.decay_ratio", "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor",
-            "lr_scheduler.lr_min", "training.max_norm"),
+            "lr_scheduler.lr_min"),
+    # torchtitan 0.3.0 trainer.py line 940: clip_grad_norm_ with training.max_norm (default 1.0, config/configs.py
+    # line 55) before every optimizer step, whatever the value
+    "training.max_norm": Modelled("gradient_clipping, always on (the norm and the scale run every step)"),
     "optimizer.early_step_in_backward": Needs("optimizer_in_backward", True, "each parameter's step runs in its "
                                               "gradient's hook, so gradients are not all held", lambda v, b: off(v)),
     "training.local_batch_size": Modelled("micro_batch (x accumulation with pp)"),
@@ -235,6 +238,10 @@ def _read(flat: dict[str, Any], where: Where, fmt: str, table: dict[str, Key]) -
     elif "loss.num_chunks" in flat:
         raise reading.where.error("loss.num_chunks", f"({get('loss.num_chunks')}) is ChunkedLossWrapper's: it applies "
                                                      "with loss.chunked")
+    if "training.max_norm" in flat:
+        reading.set("gradient_clipping", True, "training.max_norm")
+    else:
+        reading.default("gradient_clipping", True)
     _training(reading, flat)
     _parallel(reading, flat)
     _checkpointing(reading, flat)

@@ -92,7 +92,7 @@ def _zero_settings_of(request: EstimateRequest, s: Strategy) -> ZeroSettings:
 
 
 def _from_config(request: EstimateRequest, zero: ZeroSettings) -> dict:
-    """What a ds_config fixes beyond ZeRO (its optimizer, micro-batch and accumulation), where the
+    """What a ds_config fixes beyond ZeRO (its optimizer, micro-batch, accumulation and clipping), where the
     request's own field was not given: explicit flags win, as for the precision."""
     if request.ds_config is None:
         return {}
@@ -102,7 +102,7 @@ def _from_config(request: EstimateRequest, zero: ZeroSettings) -> dict:
         raise PlannerError(f"tp={request.tp} but ds_config.tensor_parallel.autotp_size is {zero.autotp_size}: "
                            "DeepSpeed trains the config's degree; give one of them", field="tp")
     found = {"optimizer": zero.optimizer, "micro_batch": micro, "gradient_accumulation": accumulation,
-             "tp": zero.autotp_size}
+             "tp": zero.autotp_size, "gradient_clipping": zero.gradient_clipping}
     return {k: v for k, v in found.items() if v is not None and k not in given}
 
 

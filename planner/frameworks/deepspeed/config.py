@@ -64,7 +64,7 @@ def _empty(block: Any) -> bool:
 
 MODELLED_TOP = frozenset({"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                           "optimizer", "fp16", "bf16", "zero_optimization", "communication_data_type",
-                          "tensor_parallel"})
+                          "tensor_parallel", "gradient_clipping"})
 
 # tensor_parallel: DeepSpeed 0.19.8's AutoTP training block (runtime/tensor_parallel/config.py
 # TPTrainingConfig); autotp_size is the request's tp (the planner's AutoTP layout), the rest is
@@ -92,8 +92,6 @@ TP_KEYS = frozenset({"autotp_size"}) | frozenset(UNMODELLED_TP) | frozenset(INER
 
 INERT_TOP = {
     "scheduler": "the learning-rate schedule changes values, not memory or time",
-    "gradient_clipping": "one scalar norm, which ZeRO 1/2 computes in every step anyway (zero/config.py "
-                         "compute_grad_norm), then an in-place scale",
     "steps_per_print": "logging", "wall_clock_breakdown": "logging (timers)", "memory_breakdown": "logging",
     "dump_state": "logging", "log_level": "logging", "timers": "logging", "flops_profiler": "logging (one profiled step)",
     "comms_logger": "logging", "tensorboard": "logging", "wandb": "logging", "csv_monitor": "logging",
@@ -302,6 +300,9 @@ class ZeroSettings:
     gradient_accumulation: int | None = None
     train_batch_size: int | None = None
     autotp_size: int | None = None  # tensor_parallel.autotp_size: the AutoTP degree; None when not set
+    # gradient_clipping above 0: the norm over the rank's gradients, then their scale (zero/stage_1_and_2.py
+    # unscale_and_clip_grads, stage3.py alike); None when the config does not say ("auto" left unfilled)
+    gradient_clipping: bool | None = None
     # communication_data_type left for resolve to check: the config's precision is "auto"
     communication_data_type: Any = None
     explicit: frozenset[str] = field(default_factory=frozenset)
@@ -503,7 +504,19 @@ def parse_ds_config(config: Any) -> ZeroSettings:
                         pin_memory=opt_pin, pin_params=param_pin, precision=precision, optimizer=_optimizer(config),
                         micro_batch=micro, gradient_accumulation=accumulation, train_batch_size=train_batch,
                         autotp_size=autotp, communication_data_type=None if precision else communication,
+                        gradient_clipping=_clipping(config.get("gradient_clipping")),
                         explicit=frozenset(explicit), **values)
+
+
+def _clipping(value: Any) -> bool | None:
+    """ds_config.gradient_clipping: whether DeepSpeed clips (0.19.8 runtime/engine.py ``gradient_clipping() > 0.0``;
+    its default 0.0); None for "auto" (the HF Trainer fills it from max_grad_norm) and when absent."""
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (float("inf"), -float("inf")):
+        raise PlannerError(f"ds_config.gradient_clipping must be a finite number or \"auto\", got {value!r}",
+                           field="ds_config.gradient_clipping")
+    return value > 0
 
 
 def _autotp_size(block: Any) -> int | None:
