@@ -342,7 +342,9 @@ class EstimateRequest(BaseModel):
         "flash-attention-2", description="the flash kernel's generation, for the step time only: torch>=2.2 SDPA "
         "and flash-attn 2.x run FlashAttention-2; flash-attn 1.x runs FlashAttention-1; flash-attention-triton: "
         "FlashAttention's Triton kernel (MPT's attn_impl triton; it has no published rates and is timed at "
-        "FlashAttention-1's, which its own header says it runs slightly slower than)")
+        "FlashAttention-1's, which its own header says it runs slightly slower than); flash-attention-3 (flash-attn's "
+        "Hopper build, transformers' flash_attention_3) and cudnn (cuDNN fused attention: torch's SDPA runs it first on "
+        "H100/H200 when its cuDNN is newer than 9.15.0) are measured on H100 only (FlashAttention-3 paper)")
     offload_optimizer: OffloadDevice = Field("none", description="where optimizer states live")
     offload_params: OffloadDevice = Field("none", description="where parameters live (zero3 / fsdp)")
     hsdp_shard_size: int | None = Field(

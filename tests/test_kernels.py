@@ -6,8 +6,10 @@ from planner.model.architecture import from_hf_config, layer_specs
 from planner.model.catalogue import catalogue_model
 from planner.cluster.gpus import load_gpus
 from planner.time.kernels import (FLASH_ATTENTION_CAUSAL_TFLOPS, Gemm, Rates, Work, _gemm_seconds, attention_tflops,
+                                  causal_backward_tflops, causal_forward_backward_tflops, forward_share,
                                   long_sequence_tflops,
                                   micro_batch_terms, optimizer_step_seconds, rates, wave_efficiency, work)
+from planner.errors import PlannerError
 from planner.schema import EstimateRequest
 from planner.model.shapes import parameter_shapes
 from planner.time.kernels import HOST_SECONDS_PER_KERNEL, UNFUSED_ADAMW_KERNELS
@@ -51,6 +53,34 @@ def test_attention_rate_interpolates_the_measured_table():
     assert attention_tflops(r, 32768, 64, "flash-attention-triton") == attention_tflops(r, 32768, 64,
                                                                                        "flash-attention-1")
     assert attention_tflops(r, 8192, 128, "flash-attention-triton") == pytest.approx(80.0)  # not the chart's Triton 78
+
+
+def test_hopper_kernels_read_back_from_the_flashattention_3_charts():
+    # FlashAttention-3 paper, H100, head 128, 8k: causal forward 602, unmasked forward 646 and
+    # backward 559 TFLOP/s; the causal backward is 559 x 602 / 646 = 520.9, and forward + backward
+    # 3.5 / (1/602 + 2.5/520.9) = 541.8
+    h = rates(H100, "bf16")
+    assert causal_backward_tflops("flash-attention-3", 128)[4] == pytest.approx(559 * 602 / 646)
+    assert attention_tflops(h, 8192, 128, "flash-attention-3") == pytest.approx(541.8, abs=0.05)
+    # cuDNN at 2k, head 64: forward 334 causal, 395 unmasked, backward 395: the causal backward 334,
+    # so forward + backward 334 as well
+    assert attention_tflops(h, 2048, 64, "cudnn") == pytest.approx(334.0)
+    # between the charted lengths and widths as for the other kernels: 4k-8k log-linear, 96 midway
+    fa3 = FLASH_ATTENTION_CAUSAL_TFLOPS[("flash-attention-3", "h100")]
+    assert attention_tflops(h, 5793, 96, "flash-attention-3") == pytest.approx(
+        (fa3[64][3] + fa3[64][4] + fa3[128][3] + fa3[128][4]) / 4, rel=1e-3)
+    # the separate passes of FlashAttention-2 in the same paper give its own forward + backward chart
+    # within 11% (512, head 128) and 8%, always slower than the chart: the causal-backward reading
+    # over-times rather than under-times
+    for d in (64, 128):
+        derived, chart = causal_forward_backward_tflops("flash-attention-2", d), \
+            FLASH_ATTENTION_CAUSAL_TFLOPS[("flash-attention-2", "h100")][d]
+        assert all(0.88 < x / c <= 1.0 for x, c in zip(derived, chart))
+    # forward over backward: unmasked 646 / 559 for FlashAttention-3, 600 / 518 for cuDNN
+    assert forward_share("cudnn") == pytest.approx(1 / (1 + 2.5 * 600 / 518))
+    # no A100 measurement: refused, not read at another GPU's rate
+    with pytest.raises(PlannerError, match="attention_kernel 'flash-attention-3'"):
+        attention_tflops(rates(A100, "bf16"), 2048, 128, "flash-attention-3")
 
 
 def test_what_each_checkpointing_policy_reruns_of_llama_3_8b():

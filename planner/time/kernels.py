@@ -52,6 +52,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from planner.errors import PlannerError
 from planner.time import arrays
 from planner.model.architecture import Architecture, layer_specs
 from planner.model.attention.kinds import kind_of
@@ -62,7 +63,8 @@ from planner.model.linears import attention_linears, block_linears
 from planner.time.collectives import MEMORY_BANDWIDTH_EFFICIENCY
 from planner.recipes.losses import liger_chunk_tokens, loss_bytes_per_logit, loss_recomputes_logits
 
-AttentionKernel = Literal["flash-attention-2", "flash-attention-1", "flash-attention-triton"]
+AttentionKernel = Literal["flash-attention-2", "flash-attention-1", "flash-attention-triton", "flash-attention-3",
+                          "cudnn"]
 # Forward + backward TFLOP/s with a causal mask (sources above: the same charts measure
 # FlashAttention-2 and FlashAttention 1.x side by side), by kernel, GPU and head dimension, at
 # sequence lengths 512, 1k, 2k, 4k, 8k, 16k.
@@ -78,6 +80,58 @@ FLASH_ATTENTION_CAUSAL_TFLOPS = {
     ("flash-attention-1", "h100"): {64: (104.0, 123.0, 136.0, 138.0, 149.0, 156.0),
                                     128: (98.0, 109.0, 108.0, 126.0, 135.0, 137.0)},
 }
+# Hopper's own kernels, measured separately forward and backward on an H100 80GB SXM5 (BF16, batch
+# x sequence = 16k tokens, 2,048 hidden = 16 heads of 128 or 32 of 64), by kernel, pass and head
+# dimension at ATTENTION_SEQUENCES: Shah et al. 2024, "FlashAttention-3", arXiv 2407.08608v2,
+# Figure 5 (forward, without and with the causal mask) and Figure 6 (backward, without the mask),
+# the TFLOP/s written over each bar. FlashAttention-3 is the flash-attn "hopper" build
+# (flash_attn_interface); cuDNN is cuDNN 9's fused attention, which torch's SDPA runs on sm90/sm100
+# first (cudnn_attention before flash_attention) when its runtime cuDNN is newer than 9.15.0 and
+# TORCH_CUDNN_SDPA_DEPRIORITIZED is unset (pytorch/pytorch 001f694,
+# aten/src/ATen/native/transformers/cuda/sdp_utils.cpp check_prefer_cudnn_attention and
+# priority_order); otherwise SDPA's first choice stays its FlashAttention-2 kernel.
+HOPPER_ATTENTION_TFLOPS = {
+    "flash-attention-2": {"forward": {64: (282.0, 306.0, 318.0, 321.0, 322.0, 324.0),
+                                      128: (309.0, 350.0, 362.0, 368.0, 370.0, 370.0)},
+                          "forward_causal": {64: (180.0, 229.0, 262.0, 284.0, 295.0, 299.0),
+                                             128: (191.0, 260.0, 298.0, 319.0, 333.0, 335.0)},
+                          "backward": {64: (198.0, 238.0, 264.0, 279.0, 287.0, 291.0),
+                                       128: (214.0, 260.0, 291.0, 310.0, 318.0, 322.0)}},
+    "flash-attention-3": {"forward": {64: (333.0, 392.0, 460.0, 476.0, 496.0, 497.0),
+                                      128: (467.0, 565.0, 625.0, 638.0, 646.0, 648.0)},
+                          "forward_causal": {64: (197.0, 265.0, 371.0, 420.0, 460.0, 473.0),
+                                             128: (292.0, 423.0, 521.0, 579.0, 602.0, 616.0)},
+                          "backward": {64: (272.0, 363.0, 422.0, 453.0, 472.0, 474.0),
+                                       128: (316.0, 424.0, 501.0, 542.0, 559.0, 561.0)}},
+    "cudnn": {"forward": {64: (335.0, 373.0, 395.0, 408.0, 412.0, 413.0),
+                          128: (497.0, 574.0, 617.0, 609.0, 600.0, 595.0)},
+              "forward_causal": {64: (225.0, 288.0, 334.0, 363.0, 379.0, 388.0),
+                                 128: (315.0, 410.0, 484.0, 518.0, 529.0, 539.0)},
+              "backward": {64: (266.0, 348.0, 395.0, 417.0, 432.0, 433.0),
+                           128: (305.0, 408.0, 465.0, 499.0, 518.0, 516.0)}},
+}
+
+
+def causal_backward_tflops(kernel: str, head_dim: int) -> tuple[float, ...]:
+    """The causal backward at each measured length, which Figure 6 does not chart: the unmasked
+    backward slowed as the kernel's own forward is by the mask (causal over unmasked forward at the
+    same length). The mask costs both passes alike: half the tiles, the diagonal ones computed in
+    full and the query blocks unevenly loaded. Read back through the FlashAttention-2 row, this gives
+    the forward + backward of the FlashAttention-2 chart above (H100, head 128) within 11% at 512
+    and 3-8% from 2k, always slower than charted (tests/test_kernels.py)."""
+    t = HOPPER_ATTENTION_TFLOPS[kernel]
+    return tuple(b * fc / f for b, fc, f in zip(t["backward"][head_dim], t["forward_causal"][head_dim],
+                                                t["forward"][head_dim]))
+
+
+def causal_forward_backward_tflops(kernel: str, head_dim: int) -> tuple[float, ...]:
+    """Forward + backward TFLOP/s with the causal mask from the separate passes (the backward's
+    FLOPs ATTENTION_BACKWARD_FLOPS times the forward's, as the charts count them)."""
+    forward = HOPPER_ATTENTION_TFLOPS[kernel]["forward_causal"][head_dim]
+    return tuple((1.0 + ATTENTION_BACKWARD_FLOPS) / (1.0 / f + ATTENTION_BACKWARD_FLOPS / b)
+                 for f, b in zip(forward, causal_backward_tflops(kernel, head_dim)))
+
+
 # A kernel without published rates, read at a measured kernel's. FlashAttention's Triton kernel
 # (flash_attn/flash_attn_triton.py, MPT's attn_impl "triton": llm-foundry 5f43bf1
 # llmfoundry/models/layers/attention.py line 211) has no chart of its own; its header compares it
@@ -101,6 +155,14 @@ ATTENTION_BACKWARD_FLOPS = 2.5
 # 76.2 backward (triton-lang.org, getting-started/tutorials/06-fused-attention). FlashAttention 1.x:
 # no separate measurement, one rate for both.
 FORWARD_OVER_BACKWARD_RATE = {"flash-attention-2": 73.0 / 63.0, "flash-attention-triton": 136.5 / 76.2}
+# Hopper's kernels (no A100 measurement: FlashAttention-3 runs on sm90 only, and the paper charts
+# cuDNN on H100 alone): their forward + backward from the separate passes, head 64 and 128, and the
+# forward over backward rate at 8k, head 128 (unmasked over unmasked: the causal backward is read
+# with the forward's mask factor, so the ratio is the same)
+for _kernel in ("flash-attention-3", "cudnn"):
+    FLASH_ATTENTION_CAUSAL_TFLOPS[(_kernel, "h100")] = {d: causal_forward_backward_tflops(_kernel, d) for d in (64, 128)}
+    FORWARD_OVER_BACKWARD_RATE[_kernel] = (HOPPER_ATTENTION_TFLOPS[_kernel]["forward"][128][4]
+                                           / HOPPER_ATTENTION_TFLOPS[_kernel]["backward"][128][4])
 # A GPU without a measured MAMF: the datasheet peak times the H100 SXM's measured fraction
 # (794.5 of 989 TFLOP/s, the MAMF table's median NVIDIA row, between GH200's 83.8% and B200's 77.6%).
 UNMEASURED_MATMUL_FRACTION = 794.5 / 989.0
@@ -199,7 +261,11 @@ def attention_tflops(r: Rates, seq: int, head_dim: int, kernel: str = "flash-att
     log-linear between the measured lengths; beyond the longest, the fixed-cost form through the
     last two (long_sequence_tflops); linear in head width between 64 and 128, the nearer end
     outside; scaled by this GPU's matmul rate over the reference's."""
-    measured = FLASH_ATTENTION_CAUSAL_TFLOPS[(STAND_IN.get(kernel, kernel), r.attention_reference)]
+    measured = FLASH_ATTENTION_CAUSAL_TFLOPS.get((STAND_IN.get(kernel, kernel), r.attention_reference))
+    if measured is None:
+        raise PlannerError(f"attention_kernel {kernel!r} is measured on Hopper (H100) only: on a GPU nearer "
+                           f"the {r.attention_reference.upper()} it does not run, or its rate is unknown; use "
+                           "flash-attention-2", field="attention_kernel")
 
     def at(row: tuple[float, ...]) -> float:
         if seq <= ATTENTION_SEQUENCES[0]:
