@@ -176,6 +176,26 @@ def test_axolotls_int8_lora_and_the_same_job_as_trl_give_the_same_answer():
     assert (a.peak_bytes, a.step_seconds) == (b.peak_bytes, b.step_seconds)
 
 
+def test_flash_attention_3_is_timed_at_its_own_rates_and_refused_off_hopper():
+    """attn_implementation flash_attention_3 runs flash-attn's Hopper kernel: attention_kernel
+    flash-attention-3 (its FlashAttention-3 paper rates), faster than flash_attention_2's on H100;
+    the same job on an A100, where no rate of it is measured, is refused with the field."""
+    job = {"model_name_or_path": "NousResearch/Meta-Llama-3-8B", "use_peft": True, "lora_r": 16,
+           "per_device_train_batch_size": 1, "max_length": 8192, "bf16": True, "output_dir": "out"}
+
+    def checked(implementation: str, gpu: str):
+        text = json.dumps({**job, "attn_implementation": implementation})
+        return check(CheckRequest(files=[{"name": "sft.json", "text": text}], gpus=1, gpu=gpu), estimate_with_time)
+
+    fa3, fa2 = checked("flash_attention_3", "h100-80gb"), checked("flash_attention_2", "h100-80gb")
+    assert (fa3.request.attention_kernel, fa2.request.attention_kernel) == ("flash-attention-3", "flash-attention-2")
+    assert fa3.request.attention == fa2.request.attention == "sdpa" and fa3.peak_bytes == fa2.peak_bytes
+    assert fa3.step_seconds < fa2.step_seconds
+    assert checked("kernels-community/vllm-flash-attn3", "h100-80gb").request.attention_kernel == "flash-attention-3"
+    with pytest.raises(PlannerError, match="attention_kernel 'flash-attention-3'"):
+        checked("flash_attention_3", "a100-80gb")
+
+
 def test_emitted_trl_and_accelerate_files_load_in_their_own_loaders(tmp_path):
     from accelerate.commands.config.config_args import ClusterConfig
     from transformers import HfArgumentParser

@@ -72,12 +72,20 @@ def hf_optimizer(reading: Reading, key: str, name: Any) -> None:
     raise reading.where.error(key, f"({name!r}) is refused: {why}; use one of {', '.join(known)}")
 
 
+# attn_implementation values that run FlashAttention-3 (flash-attn's Hopper build): transformers'
+# "flash_attention_3" (flash_attn_interface, or its Hub fallback) and the Hub's FlashAttention-3
+# kernels (transformers 5.25.0 modeling_flash_attention_utils.py FLASH_ATTN_KERNEL_FALLBACK, lines 65-72)
+HOPPER_FLASH_ATTENTION_3 = ("flash_attention_3", "kernels-community/flash-attn3", "kernels-community/vllm-flash-attn3")
+
+
 def attention(reading: Reading, key: str, name: Any) -> None:
     """attn_implementation -> the model's attention: flash and SDPA keep no score matrix (sdpa),
     eager does."""
     text = str(name)
     if text in ("flash_attention_2", "flash_attention_3", "sdpa", "flash") or text.startswith("kernels-community/"):
         reading.set("attention", "sdpa", key)
+        if text in HOPPER_FLASH_ATTENTION_3:  # timed at its own rates; other names run FlashAttention-2 or SDPA
+            reading.set("attention_kernel", "flash-attention-3", key)
     elif text == "eager":
         reading.set("attention", "eager", key)
     else:
