@@ -317,6 +317,41 @@ def _graph_seconds(fn, repeat: int = 20) -> float:
     return _cuda_seconds(graph.replay, repeat=5) / repeat
 
 
+def _sdpa_backends(q, k_, v, grad, flops: float, r, seq: int) -> dict:
+    """Which kernel SDPA's default ran (planner/time/kernels.py HOPPER_ATTENTION_TFLOPS): each backend
+    timed alone (cuDNN, torch's FlashAttention-2), forward and backward, beside the model's
+    forward + backward for the kernel it stands for; a backend that refuses the shape is left out."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from planner.time import kernels
+
+    out = {}
+    for name, backend, kernel in (("cudnn", SDPBackend.CUDNN_ATTENTION, "cudnn"),
+                                  ("flash", SDPBackend.FLASH_ATTENTION, "flash-attention-2")):
+        try:
+            with sdpa_kernel([backend]):
+                fwd = _cuda_seconds(lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True))
+                bwd = _cuda_seconds(lambda: torch.autograd.grad(
+                    F.scaled_dot_product_attention(q, k_, v, is_causal=True), (q, k_, v), grad)) - fwd
+        except RuntimeError as e:  # no kernel of this backend for the shape or build
+            out[name] = {"error": str(e).splitlines()[0]}
+            continue
+        try:
+            modelled = kernels.attention_tflops(r, seq, 128, kernel)
+        except PlannerError:  # cuDNN is modelled on Hopper only
+            modelled = None
+        out[name] = {"forward_tflops": flops / fwd / 1e12,
+                     "backward_tflops": kernels.ATTENTION_BACKWARD_FLOPS * flops / bwd / 1e12,
+                     "forward_backward_tflops": (1 + kernels.ATTENTION_BACKWARD_FLOPS) * flops / (fwd + bwd) / 1e12,
+                     "modelled_forward_backward_tflops": modelled}
+        print(f"  SDPA {name} alone, seq {seq}: forward {out[name]['forward_tflops']:.0f}, backward "
+              f"{out[name]['backward_tflops']:.0f}, together {out[name]['forward_backward_tflops']:.0f} TFLOP/s "
+              f"(modelled {kernel}: {modelled})")
+    return out
+
+
 def check_kernels(gpu_name: str) -> dict:
     """Measured against modelled: the K loop's share of a GEMM, and attention's forward/backward split."""
     import torch
@@ -353,7 +388,9 @@ def check_kernels(gpu_name: str) -> dict:
                                                         (q, k_, v), grad)) - fwd
         attention.append({"seq": seq, "batch": batch, "forward_tflops": flops / fwd / 1e12,
                           "backward_tflops": kernels.ATTENTION_BACKWARD_FLOPS * flops / bwd / 1e12,
-                          "modelled_forward_over_backward": kernels.FORWARD_OVER_BACKWARD_RATE["flash-attention-2"]})
+                          "modelled_forward_over_backward": kernels.FORWARD_OVER_BACKWARD_RATE["flash-attention-2"],
+                          "cudnn_version": torch.backends.cudnn.version(),
+                          "backends": _sdpa_backends(q, k_, v, grad, flops, r, seq)})
         print(f"SDPA causal seq {seq}: forward {attention[-1]['forward_tflops']:.0f} TFLOP/s, backward "
               f"{attention[-1]['backward_tflops']:.0f} (modelled ratio {attention[-1]['modelled_forward_over_backward']:.2f})")
     return {"gemms": gemms, "attention": attention}
