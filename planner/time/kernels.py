@@ -89,7 +89,9 @@ FLASH_ATTENTION_CAUSAL_TFLOPS = {
 # first (cudnn_attention before flash_attention) when its runtime cuDNN is newer than 9.15.0 and
 # TORCH_CUDNN_SDPA_DEPRIORITIZED is unset (pytorch/pytorch 001f694,
 # aten/src/ATen/native/transformers/cuda/sdp_utils.cpp check_prefer_cudnn_attention and
-# priority_order); otherwise SDPA's first choice stays its FlashAttention-2 kernel.
+# priority_order); otherwise SDPA's first choice stays its FlashAttention-2 kernel, as it was for
+# every GPU when cuDNN came last (flash, efficient, math, cudnn: 21c3369, same file, priority_order).
+# The choice follows the wheel's cuDNN, which no request field states: attention_kernel says it.
 HOPPER_ATTENTION_TFLOPS = {
     "flash-attention-2": {"forward": {64: (282.0, 306.0, 318.0, 321.0, 322.0, 324.0),
                                       128: (309.0, 350.0, 362.0, 368.0, 370.0, 370.0)},
