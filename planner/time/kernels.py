@@ -20,7 +20,8 @@ Sources of the constants:
   0251105, README "Performance", assets/flash2_a100_fwd_bwd_benchmark.png and
   flash2_h100_fwd_bwd_benchmark.png, panels (c) and (d)); FLOPs counted as its
   benchmarks/benchmark_flash_attention.py counts them: 4·s²·heads·head_dim forward, halved by the
-  causal mask, backward 2.5x forward.
+  causal mask, backward 2.5x forward. On Hopper also FlashAttention-3 and cuDNN's fused attention,
+  forward and backward charted apart (FlashAttention-3 paper, HOPPER_ATTENTION_TFLOPS below).
 - Wave quantisation: a GEMM's output is cut into tiles, one per SM at a time; the last wave runs
   partly empty (NVIDIA, "Matrix Multiplication Background User's Guide", Wave Quantization).
 - The K loop: each output tile streams its K in steps through a multi-stage pipeline that is
