@@ -1,5 +1,8 @@
 """The kernel model of the step's compute (planner/time/kernels.py), pinned to hand-derived numbers."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from planner.model.architecture import from_hf_config, layer_specs
@@ -81,6 +84,18 @@ def test_hopper_kernels_read_back_from_the_flashattention_3_charts():
     # no A100 measurement: refused, not read at another GPU's rate
     with pytest.raises(PlannerError, match="attention_kernel 'flash-attention-3'"):
         attention_tflops(rates(A100, "bf16"), 2048, 128, "flash-attention-3")
+
+
+def test_the_h200s_sdpa_ran_at_hoppers_kernels_rates_not_flashattention_2s():
+    # bench/results/gpu_check_h200_1.json: torch 2.11+cu130's SDPA, causal, head 128, 8k tokens:
+    # 579 forward, 509 backward, 527 TFLOP/s together; the H200 has the H100's SMs and clocks
+    measured = json.loads((Path(__file__).parents[1] / "bench/results/gpu_check_h200_1.json").read_text())
+    row = next(a for a in measured["kernels"]["attention"] if a["seq"] == 8192)
+    together = 3.5 / (1 / row["forward_tflops"] + 2.5 / row["backward_tflops"])
+    h200 = rates(load_gpus()["h200"], "bf16")
+    assert together / attention_tflops(h200, 8192, 128, "flash-attention-2") > 1.7  # not the 2023 kernel
+    for kernel in ("flash-attention-3", "cudnn"):  # FlashAttention-3 542 (+3%), cuDNN of 2024 475 (-10%)
+        assert abs(attention_tflops(h200, 8192, 128, kernel) / together - 1) < 0.11
 
 
 def test_what_each_checkpointing_policy_reruns_of_llama_3_8b():
