@@ -93,6 +93,9 @@ FLASH_ATTENTION_CAUSAL_TFLOPS = {
 # priority_order); otherwise SDPA's first choice stays its FlashAttention-2 kernel, as it was for
 # every GPU when cuDNN came last (flash, efficient, math, cudnn: 21c3369, same file, priority_order).
 # The choice follows the wheel's cuDNN, which no request field states: attention_kernel says it.
+# torchtitan pins its own order, FlashAttention first below sm100 (pytorch/torchtitan 2f78d7b,
+# torchtitan/models/attention.py ScaledDotProductAttention._init_backend: cuDNN first only from
+# capability 10.0), so its H100 runs stay at FlashAttention-2, the default.
 HOPPER_ATTENTION_TFLOPS = {
     "flash-attention-2": {"forward": {64: (282.0, 306.0, 318.0, 321.0, 322.0, 324.0),
                                       128: (309.0, 350.0, 362.0, 368.0, 370.0, 370.0)},
