@@ -79,9 +79,12 @@ _COLLECTIVE_SMS: dict[tuple, tuple["Topology", int]] = {}
 def contention_seconds(hidden_seconds, sms: int | None, t: "Topology", ring: tuple[int, ...]):
     """What overlapped communication costs the compute it hides behind: for its duration the
     collective's blocks hold collective_sms of the GPU's SMs, so that much compute work moves to
-    after it (a first-order share; Lee et al. 2025, "Characterizing Compute-Communication Overlap
-    in GPU-Accelerated Distributed Deep Learning", arXiv 2507.03114, measure a mean compute
-    slowdown of 18.9% while overlapped on A100 and H100, against 24/108 = 22% and 24/132 = 18%)."""
+    after it (a first-order share: 24/108 = 22% of an A100's, 24/132 = 18% of an H100's SMs). Lee
+    et al. 2025, "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
+    Learning", arXiv 2507.03114, abstract: compute slows a mean 18.9% (max 40.0%) when overlapped,
+    averaged over GPT/LLaMA runs on 4x A100, H100, MI250 and MI210 and taken over the compute's
+    whole time, not per overlapped second; its abstract gives no per-GPU split, so it is not used
+    as a per-GPU constant here."""
     if not sms or len(ring) < 2:
         return hidden_seconds * 0.0
     return hidden_seconds * min(1.0, collective_sms(t, ring) / sms)
