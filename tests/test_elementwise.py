@@ -44,7 +44,10 @@ def _record(config: dict, torch):
             outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             bias_gradient = name == "sum" and inputs[0].dim() == 2  # Conv1D's bias: the bias-gradient term
             if name not in SKIPPED and "scaled_dot_product" not in name and not bias_gradient:
-                self.ops.append((name, sum(nbytes(t) for t in inputs + outputs)))
+                moved = sum(nbytes(t) for t in inputs + outputs)
+                if name == "slice_backward":  # zeros, then the slice copied in: the slice is written twice
+                    moved += nbytes(inputs[0])
+                self.ops.append((name, moved))
             return out
 
     torch.manual_seed(0)

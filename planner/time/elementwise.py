@@ -150,15 +150,15 @@ NORM_OPS = {("rmsnorm", "cast"): COMPOSITE_RMSNORM, ("rmsnorm", "float"): FLOAT_
 
 # transformers' apply_rotary_pos_emb (modeling_llama.py lines 119-149), per q or k: ``(x * cos) +
 # (rotate_half(x) * sin)``, rotate_half = cat(-x2, x1) of the two halves (slices are views). Backward: mul's
-# gradient per input, neg's, two slice_backward (each writes a zero-filled full-width tensor), their sum and the
-# two paths' sum; then the q or k gradient, laid out as the rotary's fresh output, is copied back to the
+# gradient per input, neg's, two slice_backward (each fills a full-width tensor with zeros, then copies the half's
+# gradient into it: torch 2.13 _decomp/decompositions.py slice_backward, line 741: new_zeros, slice_scatter), their sum and the two paths' sum; then the q or k gradient, laid out as the rotary's fresh output, is copied back to the
 # projection's layout (view's derivative reshapes the transposed gradient: a clone; measured on CPU, the same
 # autograd formulas and strides on CUDA).
 ROTARY = Piece(
     forward=(Op(c_in=1, table_in=1, c_out=1), Op(c_in=0.5, c_out=0.5), Op(c_in=1, c_out=1),
              Op(c_in=1, table_in=1, c_out=1), Op(c_in=2, c_out=1)),
-    backward=(Op(c_in=1, table_in=1, c_out=1), Op(c_in=0.5, c_out=0.5), Op(c_in=0.5, c_out=1),
-              Op(c_in=0.5, c_out=1), Op(c_in=2, c_out=1), Op(c_in=1, table_in=1, c_out=1), Op(c_in=2, c_out=1),
+    backward=(Op(c_in=1, table_in=1, c_out=1), Op(c_in=0.5, c_out=0.5), Op(c_in=0.5, c_out=1.5),
+              Op(c_in=0.5, c_out=1.5), Op(c_in=2, c_out=1), Op(c_in=1, table_in=1, c_out=1), Op(c_in=2, c_out=1),
               Op(c_in=1, c_out=1)),
 )
 # Two tensors added, and in backward the sum autograd runs where a tensor fed two ops: a residual's input
