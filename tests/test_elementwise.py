@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import pytest
 
+from planner.cluster.gpus import load_gpus
 from planner.model.architecture import from_hf_config, layer_specs
 from planner.time.elementwise import COMPOSITE_RMSNORM, FUSED_LAYERNORM, block_traffic, traffic
+from planner.time.kernels import Recompute, micro_batch_terms, rates, work
 from tests.real_runs import GPT2, LLAMA, QWEN3
 
 TOKENS = 96  # no weight (256, 64 elements) is a multiple of it: weight-sized tensors are told apart by that
@@ -101,3 +103,19 @@ def test_a_composite_rmsnorm_moves_nine_times_a_fused_norms_bytes_forward():
     rms, fused = traffic(COMPOSITE_RMSNORM, 4096, 2), traffic(FUSED_LAYERNORM, 4096, 2)
     assert (rms.forward_bytes, fused.forward_bytes) == (36 * 4096, 4 * 4096)
     assert (rms.backward_bytes, fused.backward_bytes) == (92 * 4096, 6 * 4096)
+
+
+def test_a_policy_reruns_the_blocks_elementwise_forward_and_not_the_edges():
+    # Llama, 2,048 tokens: the Work's elementwise forward is the blocks' op-by-op forward; a policy that reruns
+    # all of it (selective-op: every op between the saved mm outputs) adds exactly that time to the recompute,
+    # nothing of the backward, the embedding or the final norm
+    arch = from_hf_config(LLAMA)
+    r = rates(load_gpus()["a100-80gb"], "bf16")
+    w = work(arch, 2048, 1, 1, False, 2, False, r)
+    block = block_traffic(arch, layer_specs(arch)[0], 1, False, 2)
+    assert w.elementwise_bytes == pytest.approx(block.forward_bytes * 2048 * arch.num_layers)
+    assert w.elementwise_backward_bytes == pytest.approx(block.backward_bytes * 2048 * arch.num_layers)
+    none = micro_batch_terms(w, 2, r, 2, "none", shares=Recompute())
+    rerun = micro_batch_terms(w, 2, r, 2, "selective-op", shares=Recompute(elementwise=1.0))
+    assert rerun.recompute - none.recompute == pytest.approx(2 * w.elementwise_bytes / r.memory_bytes_per_s)
+    assert rerun.elementwise == none.elementwise
