@@ -141,10 +141,13 @@ FLOAT_WEIGHT_RMSNORM = Piece(
 # Llama4TextL2Norm: ``x.float() * rsqrt(mean(x²) + eps)`` cast back, no weight
 L2_NORM = Piece(forward=_RMS_STATISTIC + (Op(f_in=1, c_out=1),),
                 backward=(Op(c_in=1, f_out=1),) + _RSQRT_BACKWARD + (Op(f_in=1, c_out=1),))
-# nn.LayerNorm: one aten::native_layer_norm (input in, output and fp32 mean and rstd per row out) and one
-# native_layer_norm_backward reading the gradient, the input and the row statistics (derivatives.yaml line
-# 1274). On CUDA its input and weight gradients are separate kernels of that one op, counted once here.
-FUSED_LAYERNORM = Piece(forward=(Op(c_in=1, c_out=1, row_out=2),), backward=(Op(c_in=2, row_in=2, c_out=1),))
+# nn.LayerNorm: one aten::native_layer_norm (input in, output and fp32 mean and rstd per row out: acc_type on
+# CUDA) and one native_layer_norm_backward (derivatives.yaml line 1274), which on CUDA runs two kernels: the input's
+# gradient (reads the gradient, the input and the row statistics, writes the gradient) and the weight's and
+# bias's, which read the gradient and the input again (aten/src/ATen/native/cuda/layer_norm_kernel.cu
+# LayerNormBackwardKernelImplInternal: layer_norm_grad_input_kernel, then GammaBetaBackwardCUDAKernel; read at
+# pytorch 0005c538). One dispatched op each way.
+FUSED_LAYERNORM = Piece(forward=(Op(c_in=1, c_out=1, row_out=2),), backward=(Op(c_in=4, row_in=4, c_out=1),))
 NORM_OPS = {("rmsnorm", "cast"): COMPOSITE_RMSNORM, ("rmsnorm", "float"): FLOAT_WEIGHT_RMSNORM,
             ("layernorm", "cast"): FUSED_LAYERNORM, ("layernorm", "float"): FUSED_LAYERNORM}
 
