@@ -253,7 +253,14 @@ def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int) -
 
 
 def edge_traffic(arch: Architecture, last: LayerSpec, tp: int, sp: bool, c: int) -> Traffic:
-    """Outside the blocks: the embedding's lookup and gradient, and the final norm (the blocks' norm module)."""
+    """Outside the blocks: the embedding's lookup and gradient, learned positions' lookup and their sum with it
+    (GPT-2's ``inputs_embeds + position_embeds``), the embedding dropout, and the final norm (the blocks' norm
+    module)."""
+    h = arch.hidden_size
     share = 1.0 / tp if sp else 1.0
-    return traffic(EMBEDDING, arch.hidden_size, c) + traffic(
-        norm_piece(last.norm, last.norm_weight), arch.hidden_size * share, c, rows=share)
+    out = traffic(EMBEDDING, h, c) + traffic(norm_piece(last.norm, last.norm_weight), h * share, c, rows=share)
+    if arch.learned_positions:
+        out = out + traffic(EMBEDDING, h, c) + traffic(ADD, h, c)
+    if arch.hidden_dropout > 0:
+        out = out + traffic(DROPOUT, h, c)
+    return out
