@@ -10,8 +10,9 @@ Python lines; backward ops are torch 2.13's derivative formulas (tools/autograd/
 shipped as torchgen/packaged/autograd/derivatives.yaml) for each forward op, plus the sums autograd's
 input buffer runs where a tensor feeds several ops. Weight-sized work (a norm's weight read, its
 gradient's few elements) is per micro-batch and not counted. The op lists were read off a
-TorchDispatchMode trace of each module on CPU (tests/test_elementwise.py replays one Llama block and
-one GPT-2 block and compares); what differs on CUDA is said where it does.
+TorchDispatchMode trace of each module on CPU (tests/test_elementwise.py replays a block of Llama, Mistral,
+Qwen2, Qwen3, SmolLM3, Gemma-3 and GPT-2 and compares); what differs on CUDA is said where it does. Not
+counted: Gemma's two weight-sized ops per norm call; OLMo-2's fp32 rotary and its casts back.
 
 How the code implements a norm is what the time depends on: a composite of Python ops (every
 RMSNorm of transformers 5.x: LlamaRMSNorm.forward, modeling_llama.py lines 62-67, ~9x a fused
