@@ -48,7 +48,8 @@ eager calls' rate is kept beside it), and SDPA's causal flash attention forward 
 TFLOP/s at head 128 over 8,192 tokens at each length against FORWARD_OVER_BACKWARD_RATE; printed and
 kept under "kernels". Then a transformer block's GEMMs, sustained for --sustained-seconds (30), per
 one-second window with the SM clock and power nvidia-smi reports ("sustained_matmul"): whether the
-rates measured in a burst hold through a step.
+rates measured in a burst hold through a step. And one Llama-3-8B and one MPT-7B block's elementwise
+kernels, forward and backward, timed by torch.profiler against planner/time/elementwise.py ("elementwise").
 
 When the file has an entry for the estimate's GPU, planner/memory/reserved.py uses its cuda_context_bytes
 (and nccl_bytes_per_communicator, unless NCCL_BUFFSIZE is given), and the estimate's allocator
@@ -396,6 +397,71 @@ def check_kernels(gpu_name: str) -> dict:
     return {"gemms": gemms, "attention": attention}
 
 
+# Kernel names of the matmuls and attention in a profile; every other CUDA kernel is elementwise work
+NOT_ELEMENTWISE = ("gemm", "cutlass", "xmma", "nvjet", "flash", "fmha", "attention")
+
+
+def check_elementwise(gpu_name: str, tokens: int = 8192) -> list[dict]:
+    """One block of Llama-3-8B and one of MPT-7B (GPT-2's block: fused LayerNorm, exact GELU) at full width,
+    forward and backward over ``tokens`` in bf16 under torch.profiler: the CUDA time and count of every kernel
+    that is not a GEMM or attention, against planner/time/elementwise.py's bytes at the time model's
+    bandwidth and its op count (the model counts dispatched ops: slice_backward, native_layer_norm_backward
+    run two kernels each on CUDA). Unverified until this runs: the CPU test (tests/test_elementwise.py)
+    checks the ops and their bytes, not the kernels' time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from planner.cluster.gpus import load_gpus
+    from planner.model.architecture import from_hf_config, layer_specs
+    from planner.time import kernels
+    from planner.time.elementwise import block_traffic
+
+    r = kernels.rates(load_gpus()[gpu_name], "bf16")
+    out = []
+    llama = catalogue_model("llama-3-8b").config
+    mpt = {"model_type": "gpt2", "n_embd": 4096, "n_head": 32, "n_layer": 1, "vocab_size": 50368,
+           "activation_function": "gelu", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    for name, config in (("llama-3-8b", dict(llama, num_hidden_layers=1)), ("mpt-7b (gpt2 block)", mpt)):
+        hf = AutoConfig.for_model(**config)
+        hf._attn_implementation = "sdpa"
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(hf).to(torch.bfloat16)
+        x = torch.randn(1, tokens, hf.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        if config["model_type"] == "gpt2":
+            block, kwargs = model.transformer.h[0], {}
+        else:
+            positions = torch.arange(tokens, device="cuda")[None]
+            block = model.model.layers[0]
+            kwargs = {"position_ids": positions, "position_embeddings": model.model.rotary_emb(x, positions)}
+
+        def step():
+            y = block(x, **kwargs)
+            (y[0] if isinstance(y, tuple) else y).backward(torch.ones_like(x))
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        elementwise = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                       and not any(k in e.name.lower() for k in NOT_ELEMENTWISE)]
+        arch = from_hf_config(config)
+        t = block_traffic(arch, layer_specs(arch)[0], 1, False, 2)
+        row = {"model": name, "tokens": tokens, "measured_seconds": sum(e.time_range.elapsed_us() for e in elementwise) / 1e6,
+               "measured_kernels": len(elementwise),
+               "modelled_seconds": (t.forward_bytes + t.backward_bytes) * tokens / r.memory_bytes_per_s,
+               "modelled_ops": t.forward_kernels + t.backward_kernels,
+               "kernels": sorted({e.name[:80] for e in elementwise})}
+        out.append(row)
+        print(f"elementwise {name}, {tokens} tokens: measured {row['measured_seconds'] * 1e3:.2f} ms in "
+              f"{row['measured_kernels']} kernels, modelled {row['modelled_seconds'] * 1e3:.2f} ms in {row['modelled_ops']} ops")
+        del model, block, x
+        torch.cuda.empty_cache()
+    return out
+
+
 def grid_requests(config: dict, gpu: str) -> list[tuple]:
     """Every run of the check: (strategy, (seq_len, micro_batch, checkpointing, attention, recipe
     fields), PYTORCH_CUDA_ALLOC_CONF, the EstimateRequest), each grid row under each allocator setting."""
@@ -587,7 +653,8 @@ def main() -> int:
                "driver": _driver(), "cuda": torch.version.cuda or "", "torch": torch.__version__,
                "step_timing": "step-only", "model": args.model, "layers": args.layers, "gpu": args.gpu}  # the rank times the step alone (backend/train.py _train_steps)
     if not args.skip_kernels:
-        results |= {"kernels": check_kernels(args.gpu), "matmul_tflops": matmul_tflops(),
+        results |= {"kernels": check_kernels(args.gpu), "elementwise": check_elementwise(args.gpu),
+                    "matmul_tflops": matmul_tflops(),
                     "hbm_copy_gbps": hbm_copy_gbps(), "sustained_matmul": sustained_matmul(args.gpu, args.sustained_seconds)}
         print(f"device-to-device copy: {results['hbm_copy_gbps']:.0f} GB/s (bytes read + written)")
     print(f"matmul TFLOP/s measured: {results.get('matmul_tflops')}")

@@ -172,9 +172,10 @@ def test_the_weight_gradient_reduces_over_the_tokens():
     assert t.matmul == pytest.approx(2 * flops / 1e15 + flops / (1e15 / (8192 / 8704) * 256 / 768))
 
 
-def _toy(gemm: Gemm, attention_seconds: float = 0.0, elementwise: float = 0.0) -> Work:
+def _toy(gemm: Gemm, attention_seconds: float = 0.0, elementwise: float = 0.0, backward: float = 0.0) -> Work:
     return Work(tokens=2048, gemms=(gemm,), attention_flops=0.0, attention_seconds_fb=attention_seconds,
-                eager_bytes=0.0, elementwise_bytes=elementwise, loss_bytes=0.0, kernels=0, layers=1)
+                eager_bytes=0.0, elementwise_bytes=elementwise, loss_bytes=0.0, kernels=0, layers=1,
+                elementwise_backward_bytes=backward)
 
 
 R = Rates(matmul_flops=1e15, matmul_source="test", memory_bytes_per_s=1e12, sms=None, attention_reference="a100",
@@ -208,16 +209,16 @@ def test_a_skinny_gemm_is_bandwidth_bound():
 
 
 def test_memory_bound_work_and_the_host():
-    # 1 MB of elementwise traffic per sequence forward: backward twice that, at 1e12 B/s
-    w = _toy(Gemm(8, 8, 1), elementwise=1e6)
+    # 1 MB of elementwise traffic per sequence forward, 2.5 MB backward, at 1e12 B/s
+    w = _toy(Gemm(8, 8, 1), elementwise=1e6, backward=2.5e6)
     t = micro_batch_terms(w, 2, R, 2, "full")
-    assert t.elementwise == pytest.approx(3 * 2e6 / 1e12)
+    assert t.elementwise == pytest.approx(2 * 3.5e6 / 1e12)
     # and the 8 x 8 GEMM's forward again: bandwidth-bound, 2 bytes x (4096 x 8 + 8 x 8 + 4096 x 8)
     assert t.recompute == pytest.approx(2e6 / 1e12 + 2 * (4096 * 8 + 64 + 4096 * 8) / 1e12, rel=1e-12)
-    # 100 launches of a forward, three passes plus the recompute's, 10 µs each: the host waits
+    # 100 launches of a forward, 250 of a backward and the recompute's 100, 10 µs each: the host waits
     w = Work(tokens=1, gemms=(), attention_flops=0.0, attention_seconds_fb=0.0, eager_bytes=0.0,
-             elementwise_bytes=0.0, loss_bytes=0.0, kernels=100, layers=1)
-    assert micro_batch_terms(w, 1, R, 2, "full").seconds == pytest.approx(4 * 100 * 10e-6)
+             elementwise_bytes=0.0, loss_bytes=0.0, kernels=100, layers=1, backward_kernels=250)
+    assert micro_batch_terms(w, 1, R, 2, "full").seconds == pytest.approx(450 * 10e-6)
 
 
 def test_optimizer_step_bytes():

@@ -3,7 +3,8 @@ achievable matmul rate, derated by its tile and wave quantisation; attention at 
 measured rate for its head width and sequence length; every elementwise op (norms, activations,
 rotary, residual adds, dropout, the loss and its fp32 upcast, the optimizer step, and each biased
 linear's bias gradient, reduced over the tokens in backward: BIAS_GRADIENT_READS) at the GPU's
-achievable memory bandwidth; recomputation as the checkpointing policy reruns it; and the host's
+achievable memory bandwidth, a block's ops one by one as its code runs them forward and backward
+(planner/time/elementwise.py); recomputation as the checkpointing policy reruns it; and the host's
 launch cost when kernels are shorter than it. Each part is a named term with its source.
 
 One function serves a single estimate (plain floats) and the plan search (a numpy array of
@@ -62,6 +63,7 @@ from planner.model.activations import checkpointed_blocks, selective_op_rerun_fl
 from planner.model.layers import LayerSpec, attention_numels
 from planner.model.linears import attention_linears, block_linears
 from planner.time.collectives import MEMORY_BANDWIDTH_EFFICIENCY
+from planner.time.elementwise import Traffic, block_traffic, edge_traffic
 from planner.recipes.losses import liger_chunk_tokens, loss_bytes_per_logit, loss_recomputes_logits
 
 AttentionKernel = Literal["flash-attention-2", "flash-attention-1", "flash-attention-triton", "flash-attention-3",
@@ -329,7 +331,7 @@ class Work:
     attention_flops: float  # forward, executed (causal saving), per sequence on this GPU
     attention_seconds_fb: float  # forward + backward at the measured rate, per sequence
     eager_bytes: float  # eager attention's score-matrix traffic, forward, per sequence
-    elementwise_bytes: float  # forward, per sequence
+    elementwise_bytes: float  # the blocks' forward, per sequence (what a checkpointing policy reruns)
     loss_bytes: float  # forward + backward, per sequence
     kernels: int  # launches of one forward
     layers: int
@@ -341,6 +343,9 @@ class Work:
     # chunk size), torchtitan's chunked loss (that many chunks of the sequence)
     chunked_head: tuple[int, int, int] | None = None
     bias_gradient_bytes: float = 0.0  # the biased linears' bias-gradient reductions, backward, per sequence
+    elementwise_backward_bytes: float = 0.0  # the blocks' elementwise backward, per sequence (planner/time/elementwise.py)
+    edge_elementwise_bytes: float = 0.0  # the embedding's and final norm's, forward + backward, per sequence
+    backward_kernels: int = 0  # launches of one backward (the recompute's are the forward's again)
 
 
 def _attention_gemms(s: LayerSpec, hidden: int, tp: int) -> list[tuple[int, int]]:
@@ -367,24 +372,6 @@ def _mlp_gemms(s: LayerSpec, hidden: int, tp: int) -> list[Gemm]:
         shared = max(1, m.shared_intermediate_size // tp)
         out += [Gemm(shared, hidden, 2), Gemm(hidden, shared, 1)]
     return out
-
-
-def _block_elementwise(s: LayerSpec, hidden: int, tp: int, sp: bool, hidden_dropout: float) -> float:
-    """Elements one token's block reads and writes in elementwise kernels, forward (eager PyTorch:
-    each op reads its inputs and writes its output once)."""
-    width = hidden if not sp else hidden / tp  # norms and residuals: replicated on TP ranks unless SP
-    norms = 2 * width * s.norms
-    residual = 3 * width * 2
-    m = s.mlp
-    inner = m.intermediate_size / tp
-    active = (m.experts_per_token if m.is_moe else 1) * inner + (m.shared_intermediate_size / tp)
-    act = (3 if m.gated else 2) * active
-    a = s.attention
-    qk = (a.q_width + a.kv_width) / tp
-    rope = 2 * qk if a.rope else 0.0
-    qk_norm = 2 * qk if a.qk_norm != "none" else 0.0
-    dropout = 2 * 2.5 * width if hidden_dropout > 0 else 0.0  # two sites: read, write, a byte mask
-    return norms + residual + act + rope + qk_norm + dropout
 
 
 def _bias_gradient_elements(arch: Architecture, s: LayerSpec, tp: int, sp: bool) -> float:
@@ -441,7 +428,8 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
     h = arch.hidden_size
     tokens = max(1, seq // cp)
     gemms: list[Gemm] = []
-    attention_flops = attention_seconds = eager_bytes = elementwise = bias_gradients = 0.0
+    attention_flops = attention_seconds = eager_bytes = bias_gradients = 0.0
+    elementwise = Traffic()
     kernels = 0
     specs: dict[LayerSpec, int] = {}
     for spec in layer_specs(arch):
@@ -462,9 +450,9 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
         attention_seconds += forward * (1 + ATTENTION_BACKWARD_FLOPS) / (
             attention_tflops(r, tokens, a.head_dim, kernel) * 1e12) * count
         eager_bytes += heads * tokens * seq * 16 * count  # scores 2, softmax in fp32 4+4, probs 2+2, mask 2
-        elementwise += _block_elementwise(spec, h, tp, sp, arch.hidden_dropout) * tokens * compute_bytes * count
+        elementwise = elementwise + block_traffic(arch, spec, tp, sp, compute_bytes).times(count)
         bias_gradients += _bias_gradient_elements(arch, spec, tp, sp) * tokens * compute_bytes * count
-        kernels += (len(proj) + len(mlp) + 12) * count  # the projections, attention and ~12 elementwise ops
+        kernels += (len(proj) + len(mlp) + 1) * count  # the projections and attention (elementwise ops: Traffic)
     head = Gemm(max(1, arch.vocab_size // tp), h, 1)
     # Liger's and torchtitan's three head GEMMs run per chunk of tokens (liger_head)
     chunked = loss_kind in ("liger-fused", "chunked-in-forward")
@@ -473,15 +461,19 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
     vocab = arch.vocab_size / tp
     loss = loss_bytes_per_logit(loss_kind, compute_bytes, LOSS_BYTES_PER_LOGIT) * vocab * tokens
     loss_recompute = 2.0 * tokens * head.n * head.k if loss_recomputes_logits(loss_kind) else 0.0
-    elementwise += 3 * h * tokens * compute_bytes  # embedding lookup and its gradient's scatter
+    edge = edge_traffic(arch, layer_specs(arch)[-1], tp, sp, compute_bytes)
     if eager:
         attention_seconds = 0.0
     return Work(tokens=tokens, gemms=tuple(gemms), attention_flops=attention_flops,
                 attention_seconds_fb=attention_seconds, eager_bytes=eager_bytes if eager else 0.0,
-                elementwise_bytes=elementwise, loss_bytes=loss, kernels=kernels + 8, layers=arch.num_layers,
+                elementwise_bytes=elementwise.forward_bytes * tokens, loss_bytes=loss,
+                kernels=kernels + elementwise.forward_kernels + edge.forward_kernels + 8, layers=arch.num_layers,
                 attention_forward_share=forward_share(kernel), loss_recompute_flops=loss_recompute,
                 chunked_head=(head.n, head.k, loss_chunks if loss_kind == "chunked-in-forward" else 0)
-                if chunked else None, bias_gradient_bytes=bias_gradients)
+                if chunked else None, bias_gradient_bytes=bias_gradients,
+                elementwise_backward_bytes=elementwise.backward_bytes * tokens,
+                edge_elementwise_bytes=(edge.forward_bytes + edge.backward_bytes) * tokens,
+                backward_kernels=2 * kernels + elementwise.backward_kernels + edge.backward_kernels + 8)
 
 
 def forward_share(kernel: str) -> float:
@@ -742,24 +734,26 @@ def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointi
         attention = micro_f * w.attention_seconds_fb
         attention_flops = micro_f * w.attention_flops * (1 + ATTENTION_BACKWARD_FLOPS)
     elementwise_fwd = micro_f * w.elementwise_bytes / r.memory_bytes_per_s
-    elementwise = 3 * elementwise_fwd + micro_f * w.loss_bytes / r.memory_bytes_per_s  # backward ~2x forward
+    elementwise_bwd = micro_f * w.elementwise_backward_bytes / r.memory_bytes_per_s
+    edge = micro_f * w.edge_elementwise_bytes / r.memory_bytes_per_s
+    elementwise = elementwise_fwd + elementwise_bwd + edge + micro_f * w.loss_bytes / r.memory_bytes_per_s
     if w.cast_bytes or w.weight_cast_bytes:  # low precision's casts (LowPrecisionRate)
         elementwise = elementwise + (micro_f * w.cast_bytes + w.weight_cast_bytes) / r.memory_bytes_per_s
     share = shares if shares is not None else Recompute.of_kinds(checkpointing)
     recompute = forward * share.matmul + attn_fwd * share.attention + elementwise_fwd * share.elementwise
     hardware = matmul_flops + attention_flops + flops * share.matmul + micro_f * w.attention_flops * share.attention
-    kernels = w.kernels * (3 + max(share.matmul, share.attention, share.elementwise))
+    kernels = w.kernels * (1 + max(share.matmul, share.attention, share.elementwise)) + w.backward_kernels
     if w.loss_recompute_flops:  # CCE's backward reruns the LM head's forward matmul
         loss_recompute = micro_f * w.loss_recompute_flops
         recompute = recompute + loss_recompute / r.matmul_flops
         hardware = hardware + loss_recompute
     host = arrays.full_like(m_all, kernels * r.host_seconds_per_kernel)
     # backward: the GEMMs' gradients, attention's backward (2.5 of its 3.5), the elementwise
-    # backward (2 of 3), the loss's gradient half, and the recomputed forward that runs inside it
+    # backward, the loss's gradient half, and the recomputed forward that runs inside it
     loss = micro_f * w.loss_bytes / r.memory_bytes_per_s
     # a frozen base's biases get no gradient (LoRA): no reduction
     bias = micro_f * w.bias_gradient_bytes * (1 - frozen_matmuls) / r.memory_bytes_per_s
-    backward_seconds = backward + (attention - attn_fwd) + 2 * elementwise_fwd + loss / 2 + recompute + bias
+    backward_seconds = backward + (attention - attn_fwd) + elementwise_bwd + edge / 2 + loss / 2 + recompute + bias
     return ComputeTerms(matmul=matmul, attention=attention, elementwise=elementwise, recompute=recompute,
                         host=host, hardware_flops=hardware, backward=backward_seconds, bias_gradients=bias)
 

@@ -750,7 +750,9 @@ def _compute_labels(r: kernels.Rates, attention_kernel: str, eager: bool, chunke
         head = ("; the LM head as Liger runs it, its three GEMMs per chunk of tokens and the weight's gradient "
                 "read and written per chunk" if chunked_head else "")
         hit = (("matmul", f"{r.matmul_source}, tile waves over {r.sms or '?'} SMs{head}"),
-               ("attention", attention_source), ("elementwise and loss", bandwidth),
+               ("attention", attention_source),
+               ("elementwise and loss", f"{bandwidth}; a block's ops one by one, forward and backward, as its code "
+                "dispatches them (planner/time/elementwise.py; eager, no torch.compile fusion)"),
                (f"recompute ({checkpointing})", "the forward kernels rerun, same rates"),
                ("bias gradients", f"each biased linear's backward sums its output gradient over the tokens "
                 f"(torch addmm's derivative, one reduction kernel; kernels.BIAS_GRADIENT_READS), at {bandwidth}"),

@@ -1,0 +1,267 @@
+"""A decoder block's memory-bound work, op by op as its code runs it, forward and backward.
+
+Each piece of a block (its norms, rotary embedding, activation, residual adds, dropout) is the list
+of ATen ops autograd dispatches for it, and each op reads its inputs and writes its output once at
+the GPU's memory bandwidth (planner/time/kernels.py). An op's bytes are counted per element of the
+piece's width in the compute dtype (``c``) or fp32 (``f``, the upcasts at 4 bytes), per row (the
+fp32 per-token statistics of a norm), per element of the rotary tables (``table``: cos/sin, one
+row of head_dim per token) and in single bytes (dropout's bool mask). Forward ops are the module's
+Python lines; backward ops are torch 2.13's derivative formulas (tools/autograd/derivatives.yaml,
+shipped as torchgen/packaged/autograd/derivatives.yaml) for each forward op, plus the sums autograd's
+input buffer runs where a tensor feeds several ops. Weight-sized work (a norm's weight read, its
+gradient's few elements) is per micro-batch and not counted. The op lists were read off a
+TorchDispatchMode trace of each module on CPU (tests/test_elementwise.py replays a block of Llama, Mistral,
+Qwen2, Qwen3, SmolLM3, Gemma-3 and GPT-2 and compares); what differs on CUDA is said where it does. Not
+counted: Gemma's two weight-sized ops per norm call; OLMo-2's fp32 rotary and its casts back.
+
+How the code implements a norm is what the time depends on: a composite of Python ops (every
+RMSNorm of transformers 5.x: LlamaRMSNorm.forward, modeling_llama.py lines 62-67, ~9x a fused
+norm's bytes forward) or one fused kernel (nn.LayerNorm: aten::native_layer_norm). torch 2.13's
+F.rms_norm is CompositeImplicitAutograd (rms_norm_symint, native_functions.yaml line 3250) and has a
+fused CUDA kernel (_fused_rms_norm, line 3254, backward _fused_rms_norm_backward, line 3261;
+derivatives.yaml line 1284), but no family the planner reads calls it (nn.RMSNorm's CPU path runs the
+composite, rms_norm_composite). NORM_OPS keys the lists by the layer spec's norm and norm_weight,
+which name the transformers module (planner/model/layers.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.model.architecture import Architecture
+from planner.model.attention.kinds import kind_of
+from planner.model.layers import LayerSpec
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Op:
+    """One dispatched op: elements it reads (``*_in``) and writes (``*_out``) per element of its piece."""
+
+    c_in: float = 0.0
+    c_out: float = 0.0
+    f_in: float = 0.0
+    f_out: float = 0.0
+    row_in: float = 0.0
+    row_out: float = 0.0
+    table_in: float = 0.0
+    byte_in: float = 0.0
+    byte_out: float = 0.0
+
+    def bytes(self, width: float, rows: float, table: float, c: int) -> float:
+        return ((self.c_in + self.c_out) * c * width + (self.f_in + self.f_out) * FP32 * width
+                + (self.row_in + self.row_out) * FP32 * rows + self.table_in * c * table
+                + (self.byte_in + self.byte_out) * width)
+
+
+@dataclass(frozen=True)
+class Piece:
+    forward: tuple[Op, ...]
+    backward: tuple[Op, ...]
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes per token and launches per block call, forward and backward."""
+
+    forward_bytes: float = 0.0
+    backward_bytes: float = 0.0
+    forward_kernels: int = 0
+    backward_kernels: int = 0
+
+    def __add__(self, other: "Traffic") -> "Traffic":
+        return Traffic(self.forward_bytes + other.forward_bytes, self.backward_bytes + other.backward_bytes,
+                       self.forward_kernels + other.forward_kernels, self.backward_kernels + other.backward_kernels)
+
+    def times(self, n: int) -> "Traffic":
+        return Traffic(self.forward_bytes * n, self.backward_bytes * n, self.forward_kernels * n,
+                       self.backward_kernels * n)
+
+
+def traffic(piece: Piece, width: float, c: int, rows: float = 0.0, table: float = 0.0) -> Traffic:
+    """One call of ``piece`` over ``width`` elements per token (``rows`` per-row statistics, ``table`` rotary
+    elements per token)."""
+    return Traffic(sum(op.bytes(width, rows, table, c) for op in piece.forward),
+                   sum(op.bytes(width, rows, table, c) for op in piece.backward),
+                   len(piece.forward), len(piece.backward))
+
+
+# The backward of ``x * rsqrt(mean(x²) + eps)`` in fp32 (derivatives.yaml: mul.Tensor line 1231, rsqrt line
+# 1504, mean.dim line 1153, pow.Tensor_Scalar line 1400), shared by every composite RMSNorm:
+_RSQRT_BACKWARD = (
+    Op(f_in=2, f_out=1),  # grad * x: rsqrt's gradient before the row sum
+    Op(f_in=1, row_in=1, f_out=1),  # grad * rsqrt: x's gradient through the product
+    Op(f_in=1, row_out=1),  # sum over the row (rsqrt was broadcast)
+    Op(row_in=1, row_out=1),  # rsqrt: -0.5 * grad * result.pow(3): pow,
+    Op(row_in=1, row_out=1),  # * -0.5,
+    Op(row_in=2, row_out=1),  # * grad
+    Op(row_in=1, f_out=1),  # mean_backward: grad expanded / N
+    Op(f_in=1, f_out=1),  # pow_backward: self.pow(1),
+    Op(f_in=1, f_out=1),  # * 2,
+    Op(f_in=2, f_out=1),  # * grad
+    Op(f_in=2, f_out=1),  # the fp32 input's two gradients summed (autograd's input buffer)
+)
+_RMS_STATISTIC = (
+    Op(c_in=1, f_out=1),  # hidden_states.to(torch.float32)
+    Op(f_in=1, f_out=1),  # .pow(2)
+    Op(f_in=1, row_out=1),  # .mean(-1, keepdim=True)
+    Op(row_in=1, row_out=1),  # + variance_epsilon
+    Op(row_in=1, row_out=1),  # torch.rsqrt
+    Op(f_in=1, row_in=1, f_out=1),  # hidden_states * rsqrt
+)
+# transformers 5.x LlamaRMSNorm.forward (modeling_llama.py lines 62-67; Qwen2/3, Mistral, Mixtral, Phi-3,
+# DeepSeek alike): ``self.weight * hidden_states.to(input_dtype)``
+COMPOSITE_RMSNORM = Piece(
+    forward=_RMS_STATISTIC + (
+        Op(f_in=1, c_out=1),  # .to(input_dtype)
+        Op(c_in=1, c_out=1),  # self.weight * x
+    ),
+    backward=(
+        Op(c_in=1, c_out=1),  # grad * weight
+        Op(c_in=2, c_out=1),  # grad * x, the weight's gradient before its reduction
+        Op(c_in=1),  # summed over the tokens (sum_to the weight's shape)
+        Op(c_in=1, f_out=1),  # _to_copy_backward: the gradient to fp32
+    ) + _RSQRT_BACKWARD + (Op(f_in=1, c_out=1),),  # and back to the input's dtype
+)
+# Olmo2RMSNorm ``(self.weight * x).to(input_dtype)``, Gemma2/3RMSNorm ``x * (1.0 + self.weight.float())``, then
+# the cast: the weight multiplies in fp32 (norm_weight "float"). Gemma's two weight-sized ops are not counted.
+FLOAT_WEIGHT_RMSNORM = Piece(
+    forward=_RMS_STATISTIC + (
+        Op(f_in=1, f_out=1),  # x * weight in fp32
+        Op(f_in=1, c_out=1),  # .to(input_dtype) / .type_as(x)
+    ),
+    backward=(
+        Op(c_in=1, f_out=1),  # the cast's backward: the gradient to fp32
+        Op(f_in=2, f_out=1),  # grad * x, the weight's gradient before its reduction
+        Op(f_in=1, f_out=1),  # grad * weight
+        Op(f_in=1),  # summed over the tokens
+        Op(),  # the weight's gradient cast to its dtype (weight-sized)
+    ) + _RSQRT_BACKWARD + (Op(f_in=1, c_out=1),),
+)
+# Llama4TextL2Norm: ``x.float() * rsqrt(mean(x²) + eps)`` cast back, no weight
+L2_NORM = Piece(forward=_RMS_STATISTIC + (Op(f_in=1, c_out=1),),
+                backward=(Op(c_in=1, f_out=1),) + _RSQRT_BACKWARD + (Op(f_in=1, c_out=1),))
+# nn.LayerNorm: one aten::native_layer_norm (input in, output and fp32 mean and rstd per row out: acc_type on
+# CUDA) and one native_layer_norm_backward (derivatives.yaml line 1274), which on CUDA runs two kernels: the input's
+# gradient (reads the gradient, the input and the row statistics, writes the gradient) and the weight's and
+# bias's, which read the gradient and the input again (aten/src/ATen/native/cuda/layer_norm_kernel.cu
+# LayerNormBackwardKernelImplInternal: layer_norm_grad_input_kernel, then GammaBetaBackwardCUDAKernel; read at
+# pytorch 0005c538). One dispatched op each way.
+FUSED_LAYERNORM = Piece(forward=(Op(c_in=1, c_out=1, row_out=2),), backward=(Op(c_in=4, row_in=4, c_out=1),))
+NORM_OPS = {("rmsnorm", "cast"): COMPOSITE_RMSNORM, ("rmsnorm", "float"): FLOAT_WEIGHT_RMSNORM,
+            ("layernorm", "cast"): FUSED_LAYERNORM, ("layernorm", "float"): FUSED_LAYERNORM}
+
+# transformers' apply_rotary_pos_emb (modeling_llama.py lines 119-149), per q or k: ``(x * cos) +
+# (rotate_half(x) * sin)``, rotate_half = cat(-x2, x1) of the two halves (slices are views). Backward: mul's
+# gradient per input, neg's, two slice_backward (each fills a full-width tensor with zeros, then copies the half's
+# gradient into it: torch 2.13 _decomp/decompositions.py slice_backward, line 741: new_zeros, slice_scatter), their sum and the two paths' sum; then the q or k gradient, laid out as the rotary's fresh output, is copied back to the
+# projection's layout (view's derivative reshapes the transposed gradient: a clone; measured on CPU, the same
+# autograd formulas and strides on CUDA).
+ROTARY = Piece(
+    forward=(Op(c_in=1, table_in=1, c_out=1), Op(c_in=0.5, c_out=0.5), Op(c_in=1, c_out=1),
+             Op(c_in=1, table_in=1, c_out=1), Op(c_in=2, c_out=1)),
+    backward=(Op(c_in=1, table_in=1, c_out=1), Op(c_in=0.5, c_out=0.5), Op(c_in=0.5, c_out=1.5),
+              Op(c_in=0.5, c_out=1.5), Op(c_in=2, c_out=1), Op(c_in=1, table_in=1, c_out=1), Op(c_in=2, c_out=1),
+              Op(c_in=1, c_out=1)),
+)
+# Two tensors added, and in backward the sum autograd runs where a tensor fed two ops: a residual's input
+# (the branch's norm and the add; the add's own backward passes the gradient through) or a normed input read
+# by several linears (q, k, v; gate, up)
+ADD = Piece(forward=(Op(c_in=2, c_out=1),), backward=(Op(c_in=2, c_out=1),))
+GRADIENT_SUM = Piece(forward=(), backward=(Op(c_in=2, c_out=1),))
+# A fused q/k/v projection split into three (split's derivative: one cat of their gradients)
+SPLIT = Piece(forward=(), backward=(Op(c_in=1, c_out=1),))
+# One ATen activation (silu, gelu, gelu_pytorch_tanh, relu): its op, and its backward reading the gradient and
+# the saved input (silu_backward, gelu_backward, threshold_backward)
+FUSED_ACTIVATION = Piece(forward=(Op(c_in=1, c_out=1),), backward=(Op(c_in=2, c_out=1),))
+# A gated MLP's ``act(gate) * up`` (LlamaMLP.forward): the activation, the product; backward the product's two
+# gradients and the activation's
+GATED = Piece(forward=FUSED_ACTIVATION.forward + (Op(c_in=2, c_out=1),),
+              backward=(Op(c_in=2, c_out=1), Op(c_in=2, c_out=1)) + FUSED_ACTIVATION.backward)
+# NewGELUActivation (transformers activations.py, GPT-2's gelu_new): 0.5 * x * (1 + tanh(sqrt(2/pi) *
+# (x + 0.044715 * x**3))), eight ops; its backward eleven (tanh_backward, pow_backward's three, mul's and add's)
+_UNARY, _BINARY = Op(c_in=1, c_out=1), Op(c_in=2, c_out=1)
+NEW_GELU = Piece(forward=(_UNARY, _UNARY, _UNARY, _BINARY, _UNARY, _UNARY, _UNARY, _BINARY),
+                 backward=(_BINARY, _BINARY, _BINARY, _UNARY, _UNARY, _UNARY, _UNARY, _BINARY, _BINARY, _UNARY,
+                           _BINARY))
+PLAIN_ACTIVATIONS = {"gelu_new": NEW_GELU, "gelu": FUSED_ACTIVATION, "gelu_pytorch_tanh": FUSED_ACTIVATION,
+                     "silu": FUSED_ACTIVATION, "swish": FUSED_ACTIVATION, "relu": FUSED_ACTIVATION}
+# nn.Dropout on CUDA: aten::native_dropout (one kernel: the output and a bool mask; derivatives.yaml line 619)
+# and native_dropout_backward (the gradient and the mask). On CPU torch composes it (bernoulli_, div_, mul).
+DROPOUT = Piece(forward=(Op(c_in=1, c_out=1, byte_out=1),), backward=(Op(c_in=1, byte_in=1, c_out=1),))
+# The embedding's lookup (a gather: ids in, rows out) and its gradient's scatter-add into the table
+EMBEDDING = Piece(forward=(Op(c_in=1, c_out=1),), backward=(Op(c_in=1, c_out=1),))
+
+
+def norm_piece(norm: str, weight: str) -> Piece:
+    return NORM_OPS[(norm, weight)]
+
+
+def plain_activation(a: Architecture) -> Piece:
+    """A plain MLP's activation: GPT-2's activation_function (gelu_new by default), else nn.GELU (Falcon),
+    as planner/model/activations.py reads it."""
+    if a.model_type == "gpt2":
+        return PLAIN_ACTIVATIONS[a.mlp_activation or "gelu_new"]
+    return FUSED_ACTIVATION
+
+
+def _qk_norm(s: LayerSpec, tp: int, c: int) -> Traffic:
+    """q's norm and k's, one call each: per head (Qwen3: rows of head_dim), over the projection (OLMo-2: one
+    row per token) or Llama-4's weightless L2 norm per head."""
+    a = s.attention
+    if a.qk_norm == "none":
+        return Traffic()
+    piece = L2_NORM if a.qk_norm == "l2" else norm_piece("rmsnorm", s.norm_weight)
+    per_head = a.qk_norm != "projection"
+    return sum((traffic(piece, width / tp, c, rows=(heads / tp if per_head else 1.0))
+                for width, heads in ((a.q_width, a.num_heads), (a.kv_width, a.num_kv_heads))), Traffic())
+
+
+def _gradient_sums(s: LayerSpec) -> int:
+    """Extra readers of the block's normed inputs, whose gradients autograd sums in backward."""
+    a, m = s.attention, s.mlp
+    attention = (0 if a.fused_qkv else 2) if kind_of(a).plain_projections else 1  # q, k, v; MLA's q and kv latents
+    if m.is_moe:
+        mlp = 1 + (1 if m.shared_intermediate_size else 0)  # the router, the experts, the shared expert
+    else:
+        mlp = 1 if (m.gated and not m.fused_gate_up) else 0  # gate and up
+    return attention + mlp + (1 if s.norm_placement == "parallel" else 0)  # attention and MLP read one norm
+
+
+def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int) -> Traffic:
+    """One token's elementwise traffic through one block on one TP rank. Norms, residuals and dropout run on
+    the hidden width, a 1/tp share of the tokens under sequence parallelism; the gradient sums of a
+    normed input on the gathered tokens' full width; q/k pieces and the MLP's on their TP shard."""
+    h = arch.hidden_size
+    share = 1.0 / tp if sp else 1.0
+    out = traffic(norm_piece(s.norm, s.norm_weight), h * share, c, rows=share).times(s.norms)
+    out = out + traffic(ADD, h * share, c).times(2)
+    out = out + traffic(GRADIENT_SUM, h, c).times(_gradient_sums(s))
+    m = s.mlp
+    active = ((m.experts_per_token if m.is_moe else 1) * m.intermediate_size + m.shared_intermediate_size) / tp
+    out = out + traffic(GATED if m.gated else plain_activation(arch), active, c)
+    a = s.attention
+    if a.rope and not arch.learned_positions:  # GPT-2's learned positions: no rotary
+        out = out + traffic(ROTARY, a.q_width / tp, c, table=a.head_dim) + traffic(ROTARY, a.kv_width / tp, c,
+                                                                                   table=a.head_dim)
+    out = out + _qk_norm(s, tp, c)
+    if a.fused_qkv:
+        out = out + traffic(SPLIT, (a.q_width + 2 * a.kv_width) / tp, c)
+    if arch.hidden_dropout > 0:
+        out = out + traffic(DROPOUT, h * share, c).times(2)  # after attention's and the MLP's output projections
+    return out
+
+
+def edge_traffic(arch: Architecture, last: LayerSpec, tp: int, sp: bool, c: int) -> Traffic:
+    """Outside the blocks: the embedding's lookup and gradient, learned positions' lookup and their sum with it
+    (GPT-2's ``inputs_embeds + position_embeds``), the embedding dropout, and the final norm (the blocks' norm
+    module)."""
+    h = arch.hidden_size
+    share = 1.0 / tp if sp else 1.0
+    out = traffic(EMBEDDING, h, c) + traffic(norm_piece(last.norm, last.norm_weight), h * share, c, rows=share)
+    if arch.learned_positions:
+        out = out + traffic(EMBEDDING, h, c) + traffic(ADD, h, c)
+    if arch.hidden_dropout > 0:
+        out = out + traffic(DROPOUT, h, c)
+    return out

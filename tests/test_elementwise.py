@@ -1,0 +1,136 @@
+"""The elementwise work of a block, op by op (planner/time/elementwise.py), against what torch runs.
+
+One decoder block of a tiny config runs forward and backward on CPU under a TorchDispatchMode that
+records every ATen op autograd dispatches, with its tensors' bytes (inputs, storage-sized where an input is
+a broadcast view, and outputs). Matmuls and attention are other terms, views move nothing; the rest is what
+the model counts: the number of ops forward and backward, and their bytes. Ops whose implementation differs
+between CPU and CUDA are kept out of these blocks (dropout: p = 0; CPU composes it, CUDA runs native_dropout),
+and the fused LayerNorm's per-row mean and rstd (bf16 on CPU, fp32 on CUDA) are 1/128 of its bytes here. Two ops
+move more than their operands on CUDA, added to what the recorder sees: slice_backward (zero-fill, then the
+slice) and native_layer_norm_backward (its weight/bias kernel rereads the gradient and the input).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.cluster.gpus import load_gpus
+from planner.model.architecture import from_hf_config, layer_specs
+from planner.time.elementwise import COMPOSITE_RMSNORM, FUSED_LAYERNORM, block_traffic, traffic
+from planner.time.kernels import Recompute, micro_batch_terms, rates, work
+from tests.real_runs import GEMMA3, GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3
+
+TOKENS = 96  # no weight (256, 64 elements) is a multiple of it: weight-sized tensors are told apart by that
+SKIPPED = {"mm", "addmm", "bmm", "detach", "view", "_unsafe_view", "expand", "as_strided", "slice", "unsqueeze",
+           "t", "transpose", "permute", "empty_like", "empty_strided", "empty", "ones_like", "reshape", "alias",
+           "squeeze", "split", "split_with_sizes", "select", "clone_"}
+
+
+def _record(config: dict, torch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def nbytes(t) -> int:
+        if t.numel() % TOKENS:  # a weight, its gradient, or a scalar: per micro-batch, not counted
+            return 0
+        return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[tuple[str, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            bias_gradient = name == "sum" and inputs[0].dim() == 2  # Conv1D's bias: the bias-gradient term
+            if name not in SKIPPED and "scaled_dot_product" not in name and not bias_gradient:
+                moved = sum(nbytes(t) for t in inputs + outputs)
+                if name == "slice_backward":  # zeros, then the slice copied in: the slice is written twice
+                    moved += nbytes(inputs[0])
+                if name == "native_layer_norm_backward":  # CUDA's weight/bias kernel rereads dY, X, mean, rstd
+                    moved += sum(nbytes(t) for t in inputs[:4])
+                self.ops.append((name, moved))
+            return out
+
+    torch.manual_seed(0)
+    hf = AutoConfig.for_model(**config)
+    hf._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(hf).to(torch.bfloat16)
+    x = torch.randn(1, TOKENS, hf.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    if config["model_type"] == "gpt2":
+        block = model.transformer.h[0]
+
+        def run():
+            out = block(x)
+            return out[0] if isinstance(out, tuple) else out
+    else:
+        block = model.model.layers[0]
+        positions = torch.arange(TOKENS)[None]
+        layer_types = getattr(hf, "layer_types", None)
+        rotary = ((x, positions, layer_types[0]) if config["model_type"].startswith("gemma3") else (x, positions))
+        cos_sin = model.model.rotary_emb(*rotary)  # Gemma-3: a table per layer type
+
+        def run():
+            out = block(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+            return out[0] if isinstance(out, tuple) else out
+
+    grad = torch.ones_like(run())
+    with Recorder() as r:
+        y = run()
+        forward = list(r.ops)
+        y.backward(grad)
+    return forward, r.ops[len(forward):]
+
+
+# OLMo-2 is not among them: its rotary runs in fp32 (Olmo2RotaryEmbedding's fp32 cos/sin) and casts q and k back,
+# two ops and fp32 passes the model does not count (its fp32-weight norms are the same ops as Gemma's, counted).
+# Gemma-3's RMSNorm adds two weight-sized ops per call the model does not count (``1.0 + self.weight.float()``: a
+# cast and an add, per micro-batch), six calls per block: its forward runs 12 ops more.
+WEIGHT_SIZED_FORWARD_OPS = {"gemma3": 12}
+
+
+@pytest.mark.parametrize("name, config", [("llama", LLAMA), ("mistral", MISTRAL), ("qwen2", QWEN2), ("qwen3", QWEN3),
+                                          ("smollm3", SMOLLM3), ("gemma3", GEMMA3), ("gpt2", GPT2),
+                                          ("gpt2-gelu", GPT2 | {"activation_function": "gelu"})])
+def test_block_elementwise_ops_and_bytes_match_torch(name, config):
+    """Llama, Mistral, Qwen2 (q/k/v biases: their gradients are the bias term), SmolLM3: composite RMSNorm, rotary,
+    SwiGLU; Qwen3: per-head q/k norms; Gemma-3: four fp32-weight sandwich norms and per-head q/k norms, GELU-tanh
+    gate; GPT-2: fused LayerNorm, a fused q/k/v split, NewGELU's eight ops (exact GELU, MPT's: one)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    forward, backward = _record(config, torch)
+    arch = from_hf_config(config)
+    model = block_traffic(arch, layer_specs(arch)[0], 1, False, 2)
+    counts = (len(forward) - WEIGHT_SIZED_FORWARD_OPS.get(name, 0), len(backward))
+    assert counts == (model.forward_kernels, model.backward_kernels), (forward, backward)
+    assert sum(b for _, b in forward) == pytest.approx(model.forward_bytes * TOKENS, rel=0.01)
+    assert sum(b for _, b in backward) == pytest.approx(model.backward_bytes * TOKENS, rel=0.01)
+
+
+def test_a_composite_rmsnorm_moves_nine_times_a_fused_norms_bytes_forward():
+    # LlamaRMSNorm forward in bf16: 36 bytes per element (to fp32 6, pow 8, mean 4, x * rsqrt 8, to bf16 6,
+    # weight * 4) where one fused kernel reads 2 and writes 2; backward 92 against 10 (CUDA's two LayerNorm
+    # backward kernels read the gradient and the input twice); per-row statistics aside
+    rms, fused = traffic(COMPOSITE_RMSNORM, 4096, 2), traffic(FUSED_LAYERNORM, 4096, 2)
+    assert (rms.forward_bytes, fused.forward_bytes) == (36 * 4096, 4 * 4096)
+    assert (rms.backward_bytes, fused.backward_bytes) == (92 * 4096, 10 * 4096)
+
+
+def test_a_policy_reruns_the_blocks_elementwise_forward_and_not_the_edges():
+    # Llama, 2,048 tokens: the Work's elementwise forward is the blocks' op-by-op forward; a policy that reruns
+    # all of it (selective-op: every op between the saved mm outputs) adds exactly that time to the recompute,
+    # nothing of the backward, the embedding or the final norm
+    arch = from_hf_config(LLAMA)
+    r = rates(load_gpus()["a100-80gb"], "bf16")
+    w = work(arch, 2048, 1, 1, False, 2, False, r)
+    block = block_traffic(arch, layer_specs(arch)[0], 1, False, 2)
+    assert w.elementwise_bytes == pytest.approx(block.forward_bytes * 2048 * arch.num_layers)
+    assert w.elementwise_backward_bytes == pytest.approx(block.backward_bytes * 2048 * arch.num_layers)
+    none = micro_batch_terms(w, 2, r, 2, "none", shares=Recompute())
+    rerun = micro_batch_terms(w, 2, r, 2, "selective-op", shares=Recompute(elementwise=1.0))
+    assert rerun.recompute - none.recompute == pytest.approx(2 * w.elementwise_bytes / r.memory_bytes_per_s)
+    assert rerun.elementwise == none.elementwise
