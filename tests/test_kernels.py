@@ -84,6 +84,13 @@ def test_hopper_kernels_read_back_from_the_flashattention_3_charts():
     # no A100 measurement: refused, not read at another GPU's rate
     with pytest.raises(PlannerError, match="attention_kernel 'flash-attention-3'"):
         attention_tflops(rates(A100, "bf16"), 2048, 128, "flash-attention-3")
+    # nor on a GPU whose peak is near the H100's but is not a Hopper: Blackwell (FlashAttention-3 is sm90's build;
+    # cuDNN's rates there unmeasured) and ROCm (no cuDNN)
+    for name in ("b200", "mi300x"):
+        for kernel in ("flash-attention-3", "cudnn"):
+            with pytest.raises(PlannerError, match=f"attention_kernel '{kernel}' is measured on Hopper"):
+                attention_tflops(rates(load_gpus()[name], "bf16"), 2048, 128, kernel)
+    assert attention_tflops(rates(load_gpus()["h200"], "bf16"), 2048, 128, "cudnn") > 0
 
 
 def test_the_h200s_sdpa_ran_at_hoppers_kernels_rates_not_flashattention_2s():

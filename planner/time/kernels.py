@@ -55,6 +55,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from planner.errors import PlannerError
+from planner.cluster import cuda_context
 from planner.time import arrays
 from planner.model.architecture import Architecture, layer_specs
 from planner.model.attention.kinds import kind_of
@@ -167,7 +168,11 @@ FORWARD_OVER_BACKWARD_RATE = {"flash-attention-2": 73.0 / 63.0, "flash-attention
 # cuDNN on H100 alone): their forward + backward from the separate passes, head 64 and 128, and the
 # forward over backward rate at 8k, head 128 (unmasked over unmasked: the causal backward is read
 # with the forward's mask factor, so the ratio is the same)
-for _kernel in ("flash-attention-3", "cudnn"):
+# FlashAttention-3 is built for sm90 alone (flash-attn's hopper/ directory); cuDNN's rates are the H100's, and
+# cuDNN does not run on ROCm: both are refused on any other compute capability (attention_tflops)
+HOPPER_SM = "9.0"
+HOPPER_KERNELS = ("flash-attention-3", "cudnn")
+for _kernel in HOPPER_KERNELS:
     FLASH_ATTENTION_CAUSAL_TFLOPS[(_kernel, "h100")] = {d: causal_forward_backward_tflops(_kernel, d) for d in (64, 128)}
     FORWARD_OVER_BACKWARD_RATE[_kernel] = (HOPPER_ATTENTION_TFLOPS[_kernel]["forward"][128][4]
                                            / HOPPER_ATTENTION_TFLOPS[_kernel]["backward"][128][4])
@@ -218,6 +223,7 @@ class Rates:
     host_seconds_per_kernel: float = HOST_SECONDS_PER_KERNEL
     mamf_k: int | None = None  # K of the shape matmul_flops was measured at (None: no K-loop derating)
     k_pipeline: float = 512.0  # the K loop's fixed cost per tile, in K (K_PIPELINE at this GPU's balance)
+    sm: str | None = None  # compute capability (data/cuda_context.yaml), None where the catalogue places none
 
     @property
     def long_k_flops(self) -> float:
@@ -259,9 +265,11 @@ def _rates(g: Gpu, dtype: str, matmul_scale: float) -> Rates:
     # the tile's fixed part is memory traffic (its first operand stages in, its outputs out), so in
     # K it grows with the GPU's FLOP per byte over the figure's A100 40GB (312 TFLOP/s, 1,555 GB/s)
     balance = peak / ((g.memory_bandwidth_gbps or 1000.0) * 1e9)
+    arch = cuda_context.architecture(g.name)
     return Rates(matmul_flops=matmul * matmul_scale, matmul_source=source, memory_bytes_per_s=bandwidth,
                  sms=g.sms, attention_reference=reference, attention_scale=matmul * matmul_scale / ref_matmul,
-                 mamf_k=measured_k, k_pipeline=K_PIPELINE * balance / K_PIPELINE_BALANCE)
+                 mamf_k=measured_k, k_pipeline=K_PIPELINE * balance / K_PIPELINE_BALANCE,
+                 sm=arch.sm if arch else None)
 
 
 def attention_tflops(r: Rates, seq: int, head_dim: int, kernel: str = "flash-attention-2") -> float:
@@ -269,11 +277,14 @@ def attention_tflops(r: Rates, seq: int, head_dim: int, kernel: str = "flash-att
     log-linear between the measured lengths; beyond the longest, the fixed-cost form through the
     last two (long_sequence_tflops); linear in head width between 64 and 128, the nearer end
     outside; scaled by this GPU's matmul rate over the reference's."""
+    if kernel in HOPPER_KERNELS and r.sm != HOPPER_SM:
+        raise PlannerError(f"attention_kernel {kernel!r} is measured on Hopper (sm {HOPPER_SM}: H100, H200, GH200) "
+                           f"only; this GPU is sm {r.sm or 'unknown'}, where it does not run or its rate is unknown; "
+                           "use flash-attention-2", field="attention_kernel")
     measured = FLASH_ATTENTION_CAUSAL_TFLOPS.get((STAND_IN.get(kernel, kernel), r.attention_reference))
-    if measured is None:
-        raise PlannerError(f"attention_kernel {kernel!r} is measured on Hopper (H100) only: on a GPU nearer "
-                           f"the {r.attention_reference.upper()} it does not run, or its rate is unknown; use "
-                           "flash-attention-2", field="attention_kernel")
+    if measured is None:  # a Hopper whose peak is nearer the A100's: no chart at its rate
+        raise PlannerError(f"attention_kernel {kernel!r} has no rate measured near this GPU's ({r.attention_reference}"
+                           "-class peak); use flash-attention-2", field="attention_kernel")
 
     def at(row: tuple[float, ...]) -> float:
         if seq <= ATTENTION_SEQUENCES[0]:
