@@ -1,0 +1,147 @@
+"""A compiled block's fused kernels (planner/time/fusion.py) against inductor's own accounting.
+
+One decoder block of a tiny config (tests/real_runs.py, one layer, built from its config) is compiled by
+torch.compile (inductor, CPU) and run forward and backward. Inductor's scheduler says, per kernel it
+generates, the bytes of every buffer the kernel reads and writes (scheduler.py
+get_read_write_buffer_accesses, which GraphLowering.count_bytes sums into metrics.num_bytes_accessed):
+recorded here per kernel, for the forward graph and the backward graph. Matmuls and attention are extern
+kernels (other terms); NopKernel nodes move nothing. Weight-sized buffers (norm weights, their gradients)
+are per micro-batch, not per token: the block runs TOKENS = 97 tokens, a prime no weight's size is a
+multiple of, so a buffer is per-token exactly when its bytes are a multiple of it. A bias's gradient (one
+reduction reading one gradient: the bias term, kernels.BIAS_GRADIENT_READS) is compared with that term.
+The CPU flash attention's backward copies its logsumexp (a kernel of the attention's own, not a block
+piece): left out by its origin. The model is the planner's ``backend="cpp"`` (fusion.py's docstring names
+each CPU-vs-CUDA difference); the kernel counts must match exactly and the bytes within 2%.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.errors import PlannerError
+from planner.model.architecture import from_hf_config, layer_specs
+from planner.model.catalogue import catalogue_model, load_catalogue
+from planner.time import elementwise, fusion
+from planner.time.kernels import _bias_gradient_elements
+from tests.real_runs import GPT2, LLAMA, QWEN3
+
+TOKENS = 97
+TOLERANCE = 0.02
+KERNEL_NODES = ("SchedulerNode", "FusedSchedulerNode", "OuterLoopFusedSchedulerNode")
+
+
+def _origins(node) -> set[str]:
+    out: set[str] = set()
+    for sub in node.get_nodes():
+        out |= {str(o.target) for o in (getattr(sub.node, "origins", None) or ()) if o.op == "call_function"}
+    return out
+
+
+def _compile_block(config: dict, torch):
+    """Per graph (forward, backward): per kernel, (per-token bytes read + written, its reads, its writes)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._inductor.graph import GraphLowering
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    graphs: list[list[tuple[float, dict, dict]]] = []
+    original = GraphLowering.count_bytes
+
+    def count_bytes(self):
+        kernels = []
+        for node in self.scheduler.nodes:
+            if type(node).__name__ not in KERNEL_NODES:
+                continue
+            origins = _origins(node)
+            if origins and all("scaled_dot_product" in o or o.endswith(("permute.default", "reshape.default"))
+                               for o in origins):
+                continue  # the CPU flash attention's own logsumexp copy
+            reads = node.get_read_write_buffer_accesses(include_reads=True, include_writes=False)
+            writes = node.get_read_write_buffer_accesses(include_reads=False, include_writes=True)
+            per_token = {k: v for k, v in (reads | writes).items() if v % TOKENS == 0}
+            kernels.append((sum(v for k, v in reads.items() if v % TOKENS == 0)
+                            + sum(v for k, v in writes.items() if v % TOKENS == 0), reads, writes, per_token))
+        graphs.append(kernels)
+        return original(self)
+
+    torch._logging.set_logs(inductor_metrics=True)  # count_bytes runs only under this log
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    hf = AutoConfig.for_model(**(config | ({"n_layer": 1} if config["model_type"] == "gpt2" else
+                                           {"num_hidden_layers": 1})))
+    hf._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(hf).to(torch.bfloat16)
+    x = torch.randn(1, TOKENS, hf.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    if config["model_type"] == "gpt2":
+        block, kwargs = model.transformer.h[0], {}
+    else:
+        block = model.model.layers[0]
+        positions = torch.arange(TOKENS)[None]
+        kwargs = {"attention_mask": None, "position_ids": positions,
+                  "position_embeddings": model.model.rotary_emb(x, positions)}
+    patches = [(inductor_config, "fx_graph_cache", False), (functorch_config, "enable_autograd_cache", False)]
+    saved = [(m, k, getattr(m, k)) for m, k, _ in patches]
+    try:
+        for m, k, v in patches:
+            setattr(m, k, v)
+        GraphLowering.count_bytes = count_bytes
+        out = torch.compile(block)(x, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(torch.ones_like(out))
+    finally:
+        GraphLowering.count_bytes = original
+        for m, k, v in saved:
+            setattr(m, k, v)
+        torch._logging.set_logs()
+        torch._dynamo.reset()
+    return graphs
+
+
+def _is_bias_gradient(kernel) -> bool:
+    """A reduction reading one per-token gradient and writing only weight-sized buffers."""
+    _, reads, writes, _ = kernel
+    return (all(v % TOKENS for v in writes.values()) and len([v for v in reads.values() if v % TOKENS == 0]) == 1)
+
+
+@pytest.mark.parametrize("name, config", [("llama", LLAMA), ("qwen3", QWEN3), ("gpt2", GPT2)])
+def test_compiled_block_kernels_and_bytes_match_inductor_on_cpu(name, config):
+    """Llama: composite RMSNorm, rotary, SwiGLU; Qwen3: per-head q/k norms; GPT-2: LayerNorm, a fused q/k/v
+    (its gradients' cat), biases, NewGELU. No dropout (CPU draws its mask in a kernel of its own)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    graphs = _compile_block(config, torch)
+    assert len(graphs) == 2, "one forward graph and one backward graph"
+    forward, backward = graphs
+    biases = [k for k in backward if _is_bias_gradient(k)]
+    backward = [k for k in backward if not _is_bias_gradient(k)]
+    arch = from_hf_config(config)
+    spec = layer_specs(arch)[0]
+    model = fusion.block_traffic(arch, spec, 1, False, 2, "cpp")
+    detail = ([k[3] for k in forward], [k[3] for k in backward])
+    assert (len(forward), len(backward)) == (model.forward_kernels, model.backward_kernels), detail
+    assert sum(k[0] for k in forward) == pytest.approx(model.forward_bytes * TOKENS, rel=TOLERANCE), detail
+    assert sum(k[0] for k in backward) == pytest.approx(model.backward_bytes * TOKENS, rel=TOLERANCE), detail
+    assert sum(k[0] for k in biases) == pytest.approx(_bias_gradient_elements(arch, spec, 1, False) * 2 * TOKENS,
+                                                      rel=TOLERANCE)
+
+
+@pytest.mark.parametrize("name", sorted(load_catalogue()))
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, True)])
+def test_compiled_traffic_is_below_eager_for_every_catalogue_family(name, tp, sp):
+    try:
+        arch = catalogue_model(name).architecture
+    except PlannerError as exc:  # an entry the planner refuses builds no block to time
+        pytest.skip(f"{name}: the planner refuses it ({exc})")
+    if arch is None:
+        pytest.skip(f"{name}: a traced profile, no layer specs")
+    for spec in set(layer_specs(arch)):
+        eager = elementwise.block_traffic(arch, spec, tp, sp, 2)
+        compiled = fusion.block_traffic(arch, spec, tp, sp, 2)
+        assert compiled.forward_bytes < eager.forward_bytes, (name, spec)
+        assert compiled.backward_bytes < eager.backward_bytes, (name, spec)
+        assert compiled.forward_kernels <= eager.forward_kernels, (name, spec)
+    last = layer_specs(arch)[-1]
+    eager_edge = elementwise.edge_traffic(arch, last, tp, sp, 2)
+    model_edge = fusion.edge_traffic(arch, last, tp, sp, 2, eager_edge, "model")
+    assert model_edge.forward_bytes + model_edge.backward_bytes < eager_edge.forward_bytes + eager_edge.backward_bytes
+    assert fusion.edge_traffic(arch, last, tp, sp, 2, eager_edge, "blocks") == eager_edge
