@@ -145,3 +145,75 @@ def test_compiled_traffic_is_below_eager_for_every_catalogue_family(name, tp, sp
     model_edge = fusion.edge_traffic(arch, last, tp, sp, 2, eager_edge, "model")
     assert model_edge.forward_bytes + model_edge.backward_bytes < eager_edge.forward_bytes + eager_edge.backward_bytes
     assert fusion.edge_traffic(arch, last, tp, sp, 2, eager_edge, "blocks") == eager_edge
+
+
+def test_compiled_hf_loss_bytes_per_logit_match_inductor_on_cpu():
+    """transformers' ForCausalLMLoss compiled (the "model" mode's loss): inductor's per-kernel bytes per
+    logit (4,096 of them per token: the per-row max and sum are under 0.2%) against 4 x the compute dtype."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._inductor.graph import GraphLowering
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    vocab = 4096
+    moved: list[int] = []
+    original = GraphLowering.count_bytes
+
+    def count_bytes(self):
+        moved.append(sum(n.get_read_write_buffers_sizes() for n in self.scheduler.nodes
+                         if type(n).__name__ in KERNEL_NODES))
+        return original(self)
+
+    logits = torch.randn(1, TOKENS, vocab, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, TOKENS))
+    torch._logging.set_logs(inductor_metrics=True)
+    saved = (inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache)
+    try:
+        inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache = False, False
+        GraphLowering.count_bytes = count_bytes
+        torch._dynamo.reset()
+        torch.compile(lambda x, y: ForCausalLMLoss(x, y, vocab_size=vocab))(logits, labels).backward()
+    finally:
+        GraphLowering.count_bytes = original
+        inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache = saved
+        torch._logging.set_logs()
+        torch._dynamo.reset()
+    per_logit = sum(moved) / (TOKENS * vocab)
+    assert per_logit == pytest.approx(fusion.loss_bytes_per_logit("model", 2, 28.0, "cpp"), rel=TOLERANCE)
+    assert fusion.loss_bytes_per_logit("blocks", 2, 28.0) == 28.0  # the loss runs eager outside the blocks
+
+
+def test_work_carries_the_compiled_bytes_kernels_loss_and_label():
+    """kernels.work(compiled=...): a Llama's blocks at inductor's CUDA kernels (the same for "blocks" and
+    "model"); the embedding, final norm and HF loss fused only under "model"; the elementwise term's
+    source says which; an unknown mode is refused naming it."""
+    from planner.cluster.gpus import load_gpus
+    from planner.time.kernels import micro_batch_terms, rates, work
+    from planner.time.step import _compute_labels
+
+    arch = from_hf_config(LLAMA)
+    r = rates(load_gpus()["h100-80gb"], "bf16")
+    seq, layers = 2048, arch.num_layers
+    eager, blocks, whole = (work(arch, seq, 1, 1, False, 2, False, r, compiled=mode)
+                            for mode in ("none", "blocks", "model"))
+    spec = layer_specs(arch)[0]
+    fused, ops = fusion.block_traffic(arch, spec, 1, False, 2), elementwise.block_traffic(arch, spec, 1, False, 2)
+    assert blocks.elementwise_bytes == pytest.approx(fused.forward_bytes * seq * layers)
+    assert blocks.elementwise_backward_bytes == pytest.approx(fused.backward_bytes * seq * layers)
+    assert blocks.kernels - eager.kernels == (fused.forward_kernels - ops.forward_kernels) * layers
+    assert blocks.backward_kernels - eager.backward_kernels == (fused.backward_kernels - ops.backward_kernels) * layers
+    assert (blocks.edge_elementwise_bytes, blocks.loss_bytes) == (eager.edge_elementwise_bytes, eager.loss_bytes)
+    assert whole.elementwise_bytes == blocks.elementwise_bytes
+    assert whole.edge_elementwise_bytes < blocks.edge_elementwise_bytes
+    assert whole.loss_bytes == pytest.approx(3 * 2 * arch.vocab_size * seq)  # against 28 bytes per logit eager
+    times = [micro_batch_terms(w, 1, r, 2, "none").elementwise for w in (eager, blocks, whole)]
+    assert times[0] > times[1] > times[2]
+    assert "eager, no torch.compile fusion" in dict(_compute_labels(r, "flash-attention-2", False, False, "none",
+                                                                     "", eager.compiled))["elementwise and loss"]
+    for w in (blocks, whole):
+        label = dict(_compute_labels(r, "flash-attention-2", False, False, "none", "", w.compiled))
+        assert f"torch.compile ({w.compiled})" in label["elementwise and loss"]
+    with pytest.raises(PlannerError, match=r"compile\('yes'\)"):
+        work(arch, seq, 1, 1, False, 2, False, r, compiled="yes")

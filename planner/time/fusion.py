@@ -17,27 +17,28 @@ What bounds a region, and why (paths under torch/_inductor/, torch 2.13):
   StorageBox.should_realize_on_reuse, line ~10093: realized only past ``realize_reads_threshold`` = 4
   reads, config.py line 861): so a residual sum ``x + attn_out`` is never stored; the post-attention
   norm and the block's last add both read ``x`` and ``attn_out``.
-- A row reduction and its pointwise epilogue fuse (scheduler.py can_fuse: same numel x rnumel), so a
-  norm is one kernel: read the input, write the output and its per-row statistics (saved for backward).
-- AOTAutograd's partitioner (torch/_functorch/partitioners.py min_cut_rematerialization_partition)
+- A row reduction and its pointwise epilogue fuse (scheduler.py Scheduler.can_fuse, line 7327, and the
+  backends' can_fuse_vertical: the same numel x rnumel), so a norm is one kernel: read the input, write the output and its per-row statistics (saved for backward).
+- AOTAutograd's partitioner (torch/_functorch/partitioners.py min_cut_rematerialization_partition, line 3725)
   saves the cheapest cut: the matmul inputs and outputs that exist anyway, and the norms' per-row
   statistics; what lies between (a residual sum, a normed input) is recomputed inside backward kernels.
 - Dropout: the random mask is drawn inside the kernel (inductor_random) and saved as a bool (random
-  ops are never recomputed by the partitioner): one byte written forward and read backward.
+  ops are never recomputed by the partitioner, partitioners.py is_random, line 113): one byte written
+  forward and read backward.
 
-Where CUDA (Triton) and CPU (C++) differ, both are modelled (``backend``): ``"triton"`` is the GPU the
-planner times, ``"cpp"`` what tests/test_fusion.py checks against inductor's own per-kernel byte count
+Where CUDA (Triton) and CPU (C++) differ, both are modelled (``backend``): ``"triton"`` is what the
+planner times (kernels.work), the CUDA side of each difference read off the source, not measured here; ``"cpp"`` what tests/test_fusion.py checks against inductor's own per-kernel byte count
 (scheduler.py get_read_write_buffer_accesses) on CPU:
 - cat: on CPU always a ConcatKernel (lowering.py cat, line 2254: "negative performance impact of
   pointwise_cat optimization on CPU"), so rotate_half's two halves are written before the rotary's
   mul-add reads them (two copy kernels more per q and k; with a q/k norm they share reads and fuse into
-  one, scheduler.py score_fusion_memory); on CUDA a cat of at most ``max_complex_pointwise_cat_inputs``
+  one, scheduler.py score_fusion_memory, line 8080); on CUDA a cat of at most ``max_complex_pointwise_cat_inputs``
   = 8 inputs is a pointwise_cat (masked loads, line 2279) fused into its consumer: one rotary kernel.
   Likewise the backward's cat of dq, dk, dv for a fused q/k/v projection: one copy kernel on CUDA
   (pointwise_cat of extern outputs), one per input on CPU.
 - A norm's weight gradient (a column reduction over tokens) is a second reduction over the same inputs
   as the input gradient (a row reduction). On CUDA ``triton.mix_order_reduction`` (config.py line 2120,
-  on outside fbcode) fuses the two (scheduler.py MixOrderReduction.can_fuse: sibling sum reductions
+  on outside fbcode) fuses the two (scheduler.py MixOrderReduction.can_fuse, line 336: sibling sum reductions
   sharing a read, rows >= 4096 and >= 2 x columns, columns <= 16384, rows x columns >= 5 Mi, at most 10
   reads): one kernel. Training micro-batches have >= 4096 tokens per GPU and hidden <= 16384, so the
   planner takes it fused. On CPU it is one more kernel rereading the norm's inputs and gradients (the
@@ -45,10 +46,10 @@ planner times, ``"cpp"`` what tests/test_fusion.py checks against inductor's own
 - A q/k norm (Qwen3, OLMo-2) on CPU writes only its statistic in its own kernel, and its backward's
   rotary part is written before the norm's backward reads it; on CUDA the norm, rotate_half and the
   rotary multiply are one persistent reduction per head row, forward and backward.
-- LayerNorm's saved mean and rstd are fp32 on CUDA and in the input dtype on CPU (aten native_layer_norm's
-  CPU kernel returns them in the input's dtype for bf16/fp16).
-- The softmax of the loss: CUDA's online softmax (fx_passes/post_grad.py prepare_softmax_extra_check:
-  triton only) reads the logits once for max and sum; CPU reads them twice.
+- LayerNorm's saved mean and rstd are fp32 on CUDA and in the input's dtype on CPU (torch/_refs/__init__.py
+  native_layer_norm, line 3505: ``if input.device.type in ["cpu", "mtia"]`` casts them).
+- The softmax of the loss: CUDA's online softmax (``online_softmax``, config.py line 219;
+  fx_passes/post_grad.py prepare_softmax_extra_check, line 470: triton only) reads the logits once for max and sum; CPU reads them twice.
 - Not modelled on CPU: the CPU flash attention's backward copies its logsumexp (attention's own, not a
   block piece); CPU's C++ kernels draw dropout's mask in a kernel of its own (the test runs without
   dropout).
@@ -58,7 +59,9 @@ apply_compile) compiles each block; the embedding, the final norm and the loss r
 Trainer's ``torch_compile``, fms-fsdp) compiles the whole model, so the final norm and the HF loss are
 fused too (edge_traffic, loss_bytes_per_logit here). Within the blocks both are charged the block
 layout (each block's last residual add its own kernel): whole-model compile may fuse that add into
-the next block's first norm, saving up to one residual write and read per block.
+the next block's first norm, saving up to one residual write and read per block. Not fused here:
+eager attention's score matrix (kernels.work's ``eager_bytes``, charged as eager runs it) and the
+host's launch cost per kernel (kernels.HOST_SECONDS_PER_KERNEL, charged per fused kernel).
 """
 
 from __future__ import annotations
@@ -290,9 +293,12 @@ def edge_traffic(arch: Architecture, last: LayerSpec, tp: int, sp: bool, c: int,
     return norm + Traffic(0.0, EMBEDDING.backward[0].bytes(arch.hidden_size, 0, 0, c) * scatters, 0, scatters)
 
 
-def loss_bytes_per_logit(compiled: str, c: int, eager_bytes: float) -> float:
+def loss_bytes_per_logit(compiled: str, c: int, eager_bytes: float, backend: str = "triton") -> float:
     """HF's ForCausalLMLoss (logits.float(), cross_entropy) compiled with the model: the upcast inlines,
-    the forward reads the logits once (online softmax, saving each row's max and sum), the backward reads
-    them again and writes their gradient in the logits' dtype: 3 x the compute dtype. Eager otherwise."""
-    return 3.0 * c if check_mode(compiled) == "model" else eager_bytes
-
+    the forward reads the logits for each row's max and sum of exponentials (saved, per row) and the
+    label's logit, the backward reads them again and writes their gradient in the logits' dtype. CUDA's
+    online softmax reads them once forward: 3 x the compute dtype; CPU twice (max, then the sum): 4 x.
+    Eager (``eager_bytes``) unless the whole model is compiled."""
+    if check_mode(compiled) != "model":
+        return eager_bytes
+    return (3.0 if backend == "triton" else 4.0) * c

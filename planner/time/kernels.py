@@ -4,8 +4,10 @@ measured rate for its head width and sequence length; every elementwise op (norm
 rotary, residual adds, dropout, the loss and its fp32 upcast, the optimizer step, and each biased
 linear's bias gradient, reduced over the tokens in backward: BIAS_GRADIENT_READS) at the GPU's
 achievable memory bandwidth, a block's ops one by one as its code runs them forward and backward
-(planner/time/elementwise.py); recomputation as the checkpointing policy reruns it; and the host's
-launch cost when kernels are shorter than it. Each part is a named term with its source.
+(planner/time/elementwise.py), or under torch.compile as inductor's fused kernels run them
+(planner/time/fusion.py: ``work(compiled="blocks" | "model")``); recomputation as the checkpointing
+policy reruns it; and the host's launch cost when kernels are shorter than it (a compiled block's
+kernels are fewer; each is still charged HOST_SECONDS_PER_KERNEL). Each part is a named term with its source.
 
 One function serves a single estimate (plain floats) and the plan search (a numpy array of
 micro-batch options): planner/time/arrays.py. Work that does not depend on the micro-batch (shapes,
@@ -474,7 +476,10 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
     if not chunked:
         gemms.append(head)
     vocab = arch.vocab_size / tp
-    hf_bytes = fusion.loss_bytes_per_logit(compiled, compute_bytes, LOSS_BYTES_PER_LOGIT)
+    # HF's own loss (ForCausalLMLoss, inside the model's forward) is compiled with the model; the others are
+    # their own kernels or a framework's code outside it
+    hf_bytes = (fusion.loss_bytes_per_logit(compiled, compute_bytes, LOSS_BYTES_PER_LOGIT) if loss_kind == "hf"
+                else LOSS_BYTES_PER_LOGIT)
     loss = loss_bytes_per_logit(loss_kind, compute_bytes, hf_bytes) * vocab * tokens
     loss_recompute = 2.0 * tokens * head.n * head.k if loss_recomputes_logits(loss_kind) else 0.0
     last = layer_specs(arch)[-1]
