@@ -125,23 +125,44 @@ def _qk(arch: Architecture, s: LayerSpec, tp: int, c: int, backend: str, k: _Ker
     if not (rope or norm):
         return
     table = 2 * c * a.head_dim if rope else 0  # cos and sin, one row of head_dim per token
-    for width, heads in ((a.q_width / tp, a.num_heads / tp), (a.kv_width / tp, a.num_kv_heads / tp)):
-        x = c * width
-        rows = (heads if a.qk_norm != "projection" else 1.0) * FP32 if norm else 0.0
-        if backend == "triton":
-            k.forward.append(2 * x + table + rows)  # read q, the table; write q', the statistic
-            k.backward.append(3 * x + table + rows)  # read dq', q, the table, the statistic; write dq
-            continue
-        if norm:
-            k.forward.append(x + rows)  # the statistic alone
-        if rope:
-            halves = [x + rows + x] if norm else [x, x]  # rotate_half's two halves, written (ConcatKernel)
-            k.forward += halves
-            k.forward.append(3 * x + rows + table)  # read q, both halves, the table; write q'
-            k.backward.append(2 * x + table)  # dq' through the rotary: read dq', the table; write
-        if norm:
-            k.backward.append(3 * x + rows)  # the norm's input gradient: read its output's gradient, q; write dq
-            k.backward.append(2 * x + rows)  # its weight gradient: the same reads again
+    q, kv = (_projection(c * width, (heads if a.qk_norm != "projection" else 1.0) * FP32 if norm else 0.0, table,
+                         rope, norm, backend)
+             for width, heads in ((a.q_width / tp, a.num_heads / tp), (a.kv_width / tp, a.num_kv_heads / tp)))
+    if rope and a.q_width == a.kv_width:
+        _fuse_q_and_k(q, kv, backend)
+    k.forward += q.forward + kv.forward
+    k.backward += q.backward + kv.backward
+
+
+def _projection(x: float, rows: float, table: float, rope: bool, norm: bool, backend: str) -> _Kernels:
+    """One projection's (q's or k's) kernels: ``x`` its bytes per token, ``rows`` its norm's statistic."""
+    if backend == "triton":  # read q, the table; write q', the statistic; backward read dq', the table (q)
+        return _Kernels([2 * x + table + rows], [(3 if norm else 2) * x + table + rows])
+    k = _Kernels([], [])
+    if norm:
+        k.forward.append(x + rows)  # the statistic alone
+    if rope:
+        k.forward += [x + rows + x] if norm else [x, x]  # rotate_half's two halves, written (ConcatKernel)
+        k.forward.append(3 * x + rows + table)  # read q, both halves, the table; write q'
+        k.backward.append(2 * x + table)  # dq' through the rotary: read dq', the table; write
+    else:
+        k.forward.append(2 * x + rows)  # the normed q: read q, the statistic; write
+    if norm:
+        k.backward.append(3 * x + rows)  # the norm's input gradient: read its output's gradient, q; write dq
+        k.backward.append(2 * x + rows)  # its weight gradient: the same reads again
+    return k
+
+
+def _fuse_q_and_k(q: _Kernels, kv: _Kernels, backend: str) -> None:
+    """Multi-head attention (as many k heads as q heads): q's and k's rotary kernels have the same size and
+    share the table's reads, so the scheduler fuses them horizontally (scheduler.py can_fuse: the same
+    iteration group; score_fusion_memory, line 8080: the shared cos and sin): one kernel. Its bytes stay
+    the two kernels' (inductor's own count, get_read_write_buffer_accesses, charges the table once per
+    load: q's and k's index it apart). On CPU only the two multiply-adds fuse forward (their halves read
+    different buffers)."""
+    kv.forward[-1] += q.forward.pop()
+    if backend == "triton":
+        kv.backward[0] += q.backward.pop(0)
 
 
 def _qkv_cat(s: LayerSpec, tp: int, c: int, backend: str, k: _Kernels) -> None:
@@ -245,15 +266,16 @@ def _sandwich(hs: float, hg: float, stat: float, drop: float, attn_parts: int, m
 
 def _post(hs: float, hg: float, stat: float, drop: float, attn_parts: int, mlp_parts: int, sp: bool,
           backend: str, k: _Kernels) -> None:
-    """OLMo-2: x2 = x + norm1(attn(x)); out = x2 + norm2(mlp(x2)): x2 is the MLP's matmul input, written."""
+    """OLMo-2: x2 = x + norm1(attn(x)); out = x2 + norm2(mlp(x2)): x2 is the MLP's matmul input, written.
+    Backward, dx2 = dout + the MLP's input parts is never written: each kernel that needs it sums it."""
     k.forward.append(3 * hs + stat + drop)  # read x, attn_out; write x2, the statistic
     k.forward.append(3 * hs + stat + drop)  # read x2, mlp_out; write out, the statistic
     g2 = _norm_backward(mlp_parts, hs, hg, sp, k)
     g1 = _norm_backward(attn_parts, hs, hg, sp, k)
     k.backward.append(3 * hs + stat + drop)  # norm2: read dout, mlp_out, statistic; write d mlp_out
-    k.backward.append(g2 + 2 * hs + stat + 2 * hs + drop)  # dx2 = dout + parts, norm1: read attn_out; write dx2, d attn_out
-    k.backward.append(g1 + 2 * hs)  # dx = dx2 + the attention's input parts
-    _cpu_weight_gradients(backend, 0.0, [2 * hs + stat, 2 * hs + stat], k)
+    k.backward.append(g2 + 3 * hs + stat + drop)  # norm1: read dout, the MLP's parts, attn_out, statistic; write
+    k.backward.append(g1 + g2 + 2 * hs)  # dx = dout + the MLP's and the attention's input parts
+    _cpu_weight_gradients(backend, hs, [2 * hs + stat, g2 + hs + stat], k)  # dout read once
 
 
 def _parallel(s: LayerSpec, hs: float, hg: float, stat: float, drop: float, attn_parts: int, mlp_parts: int,
