@@ -143,7 +143,7 @@ def test_compiled_forward_of_fp32_weight_norms_matches_inductor_on_cpu(name, con
 
 
 @pytest.mark.parametrize("name", sorted(load_catalogue()))
-@pytest.mark.parametrize("tp, sp", [(1, False), (2, True)])
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True)])
 def test_compiled_traffic_is_below_eager_for_every_catalogue_family(name, tp, sp):
     try:
         arch = catalogue_model(name).architecture
@@ -234,3 +234,21 @@ def test_work_carries_the_compiled_bytes_kernels_loss_and_label():
         assert f"torch.compile ({w.compiled})" in label["elementwise and loss"]
     with pytest.raises(PlannerError, match=r"compile\('yes'\)"):
         work(arch, seq, 1, 1, False, 2, False, r, compiled="yes")
+
+
+def test_llama_3_8b_compiled_block_by_hand():
+    """Llama-3-8B (hidden 4,096, MLP 14,336, q 4,096, k 1,024, head_dim 128), bf16, one token, CUDA's kernels,
+    forward: norm (read x, write normed 2 x 8,192 + rstd 4) 16,388; q's rotary (read, write 2 x 8,192, cos
+    and sin 2 x 256) 16,896; k's (2 x 2,048 + 512) 4,608; x + attn_out and the MLP's norm (read 2, write 1
+    x 8,192 + 4) 24,580; SwiGLU (read gate and up, write 3 x 28,672) 86,016; the block's output (read x,
+    attn_out, mlp_out, write 4 x 8,192) 32,768: 181,256 in 6 kernels. Backward: SwiGLU's (read the
+    gradient, gate, up, write two: 5 x 28,672) 143,360; each norm's (read its 2 or 3 gradient parts, x (and
+    attn_out), the rstd, the residual's gradient, write one: 6 x 8,192 + 4) 49,156 twice; q's and k's rotary
+    (read, write, the table) 16,896 and 4,608: 263,176 in 5. Against eager's 36 and 92 bytes per element of
+    a composite RMSNorm alone."""
+    arch = catalogue_model("llama-3-8b").architecture
+    t = fusion.block_traffic(arch, layer_specs(arch)[0], 1, False, 2)
+    assert (t.forward_bytes, t.backward_bytes, t.forward_kernels, t.backward_kernels) == (181_256, 263_176, 6, 5)
+    tp2 = fusion.block_traffic(arch, layer_specs(arch)[0], 2, False, 2)
+    # tensor parallel: each normed input's gradient parts summed before the all-reduce, a kernel each
+    assert tp2.backward_kernels == 7

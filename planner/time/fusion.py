@@ -191,7 +191,7 @@ def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, b
     attn_parts, mlp_parts = _parts(s)
     k = _Kernels([], [])
     _mlp(s, tp, c, k)
-    _residual(s, hs, hg, stat, drop, attn_parts, mlp_parts, sp, backend, k)
+    _residual(s, hs, hg, stat, drop, attn_parts, mlp_parts, tp, backend, k)
     _qk(arch, s, tp, c, backend, k)
     _qkv_cat(s, tp, c, backend, k)
     return k.traffic()
@@ -210,10 +210,11 @@ def _mlp(s: LayerSpec, tp: int, c: int, k: _Kernels) -> None:
         k.backward.append(3 * inner)
 
 
-def _norm_backward(parts: int, hs: float, hg: float, sp: bool, k: _Kernels) -> float:
-    """Bytes of a normed input's gradient parts as the norm's backward reads them: summed inside it, or
-    under sequence parallelism summed on the gathered tokens before the reduce-scatter (a kernel of its own)."""
-    if not sp:
+def _norm_backward(parts: int, hs: float, hg: float, tp: int, k: _Kernels) -> float:
+    """Bytes of a normed input's gradient parts as the norm's backward reads them: summed inside it; under
+    tensor parallelism summed before the all-reduce (or, with sequence parallelism, the reduce-scatter) on
+    the gathered tokens, a kernel of its own, the norm reading the reduced gradient once."""
+    if tp == 1:
         return parts * hg
     if parts > 1:
         k.backward.append((parts + 1) * hg)
@@ -221,57 +222,57 @@ def _norm_backward(parts: int, hs: float, hg: float, sp: bool, k: _Kernels) -> f
 
 
 def _residual(s: LayerSpec, hs: float, hg: float, stat: float, drop: float, attn_parts: int, mlp_parts: int,
-              sp: bool, backend: str, k: _Kernels) -> None:
+              tp: int, backend: str, k: _Kernels) -> None:
     """The norms and residual adds of the block, by where its norms sit (``drop``: the dropout masks' bytes
     after the attention's and the MLP's output projections, written forward and read backward)."""
     placement = s.norm_placement
     if placement == "parallel":
-        _parallel(s, hs, hg, stat, drop, attn_parts, mlp_parts, sp, backend, k)
+        _parallel(s, hs, hg, stat, drop, attn_parts, mlp_parts, tp, backend, k)
     elif placement == "post":
-        _post(hs, hg, stat, drop, attn_parts, mlp_parts, sp, backend, k)
+        _post(hs, hg, stat, drop, attn_parts, mlp_parts, tp, backend, k)
     elif placement == "sandwich":
-        _sandwich(hs, hg, stat, drop, attn_parts, mlp_parts, sp, backend, k)
+        _sandwich(hs, hg, stat, drop, attn_parts, mlp_parts, tp, backend, k)
     else:
-        _pre(hs, hg, stat, drop, attn_parts, mlp_parts, sp, backend, k)
+        _pre(hs, hg, stat, drop, attn_parts, mlp_parts, tp, backend, k)
     if drop:  # the gradient times the mask, before each output projection's backward matmul
         k.backward += [2 * hs + drop] * 2
 
 
-def _pre(hs: float, hg: float, stat: float, drop: float, attn_parts: int, mlp_parts: int, sp: bool,
+def _pre(hs: float, hg: float, stat: float, drop: float, attn_parts: int, mlp_parts: int, tp: int,
          backend: str, k: _Kernels) -> None:
     """Llama, GPT-2: x2 = x + attn(norm1(x)); out = x2 + mlp(norm2(x2)). x2 is never written."""
     k.forward.append(2 * hs + stat)  # read x; write the normed input and its statistic
     k.forward.append(3 * hs + stat + drop)  # read x, attn_out; write the normed x2, its statistic (and a mask)
-    k.forward.append(4 * hs + drop)  # read x, attn_out, mlp_out; write the block's output
-    g2 = _norm_backward(mlp_parts, hs, hg, sp, k)
-    g1 = _norm_backward(attn_parts, hs, hg, sp, k)
+    k.forward.append(4 * hs + 2 * drop)  # read x, attn_out (its mask), mlp_out; write out (and its mask)
+    g2 = _norm_backward(mlp_parts, hs, hg, tp, k)
+    g1 = _norm_backward(attn_parts, hs, hg, tp, k)
     k.backward.append(g2 + 2 * hs + stat + hs + hs + drop)  # read parts, x, attn_out, stat, dout; write dx2
     k.backward.append(g1 + hs + stat + hs + hs)  # read parts, x, stat, dx2; write dx
     _cpu_weight_gradients(backend, hs, [g1 + stat, g2 + hs + stat], k)
 
 
-def _sandwich(hs: float, hg: float, stat: float, drop: float, attn_parts: int, mlp_parts: int, sp: bool,
+def _sandwich(hs: float, hg: float, stat: float, drop: float, attn_parts: int, mlp_parts: int, tp: int,
               backend: str, k: _Kernels) -> None:
     """Gemma-2/3: x2 = x + post1(attn(pre1(x))); out = x2 + post2(mlp(pre2(x2)))."""
     k.forward.append(2 * hs + stat)  # pre1: read x; write normed, statistic
     k.forward.append(3 * hs + 2 * stat + drop)  # post1 and pre2: read x, attn_out; write normed, two statistics
-    k.forward.append(4 * hs + 2 * stat + drop)  # read x, attn_out, post1's statistic, mlp_out; write out, post2's
-    g2 = _norm_backward(mlp_parts, hs, hg, sp, k)
-    g1 = _norm_backward(attn_parts, hs, hg, sp, k)
+    k.forward.append(4 * hs + 2 * stat + 2 * drop)  # read x, attn_out, post1's statistic, mlp_out; write out, post2's
+    g2 = _norm_backward(mlp_parts, hs, hg, tp, k)
+    g1 = _norm_backward(attn_parts, hs, hg, tp, k)
     k.backward.append(3 * hs + stat + drop)  # post2: read dout, mlp_out, statistic; write d mlp_out
     k.backward.append(g2 + 3 * hs + 2 * stat + 2 * hs + drop)  # pre2, post1: read parts, x, attn_out, dout; write dx2, d attn_out
     k.backward.append(g1 + hs + stat + hs + hs)  # pre1: read parts, x, stat, dx2; write dx
     _cpu_weight_gradients(backend, hs, [g1 + stat, g2 + hs + 2 * stat, hs + stat], k)
 
 
-def _post(hs: float, hg: float, stat: float, drop: float, attn_parts: int, mlp_parts: int, sp: bool,
+def _post(hs: float, hg: float, stat: float, drop: float, attn_parts: int, mlp_parts: int, tp: int,
           backend: str, k: _Kernels) -> None:
     """OLMo-2: x2 = x + norm1(attn(x)); out = x2 + norm2(mlp(x2)): x2 is the MLP's matmul input, written.
     Backward, dx2 = dout + the MLP's input parts is never written: each kernel that needs it sums it."""
     k.forward.append(3 * hs + stat + drop)  # read x, attn_out; write x2, the statistic
     k.forward.append(3 * hs + stat + drop)  # read x2, mlp_out; write out, the statistic
-    g2 = _norm_backward(mlp_parts, hs, hg, sp, k)
-    g1 = _norm_backward(attn_parts, hs, hg, sp, k)
+    g2 = _norm_backward(mlp_parts, hs, hg, tp, k)
+    g1 = _norm_backward(attn_parts, hs, hg, tp, k)
     k.backward.append(3 * hs + stat + drop)  # norm2: read dout, mlp_out, statistic; write d mlp_out
     k.backward.append(g2 + 3 * hs + stat + drop)  # norm1: read dout, the MLP's parts, attn_out, statistic; write
     k.backward.append(g1 + g2 + 2 * hs)  # dx = dout + the MLP's and the attention's input parts
@@ -279,13 +280,13 @@ def _post(hs: float, hg: float, stat: float, drop: float, attn_parts: int, mlp_p
 
 
 def _parallel(s: LayerSpec, hs: float, hg: float, stat: float, drop: float, attn_parts: int, mlp_parts: int,
-              sp: bool, backend: str, k: _Kernels) -> None:
+              tp: int, backend: str, k: _Kernels) -> None:
     """Falcon, GPT-J: out = x + attn(norm_a(x)) + mlp(norm_m(x)); one norm or two reading x (one kernel)."""
     norms = 1 if s.norms == 1 else 2
     k.forward.append(hs + norms * (hs + stat))  # read x; write the normed inputs, their statistics
     k.forward.append(4 * hs + 2 * drop)  # read x, attn_out, mlp_out; write out
     groups = (attn_parts + mlp_parts,) if norms == 1 else (attn_parts, mlp_parts)
-    grads = [_norm_backward(parts, hs, hg, sp, k) for parts in groups]
+    grads = [_norm_backward(parts, hs, hg, tp, k) for parts in groups]
     k.backward.append(sum(grads) + hs + norms * stat + hs + hs + 2 * drop)  # read parts, x, stats, dout; write dx
     _cpu_weight_gradients(backend, hs, [g + stat for g in grads], k)
 
