@@ -199,13 +199,14 @@ def test_compiled_hf_loss_bytes_per_logit_match_inductor_on_cpu():
         torch._dynamo.reset()
     per_logit = sum(moved) / (TOKENS * vocab)
     assert per_logit == pytest.approx(fusion.loss_bytes_per_logit("model", 2, 28.0, "cpp"), rel=TOLERANCE)
-    assert fusion.loss_bytes_per_logit("blocks", 2, 28.0) == 28.0  # the loss runs eager outside the blocks
+    assert fusion.loss_bytes_per_logit("none", 2, 28.0) == 28.0
+    assert fusion.loss_bytes_per_logit("blocks", 2, 28.0) == 6.0  # torchtitan compiles its loss function too
 
 
 def test_work_carries_the_compiled_bytes_kernels_loss_and_label():
     """kernels.work(compiled=...): a Llama's blocks at inductor's CUDA kernels (the same for "blocks" and
-    "model"); the embedding, final norm and HF loss fused only under "model"; the elementwise term's
-    source says which; an unknown mode is refused naming it."""
+    "model"), its loss compiled under both; the embedding and final norm fused only under "model"; the
+    elementwise term's source says which; an unknown mode is refused naming it."""
     from planner.cluster.gpus import load_gpus
     from planner.time.kernels import micro_batch_terms, rates, work
     from planner.time.step import _compute_labels
@@ -221,10 +222,11 @@ def test_work_carries_the_compiled_bytes_kernels_loss_and_label():
     assert blocks.elementwise_backward_bytes == pytest.approx(fused.backward_bytes * seq * layers)
     assert blocks.kernels - eager.kernels == (fused.forward_kernels - ops.forward_kernels) * layers
     assert blocks.backward_kernels - eager.backward_kernels == (fused.backward_kernels - ops.backward_kernels) * layers
-    assert (blocks.edge_elementwise_bytes, blocks.loss_bytes) == (eager.edge_elementwise_bytes, eager.loss_bytes)
+    assert blocks.edge_elementwise_bytes == eager.edge_elementwise_bytes
     assert whole.elementwise_bytes == blocks.elementwise_bytes
     assert whole.edge_elementwise_bytes < blocks.edge_elementwise_bytes
-    assert whole.loss_bytes == pytest.approx(3 * 2 * arch.vocab_size * seq)  # against 28 bytes per logit eager
+    assert eager.loss_bytes == pytest.approx(28 * arch.vocab_size * seq)
+    assert whole.loss_bytes == blocks.loss_bytes == pytest.approx(3 * 2 * arch.vocab_size * seq)
     times = [micro_batch_terms(w, 1, r, 2, "none").elementwise for w in (eager, blocks, whole)]
     assert times[0] > times[1] > times[2]
     assert "eager, no torch.compile fusion" in dict(_compute_labels(r, "flash-attention-2", False, False, "none",

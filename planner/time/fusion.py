@@ -55,10 +55,12 @@ planner times (kernels.work), the CUDA side of each difference read off the sour
   dropout).
 
 ``compiled``: "blocks" (torchtitan's per-TransformerBlock torch.compile, models/llama3/infra/parallelize.py
-apply_compile) compiles each block; the embedding, the final norm and the loss run eager. "model" (HF
-Trainer's ``torch_compile``, fms-fsdp) compiles the whole model, so the final norm and the HF loss are
-fused too (edge_traffic, loss_bytes_per_logit here). Within the blocks both are charged the block
-layout (each block's last residual add its own kernel): whole-model compile may fuse that add into
+apply_compile, "Apply torch.compile to each TransformerBlock") compiles each block, and torchtitan compiles
+its loss function apart (config/job_config.py Compile.components, default ["model", "loss"];
+components/loss.py build_cross_entropy_loss: ``torch.compile(loss_fn)`` over ``cross_entropy(pred.float(),
+labels)``, HF's ops); the embedding and the final norm run eager. "model" (HF Trainer's ``torch_compile``,
+fms-fsdp) compiles the whole model, the embedding and the final norm with it (edge_traffic). The loss is
+compiled under both (loss_bytes_per_logit). Within the blocks both are charged the block layout (each block's last residual add its own kernel): whole-model compile may fuse that add into
 the next block's first norm, saving up to one residual write and read per block. Not fused here:
 eager attention's score matrix (kernels.work's ``eager_bytes``, charged as eager runs it) and the
 host's launch cost per kernel (kernels.HOST_SECONDS_PER_KERNEL, charged per fused kernel).
@@ -317,11 +319,11 @@ def edge_traffic(arch: Architecture, last: LayerSpec, tp: int, sp: bool, c: int,
 
 
 def loss_bytes_per_logit(compiled: str, c: int, eager_bytes: float, backend: str = "triton") -> float:
-    """HF's ForCausalLMLoss (logits.float(), cross_entropy) compiled with the model: the upcast inlines,
-    the forward reads the logits for each row's max and sum of exponentials (saved, per row) and the
-    label's logit, the backward reads them again and writes their gradient in the logits' dtype. CUDA's
-    online softmax reads them once forward: 3 x the compute dtype; CPU twice (max, then the sum): 4 x.
-    Eager (``eager_bytes``) unless the whole model is compiled."""
-    if check_mode(compiled) != "model":
+    """The cross-entropy over the logits (HF's ForCausalLMLoss inside the compiled model, torchtitan's
+    compiled loss function: ``logits.float()``, cross_entropy) compiled: the upcast inlines, the forward
+    reads the logits for each row's max and sum of exponentials (saved, per row) and the label's logit, the
+    backward reads them again and writes their gradient in the logits' dtype. CUDA's online softmax reads
+    them once forward: 3 x the compute dtype; CPU twice (max, then the sum): 4 x. ``eager_bytes`` eager."""
+    if check_mode(compiled) == "none":
         return eager_bytes
     return (3.0 if backend == "triton" else 4.0) * c

@@ -476,8 +476,8 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
     if not chunked:
         gemms.append(head)
     vocab = arch.vocab_size / tp
-    # HF's own loss (ForCausalLMLoss, inside the model's forward) is compiled with the model; the others are
-    # their own kernels or a framework's code outside it
+    # the plain cross-entropy (HF's ForCausalLMLoss, torchtitan's cross_entropy_loss) is compiled with the
+    # model or apart (torchtitan); the others are their own kernels
     hf_bytes = (fusion.loss_bytes_per_logit(compiled, compute_bytes, LOSS_BYTES_PER_LOGIT) if loss_kind == "hf"
                 else LOSS_BYTES_PER_LOGIT)
     loss = loss_bytes_per_logit(loss_kind, compute_bytes, hf_bytes) * vocab * tokens

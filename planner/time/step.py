@@ -774,10 +774,10 @@ def _elementwise_source(compiled: str) -> str:
     if compiled == "none":
         return ("a block's ops one by one, forward and backward, as its code dispatches them "
                 "(planner/time/elementwise.py; eager, no torch.compile fusion)")
-    edges = ("the embedding, final norm and HF loss compiled too" if compiled == "model"
-             else "the embedding, final norm and loss eager")
+    edges = ("the embedding and final norm compiled too" if compiled == "model"
+             else "the embedding and final norm eager")
     return (f"torch.compile ({compiled}): inductor's fused kernels between the matmuls and attention, each "
-            f"reading its inputs and writing its outputs once, forward and backward; {edges} "
+            f"reading its inputs and writing its outputs once, forward and backward; a plain cross-entropy compiled too; {edges} "
             "(planner/time/fusion.py)")
 
 
