@@ -1,58 +1,60 @@
 """A decoder block's memory-bound work under torch.compile (inductor), forward and backward.
 
 Eager PyTorch runs every ATen op of a norm, a rotary embedding or an activation as its own kernel
-(planner/time/elementwise.py). Inductor (torch 2.13, torch/_inductor/) fuses the ops between the ones it
-does not generate code for into as few kernels as its scheduler can, and a fused kernel reads the
-tensors that come from outside it once and writes the tensors that leave it once. Here a block is
-cut at those boundaries into regions and each region's kernel is charged its external reads and writes.
+(planner/time/elementwise.py). Inductor (torch 2.13, torch/_inductor/) fuses the ops between the ones it does
+not generate code for into as few kernels as its scheduler can, and a fused kernel reads the tensors that come
+from outside it once and writes the tensors that leave it once. Here a block is cut at those boundaries into
+regions and each region's kernel is charged its external reads and writes.
 
 What bounds a region, and why (paths under torch/_inductor/, torch 2.13):
-- Matmuls (mm, addmm, bmm) run as extern cuBLAS calls: ``max_autotune`` and ``max_autotune_gemm`` are
-  off unless TORCHINDUCTOR_MAX_AUTOTUNE=1 (config.py lines 514, 520), so no Triton mm template exists
-  for ``epilogue_fusion`` (line 274) to fuse a pointwise epilogue into. A linear's bias rides in addmm.
-- Attention (SDPA's flash/efficient/cudnn kernels) and collectives (TP/SP all-gather, reduce-scatter)
-  are fallback kernels (ExternKernelSchedulerNode), never fused.
-- Between them, pointwise ops and reductions fuse. A pointwise result read by several consumers is
-  recomputed inside each instead of written when it reads few buffers (ir.py
-  StorageBox.should_realize_on_reuse, line ~10093: realized only past ``realize_reads_threshold`` = 4
-  reads, config.py line 861): so a residual sum ``x + attn_out`` is never stored; the post-attention
-  norm and the block's last add both read ``x`` and ``attn_out``.
+- Matmuls (mm, addmm, bmm) run as extern cuBLAS calls: ``max_autotune`` and ``max_autotune_gemm`` are off
+  unless TORCHINDUCTOR_MAX_AUTOTUNE=1 (config.py lines 514, 520), so no Triton mm template exists for
+  ``epilogue_fusion`` (line 274) to fuse a pointwise epilogue into. A linear's bias rides in addmm.
+- Attention (SDPA's flash/efficient/cudnn kernels) and collectives (TP/SP all-gather, reduce-scatter) are
+  fallback kernels (ExternKernelSchedulerNode), never fused.
+- Between them, pointwise ops and reductions fuse. A pointwise result read by several consumers is recomputed
+  inside each instead of written when it reads few buffers (ir.py StorageBox.should_realize_on_reuse, line
+  ~10093: realized only past ``realize_reads_threshold`` = 4 reads, config.py line 861): so a residual sum ``x
+  + attn_out`` is never stored; the post-attention norm and the block's last add both read ``x`` and
+  ``attn_out``.
 - A row reduction and its pointwise epilogue fuse (scheduler.py Scheduler.can_fuse, line 7327, and the
-  backends' can_fuse_vertical: the same numel x rnumel), so a norm is one kernel: read the input, write the output and its per-row statistics (saved for backward).
+  backends' can_fuse_vertical: the same numel x rnumel), so a norm is one kernel: read the input, write the
+  output and its per-row statistics (saved for backward).
 - AOTAutograd's partitioner (torch/_functorch/partitioners.py min_cut_rematerialization_partition, line 3725)
-  saves the cheapest cut: the matmul inputs and outputs that exist anyway, and the norms' per-row
-  statistics; what lies between (a residual sum, a normed input) is recomputed inside backward kernels.
-- Dropout: the random mask is drawn inside the kernel (inductor_random) and saved as a bool (random
-  ops are never recomputed by the partitioner, partitioners.py is_random, line 113): one byte written
-  forward and read backward.
+  saves the cheapest cut: the matmul inputs and outputs that exist anyway, and the norms' per-row statistics;
+  what lies between (a residual sum, a normed input) is recomputed inside backward kernels.
+- Dropout: the random mask is drawn inside the kernel (inductor_random) and saved as a bool (random ops are
+  never recomputed by the partitioner, partitioners.py is_random, line 113): one byte written forward and read
+  backward.
 
-Where CUDA (Triton) and CPU (C++) differ, both are modelled (``backend``): ``"triton"`` is what the
-planner times (kernels.work), the CUDA side of each difference read off the source, not measured here; ``"cpp"`` what tests/test_fusion.py checks against inductor's own per-kernel byte count
-(scheduler.py get_read_write_buffer_accesses) on CPU:
-- cat: on CPU always a ConcatKernel (lowering.py cat, line 2254: "negative performance impact of
-  pointwise_cat optimization on CPU"), so rotate_half's two halves are written before the rotary's
-  mul-add reads them (two copy kernels more per q and k; with a q/k norm they share reads and fuse into
-  one, scheduler.py score_fusion_memory, line 8080); on CUDA a cat of at most ``max_complex_pointwise_cat_inputs``
-  = 8 inputs is a pointwise_cat (masked loads, line 2279) fused into its consumer: one rotary kernel.
-  Likewise the backward's cat of dq, dk, dv for a fused q/k/v projection: one copy kernel on CUDA
-  (pointwise_cat of extern outputs), one per input on CPU.
-- A norm's weight gradient (a column reduction over tokens) is a second reduction over the same inputs
-  as the input gradient (a row reduction). On CUDA ``triton.mix_order_reduction`` (config.py line 2120,
-  on outside fbcode) fuses the two (scheduler.py MixOrderReduction.can_fuse, line 336: sibling sum reductions
-  sharing a read, rows >= 4096 and >= 2 x columns, columns <= 16384, rows x columns >= 5 Mi, at most 10
-  reads): one kernel. Training micro-batches have >= 4096 tokens per GPU and hidden <= 16384, so the
-  planner takes it fused. On CPU it is one more kernel rereading the norm's inputs and gradients (the
-  block's weight gradients fused into one kernel where they share a read, the block input).
-- A q/k norm (Qwen3, OLMo-2) on CPU writes only its statistic in its own kernel, and its backward's
-  rotary part is written before the norm's backward reads it; on CUDA the norm, rotate_half and the
-  rotary multiply are one persistent reduction per head row, forward and backward.
+Where CUDA (Triton) and CPU (C++) differ, both are modelled (``backend``): ``"triton"`` is what the planner
+times (kernels.work), the CUDA side of each difference read off the source, not measured here; ``"cpp"`` what
+tests/test_fusion.py checks against inductor's own per-kernel byte count (scheduler.py
+get_read_write_buffer_accesses) on CPU:
+- cat: on CPU always a ConcatKernel (lowering.py cat, line 2254: "negative performance impact of pointwise_cat
+  optimization on CPU"), so rotate_half's two halves are written before the rotary's mul-add reads them (two
+  copy kernels more per q and k; with a q/k norm they share reads and fuse into one, scheduler.py
+  score_fusion_memory, line 8080); on CUDA a cat of at most ``max_complex_pointwise_cat_inputs`` = 8 inputs is
+  a pointwise_cat (masked loads, line 2279) fused into its consumer: one rotary kernel. Likewise the
+  backward's cat of dq, dk, dv for a fused q/k/v projection: one copy kernel on CUDA (pointwise_cat of extern
+  outputs), one per input on CPU.
+- A norm's weight gradient (a column reduction over tokens) is a second reduction over the same inputs as the
+  input gradient (a row reduction). On CUDA ``triton.mix_order_reduction`` (config.py line 2120, on outside
+  fbcode) fuses the two (scheduler.py MixOrderReduction.can_fuse, line 336: sibling sum reductions sharing a
+  read, rows >= 4096 and >= 2 x columns, columns <= 16384, rows x columns >= 5 Mi, at most 10 reads): one
+  kernel. Training micro-batches have >= 4096 tokens per GPU and hidden <= 16384, so the planner takes it
+  fused. On CPU it is one more kernel rereading the norm's inputs and gradients (the block's weight gradients
+  fused into one kernel where they share a read, the block input).
+- A q/k norm (Qwen3, OLMo-2) on CPU writes only its statistic in its own kernel, and its backward's rotary
+  part is written before the norm's backward reads it; on CUDA the norm, rotate_half and the rotary multiply
+  are one persistent reduction per head row, forward and backward.
 - LayerNorm's saved mean and rstd are fp32 on CUDA and in the input's dtype on CPU (torch/_refs/__init__.py
   native_layer_norm, line 3505: ``if input.device.type in ["cpu", "mtia"]`` casts them).
 - The softmax of the loss: CUDA's online softmax (``online_softmax``, config.py line 219;
-  fx_passes/post_grad.py prepare_softmax_extra_check, line 470: triton only) reads the logits once for max and sum; CPU reads them twice.
-- Not modelled on CPU: the CPU flash attention's backward copies its logsumexp (attention's own, not a
-  block piece); CPU's C++ kernels draw dropout's mask in a kernel of its own (the test runs without
-  dropout).
+  fx_passes/post_grad.py prepare_softmax_extra_check, line 470: triton only) reads the logits once for max and
+  sum; CPU reads them twice.
+- Not modelled on CPU: the CPU flash attention's backward copies its logsumexp (attention's own, not a block
+  piece); CPU's C++ kernels draw dropout's mask in a kernel of its own (the test runs without dropout).
 
 ``compiled``: "blocks" (torchtitan's per-TransformerBlock torch.compile, models/llama3/infra/parallelize.py
 apply_compile, "Apply torch.compile to each TransformerBlock") compiles each block, and torchtitan compiles
@@ -60,10 +62,11 @@ its loss function apart (config/job_config.py Compile.components, default ["mode
 components/loss.py build_cross_entropy_loss: ``torch.compile(loss_fn)`` over ``cross_entropy(pred.float(),
 labels)``, HF's ops); the embedding and the final norm run eager. "model" (HF Trainer's ``torch_compile``,
 fms-fsdp) compiles the whole model, the embedding and the final norm with it (edge_traffic). The loss is
-compiled under both (loss_bytes_per_logit). Within the blocks both are charged the block layout (each block's last residual add its own kernel): whole-model compile may fuse that add into
-the next block's first norm, saving up to one residual write and read per block. Not fused here:
-eager attention's score matrix (kernels.work's ``eager_bytes``, charged as eager runs it) and the
-host's launch cost per kernel (kernels.HOST_SECONDS_PER_KERNEL, charged per fused kernel).
+compiled under both (loss_bytes_per_logit). Within the blocks both are charged the block layout (each block's
+last residual add its own kernel): whole-model compile may fuse that add into the next block's first norm,
+saving up to one residual write and read per block. Not fused here: eager attention's score matrix
+(kernels.work's ``eager_bytes``, charged as eager runs it) and the host's launch cost per kernel
+(kernels.HOST_SECONDS_PER_KERNEL, charged per fused kernel).
 """
 
 from __future__ import annotations
@@ -262,7 +265,8 @@ def _sandwich(hs: float, hg: float, stat: float, drop: float, attn_parts: int, m
     g2 = _norm_backward(mlp_parts, hs, hg, tp, k)
     g1 = _norm_backward(attn_parts, hs, hg, tp, k)
     k.backward.append(3 * hs + stat + drop)  # post2: read dout, mlp_out, statistic; write d mlp_out
-    k.backward.append(g2 + 3 * hs + 2 * stat + 2 * hs + drop)  # pre2, post1: read parts, x, attn_out, dout; write dx2, d attn_out
+    # pre2 and post1: read the parts, x, attn_out, the statistics, dout; write dx2, d attn_out
+    k.backward.append(g2 + 3 * hs + 2 * stat + 2 * hs + drop)
     k.backward.append(g1 + hs + stat + hs + hs)  # pre1: read parts, x, stat, dx2; write dx
     _cpu_weight_gradients(backend, hs, [g1 + stat, g2 + hs + 2 * stat, hs + stat], k)
 

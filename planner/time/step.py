@@ -777,7 +777,8 @@ def _elementwise_source(compiled: str) -> str:
     edges = ("the embedding and final norm compiled too" if compiled == "model"
              else "the embedding and final norm eager")
     return (f"torch.compile ({compiled}): inductor's fused kernels between the matmuls and attention, each "
-            f"reading its inputs and writing its outputs once, forward and backward; a plain cross-entropy compiled too; {edges} "
+            f"reading its inputs and writing its outputs once, forward and backward; a plain cross-entropy "
+            f"compiled too; {edges} "
             "(planner/time/fusion.py)")
 
 
