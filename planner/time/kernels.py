@@ -4,8 +4,10 @@ measured rate for its head width and sequence length; every elementwise op (norm
 rotary, residual adds, dropout, the loss and its fp32 upcast, the optimizer step, and each biased
 linear's bias gradient, reduced over the tokens in backward: BIAS_GRADIENT_READS) at the GPU's
 achievable memory bandwidth, a block's ops one by one as its code runs them forward and backward
-(planner/time/elementwise.py); recomputation as the checkpointing policy reruns it; and the host's
-launch cost when kernels are shorter than it. Each part is a named term with its source.
+(planner/time/elementwise.py), or under torch.compile as inductor's fused kernels run them
+(planner/time/fusion.py: ``work(compiled="blocks" | "model")``); recomputation as the checkpointing
+policy reruns it; and the host's launch cost when kernels are shorter than it (a compiled block's
+kernels are fewer; each is still charged HOST_SECONDS_PER_KERNEL). Each part is a named term with its source.
 
 One function serves a single estimate (plain floats) and the plan search (a numpy array of
 micro-batch options): planner/time/arrays.py. Work that does not depend on the micro-batch (shapes,
@@ -64,6 +66,7 @@ from planner.model.activations import checkpointed_blocks, selective_op_rerun_fl
 from planner.model.layers import LayerSpec, attention_numels
 from planner.model.linears import attention_linears, block_linears
 from planner.time.collectives import MEMORY_BANDWIDTH_EFFICIENCY
+from planner.time import fusion
 from planner.time.elementwise import Traffic, block_traffic, edge_traffic
 from planner.recipes.losses import liger_chunk_tokens, loss_bytes_per_logit, loss_recomputes_logits
 
@@ -357,6 +360,7 @@ class Work:
     elementwise_backward_bytes: float = 0.0  # the blocks' elementwise backward, per sequence (planner/time/elementwise.py)
     edge_elementwise_bytes: float = 0.0  # the embedding's and final norm's, forward + backward, per sequence
     backward_kernels: int = 0  # launches of one backward (the recompute's are the forward's again)
+    compiled: str = "none"  # torch.compile: "none" (eager), "blocks" or "model" (planner/time/fusion.py)
 
 
 def _attention_gemms(s: LayerSpec, hidden: int, tp: int) -> list[tuple[int, int]]:
@@ -417,17 +421,19 @@ _WORK: dict[tuple, tuple[Architecture, "Work"]] = {}
 
 def work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_bytes: int, eager: bool,
          r: Rates, kernel: str = "flash-attention-2", loss: str = "hf",
-         low_precision: "LowPrecisionRate | None" = None, loss_chunks: int = 1) -> "Work":
+         low_precision: "LowPrecisionRate | None" = None, loss_chunks: int = 1, compiled: str = "none") -> "Work":
     """One sequence's work on one GPU of a tp x cp group (the pipeline splits it later:
     pipeline.py), memoised per model object (an Architecture is not hashable; the plan search
-    asks for the same one per setting). ``loss``: the loss implementation (planner/recipes/losses.py)."""
-    key = (id(arch), seq, tp, cp, sp, compute_bytes, eager, r, kernel, loss, low_precision, loss_chunks)
+    asks for the same one per setting). ``loss``: the loss implementation (planner/recipes/losses.py).
+    ``compiled``: torch.compile of each block ("blocks", torchtitan) or of the whole model ("model", HF
+    Trainer's torch_compile): the elementwise work as inductor fuses it (planner/time/fusion.py)."""
+    key = (id(arch), seq, tp, cp, sp, compute_bytes, eager, r, kernel, loss, low_precision, loss_chunks, compiled)
     hit = _WORK.get(key)
     if hit is not None and hit[0] is arch:
         return hit[1]
     if len(_WORK) > 256:
         _WORK.clear()
-    out = _work(arch, seq, tp, cp, sp, compute_bytes, eager, r, kernel, loss, loss_chunks)
+    out = _work(arch, seq, tp, cp, sp, compute_bytes, eager, r, kernel, loss, loss_chunks, fusion.check_mode(compiled))
     if low_precision is not None:
         out = _converted(out, compute_bytes, low_precision)
     _WORK[key] = (arch, out)
@@ -435,7 +441,7 @@ def work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_bytes
 
 
 def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_bytes: int, eager: bool,
-          r: Rates, kernel: str, loss_kind: str = "hf", loss_chunks: int = 1) -> "Work":
+          r: Rates, kernel: str, loss_kind: str = "hf", loss_chunks: int = 1, compiled: str = "none") -> "Work":
     h = arch.hidden_size
     tokens = max(1, seq // cp)
     gemms: list[Gemm] = []
@@ -461,7 +467,7 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
         attention_seconds += forward * (1 + ATTENTION_BACKWARD_FLOPS) / (
             attention_tflops(r, tokens, a.head_dim, kernel) * 1e12) * count
         eager_bytes += heads * tokens * seq * 16 * count  # scores 2, softmax in fp32 4+4, probs 2+2, mask 2
-        elementwise = elementwise + block_traffic(arch, spec, tp, sp, compute_bytes).times(count)
+        elementwise = elementwise + _block_traffic(arch, spec, tp, sp, compute_bytes, compiled).times(count)
         bias_gradients += _bias_gradient_elements(arch, spec, tp, sp) * tokens * compute_bytes * count
         kernels += (len(proj) + len(mlp) + 1) * count  # the projections and attention (elementwise ops: Traffic)
     head = Gemm(max(1, arch.vocab_size // tp), h, 1)
@@ -470,9 +476,15 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
     if not chunked:
         gemms.append(head)
     vocab = arch.vocab_size / tp
-    loss = loss_bytes_per_logit(loss_kind, compute_bytes, LOSS_BYTES_PER_LOGIT) * vocab * tokens
+    # the plain cross-entropy (HF's ForCausalLMLoss, torchtitan's cross_entropy_loss) is compiled with the
+    # model or apart (torchtitan); the others are their own kernels
+    hf_bytes = (fusion.loss_bytes_per_logit(compiled, compute_bytes, LOSS_BYTES_PER_LOGIT) if loss_kind == "hf"
+                else LOSS_BYTES_PER_LOGIT)
+    loss = loss_bytes_per_logit(loss_kind, compute_bytes, hf_bytes) * vocab * tokens
     loss_recompute = 2.0 * tokens * head.n * head.k if loss_recomputes_logits(loss_kind) else 0.0
-    edge = edge_traffic(arch, layer_specs(arch)[-1], tp, sp, compute_bytes)
+    last = layer_specs(arch)[-1]
+    edge = fusion.edge_traffic(arch, last, tp, sp, compute_bytes, edge_traffic(arch, last, tp, sp, compute_bytes),
+                               compiled)
     if eager:
         attention_seconds = 0.0
     return Work(tokens=tokens, gemms=tuple(gemms), attention_flops=attention_flops,
@@ -484,7 +496,15 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
                 if chunked else None, bias_gradient_bytes=bias_gradients,
                 elementwise_backward_bytes=elementwise.backward_bytes * tokens,
                 edge_elementwise_bytes=(edge.forward_bytes + edge.backward_bytes) * tokens,
-                backward_kernels=2 * kernels + elementwise.backward_kernels + edge.backward_kernels + 8)
+                backward_kernels=2 * kernels + elementwise.backward_kernels + edge.backward_kernels + 8,
+                compiled=compiled)
+
+
+def _block_traffic(arch: Architecture, spec: LayerSpec, tp: int, sp: bool, c: int, compiled: str) -> Traffic:
+    """A block's elementwise traffic: op by op in eager, inductor's fused kernels (CUDA's) when compiled."""
+    if compiled == "none":
+        return block_traffic(arch, spec, tp, sp, c)
+    return fusion.block_traffic(arch, spec, tp, sp, c, "triton")
 
 
 def forward_share(kernel: str) -> float:
