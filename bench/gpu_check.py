@@ -406,15 +406,18 @@ def check_elementwise(gpu_name: str, tokens: int = 8192) -> list[dict]:
     forward and backward over ``tokens`` in bf16 under torch.profiler: the CUDA time and count of every kernel
     that is not a GEMM or attention, against planner/time/elementwise.py's bytes at the time model's
     bandwidth and its op count (the model counts dispatched ops: slice_backward, native_layer_norm_backward
-    run two kernels each on CUDA). Unverified until this runs: the CPU test (tests/test_elementwise.py)
-    checks the ops and their bytes, not the kernels' time."""
+    run two kernels each on CUDA). Then the same block under torch.compile (inductor's Triton kernels)
+    against planner/time/fusion.py's CUDA regions (block_traffic(..., "triton")): its rotary cat fused into
+    the rotary kernel, the norms' weight gradients fused by mix_order_reduction, read off inductor's source
+    and never measured. Unverified until this runs: the CPU tests (tests/test_elementwise.py,
+    tests/test_fusion.py) check the ops and their bytes, not the kernels' time."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from planner.cluster.gpus import load_gpus
     from planner.model.architecture import from_hf_config, layer_specs
-    from planner.time import kernels
+    from planner.time import fusion, kernels
     from planner.time.elementwise import block_traffic
 
     r = kernels.rates(load_gpus()[gpu_name], "bf16")
@@ -422,7 +425,9 @@ def check_elementwise(gpu_name: str, tokens: int = 8192) -> list[dict]:
     llama = catalogue_model("llama-3-8b").config
     mpt = {"model_type": "gpt2", "n_embd": 4096, "n_head": 32, "n_layer": 1, "vocab_size": 50368,
            "activation_function": "gelu", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
-    for name, config in (("llama-3-8b", dict(llama, num_hidden_layers=1)), ("mpt-7b (gpt2 block)", mpt)):
+    runs = [(name, config, compiled) for compiled in ("none", "blocks")
+            for name, config in (("llama-3-8b", dict(llama, num_hidden_layers=1)), ("mpt-7b (gpt2 block)", mpt))]
+    for name, config, compiled in runs:
         hf = AutoConfig.for_model(**config)
         hf._attn_implementation = "sdpa"
         with torch.device("cuda"):
@@ -435,8 +440,10 @@ def check_elementwise(gpu_name: str, tokens: int = 8192) -> list[dict]:
             block = model.model.layers[0]
             kwargs = {"position_ids": positions, "position_embeddings": model.model.rotary_emb(x, positions)}
 
+        run = block if compiled == "none" else torch.compile(block)
+
         def step():
-            y = block(x, **kwargs)
+            y = run(x, **kwargs)
             (y[0] if isinstance(y, tuple) else y).backward(torch.ones_like(x))
 
         for _ in range(3):
@@ -448,16 +455,19 @@ def check_elementwise(gpu_name: str, tokens: int = 8192) -> list[dict]:
         elementwise = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                        and not any(k in e.name.lower() for k in NOT_ELEMENTWISE)]
         arch = from_hf_config(config)
-        t = block_traffic(arch, layer_specs(arch)[0], 1, False, 2)
-        row = {"model": name, "tokens": tokens, "measured_seconds": sum(e.time_range.elapsed_us() for e in elementwise) / 1e6,
+        spec = layer_specs(arch)[0]
+        t = block_traffic(arch, spec, 1, False, 2) if compiled == "none" else \
+            fusion.block_traffic(arch, spec, 1, False, 2, "triton")
+        row = {"model": name, "compiled": compiled, "tokens": tokens, "measured_seconds": sum(e.time_range.elapsed_us() for e in elementwise) / 1e6,
                "measured_kernels": len(elementwise),
                "modelled_seconds": (t.forward_bytes + t.backward_bytes) * tokens / r.memory_bytes_per_s,
                "modelled_ops": t.forward_kernels + t.backward_kernels,
                "kernels": sorted({e.name[:80] for e in elementwise})}
         out.append(row)
-        print(f"elementwise {name}, {tokens} tokens: measured {row['measured_seconds'] * 1e3:.2f} ms in "
+        print(f"elementwise {name} (compile {compiled}), {tokens} tokens: measured {row['measured_seconds'] * 1e3:.2f} ms in "
               f"{row['measured_kernels']} kernels, modelled {row['modelled_seconds'] * 1e3:.2f} ms in {row['modelled_ops']} ops")
-        del model, block, x
+        del model, block, run, x
+        torch._dynamo.reset()
         torch.cuda.empty_cache()
     return out
 
