@@ -90,6 +90,11 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         # backend/losses.py FlashAttnLoss wraps the model as the fused losses do (above)
         raise PlannerError("loss=flash-attn with a sharded strategy: the probe's flash-attn loss runs under single, "
                            "ddp and zero0-2 only", field="loss")
+    if request.compile != "none":
+        # the probe trains eager (backend/train.py); compile's memory is eager's saved set, an upper bound
+        # (planner/recipes/compile.py), and its step time is a GPU's
+        raise PlannerError(f"compile {request.compile}: the probe trains the model eager; the estimate's memory is "
+                           "eager's (an upper bound for a compiled run), estimate it without verify", field="compile")
     if request.low_precision in ("nvfp4", "te-fp8"):
         raise PlannerError(f"low_precision={request.low_precision}: the probe swaps torchao's float8 and mxfp8 "
                            "linears only (backend/low_precision.py); this recipe stays unverified", field="low_precision")

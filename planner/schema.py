@@ -21,6 +21,7 @@ from planner.time.kernels import AttentionKernel
 from planner.errors import unknown
 from planner.recipes.finetune_fields import check_request_fields
 from planner.recipes.losses import Loss
+from planner.recipes.compile import COMPILE_HELP, Compile
 from planner.recipes.low_precision import LowPrecision
 from planner.memory.moments import PhaseKind
 from planner.parallel.dims import PipelineSchedule
@@ -286,6 +287,7 @@ Float8AllGatherField = Annotated[bool, Field(
     description="FSDP2 all-gathers the float8 linears' weights in fp8 (torchao Float8LinearConfig("
     "enable_fsdp_float8_all_gather=True), torchtitan float8.enable_fsdp_float8_all_gather): 1 byte per converted "
     "weight element gathered instead of 2; needs low_precision float8-tensorwise and a sharded torch strategy")]
+CompileField = Annotated[Compile, Field(description=COMPILE_HELP)]
 KeepsOutputsField = Annotated[bool, Field(
     description="the script keeps the model's outputs through backward (accelerate's `outputs = model(**batch); "
     "accelerator.backward(outputs.loss)`): their logits stay live; default: the Trainer's loop, which frees them")]
@@ -385,6 +387,7 @@ class EstimateRequest(BaseModel):
         "Gemma3ForConditionalGeneration, vision tower included)")
     # the recipe as it is run (issue 21): the training loop (planner/recipes/loop.py)
     keeps_outputs: KeepsOutputsField = False
+    compile: CompileField = "none"
     activation_offload: bool = Field(False, description="the tensors saved for backward wait in pinned host "
                                      "memory (TRL/Axolotl activation_offloading, torchtune enable_activation_"
                                      "offloading: OffloadActivations); device, host RAM and host-link time modelled")
@@ -727,6 +730,7 @@ class PlanRequest(BaseModel):
         "selective-attention (default: the search weighs none and full)")
     checkpointing_every: CheckpointingEveryField = None
     keeps_outputs: KeepsOutputsField = False
+    compile: CompileField = "none"
     loss: LossField = "hf"
     loss_chunks: LossChunksField = None
     low_precision: LowPrecisionField = "none"

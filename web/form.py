@@ -50,7 +50,7 @@ GROUPS = (
                                "double_quant", "train_embeddings", "precision", "low_precision", "float8_all_gather", "optimizer",
                                "optimizer_in_backward", "gradient_clipping", "checkpointing", "checkpointing_every", "loss", "loss_chunks",
                                "attention", "attention_kernel", "offload_optimizer", "offload_params",
-                               "activation_offload")),
+                               "activation_offload", "compile")),
     Group("degrees", "Layout: the strategy and degrees (empty degrees in a plan: the planner chooses; data "
                      "parallelism takes the GPUs that remain)",
           ("strategy", *DEGREES, "hsdp_shard_size", "sequence_parallel", "tp_plan", "pp_schedule", "pp_virtual_stages",

@@ -18,6 +18,7 @@ from planner.memory import reserved
 from planner.model.activations import Activations, check_checkpointing
 from planner.model.architecture import distinct_specs
 from planner.recipes import activation_offload as act_offload
+from planner.recipes.compile import check_compile, compile_note
 from planner.model.architecture import defaulted_size_fields
 from planner.model.catalogue import ResolvedModel, as_loaded, catalogue_model, model_from_config, raw_parameters
 from planner.parallel.context import check_context_parallel, gloo_ring_scratch_bytes
@@ -136,6 +137,7 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
                         request.finetune)
     check_float8_all_gather(request, s.shards_parameters, s.params_unsharded_in_step)
     act_offload.check_activation_offload(request, model, dims)
+    check_compile(request, dims)
     if dims.pp > 1 and model.architecture is not None and model.architecture.vision_numels:
         raise PlannerError(f"pp={dims.pp} with the vision tower counted (what the loader builds for model_type "
                            f"{model.architecture.model_type!r}): the pipeline model splits the text decoder's blocks "
@@ -645,6 +647,9 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
         notes.extend(setup.arch.notes)  # what the family's reader assumed (eager only, vision tower)
     notes.append(f"peak occurs during {peak_phase.name}")
     notes.append(loop_note(setup.request.keeps_outputs, _held_outputs(setup)))
+    compiled = compile_note(setup.request.compile)
+    if compiled:
+        notes.append(compiled)
     notes.extend(loss_notes(loss_kernel(setup.request.loss, setup.gpu.is_cpu)))
     notes.extend(low_precision_notes(setup.request.low_precision, setup.arch, setup.strategy.shards_parameters,
                                      setup.request.float8_all_gather))

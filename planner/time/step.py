@@ -202,6 +202,7 @@ class StepSettings:
     float8_all_gather: bool = False  # FSDP2 gathers the float8 linears' weights in fp8
     framework_version: str | None = None  # the request's (planner/frameworks/base.py); None: the default
     gradient_clipping: bool = False  # the gradients clipped by their global norm before each step
+    compile: str = "none"  # torch.compile: "none", "blocks" or "model" (planner/time/fusion.py)
 
     def framework(self, s) -> Framework:
         """The framework version that realises strategy ``s`` in this step: the request's where it
@@ -218,7 +219,8 @@ class StepSettings:
                    attention_kernel=req.attention_kernel,
                    compute_scale=compute_scale, loss=req.loss, loss_chunks=req.loss_chunks,
                    low_precision=req.low_precision,
-                   float8_all_gather=req.float8_all_gather, gradient_clipping=req.gradient_clipping)
+                   float8_all_gather=req.float8_all_gather, gradient_clipping=req.gradient_clipping,
+                   compile=req.compile)
 
 
 def collective_volumes(request: EstimateRequest) -> list[dict]:
@@ -281,7 +283,7 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
                             compute_scale=profile_compute_scale(request.profile, profile), loss=request.loss,
                             loss_chunks=request.loss_chunks,
                             low_precision=request.low_precision, float8_all_gather=request.float8_all_gather,
-                            gradient_clipping=request.gradient_clipping)
+                            gradient_clipping=request.gradient_clipping, compile=request.compile)
     arch = traced if traced is not None else Architecture.model_validate(result.model.architecture)
     moved = activation_offload_bytes(setup) / request.micro_batch if traced is None else 0.0
     t = step_times(settings, combo, request.micro_batch, per_rank, result.parameters, arch, g,
@@ -682,7 +684,7 @@ def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, ar
     w = kernels.work(arch, req.seq_len, combo.tp, combo.cp, combo.sequence_parallel, recipe.compute_bytes,
                      req.attention == "eager" or arch.attention_implementation == "eager", r, req.attention_kernel,
                      loss_kernel(req.loss, g.is_cpu), _low_precision_rate(req.low_precision, g, dtype, r, recipe.compute_bytes),
-                     loss_chunks=req.loss_chunks or DEFAULT_CHUNKS)
+                     loss_chunks=req.loss_chunks or DEFAULT_CHUNKS, compiled=req.compile)
     t = kernels.micro_batch_terms(w, micro_f, r, recipe.compute_bytes, combo.checkpointing,
                                   frozen_matmuls=1.0 if frozen is not None else 0.0,
                                   shares=kernels.recompute_shares(arch, combo.checkpointing, combo.checkpointing_every),
