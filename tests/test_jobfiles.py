@@ -251,7 +251,8 @@ def test_emitted_torchtitan_toml_parses_and_reads_back():
     ("bad.toml", "[training]\nseq_len = \n", r"bad.toml: not valid TOML.*line 2"),
     ("a.yaml", "base_model: NousResearch/Meta-Llama-3-8B\nmicro_batch_size: two\n",
      r"a.yaml:2: micro_batch_size: must be a whole number"),
-    ("a.yaml", "base_model: NousResearch/Meta-Llama-3-8B\ntorch_compile: true\n", r"a.yaml:2: torch_compile"),
+    ("a.yaml", "base_model: NousResearch/Meta-Llama-3-8B\ntorch_compile: true\ntorch_compile_mode: max-autotune\n",
+     r"a.yaml:3: torch_compile_mode"),
     ("ds.json", json.dumps({"zero_optimization": {"stage": 3}}) + "\n", "do not name the model.*give --model"),
     ("config_registry.py", "def llama3_8b():\n    return Trainer.Config()\n", "Python file is not read.*launch line"),
     ("run.sh", "torchrun -m torchtitan.train --module llama3 --config llama3_405b_custom\n",
@@ -576,16 +577,54 @@ def test_hf_trainer_fsdp_reads_fsdp_config_as_transformers_does():
 
 def test_torchtitan_launch_of_the_70b_and_405b_registry_configs():
     """torchtitan 0.3.0's llama3_70b (TP 8, full AC, local batch 8) and llama3_405b (as 70B, local
-    batch 2, a float8 converter, torch.compile) are read; 405B's compile is refused by name."""
+    batch 2, a float8 converter, torch.compile of the blocks and the loss) are read."""
     job = read_job([("run.sh", "torchrun --nproc_per_node 8 -m torchtitan.train --module llama3 --config llama3_70b")], 8)
     assert (job.fields["model"], job.fields["tp"], job.fields["checkpointing"], job.fields["micro_batch"],
             job.steps) == ("llama-3.1-70b", 8, "full", 8, 1000)
     launch = "torchrun --nproc_per_node 8 -m torchtitan.train --module llama3 --config llama3_405b"
-    with pytest.raises(PlannerError, match=r"compile.enable: \(True\) is not modelled"):
-        read_job([("run.sh", launch)], 8)
+    job = read_job([("run.sh", launch)], 8)
+    assert (job.fields["model"], job.fields["micro_batch"], job.fields["low_precision"], job.fields["compile"],
+            job.steps) == ("llama-3.1-405b", 2, "float8-tensorwise", "blocks", 3000)
     job = read_job([("run.sh", launch + " --compile.enable false")], 8)
-    assert (job.fields["model"], job.fields["micro_batch"], job.fields["low_precision"], job.steps) == (
-        "llama-3.1-405b", 2, "float8-tensorwise", 3000)
+    assert "compile" not in job.fields
+    with pytest.raises(PlannerError, match=r"compile.components: \(model\): compile blocks models"):
+        read_job([("run.sh", launch + " --compile.components model")], 8)
+
+
+@pytest.mark.parametrize("name,text,compiled", [
+    ("sft.json", json.dumps({"model_name_or_path": "Qwen/Qwen3-8B", "torch_compile": True}), "model"),
+    ("sft.json", json.dumps({"model_name_or_path": "Qwen/Qwen3-8B", "torch_compile_backend": "inductor"}), "model"),
+    ("sft.json", json.dumps({"model_name_or_path": "Qwen/Qwen3-8B", "torch_compile": False}), None),
+    ("a.yaml", "base_model: NousResearch/Meta-Llama-3-8B\ntorch_compile: auto\n", "model"),
+    ("a.yaml", "base_model: NousResearch/Meta-Llama-3-8B\ntorch_compile: false\n", None),
+])
+def test_torch_compile_keys_set_compile(name, text, compiled):
+    """TrainingArguments' torch_compile (or a backend/mode, which turns it on) and axolotl's torch_compile
+    (true or auto) compile the whole model: compile model."""
+    job = read_job([(name, text)], 8)
+    assert job.fields.get("compile") == compiled
+
+
+@pytest.mark.parametrize("text,compiled,error", [
+    ("dynamo_config:\n  dynamo_backend: INDUCTOR\n", "model", None),
+    ("dynamo_config:\n  dynamo_backend: NO\n", None, None),
+    ("dynamo_backend: inductor\n", "model", None),
+    ("dynamo_config:\n  dynamo_backend: EAGER\n", None, "dynamo_backend: .*other than INDUCTOR"),
+    ("dynamo_config:\n  dynamo_backend: INDUCTOR\n  dynamo_mode: max-autotune\n", None, "dynamo_mode"),
+    ("dynamo_config:\n  dynamo_backend: INDUCTOR\n  dynamo_use_regional_compilation: true\n", None,
+     "regional_compilation"),
+])
+def test_accelerate_dynamo_sets_compile(text, compiled, error):
+    from planner.jobfiles import accelerate_config
+    from planner.jobfiles.keys import Where
+
+    data = yaml.safe_load("distributed_type: FSDP\n" + text)
+    if error:
+        with pytest.raises(PlannerError, match=error):
+            accelerate_config.read(data, Where("acc.yaml", text))
+        return
+    reading = accelerate_config.read(data, Where("acc.yaml", text))
+    assert reading.fields.get("compile") == compiled
 
 
 def test_check_says_a_job_refused_on_its_reserved_peak(capsys, tmp_path):

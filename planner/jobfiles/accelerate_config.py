@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from planner.jobfiles.common import inert
+from planner.jobfiles.common import COMPILE_MODE_NEUTRAL, inert
 from planner.jobfiles.keys import Inert, Key, Modelled, Refused, Where, check_block, equals, off
 from planner.jobfiles.reading import Reading, clipping_norm, flag, whole
 
@@ -21,9 +21,8 @@ TOP: dict[str, Key] = {
     "num_machines": Modelled("nodes"),
     "deepspeed_config": Modelled("the DeepSpeed section"), "fsdp_config": Modelled("the FSDP section"),
     "use_cpu": Refused("trains on the CPU", lambda v, b: off(v), "false"),
-    "dynamo_config": Refused("torch.compile fuses kernels and changes what autograd saves",
-                             lambda v, b: not v or str(v.get("dynamo_backend", "NO")).upper() == "NO", "dynamo_backend: NO"),
-    "dynamo_backend": Refused("torch.compile", lambda v, b: v is None or str(v).upper() == "NO", "NO"),
+    "dynamo_config": Modelled("dynamo_backend INDUCTOR in the default mode: compile model (read_dynamo)"),
+    "dynamo_backend": Modelled("INDUCTOR: compile model (read_dynamo)"),
     "megatron_lm_config": Refused("Megatron-LM's parallelism", lambda v, b: not v, "remove it"),
     "parallelism_config": Refused("accelerate's ParallelismConfig sets tp/cp degrees", lambda v, b: not v,
                                   "remove it; give --tp / --cp"),
@@ -91,6 +90,33 @@ FSDP_STRATEGY = {"FULL_SHARD": "fsdp", "1": "fsdp", "SHARD_GRAD_OP": "fsdp-grad-
                  "HYBRID_SHARD": "hsdp", "4": "hsdp"}
 
 
+def read_dynamo(reading: Reading, data: dict[str, Any], where: Where) -> None:
+    """accelerate's TorchDynamoPlugin from the config file (accelerate 1.x commands/config/config_args.py:
+    dynamo_config with dynamo_backend, dynamo_mode, dynamo_use_fullgraph, dynamo_use_dynamic and
+    dynamo_use_regional_compilation; an older file's top-level dynamo_backend): inductor in its default mode
+    compiles the whole model (prepare_model: torch.compile(model, **dynamo_plugin.to_kwargs())) -> compile
+    model; regional compilation compiles the repeated blocks alone and leaves the loss eager, which is
+    neither of the planner's modes."""
+    block = data.get("dynamo_config") or {}
+    if not isinstance(block, dict):
+        raise where.error("dynamo_config", "give it as a mapping (dynamo_backend, dynamo_mode, ...)")
+    key, backend = next(((k, v) for k, v in (("dynamo_config.dynamo_backend", block.get("dynamo_backend")),
+                                              ("dynamo_backend", data.get("dynamo_backend"))) if v is not None),
+                        (None, None))
+    if off(backend) or str(backend).upper() == "NO":  # YAML reads a bare NO as false
+        return
+    if str(backend).upper() != "INDUCTOR":
+        raise where.error(key, "a torch.compile backend other than INDUCTOR is not modelled")
+    if not COMPILE_MODE_NEUTRAL(block.get("dynamo_mode")):
+        raise where.error("dynamo_config.dynamo_mode", "max-autotune's Triton matmul templates and reduce-overhead's "
+                                                      "CUDA graphs are not modelled: default")
+    if block.get("dynamo_use_regional_compilation") and not off(block.get("dynamo_use_regional_compilation")):
+        raise where.error("dynamo_config.dynamo_use_regional_compilation",
+                          "compiles the repeated blocks and leaves the loss eager, neither compile mode the planner "
+                          "models (blocks compiles the loss too, model everything): false")
+    reading.set("compile", "model", key)
+
+
 def read(data: dict[str, Any], where: Where) -> Reading:
     reading = Reading("accelerate", where)
     reading.unknown = check_block(data, TOP, where)
@@ -105,6 +131,7 @@ def read(data: dict[str, Any], where: Where) -> Reading:
         raise where.error("mixed_precision", f"({mixed!r}) is not modelled: no, bf16 and fp16 are")
     if "mixed_precision" in data:
         reading.set("precision", names[mixed], "mixed_precision")
+    read_dynamo(reading, data, where)
     if "num_processes" in data:
         reading.set("world_size", whole(data["num_processes"], where, "num_processes"), "num_processes")
     if "num_machines" in data:

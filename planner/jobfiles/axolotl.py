@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from planner.jobfiles.accelerate_config import trainer_fsdp_section
-from planner.jobfiles.common import attention, hf_optimizer, inert, model_name, value_needs
+from planner.jobfiles.common import (COMPILE_BACKEND_NEUTRAL, COMPILE_MODE_NEUTRAL, attention, hf_optimizer, inert,
+                                     model_name, value_needs)
 from planner.jobfiles.hf_trainer import embeddings, read_clipping
 from planner.jobfiles.keys import Inert, Key, Modelled, Needs, Refused, Where, check_block, off
 from planner.jobfiles.reading import Reading, flag, number, whole
@@ -51,8 +52,15 @@ TABLE: dict[str, Key] = {
     **inert("Liger kernels other than the loss: fused norms, rope and SwiGLU save the same tensors within a small "
             "margin", "liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_layer_norm"),
     "plugins": Modelled("their keys are read as keys of this file"),
-    "torch_compile": Refused("torch.compile fuses kernels and changes what autograd saves", lambda v, b: off(v),
-                             "false"),
+    # axolotl's schema: torch_compile true, or "auto" (on from torch 2.6.0, so on under the 2.13 the planner models),
+    # handed with its backend and mode to TrainingArguments (axolotl utils/schemas/config.py torch_compile)
+    "torch_compile": Needs("compile", "model", "the whole model compiled by inductor (fused elementwise kernels)",
+                           lambda v, b: off(v)),
+    "torch_compile_backend": Refused("a torch.compile backend other than inductor", COMPILE_BACKEND_NEUTRAL,
+                                     "inductor, or remove it"),
+    "torch_compile_mode": Refused("a torch.compile mode other than the default: max-autotune's Triton matmul "
+                                  "templates and reduce-overhead's CUDA graphs are not modelled", COMPILE_MODE_NEUTRAL,
+                                  "default, or remove it"),
     "unfrozen_parameters": Refused("trains a subset of the weights", lambda v, b: not v, "remove it"),
     "activation_offloading": Needs("activation_offload", True, "the saved activations live on the host",
                                    lambda v, b: off(v)),
@@ -81,8 +89,7 @@ TABLE: dict[str, Key] = {
         ("tiled_mlp_num_shards", "the MLP run in tiles"), ("quantize_moe_experts", "quantized experts"),
         ("model_quantization_config", "a quantization config other than load_in_4bit / load_in_8bit"),
         ("mixed_precision_policy", "an FSDP mixed-precision policy of its own"),
-        ("torch_compile_backend", "torch.compile"), ("torch_compile_mode", "torch.compile"),
-        ("torch_compile_options", "torch.compile"), ("qlora_sharded_model_loading", "loading, with FSDP1"),
+        ("torch_compile_options", "inductor options of its own"), ("qlora_sharded_model_loading", "loading, with FSDP1"),
         ("reshard_after_forward", "FSDP2's reshard, read from fsdp_config"),
         ("qat", "quantization-aware training (torchao's fake-quantized linears, their transients and saved tensors)"),
         ("activation_checkpointing", "activation checkpointing spelled apart from gradient_checkpointing"))},
@@ -124,6 +131,10 @@ def read(data: dict[str, Any], where: Where) -> Reading:
     else:
         reading.set("checkpointing", "full" if flag(get("gradient_checkpointing"), where, "gradient_checkpointing")
                     else "none", "gradient_checkpointing")
+    if not off(get("torch_compile")):
+        if get("torch_compile") is not True and str(get("torch_compile")).lower() not in ("true", "auto"):
+            raise where.error("torch_compile", "axolotl takes true, false or auto")
+        reading.set("compile", "model", "torch_compile")
     if get("eager_attention"):
         reading.set("attention", "eager", "eager_attention")
     if get("attn_implementation") is not None:

@@ -123,3 +123,12 @@ def model_name(reading: Reading, key: str, value: Any) -> None:
         reading.set("model_path", value, key)  # the job joins it to a config.json given beside it
     else:
         reading.set("model", value, key)
+
+
+# torch.compile as the planner models it: inductor in its default mode (planner/recipes/compile.py)
+def COMPILE_BACKEND_NEUTRAL(value: Any, block: dict[str, Any] | None = None) -> bool:  # noqa: N802 (a key rule)
+    return value is None or str(value).lower() == "inductor"
+
+
+def COMPILE_MODE_NEUTRAL(value: Any, block: dict[str, Any] | None = None) -> bool:  # noqa: N802
+    return value is None or str(value).lower() == "default"

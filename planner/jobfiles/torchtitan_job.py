@@ -44,7 +44,7 @@ TABLE: dict[str, Key] = {
                               equals("float32"), "float32"),
     **inert("the data pipeline, outside the step", "training.dataset", "training.dataset_path"),
     **inert("Python's garbage collector, between steps", "training.gc_freq", "training.gc_debug"),
-    "training.disable_cuda_graphs": Inert("graphs are off unless compile is on (refused)"),
+    "training.disable_cuda_graphs": Inert("CUDA graphs are not what compile.enable turns on (inductor's default mode)"),
     "parallelism.data_parallel_replicate_degree": Modelled("dp_replicate"),
     "parallelism.data_parallel_shard_degree": Modelled("dp_shard (-1: the rest of the world)"),
     "parallelism.fsdp_reshard_after_forward": Modelled("default / always: fsdp; never: fsdp-grad-op"),
@@ -81,10 +81,9 @@ TABLE: dict[str, Key] = {
     "activation_checkpoint.preserve_rng_state": Inert("one RNG state per block"),
     "activation_checkpoint.determinism_check": Inert("a check on recomputation"),
     "activation_checkpoint.debug": Inert(LOG),
-    "compile.enable": Refused("torch.compile fuses kernels and changes what autograd saves", lambda v, b: off(v),
-                              "false"),
-    "compile.components": Inert("read only with compile.enable (refused)"),
-    "compile.backend": Inert("read only with compile.enable (refused)"),
+    "compile.enable": Modelled("with components model and loss (the default): compile blocks (_compile)"),
+    "compile.components": Modelled("read with compile.enable: model and loss (the default) are compile blocks"),
+    "compile.backend": Modelled("read with compile.enable: inductor (the default)"),
     "checkpoint.async_mode": Refused("async_with_pinned_mem keeps a pinned host copy of the state",
                                      lambda v, b: not b.get("enable") or v in (None, "disabled", "async"), "disabled"),
     **inert(SAVE, "checkpoint.enable", "checkpoint.enable_checkpoint", "checkpoint.folder", "checkpoint.interval",
@@ -245,7 +244,29 @@ def _read(flat: dict[str, Any], where: Where, fmt: str, table: dict[str, Key]) -
     _training(reading, flat)
     _parallel(reading, flat)
     _checkpointing(reading, flat)
+    _compile(reading, flat)
     return reading
+
+
+# torchtitan's compile section (config/job_config.py Compile: enable False, components ["model", "loss"],
+# backend "inductor"): "model" compiles each TransformerBlock (models/llama3/infra/parallelize.py apply_compile),
+# "loss" the loss function apart: together they are the planner's compile blocks (planner/recipes/compile.py)
+COMPILE_COMPONENTS = ("model", "loss")
+
+
+def _compile(reading: Reading, flat: dict[str, Any]) -> None:
+    if off(flat.get("compile.enable")):
+        return
+    components = flat.get("compile.components", list(COMPILE_COMPONENTS))
+    if isinstance(components, str):
+        components = [c.strip() for c in components.split(",") if c.strip()]
+    if sorted(components) != sorted(COMPILE_COMPONENTS):
+        raise reading.where.error("compile.components", f"({', '.join(map(str, components)) or 'none'}): compile blocks "
+                                                        "models the blocks and the loss compiled together (model, loss)")
+    backend = flat.get("compile.backend", "inductor")
+    if str(backend).lower() != "inductor":
+        raise reading.where.error("compile.backend", f"({backend}) is not modelled: inductor is")
+    reading.set("compile", "blocks", "compile.enable")
 
 
 # model.converters -> low_precision: torchtitan 0.2.2 components/quantization (float8.py: Float8Converter,
