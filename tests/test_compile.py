@@ -133,3 +133,17 @@ def test_verify_refuses_compile(tmp_path):
     with pytest.raises(PlannerError) as e:
         worker_job(_request(compile="model", gpu="cpu"), steps=2, warmup_steps=1, out_dir=tmp_path)
     assert e.value.field == "compile"
+
+
+def test_plan_under_compile_leaves_pipelines_out_and_runs_faster():
+    from planner.plan.search import plan
+    from planner.schema import PlanRequest
+
+    base = {"model": "llama-3-8b", "gpu": "h100-80gb", "gpus": 8, "nodes": 2, "seq_len": 4096, "global_batch": 64}
+    eager, compiled = plan(PlanRequest(**base)), plan(PlanRequest(**base, compile="blocks"))
+    assert all(c.parallel.pp == 1 for c in compiled.candidates + compiled.families)
+    assert any("compile blocks is modelled without pipeline parallelism" in n for n in compiled.notes)
+    assert compiled.recommended.step_seconds < eager.recommended.step_seconds
+    with pytest.raises(PlannerError) as e:
+        plan(PlanRequest(**base, pp=2, compile="model"))
+    assert e.value.field == "compile"

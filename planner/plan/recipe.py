@@ -46,6 +46,21 @@ def _data_parallel_only(req: PlanRequest) -> tuple[str, str] | None:
 
 def allowed_layouts(req: PlanRequest, layouts: list[tuple[int, int, int, int]]) -> tuple[list[tuple[int, int, int, int]],
                                                                                           list[str]]:
+    """The layouts the recipe's fields allow (_allowed_layouts), and of those, under compile, the ones
+    without a pipeline (planner/recipes/compile.py check_compile)."""
+    kept, notes = _allowed_layouts(req, layouts)
+    if req.compile == "none":
+        return kept, notes
+    unpiped = [d for d in kept if d[2] == 1]
+    why = f"compile {req.compile} is modelled without pipeline parallelism"
+    if not unpiped:
+        raise PlannerError(f"{why}; none of the plan's layouts (tp, cp, pp, ep) {kept} is one", field="compile")
+    left = len(kept) - len(unpiped)
+    return unpiped, notes + ([f"recipe: {why}: {left} layout(s) not searched"] if left else [])
+
+
+def _allowed_layouts(req: PlanRequest, layouts: list[tuple[int, int, int, int]]) -> tuple[list[tuple[int, int, int, int]],
+                                                                                           list[str]]:
     """(the (tp, cp, pp, ep) layouts the recipe is modelled for, a note on those left out). A
     vocab-parallel loss needs tensor parallelism; torchtitan's chunked loss takes tp alone; the chunked and fused losses, low precision, the
     selective and every-N checkpointing policies and a loop that keeps its outputs are modelled
