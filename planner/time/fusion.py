@@ -97,7 +97,7 @@ class _Kernels:
 
 def check_mode(compiled: str) -> str:
     if compiled not in COMPILE_MODES:
-        raise PlannerError(f"compile({compiled!r}) is not one of {', '.join(COMPILE_MODES)}")
+        raise PlannerError(f"compile({compiled!r}) is not one of {', '.join(COMPILE_MODES)}", field="compile")
     return compiled
 
 
@@ -187,7 +187,7 @@ def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, b
     elementwise.block_traffic: hidden-width work on 1/tp of the tokens under sequence parallelism, the
     gradient parts of a normed input on the gathered tokens, q/k and MLP work on their TP shard)."""
     if backend not in BACKENDS:
-        raise PlannerError(f"backend({backend!r}) is not one of {', '.join(BACKENDS)}")
+        raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)} (a caller's argument, not a request field)")
     share = 1.0 / tp if sp else 1.0
     hs = c * arch.hidden_size * share  # bytes of one hidden-width tensor per token
     hg = c * arch.hidden_size  # the same, gathered
