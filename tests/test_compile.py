@@ -9,8 +9,9 @@ from functools import partial
 
 import pytest
 
+from cli.main import main
 from planner.errors import PlannerError
-from planner.memory.orchestrator import estimate
+from planner.memory.orchestrator import estimate, measure, resolve
 from planner.model.activations import block_saved_bytes
 from planner.model.architecture import from_hf_config, layer_specs
 from planner.schema import EstimateRequest
@@ -147,3 +148,107 @@ def test_plan_under_compile_leaves_pipelines_out_and_runs_faster():
     with pytest.raises(PlannerError) as e:
         plan(PlanRequest(**base, pp=2, compile="model"))
     assert e.value.field == "compile"
+
+
+# whole models, eager against compiled (blocks: torchtitan's per-block compile; model: the whole model), on the
+# c10 CPU allocator's running total (cmem2's measurement)
+# tiny decoders (no downloads): widths small enough that inductor compiles them in seconds on CPU
+TINY = {
+    "llama": dict(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+    "qwen3": dict(model_type="qwen3", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, head_dim=32),
+    "gpt2": dict(model_type="gpt2", vocab_size=512, n_embd=128, n_layer=2, n_head=4, n_positions=256, bos_token_id=0,
+                 eos_token_id=0),
+}
+MICRO, SEQ = 2, 128
+BASE = dict(model_config=TINY["llama"], gpu="cpu", gpus=1, precision="fp32", micro_batch=MICRO, seq_len=SEQ)
+
+
+def test_cli_refuses_a_bad_value_with_exit_2_and_one_line(capsys):
+    code = main(["estimate", "--model", "llama-3.1-8b", "--compile", "bogus"])
+    err = capsys.readouterr().err
+    assert code == 2
+    line = [x for x in err.splitlines() if "bogus" in x]
+    assert len(line) == 1 and "--compile" in line[0]
+
+
+def test_http_refuses_a_bad_value_with_422(tmp_path):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from web.app import create_app
+
+    client = TestClient(create_app(str(tmp_path / "runs.sqlite")))
+    for path in ("/v1/estimate", "/v1/plan"):
+        response = client.post(path, json={"model": "llama-3.1-8b", "compile": "bogus"})
+        assert response.status_code == 422, path
+        assert "compile" in response.text and "bogus" in response.text
+
+
+def _build(family: str):
+    import transformers
+
+    config = {k: v for k, v in TINY[family].items() if k != "model_type"}
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    if family == "qwen3":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**config))
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**config))
+
+
+def _forward_backward_bytes(family: str, mode: str) -> tuple[int, int]:
+    """(bytes live after the forward, peak over forward+backward), both above what was live before
+    it, by the c10 CPU allocator's running total that the profiler records at every allocation
+    (backend/train.py _raw_events); gradients exist already (zero_grad keeps them), so both runs
+    allocate the same parameter gradients: none."""
+    import torch
+    from torch._C._profiler import _EventType
+
+    from backend.train import _profiled_events, count_every_thread
+
+    torch.manual_seed(0)
+    model = _build(family)
+    if mode == "blocks":  # torchtitan apply_compile: each block compiled in place
+        for block in (model.model.layers if family != "gpt2" else model.transformer.h):
+            block.compile(backend="inductor")
+    run = torch.compile(model, backend="inductor") if mode == "model" else model
+    ids = torch.randint(0, TINY[family]["vocab_size"], (MICRO, SEQ))
+    for _ in range(2):  # compile, and allocate the gradients
+        run(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=False)
+    count_every_thread()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.profiler.record_function("compile_test_forward"):
+            loss = run(input_ids=ids, labels=ids).loss
+        with torch.profiler.record_function("compile_test_backward"):
+            loss.backward()
+    totals, windows = [], {}
+    for event in _profiled_events(prof):
+        if event.typed[0] == _EventType.Allocation and event.typed[1].device.type == "cpu":
+            totals.append((event.start_time_ns, int(event.typed[1].total_allocated)))
+        elif event.typed[0] == _EventType.TorchOp and event.name.startswith("compile_test_"):
+            windows[event.name] = (event.start_time_ns, event.start_time_ns + event.duration_time_ns)
+    totals.sort()
+    start, forward_end = windows["compile_test_forward"]
+    backward_end = windows["compile_test_backward"][1]
+    before = [total for t, total in totals if t < start]
+    base = before[-1] if before else totals[0][1]
+    after_forward = [total for t, total in totals if t <= forward_end][-1]
+    peak = max(total for t, total in totals if start <= t <= backward_end)
+    return after_forward - base, peak - base
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_compiled_runs_save_at_most_eagers_bytes_and_the_planners(family):
+    pytest.importorskip("transformers")
+    predicted = measure(resolve(EstimateRequest(**{**BASE, "model_config": TINY[family]}))).acts.saved_bytes
+    saved, peak = _forward_backward_bytes(family, "none")
+    # eager: the planner's saved bytes within 10% of what the forward left live (loss and logits included)
+    assert abs(saved - predicted) <= 0.1 * predicted, (saved, predicted)
+    for mode in ("blocks", "model"):
+        compiled_saved, compiled_peak = _forward_backward_bytes(family, mode)
+        print(f"{family} {mode}: saved {compiled_saved:,} vs eager {saved:,} (planner {predicted:,}); "
+              f"peak {compiled_peak:,} vs eager {peak:,}")
+        assert compiled_saved <= saved and compiled_saved <= predicted, (mode, compiled_saved, saved, predicted)
+        assert compiled_peak <= peak, (mode, compiled_peak, peak)

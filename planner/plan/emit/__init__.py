@@ -129,6 +129,11 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
         raise PlannerError("--emit with activation_offload: the emitted Trainer, accelerate and DeepSpeed configs "
                            "have no such setting; the training script applies it (TRL SFTConfig "
                            "activation_offloading=True)", field="activation_offload")
+    if est.compile != "none":
+        # the emitted configs do not switch torch.compile on (TrainingArguments torch_compile, accelerate
+        # dynamo_backend): a job estimated with it but emitted without it would be another job (cmem2)
+        raise PlannerError(f"--emit with compile={est.compile}: the emitted Trainer, accelerate and DeepSpeed configs "
+                           "do not set torch.compile; emit with compile=none", field="compile")
     unavailable = None if script is not None else _trainer_unavailable(setup, est)
     s = setup.strategy
     launcher = setup.framework.launch
