@@ -18,7 +18,7 @@ from planner.cluster.gpus import load_gpus
 from planner.model.architecture import from_hf_config, layer_specs
 from planner.time.elementwise import COMPOSITE_RMSNORM, FUSED_LAYERNORM, block_traffic, traffic
 from planner.time.kernels import Recompute, micro_batch_terms, rates, work
-from tests.real_runs import GEMMA3, GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3
+from tests.real_runs import GEMMA3, GPT2, LLAMA, MISTRAL, OLMO2, QWEN2, QWEN3, SMOLLM3
 
 TOKENS = 96  # no weight (256, 64 elements) is a multiple of it: weight-sized tensors are told apart by that
 SKIPPED = {"mm", "addmm", "bmm", "detach", "view", "_unsafe_view", "expand", "as_strided", "slice", "unsqueeze",
@@ -86,20 +86,18 @@ def _record(config: dict, torch):
     return forward, r.ops[len(forward):]
 
 
-# OLMo-2 is not among them: its rotary runs in fp32 (Olmo2RotaryEmbedding's fp32 cos/sin) and casts q and k back,
-# two ops and fp32 passes the model does not count (its fp32-weight norms are the same ops as Gemma's, counted).
 # Gemma-3's RMSNorm adds two weight-sized ops per call the model does not count (``1.0 + self.weight.float()``: a
 # cast and an add, per micro-batch), six calls per block: its forward runs 12 ops more.
 WEIGHT_SIZED_FORWARD_OPS = {"gemma3": 12}
 
 
 @pytest.mark.parametrize("name, config", [("llama", LLAMA), ("mistral", MISTRAL), ("qwen2", QWEN2), ("qwen3", QWEN3),
-                                          ("smollm3", SMOLLM3), ("gemma3", GEMMA3), ("gpt2", GPT2),
+                                          ("smollm3", SMOLLM3), ("gemma3", GEMMA3), ("olmo2", OLMO2), ("gpt2", GPT2),
                                           ("gpt2-gelu", GPT2 | {"activation_function": "gelu"})])
 def test_block_elementwise_ops_and_bytes_match_torch(name, config):
     """Llama, Mistral, Qwen2 (q/k/v biases: their gradients are the bias term), SmolLM3: composite RMSNorm, rotary,
     SwiGLU; Qwen3: per-head q/k norms; Gemma-3: four fp32-weight sandwich norms and per-head q/k norms, GELU-tanh
-    gate; GPT-2: fused LayerNorm, a fused q/k/v split, NewGELU's eight ops (exact GELU, MPT's: one)."""
+    gate; OLMo-2: fp32-weight norms over the whole q/k projections, rotary in fp32 (fp32 cos/sin) cast back; GPT-2: fused LayerNorm, a fused q/k/v split, NewGELU's eight ops (exact GELU, MPT's: one)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     forward, backward = _record(config, torch)

@@ -5,14 +5,14 @@ of ATen ops autograd dispatches for it, and each op reads its inputs and writes 
 the GPU's memory bandwidth (planner/time/kernels.py). An op's bytes are counted per element of the
 piece's width in the compute dtype (``c``) or fp32 (``f``, the upcasts at 4 bytes), per row (the
 fp32 per-token statistics of a norm), per element of the rotary tables (``table``: cos/sin, one
-row of head_dim per token) and in single bytes (dropout's bool mask). Forward ops are the module's
+row of head_dim per token, ``ftable`` where they are fp32) and in single bytes (dropout's bool mask). Forward ops are the module's
 Python lines; backward ops are torch 2.13's derivative formulas (tools/autograd/derivatives.yaml,
 shipped as torchgen/packaged/autograd/derivatives.yaml) for each forward op, plus the sums autograd's
 input buffer runs where a tensor feeds several ops. Weight-sized work (a norm's weight read, its
 gradient's few elements) is per micro-batch and not counted. The op lists were read off a
 TorchDispatchMode trace of each module on CPU (tests/test_elementwise.py replays a block of Llama, Mistral,
-Qwen2, Qwen3, SmolLM3, Gemma-3 and GPT-2 and compares); what differs on CUDA is said where it does. Not
-counted: Gemma's two weight-sized ops per norm call; OLMo-2's fp32 rotary and its casts back.
+Qwen2, Qwen3, SmolLM3, Gemma-3, OLMo-2 and GPT-2 and compares); what differs on CUDA is said where it does. Not
+counted: Gemma's two weight-sized ops per norm call.
 
 How the code implements a norm is what the time depends on: a composite of Python ops (every
 RMSNorm of transformers 5.x: LlamaRMSNorm.forward, modeling_llama.py lines 62-67, ~9x a fused
@@ -46,12 +46,14 @@ class Op:
     row_in: float = 0.0
     row_out: float = 0.0
     table_in: float = 0.0
+    ftable_in: float = 0.0
     byte_in: float = 0.0
     byte_out: float = 0.0
 
     def bytes(self, width: float, rows: float, table: float, c: int) -> float:
         return ((self.c_in + self.c_out) * c * width + (self.f_in + self.f_out) * FP32 * width
                 + (self.row_in + self.row_out) * FP32 * rows + self.table_in * c * table
+                + self.ftable_in * FP32 * table
                 + (self.byte_in + self.byte_out) * width)
 
 
@@ -165,6 +167,21 @@ ROTARY = Piece(
               Op(c_in=0.5, c_out=1.5), Op(c_in=2, c_out=1), Op(c_in=1, table_in=1, c_out=1), Op(c_in=2, c_out=1),
               Op(c_in=1, c_out=1)),
 )
+# OLMo-2's rotary (transformers 5.x modeling_olmo2.py): Olmo2RotaryEmbedding.forward returns fp32 cos and sin
+# (lines 107-111, no cast to x's dtype as Llama's has), so ``q * cos`` and ``rotate_half(q) * sin`` promote to
+# fp32, the two products add in fp32 and apply_rotary_pos_emb casts the sum back (``q_embed.to(q_type)``, lines
+# 169-174). Backward: the cast's (the gradient to fp32), each product's gradient in fp32 cast to the bf16 input's
+# dtype (mul_tensor_backward's ``.to(self_st)``: a _to_copy each), neg's, the two slice_backward and their sum,
+# the two paths' sum and the clone back to the projection's layout, as ROTARY's.
+FP32_ROTARY = Piece(
+    forward=(Op(c_in=1, ftable_in=1, f_out=1), Op(c_in=0.5, c_out=0.5), Op(c_in=1, c_out=1),
+             Op(c_in=1, ftable_in=1, f_out=1), Op(f_in=2, f_out=1), Op(f_in=1, c_out=1)),
+    backward=(Op(c_in=1, f_out=1), Op(f_in=1, ftable_in=1, f_out=1), Op(f_in=1, c_out=1), Op(c_in=0.5, c_out=0.5),
+              Op(c_in=0.5, c_out=1.5), Op(c_in=0.5, c_out=1.5), Op(c_in=2, c_out=1),
+              Op(f_in=1, ftable_in=1, f_out=1), Op(f_in=1, c_out=1), Op(c_in=2, c_out=1), Op(c_in=1, c_out=1)),
+)
+# The families whose rotary tables stay fp32 (of those planner/model/architecture.py reads)
+FP32_ROTARY_FAMILIES = frozenset({"olmo2"})
 # Two tensors added, and in backward the sum autograd runs where a tensor fed two ops: a residual's input
 # (the branch's norm and the add; the add's own backward passes the gradient through) or a normed input read
 # by several linears (q, k, v; gate, up)
@@ -243,7 +260,8 @@ def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int) -
     out = out + traffic(GATED if m.gated else plain_activation(arch), active, c)
     a = s.attention
     if a.rope and not arch.learned_positions:  # GPT-2's learned positions: no rotary
-        out = out + traffic(ROTARY, a.q_width / tp, c, table=a.head_dim) + traffic(ROTARY, a.kv_width / tp, c,
+        rotary = FP32_ROTARY if arch.model_type in FP32_ROTARY_FAMILIES else ROTARY
+        out = out + traffic(rotary, a.q_width / tp, c, table=a.head_dim) + traffic(rotary, a.kv_width / tp, c,
                                                                                    table=a.head_dim)
     out = out + _qk_norm(s, tp, c)
     if a.fused_qkv:
