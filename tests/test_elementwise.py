@@ -26,7 +26,7 @@ SKIPPED = {"mm", "addmm", "bmm", "detach", "view", "_unsafe_view", "expand", "as
            "squeeze", "split", "split_with_sizes", "select", "clone_"}
 
 
-def _record(config: dict, torch):
+def _record(config: dict, torch, lora: dict | None = None):
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -51,8 +51,8 @@ def _record(config: dict, torch):
                 moved = sum(nbytes(t) for t in inputs + outputs)
                 if name == "slice_backward":  # zeros, then the slice copied in: the slice is written twice
                     moved += nbytes(inputs[0])
-                if name == "native_layer_norm_backward":  # CUDA's weight/bias kernel rereads dY, X, mean, rstd
-                    moved += sum(nbytes(t) for t in inputs[:4])
+                if name == "native_layer_norm_backward" and any(args[-1][1:]):  # CUDA's weight/bias kernel rereads
+                    moved += sum(nbytes(t) for t in inputs[:4])  # dY, X, mean, rstd (when a weight wants a gradient)
                 self.ops.append((name, moved))
             return out
 
@@ -60,6 +60,10 @@ def _record(config: dict, torch):
     hf = AutoConfig.for_model(**config)
     hf._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(hf).to(torch.bfloat16)
+    if lora is not None:  # PEFT freezes the base and wraps the targeted linears (adapters in bf16, as the base)
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(**lora), autocast_adapter_dtype=False).base_model.model
     x = torch.randn(1, TOKENS, hf.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     if config["model_type"] == "gpt2":
         block = model.transformer.h[0]
@@ -132,3 +136,31 @@ def test_a_policy_reruns_the_blocks_elementwise_forward_and_not_the_edges():
     rerun = micro_batch_terms(w, 2, r, 2, "selective-op", shares=Recompute(elementwise=1.0))
     assert rerun.recompute - none.recompute == pytest.approx(2 * w.elementwise_bytes / r.memory_bytes_per_s)
     assert rerun.elementwise == none.elementwise
+
+
+@pytest.mark.parametrize("name, config, targets", [
+    ("llama-qv", LLAMA, ["q_proj", "v_proj"]), ("llama-all", LLAMA, "all-linear"), ("qwen2-all", QWEN2, "all-linear"),
+    ("gemma3-all", GEMMA3, "all-linear"), ("olmo2-qv", OLMO2, ["q_proj", "v_proj"]), ("gpt2-attn", GPT2, ["c_attn"])])
+def test_a_lora_blocks_elementwise_ops_and_bytes_match_torch(name, config, targets):
+    """A frozen base under PEFT LoRA adapters: the norms' weight-gradient ops are not run (composite RMSNorm: the
+    grad * x and its sum; fp32-weight norms: those and the weight's cast; LayerNorm: CUDA's weight/bias kernel), and
+    each adapter adds its scaling's mul, the add of its output and the sum of its input's two gradients. Adapters in
+    the base's dtype (autocast_adapter_dtype=False: PEFT's default fp32 adapters add casts the model does not count)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    from planner.model.linears import block_linears
+    from planner.time.elementwise import adapter_traffic
+
+    forward, backward = _record(config, torch, lora={"r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+                                                     "target_modules": targets})
+    arch = from_hf_config(config)
+    spec = layer_specs(arch)[0]
+    names = {l.name for l in block_linears(arch, spec)} if targets == "all-linear" else set(targets)
+    adapted = [(l.in_features, l.out_features) for l in block_linears(arch, spec) if l.name in names]
+    assert adapted, names
+    model = block_traffic(arch, spec, 1, False, 2, frozen=True) + adapter_traffic(adapted, 0.0, False, 2)
+    counts = (len(forward) - WEIGHT_SIZED_FORWARD_OPS.get(name.split("-")[0], 0), len(backward))
+    assert counts == (model.forward_kernels, model.backward_kernels), (forward, backward)
+    assert sum(b for _, b in forward) == pytest.approx(model.forward_bytes * TOKENS, rel=0.01)
+    assert sum(b for _, b in backward) == pytest.approx(model.backward_bytes * TOKENS, rel=0.01)
+    assert model.backward_kernels < block_traffic(arch, spec, 1, False, 2).backward_kernels + 3 * len(adapted)

@@ -12,7 +12,10 @@ input buffer runs where a tensor feeds several ops. Weight-sized work (a norm's 
 gradient's few elements) is per micro-batch and not counted. The op lists were read off a
 TorchDispatchMode trace of each module on CPU (tests/test_elementwise.py replays a block of Llama, Mistral,
 Qwen2, Qwen3, SmolLM3, Gemma-3, OLMo-2 and GPT-2 and compares); what differs on CUDA is said where it does. Not
-counted: Gemma's two weight-sized ops per norm call.
+counted: Gemma's two weight-sized ops per norm call; MoE routing and dispatch (the router's softmax/top-k, the
+tokens' gather and scatter, the combine); PEFT's default fp32 adapters on a 16-bit base (get_peft_model's
+autocast_adapter_dtype=True: ``_cast_input_dtype`` casts each adapted linear's input to fp32, lora/layer.py line
+1100), which the adapter ops below count in the compute dtype (autocast_adapter_dtype=False).
 
 How the code implements a norm is what the time depends on: a composite of Python ops (every
 RMSNorm of transformers 5.x: LlamaRMSNorm.forward, modeling_llama.py lines 62-67, ~9x a fused
@@ -151,6 +154,19 @@ L2_NORM = Piece(forward=_RMS_STATISTIC + (Op(f_in=1, c_out=1),),
 # LayerNormBackwardKernelImplInternal: layer_norm_grad_input_kernel, then GammaBetaBackwardCUDAKernel; read at
 # pytorch 0005c538). One dispatched op each way.
 FUSED_LAYERNORM = Piece(forward=(Op(c_in=1, c_out=1, row_out=2),), backward=(Op(c_in=4, row_in=4, c_out=1),))
+# Under a frozen base (LoRA / QLoRA: PEFT sets requires_grad=False on every base parameter) the norms' weights
+# get no gradient: autograd skips a derivative formula whose input does not require grad (the generated
+# *Backward nodes' ``task_should_compute_output`` per input; native_layer_norm_backward's output_mask), so the
+# weight's gradient (grad * x, its sum over the tokens, its cast) is not run; the input's gradient is.
+FROZEN_COMPOSITE_RMSNORM = Piece(forward=COMPOSITE_RMSNORM.forward,
+                                 backward=(COMPOSITE_RMSNORM.backward[0],) + COMPOSITE_RMSNORM.backward[3:])
+FROZEN_FLOAT_WEIGHT_RMSNORM = Piece(forward=FLOAT_WEIGHT_RMSNORM.forward,
+                                    backward=FLOAT_WEIGHT_RMSNORM.backward[:1] + FLOAT_WEIGHT_RMSNORM.backward[2:3]
+                                    + FLOAT_WEIGHT_RMSNORM.backward[5:])
+# output_mask (True, False, False): CUDA's GammaBetaBackward kernel is not launched (layer_norm_kernel.cu)
+FROZEN_FUSED_LAYERNORM = Piece(forward=FUSED_LAYERNORM.forward, backward=(Op(c_in=2, row_in=2, c_out=1),))
+FROZEN_NORM_OPS = {("rmsnorm", "cast"): FROZEN_COMPOSITE_RMSNORM, ("rmsnorm", "float"): FROZEN_FLOAT_WEIGHT_RMSNORM,
+                   ("layernorm", "cast"): FROZEN_FUSED_LAYERNORM, ("layernorm", "float"): FROZEN_FUSED_LAYERNORM}
 NORM_OPS = {("rmsnorm", "cast"): COMPOSITE_RMSNORM, ("rmsnorm", "float"): FLOAT_WEIGHT_RMSNORM,
             ("layernorm", "cast"): FUSED_LAYERNORM, ("layernorm", "float"): FUSED_LAYERNORM}
 
@@ -211,8 +227,41 @@ DROPOUT = Piece(forward=(Op(c_in=1, c_out=1, byte_out=1),), backward=(Op(c_in=1,
 EMBEDDING = Piece(forward=(Op(c_in=1, c_out=1),), backward=(Op(c_in=1, c_out=1),))
 
 
-def norm_piece(norm: str, weight: str) -> Piece:
-    return NORM_OPS[(norm, weight)]
+# A LoRA adapter on one linear (PEFT 0.21 tuners/lora/layer.py Linear.forward, lines 1088-1102):
+# ``result + lora_B(lora_A(dropout(x))) * scaling``; the two matmuls are the adapter FLOPs (step.py). Per element
+# of the linear's output: the scaling's mul and the add forward; backward the mul's gradient (grad * scaling; add
+# passes the gradient through to both). Per element of its input: the sum of x's two gradients (the base linear's
+# and the adapter's: autograd's input buffer). lora_dropout > 0 runs nn.Dropout on the input (DROPOUT; an
+# nn.Identity at 0). bitsandbytes' 4-bit base clones the base's output first (peft tuners/lora/bnb.py line 533,
+# Linear4bit.forward: ``result = result.clone()``; clone's backward passes the gradient through).
+ADAPTER_OUTPUT = Piece(forward=(Op(c_in=1, c_out=1), Op(c_in=2, c_out=1)), backward=(Op(c_in=1, c_out=1),))
+CLONE = Piece(forward=(Op(c_in=1, c_out=1),), backward=())
+
+
+@dataclass(frozen=True)
+class FrozenBase:
+    """What a frozen base (LoRA / QLoRA) changes of the elementwise work: the norms' weights get no gradient,
+    the embedding's only when it is trained (``embeddings_trained``), and the adapters' own ops (``adapters``,
+    per token over every block)."""
+
+    adapters: Traffic = Traffic()
+    embeddings_trained: bool = False
+
+
+def adapter_traffic(linears: list[tuple[int, int]], dropout: float, clone: bool, c: int) -> Traffic:
+    """The adapters' elementwise ops per token: one (in_features, out_features) per adapted linear call."""
+    out = Traffic()
+    for fan_in, fan_out in linears:
+        out = out + traffic(ADAPTER_OUTPUT, fan_out, c) + traffic(GRADIENT_SUM, fan_in, c)
+        if dropout > 0:
+            out = out + traffic(DROPOUT, fan_in, c)
+        if clone:
+            out = out + traffic(CLONE, fan_out, c)
+    return out
+
+
+def norm_piece(norm: str, weight: str, frozen: bool = False) -> Piece:
+    return (FROZEN_NORM_OPS if frozen else NORM_OPS)[(norm, weight)]
 
 
 def plain_activation(a: Architecture) -> Piece:
@@ -223,13 +272,13 @@ def plain_activation(a: Architecture) -> Piece:
     return FUSED_ACTIVATION
 
 
-def _qk_norm(s: LayerSpec, tp: int, c: int) -> Traffic:
+def _qk_norm(s: LayerSpec, tp: int, c: int, frozen: bool = False) -> Traffic:
     """q's norm and k's, one call each: per head (Qwen3: rows of head_dim), over the projection (OLMo-2: one
     row per token) or Llama-4's weightless L2 norm per head."""
     a = s.attention
     if a.qk_norm == "none":
         return Traffic()
-    piece = L2_NORM if a.qk_norm == "l2" else norm_piece("rmsnorm", s.norm_weight)
+    piece = L2_NORM if a.qk_norm == "l2" else norm_piece("rmsnorm", s.norm_weight, frozen)
     per_head = a.qk_norm != "projection"
     return sum((traffic(piece, width / tp, c, rows=(heads / tp if per_head else 1.0))
                 for width, heads in ((a.q_width, a.num_heads), (a.kv_width, a.num_kv_heads))), Traffic())
@@ -246,13 +295,14 @@ def _gradient_sums(s: LayerSpec) -> int:
     return attention + mlp + (1 if s.norm_placement == "parallel" else 0)  # attention and MLP read one norm
 
 
-def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int) -> Traffic:
+def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, frozen: bool = False) -> Traffic:
     """One token's elementwise traffic through one block on one TP rank. Norms, residuals and dropout run on
     the hidden width, a 1/tp share of the tokens under sequence parallelism; the gradient sums of a
-    normed input on the gathered tokens' full width; q/k pieces and the MLP's on their TP shard."""
+    normed input on the gathered tokens' full width; q/k pieces and the MLP's on their TP shard. ``frozen``: the
+    base's weights get no gradient (LoRA / QLoRA; the adapters' ops are FrozenBase.adapters)."""
     h = arch.hidden_size
     share = 1.0 / tp if sp else 1.0
-    out = traffic(norm_piece(s.norm, s.norm_weight), h * share, c, rows=share).times(s.norms)
+    out = traffic(norm_piece(s.norm, s.norm_weight, frozen), h * share, c, rows=share).times(s.norms)
     out = out + traffic(ADD, h * share, c).times(2)
     out = out + traffic(GRADIENT_SUM, h, c).times(_gradient_sums(s))
     m = s.mlp
@@ -263,7 +313,7 @@ def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int) -
         rotary = FP32_ROTARY if arch.model_type in FP32_ROTARY_FAMILIES else ROTARY
         out = out + traffic(rotary, a.q_width / tp, c, table=a.head_dim) + traffic(rotary, a.kv_width / tp, c,
                                                                                    table=a.head_dim)
-    out = out + _qk_norm(s, tp, c)
+    out = out + _qk_norm(s, tp, c, frozen)
     if a.fused_qkv:
         out = out + traffic(SPLIT, (a.q_width + 2 * a.kv_width) / tp, c)
     if arch.hidden_dropout > 0:
@@ -271,15 +321,19 @@ def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int) -
     return out
 
 
-def edge_traffic(arch: Architecture, last: LayerSpec, tp: int, sp: bool, c: int) -> Traffic:
+def edge_traffic(arch: Architecture, last: LayerSpec, tp: int, sp: bool, c: int,
+                 frozen: FrozenBase | None = None) -> Traffic:
     """Outside the blocks: the embedding's lookup and gradient, learned positions' lookup and their sum with it
     (GPT-2's ``inputs_embeds + position_embeds``), the embedding dropout, and the final norm (the blocks' norm
-    module)."""
+    module). Under a frozen base a frozen embedding's gradient is not computed (embedding_backward runs for a
+    weight that requires grad: derivatives.yaml, embedding's ``weight:`` formula)."""
     h = arch.hidden_size
     share = 1.0 / tp if sp else 1.0
-    out = traffic(EMBEDDING, h, c) + traffic(norm_piece(last.norm, last.norm_weight), h * share, c, rows=share)
+    lookup = EMBEDDING if frozen is None or frozen.embeddings_trained else Piece(EMBEDDING.forward, ())
+    out = traffic(lookup, h, c) + traffic(norm_piece(last.norm, last.norm_weight, frozen is not None), h * share, c,
+                                          rows=share)
     if arch.learned_positions:
-        out = out + traffic(EMBEDDING, h, c) + traffic(ADD, h, c)
+        out = out + traffic(lookup, h, c) + traffic(ADD, h, c)
     if arch.hidden_dropout > 0:
         out = out + traffic(DROPOUT, h, c)
     return out
