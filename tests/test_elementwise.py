@@ -18,7 +18,7 @@ from planner.cluster.gpus import load_gpus
 from planner.model.architecture import from_hf_config, layer_specs
 from planner.time.elementwise import COMPOSITE_RMSNORM, FUSED_LAYERNORM, block_traffic, traffic
 from planner.time.kernels import Recompute, micro_batch_terms, rates, work
-from tests.real_runs import GEMMA3, GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3
+from tests.real_runs import GEMMA3, GPT2, LLAMA, MISTRAL, OLMO2, QWEN2, QWEN3, SMOLLM3
 
 TOKENS = 96  # no weight (256, 64 elements) is a multiple of it: weight-sized tensors are told apart by that
 SKIPPED = {"mm", "addmm", "bmm", "detach", "view", "_unsafe_view", "expand", "as_strided", "slice", "unsqueeze",
@@ -26,7 +26,7 @@ SKIPPED = {"mm", "addmm", "bmm", "detach", "view", "_unsafe_view", "expand", "as
            "squeeze", "split", "split_with_sizes", "select", "clone_"}
 
 
-def _record(config: dict, torch):
+def _record(config: dict, torch, lora: dict | None = None):
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -51,8 +51,8 @@ def _record(config: dict, torch):
                 moved = sum(nbytes(t) for t in inputs + outputs)
                 if name == "slice_backward":  # zeros, then the slice copied in: the slice is written twice
                     moved += nbytes(inputs[0])
-                if name == "native_layer_norm_backward":  # CUDA's weight/bias kernel rereads dY, X, mean, rstd
-                    moved += sum(nbytes(t) for t in inputs[:4])
+                if name == "native_layer_norm_backward" and any(args[-1][1:]):  # CUDA's weight/bias kernel rereads
+                    moved += sum(nbytes(t) for t in inputs[:4])  # dY, X, mean, rstd (when a weight wants a gradient)
                 self.ops.append((name, moved))
             return out
 
@@ -60,6 +60,10 @@ def _record(config: dict, torch):
     hf = AutoConfig.for_model(**config)
     hf._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(hf).to(torch.bfloat16)
+    if lora is not None:  # PEFT freezes the base and wraps the targeted linears (adapters in bf16, as the base)
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(**lora), autocast_adapter_dtype=False).base_model.model
     x = torch.randn(1, TOKENS, hf.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     if config["model_type"] == "gpt2":
         block = model.transformer.h[0]
@@ -86,20 +90,18 @@ def _record(config: dict, torch):
     return forward, r.ops[len(forward):]
 
 
-# OLMo-2 is not among them: its rotary runs in fp32 (Olmo2RotaryEmbedding's fp32 cos/sin) and casts q and k back,
-# two ops and fp32 passes the model does not count (its fp32-weight norms are the same ops as Gemma's, counted).
 # Gemma-3's RMSNorm adds two weight-sized ops per call the model does not count (``1.0 + self.weight.float()``: a
 # cast and an add, per micro-batch), six calls per block: its forward runs 12 ops more.
 WEIGHT_SIZED_FORWARD_OPS = {"gemma3": 12}
 
 
 @pytest.mark.parametrize("name, config", [("llama", LLAMA), ("mistral", MISTRAL), ("qwen2", QWEN2), ("qwen3", QWEN3),
-                                          ("smollm3", SMOLLM3), ("gemma3", GEMMA3), ("gpt2", GPT2),
+                                          ("smollm3", SMOLLM3), ("gemma3", GEMMA3), ("olmo2", OLMO2), ("gpt2", GPT2),
                                           ("gpt2-gelu", GPT2 | {"activation_function": "gelu"})])
 def test_block_elementwise_ops_and_bytes_match_torch(name, config):
     """Llama, Mistral, Qwen2 (q/k/v biases: their gradients are the bias term), SmolLM3: composite RMSNorm, rotary,
     SwiGLU; Qwen3: per-head q/k norms; Gemma-3: four fp32-weight sandwich norms and per-head q/k norms, GELU-tanh
-    gate; GPT-2: fused LayerNorm, a fused q/k/v split, NewGELU's eight ops (exact GELU, MPT's: one)."""
+    gate; OLMo-2: fp32-weight norms over the whole q/k projections, rotary in fp32 (fp32 cos/sin) cast back; GPT-2: fused LayerNorm, a fused q/k/v split, NewGELU's eight ops (exact GELU, MPT's: one)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     forward, backward = _record(config, torch)
@@ -134,3 +136,31 @@ def test_a_policy_reruns_the_blocks_elementwise_forward_and_not_the_edges():
     rerun = micro_batch_terms(w, 2, r, 2, "selective-op", shares=Recompute(elementwise=1.0))
     assert rerun.recompute - none.recompute == pytest.approx(2 * w.elementwise_bytes / r.memory_bytes_per_s)
     assert rerun.elementwise == none.elementwise
+
+
+@pytest.mark.parametrize("name, config, targets", [
+    ("llama-qv", LLAMA, ["q_proj", "v_proj"]), ("llama-all", LLAMA, "all-linear"), ("qwen2-all", QWEN2, "all-linear"),
+    ("gemma3-all", GEMMA3, "all-linear"), ("olmo2-qv", OLMO2, ["q_proj", "v_proj"]), ("gpt2-attn", GPT2, ["c_attn"])])
+def test_a_lora_blocks_elementwise_ops_and_bytes_match_torch(name, config, targets):
+    """A frozen base under PEFT LoRA adapters: the norms' weight-gradient ops are not run (composite RMSNorm: the
+    grad * x and its sum; fp32-weight norms: those and the weight's cast; LayerNorm: CUDA's weight/bias kernel), and
+    each adapter adds its scaling's mul, the add of its output and the sum of its input's two gradients. Adapters in
+    the base's dtype (autocast_adapter_dtype=False: PEFT's default fp32 adapters add casts the model does not count)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    from planner.model.linears import block_linears
+    from planner.time.elementwise import adapter_traffic
+
+    forward, backward = _record(config, torch, lora={"r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+                                                     "target_modules": targets})
+    arch = from_hf_config(config)
+    spec = layer_specs(arch)[0]
+    names = {l.name for l in block_linears(arch, spec)} if targets == "all-linear" else set(targets)
+    adapted = [(l.in_features, l.out_features) for l in block_linears(arch, spec) if l.name in names]
+    assert adapted, names
+    model = block_traffic(arch, spec, 1, False, 2, frozen=True) + adapter_traffic(adapted, 0.0, False, 2)
+    counts = (len(forward) - WEIGHT_SIZED_FORWARD_OPS.get(name.split("-")[0], 0), len(backward))
+    assert counts == (model.forward_kernels, model.backward_kernels), (forward, backward)
+    assert sum(b for _, b in forward) == pytest.approx(model.forward_bytes * TOKENS, rel=0.01)
+    assert sum(b for _, b in backward) == pytest.approx(model.backward_bytes * TOKENS, rel=0.01)
+    assert model.backward_kernels < block_traffic(arch, spec, 1, False, 2).backward_kernels + 3 * len(adapted)

@@ -5,14 +5,17 @@ of ATen ops autograd dispatches for it, and each op reads its inputs and writes 
 the GPU's memory bandwidth (planner/time/kernels.py). An op's bytes are counted per element of the
 piece's width in the compute dtype (``c``) or fp32 (``f``, the upcasts at 4 bytes), per row (the
 fp32 per-token statistics of a norm), per element of the rotary tables (``table``: cos/sin, one
-row of head_dim per token) and in single bytes (dropout's bool mask). Forward ops are the module's
+row of head_dim per token, ``ftable`` where they are fp32) and in single bytes (dropout's bool mask). Forward ops are the module's
 Python lines; backward ops are torch 2.13's derivative formulas (tools/autograd/derivatives.yaml,
 shipped as torchgen/packaged/autograd/derivatives.yaml) for each forward op, plus the sums autograd's
 input buffer runs where a tensor feeds several ops. Weight-sized work (a norm's weight read, its
 gradient's few elements) is per micro-batch and not counted. The op lists were read off a
 TorchDispatchMode trace of each module on CPU (tests/test_elementwise.py replays a block of Llama, Mistral,
-Qwen2, Qwen3, SmolLM3, Gemma-3 and GPT-2 and compares); what differs on CUDA is said where it does. Not
-counted: Gemma's two weight-sized ops per norm call; OLMo-2's fp32 rotary and its casts back.
+Qwen2, Qwen3, SmolLM3, Gemma-3, OLMo-2 and GPT-2 and compares); what differs on CUDA is said where it does. Not
+counted: Gemma's two weight-sized ops per norm call; MoE routing and dispatch (the router's softmax/top-k, the
+tokens' gather and scatter, the combine); PEFT's default fp32 adapters on a 16-bit base (get_peft_model's
+autocast_adapter_dtype=True: ``_cast_input_dtype`` casts each adapted linear's input to fp32, lora/layer.py line
+1100), which the adapter ops below count in the compute dtype (autocast_adapter_dtype=False).
 
 How the code implements a norm is what the time depends on: a composite of Python ops (every
 RMSNorm of transformers 5.x: LlamaRMSNorm.forward, modeling_llama.py lines 62-67, ~9x a fused
@@ -46,12 +49,14 @@ class Op:
     row_in: float = 0.0
     row_out: float = 0.0
     table_in: float = 0.0
+    ftable_in: float = 0.0
     byte_in: float = 0.0
     byte_out: float = 0.0
 
     def bytes(self, width: float, rows: float, table: float, c: int) -> float:
         return ((self.c_in + self.c_out) * c * width + (self.f_in + self.f_out) * FP32 * width
                 + (self.row_in + self.row_out) * FP32 * rows + self.table_in * c * table
+                + self.ftable_in * FP32 * table
                 + (self.byte_in + self.byte_out) * width)
 
 
@@ -149,6 +154,19 @@ L2_NORM = Piece(forward=_RMS_STATISTIC + (Op(f_in=1, c_out=1),),
 # LayerNormBackwardKernelImplInternal: layer_norm_grad_input_kernel, then GammaBetaBackwardCUDAKernel; read at
 # pytorch 0005c538). One dispatched op each way.
 FUSED_LAYERNORM = Piece(forward=(Op(c_in=1, c_out=1, row_out=2),), backward=(Op(c_in=4, row_in=4, c_out=1),))
+# Under a frozen base (LoRA / QLoRA: PEFT sets requires_grad=False on every base parameter) the norms' weights
+# get no gradient: autograd skips a derivative formula whose input does not require grad (the generated
+# *Backward nodes' ``task_should_compute_output`` per input; native_layer_norm_backward's output_mask), so the
+# weight's gradient (grad * x, its sum over the tokens, its cast) is not run; the input's gradient is.
+FROZEN_COMPOSITE_RMSNORM = Piece(forward=COMPOSITE_RMSNORM.forward,
+                                 backward=(COMPOSITE_RMSNORM.backward[0],) + COMPOSITE_RMSNORM.backward[3:])
+FROZEN_FLOAT_WEIGHT_RMSNORM = Piece(forward=FLOAT_WEIGHT_RMSNORM.forward,
+                                    backward=FLOAT_WEIGHT_RMSNORM.backward[:1] + FLOAT_WEIGHT_RMSNORM.backward[2:3]
+                                    + FLOAT_WEIGHT_RMSNORM.backward[5:])
+# output_mask (True, False, False): CUDA's GammaBetaBackward kernel is not launched (layer_norm_kernel.cu)
+FROZEN_FUSED_LAYERNORM = Piece(forward=FUSED_LAYERNORM.forward, backward=(Op(c_in=2, row_in=2, c_out=1),))
+FROZEN_NORM_OPS = {("rmsnorm", "cast"): FROZEN_COMPOSITE_RMSNORM, ("rmsnorm", "float"): FROZEN_FLOAT_WEIGHT_RMSNORM,
+                   ("layernorm", "cast"): FROZEN_FUSED_LAYERNORM, ("layernorm", "float"): FROZEN_FUSED_LAYERNORM}
 NORM_OPS = {("rmsnorm", "cast"): COMPOSITE_RMSNORM, ("rmsnorm", "float"): FLOAT_WEIGHT_RMSNORM,
             ("layernorm", "cast"): FUSED_LAYERNORM, ("layernorm", "float"): FUSED_LAYERNORM}
 
@@ -165,6 +183,21 @@ ROTARY = Piece(
               Op(c_in=0.5, c_out=1.5), Op(c_in=2, c_out=1), Op(c_in=1, table_in=1, c_out=1), Op(c_in=2, c_out=1),
               Op(c_in=1, c_out=1)),
 )
+# OLMo-2's rotary (transformers 5.x modeling_olmo2.py): Olmo2RotaryEmbedding.forward returns fp32 cos and sin
+# (lines 107-111, no cast to x's dtype as Llama's has), so ``q * cos`` and ``rotate_half(q) * sin`` promote to
+# fp32, the two products add in fp32 and apply_rotary_pos_emb casts the sum back (``q_embed.to(q_type)``, lines
+# 169-174). Backward: the cast's (the gradient to fp32), each product's gradient in fp32 cast to the bf16 input's
+# dtype (mul_tensor_backward's ``.to(self_st)``: a _to_copy each), neg's, the two slice_backward and their sum,
+# the two paths' sum and the clone back to the projection's layout, as ROTARY's.
+FP32_ROTARY = Piece(
+    forward=(Op(c_in=1, ftable_in=1, f_out=1), Op(c_in=0.5, c_out=0.5), Op(c_in=1, c_out=1),
+             Op(c_in=1, ftable_in=1, f_out=1), Op(f_in=2, f_out=1), Op(f_in=1, c_out=1)),
+    backward=(Op(c_in=1, f_out=1), Op(f_in=1, ftable_in=1, f_out=1), Op(f_in=1, c_out=1), Op(c_in=0.5, c_out=0.5),
+              Op(c_in=0.5, c_out=1.5), Op(c_in=0.5, c_out=1.5), Op(c_in=2, c_out=1),
+              Op(f_in=1, ftable_in=1, f_out=1), Op(f_in=1, c_out=1), Op(c_in=2, c_out=1), Op(c_in=1, c_out=1)),
+)
+# The families whose rotary tables stay fp32 (of those planner/model/architecture.py reads)
+FP32_ROTARY_FAMILIES = frozenset({"olmo2"})
 # Two tensors added, and in backward the sum autograd runs where a tensor fed two ops: a residual's input
 # (the branch's norm and the add; the add's own backward passes the gradient through) or a normed input read
 # by several linears (q, k, v; gate, up)
@@ -194,8 +227,41 @@ DROPOUT = Piece(forward=(Op(c_in=1, c_out=1, byte_out=1),), backward=(Op(c_in=1,
 EMBEDDING = Piece(forward=(Op(c_in=1, c_out=1),), backward=(Op(c_in=1, c_out=1),))
 
 
-def norm_piece(norm: str, weight: str) -> Piece:
-    return NORM_OPS[(norm, weight)]
+# A LoRA adapter on one linear (PEFT 0.21 tuners/lora/layer.py Linear.forward, lines 1088-1102):
+# ``result + lora_B(lora_A(dropout(x))) * scaling``; the two matmuls are the adapter FLOPs (step.py). Per element
+# of the linear's output: the scaling's mul and the add forward; backward the mul's gradient (grad * scaling; add
+# passes the gradient through to both). Per element of its input: the sum of x's two gradients (the base linear's
+# and the adapter's: autograd's input buffer). lora_dropout > 0 runs nn.Dropout on the input (DROPOUT; an
+# nn.Identity at 0). bitsandbytes' 4-bit base clones the base's output first (peft tuners/lora/bnb.py line 533,
+# Linear4bit.forward: ``result = result.clone()``; clone's backward passes the gradient through).
+ADAPTER_OUTPUT = Piece(forward=(Op(c_in=1, c_out=1), Op(c_in=2, c_out=1)), backward=(Op(c_in=1, c_out=1),))
+CLONE = Piece(forward=(Op(c_in=1, c_out=1),), backward=())
+
+
+@dataclass(frozen=True)
+class FrozenBase:
+    """What a frozen base (LoRA / QLoRA) changes of the elementwise work: the norms' weights get no gradient,
+    the embedding's only when it is trained (``embeddings_trained``), and the adapters' own ops (``adapters``,
+    per token over every block)."""
+
+    adapters: Traffic = Traffic()
+    embeddings_trained: bool = False
+
+
+def adapter_traffic(linears: list[tuple[int, int]], dropout: float, clone: bool, c: int) -> Traffic:
+    """The adapters' elementwise ops per token: one (in_features, out_features) per adapted linear call."""
+    out = Traffic()
+    for fan_in, fan_out in linears:
+        out = out + traffic(ADAPTER_OUTPUT, fan_out, c) + traffic(GRADIENT_SUM, fan_in, c)
+        if dropout > 0:
+            out = out + traffic(DROPOUT, fan_in, c)
+        if clone:
+            out = out + traffic(CLONE, fan_out, c)
+    return out
+
+
+def norm_piece(norm: str, weight: str, frozen: bool = False) -> Piece:
+    return (FROZEN_NORM_OPS if frozen else NORM_OPS)[(norm, weight)]
 
 
 def plain_activation(a: Architecture) -> Piece:
@@ -206,13 +272,13 @@ def plain_activation(a: Architecture) -> Piece:
     return FUSED_ACTIVATION
 
 
-def _qk_norm(s: LayerSpec, tp: int, c: int) -> Traffic:
+def _qk_norm(s: LayerSpec, tp: int, c: int, frozen: bool = False) -> Traffic:
     """q's norm and k's, one call each: per head (Qwen3: rows of head_dim), over the projection (OLMo-2: one
     row per token) or Llama-4's weightless L2 norm per head."""
     a = s.attention
     if a.qk_norm == "none":
         return Traffic()
-    piece = L2_NORM if a.qk_norm == "l2" else norm_piece("rmsnorm", s.norm_weight)
+    piece = L2_NORM if a.qk_norm == "l2" else norm_piece("rmsnorm", s.norm_weight, frozen)
     per_head = a.qk_norm != "projection"
     return sum((traffic(piece, width / tp, c, rows=(heads / tp if per_head else 1.0))
                 for width, heads in ((a.q_width, a.num_heads), (a.kv_width, a.num_kv_heads))), Traffic())
@@ -229,13 +295,14 @@ def _gradient_sums(s: LayerSpec) -> int:
     return attention + mlp + (1 if s.norm_placement == "parallel" else 0)  # attention and MLP read one norm
 
 
-def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int) -> Traffic:
+def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, frozen: bool = False) -> Traffic:
     """One token's elementwise traffic through one block on one TP rank. Norms, residuals and dropout run on
     the hidden width, a 1/tp share of the tokens under sequence parallelism; the gradient sums of a
-    normed input on the gathered tokens' full width; q/k pieces and the MLP's on their TP shard."""
+    normed input on the gathered tokens' full width; q/k pieces and the MLP's on their TP shard. ``frozen``: the
+    base's weights get no gradient (LoRA / QLoRA; the adapters' ops are FrozenBase.adapters)."""
     h = arch.hidden_size
     share = 1.0 / tp if sp else 1.0
-    out = traffic(norm_piece(s.norm, s.norm_weight), h * share, c, rows=share).times(s.norms)
+    out = traffic(norm_piece(s.norm, s.norm_weight, frozen), h * share, c, rows=share).times(s.norms)
     out = out + traffic(ADD, h * share, c).times(2)
     out = out + traffic(GRADIENT_SUM, h, c).times(_gradient_sums(s))
     m = s.mlp
@@ -243,9 +310,10 @@ def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int) -
     out = out + traffic(GATED if m.gated else plain_activation(arch), active, c)
     a = s.attention
     if a.rope and not arch.learned_positions:  # GPT-2's learned positions: no rotary
-        out = out + traffic(ROTARY, a.q_width / tp, c, table=a.head_dim) + traffic(ROTARY, a.kv_width / tp, c,
+        rotary = FP32_ROTARY if arch.model_type in FP32_ROTARY_FAMILIES else ROTARY
+        out = out + traffic(rotary, a.q_width / tp, c, table=a.head_dim) + traffic(rotary, a.kv_width / tp, c,
                                                                                    table=a.head_dim)
-    out = out + _qk_norm(s, tp, c)
+    out = out + _qk_norm(s, tp, c, frozen)
     if a.fused_qkv:
         out = out + traffic(SPLIT, (a.q_width + 2 * a.kv_width) / tp, c)
     if arch.hidden_dropout > 0:
@@ -253,15 +321,19 @@ def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int) -
     return out
 
 
-def edge_traffic(arch: Architecture, last: LayerSpec, tp: int, sp: bool, c: int) -> Traffic:
+def edge_traffic(arch: Architecture, last: LayerSpec, tp: int, sp: bool, c: int,
+                 frozen: FrozenBase | None = None) -> Traffic:
     """Outside the blocks: the embedding's lookup and gradient, learned positions' lookup and their sum with it
     (GPT-2's ``inputs_embeds + position_embeds``), the embedding dropout, and the final norm (the blocks' norm
-    module)."""
+    module). Under a frozen base a frozen embedding's gradient is not computed (embedding_backward runs for a
+    weight that requires grad: derivatives.yaml, embedding's ``weight:`` formula)."""
     h = arch.hidden_size
     share = 1.0 / tp if sp else 1.0
-    out = traffic(EMBEDDING, h, c) + traffic(norm_piece(last.norm, last.norm_weight), h * share, c, rows=share)
+    lookup = EMBEDDING if frozen is None or frozen.embeddings_trained else Piece(EMBEDDING.forward, ())
+    out = traffic(lookup, h, c) + traffic(norm_piece(last.norm, last.norm_weight, frozen is not None), h * share, c,
+                                          rows=share)
     if arch.learned_positions:
-        out = out + traffic(EMBEDDING, h, c) + traffic(ADD, h, c)
+        out = out + traffic(lookup, h, c) + traffic(ADD, h, c)
     if arch.hidden_dropout > 0:
         out = out + traffic(DROPOUT, h, c)
     return out

@@ -32,6 +32,7 @@ from planner.cluster.topology import Topology
 
 if TYPE_CHECKING:
     from planner.setup import Setup
+    from planner.time.elementwise import FrozenBase
 
 # Device-to-host rates of offload traffic per PCIe generation, GB/s. They sit about 5% below
 # links.yaml's pcie x16_gbps * efficiency (gen4: 24.0 vs 25.2); reading links.yaml instead would
@@ -105,7 +106,9 @@ class FrozenBaseShape:
     - ``trained_weight_flops``: weight-gradient FLOPs per token of trained copies of frozen matmuls
       (modules_to_save LM head: 2 x hidden x vocab).
     - ``dequantize_forward_bytes`` / ``dequantize_backward_bytes``: device-memory bytes one forward
-      / one backward pass moves to dequantize the quantized base (0 for a 16-bit base)."""
+      / one backward pass moves to dequantize the quantized base (0 for a 16-bit base).
+    - ``elementwise``: the frozen base's elementwise changes and the adapters' own ops
+      (planner/time/elementwise.py FrozenBase, adapter_traffic)."""
 
     method: str
     trainable: int
@@ -113,26 +116,33 @@ class FrozenBaseShape:
     trained_weight_flops: int
     dequantize_forward_bytes: int
     dequantize_backward_bytes: int
+    elementwise: FrozenBase | None = None
 
     @classmethod
     def of(cls, arch, f, compute_bytes: int) -> "FrozenBaseShape":
         from planner.model.architecture import layer_specs
         from planner.recipes.finetune import trainable_numels
         from planner.model.linears import block_linears
+        from planner.time.elementwise import FrozenBase, adapter_traffic
 
         adapters = 0
         forward = backward = 0
+        adapted: list[tuple[int, int]] = []
         for spec in layer_specs(arch):
             for linear in block_linears(arch, spec):
                 if f.targeted(linear):
                     adapters += 2 * f.rank * (linear.in_features + linear.out_features)
+                    adapted.append((linear.in_features, linear.out_features))
                 per_pass = dequantize_bytes(linear.in_features * linear.out_features, f.quantize,
                                             linear.out_features, compute_bytes)
                 forward += per_pass if f.quantize != "int8" else 0  # LLM.int8's forward: int8 x int8
                 backward += per_pass
         head = 2 * arch.hidden_size * arch.vocab_size if f.train_embeddings else 0
+        elementwise = FrozenBase(adapter_traffic(adapted, f.dropout, f.quantize in ("nf4", "fp4"), compute_bytes),
+                                 embeddings_trained=f.train_embeddings)
         return cls(method=f.method, trainable=sum(trainable_numels(arch, f)), adapter_forward_flops=adapters,
-                   trained_weight_flops=head, dequantize_forward_bytes=forward, dequantize_backward_bytes=backward)
+                   trained_weight_flops=head, dequantize_forward_bytes=forward, dequantize_backward_bytes=backward,
+                   elementwise=elementwise)
 
 
 def dequantize_bytes(numel: int, quantize: str, out_features: int, compute_bytes: int) -> int:
@@ -684,7 +694,8 @@ def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, ar
     w = kernels.work(arch, req.seq_len, combo.tp, combo.cp, combo.sequence_parallel, recipe.compute_bytes,
                      req.attention == "eager" or arch.attention_implementation == "eager", r, req.attention_kernel,
                      loss_kernel(req.loss, g.is_cpu), _low_precision_rate(req.low_precision, g, dtype, r, recipe.compute_bytes),
-                     loss_chunks=req.loss_chunks or DEFAULT_CHUNKS, compiled=req.compile)
+                     loss_chunks=req.loss_chunks or DEFAULT_CHUNKS, compiled=req.compile,
+                     frozen=frozen.elementwise if frozen is not None else None)
     t = kernels.micro_batch_terms(w, micro_f, r, recipe.compute_bytes, combo.checkpointing,
                                   frozen_matmuls=1.0 if frozen is not None else 0.0,
                                   shares=kernels.recompute_shares(arch, combo.checkpointing, combo.checkpointing_every),
