@@ -12,7 +12,7 @@ torch/_functorch/partitioners.py; inductor's compile_fx passes it with compiler=
 the cut of fewest bytes between forward and backward and recomputes the cheap pointwise ops in backward.
 What eager autograd saves is one such cut, so a compiled block saves at most eager's bytes; the
 planner keeps eager's saved set (planner/model/activations.py) as the compiled run's, an upper bound.
-Measured on CPU (tests/test_compile_memory.py: the partitioner's forward outputs against saved-tensor
+Measured on CPU (tests/test_compile.py: the partitioner's forward outputs against saved-tensor
 hooks of the same block in eager), the compiled Llama, Qwen3 and GPT-2 blocks save 63-74% of eager's
 bytes: the bound is loose by that much, on the side that does not send a job to OOM.
 """
