@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from planner.jobfiles.common import COMPILE_MODE_NEUTRAL, inert
+from planner.jobfiles.common import compile_mode_neutral, inert
 from planner.jobfiles.keys import Inert, Key, Modelled, Refused, Where, check_block, equals, off
 from planner.jobfiles.reading import Reading, clipping_norm, flag, whole
 
@@ -107,7 +107,7 @@ def read_dynamo(reading: Reading, data: dict[str, Any], where: Where) -> None:
         return
     if str(backend).upper() != "INDUCTOR":
         raise where.error(key, "a torch.compile backend other than INDUCTOR is not modelled")
-    if not COMPILE_MODE_NEUTRAL(block.get("dynamo_mode")):
+    if not compile_mode_neutral(block.get("dynamo_mode")):
         raise where.error("dynamo_config.dynamo_mode", "max-autotune's Triton matmul templates and reduce-overhead's "
                                                       "CUDA graphs are not modelled: default")
     if block.get("dynamo_use_regional_compilation") and not off(block.get("dynamo_use_regional_compilation")):

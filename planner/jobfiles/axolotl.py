@@ -13,8 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from planner.jobfiles.accelerate_config import trainer_fsdp_section
-from planner.jobfiles.common import (COMPILE_BACKEND_NEUTRAL, COMPILE_MODE_NEUTRAL, attention, hf_optimizer, inert,
-                                     model_name, value_needs)
+from planner.jobfiles.common import TORCH_COMPILE_KEYS, attention, hf_optimizer, inert, model_name, value_needs
 from planner.jobfiles.hf_trainer import embeddings, read_clipping
 from planner.jobfiles.keys import Inert, Key, Modelled, Needs, Refused, Where, check_block, off
 from planner.jobfiles.reading import Reading, flag, number, whole
@@ -52,15 +51,9 @@ TABLE: dict[str, Key] = {
     **inert("Liger kernels other than the loss: fused norms, rope and SwiGLU save the same tensors within a small "
             "margin", "liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_layer_norm"),
     "plugins": Modelled("their keys are read as keys of this file"),
-    # axolotl's schema: torch_compile true, or "auto" (on from torch 2.6.0, so on under the 2.13 the planner models),
-    # handed with its backend and mode to TrainingArguments (axolotl utils/schemas/config.py torch_compile)
-    "torch_compile": Needs("compile", "model", "the whole model compiled by inductor (fused elementwise kernels)",
-                           lambda v, b: off(v)),
-    "torch_compile_backend": Refused("a torch.compile backend other than inductor", COMPILE_BACKEND_NEUTRAL,
-                                     "inductor, or remove it"),
-    "torch_compile_mode": Refused("a torch.compile mode other than the default: max-autotune's Triton matmul "
-                                  "templates and reduce-overhead's CUDA graphs are not modelled", COMPILE_MODE_NEUTRAL,
-                                  "default, or remove it"),
+    # axolotl's schema: torch_compile true, or "auto" (on from torch 2.6.0, so on under the 2.13 the planner
+    # models), handed with its backend and mode to TrainingArguments
+    **TORCH_COMPILE_KEYS,
     "unfrozen_parameters": Refused("trains a subset of the weights", lambda v, b: not v, "remove it"),
     "activation_offloading": Needs("activation_offload", True, "the saved activations live on the host",
                                    lambda v, b: off(v)),

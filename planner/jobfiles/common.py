@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from planner.jobfiles.keys import Inert, Key, schema_accepts
+from planner.jobfiles.keys import Inert, Key, Needs, Refused, off, schema_accepts
 from planner.jobfiles.reading import Reading
 
 
@@ -126,9 +126,25 @@ def model_name(reading: Reading, key: str, value: Any) -> None:
 
 
 # torch.compile as the planner models it: inductor in its default mode (planner/recipes/compile.py)
-def COMPILE_BACKEND_NEUTRAL(value: Any, block: dict[str, Any] | None = None) -> bool:  # noqa: N802 (a key rule)
+def compile_backend_neutral(value: Any, block: dict[str, Any] | None = None) -> bool:
     return value is None or str(value).lower() == "inductor"
 
 
-def COMPILE_MODE_NEUTRAL(value: Any, block: dict[str, Any] | None = None) -> bool:  # noqa: N802
+def compile_mode_neutral(value: Any, block: dict[str, Any] | None = None) -> bool:
     return value is None or str(value).lower() == "default"
+
+
+# TrainingArguments' three torch.compile keys, which axolotl hands on as they are (axolotl
+# utils/schemas/config.py torch_compile). transformers 5 TrainingArguments.__post_init__: a backend
+# or a mode turns torch_compile on, the backend defaults to inductor (training_args.py lines
+# 1621-1629); Trainer hands both to accelerate's TorchDynamoPlugin, which compiles the whole model
+# (trainer.py lines 796-801)
+TORCH_COMPILE_KEYS: dict[str, Key] = {
+    "torch_compile": Needs("compile", "model", "the whole model compiled by inductor (fused elementwise kernels)",
+                           lambda v, b: off(v)),
+    "torch_compile_backend": Refused("a torch.compile backend other than inductor", compile_backend_neutral,
+                                     "inductor, or remove it"),
+    "torch_compile_mode": Refused("a torch.compile mode other than the default: max-autotune's Triton matmul "
+                                  "templates and reduce-overhead's CUDA graphs are not modelled", compile_mode_neutral,
+                                  "default, or remove it"),
+}

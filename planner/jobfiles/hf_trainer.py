@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from planner.jobfiles.accelerate_config import trainer_fsdp_section
-from planner.jobfiles.common import (COMPILE_BACKEND_NEUTRAL, COMPILE_MODE_NEUTRAL, attention, hf_optimizer,
-                                     hf_sgd_momentum, inert, model_name, precision)
+from planner.jobfiles.common import (TORCH_COMPILE_KEYS, attention, hf_optimizer, hf_sgd_momentum, inert,
+                                     model_name, precision)
 from planner.jobfiles.keys import Inert, Key, Modelled, Needs, Refused, Where, check_block, equals, needs_met, off
 from planner.jobfiles.reading import Reading, clipping_norm, flag, number, whole
 
@@ -36,16 +36,7 @@ TRAINING_ARGUMENTS: dict[str, Key] = {
     "use_liger_kernel": Needs("loss", "liger-fused", "Liger's fused linear cross-entropy never holds the logits",
                               lambda v, b: off(v)),
     "liger_kernel_config": Inert("read only with use_liger_kernel"),
-    # transformers 5 TrainingArguments.__post_init__: a backend or a mode turns torch_compile on, the backend
-    # defaults to inductor (training_args.py lines 1621-1629); Trainer hands both to accelerate's
-    # TorchDynamoPlugin, which compiles the whole model (trainer.py lines 796-801)
-    "torch_compile": Needs("compile", "model", "the whole model compiled by inductor (fused elementwise kernels)",
-                           lambda v, b: off(v)),
-    "torch_compile_backend": Refused("a torch.compile backend other than inductor", COMPILE_BACKEND_NEUTRAL,
-                                     "inductor, or remove it"),
-    "torch_compile_mode": Refused("a torch.compile mode other than the default: max-autotune's Triton matmul "
-                                  "templates and reduce-overhead's CUDA graphs are not modelled", COMPILE_MODE_NEUTRAL,
-                                  "default, or remove it"),
+    **TORCH_COMPILE_KEYS,
     "use_cpu": Refused("trains on the CPU", lambda v, b: off(v), "false"),
     "auto_find_batch_size": Refused("halves the micro-batch after each out-of-memory error, so the micro-batch that "
                                     "runs is not the file's", lambda v, b: off(v), "false"),
