@@ -262,6 +262,33 @@ def _compute_note(req: PlanRequest, g: Gpu, recipe: Recipe, compute_scale: float
             f"{r.memory_bytes_per_s / 1e9:,.0f} GB/s")
 
 
+def _replayed_first(search: Search, req: PlanRequest, candidates: list[Candidate], rows_of: dict,
+                    capacity: int) -> list[Candidate]:
+    """The candidates with the first fitting one replayed through the caching allocator: a candidate
+    the shortlist did not replay fits on its live peak + NCCL, a lower bound of what it reserves,
+    and the re-ranking after a fall-back can bring one first. Each such one ahead of the first
+    replayed fit is replayed (Search.shown remembers the shortlist's), and one that reserves too
+    much joins the rejected, until the first fitting candidate is one whose replay fits."""
+    out = list(candidates)
+    i = 0
+    while i < len(out):
+        c = out[i]
+        if not c.fits:
+            i += 1
+            continue
+        combo, peak, t = rows_of[id(c)]
+        shown = search.shown(req, combo, c.micro_batch, accumulation=min(c.gradient_accumulation, 2))
+        if shown.fits:
+            return out
+        rejected = _candidate(combo, c.micro_batch, c.micro_batch * c.gradient_accumulation, False, t, shown,
+                              _reserved_reason(combo, c.micro_batch, shown, capacity))
+        rows_of[id(rejected)] = (combo, peak, t)
+        out = out[:i] + out[i + 1:]
+        first_rejected = next((k for k, x in enumerate(out) if not x.fits), len(out))
+        out.insert(first_rejected, rejected)
+    return out
+
+
 def ranked_result(search: Search, req: PlanRequest, rows: list[Row], fewer: list[tuple[int, list[Row]]], capacity: int,
           fabric_name: str, evaluated: int, started: float) -> PlanResult:
     g, topo, nics, usable, model_fields = search.g, search.topo, search.nics, search.usable, search.model_fields
@@ -289,21 +316,25 @@ def ranked_result(search: Search, req: PlanRequest, rows: list[Row], fewer: list
         e = search.estimate(req, combo, mb, accumulation=min(per_rank // mb, 2)).candidate()
         reason = None if fits else (_reason(combo, mb, peak, usable, capacity, req.headroom, e) if peak > usable
                                     else _host_reason(combo, mb, e, host_capacity(req, g)))
-        if fits and replayed is not None and replayed < RESERVED_REPLAYS and not g.is_cpu:
+        if fits and replayed is not None and not g.is_cpu:
             # the shortlist: fitting candidates in rank order are replayed through the caching
             # allocator until one fits on reserved memory (the recommendation); a setting whose best
-            # micro-batch reserves too much tries its next fitting options of a smaller live peak
+            # micro-batch reserves too much tries its next fitting options of a smaller live peak,
+            # within RESERVED_REPLAYS replays; past them, still until one fits, each setting's option of
+            # the smallest live peak alone: a recommendation is always one whose replay fits
+            past = replayed >= RESERVED_REPLAYS
             first = None
-            for _, option_mb, option_peak, _, option_t in ordered[combo]:
-                if replayed >= RESERVED_REPLAYS or (first is not None and option_peak >= peak):
+            for _, option_mb, option_peak, _, option_t in (
+                    [min(ordered[combo], key=lambda r: r[2])] if past else ordered[combo]):
+                if not past and (replayed >= RESERVED_REPLAYS or (first is not None and option_peak >= peak)):
                     continue
                 shown = search.shown(req, combo, option_mb, accumulation=min(per_rank // option_mb, 2))
                 replayed += 1
                 if shown.fits:
-                    e, mb, peak, t = shown, option_mb, option_peak, option_t
                     # a smaller micro-batch than the rank was made with: the next settings are
                     # replayed too, and the fitting ones ordered again below
-                    fell_back = fell_back or first is not None
+                    fell_back = fell_back or first is not None or option_mb != mb
+                    e, mb, peak, t = shown, option_mb, option_peak, option_t
                     replayed = replayed if first is not None else None
                     break
                 first = first or shown
@@ -321,6 +352,8 @@ def ranked_result(search: Search, req: PlanRequest, rows: list[Row], fewer: list
         candidates = _tie_order(req, capacity, fits_now, lambda c: _objective(req, *rows_of[id(c)]),
                                 lambda c: rows_of[id(c)][1], lambda c: rows_of[id(c)][2].communication_seconds) \
             + [c for c in candidates if not c.fits]
+    if not g.is_cpu:
+        candidates = _replayed_first(search, req, candidates, rows_of, capacity)
     fitting = [c for c in candidates if c.fits]
     recommended = fitting[0] if fitting else None
     max_micro = _max_micro(req, rows, search)
