@@ -214,8 +214,8 @@ def _unexplained(data: list[Row], results) -> str:
             f"{min(short):.2f}-{max(short):.2f}), where the measured matmul rates differ "
             f"{mamf['h100_80gb'] / mamf['a100_80gb']:.2f}x (MAMF {mamf['h100_80gb']:g} / {mamf['a100_80gb']:g} "
             "TFLOP/s): the H100's matmul-bound rows are over-predicted by what no kernel measurement here "
-            "accounts for (the SMs that hidden collectives hold, the 'communication contention' term, explain "
-            "a few percent of it); the large-scale table's FlashAttention-2 rows (sweep.py's `--attn_impl flash`) "
+            "accounts for (the 'communication contention' term, what overlapped collectives cost the compute, "
+            "explains part of it where the collectives take a large share of the step); the large-scale table's FlashAttention-2 rows (sweep.py's `--attn_impl flash`) "
             f"are over-predicted by a median {statistics.median(flash2):+.0%}, while the same models with Triton "
             "attention on 8-64 H100s publish about the same throughput. Beyond 16k tokens (FlashAttention's "
             "charts end there) the attention rate follows the per-block fixed-cost form through the 8k and 16k "
@@ -303,10 +303,12 @@ def _communication(results) -> str:
         parts.append(f"{gpu}: " + ", ".join(cells))
     return ("By the model's communication share of the step (its collectives' seconds, hidden or not, over "
             "the step; a diagnostic, the model uses none of it), the median signed error: " + "; ".join(parts)
-            + ". The model hides nearly all of that time behind the compute (FSDP's prefetches; what it "
-            "charges for the overlap is the SMs the collectives hold, 'communication contention'), so an error "
-            "that grows with the share says the published runs hid less of it, or sent it slower, than the "
-            "model takes; the rows with little communication are the long sequences, so this trend and the "
+            + ". The model hides nearly all of that time behind the compute (FSDP's prefetches) and charges "
+            "the overlap 'communication contention', 0.61 s of compute per second of it over NVLink (the mean "
+            "that Lee et al. 2025, arXiv 2507.03114, implies; charging only the SMs the collectives hold, "
+            "0.18 s per second on an H100, left an error that grew with the share to +25%), "
+            "so an error that still grows with the share says the published runs hid less of it, or sent it "
+            "slower, than the model takes; the rows with little communication are the long sequences, so this trend and the "
             "attention factor above are not independent.")
 
 

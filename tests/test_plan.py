@@ -25,14 +25,17 @@ def test_nvswitch_small_model_every_strategy_within_a_few_percent_and_the_sharde
     # NVSwitch hides every strategy's communication behind a 1B model's compute: the best step of each
     # data-parallel strategy lies within 5% of the best. What separates them is the optimizer step:
     # DDP (and ZeRO-0) step all 1.24B parameters on every GPU, torch's foreach AdamW moving 84 bytes per
-    # element (planner/time/kernels.py), where a sharded optimizer steps an eighth
+    # element (planner/time/kernels.py), where a sharded optimizer steps an eighth; and what the hidden
+    # collectives cost the compute beside them (0.61 s a second over NVLink: timing.contention_seconds):
+    # FSDP gathers the parameters twice per micro-batch besides reduce-scattering the gradients, 1.5x
+    # ZeRO-1's all-reduce, which costs it more than its sharded step saves over DDP
     best = {}
     for c in r.candidates:
         if c.fits and c.parallel.tp == 1 and c.parallel.pp == 1:
             best[c.strategy] = min(best.get(c.strategy, float("inf")), c.step_seconds)
     assert {"ddp", "zero1", "fsdp", "zero3"} <= set(best)
     assert max(best.values()) / min(best.values()) < 1.05
-    assert best["ddp"] > best["zero1"] and best["ddp"] > best["fsdp"]
+    assert best["ddp"] > best["zero1"] and best["fsdp"] > best["zero1"]
     assert lookup_strategy(first(r)).shards_optimizer
     assert all(c.fits for c in r.candidates if c.strategy in ("ddp", "zero1", "zero2", "zero3"))
 
@@ -315,10 +318,10 @@ def test_ties_within_the_time_models_uncertainty_go_to_headroom():
     from planner.plan.search import MEMORY_TIE_FRACTION, TIE_TOLERANCE
     from planner.units import GIB
 
-    # fast links (link_efficiency 4) and one sequence per GPU: the layouts' collectives are short,
-    # so what they cost beside the compute (exposed, or the SMs they hold while hidden) is within
-    # the tolerance and the step times tie on compute
-    r = plan(PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, topology="hgx-h100", seq_len=4096,
+    # fast links (link_efficiency 4) and one 8k sequence per GPU: the layouts' collectives are short
+    # beside the compute, so what they cost it (exposed, or slowing it while hidden) is within the
+    # tolerance and the step times tie on compute
+    r = plan(PlanRequest(model="llama-3-8b", gpu="h100-80gb", gpus=8, topology="hgx-h100", seq_len=8192,
                          global_batch=8, link_efficiency=4.0))
     best = r.recommended
     fitting = [c for c in r.candidates if c.fits]

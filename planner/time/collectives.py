@@ -60,34 +60,61 @@ MEMORY_BANDWIDTH_EFFICIENCY = 0.83
 NCCL_CHANNEL_BLOCKS = {"nvlink": 24, "other": 2}
 
 
+# What overlapped communication costs the compute beside it, per second of communication, on GPUs
+# whose collectives run over their NVLink-class links. Lee et al. 2025, "Characterizing
+# Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning", arXiv 2507.03114,
+# abstract (GPT and LLaMA training steps on 4x A100, H100, MI250 and MI210, each kernel timed alone
+# and overlapped): overlapped compute runs a mean 18.9% slower than alone, and running compute and
+# communication one after the other is a mean 10.2% slower than overlapping them. With compute C
+# and communication M hidden behind it, (C + M) / (1.189 C) = 1.102 gives M = 0.310 C: the mean run
+# loses 0.189 C of compute to 0.310 C of overlapped communication, 0.61 s per second. An upper
+# bound of the mean: had any of those runs left communication exposed, M would be larger and the
+# cost per second smaller. It holds more than the SMs the collective's blocks occupy (24 of an
+# H100's 132: 0.18 s per second): the copies' memory traffic and the power they draw slow the
+# compute's own kernels too. No per-GPU split is published, so it is one figure for every GPU.
+OVERLAP_SLOWDOWN = 0.189
+SEQUENTIAL_OVER_OVERLAPPED = 1.102
+OVERLAPPED_COMPUTE_SECONDS_PER_SECOND = OVERLAP_SLOWDOWN / (SEQUENTIAL_OVER_OVERLAPPED * (1 + OVERLAP_SLOWDOWN) - 1)
+
+
 def collective_sms(t: "Topology", ring: tuple[int, ...]) -> int:
     """SMs a data-parallel collective holds while it runs, by the kind of its ring's slowest link
     (memoised per topology and ring: the plan search asks per option)."""
+    return _collective_kind(t, ring)[0]
+
+
+def _collective_kind(t: "Topology", ring: tuple[int, ...]) -> tuple[int, bool]:
+    """(SMs its blocks hold, whether the ring's slowest link is NVLink-class), memoised."""
     key = (id(t), ring)
     hit = _COLLECTIVE_SMS.get(key)
     if hit is None or hit[0] is not t:
         if len(_COLLECTIVE_SMS) > 64:
             _COLLECTIVE_SMS.clear()
-        kind = ring_bottleneck_kind(t, ring) or ""
-        hit = _COLLECTIVE_SMS[key] = (t, NCCL_CHANNEL_BLOCKS["nvlink" if kind.startswith("nvlink") else "other"])
+        nvlink = (ring_bottleneck_kind(t, ring) or "").startswith("nvlink")
+        hit = _COLLECTIVE_SMS[key] = (t, (NCCL_CHANNEL_BLOCKS["nvlink" if nvlink else "other"], nvlink))
     return hit[1]
 
 
-_COLLECTIVE_SMS: dict[tuple, tuple["Topology", int]] = {}
+_COLLECTIVE_SMS: dict[tuple, tuple["Topology", tuple[int, bool]]] = {}
 
 
-def contention_seconds(hidden_seconds, sms: int | None, t: "Topology", ring: tuple[int, ...]):
-    """What overlapped communication costs the compute it hides behind: for its duration the
-    collective's blocks hold collective_sms of the GPU's SMs, so that much compute work moves to
-    after it (a first-order share: 24/108 = 22% of an A100's, 24/132 = 18% of an H100's SMs). Lee
-    et al. 2025, "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
-    Learning", arXiv 2507.03114, abstract: compute slows a mean 18.9% (max 40.0%) when overlapped,
-    averaged over GPT/LLaMA runs on 4x A100, H100, MI250 and MI210 and taken over the compute's
-    whole time, not per overlapped second; its abstract gives no per-GPU split, so it is not used
-    as a per-GPU constant here."""
+def contention_seconds(hidden_seconds, sms: int | None, t: "Topology", ring: tuple[int, ...], node_rate_share=1.0):
+    """What overlapped communication costs the compute it hides behind, per second of it. Its
+    blocks hold collective_sms of the SMs for as long as it runs; over NVLink-class nodes, its
+    copies' memory traffic and power slow the rest of the GPU too, in proportion to the bytes it
+    moves a second: at the node's own ring rate (node_rate_share 1: inside the node, or NICs as
+    fast) the measured mean OVERLAPPED_COMPUTE_SECONDS_PER_SECOND (0.61), through NICs slower than
+    the node's ring that excess scaled by their rate over the ring's; over PCIe nodes the SM share
+    alone (2 blocks on a slow link: the regime the measurement did not cover).
+    ``node_rate_share``: the hidden seconds' mean rate over the node's ring rate (a number or one
+    per option)."""
     if not sms or len(ring) < 2:
         return hidden_seconds * 0.0
-    return hidden_seconds * min(1.0, collective_sms(t, ring) / sms)
+    blocks, nvlink = _collective_kind(t, ring)
+    share = min(1.0, blocks / sms)
+    if not nvlink:
+        return hidden_seconds * share
+    return hidden_seconds * (share + max(0.0, OVERLAPPED_COMPUTE_SECONDS_PER_SECOND - share) * node_rate_share)
 
 
 class StepTime(NamedTuple):

@@ -489,23 +489,30 @@ _GROUP_WIRES: dict[tuple, tuple[Topology, timing.Group, timing.Wire]] = {}
 def _data_parallel_seconds(req: "StepSettings", fw: Framework, combo: Combo, micro, per_rank: int, psi: int, arch,
                            topo: Topology, fabric: dict, nic_gbps: float, buckets: Buckets, trainable: int | None,
                            slowest: float) -> tuple[Any, Any, float]:
-    """(seconds, of them what the forward pass sends, the slowest link's GB/s, from ``slowest`` on)
-    of the data-parallel framework's collectives (FSDP/ZeRO/DDP) in one step. What they send does
-    not depend on checkpointing (Traffic carries no policy: a ZeRO-3 or FSDP gather for the
-    recomputation is the backward's gather), so a setting's checkpointing options share them."""
+    """(seconds, of them what the forward pass sends, the slowest link's GB/s, from ``slowest`` on,
+    the seconds weighted by the share of the node's ring rate each collective runs at) of the
+    data-parallel framework's collectives (FSDP/ZeRO/DDP) in one step. What they send does not
+    depend on checkpointing (Traffic carries no policy: a ZeRO-3 or FSDP gather for the
+    recomputation is the backward's gather), so a setting's checkpointing options share them.
+    ``slowest`` starts at the node's ring rate: a collective through slower NICs moves fewer bytes a
+    second, and what it costs the compute beside it beyond the SMs it holds follows its bytes
+    (timing.contention_seconds)."""
     nodes = req.nodes
+    node_gbps = slowest
     # every sum starts from a float: numpy broadcasts it over the options (fewer array operations)
     comm = 0.0
     in_forward = 0.0  # of it, what the forward pass sends
+    at_node_rate = 0.0  # comm, each collective weighted by its rate over the node's ring rate
     for _, volume, passes, message, group, forward_share in combo_collectives(
             req.recipe, fw, combo, psi // combo.tp, micro, per_rank, req.recipe.wire_bytes, arch, buckets, trainable,
             req.reduce_dtype, nodes=nodes, fp8_gathered=_fp8_gathered(req.float8_all_gather, req.low_precision, arch)):
         t = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, arrays.as_float(volume), message, passes)
         comm += t.seconds
+        at_node_rate = at_node_rate + t.seconds * arrays.minimum(1.0, t.bottleneck_gbps / node_gbps)
         if forward_share:
             in_forward = in_forward + forward_share * t.seconds
         slowest = min(slowest, arrays.smallest(t.bottleneck_gbps))
-    return comm, in_forward, slowest
+    return comm, in_forward, slowest, at_node_rate
 
 
 # a Combo's fields but its checkpointing policy: _data_parallel_seconds' key in step_times
@@ -549,7 +556,7 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
                                      trainable, ring_bw * req.link_efficiency)
         if key is not None:
             sent[key] = hit
-    comm, in_forward, slowest = hit  # every later sum makes a new array: the remembered ones are not changed
+    comm, in_forward, slowest, at_node_rate = hit  # every later sum makes a new array: the remembered ones are not changed
     exposed_model_parallel = 0.0
     data_parallel = comm + 0.0  # what FSDP/ZeRO/DDP send, hidden behind the framework's windows (a copy)
     if model_parallel > 1 and arch is not None:
@@ -593,12 +600,15 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     exposed_data_parallel = _exposed_data_parallel(fw, s, in_forward, data_parallel - in_forward,
                                                    busy - backward - optimizer, backward, arch)
     exposed = exposed_data_parallel + exposed_model_parallel
-    # the hidden collectives hold SMs while the compute runs beside them (timing.contention_seconds)
-    contention = timing.contention_seconds(data_parallel - exposed_data_parallel, g.sms, topo, ring)
+    # the hidden collectives slow the compute they run beside (timing.contention_seconds)
+    contention = timing.contention_seconds(data_parallel - exposed_data_parallel, g.sms, topo, ring,
+                                           arrays.where(data_parallel > 0, at_node_rate / arrays.maximum(data_parallel, 1e-30), 0.0))
     step = busy + contention + exposed + offload
     terms = terms + [("dequantize", dequantize, "QLoRA's dequantization at the achievable memory bandwidth"),
                      ("communication contention", contention,
-                      "the hidden collectives' NCCL blocks hold SMs beside the compute (timing.NCCL_CHANNEL_BLOCKS)"),
+                      "overlapped communication slows the compute beside it: 0.61 s per second over NVLink (Lee et al. 2025, "
+                      "arXiv 2507.03114, the abstract's mean; timing.OVERLAPPED_COMPUTE_SECONDS_PER_SECOND), the SMs "
+                      "its NCCL blocks hold over PCIe (timing.NCCL_CHANNEL_BLOCKS)"),
                      ("exposed communication", exposed, "α-β rings on the topology, less the framework's overlap"),
                      ("offload", offload, "PCIe and CPU Adam rates (steptime.PCIE_DEVICE_TO_HOST_GBPS)"),
                      ("of which activation offload", saved_to_host,
