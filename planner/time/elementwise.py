@@ -11,9 +11,10 @@ shipped as torchgen/packaged/autograd/derivatives.yaml) for each forward op, plu
 input buffer runs where a tensor feeds several ops. Weight-sized work (a norm's weight read, its
 gradient's few elements) is per micro-batch and not counted. The op lists were read off a
 TorchDispatchMode trace of each module on CPU (tests/test_elementwise.py replays a block of Llama, Mistral,
-Qwen2, Qwen3, SmolLM3, Gemma-3, OLMo-2 and GPT-2 and compares); what differs on CUDA is said where it does. Not
-counted: Gemma's two weight-sized ops per norm call; MoE routing and dispatch (the router's softmax/top-k, the
-tokens' gather and scatter, the combine); PEFT's default fp32 adapters on a 16-bit base (get_peft_model's
+Qwen2, Qwen3, SmolLM3, Gemma-3, OLMo-2 and GPT-2 and compares); what differs on CUDA is said where it does. An MoE block's
+router and dispatch are counted op by op for Mixtral and Qwen3-MoE over transformers 5.x's default grouped_mm experts
+(moe_traffic; tests/test_elementwise.py replays both). Not counted: gpt-oss's, DeepSeek's and Llama-4's routers and
+dispatch; Gemma's two weight-sized ops per norm call; PEFT's default fp32 adapters on a 16-bit base (get_peft_model's
 autocast_adapter_dtype=True: ``_cast_input_dtype`` casts each adapted linear's input to fp32, lora/layer.py line
 1100), which the adapter ops below count in the compute dtype (autocast_adapter_dtype=False).
 
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 
 from planner.model.architecture import Architecture
 from planner.model.attention.kinds import kind_of
-from planner.model.layers import LayerSpec
+from planner.model.layers import LayerSpec, MlpSpec
 
 FP32 = 4
 
@@ -260,6 +261,113 @@ def adapter_traffic(linears: list[tuple[int, int]], dropout: float, clone: bool,
     return out
 
 
+# --- a mixture of experts' routing and dispatch ------------------------------------------------------------------
+# Its ops move tensors of several widths per token: the hidden width (``h``), one row of it per routed
+# (token, expert) pair (``kh``: experts_per_token x hidden, the model's expected top-k load: every token's k rows go
+# through the gathered expert input and output whatever the experts' balance), the router's scores (``e``, one per
+# expert), the top-k (``k``), one per token (``1``, the top-k sum) and the experts' fused gate/up output (``2ki``:
+# k x 2 x intermediate / tp, ``ki`` its halves). Each tensor is ``width:dtype``: ``c`` the compute dtype, ``f`` fp32,
+# ``i`` int64 (topk's and sort's indices). An op's bytes are its tensors' (inputs and output once, as everywhere here).
+_DTYPE_BYTES = {"f": FP32, "i": 8}
+
+
+@dataclass(frozen=True)
+class RoutedPiece:
+    """An MoE piece's ops, forward and backward, each the tuple of ``width:dtype`` tensors it reads and writes."""
+
+    forward: tuple[tuple[str, ...], ...]
+    backward: tuple[tuple[str, ...], ...]
+
+
+def routed_traffic(piece: RoutedPiece, widths: dict[str, float], c: int) -> Traffic:
+    """One call of an MoE piece per token, its tensors' widths per token given by ``widths``."""
+    def moved(op: tuple[str, ...]) -> float:
+        return sum(widths[w] * _DTYPE_BYTES.get(d, c) for w, d in (t.split(":") for t in op))
+
+    return Traffic(sum(map(moved, piece.forward)), sum(map(moved, piece.backward)), len(piece.forward),
+                   len(piece.backward))
+
+
+# Mixtral's ``softmax(router_logits.float())`` (modeling_mixtral.py line 107) and Qwen3-MoE's ``softmax(router_logits,
+# dtype=torch.float)`` (modeling_qwen3_moe.py line 262) alike: the logits cast to fp32 (a bf16 input is converted
+# before _softmax on CUDA too: ATen SoftMax.cpp softmax() keeps half_to_float for Half only), _softmax, topk. Backward:
+# topk's value_selecting_reduction_backward (derivatives.yaml topk: zeros of the scores' shape, the k gradients
+# scattered in), _softmax_backward_data (reads the gradient and the output), the cast back (_to_copy_backward).
+SOFTMAX_TOP_K = RoutedPiece(
+    forward=(("e:c", "e:f"), ("e:f", "e:f"), ("e:f", "k:f", "k:i")),
+    backward=(("e:f",), ("e:f", "k:i", "k:f", "e:f"), ("e:f", "e:f", "e:f"), ("e:f", "e:c")),
+)
+# ``router_top_value /= router_top_value.sum(dim=-1, keepdim=True)`` (Mixtral line 109; Qwen3-MoE line 265 when
+# norm_topk_prob): the sum, autograd's clone of the in-place op's original self (div_'s formula for ``other`` reads
+# self), div_. Backward (derivatives.yaml div.Tensor, line 588): grad / other for self; for other
+# ``-grad * ((self / other) / other)``: two divs, neg, mul, then its sum over the broadcast k; and the top-k values'
+# two gradients summed (the sum's expanded one and div's).
+TOP_K_NORMALISED = RoutedPiece(
+    forward=(("k:f", "1:f"), ("k:f", "k:f"), ("k:f", "1:f", "k:f")),
+    backward=(("k:f", "1:f", "k:f"), ("k:f", "1:f", "k:f"), ("k:f", "k:f"), ("k:f", "k:f", "k:f"),
+              ("k:f", "1:f", "k:f"), ("k:f", "1:f"), ("k:f", "1:f", "k:f")),
+)
+# Qwen3-MoE's ``router_top_value.to(router_logits.dtype)`` (line 266); Mixtral keeps its routing weights in fp32
+CAST_TOP_K = RoutedPiece(forward=(("k:f", "k:c"),), backward=(("k:c", "k:f"),))
+
+
+def grouped_mm_dispatch(weights: str) -> RoutedPiece:
+    """transformers 5.x's default experts implementation: ``grouped_mm`` (modeling_utils.py
+    get_correct_experts_implementation, line 1894: "grouped_mm" when none is asked for), integrations/moe.py
+    grouped_mm_experts_forward (lines 424-537), with routing weights of dtype ``weights`` (``c``: Qwen3-MoE's cast;
+    ``f``: Mixtral's fp32, which promotes the weighted rows, their gather and sum to fp32 and adds a cast back).
+    Forward: sort of the pairs' expert ids (line 440), ``perm // num_top_k``, the gather of the tokens' rows
+    (``hidden_states[perm // k]``: index reads the hidden states once, writes a row per pair) and of the routing
+    weights, the expert ids to 4 bytes for histc (fp32 on CPU, int32 on CUDA, line 448), histc and cumsum (expert-
+    sized outputs: per micro-batch, not counted), [grouped_mm, the gate (GATED), grouped_mm: other terms], the rows'
+    multiply by their routing weight (line 524), inv_perm's arange and index_put_ (line 528), the rows' gather back
+    into token order (line 529) and their sum over the k pairs (line 535). Backward: the sum's expanded gradient
+    reshaped (a copy), index's backward (derivatives.yaml line 844: zeros, then index_put with accumulate) for the
+    weighted rows, mul's two gradients and the routing weights' sum over the hidden width, chunk's cat of the gate and
+    up gradients, index's backward for the routing weights' gather and for the tokens' (the scatter-add of the pairs'
+    row gradients into the hidden states). CUDA's accumulating index_put also sorts its indices
+    (aten/src/ATen/native/cuda/Indexing.cu index_put_with_sort_kernel), and sort is a multi-pass radix sort: their
+    extra passes over the int64 indices (8 x k bytes per token each) are not counted."""
+    w = "f" if weights == "f" else "c"  # the weighted rows' dtype: torch's type promotion of c x weights
+    cast = weights == "f"
+    forward = (("k:i", "k:i", "k:i"), ("k:i", "k:i"), ("h:c", "k:i", "kh:c"), (f"k:{weights}", "k:i", f"k:{weights}"),
+               ("k:i", "k:f"), ("k:f",), (), ("kh:c", f"k:{weights}", f"kh:{w}"), ("k:i",), ("k:i",) * 4,
+               (f"kh:{w}", "k:i", f"kh:{w}"), (f"kh:{w}", f"h:{w}")) + ((("h:f", "h:c"),) if cast else ())
+    backward = ((("h:c", "h:f"),) if cast else ()) + (
+        (f"h:{w}", f"kh:{w}"), (f"kh:{w}",), (f"kh:{w}", "k:i", f"kh:{w}", f"kh:{w}"),
+        (f"kh:{w}", "kh:c", f"kh:{w}"), (f"kh:{w}", f"k:{weights}", f"kh:{w}")) + (
+        (("kh:f", "kh:c"),) if cast else ()) + (
+        (f"kh:{w}", f"k:{weights}"), ("ki:c", "ki:c", "2ki:c"), (f"k:{weights}",),
+        (f"k:{weights}", "k:i", f"k:{weights}", f"k:{weights}"), ("h:c",), ("h:c", "k:i", "kh:c", "h:c"))
+    return RoutedPiece(forward, backward)
+
+
+GROUPED_MM_DISPATCH = {"c": grouped_mm_dispatch("c"), "f": grouped_mm_dispatch("f")}
+# The MoE layouts whose routing and dispatch are counted op by op (planner/model/layers.py MoeLayout): Mixtral's and
+# Qwen3-MoE's softmax top-k routers over @use_experts_implementation experts (modeling_mixtral.py line 56,
+# modeling_qwen3_moe.py line 210), routing weights in fp32 (Mixtral) or cast to the compute dtype (Qwen3-MoE)
+ROUTED_WEIGHTS = {"mixtral": "f", "qwen3_moe": "c"}
+
+
+def moe_traffic(m: MlpSpec, hidden: int, tp: int, c: int) -> Traffic:
+    """An MoE layer's router and dispatch per token on one TP rank (the experts' gate is GATED, in block_traffic).
+    The router and the dispatch run on every token's full hidden width (the MLP's input is gathered under sequence
+    parallelism; the experts' down projection is row-parallel, its output summed); the experts' inner width is a 1/tp
+    shard. Layouts not in ROUTED_WEIGHTS (gpt-oss, DeepSeek, Llama-4) are not counted."""
+    weights = ROUTED_WEIGHTS.get(m.layout)
+    if weights is None or m.router != "softmax":
+        return Traffic()
+    k = m.experts_per_token
+    inner = k * m.intermediate_size / tp
+    widths = {"h": hidden, "kh": k * hidden, "e": m.num_experts, "k": k, "1": 1, "ki": inner, "2ki": 2 * inner}
+    out = routed_traffic(SOFTMAX_TOP_K, widths, c)
+    if m.normalise_top_k:
+        out = out + routed_traffic(TOP_K_NORMALISED, widths, c)
+    if weights == "c":
+        out = out + routed_traffic(CAST_TOP_K, widths, c)
+    return out + routed_traffic(GROUPED_MM_DISPATCH[weights], widths, c)
+
+
 def norm_piece(norm: str, weight: str, frozen: bool = False) -> Piece:
     return (FROZEN_NORM_OPS if frozen else NORM_OPS)[(norm, weight)]
 
@@ -308,6 +416,8 @@ def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, f
     m = s.mlp
     active = ((m.experts_per_token if m.is_moe else 1) * m.intermediate_size + m.shared_intermediate_size) / tp
     out = out + traffic(GATED if m.gated else plain_activation(arch), active, c)
+    if m.is_moe:
+        out = out + moe_traffic(m, h, tp, c)
     a = s.attention
     if a.rope and not arch.learned_positions:  # GPT-2's learned positions: no rotary
         rotary = FP32_ROTARY if arch.model_type in FP32_ROTARY_FAMILIES else ROTARY
