@@ -16,9 +16,10 @@ import pytest
 
 from planner.cluster.gpus import load_gpus
 from planner.model.architecture import from_hf_config, layer_specs
-from planner.time.elementwise import COMPOSITE_RMSNORM, FUSED_LAYERNORM, block_traffic, traffic
+from planner.time.elementwise import (COMPOSITE_RMSNORM, FUSED_LAYERNORM, GRADIENT_SUM, _mlp_gradient_sums,
+                                      block_traffic, mlp_traffic, traffic)
 from planner.time.kernels import Recompute, micro_batch_terms, rates, work
-from tests.real_runs import GEMMA3, GPT2, LLAMA, MISTRAL, OLMO2, QWEN2, QWEN3, QWEN3_MOE, SMOLLM3
+from tests.real_runs import DEEPSEEK_V3, GEMMA3, GPT2, LLAMA, MISTRAL, OLMO2, QWEN2, QWEN3, QWEN3_MOE, SMOLLM3
 
 TOKENS = 96  # no weight (256, 64 elements) is a multiple of it: weight-sized tensors are told apart by that
 SKIPPED = {"mm", "addmm", "bmm", "detach", "view", "_unsafe_view", "expand", "as_strided", "slice", "unsqueeze",
@@ -29,7 +30,8 @@ SKIPPED = {"mm", "addmm", "bmm", "detach", "view", "_unsafe_view", "expand", "as
 FILLS = {"new_zeros", "zeros_like", "new_empty"}
 
 
-def _record(config: dict, torch, lora: dict | None = None):
+def _record(config: dict, torch, lora: dict | None = None, layer: int = 0, mlp_only: bool = False):
+    """The ops of block ``layer``'s forward and backward (``mlp_only``: of its MLP module alone)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -76,8 +78,14 @@ def _record(config: dict, torch, lora: dict | None = None):
         def run():
             out = block(x)
             return out[0] if isinstance(out, tuple) else out
+    elif mlp_only:
+        mlp = model.model.layers[layer].mlp
+
+        def run():
+            out = mlp(x)
+            return out[0] if isinstance(out, tuple) else out  # GptOssMLP returns the router scores beside
     else:
-        block = model.model.layers[0]
+        block = model.model.layers[layer]
         positions = torch.arange(TOKENS)[None]
         layer_types = getattr(hf, "layer_types", None)
         rotary = ((x, positions, layer_types[0]) if config["model_type"].startswith("gemma3") else (x, positions))
@@ -143,6 +151,27 @@ def test_moe_block_routing_and_dispatch_match_torch(name, config):
     assert spec.mlp.is_moe
     model = block_traffic(arch, spec, 1, False, 2)
     assert (len(forward), len(backward)) == (model.forward_kernels, model.backward_kernels), (forward, backward)
+    assert sum(b for _, b in forward) == pytest.approx(model.forward_bytes * TOKENS, rel=0.01)
+    assert sum(b for _, b in backward) == pytest.approx(model.backward_bytes * TOKENS, rel=0.01)
+
+
+@pytest.mark.parametrize("name, config", [
+    ("deepseek-v3", DEEPSEEK_V3), ("deepseek-v3-unnormalised", DEEPSEEK_V3 | {"norm_topk_prob": False}),
+    ("deepseek-v3-2-groups-k3", DEEPSEEK_V3 | {"n_group": 2, "topk_group": 1, "num_experts_per_tok": 3})])
+def test_deepseek_v3_moe_routing_and_dispatch_match_torch(name, config):
+    """DeepseekV3MoE alone (its MLA block's attention is another matter): the fp32 sigmoid router, group-limited
+    (top-2 per group summed, top groups masked), the scores' gather, renormalisation and routed scaling; the grouped_mm
+    dispatch with fp32 routing weights (as Mixtral's); the shared expert's gate and its add; the input's three gradient
+    sums (router, experts, the shared expert's gate and up). The router weight's fp32 copy and its gradient's cast
+    back are weight-sized (per micro-batch, not counted): one op each way."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    forward, backward = _record(config, torch, layer=config["first_k_dense_replace"], mlp_only=True)
+    arch = from_hf_config(config)
+    m = layer_specs(arch)[config["first_k_dense_replace"]].mlp
+    assert m.is_moe and m.router == "sigmoid_grouped"
+    model = mlp_traffic(arch, m, 1, 2) + traffic(GRADIENT_SUM, arch.hidden_size, 2).times(_mlp_gradient_sums(m))
+    assert (len(forward) - 1, len(backward) - 1) == (model.forward_kernels, model.backward_kernels), (forward, backward)
     assert sum(b for _, b in forward) == pytest.approx(model.forward_bytes * TOKENS, rel=0.01)
     assert sum(b for _, b in backward) == pytest.approx(model.backward_bytes * TOKENS, rel=0.01)
 

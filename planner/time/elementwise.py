@@ -13,8 +13,8 @@ gradient's few elements) is per micro-batch and not counted. The op lists were r
 TorchDispatchMode trace of each module on CPU (tests/test_elementwise.py replays a block of Llama, Mistral,
 Qwen2, Qwen3, SmolLM3, Gemma-3, OLMo-2 and GPT-2 and compares); what differs on CUDA is said where it does. An MoE block's
 router and dispatch are counted op by op for Mixtral and Qwen3-MoE over transformers 5.x's default grouped_mm experts
-(moe_traffic; tests/test_elementwise.py replays both). Not counted: gpt-oss's, DeepSeek's and Llama-4's routers and
-dispatch; Gemma's two weight-sized ops per norm call; PEFT's default fp32 adapters on a 16-bit base (get_peft_model's
+and DeepSeek-V3 (moe_traffic; tests/test_elementwise.py replays them). Not counted: gpt-oss's, DeepSeek-V2's and
+Llama-4's routers and dispatch; Gemma's two weight-sized ops per norm call; PEFT's default fp32 adapters on a 16-bit base (get_peft_model's
 autocast_adapter_dtype=True: ``_cast_input_dtype`` casts each adapted linear's input to fp32, lora/layer.py line
 1100), which the adapter ops below count in the compute dtype (autocast_adapter_dtype=False).
 
@@ -267,8 +267,10 @@ def adapter_traffic(linears: list[tuple[int, int]], dropout: float, clone: bool,
 # through the gathered expert input and output whatever the experts' balance), the router's scores (``e``, one per
 # expert), the top-k (``k``), one per token (``1``, the top-k sum) and the experts' fused gate/up output (``2ki``:
 # k x 2 x intermediate / tp, ``ki`` its halves). Each tensor is ``width:dtype``: ``c`` the compute dtype, ``f`` fp32,
-# ``i`` int64 (topk's and sort's indices). An op's bytes are its tensors' (inputs and output once, as everywhere here).
-_DTYPE_BYTES = {"f": FP32, "i": 8}
+# ``i`` int64 (topk's and sort's indices), ``b`` bool. An op's bytes are its tensors' (inputs and output once, as
+# everywhere here). DeepSeek-V3's group-limited router adds ``g`` (n_group), ``2g`` (top-2 per group) and ``kg``
+# (topk_group).
+_DTYPE_BYTES = {"f": FP32, "i": 8, "b": 1}
 
 
 @dataclass(frozen=True)
@@ -307,6 +309,27 @@ TOP_K_NORMALISED = RoutedPiece(
     backward=(("k:f", "1:f", "k:f"), ("k:f", "1:f", "k:f"), ("k:f", "k:f"), ("k:f", "k:f", "k:f"),
               ("k:f", "1:f", "k:f"), ("k:f", "1:f"), ("k:f", "1:f", "k:f")),
 )
+# DeepseekV3TopkRouter.forward (modeling_deepseek_v3.py lines 132-156): the input to fp32 for an fp32 router linear
+# (the weight's own cast is weight-sized), sigmoid, + e_score_correction_bias, the top-2 per group and their sum,
+# the top groups, their mask (zeros_like, scatter_, expanded and reshaped: a copy, to bool, inverted), masked_fill,
+# the top-k's indices (its values unused) and the scores' gather at them. Backward: only the gathered scores carry a
+# gradient (the selections use indices): gather's backward (derivatives.yaml line 730: zeros, scatter_add),
+# sigmoid_backward, the input's cast back. Then ``topk_weights * self.routed_scaling_factor`` (always; its backward
+# one mul) after the renormalisation (DEEPSEEK_TOP_K_NORMALISED).
+SIGMOID_GROUPED_TOP_K = RoutedPiece(
+    forward=(("h:c", "h:f"), ("e:f", "e:f"), ("e:f", "e:f"), ("e:f", "2g:f", "2g:i"), ("2g:f", "g:f"),
+             ("g:f", "kg:f", "kg:i"), ("g:f",), ("g:f", "kg:i", "g:f"), ("g:f", "e:f"), ("e:f", "e:b"), ("e:b", "e:b"),
+             ("e:f", "e:b", "e:f"), ("e:f", "k:f", "k:i"), ("e:f", "k:i", "k:f")),
+    backward=(("e:f",), ("e:f", "k:i", "k:f", "e:f"), ("e:f", "e:f", "e:f"), ("h:f", "h:c")),
+)
+ROUTED_SCALING = RoutedPiece(forward=(("k:f", "k:f"),), backward=(("k:f", "k:f"),))
+# DeepSeek-V3's ``denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20; topk_weights /= denominator``: one add
+# more forward (its backward passes the gradient through)
+DEEPSEEK_TOP_K_NORMALISED = RoutedPiece(forward=TOP_K_NORMALISED.forward[:1] + (("1:f", "1:f"),)
+                                        + TOP_K_NORMALISED.forward[1:], backward=TOP_K_NORMALISED.backward)
+# DeepseekV3MoE.forward (line 220): ``hidden_states + self.shared_experts(residuals)``, forward only (add's backward
+# passes the gradient on; the shared expert's input gradients are summed in block_traffic)
+SHARED_EXPERT_ADD = RoutedPiece(forward=(("h:c", "h:c", "h:c"),), backward=())
 # Qwen3-MoE's ``router_top_value.to(router_logits.dtype)`` (line 266); Mixtral keeps its routing weights in fp32
 CAST_TOP_K = RoutedPiece(forward=(("k:f", "k:c"),), backward=(("k:c", "k:f"),))
 
@@ -343,29 +366,35 @@ def grouped_mm_dispatch(weights: str) -> RoutedPiece:
 
 
 GROUPED_MM_DISPATCH = {"c": grouped_mm_dispatch("c"), "f": grouped_mm_dispatch("f")}
-# The MoE layouts whose routing and dispatch are counted op by op (planner/model/layers.py MoeLayout): Mixtral's and
-# Qwen3-MoE's softmax top-k routers over @use_experts_implementation experts (modeling_mixtral.py line 56,
-# modeling_qwen3_moe.py line 210), routing weights in fp32 (Mixtral) or cast to the compute dtype (Qwen3-MoE)
-ROUTED_WEIGHTS = {"mixtral": "f", "qwen3_moe": "c"}
+# The MoE layouts whose routing and dispatch are counted op by op (planner/model/layers.py MoeLayout, router): the
+# routers of Mixtral and Qwen3-MoE (fp32 softmax top-k) and DeepSeek-V3 (fp32 sigmoid, group-limited), each over
+# @use_experts_implementation experts (modeling_mixtral.py line 56, modeling_qwen3_moe.py line 210,
+# modeling_deepseek_v3.py line 160), with their routing weights' dtype: Qwen3-MoE casts them to the compute dtype.
+ROUTED_WEIGHTS = {("mixtral", "softmax"): "f", ("qwen3_moe", "softmax"): "c", ("deepseek", "sigmoid_grouped"): "f"}
+
+
+def _router(m: MlpSpec) -> tuple[RoutedPiece, ...]:
+    if m.router == "sigmoid_grouped":
+        return (SIGMOID_GROUPED_TOP_K,) + ((DEEPSEEK_TOP_K_NORMALISED,) if m.normalise_top_k else ()) + (
+            ROUTED_SCALING,)
+    return (SOFTMAX_TOP_K,) + ((TOP_K_NORMALISED,) if m.normalise_top_k else ())
 
 
 def moe_traffic(m: MlpSpec, hidden: int, tp: int, c: int) -> Traffic:
-    """An MoE layer's router and dispatch per token on one TP rank (the experts' gate is GATED, in block_traffic).
+    """An MoE layer's router and dispatch per token on one TP rank (the experts' gate is GATED, in mlp_traffic).
     The router and the dispatch run on every token's full hidden width (the MLP's input is gathered under sequence
     parallelism; the experts' down projection is row-parallel, its output summed); the experts' inner width is a 1/tp
-    shard. Layouts not in ROUTED_WEIGHTS (gpt-oss, DeepSeek, Llama-4) are not counted."""
-    weights = ROUTED_WEIGHTS.get(m.layout)
-    if weights is None or m.router != "softmax":
+    shard. Layouts not in ROUTED_WEIGHTS (gpt-oss, DeepSeek-V2, Llama-4) are not counted."""
+    weights = ROUTED_WEIGHTS.get((m.layout, m.router))
+    if weights is None:
         return Traffic()
     k = m.experts_per_token
     inner = k * m.intermediate_size / tp
-    widths = {"h": hidden, "kh": k * hidden, "e": m.num_experts, "k": k, "1": 1, "ki": inner, "2ki": 2 * inner}
-    out = routed_traffic(SOFTMAX_TOP_K, widths, c)
-    if m.normalise_top_k:
-        out = out + routed_traffic(TOP_K_NORMALISED, widths, c)
-    if weights == "c":
-        out = out + routed_traffic(CAST_TOP_K, widths, c)
-    return out + routed_traffic(GROUPED_MM_DISPATCH[weights], widths, c)
+    widths = {"h": hidden, "kh": k * hidden, "e": m.num_experts, "k": k, "1": 1, "ki": inner, "2ki": 2 * inner,
+              "g": m.groups, "2g": 2 * m.groups, "kg": m.groups_kept}
+    pieces = _router(m) + ((CAST_TOP_K,) if weights == "c" else ()) + (GROUPED_MM_DISPATCH[weights],) + (
+        (SHARED_EXPERT_ADD,) if m.shared_intermediate_size else ())
+    return sum((routed_traffic(p, widths, c) for p in pieces), Traffic())
 
 
 def norm_piece(norm: str, weight: str, frozen: bool = False) -> Piece:
@@ -392,15 +421,32 @@ def _qk_norm(s: LayerSpec, tp: int, c: int, frozen: bool = False) -> Traffic:
                 for width, heads in ((a.q_width, a.num_heads), (a.kv_width, a.num_kv_heads))), Traffic())
 
 
+def _mlp_gradient_sums(m: MlpSpec) -> int:
+    """Extra readers of the MLP's input: gate and up; an MoE's router and experts, and its shared expert's gate and
+    up (DeepseekV3MLP, Llama4TextMLP: two nn.Linear reading the MoE's input; the replay sums three gradients)."""
+    if m.is_moe:
+        return 1 + (2 if m.shared_intermediate_size else 0)
+    return 1 if (m.gated and not m.fused_gate_up) else 0
+
+
 def _gradient_sums(s: LayerSpec) -> int:
     """Extra readers of the block's normed inputs, whose gradients autograd sums in backward."""
-    a, m = s.attention, s.mlp
+    a = s.attention
     attention = (0 if a.fused_qkv else 2) if kind_of(a).plain_projections else 1  # q, k, v; MLA's q and kv latents
+    return attention + _mlp_gradient_sums(s.mlp) + (1 if s.norm_placement == "parallel" else 0)  # one norm, both
+
+
+def mlp_traffic(arch: Architecture, m: MlpSpec, tp: int, c: int) -> Traffic:
+    """The MLP's own elementwise ops per token (not its input's gradient sums: block_traffic): the activation (or gate)
+    over the routed experts' active inner width on this TP rank, the shared expert's, and an MoE's router and
+    dispatch."""
+    gate = GATED if m.gated else plain_activation(arch)
+    out = traffic(gate, (m.experts_per_token if m.is_moe else 1) * m.intermediate_size / tp, c)
+    if m.shared_intermediate_size:  # the shared expert's own MLP call (DeepseekV3MLP, Llama4TextMLP)
+        out = out + traffic(gate, m.shared_intermediate_size / tp, c)
     if m.is_moe:
-        mlp = 1 + (1 if m.shared_intermediate_size else 0)  # the router, the experts, the shared expert
-    else:
-        mlp = 1 if (m.gated and not m.fused_gate_up) else 0  # gate and up
-    return attention + mlp + (1 if s.norm_placement == "parallel" else 0)  # attention and MLP read one norm
+        out = out + moe_traffic(m, arch.hidden_size, tp, c)
+    return out
 
 
 def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, frozen: bool = False) -> Traffic:
@@ -413,11 +459,7 @@ def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, f
     out = traffic(norm_piece(s.norm, s.norm_weight, frozen), h * share, c, rows=share).times(s.norms)
     out = out + traffic(ADD, h * share, c).times(2)
     out = out + traffic(GRADIENT_SUM, h, c).times(_gradient_sums(s))
-    m = s.mlp
-    active = ((m.experts_per_token if m.is_moe else 1) * m.intermediate_size + m.shared_intermediate_size) / tp
-    out = out + traffic(GATED if m.gated else plain_activation(arch), active, c)
-    if m.is_moe:
-        out = out + moe_traffic(m, h, tp, c)
+    out = out + mlp_traffic(arch, s.mlp, tp, c)
     a = s.attention
     if a.rope and not arch.learned_positions:  # GPT-2's learned positions: no rotary
         rotary = FP32_ROTARY if arch.model_type in FP32_ROTARY_FAMILIES else ROTARY
