@@ -19,7 +19,7 @@ from planner.model.architecture import from_hf_config, layer_specs
 from planner.time.elementwise import (COMPOSITE_RMSNORM, FUSED_LAYERNORM, GRADIENT_SUM, _mlp_gradient_sums,
                                       block_traffic, mlp_traffic, traffic)
 from planner.time.kernels import Recompute, micro_batch_terms, rates, work
-from tests.real_runs import DEEPSEEK_V3, GEMMA3, GPT2, LLAMA, MISTRAL, OLMO2, QWEN2, QWEN3, QWEN3_MOE, SMOLLM3
+from tests.real_runs import DEEPSEEK_V3, GEMMA3, GPT_OSS, GPT2, LLAMA, MISTRAL, OLMO2, QWEN2, QWEN3, QWEN3_MOE, SMOLLM3
 
 TOKENS = 96  # no weight (256, 64 elements) is a multiple of it: weight-sized tensors are told apart by that
 SKIPPED = {"mm", "addmm", "bmm", "detach", "view", "_unsafe_view", "expand", "as_strided", "slice", "unsqueeze",
@@ -65,7 +65,7 @@ def _record(config: dict, torch, lora: dict | None = None, layer: int = 0, mlp_o
 
     torch.manual_seed(0)
     hf = AutoConfig.for_model(**config)
-    hf._attn_implementation = "sdpa"
+    hf._attn_implementation = "eager" if mlp_only else "sdpa"  # the MLP alone: attention is not run (gpt-oss has no SDPA)
     model = AutoModelForCausalLM.from_config(hf).to(torch.bfloat16)
     if lora is not None:  # PEFT freezes the base and wraps the targeted linears (adapters in bf16, as the base)
         from peft import LoraConfig, get_peft_model
@@ -155,23 +155,35 @@ def test_moe_block_routing_and_dispatch_match_torch(name, config):
     assert sum(b for _, b in backward) == pytest.approx(model.backward_bytes * TOKENS, rel=0.01)
 
 
+# Weight-sized ops of the MLP alone the model leaves out, forward and backward: DeepSeek-V3's router weight to fp32
+# and its gradient's cast back (a copy for bf16 weights as here; none for fp32 weights). gpt-oss's zeros of its two
+# expert biases' gradients are counted (launches, no per-token bytes), as the dispatch's histc and cumsum.
+MLP_WEIGHT_SIZED_OPS = {"deepseek_v3": (1, 1), "gpt_oss": (0, 0)}
+
+
 @pytest.mark.parametrize("name, config", [
+    ("gpt-oss", GPT_OSS | {"intermediate_size": 200}), ("gpt-oss-k3", GPT_OSS | {"intermediate_size": 200,
+                                                                                "num_experts_per_tok": 3}),
     ("deepseek-v3", DEEPSEEK_V3), ("deepseek-v3-unnormalised", DEEPSEEK_V3 | {"norm_topk_prob": False}),
     ("deepseek-v3-2-groups-k3", DEEPSEEK_V3 | {"n_group": 2, "topk_group": 1, "num_experts_per_tok": 3})])
-def test_deepseek_v3_moe_routing_and_dispatch_match_torch(name, config):
-    """DeepseekV3MoE alone (its MLA block's attention is another matter): the fp32 sigmoid router, group-limited
-    (top-2 per group summed, top groups masked), the scores' gather, renormalisation and routed scaling; the grouped_mm
-    dispatch with fp32 routing weights (as Mixtral's); the shared expert's gate and its add; the input's three gradient
-    sums (router, experts, the shared expert's gate and up). The router weight's fp32 copy and its gradient's cast
-    back are weight-sized (per micro-batch, not counted): one op each way."""
+def test_moe_modules_routing_and_dispatch_match_torch(name, config):
+    """The MoE module alone (these blocks' attention is another matter: MLA, gpt-oss's sinks). DeepseekV3MoE: the fp32
+    sigmoid router, group-limited (top-2 per group summed, top groups masked), the scores' gather, renormalisation and
+    routed scaling; the grouped_mm dispatch with fp32 routing weights (as Mixtral's); the shared expert's gate and its
+    add; the input's three gradient sums (router, experts, the shared expert's gate and up). GptOssMLP: top-k of the
+    biased logits and their softmax in bf16; the experts' bias rows gathered and added; the clamped SwiGLU on the
+    interleaved halves. gpt-oss at intermediate 200: its (8, 384) gate/up bias would be a multiple of the tokens."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    forward, backward = _record(config, torch, layer=config["first_k_dense_replace"], mlp_only=True)
+    layer = config.get("first_k_dense_replace", 0)
+    forward, backward = _record(config, torch, layer=layer, mlp_only=True)
     arch = from_hf_config(config)
-    m = layer_specs(arch)[config["first_k_dense_replace"]].mlp
-    assert m.is_moe and m.router == "sigmoid_grouped"
+    m = layer_specs(arch)[layer].mlp
+    assert m.is_moe
     model = mlp_traffic(arch, m, 1, 2) + traffic(GRADIENT_SUM, arch.hidden_size, 2).times(_mlp_gradient_sums(m))
-    assert (len(forward) - 1, len(backward) - 1) == (model.forward_kernels, model.backward_kernels), (forward, backward)
+    skipped_forward, skipped_backward = MLP_WEIGHT_SIZED_OPS[config["model_type"]]
+    assert (len(forward) - skipped_forward, len(backward) - skipped_backward) == (
+        model.forward_kernels, model.backward_kernels), (forward, backward)
     assert sum(b for _, b in forward) == pytest.approx(model.forward_bytes * TOKENS, rel=0.01)
     assert sum(b for _, b in backward) == pytest.approx(model.backward_bytes * TOKENS, rel=0.01)
 

@@ -12,8 +12,8 @@ input buffer runs where a tensor feeds several ops. Weight-sized work (a norm's 
 gradient's few elements) is per micro-batch and not counted. The op lists were read off a
 TorchDispatchMode trace of each module on CPU (tests/test_elementwise.py replays a block of Llama, Mistral,
 Qwen2, Qwen3, SmolLM3, Gemma-3, OLMo-2 and GPT-2 and compares); what differs on CUDA is said where it does. An MoE block's
-router and dispatch are counted op by op for Mixtral and Qwen3-MoE over transformers 5.x's default grouped_mm experts
-and DeepSeek-V3 (moe_traffic; tests/test_elementwise.py replays them). Not counted: gpt-oss's, DeepSeek-V2's and
+router and dispatch are counted op by op over transformers 5.x's default grouped_mm experts for Mixtral, Qwen3-MoE,
+DeepSeek-V3 and gpt-oss (moe_traffic; tests/test_elementwise.py replays them). Not counted: DeepSeek-V2's and
 Llama-4's routers and dispatch; Gemma's two weight-sized ops per norm call; PEFT's default fp32 adapters on a 16-bit base (get_peft_model's
 autocast_adapter_dtype=True: ``_cast_input_dtype`` casts each adapted linear's input to fp32, lora/layer.py line
 1100), which the adapter ops below count in the compute dtype (autocast_adapter_dtype=False).
@@ -346,8 +346,7 @@ def grouped_mm_dispatch(weights: str) -> RoutedPiece:
     multiply by their routing weight (line 524), inv_perm's arange and index_put_ (line 528), the rows' gather back
     into token order (line 529) and their sum over the k pairs (line 535). Backward: the sum's expanded gradient
     reshaped (a copy), index's backward (derivatives.yaml line 844: zeros, then index_put with accumulate) for the
-    weighted rows, mul's two gradients and the routing weights' sum over the hidden width, chunk's cat of the gate and
-    up gradients, index's backward for the routing weights' gather and for the tokens' (the scatter-add of the pairs'
+    weighted rows, mul's two gradients and the routing weights' sum over the hidden width, index's backward for the routing weights' gather and for the tokens' (the scatter-add of the pairs'
     row gradients into the hidden states). CUDA's accumulating index_put also sorts its indices
     (aten/src/ATen/native/cuda/Indexing.cu index_put_with_sort_kernel), and sort is a multi-pass radix sort: their
     extra passes over the int64 indices (8 x k bytes per token each) are not counted."""
@@ -360,40 +359,80 @@ def grouped_mm_dispatch(weights: str) -> RoutedPiece:
         (f"h:{w}", f"kh:{w}"), (f"kh:{w}",), (f"kh:{w}", "k:i", f"kh:{w}", f"kh:{w}"),
         (f"kh:{w}", "kh:c", f"kh:{w}"), (f"kh:{w}", f"k:{weights}", f"kh:{w}")) + (
         (("kh:f", "kh:c"),) if cast else ()) + (
-        (f"kh:{w}", f"k:{weights}"), ("ki:c", "ki:c", "2ki:c"), (f"k:{weights}",),
+        (f"kh:{w}", f"k:{weights}"), (f"k:{weights}",),
         (f"k:{weights}", "k:i", f"k:{weights}", f"k:{weights}"), ("h:c",), ("h:c", "k:i", "kh:c", "h:c"))
     return RoutedPiece(forward, backward)
 
 
 GROUPED_MM_DISPATCH = {"c": grouped_mm_dispatch("c"), "f": grouped_mm_dispatch("f")}
+# The experts' gate: _default_apply_gate (integrations/moe.py line 578) ``gate, up = gate_up_out.chunk(2, dim=-1)``, then
+# GATED (mlp_traffic); chunk's backward is one cat of the two halves' gradients
+CHUNK = RoutedPiece(forward=(), backward=(("ki:c", "ki:c", "2ki:c"),))
+# GptOssExperts._apply_gate (modeling_gpt_oss.py lines 81-87): the interleaved halves ``gate_up[..., ::2]`` and
+# ``[..., 1::2]`` (views), gate clamped above, up clamped both ways, ``gate * sigmoid(gate * alpha)``, ``(up + 1) * glu``.
+# Backward: the product's two gradients, glu's two, sigmoid_backward, the alpha mul's, gate's two gradients summed;
+# clamp_backward (derivatives.yaml line 428): ``where(self <= max, grad, 0)`` for gate (scalar_tensor, le, where),
+# ``where((self >= min).logical_and_(self <= max), grad, 0)`` for up (bool masks); each strided half's slice_backward
+# (zeros of the full width, the half written in, as ROTARY's) and their sum.
+GPT_OSS_GATE = RoutedPiece(
+    forward=(("ki:c", "ki:c"),) * 4 + (("ki:c", "ki:c", "ki:c"), ("ki:c", "ki:c"), ("ki:c", "ki:c", "ki:c")),
+    backward=(("ki:c", "ki:c", "ki:c"),) * 5 + (("ki:c", "ki:c"), ("ki:c", "ki:c", "ki:c"), (), ("ki:c", "ki:b"),
+                                              ("ki:c", "ki:b"), ("ki:b", "ki:b", "ki:b"), ("ki:b", "ki:c", "ki:c"), (),
+                                              ("ki:c", "ki:b"), ("ki:b", "ki:c", "ki:c")) + (
+        ("ki:c", "2ki:c", "ki:c"),) * 2 + (("2ki:c", "2ki:c", "2ki:c"),),
+)
+# has_bias experts (gpt-oss: ``@use_experts_implementation(..., has_bias=True)``, line 67): grouped_mm_experts_forward
+# gathers each pair's bias rows (``self.gate_up_proj_bias[expert_ids_g]``, ``self.down_proj_bias[expert_ids_g]``) and
+# _grouped_linear adds them in place (``out.add_(bias)``); backward, index's backward accumulates the pairs' rows into
+# each bias's gradient (its zeros are bias-sized: per micro-batch)
+EXPERT_BIASES = RoutedPiece(
+    forward=(("k:i", "2ki:c"), ("2ki:c", "2ki:c", "2ki:c"), ("k:i", "kh:c"), ("kh:c", "kh:c", "kh:c")),
+    backward=((), ("k:i", "kh:c"), (), ("k:i", "2ki:c")),
+)
+# GptOssTopKRouter.forward (lines 125-129): topk over the (biased) logits in the compute dtype, softmax over the k values
+# in it (``dtype=router_top_value.dtype``); backward _softmax_backward_data and topk's (zeros, scatter)
+TOP_K_SOFTMAX = RoutedPiece(forward=(("e:c", "k:c", "k:i"), ("k:c", "k:c")),
+                            backward=(("k:c", "k:c", "k:c"), ("e:c",), ("e:c", "k:i", "k:c", "e:c")))
+# The experts' gates transformers 5.x defines apart from the default (gate, up) chunk
+EXPERT_GATES = {"gpt_oss": GPT_OSS_GATE}
 # The MoE layouts whose routing and dispatch are counted op by op (planner/model/layers.py MoeLayout, router): the
 # routers of Mixtral and Qwen3-MoE (fp32 softmax top-k) and DeepSeek-V3 (fp32 sigmoid, group-limited), each over
 # @use_experts_implementation experts (modeling_mixtral.py line 56, modeling_qwen3_moe.py line 210,
-# modeling_deepseek_v3.py line 160), with their routing weights' dtype: Qwen3-MoE casts them to the compute dtype.
-ROUTED_WEIGHTS = {("mixtral", "softmax"): "f", ("qwen3_moe", "softmax"): "c", ("deepseek", "sigmoid_grouped"): "f"}
+# modeling_deepseek_v3.py line 160) and gpt-oss's (top-k of the logits, then their softmax: line 67, biased experts),
+# with their routing weights' dtype: Qwen3-MoE casts them to the compute dtype, gpt-oss's stay in it.
+ROUTED_WEIGHTS = {("mixtral", "softmax"): "f", ("qwen3_moe", "softmax"): "c", ("deepseek", "sigmoid_grouped"): "f",
+                  ("gpt_oss", "topk_softmax"): "c"}
 
 
 def _router(m: MlpSpec) -> tuple[RoutedPiece, ...]:
+    if m.router == "topk_softmax":
+        return (TOP_K_SOFTMAX,)
     if m.router == "sigmoid_grouped":
         return (SIGMOID_GROUPED_TOP_K,) + ((DEEPSEEK_TOP_K_NORMALISED,) if m.normalise_top_k else ()) + (
             ROUTED_SCALING,)
     return (SOFTMAX_TOP_K,) + ((TOP_K_NORMALISED,) if m.normalise_top_k else ())
 
 
+def _counted(m: MlpSpec) -> bool:
+    return (m.layout, m.router) in ROUTED_WEIGHTS
+
+
 def moe_traffic(m: MlpSpec, hidden: int, tp: int, c: int) -> Traffic:
     """An MoE layer's router and dispatch per token on one TP rank (the experts' gate is GATED, in mlp_traffic).
     The router and the dispatch run on every token's full hidden width (the MLP's input is gathered under sequence
     parallelism; the experts' down projection is row-parallel, its output summed); the experts' inner width is a 1/tp
-    shard. Layouts not in ROUTED_WEIGHTS (gpt-oss, DeepSeek-V2, Llama-4) are not counted."""
-    weights = ROUTED_WEIGHTS.get((m.layout, m.router))
-    if weights is None:
+    shard. Layouts not in ROUTED_WEIGHTS (DeepSeek-V2, Llama-4) are not counted."""
+    if not _counted(m):
         return Traffic()
+    weights = ROUTED_WEIGHTS[(m.layout, m.router)]
     k = m.experts_per_token
     inner = k * m.intermediate_size / tp
     widths = {"h": hidden, "kh": k * hidden, "e": m.num_experts, "k": k, "1": 1, "ki": inner, "2ki": 2 * inner,
               "g": m.groups, "2g": 2 * m.groups, "kg": m.groups_kept}
-    pieces = _router(m) + ((CAST_TOP_K,) if weights == "c" else ()) + (GROUPED_MM_DISPATCH[weights],) + (
-        (SHARED_EXPERT_ADD,) if m.shared_intermediate_size else ())
+    cast = weights == "c" and m.router == "softmax"  # Qwen3-MoE's
+    pieces = (_router(m) + ((CAST_TOP_K,) if cast else ()) + (GROUPED_MM_DISPATCH[weights],)
+              + (EXPERT_GATES.get(m.layout, CHUNK),) + ((EXPERT_BIASES,) if m.bias else ())
+              + ((SHARED_EXPERT_ADD,) if m.shared_intermediate_size else ()))
     return sum((routed_traffic(p, widths, c) for p in pieces), Traffic())
 
 
@@ -441,7 +480,9 @@ def mlp_traffic(arch: Architecture, m: MlpSpec, tp: int, c: int) -> Traffic:
     over the routed experts' active inner width on this TP rank, the shared expert's, and an MoE's router and
     dispatch."""
     gate = GATED if m.gated else plain_activation(arch)
-    out = traffic(gate, (m.experts_per_token if m.is_moe else 1) * m.intermediate_size / tp, c)
+    out = Traffic()
+    if not (m.is_moe and _counted(m) and m.layout in EXPERT_GATES):  # those experts' gates: moe_traffic
+        out = traffic(gate, (m.experts_per_token if m.is_moe else 1) * m.intermediate_size / tp, c)
     if m.shared_intermediate_size:  # the shared expert's own MLP call (DeepseekV3MLP, Llama4TextMLP)
         out = out + traffic(gate, m.shared_intermediate_size / tp, c)
     if m.is_moe:
