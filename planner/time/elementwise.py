@@ -283,8 +283,10 @@ class RoutedPiece:
 
 def routed_traffic(piece: RoutedPiece, widths: dict[str, float], c: int) -> Traffic:
     """One call of an MoE piece per token, its tensors' widths per token given by ``widths``."""
+    size = _DTYPE_BYTES | {"c": c}
+
     def moved(op: tuple[str, ...]) -> float:
-        return sum(widths[w] * _DTYPE_BYTES.get(d, c) for w, d in (t.split(":") for t in op))
+        return sum(widths[w] * size[d] for w, d in (t.split(":") for t in op))
 
     return Traffic(sum(map(moved, piece.forward)), sum(map(moved, piece.backward)), len(piece.forward),
                    len(piece.backward))
@@ -340,7 +342,8 @@ def grouped_mm_dispatch(weights: str) -> RoutedPiece:
     grouped_mm_experts_forward (lines 424-537), with routing weights of dtype ``weights`` (``c``: Qwen3-MoE's cast;
     ``f``: Mixtral's fp32, which promotes the weighted rows, their gather and sum to fp32 and adds a cast back).
     Forward: sort of the pairs' expert ids (line 440), ``perm // num_top_k``, the gather of the tokens' rows
-    (``hidden_states[perm // k]``: index reads the hidden states once, writes a row per pair) and of the routing
+    (``hidden_states[perm // k]``: a row per pair written, the hidden states counted once as read, as every op's
+    inputs here, though each row is read k times; whether those rereads hit L2 was not measured) and of the routing
     weights, the expert ids to 4 bytes for histc (fp32 on CPU, int32 on CUDA, line 448), histc and cumsum (expert-
     sized outputs: per micro-batch, not counted), [grouped_mm, the gate (GATED), grouped_mm: other terms], the rows'
     multiply by their routing weight (line 524), inv_perm's arange and index_put_ (line 528), the rows' gather back
