@@ -19,7 +19,7 @@ from planner.model.architecture import from_hf_config, layer_specs
 from planner.time.elementwise import (COMPOSITE_RMSNORM, FUSED_LAYERNORM, GRADIENT_SUM, _mlp_gradient_sums,
                                       block_traffic, mlp_traffic, traffic)
 from planner.time.kernels import Recompute, micro_batch_terms, rates, work
-from tests.real_runs import DEEPSEEK_V3, GEMMA3, GPT_OSS, GPT2, LLAMA, MISTRAL, OLMO2, QWEN2, QWEN3, QWEN3_MOE, SMOLLM3
+from tests.real_runs import DEEPSEEK_V2, DEEPSEEK_V3, GEMMA3, GPT_OSS, GPT2, LLAMA, MISTRAL, OLMO2, QWEN2, QWEN3, QWEN3_MOE, SMOLLM3
 
 TOKENS = 96  # no weight (256, 64 elements) is a multiple of it: weight-sized tensors are told apart by that
 SKIPPED = {"mm", "addmm", "bmm", "detach", "view", "_unsafe_view", "expand", "as_strided", "slice", "unsqueeze",
@@ -155,22 +155,25 @@ def test_moe_block_routing_and_dispatch_match_torch(name, config):
     assert sum(b for _, b in backward) == pytest.approx(model.backward_bytes * TOKENS, rel=0.01)
 
 
-# Weight-sized ops of the MLP alone the model leaves out, forward and backward: DeepSeek-V3's router weight to fp32
+# Weight-sized ops of the MLP alone the model leaves out, forward and backward: DeepSeek's router weight to fp32
 # and its gradient's cast back (a copy for bf16 weights as here; none for fp32 weights). gpt-oss's zeros of its two
 # expert biases' gradients are counted (launches, no per-token bytes), as the dispatch's histc and cumsum.
-MLP_WEIGHT_SIZED_OPS = {"deepseek_v3": (1, 1), "gpt_oss": (0, 0)}
+MLP_WEIGHT_SIZED_OPS = {"deepseek_v2": (1, 1), "deepseek_v3": (1, 1), "gpt_oss": (0, 0)}
 
 
 @pytest.mark.parametrize("name, config", [
     ("gpt-oss", GPT_OSS | {"intermediate_size": 200}), ("gpt-oss-k3", GPT_OSS | {"intermediate_size": 200,
                                                                                 "num_experts_per_tok": 3}),
     ("deepseek-v3", DEEPSEEK_V3), ("deepseek-v3-unnormalised", DEEPSEEK_V3 | {"norm_topk_prob": False}),
-    ("deepseek-v3-2-groups-k3", DEEPSEEK_V3 | {"n_group": 2, "topk_group": 1, "num_experts_per_tok": 3})])
+    ("deepseek-v3-2-groups-k3", DEEPSEEK_V3 | {"n_group": 2, "topk_group": 1, "num_experts_per_tok": 3}),
+    ("deepseek-v2-greedy", DEEPSEEK_V2),
+    ("deepseek-v2-group-limited", DEEPSEEK_V2 | {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2})])
 def test_moe_modules_routing_and_dispatch_match_torch(name, config):
     """The MoE module alone (these blocks' attention is another matter: MLA, gpt-oss's sinks). DeepseekV3MoE: the fp32
     sigmoid router, group-limited (top-2 per group summed, top groups masked), the scores' gather, renormalisation and
     routed scaling; the grouped_mm dispatch with fp32 routing weights (as Mixtral's); the shared expert's gate and its
-    add; the input's three gradient sums (router, experts, the shared expert's gate and up). GptOssMLP: top-k of the
+    add; the input's three gradient sums (router, experts, the shared expert's gate and up). DeepseekV2Moe: the fp32
+    softmax router, greedy or group-limited (each group's max, top groups masked), routed scaling. GptOssMLP: top-k of the
     biased logits and their softmax in bf16; the experts' bias rows gathered and added; the clamped SwiGLU on the
     interleaved halves. gpt-oss at intermediate 200: its (8, 384) gate/up bias would be a multiple of the tokens."""
     torch = pytest.importorskip("torch")

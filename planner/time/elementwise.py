@@ -13,8 +13,8 @@ gradient's few elements) is per micro-batch and not counted. The op lists were r
 TorchDispatchMode trace of each module on CPU (tests/test_elementwise.py replays a block of Llama, Mistral,
 Qwen2, Qwen3, SmolLM3, Gemma-3, OLMo-2 and GPT-2 and compares); what differs on CUDA is said where it does. An MoE block's
 router and dispatch are counted op by op over transformers 5.x's default grouped_mm experts for Mixtral, Qwen3-MoE,
-DeepSeek-V3 and gpt-oss (moe_traffic; tests/test_elementwise.py replays them). Not counted: DeepSeek-V2's and
-Llama-4's routers and dispatch; Gemma's two weight-sized ops per norm call; PEFT's default fp32 adapters on a 16-bit base (get_peft_model's
+DeepSeek-V2/V3 and gpt-oss (moe_traffic; tests/test_elementwise.py replays them). Not counted: Llama-4's router and
+dispatch (every expert over every token, bmm); Gemma's two weight-sized ops per norm call; PEFT's default fp32 adapters on a 16-bit base (get_peft_model's
 autocast_adapter_dtype=True: ``_cast_input_dtype`` casts each adapted linear's input to fp32, lora/layer.py line
 1100), which the adapter ops below count in the compute dtype (autocast_adapter_dtype=False).
 
@@ -324,6 +324,21 @@ SIGMOID_GROUPED_TOP_K = RoutedPiece(
              ("e:f", "e:b", "e:f"), ("e:f", "k:f", "k:i"), ("e:f", "k:i", "k:f")),
     backward=(("e:f",), ("e:f", "k:i", "k:f", "e:f"), ("e:f", "e:f", "e:f"), ("h:f", "h:c")),
 )
+# DeepseekV2TopkRouter.forward (modeling_deepseek_v2.py lines 97-116): the input to fp32 for the fp32 router linear,
+# ``softmax(dim=-1, dtype=torch.float32)`` (fp32 already: no cast), topk; backward topk's (zeros, scatter),
+# _softmax_backward_data, the input's cast back
+FP32_SOFTMAX_TOP_K = RoutedPiece(
+    forward=(("h:c", "h:f"), ("e:f", "e:f"), ("e:f", "k:f", "k:i")),
+    backward=(("e:f",), ("e:f", "k:i", "k:f", "e:f"), ("e:f", "e:f", "e:f"), ("h:f", "h:c")),
+)
+# topk_method "group_limited_greedy" (lines 103-113) between the softmax and the top-k: each group's max (values and
+# indices), the top groups, their mask (zeros_like, scatter_, expanded and reshaped: a copy, to bool, inverted) and
+# ``scores.masked_fill(~mask, 0.0)``, whose backward masks the gradient (derivatives.yaml masked_fill.Scalar)
+GROUP_LIMITED = RoutedPiece(
+    forward=(("e:f", "g:f", "g:i"), ("g:f", "kg:f", "kg:i"), ("g:f",), ("g:f", "kg:i", "g:f"), ("g:f", "e:f"),
+             ("e:f", "e:b"), ("e:b", "e:b"), ("e:f", "e:b", "e:f")),
+    backward=(("e:f", "e:b", "e:f"),),
+)
 ROUTED_SCALING = RoutedPiece(forward=(("k:f", "k:f"),), backward=(("k:f", "k:f"),))
 # DeepSeek-V3's ``denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20; topk_weights /= denominator``: one add
 # more forward (its backward passes the gradient through)
@@ -399,17 +414,19 @@ TOP_K_SOFTMAX = RoutedPiece(forward=(("e:c", "k:c", "k:i"), ("k:c", "k:c")),
 # The experts' gates transformers 5.x defines apart from the default (gate, up) chunk
 EXPERT_GATES = {"gpt_oss": GPT_OSS_GATE}
 # The MoE layouts whose routing and dispatch are counted op by op (planner/model/layers.py MoeLayout, router): the
-# routers of Mixtral and Qwen3-MoE (fp32 softmax top-k) and DeepSeek-V3 (fp32 sigmoid, group-limited), each over
-# @use_experts_implementation experts (modeling_mixtral.py line 56, modeling_qwen3_moe.py line 210,
-# modeling_deepseek_v3.py line 160) and gpt-oss's (top-k of the logits, then their softmax: line 67, biased experts),
+# routers of Mixtral and Qwen3-MoE (fp32 softmax top-k), DeepSeek-V3 (fp32 sigmoid, group-limited) and DeepSeek-V2
+# (fp32 softmax, greedy or group-limited), each over @use_experts_implementation experts (modeling_mixtral.py line 56,
+# modeling_qwen3_moe.py line 210, modeling_deepseek_v3.py line 160, modeling_deepseek_v2.py line 45) and gpt-oss's (top-k of the logits, then their softmax: line 67, biased experts),
 # with their routing weights' dtype: Qwen3-MoE casts them to the compute dtype, gpt-oss's stay in it.
 ROUTED_WEIGHTS = {("mixtral", "softmax"): "f", ("qwen3_moe", "softmax"): "c", ("deepseek", "sigmoid_grouped"): "f",
-                  ("gpt_oss", "topk_softmax"): "c"}
+                  ("deepseek", "softmax_greedy"): "f", ("deepseek", "softmax_grouped"): "f", ("gpt_oss", "topk_softmax"): "c"}
 
 
 def _router(m: MlpSpec) -> tuple[RoutedPiece, ...]:
     if m.router == "topk_softmax":
         return (TOP_K_SOFTMAX,)
+    if m.router in ("softmax_greedy", "softmax_grouped"):
+        return (FP32_SOFTMAX_TOP_K,) + ((GROUP_LIMITED,) if m.router == "softmax_grouped" else ()) + (ROUTED_SCALING,)
     if m.router == "sigmoid_grouped":
         return (SIGMOID_GROUPED_TOP_K,) + ((DEEPSEEK_TOP_K_NORMALISED,) if m.normalise_top_k else ()) + (
             ROUTED_SCALING,)
@@ -424,7 +441,7 @@ def moe_traffic(m: MlpSpec, hidden: int, tp: int, c: int) -> Traffic:
     """An MoE layer's router and dispatch per token on one TP rank (the experts' gate is GATED, in mlp_traffic).
     The router and the dispatch run on every token's full hidden width (the MLP's input is gathered under sequence
     parallelism; the experts' down projection is row-parallel, its output summed); the experts' inner width is a 1/tp
-    shard. Layouts not in ROUTED_WEIGHTS (DeepSeek-V2, Llama-4) are not counted."""
+    shard. Layouts not in ROUTED_WEIGHTS (Llama-4's bmm over every expert) are not counted."""
     if not _counted(m):
         return Traffic()
     weights = ROUTED_WEIGHTS[(m.layout, m.router)]
