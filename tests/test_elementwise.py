@@ -19,15 +19,16 @@ from planner.model.architecture import from_hf_config, layer_specs
 from planner.time.elementwise import (COMPOSITE_RMSNORM, FUSED_LAYERNORM, GRADIENT_SUM, _mlp_gradient_sums,
                                       block_traffic, mlp_traffic, traffic)
 from planner.time.kernels import Recompute, micro_batch_terms, rates, work
-from tests.real_runs import DEEPSEEK_V2, DEEPSEEK_V3, GEMMA3, GPT_OSS, GPT2, LLAMA, MISTRAL, OLMO2, QWEN2, QWEN3, QWEN3_MOE, SMOLLM3
+from tests.real_runs import (DEEPSEEK_V2, DEEPSEEK_V3, GEMMA3, GPT2, GPT_OSS, LLAMA, LLAMA4, MISTRAL, OLMO2, QWEN2,
+                             QWEN3, QWEN3_MOE, SMOLLM3)
 
 TOKENS = 96  # no weight (256, 64 elements) is a multiple of it: weight-sized tensors are told apart by that
 SKIPPED = {"mm", "addmm", "bmm", "detach", "view", "_unsafe_view", "expand", "as_strided", "slice", "unsqueeze",
            "t", "transpose", "permute", "empty_like", "empty_strided", "empty", "ones_like", "reshape", "alias",
            "squeeze", "split", "split_with_sizes", "select", "clone_", "_grouped_mm"}
 # Ops that write a fresh tensor shaped like their input without reading it (index_backward's and
-# value_selecting_reduction_backward's zeros: derivatives.yaml lines 844, 1608)
-FILLS = {"new_zeros", "zeros_like", "new_empty"}
+# value_selecting_reduction_backward's zeros: derivatives.yaml lines 844, 1608; Llama4Router's full_like)
+FILLS = {"new_zeros", "zeros_like", "new_empty", "full_like"}
 
 
 def _record(config: dict, torch, lora: dict | None = None, layer: int = 0, mlp_only: bool = False):
@@ -65,7 +66,8 @@ def _record(config: dict, torch, lora: dict | None = None, layer: int = 0, mlp_o
 
     torch.manual_seed(0)
     hf = AutoConfig.for_model(**config)
-    hf._attn_implementation = "eager" if mlp_only else "sdpa"  # the MLP alone: attention is not run (gpt-oss has no SDPA)
+    # the MLP alone runs no attention (and gpt-oss has no SDPA)
+    hf._attn_implementation = "eager" if mlp_only else "sdpa"
     model = AutoModelForCausalLM.from_config(hf).to(torch.bfloat16)
     if lora is not None:  # PEFT freezes the base and wraps the targeted linears (adapters in bf16, as the base)
         from peft import LoraConfig, get_peft_model
@@ -79,7 +81,8 @@ def _record(config: dict, torch, lora: dict | None = None, layer: int = 0, mlp_o
             out = block(x)
             return out[0] if isinstance(out, tuple) else out
     elif mlp_only:
-        mlp = model.model.layers[layer].mlp
+        layer_module = model.model.layers[layer]
+        mlp = getattr(layer_module, "mlp", None) or layer_module.feed_forward  # Llama-4: feed_forward
 
         def run():
             out = mlp(x)
@@ -132,7 +135,8 @@ MIXTRAL = {"model_type": "mixtral", "vocab_size": 4096, "hidden_size": 256, "int
            "num_key_value_heads": 2, "max_position_embeddings": 4096, "tie_word_embeddings": False}
 
 
-@pytest.mark.parametrize("name, config", [("qwen3-moe", QWEN3_MOE), ("qwen3-moe-norm", QWEN3_MOE | {"norm_topk_prob": True}),
+@pytest.mark.parametrize("name, config", [("qwen3-moe", QWEN3_MOE),
+                                          ("qwen3-moe-norm", QWEN3_MOE | {"norm_topk_prob": True}),
                                           ("qwen3-moe-k4", QWEN3_MOE | {"num_experts_per_tok": 4}),
                                           ("mixtral", MIXTRAL), ("mixtral-k3", MIXTRAL | {"num_experts_per_tok": 3})])
 def test_moe_block_routing_and_dispatch_match_torch(name, config):
@@ -158,7 +162,7 @@ def test_moe_block_routing_and_dispatch_match_torch(name, config):
 # Weight-sized ops of the MLP alone the model leaves out, forward and backward: DeepSeek's router weight to fp32
 # and its gradient's cast back (a copy for bf16 weights as here; none for fp32 weights). gpt-oss's zeros of its two
 # expert biases' gradients are counted (launches, no per-token bytes), as the dispatch's histc and cumsum.
-MLP_WEIGHT_SIZED_OPS = {"deepseek_v2": (1, 1), "deepseek_v3": (1, 1), "gpt_oss": (0, 0)}
+MLP_WEIGHT_SIZED_OPS = {"deepseek_v2": (1, 1), "deepseek_v3": (1, 1), "gpt_oss": (0, 0), "llama4_text": (0, 0)}
 
 
 @pytest.mark.parametrize("name, config", [
@@ -166,19 +170,22 @@ MLP_WEIGHT_SIZED_OPS = {"deepseek_v2": (1, 1), "deepseek_v3": (1, 1), "gpt_oss":
                                                                                 "num_experts_per_tok": 3}),
     ("deepseek-v3", DEEPSEEK_V3), ("deepseek-v3-unnormalised", DEEPSEEK_V3 | {"norm_topk_prob": False}),
     ("deepseek-v3-2-groups-k3", DEEPSEEK_V3 | {"n_group": 2, "topk_group": 1, "num_experts_per_tok": 3}),
-    ("deepseek-v2-greedy", DEEPSEEK_V2),
-    ("deepseek-v2-group-limited", DEEPSEEK_V2 | {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2})])
+    ("deepseek-v2-greedy", DEEPSEEK_V2), ("llama4", LLAMA4), ("llama4-top2", LLAMA4 | {"num_experts_per_tok": 2}),
+    ("deepseek-v2-group-limited",
+     DEEPSEEK_V2 | {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2})])
 def test_moe_modules_routing_and_dispatch_match_torch(name, config):
     """The MoE module alone (these blocks' attention is another matter: MLA, gpt-oss's sinks). DeepseekV3MoE: the fp32
-    sigmoid router, group-limited (top-2 per group summed, top groups masked), the scores' gather, renormalisation and
-    routed scaling; the grouped_mm dispatch with fp32 routing weights (as Mixtral's); the shared expert's gate and its
-    add; the input's three gradient sums (router, experts, the shared expert's gate and up). DeepseekV2Moe: the fp32
-    softmax router, greedy or group-limited (each group's max, top groups masked), routed scaling. GptOssMLP: top-k of the
-    biased logits and their softmax in bf16; the experts' bias rows gathered and added; the clamped SwiGLU on the
-    interleaved halves. gpt-oss at intermediate 200: its (8, 384) gate/up bias would be a multiple of the tokens."""
+    sigmoid router, group-limited (top-2 per group summed, top groups masked), the scores' gather, renormalisation
+    and routed scaling; the grouped_mm dispatch with fp32 routing weights (as Mixtral's); the shared expert's gate
+    and its add; the input's three gradient sums (router, experts, the shared expert's gate and up). DeepseekV2Moe:
+    the fp32 softmax router, greedy or group-limited (each group's max, top groups masked), routed scaling.
+    Llama4TextMoe: the sigmoid of the scattered top-k, every expert on every token (repeat, bmm), the sum over the
+    copies. GptOssMLP: top-k of the biased logits and their softmax in bf16; the experts' bias rows gathered and
+    added; the clamped SwiGLU on the interleaved halves. gpt-oss at intermediate 200: its (8, 384) gate/up bias
+    would be a multiple of the tokens."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    layer = config.get("first_k_dense_replace", 0)
+    layer = config.get("first_k_dense_replace", config.get("interleave_moe_layer_step", 1) - 1)
     forward, backward = _record(config, torch, layer=layer, mlp_only=True)
     arch = from_hf_config(config)
     m = layer_specs(arch)[layer].mlp

@@ -792,7 +792,8 @@ def _read_deepseek(f: _Fields, defaults: dict[str, Any], v3: bool) -> dict[str, 
                   shared_intermediate_size=inner * shared, shared_bias=fields["mlp_bias"], layout="deepseek",
                   router=router, groups=groups, groups_kept=kept,
                   # DeepseekV3TopkRouter renormalises when norm_topk_prob (modeling_deepseek_v3.py line 151; default
-                  # True, configuration_deepseek_v3.py line 103); V2's router is not counted (planner/time/elementwise.py)
+                  # True, configuration_deepseek_v3.py line 103); DeepseekV2TopkRouter never (modeling_deepseek_v2.py
+                  # lines 97-116)
                   normalise_top_k=v3 and f.bool("norm_topk_prob", True))
     dense_first = f.count("first_k_dense_replace", 3 if v3 else 0)
     layers = [LayerSpec(attention=mla, mlp=moe if i >= dense_first else _dense(fields), norm="rmsnorm", norms=2)

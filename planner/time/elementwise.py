@@ -13,10 +13,10 @@ gradient's few elements) is per micro-batch and not counted. The op lists were r
 TorchDispatchMode trace of each module on CPU (tests/test_elementwise.py replays a block of Llama, Mistral,
 Qwen2, Qwen3, SmolLM3, Gemma-3, OLMo-2 and GPT-2 and compares); what differs on CUDA is said where it does. An MoE block's
 router and dispatch are counted op by op over transformers 5.x's default grouped_mm experts for Mixtral, Qwen3-MoE,
-DeepSeek-V2/V3 and gpt-oss (moe_traffic; tests/test_elementwise.py replays them). Not counted: Llama-4's router and
-dispatch (every expert over every token, bmm); Gemma's two weight-sized ops per norm call; PEFT's default fp32 adapters on a 16-bit base (get_peft_model's
-autocast_adapter_dtype=True: ``_cast_input_dtype`` casts each adapted linear's input to fp32, lora/layer.py line
-1100), which the adapter ops below count in the compute dtype (autocast_adapter_dtype=False).
+DeepSeek-V2/V3 and gpt-oss, and Llama-4's bmm over every expert (moe_traffic; tests/test_elementwise.py replays
+them). Not counted: Gemma's two weight-sized ops per norm call; PEFT's default fp32 adapters on a 16-bit base
+(get_peft_model's autocast_adapter_dtype=True: ``_cast_input_dtype`` casts each adapted linear's input to fp32,
+lora/layer.py line 1100), which the adapter ops below count in the compute dtype (autocast_adapter_dtype=False).
 
 How the code implements a norm is what the time depends on: a composite of Python ops (every
 RMSNorm of transformers 5.x: LlamaRMSNorm.forward, modeling_llama.py lines 62-67, ~9x a fused
@@ -262,14 +262,14 @@ def adapter_traffic(linears: list[tuple[int, int]], dropout: float, clone: bool,
 
 
 # --- a mixture of experts' routing and dispatch ------------------------------------------------------------------
-# Its ops move tensors of several widths per token: the hidden width (``h``), one row of it per routed
-# (token, expert) pair (``kh``: experts_per_token x hidden, the model's expected top-k load: every token's k rows go
-# through the gathered expert input and output whatever the experts' balance), the router's scores (``e``, one per
-# expert), the top-k (``k``), one per token (``1``, the top-k sum) and the experts' fused gate/up output (``2ki``:
-# k x 2 x intermediate / tp, ``ki`` its halves). Each tensor is ``width:dtype``: ``c`` the compute dtype, ``f`` fp32,
-# ``i`` int64 (topk's and sort's indices), ``b`` bool. An op's bytes are its tensors' (inputs and output once, as
-# everywhere here). DeepSeek-V3's group-limited router adds ``g`` (n_group), ``2g`` (top-2 per group) and ``kg``
-# (topk_group).
+# Its ops move tensors of several widths per token: the hidden width (``h``), one row of it per routed (token, expert)
+# pair (``kh``: experts_per_token x hidden, the model's expected top-k load: every token's k rows go through the
+# gathered expert input and output whatever the experts' balance; Llama-4: one per expert, routed_rows), the router's
+# scores (``e``, one per expert), the top-k (``k``), one per token (``1``, the top-k sum) and the experts' fused
+# gate/up output (``2ki``: rows x 2 x intermediate / tp, ``ki`` its halves). Each tensor is ``width:dtype``: ``c`` the
+# compute dtype, ``f`` fp32, ``i`` int64 (topk's and sort's indices), ``b`` bool. An op's bytes are its tensors'
+# (inputs and output once, as everywhere here). DeepSeek's group-limited routers add ``g`` (n_group), ``2g`` (top-2
+# per group) and ``kg`` (topk_group).
 _DTYPE_BYTES = {"f": FP32, "i": 8, "b": 1}
 
 
@@ -364,10 +364,11 @@ def grouped_mm_dispatch(weights: str) -> RoutedPiece:
     multiply by their routing weight (line 524), inv_perm's arange and index_put_ (line 528), the rows' gather back
     into token order (line 529) and their sum over the k pairs (line 535). Backward: the sum's expanded gradient
     reshaped (a copy), index's backward (derivatives.yaml line 844: zeros, then index_put with accumulate) for the
-    weighted rows, mul's two gradients and the routing weights' sum over the hidden width, index's backward for the routing weights' gather and for the tokens' (the scatter-add of the pairs'
-    row gradients into the hidden states). CUDA's accumulating index_put also sorts its indices
-    (aten/src/ATen/native/cuda/Indexing.cu index_put_with_sort_kernel), and sort is a multi-pass radix sort: their
-    extra passes over the int64 indices (8 x k bytes per token each) are not counted."""
+    weighted rows, mul's two gradients and the routing weights' sum over the hidden width, index's backward for the
+    routing weights' gather and for the tokens' (the scatter-add of the pairs' row gradients into the hidden
+    states). CUDA's accumulating index_put also sorts its indices (aten/src/ATen/native/cuda/Indexing.cu
+    index_put_with_sort_kernel), and sort is a multi-pass radix sort: their extra passes over the int64 indices (8 x
+    k bytes per token each) are not counted."""
     w = "f" if weights == "f" else "c"  # the weighted rows' dtype: torch's type promotion of c x weights
     cast = weights == "f"
     forward = (("k:i", "k:i", "k:i"), ("k:i", "k:i"), ("h:c", "k:i", "kh:c"), (f"k:{weights}", "k:i", f"k:{weights}"),
@@ -383,15 +384,15 @@ def grouped_mm_dispatch(weights: str) -> RoutedPiece:
 
 
 GROUPED_MM_DISPATCH = {"c": grouped_mm_dispatch("c"), "f": grouped_mm_dispatch("f")}
-# The experts' gate: _default_apply_gate (integrations/moe.py line 578) ``gate, up = gate_up_out.chunk(2, dim=-1)``, then
-# GATED (mlp_traffic); chunk's backward is one cat of the two halves' gradients
+# The experts' gate: _default_apply_gate (integrations/moe.py line 578) ``gate, up = gate_up_out.chunk(2, dim=-1)``,
+# then GATED (mlp_traffic); chunk's backward is one cat of the two halves' gradients
 CHUNK = RoutedPiece(forward=(), backward=(("ki:c", "ki:c", "2ki:c"),))
 # GptOssExperts._apply_gate (modeling_gpt_oss.py lines 81-87): the interleaved halves ``gate_up[..., ::2]`` and
-# ``[..., 1::2]`` (views), gate clamped above, up clamped both ways, ``gate * sigmoid(gate * alpha)``, ``(up + 1) * glu``.
-# Backward: the product's two gradients, glu's two, sigmoid_backward, the alpha mul's, gate's two gradients summed;
-# clamp_backward (derivatives.yaml line 428): ``where(self <= max, grad, 0)`` for gate (scalar_tensor, le, where),
-# ``where((self >= min).logical_and_(self <= max), grad, 0)`` for up (bool masks); each strided half's slice_backward
-# (zeros of the full width, the half written in, as ROTARY's) and their sum.
+# ``[..., 1::2]`` (views), gate clamped above, up clamped both ways, ``gate * sigmoid(gate * alpha)``, ``(up + 1) *
+# glu``. Backward: the product's two gradients, glu's two, sigmoid_backward, the alpha mul's, gate's two gradients
+# summed; clamp_backward (derivatives.yaml line 428): ``where(self <= max, grad, 0)`` for gate (scalar_tensor, le,
+# where), ``where((self >= min).logical_and_(self <= max), grad, 0)`` for up (bool masks); each strided half's
+# slice_backward (zeros of the full width, the half written in, as ROTARY's) and their sum.
 GPT_OSS_GATE = RoutedPiece(
     forward=(("ki:c", "ki:c"),) * 4 + (("ki:c", "ki:c", "ki:c"), ("ki:c", "ki:c"), ("ki:c", "ki:c", "ki:c")),
     backward=(("ki:c", "ki:c", "ki:c"),) * 5 + (("ki:c", "ki:c"), ("ki:c", "ki:c", "ki:c"), (), ("ki:c", "ki:b"),
@@ -407,24 +408,53 @@ EXPERT_BIASES = RoutedPiece(
     forward=(("k:i", "2ki:c"), ("2ki:c", "2ki:c", "2ki:c"), ("k:i", "kh:c"), ("kh:c", "kh:c", "kh:c")),
     backward=((), ("k:i", "kh:c"), (), ("k:i", "2ki:c")),
 )
-# GptOssTopKRouter.forward (lines 125-129): topk over the (biased) logits in the compute dtype, softmax over the k values
-# in it (``dtype=router_top_value.dtype``); backward _softmax_backward_data and topk's (zeros, scatter)
+# GptOssTopKRouter.forward (lines 125-129): topk over the (biased) logits in the compute dtype, softmax over the k
+# values in it (``dtype=router_top_value.dtype``); backward _softmax_backward_data and topk's (zeros, scatter)
 TOP_K_SOFTMAX = RoutedPiece(forward=(("e:c", "k:c", "k:i"), ("k:c", "k:c")),
                             backward=(("k:c", "k:c", "k:c"), ("e:c",), ("e:c", "k:i", "k:c", "e:c")))
+# Llama4Router.forward (modeling_llama4.py lines 151-156): topk of the logits, ``full_like(logits, -inf).scatter_(1,
+# indices, values)``, sigmoid in fp32 and cast back; backward the casts', sigmoid_backward, scatter_'s for the values
+# (derivatives.yaml scatter.src: ``grad.gather(dim, index)``; full_like's needs none) and topk's (zeros, scatter)
+LLAMA4_ROUTER = RoutedPiece(
+    forward=(("e:c", "k:c", "k:i"), ("e:c",), ("e:c", "k:i", "k:c", "e:c"), ("e:c", "e:f"), ("e:f", "e:f"),
+             ("e:f", "e:c")),
+    backward=(("e:c", "e:f"), ("e:f", "e:f", "e:f"), ("e:f", "e:c"), ("e:c", "k:i", "k:c"), ("e:c",),
+              ("e:c", "k:i", "k:c", "e:c")),
+)
+# Llama4TextMoe.forward (lines 169-177) runs every expert on every token (Llama4TextExperts: bmm over (E, tokens, h),
+# lines 79-84; no @use_experts_implementation): here ``kh`` is E x hidden. ``hidden_states.repeat(E, 1)``, the scores
+# transposed and reshaped (a copy), the copies multiplied by their score, [bmm, chunk, the gate (GATED over E x
+# intermediate), bmm], the sum over the E copies, ``out.add_`` onto the shared expert's output. Backward: the sum's
+# expanded gradient reshaped (a copy), mul's two gradients, the scores' sum over the hidden width, repeat's backward (a
+# sum over the copies).
+LLAMA4_DISPATCH = RoutedPiece(
+    forward=(("h:c", "kh:c"), ("e:c", "e:c"), ("kh:c", "e:c", "kh:c"), ("kh:c", "h:c"), ("h:c", "h:c", "h:c")),
+    backward=(("h:c", "kh:c"), ("kh:c", "kh:c", "kh:c"), ("kh:c", "e:c", "kh:c"), ("kh:c", "e:c"), ("kh:c", "h:c")),
+)
 # The experts' gates transformers 5.x defines apart from the default (gate, up) chunk
 EXPERT_GATES = {"gpt_oss": GPT_OSS_GATE}
 # The MoE layouts whose routing and dispatch are counted op by op (planner/model/layers.py MoeLayout, router): the
 # routers of Mixtral and Qwen3-MoE (fp32 softmax top-k), DeepSeek-V3 (fp32 sigmoid, group-limited) and DeepSeek-V2
 # (fp32 softmax, greedy or group-limited), each over @use_experts_implementation experts (modeling_mixtral.py line 56,
-# modeling_qwen3_moe.py line 210, modeling_deepseek_v3.py line 160, modeling_deepseek_v2.py line 45) and gpt-oss's (top-k of the logits, then their softmax: line 67, biased experts),
-# with their routing weights' dtype: Qwen3-MoE casts them to the compute dtype, gpt-oss's stay in it.
+# modeling_qwen3_moe.py line 210, modeling_deepseek_v3.py line 160, modeling_deepseek_v2.py line 45) and gpt-oss's
+# (top-k of the logits, then their softmax: line 67, biased experts), with their routing weights' dtype: Qwen3-MoE
+# casts them to the compute dtype, gpt-oss's stay in it.
 ROUTED_WEIGHTS = {("mixtral", "softmax"): "f", ("qwen3_moe", "softmax"): "c", ("deepseek", "sigmoid_grouped"): "f",
-                  ("deepseek", "softmax_greedy"): "f", ("deepseek", "softmax_grouped"): "f", ("gpt_oss", "topk_softmax"): "c"}
+                  ("deepseek", "softmax_greedy"): "f", ("deepseek", "softmax_grouped"): "f",
+                  ("gpt_oss", "topk_softmax"): "c", ("llama4", "sigmoid_top1"): "c"}
+
+
+def routed_rows(m: MlpSpec) -> int:
+    """Rows of the hidden width each token sends through the routed experts: its top-k, or every expert under
+    Llama-4's bmm (LLAMA4_DISPATCH)."""
+    return m.num_experts if m.layout == "llama4" else m.experts_per_token
 
 
 def _router(m: MlpSpec) -> tuple[RoutedPiece, ...]:
     if m.router == "topk_softmax":
         return (TOP_K_SOFTMAX,)
+    if m.router == "sigmoid_top1":
+        return (LLAMA4_ROUTER,)
     if m.router in ("softmax_greedy", "softmax_grouped"):
         return (FP32_SOFTMAX_TOP_K,) + ((GROUP_LIMITED,) if m.router == "softmax_grouped" else ()) + (ROUTED_SCALING,)
     if m.router == "sigmoid_grouped":
@@ -441,18 +471,21 @@ def moe_traffic(m: MlpSpec, hidden: int, tp: int, c: int) -> Traffic:
     """An MoE layer's router and dispatch per token on one TP rank (the experts' gate is GATED, in mlp_traffic).
     The router and the dispatch run on every token's full hidden width (the MLP's input is gathered under sequence
     parallelism; the experts' down projection is row-parallel, its output summed); the experts' inner width is a 1/tp
-    shard. Layouts not in ROUTED_WEIGHTS (Llama-4's bmm over every expert) are not counted."""
+    shard. A layout not in ROUTED_WEIGHTS is not counted (every planner MoE layout is in it)."""
     if not _counted(m):
         return Traffic()
     weights = ROUTED_WEIGHTS[(m.layout, m.router)]
-    k = m.experts_per_token
-    inner = k * m.intermediate_size / tp
-    widths = {"h": hidden, "kh": k * hidden, "e": m.num_experts, "k": k, "1": 1, "ki": inner, "2ki": 2 * inner,
+    k, rows = m.experts_per_token, routed_rows(m)
+    inner = rows * m.intermediate_size / tp
+    widths = {"h": hidden, "kh": rows * hidden, "e": m.num_experts, "k": k, "1": 1, "ki": inner, "2ki": 2 * inner,
               "g": m.groups, "2g": 2 * m.groups, "kg": m.groups_kept}
     cast = weights == "c" and m.router == "softmax"  # Qwen3-MoE's
-    pieces = (_router(m) + ((CAST_TOP_K,) if cast else ()) + (GROUPED_MM_DISPATCH[weights],)
-              + (EXPERT_GATES.get(m.layout, CHUNK),) + ((EXPERT_BIASES,) if m.bias else ())
-              + ((SHARED_EXPERT_ADD,) if m.shared_intermediate_size else ()))
+    if m.layout == "llama4":  # its own dispatch, the shared expert's add in it (out.add_)
+        pieces = _router(m) + (LLAMA4_DISPATCH, CHUNK)
+    else:
+        pieces = (_router(m) + ((CAST_TOP_K,) if cast else ()) + (GROUPED_MM_DISPATCH[weights],)
+                  + (EXPERT_GATES.get(m.layout, CHUNK),) + ((EXPERT_BIASES,) if m.bias else ())
+                  + ((SHARED_EXPERT_ADD,) if m.shared_intermediate_size else ()))
     return sum((routed_traffic(p, widths, c) for p in pieces), Traffic())
 
 
@@ -502,7 +535,7 @@ def mlp_traffic(arch: Architecture, m: MlpSpec, tp: int, c: int) -> Traffic:
     gate = GATED if m.gated else plain_activation(arch)
     out = Traffic()
     if not (m.is_moe and _counted(m) and m.layout in EXPERT_GATES):  # those experts' gates: moe_traffic
-        out = traffic(gate, (m.experts_per_token if m.is_moe else 1) * m.intermediate_size / tp, c)
+        out = traffic(gate, (routed_rows(m) if m.is_moe else 1) * m.intermediate_size / tp, c)
     if m.shared_intermediate_size:  # the shared expert's own MLP call (DeepseekV3MLP, Llama4TextMLP)
         out = out + traffic(gate, m.shared_intermediate_size / tp, c)
     if m.is_moe:

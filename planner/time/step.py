@@ -787,8 +787,7 @@ def _elementwise_source(compiled: str, moe: bool = False) -> str:
     if compiled == "none":
         experts = ("; MoE routing and dispatch as transformers 5.x's default experts implementation runs them "
                    "(grouped_mm: sort, gathers, weighted rows, gather back, sum over the top-k; tokens x top-k rows, "
-                   "balanced; Mixtral, Qwen3-MoE, DeepSeek-V2/V3, gpt-oss; Llama-4's not counted)"
-                   if moe else "")
+                   "balanced; Llama-4: every expert on every token, bmm)" if moe else "")
         return ("a block's ops one by one, forward and backward, as its code dispatches them "
                 f"(planner/time/elementwise.py; eager, no torch.compile fusion{experts})")
     edges = ("the embedding and final norm compiled too" if compiled == "model"
