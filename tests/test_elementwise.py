@@ -198,6 +198,17 @@ def test_moe_modules_routing_and_dispatch_match_torch(name, config):
     assert sum(b for _, b in backward) == pytest.approx(model.backward_bytes * TOKENS, rel=0.01)
 
 
+def test_an_moe_router_no_block_runs_is_refused_naming_it():
+    from planner.errors import PlannerError
+    from planner.model.layers import MlpSpec
+    from planner.time.elementwise import moe_traffic
+
+    odd = MlpSpec(gated=True, intermediate_size=64, num_experts=8, experts_per_token=2, layout="mixtral",
+                  router="sigmoid_top1")
+    with pytest.raises(PlannerError, match=r"mlp.layout\('mixtral'\) with mlp.router\('sigmoid_top1'\)"):
+        moe_traffic(odd, 256, 1, 2)
+
+
 def test_moe_dispatch_bytes_grow_with_the_routed_rows():
     # Qwen3-MoE in bf16, one more expert per token (top-3 against top-2), forward bytes per token: the hidden row
     # gathered (2h), multiplied by its weight (read and written, 4h), gathered back (4h) and read by the sum (2h):

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from planner.model.architecture import Architecture
 from planner.model.attention.kinds import kind_of
+from planner.errors import PlannerError
 from planner.model.layers import LayerSpec, MlpSpec
 
 FP32 = 4
@@ -463,18 +464,16 @@ def _router(m: MlpSpec) -> tuple[RoutedPiece, ...]:
     return (SOFTMAX_TOP_K,) + ((TOP_K_NORMALISED,) if m.normalise_top_k else ())
 
 
-def _counted(m: MlpSpec) -> bool:
-    return (m.layout, m.router) in ROUTED_WEIGHTS
-
-
 def moe_traffic(m: MlpSpec, hidden: int, tp: int, c: int) -> Traffic:
     """An MoE layer's router and dispatch per token on one TP rank (the experts' gate is GATED, in mlp_traffic).
     The router and the dispatch run on every token's full hidden width (the MLP's input is gathered under sequence
     parallelism; the experts' down projection is row-parallel, its output summed); the experts' inner width is a 1/tp
-    shard. A layout not in ROUTED_WEIGHTS is not counted (every planner MoE layout is in it)."""
-    if not _counted(m):
-        return Traffic()
-    weights = ROUTED_WEIGHTS[(m.layout, m.router)]
+    shard. A (layout, router) no transformers block runs (not in ROUTED_WEIGHTS) is refused."""
+    weights = ROUTED_WEIGHTS.get((m.layout, m.router))
+    if weights is None:
+        known = ", ".join(f"{layout}/{router}" for layout, router in ROUTED_WEIGHTS)
+        raise PlannerError(f"mlp.layout({m.layout!r}) with mlp.router({m.router!r}): no transformers MoE block routes "
+                           f"so; the step-time model counts {known}", field="mlp.router", value=m.router)
     k, rows = m.experts_per_token, routed_rows(m)
     inner = rows * m.intermediate_size / tp
     widths = {"h": hidden, "kh": rows * hidden, "e": m.num_experts, "k": k, "1": 1, "ki": inner, "2ki": 2 * inner,
@@ -534,7 +533,7 @@ def mlp_traffic(arch: Architecture, m: MlpSpec, tp: int, c: int) -> Traffic:
     dispatch."""
     gate = GATED if m.gated else plain_activation(arch)
     out = Traffic()
-    if not (m.is_moe and _counted(m) and m.layout in EXPERT_GATES):  # those experts' gates: moe_traffic
+    if not (m.is_moe and m.layout in EXPERT_GATES):  # those experts' gates: moe_traffic
         out = traffic(gate, (routed_rows(m) if m.is_moe else 1) * m.intermediate_size / tp, c)
     if m.shared_intermediate_size:  # the shared expert's own MLP call (DeepseekV3MLP, Llama4TextMLP)
         out = out + traffic(gate, m.shared_intermediate_size / tp, c)
