@@ -160,7 +160,8 @@ def uniform_layer_spec(a: Architecture) -> LayerSpec:
                               fused_qkv=a.fused_qkv, dropout=a.attention_dropout)
     mlp = MlpSpec(gated=a.mlp == "gated", bias=a.mlp_bias, fused_gate_up=a.fused_gate_up,
                   intermediate_size=a.intermediate_size, num_experts=a.num_experts,
-                  experts_per_token=a.experts_per_token)
+                  experts_per_token=a.experts_per_token,
+                  normalise_top_k=a.num_experts > 0)  # MixtralTopKRouter always (modeling_mixtral.py line 109)
     placement = "parallel" if a.parallel_attention else ("sandwich" if a.norms_per_layer == 4 else "pre")
     return LayerSpec(attention=attention, mlp=mlp, norm=a.norm, norms=a.norms_per_layer,
                      norm_placement=placement)
@@ -731,7 +732,10 @@ def _read_qwen3_moe(f: _Fields) -> dict[str, Any]:
     inner = f.int("moe_intermediate_size", 768)
     step = f.int("decoder_sparse_step", 1)
     dense_only = f.layer_indices("mlp_only_layers", fields["num_layers"]) or set()
-    moe = MlpSpec(gated=True, intermediate_size=inner, num_experts=experts, experts_per_token=k, layout="qwen3_moe")
+    # Qwen3MoeTopKRouter renormalises the top-k when norm_topk_prob (modeling_qwen3_moe.py line 264; the config's
+    # default is False, configuration_qwen3_moe.py line 98; Qwen3-30B-A3B sets it)
+    moe = MlpSpec(gated=True, intermediate_size=inner, num_experts=experts, experts_per_token=k, layout="qwen3_moe",
+                  normalise_top_k=f.bool("norm_topk_prob", False))
     layers = [spec.model_copy(update={"mlp": moe}) if i not in dense_only and (i + 1) % step == 0 else spec
               for i, spec in enumerate(fields["layers"])]
     return fields | dict(layers=tuple(layers), num_experts=experts, experts_per_token=k, intermediate_size=inner)
@@ -786,7 +790,11 @@ def _read_deepseek(f: _Fields, defaults: dict[str, Any], v3: bool) -> dict[str, 
                           field=f.key("n_group"))
     moe = MlpSpec(gated=True, intermediate_size=inner, num_experts=experts, experts_per_token=k,
                   shared_intermediate_size=inner * shared, shared_bias=fields["mlp_bias"], layout="deepseek",
-                  router=router, groups=groups, groups_kept=kept)
+                  router=router, groups=groups, groups_kept=kept,
+                  # DeepseekV3TopkRouter renormalises when norm_topk_prob (modeling_deepseek_v3.py line 151; default
+                  # True, configuration_deepseek_v3.py line 103); DeepseekV2TopkRouter never (modeling_deepseek_v2.py
+                  # lines 97-116)
+                  normalise_top_k=v3 and f.bool("norm_topk_prob", True))
     dense_first = f.count("first_k_dense_replace", 3 if v3 else 0)
     layers = [LayerSpec(attention=mla, mlp=moe if i >= dense_first else _dense(fields), norm="rmsnorm", norms=2)
               for i in range(fields["num_layers"])]

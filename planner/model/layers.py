@@ -41,6 +41,8 @@ class MlpSpec(BaseModel):
     layout: MoeLayout = Field(default="mixtral", description="which transformers experts module (parameter order)")
     router: Literal["softmax", "topk_softmax", "sigmoid_grouped", "softmax_grouped", "softmax_greedy",
                     "sigmoid_top1"] = Field(default="softmax", description="how the router scores and picks experts")
+    normalise_top_k: bool = Field(default=False, description="the router divides the top-k weights by their sum "
+                                  "(Mixtral always; Qwen3-MoE/DeepSeek norm_topk_prob)")
     groups: int = Field(default=0, ge=0, description="expert groups for group-limited routing (DeepSeek n_group)")
     groups_kept: int = Field(default=0, ge=0, description="groups each token may use (DeepSeek topk_group)")
 

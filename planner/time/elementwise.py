@@ -11,11 +11,12 @@ shipped as torchgen/packaged/autograd/derivatives.yaml) for each forward op, plu
 input buffer runs where a tensor feeds several ops. Weight-sized work (a norm's weight read, its
 gradient's few elements) is per micro-batch and not counted. The op lists were read off a
 TorchDispatchMode trace of each module on CPU (tests/test_elementwise.py replays a block of Llama, Mistral,
-Qwen2, Qwen3, SmolLM3, Gemma-3, OLMo-2 and GPT-2 and compares); what differs on CUDA is said where it does. Not
-counted: Gemma's two weight-sized ops per norm call; MoE routing and dispatch (the router's softmax/top-k, the
-tokens' gather and scatter, the combine); PEFT's default fp32 adapters on a 16-bit base (get_peft_model's
-autocast_adapter_dtype=True: ``_cast_input_dtype`` casts each adapted linear's input to fp32, lora/layer.py line
-1100), which the adapter ops below count in the compute dtype (autocast_adapter_dtype=False).
+Qwen2, Qwen3, SmolLM3, Gemma-3, OLMo-2 and GPT-2 and compares); what differs on CUDA is said where it does. An MoE block's
+router and dispatch are counted op by op over transformers 5.x's default grouped_mm experts for Mixtral, Qwen3-MoE,
+DeepSeek-V2/V3 and gpt-oss, and Llama-4's bmm over every expert (moe_traffic; tests/test_elementwise.py replays
+them). Not counted: Gemma's two weight-sized ops per norm call; PEFT's default fp32 adapters on a 16-bit base
+(get_peft_model's autocast_adapter_dtype=True: ``_cast_input_dtype`` casts each adapted linear's input to fp32,
+lora/layer.py line 1100), which the adapter ops below count in the compute dtype (autocast_adapter_dtype=False).
 
 How the code implements a norm is what the time depends on: a composite of Python ops (every
 RMSNorm of transformers 5.x: LlamaRMSNorm.forward, modeling_llama.py lines 62-67, ~9x a fused
@@ -33,7 +34,8 @@ from dataclasses import dataclass
 
 from planner.model.architecture import Architecture
 from planner.model.attention.kinds import kind_of
-from planner.model.layers import LayerSpec
+from planner.errors import PlannerError
+from planner.model.layers import LayerSpec, MlpSpec
 
 FP32 = 4
 
@@ -260,6 +262,232 @@ def adapter_traffic(linears: list[tuple[int, int]], dropout: float, clone: bool,
     return out
 
 
+# --- a mixture of experts' routing and dispatch ------------------------------------------------------------------
+# Its ops move tensors of several widths per token: the hidden width (``h``), one row of it per routed (token, expert)
+# pair (``kh``: experts_per_token x hidden, the model's expected top-k load: every token's k rows go through the
+# gathered expert input and output whatever the experts' balance; Llama-4: one per expert, routed_rows), the router's
+# scores (``e``, one per expert), the top-k (``k``), one per token (``1``, the top-k sum) and the experts' fused
+# gate/up output (``2ki``: rows x 2 x intermediate / tp, ``ki`` its halves). Each tensor is ``width:dtype``: ``c`` the
+# compute dtype, ``f`` fp32, ``i`` int64 (topk's and sort's indices), ``b`` bool. An op's bytes are its tensors'
+# (inputs and output once, as everywhere here). DeepSeek's group-limited routers add ``g`` (n_group), ``2g`` (top-2
+# per group) and ``kg`` (topk_group).
+_DTYPE_BYTES = {"f": FP32, "i": 8, "b": 1}
+
+
+@dataclass(frozen=True)
+class RoutedPiece:
+    """An MoE piece's ops, forward and backward, each the tuple of ``width:dtype`` tensors it reads and writes."""
+
+    forward: tuple[tuple[str, ...], ...]
+    backward: tuple[tuple[str, ...], ...]
+
+
+def routed_traffic(piece: RoutedPiece, widths: dict[str, float], c: int) -> Traffic:
+    """One call of an MoE piece per token, its tensors' widths per token given by ``widths``."""
+    size = _DTYPE_BYTES | {"c": c}
+
+    def moved(op: tuple[str, ...]) -> float:
+        return sum(widths[w] * size[d] for w, d in (t.split(":") for t in op))
+
+    return Traffic(sum(map(moved, piece.forward)), sum(map(moved, piece.backward)), len(piece.forward),
+                   len(piece.backward))
+
+
+# Mixtral's ``softmax(router_logits.float())`` (modeling_mixtral.py line 107) and Qwen3-MoE's ``softmax(router_logits,
+# dtype=torch.float)`` (modeling_qwen3_moe.py line 262) alike: the logits cast to fp32 (a bf16 input is converted
+# before _softmax on CUDA too: ATen SoftMax.cpp softmax() keeps half_to_float for Half only), _softmax, topk. Backward:
+# topk's value_selecting_reduction_backward (derivatives.yaml topk: zeros of the scores' shape, the k gradients
+# scattered in), _softmax_backward_data (reads the gradient and the output), the cast back (_to_copy_backward).
+SOFTMAX_TOP_K = RoutedPiece(
+    forward=(("e:c", "e:f"), ("e:f", "e:f"), ("e:f", "k:f", "k:i")),
+    backward=(("e:f",), ("e:f", "k:i", "k:f", "e:f"), ("e:f", "e:f", "e:f"), ("e:f", "e:c")),
+)
+# ``router_top_value /= router_top_value.sum(dim=-1, keepdim=True)`` (Mixtral line 109; Qwen3-MoE line 265 when
+# norm_topk_prob): the sum, autograd's clone of the in-place op's original self (div_'s formula for ``other`` reads
+# self), div_. Backward (derivatives.yaml div.Tensor, line 588): grad / other for self; for other
+# ``-grad * ((self / other) / other)``: two divs, neg, mul, then its sum over the broadcast k; and the top-k values'
+# two gradients summed (the sum's expanded one and div's).
+TOP_K_NORMALISED = RoutedPiece(
+    forward=(("k:f", "1:f"), ("k:f", "k:f"), ("k:f", "1:f", "k:f")),
+    backward=(("k:f", "1:f", "k:f"), ("k:f", "1:f", "k:f"), ("k:f", "k:f"), ("k:f", "k:f", "k:f"),
+              ("k:f", "1:f", "k:f"), ("k:f", "1:f"), ("k:f", "1:f", "k:f")),
+)
+# DeepseekV3TopkRouter.forward (modeling_deepseek_v3.py lines 132-156): the input to fp32 for an fp32 router linear
+# (the weight's own cast is weight-sized), sigmoid, + e_score_correction_bias, the top-2 per group and their sum,
+# the top groups, their mask (zeros_like, scatter_, expanded and reshaped: a copy, to bool, inverted), masked_fill,
+# the top-k's indices (its values unused) and the scores' gather at them. Backward: only the gathered scores carry a
+# gradient (the selections use indices): gather's backward (derivatives.yaml line 730: zeros, scatter_add),
+# sigmoid_backward, the input's cast back. Then ``topk_weights * self.routed_scaling_factor`` (always; its backward
+# one mul) after the renormalisation (DEEPSEEK_TOP_K_NORMALISED).
+SIGMOID_GROUPED_TOP_K = RoutedPiece(
+    forward=(("h:c", "h:f"), ("e:f", "e:f"), ("e:f", "e:f"), ("e:f", "2g:f", "2g:i"), ("2g:f", "g:f"),
+             ("g:f", "kg:f", "kg:i"), ("g:f",), ("g:f", "kg:i", "g:f"), ("g:f", "e:f"), ("e:f", "e:b"), ("e:b", "e:b"),
+             ("e:f", "e:b", "e:f"), ("e:f", "k:f", "k:i"), ("e:f", "k:i", "k:f")),
+    backward=(("e:f",), ("e:f", "k:i", "k:f", "e:f"), ("e:f", "e:f", "e:f"), ("h:f", "h:c")),
+)
+# DeepseekV2TopkRouter.forward (modeling_deepseek_v2.py lines 97-116): the input to fp32 for the fp32 router linear,
+# ``softmax(dim=-1, dtype=torch.float32)`` (fp32 already: no cast), topk; backward topk's (zeros, scatter),
+# _softmax_backward_data, the input's cast back
+FP32_SOFTMAX_TOP_K = RoutedPiece(
+    forward=(("h:c", "h:f"), ("e:f", "e:f"), ("e:f", "k:f", "k:i")),
+    backward=(("e:f",), ("e:f", "k:i", "k:f", "e:f"), ("e:f", "e:f", "e:f"), ("h:f", "h:c")),
+)
+# topk_method "group_limited_greedy" (lines 103-113) between the softmax and the top-k: each group's max (values and
+# indices), the top groups, their mask (zeros_like, scatter_, expanded and reshaped: a copy, to bool, inverted) and
+# ``scores.masked_fill(~mask, 0.0)``, whose backward masks the gradient (derivatives.yaml masked_fill.Scalar)
+GROUP_LIMITED = RoutedPiece(
+    forward=(("e:f", "g:f", "g:i"), ("g:f", "kg:f", "kg:i"), ("g:f",), ("g:f", "kg:i", "g:f"), ("g:f", "e:f"),
+             ("e:f", "e:b"), ("e:b", "e:b"), ("e:f", "e:b", "e:f")),
+    backward=(("e:f", "e:b", "e:f"),),
+)
+ROUTED_SCALING = RoutedPiece(forward=(("k:f", "k:f"),), backward=(("k:f", "k:f"),))
+# DeepSeek-V3's ``denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20; topk_weights /= denominator``: one add
+# more forward (its backward passes the gradient through)
+DEEPSEEK_TOP_K_NORMALISED = RoutedPiece(forward=TOP_K_NORMALISED.forward[:1] + (("1:f", "1:f"),)
+                                        + TOP_K_NORMALISED.forward[1:], backward=TOP_K_NORMALISED.backward)
+# DeepseekV3MoE.forward (line 220): ``hidden_states + self.shared_experts(residuals)``, forward only (add's backward
+# passes the gradient on; the shared expert's input gradients are summed in block_traffic)
+SHARED_EXPERT_ADD = RoutedPiece(forward=(("h:c", "h:c", "h:c"),), backward=())
+# Qwen3-MoE's ``router_top_value.to(router_logits.dtype)`` (line 266); Mixtral keeps its routing weights in fp32
+CAST_TOP_K = RoutedPiece(forward=(("k:f", "k:c"),), backward=(("k:c", "k:f"),))
+
+
+def grouped_mm_dispatch(weights: str) -> RoutedPiece:
+    """transformers 5.x's default experts implementation: ``grouped_mm`` (modeling_utils.py
+    get_correct_experts_implementation, line 1894: "grouped_mm" when none is asked for), integrations/moe.py
+    grouped_mm_experts_forward (lines 424-537), with routing weights of dtype ``weights`` (``c``: Qwen3-MoE's cast;
+    ``f``: Mixtral's fp32, which promotes the weighted rows, their gather and sum to fp32 and adds a cast back).
+    Forward: sort of the pairs' expert ids (line 440), ``perm // num_top_k``, the gather of the tokens' rows
+    (``hidden_states[perm // k]``: a row per pair written, the hidden states counted once as read, as every op's
+    inputs here, though each row is read k times; whether those rereads hit L2 was not measured) and of the routing
+    weights, the expert ids to 4 bytes for histc (fp32 on CPU, int32 on CUDA, line 448), histc and cumsum (expert-
+    sized outputs: per micro-batch, not counted), [grouped_mm, the gate (GATED), grouped_mm: other terms], the rows'
+    multiply by their routing weight (line 524), inv_perm's arange and index_put_ (line 528), the rows' gather back
+    into token order (line 529) and their sum over the k pairs (line 535). Backward: the sum's expanded gradient
+    reshaped (a copy), index's backward (derivatives.yaml line 844: zeros, then index_put with accumulate) for the
+    weighted rows, mul's two gradients and the routing weights' sum over the hidden width, index's backward for the
+    routing weights' gather and for the tokens' (the scatter-add of the pairs' row gradients into the hidden
+    states). CUDA's accumulating index_put also sorts its indices (aten/src/ATen/native/cuda/Indexing.cu
+    index_put_with_sort_kernel), and sort is a multi-pass radix sort: their extra passes over the int64 indices (8 x
+    k bytes per token each) are not counted."""
+    w = "f" if weights == "f" else "c"  # the weighted rows' dtype: torch's type promotion of c x weights
+    cast = weights == "f"
+    forward = (("k:i", "k:i", "k:i"), ("k:i", "k:i"), ("h:c", "k:i", "kh:c"), (f"k:{weights}", "k:i", f"k:{weights}"),
+               ("k:i", "k:f"), ("k:f",), (), ("kh:c", f"k:{weights}", f"kh:{w}"), ("k:i",), ("k:i",) * 4,
+               (f"kh:{w}", "k:i", f"kh:{w}"), (f"kh:{w}", f"h:{w}")) + ((("h:f", "h:c"),) if cast else ())
+    backward = ((("h:c", "h:f"),) if cast else ()) + (
+        (f"h:{w}", f"kh:{w}"), (f"kh:{w}",), (f"kh:{w}", "k:i", f"kh:{w}", f"kh:{w}"),
+        (f"kh:{w}", "kh:c", f"kh:{w}"), (f"kh:{w}", f"k:{weights}", f"kh:{w}")) + (
+        (("kh:f", "kh:c"),) if cast else ()) + (
+        (f"kh:{w}", f"k:{weights}"), (f"k:{weights}",),
+        (f"k:{weights}", "k:i", f"k:{weights}", f"k:{weights}"), ("h:c",), ("h:c", "k:i", "kh:c", "h:c"))
+    return RoutedPiece(forward, backward)
+
+
+GROUPED_MM_DISPATCH = {"c": grouped_mm_dispatch("c"), "f": grouped_mm_dispatch("f")}
+# The experts' gate: _default_apply_gate (integrations/moe.py line 578) ``gate, up = gate_up_out.chunk(2, dim=-1)``,
+# then GATED (mlp_traffic); chunk's backward is one cat of the two halves' gradients
+CHUNK = RoutedPiece(forward=(), backward=(("ki:c", "ki:c", "2ki:c"),))
+# GptOssExperts._apply_gate (modeling_gpt_oss.py lines 81-87): the interleaved halves ``gate_up[..., ::2]`` and
+# ``[..., 1::2]`` (views), gate clamped above, up clamped both ways, ``gate * sigmoid(gate * alpha)``, ``(up + 1) *
+# glu``. Backward: the product's two gradients, glu's two, sigmoid_backward, the alpha mul's, gate's two gradients
+# summed; clamp_backward (derivatives.yaml line 428): ``where(self <= max, grad, 0)`` for gate (scalar_tensor, le,
+# where), ``where((self >= min).logical_and_(self <= max), grad, 0)`` for up (bool masks); each strided half's
+# slice_backward (zeros of the full width, the half written in, as ROTARY's) and their sum.
+GPT_OSS_GATE = RoutedPiece(
+    forward=(("ki:c", "ki:c"),) * 4 + (("ki:c", "ki:c", "ki:c"), ("ki:c", "ki:c"), ("ki:c", "ki:c", "ki:c")),
+    backward=(("ki:c", "ki:c", "ki:c"),) * 5 + (("ki:c", "ki:c"), ("ki:c", "ki:c", "ki:c"), (), ("ki:c", "ki:b"),
+                                              ("ki:c", "ki:b"), ("ki:b", "ki:b", "ki:b"), ("ki:b", "ki:c", "ki:c"), (),
+                                              ("ki:c", "ki:b"), ("ki:b", "ki:c", "ki:c")) + (
+        ("ki:c", "2ki:c", "ki:c"),) * 2 + (("2ki:c", "2ki:c", "2ki:c"),),
+)
+# has_bias experts (gpt-oss: ``@use_experts_implementation(..., has_bias=True)``, line 67): grouped_mm_experts_forward
+# gathers each pair's bias rows (``self.gate_up_proj_bias[expert_ids_g]``, ``self.down_proj_bias[expert_ids_g]``) and
+# _grouped_linear adds them in place (``out.add_(bias)``); backward, index's backward accumulates the pairs' rows into
+# each bias's gradient (its zeros are bias-sized: per micro-batch)
+EXPERT_BIASES = RoutedPiece(
+    forward=(("k:i", "2ki:c"), ("2ki:c", "2ki:c", "2ki:c"), ("k:i", "kh:c"), ("kh:c", "kh:c", "kh:c")),
+    backward=((), ("k:i", "kh:c"), (), ("k:i", "2ki:c")),
+)
+# GptOssTopKRouter.forward (lines 125-129): topk over the (biased) logits in the compute dtype, softmax over the k
+# values in it (``dtype=router_top_value.dtype``); backward _softmax_backward_data and topk's (zeros, scatter)
+TOP_K_SOFTMAX = RoutedPiece(forward=(("e:c", "k:c", "k:i"), ("k:c", "k:c")),
+                            backward=(("k:c", "k:c", "k:c"), ("e:c",), ("e:c", "k:i", "k:c", "e:c")))
+# Llama4Router.forward (modeling_llama4.py lines 151-156): topk of the logits, ``full_like(logits, -inf).scatter_(1,
+# indices, values)``, sigmoid in fp32 and cast back; backward the casts', sigmoid_backward, scatter_'s for the values
+# (derivatives.yaml scatter.src: ``grad.gather(dim, index)``; full_like's needs none) and topk's (zeros, scatter)
+LLAMA4_ROUTER = RoutedPiece(
+    forward=(("e:c", "k:c", "k:i"), ("e:c",), ("e:c", "k:i", "k:c", "e:c"), ("e:c", "e:f"), ("e:f", "e:f"),
+             ("e:f", "e:c")),
+    backward=(("e:c", "e:f"), ("e:f", "e:f", "e:f"), ("e:f", "e:c"), ("e:c", "k:i", "k:c"), ("e:c",),
+              ("e:c", "k:i", "k:c", "e:c")),
+)
+# Llama4TextMoe.forward (lines 169-177) runs every expert on every token (Llama4TextExperts: bmm over (E, tokens, h),
+# lines 79-84; no @use_experts_implementation): here ``kh`` is E x hidden. ``hidden_states.repeat(E, 1)``, the scores
+# transposed and reshaped (a copy), the copies multiplied by their score, [bmm, chunk, the gate (GATED over E x
+# intermediate), bmm], the sum over the E copies, ``out.add_`` onto the shared expert's output. Backward: the sum's
+# expanded gradient reshaped (a copy), mul's two gradients, the scores' sum over the hidden width, repeat's backward (a
+# sum over the copies).
+LLAMA4_DISPATCH = RoutedPiece(
+    forward=(("h:c", "kh:c"), ("e:c", "e:c"), ("kh:c", "e:c", "kh:c"), ("kh:c", "h:c"), ("h:c", "h:c", "h:c")),
+    backward=(("h:c", "kh:c"), ("kh:c", "kh:c", "kh:c"), ("kh:c", "e:c", "kh:c"), ("kh:c", "e:c"), ("kh:c", "h:c")),
+)
+# The experts' gates transformers 5.x defines apart from the default (gate, up) chunk
+EXPERT_GATES = {"gpt_oss": GPT_OSS_GATE}
+# The MoE layouts whose routing and dispatch are counted op by op (planner/model/layers.py MoeLayout, router): the
+# routers of Mixtral and Qwen3-MoE (fp32 softmax top-k), DeepSeek-V3 (fp32 sigmoid, group-limited) and DeepSeek-V2
+# (fp32 softmax, greedy or group-limited), each over @use_experts_implementation experts (modeling_mixtral.py line 56,
+# modeling_qwen3_moe.py line 210, modeling_deepseek_v3.py line 160, modeling_deepseek_v2.py line 45) and gpt-oss's
+# (top-k of the logits, then their softmax: line 67, biased experts), with their routing weights' dtype: Qwen3-MoE
+# casts them to the compute dtype, gpt-oss's stay in it.
+ROUTED_WEIGHTS = {("mixtral", "softmax"): "f", ("qwen3_moe", "softmax"): "c", ("deepseek", "sigmoid_grouped"): "f",
+                  ("deepseek", "softmax_greedy"): "f", ("deepseek", "softmax_grouped"): "f",
+                  ("gpt_oss", "topk_softmax"): "c", ("llama4", "sigmoid_top1"): "c"}
+
+
+def routed_rows(m: MlpSpec) -> int:
+    """Rows of the hidden width each token sends through the routed experts: its top-k, or every expert under
+    Llama-4's bmm (LLAMA4_DISPATCH)."""
+    return m.num_experts if m.layout == "llama4" else m.experts_per_token
+
+
+def _router(m: MlpSpec) -> tuple[RoutedPiece, ...]:
+    if m.router == "topk_softmax":
+        return (TOP_K_SOFTMAX,)
+    if m.router == "sigmoid_top1":
+        return (LLAMA4_ROUTER,)
+    if m.router in ("softmax_greedy", "softmax_grouped"):
+        return (FP32_SOFTMAX_TOP_K,) + ((GROUP_LIMITED,) if m.router == "softmax_grouped" else ()) + (ROUTED_SCALING,)
+    if m.router == "sigmoid_grouped":
+        return (SIGMOID_GROUPED_TOP_K,) + ((DEEPSEEK_TOP_K_NORMALISED,) if m.normalise_top_k else ()) + (
+            ROUTED_SCALING,)
+    return (SOFTMAX_TOP_K,) + ((TOP_K_NORMALISED,) if m.normalise_top_k else ())
+
+
+def moe_traffic(m: MlpSpec, hidden: int, tp: int, c: int) -> Traffic:
+    """An MoE layer's router and dispatch per token on one TP rank (the experts' gate is GATED, in mlp_traffic).
+    The router and the dispatch run on every token's full hidden width (the MLP's input is gathered under sequence
+    parallelism; the experts' down projection is row-parallel, its output summed); the experts' inner width is a 1/tp
+    shard. A (layout, router) no transformers block runs (not in ROUTED_WEIGHTS) is refused."""
+    weights = ROUTED_WEIGHTS.get((m.layout, m.router))
+    if weights is None:
+        known = ", ".join(f"{layout}/{router}" for layout, router in ROUTED_WEIGHTS)
+        raise PlannerError(f"mlp.layout({m.layout!r}) with mlp.router({m.router!r}): no transformers MoE block routes "
+                           f"so; the step-time model counts {known}", field="mlp.router", value=m.router)
+    k, rows = m.experts_per_token, routed_rows(m)
+    inner = rows * m.intermediate_size / tp
+    widths = {"h": hidden, "kh": rows * hidden, "e": m.num_experts, "k": k, "1": 1, "ki": inner, "2ki": 2 * inner,
+              "g": m.groups, "2g": 2 * m.groups, "kg": m.groups_kept}
+    cast = weights == "c" and m.router == "softmax"  # Qwen3-MoE's
+    if m.layout == "llama4":  # its own dispatch, the shared expert's add in it (out.add_)
+        pieces = _router(m) + (LLAMA4_DISPATCH, CHUNK)
+    else:
+        pieces = (_router(m) + ((CAST_TOP_K,) if cast else ()) + (GROUPED_MM_DISPATCH[weights],)
+                  + (EXPERT_GATES.get(m.layout, CHUNK),) + ((EXPERT_BIASES,) if m.bias else ())
+                  + ((SHARED_EXPERT_ADD,) if m.shared_intermediate_size else ()))
+    return sum((routed_traffic(p, widths, c) for p in pieces), Traffic())
+
+
 def norm_piece(norm: str, weight: str, frozen: bool = False) -> Piece:
     return (FROZEN_NORM_OPS if frozen else NORM_OPS)[(norm, weight)]
 
@@ -284,15 +512,34 @@ def _qk_norm(s: LayerSpec, tp: int, c: int, frozen: bool = False) -> Traffic:
                 for width, heads in ((a.q_width, a.num_heads), (a.kv_width, a.num_kv_heads))), Traffic())
 
 
+def _mlp_gradient_sums(m: MlpSpec) -> int:
+    """Extra readers of the MLP's input: gate and up; an MoE's router and experts, and its shared expert's gate and
+    up (DeepseekV3MLP, Llama4TextMLP: two nn.Linear reading the MoE's input; the replay sums three gradients)."""
+    if m.is_moe:
+        return 1 + (2 if m.shared_intermediate_size else 0)
+    return 1 if (m.gated and not m.fused_gate_up) else 0
+
+
 def _gradient_sums(s: LayerSpec) -> int:
     """Extra readers of the block's normed inputs, whose gradients autograd sums in backward."""
-    a, m = s.attention, s.mlp
+    a = s.attention
     attention = (0 if a.fused_qkv else 2) if kind_of(a).plain_projections else 1  # q, k, v; MLA's q and kv latents
+    return attention + _mlp_gradient_sums(s.mlp) + (1 if s.norm_placement == "parallel" else 0)  # one norm, both
+
+
+def mlp_traffic(arch: Architecture, m: MlpSpec, tp: int, c: int) -> Traffic:
+    """The MLP's own elementwise ops per token (not its input's gradient sums: block_traffic): the activation (or gate)
+    over the routed experts' active inner width on this TP rank, the shared expert's, and an MoE's router and
+    dispatch."""
+    gate = GATED if m.gated else plain_activation(arch)
+    out = Traffic()
+    if not (m.is_moe and m.layout in EXPERT_GATES):  # those experts' gates: moe_traffic
+        out = traffic(gate, (routed_rows(m) if m.is_moe else 1) * m.intermediate_size / tp, c)
+    if m.shared_intermediate_size:  # the shared expert's own MLP call (DeepseekV3MLP, Llama4TextMLP)
+        out = out + traffic(gate, m.shared_intermediate_size / tp, c)
     if m.is_moe:
-        mlp = 1 + (1 if m.shared_intermediate_size else 0)  # the router, the experts, the shared expert
-    else:
-        mlp = 1 if (m.gated and not m.fused_gate_up) else 0  # gate and up
-    return attention + mlp + (1 if s.norm_placement == "parallel" else 0)  # attention and MLP read one norm
+        out = out + moe_traffic(m, arch.hidden_size, tp, c)
+    return out
 
 
 def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, frozen: bool = False) -> Traffic:
@@ -305,9 +552,7 @@ def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, f
     out = traffic(norm_piece(s.norm, s.norm_weight, frozen), h * share, c, rows=share).times(s.norms)
     out = out + traffic(ADD, h * share, c).times(2)
     out = out + traffic(GRADIENT_SUM, h, c).times(_gradient_sums(s))
-    m = s.mlp
-    active = ((m.experts_per_token if m.is_moe else 1) * m.intermediate_size + m.shared_intermediate_size) / tp
-    out = out + traffic(GATED if m.gated else plain_activation(arch), active, c)
+    out = out + mlp_traffic(arch, s.mlp, tp, c)
     a = s.attention
     if a.rope and not arch.learned_positions:  # GPT-2's learned positions: no rotary
         rotary = FP32_ROTARY if arch.model_type in FP32_ROTARY_FAMILIES else ROTARY

@@ -720,7 +720,7 @@ def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, ar
     host_wait = arrays.maximum(0.0, t.host - device)
     scale = req.compute_scale
     labels = _compute_labels(r, req.attention_kernel, bool(w.eager_bytes), bool(w.chunked_head), combo.checkpointing,
-                             scaled, w.compiled)
+                             scaled, w.compiled, arch.num_experts > 0)
     values = (accumulation * matmul, accumulation * t.attention, accumulation * t.elementwise,
               accumulation * t.recompute, accumulation * t.bias_gradients, accumulation * host_wait)
     backward = accumulation * (t.backward + (matmul - t.matmul) * 2 / 3) / scale  # the adapters' backward: 2 of 3
@@ -760,10 +760,10 @@ def _optimizer_seconds(req: "StepSettings", combo: Combo, psi: int, arch, frozen
 
 
 def _compute_labels(r: kernels.Rates, attention_kernel: str, eager: bool, chunked_head: bool, checkpointing: str,
-                    scaled: str, compiled: str = "none") -> tuple[tuple[str, str], ...]:
+                    scaled: str, compiled: str = "none", moe: bool = False) -> tuple[tuple[str, str], ...]:
     """compute_seconds' terms' (name, source), in its order; remembered per argument (the plan
     times every setting of a layout with the same)."""
-    key = (r, attention_kernel, eager, chunked_head, checkpointing, scaled, compiled)
+    key = (r, attention_kernel, eager, chunked_head, checkpointing, scaled, compiled, moe)
     hit = _LABELS.get(key)
     if hit is None:
         attention_source = ("eager attention: its matmuls at the matmul rate, the score matrix at the memory "
@@ -774,7 +774,7 @@ def _compute_labels(r: kernels.Rates, attention_kernel: str, eager: bool, chunke
                 "read and written per chunk" if chunked_head else "")
         hit = (("matmul", f"{r.matmul_source}, tile waves over {r.sms or '?'} SMs{head}"),
                ("attention", attention_source),
-               ("elementwise and loss", f"{bandwidth}; {_elementwise_source(compiled)}"),
+               ("elementwise and loss", f"{bandwidth}; {_elementwise_source(compiled, moe)}"),
                (f"recompute ({checkpointing})", "the forward kernels rerun, same rates"),
                ("bias gradients", f"each biased linear's backward sums its output gradient over the tokens "
                 f"(torch addmm's derivative, one reduction kernel; kernels.BIAS_GRADIENT_READS), at {bandwidth}"),
@@ -792,11 +792,14 @@ def _compute_labels(r: kernels.Rates, attention_kernel: str, eager: bool, chunke
 _LABELS: dict[tuple, tuple[tuple[str, str], ...]] = {}  # _compute_labels' answers
 
 
-def _elementwise_source(compiled: str) -> str:
+def _elementwise_source(compiled: str, moe: bool = False) -> str:
     """How the elementwise term counts a block's work: eager op by op, or inductor's fused kernels."""
     if compiled == "none":
+        experts = ("; MoE routing and dispatch as transformers 5.x's default experts implementation runs them "
+                   "(grouped_mm: sort, gathers, weighted rows, gather back, sum over the top-k; tokens x top-k rows, "
+                   "balanced; Llama-4: every expert on every token, bmm)" if moe else "")
         return ("a block's ops one by one, forward and backward, as its code dispatches them "
-                "(planner/time/elementwise.py; eager, no torch.compile fusion)")
+                f"(planner/time/elementwise.py; eager, no torch.compile fusion{experts})")
     edges = ("the embedding and final norm compiled too" if compiled == "model"
              else "the embedding and final norm eager")
     return (f"torch.compile ({compiled}): inductor's fused kernels between the matmuls and attention, each "
