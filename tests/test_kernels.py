@@ -390,3 +390,26 @@ def test_gradient_clipping_reads_the_ranks_gradients_and_scales_them_in_place():
     shard = plain.parameters / 8
     assert terms["gradient clipping"] == pytest.approx(shard * 3 * 2 / rates(A100, "bf16").memory_bytes_per_s)
     assert clipped.time.step_seconds == pytest.approx(plain.time.step_seconds + terms["gradient clipping"])
+
+
+def test_llama4_experts_run_every_token_and_the_gathered_dispatch_its_top_k():
+    # transformers' Llama4TextMoe repeats the tokens once per expert and runs one bmm over all of
+    # them (the unrouted rows' scores zeroed); Mixtral's and Qwen3-MoE's grouped_mm dispatch gathers
+    # each expert's top-k tokens: the matmul FLOPs of Llama-4-Scout's routed experts are
+    # num_experts / top-k = 16x a gathered dispatch's
+    from planner.time.kernels import _mlp_gemms
+
+    scout = catalogue_model("llama-4-scout").architecture
+    moe = next(s for s in layer_specs(scout) if s.mlp.is_moe)
+    experts = [g for g in _mlp_gemms(moe, scout.hidden_size, 1) if g.routed]
+    assert experts and all(g.token_fraction == 1.0 and g.count == moe.mlp.num_experts for g in experts)
+    mixtral = catalogue_model("mixtral-8x7b").architecture
+    spec = layer_specs(mixtral)[0]
+    routed = [g for g in _mlp_gemms(spec, mixtral.hidden_size, 1) if g.routed]
+    assert routed and all(g.token_fraction == spec.mlp.experts_per_token / spec.mlp.num_experts for g in routed)
+    # the hardware FLOPs follow: every token's expert work over a top-1 dispatch's
+    from planner.time.step import estimate_with_time
+
+    t = estimate_with_time(EstimateRequest(model="llama-4-scout", gpu="h100-80gb", gpus=8, strategy="fsdp",
+                                           seq_len=2048, micro_batch=1, checkpointing="full")).time
+    assert t.hfu > 2 * t.mfu

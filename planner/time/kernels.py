@@ -333,6 +333,7 @@ class Gemm:
     count: int
     token_fraction: float = 1.0
     trained: bool = True  # its weight gets a gradient (a frozen base's linears do not)
+    routed: bool = False  # a routed expert's weights (a parameter tensor, not an nn.Linear Float8 converts)
     rate: float = 1.0  # its matmul rate over the step dtype's: a low-precision linear's fp8/fp4 tensor cores
 
 
@@ -380,9 +381,14 @@ def _mlp_gemms(s: LayerSpec, hidden: int, tp: int) -> list[Gemm]:
     up_n = inner * (2 if (m.gated and m.fused_gate_up) else 1)
     if not m.is_moe:
         return [Gemm(up_n, hidden, ups), Gemm(hidden, inner, 1)]
-    share = m.experts_per_token / m.num_experts  # tokens per expert (no expert parallelism)
+    # tokens per expert (no expert parallelism): the top-k's share under a dispatch that gathers each
+    # expert's tokens; every token through every expert under Llama-4's, which repeats the tokens once
+    # per expert, zeroes the unrouted rows' scores and runs one bmm over all experts
+    # (transformers 5.x modeling_llama4.py Llama4TextMoe.forward lines 172-174, Llama4TextExperts lines 79-82)
+    share = 1.0 if m.layout == "llama4" else m.experts_per_token / m.num_experts
     out = [Gemm(m.num_experts, hidden, 1),  # router
-           Gemm(inner * (2 if m.gated else 1), hidden, m.num_experts, share), Gemm(hidden, inner, m.num_experts, share)]
+           Gemm(inner * (2 if m.gated else 1), hidden, m.num_experts, share, routed=True),
+           Gemm(hidden, inner, m.num_experts, share, routed=True)]
     if m.shared_intermediate_size:
         shared = max(1, m.shared_intermediate_size // tp)
         out += [Gemm(shared, hidden, 2), Gemm(hidden, shared, 1)]
@@ -461,7 +467,7 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
         proj = _attention_gemms(spec, h, tp)
         gemms += [Gemm(n, k, count) for n, k in proj]
         mlp = _mlp_gemms(spec, h, tp)
-        gemms += [Gemm(g.n, g.k, g.count * count, g.token_fraction) for g in mlp]
+        gemms += [Gemm(g.n, g.k, g.count * count, g.token_fraction, routed=g.routed) for g in mlp]
         a = spec.attention
         heads = max(1, a.num_heads // tp)
         keys = _keys_per_query(spec, seq)
@@ -544,7 +550,7 @@ def _converted(w: "Work", compute_bytes: int, lp: LowPrecisionRate) -> "Work":
     per_cast = lp.cast_bytes
     gemms, casts, weights = [], 0.0, 0.0
     for i, g in enumerate(w.gemms):
-        block = i < len(w.gemms) - 1 and g.token_fraction == 1.0
+        block = i < len(w.gemms) - 1 and g.token_fraction == 1.0 and not g.routed
         if block and g.n % lp.dim_multiple == 0 and g.k % lp.dim_multiple == 0:
             gemms.append(replace(g, rate=lp.rate))
             casts += 2 * (g.k + g.n) * g.count * w.tokens * per_cast
