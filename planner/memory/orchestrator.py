@@ -348,6 +348,26 @@ def pipeline_peak_bytes(setup: Setup, above: int | None = None) -> int:
     return pipeline.peak_bytes(setup, None if above is None else above - framework) + framework
 
 
+def expert_pipeline_peak_bytes(setup: Setup) -> int:
+    """measure(setup).peak_bytes of a pipeline with expert parallelism, its worst rank's phases not
+    written out: the rank's setup localized (experts.localize), the worst rank's phase bytes
+    (pipeline.worst_rank_phases) each with what experts.with_items adds to a phase of its kind (a
+    phase's items all hold bytes, so its new total is its old plus the added items' bytes), the
+    whole setup's activations computed as measure computes (and refuses) them. The plan search's
+    judgement of an expert-parallel pipeline option (a test compares the two)."""
+    from planner.parallel import experts, pipeline
+
+    if setup.dims.pp == 1 or setup.dims.ep == 1:
+        raise ValueError(f"expert_pipeline_peak_bytes needs pp > 1 and ep > 1, got pp={setup.dims.pp} "
+                         f"ep={setup.dims.ep}")
+    local, items, transient = experts.localize(setup, textbook_states)
+    activations(setup)
+    added = {}
+    peak = max(nbytes + (added[kind] if kind in added else added.setdefault(
+        kind, experts.added_bytes(items, transient, kind))) for kind, nbytes in pipeline.worst_rank_phases(local))
+    return peak + setup.gpu.cuda_context_bytes + setup.gpu.blas_workspace_bytes
+
+
 def estimate_resolved(setup: Setup, simulate: bool = True, brief: bool = False) -> EstimateResult:
     """The estimate of a resolved request: the Setup goes with the result (``setup_of``). ``brief``:
     the fit and the peaks only (no allocator summary, no second replay with expandable_segments

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from planner.model.architecture import Architecture, derived_memo, layer_specs
 from planner.errors import PlannerError
+from planner.memory.moments import PhaseKind
 from planner.model.layers import MlpSpec, mlp_numels
 from planner.parallel.stages import stage_bounds
 
@@ -371,25 +372,37 @@ def with_items(plan, items, transient):
     buffers on top at every block's backward (where the combine's backward all-to-all runs)."""
     from dataclasses import replace as dc_replace
 
-    from planner.memory.moments import PhaseKind
     from planner.schema import Phase
 
-    # the all-to-alls run inside the MoE blocks (forward, and backward from each block's start),
-    # never at the loss: START_OF_BACKWARD is the loss's backward, with every block's saved set
-    during = (PhaseKind.START_OF_BLOCK, PhaseKind.BACKWARD)
-    gradients_exist = (PhaseKind.END_OF_BACKWARD, PhaseKind.GRADIENT_ALLREDUCE, PhaseKind.OPTIMIZER_STEP)
     kept_between = [i for i in items if i.component != "gradients"]
     phases = []
     for p in plan.phases:
-        extra = [i for i in items if i.component != "gradients" or p.kind in gradients_exist]
-        extra += [transient] if transient is not None and transient.bytes and p.kind in during else []
-        kept = [i for i in p.items + extra if i.bytes > 0]
+        kept = [i for i in p.items + _added(items, transient, p.kind) if i.bytes > 0]
         phases.append(Phase(name=p.name, bytes=sum(i.bytes for i in kept), items=kept, kind=p.kind))
     resident = list(plan.resident) + kept_between
     notes = list(plan.notes) + ["expert parallelism: each rank holds num_experts / ep routed experts of every MoE "
                                 "block; routing dropless (the mean tokens per expert: a step's imbalance is data)"]
     return dc_replace(plan, phases=phases, resident=resident,
                       resident_bytes=plan.resident_bytes + sum(i.bytes for i in kept_between), notes=notes)
+
+
+def _added(items, transient, kind) -> list:
+    """The items with_items adds to a phase of this kind: the add-back items (the gradients only once
+    they exist), and one all-to-all's buffers where the all-to-alls run."""
+    extra = [i for i in items if i.component != "gradients" or kind in _GRADIENTS_EXIST]
+    return extra + ([transient] if transient is not None and transient.bytes and kind in _ALL_TO_ALLS else [])
+
+
+# the all-to-alls run inside the MoE blocks (forward, and backward from each block's start), never at
+# the loss: START_OF_BACKWARD is the loss's backward, with every block's saved set
+_ALL_TO_ALLS = (PhaseKind.START_OF_BLOCK, PhaseKind.BACKWARD)
+_GRADIENTS_EXIST = (PhaseKind.END_OF_BACKWARD, PhaseKind.GRADIENT_ALLREDUCE, PhaseKind.OPTIMIZER_STEP)
+
+
+def added_bytes(items, transient, kind) -> int:
+    """The bytes with_items adds to a phase of this kind whose own items all hold bytes (a phase
+    keeps those only: planner/memory/buffers.py phase): its new total less its old."""
+    return sum(i.bytes for i in _added(items, transient, kind) if i.bytes > 0)
 
 
 def data_parallel_share(a: Architecture, dims, parameters: int) -> float:

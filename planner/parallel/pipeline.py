@@ -879,6 +879,15 @@ class _RankStep:
         out = [(_phase_name(name, live), total) for name, (total, (_, live, *_)) in self.worst.items()]
         return out + [(name, total) for _, name, total in self.after]
 
+    def phase_kinds(self) -> list[tuple[PhaseKind, int]]:
+        """(kind, bytes) of each phase, in rank_phases' order: the kind rank_phases gives each moment
+        (an embedding's backward ends the backward; a last stage's moment starts the loss's backward,
+        any other a block's), then the phases after the schedule."""
+        out = [(PhaseKind.END_OF_BACKWARD if name.startswith("embedding") else
+                PhaseKind.START_OF_BACKWARD if stage.is_last else PhaseKind.START_OF_BLOCK, total)
+               for name, (total, (stage, *_)) in self.worst.items()]
+        return out + [(kind, total) for kind, _, total in self.after]
+
     def peak(self) -> tuple[str, int]:
         """The highest of phase_bytes (the first of equals), only its name written."""
         best = None
@@ -1361,6 +1370,24 @@ def peak_bytes(setup: "Setup", above: int | None = None) -> int:
         if above is not None and peak > above:
             break
     return peak
+
+
+def worst_rank_phases(setup: "Setup") -> list[tuple[PhaseKind, int]]:
+    """(kind, bytes) of each phase of estimate_plan's worst rank without writing them out: every rank
+    replayed as pipeline_phases replays them, the worst picked as it picks it (the highest peak, then
+    the most resident), its phases' bytes as _RankStep.phase_kinds lists them (a test compares them
+    with estimate_plan's phases). The plan search's judgement of an expert-parallel pipeline option
+    adds the experts' items per kind to these (orchestrator.expert_pipeline_peak_bytes)."""
+    d, req = setup.dims, setup.request
+    check_framework(setup, req.pp_schedule)
+    dp, shard = _data_parallel_group(setup)
+    all_stages = _checked_stages(setup, d.pp, req.pp_virtual_stages, req.pp_schedule, dp)
+    parallel = data_parallel(setup, dp, shard)
+    costs = _StageCosts(setup)
+    steps = [_rank_step(setup, all_stages, rank, d.pp, req.pp_virtual_stages, req.pp_schedule, parallel, costs)
+             for rank in range(d.pp)]
+    worst = max(range(d.pp), key=lambda i: (steps[i].peak()[1], steps[i].resident_bytes + steps[i].kept_input_grads))
+    return steps[worst].phase_kinds()
 
 
 def resident_bytes(setup: "Setup") -> int:

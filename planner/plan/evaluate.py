@@ -19,8 +19,9 @@ from planner.cluster.gpus import Gpu
 from planner.cluster.topology import Topology
 from planner.errors import PlannerError
 from planner.memory.optimizer import check as check_optimizer
-from planner.memory.orchestrator import (Measured, activation_offload_bytes, host_capacity, measure,
-                                        pipeline_peak_bytes, pipeline_resident_bytes, resolve)
+from planner.memory.orchestrator import (Measured, activation_offload_bytes, expert_pipeline_peak_bytes,
+                                        host_capacity, measure, pipeline_peak_bytes, pipeline_resident_bytes,
+                                        resolve)
 from planner.parallel.hf_plan import hf_rank_architecture
 from planner.parallel.pipeline import SCHEDULE_SPECS, parallel_step
 from planner.plan.layouts import Rejected, cp_degrees, ep_degrees, pp_degrees, tp_degrees
@@ -154,10 +155,12 @@ class Search:
         return self.estimates[key]
 
     def peak_of(self, req: PlanRequest, combo: Setting, micro: int, above: float | None = None) -> float:
-        """estimate(req, combo, micro).peak_bytes of a pipeline option: without expert parallelism
-        its worst rank's phases are not written out (orchestrator.pipeline_peak_bytes: the same
-        replay, the same highest rank; a test compares the two), since a pipeline row reads its
-        peak alone; the candidates the plan shows are estimated in full when shown.
+        """estimate(req, combo, micro).peak_bytes of a pipeline option: its worst rank's phases are
+        not written out (orchestrator.pipeline_peak_bytes: the same replay, the same highest rank;
+        with expert parallelism orchestrator.expert_pipeline_peak_bytes: the worst rank's phase
+        bytes and the experts' items per kind; tests compare each with the estimate's), since a
+        pipeline row reads its peak alone; the candidates the plan shows are estimated in full when
+        shown. With expert parallelism the answer is always the peak (``above`` unused).
 
         ``above``: a peak above it may be answered by a lower bound above it (the first rank whose
         peak exceeds it; the others are not replayed), for a caller that reads only whether the
@@ -166,10 +169,12 @@ class Search:
         hit = self.estimates.get(key)
         if hit is not None:
             return hit.peak_bytes
-        if combo.ep > 1:
-            return self.estimate(req, combo, micro).peak_bytes
         if key in self.peaks:
             return self.peaks[key]
+        if combo.ep > 1:  # every rank replayed, the worst rank's phases not written out (the same peak)
+            peak = self.peaks[key] = expert_pipeline_peak_bytes(self.resolved(req, combo, estimate_request(
+                req, combo, micro, self.model_fields, None)))
+            return peak
         bound = self.bounds.get(key)
         if above is not None and bound is not None and bound > above:
             return bound
