@@ -277,12 +277,14 @@ def test_localize_at_a_settings_other_batch_is_a_fresh_localize(fields):
         experts.localize(first, textbook_states)
 
 
-def test_an_expert_pipelines_peak_without_the_phases_is_the_estimates():
+def test_an_expert_pipelines_peak_and_resident_without_the_phases_are_the_estimates():
     """expert_pipeline_peak_bytes (the plan search's judgement of an expert-parallel pipeline option:
     the worst rank's phase bytes plus what experts.with_items adds per kind, no phase written out) is
-    measure's peak, over MoE families (shared experts or not, MLA), strategies, schedules, ep and
+    measure's peak, and expert_pipeline_resident_bytes (its floor: every rank's replayed resident
+    bytes and the add-back items kept between steps) measure's resident bytes, over MoE families (shared experts or not, MLA), strategies, schedules, ep and
     tp degrees and micro-batch counts; a layout without pp or ep is refused."""
-    from planner.memory.orchestrator import expert_pipeline_peak_bytes, measure, resolve
+    from planner.memory.orchestrator import (expert_pipeline_peak_bytes, expert_pipeline_resident_bytes, measure,
+                                             resolve)
 
     checked = 0
     for model, extra in (("qwen3-30b-a3b", {}), ("mixtral-8x7b", {"tp": 2}), ("deepseek-v3", {}),
@@ -293,11 +295,13 @@ def test_an_expert_pipelines_peak_without_the_phases_is_the_estimates():
                           micro_batch=1, gradient_accumulation=8) | extra
             try:
                 setup = resolve(EstimateRequest(**fields))
-                expected = measure(setup).peak_bytes
+                measured = measure(setup)
             except PlannerError:
                 continue
-            assert expert_pipeline_peak_bytes(setup) == expected, fields
+            assert expert_pipeline_peak_bytes(setup) == measured.peak_bytes, fields
+            assert expert_pipeline_resident_bytes(setup) == measured.resident_bytes, fields
             checked += 1
     assert checked >= 12
-    with pytest.raises(ValueError, match="needs pp > 1 and ep > 1"):
-        expert_pipeline_peak_bytes(resolve(_request(ep=1)))
+    for bytes_of in (expert_pipeline_peak_bytes, expert_pipeline_resident_bytes):
+        with pytest.raises(ValueError, match="need pp > 1 and ep > 1"):
+            bytes_of(resolve(_request(ep=1)))

@@ -606,10 +606,11 @@ def test_pipeline_peak_without_the_phases_is_the_estimates():
 
 def test_the_worst_ranks_phase_bytes_without_the_phases_are_the_estimates():
     """worst_rank_phases (what the plan search adds an expert layout's items to) lists the kind and
-    bytes of each phase estimate_plan writes for its worst rank, in its order, over schedules (split
+    bytes of each phase estimate_plan writes for its worst rank, in its order, and
+    replayed_resident_bytes its resident bytes, over schedules (split
     backward included), strategies, precisions, checkpointing, tensor parallelism, Megatron's uneven
     split and micro-batch counts."""
-    from planner.parallel.pipeline import estimate_plan, worst_rank_phases
+    from planner.parallel.pipeline import estimate_plan, replayed_resident_bytes, worst_rank_phases
 
     checked = 0
     for schedule, strategy, extra, setup, _ in _pipeline_setups(
@@ -618,6 +619,8 @@ def test_the_worst_ranks_phase_bytes_without_the_phases_are_the_estimates():
              {"micro_batch": 2, "gradient_accumulation": 3})):
         plan, _, _ = estimate_plan(setup)
         assert worst_rank_phases(setup) == [(p.kind, p.bytes) for p in plan.phases], (schedule, strategy, extra)
+        # the resident bytes with the schedule replayed: exact where the backward is split, too
+        assert replayed_resident_bytes(setup) == plan.resident_bytes, (schedule, strategy, extra)
         checked += 1
     assert checked >= 80
 

@@ -357,15 +357,37 @@ def expert_pipeline_peak_bytes(setup: Setup) -> int:
     judgement of an expert-parallel pipeline option (a test compares the two)."""
     from planner.parallel import experts, pipeline
 
-    if setup.dims.pp == 1 or setup.dims.ep == 1:
-        raise ValueError(f"expert_pipeline_peak_bytes needs pp > 1 and ep > 1, got pp={setup.dims.pp} "
-                         f"ep={setup.dims.ep}")
-    local, items, transient = experts.localize(setup, textbook_states)
-    activations(setup)
+    local, items, transient = _expert_pipeline(setup)
     added = {}
     peak = max(nbytes + (added[kind] if kind in added else added.setdefault(
         kind, experts.added_bytes(items, transient, kind))) for kind, nbytes in pipeline.worst_rank_phases(local))
     return peak + setup.gpu.cuda_context_bytes + setup.gpu.blas_workspace_bytes
+
+
+def expert_pipeline_resident_bytes(setup: Setup) -> int:
+    """measure(setup).resident_bytes of a pipeline with expert parallelism, no phase written out: the
+    localized setup's resident bytes as estimate_plan answers them (pipeline.replayed_resident_bytes)
+    and the add-back items experts.with_items keeps between steps. The plan search's floor of an
+    expert-parallel pipeline setting (a test compares the two)."""
+    from planner.parallel import experts, pipeline
+
+    local, items, _ = _expert_pipeline(setup)
+    return pipeline.replayed_resident_bytes(local) + experts.kept_between_bytes(items) \
+        + setup.gpu.cuda_context_bytes + setup.gpu.blas_workspace_bytes
+
+
+def _expert_pipeline(setup: Setup):
+    """measure's first steps for a pipeline with expert parallelism: the rank's localized setup and
+    the items it adds back (experts.localize), the whole setup's activations computed as measure
+    computes (and refuses) them."""
+    from planner.parallel import experts
+
+    if setup.dims.pp == 1 or setup.dims.ep == 1:
+        raise ValueError(f"an expert-parallel pipeline's bytes need pp > 1 and ep > 1, got pp={setup.dims.pp} "
+                         f"ep={setup.dims.ep}")
+    local, items, transient = experts.localize(setup, textbook_states)
+    activations(setup)
+    return local, items, transient
 
 
 def estimate_resolved(setup: Setup, simulate: bool = True, brief: bool = False) -> EstimateResult:

@@ -374,7 +374,7 @@ def with_items(plan, items, transient):
 
     from planner.schema import Phase
 
-    kept_between = [i for i in items if i.component != "gradients"]
+    kept_between = _kept_between(items)
     phases = []
     for p in plan.phases:
         kept = [i for i in p.items + _added(items, transient, p.kind) if i.bytes > 0]
@@ -384,6 +384,17 @@ def with_items(plan, items, transient):
                                 "block; routing dropless (the mean tokens per expert: a step's imbalance is data)"]
     return dc_replace(plan, phases=phases, resident=resident,
                       resident_bytes=plan.resident_bytes + sum(i.bytes for i in kept_between), notes=notes)
+
+
+def _kept_between(items) -> list:
+    """The add-back items with_items keeps between steps: all but the gradients (they exist from the
+    end of backward to the optimizer step)."""
+    return [i for i in items if i.component != "gradients"]
+
+
+def kept_between_bytes(items) -> int:
+    """What with_items adds to the resident bytes."""
+    return sum(i.bytes for i in _kept_between(items))
 
 
 def _added(items, transient, kind) -> list:

@@ -1372,22 +1372,37 @@ def peak_bytes(setup: "Setup", above: int | None = None) -> int:
     return peak
 
 
-def worst_rank_phases(setup: "Setup") -> list[tuple[PhaseKind, int]]:
-    """(kind, bytes) of each phase of estimate_plan's worst rank without writing them out: every rank
-    replayed as pipeline_phases replays them, the worst picked as it picks it (the highest peak, then
-    the most resident), its phases' bytes as _RankStep.phase_kinds lists them (a test compares them
-    with estimate_plan's phases). The plan search's judgement of an expert-parallel pipeline option
-    adds the experts' items per kind to these (orchestrator.expert_pipeline_peak_bytes)."""
+def _rank_steps(setup: "Setup") -> list[_RankStep]:
+    """Every rank's replay, as estimate_plan (pipeline_phases) replays them."""
     d, req = setup.dims, setup.request
     check_framework(setup, req.pp_schedule)
     dp, shard = _data_parallel_group(setup)
     all_stages = _checked_stages(setup, d.pp, req.pp_virtual_stages, req.pp_schedule, dp)
     parallel = data_parallel(setup, dp, shard)
     costs = _StageCosts(setup)
-    steps = [_rank_step(setup, all_stages, rank, d.pp, req.pp_virtual_stages, req.pp_schedule, parallel, costs)
-             for rank in range(d.pp)]
-    worst = max(range(d.pp), key=lambda i: (steps[i].peak()[1], steps[i].resident_bytes + steps[i].kept_input_grads))
+    return [_rank_step(setup, all_stages, rank, d.pp, req.pp_virtual_stages, req.pp_schedule, parallel, costs)
+            for rank in range(d.pp)]
+
+
+def worst_rank_phases(setup: "Setup") -> list[tuple[PhaseKind, int]]:
+    """(kind, bytes) of each phase of estimate_plan's worst rank without writing them out: every rank
+    replayed as pipeline_phases replays them, the worst picked as it picks it (the highest peak, then
+    the most resident), its phases' bytes as _RankStep.phase_kinds lists them (a test compares them
+    with estimate_plan's phases). The plan search's judgement of an expert-parallel pipeline option
+    adds the experts' items per kind to these (orchestrator.expert_pipeline_peak_bytes)."""
+    steps = _rank_steps(setup)
+    worst = max(range(len(steps)), key=lambda i: (steps[i].peak()[1],
+                                                  steps[i].resident_bytes + steps[i].kept_input_grads))
     return steps[worst].phase_kinds()
+
+
+def replayed_resident_bytes(setup: "Setup") -> int:
+    """estimate_plan's resident bytes without writing the phases out: the most any rank keeps between
+    steps, its states and buffers and (zero bubble) the input gradients left on its receive buffers,
+    as pipeline_phases answers it (a test compares them). Unlike resident_bytes it replays the
+    schedule, so it is exact for a split backward too: the expert-parallel floor of the plan search
+    (orchestrator.expert_pipeline_resident_bytes)."""
+    return max(s.resident_bytes + s.kept_input_grads for s in _rank_steps(setup))
 
 
 def resident_bytes(setup: "Setup") -> int:

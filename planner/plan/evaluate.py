@@ -20,8 +20,8 @@ from planner.cluster.topology import Topology
 from planner.errors import PlannerError
 from planner.memory.optimizer import check as check_optimizer
 from planner.memory.orchestrator import (Measured, activation_offload_bytes, expert_pipeline_peak_bytes,
-                                        host_capacity, measure, pipeline_peak_bytes, pipeline_resident_bytes,
-                                        resolve)
+                                        expert_pipeline_resident_bytes, host_capacity, measure, pipeline_peak_bytes,
+                                        pipeline_resident_bytes, resolve)
 from planner.parallel.hf_plan import hf_rank_architecture
 from planner.parallel.pipeline import SCHEDULE_SPECS, parallel_step
 from planner.plan.layouts import Rejected, cp_degrees, ep_degrees, pp_degrees, tp_degrees
@@ -468,7 +468,7 @@ def _floor_estimate(search: Search, req: PlanRequest, combo: Setting, micro: int
     if key not in search.floors:
         setup = search.resolved(req, combo, estimate_request(req, combo, micro, search.model_fields,
                                                              accumulation=combo.pp))
-        search.floors[key] = pipeline_resident_bytes(setup) if combo.ep == 1 else measure(setup).resident_bytes
+        search.floors[key] = (pipeline_resident_bytes if combo.ep == 1 else expert_pipeline_resident_bytes)(setup)
     return search.floors[key]
 
 
