@@ -120,7 +120,8 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     check_communication_dtype(zero.communication_data_type, precision)  # a config whose precision is "auto"
     from_config = _from_config(request, zero)
     # what the config fixes is the request from here on: its AutoTP degree shapes the layout below
-    request = request.model_copy(update=from_config)
+    if from_config:
+        request = request.model_copy(update=from_config)
     recipe = RECIPES[precision]  # the precision decoded once: the Setup carries it
     check_precision(g, precision, recipe)
     fw = framework_of(s, request.framework_version)

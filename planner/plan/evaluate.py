@@ -126,7 +126,10 @@ class Search:
             setup = resolve(request)
             self._resolved[key] = (req, setup)
             return setup
-        setup = replace(hit[1], request=request.model_copy(update={"precision": request.precision}))
+        # resolve's request is a copy with the precision set; one that sets it already is that copy
+        # (the same fields, the same fields set: the plan's requests name their precision)
+        setup = replace(hit[1], request=request if "precision" in request.model_fields_set else
+                        request.model_copy(update={"precision": request.precision}))
         check_optimizer(setup)
         return setup
 
