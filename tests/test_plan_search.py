@@ -588,9 +588,9 @@ def test_the_frameworks_remembered_sums_are_their_own(model):
 
 
 def test_a_pipelines_option_timed_on_its_first_request_is_timed_as_on_its_copy(monkeypatch):
-    """_parallel_times times the option its first request was made at (a pipeline's fewest
-    micro-batches) on that request's own Setup rather than a copy with the same batch fields: the
-    same step as on the copy, for every option."""
+    """_parallel_times times every option on the setting's first request's Setup with the option's
+    micro-batch size and count (parallel_step's micro_batch, micro_batches) rather than on a copy of
+    the request with those batch fields: the same step as on the copy, for every option."""
     from dataclasses import replace
 
     import planner.plan.evaluate as p

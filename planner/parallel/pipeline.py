@@ -1579,19 +1579,24 @@ def _group_link(topo, gpus: int, stride: int, size: int, nic_gbps: float, link_e
     return nic_gbps / max(1, gpus), 0.0
 
 
-def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_efficiency: float):
+def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_efficiency: float,
+                  micro_batch: int | None = None, micro_batches: int | None = None):
     """The step time of one rank with pp and ep (planner/time/step.py estimate_time): the compute
     of its stage stretched by the bubble, and the data-parallel collectives over its stage's
     parameters only (1/pp of them); point-to-point sends between stages (exposed on the fill and
     the drain) and the all-to-alls of expert parallelism (planner/parallel/experts.py: dispatch and combine
     in forward, both again in backward, each MoE block and micro-batch; counted exposed: the
     model overlaps none of them) on the links their groups cross. ``t``: timing.StepTime of the
-    replica without pp and ep."""
+    replica without pp and ep. ``micro_batch``, ``micro_batches``: the option's size and count of
+    micro-batches where they are not the request's (the plan search times a setting's options on
+    its one Setup: the request's other fields are every option's; a test compares the two)."""
     from planner.parallel import experts
 
     d, req = setup.dims, setup.request
     if d.pp == 1 and d.ep == 1:
         return t
+    micro_batch = req.micro_batch if micro_batch is None else micro_batch
+    micro_batches = req.gradient_accumulation if micro_batches is None else micro_batches
     gpus = req.gpus
     nic_gbps = nics * fabric["gbps"] * fabric["efficiency"] * link_efficiency
     compute, comm, exposed = t.compute_seconds, t.communication_seconds / d.pp, t.exposed_communication_seconds / d.pp
@@ -1601,14 +1606,14 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
         share = experts.data_parallel_share(arch, d, sum(parameter_numels(arch)))
         comm, exposed = comm * share, exposed * share
     b = 4 if setup.recipe.compute == "fp32" else 2
-    tokens = req.micro_batch * req.seq_len
+    tokens = micro_batch * req.seq_len
     if d.pp > 1:
         stride = d.world // d.pp  # pp outermost on the mesh (torchtitan ParallelDims)
         gbps, latency = _group_link(topo, gpus, stride, d.pp, nic_gbps, link_efficiency)
         boundary = tokens * arch.hidden_size * b // max(1, d.tp * d.cp)
         share, _ = slowest_share(arch, d.pp, req.pp_virtual_stages, req.seq_len // max(1, d.cp),
                                  req.pp_first_stage_layers, req.pp_last_stage_layers, req.pp_schedule)
-        p = pipeline_time(t.compute_seconds, d.pp, req.gradient_accumulation, req.pp_virtual_stages, boundary,
+        p = pipeline_time(t.compute_seconds, d.pp, micro_batches, req.pp_virtual_stages, boundary,
                           gbps, latency, slowest=share, schedule=req.pp_schedule)
         compute = p.compute_seconds
         comm += p.p2p_seconds
@@ -1616,10 +1621,10 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
     if d.ep > 1:
         gbps, latency = _group_link(topo, gpus, d.tp, d.ep, nic_gbps, link_efficiency)
         layers = len(experts.moe_blocks(arch))
-        sent = experts.all_to_all_bytes_per_step(arch, tokens, b, d.ep, req.gradient_accumulation,
+        sent = experts.all_to_all_bytes_per_step(arch, tokens, b, d.ep, micro_batches,
                                                  checkpointing=req.checkpointing) // d.pp
         seconds = experts.all_to_all_seconds(sent, gbps, d.ep, latency) \
-            + experts.all_to_alls_per_block(req.checkpointing) * layers * req.gradient_accumulation // d.pp \
+            + experts.all_to_alls_per_block(req.checkpointing) * layers * micro_batches // d.pp \
             * max(0, d.ep - 2) * latency * 1e-6
         comm += seconds
         exposed += seconds

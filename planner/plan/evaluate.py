@@ -479,20 +479,14 @@ def _parallel_times(search: Search, req: PlanRequest, combo: Setting, micro: np.
                     times: Sequence[timing.StepTime], first: EstimateRequest) -> list[timing.StepTime]:
     """Each option's step time with its pipeline bubble, point-to-point sends and expert
     all-to-alls: planner/parallel/pipeline.py parallel_step on the estimate's own Setup (as
-    steptime.estimate_time), per micro-batch size and count."""
+    steptime.estimate_time), per micro-batch size and count: the setting's requests differ in
+    those alone, so each option is timed on the first's Setup with its own (a test compares each
+    with the step on a copy of the request at the option)."""
     setup = search.setup_of(first, req, combo)
-    given = setup.request
-    out = []
-    for k, mb in enumerate(micro.tolist()):
-        if (mb, per_rank // mb) == (given.micro_batch, given.gradient_accumulation) \
-                and "gradient_accumulation" in given.model_fields_set:
-            at = setup  # the option the request was made at (a pipeline's fewest micro-batches): its own copy
-        else:
-            at = replace(setup, request=given.model_copy(update={"micro_batch": mb,
-                                                                 "gradient_accumulation": per_rank // mb}))
-        out.append(parallel_step(times[k], at, search.model.architecture, search.topo, search.fabric, search.nics,
-                                 req.link_efficiency))
-    return out
+    arch, topo, fabric, nics, link_efficiency = (search.model.architecture, search.topo, search.fabric, search.nics,
+                                                 req.link_efficiency)
+    return [parallel_step(times[k], setup, arch, topo, fabric, nics, link_efficiency, mb, per_rank // mb)
+            for k, mb in enumerate(micro.tolist())]
 
 
 def _pipeline_rows(search: Search, req: PlanRequest, combo: Setting, micro: np.ndarray,
