@@ -21,6 +21,7 @@ from planner.recipes import activation_offload as act_offload
 from planner.recipes.compile import check_compile, compile_note
 from planner.model.architecture import defaulted_size_fields
 from planner.model.catalogue import ResolvedModel, as_loaded, catalogue_model, model_from_config, raw_parameters
+from planner.parallel import experts, pipeline
 from planner.parallel.context import check_context_parallel, gloo_ring_scratch_bytes
 from planner.frameworks.deepspeed.config import (ZeroSettings, batch_from_config, check_communication_dtype,
                                                 parse_ds_config, with_overrides)
@@ -289,15 +290,11 @@ def measure(setup: Setup) -> Measured:
     whole = setup
     ep_items, ep_transient = [], None
     if setup.dims.ep > 1:
-        from planner.parallel import experts
-
         setup, ep_items, ep_transient = experts.localize(setup, textbook_states)
     # the router still scores every expert and a rank computes as many (token, expert) pairs as
     # without ep (dropless, the mean): a rank's activations are the whole model's (planner/parallel/experts.py)
     acts = activations(whole if setup.dims.ep > 1 else setup)
     if setup.dims.pp > 1:
-        from planner.parallel import pipeline
-
         # the stages' share of the activations just computed (a localized expert setup computes its own)
         plan, (params_b, grads_b, optim_b), _ = pipeline.estimate_plan(setup, acts if setup is whole else None)
         # a stage's states are sharded over its data-parallel ranks only (notes, shard_size)
@@ -317,8 +314,6 @@ def measure(setup: Setup) -> Measured:
         if setup.request.activation_offload:
             _offload_activations_host(plan, setup, acts)
     if ep_items or ep_transient is not None:
-        from planner.parallel import experts
-
         plan = experts.with_items(plan, ep_items, ep_transient)
         params_b += sum(i.bytes for i in ep_items if i.component == "parameters")
         optim_b += sum(i.bytes for i in ep_items if i.component == "optimizer_states")
@@ -330,8 +325,6 @@ def measure(setup: Setup) -> Measured:
 def pipeline_resident_bytes(setup: Setup) -> int:
     """measure(setup).resident_bytes of a pipeline without expert parallelism, its schedule not
     replayed (planner/parallel/pipeline.py resident_bytes): the plan search's floor."""
-    from planner.parallel import pipeline
-
     if setup.dims.pp == 1 or setup.dims.ep > 1:
         raise ValueError(f"pipeline_resident_bytes needs pp > 1 and ep 1, got pp={setup.dims.pp} ep={setup.dims.ep}")
     return pipeline.resident_bytes(setup) + setup.gpu.cuda_context_bytes + setup.gpu.blas_workspace_bytes
@@ -341,8 +334,6 @@ def pipeline_peak_bytes(setup: Setup, above: int | None = None) -> int:
     """measure(setup).peak_bytes of a pipeline without expert parallelism, its worst rank's phases
     not written out (planner/parallel/pipeline.py peak_bytes): the plan search's judgement of a
     pipeline option. ``above``: a peak above it may be answered by a lower bound above it."""
-    from planner.parallel import pipeline
-
     if setup.dims.pp == 1 or setup.dims.ep > 1:
         raise ValueError(f"pipeline_peak_bytes needs pp > 1 and ep 1, got pp={setup.dims.pp} ep={setup.dims.ep}")
     framework = setup.gpu.cuda_context_bytes + setup.gpu.blas_workspace_bytes
@@ -356,8 +347,6 @@ def expert_pipeline_peak_bytes(setup: Setup) -> int:
     phase's items all hold bytes, so its new total is its old plus the added items' bytes), the
     whole setup's activations computed as measure computes (and refuses) them. The plan search's
     judgement of an expert-parallel pipeline option (a test compares the two)."""
-    from planner.parallel import experts, pipeline
-
     local, items, transient = _expert_pipeline(setup)
     added = {}
     peak = max(nbytes + (added[kind] if kind in added else added.setdefault(
@@ -370,8 +359,6 @@ def expert_pipeline_resident_bytes(setup: Setup) -> int:
     localized setup's resident bytes as estimate_plan answers them (pipeline.replayed_resident_bytes)
     and the add-back items experts.with_items keeps between steps. The plan search's floor of an
     expert-parallel pipeline setting (a test compares the two)."""
-    from planner.parallel import experts, pipeline
-
     local, items, _ = _expert_pipeline(setup)
     return pipeline.replayed_resident_bytes(local) + experts.kept_between_bytes(items) \
         + setup.gpu.cuda_context_bytes + setup.gpu.blas_workspace_bytes
@@ -381,8 +368,6 @@ def _expert_pipeline(setup: Setup):
     """measure's first steps for a pipeline with expert parallelism: the rank's localized setup and
     the items it adds back (experts.localize), the whole setup's activations computed as measure
     computes (and refuses) them."""
-    from planner.parallel import experts
-
     if setup.dims.pp == 1 or setup.dims.ep == 1:
         raise ValueError(f"an expert-parallel pipeline's bytes need pp > 1 and ep > 1, got pp={setup.dims.pp} "
                          f"ep={setup.dims.ep}")

@@ -41,8 +41,10 @@ from planner.model.layers import routed_inactive_numels
 from planner.memory.moments import PhaseKind
 from planner.memory.rank_activations import activations
 from planner.schema import MemoryItem, Phase
+from planner.parallel import experts
 from planner.parallel.stages import stage_bounds
 from planner.parallel.tensor import LOSS_PARALLEL_ROW
+from planner.time import collectives as timing
 
 if TYPE_CHECKING:
     from planner.memory.phase_plan import PhasePlan
@@ -1570,8 +1572,6 @@ def _group_link(topo, gpus: int, stride: int, size: int, nic_gbps: float, link_e
     """(GB/s, latency µs) of the slowest link a group of ``size`` ranks ``stride`` apart crosses:
     inside a node, its bottleneck NVLink/PCIe hop (planner/time/collectives.py ring_over); across nodes, the
     node's NICs shared by its GPUs, all of which send at once."""
-    from planner.time import collectives as timing
-
     if stride * (size - 1) < gpus:
         members = tuple(range(0, stride * size, stride))
         _, bandwidth, latency = timing.ring_over(topo, members)
@@ -1590,8 +1590,6 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
     replica without pp and ep. ``micro_batch``, ``micro_batches``: the option's size and count of
     micro-batches where they are not the request's (the plan search times a setting's options on
     its one Setup: the request's other fields are every option's; a test compares the two)."""
-    from planner.parallel import experts
-
     d, req = setup.dims, setup.request
     if d.pp == 1 and d.ep == 1:
         return t
