@@ -136,3 +136,26 @@ def test_a_settings_remembered_hash_is_the_dataclass_hash_and_is_not_pickled():
     assert "_hash" not in other.__dict__ and hash(other) == hash(fields[:2] + ("none",) + fields[3:])
     state = pickle.loads(pickle.dumps(a))
     assert "_hash" not in state.__dict__ and state == a and hash(state) == hash(a)
+
+
+def test_with_fields_is_dataclasses_replace():
+    """planner.setup.with_fields (the search's Setup copy with another request, model or shard
+    size) is the Setup dataclasses.replace builds: equal, the same fields by identity, nothing else
+    held, the original unchanged; a name that is not a field is refused, as replace refuses it."""
+    import dataclasses
+
+    from planner.memory.orchestrator import resolve
+    from planner.schema import EstimateRequest
+    from planner.setup import Setup, with_fields
+
+    setup = resolve(EstimateRequest(model="llama-3-8b", strategy="hsdp", gpus=8, nodes=2, hsdp_shard_size=4, tp=2,
+                                    micro_batch=1, seq_len=4096))
+    request = setup.request.model_copy(update={"micro_batch": 2})
+    for changes in ({"request": request}, {"shard_size": 3}, {"request": request, "world_size": 8}):
+        got, expected = with_fields(setup, **changes), dataclasses.replace(setup, **changes)
+        assert type(got) is Setup and got == expected and got is not setup
+        assert got.__dict__.keys() == expected.__dict__.keys()
+        assert all(got.__dict__[k] is expected.__dict__[k] for k in expected.__dict__)
+    assert setup.request.micro_batch == 1 and setup.shard_size != 3
+    with pytest.raises(TypeError, match="no field"):
+        with_fields(setup, micro_batch=2)

@@ -39,7 +39,7 @@ from planner.recipes.precision import RECIPES, bits_to_bytes
 from planner.memory.rank_activations import activations, traced_setting
 from planner.schema import (EstimateRequest, EstimateResult, HostMemory, ModelSummary, ParallelDegrees,
                             PeakRows, PerDevice, Phase)
-from planner.setup import Setup, numels as _numels
+from planner.setup import Setup, numels as _numels, with_fields
 from planner.memory.optimizer import check as check_optimizer, notes as optimizer_notes
 from planner.strategies import Strategy, shard_group_size, strategy as lookup_strategy
 from planner.parallel.tensor import tensor_parallel_fields
@@ -299,7 +299,7 @@ def measure(setup: Setup) -> Measured:
         plan, (params_b, grads_b, optim_b), _ = pipeline.estimate_plan(setup, acts if setup is whole else None)
         # a stage's states are sharded over its data-parallel ranks only (notes, shard_size)
         d = setup.dims  # FSDP shards over dp_shard x cp (torchtitan's dp_shard_cp)
-        setup = replace(setup, shard_size=d.dp_shard * d.cp if setup.strategy.shards_optimizer else d.dp * d.cp)
+        setup = with_fields(setup, shard_size=d.dp_shard * d.cp if setup.strategy.shards_optimizer else d.dp * d.cp)
     else:
         params_b, grads_b, optim_b = textbook_states(setup)
         plan = setup.framework.phases(setup, acts, _numels(setup))

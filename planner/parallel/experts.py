@@ -38,6 +38,7 @@ from planner.errors import PlannerError
 from planner.memory.moments import PhaseKind
 from planner.model.layers import MlpSpec, mlp_numels
 from planner.parallel.stages import stage_bounds
+from planner.setup import with_fields
 
 if TYPE_CHECKING:
     from planner.setup import Setup
@@ -274,7 +275,7 @@ def _local_states(setup, textbook_states):
     builds the same Setup apart from its request for any of them, planner/plan/evaluate.py
     Search.resolved), so the plan's options of one setting ask once (a test compares them with a
     fresh computation at each option). The returned setup carries the request it was asked with."""
-    from dataclasses import fields, replace
+    from dataclasses import fields
 
     from planner.model.catalogue import ResolvedModel
     from planner.schema import MemoryItem
@@ -286,7 +287,7 @@ def _local_states(setup, textbook_states):
                   setup.request.model_dump_json(exclude={"micro_batch", "gradient_accumulation"}))
     hit = _LOCAL_STATES.get(states_key)
     if hit is not None and all(x is y for x, y in zip(hit[0], held)):
-        return replace(hit[1], request=setup.request), hit[2]
+        return with_fields(hit[1], request=setup.request), hit[2]
     full = expert_sharding(a, setup.psi, ep)
     local_arch = local_architecture(a, ep)
     from planner.model.architecture import parameter_count
@@ -304,7 +305,7 @@ def _local_states(setup, textbook_states):
         if len(_LOCAL_MODELS) > 64:
             _LOCAL_MODELS.clear()
         _LOCAL_MODELS[key] = (setup.model, a, model)
-    local = replace(setup, model=model)
+    local = with_fields(setup, model=model)
     full_states = textbook_states(setup)
     local_states = textbook_states(local)
     s = setup.strategy

@@ -34,6 +34,7 @@ from planner.schema import MAX_TOKENS, EstimateRequest, EstimateResult, PlanRequ
 from planner.strategies import STRATEGIES, strategy as lookup_strategy
 from planner.time import collectives as timing
 from planner.time import kernels
+from planner.setup import with_fields
 from planner.time.step import Combo, StepSettings, step_times
 
 
@@ -128,8 +129,8 @@ class Search:
             return setup
         # resolve's request is a copy with the precision set; one that sets it already is that copy
         # (the same fields, the same fields set: the plan's requests name their precision)
-        setup = replace(hit[1], request=request if "precision" in request.model_fields_set else
-                        request.model_copy(update={"precision": request.precision}))
+        setup = with_fields(hit[1], request=request if "precision" in request.model_fields_set else
+                            request.model_copy(update={"precision": request.precision}))
         check_optimizer(setup)
         return setup
 
