@@ -30,7 +30,7 @@ from planner.plan.settings import (OPTIMIZER_FIELDS, Row, Setting, estimate_requ
                                    hsdp_shards, layout_family, micro_options, offload_options, per_rank_sequences,
                                    plan_framework, schedules_of)
 from planner.recipes.precision import Recipe
-from planner.schema import MAX_TOKENS, EstimateRequest, EstimateResult, PlanRequest
+from planner.schema import MAX_TOKENS, Candidate, EstimateRequest, EstimateResult, PlanRequest
 from planner.strategies import STRATEGIES, strategy as lookup_strategy
 from planner.time import collectives as timing
 from planner.time import kernels
@@ -203,7 +203,7 @@ class Search:
 
 
 def evaluate_layouts(search: Search, req: PlanRequest, layouts: list[tuple[int, int, int, int]],
-              strategies: tuple[str, ...] = STRATEGIES) -> tuple[list[Row], int]:
+              strategies: tuple[str, ...] = STRATEGIES, ceiling: float | None = None) -> tuple[list[Row], int]:
     """(setting, micro-batch, peak bytes, fits, step time) for every setting on the request's
     GPUs per node and nodes, for each (tp, cp, pp, ep) layout.
 
@@ -213,7 +213,13 @@ def evaluate_layouts(search: Search, req: PlanRequest, layouts: list[tuple[int, 
     GPU-seconds per token, the same ordering at a fixed GPU count) can be neither recommended nor
     its family's best (PlanResult.families): its memory is not estimated. Each family is searched
     to its own best, so the table can show the best of each beside the winner; data parallelism
-    alone is not time-bounded (every strategy's settings are listed, offload among them)."""
+    alone is not time-bounded (every strategy's settings are listed, offload among them).
+
+    ``ceiling``: step seconds beyond whose ties no option is wanted (the fewer-node search asks
+    only for what could beat the recommendation: fewer_node_rows): every setting, data-parallel
+    ones too, is bounded by it as by its family's best. The options evaluated (the count
+    returned) do not depend on any bound: _evaluate_setting counts a setting's options once their
+    step times are computed, which it does before it reads a bound."""
     rows: list[Row] = []
     evaluated = 0
     world = req.gpus * req.nodes
@@ -245,6 +251,8 @@ def evaluate_layouts(search: Search, req: PlanRequest, layouts: list[tuple[int, 
                                     pp, ep, split, schedule, virtual)
                     # data parallelism alone is listed whole (each strategy's settings, offload among them)
                     time_bound = best_time.get(family) if family != "dp" else None
+                    if ceiling is not None:
+                        time_bound = ceiling if time_bound is None else min(time_bound, ceiling)
                     found, count = _evaluate_setting(search, req, combo, time_bound, best_peak.get(family))
                     evaluated += count
                     rows += found
@@ -600,7 +608,8 @@ def _fewer_nodes(req: PlanRequest) -> list[int]:
     return counts
 
 
-def fewer_node_rows(search: Search, req: PlanRequest, rows: list[Row]) -> tuple[list[tuple[int, list[Row]]], int]:
+def fewer_node_rows(search: Search, req: PlanRequest, rows: list[Row], ranked: bool = False,
+                    recommended: Candidate | None = None) -> tuple[list[tuple[int, list[Row]]], int]:
     """The search on each smaller node count that could beat the full cluster's best fitting
     option by more than the time model's uncertainty (what _fewer_nodes_advice asks).
 
@@ -608,7 +617,15 @@ def fewer_node_rows(search: Search, req: PlanRequest, rows: list[Row]) -> tuple[
     recomputation (step >= compute; the pipeline's bubble only adds), and that share grows as the
     nodes shrink; a node count whose bound is no better than the advice's threshold cannot win,
     and neither can any smaller one. (For --objective cost the bound is the same at every node
-    count: GPU-seconds per token >= FLOPs per token / the GPU's achieved FLOP/s.)"""
+    count: GPU-seconds per token >= FLOPs per token / the GPU's achieved FLOP/s.)
+
+    ``ranked``: asked once the full cluster's recommendation is known (``recommended``; rank.py
+    ranked_result). The advice reads, of each node count's rows, the fitting one of the least step
+    time (then peak), and only where that is below the recommendation's step time less the ties:
+    with --objective time, every setting is bounded by that threshold (evaluate_layouts' ceiling),
+    so what it leaves out is slower than the threshold, and the rows it keeps are as without it
+    (the fastest fitting option of a setting is found before its slower ones; a test compares the
+    advice and the count). Without a recommendation no advice is given: nothing is wanted."""
     fitting = [r for r in rows if r[3]]
     if not fitting:
         here = None
@@ -616,6 +633,13 @@ def fewer_node_rows(search: Search, req: PlanRequest, rows: list[Row]) -> tuple[
         here = min(_fewer_value(req, req.nodes, r[4]) for r in fitting)
     out, evaluated = [], 0
     floor = _compute_floor(search, req)
+    ceiling = None
+    if ranked and recommended is None:
+        ceiling = 0.0
+    elif ranked and req.objective == "time":
+        # an option is left out above ceiling x (1 + TIE_TOLERANCE): the threshold, and a hair more
+        # for the rounding of the two products
+        ceiling = recommended.step_seconds * (1 - TIE_TOLERANCE) / (1 + TIE_TOLERANCE) * (1 + 1e-9)
     for k in _fewer_nodes(req):
         # the recommendation lies within the ties of the best fitting option (_tie_order), and the
         # advice asks for more than the ties below the recommendation
@@ -624,7 +648,7 @@ def fewer_node_rows(search: Search, req: PlanRequest, rows: list[Row]) -> tuple[
             break
         fewer = req.model_copy(update={"nodes": k})
         layouts = [layout for layout in layouts_to_search(fewer, req.gpus, search.model.architecture, search.topo)[0]]
-        k_rows, count = evaluate_layouts(search, fewer, layouts)
+        k_rows, count = evaluate_layouts(search, fewer, layouts, ceiling=ceiling)
         evaluated += count
         out.append((k, k_rows))
     return out, evaluated
