@@ -8,7 +8,7 @@ composes them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from planner.model.architecture import Architecture, parameter_numels
 from planner.model.catalogue import ResolvedModel
@@ -89,6 +89,26 @@ class Setup:
     @property
     def device(self) -> str:
         return "cpu" if self.gpu.is_cpu else "cuda"
+
+
+def with_fields(setup: Setup, **changes) -> Setup:
+    """dataclasses.replace(setup, **changes) without running the generated __init__ again: every
+    field of a Setup is an init field, none is computed after (no __post_init__), and an instance
+    holds its fields in its __dict__, so a new instance holding the same fields with ``changes`` is
+    the replaced one (a test compares the two). The plan search gives a setting's Setup each
+    option's request, thousands of times a plan, where replace's frozen __init__ cost more than
+    the rest of the copy."""
+    unknown = changes.keys() - _SETUP_FIELDS
+    if unknown:
+        raise TypeError(f"Setup has no field(s) {sorted(unknown)}")
+    held = setup.__dict__
+    new = object.__new__(type(setup))
+    new.__dict__.update({name: held[name] for name in _SETUP_FIELDS})
+    new.__dict__.update(changes)
+    return new
+
+
+_SETUP_FIELDS = tuple(f.name for f in fields(Setup))
 
 
 def numels(setup: Setup) -> list[int]:

@@ -604,6 +604,27 @@ def test_pipeline_peak_without_the_phases_is_the_estimates():
     assert checked >= 100
 
 
+def test_the_worst_ranks_phase_bytes_without_the_phases_are_the_estimates():
+    """worst_rank_phases (what the plan search adds an expert layout's items to) lists the kind and
+    bytes of each phase estimate_plan writes for its worst rank, in its order, and
+    replayed_resident_bytes its resident bytes, over schedules (split
+    backward included), strategies, precisions, checkpointing, tensor parallelism, Megatron's uneven
+    split and micro-batch counts."""
+    from planner.parallel.pipeline import estimate_plan, replayed_resident_bytes, worst_rank_phases
+
+    checked = 0
+    for schedule, strategy, extra, setup, _ in _pipeline_setups(
+            (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved-zb", 2), ("zbv", 2)),
+            ({}, {"precision": "fp32"}, {"tp": 2}, {"pp_first_stage_layers": 3}, {"checkpointing": "full"},
+             {"micro_batch": 2, "gradient_accumulation": 3})):
+        plan, _, _ = estimate_plan(setup)
+        assert worst_rank_phases(setup) == [(p.kind, p.bytes) for p in plan.phases], (schedule, strategy, extra)
+        # the resident bytes with the schedule replayed: exact where the backward is split, too
+        assert replayed_resident_bytes(setup) == plan.resident_bytes, (schedule, strategy, extra)
+        checked += 1
+    assert checked >= 80
+
+
 def test_zero_bubble_keeps_input_gradients_on_the_receive_buffers():
     # torch 2.13 pipelining/_backward.py stage_backward_input sets inp.grad = dinput on the receive
     # buffer; stage.py clear_runtime_states drops it at the next step: between steps a zero-bubble rank

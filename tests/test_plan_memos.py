@@ -115,3 +115,47 @@ def test_localize_builds_one_local_model_per_model_and_ep_equal_to_a_fresh_one()
                           architecture=experts._local_architecture(a, 4),
                           parameters=parameter_count(experts._local_architecture(a, 4)))
     assert locals_[0] == fresh
+
+
+def test_a_settings_remembered_hash_is_the_dataclass_hash_and_is_not_pickled():
+    """Setting remembers its hash (it keys the search's memos): the value dataclass would generate
+    (the fields' tuple, so sets of settings iterate as before), equal settings equal hashes, a
+    replaced field a fresh one, and the pickled state without it (a string's hash differs between
+    processes)."""
+    import dataclasses
+    import pickle
+
+    from planner.plan.settings import Setting
+
+    a = Setting(8, "hsdp", "full", "none", "none", 4, 2, 1, True, 2, 1, (3, 4), "zbv", 2)
+    fields = tuple(getattr(a, f.name) for f in dataclasses.fields(Setting))
+    assert hash(a) == hash(fields) and hash(a) == hash(a)  # the second from the remembered value
+    b = Setting(8, "hsdp", "full", "none", "none", 4, 2, 1, True, 2, 1, (3, 4), "zbv", 2)
+    assert a == b and hash(a) == hash(b) and {a: 1}[b] == 1
+    other = dataclasses.replace(a, checkpointing="none")
+    assert "_hash" not in other.__dict__ and hash(other) == hash(fields[:2] + ("none",) + fields[3:])
+    state = pickle.loads(pickle.dumps(a))
+    assert "_hash" not in state.__dict__ and state == a and hash(state) == hash(a)
+
+
+def test_with_fields_is_dataclasses_replace():
+    """planner.setup.with_fields (the search's Setup copy with another request, model or shard
+    size) is the Setup dataclasses.replace builds: equal, the same fields by identity, nothing else
+    held, the original unchanged; a name that is not a field is refused, as replace refuses it."""
+    import dataclasses
+
+    from planner.memory.orchestrator import resolve
+    from planner.schema import EstimateRequest
+    from planner.setup import Setup, with_fields
+
+    setup = resolve(EstimateRequest(model="llama-3-8b", strategy="hsdp", gpus=8, nodes=2, hsdp_shard_size=4, tp=2,
+                                    micro_batch=1, seq_len=4096))
+    request = setup.request.model_copy(update={"micro_batch": 2})
+    for changes in ({"request": request}, {"shard_size": 3}, {"request": request, "world_size": 8}):
+        got, expected = with_fields(setup, **changes), dataclasses.replace(setup, **changes)
+        assert type(got) is Setup and got == expected and got is not setup
+        assert got.__dict__.keys() == expected.__dict__.keys()
+        assert all(got.__dict__[k] is expected.__dict__[k] for k in expected.__dict__)
+    assert setup.request.micro_batch == 1 and setup.shard_size != 3
+    with pytest.raises(TypeError, match="no field"):
+        with_fields(setup, micro_batch=2)

@@ -176,6 +176,42 @@ def test_the_fewer_nodes_bound_changes_no_advice(monkeypatch):
             [n for n in unbounded.notes if n.startswith("fewer nodes")]
 
 
+def test_the_fewer_nodes_search_bounded_by_the_recommendation_changes_no_answer(monkeypatch):
+    """fewer_node_rows asked with the recommendation (ranked) bounds every setting by the advice's
+    threshold; the plan is the one the search without that bound gives: the advice, its note and
+    the candidates evaluated (counted as without it), where fewer nodes win and where they do not,
+    by time and by cost."""
+    import planner.plan.evaluate as p
+    import planner.plan.search as search_module
+
+    def without_elapsed(r):
+        dumped = r.model_dump(mode="json")
+        dumped["notes"] = [n for n in dumped["notes"] if "candidates evaluated in" not in n]
+        return dumped
+
+    asked = []
+    original = p.fewer_node_rows
+
+    def unranked(search, req, rows, ranked=False, recommended=None):
+        asked.append(ranked)
+        return original(search, req, rows)
+
+    cases = (dict(model="llama-3-70b", gpu="h100-80gb", gpus=8, nodes=4, seq_len=4096, global_batch=256, tp=1,
+                  fabric="eth-25g", nics_per_node=1),
+             SLOW_TWO_NODES, dict(SLOW_TWO_NODES, objective="cost"),
+             dict(model="llama-3-8b", gpu="h100-80gb", gpus=8, nodes=2, global_batch=256))
+    advised = 0
+    for fields in cases:
+        bounded = plan(PlanRequest(**fields))
+        with monkeypatch.context() as m:
+            m.setattr(search_module, "fewer_node_rows", unranked)
+            unbounded = plan(PlanRequest(**fields))
+        assert asked and asked[-1] is True  # the ranking asked, with its recommendation
+        assert without_elapsed(bounded) == without_elapsed(unbounded), fields
+        advised += bounded.faster_on_fewer_nodes is not None
+    assert advised >= 1
+
+
 def test_the_min_gpus_bounds_change_no_answer(monkeypatch):
     """plan._search answers None at once when the replicated weights, or the most nodes searched,
     prove it, and skips a node's fewer GPUs when the whole node does not fit: the same answers as
@@ -588,9 +624,9 @@ def test_the_frameworks_remembered_sums_are_their_own(model):
 
 
 def test_a_pipelines_option_timed_on_its_first_request_is_timed_as_on_its_copy(monkeypatch):
-    """_parallel_times times the option its first request was made at (a pipeline's fewest
-    micro-batches) on that request's own Setup rather than a copy with the same batch fields: the
-    same step as on the copy, for every option."""
+    """_parallel_times times every option on the setting's first request's Setup with the option's
+    micro-batch size and count (parallel_step's micro_batch, micro_batches) rather than on a copy of
+    the request with those batch fields: the same step as on the copy, for every option."""
     from dataclasses import replace
 
     import planner.plan.evaluate as p

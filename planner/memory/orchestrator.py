@@ -21,6 +21,7 @@ from planner.recipes import activation_offload as act_offload
 from planner.recipes.compile import check_compile, compile_note
 from planner.model.architecture import defaulted_size_fields
 from planner.model.catalogue import ResolvedModel, as_loaded, catalogue_model, model_from_config, raw_parameters
+from planner.parallel import experts, pipeline
 from planner.parallel.context import check_context_parallel, gloo_ring_scratch_bytes
 from planner.frameworks.deepspeed.config import (ZeroSettings, batch_from_config, check_communication_dtype,
                                                 parse_ds_config, with_overrides)
@@ -38,7 +39,7 @@ from planner.recipes.precision import RECIPES, bits_to_bytes
 from planner.memory.rank_activations import activations, traced_setting
 from planner.schema import (EstimateRequest, EstimateResult, HostMemory, ModelSummary, ParallelDegrees,
                             PeakRows, PerDevice, Phase)
-from planner.setup import Setup, numels as _numels
+from planner.setup import Setup, numels as _numels, with_fields
 from planner.memory.optimizer import check as check_optimizer, notes as optimizer_notes
 from planner.strategies import Strategy, shard_group_size, strategy as lookup_strategy
 from planner.parallel.tensor import tensor_parallel_fields
@@ -120,7 +121,8 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     check_communication_dtype(zero.communication_data_type, precision)  # a config whose precision is "auto"
     from_config = _from_config(request, zero)
     # what the config fixes is the request from here on: its AutoTP degree shapes the layout below
-    request = request.model_copy(update=from_config)
+    if from_config:
+        request = request.model_copy(update=from_config)
     recipe = RECIPES[precision]  # the precision decoded once: the Setup carries it
     check_precision(g, precision, recipe)
     fw = framework_of(s, request.framework_version)
@@ -288,20 +290,16 @@ def measure(setup: Setup) -> Measured:
     whole = setup
     ep_items, ep_transient = [], None
     if setup.dims.ep > 1:
-        from planner.parallel import experts
-
         setup, ep_items, ep_transient = experts.localize(setup, textbook_states)
     # the router still scores every expert and a rank computes as many (token, expert) pairs as
     # without ep (dropless, the mean): a rank's activations are the whole model's (planner/parallel/experts.py)
     acts = activations(whole if setup.dims.ep > 1 else setup)
     if setup.dims.pp > 1:
-        from planner.parallel import pipeline
-
         # the stages' share of the activations just computed (a localized expert setup computes its own)
         plan, (params_b, grads_b, optim_b), _ = pipeline.estimate_plan(setup, acts if setup is whole else None)
         # a stage's states are sharded over its data-parallel ranks only (notes, shard_size)
         d = setup.dims  # FSDP shards over dp_shard x cp (torchtitan's dp_shard_cp)
-        setup = replace(setup, shard_size=d.dp_shard * d.cp if setup.strategy.shards_optimizer else d.dp * d.cp)
+        setup = with_fields(setup, shard_size=d.dp_shard * d.cp if setup.strategy.shards_optimizer else d.dp * d.cp)
     else:
         params_b, grads_b, optim_b = textbook_states(setup)
         plan = setup.framework.phases(setup, acts, _numels(setup))
@@ -316,8 +314,6 @@ def measure(setup: Setup) -> Measured:
         if setup.request.activation_offload:
             _offload_activations_host(plan, setup, acts)
     if ep_items or ep_transient is not None:
-        from planner.parallel import experts
-
         plan = experts.with_items(plan, ep_items, ep_transient)
         params_b += sum(i.bytes for i in ep_items if i.component == "parameters")
         optim_b += sum(i.bytes for i in ep_items if i.component == "optimizer_states")
@@ -329,8 +325,6 @@ def measure(setup: Setup) -> Measured:
 def pipeline_resident_bytes(setup: Setup) -> int:
     """measure(setup).resident_bytes of a pipeline without expert parallelism, its schedule not
     replayed (planner/parallel/pipeline.py resident_bytes): the plan search's floor."""
-    from planner.parallel import pipeline
-
     if setup.dims.pp == 1 or setup.dims.ep > 1:
         raise ValueError(f"pipeline_resident_bytes needs pp > 1 and ep 1, got pp={setup.dims.pp} ep={setup.dims.ep}")
     return pipeline.resident_bytes(setup) + setup.gpu.cuda_context_bytes + setup.gpu.blas_workspace_bytes
@@ -340,12 +334,46 @@ def pipeline_peak_bytes(setup: Setup, above: int | None = None) -> int:
     """measure(setup).peak_bytes of a pipeline without expert parallelism, its worst rank's phases
     not written out (planner/parallel/pipeline.py peak_bytes): the plan search's judgement of a
     pipeline option. ``above``: a peak above it may be answered by a lower bound above it."""
-    from planner.parallel import pipeline
-
     if setup.dims.pp == 1 or setup.dims.ep > 1:
         raise ValueError(f"pipeline_peak_bytes needs pp > 1 and ep 1, got pp={setup.dims.pp} ep={setup.dims.ep}")
     framework = setup.gpu.cuda_context_bytes + setup.gpu.blas_workspace_bytes
     return pipeline.peak_bytes(setup, None if above is None else above - framework) + framework
+
+
+def expert_pipeline_peak_bytes(setup: Setup) -> int:
+    """measure(setup).peak_bytes of a pipeline with expert parallelism, its worst rank's phases not
+    written out: the rank's setup localized (experts.localize), the worst rank's phase bytes
+    (pipeline.worst_rank_phases) each with what experts.with_items adds to a phase of its kind (a
+    phase's items all hold bytes, so its new total is its old plus the added items' bytes), the
+    whole setup's activations computed as measure computes (and refuses) them. The plan search's
+    judgement of an expert-parallel pipeline option (a test compares the two)."""
+    local, items, transient = _expert_pipeline(setup)
+    added = {}
+    peak = max(nbytes + (added[kind] if kind in added else added.setdefault(
+        kind, experts.added_bytes(items, transient, kind))) for kind, nbytes in pipeline.worst_rank_phases(local))
+    return peak + setup.gpu.cuda_context_bytes + setup.gpu.blas_workspace_bytes
+
+
+def expert_pipeline_resident_bytes(setup: Setup) -> int:
+    """measure(setup).resident_bytes of a pipeline with expert parallelism, no phase written out: the
+    localized setup's resident bytes as estimate_plan answers them (pipeline.replayed_resident_bytes)
+    and the add-back items experts.with_items keeps between steps. The plan search's floor of an
+    expert-parallel pipeline setting (a test compares the two)."""
+    local, items, _ = _expert_pipeline(setup)
+    return pipeline.replayed_resident_bytes(local) + experts.kept_between_bytes(items) \
+        + setup.gpu.cuda_context_bytes + setup.gpu.blas_workspace_bytes
+
+
+def _expert_pipeline(setup: Setup):
+    """measure's first steps for a pipeline with expert parallelism: the rank's localized setup and
+    the items it adds back (experts.localize), the whole setup's activations computed as measure
+    computes (and refuses) them."""
+    if setup.dims.pp == 1 or setup.dims.ep == 1:
+        raise ValueError(f"an expert-parallel pipeline's bytes need pp > 1 and ep > 1, got pp={setup.dims.pp} "
+                         f"ep={setup.dims.ep}")
+    local, items, transient = experts.localize(setup, textbook_states)
+    activations(setup)
+    return local, items, transient
 
 
 def estimate_resolved(setup: Setup, simulate: bool = True, brief: bool = False) -> EstimateResult:

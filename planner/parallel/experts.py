@@ -35,8 +35,10 @@ from typing import TYPE_CHECKING
 
 from planner.model.architecture import Architecture, derived_memo, layer_specs
 from planner.errors import PlannerError
+from planner.memory.moments import PhaseKind
 from planner.model.layers import MlpSpec, mlp_numels
 from planner.parallel.stages import stage_bounds
+from planner.setup import with_fields
 
 if TYPE_CHECKING:
     from planner.setup import Setup
@@ -273,7 +275,7 @@ def _local_states(setup, textbook_states):
     builds the same Setup apart from its request for any of them, planner/plan/evaluate.py
     Search.resolved), so the plan's options of one setting ask once (a test compares them with a
     fresh computation at each option). The returned setup carries the request it was asked with."""
-    from dataclasses import fields, replace
+    from dataclasses import fields
 
     from planner.model.catalogue import ResolvedModel
     from planner.schema import MemoryItem
@@ -285,7 +287,7 @@ def _local_states(setup, textbook_states):
                   setup.request.model_dump_json(exclude={"micro_batch", "gradient_accumulation"}))
     hit = _LOCAL_STATES.get(states_key)
     if hit is not None and all(x is y for x, y in zip(hit[0], held)):
-        return replace(hit[1], request=setup.request), hit[2]
+        return with_fields(hit[1], request=setup.request), hit[2]
     full = expert_sharding(a, setup.psi, ep)
     local_arch = local_architecture(a, ep)
     from planner.model.architecture import parameter_count
@@ -303,7 +305,7 @@ def _local_states(setup, textbook_states):
         if len(_LOCAL_MODELS) > 64:
             _LOCAL_MODELS.clear()
         _LOCAL_MODELS[key] = (setup.model, a, model)
-    local = replace(setup, model=model)
+    local = with_fields(setup, model=model)
     full_states = textbook_states(setup)
     local_states = textbook_states(local)
     s = setup.strategy
@@ -371,25 +373,48 @@ def with_items(plan, items, transient):
     buffers on top at every block's backward (where the combine's backward all-to-all runs)."""
     from dataclasses import replace as dc_replace
 
-    from planner.memory.moments import PhaseKind
     from planner.schema import Phase
 
-    # the all-to-alls run inside the MoE blocks (forward, and backward from each block's start),
-    # never at the loss: START_OF_BACKWARD is the loss's backward, with every block's saved set
-    during = (PhaseKind.START_OF_BLOCK, PhaseKind.BACKWARD)
-    gradients_exist = (PhaseKind.END_OF_BACKWARD, PhaseKind.GRADIENT_ALLREDUCE, PhaseKind.OPTIMIZER_STEP)
-    kept_between = [i for i in items if i.component != "gradients"]
+    kept_between = _kept_between(items)
     phases = []
     for p in plan.phases:
-        extra = [i for i in items if i.component != "gradients" or p.kind in gradients_exist]
-        extra += [transient] if transient is not None and transient.bytes and p.kind in during else []
-        kept = [i for i in p.items + extra if i.bytes > 0]
+        kept = [i for i in p.items + _added(items, transient, p.kind) if i.bytes > 0]
         phases.append(Phase(name=p.name, bytes=sum(i.bytes for i in kept), items=kept, kind=p.kind))
     resident = list(plan.resident) + kept_between
     notes = list(plan.notes) + ["expert parallelism: each rank holds num_experts / ep routed experts of every MoE "
                                 "block; routing dropless (the mean tokens per expert: a step's imbalance is data)"]
     return dc_replace(plan, phases=phases, resident=resident,
                       resident_bytes=plan.resident_bytes + sum(i.bytes for i in kept_between), notes=notes)
+
+
+def _kept_between(items) -> list:
+    """The add-back items with_items keeps between steps: all but the gradients (they exist from the
+    end of backward to the optimizer step)."""
+    return [i for i in items if i.component != "gradients"]
+
+
+def kept_between_bytes(items) -> int:
+    """What with_items adds to the resident bytes."""
+    return sum(i.bytes for i in _kept_between(items))
+
+
+def _added(items, transient, kind) -> list:
+    """The items with_items adds to a phase of this kind: the add-back items (the gradients only once
+    they exist), and one all-to-all's buffers where the all-to-alls run."""
+    extra = [i for i in items if i.component != "gradients" or kind in _GRADIENTS_EXIST]
+    return extra + ([transient] if transient is not None and transient.bytes and kind in _ALL_TO_ALLS else [])
+
+
+# the all-to-alls run inside the MoE blocks (forward, and backward from each block's start), never at
+# the loss: START_OF_BACKWARD is the loss's backward, with every block's saved set
+_ALL_TO_ALLS = (PhaseKind.START_OF_BLOCK, PhaseKind.BACKWARD)
+_GRADIENTS_EXIST = (PhaseKind.END_OF_BACKWARD, PhaseKind.GRADIENT_ALLREDUCE, PhaseKind.OPTIMIZER_STEP)
+
+
+def added_bytes(items, transient, kind) -> int:
+    """The bytes with_items adds to a phase of this kind whose own items all hold bytes (a phase
+    keeps those only: planner/memory/buffers.py phase): its new total less its old."""
+    return sum(i.bytes for i in _added(items, transient, kind) if i.bytes > 0)
 
 
 def data_parallel_share(a: Architecture, dims, parameters: int) -> float:

@@ -41,8 +41,10 @@ from planner.model.layers import routed_inactive_numels
 from planner.memory.moments import PhaseKind
 from planner.memory.rank_activations import activations
 from planner.schema import MemoryItem, Phase
+from planner.parallel import experts
 from planner.parallel.stages import stage_bounds
 from planner.parallel.tensor import LOSS_PARALLEL_ROW
+from planner.time import collectives as timing
 
 if TYPE_CHECKING:
     from planner.memory.phase_plan import PhasePlan
@@ -879,6 +881,15 @@ class _RankStep:
         out = [(_phase_name(name, live), total) for name, (total, (_, live, *_)) in self.worst.items()]
         return out + [(name, total) for _, name, total in self.after]
 
+    def phase_kinds(self) -> list[tuple[PhaseKind, int]]:
+        """(kind, bytes) of each phase, in rank_phases' order: the kind rank_phases gives each moment
+        (an embedding's backward ends the backward; a last stage's moment starts the loss's backward,
+        any other a block's), then the phases after the schedule."""
+        out = [(PhaseKind.END_OF_BACKWARD if name.startswith("embedding") else
+                PhaseKind.START_OF_BACKWARD if stage.is_last else PhaseKind.START_OF_BLOCK, total)
+               for name, (total, (stage, *_)) in self.worst.items()]
+        return out + [(kind, total) for kind, _, total in self.after]
+
     def peak(self) -> tuple[str, int]:
         """The highest of phase_bytes (the first of equals), only its name written."""
         best = None
@@ -1363,6 +1374,39 @@ def peak_bytes(setup: "Setup", above: int | None = None) -> int:
     return peak
 
 
+def _rank_steps(setup: "Setup") -> list[_RankStep]:
+    """Every rank's replay, as estimate_plan (pipeline_phases) replays them."""
+    d, req = setup.dims, setup.request
+    check_framework(setup, req.pp_schedule)
+    dp, shard = _data_parallel_group(setup)
+    all_stages = _checked_stages(setup, d.pp, req.pp_virtual_stages, req.pp_schedule, dp)
+    parallel = data_parallel(setup, dp, shard)
+    costs = _StageCosts(setup)
+    return [_rank_step(setup, all_stages, rank, d.pp, req.pp_virtual_stages, req.pp_schedule, parallel, costs)
+            for rank in range(d.pp)]
+
+
+def worst_rank_phases(setup: "Setup") -> list[tuple[PhaseKind, int]]:
+    """(kind, bytes) of each phase of estimate_plan's worst rank without writing them out: every rank
+    replayed as pipeline_phases replays them, the worst picked as it picks it (the highest peak, then
+    the most resident), its phases' bytes as _RankStep.phase_kinds lists them (a test compares them
+    with estimate_plan's phases). The plan search's judgement of an expert-parallel pipeline option
+    adds the experts' items per kind to these (orchestrator.expert_pipeline_peak_bytes)."""
+    steps = _rank_steps(setup)
+    worst = max(range(len(steps)), key=lambda i: (steps[i].peak()[1],
+                                                  steps[i].resident_bytes + steps[i].kept_input_grads))
+    return steps[worst].phase_kinds()
+
+
+def replayed_resident_bytes(setup: "Setup") -> int:
+    """estimate_plan's resident bytes without writing the phases out: the most any rank keeps between
+    steps, its states and buffers and (zero bubble) the input gradients left on its receive buffers,
+    as pipeline_phases answers it (a test compares them). Unlike resident_bytes it replays the
+    schedule, so it is exact for a split backward too: the expert-parallel floor of the plan search
+    (orchestrator.expert_pipeline_resident_bytes)."""
+    return max(s.resident_bytes + s.kept_input_grads for s in _rank_steps(setup))
+
+
 def resident_bytes(setup: "Setup") -> int:
     """What the rank that keeps the most holds between steps (estimate_plan's resident bytes),
     without replaying the schedule: the plan search's memory floor of a pipeline setting."""
@@ -1528,8 +1572,6 @@ def _group_link(topo, gpus: int, stride: int, size: int, nic_gbps: float, link_e
     """(GB/s, latency µs) of the slowest link a group of ``size`` ranks ``stride`` apart crosses:
     inside a node, its bottleneck NVLink/PCIe hop (planner/time/collectives.py ring_over); across nodes, the
     node's NICs shared by its GPUs, all of which send at once."""
-    from planner.time import collectives as timing
-
     if stride * (size - 1) < gpus:
         members = tuple(range(0, stride * size, stride))
         _, bandwidth, latency = timing.ring_over(topo, members)
@@ -1537,19 +1579,22 @@ def _group_link(topo, gpus: int, stride: int, size: int, nic_gbps: float, link_e
     return nic_gbps / max(1, gpus), 0.0
 
 
-def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_efficiency: float):
+def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_efficiency: float,
+                  micro_batch: int | None = None, micro_batches: int | None = None):
     """The step time of one rank with pp and ep (planner/time/step.py estimate_time): the compute
     of its stage stretched by the bubble, and the data-parallel collectives over its stage's
     parameters only (1/pp of them); point-to-point sends between stages (exposed on the fill and
     the drain) and the all-to-alls of expert parallelism (planner/parallel/experts.py: dispatch and combine
     in forward, both again in backward, each MoE block and micro-batch; counted exposed: the
     model overlaps none of them) on the links their groups cross. ``t``: timing.StepTime of the
-    replica without pp and ep."""
-    from planner.parallel import experts
-
+    replica without pp and ep. ``micro_batch``, ``micro_batches``: the option's size and count of
+    micro-batches where they are not the request's (the plan search times a setting's options on
+    its one Setup: the request's other fields are every option's; a test compares the two)."""
     d, req = setup.dims, setup.request
     if d.pp == 1 and d.ep == 1:
         return t
+    micro_batch = req.micro_batch if micro_batch is None else micro_batch
+    micro_batches = req.gradient_accumulation if micro_batches is None else micro_batches
     gpus = req.gpus
     nic_gbps = nics * fabric["gbps"] * fabric["efficiency"] * link_efficiency
     compute, comm, exposed = t.compute_seconds, t.communication_seconds / d.pp, t.exposed_communication_seconds / d.pp
@@ -1559,14 +1604,14 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
         share = experts.data_parallel_share(arch, d, sum(parameter_numels(arch)))
         comm, exposed = comm * share, exposed * share
     b = 4 if setup.recipe.compute == "fp32" else 2
-    tokens = req.micro_batch * req.seq_len
+    tokens = micro_batch * req.seq_len
     if d.pp > 1:
         stride = d.world // d.pp  # pp outermost on the mesh (torchtitan ParallelDims)
         gbps, latency = _group_link(topo, gpus, stride, d.pp, nic_gbps, link_efficiency)
         boundary = tokens * arch.hidden_size * b // max(1, d.tp * d.cp)
         share, _ = slowest_share(arch, d.pp, req.pp_virtual_stages, req.seq_len // max(1, d.cp),
                                  req.pp_first_stage_layers, req.pp_last_stage_layers, req.pp_schedule)
-        p = pipeline_time(t.compute_seconds, d.pp, req.gradient_accumulation, req.pp_virtual_stages, boundary,
+        p = pipeline_time(t.compute_seconds, d.pp, micro_batches, req.pp_virtual_stages, boundary,
                           gbps, latency, slowest=share, schedule=req.pp_schedule)
         compute = p.compute_seconds
         comm += p.p2p_seconds
@@ -1574,10 +1619,10 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
     if d.ep > 1:
         gbps, latency = _group_link(topo, gpus, d.tp, d.ep, nic_gbps, link_efficiency)
         layers = len(experts.moe_blocks(arch))
-        sent = experts.all_to_all_bytes_per_step(arch, tokens, b, d.ep, req.gradient_accumulation,
+        sent = experts.all_to_all_bytes_per_step(arch, tokens, b, d.ep, micro_batches,
                                                  checkpointing=req.checkpointing) // d.pp
         seconds = experts.all_to_all_seconds(sent, gbps, d.ep, latency) \
-            + experts.all_to_alls_per_block(req.checkpointing) * layers * req.gradient_accumulation // d.pp \
+            + experts.all_to_alls_per_block(req.checkpointing) * layers * micro_batches // d.pp \
             * max(0, d.ep - 2) * latency * 1e-6
         comm += seconds
         exposed += seconds

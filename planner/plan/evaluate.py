@@ -19,8 +19,9 @@ from planner.cluster.gpus import Gpu
 from planner.cluster.topology import Topology
 from planner.errors import PlannerError
 from planner.memory.optimizer import check as check_optimizer
-from planner.memory.orchestrator import (Measured, activation_offload_bytes, host_capacity, measure,
-                                        pipeline_peak_bytes, pipeline_resident_bytes, resolve)
+from planner.memory.orchestrator import (Measured, activation_offload_bytes, expert_pipeline_peak_bytes,
+                                        expert_pipeline_resident_bytes, host_capacity, measure, pipeline_peak_bytes,
+                                        pipeline_resident_bytes, resolve)
 from planner.parallel.hf_plan import hf_rank_architecture
 from planner.parallel.pipeline import SCHEDULE_SPECS, parallel_step
 from planner.plan.layouts import Rejected, cp_degrees, ep_degrees, pp_degrees, tp_degrees
@@ -29,10 +30,11 @@ from planner.plan.settings import (OPTIMIZER_FIELDS, Row, Setting, estimate_requ
                                    hsdp_shards, layout_family, micro_options, offload_options, per_rank_sequences,
                                    plan_framework, schedules_of)
 from planner.recipes.precision import Recipe
-from planner.schema import MAX_TOKENS, EstimateRequest, EstimateResult, PlanRequest
+from planner.schema import MAX_TOKENS, Candidate, EstimateRequest, EstimateResult, PlanRequest
 from planner.strategies import STRATEGIES, strategy as lookup_strategy
 from planner.time import collectives as timing
 from planner.time import kernels
+from planner.setup import with_fields
 from planner.time.step import Combo, StepSettings, step_times
 
 
@@ -125,7 +127,10 @@ class Search:
             setup = resolve(request)
             self._resolved[key] = (req, setup)
             return setup
-        setup = replace(hit[1], request=request.model_copy(update={"precision": request.precision}))
+        # resolve's request is a copy with the precision set; one that sets it already is that copy
+        # (the same fields, the same fields set: the plan's requests name their precision)
+        setup = with_fields(hit[1], request=request if "precision" in request.model_fields_set else
+                            request.model_copy(update={"precision": request.precision}))
         check_optimizer(setup)
         return setup
 
@@ -154,10 +159,12 @@ class Search:
         return self.estimates[key]
 
     def peak_of(self, req: PlanRequest, combo: Setting, micro: int, above: float | None = None) -> float:
-        """estimate(req, combo, micro).peak_bytes of a pipeline option: without expert parallelism
-        its worst rank's phases are not written out (orchestrator.pipeline_peak_bytes: the same
-        replay, the same highest rank; a test compares the two), since a pipeline row reads its
-        peak alone; the candidates the plan shows are estimated in full when shown.
+        """estimate(req, combo, micro).peak_bytes of a pipeline option: its worst rank's phases are
+        not written out (orchestrator.pipeline_peak_bytes: the same replay, the same highest rank;
+        with expert parallelism orchestrator.expert_pipeline_peak_bytes: the worst rank's phase
+        bytes and the experts' items per kind; tests compare each with the estimate's), since a
+        pipeline row reads its peak alone; the candidates the plan shows are estimated in full when
+        shown. With expert parallelism the answer is always the peak (``above`` unused).
 
         ``above``: a peak above it may be answered by a lower bound above it (the first rank whose
         peak exceeds it; the others are not replayed), for a caller that reads only whether the
@@ -166,10 +173,12 @@ class Search:
         hit = self.estimates.get(key)
         if hit is not None:
             return hit.peak_bytes
-        if combo.ep > 1:
-            return self.estimate(req, combo, micro).peak_bytes
         if key in self.peaks:
             return self.peaks[key]
+        if combo.ep > 1:  # every rank replayed, the worst rank's phases not written out (the same peak)
+            peak = self.peaks[key] = expert_pipeline_peak_bytes(self.resolved(req, combo, estimate_request(
+                req, combo, micro, self.model_fields, None)))
+            return peak
         bound = self.bounds.get(key)
         if above is not None and bound is not None and bound > above:
             return bound
@@ -194,7 +203,7 @@ class Search:
 
 
 def evaluate_layouts(search: Search, req: PlanRequest, layouts: list[tuple[int, int, int, int]],
-              strategies: tuple[str, ...] = STRATEGIES) -> tuple[list[Row], int]:
+              strategies: tuple[str, ...] = STRATEGIES, ceiling: float | None = None) -> tuple[list[Row], int]:
     """(setting, micro-batch, peak bytes, fits, step time) for every setting on the request's
     GPUs per node and nodes, for each (tp, cp, pp, ep) layout.
 
@@ -204,7 +213,13 @@ def evaluate_layouts(search: Search, req: PlanRequest, layouts: list[tuple[int, 
     GPU-seconds per token, the same ordering at a fixed GPU count) can be neither recommended nor
     its family's best (PlanResult.families): its memory is not estimated. Each family is searched
     to its own best, so the table can show the best of each beside the winner; data parallelism
-    alone is not time-bounded (every strategy's settings are listed, offload among them)."""
+    alone is not time-bounded (every strategy's settings are listed, offload among them).
+
+    ``ceiling``: step seconds beyond whose ties no option is wanted (the fewer-node search asks
+    only for what could beat the recommendation: fewer_node_rows): every setting, data-parallel
+    ones too, is bounded by it as by its family's best. The options evaluated (the count
+    returned) do not depend on any bound: _evaluate_setting counts a setting's options once their
+    step times are computed, which it does before it reads a bound."""
     rows: list[Row] = []
     evaluated = 0
     world = req.gpus * req.nodes
@@ -236,6 +251,8 @@ def evaluate_layouts(search: Search, req: PlanRequest, layouts: list[tuple[int, 
                                     pp, ep, split, schedule, virtual)
                     # data parallelism alone is listed whole (each strategy's settings, offload among them)
                     time_bound = best_time.get(family) if family != "dp" else None
+                    if ceiling is not None:
+                        time_bound = ceiling if time_bound is None else min(time_bound, ceiling)
                     found, count = _evaluate_setting(search, req, combo, time_bound, best_peak.get(family))
                     evaluated += count
                     rows += found
@@ -463,7 +480,7 @@ def _floor_estimate(search: Search, req: PlanRequest, combo: Setting, micro: int
     if key not in search.floors:
         setup = search.resolved(req, combo, estimate_request(req, combo, micro, search.model_fields,
                                                              accumulation=combo.pp))
-        search.floors[key] = pipeline_resident_bytes(setup) if combo.ep == 1 else measure(setup).resident_bytes
+        search.floors[key] = (pipeline_resident_bytes if combo.ep == 1 else expert_pipeline_resident_bytes)(setup)
     return search.floors[key]
 
 
@@ -471,20 +488,14 @@ def _parallel_times(search: Search, req: PlanRequest, combo: Setting, micro: np.
                     times: Sequence[timing.StepTime], first: EstimateRequest) -> list[timing.StepTime]:
     """Each option's step time with its pipeline bubble, point-to-point sends and expert
     all-to-alls: planner/parallel/pipeline.py parallel_step on the estimate's own Setup (as
-    steptime.estimate_time), per micro-batch size and count."""
+    steptime.estimate_time), per micro-batch size and count: the setting's requests differ in
+    those alone, so each option is timed on the first's Setup with its own (a test compares each
+    with the step on a copy of the request at the option)."""
     setup = search.setup_of(first, req, combo)
-    given = setup.request
-    out = []
-    for k, mb in enumerate(micro.tolist()):
-        if (mb, per_rank // mb) == (given.micro_batch, given.gradient_accumulation) \
-                and "gradient_accumulation" in given.model_fields_set:
-            at = setup  # the option the request was made at (a pipeline's fewest micro-batches): its own copy
-        else:
-            at = replace(setup, request=given.model_copy(update={"micro_batch": mb,
-                                                                 "gradient_accumulation": per_rank // mb}))
-        out.append(parallel_step(times[k], at, search.model.architecture, search.topo, search.fabric, search.nics,
-                                 req.link_efficiency))
-    return out
+    arch, topo, fabric, nics, link_efficiency = (search.model.architecture, search.topo, search.fabric, search.nics,
+                                                 req.link_efficiency)
+    return [parallel_step(times[k], setup, arch, topo, fabric, nics, link_efficiency, mb, per_rank // mb)
+            for k, mb in enumerate(micro.tolist())]
 
 
 def _pipeline_rows(search: Search, req: PlanRequest, combo: Setting, micro: np.ndarray,
@@ -597,7 +608,8 @@ def _fewer_nodes(req: PlanRequest) -> list[int]:
     return counts
 
 
-def fewer_node_rows(search: Search, req: PlanRequest, rows: list[Row]) -> tuple[list[tuple[int, list[Row]]], int]:
+def fewer_node_rows(search: Search, req: PlanRequest, rows: list[Row], ranked: bool = False,
+                    recommended: Candidate | None = None) -> tuple[list[tuple[int, list[Row]]], int]:
     """The search on each smaller node count that could beat the full cluster's best fitting
     option by more than the time model's uncertainty (what _fewer_nodes_advice asks).
 
@@ -605,7 +617,15 @@ def fewer_node_rows(search: Search, req: PlanRequest, rows: list[Row]) -> tuple[
     recomputation (step >= compute; the pipeline's bubble only adds), and that share grows as the
     nodes shrink; a node count whose bound is no better than the advice's threshold cannot win,
     and neither can any smaller one. (For --objective cost the bound is the same at every node
-    count: GPU-seconds per token >= FLOPs per token / the GPU's achieved FLOP/s.)"""
+    count: GPU-seconds per token >= FLOPs per token / the GPU's achieved FLOP/s.)
+
+    ``ranked``: asked once the full cluster's recommendation is known (``recommended``; rank.py
+    ranked_result). The advice reads, of each node count's rows, the fitting one of the least step
+    time (then peak), and only where that is below the recommendation's step time less the ties:
+    with --objective time, every setting is bounded by that threshold (evaluate_layouts' ceiling),
+    so what it leaves out is slower than the threshold, and the rows it keeps are as without it
+    (the fastest fitting option of a setting is found before its slower ones; a test compares the
+    advice and the count). Without a recommendation no advice is given: nothing is wanted."""
     fitting = [r for r in rows if r[3]]
     if not fitting:
         here = None
@@ -613,6 +633,13 @@ def fewer_node_rows(search: Search, req: PlanRequest, rows: list[Row]) -> tuple[
         here = min(_fewer_value(req, req.nodes, r[4]) for r in fitting)
     out, evaluated = [], 0
     floor = _compute_floor(search, req)
+    ceiling = None
+    if ranked and recommended is None:
+        ceiling = 0.0
+    elif ranked and req.objective == "time":
+        # an option is left out above ceiling x (1 + TIE_TOLERANCE): the threshold, and a hair more
+        # for the rounding of the two products
+        ceiling = recommended.step_seconds * (1 - TIE_TOLERANCE) / (1 + TIE_TOLERANCE) * (1 + 1e-9)
     for k in _fewer_nodes(req):
         # the recommendation lies within the ties of the best fitting option (_tie_order), and the
         # advice asks for more than the ties below the recommendation
@@ -621,7 +648,7 @@ def fewer_node_rows(search: Search, req: PlanRequest, rows: list[Row]) -> tuple[
             break
         fewer = req.model_copy(update={"nodes": k})
         layouts = [layout for layout in layouts_to_search(fewer, req.gpus, search.model.architecture, search.topo)[0]]
-        k_rows, count = evaluate_layouts(search, fewer, layouts)
+        k_rows, count = evaluate_layouts(search, fewer, layouts, ceiling=ceiling)
         evaluated += count
         out.append((k, k_rows))
     return out, evaluated

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time as wallclock
+from collections.abc import Callable
 
 from planner.cluster.gpus import Gpu
 from planner.memory.orchestrator import host_capacity, sequence_past_positions
@@ -289,8 +290,12 @@ def _replayed_first(search: Search, req: PlanRequest, candidates: list[Candidate
     return out
 
 
-def ranked_result(search: Search, req: PlanRequest, rows: list[Row], fewer: list[tuple[int, list[Row]]], capacity: int,
-          fabric_name: str, evaluated: int, started: float) -> PlanResult:
+def ranked_result(search: Search, req: PlanRequest, rows: list[Row],
+                  fewer_search: Callable[[Candidate | None], tuple[list[tuple[int, list[Row]]], int]] | None,
+                  capacity: int, fabric_name: str, evaluated: int, started: float) -> PlanResult:
+    """The plan's result from the search's rows. ``fewer_search``: the search on fewer nodes
+    (evaluate.fewer_node_rows), asked with the recommendation once it is known (None: not searched);
+    its rows feed the fewer-nodes advice and its options the count evaluated."""
     g, topo, nics, usable, model_fields = search.g, search.topo, search.nics, search.usable, search.model_fields
     fabric = timing.fabric(fabric_name)
     by_combo: dict[Setting, list[Row]] = {}
@@ -356,6 +361,8 @@ def ranked_result(search: Search, req: PlanRequest, rows: list[Row], fewer: list
         candidates = _replayed_first(search, req, candidates, rows_of, capacity)
     fitting = [c for c in candidates if c.fits]
     recommended = fitting[0] if fitting else None
+    fewer, count = fewer_search(recommended) if fewer_search is not None else ([], 0)
+    evaluated += count
     max_micro = _max_micro(req, rows, search)
     min_gpus = {name: strategy_min_gpus(req, name, usable, model_fields) for name in STRATEGIES
                 if not lookup_strategy(name).one_device}

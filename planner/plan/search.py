@@ -94,10 +94,10 @@ def _plan(req: PlanRequest, profile=None) -> PlanResult:
         rows += cp_rows
         evaluated += count
         layout_notes += ["nothing fits without context parallelism: cp searched"] + cp_notes
-    fewer = []
+    fewer = None
     if req.nodes > 1 and req.objective != "memory":
-        fewer, count = fewer_node_rows(search, req, rows)
-        evaluated += count
+        def fewer(recommended):  # asked by the ranking once the recommendation is known
+            return fewer_node_rows(search, req, rows, ranked=True, recommended=recommended)
     result = ranked_result(search, req, rows, fewer, capacity, fabric_name, evaluated, started)
     if layout_notes:
         result = result.model_copy(update={"notes": result.notes + layout_notes})

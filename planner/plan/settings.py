@@ -4,8 +4,9 @@ splits each degree is planned with, and the micro-batch options a setting can ta
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
+from operator import attrgetter
 
 import numpy as np
 
@@ -37,6 +38,23 @@ class Setting(Combo):
         """GPUs that share one data-parallel rank's work, and the expert group: 1 for data parallelism."""
         return self.tp * self.cp * self.pp * self.ep
 
+    def __hash__(self) -> int:
+        """The hash dataclass would generate (of the fields' tuple, in their order), computed once per
+        setting: a setting keys the search's memos (its estimates, peaks, requests, Setups), thousands
+        of lookups per plan, and hashing sixteen fields each time was a few per cent of a plan's time.
+        Kept out of the pickled state (a string's hash differs between processes)."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(_SETTING_FIELDS(self))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+
+# a Setting's fields as dataclass hashes them: every field compares, none sets its own hash
+_SETTING_FIELDS = attrgetter(*(f.name for f in fields(Setting) if (f.compare if f.hash is None else f.hash)))
 
 Row = tuple[Setting, int, float, bool, timing.StepTime]  # (setting, micro-batch, peak bytes, fits, step time)
 
