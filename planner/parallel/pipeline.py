@@ -23,6 +23,7 @@ Megatron-LM", Sec. 2.2: (p-1)/m of the ideal time, divided by v for the interlea
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from operator import mul
@@ -1359,31 +1360,30 @@ def peak_bytes(setup: "Setup", above: int | None = None) -> int:
     ``above``: where only whether the peak exceeds it matters, the first rank whose peak exceeds it
     answers (a rank's peak is at most the pipeline's, so it is above too) and the rest are not
     replayed: the answer is then that rank's peak, a lower bound above ``above``, not the peak."""
-    d, req = setup.dims, setup.request
-    check_framework(setup, req.pp_schedule)
-    dp, shard = _data_parallel_group(setup)
-    all_stages = _checked_stages(setup, d.pp, req.pp_virtual_stages, req.pp_schedule, dp)
-    parallel = data_parallel(setup, dp, shard)
-    costs = _StageCosts(setup)
     peak = 0
-    for rank in range(d.pp):
-        peak = max(peak, _rank_step(setup, all_stages, rank, d.pp, req.pp_virtual_stages, req.pp_schedule, parallel,
-                                    costs).peak()[1])
+    for step in _rank_replays(setup):
+        peak = max(peak, step.peak()[1])
         if above is not None and peak > above:
             break
     return peak
 
 
-def _rank_steps(setup: "Setup") -> list[_RankStep]:
-    """Every rank's replay, as estimate_plan (pipeline_phases) replays them."""
+def _rank_replays(setup: "Setup") -> Iterator[_RankStep]:
+    """Each rank's replay in rank order, as estimate_plan (pipeline_phases) replays them, made as
+    it is read (peak_bytes stops at the first rank above its bound); the stages' checks run at the call."""
     d, req = setup.dims, setup.request
     check_framework(setup, req.pp_schedule)
     dp, shard = _data_parallel_group(setup)
     all_stages = _checked_stages(setup, d.pp, req.pp_virtual_stages, req.pp_schedule, dp)
     parallel = data_parallel(setup, dp, shard)
     costs = _StageCosts(setup)
-    return [_rank_step(setup, all_stages, rank, d.pp, req.pp_virtual_stages, req.pp_schedule, parallel, costs)
-            for rank in range(d.pp)]
+    return (_rank_step(setup, all_stages, rank, d.pp, req.pp_virtual_stages, req.pp_schedule, parallel, costs)
+            for rank in range(d.pp))
+
+
+def _rank_steps(setup: "Setup") -> list[_RankStep]:
+    """Every rank's replay, as estimate_plan (pipeline_phases) replays them."""
+    return list(_rank_replays(setup))
 
 
 def worst_rank_phases(setup: "Setup") -> list[tuple[PhaseKind, int]]:
