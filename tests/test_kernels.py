@@ -300,7 +300,8 @@ def test_hidden_collectives_cost_the_compute_beside_them():
         assert timing.contention_seconds(1.0, sms, topo, ring[:1]) == 0.0  # one GPU: no collective
     topo, _, _ = topology_of(PlanRequest(model="llama-3-8b", gpu="l40s", gpus=8), gpu("l40s"))
     ring = timing.node_ring(topo, 8)[0]
-    assert timing.collective_sms(topo, ring) == timing.NCCL_CHANNEL_BLOCKS["other"] == 2
+    assert timing.collective_kind(topo, ring) == (timing.NCCL_CHANNEL_BLOCKS["other"], False)
+    assert timing.NCCL_CHANNEL_BLOCKS["other"] == 2
     assert timing.contention_seconds(1.0, 142, topo, ring) == pytest.approx(2 / 142)
 
 

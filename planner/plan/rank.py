@@ -271,22 +271,17 @@ def _replayed_first(search: Search, req: PlanRequest, candidates: list[Candidate
     replayed fit is replayed (Search.shown remembers the shortlist's), and one that reserves too
     much joins the rejected, until the first fitting candidate is one whose replay fits."""
     out = list(candidates)
-    i = 0
-    while i < len(out):
+    while (i := next((k for k, x in enumerate(out) if x.fits), None)) is not None:
         c = out[i]
-        if not c.fits:
-            i += 1
-            continue
         combo, peak, t = rows_of[id(c)]
         shown = search.shown(req, combo, c.micro_batch, accumulation=min(c.gradient_accumulation, 2))
         if shown.fits:
             return out
+        del out[i]
         rejected = _candidate(combo, c.micro_batch, c.micro_batch * c.gradient_accumulation, False, t, shown,
                               _reserved_reason(combo, c.micro_batch, shown, capacity))
         rows_of[id(rejected)] = (combo, peak, t)
-        out = out[:i] + out[i + 1:]
-        first_rejected = next((k for k, x in enumerate(out) if not x.fits), len(out))
-        out.insert(first_rejected, rejected)
+        out.insert(next((k for k, x in enumerate(out) if not x.fits), len(out)), rejected)
     return out
 
 

@@ -77,14 +77,9 @@ SEQUENTIAL_OVER_OVERLAPPED = 1.102
 OVERLAPPED_COMPUTE_SECONDS_PER_SECOND = OVERLAP_SLOWDOWN / (SEQUENTIAL_OVER_OVERLAPPED * (1 + OVERLAP_SLOWDOWN) - 1)
 
 
-def collective_sms(t: "Topology", ring: tuple[int, ...]) -> int:
-    """SMs a data-parallel collective holds while it runs, by the kind of its ring's slowest link
-    (memoised per topology and ring: the plan search asks per option)."""
-    return _collective_kind(t, ring)[0]
-
-
-def _collective_kind(t: "Topology", ring: tuple[int, ...]) -> tuple[int, bool]:
-    """(SMs its blocks hold, whether the ring's slowest link is NVLink-class), memoised."""
+def collective_kind(t: "Topology", ring: tuple[int, ...]) -> tuple[int, bool]:
+    """(SMs a data-parallel collective's blocks hold while it runs, whether the ring's slowest link is
+    NVLink-class), by the kind of that link (memoised per topology and ring: the plan search asks per option)."""
     key = (id(t), ring)
     hit = _COLLECTIVE_SMS.get(key)
     if hit is None or hit[0] is not t:
@@ -100,7 +95,7 @@ _COLLECTIVE_SMS: dict[tuple, tuple["Topology", tuple[int, bool]]] = {}
 
 def contention_seconds(hidden_seconds, sms: int | None, t: "Topology", ring: tuple[int, ...], node_rate_share=1.0):
     """What overlapped communication costs the compute it hides behind, per second of it. Its
-    blocks hold collective_sms of the SMs for as long as it runs; over NVLink-class nodes, its
+    blocks hold collective_kind's SMs for as long as it runs; over NVLink-class nodes, its
     copies' memory traffic and power slow the rest of the GPU too, in proportion to the bytes it
     moves a second: at the node's own ring rate (node_rate_share 1: inside the node, or NICs as
     fast) the measured mean OVERLAPPED_COMPUTE_SECONDS_PER_SECOND (0.61), through NICs slower than
@@ -110,7 +105,7 @@ def contention_seconds(hidden_seconds, sms: int | None, t: "Topology", ring: tup
     per option)."""
     if not sms or len(ring) < 2:
         return hidden_seconds * 0.0
-    blocks, nvlink = _collective_kind(t, ring)
+    blocks, nvlink = collective_kind(t, ring)
     share = min(1.0, blocks / sms)
     if not nvlink:
         return hidden_seconds * share

@@ -488,7 +488,7 @@ _GROUP_WIRES: dict[tuple, tuple[Topology, timing.Group, timing.Wire]] = {}
 
 def _data_parallel_seconds(req: "StepSettings", fw: Framework, combo: Combo, micro, per_rank: int, psi: int, arch,
                            topo: Topology, fabric: dict, nic_gbps: float, buckets: Buckets, trainable: int | None,
-                           slowest: float) -> tuple[Any, Any, float]:
+                           slowest: float) -> tuple[Any, Any, float, Any]:
     """(seconds, of them what the forward pass sends, the slowest link's GB/s, from ``slowest`` on,
     the seconds weighted by the share of the node's ring rate each collective runs at) of the
     data-parallel framework's collectives (FSDP/ZeRO/DDP) in one step. What they send does not
