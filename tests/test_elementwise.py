@@ -242,8 +242,31 @@ def test_a_policy_reruns_the_blocks_elementwise_forward_and_not_the_edges():
     assert w.elementwise_backward_bytes == pytest.approx(block.backward_bytes * 2048 * arch.num_layers)
     none = micro_batch_terms(w, 2, r, 2, "none", shares=Recompute())
     rerun = micro_batch_terms(w, 2, r, 2, "selective-op", shares=Recompute(elementwise=1.0))
-    assert rerun.recompute - none.recompute == pytest.approx(2 * w.elementwise_bytes / r.memory_bytes_per_s)
+    assert w.elementwise_excess_bytes == pytest.approx(block.forward_excess_bytes * 2048 * arch.num_layers)
+    assert w.elementwise_excess_bytes > 0  # the norms and the rotary run below the copy rate
+    rerun_seconds = 2 * (w.elementwise_bytes + w.elementwise_excess_bytes) / r.memory_bytes_per_s
+    assert rerun.recompute - none.recompute == pytest.approx(rerun_seconds)
     assert rerun.elementwise == none.elementwise
+
+
+def test_norms_and_rotary_run_at_their_measured_rates_plain_ops_at_the_copy_rate():
+    # A piece's time in bytes at the copy rate: its bytes scaled by the copy rate over its measured rate
+    # (Liger-Kernel's benchmarks of the eager baselines); an add or an activation streams at the copy rate
+    from planner.time.collectives import MEMORY_BANDWIDTH_EFFICIENCY as copy
+    from planner.time.elementwise import (ADD, COMPOSITE_RMSNORM, FUSED_ACTIVATION, FUSED_LAYERNORM, ROTARY,
+                                          traffic)
+    rms = traffic(COMPOSITE_RMSNORM, 4096, 2, rows=1)
+    assert rms.forward_seconds_bytes == pytest.approx(rms.forward_bytes * copy / 0.652)
+    assert rms.backward_seconds_bytes == pytest.approx(rms.backward_bytes * copy / 0.683)
+    ln = traffic(FUSED_LAYERNORM, 4096, 2, rows=1)
+    assert ln.forward_seconds_bytes == pytest.approx(ln.forward_bytes * copy / 0.520)
+    rope = traffic(ROTARY, 4096, 2, table=128)
+    assert rope.forward_seconds_bytes == pytest.approx(rope.forward_bytes * copy / 0.435)
+    for piece in (ADD, FUSED_ACTIVATION):
+        t = traffic(piece, 4096, 2)
+        assert (t.forward_excess_bytes, t.backward_excess_bytes) == (0.0, 0.0)
+    both = (rms + ln).times(3)
+    assert both.forward_excess_bytes == pytest.approx(3 * (rms.forward_excess_bytes + ln.forward_excess_bytes))
 
 
 @pytest.mark.parametrize("name, config, targets", [

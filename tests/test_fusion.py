@@ -22,7 +22,7 @@ from planner.errors import PlannerError
 from planner.model.architecture import from_hf_config, layer_specs
 from planner.model.catalogue import catalogue_model, load_catalogue
 from planner.time import elementwise, fusion
-from planner.time.kernels import _bias_gradient_elements
+from planner.time.kernels import LOSS_BYTES_PER_LOGIT, _bias_gradient_elements
 from tests.real_runs import GEMMA3, GPT2, LLAMA, OLMO2, QWEN3
 
 TOKENS = 97
@@ -225,7 +225,7 @@ def test_work_carries_the_compiled_bytes_kernels_loss_and_label():
     assert blocks.edge_elementwise_bytes == eager.edge_elementwise_bytes
     assert whole.elementwise_bytes == blocks.elementwise_bytes
     assert whole.edge_elementwise_bytes < blocks.edge_elementwise_bytes
-    assert eager.loss_bytes == pytest.approx(28 * arch.vocab_size * seq)
+    assert eager.loss_bytes == pytest.approx(LOSS_BYTES_PER_LOGIT * arch.vocab_size * seq)
     assert whole.loss_bytes == blocks.loss_bytes == pytest.approx(3 * 2 * arch.vocab_size * seq)
     times = [micro_batch_terms(w, 1, r, 2, "none").elementwise for w in (eager, blocks, whole)]
     assert times[0] > times[1] > times[2]

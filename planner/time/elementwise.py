@@ -30,12 +30,13 @@ which name the transformers module (planner/model/layers.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.model.architecture import Architecture
 from planner.model.attention.kinds import kind_of
 from planner.errors import PlannerError
 from planner.model.layers import LayerSpec, MlpSpec
+from planner.time.collectives import MEMORY_BANDWIDTH_EFFICIENCY
 
 FP32 = 4
 
@@ -64,35 +65,82 @@ class Op:
 
 @dataclass(frozen=True)
 class Piece:
+    """A piece's ops forward and backward; ``forward_rate`` / ``backward_rate``: the fraction of the datasheet
+    memory bandwidth its eager ops were measured to reach (MEASURED_RATES), None where they stream at the copy rate
+    (MEMORY_BANDWIDTH_EFFICIENCY)."""
+
     forward: tuple[Op, ...]
     backward: tuple[Op, ...]
+    forward_rate: float | None = None
+    backward_rate: float | None = None
 
 
 @dataclass(frozen=True)
 class Traffic:
-    """Bytes per token and launches per block call, forward and backward."""
+    """Bytes per token and launches per block call, forward and backward. ``*_excess_bytes``: what ops measured
+    below the copy rate cost beyond their bytes, in bytes at the copy rate (their time at it is
+    (bytes + excess) / the copy rate)."""
 
     forward_bytes: float = 0.0
     backward_bytes: float = 0.0
     forward_kernels: int = 0
     backward_kernels: int = 0
+    forward_excess_bytes: float = 0.0
+    backward_excess_bytes: float = 0.0
 
     def __add__(self, other: "Traffic") -> "Traffic":
         return Traffic(self.forward_bytes + other.forward_bytes, self.backward_bytes + other.backward_bytes,
-                       self.forward_kernels + other.forward_kernels, self.backward_kernels + other.backward_kernels)
+                       self.forward_kernels + other.forward_kernels, self.backward_kernels + other.backward_kernels,
+                       self.forward_excess_bytes + other.forward_excess_bytes,
+                       self.backward_excess_bytes + other.backward_excess_bytes)
 
     def times(self, n: int) -> "Traffic":
         return Traffic(self.forward_bytes * n, self.backward_bytes * n, self.forward_kernels * n,
-                       self.backward_kernels * n)
+                       self.backward_kernels * n, self.forward_excess_bytes * n, self.backward_excess_bytes * n)
+
+    @property
+    def forward_seconds_bytes(self) -> float:
+        """The forward's time in bytes at the copy rate."""
+        return self.forward_bytes + self.forward_excess_bytes
+
+    @property
+    def backward_seconds_bytes(self) -> float:
+        return self.backward_bytes + self.backward_excess_bytes
+
+
+def excess_bytes(moved: float, rate: float | None) -> float:
+    """Bytes at the copy rate that ops moving ``moved`` bytes at ``rate`` of the datasheet bandwidth take beyond
+    ``moved`` (0 for the copy rate)."""
+    return 0.0 if rate is None else moved * (MEMORY_BANDWIDTH_EFFICIENCY / rate - 1.0)
 
 
 def traffic(piece: Piece, width: float, c: int, rows: float = 0.0, table: float = 0.0) -> Traffic:
     """One call of ``piece`` over ``width`` elements per token (``rows`` per-row statistics, ``table`` rotary
     elements per token)."""
-    return Traffic(sum(op.bytes(width, rows, table, c) for op in piece.forward),
-                   sum(op.bytes(width, rows, table, c) for op in piece.backward),
-                   len(piece.forward), len(piece.backward))
+    forward = sum(op.bytes(width, rows, table, c) for op in piece.forward)
+    backward = sum(op.bytes(width, rows, table, c) for op in piece.backward)
+    return Traffic(forward, backward, len(piece.forward), len(piece.backward),
+                   excess_bytes(forward, piece.forward_rate), excess_bytes(backward, piece.backward_rate))
 
+
+# Measured rates of eager norm and rotary code, as fractions of the datasheet memory bandwidth: Liger-Kernel's
+# published benchmarks of the transformers / torch baselines it compares against (linkedin/Liger-Kernel ead96b6,
+# benchmark/data/all_benchmark_data.csv, provider "huggingface", median of triton.testing.do_bench; setups in
+# benchmark/scripts/benchmark_rms_norm.py, benchmark_layer_norm.py and benchmark_rope.py at a307eac8), each row's
+# bytes counted as the pieces below count them, over its time, over the datasheet (A100-SXM4-80GB 2,039 GB/s, H100
+# SXM 3,350 GB/s), at the largest size measured (launch costs smallest; a training step's calls are as large):
+# - LlamaRMSNorm (bf16 input, fp32 weight: FLOAT_WEIGHT_RMSNORM's ops with the product left in fp32, 38 bytes per
+#   element forward, 104 backward), 2,048 x 32,768 on A100: forward 1.919 ms (0.652), backward 5.015 ms (0.683);
+#   0.56-0.63 forward at 4,096-16,384 wide;
+# - nn.LayerNorm, fp32, 4,096 x 16,384: forward 0.507 ms on A100 (0.520), 0.307 ms on H100 (0.522), backward
+#   0.642 ms on H100 (0.624; A100's forward + backward, 1.621 ms, leaves 0.59 for its backward): 0.60 taken;
+# - apply_rotary_pos_emb on q and k laid out as attention transposes them (32 q and 8 kv heads of 256), 16,384
+#   tokens on A100: forward 3.817 ms (0.435), backward 4.557 ms (0.617).
+# A plain elementwise op does reach the copy rate: torch's relu(x)**2 (two ops, 8 bytes per bf16 element), 4,096 x
+# 16,384 on H100, 0.186 ms: 0.86 (the same file, liger 0.7.0).
+COMPOSITE_NORM_RATES = (0.652, 0.683)
+FUSED_LAYERNORM_RATES = (0.520, 0.60)
+ROTARY_RATES = (0.435, 0.617)
 
 # The backward of ``x * rsqrt(mean(x²) + eps)`` in fp32 (derivatives.yaml: mul.Tensor line 1231, rsqrt line
 # 1504, mean.dim line 1153, pow.Tensor_Scalar line 1400), shared by every composite RMSNorm:
@@ -130,6 +178,7 @@ COMPOSITE_RMSNORM = Piece(
         Op(c_in=1),  # summed over the tokens (sum_to the weight's shape)
         Op(c_in=1, f_out=1),  # _to_copy_backward: the gradient to fp32
     ) + _RSQRT_BACKWARD + (Op(f_in=1, c_out=1),),  # and back to the input's dtype
+    forward_rate=COMPOSITE_NORM_RATES[0], backward_rate=COMPOSITE_NORM_RATES[1],
 )
 # Olmo2RMSNorm ``(self.weight * x).to(input_dtype)``, Gemma2/3RMSNorm ``x * (1.0 + self.weight.float())``, then
 # the cast: the weight multiplies in fp32 (norm_weight "float"). Gemma's two weight-sized ops are not counted.
@@ -145,28 +194,31 @@ FLOAT_WEIGHT_RMSNORM = Piece(
         Op(f_in=1),  # summed over the tokens
         Op(),  # the weight's gradient cast to its dtype (weight-sized)
     ) + _RSQRT_BACKWARD + (Op(f_in=1, c_out=1),),
+    forward_rate=COMPOSITE_NORM_RATES[0], backward_rate=COMPOSITE_NORM_RATES[1],
 )
 # Llama4TextL2Norm: ``x.float() * rsqrt(mean(x²) + eps)`` cast back, no weight
 L2_NORM = Piece(forward=_RMS_STATISTIC + (Op(f_in=1, c_out=1),),
-                backward=(Op(c_in=1, f_out=1),) + _RSQRT_BACKWARD + (Op(f_in=1, c_out=1),))
+                backward=(Op(c_in=1, f_out=1),) + _RSQRT_BACKWARD + (Op(f_in=1, c_out=1),),
+                forward_rate=COMPOSITE_NORM_RATES[0], backward_rate=COMPOSITE_NORM_RATES[1])
 # nn.LayerNorm: one aten::native_layer_norm (input in, output and fp32 mean and rstd per row out: acc_type on
 # CUDA) and one native_layer_norm_backward (derivatives.yaml line 1274), which on CUDA runs two kernels: the input's
 # gradient (reads the gradient, the input and the row statistics, writes the gradient) and the weight's and
 # bias's, which read the gradient and the input again (aten/src/ATen/native/cuda/layer_norm_kernel.cu
 # LayerNormBackwardKernelImplInternal: layer_norm_grad_input_kernel, then GammaBetaBackwardCUDAKernel; read at
 # pytorch 0005c538). One dispatched op each way.
-FUSED_LAYERNORM = Piece(forward=(Op(c_in=1, c_out=1, row_out=2),), backward=(Op(c_in=4, row_in=4, c_out=1),))
+FUSED_LAYERNORM = Piece(forward=(Op(c_in=1, c_out=1, row_out=2),), backward=(Op(c_in=4, row_in=4, c_out=1),),
+                        forward_rate=FUSED_LAYERNORM_RATES[0], backward_rate=FUSED_LAYERNORM_RATES[1])
 # Under a frozen base (LoRA / QLoRA: PEFT sets requires_grad=False on every base parameter) the norms' weights
 # get no gradient: autograd skips a derivative formula whose input does not require grad (the generated
 # *Backward nodes' ``task_should_compute_output`` per input; native_layer_norm_backward's output_mask), so the
 # weight's gradient (grad * x, its sum over the tokens, its cast) is not run; the input's gradient is.
-FROZEN_COMPOSITE_RMSNORM = Piece(forward=COMPOSITE_RMSNORM.forward,
-                                 backward=(COMPOSITE_RMSNORM.backward[0],) + COMPOSITE_RMSNORM.backward[3:])
-FROZEN_FLOAT_WEIGHT_RMSNORM = Piece(forward=FLOAT_WEIGHT_RMSNORM.forward,
-                                    backward=FLOAT_WEIGHT_RMSNORM.backward[:1] + FLOAT_WEIGHT_RMSNORM.backward[2:3]
-                                    + FLOAT_WEIGHT_RMSNORM.backward[5:])
+FROZEN_COMPOSITE_RMSNORM = replace(COMPOSITE_RMSNORM,
+                                   backward=(COMPOSITE_RMSNORM.backward[0],) + COMPOSITE_RMSNORM.backward[3:])
+FROZEN_FLOAT_WEIGHT_RMSNORM = replace(FLOAT_WEIGHT_RMSNORM,
+                                      backward=FLOAT_WEIGHT_RMSNORM.backward[:1] + FLOAT_WEIGHT_RMSNORM.backward[2:3]
+                                      + FLOAT_WEIGHT_RMSNORM.backward[5:])
 # output_mask (True, False, False): CUDA's GammaBetaBackward kernel is not launched (layer_norm_kernel.cu)
-FROZEN_FUSED_LAYERNORM = Piece(forward=FUSED_LAYERNORM.forward, backward=(Op(c_in=2, row_in=2, c_out=1),))
+FROZEN_FUSED_LAYERNORM = replace(FUSED_LAYERNORM, backward=(Op(c_in=2, row_in=2, c_out=1),))
 FROZEN_NORM_OPS = {("rmsnorm", "cast"): FROZEN_COMPOSITE_RMSNORM, ("rmsnorm", "float"): FROZEN_FLOAT_WEIGHT_RMSNORM,
                    ("layernorm", "cast"): FROZEN_FUSED_LAYERNORM, ("layernorm", "float"): FROZEN_FUSED_LAYERNORM}
 NORM_OPS = {("rmsnorm", "cast"): COMPOSITE_RMSNORM, ("rmsnorm", "float"): FLOAT_WEIGHT_RMSNORM,
@@ -184,6 +236,7 @@ ROTARY = Piece(
     backward=(Op(c_in=1, table_in=1, c_out=1), Op(c_in=0.5, c_out=0.5), Op(c_in=0.5, c_out=1.5),
               Op(c_in=0.5, c_out=1.5), Op(c_in=2, c_out=1), Op(c_in=1, table_in=1, c_out=1), Op(c_in=2, c_out=1),
               Op(c_in=1, c_out=1)),
+    forward_rate=ROTARY_RATES[0], backward_rate=ROTARY_RATES[1],
 )
 # OLMo-2's rotary (transformers 5.x modeling_olmo2.py): Olmo2RotaryEmbedding.forward returns fp32 cos and sin
 # (lines 107-111, no cast to x's dtype as Llama's has), so ``q * cos`` and ``rotate_half(q) * sin`` promote to
@@ -197,6 +250,7 @@ FP32_ROTARY = Piece(
     backward=(Op(c_in=1, f_out=1), Op(f_in=1, ftable_in=1, f_out=1), Op(f_in=1, c_out=1), Op(c_in=0.5, c_out=0.5),
               Op(c_in=0.5, c_out=1.5), Op(c_in=0.5, c_out=1.5), Op(c_in=2, c_out=1),
               Op(f_in=1, ftable_in=1, f_out=1), Op(f_in=1, c_out=1), Op(c_in=2, c_out=1), Op(c_in=1, c_out=1)),
+    forward_rate=ROTARY_RATES[0], backward_rate=ROTARY_RATES[1],
 )
 # The families whose rotary tables stay fp32 (of those planner/model/architecture.py reads)
 FP32_ROTARY_FAMILIES = frozenset({"olmo2"})

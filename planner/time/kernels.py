@@ -196,10 +196,18 @@ UNMEASURED_MAMF_K = 13312
 # cudaLaunchKernel): about 10 µs per op (Horace He, "Making Deep Learning Go Brrrr From First
 # Principles", 2022, section Overhead). A GPU whose kernels are shorter waits for the host.
 HOST_SECONDS_PER_KERNEL = 10e-6
-# Bytes each logit element moves in the loss: the fp32 upcast (read 2, write 4), log-softmax
-# (read 4, write 4), its backward (read 4, write 4) and the cast back for the head's matmuls
-# (read 4, write 2): transformers' ForCausalLMLoss upcasts logits to float before cross_entropy.
-LOSS_BYTES_PER_LOGIT = 28
+# Bytes at the copy rate per logit element in the loss: the fp32 upcast (read 2, write 4), torch's
+# cross_entropy on the fp32 logits forward and backward (36, measured below), and the cast of the
+# gradient back for the head's matmuls (read 4, write 2): transformers' ForCausalLMLoss upcasts logits
+# to float before cross_entropy. The 36 is measured, not counted: Liger-Kernel's published benchmark of
+# torch's CrossEntropyLoss on fp32 logits (linkedin/Liger-Kernel ead96b6, benchmark/data/
+# all_benchmark_data.csv, provider "huggingface", A100-SXM4-80GB, 16,384 rows of 131,072) takes 20.73 ms
+# forward, 16.3 bytes per logit at this GPU's copy rate (0.83 x 2,039 GB/s) where one read and one write
+# are 8 (its log-softmax passes over each row more than once), and 60.44 ms forward + backward, 47.6 bytes,
+# of which 12 are the leaf's gradient accumulated across the benchmark's repeats (benchmark_cross_entropy.py
+# at a307eac8 resets it in no mode but "backward"): 36 per logit; rows of 32,768 and 65,536 give the same
+# (48.8 and 47.8 before the accumulation's 12).
+LOSS_BYTES_PER_LOGIT = 48
 # A linear with a bias is one addmm (torch aten/src/ATen/native/Linear.cpp linear: a 2-D or contiguous 3-D
 # input with a bias goes to addmm; GPT-2's Conv1D calls torch.addmm itself). Its forward adds the bias in
 # cuBLASLt's epilogue, no kernel of its own (aten/src/ATen/native/cuda/Blas.cpp addmm_out_cuda_impl:
@@ -360,6 +368,11 @@ class Work:
     bias_gradient_bytes: float = 0.0  # the biased linears' bias-gradient reductions, backward, per sequence
     elementwise_backward_bytes: float = 0.0  # the blocks' elementwise backward, per sequence (planner/time/elementwise.py)
     edge_elementwise_bytes: float = 0.0  # the embedding's and final norm's, forward + backward, per sequence
+    # what the ops above measured below the copy rate cost beyond their bytes, in bytes at the copy rate
+    # (planner/time/elementwise.py Traffic): the blocks' forward, their backward, the edges'
+    elementwise_excess_bytes: float = 0.0
+    elementwise_backward_excess_bytes: float = 0.0
+    edge_excess_bytes: float = 0.0
     backward_kernels: int = 0  # launches of one backward (the recompute's are the forward's again)
     compiled: str = "none"  # torch.compile: "none" (eager), "blocks" or "model" (planner/time/fusion.py)
 
@@ -509,6 +522,9 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
                 if chunked else None, bias_gradient_bytes=bias_gradients,
                 elementwise_backward_bytes=elementwise.backward_bytes * tokens,
                 edge_elementwise_bytes=(edge.forward_bytes + edge.backward_bytes) * tokens,
+                elementwise_excess_bytes=elementwise.forward_excess_bytes * tokens,
+                elementwise_backward_excess_bytes=elementwise.backward_excess_bytes * tokens,
+                edge_excess_bytes=(edge.forward_excess_bytes + edge.backward_excess_bytes) * tokens,
                 backward_kernels=2 * kernels + elementwise.backward_kernels + edge.backward_kernels + 8,
                 compiled=compiled)
 
@@ -779,9 +795,9 @@ def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointi
         attn_fwd = micro_f * w.attention_seconds_fb * w.attention_forward_share
         attention = micro_f * w.attention_seconds_fb
         attention_flops = micro_f * w.attention_flops * (1 + ATTENTION_BACKWARD_FLOPS)
-    elementwise_fwd = micro_f * w.elementwise_bytes / r.memory_bytes_per_s
-    elementwise_bwd = micro_f * w.elementwise_backward_bytes / r.memory_bytes_per_s
-    edge = micro_f * w.edge_elementwise_bytes / r.memory_bytes_per_s
+    elementwise_fwd = micro_f * (w.elementwise_bytes + w.elementwise_excess_bytes) / r.memory_bytes_per_s
+    elementwise_bwd = micro_f * (w.elementwise_backward_bytes + w.elementwise_backward_excess_bytes) / r.memory_bytes_per_s
+    edge = micro_f * (w.edge_elementwise_bytes + w.edge_excess_bytes) / r.memory_bytes_per_s
     elementwise = elementwise_fwd + elementwise_bwd + edge + micro_f * w.loss_bytes / r.memory_bytes_per_s
     if w.cast_bytes or w.weight_cast_bytes:  # low precision's casts (LowPrecisionRate)
         elementwise = elementwise + (micro_f * w.cast_bytes + w.weight_cast_bytes) / r.memory_bytes_per_s
