@@ -16,8 +16,8 @@ native solution for production ready LLM pre-training", arXiv:2410.06511). The r
 Teton hosts of 8 H100 SXM (96 GB HBM2e, 500 W) with NVLink, 400 Gb/s RDMA per GPU; memory is
 torchtitan's logged peak ``max_reserved`` (torch.cuda.max_memory_reserved, the maximum across
 GPUs: "Different PP ranks can have different peak memory usages. We take the maximum");
-throughput is tokens per second per GPU at the 90th iteration. The planner models the 80 GB
-H100 SXM at its full 700 W clock, which it has in its catalogue.
+throughput is tokens per second per GPU at the 90th iteration. The planner asks the catalogue's
+h100-sxm-96gb (that board: 2.4 TB/s, its unpublished 500 W peak read at the H100 NVL's) on 8 x 400 Gb/s RoCE.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from planner.errors import PlannerError  # noqa: E402
 from planner.units import GIB  # noqa: E402
 
 SOURCE = "torchtitan docs/performance.md"
+GPU = "h100-sxm-96gb"
 COMPILE_FLOAT8 = ("torch.compile fuses the elementwise ops, and Float8 linears save their inputs in 8 bits: "
                   "both shrink the activations the model counts in bf16")
 RESERVE = "published memory is the allocator's reserve (max_reserved), the prediction its allocated peak"
@@ -63,7 +64,9 @@ def _llama(model: str, nodes: int, seq: int, micro: int, accumulation: int, **de
     # torchtitan reduces gradients in fp32: training.mixed_precision_reduce's only choice, "float32"
     # (9dec370 torchtitan/config_manager.py:389-392), handed to FSDP2's MixedPrecisionPolicy
     # (parallelisms/parallelize_llama.py:320)
-    return dict(model=model, strategy="fsdp", precision="bf16-mixed", gpu="h100-80gb", gpus=8, nodes=nodes,
+    # the Grand Teton H100 (96 GB HBM2e, 500 W: the catalogue's h100-sxm-96gb; its preset grand-teton-h100 has
+    # the NVLink node and 400 Gb/s RoCE per GPU of torchtitan benchmarks/llama3_h100_202412_torchtitan.md)
+    return dict(model=model, strategy="fsdp", precision="bf16-mixed", gpu=GPU, gpus=8, nodes=nodes,
                 seq_len=seq, micro_batch=micro, gradient_accumulation=accumulation, checkpointing="full",
                 optimizer="adamw", reduce_dtype="fp32") | degrees
 
@@ -167,7 +170,7 @@ def table(rows: list[tuple[Published, dict]]) -> str:
                      f"{SOURCE}, {run.table} | {why} |")
     lines.append("")
     lines.append("GiB = 2^30 bytes. Published: H100 SXM 96 GB at 500 W, torch.compile + Float8 + full activation "
-                 "checkpointing; predicted: h100-80gb, bf16 FSDP2 reducing gradients in fp32 (torchtitan's "
+                 "checkpointing; predicted: h100-sxm-96gb (2.4 TB/s; peak read at the H100 NVL's) on 8 x 400 Gb/s RoCE per node, bf16 FSDP2 reducing gradients in fp32 (torchtitan's "
                  "mixed_precision_reduce), full checkpointing, no compile, no Float8. "
                  "Written by `python bench/published_parallel.py --readme README.md`.")
     return "\n".join(lines)

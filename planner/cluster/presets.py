@@ -68,6 +68,11 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            "NVIDIA DGX A100 user guide (the 320GB and 640GB systems share the NVSwitch board)", 1000, _DGX_A100_320),
     Preset("hgx-h100", "h100-80gb", 8, "DGX/HGX H100: 8x H100 SXM5 on NVSwitch (NV18), 8 NDR NICs",
            _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-ndr", "NVIDIA DGX H100 user guide", 2000, _DGX_H100),
+    Preset("grand-teton-h100", "h100-sxm-96gb", 8, "Meta Grand Teton: 8x H100 SXM 96 GB (500 W) fully connected "
+           "by NVLink (NV18), 400 Gb/s RoCE per GPU", _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "roce-400g",
+           "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Hardware (\"8 NVIDIA H100 GPUs fully connected "
+           "with NVLink\", \"backend RDMA network with 400 Gb/s per GPU\"); RoCE: Gangidi et al. 2024, \"RDMA over "
+           "Ethernet for Distributed AI Training at Meta Scale\", SIGCOMM"),
     Preset("hgx-h200", "h200", 8, "HGX H200: 8x H200 SXM on NVSwitch (NV18), 8 NDR NICs",
            _all("NV18"), lambda i: 0 if i < 4 else 1, 8, "ib-ndr", "NVIDIA HGX H200 datasheet", 2000, _DGX_H200),
     Preset("hgx-b200", "b200", 8, "HGX B200: 8x B200 on NVSwitch (NV18, NVLink 5), 8 XDR-class NICs",
