@@ -24,7 +24,8 @@ Sources:
   512 H100 (64 nodes of 8), FSDP 8 x TP 8 x PP 8, 1F1B, local batch 32 as 8 micro-batches of 4
   (global 256), 8,192 tokens, 100 tokens/s per GPU, 82.5 GiB max_reserved; MFU here is that
   throughput x the model's FLOPs per token (planner/time/collectives.py model_flops_per_token) over the
-  H100's dense bf16 peak.
+  GPU's dense bf16 peak. Its hosts are Grand Teton H100s (96 GB HBM2e at 500 W: the catalogue's
+  h100-sxm-96gb and preset grand-teton-h100), asked as such.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ TRAININGS = [
                          "the H800's NVLink (400 GB/s) is slower than the h100-80gb's the planner times")),
     Training("torchtitan 405B, 512 H100", "torchtitan docs/performance.md, Table 5",
              "FSDP 8 x TP 8 x PP 8 (1F1B), 8 micro-batches of 4",
-             dict(model="llama-3.1-405b", gpu="h100-80gb", gpus=8, nodes=64, seq_len=8192, global_batch=256),
+             dict(model="llama-3.1-405b", gpu="h100-sxm-96gb", gpus=8, nodes=64, seq_len=8192, global_batch=256),
              dict(strategy="fsdp", tp=8, pp=8, micro_batch=4, gradient_accumulation=8, reduce_dtype="fp32"), None,
              tokens_per_gpu=100.0,
              unmodelled=("torch.compile and Float8 linears and all-gathers (the model counts bf16)",
