@@ -93,8 +93,10 @@ RECIPES: dict[str, LowPrecisionRecipe] = {
 ROWWISE_SCALE_BITS = 32  # float8-rowwise: an fp32 scale per row
 
 
-# torchao's float8 casts (recipes with eager_casts) as they run eager (the planner models eager training: torch.compile is refused),
-# bytes read + written per element cast from ``c``-byte inputs (torchao 0.18):
+# torchao's float8 casts (recipes with eager_casts) as they run eager, bytes read + written per element cast from
+# ``c``-byte inputs (torchao 0.18); under torch.compile dynamo traces the same functions into the compiled graph and
+# inductor fuses them: the amax's abs into its max reduction, the upcast, scale, clamp and narrowing into one
+# pointwise kernel (the fused form below):
 #   float8_utils.py tensor_to_amax        torch.abs(x): c + c, then torch.max: c                3c
 #   float8_training_tensor.py _ToFloat8ConstrFunc.forward, lines 153-154:
 #     tensor.to(torch.float32)            c + 4 (no copy when the input is fp32 already)
@@ -102,11 +104,12 @@ ROWWISE_SCALE_BITS = 32  # float8-rowwise: an fp32 scale per row
 #   float8_utils.py to_fp8_saturated      clamp: 4 + 4, then .to(float8): 4 + 1
 
 
-def cast_bytes_per_element(recipe: LowPrecisionRecipe, c: int) -> float:
+def cast_bytes_per_element(recipe: LowPrecisionRecipe, c: int, compiled: bool = False) -> float:
     """Bytes one cast moves per element of a ``c``-byte tensor: torchao's eager float8 chain above, or
     for the recipes whose casts are fused kernels (MX and NVFP4 quantize kernels, Transformer Engine's
-    cast) one read for the amax, one read to convert and the narrow write."""
-    if recipe.eager_casts:
+    cast) and for torchao's chain under torch.compile (``compiled``) one read for the amax, one read to
+    convert and the narrow write."""
+    if recipe.eager_casts and not compiled:
         return 3 * c + (c + 4 if c != 4 else 0) + 8 + 8 + 4 + recipe.element_bits / 8
     return 2 * c + recipe.element_bits / 8
 

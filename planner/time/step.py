@@ -703,7 +703,8 @@ def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, ar
     recipe = req.recipe
     w = kernels.work(arch, req.seq_len, combo.tp, combo.cp, combo.sequence_parallel, recipe.compute_bytes,
                      req.attention == "eager" or arch.attention_implementation == "eager", r, req.attention_kernel,
-                     loss_kernel(req.loss, g.is_cpu), _low_precision_rate(req.low_precision, g, dtype, r, recipe.compute_bytes),
+                     loss_kernel(req.loss, g.is_cpu), _low_precision_rate(req.low_precision, g, dtype, r, recipe.compute_bytes,
+                                                                             req.compile != "none"),
                      loss_chunks=req.loss_chunks or DEFAULT_CHUNKS, compiled=req.compile,
                      frozen=frozen.elementwise if frozen is not None else None)
     t = kernels.micro_batch_terms(w, micro_f, r, recipe.compute_bytes, combo.checkpointing,
@@ -850,15 +851,16 @@ def _stand_in(kernel: str) -> str:
     return f" at {kernels.STAND_IN[kernel]}'s rates" if kernel in kernels.STAND_IN else ""
 
 
-def _low_precision_rate(name: str, g: Gpu, dtype: str, r: kernels.Rates,
-                        compute_bytes: int) -> kernels.LowPrecisionRate | None:
-    """The converted GEMMs' rate over the step dtype's (planner/time/kernels.py LowPrecisionRate)."""
+def _low_precision_rate(name: str, g: Gpu, dtype: str, r: kernels.Rates, compute_bytes: int,
+                        compiled: bool = False) -> kernels.LowPrecisionRate | None:
+    """The converted GEMMs' rate over the step dtype's (planner/time/kernels.py LowPrecisionRate); ``compiled``:
+    torch.compile fuses torchao's casts (cast_bytes_per_element)."""
     recipe = low_precision_recipe(name)
     if recipe is None or recipe.matmul_dtype not in g.peak_tflops:
         return None
     low = kernels.rates(g, recipe.matmul_dtype)
     return kernels.LowPrecisionRate(low.matmul_flops / r.matmul_flops, recipe.dim_multiple,
-                                    cast_bytes_per_element(recipe, compute_bytes))
+                                    cast_bytes_per_element(recipe, compute_bytes, compiled))
 
 
 def _dequantize_seconds(frozen: FrozenBaseShape | None, checkpointing: str, accumulation, g: Gpu):
