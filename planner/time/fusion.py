@@ -86,10 +86,13 @@ BACKENDS = ("triton", "cpp")
 
 @dataclass
 class _Kernels:
-    """Bytes per token of each fused kernel, forward and backward."""
+    """Bytes per token of each fused kernel, forward and backward; ``output``: the forward kernel that writes the
+    block's output (its bytes), ``output_rerun``: what of it a recompute reruns (recompute_bytes)."""
 
     forward: list[float]
     backward: list[float]
+    output: float = 0.0
+    output_rerun: float = 0.0
 
     def traffic(self) -> Traffic:
         return Traffic(sum(self.forward), sum(self.backward), len(self.forward), len(self.backward))
@@ -182,10 +185,8 @@ def _qkv_cat(s: LayerSpec, tp: int, c: int, backend: str, k: _Kernels) -> None:
         k.backward += [2 * c * w for w in widths]
 
 
-def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, backend: str = "triton") -> Traffic:
-    """One token's fused traffic through one compiled block on one TP rank (shares as
-    elementwise.block_traffic: hidden-width work on 1/tp of the tokens under sequence parallelism, the
-    gradient parts of a normed input on the gathered tokens, q/k and MLP work on their TP shard)."""
+def _block_kernels(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, backend: str) -> _Kernels:
+    """block_traffic's kernels, the block's output kernel marked."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)} (a caller's argument, not a request field)")
     share = 1.0 / tp if sp else 1.0
@@ -199,7 +200,31 @@ def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, b
     _residual(s, hs, hg, stat, drop, attn_parts, mlp_parts, tp, backend, k)
     _qk(arch, s, tp, c, backend, k)
     _qkv_cat(s, tp, c, backend, k)
-    return k.traffic()
+    return k
+
+
+def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, backend: str = "triton") -> Traffic:
+    """One token's fused traffic through one compiled block on one TP rank (shares as
+    elementwise.block_traffic: hidden-width work on 1/tp of the tokens under sequence parallelism, the
+    gradient parts of a normed input on the gathered tokens, q/k and MLP work on their TP shard)."""
+    return _block_kernels(arch, s, tp, sp, c, backend).traffic()
+
+
+def recompute_bytes(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, backend: str = "triton") -> float:
+    """Bytes per token of the fused forward kernels a checkpointed compiled block reruns in backward.
+
+    Under a checkpoint the traced region's ops carry recompute tags (torch 2.13 utils/checkpoint.py
+    _CachingTorchDispatchMode: ``fx_traceback.current_meta["recompute"] = policy`` when compiling; plain
+    checkpoint: every op PREFER_RECOMPUTE), and the partitioner recomputes a tagged node in backward only where
+    backward needs it (torch/_functorch/partitioners.py solve_min_cut: ``must_recompute`` puts the node on the
+    backward side; a node no backward node reads is dropped). Every forward kernel's output is read by
+    backward (a matmul's or attention's input, a norm's statistic) but the block's output: the residual add
+    that writes it is not rerun; where that kernel also writes a norm's statistic (post-norm, sandwich), the
+    statistic's reduction reruns alone. Measured on CPU (tests/test_compile.py): a compiled Llama block under
+    per-op SAC reruns the three unsaved linears in backward (17 mm in backward against 14) and saves neither the
+    normed inputs nor the rotated q and k; under core-attention recompute, its attention forward."""
+    k = _block_kernels(arch, s, tp, sp, c, backend)
+    return sum(k.forward) - k.output + k.output_rerun
 
 
 def _mlp(s: LayerSpec, tp: int, c: int, k: _Kernels) -> None:
@@ -249,6 +274,7 @@ def _pre(hs: float, hg: float, stat: float, drop: float, attn_parts: int, mlp_pa
     k.forward.append(2 * hs + stat)  # read x; write the normed input and its statistic
     k.forward.append(3 * hs + stat + drop)  # read x, attn_out; write the normed x2, its statistic (and a mask)
     k.forward.append(4 * hs + 2 * drop)  # read x, attn_out (its mask), mlp_out; write out (and its mask)
+    k.output = k.forward[-1]
     g2 = _norm_backward(mlp_parts, hs, hg, tp, k)
     g1 = _norm_backward(attn_parts, hs, hg, tp, k)
     k.backward.append(g2 + 2 * hs + stat + hs + hs + drop)  # read parts, x, attn_out, stat, dout; write dx2
@@ -262,6 +288,7 @@ def _sandwich(hs: float, hg: float, stat: float, drop: float, attn_parts: int, m
     k.forward.append(2 * hs + stat)  # pre1: read x; write normed, statistic
     k.forward.append(3 * hs + 2 * stat + drop)  # post1 and pre2: read x, attn_out; write normed, two statistics
     k.forward.append(4 * hs + 2 * stat + 2 * drop)  # read x, attn_out, post1's statistic, mlp_out; write out, post2's
+    k.output, k.output_rerun = k.forward[-1], hs + stat  # post2's statistic: read mlp_out, write it
     g2 = _norm_backward(mlp_parts, hs, hg, tp, k)
     g1 = _norm_backward(attn_parts, hs, hg, tp, k)
     k.backward.append(3 * hs + stat + drop)  # post2: read dout, mlp_out, statistic; write d mlp_out
@@ -277,6 +304,7 @@ def _post(hs: float, hg: float, stat: float, drop: float, attn_parts: int, mlp_p
     Backward, dx2 = dout + the MLP's input parts is never written: each kernel that needs it sums it."""
     k.forward.append(3 * hs + stat + drop)  # read x, attn_out; write x2, the statistic
     k.forward.append(3 * hs + stat + drop)  # read x2, mlp_out; write out, the statistic
+    k.output, k.output_rerun = k.forward[-1], hs + stat  # norm2's statistic: read mlp_out, write it
     g2 = _norm_backward(mlp_parts, hs, hg, tp, k)
     g1 = _norm_backward(attn_parts, hs, hg, tp, k)
     k.backward.append(3 * hs + stat + drop)  # norm2: read dout, mlp_out, statistic; write d mlp_out
@@ -291,6 +319,7 @@ def _parallel(s: LayerSpec, hs: float, hg: float, stat: float, drop: float, attn
     norms = 1 if s.norms == 1 else 2
     k.forward.append(hs + norms * (hs + stat))  # read x; write the normed inputs, their statistics
     k.forward.append(4 * hs + 2 * drop)  # read x, attn_out, mlp_out; write out
+    k.output = k.forward[-1]
     groups = (attn_parts + mlp_parts,) if norms == 1 else (attn_parts, mlp_parts)
     grads = [_norm_backward(parts, hs, hg, tp, k) for parts in groups]
     k.backward.append(sum(grads) + hs + norms * stat + hs + hs + 2 * drop)  # read parts, x, stats, dout; write dx
