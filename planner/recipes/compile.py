@@ -33,8 +33,8 @@ forward, eager and inductor alike):
 - selective-attention: compiled 0.66 (Llama) and 0.60 (Qwen3) of eager's: the partitioner saves the rotated q
   and k and v and recomputes the attention forward in backward (with its RNG state), so not even the core's
   output is kept.
-Whole tiny models (two fp32 blocks, the loss with them), compiled blocks and the whole model save 0.83-0.89 of
-eager SAC's bytes and 0.69-0.75 of eager core-attention recompute's, their peaks under the planner's. So the
+Whole tiny Llama and Qwen3 models (two fp32 blocks, the loss with them), compiled blocks and the whole model save
+0.83-0.89 of eager SAC's bytes and 0.69-0.75 of eager core-attention recompute's, their peaks under the planner's. So the
 planner keeps eager's set for these policies too, an upper bound. Time: the recompute reruns what the policy
 recomputes, as inductor fused it (planner/time/fusion.py recompute_bytes; kernels.recompute_shares: the same
 linears as eager, 17 matmuls in the compiled SAC block's backward against 14 without a checkpoint).
