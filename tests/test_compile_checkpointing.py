@@ -264,3 +264,15 @@ def test_torchtitan_llama3_8b_toml_compiled_with_its_selective_op():
     request = check(body, estimate_with_time).request
     assert (request.compile, request.checkpointing) == ("blocks", "selective-op")
 
+
+
+def test_plan_under_compile_with_selective_op_runs_faster_than_eager():
+    from planner.plan.search import plan
+    from planner.schema import PlanRequest
+
+    base = {"model": "llama-3.1-8b", "gpu": "h200", "gpus": 8, "seq_len": 8192, "global_batch": 16,
+            "checkpointing": "selective-op"}
+    eager, compiled = plan(PlanRequest(**base)), plan(PlanRequest(**base, compile="blocks"))
+    assert compiled.candidates and all(c.checkpointing == "selective-op" and c.parallel.pp == 1
+                                       for c in compiled.candidates)
+    assert compiled.recommended.step_seconds < eager.recommended.step_seconds
