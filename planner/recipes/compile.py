@@ -25,19 +25,22 @@ tags every op PREFER_RECOMPUTE). The partitioner then recomputes every PREFER_RE
 MUST_SAVE one (should_ban_recomputation: "marked MUST_SAVE"): it saves the policy's MUST_SAVE outputs that
 backward reads, and the block's input. Eager SAC keeps every MUST_SAVE output in its cache until the recompute
 (_CachingTorchDispatchMode's storage), read or not; core-attention recompute keeps the core's inputs and output.
-Measured on CPU (tests/test_compile.py, one bf16 block of 97 tokens; the allocator's live bytes after the
-forward, eager and inductor alike):
+Measured on CPU (tests/test_compile_checkpointing.py, one bf16 block of 97 tokens; the allocator's live bytes
+after the forward, eager and inductor alike):
 - selective-op (torchtitan's per-op SAC): eager 308,848 B, to the byte the planner's count; compiled 258,796 B,
   0.84 of it, in Llama and Qwen3 alike: q's, v's and gate's outputs and SDPA's output and logsumexp, without
   down_proj's output (eager's cache holds it, no backward node reads it);
 - selective-attention: compiled 0.66 (Llama) and 0.60 (Qwen3) of eager's: the partitioner saves the rotated q
   and k and v and recomputes the attention forward in backward (with its RNG state), so not even the core's
   output is kept.
-Whole tiny Llama and Qwen3 models (two fp32 blocks, the loss with them), compiled blocks and the whole model save
-0.83-0.89 of eager SAC's bytes and 0.69-0.75 of eager core-attention recompute's, their peaks under the planner's. So the
+Whole tiny Llama and Qwen3 models (two fp32 blocks, the loss with them), compiled blocks and the whole model
+save 0.83-0.89 of eager SAC's bytes and 0.69-0.75 of eager core-attention recompute's, their peaks under the
+planner's. So the
 planner keeps eager's set for these policies too, an upper bound. Time: the recompute reruns what the policy
-recomputes, as inductor fused it (planner/time/fusion.py recompute_bytes; kernels.recompute_shares: the same
-linears as eager, 17 matmuls in the compiled SAC block's backward against 14 without a checkpoint).
+recomputes: the same linears as eager (kernels.recompute_shares; 17 matmuls in the compiled SAC block's backward
+against 14 without a checkpoint; core-attention recompute: the attention forward), and the forward's elementwise
+kernels as inductor fuses them among the backward's (planner/time/fusion.py recompute_bytes: matched to inductor's
+own per-kernel bytes on CPU under per-op SAC for Llama, Qwen3 and OLMo-2).
 """
 
 from __future__ import annotations

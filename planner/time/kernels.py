@@ -375,9 +375,9 @@ class Work:
     edge_excess_bytes: float = 0.0
     backward_kernels: int = 0  # launches of one backward (the recompute's are the forward's again)
     compiled: str = "none"  # torch.compile: "none" (eager), "blocks" or "model" (planner/time/fusion.py)
-    # the blocks' forward elementwise bytes a checkpointing policy's recompute reruns, per sequence: compiled, every
-    # fused kernel but the block output's (fusion.recompute_bytes); None: all of the forward's (eager reruns op by op)
-    elementwise_rerun_bytes: float | None = None
+    # compiled: the blocks' elementwise bytes each policy's recompute moves in backward, per sequence, as (policy,
+    # bytes) pairs (fusion.recompute_bytes); a policy not listed (eager) reruns the whole forward op by op
+    elementwise_rerun_bytes: tuple[tuple[str, float], ...] = ()
 
 
 def _attention_gemms(s: LayerSpec, hidden: int, tp: int) -> list[tuple[int, int]]:
@@ -475,7 +475,7 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
     gemms: list[Gemm] = []
     attention_flops = attention_seconds = eager_bytes = bias_gradients = 0.0
     elementwise = frozen.adapters if frozen is not None else Traffic()  # the adapters', over every block
-    rerun = 0.0  # compiled: the fused forward bytes a recompute reruns (fusion.recompute_bytes)
+    rerun = dict.fromkeys(fusion.RERUN_POLICIES, 0.0)  # compiled: what a recompute moves (fusion.recompute_bytes)
     kernels = 0
     specs: dict[LayerSpec, int] = {}
     for spec in layer_specs(arch):
@@ -499,7 +499,8 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
         elementwise = elementwise + _block_traffic(arch, spec, tp, sp, compute_bytes, compiled,
                                                    frozen is not None).times(count)
         if compiled != "none":
-            rerun += fusion.recompute_bytes(arch, spec, tp, sp, compute_bytes, "triton") * count
+            for policy in rerun:
+                rerun[policy] += fusion.recompute_bytes(arch, spec, tp, sp, compute_bytes, policy) * count
         bias_gradients += _bias_gradient_elements(arch, spec, tp, sp) * tokens * compute_bytes * count
         kernels += (len(proj) + len(mlp) + 1) * count  # the projections and attention (elementwise ops: Traffic)
     head = Gemm(max(1, arch.vocab_size // tp), h, 1)
@@ -532,7 +533,8 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
                 elementwise_backward_excess_bytes=elementwise.backward_excess_bytes * tokens,
                 edge_excess_bytes=(edge.forward_excess_bytes + edge.backward_excess_bytes) * tokens,
                 backward_kernels=2 * kernels + elementwise.backward_kernels + edge.backward_kernels + 8,
-                compiled=compiled, elementwise_rerun_bytes=rerun * tokens if compiled != "none" else None)
+                compiled=compiled, elementwise_rerun_bytes=tuple((policy, bytes_ * tokens) for policy, bytes_ in
+                                                                 rerun.items()) if compiled != "none" else ())
 
 
 def _block_traffic(arch: Architecture, spec: LayerSpec, tp: int, sp: bool, c: int, compiled: str,
@@ -808,8 +810,8 @@ def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointi
     if w.cast_bytes or w.weight_cast_bytes:  # low precision's casts (LowPrecisionRate)
         elementwise = elementwise + (micro_f * w.cast_bytes + w.weight_cast_bytes) / r.memory_bytes_per_s
     share = shares if shares is not None else Recompute.of_kinds(checkpointing)
-    rerun = (elementwise_fwd if w.elementwise_rerun_bytes is None
-             else micro_f * w.elementwise_rerun_bytes / r.memory_bytes_per_s)
+    fused = dict(w.elementwise_rerun_bytes).get(checkpointing)  # compiled: the fused kernels' bytes
+    rerun = elementwise_fwd if fused is None else micro_f * fused / r.memory_bytes_per_s
     recompute = forward * share.matmul + attn_fwd * share.attention + rerun * share.elementwise
     hardware = matmul_flops + attention_flops + flops * share.matmul + micro_f * w.attention_flops * share.attention
     kernels = w.kernels * (1 + max(share.matmul, share.attention, share.elementwise)) + w.backward_kernels
