@@ -21,7 +21,7 @@ from planner.time import fusion
 from planner.time.kernels import Recompute, micro_batch_terms, rates, recompute_shares, work
 from planner.time.step import estimate_with_time
 from tests.real_runs import LLAMA, OLMO2, QWEN3
-from tests.test_compile import BASE, TINY, TOKENS, _block, _build, _forward_backward_bytes, _request
+from tests.test_compile import BASE, TOKENS, _block, _build, _forward_backward_bytes, _request
 
 POLICIES = ("selective-op", "selective-attention")
 LINEARS = 7  # q, k, v, o, gate, up, down: two matmuls each in backward
