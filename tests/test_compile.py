@@ -22,11 +22,11 @@ TOKENS = 97  # a prime: no weight's size is a multiple of it
 BLOCKS = {"llama": LLAMA, "qwen3": QWEN3, "gpt2": GPT2}
 
 
-def _block(config: dict, torch):
+def _block(config: dict, torch, attention: str = "sdpa"):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf = AutoConfig.for_model(**dict(config, **({"n_layer": 1} if "n_layer" in config else {"num_hidden_layers": 1})))
-    hf._attn_implementation = "sdpa"
+    hf._attn_implementation = attention
     model = AutoModelForCausalLM.from_config(hf).to(torch.bfloat16)
     x = torch.randn(1, TOKENS, hf.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     if config["model_type"] == "gpt2":
@@ -114,7 +114,6 @@ def test_compile_keeps_eager_memory_and_fuses_the_step():
 
 
 @pytest.mark.parametrize("fields, why", [({"pp": 2, "gpus": 8}, "pp=2"),
-                                         ({"checkpointing": "selective-op"}, "selective-op"),
                                          ({"activation_offload": True}, "activation_offload"),
                                          ({"finetune": "lora"}, "finetune lora")])
 def test_compile_refused_where_not_modelled(fields, why):

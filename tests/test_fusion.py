@@ -37,8 +37,9 @@ def _origins(node) -> set[str]:
     return out
 
 
-def _compile_block(config: dict, torch):
-    """Per graph (forward, backward): per kernel, (per-token bytes read + written, its reads, its writes)."""
+def _compile_block(config: dict, torch, wrap=None):
+    """Per graph (forward, backward): per kernel, (per-token bytes read + written, its reads, its writes).
+    ``wrap(block)``: what is compiled instead of the block (a checkpoint around it)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._inductor.graph import GraphLowering
@@ -87,7 +88,7 @@ def _compile_block(config: dict, torch):
         for m, k, v in patches:
             setattr(m, k, v)
         GraphLowering.count_bytes = count_bytes
-        out = torch.compile(block)(x, **kwargs)
+        out = torch.compile(wrap(block) if wrap else block)(x, **kwargs)
         out = out[0] if isinstance(out, tuple) else out
         out.backward(torch.ones_like(out))
     finally:

@@ -675,7 +675,7 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
         notes.extend(setup.arch.notes)  # what the family's reader assumed (eager only, vision tower)
     notes.append(f"peak occurs during {peak_phase.name}")
     notes.append(loop_note(setup.request.keeps_outputs, _held_outputs(setup)))
-    compiled = compile_note(setup.request.compile)
+    compiled = compile_note(setup.request.compile, setup.request.checkpointing)
     if compiled:
         notes.append(compiled)
     notes.extend(loss_notes(loss_kernel(setup.request.loss, setup.gpu.is_cpu)))

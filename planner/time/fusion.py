@@ -86,10 +86,17 @@ BACKENDS = ("triton", "cpp")
 
 @dataclass
 class _Kernels:
-    """Bytes per token of each fused kernel, forward and backward."""
+    """Bytes per token of each fused kernel, forward and backward; what a recompute does not rerun of the forward
+    (recompute_bytes): ``output``, the kernel that writes the block's output; ``act_reads``, the activation's reads;
+    ``norm_input_read``, the attention-input norm's read of the block input (pre-norm, sandwich); ``normed_mlp_out``:
+    a norm reads the MLP's output in backward (post-norm, sandwich)."""
 
     forward: list[float]
     backward: list[float]
+    output: float = 0.0
+    act_reads: float = 0.0
+    norm_input_read: float = 0.0
+    normed_mlp_out: bool = False
 
     def traffic(self) -> Traffic:
         return Traffic(sum(self.forward), sum(self.backward), len(self.forward), len(self.backward))
@@ -182,10 +189,8 @@ def _qkv_cat(s: LayerSpec, tp: int, c: int, backend: str, k: _Kernels) -> None:
         k.backward += [2 * c * w for w in widths]
 
 
-def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, backend: str = "triton") -> Traffic:
-    """One token's fused traffic through one compiled block on one TP rank (shares as
-    elementwise.block_traffic: hidden-width work on 1/tp of the tokens under sequence parallelism, the
-    gradient parts of a normed input on the gathered tokens, q/k and MLP work on their TP shard)."""
+def _block_kernels(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, backend: str) -> _Kernels:
+    """block_traffic's kernels, the block's output kernel marked."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)} (a caller's argument, not a request field)")
     share = 1.0 / tp if sp else 1.0
@@ -199,7 +204,54 @@ def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, b
     _residual(s, hs, hg, stat, drop, attn_parts, mlp_parts, tp, backend, k)
     _qk(arch, s, tp, c, backend, k)
     _qkv_cat(s, tp, c, backend, k)
-    return k.traffic()
+    return k
+
+
+def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, backend: str = "triton") -> Traffic:
+    """One token's fused traffic through one compiled block on one TP rank (shares as
+    elementwise.block_traffic: hidden-width work on 1/tp of the tokens under sequence parallelism, the
+    gradient parts of a normed input on the gathered tokens, q/k and MLP work on their TP shard)."""
+    return _block_kernels(arch, s, tp, sp, c, backend).traffic()
+
+
+RERUN_POLICIES = ("full", "selective-op")  # the policies whose recompute reruns elementwise work
+
+
+def recompute_bytes(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, checkpointing: str,
+                    backend: str = "triton") -> float:
+    """Bytes per token the fused kernels of a checkpointed compiled block's recompute move in backward, beyond
+    its backward's own (``checkpointing``: full or selective-op; core-attention recompute reruns no elementwise
+    work of this model's).
+
+    Under a checkpoint the traced region's ops carry recompute tags (torch 2.13 utils/checkpoint.py
+    _CachingTorchDispatchMode: ``fx_traceback.current_meta["recompute"] = policy`` when compiling; plain
+    checkpoint: every op PREFER_RECOMPUTE) and the partitioner recomputes in backward each tagged node backward
+    needs (torch/_functorch/partitioners.py solve_min_cut: ``must_recompute``). Inductor then schedules those
+    nodes among the backward's own and fuses them where they share reads (scheduler.py score_fusion_memory):
+    - the block's output (the last residual add; post-norm and sandwich: with a norm's statistic, which the
+      norm's backward kernel recomputes from the tensor it reads anyway) is not needed: not rerun;
+    - the activation's product, needed only by the down projection's weight gradient, fuses into the
+      activation's backward kernel, which reads gate and up too: only its write remains. Not where the down
+      projection itself reruns for a norm over its output (full checkpointing of a post-norm or sandwich
+      block): the product is then needed before the MLP's backward, and reruns whole;
+    - under per-op SAC (SDPA's output saved: the attention output is rebuilt by o_proj alone), a pre-norm or
+      sandwich block's attention-input norm is needed only by the attention's half of backward, and fuses into
+      the MLP-side norm's backward kernel, which reads the block input too: only its writes remain. Under full
+      checkpointing the attention's rerun needs it first: rerun whole.
+    The rest (the MLP-side norm, rotary, q/k norms) reruns as the forward ran it. Measured on CPU
+    (tests/test_compile_checkpointing.py, inductor's own per-kernel bytes, backward with the checkpoint minus
+    without): exactly this under per-op SAC for Llama, Qwen3 (pre-norm) and OLMo-2 (post-norm), Gemma-3
+    (sandwich) 3% under it. Under full checkpointing: Qwen3 exactly, Llama 9% over it (its CPU rerun writes the
+    rotated q and k once more), OLMo-2 and Gemma-3 1.3x and 1.6x it (their rotary and activation reruns write
+    extra copies; the C++ backward of their fp32-weight norms is unmatched even unchecked, tests/test_fusion.py).
+    The CUDA side follows the same scheduler rules, unmeasured."""
+    if checkpointing not in RERUN_POLICIES:
+        raise ValueError(f"checkpointing {checkpointing!r} is not one of {', '.join(RERUN_POLICIES)} (a caller's "
+                         "argument)")
+    k = _block_kernels(arch, s, tp, sp, c, backend)
+    act = 0.0 if checkpointing == "full" and k.normed_mlp_out else k.act_reads
+    fused = act + (k.norm_input_read if checkpointing == "selective-op" else 0.0)
+    return sum(k.forward) - k.output - fused
 
 
 def _mlp(s: LayerSpec, tp: int, c: int, k: _Kernels) -> None:
@@ -213,6 +265,7 @@ def _mlp(s: LayerSpec, tp: int, c: int, k: _Kernels) -> None:
     else:
         k.forward.append(2 * inner)
         k.backward.append(3 * inner)
+    k.act_reads = k.forward[-1] - inner
 
 
 def _norm_backward(parts: int, hs: float, hg: float, tp: int, k: _Kernels) -> float:
@@ -249,6 +302,7 @@ def _pre(hs: float, hg: float, stat: float, drop: float, attn_parts: int, mlp_pa
     k.forward.append(2 * hs + stat)  # read x; write the normed input and its statistic
     k.forward.append(3 * hs + stat + drop)  # read x, attn_out; write the normed x2, its statistic (and a mask)
     k.forward.append(4 * hs + 2 * drop)  # read x, attn_out (its mask), mlp_out; write out (and its mask)
+    k.output, k.norm_input_read = k.forward[-1], hs
     g2 = _norm_backward(mlp_parts, hs, hg, tp, k)
     g1 = _norm_backward(attn_parts, hs, hg, tp, k)
     k.backward.append(g2 + 2 * hs + stat + hs + hs + drop)  # read parts, x, attn_out, stat, dout; write dx2
@@ -262,6 +316,7 @@ def _sandwich(hs: float, hg: float, stat: float, drop: float, attn_parts: int, m
     k.forward.append(2 * hs + stat)  # pre1: read x; write normed, statistic
     k.forward.append(3 * hs + 2 * stat + drop)  # post1 and pre2: read x, attn_out; write normed, two statistics
     k.forward.append(4 * hs + 2 * stat + 2 * drop)  # read x, attn_out, post1's statistic, mlp_out; write out, post2's
+    k.output, k.norm_input_read, k.normed_mlp_out = k.forward[-1], hs, True
     g2 = _norm_backward(mlp_parts, hs, hg, tp, k)
     g1 = _norm_backward(attn_parts, hs, hg, tp, k)
     k.backward.append(3 * hs + stat + drop)  # post2: read dout, mlp_out, statistic; write d mlp_out
@@ -277,6 +332,7 @@ def _post(hs: float, hg: float, stat: float, drop: float, attn_parts: int, mlp_p
     Backward, dx2 = dout + the MLP's input parts is never written: each kernel that needs it sums it."""
     k.forward.append(3 * hs + stat + drop)  # read x, attn_out; write x2, the statistic
     k.forward.append(3 * hs + stat + drop)  # read x2, mlp_out; write out, the statistic
+    k.output, k.normed_mlp_out = k.forward[-1], True
     g2 = _norm_backward(mlp_parts, hs, hg, tp, k)
     g1 = _norm_backward(attn_parts, hs, hg, tp, k)
     k.backward.append(3 * hs + stat + drop)  # norm2: read dout, mlp_out, statistic; write d mlp_out
@@ -291,6 +347,7 @@ def _parallel(s: LayerSpec, hs: float, hg: float, stat: float, drop: float, attn
     norms = 1 if s.norms == 1 else 2
     k.forward.append(hs + norms * (hs + stat))  # read x; write the normed inputs, their statistics
     k.forward.append(4 * hs + 2 * drop)  # read x, attn_out, mlp_out; write out
+    k.output = k.forward[-1]
     groups = (attn_parts + mlp_parts,) if norms == 1 else (attn_parts, mlp_parts)
     grads = [_norm_backward(parts, hs, hg, tp, k) for parts in groups]
     k.backward.append(sum(grads) + hs + norms * stat + hs + hs + 2 * drop)  # read parts, x, stats, dout; write dx

@@ -375,6 +375,9 @@ class Work:
     edge_excess_bytes: float = 0.0
     backward_kernels: int = 0  # launches of one backward (the recompute's are the forward's again)
     compiled: str = "none"  # torch.compile: "none" (eager), "blocks" or "model" (planner/time/fusion.py)
+    # compiled: the blocks' elementwise bytes each policy's recompute moves in backward, per sequence, as (policy,
+    # bytes) pairs (fusion.recompute_bytes); a policy not listed (eager) reruns the whole forward op by op
+    elementwise_rerun_bytes: tuple[tuple[str, float], ...] = ()
 
 
 def _attention_gemms(s: LayerSpec, hidden: int, tp: int) -> list[tuple[int, int]]:
@@ -472,6 +475,7 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
     gemms: list[Gemm] = []
     attention_flops = attention_seconds = eager_bytes = bias_gradients = 0.0
     elementwise = frozen.adapters if frozen is not None else Traffic()  # the adapters', over every block
+    rerun = dict.fromkeys(fusion.RERUN_POLICIES, 0.0)  # compiled: what a recompute moves (fusion.recompute_bytes)
     kernels = 0
     specs: dict[LayerSpec, int] = {}
     for spec in layer_specs(arch):
@@ -494,6 +498,9 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
         eager_bytes += heads * tokens * seq * 16 * count  # scores 2, softmax in fp32 4+4, probs 2+2, mask 2
         elementwise = elementwise + _block_traffic(arch, spec, tp, sp, compute_bytes, compiled,
                                                    frozen is not None).times(count)
+        if compiled != "none":
+            for policy in rerun:
+                rerun[policy] += fusion.recompute_bytes(arch, spec, tp, sp, compute_bytes, policy) * count
         bias_gradients += _bias_gradient_elements(arch, spec, tp, sp) * tokens * compute_bytes * count
         kernels += (len(proj) + len(mlp) + 1) * count  # the projections and attention (elementwise ops: Traffic)
     head = Gemm(max(1, arch.vocab_size // tp), h, 1)
@@ -526,7 +533,8 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
                 elementwise_backward_excess_bytes=elementwise.backward_excess_bytes * tokens,
                 edge_excess_bytes=(edge.forward_excess_bytes + edge.backward_excess_bytes) * tokens,
                 backward_kernels=2 * kernels + elementwise.backward_kernels + edge.backward_kernels + 8,
-                compiled=compiled)
+                compiled=compiled, elementwise_rerun_bytes=tuple((policy, bytes_ * tokens) for policy, bytes_ in
+                                                                 rerun.items()) if compiled != "none" else ())
 
 
 def _block_traffic(arch: Architecture, spec: LayerSpec, tp: int, sp: bool, c: int, compiled: str,
@@ -802,7 +810,9 @@ def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointi
     if w.cast_bytes or w.weight_cast_bytes:  # low precision's casts (LowPrecisionRate)
         elementwise = elementwise + (micro_f * w.cast_bytes + w.weight_cast_bytes) / r.memory_bytes_per_s
     share = shares if shares is not None else Recompute.of_kinds(checkpointing)
-    recompute = forward * share.matmul + attn_fwd * share.attention + elementwise_fwd * share.elementwise
+    fused = dict(w.elementwise_rerun_bytes).get(checkpointing)  # compiled: the fused kernels' bytes
+    rerun = elementwise_fwd if fused is None else micro_f * fused / r.memory_bytes_per_s
+    recompute = forward * share.matmul + attn_fwd * share.attention + rerun * share.elementwise
     hardware = matmul_flops + attention_flops + flops * share.matmul + micro_f * w.attention_flops * share.attention
     kernels = w.kernels * (1 + max(share.matmul, share.attention, share.elementwise)) + w.backward_kernels
     if w.loss_recompute_flops:  # CCE's backward reruns the LM head's forward matmul
