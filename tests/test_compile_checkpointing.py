@@ -321,3 +321,28 @@ def test_plan_under_compile_with_selective_op_runs_faster_than_eager():
     assert compiled.candidates and all(c.checkpointing == "selective-op" and c.parallel.pp == 1
                                        for c in compiled.candidates)
     assert compiled.recommended.step_seconds < eager.recommended.step_seconds
+
+
+def test_whole_model_compile_under_accumulation_is_refused_and_the_plan_searches_one_micro_batch():
+    """A whole-model compiled backward returns every gradient when it ends, beside the accumulated .grad from
+    the second micro-batch on: not in the memory model, so refused with the field; the plan keeps each
+    rank's share of the batch as one micro-batch."""
+    import pytest as _pytest
+
+    from planner.errors import PlannerError
+    from planner.memory.orchestrator import estimate
+    from planner.plan.search import plan
+    from planner.schema import EstimateRequest, PlanRequest
+
+    base = dict(model="llama-3.2-1b", strategy="ddp", gpus=8, gpu="h100-80gb", seq_len=2048, micro_batch=2)
+    with _pytest.raises(PlannerError, match="gradient_accumulation 4") as info:
+        estimate(EstimateRequest(**base, gradient_accumulation=4, compile="model"))
+    assert info.value.field == "compile"
+    assert estimate(EstimateRequest(**base, gradient_accumulation=4, compile="blocks")).fits
+    assert estimate(EstimateRequest(**base, gradient_accumulation=1, compile="model")).fits
+    planned = plan(PlanRequest(model="llama-3.2-1b", gpu="h100-80gb", gpus=8, seq_len=2048, global_batch=64,
+                               compile="model"))
+    assert planned.recommended is not None
+    assert planned.recommended.gradient_accumulation == 1
+    assert all(c.gradient_accumulation == 1 for c in planned.candidates)
+    assert any("without gradient accumulation" in n for n in planned.notes)

@@ -46,7 +46,8 @@ def longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_fields
                     "pp_virtual_stages": c.pp_virtual_stages or req.pp_virtual_stages}
         degrees |= {k: v for k, v in (("pp_first_stage_layers", c.pp_first_stage_layers),
                                       ("pp_last_stage_layers", c.pp_last_stage_layers)) if v is not None}
-    elif c.micro_batch * c.gradient_accumulation > 1:  # micro-batches of 1 accumulate (frameworks/)
+    elif c.micro_batch * c.gradient_accumulation > 1 and req.compile != "model":
+        # micro-batches of 1 accumulate (frameworks/); not under whole-model compile (recipes/compile.py)
         degrees |= {"gradient_accumulation": 2}
 
     # a learned position table (GPT-2's n_positions) bounds the sequence whatever the memory
@@ -183,7 +184,8 @@ def _fits(req: PlanRequest, name: str, usable: float, model_fields: dict, gpus: 
                 e = measure(resolve(EstimateRequest(**model_fields, strategy=name, gpus=gpus, nodes=nodes, gpu=req.gpu,
                                              precision=req.precision, optimizer=req.optimizer, micro_batch=1,
                                              optimizer_in_backward=req.optimizer_in_backward,
-                                             gradient_accumulation=2 if req.global_batch * tp > gpus * nodes else 1,
+                                             gradient_accumulation=2 if req.global_batch * tp > gpus * nodes
+                                             and req.compile != "model" else 1,
                                              seq_len=req.seq_len, checkpointing="full", attention=req.attention,
                                              offload_optimizer=off_opt, offload_params=off_par,
                                              hsdp_shard_size=explicit_hsdp_shard(name, shard, gpus),

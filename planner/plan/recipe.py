@@ -56,6 +56,10 @@ def allowed_layouts(req: PlanRequest, layouts: list[tuple[int, int, int, int]]) 
     if not unpiped:
         raise PlannerError(f"{why}; none of the plan's layouts (tp, cp, pp, ep) {kept} is one", field="compile")
     left = len(kept) - len(unpiped)
+    if req.compile == "model":  # settings.micro_options: one micro-batch per rank and step
+        notes = notes + ["recipe: compile model is modelled without gradient accumulation (its backward returns every "
+                         "gradient at its end, beside the accumulated ones): each data-parallel rank takes its share of "
+                         "the global batch as one micro-batch"]
     return unpiped, notes + ([f"recipe: {why}: {left} layout(s) not searched"] if left else [])
 
 

@@ -295,7 +295,10 @@ def micro_options(req: PlanRequest, combo: Setting, per_rank: int, num_layers: i
     for a pipeline those whose micro-batch count its schedule runs (planner/parallel/pipeline.py
     check_schedule: torch's schedules refuse the rest) and an estimate request can state."""
     if combo.pp == 1:
-        return _stateable(per_rank, req.seq_len)
+        options = _stateable(per_rank, req.seq_len)
+        if req.compile == "model":  # no accumulation under whole-model compile (recipes/compile.py check_compile)
+            options = options[options == per_rank]
+        return options
     if per_rank * combo.gpus * req.nodes > MAX_GLOBAL_BATCH:
         return _divisors(per_rank)[:0]
     micro = _pipeline_micro(per_rank, combo.pp, combo.schedule, combo.virtual_stages, num_layers, req.seq_len)
