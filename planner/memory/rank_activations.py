@@ -105,13 +105,15 @@ def _activations(setup: Setup) -> tuple[Activations, bool]:
     # TP-only rank; FSDP2 casts them by its MixedPrecisionPolicy: backend/train.py, train_parallel.py).
     # A pipeline stage counts its own (pipeline._autocast_fp32_stream_extra); cp keeps the 16-bit count.
     autocast = _autocast(setup)
+    fused = req.fused_kernels  # planner/recipes/fused_kernels.py (check_fused_kernels: full fine-tunes, no pp)
     acts = _model_activations(arch, req.micro_batch, seq_len, compute, req.attention, req.checkpointing, setup.device,
-                              autocast, req.checkpointing_every, setup.loss_chunks)
+                              autocast, req.checkpointing_every, setup.loss_chunks, fused)
     if setup.rank_architecture is not None:
         acts = _tp_activations(acts, setup.model.architecture, setup.arch, setup.tp, setup.sequence_parallel,
-                               req.micro_batch * seq_len, compute, setup.vocab_parallel_loss, autocast)
+                               req.micro_batch * seq_len, compute, setup.vocab_parallel_loss, autocast, fused)
     return cp_activations(acts, setup.arch, cp=setup.cp, tokens=req.micro_batch * req.seq_len, b=compute,
-                          tp=setup.tp, sequence_parallel=setup.sequence_parallel, device=setup.device), autocast
+                          tp=setup.tp, sequence_parallel=setup.sequence_parallel, device=setup.device,
+                          fused=fused), autocast
 
 
 def _autocast(setup: Setup) -> bool:
@@ -122,35 +124,36 @@ def _autocast(setup: Setup) -> bool:
 
 
 def _model_activations(arch, micro_batch: int, seq_len: int, compute: int, attention: str, checkpointing: str,
-                       device: str, autocast: bool, every: int | None, loss_chunks: int) -> Activations:
+                       device: str, autocast: bool, every: int | None, loss_chunks: int,
+                       fused: tuple[str, ...] = ()) -> Activations:
     """estimate_activations, once per architecture and arguments: the plan search asks the same
     ones for every strategy, shard group and offload of a layout (an Activations is frozen)."""
     memo = derived(arch).setdefault("_activations", {})
-    key = (micro_batch, seq_len, compute, attention, checkpointing, device, autocast, every, loss_chunks)
+    key = (micro_batch, seq_len, compute, attention, checkpointing, device, autocast, every, loss_chunks, fused)
     if key not in memo:
         if len(memo) >= 4096:
             memo.clear()
         memo[key] = estimate_activations(arch, micro_batch=micro_batch, seq_len=seq_len, compute_bytes=compute,
                                          attention=attention, checkpointing=checkpointing, device=device,
-                                         autocast=autocast, every=every, loss_chunks=loss_chunks)
+                                         autocast=autocast, every=every, loss_chunks=loss_chunks, fused=fused)
     return memo[key]
 
 
 def _tp_activations(acts: Activations, full, rank, tp: int, sequence_parallel: bool, tokens: int, b: int,
-                    vocab_parallel_loss: bool, autocast: bool) -> Activations:
+                    vocab_parallel_loss: bool, autocast: bool, fused: tuple[str, ...] = ()) -> Activations:
     """tensor_parallel.tp_activations, once per its arguments: the plan search asks the same for
     every strategy, shard group and pipeline schedule of a TP layout. ``acts`` (an answer of
     _model_activations, frozen) and the rank's architecture are kept in the memo beside the
     answer, so their identities in the key stay theirs."""
     memo = derived(full).setdefault("_tp_activations", {})
-    key = (id(acts), id(rank), tp, sequence_parallel, tokens, b, vocab_parallel_loss, autocast)
+    key = (id(acts), id(rank), tp, sequence_parallel, tokens, b, vocab_parallel_loss, autocast, fused)
     hit = memo.get(key)
     if hit is None or hit[0] is not acts or hit[1] is not rank:
         if len(memo) >= 4096:
             memo.clear()
         hit = memo[key] = (acts, rank, tp_activations(acts, full, rank, tp=tp, sequence_parallel=sequence_parallel,
                                                       tokens=tokens, b=b, vocab_parallel_loss=vocab_parallel_loss,
-                                                      autocast=autocast))
+                                                      autocast=autocast, fused=fused))
     return hit[2]
 
 
