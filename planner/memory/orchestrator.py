@@ -141,8 +141,8 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     check_float8_all_gather(request, s.shards_parameters, s.params_unsharded_in_step)
     act_offload.check_activation_offload(request, model, dims)
     check_compile(request, dims)
-    check_fused_kernels(request.fused_kernels, model.architecture, gpu_is_cpu=g.is_cpu, pp=dims.pp,
-                        finetune=request.finetune, compile_mode=request.compile, traced=model.traced is not None)
+    check_fused_kernels(request.fused_kernels, model.architecture, gpu_is_cpu=g.is_cpu, pp=dims.pp, tp=dims.tp,
+                        compile_mode=request.compile, traced=model.traced is not None)
     if dims.pp > 1 and model.architecture is not None and model.architecture.vision_numels:
         raise PlannerError(f"pp={dims.pp} with the vision tower counted (what the loader builds for model_type "
                            f"{model.architecture.model_type!r}): the pipeline model splits the text decoder's blocks "

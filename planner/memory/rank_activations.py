@@ -98,19 +98,19 @@ def _activations(setup: Setup) -> tuple[Activations, bool]:
                                 compute_bytes=compute, attention=req.attention, checkpointing=req.checkpointing,
                                 device=setup.device, adapter_copy=adapter_copy,
                                 linears_save_inputs=setup.framework.linears_save_inputs(setup.strategy),
-                                fp32_stream=fp32_stream), fp32_stream
+                                fp32_stream=fp32_stream, fused=req.fused_kernels), fp32_stream
     arch = setup.arch
     seq_len = req.seq_len // setup.cp  # the rank's two chunks of each sequence under cp
     # torch.autocast over the fp32 weights: torch's mixed recipes where nothing casts them (DDP, a
     # TP-only rank; FSDP2 casts them by its MixedPrecisionPolicy: backend/train.py, train_parallel.py).
     # A pipeline stage counts its own (pipeline._autocast_fp32_stream_extra); cp keeps the 16-bit count.
     autocast = _autocast(setup)
-    fused = req.fused_kernels  # planner/recipes/fused_kernels.py (check_fused_kernels: full fine-tunes, no pp)
+    fused = req.fused_kernels  # planner/recipes/fused_kernels.py (check_fused_kernels: no pp, no compile; no rms_norm under tp)
     acts = _model_activations(arch, req.micro_batch, seq_len, compute, req.attention, req.checkpointing, setup.device,
                               autocast, req.checkpointing_every, setup.loss_chunks, fused)
     if setup.rank_architecture is not None:
         acts = _tp_activations(acts, setup.model.architecture, setup.arch, setup.tp, setup.sequence_parallel,
-                               req.micro_batch * seq_len, compute, setup.vocab_parallel_loss, autocast, fused)
+                               req.micro_batch * seq_len, compute, setup.vocab_parallel_loss, autocast)
     return cp_activations(acts, setup.arch, cp=setup.cp, tokens=req.micro_batch * req.seq_len, b=compute,
                           tp=setup.tp, sequence_parallel=setup.sequence_parallel, device=setup.device,
                           fused=fused), autocast
@@ -140,20 +140,20 @@ def _model_activations(arch, micro_batch: int, seq_len: int, compute: int, atten
 
 
 def _tp_activations(acts: Activations, full, rank, tp: int, sequence_parallel: bool, tokens: int, b: int,
-                    vocab_parallel_loss: bool, autocast: bool, fused: tuple[str, ...] = ()) -> Activations:
+                    vocab_parallel_loss: bool, autocast: bool) -> Activations:
     """tensor_parallel.tp_activations, once per its arguments: the plan search asks the same for
     every strategy, shard group and pipeline schedule of a TP layout. ``acts`` (an answer of
     _model_activations, frozen) and the rank's architecture are kept in the memo beside the
     answer, so their identities in the key stay theirs."""
     memo = derived(full).setdefault("_tp_activations", {})
-    key = (id(acts), id(rank), tp, sequence_parallel, tokens, b, vocab_parallel_loss, autocast, fused)
+    key = (id(acts), id(rank), tp, sequence_parallel, tokens, b, vocab_parallel_loss, autocast)
     hit = memo.get(key)
     if hit is None or hit[0] is not acts or hit[1] is not rank:
         if len(memo) >= 4096:
             memo.clear()
         hit = memo[key] = (acts, rank, tp_activations(acts, full, rank, tp=tp, sequence_parallel=sequence_parallel,
                                                       tokens=tokens, b=b, vocab_parallel_loss=vocab_parallel_loss,
-                                                      autocast=autocast, fused=fused))
+                                                      autocast=autocast))
     return hit[2]
 
 

@@ -171,7 +171,7 @@ def cp_activations(acts: Activations, a: Architecture, *, cp: int, tokens: int, 
     stream_tokens, sp_cut = local, 0
     if sequence_parallel and tp > 1:
         stream_tokens = -(-local // tp)  # DTensor's Shard: ceil(n / tp) on the first ranks
-        sp_cut = sequence_parallel_norm_cut_bytes(a, local, b, tp, fused)
+        sp_cut = sequence_parallel_norm_cut_bytes(a, local, b, tp)  # no fused norm under tp (check_fused_kernels)
     attention_phase = (b * (stream_tokens * a.hidden_size + local * q_width) + ring
                        - _freed_before_attention_bytes(a, local, b, sp_cut, fused))
     transient = max(acts.layer_transient_bytes, attention_phase)

@@ -119,28 +119,22 @@ def _with(a: Architecture, fields: dict) -> Architecture:
     return Architecture.model_validate({**a.__dict__, **fields})
 
 
-def _sharded_norm_bytes(a: Architecture, tokens: int, b: int, autocast: bool = False,
-                        fused: tuple[str, ...] = ()) -> int:
+def _sharded_norm_bytes(a: Architecture, tokens: int, b: int, autocast: bool = False) -> int:
     """What one hidden-width norm saves that SP splits over the sequence: RMSNorm's fp32 input
     (upcast), ``x * rsqrt`` in the compute dtype (fp32 under autocast: activations._norm_saved)
-    and rsqrt per token; a fused RMSNorm's input (fp32 under autocast) and fp32 rstd per token
-    (activations._fused_rms_norm_saved); LayerNorm's input, mean and rstd. Its output, all-gathered,
-    is saved whole by the following column-parallel linear (activations._norm_saved counts it, and
-    it stays)."""
-    if a.norm == "rmsnorm" and "rms_norm" in fused:
-        return (FP32 if autocast else b) * tokens * a.hidden_size + FP32 * tokens
+    and rsqrt per token; LayerNorm's input, mean and rstd. Its output, all-gathered, is saved
+    whole by the following column-parallel linear (activations._norm_saved counts it, and it stays)."""
     if a.norm == "rmsnorm":
         product = FP32 if autocast else b
         return FP32 * tokens * a.hidden_size + product * tokens * a.hidden_size + FP32 * tokens
     return b * tokens * a.hidden_size + 2 * FP32 * tokens
 
 
-def sequence_parallel_norm_cut_bytes(a: Architecture, tokens: int, b: int, tp: int,
-                                     fused: tuple[str, ...] = ()) -> int:
+def sequence_parallel_norm_cut_bytes(a: Architecture, tokens: int, b: int, tp: int) -> int:
     """What SP takes off one Llama-style norm's saved set over ``tokens`` (the part split over the
     sequence, less the rank's 1/tp of it), for modules that reason about what a block's backward
     frees at a norm (planner/parallel/context.py)."""
-    unit = _sharded_norm_bytes(a, tokens, b, fused=fused)
+    unit = _sharded_norm_bytes(a, tokens, b)
     return unit - _split(unit, tp)
 
 
@@ -221,7 +215,7 @@ def tp_only_gradient_items(point: SweepPoint, *, rank_elements: int, excess: int
 
 def tp_activations(acts: Activations, full: Architecture, rank: Architecture, *, tp: int,
                    sequence_parallel: bool, tokens: int, b: int, vocab_parallel_loss: bool = True,
-                   autocast: bool = False, fused: tuple[str, ...] = ()) -> Activations:
+                   autocast: bool = False) -> Activations:
     """One TP rank's activations: ``acts`` are those of the narrower model (``rank``), with the
     loss's extra transient and, under SP, the norms' saved tensors and the checkpointed block
     inputs split over the sequence."""
@@ -233,7 +227,7 @@ def tp_activations(acts: Activations, full: Architecture, rank: Architecture, *,
     final_norm_transient = acts.final_norm_transient_bytes
     items = list(acts.items)
     if sequence_parallel:
-        unit = _sharded_norm_bytes(full, tokens, b, autocast and b != FP32, fused)
+        unit = _sharded_norm_bytes(full, tokens, b, autocast and b != FP32)
         cut = unit - _split(unit, tp)
         largest, blocks, final = _cast_norms(full)
         layer_saved -= largest * cut
@@ -249,7 +243,7 @@ def tp_activations(acts: Activations, full: Architecture, rank: Architecture, *,
             edges = EdgeTerms(edges.embedding_saved, edges.final_norm_saved - final * cut, edges.loss_saved,
                               edges.rope_saved)
         # the final norm's backward runs on the rank's tokens / tp (a SequenceParallel norm)
-        final_norm_transient = final_norm_transient_bytes(full, _split(tokens, tp), fused)
+        final_norm_transient = final_norm_transient_bytes(full, _split(tokens, tp))
         if acts.checkpointed:
             # the residual stream between blocks, each block's checkpointed input, is sequence-sharded
             kept = _split((FP32 if autocast and full.norm == "rmsnorm" else b) * tokens * full.hidden_size, tp)

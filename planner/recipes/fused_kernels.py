@@ -87,11 +87,13 @@ def _why_not(part: str, arch: Any) -> str | None:
         return (f"Liger-Kernel's apply_liger_kernel_to_* patches no {part} for model_type {arch.model_type!r} "
                 f"(monkey_patch.py); its families here: {', '.join(sorted(LIGER_FAMILIES[part]))}")
     if part == "rms_norm" and any(s.norm != "rmsnorm" or s.norm_weight != "cast" for s in specs):
-        return ("its norms multiply their weight in fp32 (Olmo2/Gemma3RMSNorm: Liger's gemma casting mode and "
-                "post-norm placement are not modelled); modelled for Llama-style RMSNorm (weight * x.to(dtype))")
+        return ("its norms multiply their weight in fp32 (Olmo2, Gemma3 and GptOss RMSNorm: Liger's casting modes "
+                "for them and the post-norm placements are not modelled); modelled for Llama-style RMSNorm "
+                "(weight * x.to(dtype))")
     if part == "rope" and (arch.learned_positions or arch.model_type in ("llama4", "llama4_text")
-                           or not all(s.attention.rope for s in specs)):
-        return "modelled for transformers' apply_rotary_pos_emb on every block (Llama-4's complex rotary is not)"
+                           or not any(s.attention.rope for s in specs)):
+        return ("modelled for transformers' apply_rotary_pos_emb (SmolLM3's NoPE blocks call none; Llama-4's "
+                "complex rotary is not modelled)")
     if part == "swiglu":
         if any(s.mlp.is_moe for s in specs):
             return "Liger's expert kernels (LigerExperts) are not modelled; swiglu is modelled for dense MLPs"
@@ -101,26 +103,33 @@ def _why_not(part: str, arch: Any) -> str | None:
     return None
 
 
-def check_fused_kernels(kernels: tuple[str, ...], arch: Any, *, gpu_is_cpu: bool, pp: int, finetune: str,
-                        compile_mode: str, traced: bool) -> None:
+def check_fused_kernels(kernels: tuple[str, ...], arch: Any, *, gpu_is_cpu: bool, pp: int, tp: int, compile_mode: str,
+                        traced: bool) -> None:
     """Refuse what is not modelled, naming the field and the value."""
     if not kernels:
         return
     value = ",".join(kernels)
     why = None
     if gpu_is_cpu:
-        why = "Liger's kernels (and torchtitan's fused_rmsnorm) are Triton: they run on a GPU only, not on CPU ranks"
+        why = ("gpu cpu (CPU ranks): Liger's kernels and torchtitan's fused_rmsnorm are Triton, they run on a GPU "
+               "only")
     elif traced or arch is None:
-        why = "needs the model's architecture (a traced or parameter-count model has no blocks to patch)"
+        why = "a traced or parameter-count model: the kernels replace blocks' modules, which it does not describe"
     elif pp > 1:
         why = f"pp={pp}: the pipeline stages' boundary and backward terms are counted for eager norms"
-    elif finetune != "full":
-        why = f"finetune {finetune}: the frozen base's saved set is counted for eager norms and MLPs"
     elif compile_mode != "none":
         why = (f"compile {compile_mode}: inductor's fusion of the same ops is modelled instead (axolotl turns "
                "compile off around Liger's kernels)")
     if why:
-        raise PlannerError(f"fused_kernels={value} with {why}", field="fused_kernels")
+        raise PlannerError(f"fused_kernels={value} with {why}; estimate without fused_kernels",
+                           field="fused_kernels")
+    if "rms_norm" in kernels and tp > 1:
+        # LigerRMSNormFunction takes plain tensors (no DTensor path, unlike LigerSiLUMulFunction's): axolotl refuses
+        # liger_rms_norm with tensor parallelism (integrations/liger/args.py check_liger_rms_norm_tensor_parallel,
+        # citing Liger-Kernel issue #826)
+        raise PlannerError(f"fused_kernels=rms_norm with tp={tp}: Liger's RMSNorm does not run on tensor-parallel "
+                           "DTensors (axolotl refuses liger_rms_norm with tensor parallelism, Liger-Kernel issue "
+                           "#826); drop rms_norm or use tp 1", field="fused_kernels")
     for part in kernels:
         reason = _why_not(part, arch)
         if reason:
