@@ -100,8 +100,8 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         # them into the single-model trainer (backend/train.py, backend/fused_kernels.py), not the model-parallel
         # ones, which build their own modules
         raise PlannerError(f"fused_kernels={','.join(request.fused_kernels)}: the probe patches Liger's kernels on a "
-                           "GPU into a data-parallel model only (the tp, cp, pp and ep probes build their own modules); this "
-                           "layout stays unverified, estimate it without verify", field="fused_kernels")
+                           "GPU into a data-parallel model only (the tp, cp, pp and ep probes build their own "
+                           "modules); this layout stays unverified, estimate it without verify", field="fused_kernels")
     if request.low_precision in ("nvfp4", "te-fp8"):
         raise PlannerError(f"low_precision={request.low_precision}: the probe swaps torchao's float8 and mxfp8 "
                            "linears only (backend/low_precision.py); this recipe stays unverified", field="low_precision")

@@ -46,7 +46,8 @@ def test_a_fused_rms_norm_saves_four_bytes_per_element_fewer_per_norm(b):
     eager = 4 * H + b * H + b * H + 4
     fused = b * H + b * H + 4
     assert eager - fused == 4 * H
-    assert _block((), b=b) - _block(("rms_norm",), b=b) == 2 * (eager - fused) * tokens  # input_layernorm, post_attention
+    # input_layernorm and post_attention_layernorm
+    assert _block((), b=b) - _block(("rms_norm",), b=b) == 2 * (eager - fused) * tokens
 
 
 def test_under_autocast_the_fused_norm_saves_its_fp32_input_and_still_four_bytes_fewer():
@@ -232,9 +233,8 @@ def test_job_files_turn_the_fused_kernels_on(files, overrides, kernels, loss):
 
 
 @pytest.mark.parametrize("files,overrides,key", [
-    (("trl/example_config.yaml",), {"use_liger_kernel": True, "liger_kernel_config": {"cross_entropy": True,
-                                                                                      "fused_linear_cross_entropy": False}},
-     "liger_kernel_config"),
+    (("trl/example_config.yaml",), {"use_liger_kernel": True, "liger_kernel_config": {
+        "cross_entropy": True, "fused_linear_cross_entropy": False}}, "liger_kernel_config"),
     (("trl/example_config.yaml",), {"use_liger_kernel": True, "liger_kernel_config": {"rms_norm_offset": 1}},
      "liger_kernel_config"),
     (("axolotl/lora-8b.yml",), {"liger_cross_entropy": True}, "liger_cross_entropy"),

@@ -57,8 +57,8 @@ TABLE: dict[str, Key] = {
                                "upcast and x * rsqrt)"),
     "liger_glu_activation": Modelled("fused_kernels swiglu (LigerSiLUMulFunction: gate and up saved, not act(gate))"),
     "liger_swiglu": Modelled("as liger_glu_activation (its deprecated spelling)"),
-    "liger_layer_norm": Inert("Liger's layer_norm= patches only vision towers' LayerNorms (monkey_patch.py at ead96b61: "
-                              "llama4, gemma3, mllama, paligemma, qwen2-vl), which text batches never run"),
+    "liger_layer_norm": Inert("Liger's layer_norm= patches only vision towers' LayerNorms (monkey_patch.py at "
+                              "ead96b61: llama4, gemma3, mllama, paligemma, qwen2-vl), which text batches never run"),
     "liger_cross_entropy": Refused("Liger's cross-entropy over the whole logits is not modelled (its fused linear "
                                    "cross-entropy is: liger_fused_linear_cross_entropy)", lambda v, b: off(v),
                                    "false, or liger_fused_linear_cross_entropy"),

@@ -33,8 +33,9 @@ TRAINING_ARGUMENTS: dict[str, Key] = {
     "max_steps": Modelled("the job's length"), "num_train_epochs": Modelled("the job's length (x dataset tokens)"),
     "deepspeed": Modelled("the DeepSpeed JSON, read from the files given"),
     "fsdp": Modelled("strategy fsdp / fsdp-grad-op / hsdp, offload"), "fsdp_config": Modelled("see fsdp"),
-    "use_liger_kernel": Modelled("the parts liger_kernel_config leaves on: loss liger-fused (fused_linear_cross_entropy) "
-                                 "and fused_kernels rms_norm, rope, swiglu (apply_liger_kernel_to_llama's defaults)"),
+    "use_liger_kernel": Modelled("the parts liger_kernel_config leaves on: loss liger-fused "
+                                 "(fused_linear_cross_entropy) and fused_kernels rms_norm, rope, swiglu "
+                                 "(apply_liger_kernel_to_llama's defaults)"),
     "liger_kernel_config": Modelled("with use_liger_kernel: the apply function's arguments (rope, rms_norm, swiglu, "
                                     "fused_linear_cross_entropy, cross_entropy)"),
     **TORCH_COMPILE_KEYS,

@@ -105,7 +105,7 @@ def _activations(setup: Setup) -> tuple[Activations, bool]:
     # TP-only rank; FSDP2 casts them by its MixedPrecisionPolicy: backend/train.py, train_parallel.py).
     # A pipeline stage counts its own (pipeline._autocast_fp32_stream_extra); cp keeps the 16-bit count.
     autocast = _autocast(setup)
-    fused = req.fused_kernels  # planner/recipes/fused_kernels.py (check_fused_kernels: no pp, no compile; no rms_norm under tp)
+    fused = req.fused_kernels  # planner/recipes/fused_kernels.py (check_fused_kernels: no pp or compile)
     acts = _model_activations(arch, req.micro_batch, seq_len, compute, req.attention, req.checkpointing, setup.device,
                               autocast, req.checkpointing_every, setup.loss_chunks, fused)
     if setup.rank_architecture is not None:

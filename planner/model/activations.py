@@ -136,20 +136,21 @@ def _norm_saved(a: Architecture, tokens: int, b: int, autocast: bool = False) ->
     return b * tokens * h + b * tokens * h + 2 * FP32 * tokens
 
 
-def _fused_rms_norm_saved(a: Architecture, tokens: int, b: int) -> int:
+def _fused_rms_norm_saved(a: Architecture, tokens: int, b: int, autocast: bool = False) -> int:
     """A fused RMSNorm (Liger's LigerRMSNormFunction, torchtitan's TritonFusedRMSNorm:
-    planner/recipes/fused_kernels.py): its input as given and one fp32 rstd per row, and its output
-    (saved by the next linear), with ``b`` the input's dtype: no fp32 upcast and no ``x * rsqrt``.
-    Under torch.autocast the fp32 stream's extra bytes per norm are added by _autocast_stream_extra,
-    as for the eager norm (there the fp32 ``x * rsqrt``, here the fp32 input: (4 - b) each)."""
-    return b * tokens * a.hidden_size + b * tokens * a.hidden_size + FP32 * tokens
+    planner/recipes/fused_kernels.py): its input as given (fp32 under autocast, the fp32 stream) and
+    one fp32 rstd per row, and its output (saved by the next linear): no fp32 upcast and no
+    ``x * rsqrt``. A block's norms are counted with ``autocast`` off and the fp32 stream's extra
+    bytes added by _autocast_stream_extra, as for the eager norm (there the fp32 ``x * rsqrt``, here
+    the fp32 input: 4 - b per element each)."""
+    stream = FP32 if autocast else b
+    return stream * tokens * a.hidden_size + b * tokens * a.hidden_size + FP32 * tokens
 
 
 def _norm_saved_of(a: Architecture, tokens: int, b: int, fused: tuple[str, ...], autocast: bool = False) -> int:
     """A hidden-width RMSNorm or LayerNorm, eager or fused (``"rms_norm" in fused``)."""
     if "rms_norm" in fused and a.norm == "rmsnorm":
-        stream = FP32 if autocast else b  # the final norm under autocast: its fp32 input
-        return stream * tokens * a.hidden_size + b * tokens * a.hidden_size + FP32 * tokens
+        return _fused_rms_norm_saved(a, tokens, b, autocast)
     return _norm_saved(a, tokens, b, autocast)
 
 
@@ -312,8 +313,8 @@ def block_saved_bytes(a: Architecture, spec: LayerSpec, tokens: int, seq_len: in
         # a dense MLP of the block's own width (DeepSeek's first layers, Llama-4's dense layers):
         # gate, act(gate), up and their product; plain: up and act(up)
         mlp = (gated_tensors(fused) if spec.mlp.gated else 2) * b * tokens * spec.mlp.intermediate_size
-    return (_block_norms_saved(a, spec, tokens, b, fused) + attention_bytes + _qk_norm_saved(attn, tokens, b, float_weight)
-            + mlp + _dropout_saved(a, tokens, b, device)
+    return (_block_norms_saved(a, spec, tokens, b, fused) + attention_bytes
+            + _qk_norm_saved(attn, tokens, b, float_weight) + mlp + _dropout_saved(a, tokens, b, device)
             + (_autocast_stream_extra(a, spec, b) * tokens * a.hidden_size if autocast else 0))
 
 
@@ -687,7 +688,9 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
             what = "per-op SAC: input, saved linears' and SDPA's outputs"
         elif checkpointing == "selective-attention":
             core = _attention_saved(a, tokens, seq_len, micro_batch, b, attention, device)
-            kept = [saved - core + _core_attention_kept(spec, tokens, b, fp32_stream)
+            # Liger's rope rotates the 16-bit q and k in place: no fp32 promotion under autocast
+            rotated_fp32 = fp32_stream and "rope" not in fused
+            kept = [saved - core + _core_attention_kept(spec, tokens, b, rotated_fp32)
                     for saved, spec in zip(blocks, specs)]
             rebuilt = [core] * len(specs)  # the core's whole saved set, rebuilt at its backward
             what = "core attention recomputed: its inputs and output kept"

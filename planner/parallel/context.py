@@ -143,7 +143,8 @@ def _freed_before_attention_bytes(a: Architecture, local_tokens: int, b: int, sp
 
     freed = []
     for spec in distinct_specs(a).values():
-        mlp = 0 if spec.mlp.is_moe else (gated_tensors(fused) if spec.mlp.gated else 2) * b * local_tokens * spec.mlp.intermediate_size
+        gated = gated_tensors(fused) if spec.mlp.gated else 2
+        mlp = 0 if spec.mlp.is_moe else gated * b * local_tokens * spec.mlp.intermediate_size
         norm = norm_saved_bytes(a, local_tokens, b, fused) - sp_cut if spec.norm_weight != "float" else 0
         freed.append(mlp + norm)
     return min(freed)
