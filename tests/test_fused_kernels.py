@@ -263,3 +263,37 @@ def test_emit_names_each_liger_part_the_estimate_counted():
     args = json.loads(emit_estimate_files(estimate(EstimateRequest(**base, loss="liger-fused")))["trainer_args.json"])
     assert args["liger_kernel_config"] == {"fused_linear_cross_entropy": True, "rms_norm": False, "rope": False,
                                            "swiglu": False}
+
+
+def test_the_form_and_the_cli_take_the_field_as_comma_separated_text(capsys):
+    from cli.main import main
+    from web.form import build_request, form_fields
+
+    fields = form_fields()
+    field = next(f for f in fields if f.name == "fused_kernels")
+    assert (field.kind, field.default) == ("text", "")  # empty: none fused, and not sent on
+    request = build_request("estimate", fields, {"model": "llama-3-8b", "fused_kernels": "swiglu,rms_norm"})
+    assert request.fused_kernels == ("rms_norm", "swiglu")
+    assert "fused_kernels" not in build_request("estimate", fields, {"model": "llama-3-8b"}).model_fields_set
+    assert main(["estimate", "--model", "llama-3-8b", "--gpus", "8", "--gpu", "h100-80gb", "--fused-kernels",
+                 "rms_norm,swiglu", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["request"]["fused_kernels"] == ["rms_norm", "swiglu"]
+
+
+def test_emitted_trainer_arguments_read_back_to_the_same_kernels():
+    from planner.jobfiles.job import read_job
+    from planner.plan.emit import emit_estimate_files
+
+    request = EstimateRequest(model_config=LLAMA_32K, gpus=2, gpu="h100-80gb", seq_len=1024, strategy="zero2",
+                              loss="liger-fused", fused_kernels="rms_norm,swiglu")
+    files = emit_estimate_files(estimate(request))
+    text = files["trainer_args.json"]
+    job = read_job([("trainer_args.json", text), ("ds_config.json", files["ds_config.json"])], 2)
+    assert job.fields["fused_kernels"] == ("rms_norm", "swiglu") and job.fields["loss"] == "liger-fused"
+    # and transformers' own parser takes the file (TrainingArguments.liger_kernel_config: dict[str, bool])
+    from transformers import HfArgumentParser, TrainingArguments
+
+    fields = json.loads(text) | {"output_dir": "unused", "deepspeed": None, "use_cpu": True}
+    (args,) = HfArgumentParser(TrainingArguments).parse_dict(fields)
+    assert args.use_liger_kernel and args.liger_kernel_config == {"fused_linear_cross_entropy": True,
+                                                                  "rms_norm": True, "rope": False, "swiglu": True}
