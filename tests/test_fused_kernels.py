@@ -297,3 +297,25 @@ def test_emitted_trainer_arguments_read_back_to_the_same_kernels():
     (args,) = HfArgumentParser(TrainingArguments).parse_dict(fields)
     assert args.use_liger_kernel and args.liger_kernel_config == {"fused_linear_cross_entropy": True,
                                                                   "rms_norm": True, "rope": False, "swiglu": True}
+
+
+def test_activation_offload_keeps_no_repeated_save_of_a_fused_norm():
+    from planner.recipes.activation_offload import repeat_saved_bytes
+
+    spec, tokens = layer_specs(ARCH)[0], 1024
+    # eager: each norm's fp32 input saved by pow and by x * rsqrt, its rsqrt by two nodes: TRL keeps the second
+    # save on the device; Liger's norm saves (X, W, RSTD) once
+    assert repeat_saved_bytes(ARCH, spec, tokens, 2, False) - repeat_saved_bytes(
+        ARCH, spec, tokens, 2, False, ("rms_norm",)) == 2 * (4 * H + 4) * tokens
+    plain = activations(resolve(EstimateRequest(**GPU, activation_offload=True)))
+    fused = activations(resolve(EstimateRequest(**GPU, activation_offload=True, fused_kernels="rms_norm")))
+    assert plain.device_block_bytes - fused.device_block_bytes == 2 * (4 * H + 4) * 2048
+
+
+def test_anything_but_names_is_a_validation_error():
+    for bad in ([{}], [1], "rms_norm,", 3):
+        if bad == "rms_norm,":  # a trailing comma is read as the one name
+            assert EstimateRequest(**GPU, fused_kernels=bad).fused_kernels == ("rms_norm",)
+            continue
+        with pytest.raises(ValueError):
+            EstimateRequest(**GPU, fused_kernels=bad)

@@ -30,7 +30,7 @@ def activations(setup: Setup) -> Activations | None:
     autocast = _autocast(setup)
     return offloaded(acts, setup.arch, tokens, setup.recipe.compute_bytes, autocast=autocast,
                      uncast_elements=converted_weight_elements(setup.arch, setup.request.low_precision)[0]
-                     if autocast else 0)
+                     if autocast else 0, fused=setup.request.fused_kernels)
 
 
 def _rank_activations(setup: Setup) -> Activations | None:

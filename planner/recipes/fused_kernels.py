@@ -67,12 +67,12 @@ LIGER_DEFAULT_PARTS = ("rms_norm", "rope", "swiglu")
 
 def parse_fused_kernels(value: Any) -> Any:
     """The field as written: a comma-separated string (the CLI, the form) or a list; each name once, in
-    FUSED_KERNELS' order. An unknown name is left for the schema's Literal to refuse."""
+    FUSED_KERNELS' order. An unknown name, or anything but names, is left for the schema to refuse."""
     if value is None:
         return ()
     if isinstance(value, str):
         value = [part.strip() for part in value.split(",") if part.strip()]
-    if isinstance(value, (list, tuple, set, frozenset)):
+    if isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(n, str) for n in value):
         names = list(dict.fromkeys(value))
         return tuple(sorted(names, key=lambda n: FUSED_KERNELS.index(n) if n in FUSED_KERNELS else len(FUSED_KERNELS)))
     return value
