@@ -25,11 +25,18 @@ torchtitan 157a12c56 torchtitan/models/norms.py):
   ``act_fn(gate)``: one compute-dtype tensor of the MLP's inner width fewer. Its backward writes the
   two gradients into a's and b's storage.
 
+The step time charges each one kernel each way at the rate Liger's published benchmarks measured
+(planner/time/elementwise.py LIGER_*_RATES).
+
 Which parts a family gets: the apply_liger_kernel_to_<family> functions of liger_kernel/transformers/
 monkey_patch.py (ead96b61) and what this model counts; a part the family's function does not patch,
 or that the planner does not model for the family's blocks, is refused by name (check_fused_kernels).
-Every kernel is Triton: GPU only, read from the source and unverified here (bench/gpu_check.py's recipe
-rows measure it); CPU ranks are refused.
+Qwen3's per-head q/k norms are counted eager, as HF Trainer's instance patch leaves them (the
+function's ``model`` branch patches the block and final norms only); axolotl and LLaMA-Factory patch
+the classes before the model loads, which fuses those too: there the estimate over-counts 4 bytes x
+(q + kv width) per token and block. Liger's RMSNorm takes no DTensor, so rms_norm under tensor
+parallelism is refused (as axolotl refuses it). Every kernel is Triton: GPU only, read from the source
+and unverified here (bench/gpu_check.py's recipe rows measure it); CPU ranks are refused.
 """
 
 from __future__ import annotations
