@@ -89,6 +89,19 @@ def test_the_estimate_counts_the_fused_set_in_every_layout_it_models():
     cp_base = estimate(EstimateRequest(**GPU | {"cp": 2})).per_device.peak_bytes
     cp_fused = estimate(EstimateRequest(**GPU | {"cp": 2}, fused_kernels=("rms_norm", "swiglu"))).per_device.peak_bytes
     assert cp_fused < cp_base
+    tp_base = estimate(EstimateRequest(**GPU | {"tp": 2})).per_device.peak_bytes
+    assert estimate(EstimateRequest(**GPU | {"tp": 2}, fused_kernels="swiglu,rope")).per_device.peak_bytes < tp_base
+
+
+def test_ring_attention_frees_less_at_the_mlp_when_it_saved_less():
+    from planner.parallel.context import _freed_before_attention_bytes
+
+    # a block's backward reaches the attention once the MLP's and the post-attention norm's saved sets are freed:
+    # the fused ones held act(gate) and the fp32 upcast and x * rsqrt less
+    local = 1024
+    eager = _freed_before_attention_bytes(ARCH, local, 2)
+    fused = _freed_before_attention_bytes(ARCH, local, 2, 0, ("rms_norm", "swiglu"))
+    assert eager - fused == local * (2 * INNER + 4 * H)
 
 
 def test_lora_blocks_save_the_fused_norms_input_in_the_stream_dtype():
