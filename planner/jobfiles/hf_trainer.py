@@ -17,6 +17,7 @@ from planner.jobfiles.common import (TORCH_COMPILE_KEYS, attention, hf_optimizer
                                      model_name, precision)
 from planner.jobfiles.keys import Inert, Key, Modelled, Needs, Refused, Where, check_block, equals, needs_met, off
 from planner.jobfiles.reading import Reading, clipping_norm, flag, number, whole
+from planner.recipes.fused_kernels import FUSED_KERNELS
 
 LOG, EVAL, SAVE, HUB, DATA = ("logging", "evaluation, outside the training step", "saving checkpoints",
                               "the Hugging Face Hub", "the data pipeline, outside the step")
@@ -37,7 +38,8 @@ TRAINING_ARGUMENTS: dict[str, Key] = {
                                  "(fused_linear_cross_entropy) and fused_kernels rms_norm, rope, swiglu "
                                  "(apply_liger_kernel_to_llama's defaults)"),
     "liger_kernel_config": Modelled("with use_liger_kernel: the apply function's arguments (rope, rms_norm, swiglu, "
-                                    "fused_linear_cross_entropy, cross_entropy)"),
+                                    "fused_linear_cross_entropy; cross_entropy and geglu refused, layer_norm "
+                                    "vision towers only)"),
     **TORCH_COMPILE_KEYS,
     "use_cpu": Refused("trains on the CPU", lambda v, b: off(v), "false"),
     "auto_find_batch_size": Refused("halves the micro-batch after each out-of-memory error, so the micro-batch that "
@@ -187,7 +189,6 @@ def read(data: dict[str, Any], where: Where) -> Reading:
 # rope, rms_norm, swiglu and fused_linear_cross_entropy True, cross_entropy False for Llama, Mistral, Qwen2/3, ...;
 # a family whose function differs is refused by the estimate, planner/recipes/fused_kernels.py). The instance patch
 # replaces the blocks' and the final norm's modules, not Qwen3's q/k norms (counted eager).
-LIGER_CONFIG_PARTS = (("rms_norm", "rms_norm"), ("rope", "rope"), ("swiglu", "swiglu"))
 LIGER_CONFIG_KEYS = ("rope", "rms_norm", "swiglu", "fused_linear_cross_entropy", "cross_entropy", "geglu",
                      "layer_norm")
 
@@ -212,7 +213,7 @@ def liger_kernel(reading: Reading, config: Any, key: str = "liger_kernel_config"
     # layer_norm= patches only vision towers' LayerNorms, which text batches never run (axolotl.py liger_layer_norm)
     if on["fused_linear_cross_entropy"]:
         reading.set("loss", "liger-fused", "use_liger_kernel")
-    parts = tuple(part for name, part in LIGER_CONFIG_PARTS if on[name])
+    parts = tuple(part for part in FUSED_KERNELS if on[part])  # the apply arguments' names are the field's
     if parts:
         reading.set("fused_kernels", parts, "use_liger_kernel")
 
