@@ -131,6 +131,8 @@ class VerifyJob(BaseModel):
         "hf", description="the loss implementation (backend/losses.py)")
     low_precision: Literal["none", "float8-tensorwise", "float8-rowwise", "mxfp8"] = Field(
         "none", description="torchao's low-precision linears (backend/low_precision.py); GPU only")
+    fused_kernels: tuple[Literal["rms_norm", "rope", "swiglu"], ...] = Field(
+        (), description="Liger's block kernels patched into the model (backend/fused_kernels.py); GPU only")
     float8_all_gather: bool = Field(False, description="FSDP2 gathers the float8 weights in fp8 (torchao's "
                                     "enable_fsdp_float8_all_gather); GPU only")
     loss_chunks: int = Field(1, ge=1, description="loss=chunked or chunked-in-forward: chunks of the sequence")

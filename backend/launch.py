@@ -95,6 +95,13 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         # (planner/recipes/compile.py), and its step time is a GPU's
         raise PlannerError(f"compile {request.compile}: the probe trains the model eager; the estimate's memory is "
                            "eager's (an upper bound for a compiled run), estimate it without verify", field="compile")
+    if request.fused_kernels and (setup.gpu.is_cpu or model_parallel):
+        # Liger's kernels are Triton, GPU only (the estimate refuses them on CPU ranks first); the probe patches
+        # them into the single-model trainer (backend/train.py, backend/fused_kernels.py), not the model-parallel
+        # ones, which build their own modules
+        raise PlannerError(f"fused_kernels={','.join(request.fused_kernels)}: the probe patches Liger's kernels on a "
+                           "GPU into a data-parallel model only (the tp, cp, pp and ep probes build their own "
+                           "modules); this layout stays unverified, estimate it without verify", field="fused_kernels")
     if request.low_precision in ("nvfp4", "te-fp8"):
         raise PlannerError(f"low_precision={request.low_precision}: the probe swaps torchao's float8 and mxfp8 "
                            "linears only (backend/low_precision.py); this recipe stays unverified", field="low_precision")
@@ -118,6 +125,8 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         "vision": bool(setup.arch is not None and setup.arch.vision_numels),
         "activation_offload": request.activation_offload,
     }
+    if request.fused_kernels:
+        common["fused_kernels"] = request.fused_kernels
     if request.low_precision != "none":
         common["low_precision"] = request.low_precision
         common["float8_all_gather"] = request.float8_all_gather

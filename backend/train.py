@@ -51,6 +51,10 @@ def build_model(job: dict[str, Any]) -> torch.nn.Module:
         dtype = base_dtype(job)
     attention = attention_implementation(job)
     model = builder.from_config(config, attn_implementation=attention, dtype=dtype)
+    if job.get("fused_kernels"):  # Liger's block kernels (GPU only: planner refuses them on CPU ranks)
+        from backend.fused_kernels import apply_fused_kernels
+
+        apply_fused_kernels(model, tuple(job["fused_kernels"]))
     apply_checkpointing(model, job)
     model.train()
     if job.get("finetune"):

@@ -148,6 +148,11 @@ RECIPE_GRID = [  # long enough that activations and logits, not the states, make
     # the same run without offloading (the host-link term, planner/time/step.py)
     (8192, 2, {"activation_offload": True}),
     (8192, 2, {"activation_offload": True, "checkpointing": "full"}),
+    # Liger's block kernels (planner/recipes/fused_kernels.py; Triton, never run on CPU ranks): the fused RMSNorm's
+    # input and fp32 rstd, the in-place rotary, the SiLU-mul's gate and up, patched into the instance as HF
+    # Trainer's use_liger_kernel does (backend/fused_kernels.py); the step's seconds against the eager row
+    (8192, 1, {"fused_kernels": ("rms_norm", "rope", "swiglu")}),
+    (8192, 2, {"fused_kernels": ("rms_norm",), "precision": "bf16-pure"}),
 ]
 # matmul rates the time model reads from gpus.yaml (mamf_tflops, peak_tflops fp8) for low_precision:
 # (dtype, m = n = k), measured as the best of a few shapes would be (Bekman's mamf-finder uses many)
@@ -157,7 +162,7 @@ MATMUL_SHAPES = (4096, 8192, 16384)
 # which rows a short lease measures first: what no CPU run can check (the CUDA allocator's peak on the
 # plain grid, then the GPU-only kernels and CUDA code paths of the recipes), then the second allocator
 # setting, then DeepSpeed's engine (its FusedAdam compiles with nvcc on first use)
-GPU_ONLY_RECIPES = ("loss", "low_precision", "finetune", "activation_offload")
+GPU_ONLY_RECIPES = ("loss", "low_precision", "finetune", "activation_offload", "fused_kernels")
 # the package each recipe value trains through (backend/), found or not on the GPU machine
 PACKAGES = {("loss", "liger-fused"): "liger_kernel", ("loss", "cce"): "cut_cross_entropy",
             ("loss", "flash-attn"): "flash_attn",
@@ -175,6 +180,8 @@ def missing_packages(strategy: str, fields: dict) -> list[str]:
         needed.add("torchao")
     if fields.get("finetune"):
         needed.add("peft")
+    if fields.get("fused_kernels"):
+        needed.add("liger_kernel")
     if strategy.startswith("zero"):
         needed.add("deepspeed")
     return sorted(n for n in needed if importlib.util.find_spec(n) is None)

@@ -35,6 +35,8 @@ def _flag(name: str) -> str:
 
 
 def _choices(annotation: Any) -> list[str] | None:
+    if typing.get_origin(annotation) in (tuple, list):  # a list of names (fused_kernels): text the schema parses
+        return None
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if typing.get_origin(annotation) is typing.Literal:
         return list(typing.get_args(annotation))

@@ -22,6 +22,7 @@ from planner.errors import unknown
 from planner.recipes.finetune_fields import check_request_fields
 from planner.recipes.losses import Loss
 from planner.recipes.compile import COMPILE_HELP, Compile
+from planner.recipes.fused_kernels import FUSED_KERNELS_HELP, FusedKernel, parse_fused_kernels
 from planner.recipes.low_precision import LowPrecision
 from planner.memory.moments import PhaseKind
 from planner.parallel.dims import PipelineSchedule
@@ -288,6 +289,10 @@ Float8AllGatherField = Annotated[bool, Field(
     "enable_fsdp_float8_all_gather=True), torchtitan float8.enable_fsdp_float8_all_gather): 1 byte per converted "
     "weight element gathered instead of 2; needs low_precision float8-tensorwise and a sharded torch strategy")]
 CompileField = Annotated[Compile, Field(description=COMPILE_HELP)]
+# planner/recipes/fused_kernels.py: a tuple (hashable, for the activation memos), written as "rms_norm,rope" on the
+# CLI and the form (a BeforeValidator: the CLI passes the text to the schema)
+FusedKernelsField = Annotated[tuple[FusedKernel, ...], BeforeValidator(parse_fused_kernels),
+                              Field(description=FUSED_KERNELS_HELP)]
 KeepsOutputsField = Annotated[bool, Field(
     description="the script keeps the model's outputs through backward (accelerate's `outputs = model(**batch); "
     "accelerator.backward(outputs.loss)`): their logits stay live; default: the Trainer's loop, which frees them")]
@@ -388,6 +393,7 @@ class EstimateRequest(BaseModel):
     # the recipe as it is run (issue 21): the training loop (planner/recipes/loop.py)
     keeps_outputs: KeepsOutputsField = False
     compile: CompileField = "none"
+    fused_kernels: FusedKernelsField = ()
     activation_offload: bool = Field(False, description="the tensors saved for backward wait in pinned host "
                                      "memory (TRL/Axolotl activation_offloading, torchtune enable_activation_"
                                      "offloading: OffloadActivations); device, host RAM and host-link time modelled")
@@ -731,6 +737,7 @@ class PlanRequest(BaseModel):
     checkpointing_every: CheckpointingEveryField = None
     keeps_outputs: KeepsOutputsField = False
     compile: CompileField = "none"
+    fused_kernels: FusedKernelsField = ()
     loss: LossField = "hf"
     loss_chunks: LossChunksField = None
     low_precision: LowPrecisionField = "none"

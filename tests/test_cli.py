@@ -15,7 +15,7 @@ PER_DEVICE_FIELDS = {"parameters_bytes", "gradients_bytes", "optimizer_states_by
                      "frozen_weights_bytes", "at_peak",
                      "reserved_peak_bytes", "cuda_context_bytes", "nccl_bytes"}  # issue 24
 HOST_FIELDS = {"resident_bytes", "peak_bytes", "pinned_bytes", "capacity_bytes", "fits"}
-ESTIMATE_FLAGS = {"--compile", "--model", "--model-file", "--params", "--strategy", "--gpus", "--nodes", "--gpu",
+ESTIMATE_FLAGS = {"--compile", "--fused-kernels", "--model", "--model-file", "--params", "--strategy", "--gpus", "--nodes", "--gpu",
                   "--device-memory-gib", "--host-memory-gib", "--precision", "--optimizer", "--optimizer-in-backward", "--micro-batch", "--seq-len",
                   "--gradient-accumulation", "--checkpointing", "--attention", "--attention-kernel", "--offload-optimizer",
                   "--offload-params", "--hsdp-shard-size", "--ds-config", "--reduce-bucket-size", "--allgather-bucket-size",

@@ -50,7 +50,7 @@ GROUPS = (
                                "double_quant", "train_embeddings", "precision", "low_precision", "float8_all_gather", "optimizer",
                                "optimizer_in_backward", "gradient_clipping", "checkpointing", "checkpointing_every", "loss", "loss_chunks",
                                "attention", "attention_kernel", "offload_optimizer", "offload_params",
-                               "activation_offload", "compile")),
+                               "activation_offload", "compile", "fused_kernels")),
     Group("degrees", "Layout: the strategy and degrees (empty degrees in a plan: the planner chooses; data "
                      "parallelism takes the GPUs that remain)",
           ("strategy", *DEGREES, "hsdp_shard_size", "sequence_parallel", "tp_plan", "pp_schedule", "pp_virtual_stages",
@@ -130,6 +130,8 @@ def _shown(value: Any) -> str:
         return ""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, tuple):  # a list of names (fused_kernels): the comma-separated text the schema parses
+        return ",".join(map(str, value))
     if isinstance(value, (dict, list)):
         return json.dumps(value, indent=1)
     return str(value)

@@ -48,8 +48,20 @@ TABLE: dict[str, Key] = {
     "liger_fused_linear_cross_entropy": Needs("loss", "liger-fused", "Liger's fused linear cross-entropy never "
                                               "holds the logits", lambda v, b: off(v)),
     "cut_cross_entropy": Needs("loss", "cce", "cut cross-entropy never holds the logits", lambda v, b: off(v)),
-    **inert("Liger kernels other than the loss: fused norms, rope and SwiGLU save the same tensors within a small "
-            "margin", "liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_layer_norm"),
+    # the LigerPlugin (integrations/liger/plugin.py) hands these to the family's apply_liger_kernel_to_<family>
+    # before the model loads: rope=, rms_norm=, and glu_activation as swiglu= (or geglu=, Gemma's, which the
+    # estimate refuses for fused_kernels swiglu); liger_swiglu is its deprecated spelling (args.py
+    # check_deprecated_swiglu). What each kernel saves: planner/recipes/fused_kernels.py
+    "liger_rope": Modelled("fused_kernels rope (Liger's in-place rotary)"),
+    "liger_rms_norm": Modelled("fused_kernels rms_norm (LigerRMSNorm: its input and fp32 rstd saved, not eager's fp32 "
+                               "upcast and x * rsqrt)"),
+    "liger_glu_activation": Modelled("fused_kernels swiglu (LigerSiLUMulFunction: gate and up saved, not act(gate))"),
+    "liger_swiglu": Modelled("as liger_glu_activation (its deprecated spelling)"),
+    "liger_layer_norm": Inert("Liger's layer_norm= patches only vision towers' LayerNorms (monkey_patch.py at "
+                              "ead96b61: llama4, gemma3, mllama, paligemma, qwen2-vl), which text batches never run"),
+    "liger_cross_entropy": Refused("Liger's cross-entropy over the whole logits is not modelled (its fused linear "
+                                   "cross-entropy is: liger_fused_linear_cross_entropy)", lambda v, b: off(v),
+                                   "false, or liger_fused_linear_cross_entropy"),
     "plugins": Modelled("their keys are read as keys of this file"),
     # axolotl's schema: torch_compile true, or "auto" (on from torch 2.6.0, so on under the 2.13 the planner
     # models), handed with its backend and mode to TrainingArguments
@@ -135,6 +147,7 @@ def read(data: dict[str, Any], where: Where) -> Reading:
     elif any(get(k) for k in ("flash_attention", "sdp_attention", "xformers_attention")):
         reading.set("attention", "sdpa", next(k for k in ("flash_attention", "sdp_attention", "xformers_attention")
                                               if get(k)))
+    _liger_parts(reading, data)
     for key, field, value in (("liger_fused_linear_cross_entropy", "loss", "liger-fused"),
                               ("use_liger_loss", "loss", "liger-fused"), ("chunked_cross_entropy", "loss", "chunked"),
                               ("cut_cross_entropy", "loss", "cce"), ("activation_offloading", "activation_offload", True)):
@@ -190,3 +203,17 @@ def _adapter(reading: Reading, data: dict[str, Any]) -> str | None:
     if get("lora_modules_to_save"):
         embeddings(reading, "lora_modules_to_save", get("lora_modules_to_save"))
     return adapter
+
+
+# axolotl's Liger keys -> the fused_kernels part each turns on (integrations/liger/plugin.py pre_model_load)
+LIGER_KEYS = (("liger_rms_norm", "rms_norm"), ("liger_rope", "rope"), ("liger_glu_activation", "swiglu"),
+              ("liger_swiglu", "swiglu"))
+
+
+def _liger_parts(reading: Reading, data: dict[str, Any]) -> None:
+    """The Liger keys that are on -> fused_kernels. The plugin patches the classes before the model
+    loads, so Qwen3's q/k norms run fused too, where the estimate counts them eager (as HF Trainer's
+    instance patch leaves them): there it over-counts 4 bytes x (q + kv width) per token and block."""
+    on = [(key, part) for key, part in LIGER_KEYS if flag(data.get(key), reading.where, key)]
+    if on:
+        reading.set("fused_kernels", tuple(dict.fromkeys(part for _, part in on)), on[0][0])

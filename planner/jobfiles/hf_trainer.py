@@ -17,6 +17,7 @@ from planner.jobfiles.common import (TORCH_COMPILE_KEYS, attention, hf_optimizer
                                      model_name, precision)
 from planner.jobfiles.keys import Inert, Key, Modelled, Needs, Refused, Where, check_block, equals, needs_met, off
 from planner.jobfiles.reading import Reading, clipping_norm, flag, number, whole
+from planner.recipes.fused_kernels import FUSED_KERNELS
 
 LOG, EVAL, SAVE, HUB, DATA = ("logging", "evaluation, outside the training step", "saving checkpoints",
                               "the Hugging Face Hub", "the data pipeline, outside the step")
@@ -33,9 +34,12 @@ TRAINING_ARGUMENTS: dict[str, Key] = {
     "max_steps": Modelled("the job's length"), "num_train_epochs": Modelled("the job's length (x dataset tokens)"),
     "deepspeed": Modelled("the DeepSpeed JSON, read from the files given"),
     "fsdp": Modelled("strategy fsdp / fsdp-grad-op / hsdp, offload"), "fsdp_config": Modelled("see fsdp"),
-    "use_liger_kernel": Needs("loss", "liger-fused", "Liger's fused linear cross-entropy never holds the logits",
-                              lambda v, b: off(v)),
-    "liger_kernel_config": Inert("read only with use_liger_kernel"),
+    "use_liger_kernel": Modelled("the parts liger_kernel_config leaves on: loss liger-fused "
+                                 "(fused_linear_cross_entropy) and fused_kernels rms_norm, rope, swiglu "
+                                 "(apply_liger_kernel_to_llama's defaults)"),
+    "liger_kernel_config": Modelled("with use_liger_kernel: the apply function's arguments (rope, rms_norm, swiglu, "
+                                    "fused_linear_cross_entropy; cross_entropy and geglu refused, layer_norm "
+                                    "vision towers only)"),
     **TORCH_COMPILE_KEYS,
     "use_cpu": Refused("trains on the CPU", lambda v, b: off(v), "false"),
     "auto_find_batch_size": Refused("halves the micro-batch after each out-of-memory error, so the micro-batch that "
@@ -157,8 +161,8 @@ def read(data: dict[str, Any], where: Where) -> Reading:
             get(k) is not None for k in ("torch_compile_backend", "torch_compile_mode")):
         reading.set("compile", "model", next(k for k in ("torch_compile", "torch_compile_backend", "torch_compile_mode")
                                              if not off(get(k))))
-    if needs_met(table["use_liger_kernel"], get("use_liger_kernel"), data):
-        reading.set("loss", "liger-fused", "use_liger_kernel")
+    if flag(get("use_liger_kernel"), where, "use_liger_kernel"):
+        liger_kernel(reading, get("liger_kernel_config"))
     if is_trl and needs_met(TRL["activation_offloading"], get("activation_offloading"), data):
         reading.set("activation_offload", True, "activation_offloading")
     _precision(reading, data, is_trl)
@@ -177,6 +181,41 @@ def read(data: dict[str, Any], where: Where) -> Reading:
     if is_trl:
         _trl_model(reading, data)
     return reading
+
+
+# transformers 5.25 integrations/liger.py apply_liger_kernel (lines 28-53): Trainer.__init__ (trainer.py line 1509)
+# calls liger_kernel's _apply_liger_kernel_to_instance(model, **liger_kernel_config) on the built model, so each part
+# the config leaves out takes the family's apply_liger_kernel_to_<family> default (monkey_patch.py at ead96b61:
+# rope, rms_norm, swiglu and fused_linear_cross_entropy True, cross_entropy False for Llama, Mistral, Qwen2/3, ...;
+# a family whose function differs is refused by the estimate, planner/recipes/fused_kernels.py). The instance patch
+# replaces the blocks' and the final norm's modules, not Qwen3's q/k norms (counted eager).
+LIGER_CONFIG_KEYS = ("rope", "rms_norm", "swiglu", "fused_linear_cross_entropy", "cross_entropy", "geglu",
+                     "layer_norm")
+
+
+def liger_kernel(reading: Reading, config: Any, key: str = "liger_kernel_config") -> None:
+    """use_liger_kernel with its config -> loss liger-fused and fused_kernels."""
+    config = config or {}
+    if not isinstance(config, dict):
+        raise reading.where.error(key, f"must be a mapping of Liger's apply arguments, got {config!r}")
+    unknown = sorted(set(config) - set(LIGER_CONFIG_KEYS))
+    if unknown:
+        raise reading.where.error(key, f"({', '.join(unknown)}) is not read: the planner reads "
+                                       f"{', '.join(LIGER_CONFIG_KEYS)}")
+    on = {name: flag(config.get(name, name not in ("cross_entropy", "geglu", "layer_norm")), reading.where,
+                     f"{key}.{name}") for name in LIGER_CONFIG_KEYS}
+    if on["cross_entropy"]:
+        raise reading.where.error(key, "(cross_entropy: true) is not modelled: Liger's cross-entropy over the whole "
+                                       "logits; its fused linear cross-entropy is (fused_linear_cross_entropy)")
+    if on["geglu"]:
+        raise reading.where.error(key, "(geglu: true) is not modelled: Liger's GeGLU (Gemma's MLP); fused_kernels "
+                                       "swiglu is the SiLU-gated MLP's")
+    # layer_norm= patches only vision towers' LayerNorms, which text batches never run (axolotl.py liger_layer_norm)
+    if on["fused_linear_cross_entropy"]:
+        reading.set("loss", "liger-fused", "use_liger_kernel")
+    parts = tuple(part for part in FUSED_KERNELS if on[part])  # the apply arguments' names are the field's
+    if parts:
+        reading.set("fused_kernels", parts, "use_liger_kernel")
 
 
 def _precision(reading: Reading, data: dict[str, Any], is_trl: bool) -> None:

@@ -14,9 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from planner.jobfiles.common import attention, hf_optimizer, inert, model_name, value_needs
-from planner.jobfiles.hf_trainer import TRAINING_ARGUMENTS, read_clipping, read_length
+from planner.jobfiles.hf_trainer import TRAINING_ARGUMENTS, liger_kernel, read_clipping, read_length
 from planner.jobfiles.keys import Inert, Key, Modelled, Needs, Refused, Where, check_block, equals, off
 from planner.jobfiles.reading import Reading, flag, number, whole
+from planner.recipes.fused_kernels import LIGER_DEFAULT_PARTS
 
 OWN: dict[str, Key] = {
     "model_name_or_path": Modelled("model"), "stage": Modelled("sft and pt are modelled"),
@@ -30,8 +31,11 @@ OWN: dict[str, Key] = {
     "neat_packing": Modelled("as packing"),
     "disable_gradient_checkpointing": Modelled("checkpointing"),
     "pure_bf16": Modelled("bf16-pure"), "flash_attn": Modelled("attention: fa2 / sdpa / auto sdpa, disabled eager"),
-    "enable_liger_kernel": Needs("loss", "liger-fused", "Liger's fused linear cross-entropy never holds the logits",
-                                 lambda v, b: off(v)),
+    # LlamaFactory model/model_utils/liger_kernel.py: the family's apply_liger_kernel_to_<family>() before the model
+    # loads, with its defaults (rope, rms_norm, swiglu and the fused linear cross-entropy; the last turned off where
+    # the stage needs the logits: neither sft nor pt), planner/recipes/fused_kernels.py
+    "enable_liger_kernel": Modelled("loss liger-fused and fused_kernels rms_norm, rope, swiglu (the family's "
+                                    "apply_liger_kernel_to_* defaults)"),
     "use_unsloth": Refused("Unsloth's kernels and offloaded checkpointing", lambda v, b: off(v), "false"),
     "additional_target": Refused("modules trained in full beside the adapters", lambda v, b: not v, "remove it"),
     "use_dora": Refused("DoRA keeps a magnitude vector and the weight's norm", lambda v, b: off(v), "false"),
@@ -78,8 +82,11 @@ def read(data: dict[str, Any], where: Where) -> Reading:
     flash = str(get("flash_attn", "auto"))
     attention(reading, "flash_attn", {"fa2": "flash_attention_2", "auto": "sdpa", "sdpa": "sdpa",
                                       "disabled": "eager"}.get(flash, flash))
-    if not off(get("enable_liger_kernel")):
-        value_needs(reading, "enable_liger_kernel", "loss", "liger-fused", True, OWN["enable_liger_kernel"].reason)
+    if flag(get("enable_liger_kernel"), where, "enable_liger_kernel"):
+        reading.set("loss", "liger-fused", "enable_liger_kernel")
+        reading.set("fused_kernels", LIGER_DEFAULT_PARTS, "enable_liger_kernel")
+    elif flag(get("use_liger_kernel"), where, "use_liger_kernel"):  # the Trainer's own instance patch
+        liger_kernel(reading, get("liger_kernel_config"))
     kind = str(get("finetuning_type", "lora"))
     if kind not in ("full", "lora"):
         raise where.error("finetuning_type", f"({kind!r}) is not modelled: full and lora are")

@@ -23,6 +23,10 @@ TABLE: dict[str, Key] = {
     "model.converters": Needs("low_precision", "float8-tensorwise", "float8/mx converters change the linears' "
                               "dtypes", lambda v, b: not v),
     "model.print_after_conversion": Inert(LOG),
+    # the JobConfig of torchtitan before 0.2 (config_manager.py --model.norm_type, 157a12c56: layernorm, np_layernorm,
+    # rmsnorm, fused_rmsnorm); fused_rmsnorm was removed in 37c4b8181 (#826), norm_type in #1115
+    "model.norm_type": Modelled("rmsnorm (the default), or fused_rmsnorm: fused_kernels rms_norm (models/norms.py "
+                                "TritonFusedRMSNorm, planner/recipes/fused_kernels.py)"),
     "optimizer.name": Modelled("AdamW / Adam: adamw"),
     "optimizer.implementation": Inert("foreach, fused or for-loop kernels over the same states"),
     **inert("hyper-parameters change values, not memory or time", "optimizer.lr", "optimizer.eps",
@@ -211,6 +215,17 @@ def _scalar(text: str) -> Any:
         return text
 
 
+def _norm_type(reading: Reading, norm: Any) -> None:
+    """model.norm_type -> fused_kernels: torchtitan's fused_rmsnorm is a Triton RMSNorm saving its input and an
+    fp32 rstd per row (norms.py at 157a12c56); layernorm and np_layernorm would change the model's norms."""
+    if norm is None or norm == "rmsnorm":
+        return
+    if norm != "fused_rmsnorm":
+        raise reading.where.error("model.norm_type", f"({norm!r}) is not modelled: rmsnorm and fused_rmsnorm are "
+                                                     "(torchtitan's llama models are RMSNorm models)")
+    reading.set("fused_kernels", ("rms_norm",), "model.norm_type")
+
+
 def _read(flat: dict[str, Any], where: Where, fmt: str, table: dict[str, Key]) -> Reading:
     reading = Reading(fmt, where)
     reading.unknown = check_block(flat, table, where)
@@ -226,6 +241,7 @@ def _read(flat: dict[str, Any], where: Where, fmt: str, table: dict[str, Key]) -
         raise where.error("optimizer.name", f"({optimizer!r}) is not modelled: AdamW and Adam are")
     reading.set("optimizer", "adamw", "optimizer.name")
     _converters(reading, flat)
+    _norm_type(reading, get("model.norm_type"))
     if not off(get("optimizer.early_step_in_backward")):
         value_needs(reading, "optimizer.early_step_in_backward", "optimizer_in_backward", True, True,
                     TABLE["optimizer.early_step_in_backward"].reason)

@@ -28,6 +28,7 @@ from planner.frameworks.deepspeed.config import (ZeroSettings, batch_from_config
 from planner.errors import PlannerError
 from planner.recipes.losses import FUSED, in_forward_why_not, loss_chunks, loss_kernel, loss_notes
 from planner.recipes.loop import check_loop, held_outputs_bytes, loop_note, with_held, with_held_outputs
+from planner.recipes.fused_kernels import check_fused_kernels, fused_kernels_notes
 from planner.recipes.low_precision import RECIPES as LP_RECIPES, check_float8_all_gather, check_low_precision, \
     low_precision_notes, recipe_of, resident_weight_bytes
 from planner.recipes.finetune import Finetune, resolve_finetune, trainable_numels, with_frozen
@@ -140,6 +141,8 @@ def resolve(request: EstimateRequest, model: ResolvedModel | None = None) -> Set
     check_float8_all_gather(request, s.shards_parameters, s.params_unsharded_in_step)
     act_offload.check_activation_offload(request, model, dims)
     check_compile(request, dims)
+    check_fused_kernels(request.fused_kernels, model.architecture, gpu_is_cpu=g.is_cpu, pp=dims.pp, tp=dims.tp,
+                        compile_mode=request.compile, traced=model.traced is not None)
     if dims.pp > 1 and model.architecture is not None and model.architecture.vision_numels:
         raise PlannerError(f"pp={dims.pp} with the vision tower counted (what the loader builds for model_type "
                            f"{model.architecture.model_type!r}): the pipeline model splits the text decoder's blocks "
@@ -681,6 +684,7 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
     notes.extend(loss_notes(loss_kernel(setup.request.loss, setup.gpu.is_cpu)))
     notes.extend(low_precision_notes(setup.request.low_precision, setup.arch, setup.strategy.shards_parameters,
                                      setup.request.float8_all_gather))
+    notes.extend(fused_kernels_notes(setup.request.fused_kernels))
     notes.extend(plan.notes)
     if setup.finetune is not None and setup.finetune.quantize != "none" and setup.device == "cuda":
         notes.append(f"quantized base ({setup.finetune.quantize}) on CUDA: bitsandbytes 0.50's CUDA path (MatMul4Bit, "

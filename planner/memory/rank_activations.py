@@ -30,7 +30,7 @@ def activations(setup: Setup) -> Activations | None:
     autocast = _autocast(setup)
     return offloaded(acts, setup.arch, tokens, setup.recipe.compute_bytes, autocast=autocast,
                      uncast_elements=converted_weight_elements(setup.arch, setup.request.low_precision)[0]
-                     if autocast else 0)
+                     if autocast else 0, fused=setup.request.fused_kernels)
 
 
 def _rank_activations(setup: Setup) -> Activations | None:
@@ -98,20 +98,22 @@ def _activations(setup: Setup) -> tuple[Activations, bool]:
                                 compute_bytes=compute, attention=req.attention, checkpointing=req.checkpointing,
                                 device=setup.device, adapter_copy=adapter_copy,
                                 linears_save_inputs=setup.framework.linears_save_inputs(setup.strategy),
-                                fp32_stream=fp32_stream), fp32_stream
+                                fp32_stream=fp32_stream, fused=req.fused_kernels), fp32_stream
     arch = setup.arch
     seq_len = req.seq_len // setup.cp  # the rank's two chunks of each sequence under cp
     # torch.autocast over the fp32 weights: torch's mixed recipes where nothing casts them (DDP, a
     # TP-only rank; FSDP2 casts them by its MixedPrecisionPolicy: backend/train.py, train_parallel.py).
     # A pipeline stage counts its own (pipeline._autocast_fp32_stream_extra); cp keeps the 16-bit count.
     autocast = _autocast(setup)
+    fused = req.fused_kernels  # planner/recipes/fused_kernels.py (check_fused_kernels: no pp or compile)
     acts = _model_activations(arch, req.micro_batch, seq_len, compute, req.attention, req.checkpointing, setup.device,
-                              autocast, req.checkpointing_every, setup.loss_chunks)
+                              autocast, req.checkpointing_every, setup.loss_chunks, fused)
     if setup.rank_architecture is not None:
         acts = _tp_activations(acts, setup.model.architecture, setup.arch, setup.tp, setup.sequence_parallel,
                                req.micro_batch * seq_len, compute, setup.vocab_parallel_loss, autocast)
     return cp_activations(acts, setup.arch, cp=setup.cp, tokens=req.micro_batch * req.seq_len, b=compute,
-                          tp=setup.tp, sequence_parallel=setup.sequence_parallel, device=setup.device), autocast
+                          tp=setup.tp, sequence_parallel=setup.sequence_parallel, device=setup.device,
+                          fused=fused), autocast
 
 
 def _autocast(setup: Setup) -> bool:
@@ -122,17 +124,18 @@ def _autocast(setup: Setup) -> bool:
 
 
 def _model_activations(arch, micro_batch: int, seq_len: int, compute: int, attention: str, checkpointing: str,
-                       device: str, autocast: bool, every: int | None, loss_chunks: int) -> Activations:
+                       device: str, autocast: bool, every: int | None, loss_chunks: int,
+                       fused: tuple[str, ...] = ()) -> Activations:
     """estimate_activations, once per architecture and arguments: the plan search asks the same
     ones for every strategy, shard group and offload of a layout (an Activations is frozen)."""
     memo = derived(arch).setdefault("_activations", {})
-    key = (micro_batch, seq_len, compute, attention, checkpointing, device, autocast, every, loss_chunks)
+    key = (micro_batch, seq_len, compute, attention, checkpointing, device, autocast, every, loss_chunks, fused)
     if key not in memo:
         if len(memo) >= 4096:
             memo.clear()
         memo[key] = estimate_activations(arch, micro_batch=micro_batch, seq_len=seq_len, compute_bytes=compute,
                                          attention=attention, checkpointing=checkpointing, device=device,
-                                         autocast=autocast, every=every, loss_chunks=loss_chunks)
+                                         autocast=autocast, every=every, loss_chunks=loss_chunks, fused=fused)
     return memo[key]
 
 

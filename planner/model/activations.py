@@ -136,10 +136,28 @@ def _norm_saved(a: Architecture, tokens: int, b: int, autocast: bool = False) ->
     return b * tokens * h + b * tokens * h + 2 * FP32 * tokens
 
 
-def norm_saved_bytes(a: Architecture, tokens: int, b: int) -> int:
+def _fused_rms_norm_saved(a: Architecture, tokens: int, b: int, autocast: bool = False) -> int:
+    """A fused RMSNorm (Liger's LigerRMSNormFunction, torchtitan's TritonFusedRMSNorm:
+    planner/recipes/fused_kernels.py): its input as given (fp32 under autocast, the fp32 stream) and
+    one fp32 rstd per row, and its output (saved by the next linear): no fp32 upcast and no
+    ``x * rsqrt``. A block's norms are counted with ``autocast`` off and the fp32 stream's extra
+    bytes added by _autocast_stream_extra, as for the eager norm (there the fp32 ``x * rsqrt``, here
+    the fp32 input: 4 - b per element each)."""
+    stream = FP32 if autocast else b
+    return stream * tokens * a.hidden_size + b * tokens * a.hidden_size + FP32 * tokens
+
+
+def _norm_saved_of(a: Architecture, tokens: int, b: int, fused: tuple[str, ...], autocast: bool = False) -> int:
+    """A hidden-width RMSNorm or LayerNorm, eager or fused (``"rms_norm" in fused``)."""
+    if "rms_norm" in fused and a.norm == "rmsnorm":
+        return _fused_rms_norm_saved(a, tokens, b, autocast)
+    return _norm_saved(a, tokens, b, autocast)
+
+
+def norm_saved_bytes(a: Architecture, tokens: int, b: int, fused: tuple[str, ...] = ()) -> int:
     """One hidden-width norm's saved tensors (a weight-in-compute-dtype norm), for modules that
     reason about what a block's backward frees at a norm (planner/parallel/context.py)."""
-    return _norm_saved(a, tokens, b)
+    return _norm_saved_of(a, tokens, b, fused)
 
 
 def _float_norm_saved(tokens: int, width: int, rows: int) -> int:
@@ -150,13 +168,15 @@ def _float_norm_saved(tokens: int, width: int, rows: int) -> int:
     return FP32 * tokens * width + FP32 * tokens * width + FP32 * rows
 
 
-def _block_norms_saved(a: Architecture, spec: LayerSpec, tokens: int, b: int) -> int:
+def _block_norms_saved(a: Architecture, spec: LayerSpec, tokens: int, b: int, fused: tuple[str, ...] = ()) -> int:
     """The block's hidden-width norms. Llama-style (weight * x.to(dtype)) for pre-norm blocks;
     OLMo-2's post-norms and Gemma-3's sandwich norms multiply in fp32 (above), and the inputs of
     attention and MLP (the residual stream or a pre-norm's output) are saved by their linears."""
     if spec.norm_weight == "float":
         inputs = 2 * b * tokens * a.hidden_size
         return spec.norms * _float_norm_saved(tokens, a.hidden_size, tokens) + inputs
+    if "rms_norm" in fused and spec.norm == "rmsnorm":
+        return spec.norms * _fused_rms_norm_saved(a, tokens, b)
     return spec.norms * _norm_saved(a, tokens, b)
 
 
@@ -213,8 +233,17 @@ def _attention_saved(a: Architecture, tokens: int, seq_len: int, micro_batch: in
     return qkv + probs + dropout + merged
 
 
-def _mlp_saved(a: Architecture, tokens: int, b: int) -> int:
+def gated_tensors(fused: tuple[str, ...]) -> int:
+    """Inner-width tensors a dense gated MLP saves: gate's output (saved by the activation), act(gate)
+    and up (saved by the product) and the product (saved by down_proj); Liger's SiLU-mul (``"swiglu"
+    in fused``: ops/swiglu.py LigerSiLUMulFunction saves ``(a, b)``) keeps gate, up and the product."""
+    return 3 if "swiglu" in fused else 4
+
+
+def _mlp_saved(a: Architecture, tokens: int, b: int, fused: tuple[str, ...] = ()) -> int:
     inner = a.intermediate_size
+    if a.mlp == "gated" and not a.is_moe:
+        return gated_tensors(fused) * b * tokens * inner
     if a.mlp == "gated":
         # gate output (saved by the activation), act(gate) and up (saved by the product),
         # the product (saved by down_proj)
@@ -240,16 +269,20 @@ def _dropout_saved(a: Architecture, tokens: int, b: int, device: Device) -> int:
 
 
 def layer_saved_bytes(a: Architecture, tokens: int, seq_len: int, micro_batch: int, b: int,
-                      attention: Attention, device: Device = "cuda") -> int:
+                      attention: Attention, device: Device = "cuda", fused: tuple[str, ...] = ()) -> int:
     """The largest block's saved set (every block's, when they are alike)."""
-    return max(block_saved_bytes(a, spec, tokens, seq_len, micro_batch, b, attention, device)
+    return max(block_saved_bytes(a, spec, tokens, seq_len, micro_batch, b, attention, device, fused=fused)
                for spec in distinct_specs(a).values())
 
 
 def block_saved_bytes(a: Architecture, spec: LayerSpec, tokens: int, seq_len: int, micro_batch: int, b: int,
-                      attention: Attention, device: Device = "cuda", autocast: bool = False) -> int:
+                      attention: Attention, device: Device = "cuda", autocast: bool = False,
+                      fused: tuple[str, ...] = ()) -> int:
     """What one block saves for backward, from its layer spec; ``autocast``: the block runs under
-    torch.autocast over fp32 weights (``_autocast_stream``)."""
+    torch.autocast over fp32 weights (``_autocast_stream``); ``fused``: the block ops run as fused
+    kernels (planner/recipes/fused_kernels.py; Qwen3's per-head q/k norms are counted eager: HF
+    Trainer's use_liger_kernel patches the instance's block norms only, monkey_patch.py
+    apply_liger_kernel_to_qwen3 with ``model``)."""
     attn = spec.attention
     kind = kind_of(attn)
     if kind.saved_bytes is not None:
@@ -275,13 +308,13 @@ def block_saved_bytes(a: Architecture, spec: LayerSpec, tokens: int, seq_len: in
         mlp = _routed_saved(spec.mlp, a.hidden_size, tokens, b) + _router_saved(spec.mlp, a.hidden_size, tokens, b)
         mlp += 4 * b * tokens * spec.mlp.shared_intermediate_size  # shared expert: a dense gated MLP
     elif spec.mlp.is_moe or not a.layers:
-        mlp = _mlp_saved(a, tokens, b) + _moe_router_saved(a, tokens)
+        mlp = _mlp_saved(a, tokens, b, fused) + _moe_router_saved(a, tokens)
     else:
         # a dense MLP of the block's own width (DeepSeek's first layers, Llama-4's dense layers):
         # gate, act(gate), up and their product; plain: up and act(up)
-        mlp = (4 if spec.mlp.gated else 2) * b * tokens * spec.mlp.intermediate_size
-    return (_block_norms_saved(a, spec, tokens, b) + attention_bytes + _qk_norm_saved(attn, tokens, b, float_weight)
-            + mlp + _dropout_saved(a, tokens, b, device)
+        mlp = (gated_tensors(fused) if spec.mlp.gated else 2) * b * tokens * spec.mlp.intermediate_size
+    return (_block_norms_saved(a, spec, tokens, b, fused) + attention_bytes
+            + _qk_norm_saved(attn, tokens, b, float_weight) + mlp + _dropout_saved(a, tokens, b, device)
             + (_autocast_stream_extra(a, spec, b) * tokens * a.hidden_size if autocast else 0))
 
 
@@ -390,14 +423,16 @@ def _extra_rope_tables(a: Architecture, seq_len: int, b: int) -> int:
     return max(len(tables) - 1, 0) * _rope_saved(a, seq_len, b)
 
 
-def _final_norm_saved(a: Architecture, tokens: int, b: int, autocast: bool = False) -> int:
-    """The final norm and its output (saved by the LM head); under autocast its ``x * rsqrt`` is fp32."""
+def _final_norm_saved(a: Architecture, tokens: int, b: int, autocast: bool = False,
+                      fused: tuple[str, ...] = ()) -> int:
+    """The final norm and its output (saved by the LM head); under autocast its ``x * rsqrt`` is fp32
+    (a fused norm's input is)."""
     if layer_specs(a)[-1].norm_weight == "float":  # the final norm is the blocks' norm class
         return _float_norm_saved(tokens, a.hidden_size, tokens) + b * tokens * a.hidden_size
-    return _norm_saved(a, tokens, b, autocast)
+    return _norm_saved_of(a, tokens, b, fused, autocast)
 
 
-def final_norm_transient_bytes(a: Architecture, tokens: int) -> int:
+def final_norm_transient_bytes(a: Architecture, tokens: int, fused: tuple[str, ...] = ()) -> int:
     """The final norm's backward, on top of what backward holds after the LM head's: LlamaRMSNorm
     (``weight * (x.float() * rsqrt(mean(x.float() ** 2) + eps)).to(dtype)``) differentiated by
     autograd op by op, its fp32 input x and rsqrt still saved, and at PowBackward0 five fp32
@@ -409,8 +444,10 @@ def final_norm_transient_bytes(a: Architecture, tokens: int) -> int:
     in fp32, where the casts are no-ops. Peak trace (llama 256 hidden, 1,024 tokens, bf16, cp 2 x
     tp 2 without SP, rank 0): 1,048,576 bytes each, the fp32 input beside them, the rank's peak.
     A Llama-style final norm only (LayerNorm's backward is one native_layer_norm_backward kernel;
-    fp32-weight norms, OLMo-2's and Gemma-3's, differ): 0 for the others."""
-    if a.norm != "rmsnorm" or layer_specs(a)[-1].norm_weight == "float":
+    fp32-weight norms, OLMo-2's and Gemma-3's, differ): 0 for the others, and for a fused RMSNorm
+    (Liger's backward writes dX into dY's storage, ops/rms_norm.py rms_norm_backward ``in_place``;
+    its dW partial sums are weight-sized; torchtitan's dx replaces the freed gradient)."""
+    if a.norm != "rmsnorm" or layer_specs(a)[-1].norm_weight == "float" or "rms_norm" in fused:
         return 0
     return FP32 * tokens * a.hidden_size + FP32 * tokens + 5 * FP32 * tokens * a.hidden_size
 
@@ -605,11 +642,12 @@ def _embedding_saved(a: Architecture, tokens: int, b: int, device: Device) -> in
 def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, compute_bytes: int,
                          attention: Attention = "sdpa", checkpointing: Checkpointing = "none",
                          device: Device = "cuda", autocast: bool = False, every: int | None = None,
-                         loss_chunks: int = 1) -> Activations:
+                         loss_chunks: int = 1, fused: tuple[str, ...] = ()) -> Activations:
     """``autocast``: the forward runs under torch.autocast over fp32 weights (torch's mixed recipes
     when nothing casts the weights: DDP, or a TP-only rank); the residual stream, the RoPE tables
     and the checkpointed block inputs are then fp32 (``_autocast_stream_extra``). ``every``: with
-    full checkpointing, only every N-th block (checkpointed_blocks)."""
+    full checkpointing, only every N-th block (checkpointed_blocks). ``fused``: the block ops that run as
+    fused kernels (planner/recipes/fused_kernels.py), in the blocks and the final norm."""
     tokens = micro_batch * seq_len
     b = compute_bytes
     fp32_stream = _autocast_stream(a, b, autocast)
@@ -621,9 +659,11 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
     if loss_chunks > 1:
         return _with_chunked_loss(estimate_activations(
             a, micro_batch=micro_batch, seq_len=seq_len, compute_bytes=compute_bytes, attention=attention,
-            checkpointing=checkpointing, device=device, autocast=autocast, every=every), a, micro_batch, seq_len,
+            checkpointing=checkpointing, device=device, autocast=autocast, every=every, fused=fused), a, micro_batch,
+            seq_len,
             loss_chunks, compute_bytes, FP32 if fp32_stream else compute_bytes)
-    per_spec = {key: block_saved_bytes(a, spec, tokens, seq_len, micro_batch, b, attention, device, fp32_stream)
+    per_spec = {key: block_saved_bytes(a, spec, tokens, seq_len, micro_batch, b, attention, device, fp32_stream,
+                                       fused)
                 for key, spec in distinct_specs(a).items()}
     if len(per_spec) == 1:
         blocks = [next(iter(per_spec.values()))] * a.num_layers
@@ -631,7 +671,7 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
         blocks = [per_spec[id(spec)] for spec in layer_specs(a)]
     per_layer = max(blocks)
     all_blocks = sum(blocks)
-    final_norm = _final_norm_saved(a, tokens, b, fp32_stream)
+    final_norm = _final_norm_saved(a, tokens, b, fp32_stream, fused)
     rope = _rope_saved(a, seq_len, table_bytes)
     extra_rope = _extra_rope_tables(a, seq_len, table_bytes)
     edges = EdgeTerms(_embedding_saved(a, tokens, b, device), final_norm, _loss_saved(a, tokens, b), rope + extra_rope)
@@ -648,7 +688,9 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
             what = "per-op SAC: input, saved linears' and SDPA's outputs"
         elif checkpointing == "selective-attention":
             core = _attention_saved(a, tokens, seq_len, micro_batch, b, attention, device)
-            kept = [saved - core + _core_attention_kept(spec, tokens, b, fp32_stream)
+            # Liger's rope rotates the 16-bit q and k in place: no fp32 promotion under autocast
+            rotated_fp32 = fp32_stream and "rope" not in fused
+            kept = [saved - core + _core_attention_kept(spec, tokens, b, rotated_fp32)
                     for saved, spec in zip(blocks, specs)]
             rebuilt = [core] * len(specs)  # the core's whole saved set, rebuilt at its backward
             what = "core attention recomputed: its inputs and output kept"
@@ -667,7 +709,7 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
                            items=tuple(items), layer_saved_bytes=per_layer, layer_kept_bytes=max(kept),
                            head_saved_bytes=saved - sum(kept), loss_transient_bytes=loss_t,
                            layer_transient_bytes=layer_t,
-                           final_norm_transient_bytes=final_norm_transient_bytes(a, tokens),
+                           final_norm_transient_bytes=final_norm_transient_bytes(a, tokens, fused),
                            num_layers=a.num_layers, checkpointed=checkpointing != "selective-attention",
                            blocks=tuple(blocks), edges=edges, kept_blocks=tuple(kept), rebuilt_blocks=tuple(rebuilt))
     if checkpointing == "full":
@@ -691,7 +733,7 @@ def estimate_activations(a: Architecture, *, micro_batch: int, seq_len: int, com
                        head_saved_bytes=saved - a.num_layers * kept,
                        loss_transient_bytes=_loss_transient(a, tokens, b),
                        layer_transient_bytes=_layer_backward_transient(a, tokens, b),
-                       final_norm_transient_bytes=final_norm_transient_bytes(a, tokens),
+                       final_norm_transient_bytes=final_norm_transient_bytes(a, tokens, fused),
                        num_layers=a.num_layers, checkpointed=checkpointing == "full",
                        blocks=tuple(blocks), edges=edges)
 

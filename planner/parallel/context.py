@@ -132,24 +132,26 @@ def merged_output_copy_bytes(a: Architecture, local_tokens: int, b: int) -> int:
     return max(b * local_tokens * spec.attention.q_width for spec in distinct_specs(a).values())
 
 
-def _freed_before_attention_bytes(a: Architecture, local_tokens: int, b: int, sp_cut: int = 0) -> int:
+def _freed_before_attention_bytes(a: Architecture, local_tokens: int, b: int, sp_cut: int = 0,
+                                  fused: tuple[str, ...] = ()) -> int:
     """What a block's backward has freed when it reaches the attention: the MLP's saved tensors and
     the post-attention norm's (dense MLPs and compute-dtype norms; nothing assumed freed for MoE
     blocks or fp32-weight norms). ``sp_cut``: what sequence parallelism took off that norm's saved
     set (tensor_parallel.tp_activations: its fp32 input, ``x * rsqrt`` and rsqrt hold 1/tp of the
     tokens; its all-gathered output, saved by the MLP's linears, stays whole), so not freed here."""
-    from planner.model.activations import norm_saved_bytes
+    from planner.model.activations import gated_tensors, norm_saved_bytes
 
     freed = []
     for spec in distinct_specs(a).values():
-        mlp = 0 if spec.mlp.is_moe else (4 if spec.mlp.gated else 2) * b * local_tokens * spec.mlp.intermediate_size
-        norm = norm_saved_bytes(a, local_tokens, b) - sp_cut if spec.norm_weight != "float" else 0
+        gated = gated_tensors(fused) if spec.mlp.gated else 2
+        mlp = 0 if spec.mlp.is_moe else gated * b * local_tokens * spec.mlp.intermediate_size
+        norm = norm_saved_bytes(a, local_tokens, b, fused) - sp_cut if spec.norm_weight != "float" else 0
         freed.append(mlp + norm)
     return min(freed)
 
 
 def cp_activations(acts: Activations, a: Architecture, *, cp: int, tokens: int, b: int, tp: int = 1,
-                   sequence_parallel: bool = False, device: str = "cuda") -> Activations:
+                   sequence_parallel: bool = False, device: str = "cuda", fused: tuple[str, ...] = ()) -> Activations:
     """``acts`` computed at seq_len / cp (the rank's two chunks), with ring attention's saved copy
     (merged_output_copy_bytes) and its backward transient: in a block's backward the attention comes
     after the MLP has freed its saved tensors, with the gradient flowing in (tokens x hidden) and
@@ -170,9 +172,9 @@ def cp_activations(acts: Activations, a: Architecture, *, cp: int, tokens: int, 
     stream_tokens, sp_cut = local, 0
     if sequence_parallel and tp > 1:
         stream_tokens = -(-local // tp)  # DTensor's Shard: ceil(n / tp) on the first ranks
-        sp_cut = sequence_parallel_norm_cut_bytes(a, local, b, tp)
+        sp_cut = sequence_parallel_norm_cut_bytes(a, local, b, tp)  # no fused norm under tp (check_fused_kernels)
     attention_phase = (b * (stream_tokens * a.hidden_size + local * q_width) + ring
-                       - _freed_before_attention_bytes(a, local, b, sp_cut))
+                       - _freed_before_attention_bytes(a, local, b, sp_cut, fused))
     transient = max(acts.layer_transient_bytes, attention_phase)
     if acts.checkpointed:  # the copy exists in the recomputed layer only
         saved, layer_saved, kept = acts.saved_bytes, acts.layer_saved_bytes + copy, acts.layer_kept_bytes

@@ -61,7 +61,8 @@ def check_activation_offload(request, model, dims) -> None:
 
 
 
-def repeat_saved_bytes(arch: Architecture, spec: LayerSpec, tokens: int, b: int, autocast: bool) -> int:
+def repeat_saved_bytes(arch: Architecture, spec: LayerSpec, tokens: int, b: int, autocast: bool,
+                       fused: tuple[str, ...] = ()) -> int:
     """A block's tensors saved more than once. pack_tensor offloads a storage at its first save
     and, finding it again among the tensors in flight (storage_to_tensor_id), keeps the tensor
     itself (``self.tracker[tensor_id] = (activation, False, ...)``: "Keep on GPU, don't offload")
@@ -72,13 +73,15 @@ def repeat_saved_bytes(arch: Architecture, spec: LayerSpec, tokens: int, b: int,
     gate and up; a router and its experts) is saved by each, except under torch.autocast, where
     every linear casts its own copy; LayerNorm (native_layer_norm) saves each tensor once.
     Measured on CPU ranks with TRL's own class (tests/real_runs.py llama-offload-*: the live
-    total exceeds the one without offloading by these)."""
+    total exceeds the one without offloading by these). A fused RMSNorm (``"rms_norm" in fused``:
+    Liger's ``ctx.save_for_backward(X, W, RSTD)``, planner/recipes/fused_kernels.py) saves each once;
+    Qwen3's q/k norms stay eager (activations.block_saved_bytes)."""
     h = arch.hidden_size
     out = 0
-    if arch.norm == "rmsnorm":
+    if arch.norm == "rmsnorm" and "rms_norm" not in fused:
         out += spec.norms * (FP32 * tokens * h + FP32 * tokens)
-        if spec.attention.qk_norm != "none":
-            out += FP32 * tokens * (spec.attention.q_width + spec.attention.kv_width) + 2 * FP32 * tokens
+    if arch.norm == "rmsnorm" and spec.attention.qk_norm != "none":
+        out += FP32 * tokens * (spec.attention.q_width + spec.attention.kv_width) + 2 * FP32 * tokens
     if autocast:
         return out
     attention = len(attention_linears(arch, spec))
@@ -107,16 +110,17 @@ def autocast_weight_bytes(arch: Architecture, acts: Activations, b: int, autocas
                    for linear in block_linears(arch, spec))
 
 
-def kept_per_block(arch: Architecture, acts: Activations, tokens: int, b: int, autocast: bool) -> int:
+def kept_per_block(arch: Architecture, acts: Activations, tokens: int, b: int, autocast: bool,
+                   fused: tuple[str, ...] = ()) -> int:
     """What each block keeps on the device until its backward (its repeated saves); none under
     full checkpointing, where a block saves its input once. The largest block's, for every block."""
     if acts.checkpointed and not acts.kept_blocks:
         return 0
-    return max(repeat_saved_bytes(arch, spec, tokens, b, autocast) for spec in distinct_specs(arch).values())
+    return max(repeat_saved_bytes(arch, spec, tokens, b, autocast, fused) for spec in distinct_specs(arch).values())
 
 
 def offloaded(acts: Activations, arch: Architecture, tokens: int, compute_bytes: int,
-              autocast: bool = False, uncast_elements: int = 0) -> Activations:
+              autocast: bool = False, uncast_elements: int = 0, fused: tuple[str, ...] = ()) -> Activations:
     """``acts`` as the device holds them under offloading (the backward sweep reads the fields,
     planner/memory/buffers.py): at the loss's backward its saved output brought back and the LM
     head's input kept; after the head, the final norm's saved tensors brought back; in a block's
@@ -124,22 +128,23 @@ def offloaded(acts: Activations, arch: Architecture, tokens: int, compute_bytes:
     checkpointing recomputes there (recomputation runs in backward, outside the hooks).
     ``uncast_elements``: block weights autocast never casts (low_precision's converted linears save
     a view of the fp32 parameter, which pack_tensor skips by its storage: TRL activation_offloading.py
-    param_storages)."""
+    param_storages). ``fused``: the block ops run as fused kernels (a fused norm saves nothing twice)."""
     kept = lm_head_input_bytes(arch.hidden_size, tokens, compute_bytes)
     edges = acts.edges
-    final_norm = _final_norm_repeat(arch, tokens)
+    final_norm = _final_norm_repeat(arch, tokens, fused)
     at_loss = edges.loss_saved + kept + final_norm + edges.rope_saved if edges is not None else acts.head_saved_bytes
     after_head = edges.final_norm_saved + edges.rope_saved if edges is not None else acts.head_saved_bytes
     return replace(acts, host_offload=True, device_head_bytes=min(at_loss, acts.saved_bytes),
                    device_after_head_bytes=min(after_head, acts.saved_bytes),
-                   device_block_bytes=kept_per_block(arch, acts, tokens, compute_bytes, autocast),
+                   device_block_bytes=kept_per_block(arch, acts, tokens, compute_bytes, autocast, fused),
                    offloaded_bytes=max(0, acts.saved_bytes - kept) + max(0, autocast_weight_bytes(
                        arch, acts, compute_bytes, autocast) - compute_bytes * uncast_elements))
 
 
-def _final_norm_repeat(arch: Architecture, tokens: int) -> int:
-    """The final RMSNorm's fp32 input and rsqrt, each saved twice (repeat_saved_bytes)."""
-    return FP32 * tokens * arch.hidden_size + FP32 * tokens if arch.norm == "rmsnorm" else 0
+def _final_norm_repeat(arch: Architecture, tokens: int, fused: tuple[str, ...] = ()) -> int:
+    """The final RMSNorm's fp32 input and rsqrt, each saved twice (repeat_saved_bytes); a fused one's once."""
+    return FP32 * tokens * arch.hidden_size + FP32 * tokens if arch.norm == "rmsnorm" and "rms_norm" not in fused \
+        else 0
 
 
 def on_shared_memory(acts: Activations, arch: Architecture, tokens: int, compute_bytes: int,

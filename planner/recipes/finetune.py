@@ -291,8 +291,20 @@ class AdapterInputs:
         return self.compute_bytes * tokens * width + self.noise_bytes(tokens, width)
 
 
+def _norm_core(h: int, tokens: int, inputs: AdapterInputs, fused: tuple[str, ...]) -> int:
+    """What one RMSNorm over a frozen weight keeps for its input's gradient: eager LlamaRMSNorm its
+    fp32 upcast and rsqrt per token; a fused one (``"rms_norm" in fused``: Liger's LigerRMSNormFunction
+    saves ``(X, W, RSTD)`` whether the weight trains or not, ops/rms_norm.py) its input in the residual
+    stream's dtype (fp32 under QLoRA's fp32 stream, where eager's upcast is that same tensor) and rstd."""
+    from planner.model.activations import FP32
+
+    stream = inputs.norm_bytes or inputs.compute_bytes
+    return (stream if "rms_norm" in fused else FP32) * tokens * h + FP32 * tokens
+
+
 def _lora_block_saved(arch: Architecture, spec: LayerSpec, f: Finetune, tokens: int, seq_len: int,
-                      micro_batch: int, inputs: AdapterInputs, attention: str, linears_save_inputs: bool = False) -> int:
+                      micro_batch: int, inputs: AdapterInputs, attention: str, linears_save_inputs: bool = False,
+                      fused: tuple[str, ...] = ()) -> int:
     """What one Llama-style block saves for backward when its base is frozen.
 
     A frozen linear saves nothing (its input is needed only for its weight's gradient; torch's
@@ -302,19 +314,22 @@ def _lora_block_saved(arch: Architecture, spec: LayerSpec, f: Finetune, tokens: 
     fine-tuning; the gated MLP keeps gate, act(gate) and up, but its product only where
     down_proj's adapter reads it. Each adapter keeps its input (shared with the base or its own,
     AdapterInputs) and lora_A's r-wide output (saved by lora_B). ``linears_save_inputs``: every
-    linear keeps its input, frozen or not (DeepSpeed ZeRO-3's LinearFunctionForZeroStage3)."""
+    linear keeps its input, frozen or not (DeepSpeed ZeRO-3's LinearFunctionForZeroStage3).
+    ``fused``: Liger's kernels (planner/recipes/fused_kernels.py): a fused norm keeps its input
+    (_norm_core), the SiLU-mul keeps gate and up but not act(gate)."""
     from planner.model.activations import FP32, attention_saved
 
     b, h = inputs.compute_bytes, arch.hidden_size
     a = spec.attention
     names = {linear.name for linear in block_linears(arch, spec) if f.targeted(linear)}
-    norm_core = FP32 * tokens * h + FP32 * tokens
+    norm_core = _norm_core(h, tokens, inputs, fused)
     saved = 2 * norm_core + attention_saved(arch, tokens, seq_len, micro_batch, b, attention, inputs.device)
     if a.qk_norm == "head":  # Qwen3's q_norm / k_norm: fp32 upcast and rsqrt, not the cast back
         saved += FP32 * tokens * (a.q_width + a.kv_width) + FP32 * tokens * (a.num_heads + a.num_kv_heads)
     inner = spec.mlp.intermediate_size
-    # gate, act(gate) and up: the frozen linears' outputs (fp32 for a 4-bit base under autocast)
-    saved += 3 * inputs.linear_out * tokens * inner
+    # gate, act(gate) and up: the frozen linears' outputs (fp32 for a 4-bit base under autocast); Liger's
+    # SiLU-mul saves gate and up alone (ops/swiglu.py LigerSiLUMulFunction: ``save_for_backward(a, b)``)
+    saved += (2 if "swiglu" in fused else 3) * inputs.linear_out * tokens * inner
     kept_by_adapters = inputs.shared
     if kept_by_adapters:
         saved += b * tokens * h * (bool(names & set(_QKV)) + bool(names & set(_GATE_UP)))
@@ -340,7 +355,7 @@ def _lora_block_saved(arch: Architecture, spec: LayerSpec, f: Finetune, tokens: 
 
 
 def _first_block_untracked(arch: Architecture, f: Finetune, tokens: int, inputs: AdapterInputs,
-                           linears_save_inputs: bool = False) -> int:
+                           linears_save_inputs: bool = False, fused: tuple[str, ...] = ()) -> int:
     """The first block's input does not require a gradient (the embeddings are frozen), so its
     first RMSNorm saves nothing, nor does the dropout of an adapter reading that norm's output
     (q/k/v): autograd records no graph until the first adapter's output. (Measured: qwen2 fp32
@@ -358,12 +373,13 @@ def _first_block_untracked(arch: Architecture, f: Finetune, tokens: int, inputs:
     # so is LLM.int8's (MatMul8bitFp/MatMul8bitLt are autograd.Functions too: ctx.A is dropped with the ctx)
     qkv_input = (inputs.norm_out * tokens * arch.hidden_size
                  if (linears_save_inputs or f.quantize == "int8") and not (inputs.shared and qkv_targeted) else 0)
-    return FP32 * tokens * arch.hidden_size + FP32 * tokens + noise + qkv_input
+    # (a fused norm is an autograd.Function: with no input needing a gradient it records no node either)
+    return _norm_core(arch.hidden_size, tokens, inputs, fused) + noise + qkv_input
 
 
 def lora_activations(arch: Architecture, f: Finetune, *, micro_batch: int, seq_len: int, compute_bytes: int,
                      attention: str, checkpointing: str, device: str, adapter_copy: bool,
-                     linears_save_inputs: bool = False, fp32_stream: bool = False):
+                     linears_save_inputs: bool = False, fp32_stream: bool = False, fused: tuple[str, ...] = ()):
     """The saved set and transients of a LoRA step, in the form of activations.Activations.
     ``linears_save_inputs``: DeepSpeed ZeRO-3, whose F.linear keeps every linear's input (the
     frozen LM head's too).
@@ -393,13 +409,13 @@ def lora_activations(arch: Architecture, f: Finetune, *, micro_batch: int, seq_l
     inputs = AdapterInputs(compute_bytes=b, own_copy=adapter_copy, dropout=f.dropout, device=device,
                            stream_bytes=out, norm_bytes=stream)
     specs = layer_specs(arch)
-    blocks = [_lora_block_saved(arch, spec, f, tokens, seq_len, micro_batch, inputs, attention, linears_save_inputs)
-              for spec in specs]
+    blocks = [_lora_block_saved(arch, spec, f, tokens, seq_len, micro_batch, inputs, attention, linears_save_inputs,
+                                fused) for spec in specs]
     per_layer = max(blocks)
     # a trained LM head saves its input, and under ZeRO-3 a frozen one too
     head_out = b * tokens * arch.hidden_size if f.train_embeddings or linears_save_inputs else 0
     head_cast = b * arch.vocab_size * arch.hidden_size if fp32_stream and not f.train_embeddings else 0
-    final_norm = FP32 * tokens * arch.hidden_size + FP32 * tokens + head_out + head_cast
+    final_norm = _norm_core(arch.hidden_size, tokens, inputs, fused) + head_out + head_cast
     loss = loss_saved(arch, tokens, b) + rope_saved(arch, seq_len, stream)
     at_loss = loss_transient(arch, tokens, b)
     layer_transient = layer_backward_transient(arch, tokens, stream) + dequantized_weight_bytes(arch, f, b, tokens,
@@ -413,7 +429,7 @@ def lora_activations(arch: Architecture, f: Finetune, *, micro_batch: int, seq_l
                  ActivationItem("one block recomputed in backward (frozen base, adapters)", per_layer)]
         kept = boundary
     else:
-        body = sum(blocks) - _first_block_untracked(arch, f, tokens, inputs, linears_save_inputs)
+        body = sum(blocks) - _first_block_untracked(arch, f, tokens, inputs, linears_save_inputs, fused)
         extra = at_loss
         items = [ActivationItem(f"{arch.num_layers} blocks with a frozen base and LoRA adapters", body)]
         kept = body // arch.num_layers

@@ -142,6 +142,30 @@ COMPOSITE_NORM_RATES = (0.652, 0.683)
 FUSED_LAYERNORM_RATES = (0.520, 0.60)
 ROTARY_RATES = (0.435, 0.617)
 
+# Measured rates of Liger-Kernel's fused kernels (planner/recipes/fused_kernels.py), derived as the eager rates above
+# from the same file's provider "liger" rows (benchmark/data/all_benchmark_data.csv at ead96b6), each row's bytes
+# counted as the pieces below count them (one kernel each way, its reads and writes from the kernel's source):
+# - LigerRMSNorm (liger 0.2.1, A100, bf16, 2,048 rows): forward 4 bytes per element (X in, Y out) and 4 per row
+#   (rstd), backward 6 (dY and X in, dX out) and 4 per row. Taken at 16,384 wide, the widest hidden size a model has
+#   (Llama-3-405B): forward 0.0953 ms (0.691), backward 0.3205 ms (0.308); at 4,096-8,192 wide 0.53-0.64 forward,
+#   0.25-0.28 backward; at 32,768 (no model's width) the backward falls to 0.187 (1.056 ms: one 32,768-wide block
+#   per row, ops/utils.py calculate_settings' 32 warps);
+# - liger_rotary_pos_emb (liger 0.2.1, A100, the huggingface row's setup: 32 q and 8 kv heads of 256, 16,384 tokens):
+#   q and k read and written in place, half of cos and half of sin per token (ops/rope.py _triton_rope loads
+#   ``pad_hd // 2`` of each), 41,472 bytes per token; forward 0.4105 ms (0.812), backward 0.4102 ms (0.812; the
+#   benchmark's dq keeps q's strides, so ``dq.contiguous()`` copies nothing);
+# - LigerSiLUMulFunction: the csv's "swiglu" rows time LigerSwiGLUMLP against LlamaMLP, the three matmuls included
+#   (benchmark/scripts/benchmark_swiglu.py: 36 ms at 4 x 8,192 tokens), and are not used; "megatron_swiglu" (liger
+#   0.8.1, H100 SXM 3,350 GB/s; benchmark_megatron_swiglu.py, 2120862b) times the same arithmetic alone over a
+#   fused gate-up tensor (LigerFusedGateUpSiLUMulFunction: gate and up in, their product out, 6 bytes per inner
+#   element in bf16): 8,192 rows x 32,768 forward 0.5275 ms (0.911). Its "backward" row times forward + ``.sum()`` +
+#   backward (1.9116 ms); less the forward and the sum's read and its expanded gradient's contiguous copy (4 bytes
+#   per element at the copy rate), the backward kernel (dc, gate and up in, both gradients out: 10 bytes) runs at
+#   0.803.
+LIGER_RMSNORM_RATES = (0.691, 0.308)
+LIGER_ROPE_RATES = (0.812, 0.812)
+LIGER_SWIGLU_RATES = (0.911, 0.803)
+
 # The backward of ``x * rsqrt(mean(x²) + eps)`` in fp32 (derivatives.yaml: mul.Tensor line 1231, rsqrt line
 # 1504, mean.dim line 1153, pow.Tensor_Scalar line 1400), shared by every composite RMSNorm:
 _RSQRT_BACKWARD = (
@@ -223,6 +247,11 @@ FROZEN_NORM_OPS = {("rmsnorm", "cast"): FROZEN_COMPOSITE_RMSNORM, ("rmsnorm", "f
                    ("layernorm", "cast"): FROZEN_FUSED_LAYERNORM, ("layernorm", "float"): FROZEN_FUSED_LAYERNORM}
 NORM_OPS = {("rmsnorm", "cast"): COMPOSITE_RMSNORM, ("rmsnorm", "float"): FLOAT_WEIGHT_RMSNORM,
             ("layernorm", "cast"): FUSED_LAYERNORM, ("layernorm", "float"): FUSED_LAYERNORM}
+# LigerRMSNormFunction (ops/rms_norm.py): one forward kernel (X in, Y and fp32 rstd per row out; the weight's row is
+# weight-sized) and one backward kernel (dY, X and rstd in, dX out, written into dY's storage; its dW partial sums,
+# sm_count x hidden in fp32, and their sum are weight-sized). torchtitan's TritonFusedRMSNorm moves the same bytes.
+LIGER_RMSNORM = Piece(forward=(Op(c_in=1, c_out=1, row_out=1),), backward=(Op(c_in=2, row_in=1, c_out=1),),
+                      forward_rate=LIGER_RMSNORM_RATES[0], backward_rate=LIGER_RMSNORM_RATES[1])
 
 # transformers' apply_rotary_pos_emb (modeling_llama.py lines 119-149), per q or k: ``(x * cos) +
 # (rotate_half(x) * sin)``, rotate_half = cat(-x2, x1) of the two halves (slices are views). Backward: mul's
@@ -254,6 +283,13 @@ FP32_ROTARY = Piece(
 )
 # The families whose rotary tables stay fp32 (of those planner/model/architecture.py reads)
 FP32_ROTARY_FAMILIES = frozenset({"olmo2"})
+# LigerRopeFunction (ops/rope.py): one kernel over q and k together, each read and written in place, with half of
+# cos and half of sin per token (``table``: head_dim elements); backward the same kernel over dq and dk. OLMo-2's
+# fp32 tables are read as fp32 (the kernel computes in the tables' dtype and stores into q's).
+LIGER_ROPE = Piece(forward=(Op(c_in=1, table_in=1, c_out=1),), backward=(Op(c_in=1, table_in=1, c_out=1),),
+                   forward_rate=LIGER_ROPE_RATES[0], backward_rate=LIGER_ROPE_RATES[1])
+LIGER_FP32_ROPE = Piece(forward=(Op(c_in=1, ftable_in=1, c_out=1),), backward=(Op(c_in=1, ftable_in=1, c_out=1),),
+                        forward_rate=LIGER_ROPE_RATES[0], backward_rate=LIGER_ROPE_RATES[1])
 # Two tensors added, and in backward the sum autograd runs where a tensor fed two ops: a residual's input
 # (the branch's norm and the add; the add's own backward passes the gradient through) or a normed input read
 # by several linears (q, k, v; gate, up)
@@ -274,6 +310,10 @@ _UNARY, _BINARY = Op(c_in=1, c_out=1), Op(c_in=2, c_out=1)
 NEW_GELU = Piece(forward=(_UNARY, _UNARY, _UNARY, _BINARY, _UNARY, _UNARY, _UNARY, _BINARY),
                  backward=(_BINARY, _BINARY, _BINARY, _UNARY, _UNARY, _UNARY, _UNARY, _BINARY, _BINARY, _UNARY,
                            _BINARY))
+# LigerSiLUMulFunction (ops/swiglu.py): forward reads gate and up and writes their product; backward reads the
+# incoming gradient, gate and up and writes both gradients into gate's and up's storage
+LIGER_SWIGLU = Piece(forward=(Op(c_in=2, c_out=1),), backward=(Op(c_in=3, c_out=2),),
+                     forward_rate=LIGER_SWIGLU_RATES[0], backward_rate=LIGER_SWIGLU_RATES[1])
 PLAIN_ACTIVATIONS = {"gelu_new": NEW_GELU, "gelu": FUSED_ACTIVATION, "gelu_pytorch_tanh": FUSED_ACTIVATION,
                      "silu": FUSED_ACTIVATION, "swish": FUSED_ACTIVATION, "relu": FUSED_ACTIVATION}
 # nn.Dropout on CUDA: aten::native_dropout (one kernel: the output and a bool mask; derivatives.yaml line 619)
@@ -581,11 +621,13 @@ def _gradient_sums(s: LayerSpec) -> int:
     return attention + _mlp_gradient_sums(s.mlp) + (1 if s.norm_placement == "parallel" else 0)  # one norm, both
 
 
-def mlp_traffic(arch: Architecture, m: MlpSpec, tp: int, c: int) -> Traffic:
+def mlp_traffic(arch: Architecture, m: MlpSpec, tp: int, c: int, fused: tuple[str, ...] = ()) -> Traffic:
     """The MLP's own elementwise ops per token (not its input's gradient sums: block_traffic): the activation (or gate)
     over the routed experts' active inner width on this TP rank, the shared expert's, and an MoE's router and
     dispatch."""
     gate = GATED if m.gated else plain_activation(arch)
+    if m.gated and not m.is_moe and "swiglu" in fused:
+        gate = LIGER_SWIGLU
     out = Traffic()
     if not (m.is_moe and m.layout in EXPERT_GATES):  # those experts' gates: moe_traffic
         out = traffic(gate, (routed_rows(m) if m.is_moe else 1) * m.intermediate_size / tp, c)
@@ -596,19 +638,26 @@ def mlp_traffic(arch: Architecture, m: MlpSpec, tp: int, c: int) -> Traffic:
     return out
 
 
-def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, frozen: bool = False) -> Traffic:
+def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, frozen: bool = False,
+                  fused: tuple[str, ...] = ()) -> Traffic:
     """One token's elementwise traffic through one block on one TP rank. Norms, residuals and dropout run on
     the hidden width, a 1/tp share of the tokens under sequence parallelism; the gradient sums of a
     normed input on the gathered tokens' full width; q/k pieces and the MLP's on their TP shard. ``frozen``: the
-    base's weights get no gradient (LoRA / QLoRA; the adapters' ops are FrozenBase.adapters)."""
+    base's weights get no gradient (LoRA / QLoRA; the adapters' ops are FrozenBase.adapters). ``fused``: the ops
+    that run as fused kernels (planner/recipes/fused_kernels.py: the block's hidden-width norms, the rotary, the
+    dense gated activation; Qwen3's q/k norms stay eager, as activations.block_saved_bytes counts them)."""
     h = arch.hidden_size
     share = 1.0 / tp if sp else 1.0
-    out = traffic(norm_piece(s.norm, s.norm_weight, frozen), h * share, c, rows=share).times(s.norms)
+    norm = _fused_norm(s.norm, fused) or norm_piece(s.norm, s.norm_weight, frozen)
+    out = traffic(norm, h * share, c, rows=share).times(s.norms)
     out = out + traffic(ADD, h * share, c).times(2)
     out = out + traffic(GRADIENT_SUM, h, c).times(_gradient_sums(s))
-    out = out + mlp_traffic(arch, s.mlp, tp, c)
+    out = out + mlp_traffic(arch, s.mlp, tp, c, fused)
     a = s.attention
-    if a.rope and not arch.learned_positions:  # GPT-2's learned positions: no rotary
+    if a.rope and not arch.learned_positions and "rope" in fused:  # q and k in one kernel
+        rotary = LIGER_FP32_ROPE if arch.model_type in FP32_ROTARY_FAMILIES else LIGER_ROPE
+        out = out + traffic(rotary, (a.q_width + a.kv_width) / tp, c, table=a.head_dim)
+    elif a.rope and not arch.learned_positions:  # GPT-2's learned positions: no rotary
         rotary = FP32_ROTARY if arch.model_type in FP32_ROTARY_FAMILIES else ROTARY
         out = out + traffic(rotary, a.q_width / tp, c, table=a.head_dim) + traffic(rotary, a.kv_width / tp, c,
                                                                                    table=a.head_dim)
@@ -620,8 +669,13 @@ def block_traffic(arch: Architecture, s: LayerSpec, tp: int, sp: bool, c: int, f
     return out
 
 
+def _fused_norm(norm: str, fused: tuple[str, ...]) -> Piece | None:
+    """The fused kernel that replaces a block's norm of kind ``norm``, if one does."""
+    return LIGER_RMSNORM if norm == "rmsnorm" and "rms_norm" in fused else None
+
+
 def edge_traffic(arch: Architecture, last: LayerSpec, tp: int, sp: bool, c: int,
-                 frozen: FrozenBase | None = None) -> Traffic:
+                 frozen: FrozenBase | None = None, fused: tuple[str, ...] = ()) -> Traffic:
     """Outside the blocks: the embedding's lookup and gradient, learned positions' lookup and their sum with it
     (GPT-2's ``inputs_embeds + position_embeds``), the embedding dropout, and the final norm (the blocks' norm
     module). Under a frozen base a frozen embedding's gradient is not computed (embedding_backward runs for a
@@ -629,8 +683,8 @@ def edge_traffic(arch: Architecture, last: LayerSpec, tp: int, sp: bool, c: int,
     h = arch.hidden_size
     share = 1.0 / tp if sp else 1.0
     lookup = EMBEDDING if frozen is None or frozen.embeddings_trained else Piece(EMBEDDING.forward, ())
-    out = traffic(lookup, h, c) + traffic(norm_piece(last.norm, last.norm_weight, frozen is not None), h * share, c,
-                                          rows=share)
+    norm = _fused_norm(last.norm, fused) or norm_piece(last.norm, last.norm_weight, frozen is not None)
+    out = traffic(lookup, h, c) + traffic(norm, h * share, c, rows=share)
     if arch.learned_positions:
         out = out + traffic(lookup, h, c) + traffic(ADD, h, c)
     if arch.hidden_dropout > 0:

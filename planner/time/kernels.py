@@ -444,23 +444,24 @@ _WORK: dict[tuple, tuple[Architecture, "Work"]] = {}
 def work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_bytes: int, eager: bool,
          r: Rates, kernel: str = "flash-attention-2", loss: str = "hf",
          low_precision: "LowPrecisionRate | None" = None, loss_chunks: int = 1, compiled: str = "none",
-         frozen: FrozenBase | None = None) -> "Work":
+         frozen: FrozenBase | None = None, fused: tuple[str, ...] = ()) -> "Work":
     """One sequence's work on one GPU of a tp x cp group (the pipeline splits it later:
     pipeline.py), memoised per model object (an Architecture is not hashable; the plan search
     asks for the same one per setting). ``loss``: the loss implementation (planner/recipes/losses.py).
     ``compiled``: torch.compile of each block ("blocks", torchtitan) or of the whole model ("model", HF
     Trainer's torch_compile): the elementwise work as inductor fuses it (planner/time/fusion.py).
     ``frozen``: a frozen base's elementwise changes (LoRA / QLoRA: planner/time/elementwise.py FrozenBase;
-    not with compile, which refuses LoRA: planner/recipes/compile.py)."""
+    not with compile, which refuses LoRA: planner/recipes/compile.py). ``fused``: the block ops run as fused
+    kernels (planner/recipes/fused_kernels.py; eager otherwise, not with compile: check_fused_kernels)."""
     key = (id(arch), seq, tp, cp, sp, compute_bytes, eager, r, kernel, loss, low_precision, loss_chunks, compiled,
-           frozen)
+           frozen, fused)
     hit = _WORK.get(key)
     if hit is not None and hit[0] is arch:
         return hit[1]
     if len(_WORK) > 256:
         _WORK.clear()
     out = _work(arch, seq, tp, cp, sp, compute_bytes, eager, r, kernel, loss, loss_chunks, fusion.check_mode(compiled),
-                frozen)
+                frozen, fused)
     if low_precision is not None:
         out = _converted(out, compute_bytes, low_precision)
     _WORK[key] = (arch, out)
@@ -469,7 +470,7 @@ def work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_bytes
 
 def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_bytes: int, eager: bool,
           r: Rates, kernel: str, loss_kind: str = "hf", loss_chunks: int = 1, compiled: str = "none",
-          frozen: FrozenBase | None = None) -> "Work":
+          frozen: FrozenBase | None = None, fused: tuple[str, ...] = ()) -> "Work":
     h = arch.hidden_size
     tokens = max(1, seq // cp)
     gemms: list[Gemm] = []
@@ -497,7 +498,7 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
             attention_tflops(r, tokens, a.head_dim, kernel) * 1e12) * count
         eager_bytes += heads * tokens * seq * 16 * count  # scores 2, softmax in fp32 4+4, probs 2+2, mask 2
         elementwise = elementwise + _block_traffic(arch, spec, tp, sp, compute_bytes, compiled,
-                                                   frozen is not None).times(count)
+                                                   frozen is not None, fused).times(count)
         if compiled != "none":
             for policy in rerun:
                 rerun[policy] += fusion.recompute_bytes(arch, spec, tp, sp, compute_bytes, policy) * count
@@ -516,8 +517,8 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
     loss = loss_bytes_per_logit(loss_kind, compute_bytes, hf_bytes) * vocab * tokens
     loss_recompute = 2.0 * tokens * head.n * head.k if loss_recomputes_logits(loss_kind) else 0.0
     last = layer_specs(arch)[-1]
-    edge = fusion.edge_traffic(arch, last, tp, sp, compute_bytes, edge_traffic(arch, last, tp, sp, compute_bytes, frozen),
-                               compiled)
+    edge = fusion.edge_traffic(arch, last, tp, sp, compute_bytes,
+                               edge_traffic(arch, last, tp, sp, compute_bytes, frozen, fused), compiled)
     if eager:
         attention_seconds = 0.0
     return Work(tokens=tokens, gemms=tuple(gemms), attention_flops=attention_flops,
@@ -538,11 +539,11 @@ def _work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_byte
 
 
 def _block_traffic(arch: Architecture, spec: LayerSpec, tp: int, sp: bool, c: int, compiled: str,
-                   frozen: bool = False) -> Traffic:
+                   frozen: bool = False, fused: tuple[str, ...] = ()) -> Traffic:
     """A block's elementwise traffic: op by op in eager (a frozen base's norms without their weight
-    gradients), inductor's fused kernels (CUDA's) when compiled."""
+    gradients; Liger's kernels where ``fused`` names them), inductor's fused kernels (CUDA's) when compiled."""
     if compiled == "none":
-        return block_traffic(arch, spec, tp, sp, c, frozen)
+        return block_traffic(arch, spec, tp, sp, c, frozen, fused)
     return fusion.block_traffic(arch, spec, tp, sp, c, "triton")
 
 

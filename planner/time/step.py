@@ -213,6 +213,7 @@ class StepSettings:
     framework_version: str | None = None  # the request's (planner/frameworks/base.py); None: the default
     gradient_clipping: bool = False  # the gradients clipped by their global norm before each step
     compile: str = "none"  # torch.compile: "none", "blocks" or "model" (planner/time/fusion.py)
+    fused_kernels: tuple[str, ...] = ()  # Liger's fused block kernels (planner/recipes/fused_kernels.py)
 
     def framework(self, s) -> Framework:
         """The framework version that realises strategy ``s`` in this step: the request's where it
@@ -230,7 +231,7 @@ class StepSettings:
                    compute_scale=compute_scale, loss=req.loss, loss_chunks=req.loss_chunks,
                    low_precision=req.low_precision,
                    float8_all_gather=req.float8_all_gather, gradient_clipping=req.gradient_clipping,
-                   compile=req.compile)
+                   compile=req.compile, fused_kernels=req.fused_kernels)
 
 
 def collective_volumes(request: EstimateRequest) -> list[dict]:
@@ -293,7 +294,8 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
                             compute_scale=profile_compute_scale(request.profile, profile), loss=request.loss,
                             loss_chunks=request.loss_chunks,
                             low_precision=request.low_precision, float8_all_gather=request.float8_all_gather,
-                            gradient_clipping=request.gradient_clipping, compile=request.compile)
+                            gradient_clipping=request.gradient_clipping, compile=request.compile,
+                            fused_kernels=request.fused_kernels)
     arch = traced if traced is not None else Architecture.model_validate(result.model.architecture)
     moved = activation_offload_bytes(setup) / request.micro_batch if traced is None else 0.0
     t = step_times(settings, combo, request.micro_batch, per_rank, result.parameters, arch, g,
@@ -706,7 +708,7 @@ def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, ar
                      loss_kernel(req.loss, g.is_cpu), _low_precision_rate(req.low_precision, g, dtype, r, recipe.compute_bytes,
                                                                              req.compile != "none"),
                      loss_chunks=req.loss_chunks or DEFAULT_CHUNKS, compiled=req.compile,
-                     frozen=frozen.elementwise if frozen is not None else None)
+                     frozen=frozen.elementwise if frozen is not None else None, fused=req.fused_kernels)
     t = kernels.micro_batch_terms(w, micro_f, r, recipe.compute_bytes, combo.checkpointing,
                                   frozen_matmuls=1.0 if frozen is not None else 0.0,
                                   shares=kernels.recompute_shares(arch, combo.checkpointing, combo.checkpointing_every),
@@ -721,7 +723,7 @@ def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, ar
     host_wait = arrays.maximum(0.0, t.host - device)
     scale = req.compute_scale
     labels = _compute_labels(r, req.attention_kernel, bool(w.eager_bytes), bool(w.chunked_head), combo.checkpointing,
-                             scaled, w.compiled, arch.num_experts > 0)
+                             scaled, w.compiled, arch.num_experts > 0, req.fused_kernels)
     values = (accumulation * matmul, accumulation * t.attention, accumulation * t.elementwise,
               accumulation * t.recompute, accumulation * t.bias_gradients, accumulation * host_wait)
     backward = accumulation * (t.backward + (matmul - t.matmul) * 2 / 3) / scale  # the adapters' backward: 2 of 3
@@ -761,10 +763,11 @@ def _optimizer_seconds(req: "StepSettings", combo: Combo, psi: int, arch, frozen
 
 
 def _compute_labels(r: kernels.Rates, attention_kernel: str, eager: bool, chunked_head: bool, checkpointing: str,
-                    scaled: str, compiled: str = "none", moe: bool = False) -> tuple[tuple[str, str], ...]:
+                    scaled: str, compiled: str = "none", moe: bool = False,
+                    fused: tuple[str, ...] = ()) -> tuple[tuple[str, str], ...]:
     """compute_seconds' terms' (name, source), in its order; remembered per argument (the plan
     times every setting of a layout with the same)."""
-    key = (r, attention_kernel, eager, chunked_head, checkpointing, scaled, compiled, moe)
+    key = (r, attention_kernel, eager, chunked_head, checkpointing, scaled, compiled, moe, fused)
     hit = _LABELS.get(key)
     if hit is None:
         attention_source = ("eager attention: its matmuls at the matmul rate, the score matrix at the memory "
@@ -775,7 +778,7 @@ def _compute_labels(r: kernels.Rates, attention_kernel: str, eager: bool, chunke
                 "read and written per chunk" if chunked_head else "")
         hit = (("matmul", f"{r.matmul_source}, tile waves over {r.sms or '?'} SMs{head}"),
                ("attention", attention_source),
-               ("elementwise and loss", f"{bandwidth}; {_elementwise_source(compiled, moe)}"),
+               ("elementwise and loss", f"{bandwidth}; {_elementwise_source(compiled, moe, fused)}"),
                (f"recompute ({checkpointing})", "the forward kernels rerun, same rates"),
                ("bias gradients", f"each biased linear's backward sums its output gradient over the tokens "
                 f"(torch addmm's derivative, one reduction kernel; kernels.BIAS_GRADIENT_READS), at {bandwidth}"),
@@ -793,12 +796,15 @@ def _compute_labels(r: kernels.Rates, attention_kernel: str, eager: bool, chunke
 _LABELS: dict[tuple, tuple[tuple[str, str], ...]] = {}  # _compute_labels' answers
 
 
-def _elementwise_source(compiled: str, moe: bool = False) -> str:
+def _elementwise_source(compiled: str, moe: bool = False, fused: tuple[str, ...] = ()) -> str:
     """How the elementwise term counts a block's work: eager op by op, or inductor's fused kernels."""
     if compiled == "none":
         experts = ("; MoE routing and dispatch as transformers 5.x's default experts implementation runs them "
                    "(grouped_mm: sort, gathers, weighted rows, gather back, sum over the top-k; tokens x top-k rows, "
                    "balanced; Llama-4: every expert on every token, bmm)" if moe else "")
+        if fused:
+            experts += (f"; {', '.join(fused)} as Liger's Triton kernels, one each way at the rates Liger's published "
+                        "benchmarks measured (elementwise.LIGER_*_RATES; unverified here)")
         return ("a block's ops one by one, forward and backward, as its code dispatches them "
                 f"(planner/time/elementwise.py; eager, no torch.compile fusion{experts})")
     edges = ("the embedding and final norm compiled too" if compiled == "model"

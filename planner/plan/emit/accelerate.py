@@ -107,8 +107,12 @@ def trainer_arguments(launch: Launch) -> dict[str, Any]:
         # the old names are the ones every transformers 5 release accepts.
         args["gradient_checkpointing"] = True
         args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
-    if req.loss == "liger-fused":
-        args["use_liger_kernel"] = True  # TrainingArguments: Liger's kernels, its fused linear cross-entropy
+    if req.loss == "liger-fused" or req.fused_kernels:
+        # TrainingArguments: Liger's kernels, each part named (hf_trainer.py liger_kernel reads them back), so the
+        # apply function's defaults turn on nothing the estimate did not count
+        args["use_liger_kernel"] = True
+        args["liger_kernel_config"] = {"fused_linear_cross_entropy": req.loss == "liger-fused",
+                                       **{part: part in req.fused_kernels for part in ("rms_norm", "rope", "swiglu")}}
     if launch.is_cpu:
         args["use_cpu"] = True
     named = launch.launcher.trainer_arguments(launch)
