@@ -25,7 +25,8 @@ these figures. With --readme the table replaces the README block between the pub
   TPS per GPU and memory (torchtitan's max_reserved, GiB) at the 100th step.
 
 The planner asks transformers' Llama blocks: torchtitan's own Llama differs in its rotary (complex
-multiplication in fp32, model.py lines 84-110 at 157a12c) and, where the config says so, its fused RMSNorm.
+multiplication in fp32, model.py lines 84-110 at 157a12c); where the config says fused_rmsnorm, its norms are the
+planner's fused rms_norm kernel.
 """
 
 from __future__ import annotations
@@ -68,10 +69,13 @@ class Row:
     memory_gib: float | None = None  # published max_reserved
 
     def request(self) -> EstimateRequest:
+        # torchtitan's fused_rmsnorm (torchtitan/models/norms.py at 157a12c: a Triton RMSNorm saving its input and
+        # rstd) is the planner's fused rms_norm kernel (planner/recipes/fused_kernels.py)
+        fused = {"fused_kernels": ("rms_norm",)} if self.norm == "fused_rmsnorm" else {}
         return EstimateRequest(model=self.model, strategy="fsdp", precision="bf16-mixed", gpus=8,
                                seq_len=self.seq_len, micro_batch=self.local_batch, gradient_accumulation=1,
                                optimizer="adamw", reduce_dtype="fp32", **self.cluster, **POLICIES[self.policy],
-                               **self.recipe)
+                               **self.recipe, **fused)
 
 
 ROWS = [
@@ -137,13 +141,13 @@ def report() -> str:
     over = [row for row, p in results if "reserved_gib" in p and p["reserved_gib"] > p["device_gib"]]
     lines += ["", "Predicted not to fit (reserved peak over the device): "
               + (", ".join(f"{r.model} {r.policy}" for r in over) if over else "none")
-              + ". Every row ran, so a row over the device is the memory model's error for torchtitan's model "
-              "(a fused_rmsnorm config's norm saves its bf16 input and an fp32 rstd per token where transformers' "
-              "LlamaRMSNorm, which the planner asks, saves an fp32 copy of the input and a bf16 normalized tensor).",
+              + ". Every row ran, so a row over the device would be the memory model's error.",
               "",
               "Predicted: bf16 FSDP2 reducing in fp32, transformers' Llama blocks (eager: composite RMSNorm and rotary "
-              "at their measured rates); the A100 rows on a100-80gb x 8 nodes (fabric unpublished: the preset's), the "
-              "H200 rows on 8 x 400 Gb/s NDR per node. Written by `python bench/published_torchtitan.py --readme "
+              "at their measured rates; a fused_rmsnorm config's norms as the fused rms_norm kernel, "
+              "`--fused-kernels rms_norm`); the A100 rows on a100-80gb x 8 nodes (fabric unpublished: the preset's), "
+              "the H200 rows on 8 x 400 Gb/s NDR per node, compiled blocks with per-op SAC (memory: eager SAC's saved "
+              "set, the upper bound compile keeps). Written by `python bench/published_torchtitan.py --readme "
               "README.md`."]
     return "\n".join(lines)
 

@@ -27,6 +27,7 @@ def test_each_row_builds_the_run_it_describes():
             assert (req.fabric, req.nics_per_node, req.checkpointing) == ("ib-ndr", 8, "selective-op")
         else:
             assert (req.gpu, req.nodes, req.compile) == ("a100-80gb", 8, "none")
+        assert tuple(req.fused_kernels) == (("rms_norm",) if row.norm == "fused_rmsnorm" else ())
     layer = ROWS[0].request()  # "selective layer": every second block checkpointed
     assert (layer.checkpointing, layer.checkpointing_every) == ("full", 2)
     assert set(POLICIES) == {"no", "selective layer", "selective op", "full"}

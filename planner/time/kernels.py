@@ -38,10 +38,19 @@ Sources of the constants:
   curve, and a shorter K is read from there; a longer one stays at the MAMF (the search's maximum).
   The fixed part is memory traffic (the first operand stages in, the output tile out), so on
   another GPU K0 scales with its FLOP per byte over that A100 40GB's (312 TFLOP/s over 1,555 GB/s):
-  390 on an A100 80GB, 753 on an H100 SXM.
+  390 on an A100 80GB. Hopper (sm 9.0) is measured instead: XLA's table of measured sm_90 matmul rates
+  (openxla, xla/service/gpu/model/matmul_interpolator_data.h, kDefaultMatmulPTable "sm_90", bf16; in
+  tensorflow/tensorflow 372d578) gives 4,096 x 4,096 outputs (512 tiles, 4 waves) 392 TFLOP/s at K = 256 and,
+  batched x4 (16 waves), 504 at K = 256 and 620 at K = 512: K0 = 153 when other waves' tiles overlap a tile's
+  fixed part (the rate R·K/(K + K0) through the two batched points, R = 805, MAMF 794.5), and 2,048^3 (128 tiles:
+  one wave) 632: K0 = 481 where nothing overlaps it. So a Hopper GEMM takes waves x (K + 153) of loop time and
+  the first wave's 481 - 153 once (HOPPER_K_PIPELINE, HOPPER_FIRST_WAVE_K); the A100-scaled K0 (753 on an H100
+  SXM) had read 4,096^3 at 688 TFLOP/s where XLA measured 783, and a 512-K tensor-parallel GEMM at half its rate.
   Checked on an H200 (bench/results/gpu_check_h200_1.json "kernels", torch 2.11, one full wave of
   16,896 x 256 outputs): measured 648.7, 730.0, 763.0, 781.2 TFLOP/s at K = 2,048 ... 16,384 where
-  the curve gives 657.2, 731.9, 776.1, 794.5 (within 1.7%). At K = 256, 512 and 1,024 it measured
+  the curve gives 650.8, 719.2, 759.1, 779.1 (within 1.5%); XLA's sm_90 rows of two waves or more within 8%
+  (tests/test_kernels.py), its one-wave 4,096 x 1,024 x 512 (a 12 µs kernel) 17% under the curve. At K = 256,
+  512 and 1,024 it measured
   96.5, 204.2, 413.6 against 270.4, 407.5, 545.7, but those calls took a flat 22.9, 21.7, 21.4 µs
   each: launches of eager `a @ b` timed back to back, the host's cost, not the K loop's (at K = 256
   the kernel's own operand traffic, 17.4 MB, is 4.4 µs at the copy rate measured there). The curve
@@ -192,6 +201,10 @@ K_PIPELINE = 512
 K_PIPELINE_BALANCE = 312e12 / 1555e9  # FLOP per byte of the GPU that figure measured (A100 40GB)
 # The K of a GPU measured without a MAMF shape: the H100 SXM's (its fraction stands in for the rate)
 UNMEASURED_MAMF_K = 13312
+# Hopper's K loop, measured (module docstring: XLA's sm_90 matmul table): a tile's fixed cost when other waves'
+# tiles overlap it, and the extra the first wave exposes (its prologue has nothing to hide behind), in K
+HOPPER_K_PIPELINE = 153.0
+HOPPER_FIRST_WAVE_K = 481.0
 # Host time per kernel launch of eager PyTorch (dispatcher, autograd bookkeeping and
 # cudaLaunchKernel): about 10 µs per op (Horace He, "Making Deep Learning Go Brrrr From First
 # Principles", 2022, section Overhead). A GPU whose kernels are shorter waits for the host.
@@ -234,6 +247,7 @@ class Rates:
     host_seconds_per_kernel: float = HOST_SECONDS_PER_KERNEL
     mamf_k: int | None = None  # K of the shape matmul_flops was measured at (None: no K-loop derating)
     k_pipeline: float = 512.0  # the K loop's fixed cost per tile, in K (K_PIPELINE at this GPU's balance)
+    first_wave_k: float = 0.0  # the first wave's exposed fixed cost beyond k_pipeline, in K (Hopper: measured)
     sm: str | None = None  # compute capability (data/cuda_context.yaml), None where the catalogue places none
 
     @property
@@ -277,10 +291,13 @@ def _rates(g: Gpu, dtype: str, matmul_scale: float) -> Rates:
     # K it grows with the GPU's FLOP per byte over the figure's A100 40GB (312 TFLOP/s, 1,555 GB/s)
     balance = peak / ((g.memory_bandwidth_gbps or 1000.0) * 1e9)
     arch = cuda_context.architecture(g.name)
+    sm = arch.sm if arch else None
+    # Hopper's K loop is measured (HOPPER_K_PIPELINE); elsewhere the A100 figure's, at this GPU's balance
+    k_pipeline, first_wave = ((HOPPER_K_PIPELINE, HOPPER_FIRST_WAVE_K - HOPPER_K_PIPELINE) if sm == HOPPER_SM
+                              else (K_PIPELINE * balance / K_PIPELINE_BALANCE, 0.0))
     return Rates(matmul_flops=matmul * matmul_scale, matmul_source=source, memory_bytes_per_s=bandwidth,
                  sms=g.sms, attention_reference=reference, attention_scale=matmul * matmul_scale / ref_matmul,
-                 mamf_k=measured_k, k_pipeline=K_PIPELINE * balance / K_PIPELINE_BALANCE,
-                 sm=arch.sm if arch else None)
+                 mamf_k=measured_k, k_pipeline=k_pipeline, first_wave_k=first_wave, sm=sm)
 
 
 def attention_tflops(r: Rates, seq: int, head_dim: int, kernel: str = "flash-attention-2") -> float:
@@ -614,6 +631,8 @@ def _gemm_seconds(m, n, k, r: Rates, compute_bytes: int, speedup=1.0):
     flops = 2.0 * m * n * k
     rate = r.matmul_flops if r.mamf_k is None else arrays.minimum(r.matmul_flops, r.long_k_flops * k_efficiency(k, r.k_pipeline))
     compute = flops / (rate * speedup * wave_efficiency(m, n, r.sms))
+    if r.first_wave_k and r.sms:  # the first wave's prologue, exposed once per SM: a tile's time over that K
+        compute = compute + 2.0 * TILE_TOKENS * TILE_FEATURES * r.first_wave_k * r.sms / (r.long_k_flops * speedup)
     traffic = compute_bytes * (m * k + k * n + m * n) / (r.memory_bytes_per_s * speedup)
     return arrays.maximum(compute, traffic)
 
