@@ -18,19 +18,19 @@ the published-nemo markers.
   that logged them, num_floating_point_operations (megatron/training/training.py lines 73-108 at baf94af):
   12 s l h^2 (2 + s/h + ffn/h + V/(2 l h)) FLOPs per sequence for multi-head attention and a plain MLP, i.e.
   72 l h^2 + 12 l h s + 6 V h per token (Narayanan et al. 2021, arXiv:2104.04473, eq. 3 without its
-  recomputation pass). Assumed where the table is silent, and said in every row: BF16 (the MFU column is the
+  recomputation pass). Assumed where the table is silent, and said under the table: BF16 (the MFU column is the
   TFLOP/s over the H100's dense BF16 peak, 465.9 / 989 = 47%), micro-batch 1 (then every pipelined row runs 4 x
   pp micro-batches per step: 384 / 48 = 8 over pp 2, ..., 3,072 / 48 = 64 over pp 16), no activation
-  recomputation, the non-interleaved 1F1B schedule, Megatron's GPT defaults (learned absolute positions, --
-  position-embedding-type default learned_absolute, arguments.py line 775; LayerNorm; biases; GELU; ffn 4h;
+  recomputation, the non-interleaved 1F1B schedule, Megatron's GPT defaults (learned absolute positions:
+  --position-embedding-type defaults to learned_absolute, arguments.py line 775; LayerNorm; biases; GELU; ffn 4h;
   untied output layer), which the table's parameter counts confirm (12 l h^2 + 2 V h: 1.75B ... 461.5B). The
   planner reads each as a GPT-2 config with those widths.
 - NeMo docs/source/performance/performance_summary.md at 8e3d65dc ("24.07 perf numbers", September 2024;
   the last version before the page moved to the NeMo Framework docs): DGX-H100 pretraining, NeMo 24.07, FP8
   (Transformer Engine) only; tokens/s/GPU as published. Its Llama rows are asked (catalogue models) with
   low_precision te-fp8; the GPT3 and Nemotron rows are left out (their architectures are not in the catalogue).
-  NVIDIA's H100 tables since (NeMo Framework 24.09-25.07, Megatron-Bridge 25.09-26.08) publish FP8 for every
-  dense H100 row; BF16 H100 rows there are MoE models only.
+  NVIDIA's later H100 tables read here (NeMo Framework docs 25.02-25.07, Megatron-Bridge 25.09-26.08)
+  publish FP8 for every dense H100 row; their BF16 H100 rows are MoE models only.
 
 How a Megatron run is asked. Megatron's distributed optimizer reduce-scatters the gradients and all-gathers the
 updated parameters over the data-parallel ranks: per rank the bytes of one all-reduce, overlapped with backward
