@@ -289,7 +289,11 @@ def test_no_form_input_gives_a_server_error(tmp_path):
         ask = rnd.choice(["plan", "estimate"])
         query = {"ask": ask, "model": rnd.choice(["llama-3-8b", "qwen3-30b-a3b", "gpt2", "deepseek-v3", "gemma-3-4b"]),
                  "focus": rnd.choice(["", "1", "x", "99"])}
-        for f in rnd.sample(fields, 4):
+        # one query in four draws only fields its question asks and only their listed choices, so some are
+        # answered whatever the schema's number of fields (a field added shifts the seeded draws)
+        clean = rnd.random() < 0.25
+        pool = [f for f in fields if ask in f.asks and f.choices] if clean else fields
+        for f in rnd.sample(pool, 4):
             if f.choices:
                 query[f.name] = rnd.choice(f.choices)[0]
             elif f.kind == "number":
