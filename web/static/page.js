@@ -36,6 +36,8 @@ function asksOf(name) {
 
 function shown(value) {
   if (value === null || value === undefined) return "";
+  // a list of names (fused_kernels) is the form's comma-separated text; an object (model_config) its JSON
+  if (Array.isArray(value) && value.every((v) => typeof v !== "object")) return value.join(",");
   if (typeof value === "object") return JSON.stringify(value, null, 1);
   return String(value);
 }
