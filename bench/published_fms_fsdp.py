@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +83,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.readme import publish  # noqa: E402
+from bench.summary import error_summary  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
 from planner.schema import EstimateRequest  # noqa: E402
 from planner.time.step import estimate_with_time  # noqa: E402
@@ -91,7 +91,6 @@ from planner.time.step import estimate_with_time  # noqa: E402
 DATA = ROOT / "bench" / "data" / "fms_fsdp_throughput.csv"
 SOURCE = ("https://github.com/foundation-model-stack/fms-fsdp/blob/5a296afe42f9932f590783cb053fa0f9384e01fc/"
           "README.md")
-WITHIN = 0.15
 SEQ_LEN = 4096  # fms_fsdp/config/training.py line 20 seq_length
 GPUS_PER_NODE = 8  # scripts/train.sh line 27 --nproc_per_node=8
 # fms_fsdp/utils/config_utils.py get_model_config at 5a296af; llama2_34b (lines 35-44) as a Llama config:
@@ -219,14 +218,6 @@ def _neighbours(row: Row) -> list[int]:
     return [row.every + 1] if own > target else [row.every - 1]
 
 
-def _summary(errors: list[float]) -> str:
-    if not errors:
-        return "-"
-    within = sum(abs(e) <= WITHIN for e in errors)
-    return (f"{within}/{len(errors)} within 15%, median |error| {statistics.median(abs(e) for e in errors):.1%}, "
-            f"median signed {statistics.median(errors):+.1%}")
-
-
 def _ac_cell(row: Row) -> str:
     if row.every is None:
         return "none"
@@ -262,8 +253,8 @@ def report() -> str:
     every_error = [e for v in errors.values() for e in v]
     out = [f"Published: IBM fms-fsdp's Llama-2 training throughput table ({len(data)} rows, [source]({SOURCE}), "
            f"lines 14-19 and 25-30); predicted: `planner estimate` of what main_training_llama.py runs, tokens/s per "
-           "GPU. No constant fitted to them.", "", f"- all rows: {_summary(every_error)}"]
-    out += [f"- by GPU {gpu}: {_summary(v)}" for gpu, v in sorted(errors.items())]
+           "GPU. No constant fitted to them.", "", f"- all rows: {error_summary(every_error)}"]
+    out += [f"- by GPU {gpu}: {error_summary(v)}" for gpu, v in sorted(errors.items())]
     fits = [(row, res.per_device.reserved_peak_bytes / res.device_capacity_bytes) for row, tps, _, res in results
             if tps is not None]
     over = [f"line {row.line} {row.gpu} {row.model} ({share:.0%})" for row, share in fits if share > 1]
@@ -275,7 +266,7 @@ def report() -> str:
     alt = [(row, predict(row.request(fabric=H100_ALTERNATIVE))[0]) for row in data if row.gpu == "h100_80gb"]
     alt_errors = [(tps - row.published) / row.published for row, tps in alt if tps is not None]
     out.append(f"- H100 rows on {H100_ALTERNATIVE[1]} x {H100_ALTERNATIVE[0]} instead of 2 x roce-400g: "
-               f"{_summary(alt_errors)}")
+               f"{error_summary(alt_errors)}")
     out += ["", *table, "",
             "p is fms's selective-checkpointing fraction, which the README does not state, from the published "
             "HFU/MFU = 1 + p/3 (in brackets, the p the two-decimal rounding admits); 'fms' is how many blocks "

@@ -48,7 +48,6 @@ Transformer Engine's flash or cuDNN fused attention).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +55,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.summary import WITHIN, error_summary  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
 from planner.schema import EstimateRequest  # noqa: E402
 from planner.time.step import estimate_with_time  # noqa: E402
@@ -66,7 +66,6 @@ NEMO = "NeMo performance_summary.md at 8e3d65dc, Pretraining (FP8, DGX-H100)"
 SOURCES = {MEGATRON: "https://github.com/NVIDIA/Megatron-LM/blob/f2e5db402c44ae309aa6448bcb4ae87e8ae0f5f4/README.md",
            NEMO: "https://github.com/NVIDIA/NeMo/blob/8e3d65dcfe3504689bfc5b6e67d502780aacad41/"
                  "docs/source/performance/performance_summary.md"}
-WITHIN = 0.15
 SEQ_LEN = 4096  # the Megatron table's (README line 66)
 VOCAB = 131072  # the Megatron table's; a multiple of 128 x tp, so Megatron pads nothing (padded_vocab_size)
 GPUS_PER_NODE = 8  # DGX H100
@@ -209,12 +208,6 @@ def predict(row: Row, strategy: str) -> dict:
             "peak_gib": result.per_device.peak_bytes / GIB}
 
 
-def summary(errors: list[float]) -> str:
-    within = sum(abs(e) <= WITHIN for e in errors)
-    return (f"{within}/{len(errors)} within 15%, median |error| {statistics.median(abs(e) for e in errors):.1%}, "
-            f"median signed {statistics.median(errors):+.1%}, range {min(errors):+.1%} to {max(errors):+.1%}")
-
-
 def _cell(p: dict) -> str:
     if "refused" in p:
         return f"refused: {p['refused']} | |"
@@ -261,13 +254,13 @@ def report() -> str:
         for strategy in STRATEGIES:
             errors = _by(results, table, strategy)
             refused = sum(1 for row, preds in results if row.table == table and "refused" in preds[strategy])
-            lines.append(f"- H100, asked as {strategy}: " + (summary(errors) if errors else "no row predicted")
+            lines.append(f"- H100, asked as {strategy}: " + (error_summary(errors, span=True) if errors else "no row predicted")
                          + (f"; {refused} row(s) refused" if refused else ""))
         if table == MEGATRON:
             for label, keep in (("tp <= 2", lambda r: r.tp <= 2), ("tp 4", lambda r: r.tp == 4),
                                 ("tp 8, pp 1", lambda r: r.tp == 8 and r.pp == 1), ("tp 8, pp > 1", lambda r: r.pp > 1)):
                 errors = _by(results, table, STRATEGIES[0], keep)
-                lines.append(f"  - ddp, {label}: " + summary(errors))
+                lines.append(f"  - ddp, {label}: " + error_summary(errors, span=True))
         lines.append("")
     lines += ["Rows outside 15%, in the planner's own terms (ddp):", ""]
     lines += [f"- {row.name} ({row.table.split(' ')[0]}): {preds[STRATEGIES[0]]['error']:+.1%}; " + _gap(preds[STRATEGIES[0]])

@@ -68,6 +68,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.readme import publish  # noqa: E402
+from bench.summary import error_summary  # noqa: E402
 from planner.cluster.gpus import load_gpus  # noqa: E402
 from planner.schema import EstimateRequest  # noqa: E402
 from planner.time.step import estimate_with_time  # noqa: E402
@@ -106,7 +107,6 @@ MPT_RECIPE = {"loss": MPT_LOSS, "optimizer": MPT_OPTIMIZER, "keeps_outputs": COM
               "gradient_clipping": MPT_CLIPPING}
 GPU = {"a100_40gb": "a100-40gb", "a100_80gb": "a100-80gb", "h100_80gb": "h100-80gb"}
 SHARDING = {"FULL_SHARD": "fsdp", "SHARD_GRAD_OP": "fsdp-grad-op"}
-WITHIN = 0.15
 # composer 0.16 mosaic_fsdp_utils.py get_mixed_precision (lines 87-95): DEFAULT reduces in fp32,
 # PURE in the compute dtype; both gather bf16 copies of fp32 sharded parameters (bf16-mixed)
 REDUCE_DTYPE = {"DEFAULT": "fp32", "PURE": "compute"}
@@ -182,14 +182,6 @@ def _memory(results) -> str:
     return (f"- memory: {len(over)}/{len(share)} published runs predicted not to fit (reserved peak over the "
             f"device; allocated peak over it: {sum(x[2] > 1 for x in share)}); highest reserved peak "
             f"{worst[1]:.0%} of the device (line {worst[0].line}), median {statistics.median(x[1] for x in share):.0%}")
-
-
-def _summary(errors: list[float]) -> str:
-    if not errors:
-        return "-"
-    within = sum(abs(e) <= WITHIN for e in errors)
-    return (f"{within}/{len(errors)} ({within / len(errors):.0%}) within 15%, median |error| "
-            f"{statistics.median(abs(e) for e in errors):.1%}, median signed {statistics.median(errors):+.1%}")
 
 
 def _unexplained(data: list[Row], results) -> str:
@@ -321,7 +313,7 @@ def report(show_rows: bool) -> str:
     errors = [e for _, _, e, _, _ in results]
     out = [f"Published: MosaicML llm-foundry's MPT throughput tables ({len(data)} bf16 rows, [source]({SOURCE})); "
            "predicted: `planner estimate` of the same configuration, tokens/s per GPU. No constant fitted to them.",
-           "", f"- all rows: {_summary(errors)}"]
+           "", f"- all rows: {error_summary(errors, share=True)}"]
     for label, key in (("GPU", lambda r: r.gpu), ("checkpointing", lambda r: "full" if r.checkpointing else "none"),
                        ("sequence", lambda r: "<=2k" if r.seq_len <= 2048 else ("4k-8k" if r.seq_len <= 8192 else
                                                                                   ">=16k")),
@@ -331,7 +323,7 @@ def report(show_rows: bool) -> str:
         for row, _, e, _, _ in results:
             if key(row) is not None:
                 groups.setdefault(key(row), []).append(e)
-        out += [f"- by {label} {name}: {_summary(v)}" for name, v in sorted(groups.items())]
+        out += [f"- by {label} {name}: {error_summary(v, share=True)}" for name, v in sorted(groups.items())]
     out += [_memory(results), "", _implied(results), "", _communication(results), "", _unexplained(data, results)]
     if show_rows:
         out += ["", "| line | GPU | model | seq | GPUs | micro x accum | ckpt | published | predicted | error | MFU pred | "

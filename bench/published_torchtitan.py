@@ -32,7 +32,6 @@ planner's fused rms_norm kernel.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.summary import error_summary  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
 from planner.schema import EstimateRequest  # noqa: E402
 from planner.time.step import estimate_with_time  # noqa: E402
@@ -47,7 +47,6 @@ from planner.units import GIB  # noqa: E402
 
 A100_TABLE = "docs/performance.md at 157a12c"
 H200_TABLE = "benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md"
-WITHIN = 0.15
 # what each published label ran (parallelize_llama.py at 157a12c): request fields
 POLICIES = {"no": {"checkpointing": "none"}, "selective layer": {"checkpointing": "full", "checkpointing_every": 2},
             "selective op": {"checkpointing": "selective-op"}, "full": {"checkpointing": "full"}}
@@ -108,12 +107,6 @@ def predict(row: Row) -> dict:
             "device_gib": result.device_capacity_bytes / GIB}
 
 
-def summary(errors: list[float]) -> str:
-    within = sum(abs(e) <= WITHIN for e in errors)
-    return (f"{within}/{len(errors)} within 15%, median |error| {statistics.median(abs(e) for e in errors):.1%}, "
-            f"median signed {statistics.median(errors):+.1%}, range {min(errors):+.1%} to {max(errors):+.1%}")
-
-
 def _line(row: Row, p: dict) -> str:
     nodes = row.cluster["nodes"]
     recipe = ", ".join(f"{k} {v}" for k, v in row.recipe.items()) or "eager, bf16"
@@ -136,7 +129,7 @@ def report() -> str:
     for table in (A100_TABLE, H200_TABLE):
         errors = [p["error"] for row, p in results if row.table == table and "error" in p]
         refused = sum(1 for row, p in results if row.table == table and "refused" in p)
-        lines.append(f"- {table}: " + (summary(errors) if errors else "no row predicted")
+        lines.append(f"- {table}: " + (error_summary(errors, span=True) if errors else "no row predicted")
                      + (f"; {refused} row(s) refused" if refused else ""))
     over = [row for row, p in results if "reserved_gib" in p and p["reserved_gib"] > p["device_gib"]]
     lines += ["", "Predicted not to fit (reserved peak over the device): "

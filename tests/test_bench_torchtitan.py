@@ -1,6 +1,7 @@
 """bench/published_torchtitan.py: each row asks the run its published table describes."""
 
-from bench.published_torchtitan import A100_TABLE, H200_TABLE, POLICIES, ROWS, _line, predict, summary
+from bench.published_torchtitan import A100_TABLE, H200_TABLE, POLICIES, ROWS, _line, predict
+from bench.summary import error_summary
 
 
 def test_rows_are_the_published_tables():
@@ -40,4 +41,5 @@ def test_a_prediction_carries_its_error_or_the_refusal():
     assert 0 < p["mfu"] < 1 and p["peak_gib"] <= p["reserved_gib"]
     refused = {"refused": "compile: not modelled"}
     assert "not predicted: compile: not modelled" in _line(ROWS[-1], refused)
-    assert summary([0.1, -0.2, 0.05]).startswith("2/3 within 15%, median |error| 10.0%, median signed +5.0%")
+    assert error_summary([0.1, -0.2, 0.05], span=True).startswith("2/3 within 15%, median |error| 10.0%, median "
+                                                                  "signed +5.0%")
