@@ -11,6 +11,7 @@ from planner.errors import PlannerError
 from planner.memory.orchestrator import Measured, estimated, measure, resolve
 from planner.memory.reserved import REPLAY_SHORTFALL
 from planner.plan.recipe import refused_by_recipe
+from planner.recipes.compile import accumulates
 from planner.plan.settings import (OPTIMIZER_FIELDS, architecture_of, hsdp_shards, offload_options, planned_split,
                                    reduce_field, split_fields, version_field_of)
 from planner.schema import Candidate, EstimateRequest, EstimateResult, PlanRequest
@@ -46,8 +47,8 @@ def longest_sequence(req: PlanRequest, c: Candidate, usable: float, model_fields
                     "pp_virtual_stages": c.pp_virtual_stages or req.pp_virtual_stages}
         degrees |= {k: v for k, v in (("pp_first_stage_layers", c.pp_first_stage_layers),
                                       ("pp_last_stage_layers", c.pp_last_stage_layers)) if v is not None}
-    elif c.micro_batch * c.gradient_accumulation > 1 and req.compile != "model":
-        # micro-batches of 1 accumulate (frameworks/); not under whole-model compile (recipes/compile.py)
+    elif c.micro_batch * c.gradient_accumulation > 1 and accumulates(req.compile):
+        # micro-batches of 1 accumulate (frameworks/), where the compile mode does (recipes/compile.py)
         degrees |= {"gradient_accumulation": 2}
 
     # a learned position table (GPT-2's n_positions) bounds the sequence whatever the memory
@@ -185,7 +186,7 @@ def _fits(req: PlanRequest, name: str, usable: float, model_fields: dict, gpus: 
                                              precision=req.precision, optimizer=req.optimizer, micro_batch=1,
                                              optimizer_in_backward=req.optimizer_in_backward,
                                              gradient_accumulation=2 if req.global_batch * tp > gpus * nodes
-                                             and req.compile != "model" else 1,
+                                             and accumulates(req.compile) else 1,
                                              seq_len=req.seq_len, checkpointing="full", attention=req.attention,
                                              offload_optimizer=off_opt, offload_params=off_par,
                                              hsdp_shard_size=explicit_hsdp_shard(name, shard, gpus),

@@ -6,6 +6,7 @@ for. planner/plan/search.py reads these and keeps its search as it is.
 from __future__ import annotations
 
 from planner.errors import PlannerError
+from planner.recipes.compile import accumulates
 from planner.recipes.losses import KERNEL_LOSSES
 from planner.schema import PlanRequest
 
@@ -56,7 +57,7 @@ def allowed_layouts(req: PlanRequest, layouts: list[tuple[int, int, int, int]]) 
     if not unpiped:
         raise PlannerError(f"{why}; none of the plan's layouts (tp, cp, pp, ep) {kept} is one", field="compile")
     left = len(kept) - len(unpiped)
-    if req.compile == "model":  # settings.micro_options: one micro-batch per rank and step
+    if not accumulates(req.compile):  # settings.micro_options: one micro-batch per rank and step
         notes = notes + ["recipe: compile model is modelled without gradient accumulation (its backward returns every "
                          "gradient at its end, beside the accumulated ones): each data-parallel rank takes its share of "
                          "the global batch as one micro-batch"]

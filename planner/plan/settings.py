@@ -12,6 +12,7 @@ import numpy as np
 
 from planner.errors import PlannerError
 from planner.frameworks import Framework, framework_of, version_field, version_for
+from planner.recipes.compile import accumulates
 from planner.recipes.precision import Recipe
 from planner.model.catalogue import as_loaded, catalogue_model, model_from_config
 from planner.parallel.pipeline import balanced_split, check_schedule, check_split, check_split_backward, stage_bounds
@@ -296,7 +297,7 @@ def micro_options(req: PlanRequest, combo: Setting, per_rank: int, num_layers: i
     check_schedule: torch's schedules refuse the rest) and an estimate request can state."""
     if combo.pp == 1:
         options = _stateable(per_rank, req.seq_len)
-        if req.compile == "model":  # no accumulation under whole-model compile (recipes/compile.py check_compile)
+        if not accumulates(req.compile):  # one micro-batch per rank (recipes/compile.py)
             options = options[options == per_rank]
         return options
     if per_rank * combo.gpus * req.nodes > MAX_GLOBAL_BATCH:

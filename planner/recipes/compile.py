@@ -57,6 +57,13 @@ COMPILE_HELP = ("torch.compile (inductor, default mode): none; blocks (each tran
                 "policy)")
 
 
+def accumulates(mode: str) -> bool:
+    """Whether gradient accumulation is modelled under compile ``mode``: not under the whole model, whose
+    backward returns every gradient when it ends, beside the accumulated ones (check_compile). The plan
+    searches one micro-batch per rank where it is not (planner/plan/settings.py, inverse.py)."""
+    return mode != "model"
+
+
 def check_compile(request, dims) -> None:
     """What compile is not modelled with: a pipeline (its stages are compiled apart from the schedule's
     sends), activation offloading (hooks around compiled saves), LoRA/QLoRA (PEFT's adapters under
@@ -73,7 +80,7 @@ def check_compile(request, dims) -> None:
         why = "activation_offload: offloading hooks around compiled saves are not modelled"
     elif request.finetune != "full":
         why = f"finetune {request.finetune}: PEFT's adapters under inductor were not measured"
-    elif mode == "model" and request.gradient_accumulation > 1:
+    elif not accumulates(mode) and request.gradient_accumulation > 1:
         why = (f"gradient_accumulation {request.gradient_accumulation}: a whole-model compiled backward returns every "
                "parameter's gradient when it ends, so from the second micro-batch on a full set is held beside the "
                "accumulated .grad (on a tiny CPU Llama the peak came out 4% over the modelled one), which the "
