@@ -242,13 +242,11 @@ def gated_tensors(fused: tuple[str, ...]) -> int:
 
 def _mlp_saved(a: Architecture, tokens: int, b: int, fused: tuple[str, ...] = ()) -> int:
     inner = a.intermediate_size
-    if a.mlp == "gated" and not a.is_moe:
-        return gated_tensors(fused) * b * tokens * inner
     if a.mlp == "gated":
-        # gate output (saved by the activation), act(gate) and up (saved by the product),
-        # the product (saved by down_proj)
-        per_expert_tokens = tokens * a.experts_per_token if a.is_moe else tokens
-        return 4 * b * per_expert_tokens * inner
+        # gated_tensors over the tokens; an MoE's experts (never fused) over each token's experts_per_token rows
+        if a.is_moe:
+            return 4 * b * tokens * a.experts_per_token * inner
+        return gated_tensors(fused) * b * tokens * inner
     if a.model_type == "gpt2":
         # GPT-2's activation_function (architecture.ACTIVATION_SAVED: NewGELU's five tensors by default)
         return ACTIVATION_SAVED[a.mlp_activation or "gelu_new"] * b * tokens * inner

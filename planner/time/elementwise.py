@@ -66,8 +66,8 @@ class Op:
 @dataclass(frozen=True)
 class Piece:
     """A piece's ops forward and backward; ``forward_rate`` / ``backward_rate``: the fraction of the datasheet
-    memory bandwidth its eager ops were measured to reach (MEASURED_RATES), None where they stream at the copy rate
-    (MEMORY_BANDWIDTH_EFFICIENCY)."""
+    memory bandwidth its ops were measured to reach (COMPOSITE_NORM_RATES and the other *_RATES below), None where
+    they stream at the copy rate (MEMORY_BANDWIDTH_EFFICIENCY)."""
 
     forward: tuple[Op, ...]
     backward: tuple[Op, ...]
