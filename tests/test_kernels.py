@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+from dataclasses import replace
 
 from planner.model.architecture import from_hf_config, layer_specs
 from planner.model.catalogue import catalogue_model
@@ -181,10 +182,41 @@ XLA_SM90 = [(1, 4096, 4096, 4096, 783.3), (2, 4096, 4096, 2048, 763.0), (2, 4096
 
 @pytest.mark.parametrize("b,m,n,k,measured", XLA_SM90)
 def test_hopper_gemms_run_at_xlas_measured_sm90_rates(b, m, n, k, measured):
-    # the batch's matrices one after another along m (the tiles' waves); within 8% of what XLA measured
-    r = rates(H100, "bf16")
+    # the batch's matrices one after another along m (the tiles' waves); within 8% of what XLA measured.
+    # XLA's table times bursts: the burst curve, without the sustained ceiling (the next tests)
+    r = replace(rates(H100, "bf16"), sustained_flops=None)
     modelled = 2 * b * m * n * k / _gemm_seconds(float(b * m), n, k, r, 2) / 1e12
     assert modelled == pytest.approx(measured, rel=0.08)
+
+
+# The MSMF's K walk on an H200 (stas00/ml-engineering compute/accelerator/benchmarks/README.md, "The K walk"):
+# 2816 x 1536 outputs (132 tiles, one wave) sustained 749 TFLOP/s at K = 6,144 and 741 at 10,240 at the power
+# limit, 727 at 20,480, and 722 at K = 4,096, where the clock reached its 1,980 MHz ceiling below the limit
+H200_K_WALK = [(4096, 722.0), (6144, 749.0), (10240, 741.0), (20480, 727.0)]
+
+
+@pytest.mark.parametrize("k,measured", H200_K_WALK)
+def test_a_hopper_gemm_runs_at_the_lesser_of_its_burst_rate_and_the_sustained_one(k, measured):
+    r = rates(load_gpus()["h200"], "bf16")
+    assert r.sustained_flops == pytest.approx(744.5e12) and r.steady_flops == r.sustained_flops
+    modelled = 2 * 2816 * 1536 * k / _gemm_seconds(2816.0, 1536, k, r, 2) / 1e12
+    assert modelled == pytest.approx(measured, rel=0.04)
+    assert modelled <= 744.5 + 1e-9
+
+
+def test_the_sustained_ceiling_holds_long_k_gemms_down_and_leaves_short_k_ones():
+    h100 = rates(H100, "bf16")
+    burst = replace(h100, sustained_flops=None)
+    long_k = (16384.0, 4096, 16384)  # an MLP's down projection: its burst rate is above the ceiling
+    short_k = (16384.0, 4096, 512)  # a tp-8 row-parallel linear: below it, unchanged
+    flops = 2 * 16384 * 4096 * 16384
+    assert flops / _gemm_seconds(*long_k, burst, 2) > 760e12
+    assert flops / _gemm_seconds(*long_k, h100, 2) == pytest.approx(744.5e12)
+    assert _gemm_seconds(*short_k, h100, 2) == _gemm_seconds(*short_k, burst, 2)
+    # no MSMF is published for the A100: no ceiling; fp16 shares bf16's tensor cores and its ceiling
+    assert rates(A100, "bf16").sustained_flops is None
+    assert rates(H100, "fp16").sustained_flops == pytest.approx(744.5e12)
+    assert "sustained 744.5 TFLOP/s" in h100.matmul_source
 
 
 def test_a_tensor_parallel_gemm_keeps_most_of_its_rate_on_hopper():

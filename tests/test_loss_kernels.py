@@ -169,7 +169,7 @@ def test_cce_recomputes_the_logits_and_liger_moves_fewer_bytes():
     terms = {name: {t.name: t.seconds for t in x.terms} for name, x in (("hf", hf), ("liger", liger), ("cce", cce))}
     assert terms["cce"]["recompute (none)"] > 0 == terms["hf"].get("recompute (none)", 0.0)
     r = kernels.rates(__import__("planner.cluster.gpus", fromlist=["gpu"]).gpu("h100-80gb"), "bf16")
-    assert terms["cce"]["recompute (none)"] == pytest.approx(2 * T * H * V / r.matmul_flops)
+    assert terms["cce"]["recompute (none)"] == pytest.approx(2 * T * H * V / r.steady_flops)
     # per logit: HF 48 bytes at the copy rate (the upcast, torch's measured cross-entropy, the cast back),
     # Liger 3 x bf16, CCE none
     assert kernels.LOSS_BYTES_PER_LOGIT == 6 + 36 + 6

@@ -136,7 +136,8 @@ def test_a_traced_model_is_timed_from_its_parameter_count():
     a = from_hf_config(TINY_LLAMA)
     assert shape.matmul_parameters == matmul_parameters(a)
     matmul = next(t.seconds for t in traced.terms if t.name == "matmul")
-    assert matmul == pytest.approx(2 * 128 * 6 * shape.matmul_parameters / 794.5e12, rel=1e-9)
+    # the traced FLOPs at the H100's sustained rate (gpus.yaml sustained_tflops), below its burst MAMF 794.5
+    assert matmul == pytest.approx(2 * 128 * 6 * shape.matmul_parameters / 744.5e12, rel=1e-9)
     # beside it only the SMs ZeRO-3's hidden collectives hold (planner/time/collectives.py contention)
     assert traced.compute_seconds == pytest.approx(matmul + sum(t.seconds for t in traced.terms
                                                                 if t.name == "communication contention"), rel=1e-9)

@@ -30,6 +30,9 @@ class Gpu(BaseModel):
         "the time model's matmul rate")
     mamf_k: dict[str, int] = Field(
         {}, description="K of the shape each MAMF was measured at (the table's best MxNxK), per dtype")
+    sustained_tflops: dict[str, float] = Field(
+        {}, description="measured sustainable dense matmul TFLOP/s per dtype under the board's power limit "
+        "(Bekman's MSMF); the ceiling every GEMM of a training step runs under")
     sms: int | None = Field(None, gt=0, description="streaming multiprocessors (AMD: compute units), for GEMM waves")
     memory_bandwidth_gbps: float | None = Field(
         None, gt=0, description="peak device-memory bandwidth, GB/s (datasheet); none for CPU ranks")

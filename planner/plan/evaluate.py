@@ -672,7 +672,7 @@ def _compute_floor(search: Search, req: PlanRequest) -> float | None:
     # the kernel model runs at most the matmul rate on every matmul FLOP and adds attention,
     # elementwise and host time (planner/time/kernels.py): the matmuls alone are a lower bound
     flops = 6 * timing.matmul_parameters(arch) * req.seq_len
-    return flops / kernels.rates(search.g, peak, search.compute_scale).matmul_flops
+    return flops / kernels.rates(search.g, peak, search.compute_scale).steady_flops
 
 
 def _floor_value(req: PlanRequest, nodes: int, per_sequence: float) -> float:

@@ -17,6 +17,10 @@ Sources of the constants:
 - Achievable matmul TFLOP/s: Bekman, "Machine Learning Engineering", compute/accelerator/README.md,
   "Maximum Achievable Matmul FLOPS comparison table" (stas00/ml-engineering 744d01e): mean of
   100 iterations of the best shape found by mamf-finder.py (data/gpus.yaml mamf_tflops).
+- Sustained matmul TFLOP/s: the MAMF is a burst; a training step holds its GEMMs at the power limit for
+  seconds, where the clock settles lower. Where mamf-finder.py's MSMF (the best shape's rate over a 2-4 s
+  window once the clock has settled) is published, every GEMM runs at most at it (_gemm_seconds; data/gpus.yaml
+  sustained_tflops: H200 744.5, B200 1,424.5, the H100 SXM at the H200's).
 - Attention: measured forward + backward TFLOP/s of FlashAttention-2 and FlashAttention 1.x (the
   Triton kernel at FlashAttention 1.x's: STAND_IN below), causal mask, head dimension 64 and 128, sequence
   512-16k, on A100 80GB SXM4 and H100 80GB SXM5 (Dao-AILab/flash-attention
@@ -249,6 +253,12 @@ class Rates:
     k_pipeline: float = 512.0  # the K loop's fixed cost per tile, in K (K_PIPELINE at this GPU's balance)
     first_wave_k: float = 0.0  # the first wave's exposed fixed cost beyond k_pipeline, in K (Hopper: measured)
     sm: str | None = None  # compute capability (data/cuda_context.yaml), None where the catalogue places none
+    sustained_flops: float | None = None  # the rate a GEMM holds at the power limit (gpus.yaml sustained_tflops)
+
+    @property
+    def steady_flops(self) -> float:
+        """The most any GEMM of a training step runs at: the burst rate, held down to the sustained one."""
+        return self.matmul_flops if self.sustained_flops is None else min(self.matmul_flops, self.sustained_flops)
 
     @property
     def long_k_flops(self) -> float:
@@ -295,9 +305,17 @@ def _rates(g: Gpu, dtype: str, matmul_scale: float) -> Rates:
     # Hopper's K loop is measured (HOPPER_K_PIPELINE); elsewhere the A100 figure's, at this GPU's balance
     k_pipeline, first_wave = ((HOPPER_K_PIPELINE, HOPPER_FIRST_WAVE_K - HOPPER_K_PIPELINE) if sm == HOPPER_SM
                               else (K_PIPELINE * balance / K_PIPELINE_BALANCE, 0.0))
+    sustained = g.sustained_tflops.get(dtype)
+    if sustained is None and dtype == "fp16" and "bf16" in g.sustained_tflops:  # the same tensor cores
+        sustained = g.sustained_tflops["bf16"] * g.peak_tflops["fp16"] / g.peak_tflops["bf16"]
+    if sustained is not None:
+        source += f", at most the sustained {sustained:g} TFLOP/s at the power limit (measured MSMF)"
+    elif g.sms:  # a burst's rate (gpus.yaml sustained_tflops): the H200 sustains 88% of its burst, the B200 84%
+        source += "; a burst's rate: no sustained rate at the power limit is published for this GPU"
     return Rates(matmul_flops=matmul * matmul_scale, matmul_source=source, memory_bytes_per_s=bandwidth,
                  sms=g.sms, attention_reference=reference, attention_scale=matmul * matmul_scale / ref_matmul,
-                 mamf_k=measured_k, k_pipeline=k_pipeline, first_wave_k=first_wave, sm=sm)
+                 mamf_k=measured_k, k_pipeline=k_pipeline, first_wave_k=first_wave, sm=sm,
+                 sustained_flops=None if sustained is None else sustained * 1e12 * matmul_scale)
 
 
 def attention_tflops(r: Rates, seq: int, head_dim: int, kernel: str = "flash-attention-2") -> float:
@@ -627,12 +645,23 @@ def k_efficiency(k, k_pipeline: float = K_PIPELINE):
 def _gemm_seconds(m, n, k, r: Rates, compute_bytes: int, speedup=1.0):
     """One GEMM (m x k times k x n; m along the 128-row tiles): the slower of its tensor-core time
     (tile waves and the K loop's share included) and its operands' traffic. ``speedup``: a
-    low-precision GEMM's rate over the step dtype's (LowPrecisionRate), its narrower operands' traffic alike."""
+    low-precision GEMM's rate over the step dtype's (LowPrecisionRate), its narrower operands' traffic alike.
+
+    The shape's rate is a burst's; where the GPU's sustained rate is measured (Rates.sustained_flops) it
+    is the ceiling on the kernel's achieved rate (the MSMF is one, its waves and prologue included): a
+    long-K GEMM that a burst runs above it is held to it once the clock settles at the power limit, while
+    a shorter K, already below it, keeps its rate (the MSMF's K walk on an H200: 2816 x
+    1536 sustains 727 TFLOP/s at K = 20,480, 741 at 10,240, 749 at 6,144 at 1,879 MHz and 685 W, and 722 at
+    4,096 at the 1,980 MHz ceiling, below the 700 W limit: gpus.yaml sustained_tflops). A low-precision
+    GEMM's ceiling is the step dtype's times ``speedup`` (its burst ratio): 1,362 fp8 TFLOP/s on an H200,
+    where the same README's fp8 runs sustained about 1,330-1,337."""
     flops = 2.0 * m * n * k
     rate = r.matmul_flops if r.mamf_k is None else arrays.minimum(r.matmul_flops, r.long_k_flops * k_efficiency(k, r.k_pipeline))
     compute = flops / (rate * speedup * wave_efficiency(m, n, r.sms))
     if r.first_wave_k and r.sms:  # the first wave's prologue, exposed once per SM: a tile's time over that K
         compute = compute + 2.0 * TILE_TOKENS * TILE_FEATURES * r.first_wave_k * r.sms / (r.long_k_flops * speedup)
+    if r.sustained_flops is not None:  # the power limit's ceiling on the whole kernel's rate
+        compute = arrays.maximum(compute, flops / (r.sustained_flops * speedup))
     traffic = compute_bytes * (m * k + k * n + m * n) / (r.memory_bytes_per_s * speedup)
     return arrays.maximum(compute, traffic)
 
@@ -816,7 +845,7 @@ def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointi
     micro_f = arrays.as_float(micro)
     if w.eager_bytes:
         eager_flops = 2 * w.attention_flops  # eager computes the masked half too
-        attn_fwd = micro_f * (eager_flops / r.matmul_flops + w.eager_bytes / r.memory_bytes_per_s)
+        attn_fwd = micro_f * (eager_flops / r.steady_flops + w.eager_bytes / r.memory_bytes_per_s)
         attention = attn_fwd * 3
         attention_flops = micro_f * eager_flops * 3
     else:
@@ -837,7 +866,7 @@ def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointi
     kernels = w.kernels * (1 + max(share.matmul, share.attention, share.elementwise)) + w.backward_kernels
     if w.loss_recompute_flops:  # CCE's backward reruns the LM head's forward matmul
         loss_recompute = micro_f * w.loss_recompute_flops
-        recompute = recompute + loss_recompute / r.matmul_flops
+        recompute = recompute + loss_recompute / r.steady_flops
         hardware = hardware + loss_recompute
     host = arrays.full_like(m_all, kernels * r.host_seconds_per_kernel)
     # backward: the GEMMs' gradients, attention's backward (2.5 of its 3.5), the elementwise

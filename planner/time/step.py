@@ -673,7 +673,7 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
     r = kernels.rates(g, dtype)
     scaled = "" if req.compute_scale == 1.0 else f" x {req.compute_scale:.3f} (calibration profile)"
     if not isinstance(arch, Architecture):  # traced: FLOPs only, no layer shapes
-        seconds = override_flops / r.matmul_flops / req.compute_scale
+        seconds = override_flops / r.steady_flops / req.compute_scale
         return seconds, seconds * timing.BACKWARD_FRACTION, 0.0, override_flops, [
             ("matmul", seconds, f"traced FLOPs at {r.matmul_source}{scaled}")]
     gradient_bytes = _gradient_bytes(req, combo)
@@ -717,7 +717,7 @@ def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, ar
     hardware = t.hardware_flops
     if frozen is not None:  # the adapters and trained copies of frozen matmuls, at the matmul rate
         adapters = micro_f * w.tokens * (3 * frozen.adapter_forward_flops + frozen.trained_weight_flops) / combo.tp
-        matmul = matmul + adapters / r.matmul_flops
+        matmul = matmul + adapters / r.steady_flops
         hardware = hardware + adapters
     device = matmul + t.attention + t.elementwise + t.recompute + t.bias_gradients
     host_wait = arrays.maximum(0.0, t.host - device)
@@ -756,7 +756,7 @@ def _optimizer_seconds(req: "StepSettings", combo: Combo, psi: int, arch, frozen
         if spec.whole_matrices and frozen is None:  # Muon's Newton-Schulz matmuls
             on_shards = dtensor_shards(req, combo)
             flops = sum(_step_flops(spec.group_of(t), t, on_shards) for t in parameter_shapes(arch)) / combo.tp
-            optimizer = optimizer + flops / r.matmul_flops
+            optimizer = optimizer + flops / r.steady_flops
         if req.gradient_clipping:
             clipping = kernels.gradient_clipping_seconds(elements, recipe.grad_bits, r)
     return optimizer, clipping
