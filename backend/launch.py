@@ -90,6 +90,11 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         # backend/losses.py FlashAttnLoss wraps the model as the fused losses do (above)
         raise PlannerError("loss=flash-attn with a sharded strategy: the probe's flash-attn loss runs under single, "
                            "ddp and zero0-2 only", field="loss")
+    if request.fsdp_version == 1:
+        # the probe wraps the model with FSDP2's fully_shard (backend/train.py); FSDP1's memory is estimated
+        # with FSDP2's per-unit model (planner/jobfiles/accelerate_config.py FSDP1_NOTE)
+        raise PlannerError("fsdp_version=1: the probe trains FSDP2 (fully_shard), not FSDP1; the estimate of an FSDP1 "
+                           "job uses FSDP2's per-unit memory model, verify it as fsdp_version 2", field="fsdp_version")
     if request.compile != "none":
         # the probe trains eager (backend/train.py); compile's memory is eager's saved set, an upper bound
         # (planner/recipes/compile.py), and its step time is a GPU's

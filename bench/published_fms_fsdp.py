@@ -25,6 +25,9 @@ is its tokens per second per GPU. No constant of the time model is fitted to the
   (main_training_llama.py lines 82-91, limit_all_gathers True, FSDP1's default backward_prefetch
   BACKWARD_PRE), estimated with the planner's FSDP2 per-unit overlap as bench/published_throughput.py
   argues for FSDP1's prefetch.
+- FSDP1 (FullyShardedDataParallel, main_training_llama.py lines 82-91): fsdp_version 1, whose step makes no
+  copies on the compute stream (FSDP2's all-gather copy-out and reduce-scatter copy-in; the planner's
+  fsdp_version note), its memory by FSDP2's per-unit model.
 - Precision: get_mixed_precision_policy picks bfSixteen (train_utils.py lines 201-204 on bf16-capable
   GPUs; policies/mixed_precision.py lines 11-15: param, reduce and buffer dtype bf16) over a model built
   in fp32 (main_training_llama.py line 64): fp32 sharded parameters gathered as bf16 (bf16-mixed),
@@ -187,7 +190,10 @@ class Row:
                                strategy=SHARDING[self.sharding], seq_len=SEQ_LEN, micro_batch=self.batch,
                                checkpointing="full" if every else "none",
                                checkpointing_every=every if every and every > 1 else None,
-                               fabric=name, nics_per_node=nics, **RECIPE)
+                               fabric=name, nics_per_node=nics, fsdp_version=FSDP1, **RECIPE)
+
+
+FSDP1 = 1  # the fsdp_version every row ran (module docstring)
 
 
 def rows() -> list[Row]:

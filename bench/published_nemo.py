@@ -40,7 +40,10 @@ included: the primary ask, the same data-parallel traffic, but every rank steps 
 ``zero1`` (DeepSpeed's ZeRO-1 engine and, under pp, its pipeline engine: the same sharded states, but
 DeepSpeed's runtime, which runs 1F1B only and no context parallelism). Neither can say what Megatron's bf16
 recipe sends: accumulate_allreduce_grads_in_fp32 is forced on for bf16 (arguments.py lines 299-305), so the
-gradients travel in fp32 where both twins reduce them in bf16. H100s are the catalogue's h100-80gb on its
+gradients travel in fp32 where both twins reduce them in bf16; and the ddp twin copies each gradient into torch
+DDP's bucket and back (the planner's "sharding copies") where Megatron's gradients are views of its contiguous
+buffer from the start (megatron/core/distributed/param_and_grad_buffer.py line 1367 at d98e8a6: param.main_grad
+is a slice of the bucket's grad_data). H100s are the catalogue's h100-80gb on its
 preset (DGX H100: NVLink, 8 x 400 Gb/s per node); attention FlashAttention-2's rates (Megatron-Core runs
 Transformer Engine's flash or cuDNN fused attention).
 """

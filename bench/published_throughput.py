@@ -117,6 +117,9 @@ FLASH2_IN_SWEEP = ("1b", "3b", "7b", "70b")
 # FSDP1's backward prefetch each table ran (module docstring): sweep.py's, else composer's default
 PREFETCH = {LARGE_SCALE_TABLE: "BACKWARD_PRE + forward prefetch"}
 COMPOSER_PREFETCH = "BACKWARD_POST"
+# composer wraps the model with torch FSDP1 (FullyShardedDataParallel: composer/trainer/dist_strategy.py
+# prepare_fsdp_module at v0.14.0 and v0.17.2): no copies on the compute stream (the planner's fsdp_version 1)
+COMPOSER_FSDP = 1
 
 
 def mpt_config(size: str, seq_len: int) -> dict:
@@ -156,7 +159,8 @@ class Row:
                                gradient_accumulation=self.accumulation, precision="bf16-mixed",
                                reduce_dtype=REDUCE_DTYPE[self.mp_mode],
                                checkpointing="full" if self.checkpointing else "none", **MPT_RECIPE,
-                               attention_kernel="flash-attention-2" if flash2 else "flash-attention-triton", **fabric)
+                               attention_kernel="flash-attention-2" if flash2 else "flash-attention-triton",
+                               fsdp_version=COMPOSER_FSDP, **fabric)
 
 
 def rows() -> list[Row]:

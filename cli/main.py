@@ -123,6 +123,8 @@ def add_schema_flags(parser: argparse.ArgumentParser, model: type[BaseModel],
                                       help=help_text if said else f"{help_text} (default: {default})")
         if choices:
             kwargs["choices"] = choices
+            if all(type(c) is int for c in choices):  # a literal of numbers (--fsdp-version 1)
+                kwargs["type"] = int
         elif any(isinstance(m, BeforeValidator) for m in field.metadata):
             kwargs["type"] = str  # a number people write with a suffix (--seq-len 4k): the schema parses the text
         else:

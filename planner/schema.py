@@ -245,6 +245,19 @@ ReduceDtypeField = Annotated[ReduceDtype, Field(
     description="dtype FSDP2 reduces gradients in: compute (the recipe's 16-bit dtype, as accelerate and the "
     "planner's trainer) or fp32 (torchtitan's mixed_precision_reduce); fsdp, fsdp-grad-op and hsdp only")]
 
+# Which torch FSDP wraps the model: FSDP2 (fully_shard, what the planner writes and launches) or FSDP1
+# (FullyShardedDataParallel: accelerate's and the HF Trainer's default fsdp_version 1, composer, fms-fsdp),
+# whose flat parameters are gathered in place and whose gradients are cast and reduced on its own stream
+def _version_text(value: Any) -> Any:
+    """A version a form or a file writes as text ("1") is the number."""
+    return int(value) if isinstance(value, str) and value.strip() in ("1", "2") else value
+
+
+FsdpVersionField = Annotated[Literal[1, 2], BeforeValidator(_version_text), Field(
+    description="torch FSDP the job runs: 2 (fully_shard, the default) or 1 (FullyShardedDataParallel, "
+    "estimated with FSDP2's per-unit memory model; its step has no copies on the compute stream); fsdp, "
+    "fsdp-grad-op and hsdp only")]
+
 
 # the caching allocator's and NCCL's settings (issue 24), the same on estimate and plan
 AllocConfField = Annotated[str | None, Field(
@@ -376,6 +389,7 @@ class EstimateRequest(BaseModel):
     sequence_parallel: SequenceParallelField = None
     tp_plan: TpPlanField = "torchtitan"
     reduce_dtype: ReduceDtypeField = "compute"
+    fsdp_version: FsdpVersionField = 2
     topology: PresetName | None = Field(None, description="topology preset for the time model; default: the preset of --gpu")
     topology_text: str | None = Field(None, max_length=64 * 1024,
                                       description="pasted `nvidia-smi topo -m` output (what --topology-file reads)")
@@ -447,12 +461,36 @@ class EstimateRequest(BaseModel):
         if self.reduce_dtype != "compute" and self.strategy not in SHARDING_STRATEGIES:
             raise ValueError(f"reduce_dtype={self.reduce_dtype} is FSDP2's MixedPrecisionPolicy.reduce_dtype: it applies "
                              f"to {', '.join(SHARDING_STRATEGIES)}, not strategy {self.strategy}")
+        problem = fsdp1_error(self)
+        if problem:
+            raise ValueError(problem)
         check_request_fields(self)
         return self
 
     @property
     def world_size(self) -> int:
         return self.gpus * self.nodes
+
+
+def fsdp1_error(request: "EstimateRequest") -> str | None:
+    """What FSDP1 (fsdp_version 1) cannot run here, None when nothing: it wraps a data-parallel model
+    only (torchtitan composes TP, PP and CP with FSDP2's fully_shard), gathers no float8 weights
+    (FSDP2's float8 all-gather) and keeps flat parameters, not the whole matrices Muon steps."""
+    if request.fsdp_version == 2:
+        return None
+    if request.strategy not in SHARDING_STRATEGIES:
+        return (f"fsdp_version=1 is torch FSDP1 (FullyShardedDataParallel): it applies to "
+                f"{', '.join(SHARDING_STRATEGIES)}, not strategy {request.strategy}")
+    degrees = [f"{name}={getattr(request, name)}" for name in ("tp", "pp", "cp", "ep") if getattr(request, name) > 1]
+    if degrees:
+        return (f"fsdp_version=1 with {', '.join(degrees)}: the model-parallel layouts compose with FSDP2 "
+                "(torchtitan's fully_shard); use fsdp_version 2")
+    if request.float8_all_gather:
+        return "fsdp_version=1 with float8_all_gather: gathering float8 weights is FSDP2's; use fsdp_version 2"
+    if request.optimizer == "muon":
+        return ("fsdp_version=1 with optimizer muon: FSDP1's flat parameters hold no whole matrices for its "
+                "Newton-Schulz step; use fsdp_version 2")
+    return None
 
 
 def batch_error(request: "EstimateRequest", micro_batch: int, gradient_accumulation: int) -> str | None:

@@ -332,10 +332,12 @@ def test_estimate_reports_terms_sources_mfu_and_hfu():
     assert 0 < t.mfu < t.hfu < 1  # the recompute runs FLOPs MFU does not count
     compute = sum(term.seconds for term in t.terms if term.name in ("matmul", "attention", "elementwise and loss",
                                                                      "recompute (full)", "host launch wait",
-                                                                     "optimizer step", "communication contention"))
+                                                                     "optimizer step", "communication contention",
+                                                                     "sharding copies"))
     assert compute == pytest.approx(t.compute_seconds, rel=1e-9)
-    # FSDP's hidden gathers and reduce-scatters hold 24 of the H100's 132 SMs while they run
-    assert "communication contention" in names
+    # FSDP's hidden gathers and reduce-scatters hold 24 of the H100's 132 SMs while they run; FSDP2 copies
+    # each gathered unit out and each unit's gradients in on the compute stream
+    assert "communication contention" in names and "sharding copies" in names
 
 def test_hidden_collectives_cost_the_compute_beside_them():
     # Lee et al. 2025's means (overlapped compute 18.9% slower; sequential 10.2% slower than

@@ -331,8 +331,9 @@ def test_ties_within_the_time_models_uncertainty_go_to_headroom():
     capacity = 79.65 * GIB
     # no option as fast leaves materially (3% of the device) more memory free than the recommendation
     assert best.per_device.peak_bytes <= min(c.per_device.peak_bytes for c in tied) + MEMORY_TIE_FRACTION * capacity
-    # the issue's case: FSDP at 75.1 GiB of 75.7 usable was picked over ZeRO-3 at 49.8 GiB, same step time
-    assert best.per_device.peak_bytes < 0.65 * capacity
+    # the issue's case: FSDP at 75.1 GiB of 75.7 usable was picked over ZeRO-3 at 49.8 GiB, same step time;
+    # here FSDP at 75 GiB ties with SHARD_GRAD_OP at 58: the recommendation is well below the fullest
+    assert best.per_device.peak_bytes < 0.75 * capacity
     assert max(c.per_device.peak_bytes for c in tied) > best.per_device.peak_bytes + 10 * GIB
     note = next(n for n in r.notes if n.startswith(f"recommended {best.strategy}"))
     # or, where the tied options' peaks are within 3% of the device of the lowest: the one that

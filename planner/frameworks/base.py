@@ -70,6 +70,7 @@ class Traffic:
     # float8_all_gather: (the model's, one block's) weight elements FSDP2 gathers in fp8, 1 byte each
     # (planner/recipes/low_precision.py fp8_gather_bytes)
     fp8_gathered: tuple[int, int] = (0, 0)
+    fsdp_version: int = 2  # torch FSDP: 2 (fully_shard) or 1 (FullyShardedDataParallel: its copies off the compute stream)
 
     @property
     def trained(self) -> int:
@@ -133,6 +134,14 @@ class Framework:
     def collectives(self, s: "Strategy", t: Traffic) -> list[Collective]:
         """What one optimizer step sends, per collective (before the ring's factor)."""
         raise NotImplementedError
+
+    def compute_stream_copies(self, s: "Strategy", t: Traffic, gradient_bytes: int) -> tuple[object, object, object]:
+        """(in the forward, in the backward, after the backward's collectives) bytes per step the
+        framework's own copies read and write on the compute stream around its collectives (the step
+        waits for them; a copy on a side stream overlaps the compute and is not counted; what runs after
+        the collectives hides none of them). ``gradient_bytes``: bytes per element of the gradients the
+        model's weights receive. None by default."""
+        return 0.0, 0.0, 0.0
 
     def overlap_windows(self, s: "Strategy", forward_seconds: float, backward_seconds: float) -> tuple[float, float]:
         """(forward, backward): how much of each pass's compute the collectives sent in that pass

@@ -175,6 +175,7 @@ def fsdp_section(reading: Reading, block: dict[str, Any]) -> None:
     version = str(block.get("fsdp_version", 1))
     if version not in ("1", "2"):
         raise where.error("fsdp_config.fsdp_version", f"({version}) must be 1 or 2")
+    reading.default("fsdp_version", int(version))  # FSDP1's step makes no copies on the compute stream
     if version == "1":
         reading.notes.append(f"{where.at('fsdp_config.fsdp_version')} {FSDP1_NOTE}")
         prefetch = str(block.get("fsdp_backward_prefetch", "BACKWARD_PRE")).upper()

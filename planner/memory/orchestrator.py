@@ -703,6 +703,11 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
                      f"CublasHandlePool.cpp defaults for sm {arch.sm if arch else '?'}, one pair per thread "
                      "running matmuls: forward and autograd's backward)")
     notes.extend(f"time model: {caveat}" for caveat in setup.gpu.time_model_caveats)
+    if setup.request.fsdp_version == 1:
+        notes.append("fsdp_version 1 (torch FSDP1): memory by FSDP2's per-unit model (the same units gathered, "
+                     "unsharded and sharded gradients); the step makes no copies on the compute stream (FSDP1 gathers "
+                     "into its flat parameters and casts and reduces its gradients on its own stream), its "
+                     "collectives and their overlap are FSDP2's")
     if held is not None:
         notes.extend(reserved_notes(held))
     if capacity > 0 and held is None:

@@ -202,6 +202,7 @@ class StepSettings:
     compute_efficiency: float | None  # the override: every FLOP at this fraction of peak (None: planner/time/kernels.py)
     link_efficiency: float
     reduce_dtype: str = "compute"  # FSDP2's MixedPrecisionPolicy.reduce_dtype (the request's)
+    fsdp_version: int = 2  # the request's torch FSDP (a plan's candidates are FSDP2's, what it writes)
     attention: str = "sdpa"
     attention_kernel: str = "flash-attention-2"
     optimizer: str = "adamw"
@@ -288,8 +289,8 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
     settings = StepSettings(precision=result.request.precision, recipe=setup.recipe,
                             framework_version=setup.request.framework_version, seq_len=request.seq_len, nodes=request.nodes,
                             compute_efficiency=compute_efficiency, link_efficiency=link_efficiency,
-                            reduce_dtype=request.reduce_dtype, attention=request.attention,
-                            attention_kernel=request.attention_kernel,
+                            reduce_dtype=request.reduce_dtype, fsdp_version=request.fsdp_version,
+                            attention=request.attention, attention_kernel=request.attention_kernel,
                             optimizer=result.request.optimizer,
                             compute_scale=profile_compute_scale(request.profile, profile), loss=request.loss,
                             loss_chunks=request.loss_chunks,
@@ -376,6 +377,16 @@ def combo_collectives(recipe: Recipe, framework: Framework, combo: Combo, psi: i
     ``micro``: one micro-batch size, or a numpy array of the options (then each volume is an array).
     ``reduce_dtype`` fp32: FSDP2 reduce-scatters its gradients in fp32 (4 bytes on the wire).
     ``nodes``: with the combo's degrees, whether a data-parallel wrapper runs at all (Combo.data_parallel_wrapped)."""
+    return framework.collectives(lookup_strategy(combo.strategy),
+                                 combo_traffic(recipe, combo, psi, micro, per_rank, wb, arch, buckets, trainable,
+                                               reduce_dtype, nodes=nodes, fp8_gathered=fp8_gathered))
+
+
+def combo_traffic(recipe: Recipe, combo: Combo, psi: int, micro, per_rank: int, wb: int, arch=None,
+                  buckets: Buckets = Buckets(), trainable: int | None = None, reduce_dtype: str = "compute", *,
+                  nodes: int, fp8_gathered: tuple[int, int] = (0, 0), fsdp_version: int = 2) -> Traffic:
+    """What the data-parallel wrapper moves in one step (combo_collectives' arguments): the
+    frameworks' collectives and their compute-stream copies read it."""
     s = lookup_strategy(combo.strategy)
     block = (arch.block_parameters if isinstance(arch, TracedShape) else layer_parameters(arch)) if arch is not None \
         else max(psi // 100, 1)
@@ -387,8 +398,9 @@ def combo_collectives(recipe: Recipe, framework: Framework, combo: Combo, psi: i
                       accumulation=per_rank / micro, recipe=recipe, shard=combo.shard or combo.gpus,
                       buckets=buckets, trainable=trainable,
                       reduce_bytes=FP32 if reduce_dtype == "fp32" and s.shards_parameters else wb,
-                      wrapped=combo.data_parallel_wrapped(nodes), numels=numels, fp8_gathered=fp8_gathered)
-    return framework.collectives(s, traffic)
+                      wrapped=combo.data_parallel_wrapped(nodes), numels=numels, fp8_gathered=fp8_gathered,
+                      fsdp_version=fsdp_version)
+    return traffic
 
 
 def process_group(combo: Combo, group: str, nodes: int) -> tuple[timing.Group, tuple[int, ...]]:
@@ -559,6 +571,10 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
         if key is not None:
             sent[key] = hit
     comm, in_forward, slowest, at_node_rate = hit  # every later sum makes a new array: the remembered ones are not changed
+    copies, copies_backward, copies_after = _copy_seconds(req, fw, s, combo, micro, per_rank, psi, arch, buckets,
+                                                          trainable, g, dtype)
+    # the copies after the backward's collectives hide none of them, as the optimizer step
+    compute, backward, optimizer = compute + copies, backward + copies_backward, optimizer + copies_after
     exposed_model_parallel = 0.0
     data_parallel = comm + 0.0  # what FSDP/ZeRO/DDP send, hidden behind the framework's windows (a copy)
     if model_parallel > 1 and arch is not None:
@@ -606,7 +622,10 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     contention = timing.contention_seconds(data_parallel - exposed_data_parallel, g.sms, topo, ring,
                                            arrays.where(data_parallel > 0, at_node_rate / arrays.maximum(data_parallel, 1e-30), 0.0))
     step = busy + contention + exposed + offload
-    terms = terms + [("dequantize", dequantize, "QLoRA's dequantization at the achievable memory bandwidth"),
+    terms = terms + [("sharding copies", copies,
+                      "the wrapper's own copies on the compute stream: FSDP2's all-gather copy-out and reduce-scatter "
+                      "copy-in (Framework.compute_stream_copies), at the achievable memory bandwidth"),
+                     ("dequantize", dequantize, "QLoRA's dequantization at the achievable memory bandwidth"),
                      ("communication contention", contention,
                       "overlapped communication slows the compute beside it: 0.61 s per second over NVLink (Lee et al. 2025, "
                       "arXiv 2507.03114, the abstract's mean; timing.OVERLAPPED_COMPUTE_SECONDS_PER_SECOND), the SMs "
@@ -621,6 +640,22 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
                hardware_flops / (step * peak_flops)] + [t[1] for t in terms]
     labels = tuple((name, source) for name, _, source in terms)
     return timing.step_times_of(columns, slowest, ring, labels, micro.size if arrays.is_array(micro) else None)
+
+
+def _copy_seconds(req: "StepSettings", fw: Framework, s, combo: Combo, micro, per_rank: int, psi: int, arch,
+                  buckets: Buckets, trainable: int | None, g: Gpu, dtype: str) -> tuple[Any, Any, Any]:
+    """(seconds per step, of them the backward's, of them what runs after the backward's collectives) of
+    the data-parallel wrapper's copies on the compute stream (Framework.compute_stream_copies), at the
+    achievable memory bandwidth and a profile's scale."""
+    if g.memory_bandwidth_gbps is None:  # CPU ranks: the host's bandwidth is not in the catalogue
+        return 0.0, 0.0, 0.0
+    traffic = combo_traffic(req.recipe, combo, psi // combo.tp, micro, per_rank, req.recipe.wire_bytes, arch, buckets,
+                            trainable, req.reduce_dtype, nodes=req.nodes,
+                            fp8_gathered=_fp8_gathered(req.float8_all_gather, req.low_precision, arch),
+                            fsdp_version=req.fsdp_version)
+    forward, backward, after = fw.compute_stream_copies(s, traffic, _gradient_bytes(req, combo))
+    rate = kernels.rates(g, dtype).memory_bytes_per_s * req.compute_scale
+    return (forward + backward + after) / rate, backward / rate, after / rate
 
 
 def _exposed_data_parallel(fw: Framework, s, forward_comm, backward_comm, forward_seconds, backward_seconds, arch):

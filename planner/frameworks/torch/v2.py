@@ -124,6 +124,41 @@ class TorchDistributed(Framework):
                           t.block * reduce / t.shard, "replicas", 0.0))
         return items
 
+    def compute_stream_copies(self, s: "Strategy", t: Traffic, gradient_bytes: int) -> tuple[object, object, object]:
+        """FSDP2 copies each gathered unit out of the all-gather's flat output into its parameters, and each
+        unit's gradients into the reduce-scatter's flat input, both on the compute stream (torch 2.13
+        distributed/fsdp/_fully_shard/_fsdp_collectives.py: foreach_all_gather_copy_out waits for the gather on
+        the current stream, then split_with_sizes_copy, lines 445-489, from FSDPParamGroup.wait_for_unshard;
+        foreach_reduce runs foreach_reduce_scatter_copy_in, chunk_cat into the reduce dtype, line 603, before
+        the reduce-scatter stream waits on the current one, line 607). The copy-out reads the gathered bytes
+        and writes them again, per gather (forward, and backward unless SHARD_GRAD_OP kept the unit); the
+        copy-in reads each trained element's gradient and writes it in the reduce dtype, per micro-batch.
+        The all-gather's copy-in (the local shard) runs on its own stream (foreach_all_gather, line 336).
+        FSDP1 (fsdp_version 1) makes neither on the compute stream: it gathers straight into the flat
+        parameter (FlatParamHandle's all_gather_into_tensor, on its unshard stream) and casts its flat
+        gradient to the reduce dtype, divides and reduce-scatters it under its post-backward stream
+        (torch 2.13 distributed/fsdp/_runtime_utils.py _post_backward_hook, lines 748-766).
+
+        DDP (gradient_as_bucket_view False, its default) copies each gradient into its bucket as its hook
+        fires, divided by the world on the way (mul_out into the bucket view), and after the all-reduce
+        copies the bucket back into the gradient (finalize_bucket_dense: copy_bucket_to_grad), both in the
+        backward's stream, once per synchronised backward (pytorch/pytorch ad78a7b,
+        torch/csrc/distributed/c10d/reducer.cpp Reducer::mark_variable_ready_dense, finalize_bucket_dense).
+        DeepSpeed's bucket copies run under its reduce_and_partition_stream (stage3.py
+        __add_grad_to_ipg_bucket) and are not counted."""
+        if not t.wrapped:
+            return 0.0, 0.0, 0.0
+        if not s.shards_parameters:  # into the bucket as the backward runs, back once the all-reduce is done
+            bucket = t.step * t.trained * 2.0 * t.recipe.module_bytes
+            return 0.0, bucket, bucket
+        if t.fsdp_version == 1:
+            return 0.0, 0.0, 0.0
+        gathered = t.accumulation * fp8_gather_bytes(t.psi, t.fp8_gathered[0], t.wire_bytes)
+        copy_out = 2.0 * gathered
+        copy_in = t.accumulation * t.trained * (gradient_bytes + (t.reduce_bytes or t.wire_bytes))
+        backward_gathers = 0 if s.params_unsharded_in_step else 1
+        return copy_out, backward_gathers * copy_out + copy_in, 0.0
+
     def check_context_parallel(self, s: "Strategy", cp: int) -> None:
         if not s.shards_parameters:
             raise PlannerError(f"cp={cp} with strategy {s.name}: torchtitan shards the parameters over dp_shard x cp "

@@ -129,6 +129,11 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
         raise PlannerError("--emit with activation_offload: the emitted Trainer, accelerate and DeepSpeed configs "
                            "have no such setting; the training script applies it (TRL SFTConfig "
                            "activation_offloading=True)", field="activation_offload")
+    if est.fsdp_version == 1:
+        # the emitted accelerate and Trainer configs are FSDP2's (emit/accelerate.py fsdp_version 2): an FSDP1
+        # job estimated but emitted as FSDP2 would be another job
+        raise PlannerError("--emit with fsdp_version=1: the emitted accelerate and Trainer configs run FSDP2 "
+                           "(fsdp_version 2); emit with fsdp_version 2", field="fsdp_version")
     if est.compile != "none":
         # the emitted configs do not switch torch.compile on (TrainingArguments torch_compile, accelerate
         # dynamo_backend): a job estimated with it but emitted without it would be another job (cmem2)

@@ -1,0 +1,90 @@
+"""FSDP2's copies on the compute stream (planner/frameworks/torch/v2.py compute_stream_copies): the
+all-gather copy-out and the reduce-scatter copy-in, timed at the memory bandwidth; none for FSDP1
+(fsdp_version 1) or DeepSpeed (its side streams); DDP's bucket copies once per step. And fsdp_version's
+refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.cluster.gpus import load_gpus
+from planner.errors import PlannerError
+from planner.schema import EstimateRequest
+from planner.time import kernels
+from planner.time.step import estimate_with_time
+
+BASE = dict(model="llama-3-8b", gpus=8, gpu="h100-80gb", micro_batch=1, seq_len=4096, checkpointing="full")
+
+
+def _copies(**fields) -> float:
+    result = estimate_with_time(EstimateRequest(**(BASE | fields)))
+    return sum(t.seconds for t in result.time.terms if t.name == "sharding copies")
+
+
+def _seconds(byte_count: float) -> float:
+    return byte_count / kernels.rates(load_gpus()["h100-80gb"], "bf16").memory_bytes_per_s
+
+
+def test_fsdp2_copies_each_gather_out_and_each_gradient_in_per_micro_batch():
+    psi = estimate_with_time(EstimateRequest(**BASE, strategy="fsdp")).parameters
+    # bf16-mixed: 2-byte gathers read and written (forward and backward), 2-byte gradients read and written
+    # again in the compute dtype (reduce_dtype compute); per micro-batch
+    assert _copies(strategy="fsdp") == pytest.approx(_seconds(psi * (2 * 2 * 2 + 2 + 2)))
+    assert _copies(strategy="fsdp", gradient_accumulation=3) == pytest.approx(3 * _copies(strategy="fsdp"))
+    # reduce_dtype fp32: the copy-in writes 4 bytes per element
+    assert _copies(strategy="fsdp", reduce_dtype="fp32") == pytest.approx(_seconds(psi * (2 * 2 * 2 + 2 + 4)))
+    # SHARD_GRAD_OP keeps the unit gathered from forward to backward: one copy-out
+    assert _copies(strategy="fsdp-grad-op") == pytest.approx(_seconds(psi * (2 * 2 + 2 + 2)))
+    assert _copies(strategy="hsdp", nodes=2) == pytest.approx(_copies(strategy="fsdp", nodes=2))
+
+
+def test_ddp_copies_each_gradient_into_its_bucket_and_back_once_per_step():
+    psi = estimate_with_time(EstimateRequest(**BASE, strategy="ddp")).parameters
+    # autocast over fp32 weights: 4-byte gradients, into the bucket (read, write) and back (read, write)
+    assert _copies(strategy="ddp") == pytest.approx(_seconds(psi * 4 * 4))
+    assert _copies(strategy="ddp", gradient_accumulation=4) == pytest.approx(_copies(strategy="ddp"))  # no_sync
+    assert _copies(strategy="single", gpus=1) == 0.0  # no data-parallel wrapper
+
+
+def test_fsdp1_and_deepspeed_make_no_copies_on_the_compute_stream():
+    assert _copies(strategy="fsdp", fsdp_version=1) == 0.0
+    for strategy in ("zero3", "zero2", "zero1"):
+        assert _copies(strategy=strategy) == 0.0
+    two = estimate_with_time(EstimateRequest(**BASE, strategy="fsdp"))
+    one = estimate_with_time(EstimateRequest(**BASE, strategy="fsdp", fsdp_version=1))
+    assert one.time.step_seconds < two.time.step_seconds and one.per_device == two.per_device
+    assert any(n.startswith("fsdp_version 1 (torch FSDP1)") for n in one.notes)
+    assert not any("fsdp_version 1" in n for n in two.notes)
+
+
+def test_a_lora_step_copies_in_only_the_adapters_gradients():
+    full = estimate_with_time(EstimateRequest(**BASE, strategy="fsdp"))
+    lora = estimate_with_time(EstimateRequest(**BASE, strategy="fsdp", finetune="lora"))
+    copies = sum(t.seconds for t in lora.time.terms if t.name == "sharding copies")
+    # the frozen base is gathered (2 copy-outs of its bytes), only the adapters make gradients
+    assert _seconds(lora.parameters * 2 * 2 * 2) < copies < _seconds(full.parameters * (2 * 2 * 2 + 0.1))
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(strategy="zero3"), "applies to fsdp, fsdp-grad-op, hsdp, not strategy zero3"),
+    (dict(strategy="ddp"), "not strategy ddp"),
+    (dict(strategy="fsdp", tp=2), "fsdp_version=1 with tp=2"),
+    (dict(strategy="fsdp", float8_all_gather=True, low_precision="float8-tensorwise"), "float8_all_gather"),
+    (dict(strategy="fsdp", optimizer="muon"), "optimizer muon"),
+])
+def test_fsdp_version_1_is_refused_where_fsdp1_does_not_run(fields, message):
+    with pytest.raises(ValueError, match=message):
+        EstimateRequest(**(BASE | fields | {"fsdp_version": 1}))
+
+
+def test_fsdp1_is_neither_emitted_nor_verified_as_fsdp2():
+    from backend.launch import worker_job
+    from planner.plan.emit import emit_estimate_files
+
+    result = estimate_with_time(EstimateRequest(**BASE, strategy="fsdp", fsdp_version=1))
+    with pytest.raises(PlannerError, match="--emit with fsdp_version=1"):
+        emit_estimate_files(result)
+    cpu = EstimateRequest(model="gpt2", strategy="fsdp", gpus=2, gpu="cpu", micro_batch=1, seq_len=64,
+                          device_memory_gib=8, fsdp_version=1)
+    with pytest.raises(PlannerError, match="the probe trains FSDP2"):
+        worker_job(cpu, steps=1, warmup_steps=0, out_dir=__import__("pathlib").Path("/tmp"))
