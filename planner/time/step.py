@@ -566,13 +566,13 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
                                      per_rank, psi, buckets, trainable)
     hit = None if key is None else sent.get(key)
     if hit is None:
-        hit = _data_parallel_seconds(req, fw, combo, micro, per_rank, psi, arch, topo, fabric, nic_gbps, buckets,
-                                     trainable, ring_bw * req.link_efficiency)
+        hit = (_data_parallel_seconds(req, fw, combo, micro, per_rank, psi, arch, topo, fabric, nic_gbps, buckets,
+                                      trainable, ring_bw * req.link_efficiency)
+               + _copy_seconds(req, fw, s, combo, micro, per_rank, psi, arch, buckets, trainable, g, dtype))
         if key is not None:
             sent[key] = hit
-    comm, in_forward, slowest, at_node_rate = hit  # every later sum makes a new array: the remembered ones are not changed
-    copies, copies_backward, copies_after = _copy_seconds(req, fw, s, combo, micro, per_rank, psi, arch, buckets,
-                                                          trainable, g, dtype)
+    # every later sum makes a new array: the remembered ones are not changed
+    comm, in_forward, slowest, at_node_rate, copies, copies_backward, copies_after = hit
     # the copies after the backward's collectives hide none of them, as the optimizer step
     compute, backward, optimizer = compute + copies, backward + copies_backward, optimizer + copies_after
     exposed_model_parallel = 0.0
