@@ -46,7 +46,8 @@ tiles over K = 256 ... 16,384 against planner/time/kernels.py's K-loop curve (K0
 GPU's FLOP per byte, from NVIDIA's A100 figure), timed replayed from a CUDA graph (device time; the
 eager calls' rate is kept beside it), and SDPA's causal flash attention forward and backward
 TFLOP/s at head 128 over 8,192 tokens at each length against FORWARD_OVER_BACKWARD_RATE; printed and
-kept under "kernels". Then a transformer block's GEMMs, sustained for --sustained-seconds (30), per
+kept under "kernels". FSDP2's copy-out and copy-in of one Llama-3-8B block against the modelled seconds
+("fsdp2_copies"). Then a transformer block's GEMMs, sustained for --sustained-seconds (30), per
 one-second window with the SM clock and power nvidia-smi reports ("sustained_matmul"): whether the
 rates measured in a burst hold through a step. And one Llama-3-8B and one MPT-7B block's elementwise
 kernels, forward and backward, timed by torch.profiler against planner/time/elementwise.py ("elementwise").
@@ -623,6 +624,47 @@ def sustained_matmul(gpu_name: str, seconds: float) -> dict:
             "power_limit": _smi("power.limit,clocks.max.sm")}
 
 
+def fsdp2_copies(gpu_name: str, world: int = 8) -> dict:
+    """FSDP2's copies on the compute stream (planner/frameworks/torch/v2.py compute_stream_copies) for one
+    Llama-3-8B block as one rank of ``world`` runs them: the all-gather output split into the block's
+    parameters (torch.ops.fsdp.split_with_sizes_copy, bf16) and the block's bf16 gradients concatenated
+    into the reduce-scatter input (torch.ops.fsdp.chunk_cat, in bf16 and in fp32), each timed from a CUDA
+    graph against the seconds the time model charges (bytes at the achievable memory bandwidth)."""
+    import torch
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401 (registers torch.ops.fsdp)
+
+    from planner.cluster.gpus import load_gpus
+    from planner.time import kernels
+
+    bandwidth = kernels.rates(load_gpus()[gpu_name], "bf16").memory_bytes_per_s
+    h, kv, mlp = 4096, 1024, 14336  # Llama-3-8B: the block's seven matrices and two norms
+    shapes = [(h, h), (kv, h), (kv, h), (h, h), (mlp, h), (mlp, h), (h, mlp), (h,), (h,)]
+    numels = [int(torch.Size(x).numel()) for x in shapes]
+    shard = [-(-n // world) for n in numels]  # each parameter's padded shard on a rank (dim-0 sharding)
+    out: dict[str, dict] = {}
+    gathered = torch.empty(world * sum(shard), dtype=torch.bfloat16, device="cuda")
+    params = [torch.empty(world * k, dtype=torch.bfloat16, device="cuda") for k in shard]
+    views = [p.view(world, -1) for p in params]
+
+    def copy_out():
+        torch.ops.fsdp.split_with_sizes_copy(gathered.view(world, -1), shard, dim=1, out=views)
+
+    seconds = _graph_seconds(copy_out)
+    out["all-gather copy-out"] = {"measured_s": seconds, "modelled_s": 2 * gathered.numel() * 2 / bandwidth}
+    grads = [torch.randn(world * k, dtype=torch.bfloat16, device="cuda") for k in shard]
+    for name, dtype, size in (("reduce-scatter copy-in (bf16)", torch.bfloat16, 2),
+                              ("reduce-scatter copy-in (fp32)", torch.float32, 4)):
+        flat = torch.empty(world * sum(shard), dtype=dtype, device="cuda")
+
+        def copy_in(flat=flat):
+            torch.ops.fsdp.chunk_cat(grads, 0, world, out=flat.view(world, -1))
+
+        out[name] = {"measured_s": _graph_seconds(copy_in), "modelled_s": flat.numel() * (2 + size) / bandwidth}
+    for name, row in out.items():
+        print(f"FSDP2 {name}: {row['measured_s'] * 1e6:.0f} µs measured, {row['modelled_s'] * 1e6:.0f} µs modelled")
+    return out
+
+
 def hbm_copy_gbps() -> float:
     """Achieved HBM bandwidth of a 4 GiB device-to-device copy, counting bytes read and written: the
     ceiling the time model's memory-bound terms (gpus.yaml hbm bandwidth) are scaled from."""
@@ -680,7 +722,8 @@ def main() -> int:
     if not args.skip_kernels:
         results |= {"kernels": check_kernels(args.gpu), "elementwise": check_elementwise(args.gpu),
                     "matmul_tflops": matmul_tflops(),
-                    "hbm_copy_gbps": hbm_copy_gbps(), "sustained_matmul": sustained_matmul(args.gpu, args.sustained_seconds)}
+                    "hbm_copy_gbps": hbm_copy_gbps(), "fsdp2_copies": fsdp2_copies(args.gpu),
+                    "sustained_matmul": sustained_matmul(args.gpu, args.sustained_seconds)}
         print(f"device-to-device copy: {results['hbm_copy_gbps']:.0f} GB/s (bytes read + written)")
     print(f"matmul TFLOP/s measured: {results.get('matmul_tflops')}")
     requests = []

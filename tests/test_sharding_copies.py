@@ -88,3 +88,26 @@ def test_fsdp1_is_neither_emitted_nor_verified_as_fsdp2():
                           device_memory_gib=8, fsdp_version=1)
     with pytest.raises(PlannerError, match="the probe trains FSDP2"):
         worker_job(cpu, steps=1, warmup_steps=0, out_dir=__import__("pathlib").Path("/tmp"))
+
+
+def test_gpu_check_times_fsdp2s_copies_with_the_ops_fsdp2_calls():
+    """bench/gpu_check.py fsdp2_copies times FSDP2's own ops on a GPU; here the same calls run on CPU
+    tensors and move what the model counts: the split copy fills every parameter from its rank-major
+    slices, the chunk-cat writes every gradient element once in the reduce dtype."""
+    import inspect
+
+    import torch
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401
+
+    from bench import gpu_check
+
+    assert "split_with_sizes_copy" in inspect.getsource(gpu_check.fsdp2_copies)
+    world, shard = 4, [3, 2]
+    gathered = torch.arange(world * sum(shard), dtype=torch.bfloat16)
+    params = [torch.empty(world * k, dtype=torch.bfloat16) for k in shard]
+    torch.ops.fsdp.split_with_sizes_copy(gathered.view(world, -1), shard, dim=1, out=[p.view(world, -1) for p in params])
+    assert params[1].tolist() == [3, 4, 8, 9, 13, 14, 18, 19]
+    grads = [torch.arange(world * k, dtype=torch.bfloat16) for k in shard]
+    flat = torch.empty(world * sum(shard), dtype=torch.float32)
+    torch.ops.fsdp.chunk_cat(grads, 0, world, out=flat.view(world, -1))
+    assert flat.view(world, -1)[1].tolist() == [3, 4, 5, 2, 3]
