@@ -210,7 +210,8 @@ def _unexplained(data: list[Row], results) -> str:
             f"throughput is {statistics.median(short):.2f}x the A100-80GB's (median; "
             f"{min(short):.2f}-{max(short):.2f}), where the measured matmul rates differ "
             f"{steady['h100_80gb'] / steady['a100_80gb']:.2f}x ({steady['h100_80gb']:g} / {steady['a100_80gb']:g} "
-            "TFLOP/s: the H100's sustained MSMF, the A100's MAMF, none sustained published): the H100's matmul-bound rows are over-predicted by what no kernel measurement here "
+            "TFLOP/s: the H100's sustained rate, the H200's MSMF, the same die at the same power limit; the A100's "
+            "MAMF, no sustained rate published): the H100's matmul-bound rows are over-predicted by what no kernel measurement here "
             "accounts for (the 'communication contention' term, what overlapped collectives cost the compute, "
             "explains part of it where the collectives take a large share of the step); the large-scale table's FlashAttention-2 rows (sweep.py's `--attn_impl flash`) "
             f"are over-predicted by a median {statistics.median(flash2):+.0%}, while the same models with Triton "
@@ -268,8 +269,8 @@ def _implied(results) -> str:
             "matmul, bandwidth and collective rates say, so the sequences where it dominates (the short ones) are "
             "over-predicted, and where the attention factor is under 1 the long sequences are under-predicted. "
             "No kernel measurement here says what slows the rest: the matmul rates are MAMF measurements of each "
-            "GPU's best shape in a burst, held to the measured sustained rate at the power limit where one is "
-            "published (H100, not the A100), and these runs used 2023-24 software.")
+            "GPU's best shape in a burst, held to the sustained rate at the power limit where one is published "
+            "(the H100 at the H200's MSMF; none for the A100), and these runs used 2023-24 software.")
 
 
 COMMUNICATION_BINS = (0.05, 0.10, 0.20)  # edges of the model's communication share of the step

@@ -389,6 +389,10 @@ def from_files_fields(paths: list[str] | None, args: argparse.Namespace, model: 
     nodes = getattr(args, "nodes", 1)
     job = read_job([(f["name"], f["text"]) for f in _job_files(paths)], gpus * nodes)
     fields = {k: v for k, v in job.fields.items() if not k.startswith("_")}
+    if fields.get("fsdp_version") == 1 and "fsdp_version" not in model.model_fields:
+        # a plan searches and writes FSDP2 layouts (its fsdp candidates are fully_shard's)
+        print("note: the job files describe FSDP1 (fsdp_version 1); the plan searches and writes FSDP2 layouts "
+              "(fsdp_version 2)", file=sys.stderr)
     if "global_batch" in model.model_fields:  # a plan searches the layout for the job's global batch
         replicas = gpus * nodes // (fields.get("tp", 1) * fields.get("pp", 1) * fields.get("cp", 1))
         fields["global_batch"] = fields.get("micro_batch", 1) * fields.get("gradient_accumulation", 1) * replicas

@@ -246,10 +246,12 @@ ReduceDtypeField = Annotated[ReduceDtype, Field(
     "planner's trainer) or fp32 (torchtitan's mixed_precision_reduce); fsdp, fsdp-grad-op and hsdp only")]
 
 # Which torch FSDP wraps the model: FSDP2 (fully_shard, what the planner writes and launches) or FSDP1
-# (FullyShardedDataParallel: accelerate's and the HF Trainer's default fsdp_version 1, composer, fms-fsdp),
+# (FullyShardedDataParallel: accelerate's and axolotl's default fsdp_version 1, composer, fms-fsdp),
 # whose flat parameters are gathered in place and whose gradients are cast and reduced on its own stream
 def _version_text(value: Any) -> Any:
-    """A version a form or a file writes as text ("1") is the number."""
+    """A version a form or a file writes as text ("1") is the number; a boolean is no version."""
+    if isinstance(value, bool):
+        raise ValueError(f"fsdp_version must be 1 or 2, got {value!r}")
     return int(value) if isinstance(value, str) and value.strip() in ("1", "2") else value
 
 

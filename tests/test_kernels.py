@@ -216,7 +216,7 @@ def test_the_sustained_ceiling_holds_long_k_gemms_down_and_leaves_short_k_ones()
     # no MSMF is published for the A100: no ceiling; fp16 shares bf16's tensor cores and its ceiling
     assert rates(A100, "bf16").sustained_flops is None
     assert rates(H100, "fp16").sustained_flops == pytest.approx(744.5e12)
-    assert "sustained 744.5 TFLOP/s" in h100.matmul_source
+    assert "sustained 744.5 TFLOP/s" in h100.matmul_source and "MSMF" in h100.matmul_source
 
 
 def test_a_tensor_parallel_gemm_keeps_most_of_its_rate_on_hopper():

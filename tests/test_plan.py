@@ -412,14 +412,14 @@ def test_a_fabric_too_slow_for_the_extra_nodes_says_fewer_nodes_do_better():
 
 
 def test_a_family_best_refused_on_its_reserved_peak_says_so():
-    """Mixtral on 4 x 8 H100: zero2 x ep8's live peak (75.4 GiB) is under the usable 75.7 GiB but its
-    replayed reserved peak is not. The why names the reserved peak (never 'A GiB > B GiB usable' with
-    A under B), and the table says which ranked rows it leaves out."""
+    """Mixtral on 4 x 8 H100 (global batch 128): zero2 x ep8's live peak (75.4 GiB) is under the usable
+    75.7 GiB but its replayed reserved peak is not. The why names the reserved peak (never 'A GiB > B GiB
+    usable' with A under B), and the table says which ranked rows it leaves out."""
     import re
 
     from cli.render import plan_table
 
-    r = plan(PlanRequest(model="mixtral-8x7b", gpu="h100-80gb", gpus=8, nodes=4, seq_len=4096, global_batch=256))
+    r = plan(PlanRequest(model="mixtral-8x7b", gpu="h100-80gb", gpus=8, nodes=4, seq_len=4096, global_batch=128))
     refused = [c for c in r.candidates if not c.fits and c.rejected_reason and "reserved peak" in c.rejected_reason]
     assert refused, "the setting this test is about is no longer refused on its reserved peak"
     for live, usable in re.findall(r"does not fit: ([\d.]+) GiB > ([\d.]+) GiB usable", r.winner_reason):

@@ -46,10 +46,37 @@ def test_ddp_copies_each_gradient_into_its_bucket_and_back_once_per_step():
     assert _copies(strategy="single", gpus=1) == 0.0  # no data-parallel wrapper
 
 
-def test_fsdp1_and_deepspeed_make_no_copies_on_the_compute_stream():
+def test_zero12_copy_each_gradient_into_the_bucket_zero3_and_fsdp1_on_their_own_streams():
+    psi = estimate_with_time(EstimateRequest(**BASE, strategy="zero2")).parameters
+    # contiguous_gradients: the bf16 gradient read and written into the bucket; stage 2 at every micro-step,
+    # stage 1 at the step's boundary
+    assert _copies(strategy="zero2") == pytest.approx(_seconds(psi * 2 * 2))
+    assert _copies(strategy="zero2", gradient_accumulation=3) == pytest.approx(3 * _copies(strategy="zero2"))
+    assert _copies(strategy="zero1", gradient_accumulation=3) == pytest.approx(_copies(strategy="zero1"))
+    off = {"zero_optimization": {"stage": 2, "contiguous_gradients": False}, "train_micro_batch_size_per_gpu": 1,
+           "gradient_accumulation_steps": 1, "bf16": {"enabled": True}}
+    assert _copies(ds_config=off) == 0.0
     assert _copies(strategy="fsdp", fsdp_version=1) == 0.0
-    for strategy in ("zero3", "zero2", "zero1"):
-        assert _copies(strategy=strategy) == 0.0
+    assert _copies(strategy="zero3") == 0.0
+
+
+def test_a_pipeline_copies_each_unit_once_per_step():
+    # one copy-out and one copy-in of the stage's parameters per step, whatever the micro-batches (the
+    # pipeline's terms are the stage's, scaled with its schedule: within a few percent)
+    psi = estimate_with_time(EstimateRequest(**BASE, strategy="fsdp")).parameters
+    one = _copies(strategy="fsdp", pp=2, gradient_accumulation=8)
+    assert one == pytest.approx(_copies(strategy="fsdp", pp=2, gradient_accumulation=16), rel=0.1)
+    assert _seconds(psi / 2 * (2 * 2 + 2 + 2)) < one < _seconds(psi * (2 * 2 + 2 + 2))  # the stage's share
+    assert one < _copies(strategy="fsdp", gradient_accumulation=8) / 8  # not per micro-batch
+
+
+def test_an_fsdp1_jobs_suggested_zero_layouts_are_estimated():
+    from planner.check import _apply
+
+    request = EstimateRequest(**BASE, strategy="fsdp", fsdp_version=1)
+    assert _apply(request, {"strategy": "zero3"}).fsdp_version == 2
+    assert _apply(request, {"strategy": "fsdp", "tp": 2}).fsdp_version == 2
+    assert _apply(request, {"checkpointing": "none"}).fsdp_version == 1
     two = estimate_with_time(EstimateRequest(**BASE, strategy="fsdp"))
     one = estimate_with_time(EstimateRequest(**BASE, strategy="fsdp", fsdp_version=1))
     assert one.time.step_seconds < two.time.step_seconds and one.per_device == two.per_device
@@ -71,10 +98,11 @@ def test_a_lora_step_copies_in_only_the_adapters_gradients():
     (dict(strategy="fsdp", tp=2), "fsdp_version=1 with tp=2"),
     (dict(strategy="fsdp", float8_all_gather=True, low_precision="float8-tensorwise"), "float8_all_gather"),
     (dict(strategy="fsdp", optimizer="muon"), "optimizer muon"),
+    (dict(strategy="fsdp", fsdp_version=True), "must be 1 or 2, got True"),
 ])
 def test_fsdp_version_1_is_refused_where_fsdp1_does_not_run(fields, message):
     with pytest.raises(ValueError, match=message):
-        EstimateRequest(**(BASE | fields | {"fsdp_version": 1}))
+        EstimateRequest(**(BASE | {"fsdp_version": 1} | fields))
 
 
 def test_fsdp1_is_neither_emitted_nor_verified_as_fsdp2():

@@ -44,6 +44,8 @@ class Buckets:
     # stage3_max_reuse_distance: a parameter used again within this many elements is not released
     # after its forward, so a model within it is gathered once per step, not twice
     reuse: int = DEFAULT_MAX_REUSE_DISTANCE
+    # contiguous_gradients: ZeRO-1/2 copy each gradient into the reduce bucket as its hook fires
+    contiguous: bool = True
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class Traffic:
     # (planner/recipes/low_precision.py fp8_gather_bytes)
     fp8_gathered: tuple[int, int] = (0, 0)
     fsdp_version: int = 2  # torch FSDP: 2 (fully_shard) or 1 (FullyShardedDataParallel: its copies off the compute stream)
+    pipelined: bool = False  # pp > 1: FSDP2 keeps each unit gathered across the schedule's micro-batches
 
     @property
     def trained(self) -> int:

@@ -1601,8 +1601,15 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
     if d.ep > 1:  # the routed experts ring over the expert-data-parallel group only
         from planner.model.architecture import parameter_numels
 
-        share = experts.data_parallel_share(arch, d, sum(parameter_numels(arch)))
+        total = sum(parameter_numels(arch))
+        share = experts.data_parallel_share(arch, d, total)
         comm, exposed = comm * share, exposed * share
+        # the wrapper's copies (FSDP2's copy-out and copy-in) move the rank's parameters: the dense ones and
+        # 1/ep of the routed experts, where the replica's term counted them all
+        copies = next((v for (name, _), v in zip(t.term_labels, t.term_values) if name == "sharding copies"), 0.0)
+        routed = experts.routed_total(arch)
+        compute = compute - copies * (routed - routed / d.ep) / max(1, total)
+        t = t._replace(compute_seconds=compute)
     b = 4 if setup.recipe.compute == "fp32" else 2
     tokens = micro_batch * req.seq_len
     if d.pp > 1:

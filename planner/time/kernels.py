@@ -309,7 +309,7 @@ def _rates(g: Gpu, dtype: str, matmul_scale: float) -> Rates:
     if sustained is None and dtype == "fp16" and "bf16" in g.sustained_tflops:  # the same tensor cores
         sustained = g.sustained_tflops["bf16"] * g.peak_tflops["fp16"] / g.peak_tflops["bf16"]
     if sustained is not None:
-        source += f", at most the sustained {sustained:g} TFLOP/s at the power limit (measured MSMF)"
+        source += f", at most the sustained {sustained:g} TFLOP/s at the power limit (MSMF: gpus.yaml sustained_tflops)"
     elif g.sms:  # a burst's rate (gpus.yaml sustained_tflops): the H200 sustains 88% of its burst, the B200 84%
         source += "; a burst's rate: no sustained rate at the power limit is published for this GPU"
     return Rates(matmul_flops=matmul * matmul_scale, matmul_source=source, memory_bytes_per_s=bandwidth,

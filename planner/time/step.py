@@ -354,7 +354,8 @@ def resolved_combo(request: EstimateRequest, parameters: int | None = None,
                   shard, request.tp, request.cp, setup.sequence_parallel, request.pp,
                   checkpointing_every=request.checkpointing_every, tp_plan=request.tp_plan)
     return combo, Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size, zero.prefetch_bucket_size,
-                          zero.param_persistence_threshold, zero.max_reuse_distance), setup
+                          zero.param_persistence_threshold, zero.max_reuse_distance,
+                          zero.contiguous_gradients), setup
 
 
 def _fp8_gathered(float8_all_gather: bool, low_precision: str, arch) -> tuple[int, int]:
@@ -399,7 +400,7 @@ def combo_traffic(recipe: Recipe, combo: Combo, psi: int, micro, per_rank: int, 
                       buckets=buckets, trainable=trainable,
                       reduce_bytes=FP32 if reduce_dtype == "fp32" and s.shards_parameters else wb,
                       wrapped=combo.data_parallel_wrapped(nodes), numels=numels, fp8_gathered=fp8_gathered,
-                      fsdp_version=fsdp_version)
+                      fsdp_version=fsdp_version, pipelined=combo.pp > 1)
     return traffic
 
 
@@ -647,8 +648,8 @@ def _copy_seconds(req: "StepSettings", fw: Framework, s, combo: Combo, micro, pe
     """(seconds per step, of them the backward's, of them what runs after the backward's collectives) of
     the data-parallel wrapper's copies on the compute stream (Framework.compute_stream_copies), at the
     achievable memory bandwidth and a profile's scale."""
-    if g.memory_bandwidth_gbps is None:  # CPU ranks: the host's bandwidth is not in the catalogue
-        return 0.0, 0.0, 0.0
+    if g.memory_bandwidth_gbps is None or req.compute_efficiency is not None:  # CPU ranks (the host's bandwidth
+        return 0.0, 0.0, 0.0  # is not in the catalogue); the override times the whole compute as one fraction
     traffic = combo_traffic(req.recipe, combo, psi // combo.tp, micro, per_rank, req.recipe.wire_bytes, arch, buckets,
                             trainable, req.reduce_dtype, nodes=req.nodes,
                             fp8_gathered=_fp8_gathered(req.float8_all_gather, req.low_precision, arch),

@@ -134,6 +134,19 @@ class DeepSpeedZero(Framework):
                  min(unit, t.buckets.prefetch * t.wire_bytes), "shard", t.psi / (t.psi + backward)),
                 ("gradient reduce-scatter", t.accumulation * grads, 1, min(unit, reduce_msg), "shard", 0.0)]
 
+    def compute_stream_copies(self, s: "Strategy", t: Traffic, gradient_bytes: int) -> tuple[object, object, object]:
+        """ZeRO-1/2 with contiguous_gradients (the default) copy each gradient into the reduce bucket on the
+        current stream as its hook fires, when they reduce: stage 2 at every micro-step, stage 1 at the step's
+        boundary (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads, lines 1441-1465: the bucket
+        narrow's copy_, the stream recorded as its producer; reduce_ready_partitions_and_remove_grads, line
+        2294). ZeRO-3 copies under its reduce_and_partition_stream (stage3.py __add_grad_to_ipg_bucket, line
+        1628) and gathers into buffers its parameters view: nothing on the compute stream. Stage 0 is not
+        counted."""
+        if not t.wrapped or s.zero_stage not in (1, 2) or not t.buckets.contiguous:
+            return 0.0, 0.0, 0.0
+        times = t.accumulation if s.zero_stage == 2 else t.step
+        return 0.0, times * t.trained * 2.0 * t.wire_bytes, 0.0
+
     def overlap_windows(self, s: "Strategy", forward_seconds: float, backward_seconds: float) -> tuple[float, float]:
         # ZeRO-3 prefetches in both passes (the forward's gathers behind the forward; the backward's
         # gathers and the gradient reduce-scatters behind the backward); ZeRO 0-2: overlap_comm

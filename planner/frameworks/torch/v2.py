@@ -144,8 +144,11 @@ class TorchDistributed(Framework):
         copies the bucket back into the gradient (finalize_bucket_dense: copy_bucket_to_grad), both in the
         backward's stream, once per synchronised backward (pytorch/pytorch ad78a7b,
         torch/csrc/distributed/c10d/reducer.cpp Reducer::mark_variable_ready_dense, finalize_bucket_dense).
-        DeepSpeed's bucket copies run under its reduce_and_partition_stream (stage3.py
-        __add_grad_to_ipg_bucket) and are not counted."""
+        Under a pipeline (pp > 1) a unit stays gathered across the schedule's micro-batches and its gradients
+        are reduced once (planner/parallel/pipeline.py pipeline_volumes): one copy-out and one copy-in per
+        step. The copy-in follows the planner's reduce-scatter, once per micro-batch (torchtitan's); a job
+        that skips the sync between micro-batches (accelerate's no_sync: set_requires_gradient_sync(False))
+        copies in once per step."""
         if not t.wrapped:
             return 0.0, 0.0, 0.0
         if not s.shards_parameters:  # into the bucket as the backward runs, back once the all-reduce is done
@@ -153,10 +156,11 @@ class TorchDistributed(Framework):
             return 0.0, bucket, bucket
         if t.fsdp_version == 1:
             return 0.0, 0.0, 0.0
-        gathered = t.accumulation * fp8_gather_bytes(t.psi, t.fp8_gathered[0], t.wire_bytes)
+        times = t.step if t.pipelined else t.accumulation
+        gathered = times * fp8_gather_bytes(t.psi, t.fp8_gathered[0], t.wire_bytes)
         copy_out = 2.0 * gathered
-        copy_in = t.accumulation * t.trained * (gradient_bytes + (t.reduce_bytes or t.wire_bytes))
-        backward_gathers = 0 if s.params_unsharded_in_step else 1
+        copy_in = times * t.trained * (gradient_bytes + (t.reduce_bytes or t.wire_bytes))
+        backward_gathers = 0 if s.params_unsharded_in_step or t.pipelined else 1
         return copy_out, backward_gathers * copy_out + copy_in, 0.0
 
     def check_context_parallel(self, s: "Strategy", cp: int) -> None:
