@@ -501,9 +501,8 @@ def _over_group(combo: Combo, group: str, nodes: int, topo: Topology, req: "Step
 _GROUP_WIRES: dict[tuple, tuple[Topology, timing.Group, timing.Wire]] = {}
 
 
-def _data_parallel_seconds(req: "StepSettings", fw: Framework, combo: Combo, micro, per_rank: int, psi: int, arch,
-                           topo: Topology, fabric: dict, nic_gbps: float, buckets: Buckets, trainable: int | None,
-                           slowest: float) -> tuple[Any, Any, float, Any]:
+def _data_parallel_seconds(req: "StepSettings", fw: Framework, s, combo: Combo, traffic: Traffic, topo: Topology,
+                           fabric: dict, nic_gbps: float, slowest: float) -> tuple[Any, Any, float, Any]:
     """(seconds, of them what the forward pass sends, the slowest link's GB/s, from ``slowest`` on,
     the seconds weighted by the share of the node's ring rate each collective runs at) of the
     data-parallel framework's collectives (FSDP/ZeRO/DDP) in one step. What they send does not
@@ -518,9 +517,7 @@ def _data_parallel_seconds(req: "StepSettings", fw: Framework, combo: Combo, mic
     comm = 0.0
     in_forward = 0.0  # of it, what the forward pass sends
     at_node_rate = 0.0  # comm, each collective weighted by its rate over the node's ring rate
-    for _, volume, passes, message, group, forward_share in combo_collectives(
-            req.recipe, fw, combo, psi // combo.tp, micro, per_rank, req.recipe.wire_bytes, arch, buckets, trainable,
-            req.reduce_dtype, nodes=nodes, fp8_gathered=_fp8_gathered(req.float8_all_gather, req.low_precision, arch)):
+    for _, volume, passes, message, group, forward_share in fw.collectives(s, traffic):
         t = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, arrays.as_float(volume), message, passes)
         comm += t.seconds
         at_node_rate = at_node_rate + t.seconds * arrays.minimum(1.0, t.bottleneck_gbps / node_gbps)
@@ -567,9 +564,13 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
                                      per_rank, psi, buckets, trainable)
     hit = None if key is None else sent.get(key)
     if hit is None:
-        hit = (_data_parallel_seconds(req, fw, combo, micro, per_rank, psi, arch, topo, fabric, nic_gbps, buckets,
-                                      trainable, ring_bw * req.link_efficiency)
-               + _copy_seconds(req, fw, s, combo, micro, per_rank, psi, arch, buckets, trainable, g, dtype))
+        # what the wrapper moves, read by its collectives and by its copies on the compute stream
+        traffic = combo_traffic(req.recipe, combo, psi // combo.tp, micro, per_rank, wb, arch, buckets, trainable,
+                                req.reduce_dtype, nodes=nodes,
+                                fp8_gathered=_fp8_gathered(req.float8_all_gather, req.low_precision, arch),
+                                fsdp_version=req.fsdp_version)
+        hit = (_data_parallel_seconds(req, fw, s, combo, traffic, topo, fabric, nic_gbps, ring_bw * req.link_efficiency)
+               + _copy_seconds(req, fw, s, combo, traffic, g, dtype))
         if key is not None:
             sent[key] = hit
     # every later sum makes a new array: the remembered ones are not changed
@@ -623,7 +624,7 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     contention = timing.contention_seconds(data_parallel - exposed_data_parallel, g.sms, topo, ring,
                                            arrays.where(data_parallel > 0, at_node_rate / arrays.maximum(data_parallel, 1e-30), 0.0))
     step = busy + contention + exposed + offload
-    terms = terms + [("sharding copies", copies,
+    terms = terms + [(timing.COPIES_TERM, copies,
                       "the wrapper's own copies on the compute stream: FSDP2's all-gather copy-out and reduce-scatter "
                       "copy-in (Framework.compute_stream_copies), at the achievable memory bandwidth"),
                      ("dequantize", dequantize, "QLoRA's dequantization at the achievable memory bandwidth"),
@@ -643,17 +644,13 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     return timing.step_times_of(columns, slowest, ring, labels, micro.size if arrays.is_array(micro) else None)
 
 
-def _copy_seconds(req: "StepSettings", fw: Framework, s, combo: Combo, micro, per_rank: int, psi: int, arch,
-                  buckets: Buckets, trainable: int | None, g: Gpu, dtype: str) -> tuple[Any, Any, Any]:
+def _copy_seconds(req: "StepSettings", fw: Framework, s, combo: Combo, traffic: Traffic, g: Gpu,
+                  dtype: str) -> tuple[Any, Any, Any]:
     """(seconds per step, of them the backward's, of them what runs after the backward's collectives) of
     the data-parallel wrapper's copies on the compute stream (Framework.compute_stream_copies), at the
     achievable memory bandwidth and a profile's scale."""
     if g.memory_bandwidth_gbps is None or req.compute_efficiency is not None:  # CPU ranks (the host's bandwidth
         return 0.0, 0.0, 0.0  # is not in the catalogue); the override times the whole compute as one fraction
-    traffic = combo_traffic(req.recipe, combo, psi // combo.tp, micro, per_rank, req.recipe.wire_bytes, arch, buckets,
-                            trainable, req.reduce_dtype, nodes=req.nodes,
-                            fp8_gathered=_fp8_gathered(req.float8_all_gather, req.low_precision, arch),
-                            fsdp_version=req.fsdp_version)
     forward, backward, after = fw.compute_stream_copies(s, traffic, _gradient_bytes(req, combo))
     rate = kernels.rates(g, dtype).memory_bytes_per_s * req.compute_scale
     return (forward + backward + after) / rate, backward / rate, after / rate
