@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from planner.errors import PlannerError
 from planner.jobfiles.job import Job, read_job
-from planner.schema import SHARDING_STRATEGIES, CheckChange, CheckRequest, CheckResult, EstimateRequest, EstimateResult
+from planner.schema import CheckChange, CheckRequest, CheckResult, EstimateRequest, EstimateResult, fsdp1_error
 
 Estimator = Callable[[EstimateRequest], EstimateResult]
 MAX_EXTRA_NODES = 8  # the GPU-count changes tried: up to this many times the nodes asked for
@@ -164,8 +164,8 @@ DS_KEYS = {"micro_batch": ("train_micro_batch_size_per_gpu",), "gradient_accumul
 
 def _apply(request: EstimateRequest, change: dict[str, Any]) -> EstimateRequest:
     fields = request.model_dump(by_alias=True, exclude_unset=True) | change
-    if fields.get("strategy") not in SHARDING_STRATEGIES or any(fields.get(k, 1) > 1 for k in ("tp", "pp", "cp", "ep")):
-        # an FSDP1 job's suggestion of another layout (ZeRO, or model parallelism) is FSDP2's or no FSDP
+    if fsdp1_error(request.model_copy(update=change)):
+        # an FSDP1 job's suggestion of a layout FSDP1 does not run (ZeRO, model parallelism) is FSDP2's or no FSDP
         fields.pop("fsdp_version", None)
     ds = fields.get("ds_config")
     if ds is not None:

@@ -1606,7 +1606,7 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
         comm, exposed = comm * share, exposed * share
         # the wrapper's copies (FSDP2's copy-out and copy-in) move the rank's parameters: the dense ones and
         # 1/ep of the routed experts, where the replica's term counted them all
-        copies = next((v for (name, _), v in zip(t.term_labels, t.term_values) if name == "sharding copies"), 0.0)
+        copies = next((v for (name, _), v in zip(t.term_labels, t.term_values) if name == timing.COPIES_TERM), 0.0)
         routed = experts.routed_total(arch)
         compute = compute - copies * (routed - routed / d.ep) / max(1, total)
         t = t._replace(compute_seconds=compute)

@@ -112,6 +112,11 @@ def contention_seconds(hidden_seconds, sms: int | None, t: "Topology", ring: tup
     return hidden_seconds * (share + max(0.0, OVERLAPPED_COMPUTE_SECONDS_PER_SECOND - share) * node_rate_share)
 
 
+# the step term of the data-parallel wrapper's copies on the compute stream (planner/time/step.py), which the
+# pipeline and expert-parallel step rescales (planner/parallel/pipeline.py parallel_step)
+COPIES_TERM = "sharding copies"
+
+
 class StepTime(NamedTuple):
     """One step's time. A named tuple, not a dataclass: the plan search makes one per option it
     times, tens of thousands per plan (bench/plan_speed.py), and a tuple is built at a fraction
