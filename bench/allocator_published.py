@@ -20,7 +20,6 @@ With --readme, the table replaces the README block between the allocator markers
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,13 +112,9 @@ def table(rows: list[tuple[Row, dict]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--readme", help="replace the README's allocator block with the table")
-    args = parser.parse_args(argv)
-    text = table([(row, predict(row)) for row in ROWS])
-    from bench.readme import publish
+    from bench.readme import readme_main
 
-    return publish(text, args.readme, "allocator")
+    return readme_main(__doc__, "allocator", lambda: table([(row, predict(row)) for row in ROWS]), argv)
 
 
 if __name__ == "__main__":

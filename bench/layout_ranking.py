@@ -17,7 +17,6 @@ composer's loop keeping the outputs, composer's DecoupledAdamW stepped one param
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.published_throughput import MPT_RECIPE, mpt_config  # noqa: E402
-from bench.readme import publish  # noqa: E402
+from bench.readme import readme_main  # noqa: E402
 from planner.plan.search import plan  # noqa: E402
 from planner.schema import PlanRequest  # noqa: E402
 
@@ -71,13 +70,8 @@ def ranking(title: str, fields: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--readme", help="README to write the <!-- layout-ranking --> block into")
-    args = parser.parse_args(argv)
-    lines: list[str] = []
-    for title, fields in SETUPS:
-        lines += ranking(title, fields)
-    return publish("\n".join(lines), args.readme, "layout-ranking")
+    return readme_main(__doc__, "layout-ranking",
+                       lambda: "\n".join(line for title, fields in SETUPS for line in ranking(title, fields)), argv)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,6 @@ A request the planner refuses is shown as refused with its reason, not bent.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import sys
 from dataclasses import dataclass
@@ -85,7 +84,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.readme import publish  # noqa: E402
 from bench.summary import error_summary  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
 from planner.schema import EstimateRequest  # noqa: E402
@@ -287,10 +285,9 @@ def report() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--readme", help="README to write the <!-- fms-fsdp --> block into")
-    args = parser.parse_args(argv)
-    return publish(report(), args.readme, "fms-fsdp")
+    from bench.readme import readme_main
+
+    return readme_main(__doc__, "fms-fsdp", report, argv)
 
 
 if __name__ == "__main__":

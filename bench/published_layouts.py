@@ -30,7 +30,6 @@ Sources:
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,12 +188,9 @@ def table() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--readme", help="replace the README's published-layouts block with the table")
-    args = parser.parse_args(argv)
-    from bench.readme import publish
+    from bench.readme import readme_main
 
-    return publish(table(), args.readme, "published-layouts")
+    return readme_main(__doc__, "published-layouts", table, argv)
 
 
 if __name__ == "__main__":

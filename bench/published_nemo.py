@@ -50,7 +50,6 @@ Transformer Engine's flash or cuDNN fused attention).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -286,12 +285,9 @@ def report() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--readme", help="replace the README's published-nemo block with the table")
-    args = parser.parse_args(argv)
-    from bench.readme import publish
+    from bench.readme import readme_main
 
-    return publish(report(), args.readme, "published-nemo")
+    return readme_main(__doc__, "published-nemo", report, argv)
 
 
 if __name__ == "__main__":

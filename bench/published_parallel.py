@@ -22,7 +22,6 @@ h100-sxm-96gb (that board: 2.4 TB/s, its unpublished 500 W peak read at the H100
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,14 +176,9 @@ def table(rows: list[tuple[Published, dict]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--readme", help="replace the README's published-parallel block with the table")
-    args = parser.parse_args(argv)
-    rows = [(run, predict(run)) for run in RUNS]
-    text = table(rows)
-    from bench.readme import publish
+    from bench.readme import readme_main
 
-    return publish(text, args.readme, "published-parallel")
+    return readme_main(__doc__, "published-parallel", lambda: table([(run, predict(run)) for run in RUNS]), argv)
 
 
 if __name__ == "__main__":

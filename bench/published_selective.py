@@ -16,7 +16,6 @@ between the two, where the planner could not place them before it modelled the o
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -74,12 +73,9 @@ def table() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--readme", help="replace the README's published-selective block with the table")
-    args = parser.parse_args(argv)
-    from bench.readme import publish
+    from bench.readme import readme_main
 
-    return publish(table(), args.readme, "published-selective")
+    return readme_main(__doc__, "published-selective", table, argv)
 
 
 if __name__ == "__main__":

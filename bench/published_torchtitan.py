@@ -31,7 +31,6 @@ planner's fused rms_norm kernel.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,12 +145,9 @@ def report() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--readme", help="replace the README's published-torchtitan block with the table")
-    args = parser.parse_args(argv)
-    from bench.readme import publish
+    from bench.readme import readme_main
 
-    return publish(report(), args.readme, "published-torchtitan")
+    return readme_main(__doc__, "published-torchtitan", report, argv)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
+from typing import Callable
 
 
 def replace_block(readme: str | Path, name: str, text: str) -> int:
@@ -27,3 +29,12 @@ def publish(text: str, readme: str | Path | None, name: str) -> int:
     """A benchmark's last step: print its text and, with --readme, put it in the named block."""
     print(text)
     return replace_block(readme, name, text) if readme else 0
+
+
+def readme_main(doc: str, name: str, text: Callable[[], str], argv: list[str] | None = None) -> int:
+    """A benchmark's command line whose one option is --readme: its docstring's first line as the description,
+    ``text`` made after the arguments are read (--help computes nothing), then published."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--readme", help=f"README to write the <!-- {name} --> block into")
+    args = parser.parse_args(argv)
+    return publish(text(), args.readme, name)
