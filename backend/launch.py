@@ -95,6 +95,10 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         # with FSDP2's per-unit model (planner/jobfiles/accelerate_config.py FSDP1_NOTE)
         raise PlannerError("fsdp_version=1: the probe trains FSDP2 (fully_shard), not FSDP1; the estimate of an FSDP1 "
                            "job uses FSDP2's per-unit memory model, verify it as fsdp_version 2", field="fsdp_version")
+    if request.async_tp:
+        # symmetric memory over NVLink: neither gloo CPU ranks nor the probe's eager TP run it
+        raise PlannerError("async_tp: the probe trains torch's TP eager, without symmetric memory; estimate it "
+                           "without verify", field="async_tp")
     if request.compile != "none":
         # the probe trains eager (backend/train.py); compile's memory is eager's saved set, an upper bound
         # (planner/recipes/compile.py), and its step time is a GPU's

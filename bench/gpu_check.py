@@ -47,7 +47,7 @@ GPU's FLOP per byte, from NVIDIA's A100 figure), timed replayed from a CUDA grap
 eager calls' rate is kept beside it), and SDPA's causal flash attention forward and backward
 TFLOP/s at head 128 over 8,192 tokens at each length against FORWARD_OVER_BACKWARD_RATE; printed and
 kept under "kernels". FSDP2's copy-out and copy-in of one Llama-3-8B block against the modelled seconds
-("fsdp2_copies"). Then a transformer block's GEMMs, sustained for --sustained-seconds (30), per
+("fsdp2_copies"), and async TP's partial-output sum and shard copy ("async_tp"). Then a transformer block's GEMMs, sustained for --sustained-seconds (30), per
 one-second window with the SM clock and power nvidia-smi reports ("sustained_matmul"): whether the
 rates measured in a burst hold through a step. And one Llama-3-8B and one MPT-7B block's elementwise
 kernels, forward and backward, timed by torch.profiler against planner/time/elementwise.py ("elementwise").
@@ -665,6 +665,37 @@ def fsdp2_copies(gpu_name: str, world: int = 8) -> dict:
     return out
 
 
+def async_tp_kernels(gpu_name: str, tp: int = 8, tokens: int = 8192, hidden: int = 8192) -> dict:
+    """Async TP's own kernels on the compute stream (planner/time/step.py _async_tp_seconds), for one
+    sequence-parallel collective of a Llama-3-70B block at 8,192 tokens and tp 8: the reduce-scatter's sum of its tp
+    partial outputs (torch 2.13 _fused_matmul_reduce_scatter_impl: stacked_partials viewed (tp, M/tp, N), summed
+    over the first dimension) and the all-gather's local shard copied into the symmetric-memory workspace, each
+    timed from a CUDA graph against the seconds the time model charges. The overlap itself (each shard's
+    transfer beside the matmul of the one before) needs two or more GPUs over NVLink: not measured here."""
+    import torch
+
+    from planner.cluster.gpus import load_gpus
+    from planner.time import kernels
+
+    bandwidth = kernels.rates(load_gpus()[gpu_name], "bf16").memory_bytes_per_s
+    partials = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    shard = torch.randn(tokens // tp, hidden, dtype=torch.bfloat16, device="cuda")
+    workspace = torch.empty_like(shard)
+    message = partials.numel() * partials.element_size()
+    out = {"reduce-scatter partial sum": {
+               "measured_s": _graph_seconds(lambda: partials.view(tp, tokens // tp, hidden).sum(0)),
+               "modelled_s": message * (1 + 1 / tp) / bandwidth},
+           "all-gather local shard copy": {
+               "measured_s": _graph_seconds(lambda: workspace.copy_(shard)),
+               "modelled_s": 2 * message / tp / bandwidth},
+           "overlap": "not measured: needs 2+ GPUs over NVLink (symmetric memory); the time model's overlap is "
+                      "unverified"}
+    for name, row in out.items():
+        if isinstance(row, dict):
+            print(f"async TP {name}: {row['measured_s'] * 1e6:.0f} µs measured, {row['modelled_s'] * 1e6:.0f} µs modelled")
+    return out
+
+
 def hbm_copy_gbps() -> float:
     """Achieved HBM bandwidth of a 4 GiB device-to-device copy, counting bytes read and written: the
     ceiling the time model's memory-bound terms (gpus.yaml hbm bandwidth) are scaled from."""
@@ -723,6 +754,7 @@ def main() -> int:
         results |= {"kernels": check_kernels(args.gpu), "elementwise": check_elementwise(args.gpu),
                     "matmul_tflops": matmul_tflops(),
                     "hbm_copy_gbps": hbm_copy_gbps(), "fsdp2_copies": fsdp2_copies(args.gpu),
+                    "async_tp": async_tp_kernels(args.gpu),
                     "sustained_matmul": sustained_matmul(args.gpu, args.sustained_seconds)}
         print(f"device-to-device copy: {results['hbm_copy_gbps']:.0f} GB/s (bytes read + written)")
     print(f"matmul TFLOP/s measured: {results.get('matmul_tflops')}")

@@ -76,8 +76,10 @@ STRATEGIES = ("ddp", "zero1")  # the primary ask first (module docstring)
 RECIPE = {"gpu": "h100-80gb", "precision": "bf16-mixed", "optimizer": "adamw", "checkpointing": "none",
           "attention_kernel": "flash-attention-2"}
 # what the runs did that neither twin models, shown under every row
-UNMODELLED = ("TP comm overlap (--tp-comm-overlap: the sequence-parallel all-gathers and reduce-scatters split "
-              "into chunks run beside the GEMMs by Transformer Engine's userbuffers; the planner exposes them)",
+UNMODELLED = ("TP comm overlap in the zero1 twin (--tp-comm-overlap: the sequence-parallel all-gathers and "
+              "reduce-scatters split into chunks run beside the GEMMs by Transformer Engine's userbuffers; the ddp "
+              "twin asks it as the planner's async_tp, torch's decomposition of the same collectives; DeepSpeed's "
+              "AutoTP has no sequence parallelism, so the zero1 twin exposes them)",
               "Transformer Engine's fused LayerNorm-Linear and bias-GELU kernels (the planner times eager "
               "elementwise ops)",
               "the distributed optimizer's parameter all-gather run beside the next step's first forward "
@@ -142,7 +144,10 @@ class Row:
     def fields(self, strategy: str) -> dict:
         model = {"model": self.model} if self.model else {"model_config": gpt(*self.arch)}
         schedule = {"pp_schedule": "interleaved", "pp_virtual_stages": self.vp} if self.vp > 1 else {}
-        return dict(**model, **RECIPE, strategy=strategy, gpus=min(GPUS_PER_NODE, self.gpus),
+        # --tp-comm-overlap (README line 66) is the planner's async TP: torch's sequence-parallel TP (the ddp twin)
+        # runs it; DeepSpeed's AutoTP (the zero1 twin) has no sequence parallelism to pipeline
+        overlap = {"async_tp": True} if self.table == MEGATRON and self.tp > 1 and strategy == "ddp" else {}
+        return dict(**model, **RECIPE, **overlap, strategy=strategy, gpus=min(GPUS_PER_NODE, self.gpus),
                     nodes=max(1, self.gpus // GPUS_PER_NODE), tp=self.tp, pp=self.pp, cp=self.cp,
                     seq_len=self.seq_len, micro_batch=self.micro_batch, gradient_accumulation=self.accumulation,
                     low_precision=self.low_precision, **schedule)

@@ -227,6 +227,16 @@ LastStageLayers = Annotated[int | None, Field(ge=1, le=1 << 16, description=(
     "the rest evenly"))]
 SequenceParallelField = Annotated[bool | None, Field(
     description="shard the tensor-parallel region's activations over tp (default: on when tp > 1)")]
+# Async TP (issue 22): the sequence-parallel all-gathers and reduce-scatters cut into tp pieces, each
+# piece's transfer (NVLink P2P copies into a symmetric-memory workspace) beside the matmul of the
+# piece before it: torch's micro-pipeline TP (torch 2.13 _inductor/fx_passes/micro_pipeline_tp.py,
+# distributed/_symmetric_memory/__init__.py), which torchtitan turns on with compile.enable_async_tensor_parallel
+# (torchtitan b5bcd76 config/configs.py CompileConfig: it requires compile), and Megatron's --tp-comm-overlap
+# (which asserts --sequence-parallel), the same decomposition through Transformer Engine's userbuffers
+AsyncTpField = Annotated[bool, Field(
+    description="async TP: each sequence-parallel all-gather and reduce-scatter pipelined with the matmul beside it "
+                "(torchtitan compile.enable_async_tensor_parallel, Megatron --tp-comm-overlap); needs tp > 1 within "
+                "a node and sequence parallelism; step time and its symmetric-memory workspace modelled, unverified")]
 # Whose tensor-parallel layout tp > 1 realises: torchtitan's apply_tp (vocab-parallel loss, sequence
 # parallelism), or the model class's own plan as transformers 5.25 applies it under
 # from_pretrained(tp_plan="auto") (configuration's base_model_tp_plan, the head's colwise_gather_output:
@@ -390,6 +400,7 @@ class EstimateRequest(BaseModel):
     pp_last_stage_layers: LastStageLayers = None
     sequence_parallel: SequenceParallelField = None
     tp_plan: TpPlanField = "torchtitan"
+    async_tp: AsyncTpField = False
     reduce_dtype: ReduceDtypeField = "compute"
     fsdp_version: FsdpVersionField = 2
     topology: PresetName | None = Field(None, description="topology preset for the time model; default: the preset of --gpu")
@@ -463,7 +474,7 @@ class EstimateRequest(BaseModel):
         if self.reduce_dtype != "compute" and self.strategy not in SHARDING_STRATEGIES:
             raise ValueError(f"reduce_dtype={self.reduce_dtype} is FSDP2's MixedPrecisionPolicy.reduce_dtype: it applies "
                              f"to {', '.join(SHARDING_STRATEGIES)}, not strategy {self.strategy}")
-        problem = fsdp1_error(self)
+        problem = fsdp1_error(self) or async_tp_error(self)
         if problem:
             raise ValueError(problem)
         check_request_fields(self)
@@ -492,6 +503,33 @@ def fsdp1_error(request: "EstimateRequest") -> str | None:
     if request.optimizer == "muon":
         return ("fsdp_version=1 with optimizer muon: FSDP1's flat parameters hold no whole matrices for its "
                 "Newton-Schulz step; use fsdp_version 2")
+    return None
+
+
+def async_tp_error(request: "EstimateRequest | PlanRequest", searched: bool = False) -> str | None:
+    """What async TP cannot run here, None when nothing (or when it is off): it pipelines the
+    sequence-parallel all-gathers and reduce-scatters of a tensor-parallel group through a CUDA
+    symmetric-memory workspace that the group's GPUs map over NVLink (torch 2.13
+    distributed/_symmetric_memory/__init__.py get_symm_mem_workspace: empty_strided_p2p on the group),
+    so it needs tp > 1, the group inside a node, sequence parallelism (Megatron's --tp-comm-overlap asserts
+    it; torchtitan's plan is sequence-parallel) and a GPU. DeepSpeed's AutoTP has no sequence
+    parallelism: refused where the framework is known (parallel/tensor.py tensor_parallel_fields).
+    ``searched``: a plan that chooses the TP degree (tp not given): its TP candidates run async TP."""
+    if not request.async_tp:
+        return None
+    if request.tp == 1 and not searched:
+        return "async_tp=true with tp=1: async TP overlaps the tensor-parallel collectives; give tp > 1"
+    if request.tp_plan != "torchtitan":
+        return (f"async_tp=true with tp_plan={request.tp_plan}: transformers' plan gathers whole activations with no "
+                "sequence parallelism, which async TP pipelines; use tp_plan torchtitan")
+    if request.sequence_parallel is False:
+        return ("async_tp=true with sequence_parallel=false: async TP pipelines the sequence-parallel all-gathers "
+                "and reduce-scatters with their matmuls (Megatron's --tp-comm-overlap asserts --sequence-parallel)")
+    if request.tp > request.gpus:
+        return (f"async_tp=true with tp({request.tp}) > gpus({request.gpus}) per node: its symmetric-memory workspace "
+                "is mapped over a node's NVLink; keep the tensor-parallel group inside a node")
+    if request.gpu == "cpu":
+        return "async_tp=true with gpu cpu: symmetric memory is CUDA's (NVLink peer-to-peer); CPU ranks cannot run it"
     return None
 
 
@@ -585,7 +623,8 @@ class PerDevice(BaseModel):
                                      "replaying the step's allocations (simulated), + cuda_context_bytes + nccl_bytes; for a plan candidate "
                                      "not replayed and for cpu ranks: peak_bytes + nccl_bytes")
     cuda_context_bytes: int = Field(description="CUDA context and library workspaces (gpus.yaml, calibratable)")
-    nccl_bytes: int = Field(description="NCCL's buffers, summed over this rank's communicators")
+    nccl_bytes: int = Field(description="NCCL's buffers, summed over this rank's communicators, and under async TP "
+                            "its symmetric-memory workspace (both outside the caching allocator)")
 
 
 class HostMemory(BaseModel):
@@ -727,6 +766,7 @@ class PlanRequest(BaseModel):
     pp_last_stage_layers: LastStageLayers = None
     sequence_parallel: SequenceParallelField = None
     tp_plan: TpPlanField = "torchtitan"
+    async_tp: AsyncTpField = False  # the tp > 1 candidates with sequence parallelism run it
     reduce_dtype: ReduceDtypeField = "compute"  # the fsdp / hsdp candidates reduce in it
     seq_len: SeqLen = DEFAULT_SEQ_LEN
     global_batch: int = Field(256, ge=1, le=1 << 24, description="sequences per optimizer step, over all GPUs")
@@ -807,6 +847,9 @@ class PlanRequest(BaseModel):
         if self.checkpointing_every is not None and self.checkpointing != "full":
             raise ValueError(f"checkpointing_every={self.checkpointing_every} applies to checkpointing=full, not "
                              f"checkpointing={self.checkpointing}")
+        problem = async_tp_error(self, searched="tp" not in self.model_fields_set)
+        if problem:
+            raise ValueError(problem)
         return self
 
 

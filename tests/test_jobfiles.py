@@ -587,8 +587,12 @@ def test_torchtitan_launch_of_the_70b_and_405b_registry_configs():
     job = read_job([("run.sh", launch)], 8)
     assert (job.fields["model"], job.fields["micro_batch"], job.fields["low_precision"], job.fields["compile"],
             job.steps) == ("llama-3.1-405b", 2, "float8-tensorwise", "blocks", 3000)
-    job = read_job([("run.sh", launch + " --compile.enable false")], 8)
-    assert "compile" not in job.fields
+    assert job.fields["async_tp"] is True  # CompileConfig(enable_async_tensor_parallel=True)
+    # torchtitan refuses async TP without compile (CompileConfig.__post_init__): so does the reader
+    with pytest.raises(PlannerError, match=r"compile.enable_async_tensor_parallel: \(true\) needs compile.enable"):
+        read_job([("run.sh", launch + " --compile.enable false")], 8)
+    job = read_job([("run.sh", launch + " --compile.enable false --compile.enable_async_tensor_parallel false")], 8)
+    assert "compile" not in job.fields and "async_tp" not in job.fields
     with pytest.raises(PlannerError, match=r"compile.components: \(model\): compile blocks models"):
         read_job([("run.sh", launch + " --compile.components model")], 8)
 

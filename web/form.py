@@ -53,7 +53,7 @@ GROUPS = (
                                "activation_offload", "compile", "fused_kernels")),
     Group("degrees", "Layout: the strategy and degrees (empty degrees in a plan: the planner chooses; data "
                      "parallelism takes the GPUs that remain)",
-          ("strategy", *DEGREES, "hsdp_shard_size", "sequence_parallel", "tp_plan", "pp_schedule", "pp_virtual_stages",
+          ("strategy", *DEGREES, "hsdp_shard_size", "sequence_parallel", "tp_plan", "async_tp", "pp_schedule", "pp_virtual_stages",
            "pp_first_stage_layers", "pp_last_stage_layers", "reduce_dtype", "fsdp_version")),
     Group("search", "The planner's search", ("objective", "headroom", "compute_efficiency", "link_efficiency",
                                              "profile"), folded=True),
@@ -69,7 +69,7 @@ LABELS = {"model_config": "or a Hugging Face config.json (overrides the model)",
           "gpu": "GPU", "host_memory_gib": "host RAM per node (GiB)", "device_memory_gib": "device memory (GiB)",
           "nics_per_node": "NICs per node", "topology_text": "or paste nvidia-smi topo -m (overrides the topology)",
           "fabric": "fabric between nodes", "pp_virtual_stages": "stages per rank", "reduce_dtype": "FSDP2 reduce dtype",
-          "fsdp_version": "torch FSDP version",
+          "fsdp_version": "torch FSDP version", "async_tp": "async TP (collectives pipelined with matmuls)",
           "pp_schedule": "pipeline schedule", "lora_rank": "LoRA rank", "lora_alpha": "LoRA alpha",
           "lora_targets": "LoRA targets", "lora_dropout": "LoRA dropout", "finetune": "fine-tuning"}
 # What the empty choice of an optional field means, where the schema's description says it.

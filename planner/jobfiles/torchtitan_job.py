@@ -60,8 +60,7 @@ TABLE: dict[str, Key] = {
     "parallelism.pipeline_parallel_microbatch_size": Modelled("micro_batch with pp"),
     "parallelism.disable_loss_parallel": Refused("the loss over the whole vocabulary on every TP rank",
                                                  lambda v, b: off(v), "false"),
-    "parallelism.enable_async_tensor_parallel": Refused("async TP (torch.compile and symmetric memory)",
-                                                        lambda v, b: off(v), "false"),
+    "parallelism.enable_async_tensor_parallel": Modelled("async_tp (earlier releases' key; needs compile.enable)"),
     "parallelism.enable_compiled_autograd": Refused("compiled autograd", lambda v, b: off(v), "false"),
     "parallelism.context_parallel_rotate_method": Refused("all-to-all rotation keeps other buffers",
                                                           equals("allgather"), "allgather"),
@@ -88,6 +87,8 @@ TABLE: dict[str, Key] = {
     "compile.enable": Modelled("with components model and loss (the default): compile blocks (_compile)"),
     "compile.components": Modelled("read with compile.enable: model and loss (the default) are compile blocks"),
     "compile.backend": Modelled("read with compile.enable: inductor (the default)"),
+    "compile.enable_async_tensor_parallel": Modelled("async_tp where tp > 1 (it needs compile.enable with the model "
+                                                     "component)"),
     "checkpoint.async_mode": Refused("async_with_pinned_mem keeps a pinned host copy of the state",
                                      lambda v, b: not b.get("enable") or v in (None, "disabled", "async"), "disabled"),
     **inert(SAVE, "checkpoint.enable", "checkpoint.enable_checkpoint", "checkpoint.folder", "checkpoint.interval",
@@ -148,7 +149,7 @@ REGISTRY: dict[tuple[str, str], dict[str, Any]] = {
     },
     # llama3_405b (lines 295-346): as 70B with local_batch_size 2, steps 3000, lr warmup 600, a
     # Float8LinearConverter (filter_fqns lm_head, tensorwise: Float8LinearConfig's default recipe) and
-    # CompileConfig(enable=True, enable_async_tensor_parallel=True), which is refused by name
+    # CompileConfig(enable=True, enable_async_tensor_parallel=True): async_tp
     ("llama3", "llama3_405b"): {
         "model": {"name": "llama3", "flavor": "405B", "converters": ["float8"]},
         "optimizer": {"name": "AdamW"},
@@ -156,7 +157,7 @@ REGISTRY: dict[tuple[str, str], dict[str, Any]] = {
         "training": {"local_batch_size": 2, "seq_len": 8192, "steps": 3000},
         "parallelism": {"tensor_parallel_degree": 8},
         "activation_checkpoint": {"mode": "full"},
-        "compile": {"enable": True},
+        "compile": {"enable": True, "enable_async_tensor_parallel": True},
         "loss": {"chunked": True},
     },
 }
@@ -270,7 +271,24 @@ def _read(flat: dict[str, Any], where: Where, fmt: str, table: dict[str, Key]) -
 COMPILE_COMPONENTS = ("model", "loss")
 
 
+# async TP: current torchtitan's compile.enable_async_tensor_parallel (b5bcd76 config/configs.py CompileConfig, whose
+# __post_init__ refuses it without compile.enable and the model component), earlier releases'
+# parallelism.enable_async_tensor_parallel; with no TP mesh it does nothing (distributed/compile.py _maybe_enable_async_tp)
+ASYNC_TP_KEYS = ("compile.enable_async_tensor_parallel", "parallelism.enable_async_tensor_parallel")
+
+
+def _async_tp(reading: Reading, flat: dict[str, Any]) -> None:
+    key = next((k for k in ASYNC_TP_KEYS if k in flat and not off(flat[k])), None)
+    if key is None:
+        return
+    if off(flat.get("compile.enable")):
+        raise reading.where.error(key, "(true) needs compile.enable: torchtitan refuses async TP without compile")
+    if whole(flat.get("parallelism.tensor_parallel_degree", 1), reading.where, "parallelism.tensor_parallel_degree") > 1:
+        reading.set("async_tp", True, key)
+
+
 def _compile(reading: Reading, flat: dict[str, Any]) -> None:
+    _async_tp(reading, flat)
     if off(flat.get("compile.enable")):
         return
     components = flat.get("compile.components", list(COMPILE_COMPONENTS))

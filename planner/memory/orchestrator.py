@@ -708,6 +708,13 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
                      "unsharded and sharded gradients); the step makes no copies on the compute stream (FSDP1 gathers "
                      "into its flat parameters and casts and reduces its gradients on its own stream), its "
                      "collectives and their overlap are FSDP2's")
+    workspace = reserved.symmetric_memory_bytes(setup)
+    if workspace:
+        notes.append(f"async TP: its symmetric-memory workspace on the tp({setup.dims.tp}) group, "
+                     f"{fmt_bytes(workspace)} outside the caching allocator (counted with NCCL's buffers: 2/tp of a "
+                     "micro-batch's activation, what a matmul with its reduce-scatter asks); its step time pipelines "
+                     "each sequence-parallel collective with the matmul beside it (time terms); modelled from torch's "
+                     "source, unverified on a GPU (no multi-GPU device here)")
     if held is not None:
         notes.extend(reserved_notes(held))
     if capacity > 0 and held is None:

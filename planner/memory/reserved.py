@@ -186,12 +186,27 @@ def nvls_bytes(setup: "Setup", comm: Communicator) -> int:
 
 def nccl_bytes(setup: "Setup") -> int:
     """NCCL's buffers over the rank's communicators: the ring's (measured per communicator when
-    calibrated and NCCL_BUFFSIZE is not set) and NVLS's where it applies."""
+    calibrated and NCCL_BUFFSIZE is not set) and NVLS's where it applies; and under async TP its
+    symmetric-memory workspace (symmetric_memory_bytes), the other communication buffer outside the allocator."""
     req = setup.request
     per_comm = _CALIBRATION.get(setup.gpu.name, {}).get("nccl_bytes_per_communicator")
     if per_comm is None or req.nccl_buffsize_bytes is not None:
         per_comm = nccl_communicator_bytes(req.nccl_buffsize_bytes)
-    return sum(per_comm + nvls_bytes(setup, c) for c in communicator_groups(setup))
+    return sum(per_comm + nvls_bytes(setup, c) for c in communicator_groups(setup)) + symmetric_memory_bytes(setup)
+
+
+def symmetric_memory_bytes(setup: "Setup") -> int:
+    """Async TP's workspace on the TP group, 0 without it: allocated by the symmetric-memory allocator
+    (empty_strided_p2p, mapped by every rank of the group), not the caching allocator, at the largest size
+    any fused op asks and kept (torch 2.13 distributed/_symmetric_memory/__init__.py get_symm_mem_workspace).
+    An all-gather with its matmuls asks its input shard (1/tp of a micro-batch's activation,
+    _pipelined_multi_all_gather_and_consume); a matmul with its reduce-scatter two of its output's tp chunks
+    (_pipelined_produce_and_all2all: one being filled while a peer reads the other): 2/tp of the activation."""
+    req = getattr(setup, "request", None)
+    if req is None or not getattr(req, "async_tp", False) or setup.dims.tp == 1:
+        return 0
+    unit = _activation_unit(setup)
+    return 2 * (unit or 0) // setup.dims.tp
 
 
 # --- the allocation stream -------------------------------------------------------------------

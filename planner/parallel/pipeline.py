@@ -1598,6 +1598,11 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
     gpus = req.gpus
     nic_gbps = nics * fabric["gbps"] * fabric["efficiency"] * link_efficiency
     compute, comm, exposed = t.compute_seconds, t.communication_seconds / d.pp, t.exposed_communication_seconds / d.pp
+    # the TP collectives and CP exchange a micro-batch leaves exposed run inside its stage's forward and backward:
+    # the schedule's bubble stretches them with the compute (1F1B's stage waits on them as on its kernels)
+    in_stage = next((v for (name, _), v in zip(t.term_labels, t.term_values) if name == timing.MODEL_PARALLEL_TERM),
+                    0.0) if d.pp > 1 else 0.0
+    exposed = exposed - in_stage / d.pp
     if d.ep > 1:  # the routed experts ring over the expert-data-parallel group only
         from planner.model.architecture import parameter_numels
 
@@ -1618,7 +1623,7 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
         boundary = tokens * arch.hidden_size * b // max(1, d.tp * d.cp)
         share, _ = slowest_share(arch, d.pp, req.pp_virtual_stages, req.seq_len // max(1, d.cp),
                                  req.pp_first_stage_layers, req.pp_last_stage_layers, req.pp_schedule)
-        p = pipeline_time(t.compute_seconds, d.pp, micro_batches, req.pp_virtual_stages, boundary,
+        p = pipeline_time(t.compute_seconds + in_stage, d.pp, micro_batches, req.pp_virtual_stages, boundary,
                           gbps, latency, slowest=share, schedule=req.pp_schedule)
         compute = p.compute_seconds
         comm += p.p2p_seconds

@@ -310,6 +310,10 @@ def tensor_parallel_fields(request, strategy, framework: "Framework", model, sha
         return transformers_tp_fields(request, strategy, arch, shard)
     rank = rank_architecture(arch, tp)
     if framework.autotp:
+        if getattr(request, "async_tp", False):
+            raise PlannerError(f"async_tp=true with strategy {request.strategy}: DeepSpeed's AutoTP has no sequence "
+                               "parallelism for async TP to pipeline; torch's TP (fsdp, hsdp, ddp) runs it",
+                               field="async_tp")
         return {"sequence_parallel": sequence_parallel_for(request, framework), "vocab_parallel_loss": False,
                 "rank_architecture": autotp_rank_architecture(arch, tp), **autotp_layout(arch, tp),
                 "shard_size": shard // tp}
@@ -434,6 +438,11 @@ def gathered_logits_race_above(plan, setup, acts, held: int) -> int:
     return max(0, others + acts.saved_bytes + at_loss + held - max(p.bytes for p in plan.phases))
 
 
+# sequence parallelism's rows: per micro-batch, each block's all-gathers (reduce-scatters) in forward, backward
+# and a full checkpoint's recompute, then the vocab-parallel embedding's and LM head's (step.py's async TP pairs
+# each block's with the matmul it feeds or is fed by)
+SP_GATHER_ROW = "TP all-gathers (sequence parallel)"
+SP_SCATTER_ROW = "TP reduce-scatters (sequence parallel)"
 # the loss's all-reduces: on the rank that computes the loss (a pipeline's last stage), whole
 LOSS_PARALLEL_ROW = "TP all-reduces of loss_parallel (logits' max, sum of exponentials, target logit)"
 
@@ -450,8 +459,9 @@ def tp_collectives(full: Architecture, *, tokens: int, micro_batches: float, b: 
     parallelism replaces each all-reduce by an all-gather plus a reduce-scatter of the same tensor
     (Korthikanti et al. 2022, Sec. 4.2.2): the same bytes on the wire (a ring all-reduce is a
     reduce-scatter then an all-gather). The vocab-parallel embedding and LM head add one each way.
-    None of it overlaps compute: each is on the critical path of its layer (torchtitan's async TP,
-    which overlaps them, needs torch.compile and is off).
+    None of it overlaps compute: each is on the critical path of its layer, unless async TP (the
+    request's async_tp: torchtitan's compile.enable_async_tensor_parallel, Megatron's --tp-comm-overlap)
+    pipelines the sequence-parallel rows with their matmuls (planner/time/step.py _async_tp_seconds).
 
     ``vocab_parallel_loss``: torch's loss_parallel (torch 2.13 distributed/tensor/parallel/loss.py)
     all-reduces one fp32 value per token three times in the loss's forward, each between the
@@ -470,6 +480,6 @@ def tp_collectives(full: Architecture, *, tokens: int, micro_batches: float, b: 
     loss = [(LOSS_PARALLEL_ROW,
              3 * micro_batches * FP32 * tokens, 2, FP32 * tokens / loss_chunks)] if vocab_parallel_loss else []
     if sequence_parallel:
-        return [("TP all-gathers (sequence parallel)", count * activation, 1, activation),
-                ("TP reduce-scatters (sequence parallel)", count * activation, 1, activation)] + loss
+        return [(SP_GATHER_ROW, count * activation, 1, activation),
+                (SP_SCATTER_ROW, count * activation, 1, activation)] + loss
     return [("TP all-reduces", count * activation, 2, activation)] + loss

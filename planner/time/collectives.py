@@ -115,6 +115,9 @@ def contention_seconds(hidden_seconds, sms: int | None, t: "Topology", ring: tup
 # the step term of the data-parallel wrapper's copies on the compute stream (planner/time/step.py), which the
 # pipeline and expert-parallel step rescales (planner/parallel/pipeline.py parallel_step)
 COPIES_TERM = "sharding copies"
+# the step term of the exposed communication inside each micro-batch (TP collectives, CP exchange), which a pipeline
+# schedule runs inside its stages' compute and so stretches with its bubble (planner/parallel/pipeline.py parallel_step)
+MODEL_PARALLEL_TERM = "TP/CP exposed inside micro-batches"
 
 
 class StepTime(NamedTuple):

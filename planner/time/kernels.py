@@ -446,6 +446,40 @@ def _mlp_gemms(s: LayerSpec, hidden: int, tp: int) -> list[Gemm]:
     return out
 
 
+def tp_overlap_windows(arch: Architecture, seq: int, tp: int, cp: int, micro, r: Rates, compute_bytes: int,
+                       low_precision: "LowPrecisionRate | None" = None) -> list[tuple[int, tuple]]:
+    """(blocks of the spec, the seconds of its four matmuls an async-TP collective pipelines with) per
+    layer spec, at ``micro`` sequences: the gathered input's projections (q, k and v: one all-gather feeds
+    them all), the output projection, the MLP's up and gate (one all-gather), its down projection. A
+    backward collective pairs with the same linear's input-gradient matmul (the same FLOPs, its shape
+    transposed: timed as the forward's). Async TP fuses an all-gather with the matmuls that consume it and
+    a matmul with the reduce-scatter of its output (torch 2.13 _inductor/fx_passes/micro_pipeline_tp.py
+    fuse_all_gather_matmul, fuse_matmul_reduce_scatter): an attention whose projections go through latents
+    (MLA) or a mixture of experts' MLP (the router and the dispatch stand between) has no such pair, 0 here."""
+    out = []
+    tokens = micro * max(1, seq // cp)  # the gathered (sequence-parallel) tokens of one micro-batch
+    specs: dict[LayerSpec, int] = {}
+    for spec in layer_specs(arch):
+        specs[spec] = specs.get(spec, 0) + 1
+    for spec, count in specs.items():
+        def seconds(n: int, k: int):
+            lp = low_precision
+            fast = lp is not None and n % lp.dim_multiple == 0 and k % lp.dim_multiple == 0
+            return _gemm_seconds(tokens, n, k, r, compute_bytes, lp.rate if fast else 1.0)
+        into = out_of = up = down = 0.0
+        if kind_of(spec.attention).plain_projections:
+            *projections, (n_out, k_out) = _attention_gemms(spec, arch.hidden_size, tp)
+            for n, k in projections:
+                into = into + seconds(n, k)
+            out_of = seconds(n_out, k_out)
+        if not spec.mlp.is_moe:
+            gemms = _mlp_gemms(spec, arch.hidden_size, tp)
+            up = seconds(gemms[0].n, gemms[0].k) * gemms[0].count
+            down = seconds(gemms[1].n, gemms[1].k)
+        out.append((count, (into, out_of, up, down)))
+    return out
+
+
 def _bias_gradient_elements(arch: Architecture, s: LayerSpec, tp: int, sp: bool) -> float:
     """Elements of output gradient one token's block reads to reduce its biases' gradients, backward only
     (BIAS_GRADIENT_READS per biased linear).

@@ -29,6 +29,7 @@ from planner.recipes.precision import Recipe
 from planner.schema import EstimateRequest, EstimateResult, PlanRequest, TimeEstimate, TimeTerm
 from planner.strategies import strategy as lookup_strategy
 from planner.cluster.topology import Topology
+from planner.parallel.tensor import SP_GATHER_ROW, SP_SCATTER_ROW
 
 if TYPE_CHECKING:
     from planner.setup import Setup
@@ -215,6 +216,7 @@ class StepSettings:
     gradient_clipping: bool = False  # the gradients clipped by their global norm before each step
     compile: str = "none"  # torch.compile: "none", "blocks" or "model" (planner/time/fusion.py)
     fused_kernels: tuple[str, ...] = ()  # Liger's fused block kernels (planner/recipes/fused_kernels.py)
+    async_tp: bool = False  # the sequence-parallel collectives pipelined with their matmuls (_async_tp_seconds)
 
     def framework(self, s) -> Framework:
         """The framework version that realises strategy ``s`` in this step: the request's where it
@@ -232,7 +234,7 @@ class StepSettings:
                    compute_scale=compute_scale, loss=req.loss, loss_chunks=req.loss_chunks,
                    low_precision=req.low_precision,
                    float8_all_gather=req.float8_all_gather, gradient_clipping=req.gradient_clipping,
-                   compile=req.compile, fused_kernels=req.fused_kernels)
+                   compile=req.compile, fused_kernels=req.fused_kernels, async_tp=req.async_tp)
 
 
 def collective_volumes(request: EstimateRequest) -> list[dict]:
@@ -296,7 +298,7 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
                             loss_chunks=request.loss_chunks,
                             low_precision=request.low_precision, float8_all_gather=request.float8_all_gather,
                             gradient_clipping=request.gradient_clipping, compile=request.compile,
-                            fused_kernels=request.fused_kernels)
+                            fused_kernels=request.fused_kernels, async_tp=request.async_tp)
     arch = traced if traced is not None else Architecture.model_validate(result.model.architecture)
     moved = activation_offload_bytes(setup) / request.micro_batch if traced is None else 0.0
     t = step_times(settings, combo, request.micro_batch, per_rank, result.parameters, arch, g,
@@ -578,22 +580,31 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     # the copies after the backward's collectives hide none of them, as the optimizer step
     compute, backward, optimizer = compute + copies, backward + copies_backward, optimizer + copies_after
     exposed_model_parallel = 0.0
+    pipelined_tp = (0.0, 0.0)  # async TP's own work on the compute stream: (seconds, of them in backward)
+    hidden_tp = 0.0  # async TP's transfers hidden behind the matmuls
     data_parallel = comm + 0.0  # what FSDP/ZeRO/DDP send, hidden behind the framework's windows (a copy)
     if model_parallel > 1 and arch is not None:
         chunks = (req.loss_chunks or DEFAULT_CHUNKS) if req.loss == "chunked-in-forward" else 1
-        for _, volume, passes, message, group in model_parallel_collectives(req.recipe, combo, arch, per_rank,
-                                                                            req.seq_len, chunks):
+        for what, volume, passes, message, group in model_parallel_collectives(req.recipe, combo, arch, per_rank,
+                                                                               req.seq_len, chunks):
             # a ring's time is a bandwidth term in the bytes plus a latency term per message
             # (timing._ring): two evaluations give both, then every micro-batch's message size
             one = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, float(volume), volume, passes)
             two = _over_group(combo, group, nodes, topo, req, nic_gbps, fabric, float(volume), volume / 2, passes)
             per_message = float(arrays.item(two.seconds, 0)) - float(arrays.item(one.seconds, 0))
             seconds = float(arrays.item(one.seconds, 0)) - per_message + per_message * volume / (message * micro)
-            # TP: on each layer's critical path, nothing hides it (async TP needs torch.compile);
+            # TP: on each layer's critical path, nothing hides it unless async TP pipelines it (_async_tp_seconds);
             # CP: ring attention overlaps the K/V exchange with the attention it feeds (Liu et
             # al. 2023, "Ring Attention", Sec. 3), only what exceeds the compute shows
-            exposed_model_parallel = exposed_model_parallel + (
-                seconds if group == "tp" else arrays.maximum(0.0, seconds - compute))
+            if req.async_tp and what in (SP_GATHER_ROW, SP_SCATTER_ROW):
+                shown, work = _async_tp_seconds(req, combo, arch, g, dtype, micro, per_rank, seconds,
+                                                volume / (message * micro), message * micro, what)
+                exposed_model_parallel = exposed_model_parallel + shown
+                pipelined_tp = (pipelined_tp[0] + work[0], pipelined_tp[1] + work[1])
+                hidden_tp = hidden_tp + (seconds - shown)
+            else:
+                exposed_model_parallel = exposed_model_parallel + (
+                    seconds if group == "tp" else arrays.maximum(0.0, seconds - compute))
             comm = comm + seconds
             slowest = min(slowest, arrays.smallest(one.bottleneck_gbps))
     # the optimizer step's own collectives (Muon on FSDP2 shards): inside the step, nothing hides them
@@ -602,7 +613,9 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
         one = _over_group(combo, "shard", nodes, topo, req, nic_gbps, fabric, float(message), message, passes)
         stepping = stepping + count * float(arrays.item(one.seconds, 0))
     comm = comm + stepping
+    per_micro_batch = exposed_model_parallel + 0.0  # on each micro-batch's critical path (a pipeline's bubble stretches it)
     exposed_model_parallel = exposed_model_parallel + stepping
+    compute, backward = compute + pipelined_tp[0], backward + pipelined_tp[1]
     offload = offload_seconds(combo, psi // combo.tp, per_rank / micro, combo.gpus * nodes // combo.tp, wb, g,
                               trainable)
     dequantize = _dequantize_seconds(frozen, combo.checkpointing, per_rank / micro, g)
@@ -623,16 +636,24 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     # the hidden collectives slow the compute they run beside (timing.contention_seconds)
     contention = timing.contention_seconds(data_parallel - exposed_data_parallel, g.sms, topo, ring,
                                            arrays.where(data_parallel > 0, at_node_rate / arrays.maximum(data_parallel, 1e-30), 0.0))
+    # async TP's hidden transfers cross the node's NVLink and HBM beside the matmuls as the data-parallel ones do
+    # (contention_seconds' memory traffic and power; its copy engines hold no SMs, TE's userbuffers some)
+    contention = contention + timing.contention_seconds(hidden_tp, g.sms, topo, ring)
     step = busy + contention + exposed + offload
     terms = terms + [(timing.COPIES_TERM, copies,
                       "the wrapper's own copies on the compute stream: FSDP2's all-gather copy-out and reduce-scatter "
                       "copy-in (Framework.compute_stream_copies), at the achievable memory bandwidth"),
                      ("dequantize", dequantize, "QLoRA's dequantization at the achievable memory bandwidth"),
+                     ] + ([(ASYNC_TP_TERM, pipelined_tp[0], ASYNC_TP_SOURCE)] if req.async_tp and combo.tp > 1 else []) + [
                      ("communication contention", contention,
                       "overlapped communication slows the compute beside it: 0.61 s per second over NVLink (Lee et al. 2025, "
                       "arXiv 2507.03114, the abstract's mean; timing.OVERLAPPED_COMPUTE_SECONDS_PER_SECOND), the SMs "
                       "its NCCL blocks hold over PCIe (timing.NCCL_CHANNEL_BLOCKS)"),
                      ("exposed communication", exposed, "α-β rings on the topology, less the framework's overlap"),
+                     (timing.MODEL_PARALLEL_TERM, per_micro_batch,
+                      "the tensor-parallel collectives and the context-parallel exchange left exposed on each "
+                      "micro-batch's critical path: part of the exposed communication; under a pipeline, inside the "
+                      "stages' compute, which the bubble stretches (parallel_step)"),
                      ("offload", offload, "PCIe and CPU Adam rates (steptime.PCIE_DEVICE_TO_HOST_GBPS)"),
                      ("of which activation offload", saved_to_host,
                       "saved tensors over the GPU's host link (gpus.yaml pcie, PCIE_DEVICE_TO_HOST_GBPS): the "
@@ -642,6 +663,55 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
                hardware_flops / (step * peak_flops)] + [t[1] for t in terms]
     labels = tuple((name, source) for name, _, source in terms)
     return timing.step_times_of(columns, slowest, ring, labels, micro.size if arrays.is_array(micro) else None)
+
+
+ASYNC_TP_TERM = "async TP copies and reductions"
+ASYNC_TP_SOURCE = ("async TP's own kernels on the compute stream, at the achievable memory bandwidth: each all-gather's "
+                   "local shard copied into the symmetric-memory workspace, each reduce-scatter's partial outputs summed "
+                   "(torch 2.13 distributed/_symmetric_memory: _pipelined_multi_all_gather_and_consume, "
+                   "_fused_matmul_reduce_scatter_impl); modelled from the source, unverified on a GPU")
+
+
+def _async_tp_seconds(req: "StepSettings", combo: Combo, arch, g: Gpu, dtype: str, micro, per_rank: int, seconds,
+                      messages, message_bytes, row: str):
+    """(exposed seconds, (seconds on the compute stream, of them in backward)) of one sequence-parallel row
+    of collectives (``seconds`` for its ``messages``, each ``message_bytes``) under async TP.
+
+    Each block's all-gather is cut into its tp shards: the matmul of the local shard runs at once, each
+    remote shard is copied over NVLink (copy engines, no SMs) while the matmul of the one before it runs,
+    and the matmuls alternate between two streams so that their waves overlap (torch 2.13
+    distributed/_symmetric_memory/__init__.py _pipelined_multi_all_gather_and_consume; the reduce-scatter
+    mirrored in _pipelined_produce_and_all2all). A collective of c seconds beside a matmul of t therefore
+    ends max(0, c - t (tp - 1) / tp) after it: the transfer hides behind every shard's matmul but the one
+    that runs before the first copy arrives (or after the last leaves). The matmuls are timed whole (the
+    streams' overlap is what the decomposition keeps of their waves). Each forward, recompute and backward
+    set of a block pairs one collective with each of its four windows (kernels.tp_overlap_windows, at the
+    kernels' rates, also under a compute_efficiency override); the
+    embedding's and LM head's two per micro-batch (not compiled with the blocks in torchtitan) stay exposed.
+    On the compute stream: the all-gather's local shard copied into the workspace (read and write,
+    1/tp of the message), the reduce-scatter's tp partial outputs summed into its shard (read the
+    message, write 1/tp of it)."""
+    tp = combo.tp
+    r = kernels.rates(g, dtype)
+    low = _low_precision_rate(req.low_precision, g, dtype, r, req.recipe.compute_bytes, req.compile != "none")
+    windows = kernels.tp_overlap_windows(arch, req.seq_len, tp, combo.cp, micro, r, req.recipe.compute_bytes, low)
+    micro_batches = per_rank / micro
+    per_block = 6 if combo.checkpointing == "full" else 4  # tensor.tp_collectives: 2 sets, 3 with the recompute
+    c = seconds / messages
+    hiding = (tp - 1) / tp
+    shown = 0.0
+    fused = 0
+    for count, spec_windows in windows:
+        for t in spec_windows:
+            shown = shown + count * arrays.maximum(0.0, c - hiding * t)
+            fused += 0 if isinstance(t, float) and t == 0.0 else count  # 0.0: no matmul to pair with
+    # each set of a block pairs this row's collectives with two of the four windows: per row, a quarter
+    # of the block's collectives per window
+    shown = micro_batches * (per_block / 4 * shown + 2 * c)
+    moved = 2 * message_bytes / tp if row == SP_GATHER_ROW else message_bytes * (1 + 1 / tp)
+    work = micro_batches * per_block / 4 * fused * moved / r.memory_bytes_per_s
+    sets = per_block // 2
+    return shown, (work, work * (sets - 1) / sets)
 
 
 def _copy_seconds(req: "StepSettings", fw: Framework, s, combo: Combo, traffic: Traffic, g: Gpu,

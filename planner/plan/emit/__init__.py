@@ -129,6 +129,12 @@ def _emit(est: EstimateRequest, summary: str, plan_doc: dict[str, Any], script: 
         raise PlannerError("--emit with activation_offload: the emitted Trainer, accelerate and DeepSpeed configs "
                            "have no such setting; the training script applies it (TRL SFTConfig "
                            "activation_offloading=True)", field="activation_offload")
+    if est.async_tp:
+        # accelerate's ParallelismConfig and the Trainer's TP (transformers' tp_plan) have no async TP, and
+        # torchtitan runs it under torch.compile only, which the emitted files do not switch on (compile, below)
+        raise PlannerError("--emit with async_tp: torchtitan runs async TP under torch.compile, which the emitted "
+                           "files do not switch on, and the Trainer, accelerate and DeepSpeed configs have no async "
+                           "TP; emit without it", field="async_tp")
     if est.fsdp_version == 1:
         # the emitted accelerate and Trainer configs are FSDP2's (emit/accelerate.py fsdp_version 2): an FSDP1
         # job estimated but emitted as FSDP2 would be another job
