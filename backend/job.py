@@ -33,6 +33,8 @@ class TorchSettings(BaseModel):
     offload: bool = Field(description="FSDP2 CPUOffloadPolicy (parameters and gradients on the host)")
     replicas: int = Field(ge=1, description="HSDP replica groups (1 otherwise)")
     shard_size: int = Field(ge=1, description="ranks per shard group")
+    defer_gradient_sync: bool = Field(False, description="FSDP2 reduce-scatters in the last micro-batch only "
+                                      "(set_requires_gradient_sync(False) before the others: the Trainer's no_sync)")
 
 
 class FinetuneSettings(BaseModel):

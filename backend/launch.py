@@ -95,6 +95,12 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         # with FSDP2's per-unit model (planner/jobfiles/accelerate_config.py FSDP1_NOTE)
         raise PlannerError("fsdp_version=1: the probe trains FSDP2 (fully_shard), not FSDP1; the estimate of an FSDP1 "
                            "job uses FSDP2's per-unit memory model, verify it as fsdp_version 2", field="fsdp_version")
+    parallel = {n: d for n, d in (("tp", request.tp), ("cp", request.cp), ("ep", request.ep)) if d > 1}
+    if request.defer_gradient_sync and parallel:
+        # ParallelEngine (backend/train_parallel.py) syncs every micro-batch: only TorchEngine defers
+        raise PlannerError(f"defer_gradient_sync with {', '.join(f'{n}={d}' for n, d in parallel.items())}: the "
+                           "probe's model-parallel engines sync every micro-batch; verify it data-parallel",
+                           field="defer_gradient_sync")
     if request.async_tp:
         # symmetric memory over NVLink: neither gloo CPU ranks nor the probe's eager TP run it
         raise PlannerError("async_tp: the probe trains torch's TP eager, without symmetric memory; estimate it "

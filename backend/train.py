@@ -184,14 +184,24 @@ class AccumulatingEngine:
 class TorchEngine(AccumulatingEngine):
     """DDP or FSDP2 (torch_engine). Gradient accumulation under DDP as the torch docs prescribe:
     no_sync() on every micro-batch but the last, entered before the forward's autocast and left
-    after the backward; FSDP2 (a module without no_sync) syncs every micro-batch (AccumulatingEngine)."""
+    after the backward; FSDP2 (a module without no_sync) syncs every micro-batch (AccumulatingEngine),
+    or with ``defer_sync`` (the request's defer_gradient_sync) only the last, as accelerate's no_sync
+    runs it under the HF Trainer: set_requires_gradient_sync(False) on every micro-batch but the last
+    (accelerate 1.16 accelerator.py no_sync, is_fsdp2)."""
 
     _no_sync = None  # the DDP no_sync() context open from a forward to its backward
 
+    def __init__(self, *args, defer_sync: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.defer_sync = defer_sync
+
     def __call__(self, **inputs):
-        if self.micro % self.accumulation != self.accumulation - 1 and hasattr(self.module, "no_sync"):
+        last = self.micro % self.accumulation == self.accumulation - 1
+        if not last and hasattr(self.module, "no_sync"):
             self._no_sync = self.module.no_sync()
             self._no_sync.__enter__()
+        elif self.defer_sync and hasattr(self.module, "set_requires_gradient_sync"):
+            self.module.set_requires_gradient_sync(last)
         return super().__call__(**inputs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -238,7 +248,8 @@ def torch_engine(job: dict[str, Any], model: torch.nn.Module, device: torch.devi
         autocast = None
     optimizer = torch_optimizer(job, wrapped)
     return TorchEngine(wrapped, optimizer, autocast_dtype=autocast,
-                       accumulation=int(job.get("gradient_accumulation", 1)), device=device)
+                       accumulation=int(job.get("gradient_accumulation", 1)), device=device,
+                       defer_sync=bool(settings.get("defer_gradient_sync", False)))
 
 
 def _fully_shard(model: torch.nn.Module, settings: dict[str, Any], dtype, device: torch.device) -> torch.nn.Module:

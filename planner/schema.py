@@ -321,6 +321,17 @@ FusedKernelsField = Annotated[tuple[FusedKernel, ...], BeforeValidator(parse_fus
 KeepsOutputsField = Annotated[bool, Field(
     description="the script keeps the model's outputs through backward (accelerate's `outputs = model(**batch); "
     "accelerator.backward(outputs.loss)`): their logits stay live; default: the Trainer's loop, which frees them")]
+# The training loop's gradient sync under accumulation: transformers 5.25's Trainer (and TRL, axolotl and
+# LLaMA-Factory on it) enters accelerator.no_sync on every micro-batch but the last (trainer.py: sync_context, unless
+# accelerator_config's gradient_accumulation_kwargs sync_each_batch), as accelerate's accumulate() does; under FSDP2
+# that is set_requires_gradient_sync(False), under FSDP1 FullyShardedDataParallel.no_sync (accelerate 1.16
+# accelerator.py no_sync): every unit keeps its unsharded gradient until the last micro-batch reduce-scatters it.
+# torchtitan syncs every micro-batch (the default).
+DeferGradientSyncField = Annotated[bool, Field(
+    description="the loop skips the gradient sync on every micro-batch but the last (the HF Trainer's and "
+    "accelerate's no_sync): under FSDP each rank keeps the whole model's unsharded gradients between micro-batches "
+    "and reduce-scatters once per step; default: every micro-batch reduce-scatters (torchtitan). DDP is modelled "
+    "with no_sync either way (torch's documented accumulation)")]
 DoubleQuantField = Annotated[bool | None, Field(
     description="bitsandbytes 4-bit double quantization (bnb_4bit_use_double_quant); default on for nf4/fp4, as the "
     "QLoRA recipe")]
@@ -419,6 +430,7 @@ class EstimateRequest(BaseModel):
         "Gemma3ForConditionalGeneration, vision tower included)")
     # the recipe as it is run (issue 21): the training loop (planner/recipes/loop.py)
     keeps_outputs: KeepsOutputsField = False
+    defer_gradient_sync: DeferGradientSyncField = False
     compile: CompileField = "none"
     fused_kernels: FusedKernelsField = ()
     activation_offload: bool = Field(False, description="the tensors saved for backward wait in pinned host "
@@ -474,7 +486,7 @@ class EstimateRequest(BaseModel):
         if self.reduce_dtype != "compute" and self.strategy not in SHARDING_STRATEGIES:
             raise ValueError(f"reduce_dtype={self.reduce_dtype} is FSDP2's MixedPrecisionPolicy.reduce_dtype: it applies "
                              f"to {', '.join(SHARDING_STRATEGIES)}, not strategy {self.strategy}")
-        problem = fsdp1_error(self) or async_tp_error(self)
+        problem = fsdp1_error(self) or async_tp_error(self) or defer_sync_error(self)
         if problem:
             raise ValueError(problem)
         check_request_fields(self)
@@ -503,6 +515,23 @@ def fsdp1_error(request: "EstimateRequest") -> str | None:
     if request.optimizer == "muon":
         return ("fsdp_version=1 with optimizer muon: FSDP1's flat parameters hold no whole matrices for its "
                 "Newton-Schulz step; use fsdp_version 2")
+    return None
+
+
+def defer_sync_error(request: "EstimateRequest | PlanRequest") -> str | None:
+    """What a deferred gradient sync cannot mean here, None when nothing (or when it is off): it is torch's
+    (DDP's and FSDP's no_sync; the HF Trainer keeps every micro-batch's sync under DeepSpeed, whose engine
+    accumulates its own way: transformers 5.25 trainer.py sync_context), and a pipeline already reduces once per
+    step (torch's schedules run their micro-batches with the sync off but the last)."""
+    if not request.defer_gradient_sync:
+        return None
+    strategy = getattr(request, "strategy", None)  # a plan searches its strategies: its torch ones defer
+    if strategy is not None and strategy not in ("ddp",) + SHARDING_STRATEGIES:
+        return (f"defer_gradient_sync=true with strategy {strategy}: the skipped sync is torch DDP's and FSDP's "
+                "no_sync; the Trainer syncs every micro-batch under DeepSpeed, whose engine accumulates itself")
+    if request.pp > 1:
+        return (f"defer_gradient_sync=true with pp={request.pp}: a pipeline schedule already reduces the gradients "
+                "once per step")
     return None
 
 
@@ -816,6 +845,7 @@ class PlanRequest(BaseModel):
         "selective-attention (default: the search weighs none and full)")
     checkpointing_every: CheckpointingEveryField = None
     keeps_outputs: KeepsOutputsField = False
+    defer_gradient_sync: DeferGradientSyncField = False
     compile: CompileField = "none"
     fused_kernels: FusedKernelsField = ()
     loss: LossField = "hf"
@@ -847,7 +877,7 @@ class PlanRequest(BaseModel):
         if self.checkpointing_every is not None and self.checkpointing != "full":
             raise ValueError(f"checkpointing_every={self.checkpointing_every} applies to checkpointing=full, not "
                              f"checkpointing={self.checkpointing}")
-        problem = async_tp_error(self, searched="tp" not in self.model_fields_set)
+        problem = async_tp_error(self, searched="tp" not in self.model_fields_set) or defer_sync_error(self)
         if problem:
             raise ValueError(problem)
         return self

@@ -208,6 +208,12 @@ CPU_RUNS = [
     _run("llama-tp2-fp32-sp-t256-ga4", LLAMA_TP, "fsdp", "fp32", tp=2, micro=1, seq=256, gradient_accumulation=4),
     # gradient accumulation: the second micro-batch runs beside the sharded gradients of the first
     _run("llama-fsdp-fp32-ga2-t128", LLAMA, "fsdp", "fp32", micro=1, seq=128, gradient_accumulation=2),
+    # the HF Trainer's no_sync (defer_gradient_sync): the later micro-batches run beside every unit's unsharded
+    # gradients; in bf16 with a middle micro-batch (3), and with fp32 reduction (the kept gradients in fp32)
+    _run("llama-fsdp-bf16-ga3-defer-t128", LLAMA, "fsdp", "bf16-mixed", micro=1, seq=128, gradient_accumulation=3,
+         defer_gradient_sync=True),
+    _run("llama-fsdp-bf16-ga2-defer-fp32reduce-t256", LLAMA, "fsdp", "bf16-mixed", micro=2, seq=128,
+         gradient_accumulation=2, defer_gradient_sync=True, reduce_dtype="fp32"),
     # one device, no framework (strategy single): the bare module under autocast
     _run("llama-single-bf16", LLAMA, "single", "bf16-mixed", gpus=1),
     # optimizers: Muon's Newton-Schulz with AdamW for the rest sets the peak; the step in backward; Muon on
@@ -258,7 +264,7 @@ CI_RUNS = frozenset({
     "llama-zero3-fp32-small", "llama-ddp-bf16", "llama-fsdp-fp32", "llama-v32k-zero3-fp32-small-ckpt-t1024",
     "llama-tp2-fsdp2-bf16-sp-t256", "llama-v256-mha-cp2-fsdp-fp32-t1024", "llama-pp2-1f1b-fp32-m4",
     "qwen3moe-ep2-fsdp-fp32-t1024", "llama-lora-ddp-bf16-qkvo-r16", "llama-qlora-ddp-fp32-qv",
-    "llama-fsdp-fp32-ga2-t128", "llama-single-bf16", "llama-single-fp32-muon-t64", "llama-single-fp32-inbwd-t256",
+    "llama-fsdp-fp32-ga2-t128", "llama-fsdp-bf16-ga3-defer-t128", "llama-single-bf16", "llama-single-fp32-muon-t64", "llama-single-fp32-inbwd-t256",
     "llama-fsdp-fp32-muon-t256",  # issue 21: Muon on FSDP2's DTensor shards
     "llama-v32k-tp2-hfplan-fp32-t1024", "llama-v32k-tp2-fsdp2-hfplan-fp32-ckpt-t1024",
     "llama-int8-lora-single-bf16-all-t512", "llama-v32k-lora-ddp-bf16-cce-t512",

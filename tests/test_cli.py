@@ -22,7 +22,7 @@ ESTIMATE_FLAGS = {"--compile", "--fused-kernels", "--model", "--model-file", "--
                   "--prefetch-bucket-size", "--param-persistence-threshold", "--max-live-parameters",
                   "--max-reuse-distance", "--topology", "--topology-file", "--fabric", "--nics-per-node", "--profile",
                   "--include-vision", "--text-only", "--activation-offload", "--tp", "--pp", "--cp", "--ep", "--pp-schedule", "--pp-virtual-stages", "--pp-first-stage-layers", "--pp-last-stage-layers",
-                  "--sequence-parallel", "--async-tp", "--reduce-dtype", "--fsdp-version", "--json", "--emit", "--script",
+                  "--sequence-parallel", "--async-tp", "--defer-gradient-sync", "--reduce-dtype", "--fsdp-version", "--json", "--emit", "--script",
                   # LoRA / QLoRA (issue 13)
                   "--finetune", "--lora-rank", "--lora-alpha", "--lora-targets", "--lora-dropout", "--quantize-base",
                   "--train-embeddings",

@@ -50,7 +50,7 @@ GROUPS = (
                                "double_quant", "train_embeddings", "precision", "low_precision", "float8_all_gather", "optimizer",
                                "optimizer_in_backward", "gradient_clipping", "checkpointing", "checkpointing_every", "loss", "loss_chunks",
                                "attention", "attention_kernel", "offload_optimizer", "offload_params",
-                               "activation_offload", "compile", "fused_kernels")),
+                               "activation_offload", "compile", "fused_kernels", "defer_gradient_sync")),
     Group("degrees", "Layout: the strategy and degrees (empty degrees in a plan: the planner chooses; data "
                      "parallelism takes the GPUs that remain)",
           ("strategy", *DEGREES, "hsdp_shard_size", "sequence_parallel", "tp_plan", "async_tp", "pp_schedule", "pp_virtual_stages",
@@ -70,6 +70,7 @@ LABELS = {"model_config": "or a Hugging Face config.json (overrides the model)",
           "nics_per_node": "NICs per node", "topology_text": "or paste nvidia-smi topo -m (overrides the topology)",
           "fabric": "fabric between nodes", "pp_virtual_stages": "stages per rank", "reduce_dtype": "FSDP2 reduce dtype",
           "fsdp_version": "torch FSDP version", "async_tp": "async TP (collectives pipelined with matmuls)",
+          "defer_gradient_sync": "gradient sync on the last micro-batch only (HF Trainer's no_sync)",
           "pp_schedule": "pipeline schedule", "lora_rank": "LoRA rank", "lora_alpha": "LoRA alpha",
           "lora_targets": "LoRA targets", "lora_dropout": "LoRA dropout", "finetune": "fine-tuning"}
 # What the empty choice of an optional field means, where the schema's description says it.

@@ -74,6 +74,7 @@ class Traffic:
     fp8_gathered: tuple[int, int] = (0, 0)
     fsdp_version: int = 2  # torch FSDP: 2 (fully_shard) or 1 (FullyShardedDataParallel: its copies off the compute stream)
     pipelined: bool = False  # pp > 1: FSDP2 keeps each unit gathered across the schedule's micro-batches
+    deferred_sync: bool = False  # the loop's no_sync on all but the last micro-batch: FSDP reduces once per step
 
     @property
     def trained(self) -> int:

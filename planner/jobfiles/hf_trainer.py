@@ -53,7 +53,9 @@ TRAINING_ARGUMENTS: dict[str, Key] = {
     "activation_checkpointing_kwargs": Modelled("as gradient_checkpointing_kwargs"),
     "parallelism_config": Refused("accelerate's ParallelismConfig sets tp/cp/dp degrees", lambda v, b: v is None,
                                   "remove it; give the degrees with --tp / --cp"),
-    "accelerator_config": Inert("dispatch and split of batches, the same tensors"),
+    "accelerator_config": Modelled("gradient_accumulation_kwargs.sync_each_batch: FSDP syncs every micro-batch "
+                                   "(defer_gradient_sync false); its other keys dispatch and split batches, the same "
+                                   "tensors"),
     "ddp_bucket_cap_mb": Refused("DDP's gradient bucket size (the model takes DDP's 25 MB)", equals(25), "25"),
     "ddp_find_unused_parameters": Inert("a graph traversal after forward"),
     "ddp_broadcast_buffers": Inert("buffers of a transformer are a few KB"),
@@ -178,6 +180,11 @@ def read(data: dict[str, Any], where: Where) -> Reading:
         # 2826-2830)
         trainer_fsdp_section(reading, get("fsdp"), get("fsdp_config"), 2,
                              {"version": "fsdp_version", "cpu_offload": "fsdp_offload_params"})
+        accelerator = get("accelerator_config")
+        kwargs = accelerator.get("gradient_accumulation_kwargs") if isinstance(accelerator, dict) else None
+        if isinstance(kwargs, dict) and kwargs.get("sync_each_batch") not in (None, False, "false", "False"):
+            # accelerate's GradientAccumulationPlugin(sync_each_batch=True): the Trainer's sync_context stays open
+            reading.set("defer_gradient_sync", False, "accelerator_config.gradient_accumulation_kwargs.sync_each_batch")
     if is_trl:
         _trl_model(reading, data)
     return reading

@@ -149,6 +149,8 @@ def _degree_fields(req: PlanRequest, combo: Setting, micro: int, accumulation: i
         fields["tp_plan"] = req.tp_plan  # whose TP layout (the default stays out of the request)
     if combo.tp > 1 and req.async_tp and combo.sequence_parallel:
         fields["async_tp"] = True  # torch's sequence-parallel TP pipelines; DeepSpeed's AutoTP has none to pipeline
+    if req.defer_gradient_sync and combo.pp == 1 and combo.strategy in ("ddp",) + SHARDING_STRATEGIES:
+        fields["defer_gradient_sync"] = True  # the loop's no_sync: torch's wrappers; DeepSpeed accumulates itself
     if combo.pp > 1:
         fields |= {"gradient_accumulation": accumulation or per_rank_sequences(req, combo) // micro, "pp_schedule": combo.schedule,
                    "pp_virtual_stages": combo.virtual_stages} | split_fields(combo.split)

@@ -217,6 +217,7 @@ class StepSettings:
     compile: str = "none"  # torch.compile: "none", "blocks" or "model" (planner/time/fusion.py)
     fused_kernels: tuple[str, ...] = ()  # Liger's fused block kernels (planner/recipes/fused_kernels.py)
     async_tp: bool = False  # the sequence-parallel collectives pipelined with their matmuls (_async_tp_seconds)
+    defer_gradient_sync: bool = False  # the loop's no_sync: FSDP reduces once per step (Traffic.deferred_sync)
 
     def framework(self, s) -> Framework:
         """The framework version that realises strategy ``s`` in this step: the request's where it
@@ -234,7 +235,8 @@ class StepSettings:
                    compute_scale=compute_scale, loss=req.loss, loss_chunks=req.loss_chunks,
                    low_precision=req.low_precision,
                    float8_all_gather=req.float8_all_gather, gradient_clipping=req.gradient_clipping,
-                   compile=req.compile, fused_kernels=req.fused_kernels, async_tp=req.async_tp)
+                   compile=req.compile, fused_kernels=req.fused_kernels, async_tp=req.async_tp,
+                   defer_gradient_sync=req.defer_gradient_sync)
 
 
 def collective_volumes(request: EstimateRequest) -> list[dict]:
@@ -253,7 +255,8 @@ def collective_volumes(request: EstimateRequest) -> list[dict]:
     rows = combo_collectives(setup.recipe, setup.framework, combo, result.parameters // combo.tp, request.micro_batch,
                              per_rank, wb, arch, buckets, trainable=frozen.trainable if frozen else None,
                              reduce_dtype=request.reduce_dtype, nodes=request.nodes,
-                             fp8_gathered=_fp8_gathered(request.float8_all_gather, request.low_precision, arch))
+                             fp8_gathered=_fp8_gathered(request.float8_all_gather, request.low_precision, arch),
+                             deferred_sync=request.defer_gradient_sync)
     out = [{"what": what, "bytes_per_step": int(volume), "message_bytes": int(message), "group": group}
            for what, volume, _, message, group, _ in rows]
     if request.ep > 1:  # routed experts over the expert-data-parallel group; the all-to-alls
@@ -298,7 +301,8 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
                             loss_chunks=request.loss_chunks,
                             low_precision=request.low_precision, float8_all_gather=request.float8_all_gather,
                             gradient_clipping=request.gradient_clipping, compile=request.compile,
-                            fused_kernels=request.fused_kernels, async_tp=request.async_tp)
+                            fused_kernels=request.fused_kernels, async_tp=request.async_tp,
+                            defer_gradient_sync=request.defer_gradient_sync)
     arch = traced if traced is not None else Architecture.model_validate(result.model.architecture)
     moved = activation_offload_bytes(setup) / request.micro_batch if traced is None else 0.0
     t = step_times(settings, combo, request.micro_batch, per_rank, result.parameters, arch, g,
@@ -370,7 +374,8 @@ def _fp8_gathered(float8_all_gather: bool, low_precision: str, arch) -> tuple[in
 def combo_collectives(recipe: Recipe, framework: Framework, combo: Combo, psi: int, micro, per_rank: int,
                       wb: int, arch=None, buckets: Buckets = Buckets(),
                       trainable: int | None = None, reduce_dtype: str = "compute", *,
-                      nodes: int, fp8_gathered: tuple[int, int] = (0, 0)) -> list[tuple[str, Any, int, float, str]]:
+                      nodes: int, fp8_gathered: tuple[int, int] = (0, 0),
+                      deferred_sync: bool = False) -> list[tuple[str, Any, int, float, str]]:
     """(what, bytes per step, ring passes, message bytes, group) for the strategy's collectives,
     as its framework sends them (planner/frameworks/: Framework.collectives).
 
@@ -382,12 +387,14 @@ def combo_collectives(recipe: Recipe, framework: Framework, combo: Combo, psi: i
     ``nodes``: with the combo's degrees, whether a data-parallel wrapper runs at all (Combo.data_parallel_wrapped)."""
     return framework.collectives(lookup_strategy(combo.strategy),
                                  combo_traffic(recipe, combo, psi, micro, per_rank, wb, arch, buckets, trainable,
-                                               reduce_dtype, nodes=nodes, fp8_gathered=fp8_gathered))
+                                               reduce_dtype, nodes=nodes, fp8_gathered=fp8_gathered,
+                                               deferred_sync=deferred_sync))
 
 
 def combo_traffic(recipe: Recipe, combo: Combo, psi: int, micro, per_rank: int, wb: int, arch=None,
                   buckets: Buckets = Buckets(), trainable: int | None = None, reduce_dtype: str = "compute", *,
-                  nodes: int, fp8_gathered: tuple[int, int] = (0, 0), fsdp_version: int = 2) -> Traffic:
+                  nodes: int, fp8_gathered: tuple[int, int] = (0, 0), fsdp_version: int = 2,
+                  deferred_sync: bool = False) -> Traffic:
     """What the data-parallel wrapper moves in one step (combo_collectives' arguments): the
     frameworks' collectives and their compute-stream copies read it."""
     s = lookup_strategy(combo.strategy)
@@ -402,7 +409,7 @@ def combo_traffic(recipe: Recipe, combo: Combo, psi: int, micro, per_rank: int, 
                       buckets=buckets, trainable=trainable,
                       reduce_bytes=FP32 if reduce_dtype == "fp32" and s.shards_parameters else wb,
                       wrapped=combo.data_parallel_wrapped(nodes), numels=numels, fp8_gathered=fp8_gathered,
-                      fsdp_version=fsdp_version, pipelined=combo.pp > 1)
+                      fsdp_version=fsdp_version, pipelined=combo.pp > 1, deferred_sync=deferred_sync)
     return traffic
 
 
@@ -570,7 +577,7 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
         traffic = combo_traffic(req.recipe, combo, psi // combo.tp, micro, per_rank, wb, arch, buckets, trainable,
                                 req.reduce_dtype, nodes=nodes,
                                 fp8_gathered=_fp8_gathered(req.float8_all_gather, req.low_precision, arch),
-                                fsdp_version=req.fsdp_version)
+                                fsdp_version=req.fsdp_version, deferred_sync=req.defer_gradient_sync)
         hit = (_data_parallel_seconds(req, fw, s, combo, traffic, topo, fabric, nic_gbps, ring_bw * req.link_efficiency)
                + _copy_seconds(req, fw, s, combo, traffic, g, dtype))
         if key is not None:

@@ -115,12 +115,15 @@ class TorchDistributed(Framework):
         grads = t.trained * reduce
         gathers = 1 if s.params_unsharded_in_step else 2
         unit = fp8_gather_bytes(t.block, t.fp8_gathered[1], t.wire_bytes)
+        # a deferred sync (the loop's no_sync) reduce-scatters, and all-reduces across replicas, in the last
+        # micro-batch only (_fsdp_param_group.py post_backward: reduce_grads False keeps the unsharded gradient)
+        syncs = t.step if t.deferred_sync else t.accumulation
         items = [("parameter all-gathers" + (" (float8 weights in fp8)" if t.fp8_gathered[0] else ""),
                   t.accumulation * gathers * fp8_gather_bytes(t.psi, t.fp8_gathered[0], t.wire_bytes), 1, unit,
                   "shard", 1 / gathers),
-                 ("gradient reduce-scatter", t.accumulation * grads, 1, t.block * reduce, "shard", 0.0)]
+                 ("gradient reduce-scatter", syncs * grads, 1, t.block * reduce, "shard", 0.0)]
         if s.shard_within_node:
-            items.append(("replica all-reduce of each shard", t.accumulation * grads / t.shard, 2,
+            items.append(("replica all-reduce of each shard", syncs * grads / t.shard, 2,
                           t.block * reduce / t.shard, "replicas", 0.0))
         return items
 
@@ -159,7 +162,8 @@ class TorchDistributed(Framework):
         times = t.step if t.pipelined else t.accumulation
         gathered = times * fp8_gather_bytes(t.psi, t.fp8_gathered[0], t.wire_bytes)
         copy_out = 2.0 * gathered
-        copy_in = times * t.trained * (gradient_bytes + (t.reduce_bytes or t.wire_bytes))
+        syncs = t.step if t.pipelined or t.deferred_sync else t.accumulation
+        copy_in = syncs * t.trained * (gradient_bytes + (t.reduce_bytes or t.wire_bytes))
         backward_gathers = 0 if s.params_unsharded_in_step or t.pipelined else 1
         return copy_out, backward_gathers * copy_out + copy_in, 0.0
 
@@ -224,7 +228,8 @@ class TorchDistributed(Framework):
             "compute_dtype": dtype, "pure_16bit": pure, "reduce_dtype": request.reduce_dtype,
             "optimizer": request.optimizer, "optimizer_in_backward": request.optimizer_in_backward,
             "offload": setup.zero.offload_params != "none",
-            "replicas": request.world_size // setup.shard_size, "shard_size": setup.shard_size}}
+            "replicas": request.world_size // setup.shard_size, "shard_size": setup.shard_size,
+            "defer_gradient_sync": request.defer_gradient_sync}}
 
 
 def _torch_phases(setup: "SetupFields", acts: Activations | None, numels: list[int]) -> PhasePlan:
@@ -274,6 +279,11 @@ def _torch_phases(setup: "SetupFields", acts: Activations | None, numels: list[i
     # each new sharded gradient to the CPU before adding it, _fsdp_collectives.py:736-749).
     later = " (micro-batch 2+)" if setup.request.gradient_accumulation > 1 else ""
     accumulated = bool(later) and not offload
+    # the loop's no_sync (defer_gradient_sync): each unit keeps its unsharded gradient, accumulated over the
+    # micro-batches, until the last one reduce-scatters it (_deferred_items); bytes per element kept, 0: none
+    deferred = _deferred_gradient_bytes(setup, compute_bytes) if accumulated and sharded else 0
+    if deferred:
+        later = " (micro-batch 2+, gradients unsharded under no_sync)"
     phases = []
     tp_only = not setup.data_parallel_wrapped  # a TP-only rank: its gradients stay in param.grad
     excess = replicated_embedding_gradient_elements(setup.model.architecture, setup.tp) if tp_only else 0
@@ -303,19 +313,22 @@ def _torch_phases(setup: "SetupFields", acts: Activations | None, numels: list[i
                 items.append(_autocast_copies(setup, point, psi, block, compute_bytes))
             phases.append(phase(point.kind, point.label + later, items))
         else:
-            items += _fsdp_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes, accumulated,
-                                 embedding)
+            items += _fsdp_items(setup, point, psi, block, root, shard, compute_bytes, store_bytes,
+                                 accumulated and not deferred, embedding, deferred_bytes=deferred * trained)
             phases.append(phase(point.kind, point.label + later, items))
             # SHARD_GRAD_OP, and transformers' kept head unit, gather nothing again for backward
             if point.kind is PhaseKind.START_OF_BACKWARD and setup.device == "cpu" and \
                     not s.params_unsharded_in_step and not embedding:
                 phases.append(phase(point.kind, "start of backward, the root's all-gather output held by gloo" + later,
                                      resident + _fsdp_backward_gather_items(point, psi, block, root, shard,
-                                                                            compute_bytes, store_bytes, accumulated)))
+                                                                            compute_bytes, store_bytes,
+                                                                            accumulated and not deferred)
+                                     + _deferred_items(deferred * trained)))
         if sharded and point.tied_sum_elements:
             phases.append(phase(PhaseKind.TIED_SUM, "embeddings' backward (tied gradients summed)" + later,
                                  resident + _fsdp_tied_sum_items(point, psi, root, shard, compute_bytes, store_bytes,
-                                                                 accumulated)))
+                                                                 accumulated and not deferred)
+                                 + _deferred_items(deferred * trained)))
     grad_bytes = store_bytes * ((ceil_div(trained, shard) if s.shards_gradients and sharded else trained) + excess)
     phases.append(phase(PhaseKind.OPTIMIZER_STEP, "optimizer step", resident + [
         item("gradients", 0 if offload or in_backward else grad_bytes, "gradients"),
@@ -475,9 +488,30 @@ def _hf_fsdp_embedding(setup: "SetupFields") -> int:
     return -(-full.vocab_size // setup.tp) * full.hidden_size
 
 
+def _deferred_gradient_bytes(setup: "SetupFields", compute_bytes: int) -> int:
+    """Bytes per trained element of the unsharded gradients a deferred sync keeps (0: the loop syncs every
+    micro-batch). FSDP2 moves a unit's unsharded gradient into its reduce dtype when that differs from the
+    gradient's (torch 2.13 _fully_shard/_fsdp_param.py to_accumulated_grad_if_needed, called by
+    _fsdp_param_group.py post_backward when reduce_grads is False) and adds the next micro-batch's into it
+    (accumulate_unsharded_grad_if_needed); FSDP1's no_sync leaves the flat parameter's unsharded gradient in
+    autograd's dtype (_runtime_utils.py _post_backward_hook: it returns before the cast when not syncing)."""
+    if not setup.request.defer_gradient_sync:
+        return 0
+    return compute_bytes if setup.request.fsdp_version == 1 else reduce_bytes(setup, compute_bytes)
+
+
+def _deferred_items(nbytes: int) -> list[MemoryItem]:
+    """The earlier micro-batches' unsharded gradients under a deferred sync (none when ``nbytes`` is 0)."""
+    if not nbytes:
+        return []
+    return [item("unsharded gradients of every unit (the earlier micro-batches', kept by no_sync)", nbytes,
+                 "gradients", "defer_gradient_sync: the Trainer's and accelerate's no_sync on every micro-batch but "
+                 "the last; _fsdp_param_group.py post_backward with reduce_grads False keeps them")]
+
+
 def _fsdp_items(setup: "SetupFields", point: SweepPoint, psi: int, block: int, root: int, shard: int,
                 compute_bytes: int, store_bytes: int, accumulated: bool = False,
-                embedding: int = 0) -> list[MemoryItem]:
+                embedding: int = 0, deferred_bytes: int = 0) -> list[MemoryItem]:
     """What FSDP2 (torch.distributed.fsdp.fully_shard, per-parameter sharding) holds beyond the
     sharded states at one moment of backward, with every transformer block a unit and the root
     (embeddings, final norm, LM head) the last one.
@@ -500,7 +534,14 @@ def _fsdp_items(setup: "SetupFields", point: SweepPoint, psi: int, block: int, r
 
     ``embedding``: transformers' own TP x FSDP2 composition (_hf_fsdp_embedding): the embedding is
     the last unit, and the rest of the root (final norm, LM head) is kept gathered from the forward
-    through the loss's backward, with no block prefetched before it."""
+    through the loss's backward, with no block prefetched before it.
+
+    ``deferred_bytes``: a micro-batch of a deferred sync (the loop's no_sync): every unit's unsharded
+    gradient from the earlier micro-batches is live all along and the new ones are added into it; no unit
+    is reduce-scattered (the middle micro-batches: the last one's, which frees each unit's as it reduces
+    it, holds no more)."""
+    if deferred_bytes:
+        return _deferred_fsdp_items(setup, point, psi, block, root, compute_bytes, deferred_bytes, embedding)
     if point.kind is PhaseKind.END_OF_BACKWARD:
         return _fsdp_root_reduce_items(setup, point, psi, block, embedding or root, shard, compute_bytes,
                                        store_bytes, accumulated, head_in_root=not embedding)
@@ -561,6 +602,35 @@ def _fsdp_items(setup: "SetupFields", point: SweepPoint, psi: int, block: int, r
         items.append(item("root gradients (unsharded, until the end of backward)",
                            compute_bytes * min(head_grads, root), "gradients"))
     return items
+
+
+def _deferred_fsdp_items(setup: "SetupFields", point: SweepPoint, psi: int, block: int, root: int,
+                         compute_bytes: int, deferred_bytes: int, embedding: int = 0) -> list[MemoryItem]:
+    """_fsdp_items in a micro-batch that reduces nothing (defer_gradient_sync): the gathered units as
+    ever, the new gradients of the unit in backward (autograd's AccumulateGrad adds them into the kept
+    ones: a transient of the unit's size), and every unit's unsharded gradients; no sharded gradient, no
+    reduce-scatter input."""
+    gloo_copy = 2 if setup.device == "cpu" else 1
+    keep_gathered = setup.strategy.params_unsharded_in_step
+    fp8 = converted_weight_elements(setup.arch, setup.request.low_precision)[1] if setup.request.float8_all_gather \
+        else 0
+    unit = fp8_gather_bytes(block, fp8, compute_bytes)
+    if point.kind is PhaseKind.END_OF_BACKWARD:
+        gathered, prefetch = compute_bytes * root, 0
+    elif keep_gathered:
+        gathered = compute_bytes * max(0, psi - point.grad_elements + point.in_flight_elements)
+        prefetch = 0
+    else:
+        current = 0 if point.kind in (PhaseKind.START_OF_BACKWARD, PhaseKind.AFTER_LM_HEAD) else unit
+        gathered = compute_bytes * (root - embedding) + current
+        prefetch = unit * gloo_copy
+    in_flight = root if point.kind is PhaseKind.END_OF_BACKWARD else point.in_flight_elements
+    return [item("all-gathered units", gathered, "buffers", "the root unit and the unit in backward, gathered"),
+            item("prefetched block (all-gather output)", prefetch, "buffers",
+                 "FSDP paper Sec. 3.2: the next unit's all-gather overlaps the current unit's backward",
+                 stream=ALL_GATHER_STREAM),
+            item("new gradients in flight (added into the kept ones)", compute_bytes * in_flight, "gradients",
+                 "autograd's AccumulateGrad: the new gradient, then grad += it")] + _deferred_items(deferred_bytes)
 
 
 def _accumulated_items(setup: "SetupFields", point: SweepPoint, psi: int, shard: int, compute_bytes: int,

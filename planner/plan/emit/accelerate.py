@@ -113,6 +113,10 @@ def trainer_arguments(launch: Launch) -> dict[str, Any]:
         args["use_liger_kernel"] = True
         args["liger_kernel_config"] = {"fused_linear_cross_entropy": req.loss == "liger-fused",
                                        **{part: part in req.fused_kernels for part in ("rms_norm", "rope", "swiglu")}}
+    if launch.fsdp and req.gradient_accumulation > 1 and not req.defer_gradient_sync:
+        # the Trainer enters accelerator.no_sync on every micro-batch but the last unless told to sync each one
+        # (trainer.py sync_context): the estimate reduce-scattered every micro-batch, so the job does too
+        args["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
     if launch.is_cpu:
         args["use_cpu"] = True
     named = launch.launcher.trainer_arguments(launch)
