@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from planner.errors import PlannerError
 from planner.jobfiles.job import Job, read_job
-from planner.schema import CheckChange, CheckRequest, CheckResult, EstimateRequest, EstimateResult, fsdp1_error
+from planner.schema import CheckChange, CheckRequest, CheckResult, EstimateRequest, EstimateResult, defer_sync_error, fsdp1_error
 
 Estimator = Callable[[EstimateRequest], EstimateResult]
 MAX_EXTRA_NODES = 8  # the GPU-count changes tried: up to this many times the nodes asked for
@@ -164,9 +164,13 @@ DS_KEYS = {"micro_batch": ("train_micro_batch_size_per_gpu",), "gradient_accumul
 
 def _apply(request: EstimateRequest, change: dict[str, Any]) -> EstimateRequest:
     fields = request.model_dump(by_alias=True, exclude_unset=True) | change
-    if fsdp1_error(request.model_copy(update=change)):
+    changed = request.model_copy(update=change)
+    if fsdp1_error(changed):
         # an FSDP1 job's suggestion of a layout FSDP1 does not run (ZeRO, model parallelism) is FSDP2's or no FSDP
         fields.pop("fsdp_version", None)
+    if defer_sync_error(changed):
+        # a Trainer job's no_sync has no meaning under the suggested DeepSpeed or pipeline layout
+        fields.pop("defer_gradient_sync", None)
     ds = fields.get("ds_config")
     if ds is not None:
         ds = fields["ds_config"] = json.loads(json.dumps(ds))

@@ -107,3 +107,26 @@ def test_verify_refuses_it_with_model_parallel_engines(tmp_path):
     with pytest.raises(PlannerError, match="defer_gradient_sync with tp=2") as info:
         worker_job(request, steps=1, warmup_steps=0, out_dir=tmp_path)
     assert info.value.field == "defer_gradient_sync"
+
+
+def test_a_trainer_file_beside_an_accelerate_fsdp_config_defers_and_the_config_alone_does_not():
+    """LLaMA-Factory's FSDP recipe: its Trainer config, FSDP from an accelerate config (a script of one's own
+    may or may not call accumulate(): the accelerate config alone says nothing of it)."""
+    from planner.jobfiles.job import read_job
+
+    trainer = ("model_name_or_path: meta-llama/Meta-Llama-3-8B\nstage: sft\nfinetuning_type: full\n"
+               "per_device_train_batch_size: 1\ngradient_accumulation_steps: 8\nbf16: true\ncutoff_len: 2048\n")
+    fsdp = "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: true\nnum_processes: 8\n"
+    job = read_job([("train.yaml", trainer), ("fsdp.yaml", fsdp)], 8)
+    assert job.fields["strategy"] == "fsdp" and job.fields["defer_gradient_sync"] is True
+    assert "defer_gradient_sync" not in read_job([("fsdp.yaml", fsdp)], 8).fields
+    assert "defer_gradient_sync" not in read_job([("train.yaml", trainer.replace("steps: 8", "steps: 1")),
+                                                  ("fsdp.yaml", fsdp)], 8).fields
+
+
+def test_a_check_suggesting_deepspeed_or_a_pipeline_drops_the_trainers_no_sync():
+    from planner.check import _apply
+
+    request = EstimateRequest(**BASE, defer_gradient_sync=True)
+    assert _apply(request, {"strategy": "zero3"}).defer_gradient_sync is False
+    assert _apply(request, {"micro_batch": 2}).defer_gradient_sync is True

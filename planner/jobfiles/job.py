@@ -79,10 +79,28 @@ def read_job(files: list[tuple[str, str]], world_size: int, sets: dict[str, Any]
         job.fields["strategy"] = "single" if one else "ddp"
         job.origin["strategy"] = ("one GPU and no sharding framework: the bare module, no DDP" if one else
                                   "no file names a sharding framework (DDP, accelerate's MULTI_GPU default)")
+    _trainer_sync(job, kinds)
     for name, kind in kinds.items():
         if kind in (DS_JSON, "hf-model-config"):
             job.formats.append((name, kind))
     return job
+
+
+# the files whose training loop is transformers' Trainer (TRL's SFTTrainer, axolotl and LLaMA-Factory run it)
+TRAINER_KINDS = ("hf-trainer", "trl-sft", "axolotl", "llamafactory")
+
+
+def _trainer_sync(job: Job, kinds: dict[str, str]) -> None:
+    """The Trainer skips the gradient sync on every micro-batch but the last (transformers 5.25 trainer.py
+    sync_context: accelerator.no_sync), FSDP set up by its own fsdp_config or by an accelerate config beside it
+    (LLaMA-Factory's FSDP recipe): defer_gradient_sync, unless a file set it (sync_each_batch)."""
+    trainer = next((name for name, kind in kinds.items() if kind in TRAINER_KINDS), None)
+    fields = job.fields
+    if trainer is None or "defer_gradient_sync" in fields or fields.get("gradient_accumulation", 1) <= 1 \
+            or fields.get("strategy") not in SHARDING_STRATEGIES or fields.get("pp", 1) > 1:
+        return
+    fields["defer_gradient_sync"] = True
+    job.origin["defer_gradient_sync"] = f"{trainer}: the Trainer's no_sync on every micro-batch but the last"
 
 
 def _read(kind: str, name: str, data: Any, text: str) -> Reading:
