@@ -119,7 +119,9 @@ def test_a_trainer_file_beside_an_accelerate_fsdp_config_defers_and_the_config_a
     fsdp = "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: true\nnum_processes: 8\n"
     job = read_job([("train.yaml", trainer), ("fsdp.yaml", fsdp)], 8)
     assert job.fields["strategy"] == "fsdp" and job.fields["defer_gradient_sync"] is True
-    assert "defer_gradient_sync" not in read_job([("fsdp.yaml", fsdp)], 8).fields
+    alone = read_job([("fsdp.yaml", fsdp)], 8)
+    assert "defer_gradient_sync" not in alone.fields
+    assert any("accelerator.accumulate()" in note for note in alone.notes)  # what it assumes is said
     assert "defer_gradient_sync" not in read_job([("train.yaml", trainer.replace("steps: 8", "steps: 1")),
                                                   ("fsdp.yaml", fsdp)], 8).fields
 

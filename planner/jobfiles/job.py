@@ -96,8 +96,16 @@ def _trainer_sync(job: Job, kinds: dict[str, str]) -> None:
     (LLaMA-Factory's FSDP recipe): defer_gradient_sync, unless a file set it (sync_each_batch)."""
     trainer = next((name for name, kind in kinds.items() if kind in TRAINER_KINDS), None)
     fields = job.fields
-    if trainer is None or "defer_gradient_sync" in fields or fields.get("gradient_accumulation", 1) <= 1 \
-            or fields.get("strategy") not in SHARDING_STRATEGIES or fields.get("pp", 1) > 1:
+    if "defer_gradient_sync" in fields or fields.get("strategy") not in SHARDING_STRATEGIES or fields.get("pp", 1) > 1:
+        return
+    if trainer is None:  # the accumulation may come from the command line: said whatever the files give
+        if any(kind == "accelerate" for kind in kinds.values()):
+            job.notes.append("with gradient accumulation the estimate reduce-scatters every micro-batch (the "
+                             "script's own loop); a script that accumulates inside accelerator.accumulate() or "
+                             "no_sync() keeps every unit's unsharded gradient until the last: ask it with "
+                             "defer_gradient_sync")
+        return
+    if fields.get("gradient_accumulation", 1) <= 1:
         return
     fields["defer_gradient_sync"] = True
     job.origin["defer_gradient_sync"] = f"{trainer}: the Trainer's no_sync on every micro-batch but the last"
