@@ -12,7 +12,8 @@ from planner.model.architecture import layer_specs
 from planner.parallel.tensor import SP_GATHER_ROW, SP_SCATTER_ROW
 from planner.schema import EstimateRequest, PlanRequest
 from planner.time import kernels
-from planner.time.step import ASYNC_TP_TERM, StepSettings, _async_tp_seconds, estimate_with_time, resolved_combo
+from planner.time.step import (ASYNC_TP_TERM, StepSettings, _async_tp_seconds, _async_tp_windows, estimate_with_time,
+                               resolved_combo)
 from planner.cluster.gpus import gpu as lookup_gpu
 
 BASE = dict(model="llama-3.1-70b", strategy="fsdp", gpus=8, nodes=4, gpu="h100-80gb", tp=8, seq_len=8192,
@@ -57,8 +58,8 @@ def _row_parts(request: EstimateRequest, c: float):
     per_block = 6 if request.checkpointing == "full" else 4
     messages = (arch.num_layers * per_block + 2) * per_rank // micro
     message_bytes = micro * request.seq_len * arch.hidden_size * 2
-    shown, _ = _async_tp_seconds(settings, combo, arch, g, dtype, micro, per_rank, c * messages, messages,
-                                 message_bytes, SP_GATHER_ROW)
+    shown, _ = _async_tp_seconds(combo, _async_tp_windows(settings, combo, arch, g, dtype, micro), micro, per_rank,
+                                 c * messages, messages, message_bytes, SP_GATHER_ROW)
     windows = kernels.tp_overlap_windows(arch, request.seq_len, request.tp, 1, micro,
                                          kernels.rates(g, dtype), setup.recipe.compute_bytes)
     hidden = (per_rank // micro) * per_block / 4 * (request.tp - 1) / request.tp * sum(
@@ -85,7 +86,7 @@ def test_a_mixture_of_experts_mlp_has_no_matmul_to_pair_with():
     g = lookup_gpu("h100-80gb")
     windows = kernels.tp_overlap_windows(setup.arch, 4096, 2, 1, 1, kernels.rates(g, "bf16"), 2)
     assert any(spec.mlp.is_moe for spec in layer_specs(setup.arch))
-    assert all(ts[2] == 0.0 and ts[3] == 0.0 and ts[0] > 0 and ts[1] > 0 for _, ts in windows)
+    assert all(ts[2] is None and ts[3] is None and ts[0] > 0 and ts[1] > 0 for _, ts in windows)
 
 
 def test_the_workspace_is_two_tp_chunks_of_a_micro_batch_activation_outside_the_allocator():

@@ -1600,8 +1600,7 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
     compute, comm, exposed = t.compute_seconds, t.communication_seconds / d.pp, t.exposed_communication_seconds / d.pp
     # the TP collectives and CP exchange a micro-batch leaves exposed run inside its stage's forward and backward:
     # the schedule's bubble stretches them with the compute (1F1B's stage waits on them as on its kernels)
-    in_stage = next((v for (name, _), v in zip(t.term_labels, t.term_values) if name == timing.MODEL_PARALLEL_TERM),
-                    0.0) if d.pp > 1 else 0.0
+    in_stage = t.term(timing.MODEL_PARALLEL_TERM) if d.pp > 1 else 0.0
     exposed = exposed - in_stage / d.pp
     if d.ep > 1:  # the routed experts ring over the expert-data-parallel group only
         from planner.model.architecture import parameter_numels
@@ -1611,7 +1610,7 @@ def parallel_step(t, setup: "Setup", arch, topo, fabric: dict, nics: int, link_e
         comm, exposed = comm * share, exposed * share
         # the wrapper's copies (FSDP2's copy-out and copy-in) move the rank's parameters: the dense ones and
         # 1/ep of the routed experts, where the replica's term counted them all
-        copies = next((v for (name, _), v in zip(t.term_labels, t.term_values) if name == timing.COPIES_TERM), 0.0)
+        copies = t.term(timing.COPIES_TERM)
         routed = experts.routed_total(arch)
         compute = compute - copies * (routed - routed / d.ep) / max(1, total)
         t = t._replace(compute_seconds=compute)

@@ -149,6 +149,14 @@ class StepTime(NamedTuple):
             return self.term_block
         return tuple(self.term_block[:, self.term_option].tolist())
 
+    def term(self, name: str) -> float:
+        """One term's seconds per step, 0.0 where the step has none of that name (this option's alone: the
+        other options' columns are not read)."""
+        for i, (label, _) in enumerate(self.term_labels):
+            if label == name:
+                return self.term_block[i] if self.term_option is None else float(self.term_block[i, self.term_option])
+        return 0.0
+
     @property
     def terms(self) -> tuple[tuple[str, float, str], ...]:
         """(name, seconds per step, source) of each part that takes time (planner/time/kernels.py)."""

@@ -455,7 +455,7 @@ def tp_overlap_windows(arch: Architecture, seq: int, tp: int, cp: int, micro, r:
     transposed: timed as the forward's). Async TP fuses an all-gather with the matmuls that consume it and
     a matmul with the reduce-scatter of its output (torch 2.13 _inductor/fx_passes/micro_pipeline_tp.py
     fuse_all_gather_matmul, fuse_matmul_reduce_scatter): an attention whose projections go through latents
-    (MLA) or a mixture of experts' MLP (the router and the dispatch stand between) has no such pair, 0 here."""
+    (MLA) or a mixture of experts' MLP (the router and the dispatch stand between) has no such pair, None here."""
     out = []
     tokens = micro * max(1, seq // cp)  # the gathered (sequence-parallel) tokens of one micro-batch
     specs: dict[LayerSpec, int] = {}
@@ -466,11 +466,10 @@ def tp_overlap_windows(arch: Architecture, seq: int, tp: int, cp: int, micro, r:
             lp = low_precision
             fast = lp is not None and n % lp.dim_multiple == 0 and k % lp.dim_multiple == 0
             return _gemm_seconds(tokens, n, k, r, compute_bytes, lp.rate if fast else 1.0)
-        into = out_of = up = down = 0.0
+        into = out_of = up = down = None
         if kind_of(spec.attention).plain_projections:
             *projections, (n_out, k_out) = _attention_gemms(spec, arch.hidden_size, tp)
-            for n, k in projections:
-                into = into + seconds(n, k)
+            into = sum(seconds(n, k) for n, k in projections)
             out_of = seconds(n_out, k_out)
         if not spec.mlp.is_moe:
             gemms = _mlp_gemms(spec, arch.hidden_size, tp)

@@ -589,6 +589,7 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     exposed_model_parallel = 0.0
     pipelined_tp = (0.0, 0.0)  # async TP's own work on the compute stream: (seconds, of them in backward)
     hidden_tp = 0.0  # async TP's transfers hidden behind the matmuls
+    windows = None  # async TP's matmul windows, shared by its two rows (_async_tp_windows)
     data_parallel = comm + 0.0  # what FSDP/ZeRO/DDP send, hidden behind the framework's windows (a copy)
     if model_parallel > 1 and arch is not None:
         chunks = (req.loss_chunks or DEFAULT_CHUNKS) if req.loss == "chunked-in-forward" else 1
@@ -604,7 +605,8 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
             # CP: ring attention overlaps the K/V exchange with the attention it feeds (Liu et
             # al. 2023, "Ring Attention", Sec. 3), only what exceeds the compute shows
             if req.async_tp and what in (SP_GATHER_ROW, SP_SCATTER_ROW):
-                shown, work = _async_tp_seconds(req, combo, arch, g, dtype, micro, per_rank, seconds,
+                windows = windows or _async_tp_windows(req, combo, arch, g, dtype, micro)
+                shown, work = _async_tp_seconds(combo, windows, micro, per_rank, seconds,
                                                 volume / (message * micro), message * micro, what)
                 exposed_model_parallel = exposed_model_parallel + shown
                 pipelined_tp = (pipelined_tp[0] + work[0], pipelined_tp[1] + work[1])
@@ -679,10 +681,19 @@ ASYNC_TP_SOURCE = ("async TP's own kernels on the compute stream, at the achieva
                    "_fused_matmul_reduce_scatter_impl); modelled from the source, unverified on a GPU")
 
 
-def _async_tp_seconds(req: "StepSettings", combo: Combo, arch, g: Gpu, dtype: str, micro, per_rank: int, seconds,
-                      messages, message_bytes, row: str):
+def _async_tp_windows(req: "StepSettings", combo: Combo, arch, g: Gpu, dtype: str, micro):
+    """(the achievable memory bytes per second, kernels.tp_overlap_windows at the kernels' rates, also under a
+    compute_efficiency override): what both async-TP rows of a step read (_async_tp_seconds)."""
+    r = kernels.rates(g, dtype)
+    low = _low_precision_rate(req.low_precision, g, dtype, r, req.recipe.compute_bytes, req.compile != "none")
+    return r.memory_bytes_per_s, kernels.tp_overlap_windows(arch, req.seq_len, combo.tp, combo.cp, micro, r,
+                                                            req.recipe.compute_bytes, low)
+
+
+def _async_tp_seconds(combo: Combo, windows, micro, per_rank: int, seconds, messages, message_bytes, row: str):
     """(exposed seconds, (seconds on the compute stream, of them in backward)) of one sequence-parallel row
-    of collectives (``seconds`` for its ``messages``, each ``message_bytes``) under async TP.
+    of collectives (``seconds`` for its ``messages``, each ``message_bytes``) under async TP; ``windows``:
+    _async_tp_windows.
 
     Each block's all-gather is cut into its tp shards: the matmul of the local shard runs at once, each
     remote shard is copied over NVLink (copy engines, no SMs) while the matmul of the one before it runs,
@@ -692,31 +703,29 @@ def _async_tp_seconds(req: "StepSettings", combo: Combo, arch, g: Gpu, dtype: st
     ends max(0, c - t (tp - 1) / tp) after it: the transfer hides behind every shard's matmul but the one
     that runs before the first copy arrives (or after the last leaves). The matmuls are timed whole (the
     streams' overlap is what the decomposition keeps of their waves). Each forward, recompute and backward
-    set of a block pairs one collective with each of its four windows (kernels.tp_overlap_windows, at the
-    kernels' rates, also under a compute_efficiency override); the
-    embedding's and LM head's two per micro-batch (not compiled with the blocks in torchtitan) stay exposed.
+    set of a block pairs one collective with each of its four windows (kernels.tp_overlap_windows; one
+    without a matmul to pair with hides nothing); the embedding's and LM head's two per micro-batch (not
+    compiled with the blocks in torchtitan) stay exposed.
     On the compute stream: the all-gather's local shard copied into the workspace (read and write,
     1/tp of the message), the reduce-scatter's tp partial outputs summed into its shard (read the
     message, write 1/tp of it)."""
     tp = combo.tp
-    r = kernels.rates(g, dtype)
-    low = _low_precision_rate(req.low_precision, g, dtype, r, req.recipe.compute_bytes, req.compile != "none")
-    windows = kernels.tp_overlap_windows(arch, req.seq_len, tp, combo.cp, micro, r, req.recipe.compute_bytes, low)
+    memory_bytes_per_s, spec_windows = windows
     micro_batches = per_rank / micro
     per_block = 6 if combo.checkpointing == "full" else 4  # tensor.tp_collectives: 2 sets, 3 with the recompute
     c = seconds / messages
     hiding = (tp - 1) / tp
     shown = 0.0
-    fused = 0
-    for count, spec_windows in windows:
-        for t in spec_windows:
-            shown = shown + count * arrays.maximum(0.0, c - hiding * t)
-            fused += 0 if isinstance(t, float) and t == 0.0 else count  # 0.0: no matmul to pair with
+    fused = 0  # the collectives with a matmul to pair with, per set of a block
+    for count, times in spec_windows:
+        for t in times:
+            shown = shown + count * (c if t is None else arrays.maximum(0.0, c - hiding * t))
+            fused += 0 if t is None else count
     # each set of a block pairs this row's collectives with two of the four windows: per row, a quarter
     # of the block's collectives per window
     shown = micro_batches * (per_block / 4 * shown + 2 * c)
     moved = 2 * message_bytes / tp if row == SP_GATHER_ROW else message_bytes * (1 + 1 / tp)
-    work = micro_batches * per_block / 4 * fused * moved / r.memory_bytes_per_s
+    work = micro_batches * per_block / 4 * fused * moved / memory_bytes_per_s
     sets = per_block // 2
     return shown, (work, work * (sets - 1) / sets)
 
