@@ -545,33 +545,7 @@ def _fsdp_items(setup: "SetupFields", point: SweepPoint, psi: int, block: int, r
     if point.kind is PhaseKind.END_OF_BACKWARD:
         return _fsdp_root_reduce_items(setup, point, psi, block, embedding or root, shard, compute_bytes,
                                        store_bytes, accumulated, head_in_root=not embedding)
-    gloo_copy = 2 if setup.device == "cpu" else 1
-    keep_gathered = setup.strategy.params_unsharded_in_step  # SHARD_GRAD_OP: no reshard after forward
-    # float8_all_gather: a block's converted weights gathered in fp8 (the fewest any block has: a bound)
-    fp8 = converted_weight_elements(setup.arch, setup.request.low_precision)[1] if setup.request.float8_all_gather \
-        else 0
-    unit = fp8_gather_bytes(block, fp8, compute_bytes)
-    if keep_gathered:  # check_float8_all_gather refuses fp8 gathers here
-        gathered = compute_bytes * max(0, psi - point.grad_elements + point.in_flight_elements)
-        source = "SHARD_GRAD_OP (reshard_after_forward=False): every unit stays gathered until its backward"
-    else:
-        # the last block is copied out of its prefetched flat output only at its own pre_backward,
-        # after the LM head's and the final norm's backward (peak trace, llama bf16 cp 2 x tp 2 without
-        # SP: FSDP::all_gather_copy_out (layers.3) after PowBackward0 of the final norm)
-        current = 0 if point.kind in (PhaseKind.START_OF_BACKWARD, PhaseKind.AFTER_LM_HEAD) else unit
-        gathered = compute_bytes * (root - embedding) + current
-        source = ("the final norm and LM head's unit (kept from the forward) and the block in backward, gathered"
-                  if embedding else "the root unit and the block in backward, gathered") \
-            + (" (its float8 weights in fp8)" if fp8 else "")
-    before_head = embedding and point.kind is PhaseKind.START_OF_BACKWARD  # the loss, outside every unit
-    prefetch = 0 if point.kind is PhaseKind.END_OF_BACKWARD or keep_gathered or before_head else unit * gloo_copy
-    items = [
-        item("all-gathered units", gathered, "buffers", source),
-        # torch 2.13 _fsdp_collectives.py foreach_all_gather: the flat output is allocated under
-        # all_gather_stream (its own allocator pool), copied out on the default stream
-        item("prefetched block (all-gather output" + (" and gloo's scratch)" if gloo_copy == 2 else ")"), prefetch,
-              "buffers", "FSDP paper Sec. 3.2: the next unit's all-gather overlaps the current unit's backward",
-             stream=ALL_GATHER_STREAM),
+    items = _gathered_items(setup, point, psi, block, root, compute_bytes, embedding) + [
         item("unsharded gradients in flight", compute_bytes * point.in_flight_elements, "gradients",
               "a unit's gradients until its reduce-scatter"),
         item("reduce-scatter input of the finished unit" + (" (fp32)" if reduce_bytes(setup, compute_bytes) == FP32
@@ -604,33 +578,56 @@ def _fsdp_items(setup: "SetupFields", point: SweepPoint, psi: int, block: int, r
     return items
 
 
+def _gathered_items(setup: "SetupFields", point: SweepPoint, psi: int, block: int, root: int, compute_bytes: int,
+                    embedding: int = 0) -> list[MemoryItem]:
+    """The units FSDP2 holds gathered at a moment of backward before its end (_fsdp_items' ``embedding``): the
+    root and the block in backward, or under SHARD_GRAD_OP every unit not yet through its backward, and the
+    next block's prefetched all-gather output."""
+    gloo_copy = 2 if setup.device == "cpu" else 1
+    keep_gathered = setup.strategy.params_unsharded_in_step  # SHARD_GRAD_OP: no reshard after forward
+    # float8_all_gather: a block's converted weights gathered in fp8 (the fewest any block has: a bound)
+    fp8 = converted_weight_elements(setup.arch, setup.request.low_precision)[1] if setup.request.float8_all_gather \
+        else 0
+    unit = fp8_gather_bytes(block, fp8, compute_bytes)
+    if keep_gathered:  # check_float8_all_gather refuses fp8 gathers here
+        gathered = compute_bytes * max(0, psi - point.grad_elements + point.in_flight_elements)
+        source = "SHARD_GRAD_OP (reshard_after_forward=False): every unit stays gathered until its backward"
+    else:
+        # the last block is copied out of its prefetched flat output only at its own pre_backward,
+        # after the LM head's and the final norm's backward (peak trace, llama bf16 cp 2 x tp 2 without
+        # SP: FSDP::all_gather_copy_out (layers.3) after PowBackward0 of the final norm)
+        current = 0 if point.kind in (PhaseKind.START_OF_BACKWARD, PhaseKind.AFTER_LM_HEAD) else unit
+        gathered = compute_bytes * (root - embedding) + current
+        source = ("the final norm and LM head's unit (kept from the forward) and the block in backward, gathered"
+                  if embedding else "the root unit and the block in backward, gathered") \
+            + (" (its float8 weights in fp8)" if fp8 else "")
+    before_head = embedding and point.kind is PhaseKind.START_OF_BACKWARD  # the loss, outside every unit
+    prefetch = 0 if keep_gathered or before_head else unit * gloo_copy
+    return [
+        item("all-gathered units", gathered, "buffers", source),
+        # torch 2.13 _fsdp_collectives.py foreach_all_gather: the flat output is allocated under
+        # all_gather_stream (its own allocator pool), copied out on the default stream
+        item("prefetched block (all-gather output" + (" and gloo's scratch)" if gloo_copy == 2 else ")"), prefetch,
+             "buffers", "FSDP paper Sec. 3.2: the next unit's all-gather overlaps the current unit's backward",
+             stream=ALL_GATHER_STREAM),
+    ]
+
+
 def _deferred_fsdp_items(setup: "SetupFields", point: SweepPoint, psi: int, block: int, root: int,
                          compute_bytes: int, deferred_bytes: int, embedding: int = 0) -> list[MemoryItem]:
     """_fsdp_items in a micro-batch that reduces nothing (defer_gradient_sync): the gathered units as
     ever, the new gradients of the unit in backward (autograd's AccumulateGrad adds them into the kept
     ones: a transient of the unit's size), and every unit's unsharded gradients; no sharded gradient, no
     reduce-scatter input."""
-    gloo_copy = 2 if setup.device == "cpu" else 1
-    keep_gathered = setup.strategy.params_unsharded_in_step
-    fp8 = converted_weight_elements(setup.arch, setup.request.low_precision)[1] if setup.request.float8_all_gather \
-        else 0
-    unit = fp8_gather_bytes(block, fp8, compute_bytes)
-    if point.kind is PhaseKind.END_OF_BACKWARD:
-        gathered, prefetch = compute_bytes * root, 0
-    elif keep_gathered:
-        gathered = compute_bytes * max(0, psi - point.grad_elements + point.in_flight_elements)
-        prefetch = 0
+    if point.kind is PhaseKind.END_OF_BACKWARD:  # the root, gathered for its own backward; nothing prefetched
+        gathered, in_flight = [item("all-gathered root unit", compute_bytes * root, "buffers",
+                                    "the root, gathered for its backward")], root
     else:
-        current = 0 if point.kind in (PhaseKind.START_OF_BACKWARD, PhaseKind.AFTER_LM_HEAD) else unit
-        gathered = compute_bytes * (root - embedding) + current
-        prefetch = unit * gloo_copy
-    in_flight = root if point.kind is PhaseKind.END_OF_BACKWARD else point.in_flight_elements
-    return [item("all-gathered units", gathered, "buffers", "the root unit and the unit in backward, gathered"),
-            item("prefetched block (all-gather output)", prefetch, "buffers",
-                 "FSDP paper Sec. 3.2: the next unit's all-gather overlaps the current unit's backward",
-                 stream=ALL_GATHER_STREAM),
-            item("new gradients in flight (added into the kept ones)", compute_bytes * in_flight, "gradients",
-                 "autograd's AccumulateGrad: the new gradient, then grad += it")] + _deferred_items(deferred_bytes)
+        gathered, in_flight = _gathered_items(setup, point, psi, block, root, compute_bytes, embedding), \
+            point.in_flight_elements
+    return gathered + [item("new gradients in flight (added into the kept ones)", compute_bytes * in_flight,
+                            "gradients", "autograd's AccumulateGrad: the new gradient, then grad += it")] \
+        + _deferred_items(deferred_bytes)
 
 
 def _accumulated_items(setup: "SetupFields", point: SweepPoint, psi: int, shard: int, compute_bytes: int,
