@@ -116,6 +116,10 @@ class Framework:
     low_precision: frozenset[str] = frozenset({"none", "te-fp8"})
     # its tensor parallelism shards the residual stream over the sequence between blocks
     tp_sequence_parallel: bool = False
+    # its wrapper has the no_sync a training loop skips the gradient sync with between micro-batches
+    # (defer_gradient_sync: torch DDP's no_sync, FSDP's no_sync and set_requires_gradient_sync); DeepSpeed's
+    # engine accumulates itself, and the HF Trainer keeps every micro-batch's sync under it
+    loop_no_sync: bool = False
 
     def phases(self, setup: "SetupFields", acts: "Activations | None", numels: list[int]) -> "PhasePlan":
         raise NotImplementedError

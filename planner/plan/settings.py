@@ -149,7 +149,8 @@ def _degree_fields(req: PlanRequest, combo: Setting, micro: int, accumulation: i
         fields["tp_plan"] = req.tp_plan  # whose TP layout (the default stays out of the request)
     if combo.tp > 1 and req.async_tp and combo.sequence_parallel:
         fields["async_tp"] = True  # torch's sequence-parallel TP pipelines; DeepSpeed's AutoTP has none to pipeline
-    if req.defer_gradient_sync and combo.pp == 1 and combo.strategy in ("ddp",) + SHARDING_STRATEGIES:
+    s = lookup_strategy(combo.strategy)
+    if req.defer_gradient_sync and combo.pp == 1 and framework_of(s).loop_no_sync and not s.one_device:
         fields["defer_gradient_sync"] = True  # the loop's no_sync: torch's wrappers; DeepSpeed accumulates itself
     if combo.pp > 1:
         fields |= {"gradient_accumulation": accumulation or per_rank_sequences(req, combo) // micro, "pp_schedule": combo.schedule,

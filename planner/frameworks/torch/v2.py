@@ -62,6 +62,7 @@ class TorchDistributed(Framework):
     shards_as_dtensors = True  # fully_shard: each parameter a DTensor of Shard(0)
 
     tp_sequence_parallel = True  # torchtitan's TP plan (SequenceParallel on the norms)
+    loop_no_sync = True  # DDP's and FSDP's no_sync (defer_gradient_sync)
 
     def takes_layout(self, s: "Strategy", tp: int, cp: int, pp: int, schedule: str) -> bool:
         """torchtitan composes FSDP2, HSDP and DDP with TP and with pipelining (every schedule),
