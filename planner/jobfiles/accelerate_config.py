@@ -246,11 +246,6 @@ def trainer_fsdp_section(reading: Reading, option: Any, written: Any, version: A
         fsdp_section(reading, block)
     finally:
         reading.where = where
-    # the Trainer reduces once per step: accelerator.no_sync on every micro-batch but the last (transformers 5.25
-    # trainer.py sync_context; accelerate 1.16 no_sync: FSDP2's set_requires_gradient_sync(False), FSDP1's no_sync),
-    # unless accelerator_config's gradient_accumulation_kwargs sets sync_each_batch (hf_trainer.py reads it)
-    if reading.fields.get("gradient_accumulation", 1) > 1:  # one micro-batch a step: nothing to defer
-        reading.default("defer_gradient_sync", True)
 
 
 def _option_words(where: Where, option: Any, block: dict[str, Any], aliases: list[tuple[str, str]]) -> None:

@@ -92,8 +92,9 @@ TRAINER_KINDS = ("hf-trainer", "trl-sft", "axolotl", "llamafactory")
 
 def _trainer_sync(job: Job, kinds: dict[str, str]) -> None:
     """The Trainer skips the gradient sync on every micro-batch but the last (transformers 5.25 trainer.py
-    sync_context: accelerator.no_sync), FSDP set up by its own fsdp_config or by an accelerate config beside it
-    (LLaMA-Factory's FSDP recipe): defer_gradient_sync, unless a file set it (sync_each_batch)."""
+    sync_context: accelerator.no_sync; accelerate 1.16 no_sync: FSDP2's set_requires_gradient_sync(False), FSDP1's
+    no_sync), FSDP set up by its own fsdp_config or by an accelerate config beside it (LLaMA-Factory's FSDP
+    recipe): defer_gradient_sync, unless a file set it (hf_trainer.py: accelerator_config's sync_each_batch)."""
     trainer = next((name for name, kind in kinds.items() if kind in TRAINER_KINDS), None)
     fields = job.fields
     if "defer_gradient_sync" in fields or fields.get("strategy") not in SHARDING_STRATEGIES or fields.get("pp", 1) > 1:
