@@ -214,6 +214,9 @@ CPU_RUNS = [
          defer_gradient_sync=True),
     _run("llama-fsdp-bf16-ga2-defer-fp32reduce-t256", LLAMA, "fsdp", "bf16-mixed", micro=2, seq=128,
          gradient_accumulation=2, defer_gradient_sync=True, reduce_dtype="fp32"),
+    # logits-dominated (32k vocabulary): the kept unsharded gradients are mostly the embedding's and the head's
+    _run("llama-v32k-fsdp-bf16-ga2-defer-t512", LLAMA_32K, "fsdp", "bf16-mixed", micro=1, seq=512,
+         gradient_accumulation=2, defer_gradient_sync=True),
     # one device, no framework (strategy single): the bare module under autocast
     _run("llama-single-bf16", LLAMA, "single", "bf16-mixed", gpus=1),
     # optimizers: Muon's Newton-Schulz with AdamW for the rest sets the peak; the step in backward; Muon on
