@@ -152,8 +152,8 @@ class StepTime(NamedTuple):
     def term(self, name: str) -> float:
         """One term's seconds per step, 0.0 where the step has none of that name (this option's alone: the
         other options' columns are not read)."""
-        for i, (label, _) in enumerate(self.term_labels):
-            if label == name:
+        for i, (term_name, _) in enumerate(self.term_labels):
+            if term_name == name:
                 return self.term_block[i] if self.term_option is None else float(self.term_block[i, self.term_option])
         return 0.0
 
