@@ -47,7 +47,10 @@ GPU's FLOP per byte, from NVIDIA's A100 figure), timed replayed from a CUDA grap
 eager calls' rate is kept beside it), and SDPA's causal flash attention forward and backward
 TFLOP/s at head 128 over 8,192 tokens at each length against FORWARD_OVER_BACKWARD_RATE; printed and
 kept under "kernels". FSDP2's copy-out and copy-in of one Llama-3-8B block against the modelled seconds
-("fsdp2_copies"), and async TP's partial-output sum and shard copy ("async_tp"). Then a transformer block's GEMMs, sustained for --sustained-seconds (30), per
+("fsdp2_copies"), async TP's partial-output sum and shard copy ("async_tp"), and the host's side of a step
+(bench/host_hooks.py on this GPU: seconds per eager op against kernels.HOST_SECONDS_PER_KERNEL, ZeRO-3's and
+FSDP2's own Python against the CPU ranks' record the model charges: "host_hooks"). Then a transformer
+block's GEMMs, sustained for --sustained-seconds (30), per
 one-second window with the SM clock and power nvidia-smi reports ("sustained_matmul"): whether the
 rates measured in a burst hold through a step. And one Llama-3-8B and one MPT-7B block's elementwise
 kernels, forward and backward, timed by torch.profiler against planner/time/elementwise.py ("elementwise").
@@ -696,6 +699,36 @@ def async_tp_kernels(gpu_name: str, tp: int = 8, tokens: int = 8192, hidden: int
     return out
 
 
+def host_hooks_on_gpu(steps: int = 30) -> dict:
+    """The host's side of a step on this machine (bench/host_hooks.py on one GPU over NCCL): its seconds per
+    eager op, which the time model sets at kernels.HOST_SECONDS_PER_KERNEL, and ZeRO-3's and FSDP2's own
+    Python in eager ops, against the CPU ranks' record the model charges (planner/data/host_hooks.json).
+    One GPU: DeepSpeed skips the gathers of a world of one, so ZeRO-3's figure here is a lower bound."""
+    import json
+
+    from bench import host_hooks
+    from planner.time import kernels
+
+    try:
+        measured = host_hooks.measure(steps, 1, "cuda", ("zero3", "fsdp2"))
+    except SystemExit as failed:  # a framework missing or failing on this machine: said, not fatal
+        return {"error": str(failed)}
+    record = json.loads(Path(host_hooks.ROOT / "planner" / "data" / "host_hooks.json").read_text())
+    out = {"host_seconds_per_eager_op": measured["host_seconds_per_eager_op"],
+           "modelled_seconds_per_eager_op": kernels.HOST_SECONDS_PER_KERNEL, "frameworks": {}}
+    for arm, figures in measured["frameworks"].items():
+        per = figures["per"]
+        out["frameworks"][arm] = {part: {"gpu": figures[f"{part}_ops_per_{per}"],
+                                         "cpu_record": record["frameworks"][arm][f"{part}_ops_per_{per}"]}
+                                  for part in ("forward", "backward")}
+        print(f"{arm} hooks per {per}: " + ", ".join(
+            f"{part} {v['gpu']:g} eager ops on this GPU's host, {v['cpu_record']:g} charged"
+            for part, v in out["frameworks"][arm].items()))
+    print(f"host: {out['host_seconds_per_eager_op'] * 1e6:.1f} µs per eager op, "
+          f"{kernels.HOST_SECONDS_PER_KERNEL * 1e6:g} µs modelled")
+    return out
+
+
 def hbm_copy_gbps() -> float:
     """Achieved HBM bandwidth of a 4 GiB device-to-device copy, counting bytes read and written: the
     ceiling the time model's memory-bound terms (gpus.yaml hbm bandwidth) are scaled from."""
@@ -754,7 +787,7 @@ def main() -> int:
         results |= {"kernels": check_kernels(args.gpu), "elementwise": check_elementwise(args.gpu),
                     "matmul_tflops": matmul_tflops(),
                     "hbm_copy_gbps": hbm_copy_gbps(), "fsdp2_copies": fsdp2_copies(args.gpu),
-                    "async_tp": async_tp_kernels(args.gpu),
+                    "async_tp": async_tp_kernels(args.gpu), "host_hooks": host_hooks_on_gpu(),
                     "sustained_matmul": sustained_matmul(args.gpu, args.sustained_seconds)}
         print(f"device-to-device copy: {results['hbm_copy_gbps']:.0f} GB/s (bytes read + written)")
     print(f"matmul TFLOP/s measured: {results.get('matmul_tflops')}")

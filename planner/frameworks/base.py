@@ -179,6 +179,12 @@ class Framework:
     def check_pipeline(self, setup: "SetupFields", schedule: str) -> None:
         """Refuse a pipeline layout (pp > 1) the framework's pipeline does not run."""
 
+    def host_hooks(self, s: "Strategy") -> str | None:
+        """The measurement of the framework's own Python on every micro-batch, beside the model's kernels
+        (planner/data/host_hooks.json: zero1, zero2, zero3 or fsdp2, each per module, parameter or unit;
+        planner/time/host_hooks.py); None where its hooks are C++ or absent."""
+        return None
+
     def linears_save_inputs(self, s: "Strategy") -> bool:
         """The framework's own autograd function around every linear saves its input (DeepSpeed
         ZeRO-3's LinearFunctionForZeroStage3), beside what the model saves."""

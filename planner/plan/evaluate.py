@@ -379,8 +379,9 @@ def _model_parallel_rows(search: Search, req: PlanRequest, combo: Setting, micro
     """The rows of a pipeline or expert-parallel setting, bounded by:
 
     - its compute: a rank's step is at least its share of the compute (the bubble stretches it,
-      the collectives and all-to-alls only add), so above the best fitting step time found so far
-      (beyond the ties) it cannot be recommended;
+      the collectives and all-to-alls only add), so where every option's is above the best fitting
+      step time found so far (beyond the ties) it cannot be recommended (the least over the options:
+      a small micro-batch's compute can be the larger, its host waiting on every micro-batch's hooks);
     - its memory floor, one estimate: a pipeline's resident bytes (between steps a stage holds its
       states and one receive buffer per micro-batch, m buffers of micro_batch sequences: the
       rank's share of the batch whatever the split, so one figure for every option, estimated at
@@ -389,7 +390,7 @@ def _model_parallel_rows(search: Search, req: PlanRequest, combo: Setting, micro
       setting fits it cannot be recommended and is not listed;
     - its step times (the pipeline's bubble and point-to-point sends, the all-to-alls): where
       another setting fits, a layout none of whose options within the ties of it fits is not listed."""
-    if time_bound is not None and times[0].compute_seconds / combo.pp > time_bound * (1 + TIE_TOLERANCE):
+    if time_bound is not None and times.least_compute_seconds() / combo.pp > time_bound * (1 + TIE_TOLERANCE):
         return []
 
     def beaten(ts: list[timing.StepTime]) -> bool:

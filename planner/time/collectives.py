@@ -178,6 +178,10 @@ class StepTimes(Sequence):
     def __len__(self) -> int:
         return self._block.shape[1]
 
+    def least_compute_seconds(self) -> float:
+        """The least compute of the options, read off the shared array (no StepTime made)."""
+        return float(self._block[0].min())
+
     def __getitem__(self, k):
         if isinstance(k, slice):
             return [self[i] for i in range(*k.indices(len(self)))]

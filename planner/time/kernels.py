@@ -764,6 +764,7 @@ class ComputeTerms:
     hardware_flops: object
     backward: object = 0.0  # of the device seconds, the backward pass's (recompute included)
     bias_gradients: object = 0.0  # the biased linears' bias-gradient reductions (Work.bias_gradient_bytes)
+    host_forward: object = 0.0  # of the host seconds, the forward pass's launches (the rest: backward's, recompute's)
 
     @property
     def seconds(self):
@@ -902,6 +903,7 @@ def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointi
         recompute = recompute + loss_recompute / r.steady_flops
         hardware = hardware + loss_recompute
     host = arrays.full_like(m_all, kernels * r.host_seconds_per_kernel)
+    host_forward = arrays.full_like(m_all, w.kernels * r.host_seconds_per_kernel)
     # backward: the GEMMs' gradients, attention's backward (2.5 of its 3.5), the elementwise
     # backward, the loss's gradient half, and the recomputed forward that runs inside it
     loss = micro_f * w.loss_bytes / r.memory_bytes_per_s
@@ -909,7 +911,8 @@ def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointi
     bias = micro_f * w.bias_gradient_bytes * (1 - frozen_matmuls) / r.memory_bytes_per_s
     backward_seconds = backward + (attention - attn_fwd) + elementwise_bwd + edge / 2 + loss / 2 + recompute + bias
     return ComputeTerms(matmul=matmul, attention=attention, elementwise=elementwise, recompute=recompute,
-                        host=host, hardware_flops=hardware, backward=backward_seconds, bias_gradients=bias)
+                        host=host, hardware_flops=hardware, backward=backward_seconds, bias_gradients=bias,
+                        host_forward=host_forward)
 
 
 # AdamW stepped one kernel per line (torch 2.13 optim/adam.py _single_tensor_adam, lines 416-546; composer

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from planner.time import arrays
 from planner.recipes.activation_offload import transfer_seconds
 from planner.recipes.losses import DEFAULT_CHUNKS, loss_kernel
-from planner.time import kernels
+from planner.time import host_hooks, kernels
 from planner.time import collectives as timing
 from planner.model.architecture import Architecture, layer_parameters, parameter_numels
 from planner.frameworks import Buckets, Framework, Traffic, framework_of, version_for
@@ -30,6 +30,8 @@ from planner.schema import EstimateRequest, EstimateResult, PlanRequest, TimeEst
 from planner.strategies import strategy as lookup_strategy
 from planner.cluster.topology import Topology
 from planner.parallel.tensor import SP_GATHER_ROW, SP_SCATTER_ROW
+
+HOST_TERM = "host launch wait"  # the GPU waiting for its host: the eager launches and the framework's own Python
 
 if TYPE_CHECKING:
     from planner.setup import Setup
@@ -804,11 +806,16 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
         kernel = _kernel_seconds(req, combo, micro_f, accumulation, arch, g, frozen, gradient_bytes, r, dtype, scaled)
         if key is not None:
             shared[key] = kernel
-    stepped, backward, hardware, labels, values = kernel  # later sums make new arrays: these are not changed
+    device, backward, host, hardware, labels, values = kernel  # later sums make new arrays: these are not changed
+    hooks = _hook_seconds(req, combo, arch, r)
+    wait = host_exposed_seconds(host[0] + hooks[0], host[1] + hooks[1], device - host[2], host[2])
+    stepped = accumulation * (device + wait)
+    if hooks[2]:  # the framework's Python beside the model's launches: the host's term says so
+        labels = tuple((name, f"{source}; {hooks[2]}" if name == HOST_TERM else source) for name, source in labels)
     optimizer, clipping = _optimizer_seconds(req, combo, psi, arch, frozen, r)
     scale = req.compute_scale  # a profile's measured factor on every kernel rate
     seconds = (stepped + optimizer + clipping) / scale
-    values = values + (optimizer, clipping)
+    values = values + (accumulation * wait, optimizer, clipping)
     if scale != 1.0:
         values = tuple(v / scale for v in values)
     return (seconds, backward, (optimizer + clipping) / scale, hardware,
@@ -817,10 +824,12 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
 
 def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, arch, g: Gpu,
                     frozen: FrozenBaseShape | None, gradient_bytes: int, r: kernels.Rates, dtype: str, scaled: str):
-    """compute_seconds' kernels, everything but the optimizer's step: (the micro-steps' seconds,
-    the backward passes' share scaled, hardware FLOPs, the terms' labels, the terms' seconds but the
-    optimizer step's). What it reads of the setting is its degrees, checkpointing and options, and
-    the gradients' bytes: a layout's strategies and offloads share it."""
+    """compute_seconds' kernels, everything but the optimizer's step and the host's wait: (one micro-batch's
+    device seconds, the backward passes' share of the step scaled, one micro-batch's (forward launches,
+    backward and recompute launches, backward device seconds), hardware FLOPs, the terms' labels, the terms'
+    seconds but the host's wait and the optimizer step's). What it reads of the setting is its degrees,
+    checkpointing and options, and the gradients' bytes: a layout's strategies and offloads share it (the
+    framework's own host work, which differs by strategy, is compute_seconds')."""
     recipe = req.recipe
     w = kernels.work(arch, req.seq_len, combo.tp, combo.cp, combo.sequence_parallel, recipe.compute_bytes,
                      req.attention == "eager" or arch.attention_implementation == "eager", r, req.attention_kernel,
@@ -839,14 +848,48 @@ def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, ar
         matmul = matmul + adapters / r.steady_flops
         hardware = hardware + adapters
     device = matmul + t.attention + t.elementwise + t.recompute + t.bias_gradients
-    host_wait = arrays.maximum(0.0, t.host - device)
     scale = req.compute_scale
     labels = _compute_labels(r, req.attention_kernel, bool(w.eager_bytes), bool(w.chunked_head), combo.checkpointing,
                              scaled, w.compiled, arch.num_experts > 0, req.fused_kernels)
     values = (accumulation * matmul, accumulation * t.attention, accumulation * t.elementwise,
-              accumulation * t.recompute, accumulation * t.bias_gradients, accumulation * host_wait)
-    backward = accumulation * (t.backward + (matmul - t.matmul) * 2 / 3) / scale  # the adapters' backward: 2 of 3
-    return accumulation * (device + host_wait), backward, accumulation * hardware, labels, values
+              accumulation * t.recompute, accumulation * t.bias_gradients)
+    backward_device = t.backward + (matmul - t.matmul) * 2 / 3  # the adapters' backward: 2 of their 3
+    host = (t.host_forward, t.host - t.host_forward, backward_device)
+    return device, accumulation * backward_device / scale, host, accumulation * hardware, labels, values
+
+
+def host_exposed_seconds(host_forward, host_backward, forward, backward):
+    """The seconds a micro-batch's GPU waits for its host: a kernel runs no sooner than the host has
+    launched it, and within a micro-batch the host runs ahead of the GPU freely (eager PyTorch queues
+    its launches; nothing synchronises the two before the loss is read). So the GPU ends the forward at
+    the later of the host's forward launches and its own forward work, and the micro-batch at the later
+    of that plus its backward work and the host's last launch: a pass whose host work outlasts its
+    kernels (a small model's short kernels under a framework's per-module hooks) shows the difference,
+    a backward the GPU takes longer than its launches absorbs none of the forward's."""
+    after_forward = arrays.maximum(host_forward, forward)
+    return arrays.maximum(after_forward + backward, host_forward + host_backward) - forward - backward
+
+
+def _hook_seconds(req: "StepSettings", combo: Combo, arch: Architecture, r: kernels.Rates):
+    """(forward, backward seconds, the source) of one micro-batch's framework Python on the host
+    (planner/time/host_hooks.py), at the time model's host time per eager op; (0, 0, "") where the
+    framework runs none. ZeRO-3's module hooks run again for each module the checkpointing policy
+    recomputes (its recompute calls the modules); an FSDP unit's hooks do not (its checkpoint wraps the
+    block inside the unit)."""
+    s = lookup_strategy(combo.strategy)
+    measured = req.framework(s).host_hooks(s)
+    if measured is None:
+        return 0.0, 0.0, ""
+    rate = host_hooks.rate(measured)
+    per = rate.per
+    count = host_hooks.hooked(arch, per)
+    rerun = kernels.recompute_shares(arch, combo.checkpointing, combo.checkpointing_every).matmul \
+        if per == "module" else 0.0
+    forward = count * rate.forward_ops * r.host_seconds_per_kernel
+    backward = count * (rate.backward_ops + rerun * rate.forward_ops) * r.host_seconds_per_kernel
+    fsdp1 = " (FSDP1 at FSDP2's figure: it does not run on CPU ranks)" if per == "unit" and req.fsdp_version == 1 else ""
+    return forward, backward, (f"and the framework's own Python, {count} {per}s' hooks at {rate.forward_ops:g} + "
+                               f"{rate.backward_ops:g} eager ops each{fsdp1} ({rate.source})")
 
 
 def _optimizer_seconds(req: "StepSettings", combo: Combo, psi: int, arch, frozen: FrozenBaseShape | None,
@@ -901,7 +944,7 @@ def _compute_labels(r: kernels.Rates, attention_kernel: str, eager: bool, chunke
                (f"recompute ({checkpointing})", "the forward kernels rerun, same rates"),
                ("bias gradients", f"each biased linear's backward sums its output gradient over the tokens "
                 f"(torch addmm's derivative, one reduction kernel; kernels.BIAS_GRADIENT_READS), at {bandwidth}"),
-               ("host launch wait", f"{r.host_seconds_per_kernel * 1e6:g} µs per eager kernel launch"),
+               (HOST_TERM, f"{r.host_seconds_per_kernel * 1e6:g} µs per eager kernel launch"),
                ("optimizer step", bandwidth),
                ("gradient clipping", f"the norm reads this rank's gradients, the scale reads and writes them "
                 f"(kernels.CLIP_GRADIENT_PASSES), at {bandwidth}"))

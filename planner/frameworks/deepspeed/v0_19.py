@@ -64,6 +64,13 @@ class DeepSpeedZero(Framework):
                                "only; use pp_schedule 1f1b, or a torch strategy (ddp, fsdp, hsdp) for torch's "
                                f"{schedule} schedule", field="pp_schedule")
 
+    def host_hooks(self, s: "Strategy") -> str | None:
+        # ZeRO-3: every module's pre/post forward and backward hooks (runtime/zero/parameter_offload.py
+        # _register_deepspeed_module); ZeRO-1/2: every parameter's gradient hook (stage_1_and_2.py
+        # create_gradient_handling_hooks, each calling reduce_ready_partitions_and_remove_grads); stage 0
+        # reduces after backward, bucket by bucket
+        return {3: "zero3", 2: "zero2", 1: "zero1"}.get(s.zero_stage)
+
     def linears_save_inputs(self, s: "Strategy") -> bool:
         return s.zero_stage == 3  # runtime/zero/linear.py LinearFunctionForZeroStage3 saves input and weight
 

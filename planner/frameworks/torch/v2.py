@@ -180,6 +180,11 @@ class TorchDistributed(Framework):
     def fsdp_sharding(self, s: "Strategy") -> str | None:
         return sharding(s)
 
+    def host_hooks(self, s: "Strategy") -> str | None:
+        # FSDP's pre/post forward and backward hooks, once per unit (fully_shard's _fsdp_state.py; FSDP1's
+        # _runtime_utils.py, charged FSDP2's figure: planner/time/host_hooks.py); DDP's reducer is C++
+        return "fsdp2" if s.shards_parameters else None
+
     def overlap_windows(self, s: "Strategy", forward_seconds: float, backward_seconds: float) -> tuple[float, float]:
         # FSDP prefetches a block ahead in both passes: the forward's gathers hide behind the forward,
         # the backward's gathers and every unit's reduce-scatter (issued by its post-backward hook
