@@ -2,6 +2,7 @@
 are charged for, and when the GPU waits for them (step.host_exposed_seconds)."""
 
 import json
+import re
 
 import pytest
 
@@ -93,3 +94,21 @@ def test_zero3_reruns_its_module_hooks_with_the_recompute():
     f1, b1, _ = _hook_seconds(Settings, full, arch, r)
     rerun = recompute_shares(arch, "full").matmul  # the blocks' share of the model's modules that rerun
     assert 0.5 < rerun <= 1 and f1 == f0 and b1 == pytest.approx(b0 + rerun * f0)
+
+
+def test_lora_hooks_peft_modules_and_only_the_adapters_gradients():
+    arch = catalogue_model("llama-3-8b").architecture
+    adapted = 32 * 2  # q_proj and v_proj in every block
+    assert host_hooks.hooked(arch, "module", adapted) == (host_hooks.hooked(arch, "module") + host_hooks.PEFT_WRAPPERS
+                                                          + host_hooks.PEFT_MODULES_PER_ADAPTER * adapted)
+    assert host_hooks.hooked(arch, "parameter", adapted) == 2 * adapted
+    assert host_hooks.hooked(arch, "unit", adapted) == 33
+    small = dict(model="qwen3-0.6b", seq_len=256, micro_batch=1)
+    full, _ = _host_term(strategy="zero2", **small)
+    lora, _ = _host_term(strategy="zero2", finetune="lora", **small)
+    assert full is not None and "hooks" in full.source
+    assert lora is None or lora.seconds < full.seconds  # a handful of adapters' gradient hooks, not every weight's
+    zero3, _ = _host_term(strategy="zero3", finetune="lora", **small)
+    counted = int(re.search(r"(\d+) modules' hooks", zero3.source).group(1))
+    base = host_hooks.hooked(catalogue_model("qwen3-0.6b").architecture, "module")
+    assert counted > base + host_hooks.PEFT_WRAPPERS  # PEFT's modules counted beside the model's

@@ -33,6 +33,14 @@ DATA = Path(__file__).resolve().parent.parent / "data" / "host_hooks.json"
 EDGE_MODULES = 5
 # modules of a block beyond its linears and norms: the block, its attention, its MLP, the MLP's activation
 BLOCK_CONTAINERS = 4
+# PEFT's LoRA (peft 0.21 tuners/lora/layer.py LoraLayer): each adapted linear becomes a wrapper holding the
+# base layer, the lora_A, lora_B, lora_dropout and lora_magnitude_vector ModuleDicts, the lora_embedding_A and
+# _B ParameterDicts (modules too), the A and B linears and the dropout: ten modules more, and the model gains
+# the PeftModel and LoraModel wrappers (counted on a two-block Llama with two adapted linears per block:
+# 33 modules, 75 after get_peft_model); the adapter's trained tensors are A's and B's weights
+PEFT_MODULES_PER_ADAPTER = 10
+PEFT_WRAPPERS = 2
+ADAPTER_TENSORS = 2
 
 
 @dataclass(frozen=True)
@@ -61,15 +69,19 @@ def rate(measured: str) -> HookRate:
                     f"{measured}'s hooks, {data['source']}")
 
 
-def hooked(arch, per: str) -> int:
+def hooked(arch, per: str, adapted: int | None = None, trained_head: bool = False) -> int:
     """How many modules, parameter tensors or FSDP units of the model a framework's hooks run for: every
     module (each block's linears and norms, its BLOCK_CONTAINERS, and the EDGE_MODULES around the blocks; a
-    mixture of experts' MLP as its router and its experts' module), every parameter tensor
-    (planner/model/shapes.py parameter_shapes), or every block plus the root unit."""
+    mixture of experts' MLP as its router and its experts' module), every parameter tensor with a gradient
+    (planner/model/shapes.py parameter_shapes), or every block plus the root unit. ``adapted`` (LoRA: the
+    adapted linears' count): PEFT's modules join the model's, and the gradients are the adapters' (and the
+    trained copy of the head, ``trained_head``)."""
     if per == "unit":
         return arch.num_layers + 1
     if per == "parameter":
-        return len(parameter_shapes(arch))
+        return len(parameter_shapes(arch)) if adapted is None else ADAPTER_TENSORS * adapted + int(trained_head)
+    if adapted is not None:
+        return hooked(arch, per) + PEFT_WRAPPERS + PEFT_MODULES_PER_ADAPTER * adapted
     memo = derived_memo(arch)
     if "_hooked_modules" not in memo:  # the plan asks for every setting
         memo["_hooked_modules"] = EDGE_MODULES + sum(_block_modules(arch, spec) for spec in layer_specs(arch))

@@ -120,6 +120,7 @@ class FrozenBaseShape:
     dequantize_forward_bytes: int
     dequantize_backward_bytes: int
     elementwise: FrozenBase | None = None
+    adapted_linears: int = 0  # the linears carrying adapters (each adds PEFT's modules and two trained tensors)
 
     @classmethod
     def of(cls, arch, f, compute_bytes: int) -> "FrozenBaseShape":
@@ -145,7 +146,7 @@ class FrozenBaseShape:
                                  embeddings_trained=f.train_embeddings)
         return cls(method=f.method, trainable=sum(trainable_numels(arch, f)), adapter_forward_flops=adapters,
                    trained_weight_flops=head, dequantize_forward_bytes=forward, dequantize_backward_bytes=backward,
-                   elementwise=elementwise)
+                   elementwise=elementwise, adapted_linears=len(adapted))
 
 
 def dequantize_bytes(numel: int, quantize: str, out_features: int, compute_bytes: int) -> int:
@@ -807,7 +808,7 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
         if key is not None:
             shared[key] = kernel
     device, backward, host, hardware, labels, values = kernel  # later sums make new arrays: these are not changed
-    hooks = _hook_seconds(req, combo, arch, r)
+    hooks = _hook_seconds(req, combo, arch, r, frozen)
     wait = host_exposed_seconds(host[0] + hooks[0], host[1] + hooks[1], device - host[2], host[2])
     stepped = accumulation * (device + wait)
     if hooks[2]:  # the framework's Python beside the model's launches: the host's term says so
@@ -870,19 +871,22 @@ def host_exposed_seconds(host_forward, host_backward, forward, backward):
     return arrays.maximum(after_forward + backward, host_forward + host_backward) - forward - backward
 
 
-def _hook_seconds(req: "StepSettings", combo: Combo, arch: Architecture, r: kernels.Rates):
+def _hook_seconds(req: "StepSettings", combo: Combo, arch: Architecture, r: kernels.Rates,
+                  frozen: "FrozenBaseShape | None" = None):
     """(forward, backward seconds, the source) of one micro-batch's framework Python on the host
     (planner/time/host_hooks.py), at the time model's host time per eager op; (0, 0, "") where the
     framework runs none. ZeRO-3's module hooks run again for each module the checkpointing policy
     recomputes (its recompute calls the modules); an FSDP unit's hooks do not (its checkpoint wraps the
-    block inside the unit)."""
+    block inside the unit). ``frozen`` (LoRA): PEFT's modules are hooked too, and only the trained
+    tensors have gradient hooks."""
     s = lookup_strategy(combo.strategy)
     measured = req.framework(s).host_hooks(s)
     if measured is None:
         return 0.0, 0.0, ""
     rate = host_hooks.rate(measured)
     per = rate.per
-    count = host_hooks.hooked(arch, per)
+    count = host_hooks.hooked(arch, per, frozen.adapted_linears if frozen is not None else None,
+                              bool(frozen is not None and frozen.trained_weight_flops))
     rerun = kernels.recompute_shares(arch, combo.checkpointing, combo.checkpointing_every).matmul \
         if per == "module" else 0.0
     forward = count * rate.forward_ops * r.host_seconds_per_kernel
