@@ -5,9 +5,13 @@ from __future__ import annotations
 import textwrap
 
 from planner.schema import EstimateResult
+from planner.time.step import HOST_TERM
 from planner.units import GB, GIB
 
 from backend.report import verify_table  # noqa: F401  (shared with the web page's run view)
+
+# the share of a step the GPU spends waiting for its host past which the text says so (the terms are in --json)
+HOST_BOUND_SHARE = 0.1
 
 
 LABEL_WIDTH = 28  # the per-device table's label column
@@ -64,6 +68,10 @@ def estimate_table(r: EstimateResult) -> str:
                       f"communication {t.communication_seconds:.3f} s of which exposed {t.exposed_communication_seconds:.3f} s"
                       + (f", offload {t.offload_seconds:.3f} s" if t.offload_seconds else "")
                       + f"); {t.tokens_per_second:,.0f} tokens/s, MFU {t.mfu:.2f}, HFU {t.hfu:.2f}"]
+        host = next((x for x in t.terms if x.name == HOST_TERM), None)
+        if host is not None and host.seconds >= HOST_BOUND_SHARE * t.step_seconds:  # a surprise worth a line
+            lines.append(f"  host-bound: the GPU waits {host.seconds:.3f} s of it for its host ({host.source}); a "
+                         "larger micro-batch gives each launch and hook more work")
     lines.append("")
     # what the reader must know about where the numbers come from (a traced model, a GPU the time
     # model only partly knows); the rest of the notes are in --json

@@ -112,3 +112,15 @@ def test_lora_hooks_peft_modules_and_only_the_adapters_gradients():
     counted = int(re.search(r"(\d+) modules' hooks", zero3.source).group(1))
     base = host_hooks.hooked(catalogue_model("qwen3-0.6b").architecture, "module")
     assert counted > base + host_hooks.PEFT_WRAPPERS  # PEFT's modules counted beside the model's
+
+
+def test_the_text_says_when_a_step_is_host_bound(capsys):
+    from cli.main import main
+
+    assert main(["estimate", "--model", "qwen3-0.6b", "--gpu", "h100-80gb", "--gpus", "8", "--strategy", "zero3",
+                 "--seq-len", "512", "--micro-batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "host-bound: the GPU waits" in out and "modules' hooks" in out
+    assert main(["estimate", "--model", "llama-3-8b", "--gpu", "h100-80gb", "--gpus", "8", "--strategy", "fsdp",
+                 "--seq-len", "4096"]) == 0
+    assert "host-bound" not in capsys.readouterr().out
