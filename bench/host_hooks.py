@@ -1,6 +1,6 @@
 """What a framework's own Python costs the host per training step, in eager kernel launches.
 
-    python bench/host_hooks.py [--steps 40] [--rounds 3] [--write planner/data/host_hooks.json] [--readme README.md]
+    python bench/host_hooks.py [--steps 40] [--rounds 5] [--write planner/data/host_hooks.json] [--readme README.md]
     python bench/host_hooks.py --from-record planner/data/host_hooks.json --readme README.md
 
 The time model charges the host HOST_SECONDS_PER_KERNEL per eager kernel (planner/time/kernels.py)
@@ -231,12 +231,16 @@ def measure(steps: int, rounds: int, device: str = "cpu", arms: tuple[str, ...] 
     op_seconds = median(lambda r: statistics.median(r[arm]["torch_forward"] for arm in arms)) / ops["forward"]
     frameworks = {}
     for arm in arms:
-        extra = {part: median(lambda r: (r[arm][f"{arm}_{part}"] - r[arm][f"torch_{part}"]) / (
-            r[arm]["torch_forward"] / ops["forward"])) for part in ("forward", "backward")}
+        def rounds_of(part, arm=arm):  # each round's figure, in that round's own eager ops
+            return [(r[arm][f"{arm}_{part}"] - r[arm][f"torch_{part}"]) / (r[arm]["torch_forward"] / ops["forward"])
+                    for r in per_round]
+        extra = {part: statistics.median(rounds_of(part)) for part in ("forward", "backward")}
         per = PER[arm]
         frameworks[arm] = {f"{part}_ops_per_block": round(extra[part], 1) for part in extra} | {
             "per": per, **{f"{part}_ops_per_{per}": round(max(0.0, extra[part]) / PER_BLOCK[per], 2)
-                           for part in extra}}
+                           for part in extra},
+            # the rounds' spread: what one measurement of this noisy host is worth
+            **{f"{part}_rounds": [round(x, 1) for x in rounds_of(part)] for part in extra}}
     ranks = "CPU ranks over gloo (DeepSpeed on 2, FSDP2 on 1)" if device == "cpu" else "one GPU over NCCL"
     return {"source": (f"bench/host_hooks.py: {ranks}, a Llama "
                        f"of hidden 32 at {DEPTHS[0]} and "
@@ -247,13 +251,20 @@ def measure(steps: int, rounds: int, device: str = "cpu", arms: tuple[str, ...] 
             "frameworks": frameworks}
 
 
+def _with_spread(figures: dict, part: str) -> str:
+    """The median per block, and the rounds' least and greatest where the record keeps them."""
+    rounds = figures.get(f"{part}_rounds")
+    spread = f" ({min(rounds):g} to {max(rounds):g})" if rounds and len(rounds) > 1 else ""
+    return f"{figures[f'{part}_ops_per_block']:g}{spread}"
+
+
 def report(data: dict) -> str:
-    lines = ["| framework | forward, eager ops per block | backward, eager ops per block | charged per | "
+    lines = ["| framework | forward, eager ops per block (rounds) | backward, eager ops per block (rounds) | charged per | "
              "forward + backward ops each | at 10 µs per op: ms per block |", "| --- | ---: | ---: | --- | ---: | ---: |"]
     for arm, v in data["frameworks"].items():
         per = v["per"]
         ms = (v["forward_ops_per_block"] + v["backward_ops_per_block"]) * 10e-3
-        lines.append(f"| {arm} | {v['forward_ops_per_block']:g} | {v['backward_ops_per_block']:g} | {per} | "
+        lines.append(f"| {arm} | {_with_spread(v, 'forward')} | {_with_spread(v, 'backward')} | {per} | "
                      f"{v[f'forward_ops_per_{per}']:g} + {v[f'backward_ops_per_{per}']:g} | {ms:.2f} |")
     ops = data["eager_ops_per_block"]
     return ("\n".join(lines) + "\n\n"
@@ -284,7 +295,7 @@ def main() -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: one GPU over NCCL (bench/gpu_check.py); the record's figures stay CPU ranks'")
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--write", help="write the measurement (JSON) to this path")
     parser.add_argument("--readme", help="replace the host-hooks block of this README")
     parser.add_argument("--from-record", metavar="JSON", help="report a measurement written by --write (no new runs)")
