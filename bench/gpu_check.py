@@ -708,12 +708,13 @@ def host_hooks_on_gpu(steps: int = 30) -> dict:
 
     from bench import host_hooks
     from planner.time import kernels
+    from planner.time.host_hooks import DATA
 
     try:
         measured = host_hooks.measure(steps, 1, "cuda", ("zero3", "fsdp2"))
     except SystemExit as failed:  # a framework missing or failing on this machine: said, not fatal
         return {"error": str(failed)}
-    record = json.loads(Path(host_hooks.ROOT / "planner" / "data" / "host_hooks.json").read_text())
+    record = json.loads(DATA.read_text())
     out = {"host_seconds_per_eager_op": measured["host_seconds_per_eager_op"],
            "modelled_seconds_per_eager_op": kernels.HOST_SECONDS_PER_KERNEL, "frameworks": {}}
     for arm, figures in measured["frameworks"].items():

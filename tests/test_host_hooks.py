@@ -1,5 +1,5 @@
 """The framework's own Python on the host (planner/time/host_hooks.py): the measured figures, what they
-are charged for, and when the GPU waits for them (step.host_exposed_seconds)."""
+are charged for, and when the GPU waits for them (kernels.host_exposed_seconds)."""
 
 import json
 import re
@@ -10,7 +10,8 @@ from planner.model.catalogue import catalogue_model
 from planner.model.shapes import parameter_shapes
 from planner.schema import EstimateRequest
 from planner.time import host_hooks
-from planner.time.step import HOST_TERM, estimate_with_time, host_exposed_seconds
+from planner.time.kernels import host_exposed_seconds
+from planner.time.step import HOST_TERM, estimate_with_time
 
 
 def _host_term(**fields):

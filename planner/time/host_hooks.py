@@ -13,7 +13,7 @@ host time per eager kernel (kernels.HOST_SECONDS_PER_KERNEL): the host's speed c
 FSDP1 does not run on CPU ranks (torch 2.13's FullyShardedDataParallel needs an accelerator): it is
 charged FSDP2's figure per unit, an assumption the term's source says.
 
-Where the host's work for a pass outlasts the GPU's, the GPU waits (planner/time/step.py
+Where the host's work for a pass outlasts the GPU's, the GPU waits (planner/time/kernels.py
 host_exposed_seconds): a small model's short kernels under ZeRO-3 are host-bound.
 """
 

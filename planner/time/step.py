@@ -809,7 +809,7 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
             shared[key] = kernel
     device, backward, host, hardware, labels, values = kernel  # later sums make new arrays: these are not changed
     hooks = _hook_seconds(req, combo, arch, r, frozen)
-    wait = host_exposed_seconds(host[0] + hooks[0], host[1] + hooks[1], device - host[2], host[2])
+    wait = kernels.host_exposed_seconds(host[0] + hooks[0], host[1] + hooks[1], device - host[2], host[2])
     stepped = accumulation * (device + wait)
     if hooks[2]:  # the framework's Python beside the model's launches: the host's term says so
         labels = tuple((name, f"{source}; {hooks[2]}" if name == HOST_TERM else source) for name, source in labels)
@@ -857,18 +857,6 @@ def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, ar
     backward_device = t.backward + (matmul - t.matmul) * 2 / 3  # the adapters' backward: 2 of their 3
     host = (t.host_forward, t.host - t.host_forward, backward_device)
     return device, accumulation * backward_device / scale, host, accumulation * hardware, labels, values
-
-
-def host_exposed_seconds(host_forward, host_backward, forward, backward):
-    """The seconds a micro-batch's GPU waits for its host: a kernel runs no sooner than the host has
-    launched it, and within a micro-batch the host runs ahead of the GPU freely (eager PyTorch queues
-    its launches; nothing synchronises the two before the loss is read). So the GPU ends the forward at
-    the later of the host's forward launches and its own forward work, and the micro-batch at the later
-    of that plus its backward work and the host's last launch: a pass whose host work outlasts its
-    kernels (a small model's short kernels under a framework's per-module hooks) shows the difference,
-    a backward the GPU takes longer than its launches absorbs none of the forward's."""
-    after_forward = arrays.maximum(host_forward, forward)
-    return arrays.maximum(after_forward + backward, host_forward + host_backward) - forward - backward
 
 
 def _hook_seconds(req: "StepSettings", combo: Combo, arch: Architecture, r: kernels.Rates,
