@@ -189,6 +189,12 @@ def _memory(results) -> str:
             f"{worst[1]:.0%} of the device (line {worst[0].line}), median {statistics.median(x[1] for x in share):.0%}")
 
 
+def _median_of(results, gpu: str, shortest: int, longest: int | None) -> float:
+    """The median signed error of one GPU's rows between two sequence lengths (inclusive; None: no limit)."""
+    return statistics.median(e for r, _, e, _, _ in results
+                             if r.gpu == gpu and shortest <= r.seq_len and (longest is None or r.seq_len <= longest))
+
+
 def _unexplained(data: list[Row], results) -> str:
     """What the time model leaves out, from the published rows themselves: the H100/A100-80GB
     throughput ratio of configurations run on both, against the ratio of the two GPUs' modelled
@@ -210,18 +216,22 @@ def _unexplained(data: list[Row], results) -> str:
             f"throughput is {statistics.median(short):.2f}x the A100-80GB's (median; "
             f"{min(short):.2f}-{max(short):.2f}), where the measured matmul rates differ "
             f"{steady['h100_80gb'] / steady['a100_80gb']:.2f}x ({steady['h100_80gb']:g} / {steady['a100_80gb']:g} "
-            "TFLOP/s: the H100's sustained rate, the H200's MSMF, the same die at the same power limit; the A100's "
-            "MAMF, no sustained rate published): the H100's matmul-bound rows are over-predicted by what no kernel measurement here "
+            "TFLOP/s: each GPU's rate sustained at its power limit, both measured back to back on one large matmul, "
+            "gpus.yaml sustained_tflops): the H100's matmul-bound rows are over-predicted by what no kernel measurement here "
             "accounts for (the 'communication contention' term, what overlapped collectives cost the compute, "
             "explains part of it where the collectives take a large share of the step); the large-scale table's FlashAttention-2 rows (sweep.py's `--attn_impl flash`) "
             f"are over-predicted by a median {statistics.median(flash2):+.0%}, while the same models with Triton "
-            "attention on 8-64 H100s publish about the same throughput. Beyond 16k tokens (FlashAttention's "
-            "charts end there) the attention rate follows the per-block fixed-cost form through the 8k and 16k "
-            f"rates, and the {len(long)} rows beyond 16k are under-predicted by a median "
-            f"{statistics.median(long):+.0%}: MPT's `triton` attention, FlashAttention's flash_attn_triton.py, has "
-            "no published rates; it is read at FlashAttention 1.x's, which its header says it runs slightly below "
-            "in forward + backward (faster forward, slower backward), so no measurement here is of that kernel at "
-            "those lengths. FSDP's prefetch schedule does not explain the H100's "
+            "attention on 8-64 H100s publish about the same throughput. By sequence length the H100's error falls "
+            f"from {_median_of(results, 'h100_80gb', 0, 2048):+.0%} up to 2k tokens to "
+            f"{_median_of(results, 'h100_80gb', 16384, None):+.0%} from 16k, the A100-80GB's stays level "
+            f"({_median_of(results, 'a100_80gb', 0, 2048):+.0%} and {_median_of(results, 'a100_80gb', 16384, None):+.0%}): "
+            "the H100's excess is in the matmul-bound rest of the step, not its attention. MPT's `triton` attention, "
+            "FlashAttention's flash_attn_triton.py, has no published rates; it is read at FlashAttention 1.x's, "
+            "which its header says it runs slightly below in forward + backward, and at width 128 at no less than "
+            "FlashAttention 1.x's width-64 rate (it keeps its 128 x 128 tiles at both widths: "
+            "kernels.WIDTH_KEEPS_TILE); beyond 16k tokens (FlashAttention's charts end there) the rate follows the "
+            f"per-block fixed-cost form through the 8k and 16k rates; the {len(long)} rows beyond 16k are predicted "
+            f"at a median {statistics.median(long):+.0%}. FSDP's prefetch schedule does not explain the H100's "
             f"over-prediction: the {len(post)} H100 rows run with composer's BACKWARD_POST are over-predicted by a "
             f"median {statistics.median(post):+.0%}, the {len(pre)} run with BACKWARD_PRE and forward prefetch "
             f"(sweep.py, on 128-512 GPUs, most with FlashAttention-2), which hide the gathers at least as well, by "
@@ -269,8 +279,8 @@ def _implied(results) -> str:
             "matmul, bandwidth and collective rates say, so the sequences where it dominates (the short ones) are "
             "over-predicted, and where the attention factor is under 1 the long sequences are under-predicted. "
             "No kernel measurement here says what slows the rest: the matmul rates are MAMF measurements of each "
-            "GPU's best shape in a burst, held to the sustained rate at the power limit where one is published "
-            "(the H100 at the H200's MSMF; none for the A100), and these runs used 2023-24 software.")
+            "GPU's best shape in a burst, held to the rate a large matmul sustains at the power limit (the H100's and "
+            "the A100's each measured on one shape), and these runs used 2023-24 software.")
 
 
 COMMUNICATION_BINS = (0.05, 0.10, 0.20)  # edges of the model's communication share of the step

@@ -20,7 +20,8 @@ Sources of the constants:
 - Sustained matmul TFLOP/s: the MAMF is a burst; a training step holds its GEMMs at the power limit for
   seconds, where the clock settles lower. Where mamf-finder.py's MSMF (the best shape's rate over a 2-4 s
   window once the clock has settled) is published, every GEMM runs at most at it (_gemm_seconds; data/gpus.yaml
-  sustained_tflops: H200 744.5, B200 1,424.5, the H100 SXM at the H200's).
+  sustained_tflops: H200 744.5, B200 1,424.5; the H100 SXM's 703.7 and the A100 SXM4's 257.5 from one large matmul
+  run back to back at the power limit).
 - Attention: measured forward + backward TFLOP/s of FlashAttention-2 and FlashAttention 1.x (the
   Triton kernel at FlashAttention 1.x's: STAND_IN below), causal mask, head dimension 64 and 128, sequence
   512-16k, on A100 80GB SXM4 and H100 80GB SXM5 (Dao-AILab/flash-attention
@@ -169,6 +170,17 @@ def causal_forward_backward_tflops(kernel: str, head_dim: int) -> tuple[float, .
 # whose head-128 backward the header says flash_attn_triton.py made "much faster by reducing
 # register spilling". So FlashAttention 1.x's rates, an upper bound by "slightly".
 STAND_IN = {"flash-attention-triton": "flash-attention-1"}
+# Kernels that run every head width up to 128 on the same tiles: their rate at a wider head is at
+# least their rate at 64. flash_attn_triton.py (470010f) runs its forward on 128 x 128 tiles at every
+# width (_flash_attn_forward: BLOCK = 128; 4 warps up to 64, 8 above) and its backward on 128 x 128
+# tiles with 8 warps at every width (_bwd_kernel's two autotune configs): per tile, the dots (Q K^T,
+# P V, the backward's five) and the Q/K/V/dO loads grow with the width while the softmax over the
+# tile's scores, its masks and the ALiBi bias do not, so a head of 128 takes at most twice a head of
+# 64's time for twice its FLOPs. FlashAttention 1.x's CUDA kernel, the stand-in's charts, runs 128
+# below its 64 (A100: 83 against 97 TFLOP/s at 16k) on smaller key blocks: its head-128 line is not
+# this kernel's. The header's fix, "make the backward for d=128 much faster by reducing register
+# spilling", is the reason the bound holds in the backward too.
+WIDTH_KEEPS_TILE = frozenset({"flash-attention-triton"})
 # benchmark_flash_attention.py: backward = 2.5 x forward FLOPs (it recomputes the scores)
 ATTENTION_BACKWARD_FLOPS = 2.5
 # The forward runs at a higher rate than the backward; the tables above measure the two together,
@@ -309,7 +321,7 @@ def _rates(g: Gpu, dtype: str, matmul_scale: float) -> Rates:
     if sustained is None and dtype == "fp16" and "bf16" in g.sustained_tflops:  # the same tensor cores
         sustained = g.sustained_tflops["bf16"] * g.peak_tflops["fp16"] / g.peak_tflops["bf16"]
     if sustained is not None:
-        source += f", at most the sustained {sustained:g} TFLOP/s at the power limit (MSMF: gpus.yaml sustained_tflops)"
+        source += f", at most the sustained {sustained:g} TFLOP/s at the power limit (gpus.yaml sustained_tflops)"
     elif g.sms:  # a burst's rate (gpus.yaml sustained_tflops): the H200 sustains 88% of its burst, the B200 84%
         source += "; a burst's rate: no sustained rate at the power limit is published for this GPU"
     return Rates(matmul_flops=matmul * matmul_scale, matmul_source=source, memory_bytes_per_s=bandwidth,
@@ -346,7 +358,10 @@ def attention_tflops(r: Rates, seq: int, head_dim: int, kernel: str = "flash-att
 
     def rate(table) -> float:
         w = min(1.0, max(0.0, (head_dim - 64) / 64))
-        return at(table[64]) * (1 - w) + at(table[128]) * w
+        between = at(table[64]) * (1 - w) + at(table[128]) * w
+        # a kernel whose tile does not shrink with the head width runs a wider head at least at the
+        # narrower one's rate (WIDTH_KEEPS_TILE)
+        return max(between, at(table[64])) if kernel in WIDTH_KEEPS_TILE and head_dim > 64 else between
 
     return rate(measured) * r.attention_scale
 
@@ -765,6 +780,13 @@ class ComputeTerms:
     backward: object = 0.0  # of the device seconds, the backward pass's (recompute included)
     bias_gradients: object = 0.0  # the biased linears' bias-gradient reductions (Work.bias_gradient_bytes)
     host_forward: object = 0.0  # of the host seconds, the forward pass's launches (the rest: backward's, recompute's)
+    recompute_clocked: object = 0.0  # of the recompute, its GEMMs' and attention's seconds (the SM clock's work)
+
+    @property
+    def clocked(self):
+        """The seconds of the kernels the SM clock paces, GEMMs and attention, recomputed ones included
+        (planner/time/variation.py); the memory-bound rest runs at the HBM's clock."""
+        return self.matmul + self.attention + self.recompute_clocked
 
     @property
     def seconds(self):
@@ -909,12 +931,14 @@ def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointi
     share = shares if shares is not None else Recompute.of_kinds(checkpointing)
     fused = dict(w.elementwise_rerun_bytes).get(checkpointing)  # compiled: the fused kernels' bytes
     rerun = elementwise_fwd if fused is None else micro_f * fused / r.memory_bytes_per_s
-    recompute = forward * share.matmul + attn_fwd * share.attention + rerun * share.elementwise
+    recompute_clocked = forward * share.matmul + attn_fwd * share.attention
+    recompute = recompute_clocked + rerun * share.elementwise
     hardware = matmul_flops + attention_flops + flops * share.matmul + micro_f * w.attention_flops * share.attention
     kernels = w.kernels * (1 + max(share.matmul, share.attention, share.elementwise)) + w.backward_kernels
     if w.loss_recompute_flops:  # CCE's backward reruns the LM head's forward matmul
         loss_recompute = micro_f * w.loss_recompute_flops
         recompute = recompute + loss_recompute / r.steady_flops
+        recompute_clocked = recompute_clocked + loss_recompute / r.steady_flops
         hardware = hardware + loss_recompute
     host = arrays.full_like(m_all, kernels * r.host_seconds_per_kernel)
     host_forward = arrays.full_like(m_all, w.kernels * r.host_seconds_per_kernel)
@@ -926,7 +950,7 @@ def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointi
     backward_seconds = backward + (attention - attn_fwd) + elementwise_bwd + edge / 2 + loss / 2 + recompute + bias
     return ComputeTerms(matmul=matmul, attention=attention, elementwise=elementwise, recompute=recompute,
                         host=host, hardware_flops=hardware, backward=backward_seconds, bias_gradients=bias,
-                        host_forward=host_forward)
+                        host_forward=host_forward, recompute_clocked=recompute_clocked)
 
 
 # AdamW stepped one kernel per line (torch 2.13 optim/adam.py _single_tensor_adam, lines 416-546; composer

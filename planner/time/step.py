@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from planner.time import arrays
 from planner.recipes.activation_offload import transfer_seconds
 from planner.recipes.losses import DEFAULT_CHUNKS, loss_kernel
-from planner.time import host_hooks, kernels
+from planner.time import host_hooks, kernels, variation
 from planner.time import collectives as timing
 from planner.model.architecture import Architecture, layer_parameters, parameter_numels
 from planner.frameworks import Buckets, Framework, Traffic, framework_of, version_for
@@ -563,9 +563,14 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
     model_parallel = combo.tp * combo.cp  # GPUs that share one data-parallel rank's tokens
     per_token, model_per_token = _flops_per_token(arch, req.seq_len, combo.checkpointing, frozen,
                                                   combo.checkpointing_every)
-    compute, backward, optimizer, hardware_flops, terms = compute_seconds(req, combo, micro, per_rank, psi, arch, g,
-                                                                          frozen, tokens_rank * per_token / model_parallel,
-                                                                          sent)
+    compute, backward, optimizer, hardware_flops, terms, clocked = compute_seconds(
+        req, combo, micro, per_rank, psi, arch, g, frozen, tokens_rank * per_token / model_parallel, sent)
+    # every rank waits for the slowest GPU's clock-bound kernels (planner/time/variation.py)
+    world = combo.gpus * req.nodes
+    slowest_gpu = 0.0 if g.is_cpu else clocked * variation.slowest_share(world)
+    backward = backward + slowest_gpu * backward / arrays.maximum(compute, 1e-30)
+    compute = compute + slowest_gpu
+    terms = terms + [(SLOWEST_GPU_TERM, slowest_gpu, variation.source(world))]
     ring, ring_bw, _ = timing.node_ring(topo, combo.gpus)
     s = lookup_strategy(combo.strategy)
     fw = req.framework(s)  # the request's framework version, resolved once for the step
@@ -637,7 +642,6 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
                                      PCIE_DEVICE_TO_HOST_GBPS.get(g.pcie, 24.0) * 1e9) if offloaded_per_sequence \
         else 0.0
     offload = offload + saved_to_host
-    world = combo.gpus * nodes
     model_flops = tokens_rank * model_per_token / model_parallel
     tokens = tokens_rank / model_parallel * world
     # every option at once (elementwise: the same floating-point operations as one option alone)
@@ -678,6 +682,7 @@ def step_times(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int
 
 
 ASYNC_TP_TERM = "async TP copies and reductions"
+SLOWEST_GPU_TERM = "slowest GPU"
 ASYNC_TP_SOURCE = ("async TP's own kernels on the compute stream, at the achievable memory bandwidth: each all-gather's "
                    "local shard copied into the symmetric-memory workspace, each reduce-scatter's partial outputs summed "
                    "(torch 2.13 distributed/_symmetric_memory: _pipelined_multi_all_gather_and_consume, "
@@ -780,7 +785,9 @@ def _gradient_bytes(req: "StepSettings", combo: Combo) -> int:
 def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi: int, arch, g: Gpu,
                     frozen: FrozenBaseShape | None, override_flops: float, shared: dict | None = None):
     """(compute seconds per optimizer step on one GPU, the backward passes' share of them, the
-    optimizer step's share, hardware FLOPs it runs, [(term, seconds, source)]) for each micro-batch option. Every kernel at its measured rate (planner/time/kernels.py);
+    optimizer step's share, hardware FLOPs it runs, [(term, seconds, source)], the seconds of them the SM
+    clock paces: GEMMs and attention, planner/time/variation.py; none under the compute_efficiency
+    override, which states the job's own rate) for each micro-batch option. Every kernel at its measured rate (planner/time/kernels.py);
     with the compute_efficiency override, ``override_flops`` at that fraction of peak instead; a
     traced model (no layer shapes) at the measured matmul rate. ``shared``: step_times' (the
     kernels' part, _kernel_seconds, by its key)."""
@@ -791,13 +798,13 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
     if req.compute_efficiency is not None:
         seconds = override_flops / (g.peak_tflops[dtype] * 1e12 * req.compute_efficiency)
         return seconds, seconds * timing.BACKWARD_FRACTION, 0.0, override_flops, [
-            ("compute", seconds, f"override: compute_efficiency {req.compute_efficiency:g} of peak {dtype}")]
+            ("compute", seconds, f"override: compute_efficiency {req.compute_efficiency:g} of peak {dtype}")], 0.0
     r = kernels.rates(g, dtype)
     scaled = "" if req.compute_scale == 1.0 else f" x {req.compute_scale:.3f} (calibration profile)"
     if not isinstance(arch, Architecture):  # traced: FLOPs only, no layer shapes
         seconds = override_flops / r.steady_flops / req.compute_scale
         return seconds, seconds * timing.BACKWARD_FRACTION, 0.0, override_flops, [
-            ("matmul", seconds, f"traced FLOPs at {r.matmul_source}{scaled}")]
+            ("matmul", seconds, f"traced FLOPs at {r.matmul_source}{scaled}")], seconds
     gradient_bytes = _gradient_bytes(req, combo)
     key = None if shared is None else ("compute", combo.tp, combo.cp, combo.sequence_parallel, combo.checkpointing,
                                        combo.checkpointing_every, tuple(micro_f.tolist()) if arrays.is_array(micro_f)
@@ -807,7 +814,7 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
         kernel = _kernel_seconds(req, combo, micro_f, accumulation, arch, g, frozen, gradient_bytes, r, dtype, scaled)
         if key is not None:
             shared[key] = kernel
-    device, backward, host, hardware, labels, values = kernel  # later sums make new arrays: these are not changed
+    device, backward, host, hardware, labels, values, clocked = kernel  # later sums make new arrays: unchanged
     hooks = _hook_seconds(req, combo, arch, r, frozen)
     wait = kernels.host_exposed_seconds(host[0] + hooks[0], host[1] + hooks[1], device - host[2], host[2])
     stepped = accumulation * (device + wait)
@@ -820,7 +827,7 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
     if scale != 1.0:
         values = tuple(v / scale for v in values)
     return (seconds, backward, (optimizer + clipping) / scale, hardware,
-            [(n, v, src) for (n, src), v in zip(labels, values)])
+            [(n, v, src) for (n, src), v in zip(labels, values)], clocked / scale)
 
 
 def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, arch, g: Gpu,
@@ -856,7 +863,8 @@ def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, ar
               accumulation * t.recompute, accumulation * t.bias_gradients)
     backward_device = t.backward + (matmul - t.matmul) * 2 / 3  # the adapters' backward: 2 of their 3
     host = (t.host_forward, t.host - t.host_forward, backward_device)
-    return device, accumulation * backward_device / scale, host, accumulation * hardware, labels, values
+    clocked = accumulation * (t.clocked + matmul - t.matmul)  # the adapters' GEMMs too
+    return device, accumulation * backward_device / scale, host, accumulation * hardware, labels, values, clocked
 
 
 def _hook_seconds(req: "StepSettings", combo: Combo, arch: Architecture, r: kernels.Rates,
