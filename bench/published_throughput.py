@@ -33,7 +33,10 @@ Triton kernel flash_attn_triton.py (attention_kernel "flash-attention-triton"), 
 planner/time/kernels.py reads it at FlashAttention 1.x's rates, which its header says it runs slightly below.
 The large-scale H100 table (>= 128 GPUs) is the one sweep.py submitted (scripts/train/benchmarking/sweep.py
 at 5e85bd6, which added that table): `--attn_impl flash` for 1b, 3b, 7b and 70b (FlashAttention 2.4.2,
-the `gpu-flash2` extra its submit_benchmarks.py installs), `triton` for 13b and 30b.
+the `gpu-flash2` extra its submit_benchmarks.py installs), `triton` for 13b and 30b. MPT's flash path unpads
+q, k and v with flash-attn's bert_padding in every layer, an all-ones mask too, and calls the varlen kernel
+(attention_unpad "flash-attn": the gathers, the scatter and the host synchronisations, planner/time/kernels.py
+UNPAD).
 
 Precision as composer 0.16 (llm-foundry v0.3.0's pin) builds FSDP's MixedPrecision from the MP Mode
 column (composer/trainer/mosaic_fsdp_utils.py get_mixed_precision): DEFAULT computes in bf16 and
@@ -114,6 +117,9 @@ REDUCE_DTYPE = {"DEFAULT": "fp32", "PURE": "compute"}
 # sweep.py at 5e85bd6 (the large-scale H100 table's runs): --attn_impl flash for these models
 LARGE_SCALE_TABLE = "H100 80GB BF16 (Large Scale >= 128 GPUs)"
 FLASH2_IN_SWEEP = ("1b", "3b", "7b", "70b")
+# MPT's attn_impl flash unpads q, k and v with flash-attn's bert_padding every layer, an all-ones mask too
+# (llm-foundry 5e85bd6 llmfoundry/models/layers/attention.py flash_attn_fn, lines 270-289)
+MPT_FLASH_UNPAD = "flash-attn"
 # FSDP1's backward prefetch each table ran (module docstring): sweep.py's, else composer's default
 PREFETCH = {LARGE_SCALE_TABLE: "BACKWARD_PRE + forward prefetch"}
 COMPOSER_PREFETCH = "BACKWARD_POST"
@@ -160,6 +166,7 @@ class Row:
                                reduce_dtype=REDUCE_DTYPE[self.mp_mode],
                                checkpointing="full" if self.checkpointing else "none", **MPT_RECIPE,
                                attention_kernel="flash-attention-2" if flash2 else "flash-attention-triton",
+                               attention_unpad=MPT_FLASH_UNPAD if flash2 else "none",
                                fsdp_version=COMPOSER_FSDP, **fabric)
 
 

@@ -237,6 +237,18 @@ AsyncTpField = Annotated[bool, Field(
     description="async TP: each sequence-parallel all-gather and reduce-scatter pipelined with the matmul beside it "
                 "(torchtitan compile.enable_async_tensor_parallel, Megatron --tp-comm-overlap); needs tp > 1 within "
                 "a node and sequence parallelism; step time and its symmetric-memory workspace modelled, unverified")]
+# Flash attention's varlen path over a padded batch: each layer gathers the unpadded q, k and v by the
+# batch's padding mask and scatters the output back, finding the indices with host synchronisations
+# (torch.nonzero's output size, max_seqlen's .item()): flash-attn's bert_padding.unpad_input per tensor
+# (llm-foundry 5e85bd6 llmfoundry/models/layers/attention.py flash_attn_fn, MPT's attn_impl flash, which
+# unpads even an all-ones mask) or transformers' _upad_input once per layer (transformers 5.25
+# modeling_flash_attention_utils.py _flash_attention_forward, given an attention_mask): planner/time/kernels.py
+AttentionUnpad = Literal["none", "flash-attn", "transformers"]
+AttentionUnpadField = Annotated[AttentionUnpad, Field(
+    description="flash attention's varlen path over a padded batch, for the step time: flash-attn (bert_padding's "
+                "unpad_input for q, k and v: MPT's attn_impl flash), transformers (its _upad_input, when the batch "
+                "carries an attention_mask); each layer's gathers and scatter at the memory bandwidth and its host "
+                "synchronisations; none: the padded kernel (the default)")]
 # Whose tensor-parallel layout tp > 1 realises: torchtitan's apply_tp (vocab-parallel loss, sequence
 # parallelism), or the model class's own plan as transformers 5.25 applies it under
 # from_pretrained(tp_plan="auto") (configuration's base_model_tp_plan, the head's colwise_gather_output:
@@ -381,6 +393,7 @@ class EstimateRequest(BaseModel):
     low_precision: LowPrecisionField = "none"
     float8_all_gather: Float8AllGatherField = False
     attention: Attention = Field("sdpa", description="attention implementation (sdpa = flash/memory-efficient)")
+    attention_unpad: AttentionUnpadField = "none"
     attention_kernel: AttentionKernel = Field(
         "flash-attention-2", description="the flash kernel's generation, for the step time only: torch>=2.2 SDPA "
         "and flash-attn 2.x run FlashAttention-2; flash-attn 1.x runs FlashAttention-1; flash-attention-triton: "
@@ -486,7 +499,7 @@ class EstimateRequest(BaseModel):
         if self.reduce_dtype != "compute" and self.strategy not in SHARDING_STRATEGIES:
             raise ValueError(f"reduce_dtype={self.reduce_dtype} is FSDP2's MixedPrecisionPolicy.reduce_dtype: it applies "
                              f"to {', '.join(SHARDING_STRATEGIES)}, not strategy {self.strategy}")
-        problem = fsdp1_error(self) or async_tp_error(self) or defer_sync_error(self)
+        problem = fsdp1_error(self) or async_tp_error(self) or defer_sync_error(self) or unpad_error(self)
         if problem:
             raise ValueError(problem)
         check_request_fields(self)
@@ -559,6 +572,24 @@ def async_tp_error(request: "EstimateRequest | PlanRequest", searched: bool = Fa
                 "is mapped over a node's NVLink; keep the tensor-parallel group inside a node")
     if request.gpu == "cpu":
         return "async_tp=true with gpu cpu: symmetric memory is CUDA's (NVLink peer-to-peer); CPU ranks cannot run it"
+    return None
+
+
+# the kernels with a varlen entry point: flash-attn 1.x flash_attn_unpadded_func, 2.x flash_attn_varlen_func, the
+# Hopper build's flash_attn_varlen_func; FlashAttention's Triton kernel and torch's SDPA backends take padded batches
+VARLEN_KERNELS = ("flash-attention-1", "flash-attention-2", "flash-attention-3")
+
+
+def unpad_error(request: "EstimateRequest | PlanRequest") -> str | None:
+    """What the varlen path cannot run here, None when nothing (or when it is off)."""
+    if request.attention_unpad == "none":
+        return None
+    if request.attention == "eager":
+        return (f"attention_unpad={request.attention_unpad} with attention=eager: unpadding feeds flash attention's "
+                "varlen kernel; eager attention masks the padded scores")
+    if request.attention_kernel not in VARLEN_KERNELS:
+        return (f"attention_unpad={request.attention_unpad} with attention_kernel={request.attention_kernel}: it has no "
+                f"varlen entry point; {', '.join(VARLEN_KERNELS)} have")
     return None
 
 
@@ -806,6 +837,7 @@ class PlanRequest(BaseModel):
     gradient_clipping: GradientClippingField = False
     attention: Attention = Field("sdpa", description="attention implementation")
     attention_kernel: AttentionKernel = Field("flash-attention-2", description="the flash kernel's generation (step time)")
+    attention_unpad: AttentionUnpadField = "none"
     headroom: float = Field(0.05, ge=0.0, lt=0.9, description="fraction of device memory kept free")
     compute_efficiency: float | None = Field(
         None, gt=0.0, le=1.0, description="override: run all compute at this fraction of peak TFLOP/s (off by "
@@ -877,7 +909,8 @@ class PlanRequest(BaseModel):
         if self.checkpointing_every is not None and self.checkpointing != "full":
             raise ValueError(f"checkpointing_every={self.checkpointing_every} applies to checkpointing=full, not "
                              f"checkpointing={self.checkpointing}")
-        problem = async_tp_error(self, searched="tp" not in self.model_fields_set) or defer_sync_error(self)
+        problem = (async_tp_error(self, searched="tp" not in self.model_fields_set) or defer_sync_error(self)
+                   or unpad_error(self))
         if problem:
             raise ValueError(problem)
         return self

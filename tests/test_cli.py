@@ -17,7 +17,7 @@ PER_DEVICE_FIELDS = {"parameters_bytes", "gradients_bytes", "optimizer_states_by
 HOST_FIELDS = {"resident_bytes", "peak_bytes", "pinned_bytes", "capacity_bytes", "fits"}
 ESTIMATE_FLAGS = {"--compile", "--fused-kernels", "--model", "--model-file", "--params", "--strategy", "--gpus", "--nodes", "--gpu",
                   "--device-memory-gib", "--host-memory-gib", "--precision", "--optimizer", "--optimizer-in-backward", "--micro-batch", "--seq-len",
-                  "--gradient-accumulation", "--checkpointing", "--attention", "--attention-kernel", "--offload-optimizer",
+                  "--gradient-accumulation", "--checkpointing", "--attention", "--attention-kernel", "--attention-unpad", "--offload-optimizer",
                   "--offload-params", "--hsdp-shard-size", "--ds-config", "--reduce-bucket-size", "--allgather-bucket-size",
                   "--prefetch-bucket-size", "--param-persistence-threshold", "--max-live-parameters",
                   "--max-reuse-distance", "--topology", "--topology-file", "--fabric", "--nics-per-node", "--profile",

@@ -49,7 +49,7 @@ GROUPS = (
     Group("recipe", "Recipe", ("finetune", "lora_rank", "lora_targets", "lora_alpha", "lora_dropout", "quantize_base",
                                "double_quant", "train_embeddings", "precision", "low_precision", "float8_all_gather", "optimizer",
                                "optimizer_in_backward", "gradient_clipping", "checkpointing", "checkpointing_every", "loss", "loss_chunks",
-                               "attention", "attention_kernel", "offload_optimizer", "offload_params",
+                               "attention", "attention_kernel", "attention_unpad", "offload_optimizer", "offload_params",
                                "activation_offload", "compile", "fused_kernels", "defer_gradient_sync")),
     Group("degrees", "Layout: the strategy and degrees (empty degrees in a plan: the planner chooses; data "
                      "parallelism takes the GPUs that remain)",

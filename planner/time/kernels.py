@@ -181,6 +181,31 @@ STAND_IN = {"flash-attention-triton": "flash-attention-1"}
 # this kernel's. The header's fix, "make the backward for d=128 much faster by reducing register
 # spilling", is the reason the bound holds in the backward too.
 WIDTH_KEEPS_TILE = frozenset({"flash-attention-triton"})
+# Flash attention's varlen path over a padded batch (schema AttentionUnpadField), per layer. Its gathers and
+# scatters at the copy rate, in elements of the tensors they move: forward, q, k and v each gathered (read and
+# written once: bert_padding.IndexFirstAxis's torch.gather, transformers' tensor[indices]) and the output
+# scattered back into zeros (IndexPutFirstAxis / _pad_input: the zeros written, the values read, the rows
+# written); backward, each gather's gradient scattered into zeros (written, read, written) and the output's
+# gradient gathered (read, written). Host synchronisations: torch.nonzero's output size and max_seqlen's
+# .item() in each unpad: flash-attn's unpad_input runs per tensor (three per layer in llm-foundry 5e85bd6
+# flash_attn_fn), transformers' _get_unpad_data once per layer (5.25 _upad_input). At each one the GPU's
+# queue drains and it waits while the host returns and launches what follows, up to the attention kernel,
+# one eager launch each (HOST_SECONDS_PER_KERNEL): the unpad's small kernels (the mask's sum, nonzero, max,
+# cumsum, its pad, the gathers) cannot be hidden behind longer ones queued ahead.
+UNPAD_PASSES = {"forward": {"gathered": 2, "output": 3}, "backward": {"gathered": 3, "output": 2}}
+
+
+@dataclass(frozen=True)
+class Unpad:
+    """One layer's varlen bookkeeping for one unpadding implementation."""
+
+    syncs: int  # host synchronisations per layer's forward
+    launches: int  # kernels the host launches between the first synchronisation and the attention kernel
+    backward_kernels: int  # the gathers' and the scatter's gradients
+
+
+UNPAD = {"flash-attn": Unpad(syncs=6, launches=3 * 6, backward_kernels=3 * 2 + 1),
+         "transformers": Unpad(syncs=2, launches=5 + 3, backward_kernels=3 * 2 + 1)}
 # benchmark_flash_attention.py: backward = 2.5 x forward FLOPs (it recomputes the scores)
 ATTENTION_BACKWARD_FLOPS = 2.5
 # The forward runs at a higher rate than the backward; the tables above measure the two together,
@@ -428,6 +453,7 @@ class Work:
     # compiled: the blocks' elementwise bytes each policy's recompute moves in backward, per sequence, as (policy,
     # bytes) pairs (fusion.recompute_bytes); a policy not listed (eager) reruns the whole forward op by op
     elementwise_rerun_bytes: tuple[tuple[str, float], ...] = ()
+    stall_launches: float = 0.0  # the varlen path's synchronisations and exposed launches per forward (UNPAD)
 
 
 def _attention_gemms(s: LayerSpec, hidden: int, tp: int) -> list[tuple[int, int]]:
@@ -527,7 +553,7 @@ _WORK: dict[tuple, tuple[Architecture, "Work"]] = {}
 def work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_bytes: int, eager: bool,
          r: Rates, kernel: str = "flash-attention-2", loss: str = "hf",
          low_precision: "LowPrecisionRate | None" = None, loss_chunks: int = 1, compiled: str = "none",
-         frozen: FrozenBase | None = None, fused: tuple[str, ...] = ()) -> "Work":
+         frozen: FrozenBase | None = None, fused: tuple[str, ...] = (), unpad: str = "none") -> "Work":
     """One sequence's work on one GPU of a tp x cp group (the pipeline splits it later:
     pipeline.py), memoised per model object (an Architecture is not hashable; the plan search
     asks for the same one per setting). ``loss``: the loss implementation (planner/recipes/losses.py).
@@ -535,9 +561,10 @@ def work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_bytes
     Trainer's torch_compile): the elementwise work as inductor fuses it (planner/time/fusion.py).
     ``frozen``: a frozen base's elementwise changes (LoRA / QLoRA: planner/time/elementwise.py FrozenBase;
     not with compile, which refuses LoRA: planner/recipes/compile.py). ``fused``: the block ops run as fused
-    kernels (planner/recipes/fused_kernels.py; eager otherwise, not with compile: check_fused_kernels)."""
+    kernels (planner/recipes/fused_kernels.py; eager otherwise, not with compile: check_fused_kernels). ``unpad``:
+    flash attention's varlen path over a padded batch (UNPAD; "none": the padded kernel)."""
     key = (id(arch), seq, tp, cp, sp, compute_bytes, eager, r, kernel, loss, low_precision, loss_chunks, compiled,
-           frozen, fused)
+           frozen, fused, unpad)
     hit = _WORK.get(key)
     if hit is not None and hit[0] is arch:
         return hit[1]
@@ -545,6 +572,8 @@ def work(arch: Architecture, seq: int, tp: int, cp: int, sp: bool, compute_bytes
         _WORK.clear()
     out = _work(arch, seq, tp, cp, sp, compute_bytes, eager, r, kernel, loss, loss_chunks, fusion.check_mode(compiled),
                 frozen, fused)
+    if unpad != "none" and not eager:
+        out = _unpadded(out, arch, tp, compute_bytes, UNPAD[unpad])
     if low_precision is not None:
         out = _converted(out, compute_bytes, low_precision)
     _WORK[key] = (arch, out)
@@ -668,6 +697,26 @@ def _converted(w: "Work", compute_bytes: int, lp: LowPrecisionRate) -> "Work":
     return replace(w, gemms=tuple(gemms), cast_bytes=casts, weight_cast_bytes=weights)
 
 
+def _unpadded(w: "Work", arch: Architecture, tp: int, compute_bytes: int, u: Unpad) -> "Work":
+    """``w`` with flash attention's varlen bookkeeping in every layer (UNPAD): the gathers and the scatter as
+    elementwise traffic of the blocks (the forward's rerun by a checkpointing policy that reruns the blocks), their
+    launches, and the host synchronisations' stalls."""
+    fwd = bwd = 0.0
+    for spec in layer_specs(arch):
+        a = spec.attention
+        heads, kv_heads = max(1, a.num_heads // tp), max(1, a.num_kv_heads // tp)
+        gathered = heads * a.head_dim + kv_heads * (a.head_dim + a.v_head_dim)
+        output = heads * a.v_head_dim
+        fwd += UNPAD_PASSES["forward"]["gathered"] * gathered + UNPAD_PASSES["forward"]["output"] * output
+        bwd += UNPAD_PASSES["backward"]["gathered"] * gathered + UNPAD_PASSES["backward"]["output"] * output
+    layers = arch.num_layers
+    return replace(w, elementwise_bytes=w.elementwise_bytes + fwd * compute_bytes * w.tokens,
+                   elementwise_backward_bytes=w.elementwise_backward_bytes + bwd * compute_bytes * w.tokens,
+                   kernels=w.kernels + layers * u.launches,
+                   backward_kernels=w.backward_kernels + layers * u.backward_kernels,
+                   stall_launches=layers * (u.syncs + u.launches))
+
+
 def wave_efficiency(m, n, sms: int | None):
     """Busy fraction of the SMs over a GEMM's waves of output tiles (m, n: arrays or floats)."""
     if not sms:
@@ -781,6 +830,7 @@ class ComputeTerms:
     bias_gradients: object = 0.0  # the biased linears' bias-gradient reductions (Work.bias_gradient_bytes)
     host_forward: object = 0.0  # of the host seconds, the forward pass's launches (the rest: backward's, recompute's)
     recompute_clocked: object = 0.0  # of the recompute, its GEMMs' and attention's seconds (the SM clock's work)
+    stalls: object = 0.0  # the GPU idle at the varlen path's host synchronisations (UNPAD), forward and recompute
 
     @property
     def clocked(self):
@@ -792,8 +842,8 @@ class ComputeTerms:
     def seconds(self):
         """The micro-batch's device seconds and what its GPU waits for its launches (host_exposed_seconds)."""
         device = self.matmul + self.attention + self.elementwise + self.recompute + self.bias_gradients
-        return device + host_exposed_seconds(self.host_forward, self.host - self.host_forward,
-                                             device - self.backward, self.backward)
+        return device + self.stalls + host_exposed_seconds(self.host_forward, self.host - self.host_forward,
+                                                           device - self.backward, self.backward)
 
 
 def host_exposed_seconds(host_forward, host_backward, forward, backward):
@@ -941,6 +991,7 @@ def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointi
         recompute_clocked = recompute_clocked + loss_recompute / r.steady_flops
         hardware = hardware + loss_recompute
     host = arrays.full_like(m_all, kernels * r.host_seconds_per_kernel)
+    stalls = arrays.full_like(m_all, w.stall_launches * (1 + share.attention) * r.host_seconds_per_kernel)
     host_forward = arrays.full_like(m_all, w.kernels * r.host_seconds_per_kernel)
     # backward: the GEMMs' gradients, attention's backward (2.5 of its 3.5), the elementwise
     # backward, the loss's gradient half, and the recomputed forward that runs inside it
@@ -950,7 +1001,7 @@ def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointi
     backward_seconds = backward + (attention - attn_fwd) + elementwise_bwd + edge / 2 + loss / 2 + recompute + bias
     return ComputeTerms(matmul=matmul, attention=attention, elementwise=elementwise, recompute=recompute,
                         host=host, hardware_flops=hardware, backward=backward_seconds, bias_gradients=bias,
-                        host_forward=host_forward, recompute_clocked=recompute_clocked)
+                        host_forward=host_forward, recompute_clocked=recompute_clocked, stalls=stalls)
 
 
 # AdamW stepped one kernel per line (torch 2.13 optim/adam.py _single_tensor_adam, lines 416-546; composer

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
+from planner.errors import PlannerError
 from planner.time import arrays
 from planner.recipes.activation_offload import transfer_seconds
 from planner.recipes.losses import DEFAULT_CHUNKS, loss_kernel
@@ -209,6 +210,7 @@ class StepSettings:
     fsdp_version: int = 2  # the request's torch FSDP (a plan's candidates are FSDP2's, what it writes)
     attention: str = "sdpa"
     attention_kernel: str = "flash-attention-2"
+    attention_unpad: str = "none"  # flash attention's varlen path over a padded batch (kernels.UNPAD)
     optimizer: str = "adamw"
     compute_scale: float = 1.0  # a calibration profile's measured kernel-rate factor (planner/time/profiles.py)
     loss: str = "hf"  # the loss implementation (planner/recipes/losses.py)
@@ -234,7 +236,7 @@ class StepSettings:
                    seq_len=req.seq_len, nodes=req.nodes,
                    compute_efficiency=req.compute_efficiency, link_efficiency=req.link_efficiency,
                    reduce_dtype=req.reduce_dtype, attention=req.attention, optimizer=req.optimizer,
-                   attention_kernel=req.attention_kernel,
+                   attention_kernel=req.attention_kernel, attention_unpad=req.attention_unpad,
                    compute_scale=compute_scale, loss=req.loss, loss_chunks=req.loss_chunks,
                    low_precision=req.low_precision,
                    float8_all_gather=req.float8_all_gather, gradient_clipping=req.gradient_clipping,
@@ -299,6 +301,7 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
                             compute_efficiency=compute_efficiency, link_efficiency=link_efficiency,
                             reduce_dtype=request.reduce_dtype, fsdp_version=request.fsdp_version,
                             attention=request.attention, attention_kernel=request.attention_kernel,
+                            attention_unpad=request.attention_unpad,
                             optimizer=result.request.optimizer,
                             compute_scale=profile_compute_scale(request.profile, profile), loss=request.loss,
                             loss_chunks=request.loss_chunks,
@@ -816,7 +819,8 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
             shared[key] = kernel
     device, backward, host, hardware, labels, values, clocked = kernel  # later sums make new arrays: unchanged
     hooks = _hook_seconds(req, combo, arch, r, frozen)
-    wait = kernels.host_exposed_seconds(host[0] + hooks[0], host[1] + hooks[1], device - host[2], host[2])
+    # the varlen path's synchronisations idle the GPU beyond what the passes' launches expose (kernels.UNPAD)
+    wait = kernels.host_exposed_seconds(host[0] + hooks[0], host[1] + hooks[1], device - host[2], host[2]) + host[3]
     stepped = accumulation * (device + wait)
     if hooks[2]:  # the framework's Python beside the model's launches: the host's term says so
         labels = tuple((name, f"{source}; {hooks[2]}" if name == HOST_TERM else source) for name, source in labels)
@@ -839,12 +843,17 @@ def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, ar
     checkpointing and options, and the gradients' bytes: a layout's strategies and offloads share it (the
     framework's own host work, which differs by strategy, is compute_seconds')."""
     recipe = req.recipe
+    if req.attention_unpad != "none" and arch.attention_implementation == "eager":
+        raise PlannerError(f"attention_unpad={req.attention_unpad}: this model's attention is timed eager (its family "
+                           "has no SDPA path in transformers: Architecture.attention_implementation), which masks the "
+                           "padded scores and unpads nothing", field="attention_unpad")
     w = kernels.work(arch, req.seq_len, combo.tp, combo.cp, combo.sequence_parallel, recipe.compute_bytes,
                      req.attention == "eager" or arch.attention_implementation == "eager", r, req.attention_kernel,
                      loss_kernel(req.loss, g.is_cpu), _low_precision_rate(req.low_precision, g, dtype, r, recipe.compute_bytes,
                                                                              req.compile != "none"),
                      loss_chunks=req.loss_chunks or DEFAULT_CHUNKS, compiled=req.compile,
-                     frozen=frozen.elementwise if frozen is not None else None, fused=req.fused_kernels)
+                     frozen=frozen.elementwise if frozen is not None else None, fused=req.fused_kernels,
+                     unpad=req.attention_unpad)
     t = kernels.micro_batch_terms(w, micro_f, r, recipe.compute_bytes, combo.checkpointing,
                                   frozen_matmuls=1.0 if frozen is not None else 0.0,
                                   shares=kernels.recompute_shares(arch, combo.checkpointing, combo.checkpointing_every),
@@ -858,11 +867,12 @@ def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, ar
     device = matmul + t.attention + t.elementwise + t.recompute + t.bias_gradients
     scale = req.compute_scale
     labels = _compute_labels(r, req.attention_kernel, bool(w.eager_bytes), bool(w.chunked_head), combo.checkpointing,
-                             scaled, w.compiled, arch.num_experts > 0, req.fused_kernels)
+                             scaled, w.compiled, arch.num_experts > 0, req.fused_kernels,
+                             req.attention_unpad if w.stall_launches else "none")
     values = (accumulation * matmul, accumulation * t.attention, accumulation * t.elementwise,
               accumulation * t.recompute, accumulation * t.bias_gradients)
     backward_device = t.backward + (matmul - t.matmul) * 2 / 3  # the adapters' backward: 2 of their 3
-    host = (t.host_forward, t.host - t.host_forward, backward_device)
+    host = (t.host_forward, t.host - t.host_forward, backward_device, t.stalls)
     clocked = accumulation * (t.clocked + matmul - t.matmul)  # the adapters' GEMMs too
     return device, accumulation * backward_device / scale, host, accumulation * hardware, labels, values, clocked
 
@@ -926,10 +936,10 @@ def _optimizer_seconds(req: "StepSettings", combo: Combo, psi: int, arch, frozen
 
 def _compute_labels(r: kernels.Rates, attention_kernel: str, eager: bool, chunked_head: bool, checkpointing: str,
                     scaled: str, compiled: str = "none", moe: bool = False,
-                    fused: tuple[str, ...] = ()) -> tuple[tuple[str, str], ...]:
+                    fused: tuple[str, ...] = (), unpad: str = "none") -> tuple[tuple[str, str], ...]:
     """compute_seconds' terms' (name, source), in its order; remembered per argument (the plan
     times every setting of a layout with the same)."""
-    key = (r, attention_kernel, eager, chunked_head, checkpointing, scaled, compiled, moe, fused)
+    key = (r, attention_kernel, eager, chunked_head, checkpointing, scaled, compiled, moe, fused, unpad)
     hit = _LABELS.get(key)
     if hit is None:
         attention_source = ("eager attention: its matmuls at the matmul rate, the score matrix at the memory "
@@ -944,7 +954,7 @@ def _compute_labels(r: kernels.Rates, attention_kernel: str, eager: bool, chunke
                (f"recompute ({checkpointing})", "the forward kernels rerun, same rates"),
                ("bias gradients", f"each biased linear's backward sums its output gradient over the tokens "
                 f"(torch addmm's derivative, one reduction kernel; kernels.BIAS_GRADIENT_READS), at {bandwidth}"),
-               (HOST_TERM, f"{r.host_seconds_per_kernel * 1e6:g} µs per eager kernel launch"),
+               (HOST_TERM, f"{r.host_seconds_per_kernel * 1e6:g} µs per eager kernel launch" + _unpad_source(unpad)),
                ("optimizer step", bandwidth),
                ("gradient clipping", f"the norm reads this rank's gradients, the scale reads and writes them "
                 f"(kernels.CLIP_GRADIENT_PASSES), at {bandwidth}"))
@@ -956,6 +966,15 @@ def _compute_labels(r: kernels.Rates, attention_kernel: str, eager: bool, chunke
 
 
 _LABELS: dict[tuple, tuple[tuple[str, str], ...]] = {}  # _compute_labels' answers
+
+
+def _unpad_source(unpad: str) -> str:
+    if unpad == "none":
+        return ""
+    u = kernels.UNPAD[unpad]
+    return (f"; attention_unpad {unpad}: {u.syncs} host synchronisations per layer's forward (and its recompute), "
+            f"the GPU idle through them and the {u.launches} launches up to the attention kernel (kernels.UNPAD); "
+            "its gathers and scatter are elementwise traffic")
 
 
 def _elementwise_source(compiled: str, moe: bool = False, fused: tuple[str, ...] = ()) -> str:
