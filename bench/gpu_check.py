@@ -49,7 +49,9 @@ TFLOP/s at head 128 over 8,192 tokens at each length against FORWARD_OVER_BACKWA
 kept under "kernels". FSDP2's copy-out and copy-in of one Llama-3-8B block against the modelled seconds
 ("fsdp2_copies"), async TP's partial-output sum and shard copy ("async_tp"), and the host's side of a step
 (bench/host_hooks.py on this GPU: seconds per eager op against kernels.HOST_SECONDS_PER_KERNEL, ZeRO-3's and
-FSDP2's own Python against the CPU ranks' record the model charges: "host_hooks"). Then a transformer
+FSDP2's own Python against the CPU ranks' record the model charges: "host_hooks"), and flash attention's varlen
+bookkeeping, MPT's unpad and pad per layer with its host synchronisations, against the bytes and stalls the model
+charges ("unpad"). Then a transformer
 block's GEMMs, sustained for --sustained-seconds (30), per
 one-second window with the SM clock and power nvidia-smi reports ("sustained_matmul"): whether the
 rates measured in a burst hold through a step. And one Llama-3-8B and one MPT-7B block's elementwise
@@ -699,6 +701,62 @@ def async_tp_kernels(gpu_name: str, tp: int = 8, tokens: int = 8192, hidden: int
     return out
 
 
+def unpad_bookkeeping(gpu_name: str, batch: int = 12, seq: int = 2048, heads: int = 16, head_dim: int = 128,
+                      layers: int = 8) -> dict:
+    """flash attention's varlen bookkeeping (schema attention_unpad, planner/time/kernels.py UNPAD) as MPT's
+    flash_attn_fn runs it, without flash-attn: per layer, bert_padding's unpad_input for q, k and v (the mask's sum,
+    nonzero, max().item(), cumsum, pad, a gather) and pad_input for the output (zeros, index_put), forward and
+    backward, between two GEMMs of a 1b block, eager and timed end to end (the host synchronisations are the point),
+    against the same layers without it. The difference is set beside what the model charges: the bytes at the copy
+    rate and the stalls at HOST_SECONDS_PER_KERNEL per synchronisation and launch."""
+    import torch
+
+    from planner.cluster.gpus import load_gpus
+    from planner.model.architecture import from_hf_config
+    from planner.time import kernels
+
+    d = heads * head_dim
+    tokens = batch * seq
+    x = torch.randn(tokens, d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    w = torch.randn(d, 3 * d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    mask = torch.ones(batch, seq, dtype=torch.bool, device="cuda")
+
+    def unpad(t):  # bert_padding.unpad_input's work on an all-ones mask, as llm-foundry calls it per tensor
+        seqlens = mask.sum(dim=-1, dtype=torch.int32)
+        indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
+        int(seqlens.max().item())
+        torch.nn.functional.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+        return t.gather(0, indices[:, None].expand(-1, t.shape[1])), indices
+
+    def layer(unpadded: bool):
+        h = x
+        for _ in range(layers):
+            q, k, v = (h @ w).chunk(3, dim=-1)
+            if unpadded:
+                (q, indices), (k, _), (v, _) = unpad(q), unpad(k), unpad(v)
+                out = torch.zeros_like(x)
+                h = out.index_put((indices,), q + k + v)
+            else:
+                h = q + k + v
+        h.float().sum().backward()
+
+    seconds = {name: _cuda_seconds(lambda unpadded=unpadded: layer(unpadded), repeat=5)
+               for name, unpadded in (("padded", False), ("unpadded", True))}
+    r = kernels.rates(load_gpus()[gpu_name], "bf16")
+    arch = from_hf_config({"model_type": "gpt2", "n_embd": d, "n_head": heads, "n_layer": layers,
+                           "n_inner": 4 * d, "n_positions": seq, "vocab_size": 50368})
+    plain, flash = (kernels.work(arch, seq, 1, 1, False, 2, False, r, unpad=u) for u in ("none", "flash-attn"))
+    extra_bytes = (flash.elementwise_bytes + flash.elementwise_backward_bytes
+                   - plain.elementwise_bytes - plain.elementwise_backward_bytes) * batch
+    modelled = extra_bytes / r.memory_bytes_per_s + flash.stall_launches * r.host_seconds_per_kernel
+    out = {"measured_extra_s": seconds["unpadded"] - seconds["padded"], "modelled_extra_s": modelled,
+           "padded_s": seconds["padded"], "layers": layers, "tokens": tokens,
+           "note": "the sum q + k + v stands in for the attention kernel; unverified until run on a GPU"}
+    print(f"varlen bookkeeping over {layers} layers: {out['measured_extra_s'] * 1e3:.2f} ms measured, "
+          f"{modelled * 1e3:.2f} ms modelled")
+    return out
+
+
 def host_hooks_on_gpu(steps: int = 30) -> dict:
     """The host's side of a step on this machine (bench/host_hooks.py on one GPU over NCCL): its seconds per
     eager op, which the time model sets at kernels.HOST_SECONDS_PER_KERNEL, and ZeRO-3's and FSDP2's own
@@ -788,7 +846,8 @@ def main() -> int:
         results |= {"kernels": check_kernels(args.gpu), "elementwise": check_elementwise(args.gpu),
                     "matmul_tflops": matmul_tflops(),
                     "hbm_copy_gbps": hbm_copy_gbps(), "fsdp2_copies": fsdp2_copies(args.gpu),
-                    "async_tp": async_tp_kernels(args.gpu), "host_hooks": host_hooks_on_gpu(),
+                    "async_tp": async_tp_kernels(args.gpu), "unpad": unpad_bookkeeping(args.gpu),
+                    "host_hooks": host_hooks_on_gpu(),
                     "sustained_matmul": sustained_matmul(args.gpu, args.sustained_seconds)}
         print(f"device-to-device copy: {results['hbm_copy_gbps']:.0f} GB/s (bytes read + written)")
     print(f"matmul TFLOP/s measured: {results.get('matmul_tflops')}")

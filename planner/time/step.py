@@ -974,7 +974,8 @@ def _unpad_source(unpad: str) -> str:
     u = kernels.UNPAD[unpad]
     return (f"; attention_unpad {unpad}: {u.syncs} host synchronisations per layer's forward (and its recompute), "
             f"the GPU idle through them and the {u.launches} launches up to the attention kernel (kernels.UNPAD); "
-            "its gathers and scatter are elementwise traffic")
+            "its gathers and scatter are elementwise traffic; modelled from flash-attn's and transformers' source, "
+            "unverified on a GPU (bench/gpu_check.py unpad)")
 
 
 def _elementwise_source(compiled: str, moe: bool = False, fused: tuple[str, ...] = ()) -> str:
