@@ -57,7 +57,7 @@ def slowest_share(world: int) -> float:
 SOURCE = ("every rank waits for the slowest GPU at the step's collectives: same-SKU GPUs' matmul rates spread 5% "
           "over one 8-GPU node (Bekman, ml-engineering compute/accelerator/README.md 'Not all accelerators are created equal'), a normal "
           "spread of {sigma:.2%}; the slowest of {world:,} GPUs runs the GEMMs and attention {share:.2%} longer "
-          "(planner/time/variation.py)")
+          "(planner/time/variation.py; published spreads, not measured here: one GPU cannot show it)")
 
 
 @lru_cache(maxsize=1024)
