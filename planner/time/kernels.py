@@ -842,20 +842,21 @@ class ComputeTerms:
     def seconds(self):
         """The micro-batch's device seconds and what its GPU waits for its launches (host_exposed_seconds)."""
         device = self.matmul + self.attention + self.elementwise + self.recompute + self.bias_gradients
-        return device + self.stalls + host_exposed_seconds(self.host_forward, self.host - self.host_forward,
-                                                           device - self.backward, self.backward)
+        return device + host_exposed_seconds(self.host_forward, self.host - self.host_forward,
+                                             device - self.backward, self.backward, self.stalls)
 
 
-def host_exposed_seconds(host_forward, host_backward, forward, backward):
+def host_exposed_seconds(host_forward, host_backward, forward, backward, stalls=0.0):
     """The seconds a micro-batch's GPU waits for its host: a kernel runs no sooner than the host has
     launched it, and within a micro-batch the host runs ahead of the GPU freely (eager PyTorch queues
     its launches; nothing synchronises the two before the loss is read). So the GPU ends the forward at
     the later of the host's forward launches and its own forward work, and the micro-batch at the later
     of that plus its backward work and the host's last launch: a pass whose host work outlasts its
     kernels (a small model's short kernels under a framework's per-module hooks) shows the difference,
-    a backward the GPU takes longer than its launches absorbs none of the forward's."""
+    a backward the GPU takes longer than its launches absorbs none of the forward's. ``stalls``: where the host
+    synchronises with the GPU inside a pass (the varlen path's unpad, UNPAD), the GPU idles that long besides."""
     after_forward = arrays.maximum(host_forward, forward)
-    return arrays.maximum(after_forward + backward, host_forward + host_backward) - forward - backward
+    return arrays.maximum(after_forward + backward, host_forward + host_backward) - forward - backward + stalls
 
 
 def liger_head(m_all, n: int, k: int, r: Rates, compute_bytes: int, accumulate_bytes: int, chunks: int = 0):

@@ -819,8 +819,7 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
             shared[key] = kernel
     device, backward, host, hardware, labels, values, clocked = kernel  # later sums make new arrays: unchanged
     hooks = _hook_seconds(req, combo, arch, r, frozen)
-    # the varlen path's synchronisations idle the GPU beyond what the passes' launches expose (kernels.UNPAD)
-    wait = kernels.host_exposed_seconds(host[0] + hooks[0], host[1] + hooks[1], device - host[2], host[2]) + host[3]
+    wait = kernels.host_exposed_seconds(host[0] + hooks[0], host[1] + hooks[1], device - host[2], host[2], host[3])
     stepped = accumulation * (device + wait)
     if hooks[2]:  # the framework's Python beside the model's launches: the host's term says so
         labels = tuple((name, f"{source}; {hooks[2]}" if name == HOST_TERM else source) for name, source in labels)
@@ -838,8 +837,9 @@ def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, ar
                     frozen: FrozenBaseShape | None, gradient_bytes: int, r: kernels.Rates, dtype: str, scaled: str):
     """compute_seconds' kernels, everything but the optimizer's step and the host's wait: (one micro-batch's
     device seconds, the backward passes' share of the step scaled, one micro-batch's (forward launches,
-    backward and recompute launches, backward device seconds), hardware FLOPs, the terms' labels, the terms'
-    seconds but the host's wait and the optimizer step's). What it reads of the setting is its degrees,
+    backward and recompute launches, backward device seconds, the varlen path's stalls), hardware FLOPs, the
+    terms' labels, the terms' seconds but the host's wait and the optimizer step's, the step's clock-bound
+    seconds: GEMMs and attention, for planner/time/variation.py). What it reads of the setting is its degrees,
     checkpointing and options, and the gradients' bytes: a layout's strategies and offloads share it (the
     framework's own host work, which differs by strategy, is compute_seconds')."""
     recipe = req.recipe
@@ -868,7 +868,7 @@ def _kernel_seconds(req: "StepSettings", combo: Combo, micro_f, accumulation, ar
     scale = req.compute_scale
     labels = _compute_labels(r, req.attention_kernel, bool(w.eager_bytes), bool(w.chunked_head), combo.checkpointing,
                              scaled, w.compiled, arch.num_experts > 0, req.fused_kernels,
-                             req.attention_unpad if w.stall_launches else "none")
+                             req.attention_unpad)
     values = (accumulation * matmul, accumulation * t.attention, accumulation * t.elementwise,
               accumulation * t.recompute, accumulation * t.bias_gradients)
     backward_device = t.backward + (matmul - t.matmul) * 2 / 3  # the adapters' backward: 2 of their 3
