@@ -149,6 +149,10 @@ class VerifyJob(BaseModel):
     seed: int = 0
     keeps_outputs: bool = Field(False, description="the loop keeps the model's outputs through backward, as "
                                 "accelerate's examples (planner/recipes/loop.py); default: freed once .loss is taken")
+    train_metrics: int = Field(0, ge=0, description="cross-entropy metrics on each micro-batch's kept logits after "
+                               "its backward, as composer's train metrics (planner/recipes/loop.py); needs keeps_outputs")
+    metric_autocast: Literal["bf16", "fp16"] | None = Field(None, description="the autocast the metrics run under "
+                                                            "(composer's precision context; None: the logits' dtype)")
     vision: bool = Field(False, description="a multimodal config: build the whole conditional-generation class "
                          "(vision tower included) and feed it text, as the planner counted it; false: its text decoder")
     activation_offload: bool = Field(False, description="forward and loss under torch.autograd.graph.save_on_cpu("

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.recipes.finetune import lora_config
+from planner.recipes.loop import metric_autocasts
 from backend.job import VerifyJob
 from planner.errors import PlannerError
 from planner.frameworks import framework as lookup_framework
@@ -137,6 +138,9 @@ def worker_job(request: EstimateRequest, *, steps: int, warmup_steps: int, out_d
         "out_dir": str(out_dir),
         "seed": 0,
         "keeps_outputs": request.keeps_outputs,
+        "train_metrics": request.train_metrics,
+        "metric_autocast": (setup.recipe.autocast_dtype
+                            if metric_autocasts(setup.framework, setup.recipe.autocast_dtype) else None),
         "vision": bool(setup.arch is not None and setup.arch.vision_numels),
         "activation_offload": request.activation_offload,
     }

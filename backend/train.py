@@ -554,6 +554,7 @@ def _optimizer_step(job: dict[str, Any], engine, device: torch.device, first_bat
             with offload:
                 held[0] = engine(input_ids=tokens, labels=tokens)  # `outputs = model(**batch)`: the previous die here
             engine.backward(held[0].loss)
+            _train_metrics(job, held[0], tokens)
             engine.step()
             del tokens
             continue
@@ -562,6 +563,27 @@ def _optimizer_step(job: dict[str, Any], engine, device: torch.device, first_bat
         engine.backward(loss)
         engine.step()
         del loss, tokens
+
+
+def _train_metrics(job: dict[str, Any], outputs, labels: torch.Tensor) -> None:
+    """composer's train metrics after a micro-batch's backward (planner/recipes/loop.py): the labels shifted in
+    place (composer's HuggingFaceModel.eval_forward: ``labels[:, :-1] = labels[:, 1:].clone()``, the last -100),
+    then each metric's ``CrossEntropyLoss(reduction="sum")`` over the kept logits (composer metrics/nlp.py
+    LanguageCrossEntropy.update), under no_grad and the loop's precision context (``metric_autocast``)."""
+    metrics = int(job.get("train_metrics", 0))
+    if not metrics:
+        return
+    labels[:, :-1] = labels[:, 1:].clone()
+    labels[:, -1] = -100
+    logits = outputs.logits
+    dtype = job.get("metric_autocast")
+    context = torch.autocast(logits.device.type, dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dtype])) \
+        if dtype else nullcontext()
+    with torch.no_grad(), context:
+        for _ in range(metrics):
+            loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1),
+                                                     ignore_index=-100, reduction="sum")
+            del loss
 
 
 def _train_steps(job: dict[str, Any], engine, device: torch.device, on_step, offload=None) -> list[float]:

@@ -56,9 +56,9 @@ def _peers(request: EstimateRequest) -> tuple[int | None, int]:
 
 # The recipe fields (issue 21 and before) a row names when they differ from the default: the
 # schema's own defaults, so a new field is one entry here
-RECIPE_FIELDS = ("finetune", "quantize_base", "double_quant", "keeps_outputs", "checkpointing_every", "loss",
-                 "loss_chunks", "optimizer", "optimizer_in_backward", "tp_plan", "activation_offload", "text_only",
-                 "defer_gradient_sync", "reduce_dtype")
+RECIPE_FIELDS = ("finetune", "quantize_base", "double_quant", "keeps_outputs", "train_metrics", "checkpointing_every",
+                 "loss", "loss_chunks", "optimizer", "optimizer_in_backward", "tp_plan", "activation_offload",
+                 "text_only", "defer_gradient_sync", "reduce_dtype")
 
 
 def recipe(request: EstimateRequest) -> str:
@@ -73,7 +73,8 @@ def recipe(request: EstimateRequest) -> str:
                      f"every {value}" if name == "checkpointing_every" else
                      f"{value} chunks" if name == "loss_chunks" else f"{value} loss" if name == "loss" else
                      f"{value} tp_plan" if name == "tp_plan" else
-                     f"{value} reduce" if name == "reduce_dtype" else f"{value}")
+                     f"{value} reduce" if name == "reduce_dtype" else
+                     f"{value} train metrics" if name == "train_metrics" else f"{value}")
     return ", ".join(words) or "-"
 
 

@@ -757,6 +757,33 @@ def unpad_bookkeeping(gpu_name: str, batch: int = 12, seq: int = 2048, heads: in
     return out
 
 
+def train_metric_pass(gpu_name: str, tokens: int = 16384, vocab: int = 50368) -> dict:
+    """One of composer's train metrics (schema train_metrics, planner/recipes/loop.py) as MPT runs it: a
+    cross-entropy with reduction "sum" over bf16 logits under torch.autocast in bf16 and no_grad, timed against the
+    bytes the model charges at the copy rate (kernels.train_metric_bytes_per_logit: the fp32 cast and the forward
+    Liger's benchmark measured on a 131k vocabulary; a 50k row may stay in L2 between the log-softmax's passes)."""
+    import torch
+
+    from planner.cluster.gpus import load_gpus
+    from planner.time import kernels
+
+    logits = torch.randn(tokens, vocab, dtype=torch.bfloat16, device="cuda")
+    labels = torch.randint(0, vocab, (tokens,), device="cuda")
+
+    def metric():
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+
+    measured = _cuda_seconds(metric)
+    r = kernels.rates(load_gpus()[gpu_name], "bf16")
+    modelled = tokens * vocab * kernels.train_metric_bytes_per_logit(2, True) / r.memory_bytes_per_s
+    out = {"measured_s": measured, "modelled_s": modelled, "tokens": tokens, "vocab": vocab,
+           "note": "the model's train-metric term; unverified until run on a GPU"}
+    print(f"train metric (fp32 cross-entropy under autocast, {tokens} x {vocab}): {measured * 1e3:.2f} ms measured, "
+          f"{modelled * 1e3:.2f} ms modelled")
+    return out
+
+
 def host_hooks_on_gpu(steps: int = 30) -> dict:
     """The host's side of a step on this machine (bench/host_hooks.py on one GPU over NCCL): its seconds per
     eager op, which the time model sets at kernels.HOST_SECONDS_PER_KERNEL, and ZeRO-3's and FSDP2's own
@@ -847,6 +874,7 @@ def main() -> int:
                     "matmul_tflops": matmul_tflops(),
                     "hbm_copy_gbps": hbm_copy_gbps(), "fsdp2_copies": fsdp2_copies(args.gpu),
                     "async_tp": async_tp_kernels(args.gpu), "unpad": unpad_bookkeeping(args.gpu),
+                    "train_metric": train_metric_pass(args.gpu),
                     "host_hooks": host_hooks_on_gpu(),
                     "sustained_matmul": sustained_matmul(args.gpu, args.sustained_seconds)}
         print(f"device-to-device copy: {results['hbm_copy_gbps']:.0f} GB/s (bytes read + written)")

@@ -12,7 +12,8 @@ and offload; "decides" names the term that separates it most from the one ranked
 Gradients are reduced in fp32 as both ran: torchtitan's mixed_precision_reduce, composer's DEFAULT
 MP mode (bench/published_throughput.py REDUCE_DTYPE). MPT is asked as it ran, the same definition as
 bench/published_throughput.py's (mpt_config, MPT_RECIPE): exact GELU, flash-attn's cross-entropy with
-composer's loop keeping the outputs, composer's DecoupledAdamW stepped one parameter at a time.
+composer's loop keeping the outputs and updating its two train metrics on them after each backward,
+composer's DecoupledAdamW stepped one parameter at a time.
 """
 
 from __future__ import annotations

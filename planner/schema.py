@@ -20,7 +20,7 @@ from planner.model.activations import Attention, Checkpointing
 from planner.time.kernels import AttentionKernel
 from planner.errors import unknown
 from planner.recipes.finetune_fields import check_request_fields
-from planner.recipes.losses import Loss
+from planner.recipes.losses import FUSED, Loss
 from planner.recipes.compile import COMPILE_HELP, Compile
 from planner.recipes.fused_kernels import FUSED_KERNELS_HELP, FusedKernel, parse_fused_kernels
 from planner.recipes.low_precision import LowPrecision
@@ -333,6 +333,16 @@ FusedKernelsField = Annotated[tuple[FusedKernel, ...], BeforeValidator(parse_fus
 KeepsOutputsField = Annotated[bool, Field(
     description="the script keeps the model's outputs through backward (accelerate's `outputs = model(**batch); "
     "accelerator.backward(outputs.loss)`): their logits stay live; default: the Trainer's loop, which frees them")]
+# Metrics the training loop computes on every micro-batch's logits after its backward: composer's trainer
+# (0.14-0.17 trainer.py _train_microbatch -> _eval_train_metrics, under torch.no_grad and its precision context)
+# updates each of the model's train metrics on the outputs it kept; llm-foundry's MPT and HF causal LMs train with
+# two, LanguageCrossEntropy and LanguagePerplexity, each a torch cross-entropy over all the logits (composer
+# metrics/nlp.py; llm-foundry modeling_mpt.py ComposerMPTCausalLM train_metrics, `use_train_metrics` false from
+# October 2023 turns them off). planner/recipes/loop.py models their memory, planner/time/kernels.py their time.
+TrainMetricsField = Annotated[int, Field(
+    ge=0, le=8, description="cross-entropy metrics the loop evaluates on each micro-batch's logits after its backward "
+    "(composer's train metrics: llm-foundry's models run 2, LanguageCrossEntropy and LanguagePerplexity; 0 with "
+    "use_train_metrics false); needs keeps_outputs, as composer keeps the outputs they read; default 0")]
 # The training loop's gradient sync under accumulation: transformers 5.25's Trainer (and TRL, axolotl and
 # LLaMA-Factory on it) enters accelerator.no_sync on every micro-batch but the last (trainer.py: sync_context, unless
 # accelerator_config's gradient_accumulation_kwargs sync_each_batch), as accelerate's accumulate() does; under FSDP2
@@ -443,6 +453,7 @@ class EstimateRequest(BaseModel):
         "Gemma3ForConditionalGeneration, vision tower included)")
     # the recipe as it is run (issue 21): the training loop (planner/recipes/loop.py)
     keeps_outputs: KeepsOutputsField = False
+    train_metrics: TrainMetricsField = 0
     defer_gradient_sync: DeferGradientSyncField = False
     compile: CompileField = "none"
     fused_kernels: FusedKernelsField = ()
@@ -499,7 +510,8 @@ class EstimateRequest(BaseModel):
         if self.reduce_dtype != "compute" and self.strategy not in SHARDING_STRATEGIES:
             raise ValueError(f"reduce_dtype={self.reduce_dtype} is FSDP2's MixedPrecisionPolicy.reduce_dtype: it applies "
                              f"to {', '.join(SHARDING_STRATEGIES)}, not strategy {self.strategy}")
-        problem = fsdp1_error(self) or async_tp_error(self) or defer_sync_error(self) or unpad_error(self)
+        problem = (fsdp1_error(self) or async_tp_error(self) or defer_sync_error(self) or unpad_error(self)
+                   or train_metrics_error(self))
         if problem:
             raise ValueError(problem)
         check_request_fields(self)
@@ -590,6 +602,25 @@ def unpad_error(request: "EstimateRequest | PlanRequest") -> str | None:
     if request.attention_kernel not in VARLEN_KERNELS:
         return (f"attention_unpad={request.attention_unpad} with attention_kernel={request.attention_kernel}: it has no "
                 f"varlen entry point; {', '.join(VARLEN_KERNELS)} have")
+    return None
+
+
+def train_metrics_error(request: "EstimateRequest | PlanRequest") -> str | None:
+    """What the loop's train metrics cannot read here, None when nothing (or when there are none): they read
+    the logits of the outputs the loop kept (composer keeps ``state.outputs`` through backward), which a fused
+    loss never makes (Liger's and CCE's forwards return none) and torchtitan's chunked loss lets go chunk by chunk."""
+    if not request.train_metrics:
+        return None
+    if not request.keeps_outputs:
+        return (f"train_metrics={request.train_metrics} reads the logits of the outputs the loop keeps through "
+                "backward (composer's state.outputs): set keeps_outputs")
+    if request.loss in (*FUSED, "chunked-in-forward"):
+        return (f"train_metrics={request.train_metrics} with loss={request.loss}: that loss returns no logits for "
+                "the metrics to read")
+    if request.loss == "chunked":
+        return (f"train_metrics={request.train_metrics} with loss=chunked: torchtune's chunked output returns the "
+                "logits as a list of chunks, which composer's metrics (one logits tensor, viewed as tokens x "
+                "vocabulary) do not read")
     return None
 
 
@@ -877,6 +908,7 @@ class PlanRequest(BaseModel):
         "selective-attention (default: the search weighs none and full)")
     checkpointing_every: CheckpointingEveryField = None
     keeps_outputs: KeepsOutputsField = False
+    train_metrics: TrainMetricsField = 0
     defer_gradient_sync: DeferGradientSyncField = False
     compile: CompileField = "none"
     fused_kernels: FusedKernelsField = ()
@@ -910,7 +942,7 @@ class PlanRequest(BaseModel):
             raise ValueError(f"checkpointing_every={self.checkpointing_every} applies to checkpointing=full, not "
                              f"checkpointing={self.checkpointing}")
         problem = (async_tp_error(self, searched="tp" not in self.model_fields_set) or defer_sync_error(self)
-                   or unpad_error(self))
+                   or unpad_error(self) or train_metrics_error(self))
         if problem:
             raise ValueError(problem)
         return self

@@ -87,6 +87,10 @@ QWEN2_64K = dict(QWEN2, vocab_size=64_000)
 # pairs (tokens x 4) and their all-to-all buffers, not the logits, make the peak
 QWEN3_MOE_K4_V512 = dict(QWEN3_MOE, vocab_size=512, num_experts_per_tok=4)
 GPT2_50K = dict(GPT2, vocab_size=50_257)
+# composer's train metrics (planner/recipes/loop.py): a 32k vocabulary at 512 wide, so that under DDP the states
+# after backward and the metrics' fp32 logits outweigh the loss's tensors at the start of backward (at 768 tokens by
+# 3%, where the metrics' temporaries are 17% of the peak: a missing fp32 copy would show as -5%)
+LLAMA_32K_H512 = dict(LLAMA_32K, hidden_size=512, intermediate_size=1376)
 SMALL = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000,
          "prefetch_bucket_size": 1_000_000, "param_persistence_threshold": 10_000}
 
@@ -255,6 +259,10 @@ CPU_RUNS = [
          loss="chunked-in-forward"),
     _run("llama-v32k-tp2-fp32-sp-chunkfwd-t1024", LLAMA_TP_32K, "fsdp", "fp32", tp=2, micro=1, seq=1024,
          loss="chunked-in-forward"),
+    # composer's loop: the outputs kept and two cross-entropy metrics on their logits after each backward, in fp32
+    # under the loop's autocast; the metrics' phase is the peak
+    _run("llama-v32k-h512-ddp-bf16-ckpt-keeps-metrics2-t768", LLAMA_32K_H512, "ddp", "bf16-mixed", ckpt="full",
+         micro=1, seq=768, keeps_outputs=True, train_metrics=2),
 ]
 
 # The part of CPU_RUNS that CI runs (scripts/test.sh deselects the rest, marked slow_matrix in
@@ -273,6 +281,7 @@ CI_RUNS = frozenset({
     "llama-int8-lora-single-bf16-all-t512", "llama-v32k-lora-ddp-bf16-cce-t512",
     "llama-pp2-zbv-fp32-m4", "llama-pp2-interleaved-zb-v2-fp32-m4",  # issue 25: the split backward, the V
     "llama-v32k-fsdp-bf16-chunkfwd-t1024", "llama-v32k-tp2-fp32-sp-chunkfwd-t1024",  # torchtitan's chunked loss
+    "llama-v32k-h512-ddp-bf16-ckpt-keeps-metrics2-t768",  # composer's train metrics
 })
 
 # Measured and reported by bench/accuracy.py (not in CI, to keep it short): the rest of the
@@ -484,6 +493,15 @@ BENCH_RUNS = [
          keeps_outputs=True),
     _run("llama-v32k-zero3-bf16-small-keeps-ga2-t2048", LLAMA_32K, "zero3", "bf16-mixed", small=True, micro=1,
          seq=2048, gradient_accumulation=2, keeps_outputs=True),
+    # composer's train metrics on one device (the metrics' phase the peak), under FSDP2 (fp32 under autocast over
+    # FSDP2's bf16 logits; the start of backward the peak) and DeepSpeed (no autocast: bf16, as composer's null
+    # precision context under DeepSpeed), over two micro-batches
+    _run("llama-v32k-h512-single-bf16-ckpt-keeps-metrics2-t768", LLAMA_32K_H512, "single", "bf16-mixed", gpus=1,
+         ckpt="full", micro=1, seq=768, keeps_outputs=True, train_metrics=2),
+    _run("llama-v32k-fsdp-bf16-keeps-metrics2-ga2-t1024", LLAMA_32K, "fsdp", "bf16-mixed", micro=2, seq=512,
+         gradient_accumulation=2, keeps_outputs=True, train_metrics=2),
+    _run("llama-v32k-zero2-bf16-small-keeps-metrics2-t1024", LLAMA_32K, "zero2", "bf16-mixed", small=True, micro=2,
+         seq=512, keeps_outputs=True, train_metrics=2),
     # strategy single: one device, the bare module under autocast (HF Trainer / accelerate on one GPU)
     _run("llama-single-bf16-t512", LLAMA, "single", "bf16-mixed", gpus=1, micro=2, seq=256),
     _run("llama-v32k-single-fp32-ckpt-keeps-t1024", LLAMA_32K, "single", "fp32", gpus=1, ckpt="full", micro=1,
@@ -559,7 +577,7 @@ BENCH_RUNS = [
          seq=1024, loss="chunked-in-forward", loss_chunks=4),
     _run("llama-v32k-tp2-fsdp2-bf16-sp-chunkfwd-t1024", LLAMA_TP_32K, "fsdp", "bf16-mixed", tp=2, gpus=4, micro=2,
          seq=512, loss="chunked-in-forward"),
-    # optimizers (planner/recipes/optimizers.py), each from its own library on CPU ranks; at 64 tokens the
+    # optimizers, each from its own library on CPU ranks; at 64 tokens the
     # states dominate the resident and the step's temporaries (bitsandbytes' CPU path, Muon's Newton-Schulz,
     # Adafactor's full-size estimate) can set the peak
     *[run for run in OPTIMIZER_RUNS if run not in CPU_RUNS],

@@ -31,7 +31,7 @@ ESTIMATE_FLAGS = {"--compile", "--fused-kernels", "--model", "--model-file", "--
                   # job files (issue 23)
                   "--from",
                   # the recipes as they are run (issue 21)
-                  "--keeps-outputs", "--double-quant", "--checkpointing-every", "--loss", "--loss-chunks", "--tp-plan", "--low-precision", "--float8-all-gather",
+                  "--keeps-outputs", "--train-metrics", "--double-quant", "--checkpointing-every", "--loss", "--loss-chunks", "--tp-plan", "--low-precision", "--float8-all-gather",
                   # the framework version a strategy is modelled at (issue 20)
                   "--framework-version",
                   # the step time's gradient clipping (issue 22)

@@ -43,7 +43,8 @@ class Group:
 # a name the schema lacks is skipped.
 GROUPS = (
     Group("model", "Model and job", ("model", "model_config", "params", "seq_len", "global_batch", "micro_batch",
-                                     "gradient_accumulation", "include_vision", "text_only", "keeps_outputs")),
+                                     "gradient_accumulation", "include_vision", "text_only", "keeps_outputs",
+                                     "train_metrics")),
     Group("cluster", "Cluster and wiring", ("gpu", "gpus", "nodes", "topology", "fabric", "nics_per_node",
                                             "host_memory_gib", "device_memory_gib", "topology_text")),
     Group("recipe", "Recipe", ("finetune", "lora_rank", "lora_targets", "lora_alpha", "lora_dropout", "quantize_base",

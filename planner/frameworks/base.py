@@ -120,6 +120,10 @@ class Framework:
     # (defer_gradient_sync: torch DDP's no_sync, FSDP's no_sync and set_requires_gradient_sync); DeepSpeed's
     # engine accumulates itself, and the HF Trainer keeps every micro-batch's sync under it
     loop_no_sync: bool = False
+    # a training loop's own precision context (composer's torch.autocast for amp_bf16 / amp_fp16) wraps the code it
+    # runs beside the engine's forward (the train metrics: planner/recipes/loop.py); under DeepSpeed composer enters
+    # none (trainer.py _get_precision_context: a null context when DeepSpeed is enabled)
+    loop_autocasts: bool = True
 
     def phases(self, setup: "SetupFields", acts: "Activations | None", numels: list[int]) -> "PhasePlan":
         raise NotImplementedError

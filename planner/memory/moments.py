@@ -17,6 +17,7 @@ class PhaseKind(str, Enum):
     TIED_SUM = "tied_sum"  # a tied embedding's two gradient contributions being summed
     FIRST_BUCKET_REDUCTION = "first_bucket_reduction"  # ZeRO-2's first reduce bucket overflow
     GRADIENT_ALLREDUCE = "gradient_allreduce"
+    TRAIN_METRICS = "train_metrics"  # the loop's metrics on the kept logits, after a micro-batch's backward
     OPTIMIZER_STEP = "optimizer_step"
 
     @property

@@ -27,7 +27,8 @@ from planner.frameworks.deepspeed.config import (ZeroSettings, batch_from_config
                                                 parse_ds_config, with_overrides)
 from planner.errors import PlannerError
 from planner.recipes.losses import FUSED, in_forward_why_not, loss_chunks, loss_kernel, loss_notes
-from planner.recipes.loop import check_loop, held_outputs_bytes, loop_note, with_held, with_held_outputs
+from planner.recipes.loop import (check_loop, held_outputs_bytes, loop_note, metric_autocasts, train_metric_items,
+                                  train_metrics_note, with_held, with_held_outputs, with_train_metrics)
 from planner.recipes.fused_kernels import check_fused_kernels, fused_kernels_notes
 from planner.recipes.low_precision import RECIPES as LP_RECIPES, check_float8_all_gather, check_low_precision, \
     low_precision_notes, recipe_of, resident_weight_bytes
@@ -310,6 +311,8 @@ def measure(setup: Setup) -> Measured:
             plan = with_frozen(plan, setup)
         if setup.request.keeps_outputs:
             plan = with_held_outputs(plan, _held_outputs(setup))
+        if setup.request.train_metrics:
+            plan = with_train_metrics(plan, _train_metric_items(setup), setup.request.train_metrics)
         workspaces = _low_precision_workspaces(setup)
         if workspaces:
             plan = with_held(plan, buf.item(f"{setup.request.low_precision}: fp8 weights and their transposes "
@@ -459,6 +462,17 @@ def _held_outputs(setup: Setup) -> int:
         return 0
     req = setup.request
     return held_outputs_bytes(setup.arch.vocab_size, req.micro_batch * req.seq_len, setup.recipe.compute_bytes)
+
+
+def _train_metric_items(setup: Setup) -> list:
+    """One train metric's temporaries over a micro-batch's kept logits (planner/recipes/loop.py)."""
+    req = setup.request
+    return train_metric_items(setup.arch.vocab_size, req.micro_batch * req.seq_len, setup.recipe.compute_bytes,
+                              _metric_autocasts(setup))
+
+
+def _metric_autocasts(setup: Setup) -> bool:
+    return metric_autocasts(setup.framework, setup.recipe.autocast_dtype)
 
 
 def _low_precision_workspaces(setup: Setup) -> int:
@@ -678,6 +692,9 @@ def _notes(setup: Setup, acts: Activations | None, plan: "buf.PhasePlan", peak_p
         notes.extend(setup.arch.notes)  # what the family's reader assumed (eager only, vision tower)
     notes.append(f"peak occurs during {peak_phase.name}")
     notes.append(loop_note(setup.request.keeps_outputs, _held_outputs(setup)))
+    if setup.request.train_metrics:
+        notes.append(train_metrics_note(setup.request.train_metrics, _metric_autocasts(setup),
+                                        sum(i.bytes for i in _train_metric_items(setup))))
     compiled = compile_note(setup.request.compile, setup.request.checkpointing)
     if compiled:
         notes.append(compiled)

@@ -12,7 +12,7 @@ from planner.schema import PlanRequest
 
 # the estimate fields a plan carries unchanged into every candidate (their defaults are left out,
 # so a plan without a recipe estimates the requests it always did)
-CARRIED = ("checkpointing_every", "keeps_outputs", "loss", "loss_chunks", "low_precision", "float8_all_gather",
+CARRIED = ("checkpointing_every", "keeps_outputs", "train_metrics", "loss", "loss_chunks", "low_precision", "float8_all_gather",
            "activation_offload", "gradient_clipping", "compile", "fused_kernels")
 # a refusal naming one of these is the recipe's, not the setting's: the setting is skipped
 RECIPE_FIELDS = CARRIED + ("checkpointing", "tp_plan")  # tp_plan: e.g. transformers' TP x FSDP2 of a tied model

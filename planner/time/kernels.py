@@ -262,6 +262,10 @@ HOST_SECONDS_PER_KERNEL = 10e-6
 # at a307eac8 resets it in no mode but "backward"): 36 per logit; rows of 32,768 and 65,536 give the same
 # (48.8 and 47.8 before the accumulation's 12).
 LOSS_BYTES_PER_LOGIT = 48
+# Bytes at the copy rate per fp32 logit of torch's cross_entropy forward alone: the same measurement's 20.73 ms
+# forward over 16,384 x 131,072 fp32 logits at 0.83 x 2,039 GB/s (above). A train metric's cross-entropy
+# (planner/recipes/loop.py) is this forward, under no_grad.
+CROSS_ENTROPY_FORWARD_BYTES_PER_FP32_LOGIT = 20.73e-3 * 0.83 * 2039e9 / (16384 * 131072)
 # A linear with a bias is one addmm (torch aten/src/ATen/native/Linear.cpp linear: a 2-D or contiguous 3-D
 # input with a bias goes to addmm; GPT-2's Conv1D calls torch.addmm itself). Its forward adds the bias in
 # cuBLASLt's epilogue, no kernel of its own (aten/src/ATen/native/cuda/Blas.cpp addmm_out_cuda_impl:
@@ -1017,6 +1021,18 @@ def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointi
 #   / bias_correction2_sqrt                   state 2
 #   .add_(eps)                                state 2
 #   param.addcdiv_(exp_avg, denom)            param 2, state 2
+def train_metric_bytes_per_logit(compute_bytes: int, autocast: bool) -> float:
+    """Bytes each logit moves through one train metric's cross-entropy (planner/recipes/loop.py): under
+    autocast the cast of the 16-bit logits to fp32 (read, write 4) and the forward on fp32 logits
+    (CROSS_ENTROPY_FORWARD_BYTES_PER_FP32_LOGIT, its reads and writes scaling with the width); without, the
+    forward on the logits' own width."""
+    fp32 = 4
+    if autocast:
+        cast = 0 if compute_bytes == fp32 else compute_bytes + fp32
+        return cast + CROSS_ENTROPY_FORWARD_BYTES_PER_FP32_LOGIT
+    return CROSS_ENTROPY_FORWARD_BYTES_PER_FP32_LOGIT * compute_bytes / fp32
+
+
 UNFUSED_ADAMW_STATE_UNITS = 14
 UNFUSED_ADAMW_PARAM_UNITS = 4
 UNFUSED_ADAMW_GRAD_UNITS = 2

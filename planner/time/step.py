@@ -14,6 +14,7 @@ from planner.errors import PlannerError
 from planner.time import arrays
 from planner.recipes.activation_offload import transfer_seconds
 from planner.recipes.losses import DEFAULT_CHUNKS, loss_kernel
+from planner.recipes.loop import metric_autocasts
 from planner.time import host_hooks, kernels, variation
 from planner.time import collectives as timing
 from planner.model.architecture import Architecture, layer_parameters, parameter_numels
@@ -223,6 +224,7 @@ class StepSettings:
     fused_kernels: tuple[str, ...] = ()  # Liger's fused block kernels (planner/recipes/fused_kernels.py)
     async_tp: bool = False  # the sequence-parallel collectives pipelined with their matmuls (_async_tp_seconds)
     defer_gradient_sync: bool = False  # the loop's no_sync: FSDP reduces once per step (Traffic.deferred_sync)
+    train_metrics: int = 0  # the loop's cross-entropy metrics on each micro-batch's kept logits (recipes/loop.py)
 
     def framework(self, s) -> Framework:
         """The framework version that realises strategy ``s`` in this step: the request's where it
@@ -241,7 +243,7 @@ class StepSettings:
                    low_precision=req.low_precision,
                    float8_all_gather=req.float8_all_gather, gradient_clipping=req.gradient_clipping,
                    compile=req.compile, fused_kernels=req.fused_kernels, async_tp=req.async_tp,
-                   defer_gradient_sync=req.defer_gradient_sync)
+                   defer_gradient_sync=req.defer_gradient_sync, train_metrics=req.train_metrics)
 
 
 def collective_volumes(request: EstimateRequest) -> list[dict]:
@@ -308,7 +310,7 @@ def estimate_time(request: EstimateRequest, result: EstimateResult, profile=None
                             low_precision=request.low_precision, float8_all_gather=request.float8_all_gather,
                             gradient_clipping=request.gradient_clipping, compile=request.compile,
                             fused_kernels=request.fused_kernels, async_tp=request.async_tp,
-                            defer_gradient_sync=request.defer_gradient_sync)
+                            defer_gradient_sync=request.defer_gradient_sync, train_metrics=request.train_metrics)
     arch = traced if traced is not None else Architecture.model_validate(result.model.architecture)
     moved = activation_offload_bytes(setup) / request.micro_batch if traced is None else 0.0
     t = step_times(settings, combo, request.micro_batch, per_rank, result.parameters, arch, g,
@@ -824,9 +826,11 @@ def compute_seconds(req: "StepSettings", combo: Combo, micro, per_rank: int, psi
     if hooks[2]:  # the framework's Python beside the model's launches: the host's term says so
         labels = tuple((name, f"{source}; {hooks[2]}" if name == HOST_TERM else source) for name, source in labels)
     optimizer, clipping = _optimizer_seconds(req, combo, psi, arch, frozen, r)
+    metrics, metrics_label = _train_metric_seconds(req, combo, micro_f, arch, r)
     scale = req.compute_scale  # a profile's measured factor on every kernel rate
-    seconds = (stepped + optimizer + clipping) / scale
-    values = values + (accumulation * wait, optimizer, clipping)
+    seconds = (stepped + accumulation * metrics + optimizer + clipping) / scale
+    values = values + (accumulation * wait, optimizer, clipping, accumulation * metrics)
+    labels = labels + (metrics_label,)
     if scale != 1.0:
         values = tuple(v / scale for v in values)
     return (seconds, backward, (optimizer + clipping) / scale, hardware,
@@ -900,6 +904,24 @@ def _hook_seconds(req: "StepSettings", combo: Combo, arch: Architecture, r: kern
     fsdp1 = " (FSDP1 at FSDP2's figure: it does not run on CPU ranks)" if per == "unit" and req.fsdp_version == 1 else ""
     return forward, backward, (f"and the framework's own Python, {count} {per}s' hooks at {rate.forward_ops:g} + "
                                f"{rate.backward_ops:g} eager ops each{fsdp1} ({rate.source})")
+
+
+TRAIN_METRICS_TERM = "train metrics"
+
+
+def _train_metric_seconds(req: "StepSettings", combo: Combo, micro_f, arch, r: kernels.Rates):
+    """(one micro-batch's seconds of the loop's train metrics, the term's (name, source)): each metric one
+    cross-entropy forward over the micro-batch's logits at the copy rate (planner/recipes/loop.py,
+    kernels.train_metric_bytes_per_logit); 0 without them."""
+    autocast = metric_autocasts(req.framework(lookup_strategy(combo.strategy)), req.recipe.autocast_dtype)
+    per_logit = kernels.train_metric_bytes_per_logit(req.recipe.compute_bytes, autocast)
+    seconds = req.train_metrics * micro_f * req.seq_len * arch.vocab_size * per_logit / r.memory_bytes_per_s
+    source = (f"{req.train_metrics} cross-entropy forward(s) over each micro-batch's kept logits after its backward, "
+              f"{per_logit:.1f} bytes per logit {'(the fp32 cast under autocast, then ' if autocast else '('}torch's "
+              "cross_entropy forward as Liger's benchmark measured it: kernels.CROSS_ENTROPY_FORWARD_BYTES_PER_FP32_"
+              f"LOGIT) at {r.memory_bytes_per_s / 1e9:,.0f} GB/s; composer's train metrics (planner/recipes/loop.py); "
+              "unverified on a GPU (bench/gpu_check.py train_metric)")
+    return seconds, (TRAIN_METRICS_TERM, source)
 
 
 def _optimizer_seconds(req: "StepSettings", combo: Combo, psi: int, arch, frozen: FrozenBaseShape | None,

@@ -44,6 +44,7 @@ class DeepSpeedZero(Framework):
     offloads_gradients_with_params = False
     autotp = True  # tensor_parallel.autotp_size (runtime/engine.py _configure_tensor_parallel_states)
     own_pipeline_engine = True  # runtime/pipe/engine.py PipelineEngine
+    loop_autocasts = False  # composer enters no precision context beside a DeepSpeed engine (base.Framework)
 
     def check_context_parallel(self, s: "Strategy", cp: int) -> None:
         raise PlannerError(f"cp={cp} with strategy {s.name}: DeepSpeed 0.19.8 has no ring/context parallelism "
