@@ -76,9 +76,10 @@ sys.path.insert(0, str(ROOT))
 from bench.readme import publish  # noqa: E402
 from bench.summary import error_summary  # noqa: E402
 from planner.cluster.gpus import load_gpus  # noqa: E402
+from planner.time import kernels  # noqa: E402
 from planner.time.kernels import rates  # noqa: E402
 from planner.schema import EstimateRequest  # noqa: E402
-from planner.time.step import estimate_with_time  # noqa: E402
+from planner.time.step import TRAIN_METRICS_TERM, estimate_with_time  # noqa: E402
 
 DATA = ROOT / "bench" / "data" / "llm_foundry_throughput.csv"
 SOURCE = ("https://github.com/mosaicml/llm-foundry/blob/8c8dd48f72168c5d51e2f7b151595892a8fba43d/"
@@ -261,13 +262,22 @@ def _small_models(results) -> str:
     def errors(small: bool) -> list[float]:
         return [e for r, _, e, _, _ in results if r.seq_len <= 8192 and (MPT[r.model][0] <= 1024) == small]
 
+    def metric_share(model: str) -> float:
+        return statistics.median(next((x.seconds for x in t.terms if x.name == TRAIN_METRICS_TERM), 0.0)
+                                 / t.step_seconds for r, _, _, t, _ in results if r.model == model and r.seq_len <= 8192)
+
     small, rest = errors(True), errors(False)
+    pipelines = [rates(load_gpus()[GPU[g]], "bf16").k_pipeline for g in ("a100_40gb", "a100_80gb")]
+    shares = [kernels.k_efficiency(k, p) for k in (768, 1024) for p in pipelines]
     return (f"The smallest models are under-predicted: MPT-125M and 350M (768 and 1,024 wide, heads of 64) up to "
             f"8k tokens by a median {statistics.median(small):+.0%} ({len(small)} rows), the larger models' rows "
-            f"there by {statistics.median(rest):+.0%} ({len(rest)}). On them the train metrics weigh most (a "
-            "50k-vocabulary cross-entropy beside a narrow model: about a fifth of the 125M's step) and their GEMMs "
+            f"there by {statistics.median(rest):+.0%} ({len(rest)}). On them the train metrics weigh most (two "
+            f"50k-vocabulary cross-entropies beside a narrow model: a median {metric_share('125m'):.0%} of the "
+            f"125M's predicted step there, {metric_share('350m'):.0%} of the 350M's, {metric_share('7b'):.0%} of "
+            "the 7B's) and their GEMMs "
             "reduce over K = 768 or 1,024, where the A100 K-loop curve (planner/time/kernels.py, K_PIPELINE from "
-            "NVIDIA's square-GEMM figure) reads them at 60-67% of the long-K rate; neither is measured on these "
+            "NVIDIA's square-GEMM figure) reads them at "
+            f"{min(shares):.0%}-{max(shares):.0%} of the long-K rate; neither is measured on these "
             "shapes here (no GPU), so neither is tuned to these rows.")
 
 
