@@ -15,7 +15,7 @@ from planner.time import arrays
 from planner.recipes.activation_offload import transfer_seconds
 from planner.recipes.losses import DEFAULT_CHUNKS, loss_kernel
 from planner.recipes.loop import metric_autocasts
-from planner.time import host_hooks, kernels, variation
+from planner.time import flat_shards, host_hooks, kernels, variation
 from planner.time import collectives as timing
 from planner.model.architecture import Architecture, layer_parameters, parameter_numels
 from planner.frameworks import Buckets, Framework, Traffic, framework_of, version_for
@@ -942,10 +942,13 @@ def _optimizer_seconds(req: "StepSettings", combo: Combo, psi: int, arch, frozen
         optimizer = kernels.optimizer_step_seconds(elements, bits, recipe.master_bits, recipe.weight_bits,
                                                    recipe.grad_bits, r, unfused=spec.unfused_step)
         if spec.unfused_step and frozen is None:
-            # and launches them one parameter at a time: every original parameter's shard is a tensor of its own
-            # (FSDP2, and FSDP1 with use_orig_params, composer's default: trainer/dist_strategy.py line 237 at
-            # v0.14.0, line 151 at v0.17.2); a small shard's kernels wait for the host
-            launches = len(parameter_shapes(arch)) * kernels.UNFUSED_ADAMW_KERNELS
+            # and launches them one parameter at a time: under FSDP2 every original parameter's shard is a tensor
+            # of its own; under FSDP1 with use_orig_params (composer's default: trainer/dist_strategy.py line 237
+            # at v0.14.0, line 151 at v0.17.2) only those its flat shard meets have a gradient
+            # (planner/time/flat_shards.py); a small shard's kernels wait for the host
+            tensors = (flat_shards.stepped_tensors(arch, max(1, shards), recipe.compute_bytes)
+                       if req.fsdp_version == 1 and s.shards_parameters else len(parameter_shapes(arch)))
+            launches = tensors * kernels.UNFUSED_ADAMW_KERNELS
             optimizer = max(optimizer, launches * r.host_seconds_per_kernel)
         if spec.whole_matrices and frozen is None:  # Muon's Newton-Schulz matmuls
             on_shards = dtensor_shards(req, combo)
