@@ -577,7 +577,7 @@ def _train_metrics(job: dict[str, Any], outputs, labels: torch.Tensor) -> None:
     labels[:, -1] = -100
     logits = outputs.logits
     dtype = job.get("metric_autocast")
-    context = torch.autocast(logits.device.type, dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dtype])) \
+    context = torch.autocast(logits.device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]) \
         if dtype else nullcontext()
     with torch.no_grad(), context:
         for _ in range(metrics):

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from planner.memory.buffers import item, phase
+from planner.memory.buffers import FP32, item, phase
 from planner.memory.moments import PhaseKind
 from planner.errors import PlannerError
 
@@ -92,7 +92,6 @@ def with_held(plan: Any, held: Any) -> Any:
 
 TRAIN_METRICS_SOURCE = ("composer 0.14-0.17 trainer.py _train_microbatch -> _eval_train_metrics; composer "
                         "metrics/nlp.py LanguageCrossEntropy.update (torch cross_entropy, reduction sum)")
-FP32 = 4
 
 
 def metric_autocasts(framework: Any, autocast_dtype: str | None) -> bool:

@@ -21,20 +21,17 @@ from __future__ import annotations
 
 from collections import Counter
 
-from planner.model.architecture import Architecture, block_numels, derived_memo
-from planner.model.layers import norm_numels
+from planner.model.architecture import Architecture, block_numels, derived_memo, parameter_numels
 
 ALIGNMENT_BYTES = 16  # _flat_param.py _get_aligned_numel: 16 bytes of the unsharded (forward) dtype
 
 
 def root_numels(a: Architecture) -> list[int]:
-    """The root unit's parameters in registration order: what no block holds (parameter_numels' order)."""
-    h = a.hidden_size
-    out = list(a.vision_numels) + [a.vocab_size * h] + ([a.learned_positions * h] if a.learned_positions else [])
-    out += norm_numels(a.norm, h)
-    if not a.tie_word_embeddings:
-        out.append(a.vocab_size * h)
-    return out
+    """The root unit's parameters in registration order: parameter_numels without the blocks' (the vision
+    tower, embeddings and positions lead them; the final norm and an untied head follow)."""
+    every = parameter_numels(a)
+    lead = len(a.vision_numels) + 1 + bool(a.learned_positions)
+    return every[:lead] + every[lead + sum(len(b) for b in block_numels(a)):]
 
 
 def per_rank(numels: list[int] | tuple[int, ...], world: int, align: int) -> list[int]:

@@ -1009,18 +1009,6 @@ def _micro_batch_terms(w: Work, micro, r: Rates, compute_bytes: int, checkpointi
                         host_forward=host_forward, recompute_clocked=recompute_clocked, stalls=stalls)
 
 
-# AdamW stepped one kernel per line (torch 2.13 optim/adam.py _single_tensor_adam, lines 416-546; composer
-# v0.14.0 optim/decoupled_weight_decay.py DecoupledAdamW.adamw, lines 248-275, the same lines with
-# mul_ + add_ for lerp_), in units of one element of the state (each of the two), the parameter and
-# the gradient, read + written per kernel:
-#   param.mul_(1 - lr * wd)                   param 2   (both defaults decay: torch 1e-2, composer 1e-5)
-#   exp_avg.lerp_(grad, 1 - beta1)            state 2, grad 1
-#   exp_avg_sq.mul_(beta2)                    state 2
-#   .addcmul_(grad, grad, value=1 - beta2)    state 2, grad 1
-#   denom = exp_avg_sq.sqrt()                 state 2   (a new tensor of the state's dtype)
-#   / bias_correction2_sqrt                   state 2
-#   .add_(eps)                                state 2
-#   param.addcdiv_(exp_avg, denom)            param 2, state 2
 def train_metric_bytes_per_logit(compute_bytes: int, autocast: bool) -> float:
     """Bytes each logit moves through one train metric's cross-entropy (planner/recipes/loop.py): under
     autocast the cast of the 16-bit logits to fp32 (read, write 4) and the forward on fp32 logits
@@ -1033,6 +1021,18 @@ def train_metric_bytes_per_logit(compute_bytes: int, autocast: bool) -> float:
     return CROSS_ENTROPY_FORWARD_BYTES_PER_FP32_LOGIT * compute_bytes / fp32
 
 
+# AdamW stepped one kernel per line (torch 2.13 optim/adam.py _single_tensor_adam, lines 416-546; composer
+# v0.14.0 optim/decoupled_weight_decay.py DecoupledAdamW.adamw, lines 248-275, the same lines with
+# mul_ + add_ for lerp_), in units of one element of the state (each of the two), the parameter and
+# the gradient, read + written per kernel:
+#   param.mul_(1 - lr * wd)                   param 2   (both defaults decay: torch 1e-2, composer 1e-5)
+#   exp_avg.lerp_(grad, 1 - beta1)            state 2, grad 1
+#   exp_avg_sq.mul_(beta2)                    state 2
+#   .addcmul_(grad, grad, value=1 - beta2)    state 2, grad 1
+#   denom = exp_avg_sq.sqrt()                 state 2   (a new tensor of the state's dtype)
+#   / bias_correction2_sqrt                   state 2
+#   .add_(eps)                                state 2
+#   param.addcdiv_(exp_avg, denom)            param 2, state 2
 UNFUSED_ADAMW_STATE_UNITS = 14
 UNFUSED_ADAMW_PARAM_UNITS = 4
 UNFUSED_ADAMW_GRAD_UNITS = 2

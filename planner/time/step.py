@@ -912,7 +912,9 @@ TRAIN_METRICS_TERM = "train metrics"
 def _train_metric_seconds(req: "StepSettings", combo: Combo, micro_f, arch, r: kernels.Rates):
     """(one micro-batch's seconds of the loop's train metrics, the term's (name, source)): each metric one
     cross-entropy forward over the micro-batch's logits at the copy rate (planner/recipes/loop.py,
-    kernels.train_metric_bytes_per_logit); 0 without them."""
+    kernels.train_metric_bytes_per_logit); 0 without them (the plan's search asks for every setting)."""
+    if not req.train_metrics:
+        return 0.0, (TRAIN_METRICS_TERM, "")
     autocast = metric_autocasts(req.framework(lookup_strategy(combo.strategy)), req.recipe.autocast_dtype)
     per_logit = kernels.train_metric_bytes_per_logit(req.recipe.compute_bytes, autocast)
     seconds = req.train_metrics * micro_f * req.seq_len * arch.vocab_size * per_logit / r.memory_bytes_per_s
